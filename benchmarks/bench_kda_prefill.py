@@ -1,0 +1,412 @@
+"""KDA prefill: FLA 0.6.0 ``fla.ops.kda.chunk_kda`` against ``cula.kda.chunk_kda`` (same signature).
+
+Suite (28 configs), H = HV = 64, K = V = 128, bf16 q/k/v/g/beta, fp32 states, inference settings:
+
+* fixed length: B in {1, 2} x T in {512, 1024, 4096, 8192, 16384} (10 configs);
+* varlen, B = 1 packed with ``cu_seqlens`` (int32, plus ``cu_seqlens_cpu``): number of sequences in {10, 20} x
+  total tokens in {4096, 8192, 16384} x length distribution (18 configs):
+    - ``uniform``: equal lengths (the remainder spread one token at a time over the first sequences);
+    - ``random``: N-1 distinct cut points drawn uniformly from [1, total-1] (seeded), so lengths vary
+      freely and most are not multiples of the chunk size;
+    - ``skewed``: one sequence takes half the tokens and sits at a seeded random position; the other N-1
+      share the rest equally.
+  Seeds are derived from the config name, so every run sees the same lengths and data.
+
+Call: ``chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_gate_in_kernel=True,
+use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+state_v_first=True, A_log=A_log, dt_bias=dt_bias)`` under ``torch.inference_mode()``, with ``g`` and
+``beta`` raw logits (randn), ``A_log`` fp32 [HV], ``dt_bias`` fp32 [HV*K], ``h0`` fp32 [N, HV, V, K] small
+random. ``FLA_FLASH_KDA=0`` keeps FLA on its Triton path (FlashKDA would otherwise take this call).
+
+Before timing, each config runs both implementations once on the same inputs and compares cula's ``o`` and
+final state with FLA's (relative RMSE). Above ``WARN_TOL`` a warning is printed; non-finite output or an
+error above ``FAIL_TOL`` marks the row FAIL and cula is not timed.
+
+Floor for cula (``floor_ms = max(bytes / copy_bw, flops / gemm_rate)``, both measured in this run):
+
+* bytes: q, k, v, g, beta reads and o write in bf16, initial state read and final state write in fp32,
+  plus A_log and dt_bias (fp32);
+* flops: matmul work of the chunked forward with chunk C = 64, per chunk of c tokens (c = C except a
+  sequence's last, partial chunk) and per value head:
+      Aqk = (q*e^G) (k*e^-G)^T        2 c^2 K
+      Akk = (k*e^G) (k*e^-G)^T        2 c^2 K
+      (I + Akk)^-1 (triangular)       c^3 / 3
+      w, u = T (k*e^G), T v            2 c^2 (K + V)
+      w S, q S, k^T v_new              3 * 2 c K V
+      Aqk v_new (intra output)         2 c^2 V
+  Elementwise work (gates, l2norm, cumsum, decays) is not counted, so the floor is a true lower bound.
+
+Usage: ``python benchmarks/bench_kda_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["FLA_FLASH_KDA"] = "0"  # read by FLA's backend dispatch; set before fla is imported
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+
+import common as bc  # noqa: E402
+
+NAME = "kda_prefill"
+H = 64
+HV = 64
+K = 128
+V = 128
+CHUNK = 64
+LOWER_BOUND = -5.0
+WARN_TOL = 5e-3  # FLA's own forward tolerance for o (relative RMSE)
+FAIL_TOL = 5e-2  # beyond this the output is treated as garbage and not timed
+HOST_OVERHEAD_T = 256  # small fixed config (B=1) used for the host-overhead measurement
+
+FIXED = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
+VARLEN = [(n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384)
+          for dist in ("uniform", "random", "skewed")]
+QUICK = ("B1-T1024", "B2-T8192", "varlen-N10-T4096-random", "varlen-N20-T16384-skewed")
+
+MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "max_rel_err", "check",
+              "floor_ms", "floor_pct", "fla_floor_pct", "bw_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One benchmark shape. ``lens`` holds every sequence's length (fixed: ``[T] * B``)."""
+
+    mode: str  # "fixed" or "varlen"
+    B: int
+    T: int  # tokens per batch row (varlen: all packed tokens)
+    lens: tuple[int, ...]
+    dist: str = "-"
+
+    @property
+    def N(self) -> int:
+        return len(self.lens)
+
+    @property
+    def name(self) -> str:
+        if self.mode == "fixed":
+            return f"B{self.B}-T{self.T}"
+        return f"varlen-N{self.N}-T{self.T}-{self.dist}"
+
+
+def varlen_lengths(n: int, total: int, dist: str, seed: int) -> list[int]:
+    """Lengths of ``n`` sequences summing to ``total`` (see the module docstring for ``dist``)."""
+    if n < 1 or total < n:
+        raise ValueError(f"cannot split {total} tokens into {n} non-empty sequences")
+    gen = torch.Generator().manual_seed(seed)
+    if dist == "uniform":
+        base, extra = divmod(total, n)
+        return [base + (1 if i < extra else 0) for i in range(n)]
+    if dist == "random":
+        cuts = sorted((torch.randperm(total - 1, generator=gen)[: n - 1] + 1).tolist())
+        bounds = [0, *cuts, total]
+        return [bounds[i + 1] - bounds[i] for i in range(n)]
+    if dist == "skewed":
+        if n == 1:
+            return [total]
+        long = total // 2
+        rest = varlen_lengths(n - 1, total - long, "uniform", seed)
+        pos = int(torch.randint(0, n, (1,), generator=gen))
+        return rest[:pos] + [long] + rest[pos:]
+    raise ValueError(f"unknown distribution {dist!r}")
+
+
+def _seed(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def suite(quick: bool = False) -> list[Config]:
+    """The 28-config suite (or the 4-config ``--quick`` subset)."""
+    cfgs = [Config("fixed", b, t, (t,) * b) for b, t in FIXED]
+    for n, total, dist in VARLEN:
+        name = f"varlen-N{n}-T{total}-{dist}"
+        cfgs.append(Config("varlen", 1, total, tuple(varlen_lengths(n, total, dist, _seed(name))), dist))
+    if quick:
+        cfgs = [c for c in cfgs if c.name in QUICK]
+    return cfgs
+
+
+def chunk_flops(c: int, k: int = K, v: int = V) -> float:
+    """Matmul FLOPs of one chunk of ``c`` tokens for one head (formula in the module docstring)."""
+    return 2 * c * c * k + 2 * c * c * k + c**3 / 3 + 2 * c * c * (k + v) + 3 * 2 * c * k * v + 2 * c * c * v
+
+
+def kda_flops(lens: tuple[int, ...], hv: int = HV, k: int = K, v: int = V, chunk: int = CHUNK) -> float:
+    """Forward matmul FLOPs over all sequences and value heads."""
+    total = 0.0
+    for length in lens:
+        full, tail = divmod(length, chunk)
+        total += full * chunk_flops(chunk, k, v) + (chunk_flops(tail, k, v) if tail else 0.0)
+    return total * hv
+
+
+def kda_bytes(lens: tuple[int, ...], h: int = H, hv: int = HV, k: int = K, v: int = V) -> int:
+    """Compulsory DRAM traffic: bf16 q, k, v, g, beta in and o out; fp32 state in and out; gate params."""
+    t, n = sum(lens), len(lens)
+    activations = 2 * t * (2 * h * k + hv * v + hv * k + hv + hv * v)
+    states = 2 * 4 * n * hv * k * v
+    params = 4 * hv + 4 * hv * k
+    return activations + states + params
+
+
+def input_set_bytes(cfg: Config) -> int:
+    """Bytes read from inputs by one call: what rotation must keep out of L2."""
+    t = sum(cfg.lens)
+    return 2 * t * (2 * H * K + HV * V + HV * K + HV) + 4 * cfg.N * HV * K * V
+
+
+def make_shared(cfg: Config, device: str = "cuda") -> dict[str, Any]:
+    """Tensors every input set shares: gate parameters and (varlen) cu_seqlens.
+
+    Sharing ``cu_seqlens`` keeps FLA's identity-keyed ``tensor_cache`` hitting across rotated sets, as it
+    would in a serving loop, and lets CUDA-graph capture avoid a host-to-device copy.
+    """
+    torch.manual_seed(_seed(cfg.name) + 1)
+    shared: dict[str, Any] = {
+        # Real checkpoints initialise A_log = log(U(1, 16)) and a small dt_bias.
+        "A_log": torch.empty(HV, dtype=torch.float32, device=device).uniform_(1, 16).log(),
+        "dt_bias": 0.1 * torch.randn(HV * K, dtype=torch.float32, device=device),
+    }
+    if cfg.mode == "varlen":
+        cu = [0]
+        for length in cfg.lens:
+            cu.append(cu[-1] + length)
+        shared["cu_seqlens_cpu"] = torch.tensor(cu, dtype=torch.int32)
+        shared["cu_seqlens"] = shared["cu_seqlens_cpu"].to(device)
+    return shared
+
+
+def make_set(cfg: Config, index: int, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """One independent input set: q, k, v, g, beta [B, T, ...] bf16 and initial_state [N, HV, V, K] fp32."""
+    torch.manual_seed(_seed(cfg.name) + 100 + index)
+    b, t = cfg.B, cfg.T
+    bf16 = torch.bfloat16
+    return {
+        "q": torch.randn(b, t, H, K, dtype=bf16, device=device),
+        "k": torch.randn(b, t, H, K, dtype=bf16, device=device),
+        "v": torch.randn(b, t, HV, V, dtype=bf16, device=device),
+        "g": torch.randn(b, t, HV, K, dtype=bf16, device=device),
+        "beta": torch.randn(b, t, HV, dtype=bf16, device=device),
+        "initial_state": 0.01 * torch.randn(cfg.N, HV, V, K, dtype=torch.float32, device=device),
+    }
+
+
+CALL_FLAGS = dict(
+    output_final_state=True,
+    use_gate_in_kernel=True,
+    use_qk_l2norm_in_kernel=True,
+    use_beta_sigmoid_in_kernel=True,
+    safe_gate=True,
+    lower_bound=LOWER_BOUND,
+    state_v_first=True,
+)
+
+
+def bind(fn: Callable, tensors: dict, shared: dict) -> Callable[[], Any]:
+    """Zero-argument call of ``fn`` on one input set with the suite's flags."""
+    kwargs = {**tensors, **shared, **CALL_FLAGS}
+    return lambda: fn(**kwargs)
+
+
+def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
+    """(max relative RMSE over o and final state, "ok" | "warn" | "FAIL") of cula against FLA."""
+    from cula.testing import rel_rmse
+
+    errs = []
+    for ref, out in zip(fla_out[:2], cula_out[:2]):
+        if out is None or ref is None or out.shape != ref.shape:
+            return float("inf"), "FAIL"
+        if not torch.isfinite(ref).all():
+            return float("nan"), "FAIL"
+        if not torch.isfinite(out).all():
+            return float("inf"), "FAIL"
+        errs.append(rel_rmse(ref.float(), out.float()))
+    err = max(errs)
+    if not err <= FAIL_TOL:
+        return err, "FAIL"
+    return err, ("warn" if err > WARN_TOL else "ok")
+
+
+def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
+               ceilings: dict[str, float]) -> dict[str, Any]:
+    """Check then time both implementations on one config; returns the result row."""
+    shared = make_shared(cfg)
+    n_sets = bc.n_rotation_sets(input_set_bytes(cfg), bc.l2_cache_bytes()) if args.l2 == "rotate" else 1
+    sets = [make_set(cfg, i) for i in range(n_sets)]
+
+    fla_out = bind(fla_fn, sets[0], shared)()
+    cula_out = bind(cula_fn, sets[0], shared)()
+    torch.cuda.synchronize()
+    err, status = check(fla_out, cula_out)
+    del fla_out, cula_out
+    if status != "ok":
+        print(f"WARNING: {cfg.name}: cula vs FLA relative RMSE {err:.3e} -> {status}"
+              + (" (cula not timed)" if status == "FAIL" else ""), file=sys.stderr, flush=True)
+
+    timing = dict(iters=args.iters, warmup=args.warmup, cuda_graph=args.cuda_graph, l2=args.l2)
+    errors = {}
+
+    def timed(label: str, fn: Callable) -> bc.Timing | None:
+        # A failure in one implementation (e.g. graph capture refused) costs that cell, not the suite.
+        try:
+            return bc.bench([bind(fn, s, shared) for s in sets], **timing)
+        except Exception as exc:  # noqa: BLE001
+            errors[label] = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"WARNING: {cfg.name}: timing {label} failed: {errors[label]}", file=sys.stderr, flush=True)
+            torch.cuda.synchronize()
+            return None
+
+    fla_t = timed("fla", fla_fn)
+    cula_t = None if status == "FAIL" else timed("cula", cula_fn)
+    fla_ms = fla_t.median_ms if fla_t is not None else None
+    cula_ms = cula_t.median_ms if cula_t is not None else None
+
+    nbytes, flops = kda_bytes(cfg.lens), kda_flops(cfg.lens)
+    floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
+    row = {
+        "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
+        "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
+        "max_rel_err": err, "check": status,
+        "floor_ms": floor, "floor_pct": bc.floor_pct(floor, cula_ms), "fla_floor_pct": bc.floor_pct(floor, fla_ms),
+        "bw_fraction": bc.bw_fraction(nbytes, cula_ms, ceilings["copy_bw_tbps"]),
+        "mbytes": nbytes / 1e6, "gflop": flops / 1e9,
+        "fla_p10_ms": fla_t.p10_ms if fla_t else None, "fla_p90_ms": fla_t.p90_ms if fla_t else None,
+        "cula_p10_ms": cula_t.p10_ms if cula_t else None, "cula_p90_ms": cula_t.p90_ms if cula_t else None,
+        "rotation_sets": n_sets,
+    }
+    if errors:
+        row["errors"] = errors
+    if cfg.mode == "varlen":
+        row["seq_lens"] = list(cfg.lens)
+    del sets, shared
+    torch.cuda.empty_cache()
+    return row
+
+
+def host_overhead(fla_fn: Callable, cula_fn: Callable) -> dict[str, Any]:
+    """Per-call host cost of both implementations on a tiny fixed config."""
+    cfg = Config("fixed", 1, HOST_OVERHEAD_T, (HOST_OVERHEAD_T,))
+    shared, tensors = make_shared(cfg), make_set(cfg, 0)
+    out = {"config": cfg.name}
+    for label, fn in (("fla", fla_fn), ("cula", cula_fn)):
+        out[label] = {k: round(v, 2) for k, v in bc.measure_host_overhead(bind(fn, tensors, shared)).items()}
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} configs: {', '.join(QUICK)}")
+    p.add_argument("--iters", type=int, default=100, help="timed calls per implementation and config")
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
+    p.add_argument("--out", default=None, help="results root (default benchmarks/results); files go to "
+                   "<out>/<gpu-slug>/")
+    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    p.add_argument("--l2", choices=("rotate", "flush"), default="rotate",
+                   help="keep inputs out of L2 by rotating input sets (default) or flushing 256 MiB")
+    p.add_argument("--configs", default=None, help="comma-separated config names to run (default: all)")
+    p.add_argument("--no-host-overhead", action="store_true", help="skip the host-overhead measurement")
+    return p.parse_args(argv)
+
+
+def result_name(args: argparse.Namespace) -> str:
+    """``kda_prefill`` for the default run; non-default modes get a suffix so they do not overwrite it."""
+    name = NAME
+    if args.cuda_graph:
+        name += "_cudagraph"
+    if args.l2 == "flush":
+        name += "_flush"
+    if args.quick or args.configs:
+        name += "_subset"
+    return name
+
+
+def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
+    """Run the suite; returns (meta, rows, written paths)."""
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kda_prefill needs a CUDA GPU")
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from cula.kda import chunk_kda as cula_chunk_kda
+
+    cfgs = suite(args.quick)
+    if args.configs:
+        wanted = set(args.configs.split(","))
+        unknown = wanted - {c.name for c in suite()}
+        if unknown:
+            raise SystemExit(f"unknown configs: {sorted(unknown)}")
+        cfgs = [c for c in suite() if c.name in wanted]
+
+    ceilings = bc.machine_ceilings()
+    print(f"[{NAME}] copy {ceilings['copy_bw_tbps']:.3f} TB/s, bf16 GEMM {ceilings['gemm_tflops']:.1f} TFLOP/s, "
+          f"L2 {bc.l2_cache_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+
+    rows = []
+    meta: dict[str, Any] = {}
+    progress = bc.Progress(len(cfgs), NAME)
+    with torch.inference_mode():
+        # First cula call of the run, timed whole: includes CuTe compilation of the kernels it needs.
+        first = cfgs[0]
+        first_set, first_shared = make_set(first, 0), make_shared(first)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        bind(cula_chunk_kda, first_set, first_shared)()
+        torch.cuda.synchronize()
+        meta["cula_first_call_s"] = {first.name: round(time.perf_counter() - t0, 3)}
+        del first_set, first_shared
+
+        for cfg in cfgs:
+            row = run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings)
+            rows.append(row)
+            progress.update(cfg.name, fla_ms=row["fla_ms"], cula_ms=row["cula_ms"], speedup=row["speedup"],
+                            max_rel_err=row["max_rel_err"], floor_pct=row["floor_pct"])
+        if not args.no_host_overhead:
+            meta["host_overhead_us"] = host_overhead(fla_chunk_kda, cula_chunk_kda)
+
+    try:
+        import cula.cache
+
+        compile_seconds = getattr(cula.cache, "compile_seconds", None)
+        if compile_seconds is not None:
+            meta["cula_compile_s"] = {repr(k): round(v, 3) for k, v in compile_seconds().items()}
+    except ImportError:
+        pass
+
+    meta = {
+        "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
+        "shape": {"H": H, "HV": HV, "K": K, "V": V, "chunk": CHUNK, "dtype": "bfloat16", "state": "float32"},
+        "call_flags": CALL_FLAGS,
+        "timing": {"mode": "cuda_graph" if args.cuda_graph else "eager", "stat": "median",
+                   "iters": args.iters, "warmup": args.warmup,
+                   "l2": ("rotate input sets to > 2x L2" if args.l2 == "rotate"
+                          else "flush 256 MiB before each call")},
+        "tolerance": {"warn": WARN_TOL, "fail": FAIL_TOL},
+        "copy_bw_tbps": round(ceilings["copy_bw_tbps"], 4),
+        "gemm_tflops": round(ceilings["gemm_tflops"], 2),
+        **meta,
+    }
+    paths = bc.write_results(result_name(args), meta, rows, out_dir=args.out, md_columns=MD_COLUMNS)
+    summary = bc.summarize(rows)
+    print(f"[{NAME}] geomean speedup {summary['geomean']:.3f}x, min {summary['min']:.3f}x "
+          f"({summary['min_config']}); wrote {paths['md']}", file=sys.stderr, flush=True)
+    n_bad = sum(r["check"] == "FAIL" for r in rows)
+    if n_bad:
+        print(f"[{NAME}] {n_bad} config(s) FAILED the correctness check and were not timed", file=sys.stderr)
+    return meta, rows, paths
+
+
+if __name__ == "__main__":
+    main()

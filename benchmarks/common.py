@@ -1,0 +1,517 @@
+"""Shared machinery for every cula benchmark: timing, machine ceilings, floors, and the result writer.
+
+Timing method (``bench``):
+
+* Each timed call is bracketed by its own pair of CUDA events and the reported figure is the **median**
+  over ``iters`` calls, after ``warmup`` untimed calls (which also absorb Triton autotuning and CuTe
+  compilation).
+* **L2 defeat, default ``l2="rotate"``**: the caller allocates several independent input sets
+  (``n_rotation_sets``) whose combined size exceeds twice the L2 cache, and the timed calls cycle through
+  them, so a call never finds its inputs left in L2 by the previous call. When one set alone exceeds
+  2x L2 a single set is used, as streaming it already evicts itself. ``l2="flush"`` instead writes a
+  256 MiB buffer before every timed call (outside the events); it is slower to run and kept as a cross-check.
+* ``cuda_graph=True`` captures one CUDA graph per input set and times ``graph.replay()``, which removes
+  Python and launch overhead; eager timing (the default) shows what a plain PyTorch caller sees, host
+  gaps between a multi-kernel call's launches included.
+
+The module imports on a CPU-only machine; anything that touches the GPU does so inside a function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+# Used when the driver does not report the L2 size; the H200's L2 is 60 MB.
+DEFAULT_L2_BYTES = 60 * 1024 * 1024
+FLUSH_BYTES = 256 * 1024 * 1024
+VERSION_PACKAGES = ("torch", "triton", "nvidia-cutlass-dsl", "fla-core", "cula", "flash-kda")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Timing:
+    """Summary of per-call times in milliseconds."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    min_ms: float
+    mean_ms: float
+    n: int
+
+    @classmethod
+    def from_samples(cls, samples_ms: Sequence[float]) -> Timing:
+        s = sorted(samples_ms)
+        if not s:
+            raise ValueError("no timing samples")
+
+        def pct(p: float) -> float:
+            return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
+
+        return cls(statistics.median(s), pct(0.1), pct(0.9), s[0], statistics.fmean(s), len(s))
+
+
+def l2_cache_bytes(device: torch.device | int | None = None) -> int:
+    """L2 size the driver reports for ``device`` (falls back to the H200's 60 MB)."""
+    try:
+        props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        size = int(getattr(props, "L2_cache_size", 0) or 0)
+    except Exception:
+        size = 0
+    return size if size > 0 else DEFAULT_L2_BYTES
+
+
+def n_rotation_sets(set_bytes: int, l2_bytes: int | None = None, factor: float = 2.0, max_sets: int = 64) -> int:
+    """How many input sets of ``set_bytes`` each to allocate so together they exceed ``factor`` x L2."""
+    if set_bytes <= 0:
+        raise ValueError(f"set_bytes must be positive, got {set_bytes}")
+    l2 = l2_bytes if l2_bytes is not None else DEFAULT_L2_BYTES
+    return int(max(1, min(max_sets, math.ceil(factor * l2 / set_bytes))))
+
+
+def bench(
+    fns: Callable[[], Any] | Sequence[Callable[[], Any]],
+    *,
+    iters: int = 100,
+    warmup: int = 10,
+    cuda_graph: bool = False,
+    l2: str = "rotate",
+) -> Timing:
+    """Median per-call GPU time of ``fns``.
+
+    Args:
+        fns: one zero-argument callable per input set (see ``n_rotation_sets``); calls cycle through them.
+            A single callable is allowed (one set).
+        iters: timed calls.
+        warmup: untimed calls before timing (and before capture in graph mode), at least one per set.
+        cuda_graph: capture one CUDA graph per callable and time ``replay()`` instead of eager calls.
+        l2: ``"rotate"`` (rely on the rotated sets) or ``"flush"`` (write a 256 MiB buffer before each call).
+
+    Returns:
+        ``Timing`` in milliseconds.
+    """
+    if callable(fns):
+        fns = [fns]
+    fns = list(fns)
+    if not fns:
+        raise ValueError("nothing to time")
+    if l2 not in ("rotate", "flush"):
+        raise ValueError(f"l2 must be 'rotate' or 'flush', got {l2!r}")
+
+    # Graph capture wants its warm-up on a side stream so lazy initialisation (cuBLAS handles, Triton
+    # autotuning, CuTe compilation) does not land inside the capture.
+    side = torch.cuda.Stream() if cuda_graph else None
+    warm_calls = max(warmup, len(fns))
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(warm_calls):
+                fns[i % len(fns)]()
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        for i in range(warm_calls):
+            fns[i % len(fns)]()
+    torch.cuda.synchronize()
+
+    runners: list[Callable[[], Any]]
+    graphs: list[torch.cuda.CUDAGraph] = []
+    if cuda_graph:
+        for fn in fns:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graphs.append(graph)
+        runners = [g.replay for g in graphs]
+        for r in runners:  # first replay uploads the graph; keep it out of the samples
+            r()
+        torch.cuda.synchronize()
+    else:
+        runners = fns
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if l2 == "flush" else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        if flush is not None:
+            flush.zero_()
+        starts[i].record()
+        runners[i % len(runners)]()
+        ends[i].record()
+    torch.cuda.synchronize()
+    samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    del graphs
+    return Timing.from_samples(samples)
+
+
+def measure_copy_bandwidth(nbytes: int = 1 << 30, iters: int = 30) -> float:
+    """Device-to-device copy rate in TB/s: (bytes read + bytes written) / median time.
+
+    ``nbytes`` is the size of each buffer (1 GiB, far above L2). H200 reference: about 4.27 TB/s.
+    """
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src), iters=iters, warmup=3)
+    del src, dst
+    return 2 * nbytes / (t.median_ms * 1e-3) / 1e12
+
+
+def measure_bf16_gemm_tflops(n: int = 8192, iters: int = 30) -> float:
+    """Dense bf16 ``n x n x n`` matmul rate in TFLOP/s (2 n^3 / median time). H200 reference: about 690."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
+    t = bench(lambda: torch.mm(a, b, out=c), iters=iters, warmup=5)
+    del a, b, c
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
+
+
+def measure_host_overhead(fn: Callable[[], Any], n: int = 100, warmup: int = 5) -> dict[str, float]:
+    """Host-side cost of one call of ``fn`` (meant for tiny inputs), in microseconds per call.
+
+    Returns:
+        ``host_us``: median ``time.perf_counter`` duration of one Python call issued while the GPU is
+        idle (a hidden host sync shows up here as GPU time); ``back_to_back_us``: wall time of ``n``
+        calls with a single sync at the end, divided by ``n``; ``gpu_us``: median event time per call.
+        ``back_to_back_us`` well above ``gpu_us`` means the call is host-bound at that size.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / n
+    gpu = bench(fn, iters=n, warmup=1)
+    return {
+        "host_us": statistics.median(host) * 1e6,
+        "back_to_back_us": wall * 1e6,
+        "gpu_us": gpu.median_ms * 1e3,
+    }
+
+
+class Progress:
+    """One line per finished config on stderr, with elapsed time, so a long suite shows it is alive."""
+
+    def __init__(self, total: int, name: str = ""):
+        self.total = total
+        self.name = name
+        self.done = 0
+        self.t0 = time.perf_counter()
+
+    def update(self, label: str, **fields: Any) -> None:
+        self.done += 1
+        parts = [f"{k}={_fmt_value(k, v)}" for k, v in fields.items()]
+        prefix = f"[{self.name} {self.done}/{self.total} +{time.perf_counter() - self.t0:.1f}s]"
+        print(f"{prefix} {label} " + " ".join(parts), file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Floors and summaries
+# ----------------------------------------------------------------------------------------------------------
+
+
+def floor_ms(nbytes: float, flops: float, copy_bw_tbps: float, gemm_tflops: float) -> float:
+    """Lower bound on run time: max(bytes / copy bandwidth, flops / GEMM rate), in ms."""
+    return max(nbytes / (copy_bw_tbps * 1e12), flops / (gemm_tflops * 1e12)) * 1e3
+
+
+def floor_pct(floor: float, impl_ms: float | None) -> float | None:
+    """How close an implementation is to the floor: floor_ms / impl_ms * 100 (100 = at the floor)."""
+    if impl_ms is None or not impl_ms > 0 or not math.isfinite(impl_ms):
+        return None
+    return floor / impl_ms * 100.0
+
+
+def bw_fraction(nbytes: float, impl_ms: float | None, copy_bw_tbps: float) -> float | None:
+    """Achieved bytes/s over the measured copy bandwidth (1.0 = as fast as a device-to-device copy)."""
+    if impl_ms is None or not impl_ms > 0 or not math.isfinite(impl_ms):
+        return None
+    return nbytes / (impl_ms * 1e-3) / (copy_bw_tbps * 1e12)
+
+
+def speedup(ref_ms: float | None, impl_ms: float | None) -> float | None:
+    """ref_ms / impl_ms, or None when either side is missing."""
+    if ref_ms is None or impl_ms is None or not impl_ms > 0 or not math.isfinite(ref_ms * impl_ms):
+        return None
+    return ref_ms / impl_ms
+
+
+def geomean(values: Sequence[float | None]) -> float:
+    """Geometric mean of the positive finite values (None/NaN skipped); NaN when none are left."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    if not vals:
+        return float("nan")
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def summarize(rows: Sequence[dict], key: str = "speedup") -> dict[str, Any]:
+    """Geomean / min / max of ``row[key]`` and the config that holds the minimum."""
+    pairs = [(r.get(key), r) for r in rows]
+    pairs = [(v, r) for v, r in pairs if v is not None and math.isfinite(v) and v > 0]
+    if not pairs:
+        return {"geomean": float("nan"), "min": float("nan"), "max": float("nan"), "min_config": None, "n": 0}
+    vmin, rmin = min(pairs, key=lambda p: p[0])
+    return {
+        "geomean": geomean([v for v, _ in pairs]),
+        "min": vmin,
+        "max": max(v for v, _ in pairs),
+        "min_config": row_label(rmin),
+        "n": len(pairs),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Environment
+# ----------------------------------------------------------------------------------------------------------
+
+
+def package_versions(packages: Sequence[str] = VERSION_PACKAGES) -> dict[str, str]:
+    """Installed distribution versions (importlib.metadata), "missing" when not installed."""
+    out = {}
+    for pkg in packages:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = "missing"
+    return out
+
+
+def _driver_version() -> str:
+    try:
+        res = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        )
+        if res.returncode == 0 and res.stdout.strip():
+            return res.stdout.strip().splitlines()[0].strip()
+    except Exception:
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        ver = pynvml.nvmlSystemGetDriverVersion()
+        return ver.decode() if isinstance(ver, bytes) else str(ver)
+    except Exception:
+        return "unknown"
+
+
+def _git_revision() -> str:
+    """Commit of the checkout being benchmarked (``+dirty`` with local edits); identifies cula's code."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+        if rev.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        return "unknown"
+
+
+def gpu_slug(gpu_name: str) -> str:
+    """Directory name for a GPU: "NVIDIA H200" -> "nvidia-h200"."""
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+    return slug or "unknown-gpu"
+
+
+def environment_meta() -> dict[str, Any]:
+    """GPU, driver, CUDA and package versions, date and python; no hostname. Works without a GPU."""
+    meta: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        dev = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(dev)
+        meta["gpu_name"] = props.name
+        meta["compute_capability"] = f"{props.major}.{props.minor}"
+        meta["sm_count"] = props.multi_processor_count
+        meta["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        meta["l2_cache_mb"] = round(l2_cache_bytes(dev) / 2**20, 1)
+        meta["driver_version"] = _driver_version()
+    else:
+        meta["gpu_name"] = "cpu"
+        meta["driver_version"] = "n/a"
+    meta["cuda_version"] = torch.version.cuda or "n/a"
+    meta["versions"] = package_versions()
+    meta["cula_git"] = _git_revision()
+    meta["python"] = platform.python_version()
+    meta["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return meta
+
+
+def machine_ceilings() -> dict[str, float]:
+    """Copy bandwidth (TB/s) and bf16 GEMM rate (TFLOP/s), measured now, for floors and bw fractions."""
+    return {"copy_bw_tbps": measure_copy_bandwidth(), "gemm_tflops": measure_bf16_gemm_tflops()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writer
+# ----------------------------------------------------------------------------------------------------------
+
+_REQUIRED_META = ("gpu_name", "driver_version", "cuda_version", "versions", "date", "copy_bw_tbps", "gemm_tflops")
+
+
+def row_label(row: dict) -> str:
+    """Short name of a row: its ``config`` entry, else its non-measurement entries joined."""
+    if "config" in row:
+        return str(row["config"])
+    skip = ("_ms", "_pct", "speedup", "err", "fraction")
+    return ",".join(f"{k}={v}" for k, v in row.items() if not any(s in k for s in skip))
+
+
+def _fmt_value(key: str, v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if key.endswith("_ms"):
+            return f"{v:.4f}"
+        if key == "speedup" or key.endswith("fraction"):
+            return f"{v:.3f}"
+        if key.endswith("_pct"):
+            return f"{v:.1f}"
+        if "err" in key:
+            return f"{v:.2e}"
+        return f"{v:.4g}"
+    if isinstance(v, (dict, list, tuple)):
+        return json.dumps(v, default=str)
+    return str(v)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None  # strict JSON has no NaN/Inf
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def render_markdown(name: str, meta: dict, rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+    """Markdown report: meta as a bullet list, one table row per config, then the summary line."""
+    if columns is None:
+        columns = []
+        for r in rows:
+            columns.extend(k for k in r if k not in columns and not isinstance(r[k], (list, dict)))
+    lines = [f"# {name}", ""]
+    for k, v in meta.items():
+        lines.append(f"- **{k}**: {_fmt_value(k, v)}")
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt_value(c, r.get(c)) for c in columns) + " |")
+    s = summarize(rows)
+    lines.append("")
+    if s["n"]:
+        lines.append(
+            f"**Summary**: geomean speedup {s['geomean']:.3f}x over {s['n']} configs; "
+            f"min {s['min']:.3f}x ({s['min_config']}); max {s['max']:.3f}x."
+        )
+    else:
+        lines.append("**Summary**: no config has a speedup.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedup(path: Path, name: str, rows: Sequence[dict], subtitle: str = "") -> None:
+    """Bar chart of ``speedup`` per config with a line at 1.0 (Agg backend, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [row_label(r) for r in rows]
+    vals = [r.get("speedup") for r in rows]
+    heights = [v if v is not None and math.isfinite(v) else 0.0 for v in vals]
+    colors = ["tab:green" if h >= 1.0 else "tab:red" for h in heights]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(rows) + 2.0), 5.0))
+    bars = ax.bar(range(len(rows)), heights, color=colors)
+    for bar, v in zip(bars, vals):
+        text = "n/a" if v is None or not math.isfinite(v) else f"{v:.2f}"
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=7, rotation=90, xytext=(0, 2), textcoords="offset points")
+    ax.axhline(1.0, color="black", linewidth=1.0, linestyle="--")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("speedup (fla_ms / cula_ms)")
+    s = summarize(rows)
+    title = f"{name}: geomean {s['geomean']:.3f}x" if s["n"] else name
+    ax.set_title(title + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
+    ax.set_ylim(0, max([1.2] + [h * 1.15 for h in heights]))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(
+    name: str,
+    meta: dict,
+    rows: Sequence[dict],
+    out_dir: str | os.PathLike | None = None,
+    md_columns: Sequence[str] | None = None,
+) -> dict[str, Path]:
+    """Write ``<out_dir>/<gpu-slug>/<name>.{md,json,png}``.
+
+    Args:
+        name: result name, e.g. ``"kda_prefill"``.
+        meta: benchmark-specific keys (e.g. ``{"FLA_FLASH_KDA": "0"}``, ``copy_bw_tbps``, ``gemm_tflops``);
+            ``environment_meta()`` fills GPU / driver / CUDA / versions / date for keys not given, and
+            a missing ceiling is recorded as "not measured".
+        rows: one dict per config: its parameters, ``fla_ms``, ``cula_ms``, ``speedup`` and extras.
+        out_dir: results root (default ``benchmarks/results``).
+        md_columns: columns of the markdown table (default: every scalar key, first-seen order);
+            the JSON always holds every key.
+
+    Returns:
+        ``{"md": path, "json": path, "png": path}``.
+    """
+    full = environment_meta()
+    full.update(meta)
+    for key in _REQUIRED_META:
+        full.setdefault(key, "not measured")
+    root = Path(out_dir) if out_dir is not None else RESULTS_ROOT
+    target = root / gpu_slug(str(full["gpu_name"]))
+    target.mkdir(parents=True, exist_ok=True)
+    paths = {ext: target / f"{name}.{ext}" for ext in ("md", "json", "png")}
+    rows = list(rows)
+    summary = summarize(rows)
+    payload = {"meta": _jsonable({**full, "summary": summary}), "rows": _jsonable(rows)}
+    paths["json"].write_text(json.dumps(payload, indent=2) + "\n")
+    paths["md"].write_text(render_markdown(name, full, rows, md_columns))
+    subtitle = f"{full['gpu_name']}, {full['date']}"
+    plot_speedup(paths["png"], name, rows, subtitle)
+    return paths

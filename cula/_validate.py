@@ -1,0 +1,166 @@
+"""Argument checks shared by the public functions.
+
+Every check runs before any kernel launch and names the argument, what was expected and what was
+given. Checks that need values of ``cu_seqlens`` read ``cu_seqlens_cpu`` when the caller passes it
+and otherwise cost one device-to-host copy (FLA pays the same to build its chunk indices); they are
+skipped while a CUDA graph is being captured, where a copy is not allowed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return "/".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def take_extra_kwargs(fn: str, kwargs: dict[str, Any], allowed: Iterable[str]) -> dict[str, Any]:
+    """FLA passes a few arguments through ``**kwargs``; anything else is a typo and must not vanish."""
+    allowed = set(allowed)
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        hint = f" (accepted through **kwargs: {', '.join(sorted(allowed))})" if allowed else ""
+        raise TypeError(f"{fn}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}{hint}")
+    return dict(kwargs)
+
+
+def resolve_state_layout(fn: str, state_v_first: bool, extra: dict[str, Any]) -> bool:
+    """Accept FLA's deprecated ``transpose_state_layout`` as an alias of ``state_v_first``."""
+    if "transpose_state_layout" not in extra:
+        return bool(state_v_first)
+    legacy = extra.pop("transpose_state_layout")
+    if state_v_first:
+        raise ValueError(f"{fn}: pass either `state_v_first` or the deprecated `transpose_state_layout`, not both")
+    warnings.warn(
+        "`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning, stacklevel=3
+    )
+    return bool(legacy)
+
+
+def check_tensor(
+    name: str,
+    t: Any,
+    *,
+    shape: tuple | None = None,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES,
+    device: torch.device | None = None,
+    contiguous_last: bool = True,
+) -> torch.Tensor:
+    """Check a tensor argument. ``shape`` entries may be None (any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"`{name}` must have {ndim} dimensions, got shape {list(t.shape)}")
+    if shape is not None and any(e is not None and e != s for e, s in zip(shape, t.shape)):
+        expect = ", ".join("*" if e is None else str(e) for e in shape)
+        raise ValueError(f"`{name}` must have shape [{expect}], got {list(t.shape)}")
+    if dtypes is not None and t.dtype not in tuple(dtypes):
+        raise TypeError(f"`{name}` must have dtype {_dtype_names(dtypes)}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"`{name}` is on {t.device} but the inputs are on {device}")
+    if contiguous_last and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"`{name}` must be contiguous in its last dimension (stride {t.stride(-1)})")
+    return t
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
+        raise TypeError(f"`scale` must be a Python float, got {type(scale).__name__}")
+    return float(scale)
+
+
+def check_cu_seqlens(
+    cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None,
+    *,
+    batch: int,
+    total: int,
+    device: torch.device,
+) -> int:
+    """Validate packed varlen boundaries; return the number of sequences N (B when not varlen)."""
+    if cu_seqlens is None:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
+        return batch
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"`cu_seqlens` needs at least 2 entries ([0, T]), got {cu_seqlens.numel()}")
+    if batch != 1:
+        raise ValueError(
+            f"The batch size is expected to be 1 rather than {batch} when using `cu_seqlens`; "
+            "flatten variable-length inputs to [1, sum(T), ...] first"
+        )
+    if cu_seqlens_cpu is not None:
+        check_tensor("cu_seqlens_cpu", cu_seqlens_cpu, shape=tuple(cu_seqlens.shape), dtypes=INDEX_DTYPES)
+        values = cu_seqlens_cpu
+    elif cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        values = None
+    else:
+        values = cu_seqlens.detach().to("cpu")
+    if values is not None:
+        if values[0].item() != 0:
+            raise ValueError(f"`cu_seqlens` must start at 0, got {values[0].item()}")
+        if values.numel() > 1 and bool((values[1:] < values[:-1]).any()):
+            raise ValueError(f"`cu_seqlens` must be non-decreasing, got {values.tolist()[:16]}")
+        if values[-1].item() != total:
+            raise ValueError(
+                f"`cu_seqlens` must end at the total number of tokens {total}, got {values[-1].item()}"
+            )
+    return cu_seqlens.numel() - 1
+
+
+def check_state(
+    name: str,
+    state: torch.Tensor | None,
+    *,
+    n: int,
+    heads: int,
+    k: int,
+    v: int,
+    state_v_first: bool,
+    device: torch.device,
+) -> None:
+    """States are fp32 ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with ``state_v_first``."""
+    if state is None:
+        return
+    expect = (n, heads, v, k) if state_v_first else (n, heads, k, v)
+    layout = "[N, HV, V, K] (state_v_first=True)" if state_v_first else "[N, HV, K, V]"
+    if not isinstance(state, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(state).__name__}")
+    if tuple(state.shape) != expect:
+        raise ValueError(f"`{name}` must have shape {list(expect)} {layout}, got {list(state.shape)}")
+    check_tensor(name, state, dtypes=(torch.float32,), device=device)
+
+
+def check_head_dim(name: str, size: int, limit: int = 256) -> None:
+    if size < 1 or size > limit:
+        raise ValueError(f"unsupported head size: {name}={size} (supported: 1..{limit})")
+
+
+def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
+    """q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` of one dtype and device; return (B, T, H, K, HV, V)."""
+    check_tensor("q", q, ndim=4, dtypes=QKV_DTYPES)
+    B, T, H, K = q.shape
+    check_tensor("k", k, shape=(B, T, H, K), dtypes=(q.dtype,), device=q.device)
+    check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"`v` must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    check_head_dim("K", K)
+    check_head_dim("V", V)
+    if HV % H != 0:
+        raise ValueError(f"GVA needs the value heads HV={HV} to be a multiple of the q/k heads H={H}")
+    return B, T, H, K, HV, V

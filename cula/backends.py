@@ -1,0 +1,128 @@
+"""Call-time backend selection.
+
+Each op has one ``Registry``. A backend declares a priority (lower runs first), an availability
+probe on the tensors' device (packages installed, compute capability) and a ``supports`` verifier
+on the actual, already validated arguments returning ``(ok, reason)``. The first backend that is
+available and supports the call runs; ``CULA_BACKEND=<name>`` forces one and raises if it cannot
+run. The ``cula`` logger says at INFO, once per distinct case, which backend ran and why the
+others declined.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger("cula")
+
+Verdict = tuple[bool, "str | None"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    priority: int
+    run: Callable[..., Any]
+    available: Callable[[torch.device], Verdict]
+    supports: Callable[..., Verdict]
+
+
+def always(*_args, **_kwargs) -> Verdict:
+    return True, None
+
+
+def cuda_only(device: torch.device) -> Verdict:
+    return (True, None) if device.type == "cuda" else (False, f"needs a CUDA tensor, got {device.type}")
+
+
+def package_on_cuda(package: str) -> Callable[[torch.device], Verdict]:
+    """Availability probe for a backend that needs ``package`` installed and a CUDA tensor."""
+
+    def probe(device: torch.device) -> Verdict:
+        ok, why = cuda_only(device)
+        if not ok:
+            return ok, why
+        if importlib.util.find_spec(package) is None:
+            return False, f"package {package!r} is not installed"
+        return True, None
+
+    return probe
+
+
+class BackendUnavailableError(NotImplementedError):
+    """No registered backend can run these arguments (or the forced one cannot)."""
+
+
+class Registry:
+    """The backends of one public function, tried in priority order."""
+
+    def __init__(self, op: str):
+        self.op = op
+        self._backends: list[Backend] = []
+        self._logged: set[tuple] = set()
+
+    def register(
+        self,
+        name: str,
+        priority: int,
+        available: Callable[[torch.device], Verdict] = always,
+        supports: Callable[..., Verdict] = always,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if any(b.name == name for b in self._backends):
+                raise ValueError(f"{self.op}: backend {name!r} registered twice")
+            self._backends.append(Backend(name, priority, fn, available, supports))
+            self._backends.sort(key=lambda b: b.priority)
+            return fn
+
+        return wrap
+
+    @property
+    def names(self) -> list[str]:
+        return [b.name for b in self._backends]
+
+    def _verdict(self, backend: Backend, device: torch.device, args: dict[str, Any]) -> Verdict:
+        ok, why = backend.available(device)
+        if ok:
+            ok, why = backend.supports(**args)
+        return ok, why
+
+    def select(self, device: torch.device, args: dict[str, Any]) -> Backend:
+        """The backend that will run ``args`` (a dict of the public function's arguments)."""
+        forced = os.environ.get("CULA_BACKEND")
+        if forced:
+            match = [b for b in self._backends if b.name == forced]
+            if not match:
+                raise BackendUnavailableError(
+                    f"CULA_BACKEND={forced!r} is not a backend of {self.op}; known: {', '.join(self.names)}"
+                )
+            ok, why = self._verdict(match[0], device, args)
+            if not ok:
+                raise BackendUnavailableError(f"CULA_BACKEND={forced!r} cannot run {self.op}: {why}")
+            self._log(match[0].name, (("forced by CULA_BACKEND", ""),))
+            return match[0]
+        declined = []
+        for backend in self._backends:
+            ok, why = self._verdict(backend, device, args)
+            if ok:
+                self._log(backend.name, tuple(declined))
+                return backend
+            declined.append((backend.name, why or "declined"))
+        table = "; ".join(f"{name}: {why}" for name, why in declined)
+        raise BackendUnavailableError(f"no backend of {self.op} supports these arguments ({table})")
+
+    def dispatch(self, device: torch.device, args: dict[str, Any]) -> Any:
+        return self.select(device, args).run(**args)
+
+    def _log(self, chosen: str, declined: tuple) -> None:
+        key = (chosen, declined)
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        reasons = ", ".join(f"{name}: {why}" for name, why in declined)
+        logger.info("%s -> %s%s", self.op, chosen, f" ({reasons})" if reasons else "")

@@ -1,0 +1,101 @@
+"""``cula.gated_delta_rule.chunk_gated_delta_rule``: FLA 0.6.0's chunked Gated DeltaNet."""
+
+from __future__ import annotations
+
+import torch
+
+from cula._validate import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_qkv, check_scale, check_state, check_tensor,
+    resolve_state_layout, take_extra_kwargs,
+)
+from cula.gated_delta_rule.backends import chunk_gdn_registry
+
+_EXTRA_KWARGS = ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size", "transpose_state_layout", "head_first")
+
+
+def check_gdn_inputs(q, k, v, g, beta, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu) -> int:
+    """Shapes of the scalar-gate delta rule: g ``[B, T, HV]`` (or None), beta ``[B, T, HV]`` (or None)."""
+    B, T, H, K, HV, V = check_qkv(q, k, v)
+    device = q.device
+    if g is not None:
+        check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False)
+    if beta is not None:
+        check_tensor("beta", beta, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False)
+    n = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device)
+    check_state("initial_state", initial_state, n=n, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device)
+    return n
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    chunk_indices: torch.LongTensor | None = None,
+    cp_context=None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Chunked Gated DeltaNet, keyword-compatible with ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``.
+
+    Per value head: ``S <- exp(g_t) S; S <- S + beta_t k_t (v_t - S^T k_t)^T; o_t = S^T (scale q_t)``.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (GVA when ``HV > H``).
+        g: ``[B, T, HV]`` log-space decay (raw logits with ``use_gate_in_kernel=True``:
+            ``-exp(A_log) * softplus(g + dt_bias)``, ``A_log`` and ``dt_bias`` fp32 ``[HV]``).
+        beta: ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``; ``2 * sigmoid`` with ``allow_neg_eigval``).
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+        cu_seqlens / cu_seqlens_cpu / chunk_indices: packed varlen boundaries (B must be 1).
+        **kwargs: ``use_gate_in_kernel``, ``A_log``, ``dt_bias``, ``chunk_size`` (16, 32 or 64) and the
+            deprecated ``transpose_state_layout``; anything else raises ``TypeError``.
+
+    Returns:
+        ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
+    """
+    extra = take_extra_kwargs("chunk_gated_delta_rule", kwargs, _EXTRA_KWARGS)
+    if "head_first" in extra:
+        raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
+    state_v_first = resolve_state_layout("chunk_gated_delta_rule", state_v_first, extra)
+    chunk_size = extra.get("chunk_size", 64)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}")
+    use_gate_in_kernel = bool(extra.get("use_gate_in_kernel", False))
+    A_log, dt_bias = extra.get("A_log"), extra.get("dt_bias")
+    check_gdn_inputs(
+        q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    if g is None or beta is None:
+        raise ValueError("`g` and `beta` are required for chunk_gated_delta_rule")
+    HV = v.shape[2]
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`")
+        check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=q.device)
+        if dt_bias is not None:
+            check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=(torch.float32,), device=q.device)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+    if chunk_indices is not None:
+        check_tensor("chunk_indices", chunk_indices, ndim=2, dtypes=INDEX_DTYPES, device=q.device)
+    if cp_context is not None and (initial_state is not None or output_final_state):
+        raise ValueError("`cp_context` cannot be combined with `initial_state` or `output_final_state`")
+    args = dict(
+        q=q, k=k, v=v, g=g, beta=beta, scale=check_scale(scale, q.shape[-1]), initial_state=initial_state,
+        output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices, cp_context=cp_context, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, chunk_size=chunk_size,
+    )
+    return chunk_gdn_registry.dispatch(q.device, args)

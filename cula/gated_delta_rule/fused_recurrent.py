@@ -1,0 +1,80 @@
+"""``cula.gated_delta_rule.fused_recurrent_gated_delta_rule``: token-by-token Gated DeltaNet."""
+
+from __future__ import annotations
+
+import torch
+
+from cula._validate import FLOAT_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
+from cula.gated_delta_rule.backends import fused_recurrent_gdn_registry
+from cula.gated_delta_rule.chunk import check_gdn_inputs
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Recurrent Gated DeltaNet, keyword-compatible with FLA 0.6.0 ``fused_recurrent_gated_delta_rule``.
+
+    Forward only in FLA (its backward raises). Note FLA's positional order: the 5th argument is ``gk``,
+    not ``beta``; pass ``beta=`` by keyword.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``.
+        g: ``[B, T, HV]`` scalar log decay (raw with ``use_gate_in_kernel``: ``-exp(A_log) * softplus(g + dt_bias)``).
+        gk: ``[B, T, HV, K]`` per-key log decay; gv: ``[B, T, HV, V]`` per-value log decay.
+        beta: ``[B, T, HV]``; None means ones.
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+        **kwargs: only the deprecated ``transpose_state_layout``.
+
+    Returns:
+        ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
+    """
+    extra = take_extra_kwargs("fused_recurrent_gated_delta_rule", kwargs, ("transpose_state_layout",))
+    state_v_first = resolve_state_layout("fused_recurrent_gated_delta_rule", state_v_first, extra)
+    check_gdn_inputs(
+        q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=None,
+    )
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    if gk is not None:
+        check_tensor("gk", gk, shape=(B, T, HV, K), dtypes=FLOAT_DTYPES, device=q.device)
+    if gv is not None:
+        check_tensor("gv", gv, shape=(B, T, HV, V), dtypes=FLOAT_DTYPES, device=q.device)
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`")
+        if g is None:
+            raise ValueError("`g` (raw pre-activation) must be provided when `use_gate_in_kernel=True`")
+        check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=q.device)
+        if dt_bias is not None:
+            check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=(torch.float32,), device=q.device)
+    else:
+        A_log = dt_bias = None
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+    args = dict(
+        q=q, k=k, v=v, g=g, gk=gk, gv=gv, beta=beta, scale=check_scale(scale, K), initial_state=initial_state,
+        output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log, dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+    )
+    return fused_recurrent_gdn_registry.dispatch(q.device, args)

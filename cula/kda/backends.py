@@ -1,0 +1,93 @@
+"""Backends of the KDA entry points, tried in priority order (see ``cula.backends``).
+
+- ``cula-sm90``: our CuTe DSL kernels (Hopper); registered by ``cula.ops.kda`` when present.
+- ``fla``: FLA 0.6.0's Triton kernels, for everything our kernels do not cover yet on CUDA.
+- ``reference``: float32 PyTorch (``cula.kda.naive``); the CPU path, differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula.backends import Registry, always, package_on_cuda
+
+chunk_kda_registry = Registry("kda.chunk_kda")
+fused_recurrent_kda_registry = Registry("kda.fused_recurrent_kda")
+
+FLA_PRIORITY = 50
+REFERENCE_PRIORITY = 90
+
+
+def _reference_chunk_supports(cp_context=None, use_graph=False, return_intermediate_states=False, **_) -> tuple:
+    if cp_context is not None:
+        return False, "cp_context (context parallel) is only run by the fla backend"
+    if use_graph:
+        return False, "use_graph is only run by the fla backend"
+    if return_intermediate_states:
+        return False, "return_intermediate_states is only run by the fla backend"
+    return True, None
+
+
+@chunk_kda_registry.register("fla", FLA_PRIORITY, available=package_on_cuda("fla"))
+def _chunk_kda_fla(**args):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda(**args)
+
+
+@chunk_kda_registry.register("reference", REFERENCE_PRIORITY, available=always, supports=_reference_chunk_supports)
+def _chunk_kda_reference(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias,
+    chunk_size, **_unused_by_reference,
+):
+    # safe_gate, disable_recompute and cu_seqlens_cpu change how FLA schedules work, not the result.
+    from cula.kda.naive import reference_chunk_kda
+
+    return reference_chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound if use_gate_in_kernel else None, A_log=A_log, dt_bias=dt_bias,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, form="chunk",
+    )
+
+
+def _reference_recurrent_supports(ssm_state_indices=None, num_accepted_tokens=None, out=None, **_) -> tuple:
+    if ssm_state_indices is not None or num_accepted_tokens is not None:
+        return False, "state-pool decode (ssm_state_indices / num_accepted_tokens) needs a CUDA backend"
+    if out is not None:
+        return False, "a preallocated `out` needs a CUDA backend"
+    return True, None
+
+
+@fused_recurrent_kda_registry.register("fla", FLA_PRIORITY, available=package_on_cuda("fla"))
+def _fused_recurrent_kda_fla(**args):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    return fused_recurrent_kda_fwd(**args)
+
+
+@fused_recurrent_kda_registry.register(
+    "reference", REFERENCE_PRIORITY, available=always, supports=_reference_recurrent_supports
+)
+def _fused_recurrent_kda_reference(
+    q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, inplace_final_state,
+    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+    state_v_first, cu_seqlens, **_unused_by_reference,
+):
+    from cula.kda.naive import reference_chunk_kda
+
+    o, final = reference_chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state or inplace_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound if use_gate_in_kernel else None, A_log=A_log, dt_bias=dt_bias,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, form="recurrent",
+    )
+    if inplace_final_state:
+        with torch.no_grad():
+            initial_state.copy_(final)
+        final = initial_state
+    return o, final

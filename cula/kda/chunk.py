@@ -1,0 +1,110 @@
+"""``cula.kda.chunk_kda``: FLA 0.6.0's chunked KDA with call-time backend selection."""
+
+from __future__ import annotations
+
+import torch
+
+from cula._validate import check_scale, resolve_state_layout, take_extra_kwargs
+from cula.kda._args import check_kda_inputs
+from cula.kda.backends import chunk_kda_registry
+
+# FLA reads these from **kwargs; every other unknown keyword is an error here.
+_EXTRA_KWARGS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout")
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs,
+):
+    r"""Chunked Kimi Delta Attention, keyword-compatible with ``fla.ops.kda.chunk_kda`` (fla-core 0.6.0).
+
+    Per value head, with state ``S`` (``[K, V]``, fp32) and ``q`` scaled by ``scale``::
+
+        S <- Diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16/fp16/fp32 (``K <= 256``).
+        v: ``[B, T, HV, V]``, same dtype; GVA when ``HV > H`` (``HV % H == 0``), value head ``hv`` reads
+            q/k head ``hv // (HV // H)``.
+        g: ``[B, T, HV, K]`` log-space decay, or raw logits with ``use_gate_in_kernel=True``; the gate is
+            then ``-exp(A_log) * softplus(g + dt_bias)``, or ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``
+            when ``lower_bound`` is set (``A_log`` may then be None).
+        beta: ``[B, T, HV]``, post-sigmoid, or logits with ``use_beta_sigmoid_in_kernel=True``
+            (``2 * sigmoid`` with ``allow_neg_eigval=True``).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); N = B, or the
+            number of sequences with ``cu_seqlens``.
+        output_final_state: also return the fp32 final state in the same layout.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum x^2 + 1e-6)``).
+        safe_gate: promise that gates lie in ``[lower_bound, 0)``; with ``use_gate_in_kernel`` it needs
+            ``-5 <= lower_bound < 0``.
+        disable_recompute: save intermediates for backward instead of recomputing them.
+        return_intermediate_states: also return per-chunk states ``h`` ``[B, NT, HV, K, V]`` (inference only).
+        state_v_first: V-first state layout; ``transpose_state_layout`` is its deprecated alias.
+        cu_seqlens: int32/int64 ``[N+1]`` boundaries of packed sequences (B must be 1);
+            ``cu_seqlens_cpu`` is its host copy and saves a device-to-host sync.
+        cp_context, use_graph, max_num_seqs: FLA's context-parallel and CUDA-graph options, run by the FLA backend.
+        **kwargs: only ``A_log`` (fp32 ``[HV]``), ``dt_bias`` (fp32 ``[HV*K]``), ``chunk_size`` (32 or 64)
+            and ``transpose_state_layout``; anything else raises ``TypeError``.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``q.dtype``; ``final_state`` or None. With
+        ``return_intermediate_states=True``, ``(o, final_state, h)``.
+
+    Backends (first that supports the call): ``cula-sm90`` CuTe DSL kernels on Hopper, ``fla`` (FLA's
+    Triton), ``reference`` (float32 PyTorch, the CPU path). ``CULA_BACKEND=<name>`` forces one.
+    """
+    extra = take_extra_kwargs("chunk_kda", kwargs, _EXTRA_KWARGS)
+    state_v_first = resolve_state_layout("chunk_kda", state_v_first, extra)
+    A_log, dt_bias = extra.get("A_log"), extra.get("dt_bias")
+    chunk_size = extra.get("chunk_size", 64)
+    if chunk_size not in (32, 64):
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}")
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`")
+        if not -5 <= lower_bound < 0:
+            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}")
+    if cp_context is not None and (initial_state is not None or output_final_state):
+        raise ValueError("`cp_context` cannot be combined with `initial_state` or `output_final_state`")
+    check_kda_inputs(
+        q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+    )
+    if return_intermediate_states and (not torch.is_inference_mode_enabled() or disable_recompute):
+        raise ValueError(
+            "`return_intermediate_states=True` needs torch.inference_mode() and disable_recompute=False"
+        )
+    args = dict(
+        q=q, k=k, v=v, g=g, beta=beta, scale=check_scale(scale, q.shape[-1]), initial_state=initial_state,
+        output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel), use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        allow_neg_eigval=bool(allow_neg_eigval), safe_gate=bool(safe_gate), lower_bound=lower_bound,
+        disable_recompute=bool(disable_recompute), return_intermediate_states=bool(return_intermediate_states),
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
+        use_graph=bool(use_graph), max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
+    )
+    return chunk_kda_registry.dispatch(q.device, args)

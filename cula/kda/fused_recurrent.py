@@ -1,0 +1,124 @@
+"""``cula.kda.fused_recurrent_kda`` / ``fused_recurrent_kda_fwd``: token-by-token KDA (decode)."""
+
+from __future__ import annotations
+
+import torch
+
+from cula._validate import INDEX_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
+from cula.kda._args import check_kda_inputs
+from cula.kda.backends import fused_recurrent_kda_registry
+
+_DECODE_KWARGS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "out")
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Recurrent KDA, keyword-compatible with ``fla.ops.kda.fused_recurrent_kda`` (fla-core 0.6.0).
+
+    Forward only (no autograd, as in FLA). Same math and arguments as :func:`cula.kda.chunk_kda`, except
+    ``beta`` may also be per value channel ``[B, T, HV, V]`` and ``dt_bias`` is ``[HV*K]`` fp32.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]`` or ``[B, T, HV, V]``.
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+        cu_seqlens: ``[N+1]`` int32/int64 boundaries of packed sequences (B must be 1).
+        **kwargs: ``transpose_state_layout`` (deprecated alias of ``state_v_first``) and the serving
+            arguments of FLA's ``fused_recurrent_kda_fwd``: ``ssm_state_indices``, ``num_accepted_tokens``,
+            ``inplace_final_state``, ``out``. Anything else raises ``TypeError``.
+
+    Returns:
+        ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
+    """
+    extra = take_extra_kwargs("fused_recurrent_kda", kwargs, ("transpose_state_layout",) + _DECODE_KWARGS)
+    state_v_first = resolve_state_layout("fused_recurrent_kda", state_v_first, extra)
+    return fused_recurrent_kda_fwd(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
+        output_final_state=output_final_state, inplace_final_state=extra.get("inplace_final_state", False),
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, ssm_state_indices=extra.get("ssm_state_indices"),
+        num_accepted_tokens=extra.get("num_accepted_tokens"), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, out=extra.get("out"),
+    )
+
+
+def fused_recurrent_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_final_state: bool = False,
+    inplace_final_state: bool = True,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    out: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Serving form of recurrent KDA, keyword-compatible with FLA 0.6.0 ``fused_recurrent_kda_fwd``.
+
+    With ``inplace_final_state=True`` (the default, as in FLA) ``initial_state`` is a state pool that is
+    updated in place and returned as the final state; ``ssm_state_indices`` (``[N]`` or ``[N, T]`` int)
+    picks each sequence's pool row, and ``num_accepted_tokens`` (``[N]``) serves speculative decoding.
+    ``out`` (``[B, T, HV, V]``) receives the output when given. Other arguments as
+    :func:`fused_recurrent_kda`.
+    """
+    extra = take_extra_kwargs("fused_recurrent_kda_fwd", kwargs, ("transpose_state_layout",))
+    state_v_first = resolve_state_layout("fused_recurrent_kda_fwd", state_v_first, extra)
+    pooled = ssm_state_indices is not None
+    if inplace_final_state and initial_state is None:
+        raise ValueError("`inplace_final_state=True` needs `initial_state` (the state pool to update)")
+    check_kda_inputs(
+        q, k, v, g, beta, initial_state=None if pooled else initial_state, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, A_log=A_log, dt_bias=dt_bias,
+        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        beta_per_value=True,
+    )
+    if pooled:
+        check_tensor("ssm_state_indices", ssm_state_indices, dtypes=INDEX_DTYPES, device=q.device)
+        if initial_state is None:
+            raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool)")
+        check_tensor("initial_state", initial_state, ndim=4, dtypes=(torch.float32,), device=q.device)
+    if num_accepted_tokens is not None:
+        check_tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=INDEX_DTYPES, device=q.device)
+    if out is not None:
+        check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=q.device)
+    args = dict(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+        scale=check_scale(scale, q.shape[-1]), output_final_state=bool(output_final_state),
+        inplace_final_state=bool(inplace_final_state), state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), use_gate_in_kernel=bool(use_gate_in_kernel),
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
+        lower_bound=lower_bound, out=out,
+    )
+    return fused_recurrent_kda_registry.dispatch(q.device, args)

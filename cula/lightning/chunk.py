@@ -1,0 +1,110 @@
+"""Lightning attention (constant per-head decay) on top of ``cula.simple_gla``.
+
+Relation to FLA: Lightning is Simple GLA with ``g_gamma = -decay``. ``lightning_attn_fwd`` takes the
+decay rate ``s >= 0`` directly (per-step factor ``exp(-s)``); ``chunk_lightning_attn`` and
+``fused_recurrent_lightning_attn`` keep FLA's signatures and build FLA's per-layer schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula._validate import check_tensor, take_extra_kwargs
+from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+
+def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=None) -> torch.Tensor:
+    """FLA 0.6.0's decay schedule: ``g_gamma[h] = -(8 / H) * (1 - layer_idx / num_layers) * h``, fp32 ``[H]``."""
+    return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(num_heads, dtype=torch.float, device=device)
+
+
+def lightning_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Lightning attention prefill: ``S_t = exp(-decay) S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t``.
+
+    Args:
+        q, k: ``[B, T, H, D]`` bf16 (fp16/fp32 run on the fallback); v: ``[B, T, HV, D]`` (GVA when ``HV > H``).
+        decay: fp32 ``[HV]``, the per-head decay rate ``s >= 0``; FLA's ``g_gamma`` is ``-decay``.
+        scale: defaults to ``D ** -0.5`` as in FLA (cuLA's ``lightning_attn_fwd`` defaults to 1.0).
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+        cu_seqlens: ``[N+1]`` boundaries of packed sequences (B must be 1); ``cu_seqlens_cpu`` its host copy.
+
+    Returns:
+        ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable in q, k, v, initial_state.
+    """
+    check_tensor("decay", decay, ndim=1, dtypes=(torch.float32,), device=q.device)
+    return chunk_simple_gla(
+        q, k, v, g_gamma=-decay, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+
+
+def _check_layer(layer_idx: int, num_layers: int) -> None:
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"`num_layers` must be a positive int, got {num_layers!r}")
+    if not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
+        raise ValueError(f"`layer_idx` must be an int in [0, num_layers={num_layers}), got {layer_idx!r}")
+
+
+def chunk_lightning_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    num_layers: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Chunked Lightning attention, keyword-compatible with ``fla.ops.lightning_attn.chunk_lightning_attn``.
+
+    q, k, v ``[B, T, H, D]``; the decay of head ``h`` is FLA's ``(8 / H) * (1 - layer_idx / num_layers) * h``
+    (see :func:`lightning_g_gamma`). State fp32 ``[N, H, K, V]``. ``**kwargs``: only ``chunk_size``.
+    """
+    extra = take_extra_kwargs("chunk_lightning_attn", kwargs, ("chunk_size", "head_first"))
+    if "head_first" in extra:
+        raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
+    _check_layer(layer_idx, num_layers)
+    check_tensor("q", q, ndim=4)
+    g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, device=q.device)
+    return chunk_simple_gla(
+        q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, **extra,
+    )
+
+
+def fused_recurrent_lightning_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    num_layers: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Recurrent Lightning attention, keyword-compatible with FLA 0.6.0 ``fused_recurrent_lightning_attn``.
+
+    Same decay schedule as :func:`chunk_lightning_attn`; ``reverse`` runs each sequence from its end.
+    """
+    _check_layer(layer_idx, num_layers)
+    check_tensor("q", q, ndim=4)
+    g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, device=q.device)
+    return fused_recurrent_simple_gla(
+        q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        reverse=reverse, cu_seqlens=cu_seqlens,
+    )

@@ -1,0 +1,106 @@
+"""``cula.simple_gla.chunk_simple_gla`` and ``fused_recurrent_simple_gla`` (FLA 0.6.0 signatures)."""
+
+from __future__ import annotations
+
+import torch
+
+from cula._validate import (
+    FLOAT_DTYPES, check_cu_seqlens, check_qkv, check_scale, check_state, check_tensor,
+    resolve_state_layout, take_extra_kwargs,
+)
+from cula.simple_gla.backends import chunk_simple_gla_registry, fused_recurrent_simple_gla_registry
+
+
+def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV]`` or g_gamma ``[HV]`` (at most one)."""
+    B, T, H, K, HV, V = check_qkv(q, k, v)
+    device = q.device
+    if g is not None and g_gamma is not None:
+        raise ValueError("pass either `g` (data-dependent decay) or `g_gamma` (constant decay), not both")
+    if g is not None:
+        check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False)
+    if g_gamma is not None:
+        check_tensor("g_gamma", g_gamma, shape=(HV,), dtypes=FLOAT_DTYPES, device=device)
+    n = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device)
+    check_state("initial_state", initial_state, n=n, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device)
+
+
+def chunk_simple_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    g_gamma: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Chunked Simple GLA, keyword-compatible with ``fla.ops.simple_gla.chunk_simple_gla`` (fla-core 0.6.0).
+
+    ``S_t = exp(gate_t) S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t``, with the gate from ``g``
+    (data-dependent) or ``g_gamma`` (constant per head; Lightning attention is ``g_gamma = -decay``).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (GVA when ``HV > H``).
+        g: ``[B, T, HV]`` log decay, or g_gamma: ``[HV]`` log decay (<= 0); neither means no decay.
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+        cu_seqlens / cu_seqlens_cpu: packed varlen boundaries ``[N+1]`` (B must be 1).
+        **kwargs: ``chunk_size`` (a power of 2) and the deprecated ``transpose_state_layout``.
+
+    Returns:
+        ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable (q, k, v, g, h0).
+    """
+    extra = take_extra_kwargs("chunk_simple_gla", kwargs, ("chunk_size", "transpose_state_layout", "head_first"))
+    if "head_first" in extra:
+        raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
+    state_v_first = resolve_state_layout("chunk_simple_gla", state_v_first, extra)
+    chunk_size = extra.get("chunk_size")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1)):
+        raise ValueError(f"`chunk_size` must be a power of 2, got {chunk_size}")
+    check_simple_gla_inputs(
+        q, k, v, g, g_gamma, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    args = dict(
+        q=q, k=k, v=v, g=g, g_gamma=g_gamma, scale=check_scale(scale, q.shape[-1]), initial_state=initial_state,
+        output_final_state=bool(output_final_state), state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
+    )
+    return chunk_simple_gla_registry.dispatch(q.device, args)
+
+
+def fused_recurrent_simple_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    g_gamma: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Recurrent Simple GLA, keyword-compatible with FLA 0.6.0 ``fused_recurrent_simple_gla``.
+
+    Same arguments as :func:`chunk_simple_gla`, plus ``reverse`` (run each sequence from its end).
+    **kwargs: only the deprecated ``transpose_state_layout``.
+    """
+    extra = take_extra_kwargs("fused_recurrent_simple_gla", kwargs, ("transpose_state_layout",))
+    state_v_first = resolve_state_layout("fused_recurrent_simple_gla", state_v_first, extra)
+    check_simple_gla_inputs(
+        q, k, v, g, g_gamma, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=None,
+    )
+    args = dict(
+        q=q, k=k, v=v, g=g, g_gamma=g_gamma, scale=check_scale(scale, q.shape[-1]), initial_state=initial_state,
+        output_final_state=bool(output_final_state), reverse=bool(reverse), state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+    )
+    return fused_recurrent_simple_gla_registry.dispatch(q.device, args)

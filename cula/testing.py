@@ -1,0 +1,49 @@
+"""Comparison helpers shared by tests and benchmarks.
+
+``assert_close`` follows FLA's rule (relative RMSE of the difference over the RMS of the reference,
+passing outright when the largest absolute difference is tiny) but never lets NaN or Inf through:
+a poisoned output element that a kernel forgot to write fails the check.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_rmse(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """sqrt(mean((out - ref)^2)) / sqrt(mean(ref^2)), computed in float64."""
+    ref64, out64 = ref.detach().double(), out.detach().double()
+    diff = (out64 - ref64).pow(2).mean().sqrt()
+    base = ref64.pow(2).mean().sqrt()
+    return (diff / base.clamp_min(1e-30)).item()
+
+
+def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float, atol: float = 1e-6) -> None:
+    """Fail unless ``out`` matches ``ref`` within relative RMSE ``ratio`` (FLA's tolerance rule)."""
+    if ref.shape != out.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    bad = (~torch.isfinite(out)).sum().item()
+    if bad:
+        raise AssertionError(f"{name}: {bad} non-finite elements (NaN/Inf) of {out.numel()}")
+    if not torch.isfinite(ref).all():
+        raise AssertionError(f"{name}: the reference itself has non-finite elements")
+    max_abs = (out.detach().double() - ref.detach().double()).abs().max().item() if out.numel() else 0.0
+    if max_abs <= atol:
+        return
+    err = rel_rmse(ref, out)
+    if not err < ratio:
+        raise AssertionError(f"{name}: relative RMSE {err:.3e} >= {ratio:.1e} (max abs diff {max_abs:.3e})")
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floating) or a sentinel (integer) so an unwritten element fails a check."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(-(2**30))
+
+
+def make_cu_seqlens(lengths: list[int], device="cpu", dtype=torch.int32) -> torch.Tensor:
+    """[N+1] cumulative lengths, starting at 0, for packed varlen inputs."""
+    out = torch.zeros(len(lengths) + 1, dtype=dtype)
+    out[1:] = torch.tensor(lengths, dtype=dtype).cumsum(0)
+    return out.to(device)
