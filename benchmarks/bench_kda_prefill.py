@@ -16,7 +16,8 @@ Call: ``chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, u
 use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
 state_v_first=True, A_log=A_log, dt_bias=dt_bias)`` under ``torch.inference_mode()``, with ``g`` and
 ``beta`` raw logits (randn), ``A_log`` fp32 [HV], ``dt_bias`` fp32 [HV*K], ``h0`` fp32 [N, HV, V, K] small
-random. ``FLA_FLASH_KDA=0`` keeps FLA on its Triton path (FlashKDA would otherwise take this call).
+random. ``FLA_FLASH_KDA=0`` (set by ``main`` before fla is imported, recorded in meta) keeps FLA on its
+Triton path; FlashKDA, when installed, would otherwise take this call.
 
 Before timing, each config runs both implementations once on the same inputs and compares cula's ``o`` and
 final state with FLA's (relative RMSE). Above ``WARN_TOL`` a warning is printed; non-finite output or an
@@ -41,19 +42,16 @@ Usage: ``python benchmarks/bench_kda_prefill.py [--quick] [--iters N] [--out DIR
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable
 
-os.environ["FLA_FLASH_KDA"] = "0"  # read by FLA's backend dispatch; set before fla is imported
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import zlib  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
-
-import torch  # noqa: E402
+import torch
 
 _HERE = Path(__file__).resolve().parent
 if str(_HERE) not in sys.path:
@@ -71,6 +69,7 @@ LOWER_BOUND = -5.0
 WARN_TOL = 5e-3  # FLA's own forward tolerance for o (relative RMSE)
 FAIL_TOL = 5e-2  # beyond this the output is treated as garbage and not timed
 HOST_OVERHEAD_T = 256  # small fixed config (B=1) used for the host-overhead measurement
+DEVICE = "cuda"  # the CPU tests point this at "cpu" to exercise the row logic with fake implementations
 
 FIXED = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
 VARLEN = [(n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384)
@@ -78,7 +77,7 @@ VARLEN = [(n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384)
 QUICK = ("B1-T1024", "B2-T8192", "varlen-N10-T4096-random", "varlen-N20-T16384-skewed")
 
 MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "max_rel_err", "check",
-              "floor_ms", "floor_pct", "fla_floor_pct", "bw_fraction")
+              "backend", "floor_ms", "floor_pct", "fla_floor_pct", "bw_fraction")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +167,13 @@ def input_set_bytes(cfg: Config) -> int:
     return 2 * t * (2 * H * K + HV * V + HV * K + HV) + 4 * cfg.N * HV * K * V
 
 
-def make_shared(cfg: Config, device: str = "cuda") -> dict[str, Any]:
+def make_shared(cfg: Config, device: str | None = None) -> dict[str, Any]:
     """Tensors every input set shares: gate parameters and (varlen) cu_seqlens.
 
     Sharing ``cu_seqlens`` keeps FLA's identity-keyed ``tensor_cache`` hitting across rotated sets, as it
     would in a serving loop, and lets CUDA-graph capture avoid a host-to-device copy.
     """
+    device = device or DEVICE
     torch.manual_seed(_seed(cfg.name) + 1)
     shared: dict[str, Any] = {
         # Real checkpoints initialise A_log = log(U(1, 16)) and a small dt_bias.
@@ -189,8 +189,9 @@ def make_shared(cfg: Config, device: str = "cuda") -> dict[str, Any]:
     return shared
 
 
-def make_set(cfg: Config, index: int, device: str = "cuda") -> dict[str, torch.Tensor]:
+def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, torch.Tensor]:
     """One independent input set: q, k, v, g, beta [B, T, ...] bf16 and initial_state [N, HV, V, K] fp32."""
+    device = device or DEVICE
     torch.manual_seed(_seed(cfg.name) + 100 + index)
     b, t = cfg.B, cfg.T
     bf16 = torch.bfloat16
@@ -221,6 +222,31 @@ def bind(fn: Callable, tensors: dict, shared: dict) -> Callable[[], Any]:
     return lambda: fn(**kwargs)
 
 
+def call_recording_backend(call: Callable[[], Any]) -> tuple[Any, str]:
+    """Run ``call`` (a cula ``chunk_kda`` call) and name the cula backend that served it.
+
+    A speedup near 1.0 from a call that fell back to FLA looks like a slow kernel unless the row says so.
+    """
+    try:
+        from cula.kda.backends import chunk_kda_registry as registry
+    except ImportError:
+        return call(), "unknown"
+    chosen: list[str] = []
+    original = registry.select
+
+    def spy(device, args):
+        backend = original(device, args)
+        chosen.append(backend.name)
+        return backend
+
+    registry.select = spy  # instance attribute shadows the method for this one call
+    try:
+        out = call()
+    finally:
+        del registry.select
+    return out, (chosen[0] if chosen else "unknown")
+
+
 def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
     """(max relative RMSE over o and final state, "ok" | "warn" | "FAIL") of cula against FLA."""
     from cula.testing import rel_rmse
@@ -248,7 +274,7 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     sets = [make_set(cfg, i) for i in range(n_sets)]
 
     fla_out = bind(fla_fn, sets[0], shared)()
-    cula_out = bind(cula_fn, sets[0], shared)()
+    cula_out, backend = call_recording_backend(bind(cula_fn, sets[0], shared))
     torch.cuda.synchronize()
     err, status = check(fla_out, cula_out)
     del fla_out, cula_out
@@ -279,7 +305,7 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     row = {
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
         "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
-        "max_rel_err": err, "check": status,
+        "max_rel_err": err, "check": status, "backend": backend,
         "floor_ms": floor, "floor_pct": bc.floor_pct(floor, cula_ms), "fla_floor_pct": bc.floor_pct(floor, fla_ms),
         "bw_fraction": bc.bw_fraction(nbytes, cula_ms, ceilings["copy_bw_tbps"]),
         "mbytes": nbytes / 1e6, "gflop": flops / 1e9,
@@ -334,8 +360,24 @@ def result_name(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
-    """Run the suite; returns (meta, rows, written paths)."""
-    args = parse_args(argv)
+    """Run the suite; returns (meta, rows, written paths).
+
+    Sets ``FLA_FLASH_KDA=0`` for the duration of the run (FLA reads it at every dispatch, and it is set
+    before fla is first imported here) and restores the previous value afterwards, so an in-process
+    caller such as the GPU test does not leak it into later tests.
+    """
+    previous = os.environ.get("FLA_FLASH_KDA")
+    os.environ["FLA_FLASH_KDA"] = "0"
+    try:
+        return _run(parse_args(argv))
+    finally:
+        if previous is None:
+            os.environ.pop("FLA_FLASH_KDA", None)
+        else:
+            os.environ["FLA_FLASH_KDA"] = previous
+
+
+def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kda_prefill needs a CUDA GPU")
     from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -387,6 +429,7 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
 
     meta = {
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
+        "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
         "shape": {"H": H, "HV": HV, "K": K, "V": V, "chunk": CHUNK, "dtype": "bfloat16", "state": "float32"},
         "call_flags": CALL_FLAGS,
         "timing": {"mode": "cuda_graph" if args.cuda_graph else "eager", "stat": "median",

@@ -407,7 +407,7 @@ def _fmt_value(key: str, v: Any) -> str:
             return f"{v:.2e}"
         return f"{v:.4g}"
     if isinstance(v, (dict, list, tuple)):
-        return json.dumps(v, default=str)
+        return json.dumps(_jsonable(v))
     return str(v)
 
 

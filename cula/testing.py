@@ -47,3 +47,17 @@ def make_cu_seqlens(lengths: list[int], device="cpu", dtype=torch.int32) -> torc
     out = torch.zeros(len(lengths) + 1, dtype=dtype)
     out[1:] = torch.tensor(lengths, dtype=dtype).cumsum(0)
     return out.to(device)
+
+
+def poison_cuda_allocator(nbytes: int = 1 << 30) -> None:
+    """Fill the CUDA caching allocator's free memory with NaN bytes.
+
+    Outputs that a library allocates itself with ``torch.empty`` then start as NaN, so an element a
+    kernel never writes fails ``assert_close`` instead of passing by luck.
+    """
+    if not torch.cuda.is_available():
+        return
+    # All-ones bytes are NaN in fp32, bf16 and fp16 alike (a fp32 NaN's low half is a bf16 zero).
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    block.fill_(0xFF)
+    del block

@@ -174,7 +174,7 @@ class _Sequences:
 def _expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
     """[B, T, H, D] -> [B, T, HV, D]: value head hv reads head hv // (HV // H)."""
     H = x.shape[2]
-    return x if H == HV else x.repeat_interleave(HV // H, dim=2)
+    return x if H == HV else x.repeat(1, 1, HV // H, 1)
 
 
 def _recurrent_core(q, k, v, gk, gv, beta, scale, h0, delta_rule):

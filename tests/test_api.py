@@ -1,0 +1,292 @@
+"""Public API: FLA 0.6.0 signatures, argument validation, backend selection and the CPU path."""
+
+import inspect
+import logging
+import warnings
+
+import pytest
+import torch
+
+import cula.gated_delta_rule as cg
+import cula.kda as ck
+import cula.lightning as cl
+import cula.simple_gla as cs
+from cula.backends import BackendUnavailableError
+from cula.kda.backends import chunk_kda_registry
+from cula.testing import assert_close, make_cu_seqlens
+
+warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
+
+
+def _fla_pairs():
+    import fla.ops.gated_delta_rule as fg
+    import fla.ops.kda as fk
+    import fla.ops.lightning_attn as fl
+    import fla.ops.simple_gla as fs
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    return [
+        (ck.chunk_kda, fk.chunk_kda),
+        (ck.fused_recurrent_kda, fk.fused_recurrent_kda),
+        (ck.fused_recurrent_kda_fwd, fused_recurrent_kda_fwd),
+        (cg.chunk_gated_delta_rule, fg.chunk_gated_delta_rule),
+        (cg.fused_recurrent_gated_delta_rule, fg.fused_recurrent_gated_delta_rule),
+        (cs.chunk_simple_gla, fs.chunk_simple_gla),
+        (cs.fused_recurrent_simple_gla, fs.fused_recurrent_simple_gla),
+        (cl.chunk_lightning_attn, fl.chunk_lightning_attn),
+        (cl.fused_recurrent_lightning_attn, fl.fused_recurrent_lightning_attn),
+    ]
+
+
+def test_signatures_match_fla():
+    for ours, theirs in _fla_pairs():
+        a = [(p.name, p.default, p.kind) for p in inspect.signature(ours).parameters.values()]
+        b = [(p.name, p.default, p.kind) for p in inspect.signature(theirs).parameters.values()]
+        assert a == b, f"{ours.__name__}: {a} != FLA {b}"
+
+
+def test_aliases_match_fla():
+    assert cg.chunk_gdn is cg.chunk_gated_delta_rule
+    assert cg.fused_recurrent_gdn is cg.fused_recurrent_gated_delta_rule
+
+
+# ---------------------------------------------------------------- inputs
+
+B, T, H, HV, K, V = 1, 20, 2, 4, 16, 16
+
+
+def kda_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=torch.float32, requires_grad=False):
+    q = torch.randn(B, T, H, K, dtype=dtype)
+    k = torch.randn(B, T, H, K, dtype=dtype)
+    v = torch.randn(B, T, HV, V, dtype=dtype)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K)).to(dtype)
+    beta = torch.rand(B, T, HV, dtype=dtype)
+    out = dict(q=q, k=k, v=v, g=g, beta=beta)
+    for t in out.values():
+        t.requires_grad_(requires_grad)
+    return out
+
+
+def _bad_cases():
+    x = kda_inputs()
+    cu = make_cu_seqlens([5, 15])
+    h0 = torch.zeros(1, HV, K, V)
+    yield "q dtype int", dict(x, q=x["q"].long()), TypeError, "`q` must have dtype"
+    yield "q float64", dict(x, q=x["q"].double()), TypeError, "`q` must have dtype"
+    yield "q rank", dict(x, q=x["q"][0]), ValueError, "`q` must have 4 dimensions"
+    yield "k shape", dict(x, k=x["k"][:, :-1]), ValueError, "`k` must have shape"
+    yield "v dtype", dict(x, v=x["v"].half()), TypeError, "`v` must have dtype"
+    yield "v time", dict(x, v=x["v"][:, :-1]), ValueError, "`v` must have shape"
+    yield "gva", dict(x, v=torch.randn(B, T, 3, V), g=x["g"][:, :, :3], beta=x["beta"][:, :, :3]), ValueError, "GVA"
+    yield "g shape", dict(x, g=x["g"][..., :-1]), ValueError, "`g` must have shape"
+    yield "beta shape", dict(x, beta=x["beta"][..., None]), ValueError, "`beta` must have"
+    yield "device", dict(x, k=x["k"].to("meta")), ValueError, "`k` is on meta"
+    yield "last dim stride", dict(x, q=x["q"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError, \
+        "contiguous in its last dimension"
+    yield "head size", dict(x, q=torch.randn(B, T, H, 300), k=torch.randn(B, T, H, 300),
+                            g=torch.randn(B, T, HV, 300)), ValueError, "unsupported head size"
+    yield "cu float", dict(x, cu_seqlens=cu.float()), TypeError, "`cu_seqlens` must have dtype"
+    yield "cu 2d", dict(x, cu_seqlens=cu[None]), ValueError, "`cu_seqlens` must have 1 dimensions"
+    yield "cu start", dict(x, cu_seqlens=torch.tensor([1, 5, 20])), ValueError, "must start at 0"
+    yield "cu order", dict(x, cu_seqlens=torch.tensor([0, 15, 5, 20])), ValueError, "non-decreasing"
+    yield "cu end", dict(x, cu_seqlens=torch.tensor([0, 5, 19])), ValueError, "must end at the total"
+    yield "cu cpu end", dict(x, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 5, 21])), ValueError, "must end"
+    yield "cu batch", dict({n: torch.cat([t, t]) for n, t in x.items()}, cu_seqlens=make_cu_seqlens([20, 20])), \
+        ValueError, "batch size is expected to be 1"
+    yield "h0 shape", dict(x, initial_state=torch.zeros(1, HV, K, V + 1)), ValueError, "`initial_state` must have shape"
+    yield "h0 n varlen", dict(x, cu_seqlens=cu, initial_state=h0), ValueError, "`initial_state` must have shape"
+    yield "h0 dtype", dict(x, initial_state=h0.bfloat16()), TypeError, "`initial_state` must have dtype"
+    yield "unknown kwarg", dict(x, use_qk_l2norm=True), TypeError, "unexpected keyword argument"
+    yield "chunk size", dict(x, chunk_size=16), ValueError, "`chunk_size` must be either 32 or 64"
+    yield "neg eigval", dict(x, allow_neg_eigval=True), ValueError, "requires `use_beta_sigmoid_in_kernel"
+    yield "safe gate lb", dict(x, safe_gate=True, use_gate_in_kernel=True, A_log=torch.zeros(HV)), ValueError, \
+        "`lower_bound` must be specified"
+    yield "safe gate range", dict(x, safe_gate=True, use_gate_in_kernel=True, lower_bound=-6.0), ValueError, \
+        "safe range"
+    yield "gate no A_log", dict(x, use_gate_in_kernel=True), ValueError, "`A_log` must be provided"
+    yield "A_log shape", dict(x, use_gate_in_kernel=True, A_log=torch.zeros(HV + 1)), ValueError, "`A_log` must"
+    yield "dt_bias size", dict(x, use_gate_in_kernel=True, A_log=torch.zeros(HV), dt_bias=torch.zeros(HV)), \
+        ValueError, "`dt_bias` must have HV\\*K"
+    yield "scale tensor", dict(x, scale=torch.tensor(0.5)), TypeError, "`scale` must be a Python float"
+    yield "both layouts", dict(x, state_v_first=True, transpose_state_layout=True), ValueError, "not both"
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()), ids=lambda c: c[0])
+def test_chunk_kda_rejects_bad_input(case, monkeypatch):
+    _, kwargs, exc, match = case
+    # Validation must fire before any backend runs.
+    monkeypatch.setattr(chunk_kda_registry, "dispatch", lambda *a, **k: pytest.fail("dispatched bad input"))
+    with pytest.raises(exc, match=match):
+        ck.chunk_kda(**kwargs)
+
+
+@pytest.mark.parametrize("fn", ["fused_recurrent_kda", "fused_recurrent_kda_fwd"])
+def test_fused_recurrent_kda_rejects_bad_input(fn):
+    x = kda_inputs()
+    f = getattr(ck, fn)
+    kw = dict(inplace_final_state=False) if fn.endswith("_fwd") else {}
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        f(**x, **kw, bogus=1)
+    with pytest.raises(ValueError, match="`g` must have shape"):
+        f(**dict(x, g=x["g"][..., :3]), **kw)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        f(**x, **kw, cu_seqlens=torch.tensor([0, 12, 3, 20]))
+
+
+def test_other_ops_reject_bad_input():
+    x = kda_inputs()
+    q, k, v = x["q"], x["k"], x["v"]
+    g = torch.randn(B, T, HV)
+    with pytest.raises(ValueError, match="`g` must have shape"):
+        cg.chunk_gated_delta_rule(q, k, v, g[..., :1], x["beta"])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cg.chunk_gated_delta_rule(q, k, v, g, x["beta"], chunk_szie=64)
+    with pytest.raises(ValueError, match="chunk_size"):
+        cg.chunk_gated_delta_rule(q, k, v, g, x["beta"], chunk_size=128)
+    with pytest.raises(ValueError, match="head_first"):
+        cs.chunk_simple_gla(q, k, v, g=g, head_first=False)
+    with pytest.raises(ValueError, match="not both"):
+        cs.chunk_simple_gla(q, k, v, g=g, g_gamma=torch.zeros(HV))
+    with pytest.raises(TypeError, match="`decay` must have dtype"):
+        cl.lightning_attn_fwd(q, k, v, torch.zeros(HV, dtype=torch.float64))
+    with pytest.raises(ValueError, match="layer_idx"):
+        cl.chunk_lightning_attn(q, k, v[:, :, :H], layer_idx=3, num_layers=3)
+    with pytest.raises(ValueError, match="must start at 0"):
+        cs.fused_recurrent_simple_gla(q, k, v, g=g, cu_seqlens=torch.tensor([2, 20]))
+
+
+# ---------------------------------------------------------------- backend selection
+
+
+def test_cpu_runs_reference_and_logs_once(caplog):
+    x = kda_inputs()
+    with caplog.at_level(logging.INFO, logger="cula"):
+        ck.chunk_kda(**x)
+        ck.chunk_kda(**x)
+    lines = [r.getMessage() for r in caplog.records if "kda.chunk_kda" in r.getMessage()]
+    assert len(lines) <= 1
+    assert chunk_kda_registry.select(x["q"].device, dict(x, cp_context=None)).name == "reference"
+
+
+def test_forced_backend(monkeypatch):
+    x = kda_inputs()
+    monkeypatch.setenv("CULA_BACKEND", "fla")
+    with pytest.raises(BackendUnavailableError, match="CULA_BACKEND='fla' cannot run kda.chunk_kda: needs a CUDA"):
+        ck.chunk_kda(**x)
+    monkeypatch.setenv("CULA_BACKEND", "nonsense")
+    with pytest.raises(BackendUnavailableError, match="not a backend of kda.chunk_kda"):
+        ck.chunk_kda(**x)
+    monkeypatch.setenv("CULA_BACKEND", "reference")
+    o, _ = ck.chunk_kda(**x)
+    assert o.shape == x["v"].shape
+
+
+def test_reference_declines_fla_only_features():
+    x = kda_inputs()
+    with pytest.raises(BackendUnavailableError, match="cp_context"):
+        ck.chunk_kda(**x, cp_context=object())
+    with torch.inference_mode():
+        with pytest.raises(BackendUnavailableError, match="return_intermediate_states"):
+            ck.chunk_kda(**x, return_intermediate_states=True)
+
+
+# ---------------------------------------------------------------- CPU path
+
+
+def test_chunk_kda_cpu_matches_float64_reference_and_has_grads():
+    from cula.kda.naive import naive_recurrent_kda
+
+    x = kda_inputs(T=37, requires_grad=True)
+    h0 = torch.randn(B, HV, K, V, requires_grad=True)
+    o, ht = ck.chunk_kda(**x, initial_state=h0, output_final_state=True)
+    ro, rt = naive_recurrent_kda(*(x[n].double() for n in ("q", "k", "v", "g", "beta")),
+                                 initial_state=h0.double(), output_final_state=True)
+    assert o.dtype == x["q"].dtype and ht.dtype == torch.float32
+    assert_close("o", ro, o, 1e-5)
+    assert_close("ht", rt, ht, 1e-5)
+    (o.sum() + ht.sum()).backward()
+    for name in ("q", "k", "v", "g", "beta"):
+        assert x[name].grad is not None and torch.isfinite(x[name].grad).all(), name
+    assert h0.grad is not None
+
+
+def test_chunk_kda_cpu_state_layout_and_alias():
+    x = kda_inputs(T=9)
+    h0 = torch.randn(B, HV, K, V)
+    o, ht = ck.chunk_kda(**x, initial_state=h0, output_final_state=True)
+    o2, ht2 = ck.chunk_kda(**x, initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True,
+                           state_v_first=True)
+    with pytest.warns(DeprecationWarning):
+        o3, ht3 = ck.chunk_kda(**x, initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True,
+                               transpose_state_layout=True)
+    assert_close("o", o, o2, 1e-6)
+    assert_close("ht", ht, ht2.transpose(-1, -2), 1e-6)
+    assert torch.equal(o2, o3) and torch.equal(ht2, ht3)
+
+
+def test_chunk_kda_cpu_varlen_equals_separate_sequences():
+    lengths = [0, 1, 7, 12]
+    x = kda_inputs(T=sum(lengths))
+    cu = make_cu_seqlens(lengths)
+    h0 = torch.randn(len(lengths), HV, K, V)
+    o, ht = ck.chunk_kda(**x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        xi = {n: t[:, s:e] for n, t in x.items()}
+        oi, hi = ck.chunk_kda(**xi, initial_state=h0[i:i + 1], output_final_state=True)
+        assert_close(f"o[{i}]", oi, o[:, s:e], 1e-5)
+        assert_close(f"ht[{i}]", hi, ht[i:i + 1], 1e-5)
+
+
+def test_kda_gate_and_beta_flags_cpu():
+    from cula.kda.naive import kda_gate
+
+    x = kda_inputs(T=10)
+    raw_g, raw_b = torch.randn(B, T, HV, K)[:, :10], torch.randn(B, 10, HV)
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV * K)
+    o, _ = ck.chunk_kda(**dict(x, g=raw_g, beta=raw_b), use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                        allow_neg_eigval=True, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    qn = torch.nn.functional.normalize(x["q"], dim=-1, eps=0)
+    kn = torch.nn.functional.normalize(x["k"], dim=-1, eps=0)
+    o2, _ = ck.chunk_kda(qn, kn, x["v"], kda_gate(raw_g, A_log, dt_bias), 2 * raw_b.sigmoid())
+    assert_close("o", o2, o, 1e-4)
+
+
+def test_fused_recurrent_kda_cpu_matches_chunk():
+    x = kda_inputs(T=13)
+    h0 = torch.randn(B, HV, K, V)
+    o, ht = ck.chunk_kda(**x, initial_state=h0, output_final_state=True)
+    o2, ht2 = ck.fused_recurrent_kda(**x, initial_state=h0, output_final_state=True)
+    assert_close("o", o, o2, 1e-5)
+    assert_close("ht", ht, ht2, 1e-5)
+    pool = h0.clone()
+    o3, ht3 = ck.fused_recurrent_kda_fwd(**x, initial_state=pool)
+    assert ht3 is pool
+    assert_close("pool", ht, pool, 1e-5)
+
+
+def test_gdn_cpu_is_kda_with_broadcast_gate():
+    x = kda_inputs(T=11)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, 11, HV))
+    o, ht = cg.chunk_gated_delta_rule(x["q"], x["k"], x["v"], g, x["beta"], output_final_state=True)
+    o2, ht2 = ck.chunk_kda(**dict(x, g=g[..., None].expand(-1, -1, -1, K).contiguous()), output_final_state=True)
+    assert_close("o", o2, o, 1e-5)
+    assert_close("ht", ht2, ht, 1e-5)
+    o3, ht3 = cg.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=g, beta=x["beta"],
+                                                  output_final_state=True)
+    assert_close("o recurrent", o, o3, 1e-5)
+
+
+def test_lightning_wrappers_cpu():
+    x = kda_inputs(T=21, HV=H)
+    q, k, v = x["q"], x["k"], x["v"]
+    decay = torch.rand(H)
+    o, ht = cl.lightning_attn_fwd(q, k, v, decay, output_final_state=True)
+    o2, ht2 = cs.chunk_simple_gla(q, k, v, g_gamma=-decay, output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    g_gamma = cl.lightning_g_gamma(H, 2, 8)
+    assert torch.allclose(g_gamma, -(8 / H * (1 - 2 / 8)) * torch.arange(H, dtype=torch.float))
+    o3, _ = cl.chunk_lightning_attn(q, k, v, layer_idx=2, num_layers=8)
+    o4, _ = cl.fused_recurrent_lightning_attn(q, k, v, layer_idx=2, num_layers=8)
+    o5, _ = cs.chunk_simple_gla(q, k, v, g_gamma=g_gamma)
+    assert_close("chunk", o5, o3, 1e-6)
+    assert_close("recurrent", o5, o4, 1e-5)
