@@ -48,16 +48,12 @@ import os
 import sys
 import time
 import zlib
-from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+# The script's own directory is on sys.path when run as `python benchmarks/bench_kda_prefill.py`.
+import common as bc
 import torch
-
-_HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:
-    sys.path.insert(0, str(_HERE))
-
-import common as bc  # noqa: E402
 
 NAME = "kda_prefill"
 H = 64
@@ -205,15 +201,15 @@ def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, to
     }
 
 
-CALL_FLAGS = dict(
-    output_final_state=True,
-    use_gate_in_kernel=True,
-    use_qk_l2norm_in_kernel=True,
-    use_beta_sigmoid_in_kernel=True,
-    safe_gate=True,
-    lower_bound=LOWER_BOUND,
-    state_v_first=True,
-)
+CALL_FLAGS = {
+    "output_final_state": True,
+    "use_gate_in_kernel": True,
+    "use_qk_l2norm_in_kernel": True,
+    "use_beta_sigmoid_in_kernel": True,
+    "safe_gate": True,
+    "lower_bound": LOWER_BOUND,
+    "state_v_first": True,
+}
 
 
 def bind(fn: Callable, tensors: dict, shared: dict) -> Callable[[], Any]:
@@ -273,25 +269,35 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     n_sets = bc.n_rotation_sets(input_set_bytes(cfg), bc.l2_cache_bytes()) if args.l2 == "rotate" else 1
     sets = [make_set(cfg, i) for i in range(n_sets)]
 
+    errors: dict[str, str] = {}
+
+    def record(label: str, exc: Exception) -> None:
+        errors[label] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"WARNING: {cfg.name}: {label} raised {errors[label]}", file=sys.stderr, flush=True)
+
     fla_out = bind(fla_fn, sets[0], shared)()
-    cula_out, backend = call_recording_backend(bind(cula_fn, sets[0], shared))
-    torch.cuda.synchronize()
-    err, status = check(fla_out, cula_out)
-    del fla_out, cula_out
+    backend = "unknown"
+    try:
+        cula_out, backend = call_recording_backend(bind(cula_fn, sets[0], shared))
+        torch.cuda.synchronize()
+        err, status = check(fla_out, cula_out)
+        del cula_out
+    except Exception as exc:  # noqa: BLE001  (a raising cula call is a FAIL row, not a dead suite)
+        record("cula check", exc)
+        err, status = float("nan"), "FAIL"
+    del fla_out
     if status != "ok":
         print(f"WARNING: {cfg.name}: cula vs FLA relative RMSE {err:.3e} -> {status}"
               + (" (cula not timed)" if status == "FAIL" else ""), file=sys.stderr, flush=True)
 
-    timing = dict(iters=args.iters, warmup=args.warmup, cuda_graph=args.cuda_graph, l2=args.l2)
-    errors = {}
+    timing = {"iters": args.iters, "warmup": args.warmup, "cuda_graph": args.cuda_graph, "l2": args.l2}
 
     def timed(label: str, fn: Callable) -> bc.Timing | None:
         # A failure in one implementation (e.g. graph capture refused) costs that cell, not the suite.
         try:
             return bc.bench([bind(fn, s, shared) for s in sets], **timing)
         except Exception as exc:  # noqa: BLE001
-            errors[label] = f"{type(exc).__name__}: {exc}"[:300]
-            print(f"WARNING: {cfg.name}: timing {label} failed: {errors[label]}", file=sys.stderr, flush=True)
+            record(f"{label} timing", exc)
             torch.cuda.synchronize()
             return None
 
@@ -317,8 +323,6 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
         row["errors"] = errors
     if cfg.mode == "varlen":
         row["seq_lens"] = list(cfg.lens)
-    del sets, shared
-    torch.cuda.empty_cache()
     return row
 
 
@@ -405,18 +409,26 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         first_set, first_shared = make_set(first, 0), make_shared(first)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        bind(cula_chunk_kda, first_set, first_shared)()
-        torch.cuda.synchronize()
-        meta["cula_first_call_s"] = {first.name: round(time.perf_counter() - t0, 3)}
+        try:
+            bind(cula_chunk_kda, first_set, first_shared)()
+            torch.cuda.synchronize()
+            meta["cula_first_call_s"] = {first.name: round(time.perf_counter() - t0, 3)}
+        except Exception as exc:  # noqa: BLE001  (run_config records it again as a FAIL row)
+            meta["cula_first_call_s"] = {first.name: f"raised {type(exc).__name__}: {exc}"[:300]}
         del first_set, first_shared
 
         for cfg in cfgs:
             row = run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings)
+            torch.cuda.empty_cache()  # the 2 GB input sets of one config should not crowd the next
             rows.append(row)
             progress.update(cfg.name, fla_ms=row["fla_ms"], cula_ms=row["cula_ms"], speedup=row["speedup"],
-                            max_rel_err=row["max_rel_err"], floor_pct=row["floor_pct"])
+                            max_rel_err=row["max_rel_err"], check=row["check"], backend=row["backend"],
+                            floor_pct=row["floor_pct"])
         if not args.no_host_overhead:
-            meta["host_overhead_us"] = host_overhead(fla_chunk_kda, cula_chunk_kda)
+            try:
+                meta["host_overhead_us"] = host_overhead(fla_chunk_kda, cula_chunk_kda)
+            except Exception as exc:  # noqa: BLE001  (informational; never lose the suite's rows to it)
+                meta["host_overhead_us"] = f"raised {type(exc).__name__}: {exc}"[:300]
 
     try:
         import cula.cache

@@ -77,7 +77,7 @@ def l2_cache_bytes(device: torch.device | int | None = None) -> int:
     try:
         props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
         size = int(getattr(props, "L2_cache_size", 0) or 0)
-    except Exception:
+    except (RuntimeError, AssertionError):  # no CUDA device
         size = 0
     return size if size > 0 else DEFAULT_L2_BYTES
 
@@ -172,7 +172,6 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, iters: int = 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
     t = bench(lambda: dst.copy_(src), iters=iters, warmup=3)
-    del src, dst
     return 2 * nbytes / (t.median_ms * 1e-3) / 1e12
 
 
@@ -182,7 +181,6 @@ def measure_bf16_gemm_tflops(n: int = 8192, iters: int = 30) -> float:
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     c = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
     t = bench(lambda: torch.mm(a, b, out=c), iters=iters, warmup=5)
-    del a, b, c
     return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
 
 
@@ -306,22 +304,23 @@ def package_versions(packages: Sequence[str] = VERSION_PACKAGES) -> dict[str, st
 
 
 def _driver_version() -> str:
+    """Kernel-driver version string (e.g. "570.124.06"); torch only exposes the CUDA runtime version."""
     try:
         res = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
+            check=False, capture_output=True, text=True, timeout=20,
         )
         if res.returncode == 0 and res.stdout.strip():
             return res.stdout.strip().splitlines()[0].strip()
-    except Exception:
-        pass
+    except (OSError, subprocess.SubprocessError):
+        pass  # no nvidia-smi on PATH: try NVML below
     try:
         import pynvml
 
         pynvml.nvmlInit()
         ver = pynvml.nvmlSystemGetDriverVersion()
         return ver.decode() if isinstance(ver, bytes) else str(ver)
-    except Exception:
+    except Exception:  # noqa: BLE001  (pynvml missing or NVMLError: the version is informational only)
         return "unknown"
 
 
@@ -329,14 +328,14 @@ def _git_revision() -> str:
     """Commit of the checkout being benchmarked (``+dirty`` with local edits); identifies cula's code."""
     root = Path(__file__).resolve().parent.parent
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10)
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=root,
+                             capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], check=False,
+                               cwd=root, capture_output=True, text=True, timeout=10)
         return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except Exception:
+    except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
@@ -444,6 +443,9 @@ def render_markdown(name: str, meta: dict, rows: Sequence[dict], columns: Sequen
         )
     else:
         lines.append("**Summary**: no config has a speedup.")
+    missing = len(rows) - s["n"]
+    if missing:
+        lines[-1] += f" {missing} config(s) have no speedup (failed check or timing) and are left out."
     return "\n".join(lines) + "\n"
 
 

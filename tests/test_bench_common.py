@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
@@ -11,10 +12,10 @@ import pytest
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH_DIR))
-
-import bench_kda_prefill as kda_bench  # noqa: E402
-import common as bc  # noqa: E402
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))  # benchmarks/ is a script folder, not a package
+bc = importlib.import_module("common")
+kda_bench = importlib.import_module("bench_kda_prefill")
 
 
 def fake_rows() -> list[dict]:
@@ -108,7 +109,6 @@ def _garbage_kda(q, k, v, g, beta, initial_state, **kwargs):
 def test_kda_run_config_with_fake_impls(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bc, "l2_cache_bytes", lambda *a: 60 * 2**20)
     monkeypatch.setattr(bc, "n_rotation_sets", lambda *a, **k: 2)
     monkeypatch.setattr(kda_bench, "DEVICE", "cpu")

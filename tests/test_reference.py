@@ -28,7 +28,11 @@ from cula.kda.naive import (
     reference_chunk_kda,
 )
 from cula.lightning.naive import lightning_g_gamma, reference_chunk_lightning_attn, reference_lightning_attn
-from cula.simple_gla.naive import naive_chunk_simple_gla, naive_recurrent_simple_gla, reference_chunk_simple_gla
+from cula.simple_gla.naive import (
+    naive_chunk_simple_gla,
+    naive_recurrent_simple_gla,
+    reference_chunk_simple_gla,
+)
 from cula.testing import make_cu_seqlens, rel_rmse
 
 F64 = torch.float64
@@ -120,7 +124,7 @@ def test_kda_chunk_matches_recurrent(case):
     B, T, H, HV, K, V, C, use_h0, vf = case
     q, k, v, g, beta, h0 = _inputs(B, T, H, HV, K, V)
     h0 = (h0.transpose(-1, -2) if vf else h0) if use_h0 else None
-    kw = dict(initial_state=h0, output_final_state=True, state_v_first=vf)
+    kw = {"initial_state": h0, "output_final_state": True, "state_v_first": vf}
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
     o_c, s_c = naive_chunk_kda(q, k, v, g, beta, chunk_size=C, **kw)
     assert o_r.dtype == F64 and s_r.dtype == F64
@@ -145,8 +149,16 @@ def test_kda_state_v_first_is_transpose(form):
     q, k, v, g, beta, h0 = _inputs(2, 40, 1, 2, 16, 8, seed=2)
     fn = naive_recurrent_kda if form == "recurrent" else naive_chunk_kda
     o_a, s_a = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_b, s_b = fn(q, k, v, g, beta, initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True,
-                  state_v_first=True)
+    o_b, s_b = fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0.transpose(-1, -2).contiguous(),
+        output_final_state=True,
+        state_v_first=True,
+    )
     assert s_b.shape == (2, 2, 8, 16)
     torch.testing.assert_close(o_a, o_b, rtol=0, atol=1e-13)
     torch.testing.assert_close(s_a, s_b.transpose(-1, -2), rtol=0, atol=1e-13)
@@ -160,9 +172,11 @@ VARLEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", VARLEN_CASES,
-                         ids=lambda c: "L" + "_".join(map(str, c[0])) + f"-H{c[1]}-HV{c[2]}-C{c[3]}"
-                         + ("-vfirst" if c[4] else ""))
+@pytest.mark.parametrize(
+    "case",
+    VARLEN_CASES,
+    ids=lambda c: "L" + "_".join(map(str, c[0])) + f"-H{c[1]}-HV{c[2]}-C{c[3]}" + ("-vfirst" if c[4] else ""),
+)
 def test_kda_varlen(case):
     lens, H, HV, C, vf = case
     K, V = 16, 8
@@ -171,7 +185,7 @@ def test_kda_varlen(case):
     h0 = torch.randn(N, HV, V, K, generator=_gen(4), dtype=F64)
     h0 = h0 if vf else h0.transpose(-1, -2).contiguous()
     cu = make_cu_seqlens(lens)
-    kw = dict(initial_state=h0, output_final_state=True, state_v_first=vf, cu_seqlens=cu)
+    kw = {"initial_state": h0, "output_final_state": True, "state_v_first": vf, "cu_seqlens": cu}
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
     o_c, s_c = naive_chunk_kda(q, k, v, g, beta, chunk_size=C, **kw)
     assert o_r.shape == (1, total, HV, V) and s_r.shape == h0.shape
@@ -180,16 +194,25 @@ def test_kda_varlen(case):
     # each sequence on its own must give the same rows; an empty one passes its state through
     for n, (bos, eos) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         sl = slice(bos, eos)
-        o_n, s_n = naive_chunk_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], chunk_size=C,
-                                   initial_state=h0[n:n + 1], output_final_state=True, state_v_first=vf)
+        o_n, s_n = naive_chunk_kda(
+            q[:, sl],
+            k[:, sl],
+            v[:, sl],
+            g[:, sl],
+            beta[:, sl],
+            chunk_size=C,
+            initial_state=h0[n : n + 1],
+            output_final_state=True,
+            state_v_first=vf,
+        )
         torch.testing.assert_close(o_n, o_c[:, sl], rtol=0, atol=1e-12)
-        torch.testing.assert_close(s_n, s_c[n:n + 1], rtol=0, atol=1e-12)
+        torch.testing.assert_close(s_n, s_c[n : n + 1], rtol=0, atol=1e-12)
         if eos == bos:
-            torch.testing.assert_close(s_n, h0[n:n + 1], rtol=0, atol=0)
+            torch.testing.assert_close(s_n, h0[n : n + 1], rtol=0, atol=0)
 
 
 def test_kda_no_final_state_and_float32_compute():
-    q, k, v, g, beta, h0 = _inputs(1, 20, 1, 1, 8, 8, dtype=torch.float32)
+    q, k, v, g, beta, _ = _inputs(1, 20, 1, 1, 8, 8, dtype=torch.float32)
     o, s = naive_chunk_kda(q, k, v, g, beta, chunk_size=16)
     assert s is None and o.dtype == torch.float32
     o64, _ = naive_chunk_kda(q, k, v, g, beta, chunk_size=16, compute_dtype=F64)
@@ -205,8 +228,7 @@ def test_kda_no_final_state_and_float32_compute():
 @pytest.fixture(scope="module")
 def fla_kda():
     pytest.importorskip("fla")
-    import fla.ops.kda.gate as gate
-    import fla.ops.kda.naive as naive
+    from fla.ops.kda import gate, naive
 
     return naive, gate
 
@@ -215,8 +237,9 @@ def test_kda_vs_fla_naive_recurrent(fla_kda):
     naive, _ = fla_kda
     q, k, v, g, beta, h0 = _inputs(2, 50, 2, 4, 16, 8, seed=5)
     o, s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_f, s_f = naive.naive_recurrent_kda(*(x.float() for x in (q, k, v, g, beta)), initial_state=h0.float(),
-                                         output_final_state=True)
+    o_f, s_f = naive.naive_recurrent_kda(
+        *(x.float() for x in (q, k, v, g, beta)), initial_state=h0.float(), output_final_state=True
+    )
     _close(o, o_f, FP32)
     _close(s, s_f, FP32, "state")
 
@@ -225,8 +248,12 @@ def test_kda_vs_fla_naive_chunk(fla_kda):
     naive, _ = fla_kda
     q, k, v, g, beta, h0 = _inputs(1, 128, 1, 2, 16, 16, seed=6)
     o, s = naive_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=64)
-    o_f, s_f = naive.naive_chunk_kda(*(x.float() for x in (q, k, v, g, beta)), initial_state=h0.float(),
-                                     output_final_state=True, chunk_size=64)
+    o_f, s_f = naive.naive_chunk_kda(
+        *(x.float() for x in (q, k, v, g, beta)),
+        initial_state=h0.float(),
+        output_final_state=True,
+        chunk_size=64,
+    )
     _close(o, o_f, FP32)
     _close(s, s_f, FP32, "state")
 
@@ -282,7 +309,9 @@ PRE_CASES = [
 def _pre_id(c):
     l2, gate, bs, neg, lb, a, vl, form = c
     parts = [form] + (["l2"] if l2 else []) + ([f"gate-lb{lb}" + ("-A" if a else "")] if gate else [])
-    return "-".join(parts + (["sigmoid"] if bs else []) + (["neg"] if neg else []) + (["varlen"] if vl else []))
+    return "-".join(
+        parts + (["sigmoid"] if bs else []) + (["neg"] if neg else []) + (["varlen"] if vl else [])
+    )
 
 
 @pytest.mark.parametrize("case", PRE_CASES, ids=_pre_id)
@@ -303,10 +332,25 @@ def test_reference_chunk_kda_preprocessing(case):
     cu = make_cu_seqlens(lens) if varlen else None
 
     g = g_raw if use_gate else F.logsigmoid(g_raw)
-    o, s = reference_chunk_kda(q, k, v, g, b_raw if use_bs else b_raw.sigmoid(), initial_state=h0,
-                               output_final_state=True, use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=use_gate,
-                               use_beta_sigmoid_in_kernel=use_bs, allow_neg_eigval=neg, lower_bound=lb,
-                               A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, form=form, chunk_size=16)
+    o, s = reference_chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        b_raw if use_bs else b_raw.sigmoid(),
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=l2,
+        use_gate_in_kernel=use_gate,
+        use_beta_sigmoid_in_kernel=use_bs,
+        allow_neg_eigval=neg,
+        lower_bound=lb,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        cu_seqlens=cu,
+        form=form,
+        chunk_size=16,
+    )
 
     # expected: the documented formulas written out here
     qe, ke = (_l2(q), _l2(k)) if l2 else (q, k)
@@ -319,7 +363,9 @@ def test_reference_chunk_kda_preprocessing(case):
     else:
         ge = g
     be = (2 if neg else 1) * torch.sigmoid(b_raw)
-    o_e, s_e = naive_recurrent_kda(qe, ke, v, ge, be, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o_e, s_e = naive_recurrent_kda(
+        qe, ke, v, ge, be, initial_state=h0, output_final_state=True, cu_seqlens=cu
+    )
     assert o.dtype == F64 and s.dtype == torch.float32
     _close(o_e, o, TIGHT)
     _close(s_e, s, 1e-7, "state")  # the final state is returned in float32, like FLA
@@ -328,8 +374,9 @@ def test_reference_chunk_kda_preprocessing(case):
 def test_reference_chunk_kda_output_dtypes_and_errors():
     q, k, v, g, beta, h0 = _inputs(1, 10, 1, 1, 8, 8)
     q16, k16, v16 = (x.to(torch.bfloat16) for x in (q, k, v))
-    o, s = reference_chunk_kda(q16, k16, v16, g.float(), beta.float(), initial_state=h0.float(),
-                               output_final_state=True)
+    o, s = reference_chunk_kda(
+        q16, k16, v16, g.float(), beta.float(), initial_state=h0.float(), output_final_state=True
+    )
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     o, s = reference_chunk_kda(q16, k16, v16, g.float(), beta.float())
     assert s is None
@@ -356,9 +403,15 @@ GDN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", GDN_CASES,
-                         ids=lambda c: (f"B{c[0]}-T{c[1]}" if c[6] is None else "L" + "_".join(map(str, c[6])))
-                         + f"-H{c[2]}-HV{c[3]}-C{c[4]}" + ("-vfirst" if c[5] else ""))
+@pytest.mark.parametrize(
+    "case",
+    GDN_CASES,
+    ids=lambda c: (
+        (f"B{c[0]}-T{c[1]}" if c[6] is None else "L" + "_".join(map(str, c[6])))
+        + f"-H{c[2]}-HV{c[3]}-C{c[4]}"
+        + ("-vfirst" if c[5] else "")
+    ),
+)
 def test_gdn_chunk_matches_recurrent(case):
     B, T, H, HV, C, vf, lens = case
     T = sum(lens) if lens else T
@@ -366,8 +419,12 @@ def test_gdn_chunk_matches_recurrent(case):
     N = len(lens) if lens else B
     h0 = torch.randn(N, HV, 16, 8, generator=_gen(11), dtype=F64)
     h0 = h0.transpose(-1, -2) if vf else h0
-    kw = dict(initial_state=h0, output_final_state=True, state_v_first=vf,
-              cu_seqlens=make_cu_seqlens(lens) if lens else None)
+    kw = {
+        "initial_state": h0,
+        "output_final_state": True,
+        "state_v_first": vf,
+        "cu_seqlens": make_cu_seqlens(lens) if lens else None,
+    }
     o_r, s_r = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
     o_c, s_c = naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=C, **kw)
     _close(o_r, o_c, TIGHT)
@@ -390,12 +447,14 @@ def test_gdn_vs_fla_naive():
     o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     f32 = [x.float() for x in (q, k, v, g, beta)]
     # FLA's naive recurrent takes beta before g; its naive chunk takes chunk_size sixth
-    o_f, s_f = fla_gdn.naive_recurrent_gated_delta_rule(f32[0], f32[1], f32[2], f32[4], f32[3],
-                                                        initial_state=h0.float(), output_final_state=True)
+    o_f, s_f = fla_gdn.naive_recurrent_gated_delta_rule(
+        f32[0], f32[1], f32[2], f32[4], f32[3], initial_state=h0.float(), output_final_state=True
+    )
     _close(o, o_f, FP32)
     _close(s, s_f, FP32, "state")
-    o_fc, s_fc = fla_gdn.naive_chunk_gated_delta_rule(*f32, chunk_size=64, initial_state=h0.float(),
-                                                      output_final_state=True)
+    o_fc, s_fc = fla_gdn.naive_chunk_gated_delta_rule(
+        *f32, chunk_size=64, initial_state=h0.float(), output_final_state=True
+    )
     _close(o, o_fc, FP32, "o(chunk)")
     _close(s, s_fc, FP32, "state(chunk)")
 
@@ -420,12 +479,30 @@ def test_reference_chunk_gdn_preprocessing(form):
     g_raw, b_raw = (torch.randn(1, 33, HV, generator=gen, dtype=F64) for _ in range(2))
     A_log, dt_bias = (torch.randn(HV, generator=gen, dtype=F64) for _ in range(2))
     cu = make_cu_seqlens([0, 13, 20])
-    o, s = reference_chunk_gated_delta_rule(q, k, v, g_raw, b_raw, None, None, True, True, True, True, False, cu,
-                                            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, form=form,
-                                            chunk_size=16)
+    o, s = reference_chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g_raw,
+        b_raw,
+        None,
+        None,
+        True,
+        True,
+        True,
+        True,
+        False,
+        cu,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        form=form,
+        chunk_size=16,
+    )
     ge = -A_log.exp() * F.softplus(g_raw + dt_bias)
-    o_e, s_e = naive_recurrent_gated_delta_rule(_l2(q), _l2(k), v, ge, 2 * b_raw.sigmoid(), cu_seqlens=cu,
-                                                output_final_state=True)
+    o_e, s_e = naive_recurrent_gated_delta_rule(
+        _l2(q), _l2(k), v, ge, 2 * b_raw.sigmoid(), cu_seqlens=cu, output_final_state=True
+    )
     _close(o_e, o, TIGHT)
     _close(s_e, s, 1e-7, "state")
 
@@ -439,8 +516,18 @@ def test_reference_fused_recurrent_gdn_gk_gv(vf):
     gv = F.logsigmoid(torch.randn(B, T, HV, V, generator=gen, dtype=F64) + 2)
     beta_v = torch.rand(B, T, HV, V, generator=gen, dtype=F64)
     h0_in = h0.transpose(-1, -2) if vf else h0
-    o, s = reference_fused_recurrent_gated_delta_rule(q, k, v, g=g, gk=gk, gv=gv, beta=beta_v, initial_state=h0_in,
-                                                      output_final_state=True, state_v_first=vf)
+    o, s = reference_fused_recurrent_gated_delta_rule(
+        q,
+        k,
+        v,
+        g=g,
+        gk=gk,
+        gv=gv,
+        beta=beta_v,
+        initial_state=h0_in,
+        output_final_state=True,
+        state_v_first=vf,
+    )
     o_ref, s_ref = _oracle(q, k, v, gk=gk + g[..., None], gv=gv, beta=beta_v, h0=h0)
     _close(o_ref, o, TIGHT)
     _close(s_ref, s.transpose(-1, -2) if vf else s, 1e-7, "state")
@@ -453,8 +540,17 @@ def test_reference_fused_recurrent_gdn_gk_gv(vf):
 def test_reference_fused_recurrent_gdn_gate_in_kernel():
     q, k, v, g_raw, beta, _ = _inputs(1, 12, 2, 2, 8, 8, seed=18, scalar_gate=True)
     A_log, dt_bias = torch.randn(2, dtype=F64), torch.randn(2, dtype=F64)
-    o, _ = reference_fused_recurrent_gated_delta_rule(q, k, v, g=g_raw, beta=beta, use_gate_in_kernel=True,
-                                                      A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True)
+    o, _ = reference_fused_recurrent_gated_delta_rule(
+        q,
+        k,
+        v,
+        g=g_raw,
+        beta=beta,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_qk_l2norm_in_kernel=True,
+    )
     o_e, _ = naive_recurrent_gated_delta_rule(_l2(q), _l2(k), v, gdn_gate(g_raw, A_log, dt_bias), beta)
     _close(o_e, o, TIGHT)
 
@@ -473,10 +569,16 @@ SGLA_CASES = [
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
-@pytest.mark.parametrize("case", SGLA_CASES,
-                         ids=lambda c: f"{c[0]}-" + (f"B{c[1]}-T{c[2]}" if c[7] is None else
-                                                     "L" + "_".join(map(str, c[7])))
-                         + f"-H{c[3]}-HV{c[4]}-C{c[5]}" + ("-vfirst" if c[6] else ""))
+@pytest.mark.parametrize(
+    "case",
+    SGLA_CASES,
+    ids=lambda c: (
+        f"{c[0]}-"
+        + (f"B{c[1]}-T{c[2]}" if c[7] is None else "L" + "_".join(map(str, c[7])))
+        + f"-H{c[3]}-HV{c[4]}-C{c[5]}"
+        + ("-vfirst" if c[6] else "")
+    ),
+)
 def test_simple_gla_chunk_matches_recurrent(case, reverse):
     kind, B, T, H, HV, C, vf, lens = case
     T = sum(lens) if lens else T
@@ -486,8 +588,13 @@ def test_simple_gla_chunk_matches_recurrent(case, reverse):
     g_gamma = g_gamma if kind in ("gamma", "both") else None
     N = len(lens) if lens else B
     h0 = torch.randn(N, HV, 16, 8, generator=_gen(21), dtype=F64)
-    kw = dict(initial_state=h0.transpose(-1, -2) if vf else h0, output_final_state=True, state_v_first=vf,
-              cu_seqlens=make_cu_seqlens(lens) if lens else None, reverse=reverse)
+    kw = {
+        "initial_state": h0.transpose(-1, -2) if vf else h0,
+        "output_final_state": True,
+        "state_v_first": vf,
+        "cu_seqlens": make_cu_seqlens(lens) if lens else None,
+        "reverse": reverse,
+    }
     o_r, s_r = naive_recurrent_simple_gla(q, k, v, g, g_gamma, **kw)
     o_c, s_c = naive_chunk_simple_gla(q, k, v, g, g_gamma, chunk_size=C, **kw)
     _close(o_r, o_c, TIGHT)
@@ -496,8 +603,9 @@ def test_simple_gla_chunk_matches_recurrent(case, reverse):
         gate = (g if g is not None else 0) + (g_gamma if g_gamma is not None else torch.zeros(HV, dtype=F64))
         gate = gate.expand(B, T, HV) if torch.is_tensor(gate) else gate
         flip = (lambda x: x.flip(1)) if reverse else (lambda x: x)
-        o_ref, s_ref = _oracle(flip(q), flip(k), flip(v), gk=flip(gate)[..., None].expand(-1, -1, -1, 16), h0=h0,
-                               delta=False)
+        o_ref, s_ref = _oracle(
+            flip(q), flip(k), flip(v), gk=flip(gate)[..., None].expand(-1, -1, -1, 16), h0=h0, delta=False
+        )
         _close(flip(o_ref), o_r, TIGHT, "o(oracle)")
         _close(s_ref, s_r.transpose(-1, -2) if vf else s_r, TIGHT, "state(oracle)")
 
@@ -506,12 +614,16 @@ def test_simple_gla_reverse_varlen_is_per_sequence_flip():
     lens = [3, 0, 20, 1]
     q, k, v, g, _, _ = _inputs(1, sum(lens), 1, 2, 8, 8, seed=22, scalar_gate=True)
     cu = make_cu_seqlens(lens)
-    o, s = naive_chunk_simple_gla(q, k, v, g, reverse=True, cu_seqlens=cu, output_final_state=True, chunk_size=16)
+    o, s = naive_chunk_simple_gla(
+        q, k, v, g, reverse=True, cu_seqlens=cu, output_final_state=True, chunk_size=16
+    )
     for n, (bos, eos) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         sl = slice(bos, eos)
-        o_n, s_n = naive_recurrent_simple_gla(*(x[:, sl].flip(1) for x in (q, k, v, g)), output_final_state=True)
+        o_n, s_n = naive_recurrent_simple_gla(
+            *(x[:, sl].flip(1) for x in (q, k, v, g)), output_final_state=True
+        )
         torch.testing.assert_close(o_n.flip(1), o[:, sl], rtol=0, atol=1e-12)
-        torch.testing.assert_close(s_n, s[n:n + 1], rtol=0, atol=1e-12)
+        torch.testing.assert_close(s_n, s[n : n + 1], rtol=0, atol=1e-12)
 
 
 def test_simple_gla_vs_fla_naive():
@@ -524,13 +636,16 @@ def test_simple_gla_vs_fla_naive():
     o_f, s_f = fla_sgla.naive_recurrent_simple_gla(*f32, initial_state=h0.float(), output_final_state=True)
     _close(o, o_f, FP32)
     _close(s, s_f, FP32, "state")
-    o_fc, s_fc = fla_sgla.naive_chunk_simple_gla(*f32, initial_state=h0.float(), output_final_state=True,
-                                                 chunk_size=64)
+    o_fc, s_fc = fla_sgla.naive_chunk_simple_gla(
+        *f32, initial_state=h0.float(), output_final_state=True, chunk_size=64
+    )
     _close(o, o_fc, FP32, "o(chunk)")
     _close(s, s_fc, FP32, "state(chunk)")
 
 
-@pytest.mark.parametrize("H,layer_idx,num_layers", [(1, 0, 1), (4, 0, 24), (8, 5, 24), (6, 23, 24), (64, 12, 48)])
+@pytest.mark.parametrize(
+    "H,layer_idx,num_layers", [(1, 0, 1), (4, 0, 24), (8, 5, 24), (6, 23, 24), (64, 12, 48)]
+)
 def test_lightning_g_gamma_matches_fla(monkeypatch, H, layer_idx, num_layers):
     pytest.importorskip("fla")
     import fla.ops.lightning_attn.chunk as fla_lightning
@@ -555,8 +670,9 @@ def test_lightning_is_simple_gla_with_negated_decay(form):
     q, k, v, _, _, h0 = _inputs(1, 50, 2, 2, 16, 16, seed=24)
     decay = torch.tensor([0.0, 0.25], dtype=F64)
     o, s = reference_lightning_attn(q, k, v, decay, initial_state=h0, output_final_state=True, form=form)
-    o_e, s_e = reference_chunk_simple_gla(q, k, v, g_gamma=-decay, initial_state=h0, output_final_state=True,
-                                          form="recurrent")
+    o_e, s_e = reference_chunk_simple_gla(
+        q, k, v, g_gamma=-decay, initial_state=h0, output_final_state=True, form="recurrent"
+    )
     _close(o_e, o, TIGHT)
     _close(s_e, s, 1e-7, "state")
     o2, _ = reference_chunk_lightning_attn(q, k, v, layer_idx=3, num_layers=8, form=form)
@@ -586,10 +702,22 @@ def test_gradcheck_kda_chunk_full_preprocessing():
     cu = make_cu_seqlens([2, 3])
 
     def fn(q, k, v, g, beta, h0, A_log, dt_bias):
-        return reference_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                   use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                                   cu_seqlens=cu, chunk_size=2)[0]
+        return reference_chunk_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            cu_seqlens=cu,
+            chunk_size=2,
+        )[0]
 
     assert torch.autograd.gradcheck(fn, _leaves(q, k, v, g, beta, h0, A_log, dt_bias))
 
@@ -609,8 +737,9 @@ def test_gradcheck_gdn_chunk_state_v_first():
     q, k, v, g, beta, h0 = _inputs(1, 6, 1, 2, 3, 2, seed=33, scalar_gate=True)
 
     def fn(q, k, v, g, beta, h0):
-        return naive_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                            state_v_first=True, chunk_size=4)
+        return naive_chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, state_v_first=True, chunk_size=4
+        )
 
     assert torch.autograd.gradcheck(fn, _leaves(q, k, v, g, beta, h0.transpose(-1, -2)))
 
@@ -621,8 +750,9 @@ def test_gradcheck_simple_gla_and_lightning():
     h0 = torch.cat([h0, h0.flip(-1)])
 
     def sgla(q, k, v, g, h0):
-        return naive_chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                      reverse=True, chunk_size=2)
+        return naive_chunk_simple_gla(
+            q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu, reverse=True, chunk_size=2
+        )
 
     assert torch.autograd.gradcheck(sgla, _leaves(q, k, v, g, h0))
 

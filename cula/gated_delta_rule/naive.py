@@ -27,8 +27,8 @@ from cula.kda.naive import (
 
 __all__ = [
     "gdn_gate",
-    "naive_recurrent_gated_delta_rule",
     "naive_chunk_gated_delta_rule",
+    "naive_recurrent_gated_delta_rule",
     "reference_chunk_gated_delta_rule",
     "reference_fused_recurrent_gated_delta_rule",
 ]
@@ -86,9 +86,19 @@ def naive_recurrent_gated_delta_rule(
     Returns:
         ``(o [B, T, HV, V], final_state or None)`` in the compute dtype.
     """
-    return naive_recurrent_kda(q, k, v, _per_key(g, q.shape[-1]), beta, scale=scale,
-                               initial_state=initial_state, output_final_state=output_final_state,
-                               state_v_first=state_v_first, cu_seqlens=cu_seqlens, compute_dtype=compute_dtype)
+    return naive_recurrent_kda(
+        q,
+        k,
+        v,
+        _per_key(g, q.shape[-1]),
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        compute_dtype=compute_dtype,
+    )
 
 
 def naive_chunk_gated_delta_rule(
@@ -110,9 +120,20 @@ def naive_chunk_gated_delta_rule(
     Note the argument order differs from FLA's ``naive_chunk_gated_delta_rule``, whose sixth positional
     argument is ``chunk_size``.
     """
-    return naive_chunk_kda(q, k, v, _per_key(g, q.shape[-1]), beta, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, state_v_first=state_v_first,
-                           cu_seqlens=cu_seqlens, chunk_size=chunk_size, compute_dtype=compute_dtype)
+    return naive_chunk_kda(
+        q,
+        k,
+        v,
+        _per_key(g, q.shape[-1]),
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+        compute_dtype=compute_dtype,
+    )
 
 
 def reference_chunk_gated_delta_rule(
@@ -157,15 +178,22 @@ def reference_chunk_gated_delta_rule(
     if form not in ("chunk", "recurrent"):
         raise ValueError(f"form must be 'chunk' or 'recurrent', got {form!r}")
     dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
-    q2, k2, beta2 = _preprocess_qk_beta(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                        allow_neg_eigval, dtype)
+    q2, k2, beta2 = _preprocess_qk_beta(
+        q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, dtype
+    )
     g2 = g.to(dtype)
     if use_gate_in_kernel:
         if A_log is None:
             raise ValueError("A_log must be provided when use_gate_in_kernel=True.")
         g2 = gdn_gate(g2, A_log, dt_bias).to(dtype)
-    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                  state_v_first=state_v_first, cu_seqlens=cu_seqlens, compute_dtype=dtype)
+    common = {
+        "scale": scale,
+        "initial_state": initial_state,
+        "output_final_state": output_final_state,
+        "state_v_first": state_v_first,
+        "cu_seqlens": cu_seqlens,
+        "compute_dtype": dtype,
+    }
     if form == "chunk":
         o, S = naive_chunk_gated_delta_rule(q2, k2, v, g2, beta2, chunk_size=chunk_size, **common)
     else:
@@ -214,8 +242,9 @@ def reference_fused_recurrent_gated_delta_rule(
     dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
     if beta is None:
         beta = q.new_ones(v.shape[:3], dtype=dtype)
-    q2, k2, beta2 = _preprocess_qk_beta(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                        allow_neg_eigval, dtype)
+    q2, k2, beta2 = _preprocess_qk_beta(
+        q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, dtype
+    )
     if use_gate_in_kernel:
         if A_log is None:
             raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`.")
@@ -227,7 +256,18 @@ def reference_fused_recurrent_gated_delta_rule(
         decay_k = _per_key(g.to(dtype), q.shape[-1])
     if gk is not None:
         decay_k = gk.to(dtype) if decay_k is None else decay_k + gk.to(dtype)
-    o, S = recurrent_linear_attention(q2, k2, v, gk=decay_k, gv=gv, beta=beta2, scale=scale,
-                                      initial_state=initial_state, output_final_state=output_final_state,
-                                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, compute_dtype=dtype)
+    o, S = recurrent_linear_attention(
+        q2,
+        k2,
+        v,
+        gk=decay_k,
+        gv=gv,
+        beta=beta2,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        compute_dtype=dtype,
+    )
     return _finish(o, S, q.dtype)

@@ -31,17 +31,19 @@ Conventions shared by every function (they follow FLA 0.6.0):
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "beta_activation",
+    "chunk_linear_attention",
     "kda_gate",
     "l2norm",
-    "beta_activation",
-    "recurrent_linear_attention",
-    "chunk_linear_attention",
-    "naive_recurrent_kda",
     "naive_chunk_kda",
+    "naive_recurrent_kda",
+    "recurrent_linear_attention",
     "reference_chunk_kda",
 ]
 
@@ -133,7 +135,7 @@ class _Sequences:
         bounds = [int(x) for x in cu_seqlens.tolist()]
         if len(bounds) < 1 or bounds[0] != 0 or bounds[-1] != T:
             raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {bounds}")
-        lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+        lens = [e - s for s, e in itertools.pairwise(bounds)]
         if any(n < 0 for n in lens):
             raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
         self.N = len(lens)
@@ -174,7 +176,7 @@ class _Sequences:
 def _expand_heads(x: torch.Tensor, HV: int) -> torch.Tensor:
     """[B, T, H, D] -> [B, T, HV, D]: value head hv reads head hv // (HV // H)."""
     H = x.shape[2]
-    return x if H == HV else x.repeat(1, 1, HV // H, 1)
+    return x if H == HV else x.repeat_interleave(HV // H, dim=2)
 
 
 def _recurrent_core(q, k, v, gk, gv, beta, scale, h0, delta_rule):
@@ -286,8 +288,24 @@ def _check_shapes(q, k, v, gk, gv, beta, initial_state, N, state_v_first):
             raise ValueError(f"initial_state must be {layout}={list(want)}, got {list(initial_state.shape)}")
 
 
-def _run(form, q, k, v, gk, gv, beta, scale, initial_state, output_final_state, state_v_first,
-         cu_seqlens, reverse, compute_dtype, delta_rule, chunk_size):
+def _run(
+    form,
+    q,
+    k,
+    v,
+    gk,
+    gv,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    state_v_first,
+    cu_seqlens,
+    reverse,
+    compute_dtype,
+    delta_rule,
+    chunk_size,
+):
     B, T = q.shape[:2]
     seqs = _Sequences(B, T, cu_seqlens, reverse, q.device)
     _check_shapes(q, k, v, gk, gv, beta, initial_state, seqs.N, state_v_first)
@@ -355,8 +373,24 @@ def recurrent_linear_attention(
     """
     if delta_rule and beta is None:
         raise ValueError("beta is required for the delta rule")
-    return _run("recurrent", q, k, v, gk, gv, beta if delta_rule else None, scale, initial_state,
-                output_final_state, state_v_first, cu_seqlens, reverse, compute_dtype, delta_rule, 0)
+    return _run(
+        "recurrent",
+        q,
+        k,
+        v,
+        gk,
+        gv,
+        beta if delta_rule else None,
+        scale,
+        initial_state,
+        output_final_state,
+        state_v_first,
+        cu_seqlens,
+        reverse,
+        compute_dtype,
+        delta_rule,
+        0,
+    )
 
 
 def chunk_linear_attention(
@@ -382,9 +416,24 @@ def chunk_linear_attention(
     """
     if delta_rule and beta is None:
         raise ValueError("beta is required for the delta rule")
-    return _run("chunk", q, k, v, gk, None, beta if delta_rule else None, scale, initial_state,
-                output_final_state, state_v_first, cu_seqlens, reverse, compute_dtype, delta_rule,
-                chunk_size)
+    return _run(
+        "chunk",
+        q,
+        k,
+        v,
+        gk,
+        None,
+        beta if delta_rule else None,
+        scale,
+        initial_state,
+        output_final_state,
+        state_v_first,
+        cu_seqlens,
+        reverse,
+        compute_dtype,
+        delta_rule,
+        chunk_size,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -419,9 +468,19 @@ def naive_recurrent_kda(
     Returns:
         ``(o [B, T, HV, V], final_state or None)`` in the compute dtype.
     """
-    return recurrent_linear_attention(q, k, v, gk=g, beta=beta, scale=scale, initial_state=initial_state,
-                                      output_final_state=output_final_state, state_v_first=state_v_first,
-                                      cu_seqlens=cu_seqlens, compute_dtype=compute_dtype)
+    return recurrent_linear_attention(
+        q,
+        k,
+        v,
+        gk=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        compute_dtype=compute_dtype,
+    )
 
 
 def naive_chunk_kda(
@@ -442,17 +501,29 @@ def naive_chunk_kda(
 
     Same arguments and result as :func:`naive_recurrent_kda` (equal up to rounding), plus ``chunk_size``.
     """
-    return chunk_linear_attention(q, k, v, gk=g, beta=beta, scale=scale, initial_state=initial_state,
-                                  output_final_state=output_final_state, state_v_first=state_v_first,
-                                  cu_seqlens=cu_seqlens, chunk_size=chunk_size, compute_dtype=compute_dtype)
+    return chunk_linear_attention(
+        q,
+        k,
+        v,
+        gk=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+        compute_dtype=compute_dtype,
+    )
 
 
 def _finish(o: torch.Tensor, S: torch.Tensor | None, out_dtype: torch.dtype):
     return o.to(out_dtype), (None if S is None else S.to(torch.float32))
 
 
-def _preprocess_qk_beta(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                        dtype):
+def _preprocess_qk_beta(
+    q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, dtype
+):
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
     q, k, beta = q.to(dtype), k.to(dtype), beta.to(dtype)
@@ -512,18 +583,32 @@ def reference_chunk_kda(
     """
     del safe_gate
     dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
-    q2, k2, beta2 = _preprocess_qk_beta(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                        allow_neg_eigval, dtype)
+    q2, k2, beta2 = _preprocess_qk_beta(
+        q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, dtype
+    )
     g2 = g.to(dtype)
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
-            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+            raise ValueError(
+                "`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set."
+            )
         g2 = kda_gate(g2, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound).to(dtype)
     if form not in ("chunk", "recurrent"):
         raise ValueError(f"form must be 'chunk' or 'recurrent', got {form!r}")
     run = naive_chunk_kda if form == "chunk" else naive_recurrent_kda
     kwargs = {"chunk_size": chunk_size} if form == "chunk" else {}
-    o, S = run(q2, k2, v, g2, beta2, scale=scale, initial_state=initial_state,
-               output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-               compute_dtype=dtype, **kwargs)
+    o, S = run(
+        q2,
+        k2,
+        v,
+        g2,
+        beta2,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        compute_dtype=dtype,
+        **kwargs,
+    )
     return _finish(o, S, q.dtype)

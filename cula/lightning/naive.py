@@ -13,7 +13,7 @@ import torch
 
 from cula.simple_gla.naive import reference_chunk_simple_gla
 
-__all__ = ["lightning_g_gamma", "reference_lightning_attn", "reference_chunk_lightning_attn"]
+__all__ = ["lightning_g_gamma", "reference_chunk_lightning_attn", "reference_lightning_attn"]
 
 
 def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=None) -> torch.Tensor:
@@ -62,10 +62,21 @@ def reference_lightning_attn(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state float32 or None)``.
     """
-    return reference_chunk_simple_gla(q, k, v, g_gamma=-decay, scale=scale, initial_state=initial_state,
-                                      output_final_state=output_final_state, state_v_first=state_v_first,
-                                      cu_seqlens=cu_seqlens, reverse=reverse, compute_dtype=compute_dtype,
-                                      form=form, chunk_size=chunk_size)
+    return reference_chunk_simple_gla(
+        q,
+        k,
+        v,
+        g_gamma=-decay,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        reverse=reverse,
+        compute_dtype=compute_dtype,
+        form=form,
+        chunk_size=chunk_size,
+    )
 
 
 def reference_chunk_lightning_attn(
@@ -91,7 +102,18 @@ def reference_chunk_lightning_attn(
     Other arguments and the result as :func:`reference_lightning_attn`.
     """
     g_gamma = lightning_g_gamma(v.shape[2], layer_idx, num_layers, device=q.device)
-    return reference_lightning_attn(q, k, v, -g_gamma, scale=scale, initial_state=initial_state,
-                                    output_final_state=output_final_state, state_v_first=state_v_first,
-                                    cu_seqlens=cu_seqlens, reverse=reverse, compute_dtype=compute_dtype,
-                                    form=form, chunk_size=chunk_size)
+    return reference_lightning_attn(
+        q,
+        k,
+        v,
+        -g_gamma,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        reverse=reverse,
+        compute_dtype=compute_dtype,
+        form=form,
+        chunk_size=chunk_size,
+    )

@@ -18,7 +18,7 @@ import torch
 
 from cula.kda.naive import _finish, _float_dtype, chunk_linear_attention, recurrent_linear_attention
 
-__all__ = ["naive_recurrent_simple_gla", "naive_chunk_simple_gla", "reference_chunk_simple_gla"]
+__all__ = ["naive_chunk_simple_gla", "naive_recurrent_simple_gla", "reference_chunk_simple_gla"]
 
 
 def _per_key_gate(q, v, g, g_gamma, dtype):
@@ -67,10 +67,20 @@ def naive_recurrent_simple_gla(
         ``(o [B, T, HV, V], final_state or None)`` in the compute dtype.
     """
     dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
-    return recurrent_linear_attention(q, k, v, gk=_per_key_gate(q, v, g, g_gamma, dtype), scale=scale,
-                                      initial_state=initial_state, output_final_state=output_final_state,
-                                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, reverse=reverse,
-                                      delta_rule=False, compute_dtype=dtype)
+    return recurrent_linear_attention(
+        q,
+        k,
+        v,
+        gk=_per_key_gate(q, v, g, g_gamma, dtype),
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        reverse=reverse,
+        delta_rule=False,
+        compute_dtype=dtype,
+    )
 
 
 def naive_chunk_simple_gla(
@@ -90,10 +100,21 @@ def naive_chunk_simple_gla(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise Simple GLA, any T. Arguments and result as :func:`naive_recurrent_simple_gla`."""
     dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
-    return chunk_linear_attention(q, k, v, gk=_per_key_gate(q, v, g, g_gamma, dtype), scale=scale,
-                                  initial_state=initial_state, output_final_state=output_final_state,
-                                  state_v_first=state_v_first, cu_seqlens=cu_seqlens, reverse=reverse,
-                                  delta_rule=False, chunk_size=chunk_size, compute_dtype=dtype)
+    return chunk_linear_attention(
+        q,
+        k,
+        v,
+        gk=_per_key_gate(q, v, g, g_gamma, dtype),
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        reverse=reverse,
+        delta_rule=False,
+        chunk_size=chunk_size,
+        compute_dtype=dtype,
+    )
 
 
 def reference_chunk_simple_gla(
@@ -120,9 +141,15 @@ def reference_chunk_simple_gla(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state float32 or None)``.
     """
-    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                  state_v_first=state_v_first, cu_seqlens=cu_seqlens, reverse=reverse,
-                  compute_dtype=compute_dtype)
+    common = {
+        "scale": scale,
+        "initial_state": initial_state,
+        "output_final_state": output_final_state,
+        "state_v_first": state_v_first,
+        "cu_seqlens": cu_seqlens,
+        "reverse": reverse,
+        "compute_dtype": compute_dtype,
+    }
     if form == "chunk":
         o, S = naive_chunk_simple_gla(q, k, v, g, g_gamma, chunk_size=chunk_size, **common)
     elif form == "recurrent":

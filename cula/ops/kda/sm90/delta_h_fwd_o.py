@@ -315,6 +315,11 @@ class DeltaHFwdOFusedSm90:
             accO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
             rO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), self.dtype)
             pV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), cutlass.Boolean)
+            # accS is ((2, 2, K/8), 1, 1): (column pair, row +8, column block of 8); the decay depends on the
+            # column only, so a thread needs 2 * K/8 factors.
+            assert cute.rank(accS.shape[0]) == 3 and cute.size(accS.shape[0][1]) == 2
+            assert cute.size(accS.shape[1]) == 1 and cute.size(accS.shape[2]) == 1
+            rD = cute.make_rmem_tensor(2 * cute.size(accS.shape[0][2]), Float32)
 
             tUsU = thr_o.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
             tVcV = thr_o.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
@@ -353,13 +358,17 @@ class DeltaHFwdOFusedSm90:
                     if mcol0 + jj > mrow:
                         sAc[mrow, mcol0 + jj] = self.dtype(0.0)
                 cute.arch.fence_view_async_shared()
-                for i in cutlass.range_constexpr(cute.size(accS)):
-                    accS[i] = accS[i] * cute.math.exp2(sG[tScS[i][1], 0, si], fastmath=True)
+                # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
+                # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
+                for j in cutlass.range_constexpr(cute.size(rD)):
+                    rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
                 rU = tUsU[None, None, None, si].load()
                 for i in cutlass.range_constexpr(cute.size(pV)):
                     pV[i] = tVcV[i][1] < valid
 
                 warpgroup.wait_group(0)
+                for i in cutlass.range_constexpr(cute.size(accS)):
+                    accS[i] = accS[i] * rD[(i % 2) + 2 * (i // 4)]
                 v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
                 tVrV.store(v_new.to(self.dtype))
                 accO.store(accO.load() * scale)

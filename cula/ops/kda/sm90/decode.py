@@ -1,0 +1,547 @@
+"""KDA decode on Hopper: one to a few tokens per sequence against an fp32 state pool, at memory speed.
+
+Per value head ``hv`` (q/k head ``h = hv // (HV // H)``) and token ``t``, with the state ``S`` in ``[K, V]``
+orientation::
+
+    S <- diag(exp(g_t)) S
+    u  = beta_t * (v_t - S^T k_t)
+    S <- S + k_t u^T
+    o_t = S^T (scale * q_t)
+
+Decode is bound by state traffic (``K * V * 4`` bytes read and written per sequence and value head), so the
+kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes in flight:
+
+* **Work unit = one warp** = one (sequence, value head, 16-wide V slice) x all of K. The state tile is loaded
+  once into registers with 16-byte vector loads, kept there across the T tokens and written once (or after
+  every token into ``step_states``). Warps never talk to each other: no CTA barrier anywhere.
+* **Lane tile**: lane = ``lk + 8 * lv`` (``lk`` in 0..7 along K, ``lv`` in 0..3 along V). A lane owns the
+  ``K/8 x 4`` block ``k = c + 4*lk + 32*j`` (``c`` < 4, ``j`` < K/32), ``v = v0 + 4*lv + r`` (``r`` < 4).
+  Whatever the state layout, each ``4 x 4`` (c, r) block is four 16-byte vectors: along V for ``[K, V]``
+  pools, along K for ``[V, K]`` pools (``state_v_first``), and every warp-wide access covers whole 32-byte
+  sectors (64 B per row for ``[K, V]``, 128 B per row for ``[V, K]``).
+* **Reductions over K** (``S^T k`` and ``S^T q``) are 16 FMAs in the lane and a 3-step butterfly over ``lk``.
+* **Token preprocessing** (l2norm, gate activation, beta activation, scale) depends only on the token, so it
+  runs before the state is needed: each warp loads q/k/g of up to 8 tokens with one short vector per lane,
+  computes the full-K norms with warp butterflies and one gate per lane and K element, and parks the fp32
+  results (``q * scale / |q|``, ``k / |k|``, ``exp(g)``, the warp's 16 v values and beta) in its own shared
+  memory slots; the state loads issued just before are in flight meanwhile. Tokens beyond 8 are processed
+  in further rounds of 8 (the contract is T <= 8, but nothing breaks above it).
+
+Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in {64, 128}; V a multiple of
+16 (64 and 128 tested); any GVA ratio; any H/HV/N/T/pool size at run time (one compile per dtype/flag
+combination); pool dim-0 stride may be arbitrary (a slice of a larger buffer), the rest must be contiguous.
+Padded slots (``indices[n] < 0``) leave the pool and ``step_states`` untouched and get **zeroed** output rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+from cula.cache import compile_options, compiled_kernel
+
+__all__ = ["KdaDecodeSm90", "kda_decode_sm90", "GATES"]
+
+GATES = ("none", "softplus", "lower_bound")
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+_TORCH_TO_CUTE = {
+    torch.bfloat16: cutlass.BFloat16,
+    torch.float16: cutlass.Float16,
+    torch.float32: cutlass.Float32,
+}
+
+
+class KdaDecodeSm90:
+    """Static configuration and CuTe kernel for the KDA decode step (see the module docstring)."""
+
+    arch = 90
+    LANES_K = 8  # lanes along K in a warp; the butterflies over K span xor 1, 2, 4
+    LANES_V = 4  # lanes along V
+    V_PER_LANE = 4  # one 16-byte fp32 vector
+    V_PER_WARP = LANES_V * V_PER_LANE  # 16
+    TOKENS_PER_ROUND = 8  # shared-memory token slots per warp
+
+    def __init__(
+        self,
+        *,
+        io_dtype,
+        g_dtype,
+        beta_dtype,
+        K: int,
+        V: int,
+        gate: str,
+        has_a_log: bool,
+        has_dt_bias: bool,
+        use_qk_l2norm: bool,
+        beta_sigmoid: bool,
+        allow_neg_eigval: bool,
+        state_v_first: bool,
+        has_step_states: bool,
+        warps_per_cta: int = 4,
+        min_blocks_per_sm: int = 4,
+    ):
+        if K not in (64, 128):
+            raise ValueError(f"K must be 64 or 128, got {K}")
+        if V % self.V_PER_WARP != 0:
+            raise ValueError(f"V must be a multiple of {self.V_PER_WARP}, got {V}")
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if gate == "softplus" and not has_a_log:
+            raise ValueError("the softplus gate needs A_log")
+        self.io_dtype = io_dtype
+        self.g_dtype = g_dtype
+        self.beta_dtype = beta_dtype
+        self.K, self.V = K, V
+        self.gate = gate
+        self.has_a_log = has_a_log and gate != "none"
+        self.has_dt_bias = has_dt_bias and gate != "none"
+        self.use_qk_l2norm = use_qk_l2norm
+        self.beta_sigmoid = beta_sigmoid
+        self.allow_neg_eigval = allow_neg_eigval and beta_sigmoid  # FLA: only together with the sigmoid
+        self.state_v_first = state_v_first
+        self.has_step_states = has_step_states
+        self.warps_per_cta = warps_per_cta
+        self.min_blocks_per_sm = min_blocks_per_sm
+
+        self.k_per_lane = K // self.LANES_K  # 16 or 8 state rows per lane
+        self.k_blocks = K // (4 * self.LANES_K)  # j extent: 4 or 2
+        self.k_prep = K // 32  # K elements per lane during token preprocessing
+        self.v_slices = V // self.V_PER_WARP
+        # One token slot: q_hat[K], k_hat[K], exp(g)[K], v[16], beta, padded to 16 bytes.
+        self.off_k = K
+        self.off_eg = 2 * K
+        self.off_v = 3 * K
+        self.off_beta = 3 * K + self.V_PER_WARP
+        self.slot_floats = 3 * K + self.V_PER_WARP + 4
+
+    # ------------------------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [N, T, H, K] io
+        mK: cute.Tensor,  # [N, T, H, K] io
+        mV: cute.Tensor,  # [N, T, HV, V] io
+        mG: cute.Tensor,  # [N, T, HV, K] g_dtype
+        mBeta: cute.Tensor,  # [N, T, HV] beta_dtype
+        mALog: cute.Tensor | None,  # [HV] fp32
+        mDtBias: cute.Tensor | None,  # [HV * K] fp32
+        mState: cute.Tensor,  # [P, HV, K, V] or [P, HV, V, K] fp32
+        mIdx: cute.Tensor,  # [N] int32
+        mOut: cute.Tensor,  # [N, T, HV, V] io
+        mStep: cute.Tensor | None,  # [N, T, HV, K, V] or [N, T, HV, V, K] fp32
+        scale: Float32,
+        lower_bound: Float32,
+        stream,
+    ):
+        N = mQ.shape[0]
+        HV = mV.shape[2]
+        units = N * HV * self.v_slices
+        grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
+        self.kernel(
+            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound
+        ).launch(
+            grid=[grid, 1, 1],
+            block=[32 * self.warps_per_cta, 1, 1],
+            min_blocks_per_mp=self.min_blocks_per_sm,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------------------------------------- device
+    @cute.jit
+    def _state_view(self, gS: cute.Tensor, lk, v0):
+        """This lane's ((4, K/32), 4) block of a [K, V] or [V, K] state tile, as a gmem view."""
+        if cutlass.const_expr(self.state_v_first):
+            off = cute.assume(v0 * self.K + 4 * lk, divby=4)
+            layout = cute.make_layout(((4, self.k_blocks), 4), stride=((1, 32), self.K))
+        else:
+            off = cute.assume(4 * lk * self.V + v0, divby=4)
+            layout = cute.make_layout(((4, self.k_blocks), 4), stride=((self.V, 32 * self.V), 1))
+        return cute.make_tensor(gS.iterator + off, layout)
+
+    @cute.jit
+    def _warp_sum(self, x):
+        for i in cutlass.range_constexpr(5):
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << i)
+        return x
+
+    @cute.jit
+    def _prep_token(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, sSlot, n, t, h, hv, vs, lane, scale,
+                    lower_bound):
+        """Write q_hat, k_hat, exp(g), v and beta of token t into this warp's shared slot."""
+        KP = self.k_prep
+        k0 = cute.assume(lane * KP, divby=KP)
+        rq = cute.make_rmem_tensor(KP, self.io_dtype)
+        rk = cute.make_rmem_tensor(KP, self.io_dtype)
+        rg = cute.make_rmem_tensor(KP, self.g_dtype)
+        cute.autovec_copy(cute.make_tensor(mQ[n, t, h, None].iterator + k0, cute.make_layout(KP)), rq)
+        cute.autovec_copy(cute.make_tensor(mK[n, t, h, None].iterator + k0, cute.make_layout(KP)), rk)
+        cute.autovec_copy(cute.make_tensor(mG[n, t, hv, None].iterator + k0, cute.make_layout(KP)), rg)
+        q = rq.load().to(Float32)
+        k = rk.load().to(Float32)
+        g = rg.load().to(Float32)
+
+        q_mul = scale
+        k_mul = Float32(1.0)
+        if cutlass.const_expr(self.use_qk_l2norm):
+            sq = self._warp_sum((q * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+            sk = self._warp_sum((k * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+            q_mul = scale * cute.math.rsqrt(sq + 1e-6)
+            k_mul = cute.math.rsqrt(sk + 1e-6)
+
+        rout = cute.make_rmem_tensor(KP, Float32)
+        rout.store(q * q_mul)
+        cute.autovec_copy(rout, cute.make_tensor(sSlot.iterator + k0, cute.make_layout(KP)))
+        rout.store(k * k_mul)
+        cute.autovec_copy(rout, cute.make_tensor(sSlot.iterator + self.off_k + k0, cute.make_layout(KP)))
+
+        # gate -> log-space decay gk -> exp(gk)
+        if cutlass.const_expr(self.has_dt_bias):
+            rb = cute.make_rmem_tensor(KP, Float32)
+            cute.autovec_copy(
+                cute.make_tensor(mDtBias.iterator + cute.assume(hv * self.K + k0, divby=KP), cute.make_layout(KP)),
+                rb,
+            )
+            g = g + rb.load()
+        if cutlass.const_expr(self.gate == "softplus"):
+            a = -cute.math.exp(Float32(mALog[hv]), fastmath=True)
+            for i in cutlass.range_constexpr(KP):
+                x = g[i]
+                sp = x
+                if x <= 20.0:
+                    sp = cute.math.log(1.0 + cute.math.exp(x, fastmath=True), fastmath=True)
+                rout[i] = cute.math.exp2(a * sp * _LOG2E, fastmath=True)
+        elif cutlass.const_expr(self.gate == "lower_bound"):
+            a = Float32(1.0)
+            if cutlass.const_expr(self.has_a_log):
+                a = cute.math.exp(Float32(mALog[hv]), fastmath=True)
+            for i in cutlass.range_constexpr(KP):
+                sig = cute.arch.rcp_approx(1.0 + cute.math.exp2(-a * g[i] * _LOG2E, fastmath=True))
+                rout[i] = cute.math.exp2(lower_bound * sig * _LOG2E, fastmath=True)
+        else:
+            for i in cutlass.range_constexpr(KP):
+                rout[i] = cute.math.exp2(g[i] * _LOG2E, fastmath=True)
+        cute.autovec_copy(rout, cute.make_tensor(sSlot.iterator + self.off_eg + k0, cute.make_layout(KP)))
+
+        # the warp's 16 values of v: lanes 0..3 load 4 each
+        if lane < self.LANES_V:
+            v_off = cute.assume(vs * self.V_PER_WARP + lane * self.V_PER_LANE, divby=self.V_PER_LANE)
+            rv = cute.make_rmem_tensor(self.V_PER_LANE, self.io_dtype)
+            cute.autovec_copy(
+                cute.make_tensor(mV[n, t, hv, None].iterator + v_off, cute.make_layout(self.V_PER_LANE)), rv
+            )
+            rvf = cute.make_rmem_tensor(self.V_PER_LANE, Float32)
+            rvf.store(rv.load().to(Float32))
+            s_off = cute.assume(self.off_v + lane * self.V_PER_LANE, divby=self.V_PER_LANE)
+            cute.autovec_copy(rvf, cute.make_tensor(sSlot.iterator + s_off, cute.make_layout(self.V_PER_LANE)))
+        if lane == self.LANES_V:
+            b = Float32(mBeta[n, t, hv])
+            if cutlass.const_expr(self.beta_sigmoid):
+                b = cute.arch.rcp_approx(1.0 + cute.math.exp2(-b * _LOG2E, fastmath=True))
+                if cutlass.const_expr(self.allow_neg_eigval):
+                    b = b * 2.0
+            sSlot[self.off_beta] = b
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor | None,
+        mDtBias: cute.Tensor | None,
+        mState: cute.Tensor,
+        mIdx: cute.Tensor,
+        mOut: cute.Tensor,
+        mStep: cute.Tensor | None,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        N = mQ.shape[0]
+        T = mQ.shape[1]
+        H = mQ.shape[2]
+        HV = mV.shape[2]
+        KB = self.k_blocks
+        KPT = self.k_per_lane
+        R = self.V_PER_LANE
+        TR = self.TOKENS_PER_ROUND
+
+        smem = cutlass.utils.SmemAllocator()
+        sBuf = smem.allocate_tensor(
+            Float32, cute.make_layout((self.slot_floats, TR, self.warps_per_cta)), byte_alignment=16
+        )
+
+        unit = bidx * self.warps_per_cta + warp
+        if unit < N * HV * self.v_slices:
+            vs = unit % self.v_slices
+            nh = unit // self.v_slices
+            hv = nh % HV
+            n = nh // HV
+            h = hv // (HV // H)
+            lk = lane % self.LANES_K
+            lv = lane // self.LANES_K
+            v0 = vs * self.V_PER_WARP + lv * R
+            slot = mIdx[n]
+            sW = sBuf[None, None, warp]
+            rzero = cute.make_rmem_tensor(R, self.io_dtype)
+            rzero.fill(0.0)
+
+            if slot >= 0:
+                # state tile -> registers first, so the loads fly during token preprocessing
+                if cutlass.const_expr(self.state_v_first):
+                    frag_layout = cute.make_layout(((4, KB), R), stride=((1, 4), 4 * KB))
+                else:
+                    frag_layout = cute.make_layout(((4, KB), R), stride=((R, 4 * R), 1))
+                tS = cute.make_rmem_tensor(frag_layout, Float32)
+                gS = self._state_view(mState[slot, hv, None, None], lk, v0)
+                cute.autovec_copy(gS, tS)
+
+                rq = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
+                rk = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
+                reg = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
+                rv = cute.make_rmem_tensor(R, Float32)
+                ro = cute.make_rmem_tensor(R, self.io_dtype)
+                lane_k = cute.make_layout((4, KB), stride=(1, 32))
+
+                for t0 in range(0, T, TR):
+                    nt = cutlass.min(T - t0, TR)
+                    for tt in range(nt):
+                        self._prep_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv,
+                                         vs, lane, scale, lower_bound)
+                    cute.arch.sync_warp()
+
+                    for tt in range(nt):
+                        t = t0 + tt
+                        sSlot = sW[None, tt]
+                        kq = cute.assume(4 * lk, divby=4)
+                        cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_eg + kq, lane_k), reg)
+                        cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_k + kq, lane_k), rk)
+                        v_off = cute.assume(self.off_v + lv * R, divby=R)
+                        cute.autovec_copy(cute.make_tensor(sSlot.iterator + v_off, cute.make_layout(R)), rv)
+                        beta = sSlot[self.off_beta]
+
+                        # S <- diag(exp(g)) S ;  p = S^T k  (lane part)
+                        p = [Float32(0.0)] * R
+                        for i in cutlass.range_constexpr(KPT):
+                            for r in cutlass.range_constexpr(R):
+                                s = tS[i, r] * reg[i]
+                                tS[i, r] = s
+                                p[r] = p[r] + s * rk[i]
+                        # u = beta * (v - S^T k)
+                        u = [Float32(0.0)] * R
+                        for r in cutlass.range_constexpr(R):
+                            x = p[r]
+                            for b in cutlass.range_constexpr(3):
+                                x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
+                            u[r] = beta * (rv[r] - x)
+
+                        cute.autovec_copy(cute.make_tensor(sSlot.iterator + kq, lane_k), rq)
+                        # S <- S + k u^T ;  o = S^T q_hat
+                        o = [Float32(0.0)] * R
+                        for i in cutlass.range_constexpr(KPT):
+                            for r in cutlass.range_constexpr(R):
+                                s = tS[i, r] + rk[i] * u[r]
+                                tS[i, r] = s
+                                o[r] = o[r] + s * rq[i]
+                        for r in cutlass.range_constexpr(R):
+                            x = o[r]
+                            for b in cutlass.range_constexpr(3):
+                                x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
+                            ro[r] = x.to(self.io_dtype)
+                        if lk == 0:
+                            gO = mOut[n, t, hv, None]
+                            cute.autovec_copy(
+                                ro, cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R))
+                            )
+                        if cutlass.const_expr(self.has_step_states):
+                            cute.autovec_copy(tS, self._state_view(mStep[n, t, hv, None, None], lk, v0))
+                    cute.arch.sync_warp()
+
+                if cutlass.const_expr(not self.has_step_states):
+                    cute.autovec_copy(tS, gS)
+            else:
+                if lk == 0:
+                    for t in range(T):
+                        gO = mOut[n, t, hv, None]
+                        cute.autovec_copy(
+                            rzero, cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R))
+                        )
+
+
+# ---------------------------------------------------------------------------------------------------- host
+def _compile(cfg: KdaDecodeSm90, arch: tuple[int, int]):
+    """Trace and compile one variant against fake tensors with symbolic N, T, H, HV, P."""
+    N, T, H, HV, P = (cute.sym_int32() for _ in range(5))
+    HVK = cute.sym_int32()
+    K, V = cfg.K, cfg.V
+    row = lambda rank: tuple(range(rank - 1, -1, -1))  # noqa: E731
+    # activations fit int32 offsets (N * T * HV * max(K, V) < 2**31); the pool and step_states may not
+    mk = lambda dt, shape, align=16, i32=True: make_fake_compact_tensor(  # noqa: E731
+        dt, shape, stride_order=row(len(shape)), assumed_align=align, use_32bit_stride=i32
+    )
+    q = mk(cfg.io_dtype, (N, T, H, K))
+    k = mk(cfg.io_dtype, (N, T, H, K))
+    v = mk(cfg.io_dtype, (N, T, HV, V))
+    g = mk(cfg.g_dtype, (N, T, HV, K))
+    beta = mk(cfg.beta_dtype, (N, T, HV), align=cfg.beta_dtype.width // 8)
+    a_log = mk(Float32, (HV,), align=4) if cfg.has_a_log else None
+    dt_bias = mk(Float32, (HVK,)) if cfg.has_dt_bias else None
+    inner = (V, K) if cfg.state_v_first else (K, V)
+    # dim-0 stride free (the pool may be a slice of a larger buffer) but 16-byte aligned
+    pool_stride = cute.sym_int64(divisibility=4)
+    state = make_fake_tensor(
+        Float32, (P, HV, *inner), stride=(pool_stride, K * V, inner[1], 1), assumed_align=16
+    )
+    idx = mk(Int32, (N,), align=4)
+    out = mk(cfg.io_dtype, (N, T, HV, V))
+    step = mk(Float32, (N, T, HV, *inner), i32=False) if cfg.has_step_states else None
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(
+        cfg, q, k, v, g, beta, a_log, dt_bias, state, idx, out, step, Float32(1.0), Float32(0.0), stream,
+        options=compile_options(arch),
+    )
+
+
+def kda_decode_variant(
+    *,
+    io_dtype: torch.dtype,
+    g_dtype: torch.dtype,
+    beta_dtype: torch.dtype,
+    K: int,
+    V: int,
+    gate: str,
+    has_a_log: bool,
+    has_dt_bias: bool,
+    use_qk_l2norm: bool,
+    beta_sigmoid: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
+    has_step_states: bool,
+    arch: tuple[int, int] = (9, 0),
+):
+    """The compiled TVM-FFI function for one variant (compiled once per process, then cached)."""
+    if gate == "none":
+        has_a_log = has_dt_bias = False
+    if not beta_sigmoid:
+        allow_neg_eigval = False
+    key = (
+        "kda_decode_sm90", io_dtype, g_dtype, beta_dtype, K, V, gate, has_a_log, has_dt_bias, use_qk_l2norm,
+        beta_sigmoid, allow_neg_eigval, state_v_first, has_step_states, arch,
+    )
+    return compiled_kernel(
+        key,
+        lambda: _compile(
+            KdaDecodeSm90(
+                io_dtype=_TORCH_TO_CUTE[io_dtype],
+                g_dtype=_TORCH_TO_CUTE[g_dtype],
+                beta_dtype=_TORCH_TO_CUTE[beta_dtype],
+                K=K,
+                V=V,
+                gate=gate,
+                has_a_log=has_a_log,
+                has_dt_bias=has_dt_bias,
+                use_qk_l2norm=use_qk_l2norm,
+                beta_sigmoid=beta_sigmoid,
+                allow_neg_eigval=allow_neg_eigval,
+                state_v_first=state_v_first,
+                has_step_states=has_step_states,
+            ),
+            arch,
+        ),
+    )
+
+
+# The per-call path is a dict lookup on this tuple and one TVM-FFI call: keep it free of torch ops.
+_FAST: dict[tuple, object] = {}
+
+
+def kda_decode_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state: torch.Tensor,
+    indices: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    gate: str,
+    lower_bound: float | None,
+    use_qk_l2norm: bool,
+    beta_sigmoid: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
+    step_states: torch.Tensor | None = None,
+) -> None:
+    """One KDA decode step (T tokens per sequence) against an fp32 state pool, on SM90.
+
+    Inputs are validated by the caller; this function only picks the compiled variant and launches it.
+
+    Args:
+        q, k: ``[N, T, H, K]`` bf16 or fp16, contiguous. ``K`` in {64, 128}.
+        v: ``[N, T, HV, V]``, q's dtype, contiguous; ``HV % H == 0`` (GVA), ``V % 16 == 0``.
+        g: ``[N, T, HV, K]`` bf16 or fp32: raw gate logits for ``gate in ("softplus", "lower_bound")``,
+            log-space decay for ``gate == "none"``.
+        beta: ``[N, T, HV]`` fp32, bf16 or fp16: raw logits when ``beta_sigmoid`` (``2 * sigmoid`` with
+            ``allow_neg_eigval``, which is ignored without ``beta_sigmoid``, as in FLA), else used as is.
+        A_log: ``[HV]`` fp32; required by ``softplus``, optional for ``lower_bound``, ignored for ``none``.
+        dt_bias: ``[HV * K]`` fp32 or None, added to g before the gate activation.
+        state: fp32 pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` if ``state_v_first``), updated in place unless
+            ``step_states`` is given. Dims 1.. contiguous, dim 0 any 16-byte-multiple stride.
+        indices: ``[N]`` int32 pool rows; a negative index is a padded slot: the pool and ``step_states``
+            are not touched and the output rows are zeroed.
+        out: ``[N, T, HV, V]`` in q's dtype, written.
+        scale: multiplies q (after the l2norm).
+        gate: ``"softplus"``: ``g = -exp(A_log) * softplus(g + dt_bias)`` (softplus linear above 20, as
+            torch); ``"lower_bound"``: ``g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (no
+            ``exp(A_log)`` factor when A_log is None); ``"none"``: g used as given.
+        lower_bound: the bound for ``gate == "lower_bound"`` (negative), else unused.
+        use_qk_l2norm: ``x / sqrt(sum(x^2) + 1e-6)`` on q and k per token and head.
+        step_states: optional ``[N, T, HV, K, V]`` (``[N, T, HV, V, K]``) fp32, contiguous: when given, the
+            state after every token is written there and the pool is left untouched.
+    """
+    key = (
+        q.dtype, g.dtype, beta.dtype, q.shape[-1], v.shape[-1], gate, A_log is not None, dt_bias is not None,
+        use_qk_l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, step_states is not None,
+    )
+    fn = _FAST.get(key)
+    if fn is None:
+        fn = kda_decode_variant(
+            io_dtype=q.dtype,
+            g_dtype=g.dtype,
+            beta_dtype=beta.dtype,
+            K=q.shape[-1],
+            V=v.shape[-1],
+            gate=gate,
+            has_a_log=A_log is not None,
+            has_dt_bias=dt_bias is not None,
+            use_qk_l2norm=use_qk_l2norm,
+            beta_sigmoid=beta_sigmoid,
+            allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first,
+            has_step_states=step_states is not None,
+        )
+        _FAST[key] = fn
+    if gate == "none":
+        A_log = dt_bias = None
+    fn(
+        q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states,
+        scale, 0.0 if lower_bound is None else lower_bound,
+    )
