@@ -151,6 +151,8 @@ class KdaDecodeSm90:
             grid=[grid, 1, 1],
             block=[32 * self.warps_per_cta, 1, 1],
             min_blocks_per_mp=self.min_blocks_per_sm,
+            # token slots live in shared memory; L1 only sees streaming state traffic
+            preferred_smem_carveout=100,
             stream=stream,
         )
 
