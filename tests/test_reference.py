@@ -719,7 +719,7 @@ def test_gradcheck_kda_chunk_full_preprocessing():
             chunk_size=2,
         )[0]
 
-    assert torch.autograd.gradcheck(fn, _leaves(q, k, v, g, beta, h0, A_log, dt_bias))
+    assert torch.autograd.gradcheck(fn, _leaves(q, k, v, g, beta, h0, A_log, dt_bias), fast_mode=True)
 
 
 def test_gradcheck_kda_recurrent_per_value_beta():
@@ -730,7 +730,7 @@ def test_gradcheck_kda_recurrent_per_value_beta():
         o, s = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         return o, s
 
-    assert torch.autograd.gradcheck(fn, _leaves(q, k, v, g, beta, h0))
+    assert torch.autograd.gradcheck(fn, _leaves(q, k, v, g, beta, h0), fast_mode=True)
 
 
 def test_gradcheck_gdn_chunk_state_v_first():
@@ -741,7 +741,7 @@ def test_gradcheck_gdn_chunk_state_v_first():
             q, k, v, g, beta, initial_state=h0, output_final_state=True, state_v_first=True, chunk_size=4
         )
 
-    assert torch.autograd.gradcheck(fn, _leaves(q, k, v, g, beta, h0.transpose(-1, -2)))
+    assert torch.autograd.gradcheck(fn, _leaves(q, k, v, g, beta, h0.transpose(-1, -2)), fast_mode=True)
 
 
 def test_gradcheck_simple_gla_and_lightning():
@@ -754,12 +754,14 @@ def test_gradcheck_simple_gla_and_lightning():
             q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu, reverse=True, chunk_size=2
         )
 
-    assert torch.autograd.gradcheck(sgla, _leaves(q, k, v, g, h0))
+    assert torch.autograd.gradcheck(sgla, _leaves(q, k, v, g, h0), fast_mode=True)
 
     def lightning(q, k, v, decay):
         return reference_lightning_attn(q, k, v, decay, chunk_size=2)[0]
 
-    assert torch.autograd.gradcheck(lightning, _leaves(q, k, v, torch.tensor([0.3], dtype=F64)))
+    assert torch.autograd.gradcheck(
+        lightning, _leaves(q, k, v, torch.tensor([0.3], dtype=F64)), fast_mode=True
+    )
 
 
 def test_kda_chunk_gradients_match_recurrent():
@@ -772,3 +774,134 @@ def test_kda_chunk_gradients_match_recurrent():
         grads.append([x.grad for x in xs])
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], *grads):
         _close(a, b, TIGHT, name)
+
+
+def test_strong_decay_float32_matches_float64():
+    # per-step log decays down to -30 push float32 exp() into the subnormal range, which the references
+    # flush to zero; the result must still match the float64 recurrence
+    q, k, v, _, beta, h0 = _inputs(1, 70, 1, 2, 16, 8, seed=36)
+    g = -30 * torch.rand(1, 70, 2, 16, generator=_gen(37), dtype=F64)
+    o64, s64 = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    f32 = [x.float() for x in (q, k, v, g, beta)]
+    for fn, kw in ((naive_recurrent_kda, {}), (naive_chunk_kda, {"chunk_size": 64})):
+        o32, s32 = fn(*f32, initial_state=h0.float(), output_final_state=True, **kw)
+        assert o32.dtype == torch.float32
+        _close(o64, o32, FP32)
+        _close(s64, s32, FP32, "state")
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU: the references against FLA's Triton kernels (run by the lead on the H200)
+# ------------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_preprocessing_matches_fla_triton():
+    from fla.modules.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.gate import fused_gdn_gate
+    from fla.ops.kda.gate import fused_kda_gate
+
+    from cula.kda.naive import l2norm
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(40)
+    x = torch.randn(2, 100, 4, 128, device=dev, generator=gen)
+    torch.testing.assert_close(l2norm_fwd(x)[0], l2norm(x), rtol=1e-5, atol=1e-6)
+    HV, K = 4, 64
+    g = 8 * torch.randn(2, 100, HV, K, device=dev, generator=gen)
+    A_log = torch.randn(HV, device=dev, generator=gen)
+    dt_bias = torch.randn(HV * K, device=dev, generator=gen)
+    for lb, a in ((None, A_log), (-5.0, A_log), (-5.0, None)):
+        torch.testing.assert_close(
+            fused_kda_gate(g, a, dt_bias, lower_bound=lb),
+            kda_gate(g, a, dt_bias, lower_bound=lb),
+            rtol=1e-4,
+            atol=1e-5,
+        )
+    gs = 8 * torch.randn(2, 100, HV, device=dev, generator=gen)
+    torch.testing.assert_close(
+        fused_gdn_gate(gs, A_log, dt_bias[:HV]), gdn_gate(gs, A_log, dt_bias[:HV]), rtol=1e-4, atol=1e-5
+    )
+
+
+def _gpu_inputs(lens, H, HV, K, V, scalar_gate=False, seed=41):
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    T, N = sum(lens), len(lens)
+    bf = torch.bfloat16
+    q = torch.randn(1, T, H, K, device=dev, generator=gen).to(bf)
+    k = torch.randn(1, T, H, K, device=dev, generator=gen).to(bf)
+    v = torch.randn(1, T, HV, V, device=dev, generator=gen).to(bf)
+    g = torch.randn(1, T, HV, *(() if scalar_gate else (K,)), device=dev, generator=gen).to(bf)
+    beta = torch.randn(1, T, HV, device=dev, generator=gen).to(bf)
+    h0 = torch.randn(N, HV, K, V, device=dev, generator=gen)
+    cu = make_cu_seqlens(lens, device=dev, dtype=torch.long)
+    return q, k, v, g, beta, h0, cu
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vfirst"])
+def test_gpu_reference_kda_vs_fla_chunk_kda(vf):
+    from fla.ops.kda import chunk_kda
+
+    q, k, v, g, beta, h0, cu = _gpu_inputs([63, 7, 200], 2, 4, 64, 64)
+    h0 = h0.transpose(-1, -2).contiguous() if vf else h0
+    A_log = torch.rand(4, device="cuda")
+    dt_bias = torch.randn(4 * 64, device="cuda")
+    flags = {
+        "initial_state": h0,
+        "output_final_state": True,
+        "use_qk_l2norm_in_kernel": True,
+        "use_gate_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True,
+        "lower_bound": -5.0,
+        "A_log": A_log,
+        "dt_bias": dt_bias,
+        "state_v_first": vf,
+        "cu_seqlens": cu,
+    }
+    o_f, s_f = chunk_kda(q, k, v, g, beta, **flags)
+    o_r, s_r = reference_chunk_kda(q, k, v, g, beta, compute_dtype=F64, **flags)
+    assert o_r.dtype == torch.bfloat16 and s_r.dtype == torch.float32
+    _close(o_r, o_f, 8e-3)
+    _close(s_r, s_f, 8e-3, "state")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_reference_gdn_vs_fla_chunk_gated_delta_rule():
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    q, k, v, g, beta, h0, cu = _gpu_inputs([63, 7, 200], 2, 4, 64, 64, scalar_gate=True)
+    A_log, dt_bias = torch.rand(4, device="cuda"), torch.randn(4, device="cuda")
+    args = (q, k, v, g, beta, None, h0, True, True, True, False, False, cu)
+    extra = {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
+    o_f, s_f = chunk_gated_delta_rule(*args, **extra)
+    o_r, s_r = reference_chunk_gated_delta_rule(*args, compute_dtype=F64, **extra)
+    _close(o_r, o_f, 8e-3)
+    _close(s_r, s_f, 8e-3, "state")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+def test_gpu_reference_simple_gla_vs_fla(reverse):
+    from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+    q, k, v, g, _, h0, cu = _gpu_inputs([63, 7, 200], 4, 4, 64, 64, scalar_gate=True)
+    g = F.logsigmoid(g.float() + 3)
+    g_gamma = -torch.rand(4, device="cuda") * 0.2
+    kw = {"initial_state": h0, "output_final_state": True, "cu_seqlens": cu}
+    o_r, s_r = reference_chunk_simple_gla(q, k, v, g, None, reverse=reverse, compute_dtype=F64, **kw)
+    o_f, s_f = fused_recurrent_simple_gla(q, k, v, g, None, reverse=reverse, **kw)
+    _close(o_r, o_f, 8e-3)
+    _close(s_r, s_f, 8e-3, "state")
+    if not reverse:
+        o_r, s_r = reference_chunk_simple_gla(q, k, v, None, g_gamma, compute_dtype=F64, **kw)
+        o_f, s_f = chunk_simple_gla(q, k, v, None, g_gamma, **kw)
+        _close(o_r, o_f, 8e-3, "o(g_gamma)")
+        _close(s_r, s_f, 8e-3, "state(g_gamma)")

@@ -11,25 +11,29 @@ orientation::
 Decode is bound by state traffic (``K * V * 4`` bytes read and written per sequence and value head), so the
 kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes in flight:
 
-* **Work unit = one warp** = one (sequence, value head, 16-wide V slice) x all of K. The state tile is loaded
-  once into registers with 16-byte vector loads, kept there across the T tokens and written once (or after
-  every token into ``step_states``). Warps never talk to each other: no CTA barrier anywhere.
-* **Lane tile**: lane = ``lk + 8 * lv`` (``lk`` in 0..7 along K, ``lv`` in 0..3 along V). A lane owns the
-  ``K/8 x 4`` block ``k = c + 4*lk + 32*j`` (``c`` < 4, ``j`` < K/32), ``v = v0 + 4*lv + r`` (``r`` < 4).
-  Whatever the state layout, each ``4 x 4`` (c, r) block is four 16-byte vectors: along V for ``[K, V]``
-  pools, along K for ``[V, K]`` pools (``state_v_first``), and every warp-wide access covers whole 32-byte
-  sectors (64 B per row for ``[K, V]``, 128 B per row for ``[V, K]``).
-* **Reductions over K** (``S^T k`` and ``S^T q``) are 16 FMAs in the lane and a 3-step butterfly over ``lk``.
+* **Work unit = one warp** = one (sequence, value head, V slice) x all of K, where the slice is 8 wide for
+  K=128 and 16 wide for K=64. The state tile is loaded once into registers with 16-byte vector loads, kept
+  there across the T tokens and written once (or after every token into ``step_states``). Warps never talk
+  to each other: no CTA barrier anywhere. N=1 with 64 value heads and K=V=128 is already 1,024 warps.
+* **Lane tile**: ``LK = K/8`` lanes along K (16 or 8) and ``32/LK`` along V; lane = ``lk + LK * lv``. A lane
+  owns the 8 x 4 block ``k = c + 4*lk + 4*LK*j`` (``c`` < 4, ``j`` < 2), ``v = v0 + 4*lv + r`` (``r`` < 4):
+  32 fp32 state registers. Whatever the state layout, each ``4 x 4`` (c, r) block is four 16-byte vectors:
+  along V for ``[K, V]`` pools, along K for ``[V, K]`` pools (``state_v_first``); a warp-wide access covers
+  whole 32-byte sectors (32 B per row for ``[K, V]`` with K=128, 256 B per row for ``[V, K]``).
+* **Reductions over K** (``S^T k`` and ``S^T q``) are 8 FMAs in the lane and a ``log2(LK)``-step butterfly.
 * **Token preprocessing** (l2norm, gate activation, beta activation, scale) depends only on the token, so it
-  runs before the state is needed: each warp loads q/k/g of up to 8 tokens with one short vector per lane,
-  computes the full-K norms with warp butterflies and one gate per lane and K element, and parks the fp32
-  results (``q * scale / |q|``, ``k / |k|``, ``exp(g)``, the warp's 16 v values and beta) in its own shared
-  memory slots; the state loads issued just before are in flight meanwhile. Tokens beyond 8 are processed
+  runs while the state loads issued just before are in flight: each warp loads q/k/g of up to 8 tokens with
+  one short vector per lane, computes the full-K norms with warp butterflies and one gate per lane and K
+  element, and parks the fp32 results (``q * scale / |q|``, ``k / |k|``, ``exp(g)``, the warp's v values and
+  beta) in its own shared-memory slots (about 12.7 KB per warp for K=128). More than 8 tokens are processed
   in further rounds of 8 (the contract is T <= 8, but nothing breaks above it).
+* **Occupancy**: 128-thread CTAs with ``min_blocks_per_mp=4`` cap ptxas at 128 registers (99-116 used, no
+  spills): 16 warps and 64 KB of state loads in flight per SM.
 
 Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in {64, 128}; V a multiple of
-16 (64 and 128 tested); any GVA ratio; any H/HV/N/T/pool size at run time (one compile per dtype/flag
-combination); pool dim-0 stride may be arbitrary (a slice of a larger buffer), the rest must be contiguous.
+8 (K=128) or 16 (K=64), 64 and 128 tested; any GVA ratio; any H/HV/N/T/pool size at run time (one compile
+per dtype/flag combination); the pool's dim-0 stride may be any multiple of 4 elements (a slice of a larger
+buffer), the rest must be contiguous.
 Padded slots (``indices[n] < 0``) leave the pool and ``step_states`` untouched and get **zeroed** output rows.
 """
 
@@ -45,7 +49,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 
 from cula.cache import compile_options, compiled_kernel
 
-__all__ = ["KdaDecodeSm90", "kda_decode_sm90", "GATES"]
+__all__ = ["GATES", "KdaDecodeSm90", "kda_decode_sm90", "kda_decode_variant"]
 
 GATES = ("none", "softplus", "lower_bound")
 
@@ -63,10 +67,8 @@ class KdaDecodeSm90:
     """Static configuration and CuTe kernel for the KDA decode step (see the module docstring)."""
 
     arch = 90
-    LANES_K = 8  # lanes along K in a warp; the butterflies over K span xor 1, 2, 4
-    LANES_V = 4  # lanes along V
     V_PER_LANE = 4  # one 16-byte fp32 vector
-    V_PER_WARP = LANES_V * V_PER_LANE  # 16
+    K_PER_LANE = 8  # two 4 x 4 blocks: 32 state registers per lane
     TOKENS_PER_ROUND = 8  # shared-memory token slots per warp
 
     def __init__(
@@ -90,8 +92,13 @@ class KdaDecodeSm90:
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
-        if V % self.V_PER_WARP != 0:
-            raise ValueError(f"V must be a multiple of {self.V_PER_WARP}, got {V}")
+        # K spread over K/8 lanes (16 for K=128, 8 for K=64): 32 fp32 state registers per lane, which
+        # leaves room for 4+ CTAs of 4 warps per SM without spills
+        self.lanes_k = K // self.K_PER_LANE
+        self.lanes_v = 32 // self.lanes_k
+        self.v_per_warp = self.lanes_v * self.V_PER_LANE  # 8 for K=128, 16 for K=64
+        if V % self.v_per_warp != 0:
+            raise ValueError(f"V must be a multiple of {self.v_per_warp}, got {V}")
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if gate == "softplus" and not has_a_log:
@@ -111,16 +118,16 @@ class KdaDecodeSm90:
         self.warps_per_cta = warps_per_cta
         self.min_blocks_per_sm = min_blocks_per_sm
 
-        self.k_per_lane = K // self.LANES_K  # 16 or 8 state rows per lane
-        self.k_blocks = K // (4 * self.LANES_K)  # j extent: 4 or 2
+        self.k_blocks = self.K_PER_LANE // 4  # j extent
+        self.k_stride_j = 4 * self.lanes_k  # k distance between a lane's two 4-row blocks
         self.k_prep = K // 32  # K elements per lane during token preprocessing
-        self.v_slices = V // self.V_PER_WARP
+        self.v_slices = V // self.v_per_warp
         # One token slot: q_hat[K], k_hat[K], exp(g)[K], v[16], beta, padded to 16 bytes.
         self.off_k = K
         self.off_eg = 2 * K
         self.off_v = 3 * K
-        self.off_beta = 3 * K + self.V_PER_WARP
-        self.slot_floats = 3 * K + self.V_PER_WARP + 4
+        self.off_beta = 3 * K + self.v_per_warp
+        self.slot_floats = 3 * K + self.v_per_warp + 4
 
     # ------------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -159,13 +166,13 @@ class KdaDecodeSm90:
     # ---------------------------------------------------------------------------------------------- device
     @cute.jit
     def _state_view(self, gS: cute.Tensor, lk, v0):
-        """This lane's ((4, K/32), 4) block of a [K, V] or [V, K] state tile, as a gmem view."""
+        """This lane's ((4, 2), 4) block of a [K, V] or [V, K] state tile, as a gmem view."""
         if cutlass.const_expr(self.state_v_first):
             off = cute.assume(v0 * self.K + 4 * lk, divby=4)
-            layout = cute.make_layout(((4, self.k_blocks), 4), stride=((1, 32), self.K))
+            layout = cute.make_layout(((4, self.k_blocks), 4), stride=((1, self.k_stride_j), self.K))
         else:
             off = cute.assume(4 * lk * self.V + v0, divby=4)
-            layout = cute.make_layout(((4, self.k_blocks), 4), stride=((self.V, 32 * self.V), 1))
+            layout = cute.make_layout(((4, self.k_blocks), 4), stride=((self.V, self.k_stride_j * self.V), 1))
         return cute.make_tensor(gS.iterator + off, layout)
 
     @cute.jit
@@ -175,8 +182,9 @@ class KdaDecodeSm90:
         return x
 
     @cute.jit
-    def _prep_token(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, sSlot, n, t, h, hv, vs, lane, scale,
-                    lower_bound):
+    def _prep_token(
+        self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, sSlot, n, t, h, hv, vs, lane, scale, lower_bound
+    ):
         """Write q_hat, k_hat, exp(g), v and beta of token t into this warp's shared slot."""
         KP = self.k_prep
         k0 = cute.assume(lane * KP, divby=KP)
@@ -208,7 +216,9 @@ class KdaDecodeSm90:
         if cutlass.const_expr(self.has_dt_bias):
             rb = cute.make_rmem_tensor(KP, Float32)
             cute.autovec_copy(
-                cute.make_tensor(mDtBias.iterator + cute.assume(hv * self.K + k0, divby=KP), cute.make_layout(KP)),
+                cute.make_tensor(
+                    mDtBias.iterator + cute.assume(hv * self.K + k0, divby=KP), cute.make_layout(KP)
+                ),
                 rb,
             )
             g = g + rb.load()
@@ -218,7 +228,8 @@ class KdaDecodeSm90:
                 x = g[i]
                 sp = x
                 if x <= 20.0:
-                    sp = cute.math.log(1.0 + cute.math.exp(x, fastmath=True), fastmath=True)
+                    # accurate log1p: for x << 0 softplus ~ exp(x) and 1 + exp(x) would round it away
+                    sp = cute.math.log1p(cute.math.exp(x, fastmath=True))
                 rout[i] = cute.math.exp2(a * sp * _LOG2E, fastmath=True)
         elif cutlass.const_expr(self.gate == "lower_bound"):
             a = Float32(1.0)
@@ -232,9 +243,9 @@ class KdaDecodeSm90:
                 rout[i] = cute.math.exp2(g[i] * _LOG2E, fastmath=True)
         cute.autovec_copy(rout, cute.make_tensor(sSlot.iterator + self.off_eg + k0, cute.make_layout(KP)))
 
-        # the warp's 16 values of v: lanes 0..3 load 4 each
-        if lane < self.LANES_V:
-            v_off = cute.assume(vs * self.V_PER_WARP + lane * self.V_PER_LANE, divby=self.V_PER_LANE)
+        # the warp's 8 or 16 values of v: the first 2 or 4 lanes load 4 each
+        if lane < self.lanes_v:
+            v_off = cute.assume(vs * self.v_per_warp + lane * self.V_PER_LANE, divby=self.V_PER_LANE)
             rv = cute.make_rmem_tensor(self.V_PER_LANE, self.io_dtype)
             cute.autovec_copy(
                 cute.make_tensor(mV[n, t, hv, None].iterator + v_off, cute.make_layout(self.V_PER_LANE)), rv
@@ -242,8 +253,10 @@ class KdaDecodeSm90:
             rvf = cute.make_rmem_tensor(self.V_PER_LANE, Float32)
             rvf.store(rv.load().to(Float32))
             s_off = cute.assume(self.off_v + lane * self.V_PER_LANE, divby=self.V_PER_LANE)
-            cute.autovec_copy(rvf, cute.make_tensor(sSlot.iterator + s_off, cute.make_layout(self.V_PER_LANE)))
-        if lane == self.LANES_V:
+            cute.autovec_copy(
+                rvf, cute.make_tensor(sSlot.iterator + s_off, cute.make_layout(self.V_PER_LANE))
+            )
+        if lane == self.lanes_v:
             b = Float32(mBeta[n, t, hv])
             if cutlass.const_expr(self.beta_sigmoid):
                 b = cute.arch.rcp_approx(1.0 + cute.math.exp2(-b * _LOG2E, fastmath=True))
@@ -278,7 +291,8 @@ class KdaDecodeSm90:
         H = mQ.shape[2]
         HV = mV.shape[2]
         KB = self.k_blocks
-        KPT = self.k_per_lane
+        KPT = self.K_PER_LANE
+        LOG_LK = int(math.log2(self.lanes_k))
         R = self.V_PER_LANE
         TR = self.TOKENS_PER_ROUND
 
@@ -294,9 +308,9 @@ class KdaDecodeSm90:
             hv = nh % HV
             n = nh // HV
             h = hv // (HV // H)
-            lk = lane % self.LANES_K
-            lv = lane // self.LANES_K
-            v0 = vs * self.V_PER_WARP + lv * R
+            lk = lane % self.lanes_k
+            lv = lane // self.lanes_k
+            v0 = vs * self.v_per_warp + lv * R
             slot = mIdx[n]
             sW = sBuf[None, None, warp]
             rzero = cute.make_rmem_tensor(R, self.io_dtype)
@@ -317,13 +331,29 @@ class KdaDecodeSm90:
                 reg = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
                 rv = cute.make_rmem_tensor(R, Float32)
                 ro = cute.make_rmem_tensor(R, self.io_dtype)
-                lane_k = cute.make_layout((4, KB), stride=(1, 32))
+                lane_k = cute.make_layout((4, KB), stride=(1, self.k_stride_j))
 
                 for t0 in range(0, T, TR):
                     nt = cutlass.min(T - t0, TR)
                     for tt in range(nt):
-                        self._prep_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv,
-                                         vs, lane, scale, lower_bound)
+                        self._prep_token(
+                            mQ,
+                            mK,
+                            mV,
+                            mG,
+                            mBeta,
+                            mALog,
+                            mDtBias,
+                            sW[None, tt],
+                            n,
+                            t0 + tt,
+                            h,
+                            hv,
+                            vs,
+                            lane,
+                            scale,
+                            lower_bound,
+                        )
                     cute.arch.sync_warp()
 
                     for tt in range(nt):
@@ -347,7 +377,7 @@ class KdaDecodeSm90:
                         u = [Float32(0.0)] * R
                         for r in cutlass.range_constexpr(R):
                             x = p[r]
-                            for b in cutlass.range_constexpr(3):
+                            for b in cutlass.range_constexpr(LOG_LK):
                                 x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
                             u[r] = beta * (rv[r] - x)
 
@@ -361,13 +391,14 @@ class KdaDecodeSm90:
                                 o[r] = o[r] + s * rq[i]
                         for r in cutlass.range_constexpr(R):
                             x = o[r]
-                            for b in cutlass.range_constexpr(3):
+                            for b in cutlass.range_constexpr(LOG_LK):
                                 x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
                             ro[r] = x.to(self.io_dtype)
                         if lk == 0:
                             gO = mOut[n, t, hv, None]
                             cute.autovec_copy(
-                                ro, cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R))
+                                ro,
+                                cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)),
                             )
                         if cutlass.const_expr(self.has_step_states):
                             cute.autovec_copy(tS, self._state_view(mStep[n, t, hv, None, None], lk, v0))
@@ -380,7 +411,8 @@ class KdaDecodeSm90:
                     for t in range(T):
                         gO = mOut[n, t, hv, None]
                         cute.autovec_copy(
-                            rzero, cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R))
+                            rzero,
+                            cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)),
                         )
 
 
@@ -390,9 +422,9 @@ def _compile(cfg: KdaDecodeSm90, arch: tuple[int, int]):
     N, T, H, HV, P = (cute.sym_int32() for _ in range(5))
     HVK = cute.sym_int32()
     K, V = cfg.K, cfg.V
-    row = lambda rank: tuple(range(rank - 1, -1, -1))  # noqa: E731
+    row = lambda rank: tuple(range(rank - 1, -1, -1))
     # activations fit int32 offsets (N * T * HV * max(K, V) < 2**31); the pool and step_states may not
-    mk = lambda dt, shape, align=16, i32=True: make_fake_compact_tensor(  # noqa: E731
+    mk = lambda dt, shape, align=16, i32=True: make_fake_compact_tensor(
         dt, shape, stride_order=row(len(shape)), assumed_align=align, use_32bit_stride=i32
     )
     q = mk(cfg.io_dtype, (N, T, H, K))
@@ -413,9 +445,97 @@ def _compile(cfg: KdaDecodeSm90, arch: tuple[int, int]):
     step = mk(Float32, (N, T, HV, *inner), i32=False) if cfg.has_step_states else None
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
-        cfg, q, k, v, g, beta, a_log, dt_bias, state, idx, out, step, Float32(1.0), Float32(0.0), stream,
+        cfg,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        a_log,
+        dt_bias,
+        state,
+        idx,
+        out,
+        step,
+        Float32(1.0),
+        Float32(0.0),
+        stream,
         options=compile_options(arch),
     )
+
+
+def _variant_key(
+    io_dtype,
+    g_dtype,
+    beta_dtype,
+    K,
+    V,
+    gate,
+    has_a_log,
+    has_dt_bias,
+    use_qk_l2norm,
+    beta_sigmoid,
+    allow_neg_eigval,
+    state_v_first,
+    has_step_states,
+    arch,
+) -> tuple:
+    # flags that cannot change the trace are folded so they never cost a second compile
+    if gate == "none":
+        has_a_log = has_dt_bias = False
+    return (
+        "kda_decode_sm90",
+        io_dtype,
+        g_dtype,
+        beta_dtype,
+        K,
+        V,
+        gate,
+        has_a_log,
+        has_dt_bias,
+        use_qk_l2norm,
+        beta_sigmoid,
+        allow_neg_eigval and beta_sigmoid,
+        state_v_first,
+        has_step_states,
+        arch,
+    )
+
+
+def _build(key: tuple):
+    (
+        _,
+        io_dtype,
+        g_dtype,
+        beta_dtype,
+        K,
+        V,
+        gate,
+        has_a_log,
+        has_dt_bias,
+        use_qk_l2norm,
+        beta_sigmoid,
+        allow_neg_eigval,
+        state_v_first,
+        has_step_states,
+        arch,
+    ) = key
+    cfg = KdaDecodeSm90(
+        io_dtype=_TORCH_TO_CUTE[io_dtype],
+        g_dtype=_TORCH_TO_CUTE[g_dtype],
+        beta_dtype=_TORCH_TO_CUTE[beta_dtype],
+        K=K,
+        V=V,
+        gate=gate,
+        has_a_log=has_a_log,
+        has_dt_bias=has_dt_bias,
+        use_qk_l2norm=use_qk_l2norm,
+        beta_sigmoid=beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first,
+        has_step_states=has_step_states,
+    )
+    return _compile(cfg, arch)
 
 
 def kda_decode_variant(
@@ -435,40 +555,28 @@ def kda_decode_variant(
     has_step_states: bool,
     arch: tuple[int, int] = (9, 0),
 ):
-    """The compiled TVM-FFI function for one variant (compiled once per process, then cached)."""
-    if gate == "none":
-        has_a_log = has_dt_bias = False
-    if not beta_sigmoid:
-        allow_neg_eigval = False
-    key = (
-        "kda_decode_sm90", io_dtype, g_dtype, beta_dtype, K, V, gate, has_a_log, has_dt_bias, use_qk_l2norm,
-        beta_sigmoid, allow_neg_eigval, state_v_first, has_step_states, arch,
-    )
-    return compiled_kernel(
-        key,
-        lambda: _compile(
-            KdaDecodeSm90(
-                io_dtype=_TORCH_TO_CUTE[io_dtype],
-                g_dtype=_TORCH_TO_CUTE[g_dtype],
-                beta_dtype=_TORCH_TO_CUTE[beta_dtype],
-                K=K,
-                V=V,
-                gate=gate,
-                has_a_log=has_a_log,
-                has_dt_bias=has_dt_bias,
-                use_qk_l2norm=use_qk_l2norm,
-                beta_sigmoid=beta_sigmoid,
-                allow_neg_eigval=allow_neg_eigval,
-                state_v_first=state_v_first,
-                has_step_states=has_step_states,
-            ),
-            arch,
-        ),
-    )
+    """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
 
-
-# The per-call path is a dict lookup on this tuple and one TVM-FFI call: keep it free of torch ops.
-_FAST: dict[tuple, object] = {}
+    Call it as ``fn(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)``
+    with None exactly where the variant has no A_log / dt_bias / step_states. Used by the CPU compile tests.
+    """
+    key = _variant_key(
+        io_dtype,
+        g_dtype,
+        beta_dtype,
+        K,
+        V,
+        gate,
+        has_a_log,
+        has_dt_bias,
+        use_qk_l2norm,
+        beta_sigmoid,
+        allow_neg_eigval,
+        state_v_first,
+        has_step_states,
+        arch,
+    )
+    return compiled_kernel(key, lambda: _build(key))
 
 
 def kda_decode_sm90(
@@ -494,56 +602,70 @@ def kda_decode_sm90(
 ) -> None:
     """One KDA decode step (T tokens per sequence) against an fp32 state pool, on SM90.
 
-    Inputs are validated by the caller; this function only picks the compiled variant and launches it.
+    Inputs are validated by the caller; this function only picks the compiled variant and launches it
+    (a dict lookup and one TVM-FFI call, on the current torch stream). TVM-FFI still checks dtypes, ranks,
+    matching sizes, contiguity of the inner dims and 16-byte alignment, and raises on a mismatch.
 
     Args:
-        q, k: ``[N, T, H, K]`` bf16 or fp16, contiguous. ``K`` in {64, 128}.
-        v: ``[N, T, HV, V]``, q's dtype, contiguous; ``HV % H == 0`` (GVA), ``V % 16 == 0``.
+        q, k: ``[N, T, H, K]`` bf16 or fp16, contiguous, 16-byte aligned. ``K`` in {64, 128}.
+        v: ``[N, T, HV, V]``, q's dtype, contiguous; ``HV % H == 0`` (GVA); ``V % 8 == 0`` for K=128,
+            ``V % 16 == 0`` for K=64.
         g: ``[N, T, HV, K]`` bf16 or fp32: raw gate logits for ``gate in ("softplus", "lower_bound")``,
             log-space decay for ``gate == "none"``.
         beta: ``[N, T, HV]`` fp32, bf16 or fp16: raw logits when ``beta_sigmoid`` (``2 * sigmoid`` with
             ``allow_neg_eigval``, which is ignored without ``beta_sigmoid``, as in FLA), else used as is.
         A_log: ``[HV]`` fp32; required by ``softplus``, optional for ``lower_bound``, ignored for ``none``.
-        dt_bias: ``[HV * K]`` fp32 or None, added to g before the gate activation.
+        dt_bias: ``[HV * K]`` fp32 or None, added to g before the gate activation (ignored for ``none``).
         state: fp32 pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` if ``state_v_first``), updated in place unless
-            ``step_states`` is given. Dims 1.. contiguous, dim 0 any 16-byte-multiple stride.
-        indices: ``[N]`` int32 pool rows; a negative index is a padded slot: the pool and ``step_states``
-            are not touched and the output rows are zeroed.
+            ``step_states`` is given. Dims 1.. contiguous; dim 0 may have any stride that is a multiple of 4.
+        indices: ``[N]`` int32 pool rows. A negative index is a padded slot: the pool and ``step_states``
+            are not touched and its output rows are **zeroed**.
         out: ``[N, T, HV, V]`` in q's dtype, written.
         scale: multiplies q (after the l2norm).
-        gate: ``"softplus"``: ``g = -exp(A_log) * softplus(g + dt_bias)`` (softplus linear above 20, as
-            torch); ``"lower_bound"``: ``g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (no
-            ``exp(A_log)`` factor when A_log is None); ``"none"``: g used as given.
+        gate: ``"softplus"``: ``g = -exp(A_log) * softplus(g + dt_bias)`` (softplus is the identity above
+            20, as in torch); ``"lower_bound"``: ``g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``
+            (no ``exp(A_log)`` factor when A_log is None); ``"none"``: g used as given.
         lower_bound: the bound for ``gate == "lower_bound"`` (negative), else unused.
-        use_qk_l2norm: ``x / sqrt(sum(x^2) + 1e-6)`` on q and k per token and head.
+        use_qk_l2norm: ``x / sqrt(sum(x^2) + 1e-6)`` on q and k per token and head, before ``scale``.
         step_states: optional ``[N, T, HV, K, V]`` (``[N, T, HV, V, K]``) fp32, contiguous: when given, the
             state after every token is written there and the pool is left untouched.
     """
-    key = (
-        q.dtype, g.dtype, beta.dtype, q.shape[-1], v.shape[-1], gate, A_log is not None, dt_bias is not None,
-        use_qk_l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, step_states is not None,
-    )
-    fn = _FAST.get(key)
-    if fn is None:
-        fn = kda_decode_variant(
-            io_dtype=q.dtype,
-            g_dtype=g.dtype,
-            beta_dtype=beta.dtype,
-            K=q.shape[-1],
-            V=v.shape[-1],
-            gate=gate,
-            has_a_log=A_log is not None,
-            has_dt_bias=dt_bias is not None,
-            use_qk_l2norm=use_qk_l2norm,
-            beta_sigmoid=beta_sigmoid,
-            allow_neg_eigval=allow_neg_eigval,
-            state_v_first=state_v_first,
-            has_step_states=step_states is not None,
-        )
-        _FAST[key] = fn
+    if q.shape[0] == 0:  # an empty grid is a launch error
+        return
     if gate == "none":
         A_log = dt_bias = None
-    fn(
-        q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states,
-        scale, 0.0 if lower_bound is None else lower_bound,
+    key = _variant_key(
+        q.dtype,
+        g.dtype,
+        beta.dtype,
+        q.shape[-1],
+        v.shape[-1],
+        gate,
+        A_log is not None,
+        dt_bias is not None,
+        use_qk_l2norm,
+        beta_sigmoid,
+        allow_neg_eigval,
+        state_v_first,
+        step_states is not None,
+        _ARCH,
     )
+    fn = compiled_kernel(key, lambda: _build(key))
+    fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        state,
+        indices,
+        out,
+        step_states,
+        scale,
+        0.0 if lower_bound is None else lower_bound,
+    )
+
+
+_ARCH = (9, 0)

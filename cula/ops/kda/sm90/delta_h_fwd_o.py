@@ -52,11 +52,9 @@ import functools
 
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import BFloat16, Float16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -201,11 +199,12 @@ class DeltaHFwdOFusedSm90:
 
         self.storage = Storage
         HV = mW.shape[1]
-        self.kernel(
+        kernel = self.kernel(
             tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg,
             o_v, h0_v, ht_v, mCu, seqlen, scale,
             mma_o, mma_s, sW_l, sQ_l, sA_l, sK_l, sU_l, sG_l,
-        ).launch(  # fmt: skip
+        )  # fmt: skip
+        kernel.launch(
             grid=(HV, num_seqs, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1
         )
 
@@ -268,12 +267,24 @@ class DeltaHFwdOFusedSm90:
                 gU = cute.local_tile(cute.domain_offset((0, bos), tu[None, None, h]), (DV, BT), (0, None))
                 gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
                 one = cute.make_layout(1)
-                tWs, tWg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-                tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                tAs, tAg = cpasync.tma_partition(tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-                tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-                tUs, tUg = cpasync.tma_partition(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2))
-                tGs, tGg = cpasync.tma_partition(tma_g, 0, one, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2))
+                tWs, tWg = cpasync.tma_partition(
+                    tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+                )
+                tQs, tQg = cpasync.tma_partition(
+                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
+                tAs, tAg = cpasync.tma_partition(
+                    tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                )
+                tKs, tKg = cpasync.tma_partition(
+                    tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+                )
+                tUs, tUg = cpasync.tma_partition(
+                    tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2)
+                )
+                tGs, tGg = cpasync.tma_partition(
+                    tma_g, 0, one, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2)
+                )
                 st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
                 for c in cutlass.range(num_chunks, unroll=1):
                     pipe.producer_acquire(st)
@@ -352,7 +363,7 @@ class DeltaHFwdOFusedSm90:
                     atom2.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
 
-                # While GEMM1/2 run: mask Aqk, decay S^T (only its bf16 copy is in flight), fetch u^T.
+                # While GEMM1/2 run: mask Aqk, compute the decay factors, fetch u^T.
                 sAc = sA[None, None, si]
                 for jj in cutlass.range_constexpr(16):
                     if mcol0 + jj > mrow:
@@ -402,7 +413,7 @@ class DeltaHFwdOFusedSm90:
                 tSgHt.store(accS.load())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
     """A tiny tensor standing in for an absent optional argument (the kernel variant never touches it)."""
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -411,9 +422,12 @@ def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple) -> torc
 _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16}
 
 
-def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 0)):
-    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 0), extra_options=""):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.
+
+    ``extra_options`` is appended to the cute.compile options (tests use ``--keep-cubin --dump-dir D``).
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK = DV = 128
     BT = 64
@@ -421,15 +435,22 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
         dtype=dtype, head_k=DK, head_v=DV, chunk_size=BT, num_stages=num_stages, varlen=varlen,
         has_initial_state=has_h0, has_final_state=has_ht, state_v_first=state_v_first,
     )  # fmt: skip
+    # Token and sequence strides are 64-bit so that T_total * HV * D (or N * HV * K * V) may pass 2^31
+    # elements; their divisibility keeps TMA's 16-byte stride check provable at compile time.
     tt, hv = cute.sym_int32(), cute.sym_int32()
+    tok_stride = {d: cute.sym_int64(divisibility=d) for d in (DK, BT)}
 
     def tok(dt, d):
-        return make_fake_compact_tensor(dt, (tt, hv, d), stride_order=(2, 1, 0), assumed_align=16)
+        return make_fake_tensor(dt, (tt, hv, d), (tok_stride[d], d, 1), assumed_align=16)
 
     def state():
-        shape = (cute.sym_int32(), cute.sym_int32(), DV, DK) if state_v_first else (
-            cute.sym_int32(), cute.sym_int32(), DK, DV)
-        return make_fake_compact_tensor(Float32, shape, stride_order=(3, 2, 1, 0), assumed_align=16)
+        inner = (DV, DK) if state_v_first else (DK, DV)
+        return make_fake_tensor(
+            Float32,
+            (cute.sym_int32(), cute.sym_int32(), *inner),
+            (cute.sym_int64(divisibility=DK * DV), DK * DV, inner[1], 1),
+            assumed_align=16,
+        )
 
     cu = make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
     args = (
@@ -437,7 +458,7 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
         tok(dtype, DV), state(), state(), cu, Int32(1), Int32(1), Float32(1.0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip
-    return cute.compile(kernel, *args, options=compile_options(arch))
+    return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
 
 
 def get_compiled(dtype=BFloat16, num_stages=3, varlen=False, has_h0=False, has_ht=False, state_v_first=False,
@@ -516,9 +537,20 @@ def chunk_kda_delta_h_fwd_o_sm90(
         N = B
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     for name, t in (("initial_state", initial_state), ("final_state", final_state)):
-        if t is not None and (tuple(t.shape) != state_shape or t.dtype != torch.float32 or not t.is_contiguous()):
-            raise ValueError(f"{name}: expected contiguous {state_shape} float32, got {tuple(t.shape)} {t.dtype}")
+        if t is not None and (
+            tuple(t.shape) != state_shape or t.dtype != torch.float32 or not t.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name}: expected contiguous {state_shape} float32, got {tuple(t.shape)} {t.dtype}"
+            )
     if N == 0 or HV == 0:
+        return
+    if B * T == 0:  # no tokens: TMA descriptors cannot describe an empty tensor; the state passes through
+        if final_state is not None:
+            if initial_state is not None:
+                final_state.copy_(initial_state)
+            else:
+                final_state.zero_()
         return
     dev = w.device
     dummy_state = _placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
@@ -526,7 +558,10 @@ def chunk_kda_delta_h_fwd_o_sm90(
         dtype=_TORCH_TO_CUTLASS[w.dtype], varlen=varlen, has_h0=initial_state is not None,
         has_ht=final_state is not None, state_v_first=state_v_first,
     )  # fmt: skip
-    flat = lambda t: t.view(B * T, HV, t.shape[-1])  # noqa: E731
+
+    def flat(t):
+        return t.view(B * T, HV, t.shape[-1])
+
     fn(
         flat(w), flat(u), flat(kg), flat(qg), flat(g), flat(Aqk), flat(o),
         initial_state if initial_state is not None else dummy_state,

@@ -22,9 +22,11 @@ Kernel organisation (one CTA per (V slice of 64 columns, value head, sequence)):
 
         1. P    = q k^T                       SS  M=i  N=j  K=K     (both operands K-major)
            O^T  = bf16(S^T) q^T               RS  M=v  N=i  K=K     (state as the register A operand)
-        2. while those run: v^T (ldmatrix) * lam^(L-1-j) -> bf16 A fragment, S^T *= lam^L
-        3. O^T columns *= scale lam^(i+1);  S^T += (v^T w) k   RS M=v N=K K=j (k read MN-major)
-        4. P *= scale lam^(i-j) [j<=i] -> bf16 -> smem (stmatrix);  O^T += v^T P^T   SS M=v N=i K=j
+        2. while those run: v^T (ldmatrix) * lam^(L-1-j) -> bf16 A fragment
+        3. wait; S^T *= lam^L; O^T columns *= scale lam^(i+1); S^T += (v^T w) k
+                                              RS  M=v  N=K  K=j     (k read MN-major)
+        4. while that runs: P *= scale lam^(i-j) [j<=i] -> bf16 -> smem (stmatrix)
+           O^T += v^T P^T                     SS  M=v  N=i  K=j
         5. O^T -> bf16 -> smem (stmatrix, transposed) -> TMA store; a partial last chunk is stored
            with predicated direct stores instead, so nothing lands past the sequence end.
 
@@ -38,16 +40,11 @@ overlaps the other's tensor-core work.
 
 from __future__ import annotations
 
-import math
-from typing import Optional
-
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90
 import torch
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr, cute, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.memory import SmemAllocator
@@ -104,15 +101,15 @@ class LightningFwdSm90:
         self.v_splits = head_dim // V_TILE
         self.stages = 2
         self.num_threads = 256  # producer warpgroup + one math warpgroup
-        # Two CTAs per SM: 128 registers per thread at launch; the producer gives 88 of them to the
-        # math warpgroup (40 + 216 = 2 * 128).
-        self.producer_regs, self.math_regs = 40, 216
+        # Two CTAs per SM: 128 registers per thread at launch; the producer gives 104 of them to the
+        # math warpgroup (24 + 232 = 2 * 128).
+        self.producer_regs, self.math_regs = 24, 232
         self.min_blocks_per_sm = 2
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mDecay: cute.Tensor, mH0: Optional[cute.Tensor], mHt: Optional[cute.Tensor],
-                 mCu: Optional[cute.Tensor], scale: Float32, stream: cuda.CUstream):
+                 mDecay: cute.Tensor, mH0: cute.Tensor | None, mHt: cute.Tensor | None,
+                 mCu: cute.Tensor | None, scale: Float32, stream: cuda.CUstream):
         # torch layouts: q, k [B, T, H, K]; v, o [B, T, HV, V] (B == 1 when varlen);
         # decay [HV]; h0 / ht [N, HV, K, V] or [N, HV, V, K] fp32; cu_seqlens [N + 1] int32.
         DK, BT, VT = self.dk, CHUNK, V_TILE
@@ -179,8 +176,8 @@ class LightningFwdSm90:
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, tq: cute.Tensor, tma_k: cute.CopyAtom, tk: cute.Tensor,
                tma_v: cute.CopyAtom, tv: cute.Tensor, tma_o: cute.CopyAtom, to: cute.Tensor,
-               ot: cute.Tensor, mDecay: cute.Tensor, h0T: Optional[cute.Tensor], hT: Optional[cute.Tensor],
-               mCu: Optional[cute.Tensor], scale: Float32,
+               ot: cute.Tensor, mDecay: cute.Tensor, h0T: cute.Tensor | None, hT: cute.Tensor | None,
+               mCu: cute.Tensor | None, scale: Float32,
                mma_p: cute.TiledMma, mma_o: cute.TiledMma, mma_s: cute.TiledMma, mma_pv: cute.TiledMma,
                sQ_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, sP_l: cute.ComposedLayout,
                sO_l: cute.ComposedLayout):
@@ -259,7 +256,7 @@ class LightningFwdSm90:
         log2_lam = -decay * LOG2E  # lam^n = exp2(n * log2_lam), n >= 0
 
         thr_p, thr_o = mma_p.get_slice(mtid), mma_o.get_slice(mtid)
-        thr_s, thr_pv = mma_s.get_slice(mtid), mma_pv.get_slice(mtid)
+        thr_s = mma_s.get_slice(mtid)
         wg_p, wg_o, wg_s, wg_pv = mma_p.get_slice(0), mma_o.get_slice(0), mma_s.get_slice(0), mma_pv.get_slice(0)
 
         # operands: smem descriptors (S) or registers (R)
@@ -280,7 +277,6 @@ class LightningFwdSm90:
         cP = thr_p.partition_C(cute.make_identity_tensor((BT, BT)))
         cO = thr_o.partition_C(cute.make_identity_tensor((VT, BT)))
         cV = thr_s.partition_A(cute.make_identity_tensor((VT, BT)))
-        wV = cute.make_rmem_tensor(tSrV.layout, Float32)
 
         # v^T tile (V-contiguous in smem) -> A fragment with transposing ldmatrix
         ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
@@ -326,17 +322,16 @@ class LightningFwdSm90:
             warpgroup.commit_group()
             # 2. meanwhile: state weights lam^(L-1-j) (0 past the end) on v^T, and S^T *= lam^L
             cute.copy(cp_v, tCsV[None, None, None, s], tCrV)
-            for e in cutlass.range_constexpr(cute.size(wV)):
+            for e in cutlass.range_constexpr(cute.size(tSrV)):
                 j = cV[e][1]
                 w = Float32(0.0)
                 if j < L:
                     w = cute.math.exp2(log2_lam * Float32(L - 1 - j), fastmath=True)
-                wV[e] = w
-            tSrV.store((tSrV.load().to(Float32) * wV.load()).to(BFloat16))
+                tSrV[e] = (Float32(tSrV[e]) * w).to(BFloat16)
             lam_L = cute.math.exp2(log2_lam * Float32(L), fastmath=True)
-            for e in cutlass.range_constexpr(cute.size(accS)):
-                accS[e] = accS[e] * lam_L
             warpgroup.wait_group(0)
+            # (not overlapped with the GEMMs above: ptxas then serialises them, C7517)
+            accS.store(accS.load() * lam_L)
             # 3. O^T column i *= scale lam^(i+1); then S^T += (v^T w) k
             for e in cutlass.range_constexpr(cute.size(accO)):
                 i = cO[e][1]
@@ -372,8 +367,10 @@ class LightningFwdSm90:
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=_BAR_O_READY, number_of_threads=128)
                 if is_store_warp:
-                    cute.copy(tma_o, tOs[None, buf], tOg[None, c])
-                    cute.arch.cp_async_bulk_commit_group()
+                    # a TMA store is not elect_one'd by cute.copy; issue and commit from one lane
+                    with cute.arch.elect_one():
+                        cute.copy(tma_o, tOs[None, buf], tOg[None, c])
+                        cute.arch.cp_async_bulk_commit_group()
             else:
                 tOgO = thr_o.partition_C(gO[None, None, c])
                 for e in cutlass.range_constexpr(cute.size(rO16)):
@@ -438,8 +435,8 @@ def compile_lightning_fwd_sm90(head_dim: int, has_h0: bool, has_ht: bool, varlen
 
 
 def lightning_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, o: torch.Tensor,
-                       initial_state: Optional[torch.Tensor], final_state: Optional[torch.Tensor],
-                       cu_seqlens: Optional[torch.Tensor], *, scale: float, state_v_first: bool) -> None:
+                       initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
+                       cu_seqlens: torch.Tensor | None, *, scale: float, state_v_first: bool) -> None:
     """Lightning-attention prefill on SM90, written into preallocated outputs (the caller validates).
 
     Args:

@@ -1,0 +1,111 @@
+"""KDA chunk forward on SM90: FLA's Triton intra-chunk stage, then cula's fused state/output kernel.
+
+Stage split (FLA 0.6.0 ``fla/ops/kda/chunk_fwd.py::chunk_kda_fwd`` is the reference):
+
+1. ``chunk_local_cumsum(g, scale=1/ln 2)``: chunk-local cumsum of the log gate, base 2, fp32 (FLA Triton).
+2. ``chunk_kda_fwd_intra(..., disable_recompute=True)``: w, u, qg, kg, Aqk (FLA Triton); ``disable_recompute``
+   only makes it also return ``qg = q exp2(g)``, which our kernel reads instead of q and the full g tile.
+3. ``chunk_kda_delta_h_fwd_o_sm90``: the state recurrence and the output in one CuTe DSL kernel, in place of
+   FLA's ``chunk_gated_delta_rule_fwd_h`` + ``chunk_gla_fwd_o_gk``; no per-chunk states or v_new in memory.
+
+Importing fla here is deliberate: this module orchestrates FLA's Triton stage until cula has its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+
+__all__ = ["chunk_kda_fwd_sm90"]
+
+RCP_LN2 = 1.4426950408889634  # 1 / ln(2): FLA keeps the gate cumsum in base 2
+
+
+def chunk_kda_fwd_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA forward for already-preprocessed inputs (FLA's ``chunk_kda_fwd`` without gate/beta/l2norm fusion).
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16 (or fp16), already L2-normalised if the model does so.
+        v: ``[B, T, HV, V]`` same dtype; HV is a multiple of H (GVA).
+        g: ``[B, T, HV, K]`` log-space decay (natural log, <= 0), any float dtype.
+        beta: ``[B, T, HV]`` post-sigmoid.
+        scale: query scale (FLA default ``K ** -0.5`` is the caller's job).
+        initial_state: ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]`` if ``state_v_first``) or None.
+        output_final_state: return the final state (same layout, fp32).
+        cu_seqlens: ``[N + 1]`` cumulative lengths (int32 or int64) with ``B == 1``, or None.
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (saves FLA a device sync).
+        chunk_size: must be 64.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None.
+    """
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    if chunk_size != 64:
+        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"value heads ({HV}) must be a multiple of query/key heads ({H})")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (flatten the sequences), got {B}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+
+    final_state = None
+    if output_final_state:
+        shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        final_state = torch.empty(shape, dtype=torch.float32, device=q.device)
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32).contiguous()
+
+    o = torch.empty_like(v)
+    if T == 0:  # nothing to read; the state passes through
+        if final_state is not None:
+            final_state.copy_(initial_state if initial_state is not None else torch.zeros_like(final_state))
+        return o, final_state
+
+    chunk_indices = None
+    if cu_seqlens is not None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+    g_cum = chunk_local_cumsum(
+        g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
+    )
+    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        chunk_indices=chunk_indices, disable_recompute=True,
+    )  # fmt: skip
+    cu32 = None
+    if cu_seqlens is not None:
+        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    chunk_kda_delta_h_fwd_o_sm90(
+        w,
+        u,
+        kg,
+        qg,
+        g_cum,
+        Aqk,
+        o,
+        initial_state,
+        final_state,
+        cu32,
+        scale=scale,
+        state_v_first=state_v_first,
+    )
+    return o, final_state

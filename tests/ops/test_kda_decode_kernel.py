@@ -1,0 +1,570 @@
+"""KDA decode kernel on SM90 (``cula/ops/kda/sm90/decode.py``): state pool, T = 1..8 tokens, step states.
+
+CPU: every variant (gate kind x state layout x K x step_states, plus dtype/flag extras) traces and compiles
+for sm_90a in one subprocess with ptxas remarks on, and ptxas reports no spills and at most 128 registers
+(the kernel asks for 4 CTAs of 128 threads per SM). T, N, H, HV and the pool size are run-time values, so one
+compiled variant serves T = 1 and T = 4 alike. GPU (``-m gpu`` on an H100/H200): outputs and states against a
+float64 recurrence (relative RMSE < 5e-3), NaN-poisoned outputs, padded slots and unreferenced pool rows
+untouched bit for bit, step_states mode leaving the pool alone, GVA, both layouts, and 10,000 consecutive
+decode steps tracking the float64 recurrence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cula.testing import assert_close
+
+HAS_CUDA = torch.cuda.is_available()
+RATIO = 5e-3
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: compile every variant once, in a subprocess (ptxas remarks need the env var before cutlass import)
+# ----------------------------------------------------------------------------------------------------
+
+_BASE = {
+    "io_dtype": "bfloat16",
+    "g_dtype": "float32",
+    "beta_dtype": "float32",
+    "K": 128,
+    "gate": "softplus",
+    "has_a_log": True,
+    "has_dt_bias": True,
+    "use_qk_l2norm": True,
+    "beta_sigmoid": True,
+    "allow_neg_eigval": False,
+    "state_v_first": False,
+    "has_step_states": False,
+}
+
+
+def _variant(**kw):
+    v = dict(_BASE)
+    v.update(kw)
+    if v["gate"] == "none":
+        v.update(has_a_log=False, has_dt_bias=False)
+    return v
+
+
+_VARIANTS = [
+    _variant(gate=gate, state_v_first=vf, K=K, has_step_states=st)
+    for gate in ("softplus", "lower_bound", "none")
+    for vf in (False, True)
+    for K in (128, 64)
+    for st in (False, True)
+] + [
+    _variant(io_dtype="float16"),
+    _variant(g_dtype="bfloat16", beta_dtype="bfloat16"),
+    _variant(gate="lower_bound", has_a_log=False, has_dt_bias=False),
+    _variant(use_qk_l2norm=False, beta_sigmoid=False),
+    _variant(allow_neg_eigval=True, beta_dtype="float16", state_v_first=True),
+    _variant(gate="none", g_dtype="bfloat16", has_step_states=True, state_v_first=True),
+]
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    from cula.ops.kda.sm90.decode import kda_decode_variant
+    for i, v in enumerate(json.loads(sys.argv[1])):
+        v = dict(v)
+        for name in ("io_dtype", "g_dtype", "beta_dtype"):
+            v[name] = getattr(torch, v[name])
+        v["V"] = v["K"]
+        t0 = time.time()
+        fn = kda_decode_variant(**v)
+        again = kda_decode_variant(**v)
+        sys.stdout.flush()
+        print(f"@@done {i} {time.time() - t0:.2f} cached={fn is again}", flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled_variants():
+    """{variant index: (registers, spill store bytes, compile seconds, cached)} from one compile run."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(_VARIANTS)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    # ptxas remarks go to stderr, markers to stdout: pair them up by order
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr)]
+    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    done = re.findall(r"@@done (\d+) ([\d.]+) cached=(\w+)", proc.stdout)
+    assert len(done) == len(_VARIANTS), text[-4000:]
+    assert len(regs) == len(spills) == len(_VARIANTS), text[-4000:]
+    return {
+        int(i): (regs[j], spills[j], float(sec), cached == "True") for j, (i, sec, cached) in enumerate(done)
+    }
+
+
+def _vid(v):
+    return "-".join(
+        [v["io_dtype"], "g" + v["g_dtype"], "b" + v["beta_dtype"], f"K{v['K']}", v["gate"]]
+        + (["A"] if v["has_a_log"] else [])
+        + (["dtb"] if v["has_dt_bias"] else [])
+        + (["l2"] if v["use_qk_l2norm"] else [])
+        + (["sig"] if v["beta_sigmoid"] else [])
+        + (["neg"] if v["allow_neg_eigval"] else [])
+        + (["vk"] if v["state_v_first"] else ["kv"])
+        + (["steps"] if v["has_step_states"] else [])
+    )
+
+
+@pytest.mark.parametrize("i", range(len(_VARIANTS)), ids=[_vid(v) for v in _VARIANTS])
+def test_variant_compiles_without_spills(compiled_variants, i):
+    regs, spill, _sec, cached = compiled_variants[i]
+    assert spill == 0, f"{_vid(_VARIANTS[i])}: {spill} bytes spilled"
+    assert regs <= 128, f"{_vid(_VARIANTS[i])}: {regs} registers would cost occupancy"
+    assert cached, "the second lookup of the same variant must hit cula.cache"
+
+
+def test_config_rejects_unsupported():
+    from cutlass import BFloat16, Float32
+
+    from cula.ops.kda.sm90.decode import KdaDecodeSm90
+
+    kw = {
+        "io_dtype": BFloat16,
+        "g_dtype": Float32,
+        "beta_dtype": Float32,
+        "V": 128,
+        "gate": "softplus",
+        "has_a_log": True,
+        "has_dt_bias": False,
+        "use_qk_l2norm": False,
+        "beta_sigmoid": False,
+        "allow_neg_eigval": False,
+        "state_v_first": False,
+        "has_step_states": False,
+    }
+    with pytest.raises(ValueError, match="K must be"):
+        KdaDecodeSm90(K=96, **kw)
+    with pytest.raises(ValueError, match="softplus gate needs A_log"):
+        KdaDecodeSm90(K=128, **dict(kw, has_a_log=False))
+    with pytest.raises(ValueError, match="gate must be"):
+        KdaDecodeSm90(K=128, **dict(kw, gate="sigmoid"))
+    with pytest.raises(ValueError, match="V must be a multiple"):
+        KdaDecodeSm90(K=64, **dict(kw, V=72))
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------------
+
+
+def _reference(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    S0,
+    *,
+    scale,
+    gate,
+    lower_bound,
+    use_qk_l2norm,
+    beta_sigmoid,
+    allow_neg_eigval,
+    all_states=True,
+):
+    """float64 recurrence. S0 [N, HV, K, V]; returns o [N, T, HV, V] and the states [N, T, HV, K, V]
+    (only the last one, [N, 1, HV, K, V], unless ``all_states``)."""
+    N, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // H
+    q, k = (x.double().repeat_interleave(G, dim=2) for x in (q, k))
+    v, g, beta = v.double(), g.double(), beta.double()
+    if use_qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * scale
+    if gate != "none":
+        x = g + (dt_bias.double().view(HV, K) if dt_bias is not None else 0.0)
+        if gate == "softplus":
+            g = -A_log.double().exp().view(HV, 1) * F.softplus(x)
+        else:
+            a = A_log.double().exp().view(HV, 1) if A_log is not None else 1.0
+            g = lower_bound * torch.sigmoid(a * x)
+    if beta_sigmoid:
+        beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
+    S = S0.double().clone()
+    o = torch.empty(N, T, HV, V, dtype=torch.float64, device=q.device)
+    states = torch.empty(N, T if all_states else 1, HV, K, V, dtype=torch.float64, device=q.device)
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], S))
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        o[:, t] = torch.einsum("nhk,nhkv->nhv", q[:, t], S)
+        if all_states:
+            states[:, t] = S
+    if not all_states:
+        states[:, 0] = S
+    return o, states
+
+
+def _inputs(
+    N,
+    T,
+    H,
+    HV,
+    K,
+    V,
+    *,
+    gate,
+    dtype=torch.bfloat16,
+    g_dtype=torch.float32,
+    beta_dtype=torch.float32,
+    has_a_log=True,
+    has_dt_bias=True,
+    use_qk_l2norm=True,
+    beta_sigmoid=True,
+    g_shift=0.0,
+    seed=0,
+):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    q = rnd(N, T, H, K).to(dtype)
+    k = rnd(N, T, H, K)
+    if not use_qk_l2norm:  # keep the delta rule contractive: |k| ~ 1
+        k = F.normalize(k, dim=-1)
+    k = k.to(dtype)
+    v = rnd(N, T, HV, V).to(dtype)
+    if gate == "none":
+        g = -F.softplus(rnd(N, T, HV, K) - 2.0)  # log-space decay in (-inf, 0)
+    else:
+        g = rnd(N, T, HV, K) * 2.0 + g_shift
+    g = g.to(g_dtype)
+    beta = rnd(N, T, HV)
+    if not beta_sigmoid:
+        beta = torch.sigmoid(beta)
+    beta = beta.to(beta_dtype)
+    A_log = (
+        (torch.rand(HV, device="cuda", generator=gen) * 2.0 - 1.0) if has_a_log and gate != "none" else None
+    )
+    dt_bias = rnd(HV * K) * 0.5 if has_dt_bias and gate != "none" else None
+    return q, k, v, g, beta, A_log, dt_bias
+
+
+def _requires_sm90():
+    if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU (H100/H200)")
+
+
+def _run_case(
+    N,
+    T,
+    H,
+    HV,
+    K,
+    V,
+    *,
+    gate="softplus",
+    state_v_first=False,
+    use_step_states=False,
+    dtype=torch.bfloat16,
+    g_dtype=torch.float32,
+    beta_dtype=torch.float32,
+    has_a_log=True,
+    has_dt_bias=True,
+    use_qk_l2norm=True,
+    beta_sigmoid=True,
+    allow_neg_eigval=False,
+    pad=True,
+    pool_slice=False,
+):
+    from cula.ops.kda.sm90.decode import kda_decode_sm90
+
+    _requires_sm90()
+    q, k, v, g, beta, A_log, dt_bias = _inputs(
+        N,
+        T,
+        H,
+        HV,
+        K,
+        V,
+        gate=gate,
+        dtype=dtype,
+        g_dtype=g_dtype,
+        beta_dtype=beta_dtype,
+        has_a_log=has_a_log,
+        has_dt_bias=has_dt_bias,
+        use_qk_l2norm=use_qk_l2norm,
+        beta_sigmoid=beta_sigmoid,
+    )
+    P = N + 5
+    inner = (V, K) if state_v_first else (K, V)
+    if pool_slice:  # pool rows interleaved with another buffer: dim-0 stride 2 * HV * K * V
+        big = torch.randn(P, 2, HV, *inner, device="cuda") * 0.3
+        pool = big[:, 0]
+        other_before = big[:, 1].clone()
+    else:
+        pool = torch.randn(P, HV, *inner, device="cuda") * 0.3
+    perm = torch.randperm(P, device="cuda")[:N].to(torch.int32)
+    if pad and N > 1:
+        perm[1::3] = -1  # padded slots
+    indices = perm.contiguous()
+    pool_before = pool.clone()
+    out = torch.full((N, T, HV, V), float("nan"), device="cuda", dtype=dtype)
+    step = torch.full((N, T, HV, *inner), float("nan"), device="cuda") if use_step_states else None
+    lower_bound = -5.0 if gate == "lower_bound" else None
+    scale = K**-0.5
+
+    kda_decode_sm90(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        pool,
+        indices,
+        out,
+        scale=scale,
+        gate=gate,
+        lower_bound=lower_bound,
+        use_qk_l2norm=use_qk_l2norm,
+        beta_sigmoid=beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first,
+        step_states=step,
+    )
+    torch.cuda.synchronize()
+
+    active = indices >= 0
+    rows = indices[active].long()
+    S0 = pool_before[rows]
+    if state_v_first:
+        S0 = S0.transpose(-1, -2)
+    sel = lambda x: x[active]
+    ref_o, ref_states = _reference(
+        sel(q),
+        sel(k),
+        sel(v),
+        sel(g),
+        sel(beta),
+        A_log,
+        dt_bias,
+        S0,
+        scale=scale,
+        gate=gate,
+        lower_bound=lower_bound,
+        use_qk_l2norm=use_qk_l2norm,
+        beta_sigmoid=beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval,
+    )
+    if state_v_first:
+        ref_states = ref_states.transpose(-1, -2)
+
+    assert_close("o", ref_o, out[active], RATIO)
+    if (~active).any():
+        assert torch.equal(out[~active], torch.zeros_like(out[~active])), "padded output rows must be zero"
+    untouched = torch.ones(P, dtype=torch.bool, device="cuda")
+    if use_step_states:
+        assert_close("step_states", ref_states, step[active], RATIO)
+        assert torch.isnan(step[~active]).all(), "step_states of padded slots must be untouched"
+        assert torch.equal(pool, pool_before), "step_states mode must not write the pool"
+    else:
+        assert_close("final state", ref_states[:, -1], pool[rows], RATIO)
+        untouched[rows] = False
+        assert torch.equal(pool[untouched], pool_before[untouched]), "unreferenced pool rows changed"
+    if pool_slice:
+        assert torch.equal(big[:, 1], other_before), "the rows between pool rows changed"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound", "none"])
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("K", [128, 64])
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("use_step_states", [False, True], ids=["pool", "steps"])
+def test_decode_matches_reference(gate, state_v_first, K, T, use_step_states):
+    _run_case(13, T, 2, 4, K, K, gate=gate, state_v_first=state_v_first, use_step_states=use_step_states)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"N": 1, "T": 1, "H": 64, "HV": 64},  # serving N=1: 64 heads, no padding
+        {"N": 7, "T": 8, "H": 2, "HV": 16},  # GVA 8, full MTP verify
+        {"N": 5, "T": 3, "H": 4, "HV": 4, "state_v_first": True, "use_step_states": True},
+        {"N": 9, "T": 2, "H": 1, "HV": 6, "pool_slice": True},  # GVA 6 (not a power of two), strided pool
+        {"N": 4, "T": 11, "H": 2, "HV": 2},  # T above the 8 shared-memory slots: a second round
+        {"N": 6, "T": 2, "H": 2, "HV": 4, "dtype": torch.float16, "beta_dtype": torch.float16},
+        {
+            "N": 6,
+            "T": 2,
+            "H": 2,
+            "HV": 4,
+            "g_dtype": torch.bfloat16,
+            "beta_dtype": torch.bfloat16,
+            "state_v_first": True,
+        },
+        {"N": 6, "T": 2, "H": 2, "HV": 4, "gate": "lower_bound", "has_a_log": False, "has_dt_bias": False},
+        {"N": 6, "T": 2, "H": 2, "HV": 4, "use_qk_l2norm": False, "beta_sigmoid": False},
+        {"N": 6, "T": 2, "H": 2, "HV": 4, "allow_neg_eigval": True},
+        {
+            "N": 6,
+            "T": 1,
+            "H": 2,
+            "HV": 4,
+            "K": 64,
+            "V": 64,
+            "gate": "none",
+            "state_v_first": True,
+            "use_step_states": True,
+        },
+    ],
+    ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()),
+)
+def test_decode_cases(case):
+    case = dict(case)
+    K = case.pop("K", 128)
+    V = case.pop("V", 128)
+    _run_case(case.pop("N"), case.pop("T"), case.pop("H"), case.pop("HV"), K, V, **case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+def test_long_decode_tracks_float64(state_v_first):
+    """10,000 consecutive T=1 steps (H=HV=2) stay within 5e-3 of the float64 recurrence."""
+    from cula.ops.kda.sm90.decode import kda_decode_sm90
+
+    _requires_sm90()
+    steps, H, HV, K, V = 10_000, 2, 2, 128, 128
+    # gates near 1 (softplus of ~ -6): a memory of hundreds of steps, so rounding errors could pile up
+    q, k, v, g, beta, A_log, dt_bias = _inputs(steps, 1, H, HV, K, V, gate="softplus", g_shift=-6.0, seed=1)
+    inner = (V, K) if state_v_first else (K, V)
+    pool = torch.zeros(3, HV, *inner, device="cuda")
+    indices = torch.tensor([1], dtype=torch.int32, device="cuda")
+    outs = torch.full((steps, 1, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for i in range(steps):
+        kda_decode_sm90(
+            q[i : i + 1],
+            k[i : i + 1],
+            v[i : i + 1],
+            g[i : i + 1],
+            beta[i : i + 1],
+            A_log,
+            dt_bias,
+            pool,
+            indices,
+            outs[i : i + 1],
+            scale=K**-0.5,
+            gate="softplus",
+            lower_bound=None,
+            use_qk_l2norm=True,
+            beta_sigmoid=True,
+            allow_neg_eigval=False,
+            state_v_first=state_v_first,
+        )
+    torch.cuda.synchronize()
+    # the whole run as one sequence of 10,000 tokens through the float64 recurrence
+    seq = lambda x: x.transpose(0, 1)
+    ref_o, ref_states = _reference(
+        seq(q),
+        seq(k),
+        seq(v),
+        seq(g),
+        seq(beta),
+        A_log,
+        dt_bias,
+        torch.zeros(1, HV, K, V, device="cuda", dtype=torch.float64),
+        scale=K**-0.5,
+        gate="softplus",
+        lower_bound=None,
+        use_qk_l2norm=True,
+        beta_sigmoid=True,
+        allow_neg_eigval=False,
+        all_states=False,
+    )
+    final = pool[1].transpose(-1, -2) if state_v_first else pool[1]
+    assert_close("outputs over 10k steps", seq(ref_o)[:, 0], outs[:, 0], RATIO)
+    assert_close("state after 10k steps", ref_states[0, 0], final, RATIO)
+    for i in range(0, steps, 1000):  # and no stretch of the run drifts
+        assert_close(f"outputs {i}..{i + 999}", seq(ref_o)[i : i + 1000, 0], outs[i : i + 1000, 0], RATIO)
+    assert torch.equal(pool[0], torch.zeros_like(pool[0])) and torch.equal(pool[2], torch.zeros_like(pool[2]))
+
+
+@pytest.mark.gpu
+def test_decode_speed_report(capsys):
+    """Prints kernel time and state bandwidth (not a pass/fail speed gate; see docs/perf-notes-decode.md)."""
+    import functools
+    import time
+
+    from triton.testing import do_bench
+
+    from cula.ops.kda.sm90.decode import kda_decode_sm90
+
+    _requires_sm90()
+    lines = []
+    for state_v_first in (False, True):
+        for N, T, steps in ((1, 1, False), (64, 1, False), (256, 1, False), (64, 4, False), (64, 4, True)):
+            H = HV = 64
+            K = V = 128
+            q, k, v, g, beta, A_log, dt_bias = _inputs(N, T, H, HV, K, V, gate="softplus")
+            inner = (V, K) if state_v_first else (K, V)
+            pool = torch.randn(N, HV, *inner, device="cuda") * 0.1
+            indices = torch.arange(N, dtype=torch.int32, device="cuda")
+            out = torch.empty(N, T, HV, V, device="cuda", dtype=torch.bfloat16)
+            step = torch.empty(N, T, HV, *inner, device="cuda") if steps else None
+
+            call = functools.partial(
+                kda_decode_sm90,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                A_log,
+                dt_bias,
+                pool,
+                indices,
+                out,
+                scale=K**-0.5,
+                gate="softplus",
+                lower_bound=None,
+                use_qk_l2norm=True,
+                beta_sigmoid=True,
+                allow_neg_eigval=False,
+                state_v_first=state_v_first,
+                step_states=step,
+            )
+            call()
+            torch.cuda.synchronize()
+            us = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
+            n_state_bytes = N * HV * K * V * 4 * (1 + (T if steps else 1))
+            t0 = time.perf_counter()
+            for _ in range(200):
+                call()
+            host_us = (time.perf_counter() - t0) / 200 * 1e6
+            torch.cuda.synchronize()
+            lines.append(
+                f"{'vk' if state_v_first else 'kv'} N={N:4d} T={T} steps={int(steps)}: {us:8.2f} us  "
+                f"{n_state_bytes / us / 1e6:6.3f} TB/s state  host {host_us:5.1f} us/call"
+            )
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))

@@ -1,0 +1,377 @@
+"""KDA inter-chunk kernel on SM90 (``cula/ops/kda/sm90/delta_h_fwd_o.py``) and its forward wrapper.
+
+CPU: every kernel variant traces and compiles for sm_90a; the PTX/SASS has WGMMA, TMA and register
+reallocation, and ptxas reports no spills and no WGMMA serialisation. GPU (``-m gpu`` on an H100/H200): the
+kernel against FLA 0.6.0's two Triton stages it replaces, and ``chunk_kda_fwd_sm90`` against FLA's
+``chunk_kda`` and a float64 token-by-token recurrence.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")  # compare against FLA's own Triton path, not a backend
+
+HAS_CUDA = torch.cuda.is_available()
+RATIO = 5e-3
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: compile every variant once, in a subprocess (ptxas remarks need the env var before cutlass import)
+# ----------------------------------------------------------------------------------------------------
+
+# The initial/final-state flags only add a prologue/epilogue, so they vary together here (the mixed
+# combinations are exercised by the GPU tests); varlen and the state layout change the main loop's indexing.
+_VARIANTS = [
+    {"dtype": "BFloat16", "varlen": vl, "has_h0": hs, "has_ht": hs, "state_v_first": vf}
+    for vl in (False, True)
+    for hs in (False, True)
+    for vf in (False, True)
+] + [{"dtype": "Float16", "varlen": True, "has_h0": True, "has_ht": True, "state_v_first": False}]
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import cutlass
+    from cula.ops.kda.sm90 import delta_h_fwd_o as M
+    variants, root = json.loads(sys.argv[1]), sys.argv[2]
+    for i, v in enumerate(variants):
+        d = os.path.join(root, str(i))
+        os.makedirs(d, exist_ok=True)
+        t0 = time.time()
+        M._compile(getattr(cutlass, v["dtype"]), 3, v["varlen"], v["has_h0"], v["has_ht"], v["state_v_first"],
+                   extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}")
+        sys.stderr.flush()
+        print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
+    """
+)
+
+
+def _nvdisasm():
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    import importlib.util
+
+    for mod in ("nvidia", "triton"):
+        spec = importlib.util.find_spec(mod)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for base in spec.submodule_search_locations:
+            for pat in ("cu13/bin/nvdisasm", "cuda_nvdisasm/bin/nvdisasm", "backends/nvidia/bin/nvdisasm"):
+                hits = glob.glob(os.path.join(base, pat))
+                if hits:
+                    return hits[0]
+    return None
+
+
+@pytest.fixture(scope="module")
+def compiled_variants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kda_delta_h")
+    env = dict(os.environ, CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(_VARIANTS), str(root)],
+        cwd=repo, env=dict(env, PYTHONPATH=repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=900, check=False,
+    )  # fmt: skip
+    log = proc.stdout
+    assert proc.returncode == 0, log[-6000:]
+    # ptxas remarks arrive in compile order; split them at the per-variant markers.
+    chunks = re.split(r"@@done (\d+) ([0-9.]+)", log)
+    out = {}
+    for j in range(1, len(chunks), 3):
+        i = int(chunks[j])
+        d = root / str(i)
+        out[i] = {
+            "remarks": chunks[j - 1],
+            "seconds": float(chunks[j + 1]),
+            "ptx": "".join(pathlib.Path(p).read_text() for p in glob.glob(str(d / "*.ptx"))),
+            "cubins": glob.glob(str(d / "*.cubin")),
+        }
+    return out
+
+
+def _vid(v):
+    return "-".join(
+        [v["dtype"], "varlen" if v["varlen"] else "fixed", "h0" if v["has_h0"] else "noh0",
+         "ht" if v["has_ht"] else "noht", "vfirst" if v["state_v_first"] else "kfirst"]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=[_vid(v) for v in _VARIANTS])
+def test_variant_compiles_sm90a(compiled_variants, idx):
+    res = compiled_variants[idx]
+    ptx, remarks = res["ptx"], res["remarks"]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", remarks)
+    assert spills, remarks[-3000:]
+    assert all(a == "0" and b == "0" for a, b in spills), spills
+    for code in ("C7508", "C7510", "C7517", "C7515"):  # setmaxnreg ignored / WGMMA serialised or waited
+        assert code not in remarks, remarks[-3000:]
+    assert res["cubins"]
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not found: PTX checked, SASS not")
+    sass = subprocess.run(
+        [nvdisasm, "-c", res["cubins"][0]], capture_output=True, text=True, check=True
+    ).stdout
+    assert sass.count("HGMMA.64x64x16.F32") == 20  # GEMM1, GEMM2 (8 k-steps each), GEMM3 (4)
+    assert sass.count("HGMMA.64x128x16.F32") == 4  # GEMM4, kg read MN-major
+    assert ".tnspB" in sass
+    assert "UTMALDG" in sass and "USETMAXREG" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory traffic (spills)"
+    regs = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
+    assert regs <= 232, regs  # the consumer budget after setmaxnreg
+
+
+def test_launcher_validates_shapes():
+    from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+
+    B, T, HV = 1, 8, 2
+    bf = torch.bfloat16
+    w = torch.zeros(B, T, HV, 64, dtype=bf)
+    with pytest.raises(ValueError, match="K = V = 128"):
+        chunk_kda_delta_h_fwd_o_sm90(w, w, w, w, w.float(), w, w, scale=1.0)
+    w = torch.zeros(B, T, HV, 128, dtype=bf)
+    with pytest.raises(ValueError, match="Aqk"):
+        chunk_kda_delta_h_fwd_o_sm90(w, w, w, w, w.float(), w, w, scale=1.0)
+    a = torch.zeros(B, T, HV, 64, dtype=bf)
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        w2 = torch.zeros(2, T, HV, 128, dtype=bf)
+        a2 = torch.zeros(2, T, HV, 64, dtype=bf)
+        chunk_kda_delta_h_fwd_o_sm90(w2, w2, w2, w2, w2.float(), a2, w2, scale=1.0,
+                                     cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))  # fmt: skip
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_kda_delta_h_fwd_o_sm90(w, w, w, w, w.float(), a, w, torch.zeros(1, HV, 128, 64), scale=1.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------------
+
+
+def _inputs(B, T, H, HV, seed=0, device="cuda", dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    K = V = 128
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, dtype=torch.float32), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, dtype=torch.float32), dim=-1)
+    v = torch.randn(B, T, HV, V, device=device, dtype=torch.float32)
+    # per-token log decays in about [-1, 0): strong enough to exercise the gates, mild enough for bf16
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, device=device) + 3.0)
+    beta = torch.sigmoid(torch.randn(B, T, HV, device=device))
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype)
+
+
+def _reference_f64(q, k, v, g, beta, scale, h0, cu_seqlens):
+    """Token-by-token KDA in float64. Returns o [B, T, HV, V] and the final state [N, HV, K, V]."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    rep = HV // H
+    q, k = q.double().repeat_interleave(rep, 2), k.double().repeat_interleave(rep, 2)
+    v, g, beta = v.double(), g.double(), beta.double()
+    bounds = (
+        [(b, 0, T) for b in range(B)]
+        if cu_seqlens is None
+        else [(0, int(cu_seqlens[i]), int(cu_seqlens[i + 1])) for i in range(cu_seqlens.numel() - 1)]
+    )
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64, device=q.device)
+    finals = []
+    for n, (b, s, e) in enumerate(bounds):
+        S = (
+            torch.zeros(HV, K, V, dtype=torch.float64, device=q.device)
+            if h0 is None
+            else h0[n].double().clone()
+        )
+        for t in range(s, e):
+            S = S * g[b, t].exp()[:, :, None]
+            kt = k[b, t]
+            resid = v[b, t] - torch.einsum("hk,hkv->hv", kt, S)
+            S = S + torch.einsum("hk,hv->hkv", kt, beta[b, t][:, None] * resid)
+            o[b, t] = torch.einsum("hk,hkv->hv", q[b, t] * scale, S)
+        finals.append(S)
+    return o, torch.stack(finals)
+
+
+def _to_kv(state, state_v_first):
+    return state.transpose(-1, -2) if state_v_first else state
+
+
+CASES = [
+    # (B, T, H, HV, lens, with_h0, state_v_first)
+    (2, 64, 2, 2, None, False, False),
+    (2, 63, 2, 2, None, True, False),
+    (1, 100, 2, 4, None, True, True),
+    (2, 1000, 1, 2, None, True, False),
+    (1, 0, 2, 2, [0, 1, 63, 300, 64], True, False),
+    (1, 0, 1, 2, [0, 1, 63, 300, 64], False, True),
+]
+
+
+def _case_id(c):
+    B, T, H, HV, lens, h0, vf = c
+    shape = f"lens{'-'.join(map(str, lens))}" if lens else f"B{B}-T{T}"
+    return f"{shape}-H{H}-HV{HV}-{'h0' if h0 else 'noh0'}-{'vfirst' if vf else 'kfirst'}"
+
+
+def _setup(case):
+    B, T, H, HV, lens, with_h0, vf = case
+    cu = None
+    if lens is not None:
+        from cula.testing import make_cu_seqlens
+
+        cu = make_cu_seqlens(lens, device="cuda")
+        T = int(cu[-1])
+    q, k, v, g, beta = _inputs(B, T, H, HV)
+    N = B if cu is None else cu.numel() - 1
+    h0 = None
+    if with_h0:
+        h0 = 0.1 * torch.randn(N, HV, 128, 128, device="cuda")
+        if vf:
+            h0 = h0.transpose(-1, -2).contiguous()
+    return q, k, v, g, beta, h0, cu, vf
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_kernel_vs_fla_stages(case):
+    """The fused kernel against FLA's chunk_gated_delta_rule_fwd_h + chunk_gla_fwd_o_gk on identical inputs,
+    with NaN-poisoned outputs and a NaN-poisoned upper triangle of Aqk (the kernel must not read it)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+    from cula.testing import assert_close, poison_
+
+    q, k, v, g, beta, h0, cu, vf = _setup(case)
+    scale = 128**-0.5
+    ci = prepare_chunk_indices(cu.long(), 64) if cu is not None else None
+    cul = cu.long() if cu is not None else None
+    g_cum = chunk_local_cumsum(g, chunk_size=64, scale=1.4426950408889634, cu_seqlens=cul, chunk_indices=ci)
+    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cul, chunk_size=64, chunk_indices=ci,
+        disable_recompute=True,
+    )  # fmt: skip
+    h, v_new, ht_ref = chunk_gated_delta_rule_fwd_h(
+        k=kg, w=w, u=u, gk=g_cum, initial_state=h0, output_final_state=True, cu_seqlens=cul, chunk_indices=ci,
+        chunk_size=64, state_v_first=vf,
+    )  # fmt: skip
+    o_ref = chunk_gla_fwd_o_gk(
+        q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, cu_seqlens=cul, chunk_size=64, chunk_indices=ci,
+        state_v_first=vf,
+    )  # fmt: skip
+
+    upper = torch.triu(torch.ones(64, 64, dtype=torch.bool, device="cuda"), 1)
+    A_poisoned = Aqk.clone()
+    pos = torch.arange(Aqk.shape[1], device="cuda")
+    if cu is not None:  # position inside the sequence's own chunk grid
+        starts = cu[:-1].long().repeat_interleave((cu[1:] - cu[:-1]).long())
+        pos = pos - starts
+    rows = upper[pos % 64]  # [T, 64]: columns above the diagonal of each token's row
+    A_poisoned.masked_fill_(rows[None, :, None, :], float("nan"))
+
+    o = poison_(torch.empty_like(o_ref))
+    ht = poison_(torch.empty_like(ht_ref))
+    chunk_kda_delta_h_fwd_o_sm90(
+        w, u, kg, qg, g_cum, A_poisoned, o, h0, ht, cu, scale=scale, state_v_first=vf
+    )
+    torch.cuda.synchronize()
+    assert_close("o", o_ref, o, RATIO)
+    assert_close("final_state", ht_ref, ht, RATIO)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_chunk_kda_fwd_sm90_vs_fla_and_f64(case):
+    from fla.ops.kda import chunk_kda
+
+    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.testing import assert_close, rel_rmse
+
+    q, k, v, g, beta, h0, cu, vf = _setup(case)
+    scale = 128**-0.5
+    o, ht = chunk_kda_fwd_sm90(
+        q, k, v, g, beta, scale, h0, True, state_v_first=vf, cu_seqlens=cu,
+        cu_seqlens_cpu=cu.cpu() if cu is not None else None,
+    )  # fmt: skip
+    o_fla, ht_fla = chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True, state_v_first=vf,
+        cu_seqlens=cu.long() if cu is not None else None,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert_close("o vs fla", o_fla, o, RATIO)
+    assert_close("final_state vs fla", ht_fla, ht, RATIO)
+
+    h0_kv = _to_kv(h0, vf) if h0 is not None else None
+    o64, ht64 = _reference_f64(q, k, v, g, beta, scale, h0_kv, cu)
+    ht64 = _to_kv(ht64, vf)
+    # bf16 inputs and intermediates: allow what FLA itself needs against float64, at least RATIO
+    tol_o = max(RATIO, 1.5 * rel_rmse(o64, o_fla))
+    tol_h = max(RATIO, 1.5 * rel_rmse(ht64, ht_fla))
+    assert_close("o vs float64", o64, o, tol_o)
+    assert_close("final_state vs float64", ht64, ht, tol_h)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_no_initial_no_final_state():
+    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+
+    q, k, v, g, beta, _, _, _ = _setup((1, 130, 2, 2, None, False, False))
+    o, ht = chunk_kda_fwd_sm90(q, k, v, g, beta, 128**-0.5, None, False)
+    assert ht is None and torch.isfinite(o).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not os.environ.get("CULA_BENCH"), reason="CULA_BENCH=1 on a GPU")
+def test_benchmark_target_shape():
+    """Timing only (run with -s): B=2, T=16384, H=HV=64; the kernel alone and the whole forward vs FLA."""
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from triton.testing import do_bench
+
+    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+
+    B, T, H = 2, 16384, 64
+    q, k, v, g, beta = _inputs(B, T, H, H)
+    scale = 128**-0.5
+    g_cum = chunk_local_cumsum(g, chunk_size=64, scale=1.4426950408889634)
+    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale,
+                                               disable_recompute=True)  # fmt: skip
+    o = torch.empty_like(v)
+    ht = torch.empty(B, H, 128, 128, device="cuda")
+
+    def kern():
+        chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, None, ht, scale=scale)
+
+    kern()
+    ms_kernel = do_bench(kern, return_mode="median")
+    nbytes = sum(t.numel() * t.element_size() for t in (w, u, kg, qg, Aqk, o)) + ht.numel() * 4
+    ms_intra = do_bench(lambda: chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale,
+                                                    disable_recompute=True), return_mode="median")  # fmt: skip
+    ms_cula = do_bench(lambda: chunk_kda_fwd_sm90(q, k, v, g, beta, scale, None, True), return_mode="median")
+    ms_fla = do_bench(lambda: chunk_kda(q, k, v, g, beta, scale=scale, output_final_state=True),
+                      return_mode="median")  # fmt: skip
+    print(
+        f"\nkernel {ms_kernel * 1e3:.0f} us ({nbytes / ms_kernel / 1e9:.2f} TB/s of w/u/kg/qg/Aqk/o/ht); "
+        f"FLA intra (disable_recompute) {ms_intra * 1e3:.0f} us; chunk_kda_fwd_sm90 {ms_cula * 1e3:.0f} us; "
+        f"FLA chunk_kda {ms_fla * 1e3:.0f} us"
+    )
