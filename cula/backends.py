@@ -126,3 +126,28 @@ class Registry:
         self._logged.add(key)
         reasons = ", ".join(f"{name}: {why}" for name, why in declined)
         logger.info("%s -> %s%s", self.op, chosen, f" ({reasons})" if reasons else "")
+
+
+def cula_kernels_on(arch: tuple[int, int]) -> Callable[[torch.device], Verdict]:
+    """Availability of our CuTe DSL kernels: a CUDA tensor on ``arch`` and the DSL installed."""
+
+    def probe(device: torch.device) -> Verdict:
+        from cula.arch import device_arch
+
+        ok, why = cuda_only(device)
+        if not ok:
+            return ok, why
+        found = device_arch(device)
+        if found != arch:
+            return False, f"kernels target sm_{arch[0]}{arch[1]}, device is sm_{found[0]}{found[1]}"
+        for package in ("cutlass", "tvm_ffi"):
+            if importlib.util.find_spec(package) is None:
+                return False, f"package {package!r} is not installed"
+        return True, None
+
+    return probe
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd will record this call (our kernels are forward-only so far)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -290,3 +290,35 @@ def test_lightning_wrappers_cpu():
     o5, _ = cs.chunk_simple_gla(q, k, v, g_gamma=g_gamma)
     assert_close("chunk", o5, o3, 1e-6)
     assert_close("recurrent", o5, o4, 1e-5)
+
+
+def test_kda_decode_validation_and_cpu_path():
+    N, T, H, HV, D, P = 3, 2, 2, 4, 16, 6
+    q, k = torch.randn(N, T, H, D), torch.randn(N, T, H, D)
+    v, g = torch.randn(N, T, HV, D), torch.randn(N, T, HV, D)
+    beta, A_log = torch.randn(N, T, HV), torch.randn(HV)
+    pool = torch.randn(P, HV, D, D)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="out of range"):
+        ck.kda_decode(q, k, v, g, beta, pool.clone(), torch.tensor([9, 0, 1], dtype=torch.int32), A_log=A_log)
+    with pytest.raises(TypeError, match="`state_indices` must have dtype int32"):
+        ck.kda_decode(q, k, v, g, beta, pool.clone(), idx.long(), A_log=A_log)
+    with pytest.raises(ValueError, match="1..8 tokens"):
+        ck.kda_decode(*(t.repeat(1, 5, 1, 1) for t in (q, k, v, g)), beta.repeat(1, 5, 1), pool, idx, A_log=A_log)
+    with pytest.raises(ValueError, match="`state_pool` must have shape"):
+        ck.kda_decode(q, k, v, g, beta, pool[..., :-1], idx, A_log=A_log)
+    new = pool.clone()
+    steps = torch.full((N, T, HV, D, D), float("nan"))
+    o = ck.kda_decode(q, k, v, g, beta, new, idx, A_log=A_log, step_states=steps)
+    assert torch.equal(new, pool), "step_states mode must leave the pool untouched"
+    assert torch.equal(o[1], torch.zeros_like(o[1])) and torch.isnan(steps[1]).all()
+    o2 = ck.kda_decode(q, k, v, g, beta, new, idx, A_log=A_log)
+    assert torch.equal(o, o2)
+    assert_close("final", steps[0, -1], new[4], 1e-6)
+    assert torch.equal(new[[0, 2, 3, 5]], pool[[0, 2, 3, 5]])
+    o_ref, h_ref = ck.fused_recurrent_kda(q[:1], k[:1], v[:1], g[:1], beta[:1], A_log=A_log, initial_state=pool[4:5],
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                          state_v_first=True)
+    assert_close("o", o_ref[0], o[0], 1e-5)
+    assert_close("h", h_ref[0], new[4], 1e-5)

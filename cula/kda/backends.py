@@ -1,6 +1,7 @@
 """Backends of the KDA entry points, tried in priority order (see ``cula.backends``).
 
-- ``cula-sm90``: our CuTe DSL kernels (Hopper); registered by ``cula.ops.kda`` when present.
+- ``cula-sm90``: our CuTe DSL state/output kernel on Hopper after FLA's Triton intra-chunk stage,
+  for inference (no autograd yet), bf16/fp16, K = V = 128, chunk 64.
 - ``fla``: FLA 0.6.0's Triton kernels, for everything our kernels do not cover yet on CUDA.
 - ``reference``: float32 PyTorch (``cula.kda.naive``); the CPU path, differentiable.
 """
@@ -9,13 +10,55 @@ from __future__ import annotations
 
 import torch
 
-from cula.backends import Registry, always, package_on_cuda
+from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 
 chunk_kda_registry = Registry("kda.chunk_kda")
 fused_recurrent_kda_registry = Registry("kda.fused_recurrent_kda")
 
+CULA_PRIORITY = 10
 FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
+
+
+def _cula_chunk_supports(
+    q, k, v, g, beta, initial_state, A_log, dt_bias, chunk_size, cp_context=None, use_graph=False,
+    return_intermediate_states=False, **_,
+) -> tuple:
+    if needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return False, "training (autograd) runs on fla until cula's backward lands"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"q dtype {q.dtype} (kernel takes bf16/fp16)"
+    if q.shape[-1] != 128 or v.shape[-1] != 128:
+        return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K=V=128)"
+    if chunk_size != 64:
+        return False, f"chunk_size={chunk_size} (kernel takes 64)"
+    if cp_context is not None or use_graph or return_intermediate_states:
+        return False, "cp_context / use_graph / return_intermediate_states run on fla"
+    return True, None
+
+
+@chunk_kda_registry.register("cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)),
+                             supports=_cula_chunk_supports)
+def _chunk_kda_cula_sm90(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens,
+    cu_seqlens_cpu, A_log, dt_bias, chunk_size, **_unused,
+):
+    from fla.modules.l2norm import l2norm_fwd
+
+    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+
+    if use_qk_l2norm_in_kernel:
+        q, _ = l2norm_fwd(q)
+        k, _ = l2norm_fwd(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+    return chunk_kda_fwd_sm90(
+        q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound if use_gate_in_kernel else None, safe_gate=safe_gate,
+    )
 
 
 def _reference_chunk_supports(cp_context=None, use_graph=False, return_intermediate_states=False, **_) -> tuple:

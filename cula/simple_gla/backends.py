@@ -1,25 +1,73 @@
 """Backends of the Simple GLA entry points (see ``cula.backends``).
 
-``cula.ops.lightning`` registers its Hopper kernel on ``chunk_simple_gla_registry`` for the constant
-``g_gamma`` case; ``fla`` covers the rest on CUDA and ``reference`` runs on the CPU.
+- ``cula-sm90``: our CuTe DSL Lightning kernel (Hopper) for the constant-decay case (``g_gamma`` or no
+  decay), inference only so far (no autograd), bf16, K = V in {64, 128}.
+- ``fla``: FLA 0.6.0's Triton kernels for everything else on CUDA.
+- ``reference``: float32 PyTorch, the CPU path.
 """
 
 from __future__ import annotations
 
-from cula.backends import Registry, always, package_on_cuda
+import torch
+
+from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 
 chunk_simple_gla_registry = Registry("simple_gla.chunk_simple_gla")
 fused_recurrent_simple_gla_registry = Registry("simple_gla.fused_recurrent_simple_gla")
 
+CULA_PRIORITY = 10
 FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
+
+
+def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, **_) -> tuple:
+    if g is not None:
+        return False, "data-dependent g (the kernel takes a constant per-head decay, g_gamma)"
+    if needs_grad(q, k, v, g_gamma, initial_state):
+        return False, "training (autograd) runs on fla until cula's backward lands"
+    if q.dtype != torch.bfloat16:
+        return False, f"q dtype {q.dtype} (kernel takes bf16)"
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in (64, 128):
+        return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
+    return True, None
+
+
+@chunk_simple_gla_registry.register("cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)),
+                                    supports=_cula_chunk_supports)
+def _chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                     **_unused):
+    from cula.ops.lightning.sm90.chunk_fwd import lightning_fwd_sm90
+
+    B, T, HV, V = v.shape
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    decay = torch.zeros(HV, device=q.device) if g_gamma is None else (-g_gamma).float()
+    o = torch.empty_like(v)
+    final = torch.empty(N, HV, V, V, device=q.device, dtype=torch.float32) if output_final_state else None
+    if cu_seqlens is not None and cu_seqlens.dtype != torch.int32:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    lightning_fwd_sm90(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(), o, initial_state, final,
+                       cu_seqlens, scale=scale, state_v_first=state_v_first)
+    return o, final
+
+
+def _expand_gva(args: dict) -> dict:
+    """FLA 0.6.0's simple GLA has no GVA: give each value head its own copy of its q/k head.
+
+    Autograd sums the copies' gradients back, so this is exact for training too.
+    """
+    H, HV = args["q"].shape[2], args["v"].shape[2]
+    if H == HV:
+        return args
+    return dict(args, q=args["q"].repeat_interleave(HV // H, dim=2), k=args["k"].repeat_interleave(HV // H, dim=2))
 
 
 @chunk_simple_gla_registry.register("fla", FLA_PRIORITY, available=package_on_cuda("fla"))
 def _chunk_fla(**args):
     from fla.ops.simple_gla import chunk_simple_gla
 
-    return chunk_simple_gla(**args)
+    return chunk_simple_gla(**_expand_gva(args))
 
 
 @chunk_simple_gla_registry.register("reference", REFERENCE_PRIORITY, available=always)
@@ -37,7 +85,7 @@ def _chunk_reference(q, k, v, g, g_gamma, scale, initial_state, output_final_sta
 def _recurrent_fla(**args):
     from fla.ops.simple_gla import fused_recurrent_simple_gla
 
-    return fused_recurrent_simple_gla(**args)
+    return fused_recurrent_simple_gla(**_expand_gva(args))
 
 
 @fused_recurrent_simple_gla_registry.register("reference", REFERENCE_PRIORITY, available=always)

@@ -35,13 +35,20 @@ def chunk_kda_fwd_sm90(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_size: int = 64,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    safe_gate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward for already-preprocessed inputs (FLA's ``chunk_kda_fwd`` without gate/beta/l2norm fusion).
 
     Args:
         q, k: ``[B, T, H, K]`` bf16 (or fp16), already L2-normalised if the model does so.
         v: ``[B, T, HV, V]`` same dtype; HV is a multiple of H (GVA).
-        g: ``[B, T, HV, K]`` log-space decay (natural log, <= 0), any float dtype.
+        g: ``[B, T, HV, K]`` log-space decay (natural log, <= 0), any float dtype; raw gate logits when
+            ``use_gate_in_kernel`` (the gate activation is then fused with the chunk cumsum, as in FLA).
         beta: ``[B, T, HV]`` post-sigmoid.
         scale: query scale (FLA default ``K ** -0.5`` is the caller's job).
         initial_state: ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]`` if ``state_v_first``) or None.
@@ -49,11 +56,14 @@ def chunk_kda_fwd_sm90(
         cu_seqlens: ``[N + 1]`` cumulative lengths (int32 or int64) with ``B == 1``, or None.
         cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (saves FLA a device sync).
         chunk_size: must be 64.
+        use_gate_in_kernel, A_log, dt_bias, lower_bound: FLA's fused gate (see ``cula.kda.chunk_kda``).
+        safe_gate: gates are known to lie in ``[lower_bound, 0)``; selects FLA's faster intra-chunk path.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None.
     """
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_chunk_cumsum
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.index import prepare_chunk_indices
 
@@ -84,12 +94,18 @@ def chunk_kda_fwd_sm90(
     chunk_indices = None
     if cu_seqlens is not None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
-    g_cum = chunk_local_cumsum(
-        g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
-    )
+    if use_gate_in_kernel:
+        g_cum = kda_gate_chunk_cumsum(
+            g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, lower_bound=lower_bound,
+        )  # fmt: skip
+    else:
+        g_cum = chunk_local_cumsum(
+            g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
+        )
     w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
         q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=chunk_indices, disable_recompute=True,
+        chunk_indices=chunk_indices, safe_gate=safe_gate, disable_recompute=True,
     )  # fmt: skip
     cu32 = None
     if cu_seqlens is not None:

@@ -1,0 +1,155 @@
+"""``cula.kda.kda_decode``: KDA decode steps for serving, against a pool of fp32 states."""
+
+from __future__ import annotations
+
+import torch
+
+from cula._validate import FLOAT_DTYPES, check_qkv, check_scale, check_tensor
+from cula.backends import Registry, always, cula_kernels_on
+
+kda_decode_registry = Registry("kda.kda_decode")
+
+MAX_TOKENS = 8  # per sequence and call: one decode token or a speculative (MTP) verify window
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    use_gate_in_kernel: bool = True,
+    use_beta_sigmoid_in_kernel: bool = True,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = True,
+    out: torch.Tensor | None = None,
+    step_states: torch.Tensor | None = None,
+    check_indices: bool = True,
+) -> torch.Tensor:
+    r"""Run T (1..8) KDA tokens for each of N sequences, reading and updating their states in a pool.
+
+    Same math and flags as :func:`cula.kda.fused_recurrent_kda`. The pool is updated in place: the state
+    of sequence ``n`` lives in ``state_pool[state_indices[n]]``; a negative index marks a padded slot,
+    which is skipped (its pool row is untouched and its output rows are zero).
+
+    Args:
+        q, k: ``[N, T, H, K]`` bf16/fp16.  v: ``[N, T, HV, V]``.  g: ``[N, T, HV, K]`` (raw logits with
+            ``use_gate_in_kernel``: softplus gate with ``A_log``, or the ``lower_bound`` sigmoid gate).
+        beta: ``[N, T, HV]`` fp32/bf16 (logits with ``use_beta_sigmoid_in_kernel``).
+        state_pool: fp32 ``[P, HV, V, K]`` (``state_v_first=True``, the default here) or ``[P, HV, K, V]``.
+        state_indices: int32 ``[N]`` pool rows; checked to be ``< P`` unless ``check_indices=False``
+            (the check reads the indices on the host; serving loops that guarantee them can skip it).
+        A_log, dt_bias: fp32 ``[HV]`` and ``[HV * K]``.
+        out: optional ``[N, T, HV, V]`` output buffer in q's dtype.
+        step_states: optional fp32 ``[N, T, HV, V, K]`` (or ``[N, T, HV, K, V]``): receives the state after
+            every token and leaves the pool untouched, so a speculative-decoding engine can commit the
+            accepted prefix later.
+
+    Returns:
+        ``o`` ``[N, T, HV, V]`` in q's dtype.
+    """
+    N, T, H, K, HV, V = check_qkv(q, k, v)
+    if not 1 <= T <= MAX_TOKENS:
+        raise ValueError(f"kda_decode takes 1..{MAX_TOKENS} tokens per sequence, got T={T}")
+    dev = q.device
+    check_tensor("g", g, shape=(N, T, HV, K), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("beta", beta, shape=(N, T, HV), dtypes=(torch.float32, torch.bfloat16), device=dev)
+    state_shape = (HV, V, K) if state_v_first else (HV, K, V)
+    check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=dev)
+    if tuple(state_pool.shape[1:]) != state_shape:
+        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
+        raise ValueError(f"`state_pool` must have shape {layout} = [P, {', '.join(map(str, state_shape))}], "
+                         f"got {list(state_pool.shape)}")
+    check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=dev)
+    if check_indices and N and not (state_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+        top = int(state_indices.max())
+        if top >= state_pool.shape[0]:
+            raise ValueError(f"`state_indices` has {top}, out of range for a pool of {state_pool.shape[0]} rows")
+    if use_gate_in_kernel:
+        if A_log is None and lower_bound is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set")
+        if A_log is not None:
+            check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=dev)
+        if dt_bias is not None:
+            check_tensor("dt_bias", dt_bias, shape=(HV * K,), dtypes=(torch.float32,), device=dev)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+    if out is None:
+        out = torch.empty_like(v)
+    else:
+        check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=dev)
+    if step_states is not None:
+        check_tensor("step_states", step_states, shape=(N, T) + state_shape, dtypes=(torch.float32,), device=dev)
+    args = dict(
+        q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices, A_log=A_log,
+        dt_bias=dt_bias, scale=check_scale(scale, K), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first, out=out,
+        step_states=step_states,
+    )
+    kda_decode_registry.dispatch(dev, args)
+    return out
+
+
+def _cula_supports(q, k, v, **_) -> tuple:
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"q dtype {q.dtype} (kernel takes bf16/fp16)"
+    if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):
+        return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
+    if not all(t.is_contiguous() for t in (q, k, v)):
+        return False, "non-contiguous q/k/v"
+    return True, None
+
+
+@kda_decode_registry.register("cula-sm90", 10, available=cula_kernels_on((9, 0)), supports=_cula_supports)
+def _decode_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                      out, step_states):
+    from cula.ops.kda.sm90.decode import kda_decode_sm90
+
+    if not use_gate_in_kernel:
+        gate = "none"
+    else:
+        gate = "softplus" if lower_bound is None else "lower_bound"
+    kda_decode_sm90(
+        q, k, v, g.contiguous(), beta.contiguous(), A_log, dt_bias, state_pool, state_indices, out, scale=scale,
+        gate=gate, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm_in_kernel,
+        beta_sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+        step_states=step_states,
+    )
+
+
+@kda_decode_registry.register("reference", 90, available=always)
+def _decode_reference(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                      out, step_states):
+    from cula.kda.naive import reference_chunk_kda
+
+    live = state_indices >= 0
+    rows = state_indices.long().clamp(min=0)
+    flags = dict(
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, form="recurrent",
+    )
+    with torch.no_grad():
+        states = state_pool[rows]
+        o = torch.zeros_like(v)
+        for t in range(q.shape[1]):  # one token at a time so every intermediate state is available
+            sl = slice(t, t + 1)
+            o_t, states = reference_chunk_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                              initial_state=states, output_final_state=True, **flags)
+            o[:, sl] = o_t
+            if step_states is not None:
+                step_states[live, t] = states[live]
+        out.copy_(torch.where(live[:, None, None, None], o, torch.zeros_like(o)))
+        if step_states is None:
+            state_pool[rows[live]] = states[live]
