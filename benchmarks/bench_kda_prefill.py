@@ -340,6 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} configs: {', '.join(QUICK)}")
     p.add_argument("--iters", type=int, default=100, help="timed calls per implementation and config")
+    p.add_argument("--max-seconds", type=float, default=0.0,
+                   help="start no new config after this many seconds (0: no limit); the results say partial")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
     p.add_argument("--out", default=None, help="results root (default benchmarks/results); files go to "
                    "<out>/<gpu-slug>/")
@@ -417,7 +419,12 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
             meta["cula_first_call_s"] = {first.name: f"raised {type(exc).__name__}: {exc}"[:300]}
         del first_set, first_shared
 
+        suite_start = time.perf_counter()
         for cfg in cfgs:
+            if args.max_seconds and time.perf_counter() - suite_start > args.max_seconds:
+                meta["partial"] = f"stopped after {args.max_seconds:.0f} s: {len(rows)} of {len(cfgs)} configs"
+                print(f"[{NAME}] {meta['partial']}", file=sys.stderr, flush=True)
+                break
             row = run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings)
             torch.cuda.empty_cache()  # the 2 GB input sets of one config should not crowd the next
             rows.append(row)

@@ -294,6 +294,34 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     return row
 
 
+def run_suite(cfgs: list, run_one: Callable[[Any], dict], max_seconds: float | None, t_start: float,
+              on_row: Callable[[Any, dict], None] | None = None) -> tuple[list[dict], list[str]]:
+    """Run ``run_one`` over ``cfgs`` until ``max_seconds`` after ``t_start`` (perf_counter) have passed.
+
+    An exception escaping ``run_one`` becomes a FAIL row for that config. Returns ``(rows, skipped names)``.
+    """
+    rows: list[dict] = []
+    for i, cfg in enumerate(cfgs):
+        if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
+            skipped = [c.name for c in cfgs[i:]]
+            print(f"[{NAME}] --max-seconds {max_seconds:g} reached: skipping {len(skipped)} config(s)",
+                  file=sys.stderr, flush=True)
+            return rows, skipped
+        t0 = time.perf_counter()
+        try:
+            row = run_one(cfg)
+        except Exception as exc:  # noqa: BLE001  (anything run_config did not catch still costs one row)
+            row = {"config": cfg.name, "check": "FAIL", "fla_ms": None, "cula_ms": None, "speedup": None,
+                   "errors": {"config": f"{type(exc).__name__}: {exc}"[:300]}}
+        row["wall_s"] = round(time.perf_counter() - t0, 2)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # multi-GB input sets of one config should not crowd the next
+        rows.append(row)
+        if on_row is not None:
+            on_row(cfg, row)
+    return rows, []
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} configs: {', '.join(QUICK)}")
@@ -349,28 +377,19 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     print(f"[{NAME}] copy {ceilings['copy_bw_tbps']:.3f} TB/s, bf16 GEMM {ceilings['gemm_tflops']:.1f} TFLOP/s, "
           f"L2 {bc.l2_cache_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
 
-    rows: list[dict] = []
-    skipped: list[str] = []
-    first_call: dict[str, Any] = {}
     progress = bc.Progress(len(cfgs), NAME)
+
+    def on_row(cfg: Config, row: dict) -> None:
+        progress.update(cfg.name, fla_ms=row.get("fla_ms"), cula_ms=row.get("cula_ms"), speedup=row.get("speedup"),
+                        max_rel_err=row.get("max_rel_err"), check=row["check"], backend=row.get("backend"),
+                        floor_pct=row.get("floor_pct"))
+
     with torch.inference_mode():
-        for i, cfg in enumerate(cfgs):
-            if args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds:
-                skipped = [c.name for c in cfgs[i:]]
-                print(f"[{NAME}] --max-seconds {args.max_seconds:g} reached: skipping {len(skipped)} config(s)",
-                      file=sys.stderr, flush=True)
-                break
-            t0 = time.perf_counter()
-            row = run_config(cfg, fla_chunk_simple_gla, lightning_attn_fwd, args, ceilings)
-            row["wall_s"] = round(time.perf_counter() - t0, 2)
-            if i == 0:
-                # includes FLA autotuning and cula's first compilation for this key
-                first_call[cfg.name] = row["wall_s"]
-            torch.cuda.empty_cache()  # multi-GB input sets of one config should not crowd the next
-            rows.append(row)
-            progress.update(cfg.name, fla_ms=row["fla_ms"], cula_ms=row["cula_ms"], speedup=row["speedup"],
-                            max_rel_err=row["max_rel_err"], check=row["check"], backend=row["backend"],
-                            floor_pct=row["floor_pct"])
+        rows, skipped = run_suite(
+            cfgs, lambda cfg: run_config(cfg, fla_chunk_simple_gla, lightning_attn_fwd, args, ceilings),
+            args.max_seconds, t_start, on_row)
+    # the first config's wall time includes FLA autotuning and cula's first compilation
+    first_call = {rows[0]["config"]: rows[0]["wall_s"]} if rows else {}
 
     meta: dict[str, Any] = {
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),

@@ -1,0 +1,210 @@
+"""Pure logic of the Lightning prefill and KDA decode benchmarks on the CPU (suites, byte formulas, row logic)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))  # benchmarks/ is a script folder, not a package
+bc = importlib.import_module("common")
+lp = importlib.import_module("bench_lightning_prefill")
+kd = importlib.import_module("bench_kda_decode")
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing: bool = False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(bc, "l2_cache_bytes", lambda *a: 60 * 2**20)
+    monkeypatch.setattr(bc, "n_rotation_sets", lambda *a, **k: 2)
+    monkeypatch.setattr(lp, "DEVICE", "cpu")
+    monkeypatch.setattr(kd, "DEVICE", "cpu")
+    return {"copy_bw_tbps": 4.27, "gemm_tflops": 690.0}
+
+
+# ---------------------------------------------------------------------------------------------- lightning
+
+
+def test_lightning_suite_order_and_shape():
+    cfgs = lp.suite()
+    names = [c.name for c in cfgs]
+    assert len(cfgs) == 1 + 18 + 12 and len(set(names)) == len(names)
+    assert names[0] == "warmup-B1-T512" and names[1] == "B2-T16384"
+    modes = [c.mode for c in cfgs]
+    # every fixed config (one FLA autotune key) before any varlen one
+    assert modes.index("varlen") == 19 and set(modes[19:]) == {"varlen"}
+    assert "B8-T32768" in names
+    for c in cfgs:
+        assert sum(c.lens) == c.B * c.T and min(c.lens) >= 1
+    assert {c.N for c in cfgs if c.mode == "varlen"} == {10, 20}
+    assert {c.T for c in cfgs if c.mode == "varlen"} == {8192, 16384}
+    assert [c.name for c in lp.suite(quick=True)] == list(lp.QUICK)
+    assert [c.lens for c in lp.suite()] == [c.lens for c in cfgs]  # seeded
+
+
+def test_lightning_bytes_and_flops():
+    h, d = 64, 128
+    assert lp.lightning_bytes((1024,)) == 2 * 1024 * 4 * h * d + 4 * h * d * d
+    assert lp.lightning_bytes((100, 28)) == 2 * 128 * 4 * h * d + 2 * 4 * h * d * d
+    c = 64
+    per_chunk = 2 * c * c * d * 2 + 4 * c * d * d
+    assert lp.chunk_flops(c) == pytest.approx(per_chunk)
+    assert lp.lightning_flops((128,), h=1) == pytest.approx(2 * per_chunk)
+    assert lp.lightning_flops((70,), h=1) == pytest.approx(per_chunk + lp.chunk_flops(6))
+    assert lp.input_set_bytes(lp.Config("fixed", 2, 16, (16, 16))) == 2 * 32 * 3 * h * d
+
+
+def test_lightning_decay_is_fla_schedule():
+    decay = lp.decay_rates("cpu")
+    assert decay.dtype == torch.float32 and decay.shape == (64,)
+    expected = (8 / 64) * (1 - 12 / 24) * torch.arange(64, dtype=torch.float32)
+    torch.testing.assert_close(decay, expected)
+
+
+def _fake_lightning(q, k, v, decay=None, g_gamma=None, output_final_state=True, **kwargs):
+    n = q.shape[0] if kwargs.get("cu_seqlens") is None else len(kwargs["cu_seqlens"]) - 1
+    return v.clone(), torch.ones(n, q.shape[2], q.shape[3], v.shape[3])
+
+
+def _nan_lightning(q, k, v, decay, **kwargs):
+    o, s = _fake_lightning(q, k, v, decay, **kwargs)
+    return o.fill_(float("nan")), s
+
+
+def _raising(*args, **kwargs):
+    raise RuntimeError("boom")
+
+
+def test_lightning_run_config_with_fakes(cpu_bench, monkeypatch):
+    monkeypatch.setattr(lp, "H", 2)
+    monkeypatch.setattr(lp, "D", 8)
+    monkeypatch.setattr(lp, "decay_rates", lambda device=None: torch.ones(2))
+    args = lp.parse_args(["--iters", "3", "--warmup", "1"])
+    cfg = lp.Config("varlen", 1, 48, (40, 8), "random")
+    row = lp.run_config(cfg, _fake_lightning, _fake_lightning, args, cpu_bench)
+    assert row["check"] == "ok" and row["max_rel_err"] == 0.0
+    assert row["fla_ms"] > 0 and row["cula_ms"] > 0 and row["speedup"] > 0 and row["rotation_sets"] == 2
+    assert row["seq_lens"] == [40, 8] and "errors" not in row
+
+    bad = lp.run_config(cfg, _fake_lightning, _nan_lightning, args, cpu_bench)
+    assert bad["check"] == "FAIL" and bad["cula_ms"] is None and bad["speedup"] is None
+
+    raised = lp.run_config(lp.Config("fixed", 1, 16, (16,)), _fake_lightning, _raising, args, cpu_bench)
+    assert raised["check"] == "FAIL" and "cula check" in raised["errors"] and raised["fla_ms"] > 0
+
+
+# ------------------------------------------------------------------------------------------------- decode
+
+
+def test_decode_suite_order():
+    names = [c.name for c in kd.suite()]
+    assert names[:7] == [f"decode-N{n}-H64" for n in (1, 8, 32, 64, 128, 256, 512)]
+    assert names[7] == "mtp-N64-T4-H64"
+    assert names[8:] == [f"decode-N{n}-H16" for n in (1, 8, 32, 64, 128, 256, 512)]
+    assert [c.name for c in kd.suite(quick=True)] == list(kd.QUICK)
+    assert all(c.P == 2 * c.N for c in kd.suite())
+
+
+def test_decode_bytes():
+    cfg = kd.Config(8, 1, 64)
+    assert kd.state_bytes(cfg) == 2 * 4 * 8 * 64 * 128 * 128
+    assert kd.activation_bytes(cfg) == 2 * 8 * (2 * 64 * 128 + 64 * 128 * 3 + 64)
+    mtp = kd.Config(64, 4, 16)
+    assert kd.state_bytes(mtp) == 2 * 4 * 64 * 64 * 128 * 128  # T does not multiply state traffic
+    assert kd.activation_bytes(mtp) == 2 * 64 * 4 * (2 * 16 * 128 + 64 * 128 * 3 + 64)
+    assert kd.input_set_bytes(cfg) == 4 * 8 * 64 * 128 * 128 + kd.activation_bytes(cfg)
+
+
+def test_decode_inputs_and_fla_indices(monkeypatch):
+    monkeypatch.setattr(kd, "HV", 4)
+    monkeypatch.setattr(kd, "K", 8)
+    monkeypatch.setattr(kd, "V", 8)
+    cfg = kd.Config(5, 3, 2)
+    s = kd.make_set(cfg, 0, "cpu")
+    assert s["pool"].shape == (10, 4, 8, 8) and s["indices"].dtype == torch.int32
+    assert len(set(s["indices"].tolist())) == 5 and max(s["indices"].tolist()) < 10
+    assert s["q"].shape == (5, 3, 2, 8) and s["beta"].shape == (5, 3, 4)
+    idx2 = kd.fla_indices(s["indices"], 3)
+    assert idx2.shape == (5, 3) and idx2.is_contiguous() and (idx2 == s["indices"][:, None]).all()
+    assert kd.fla_indices(s["indices"], 1) is s["indices"]
+    shared = kd.make_shared(cfg, "cpu")
+    assert shared["cu_seqlens"].tolist() == [0, 3, 6, 9, 12, 15]
+    a = kd.fla_args(s, shared)
+    assert a["q"].shape == (1, 15, 2, 8) and a["beta"].shape == (1, 15, 4)
+    assert a["inplace_final_state"] and a["ssm_state_indices"].shape == (5, 3)
+
+
+def _fake_fla_decode(q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_indices, **kwargs):
+    idx = ssm_state_indices if ssm_state_indices.ndim == 1 else ssm_state_indices[:, 0]
+    initial_state[idx.long()] += 1.0
+    return v.clone(), initial_state
+
+
+def _fake_cula_decode(q, k, v, g, beta, pool, indices, A_log, dt_bias):
+    pool[indices.long()] += 1.0
+    return v.clone()
+
+
+def _stray_cula_decode(q, k, v, g, beta, pool, indices, A_log, dt_bias):
+    pool += 1.0  # also touches rows it was not given
+    return v.clone()
+
+
+def test_decode_run_config_with_fakes(cpu_bench, monkeypatch):
+    monkeypatch.setattr(kd, "HV", 4)
+    monkeypatch.setattr(kd, "K", 8)
+    monkeypatch.setattr(kd, "V", 8)
+    args = kd.parse_args(["--iters", "3", "--warmup", "1"])
+    monkeypatch.setattr(bc, "measure_host_overhead",
+                        lambda fn, **k: (fn(), {"host_us": 1.0, "back_to_back_us": 2.0, "gpu_us": 0.5})[1])
+    row = kd.run_config(kd.Config(1, 1, 2), _fake_fla_decode, _fake_cula_decode, args, cpu_bench)
+    assert row["check"] == "ok" and row["max_rel_err"] == 0.0, row
+    assert row["fla_ms"] > 0 and row["cula_ms"] > 0 and row["bw_fraction"] > 0
+    assert row["fla_host_us"] == 2.0 and row["cula_host_us"] == 2.0
+
+    mtp = kd.run_config(kd.Config(4, 2, 2), _fake_fla_decode, _fake_cula_decode, args, cpu_bench)
+    assert mtp["check"] == "ok" and "fla_host_us" not in mtp
+
+    stray = kd.run_config(kd.Config(4, 1, 2), _fake_fla_decode, _stray_cula_decode, args, cpu_bench)
+    assert stray["check"] == "FAIL" and stray["cula_ms"] is None
+
+    raised = kd.run_config(kd.Config(4, 1, 2), _raising, _fake_cula_decode, args, cpu_bench)
+    assert "fla check" in raised["errors"] and raised["fla_ms"] is None and raised["check"] == "unchecked"
+
+
+@pytest.mark.parametrize("mod", [lp, kd])
+def test_run_suite_budget_and_errors(mod):
+    cfgs = mod.suite(quick=True)
+
+    def run_one(cfg):
+        if cfg is cfgs[1]:
+            raise RuntimeError("broken config")
+        return {"config": cfg.name, "check": "ok", "speedup": 1.0}
+
+    rows, skipped = mod.run_suite(cfgs, run_one, None, time.perf_counter())
+    assert [r["config"] for r in rows] == [c.name for c in cfgs] and not skipped
+    assert rows[1]["check"] == "FAIL" and "broken config" in rows[1]["errors"]["config"]
+    # an already spent budget still stops before the first config and reports all as skipped
+    rows, skipped = mod.run_suite(cfgs, run_one, 0.0, time.perf_counter() - 1.0)
+    assert rows == [] and skipped == [c.name for c in cfgs]
+    args = mod.parse_args(["--max-seconds", "75"])
+    assert args.max_seconds == 75.0 and args.iters == 20 and args.warmup == 3
+    assert mod.result_name(mod.parse_args(["--quick"])).endswith("_subset")
