@@ -420,18 +420,25 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         del first_set, first_shared
 
         suite_start = time.perf_counter()
-        for cfg in cfgs:
-            if args.max_seconds and time.perf_counter() - suite_start > args.max_seconds:
-                meta["partial"] = f"stopped after {args.max_seconds:.0f} s: {len(rows)} of {len(cfgs)} configs"
+        interrupted = False
+        with bc.sigterm_as_interrupt():
+            try:
+                for cfg in cfgs:
+                    if args.max_seconds and time.perf_counter() - suite_start > args.max_seconds:
+                        meta["partial"] = f"stopped after {args.max_seconds:.0f} s: {len(rows)} of {len(cfgs)} configs"
+                        print(f"[{NAME}] {meta['partial']}", file=sys.stderr, flush=True)
+                        break
+                    row = run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings)
+                    torch.cuda.empty_cache()  # the 2 GB input sets of one config should not crowd the next
+                    rows.append(row)
+                    progress.update(cfg.name, fla_ms=row["fla_ms"], cula_ms=row["cula_ms"], speedup=row["speedup"],
+                                    max_rel_err=row["max_rel_err"], check=row["check"], backend=row["backend"],
+                                    floor_pct=row["floor_pct"])
+            except bc.Interrupted as exc:
+                interrupted = True
+                meta["partial"] = f"interrupted ({exc}) after {len(rows)} of {len(cfgs)} configs"
                 print(f"[{NAME}] {meta['partial']}", file=sys.stderr, flush=True)
-                break
-            row = run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings)
-            torch.cuda.empty_cache()  # the 2 GB input sets of one config should not crowd the next
-            rows.append(row)
-            progress.update(cfg.name, fla_ms=row["fla_ms"], cula_ms=row["cula_ms"], speedup=row["speedup"],
-                            max_rel_err=row["max_rel_err"], check=row["check"], backend=row["backend"],
-                            floor_pct=row["floor_pct"])
-        if not args.no_host_overhead:
+        if not args.no_host_overhead and not interrupted:
             try:
                 meta["host_overhead_us"] = host_overhead(fla_chunk_kda, cula_chunk_kda)
             except Exception as exc:  # noqa: BLE001  (informational; never lose the suite's rows to it)

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import contextlib
 import importlib.metadata
 import json
 import math
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -300,6 +302,14 @@ def package_versions(packages: Sequence[str] = VERSION_PACKAGES) -> dict[str, st
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             out[pkg] = "missing"
+    if out.get("cula") == "missing":
+        # Run from a checkout (as on the GPU machine) rather than an installed distribution.
+        try:
+            import cula
+
+            out["cula"] = f"{cula.__version__} (checkout)"
+        except ImportError:
+            pass
     return out
 
 
@@ -517,3 +527,24 @@ def write_results(
     subtitle = f"{full['gpu_name']}, {full['date']}"
     plot_speedup(paths["png"], name, rows, subtitle)
     return paths
+
+
+class Interrupted(BaseException):
+    """A SIGTERM (e.g. from `timeout`) arrived while a suite was running.
+
+    A BaseException, so the per-config `except Exception` guards do not swallow it.
+    """
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Turn SIGTERM into ``Interrupted`` so a suite killed by a time limit still writes the rows it has."""
+
+    def handler(signum, _frame):
+        raise Interrupted(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

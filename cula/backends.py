@@ -10,6 +10,7 @@ others declined.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -40,6 +41,12 @@ def cuda_only(device: torch.device) -> Verdict:
     return (True, None) if device.type == "cuda" else (False, f"needs a CUDA tensor, got {device.type}")
 
 
+@functools.lru_cache(maxsize=None)
+def has_package(package: str) -> bool:
+    # find_spec costs tens of microseconds; installed packages do not change while a process runs.
+    return importlib.util.find_spec(package) is not None
+
+
 def package_on_cuda(package: str) -> Callable[[torch.device], Verdict]:
     """Availability probe for a backend that needs ``package`` installed and a CUDA tensor."""
 
@@ -47,7 +54,7 @@ def package_on_cuda(package: str) -> Callable[[torch.device], Verdict]:
         ok, why = cuda_only(device)
         if not ok:
             return ok, why
-        if importlib.util.find_spec(package) is None:
+        if not has_package(package):
             return False, f"package {package!r} is not installed"
         return True, None
 
@@ -141,7 +148,7 @@ def cula_kernels_on(arch: tuple[int, int]) -> Callable[[torch.device], Verdict]:
         if found != arch:
             return False, f"kernels target sm_{arch[0]}{arch[1]}, device is sm_{found[0]}{found[1]}"
         for package in ("cutlass", "tvm_ffi"):
-            if importlib.util.find_spec(package) is None:
+            if not has_package(package):
                 return False, f"package {package!r} is not installed"
         return True, None
 
