@@ -322,3 +322,24 @@ def test_kda_decode_validation_and_cpu_path():
                                           state_v_first=True)
     assert_close("o", o_ref[0], o[0], 1e-5)
     assert_close("h", h_ref[0], new[4], 1e-5)
+
+
+def test_kda_commit_accepted_prefix():
+    N, T, H, HV, D, P = 4, 3, 2, 2, 8, 7
+    q, k = torch.randn(N, T, H, D), torch.randn(N, T, H, D)
+    v, g = torch.randn(N, T, HV, D), torch.randn(N, T, HV, D)
+    beta, A_log = torch.randn(N, T, HV), torch.randn(HV)
+    pool = torch.randn(P, HV, D, D)
+    idx = torch.tensor([5, -1, 0, 2], dtype=torch.int32)
+    steps = torch.zeros(N, T, HV, D, D)
+    ck.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, step_states=steps)
+    accepted = torch.tensor([2, 3, 0, 3])
+    new = pool.clone()
+    ck.kda_commit_accepted(steps, new, idx, accepted)
+    assert torch.equal(new[5], steps[0, 1]) and torch.equal(new[2], steps[3, 2])
+    assert torch.equal(new[0], pool[0]), "0 accepted tokens keeps the old state"
+    assert torch.equal(new[[1, 3, 4, 6]], pool[[1, 3, 4, 6]])
+    # committing the accepted prefix equals decoding only that prefix
+    ref = pool.clone()
+    ck.kda_decode(q[:1, :2], k[:1, :2], v[:1, :2], g[:1, :2], beta[:1, :2], ref, idx[:1], A_log=A_log)
+    assert_close("prefix", ref[5], new[5], 1e-6)

@@ -153,3 +153,34 @@ def _decode_reference(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bia
         out.copy_(torch.where(live[:, None, None, None], o, torch.zeros_like(o)))
         if step_states is None:
             state_pool[rows[live]] = states[live]
+
+
+def kda_commit_accepted(
+    step_states: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+) -> None:
+    r"""Write each sequence's state after its last accepted token into the pool (speculative decoding).
+
+    After a verify call ``kda_decode(..., step_states=buf)``, ``num_accepted_tokens[n]`` (int, 0..T) says how
+    many of sequence ``n``'s T tokens were accepted; this copies ``buf[n, num_accepted_tokens[n] - 1]`` into
+    ``state_pool[state_indices[n]]``. Sequences with 0 accepted tokens or a negative index keep their pool row.
+
+    Args:
+        step_states: fp32 ``[N, T, HV, ...]`` from :func:`kda_decode`.
+        state_pool: fp32 ``[P, HV, ...]``, updated in place.
+        state_indices: int32 ``[N]``.
+        num_accepted_tokens: int32/int64 ``[N]``.
+    """
+    N, T = step_states.shape[:2]
+    check_tensor("step_states", step_states, shape=(N, T) + tuple(state_pool.shape[1:]), dtypes=(torch.float32,),
+                 device=state_pool.device)
+    check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=state_pool.device)
+    check_tensor("num_accepted_tokens", num_accepted_tokens, shape=(N,), dtypes=(torch.int32, torch.int64),
+                 device=state_pool.device)
+    keep = (state_indices >= 0) & (num_accepted_tokens > 0)
+    last = (num_accepted_tokens.long() - 1).clamp(0, T - 1)
+    picked = step_states[torch.arange(N, device=step_states.device), last]
+    # Boolean indexing costs one host sync; a commit runs once per verify step, not per token.
+    state_pool[state_indices.long()[keep]] = picked[keep]
