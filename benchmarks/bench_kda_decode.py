@@ -45,10 +45,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
-import sys
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +70,10 @@ QUICK = ("decode-N1-H64", "decode-N64-H64", "mtp-N64-T4-H64", "decode-N64-H16")
 
 MD_COLUMNS = ("config", "N", "T", "H", "HV", "fla_ms", "cula_ms", "speedup", "max_rel_err", "check",
               "bw_fraction", "fla_bw_fraction", "floor_pct", "fla_host_us", "cula_host_us")
+
+# common's suite loop and result-file name (_cudagraph / _flush / _subset suffixes) under NAME
+run_suite = functools.partial(bc.run_suite, name=NAME)
+result_name = functools.partial(bc.result_name, NAME)
 
 CALL_FLAGS = {
     "use_qk_l2norm_in_kernel": True,
@@ -125,14 +128,10 @@ def input_set_bytes(cfg: Config) -> int:
     return 4 * cfg.N * HV * K * V + activation_bytes(cfg)
 
 
-def _seed(name: str) -> int:
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
-
-
 def make_shared(cfg: Config, device: str | None = None) -> dict[str, torch.Tensor]:
     """Gate parameters (A_log fp32 ``[HV]``, dt_bias fp32 ``[HV*K]``) and FLA's ``cu_seqlens`` (int32)."""
     device = device or DEVICE
-    torch.manual_seed(_seed(cfg.name) + 1)
+    torch.manual_seed(bc.config_seed(cfg.name) + 1)
     return {
         "A_log": torch.empty(HV, dtype=torch.float32, device=device).uniform_(1, 16).log(),
         "dt_bias": 0.1 * torch.randn(HV * K, dtype=torch.float32, device=device),
@@ -143,8 +142,8 @@ def make_shared(cfg: Config, device: str | None = None) -> dict[str, torch.Tenso
 def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, torch.Tensor]:
     """One independent input set, its own pool ``[P, HV, V, K]`` fp32 and int32 ``indices [N]`` included."""
     device = device or DEVICE
-    gen = torch.Generator().manual_seed(_seed(cfg.name) + 100 + index)
-    torch.manual_seed(_seed(cfg.name) + 100 + index)
+    gen = torch.Generator().manual_seed(bc.config_seed(cfg.name) + 100 + index)
+    torch.manual_seed(bc.config_seed(cfg.name) + 100 + index)
     n, t, h = cfg.N, cfg.T, cfg.H
     bf16 = torch.bfloat16
     perm = torch.randperm(cfg.P, generator=gen)[:n]
@@ -160,7 +159,7 @@ def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, to
 
 
 def fla_indices(indices: torch.Tensor, t: int) -> torch.Tensor:
-    """FLA's ``ssm_state_indices`` for T tokens per sequence: 1-D for T = 1, else ``[N, T]`` repeating each row."""
+    """FLA's ``ssm_state_indices`` for T tokens per sequence: 1-D for T = 1, else ``[N, T]`` (rows repeat)."""
     if t == 1:
         return indices
     return indices[:, None].expand(indices.shape[0], t).contiguous()
@@ -185,7 +184,8 @@ def fla_args(s: dict, shared: dict, pool: torch.Tensor | None = None) -> dict[st
     }
 
 
-def fla_call(fn: Callable, s: dict, shared: dict, pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+def fla_call(fn: Callable, s: dict, shared: dict,
+             pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
     """Zero-argument FLA call returning ``o`` as ``[N, T, HV, V]``."""
     kwargs = fla_args(s, shared, pool)
     n, t = s["q"].shape[:2]
@@ -206,7 +206,8 @@ def resolve_cula() -> tuple[Callable, str]:
     return public, "cula.kda.kda_decode(check_indices=False)"
 
 
-def cula_call(fn: Callable, s: dict, shared: dict, pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+def cula_call(fn: Callable, s: dict, shared: dict,
+              pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
     """Zero-argument cula call returning ``o`` ``[N, T, HV, V]``."""
     args = (s["q"], s["k"], s["v"], s["g"], s["beta"], s["pool"] if pool is None else pool, s["indices"],
             shared["A_log"], shared["dt_bias"])
@@ -219,37 +220,19 @@ def check(s: dict, fla_o: torch.Tensor, fla_pool: torch.Tensor, cula_o: torch.Te
 
     A cula write to a pool row it was not given also fails.
     """
-    from cula.testing import rel_rmse
-
     idx = s["indices"].long()
     untouched = torch.ones(s["pool"].shape[0], dtype=torch.bool, device=idx.device)
     untouched[idx] = False
     if not torch.equal(cula_pool[untouched], s["pool"][untouched]):
         return float("inf"), "FAIL"
-    errs = []
-    for ref, out in ((fla_o, cula_o), (fla_pool[idx], cula_pool[idx])):
-        if out is None or out.shape != ref.shape:
-            return float("inf"), "FAIL"
-        if not torch.isfinite(ref).all():
-            return float("nan"), "FAIL"
-        if not torch.isfinite(out).all():
-            return float("inf"), "FAIL"
-        errs.append(rel_rmse(ref.float(), out.float()))
-    err = max(errs)
-    if not err <= FAIL_TOL:
-        return err, "FAIL"
-    return err, ("warn" if err > WARN_TOL else "ok")
+    return bc.check_outputs(((fla_o, cula_o), (fla_pool[idx], cula_pool[idx])), WARN_TOL, FAIL_TOL)
 
 
 def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
                ceilings: dict[str, float]) -> dict[str, Any]:
     """Check then time both implementations on one config; returns the result row (errors recorded in it)."""
     errors: dict[str, str] = {}
-
-    def record(label: str, exc: Exception) -> None:
-        errors[label] = f"{type(exc).__name__}: {exc}"[:300]
-        print(f"WARNING: {cfg.name}: {label} raised {errors[label]}", file=sys.stderr, flush=True)
-
+    record = bc.error_recorder(errors, cfg.name)
     sbytes = state_bytes(cfg)
     nbytes = sbytes + activation_bytes(cfg)
     floor = bc.floor_ms(nbytes, 0.0, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
@@ -261,9 +244,8 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     }
     try:
         shared = make_shared(cfg)
-        n_sets = bc.n_rotation_sets(input_set_bytes(cfg), bc.l2_cache_bytes()) if args.l2 == "rotate" else 1
-        sets = [make_set(cfg, i) for i in range(n_sets)]
-        row["rotation_sets"] = n_sets
+        sets = bc.rotation_sets(cfg, make_set, input_set_bytes(cfg), args.l2)
+        row["rotation_sets"] = len(sets)
     except Exception as exc:  # noqa: BLE001  (this row fails, the suite goes on)
         record("inputs", exc)
         row["errors"] = errors
@@ -292,31 +274,18 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
         record("cula check", exc)
     del fla_o, fla_pool
     row["max_rel_err"], row["check"] = err, status
-    if status != "ok":
-        print(f"WARNING: {cfg.name}: cula vs FLA relative RMSE {err:.3e} -> {status}"
-              + (" (cula not timed)" if status == "FAIL" else ""), file=sys.stderr, flush=True)
+    bc.warn_check(cfg.name, err, status)
 
-    timing = {"iters": args.iters, "warmup": args.warmup, "cuda_graph": args.cuda_graph, "l2": args.l2}
-
-    def timed(label: str, make: Callable) -> bc.Timing | None:
-        try:
-            return bc.bench([make(s) for s in sets], **timing)
-        except Exception as exc:  # noqa: BLE001
-            record(f"{label} timing", exc)
-            torch.cuda.synchronize()
-            return None
-
-    fla_t = timed("fla", lambda s: fla_call(fla_fn, s, shared)) if fla_ok else None
-    cula_t = None if status == "FAIL" else timed("cula", lambda s: cula_call(cula_fn, s, shared))
-    fla_ms = fla_t.median_ms if fla_t is not None else None
-    cula_ms = cula_t.median_ms if cula_t is not None else None
+    fla_t, cula_t = bc.time_pair((lambda s: fla_call(fla_fn, s, shared)) if fla_ok else None,
+                                 (lambda s: cula_call(cula_fn, s, shared)) if status != "FAIL" else None,
+                                 sets, args, record)
+    fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)
     row.update({
         "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
         "bw_fraction": bc.bw_fraction(sbytes, cula_ms, ceilings["copy_bw_tbps"]),
         "fla_bw_fraction": bc.bw_fraction(sbytes, fla_ms, ceilings["copy_bw_tbps"]),
         "floor_pct": bc.floor_pct(floor, cula_ms), "fla_floor_pct": bc.floor_pct(floor, fla_ms),
-        "fla_p10_ms": fla_t.p10_ms if fla_t else None, "fla_p90_ms": fla_t.p90_ms if fla_t else None,
-        "cula_p10_ms": cula_t.p10_ms if cula_t else None, "cula_p90_ms": cula_t.p90_ms if cula_t else None,
+        **bc.spread_fields(fla_t, cula_t),
     })
 
     if cfg.N == 1 and not args.no_host_overhead:
@@ -337,86 +306,18 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     return row
 
 
-def run_suite(cfgs: list, run_one: Callable[[Any], dict], max_seconds: float | None, t_start: float,
-              on_row: Callable[[Any, dict], None] | None = None) -> tuple[list[dict], list[str]]:
-    """Run ``run_one`` over ``cfgs`` until ``max_seconds`` after ``t_start`` (perf_counter) have passed.
-
-    An exception escaping ``run_one`` becomes a FAIL row for that config. Returns ``(rows, skipped names)``.
-    """
-    rows: list[dict] = []
-    for i, cfg in enumerate(cfgs):
-        if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
-            skipped = [c.name for c in cfgs[i:]]
-            print(f"[{NAME}] --max-seconds {max_seconds:g} reached: skipping {len(skipped)} config(s)",
-                  file=sys.stderr, flush=True)
-            return rows, skipped
-        t0 = time.perf_counter()
-        try:
-            row = run_one(cfg)
-        except Exception as exc:  # noqa: BLE001  (anything run_config did not catch still costs one row)
-            row = {"config": cfg.name, "check": "FAIL", "fla_ms": None, "cula_ms": None, "speedup": None,
-                   "errors": {"config": f"{type(exc).__name__}: {exc}"[:300]}}
-        row["wall_s"] = round(time.perf_counter() - t0, 2)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # multi-GB input sets of one config should not crowd the next
-        rows.append(row)
-        if on_row is not None:
-            on_row(cfg, row)
-    return rows, []
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} configs: {', '.join(QUICK)}")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per implementation and config")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (at least one per set)")
-    p.add_argument("--max-seconds", type=float, default=None,
-                   help="start no new config after this many seconds since launch; results are still written "
-                        "and marked partial")
-    p.add_argument("--out", default=None, help="results root (default benchmarks/results); files go to "
-                   "<out>/<gpu-slug>/")
-    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
-    p.add_argument("--l2", choices=("rotate", "flush"), default="rotate",
-                   help="keep inputs out of L2 by rotating input sets (default) or flushing 256 MiB")
-    p.add_argument("--configs", default=None, help="comma-separated config names to run (default: all)")
-    p.add_argument("--no-host-overhead", action="store_true", help="skip the N=1 host-overhead measurement")
-    return p.parse_args(argv)
-
-
-def result_name(args: argparse.Namespace) -> str:
-    """``kda_decode`` for the default run; non-default modes get a suffix so they do not overwrite it."""
-    name = NAME
-    if args.cuda_graph:
-        name += "_cudagraph"
-    if args.l2 == "flush":
-        name += "_flush"
-    if args.quick or args.configs:
-        name += "_subset"
-    return name
-
-
-def select_configs(args: argparse.Namespace) -> list[Config]:
-    """The configs this run will try, in suite order (``--quick`` / ``--configs``)."""
-    if not args.configs:
-        return suite(args.quick)
-    wanted = set(args.configs.split(","))
-    unknown = wanted - {c.name for c in suite()}
-    if unknown:
-        raise SystemExit(f"unknown configs: {sorted(unknown)}")
-    return [c for c in suite() if c.name in wanted]
+    return bc.arg_parser(
+        __doc__.splitlines()[0], QUICK, iters=20, warmup=3,
+        warmup_help="untimed calls before timing (at least one per set)",
+        host_overhead_help="skip the N=1 host-overhead measurement",
+    ).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     """Run the suite; returns (meta, rows, written paths). ``FLA_FLASH_KDA=0`` for the run, then restored."""
-    previous = os.environ.get("FLA_FLASH_KDA")
-    os.environ["FLA_FLASH_KDA"] = "0"
-    try:
+    with bc.env_var("FLA_FLASH_KDA", "0"):
         return _run(parse_args(argv), time.perf_counter())
-    finally:
-        if previous is None:
-            os.environ.pop("FLA_FLASH_KDA", None)
-        else:
-            os.environ["FLA_FLASH_KDA"] = previous
 
 
 def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], dict]:
@@ -425,28 +326,20 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     cula_fn, cula_entry = resolve_cula()
-    cfgs = select_configs(args)
-    ceilings = bc.machine_ceilings()
-    print(f"[{NAME}] copy {ceilings['copy_bw_tbps']:.3f} TB/s, L2 {bc.l2_cache_bytes() / 2**20:.0f} MiB, "
-          f"cula entry {cula_entry}", file=sys.stderr, flush=True)
-
-    progress = bc.Progress(len(cfgs), NAME)
-
-    def on_row(cfg: Config, row: dict) -> None:
-        progress.update(cfg.name, fla_ms=row.get("fla_ms"), cula_ms=row.get("cula_ms"), speedup=row.get("speedup"),
-                        max_rel_err=row.get("max_rel_err"), check=row["check"],
-                        bw_fraction=row.get("bw_fraction"))
+    cfgs = bc.select_configs(suite, args)
+    ceilings = bc.reported_ceilings(NAME, f"cula entry {cula_entry}")
 
     with torch.inference_mode():
-        rows, skipped = run_suite(
-            cfgs, lambda cfg: run_config(cfg, fused_recurrent_kda_fwd, cula_fn, args, ceilings),
-            args.max_seconds, t_start, on_row)
+        run = run_suite(cfgs, lambda cfg: run_config(cfg, fused_recurrent_kda_fwd, cula_fn, args, ceilings),
+                        args.max_seconds, t_start, progress=bc.PROGRESS_KEYS + ("bw_fraction",))
+    rows = run.rows
 
     host = {r["config"]: r["host_overhead_us"] for r in rows if r.get("host_overhead_us")}
     meta: dict[str, Any] = {
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
         "cula_entry": cula_entry,
-        "cula_check_indices": "False: the index range check (a host sync) is the caller's, as in a serving loop",
+        "cula_check_indices": ("False: the index range check (a host sync) is the caller's, as in a serving "
+                               "loop"),
         "shape": {"HV": HV, "K": K, "V": V, "dtype": "bfloat16", "state": "float32 pool [2N, HV, V, K]",
                   "indices": "int32 [N], random permutation of pool rows"},
         "call_flags": {**CALL_FLAGS, "fla": "inplace_final_state=True, cu_seqlens=arange(0, N*T+1, T) int32"},
@@ -454,24 +347,12 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
                             "every token to indices[n, t]); no num_accepted_tokens; FLA writes each state T "
                             "times per call, cula once"),
         "bw_fraction": "state bytes read + written per call (2 * 4 * N * HV * K * V) / time / copy bandwidth",
-        "timing": {"mode": "cuda_graph" if args.cuda_graph else "eager", "stat": "median",
-                   "iters": args.iters, "warmup": args.warmup,
-                   "l2": ("rotate input sets (own pool each) to > 2x L2" if args.l2 == "rotate"
-                          else "flush 256 MiB before each call")},
-        "tolerance": {"warn": WARN_TOL, "fail": FAIL_TOL},
-        "copy_bw_tbps": round(ceilings["copy_bw_tbps"], 4),
-        "gemm_tflops": round(ceilings["gemm_tflops"], 2),
+        **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL,
+                      rotate="rotate input sets (own pool each) to > 2x L2"),
         "host_overhead_us": host,
-        "partial": bool(skipped),
-        "wall_s": round(time.perf_counter() - t_start, 1),
+        **bc.budget_meta(run, args.max_seconds, t_start),
     }
-    if skipped:
-        meta["skipped_configs"] = skipped
-        meta["max_seconds"] = args.max_seconds
-    paths = bc.write_results(result_name(args), meta, rows, out_dir=args.out, md_columns=MD_COLUMNS)
-    summary = bc.summarize(rows)
-    print(f"[{NAME}] geomean speedup {summary['geomean']:.3f}x, min {summary['min']:.3f}x "
-          f"({summary['min_config']}); wrote {paths['md']}", file=sys.stderr, flush=True)
+    paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)
     return meta, rows, paths
 
 

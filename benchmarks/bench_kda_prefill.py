@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +64,7 @@ CHUNK = 64
 LOWER_BOUND = -5.0
 WARN_TOL = 5e-3  # FLA's own forward tolerance for o (relative RMSE)
 FAIL_TOL = 5e-2  # beyond this the output is treated as garbage and not timed
+BACKEND_REGISTRY = "cula.kda.backends:chunk_kda_registry"  # the dispatch that cula.kda.chunk_kda goes through
 HOST_OVERHEAD_T = 256  # small fixed config (B=1) used for the host-overhead measurement
 DEVICE = "cuda"  # the CPU tests point this at "cpu" to exercise the row logic with fake implementations
 
@@ -75,12 +76,16 @@ QUICK = ("B1-T1024", "B2-T8192", "varlen-N10-T4096-random", "varlen-N20-T16384-s
 MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "max_rel_err", "check",
               "backend", "floor_ms", "floor_pct", "fla_floor_pct", "bw_fraction")
 
+# common's suite loop and result-file name (_cudagraph / _flush / _subset suffixes) under NAME
+run_suite = functools.partial(bc.run_suite, name=NAME)
+result_name = functools.partial(bc.result_name, NAME)
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One benchmark shape. ``lens`` holds every sequence's length (fixed: ``[T] * B``)."""
 
-    mode: str  # "fixed" or "varlen"
+    mode: str  # "fixed", "varlen", or "warmup" (bench_lightning_prefill: a fixed shape run first)
     B: int
     T: int  # tokens per batch row (varlen: all packed tokens)
     lens: tuple[int, ...]
@@ -92,9 +97,10 @@ class Config:
 
     @property
     def name(self) -> str:
-        if self.mode == "fixed":
-            return f"B{self.B}-T{self.T}"
-        return f"varlen-N{self.N}-T{self.T}-{self.dist}"
+        if self.mode == "varlen":
+            return f"varlen-N{self.N}-T{self.T}-{self.dist}"
+        prefix = "warmup-" if self.mode == "warmup" else ""
+        return f"{prefix}B{self.B}-T{self.T}"
 
 
 def varlen_lengths(n: int, total: int, dist: str, seed: int) -> list[int]:
@@ -119,8 +125,7 @@ def varlen_lengths(n: int, total: int, dist: str, seed: int) -> list[int]:
     raise ValueError(f"unknown distribution {dist!r}")
 
 
-def _seed(name: str) -> int:
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+_seed = bc.config_seed  # bench_lightning_prefill imports it from here
 
 
 def suite(quick: bool = False) -> list[Config]:
@@ -177,11 +182,7 @@ def make_shared(cfg: Config, device: str | None = None) -> dict[str, Any]:
         "dt_bias": 0.1 * torch.randn(HV * K, dtype=torch.float32, device=device),
     }
     if cfg.mode == "varlen":
-        cu = [0]
-        for length in cfg.lens:
-            cu.append(cu[-1] + length)
-        shared["cu_seqlens_cpu"] = torch.tensor(cu, dtype=torch.int32)
-        shared["cu_seqlens"] = shared["cu_seqlens_cpu"].to(device)
+        shared.update(bc.cu_seqlens(cfg.lens, device))
     return shared
 
 
@@ -218,67 +219,23 @@ def bind(fn: Callable, tensors: dict, shared: dict) -> Callable[[], Any]:
     return lambda: fn(**kwargs)
 
 
-def call_recording_backend(call: Callable[[], Any]) -> tuple[Any, str]:
-    """Run ``call`` (a cula ``chunk_kda`` call) and name the cula backend that served it.
-
-    A speedup near 1.0 from a call that fell back to FLA looks like a slow kernel unless the row says so.
-    """
-    try:
-        from cula.kda.backends import chunk_kda_registry as registry
-    except ImportError:
-        return call(), "unknown"
-    chosen: list[str] = []
-    original = registry.select
-
-    def spy(device, args):
-        backend = original(device, args)
-        chosen.append(backend.name)
-        return backend
-
-    registry.select = spy  # instance attribute shadows the method for this one call
-    try:
-        out = call()
-    finally:
-        del registry.select
-    return out, (chosen[0] if chosen else "unknown")
-
-
 def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
     """(max relative RMSE over o and final state, "ok" | "warn" | "FAIL") of cula against FLA."""
-    from cula.testing import rel_rmse
-
-    errs = []
-    for ref, out in zip(fla_out[:2], cula_out[:2]):
-        if out is None or ref is None or out.shape != ref.shape:
-            return float("inf"), "FAIL"
-        if not torch.isfinite(ref).all():
-            return float("nan"), "FAIL"
-        if not torch.isfinite(out).all():
-            return float("inf"), "FAIL"
-        errs.append(rel_rmse(ref.float(), out.float()))
-    err = max(errs)
-    if not err <= FAIL_TOL:
-        return err, "FAIL"
-    return err, ("warn" if err > WARN_TOL else "ok")
+    return bc.check_outputs(zip(fla_out[:2], cula_out[:2]), WARN_TOL, FAIL_TOL)
 
 
 def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
                ceilings: dict[str, float]) -> dict[str, Any]:
     """Check then time both implementations on one config; returns the result row."""
     shared = make_shared(cfg)
-    n_sets = bc.n_rotation_sets(input_set_bytes(cfg), bc.l2_cache_bytes()) if args.l2 == "rotate" else 1
-    sets = [make_set(cfg, i) for i in range(n_sets)]
-
+    sets = bc.rotation_sets(cfg, make_set, input_set_bytes(cfg), args.l2)
     errors: dict[str, str] = {}
-
-    def record(label: str, exc: Exception) -> None:
-        errors[label] = f"{type(exc).__name__}: {exc}"[:300]
-        print(f"WARNING: {cfg.name}: {label} raised {errors[label]}", file=sys.stderr, flush=True)
+    record = bc.error_recorder(errors, cfg.name)
 
     fla_out = bind(fla_fn, sets[0], shared)()
     backend = "unknown"
     try:
-        cula_out, backend = call_recording_backend(bind(cula_fn, sets[0], shared))
+        cula_out, backend = bc.call_recording_backend(bind(cula_fn, sets[0], shared), BACKEND_REGISTRY)
         torch.cuda.synchronize()
         err, status = check(fla_out, cula_out)
         del cula_out
@@ -286,25 +243,12 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
         record("cula check", exc)
         err, status = float("nan"), "FAIL"
     del fla_out
-    if status != "ok":
-        print(f"WARNING: {cfg.name}: cula vs FLA relative RMSE {err:.3e} -> {status}"
-              + (" (cula not timed)" if status == "FAIL" else ""), file=sys.stderr, flush=True)
+    bc.warn_check(cfg.name, err, status)
 
-    timing = {"iters": args.iters, "warmup": args.warmup, "cuda_graph": args.cuda_graph, "l2": args.l2}
-
-    def timed(label: str, fn: Callable) -> bc.Timing | None:
-        # A failure in one implementation (e.g. graph capture refused) costs that cell, not the suite.
-        try:
-            return bc.bench([bind(fn, s, shared) for s in sets], **timing)
-        except Exception as exc:  # noqa: BLE001
-            record(f"{label} timing", exc)
-            torch.cuda.synchronize()
-            return None
-
-    fla_t = timed("fla", fla_fn)
-    cula_t = None if status == "FAIL" else timed("cula", cula_fn)
-    fla_ms = fla_t.median_ms if fla_t is not None else None
-    cula_ms = cula_t.median_ms if cula_t is not None else None
+    fla_t, cula_t = bc.time_pair(lambda s: bind(fla_fn, s, shared),
+                                 (lambda s: bind(cula_fn, s, shared)) if status != "FAIL" else None,
+                                 sets, args, record)
+    fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)
 
     nbytes, flops = kda_bytes(cfg.lens), kda_flops(cfg.lens)
     floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
@@ -312,12 +256,12 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
         "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
         "max_rel_err": err, "check": status, "backend": backend,
-        "floor_ms": floor, "floor_pct": bc.floor_pct(floor, cula_ms), "fla_floor_pct": bc.floor_pct(floor, fla_ms),
+        "floor_ms": floor, "floor_pct": bc.floor_pct(floor, cula_ms),
+        "fla_floor_pct": bc.floor_pct(floor, fla_ms),
         "bw_fraction": bc.bw_fraction(nbytes, cula_ms, ceilings["copy_bw_tbps"]),
         "mbytes": nbytes / 1e6, "gflop": flops / 1e9,
-        "fla_p10_ms": fla_t.p10_ms if fla_t else None, "fla_p90_ms": fla_t.p90_ms if fla_t else None,
-        "cula_p10_ms": cula_t.p10_ms if cula_t else None, "cula_p90_ms": cula_t.p90_ms if cula_t else None,
-        "rotation_sets": n_sets,
+        **bc.spread_fields(fla_t, cula_t),
+        "rotation_sets": len(sets),
     }
     if errors:
         row["errors"] = errors
@@ -337,32 +281,11 @@ def host_overhead(fla_fn: Callable, cula_fn: Callable) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} configs: {', '.join(QUICK)}")
-    p.add_argument("--iters", type=int, default=100, help="timed calls per implementation and config")
-    p.add_argument("--max-seconds", type=float, default=0.0,
-                   help="start no new config after this many seconds (0: no limit); the results say partial")
-    p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
-    p.add_argument("--out", default=None, help="results root (default benchmarks/results); files go to "
-                   "<out>/<gpu-slug>/")
-    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
-    p.add_argument("--l2", choices=("rotate", "flush"), default="rotate",
-                   help="keep inputs out of L2 by rotating input sets (default) or flushing 256 MiB")
-    p.add_argument("--configs", default=None, help="comma-separated config names to run (default: all)")
-    p.add_argument("--no-host-overhead", action="store_true", help="skip the host-overhead measurement")
-    return p.parse_args(argv)
-
-
-def result_name(args: argparse.Namespace) -> str:
-    """``kda_prefill`` for the default run; non-default modes get a suffix so they do not overwrite it."""
-    name = NAME
-    if args.cuda_graph:
-        name += "_cudagraph"
-    if args.l2 == "flush":
-        name += "_flush"
-    if args.quick or args.configs:
-        name += "_subset"
-    return name
+    return bc.arg_parser(
+        __doc__.splitlines()[0], QUICK, iters=100, warmup=10, max_seconds=0.0,
+        max_seconds_help="start no new config after this many seconds (0: no limit); the results say partial",
+        host_overhead_help="skip the host-overhead measurement",
+    ).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
@@ -372,15 +295,8 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     before fla is first imported here) and restores the previous value afterwards, so an in-process
     caller such as the GPU test does not leak it into later tests.
     """
-    previous = os.environ.get("FLA_FLASH_KDA")
-    os.environ["FLA_FLASH_KDA"] = "0"
-    try:
+    with bc.env_var("FLA_FLASH_KDA", "0"):
         return _run(parse_args(argv))
-    finally:
-        if previous is None:
-            os.environ.pop("FLA_FLASH_KDA", None)
-        else:
-            os.environ["FLA_FLASH_KDA"] = previous
 
 
 def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
@@ -390,21 +306,10 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     from cula.kda import chunk_kda as cula_chunk_kda
 
-    cfgs = suite(args.quick)
-    if args.configs:
-        wanted = set(args.configs.split(","))
-        unknown = wanted - {c.name for c in suite()}
-        if unknown:
-            raise SystemExit(f"unknown configs: {sorted(unknown)}")
-        cfgs = [c for c in suite() if c.name in wanted]
+    cfgs = bc.select_configs(suite, args)
+    ceilings = bc.reported_ceilings(NAME)
 
-    ceilings = bc.machine_ceilings()
-    print(f"[{NAME}] copy {ceilings['copy_bw_tbps']:.3f} TB/s, bf16 GEMM {ceilings['gemm_tflops']:.1f} TFLOP/s, "
-          f"L2 {bc.l2_cache_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-
-    rows = []
     meta: dict[str, Any] = {}
-    progress = bc.Progress(len(cfgs), NAME)
     with torch.inference_mode():
         # First cula call of the run, timed whole: includes CuTe compilation of the kernels it needs.
         first = cfgs[0]
@@ -416,33 +321,23 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
             torch.cuda.synchronize()
             meta["cula_first_call_s"] = {first.name: round(time.perf_counter() - t0, 3)}
         except Exception as exc:  # noqa: BLE001  (run_config records it again as a FAIL row)
-            meta["cula_first_call_s"] = {first.name: f"raised {type(exc).__name__}: {exc}"[:300]}
+            meta["cula_first_call_s"] = {first.name: bc.error_text(exc, "raised ")}
         del first_set, first_shared
 
-        suite_start = time.perf_counter()
-        interrupted = False
-        with bc.sigterm_as_interrupt():
-            try:
-                for cfg in cfgs:
-                    if args.max_seconds and time.perf_counter() - suite_start > args.max_seconds:
-                        meta["partial"] = f"stopped after {args.max_seconds:.0f} s: {len(rows)} of {len(cfgs)} configs"
-                        print(f"[{NAME}] {meta['partial']}", file=sys.stderr, flush=True)
-                        break
-                    row = run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings)
-                    torch.cuda.empty_cache()  # the 2 GB input sets of one config should not crowd the next
-                    rows.append(row)
-                    progress.update(cfg.name, fla_ms=row["fla_ms"], cula_ms=row["cula_ms"], speedup=row["speedup"],
-                                    max_rel_err=row["max_rel_err"], check=row["check"], backend=row["backend"],
-                                    floor_pct=row["floor_pct"])
-            except bc.Interrupted as exc:
-                interrupted = True
-                meta["partial"] = f"interrupted ({exc}) after {len(rows)} of {len(cfgs)} configs"
-                print(f"[{NAME}] {meta['partial']}", file=sys.stderr, flush=True)
-        if not args.no_host_overhead and not interrupted:
+        # The budget counts from here: the first call's compilation above is not part of it.
+        run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings),
+                        args.max_seconds or None, time.perf_counter(),
+                        progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)
+        rows = run.rows
+        if run.interrupted:
+            meta["partial"] = f"interrupted ({run.interrupted}) after {len(rows)} of {len(cfgs)} configs"
+        elif run.skipped:
+            meta["partial"] = f"stopped after {args.max_seconds:.0f} s: {len(rows)} of {len(cfgs)} configs"
+        if not args.no_host_overhead and not run.interrupted:
             try:
                 meta["host_overhead_us"] = host_overhead(fla_chunk_kda, cula_chunk_kda)
             except Exception as exc:  # noqa: BLE001  (informational; never lose the suite's rows to it)
-                meta["host_overhead_us"] = f"raised {type(exc).__name__}: {exc}"[:300]
+                meta["host_overhead_us"] = bc.error_text(exc, "raised ")
 
     try:
         import cula.cache
@@ -458,19 +353,10 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
         "shape": {"H": H, "HV": HV, "K": K, "V": V, "chunk": CHUNK, "dtype": "bfloat16", "state": "float32"},
         "call_flags": CALL_FLAGS,
-        "timing": {"mode": "cuda_graph" if args.cuda_graph else "eager", "stat": "median",
-                   "iters": args.iters, "warmup": args.warmup,
-                   "l2": ("rotate input sets to > 2x L2" if args.l2 == "rotate"
-                          else "flush 256 MiB before each call")},
-        "tolerance": {"warn": WARN_TOL, "fail": FAIL_TOL},
-        "copy_bw_tbps": round(ceilings["copy_bw_tbps"], 4),
-        "gemm_tflops": round(ceilings["gemm_tflops"], 2),
+        **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         **meta,
     }
-    paths = bc.write_results(result_name(args), meta, rows, out_dir=args.out, md_columns=MD_COLUMNS)
-    summary = bc.summarize(rows)
-    print(f"[{NAME}] geomean speedup {summary['geomean']:.3f}x, min {summary['min']:.3f}x "
-          f"({summary['min_config']}); wrote {paths['md']}", file=sys.stderr, flush=True)
+    paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)
     n_bad = sum(r["check"] == "FAIL" for r in rows)
     if n_bad:
         print(f"[{NAME}] {n_bad} config(s) FAILED the correctness check and were not timed", file=sys.stderr)

@@ -1,8 +1,9 @@
-"""Lightning prefill: FLA 0.6.0 ``fla.ops.simple_gla.chunk_simple_gla`` against ``cula.lightning.lightning_attn_fwd``.
+"""Lightning prefill: FLA 0.6.0 ``fla.ops.simple_gla.chunk_simple_gla`` against \
+``cula.lightning.lightning_attn_fwd``.
 
 Lightning attention is Simple GLA with a constant per-head decay: cula takes the decay rate ``s >= 0``
-(``lightning_attn_fwd(q, k, v, decay)``), FLA takes ``g_gamma = -s``. The decay is FLA's Lightning schedule for
-layer 12 of 24 (``decay = -cula.lightning.lightning_g_gamma(64, 12, 24)``).
+(``lightning_attn_fwd(q, k, v, decay)``), FLA takes ``g_gamma = -s``. The decay is FLA's Lightning schedule
+for layer 12 of 24 (``decay = -cula.lightning.lightning_g_gamma(64, 12, 24)``).
 
 Suite, H = 64, D = K = V = 128, bf16 q/k/v, no initial state, final state fp32 ``[N, H, K, V]``, under
 ``torch.inference_mode()``:
@@ -16,8 +17,8 @@ Suite, H = 64, D = K = V = 128, bf16 q/k/v, no initial state, final state fp32 `
   generator, seeded by the config name). They come last because varlen changes FLA's autotune keys.
 
 Calls: ``fla(q, k, v, g_gamma=-decay, output_final_state=True[, cu_seqlens, cu_seqlens_cpu])`` and
-``cula(q, k, v, decay, scale=None, initial_state=None, output_final_state=True[, cu_seqlens, cu_seqlens_cpu])``;
-both default ``scale`` to ``D ** -0.5``.
+``cula(q, k, v, decay, scale=None, initial_state=None, output_final_state=True[, cu_seqlens,
+cu_seqlens_cpu])``; both default ``scale`` to ``D ** -0.5``.
 
 Correctness gate: before timing, both run once on the same inputs; cula's ``o`` and final state are compared
 with FLA's by relative RMSE (``ok`` <= 5e-3, ``warn`` <= 5e-2, else ``FAIL`` and cula is not timed).
@@ -38,9 +39,8 @@ Usage: ``python benchmarks/bench_lightning_prefill.py [--quick] [--iters N] [--m
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +48,7 @@ from typing import Any
 # The script's own directory is on sys.path when run as `python benchmarks/bench_lightning_prefill.py`.
 import common as bc
 import torch
-from bench_kda_prefill import _seed, varlen_lengths
+from bench_kda_prefill import Config, varlen_lengths
 
 NAME = "lightning_prefill"
 H = 64
@@ -57,39 +57,23 @@ CHUNK = 64
 LAYER_IDX, NUM_LAYERS = 12, 24
 WARN_TOL = 5e-3
 FAIL_TOL = 5e-2
+BACKEND_REGISTRY = "cula.simple_gla.backends:chunk_simple_gla_registry"  # lightning_attn_fwd dispatches here
 DEVICE = "cuda"  # the CPU tests point this at "cpu"
 
 WARMUP_CFG = (1, 512)
 HEADLINE = (2, 16384)
 FIXED_B = (1, 2, 8)
 FIXED_T = (256, 1024, 4096, 8192, 16384, 32768)
-VARLEN = [(n, total, dist) for n in (10, 20) for total in (8192, 16384) for dist in ("uniform", "random", "skewed")]
+VARLEN = [(n, total, dist) for n in (10, 20) for total in (8192, 16384)
+          for dist in ("uniform", "random", "skewed")]
 QUICK = ("warmup-B1-T512", "B2-T16384", "B1-T4096", "varlen-N20-T16384-skewed")
 
 MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "max_rel_err", "check",
               "backend", "floor_ms", "floor_pct", "fla_floor_pct", "bw_fraction")
 
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One benchmark shape. ``lens`` holds every sequence's length (fixed: ``[T] * B``)."""
-
-    mode: str  # "fixed", "warmup" or "varlen"
-    B: int
-    T: int  # tokens per batch row (varlen: all packed tokens)
-    lens: tuple[int, ...]
-    dist: str = "-"
-
-    @property
-    def N(self) -> int:
-        return len(self.lens)
-
-    @property
-    def name(self) -> str:
-        if self.mode == "varlen":
-            return f"varlen-N{self.N}-T{self.T}-{self.dist}"
-        prefix = "warmup-" if self.mode == "warmup" else ""
-        return f"{prefix}B{self.B}-T{self.T}"
+# common's suite loop and result-file name (_cudagraph / _flush / _subset suffixes) under NAME
+run_suite = functools.partial(bc.run_suite, name=NAME)
+result_name = functools.partial(bc.result_name, NAME)
 
 
 def suite(quick: bool = False) -> list[Config]:
@@ -99,8 +83,8 @@ def suite(quick: bool = False) -> list[Config]:
     fixed = [HEADLINE] + [(b, t) for b in FIXED_B for t in FIXED_T if (b, t) != HEADLINE]
     cfgs += [Config("fixed", b, t, (t,) * b) for b, t in fixed]
     for n, total, dist in VARLEN:
-        name = f"varlen-N{n}-T{total}-{dist}"
-        cfgs.append(Config("varlen", 1, total, tuple(varlen_lengths(n, total, dist, _seed(name))), dist))
+        seed = bc.config_seed(f"varlen-N{n}-T{total}-{dist}")
+        cfgs.append(Config("varlen", 1, total, tuple(varlen_lengths(n, total, dist, seed)), dist))
     if quick:
         cfgs = [c for c in cfgs if c.name in QUICK]
     return cfgs
@@ -143,18 +127,14 @@ def make_shared(cfg: Config, device: str | None = None) -> dict[str, Any]:
     device = device or DEVICE
     shared: dict[str, Any] = {"decay": decay_rates(device)}
     if cfg.mode == "varlen":
-        cu = [0]
-        for length in cfg.lens:
-            cu.append(cu[-1] + length)
-        shared["cu_seqlens_cpu"] = torch.tensor(cu, dtype=torch.int32)
-        shared["cu_seqlens"] = shared["cu_seqlens_cpu"].to(device)
+        shared.update(bc.cu_seqlens(cfg.lens, device))
     return shared
 
 
 def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, torch.Tensor]:
     """One independent input set: q, k, v ``[B, T, H, D]`` bf16."""
     device = device or DEVICE
-    torch.manual_seed(_seed(cfg.name) + 100 + index)
+    torch.manual_seed(bc.config_seed(cfg.name) + 100 + index)
     shape = (cfg.B, cfg.T, H, D)
     return {name: torch.randn(shape, dtype=torch.bfloat16, device=device) for name in ("q", "k", "v")}
 
@@ -169,77 +149,37 @@ def fla_call(fn: Callable, tensors: dict, shared: dict) -> Callable[[], Any]:
 
 def cula_call(fn: Callable, tensors: dict, shared: dict) -> Callable[[], Any]:
     """Zero-argument cula ``lightning_attn_fwd`` call on one input set."""
-    kwargs = {**tensors, "decay": shared["decay"], "scale": None, "initial_state": None, "output_final_state": True}
+    kwargs = {**tensors, "decay": shared["decay"], "scale": None, "initial_state": None,
+              "output_final_state": True}
     if "cu_seqlens" in shared:
         kwargs.update(cu_seqlens=shared["cu_seqlens"], cu_seqlens_cpu=shared["cu_seqlens_cpu"])
     return lambda: fn(**kwargs)
 
 
-def call_recording_backend(call: Callable[[], Any]) -> tuple[Any, str]:
-    """Run a cula call and name the ``chunk_simple_gla`` backend that served it (a fallback to FLA shows)."""
-    try:
-        from cula.simple_gla.backends import chunk_simple_gla_registry as registry
-    except ImportError:
-        return call(), "unknown"
-    chosen: list[str] = []
-    original = registry.select
-
-    def spy(device, args):
-        backend = original(device, args)
-        chosen.append(backend.name)
-        return backend
-
-    registry.select = spy  # instance attribute shadows the method for this one call
-    try:
-        out = call()
-    finally:
-        del registry.select
-    return out, (chosen[0] if chosen else "unknown")
-
-
 def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
     """(max relative RMSE over o and final state, "ok" | "warn" | "FAIL") of cula against FLA."""
-    from cula.testing import rel_rmse
-
-    errs = []
-    for ref, out in zip(fla_out[:2], cula_out[:2]):
-        if out is None or ref is None or out.shape != ref.shape:
-            return float("inf"), "FAIL"
-        if not torch.isfinite(ref).all():
-            return float("nan"), "FAIL"
-        if not torch.isfinite(out).all():
-            return float("inf"), "FAIL"
-        errs.append(rel_rmse(ref.float(), out.float()))
-    err = max(errs)
-    if not err <= FAIL_TOL:
-        return err, "FAIL"
-    return err, ("warn" if err > WARN_TOL else "ok")
+    return bc.check_outputs(zip(fla_out[:2], cula_out[:2]), WARN_TOL, FAIL_TOL)
 
 
 def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
                ceilings: dict[str, float]) -> dict[str, Any]:
     """Check then time both implementations on one config; returns the result row (errors recorded in it)."""
     errors: dict[str, str] = {}
-
-    def record(label: str, exc: Exception) -> None:
-        errors[label] = f"{type(exc).__name__}: {exc}"[:300]
-        print(f"WARNING: {cfg.name}: {label} raised {errors[label]}", file=sys.stderr, flush=True)
-
+    record = bc.error_recorder(errors, cfg.name)
     nbytes, flops = lightning_bytes(cfg.lens), lightning_flops(cfg.lens)
     floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
     row: dict[str, Any] = {
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
         "fla_ms": None, "cula_ms": None, "speedup": None, "max_rel_err": float("nan"), "check": "FAIL",
-        "backend": "unknown", "floor_ms": floor, "floor_pct": None, "fla_floor_pct": None, "bw_fraction": None,
-        "mbytes": nbytes / 1e6, "gflop": flops / 1e9,
+        "backend": "unknown", "floor_ms": floor, "floor_pct": None, "fla_floor_pct": None,
+        "bw_fraction": None, "mbytes": nbytes / 1e6, "gflop": flops / 1e9,
     }
     if cfg.mode == "varlen":
         row["seq_lens"] = list(cfg.lens)
     try:
         shared = make_shared(cfg)
-        n_sets = bc.n_rotation_sets(input_set_bytes(cfg), bc.l2_cache_bytes()) if args.l2 == "rotate" else 1
-        sets = [make_set(cfg, i) for i in range(n_sets)]
-        row["rotation_sets"] = n_sets
+        sets = bc.rotation_sets(cfg, make_set, input_set_bytes(cfg), args.l2)
+        row["rotation_sets"] = len(sets)
     except Exception as exc:  # noqa: BLE001  (e.g. out of memory: this row fails, the suite goes on)
         record("inputs", exc)
         row["errors"] = errors
@@ -252,7 +192,8 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
         record("fla check", exc)
     status, err = "FAIL", float("nan")
     try:
-        cula_out, row["backend"] = call_recording_backend(cula_call(cula_fn, sets[0], shared))
+        cula_out, row["backend"] = bc.call_recording_backend(cula_call(cula_fn, sets[0], shared),
+                                                             BACKEND_REGISTRY)
         torch.cuda.synchronize()
         if fla_out is not None:
             err, status = check(fla_out, cula_out)
@@ -264,102 +205,26 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
         record("cula check", exc)
     del fla_out
     row["max_rel_err"], row["check"] = err, status
-    if status != "ok":
-        print(f"WARNING: {cfg.name}: cula vs FLA relative RMSE {err:.3e} -> {status}"
-              + (" (cula not timed)" if status == "FAIL" else ""), file=sys.stderr, flush=True)
+    bc.warn_check(cfg.name, err, status)
 
-    timing = {"iters": args.iters, "warmup": args.warmup, "cuda_graph": args.cuda_graph, "l2": args.l2}
-
-    def timed(label: str, make: Callable) -> bc.Timing | None:
-        try:
-            return bc.bench([make(s) for s in sets], **timing)
-        except Exception as exc:  # noqa: BLE001
-            record(f"{label} timing", exc)
-            torch.cuda.synchronize()
-            return None
-
-    fla_t = None if "fla check" in errors else timed("fla", lambda s: fla_call(fla_fn, s, shared))
-    cula_t = None if status == "FAIL" else timed("cula", lambda s: cula_call(cula_fn, s, shared))
-    fla_ms = fla_t.median_ms if fla_t is not None else None
-    cula_ms = cula_t.median_ms if cula_t is not None else None
+    fla_ok = "fla check" not in errors
+    fla_t, cula_t = bc.time_pair((lambda s: fla_call(fla_fn, s, shared)) if fla_ok else None,
+                                 (lambda s: cula_call(cula_fn, s, shared)) if status != "FAIL" else None,
+                                 sets, args, record)
+    fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)
     row.update({
         "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
         "floor_pct": bc.floor_pct(floor, cula_ms), "fla_floor_pct": bc.floor_pct(floor, fla_ms),
         "bw_fraction": bc.bw_fraction(nbytes, cula_ms, ceilings["copy_bw_tbps"]),
-        "fla_p10_ms": fla_t.p10_ms if fla_t else None, "fla_p90_ms": fla_t.p90_ms if fla_t else None,
-        "cula_p10_ms": cula_t.p10_ms if cula_t else None, "cula_p90_ms": cula_t.p90_ms if cula_t else None,
+        **bc.spread_fields(fla_t, cula_t),
     })
     if errors:
         row["errors"] = errors
     return row
 
 
-def run_suite(cfgs: list, run_one: Callable[[Any], dict], max_seconds: float | None, t_start: float,
-              on_row: Callable[[Any, dict], None] | None = None) -> tuple[list[dict], list[str]]:
-    """Run ``run_one`` over ``cfgs`` until ``max_seconds`` after ``t_start`` (perf_counter) have passed.
-
-    An exception escaping ``run_one`` becomes a FAIL row for that config. Returns ``(rows, skipped names)``.
-    """
-    rows: list[dict] = []
-    for i, cfg in enumerate(cfgs):
-        if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
-            skipped = [c.name for c in cfgs[i:]]
-            print(f"[{NAME}] --max-seconds {max_seconds:g} reached: skipping {len(skipped)} config(s)",
-                  file=sys.stderr, flush=True)
-            return rows, skipped
-        t0 = time.perf_counter()
-        try:
-            row = run_one(cfg)
-        except Exception as exc:  # noqa: BLE001  (anything run_config did not catch still costs one row)
-            row = {"config": cfg.name, "check": "FAIL", "fla_ms": None, "cula_ms": None, "speedup": None,
-                   "errors": {"config": f"{type(exc).__name__}: {exc}"[:300]}}
-        row["wall_s"] = round(time.perf_counter() - t0, 2)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # multi-GB input sets of one config should not crowd the next
-        rows.append(row)
-        if on_row is not None:
-            on_row(cfg, row)
-    return rows, []
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} configs: {', '.join(QUICK)}")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per implementation and config")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
-    p.add_argument("--max-seconds", type=float, default=None,
-                   help="start no new config after this many seconds since launch; results are still written "
-                        "and marked partial")
-    p.add_argument("--out", default=None, help="results root (default benchmarks/results); files go to "
-                   "<out>/<gpu-slug>/")
-    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
-    p.add_argument("--l2", choices=("rotate", "flush"), default="rotate",
-                   help="keep inputs out of L2 by rotating input sets (default) or flushing 256 MiB")
-    p.add_argument("--configs", default=None, help="comma-separated config names to run (default: all)")
-    return p.parse_args(argv)
-
-
-def result_name(args: argparse.Namespace) -> str:
-    """``lightning_prefill`` for the default run; non-default modes get a suffix so they do not overwrite it."""
-    name = NAME
-    if args.cuda_graph:
-        name += "_cudagraph"
-    if args.l2 == "flush":
-        name += "_flush"
-    if args.quick or args.configs:
-        name += "_subset"
-    return name
-
-
-def select_configs(args: argparse.Namespace) -> list[Config]:
-    """The configs this run will try, in suite order (``--quick`` / ``--configs``)."""
-    if not args.configs:
-        return suite(args.quick)
-    wanted = set(args.configs.split(","))
-    unknown = wanted - {c.name for c in suite()}
-    if unknown:
-        raise SystemExit(f"unknown configs: {sorted(unknown)}")
-    return [c for c in suite() if c.name in wanted]
+    return bc.arg_parser(__doc__.splitlines()[0], QUICK, iters=20, warmup=3).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
@@ -372,22 +237,14 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
 
     from cula.lightning import lightning_attn_fwd
 
-    cfgs = select_configs(args)
-    ceilings = bc.machine_ceilings()
-    print(f"[{NAME}] copy {ceilings['copy_bw_tbps']:.3f} TB/s, bf16 GEMM {ceilings['gemm_tflops']:.1f} TFLOP/s, "
-          f"L2 {bc.l2_cache_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-
-    progress = bc.Progress(len(cfgs), NAME)
-
-    def on_row(cfg: Config, row: dict) -> None:
-        progress.update(cfg.name, fla_ms=row.get("fla_ms"), cula_ms=row.get("cula_ms"), speedup=row.get("speedup"),
-                        max_rel_err=row.get("max_rel_err"), check=row["check"], backend=row.get("backend"),
-                        floor_pct=row.get("floor_pct"))
+    cfgs = bc.select_configs(suite, args)
+    ceilings = bc.reported_ceilings(NAME)
 
     with torch.inference_mode():
-        rows, skipped = run_suite(
+        run = run_suite(
             cfgs, lambda cfg: run_config(cfg, fla_chunk_simple_gla, lightning_attn_fwd, args, ceilings),
-            args.max_seconds, t_start, on_row)
+            args.max_seconds, t_start, progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"))
+    rows = run.rows
     # the first config's wall time includes FLA autotuning and cula's first compilation
     first_call = {rows[0]["config"]: rows[0]["wall_s"]} if rows else {}
 
@@ -398,24 +255,11 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
         "calls": {"fla": "chunk_simple_gla(q, k, v, g_gamma=-decay, output_final_state=True)",
                   "cula": "lightning_attn_fwd(q, k, v, decay, scale=None, initial_state=None, "
                           "output_final_state=True)"},
-        "timing": {"mode": "cuda_graph" if args.cuda_graph else "eager", "stat": "median",
-                   "iters": args.iters, "warmup": args.warmup,
-                   "l2": ("rotate input sets to > 2x L2" if args.l2 == "rotate"
-                          else "flush 256 MiB before each call")},
-        "tolerance": {"warn": WARN_TOL, "fail": FAIL_TOL},
-        "copy_bw_tbps": round(ceilings["copy_bw_tbps"], 4),
-        "gemm_tflops": round(ceilings["gemm_tflops"], 2),
+        **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         "first_config_wall_s": first_call,
-        "partial": bool(skipped),
-        "wall_s": round(time.perf_counter() - t_start, 1),
+        **bc.budget_meta(run, args.max_seconds, t_start),
     }
-    if skipped:
-        meta["skipped_configs"] = skipped
-        meta["max_seconds"] = args.max_seconds
-    paths = bc.write_results(result_name(args), meta, rows, out_dir=args.out, md_columns=MD_COLUMNS)
-    summary = bc.summarize(rows)
-    print(f"[{NAME}] geomean speedup {summary['geomean']:.3f}x, min {summary['min']:.3f}x "
-          f"({summary['min_config']}); wrote {paths['md']}", file=sys.stderr, flush=True)
+    paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)
     return meta, rows, paths
 
 

@@ -19,9 +19,11 @@ The module imports on a CPU-only machine; anything that touches the GPU does so 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import datetime as _dt
-import contextlib
+import importlib
 import importlib.metadata
 import json
 import math
@@ -32,8 +34,10 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +81,16 @@ class Timing:
 def l2_cache_bytes(device: torch.device | int | None = None) -> int:
     """L2 size the driver reports for ``device`` (falls back to the H200's 60 MB)."""
     try:
-        props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        dev = device if device is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(dev)
         size = int(getattr(props, "L2_cache_size", 0) or 0)
     except (RuntimeError, AssertionError):  # no CUDA device
         size = 0
     return size if size > 0 else DEFAULT_L2_BYTES
 
 
-def n_rotation_sets(set_bytes: int, l2_bytes: int | None = None, factor: float = 2.0, max_sets: int = 64) -> int:
+def n_rotation_sets(set_bytes: int, l2_bytes: int | None = None, factor: float = 2.0,
+                    max_sets: int = 64) -> int:
     """How many input sets of ``set_bytes`` each to allocate so together they exceed ``factor`` x L2."""
     if set_bytes <= 0:
         raise ValueError(f"set_bytes must be positive, got {set_bytes}")
@@ -383,11 +389,21 @@ def machine_ceilings() -> dict[str, float]:
     return {"copy_bw_tbps": measure_copy_bandwidth(), "gemm_tflops": measure_bf16_gemm_tflops()}
 
 
+def reported_ceilings(name: str, note: str = "") -> dict[str, float]:
+    """``machine_ceilings()``, also printed on stderr with the L2 size (and ``note``) under ``[name]``."""
+    ceilings = machine_ceilings()
+    line = (f"[{name}] copy {ceilings['copy_bw_tbps']:.3f} TB/s, bf16 GEMM {ceilings['gemm_tflops']:.1f} "
+            f"TFLOP/s, L2 {l2_cache_bytes() / 2**20:.0f} MiB")
+    print(line + (f", {note}" if note else ""), file=sys.stderr, flush=True)
+    return ceilings
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Writer
 # ----------------------------------------------------------------------------------------------------------
 
-_REQUIRED_META = ("gpu_name", "driver_version", "cuda_version", "versions", "date", "copy_bw_tbps", "gemm_tflops")
+_REQUIRED_META = ("gpu_name", "driver_version", "cuda_version", "versions", "date", "copy_bw_tbps",
+                  "gemm_tflops")
 
 
 def row_label(row: dict) -> str:
@@ -543,8 +559,364 @@ def sigterm_as_interrupt():
     def handler(signum, _frame):
         raise Interrupted(f"signal {signum}")
 
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may install signal handlers; elsewhere SIGTERM keeps its default
+        return
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Suite machinery shared by the bench_<op>_<mode>.py scripts
+# ----------------------------------------------------------------------------------------------------------
+
+ERROR_CHARS = 300  # a long CUDA or compiler message is cut here so it cannot swamp a row or a meta entry
+# Row keys every script's progress line shows; a script appends its own (backend, floor_pct, ...).
+PROGRESS_KEYS = ("fla_ms", "cula_ms", "speedup", "max_rel_err", "check")
+
+
+def config_seed(name: str) -> int:
+    """Seed derived from a config's name, so every run (and every script using it) sees the same data."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def cu_seqlens(lens: Sequence[int], device: str | torch.device) -> dict[str, torch.Tensor]:
+    """int32 varlen offsets ``[0, l0, l0 + l1, ...]`` as ``{"cu_seqlens_cpu": ..., "cu_seqlens": ...}``."""
+    cu = [0]
+    for length in lens:
+        cu.append(cu[-1] + length)
+    host = torch.tensor(cu, dtype=torch.int32)
+    return {"cu_seqlens_cpu": host, "cu_seqlens": host.to(device)}
+
+
+def error_text(exc: BaseException, prefix: str = "") -> str:
+    """``"<prefix><ExceptionType>: <message>"``, cut to ``ERROR_CHARS`` characters."""
+    return f"{prefix}{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+
+
+def error_recorder(errors: dict[str, str], config: str) -> Callable[[str, BaseException], None]:
+    """``record(label, exc)``: keep ``exc`` as ``errors[label]`` (the row's ``errors``) and warn on stderr.
+
+    A raising call costs its cell of the row, not the suite; the row says what raised.
+    """
+
+    def record(label: str, exc: BaseException) -> None:
+        errors[label] = error_text(exc)
+        print(f"WARNING: {config}: {label} raised {errors[label]}", file=sys.stderr, flush=True)
+
+    return record
+
+
+def check_outputs(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | None]], warn_tol: float,
+                  fail_tol: float) -> tuple[float, str]:
+    """Compare cula's outputs with FLA's: ``(max relative RMSE, "ok" | "warn" | "FAIL")``.
+
+    Args:
+        pairs: ``(fla, cula)`` tensor pairs of any shape and float dtype, checked in order (e.g. ``o`` then
+            the final state); the relative RMSE is ``cula.testing.rel_rmse`` on fp32 copies.
+        warn_tol: above this error the status is ``"warn"``.
+        fail_tol: above this error, or NaN, the status is ``"FAIL"`` (the caller then does not time cula).
+
+    The first pair that cannot be compared decides: a missing tensor or a shape mismatch gives
+    ``(inf, "FAIL")``, a non-finite FLA tensor ``(nan, "FAIL")``, a non-finite cula tensor ``(inf, "FAIL")``.
+    """
+    from cula.testing import rel_rmse
+
+    errs = []
+    for ref, out in pairs:
+        if out is None or ref is None or out.shape != ref.shape:
+            return float("inf"), "FAIL"
+        if not torch.isfinite(ref).all():
+            return float("nan"), "FAIL"
+        if not torch.isfinite(out).all():
+            return float("inf"), "FAIL"
+        errs.append(rel_rmse(ref.float(), out.float()))
+    err = max(errs)
+    if not err <= fail_tol:
+        return err, "FAIL"
+    return err, ("warn" if err > warn_tol else "ok")
+
+
+def warn_check(config: str, err: float, status: str) -> None:
+    """Say on stderr when a config's check is not ``ok``."""
+    if status != "ok":
+        print(f"WARNING: {config}: cula vs FLA relative RMSE {err:.3e} -> {status}"
+              + (" (cula not timed)" if status == "FAIL" else ""), file=sys.stderr, flush=True)
+
+
+def call_recording_backend(call: Callable[[], Any], registry: str) -> tuple[Any, str]:
+    """Run ``call`` (a zero-argument cula call) and name the cula backend that served it.
+
+    A speedup near 1.0 from a call that fell back to FLA looks like a slow kernel unless the row says so.
+
+    Args:
+        call: the cula call.
+        registry: ``"module:attribute"`` of the ``cula.backends.Registry`` the call dispatches through,
+            e.g. ``"cula.kda.backends:chunk_kda_registry"``.
+
+    Returns:
+        ``(call(), backend name)``; the name is ``"unknown"`` when the registry cannot be imported or the
+        call selected no backend.
+    """
+    module, _, attr = registry.partition(":")
+    try:
+        reg = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return call(), "unknown"
+    chosen: list[str] = []
+    original = reg.select
+
+    def spy(device, args):
+        backend = original(device, args)
+        chosen.append(backend.name)
+        return backend
+
+    reg.select = spy  # instance attribute shadows the method for this one call
+    try:
+        out = call()
+    finally:
+        del reg.select
+    return out, (chosen[0] if chosen else "unknown")
+
+
+def rotation_sets(cfg: Any, make_set: Callable[[Any, int], Any], set_bytes: int, l2: str) -> list:
+    """One config's input sets ``make_set(cfg, i)``: enough to exceed 2x L2 under ``--l2 rotate``, else one.
+
+    ``set_bytes`` is what one call reads from its inputs (see ``n_rotation_sets``).
+    """
+    n_sets = n_rotation_sets(set_bytes, l2_cache_bytes()) if l2 == "rotate" else 1
+    return [make_set(cfg, i) for i in range(n_sets)]
+
+
+def timed(label: str, make: Callable[[Any], Callable[[], Any]], sets: Sequence, args: argparse.Namespace,
+          record: Callable[[str, BaseException], None]) -> Timing | None:
+    """Time one implementation over ``sets`` with the run's ``--iters --warmup --cuda-graph --l2``.
+
+    ``make(set)`` builds the zero-argument call on one input set. A failure (e.g. graph capture refused) is
+    recorded as ``"<label> timing"`` and returns None: it costs that cell, not the suite.
+    """
+    try:
+        return bench([make(s) for s in sets], iters=args.iters, warmup=args.warmup,
+                     cuda_graph=args.cuda_graph, l2=args.l2)
+    except Exception as exc:  # noqa: BLE001
+        record(f"{label} timing", exc)
+        torch.cuda.synchronize()
+        return None
+
+
+def time_pair(fla: Callable[[Any], Callable[[], Any]] | None, cula: Callable[[Any], Callable[[], Any]] | None,
+              sets: Sequence, args: argparse.Namespace,
+              record: Callable[[str, BaseException], None]) -> tuple[Timing | None, Timing | None]:
+    """``(fla timing, cula timing)``: FLA, then cula, timed over the same input sets with ``timed``.
+
+    ``fla`` / ``cula`` build one implementation's call on an input set; pass None for a side that must not
+    be timed (FLA's check call raised, or cula failed the check): its timing is None.
+    """
+    fla_t = timed("fla", fla, sets, args, record) if fla is not None else None
+    cula_t = timed("cula", cula, sets, args, record) if cula is not None else None
+    return fla_t, cula_t
+
+
+def median_ms(t: Timing | None) -> float | None:
+    """``t.median_ms``, None for an implementation that was not timed."""
+    return t.median_ms if t is not None else None
+
+
+def spread_fields(fla_t: Timing | None, cula_t: Timing | None) -> dict[str, float | None]:
+    """The rows' ``fla_p10_ms fla_p90_ms cula_p10_ms cula_p90_ms`` (None for an untimed side)."""
+    return {
+        "fla_p10_ms": fla_t.p10_ms if fla_t else None, "fla_p90_ms": fla_t.p90_ms if fla_t else None,
+        "cula_p10_ms": cula_t.p10_ms if cula_t else None, "cula_p90_ms": cula_t.p90_ms if cula_t else None,
+    }
+
+
+@dataclasses.dataclass
+class SuiteRun:
+    """What ``run_suite`` did; unpacks as ``rows, skipped = run_suite(...)``."""
+
+    rows: list[dict]
+    skipped: list[str]  # names of the configs that have no row (cut by the time budget or a SIGTERM)
+    interrupted: str | None = None  # e.g. "signal 15" when a SIGTERM stopped the suite
+
+    def __iter__(self) -> Iterator[list]:
+        return iter((self.rows, self.skipped))
+
+
+def run_suite(
+    cfgs: Sequence[Any],
+    run_one: Callable[[Any], dict],
+    max_seconds: float | None,
+    t_start: float,
+    on_row: Callable[[Any, dict], None] | None = None,
+    *,
+    name: str = "bench",
+    progress: Sequence[str] | None = None,
+    record_wall: bool = True,
+) -> SuiteRun:
+    """Run ``run_one`` over ``cfgs`` in order, one row per config, and stop early without losing rows.
+
+    * No config starts once ``max_seconds`` have passed since ``t_start`` (``time.perf_counter``);
+      ``None`` means no limit. The rest are listed in ``SuiteRun.skipped``.
+    * A SIGTERM (e.g. from ``timeout``) ends the suite with the rows it has (``SuiteRun.interrupted``;
+      the config it cut short is skipped), so the caller still writes them.
+    * An exception escaping ``run_one`` becomes a FAIL row for that config
+      (``config check fla_ms cula_ms speedup errors``); the suite goes on.
+    * The CUDA caching allocator is emptied after every config, so one config's multi-GB input sets do not
+      crowd the next.
+
+    Args:
+        cfgs: configs, each with a ``name``.
+        run_one: config -> row.
+        max_seconds: the time budget in seconds, or None.
+        t_start: ``time.perf_counter()`` the budget counts from.
+        on_row: called with ``(config, row)`` after each row.
+        name: the benchmark's name, prefix of its stderr lines.
+        progress: row keys to print on a ``Progress`` line per finished config (None: no progress lines).
+        record_wall: put each config's wall time in its row as ``wall_s``.
+
+    Returns:
+        ``SuiteRun(rows, skipped, interrupted)``.
+    """
+    rows: list[dict] = []
+    interrupted = None
+    bar = Progress(len(cfgs), name) if progress is not None else None
+    with sigterm_as_interrupt():
+        try:
+            for cfg in cfgs:
+                if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
+                    print(f"[{name}] --max-seconds {max_seconds:g} reached: skipping "
+                          f"{len(cfgs) - len(rows)} config(s)", file=sys.stderr, flush=True)
+                    break
+                t0 = time.perf_counter()
+                try:
+                    row = run_one(cfg)
+                except Exception as exc:  # noqa: BLE001  (anything run_one did not catch still costs one row)
+                    row = {"config": cfg.name, "check": "FAIL", "fla_ms": None, "cula_ms": None,
+                           "speedup": None, "errors": {"config": error_text(exc)}}
+                if record_wall:
+                    row["wall_s"] = round(time.perf_counter() - t0, 2)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                if bar is not None:
+                    bar.update(cfg.name, **{k: row.get(k) for k in progress})
+                if on_row is not None:
+                    on_row(cfg, row)
+        except Interrupted as exc:
+            interrupted = str(exc)
+            print(f"[{name}] interrupted ({exc}) after {len(rows)} of {len(cfgs)} configs",
+                  file=sys.stderr, flush=True)
+    return SuiteRun(rows, [c.name for c in cfgs[len(rows):]], interrupted)
+
+
+def arg_parser(
+    description: str,
+    quick: Sequence[str],
+    *,
+    iters: int,
+    warmup: int,
+    warmup_help: str = "untimed calls before timing",
+    max_seconds: float | None = None,
+    max_seconds_help: str = "start no new config after this many seconds since launch; results are still "
+                            "written and marked partial",
+    host_overhead_help: str | None = None,
+) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--quick --iters --warmup --max-seconds --out --cuda-graph --l2
+    --configs``, plus ``--no-host-overhead`` when ``host_overhead_help`` is given.
+
+    ``quick`` names the ``--quick`` configs; the keyword arguments are the script's defaults and help texts.
+    """
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help=f"only {len(quick)} configs: {', '.join(quick)}")
+    p.add_argument("--iters", type=int, default=iters, help="timed calls per implementation and config")
+    p.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    p.add_argument("--max-seconds", type=float, default=max_seconds, help=max_seconds_help)
+    p.add_argument("--out", default=None, help="results root (default benchmarks/results); files go to "
+                   "<out>/<gpu-slug>/")
+    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    p.add_argument("--l2", choices=("rotate", "flush"), default="rotate",
+                   help="keep inputs out of L2 by rotating input sets (default) or flushing 256 MiB")
+    p.add_argument("--configs", default=None, help="comma-separated config names to run (default: all)")
+    if host_overhead_help is not None:
+        p.add_argument("--no-host-overhead", action="store_true", help=host_overhead_help)
+    return p
+
+
+def result_name(name: str, args: argparse.Namespace) -> str:
+    """``name`` for the default run; non-default modes get a suffix so they do not overwrite it."""
+    if args.cuda_graph:
+        name += "_cudagraph"
+    if args.l2 == "flush":
+        name += "_flush"
+    if args.quick or args.configs:
+        name += "_subset"
+    return name
+
+
+def select_configs(suite: Callable[..., list], args: argparse.Namespace) -> list:
+    """The configs this run will try, in suite order: ``suite(quick)``, or the ``--configs`` names."""
+    if not args.configs:
+        return suite(args.quick)
+    wanted = set(args.configs.split(","))
+    unknown = wanted - {c.name for c in suite()}
+    if unknown:
+        raise SystemExit(f"unknown configs: {sorted(unknown)}")
+    return [c for c in suite() if c.name in wanted]
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str) -> Iterator[None]:
+    """Set ``os.environ[name]`` for the block, then restore the previous value (or its absence).
+
+    Lets an in-process caller (such as a GPU test) run a benchmark without leaking the setting.
+    """
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+def run_meta(args: argparse.Namespace, ceilings: dict[str, float], warn_tol: float, fail_tol: float,
+             rotate: str = "rotate input sets to > 2x L2") -> dict[str, Any]:
+    """Meta entries every benchmark writes: ``timing tolerance copy_bw_tbps gemm_tflops``, in that order.
+
+    ``rotate`` describes ``--l2 rotate`` for this benchmark's input sets.
+    """
+    return {
+        "timing": {"mode": "cuda_graph" if args.cuda_graph else "eager", "stat": "median",
+                   "iters": args.iters, "warmup": args.warmup,
+                   "l2": rotate if args.l2 == "rotate" else "flush 256 MiB before each call"},
+        "tolerance": {"warn": warn_tol, "fail": fail_tol},
+        "copy_bw_tbps": round(ceilings["copy_bw_tbps"], 4),
+        "gemm_tflops": round(ceilings["gemm_tflops"], 2),
+    }
+
+
+def budget_meta(run: SuiteRun, max_seconds: float | None, t_start: float) -> dict[str, Any]:
+    """``partial`` and ``wall_s`` (seconds since ``t_start``), plus ``skipped_configs`` and ``max_seconds``
+    when configs were skipped and ``interrupted`` when a SIGTERM stopped the suite."""
+    meta: dict[str, Any] = {"partial": bool(run.skipped), "wall_s": round(time.perf_counter() - t_start, 1)}
+    if run.skipped:
+        meta["skipped_configs"] = run.skipped
+        meta["max_seconds"] = max_seconds
+    if run.interrupted:
+        meta["interrupted"] = run.interrupted
+    return meta
+
+
+def write_suite(name: str, args: argparse.Namespace, meta: dict, rows: Sequence[dict],
+                md_columns: Sequence[str]) -> dict[str, Path]:
+    """``write_results`` under ``result_name(name, args)`` in ``--out``, then the summary line on stderr."""
+    paths = write_results(result_name(name, args), meta, rows, out_dir=args.out, md_columns=md_columns)
+    summary = summarize(rows)
+    print(f"[{name}] geomean speedup {summary['geomean']:.3f}x, min {summary['min']:.3f}x "
+          f"({summary['min_config']}); wrote {paths['md']}", file=sys.stderr, flush=True)
+    return paths

@@ -7,6 +7,11 @@ a poisoned output element that a kernel forgot to write fails the check.
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import os
+import shutil
+
 import torch
 
 
@@ -61,3 +66,20 @@ def poison_cuda_allocator(nbytes: int = 1 << 30) -> None:
     block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     block.fill_(0xFF)
     del block
+
+
+def find_nvdisasm() -> str | None:
+    """Path of an ``nvdisasm`` (PATH, the nvidia-cuda-nvdisasm wheel, or triton's copy), for SASS checks."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    for mod in ("nvidia", "triton"):
+        spec = importlib.util.find_spec(mod)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for base in spec.submodule_search_locations:
+            for pat in ("cu13/bin/nvdisasm", "cuda_nvdisasm/bin/nvdisasm", "backends/nvidia/bin/nvdisasm"):
+                hits = glob.glob(os.path.join(base, pat))
+                if hits:
+                    return hits[0]
+    return None

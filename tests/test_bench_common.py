@@ -1,11 +1,13 @@
-"""The benchmark harness: writer, summaries and floors on the CPU; the KDA prefill suite on a GPU."""
+"""The benchmark harness on the CPU (writer, summaries, floors, shared suite helpers); KDA prefill on GPU."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,3 +203,238 @@ def test_kda_prefill_quick_on_gpu(tmp_path):
     assert "host_overhead_us" in meta
     data = json.loads(paths["json"].read_text())
     assert data["meta"]["FLA_FLASH_KDA"] == "0" and len(data["rows"]) == len(rows)
+
+
+# ---------------------------------------------------------------------------------- shared suite machinery
+
+
+def test_check_outputs_statuses():
+    ref = torch.ones(4, 8)
+    ok = bc.check_outputs([(ref, ref.clone()), (ref, ref.clone())], 5e-3, 5e-2)
+    assert ok == (0.0, "ok")
+    warn_err, warn = bc.check_outputs([(ref, ref * 1.01)], 5e-3, 5e-2)
+    assert warn == "warn" and warn_err == pytest.approx(0.01)
+    assert bc.check_outputs([(ref, ref * 1.1)], 5e-3, 5e-2)[1] == "FAIL"
+    # the worst pair decides the error; a tighter fail tolerance turns the same error into a FAIL
+    err, status = bc.check_outputs([(ref, ref), (ref, ref * 1.01)], 5e-3, 5e-2)
+    assert status == "warn" and err == pytest.approx(0.01)
+    assert bc.check_outputs([(ref, ref * 1.01)], 1e-3, 5e-3)[1] == "FAIL"
+    nan = torch.full_like(ref, float("nan"))
+    assert bc.check_outputs([(ref, None)], 5e-3, 5e-2) == (math.inf, "FAIL")
+    assert bc.check_outputs([(None, ref)], 5e-3, 5e-2) == (math.inf, "FAIL")
+    assert bc.check_outputs([(ref, ref[:2])], 5e-3, 5e-2) == (math.inf, "FAIL")
+    assert bc.check_outputs([(ref, nan)], 5e-3, 5e-2) == (math.inf, "FAIL")
+    err, status = bc.check_outputs([(nan, ref)], 5e-3, 5e-2)  # broken reference: NaN error
+    assert math.isnan(err) and status == "FAIL"
+    # the first pair that cannot be compared decides, before later pairs are looked at
+    assert bc.check_outputs([(ref, nan), (nan, ref)], 5e-3, 5e-2) == (math.inf, "FAIL")
+
+
+def test_script_checks_use_their_outputs_and_tolerances():
+    o, s = torch.ones(2, 3), torch.ones(2, 4)
+    assert kda_bench.check((o, s, "extra"), (o.clone(), s.clone())) == (0.0, "ok")
+    assert kda_bench.check((o, s), (o, s * (1 + 2 * kda_bench.WARN_TOL)))[1] == "warn"
+    assert kda_bench.check((o, s), (o, s * (1 + 2 * kda_bench.FAIL_TOL)))[1] == "FAIL"
+
+
+def test_error_recorder_and_error_text(capsys):
+    errors: dict[str, str] = {}
+    record = bc.error_recorder(errors, "B1-T512")
+    record("cula check", ValueError("x" * 1000))
+    assert errors["cula check"].startswith("ValueError: xxx") and len(errors["cula check"]) == bc.ERROR_CHARS
+    assert "WARNING: B1-T512: cula check raised ValueError" in capsys.readouterr().err
+    assert bc.error_text(RuntimeError("boom"), "raised ") == "raised RuntimeError: boom"
+    assert len(bc.error_text(RuntimeError("y" * 1000), "raised ")) == bc.ERROR_CHARS
+
+
+class _FakeBackend:
+    def __init__(self, name):
+        self.name = name
+
+
+class _FakeRegistry:
+    def select(self, device, args):
+        return _FakeBackend("fake-sm90")
+
+
+def test_call_recording_backend(monkeypatch):
+    import types
+
+    registry = _FakeRegistry()
+    module = types.ModuleType("fake_backends_for_test")
+    module.registry = registry
+    monkeypatch.setitem(sys.modules, "fake_backends_for_test", module)
+
+    def call():
+        return registry.select("cpu", {}).name + "-result"
+
+    out = bc.call_recording_backend(call, "fake_backends_for_test:registry")
+    assert out == ("fake-sm90-result", "fake-sm90")
+    assert "select" not in vars(registry)  # the spy is gone after the call
+    assert bc.call_recording_backend(lambda: 1, "fake_backends_for_test:registry") == (1, "unknown")
+
+    def raising():
+        registry.select("cpu", {})
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        bc.call_recording_backend(raising, "fake_backends_for_test:registry")
+    assert "select" not in vars(registry)
+    assert bc.call_recording_backend(lambda: 2, "no_such_module_for_test:registry") == (2, "unknown")
+    assert bc.call_recording_backend(lambda: 3, "fake_backends_for_test:missing") == (3, "unknown")
+
+
+class _Cfg:
+    def __init__(self, name):
+        self.name = name
+
+
+def test_run_suite_rows_budget_progress(capsys):
+    cfgs = [_Cfg(f"c{i}") for i in range(4)]
+
+    def run_one(cfg):
+        if cfg is cfgs[2]:
+            raise RuntimeError("broken config")
+        return {"config": cfg.name, "check": "ok", "speedup": 2.0}
+
+    seen = []
+    run = bc.run_suite(cfgs, run_one, None, 0.0, lambda c, r: seen.append(c.name), name="t",
+                       progress=bc.PROGRESS_KEYS)
+    rows, skipped = run
+    assert [r["config"] for r in rows] == ["c0", "c1", "c2", "c3"]
+    assert skipped == [] and run.interrupted is None
+    assert rows[2]["check"] == "FAIL" and rows[2]["errors"] == {"config": "RuntimeError: broken config"}
+    assert rows[2]["fla_ms"] is None and rows[2]["cula_ms"] is None and rows[2]["speedup"] is None
+    assert all("wall_s" in r for r in rows) and seen == ["c0", "c1", "c2", "c3"]
+    err = capsys.readouterr().err
+    assert "[t 4/4 " in err and "c1 fla_ms=n/a cula_ms=n/a speedup=2.000" in err
+
+    run = bc.run_suite(cfgs, run_one, None, 0.0, record_wall=False)
+    assert not any("wall_s" in r for r in run.rows)
+    # a spent budget skips everything from the next config on, and says so
+    def slow(cfg):
+        time.sleep(0.06)
+        return {"config": cfg.name, "check": "ok"}
+
+    rows, skipped = bc.run_suite(cfgs, slow, 0.05, time.perf_counter())
+    assert [r["config"] for r in rows] == ["c0"] and skipped == ["c1", "c2", "c3"]
+    assert "--max-seconds 0.05 reached: skipping 3 config(s)" in capsys.readouterr().err
+
+
+def test_run_suite_sigterm_keeps_rows():
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    cfgs = [_Cfg(f"c{i}") for i in range(4)]
+
+    def run_one(cfg):
+        if cfg is cfgs[2]:
+            signal.raise_signal(signal.SIGTERM)
+        return {"config": cfg.name, "check": "ok"}
+
+    # A no-op handler underneath, so a run_suite that failed to install its own cannot kill pytest.
+    fallback = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        underneath = signal.getsignal(signal.SIGTERM)
+        run = bc.run_suite(cfgs, run_one, None, 0.0, name="t")
+        assert signal.getsignal(signal.SIGTERM) is underneath  # restored after the suite
+    finally:
+        signal.signal(signal.SIGTERM, fallback)
+    assert [r["config"] for r in run.rows] == ["c0", "c1"]
+    assert run.skipped == ["c2", "c3"] and run.interrupted == f"signal {int(signal.SIGTERM)}"
+    meta = bc.budget_meta(run, None, 0.0)
+    assert meta["partial"] is True and meta["skipped_configs"] == ["c2", "c3"]
+    assert meta["interrupted"] == run.interrupted and meta["max_seconds"] is None
+
+
+def test_timed_and_time_pair(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    args = bc.arg_parser("x", ("a",), iters=3, warmup=1).parse_args([])
+    errors: dict[str, str] = {}
+    record = bc.error_recorder(errors, "cfg")
+    calls = []
+    sets = [0, 1]
+    fla_t, cula_t = bc.time_pair(lambda s: (lambda: calls.append(("fla", s))), None, sets, args, record)
+    assert fla_t is not None and fla_t.n == 3 and cula_t is None
+    assert {c[1] for c in calls} == {0, 1} and {c[0] for c in calls} == {"fla"}
+
+    def broken(s):
+        def call():
+            raise RuntimeError("capture refused")
+        return call
+
+    fla_t, cula_t = bc.time_pair(None, broken, sets, args, record)
+    assert fla_t is None and cula_t is None and errors == {"cula timing": "RuntimeError: capture refused"}
+    assert bc.median_ms(None) is None
+    t = bc.Timing.from_samples([1.0, 2.0, 3.0])
+    assert bc.median_ms(t) == 2.0
+    assert bc.spread_fields(t, None) == {"fla_p10_ms": 1.0, "fla_p90_ms": 3.0, "cula_p10_ms": None,
+                                         "cula_p90_ms": None}
+
+
+def test_rotation_sets_and_inputs(monkeypatch):
+    monkeypatch.setattr(bc, "l2_cache_bytes", lambda *a: 60 * 2**20)
+    sets = bc.rotation_sets("cfg", lambda cfg, i: (cfg, i), 10 * 2**20, "rotate")
+    assert sets == [("cfg", i) for i in range(12)]
+    assert bc.rotation_sets("cfg", lambda cfg, i: i, 10 * 2**20, "flush") == [0]
+    cu = bc.cu_seqlens((3, 5, 1), "cpu")
+    assert cu["cu_seqlens_cpu"].tolist() == [0, 3, 8, 9] and cu["cu_seqlens"].dtype == torch.int32
+    assert bc.config_seed("B1-T512") == bc.config_seed("B1-T512") != bc.config_seed("B2-T512")
+    assert kda_bench._seed is bc.config_seed  # bench_lightning_prefill's seeds come from the same function
+
+
+def test_arg_parser_defaults_and_result_names():
+    lp = importlib.import_module("bench_lightning_prefill")
+    kd = importlib.import_module("bench_kda_decode")
+    a = kda_bench.parse_args([])
+    assert (a.iters, a.warmup, a.max_seconds, a.no_host_overhead, a.l2) == (100, 10, 0.0, False, "rotate")
+    a = lp.parse_args([])
+    assert (a.iters, a.warmup, a.max_seconds) == (20, 3, None) and not hasattr(a, "no_host_overhead")
+    a = kd.parse_args(["--no-host-overhead", "--cuda-graph", "--l2", "flush", "--configs", "x,y",
+                       "--out", "o"])
+    assert (a.iters, a.warmup, a.no_host_overhead, a.cuda_graph, a.l2, a.configs, a.out) == (
+        20, 3, True, True, "flush", "x,y", "o")
+    with pytest.raises(SystemExit):
+        lp.parse_args(["--l2", "none"])
+    assert kda_bench.result_name(kda_bench.parse_args([])) == "kda_prefill"
+    assert kda_bench.result_name(kda_bench.parse_args(["--cuda-graph", "--l2", "flush", "--quick"])) == (
+        "kda_prefill_cudagraph_flush_subset")
+    assert kd.result_name(kd.parse_args(["--configs", "decode-N1-H64"])) == "kda_decode_subset"
+
+
+def test_select_configs():
+    quick = bc.select_configs(kda_bench.suite, kda_bench.parse_args(["--quick"]))
+    assert [c.name for c in quick] == list(kda_bench.QUICK)
+    # --configs keeps suite order and wins over --quick
+    args = kda_bench.parse_args(["--quick", "--configs", "B2-T512,B1-T512"])
+    picked = bc.select_configs(kda_bench.suite, args)
+    assert [c.name for c in picked] == ["B1-T512", "B2-T512"]
+    with pytest.raises(SystemExit, match="unknown configs"):
+        bc.select_configs(kda_bench.suite, kda_bench.parse_args(["--configs", "B1-T512,nope"]))
+
+
+def test_meta_helpers_and_env_var(monkeypatch):
+    args = kda_bench.parse_args(["--iters", "7"])
+    meta = bc.run_meta(args, {"copy_bw_tbps": 4.123456, "gemm_tflops": 690.1234}, 5e-3, 5e-2)
+    assert list(meta) == ["timing", "tolerance", "copy_bw_tbps", "gemm_tflops"]
+    assert meta["timing"] == {"mode": "eager", "stat": "median", "iters": 7, "warmup": 10,
+                              "l2": "rotate input sets to > 2x L2"}
+    assert meta["tolerance"] == {"warn": 5e-3, "fail": 5e-2}
+    assert meta["copy_bw_tbps"] == 4.1235 and meta["gemm_tflops"] == 690.12
+    flush = bc.run_meta(kda_bench.parse_args(["--l2", "flush", "--cuda-graph"]), {"copy_bw_tbps": 1.0,
+                        "gemm_tflops": 1.0}, 1.0, 2.0, rotate="own pools")
+    assert flush["timing"]["l2"] == "flush 256 MiB before each call"
+    assert flush["timing"]["mode"] == "cuda_graph"
+    assert bc.budget_meta(bc.SuiteRun([{}], []), 60.0, 0.0).keys() == {"partial", "wall_s"}
+
+    monkeypatch.delenv("BENCH_TEST_VAR", raising=False)
+    with bc.env_var("BENCH_TEST_VAR", "0"):
+        assert os.environ["BENCH_TEST_VAR"] == "0"
+    assert "BENCH_TEST_VAR" not in os.environ
+    monkeypatch.setenv("BENCH_TEST_VAR", "1")
+    with pytest.raises(RuntimeError), bc.env_var("BENCH_TEST_VAR", "0"):
+        raise RuntimeError
+    assert os.environ["BENCH_TEST_VAR"] == "1"

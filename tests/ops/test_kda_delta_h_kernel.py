@@ -13,13 +13,14 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+
+from cula.testing import find_nvdisasm
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # compare against FLA's own Triton path, not a backend
 
@@ -55,24 +56,6 @@ _COMPILE_SCRIPT = textwrap.dedent(
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
 )
-
-
-def _nvdisasm():
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    import importlib.util
-
-    for mod in ("nvidia", "triton"):
-        spec = importlib.util.find_spec(mod)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        for base in spec.submodule_search_locations:
-            for pat in ("cu13/bin/nvdisasm", "cuda_nvdisasm/bin/nvdisasm", "backends/nvidia/bin/nvdisasm"):
-                hits = glob.glob(os.path.join(base, pat))
-                if hits:
-                    return hits[0]
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +104,7 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     for code in ("C7508", "C7510", "C7517", "C7515"):  # setmaxnreg ignored / WGMMA serialised or waited
         assert code not in remarks, remarks[-3000:]
     assert res["cubins"]
-    nvdisasm = _nvdisasm()
+    nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         pytest.skip("nvdisasm not found: PTX checked, SASS not")
     sass = subprocess.run(

@@ -1,0 +1,628 @@
+"""KDA chunk forward, intra-chunk stage on SM90: gate + chunk cumsum, the WY factors and the masked scores.
+
+Replaces FLA 0.6.0's ``kda_gate_chunk_cumsum`` / ``chunk_local_cumsum`` + ``chunk_kda_fwd_intra(...,
+disable_recompute=True)`` (``fla/ops/kda/gate.py``, ``fla/ops/utils/cumsum.py``, ``fla/ops/kda/chunk_intra.py``,
+``chunk_intra_token_parallel.py``, ``wy_fast.py``) with one CuTe DSL kernel. One CTA per (chunk of BT = 64
+tokens, value head); per chunk, with rows t, s in [0, 64), ``gc = g_cum`` and ``gl = gc[last valid row]``::
+
+    a      = act(g)                                   # "none": g; "softplus": -exp(A_log) softplus(g + dt_bias);
+                                                      # "sigmoid": lower_bound sigmoid(exp(A_log) (g + dt_bias))
+    gc     = cumsum_t(a) / ln 2                       # fp32, written for the valid rows
+    qg     = q exp2(gc),  kg = k exp2(gl - gc)        # bf16
+    Aqk    = scale (q k^T o exp2(gc_t - gc_s))  s <= t, 0 above the diagonal   # bf16 [.., 64]
+    Akk    = beta_t (k k^T o exp2(gc_t - gc_s)) s <  t, 0 elsewhere            # fp32, stays on chip
+    T      = (I + Akk)^-1                             # fp32 on chip, rounded to bf16 like FLA's Akk
+    w      = T bf16(bf16(beta k) exp2(gc)),  u = T bf16(beta v)               # bf16
+
+exactly the tensors ``chunk_kda_delta_h_fwd_o_sm90`` consumes (FLA's layouts; Aqk's upper triangle is written as
+zeros, FLA leaves it unspecified). Rows past the end of a sequence are never written.
+
+Numerics of the scores. ``exp2(gc_t - gc_s)`` is factored per 16-row sub-chunk i around an anchor row
+``p_i = 16 i + 8``: ``exp2(gc_t - gc_p) * exp2(gc_p - gc_s)``; the query factor multiplies q (and k for Akk) of
+the 16 rows of sub-chunk i, the key factor multiplies k of the rows s < 16 (i + 1). Off-diagonal blocks
+(s before the sub-chunk) have a key factor <= 1; the query factor and the in-block key factors span at most 8
+gate steps. Exponents are clamped at 100 (base 2), so every operand stays finite; the result is exact while
+no 8-step window of one channel decays by more than 2^100 (69 nats, i.e. a mean log gate >= -8.6 per step;
+``gate="sigmoid"`` with ``lower_bound >= -8.6`` always satisfies it; FLA's non-safe path has no such limit, its
+safe path has a similar one). The products run on tensor cores as bf16 x3 (hi*hi + hi*lo + lo*hi, fp32
+accumulation), about as accurate as FLA's tf32 / fp32 path (the DSL has no tf32 WGMMA).
+
+Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthreads`` between phases):
+
+=====  ==========================================================================================================
+phase  work
+=====  ==========================================================================================================
+P0     thread 0: mbarrier + four TMA tile loads (q, k [64 x 128] of head hv // (HV/H); v, raw g of head hv);
+       beta row to smem (0 past the sequence end); wait
+P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem and gmem.  WG1: v <- bf16(beta v)
+P2     all: qg, kg to gmem; score B operands (query factor * q | k, bf16 hi/lo) to smem
+P3     WG w: anchors w and w + 2: A operand (key factor * k, hi/lo) built in registers, RS WGMMA 64x32x128 x3;
+       Aqk rows to gmem, Akk rows to smem (fp32)
+P4     threads 0-63: inverse of the four 16x16 unit-lower diagonal blocks (forward substitution, fp32)
+P5     block forward substitution for the off-diagonal blocks of T (3 steps, fp32 SIMT)
+P6     bf16(T) to smem (WGMMA A layout); k <- bf16(bf16(beta k) exp2(gc)) in place
+P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16
+=====  ==========================================================================================================
+
+Memory floor (bf16 q/k/v, fp32 g, H = HV): it reads q, k, v (3 x 256 B per token and head), g (512 B) and beta,
+writes w, u, qg, kg (4 x 256 B), Aqk (128 B) and g_cum (512 B): 1,282 B read, 1,664 B written, 2,946 B per
+token and head, about 2.3x its inputs.
+
+Supported: K = V = 128, BT = 64, bf16/fp16 q/k/v, g in fp32/bf16/fp16, beta in bf16/fp16/fp32, GVA
+(HV a multiple of H), varlen (``cu_seqlens`` int32 + ``chunk_indices`` int32 ``[NT, 2]`` of (sequence, chunk)).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from cula.cache import compile_options, compiled_kernel
+
+__all__ = ["GATES", "ChunkKDAIntraFwdSm90", "chunk_kda_intra_sm90", "prepare_chunk_indices_i32"]
+
+GATES = ("none", "softplus", "sigmoid")
+RCP_LN2 = 1.4426950408889634
+LN2 = 0.6931471805599453
+_ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
+
+
+class ChunkKDAIntraFwdSm90:
+    """KDA intra-chunk forward (gate cumsum + Aqk + (I + Akk)^-1 + w, u, qg, kg), sm_90a.
+
+    Static configuration: dtype of q/k/v and of the bf16 outputs, dtype of the raw gate and of beta, the gate
+    activation and varlen. Token counts, heads and sequences are runtime values.
+    """
+
+    arch = 90
+
+    def __init__(
+        self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False
+    ):
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if dtype not in (BFloat16, Float16):
+            raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
+        self.dtype, self.g_dtype, self.beta_dtype = dtype, g_dtype, beta_dtype
+        self.gate, self.varlen = gate, varlen
+        self.bt, self.dk, self.dv = 64, 128, 128
+        self.num_threads = 256
+        # score B operands: 4 anchors x (hi, lo) tiles of [32 rows (16 q | 16 k), K] bf16
+        self.sb_bytes = 8 * 32 * self.dk * 2
+        self.gin_bytes = self.dk * self.bt * (g_dtype.width // 8)
+        self.tx_bytes = 3 * self.bt * self.dk * (dtype.width // 8) + self.gin_bytes
+        # P3..P7 scratch, carved from the score-operand region once the score GEMMs are done
+        self.off_akk, self.off_inv, self.off_y, self.off_t = 0, 17408, 34816, 38912
+        self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_t + self.bt * self.bt * 2)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T_total, H, K)   dtype
+        mK: cute.Tensor,  # (T_total, H, K)   dtype
+        mV: cute.Tensor,  # (T_total, HV, V)  dtype
+        mGin: cute.Tensor,  # (T_total, HV, K) g_dtype, raw gate (log space when gate == "none")
+        mBeta: cute.Tensor,  # (T_total, HV) beta_dtype
+        mAlog: cute.Tensor,  # (HV,) fp32
+        mBias: cute.Tensor,  # (HV, K) fp32
+        mW: cute.Tensor,  # (T_total, HV, K)  dtype, out
+        mU: cute.Tensor,  # (T_total, HV, V)  dtype, out
+        mQg: cute.Tensor,  # (T_total, HV, K) dtype, out
+        mKg: cute.Tensor,  # (T_total, HV, K) dtype, out
+        mAqk: cute.Tensor,  # (T_total, HV, BT) dtype, out
+        mG: cute.Tensor,  # (T_total, HV, K) fp32, out
+        mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
+        mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
+        seqlen: Int32,  # tokens per sequence when not varlen
+        num_chunks: Int32,  # grid x: chunks per sequence, or NT when varlen
+        num_seqs: Int32,  # grid z: B, or 1 when varlen
+        scale: Float32,
+        lower_bound: Float32,
+        stream: cuda.CUstream,
+    ):
+        dt, BT, DK = self.dtype, self.bt, self.dk
+        q_v = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 0, 1]))  # (K, T, H)
+        k_v = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 0, 1]))  # (K, T, H)
+        v_v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))  # (V, T, HV)
+        g_v = cute.make_tensor(mGin.iterator, cute.select(mGin.layout, mode=[2, 0, 1]))  # (K, T, HV)
+
+        # q/k/v tiles are stored as the MN-major B operand of w = T k', u = T v' (feature x token).
+        sX_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BT, DK, BT), dt, 1)  # (K, BT, 1)
+        sGin_l = cute.make_layout((DK, BT, 1), stride=(1, DK, DK * BT))
+        sB_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BT, 32, DK), dt, 8)  # (32, K, 8)
+        sT_l = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BT, DK, BT), dt, 1)  # (BT, BT, 1)
+
+        mma_sc = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(BT, 32),
+            a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        mma_wu = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), tiler_mn=(BT, DK)
+        )
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+        tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+        tma_v, tv = cpasync.make_tiled_tma_atom(g2s, v_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+        tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sGin_l, mode=[0, 1]), (DK, BT))
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 1]
+            sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_l)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_l)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_l)], 1024]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, BT * (DK + 4)], 1024]
+            region: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.region_bytes], 1024]
+
+        self.storage = Storage
+        self.kernel(
+            tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg,
+            mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mG, mCu, mCi, seqlen, scale, lower_bound,
+            mma_sc, mma_wu, sX_l, sGin_l, sB_l, sT_l,
+        ).launch(
+            grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream
+        )  # fmt: skip
+
+    @cute.jit
+    def _act(self, x: Float32, coef: Float32, bias: Float32, lower_bound: Float32) -> Float32:
+        """The per-element gate activation (FLA ``kda_gate_chunk_cumsum_vector_kernel``)."""
+        a = x
+        if const_expr(self.gate == "softplus"):
+            z = x + bias
+            # softplus with FLA's threshold 20 (identity above it)
+            sp = cute.math.log2(1.0 + cute.math.exp2(z * RCP_LN2, fastmath=True), fastmath=True) * LN2
+            a = -coef * Float32(cutlass.select_(z > 20.0, z, sp))
+        if const_expr(self.gate == "sigmoid"):
+            z = coef * (x + bias)
+            a = lower_bound / (1.0 + cute.math.exp2(-z * RCP_LN2, fastmath=True))
+        return a
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom, tq: cute.Tensor,
+        tma_k: cute.CopyAtom, tk: cute.Tensor,
+        tma_v: cute.CopyAtom, tv: cute.Tensor,
+        tma_g: cute.CopyAtom, tg: cute.Tensor,
+        mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor,
+        mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
+        mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor,
+        seqlen: Int32, scale: Float32, lower_bound: Float32,
+        mma_sc: cute.TiledMma, mma_wu: cute.TiledMma,
+        sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sB_l: cute.ComposedLayout, sT_l: cute.ComposedLayout,
+    ):  # fmt: skip
+        BT, DK = self.bt, self.dk
+        dt = self.dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, hv, bz = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        tid = tidx % 128
+        HV = mW.shape[1]
+        h = hv // (HV // tq.shape[2])
+
+        # chunk -> (first token in the flattened [T_total] axis, number of valid rows)
+        if const_expr(self.varlen):
+            n = mCi[bx, 0]
+            c = mCi[bx, 1]
+            bos = mCu[n]
+            seq_len = mCu[n + 1] - bos
+        else:
+            c = bx
+            bos = bz * seqlen
+            seq_len = seqlen
+        tok0 = bos + c * BT
+        valid = cutlass.min(seq_len - c * BT, BT)
+
+        storage = SmemAllocator().allocate(self.storage)
+        bar = storage.mbar.data_ptr()
+        sQ = storage.sQ.get_tensor(sX_l.outer, swizzle=sX_l.inner)
+        sK = storage.sK.get_tensor(sX_l.outer, swizzle=sX_l.inner)
+        sV = storage.sV.get_tensor(sX_l.outer, swizzle=sX_l.inner)
+        sG = storage.sG.get_tensor(cute.make_layout((DK, BT), stride=(1, DK + 4)))  # (k, t), padded rows
+        sBeta = storage.sBeta.get_tensor(cute.make_layout(BT))
+        base = storage.region.data_ptr()
+        sGin = cute.make_tensor(cute.recast_ptr(base, dtype=self.g_dtype), sGin_l)
+        sB = cute.make_tensor(cute.recast_ptr(base, sB_l.inner, dtype=dt), sB_l.outer)  # (32, K, 8)
+        sAkk = cute.make_tensor(
+            cute.recast_ptr(base + self.off_akk, dtype=Float32),
+            cute.make_layout((BT, BT), stride=(BT + 1, 1)),
+        )  # (t, s)
+        sInv = cute.make_tensor(
+            cute.recast_ptr(base + self.off_inv, dtype=Float32),
+            cute.make_layout((BT, BT), stride=(BT + 1, 1)),
+        )  # (t, s)
+        sY = cute.make_tensor(
+            cute.recast_ptr(base + self.off_y, dtype=Float32), cute.make_layout((16, 48), stride=(48, 1))
+        )
+        sT = cute.make_tensor(cute.recast_ptr(base + self.off_t, sT_l.inner, dtype=dt), sT_l.outer)
+
+        # ---------------- P0: loads ----------------
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        if warp_idx == 0:
+            one = cute.make_layout(1)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tx_bytes)
+            for atom, tsrc, head, sdst in ((tma_q, tq, h, sQ), (tma_k, tk, h, sK), (tma_v, tv, hv, sV),
+                                           (tma_g, tg, hv, sGin)):  # fmt: skip
+                gsrc = cute.local_tile(
+                    cute.domain_offset((0, tok0), tsrc[None, None, head]), (DK, BT), (0, None)
+                )
+                ts, tgm = cpasync.tma_partition(
+                    atom, 0, one, cute.group_modes(sdst, 0, 2), cute.group_modes(gsrc, 0, 2)
+                )
+                cute.copy(atom, tgm[None, 0], ts[None, 0], tma_bar_ptr=bar)
+        if tidx < BT:
+            b = Float32(0.0)
+            if tidx < valid:
+                b = mBeta[tok0 + tidx, hv].to(Float32)
+            sBeta[tidx] = b
+        coef = Float32(1.0)
+        bias = Float32(0.0)
+        if const_expr(self.gate != "none"):
+            coef = cute.math.exp(mAlog[hv].to(Float32), fastmath=True)
+            bias = mBias[hv, tid].to(Float32)
+        cute.arch.mbarrier_wait(bar, 0)
+        cute.arch.barrier()
+
+        # ---------------- P1: gate cumsum (WG0) | beta * v (WG1) ----------------
+        sQ0, sK0, sV0, sGin0 = sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sGin[None, None, 0]
+        if wg == 0:
+            acc = Float32(0.0)
+            for t in cutlass.range(BT, unroll=8):
+                a = self._act(sGin0[tid, t].to(Float32), coef, bias, lower_bound)
+                # rows past the sequence end add nothing, so gc there equals gc at the last valid row
+                acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
+                gc = acc * RCP_LN2
+                sG[tid, t] = gc
+                if t < valid:
+                    mG[tok0 + t, hv, tid] = gc
+        else:
+            for t in cutlass.range(BT, unroll=8):
+                sV0[tid, t] = (sV0[tid, t].to(Float32) * sBeta[t]).to(dt)
+        cute.arch.barrier()
+
+        # ---------------- P2: qg, kg, score B operands ----------------
+        for j in cutlass.range_constexpr(BT // 2):
+            t = wg + 2 * j
+            gc = sG[tid, t]
+            qv = sQ0[tid, t].to(Float32)
+            kv = sK0[tid, t].to(Float32)
+            if t < valid:
+                mQg[tok0 + t, hv, tid] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
+                mKg[tok0 + t, hv, tid] = (kv * cute.math.exp2(sG[tid, BT - 1] - gc, fastmath=True)).to(dt)
+            i = j // 8  # sub-chunk of row t (t // 16), static
+            e = cute.math.exp2(cute.arch.fmin(gc - sG[tid, 16 * i + 8], _ANCHOR_CLAMP), fastmath=True)
+            e = Float32(cutlass.select_(t < valid, e, Float32(0.0)))
+            bq = qv * e
+            bk = kv * e
+            r = t % 16
+            bq_hi = bq.to(dt)
+            bk_hi = bk.to(dt)
+            sB[r, tid, 2 * i] = bq_hi
+            sB[r + 16, tid, 2 * i] = bk_hi
+            sB[r, tid, 2 * i + 1] = (bq - bq_hi.to(Float32)).to(dt)
+            sB[r + 16, tid, 2 * i + 1] = (bk - bk_hi.to(Float32)).to(dt)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier()
+
+        # ---------------- P3: scores, two anchors per warpgroup ----------------
+        thr_sc = mma_sc.get_slice(tid)
+        wg_sc = mma_sc.get_slice(0)
+        tAc = thr_sc.partition_A(cute.make_identity_tensor((BT, DK)))  # (s, k) of each A register
+        tCc = thr_sc.partition_C(cute.make_identity_tensor((BT, 32)))  # (s, n) of each accumulator
+        rAhi = wg_sc.make_fragment_A(wg_sc.partition_shape_A((BT, DK)))
+        rAlo = wg_sc.make_fragment_A(wg_sc.partition_shape_A((BT, DK)))
+        tBr = wg_sc.make_fragment_B(wg_sc.partition_B(sB))
+        acc0 = cute.make_rmem_tensor(wg_sc.partition_shape_C((BT, 32)), Float32)
+        acc1 = cute.make_rmem_tensor(wg_sc.partition_shape_C((BT, 32)), Float32)
+        assert cute.size(tAc) == cute.size(rAhi)
+        num_kb = cute.size(rAhi, mode=[2])
+        for ai in cutlass.range_constexpr(2):
+            anc = wg + 2 * ai  # anchor / query sub-chunk index
+            acc = acc0 if ai == 0 else acc1
+            for e in cutlass.range_constexpr(cute.size(rAhi)):
+                s = tAc[e][0]
+                kk = tAc[e][1]
+                f = cute.math.exp2(
+                    cute.arch.fmin(sG[kk, 16 * anc + 8] - sG[kk, s], _ANCHOR_CLAMP), fastmath=True
+                )
+                x = sK0[kk, s].to(Float32) * f
+                x = Float32(cutlass.select_((s < 16 * anc + 16) & (s < valid), x, Float32(0.0)))
+                hi = x.to(dt)
+                rAhi[e] = hi
+                rAlo[e] = (x - hi.to(Float32)).to(dt)
+            warpgroup.fence()
+            atom_sc = cute.make_mma_atom(mma_sc.op)
+            atom_sc.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(num_kb):
+                cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * anc], acc)
+                atom_sc.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(num_kb):
+                cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * anc + 1], acc)
+            for kb in cutlass.range_constexpr(num_kb):
+                cute.gemm(atom_sc, acc, rAlo[None, None, kb], tBr[None, None, kb, 2 * anc], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)  # the next anchor rewrites the A registers
+        cute.arch.barrier()  # every score GEMM has read sB: the region becomes sAkk / sInv / sY / sT
+
+        for ai in cutlass.range_constexpr(2):
+            anc = wg + 2 * ai
+            acc = acc0 if ai == 0 else acc1
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                s = tCc[e][0]
+                nn = tCc[e][1]
+                t = 16 * anc + nn % 16
+                if nn < 16:  # Aqk^T column t
+                    if t < valid:
+                        mAqk[tok0 + t, hv, s] = Float32(
+                            cutlass.select_(s <= t, acc[e] * scale, Float32(0.0))
+                        ).to(dt)
+                else:  # Akk^T column t
+                    sAkk[t, s] = Float32(cutlass.select_(s < t, acc[e] * sBeta[t], Float32(0.0)))
+        cute.arch.barrier()
+
+        # ---------------- P4: inverses of the diagonal blocks | zero the upper blocks of T ----------------
+        if tidx < BT:
+            blk = tidx // 16
+            col = tidx % 16
+            o = 16 * blk
+            rX = cute.make_rmem_tensor(16, Float32)
+            for r in cutlass.range_constexpr(16):
+                y = Float32(cutlass.select_(col == r, Float32(1.0), Float32(0.0)))
+                for m in cutlass.range_constexpr(r):
+                    y = y - sAkk[o + r, o + m] * rX[m]
+                rX[r] = y
+            for r in cutlass.range_constexpr(16):
+                sInv[o + r, o + col] = rX[r]
+        else:
+            nthr = self.num_threads - BT
+            for e in cutlass.range_constexpr((BT * BT + nthr - 1) // nthr):
+                idx = tidx - BT + e * nthr
+                if idx < BT * BT:
+                    rr = idx // BT
+                    cc = idx % BT
+                    if cc // 16 > rr // 16:
+                        sInv[rr, cc] = Float32(0.0)
+        cute.arch.barrier()
+
+        # ---------------- P5: off-diagonal blocks, X_i,<i = -D_i^-1 (A_i,<i X_<i,<i) ----------------
+        rr = tidx // 16
+        c0 = tidx % 16
+        for i in cutlass.range_constexpr(1, 4):
+            for p in cutlass.range_constexpr(i):
+                y = Float32(0.0)
+                for m in cutlass.range_constexpr(16 * p, 16 * i):
+                    y = y + sAkk[16 * i + rr, m] * sInv[m, c0 + 16 * p]
+                sY[rr, c0 + 16 * p] = y
+            cute.arch.barrier()
+            for p in cutlass.range_constexpr(i):
+                y = Float32(0.0)
+                for m in cutlass.range_constexpr(16):
+                    y = y - sInv[16 * i + rr, 16 * i + m] * sY[m, c0 + 16 * p]
+                sInv[16 * i + rr, c0 + 16 * p] = y
+            cute.arch.barrier()
+
+        # ---------------- P6: bf16(T) and k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ----------------
+        sT0 = sT[None, None, 0]
+        for j in cutlass.range_constexpr(BT * BT // self.num_threads):
+            idx = tidx + j * self.num_threads
+            sT0[idx // BT, idx % BT] = sInv[idx // BT, idx % BT].to(dt)
+        for j in cutlass.range_constexpr(BT // 2):
+            t = wg + 2 * j
+            kbeta = (sK0[tid, t].to(Float32) * sBeta[t]).to(dt).to(Float32)
+            sK0[tid, t] = (kbeta * cute.math.exp2(sG[tid, t], fastmath=True)).to(dt)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier()
+
+        # ---------------- P7: w = T k' (WG0), u = T v' (WG1) ----------------
+        thr_wu = mma_wu.get_slice(tid)
+        wg_wu = mma_wu.get_slice(0)
+        tTr = wg_wu.make_fragment_A(wg_wu.partition_A(sT))
+        tKr = wg_wu.make_fragment_B(wg_wu.partition_B(sK))
+        tVr = wg_wu.make_fragment_B(wg_wu.partition_B(sV))
+        accW = cute.make_rmem_tensor(wg_wu.partition_shape_C((BT, DK)), Float32)
+        tWc = thr_wu.partition_C(cute.make_identity_tensor((BT, DK)))
+        for which in cutlass.range_constexpr(2):
+            if wg == which:
+                tBx = tKr if which == 0 else tVr
+                mOut = mW if which == 0 else mU
+                warpgroup.fence()
+                atom_wu = cute.make_mma_atom(mma_wu.op)
+                atom_wu.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tTr, mode=[2])):
+                    cute.gemm(atom_wu, accW, tTr[None, None, kb, 0], tBx[None, None, kb, 0], accW)
+                    atom_wu.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                for e in cutlass.range_constexpr(cute.size(accW)):
+                    t = tWc[e][0]
+                    ff = tWc[e][1]
+                    if t < valid:
+                        mOut[tok0 + t, hv, ff] = accW[e].to(dt)
+
+
+@functools.cache
+def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple, value: float = 0.0) -> torch.Tensor:
+    """A small constant tensor standing in for an absent optional argument."""
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
+_TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.float32: Float32}
+
+
+def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options=""):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    DK, BT = 128, 64
+    kernel = ChunkKDAIntraFwdSm90(
+        dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen
+    )
+    tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+
+    def tok(dt, heads, d):
+        return make_fake_tensor(dt, (tt, heads, d), (cute.sym_int64(divisibility=d), d, 1), assumed_align=16)
+
+    args = (
+        tok(dtype, h, DK), tok(dtype, h, DK), tok(dtype, hv, DK), tok(g_dtype, hv, DK),
+        make_fake_tensor(beta_dtype, (tt, hv), (cute.sym_int64(), 1), assumed_align=beta_dtype.width // 8),
+        make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
+        make_fake_tensor(Float32, (hv, DK), (DK, 1), assumed_align=16),
+        tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, BT),
+        tok(Float32, hv, DK),
+        make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
+        make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
+        Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(-5.0),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    )  # fmt: skip
+    return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
+
+
+def get_compiled(
+    dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0)
+):
+    """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
+    key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
+           beta_dtype.__name__, gate, varlen, arch)  # fmt: skip
+    return compiled_kernel(key, lambda: _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch))
+
+
+def prepare_chunk_indices_i32(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+    """``[NT, 2]`` int32 (sequence id, chunk id within the sequence), FLA's ``prepare_chunk_indices`` order.
+
+    Reads the lengths on the host (one device sync); callers that already hold FLA's chunk indices pass those.
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    rows = [(n, c) for n, ln in enumerate(lens) for c in range(math.ceil(ln / chunk_size))]
+    out = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
+    return out.to(cu_seqlens.device)
+
+
+def chunk_kda_intra_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    qg: torch.Tensor,
+    kg: torch.Tensor,
+    Aqk: torch.Tensor,
+    g_cum: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    *,
+    gate: str,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    chunk_size: int = 64,
+) -> None:
+    """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16/fp16 (already L2-normalised if the model does so).
+        v: ``[B, T, HV, V]`` same dtype; HV a multiple of H.
+        g: ``[B, T, HV, K]`` fp32/bf16/fp16: log-space gate (``gate="none"``) or the raw gate logits.
+        beta: ``[B, T, HV]`` bf16/fp16/fp32, post-sigmoid.
+        scale: query scale; folded into Aqk (not into qg), as in FLA.
+        w, qg, kg: ``[B, T, HV, K]`` q's dtype, out: ``(I + Akk)^-1 bf16(beta k exp2(g_cum))``,
+            ``q exp2(g_cum)``, ``k exp2(g_cum[last] - g_cum)``.
+        u: ``[B, T, HV, V]`` q's dtype, out: ``(I + Akk)^-1 bf16(beta v)``.
+        Aqk: ``[B, T, HV, 64]`` q's dtype, out: ``scale (q k^T o exp2(g_t - g_s))`` for ``s <= t`` of the
+            token's own chunk, 0 above the diagonal.
+        g_cum: ``[B, T, HV, K]`` fp32, out: chunk-local inclusive cumsum of the activated gate times 1/ln 2.
+        cu_seqlens: ``[N + 1]`` int32 (int64 is converted) with ``B == 1``, or None.
+        chunk_indices: ``[NT, 2]`` (sequence, chunk) as FLA's ``prepare_chunk_indices`` (any int dtype);
+            computed here (one host sync) when None and ``cu_seqlens`` is given.
+        gate: ``"none"`` (g is already log space), ``"softplus"`` (``-exp(A_log) softplus(g + dt_bias)``) or
+            ``"sigmoid"`` (``lower_bound sigmoid(exp(A_log) (g + dt_bias))``), FLA's ``kda_gate_chunk_cumsum``.
+        A_log: ``[HV]`` (None: FLA's defaults, coefficient e for softplus and 1 for sigmoid).
+        dt_bias: ``[HV * K]`` or ``[HV, K]`` or None.
+        lower_bound: required for ``gate="sigmoid"``.
+
+    K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
+    """
+    if chunk_size != 64:
+        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if gate == "sigmoid" and lower_bound is None:
+        raise ValueError('gate="sigmoid" needs lower_bound')
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if (K, V) != (128, 128):
+        raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
+    if HV % H != 0:
+        raise ValueError(f"value heads ({HV}) must be a multiple of query/key heads ({H})")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q/k/v must be bf16 or fp16, got {q.dtype}")
+    dt = q.dtype
+    for name, t, shape, dtype in (
+        ("k", k, (B, T, H, K), dt), ("v", v, (B, T, HV, V), dt), ("g", g, (B, T, HV, K), None),
+        ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt),
+        ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("Aqk", Aqk, (B, T, HV, 64), dt),
+        ("g_cum", g_cum, (B, T, HV, K), torch.float32),
+    ):  # fmt: skip
+        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+            raise ValueError(f"{name}: expected {shape} {dtype or ''}, got {tuple(t.shape)} {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if g.dtype not in _TORCH_TO_CUTLASS or beta.dtype not in _TORCH_TO_CUTLASS:
+        raise ValueError(f"g and beta must be fp32/bf16/fp16, got {g.dtype}, {beta.dtype}")
+    varlen = cu_seqlens is not None
+    if varlen:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1 (flatten the sequences), got {B}")
+        if cu_seqlens.dtype != torch.int32:
+            cu_seqlens = cu_seqlens.to(torch.int32)
+        if chunk_indices is None:
+            chunk_indices = prepare_chunk_indices_i32(cu_seqlens)
+        elif chunk_indices.dtype != torch.int32 or not chunk_indices.is_contiguous():
+            chunk_indices = chunk_indices.to(torch.int32).contiguous()
+        num_chunks, num_seqs = chunk_indices.shape[0], 1
+    else:
+        num_chunks, num_seqs = (T + 63) // 64, B
+    if B * T == 0 or HV == 0 or num_chunks == 0:
+        return
+    dev = q.device
+    if A_log is None:
+        # FLA: softplus uses exp(1) when A_log is absent, sigmoid uses 1 = exp(0)
+        A_log = _placeholder(dev, torch.float32, (HV,), 1.0 if gate == "softplus" else 0.0)
+    A_log = A_log.reshape(HV).to(torch.float32).contiguous()
+    dt_bias = (
+        _placeholder(dev, torch.float32, (HV, K)) if dt_bias is None
+        else dt_bias.reshape(HV, K).to(torch.float32).contiguous()
+    )  # fmt: skip
+    fn = get_compiled(
+        dtype=_TORCH_TO_CUTLASS[dt], g_dtype=_TORCH_TO_CUTLASS[g.dtype], beta_dtype=_TORCH_TO_CUTLASS[beta.dtype],
+        gate=gate, varlen=varlen,
+    )  # fmt: skip
+
+    def flat(t):
+        return t.view(B * T, t.shape[2], t.shape[-1])
+
+    fn(
+        flat(q), flat(k), flat(v), flat(g), beta.view(B * T, HV), A_log, dt_bias,
+        flat(w), flat(u), flat(qg), flat(kg), flat(Aqk), flat(g_cum),
+        cu_seqlens if varlen else _placeholder(dev, torch.int32, (2,)),
+        chunk_indices if varlen else _placeholder(dev, torch.int32, (1, 2)),
+        T, num_chunks, num_seqs, float(scale), float(lower_bound if lower_bound is not None else 0.0),
+    )  # fmt: skip

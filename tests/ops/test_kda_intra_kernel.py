@@ -1,0 +1,366 @@
+"""KDA intra-chunk kernel on SM90 (``cula/ops/kda/sm90/intra.py``).
+
+CPU: the gate / dtype / varlen variants trace and compile for sm_90a; the PTX/SASS has RS and SS WGMMA and TMA,
+and ptxas reports no spills and no WGMMA serialisation. GPU (``-m gpu`` on an H100/H200): the kernel against
+FLA 0.6.0's gate cumsum + ``chunk_kda_fwd_intra(disable_recompute=True)`` on identical inputs, and the kernel
+feeding ``chunk_kda_delta_h_fwd_o_sm90`` against FLA's ``chunk_kda``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cula.testing import find_nvdisasm
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")  # compare against FLA's own Triton path, not a backend
+
+
+HAS_CUDA = torch.cuda.is_available()
+RATIO = 5e-3
+RCP_LN2 = 1.4426950408889634
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: compile the variants once, in a subprocess (ptxas remarks need the env var before cutlass import)
+# ----------------------------------------------------------------------------------------------------
+
+# Each trace costs ~20 s on 2 cores: every gate kind, varlen on/off, each raw-gate and beta dtype once, fp16 once.
+_VARIANTS = [
+    {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False},
+    {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": True},
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": False},
+    {"dtype": "BFloat16", "g": "Float32", "beta": "Float32", "gate": "sigmoid", "varlen": True},
+    {"dtype": "Float16", "g": "Float32", "beta": "Float16", "gate": "sigmoid", "varlen": False},
+]
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import cutlass
+    from cula.ops.kda.sm90 import intra as M
+    variants, root = json.loads(sys.argv[1]), sys.argv[2]
+    for i, v in enumerate(variants):
+        d = os.path.join(root, str(i))
+        os.makedirs(d, exist_ok=True)
+        t0 = time.time()
+        M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
+                   v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}")
+        sys.stderr.flush()
+        print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled_variants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kda_intra")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, CUTE_DSL_COMPILER_OPT="remarks{ptx}", CUTE_DSL_ARCH="sm_90a", PYTHONPATH=repo)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(_VARIANTS), str(root)],
+        cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200, check=False,
+    )  # fmt: skip
+    log = proc.stdout
+    assert proc.returncode == 0, log[-6000:]
+    chunks = re.split(r"@@done (\d+) ([0-9.]+)", log)
+    out = {}
+    for j in range(1, len(chunks), 3):
+        i = int(chunks[j])
+        d = root / str(i)
+        out[i] = {
+            "remarks": chunks[j - 1],
+            "seconds": float(chunks[j + 1]),
+            "ptx": "".join(pathlib.Path(p).read_text() for p in glob.glob(str(d / "*.ptx"))),
+            "cubins": glob.glob(str(d / "*.cubin")),
+        }
+    return out
+
+
+def _vid(v):
+    return f"{v['dtype']}-g{v['g']}-beta{v['beta']}-{v['gate']}-{'varlen' if v['varlen'] else 'fixed'}"
+
+
+@pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=[_vid(v) for v in _VARIANTS])
+def test_variant_compiles_sm90a(compiled_variants, idx):
+    res = compiled_variants[idx]
+    ptx, remarks = res["ptx"], res["remarks"]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", remarks)
+    assert spills, remarks[-3000:]
+    assert all(a == "0" and b == "0" for a, b in spills), spills
+    for code in ("C7510", "C7517", "C7515"):  # WGMMA serialised or waited by ptxas
+        assert code not in remarks, remarks[-3000:]
+    assert res["cubins"]
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not found: PTX checked, SASS not")
+    sass = subprocess.run(
+        [nvdisasm, "-c", res["cubins"][0]], capture_output=True, text=True, check=True
+    ).stdout
+    # scores: 2 anchors per warpgroup x (hi.hi, hi.lo, lo.hi) x 8 k-steps, A from registers
+    hg32 = re.findall(r"HGMMA\.64x32x16\.F32(?:\.BF16)? R\d+, R\d+", sass)
+    assert len(hg32) == 48, len(hg32)
+    # w (warpgroup 0) and u (warpgroup 1): 4 k-steps each, k'/v' read MN-major
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
+    assert "UTMALDG" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory traffic (spills)"
+
+
+def test_launcher_validates():
+    from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
+
+    B, T, H, HV = 1, 8, 2, 2
+    bf = torch.bfloat16
+    q = torch.zeros(B, T, H, 128, dtype=bf)
+    v = torch.zeros(B, T, HV, 128, dtype=bf)
+    g = torch.zeros(B, T, HV, 128)
+    beta = torch.zeros(B, T, HV, dtype=bf)
+    outs = [torch.zeros(B, T, HV, 128, dtype=bf) for _ in range(4)]
+    A = torch.zeros(B, T, HV, 64, dtype=bf)
+    gc = torch.zeros(B, T, HV, 128)
+    with pytest.raises(ValueError, match="gate must be"):
+        chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, *outs, A, gc, gate="relu")
+    with pytest.raises(ValueError, match="lower_bound"):
+        chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, *outs, A, gc, gate="sigmoid")
+    with pytest.raises(ValueError, match="Aqk"):
+        chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, *outs, gc, gc, gate="none")
+    with pytest.raises(ValueError, match="multiple"):
+        v3 = torch.zeros(B, T, 3, 128, dtype=bf)
+        chunk_kda_intra_sm90(q, q, v3, g, beta, 1.0, *outs, A, gc, gate="none")
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        q2, v2, g2 = (x.expand(2, *x.shape[1:]).contiguous() for x in (q, v, g))
+        b2, A2, gc2 = (x.expand(2, *x.shape[1:]).contiguous() for x in (beta, A, gc))
+        o2 = [x.expand(2, *x.shape[1:]).contiguous() for x in outs]
+        chunk_kda_intra_sm90(q2, q2, v2, g2, b2, 1.0, *o2, A2, gc2, torch.tensor([0, 16], dtype=torch.int32),
+                             gate="none")  # fmt: skip
+
+
+def test_prepare_chunk_indices_matches_fla():
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+    from cula.testing import make_cu_seqlens
+
+    cu = make_cu_seqlens([0, 1, 63, 300, 64, 65])
+    ours = prepare_chunk_indices_i32(cu)
+    assert ours.dtype == torch.int32
+    assert torch.equal(ours.long(), prepare_chunk_indices(cu.long(), 64).cpu())
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------------
+
+# (B, T, H, HV, lens, gate, strength): few distinct (H, HV, varlen) combinations, since FLA autotunes its
+# Triton stages once per combination. "strong" puts the per-step log gate near lower_bound = -5 (about 40 nats
+# across a chunk half, the regime where exp2(+-g_cum) over a whole chunk over/underflows fp32).
+CASES = [
+    (2, 64, 2, 2, None, "none", "weak"),
+    (2, 63, 2, 2, None, "sigmoid", "strong"),
+    (1, 1000, 2, 4, None, "softplus", "weak"),
+    (1, 1000, 2, 4, None, "none", "strong"),
+    (1, 0, 2, 2, [0, 1, 63, 300, 64], "none", "weak"),
+    (1, 0, 2, 2, [0, 1, 63, 300, 64], "sigmoid", "strong"),
+    (1, 0, 2, 2, [0, 1, 63, 300, 64], "softplus", "strong"),
+]
+
+
+def _case_id(c):
+    B, T, H, HV, lens, gate, strength = c
+    shape = f"lens{'-'.join(map(str, lens))}" if lens else f"B{B}-T{T}"
+    return f"{shape}-H{H}-HV{HV}-{gate}-{strength}"
+
+
+def _setup(case, device="cuda"):
+    """Inputs as FLA's chunk_kda receives them (raw gate for the fused gate kinds)."""
+    B, T, H, HV, lens, gate, strength = case
+    cu = None
+    if lens is not None:
+        from cula.testing import make_cu_seqlens
+
+        cu = make_cu_seqlens(lens, device=device)
+        T = int(cu[-1])
+    torch.manual_seed(0)
+    K = 128
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(torch.bfloat16)
+    v = torch.randn(B, T, HV, K, device=device).to(torch.bfloat16)
+    beta = torch.sigmoid(torch.randn(B, T, HV, device=device)).to(torch.bfloat16)
+    A_log = dt_bias = lower_bound = None
+    strong = strength == "strong"
+    if gate == "none":  # log-space gate
+        if strong:
+            g = -5.0 * torch.sigmoid(torch.randn(B, T, HV, K, device=device) + 3.0)
+        else:
+            g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, device=device) + 3.0)
+    else:
+        A_log = (0.5 * torch.randn(HV, device=device)).float()
+        dt_bias = (0.5 * torch.randn(HV * K, device=device)).float()
+        if gate == "sigmoid":
+            lower_bound = -5.0
+            g = torch.randn(B, T, HV, K, device=device) + (4.0 if strong else -6.0)
+        else:  # softplus: -exp(A_log) softplus(x); x around 1.5 gives about -5 per step with exp(A_log) ~ 3
+            g = torch.randn(B, T, HV, K, device=device) + (1.5 if strong else -4.0)
+            if strong:
+                A_log = torch.full((HV,), 1.1, device=device)
+    return q, k, v, g, beta, cu, A_log, dt_bias, lower_bound
+
+
+def _fla_intra(q, k, v, g, beta, scale, cu, gate, A_log, dt_bias, lower_bound):
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_chunk_cumsum
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    cul = cu.long() if cu is not None else None
+    ci = prepare_chunk_indices(cul, 64) if cu is not None else None
+    if gate == "none":
+        g_cum = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2, cu_seqlens=cul, chunk_indices=ci)
+    else:
+        g_cum = kda_gate_chunk_cumsum(
+            g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=64, cu_seqlens=cul, chunk_indices=ci,
+            lower_bound=lower_bound,
+        )  # fmt: skip
+    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cul, chunk_size=64, chunk_indices=ci,
+        disable_recompute=True,
+    )  # fmt: skip
+    return g_cum, w, u, qg, kg, Aqk, ci
+
+
+def _lower_mask(T, cu, device):
+    """[T, 64] bool: column s of token t's Aqk row is in the causal lower triangle (s <= t within its chunk)."""
+    pos = torch.arange(T, device=device)
+    if cu is not None:
+        starts = cu[:-1].long().repeat_interleave((cu[1:] - cu[:-1]).long())
+        pos = pos - starts
+    tri = torch.tril(torch.ones(64, 64, dtype=torch.bool, device=device))
+    return tri[pos % 64]
+
+
+def _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lower_bound):
+    from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
+    from cula.testing import poison_
+
+    B, T, _H, K = q.shape
+    HV = v.shape[2]
+    w, u, qg, kg = (poison_(torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)) for _ in range(4))
+    Aqk = poison_(torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device))
+    g_cum = poison_(torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device))
+    chunk_kda_intra_sm90(
+        q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu, ci, gate=gate, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound,
+    )  # fmt: skip
+    return g_cum, w, u, qg, kg, Aqk
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_intra_vs_fla(case):
+    from cula.testing import assert_close
+
+    gate = case[5]
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
+    scale = 128**-0.5
+    ref = _fla_intra(q, k, v, g, beta, scale, cu, gate, A_log, dt_bias, lb)
+    g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref, ci = ref
+    out = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb)
+    torch.cuda.synchronize()
+    g_out, w_out, u_out, qg_out, kg_out, A_out = out
+    assert_close("g_cum", g_ref, g_out, 1e-5)
+    assert_close("qg", qg_ref, qg_out, RATIO)
+    assert_close("kg", kg_ref, kg_out, RATIO)
+    assert_close("w", w_ref, w_out, RATIO)
+    assert_close("u", u_ref, u_out, RATIO)
+    lower = _lower_mask(q.shape[1], cu, q.device)[None, :, None, :]
+    assert_close("Aqk (lower)", A_ref.masked_fill(~lower, 0), A_out.masked_fill(~lower, 0), RATIO)
+    assert torch.all(A_out.masked_select(~lower.expand_as(A_out)) == 0), "Aqk above the diagonal must be 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_intra_chunk_indices_computed_when_absent():
+    """cu_seqlens without chunk_indices (int64 cu_seqlens): the launcher derives them itself."""
+    case = (1, 0, 2, 2, [0, 1, 63, 300, 64], "none", "weak")
+    q, k, v, g, beta, cu, _A_log, _dt_bias, _lb = _setup(case)
+    a = _run_ours(q, k, v, g, beta, 0.1, cu, None, "none", None, None, None)
+    b = _run_ours(q, k, v, g, beta, 0.1, cu.long(), None, "none", None, None, None)
+    torch.cuda.synchronize()
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_end_to_end_with_delta_h_vs_fla_chunk_kda(case):
+    """Our intra stage feeding chunk_kda_delta_h_fwd_o_sm90, against FLA's whole chunk_kda."""
+    from fla.ops.kda import chunk_kda
+
+    from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+    from cula.testing import assert_close, poison_
+
+    gate = case[5]
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
+    scale = 128**-0.5
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    HV = v.shape[2]
+    h0 = 0.1 * torch.randn(N, HV, 128, 128, device="cuda")
+    ci = None
+    if cu is not None:
+        from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+        ci = prepare_chunk_indices_i32(cu)
+    g_cum, w, u, qg, kg, Aqk = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb)
+    o = poison_(torch.empty_like(v))
+    ht = poison_(torch.empty(N, HV, 128, 128, device="cuda"))
+    chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, h0, ht, cu, scale=scale)
+
+    kwargs = {}
+    if gate != "none":
+        kwargs = {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias, "lower_bound": lb}
+    o_ref, ht_ref = chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+        cu_seqlens=cu.long() if cu is not None else None, **kwargs,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert_close("o", o_ref, o, RATIO)
+    assert_close("final_state", ht_ref, ht, RATIO)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not os.environ.get("CULA_BENCH"), reason="CULA_BENCH=1 on a GPU")
+def test_benchmark_target_shape():
+    """Timing only (run with -s): B=2, T=16384, H=HV=64, our intra stage vs FLA's gate cumsum + intra."""
+    from triton.testing import do_bench
+
+    B, T, H = 2, 16384, 64
+    case = (B, T, H, H, None, "none", "weak")
+    q, k, v, g, beta, _cu, _A_log, _dt_bias, _lb = _setup(case)
+    scale = 128**-0.5
+    outs = _run_ours(q, k, v, g, beta, scale, None, None, "none", None, None, None)
+    g_cum, w, u, qg, kg, Aqk = outs
+
+    def ours():
+        from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
+
+        chunk_kda_intra_sm90(q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, gate="none")
+
+    ms = do_bench(ours, return_mode="median")
+    ms_fla = do_bench(lambda: _fla_intra(q, k, v, g, beta, scale, None, "none", None, None, None),
+                      return_mode="median")  # fmt: skip
+    nbytes = sum(t.numel() * t.element_size() for t in (q, k, v, g, beta, w, u, qg, kg, Aqk, g_cum))
+    print(
+        f"\ncula intra {ms * 1e3:.0f} us ({nbytes / ms / 1e9:.2f} TB/s); FLA cumsum + intra {ms_fla * 1e3:.0f} us"
+    )
