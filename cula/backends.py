@@ -135,8 +135,8 @@ class Registry:
         logger.info("%s -> %s%s", self.op, chosen, f" ({reasons})" if reasons else "")
 
 
-def cula_kernels_on(arch: tuple[int, int]) -> Callable[[torch.device], Verdict]:
-    """Availability of our CuTe DSL kernels: a CUDA tensor on ``arch`` and the DSL installed."""
+def cula_kernels_on(arch: tuple[int, int], needs: tuple[str, ...] = ()) -> Callable[[torch.device], Verdict]:
+    """Availability of our CuTe DSL kernels: a CUDA tensor on ``arch``, the DSL and ``needs`` installed."""
 
     def probe(device: torch.device) -> Verdict:
         from cula.arch import device_arch
@@ -147,7 +147,7 @@ def cula_kernels_on(arch: tuple[int, int]) -> Callable[[torch.device], Verdict]:
         found = device_arch(device)
         if found != arch:
             return False, f"kernels target sm_{arch[0]}{arch[1]}, device is sm_{found[0]}{found[1]}"
-        for package in ("cutlass", "tvm_ffi"):
+        for package in ("cutlass", "tvm_ffi", *needs):
             if not has_package(package):
                 return False, f"package {package!r} is not installed"
         return True, None

@@ -343,3 +343,31 @@ def test_kda_commit_accepted_prefix():
     ref = pool.clone()
     ck.kda_decode(q[:1, :2], k[:1, :2], v[:1, :2], g[:1, :2], beta[:1, :2], ref, idx[:1], A_log=A_log)
     assert_close("prefix", ref[5], new[5], 1e-6)
+
+
+def test_cula_kernel_verifiers_decline_what_the_kernels_do_not_take():
+    """On the GPU these decide between our kernels and FLA; the reasons end up in the `cula` log."""
+    from cula.kda.backends import _cula_chunk_supports
+    from cula.simple_gla.backends import _cula_chunk_supports as lightning_supports
+
+    def kda_args(**over):
+        x = kda_inputs(K=128, V=128, dtype=torch.bfloat16)
+        base = dict(x, initial_state=None, A_log=None, dt_bias=None, chunk_size=64)
+        return {**base, **over}
+
+    assert _cula_chunk_supports(**kda_args()) == (True, None)
+    x = kda_inputs(K=128, V=128, dtype=torch.bfloat16, requires_grad=True)
+    ok, why = _cula_chunk_supports(**dict(kda_args(), **x))
+    assert not ok and "training" in why
+    with torch.no_grad():
+        assert _cula_chunk_supports(**dict(kda_args(), **x))[0]
+    assert "dtype" in _cula_chunk_supports(**kda_args(q=kda_inputs()["q"]))[1]
+    assert "head sizes" in _cula_chunk_supports(**kda_args(v=torch.zeros(B, T, HV, 64)))[1]
+    assert "chunk_size" in _cula_chunk_supports(**kda_args(chunk_size=32))[1]
+    assert not _cula_chunk_supports(**kda_args(cp_context=object()))[0]
+
+    q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
+    base = dict(q=q, k=q, v=q, g=None, g_gamma=torch.zeros(2), initial_state=None)
+    assert lightning_supports(**base) == (True, None)
+    assert "data-dependent" in lightning_supports(**dict(base, g=torch.zeros(1, 4, 2)))[1]
+    assert "dtype" in lightning_supports(**dict(base, q=q.float(), k=q.float(), v=q.float()))[1]

@@ -1,7 +1,7 @@
 """Backends of the KDA entry points, tried in priority order (see ``cula.backends``).
 
 - ``cula-sm90``: our CuTe DSL state/output kernel on Hopper after FLA's Triton intra-chunk stage,
-  for inference (no autograd yet), bf16/fp16, K = V = 128, chunk 64.
+  for inference (no autograd yet), bf16, K = V = 128, chunk 64 (fp16 compiles but is not yet GPU-tested).
 - ``fla``: FLA 0.6.0's Triton kernels, for everything our kernels do not cover yet on CUDA.
 - ``reference``: float32 PyTorch (``cula.kda.naive``); the CPU path, differentiable.
 """
@@ -26,8 +26,8 @@ def _cula_chunk_supports(
 ) -> tuple:
     if needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return False, "training (autograd) runs on fla until cula's backward lands"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return False, f"q dtype {q.dtype} (kernel takes bf16/fp16)"
+    if q.dtype != torch.bfloat16:
+        return False, f"q dtype {q.dtype} (kernel path is validated for bf16)"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K=V=128)"
     if chunk_size != 64:
@@ -37,7 +37,8 @@ def _cula_chunk_supports(
     return True, None
 
 
-@chunk_kda_registry.register("cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)),
+# The intra-chunk stage still comes from FLA's Triton kernels, hence needs=("fla",).
+@chunk_kda_registry.register("cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0), needs=("fla",)),
                              supports=_cula_chunk_supports)
 def _chunk_kda_cula_sm90(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
