@@ -1,27 +1,28 @@
 """Lightning decode: FLA 0.6.0 ``fused_recurrent_simple_gla`` on gathered pool rows against \
 ``cula.lightning.lightning_decode``.
 
-Suite, T = 1, H = HV = 64 heads, D = K = V = 128, bf16 q/k/v, fp32 state pool of P = 2N rows, ``state_indices``
-= the first N entries of a seeded random permutation of the pool rows (int32), decay = FLA's Lightning schedule
-for layer 12 of 24 (``-cula.lightning.lightning_g_gamma(64, 12, 24)``), under ``torch.inference_mode()``:
+Suite, T = 1, H = HV = 64 heads, D = K = V = 128, bf16 q/k/v, fp32 state pool of P = 2N rows,
+``state_indices`` = the first N entries of a seeded random permutation of the pool rows (int32), decay = FLA's
+Lightning schedule for layer 12 of 24 (``-cula.lightning.lightning_g_gamma(64, 12, 24)``), under
+``torch.inference_mode()``:
 
 * ``decode-N{N}-vk``: pool ``[P, HV, V, K]`` (``state_v_first=True``, serving's layout), N in {1, 64, 256};
 * ``decode-N{N}-kv``: pool ``[P, HV, K, V]``, same N.
 
-cula call: ``lightning_decode(q, k, v, decay, pool, indices, state_v_first=..., check_indices=False)`` (a serving
-loop validates its slot indices once, not per step; the per-call check is a host sync).
+cula call: ``lightning_decode(q, k, v, decay, pool, indices, state_v_first=..., check_indices=False)`` (a
+serving loop validates its slot indices once, not per step; the per-call check is a host sync).
 
-FLA call (``fla_ms``): FLA 0.6.0 has no state-pool path for Simple GLA / Lightning (``ssm_state_indices`` exists
-only for the delta-rule kernels, whose math differs), so the fairest equivalent is a gather, the recurrent
-kernel and a scatter: ``h0 = pool.index_select(0, idx)``, ``o, ht = fused_recurrent_simple_gla(q, k, v,
-g_gamma=-decay, initial_state=h0, output_final_state=True, state_v_first=...)``, ``pool.index_copy_(0, idx,
-ht)``. The gather and scatter each move the touched rows once more, so ``fla_kernel_ms`` also times the FLA kernel
-alone on pre-gathered states (``speedup_vs_kernel`` = ``fla_kernel_ms / cula_ms``): the floor any pool-less
-kernel could reach is one read and one write, as cula's.
+FLA call (``fla_ms``): FLA 0.6.0 has no state-pool path for Simple GLA / Lightning (``ssm_state_indices``
+exists only for the delta-rule kernels, whose math differs), so the fairest equivalent is a gather, the
+recurrent kernel and a scatter: ``h0 = pool.index_select(0, idx)``, ``o, ht = fused_recurrent_simple_gla(q, k,
+v, g_gamma=-decay, initial_state=h0, output_final_state=True, state_v_first=...)``, ``pool.index_copy_(0, idx,
+ht)``. The gather and scatter each move the touched rows once more, so ``fla_kernel_ms`` also times the FLA
+kernel alone on pre-gathered states (``speedup_vs_kernel`` = ``fla_kernel_ms / cula_ms``): the floor any
+pool-less kernel could reach is one read and one write, as cula's.
 
 Correctness gate: each config first runs both on copies of the same pool and compares ``o`` and the touched
-pool rows by relative RMSE (``ok`` <= 5e-3, ``warn`` <= 5e-2, else ``FAIL`` and cula is not timed); a cula write
-to an untouched pool row is also a ``FAIL``.
+pool rows by relative RMSE (``ok`` <= 5e-3, ``warn`` <= 5e-2, else ``FAIL`` and cula is not timed); a cula
+write to an untouched pool row is also a ``FAIL``.
 
 ``bw_fraction`` (and ``fla_bw_fraction``) = state bytes read and written per call (``2 * 4 * N * HV * K * V``)
 / time / measured copy bandwidth; the target is >= 0.95 for N >= 64. ``floor_ms`` adds the activations (q, k,
@@ -152,8 +153,8 @@ def fla_call(fn: Callable, cfg: Config, s: dict, shared: dict,
 
     def call():
         h0 = pool.index_select(0, idx)
-        o, ht = fn(s["q"], s["k"], s["v"], g_gamma=shared["g_gamma"], initial_state=h0, output_final_state=True,
-                   state_v_first=cfg.state_v_first)
+        o, ht = fn(s["q"], s["k"], s["v"], g_gamma=shared["g_gamma"], initial_state=h0,
+                   output_final_state=True, state_v_first=cfg.state_v_first)
         pool.index_copy_(0, idx, ht)
         return o
 
@@ -171,8 +172,8 @@ def cula_call(fn: Callable, cfg: Config, s: dict, shared: dict,
               pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
     """Zero-argument cula ``lightning_decode`` call returning ``o``."""
     pool = s["pool"] if pool is None else pool
-    return lambda: fn(s["q"], s["k"], s["v"], shared["decay"], pool, s["indices"], state_v_first=cfg.state_v_first,
-                      check_indices=False)
+    return lambda: fn(s["q"], s["k"], s["v"], shared["decay"], pool, s["indices"],
+                      state_v_first=cfg.state_v_first, check_indices=False)
 
 
 def check(s: dict, fla_o: torch.Tensor, fla_pool: torch.Tensor, cula_o: torch.Tensor,
@@ -245,8 +246,8 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
                         record) if fla_ok else None
     fla_ms, cula_ms, kernel_ms = bc.median_ms(fla_t), bc.median_ms(cula_t), bc.median_ms(kernel_t)
     row.update({
-        "fla_ms": fla_ms, "fla_kernel_ms": kernel_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
-        "speedup_vs_kernel": bc.speedup(kernel_ms, cula_ms),
+        "fla_ms": fla_ms, "fla_kernel_ms": kernel_ms, "cula_ms": cula_ms,
+        "speedup": bc.speedup(fla_ms, cula_ms), "speedup_vs_kernel": bc.speedup(kernel_ms, cula_ms),
         "bw_fraction": bc.bw_fraction(sbytes, cula_ms, ceilings["copy_bw_tbps"]),
         "fla_bw_fraction": bc.bw_fraction(sbytes, fla_ms, ceilings["copy_bw_tbps"]),
         "floor_pct": bc.floor_pct(floor, cula_ms), "fla_floor_pct": bc.floor_pct(floor, fla_ms),
@@ -291,10 +292,12 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     print(f"[{NAME}] copy {ceilings['copy_bw_tbps']:.3f} TB/s, L2 {bc.l2_cache_bytes() / 2**20:.0f} MiB",
           file=sys.stderr, flush=True)
 
+    def run_one(cfg: Config) -> dict[str, Any]:
+        return run_config(cfg, fla_fused_recurrent_simple_gla, lightning_decode, args, ceilings)
+
     with torch.inference_mode():
-        run = run_suite(
-            cfgs, lambda cfg: run_config(cfg, fla_fused_recurrent_simple_gla, lightning_decode, args, ceilings),
-            args.max_seconds, t_start, progress=bc.PROGRESS_KEYS + ("backend", "bw_fraction"))
+        run = run_suite(cfgs, run_one, args.max_seconds, t_start,
+                        progress=bc.PROGRESS_KEYS + ("backend", "bw_fraction"))
     rows = run.rows
     host = {r["config"]: r["host_overhead_us"] for r in rows if r.get("host_overhead_us")}
     meta: dict[str, Any] = {
@@ -304,14 +307,17 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
         "decay": f"-lightning_g_gamma({HV}, {LAYER_IDX}, {NUM_LAYERS}) (FLA layer schedule)",
         "calls": {
             "cula": "lightning_decode(q, k, v, decay, pool, indices, state_v_first=..., check_indices=False)",
-            "fla": "h0 = pool.index_select(0, idx); o, ht = fused_recurrent_simple_gla(q, k, v, g_gamma=-decay, "
-                   "initial_state=h0, output_final_state=True, state_v_first=...); pool.index_copy_(0, idx, ht)",
-            "fla_kernel": "fused_recurrent_simple_gla on states gathered once before timing (no gather/scatter)",
+            "fla": "h0 = pool.index_select(0, idx); o, ht = fused_recurrent_simple_gla(q, k, v, "
+                   "g_gamma=-decay, initial_state=h0, output_final_state=True, state_v_first=...); "
+                   "pool.index_copy_(0, idx, ht)",
+            "fla_kernel": "fused_recurrent_simple_gla on states gathered once before timing "
+                          "(no gather/scatter)",
         },
         "fla_path": "FLA 0.6.0 has no state-pool (ssm_state_indices) path for Simple GLA / Lightning",
-        "cula_check_indices": "False: the index range check (a host sync) is the caller's, as in a serving loop",
+        "cula_check_indices": "False: the index range check (a host sync) is the caller's, as in serving",
         "bw_fraction": "state bytes read + written per call (2 * 4 * N * HV * K * V) / time / copy bandwidth",
-        **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL, rotate="rotate input sets (own pool each) to > 2x L2"),
+        **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL,
+                      rotate="rotate input sets (own pool each) to > 2x L2"),
         "host_overhead_us": host,
         **bc.budget_meta(run, args.max_seconds, t_start),
     }

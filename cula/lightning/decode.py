@@ -1,0 +1,154 @@
+"""``cula.lightning.lightning_decode``: Lightning attention decode steps against a pool of fp32 states."""
+
+from __future__ import annotations
+
+import torch
+
+from cula._validate import check_qkv, check_scale, check_tensor
+from cula.backends import Registry, always, cula_kernels_on
+
+lightning_decode_registry = Registry("lightning.lightning_decode")
+
+MAX_TOKENS = 8  # per sequence and call: one decode token or a speculative (MTP) verify window
+
+
+def lightning_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    state_v_first: bool = True,
+    out: torch.Tensor | None = None,
+    check_indices: bool = True,
+) -> torch.Tensor:
+    r"""Run T (1..8) Lightning attention tokens for each of N sequences against their states in a pool.
+
+    Per value head ``hv``: ``S <- exp(-decay[hv]) * S + k_t v_t^T``, ``o_t = scale * S^T q_t`` (Simple GLA
+    with ``g_gamma = -decay``, as :func:`cula.lightning.lightning_attn_fwd`). The pool is updated in place:
+    the state of sequence ``n`` lives in ``state_pool[state_indices[n]]``; a negative index marks a padded
+    slot, which is skipped (its pool row is untouched and its output rows are zero).
+
+    Args:
+        q, k: ``[N, T, H, D]`` bf16/fp16 (fp32 runs on the reference backend).
+        v: ``[N, T, HV, D]``, q's dtype; ``HV % H == 0`` (GVA: value head ``hv`` reads q/k head
+            ``hv // (HV // H)``).
+        decay: fp32 ``[HV]``, the per-head decay rate (``>= 0``; not checked, it would need a host sync).
+        state_pool: fp32 ``[P, HV, V, K]`` (``state_v_first=True``, the default here) or ``[P, HV, K, V]``.
+        state_indices: int32 ``[N]`` pool rows; checked to be ``< P`` unless ``check_indices=False``
+            (the check reads the indices on the host; serving loops that guarantee them can skip it).
+        scale: multiplies ``S^T q``; defaults to ``K ** -0.5``.
+        out: optional ``[N, T, HV, V]`` output buffer in q's dtype.
+
+    Returns:
+        ``o`` ``[N, T, HV, V]`` in q's dtype.
+
+    Backends: ``cula-sm90`` (SM90, bf16/fp16, ``K = V`` in {64, 128}) and ``reference`` (float32 PyTorch,
+    any device).
+    """
+    N, T, _H, K, HV, V = check_qkv(q, k, v)
+    if not 1 <= T <= MAX_TOKENS:
+        raise ValueError(f"lightning_decode takes 1..{MAX_TOKENS} tokens per sequence, got T={T}")
+    dev = q.device
+    check_tensor("decay", decay, shape=(HV,), dtypes=(torch.float32,), device=dev)
+    state_shape = (HV, V, K) if state_v_first else (HV, K, V)
+    check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=dev)
+    if tuple(state_pool.shape[1:]) != state_shape:
+        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
+        raise ValueError(f"`state_pool` must have shape {layout} = [P, {', '.join(map(str, state_shape))}], "
+                         f"got {list(state_pool.shape)}")
+    check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=dev)
+    if check_indices and N and not (state_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+        top = int(state_indices.max())
+        if top >= state_pool.shape[0]:
+            raise ValueError(
+                f"`state_indices` has {top}, out of range for a pool of {state_pool.shape[0]} rows"
+            )
+    if out is None:
+        out = torch.empty_like(v)
+    else:
+        check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=dev)
+    args = {
+        "q": q, "k": k, "v": v, "decay": decay, "state_pool": state_pool, "state_indices": state_indices,
+        "scale": check_scale(scale, K), "state_v_first": bool(state_v_first), "out": out,
+    }
+    lightning_decode_registry.dispatch(dev, args)
+    return out
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """Strides exactly row-major, size-1 dims included.
+
+    ``is_contiguous()`` ignores the strides of size-1 dims (e.g. ``q[:, t:t+1]`` of a longer window); the
+    kernel's compact fake tensors, which TVM-FFI checks the arguments against, do not.
+    """
+    expect = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is exactly row-major and 16-byte aligned, else such a copy (decode inputs are a
+    few KB per sequence; a copy costs far less than leaving the kernel)."""
+    if _row_major(t) and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _cula_supports(q, v, state_pool, state_v_first, **_) -> tuple:
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"q dtype {q.dtype} (kernel takes bf16/fp16)"
+    K, V = q.shape[-1], v.shape[-1]
+    if (K, V) not in ((64, 64), (128, 128)):
+        return False, f"head sizes K={K} V={V} (kernel takes K = V in {{64, 128}})"
+    inner = (V, K) if state_v_first else (K, V)
+    if state_pool.stride()[1:] != (K * V, inner[1], 1) and state_pool.shape[1] > 1:
+        return False, f"state_pool dims 1.. are not contiguous (strides {state_pool.stride()})"
+    if state_pool.stride(-1) != 1 or state_pool.stride(-2) != inner[1]:
+        return False, f"state_pool rows are not contiguous (strides {state_pool.stride()})"
+    if state_pool.stride(0) % 4 or state_pool.data_ptr() % 16:
+        return False, "state_pool rows are not 16-byte aligned (dim-0 stride or base pointer)"
+    return True, None
+
+
+@lightning_decode_registry.register(
+    "cula-sm90", 10, available=cula_kernels_on((9, 0)), supports=_cula_supports
+)
+def _decode_cula_sm90(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
+    from cula.ops.lightning.sm90.decode import lightning_decode_sm90
+
+    P, HV, D0, D1 = state_pool.shape
+    if HV == 1 and state_pool.stride(1) != D0 * D1:
+        # a size-1 head dim may carry any stride; give the kernel the canonical one (same memory)
+        state_pool = state_pool.as_strided((P, HV, D0, D1), (state_pool.stride(0), D0 * D1, D1, 1))
+    # the kernel writes a row-major, 16-byte aligned output; anything else goes through a temporary
+    o = out
+    if not _row_major(out) or out.data_ptr() % 16:
+        o = torch.empty_like(out, memory_format=torch.contiguous_format)
+    lightning_decode_sm90(
+        _dense(q), _dense(k), _dense(v), _dense(decay), state_pool, _dense(state_indices), o, scale=scale,
+        state_v_first=state_v_first,
+    )
+    if o is not out:
+        out.copy_(o)
+
+
+@lightning_decode_registry.register("reference", 90, available=always)
+def _decode_reference(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
+    from cula.simple_gla.naive import reference_chunk_simple_gla
+
+    live = state_indices >= 0
+    rows = state_indices.long().clamp(min=0)
+    with torch.no_grad():
+        o, states = reference_chunk_simple_gla(
+            q, k, v, g_gamma=-decay, scale=scale, initial_state=state_pool[rows], output_final_state=True,
+            state_v_first=state_v_first, form="recurrent",
+        )
+        out.copy_(torch.where(live[:, None, None, None], o, torch.zeros_like(o)))
+        state_pool[rows[live]] = states[live]

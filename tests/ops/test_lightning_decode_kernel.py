@@ -1,0 +1,451 @@
+"""Lightning decode kernel on SM90 (``cula/ops/lightning/sm90/decode.py``): state pool, T tokens per sequence.
+
+CPU: every variant (state layout x head size, plus io dtype and cache-hint extras) traces and compiles for
+sm_90a in one subprocess with ptxas remarks on; ptxas reports no spills and at most 128 registers (the kernel
+asks for 16 warps per SM), and the registers of each variant are printed. The lane maps of every
+configuration cover each state element exactly once. GPU (``-m gpu`` on an H100/H200): outputs and states
+against a float64 recurrence (relative RMSE < 5e-3), NaN-poisoned outputs, padded slots and unreferenced pool
+rows untouched bit for bit, GVA, both layouts, D = 64 and 128, decay 0 and 5, the persistent grid walking
+many units per warp, 2,000 consecutive steps, and a speed report (time and TB/s for N = 1, 64, 256).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cula.testing import assert_close
+
+HAS_CUDA = torch.cuda.is_available()
+RATIO = 5e-3
+REG_CAP = 128  # 65536 registers / (16 warps x 32 threads)
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: compile every variant once, in a subprocess (ptxas remarks need the env var before cutlass import)
+# ----------------------------------------------------------------------------------------------------
+
+_BASE = {
+    "io_dtype": "bfloat16",
+    "K": 128,
+    "state_v_first": True,
+    "load_hint": "no_allocate",
+    "store_hint": "default",
+}
+
+
+def _variant(**kw):
+    v = dict(_BASE)
+    v.update(kw)
+    return v
+
+
+_VARIANTS = [_variant(state_v_first=vf, K=K) for vf in (True, False) for K in (128, 64)] + [
+    _variant(io_dtype="float16"),
+    _variant(io_dtype="float16", state_v_first=False, K=64),
+    _variant(load_hint="default", store_hint="default"),
+    _variant(load_hint="streaming", store_hint="streaming"),
+    _variant(load_hint="no_allocate", store_hint="no_allocate"),
+    _variant(state_v_first=False, load_hint="default", store_hint="streaming"),
+]
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    from cula.ops.lightning.sm90.decode import lightning_decode_variant
+    for i, v in enumerate(json.loads(sys.argv[1])):
+        v = dict(v)
+        v["io_dtype"] = getattr(torch, v["io_dtype"])
+        v["V"] = v["K"]
+        t0 = time.time()
+        fn = lightning_decode_variant(**v)
+        again = lightning_decode_variant(**v)
+        sys.stdout.flush()
+        print(f"@@done {i} {time.time() - t0:.2f} cached={fn is again}", flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled_variants():
+    """{variant index: (registers, spill store bytes, compile seconds, cached)} from one compile run."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(_VARIANTS)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    # ptxas remarks go to stderr, markers to stdout: pair them up by order
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr)]
+    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    done = re.findall(r"@@done (\d+) ([\d.]+) cached=(\w+)", proc.stdout)
+    assert len(done) == len(_VARIANTS), text[-4000:]
+    assert len(regs) == len(spills) == len(_VARIANTS), text[-4000:]
+    return {
+        int(i): (regs[j], spills[j], float(sec), cached == "True") for j, (i, sec, cached) in enumerate(done)
+    }
+
+
+def _vid(v):
+    return "-".join(
+        [v["io_dtype"], f"K{v['K']}", "vk" if v["state_v_first"] else "kv", f"ld_{v['load_hint']}",
+         f"st_{v['store_hint']}"]
+    )
+
+
+@pytest.mark.parametrize("i", range(len(_VARIANTS)), ids=[_vid(v) for v in _VARIANTS])
+def test_variant_compiles_without_spills(compiled_variants, i):
+    regs, spill, _sec, cached = compiled_variants[i]
+    assert spill == 0, f"{_vid(_VARIANTS[i])}: {spill} bytes spilled ({regs} registers)"
+    assert regs <= REG_CAP, f"{_vid(_VARIANTS[i])}: {regs} registers would cost occupancy"
+    assert cached, "the second lookup of the same variant must hit cula.cache"
+
+
+def test_register_report(compiled_variants, capsys):
+    """Prints registers, spills and compile time of every variant (run with -s to see it)."""
+    lines = [
+        f"{_vid(v):55s} {compiled_variants[i][0]:4d} registers  {compiled_variants[i][1]:3d} B spilled  "
+        f"{compiled_variants[i][2]:5.2f} s"
+        for i, v in enumerate(_VARIANTS)
+    ]
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+def test_config_rejects_unsupported():
+    from cutlass import BFloat16
+
+    from cula.ops.lightning.sm90.decode import LightningDecodeSm90
+
+    kw = {"io_dtype": BFloat16, "state_v_first": True}
+    with pytest.raises(ValueError, match="K must be"):
+        LightningDecodeSm90(K=96, V=128, **kw)
+    with pytest.raises(ValueError, match="V must be a multiple of 64"):
+        LightningDecodeSm90(K=128, V=96, **kw)
+    with pytest.raises(ValueError, match="load_hint"):
+        LightningDecodeSm90(K=128, V=128, load_hint="nc", **kw)
+    with pytest.raises(ValueError, match="store_hint"):
+        LightningDecodeSm90(K=128, V=128, store_hint="evict", **kw)
+    with pytest.raises(ValueError, match="warps_per_sm"):
+        LightningDecodeSm90(K=128, V=128, warps_per_sm=10, **kw)
+
+
+def _lane_elements(cfg, sub, warp, lane):
+    """(row, inner) pool-tile coordinates of one lane's 64 state registers, as the kernel computes them."""
+    l_in, l_out = lane % cfg.lanes_in, lane // cfg.lanes_in
+    if cfg.state_v_first:
+        row0 = sub * cfg.rows_per_unit + l_out * cfg.R
+        inner0 = l_in * cfg.VEC
+    else:
+        row0 = (warp if cfg.warps_per_unit > 1 else 0) * cfg.lanes_out * cfg.R + l_out * cfg.R
+        inner0 = sub * cfg.slice_v + l_in * cfg.VEC
+    return [
+        (row0 + r, inner0 + c + j * cfg.chunk_stride)
+        for r in range(cfg.R)
+        for j in range(cfg.C)
+        for c in range(cfg.VEC)
+    ]
+
+
+@pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
+@pytest.mark.parametrize("K", [128, 64])
+def test_lane_maps_partition_the_tile(state_v_first, K):
+    """Each tile element belongs to one lane, loads cover whole lines, o reduces over the right lanes."""
+    from cutlass import BFloat16
+
+    from cula.ops.lightning.sm90.decode import LightningDecodeSm90
+
+    V = K
+    cfg = LightningDecodeSm90(io_dtype=BFloat16, K=K, V=V, state_v_first=state_v_first)
+    rows, inner = (V, K) if state_v_first else (K, V)
+    seen = torch.zeros(rows, inner, dtype=torch.int32)
+    for sub in range(cfg.units_per_head):
+        for warp in range(cfg.warps_per_unit):
+            for lane in range(32):
+                elems = _lane_elements(cfg, sub, warp, lane)
+                assert len(elems) == cfg.STATE_REGS
+                for r, i in elems:
+                    seen[r, i] += 1
+                # each 4-vector is 16-byte aligned in the tile
+                assert all(i % cfg.VEC == 0 for _, i in elems[:: cfg.VEC])
+    assert torch.equal(seen, torch.ones_like(seen))
+    # coalescing: one load instruction (fixed r, j) of a warp covers whole 128-byte segments of rows
+    for warp in range(cfg.warps_per_unit):
+        for r, j in itertools.product(range(cfg.R), range(cfg.C)):
+            touched = {}
+            for lane in range(32):
+                row, i = _lane_elements(cfg, 0, warp, lane)[(r * cfg.C + j) * cfg.VEC]
+                touched.setdefault(row, set()).add(i)
+            for cols in touched.values():
+                assert len(cols) * cfg.VEC * 4 >= 128 and min(cols) % 32 == 0
+    # o: v-first reduces over the L_in lanes of a row group (xor of the low lane bits), [K, V] over the
+    # L_out groups (xor of the high bits): lanes sharing an output column must differ only in those bits
+    reduce_mask = (cfg.lanes_in - 1) if state_v_first else (31 & ~(cfg.lanes_in - 1))
+    for lane in range(32):
+        for other in range(32):
+            a = _lane_elements(cfg, 0, 0, lane)
+            b = _lane_elements(cfg, 0, 0, other)
+            out_a = {x[0] for x in a} if state_v_first else {x[1] for x in a}
+            out_b = {x[0] for x in b} if state_v_first else {x[1] for x in b}
+            same_group = (lane & ~reduce_mask) == (other & ~reduce_mask)
+            assert (out_a == out_b) == same_group
+
+
+def test_grid_is_persistent():
+    from cutlass import BFloat16
+
+    from cula.ops.lightning.sm90.decode import LightningDecodeSm90
+
+    vk = LightningDecodeSm90(io_dtype=BFloat16, K=128, V=128, state_v_first=True)
+    kv = LightningDecodeSm90(io_dtype=BFloat16, K=128, V=128, state_v_first=False)
+    # N=1, HV=64: 512 warp units in 128 CTAs ([V, K]); 128 CTA units of 4 warps ([K, V])
+    assert vk.units(1, 64) == 512 and vk.ctas_needed(1, 64) == 128
+    assert kv.units(1, 64) == 128 and kv.ctas_needed(1, 64) == 128
+    assert vk.min_blocks_per_sm == kv.min_blocks_per_sm == 4
+    assert vk.ctas_needed(3, 5) == (3 * 5 * 8 + 3) // 4
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------------
+
+
+def _requires_sm90():
+    if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU (H100/H200)")
+
+
+def _reference(q, k, v, decay, S0, scale):
+    """float64 recurrence. S0 ``[N, HV, K, V]``; returns o ``[N, T, HV, V]`` and the final state."""
+    G = v.shape[2] // q.shape[2]
+    q, k = (x.double().repeat_interleave(G, dim=2) for x in (q, k))
+    v = v.double()
+    a = torch.exp(-decay.double())[None, :, None, None]
+    S = S0.double().clone()
+    o = torch.empty(v.shape, dtype=torch.float64, device=v.device)
+    for t in range(q.shape[1]):
+        S = a * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        o[:, t] = scale * torch.einsum("nhk,nhkv->nhv", q[:, t], S)
+    return o, S
+
+
+def _decays(kind, HV, gen):
+    if kind == "zero":
+        return torch.zeros(HV, device="cuda")
+    if kind == "five":
+        return torch.full((HV,), 5.0, device="cuda")
+    return torch.rand(HV, device="cuda", generator=gen) * 2.0  # "mixed": a different rate per head
+
+
+def _run_case(
+    N,
+    T,
+    H,
+    HV,
+    D,
+    *,
+    state_v_first=True,
+    decay="mixed",
+    dtype=torch.bfloat16,
+    pad=True,
+    pool_slice=False,
+    all_padded=False,
+    scale=None,
+    **hints,
+):
+    from cula.ops.lightning.sm90.decode import lightning_decode_sm90
+
+    _requires_sm90()
+    gen = torch.Generator(device="cuda").manual_seed(N * 1000 + T * 100 + HV)
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    q = rnd(N, T, H, D).to(dtype)
+    k = (rnd(N, T, H, D) * D**-0.5).to(dtype)  # |k| ~ 1 keeps the state's scale steady over T
+    v = rnd(N, T, HV, D).to(dtype)
+    dec = _decays(decay, HV, gen)
+    P = N + 5
+    if pool_slice:  # pool rows interleaved with another buffer: dim-0 stride 2 * HV * D * D
+        big = rnd(P, 2, HV, D, D)
+        pool = big[:, 0]
+        other_before = big[:, 1].clone()
+    else:
+        pool = rnd(P, HV, D, D)
+    perm = torch.randperm(P, device="cuda", generator=gen)[:N].to(torch.int32)
+    if pad and N > 1:
+        perm[1::3] = -1  # padded slots
+    if all_padded:
+        perm[:] = -7
+    indices = perm.contiguous()
+    pool_before = pool.clone()
+    out = torch.full((N, T, HV, D), float("nan"), device="cuda", dtype=dtype)
+    scale = D**-0.5 if scale is None else scale
+
+    lightning_decode_sm90(q, k, v, dec, pool, indices, out, scale=scale, state_v_first=state_v_first, **hints)
+    torch.cuda.synchronize()
+
+    active = indices >= 0
+    rows = indices[active].long()
+    untouched = torch.ones(P, dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    if active.any():
+        S0 = pool_before[rows]
+        if state_v_first:
+            S0 = S0.transpose(-1, -2)
+        ref_o, ref_S = _reference(q[active], k[active], v[active], dec, S0, scale)
+        if state_v_first:
+            ref_S = ref_S.transpose(-1, -2)
+        assert_close("o", ref_o, out[active], RATIO)
+        assert_close("final state", ref_S, pool[rows], RATIO)
+    if (~active).any():
+        assert torch.equal(out[~active], torch.zeros_like(out[~active])), "padded output rows must be zero"
+    assert torch.equal(pool[untouched], pool_before[untouched]), "padded or unreferenced pool rows changed"
+    if pool_slice:
+        assert torch.equal(big[:, 1], other_before), "the rows between pool rows changed"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("decay", ["zero", "five"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_matches_reference(state_v_first, D, decay, T):
+    _run_case(13, T, 2, 4, D, state_v_first=state_v_first, decay=decay)
+
+
+_CASES = [
+    {"N": 1, "T": 1, "H": 64, "HV": 64, "D": 128},  # serving N=1: 64 heads, no padding
+    {"N": 1, "T": 1, "H": 64, "HV": 64, "D": 128, "state_v_first": False},
+    {"N": 7, "T": 8, "H": 2, "HV": 16, "D": 128},  # GVA 8, full MTP verify window
+    {"N": 7, "T": 8, "H": 2, "HV": 16, "D": 64, "state_v_first": False},
+    {"N": 9, "T": 2, "H": 1, "HV": 6, "D": 128, "pool_slice": True},  # GVA 6 (not a power of two)
+    {"N": 9, "T": 2, "H": 1, "HV": 6, "D": 128, "pool_slice": True, "state_v_first": False},
+    {"N": 5, "T": 1, "H": 1, "HV": 1, "D": 64},  # a single head
+    {"N": 5, "T": 1, "H": 1, "HV": 1, "D": 128, "state_v_first": False},
+    {"N": 4, "T": 12, "H": 2, "HV": 2, "D": 128},  # more tokens than the API allows: nothing breaks
+    {"N": 6, "T": 2, "H": 2, "HV": 4, "D": 128, "dtype": torch.float16},
+    {"N": 6, "T": 2, "H": 2, "HV": 4, "D": 64, "dtype": torch.float16, "state_v_first": False},
+    {"N": 6, "T": 1, "H": 2, "HV": 4, "D": 128, "all_padded": True},
+    {"N": 6, "T": 1, "H": 2, "HV": 4, "D": 128, "all_padded": True, "state_v_first": False},
+    {"N": 6, "T": 2, "H": 2, "HV": 4, "D": 128, "scale": 1.0},
+    # the persistent grid: far more units than resident warps (132 SMs x 16), padded slots among them
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 128},
+    {"N": 700, "T": 2, "H": 4, "HV": 16, "D": 128, "state_v_first": False},
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64},
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64, "state_v_first": False},
+    # cache hints change no result
+    {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "default", "store_hint": "streaming"},
+    {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "streaming", "store_hint": "no_allocate",
+     "state_v_first": False},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_decode_cases(case):
+    case = dict(case)
+    _run_case(case.pop("N"), case.pop("T"), case.pop("H"), case.pop("HV"), case.pop("D"), **case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
+def test_long_decode_tracks_float64(state_v_first):
+    """2,000 consecutive T=1 steps (H=HV=2) stay within 5e-3 of the float64 recurrence."""
+    from cula.ops.lightning.sm90.decode import lightning_decode_sm90
+
+    _requires_sm90()
+    steps, H, HV, D = 2000, 2, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(steps, 1, H, D, device="cuda", generator=gen).to(torch.bfloat16)
+    k = (torch.randn(steps, 1, H, D, device="cuda", generator=gen) * D**-0.5).to(torch.bfloat16)
+    v = torch.randn(steps, 1, HV, D, device="cuda", generator=gen).to(torch.bfloat16)
+    # slow decays (memories of ~100 and ~1000 steps) so rounding errors could pile up
+    dec = torch.tensor([1e-2, 1e-3], device="cuda")
+    pool = torch.zeros(3, HV, D, D, device="cuda")
+    indices = torch.tensor([1], dtype=torch.int32, device="cuda")
+    outs = torch.full((steps, 1, HV, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for i in range(steps):
+        lightning_decode_sm90(q[i : i + 1], k[i : i + 1], v[i : i + 1], dec, pool, indices, outs[i : i + 1],
+                              scale=D**-0.5, state_v_first=state_v_first)
+    torch.cuda.synchronize()
+    seq = lambda x: x.transpose(0, 1)  # the whole run as one sequence of 2,000 tokens
+    ref_o, ref_S = _reference(seq(q), seq(k), seq(v), dec,
+                              torch.zeros(1, HV, D, D, device="cuda", dtype=torch.float64), D**-0.5)
+    final = pool[1].transpose(-1, -2) if state_v_first else pool[1]
+    assert_close("outputs over 2k steps", seq(ref_o)[:, 0], outs[:, 0], RATIO)
+    assert_close("state after 2k steps", ref_S[0], final, RATIO)
+    for i in range(0, steps, 500):  # and no stretch of the run drifts
+        assert_close(f"outputs {i}..{i + 499}", seq(ref_o)[i : i + 500, 0], outs[i : i + 500, 0], RATIO)
+    assert torch.equal(pool[0], torch.zeros_like(pool[0])) and torch.equal(pool[2], torch.zeros_like(pool[2]))
+
+
+@pytest.mark.gpu
+def test_decode_speed_report(capsys):
+    """Prints kernel time and state bandwidth (not a pass/fail speed gate): N = 1, 64, 256 with H = HV = 64,
+    D = 128, both layouts, then a cache-hint sweep at N = 64. L2 is flushed before every timed call."""
+    import functools
+    import time
+
+    from triton.testing import do_bench
+
+    from cula.ops.lightning.sm90.decode import LOAD_HINTS, STORE_HINTS, lightning_decode_sm90
+
+    _requires_sm90()
+
+    def copy_bandwidth(nbytes=1 << 30):
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+        dst = torch.empty_like(src)
+        ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=100, return_mode="median")
+        return 2 * nbytes / (ms * 1e-3) / 1e12
+
+    copy_tbps = copy_bandwidth()
+    lines = [f"device-to-device copy: {copy_tbps:.3f} TB/s"]
+
+    def measure(N, state_v_first, T=1, **hints):
+        H = HV = 64
+        D = 128
+        q = torch.randn(N, T, H, D, device="cuda", dtype=torch.bfloat16)
+        k = (torch.randn(N, T, H, D, device="cuda") * D**-0.5).to(torch.bfloat16)
+        v = torch.randn(N, T, HV, D, device="cuda", dtype=torch.bfloat16)
+        dec = torch.rand(HV, device="cuda")
+        pool = torch.randn(2 * N, HV, D, D, device="cuda") * 0.1
+        indices = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+        out = torch.empty(N, T, HV, D, device="cuda", dtype=torch.bfloat16)
+        call = functools.partial(lightning_decode_sm90, q, k, v, dec, pool, indices, out, scale=D**-0.5,
+                                 state_v_first=state_v_first, **hints)
+        call()
+        torch.cuda.synchronize()
+        us = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
+        state_bytes = 2 * N * HV * D * D * 4
+        t0 = time.perf_counter()
+        for _ in range(200):
+            call()
+        host_us = (time.perf_counter() - t0) / 200 * 1e6
+        torch.cuda.synchronize()
+        tbps = state_bytes / us / 1e6
+        tag = " ".join(f"{k}={v}" for k, v in hints.items())
+        return (f"{'vk' if state_v_first else 'kv'} N={N:4d} T={T} {tag:40s}: {us:8.2f} us  {tbps:6.3f} TB/s "
+                f"state ({100 * tbps / copy_tbps:5.1f}% of copy)  host {host_us:5.1f} us/call")
+
+    for state_v_first in (True, False):
+        for N in (1, 64, 256):
+            lines.append(measure(N, state_v_first))
+        lines.append(measure(64, state_v_first, T=4))
+    for state_v_first in (True, False):
+        for load_hint, store_hint in itertools.product(LOAD_HINTS, STORE_HINTS):
+            lines.append(measure(64, state_v_first, load_hint=load_hint, store_hint=store_hint))
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
