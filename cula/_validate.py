@@ -38,9 +38,13 @@ def resolve_state_layout(fn: str, state_v_first: bool, extra: dict[str, Any]) ->
         return bool(state_v_first)
     legacy = extra.pop("transpose_state_layout")
     if state_v_first:
-        raise ValueError(f"{fn}: pass either `state_v_first` or the deprecated `transpose_state_layout`, not both")
+        raise ValueError(
+            f"{fn}: pass either `state_v_first` or the deprecated `transpose_state_layout`, not both"
+        )
     warnings.warn(
-        "`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning, stacklevel=3
+        "`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+        DeprecationWarning,
+        stacklevel=3,
     )
     return bool(legacy)
 
@@ -63,8 +67,11 @@ def check_tensor(
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
     size = t.shape
     if shape is not None:
-        wrong = size != shape if None not in shape else (
-            len(size) != len(shape) or any(e is not None and e != s for e, s in zip(shape, size)))
+        wrong = (
+            size != shape
+            if None not in shape
+            else (len(size) != len(shape) or any(e is not None and e != s for e, s in zip(shape, size)))
+        )
         if wrong:
             if len(size) != len(shape):
                 raise ValueError(f"`{name}` must have {len(shape)} dimensions, got shape {list(size)}")
@@ -171,3 +178,69 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
     if HV % H != 0:
         raise ValueError(f"GVA needs the value heads HV={HV} to be a multiple of the q/k heads H={H}")
     return B, T, H, K, HV, V
+
+
+def check_state_pool(
+    state_pool: Any,
+    state_indices: Any,
+    *,
+    n: int,
+    heads: int,
+    k: int,
+    v: int,
+    state_v_first: bool,
+    device: torch.device,
+    check_indices: bool,
+) -> None:
+    """A serving state pool: fp32 ``[P, HV, V, K]`` (``state_v_first``) or ``[P, HV, K, V]``, and int32
+    ``[N]`` row indices (negative: padded slot). ``check_indices`` verifies ``indices < P`` on the host."""
+    state_shape = (heads, v, k) if state_v_first else (heads, k, v)
+    check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=device)
+    if tuple(state_pool.shape[1:]) != state_shape:
+        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
+        raise ValueError(
+            f"`state_pool` must have shape {layout} = [P, {', '.join(map(str, state_shape))}], "
+            f"got {list(state_pool.shape)}"
+        )
+    check_tensor("state_indices", state_indices, shape=(n,), dtypes=(torch.int32,), device=device)
+    if check_indices and n and not (state_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+        top = int(state_indices.max())
+        if top >= state_pool.shape[0]:
+            raise ValueError(
+                f"`state_indices` has {top}, out of range for a pool of {state_pool.shape[0]} rows"
+            )
+
+
+def is_row_major(t: torch.Tensor) -> bool:
+    """Strides exactly row-major, size-1 dims included.
+
+    ``is_contiguous()`` ignores the strides of size-1 dims (e.g. ``q[:, t:t+1]`` of a longer window); the
+    kernels' compact fake tensors, which TVM-FFI checks the arguments against, do not.
+    """
+    expect = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is exactly row-major and 16-byte aligned, else such a copy."""
+    if is_row_major(t) and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def pool_layout_verdict(
+    state_pool: torch.Tensor, k: int, v: int, state_v_first: bool
+) -> tuple[bool, str | None]:
+    """Whether a decode kernel can address the pool in place: rows contiguous, each 16-byte aligned."""
+    inner = (v, k) if state_v_first else (k, v)
+    if state_pool.stride()[1:] != (k * v, inner[1], 1) and state_pool.shape[1] > 1:
+        return False, f"state_pool dims 1.. are not contiguous (strides {state_pool.stride()})"
+    if state_pool.stride(-1) != 1 or state_pool.stride(-2) != inner[1]:
+        return False, f"state_pool rows are not contiguous (strides {state_pool.stride()})"
+    if state_pool.stride(0) % 4 or state_pool.data_ptr() % 16:
+        return False, "state_pool rows are not 16-byte aligned (dim-0 stride or base pointer)"
+    return True, None

@@ -24,19 +24,47 @@ def _chunk_fla(**args):
     return chunk_gated_delta_rule(**args)
 
 
-@chunk_gdn_registry.register("reference", REFERENCE_PRIORITY, available=always, supports=_reference_chunk_supports)
+@chunk_gdn_registry.register(
+    "reference", REFERENCE_PRIORITY, available=always, supports=_reference_chunk_supports
+)
 def _chunk_reference(
-    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-    use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, use_gate_in_kernel, A_log,
-    dt_bias, **_unused_by_reference,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm_in_kernel,
+    use_beta_sigmoid_in_kernel,
+    allow_neg_eigval,
+    state_v_first,
+    cu_seqlens,
+    use_gate_in_kernel,
+    A_log,
+    dt_bias,
+    **_unused_by_reference,
 ):
     from cula.gated_delta_rule.naive import reference_chunk_gated_delta_rule
 
     return reference_chunk_gated_delta_rule(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
     )
 
 

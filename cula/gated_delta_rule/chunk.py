@@ -5,12 +5,26 @@ from __future__ import annotations
 import torch
 
 from cula._validate import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_qkv, check_scale, check_state, check_tensor,
-    resolve_state_layout, take_extra_kwargs,
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_cu_seqlens,
+    check_qkv,
+    check_scale,
+    check_state,
+    check_tensor,
+    resolve_state_layout,
+    take_extra_kwargs,
 )
 from cula.gated_delta_rule.backends import chunk_gdn_registry
 
-_EXTRA_KWARGS = ("use_gate_in_kernel", "A_log", "dt_bias", "chunk_size", "transpose_state_layout", "head_first")
+_EXTRA_KWARGS = (
+    "use_gate_in_kernel",
+    "A_log",
+    "dt_bias",
+    "chunk_size",
+    "transpose_state_layout",
+    "head_first",
+)
 
 
 def check_gdn_inputs(q, k, v, g, beta, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu) -> int:
@@ -20,9 +34,13 @@ def check_gdn_inputs(q, k, v, g, beta, *, initial_state, state_v_first, cu_seqle
     if g is not None:
         check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False)
     if beta is not None:
-        check_tensor("beta", beta, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False)
+        check_tensor(
+            "beta", beta, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False
+        )
     n = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device)
-    check_state("initial_state", initial_state, n=n, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device)
+    check_state(
+        "initial_state", initial_state, n=n, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device
+    )
     return n
 
 
@@ -72,7 +90,14 @@ def chunk_gated_delta_rule(
     use_gate_in_kernel = bool(extra.get("use_gate_in_kernel", False))
     A_log, dt_bias = extra.get("A_log"), extra.get("dt_bias")
     check_gdn_inputs(
-        q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=initial_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
     if g is None or beta is None:
@@ -91,11 +116,25 @@ def chunk_gated_delta_rule(
     if cp_context is not None and (initial_state is not None or output_final_state):
         raise ValueError("`cp_context` cannot be combined with `initial_state` or `output_final_state`")
     args = dict(
-        q=q, k=k, v=v, g=g, beta=beta, scale=check_scale(scale, q.shape[-1]), initial_state=initial_state,
-        output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_indices=chunk_indices, cp_context=cp_context, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-        dt_bias=dt_bias, chunk_size=chunk_size,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=check_scale(scale, q.shape[-1]),
+        initial_state=initial_state,
+        output_final_state=bool(output_final_state),
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        allow_neg_eigval=bool(allow_neg_eigval),
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
+        cp_context=cp_context,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        chunk_size=chunk_size,
     )
     return chunk_gdn_registry.dispatch(q.device, args)

@@ -49,7 +49,14 @@ def fused_recurrent_gated_delta_rule(
     extra = take_extra_kwargs("fused_recurrent_gated_delta_rule", kwargs, ("transpose_state_layout",))
     state_v_first = resolve_state_layout("fused_recurrent_gated_delta_rule", state_v_first, extra)
     check_gdn_inputs(
-        q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=initial_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=None,
     )
     B, T, H, K = q.shape
@@ -71,10 +78,23 @@ def fused_recurrent_gated_delta_rule(
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
     args = dict(
-        q=q, k=k, v=v, g=g, gk=gk, gv=gv, beta=beta, scale=check_scale(scale, K), initial_state=initial_state,
-        output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        use_gate_in_kernel=bool(use_gate_in_kernel), A_log=A_log, dt_bias=dt_bias,
-        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        gk=gk,
+        gv=gv,
+        beta=beta,
+        scale=check_scale(scale, K),
+        initial_state=initial_state,
+        output_final_state=bool(output_final_state),
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel),
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        allow_neg_eigval=bool(allow_neg_eigval),
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
     )
     return fused_recurrent_gdn_registry.dispatch(q.device, args)

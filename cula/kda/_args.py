@@ -8,8 +8,23 @@ from cula._validate import FLOAT_DTYPES, check_cu_seqlens, check_qkv, check_stat
 
 
 def check_kda_inputs(
-    q, k, v, g, beta, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-    use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, beta_per_value=False,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    initial_state,
+    state_v_first,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    A_log,
+    dt_bias,
+    use_gate_in_kernel,
+    lower_bound,
+    use_beta_sigmoid_in_kernel,
+    allow_neg_eigval,
+    beta_per_value=False,
 ) -> int:
     """Check KDA arguments (FLA 0.6.0 rules plus dtype/device/layout checks); return N sequences."""
     B, T, H, K, HV, V = check_qkv(q, k, v)
@@ -20,16 +35,22 @@ def check_kda_inputs(
     else:
         check_tensor("beta", beta, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device)
     N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device)
-    check_state("initial_state", initial_state, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device)
+    check_state(
+        "initial_state", initial_state, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device
+    )
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
-            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set")
+            raise ValueError(
+                "`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set"
+            )
         if A_log is not None:
             check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=device)
         if dt_bias is not None:
             check_tensor("dt_bias", dt_bias, dtypes=(torch.float32,), device=device)
             if dt_bias.numel() != HV * K:
-                raise ValueError(f"`dt_bias` must have HV*K={HV * K} elements ([HV*K]), got {list(dt_bias.shape)}")
+                raise ValueError(
+                    f"`dt_bias` must have HV*K={HV * K} elements ([HV*K]), got {list(dt_bias.shape)}"
+                )
     if lower_bound is not None and not isinstance(lower_bound, (int, float)):
         raise TypeError(f"`lower_bound` must be a float, got {type(lower_bound).__name__}")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:

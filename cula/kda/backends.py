@@ -21,8 +21,19 @@ REFERENCE_PRIORITY = 90
 
 
 def _cula_chunk_supports(
-    q, k, v, g, beta, initial_state, A_log, dt_bias, chunk_size, cp_context=None, use_graph=False,
-    return_intermediate_states=False, **_,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    A_log,
+    dt_bias,
+    chunk_size,
+    cp_context=None,
+    use_graph=False,
+    return_intermediate_states=False,
+    **_,
 ) -> tuple:
     if needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return False, "training (autograd) runs on fla until cula's backward lands"
@@ -38,12 +49,34 @@ def _cula_chunk_supports(
 
 
 # The intra-chunk stage still comes from FLA's Triton kernels, hence needs=("fla",).
-@chunk_kda_registry.register("cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0), needs=("fla",)),
-                             supports=_cula_chunk_supports)
+@chunk_kda_registry.register(
+    "cula-sm90",
+    CULA_PRIORITY,
+    available=cula_kernels_on((9, 0), needs=("fla",)),
+    supports=_cula_chunk_supports,
+)
 def _chunk_kda_cula_sm90(
-    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-    use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens,
-    cu_seqlens_cpu, A_log, dt_bias, chunk_size, **_unused,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm_in_kernel,
+    use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel,
+    allow_neg_eigval,
+    safe_gate,
+    lower_bound,
+    state_v_first,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    A_log,
+    dt_bias,
+    chunk_size,
+    **_unused,
 ):
     from fla.modules.l2norm import l2norm_fwd
 
@@ -55,14 +88,29 @@ def _chunk_kda_cula_sm90(
     if use_beta_sigmoid_in_kernel:
         beta = beta.float().sigmoid() * (2.0 if allow_neg_eigval else 1.0)
     return chunk_kda_fwd_sm90(
-        q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound if use_gate_in_kernel else None, safe_gate=safe_gate,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_size=chunk_size,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound if use_gate_in_kernel else None,
+        safe_gate=safe_gate,
     )
 
 
-def _reference_chunk_supports(cp_context=None, use_graph=False, return_intermediate_states=False, **_) -> tuple:
+def _reference_chunk_supports(
+    cp_context=None, use_graph=False, return_intermediate_states=False, **_
+) -> tuple:
     if cp_context is not None:
         return False, "cp_context (context parallel) is only run by the fla backend"
     if use_graph:
@@ -79,21 +127,52 @@ def _chunk_kda_fla(**args):
     return fla_chunk_kda(**args)
 
 
-@chunk_kda_registry.register("reference", REFERENCE_PRIORITY, available=always, supports=_reference_chunk_supports)
+@chunk_kda_registry.register(
+    "reference", REFERENCE_PRIORITY, available=always, supports=_reference_chunk_supports
+)
 def _chunk_kda_reference(
-    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-    use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias,
-    chunk_size, **_unused_by_reference,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm_in_kernel,
+    use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel,
+    allow_neg_eigval,
+    lower_bound,
+    state_v_first,
+    cu_seqlens,
+    A_log,
+    dt_bias,
+    chunk_size,
+    **_unused_by_reference,
 ):
     # safe_gate, disable_recompute and cu_seqlens_cpu change how FLA schedules work, not the result.
     from cula.kda.naive import reference_chunk_kda
 
     return reference_chunk_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound if use_gate_in_kernel else None, A_log=A_log, dt_bias=dt_bias,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, form="chunk",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound if use_gate_in_kernel else None,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        form="chunk",
     )
 
 
@@ -116,19 +195,47 @@ def _fused_recurrent_kda_fla(**args):
     "reference", REFERENCE_PRIORITY, available=always, supports=_reference_recurrent_supports
 )
 def _fused_recurrent_kda_reference(
-    q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, inplace_final_state,
-    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-    state_v_first, cu_seqlens, **_unused_by_reference,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    scale,
+    initial_state,
+    output_final_state,
+    inplace_final_state,
+    use_qk_l2norm_in_kernel,
+    use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel,
+    allow_neg_eigval,
+    lower_bound,
+    state_v_first,
+    cu_seqlens,
+    **_unused_by_reference,
 ):
     from cula.kda.naive import reference_chunk_kda
 
     o, final = reference_chunk_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
         output_final_state=output_final_state or inplace_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound if use_gate_in_kernel else None, A_log=A_log, dt_bias=dt_bias,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, form="recurrent",
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound if use_gate_in_kernel else None,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        form="recurrent",
     )
     if inplace_final_state:
         with torch.no_grad():

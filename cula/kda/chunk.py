@@ -83,15 +83,28 @@ def chunk_kda(
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}")
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
-            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`")
+            raise ValueError(
+                "`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`"
+            )
         if not -5 <= lower_bound < 0:
             raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}")
     if cp_context is not None and (initial_state is not None or output_final_state):
         raise ValueError("`cp_context` cannot be combined with `initial_state` or `output_final_state`")
     check_kda_inputs(
-        q, k, v, g, beta, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
-        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=initial_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_gate_in_kernel=use_gate_in_kernel,
+        lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval,
     )
     if return_intermediate_states and (not torch.is_inference_mode_enabled() or disable_recompute):
@@ -99,12 +112,30 @@ def chunk_kda(
             "`return_intermediate_states=True` needs torch.inference_mode() and disable_recompute=False"
         )
     args = dict(
-        q=q, k=k, v=v, g=g, beta=beta, scale=check_scale(scale, q.shape[-1]), initial_state=initial_state,
-        output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        use_gate_in_kernel=bool(use_gate_in_kernel), use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
-        allow_neg_eigval=bool(allow_neg_eigval), safe_gate=bool(safe_gate), lower_bound=lower_bound,
-        disable_recompute=bool(disable_recompute), return_intermediate_states=bool(return_intermediate_states),
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
-        use_graph=bool(use_graph), max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        scale=check_scale(scale, q.shape[-1]),
+        initial_state=initial_state,
+        output_final_state=bool(output_final_state),
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel),
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        allow_neg_eigval=bool(allow_neg_eigval),
+        safe_gate=bool(safe_gate),
+        lower_bound=lower_bound,
+        disable_recompute=bool(disable_recompute),
+        return_intermediate_states=bool(return_intermediate_states),
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        cp_context=cp_context,
+        use_graph=bool(use_graph),
+        max_num_seqs=max_num_seqs,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        chunk_size=chunk_size,
     )
     return chunk_kda_registry.dispatch(q.device, args)

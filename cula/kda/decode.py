@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from cula._validate import FLOAT_DTYPES, check_qkv, check_scale, check_tensor
+from cula._validate import (
+    FLOAT_DTYPES,
+    check_qkv,
+    check_scale,
+    check_state_pool,
+    check_tensor,
+    dense,
+    is_row_major,
+    pool_layout_verdict,
+)
 from cula.backends import Registry, always, cula_kernels_on
 
 kda_decode_registry = Registry("kda.kda_decode")
@@ -62,20 +71,22 @@ def kda_decode(
     dev = q.device
     check_tensor("g", g, shape=(N, T, HV, K), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("beta", beta, shape=(N, T, HV), dtypes=(torch.float32, torch.bfloat16), device=dev)
-    state_shape = (HV, V, K) if state_v_first else (HV, K, V)
-    check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=dev)
-    if tuple(state_pool.shape[1:]) != state_shape:
-        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
-        raise ValueError(f"`state_pool` must have shape {layout} = [P, {', '.join(map(str, state_shape))}], "
-                         f"got {list(state_pool.shape)}")
-    check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=dev)
-    if check_indices and N and not (state_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
-        top = int(state_indices.max())
-        if top >= state_pool.shape[0]:
-            raise ValueError(f"`state_indices` has {top}, out of range for a pool of {state_pool.shape[0]} rows")
+    check_state_pool(
+        state_pool,
+        state_indices,
+        n=N,
+        heads=HV,
+        k=K,
+        v=V,
+        state_v_first=state_v_first,
+        device=dev,
+        check_indices=check_indices,
+    )
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
-            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set")
+            raise ValueError(
+                "`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set"
+            )
         if A_log is not None:
             check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=dev)
         if dt_bias is not None:
@@ -87,66 +98,154 @@ def kda_decode(
     else:
         check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=dev)
     if step_states is not None:
-        check_tensor("step_states", step_states, shape=(N, T) + state_shape, dtypes=(torch.float32,), device=dev)
+        check_tensor(
+            "step_states",
+            step_states,
+            shape=(N, T) + tuple(state_pool.shape[1:]),
+            dtypes=(torch.float32,),
+            device=dev,
+        )
     args = dict(
-        q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices, A_log=A_log,
-        dt_bias=dt_bias, scale=check_scale(scale, K), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first, out=out,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        state_pool=state_pool,
+        state_indices=state_indices,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        scale=check_scale(scale, K),
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound,
+        state_v_first=state_v_first,
+        out=out,
         step_states=step_states,
     )
     kda_decode_registry.dispatch(dev, args)
     return out
 
 
-def _cula_supports(q, k, v, **_) -> tuple:
+def _cula_supports(q, k, v, state_pool, state_v_first, step_states=None, **_) -> tuple:
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q dtype {q.dtype} (kernel takes bf16/fp16)"
     if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
-    if not all(t.is_contiguous() for t in (q, k, v)):
-        return False, "non-contiguous q/k/v"
-    return True, None
+    if step_states is not None and not is_row_major(step_states):
+        return False, "step_states is not row-major"
+    return pool_layout_verdict(state_pool, q.shape[-1], v.shape[-1], state_v_first)
 
 
 @kda_decode_registry.register("cula-sm90", 10, available=cula_kernels_on((9, 0)), supports=_cula_supports)
-def _decode_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
-                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-                      out, step_states):
+def _decode_cula_sm90(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state_pool,
+    state_indices,
+    A_log,
+    dt_bias,
+    scale,
+    use_qk_l2norm_in_kernel,
+    use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel,
+    allow_neg_eigval,
+    lower_bound,
+    state_v_first,
+    out,
+    step_states,
+):
     from cula.ops.kda.sm90.decode import kda_decode_sm90
 
     if not use_gate_in_kernel:
         gate = "none"
     else:
         gate = "softplus" if lower_bound is None else "lower_bound"
+    # The kernel's compact fake tensors want exact row-major strides (size-1 dims included); decode inputs
+    # are a few KB per sequence, so a copy of an odd-strided one costs less than leaving the kernel.
+    q, k, v, g, beta, state_indices = (dense(t) for t in (q, k, v, g, beta, state_indices))
+    o = out if is_row_major(out) and out.data_ptr() % 16 == 0 else torch.empty_like(out)
     kda_decode_sm90(
-        q, k, v, g.contiguous(), beta.contiguous(), A_log, dt_bias, state_pool, state_indices, out, scale=scale,
-        gate=gate, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm_in_kernel,
-        beta_sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        state_pool,
+        state_indices,
+        o,
+        scale=scale,
+        gate=gate,
+        lower_bound=lower_bound,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+        beta_sigmoid=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first,
         step_states=step_states,
     )
+    if o is not out:
+        out.copy_(o)
 
 
 @kda_decode_registry.register("reference", 90, available=always)
-def _decode_reference(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
-                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-                      out, step_states):
+def _decode_reference(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state_pool,
+    state_indices,
+    A_log,
+    dt_bias,
+    scale,
+    use_qk_l2norm_in_kernel,
+    use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel,
+    allow_neg_eigval,
+    lower_bound,
+    state_v_first,
+    out,
+    step_states,
+):
     from cula.kda.naive import reference_chunk_kda
 
     live = state_indices >= 0
     rows = state_indices.long().clamp(min=0)
     flags = dict(
-        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, form="recurrent",
+        scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        state_v_first=state_v_first,
+        form="recurrent",
     )
     with torch.no_grad():
         states = state_pool[rows]
         o = torch.zeros_like(v)
         for t in range(q.shape[1]):  # one token at a time so every intermediate state is available
             sl = slice(t, t + 1)
-            o_t, states = reference_chunk_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
-                                              initial_state=states, output_final_state=True, **flags)
+            o_t, states = reference_chunk_kda(
+                q[:, sl],
+                k[:, sl],
+                v[:, sl],
+                g[:, sl],
+                beta[:, sl],
+                initial_state=states,
+                output_final_state=True,
+                **flags,
+            )
             o[:, sl] = o_t
             if step_states is not None:
                 step_states[live, t] = states[live]
@@ -174,11 +273,21 @@ def kda_commit_accepted(
         num_accepted_tokens: int32/int64 ``[N]``.
     """
     N, T = step_states.shape[:2]
-    check_tensor("step_states", step_states, shape=(N, T) + tuple(state_pool.shape[1:]), dtypes=(torch.float32,),
-                 device=state_pool.device)
+    check_tensor(
+        "step_states",
+        step_states,
+        shape=(N, T) + tuple(state_pool.shape[1:]),
+        dtypes=(torch.float32,),
+        device=state_pool.device,
+    )
     check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=state_pool.device)
-    check_tensor("num_accepted_tokens", num_accepted_tokens, shape=(N,), dtypes=(torch.int32, torch.int64),
-                 device=state_pool.device)
+    check_tensor(
+        "num_accepted_tokens",
+        num_accepted_tokens,
+        shape=(N,),
+        dtypes=(torch.int32, torch.int64),
+        device=state_pool.device,
+    )
     keep = (state_indices >= 0) & (num_accepted_tokens > 0)
     last = (num_accepted_tokens.long() - 1).clamp(0, T - 1)
     picked = step_states[torch.arange(N, device=step_states.device), last]

@@ -50,12 +50,27 @@ def fused_recurrent_kda(
     extra = take_extra_kwargs("fused_recurrent_kda", kwargs, ("transpose_state_layout",) + _DECODE_KWARGS)
     state_v_first = resolve_state_layout("fused_recurrent_kda", state_v_first, extra)
     return fused_recurrent_kda_fwd(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
-        output_final_state=output_final_state, inplace_final_state=extra.get("inplace_final_state", False),
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, ssm_state_indices=extra.get("ssm_state_indices"),
-        num_accepted_tokens=extra.get("num_accepted_tokens"), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, out=extra.get("out"),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        scale=scale,
+        output_final_state=output_final_state,
+        inplace_final_state=extra.get("inplace_final_state", False),
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=extra.get("ssm_state_indices"),
+        num_accepted_tokens=extra.get("num_accepted_tokens"),
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound,
+        out=extra.get("out"),
     )
 
 
@@ -97,10 +112,21 @@ def fused_recurrent_kda_fwd(
     if inplace_final_state and initial_state is None:
         raise ValueError("`inplace_final_state=True` needs `initial_state` (the state pool to update)")
     check_kda_inputs(
-        q, k, v, g, beta, initial_state=None if pooled else initial_state, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, A_log=A_log, dt_bias=dt_bias,
-        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=None if pooled else initial_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=None,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_gate_in_kernel=use_gate_in_kernel,
+        lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
         beta_per_value=True,
     )
     if pooled:
@@ -113,12 +139,26 @@ def fused_recurrent_kda_fwd(
     if out is not None:
         check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=q.device)
     args = dict(
-        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-        scale=check_scale(scale, q.shape[-1]), output_final_state=bool(output_final_state),
-        inplace_final_state=bool(inplace_final_state), state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), use_gate_in_kernel=bool(use_gate_in_kernel),
-        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
-        lower_bound=lower_bound, out=out,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        initial_state=initial_state,
+        scale=check_scale(scale, q.shape[-1]),
+        output_final_state=bool(output_final_state),
+        inplace_final_state=bool(inplace_final_state),
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=ssm_state_indices,
+        num_accepted_tokens=num_accepted_tokens,
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel),
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        allow_neg_eigval=bool(allow_neg_eigval),
+        lower_bound=lower_bound,
+        out=out,
     )
     return fused_recurrent_kda_registry.dispatch(q.device, args)

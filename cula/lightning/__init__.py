@@ -1,11 +1,17 @@
 """Lightning attention, mirroring ``fla.ops.lightning_attn`` plus ``lightning_attn_fwd``."""
 
 from cula.lightning.chunk import (
-    chunk_lightning_attn, fused_recurrent_lightning_attn, lightning_attn_fwd, lightning_g_gamma,
+    chunk_lightning_attn,
+    fused_recurrent_lightning_attn,
+    lightning_attn_fwd,
+    lightning_g_gamma,
 )
 from cula.lightning.decode import lightning_decode
 
 __all__ = [
-    "chunk_lightning_attn", "fused_recurrent_lightning_attn", "lightning_attn_fwd", "lightning_decode",
+    "chunk_lightning_attn",
+    "fused_recurrent_lightning_attn",
+    "lightning_attn_fwd",
+    "lightning_decode",
     "lightning_g_gamma",
 ]

@@ -15,7 +15,9 @@ from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
 def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=None) -> torch.Tensor:
     """FLA 0.6.0's decay schedule: ``g_gamma[h] = -(8 / H) * (1 - layer_idx / num_layers) * h``, fp32 ``[H]``."""
-    return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(num_heads, dtype=torch.float, device=device)
+    return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(
+        num_heads, dtype=torch.float, device=device
+    )
 
 
 def lightning_attn_fwd(
@@ -44,8 +46,16 @@ def lightning_attn_fwd(
     """
     check_tensor("decay", decay, ndim=1, dtypes=(torch.float32,), device=q.device)
     return chunk_simple_gla(
-        q, k, v, g_gamma=-decay, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        q,
+        k,
+        v,
+        g_gamma=-decay,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
     )
 
 
@@ -80,8 +90,15 @@ def chunk_lightning_attn(
     check_tensor("q", q, ndim=4)
     g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, device=q.device)
     return chunk_simple_gla(
-        q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, **extra,
+        q,
+        k,
+        v,
+        g_gamma=g_gamma,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        **extra,
     )
 
 
@@ -105,6 +122,13 @@ def fused_recurrent_lightning_attn(
     check_tensor("q", q, ndim=4)
     g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, device=q.device)
     return fused_recurrent_simple_gla(
-        q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        reverse=reverse, cu_seqlens=cu_seqlens,
+        q,
+        k,
+        v,
+        g_gamma=g_gamma,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        reverse=reverse,
+        cu_seqlens=cu_seqlens,
     )

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from cula._validate import check_qkv, check_scale, check_tensor
+from cula._validate import (
+    check_qkv,
+    check_scale,
+    check_state_pool,
+    check_tensor,
+    dense,
+    is_row_major,
+    pool_layout_verdict,
+)
 from cula.backends import Registry, always, cula_kernels_on
 
 lightning_decode_registry = Registry("lightning.lightning_decode")
@@ -54,51 +62,34 @@ def lightning_decode(
         raise ValueError(f"lightning_decode takes 1..{MAX_TOKENS} tokens per sequence, got T={T}")
     dev = q.device
     check_tensor("decay", decay, shape=(HV,), dtypes=(torch.float32,), device=dev)
-    state_shape = (HV, V, K) if state_v_first else (HV, K, V)
-    check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=dev)
-    if tuple(state_pool.shape[1:]) != state_shape:
-        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
-        raise ValueError(f"`state_pool` must have shape {layout} = [P, {', '.join(map(str, state_shape))}], "
-                         f"got {list(state_pool.shape)}")
-    check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=dev)
-    if check_indices and N and not (state_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
-        top = int(state_indices.max())
-        if top >= state_pool.shape[0]:
-            raise ValueError(
-                f"`state_indices` has {top}, out of range for a pool of {state_pool.shape[0]} rows"
-            )
+    check_state_pool(
+        state_pool,
+        state_indices,
+        n=N,
+        heads=HV,
+        k=K,
+        v=V,
+        state_v_first=state_v_first,
+        device=dev,
+        check_indices=check_indices,
+    )
     if out is None:
         out = torch.empty_like(v)
     else:
         check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=dev)
     args = {
-        "q": q, "k": k, "v": v, "decay": decay, "state_pool": state_pool, "state_indices": state_indices,
-        "scale": check_scale(scale, K), "state_v_first": bool(state_v_first), "out": out,
+        "q": q,
+        "k": k,
+        "v": v,
+        "decay": decay,
+        "state_pool": state_pool,
+        "state_indices": state_indices,
+        "scale": check_scale(scale, K),
+        "state_v_first": bool(state_v_first),
+        "out": out,
     }
     lightning_decode_registry.dispatch(dev, args)
     return out
-
-
-def _row_major(t: torch.Tensor) -> bool:
-    """Strides exactly row-major, size-1 dims included.
-
-    ``is_contiguous()`` ignores the strides of size-1 dims (e.g. ``q[:, t:t+1]`` of a longer window); the
-    kernel's compact fake tensors, which TVM-FFI checks the arguments against, do not.
-    """
-    expect = 1
-    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
-        if stride != expect:
-            return False
-        expect *= size
-    return True
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when it is exactly row-major and 16-byte aligned, else such a copy (decode inputs are a
-    few KB per sequence; a copy costs far less than leaving the kernel)."""
-    if _row_major(t) and t.data_ptr() % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _cula_supports(q, v, state_pool, state_v_first, **_) -> tuple:
@@ -107,14 +98,7 @@ def _cula_supports(q, v, state_pool, state_v_first, **_) -> tuple:
     K, V = q.shape[-1], v.shape[-1]
     if (K, V) not in ((64, 64), (128, 128)):
         return False, f"head sizes K={K} V={V} (kernel takes K = V in {{64, 128}})"
-    inner = (V, K) if state_v_first else (K, V)
-    if state_pool.stride()[1:] != (K * V, inner[1], 1) and state_pool.shape[1] > 1:
-        return False, f"state_pool dims 1.. are not contiguous (strides {state_pool.stride()})"
-    if state_pool.stride(-1) != 1 or state_pool.stride(-2) != inner[1]:
-        return False, f"state_pool rows are not contiguous (strides {state_pool.stride()})"
-    if state_pool.stride(0) % 4 or state_pool.data_ptr() % 16:
-        return False, "state_pool rows are not 16-byte aligned (dim-0 stride or base pointer)"
-    return True, None
+    return pool_layout_verdict(state_pool, K, V, state_v_first)
 
 
 @lightning_decode_registry.register(
@@ -129,10 +113,17 @@ def _decode_cula_sm90(q, k, v, decay, state_pool, state_indices, scale, state_v_
         state_pool = state_pool.as_strided((P, HV, D0, D1), (state_pool.stride(0), D0 * D1, D1, 1))
     # the kernel writes a row-major, 16-byte aligned output; anything else goes through a temporary
     o = out
-    if not _row_major(out) or out.data_ptr() % 16:
+    if not is_row_major(out) or out.data_ptr() % 16:
         o = torch.empty_like(out, memory_format=torch.contiguous_format)
     lightning_decode_sm90(
-        _dense(q), _dense(k), _dense(v), _dense(decay), state_pool, _dense(state_indices), o, scale=scale,
+        dense(q),
+        dense(k),
+        dense(v),
+        dense(decay),
+        state_pool,
+        dense(state_indices),
+        o,
+        scale=scale,
         state_v_first=state_v_first,
     )
     if o is not out:
@@ -147,8 +138,15 @@ def _decode_reference(q, k, v, decay, state_pool, state_indices, scale, state_v_
     rows = state_indices.long().clamp(min=0)
     with torch.no_grad():
         o, states = reference_chunk_simple_gla(
-            q, k, v, g_gamma=-decay, scale=scale, initial_state=state_pool[rows], output_final_state=True,
-            state_v_first=state_v_first, form="recurrent",
+            q,
+            k,
+            v,
+            g_gamma=-decay,
+            scale=scale,
+            initial_state=state_pool[rows],
+            output_final_state=True,
+            state_v_first=state_v_first,
+            form="recurrent",
         )
         out.copy_(torch.where(live[:, None, None, None], o, torch.zeros_like(o)))
         state_pool[rows[live]] = states[live]

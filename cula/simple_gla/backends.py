@@ -32,10 +32,12 @@ def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, **_) -> tuple:
     return True, None
 
 
-@chunk_simple_gla_registry.register("cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)),
-                                    supports=_cula_chunk_supports)
-def _chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                     **_unused):
+@chunk_simple_gla_registry.register(
+    "cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)), supports=_cula_chunk_supports
+)
+def _chunk_cula_sm90(
+    q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, **_unused
+):
     from cula.ops.lightning.sm90.chunk_fwd import lightning_fwd_sm90
 
     B, T, HV, V = v.shape
@@ -47,8 +49,18 @@ def _chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_final_state,
         cu_seqlens = cu_seqlens.to(torch.int32)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    lightning_fwd_sm90(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(), o, initial_state, final,
-                       cu_seqlens, scale=scale, state_v_first=state_v_first)
+    lightning_fwd_sm90(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        decay.contiguous(),
+        o,
+        initial_state,
+        final,
+        cu_seqlens,
+        scale=scale,
+        state_v_first=state_v_first,
+    )
     return o, final
 
 
@@ -60,7 +72,9 @@ def _expand_gva(args: dict) -> dict:
     H, HV = args["q"].shape[2], args["v"].shape[2]
     if H == HV:
         return args
-    return dict(args, q=args["q"].repeat_interleave(HV // H, dim=2), k=args["k"].repeat_interleave(HV // H, dim=2))
+    return dict(
+        args, q=args["q"].repeat_interleave(HV // H, dim=2), k=args["k"].repeat_interleave(HV // H, dim=2)
+    )
 
 
 @chunk_simple_gla_registry.register("fla", FLA_PRIORITY, available=package_on_cuda("fla"))
@@ -71,13 +85,33 @@ def _chunk_fla(**args):
 
 
 @chunk_simple_gla_registry.register("reference", REFERENCE_PRIORITY, available=always)
-def _chunk_reference(q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                     **_unused_by_reference):
+def _chunk_reference(
+    q,
+    k,
+    v,
+    g,
+    g_gamma,
+    scale,
+    initial_state,
+    output_final_state,
+    state_v_first,
+    cu_seqlens,
+    **_unused_by_reference,
+):
     from cula.simple_gla.naive import reference_chunk_simple_gla
 
     return reference_chunk_simple_gla(
-        q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens, form="chunk",
+        q,
+        k,
+        v,
+        g=g,
+        g_gamma=g_gamma,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        form="chunk",
     )
 
 
@@ -89,12 +123,22 @@ def _recurrent_fla(**args):
 
 
 @fused_recurrent_simple_gla_registry.register("reference", REFERENCE_PRIORITY, available=always)
-def _recurrent_reference(q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first,
-                         cu_seqlens):
+def _recurrent_reference(
+    q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens
+):
     from cula.simple_gla.naive import reference_chunk_simple_gla
 
     return reference_chunk_simple_gla(
-        q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        reverse=reverse, form="recurrent",
+        q,
+        k,
+        v,
+        g=g,
+        g_gamma=g_gamma,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        reverse=reverse,
+        form="recurrent",
     )

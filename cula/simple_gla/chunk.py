@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 
 from cula._validate import (
-    FLOAT_DTYPES, check_cu_seqlens, check_qkv, check_scale, check_state, check_tensor,
-    resolve_state_layout, take_extra_kwargs,
+    FLOAT_DTYPES,
+    check_cu_seqlens,
+    check_qkv,
+    check_scale,
+    check_state,
+    check_tensor,
+    resolve_state_layout,
+    take_extra_kwargs,
 )
 from cula.simple_gla.backends import chunk_simple_gla_registry, fused_recurrent_simple_gla_registry
 
@@ -22,7 +28,9 @@ def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first
     if g_gamma is not None:
         check_tensor("g_gamma", g_gamma, shape=(HV,), dtypes=FLOAT_DTYPES, device=device)
     n = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device)
-    check_state("initial_state", initial_state, n=n, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device)
+    check_state(
+        "initial_state", initial_state, n=n, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device
+    )
 
 
 def chunk_simple_gla(
@@ -54,21 +62,41 @@ def chunk_simple_gla(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable (q, k, v, g, h0).
     """
-    extra = take_extra_kwargs("chunk_simple_gla", kwargs, ("chunk_size", "transpose_state_layout", "head_first"))
+    extra = take_extra_kwargs(
+        "chunk_simple_gla", kwargs, ("chunk_size", "transpose_state_layout", "head_first")
+    )
     if "head_first" in extra:
         raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
     state_v_first = resolve_state_layout("chunk_simple_gla", state_v_first, extra)
     chunk_size = extra.get("chunk_size")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1)):
+    if chunk_size is not None and (
+        not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1)
+    ):
         raise ValueError(f"`chunk_size` must be a power of 2, got {chunk_size}")
     check_simple_gla_inputs(
-        q, k, v, g, g_gamma, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        q,
+        k,
+        v,
+        g,
+        g_gamma,
+        initial_state=initial_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
     args = dict(
-        q=q, k=k, v=v, g=g, g_gamma=g_gamma, scale=check_scale(scale, q.shape[-1]), initial_state=initial_state,
-        output_final_state=bool(output_final_state), state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        g_gamma=g_gamma,
+        scale=check_scale(scale, q.shape[-1]),
+        initial_state=initial_state,
+        output_final_state=bool(output_final_state),
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_size=chunk_size,
     )
     return chunk_simple_gla_registry.dispatch(q.device, args)
 
@@ -95,12 +123,27 @@ def fused_recurrent_simple_gla(
     extra = take_extra_kwargs("fused_recurrent_simple_gla", kwargs, ("transpose_state_layout",))
     state_v_first = resolve_state_layout("fused_recurrent_simple_gla", state_v_first, extra)
     check_simple_gla_inputs(
-        q, k, v, g, g_gamma, initial_state=initial_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        q,
+        k,
+        v,
+        g,
+        g_gamma,
+        initial_state=initial_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=None,
     )
     args = dict(
-        q=q, k=k, v=v, g=g, g_gamma=g_gamma, scale=check_scale(scale, q.shape[-1]), initial_state=initial_state,
-        output_final_state=bool(output_final_state), reverse=bool(reverse), state_v_first=state_v_first,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        g_gamma=g_gamma,
+        scale=check_scale(scale, q.shape[-1]),
+        initial_state=initial_state,
+        output_final_state=bool(output_final_state),
+        reverse=bool(reverse),
+        state_v_first=state_v_first,
         cu_seqlens=cu_seqlens,
     )
     return fused_recurrent_simple_gla_registry.dispatch(q.device, args)

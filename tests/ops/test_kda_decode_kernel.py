@@ -11,16 +11,10 @@ decode steps tracking the float64 recurrence.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
+from cute_compile import compile_variants
 
 from cula.testing import assert_close
 
@@ -70,50 +64,10 @@ _VARIANTS = [
     _variant(gate="none", g_dtype="bfloat16", has_step_states=True, state_v_first=True),
 ]
 
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import json, sys, time
-    import torch
-    from cula.ops.kda.sm90.decode import kda_decode_variant
-    for i, v in enumerate(json.loads(sys.argv[1])):
-        v = dict(v)
-        for name in ("io_dtype", "g_dtype", "beta_dtype"):
-            v[name] = getattr(torch, v[name])
-        v["V"] = v["K"]
-        t0 = time.time()
-        fn = kda_decode_variant(**v)
-        again = kda_decode_variant(**v)
-        sys.stdout.flush()
-        print(f"@@done {i} {time.time() - t0:.2f} cached={fn is again}", flush=True)
-    """
-)
-
-
 @pytest.fixture(scope="module")
 def compiled_variants():
     """{variant index: (registers, spill store bytes, compile seconds, cached)} from one compile run."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_COMPILER_OPT="remarks{ptx}")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(_VARIANTS)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-4000:]
-    # ptxas remarks go to stderr, markers to stdout: pair them up by order
-    regs = [int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr)]
-    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
-    done = re.findall(r"@@done (\d+) ([\d.]+) cached=(\w+)", proc.stdout)
-    assert len(done) == len(_VARIANTS), text[-4000:]
-    assert len(regs) == len(spills) == len(_VARIANTS), text[-4000:]
-    return {
-        int(i): (regs[j], spills[j], float(sec), cached == "True") for j, (i, sec, cached) in enumerate(done)
-    }
+    return compile_variants("cula.ops.kda.sm90.decode:kda_decode_variant", [dict(v, V=v["K"]) for v in _VARIANTS])
 
 
 def _vid(v):

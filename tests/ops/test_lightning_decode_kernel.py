@@ -12,15 +12,10 @@ many units per warp, 2,000 consecutive steps, and a speed report (time and TB/s 
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from cute_compile import compile_variants
 
 from cula.testing import assert_close
 
@@ -56,49 +51,10 @@ _VARIANTS = [_variant(state_v_first=vf, K=K) for vf in (True, False) for K in (1
     _variant(state_v_first=False, load_hint="default", store_hint="streaming"),
 ]
 
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import json, sys, time
-    import torch
-    from cula.ops.lightning.sm90.decode import lightning_decode_variant
-    for i, v in enumerate(json.loads(sys.argv[1])):
-        v = dict(v)
-        v["io_dtype"] = getattr(torch, v["io_dtype"])
-        v["V"] = v["K"]
-        t0 = time.time()
-        fn = lightning_decode_variant(**v)
-        again = lightning_decode_variant(**v)
-        sys.stdout.flush()
-        print(f"@@done {i} {time.time() - t0:.2f} cached={fn is again}", flush=True)
-    """
-)
-
-
 @pytest.fixture(scope="module")
 def compiled_variants():
     """{variant index: (registers, spill store bytes, compile seconds, cached)} from one compile run."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_COMPILER_OPT="remarks{ptx}")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(_VARIANTS)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-4000:]
-    # ptxas remarks go to stderr, markers to stdout: pair them up by order
-    regs = [int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr)]
-    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
-    done = re.findall(r"@@done (\d+) ([\d.]+) cached=(\w+)", proc.stdout)
-    assert len(done) == len(_VARIANTS), text[-4000:]
-    assert len(regs) == len(spills) == len(_VARIANTS), text[-4000:]
-    return {
-        int(i): (regs[j], spills[j], float(sec), cached == "True") for j, (i, sec, cached) in enumerate(done)
-    }
+    return compile_variants("cula.ops.lightning.sm90.decode:lightning_decode_variant", [dict(v, V=v["K"]) for v in _VARIANTS])
 
 
 def _vid(v):

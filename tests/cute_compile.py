@@ -1,0 +1,65 @@
+"""Compile CuTe DSL kernel variants for sm_90a without a GPU, as CI does for every kernel.
+
+Each kernel module exposes a cached factory (``module:function``) that traces and compiles one
+variant from keyword arguments. ``compile_variants`` calls it for every variant in a fresh
+subprocess (so ``CUTE_DSL_ARCH`` is set before cutlass is imported, and ptxas remarks can be read
+from its stderr), calls it a second time to check the compile cache, and returns what ptxas reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from typing import NamedTuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = textwrap.dedent(
+    """
+    import importlib, json, sys, time
+    import torch
+    module, name = sys.argv[1].split(":")
+    factory = getattr(importlib.import_module(module), name)
+    for i, variant in enumerate(json.loads(sys.argv[2])):
+        # JSON carries dtypes as names: "bfloat16" -> torch.bfloat16
+        kwargs = {k: getattr(torch, v) if k.endswith("dtype") and isinstance(v, str) else v
+                  for k, v in variant.items()}
+        t0 = time.time()
+        first = factory(**kwargs)
+        again = factory(**kwargs)
+        sys.stdout.flush()
+        print(f"@@done {i} {time.time() - t0:.2f} cached={first is again}", flush=True)
+    """
+)
+
+
+class CompiledVariant(NamedTuple):
+    registers: int
+    spill_store_bytes: int
+    seconds: float
+    cached: bool
+
+
+def compile_variants(factory: str, variants: list[dict], timeout: float = 900) -> dict[int, CompiledVariant]:
+    """Compile every variant of ``factory`` ("package.module:function") for sm_90a; index -> ptxas report."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, factory, json.dumps(variants)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    # ptxas remarks go to stderr and the markers to stdout: pair them up by order.
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr)]
+    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    done = re.findall(r"@@done (\d+) ([\d.]+) cached=(\w+)", proc.stdout)
+    assert len(done) == len(variants), text[-4000:]
+    assert len(regs) == len(spills) == len(variants), text[-4000:]
+    return {
+        int(i): CompiledVariant(regs[j], spills[j], float(sec), cached == "True")
+        for j, (i, sec, cached) in enumerate(done)
+    }
