@@ -1,4 +1,5 @@
-"""Pure logic of the Lightning prefill and KDA decode benchmarks on the CPU (suites, byte formulas, row logic)."""
+"""Pure logic of the Lightning prefill, KDA decode and Lightning decode benchmarks on the CPU (suites, byte
+formulas, row logic)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ if str(BENCH_DIR) not in sys.path:
 bc = importlib.import_module("common")
 lp = importlib.import_module("bench_lightning_prefill")
 kd = importlib.import_module("bench_kda_decode")
+ld = importlib.import_module("bench_lightning_decode")
 
 
 class _FakeEvent:
@@ -37,6 +39,7 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(bc, "n_rotation_sets", lambda *a, **k: 2)
     monkeypatch.setattr(lp, "DEVICE", "cpu")
     monkeypatch.setattr(kd, "DEVICE", "cpu")
+    monkeypatch.setattr(ld, "DEVICE", "cpu")
     return {"copy_bw_tbps": 4.27, "gemm_tflops": 690.0}
 
 
@@ -208,3 +211,184 @@ def test_run_suite_budget_and_errors(mod):
     args = mod.parse_args(["--max-seconds", "75"])
     assert args.max_seconds == 75.0 and args.iters == 20 and args.warmup == 3
     assert mod.result_name(mod.parse_args(["--quick"])).endswith("_subset")
+
+
+# -------------------------------------------------------------------------------------- lightning decode
+
+
+def test_lightning_decode_suite_and_cli():
+    cfgs = ld.suite()
+    assert [c.name for c in cfgs] == [f"decode-N{n}-{lay}" for lay in ("vk", "kv") for n in (1, 64, 256)]
+    assert [c.state_v_first for c in cfgs] == [True] * 3 + [False] * 3
+    assert all(c.P == 2 * c.N for c in cfgs)
+    assert [c.name for c in ld.suite(quick=True)] == list(ld.QUICK)
+    args = ld.parse_args([])
+    assert (args.iters, args.warmup, args.no_host_overhead, args.l2) == (50, 5, False, "rotate")
+    assert ld.result_name(args) == "lightning_decode"
+    odd = ld.parse_args(["--cuda-graph", "--l2", "flush", "--configs", "decode-N64-kv,decode-N1-vk"])
+    assert ld.result_name(odd) == "lightning_decode_cudagraph_flush_subset"
+    assert [c.name for c in bc.select_configs(ld.suite, odd)] == ["decode-N1-vk", "decode-N64-kv"]
+    with pytest.raises(SystemExit):
+        bc.select_configs(ld.suite, ld.parse_args(["--configs", "decode-N2-vk"]))
+
+
+def test_lightning_decode_bytes():
+    h, d = 64, 128
+    for cfg in (ld.Config(64, True), ld.Config(64, False)):  # the layout does not change the traffic
+        assert ld.state_bytes(cfg) == 2 * 4 * 64 * h * d * d
+        assert ld.activation_bytes(cfg) == 2 * 64 * 4 * h * d  # q, k, v in and o out, bf16
+        assert ld.input_set_bytes(cfg) == 4 * 64 * h * d * d + ld.activation_bytes(cfg)
+
+
+def test_lightning_decode_inputs(monkeypatch):
+    decay = ld.decay_rates("cpu")  # the full-size schedule: layer 12 of 24, 64 heads
+    torch.testing.assert_close(decay, (8 / 64) * (1 - 12 / 24) * torch.arange(64, dtype=torch.float32))
+    monkeypatch.setattr(ld, "H", 2)
+    monkeypatch.setattr(ld, "HV", 2)
+    monkeypatch.setattr(ld, "D", 8)
+    cfg = ld.Config(5, False)
+    s = ld.make_set(cfg, 0, "cpu")
+    assert s["q"].shape == s["k"].shape == s["v"].shape == (5, 1, 2, 8) and s["q"].dtype == torch.bfloat16
+    assert s["pool"].shape == (10, 2, 8, 8) and s["pool"].dtype == torch.float32
+    assert s["indices"].dtype == torch.int32 and torch.equal(s["indices"].long(), s["indices_long"])
+    assert len(set(s["indices"].tolist())) == 5 and max(s["indices"].tolist()) < 10
+    assert torch.equal(ld.make_set(cfg, 0, "cpu")["pool"], s["pool"])  # seeded by config name and set
+    assert not torch.equal(ld.make_set(cfg, 1, "cpu")["pool"], s["pool"])
+    shared = ld.make_shared(cfg, "cpu")
+    assert torch.equal(shared["g_gamma"], -shared["decay"]) and shared["decay"].shape == (2,)
+
+
+def _fla_simple_gla_step(q, k, v, g_gamma, initial_state, output_final_state, state_v_first, scale=None):
+    """FLA's one-token ``fused_recurrent_simple_gla`` in fp32: ``S = exp(g) S + k v^T``, ``o = scale S^T q``.
+
+    Written out here rather than taken from ``cula.simple_gla`` so it checks cula's reference independently.
+    """
+    assert output_final_state
+    s = initial_state.float()
+    s = s.transpose(-1, -2) if state_v_first else s  # [N, H, K, V]
+    s = g_gamma.exp()[:, None, None] * s + k[:, 0, :, :, None].float() * v[:, 0, :, None, :].float()
+    o = torch.einsum("nhk,nhkv->nhv", q[:, 0].float() * q.shape[-1] ** -0.5, s)
+    return o[:, None].to(q.dtype), (s.transpose(-1, -2) if state_v_first else s).contiguous()
+
+
+def _stray_lightning_decode(q, k, v, decay, pool, indices, **kwargs):
+    from cula.lightning import lightning_decode
+
+    pool[pool.shape[0] - 1 - indices.long()] += 1.0  # the mirror rows: some of them were not given
+    return lightning_decode(q, k, v, decay, pool, indices, **kwargs)
+
+
+def _nan_lightning_decode(q, k, v, decay, pool, indices, **kwargs):
+    from cula.lightning import lightning_decode
+
+    return lightning_decode(q, k, v, decay, pool, indices, **kwargs).fill_(float("nan"))
+
+
+@pytest.fixture
+def small_ld(cpu_bench, monkeypatch):
+    """Lightning decode at H = HV = 2, D = 8 on the CPU, with a canned host-overhead measurement."""
+    monkeypatch.setattr(ld, "H", 2)
+    monkeypatch.setattr(ld, "HV", 2)
+    monkeypatch.setattr(ld, "D", 8)
+    monkeypatch.setattr(bc, "measure_host_overhead",
+                        lambda fn, **k: (fn(), {"host_us": 1.0, "back_to_back_us": 2.0, "gpu_us": 0.5})[1])
+    return cpu_bench
+
+
+ROW_KEYS = {
+    "config", "N", "layout", "H", "HV", "P", "fla_ms", "fla_kernel_ms", "cula_ms", "speedup",
+    "speedup_vs_kernel", "max_rel_err", "check", "backend", "bw_fraction", "fla_bw_fraction", "floor_ms",
+    "floor_pct", "fla_floor_pct", "state_mbytes", "mbytes", "rotation_sets", "fla_p10_ms", "fla_p90_ms",
+    "cula_p10_ms", "cula_p90_ms",
+}
+
+
+@pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
+def test_lightning_decode_pool_step_matches_cula(small_ld, state_v_first):
+    """FLA's gather + kernel + scatter and cula's reference backend agree on ``o`` and the pool."""
+    from cula.lightning import lightning_decode
+
+    args = ld.parse_args(["--iters", "3", "--warmup", "1"])
+    row = ld.run_config(ld.Config(1, state_v_first), _fla_simple_gla_step, lightning_decode, args, small_ld)
+    assert set(row) == ROW_KEYS | {"fla_host_us", "cula_host_us", "host_overhead_us"}, row
+    assert row["check"] == "ok" and row["max_rel_err"] < ld.WARN_TOL and row["backend"] == "reference"
+    assert row["layout"] == ("vk" if state_v_first else "kv") and row["rotation_sets"] == 2
+    for key in ("fla_ms", "fla_kernel_ms", "cula_ms", "speedup", "speedup_vs_kernel", "bw_fraction",
+                "fla_bw_fraction", "floor_pct"):
+        assert row[key] > 0, key
+    assert row["fla_host_us"] == row["cula_host_us"] == 2.0
+    assert set(row["host_overhead_us"]) == {"fla", "cula"}
+
+    # the pool step really is one: both calls leave the same pool, and only the given rows change
+    cfg = ld.Config(4, state_v_first)
+    s, shared = ld.make_set(cfg, 0), ld.make_shared(cfg)
+    fla_pool, cula_pool = s["pool"].clone(), s["pool"].clone()
+    fla_o = ld.fla_call(_fla_simple_gla_step, cfg, s, shared, fla_pool)()
+    cula_o = ld.cula_call(lightning_decode, cfg, s, shared, cula_pool)()
+    assert ld.check(s, fla_o, fla_pool, cula_o, cula_pool)[1] == "ok"
+    changed = (fla_pool != s["pool"]).flatten(1).any(1).nonzero().flatten()
+    assert changed.tolist() == sorted(s["indices"].tolist())
+    no_host = ld.run_config(cfg, _fla_simple_gla_step, lightning_decode, args, small_ld)
+    assert no_host["check"] == "ok" and set(no_host) == ROW_KEYS
+
+
+def test_lightning_decode_gate_and_errors(small_ld):
+    from cula.lightning import lightning_decode
+
+    args = ld.parse_args(["--iters", "3", "--warmup", "1", "--no-host-overhead"])
+    cfg = ld.Config(1, True)
+    ok = ld.run_config(cfg, _fla_simple_gla_step, lightning_decode, args, small_ld)
+    assert ok["check"] == "ok" and "fla_host_us" not in ok and "host_overhead_us" not in ok
+
+    stray = ld.run_config(ld.Config(64, True), _fla_simple_gla_step, _stray_lightning_decode, args, small_ld)
+    assert stray["check"] == "FAIL" and stray["max_rel_err"] == float("inf") and stray["cula_ms"] is None
+    assert stray["fla_ms"] > 0 and stray["fla_kernel_ms"] > 0 and stray["speedup"] is None
+
+    nan = ld.run_config(cfg, _fla_simple_gla_step, _nan_lightning_decode, args, small_ld)
+    assert nan["check"] == "FAIL" and nan["cula_ms"] is None and "errors" not in nan
+
+    raised = ld.run_config(cfg, _fla_simple_gla_step, _raising, args, small_ld)
+    assert raised["check"] == "FAIL" and "cula check" in raised["errors"] and raised["fla_ms"] > 0
+
+    no_fla = ld.run_config(cfg, _raising, lightning_decode, args, small_ld)
+    assert no_fla["check"] == "unchecked" and "fla check" in no_fla["errors"]
+    assert no_fla["fla_ms"] is None and no_fla["fla_kernel_ms"] is None and no_fla["cula_ms"] > 0
+
+
+def test_lightning_decode_run_benchmark_writes_rows_and_meta(small_ld, tmp_path):
+    import json
+
+    from cula.lightning import lightning_decode
+
+    args = ld.parse_args(["--iters", "2", "--warmup", "1", "--configs", "decode-N1-vk,decode-N64-kv",
+                          "--out", str(tmp_path)])
+    cfgs = bc.select_configs(ld.suite, args)
+    meta, rows, paths = ld.run_benchmark(cfgs, args, time.perf_counter(), _fla_simple_gla_step,
+                                         lightning_decode, small_ld)
+    assert paths["json"].name == "lightning_decode_subset.json" and paths["md"].exists()
+    written = json.loads(paths["json"].read_text())
+    assert [r["config"] for r in written["rows"]] == ["decode-N1-vk", "decode-N64-kv"]
+    assert all(r["check"] == "ok" and r["backend"] == "reference" for r in written["rows"])
+    assert set(written["rows"][1]) == ROW_KEYS | {"wall_s"}
+    assert {"shape", "decay", "calls", "fla_path", "cula_check_indices", "bw_fraction", "timing", "tolerance",
+            "copy_bw_tbps", "gemm_tflops", "host_overhead_us", "partial", "wall_s"} <= set(written["meta"])
+    assert set(written["meta"]["calls"]) == {"cula", "fla", "fla_kernel"}
+    assert meta["partial"] is False and set(meta["host_overhead_us"]) == {"decode-N1-vk"}
+    assert meta["tolerance"] == {"warn": ld.WARN_TOL, "fail": ld.FAIL_TOL}
+
+    # a spent budget still writes a (partial) result that names every skipped config
+    spent = ld.parse_args(["--max-seconds", "0", "--configs", args.configs, "--out", str(tmp_path)])
+    meta, rows, _ = ld.run_benchmark(cfgs, spent, time.perf_counter() - 1.0, _fla_simple_gla_step,
+                                     lightning_decode, small_ld)
+    assert rows == [] and meta["partial"] is True and meta["skipped_configs"] == [c.name for c in cfgs]
+
+
+@pytest.mark.gpu
+def test_lightning_decode_quick_on_gpu(tmp_path):
+    meta, rows, paths = ld.main(["--quick", "--iters", "5", "--warmup", "2", "--out", str(tmp_path)])
+    assert [r["config"] for r in rows] == list(ld.QUICK)
+    for r in rows:
+        assert r["check"] in ("ok", "warn") and r["backend"] == "cula-sm90", r
+        assert r["fla_ms"] > 0 and r["fla_kernel_ms"] > 0 and r["cula_ms"] > 0 and r["bw_fraction"] > 0
+    assert set(meta["host_overhead_us"]["decode-N1-vk"]) == {"fla", "cula"}
+    assert paths["json"].name == "lightning_decode_subset.json"
