@@ -267,3 +267,38 @@ def test_kda_decode_public_cuda(T, state_v_first, monkeypatch):
     assert_close("pool", pool_r, pool_c, TOL)
     assert torch.equal(pool_c[[1, 2, 4, 6, 8]], pool[[1, 2, 4, 6, 8]])
     assert torch.equal(o[1], torch.zeros_like(o[1]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_lightning_training_matches_fla(case, monkeypatch):
+    """Our forward + FLA's backward (simple_gla.backends._LightningTraining) against FLA end to end."""
+    import fla.ops.simple_gla as fs
+
+    import cula.simple_gla.backends as sb
+    from cula.lightning import lightning_attn_fwd
+
+    monkeypatch.setattr(sb, "TRAINING_VALIDATED", True)
+    q, k, v, cu, N = _inputs(*case)
+    H, HV, D = q.shape[2], v.shape[2], q.shape[-1]
+    decay = torch.rand(HV, device=DEV)
+    h0 = torch.randn(N, HV, D, D, device=DEV) * 0.1
+
+    def run(fn, expand):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        h = h0.clone().requires_grad_()
+        qq, kk = x[0], x[1]
+        if expand:  # FLA's simple GLA has no GVA
+            qq, kk = (t.repeat_interleave(HV // H, dim=2) for t in (qq, kk))
+        o, ht = fn(qq, kk, x[2], h)
+        (o.float().pow(2).sum() + ht.pow(2).sum()).backward()
+        return o, ht, [t.grad for t in x], h.grad
+
+    ours = run(lambda q_, k_, v_, h: lightning_attn_fwd(q_, k_, v_, decay, initial_state=h, output_final_state=True,
+                                                        cu_seqlens=cu), expand=False)
+    theirs = run(lambda q_, k_, v_, h: fs.chunk_simple_gla(q_, k_, v_, g_gamma=-decay, initial_state=h,
+                                                           output_final_state=True, cu_seqlens=cu), expand=True)
+    assert_close("o", theirs[0], ours[0], TOL)
+    assert_close("ht", theirs[1], ours[1], TOL)
+    for name, a, b in zip("qkv", theirs[2], ours[2]):
+        assert_close(f"d{name}", a, b, 8e-3)
+    assert_close("dh0", theirs[3], ours[3], 8e-3)
