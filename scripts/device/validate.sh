@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call (about 9 minutes) that checks on the H200 everything written since the last GPU run,
+# most important first, each step under its own time limit so a slow step cannot starve the rest.
+#   device run, carry [".device"], timeout 600:  bash scripts/device/validate.sh
+# Logs land in $OUT (one file per step); FLA's autotune results are restored and saved by run.sh.
+set -u
+cd "$(dirname "$0")/../.."
+S=$(date +%s)
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s) at +$(( $(date +%s) - S ))s"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "   rc=$?"; grep -E "passed|failed|error|FAIL|geomean" "$OUT/$name.log" | tail -4
+}
+P="python -m pytest -m gpu -q -rfE --tb=short -p no:warnings"
+step intra 120 $P tests/ops/test_kda_intra_kernel.py -k "not benchmark"
+step lightning_decode 90 $P tests/ops/test_lightning_decode_kernel.py tests/test_lightning_decode_api.py -k "not speed_report"
+step api 200 $P tests/test_gpu_api.py
+step reference 90 $P tests/test_reference.py tests/test_bench_common.py tests/test_bench_scripts.py
+step speed 60 $P -s tests/ops/test_lightning_decode_kernel.py tests/ops/test_kda_decode_kernel.py -k speed_report
+echo "== done at +$(( $(date +%s) - S ))s"
