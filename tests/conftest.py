@@ -11,6 +11,29 @@ import torch  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 
 
+def _fla_untuned() -> None:
+    """Let FLA's Triton kernels skip autotuning in tests: one config each, the lightest.
+
+    Tests compare numbers, and every config of a Triton autotuner computes the same result; but tuning
+    compiles and times every config on the first call per shape (a KDA forward: ~90 s), which would eat
+    most of a session's GPU time. Benchmarks do not load this file, so FLA is fully tuned there.
+    CULA_TEST_FLA_AUTOTUNE=1 restores tuning.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    prune = Autotuner.prune_configs
+
+    def lightest(self, *args, **kwargs):
+        configs = prune(self, *args, **kwargs)
+        return sorted(configs, key=lambda c: (c.num_stages, c.num_warps))[:1]
+
+    Autotuner.prune_configs = lightest
+
+
+if HAS_CUDA and os.environ.get("CULA_TEST_FLA_AUTOTUNE") != "1":
+    _fla_untuned()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
