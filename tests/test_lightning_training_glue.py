@@ -1,0 +1,80 @@
+"""CPU check of the glue in ``cula.simple_gla.backends._LightningTraining`` (our forward, FLA's backward).
+
+The kernel and FLA's Triton backward need a GPU; here both are replaced by the float64 reference and
+its autograd, so what is tested is everything in between: saved tensors, the base-2 decay FLA's
+backward expects, the GVA expansion and the summing of q/k gradients over each group, varlen and
+state layouts. The real pairing is tested on the GPU by test_gpu_api.py::test_lightning_training_matches_fla.
+"""
+
+import pytest
+import torch
+
+import cula.simple_gla.backends as sb
+from cula.simple_gla.naive import reference_chunk_simple_gla
+from cula.testing import assert_close, make_cu_seqlens
+
+
+def _fake_forward(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
+    with torch.no_grad():
+        return reference_chunk_simple_gla(
+            q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+
+
+def _fake_fla_bwd(q, k, v, g, g_gamma, initial_state, do, dht, scale, state_v_first, cu_seqlens, chunk_size,
+                  chunk_indices):  # fmt: skip
+    assert g is None and chunk_size == 64
+    assert q.shape[2] == v.shape[2], "FLA's backward has no GVA: q/k must arrive expanded"
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    h0 = None if initial_state is None else initial_state.detach().double().requires_grad_()
+    with torch.enable_grad():  # backward passes run with grad mode off
+        o, ht = reference_chunk_simple_gla(
+            *x, g_gamma=g_gamma.double() / sb.RCP_LN2, scale=scale, initial_state=h0, output_final_state=True,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        leaves = x + ([h0] if h0 is not None else [])
+        grads = torch.autograd.grad((o * do.double()).sum() + (ht * dht.double()).sum(), leaves)
+    dh0 = grads[3].float() if h0 is not None else None
+    return grads[0], grads[1], grads[2], None, dh0
+
+
+@pytest.mark.parametrize("gva", [1, 2])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_training_glue_matches_reference_autograd(monkeypatch, gva, varlen, state_v_first):
+    import fla.ops.simple_gla.chunk as fla_chunk
+    import fla.ops.utils as fla_utils
+
+    monkeypatch.setattr(sb, "_lightning_forward", _fake_forward)
+    monkeypatch.setattr(fla_chunk, "chunk_simple_gla_bwd", _fake_fla_bwd)
+    monkeypatch.setattr(fla_utils, "prepare_chunk_indices", lambda cu, chunk, cu_seqlens_cpu=None: None)
+
+    H, D = 2, 8
+    HV = H * gva
+    lens = [5, 0, 9] if varlen else None
+    B, T = (1, sum(lens)) if varlen else (2, 11)
+    cu = make_cu_seqlens(lens) if varlen else None
+    N = len(lens) if varlen else B
+    torch.manual_seed(0)
+    q, k = torch.randn(B, T, H, D), torch.randn(B, T, H, D)
+    v = torch.randn(B, T, HV, D)
+    g_gamma = -torch.rand(HV)
+    h0 = torch.randn(N, HV, D, D)
+    scale = D**-0.5
+
+    def leaves():
+        return [t.clone().double().requires_grad_() for t in (q, k, v, h0)]
+
+    ours = leaves()
+    o, ht = sb._LightningTraining.apply(ours[0], ours[1], ours[2], g_gamma.double(), ours[3], scale, True,
+                                        state_v_first, cu, None)  # fmt: skip
+    (o.pow(2).sum() + ht.pow(2).sum()).backward()
+
+    ref = leaves()
+    o_r, ht_r = reference_chunk_simple_gla(ref[0], ref[1], ref[2], g_gamma=g_gamma.double(), scale=scale,
+                                           initial_state=ref[3], output_final_state=True,
+                                           state_v_first=state_v_first, cu_seqlens=cu)  # fmt: skip
+    (o_r.pow(2).sum() + ht_r.pow(2).sum()).backward()
+    for name, a, b in zip(("dq", "dk", "dv", "dh0"), ref, ours):
+        assert_close(name, a.grad, b.grad, 1e-6)
