@@ -14,9 +14,16 @@ from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
 
 def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=None) -> torch.Tensor:
-    """FLA 0.6.0's decay schedule: ``g_gamma[h] = -(8 / H) * (1 - layer_idx / num_layers) * h``, fp32 ``[H]``."""
+    """FLA 0.6.0's Lightning decay schedule (``fla/ops/lightning_attn/chunk.py``), bit for bit.
+
+    ``g_gamma[h] = -(8 / H * (1 - layer_idx / num_layers)) * h`` for ``h = 0 .. H-1``: head 0 never
+    decays and the log decay grows linearly with the head index (not the geometric ALiBi slopes).
+
+    Returns:
+        ``[num_heads]`` float32 log decay (<= 0); ``decay = -g_gamma``.
+    """
     return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(
-        num_heads, dtype=torch.float, device=device
+        num_heads, dtype=torch.float32, device=device
     )
 
 

@@ -11,23 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from cula.lightning.chunk import lightning_g_gamma
 from cula.simple_gla.naive import reference_chunk_simple_gla
 
 __all__ = ["lightning_g_gamma", "reference_chunk_lightning_attn", "reference_lightning_attn"]
-
-
-def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=None) -> torch.Tensor:
-    """FLA 0.6.0's Lightning decay schedule (``fla/ops/lightning_attn/chunk.py``), bit for bit.
-
-    ``g_gamma[h] = -(8 / H * (1 - layer_idx / num_layers)) * h`` for ``h = 0 .. H-1``: head 0 never
-    decays and the log decay grows linearly with the head index (not the geometric ALiBi slopes).
-
-    Returns:
-        ``[num_heads]`` float32 log decay (<= 0); ``decay = -g_gamma``.
-    """
-    return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(
-        num_heads, dtype=torch.float32, device=device
-    )
 
 
 def reference_lightning_attn(
