@@ -302,3 +302,28 @@ def test_lightning_training_matches_fla(case, monkeypatch):
     for name, a, b in zip("qkv", theirs[2], ours[2]):
         assert_close(f"d{name}", a, b, 8e-3)
     assert_close("dh0", theirs[3], ours[3], 8e-3)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_chunk_simple_gla_data_dependent_gate_cuda(case):
+    import fla.ops.simple_gla as fs
+
+    import cula.simple_gla as cs
+    from cula.simple_gla.naive import naive_recurrent_simple_gla
+
+    q, k, v, cu, N = _inputs(*case)
+    B, T, H, D = q.shape
+    HV = v.shape[2]
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device=DEV) + 2)
+    h0 = torch.randn(N, HV, D, D, device=DEV) * 0.1
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    poison_cuda_allocator()
+    o, ht = cs.chunk_simple_gla(q, k, v, g=g, **kw)
+    ro, rt = naive_recurrent_simple_gla(q.double(), k.double(), v.double(), g=g.double(),
+                                        initial_state=h0.double(), output_final_state=True, cu_seqlens=cu)
+    assert_close("o vs ref", ro, o, TOL)
+    assert_close("ht vs ref", rt, ht, TOL)
+    if HV == H:
+        o_f, ht_f = fs.chunk_simple_gla(q, k, v, g=g, **kw)
+        assert_close("o vs fla", o_f, o, TOL)
+        assert_close("ht vs fla", ht_f, ht, TOL)
