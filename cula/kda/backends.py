@@ -78,15 +78,9 @@ def _chunk_kda_cula_sm90(
     chunk_size,
     **_unused,
 ):
-    from fla.modules.l2norm import l2norm_fwd
-
     from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
 
-    if use_qk_l2norm_in_kernel:
-        q, _ = l2norm_fwd(q)
-        k, _ = l2norm_fwd(k)
-    if use_beta_sigmoid_in_kernel:
-        beta = beta.float().sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+    # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel with CULA_KDA_INTRA=1)
     return chunk_kda_fwd_sm90(
         q,
         k,
@@ -105,6 +99,9 @@ def _chunk_kda_cula_sm90(
         dt_bias=dt_bias,
         lower_bound=lower_bound if use_gate_in_kernel else None,
         safe_gate=safe_gate,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
     )
 
 

@@ -1,9 +1,12 @@
 """KDA intra-chunk kernel on SM90 (``cula/ops/kda/sm90/intra.py``).
 
-CPU: the gate / dtype / varlen variants trace and compile for sm_90a; the PTX/SASS has RS and SS WGMMA and TMA,
-and ptxas reports no spills and no WGMMA serialisation. GPU (``-m gpu`` on an H100/H200): the kernel against
-FLA 0.6.0's gate cumsum + ``chunk_kda_fwd_intra(disable_recompute=True)`` on identical inputs, and the kernel
-feeding ``chunk_kda_delta_h_fwd_o_sm90`` against FLA's ``chunk_kda``.
+CPU: the gate / dtype / varlen / fused-preprocessing variants trace and compile for sm_90a; the PTX/SASS has RS
+and SS WGMMA and TMA, and ptxas reports no spills and no WGMMA serialisation; ``chunk_kda_fwd_sm90`` picks the
+intra stage (``CULA_KDA_INTRA``, ``safe_gate``) and passes the preprocessing flags as intended. GPU (``-m gpu`` on
+an H100/H200): the kernel against FLA 0.6.0's gate cumsum + ``chunk_kda_fwd_intra(disable_recompute=True)`` on
+identical inputs (also with the q/k L2 norm and beta sigmoid fused, against FLA's ``l2norm_fwd`` +
+``fused_beta_sigmoid`` outside), the kernel feeding ``chunk_kda_delta_h_fwd_o_sm90`` against FLA's ``chunk_kda``,
+and ``cula.kda.chunk_kda`` with ``CULA_KDA_INTRA=1`` against FLA's ``chunk_kda``.
 """
 
 from __future__ import annotations
@@ -33,14 +36,19 @@ RCP_LN2 = 1.4426950408889634
 # CPU: compile the variants once, in a subprocess (ptxas remarks need the env var before cutlass import)
 # ----------------------------------------------------------------------------------------------------
 
-# Each trace costs ~20 s on 2 cores: every gate kind, varlen on/off, each raw-gate and beta dtype once, fp16 once.
+# Each trace costs ~20 s on 2 cores: every gate kind, varlen on/off, each raw-gate and beta dtype once, fp16 once;
+# the fused q/k L2 norm with each beta activation once (the first is chunk_kda's safe-gate inference config).
 _VARIANTS = [
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False},
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": True},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": False},
     {"dtype": "BFloat16", "g": "Float32", "beta": "Float32", "gate": "sigmoid", "varlen": True},
     {"dtype": "Float16", "g": "Float32", "beta": "Float16", "gate": "sigmoid", "varlen": False},
-]
+    {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
+     "beta_act": "sigmoid"},
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "Float32", "gate": "none", "varlen": False, "l2norm": True,
+     "beta_act": "sigmoid2"},
+]  # fmt: skip
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
@@ -53,7 +61,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         os.makedirs(d, exist_ok=True)
         t0 = time.time()
         M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
-                   v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}")
+                   v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}",
+                   l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"))
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -86,7 +95,12 @@ def compiled_variants(tmp_path_factory):
 
 
 def _vid(v):
-    return f"{v['dtype']}-g{v['g']}-beta{v['beta']}-{v['gate']}-{'varlen' if v['varlen'] else 'fixed'}"
+    vid = f"{v['dtype']}-g{v['g']}-beta{v['beta']}-{v['gate']}-{'varlen' if v['varlen'] else 'fixed'}"
+    if v.get("l2norm"):
+        vid += "-l2norm"
+    if v.get("beta_act", "none") != "none":
+        vid += f"-beta_{v['beta_act']}"
+    return vid
 
 
 @pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=[_vid(v) for v in _VARIANTS])
@@ -102,6 +116,9 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
         assert code not in remarks, remarks[-3000:]
     assert res["cubins"]
     nvdisasm = find_nvdisasm()
+    if _VARIANTS[idx].get("l2norm"):
+        # the fused row norms: warp shuffles and a correctly rounded sqrt (FLA's 1 / sqrt(sum + eps))
+        assert "shfl.sync.bfly" in ptx and "sqrt.rn.f32" in ptx
     if nvdisasm is None:
         pytest.skip("nvdisasm not found: PTX checked, SASS not")
     sass = subprocess.run(
@@ -137,6 +154,8 @@ def test_launcher_validates():
     with pytest.raises(ValueError, match="multiple"):
         v3 = torch.zeros(B, T, 3, 128, dtype=bf)
         chunk_kda_intra_sm90(q, q, v3, g, beta, 1.0, *outs, A, gc, gate="none")
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, *outs, A, gc, gate="none", allow_neg_eigval=True)
     with pytest.raises(ValueError, match="batch size must be 1"):
         q2, v2, g2 = (x.expand(2, *x.shape[1:]).contiguous() for x in (q, v, g))
         b2, A2, gc2 = (x.expand(2, *x.shape[1:]).contiguous() for x in (beta, A, gc))
@@ -155,6 +174,94 @@ def test_prepare_chunk_indices_matches_fla():
     ours = prepare_chunk_indices_i32(cu)
     assert ours.dtype == torch.int32
     assert torch.equal(ours.long(), prepare_chunk_indices(cu.long(), 64).cpu())
+
+
+def _stub_stages(monkeypatch):
+    """chunk_kda_fwd_sm90 with both intra stages and the delta_h kernel replaced by recorders (CPU)."""
+    from cula.ops.kda.sm90 import chunk_fwd as CF
+
+    calls = []
+
+    def stage(which):
+        def run(q, k, v, *args):
+            calls.append((which, args))
+            B, T, _H, K = q.shape
+            z = torch.zeros(B, T, v.shape[2], K)
+            return z, z, z, z, torch.zeros(B, T, v.shape[2], 64), z
+
+        return run
+
+    monkeypatch.setattr(CF, "_intra_cute", stage("cute"))
+    monkeypatch.setattr(CF, "_intra_fla", stage("fla"))
+    monkeypatch.setattr(CF, "chunk_kda_delta_h_fwd_o_sm90", lambda *a, **kw: None)
+    return CF.chunk_kda_fwd_sm90, calls
+
+
+def test_chunk_fwd_picks_intra_stage(monkeypatch):
+    """CULA_KDA_INTRA=1 (read per call) and safe_gate select cula's fused intra; the flags reach it unchanged."""
+    fwd, calls = _stub_stages(monkeypatch)
+    B, T, H, HV = 1, 70, 2, 4
+    q = torch.zeros(B, T, H, 128, dtype=torch.bfloat16)
+    v = torch.zeros(B, T, HV, 128, dtype=torch.bfloat16)
+    g = torch.zeros(B, T, HV, 128)
+    beta = torch.zeros(B, T, HV, dtype=torch.bfloat16)
+    flags = {"use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}
+    gate = {"use_gate_in_kernel": True, "lower_bound": -5.0}
+
+    def run(**kw):
+        calls.clear()
+        fwd(q, q, v, g, beta, 0.1, None, False, **kw)
+        ((which, args),) = calls
+        return which, args
+
+    monkeypatch.delenv("CULA_KDA_INTRA", raising=False)
+    assert run(safe_gate=True, **gate, **flags)[0] == "fla"
+    monkeypatch.setenv("CULA_KDA_INTRA", "1")
+    which, args = run(safe_gate=True, **gate, **flags)
+    assert which == "cute"
+    # (g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound, l2norm, sigmoid, neg)
+    assert args[5] is True and args[8] == -5.0 and args[-3:] == (True, True, True)
+    assert run(safe_gate=False, **gate, **flags)[0] == "fla"
+    # beyond the range where cula's kernel is exact
+    assert run(safe_gate=True, use_gate_in_kernel=True, lower_bound=-6.0)[0] == "fla"
+    assert run(safe_gate=True, use_gate_in_kernel=True)[0] == "fla"  # softplus gate: unbounded
+    which, args = run(safe_gate=True)  # precomputed gate, the caller's safe_gate promise
+    assert which == "cute" and args[-3:] == (False, False, False)
+    which, args = run(safe_gate=False, **flags)
+    assert which == "fla" and args[-3:] == (True, True, True)
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        fwd(q, q, v, g, beta, 0.1, None, False, allow_neg_eigval=True)
+    # varlen: int32 cu_seqlens and FLA's chunk indices go to cula's kernel
+    cu = torch.tensor([0, 5, 70], dtype=torch.int64)
+    which, args = run(safe_gate=True, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    assert which == "cute" and args[3].dtype == torch.int32 and args[4].shape == (3, 2)
+    monkeypatch.setenv("CULA_KDA_INTRA", "0")
+    assert run(safe_gate=True, **gate)[0] == "fla"
+
+
+def test_backend_passes_preprocessing_flags(monkeypatch):
+    """The cula-sm90 backend leaves q/k/beta alone and hands the three flags to chunk_kda_fwd_sm90."""
+    from cula.kda.backends import _chunk_kda_cula_sm90
+    from cula.ops.kda.sm90 import chunk_fwd as CF
+
+    seen = {}
+
+    def fake(q, k, v, g, beta, *args, **kw):
+        seen.update(kw, q=q, beta=beta)
+        return None, None
+
+    monkeypatch.setattr(CF, "chunk_kda_fwd_sm90", fake)
+    q, beta = torch.randn(1, 4, 1, 128), torch.randn(1, 4, 1)
+    _chunk_kda_cula_sm90(
+        q=q, k=q, v=q, g=q, beta=beta, scale=0.1, initial_state=None, output_final_state=False,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        allow_neg_eigval=True, safe_gate=True, lower_bound=-5.0, state_v_first=True, cu_seqlens=None,
+        cu_seqlens_cpu=None, A_log=None, dt_bias=None, chunk_size=64,
+    )  # fmt: skip
+    assert seen["q"] is q and seen["beta"] is beta
+    for key in ("use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate"):
+        assert seen[key] is True, key
+    assert seen["lower_bound"] == -5.0 and seen["state_v_first"] is True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -248,7 +355,7 @@ def _lower_mask(T, cu, device):
     return tri[pos % 64]
 
 
-def _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lower_bound):
+def _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lower_bound, **fused):
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
     from cula.testing import poison_
 
@@ -259,7 +366,7 @@ def _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lower_bound
     g_cum = poison_(torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device))
     chunk_kda_intra_sm90(
         q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu, ci, gate=gate, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound,
+        lower_bound=lower_bound, **fused,
     )  # fmt: skip
     return g_cum, w, u, qg, kg, Aqk
 
@@ -286,6 +393,119 @@ def test_intra_vs_fla(case):
     lower = _lower_mask(q.shape[1], cu, q.device)[None, :, None, :]
     assert_close("Aqk (lower)", A_ref.masked_fill(~lower, 0), A_out.masked_fill(~lower, 0), RATIO)
     assert torch.all(A_out.masked_select(~lower.expand_as(A_out)) == 0), "Aqk above the diagonal must be 0"
+
+
+def _raw_preproc(case, device="cuda"):
+    """_setup's inputs with raw q/k (rows of norm ~0.25-4 x sqrt(K)) and beta logits, for the fused variants."""
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def raw(x):
+        mag = 0.25 + 4 * torch.rand(*x.shape[:-1], 1, device=device, generator=gen)
+        return (mag * torch.randn(x.shape, device=device, generator=gen)).to(torch.bfloat16)
+
+    beta = (2 * torch.randn(beta.shape, device=device, generator=gen)).to(torch.bfloat16)
+    return raw(q), raw(k), v, g, beta, cu, A_log, dt_bias, lb
+
+
+def _fla_preproc(q, k, beta, beta_act):
+    """FLA's chunk_kda preprocessing: l2norm_fwd on q and k (bf16 out), fused_beta_sigmoid (fp32 out)."""
+    from fla.modules.l2norm import l2norm_fwd
+    from fla.ops.common.gate import fused_beta_sigmoid_fwd
+
+    qn, _ = l2norm_fwd(q)
+    kn, _ = l2norm_fwd(k)
+    return qn, kn, fused_beta_sigmoid_fwd(beta, 2.0 if beta_act == "sigmoid2" else 1.0)
+
+
+# (case as CASES, beta activation): one (H, HV, varlen) combination each that CASES already has
+FUSED_CASES = [
+    ((2, 63, 2, 2, None, "sigmoid", "strong"), "sigmoid"),
+    ((1, 1000, 2, 4, None, "softplus", "weak"), "sigmoid2"),
+    ((1, 0, 2, 2, [0, 1, 63, 300, 64], "none", "strong"), "sigmoid"),
+    ((1, 0, 2, 2, [0, 1, 63, 300, 64], "sigmoid", "weak"), "sigmoid2"),
+]
+
+
+@pytest.mark.parametrize("case,beta_act", FUSED_CASES, ids=[f"{_case_id(c)}-{b}" for c, b in FUSED_CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_intra_fused_preproc_vs_fla(case, beta_act):
+    """use_qk_l2norm + beta_sigmoid in the kernel vs FLA's l2norm_fwd + fused_beta_sigmoid + intra outside."""
+    from cula.testing import assert_close
+
+    gate = case[5]
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = _raw_preproc(case)
+    scale = 128**-0.5
+    qn, kn, beta_s = _fla_preproc(q, k, beta, beta_act)
+    g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref, ci = _fla_intra(qn, kn, v, g, beta_s, scale, cu, gate, A_log,
+                                                                dt_bias, lb)  # fmt: skip
+    fused = {"use_qk_l2norm": True, "beta_sigmoid": True, "allow_neg_eigval": beta_act == "sigmoid2"}
+    out = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, **fused)
+    # the same kernel fed FLA's preprocessed tensors: the fusion alone should change next to nothing
+    # (q/k differ at most by a bf16 rounding tie, beta by a few fp32 ulp)
+    unfused = _run_ours(qn, kn, v, g, beta_s, scale, cu, ci, gate, A_log, dt_bias, lb)
+    torch.cuda.synchronize()
+    g_out, w_out, u_out, qg_out, kg_out, A_out = out
+    assert_close("g_cum", g_ref, g_out, 1e-5)
+    assert_close("qg", qg_ref, qg_out, RATIO)
+    assert_close("kg", kg_ref, kg_out, RATIO)
+    assert_close("w", w_ref, w_out, RATIO)
+    assert_close("u", u_ref, u_out, RATIO)
+    lower = _lower_mask(q.shape[1], cu, q.device)[None, :, None, :]
+    assert_close("Aqk (lower)", A_ref.masked_fill(~lower, 0), A_out.masked_fill(~lower, 0), RATIO)
+    assert torch.all(A_out.masked_select(~lower.expand_as(A_out)) == 0), "Aqk above the diagonal must be 0"
+    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), unfused, out):
+        assert_close(f"{name} fused vs unfused", a, b, 1e-3)
+
+
+E2E_FUSED_CASES = [
+    (2, 300, 2, 4, None, "sigmoid", "strong"),
+    (1, 0, 2, 4, [0, 1, 63, 300, 64], "sigmoid", "weak"),
+]
+
+
+@pytest.mark.parametrize("case", E2E_FUSED_CASES, ids=[_case_id(c) for c in E2E_FUSED_CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_chunk_kda_cula_intra_vs_fla(case, monkeypatch):
+    """cula.kda.chunk_kda with CULA_KDA_INTRA=1 (fused l2norm, gate, beta sigmoid) vs FLA's chunk_kda."""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    import cula.ops.kda.sm90.intra as intra_mod
+    from cula.kda import chunk_kda
+    from cula.testing import assert_close, poison_cuda_allocator
+
+    monkeypatch.setenv("CULA_KDA_INTRA", "1")
+    monkeypatch.setenv("CULA_BACKEND", "cula-sm90")  # raise rather than fall back to FLA
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")
+    seen = []
+    real = intra_mod.chunk_kda_intra_sm90
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(intra_mod, "chunk_kda_intra_sm90", spy)
+    q, k, v, g, beta, cu, A_log, dt_bias, _lb = _raw_preproc(case)
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    HV = v.shape[2]
+    h0 = 0.1 * torch.randn(N, HV, 128, 128, device="cuda")  # [N, HV, V, K] with state_v_first
+    kwargs = {
+        "scale": 128**-0.5, "initial_state": h0, "output_final_state": True, "use_qk_l2norm_in_kernel": True,
+        "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0,
+        "state_v_first": True, "cu_seqlens": cu.long() if cu is not None else None, "A_log": A_log,
+        "dt_bias": dt_bias,
+    }  # fmt: skip
+    poison_cuda_allocator()
+    with torch.inference_mode():
+        o, ht = chunk_kda(q, k, v, g, beta, **kwargs)
+        o_ref, ht_ref = fla_chunk_kda(q, k, v, g, beta, **kwargs)
+    torch.cuda.synchronize()
+    assert len(seen) == 1, "cula's intra kernel did not run"
+    assert seen[0]["use_qk_l2norm"] and seen[0]["beta_sigmoid"] and seen[0]["gate"] == "sigmoid"
+    assert_close("o", o_ref, o, RATIO)
+    assert_close("final_state", ht_ref, ht, RATIO)
 
 
 @pytest.mark.gpu

@@ -1,17 +1,26 @@
-"""KDA chunk forward on SM90: FLA's Triton intra-chunk stage, then cula's fused state/output kernel.
+"""KDA chunk forward on SM90: an intra-chunk stage, then cula's fused state/output kernel.
 
-Stage split (FLA 0.6.0 ``fla/ops/kda/chunk_fwd.py::chunk_kda_fwd`` is the reference):
+Stage split (FLA 0.6.0 ``fla/ops/kda/chunk.py`` + ``chunk_fwd.py::chunk_kda_fwd`` are the reference):
 
-1. ``chunk_local_cumsum(g, scale=1/ln 2)``: chunk-local cumsum of the log gate, base 2, fp32 (FLA Triton).
+0. Optional preprocessing, as FLA's ``ChunkKDAFunction``: ``l2norm_fwd`` on q and k, ``fused_beta_sigmoid`` on
+   beta (FLA Triton).
+1. ``chunk_local_cumsum(g, scale=1/ln 2)`` (or ``kda_gate_chunk_cumsum`` with the fused gate): chunk-local
+   cumsum of the log gate, base 2, fp32 (FLA Triton).
 2. ``chunk_kda_fwd_intra(..., disable_recompute=True)``: w, u, qg, kg, Aqk (FLA Triton); ``disable_recompute``
    only makes it also return ``qg = q exp2(g)``, which our kernel reads instead of q and the full g tile.
 3. ``chunk_kda_delta_h_fwd_o_sm90``: the state recurrence and the output in one CuTe DSL kernel, in place of
    FLA's ``chunk_gated_delta_rule_fwd_h`` + ``chunk_gla_fwd_o_gk``; no per-chunk states or v_new in memory.
 
-Importing fla here is deliberate: this module orchestrates FLA's Triton stage until cula has its own.
+With ``CULA_KDA_INTRA=1`` in the environment (read per call) and ``safe_gate=True``, stages 0-2 are one CuTe DSL
+launch instead, ``chunk_kda_intra_sm90`` with the q/k L2 norm and the beta sigmoid fused (cula's intra kernel is
+exact only for bounded gates, see its module docstring). Without ``safe_gate`` FLA's stages run either way.
+
+Importing fla here is deliberate: this module orchestrates FLA's Triton stages until cula's replace them.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -20,6 +29,22 @@ from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 __all__ = ["chunk_kda_fwd_sm90"]
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln(2): FLA keeps the gate cumsum in base 2
+CUTE_INTRA_ENV = "CULA_KDA_INTRA"
+# cula's intra kernel is exact while no channel decays by more than 69 nats over 8 steps; FLA's safe-gate range
+# (lower_bound >= -5, at most 40 nats) is inside that, anything below it is left to FLA's stage
+_CUTE_INTRA_MIN_LOWER_BOUND = -5.0
+
+
+def _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) -> bool:
+    """Whether this call takes ``chunk_kda_intra_sm90`` instead of FLA's preprocessing + cumsum + intra."""
+    if os.environ.get(CUTE_INTRA_ENV, "0") != "1" or not safe_gate:
+        return False
+    if q.shape[-1] != 128 or v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if lower_bound is not None and lower_bound < _CUTE_INTRA_MIN_LOWER_BOUND:
+        return False
+    # the fused softplus gate has no lower bound, whatever safe_gate promises
+    return not (use_gate_in_kernel and lower_bound is None)
 
 
 def chunk_kda_fwd_sm90(
@@ -41,15 +66,19 @@ def chunk_kda_fwd_sm90(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     safe_gate: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA forward for already-preprocessed inputs (FLA's ``chunk_kda_fwd`` without gate/beta/l2norm fusion).
+    """KDA forward, inference only (FLA's ``ChunkKDAFunction.forward`` without the saved tensors).
 
     Args:
-        q, k: ``[B, T, H, K]`` bf16 (or fp16), already L2-normalised if the model does so.
+        q, k: ``[B, T, H, K]`` bf16 (or fp16); L2-normalised here with ``use_qk_l2norm_in_kernel``.
         v: ``[B, T, HV, V]`` same dtype; HV is a multiple of H (GVA).
         g: ``[B, T, HV, K]`` log-space decay (natural log, <= 0), any float dtype; raw gate logits when
             ``use_gate_in_kernel`` (the gate activation is then fused with the chunk cumsum, as in FLA).
-        beta: ``[B, T, HV]`` post-sigmoid.
+        beta: ``[B, T, HV]`` post-sigmoid, or logits with ``use_beta_sigmoid_in_kernel`` (``2 sigmoid`` with
+            ``allow_neg_eigval``, which needs ``use_beta_sigmoid_in_kernel``).
         scale: query scale (FLA default ``K ** -0.5`` is the caller's job).
         initial_state: ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]`` if ``state_v_first``) or None.
         output_final_state: return the final state (same layout, fp32).
@@ -57,14 +86,14 @@ def chunk_kda_fwd_sm90(
         cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (saves FLA a device sync).
         chunk_size: must be 64.
         use_gate_in_kernel, A_log, dt_bias, lower_bound: FLA's fused gate (see ``cula.kda.chunk_kda``).
-        safe_gate: gates are known to lie in ``[lower_bound, 0)``; selects FLA's faster intra-chunk path.
+        safe_gate: gates are known to lie in ``[lower_bound, 0)`` (``lower_bound >= -5``); selects FLA's faster
+            intra-chunk path, or cula's fused one with ``CULA_KDA_INTRA=1`` in the environment.
+        use_qk_l2norm_in_kernel: ``x / sqrt(sum x^2 + 1e-6)`` on each q and k row (FLA's ``l2norm_fwd``).
+        use_beta_sigmoid_in_kernel, allow_neg_eigval: beta holds logits (see beta).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None.
     """
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-    from fla.ops.kda.gate import kda_gate_chunk_cumsum
-    from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.index import prepare_chunk_indices
 
     if chunk_size != 64:
@@ -75,6 +104,8 @@ def chunk_kda_fwd_sm90(
         raise ValueError(f"value heads ({HV}) must be a multiple of query/key heads ({H})")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1 (flatten the sequences), got {B}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
 
@@ -94,22 +125,19 @@ def chunk_kda_fwd_sm90(
     chunk_indices = None
     if cu_seqlens is not None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
-    if use_gate_in_kernel:
-        g_cum = kda_gate_chunk_cumsum(
-            g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, lower_bound=lower_bound,
-        )  # fmt: skip
-    else:
-        g_cum = chunk_local_cumsum(
-            g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
-        )
-    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
-        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=chunk_indices, safe_gate=safe_gate, disable_recompute=True,
-    )  # fmt: skip
     cu32 = None
     if cu_seqlens is not None:
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    if _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
+        w, u, qg, kg, Aqk, g_cum = _intra_cute(
+            q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+            use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        )  # fmt: skip
+    else:
+        w, u, qg, kg, Aqk, g_cum = _intra_fla(
+            q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, use_gate_in_kernel, A_log, dt_bias,
+            lower_bound, safe_gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        )  # fmt: skip
     chunk_kda_delta_h_fwd_o_sm90(
         w,
         u,
@@ -125,3 +153,61 @@ def chunk_kda_fwd_sm90(
         state_v_first=state_v_first,
     )
     return o, final_state
+
+
+def _intra_fla(
+    q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, use_gate_in_kernel, A_log, dt_bias,
+    lower_bound, safe_gate, use_qk_l2norm, beta_sigmoid, allow_neg_eigval,
+):  # fmt: skip
+    """FLA's preprocessing, gate cumsum and intra stage; returns ``(w, u, qg, kg, Aqk, g_cum)``."""
+    from fla.modules.l2norm import l2norm_fwd
+    from fla.ops.common.gate import fused_beta_sigmoid_fwd
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_chunk_cumsum
+    from fla.ops.utils import chunk_local_cumsum
+
+    if use_qk_l2norm:
+        q, _ = l2norm_fwd(q)
+        k, _ = l2norm_fwd(k)
+    if beta_sigmoid:
+        # FLA's own beta path (fp32 out), one launch
+        beta = fused_beta_sigmoid_fwd(beta, 2.0 if allow_neg_eigval else 1.0)
+    if use_gate_in_kernel:
+        g_cum = kda_gate_chunk_cumsum(
+            g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, lower_bound=lower_bound,
+        )  # fmt: skip
+    else:
+        g_cum = chunk_local_cumsum(
+            g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
+        )
+    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        chunk_indices=chunk_indices, safe_gate=safe_gate, disable_recompute=True,
+    )  # fmt: skip
+    return w, u, qg, kg, Aqk, g_cum
+
+
+def _intra_cute(
+    q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+    use_qk_l2norm, beta_sigmoid, allow_neg_eigval,
+):  # fmt: skip
+    """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``."""
+    from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
+
+    B, T, _H, K = q.shape
+    HV = v.shape[2]
+    gate = "none"
+    if use_gate_in_kernel:
+        gate = "sigmoid" if lower_bound is not None else "softplus"
+    w = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
+    qg, kg = torch.empty_like(w), torch.empty_like(w)
+    u = torch.empty_like(v)
+    Aqk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
+    g_cum = torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device)
+    chunk_kda_intra_sm90(
+        q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu32, chunk_indices, gate=gate, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound if gate == "sigmoid" else None, use_qk_l2norm=use_qk_l2norm,
+        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
+    )  # fmt: skip
+    return w, u, qg, kg, Aqk, g_cum

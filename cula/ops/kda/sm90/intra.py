@@ -5,6 +5,8 @@ disable_recompute=True)`` (``fla/ops/kda/gate.py``, ``fla/ops/utils/cumsum.py``,
 ``chunk_intra_token_parallel.py``, ``wy_fast.py``) with one CuTe DSL kernel. One CTA per (chunk of BT = 64
 tokens, value head); per chunk, with rows t, s in [0, 64), ``gc = g_cum`` and ``gl = gc[last valid row]``::
 
+    q, k   = bf16(x / sqrt(sum_k x^2 + 1e-6))          # only with l2norm_qk (FLA's l2norm_fwd), per row
+    beta   = act_b(beta)                              # beta_act "none": beta; "sigmoid"; "sigmoid2": 2 sigmoid
     a      = act(g)                                   # "none": g; "softplus": -exp(A_log) softplus(g + dt_bias);
                                                       # "sigmoid": lower_bound sigmoid(exp(A_log) (g + dt_bias))
     gc     = cumsum_t(a) / ln 2                       # fp32, written for the valid rows
@@ -33,8 +35,9 @@ Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthr
 phase  work
 =====  ==========================================================================================================
 P0     thread 0: mbarrier + four TMA tile loads (q, k [64 x 128] of head hv // (HV/H); v, raw g of head hv);
-       beta row to smem (0 past the sequence end); wait
-P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem and gmem.  WG1: v <- bf16(beta v)
+       act_b(beta) row to smem (0 past the sequence end); wait
+P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem and gmem.  WG1: v <- bf16(beta v),
+       then (l2norm_qk) the 128 q/k rows normalised in place, one warp per row (shuffle reduction)
 P2     all: qg, kg to gmem; score B operands (query factor * q | k, bf16 hi/lo) to smem
 P3     WG w: anchors w and w + 2: A operand (key factor * k, hi/lo) built in registers, RS WGMMA 64x32x128 x3;
        Aqk rows to gmem, Akk rows to smem (fp32)
@@ -47,6 +50,10 @@ P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16
 Memory floor (bf16 q/k/v, fp32 g, H = HV): it reads q, k, v (3 x 256 B per token and head), g (512 B) and beta,
 writes w, u, qg, kg (4 x 256 B), Aqk (128 B) and g_cum (512 B): 1,282 B read, 1,664 B written, 2,946 B per
 token and head, about 2.3x its inputs.
+
+The fused q/k L2 norm is rounded back to q's dtype in place, exactly what FLA's ``l2norm_fwd`` hands its intra
+stage: the tiles stay the bf16 WGMMA operands they were, and the comparison with FLA isolates the intra math.
+With GVA each of the HV/H value-head CTAs sharing a q/k head normalises its own copy.
 
 Supported: K = V = 128, BT = 64, bf16/fp16 q/k/v, g in fp32/bf16/fp16, beta in bf16/fp16/fp32, GVA
 (HV a multiple of H), varlen (``cu_seqlens`` int32 + ``chunk_indices`` int32 ``[NT, 2]`` of (sequence, chunk)).
@@ -68,9 +75,11 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options, compiled_kernel
 
-__all__ = ["GATES", "ChunkKDAIntraFwdSm90", "chunk_kda_intra_sm90", "prepare_chunk_indices_i32"]
+__all__ = ["BETA_ACTS", "GATES", "ChunkKDAIntraFwdSm90", "chunk_kda_intra_sm90", "prepare_chunk_indices_i32"]
 
 GATES = ("none", "softplus", "sigmoid")
+BETA_ACTS = ("none", "sigmoid", "sigmoid2")  # sigmoid2 = 2 sigmoid (FLA's allow_neg_eigval)
+L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
@@ -80,16 +89,21 @@ class ChunkKDAIntraFwdSm90:
     """KDA intra-chunk forward (gate cumsum + Aqk + (I + Akk)^-1 + w, u, qg, kg), sm_90a.
 
     Static configuration: dtype of q/k/v and of the bf16 outputs, dtype of the raw gate and of beta, the gate
-    activation and varlen. Token counts, heads and sequences are runtime values.
+    activation, varlen, the fused q/k L2 norm (``l2norm_qk``) and the beta activation (``beta_act``). Token
+    counts, heads and sequences are runtime values.
     """
 
     arch = 90
 
     def __init__(
-        self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False
-    ):
+        self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
+        l2norm_qk: bool = False, beta_act: str = "none",
+    ):  # fmt: skip
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if beta_act not in BETA_ACTS:
+            raise ValueError(f"beta_act must be one of {BETA_ACTS}, got {beta_act!r}")
+        self.l2norm_qk, self.beta_act = bool(l2norm_qk), beta_act
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype, self.g_dtype, self.beta_dtype = dtype, g_dtype, beta_dtype
@@ -188,6 +202,34 @@ class ChunkKDAIntraFwdSm90:
             a = lower_bound / (1.0 + cute.math.exp2(-z * RCP_LN2, fastmath=True))
         return a
 
+    @cute.jit
+    def _act_beta(self, x: Float32) -> Float32:
+        """beta as the delta rule uses it (FLA ``fused_beta_sigmoid``: ``scale sigmoid(x)`` in fp32)."""
+        b = x
+        if const_expr(self.beta_act != "none"):
+            s = 2.0 if const_expr(self.beta_act == "sigmoid2") else 1.0
+            # exp2 overflows to inf for very negative x, giving exactly 0, as sigmoid should
+            b = Float32(s) / (1.0 + cute.math.exp2(-x * RCP_LN2, fastmath=True))
+        return b
+
+    @cute.jit
+    def _l2norm_rows(self, sX0: cute.Tensor, warp: Int32, lane: Int32, num_warps: int):
+        """Normalise the BT token rows of a (K, BT) smem tile in place, one warp per row, K / 32 values a lane."""
+        per = self.dk // 32
+        for j in cutlass.range(self.bt // num_warps, unroll=2):
+            t = warp + num_warps * j
+            rx = cute.make_rmem_tensor(per, Float32)
+            ss = Float32(0.0)
+            for m in cutlass.range_constexpr(per):
+                rx[m] = sX0[lane + 32 * m, t].to(Float32)
+                ss = ss + rx[m] * rx[m]
+            ss = cute.arch.warp_reduction_sum(ss)
+            # FLA: 1 / sqrt(sum + eps); correctly rounded sqrt and divide, not rsqrt.approx, so the bf16 result
+            # differs from FLA's only on rounding ties
+            r = Float32(1.0) / cute.math.sqrt(ss + L2NORM_EPS)
+            for m in cutlass.range_constexpr(per):
+                sX0[lane + 32 * m, t] = (rx[m] * r).to(self.dtype)
+
     @cute.kernel
     def kernel(
         self,
@@ -269,7 +311,7 @@ class ChunkKDAIntraFwdSm90:
         if tidx < BT:
             b = Float32(0.0)
             if tidx < valid:
-                b = mBeta[tok0 + tidx, hv].to(Float32)
+                b = self._act_beta(mBeta[tok0 + tidx, hv].to(Float32))
             sBeta[tidx] = b
         coef = Float32(1.0)
         bias = Float32(0.0)
@@ -294,6 +336,11 @@ class ChunkKDAIntraFwdSm90:
         else:
             for t in cutlass.range(BT, unroll=8):
                 sV0[tid, t] = (sV0[tid, t].to(Float32) * sBeta[t]).to(dt)
+            if const_expr(self.l2norm_qk):
+                # WG0's sequential cumsum is the longer half of P1, so the row norms ride in its shadow;
+                # nothing reads q or k before P2
+                self._l2norm_rows(sQ0, tid // 32, tid % 32, 4)
+                self._l2norm_rows(sK0, tid // 32, tid % 32, 4)
         cute.arch.barrier()
 
         # ---------------- P2: qg, kg, score B operands ----------------
@@ -465,14 +512,17 @@ def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple, value: 
 _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.float32: Float32}
 
 
-def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options=""):
+def _compile(
+    dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none"
+):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK, BT = 128, 64
     kernel = ChunkKDAIntraFwdSm90(
-        dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen
-    )
+        dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, l2norm_qk=l2norm_qk,
+        beta_act=beta_act,
+    )  # fmt: skip
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
     def tok(dt, heads, d):
@@ -494,12 +544,18 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
 
 
 def get_compiled(
-    dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0)
-):
+    dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), *,
+    l2norm_qk=False, beta_act="none",
+):  # fmt: skip
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
     key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
-           beta_dtype.__name__, gate, varlen, arch)  # fmt: skip
-    return compiled_kernel(key, lambda: _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch))
+           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act)  # fmt: skip
+    return compiled_kernel(
+        key,
+        lambda: _compile(
+            dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act
+        ),
+    )
 
 
 def prepare_chunk_indices_i32(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
@@ -534,14 +590,17 @@ def chunk_kda_intra_sm90(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     chunk_size: int = 64,
+    use_qk_l2norm: bool = False,
+    beta_sigmoid: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
     Args:
-        q, k: ``[B, T, H, K]`` bf16/fp16 (already L2-normalised if the model does so).
+        q, k: ``[B, T, H, K]`` bf16/fp16, L2-normalised, or raw with ``use_qk_l2norm``.
         v: ``[B, T, HV, V]`` same dtype; HV a multiple of H.
         g: ``[B, T, HV, K]`` fp32/bf16/fp16: log-space gate (``gate="none"``) or the raw gate logits.
-        beta: ``[B, T, HV]`` bf16/fp16/fp32, post-sigmoid.
+        beta: ``[B, T, HV]`` bf16/fp16/fp32, post-sigmoid, or logits with ``beta_sigmoid``.
         scale: query scale; folded into Aqk (not into qg), as in FLA.
         w, qg, kg: ``[B, T, HV, K]`` q's dtype, out: ``(I + Akk)^-1 bf16(beta k exp2(g_cum))``,
             ``q exp2(g_cum)``, ``k exp2(g_cum[last] - g_cum)``.
@@ -557,6 +616,10 @@ def chunk_kda_intra_sm90(
         A_log: ``[HV]`` (None: FLA's defaults, coefficient e for softplus and 1 for sigmoid).
         dt_bias: ``[HV * K]`` or ``[HV, K]`` or None.
         lower_bound: required for ``gate="sigmoid"``.
+        use_qk_l2norm: normalise each q and k row in fp32 as FLA's ``l2norm_fwd`` (``x / sqrt(sum x^2 + 1e-6)``),
+            rounded to q's dtype, before any use.
+        beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
+            ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -566,6 +629,9 @@ def chunk_kda_intra_sm90(
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     if gate == "sigmoid" and lower_bound is None:
         raise ValueError('gate="sigmoid" needs lower_bound')
+    if allow_neg_eigval and not beta_sigmoid:
+        raise ValueError("allow_neg_eigval needs beta_sigmoid")
+    beta_act = ("sigmoid2" if allow_neg_eigval else "sigmoid") if beta_sigmoid else "none"
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if (K, V) != (128, 128):
@@ -613,7 +679,7 @@ def chunk_kda_intra_sm90(
     )  # fmt: skip
     fn = get_compiled(
         dtype=_TORCH_TO_CUTLASS[dt], g_dtype=_TORCH_TO_CUTLASS[g.dtype], beta_dtype=_TORCH_TO_CUTLASS[beta.dtype],
-        gate=gate, varlen=varlen,
+        gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
     )  # fmt: skip
 
     def flat(t):
