@@ -12,13 +12,13 @@ run() {  # run NAME SECONDS ARGS...
   echo "   rc=$?"; grep -E "geomean|partial|interrupted|FAIL" "$OUT/$name.log" | tail -3
   tar czf "$OUT/results.tgz" -C "$OUT/results" .
 }
-run bench_kda_prefill 270 --iters 30 --warmup 5 --max-seconds 230
-run bench_lightning_prefill 120 --max-seconds 100
-run bench_kda_decode 70 --max-seconds 55
+run bench_kda_prefill 250 --iters 30 --warmup 5 --max-seconds 210
+run bench_lightning_prefill 110 --max-seconds 90
+run bench_kda_decode 60 --max-seconds 45
 # cula's own intra-chunk kernel (switched by CULA_KDA_INTRA until it is the default); quick subset, own folder
 echo "== bench_kda_prefill with CULA_KDA_INTRA=1 at +$(( $(date +%s) - S ))s"
-CULA_KDA_INTRA=1 timeout 90 python benchmarks/bench_kda_prefill.py --quick --iters 30 --warmup 5 \
+CULA_KDA_INTRA=1 timeout 80 python benchmarks/bench_kda_prefill.py --quick --iters 30 --warmup 5 \
   --out "$OUT/results_intra" > "$OUT/bench_kda_prefill_intra.log" 2>&1
 echo "   rc=$?"; grep -E "geomean|FAIL" "$OUT/bench_kda_prefill_intra.log" | tail -3
-run bench_lightning_decode 70 --max-seconds 55
+run bench_lightning_decode 60 --max-seconds 45
 echo "== done at +$(( $(date +%s) - S ))s"
