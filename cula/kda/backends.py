@@ -124,53 +124,31 @@ def _chunk_kda_fla(**args):
     return fla_chunk_kda(**args)
 
 
-@chunk_kda_registry.register(
-    "reference", REFERENCE_PRIORITY, available=always, supports=_reference_chunk_supports
-)
-def _chunk_kda_reference(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale,
-    initial_state,
-    output_final_state,
-    use_qk_l2norm_in_kernel,
-    use_gate_in_kernel,
-    use_beta_sigmoid_in_kernel,
-    allow_neg_eigval,
-    lower_bound,
-    state_v_first,
-    cu_seqlens,
-    A_log,
-    dt_bias,
-    chunk_size,
-    **_unused_by_reference,
-):
-    # safe_gate, disable_recompute and cu_seqlens_cpu change how FLA schedules work, not the result.
+# The arguments of the public functions that the math depends on; the rest (safe_gate, disable_recompute,
+# cu_seqlens_cpu, chunk_size) change how FLA schedules its work, not the result.
+_REFERENCE_ARGS = (
+    "scale", "initial_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+    "allow_neg_eigval", "A_log", "dt_bias", "state_v_first", "cu_seqlens",
+)  # fmt: skip
+
+
+def _reference(form: str, args: dict, output_final_state: bool):
     from cula.kda.naive import reference_chunk_kda
 
     return reference_chunk_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
+        args["q"], args["k"], args["v"], args["g"], args["beta"], form=form,
         output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound if use_gate_in_kernel else None,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        form="chunk",
-    )
+        # FLA applies lower_bound only through the fused gate
+        lower_bound=args["lower_bound"] if args["use_gate_in_kernel"] else None,
+        **{name: args[name] for name in _REFERENCE_ARGS},
+    )  # fmt: skip
+
+
+@chunk_kda_registry.register(
+    "reference", REFERENCE_PRIORITY, available=always, supports=_reference_chunk_supports
+)
+def _chunk_kda_reference(**args):
+    return _reference("chunk", args, args["output_final_state"])
 
 
 def _reference_recurrent_supports(ssm_state_indices=None, num_accepted_tokens=None, out=None, **_) -> tuple:
@@ -191,49 +169,9 @@ def _fused_recurrent_kda_fla(**args):
 @fused_recurrent_kda_registry.register(
     "reference", REFERENCE_PRIORITY, available=always, supports=_reference_recurrent_supports
 )
-def _fused_recurrent_kda_reference(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    scale,
-    initial_state,
-    output_final_state,
-    inplace_final_state,
-    use_qk_l2norm_in_kernel,
-    use_gate_in_kernel,
-    use_beta_sigmoid_in_kernel,
-    allow_neg_eigval,
-    lower_bound,
-    state_v_first,
-    cu_seqlens,
-    **_unused_by_reference,
-):
-    from cula.kda.naive import reference_chunk_kda
-
-    o, final = reference_chunk_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state or inplace_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound if use_gate_in_kernel else None,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        form="recurrent",
-    )
+def _fused_recurrent_kda_reference(**args):
+    initial_state, inplace_final_state = args["initial_state"], args["inplace_final_state"]
+    o, final = _reference("recurrent", args, args["output_final_state"] or inplace_final_state)
     if inplace_final_state:
         with torch.no_grad():
             initial_state.copy_(final)
