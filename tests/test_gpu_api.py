@@ -327,3 +327,46 @@ def test_chunk_simple_gla_data_dependent_gate_cuda(case):
         o_f, ht_f = fs.chunk_simple_gla(q, k, v, g=g, **kw)
         assert_close("o vs fla", o_f, o, TOL)
         assert_close("ht vs fla", ht_f, ht, TOL)
+
+
+def test_cuda_graph_capture_and_replay():
+    """Serving engines capture decode (and often prefill) in CUDA graphs: our launches must follow the capture
+    stream and our argument checks must not sync while capturing."""
+    import cula.kda as ck
+    from cula.lightning import lightning_attn_fwd
+
+    N, H, HV, D, P = 4, 2, 4, 128, 8
+    q = torch.randn(N, 1, H, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(N, 1, H, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(N, 1, HV, D, device=DEV, dtype=torch.bfloat16)
+    g = torch.randn(N, 1, HV, D, device=DEV)
+    beta = torch.randn(N, 1, HV, device=DEV)
+    A_log = torch.randn(HV, device=DEV)
+    pool = torch.randn(P, HV, D, D, device=DEV) * 0.1
+    idx = torch.tensor([5, 0, -1, 2], device=DEV, dtype=torch.int32)
+    out = torch.empty_like(v)
+    kw = dict(A_log=A_log, lower_bound=-5.0)
+    lq, lk, lv = (torch.randn(2, 200, 4, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    decay = torch.rand(4, device=DEV)
+
+    pool_eager = pool.clone()
+    o_eager = ck.kda_decode(q, k, v, g, beta, pool_eager, idx, **kw)
+    lo_eager, lh_eager = lightning_attn_fwd(lq, lk, lv, decay, output_final_state=True)
+
+    pool_graph = pool.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) outside the capture
+        ck.kda_decode(q, k, v, g, beta, pool.clone(), idx, out=out, **kw)
+        lightning_attn_fwd(lq, lk, lv, decay, output_final_state=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ck.kda_decode(q, k, v, g, beta, pool_graph, idx, out=out, **kw)
+        lo, lh = lightning_attn_fwd(lq, lk, lv, decay, output_final_state=True)
+    pool_graph.copy_(pool)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, o_eager) and torch.equal(pool_graph, pool_eager)
+    assert torch.equal(lo, lo_eager) and torch.equal(lh, lh_eager)
