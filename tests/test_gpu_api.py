@@ -49,8 +49,13 @@ def _f64(*ts):
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 @pytest.mark.parametrize("state_v_first", [False, True])
-def test_chunk_kda_cuda(case, state_v_first):
+def test_chunk_kda_cuda(case, state_v_first, monkeypatch):
     import fla.ops.kda as fk
+
+    from cula.kda.backends import UNVALIDATED_ENV
+
+    # Exercise our kernels on the whole range they take, not only the envelope already confirmed.
+    monkeypatch.setenv(UNVALIDATED_ENV, "1")
 
     import cula.kda as ck
     from cula.kda.naive import naive_recurrent_kda

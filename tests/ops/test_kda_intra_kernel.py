@@ -478,6 +478,7 @@ def test_chunk_kda_cula_intra_vs_fla(case, monkeypatch):
 
     monkeypatch.setenv("CULA_KDA_INTRA", "1")
     monkeypatch.setenv("CULA_BACKEND", "cula-sm90")  # raise rather than fall back to FLA
+    monkeypatch.setenv("CULA_UNVALIDATED", "1")  # varlen / GVA are what this test is here to confirm
     monkeypatch.setenv("FLA_FLASH_KDA", "0")
     seen = []
     real = intra_mod.chunk_kda_intra_sm90
