@@ -347,7 +347,8 @@ def test_kda_commit_accepted_prefix():
 
 def test_cula_kernel_verifiers_decline_what_the_kernels_do_not_take(monkeypatch):
     """On the GPU these decide between our kernels and FLA; the reasons end up in the `cula` log."""
-    from cula.kda.backends import UNVALIDATED_ENV, _cula_chunk_supports
+    from cula.backends import UNVALIDATED_ENV
+    from cula.kda.backends import _cula_chunk_supports
 
     monkeypatch.setenv(UNVALIDATED_ENV, "1")
     from cula.simple_gla.backends import _cula_chunk_supports as lightning_supports

@@ -52,7 +52,7 @@ def _f64(*ts):
 def test_chunk_kda_cuda(case, state_v_first, monkeypatch):
     import fla.ops.kda as fk
 
-    from cula.kda.backends import UNVALIDATED_ENV
+    from cula.backends import UNVALIDATED_ENV
 
     # Exercise our kernels on the whole range they take, not only the envelope already confirmed.
     monkeypatch.setenv(UNVALIDATED_ENV, "1")

@@ -8,19 +8,23 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.backends import (
+    UNVALIDATED_ENV,
+    Registry,
+    always,
+    cula_kernels_on,
+    needs_grad,
+    package_on_cuda,
+    unvalidated_allowed,
+)
 
 chunk_kda_registry = Registry("kda.chunk_kda")
 fused_recurrent_kda_registry = Registry("kda.fused_recurrent_kda")
 
 CULA_PRIORITY = 10
 FLA_PRIORITY = 50
-# Lets cula-sm90 take chunk_kda calls outside the envelope confirmed on the H200 (for the GPU tests that confirm it).
-UNVALIDATED_ENV = "CULA_UNVALIDATED"
 REFERENCE_PRIORITY = 90
 
 
@@ -51,7 +55,7 @@ def _cula_chunk_supports(
         return False, f"chunk_size={chunk_size} (kernel takes 64)"
     if cp_context is not None or use_graph or return_intermediate_states:
         return False, "cp_context / use_graph / return_intermediate_states run on fla"
-    if os.environ.get(UNVALIDATED_ENV) != "1":
+    if not unvalidated_allowed():
         # What the H200 has confirmed so far (benchmarks/results/nvidia-h200/kda_prefill.json); the rest of the
         # kernel's range is tested on the GPU under UNVALIDATED_ENV before it is routed here by default.
         if cu_seqlens is not None:
