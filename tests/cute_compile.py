@@ -63,3 +63,35 @@ def compile_variants(factory: str, variants: list[dict], timeout: float = 900) -
         int(i): CompiledVariant(regs[j], spills[j], float(sec), cached == "True")
         for j, (i, sec, cached) in enumerate(done)
     }
+
+
+def compile_with_dumps(script: str, variants: list[dict], dump_root, timeout: float = 1200) -> dict[int, dict]:
+    """Run ``script`` (argv: variants as JSON, dump root) that compiles variant ``i`` with
+    ``--keep-ptx --keep-cubin --dump-dir <root>/<i>`` and prints ``@@done <i> <seconds>`` to stderr after each.
+
+    Returns, per variant index, its ptxas remarks (the output since the previous marker), compile
+    seconds, the PTX text and the cubin paths, for checks on the generated code.
+    """
+    import glob
+    import pathlib
+
+    env = dict(os.environ, CUTE_DSL_COMPILER_OPT="remarks{ptx}", CUTE_DSL_ARCH="sm_90a", PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(variants), str(dump_root)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+        check=False,
+    )  # fmt: skip
+    log = proc.stdout
+    assert proc.returncode == 0, log[-6000:]
+    # ptxas remarks arrive in compile order; split them at the per-variant markers.
+    chunks = re.split(r"@@done (\d+) ([0-9.]+)", log)
+    out = {}
+    for j in range(1, len(chunks), 3):
+        d = pathlib.Path(dump_root) / chunks[j]
+        out[int(chunks[j])] = {
+            "remarks": chunks[j - 1],
+            "seconds": float(chunks[j + 1]),
+            "ptx": "".join(pathlib.Path(p).read_text() for p in glob.glob(str(d / "*.ptx"))),
+            "cubins": glob.glob(str(d / "*.cubin")),
+        }
+    return out

@@ -8,17 +8,14 @@ kernel against FLA 0.6.0's two Triton stages it replaces, and ``chunk_kda_fwd_sm
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import pathlib
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from cute_compile import compile_with_dumps
 
 from cula.testing import find_nvdisasm
 
@@ -60,29 +57,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def compiled_variants(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kda_delta_h")
-    env = dict(os.environ, CUTE_DSL_COMPILER_OPT="remarks{ptx}")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(_VARIANTS), str(root)],
-        cwd=repo, env=dict(env, PYTHONPATH=repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=900, check=False,
-    )  # fmt: skip
-    log = proc.stdout
-    assert proc.returncode == 0, log[-6000:]
-    # ptxas remarks arrive in compile order; split them at the per-variant markers.
-    chunks = re.split(r"@@done (\d+) ([0-9.]+)", log)
-    out = {}
-    for j in range(1, len(chunks), 3):
-        i = int(chunks[j])
-        d = root / str(i)
-        out[i] = {
-            "remarks": chunks[j - 1],
-            "seconds": float(chunks[j + 1]),
-            "ptx": "".join(pathlib.Path(p).read_text() for p in glob.glob(str(d / "*.ptx"))),
-            "cubins": glob.glob(str(d / "*.cubin")),
-        }
-    return out
+    return compile_with_dumps(_COMPILE_SCRIPT, _VARIANTS, tmp_path_factory.mktemp("kda_delta_h"))
 
 
 def _vid(v):

@@ -11,17 +11,14 @@ and ``cula.kda.chunk_kda`` with ``CULA_KDA_INTRA=1`` against FLA's ``chunk_kda``
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import pathlib
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from cute_compile import compile_with_dumps
 
 from cula.testing import find_nvdisasm
 
@@ -71,27 +68,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def compiled_variants(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kda_intra")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, CUTE_DSL_COMPILER_OPT="remarks{ptx}", CUTE_DSL_ARCH="sm_90a", PYTHONPATH=repo)
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(_VARIANTS), str(root)],
-        cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200, check=False,
-    )  # fmt: skip
-    log = proc.stdout
-    assert proc.returncode == 0, log[-6000:]
-    chunks = re.split(r"@@done (\d+) ([0-9.]+)", log)
-    out = {}
-    for j in range(1, len(chunks), 3):
-        i = int(chunks[j])
-        d = root / str(i)
-        out[i] = {
-            "remarks": chunks[j - 1],
-            "seconds": float(chunks[j + 1]),
-            "ptx": "".join(pathlib.Path(p).read_text() for p in glob.glob(str(d / "*.ptx"))),
-            "cubins": glob.glob(str(d / "*.cubin")),
-        }
-    return out
+    return compile_with_dumps(_COMPILE_SCRIPT, _VARIANTS, tmp_path_factory.mktemp("kda_intra"))
 
 
 def _vid(v):
