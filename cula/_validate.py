@@ -244,3 +244,11 @@ def pool_layout_verdict(
     if state_pool.stride(0) % 4 or state_pool.data_ptr() % 16:
         return False, "state_pool rows are not 16-byte aligned (dim-0 stride or base pointer)"
     return True, None
+
+
+DECODE_MAX_TOKENS = 8  # per sequence and call: one decode token or a speculative (MTP) verify window
+
+
+def check_decode_tokens(fn: str, tokens: int) -> None:
+    if not 1 <= tokens <= DECODE_MAX_TOKENS:
+        raise ValueError(f"{fn} takes 1..{DECODE_MAX_TOKENS} tokens per sequence, got T={tokens}")

@@ -6,6 +6,7 @@ import torch
 
 from cula._validate import (
     FLOAT_DTYPES,
+    check_decode_tokens,
     check_qkv,
     check_scale,
     check_state_pool,
@@ -17,9 +18,6 @@ from cula._validate import (
 from cula.backends import Registry, always, cula_kernels_on
 
 kda_decode_registry = Registry("kda.kda_decode")
-
-MAX_TOKENS = 8  # per sequence and call: one decode token or a speculative (MTP) verify window
-
 
 def kda_decode(
     q: torch.Tensor,
@@ -66,8 +64,7 @@ def kda_decode(
         ``o`` ``[N, T, HV, V]`` in q's dtype.
     """
     N, T, H, K, HV, V = check_qkv(q, k, v)
-    if not 1 <= T <= MAX_TOKENS:
-        raise ValueError(f"kda_decode takes 1..{MAX_TOKENS} tokens per sequence, got T={T}")
+    check_decode_tokens("kda_decode", T)
     dev = q.device
     check_tensor("g", g, shape=(N, T, HV, K), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("beta", beta, shape=(N, T, HV), dtypes=(torch.float32, torch.bfloat16), device=dev)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from cula._validate import (
+    check_decode_tokens,
     check_qkv,
     check_scale,
     check_state_pool,
@@ -16,9 +17,6 @@ from cula._validate import (
 from cula.backends import UNVALIDATED_ENV, Registry, always, cula_kernels_on, unvalidated_allowed
 
 lightning_decode_registry = Registry("lightning.lightning_decode")
-
-MAX_TOKENS = 8  # per sequence and call: one decode token or a speculative (MTP) verify window
-
 
 def lightning_decode(
     q: torch.Tensor,
@@ -58,8 +56,7 @@ def lightning_decode(
     any device).
     """
     N, T, _H, K, HV, V = check_qkv(q, k, v)
-    if not 1 <= T <= MAX_TOKENS:
-        raise ValueError(f"lightning_decode takes 1..{MAX_TOKENS} tokens per sequence, got T={T}")
+    check_decode_tokens("lightning_decode", T)
     dev = q.device
     check_tensor("decay", decay, shape=(HV,), dtypes=(torch.float32,), device=dev)
     check_state_pool(
