@@ -351,6 +351,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     meta = {
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
+        "CULA_KDA_INTRA": os.environ.get("CULA_KDA_INTRA", "unset"),
         "shape": {"H": H, "HV": HV, "K": K, "V": V, "chunk": CHUNK, "dtype": "bfloat16", "state": "float32"},
         "call_flags": CALL_FLAGS,
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),

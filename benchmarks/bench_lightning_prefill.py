@@ -21,7 +21,10 @@ Calls: ``fla(q, k, v, g_gamma=-decay, output_final_state=True[, cu_seqlens, cu_s
 cu_seqlens_cpu])``; both default ``scale`` to ``D ** -0.5``.
 
 Correctness gate: before timing, both run once on the same inputs; cula's ``o`` and final state are compared
-with FLA's by relative RMSE (``ok`` <= 5e-3, ``warn`` <= 5e-2, else ``FAIL`` and cula is not timed).
+with FLA's by relative RMSE (``ok`` <= 5e-3, ``warn`` <= 5e-2, else ``FAIL`` and cula is not timed). Where FLA's
+own output has inf/NaN (FLA 0.6.0 overflows on some varlen configs with this schedule's steepest heads, ~7.9
+nats per step), cula is checked against the float64 chunked reference instead (``checked_vs = "ref64"``) and
+FLA is still timed; ``meta["fla_nonfinite_configs"]`` lists those rows.
 
 Floor for cula (``floor_ms = max(bytes / copy_bw, flops / gemm_rate)``):
 
@@ -68,7 +71,7 @@ VARLEN = [(n, total, dist) for n in (10, 20) for total in (8192, 16384)
           for dist in ("uniform", "random", "skewed")]
 QUICK = ("warmup-B1-T512", "B2-T16384", "B1-T4096", "varlen-N20-T16384-skewed")
 
-MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "max_rel_err", "check",
+MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "max_rel_err", "check", "checked_vs",
               "backend", "floor_ms", "floor_pct", "fla_floor_pct", "bw_fraction")
 
 # common's suite loop and result-file name (_cudagraph / _flush / _subset suffixes) under NAME
@@ -161,6 +164,15 @@ def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
     return bc.check_outputs(zip(fla_out[:2], cula_out[:2]), WARN_TOL, FAIL_TOL)
 
 
+def reference_out(tensors: dict, shared: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, final state)`` of the float64 chunked reference on one input set (when FLA's is not finite)."""
+    from cula.simple_gla.naive import reference_chunk_simple_gla
+
+    q, k, v = (tensors[n].double() for n in ("q", "k", "v"))
+    return reference_chunk_simple_gla(q, k, v, g_gamma=-shared["decay"].double(), output_final_state=True,
+                                      cu_seqlens=shared.get("cu_seqlens"))
+
+
 def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
                ceilings: dict[str, float]) -> dict[str, Any]:
     """Check then time both implementations on one config; returns the result row (errors recorded in it)."""
@@ -195,7 +207,11 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
         cula_out, row["backend"] = bc.call_recording_backend(cula_call(cula_fn, sets[0], shared),
                                                              BACKEND_REGISTRY)
         torch.cuda.synchronize()
-        if fla_out is not None:
+        if fla_out is not None and not all(torch.isfinite(t).all() for t in fla_out[:2]):
+            row["checked_vs"] = "ref64"
+            err, status = check(reference_out(sets[0], shared), cula_out)
+        elif fla_out is not None:
+            row["checked_vs"] = "fla"
             err, status = check(fla_out, cula_out)
         else:
             # nothing to compare against: time cula anyway but say the row is unchecked
@@ -257,6 +273,7 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
                           "output_final_state=True)"},
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         "first_config_wall_s": first_call,
+        "fla_nonfinite_configs": [r["config"] for r in rows if r.get("checked_vs") == "ref64"],
         **bc.budget_meta(run, args.max_seconds, t_start),
     }
     paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)

@@ -155,15 +155,6 @@ def cula_kernels_on(arch: tuple[int, int], needs: tuple[str, ...] = ()) -> Calla
     return probe
 
 
-# Kernel paths that compile and pass their CPU tests but have not yet been confirmed on a GPU stay off by
-# default; this variable turns them on, for the GPU tests and benchmarks that confirm them.
-UNVALIDATED_ENV = "CULA_UNVALIDATED"
-
-
-def unvalidated_allowed() -> bool:
-    return os.environ.get(UNVALIDATED_ENV) == "1"
-
-
 def needs_grad(*tensors) -> bool:
     """Whether autograd will record this call (our kernels are forward-only so far)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

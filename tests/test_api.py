@@ -347,10 +347,7 @@ def test_kda_commit_accepted_prefix():
 
 def test_cula_kernel_verifiers_decline_what_the_kernels_do_not_take(monkeypatch):
     """On the GPU these decide between our kernels and FLA; the reasons end up in the `cula` log."""
-    from cula.backends import UNVALIDATED_ENV
     from cula.kda.backends import _cula_chunk_supports
-
-    monkeypatch.setenv(UNVALIDATED_ENV, "1")
     from cula.simple_gla.backends import _cula_chunk_supports as lightning_supports
 
     def kda_args(**over):
@@ -369,14 +366,11 @@ def test_cula_kernel_verifiers_decline_what_the_kernels_do_not_take(monkeypatch)
     assert "chunk_size" in _cula_chunk_supports(**kda_args(chunk_size=32))[1]
     assert not _cula_chunk_supports(**kda_args(cp_context=object()))[0]
 
-    # Without the switch only the envelope confirmed on the H200 goes to the kernels.
-    monkeypatch.delenv(UNVALIDATED_ENV)
-    x = kda_inputs(T=128, HV=H, K=128, V=128, dtype=torch.bfloat16)
-    confirmed = dict(kda_args(), **x, state_v_first=True)
-    assert _cula_chunk_supports(**confirmed) == (True, None)
-    assert "varlen" in _cula_chunk_supports(**dict(confirmed, cu_seqlens=make_cu_seqlens([128])))[1]
-    assert "T % 64" in _cula_chunk_supports(**dict(confirmed, state_v_first=False))[1]
-    assert "T % 64" in _cula_chunk_supports(**kda_args(state_v_first=True))[1]
+    # varlen, odd T, GVA and both state layouts all go to the kernels (confirmed on the H200)
+    x = kda_inputs(T=100, HV=2 * H, K=128, V=128, dtype=torch.bfloat16)
+    wide = dict(kda_args(), **x, cu_seqlens=make_cu_seqlens([40, 60]))
+    assert _cula_chunk_supports(**wide) == (True, None)
+    assert _cula_chunk_supports(**dict(wide, state_v_first=True)) == (True, None)
 
     q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
     base = dict(q=q, k=q, v=q, g=None, g_gamma=torch.zeros(2), initial_state=None)

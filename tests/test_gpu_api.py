@@ -49,13 +49,8 @@ def _f64(*ts):
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 @pytest.mark.parametrize("state_v_first", [False, True])
-def test_chunk_kda_cuda(case, state_v_first, monkeypatch):
+def test_chunk_kda_cuda(case, state_v_first):
     import fla.ops.kda as fk
-
-    from cula.backends import UNVALIDATED_ENV
-
-    # Exercise our kernels on the whole range they take, not only the envelope already confirmed.
-    monkeypatch.setenv(UNVALIDATED_ENV, "1")
 
     import cula.kda as ck
     from cula.kda.naive import naive_recurrent_kda
@@ -209,12 +204,22 @@ def test_lightning_wrappers_cuda():
 
     import cula.lightning as cl
 
+    from cula.simple_gla.naive import naive_recurrent_simple_gla
+
     q, k, v, _, _ = _inputs(2, 300, 4, 4, 128, None)
+    # With H = 4 the last head decays by 4.5 nats per step; FLA's chunked final state overflows to inf there
+    # (seen on the H200), so the state is checked against the float64 recurrence and against FLA only where
+    # FLA's is finite.
+    g_gamma = -(8 / 4 * (1 - 3 / 12)) * torch.arange(4, dtype=torch.float64, device=DEV)
+    ro, rt = naive_recurrent_simple_gla(q.double(), k.double(), v.double(), g_gamma=g_gamma, output_final_state=True)
     for name in ("chunk_lightning_attn", "fused_recurrent_lightning_attn"):
         o, ht = getattr(cl, name)(q, k, v, layer_idx=3, num_layers=12, output_final_state=True)
         o_f, ht_f = getattr(fl, name)(q, k, v, layer_idx=3, num_layers=12, output_final_state=True)
-        assert_close(f"{name} o", o_f, o, TOL)
-        assert_close(f"{name} ht", ht_f, ht, TOL)
+        assert_close(f"{name} o vs ref", ro, o, TOL)
+        assert_close(f"{name} ht vs ref", rt, ht, TOL)
+        assert_close(f"{name} o vs fla", o_f, o, TOL)
+        finite = torch.isfinite(ht_f).flatten(2).all(-1)  # [N, H]
+        assert_close(f"{name} ht vs fla (finite heads)", ht_f[finite], ht[finite], TOL)
 
 
 def test_kda_decode_pool_cuda():
@@ -275,14 +280,12 @@ def test_kda_decode_public_cuda(T, state_v_first, monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_lightning_training_matches_fla(case, monkeypatch):
+def test_lightning_training_matches_fla(case):
     """Our forward + FLA's backward (simple_gla.backends._LightningTraining) against FLA end to end."""
     import fla.ops.simple_gla as fs
 
-    import cula.simple_gla.backends as sb
     from cula.lightning import lightning_attn_fwd
 
-    monkeypatch.setattr(sb, "TRAINING_VALIDATED", True)
     q, k, v, cu, N = _inputs(*case)
     H, HV, D = q.shape[2], v.shape[2], q.shape[-1]
     decay = torch.rand(HV, device=DEV)

@@ -10,15 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cula.backends import (
-    UNVALIDATED_ENV,
-    Registry,
-    always,
-    cula_kernels_on,
-    needs_grad,
-    package_on_cuda,
-    unvalidated_allowed,
-)
+from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 
 chunk_kda_registry = Registry("kda.chunk_kda")
 fused_recurrent_kda_registry = Registry("kda.fused_recurrent_kda")
@@ -55,16 +47,6 @@ def _cula_chunk_supports(
         return False, f"chunk_size={chunk_size} (kernel takes 64)"
     if cp_context is not None or use_graph or return_intermediate_states:
         return False, "cp_context / use_graph / return_intermediate_states run on fla"
-    if not unvalidated_allowed():
-        # What the H200 has confirmed so far (benchmarks/results/nvidia-h200/kda_prefill.json); the rest of the
-        # kernel's range is tested on the GPU under UNVALIDATED_ENV before it is routed here by default.
-        if cu_seqlens is not None:
-            return False, f"varlen is not yet validated on the GPU for this path (set {UNVALIDATED_ENV}=1)"
-        if q.shape[1] % chunk_size or q.shape[2] != v.shape[2] or not state_v_first:
-            return False, (
-                f"T % 64 != 0, GVA and the K-first state are not yet validated on the GPU for this path "
-                f"(set {UNVALIDATED_ENV}=1)"
-            )
     return True, None
 
 

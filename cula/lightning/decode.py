@@ -14,7 +14,7 @@ from cula._validate import (
     is_row_major,
     pool_layout_verdict,
 )
-from cula.backends import UNVALIDATED_ENV, Registry, always, cula_kernels_on, unvalidated_allowed
+from cula.backends import Registry, always, cula_kernels_on
 
 lightning_decode_registry = Registry("lightning.lightning_decode")
 
@@ -90,8 +90,6 @@ def lightning_decode(
 
 
 def _cula_supports(q, v, state_pool, state_v_first, **_) -> tuple:
-    if not unvalidated_allowed():
-        return False, f"the Lightning decode kernel awaits its first GPU validation (set {UNVALIDATED_ENV}=1)"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q dtype {q.dtype} (kernel takes bf16/fp16)"
     K, V = q.shape[-1], v.shape[-1]

@@ -20,16 +20,11 @@ FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
 RCP_LN2 = 1.4426950408889634  # FLA's backward kernels take the log decay in base 2
 
-# Training with our forward kernel and FLA's Triton backward (_LightningTraining below) is written but has
-# not run on a GPU yet: flip this once tests/test_gpu_api.py::test_lightning_training_matches_fla passes.
-TRAINING_VALIDATED = False
 
 
 def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, **_) -> tuple:
     if g is not None:
         return False, "data-dependent g (the kernel takes a constant per-head decay, g_gamma)"
-    if needs_grad(q, k, v, g_gamma, initial_state) and not TRAINING_VALIDATED:
-        return False, "training: our forward + FLA's backward awaits its first GPU validation"
     if q.dtype != torch.bfloat16:
         return False, f"q dtype {q.dtype} (kernel takes bf16)"
     if q.shape[-1] != v.shape[-1] or q.shape[-1] not in (64, 128):

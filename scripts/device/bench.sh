@@ -17,11 +17,8 @@ run bench_lightning_prefill 110 --max-seconds 90
 run bench_kda_decode 60 --max-seconds 45
 # cula's own intra-chunk kernel (switched by CULA_KDA_INTRA until it is the default); quick subset, own folder
 echo "== bench_kda_prefill with CULA_KDA_INTRA=1 at +$(( $(date +%s) - S ))s"
-CULA_KDA_INTRA=1 CULA_UNVALIDATED=1 timeout 80 python benchmarks/bench_kda_prefill.py --quick --iters 30 --warmup 5 \
+CULA_KDA_INTRA=1 timeout 80 python benchmarks/bench_kda_prefill.py --quick --iters 30 --warmup 5 \
   --out "$OUT/results_intra" > "$OUT/bench_kda_prefill_intra.log" 2>&1
 echo "   rc=$?"; grep -E "geomean|FAIL" "$OUT/bench_kda_prefill_intra.log" | tail -3
-# the Lightning decode kernel is off by default until its GPU tests pass; the benchmark gates on correctness
-export CULA_UNVALIDATED=1
 run bench_lightning_decode 60 --max-seconds 45
-unset CULA_UNVALIDATED
 echo "== done at +$(( $(date +%s) - S ))s"

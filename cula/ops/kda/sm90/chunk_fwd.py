@@ -11,9 +11,13 @@ Stage split (FLA 0.6.0 ``fla/ops/kda/chunk.py`` + ``chunk_fwd.py::chunk_kda_fwd`
 3. ``chunk_kda_delta_h_fwd_o_sm90``: the state recurrence and the output in one CuTe DSL kernel, in place of
    FLA's ``chunk_gated_delta_rule_fwd_h`` + ``chunk_gla_fwd_o_gk``; no per-chunk states or v_new in memory.
 
-With ``CULA_KDA_INTRA=1`` in the environment (read per call) and ``safe_gate=True``, stages 0-2 are one CuTe DSL
-launch instead, ``chunk_kda_intra_sm90`` with the q/k L2 norm and the beta sigmoid fused (cula's intra kernel is
-exact only for bounded gates, see its module docstring). Without ``safe_gate`` FLA's stages run either way.
+For ``safe_gate=True`` calls, stages 0-2 can instead be one CuTe DSL launch, ``chunk_kda_intra_sm90`` with the
+q/k L2 norm and the beta sigmoid fused (cula's intra kernel is exact only for bounded gates, see its module
+docstring; without ``safe_gate`` FLA's stages always run). ``CULA_KDA_INTRA`` (read per call) chooses: ``auto``
+(default) takes it for small calls only, ``1`` always, ``0`` never. Why by size: on the H200 (H = 64) FLA's
+stages cost ~0.9 ms of launches and host work per call however short the input, cula's one launch ~0.19 ms
+per 1024 tokens x 64 heads; the two meet near 3072 tokens x 64 heads
+(benchmarks/results/nvidia-h200/kda_prefill_intra.md: B2-T1024 0.74 ms vs 0.88, B1-T4096 1.57 ms vs 1.43).
 
 Importing fla here is deliberate: this module orchestrates FLA's Triton stages until cula's replace them.
 """
@@ -33,11 +37,18 @@ CUTE_INTRA_ENV = "CULA_KDA_INTRA"
 # cula's intra kernel is exact while no channel decays by more than 69 nats over 8 steps; FLA's safe-gate range
 # (lower_bound >= -5, at most 40 nats) is inside that, anything below it is left to FLA's stage
 _CUTE_INTRA_MIN_LOWER_BOUND = -5.0
+# tokens x value heads up to which ``auto`` takes cula's intra kernel (see the module docstring)
+CUTE_INTRA_AUTO_MAX_TOKEN_HEADS = 3072 * 64
 
 
 def _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) -> bool:
     """Whether this call takes ``chunk_kda_intra_sm90`` instead of FLA's preprocessing + cumsum + intra."""
-    if os.environ.get(CUTE_INTRA_ENV, "0") != "1" or not safe_gate:
+    mode = os.environ.get(CUTE_INTRA_ENV, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{CUTE_INTRA_ENV} must be 'auto', '0' or '1', got {mode!r}")
+    if mode == "0" or not safe_gate:
+        return False
+    if mode == "auto" and v.shape[0] * v.shape[1] * v.shape[2] > CUTE_INTRA_AUTO_MAX_TOKEN_HEADS:
         return False
     if q.shape[-1] != 128 or v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -87,7 +98,7 @@ def chunk_kda_fwd_sm90(
         chunk_size: must be 64.
         use_gate_in_kernel, A_log, dt_bias, lower_bound: FLA's fused gate (see ``cula.kda.chunk_kda``).
         safe_gate: gates are known to lie in ``[lower_bound, 0)`` (``lower_bound >= -5``); selects FLA's faster
-            intra-chunk path, or cula's fused one with ``CULA_KDA_INTRA=1`` in the environment.
+            intra-chunk path, or cula's fused one (``CULA_KDA_INTRA``, see the module docstring).
         use_qk_l2norm_in_kernel: ``x / sqrt(sum x^2 + 1e-6)`` on each q and k row (FLA's ``l2norm_fwd``).
         use_beta_sigmoid_in_kernel, allow_neg_eigval: beta holds logits (see beta).
 
