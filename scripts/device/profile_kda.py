@@ -1,0 +1,117 @@
+"""Where a KDA forward spends its GPU time, kernel by kernel (torch.profiler), for FLA and both cula paths.
+
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/profile_kda.py [--ncu]
+
+Prints, per shape and path, each kernel's summed device time over a few calls, and writes the same as JSON to
+$OUT/profile_kda.json. With ``--ncu`` the script re-runs itself under Nsight Compute for one call of cula's two
+kernels at B=1, T=4096 (speed of light, occupancy, warp stall reasons) into $OUT/ncu_kda.txt; ncu needs the
+Firecracker runtime (device KINDS.md) and is skipped with a message where it cannot read the counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+H = HV = 64
+D = 128
+SHAPES = [(1, 512), (2, 1024), (1, 4096), (2, 16384)]
+FLAGS = dict(output_final_state=True, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=True)
+
+
+def inputs(B: int, T: int) -> dict:
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    return dict(
+        q=torch.randn(B, T, H, D, dtype=bf16, device="cuda"), k=torch.randn(B, T, H, D, dtype=bf16, device="cuda"),
+        v=torch.randn(B, T, HV, D, dtype=bf16, device="cuda"), g=torch.randn(B, T, HV, D, dtype=bf16, device="cuda"),
+        beta=torch.randn(B, T, HV, dtype=bf16, device="cuda"),
+        A_log=torch.randn(HV, device="cuda") * 0.5, dt_bias=torch.randn(HV * D, device="cuda") * 0.5,
+        initial_state=0.01 * torch.randn(B, HV, D, D, device="cuda"),
+    )
+
+
+def kernel_times(fn, calls: int = 5) -> dict[str, float]:
+    """Summed device microseconds per kernel name, averaged per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" or getattr(ev, "self_device_time_total", 0):
+            us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+            if us:
+                out[ev.key[:90]] = round(us / calls, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def profile_paths() -> None:
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from cula.kda import chunk_kda
+
+    report = {}
+    with torch.inference_mode():
+        for B, T in SHAPES:
+            x = inputs(B, T)
+            for path, env in (("fla", None), ("cula-fla-intra", "0"), ("cula-intra", "1")):
+                if env is not None:
+                    os.environ["CULA_KDA_INTRA"] = env
+                fn = fla_chunk_kda if env is None else chunk_kda
+                times = kernel_times(lambda fn=fn, x=x: fn(**x, **FLAGS))
+                key = f"B{B}-T{T} {path}"
+                report[key] = {"total_us": round(sum(times.values()), 1), "kernels": times}
+                print(f"== {key}: {report[key]['total_us']} us of kernels", flush=True)
+                for name, us in times.items():
+                    print(f"   {us:10.1f} us  {name}", flush=True)
+            del x
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "profile_kda.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def ncu_target() -> None:
+    """Two cula calls with cula's intra kernel at B=1, T=4096 (the second is the one ncu keeps)."""
+    from cula.kda import chunk_kda
+
+    os.environ["CULA_KDA_INTRA"] = "1"
+    x = inputs(1, 4096)
+    with torch.inference_mode():
+        for _ in range(2):
+            chunk_kda(**x, **FLAGS)
+    torch.cuda.synchronize()
+
+
+def run_ncu() -> None:
+    out = os.environ.get("OUT", ".")
+    cmd = ["ncu", "--clock-control", "none", "-k", "regex:ChunkKDAIntra|DeltaHFwdO", "--launch-skip", "2",
+           "--launch-count", "2", "--section", "SpeedOfLight", "--section", "Occupancy", "--section",
+           "LaunchStats", "--section", "WarpStateStats", "--section", "SchedulerStats", "--section",
+           "MemoryWorkloadAnalysis", sys.executable, __file__, "--ncu-target"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        text = res.stdout + res.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        text = f"ncu did not run: {exc!r}"
+    with open(os.path.join(out, "ncu_kda.txt"), "w") as f:
+        f.write(text)
+    print(text[-6000:])
+
+
+if __name__ == "__main__":
+    if "--ncu-target" in sys.argv:
+        ncu_target()
+    else:
+        if "--ncu" in sys.argv:
+            run_ncu()
+        profile_paths()
