@@ -6,6 +6,8 @@ Prints, per shape and path, each kernel's summed device time over a few calls, a
 $OUT/profile_kda.json. With ``--ncu`` the script re-runs itself under Nsight Compute for one call of cula's two
 kernels at B=1, T=4096 (speed of light, occupancy, warp stall reasons) into $OUT/ncu_kda.txt; ncu needs the
 Firecracker runtime (device KINDS.md) and is skipped with a message where it cannot read the counters.
+``--ncu-source`` records the intra kernel alone with line info and source counters, and writes its per-SASS-
+instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, hence which phase, the time goes to).
 """
 
 from __future__ import annotations
@@ -92,20 +94,38 @@ def ncu_target() -> None:
     torch.cuda.synchronize()
 
 
+def _ncu(cmd: list[str], timeout: float = 240, env: dict | None = None) -> str:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return res.stdout + res.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"ncu did not run: {exc!r}"
+
+
 def run_ncu() -> None:
     out = os.environ.get("OUT", ".")
-    cmd = ["ncu", "--clock-control", "none", "-k", "regex:ChunkKDAIntra|DeltaHFwdO", "--launch-skip", "2",
-           "--launch-count", "2", "--section", "SpeedOfLight", "--section", "Occupancy", "--section",
-           "LaunchStats", "--section", "WarpStateStats", "--section", "SchedulerStats", "--section",
-           "MemoryWorkloadAnalysis", sys.executable, __file__, "--ncu-target"]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        text = res.stdout + res.stderr
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        text = f"ncu did not run: {exc!r}"
+    text = _ncu(["ncu", "--clock-control", "none", "-k", "regex:ChunkKDAIntra|DeltaHFwdO", "--launch-skip", "2",
+                 "--launch-count", "2", "--section", "SpeedOfLight", "--section", "Occupancy", "--section",
+                 "LaunchStats", "--section", "WarpStateStats", "--section", "SchedulerStats", "--section",
+                 "MemoryWorkloadAnalysis", sys.executable, __file__, "--ncu-target"])
     with open(os.path.join(out, "ncu_kda.txt"), "w") as f:
         f.write(text)
     print(text[-6000:])
+
+
+def run_ncu_source() -> None:
+    """Per-instruction stall samples of the intra kernel (second launch), as CSV."""
+    out = os.environ.get("OUT", ".")
+    rep = os.path.join(out, "ncu_intra")
+    env = dict(os.environ, CUTE_DSL_LINEINFO="1")
+    log = _ncu(["ncu", "--clock-control", "none", "-k", "regex:ChunkKDAIntra", "--launch-skip", "1",
+                "--launch-count", "1", "--import-source", "yes", "--section", "SourceCounters", "--section",
+                "WarpStateStats", "-f", "-o", rep, sys.executable, __file__, "--ncu-target"], env=env)
+    csv = _ncu(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"])
+    with open(os.path.join(out, "ncu_intra_source.csv"), "w") as f:
+        f.write(csv)
+    print(log[-3000:])
+    print(csv[:3000])
 
 
 if __name__ == "__main__":
@@ -114,4 +134,7 @@ if __name__ == "__main__":
     else:
         if "--ncu" in sys.argv:
             run_ncu()
-        profile_paths()
+        if "--ncu-source" in sys.argv:
+            run_ncu_source()
+        else:
+            profile_paths()
