@@ -203,12 +203,16 @@ def check_state_pool(
             f"got {list(state_pool.shape)}"
         )
     check_tensor("state_indices", state_indices, shape=(n,), dtypes=(torch.int32,), device=device)
-    if check_indices and n and not (state_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if check_indices:
+        check_pool_indices(state_indices, state_pool.shape[0])
+
+
+def check_pool_indices(state_indices: torch.Tensor, pool_rows: int) -> None:
+    """``state_indices < pool_rows``: reads the indices on the host (skipped while a CUDA graph captures)."""
+    if state_indices.numel() and not (state_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
         top = int(state_indices.max())
-        if top >= state_pool.shape[0]:
-            raise ValueError(
-                f"`state_indices` has {top}, out of range for a pool of {state_pool.shape[0]} rows"
-            )
+        if top >= pool_rows:
+            raise ValueError(f"`state_indices` has {top}, out of range for a pool of {pool_rows} rows")
 
 
 def is_row_major(t: torch.Tensor) -> bool:
@@ -225,11 +229,14 @@ def is_row_major(t: torch.Tensor) -> bool:
     return True
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Exactly row-major and 16-byte aligned: what the kernels' compact fake tensors accept as is."""
+    return is_row_major(t) and t.data_ptr() % 16 == 0
+
+
 def dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when it is exactly row-major and 16-byte aligned, else such a copy."""
-    if is_row_major(t) and t.data_ptr() % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return t if is_dense(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def pool_layout_verdict(

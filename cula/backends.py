@@ -6,6 +6,12 @@ on the actual, already validated arguments returning ``(ok, reason)``. The first
 available and supports the call runs; ``CULA_BACKEND=<name>`` forces one and raises if it cannot
 run. The ``cula`` logger says at INFO, once per distinct case, which backend ran and why the
 others declined.
+
+Hot entry points (decode, called once per generated token) memoise the decision: ``Registry.plan``
+returns a launch function for validated arguments, which a backend may specialise once (``prepare``:
+resolve the compiled kernel, fix what depends only on shapes and strides); ``PlanCache`` keys those
+launches on a call signature (``tensor_sig`` of every tensor plus the flags), so a repeated call skips
+validation and selection. A signature holds everything validation and selection read.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class Backend:
     run: Callable[..., Any]
     available: Callable[[torch.device], Verdict]
     supports: Callable[..., Verdict]
+    # prepare(**args) -> launch(**args) specialised for calls with the same signature as args, or None
+    prepare: Callable[..., Callable[..., Any] | None] | None = None
 
 
 def always(*_args, **_kwargs) -> Verdict:
@@ -79,11 +87,12 @@ class Registry:
         priority: int,
         available: Callable[[torch.device], Verdict] = always,
         supports: Callable[..., Verdict] = always,
+        prepare: Callable[..., Callable[..., Any] | None] | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
             if any(b.name == name for b in self._backends):
                 raise ValueError(f"{self.op}: backend {name!r} registered twice")
-            self._backends.append(Backend(name, priority, fn, available, supports))
+            self._backends.append(Backend(name, priority, fn, available, supports, prepare))
             self._backends.sort(key=lambda b: b.priority)
             return fn
 
@@ -126,6 +135,15 @@ class Registry:
     def dispatch(self, device: torch.device, args: dict[str, Any]) -> Any:
         return self.select(device, args).run(**args)
 
+    def plan(self, device: torch.device, args: dict[str, Any]) -> Callable[..., Any]:
+        """A launch function for ``args`` and every later call with the same signature (see PlanCache)."""
+        backend = self.select(device, args)
+        if backend.prepare is not None:
+            launch = backend.prepare(**args)
+            if launch is not None:
+                return launch
+        return backend.run
+
     def _log(self, chosen: str, declined: tuple) -> None:
         key = (chosen, declined)
         if key in self._logged:
@@ -158,3 +176,38 @@ def cula_kernels_on(arch: tuple[int, int], needs: tuple[str, ...] = ()) -> Calla
 def needs_grad(*tensors) -> bool:
     """Whether autograd will record this call (our kernels are forward-only so far)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def tensor_sig(t: torch.Tensor | None) -> tuple | None:
+    """What validation and backend selection read of a tensor: shape, strides, dtype, device, 16-byte alignment."""
+    if isinstance(t, torch.Tensor):
+        dev = t.get_device()  # a CUDA ordinal, cheap; -1 for every other device, so name those in full
+        return t.shape, t.stride(), t.dtype, dev if dev >= 0 else t.device, t.data_ptr() & 15
+    return None if t is None else (type(t),)  # not a tensor: validation will say so
+
+
+class PlanCache:
+    """Launch functions by call signature, for entry points whose Python overhead matters (decode).
+
+    The key must hold everything the validation and the backend choice depend on: every tensor's
+    ``tensor_sig``, the None-ness and type of optional scalars, the flags, and ``CULA_BACKEND``. A call
+    with a new signature is validated in full (and raises on bad input before anything is cached).
+    """
+
+    def __init__(self, maxsize: int = 1024):
+        self.maxsize = maxsize
+        self._plans: dict[tuple, Callable[..., Any]] = {}
+
+    def get(self, key: tuple) -> Callable[..., Any] | None:
+        return self._plans.get(key)
+
+    def put(self, key: tuple, launch: Callable[..., Any]) -> None:
+        if len(self._plans) >= self.maxsize:  # a serving loop sees a handful of signatures; never grow unbounded
+            self._plans.clear()
+        self._plans[key] = launch
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)

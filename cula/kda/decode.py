@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cula._validate import (
     FLOAT_DTYPES,
     check_decode_tokens,
+    check_pool_indices,
     check_qkv,
     check_scale,
     check_state_pool,
     check_tensor,
     dense,
+    is_dense,
     is_row_major,
     pool_layout_verdict,
 )
-from cula.backends import Registry, always, cula_kernels_on
+from cula.backends import PlanCache, Registry, always, cula_kernels_on, tensor_sig
 
 kda_decode_registry = Registry("kda.kda_decode")
+# Validated launches by call signature: a serving loop repeats a few signatures once per token, and full
+# validation plus dispatch costs several times the N=1 kernel (perf-notes-decode.md).
+_plans = PlanCache()
 
 def kda_decode(
     q: torch.Tensor,
@@ -63,22 +70,48 @@ def kda_decode(
     Returns:
         ``o`` ``[N, T, HV, V]`` in q's dtype.
     """
-    N, T, H, K, HV, V = check_qkv(q, k, v)
+    key = (
+        tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta), tensor_sig(state_pool),
+        tensor_sig(state_indices), tensor_sig(A_log), tensor_sig(dt_bias), tensor_sig(out), tensor_sig(step_states),
+        scale is None or type(scale), lower_bound is None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, os.environ.get("CULA_BACKEND"),
+    )  # fmt: skip
+    launch = _plans.get(key)
+    if launch is None:
+        launch = _plan(
+            q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out,
+            step_states,
+        )  # fmt: skip
+        _plans.put(key, launch)
+    if check_indices:
+        check_pool_indices(state_indices, state_pool.shape[0])
+    if out is None:
+        out = torch.empty_like(v)
+    launch(
+        q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices, A_log=A_log,
+        dt_bias=dt_bias, scale=check_scale(scale, q.shape[-1]), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first, out=out,
+        step_states=step_states,
+    )  # fmt: skip
+    return out
+
+
+def _plan(
+    q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out, step_states,
+):  # fmt: skip
+    """Validate a call with a new signature in full and choose its launch (raises on bad input)."""
+    N, T, _H, K, HV, V = check_qkv(q, k, v)
     check_decode_tokens("kda_decode", T)
     dev = q.device
     check_tensor("g", g, shape=(N, T, HV, K), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("beta", beta, shape=(N, T, HV), dtypes=(torch.float32, torch.bfloat16), device=dev)
     check_state_pool(
-        state_pool,
-        state_indices,
-        n=N,
-        heads=HV,
-        k=K,
-        v=V,
-        state_v_first=state_v_first,
-        device=dev,
-        check_indices=check_indices,
-    )
+        state_pool, state_indices, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=dev,
+        check_indices=False,
+    )  # fmt: skip
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
             raise ValueError(
@@ -91,39 +124,22 @@ def kda_decode(
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
     if out is None:
-        out = torch.empty_like(v)
+        out = torch.empty_like(v)  # stands for the fresh buffer every such call allocates
     else:
         check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=dev)
     if step_states is not None:
         check_tensor(
-            "step_states",
-            step_states,
-            shape=(N, T) + tuple(state_pool.shape[1:]),
-            dtypes=(torch.float32,),
+            "step_states", step_states, shape=(N, T) + tuple(state_pool.shape[1:]), dtypes=(torch.float32,),
             device=dev,
-        )
+        )  # fmt: skip
     args = dict(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        state_pool=state_pool,
-        state_indices=state_indices,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        scale=check_scale(scale, K),
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound,
-        state_v_first=state_v_first,
-        out=out,
+        q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices, A_log=A_log,
+        dt_bias=dt_bias, scale=check_scale(scale, K), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first, out=out,
         step_states=step_states,
-    )
-    kda_decode_registry.dispatch(dev, args)
-    return out
+    )  # fmt: skip
+    return kda_decode_registry.plan(dev, args)
 
 
 def _cula_supports(q, k, v, state_pool, state_v_first, step_states=None, **_) -> tuple:
@@ -136,7 +152,42 @@ def _cula_supports(q, k, v, state_pool, state_v_first, step_states=None, **_) ->
     return pool_layout_verdict(state_pool, q.shape[-1], v.shape[-1], state_v_first)
 
 
-@kda_decode_registry.register("cula-sm90", 10, available=cula_kernels_on((9, 0)), supports=_cula_supports)
+def _gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
+    if not use_gate_in_kernel:
+        return "none"
+    return "softplus" if lower_bound is None else "lower_bound"
+
+
+def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, use_qk_l2norm_in_kernel,
+                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                       out, step_states, **_):  # fmt: skip
+    """The compiled kernel bound once; None (the general path) where an input needs a dense copy first."""
+    from cula.ops.kda.sm90.decode import kda_decode_variant
+
+    if q.shape[0] == 0 or not all(is_dense(t) for t in (q, k, v, g, beta, state_indices, out)):
+        return None
+    gate = _gate_kind(use_gate_in_kernel, lower_bound)
+    if gate == "none":
+        A_log = dt_bias = None
+    fn = kda_decode_variant(
+        io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=q.shape[-1], V=v.shape[-1], gate=gate,
+        has_a_log=A_log is not None, has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm_in_kernel,
+        beta_sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+        has_step_states=step_states is not None,
+    )  # fmt: skip
+    gated = gate != "none"
+
+    def launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states,
+               **_):  # fmt: skip
+        fn(q, k, v, g, beta, A_log if gated else None, dt_bias if gated else None, state_pool, state_indices, out,
+           step_states, scale, 0.0 if lower_bound is None else lower_bound)  # fmt: skip
+
+    return launch
+
+
+@kda_decode_registry.register(
+    "cula-sm90", 10, available=cula_kernels_on((9, 0)), supports=_cula_supports, prepare=_prepare_cula_sm90
+)
 def _decode_cula_sm90(
     q,
     k,
@@ -159,14 +210,11 @@ def _decode_cula_sm90(
 ):
     from cula.ops.kda.sm90.decode import kda_decode_sm90
 
-    if not use_gate_in_kernel:
-        gate = "none"
-    else:
-        gate = "softplus" if lower_bound is None else "lower_bound"
+    gate = _gate_kind(use_gate_in_kernel, lower_bound)
     # The kernel's compact fake tensors want exact row-major strides (size-1 dims included); decode inputs
     # are a few KB per sequence, so a copy of an odd-strided one costs less than leaving the kernel.
     q, k, v, g, beta, state_indices = (dense(t) for t in (q, k, v, g, beta, state_indices))
-    o = out if is_row_major(out) and out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    o = out if is_dense(out) else torch.empty_like(out)
     kda_decode_sm90(
         q,
         k,

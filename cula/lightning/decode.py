@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cula._validate import (
     check_decode_tokens,
+    check_pool_indices,
     check_qkv,
     check_scale,
     check_state_pool,
     check_tensor,
     dense,
-    is_row_major,
+    is_dense,
     pool_layout_verdict,
 )
-from cula.backends import Registry, always, cula_kernels_on
+from cula.backends import PlanCache, Registry, always, cula_kernels_on, tensor_sig
 
 lightning_decode_registry = Registry("lightning.lightning_decode")
+_plans = PlanCache()  # validated launches by call signature (see cula.backends.PlanCache)
 
 def lightning_decode(
     q: torch.Tensor,
@@ -55,38 +59,45 @@ def lightning_decode(
     Backends: ``cula-sm90`` (SM90, bf16/fp16, ``K = V`` in {64, 128}) and ``reference`` (float32 PyTorch,
     any device).
     """
+    key = (
+        tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(decay), tensor_sig(state_pool),
+        tensor_sig(state_indices), tensor_sig(out), scale is None or type(scale), state_v_first,
+        os.environ.get("CULA_BACKEND"),
+    )  # fmt: skip
+    launch = _plans.get(key)
+    if launch is None:
+        launch = _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out)
+        _plans.put(key, launch)
+    if check_indices:
+        check_pool_indices(state_indices, state_pool.shape[0])
+    if out is None:
+        out = torch.empty_like(v)
+    launch(
+        q=q, k=k, v=v, decay=decay, state_pool=state_pool, state_indices=state_indices,
+        scale=check_scale(scale, q.shape[-1]), state_v_first=bool(state_v_first), out=out,
+    )  # fmt: skip
+    return out
+
+
+def _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
+    """Validate a call with a new signature in full and choose its launch (raises on bad input)."""
     N, T, _H, K, HV, V = check_qkv(q, k, v)
     check_decode_tokens("lightning_decode", T)
     dev = q.device
     check_tensor("decay", decay, shape=(HV,), dtypes=(torch.float32,), device=dev)
     check_state_pool(
-        state_pool,
-        state_indices,
-        n=N,
-        heads=HV,
-        k=K,
-        v=V,
-        state_v_first=state_v_first,
-        device=dev,
-        check_indices=check_indices,
-    )
+        state_pool, state_indices, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=dev,
+        check_indices=False,
+    )  # fmt: skip
     if out is None:
-        out = torch.empty_like(v)
+        out = torch.empty_like(v)  # stands for the fresh buffer every such call allocates
     else:
         check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=dev)
     args = {
-        "q": q,
-        "k": k,
-        "v": v,
-        "decay": decay,
-        "state_pool": state_pool,
-        "state_indices": state_indices,
-        "scale": check_scale(scale, K),
-        "state_v_first": bool(state_v_first),
-        "out": out,
-    }
-    lightning_decode_registry.dispatch(dev, args)
-    return out
+        "q": q, "k": k, "v": v, "decay": decay, "state_pool": state_pool, "state_indices": state_indices,
+        "scale": check_scale(scale, K), "state_v_first": bool(state_v_first), "out": out,
+    }  # fmt: skip
+    return lightning_decode_registry.plan(dev, args)
 
 
 def _cula_supports(q, v, state_pool, state_v_first, **_) -> tuple:
@@ -98,8 +109,25 @@ def _cula_supports(q, v, state_pool, state_v_first, **_) -> tuple:
     return pool_layout_verdict(state_pool, K, V, state_v_first)
 
 
+def _prepare_cula_sm90(q, k, v, decay, state_pool, state_indices, state_v_first, out, **_):
+    """The compiled kernel and grid bound once; None (the general path) where an input needs fixing first."""
+    from cula.ops.lightning.sm90.decode import lightning_decode_launcher
+
+    _, HV, D0, D1 = state_pool.shape
+    if q.shape[0] == 0 or (HV == 1 and state_pool.stride(1) != D0 * D1):
+        return None
+    if not all(is_dense(t) for t in (q, k, v, decay, state_indices, out)):
+        return None
+    bound = lightning_decode_launcher(q, v, state_v_first=state_v_first)
+
+    def launch(q, k, v, decay, state_pool, state_indices, scale, out, **_):
+        bound(q, k, v, decay, state_pool, state_indices, out, scale)
+
+    return launch
+
+
 @lightning_decode_registry.register(
-    "cula-sm90", 10, available=cula_kernels_on((9, 0)), supports=_cula_supports
+    "cula-sm90", 10, available=cula_kernels_on((9, 0)), supports=_cula_supports, prepare=_prepare_cula_sm90
 )
 def _decode_cula_sm90(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
     from cula.ops.lightning.sm90.decode import lightning_decode_sm90
@@ -110,7 +138,7 @@ def _decode_cula_sm90(q, k, v, decay, state_pool, state_indices, scale, state_v_
         state_pool = state_pool.as_strided((P, HV, D0, D1), (state_pool.stride(0), D0 * D1, D1, 1))
     # the kernel writes a row-major, 16-byte aligned output; anything else goes through a temporary
     o = out
-    if not is_row_major(out) or out.data_ptr() % 16:
+    if not is_dense(out):
         o = torch.empty_like(out, memory_format=torch.contiguous_format)
     lightning_decode_sm90(
         dense(q),

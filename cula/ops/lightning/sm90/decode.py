@@ -69,7 +69,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cula.cache import compile_options, compiled_kernel
 
 __all__ = [
-    "LOAD_HINTS", "STORE_HINTS", "LightningDecodeSm90", "lightning_decode_sm90", "lightning_decode_variant",
+    "LOAD_HINTS", "STORE_HINTS", "LightningDecodeSm90", "lightning_decode_launcher", "lightning_decode_sm90",
+    "lightning_decode_variant",
 ]
 
 # Cache hints for the state traffic (the only bytes that matter); speed-report knobs, not correctness ones.
@@ -530,16 +531,36 @@ def lightning_decode_sm90(
         load_hint, store_hint, warps_per_sm: tuning knobs for the speed report (see ``LOAD_HINTS``,
             ``STORE_HINTS``; ``warps_per_sm`` sets ptxas' register cap to ``65536 / (32 * warps_per_sm)``).
     """
-    N = q.shape[0]
-    if N == 0:  # an empty grid is a launch error
+    if q.shape[0] == 0:  # an empty grid is a launch error
         return
+    launch = lightning_decode_launcher(
+        q, v, state_v_first=state_v_first, load_hint=load_hint, store_hint=store_hint, warps_per_sm=warps_per_sm
+    )
+    launch(q, k, v, decay, state, indices, out, scale)
+
+
+def lightning_decode_launcher(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    state_v_first: bool,
+    load_hint: str = "no_allocate",
+    store_hint: str = "default",
+    warps_per_sm: int = 16,
+):
+    """The compiled variant and grid for calls shaped like ``q`` / ``v`` (``N >= 1``), bound once:
+    ``launch(q, k, v, decay, state, indices, out, scale)`` (arguments as :func:`lightning_decode_sm90`)."""
     key = _variant_key(
         q.dtype, q.shape[-1], v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, _ARCH
     )
     cfg = _config_for(key)
     fn = compiled_kernel(key, lambda: _compile(cfg, _ARCH))
-    ctas = min(cfg.ctas_needed(N, v.shape[2]), _sm_count(q.device.index) * cfg.min_blocks_per_sm)
-    fn(q, k, v, decay, state, indices, out, scale, ctas)
+    ctas = min(cfg.ctas_needed(q.shape[0], v.shape[2]), _sm_count(q.device.index) * cfg.min_blocks_per_sm)
+
+    def launch(q, k, v, decay, state, indices, out, scale):
+        fn(q, k, v, decay, state, indices, out, scale, ctas)
+
+    return launch
 
 
 _ARCH = (9, 0)

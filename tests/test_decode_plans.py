@@ -1,0 +1,204 @@
+"""The decode entry points' call-signature cache (cula.backends.PlanCache), on the CPU.
+
+A repeated ``kda_decode`` / ``lightning_decode`` call skips validation and backend selection; these tests check
+that the cache never lets a call through that full validation would refuse, that the index check still runs,
+that anything selection reads (dtypes, strides, alignment, CULA_BACKEND) starts a new plan, and that the
+``cula-sm90`` fast launch passes the kernel exactly what the general path does. The kernels are stubbed here;
+their numbers are tested on the GPU (tests/test_gpu_api.py, tests/ops/).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cula.kda.decode as kd
+import cula.lightning.decode as ld
+from cula.backends import PlanCache, tensor_sig
+
+N, H, HV, D, P = 3, 2, 4, 64, 6
+
+
+def _kda_inputs(dtype=torch.float32):
+    torch.manual_seed(0)
+    q = torch.randn(N, 1, H, D, dtype=dtype)
+    k = torch.randn(N, 1, H, D, dtype=dtype)
+    v = torch.randn(N, 1, HV, D, dtype=dtype)
+    g = torch.randn(N, 1, HV, D)
+    beta = torch.randn(N, 1, HV)
+    pool = torch.randn(P, HV, D, D) * 0.1
+    idx = torch.tensor([4, -1, 0], dtype=torch.int32)
+    return q, k, v, g, beta, pool, idx
+
+
+def _lightning_inputs(dtype=torch.float32):
+    torch.manual_seed(1)
+    q = torch.randn(N, 1, H, D, dtype=dtype)
+    k = torch.randn(N, 1, H, D, dtype=dtype)
+    v = torch.randn(N, 1, HV, D, dtype=dtype)
+    decay = torch.rand(HV)
+    pool = torch.randn(P, HV, D, D) * 0.1
+    idx = torch.tensor([2, 5, -1], dtype=torch.int32)
+    return q, k, v, decay, pool, idx
+
+
+@pytest.fixture
+def counted_plans(monkeypatch):
+    """Fresh plan caches and a count of full validations per module."""
+    counts = {"kda": 0, "lightning": 0}
+    for name, mod in (("kda", kd), ("lightning", ld)):
+        monkeypatch.setattr(mod, "_plans", PlanCache())
+        real = mod._plan
+
+        def counted(*a, _real=real, _name=name, **kw):
+            counts[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, "_plan", counted)
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    return counts
+
+
+def test_tensor_sig_reads_what_validation_reads():
+    t = torch.zeros(2, 3, dtype=torch.float32)
+    assert tensor_sig(t) == tensor_sig(torch.ones(2, 3))  # values do not matter
+    assert tensor_sig(t) != tensor_sig(t.t().contiguous().t())  # strides do
+    assert tensor_sig(t) != tensor_sig(t.to(torch.float64))
+    assert tensor_sig(torch.zeros(16)[1:]) != tensor_sig(torch.zeros(15))  # 16-byte alignment does
+    assert tensor_sig(t) != tensor_sig(torch.empty(2, 3, device="meta"))  # and the device, meta included
+    assert tensor_sig(None) is None and tensor_sig([1, 2]) == (list,)
+    cache = PlanCache(maxsize=2)
+    for i in range(3):
+        cache.put((i,), lambda: i)
+    assert len(cache) == 1 and cache.get((2,)) is not None  # cleared when full, never unbounded
+
+
+def test_kda_decode_repeats_skip_validation_and_match_the_reference(counted_plans):
+    q, k, v, g, beta, pool, idx = _kda_inputs()
+    A_log = torch.randn(HV)
+    ref_pool = pool.clone()
+    outs = []
+    for _ in range(3):  # three decode steps on the same signature
+        outs.append(kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log))
+    assert counted_plans["kda"] == 1
+    for step in range(3):  # the same steps one by one through a fresh cache each time
+        kd._plans.clear()
+        o = kd.kda_decode(q, k, v, g, beta, ref_pool, idx, A_log=A_log)
+        torch.testing.assert_close(o, outs[step], rtol=0, atol=0)
+    torch.testing.assert_close(pool, ref_pool, rtol=0, atol=0)
+
+
+def test_kda_decode_new_signatures_are_validated(counted_plans):
+    q, k, v, g, beta, pool, idx = _kda_inputs()
+    A_log = torch.randn(HV)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log)
+    with pytest.raises(ValueError, match="`g` must have shape"):
+        kd.kda_decode(q, k, v, g[:, :, :2], beta, pool, idx, A_log=A_log)
+    with pytest.raises(TypeError, match="`beta` must have dtype"):
+        kd.kda_decode(q, k, v, g, beta.double(), pool, idx, A_log=A_log)
+    with pytest.raises(ValueError, match="A_log"):  # None-ness of an optional tensor is in the signature
+        kd.kda_decode(q, k, v, g, beta, pool, idx)
+    with pytest.raises(TypeError, match="scale"):
+        kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, scale=torch.tensor(0.1))
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, allow_neg_eigval=True,
+                      use_beta_sigmoid_in_kernel=False)  # fmt: skip
+    # the host-side index check runs on every call, cached signature or not
+    with pytest.raises(ValueError, match="out of range"):
+        kd.kda_decode(q, k, v, g, beta, pool, torch.tensor([4, -1, P], dtype=torch.int32), A_log=A_log)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, check_indices=False, state_v_first=True, scale=0.5)
+    assert len(kd._plans) == 2  # refused calls cache nothing
+
+
+def test_kda_decode_backend_override_starts_a_new_plan(counted_plans, monkeypatch):
+    from cula.backends import BackendUnavailableError
+
+    q, k, v, g, beta, pool, idx = _kda_inputs()
+    A_log = torch.randn(HV)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log)
+    monkeypatch.setenv("CULA_BACKEND", "cula-sm90")
+    with pytest.raises(BackendUnavailableError):
+        kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log)
+    monkeypatch.setenv("CULA_BACKEND", "reference")
+    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log)
+    assert counted_plans["kda"] == 3
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """Make CPU tensors look like an SM90 device with the DSL installed; kernels record their arguments."""
+    import cula.arch
+    import cula.backends
+    import cula.ops.kda.sm90.decode as kops
+    import cula.ops.lightning.sm90.decode as lops
+
+    monkeypatch.setattr(cula.backends, "cuda_only", lambda dev: (True, None))
+    monkeypatch.setattr(cula.backends, "has_package", lambda name: True)
+    monkeypatch.setattr(cula.arch, "device_arch", lambda dev: (9, 0))
+    calls = []
+
+    def variant(**kw):
+        calls.append(("variant", kw))
+        return lambda *args: calls.append(("launch", args))
+
+    monkeypatch.setattr(kops, "kda_decode_variant", variant)
+    monkeypatch.setattr(kops, "kda_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
+    monkeypatch.setattr(lops, "lightning_decode_launcher",
+                        lambda q, v, **kw: (calls.append(("variant", kw)),
+                                            lambda *args: calls.append(("launch", args)))[1])  # fmt: skip
+    monkeypatch.setattr(lops, "lightning_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
+    return calls
+
+
+def test_kda_decode_fast_launch_passes_what_the_kernel_takes(counted_plans, fake_sm90):
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
+    pool = pool.transpose(-1, -2).contiguous()  # [P, HV, V, K]
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV * D)
+    for _ in range(2):
+        kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, scale=0.25)
+    assert counted_plans["kda"] == 1
+    kinds = [c[0] for c in fake_sm90]
+    assert kinds == ["variant", "launch", "launch"]
+    kw = fake_sm90[0][1]
+    assert kw["gate"] == "lower_bound" and kw["has_a_log"] and kw["has_dt_bias"] and kw["state_v_first"]
+    args = fake_sm90[2][1]
+    assert args[0] is q and args[5] is A_log and args[6] is dt_bias and args[7] is pool and args[8] is idx
+    assert args[10] is None and args[11] == 0.25 and args[12] == -5.0
+    # precomputed gate: the kernel gets no A_log / dt_bias, lower_bound 0.0 stands for None
+    fake_sm90.clear()
+    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=False)
+    args = fake_sm90[-1][1]
+    assert fake_sm90[0][1]["gate"] == "none" and args[5] is None and args[6] is None and args[12] == 0.0
+    assert args[11] == D**-0.5
+    # an input that needs a dense copy takes the general path (which copies) on every call
+    fake_sm90.clear()
+    q_odd = torch.randn(N, 2, H, D, dtype=torch.bfloat16)[:, :1]
+    for _ in range(2):
+        kd.kda_decode(q_odd, k, v, g, beta, pool, idx, A_log=A_log)
+    assert [c[0] for c in fake_sm90] == ["general", "general"]
+    assert fake_sm90[0][1][0].is_contiguous() and fake_sm90[0][1][0] is not q_odd
+
+
+def test_lightning_decode_plans(counted_plans, fake_sm90):
+    q, k, v, decay, pool, idx = _lightning_inputs()
+    kd_pool = pool.clone()
+    outs = [ld.lightning_decode(q, k, v, decay, pool, idx) for _ in range(2)]  # reference backend (fp32)
+    assert counted_plans["lightning"] == 1
+    for step in range(2):
+        ld._plans.clear()
+        o = ld.lightning_decode(q, k, v, decay, kd_pool, idx)
+        torch.testing.assert_close(o, outs[step], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="`decay` must have shape"):
+        ld.lightning_decode(q, k, v, decay[:2], pool, idx)
+    with pytest.raises(ValueError, match="out of range"):
+        ld.lightning_decode(q, k, v, decay, pool, torch.tensor([2, P, -1], dtype=torch.int32))
+    # bf16 on the (fake) SM90: bound once, then launched with the call's tensors
+    fake_sm90.clear()
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    out = torch.empty_like(vb)
+    for _ in range(2):
+        ld.lightning_decode(qb, kb, vb, decay, pool, idx, out=out, scale=0.5, state_v_first=False)
+    assert [c[0] for c in fake_sm90] == ["variant", "launch", "launch"]
+    assert fake_sm90[0][1]["state_v_first"] is False
+    args = fake_sm90[-1][1]
+    assert args[0] is qb and args[4] is pool and args[5] is idx and args[6] is out and args[7] == 0.5
