@@ -202,3 +202,41 @@ def test_lightning_decode_plans(counted_plans, fake_sm90):
     assert fake_sm90[0][1]["state_v_first"] is False
     args = fake_sm90[-1][1]
     assert args[0] is qb and args[4] is pool and args[5] is idx and args[6] is out and args[7] == 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["kda", "lightning"])
+def test_fast_launch_matches_the_general_path_on_sm90(op):
+    """On the H200: repeated public calls (the bound launch) give bit-identical results to the launcher."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.ops.kda.sm90.decode import kda_decode_sm90
+    from cula.ops.lightning.sm90.decode import lightning_decode_sm90
+
+    torch.manual_seed(2)
+    n, h, hv, d, p = 16, 4, 8, 128, 40
+    q, k = (torch.randn(n, 1, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(n, 1, hv, d, device="cuda", dtype=torch.bfloat16)
+    pool = torch.randn(p, hv, d, d, device="cuda") * 0.1
+    idx = torch.randperm(p, device="cuda")[:n].to(torch.int32)
+    idx[3] = -1
+    ref_pool = pool.clone()
+    if op == "kda":
+        g = torch.randn(n, 1, hv, d, device="cuda")
+        beta = torch.randn(n, 1, hv, device="cuda")
+        A_log = torch.randn(hv, device="cuda")
+        outs = [kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, lower_bound=-5.0) for _ in range(3)]
+        for step in range(3):
+            o = torch.empty_like(v)
+            kda_decode_sm90(q, k, v, g, beta, A_log, None, ref_pool, idx, o, scale=d**-0.5, gate="lower_bound",
+                            lower_bound=-5.0, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+                            state_v_first=True)  # fmt: skip
+            assert torch.equal(o, outs[step])
+    else:
+        decay = torch.rand(hv, device="cuda")
+        outs = [ld.lightning_decode(q, k, v, decay, pool, idx) for _ in range(3)]
+        for step in range(3):
+            o = torch.empty_like(v)
+            lightning_decode_sm90(q, k, v, decay, ref_pool, idx, o, scale=d**-0.5, state_v_first=True)
+            assert torch.equal(o, outs[step])
+    assert torch.equal(pool, ref_pool)

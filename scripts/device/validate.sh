@@ -13,9 +13,9 @@ step() {  # step NAME SECONDS COMMAND...
   echo "   rc=$?"; grep -E "passed|failed|error|FAIL|geomean" "$OUT/$name.log" | tail -4
 }
 P="python -m pytest -m gpu -q -rfE --tb=short -p no:warnings"
-step intra 120 $P tests/ops/test_kda_intra_kernel.py -k "not benchmark"
-step lightning_decode 90 $P tests/ops/test_lightning_decode_kernel.py tests/test_lightning_decode_api.py -k "not speed_report"
-step api 200 $P tests/test_gpu_api.py
-step reference 90 $P tests/test_reference.py tests/test_bench_common.py tests/test_bench_scripts.py
+step decode 140 $P tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/ops/test_kda_decode_kernel.py \
+  tests/ops/test_lightning_decode_kernel.py -k "not speed_report"
+step api 180 $P tests/test_gpu_api.py
+step long 150 $P tests/test_gpu_long.py
 step speed 60 $P -s tests/ops/test_lightning_decode_kernel.py tests/ops/test_kda_decode_kernel.py -k speed_report
 echo "== done at +$(( $(date +%s) - S ))s"
