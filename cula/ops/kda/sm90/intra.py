@@ -97,8 +97,10 @@ class ChunkKDAIntraFwdSm90:
 
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
-        l2norm_qk: bool = False, beta_act: str = "none",
+        l2norm_qk: bool = False, beta_act: str = "none", vector_io: bool = False,
     ):  # fmt: skip
+        # vector_io: P2 with 16-byte accesses (_qg_kg_score_operands_vec); off until its first GPU run
+        self.vector_io = bool(vector_io)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -211,6 +213,104 @@ class ChunkKDAIntraFwdSm90:
             # exp2 overflows to inf for very negative x, giving exactly 0, as sigmoid should
             b = Float32(s) / (1.0 + cute.math.exp2(-x * RCP_LN2, fastmath=True))
         return b
+
+    @cute.jit
+    def _qg_kg_score_operands(self, sQ0, sK0, sG, sB, mQg, mKg, tok0, hv, valid, wg, tid):
+        """P2, one channel per thread: every element read, computed and stored on its own (2-byte accesses)."""
+        BT, dt = self.bt, self.dtype
+        for j in cutlass.range_constexpr(BT // 2):
+            t = wg + 2 * j
+            gc = sG[tid, t]
+            qv = sQ0[tid, t].to(Float32)
+            kv = sK0[tid, t].to(Float32)
+            if t < valid:
+                mQg[tok0 + t, hv, tid] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
+                mKg[tok0 + t, hv, tid] = (kv * cute.math.exp2(sG[tid, BT - 1] - gc, fastmath=True)).to(dt)
+            i = j // 8  # sub-chunk of row t (t // 16), static
+            e = cute.math.exp2(cute.arch.fmin(gc - sG[tid, 16 * i + 8], _ANCHOR_CLAMP), fastmath=True)
+            e = Float32(cutlass.select_(t < valid, e, Float32(0.0)))
+            bq = qv * e
+            bk = kv * e
+            r = t % 16
+            bq_hi = bq.to(dt)
+            bk_hi = bk.to(dt)
+            sB[r, tid, 2 * i] = bq_hi
+            sB[r + 16, tid, 2 * i] = bk_hi
+            sB[r, tid, 2 * i + 1] = (bq - bq_hi.to(Float32)).to(dt)
+            sB[r + 16, tid, 2 * i + 1] = (bk - bk_hi.to(Float32)).to(dt)
+
+    @cute.jit
+    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, tok0, hv, valid, tidx):
+        """P2 with 16-byte accesses: thread (r, c) takes rows 16 j + r (j = 0..3, i.e. sub-chunk j) and the 8
+        channels 8 c..8 c + 7. Every element gets the same operations as in ``_qg_kg_score_operands`` (the
+        results are bit-identical); only the thread-to-element map changes, so that q, k, g_cum, the qg / kg
+        rows and the score operands move 8 channels per instruction (8x fewer instructions in this phase, the
+        largest of v1: ~3.1 K of its ~10 K SASS instructions)."""
+        BT, dt, V8 = self.bt, self.dtype, 8
+        r = tidx // 16
+        c8 = cute.assume((tidx % 16) * V8, divby=V8)
+        vec = cute.make_layout(V8)
+
+        def at(t_: cute.Tensor, crd, divby: int = V8) -> cute.Tensor:  # the 8 contiguous elements at crd
+            return cute.make_tensor(t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), vec)
+
+        rgl = cute.make_rmem_tensor(V8, Float32)
+        cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG rows: 132 floats, 16-byte aligned
+        for j in cutlass.range_constexpr(BT // 16):
+            t = 16 * j + r
+            live = t < valid
+            rq = cute.make_rmem_tensor(V8, dt)
+            rk = cute.make_rmem_tensor(V8, dt)
+            rg = cute.make_rmem_tensor(V8, Float32)
+            rga = cute.make_rmem_tensor(V8, Float32)
+            cute.autovec_copy(at(sQ0, (c8, t)), rq)
+            cute.autovec_copy(at(sK0, (c8, t)), rk)
+            cute.autovec_copy(at(sG, (c8, t), 4), rg)
+            cute.autovec_copy(at(sG, (c8, 16 * j + 8), 4), rga)
+            rqg = cute.make_rmem_tensor(V8, dt)
+            rkg = cute.make_rmem_tensor(V8, dt)
+            bq_hi = cute.make_rmem_tensor(V8, dt)
+            bq_lo = cute.make_rmem_tensor(V8, dt)
+            bk_hi = cute.make_rmem_tensor(V8, dt)
+            bk_lo = cute.make_rmem_tensor(V8, dt)
+            for e in cutlass.range_constexpr(V8):
+                gc = rg[e]
+                qv = rq[e].to(Float32)
+                kv = rk[e].to(Float32)
+                rqg[e] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
+                rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
+                f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
+                f = Float32(cutlass.select_(live, f, Float32(0.0)))
+                bq = qv * f
+                bk = kv * f
+                hq = bq.to(dt)
+                hk = bk.to(dt)
+                bq_hi[e] = hq
+                bk_hi[e] = hk
+                bq_lo[e] = (bq - hq.to(Float32)).to(dt)
+                bk_lo[e] = (bk - hk.to(Float32)).to(dt)
+            if live:
+                cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
+                cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
+            cute.autovec_copy(bq_hi, at(sB, (r, c8, 2 * j)))
+            cute.autovec_copy(bq_lo, at(sB, (r, c8, 2 * j + 1)))
+            cute.autovec_copy(bk_hi, at(sB, (r + 16, c8, 2 * j)))
+            cute.autovec_copy(bk_lo, at(sB, (r + 16, c8, 2 * j + 1)))
+
+    @cute.jit
+    def _store_rows_vec(self, sX0, mOut, tok0, hv, valid, tid):
+        """Rows of a (K, BT) feature-major smem tile to ``mOut[tok0 + t, hv, :]``, 8 channels per store; the
+        128 threads of one warpgroup, row t = tid // 16 + 8 m, channels 8 (tid % 16)..+7."""
+        V8 = 8
+        c8 = cute.assume((tid % 16) * V8, divby=V8)
+        vec = cute.make_layout(V8)
+        for m in cutlass.range_constexpr(self.bt // 8):
+            t = tid // 16 + 8 * m
+            if t < valid:
+                r = cute.make_rmem_tensor(V8, self.dtype)
+                src = sX0.iterator + cute.assume(cute.crd2idx((c8, t), sX0.layout), divby=V8)
+                cute.autovec_copy(cute.make_tensor(src, vec), r)
+                cute.autovec_copy(r, cute.make_tensor(mOut[tok0 + t, hv, None].iterator + c8, vec))
 
     @cute.jit
     def _l2norm_rows(self, sX0: cute.Tensor, warp: Int32, lane: Int32, num_warps: int):
@@ -344,26 +444,10 @@ class ChunkKDAIntraFwdSm90:
         cute.arch.barrier()
 
         # ---------------- P2: qg, kg, score B operands ----------------
-        for j in cutlass.range_constexpr(BT // 2):
-            t = wg + 2 * j
-            gc = sG[tid, t]
-            qv = sQ0[tid, t].to(Float32)
-            kv = sK0[tid, t].to(Float32)
-            if t < valid:
-                mQg[tok0 + t, hv, tid] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
-                mKg[tok0 + t, hv, tid] = (kv * cute.math.exp2(sG[tid, BT - 1] - gc, fastmath=True)).to(dt)
-            i = j // 8  # sub-chunk of row t (t // 16), static
-            e = cute.math.exp2(cute.arch.fmin(gc - sG[tid, 16 * i + 8], _ANCHOR_CLAMP), fastmath=True)
-            e = Float32(cutlass.select_(t < valid, e, Float32(0.0)))
-            bq = qv * e
-            bk = kv * e
-            r = t % 16
-            bq_hi = bq.to(dt)
-            bk_hi = bk.to(dt)
-            sB[r, tid, 2 * i] = bq_hi
-            sB[r + 16, tid, 2 * i] = bk_hi
-            sB[r, tid, 2 * i + 1] = (bq - bq_hi.to(Float32)).to(dt)
-            sB[r + 16, tid, 2 * i + 1] = (bk - bk_hi.to(Float32)).to(dt)
+        if const_expr(self.vector_io):
+            self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, tok0, hv, valid, tidx)
+        else:
+            self._qg_kg_score_operands(sQ0, sK0, sG, sB, mQg, mKg, tok0, hv, valid, wg, tid)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
 
@@ -496,11 +580,20 @@ class ChunkKDAIntraFwdSm90:
                     atom_wu.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                for e in cutlass.range_constexpr(cute.size(accW)):
-                    t = tWc[e][0]
-                    ff = tWc[e][1]
-                    if t < valid:
-                        mOut[tok0 + t, hv, ff] = accW[e].to(dt)
+                if const_expr(self.vector_io):
+                    # through this warpgroup's own B tile (sK0 / sV0, no longer read by anyone): scalar
+                    # shared stores, then 16-byte rows to global memory
+                    sOut = sK0 if which == 0 else sV0
+                    for e in cutlass.range_constexpr(cute.size(accW)):
+                        sOut[tWc[e][1], tWc[e][0]] = accW[e].to(dt)
+                    cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
+                    self._store_rows_vec(sOut, mOut, tok0, hv, valid, tid)
+                else:
+                    for e in cutlass.range_constexpr(cute.size(accW)):
+                        t = tWc[e][0]
+                        ff = tWc[e][1]
+                        if t < valid:
+                            mOut[tok0 + t, hv, ff] = accW[e].to(dt)
 
 
 @functools.cache
@@ -513,7 +606,8 @@ _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.flo
 
 
 def _compile(
-    dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none"
+    dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none",
+    vector_io=False,
 ):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
@@ -521,7 +615,7 @@ def _compile(
     DK, BT = 128, 64
     kernel = ChunkKDAIntraFwdSm90(
         dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, l2norm_qk=l2norm_qk,
-        beta_act=beta_act,
+        beta_act=beta_act, vector_io=vector_io,
     )  # fmt: skip
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -545,17 +639,23 @@ def _compile(
 
 def get_compiled(
     dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), *,
-    l2norm_qk=False, beta_act="none",
+    l2norm_qk=False, beta_act="none", vector_io=False,
 ):  # fmt: skip
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
     key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
-           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act)  # fmt: skip
+           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(vector_io))  # fmt: skip
     return compiled_kernel(
         key,
         lambda: _compile(
-            dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act
+            dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act,
+            vector_io=vector_io,
         ),
     )
+
+
+# P2 with 16-byte accesses (ChunkKDAIntraFwdSm90(vector_io=True)): the default once the H200 confirms it is
+# bit-identical to the scalar path (tests/ops/test_kda_intra_kernel.py::test_vector_io_bit_identical) and faster.
+VECTOR_IO_DEFAULT = False
 
 
 def prepare_chunk_indices_i32(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
@@ -593,6 +693,7 @@ def chunk_kda_intra_sm90(
     use_qk_l2norm: bool = False,
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
+    vector_io: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -620,6 +721,8 @@ def chunk_kda_intra_sm90(
             rounded to q's dtype, before any use.
         beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
+        vector_io: the 16-byte-access variant of the qg / kg / score-operand phase (same results);
+            ``VECTOR_IO_DEFAULT`` when None.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -680,6 +783,7 @@ def chunk_kda_intra_sm90(
     fn = get_compiled(
         dtype=_TORCH_TO_CUTLASS[dt], g_dtype=_TORCH_TO_CUTLASS[g.dtype], beta_dtype=_TORCH_TO_CUTLASS[beta.dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
+        vector_io=VECTOR_IO_DEFAULT if vector_io is None else bool(vector_io),
     )  # fmt: skip
 
     def flat(t):
