@@ -118,6 +118,8 @@ class ChunkKDAIntraFwdSm90:
         self.tx_bytes = 3 * self.bt * self.dk * (dtype.width // 8) + self.gin_bytes
         # P3..P7 scratch, carved from the score-operand region once the score GEMMs are done
         self.off_akk, self.off_inv, self.off_y, self.off_t = 0, 17408, 34816, 38912
+        # vector_io: Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte aligned, banks staggered)
+        self.off_aqk, self.aqk_ld = 49152, self.bt + 8
         self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_t + self.bt * self.bt * 2)
 
     @cute.jit
@@ -240,6 +242,45 @@ class ChunkKDAIntraFwdSm90:
             sB[r + 16, tid, 2 * i + 1] = (bk - bk_hi.to(Float32)).to(dt)
 
     @cute.jit
+    def _vec_at(self, t_: cute.Tensor, crd, divby: int = 8) -> cute.Tensor:
+        """The 8 elements at and after ``crd`` in memory, for tiles whose 8-element runs are contiguous there
+        (``divby``: the offset's known divisibility, which sets the access width)."""
+        return cute.make_tensor(
+            t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), cute.make_layout(8)
+        )
+
+    @cute.jit
+    def _scale_rows_vec(self, sX0, sBeta, tid):
+        """v' = bf16(v beta_t) in place on a (V, BT) smem tile, 8 channels per access (one warpgroup)."""
+        c8 = cute.assume((tid % 16) * 8, divby=8)
+        for m in cutlass.range_constexpr(self.bt // 8):
+            t = tid // 16 + 8 * m
+            rv = cute.make_rmem_tensor(8, self.dtype)
+            cute.autovec_copy(self._vec_at(sX0, (c8, t)), rv)
+            b = sBeta[t]
+            for e in cutlass.range_constexpr(8):
+                rv[e] = (rv[e].to(Float32) * b).to(self.dtype)
+            cute.autovec_copy(rv, self._vec_at(sX0, (c8, t)))
+
+    @cute.jit
+    def _k_prime_vec(self, sK0, sG, sBeta, tidx):
+        """k' = bf16(bf16(beta_t k) exp2(g_cum)) in place, 8 channels per access (all 256 threads)."""
+        dt = self.dtype
+        r = tidx // 16
+        c8 = cute.assume((tidx % 16) * 8, divby=8)
+        for j in cutlass.range_constexpr(self.bt // 16):
+            t = 16 * j + r
+            rk = cute.make_rmem_tensor(8, dt)
+            rg = cute.make_rmem_tensor(8, Float32)
+            cute.autovec_copy(self._vec_at(sK0, (c8, t)), rk)
+            cute.autovec_copy(self._vec_at(sG, (c8, t), 4), rg)  # sG rows: 132 floats, 16-byte aligned
+            b = sBeta[t]
+            for e in cutlass.range_constexpr(8):
+                kbeta = (rk[e].to(Float32) * b).to(dt).to(Float32)
+                rk[e] = (kbeta * cute.math.exp2(rg[e], fastmath=True)).to(dt)
+            cute.autovec_copy(rk, self._vec_at(sK0, (c8, t)))
+
+    @cute.jit
     def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, tok0, hv, valid, tidx):
         """P2 with 16-byte accesses: thread (r, c) takes rows 16 j + r (j = 0..3, i.e. sub-chunk j) and the 8
         channels 8 c..8 c + 7. Every element gets the same operations as in ``_qg_kg_score_operands`` (the
@@ -250,9 +291,7 @@ class ChunkKDAIntraFwdSm90:
         r = tidx // 16
         c8 = cute.assume((tidx % 16) * V8, divby=V8)
         vec = cute.make_layout(V8)
-
-        def at(t_: cute.Tensor, crd, divby: int = V8) -> cute.Tensor:  # the 8 contiguous elements at crd
-            return cute.make_tensor(t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), vec)
+        at = self._vec_at
 
         rgl = cute.make_rmem_tensor(V8, Float32)
         cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG rows: 132 floats, 16-byte aligned
@@ -308,8 +347,7 @@ class ChunkKDAIntraFwdSm90:
             t = tid // 16 + 8 * m
             if t < valid:
                 r = cute.make_rmem_tensor(V8, self.dtype)
-                src = sX0.iterator + cute.assume(cute.crd2idx((c8, t), sX0.layout), divby=V8)
-                cute.autovec_copy(cute.make_tensor(src, vec), r)
+                cute.autovec_copy(self._vec_at(sX0, (c8, t)), r)
                 cute.autovec_copy(r, cute.make_tensor(mOut[tok0 + t, hv, None].iterator + c8, vec))
 
     @cute.jit
@@ -389,6 +427,9 @@ class ChunkKDAIntraFwdSm90:
             cute.recast_ptr(base + self.off_y, dtype=Float32), cute.make_layout((16, 48), stride=(48, 1))
         )
         sT = cute.make_tensor(cute.recast_ptr(base + self.off_t, sT_l.inner, dtype=dt), sT_l.outer)
+        sAqk = cute.make_tensor(
+            cute.recast_ptr(base + self.off_aqk, dtype=dt), cute.make_layout((BT, BT), stride=(self.aqk_ld, 1))
+        )  # (t, s), vector_io only
 
         # ---------------- P0: loads ----------------
         if tidx == 0:
@@ -434,8 +475,11 @@ class ChunkKDAIntraFwdSm90:
                 if t < valid:
                     mG[tok0 + t, hv, tid] = gc
         else:
-            for t in cutlass.range(BT, unroll=8):
-                sV0[tid, t] = (sV0[tid, t].to(Float32) * sBeta[t]).to(dt)
+            if const_expr(self.vector_io):
+                self._scale_rows_vec(sV0, sBeta, tid)
+            else:
+                for t in cutlass.range(BT, unroll=8):
+                    sV0[tid, t] = (sV0[tid, t].to(Float32) * sBeta[t]).to(dt)
             if const_expr(self.l2norm_qk):
                 # WG0's sequential cumsum is the longer half of P1, so the row norms ride in its shadow;
                 # nothing reads q or k before P2
@@ -499,13 +543,24 @@ class ChunkKDAIntraFwdSm90:
                 nn = tCc[e][1]
                 t = 16 * anc + nn % 16
                 if nn < 16:  # Aqk^T column t
-                    if t < valid:
-                        mAqk[tok0 + t, hv, s] = Float32(
-                            cutlass.select_(s <= t, acc[e] * scale, Float32(0.0))
-                        ).to(dt)
+                    a_qk = Float32(cutlass.select_(s <= t, acc[e] * scale, Float32(0.0))).to(dt)
+                    if const_expr(self.vector_io):
+                        sAqk[t, s] = a_qk  # staged; stored below as 16-byte rows
+                    elif t < valid:
+                        mAqk[tok0 + t, hv, s] = a_qk
                 else:  # Akk^T column t
                     sAkk[t, s] = Float32(cutlass.select_(s < t, acc[e] * sBeta[t], Float32(0.0)))
         cute.arch.barrier()
+        if const_expr(self.vector_io):
+            for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
+                item = tidx + m * self.num_threads
+                t = item // 8
+                s0 = cute.assume((item % 8) * 8, divby=8)
+                if t < valid:
+                    ra = cute.make_rmem_tensor(8, dt)
+                    cute.autovec_copy(self._vec_at(sAqk, (t, s0)), ra)
+                    dst = cute.make_tensor(mAqk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8))
+                    cute.autovec_copy(ra, dst)
 
         # ---------------- P4: inverses of the diagonal blocks | zero the upper blocks of T ----------------
         if tidx < BT:
@@ -553,10 +608,13 @@ class ChunkKDAIntraFwdSm90:
         for j in cutlass.range_constexpr(BT * BT // self.num_threads):
             idx = tidx + j * self.num_threads
             sT0[idx // BT, idx % BT] = sInv[idx // BT, idx % BT].to(dt)
-        for j in cutlass.range_constexpr(BT // 2):
-            t = wg + 2 * j
-            kbeta = (sK0[tid, t].to(Float32) * sBeta[t]).to(dt).to(Float32)
-            sK0[tid, t] = (kbeta * cute.math.exp2(sG[tid, t], fastmath=True)).to(dt)
+        if const_expr(self.vector_io):
+            self._k_prime_vec(sK0, sG, sBeta, tidx)
+        else:
+            for j in cutlass.range_constexpr(BT // 2):
+                t = wg + 2 * j
+                kbeta = (sK0[tid, t].to(Float32) * sBeta[t]).to(dt).to(Float32)
+                sK0[tid, t] = (kbeta * cute.math.exp2(sG[tid, t], fastmath=True)).to(dt)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
 
