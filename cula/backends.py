@@ -201,6 +201,14 @@ class PlanCache:
     def get(self, key: tuple) -> Callable[..., Any] | None:
         return self._plans.get(key)
 
+    def lookup(self, key: tuple, plan: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+        """The launch cached for ``key``, or ``plan()`` (full validation, may raise) cached under it."""
+        launch = self._plans.get(key)
+        if launch is None:
+            launch = plan()
+            self.put(key, launch)
+        return launch
+
     def put(self, key: tuple, launch: Callable[..., Any]) -> None:
         if len(self._plans) >= self.maxsize:  # a serving loop sees a handful of signatures; never grow unbounded
             self._plans.clear()

@@ -64,10 +64,7 @@ def lightning_decode(
         tensor_sig(state_indices), tensor_sig(out), scale is None or type(scale), state_v_first,
         os.environ.get("CULA_BACKEND"),
     )  # fmt: skip
-    launch = _plans.get(key)
-    if launch is None:
-        launch = _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out)
-        _plans.put(key, launch)
+    launch = _plans.lookup(key, lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out))
     if check_indices:
         check_pool_indices(state_indices, state_pool.shape[0])
     if out is None:
