@@ -664,8 +664,10 @@ def call_recording_backend(call: Callable[[], Any], registry: str) -> tuple[Any,
     module, _, attr = registry.partition(":")
     try:
         reg = getattr(importlib.import_module(module), attr)
+        from cula.backends import clear_plan_caches
     except (ImportError, AttributeError):
         return call(), "unknown"
+    clear_plan_caches()  # a decode call with a cached signature would not consult the registry
     chosen: list[str] = []
     original = reg.select
 

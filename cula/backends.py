@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -197,6 +198,7 @@ class PlanCache:
     def __init__(self, maxsize: int = 1024):
         self.maxsize = maxsize
         self._plans: dict[tuple, Callable[..., Any]] = {}
+        _PLAN_CACHES.add(self)
 
     def get(self, key: tuple) -> Callable[..., Any] | None:
         return self._plans.get(key)
@@ -219,3 +221,13 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+
+_PLAN_CACHES: weakref.WeakSet[PlanCache] = weakref.WeakSet()
+
+
+def clear_plan_caches() -> None:
+    """Forget every cached launch, so the next call of each signature is validated and dispatched again
+    (what a caller that records the chosen backend, e.g. the benchmarks, needs)."""
+    for cache in list(_PLAN_CACHES):
+        cache.clear()
