@@ -247,3 +247,37 @@ def test_fast_launch_matches_the_general_path_on_sm90(op):
             lightning_decode_sm90(q, k, v, decay, ref_pool, idx, o, scale=d**-0.5, state_v_first=True)
             assert torch.equal(o, outs[step])
     assert torch.equal(pool, ref_pool)
+
+
+def test_fused_recurrent_kda_pool_form_runs_the_decode_kernel(counted_plans, fake_sm90):
+    """FLA's serving call with [N, 1] tokens and an in-place pool is one kda_decode step on the (fake) SM90."""
+    import cula.kda as ck
+    from cula.kda.backends import _cula_recurrent_supports
+
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
+    A_log = torch.randn(HV)
+    kw = dict(A_log=A_log, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0, ssm_state_indices=idx, inplace_final_state=True)  # fmt: skip
+    o, ht = ck.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, **kw)
+    assert ht is pool and o.shape == v.shape
+    assert [c[0] for c in fake_sm90] == ["variant", "launch"]
+    assert fake_sm90[0][1]["gate"] == "lower_bound" and fake_sm90[0][1]["state_v_first"] is False
+    args = fake_sm90[1][1]
+    assert args[7] is pool and args[8] is idx and args[11] == D**-0.5
+    # what the kernel does not cover goes to FLA, with the reason
+    base = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=None, initial_state=pool,
+                inplace_final_state=True, cu_seqlens=None, ssm_state_indices=idx, num_accepted_tokens=None,
+                use_gate_in_kernel=True, lower_bound=-5.0, state_v_first=False)  # fmt: skip
+    assert _cula_recurrent_supports(**base) == (True, None)
+    for over, why in (
+        ({"cu_seqlens": torch.tensor([0, 1, 2, 3])}, "cu_seqlens"),
+        ({"num_accepted_tokens": torch.ones(N, dtype=torch.int32)}, "num_accepted_tokens"),
+        ({"ssm_state_indices": None}, "state-pool"),
+        ({"inplace_final_state": False}, "state-pool"),
+        ({"ssm_state_indices": idx.long()}, "int32"),
+        ({"beta": torch.randn(N, 1, HV, D)}, "per-channel beta"),
+        ({"A_log": None, "lower_bound": None}, "softplus"),
+        ({"initial_state": pool.to(torch.bfloat16)}, "fp32"),
+    ):
+        ok, reason = _cula_recurrent_supports(**dict(base, **over))
+        assert not ok and why in reason, (over, reason)

@@ -251,6 +251,22 @@ def test_kda_decode_pool_cuda():
     untouched = torch.ones(P, dtype=torch.bool, device=DEV)
     untouched[idx.long()] = False
     assert torch.equal(pool_c[untouched], pool[untouched])
+    # the [N, 1] form (no cu_seqlens) runs on cula's decode kernel: same numbers
+    from cula.kda.backends import fused_recurrent_kda_registry
+
+    kw.pop("cu_seqlens")
+    pool_c2, pool_f2 = pool.clone(), pool.clone()
+    poison_cuda_allocator()
+    o2, ht2 = ck.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool_c2, **kw)
+    o2_f, _ = fkr.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool_f2, **kw)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=pool_c2, scale=D**-0.5, output_final_state=False,
+                state_v_first=False, num_accepted_tokens=None, out=None, cu_seqlens=None, allow_neg_eigval=False,
+                **kw)  # fmt: skip
+    assert fused_recurrent_kda_registry.select(q.device, args).name == "cula-sm90"
+    assert ht2 is pool_c2
+    assert_close("o ([N, 1] form)", o2_f, o2, TOL)
+    assert_close("pool ([N, 1] form)", pool_f2, pool_c2, TOL)
+    assert torch.equal(pool_c2[untouched], pool[untouched])
 
 
 @pytest.mark.parametrize("T", [1, 4])

@@ -1,7 +1,9 @@
 """Backends of the KDA entry points, tried in priority order (see ``cula.backends``).
 
-- ``cula-sm90``: our CuTe DSL state/output kernel on Hopper after FLA's Triton intra-chunk stage,
-  for inference (no autograd yet), bf16, K = V = 128, chunk 64 (fp16 compiles but is not yet GPU-tested).
+- ``cula-sm90``: ``chunk_kda``: our CuTe DSL kernels on Hopper (see ``cula.ops.kda.sm90.chunk_fwd``), for
+  inference (no autograd yet), bf16, K = V = 128, chunk 64 (fp16 compiles but is not yet GPU-tested);
+  ``fused_recurrent_kda``: FLA's in-place state-pool decode form with one token per sequence, on the
+  ``kda_decode`` kernel.
 - ``fla``: FLA 0.6.0's Triton kernels, for everything our kernels do not cover yet on CUDA.
 - ``reference``: float32 PyTorch (``cula.kda.naive``); the CPU path, differentiable.
 """
@@ -159,6 +161,58 @@ def _reference_recurrent_supports(ssm_state_indices=None, num_accepted_tokens=No
     if out is not None:
         return False, "a preallocated `out` needs a CUDA backend"
     return True, None
+
+
+def _cula_recurrent_supports(
+    q, k, v, g, beta, A_log, dt_bias, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
+    num_accepted_tokens, use_gate_in_kernel, lower_bound, state_v_first, **_,
+) -> tuple:  # fmt: skip
+    """FLA's serving call that is exactly one ``kda_decode`` step: [N, 1] tokens, an fp32 pool, int32 [N] rows."""
+    from cula._validate import FLOAT_DTYPES, pool_layout_verdict
+
+    if ssm_state_indices is None or not inplace_final_state:
+        return False, "only the in-place state-pool form (ssm_state_indices, inplace_final_state=True) runs on cula"
+    if cu_seqlens is not None:
+        # [1, N] packed with one token per sequence: exact only if no sequence is empty, which the device knows
+        return False, "cu_seqlens (the packed [1, N] form) runs on fla; pass q as [N, 1, H, K] for cula's kernel"
+    if num_accepted_tokens is not None:
+        return False, "num_accepted_tokens (speculative verify) runs on fla; cula's is kda_decode(step_states=...)"
+    if q.shape[1] != 1:
+        return False, f"{q.shape[1]} tokens per sequence with a state pool run on fla (cula's kernel: one)"
+    if ssm_state_indices.ndim != 1 or ssm_state_indices.dtype != torch.int32:
+        return False, "ssm_state_indices must be int32 [N] for cula's kernel"
+    if q.dtype not in (torch.bfloat16, torch.float16) or g.dtype not in FLOAT_DTYPES:
+        return False, f"q dtype {q.dtype} / g dtype {g.dtype} (kernel takes bf16/fp16 q, float g)"
+    if beta.ndim == v.ndim or beta.dtype not in (torch.float32, torch.bfloat16):
+        return False, "per-channel beta, or beta not fp32/bf16, runs on fla"
+    if use_gate_in_kernel and A_log is None and lower_bound is None:
+        return False, "the softplus gate without A_log (FLA's default coefficient) runs on fla"
+    if any(t is not None and t.dtype != torch.float32 for t in (A_log, dt_bias)):
+        return False, "A_log / dt_bias not fp32 run on fla"
+    if initial_state.dtype != torch.float32 or initial_state.ndim != 4:
+        return False, "the state pool must be fp32 [P, HV, ...] for cula's kernel"
+    if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):
+        return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
+    return pool_layout_verdict(initial_state, q.shape[-1], v.shape[-1], state_v_first)
+
+
+# Serving engines call FLA's fused_recurrent_kda_fwd once per token; the [N, 1] pool form is exactly kda_decode.
+@fused_recurrent_kda_registry.register(
+    "cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)), supports=_cula_recurrent_supports
+)
+def _fused_recurrent_kda_cula_sm90(
+    q, k, v, g, beta, A_log, dt_bias, initial_state, scale, ssm_state_indices, use_qk_l2norm_in_kernel,
+    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out, **_,
+):  # fmt: skip
+    from cula.kda.decode import kda_decode
+
+    o = kda_decode(
+        q, k, v, g, beta, initial_state, ssm_state_indices, A_log=A_log, dt_bias=dt_bias, scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, state_v_first=state_v_first, out=out, check_indices=False,
+    )  # fmt: skip
+    return o, initial_state
 
 
 @fused_recurrent_kda_registry.register("fla", FLA_PRIORITY, available=package_on_cuda("fla"))
