@@ -8,6 +8,7 @@ kernels at B=1, T=4096 (speed of light, occupancy, warp stall reasons) into $OUT
 Firecracker runtime (device KINDS.md) and is skipped with a message where it cannot read the counters.
 ``--ncu-source`` records the intra kernel alone with line info and source counters, and writes its per-SASS-
 instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, hence which phase, the time goes to).
+``--ncu-decode`` profiles the KDA and Lightning decode kernels at N=64 instead ($OUT/ncu_decode.txt).
 """
 
 from __future__ import annotations
@@ -97,6 +98,38 @@ def ncu_target() -> None:
     torch.cuda.synchronize()
 
 
+def ncu_decode_target() -> None:
+    """Two kda_decode and two lightning_decode steps at N=64, HV=64, K=V=128 over a V-first fp32 pool."""
+    from cula.kda import kda_decode
+    from cula.lightning import lightning_decode
+
+    N, P = 64, 128
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(N, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    beta = torch.randn(N, 1, H, device="cuda")
+    pool = torch.randn(P, H, D, D, device="cuda") * 0.01
+    idx = torch.randperm(P, device="cuda")[:N].to(torch.int32)
+    A_log = torch.randn(H, device="cuda")
+    for _ in range(2):
+        kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, lower_bound=-5.0, check_indices=False)
+    decay = torch.rand(H, device="cuda")
+    for _ in range(2):
+        lightning_decode(q, k, v, decay, pool, idx, check_indices=False)
+    torch.cuda.synchronize()
+
+
+def run_ncu_decode() -> None:
+    """Why the decode kernels stop at ~85% of copy bandwidth: memory workload and stall reasons at N=64."""
+    out = os.environ.get("OUT", ".")
+    text = _ncu(["ncu", "--clock-control", "none", "-k", "regex:DecodeSm90", "--launch-count", "4", "--section",
+                 "SpeedOfLight", "--section", "MemoryWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis_Tables",
+                 "--section", "Occupancy", "--section", "LaunchStats", "--section", "WarpStateStats", "--section",
+                 "SchedulerStats", sys.executable, __file__, "--ncu-decode-target"])  # fmt: skip
+    with open(os.path.join(out, "ncu_decode.txt"), "w") as f:
+        f.write(text)
+    print(text[-6000:])
+
+
 def _ncu(cmd: list[str], timeout: float = 240, env: dict | None = None) -> str:
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -134,6 +167,10 @@ def run_ncu_source() -> None:
 if __name__ == "__main__":
     if "--ncu-target" in sys.argv:
         ncu_target()
+    elif "--ncu-decode-target" in sys.argv:
+        ncu_decode_target()
+    elif "--ncu-decode" in sys.argv:
+        run_ncu_decode()
     else:
         if "--ncu" in sys.argv:
             run_ncu()
