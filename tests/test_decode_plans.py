@@ -69,7 +69,7 @@ def test_tensor_sig_reads_what_validation_reads():
     assert tensor_sig(None) is None and tensor_sig([1, 2]) == (list,)
     cache = PlanCache(maxsize=2)
     for i in range(3):
-        cache.put((i,), lambda: i)
+        cache.put((i,), lambda i=i: i)
     assert len(cache) == 1 and cache.get((2,)) is not None  # cleared when full, never unbounded
 
 
