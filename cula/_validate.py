@@ -190,10 +190,9 @@ def check_state_pool(
     v: int,
     state_v_first: bool,
     device: torch.device,
-    check_indices: bool,
 ) -> None:
     """A serving state pool: fp32 ``[P, HV, V, K]`` (``state_v_first``) or ``[P, HV, K, V]``, and int32
-    ``[N]`` row indices (negative: padded slot). ``check_indices`` verifies ``indices < P`` on the host."""
+    ``[N]`` row indices (negative: padded slot). Their range is ``check_pool_indices``' (a host read)."""
     state_shape = (heads, v, k) if state_v_first else (heads, k, v)
     check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=device)
     if tuple(state_pool.shape[1:]) != state_shape:
@@ -203,8 +202,6 @@ def check_state_pool(
             f"got {list(state_pool.shape)}"
         )
     check_tensor("state_indices", state_indices, shape=(n,), dtypes=(torch.int32,), device=device)
-    if check_indices:
-        check_pool_indices(state_indices, state_pool.shape[0])
 
 
 def check_pool_indices(state_indices: torch.Tensor, pool_rows: int) -> None:

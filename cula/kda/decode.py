@@ -106,9 +106,8 @@ def _plan(
     check_tensor("g", g, shape=(N, T, HV, K), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("beta", beta, shape=(N, T, HV), dtypes=(torch.float32, torch.bfloat16), device=dev)
     check_state_pool(
-        state_pool, state_indices, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=dev,
-        check_indices=False,
-    )  # fmt: skip
+        state_pool, state_indices, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=dev
+    )
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
             raise ValueError(
@@ -159,25 +158,20 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
                        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
                        out, step_states, **_):  # fmt: skip
     """The compiled kernel bound once; None (the general path) where an input needs a dense copy first."""
-    from cula.ops.kda.sm90.decode import kda_decode_variant
+    from cula.ops.kda.sm90.decode import kda_decode_launcher
 
     if q.shape[0] == 0 or not all(is_dense(t) for t in (q, k, v, g, beta, state_indices, out)):
         return None
-    gate = _gate_kind(use_gate_in_kernel, lower_bound)
-    if gate == "none":
-        A_log = dt_bias = None
-    fn = kda_decode_variant(
-        io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=q.shape[-1], V=v.shape[-1], gate=gate,
-        has_a_log=A_log is not None, has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm_in_kernel,
-        beta_sigmoid=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-        has_step_states=step_states is not None,
+    bound = kda_decode_launcher(
+        io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=q.shape[-1], V=v.shape[-1],
+        gate=_gate_kind(use_gate_in_kernel, lower_bound), has_a_log=A_log is not None,
+        has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, has_step_states=step_states is not None,
     )  # fmt: skip
-    gated = gate != "none"
 
     def launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states,
                **_):  # fmt: skip
-        fn(q, k, v, g, beta, A_log if gated else None, dt_bias if gated else None, state_pool, state_indices, out,
-           step_states, scale, 0.0 if lower_bound is None else lower_bound)  # fmt: skip
+        bound(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, out, step_states, scale, lower_bound)
 
     return launch
 

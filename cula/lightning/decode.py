@@ -83,9 +83,8 @@ def _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
     dev = q.device
     check_tensor("decay", decay, shape=(HV,), dtypes=(torch.float32,), device=dev)
     check_state_pool(
-        state_pool, state_indices, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=dev,
-        check_indices=False,
-    )  # fmt: skip
+        state_pool, state_indices, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=dev
+    )
     if out is None:
         out = torch.empty_like(v)  # stands for the fresh buffer every such call allocates
     else:

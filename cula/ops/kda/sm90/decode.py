@@ -49,7 +49,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 
 from cula.cache import compile_options, compiled_kernel
 
-__all__ = ["GATES", "KdaDecodeSm90", "kda_decode_sm90", "kda_decode_variant"]
+__all__ = ["GATES", "KdaDecodeSm90", "kda_decode_launcher", "kda_decode_sm90", "kda_decode_variant"]
 
 GATES = ("none", "softplus", "lower_bound")
 
@@ -632,40 +632,46 @@ def kda_decode_sm90(
     """
     if q.shape[0] == 0:  # an empty grid is a launch error
         return
-    if gate == "none":
-        A_log = dt_bias = None
-    key = _variant_key(
-        q.dtype,
-        g.dtype,
-        beta.dtype,
-        q.shape[-1],
-        v.shape[-1],
-        gate,
-        A_log is not None,
-        dt_bias is not None,
-        use_qk_l2norm,
-        beta_sigmoid,
-        allow_neg_eigval,
-        state_v_first,
-        step_states is not None,
-        _ARCH,
-    )
-    fn = compiled_kernel(key, lambda: _build(key))
-    fn(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        state,
-        indices,
-        out,
-        step_states,
-        scale,
-        0.0 if lower_bound is None else lower_bound,
-    )
+    launch = kda_decode_launcher(
+        io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=q.shape[-1], V=v.shape[-1], gate=gate,
+        has_a_log=A_log is not None, has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm,
+        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+        has_step_states=step_states is not None,
+    )  # fmt: skip
+    launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)
+
+
+def kda_decode_launcher(
+    *,
+    io_dtype: torch.dtype,
+    g_dtype: torch.dtype,
+    beta_dtype: torch.dtype,
+    K: int,
+    V: int,
+    gate: str,
+    has_a_log: bool,
+    has_dt_bias: bool,
+    use_qk_l2norm: bool,
+    beta_sigmoid: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
+    has_step_states: bool,
+):
+    """The compiled variant for these flags, bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices,
+    out, step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
+    gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
+    fn = kda_decode_variant(
+        io_dtype=io_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, K=K, V=V, gate=gate,
+        has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, use_qk_l2norm=use_qk_l2norm,
+        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+        has_step_states=has_step_states, arch=_ARCH,
+    )  # fmt: skip
+
+    def launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound):
+        fn(q, k, v, g, beta, A_log if gated else None, dt_bias if gated else None, state, indices, out, step_states,
+           scale, 0.0 if lower_bound is None else lower_bound)  # fmt: skip
+
+    return launch
 
 
 _ARCH = (9, 0)
