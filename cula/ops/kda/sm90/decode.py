@@ -641,31 +641,14 @@ def kda_decode_sm90(
     launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)
 
 
-def kda_decode_launcher(
-    *,
-    io_dtype: torch.dtype,
-    g_dtype: torch.dtype,
-    beta_dtype: torch.dtype,
-    K: int,
-    V: int,
-    gate: str,
-    has_a_log: bool,
-    has_dt_bias: bool,
-    use_qk_l2norm: bool,
-    beta_sigmoid: bool,
-    allow_neg_eigval: bool,
-    state_v_first: bool,
-    has_step_states: bool,
-):
-    """The compiled variant for these flags, bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices,
-    out, step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
+def kda_decode_launcher(*, gate: str, has_a_log: bool, has_dt_bias: bool, **flags):
+    """The compiled variant for these flags (keywords as :func:`kda_decode_variant`), bound once:
+    ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)`` (arguments
+    as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     fn = kda_decode_variant(
-        io_dtype=io_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, K=K, V=V, gate=gate,
-        has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, use_qk_l2norm=use_qk_l2norm,
-        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-        has_step_states=has_step_states, arch=_ARCH,
-    )  # fmt: skip
+        gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, arch=_ARCH, **flags
+    )
 
     def launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound):
         fn(q, k, v, g, beta, A_log if gated else None, dt_bias if gated else None, state, indices, out, step_states,
