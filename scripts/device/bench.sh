@@ -15,10 +15,5 @@ run() {  # run NAME SECONDS ARGS...
 run bench_kda_prefill 250 --iters 30 --warmup 5 --max-seconds 210
 run bench_lightning_prefill 110 --max-seconds 90
 run bench_kda_decode 60 --max-seconds 45
-# cula's intra-chunk kernel on every call (the default takes it for short calls only); quick subset, own folder
-echo "== bench_kda_prefill with CULA_KDA_INTRA=1 at +$(( $(date +%s) - S ))s"
-CULA_KDA_INTRA=1 timeout 80 python benchmarks/bench_kda_prefill.py --quick --iters 30 --warmup 5 \
-  --out "$OUT/results_intra" > "$OUT/bench_kda_prefill_intra.log" 2>&1
-echo "   rc=$?"; grep -E "geomean|FAIL" "$OUT/bench_kda_prefill_intra.log" | tail -3
 run bench_lightning_decode 60 --max-seconds 45
 echo "== done at +$(( $(date +%s) - S ))s"

@@ -205,11 +205,11 @@ def test_chunk_fwd_picks_intra_stage(monkeypatch):
 
     from cula.ops.kda.sm90.chunk_fwd import CUTE_INTRA_AUTO_MAX_TOKEN_HEADS
 
-    monkeypatch.delenv("CULA_KDA_INTRA", raising=False)  # auto: small calls only
+    monkeypatch.delenv("CULA_KDA_INTRA", raising=False)  # auto, no cap by default
     assert run(safe_gate=True, **gate, **flags)[0] == "cute"
     monkeypatch.setattr("cula.ops.kda.sm90.chunk_fwd.CUTE_INTRA_AUTO_MAX_TOKEN_HEADS", T * HV - 1)
     assert run(safe_gate=True, **gate, **flags)[0] == "fla"
-    assert CUTE_INTRA_AUTO_MAX_TOKEN_HEADS == 3072 * 64
+    assert CUTE_INTRA_AUTO_MAX_TOKEN_HEADS is None
     monkeypatch.setenv("CULA_KDA_INTRA", "2")
     with pytest.raises(ValueError, match="CULA_KDA_INTRA"):
         run(safe_gate=True)

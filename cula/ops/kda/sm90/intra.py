@@ -713,7 +713,7 @@ def get_compiled(
 
 # P2 with 16-byte accesses (ChunkKDAIntraFwdSm90(vector_io=True)): the default once the H200 confirms it is
 # bit-identical to the scalar path (tests/ops/test_kda_intra_kernel.py::test_vector_io_bit_identical) and faster.
-VECTOR_IO_DEFAULT = False
+VECTOR_IO_DEFAULT = True
 
 
 def prepare_chunk_indices_i32(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
