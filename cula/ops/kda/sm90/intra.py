@@ -36,9 +36,9 @@ phase  work
 =====  ==========================================================================================================
 P0     thread 0: mbarrier + four TMA tile loads (q, k [64 x 128] of head hv // (HV/H); v, raw g of head hv);
        act_b(beta) row to smem (0 past the sequence end); wait
-P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem and gmem.  WG1: v <- bf16(beta v),
-       then (l2norm_qk) the 128 q/k rows normalised in place, one warp per row (shuffle reduction)
-P2     all: qg, kg to gmem; score B operands (query factor * q | k, bf16 hi/lo) to smem
+P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem.  WG1: v <- bf16(beta v), then
+       (l2norm_qk) the 128 q/k rows normalised in place, one thread per row
+P2     all, 8 channels per access: g_cum, qg, kg to gmem; score B operands (query factor * q | k, bf16 hi/lo)
 P3     WG w: anchors w and w + 2: A operand (key factor * k, hi/lo) built in registers, RS WGMMA 64x32x128 x3;
        Aqk rows to gmem, Akk rows to smem (fp32)
 P4     threads 0-63: inverse of the four 16x16 unit-lower diagonal blocks (forward substitution, fp32)
@@ -97,10 +97,8 @@ class ChunkKDAIntraFwdSm90:
 
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
-        l2norm_qk: bool = False, beta_act: str = "none", vector_io: bool = False,
+        l2norm_qk: bool = False, beta_act: str = "none",
     ):  # fmt: skip
-        # vector_io: P2 with 16-byte accesses (_qg_kg_score_operands_vec); off until its first GPU run
-        self.vector_io = bool(vector_io)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -118,7 +116,7 @@ class ChunkKDAIntraFwdSm90:
         self.tx_bytes = 3 * self.bt * self.dk * (dtype.width // 8) + self.gin_bytes
         # P3..P7 scratch, carved from the score-operand region once the score GEMMs are done
         self.off_akk, self.off_inv, self.off_y, self.off_t = 0, 17408, 34816, 38912
-        # vector_io: Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte aligned, banks staggered)
+        # Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte aligned, banks staggered)
         self.off_aqk, self.aqk_ld = 49152, self.bt + 8
         self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_t + self.bt * self.bt * 2)
 
@@ -177,8 +175,7 @@ class ChunkKDAIntraFwdSm90:
         class Storage:
             mbar: cute.struct.MemRange[cutlass.Int64, 1]
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_l)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_l)], 1024]
+            sQK: cute.struct.Align[cute.struct.MemRange[dt, 2 * cute.cosize(sX_l)], 1024]  # q tile, k tile
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_l)], 1024]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, BT * (DK + 4)], 1024]
             region: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.region_bytes], 1024]
@@ -203,7 +200,9 @@ class ChunkKDAIntraFwdSm90:
             a = -coef * Float32(cutlass.select_(z > 20.0, z, sp))
         if const_expr(self.gate == "sigmoid"):
             z = coef * (x + bias)
-            a = lower_bound / (1.0 + cute.math.exp2(-z * RCP_LN2, fastmath=True))
+            # rcp.approx (<= 1 ulp) instead of an IEEE divide: its slow-path branch kept the cumsum loop from
+            # overlapping iterations
+            a = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp2(-z * RCP_LN2, fastmath=True))
         return a
 
     @cute.jit
@@ -217,36 +216,11 @@ class ChunkKDAIntraFwdSm90:
         return b
 
     @cute.jit
-    def _qg_kg_score_operands(self, sQ0, sK0, sG, sB, mQg, mKg, tok0, hv, valid, wg, tid):
-        """P2, one channel per thread: every element read, computed and stored on its own (2-byte accesses)."""
-        BT, dt = self.bt, self.dtype
-        for j in cutlass.range_constexpr(BT // 2):
-            t = wg + 2 * j
-            gc = sG[tid, t]
-            qv = sQ0[tid, t].to(Float32)
-            kv = sK0[tid, t].to(Float32)
-            if t < valid:
-                mQg[tok0 + t, hv, tid] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
-                mKg[tok0 + t, hv, tid] = (kv * cute.math.exp2(sG[tid, BT - 1] - gc, fastmath=True)).to(dt)
-            i = j // 8  # sub-chunk of row t (t // 16), static
-            e = cute.math.exp2(cute.arch.fmin(gc - sG[tid, 16 * i + 8], _ANCHOR_CLAMP), fastmath=True)
-            e = Float32(cutlass.select_(t < valid, e, Float32(0.0)))
-            bq = qv * e
-            bk = kv * e
-            r = t % 16
-            bq_hi = bq.to(dt)
-            bk_hi = bk.to(dt)
-            sB[r, tid, 2 * i] = bq_hi
-            sB[r + 16, tid, 2 * i] = bk_hi
-            sB[r, tid, 2 * i + 1] = (bq - bq_hi.to(Float32)).to(dt)
-            sB[r + 16, tid, 2 * i + 1] = (bk - bk_hi.to(Float32)).to(dt)
-
-    @cute.jit
-    def _vec_at(self, t_: cute.Tensor, crd, divby: int = 8) -> cute.Tensor:
-        """The 8 elements at and after ``crd`` in memory, for tiles whose 8-element runs are contiguous there
+    def _vec_at(self, t_: cute.Tensor, crd, divby: int = 8, n: int = 8) -> cute.Tensor:
+        """The n (8) elements at and after ``crd`` in memory, for tiles whose n-element runs are contiguous there
         (``divby``: the offset's known divisibility, which sets the access width)."""
         return cute.make_tensor(
-            t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), cute.make_layout(8)
+            t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), cute.make_layout(n)
         )
 
     @cute.jit
@@ -281,7 +255,7 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(rk, self._vec_at(sK0, (c8, t)))
 
     @cute.jit
-    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, tok0, hv, valid, tidx):
+    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx):
         """P2 with 16-byte accesses: thread (r, c) takes rows 16 j + r (j = 0..3, i.e. sub-chunk j) and the 8
         channels 8 c..8 c + 7. Every element gets the same operations as in ``_qg_kg_score_operands`` (the
         results are bit-identical); only the thread-to-element map changes, so that q, k, g_cum, the qg / kg
@@ -329,6 +303,7 @@ class ChunkKDAIntraFwdSm90:
                 bq_lo[e] = (bq - hq.to(Float32)).to(dt)
                 bk_lo[e] = (bk - hk.to(Float32)).to(dt)
             if live:
+                cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
                 cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
                 cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
             cute.autovec_copy(bq_hi, at(sB, (r, c8, 2 * j)))
@@ -351,22 +326,29 @@ class ChunkKDAIntraFwdSm90:
                 cute.autovec_copy(r, cute.make_tensor(mOut[tok0 + t, hv, None].iterator + c8, vec))
 
     @cute.jit
-    def _l2norm_rows(self, sX0: cute.Tensor, warp: Int32, lane: Int32, num_warps: int):
-        """Normalise the BT token rows of a (K, BT) smem tile in place, one warp per row, K / 32 values a lane."""
-        per = self.dk // 32
-        for j in cutlass.range(self.bt // num_warps, unroll=2):
-            t = warp + num_warps * j
-            rx = cute.make_rmem_tensor(per, Float32)
-            ss = Float32(0.0)
-            for m in cutlass.range_constexpr(per):
-                rx[m] = sX0[lane + 32 * m, t].to(Float32)
-                ss = ss + rx[m] * rx[m]
-            ss = cute.arch.warp_reduction_sum(ss)
-            # FLA: 1 / sqrt(sum + eps); correctly rounded sqrt and divide, not rsqrt.approx, so the bf16 result
-            # differs from FLA's only on rounding ties
-            r = Float32(1.0) / cute.math.sqrt(ss + L2NORM_EPS)
-            for m in cutlass.range_constexpr(per):
-                sX0[lane + 32 * m, t] = (rx[m] * r).to(self.dtype)
+    def _l2norm_rows(self, sX0: cute.Tensor, t: Int32):
+        """Normalise token row t of a (K, BT) smem tile in place, one thread per row, 8 channels per access.
+        Threads t..t+7 read the same 16-byte column of 8 consecutive rows, which the 128-byte swizzle spreads
+        over all 32 banks; no shuffles, so the 128 rows of q and k are normalised side by side."""
+        V8, dt = 8, self.dtype
+        ss = cute.make_rmem_tensor(V8, Float32)  # 8 partial sums: short dependent chains
+        ss.fill(0.0)
+        for c in cutlass.range_constexpr(self.dk // V8):
+            rx = cute.make_rmem_tensor(V8, dt)
+            cute.autovec_copy(self._vec_at(sX0, (c * V8, t)), rx)
+            for e in cutlass.range_constexpr(V8):
+                x = rx[e].to(Float32)
+                ss[e] = ss[e] + x * x
+        tot = ((ss[0] + ss[1]) + (ss[2] + ss[3])) + ((ss[4] + ss[5]) + (ss[6] + ss[7]))
+        # FLA: 1 / sqrt(sum + eps); correctly rounded sqrt and divide, not rsqrt.approx, so the bf16 result
+        # differs from FLA's only by the summation order
+        r = Float32(1.0) / cute.math.sqrt(tot + L2NORM_EPS)
+        for c in cutlass.range_constexpr(self.dk // V8):
+            rx = cute.make_rmem_tensor(V8, dt)
+            cute.autovec_copy(self._vec_at(sX0, (c * V8, t)), rx)
+            for e in cutlass.range_constexpr(V8):
+                rx[e] = (rx[e].to(Float32) * r).to(dt)
+            cute.autovec_copy(rx, self._vec_at(sX0, (c * V8, t)))
 
     @cute.kernel
     def kernel(
@@ -407,8 +389,10 @@ class ChunkKDAIntraFwdSm90:
 
         storage = SmemAllocator().allocate(self.storage)
         bar = storage.mbar.data_ptr()
-        sQ = storage.sQ.get_tensor(sX_l.outer, swizzle=sX_l.inner)
-        sK = storage.sK.get_tensor(sX_l.outer, swizzle=sX_l.inner)
+        # k's tile right after q's (a multiple of the swizzle period), so one thread's row can be in either
+        x_elems = cute.cosize(sX_l)
+        sQ = cute.make_tensor(cute.recast_ptr(storage.sQK.data_ptr(), sX_l.inner, dtype=dt), sX_l.outer)
+        sK = cute.make_tensor(cute.recast_ptr(storage.sQK.data_ptr() + x_elems, sX_l.inner, dtype=dt), sX_l.outer)
         sV = storage.sV.get_tensor(sX_l.outer, swizzle=sX_l.inner)
         sG = storage.sG.get_tensor(cute.make_layout((DK, BT), stride=(1, DK + 4)))  # (k, t), padded rows
         sBeta = storage.sBeta.get_tensor(cute.make_layout(BT))
@@ -429,7 +413,7 @@ class ChunkKDAIntraFwdSm90:
         sT = cute.make_tensor(cute.recast_ptr(base + self.off_t, sT_l.inner, dtype=dt), sT_l.outer)
         sAqk = cute.make_tensor(
             cute.recast_ptr(base + self.off_aqk, dtype=dt), cute.make_layout((BT, BT), stride=(self.aqk_ld, 1))
-        )  # (t, s), vector_io only
+        )  # (t, s)
 
         # ---------------- P0: loads ----------------
         if tidx == 0:
@@ -465,33 +449,23 @@ class ChunkKDAIntraFwdSm90:
         # ---------------- P1: gate cumsum (WG0) | beta * v (WG1) ----------------
         sQ0, sK0, sV0, sGin0 = sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sGin[None, None, 0]
         if wg == 0:
+            # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
             acc = Float32(0.0)
             for t in cutlass.range(BT, unroll=8):
                 a = self._act(sGin0[tid, t].to(Float32), coef, bias, lower_bound)
                 # rows past the sequence end add nothing, so gc there equals gc at the last valid row
                 acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
-                gc = acc * RCP_LN2
-                sG[tid, t] = gc
-                if t < valid:
-                    mG[tok0 + t, hv, tid] = gc
+                sG[tid, t] = acc * RCP_LN2
         else:
-            if const_expr(self.vector_io):
-                self._scale_rows_vec(sV0, sBeta, tid)
-            else:
-                for t in cutlass.range(BT, unroll=8):
-                    sV0[tid, t] = (sV0[tid, t].to(Float32) * sBeta[t]).to(dt)
+            self._scale_rows_vec(sV0, sBeta, tid)
             if const_expr(self.l2norm_qk):
-                # WG0's sequential cumsum is the longer half of P1, so the row norms ride in its shadow;
-                # nothing reads q or k before P2
-                self._l2norm_rows(sQ0, tid // 32, tid % 32, 4)
-                self._l2norm_rows(sK0, tid // 32, tid % 32, 4)
+                # nothing reads q or k before P2; thread tid owns row tid % 64 of q (tid < 64) or of k
+                off = cute.assume(Int32(cutlass.select_(tid < BT, 0, x_elems)), divby=x_elems)
+                self._l2norm_rows(cute.make_tensor(sQ0.iterator + off, sQ0.layout), tid % BT)
         cute.arch.barrier()
 
         # ---------------- P2: qg, kg, score B operands ----------------
-        if const_expr(self.vector_io):
-            self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, tok0, hv, valid, tidx)
-        else:
-            self._qg_kg_score_operands(sQ0, sK0, sG, sB, mQg, mKg, tok0, hv, valid, wg, tid)
+        self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
 
@@ -510,17 +484,25 @@ class ChunkKDAIntraFwdSm90:
         for ai in cutlass.range_constexpr(2):
             anc = wg + 2 * ai  # anchor / query sub-chunk index
             acc = acc0 if ai == 0 else acc1
-            for e in cutlass.range_constexpr(cute.size(rAhi)):
+            # A registers come in pairs (s, k), (s, k + 1) (value mode stride 1 along k): one 4-byte k load and
+            # two 8-byte g_cum loads per pair
+            for e2 in cutlass.range_constexpr(cute.size(rAhi) // 2):
+                e = 2 * e2
                 s = tAc[e][0]
-                kk = tAc[e][1]
-                f = cute.math.exp2(
-                    cute.arch.fmin(sG[kk, 16 * anc + 8] - sG[kk, s], _ANCHOR_CLAMP), fastmath=True
-                )
-                x = sK0[kk, s].to(Float32) * f
-                x = Float32(cutlass.select_((s < 16 * anc + 16) & (s < valid), x, Float32(0.0)))
-                hi = x.to(dt)
-                rAhi[e] = hi
-                rAlo[e] = (x - hi.to(Float32)).to(dt)
+                kk = cute.assume(tAc[e][1], divby=2)
+                rk = cute.make_rmem_tensor(2, dt)
+                rgs = cute.make_rmem_tensor(2, Float32)
+                rga = cute.make_rmem_tensor(2, Float32)
+                cute.autovec_copy(self._vec_at(sK0, (kk, s), 2, 2), rk)
+                cute.autovec_copy(self._vec_at(sG, (kk, s), 2, 2), rgs)  # sG rows: 132 floats
+                cute.autovec_copy(self._vec_at(sG, (kk, 16 * anc + 8), 2, 2), rga)
+                live = (s < 16 * anc + 16) & (s < valid)
+                for j in cutlass.range_constexpr(2):
+                    f = cute.math.exp2(cute.arch.fmin(rga[j] - rgs[j], _ANCHOR_CLAMP), fastmath=True)
+                    x = Float32(cutlass.select_(live, rk[j].to(Float32) * f, Float32(0.0)))
+                    hi = x.to(dt)
+                    rAhi[e + j] = hi
+                    rAlo[e + j] = (x - hi.to(Float32)).to(dt)
             warpgroup.fence()
             atom_sc = cute.make_mma_atom(mma_sc.op)
             atom_sc.set(warpgroup.Field.ACCUMULATE, False)
@@ -544,23 +526,19 @@ class ChunkKDAIntraFwdSm90:
                 t = 16 * anc + nn % 16
                 if nn < 16:  # Aqk^T column t
                     a_qk = Float32(cutlass.select_(s <= t, acc[e] * scale, Float32(0.0))).to(dt)
-                    if const_expr(self.vector_io):
-                        sAqk[t, s] = a_qk  # staged; stored below as 16-byte rows
-                    elif t < valid:
-                        mAqk[tok0 + t, hv, s] = a_qk
+                    sAqk[t, s] = a_qk  # staged; stored below as 16-byte rows
                 else:  # Akk^T column t
                     sAkk[t, s] = Float32(cutlass.select_(s < t, acc[e] * sBeta[t], Float32(0.0)))
         cute.arch.barrier()
-        if const_expr(self.vector_io):
-            for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
-                item = tidx + m * self.num_threads
-                t = item // 8
-                s0 = cute.assume((item % 8) * 8, divby=8)
-                if t < valid:
-                    ra = cute.make_rmem_tensor(8, dt)
-                    cute.autovec_copy(self._vec_at(sAqk, (t, s0)), ra)
-                    dst = cute.make_tensor(mAqk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8))
-                    cute.autovec_copy(ra, dst)
+        for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
+            item = tidx + m * self.num_threads
+            t = item // 8
+            s0 = cute.assume((item % 8) * 8, divby=8)
+            if t < valid:
+                ra = cute.make_rmem_tensor(8, dt)
+                cute.autovec_copy(self._vec_at(sAqk, (t, s0)), ra)
+                dst = cute.make_tensor(mAqk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8))
+                cute.autovec_copy(ra, dst)
 
         # ---------------- P4: inverses of the diagonal blocks | zero the upper blocks of T ----------------
         if tidx < BT:
@@ -608,13 +586,7 @@ class ChunkKDAIntraFwdSm90:
         for j in cutlass.range_constexpr(BT * BT // self.num_threads):
             idx = tidx + j * self.num_threads
             sT0[idx // BT, idx % BT] = sInv[idx // BT, idx % BT].to(dt)
-        if const_expr(self.vector_io):
-            self._k_prime_vec(sK0, sG, sBeta, tidx)
-        else:
-            for j in cutlass.range_constexpr(BT // 2):
-                t = wg + 2 * j
-                kbeta = (sK0[tid, t].to(Float32) * sBeta[t]).to(dt).to(Float32)
-                sK0[tid, t] = (kbeta * cute.math.exp2(sG[tid, t], fastmath=True)).to(dt)
+        self._k_prime_vec(sK0, sG, sBeta, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
 
@@ -638,20 +610,13 @@ class ChunkKDAIntraFwdSm90:
                     atom_wu.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                if const_expr(self.vector_io):
-                    # through this warpgroup's own B tile (sK0 / sV0, no longer read by anyone): scalar
-                    # shared stores, then 16-byte rows to global memory
-                    sOut = sK0 if which == 0 else sV0
-                    for e in cutlass.range_constexpr(cute.size(accW)):
-                        sOut[tWc[e][1], tWc[e][0]] = accW[e].to(dt)
-                    cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
-                    self._store_rows_vec(sOut, mOut, tok0, hv, valid, tid)
-                else:
-                    for e in cutlass.range_constexpr(cute.size(accW)):
-                        t = tWc[e][0]
-                        ff = tWc[e][1]
-                        if t < valid:
-                            mOut[tok0 + t, hv, ff] = accW[e].to(dt)
+                # through this warpgroup's own B tile (sK0 / sV0, no longer read by anyone): scalar shared
+                # stores, then 16-byte rows to global memory
+                sOut = sK0 if which == 0 else sV0
+                for e in cutlass.range_constexpr(cute.size(accW)):
+                    sOut[tWc[e][1], tWc[e][0]] = accW[e].to(dt)
+                cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
+                self._store_rows_vec(sOut, mOut, tok0, hv, valid, tid)
 
 
 @functools.cache
@@ -664,17 +629,16 @@ _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.flo
 
 
 def _compile(
-    dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none",
-    vector_io=False,
-):  # fmt: skip
+    dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none"
+):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK, BT = 128, 64
     kernel = ChunkKDAIntraFwdSm90(
         dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, l2norm_qk=l2norm_qk,
-        beta_act=beta_act, vector_io=vector_io,
-    )  # fmt: skip
+        beta_act=beta_act,
+    )
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
     def tok(dt, heads, d):
@@ -697,23 +661,15 @@ def _compile(
 
 def get_compiled(
     dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), *,
-    l2norm_qk=False, beta_act="none", vector_io=False,
+    l2norm_qk=False, beta_act="none",
 ):  # fmt: skip
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
     key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
-           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(vector_io))  # fmt: skip
+           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act)  # fmt: skip
     return compiled_kernel(
         key,
-        lambda: _compile(
-            dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act,
-            vector_io=vector_io,
-        ),
+        lambda: _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act),
     )
-
-
-# P2 with 16-byte accesses (ChunkKDAIntraFwdSm90(vector_io=True)): the default once the H200 confirms it is
-# bit-identical to the scalar path (tests/ops/test_kda_intra_kernel.py::test_vector_io_bit_identical) and faster.
-VECTOR_IO_DEFAULT = True
 
 
 def prepare_chunk_indices_i32(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
@@ -751,7 +707,6 @@ def chunk_kda_intra_sm90(
     use_qk_l2norm: bool = False,
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
-    vector_io: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -779,8 +734,6 @@ def chunk_kda_intra_sm90(
             rounded to q's dtype, before any use.
         beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
-        vector_io: the 16-byte-access variant of the qg / kg / score-operand phase (same results);
-            ``VECTOR_IO_DEFAULT`` when None.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -841,7 +794,6 @@ def chunk_kda_intra_sm90(
     fn = get_compiled(
         dtype=_TORCH_TO_CUTLASS[dt], g_dtype=_TORCH_TO_CUTLASS[g.dtype], beta_dtype=_TORCH_TO_CUTLASS[beta.dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
-        vector_io=VECTOR_IO_DEFAULT if vector_io is None else bool(vector_io),
     )  # fmt: skip
 
     def flat(t):
