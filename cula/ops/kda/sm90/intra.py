@@ -29,22 +29,26 @@ no 8-step window of one channel decays by more than 2^100 (69 nats, i.e. a mean 
 safe path has a similar one). The products run on tensor cores as bf16 x3 (hi*hi + hi*lo + lo*hi, fp32
 accumulation), about as accurate as FLA's tf32 / fp32 path (the DSL has no tf32 WGMMA).
 
-Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthreads`` between phases):
+Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthreads`` between phases). Each
+phase is short and latency-bound, so the kernel is laid out for two CTAs per SM, whose phases interleave: ~97 KB
+of shared memory (q/k tiles, g_cum, one 32 KB region reused phase by phase; v lands in q's tile after P2) and at
+most 128 registers per thread.
 
 =====  ==========================================================================================================
 phase  work
 =====  ==========================================================================================================
-P0     thread 0: mbarrier + four TMA tile loads (q, k [64 x 128] of head hv // (HV/H); v, raw g of head hv);
+P0     warp 0: mbarrier + three TMA tile loads (q, k [64 x 128] of head hv // (HV/H); raw g of head hv);
        act_b(beta) row to smem (0 past the sequence end); wait
-P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem.  WG1: v <- bf16(beta v), then
-       (l2norm_qk) the 128 q/k rows normalised in place, one thread per row
-P2     all, 8 channels per access: g_cum, qg, kg to gmem; score B operands (query factor * q | k, bf16 hi/lo)
-P3     WG w: anchors w and w + 2: A operand (key factor * k, hi/lo) built in registers, RS WGMMA 64x32x128 x3;
-       Aqk rows to gmem, Akk rows to smem (fp32)
-P4     threads 0-63: inverse of the four 16x16 unit-lower diagonal blocks (forward substitution, fp32)
-P5     block forward substitution for the off-diagonal blocks of T (3 steps, fp32 SIMT)
-P6     bf16(T) to smem (WGMMA A layout); k <- bf16(bf16(beta k) exp2(gc)) in place
-P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16
+P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem.  WG1 (l2norm_qk): the 128 q/k rows
+       normalised in place, one thread per row
+P2     round r = 0, 1, all threads, 8 channels per access: g_cum, qg, kg rows of sub-chunks 2r, 2r + 1 to gmem;
+       their score B operands (query factor * q | k, bf16 hi/lo) to smem.  After round 1: TMA of v into q's tile
+P3     round r: WG w takes anchor 2r + w: A operand (key factor * k, hi/lo) built in registers, RS WGMMA
+       64x32x128 x3.  After both rounds: Aqk rows to gmem (staged), Akk rows to smem (fp32)
+P4     threads 0-63: inverse of the four 16x16 unit-lower diagonal blocks (forward substitution, fp32, in place)
+P5     block forward substitution for the off-diagonal blocks of T (3 steps, fp32 SIMT, in place)
+P6     bf16(T) to smem (WGMMA A layout); wait for v; v <- bf16(beta v), k <- bf16(bf16(beta k) exp2(gc))
+P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through the k / v tiles
 =====  ==========================================================================================================
 
 Memory floor (bf16 q/k/v, fp32 g, H = HV): it reads q, k, v (3 x 256 B per token and head), g (512 B) and beta,
@@ -110,15 +114,18 @@ class ChunkKDAIntraFwdSm90:
         self.gate, self.varlen = gate, varlen
         self.bt, self.dk, self.dv = 64, 128, 128
         self.num_threads = 256
-        # score B operands: 4 anchors x (hi, lo) tiles of [32 rows (16 q | 16 k), K] bf16
-        self.sb_bytes = 8 * 32 * self.dk * 2
+        # score B operands of the 2 anchors of one round: 2 x (hi, lo) tiles of [32 rows (16 q | 16 k), K] bf16
+        self.sb_bytes = 4 * 32 * self.dk * 2
         self.gin_bytes = self.dk * self.bt * (g_dtype.width // 8)
-        self.tx_bytes = 3 * self.bt * self.dk * (dtype.width // 8) + self.gin_bytes
-        # P3..P7 scratch, carved from the score-operand region once the score GEMMs are done
-        self.off_akk, self.off_inv, self.off_y, self.off_t = 0, 17408, 34816, 38912
-        # Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte aligned, banks staggered)
-        self.off_aqk, self.aqk_ld = 49152, self.bt + 8
-        self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_t + self.bt * self.bt * 2)
+        self.x_bytes = self.bt * self.dk * (dtype.width // 8)
+        self.tx_bytes = 2 * self.x_bytes + self.gin_bytes  # q, k, raw g; v comes later, into q's tile
+        # The region holds raw g (P0-P1), the score B operands (P2-P3), then: Akk, inverted in place into T
+        # (fp32 [BT, BT + 1], P3 epilogue-P6); Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte
+        # aligned, banks staggered; P3 epilogue); Y (P5); bf16 T as the WGMMA A operand (1024-aligned for its
+        # swizzle; P6-P7, after Aqk is stored)
+        self.off_akk, self.off_aqk, self.aqk_ld, self.off_t, self.off_y = 0, 17408, self.bt + 8, 17408, 26624
+        self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_y + 16 * 48 * 4)
+        assert self.off_aqk + self.bt * self.aqk_ld * 2 <= self.off_y and self.off_t + self.bt * self.bt * 2 <= self.off_y
 
     @cute.jit
     def __call__(
@@ -154,7 +161,7 @@ class ChunkKDAIntraFwdSm90:
         # q/k/v tiles are stored as the MN-major B operand of w = T k', u = T v' (feature x token).
         sX_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BT, DK, BT), dt, 1)  # (K, BT, 1)
         sGin_l = cute.make_layout((DK, BT, 1), stride=(1, DK, DK * BT))
-        sB_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BT, 32, DK), dt, 8)  # (32, K, 8)
+        sB_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BT, 32, DK), dt, 4)  # (32, K, 4)
         sT_l = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BT, DK, BT), dt, 1)  # (BT, BT, 1)
 
         mma_sc = sm90_utils.make_trivial_tiled_mma(
@@ -171,14 +178,15 @@ class ChunkKDAIntraFwdSm90:
         tma_v, tv = cpasync.make_tiled_tma_atom(g2s, v_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
         tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sGin_l, mode=[0, 1]), (DK, BT))
 
+        # ~97 KB, so that two CTAs share an SM (see the module docstring)
         @cute.struct
         class Storage:
-            mbar: cute.struct.MemRange[cutlass.Int64, 1]
-            sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
-            sQK: cute.struct.Align[cute.struct.MemRange[dt, 2 * cute.cosize(sX_l)], 1024]  # q tile, k tile
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_l)], 1024]
-            sG: cute.struct.Align[cute.struct.MemRange[Float32, BT * (DK + 4)], 1024]
+            # q tile (v's once P2 is done with q), k tile
+            sQK: cute.struct.Align[cute.struct.MemRange[dt, 2 * cute.cosize(sX_l)], 1024]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, BT * DK], 1024]
             region: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.region_bytes], 1024]
+            sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
+            mbar: cute.struct.MemRange[cutlass.Int64, 1]
 
         self.storage = Storage
         self.kernel(
@@ -186,7 +194,9 @@ class ChunkKDAIntraFwdSm90:
             mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mG, mCu, mCi, seqlen, scale, lower_bound,
             mma_sc, mma_wu, sX_l, sGin_l, sB_l, sT_l,
         ).launch(
-            grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream
+            grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
+            # two CTAs per SM: ptxas keeps to 128 registers; the carveout is the most shared memory (%)
+            min_blocks_per_mp=2, max_number_threads=[self.num_threads, 1, 1], preferred_smem_carveout=100,
         )  # fmt: skip
 
     @cute.jit
@@ -224,11 +234,12 @@ class ChunkKDAIntraFwdSm90:
         )
 
     @cute.jit
-    def _scale_rows_vec(self, sX0, sBeta, tid):
-        """v' = bf16(v beta_t) in place on a (V, BT) smem tile, 8 channels per access (one warpgroup)."""
-        c8 = cute.assume((tid % 16) * 8, divby=8)
-        for m in cutlass.range_constexpr(self.bt // 8):
-            t = tid // 16 + 8 * m
+    def _scale_rows_vec(self, sX0, sBeta, tidx):
+        """v' = bf16(v beta_t) in place on a (V, BT) smem tile, 8 channels per access (all 256 threads)."""
+        c8 = cute.assume((tidx % 16) * 8, divby=8)
+        rows = self.num_threads // 16
+        for m in cutlass.range_constexpr(self.bt // rows):
+            t = tidx // 16 + rows * m
             rv = cute.make_rmem_tensor(8, self.dtype)
             cute.autovec_copy(self._vec_at(sX0, (c8, t)), rv)
             b = sBeta[t]
@@ -255,12 +266,10 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(rk, self._vec_at(sK0, (c8, t)))
 
     @cute.jit
-    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx):
-        """P2 with 16-byte accesses: thread (r, c) takes rows 16 j + r (j = 0..3, i.e. sub-chunk j) and the 8
-        channels 8 c..8 c + 7. Every element gets the same operations as in ``_qg_kg_score_operands`` (the
-        results are bit-identical); only the thread-to-element map changes, so that q, k, g_cum, the qg / kg
-        rows and the score operands move 8 channels per instruction (8x fewer instructions in this phase, the
-        largest of v1: ~3.1 K of its ~10 K SASS instructions)."""
+    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, rnd: int):
+        """P2 of round ``rnd``: g_cum, qg, kg rows to gmem and the score B operands of sub-chunks j = 2 rnd and
+        2 rnd + 1 (into B slots j % 2). Thread (r, c) takes rows 16 j + r and the 8 channels 8 c..8 c + 7, so
+        every access moves 8 channels."""
         BT, dt, V8 = self.bt, self.dtype, 8
         r = tidx // 16
         c8 = cute.assume((tidx % 16) * V8, divby=V8)
@@ -269,7 +278,8 @@ class ChunkKDAIntraFwdSm90:
 
         rgl = cute.make_rmem_tensor(V8, Float32)
         cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG rows: 132 floats, 16-byte aligned
-        for j in cutlass.range_constexpr(BT // 16):
+        for j in cutlass.range_constexpr(2 * rnd, 2 * rnd + 2):  # this round's two sub-chunks
+            slot = j % 2
             t = 16 * j + r
             live = t < valid
             rq = cute.make_rmem_tensor(V8, dt)
@@ -306,10 +316,10 @@ class ChunkKDAIntraFwdSm90:
                 cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
                 cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
                 cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
-            cute.autovec_copy(bq_hi, at(sB, (r, c8, 2 * j)))
-            cute.autovec_copy(bq_lo, at(sB, (r, c8, 2 * j + 1)))
-            cute.autovec_copy(bk_hi, at(sB, (r + 16, c8, 2 * j)))
-            cute.autovec_copy(bk_lo, at(sB, (r + 16, c8, 2 * j + 1)))
+            cute.autovec_copy(bq_hi, at(sB, (r, c8, 2 * slot)))
+            cute.autovec_copy(bq_lo, at(sB, (r, c8, 2 * slot + 1)))
+            cute.autovec_copy(bk_hi, at(sB, (r + 16, c8, 2 * slot)))
+            cute.autovec_copy(bk_lo, at(sB, (r + 16, c8, 2 * slot + 1)))
 
     @cute.jit
     def _store_rows_vec(self, sX0, mOut, tok0, hv, valid, tid):
@@ -393,20 +403,21 @@ class ChunkKDAIntraFwdSm90:
         x_elems = cute.cosize(sX_l)
         sQ = cute.make_tensor(cute.recast_ptr(storage.sQK.data_ptr(), sX_l.inner, dtype=dt), sX_l.outer)
         sK = cute.make_tensor(cute.recast_ptr(storage.sQK.data_ptr() + x_elems, sX_l.inner, dtype=dt), sX_l.outer)
-        sV = storage.sV.get_tensor(sX_l.outer, swizzle=sX_l.inner)
-        sG = storage.sG.get_tensor(cute.make_layout((DK, BT), stride=(1, DK + 4)))  # (k, t), padded rows
+        sV = sQ  # v is loaded into q's tile once P2 has read q
+        # g_cum (k, t): rows of 128 floats, the 8-float units XOR-swizzled by t % 8, so that the score A build's
+        # (8 rows x 8 floats) reads and the 8-channel row reads are both free of bank conflicts
+        sG = cute.make_tensor(
+            storage.sG.data_ptr(),
+            cute.make_composed_layout(cute.make_swizzle(3, 3, 4), 0, cute.make_layout((DK, BT), stride=(1, DK))),
+        )
         sBeta = storage.sBeta.get_tensor(cute.make_layout(BT))
         base = storage.region.data_ptr()
         sGin = cute.make_tensor(cute.recast_ptr(base, dtype=self.g_dtype), sGin_l)
-        sB = cute.make_tensor(cute.recast_ptr(base, sB_l.inner, dtype=dt), sB_l.outer)  # (32, K, 8)
-        sAkk = cute.make_tensor(
-            cute.recast_ptr(base + self.off_akk, dtype=Float32),
-            cute.make_layout((BT, BT), stride=(BT + 1, 1)),
-        )  # (t, s)
-        sInv = cute.make_tensor(
-            cute.recast_ptr(base + self.off_inv, dtype=Float32),
-            cute.make_layout((BT, BT), stride=(BT + 1, 1)),
-        )  # (t, s)
+        sB = cute.make_tensor(cute.recast_ptr(base, sB_l.inner, dtype=dt), sB_l.outer)  # (32, K, 4)
+        # Akk, then (I + Akk)^-1 in place (t, s)
+        sA = cute.make_tensor(
+            cute.recast_ptr(base + self.off_akk, dtype=Float32), cute.make_layout((BT, BT), stride=(BT + 1, 1))
+        )
         sY = cute.make_tensor(
             cute.recast_ptr(base + self.off_y, dtype=Float32), cute.make_layout((16, 48), stride=(48, 1))
         )
@@ -415,24 +426,16 @@ class ChunkKDAIntraFwdSm90:
             cute.recast_ptr(base + self.off_aqk, dtype=dt), cute.make_layout((BT, BT), stride=(self.aqk_ld, 1))
         )  # (t, s)
 
-        # ---------------- P0: loads ----------------
+        # ---------------- P0: loads of q, k, raw g (phase 0 of the barrier; v is phase 1) ----------------
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
         if warp_idx == 0:
-            one = cute.make_layout(1)
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tx_bytes)
-            for atom, tsrc, head, sdst in ((tma_q, tq, h, sQ), (tma_k, tk, h, sK), (tma_v, tv, hv, sV),
-                                           (tma_g, tg, hv, sGin)):  # fmt: skip
-                gsrc = cute.local_tile(
-                    cute.domain_offset((0, tok0), tsrc[None, None, head]), (DK, BT), (0, None)
-                )
-                ts, tgm = cpasync.tma_partition(
-                    atom, 0, one, cute.group_modes(sdst, 0, 2), cute.group_modes(gsrc, 0, 2)
-                )
-                cute.copy(atom, tgm[None, 0], ts[None, 0], tma_bar_ptr=bar)
+            for atom, tsrc, head, sdst in ((tma_q, tq, h, sQ), (tma_k, tk, h, sK), (tma_g, tg, hv, sGin)):
+                self._load_tile(atom, tsrc, head, sdst, tok0, bar)
         if tidx < BT:
             b = Float32(0.0)
             if tidx < valid:
@@ -446,7 +449,7 @@ class ChunkKDAIntraFwdSm90:
         cute.arch.mbarrier_wait(bar, 0)
         cute.arch.barrier()
 
-        # ---------------- P1: gate cumsum (WG0) | beta * v (WG1) ----------------
+        # ---------------- P1: gate cumsum (WG0) | q, k row norms (WG1) ----------------
         sQ0, sK0, sV0, sGin0 = sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sGin[None, None, 0]
         if wg == 0:
             # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
@@ -457,19 +460,14 @@ class ChunkKDAIntraFwdSm90:
                 acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
                 sG[tid, t] = acc * RCP_LN2
         else:
-            self._scale_rows_vec(sV0, sBeta, tid)
             if const_expr(self.l2norm_qk):
                 # nothing reads q or k before P2; thread tid owns row tid % 64 of q (tid < 64) or of k
                 off = cute.assume(Int32(cutlass.select_(tid < BT, 0, x_elems)), divby=x_elems)
                 self._l2norm_rows(cute.make_tensor(sQ0.iterator + off, sQ0.layout), tid % BT)
         cute.arch.barrier()
 
-        # ---------------- P2: qg, kg, score B operands ----------------
-        self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier()
-
-        # ---------------- P3: scores, two anchors per warpgroup ----------------
+        # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
+        # round r: P2 builds the B operands of anchors 2 r and 2 r + 1, then warpgroup w multiplies anchor 2 r + w
         thr_sc = mma_sc.get_slice(tid)
         wg_sc = mma_sc.get_slice(0)
         tAc = thr_sc.partition_A(cute.make_identity_tensor((BT, DK)))  # (s, k) of each A register
@@ -481,9 +479,19 @@ class ChunkKDAIntraFwdSm90:
         acc1 = cute.make_rmem_tensor(wg_sc.partition_shape_C((BT, 32)), Float32)
         assert cute.size(tAc) == cute.size(rAhi)
         num_kb = cute.size(rAhi, mode=[2])
-        for ai in cutlass.range_constexpr(2):
-            anc = wg + 2 * ai  # anchor / query sub-chunk index
-            acc = acc0 if ai == 0 else acc1
+        for rnd in cutlass.range_constexpr(2):
+            self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, rnd)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier()
+            if const_expr(rnd == 1):
+                # q is read: v's tile goes there, landing while the scores and the inverse run
+                if warp_idx == 0:
+                    if tidx == 0:
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar, self.x_bytes)
+                    self._load_tile(tma_v, tv, hv, sV, tok0, bar)
+            anc = 2 * rnd + wg  # anchor / query sub-chunk index; its B operands are in slot wg
+            acc = acc0 if rnd == 0 else acc1
             # A registers come in pairs (s, k), (s, k + 1) (value mode stride 1 along k): one 4-byte k load and
             # two 8-byte g_cum loads per pair
             for e2 in cutlass.range_constexpr(cute.size(rAhi) // 2):
@@ -494,7 +502,7 @@ class ChunkKDAIntraFwdSm90:
                 rgs = cute.make_rmem_tensor(2, Float32)
                 rga = cute.make_rmem_tensor(2, Float32)
                 cute.autovec_copy(self._vec_at(sK0, (kk, s), 2, 2), rk)
-                cute.autovec_copy(self._vec_at(sG, (kk, s), 2, 2), rgs)  # sG rows: 132 floats
+                cute.autovec_copy(self._vec_at(sG, (kk, s), 2, 2), rgs)
                 cute.autovec_copy(self._vec_at(sG, (kk, 16 * anc + 8), 2, 2), rga)
                 live = (s < 16 * anc + 16) & (s < valid)
                 for j in cutlass.range_constexpr(2):
@@ -507,28 +515,28 @@ class ChunkKDAIntraFwdSm90:
             atom_sc = cute.make_mma_atom(mma_sc.op)
             atom_sc.set(warpgroup.Field.ACCUMULATE, False)
             for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * anc], acc)
+                cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * wg], acc)
                 atom_sc.set(warpgroup.Field.ACCUMULATE, True)
             for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * anc + 1], acc)
+                cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * wg + 1], acc)
             for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(atom_sc, acc, rAlo[None, None, kb], tBr[None, None, kb, 2 * anc], acc)
+                cute.gemm(atom_sc, acc, rAlo[None, None, kb], tBr[None, None, kb, 2 * wg], acc)
             warpgroup.commit_group()
-            warpgroup.wait_group(0)  # the next anchor rewrites the A registers
-        cute.arch.barrier()  # every score GEMM has read sB: the region becomes sAkk / sInv / sY / sT
+            warpgroup.wait_group(0)
+            cute.arch.barrier()  # every score GEMM has read sB: the next round rewrites it, then it is scratch
 
-        for ai in cutlass.range_constexpr(2):
-            anc = wg + 2 * ai
-            acc = acc0 if ai == 0 else acc1
+        for rnd in cutlass.range_constexpr(2):
+            anc = 2 * rnd + wg
+            acc = acc0 if rnd == 0 else acc1
             for e in cutlass.range_constexpr(cute.size(acc)):
                 s = tCc[e][0]
                 nn = tCc[e][1]
                 t = 16 * anc + nn % 16
                 if nn < 16:  # Aqk^T column t
-                    a_qk = Float32(cutlass.select_(s <= t, acc[e] * scale, Float32(0.0))).to(dt)
-                    sAqk[t, s] = a_qk  # staged; stored below as 16-byte rows
-                else:  # Akk^T column t
-                    sAkk[t, s] = Float32(cutlass.select_(s < t, acc[e] * sBeta[t], Float32(0.0)))
+                    # staged; stored below as 16-byte rows
+                    sAqk[t, s] = Float32(cutlass.select_(s <= t, acc[e] * scale, Float32(0.0))).to(dt)
+                else:  # Akk^T column t: every (t, s) is written, zero for s >= t
+                    sA[t, s] = Float32(cutlass.select_(s < t, acc[e] * sBeta[t], Float32(0.0)))
         cute.arch.barrier()
         for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
             item = tidx + m * self.num_threads
@@ -540,7 +548,8 @@ class ChunkKDAIntraFwdSm90:
                 dst = cute.make_tensor(mAqk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8))
                 cute.autovec_copy(ra, dst)
 
-        # ---------------- P4: inverses of the diagonal blocks | zero the upper blocks of T ----------------
+        # ---------------- P4: inverses of the diagonal blocks, in place ----------------
+        # (the blocks above the diagonal are already the zeros T has there)
         if tidx < BT:
             blk = tidx // 16
             col = tidx % 16
@@ -549,43 +558,39 @@ class ChunkKDAIntraFwdSm90:
             for r in cutlass.range_constexpr(16):
                 y = Float32(cutlass.select_(col == r, Float32(1.0), Float32(0.0)))
                 for m in cutlass.range_constexpr(r):
-                    y = y - sAkk[o + r, o + m] * rX[m]
+                    y = y - sA[o + r, o + m] * rX[m]
                 rX[r] = y
+            cute.arch.barrier(barrier_id=3, number_of_threads=BT)  # each diagonal block read before rewritten
             for r in cutlass.range_constexpr(16):
-                sInv[o + r, o + col] = rX[r]
-        else:
-            nthr = self.num_threads - BT
-            for e in cutlass.range_constexpr((BT * BT + nthr - 1) // nthr):
-                idx = tidx - BT + e * nthr
-                if idx < BT * BT:
-                    rr = idx // BT
-                    cc = idx % BT
-                    if cc // 16 > rr // 16:
-                        sInv[rr, cc] = Float32(0.0)
+                sA[o + r, o + col] = rX[r]
         cute.arch.barrier()
 
-        # ---------------- P5: off-diagonal blocks, X_i,<i = -D_i^-1 (A_i,<i X_<i,<i) ----------------
+        # ---------------- P5: off-diagonal blocks, X_i,<i = -D_i^-1 (A_i,<i X_<i,<i), in place ----------------
+        # step i reads A's row block i left of the diagonal (still Akk) and X's rows above it (done), then
+        # overwrites that row block
         rr = tidx // 16
         c0 = tidx % 16
         for i in cutlass.range_constexpr(1, 4):
             for p in cutlass.range_constexpr(i):
                 y = Float32(0.0)
                 for m in cutlass.range_constexpr(16 * p, 16 * i):
-                    y = y + sAkk[16 * i + rr, m] * sInv[m, c0 + 16 * p]
+                    y = y + sA[16 * i + rr, m] * sA[m, c0 + 16 * p]
                 sY[rr, c0 + 16 * p] = y
             cute.arch.barrier()
             for p in cutlass.range_constexpr(i):
                 y = Float32(0.0)
                 for m in cutlass.range_constexpr(16):
-                    y = y - sInv[16 * i + rr, 16 * i + m] * sY[m, c0 + 16 * p]
-                sInv[16 * i + rr, c0 + 16 * p] = y
+                    y = y - sA[16 * i + rr, 16 * i + m] * sY[m, c0 + 16 * p]
+                sA[16 * i + rr, c0 + 16 * p] = y
             cute.arch.barrier()
 
-        # ---------------- P6: bf16(T) and k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ----------------
+        # ---------------- P6: bf16(T), v' = bf16(beta v), k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ------
         sT0 = sT[None, None, 0]
         for j in cutlass.range_constexpr(BT * BT // self.num_threads):
             idx = tidx + j * self.num_threads
-            sT0[idx // BT, idx % BT] = sInv[idx // BT, idx % BT].to(dt)
+            sT0[idx // BT, idx % BT] = sA[idx // BT, idx % BT].to(dt)
+        cute.arch.mbarrier_wait(bar, 1)
+        self._scale_rows_vec(sV0, sBeta, tidx)
         self._k_prime_vec(sK0, sG, sBeta, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
@@ -617,6 +622,15 @@ class ChunkKDAIntraFwdSm90:
                     sOut[tWc[e][1], tWc[e][0]] = accW[e].to(dt)
                 cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
                 self._store_rows_vec(sOut, mOut, tok0, hv, valid, tid)
+
+    @cute.jit
+    def _load_tile(self, atom, tsrc, head, sdst, tok0, bar):
+        """TMA of the (DK, BT) tile of ``head`` starting at token tok0 into ``sdst``, completing on ``bar``."""
+        gsrc = cute.local_tile(cute.domain_offset((0, tok0), tsrc[None, None, head]), (self.dk, self.bt), (0, None))
+        ts, tgm = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(sdst, 0, 2), cute.group_modes(gsrc, 0, 2)
+        )
+        cute.copy(atom, tgm[None, 0], ts[None, 0], tma_bar_ptr=bar)
 
 
 @functools.cache
