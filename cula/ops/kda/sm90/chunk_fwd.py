@@ -11,13 +11,11 @@ Stage split (FLA 0.6.0 ``fla/ops/kda/chunk.py`` + ``chunk_fwd.py::chunk_kda_fwd`
 3. ``chunk_kda_delta_h_fwd_o_sm90``: the state recurrence and the output in one CuTe DSL kernel, in place of
    FLA's ``chunk_gated_delta_rule_fwd_h`` + ``chunk_gla_fwd_o_gk``; no per-chunk states or v_new in memory.
 
-For ``safe_gate=True`` calls, stages 0-2 can instead be one CuTe DSL launch, ``chunk_kda_intra_sm90`` with the
+For ``safe_gate=True`` calls, stages 0-2 are instead one CuTe DSL launch, ``chunk_kda_intra_sm90``, with the
 q/k L2 norm and the beta sigmoid fused (cula's intra kernel is exact only for bounded gates, see its module
 docstring; without ``safe_gate`` FLA's stages always run). ``CULA_KDA_INTRA`` (read per call) chooses: ``auto``
-(default) takes it for small calls only, ``1`` always, ``0`` never. Why by size: on the H200 (H = 64) FLA's
-stages cost ~0.9 ms of launches and host work per call however short the input, cula's one launch ~0.19 ms
-per 1024 tokens x 64 heads; the two meet near 3072 tokens x 64 heads
-(benchmarks/results/nvidia-h200/kda_prefill_intra.md: B2-T1024 0.74 ms vs 0.88, B1-T4096 1.57 ms vs 1.43).
+(default) takes it up to ``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS`` tokens x value heads (no cap: it is faster than
+FLA's stages at every measured shape, 1.5-6.7x end to end on the H200), ``1`` always, ``0`` never.
 
 Importing fla here is deliberate: this module orchestrates FLA's Triton stages until cula's replace them.
 """
