@@ -61,15 +61,18 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
 def profile_paths() -> None:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
+    import cula.ops.kda.sm90.intra as intra_mod
     from cula.kda import chunk_kda
 
     report = {}
     with torch.inference_mode():
         for B, T in SHAPES:
             x = inputs(B, T)
-            for path, env in (("fla", None), ("cula-fla-intra", "0"), ("cula-intra", "1")):
+            for path, env, skip in (("fla", None, False), ("cula-fla-intra", "0", False), ("cula-intra", "1", False),
+                                    ("cula-intra-skip-zero-rows", "1", True)):  # fmt: skip
                 if env is not None:
                     os.environ["CULA_KDA_INTRA"] = env
+                intra_mod.SKIP_ZERO_ROWS_DEFAULT = skip
                 fn = fla_chunk_kda if env is None else chunk_kda
                 times = kernel_times(lambda fn=fn, x=x: fn(**x, **FLAGS))
                 key = f"B{B}-T{T} {path}"

@@ -87,6 +87,9 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
+# P3 skips building all-zero key rows; the default once the H200 confirms the results are unchanged
+# (tests/ops/test_kda_intra_kernel.py::test_skip_zero_rows_bit_identical) and profile_kda.py shows it faster
+SKIP_ZERO_ROWS_DEFAULT = False
 
 
 class ChunkKDAIntraFwdSm90:
@@ -101,8 +104,10 @@ class ChunkKDAIntraFwdSm90:
 
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
-        l2norm_qk: bool = False, beta_act: str = "none",
+        l2norm_qk: bool = False, beta_act: str = "none", skip_zero_rows: bool | None = None,
     ):  # fmt: skip
+        # skip_zero_rows: see P3; bit-identical by construction, off until the H200 confirms it
+        self.skip_zero_rows = SKIP_ZERO_ROWS_DEFAULT if skip_zero_rows is None else bool(skip_zero_rows)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -492,25 +497,17 @@ class ChunkKDAIntraFwdSm90:
                     self._load_tile(tma_v, tv, hv, sV, tok0, bar)
             anc = 2 * rnd + wg  # anchor / query sub-chunk index; its B operands are in slot wg
             acc = acc0 if rnd == 0 else acc1
-            # A registers come in pairs (s, k), (s, k + 1) (value mode stride 1 along k): one 4-byte k load and
-            # two 8-byte g_cum loads per pair
-            for e2 in cutlass.range_constexpr(cute.size(rAhi) // 2):
-                e = 2 * e2
-                s = tAc[e][0]
-                kk = cute.assume(tAc[e][1], divby=2)
-                rk = cute.make_rmem_tensor(2, dt)
-                rgs = cute.make_rmem_tensor(2, Float32)
-                rga = cute.make_rmem_tensor(2, Float32)
-                cute.autovec_copy(self._vec_at(sK0, (kk, s), 2, 2), rk)
-                cute.autovec_copy(self._vec_at(sG, (kk, s), 2, 2), rgs)
-                cute.autovec_copy(self._vec_at(sG, (kk, 16 * anc + 8), 2, 2), rga)
-                live = (s < 16 * anc + 16) & (s < valid)
-                for j in cutlass.range_constexpr(2):
-                    f = cute.math.exp2(cute.arch.fmin(rga[j] - rgs[j], _ANCHOR_CLAMP), fastmath=True)
-                    x = Float32(cutlass.select_(live, rk[j].to(Float32) * f, Float32(0.0)))
-                    hi = x.to(dt)
-                    rAhi[e + j] = hi
-                    rAlo[e + j] = (x - hi.to(Float32)).to(dt)
+            if const_expr(self.skip_zero_rows):
+                # a thread's rows are tAc[0] and 8 below it; key rows past the anchor's sub-chunk or the sequence
+                # are zero, so threads (whole warps: a warp owns 16 rows) holding only such rows skip the build.
+                # Anchor 0 needs 16 of the 64 rows, anchor 3 all of them: 96 of 256 row builds are skipped
+                if tAc[0][0] < cutlass.min(16 * anc + 16, valid):
+                    self._key_operands(rAhi, rAlo, tAc, sK0, sG, anc, valid)
+                else:
+                    rAhi.fill(0.0)
+                    rAlo.fill(0.0)
+            else:
+                self._key_operands(rAhi, rAlo, tAc, sK0, sG, anc, valid)
             warpgroup.fence()
             atom_sc = cute.make_mma_atom(mma_sc.op)
             atom_sc.set(warpgroup.Field.ACCUMULATE, False)
@@ -624,6 +621,31 @@ class ChunkKDAIntraFwdSm90:
                 self._store_rows_vec(sOut, mOut, tok0, hv, valid, tid)
 
     @cute.jit
+    def _key_operands(self, rAhi, rAlo, tAc, sK0, sG, anc, valid):
+        """The score GEMM's A operand for anchor ``anc`` in registers: bf16 hi / lo of k_s * exp2(gc_p - gc_s)
+        (p the anchor row), zero for rows s past the anchor's sub-chunk or the sequence. The registers come in
+        pairs (s, k), (s, k + 1) (value mode stride 1 along k): one 4-byte k load and two 8-byte g_cum loads per
+        pair."""
+        dt = self.dtype
+        for e2 in cutlass.range_constexpr(cute.size(rAhi) // 2):
+            e = 2 * e2
+            s = tAc[e][0]
+            kk = cute.assume(tAc[e][1], divby=2)
+            rk = cute.make_rmem_tensor(2, dt)
+            rgs = cute.make_rmem_tensor(2, Float32)
+            rga = cute.make_rmem_tensor(2, Float32)
+            cute.autovec_copy(self._vec_at(sK0, (kk, s), 2, 2), rk)
+            cute.autovec_copy(self._vec_at(sG, (kk, s), 2, 2), rgs)
+            cute.autovec_copy(self._vec_at(sG, (kk, 16 * anc + 8), 2, 2), rga)
+            live = (s < 16 * anc + 16) & (s < valid)
+            for j in cutlass.range_constexpr(2):
+                f = cute.math.exp2(cute.arch.fmin(rga[j] - rgs[j], _ANCHOR_CLAMP), fastmath=True)
+                x = Float32(cutlass.select_(live, rk[j].to(Float32) * f, Float32(0.0)))
+                hi = x.to(dt)
+                rAhi[e + j] = hi
+                rAlo[e + j] = (x - hi.to(Float32)).to(dt)
+
+    @cute.jit
     def _load_tile(self, atom, tsrc, head, sdst, tok0, bar):
         """TMA of the (DK, BT) tile of ``head`` starting at token tok0 into ``sdst``, completing on ``bar``."""
         gsrc = cute.local_tile(cute.domain_offset((0, tok0), tsrc[None, None, head]), (self.dk, self.bt), (0, None))
@@ -643,15 +665,16 @@ _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.flo
 
 
 def _compile(
-    dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none"
-):
+    dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none",
+    skip_zero_rows=False,
+):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK, BT = 128, 64
     kernel = ChunkKDAIntraFwdSm90(
         dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, l2norm_qk=l2norm_qk,
-        beta_act=beta_act,
+        beta_act=beta_act, skip_zero_rows=skip_zero_rows,
     )
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -675,14 +698,17 @@ def _compile(
 
 def get_compiled(
     dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), *,
-    l2norm_qk=False, beta_act="none",
+    l2norm_qk=False, beta_act="none", skip_zero_rows=False,
 ):  # fmt: skip
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
     key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
-           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act)  # fmt: skip
+           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(skip_zero_rows))  # fmt: skip
     return compiled_kernel(
         key,
-        lambda: _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act),
+        lambda: _compile(
+            dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act,
+            skip_zero_rows=skip_zero_rows,
+        ),
     )
 
 
@@ -721,6 +747,7 @@ def chunk_kda_intra_sm90(
     use_qk_l2norm: bool = False,
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
+    skip_zero_rows: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -748,6 +775,8 @@ def chunk_kda_intra_sm90(
             rounded to q's dtype, before any use.
         beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
+        skip_zero_rows: the P3 variant that skips all-zero key rows (same results); ``SKIP_ZERO_ROWS_DEFAULT``
+            when None.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -808,6 +837,7 @@ def chunk_kda_intra_sm90(
     fn = get_compiled(
         dtype=_TORCH_TO_CUTLASS[dt], g_dtype=_TORCH_TO_CUTLASS[g.dtype], beta_dtype=_TORCH_TO_CUTLASS[beta.dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
+        skip_zero_rows=SKIP_ZERO_ROWS_DEFAULT if skip_zero_rows is None else bool(skip_zero_rows),
     )  # fmt: skip
 
     def flat(t):
