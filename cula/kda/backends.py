@@ -52,61 +52,42 @@ def _cula_chunk_supports(
     return True, None
 
 
+def _cula_chunk_args(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias,
+    chunk_size, **_unused,
+):  # fmt: skip
+    """The dispatch arguments as ``chunk_kda_fwd_sm90`` and its ``prepare_`` twin take them."""
+    return dict(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound if use_gate_in_kernel else None, safe_gate=safe_gate,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+    )  # fmt: skip
+
+
+def _prepare_chunk_kda_cula_sm90(**args):
+    """The bound launch of a repeated fixed-length call (see ``prepare_chunk_kda_fwd_sm90``), or None."""
+    from cula.ops.kda.sm90.chunk_fwd import prepare_chunk_kda_fwd_sm90
+
+    return prepare_chunk_kda_fwd_sm90(**_cula_chunk_args(**args))
+
+
 # The intra-chunk stage still comes from FLA's Triton kernels, hence needs=("fla",).
 @chunk_kda_registry.register(
     "cula-sm90",
     CULA_PRIORITY,
     available=cula_kernels_on((9, 0), needs=("fla",)),
     supports=_cula_chunk_supports,
+    prepare=_prepare_chunk_kda_cula_sm90,
 )
-def _chunk_kda_cula_sm90(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale,
-    initial_state,
-    output_final_state,
-    use_qk_l2norm_in_kernel,
-    use_gate_in_kernel,
-    use_beta_sigmoid_in_kernel,
-    allow_neg_eigval,
-    safe_gate,
-    lower_bound,
-    state_v_first,
-    cu_seqlens,
-    cu_seqlens_cpu,
-    A_log,
-    dt_bias,
-    chunk_size,
-    **_unused,
-):
+def _chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
     from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
 
     # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel where it runs, see chunk_fwd)
-    return chunk_kda_fwd_sm90(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale,
-        initial_state,
-        output_final_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_size=chunk_size,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound if use_gate_in_kernel else None,
-        safe_gate=safe_gate,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-    )
+    return chunk_kda_fwd_sm90(cu_seqlens_cpu=cu_seqlens_cpu, **_cula_chunk_args(**args))
 
 
 def _reference_chunk_supports(

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cula._validate import check_scale, resolve_state_layout, take_extra_kwargs
+from cula.backends import PlanCache, tensor_sig
 from cula.kda._args import check_kda_inputs
 from cula.kda.backends import chunk_kda_registry
 
 # FLA reads these from **kwargs; every other unknown keyword is an error here.
 _EXTRA_KWARGS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout")
+
+# Fixed-length calls skip validation and backend selection when their signature repeats (see _plan_key); the
+# cula-sm90 backend then also skips its own per-call checks (prepare_chunk_kda_fwd_sm90)
+_plans = PlanCache()
+_TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+_SCALAR_ARGS = (
+    "scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+    "allow_neg_eigval", "safe_gate", "lower_bound", "disable_recompute", "state_v_first", "chunk_size",
+    "max_num_seqs",
+)  # fmt: skip
+_SCALAR_TYPES = (type(None), int, float)
 
 
 def chunk_kda(
@@ -79,63 +93,86 @@ def chunk_kda(
     state_v_first = resolve_state_layout("chunk_kda", state_v_first, extra)
     A_log, dt_bias = extra.get("A_log"), extra.get("dt_bias")
     chunk_size = extra.get("chunk_size", 64)
-    if chunk_size not in (32, 64):
-        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}")
-    if safe_gate and use_gate_in_kernel:
+    call = dict(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel), use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        allow_neg_eigval=bool(allow_neg_eigval), safe_gate=bool(safe_gate), lower_bound=lower_bound,
+        disable_recompute=bool(disable_recompute), return_intermediate_states=bool(return_intermediate_states),
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
+        use_graph=bool(use_graph), max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
+    )  # fmt: skip
+    key = _plan_key(call)
+    if key is None:
+        args = _checked(call)
+        return chunk_kda_registry.dispatch(args["q"].device, args)
+    # a repeated fixed-length call: validation and backend choice were done for its signature (PlanCache)
+    launch = _plans.lookup(key, lambda: _plan(dict(call)))
+    call["scale"] = check_scale(scale, q.shape[-1])
+    return launch(**call)
+
+
+def _plan(call: dict):
+    """Full validation and backend choice for a new signature; the launch for it and its repeats."""
+    args = _checked(call)
+    return chunk_kda_registry.plan(args["q"].device, args)
+
+
+def _plan_key(call: dict) -> tuple | None:
+    """The signature of a fixed-length call (everything validation and backend selection read), or None for
+    the calls that are validated every time: varlen (``cu_seqlens`` values are checked), context parallel,
+    FLA's graph mode, intermediate states, and scalars of unusual types."""
+    if (
+        call["cu_seqlens"] is not None or call["cp_context"] is not None or call["use_graph"]
+        or call["return_intermediate_states"] or type(call["scale"]) not in _SCALAR_TYPES
+        or type(call["lower_bound"]) not in _SCALAR_TYPES or type(call["max_num_seqs"]) not in _SCALAR_TYPES
+        or type(call["chunk_size"]) is not int
+    ):  # fmt: skip
+        return None
+    tensors = tuple(call[n] for n in _TENSOR_ARGS)
+    grad = torch.is_grad_enabled() and tuple(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
+    return (
+        *(tensor_sig(t) for t in tensors), *(call[n] for n in _SCALAR_ARGS), grad,
+        torch.is_inference_mode_enabled(), os.environ.get("CULA_BACKEND"), os.environ.get("CULA_KDA_INTRA"),
+    )  # fmt: skip
+
+
+def _checked(call: dict) -> dict:
+    """Validate a call in full (FLA's rules plus dtype/device/layout checks); returns the dispatch arguments."""
+    q, lower_bound = call["q"], call["lower_bound"]
+    if call["chunk_size"] not in (32, 64):
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {call['chunk_size']}")
+    if call["safe_gate"] and call["use_gate_in_kernel"]:
         if lower_bound is None:
             raise ValueError(
                 "`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`"
             )
         if not -5 <= lower_bound < 0:
             raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}")
-    if cp_context is not None and (initial_state is not None or output_final_state):
+    if call["cp_context"] is not None and (call["initial_state"] is not None or call["output_final_state"]):
         raise ValueError("`cp_context` cannot be combined with `initial_state` or `output_final_state`")
     check_kda_inputs(
         q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state=initial_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        use_gate_in_kernel=use_gate_in_kernel,
+        call["k"],
+        call["v"],
+        call["g"],
+        call["beta"],
+        initial_state=call["initial_state"],
+        state_v_first=call["state_v_first"],
+        cu_seqlens=call["cu_seqlens"],
+        cu_seqlens_cpu=call["cu_seqlens_cpu"],
+        A_log=call["A_log"],
+        dt_bias=call["dt_bias"],
+        use_gate_in_kernel=call["use_gate_in_kernel"],
         lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
+        use_beta_sigmoid_in_kernel=call["use_beta_sigmoid_in_kernel"],
+        allow_neg_eigval=call["allow_neg_eigval"],
     )
-    if return_intermediate_states and (not torch.is_inference_mode_enabled() or disable_recompute):
+    if call["return_intermediate_states"] and (
+        not torch.is_inference_mode_enabled() or call["disable_recompute"]
+    ):
         raise ValueError(
             "`return_intermediate_states=True` needs torch.inference_mode() and disable_recompute=False"
         )
-    args = dict(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        scale=check_scale(scale, q.shape[-1]),
-        initial_state=initial_state,
-        output_final_state=bool(output_final_state),
-        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        use_gate_in_kernel=bool(use_gate_in_kernel),
-        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
-        allow_neg_eigval=bool(allow_neg_eigval),
-        safe_gate=bool(safe_gate),
-        lower_bound=lower_bound,
-        disable_recompute=bool(disable_recompute),
-        return_intermediate_states=bool(return_intermediate_states),
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        cp_context=cp_context,
-        use_graph=bool(use_graph),
-        max_num_seqs=max_num_seqs,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        chunk_size=chunk_size,
-    )
-    return chunk_kda_registry.dispatch(q.device, args)
+    call["scale"] = check_scale(call["scale"], q.shape[-1])
+    return call

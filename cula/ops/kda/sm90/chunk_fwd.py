@@ -222,3 +222,98 @@ def _intra_cute(
         beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
     )  # fmt: skip
     return w, u, qg, kg, Aqk, g_cum
+
+
+def prepare_chunk_kda_fwd_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    safe_gate: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+):
+    """``chunk_kda_fwd_sm90`` bound once for every later call with this call's signature (same shapes, strides,
+    dtypes, device, flags), or None where the general path must run each time (varlen, FLA's intra stage,
+    non-contiguous inputs, no tokens).
+
+    The returned ``launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_)`` allocates the outputs and
+    the intra -> state/output intermediates in their flat kernel shapes and calls the two compiled kernels
+    directly: none of the per-call checks, views and cache-key builds of the general path, which the caller's
+    full validation of the first call with this signature stands for (``cula.kda.chunk``'s plan cache).
+    Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``, ``intra.SKIP_ZERO_ROWS_DEFAULT``) are read here, once:
+    call ``cula.backends.clear_plan_caches()`` after changing them; ``CULA_KDA_INTRA`` is part of the signature.
+    """
+    from cula.ops.kda.sm90 import delta_h_fwd_o as dh
+    from cula.ops.kda.sm90 import intra
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if cu_seqlens is not None or chunk_size != 64 or B * T == 0 or HV == 0 or (K, V) != (128, 128):
+        return None
+    if not _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
+        return None
+    if not all(t.is_contiguous() for t in (q, k, v, g, beta)):
+        return None
+    if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
+        return None
+    gate = "none"
+    if use_gate_in_kernel:
+        gate = "sigmoid" if lower_bound is not None else "softplus"
+    beta_act = ("sigmoid2" if allow_neg_eigval else "sigmoid") if use_beta_sigmoid_in_kernel else "none"
+    conv = intra._TORCH_TO_CUTLASS
+    fn_intra = intra.get_compiled(
+        dtype=conv[q.dtype], g_dtype=conv[g.dtype], beta_dtype=conv[beta.dtype], gate=gate, varlen=False,
+        l2norm_qk=bool(use_qk_l2norm_in_kernel), beta_act=beta_act, skip_zero_rows=intra.SKIP_ZERO_ROWS_DEFAULT,
+    )  # fmt: skip
+    has_h0 = initial_state is not None
+    fn_state = dh.get_compiled(
+        dtype=conv[q.dtype], varlen=False, has_h0=has_h0, has_ht=bool(output_final_state),
+        state_v_first=state_v_first,
+    )  # fmt: skip
+    dev, dt = q.device, q.dtype
+    BT, NC = B * T, (T + 63) // 64
+    state_shape = (B, HV, V, K) if state_v_first else (B, HV, K, V)
+    dummy_state = dh._placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
+    no_cu, no_ci = intra._placeholder(dev, torch.int32, (2,)), intra._placeholder(dev, torch.int32, (1, 2))
+    # FLA: softplus uses exp(1) when A_log is absent, sigmoid uses 1 = exp(0)
+    a_log_absent = intra._placeholder(dev, torch.float32, (HV,), 1.0 if gate == "softplus" else 0.0)
+    dt_bias_absent = intra._placeholder(dev, torch.float32, (HV, K))
+    lb = float(lower_bound) if gate == "sigmoid" else 0.0
+
+    def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
+        a_log = a_log_absent if A_log is None else A_log.reshape(HV).to(torch.float32).contiguous()
+        bias = dt_bias_absent if dt_bias is None else dt_bias.reshape(HV, K).to(torch.float32).contiguous()
+        w = torch.empty(BT, HV, K, dtype=dt, device=dev)
+        u = torch.empty(BT, HV, V, dtype=dt, device=dev)
+        qg = torch.empty(BT, HV, K, dtype=dt, device=dev)
+        kg = torch.empty(BT, HV, K, dtype=dt, device=dev)
+        Aqk = torch.empty(BT, HV, 64, dtype=dt, device=dev)
+        g_cum = torch.empty(BT, HV, K, dtype=torch.float32, device=dev)
+        o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+        final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
+        s = float(scale)
+        fn_intra(
+            q.view(BT, H, K), k.view(BT, H, K), v.view(BT, HV, V), g.view(BT, HV, K), beta.view(BT, HV), a_log, bias,
+            w, u, qg, kg, Aqk, g_cum, no_cu, no_ci, T, NC, B, s, lb,
+        )  # fmt: skip
+        fn_state(
+            w, u, kg, qg, g_cum, Aqk, o.view(BT, HV, V), initial_state if has_h0 else dummy_state,
+            final_state if final_state is not None else dummy_state, no_cu, T, B, s,
+        )  # fmt: skip
+        return o, final_state
+
+    return launch

@@ -1,0 +1,197 @@
+"""chunk_kda's call-signature cache (cula.backends.PlanCache) and the cula-sm90 bound launch, on the CPU.
+
+A repeated fixed-length ``chunk_kda`` call skips validation and backend selection, and on the cula-sm90 backend
+calls the two compiled kernels directly (``prepare_chunk_kda_fwd_sm90``). These tests check that the cache never
+lets through a call that full validation would refuse, that everything selection reads starts a new plan, and
+that the bound launch hands the kernels exactly what the general path does (kernels stubbed here; the GPU test
+at the end compares the outputs bit for bit).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cula.kda.chunk as chunk_mod
+from cula.backends import PlanCache
+from cula.kda import chunk_kda
+
+HAS_CUDA = torch.cuda.is_available()
+B, T, H, HV, D = 2, 100, 2, 4, 128  # T not a multiple of the chunk
+
+
+def _inputs(device="cpu", dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape, dt=dtype, s=1.0):
+        return (s * torch.randn(*shape, generator=gen, device=device)).to(dt)
+
+    return dict(
+        q=rnd(B, T, H, D), k=rnd(B, T, H, D), v=rnd(B, T, HV, D), g=rnd(B, T, HV, D), beta=rnd(B, T, HV),
+        initial_state=rnd(B, HV, D, D, dt=torch.float32, s=0.1), A_log=rnd(HV, dt=torch.float32, s=0.5),
+        dt_bias=rnd(HV * D, dt=torch.float32, s=0.5),
+    )  # fmt: skip
+
+
+FLAGS = dict(output_final_state=True, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=True)  # fmt: skip
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """A fresh chunk_kda plan cache and a count of full validations."""
+    count = [0]
+    monkeypatch.setattr(chunk_mod, "_plans", PlanCache())
+    real = chunk_mod._checked
+
+    def checked(call):
+        count[0] += 1
+        return real(call)
+
+    monkeypatch.setattr(chunk_mod, "_checked", checked)
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    monkeypatch.delenv("CULA_KDA_INTRA", raising=False)
+    return count
+
+
+def test_repeats_skip_validation_and_match(counted):
+    x = _inputs(dtype=torch.float32)
+    flags = dict(FLAGS, state_v_first=False)
+    with torch.no_grad():
+        outs = [chunk_kda(**x, **flags) for _ in range(3)]  # reference backend on the CPU
+    assert counted[0] == 1
+    for o, s in outs[1:]:
+        torch.testing.assert_close(o, outs[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(s, outs[0][1], rtol=0, atol=0)
+
+
+def test_new_signatures_and_bad_input_are_validated(counted, monkeypatch):
+    x = _inputs(dtype=torch.float32)
+    with torch.no_grad():
+        chunk_kda(**x, **FLAGS)
+        chunk_kda(**x, **dict(FLAGS, lower_bound=-4.0))  # a scalar value
+        chunk_kda(**dict(x, q=x["q"][:, :50].contiguous(), k=x["k"][:, :50].contiguous(), v=x["v"][:, :50],
+                         g=x["g"][:, :50], beta=x["beta"][:, :50]), **FLAGS)  # shapes and strides  # fmt: skip
+        assert counted[0] == 3
+        monkeypatch.setenv("CULA_KDA_INTRA", "0")  # anything selection reads
+        chunk_kda(**x, **FLAGS)
+        assert counted[0] == 4
+        with pytest.raises(ValueError, match="safe range"):
+            chunk_kda(**x, **dict(FLAGS, lower_bound=-6.0))
+        with pytest.raises(ValueError):
+            chunk_kda(**dict(x, beta=x["beta"][..., :1]), **FLAGS)
+        with pytest.raises(TypeError, match="scale"):  # a scale of an unusual type is never planned
+            chunk_kda(**x, **FLAGS, scale=torch.tensor(0.1))
+    with pytest.raises(TypeError):
+        chunk_kda(**x, **FLAGS, not_an_argument=1)
+    # varlen calls are validated every time (cu_seqlens values are checked)
+    xv = {n: (t[:1] if t is not None and t.dim() > 1 and t.shape[0] == B else t) for n, t in x.items()}
+    cu = torch.tensor([0, 30, T], dtype=torch.int32)
+    xv["initial_state"] = x["initial_state"]
+    before = counted[0]
+    with torch.no_grad():
+        for _ in range(2):
+            chunk_kda(**xv, **FLAGS, cu_seqlens=cu)
+    assert counted[0] == before + 2
+    # training: a new signature (requires_grad), then the same
+    xt = {n: t.clone().requires_grad_(t.dtype == torch.float32 and n in ("q", "k", "v")) for n, t in x.items()}
+    before = counted[0]
+    for _ in range(2):
+        o, _s = chunk_kda(**xt, **FLAGS)
+    assert counted[0] == before + 1 and o.requires_grad
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """CPU tensors that look like an SM90 device with the DSL installed; the two kernels record their arguments."""
+    import cula.arch
+    import cula.backends
+    from cula.ops.kda.sm90 import delta_h_fwd_o, intra
+
+    monkeypatch.setattr(cula.backends, "cuda_only", lambda dev: (True, None))
+    monkeypatch.setattr(cula.backends, "has_package", lambda name: True)
+    monkeypatch.setattr(cula.arch, "device_arch", lambda dev: (9, 0))
+    calls = []
+    monkeypatch.setattr(intra, "get_compiled", lambda **kw: lambda *a: calls.append(("intra", kw, a)))
+    monkeypatch.setattr(delta_h_fwd_o, "get_compiled", lambda **kw: lambda *a: calls.append(("state", kw, a)))
+    return calls
+
+
+def _same(a, b, inputs):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+        if any(a.data_ptr() == t.data_ptr() for t in inputs) or a.numel() <= 8:
+            assert a.data_ptr() == b.data_ptr() or torch.equal(a, b)
+    else:
+        assert a == b, (a, b)
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_bound_launch_passes_what_the_general_path_passes(counted, fake_sm90, state_v_first, with_state):
+    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+
+    x = _inputs()
+    if not with_state:
+        x["initial_state"] = None
+    elif state_v_first:
+        x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+    flags = dict(FLAGS, state_v_first=state_v_first, output_final_state=with_state)
+    with torch.no_grad():
+        chunk_kda_fwd_sm90(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.125, x["initial_state"],
+                           flags["output_final_state"], state_v_first, **{n: flags[n] for n in (
+                               "use_gate_in_kernel", "lower_bound", "safe_gate", "use_qk_l2norm_in_kernel",
+                               "use_beta_sigmoid_in_kernel")}, A_log=x["A_log"], dt_bias=x["dt_bias"])  # fmt: skip
+        general = list(fake_sm90)
+        fake_sm90.clear()
+        for _ in range(2):
+            o, s = chunk_kda(**x, **flags, scale=0.125)
+    assert counted[0] == 1
+    assert [c[0] for c in general] == ["intra", "state"] and [c[0] for c in fake_sm90] == ["intra", "state"] * 2
+    assert o.shape == (B, T, HV, D) and (s is not None) == with_state
+    inputs = [t for t in x.values() if t is not None]
+    for got in (fake_sm90[:2], fake_sm90[2:]):
+        for (name, kw_g, args_g), (_, kw_p, args_p) in zip(general, got):
+            assert kw_g == kw_p, name
+            assert len(args_g) == len(args_p), name
+            for a, b in zip(args_g, args_p):
+                _same(a, b, inputs)
+    assert len(chunk_mod._plans) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_bound_launch_bit_identical_cuda(counted, state_v_first):
+    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.testing import poison_cuda_allocator
+
+    x = _inputs("cuda")
+    if state_v_first:
+        x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+    flags = dict(FLAGS, state_v_first=state_v_first)
+    with torch.inference_mode():
+        poison_cuda_allocator()
+        ref_o, ref_s = chunk_kda_fwd_sm90(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["initial_state"], True, state_v_first,
+            use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+        )  # fmt: skip
+        for _ in range(3):
+            poison_cuda_allocator()
+            o, s = chunk_kda(**x, **flags)
+            torch.cuda.synchronize()
+            assert torch.equal(o.view(torch.int16), ref_o.view(torch.int16))
+            assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
+    assert counted[0] == 1
+
+
+def test_inputs_needing_a_copy_take_the_general_path(counted, fake_sm90):
+    x = _inputs()
+    x["q"] = torch.randn(B, T, 2 * H, D).to(torch.bfloat16)[:, :, :H]  # strided heads
+    with torch.no_grad():
+        for _ in range(2):
+            chunk_kda(**x, **FLAGS)
+    assert counted[0] == 1 and [c[0] for c in fake_sm90] == ["intra", "state"] * 2
+    q_seen = fake_sm90[0][2][0]
+    assert q_seen.is_contiguous() and q_seen.data_ptr() != x["q"].data_ptr()
