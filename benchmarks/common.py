@@ -667,7 +667,7 @@ def call_recording_backend(call: Callable[[], Any], registry: str) -> tuple[Any,
         from cula.backends import clear_plan_caches
     except (ImportError, AttributeError):
         return call(), "unknown"
-    clear_plan_caches()  # a decode call with a cached signature would not consult the registry
+    clear_plan_caches()  # a call with a cached signature would not consult the registry
     chosen: list[str] = []
     original = reg.select
 

@@ -62,6 +62,7 @@ def profile_paths() -> None:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     import cula.ops.kda.sm90.intra as intra_mod
+    from cula.backends import clear_plan_caches
     from cula.kda import chunk_kda
 
     report = {}
@@ -73,6 +74,7 @@ def profile_paths() -> None:
                 if env is not None:
                     os.environ["CULA_KDA_INTRA"] = env
                 intra_mod.SKIP_ZERO_ROWS_DEFAULT = skip
+                clear_plan_caches()  # chunk_kda binds the switch into its per-signature plan
                 fn = fla_chunk_kda if env is None else chunk_kda
                 times = kernel_times(lambda fn=fn, x=x: fn(**x, **FLAGS))
                 key = f"B{B}-T{T} {path}"
