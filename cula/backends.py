@@ -187,6 +187,18 @@ def tensor_sig(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (type(t),)  # not a tensor: validation will say so
 
 
+_PLAIN_SCALARS = (type(None), bool, int, float, str)
+
+
+def call_signature(call: dict[str, Any], tensors: tuple[str, ...], scalars: tuple[str, ...], *extra) -> tuple | None:
+    """A PlanCache key for ``call``: ``tensor_sig`` of the named tensors, the named scalars' values, ``CULA_BACKEND``
+    and ``extra``; None (validate this call in full) when a scalar is not a plain Python value."""
+    values = tuple(call[n] for n in scalars)
+    if any(type(x) not in _PLAIN_SCALARS for x in values):
+        return None
+    return (*(tensor_sig(call[n]) for n in tensors), *values, os.environ.get("CULA_BACKEND"), *extra)
+
+
 class PlanCache:
     """Launch functions by call signature, for entry points whose Python overhead matters (decode).
 

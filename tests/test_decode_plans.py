@@ -281,3 +281,39 @@ def test_fused_recurrent_kda_pool_form_runs_the_decode_kernel(counted_plans, fak
     ):
         ok, reason = _cula_recurrent_supports(**dict(base, **over))
         assert not ok and why in reason, (over, reason)
+
+
+def test_fused_recurrent_kda_fwd_repeats_skip_validation(monkeypatch):
+    """FLA's serving entry point, called once per token by engines: validated once per signature."""
+    import cula.kda.fused_recurrent as fr
+    from cula.kda import fused_recurrent_kda_fwd
+
+    count = [0]
+    monkeypatch.setattr(fr, "_plans", PlanCache())
+    real = fr._checked
+    monkeypatch.setattr(fr, "_checked", lambda call: (count.__setitem__(0, count[0] + 1), real(call))[1])
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    q, k, v, g, beta, pool, idx = _kda_inputs()
+    A_log = torch.randn(HV)
+    pools = [pool.clone() for _ in range(2)]
+    outs = []
+    for step in range(3):
+        o, fin = fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=A_log, initial_state=pools[0],
+                                         ssm_state_indices=idx, use_gate_in_kernel=True)  # fmt: skip
+        assert fin is pools[0]
+        outs.append(o)
+    assert count[0] == 1
+    # the same steps validated in full every time give the same pool and outputs
+    fr._plans.clear()
+    for step in range(3):
+        fr._plans.clear()
+        o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=A_log, initial_state=pools[1],
+                                       ssm_state_indices=idx, use_gate_in_kernel=True)  # fmt: skip
+        torch.testing.assert_close(o, outs[step], rtol=0, atol=0)
+    torch.testing.assert_close(pools[0], pools[1], rtol=0, atol=0)
+    with pytest.raises(ValueError):  # a new signature: validated
+        fused_recurrent_kda_fwd(q, k, v, g[..., :2], beta, A_log=A_log, initial_state=pools[0],
+                                ssm_state_indices=idx, use_gate_in_kernel=True)  # fmt: skip
+    with pytest.raises(ValueError, match="A_log"):
+        fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pools[0], ssm_state_indices=idx,
+                                use_gate_in_kernel=True)  # fmt: skip

@@ -7,7 +7,7 @@ import os
 import torch
 
 from cula._validate import check_scale, resolve_state_layout, take_extra_kwargs
-from cula.backends import PlanCache, tensor_sig
+from cula.backends import PlanCache, call_signature
 from cula.kda._args import check_kda_inputs
 from cula.kda.backends import chunk_kda_registry
 
@@ -23,7 +23,6 @@ _SCALAR_ARGS = (
     "allow_neg_eigval", "safe_gate", "lower_bound", "disable_recompute", "state_v_first", "chunk_size",
     "max_num_seqs",
 )  # fmt: skip
-_SCALAR_TYPES = (type(None), int, float)
 
 
 def chunk_kda(
@@ -122,19 +121,15 @@ def _plan_key(call: dict) -> tuple | None:
     """The signature of a fixed-length call (everything validation and backend selection read), or None for
     the calls that are validated every time: varlen (``cu_seqlens`` values are checked), context parallel,
     FLA's graph mode, intermediate states, and scalars of unusual types."""
-    if (
-        call["cu_seqlens"] is not None or call["cp_context"] is not None or call["use_graph"]
-        or call["return_intermediate_states"] or type(call["scale"]) not in _SCALAR_TYPES
-        or type(call["lower_bound"]) not in _SCALAR_TYPES or type(call["max_num_seqs"]) not in _SCALAR_TYPES
-        or type(call["chunk_size"]) is not int
-    ):  # fmt: skip
+    if call["cu_seqlens"] is not None or call["cp_context"] is not None or call["use_graph"]:
+        return None
+    if call["return_intermediate_states"]:
         return None
     tensors = tuple(call[n] for n in _TENSOR_ARGS)
     grad = torch.is_grad_enabled() and tuple(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
-    return (
-        *(tensor_sig(t) for t in tensors), *(call[n] for n in _SCALAR_ARGS), grad,
-        torch.is_inference_mode_enabled(), os.environ.get("CULA_BACKEND"), os.environ.get("CULA_KDA_INTRA"),
-    )  # fmt: skip
+    return call_signature(
+        call, _TENSOR_ARGS, _SCALAR_ARGS, grad, torch.is_inference_mode_enabled(), os.environ.get("CULA_KDA_INTRA")
+    )
 
 
 def _checked(call: dict) -> dict:

@@ -6,9 +6,19 @@ import torch
 
 from cula._validate import INDEX_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
 from cula.kda._args import check_kda_inputs
+from cula.backends import PlanCache, call_signature
 from cula.kda.backends import fused_recurrent_kda_registry
 
 _DECODE_KWARGS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "out")
+
+_plans = PlanCache()
+_TENSOR_ARGS = (
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "ssm_state_indices", "num_accepted_tokens", "out"
+)  # fmt: skip
+_SCALAR_ARGS = (
+    "scale", "output_final_state", "inplace_final_state", "state_v_first", "use_qk_l2norm_in_kernel",
+    "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound",
+)  # fmt: skip
 
 
 def fused_recurrent_kda(
@@ -108,57 +118,65 @@ def fused_recurrent_kda_fwd(
     """
     extra = take_extra_kwargs("fused_recurrent_kda_fwd", kwargs, ("transpose_state_layout",))
     state_v_first = resolve_state_layout("fused_recurrent_kda_fwd", state_v_first, extra)
-    pooled = ssm_state_indices is not None
-    if inplace_final_state and initial_state is None:
+    call = dict(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
+        output_final_state=bool(output_final_state), inplace_final_state=bool(inplace_final_state),
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+        num_accepted_tokens=num_accepted_tokens, use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel), use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+        allow_neg_eigval=bool(allow_neg_eigval), lower_bound=lower_bound, out=out,
+    )  # fmt: skip
+    # serving engines call this once per token: a repeated signature skips validation and backend selection
+    # (varlen calls are validated every time: their cu_seqlens values are checked)
+    key = None if cu_seqlens is not None else call_signature(call, _TENSOR_ARGS, _SCALAR_ARGS)
+    if key is None:
+        args = _checked(call)
+        return fused_recurrent_kda_registry.dispatch(args["q"].device, args)
+    launch = _plans.lookup(key, lambda: _plan(dict(call)))
+    call["scale"] = check_scale(scale, q.shape[-1])
+    return launch(**call)
+
+
+def _plan(call: dict):
+    """Full validation and backend choice for a new signature; the launch for it and its repeats."""
+    args = _checked(call)
+    return fused_recurrent_kda_registry.plan(args["q"].device, args)
+
+
+def _checked(call: dict) -> dict:
+    """Validate a call in full; returns the dispatch arguments."""
+    q, initial_state = call["q"], call["initial_state"]
+    pooled = call["ssm_state_indices"] is not None
+    if call["inplace_final_state"] and initial_state is None:
         raise ValueError("`inplace_final_state=True` needs `initial_state` (the state pool to update)")
     check_kda_inputs(
         q,
-        k,
-        v,
-        g,
-        beta,
+        call["k"],
+        call["v"],
+        call["g"],
+        call["beta"],
         initial_state=None if pooled else initial_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
+        state_v_first=call["state_v_first"],
+        cu_seqlens=call["cu_seqlens"],
         cu_seqlens_cpu=None,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        use_gate_in_kernel=use_gate_in_kernel,
-        lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
+        A_log=call["A_log"],
+        dt_bias=call["dt_bias"],
+        use_gate_in_kernel=call["use_gate_in_kernel"],
+        lower_bound=call["lower_bound"],
+        use_beta_sigmoid_in_kernel=call["use_beta_sigmoid_in_kernel"],
+        allow_neg_eigval=call["allow_neg_eigval"],
         beta_per_value=True,
     )
     if pooled:
-        check_tensor("ssm_state_indices", ssm_state_indices, dtypes=INDEX_DTYPES, device=q.device)
+        check_tensor("ssm_state_indices", call["ssm_state_indices"], dtypes=INDEX_DTYPES, device=q.device)
         if initial_state is None:
             raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool)")
         check_tensor("initial_state", initial_state, ndim=4, dtypes=(torch.float32,), device=q.device)
-    if num_accepted_tokens is not None:
-        check_tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=INDEX_DTYPES, device=q.device)
-    if out is not None:
-        check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=q.device)
-    args = dict(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        initial_state=initial_state,
-        scale=check_scale(scale, q.shape[-1]),
-        output_final_state=bool(output_final_state),
-        inplace_final_state=bool(inplace_final_state),
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        ssm_state_indices=ssm_state_indices,
-        num_accepted_tokens=num_accepted_tokens,
-        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        use_gate_in_kernel=bool(use_gate_in_kernel),
-        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
-        allow_neg_eigval=bool(allow_neg_eigval),
-        lower_bound=lower_bound,
-        out=out,
-    )
-    return fused_recurrent_kda_registry.dispatch(q.device, args)
+    if call["num_accepted_tokens"] is not None:
+        check_tensor(
+            "num_accepted_tokens", call["num_accepted_tokens"], ndim=1, dtypes=INDEX_DTYPES, device=q.device
+        )
+    if call["out"] is not None:
+        check_tensor("out", call["out"], shape=tuple(call["v"].shape), dtypes=(q.dtype,), device=q.device)
+    call["scale"] = check_scale(call["scale"], q.shape[-1])
+    return call
