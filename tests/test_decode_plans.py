@@ -293,27 +293,20 @@ def test_fused_recurrent_kda_fwd_repeats_skip_validation(monkeypatch):
     real = fr._checked
     monkeypatch.setattr(fr, "_checked", lambda call: (count.__setitem__(0, count[0] + 1), real(call))[1])
     monkeypatch.delenv("CULA_BACKEND", raising=False)
-    q, k, v, g, beta, pool, idx = _kda_inputs()
+    q, k, v, g, beta, _pool, _idx = _kda_inputs()
     A_log = torch.randn(HV)
-    pools = [pool.clone() for _ in range(2)]
-    outs = []
-    for step in range(3):
-        o, fin = fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=A_log, initial_state=pools[0],
-                                         ssm_state_indices=idx, use_gate_in_kernel=True)  # fmt: skip
-        assert fin is pools[0]
-        outs.append(o)
+    h0 = torch.randn(N, HV, D, D) * 0.1  # the CPU reference has no pool form: a plain initial state
+    kw = dict(A_log=A_log, initial_state=h0, inplace_final_state=False, output_final_state=True,
+              use_gate_in_kernel=True)  # fmt: skip
+    outs = [fused_recurrent_kda_fwd(q, k, v, g, beta, **kw) for _ in range(3)]
     assert count[0] == 1
-    # the same steps validated in full every time give the same pool and outputs
     fr._plans.clear()
-    for step in range(3):
-        fr._plans.clear()
-        o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=A_log, initial_state=pools[1],
-                                       ssm_state_indices=idx, use_gate_in_kernel=True)  # fmt: skip
-        torch.testing.assert_close(o, outs[step], rtol=0, atol=0)
-    torch.testing.assert_close(pools[0], pools[1], rtol=0, atol=0)
+    o, fin = fused_recurrent_kda_fwd(q, k, v, g, beta, **kw)  # validated in full again: the same numbers
+    assert count[0] == 2
+    for o2, fin2 in outs:
+        torch.testing.assert_close(o2, o, rtol=0, atol=0)
+        torch.testing.assert_close(fin2, fin, rtol=0, atol=0)
     with pytest.raises(ValueError):  # a new signature: validated
-        fused_recurrent_kda_fwd(q, k, v, g[..., :2], beta, A_log=A_log, initial_state=pools[0],
-                                ssm_state_indices=idx, use_gate_in_kernel=True)  # fmt: skip
+        fused_recurrent_kda_fwd(q, k, v, g[..., :2], beta, **kw)
     with pytest.raises(ValueError, match="A_log"):
-        fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pools[0], ssm_state_indices=idx,
-                                use_gate_in_kernel=True)  # fmt: skip
+        fused_recurrent_kda_fwd(q, k, v, g, beta, **dict(kw, A_log=None))
