@@ -52,3 +52,15 @@ def _no_forced_backend(monkeypatch):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def pretend_sm90(monkeypatch):
+    """Let CPU tensors select the cula-sm90 backends: a CUDA device of compute capability 9.0 with every package
+    installed, as far as ``cula.backends`` can tell. Tests stub the kernels themselves."""
+    import cula.arch
+    import cula.backends
+
+    monkeypatch.setattr(cula.backends, "cuda_only", lambda dev: (True, None))
+    monkeypatch.setattr(cula.backends, "has_package", lambda name: True)
+    monkeypatch.setattr(cula.arch, "device_arch", lambda dev: (9, 0))

@@ -102,15 +102,10 @@ def test_new_signatures_and_bad_input_are_validated(counted, monkeypatch):
 
 
 @pytest.fixture
-def fake_sm90(monkeypatch):
+def fake_sm90(monkeypatch, pretend_sm90):
     """CPU tensors that look like an SM90 device with the DSL installed; the two kernels record their arguments."""
-    import cula.arch
-    import cula.backends
     from cula.ops.kda.sm90 import delta_h_fwd_o, intra
 
-    monkeypatch.setattr(cula.backends, "cuda_only", lambda dev: (True, None))
-    monkeypatch.setattr(cula.backends, "has_package", lambda name: True)
-    monkeypatch.setattr(cula.arch, "device_arch", lambda dev: (9, 0))
     calls = []
     monkeypatch.setattr(intra, "get_compiled", lambda **kw: lambda *a: calls.append(("intra", kw, a)))
     monkeypatch.setattr(delta_h_fwd_o, "get_compiled", lambda **kw: lambda *a: calls.append(("state", kw, a)))

@@ -132,16 +132,11 @@ def test_kda_decode_backend_override_starts_a_new_plan(counted_plans, monkeypatc
 
 
 @pytest.fixture
-def fake_sm90(monkeypatch):
+def fake_sm90(monkeypatch, pretend_sm90):
     """Make CPU tensors look like an SM90 device with the DSL installed; kernels record their arguments."""
-    import cula.arch
-    import cula.backends
     import cula.ops.kda.sm90.decode as kops
     import cula.ops.lightning.sm90.decode as lops
 
-    monkeypatch.setattr(cula.backends, "cuda_only", lambda dev: (True, None))
-    monkeypatch.setattr(cula.backends, "has_package", lambda name: True)
-    monkeypatch.setattr(cula.arch, "device_arch", lambda dev: (9, 0))
     calls = []
 
     def variant(**kw):

@@ -1,10 +1,12 @@
-"""Validation shared by the KDA entry points (chunk and fused recurrent)."""
+"""Validation and dispatch shared by the KDA entry points (chunk and fused recurrent)."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
-from cula._validate import FLOAT_DTYPES, check_cu_seqlens, check_qkv, check_state, check_tensor
+from cula._validate import FLOAT_DTYPES, check_cu_seqlens, check_qkv, check_scale, check_state, check_tensor
 
 
 def check_kda_inputs(
@@ -56,3 +58,23 @@ def check_kda_inputs(
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
     return N
+
+
+def dispatch_kda_call(registry, plans, key: tuple | None, call: dict[str, Any], checked: Callable[[dict], dict]):
+    """Run a KDA entry point's call on ``registry``.
+
+    ``checked(call)`` validates in full and returns the dispatch arguments. With ``key`` None every call is
+    validated; otherwise ``plans`` (a ``cula.backends.PlanCache``) keeps, per key, the launch chosen after the
+    first call's full validation, and later calls with that key go straight to it.
+    """
+    if key is None:
+        args = checked(call)
+        return registry.dispatch(args["q"].device, args)
+
+    def plan():
+        args = checked(dict(call))
+        return registry.plan(args["q"].device, args)
+
+    launch = plans.lookup(key, plan)
+    call["scale"] = check_scale(call["scale"], call["q"].shape[-1])
+    return launch(**call)

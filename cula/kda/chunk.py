@@ -8,7 +8,7 @@ import torch
 
 from cula._validate import check_scale, resolve_state_layout, take_extra_kwargs
 from cula.backends import PlanCache, call_signature
-from cula.kda._args import check_kda_inputs
+from cula.kda._args import check_kda_inputs, dispatch_kda_call
 from cula.kda.backends import chunk_kda_registry
 
 # FLA reads these from **kwargs; every other unknown keyword is an error here.
@@ -101,20 +101,7 @@ def chunk_kda(
         state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
         use_graph=bool(use_graph), max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
     )  # fmt: skip
-    key = _plan_key(call)
-    if key is None:
-        args = _checked(call)
-        return chunk_kda_registry.dispatch(args["q"].device, args)
-    # a repeated fixed-length call: validation and backend choice were done for its signature (PlanCache)
-    launch = _plans.lookup(key, lambda: _plan(dict(call)))
-    call["scale"] = check_scale(scale, q.shape[-1])
-    return launch(**call)
-
-
-def _plan(call: dict):
-    """Full validation and backend choice for a new signature; the launch for it and its repeats."""
-    args = _checked(call)
-    return chunk_kda_registry.plan(args["q"].device, args)
+    return dispatch_kda_call(chunk_kda_registry, _plans, _plan_key(call), call, _checked)
 
 
 def _plan_key(call: dict) -> tuple | None:

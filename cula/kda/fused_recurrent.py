@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cula._validate import INDEX_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
-from cula.kda._args import check_kda_inputs
+from cula.kda._args import check_kda_inputs, dispatch_kda_call
 from cula.backends import PlanCache, call_signature
 from cula.kda.backends import fused_recurrent_kda_registry
 
@@ -129,18 +129,7 @@ def fused_recurrent_kda_fwd(
     # serving engines call this once per token: a repeated signature skips validation and backend selection
     # (varlen calls are validated every time: their cu_seqlens values are checked)
     key = None if cu_seqlens is not None else call_signature(call, _TENSOR_ARGS, _SCALAR_ARGS)
-    if key is None:
-        args = _checked(call)
-        return fused_recurrent_kda_registry.dispatch(args["q"].device, args)
-    launch = _plans.lookup(key, lambda: _plan(dict(call)))
-    call["scale"] = check_scale(scale, q.shape[-1])
-    return launch(**call)
-
-
-def _plan(call: dict):
-    """Full validation and backend choice for a new signature; the launch for it and its repeats."""
-    args = _checked(call)
-    return fused_recurrent_kda_registry.plan(args["q"].device, args)
+    return dispatch_kda_call(fused_recurrent_kda_registry, _plans, key, call, _checked)
 
 
 def _checked(call: dict) -> dict:
