@@ -39,6 +39,7 @@ Padded slots (``indices[n] < 0``) leave the pool and ``step_states`` untouched a
 
 from __future__ import annotations
 
+import functools
 import math
 
 import cutlass
@@ -55,6 +56,8 @@ GATES = ("none", "softplus", "lower_bound")
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+# with prefetch: two state tiles a lane (~135 registers), 3 CTAs of 4 warps per SM
+PREFETCH_CTAS_PER_SM = 3
 
 _TORCH_TO_CUTE = {
     torch.bfloat16: cutlass.BFloat16,
@@ -88,7 +91,8 @@ class KdaDecodeSm90:
         state_v_first: bool,
         has_step_states: bool,
         warps_per_cta: int = 4,
-        min_blocks_per_sm: int = 4,
+        min_blocks_per_sm: int | None = None,
+        prefetch: bool = False,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -116,7 +120,10 @@ class KdaDecodeSm90:
         self.state_v_first = state_v_first
         self.has_step_states = has_step_states
         self.warps_per_cta = warps_per_cta
-        self.min_blocks_per_sm = min_blocks_per_sm
+        # prefetch: persistent warps that load the next unit's state while computing this one's (32 more
+        # registers a lane, so 3 CTAs per SM instead of 4, each warp with a load always in flight)
+        self.prefetch = prefetch
+        self.min_blocks_per_sm = min_blocks_per_sm or (PREFETCH_CTAS_PER_SM if prefetch else 4)
 
         self.k_blocks = self.K_PER_LANE // 4  # j extent
         self.k_stride_j = 4 * self.lanes_k  # k distance between a lane's two 4-row blocks
@@ -146,12 +153,15 @@ class KdaDecodeSm90:
         mStep: cute.Tensor | None,  # [N, T, HV, K, V] or [N, T, HV, V, K] fp32
         scale: Float32,
         lower_bound: Float32,
+        max_ctas: Int32,  # prefetch: the CTAs resident at once (SMs x min_blocks_per_sm); else unused
         stream,
     ):
         N = mQ.shape[0]
         HV = mV.shape[2]
         units = N * HV * self.v_slices
         grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
+        if cutlass.const_expr(self.prefetch):
+            grid = cutlass.min(grid, max_ctas)
         self.kernel(
             mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound
         ).launch(
@@ -291,8 +301,6 @@ class KdaDecodeSm90:
         H = mQ.shape[2]
         HV = mV.shape[2]
         KB = self.k_blocks
-        KPT = self.K_PER_LANE
-        LOG_LK = int(math.log2(self.lanes_k))
         R = self.V_PER_LANE
         TR = self.TOKENS_PER_ROUND
 
@@ -301,119 +309,155 @@ class KdaDecodeSm90:
             Float32, cute.make_layout((self.slot_floats, TR, self.warps_per_cta)), byte_alignment=16
         )
 
+        units = N * HV * self.v_slices
+        lk = lane % self.lanes_k
+        lv = lane // self.lanes_k
+        sW = sBuf[None, None, warp]
+        if cutlass.const_expr(self.state_v_first):
+            frag_layout = cute.make_layout(((4, KB), R), stride=((1, 4), 4 * KB))
+        else:
+            frag_layout = cute.make_layout(((4, KB), R), stride=((R, 4 * R), 1))
+        tS = cute.make_rmem_tensor(frag_layout, Float32)
         unit = bidx * self.warps_per_cta + warp
-        if unit < N * HV * self.v_slices:
-            vs = unit % self.v_slices
-            nh = unit // self.v_slices
-            hv = nh % HV
-            n = nh // HV
-            h = hv // (HV // H)
-            lk = lane % self.lanes_k
-            lv = lane // self.lanes_k
-            v0 = vs * self.v_per_warp + lv * R
-            slot = mIdx[n]
-            sW = sBuf[None, None, warp]
-            rzero = cute.make_rmem_tensor(R, self.io_dtype)
-            rzero.fill(0.0)
-
-            if slot >= 0:
-                # state tile -> registers first, so the loads fly during token preprocessing
-                if cutlass.const_expr(self.state_v_first):
-                    frag_layout = cute.make_layout(((4, KB), R), stride=((1, 4), 4 * KB))
+        if cutlass.const_expr(not self.prefetch):
+            if unit < units:
+                n, h, hv, v0 = self._unit_coords(unit, HV, H, lv)
+                slot = mIdx[n]
+                if slot >= 0:
+                    # state tile -> registers first, so the loads fly during token preprocessing
+                    gS = self._state_view(mState[slot, hv, None, None], lk, v0)
+                    cute.autovec_copy(gS, tS)
+                    self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW,
+                                   n, h, hv, v0, lane, T, scale, lower_bound)  # fmt: skip
                 else:
-                    frag_layout = cute.make_layout(((4, KB), R), stride=((R, 4 * R), 1))
-                tS = cute.make_rmem_tensor(frag_layout, Float32)
-                gS = self._state_view(mState[slot, hv, None, None], lk, v0)
-                cute.autovec_copy(gS, tS)
+                    self._zero_rows(mOut, n, hv, v0, lk, T)
+        else:
+            # persistent warps, units unit, unit + stride, ...: the next unit's state loads are issued before
+            # this unit's math, so every warp keeps 4 KB of loads in flight all the time
+            stride = cute.arch.grid_dim()[0] * self.warps_per_cta
+            tNext = cute.make_rmem_tensor(frag_layout, Float32)
+            if unit < units:
+                n, h, hv, v0 = self._unit_coords(unit, HV, H, lv)
+                slot = mIdx[n]
+                if slot >= 0:
+                    cute.autovec_copy(self._state_view(mState[slot, hv, None, None], lk, v0), tNext)
+            while unit < units:
+                n, h, hv, v0 = self._unit_coords(unit, HV, H, lv)
+                slot = mIdx[n]
+                tS.store(tNext.load())
+                nxt = unit + stride
+                if nxt < units:
+                    n2, _h2, hv2, v02 = self._unit_coords(nxt, HV, H, lv)
+                    slot2 = mIdx[n2]
+                    if slot2 >= 0:
+                        cute.autovec_copy(self._state_view(mState[slot2, hv2, None, None], lk, v02), tNext)
+                if slot >= 0:
+                    gS = self._state_view(mState[slot, hv, None, None], lk, v0)
+                    self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW,
+                                   n, h, hv, v0, lane, T, scale, lower_bound)  # fmt: skip
+                else:
+                    self._zero_rows(mOut, n, hv, v0, lk, T)
+                unit = nxt
 
-                rq = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
-                rk = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
-                reg = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
-                rv = cute.make_rmem_tensor(R, Float32)
-                ro = cute.make_rmem_tensor(R, self.io_dtype)
-                lane_k = cute.make_layout((4, KB), stride=(1, self.k_stride_j))
+    @cute.jit
+    def _unit_coords(self, unit, HV, H, lv):
+        """Unit -> (sequence n, q/k head h, value head hv, this lane's first v column v0)."""
+        vs = unit % self.v_slices
+        nh = unit // self.v_slices
+        hv = nh % HV
+        return nh // HV, hv // (HV // H), hv, vs * self.v_per_warp + lv * self.V_PER_LANE
 
-                for t0 in range(0, T, TR):
-                    nt = cutlass.min(T - t0, TR)
-                    for tt in range(nt):
-                        self._prep_token(
-                            mQ,
-                            mK,
-                            mV,
-                            mG,
-                            mBeta,
-                            mALog,
-                            mDtBias,
-                            sW[None, tt],
-                            n,
-                            t0 + tt,
-                            h,
-                            hv,
-                            vs,
-                            lane,
-                            scale,
-                            lower_bound,
-                        )
-                    cute.arch.sync_warp()
+    @cute.jit
+    def _zero_rows(self, mOut, n, hv, v0, lk, T):
+        """A padded slot's output rows: zeros (the pool is not touched)."""
+        R = self.V_PER_LANE
+        rzero = cute.make_rmem_tensor(R, self.io_dtype)
+        rzero.fill(0.0)
+        if lk == 0:
+            for t in range(T):
+                gO = mOut[n, t, hv, None]
+                cute.autovec_copy(rzero, cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)))
 
-                    for tt in range(nt):
-                        t = t0 + tt
-                        sSlot = sW[None, tt]
-                        kq = cute.assume(4 * lk, divby=4)
-                        cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_eg + kq, lane_k), reg)
-                        cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_k + kq, lane_k), rk)
-                        v_off = cute.assume(self.off_v + lv * R, divby=R)
-                        cute.autovec_copy(cute.make_tensor(sSlot.iterator + v_off, cute.make_layout(R)), rv)
-                        beta = sSlot[self.off_beta]
+    @cute.jit
+    def _run_unit(
+        self, tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW, n, h, hv, v0, lane, T, scale,
+        lower_bound,
+    ):  # fmt: skip
+        """The T tokens of one unit on its state tile ``tS`` (in registers), then the tile back to ``gS``."""
+        KB = self.k_blocks
+        KPT = self.K_PER_LANE
+        LOG_LK = int(math.log2(self.lanes_k))
+        R = self.V_PER_LANE
+        TR = self.TOKENS_PER_ROUND
+        lk = lane % self.lanes_k
+        lv = lane // self.lanes_k
+        vs = v0 // self.v_per_warp
+        rq = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
+        rk = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
+        reg = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
+        rv = cute.make_rmem_tensor(R, Float32)
+        ro = cute.make_rmem_tensor(R, self.io_dtype)
+        lane_k = cute.make_layout((4, KB), stride=(1, self.k_stride_j))
 
-                        # S <- diag(exp(g)) S ;  p = S^T k  (lane part)
-                        p = [Float32(0.0)] * R
-                        for i in cutlass.range_constexpr(KPT):
-                            for r in cutlass.range_constexpr(R):
-                                s = tS[i, r] * reg[i]
-                                tS[i, r] = s
-                                p[r] = p[r] + s * rk[i]
-                        # u = beta * (v - S^T k)
-                        u = [Float32(0.0)] * R
-                        for r in cutlass.range_constexpr(R):
-                            x = p[r]
-                            for b in cutlass.range_constexpr(LOG_LK):
-                                x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
-                            u[r] = beta * (rv[r] - x)
+        for t0 in range(0, T, TR):
+            nt = cutlass.min(T - t0, TR)
+            for tt in range(nt):
+                self._prep_token(
+                    mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
+                    lower_bound,
+                )  # fmt: skip
+            cute.arch.sync_warp()
 
-                        cute.autovec_copy(cute.make_tensor(sSlot.iterator + kq, lane_k), rq)
-                        # S <- S + k u^T ;  o = S^T q_hat
-                        o = [Float32(0.0)] * R
-                        for i in cutlass.range_constexpr(KPT):
-                            for r in cutlass.range_constexpr(R):
-                                s = tS[i, r] + rk[i] * u[r]
-                                tS[i, r] = s
-                                o[r] = o[r] + s * rq[i]
-                        for r in cutlass.range_constexpr(R):
-                            x = o[r]
-                            for b in cutlass.range_constexpr(LOG_LK):
-                                x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
-                            ro[r] = x.to(self.io_dtype)
-                        if lk == 0:
-                            gO = mOut[n, t, hv, None]
-                            cute.autovec_copy(
-                                ro,
-                                cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)),
-                            )
-                        if cutlass.const_expr(self.has_step_states):
-                            cute.autovec_copy(tS, self._state_view(mStep[n, t, hv, None, None], lk, v0))
-                    cute.arch.sync_warp()
+            for tt in range(nt):
+                t = t0 + tt
+                sSlot = sW[None, tt]
+                kq = cute.assume(4 * lk, divby=4)
+                cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_eg + kq, lane_k), reg)
+                cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_k + kq, lane_k), rk)
+                v_off = cute.assume(self.off_v + lv * R, divby=R)
+                cute.autovec_copy(cute.make_tensor(sSlot.iterator + v_off, cute.make_layout(R)), rv)
+                beta = sSlot[self.off_beta]
 
-                if cutlass.const_expr(not self.has_step_states):
-                    cute.autovec_copy(tS, gS)
-            else:
+                # S <- diag(exp(g)) S ;  p = S^T k  (lane part)
+                p = [Float32(0.0)] * R
+                for i in cutlass.range_constexpr(KPT):
+                    for r in cutlass.range_constexpr(R):
+                        s = tS[i, r] * reg[i]
+                        tS[i, r] = s
+                        p[r] = p[r] + s * rk[i]
+                # u = beta * (v - S^T k)
+                u = [Float32(0.0)] * R
+                for r in cutlass.range_constexpr(R):
+                    x = p[r]
+                    for b in cutlass.range_constexpr(LOG_LK):
+                        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
+                    u[r] = beta * (rv[r] - x)
+
+                cute.autovec_copy(cute.make_tensor(sSlot.iterator + kq, lane_k), rq)
+                # S <- S + k u^T ;  o = S^T q_hat
+                o = [Float32(0.0)] * R
+                for i in cutlass.range_constexpr(KPT):
+                    for r in cutlass.range_constexpr(R):
+                        s = tS[i, r] + rk[i] * u[r]
+                        tS[i, r] = s
+                        o[r] = o[r] + s * rq[i]
+                for r in cutlass.range_constexpr(R):
+                    x = o[r]
+                    for b in cutlass.range_constexpr(LOG_LK):
+                        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
+                    ro[r] = x.to(self.io_dtype)
                 if lk == 0:
-                    for t in range(T):
-                        gO = mOut[n, t, hv, None]
-                        cute.autovec_copy(
-                            rzero,
-                            cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)),
-                        )
+                    gO = mOut[n, t, hv, None]
+                    cute.autovec_copy(
+                        ro,
+                        cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)),
+                    )
+                if cutlass.const_expr(self.has_step_states):
+                    cute.autovec_copy(tS, self._state_view(mStep[n, t, hv, None, None], lk, v0))
+            cute.arch.sync_warp()
+
+        if cutlass.const_expr(not self.has_step_states):
+            cute.autovec_copy(tS, gS)
 
 
 # ---------------------------------------------------------------------------------------------------- host
@@ -459,6 +503,7 @@ def _compile(cfg: KdaDecodeSm90, arch: tuple[int, int]):
         step,
         Float32(1.0),
         Float32(0.0),
+        Int32(1),
         stream,
         options=compile_options(arch),
     )
@@ -478,6 +523,7 @@ def _variant_key(
     allow_neg_eigval,
     state_v_first,
     has_step_states,
+    prefetch,
     arch,
 ) -> tuple:
     # flags that cannot change the trace are folded so they never cost a second compile
@@ -498,6 +544,7 @@ def _variant_key(
         allow_neg_eigval and beta_sigmoid,
         state_v_first,
         has_step_states,
+        bool(prefetch),
         arch,
     )
 
@@ -518,6 +565,7 @@ def _build(key: tuple):
         allow_neg_eigval,
         state_v_first,
         has_step_states,
+        prefetch,
         arch,
     ) = key
     cfg = KdaDecodeSm90(
@@ -534,6 +582,7 @@ def _build(key: tuple):
         allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first,
         has_step_states=has_step_states,
+        prefetch=prefetch,
     )
     return _compile(cfg, arch)
 
@@ -553,12 +602,14 @@ def kda_decode_variant(
     allow_neg_eigval: bool,
     state_v_first: bool,
     has_step_states: bool,
+    prefetch: bool = False,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
 
-    Call it as ``fn(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)``
-    with None exactly where the variant has no A_log / dt_bias / step_states. Used by the CPU compile tests.
+    Call it as ``fn(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound,
+    max_ctas)`` with None exactly where the variant has no A_log / dt_bias / step_states; ``max_ctas`` (the CTAs
+    resident at once) is read by the ``prefetch`` variant only. Used by the CPU compile tests.
     """
     key = _variant_key(
         io_dtype,
@@ -574,6 +625,7 @@ def kda_decode_variant(
         allow_neg_eigval,
         state_v_first,
         has_step_states,
+        prefetch,
         arch,
     )
     return compiled_kernel(key, lambda: _build(key))
@@ -641,20 +693,31 @@ def kda_decode_sm90(
     launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)
 
 
-def kda_decode_launcher(*, gate: str, has_a_log: bool, has_dt_bias: bool, **flags):
-    """The compiled variant for these flags (keywords as :func:`kda_decode_variant`), bound once:
-    ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)`` (arguments
-    as :func:`kda_decode_sm90`, ``N >= 1``)."""
+def kda_decode_launcher(*, gate: str, has_a_log: bool, has_dt_bias: bool, prefetch: bool | None = None, **flags):
+    """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``prefetch`` None:
+    ``PREFETCH_DEFAULT``), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out,
+    step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
+    prefetch = PREFETCH_DEFAULT if prefetch is None else bool(prefetch)
     fn = kda_decode_variant(
-        gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, arch=_ARCH, **flags
-    )
+        gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, prefetch=prefetch, arch=_ARCH,
+        **flags,
+    )  # fmt: skip
 
     def launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound):
         fn(q, k, v, g, beta, A_log if gated else None, dt_bias if gated else None, state, indices, out, step_states,
-           scale, 0.0 if lower_bound is None else lower_bound)  # fmt: skip
+           scale, 0.0 if lower_bound is None else lower_bound, _resident_ctas(q.device) if prefetch else 1)  # fmt: skip
 
     return launch
 
 
+@functools.cache
+def _resident_ctas(device: torch.device) -> int:
+    """CTAs of the prefetch variant that fit on the device at once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count * PREFETCH_CTAS_PER_SM
+
+
 _ARCH = (9, 0)
+# persistent, prefetching warps (KdaDecodeSm90(prefetch=True)): the default once the H200 confirms the results
+# are bit-identical (tests/ops/test_kda_decode_kernel.py::test_prefetch_bit_identical) and the bandwidth higher
+PREFETCH_DEFAULT = False
