@@ -26,15 +26,15 @@ def _inputs(device="cpu", dtype=torch.bfloat16, seed=0):
     def rnd(*shape, dt=dtype, s=1.0):
         return (s * torch.randn(*shape, generator=gen, device=device)).to(dt)
 
-    return dict(
-        q=rnd(B, T, H, D), k=rnd(B, T, H, D), v=rnd(B, T, HV, D), g=rnd(B, T, HV, D), beta=rnd(B, T, HV),
-        initial_state=rnd(B, HV, D, D, dt=torch.float32, s=0.1), A_log=rnd(HV, dt=torch.float32, s=0.5),
-        dt_bias=rnd(HV * D, dt=torch.float32, s=0.5),
-    )  # fmt: skip
+    return {
+        "q": rnd(B, T, H, D), "k": rnd(B, T, H, D), "v": rnd(B, T, HV, D), "g": rnd(B, T, HV, D),
+        "beta": rnd(B, T, HV), "initial_state": rnd(B, HV, D, D, dt=torch.float32, s=0.1),
+        "A_log": rnd(HV, dt=torch.float32, s=0.5), "dt_bias": rnd(HV * D, dt=torch.float32, s=0.5),
+    }  # fmt: skip
 
 
-FLAGS = dict(output_final_state=True, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=True)  # fmt: skip
+FLAGS = {"output_final_state": True, "use_gate_in_kernel": True, "use_qk_l2norm_in_kernel": True,
+         "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "state_v_first": True}  # fmt: skip
 
 
 @pytest.fixture

@@ -58,14 +58,14 @@ def _cula_chunk_args(
     chunk_size, **_unused,
 ):  # fmt: skip
     """The dispatch arguments as ``chunk_kda_fwd_sm90`` and its ``prepare_`` twin take them."""
-    return dict(
-        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound if use_gate_in_kernel else None, safe_gate=safe_gate,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-    )  # fmt: skip
+    return {
+        "q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": scale, "initial_state": initial_state,
+        "output_final_state": output_final_state, "state_v_first": state_v_first, "cu_seqlens": cu_seqlens,
+        "chunk_size": chunk_size, "use_gate_in_kernel": use_gate_in_kernel, "A_log": A_log, "dt_bias": dt_bias,
+        "lower_bound": lower_bound if use_gate_in_kernel else None, "safe_gate": safe_gate,
+        "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+        "allow_neg_eigval": allow_neg_eigval,
+    }  # fmt: skip
 
 
 def _prepare_chunk_kda_cula_sm90(**args):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from cula._validate import INDEX_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
-from cula.kda._args import check_kda_inputs, dispatch_kda_call
 from cula.backends import PlanCache, call_signature
+from cula.kda._args import check_kda_inputs, dispatch_kda_call
 from cula.kda.backends import fused_recurrent_kda_registry
 
 _DECODE_KWARGS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "out")

@@ -16,7 +16,8 @@ import sys
 
 
 def phases(path: str, min_share: float = 0.01) -> None:
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     hdr = next(r for r in rows if r and r[0] == "Address")
     data = rows[rows.index(hdr) + 1 :]
     ix = {h: i for i, h in enumerate(hdr)}

@@ -488,7 +488,7 @@ class ChunkKDAIntraFwdSm90:
             self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, rnd)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier()
-            if const_expr(rnd == 1):
+            if const_expr(rnd == 1):  # noqa: SIM102 - a trace-time condition around a run-time one
                 # q is read: v's tile goes there, landing while the scores and the inverse run
                 if warp_idx == 0:
                     if tidx == 0:
