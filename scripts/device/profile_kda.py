@@ -69,11 +69,12 @@ def profile_paths() -> None:
     with torch.inference_mode():
         for B, T in SHAPES:
             x = inputs(B, T)
-            for path, env, skip in (("fla", None, False), ("cula-fla-intra", "0", False), ("cula-intra", "1", False),
-                                    ("cula-intra-skip-zero-rows", "1", True)):  # fmt: skip
+            for path, env, pending in (("fla", None, False), ("cula-fla-intra", "0", False), ("cula-intra", "1", False),
+                                       ("cula-intra-pending", "1", True)):  # fmt: skip
                 if env is not None:
                     os.environ["CULA_KDA_INTRA"] = env
-                intra_mod.SKIP_ZERO_ROWS_DEFAULT = skip
+                # the variants waiting for their GPU check: skip_zero_rows and aligned_inverse
+                intra_mod.SKIP_ZERO_ROWS_DEFAULT = intra_mod.ALIGNED_INVERSE_DEFAULT = pending
                 clear_plan_caches()  # chunk_kda binds the switch into its per-signature plan
                 fn = fla_chunk_kda if env is None else chunk_kda
                 times = kernel_times(lambda fn=fn, x=x: fn(**x, **FLAGS))

@@ -45,11 +45,12 @@ _VARIANTS = [
      "beta_act": "sigmoid"},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "Float32", "gate": "none", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid2"},
-    # chunk_kda's inference config, and with P3 skipping the all-zero key rows
+    # chunk_kda's inference config, and with the pending variants (P3 skipping all-zero key rows, P4-P6 on
+    # 16-byte Akk / T rows)
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid"},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
-     "beta_act": "sigmoid", "skip_zero_rows": True},
+     "beta_act": "sigmoid", "skip_zero_rows": True, "aligned_inverse": True},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -65,7 +66,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
                    v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}",
                    l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"),
-                   skip_zero_rows=v.get("skip_zero_rows", False))
+                   skip_zero_rows=v.get("skip_zero_rows", False), aligned_inverse=v.get("aligned_inverse", False))
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -85,6 +86,8 @@ def _vid(v):
         vid += f"-beta_{v['beta_act']}"
     if v.get("skip_zero_rows"):
         vid += "-skip_zero_rows"
+    if v.get("aligned_inverse"):
+        vid += "-aligned_inverse"
     return vid
 
 
@@ -110,7 +113,9 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     # 16-byte shared stores: P2's score operands (4 rows x 4), beta v (4 rows), k' (4 rows), the row norms (16);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
     # thread); no 2- or 4-byte global stores
-    assert ptx.count("st.shared.v4") == 24 + 16 * l2norm, ptx.count("st.shared.v4")
+    # (aligned_inverse: + bf16(T) in 16-byte stores, 2 per thread)
+    aligned = _VARIANTS[idx].get("aligned_inverse", False)
+    assert ptx.count("st.shared.v4") == 24 + 16 * l2norm + 2 * aligned, ptx.count("st.shared.v4")
     assert ptx.count("st.global.v4") == 34, ptx.count("st.global.v4")
     assert "st.global.b16" not in ptx and "st.global.f32" not in ptx and "st.global.b32" not in ptx
     if nvdisasm is None:
@@ -406,8 +411,9 @@ def test_intra_vs_fla(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 def test_skip_zero_rows_bit_identical(case, fused):
-    """Skipping the all-zero key rows of the score operands changes no bit of any output, including the
-    untouched rows past each sequence end (poisoned before both runs)."""
+    """The pending variants change no bit of any output, including the untouched rows past each sequence end
+    (poisoned before every run): skipping the all-zero key rows of the score operands (skip_zero_rows), and the
+    inverse on 16-byte rows (aligned_inverse), each alone and both."""
     q, k, v, g, beta, cu, A_log, dt_bias, lb = (_raw_preproc if fused else _setup)(case)
     extra = {"use_qk_l2norm": True, "beta_sigmoid": True} if fused else {}
     ci = None
@@ -415,13 +421,16 @@ def test_skip_zero_rows_bit_identical(case, fused):
         from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
 
         ci = prepare_chunk_indices_i32(cu)
+    flags = [(False, False), (True, False), (False, True), (True, True)]
     outs = [
-        _run_ours(q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb, skip_zero_rows=flag, **extra)
-        for flag in (False, True)
-    ]
+        _run_ours(q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb, skip_zero_rows=szr,
+                  aligned_inverse=ai, **extra)
+        for szr, ai in flags
+    ]  # fmt: skip
     torch.cuda.synchronize()
-    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), *outs):
-        assert torch.equal(a.view(torch.int8), b.view(torch.int8)), name
+    for variant, out in zip(flags[1:], outs[1:]):
+        for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), outs[0], out):
+            assert torch.equal(a.view(torch.int8), b.view(torch.int8)), (variant, name)
 
 
 def _raw_preproc(case, device="cuda"):

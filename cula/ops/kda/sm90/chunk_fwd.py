@@ -254,7 +254,8 @@ def prepare_chunk_kda_fwd_sm90(
     the intra -> state/output intermediates in their flat kernel shapes and calls the two compiled kernels
     directly: none of the per-call checks, views and cache-key builds of the general path, which the caller's
     full validation of the first call with this signature stands for (``cula.kda.chunk``'s plan cache).
-    Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``, ``intra.SKIP_ZERO_ROWS_DEFAULT``) are read here, once:
+    Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``, ``intra.SKIP_ZERO_ROWS_DEFAULT`` and
+    ``intra.ALIGNED_INVERSE_DEFAULT``) are read here, once:
     call ``cula.backends.clear_plan_caches()`` after changing them; ``CULA_KDA_INTRA`` is part of the signature.
     """
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
@@ -274,14 +275,10 @@ def prepare_chunk_kda_fwd_sm90(
     if use_gate_in_kernel:
         gate = "sigmoid" if lower_bound is not None else "softplus"
     beta_act = ("sigmoid2" if allow_neg_eigval else "sigmoid") if use_beta_sigmoid_in_kernel else "none"
-    conv = intra._TORCH_TO_CUTLASS
-    fn_intra = intra.get_compiled(
-        dtype=conv[q.dtype], g_dtype=conv[g.dtype], beta_dtype=conv[beta.dtype], gate=gate, varlen=False,
-        l2norm_qk=bool(use_qk_l2norm_in_kernel), beta_act=beta_act, skip_zero_rows=intra.SKIP_ZERO_ROWS_DEFAULT,
-    )  # fmt: skip
+    fn_intra = intra.compiled_for(q.dtype, g.dtype, beta.dtype, gate, False, use_qk_l2norm_in_kernel, beta_act)
     has_h0 = initial_state is not None
     fn_state = dh.get_compiled(
-        dtype=conv[q.dtype], varlen=False, has_h0=has_h0, has_ht=bool(output_final_state),
+        dtype=dh._TORCH_TO_CUTLASS[q.dtype], varlen=False, has_h0=has_h0, has_ht=bool(output_final_state),
         state_v_first=state_v_first,
     )  # fmt: skip
     dev, dt = q.device, q.dtype

@@ -90,6 +90,9 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the modul
 # P3 skips building all-zero key rows; the default once the H200 confirms the results are unchanged
 # (tests/ops/test_kda_intra_kernel.py::test_skip_zero_rows_bit_identical) and profile_kda.py shows it faster
 SKIP_ZERO_ROWS_DEFAULT = False
+# P4-P6 with 16-byte-aligned Akk / T rows: vector reads in the block substitution and the bf16(T) conversion, and
+# the diagonal inverses one block per warp (test_skip_zero_rows_bit_identical covers it too)
+ALIGNED_INVERSE_DEFAULT = False
 
 
 class ChunkKDAIntraFwdSm90:
@@ -105,9 +108,12 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", skip_zero_rows: bool | None = None,
+        aligned_inverse: bool | None = None,
     ):  # fmt: skip
-        # skip_zero_rows: see P3; bit-identical by construction, off until the H200 confirms it
+        # skip_zero_rows: see P3; aligned_inverse: see P4-P6; both bit-identical by construction, off until the
+        # H200 confirms it
         self.skip_zero_rows = SKIP_ZERO_ROWS_DEFAULT if skip_zero_rows is None else bool(skip_zero_rows)
+        self.aligned_inverse = ALIGNED_INVERSE_DEFAULT if aligned_inverse is None else bool(aligned_inverse)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -125,11 +131,15 @@ class ChunkKDAIntraFwdSm90:
         self.x_bytes = self.bt * self.dk * (dtype.width // 8)
         self.tx_bytes = 2 * self.x_bytes + self.gin_bytes  # q, k, raw g; v comes later, into q's tile
         # The region holds raw g (P0-P1), the score B operands (P2-P3), then: Akk, inverted in place into T
-        # (fp32 [BT, BT + 1], P3 epilogue-P6); Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte
+        # (fp32 [BT, a_ld], P3 epilogue-P6); Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte
         # aligned, banks staggered; P3 epilogue); Y (P5); bf16 T as the WGMMA A operand (1024-aligned for its
         # swizzle; P6-P7, after Aqk is stored)
         self.off_akk, self.off_aqk, self.aqk_ld, self.off_t, self.off_y = 0, 17408, self.bt + 8, 17408, 26624
+        # Akk / T rows: 65 floats (odd: the P3 epilogue's column writes spread over the banks) or, aligned, 68
+        # (16-byte rows for vector reads in P5 / P6; the epilogue's writes are then conflict-free as well)
+        self.a_ld = self.bt + (4 if self.aligned_inverse else 1)
         self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_y + 16 * 48 * 4)
+        assert self.off_akk + self.bt * self.a_ld * 4 <= min(self.off_aqk, self.off_t)
         assert self.off_aqk + self.bt * self.aqk_ld * 2 <= self.off_y and self.off_t + self.bt * self.bt * 2 <= self.off_y
 
     @cute.jit
@@ -421,7 +431,7 @@ class ChunkKDAIntraFwdSm90:
         sB = cute.make_tensor(cute.recast_ptr(base, sB_l.inner, dtype=dt), sB_l.outer)  # (32, K, 4)
         # Akk, then (I + Akk)^-1 in place (t, s)
         sA = cute.make_tensor(
-            cute.recast_ptr(base + self.off_akk, dtype=Float32), cute.make_layout((BT, BT), stride=(BT + 1, 1))
+            cute.recast_ptr(base + self.off_akk, dtype=Float32), cute.make_layout((BT, BT), stride=(self.a_ld, 1))
         )
         sY = cute.make_tensor(
             cute.recast_ptr(base + self.off_y, dtype=Float32), cute.make_layout((16, 48), stride=(48, 1))
@@ -547,19 +557,28 @@ class ChunkKDAIntraFwdSm90:
 
         # ---------------- P4: inverses of the diagonal blocks, in place ----------------
         # (the blocks above the diagonal are already the zeros T has there)
-        if tidx < BT:
-            blk = tidx // 16
-            col = tidx % 16
-            o = 16 * blk
-            rX = cute.make_rmem_tensor(16, Float32)
-            for r in cutlass.range_constexpr(16):
-                y = Float32(cutlass.select_(col == r, Float32(1.0), Float32(0.0)))
-                for m in cutlass.range_constexpr(r):
-                    y = y - sA[o + r, o + m] * rX[m]
-                rX[r] = y
-            cute.arch.barrier(barrier_id=3, number_of_threads=BT)  # each diagonal block read before rewritten
-            for r in cutlass.range_constexpr(16):
-                sA[o + r, o + col] = rX[r]
+        if const_expr(self.aligned_inverse):
+            # one block per warp (lanes 0-15), so a warp's broadcast reads stay in one block: rows 16 apart are
+            # 16 * 68 floats apart, the same banks
+            if tidx < 4 * 32:
+                col = tidx % 32
+                o = 16 * (tidx // 32)
+                rX = cute.make_rmem_tensor(16, Float32)
+                if col < 16:
+                    self._diag_inverse_column(sA, o, col, rX)
+                cute.arch.barrier(barrier_id=3, number_of_threads=4 * 32)  # blocks read before rewritten
+                if col < 16:
+                    for r in cutlass.range_constexpr(16):
+                        sA[o + r, o + col] = rX[r]
+        else:
+            if tidx < BT:
+                col = tidx % 16
+                o = 16 * (tidx // 16)
+                rX = cute.make_rmem_tensor(16, Float32)
+                self._diag_inverse_column(sA, o, col, rX)
+                cute.arch.barrier(barrier_id=3, number_of_threads=BT)  # each diagonal block read before rewritten
+                for r in cutlass.range_constexpr(16):
+                    sA[o + r, o + col] = rX[r]
         cute.arch.barrier()
 
         # ---------------- P5: off-diagonal blocks, X_i,<i = -D_i^-1 (A_i,<i X_<i,<i), in place ----------------
@@ -570,22 +589,39 @@ class ChunkKDAIntraFwdSm90:
         for i in cutlass.range_constexpr(1, 4):
             for p in cutlass.range_constexpr(i):
                 y = Float32(0.0)
-                for m in cutlass.range_constexpr(16 * p, 16 * i):
-                    y = y + sA[16 * i + rr, m] * sA[m, c0 + 16 * p]
+                for m4 in cutlass.range_constexpr(4 * p, 4 * i):
+                    ra = self._a_row4(sA, 16 * i + rr, 4 * m4)
+                    for e in cutlass.range_constexpr(4):
+                        y = y + ra[e] * sA[4 * m4 + e, c0 + 16 * p]
                 sY[rr, c0 + 16 * p] = y
             cute.arch.barrier()
             for p in cutlass.range_constexpr(i):
                 y = Float32(0.0)
-                for m in cutlass.range_constexpr(16):
-                    y = y - sA[16 * i + rr, 16 * i + m] * sY[m, c0 + 16 * p]
+                for m4 in cutlass.range_constexpr(4):
+                    ra = self._a_row4(sA, 16 * i + rr, 16 * i + 4 * m4)
+                    for e in cutlass.range_constexpr(4):
+                        y = y - ra[e] * sY[4 * m4 + e, c0 + 16 * p]
                 sA[16 * i + rr, c0 + 16 * p] = y
             cute.arch.barrier()
 
         # ---------------- P6: bf16(T), v' = bf16(beta v), k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ------
         sT0 = sT[None, None, 0]
-        for j in cutlass.range_constexpr(BT * BT // self.num_threads):
-            idx = tidx + j * self.num_threads
-            sT0[idx // BT, idx % BT] = sA[idx // BT, idx % BT].to(dt)
+        if const_expr(self.aligned_inverse):
+            # 8 columns of a row per item: two 16-byte reads, one 16-byte store into the swizzled T tile
+            for j in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
+                item = tidx + j * self.num_threads
+                t = item // 8
+                s0 = cute.assume((item % 8) * 8, divby=8)
+                rt = cute.make_rmem_tensor(8, dt)
+                for h4 in cutlass.range_constexpr(2):
+                    ra = self._a_row4(sA, t, s0 + 4 * h4)
+                    for e in cutlass.range_constexpr(4):
+                        rt[4 * h4 + e] = ra[e].to(dt)
+                cute.autovec_copy(rt, self._vec_at(sT0, (t, s0)))
+        else:
+            for j in cutlass.range_constexpr(BT * BT // self.num_threads):
+                idx = tidx + j * self.num_threads
+                sT0[idx // BT, idx % BT] = sA[idx // BT, idx % BT].to(dt)
         cute.arch.mbarrier_wait(bar, 1)
         self._scale_rows_vec(sV0, sBeta, tidx)
         self._k_prime_vec(sK0, sG, sBeta, tidx)
@@ -619,6 +655,27 @@ class ChunkKDAIntraFwdSm90:
                     sOut[tWc[e][1], tWc[e][0]] = accW[e].to(dt)
                 cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
                 self._store_rows_vec(sOut, mOut, tok0, hv, valid, tid)
+
+    @cute.jit
+    def _diag_inverse_column(self, sA, o, col, rX):
+        """Column ``col`` of the inverse of the unit lower-triangular 16x16 block at (o, o) of I + Akk, by forward
+        substitution into ``rX`` (reads the block's strict lower part)."""
+        for r in cutlass.range_constexpr(16):
+            y = Float32(cutlass.select_(col == r, Float32(1.0), Float32(0.0)))
+            for m in cutlass.range_constexpr(r):
+                y = y - sA[o + r, o + m] * rX[m]
+            rX[r] = y
+
+    @cute.jit
+    def _a_row4(self, sA, t, s0):
+        """sA[t, s0 .. s0 + 3] in registers: one 16-byte read with aligned rows, else four scalar ones."""
+        ra = cute.make_rmem_tensor(4, Float32)
+        if const_expr(self.aligned_inverse):
+            cute.autovec_copy(self._vec_at(sA, (t, s0), 4, 4), ra)
+        else:
+            for e in cutlass.range_constexpr(4):
+                ra[e] = sA[t, s0 + e]
+        return ra
 
     @cute.jit
     def _key_operands(self, rAhi, rAlo, tAc, sK0, sG, anc, valid):
@@ -666,7 +723,7 @@ _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.flo
 
 def _compile(
     dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none",
-    skip_zero_rows=False,
+    skip_zero_rows=False, aligned_inverse=False,
 ):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
@@ -674,7 +731,7 @@ def _compile(
     DK, BT = 128, 64
     kernel = ChunkKDAIntraFwdSm90(
         dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, l2norm_qk=l2norm_qk,
-        beta_act=beta_act, skip_zero_rows=skip_zero_rows,
+        beta_act=beta_act, skip_zero_rows=skip_zero_rows, aligned_inverse=aligned_inverse,
     )
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -698,18 +755,33 @@ def _compile(
 
 def get_compiled(
     dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), *,
-    l2norm_qk=False, beta_act="none", skip_zero_rows=False,
+    l2norm_qk=False, beta_act="none", skip_zero_rows=False, aligned_inverse=False,
 ):  # fmt: skip
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
     key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
-           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(skip_zero_rows))  # fmt: skip
+           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(skip_zero_rows),
+           bool(aligned_inverse))  # fmt: skip
     return compiled_kernel(
         key,
         lambda: _compile(
             dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act,
-            skip_zero_rows=skip_zero_rows,
+            skip_zero_rows=skip_zero_rows, aligned_inverse=aligned_inverse,
         ),
     )
+
+
+def compiled_for(
+    dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
+    beta_act: str, *, skip_zero_rows: bool | None = None, aligned_inverse: bool | None = None,
+):  # fmt: skip
+    """The compiled variant for torch dtypes and the launch flags (the pending variants: module defaults when
+    None); ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s bound launch both take their kernel from here."""
+    return get_compiled(
+        dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
+        gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
+        skip_zero_rows=SKIP_ZERO_ROWS_DEFAULT if skip_zero_rows is None else bool(skip_zero_rows),
+        aligned_inverse=ALIGNED_INVERSE_DEFAULT if aligned_inverse is None else bool(aligned_inverse),
+    )  # fmt: skip
 
 
 def prepare_chunk_indices_i32(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
@@ -748,6 +820,7 @@ def chunk_kda_intra_sm90(
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
     skip_zero_rows: bool | None = None,
+    aligned_inverse: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -776,6 +849,8 @@ def chunk_kda_intra_sm90(
         beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
         skip_zero_rows: the P3 variant that skips all-zero key rows (same results); ``SKIP_ZERO_ROWS_DEFAULT``
+            when None.
+        aligned_inverse: the P4-P6 variant with 16-byte Akk / T rows (same results); ``ALIGNED_INVERSE_DEFAULT``
             when None.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
@@ -834,11 +909,10 @@ def chunk_kda_intra_sm90(
         _placeholder(dev, torch.float32, (HV, K)) if dt_bias is None
         else dt_bias.reshape(HV, K).to(torch.float32).contiguous()
     )  # fmt: skip
-    fn = get_compiled(
-        dtype=_TORCH_TO_CUTLASS[dt], g_dtype=_TORCH_TO_CUTLASS[g.dtype], beta_dtype=_TORCH_TO_CUTLASS[beta.dtype],
-        gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
-        skip_zero_rows=SKIP_ZERO_ROWS_DEFAULT if skip_zero_rows is None else bool(skip_zero_rows),
-    )  # fmt: skip
+    fn = compiled_for(
+        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, skip_zero_rows=skip_zero_rows,
+        aligned_inverse=aligned_inverse,
+    )
 
     def flat(t):
         return t.view(B * T, t.shape[2], t.shape[-1])
