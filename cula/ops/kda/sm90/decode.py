@@ -509,82 +509,23 @@ def _compile(cfg: KdaDecodeSm90, arch: tuple[int, int]):
     )
 
 
-def _variant_key(
-    io_dtype,
-    g_dtype,
-    beta_dtype,
-    K,
-    V,
-    gate,
-    has_a_log,
-    has_dt_bias,
-    use_qk_l2norm,
-    beta_sigmoid,
-    allow_neg_eigval,
-    state_v_first,
-    has_step_states,
-    prefetch,
-    arch,
-) -> tuple:
-    # flags that cannot change the trace are folded so they never cost a second compile
-    if gate == "none":
-        has_a_log = has_dt_bias = False
-    return (
-        "kda_decode_sm90",
-        io_dtype,
-        g_dtype,
-        beta_dtype,
-        K,
-        V,
-        gate,
-        has_a_log,
-        has_dt_bias,
-        use_qk_l2norm,
-        beta_sigmoid,
-        allow_neg_eigval and beta_sigmoid,
-        state_v_first,
-        has_step_states,
-        bool(prefetch),
-        arch,
-    )
+def _variant_key(flags: dict) -> tuple:
+    """The compile-cache key of a variant: its flags, those that cannot change the trace folded so they never
+    cost a second compile."""
+    flags = dict(flags)
+    if flags["gate"] == "none":
+        flags.update(has_a_log=False, has_dt_bias=False)
+    flags["allow_neg_eigval"] = flags["allow_neg_eigval"] and flags["beta_sigmoid"]
+    flags["prefetch"] = bool(flags["prefetch"])
+    return ("kda_decode_sm90", *sorted(flags.items()))
 
 
 def _build(key: tuple):
-    (
-        _,
-        io_dtype,
-        g_dtype,
-        beta_dtype,
-        K,
-        V,
-        gate,
-        has_a_log,
-        has_dt_bias,
-        use_qk_l2norm,
-        beta_sigmoid,
-        allow_neg_eigval,
-        state_v_first,
-        has_step_states,
-        prefetch,
-        arch,
-    ) = key
-    cfg = KdaDecodeSm90(
-        io_dtype=_TORCH_TO_CUTE[io_dtype],
-        g_dtype=_TORCH_TO_CUTE[g_dtype],
-        beta_dtype=_TORCH_TO_CUTE[beta_dtype],
-        K=K,
-        V=V,
-        gate=gate,
-        has_a_log=has_a_log,
-        has_dt_bias=has_dt_bias,
-        use_qk_l2norm=use_qk_l2norm,
-        beta_sigmoid=beta_sigmoid,
-        allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first,
-        has_step_states=has_step_states,
-        prefetch=prefetch,
-    )
-    return _compile(cfg, arch)
+    flags = dict(key[1:])
+    arch = flags.pop("arch")
+    for name in ("io_dtype", "g_dtype", "beta_dtype"):
+        flags[name] = _TORCH_TO_CUTE[flags[name]]
+    return _compile(KdaDecodeSm90(**flags), arch)
 
 
 def kda_decode_variant(
@@ -612,22 +553,11 @@ def kda_decode_variant(
     resident at once) is read by the ``prefetch`` variant only. Used by the CPU compile tests.
     """
     key = _variant_key(
-        io_dtype,
-        g_dtype,
-        beta_dtype,
-        K,
-        V,
-        gate,
-        has_a_log,
-        has_dt_bias,
-        use_qk_l2norm,
-        beta_sigmoid,
-        allow_neg_eigval,
-        state_v_first,
-        has_step_states,
-        prefetch,
-        arch,
-    )
+        {"io_dtype": io_dtype, "g_dtype": g_dtype, "beta_dtype": beta_dtype, "K": K, "V": V, "gate": gate,
+         "has_a_log": has_a_log, "has_dt_bias": has_dt_bias, "use_qk_l2norm": use_qk_l2norm,
+         "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval, "state_v_first": state_v_first,
+         "has_step_states": has_step_states, "prefetch": prefetch, "arch": arch}
+    )  # fmt: skip
     return compiled_kernel(key, lambda: _build(key))
 
 
