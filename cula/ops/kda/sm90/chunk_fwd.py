@@ -199,6 +199,13 @@ def _intra_fla(
     return w, u, qg, kg, Aqk, g_cum
 
 
+def _gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
+    """The intra kernel's gate for FLA's flags: the lower-bound sigmoid gate, the softplus gate, or none."""
+    if not use_gate_in_kernel:
+        return "none"
+    return "sigmoid" if lower_bound is not None else "softplus"
+
+
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_qk_l2norm, beta_sigmoid, allow_neg_eigval,
@@ -208,9 +215,7 @@ def _intra_cute(
 
     B, T, _H, K = q.shape
     HV = v.shape[2]
-    gate = "none"
-    if use_gate_in_kernel:
-        gate = "sigmoid" if lower_bound is not None else "softplus"
+    gate = _gate_kind(use_gate_in_kernel, lower_bound)
     w = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
     qg, kg = torch.empty_like(w), torch.empty_like(w)
     u = torch.empty_like(v)
@@ -271,10 +276,8 @@ def prepare_chunk_kda_fwd_sm90(
         return None
     if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         return None
-    gate = "none"
-    if use_gate_in_kernel:
-        gate = "sigmoid" if lower_bound is not None else "softplus"
-    beta_act = ("sigmoid2" if allow_neg_eigval else "sigmoid") if use_beta_sigmoid_in_kernel else "none"
+    gate = _gate_kind(use_gate_in_kernel, lower_bound)
+    beta_act = intra.beta_act_for(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     fn_intra = intra.compiled_for(q.dtype, g.dtype, beta.dtype, gate, False, use_qk_l2norm_in_kernel, beta_act)
     has_h0 = initial_state is not None
     fn_state = dh.get_compiled(
@@ -286,14 +289,10 @@ def prepare_chunk_kda_fwd_sm90(
     state_shape = (B, HV, V, K) if state_v_first else (B, HV, K, V)
     dummy_state = dh._placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
     no_cu, no_ci = intra._placeholder(dev, torch.int32, (2,)), intra._placeholder(dev, torch.int32, (1, 2))
-    # FLA: softplus uses exp(1) when A_log is absent, sigmoid uses 1 = exp(0)
-    a_log_absent = intra._placeholder(dev, torch.float32, (HV,), 1.0 if gate == "softplus" else 0.0)
-    dt_bias_absent = intra._placeholder(dev, torch.float32, (HV, K))
     lb = float(lower_bound) if gate == "sigmoid" else 0.0
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
-        a_log = a_log_absent if A_log is None else A_log.reshape(HV).to(torch.float32).contiguous()
-        bias = dt_bias_absent if dt_bias is None else dt_bias.reshape(HV, K).to(torch.float32).contiguous()
+        a_log, bias = intra.gate_params(A_log, dt_bias, gate, HV, K, dev)
         w = torch.empty(BT, HV, K, dtype=dt, device=dev)
         u = torch.empty(BT, HV, V, dtype=dt, device=dev)
         qg = torch.empty(BT, HV, K, dtype=dt, device=dev)

@@ -770,6 +770,23 @@ def get_compiled(
     )
 
 
+def beta_act_for(beta_sigmoid: bool, allow_neg_eigval: bool) -> str:
+    """The kernel's beta activation for FLA's flags (``2 sigmoid`` with ``allow_neg_eigval``)."""
+    return ("sigmoid2" if allow_neg_eigval else "sigmoid") if beta_sigmoid else "none"
+
+
+def gate_params(
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, gate: str, HV: int, K: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A_log [HV], dt_bias [HV, K])`` fp32 as the kernel reads them, FLA's defaults where absent."""
+    if A_log is None:
+        # FLA: softplus uses exp(1) when A_log is absent, sigmoid uses 1 = exp(0)
+        A_log = _placeholder(device, torch.float32, (HV,), 1.0 if gate == "softplus" else 0.0)
+    if dt_bias is None:
+        dt_bias = _placeholder(device, torch.float32, (HV, K))
+    return A_log.reshape(HV).to(torch.float32).contiguous(), dt_bias.reshape(HV, K).to(torch.float32).contiguous()
+
+
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
     beta_act: str, *, skip_zero_rows: bool | None = None, aligned_inverse: bool | None = None,
@@ -863,7 +880,7 @@ def chunk_kda_intra_sm90(
         raise ValueError('gate="sigmoid" needs lower_bound')
     if allow_neg_eigval and not beta_sigmoid:
         raise ValueError("allow_neg_eigval needs beta_sigmoid")
-    beta_act = ("sigmoid2" if allow_neg_eigval else "sigmoid") if beta_sigmoid else "none"
+    beta_act = beta_act_for(beta_sigmoid, allow_neg_eigval)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if (K, V) != (128, 128):
@@ -901,14 +918,7 @@ def chunk_kda_intra_sm90(
     if B * T == 0 or HV == 0 or num_chunks == 0:
         return
     dev = q.device
-    if A_log is None:
-        # FLA: softplus uses exp(1) when A_log is absent, sigmoid uses 1 = exp(0)
-        A_log = _placeholder(dev, torch.float32, (HV,), 1.0 if gate == "softplus" else 0.0)
-    A_log = A_log.reshape(HV).to(torch.float32).contiguous()
-    dt_bias = (
-        _placeholder(dev, torch.float32, (HV, K)) if dt_bias is None
-        else dt_bias.reshape(HV, K).to(torch.float32).contiguous()
-    )  # fmt: skip
+    A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
         dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, skip_zero_rows=skip_zero_rows,
         aligned_inverse=aligned_inverse,
