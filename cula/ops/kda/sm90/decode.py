@@ -321,14 +321,14 @@ class KdaDecodeSm90:
         unit = bidx * self.warps_per_cta + warp
         if cutlass.const_expr(not self.prefetch):
             if unit < units:
-                n, h, hv, v0 = self._unit_coords(unit, HV, H, lv)
+                n, h, hv, vs, v0 = self._unit_coords(unit, HV, H, lv)
                 slot = mIdx[n]
                 if slot >= 0:
                     # state tile -> registers first, so the loads fly during token preprocessing
                     gS = self._state_view(mState[slot, hv, None, None], lk, v0)
                     cute.autovec_copy(gS, tS)
                     self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW,
-                                   n, h, hv, v0, lane, T, scale, lower_bound)  # fmt: skip
+                                   n, h, hv, vs, v0, lane, T, scale, lower_bound)  # fmt: skip
                 else:
                     self._zero_rows(mOut, n, hv, v0, lk, T)
         else:
@@ -337,35 +337,35 @@ class KdaDecodeSm90:
             stride = cute.arch.grid_dim()[0] * self.warps_per_cta
             tNext = cute.make_rmem_tensor(frag_layout, Float32)
             if unit < units:
-                n, h, hv, v0 = self._unit_coords(unit, HV, H, lv)
+                n, h, hv, vs, v0 = self._unit_coords(unit, HV, H, lv)
                 slot = mIdx[n]
                 if slot >= 0:
                     cute.autovec_copy(self._state_view(mState[slot, hv, None, None], lk, v0), tNext)
             while unit < units:
-                n, h, hv, v0 = self._unit_coords(unit, HV, H, lv)
+                n, h, hv, vs, v0 = self._unit_coords(unit, HV, H, lv)
                 slot = mIdx[n]
                 tS.store(tNext.load())
                 nxt = unit + stride
                 if nxt < units:
-                    n2, _h2, hv2, v02 = self._unit_coords(nxt, HV, H, lv)
+                    n2, _h2, hv2, _vs2, v02 = self._unit_coords(nxt, HV, H, lv)
                     slot2 = mIdx[n2]
                     if slot2 >= 0:
                         cute.autovec_copy(self._state_view(mState[slot2, hv2, None, None], lk, v02), tNext)
                 if slot >= 0:
                     gS = self._state_view(mState[slot, hv, None, None], lk, v0)
                     self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW,
-                                   n, h, hv, v0, lane, T, scale, lower_bound)  # fmt: skip
+                                   n, h, hv, vs, v0, lane, T, scale, lower_bound)  # fmt: skip
                 else:
                     self._zero_rows(mOut, n, hv, v0, lk, T)
                 unit = nxt
 
     @cute.jit
     def _unit_coords(self, unit, HV, H, lv):
-        """Unit -> (sequence n, q/k head h, value head hv, this lane's first v column v0)."""
+        """Unit -> (sequence n, q/k head h, value head hv, V slice vs, this lane's first v column v0)."""
         vs = unit % self.v_slices
         nh = unit // self.v_slices
         hv = nh % HV
-        return nh // HV, hv // (HV // H), hv, vs * self.v_per_warp + lv * self.V_PER_LANE
+        return nh // HV, hv // (HV // H), hv, vs, vs * self.v_per_warp + lv * self.V_PER_LANE
 
     @cute.jit
     def _zero_rows(self, mOut, n, hv, v0, lk, T):
@@ -380,7 +380,7 @@ class KdaDecodeSm90:
 
     @cute.jit
     def _run_unit(
-        self, tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW, n, h, hv, v0, lane, T, scale,
+        self, tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW, n, h, hv, vs, v0, lane, T, scale,
         lower_bound,
     ):  # fmt: skip
         """The T tokens of one unit on its state tile ``tS`` (in registers), then the tile back to ``gS``."""
@@ -391,7 +391,6 @@ class KdaDecodeSm90:
         TR = self.TOKENS_PER_ROUND
         lk = lane % self.lanes_k
         lv = lane // self.lanes_k
-        vs = v0 // self.v_per_warp
         rq = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
         rk = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
         reg = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
