@@ -366,6 +366,23 @@ def _lower_mask(T, cu, device):
     return tri[pos % 64]
 
 
+def _assert_matches_fla(ref, out, cu):
+    """Our intra outputs against FLA's: every tensor within tolerance, Aqk on and below the diagonal, and Aqk's
+    upper triangle written as zeros."""
+    from cula.testing import assert_close
+
+    g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref = ref
+    g_out, w_out, u_out, qg_out, kg_out, A_out = out
+    assert_close("g_cum", g_ref, g_out, 1e-5)
+    assert_close("qg", qg_ref, qg_out, RATIO)
+    assert_close("kg", kg_ref, kg_out, RATIO)
+    assert_close("w", w_ref, w_out, RATIO)
+    assert_close("u", u_ref, u_out, RATIO)
+    lower = _lower_mask(A_out.shape[1], cu, A_out.device)[None, :, None, :]
+    assert_close("Aqk (lower)", A_ref.masked_fill(~lower, 0), A_out.masked_fill(~lower, 0), RATIO)
+    assert torch.all(A_out.masked_select(~lower.expand_as(A_out)) == 0), "Aqk above the diagonal must be 0"
+
+
 def _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lower_bound, **fused):
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
     from cula.testing import poison_
@@ -386,8 +403,6 @@ def _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lower_bound
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 def test_intra_vs_fla(case):
-    from cula.testing import assert_close
-
     gate = case[5]
     q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
     scale = 128**-0.5
@@ -395,15 +410,7 @@ def test_intra_vs_fla(case):
     g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref, ci = ref
     out = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb)
     torch.cuda.synchronize()
-    g_out, w_out, u_out, qg_out, kg_out, A_out = out
-    assert_close("g_cum", g_ref, g_out, 1e-5)
-    assert_close("qg", qg_ref, qg_out, RATIO)
-    assert_close("kg", kg_ref, kg_out, RATIO)
-    assert_close("w", w_ref, w_out, RATIO)
-    assert_close("u", u_ref, u_out, RATIO)
-    lower = _lower_mask(q.shape[1], cu, q.device)[None, :, None, :]
-    assert_close("Aqk (lower)", A_ref.masked_fill(~lower, 0), A_out.masked_fill(~lower, 0), RATIO)
-    assert torch.all(A_out.masked_select(~lower.expand_as(A_out)) == 0), "Aqk above the diagonal must be 0"
+    _assert_matches_fla((g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref), out, cu)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_preproc"])
@@ -484,15 +491,7 @@ def test_intra_fused_preproc_vs_fla(case, beta_act):
     # (q/k differ at most by a bf16 rounding tie, beta by a few fp32 ulp)
     unfused = _run_ours(qn, kn, v, g, beta_s, scale, cu, ci, gate, A_log, dt_bias, lb)
     torch.cuda.synchronize()
-    g_out, w_out, u_out, qg_out, kg_out, A_out = out
-    assert_close("g_cum", g_ref, g_out, 1e-5)
-    assert_close("qg", qg_ref, qg_out, RATIO)
-    assert_close("kg", kg_ref, kg_out, RATIO)
-    assert_close("w", w_ref, w_out, RATIO)
-    assert_close("u", u_ref, u_out, RATIO)
-    lower = _lower_mask(q.shape[1], cu, q.device)[None, :, None, :]
-    assert_close("Aqk (lower)", A_ref.masked_fill(~lower, 0), A_out.masked_fill(~lower, 0), RATIO)
-    assert torch.all(A_out.masked_select(~lower.expand_as(A_out)) == 0), "Aqk above the diagonal must be 0"
+    _assert_matches_fla((g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref), out, cu)
     for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), unfused, out):
         assert_close(f"{name} fused vs unfused", a, b, 1e-3)
 
