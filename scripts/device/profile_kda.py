@@ -73,8 +73,8 @@ def profile_paths() -> None:
                                        ("cula-intra-pending", "1", True)):  # fmt: skip
                 if env is not None:
                     os.environ["CULA_KDA_INTRA"] = env
-                # the variants waiting for their GPU check: skip_zero_rows and aligned_inverse
-                intra_mod.SKIP_ZERO_ROWS_DEFAULT = intra_mod.ALIGNED_INVERSE_DEFAULT = pending
+                # the variant waiting for its GPU check: tf32_scores
+                intra_mod.TF32_SCORES_DEFAULT = pending
                 clear_plan_caches()  # chunk_kda binds the switch into its per-signature plan
                 fn = fla_chunk_kda if env is None else chunk_kda
                 times = kernel_times(lambda fn=fn, x=x: fn(**x, **FLAGS))

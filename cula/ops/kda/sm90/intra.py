@@ -72,8 +72,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass import BFloat16, Float16, Float32, Int32, TFloat32, const_expr, cute
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -87,12 +87,10 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
-# P3 skips building all-zero key rows; the default once the H200 confirms the results are unchanged
-# (tests/ops/test_kda_intra_kernel.py::test_skip_zero_rows_bit_identical) and profile_kda.py shows it faster
-SKIP_ZERO_ROWS_DEFAULT = False
-# P4-P6 with 16-byte-aligned Akk / T rows: vector reads in the block substitution and the bf16(T) conversion, and
-# the diagonal inverses one block per warp (test_skip_zero_rows_bit_identical covers it too)
-ALIGNED_INVERSE_DEFAULT = False
+# P3 as tf32 mma.sync (one product per score, per-warp blocks that skip all-zero key rows) instead of bf16 x3
+# WGMMA; the default once the H200 confirms its accuracy (tests/ops/test_kda_intra_kernel.py) and its speed
+# (scripts/device/profile_kda.py, path cula-intra-pending)
+TF32_SCORES_DEFAULT = True
 
 
 class ChunkKDAIntraFwdSm90:
@@ -107,13 +105,9 @@ class ChunkKDAIntraFwdSm90:
 
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
-        l2norm_qk: bool = False, beta_act: str = "none", skip_zero_rows: bool | None = None,
-        aligned_inverse: bool | None = None,
+        l2norm_qk: bool = False, beta_act: str = "none", tf32_scores: bool | None = None,
     ):  # fmt: skip
-        # skip_zero_rows: see P3; aligned_inverse: see P4-P6; both bit-identical by construction, off until the
-        # H200 confirms it
-        self.skip_zero_rows = SKIP_ZERO_ROWS_DEFAULT if skip_zero_rows is None else bool(skip_zero_rows)
-        self.aligned_inverse = ALIGNED_INVERSE_DEFAULT if aligned_inverse is None else bool(aligned_inverse)
+        self.tf32_scores = TF32_SCORES_DEFAULT if tf32_scores is None else bool(tf32_scores)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -135,9 +129,9 @@ class ChunkKDAIntraFwdSm90:
         # aligned, banks staggered; P3 epilogue); Y (P5); bf16 T as the WGMMA A operand (1024-aligned for its
         # swizzle; P6-P7, after Aqk is stored)
         self.off_akk, self.off_aqk, self.aqk_ld, self.off_t, self.off_y = 0, 17408, self.bt + 8, 17408, 26624
-        # Akk / T rows: 65 floats (odd: the P3 epilogue's column writes spread over the banks) or, aligned, 68
-        # (16-byte rows for vector reads in P5 / P6; the epilogue's writes are then conflict-free as well)
-        self.a_ld = self.bt + (4 if self.aligned_inverse else 1)
+        # Akk / T rows of 68 floats: 16-byte rows for vector reads in P5 / P6, and the P3 epilogue's column
+        # writes free of bank conflicts
+        self.a_ld = self.bt + 4
         self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_y + 16 * 48 * 4)
         assert self.off_akk + self.bt * self.a_ld * 4 <= min(self.off_aqk, self.off_t)
         assert self.off_aqk + self.bt * self.aqk_ld * 2 <= self.off_y and self.off_t + self.bt * self.bt * 2 <= self.off_y
@@ -281,9 +275,10 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(rk, self._vec_at(sK0, (c8, t)))
 
     @cute.jit
-    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, rnd: int):
-        """P2 of round ``rnd``: g_cum, qg, kg rows to gmem and the score B operands of sub-chunks j = 2 rnd and
-        2 rnd + 1 (into B slots j % 2). Thread (r, c) takes rows 16 j + r and the 8 channels 8 c..8 c + 7, so
+    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks):
+        """P2 of one round: g_cum, qg, kg rows to gmem and the score B operands of the two sub-chunks j in
+        ``subchunks`` (into B slots 0 and 1: bf16 hi / lo tiles, or with tf32_scores fp32 rows in ``sB``, a flat
+        fp32 tensor, see ``_tf32_b_unit``). Thread (r, c) takes rows 16 j + r and the 8 channels 8 c..8 c + 7, so
         every access moves 8 channels."""
         BT, dt, V8 = self.bt, self.dtype, 8
         r = tidx // 16
@@ -293,8 +288,8 @@ class ChunkKDAIntraFwdSm90:
 
         rgl = cute.make_rmem_tensor(V8, Float32)
         cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG rows: 132 floats, 16-byte aligned
-        for j in cutlass.range_constexpr(2 * rnd, 2 * rnd + 2):  # this round's two sub-chunks
-            slot = j % 2
+        for slot in cutlass.range_constexpr(2):
+            j = subchunks[slot]
             t = 16 * j + r
             live = t < valid
             rq = cute.make_rmem_tensor(V8, dt)
@@ -307,34 +302,59 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(at(sG, (c8, 16 * j + 8), 4), rga)
             rqg = cute.make_rmem_tensor(V8, dt)
             rkg = cute.make_rmem_tensor(V8, dt)
-            bq_hi = cute.make_rmem_tensor(V8, dt)
-            bq_lo = cute.make_rmem_tensor(V8, dt)
-            bk_hi = cute.make_rmem_tensor(V8, dt)
-            bk_lo = cute.make_rmem_tensor(V8, dt)
-            for e in cutlass.range_constexpr(V8):
-                gc = rg[e]
-                qv = rq[e].to(Float32)
-                kv = rk[e].to(Float32)
-                rqg[e] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
-                rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
-                f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
-                f = Float32(cutlass.select_(live, f, Float32(0.0)))
-                bq = qv * f
-                bk = kv * f
-                hq = bq.to(dt)
-                hk = bk.to(dt)
-                bq_hi[e] = hq
-                bk_hi[e] = hk
-                bq_lo[e] = (bq - hq.to(Float32)).to(dt)
-                bk_lo[e] = (bk - hk.to(Float32)).to(dt)
+            if const_expr(self.tf32_scores):
+                bq = cute.make_rmem_tensor(V8, Float32)
+                bk = cute.make_rmem_tensor(V8, Float32)
+                for e in cutlass.range_constexpr(V8):
+                    gc = rg[e]
+                    qv = rq[e].to(Float32)
+                    kv = rk[e].to(Float32)
+                    rqg[e] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
+                    rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
+                    f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
+                    f = Float32(cutlass.select_(live, f, Float32(0.0)))
+                    bq[e] = _round_tf32(qv * f)
+                    bk[e] = _round_tf32(kv * f)
+                # two 16-byte units per row; lanes 4-7 of each quarter warp store their odd unit first, so each
+                # store instruction's 8 lanes cover all 32 banks
+                c4 = cute.assume((tidx % 16) * 2, divby=2)
+                first = (tidx // 4) % 2
+                for h in cutlass.range_constexpr(2):
+                    hh = h ^ first
+                    for which, src in ((0, bq), (1, bk)):
+                        part = cute.make_rmem_tensor(4, Float32)
+                        for e in cutlass.range_constexpr(4):
+                            part[e] = src[4 * hh + e]
+                        cute.autovec_copy(part, self._tf32_b_unit(sB, slot, r + 16 * which, c4 + hh))
+            else:
+                bq_hi = cute.make_rmem_tensor(V8, dt)
+                bq_lo = cute.make_rmem_tensor(V8, dt)
+                bk_hi = cute.make_rmem_tensor(V8, dt)
+                bk_lo = cute.make_rmem_tensor(V8, dt)
+                for e in cutlass.range_constexpr(V8):
+                    gc = rg[e]
+                    qv = rq[e].to(Float32)
+                    kv = rk[e].to(Float32)
+                    rqg[e] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
+                    rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
+                    f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
+                    f = Float32(cutlass.select_(live, f, Float32(0.0)))
+                    bq = qv * f
+                    bk = kv * f
+                    hq = bq.to(dt)
+                    hk = bk.to(dt)
+                    bq_hi[e] = hq
+                    bk_hi[e] = hk
+                    bq_lo[e] = (bq - hq.to(Float32)).to(dt)
+                    bk_lo[e] = (bk - hk.to(Float32)).to(dt)
+                cute.autovec_copy(bq_hi, at(sB, (r, c8, 2 * slot)))
+                cute.autovec_copy(bq_lo, at(sB, (r, c8, 2 * slot + 1)))
+                cute.autovec_copy(bk_hi, at(sB, (r + 16, c8, 2 * slot)))
+                cute.autovec_copy(bk_lo, at(sB, (r + 16, c8, 2 * slot + 1)))
             if live:
                 cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
                 cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
                 cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
-            cute.autovec_copy(bq_hi, at(sB, (r, c8, 2 * slot)))
-            cute.autovec_copy(bq_lo, at(sB, (r, c8, 2 * slot + 1)))
-            cute.autovec_copy(bk_hi, at(sB, (r + 16, c8, 2 * slot)))
-            cute.autovec_copy(bk_lo, at(sB, (r + 16, c8, 2 * slot + 1)))
 
     @cute.jit
     def _store_rows_vec(self, sX0, mOut, tok0, hv, valid, tid):
@@ -482,32 +502,35 @@ class ChunkKDAIntraFwdSm90:
         cute.arch.barrier()
 
         # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
-        # round r: P2 builds the B operands of anchors 2 r and 2 r + 1, then warpgroup w multiplies anchor 2 r + w
-        thr_sc = mma_sc.get_slice(tid)
-        wg_sc = mma_sc.get_slice(0)
-        tAc = thr_sc.partition_A(cute.make_identity_tensor((BT, DK)))  # (s, k) of each A register
-        tCc = thr_sc.partition_C(cute.make_identity_tensor((BT, 32)))  # (s, n) of each accumulator
-        rAhi = wg_sc.make_fragment_A(wg_sc.partition_shape_A((BT, DK)))
-        rAlo = wg_sc.make_fragment_A(wg_sc.partition_shape_A((BT, DK)))
-        tBr = wg_sc.make_fragment_B(wg_sc.partition_B(sB))
-        acc0 = cute.make_rmem_tensor(wg_sc.partition_shape_C((BT, 32)), Float32)
-        acc1 = cute.make_rmem_tensor(wg_sc.partition_shape_C((BT, 32)), Float32)
-        assert cute.size(tAc) == cute.size(rAhi)
-        num_kb = cute.size(rAhi, mode=[2])
-        for rnd in cutlass.range_constexpr(2):
-            self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, rnd)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier()
-            if const_expr(rnd == 1):  # noqa: SIM102 - a trace-time condition around a run-time one
-                # q is read: v's tile goes there, landing while the scores and the inverse run
-                if warp_idx == 0:
-                    if tidx == 0:
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.mbarrier_arrive_and_expect_tx(bar, self.x_bytes)
-                    self._load_tile(tma_v, tv, hv, sV, tok0, bar)
-            anc = 2 * rnd + wg  # anchor / query sub-chunk index; its B operands are in slot wg
-            acc = acc0 if rnd == 0 else acc1
-            if const_expr(self.skip_zero_rows):
+        if const_expr(self.tf32_scores):
+            self._scores_tf32(
+                sQ0, sK0, sV, sG, storage.region.data_ptr(), sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0,
+                hv, valid, scale, tidx, warp_idx,
+            )
+        else:
+            # round r: P2 builds the B operands of anchors 2 r and 2 r + 1, then warpgroup w multiplies
+            # anchor 2 r + w
+            thr_sc = mma_sc.get_slice(tid)
+            wg_sc = mma_sc.get_slice(0)
+            tAc = thr_sc.partition_A(cute.make_identity_tensor((BT, DK)))  # (s, k) of each A register
+            tCc = thr_sc.partition_C(cute.make_identity_tensor((BT, 32)))  # (s, n) of each accumulator
+            rAhi = wg_sc.make_fragment_A(wg_sc.partition_shape_A((BT, DK)))
+            rAlo = wg_sc.make_fragment_A(wg_sc.partition_shape_A((BT, DK)))
+            tBr = wg_sc.make_fragment_B(wg_sc.partition_B(sB))
+            acc0 = cute.make_rmem_tensor(wg_sc.partition_shape_C((BT, 32)), Float32)
+            acc1 = cute.make_rmem_tensor(wg_sc.partition_shape_C((BT, 32)), Float32)
+            assert cute.size(tAc) == cute.size(rAhi)
+            num_kb = cute.size(rAhi, mode=[2])
+            for rnd in cutlass.range_constexpr(2):
+                self._qg_kg_score_operands_vec(
+                    sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, (2 * rnd, 2 * rnd + 1)
+                )
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier()
+                if const_expr(rnd == 1):
+                    self._load_v_after_q(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
+                anc = 2 * rnd + wg  # anchor / query sub-chunk index; its B operands are in slot wg
+                acc = acc0 if rnd == 0 else acc1
                 # a thread's rows are tAc[0] and 8 below it; key rows past the anchor's sub-chunk or the sequence
                 # are zero, so threads (whole warps: a warp owns 16 rows) holding only such rows skip the build.
                 # Anchor 0 needs 16 of the 64 rows, anchor 3 all of them: 96 of 256 row builds are skipped
@@ -516,34 +539,32 @@ class ChunkKDAIntraFwdSm90:
                 else:
                     rAhi.fill(0.0)
                     rAlo.fill(0.0)
-            else:
-                self._key_operands(rAhi, rAlo, tAc, sK0, sG, anc, valid)
-            warpgroup.fence()
-            atom_sc = cute.make_mma_atom(mma_sc.op)
-            atom_sc.set(warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * wg], acc)
-                atom_sc.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * wg + 1], acc)
-            for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(atom_sc, acc, rAlo[None, None, kb], tBr[None, None, kb, 2 * wg], acc)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            cute.arch.barrier()  # every score GEMM has read sB: the next round rewrites it, then it is scratch
+                warpgroup.fence()
+                atom_sc = cute.make_mma_atom(mma_sc.op)
+                atom_sc.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * wg], acc)
+                    atom_sc.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * wg + 1], acc)
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(atom_sc, acc, rAlo[None, None, kb], tBr[None, None, kb, 2 * wg], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                cute.arch.barrier()  # every score GEMM has read sB: the next round rewrites it, then it is scratch
 
-        for rnd in cutlass.range_constexpr(2):
-            anc = 2 * rnd + wg
-            acc = acc0 if rnd == 0 else acc1
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                s = tCc[e][0]
-                nn = tCc[e][1]
-                t = 16 * anc + nn % 16
-                if nn < 16:  # Aqk^T column t
-                    # staged; stored below as 16-byte rows
-                    sAqk[t, s] = Float32(cutlass.select_(s <= t, acc[e] * scale, Float32(0.0))).to(dt)
-                else:  # Akk^T column t: every (t, s) is written, zero for s >= t
-                    sA[t, s] = Float32(cutlass.select_(s < t, acc[e] * sBeta[t], Float32(0.0)))
+            for rnd in cutlass.range_constexpr(2):
+                anc = 2 * rnd + wg
+                acc = acc0 if rnd == 0 else acc1
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    s = tCc[e][0]
+                    nn = tCc[e][1]
+                    t = 16 * anc + nn % 16
+                    if nn < 16:  # Aqk^T column t
+                        # staged; stored below as 16-byte rows
+                        sAqk[t, s] = Float32(cutlass.select_(s <= t, acc[e] * scale, Float32(0.0))).to(dt)
+                    else:  # Akk^T column t: every (t, s) is written, zero for s >= t
+                        sA[t, s] = Float32(cutlass.select_(s < t, acc[e] * sBeta[t], Float32(0.0)))
         cute.arch.barrier()
         for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
             item = tidx + m * self.num_threads
@@ -557,26 +578,16 @@ class ChunkKDAIntraFwdSm90:
 
         # ---------------- P4: inverses of the diagonal blocks, in place ----------------
         # (the blocks above the diagonal are already the zeros T has there)
-        if const_expr(self.aligned_inverse):
-            # one block per warp (lanes 0-15), so a warp's broadcast reads stay in one block: rows 16 apart are
-            # 16 * 68 floats apart, the same banks
-            if tidx < 4 * 32:
-                col = tidx % 32
-                o = 16 * (tidx // 32)
-                rX = cute.make_rmem_tensor(16, Float32)
-                if col < 16:
-                    self._diag_inverse_column(sA, o, col, rX)
-                cute.arch.barrier(barrier_id=3, number_of_threads=4 * 32)  # blocks read before rewritten
-                if col < 16:
-                    for r in cutlass.range_constexpr(16):
-                        sA[o + r, o + col] = rX[r]
-        else:
-            if tidx < BT:
-                col = tidx % 16
-                o = 16 * (tidx // 16)
-                rX = cute.make_rmem_tensor(16, Float32)
+        # one block per warp (lanes 0-15), so a warp's broadcast reads stay in one block: rows 16 apart are
+        # 16 * 68 floats apart, the same banks
+        if tidx < 4 * 32:
+            col = tidx % 32
+            o = 16 * (tidx // 32)
+            rX = cute.make_rmem_tensor(16, Float32)
+            if col < 16:
                 self._diag_inverse_column(sA, o, col, rX)
-                cute.arch.barrier(barrier_id=3, number_of_threads=BT)  # each diagonal block read before rewritten
+            cute.arch.barrier(barrier_id=3, number_of_threads=4 * 32)  # blocks read before rewritten
+            if col < 16:
                 for r in cutlass.range_constexpr(16):
                     sA[o + r, o + col] = rX[r]
         cute.arch.barrier()
@@ -606,22 +617,17 @@ class ChunkKDAIntraFwdSm90:
 
         # ---------------- P6: bf16(T), v' = bf16(beta v), k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ------
         sT0 = sT[None, None, 0]
-        if const_expr(self.aligned_inverse):
-            # 8 columns of a row per item: two 16-byte reads, one 16-byte store into the swizzled T tile
-            for j in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
-                item = tidx + j * self.num_threads
-                t = item // 8
-                s0 = cute.assume((item % 8) * 8, divby=8)
-                rt = cute.make_rmem_tensor(8, dt)
-                for h4 in cutlass.range_constexpr(2):
-                    ra = self._a_row4(sA, t, s0 + 4 * h4)
-                    for e in cutlass.range_constexpr(4):
-                        rt[4 * h4 + e] = ra[e].to(dt)
-                cute.autovec_copy(rt, self._vec_at(sT0, (t, s0)))
-        else:
-            for j in cutlass.range_constexpr(BT * BT // self.num_threads):
-                idx = tidx + j * self.num_threads
-                sT0[idx // BT, idx % BT] = sA[idx // BT, idx % BT].to(dt)
+        # 8 columns of a row per item: two 16-byte reads, one 16-byte store into the swizzled T tile
+        for j in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
+            item = tidx + j * self.num_threads
+            t = item // 8
+            s0 = cute.assume((item % 8) * 8, divby=8)
+            rt = cute.make_rmem_tensor(8, dt)
+            for h4 in cutlass.range_constexpr(2):
+                ra = self._a_row4(sA, t, s0 + 4 * h4)
+                for e in cutlass.range_constexpr(4):
+                    rt[4 * h4 + e] = ra[e].to(dt)
+            cute.autovec_copy(rt, self._vec_at(sT0, (t, s0)))
         cute.arch.mbarrier_wait(bar, 1)
         self._scale_rows_vec(sV0, sBeta, tidx)
         self._k_prime_vec(sK0, sG, sBeta, tidx)
@@ -668,13 +674,9 @@ class ChunkKDAIntraFwdSm90:
 
     @cute.jit
     def _a_row4(self, sA, t, s0):
-        """sA[t, s0 .. s0 + 3] in registers: one 16-byte read with aligned rows, else four scalar ones."""
+        """sA[t, s0 .. s0 + 3] in registers (one 16-byte read: rows of 68 floats, s0 a multiple of 4)."""
         ra = cute.make_rmem_tensor(4, Float32)
-        if const_expr(self.aligned_inverse):
-            cute.autovec_copy(self._vec_at(sA, (t, s0), 4, 4), ra)
-        else:
-            for e in cutlass.range_constexpr(4):
-                ra[e] = sA[t, s0 + e]
+        cute.autovec_copy(self._vec_at(sA, (t, s0), 4, 4), ra)
         return ra
 
     @cute.jit
@@ -703,6 +705,134 @@ class ChunkKDAIntraFwdSm90:
                 rAlo[e + j] = (x - hi.to(Float32)).to(dt)
 
     @cute.jit
+    def _load_v_after_q(self, tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx):
+        """q is read (after round 1 of P2): v's tile goes into q's, landing while the scores and the inverse
+        run (phase 1 of the barrier)."""
+        if warp_idx == 0:
+            if tidx == 0:
+                cute.arch.fence_view_async_shared()
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.x_bytes)
+            self._load_tile(tma_v, tv, hv, sV, tok0, bar)
+
+    @cute.jit
+    def _scores_tf32(
+        self, sQ0, sK0, sV, sG, region, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale,
+        tidx, warp_idx,
+    ):  # fmt: skip
+        """P2 + P3 with tf32 scores: per round, P2 builds the fp32 B operands of two anchors, then warps 0-4
+        each multiply one (key block kb <= anchor) pair on mma.sync; after both rounds the accumulators become
+        Aqk (staged bf16) and Akk rows, and warps 5-7 write the blocks above the diagonal as zeros.
+
+        Rounds take anchors (0, 3) and (1, 2): 1 + 4 and 2 + 3 key blocks, five warps busy in each; key blocks
+        wholly past the sequence end are not multiplied (their zero accumulators are still written)."""
+        dt = self.dtype
+        lane = tidx % 32
+        sB = cute.make_tensor(cute.recast_ptr(region, dtype=Float32), cute.make_layout(2 * 32 * self.dk))
+        tiled_tf = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
+        rounds = ((0, 3), (1, 2))
+        accs = []
+        for rnd in cutlass.range_constexpr(2):
+            a0, a1 = rounds[rnd]
+            self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, rounds[rnd])
+            cute.arch.barrier()
+            if const_expr(rnd == 1):
+                self._load_v_after_q(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
+            acc = cute.make_rmem_tensor(tiled_tf.partition_shape_C((16, 32)), Float32)
+            acc.fill(0.0)
+            first = warp_idx <= a0
+            kb = Int32(cutlass.select_(first, warp_idx, warp_idx - a0 - 1))
+            if (warp_idx < a0 + a1 + 2) & (16 * kb < valid):
+                self._scores_tf32_unit(
+                    tiled_tf, acc, sK0, sG, sB, kb, Int32(cutlass.select_(first, a0, a1)),
+                    Int32(cutlass.select_(first, 0, 1)), valid, lane,
+                )  # fmt: skip
+            accs.append(acc)
+            cute.arch.barrier()  # every score product has read sB: the next round rewrites it, then it is scratch
+
+        # accumulator (v, nt) of lane (g, c): key row s = 16 kb + row(g) (+ 8 for v >= 2), B row n = 8 nt + 2 c
+        # (+ 1 for odd v): query row 16 anc + n of Aqk (n < 16) or key row 16 anc + n - 16 of Akk
+        g_ = lane // 4
+        c = lane % 4
+        for rnd in cutlass.range_constexpr(2):
+            a0, a1 = rounds[rnd]
+            if warp_idx < a0 + a1 + 2:
+                first = warp_idx <= a0
+                kb = Int32(cutlass.select_(first, warp_idx, warp_idx - a0 - 1))
+                anc = Int32(cutlass.select_(first, a0, a1))
+                acc = accs[rnd]
+                for nt in cutlass.range_constexpr(4):
+                    for v in cutlass.range_constexpr(4):
+                        s = 16 * kb + _tf32_row(g_) + 8 * (v // 2)
+                        t = 16 * anc + (8 * nt + 2 * c + v % 2) % 16
+                        x = acc[v + 4 * nt]
+                        if const_expr(nt < 2):  # Aqk, staged; stored as 16-byte rows by the caller
+                            sAqk[t, s] = Float32(cutlass.select_(s <= t, x * scale, Float32(0.0))).to(dt)
+                        else:  # Akk: every (t, s) is written, zero for s >= t
+                            sA[t, s] = Float32(cutlass.select_(s < t, x * sBeta[t], Float32(0.0)))
+        if warp_idx >= 5:
+            # the six blocks above the diagonal, (anchor a, key block kb > a): one column of one block per thread
+            j = tidx - 5 * 32
+            b = j // 16
+            past3 = Int32(cutlass.select_(b >= 3, 1, 0))
+            past5 = Int32(cutlass.select_(b >= 5, 1, 0))
+            a = past3 + past5
+            kb = b + 1 - 2 * past3 - past5
+            s = 16 * kb + j % 16
+            for r in cutlass.range_constexpr(16):
+                sAqk[16 * a + r, s] = Float32(0.0).to(dt)
+                sA[16 * a + r, s] = Float32(0.0)
+
+    @cute.jit
+    def _tf32_b_unit(self, sB, slot, n, u):
+        """16-byte unit u (k = 4 u .. 4 u + 3) of row n (16 q rows, then 16 k rows) of B slot ``slot`` in the
+        tf32 score operands: fp32 rows of K floats, the unit index XOR 4 on odd rows, so that a quarter warp's
+        two rows (mma.sync B fragments: rows g, g + 1 at the same k) fall on disjoint banks."""
+        off = (slot * 32 + n) * self.dk + ((u ^ ((n % 2) * 4)) * 4)
+        return cute.make_tensor(sB.iterator + cute.assume(off, divby=4), cute.make_layout(4))
+
+    @cute.jit
+    def _scores_tf32_unit(self, tiled_tf, acc, sK0, sG, sB, kb, anc, slot, valid, lane):
+        """One warp's block of the scores on tf32 mma.sync: key rows 16 kb..16 kb + 15 against the 32 B rows of
+        anchor ``anc`` (in B slot ``slot``): ``acc[s, n] = sum_k A[s, k] B[n, k]``, A = k_s exp2(gc_anc - gc_s)
+        (0 past the sequence end), both tf32-rounded.
+
+        The contraction order is free, so lane (g, c) takes k = 16 m + 4 c .. + 3 for k-steps 2 m and 2 m + 1:
+        16-byte g_cum and B reads, 8-byte k reads. Rows are free as well: fragment row g is key row ``_tf32_row``
+        (g), which puts a quarter warp's two rows two apart, on disjoint banks of the swizzled k and g_cum tiles.
+        """
+        g_ = lane // 4
+        c4 = cute.assume((lane % 4) * 4, divby=4)
+        rows = (16 * kb + _tf32_row(g_), 16 * kb + _tf32_row(g_) + 8)
+        fa = cute.make_rmem_tensor(tiled_tf.partition_shape_A((16, 8)), TFloat32)
+        fb = cute.make_rmem_tensor(tiled_tf.partition_shape_B((32, 8)), TFloat32)
+        for m in cutlass.range_constexpr(self.dk // 16):
+            kk = 16 * m + c4
+            rga = cute.make_rmem_tensor(4, Float32)
+            cute.autovec_copy(self._vec_at(sG, (kk, 16 * anc + 8), 4, 4), rga)
+            x = cute.make_rmem_tensor(8, Float32)  # (row i, k 4 m + e) at 4 i + e
+            for i in cutlass.range_constexpr(2):
+                s = rows[i]
+                rk = cute.make_rmem_tensor(4, self.dtype)
+                rgs = cute.make_rmem_tensor(4, Float32)
+                cute.autovec_copy(self._vec_at(sK0, (kk, s), 4, 4), rk)
+                cute.autovec_copy(self._vec_at(sG, (kk, s), 4, 4), rgs)
+                for e in cutlass.range_constexpr(4):
+                    f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
+                    x[4 * i + e] = _round_tf32(Float32(cutlass.select_(s < valid, rk[e].to(Float32) * f, Float32(0.0))))
+            rb = []  # n-tile nt's 4 k values
+            for nt in cutlass.range_constexpr(4):
+                rb.append(cute.make_rmem_tensor(4, Float32))
+                cute.autovec_copy(self._tf32_b_unit(sB, slot, 8 * nt + g_, 4 * m + lane % 4), rb[nt])
+            for step in cutlass.range_constexpr(2):
+                # A values (g, c), (g + 8, c), (g, c + 4), (g + 8, c + 4); B values (k c, n g), (k c + 4, n g)
+                for v in cutlass.range_constexpr(4):
+                    fa[v] = x[4 * (v % 2) + 2 * step + v // 2].to(TFloat32)
+                for nt in cutlass.range_constexpr(4):
+                    for v in cutlass.range_constexpr(2):
+                        fb[2 * nt + v] = rb[nt][2 * step + v].to(TFloat32)
+                cute.gemm(tiled_tf, acc, fa, fb, acc)
+
+    @cute.jit
     def _load_tile(self, atom, tsrc, head, sdst, tok0, bar):
         """TMA of the (DK, BT) tile of ``head`` starting at token tok0 into ``sdst``, completing on ``bar``."""
         gsrc = cute.local_tile(cute.domain_offset((0, tok0), tsrc[None, None, head]), (self.dk, self.bt), (0, None))
@@ -718,12 +848,25 @@ def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple, value: 
     return torch.full(shape, value, dtype=dtype, device=device)
 
 
+def _tf32_row(g):
+    """Key row (within a 16-row block) of mma.sync fragment row g < 8: 0, 2, 4, 6, 1, 3, 5, 7 (see
+    ``_scores_tf32_unit``); fragment row g + 8 is that row + 8."""
+    return (g % 4) * 2 + g // 4
+
+
+@cute.jit
+def _round_tf32(x: Float32) -> Float32:
+    """x rounded to tf32's 10 mantissa bits (to nearest, ties away from zero), still as fp32: mma.sync drops the
+    low 13 bits, so adding half of their range first rounds instead of truncating (FLA's tf32 dots round)."""
+    return (x.bitcast(Int32) + Int32(0x1000)).bitcast(Float32)
+
+
 _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.float32: Float32}
 
 
 def _compile(
     dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none",
-    skip_zero_rows=False, aligned_inverse=False,
+    tf32_scores=False,
 ):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
@@ -731,7 +874,7 @@ def _compile(
     DK, BT = 128, 64
     kernel = ChunkKDAIntraFwdSm90(
         dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, l2norm_qk=l2norm_qk,
-        beta_act=beta_act, skip_zero_rows=skip_zero_rows, aligned_inverse=aligned_inverse,
+        beta_act=beta_act, tf32_scores=tf32_scores,
     )
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -755,17 +898,16 @@ def _compile(
 
 def get_compiled(
     dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), *,
-    l2norm_qk=False, beta_act="none", skip_zero_rows=False, aligned_inverse=False,
+    l2norm_qk=False, beta_act="none", tf32_scores=False,
 ):  # fmt: skip
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
     key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
-           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(skip_zero_rows),
-           bool(aligned_inverse))  # fmt: skip
+           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(tf32_scores))  # fmt: skip
     return compiled_kernel(
         key,
         lambda: _compile(
             dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act,
-            skip_zero_rows=skip_zero_rows, aligned_inverse=aligned_inverse,
+            tf32_scores=tf32_scores,
         ),
     )
 
@@ -789,15 +931,14 @@ def gate_params(
 
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str, *, skip_zero_rows: bool | None = None, aligned_inverse: bool | None = None,
+    beta_act: str, *, tf32_scores: bool | None = None,
 ):  # fmt: skip
-    """The compiled variant for torch dtypes and the launch flags (the pending variants: module defaults when
+    """The compiled variant for torch dtypes and the launch flags (``tf32_scores``: ``TF32_SCORES_DEFAULT`` when
     None); ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s bound launch both take their kernel from here."""
     return get_compiled(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
-        skip_zero_rows=SKIP_ZERO_ROWS_DEFAULT if skip_zero_rows is None else bool(skip_zero_rows),
-        aligned_inverse=ALIGNED_INVERSE_DEFAULT if aligned_inverse is None else bool(aligned_inverse),
+        tf32_scores=TF32_SCORES_DEFAULT if tf32_scores is None else bool(tf32_scores),
     )  # fmt: skip
 
 
@@ -836,8 +977,7 @@ def chunk_kda_intra_sm90(
     use_qk_l2norm: bool = False,
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
-    skip_zero_rows: bool | None = None,
-    aligned_inverse: bool | None = None,
+    tf32_scores: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -865,10 +1005,8 @@ def chunk_kda_intra_sm90(
             rounded to q's dtype, before any use.
         beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
-        skip_zero_rows: the P3 variant that skips all-zero key rows (same results); ``SKIP_ZERO_ROWS_DEFAULT``
-            when None.
-        aligned_inverse: the P4-P6 variant with 16-byte Akk / T rows (same results); ``ALIGNED_INVERSE_DEFAULT``
-            when None.
+        tf32_scores: the scores as single-pass tf32 ``mma.sync`` products instead of bf16 x3 WGMMAs (see P3);
+            ``TF32_SCORES_DEFAULT`` when None.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -920,8 +1058,7 @@ def chunk_kda_intra_sm90(
     dev = q.device
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
-        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, skip_zero_rows=skip_zero_rows,
-        aligned_inverse=aligned_inverse,
+        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, tf32_scores=tf32_scores
     )
 
     def flat(t):
