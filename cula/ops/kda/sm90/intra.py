@@ -26,8 +26,9 @@ the 16 rows of sub-chunk i, the key factor multiplies k of the rows s < 16 (i + 
 gate steps. Exponents are clamped at 100 (base 2), so every operand stays finite; the result is exact while
 no 8-step window of one channel decays by more than 2^100 (69 nats, i.e. a mean log gate >= -8.6 per step;
 ``gate="sigmoid"`` with ``lower_bound >= -8.6`` always satisfies it; FLA's non-safe path has no such limit, its
-safe path has a similar one). The products run on tensor cores as bf16 x3 (hi*hi + hi*lo + lo*hi, fp32
-accumulation), about as accurate as FLA's tf32 / fp32 path (the DSL has no tf32 WGMMA).
+safe path has a similar one). The products run on tensor cores as tf32 ``mma.sync`` (fp32 accumulation), the
+operands rounded to nearest first, like FLA's tf32 dots (the DSL has no tf32 WGMMA). The warp-level MMA also
+lets each warp take one (key block, anchor) pair, so the blocks above the diagonal cost nothing.
 
 Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthreads`` between phases). Each
 phase is short and latency-bound, so the kernel is laid out for two CTAs per SM, whose phases interleave: ~97 KB
@@ -41,10 +42,13 @@ P0     warp 0: mbarrier + three TMA tile loads (q, k [64 x 128] of head hv // (H
        act_b(beta) row to smem (0 past the sequence end); wait
 P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem.  WG1 (l2norm_qk): the 128 q/k rows
        normalised in place, one thread per row
-P2     round r = 0, 1, all threads, 8 channels per access: g_cum, qg, kg rows of sub-chunks 2r, 2r + 1 to gmem;
-       their score B operands (query factor * q | k, bf16 hi/lo) to smem.  After round 1: TMA of v into q's tile
-P3     round r: WG w takes anchor 2r + w: A operand (key factor * k, hi/lo) built in registers, RS WGMMA
-       64x32x128 x3.  After both rounds: Aqk rows to gmem (staged), Akk rows to smem (fp32)
+P2     round r, sub-chunks (0, 3) then (1, 2), all threads, 8 channels per access: their g_cum, qg, kg rows to
+       gmem, their score B operands (query factor * q | k, tf32-rounded fp32) to smem.  After round 1: TMA of v
+       into q's tile
+P3     round r: warps 0-4 each take one (key block kb <= anchor) pair of the round's two anchors (1 + 4, then
+       2 + 3 blocks): A operand (key factor * k) built in registers per k-step, 16x32x128 tf32 mma.sync.  After
+       both rounds: Aqk rows to gmem (staged), Akk rows to smem (fp32); warps 5-7 zero the blocks above the
+       diagonal
 P4     threads 0-63: inverse of the four 16x16 unit-lower diagonal blocks (forward substitution, fp32, in place)
 P5     block forward substitution for the off-diagonal blocks of T (3 steps, fp32 SIMT, in place)
 P6     bf16(T) to smem (WGMMA A layout); wait for v; v <- bf16(beta v), k <- bf16(bf16(beta k) exp2(gc))
@@ -56,7 +60,7 @@ writes w, u, qg, kg (4 x 256 B), Aqk (128 B) and g_cum (512 B): 1,282 B read, 1,
 token and head, about 2.3x its inputs.
 
 The fused q/k L2 norm is rounded back to q's dtype in place, exactly what FLA's ``l2norm_fwd`` hands its intra
-stage: the tiles stay the bf16 WGMMA operands they were, and the comparison with FLA isolates the intra math.
+stage: the tiles stay the bf16 operands they were, and the comparison with FLA isolates the intra math.
 With GVA each of the HV/H value-head CTAs sharing a q/k head normalises its own copy.
 
 Supported: K = V = 128, BT = 64, bf16/fp16 q/k/v, g in fp32/bf16/fp16, beta in bf16/fp16/fp32, GVA
@@ -87,10 +91,6 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
-# P3 as tf32 mma.sync (one product per score, per-warp blocks that skip all-zero key rows) instead of bf16 x3
-# WGMMA; the default once the H200 confirms its accuracy (tests/ops/test_kda_intra_kernel.py) and its speed
-# (scripts/device/profile_kda.py, path cula-intra-pending)
-TF32_SCORES_DEFAULT = True
 
 
 class ChunkKDAIntraFwdSm90:
@@ -105,9 +105,8 @@ class ChunkKDAIntraFwdSm90:
 
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
-        l2norm_qk: bool = False, beta_act: str = "none", tf32_scores: bool | None = None,
+        l2norm_qk: bool = False, beta_act: str = "none",
     ):  # fmt: skip
-        self.tf32_scores = TF32_SCORES_DEFAULT if tf32_scores is None else bool(tf32_scores)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -119,8 +118,8 @@ class ChunkKDAIntraFwdSm90:
         self.gate, self.varlen = gate, varlen
         self.bt, self.dk, self.dv = 64, 128, 128
         self.num_threads = 256
-        # score B operands of the 2 anchors of one round: 2 x (hi, lo) tiles of [32 rows (16 q | 16 k), K] bf16
-        self.sb_bytes = 4 * 32 * self.dk * 2
+        # score B operands of the 2 anchors of one round: 2 x [32 rows (16 q | 16 k), K] fp32 (tf32-rounded)
+        self.sb_bytes = 2 * 32 * self.dk * 4
         self.gin_bytes = self.dk * self.bt * (g_dtype.width // 8)
         self.x_bytes = self.bt * self.dk * (dtype.width // 8)
         self.tx_bytes = 2 * self.x_bytes + self.gin_bytes  # q, k, raw g; v comes later, into q's tile
@@ -170,13 +169,8 @@ class ChunkKDAIntraFwdSm90:
         # q/k/v tiles are stored as the MN-major B operand of w = T k', u = T v' (feature x token).
         sX_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BT, DK, BT), dt, 1)  # (K, BT, 1)
         sGin_l = cute.make_layout((DK, BT, 1), stride=(1, DK, DK * BT))
-        sB_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BT, 32, DK), dt, 4)  # (32, K, 4)
         sT_l = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BT, DK, BT), dt, 1)  # (BT, BT, 1)
 
-        mma_sc = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(BT, 32),
-            a_source=warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
         mma_wu = sm90_utils.make_trivial_tiled_mma(
             dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), tiler_mn=(BT, DK)
         )
@@ -201,7 +195,7 @@ class ChunkKDAIntraFwdSm90:
         self.kernel(
             tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg,
             mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mG, mCu, mCi, seqlen, scale, lower_bound,
-            mma_sc, mma_wu, sX_l, sGin_l, sB_l, sT_l,
+            mma_wu, sX_l, sGin_l, sT_l,
         ).launch(
             grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
             # two CTAs per SM: ptxas keeps to 128 registers; the carveout is the most shared memory (%)
@@ -277,9 +271,8 @@ class ChunkKDAIntraFwdSm90:
     @cute.jit
     def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks):
         """P2 of one round: g_cum, qg, kg rows to gmem and the score B operands of the two sub-chunks j in
-        ``subchunks`` (into B slots 0 and 1: bf16 hi / lo tiles, or with tf32_scores fp32 rows in ``sB``, a flat
-        fp32 tensor, see ``_tf32_b_unit``). Thread (r, c) takes rows 16 j + r and the 8 channels 8 c..8 c + 7, so
-        every access moves 8 channels."""
+        ``subchunks`` (into B slots 0 and 1 of ``sB``, a flat fp32 tensor, see ``_b_unit``). Thread (r, c) takes
+        rows 16 j + r and the 8 channels 8 c..8 c + 7, so every access moves 8 channels."""
         BT, dt, V8 = self.bt, self.dtype, 8
         r = tidx // 16
         c8 = cute.assume((tidx % 16) * V8, divby=V8)
@@ -302,55 +295,29 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(at(sG, (c8, 16 * j + 8), 4), rga)
             rqg = cute.make_rmem_tensor(V8, dt)
             rkg = cute.make_rmem_tensor(V8, dt)
-            if const_expr(self.tf32_scores):
-                bq = cute.make_rmem_tensor(V8, Float32)
-                bk = cute.make_rmem_tensor(V8, Float32)
-                for e in cutlass.range_constexpr(V8):
-                    gc = rg[e]
-                    qv = rq[e].to(Float32)
-                    kv = rk[e].to(Float32)
-                    rqg[e] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
-                    rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
-                    f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
-                    f = Float32(cutlass.select_(live, f, Float32(0.0)))
-                    bq[e] = _round_tf32(qv * f)
-                    bk[e] = _round_tf32(kv * f)
-                # two 16-byte units per row; lanes 4-7 of each quarter warp store their odd unit first, so each
-                # store instruction's 8 lanes cover all 32 banks
-                c4 = cute.assume((tidx % 16) * 2, divby=2)
-                first = (tidx // 4) % 2
-                for h in cutlass.range_constexpr(2):
-                    hh = h ^ first
-                    for which, src in ((0, bq), (1, bk)):
-                        part = cute.make_rmem_tensor(4, Float32)
-                        for e in cutlass.range_constexpr(4):
-                            part[e] = src[4 * hh + e]
-                        cute.autovec_copy(part, self._tf32_b_unit(sB, slot, r + 16 * which, c4 + hh))
-            else:
-                bq_hi = cute.make_rmem_tensor(V8, dt)
-                bq_lo = cute.make_rmem_tensor(V8, dt)
-                bk_hi = cute.make_rmem_tensor(V8, dt)
-                bk_lo = cute.make_rmem_tensor(V8, dt)
-                for e in cutlass.range_constexpr(V8):
-                    gc = rg[e]
-                    qv = rq[e].to(Float32)
-                    kv = rk[e].to(Float32)
-                    rqg[e] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
-                    rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
-                    f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
-                    f = Float32(cutlass.select_(live, f, Float32(0.0)))
-                    bq = qv * f
-                    bk = kv * f
-                    hq = bq.to(dt)
-                    hk = bk.to(dt)
-                    bq_hi[e] = hq
-                    bk_hi[e] = hk
-                    bq_lo[e] = (bq - hq.to(Float32)).to(dt)
-                    bk_lo[e] = (bk - hk.to(Float32)).to(dt)
-                cute.autovec_copy(bq_hi, at(sB, (r, c8, 2 * slot)))
-                cute.autovec_copy(bq_lo, at(sB, (r, c8, 2 * slot + 1)))
-                cute.autovec_copy(bk_hi, at(sB, (r + 16, c8, 2 * slot)))
-                cute.autovec_copy(bk_lo, at(sB, (r + 16, c8, 2 * slot + 1)))
+            bq = cute.make_rmem_tensor(V8, Float32)
+            bk = cute.make_rmem_tensor(V8, Float32)
+            for e in cutlass.range_constexpr(V8):
+                gc = rg[e]
+                qv = rq[e].to(Float32)
+                kv = rk[e].to(Float32)
+                rqg[e] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
+                rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
+                f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
+                f = Float32(cutlass.select_(live, f, Float32(0.0)))
+                bq[e] = _round_tf32(qv * f)
+                bk[e] = _round_tf32(kv * f)
+            # two 16-byte units per row; lanes 4-7 of each quarter warp store their odd unit first, so each
+            # store instruction's 8 lanes cover all 32 banks
+            c4 = cute.assume((tidx % 16) * 2, divby=2)
+            first = (tidx // 4) % 2
+            for h in cutlass.range_constexpr(2):
+                hh = h ^ first
+                for which, src in ((0, bq), (1, bk)):
+                    part = cute.make_rmem_tensor(4, Float32)
+                    for e in cutlass.range_constexpr(4):
+                        part[e] = src[4 * hh + e]
+                    cute.autovec_copy(part, self._b_unit(sB, slot, r + 16 * which, c4 + hh))
             if live:
                 cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
                 cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
@@ -406,8 +373,7 @@ class ChunkKDAIntraFwdSm90:
         mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
         mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor,
         seqlen: Int32, scale: Float32, lower_bound: Float32,
-        mma_sc: cute.TiledMma, mma_wu: cute.TiledMma,
-        sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sB_l: cute.ComposedLayout, sT_l: cute.ComposedLayout,
+        mma_wu: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sT_l: cute.ComposedLayout,
     ):  # fmt: skip
         BT, DK = self.bt, self.dk
         dt = self.dtype
@@ -448,7 +414,6 @@ class ChunkKDAIntraFwdSm90:
         sBeta = storage.sBeta.get_tensor(cute.make_layout(BT))
         base = storage.region.data_ptr()
         sGin = cute.make_tensor(cute.recast_ptr(base, dtype=self.g_dtype), sGin_l)
-        sB = cute.make_tensor(cute.recast_ptr(base, sB_l.inner, dtype=dt), sB_l.outer)  # (32, K, 4)
         # Akk, then (I + Akk)^-1 in place (t, s)
         sA = cute.make_tensor(
             cute.recast_ptr(base + self.off_akk, dtype=Float32), cute.make_layout((BT, BT), stride=(self.a_ld, 1))
@@ -502,69 +467,10 @@ class ChunkKDAIntraFwdSm90:
         cute.arch.barrier()
 
         # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
-        if const_expr(self.tf32_scores):
-            self._scores_tf32(
-                sQ0, sK0, sV, sG, storage.region.data_ptr(), sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0,
-                hv, valid, scale, tidx, warp_idx,
-            )
-        else:
-            # round r: P2 builds the B operands of anchors 2 r and 2 r + 1, then warpgroup w multiplies
-            # anchor 2 r + w
-            thr_sc = mma_sc.get_slice(tid)
-            wg_sc = mma_sc.get_slice(0)
-            tAc = thr_sc.partition_A(cute.make_identity_tensor((BT, DK)))  # (s, k) of each A register
-            tCc = thr_sc.partition_C(cute.make_identity_tensor((BT, 32)))  # (s, n) of each accumulator
-            rAhi = wg_sc.make_fragment_A(wg_sc.partition_shape_A((BT, DK)))
-            rAlo = wg_sc.make_fragment_A(wg_sc.partition_shape_A((BT, DK)))
-            tBr = wg_sc.make_fragment_B(wg_sc.partition_B(sB))
-            acc0 = cute.make_rmem_tensor(wg_sc.partition_shape_C((BT, 32)), Float32)
-            acc1 = cute.make_rmem_tensor(wg_sc.partition_shape_C((BT, 32)), Float32)
-            assert cute.size(tAc) == cute.size(rAhi)
-            num_kb = cute.size(rAhi, mode=[2])
-            for rnd in cutlass.range_constexpr(2):
-                self._qg_kg_score_operands_vec(
-                    sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, (2 * rnd, 2 * rnd + 1)
-                )
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier()
-                if const_expr(rnd == 1):
-                    self._load_v_after_q(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
-                anc = 2 * rnd + wg  # anchor / query sub-chunk index; its B operands are in slot wg
-                acc = acc0 if rnd == 0 else acc1
-                # a thread's rows are tAc[0] and 8 below it; key rows past the anchor's sub-chunk or the sequence
-                # are zero, so threads (whole warps: a warp owns 16 rows) holding only such rows skip the build.
-                # Anchor 0 needs 16 of the 64 rows, anchor 3 all of them: 96 of 256 row builds are skipped
-                if tAc[0][0] < cutlass.min(16 * anc + 16, valid):
-                    self._key_operands(rAhi, rAlo, tAc, sK0, sG, anc, valid)
-                else:
-                    rAhi.fill(0.0)
-                    rAlo.fill(0.0)
-                warpgroup.fence()
-                atom_sc = cute.make_mma_atom(mma_sc.op)
-                atom_sc.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(num_kb):
-                    cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * wg], acc)
-                    atom_sc.set(warpgroup.Field.ACCUMULATE, True)
-                for kb in cutlass.range_constexpr(num_kb):
-                    cute.gemm(atom_sc, acc, rAhi[None, None, kb], tBr[None, None, kb, 2 * wg + 1], acc)
-                for kb in cutlass.range_constexpr(num_kb):
-                    cute.gemm(atom_sc, acc, rAlo[None, None, kb], tBr[None, None, kb, 2 * wg], acc)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                cute.arch.barrier()  # every score GEMM has read sB: the next round rewrites it, then it is scratch
-
-            for rnd in cutlass.range_constexpr(2):
-                anc = 2 * rnd + wg
-                acc = acc0 if rnd == 0 else acc1
-                for e in cutlass.range_constexpr(cute.size(acc)):
-                    s = tCc[e][0]
-                    nn = tCc[e][1]
-                    t = 16 * anc + nn % 16
-                    if nn < 16:  # Aqk^T column t
-                        # staged; stored below as 16-byte rows
-                        sAqk[t, s] = Float32(cutlass.select_(s <= t, acc[e] * scale, Float32(0.0))).to(dt)
-                    else:  # Akk^T column t: every (t, s) is written, zero for s >= t
-                        sA[t, s] = Float32(cutlass.select_(s < t, acc[e] * sBeta[t], Float32(0.0)))
+        self._scores(
+            sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
+            warp_idx,
+        )  # fmt: skip
         cute.arch.barrier()
         for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
             item = tidx + m * self.num_threads
@@ -680,31 +586,6 @@ class ChunkKDAIntraFwdSm90:
         return ra
 
     @cute.jit
-    def _key_operands(self, rAhi, rAlo, tAc, sK0, sG, anc, valid):
-        """The score GEMM's A operand for anchor ``anc`` in registers: bf16 hi / lo of k_s * exp2(gc_p - gc_s)
-        (p the anchor row), zero for rows s past the anchor's sub-chunk or the sequence. The registers come in
-        pairs (s, k), (s, k + 1) (value mode stride 1 along k): one 4-byte k load and two 8-byte g_cum loads per
-        pair."""
-        dt = self.dtype
-        for e2 in cutlass.range_constexpr(cute.size(rAhi) // 2):
-            e = 2 * e2
-            s = tAc[e][0]
-            kk = cute.assume(tAc[e][1], divby=2)
-            rk = cute.make_rmem_tensor(2, dt)
-            rgs = cute.make_rmem_tensor(2, Float32)
-            rga = cute.make_rmem_tensor(2, Float32)
-            cute.autovec_copy(self._vec_at(sK0, (kk, s), 2, 2), rk)
-            cute.autovec_copy(self._vec_at(sG, (kk, s), 2, 2), rgs)
-            cute.autovec_copy(self._vec_at(sG, (kk, 16 * anc + 8), 2, 2), rga)
-            live = (s < 16 * anc + 16) & (s < valid)
-            for j in cutlass.range_constexpr(2):
-                f = cute.math.exp2(cute.arch.fmin(rga[j] - rgs[j], _ANCHOR_CLAMP), fastmath=True)
-                x = Float32(cutlass.select_(live, rk[j].to(Float32) * f, Float32(0.0)))
-                hi = x.to(dt)
-                rAhi[e + j] = hi
-                rAlo[e + j] = (x - hi.to(Float32)).to(dt)
-
-    @cute.jit
     def _load_v_after_q(self, tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx):
         """q is read (after round 1 of P2): v's tile goes into q's, landing while the scores and the inverse
         run (phase 1 of the barrier)."""
@@ -715,13 +596,13 @@ class ChunkKDAIntraFwdSm90:
             self._load_tile(tma_v, tv, hv, sV, tok0, bar)
 
     @cute.jit
-    def _scores_tf32(
+    def _scores(
         self, sQ0, sK0, sV, sG, region, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale,
         tidx, warp_idx,
     ):  # fmt: skip
-        """P2 + P3 with tf32 scores: per round, P2 builds the fp32 B operands of two anchors, then warps 0-4
-        each multiply one (key block kb <= anchor) pair on mma.sync; after both rounds the accumulators become
-        Aqk (staged bf16) and Akk rows, and warps 5-7 write the blocks above the diagonal as zeros.
+        """P2 + P3: per round, P2 builds the fp32 B operands of two anchors, then warps 0-4 each multiply one
+        (key block kb <= anchor) pair on tf32 mma.sync; after both rounds the accumulators become Aqk (staged
+        bf16) and Akk rows, and warps 5-7 write the blocks above the diagonal as zeros.
 
         Rounds take anchors (0, 3) and (1, 2): 1 + 4 and 2 + 3 key blocks, five warps busy in each; key blocks
         wholly past the sequence end are not multiplied (their zero accumulators are still written)."""
@@ -742,7 +623,7 @@ class ChunkKDAIntraFwdSm90:
             first = warp_idx <= a0
             kb = Int32(cutlass.select_(first, warp_idx, warp_idx - a0 - 1))
             if (warp_idx < a0 + a1 + 2) & (16 * kb < valid):
-                self._scores_tf32_unit(
+                self._score_block(
                     tiled_tf, acc, sK0, sG, sB, kb, Int32(cutlass.select_(first, a0, a1)),
                     Int32(cutlass.select_(first, 0, 1)), valid, lane,
                 )  # fmt: skip
@@ -783,7 +664,7 @@ class ChunkKDAIntraFwdSm90:
                 sA[16 * a + r, s] = Float32(0.0)
 
     @cute.jit
-    def _tf32_b_unit(self, sB, slot, n, u):
+    def _b_unit(self, sB, slot, n, u):
         """16-byte unit u (k = 4 u .. 4 u + 3) of row n (16 q rows, then 16 k rows) of B slot ``slot`` in the
         tf32 score operands: fp32 rows of K floats, the unit index XOR 4 on odd rows, so that a quarter warp's
         two rows (mma.sync B fragments: rows g, g + 1 at the same k) fall on disjoint banks."""
@@ -791,7 +672,7 @@ class ChunkKDAIntraFwdSm90:
         return cute.make_tensor(sB.iterator + cute.assume(off, divby=4), cute.make_layout(4))
 
     @cute.jit
-    def _scores_tf32_unit(self, tiled_tf, acc, sK0, sG, sB, kb, anc, slot, valid, lane):
+    def _score_block(self, tiled_tf, acc, sK0, sG, sB, kb, anc, slot, valid, lane):
         """One warp's block of the scores on tf32 mma.sync: key rows 16 kb..16 kb + 15 against the 32 B rows of
         anchor ``anc`` (in B slot ``slot``): ``acc[s, n] = sum_k A[s, k] B[n, k]``, A = k_s exp2(gc_anc - gc_s)
         (0 past the sequence end), both tf32-rounded.
@@ -822,7 +703,7 @@ class ChunkKDAIntraFwdSm90:
             rb = []  # n-tile nt's 4 k values
             for nt in cutlass.range_constexpr(4):
                 rb.append(cute.make_rmem_tensor(4, Float32))
-                cute.autovec_copy(self._tf32_b_unit(sB, slot, 8 * nt + g_, 4 * m + lane % 4), rb[nt])
+                cute.autovec_copy(self._b_unit(sB, slot, 8 * nt + g_, 4 * m + lane % 4), rb[nt])
             for step in cutlass.range_constexpr(2):
                 # A values (g, c), (g + 8, c), (g, c + 4), (g + 8, c + 4); B values (k c, n g), (k c + 4, n g)
                 for v in cutlass.range_constexpr(4):
@@ -850,7 +731,7 @@ def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple, value: 
 
 def _tf32_row(g):
     """Key row (within a 16-row block) of mma.sync fragment row g < 8: 0, 2, 4, 6, 1, 3, 5, 7 (see
-    ``_scores_tf32_unit``); fragment row g + 8 is that row + 8."""
+    ``_score_block``); fragment row g + 8 is that row + 8."""
     return (g % 4) * 2 + g // 4
 
 
@@ -866,7 +747,6 @@ _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.flo
 
 def _compile(
     dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none",
-    tf32_scores=False,
 ):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
@@ -874,7 +754,7 @@ def _compile(
     DK, BT = 128, 64
     kernel = ChunkKDAIntraFwdSm90(
         dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, l2norm_qk=l2norm_qk,
-        beta_act=beta_act, tf32_scores=tf32_scores,
+        beta_act=beta_act,
     )
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -898,17 +778,14 @@ def _compile(
 
 def get_compiled(
     dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), *,
-    l2norm_qk=False, beta_act="none", tf32_scores=False,
+    l2norm_qk=False, beta_act="none",
 ):  # fmt: skip
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
     key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
-           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(tf32_scores))  # fmt: skip
+           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act)  # fmt: skip
     return compiled_kernel(
         key,
-        lambda: _compile(
-            dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act,
-            tf32_scores=tf32_scores,
-        ),
+        lambda: _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act),
     )
 
 
@@ -931,14 +808,13 @@ def gate_params(
 
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str, *, tf32_scores: bool | None = None,
+    beta_act: str,
 ):  # fmt: skip
-    """The compiled variant for torch dtypes and the launch flags (``tf32_scores``: ``TF32_SCORES_DEFAULT`` when
-    None); ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s bound launch both take their kernel from here."""
+    """The compiled variant for torch dtypes and the launch flags; ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s
+    bound launch both take their kernel from here."""
     return get_compiled(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
-        tf32_scores=TF32_SCORES_DEFAULT if tf32_scores is None else bool(tf32_scores),
     )  # fmt: skip
 
 
@@ -977,7 +853,6 @@ def chunk_kda_intra_sm90(
     use_qk_l2norm: bool = False,
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
-    tf32_scores: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -1005,8 +880,6 @@ def chunk_kda_intra_sm90(
             rounded to q's dtype, before any use.
         beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
-        tf32_scores: the scores as single-pass tf32 ``mma.sync`` products instead of bf16 x3 WGMMAs (see P3);
-            ``TF32_SCORES_DEFAULT`` when None.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -1058,7 +931,7 @@ def chunk_kda_intra_sm90(
     dev = q.device
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
-        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, tf32_scores=tf32_scores
+        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act
     )
 
     def flat(t):
