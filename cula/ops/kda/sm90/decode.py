@@ -29,6 +29,9 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   in further rounds of 8 (the contract is T <= 8, but nothing breaks above it).
 * **Occupancy**: 128-thread CTAs with ``min_blocks_per_mp=4`` cap ptxas at 128 registers (99-116 used, no
   spills): 16 warps and 64 KB of state loads in flight per SM.
+* **wide_kv** (a variant for ``[K, V]`` pools with K=128, off until measured): ``LK = 8`` and 64 state
+  registers per lane (``j`` < 4), so a warp's V slice and each row it reads are twice as wide (64 B); 3 CTAs
+  per SM.
 
 Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in {64, 128}; V a multiple of
 8 (K=128) or 16 (K=64), 64 and 128 tested; any GVA ratio; any H/HV/N/T/pool size at run time (one compile
@@ -39,7 +42,6 @@ Padded slots (``indices[n] < 0``) leave the pool and ``step_states`` untouched a
 
 from __future__ import annotations
 
-import functools
 import math
 
 import cutlass
@@ -56,8 +58,8 @@ GATES = ("none", "softplus", "lower_bound")
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# with prefetch: two state tiles a lane (~135 registers), 3 CTAs of 4 warps per SM
-PREFETCH_CTAS_PER_SM = 3
+# wide_kv: 64 state registers a lane, 3 CTAs of 4 warps per SM
+WIDE_CTAS_PER_SM = 3
 
 _TORCH_TO_CUTE = {
     torch.bfloat16: cutlass.BFloat16,
@@ -71,7 +73,6 @@ class KdaDecodeSm90:
 
     arch = 90
     V_PER_LANE = 4  # one 16-byte fp32 vector
-    K_PER_LANE = 8  # two 4 x 4 blocks: 32 state registers per lane
     TOKENS_PER_ROUND = 8  # shared-memory token slots per warp
 
     def __init__(
@@ -92,15 +93,22 @@ class KdaDecodeSm90:
         has_step_states: bool,
         warps_per_cta: int = 4,
         min_blocks_per_sm: int | None = None,
-        prefetch: bool = False,
+        wide_kv: bool = False,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
         # K spread over K/8 lanes (16 for K=128, 8 for K=64): 32 fp32 state registers per lane, which
-        # leaves room for 4+ CTAs of 4 warps per SM without spills
-        self.lanes_k = K // self.K_PER_LANE
+        # leaves room for 4+ CTAs of 4 warps per SM without spills. wide_kv ([K, V] pools only): K over K/16
+        # lanes, 64 state registers, so a warp's V slice is twice as wide: rows of 64 B (K=128) instead of
+        # 32 B, whole DRAM bursts rather than single 32-byte sectors 512 B apart
+        if wide_kv and (state_v_first or K != 128):
+            # K=64 [K, V] rows are already 64 B wide with the default tile
+            raise ValueError("wide_kv is for [K, V] pools (state_v_first=False) with K=128")
+        self.wide_kv = wide_kv
+        self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
+        self.lanes_k = K // self.k_per_lane
         self.lanes_v = 32 // self.lanes_k
-        self.v_per_warp = self.lanes_v * self.V_PER_LANE  # 8 for K=128, 16 for K=64
+        self.v_per_warp = self.lanes_v * self.V_PER_LANE  # 8 for K=128 (16 with wide_kv), 16 for K=64
         if V % self.v_per_warp != 0:
             raise ValueError(f"V must be a multiple of {self.v_per_warp}, got {V}")
         if gate not in GATES:
@@ -120,13 +128,10 @@ class KdaDecodeSm90:
         self.state_v_first = state_v_first
         self.has_step_states = has_step_states
         self.warps_per_cta = warps_per_cta
-        # prefetch: persistent warps that load the next unit's state while computing this one's (32 more
-        # registers a lane, so 3 CTAs per SM instead of 4, each warp with a load always in flight)
-        self.prefetch = prefetch
-        self.min_blocks_per_sm = min_blocks_per_sm or (PREFETCH_CTAS_PER_SM if prefetch else 4)
+        self.min_blocks_per_sm = min_blocks_per_sm or (WIDE_CTAS_PER_SM if wide_kv else 4)
 
-        self.k_blocks = self.K_PER_LANE // 4  # j extent
-        self.k_stride_j = 4 * self.lanes_k  # k distance between a lane's two 4-row blocks
+        self.k_blocks = self.k_per_lane // 4  # j extent
+        self.k_stride_j = 4 * self.lanes_k  # k distance between a lane's consecutive 4-row blocks
         self.k_prep = K // 32  # K elements per lane during token preprocessing
         self.v_slices = V // self.v_per_warp
         # One token slot: q_hat[K], k_hat[K], exp(g)[K], v[16], beta, padded to 16 bytes.
@@ -153,15 +158,12 @@ class KdaDecodeSm90:
         mStep: cute.Tensor | None,  # [N, T, HV, K, V] or [N, T, HV, V, K] fp32
         scale: Float32,
         lower_bound: Float32,
-        max_ctas: Int32,  # prefetch: the CTAs resident at once (SMs x min_blocks_per_sm); else unused
         stream,
     ):
         N = mQ.shape[0]
         HV = mV.shape[2]
         units = N * HV * self.v_slices
         grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
-        if cutlass.const_expr(self.prefetch):
-            grid = cutlass.min(grid, max_ctas)
         self.kernel(
             mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound
         ).launch(
@@ -319,45 +321,17 @@ class KdaDecodeSm90:
             frag_layout = cute.make_layout(((4, KB), R), stride=((R, 4 * R), 1))
         tS = cute.make_rmem_tensor(frag_layout, Float32)
         unit = bidx * self.warps_per_cta + warp
-        if cutlass.const_expr(not self.prefetch):
-            if unit < units:
-                n, h, hv, vs, v0 = self._unit_coords(unit, HV, H, lv)
-                slot = mIdx[n]
-                if slot >= 0:
-                    # state tile -> registers first, so the loads fly during token preprocessing
-                    gS = self._state_view(mState[slot, hv, None, None], lk, v0)
-                    cute.autovec_copy(gS, tS)
-                    self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW,
-                                   n, h, hv, vs, v0, lane, T, scale, lower_bound)  # fmt: skip
-                else:
-                    self._zero_rows(mOut, n, hv, v0, lk, T)
-        else:
-            # persistent warps, units unit, unit + stride, ...: the next unit's state loads are issued before
-            # this unit's math, so every warp keeps 4 KB of loads in flight all the time
-            stride = cute.arch.grid_dim()[0] * self.warps_per_cta
-            tNext = cute.make_rmem_tensor(frag_layout, Float32)
-            if unit < units:
-                n, h, hv, vs, v0 = self._unit_coords(unit, HV, H, lv)
-                slot = mIdx[n]
-                if slot >= 0:
-                    cute.autovec_copy(self._state_view(mState[slot, hv, None, None], lk, v0), tNext)
-            while unit < units:
-                n, h, hv, vs, v0 = self._unit_coords(unit, HV, H, lv)
-                slot = mIdx[n]
-                tS.store(tNext.load())
-                nxt = unit + stride
-                if nxt < units:
-                    n2, _h2, hv2, _vs2, v02 = self._unit_coords(nxt, HV, H, lv)
-                    slot2 = mIdx[n2]
-                    if slot2 >= 0:
-                        cute.autovec_copy(self._state_view(mState[slot2, hv2, None, None], lk, v02), tNext)
-                if slot >= 0:
-                    gS = self._state_view(mState[slot, hv, None, None], lk, v0)
-                    self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW,
-                                   n, h, hv, vs, v0, lane, T, scale, lower_bound)  # fmt: skip
-                else:
-                    self._zero_rows(mOut, n, hv, v0, lk, T)
-                unit = nxt
+        if unit < units:
+            n, h, hv, vs, v0 = self._unit_coords(unit, HV, H, lv)
+            slot = mIdx[n]
+            if slot >= 0:
+                # state tile -> registers first, so the loads fly during token preprocessing
+                gS = self._state_view(mState[slot, hv, None, None], lk, v0)
+                cute.autovec_copy(gS, tS)
+                self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW,
+                               n, h, hv, vs, v0, lane, T, scale, lower_bound)  # fmt: skip
+            else:
+                self._zero_rows(mOut, n, hv, v0, lk, T)
 
     @cute.jit
     def _unit_coords(self, unit, HV, H, lv):
@@ -385,7 +359,7 @@ class KdaDecodeSm90:
     ):  # fmt: skip
         """The T tokens of one unit on its state tile ``tS`` (in registers), then the tile back to ``gS``."""
         KB = self.k_blocks
-        KPT = self.K_PER_LANE
+        KPT = self.k_per_lane
         LOG_LK = int(math.log2(self.lanes_k))
         R = self.V_PER_LANE
         TR = self.TOKENS_PER_ROUND
@@ -502,7 +476,6 @@ def _compile(cfg: KdaDecodeSm90, arch: tuple[int, int]):
         step,
         Float32(1.0),
         Float32(0.0),
-        Int32(1),
         stream,
         options=compile_options(arch),
     )
@@ -515,7 +488,7 @@ def _variant_key(flags: dict) -> tuple:
     if flags["gate"] == "none":
         flags.update(has_a_log=False, has_dt_bias=False)
     flags["allow_neg_eigval"] = flags["allow_neg_eigval"] and flags["beta_sigmoid"]
-    flags["prefetch"] = bool(flags["prefetch"])
+    flags["wide_kv"] = bool(flags["wide_kv"])
     return ("kda_decode_sm90", *sorted(flags.items()))
 
 
@@ -542,20 +515,19 @@ def kda_decode_variant(
     allow_neg_eigval: bool,
     state_v_first: bool,
     has_step_states: bool,
-    prefetch: bool = False,
+    wide_kv: bool = False,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
 
-    Call it as ``fn(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound,
-    max_ctas)`` with None exactly where the variant has no A_log / dt_bias / step_states; ``max_ctas`` (the CTAs
-    resident at once) is read by the ``prefetch`` variant only. Used by the CPU compile tests.
+    Call it as ``fn(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)``
+    with None exactly where the variant has no A_log / dt_bias / step_states. Used by the CPU compile tests.
     """
     key = _variant_key(
         {"io_dtype": io_dtype, "g_dtype": g_dtype, "beta_dtype": beta_dtype, "K": K, "V": V, "gate": gate,
          "has_a_log": has_a_log, "has_dt_bias": has_dt_bias, "use_qk_l2norm": use_qk_l2norm,
          "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval, "state_v_first": state_v_first,
-         "has_step_states": has_step_states, "prefetch": prefetch, "arch": arch}
+         "has_step_states": has_step_states, "wide_kv": wide_kv, "arch": arch}
     )  # fmt: skip
     return compiled_kernel(key, lambda: _build(key))
 
@@ -622,31 +594,28 @@ def kda_decode_sm90(
     launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)
 
 
-def kda_decode_launcher(*, gate: str, has_a_log: bool, has_dt_bias: bool, prefetch: bool | None = None, **flags):
-    """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``prefetch`` None:
-    ``PREFETCH_DEFAULT``), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out,
-    step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
+def kda_decode_launcher(*, gate: str, has_a_log: bool, has_dt_bias: bool, wide_kv: bool | None = None, **flags):
+    """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``wide_kv`` None:
+    ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices,
+    out, step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
-    prefetch = PREFETCH_DEFAULT if prefetch is None else bool(prefetch)
+    if wide_kv is None:
+        wide_kv = WIDE_KV_DEFAULT and not flags["state_v_first"] and flags["K"] == 128
     fn = kda_decode_variant(
-        gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, prefetch=prefetch, arch=_ARCH,
-        **flags,
+        gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, wide_kv=bool(wide_kv),
+        arch=_ARCH, **flags,
     )  # fmt: skip
 
     def launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound):
         fn(q, k, v, g, beta, A_log if gated else None, dt_bias if gated else None, state, indices, out, step_states,
-           scale, 0.0 if lower_bound is None else lower_bound, _resident_ctas(q.device) if prefetch else 1)  # fmt: skip
+           scale, 0.0 if lower_bound is None else lower_bound)  # fmt: skip
 
     return launch
 
 
-@functools.cache
-def _resident_ctas(device: torch.device) -> int:
-    """CTAs of the prefetch variant that fit on the device at once."""
-    return torch.cuda.get_device_properties(device).multi_processor_count * PREFETCH_CTAS_PER_SM
-
-
 _ARCH = (9, 0)
-# persistent, prefetching warps (KdaDecodeSm90(prefetch=True)): the default once the H200 confirms the results
-# are bit-identical (tests/ops/test_kda_decode_kernel.py::test_prefetch_bit_identical) and the bandwidth higher
-PREFETCH_DEFAULT = False
+# [K, V] pools with the wide lane tile (KdaDecodeSm90(wide_kv=True)): the default once the H200 confirms the
+# results (tests/ops/test_kda_decode_kernel.py::test_wide_kv_matches) and a higher bandwidth (the speed report's
+# "kv wide" rows; the narrow tile reads [K, V] rows in 32-byte pieces and reached 2.4 TB/s against 3.6 for
+# [V, K] on 2026-11-30)
+WIDE_KV_DEFAULT = False
