@@ -61,6 +61,7 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
 def profile_paths() -> None:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
+    import cula.ops.kda.sm90.intra as intra_mod
     from cula.backends import clear_plan_caches
     from cula.kda import chunk_kda
 
@@ -68,10 +69,13 @@ def profile_paths() -> None:
     with torch.inference_mode():
         for B, T in SHAPES:
             x = inputs(B, T)
-            for path, env in (("fla", None), ("cula-fla-intra", "0"), ("cula-intra", "1")):
+            for path, env, pending in (("fla", None, False), ("cula-fla-intra", "0", False), ("cula-intra", "1", False),
+                                       ("cula-intra-pending", "1", True)):  # fmt: skip
                 if env is not None:
                     os.environ["CULA_KDA_INTRA"] = env
-                clear_plan_caches()  # a variant waiting for its GPU check: set its module switch above this
+                # the variant waiting for its GPU check
+                intra_mod.PIPELINED_LOADS_DEFAULT = pending
+                clear_plan_caches()  # chunk_kda binds the switch into its per-signature plan
                 fn = fla_chunk_kda if env is None else chunk_kda
                 times = kernel_times(lambda fn=fn, x=x: fn(**x, **FLAGS))
                 key = f"B{B}-T{T} {path}"

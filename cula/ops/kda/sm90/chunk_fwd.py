@@ -259,8 +259,8 @@ def prepare_chunk_kda_fwd_sm90(
     the intra -> state/output intermediates in their flat kernel shapes and calls the two compiled kernels
     directly: none of the per-call checks, views and cache-key builds of the general path, which the caller's
     full validation of the first call with this signature stands for (``cula.kda.chunk``'s plan cache).
-    The module switch ``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS`` is read here, once: call
-    ``cula.backends.clear_plan_caches()`` after changing it; ``CULA_KDA_INTRA`` is part of the signature.
+    Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``, ``intra.PIPELINED_LOADS_DEFAULT``) are read here, once:
+    call ``cula.backends.clear_plan_caches()`` after changing them; ``CULA_KDA_INTRA`` is part of the signature.
     """
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import intra

@@ -91,6 +91,12 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
+# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P6's k' and v') issue the
+# next step's loads before this step's stores: ptxas cannot move a load above a store it cannot prove disjoint,
+# so the plain loops run one full latency chain per step (the gate cumsum: ~110 cycles x 64). Same arithmetic in
+# the same order: the default once tests/ops/test_kda_intra_kernel.py::test_pipelined_loads_bit_identical passes
+# on the H200 and profile_kda.py shows it faster
+PIPELINED_LOADS_DEFAULT = False
 
 
 class ChunkKDAIntraFwdSm90:
@@ -105,8 +111,9 @@ class ChunkKDAIntraFwdSm90:
 
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
-        l2norm_qk: bool = False, beta_act: str = "none",
+        l2norm_qk: bool = False, beta_act: str = "none", pipelined_loads: bool | None = None,
     ):  # fmt: skip
+        self.pipelined_loads = PIPELINED_LOADS_DEFAULT if pipelined_loads is None else bool(pipelined_loads)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -241,10 +248,19 @@ class ChunkKDAIntraFwdSm90:
         """v' = bf16(v beta_t) in place on a (V, BT) smem tile, 8 channels per access (all 256 threads)."""
         c8 = cute.assume((tidx % 16) * 8, divby=8)
         rows = self.num_threads // 16
-        for m in cutlass.range_constexpr(self.bt // rows):
-            t = tidx // 16 + rows * m
+        steps = self.bt // rows
+
+        def load(m):
             rv = cute.make_rmem_tensor(8, self.dtype)
-            cute.autovec_copy(self._vec_at(sX0, (c8, t)), rv)
+            cute.autovec_copy(self._vec_at(sX0, (c8, tidx // 16 + rows * m)), rv)
+            return rv
+
+        nxt = load(0) if const_expr(self.pipelined_loads) else None
+        for m in cutlass.range_constexpr(steps):
+            t = tidx // 16 + rows * m
+            rv = nxt if const_expr(self.pipelined_loads) else load(m)
+            if const_expr(self.pipelined_loads and m + 1 < steps):
+                nxt = load(m + 1)
             b = sBeta[t]
             for e in cutlass.range_constexpr(8):
                 rv[e] = (rv[e].to(Float32) * b).to(self.dtype)
@@ -256,12 +272,21 @@ class ChunkKDAIntraFwdSm90:
         dt = self.dtype
         r = tidx // 16
         c8 = cute.assume((tidx % 16) * 8, divby=8)
-        for j in cutlass.range_constexpr(self.bt // 16):
-            t = 16 * j + r
+        steps = self.bt // 16
+
+        def load(j):
             rk = cute.make_rmem_tensor(8, dt)
             rg = cute.make_rmem_tensor(8, Float32)
-            cute.autovec_copy(self._vec_at(sK0, (c8, t)), rk)
-            cute.autovec_copy(self._vec_at(sG, (c8, t), 4), rg)  # sG rows: 132 floats, 16-byte aligned
+            cute.autovec_copy(self._vec_at(sK0, (c8, 16 * j + r)), rk)
+            cute.autovec_copy(self._vec_at(sG, (c8, 16 * j + r), 4), rg)  # sG rows: 16-byte aligned
+            return rk, rg
+
+        nxt = load(0) if const_expr(self.pipelined_loads) else None
+        for j in cutlass.range_constexpr(steps):
+            t = 16 * j + r
+            rk, rg = nxt if const_expr(self.pipelined_loads) else load(j)
+            if const_expr(self.pipelined_loads and j + 1 < steps):
+                nxt = load(j + 1)
             b = sBeta[t]
             for e in cutlass.range_constexpr(8):
                 kbeta = (rk[e].to(Float32) * b).to(dt).to(Float32)
@@ -355,9 +380,18 @@ class ChunkKDAIntraFwdSm90:
         # FLA: 1 / sqrt(sum + eps); correctly rounded sqrt and divide, not rsqrt.approx, so the bf16 result
         # differs from FLA's only by the summation order
         r = Float32(1.0) / cute.math.sqrt(tot + L2NORM_EPS)
-        for c in cutlass.range_constexpr(self.dk // V8):
+        steps = self.dk // V8
+
+        def load(c):
             rx = cute.make_rmem_tensor(V8, dt)
             cute.autovec_copy(self._vec_at(sX0, (c * V8, t)), rx)
+            return rx
+
+        nxt = load(0) if const_expr(self.pipelined_loads) else None
+        for c in cutlass.range_constexpr(steps):
+            rx = nxt if const_expr(self.pipelined_loads) else load(c)
+            if const_expr(self.pipelined_loads and c + 1 < steps):
+                nxt = load(c + 1)
             for e in cutlass.range_constexpr(V8):
                 rx[e] = (rx[e].to(Float32) * r).to(dt)
             cute.autovec_copy(rx, self._vec_at(sX0, (c * V8, t)))
@@ -454,11 +488,25 @@ class ChunkKDAIntraFwdSm90:
         if wg == 0:
             # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
             acc = Float32(0.0)
-            for t in cutlass.range(BT, unroll=8):
-                a = self._act(sGin0[tid, t].to(Float32), coef, bias, lower_bound)
-                # rows past the sequence end add nothing, so gc there equals gc at the last valid row
-                acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
-                sG[tid, t] = acc * RCP_LN2
+            if const_expr(self.pipelined_loads):
+                # blocks of 8 steps, the next block's raw gates loaded before this block's g_cum stores
+                GB = 8
+                nxt = [sGin0[tid, e].to(Float32) for e in range(GB)]
+                for blk in cutlass.range_constexpr(BT // GB):
+                    cur = nxt
+                    if const_expr(blk + 1 < BT // GB):
+                        nxt = [sGin0[tid, GB * (blk + 1) + e].to(Float32) for e in range(GB)]
+                    for e in cutlass.range_constexpr(GB):
+                        t = GB * blk + e
+                        a = self._act(cur[e], coef, bias, lower_bound)
+                        acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
+                        sG[tid, t] = acc * RCP_LN2
+            else:
+                for t in cutlass.range(BT, unroll=8):
+                    a = self._act(sGin0[tid, t].to(Float32), coef, bias, lower_bound)
+                    # rows past the sequence end add nothing, so gc there equals gc at the last valid row
+                    acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
+                    sG[tid, t] = acc * RCP_LN2
         else:
             if const_expr(self.l2norm_qk):
                 # nothing reads q or k before P2; thread tid owns row tid % 64 of q (tid < 64) or of k
@@ -747,6 +795,7 @@ _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.flo
 
 def _compile(
     dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none",
+    pipelined_loads=False,
 ):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
@@ -754,7 +803,7 @@ def _compile(
     DK, BT = 128, 64
     kernel = ChunkKDAIntraFwdSm90(
         dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, l2norm_qk=l2norm_qk,
-        beta_act=beta_act,
+        beta_act=beta_act, pipelined_loads=pipelined_loads,
     )
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -778,14 +827,17 @@ def _compile(
 
 def get_compiled(
     dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), *,
-    l2norm_qk=False, beta_act="none",
+    l2norm_qk=False, beta_act="none", pipelined_loads=False,
 ):  # fmt: skip
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
     key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
-           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act)  # fmt: skip
+           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(pipelined_loads))  # fmt: skip
     return compiled_kernel(
         key,
-        lambda: _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act),
+        lambda: _compile(
+            dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act,
+            pipelined_loads=pipelined_loads,
+        ),
     )
 
 
@@ -808,13 +860,14 @@ def gate_params(
 
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str,
+    beta_act: str, *, pipelined_loads: bool | None = None,
 ):  # fmt: skip
-    """The compiled variant for torch dtypes and the launch flags; ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s
-    bound launch both take their kernel from here."""
+    """The compiled variant for torch dtypes and the launch flags (``pipelined_loads``: ``PIPELINED_LOADS_DEFAULT``
+    when None); ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s bound launch both take their kernel from here."""
     return get_compiled(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
+        pipelined_loads=PIPELINED_LOADS_DEFAULT if pipelined_loads is None else bool(pipelined_loads),
     )  # fmt: skip
 
 
@@ -853,6 +906,7 @@ def chunk_kda_intra_sm90(
     use_qk_l2norm: bool = False,
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
+    pipelined_loads: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -880,6 +934,8 @@ def chunk_kda_intra_sm90(
             rounded to q's dtype, before any use.
         beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
+        pipelined_loads: the variant whose read-modify-write loops issue the next loads before the stores (same
+            results); ``PIPELINED_LOADS_DEFAULT`` when None.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -931,7 +987,7 @@ def chunk_kda_intra_sm90(
     dev = q.device
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
-        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act
+        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, pipelined_loads=pipelined_loads
     )
 
     def flat(t):
