@@ -305,19 +305,27 @@ class ChunkKDAIntraFwdSm90:
         at = self._vec_at
 
         rgl = cute.make_rmem_tensor(V8, Float32)
-        cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG rows: 132 floats, 16-byte aligned
-        for slot in cutlass.range_constexpr(2):
+        cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG's 8-float units stay whole under its swizzle
+
+        def load(slot):
             j = subchunks[slot]
-            t = 16 * j + r
-            live = t < valid
             rq = cute.make_rmem_tensor(V8, dt)
             rk = cute.make_rmem_tensor(V8, dt)
             rg = cute.make_rmem_tensor(V8, Float32)
             rga = cute.make_rmem_tensor(V8, Float32)
-            cute.autovec_copy(at(sQ0, (c8, t)), rq)
-            cute.autovec_copy(at(sK0, (c8, t)), rk)
-            cute.autovec_copy(at(sG, (c8, t), 4), rg)
+            cute.autovec_copy(at(sQ0, (c8, 16 * j + r)), rq)
+            cute.autovec_copy(at(sK0, (c8, 16 * j + r)), rk)
+            cute.autovec_copy(at(sG, (c8, 16 * j + r), 4), rg)
             cute.autovec_copy(at(sG, (c8, 16 * j + 8), 4), rga)
+            return rq, rk, rg, rga
+
+        # pipelined_loads: the second sub-chunk's rows are read before the first one's stores
+        ahead = [load(0), load(1)] if const_expr(self.pipelined_loads) else None
+        for slot in cutlass.range_constexpr(2):
+            j = subchunks[slot]
+            t = 16 * j + r
+            live = t < valid
+            rq, rk, rg, rga = ahead[slot] if const_expr(self.pipelined_loads) else load(slot)
             rqg = cute.make_rmem_tensor(V8, dt)
             rkg = cute.make_rmem_tensor(V8, dt)
             bq = cute.make_rmem_tensor(V8, Float32)
