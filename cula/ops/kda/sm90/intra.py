@@ -91,9 +91,10 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
-# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P6's k' and v') issue the
-# next step's loads before this step's stores: ptxas cannot move a load above a store it cannot prove disjoint,
-# so the plain loops run one full latency chain per step (the gate cumsum: ~110 cycles x 64). Same arithmetic in
+# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P6's k' and v') issue
+# the next step's loads before this step's stores: ptxas cannot move a load above a store it cannot prove
+# disjoint, so the plain loops run one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 also
+# loads the raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. Same arithmetic in
 # the same order: the default once tests/ops/test_kda_intra_kernel.py::test_pipelined_loads_bit_identical passes
 # on the H200 and profile_kda.py shows it faster
 PIPELINED_LOADS_DEFAULT = False
@@ -196,7 +197,7 @@ class ChunkKDAIntraFwdSm90:
             sG: cute.struct.Align[cute.struct.MemRange[Float32, BT * DK], 1024]
             region: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.region_bytes], 1024]
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
-            mbar: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar: cute.struct.MemRange[cutlass.Int64, 2]  # q, k (then v); raw g (pipelined_loads)
 
         self.storage = Storage
         self.kernel(
@@ -442,6 +443,7 @@ class ChunkKDAIntraFwdSm90:
 
         storage = SmemAllocator().allocate(self.storage)
         bar = storage.mbar.data_ptr()
+        bar_g = bar + 1
         # k's tile right after q's (a multiple of the swizzle period), so one thread's row can be in either
         x_elems = cute.cosize(sX_l)
         sQ = cute.make_tensor(cute.recast_ptr(storage.sQK.data_ptr(), sX_l.inner, dtype=dt), sX_l.outer)
@@ -469,15 +471,26 @@ class ChunkKDAIntraFwdSm90:
         )  # (t, s)
 
         # ---------------- P0: loads of q, k, raw g (phase 0 of the barrier; v is phase 1) ----------------
+        # pipelined_loads: raw g first, on its own barrier, so the gate cumsum starts before q and k have landed
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
+            if const_expr(self.pipelined_loads):
+                cute.arch.mbarrier_init(bar_g, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
         if warp_idx == 0:
-            if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tx_bytes)
-            for atom, tsrc, head, sdst in ((tma_q, tq, h, sQ), (tma_k, tk, h, sK), (tma_g, tg, hv, sGin)):
-                self._load_tile(atom, tsrc, head, sdst, tok0, bar)
+            if const_expr(self.pipelined_loads):
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar_g, self.gin_bytes)
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * self.x_bytes)
+                for atom, tsrc, head, sdst, b in ((tma_g, tg, hv, sGin, bar_g), (tma_q, tq, h, sQ, bar),
+                                                  (tma_k, tk, h, sK, bar)):  # fmt: skip
+                    self._load_tile(atom, tsrc, head, sdst, tok0, b)
+            else:
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tx_bytes)
+                for atom, tsrc, head, sdst in ((tma_q, tq, h, sQ), (tma_k, tk, h, sK), (tma_g, tg, hv, sGin)):
+                    self._load_tile(atom, tsrc, head, sdst, tok0, bar)
         if tidx < BT:
             b = Float32(0.0)
             if tidx < valid:
@@ -488,8 +501,9 @@ class ChunkKDAIntraFwdSm90:
         if const_expr(self.gate != "none"):
             coef = cute.math.exp(mAlog[hv].to(Float32), fastmath=True)
             bias = mBias[hv, tid].to(Float32)
-        cute.arch.mbarrier_wait(bar, 0)
-        cute.arch.barrier()
+        if const_expr(not self.pipelined_loads):
+            cute.arch.mbarrier_wait(bar, 0)
+            cute.arch.barrier()
 
         # ---------------- P1: gate cumsum (WG0) | q, k row norms (WG1) ----------------
         sQ0, sK0, sV0, sGin0 = sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sGin[None, None, 0]
@@ -497,6 +511,7 @@ class ChunkKDAIntraFwdSm90:
             # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
             acc = Float32(0.0)
             if const_expr(self.pipelined_loads):
+                cute.arch.mbarrier_wait(bar_g, 0)
                 # blocks of 8 steps, the next block's raw gates loaded before this block's g_cum stores
                 GB = 8
                 nxt = [sGin0[tid, e].to(Float32) for e in range(GB)]
@@ -509,6 +524,7 @@ class ChunkKDAIntraFwdSm90:
                         a = self._act(cur[e], coef, bias, lower_bound)
                         acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
                         sG[tid, t] = acc * RCP_LN2
+                cute.arch.mbarrier_wait(bar, 0)  # q and k, read by everyone from P2 on
             else:
                 for t in cutlass.range(BT, unroll=8):
                     a = self._act(sGin0[tid, t].to(Float32), coef, bias, lower_bound)
@@ -516,6 +532,8 @@ class ChunkKDAIntraFwdSm90:
                     acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
                     sG[tid, t] = acc * RCP_LN2
         else:
+            if const_expr(self.pipelined_loads):
+                cute.arch.mbarrier_wait(bar, 0)
             if const_expr(self.l2norm_qk):
                 # nothing reads q or k before P2; thread tid owns row tid % 64 of q (tid < 64) or of k
                 off = cute.assume(Int32(cutlass.select_(tid < BT, 0, x_elems)), divby=x_elems)
