@@ -91,7 +91,7 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
-# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P6's k' and v') issue
+# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P5, P6's k' and v') issue
 # the next step's loads before this step's stores: ptxas cannot move a load above a store it cannot prove
 # disjoint, so the plain loops run one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 also
 # loads the raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. Same arithmetic in
@@ -577,22 +577,36 @@ class ChunkKDAIntraFwdSm90:
         # overwrites that row block
         rr = tidx // 16
         c0 = tidx % 16
+        # (pipelined_loads: each half-step stores its i results after all their loads; the stores go to sY, or to
+        # column blocks of row block i that this half-step does not read)
         for i in cutlass.range_constexpr(1, 4):
+            ys = []
             for p in cutlass.range_constexpr(i):
                 y = Float32(0.0)
                 for m4 in cutlass.range_constexpr(4 * p, 4 * i):
                     ra = self._a_row4(sA, 16 * i + rr, 4 * m4)
                     for e in cutlass.range_constexpr(4):
                         y = y + ra[e] * sA[4 * m4 + e, c0 + 16 * p]
-                sY[rr, c0 + 16 * p] = y
+                ys.append(y)
+                if const_expr(not self.pipelined_loads):
+                    sY[rr, c0 + 16 * p] = y
+            if const_expr(self.pipelined_loads):
+                for p in cutlass.range_constexpr(i):
+                    sY[rr, c0 + 16 * p] = ys[p]
             cute.arch.barrier()
+            ys = []
             for p in cutlass.range_constexpr(i):
                 y = Float32(0.0)
                 for m4 in cutlass.range_constexpr(4):
                     ra = self._a_row4(sA, 16 * i + rr, 16 * i + 4 * m4)
                     for e in cutlass.range_constexpr(4):
                         y = y - ra[e] * sY[4 * m4 + e, c0 + 16 * p]
-                sA[16 * i + rr, c0 + 16 * p] = y
+                ys.append(y)
+                if const_expr(not self.pipelined_loads):
+                    sA[16 * i + rr, c0 + 16 * p] = y
+            if const_expr(self.pipelined_loads):
+                for p in cutlass.range_constexpr(i):
+                    sA[16 * i + rr, c0 + 16 * p] = ys[p]
             cute.arch.barrier()
 
         # ---------------- P6: bf16(T), v' = bf16(beta v), k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ------
