@@ -708,13 +708,9 @@ class ChunkKDAIntraFwdSm90:
                 self._load_v_after_q(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
             acc = cute.make_rmem_tensor(tiled_tf.partition_shape_C((16, 32)), Float32)
             acc.fill(0.0)
-            first = warp_idx <= a0
-            kb = Int32(cutlass.select_(first, warp_idx, warp_idx - a0 - 1))
+            kb, anc, slot = _block_of(warp_idx, a0, a1)
             if (warp_idx < a0 + a1 + 2) & (16 * kb < valid):
-                self._score_block(
-                    tiled_tf, acc, sK0, sG, sB, kb, Int32(cutlass.select_(first, a0, a1)),
-                    Int32(cutlass.select_(first, 0, 1)), valid, lane,
-                )  # fmt: skip
+                self._score_block(tiled_tf, acc, sK0, sG, sB, kb, anc, slot, valid, lane)
             accs.append(acc)
             cute.arch.barrier()  # every score product has read sB: the next round rewrites it, then it is scratch
 
@@ -725,9 +721,7 @@ class ChunkKDAIntraFwdSm90:
         for rnd in cutlass.range_constexpr(2):
             a0, a1 = rounds[rnd]
             if warp_idx < a0 + a1 + 2:
-                first = warp_idx <= a0
-                kb = Int32(cutlass.select_(first, warp_idx, warp_idx - a0 - 1))
-                anc = Int32(cutlass.select_(first, a0, a1))
+                kb, anc, _slot = _block_of(warp_idx, a0, a1)
                 acc = accs[rnd]
                 for nt in cutlass.range_constexpr(4):
                     for v in cutlass.range_constexpr(4):
@@ -815,6 +809,14 @@ class ChunkKDAIntraFwdSm90:
 def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple, value: float = 0.0) -> torch.Tensor:
     """A small constant tensor standing in for an absent optional argument."""
     return torch.full(shape, value, dtype=dtype, device=device)
+
+
+def _block_of(warp_idx, a0: int, a1: int):
+    """(key block kb, anchor, B slot) of warp ``warp_idx`` in a P3 round with anchors (a0, a1): warps 0..a0 take
+    anchor a0's key blocks, the next a1 + 1 warps anchor a1's."""
+    first = warp_idx <= a0
+    kb = Int32(cutlass.select_(first, warp_idx, warp_idx - a0 - 1))
+    return kb, Int32(cutlass.select_(first, a0, a1)), Int32(cutlass.select_(first, 0, 1))
 
 
 def _tf32_row(g):
