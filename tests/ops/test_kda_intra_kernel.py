@@ -433,6 +433,50 @@ def test_pipelined_loads_bit_identical(case, fused):
         assert torch.equal(a.view(torch.int8), b.view(torch.int8)), name
 
 
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_g_cum_last_only(case):
+    """g_cum_last_only writes each chunk's last valid g_cum row (bit-equal to the full write) and no other, and
+    the state/output kernel fed it returns the same bits (it reads no other row; chunk_fwd.G_CUM_LAST_ONLY)."""
+    from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+    from cula.testing import poison_
+
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
+    gate, ci = case[5], None
+    if cu is not None:
+        from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+        ci = prepare_chunk_indices_i32(cu)
+    full = _run_ours(q, k, v, g, beta, 0.1, cu, ci, gate, A_log, dt_bias, lb)
+    last = _run_ours(q, k, v, g, beta, 0.1, cu, ci, gate, A_log, dt_bias, lb, g_cum_last_only=True)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("w", "u", "qg", "kg", "Aqk"), full[1:], last[1:]):
+        assert torch.equal(a.view(torch.int8), b.view(torch.int8)), name
+    T = q.shape[1]
+    bounds = cu.tolist() if cu is not None else [0, T]
+    is_last = torch.zeros(T, dtype=torch.bool)
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c0 in range(bos, eos, 64):
+            is_last[min(c0 + 64, eos) - 1] = True
+    is_last = is_last.to(q.device)
+    assert torch.equal(full[0][:, is_last].view(torch.int32), last[0][:, is_last].view(torch.int32))
+    assert torch.isnan(last[0][:, ~is_last]).all(), "rows other than each chunk's last must be left alone"
+
+    N, HV = (q.shape[0] if cu is None else cu.numel() - 1), v.shape[2]
+    h0 = 0.1 * torch.randn(N, HV, 128, 128, device="cuda")
+    outs = []
+    for g_cum, w, u, qg, kg, Aqk in (full, last):
+        o = poison_(torch.empty_like(v))
+        ht = poison_(torch.empty(N, HV, 128, 128, device="cuda"))
+        chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, h0, ht, cu, scale=0.1)
+        outs.append((o, ht))
+    torch.cuda.synchronize()
+    (o0, s0), (o1, s1) = outs
+    assert torch.equal(o0.view(torch.int16), o1.view(torch.int16))
+    assert torch.equal(s0.view(torch.int32), s1.view(torch.int32))
+
+
 def _raw_preproc(case, device="cuda"):
     """_setup's inputs with raw q/k (rows of norm ~0.25-4 x sqrt(K)) and beta logits, for the fused variants."""
     q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case, device)

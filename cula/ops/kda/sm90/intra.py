@@ -113,8 +113,11 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", pipelined_loads: bool | None = None,
+        g_cum_last_only: bool = False,
     ):  # fmt: skip
         self.pipelined_loads = PIPELINED_LOADS_DEFAULT if pipelined_loads is None else bool(pipelined_loads)
+        # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
+        self.g_cum_last_only = bool(g_cum_last_only)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -352,8 +355,12 @@ class ChunkKDAIntraFwdSm90:
                     for e in cutlass.range_constexpr(4):
                         part[e] = src[4 * hh + e]
                     cute.autovec_copy(part, self._b_unit(sB, slot, r + 16 * which, c4 + hh))
+            if const_expr(self.g_cum_last_only):
+                if t == valid - 1:
+                    cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
             if live:
-                cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
+                if const_expr(not self.g_cum_last_only):
+                    cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
                 cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
                 cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
 
@@ -835,17 +842,14 @@ def _round_tf32(x: Float32) -> Float32:
 _TORCH_TO_CUTLASS = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.float32: Float32}
 
 
-def _compile(
-    dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", *, l2norm_qk=False, beta_act="none",
-    pipelined_loads=False,
-):  # fmt: skip
-    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
+def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", **options):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.
+    ``options``: the keyword options of ``ChunkKDAIntraFwdSm90`` (l2norm_qk, beta_act, ...)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK, BT = 128, 64
     kernel = ChunkKDAIntraFwdSm90(
-        dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, l2norm_qk=l2norm_qk,
-        beta_act=beta_act, pipelined_loads=pipelined_loads,
+        dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, **options
     )
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
@@ -868,19 +872,12 @@ def _compile(
 
 
 def get_compiled(
-    dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), *,
-    l2norm_qk=False, beta_act="none", pipelined_loads=False,
+    dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate="none", varlen=False, arch=(9, 0), **options
 ):  # fmt: skip
-    """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
+    """The cached compiled variant (see ``cula.cache.compiled_kernel``); ``options`` as ``_compile``'s."""
     key = ("kda.intra", ChunkKDAIntraFwdSm90.__qualname__, dtype.__name__, g_dtype.__name__,
-           beta_dtype.__name__, gate, varlen, arch, bool(l2norm_qk), beta_act, bool(pipelined_loads))  # fmt: skip
-    return compiled_kernel(
-        key,
-        lambda: _compile(
-            dtype, g_dtype, beta_dtype, gate, varlen, arch, l2norm_qk=l2norm_qk, beta_act=beta_act,
-            pipelined_loads=pipelined_loads,
-        ),
-    )
+           beta_dtype.__name__, gate, varlen, arch, *sorted(options.items()))  # fmt: skip
+    return compiled_kernel(key, lambda: _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch, **options))
 
 
 def beta_act_for(beta_sigmoid: bool, allow_neg_eigval: bool) -> str:
@@ -902,7 +899,7 @@ def gate_params(
 
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str, *, pipelined_loads: bool | None = None,
+    beta_act: str, *, pipelined_loads: bool | None = None, g_cum_last_only: bool = False,
 ):  # fmt: skip
     """The compiled variant for torch dtypes and the launch flags (``pipelined_loads``: ``PIPELINED_LOADS_DEFAULT``
     when None); ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s bound launch both take their kernel from here."""
@@ -910,6 +907,7 @@ def compiled_for(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
         pipelined_loads=PIPELINED_LOADS_DEFAULT if pipelined_loads is None else bool(pipelined_loads),
+        g_cum_last_only=bool(g_cum_last_only),
     )  # fmt: skip
 
 
@@ -949,6 +947,7 @@ def chunk_kda_intra_sm90(
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
     pipelined_loads: bool | None = None,
+    g_cum_last_only: bool = False,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -978,6 +977,8 @@ def chunk_kda_intra_sm90(
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
         pipelined_loads: the variant whose read-modify-write loops issue the next loads before the stores (same
             results); ``PIPELINED_LOADS_DEFAULT`` when None.
+        g_cum_last_only: write g_cum at the last valid row of each chunk only (what the state/output kernel
+            reads); its other rows are left as they were.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -1029,7 +1030,8 @@ def chunk_kda_intra_sm90(
     dev = q.device
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
-        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, pipelined_loads=pipelined_loads
+        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, pipelined_loads=pipelined_loads,
+        g_cum_last_only=g_cum_last_only,
     )
 
     def flat(t):
