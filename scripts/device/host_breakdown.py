@@ -1,0 +1,94 @@
+"""Where chunk_kda's host time per call goes on the device machine (the benchmark's B1-T256 inference config).
+
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/host_breakdown.py
+
+Times, per call, each piece of a repeated fixed-length ``cula.kda.chunk_kda`` call on its own (the plan cache's
+signature, the bound launch's allocations and ``gate_params``, each compiled kernel's TVM-FFI call with
+prepared arguments) against the whole call, at a size where the GPU work is shorter than the host work, so
+wall time per call is host time. Prints a table and writes $OUT/host_breakdown.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+B, T, H, D = 1, 256, 64, 128
+FLAGS = {"output_final_state": True, "use_gate_in_kernel": True, "use_qk_l2norm_in_kernel": True,
+         "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "state_v_first": True}
+
+
+def per_call_us(fn, n: int = 2000) -> float:
+    """Median over 5 batches of wall microseconds per call (synchronised at each batch's end)."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n // 5):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / (n // 5) * 1e6)
+    return sorted(out)[2]
+
+
+def main() -> None:
+    from cula.backends import call_signature
+    from cula.kda import chunk as chunk_mod
+    from cula.kda import chunk_kda
+    from cula.ops.kda.sm90 import delta_h_fwd_o as dh
+    from cula.ops.kda.sm90 import intra
+
+    torch.manual_seed(0)
+    bf16, dev = torch.bfloat16, "cuda"
+    x = {n: torch.randn(B, T, H, D, dtype=bf16, device=dev) for n in ("q", "k", "v", "g")}
+    x.update(beta=torch.randn(B, T, H, dtype=bf16, device=dev), A_log=torch.randn(H, device=dev),
+             dt_bias=torch.randn(H * D, device=dev), initial_state=0.01 * torch.randn(B, H, D, D, device=dev))
+    rows = {}
+    with torch.inference_mode():
+        rows["chunk_kda (whole call, plan cached)"] = per_call_us(lambda: chunk_kda(**x, **FLAGS))
+        call = dict(x, **FLAGS, scale=None, allow_neg_eigval=False, disable_recompute=False, chunk_size=64,
+                    max_num_seqs=None)  # fmt: skip
+        rows["plan key (call_signature)"] = per_call_us(lambda: call_signature(
+            call, chunk_mod._TENSOR_ARGS, chunk_mod._SCALAR_ARGS, False, True, None))  # fmt: skip
+
+        HV, K, V, BT, NC = H, D, D, B * T, (T + 63) // 64
+        rows["gate_params"] = per_call_us(lambda: intra.gate_params(x["A_log"], x["dt_bias"], "sigmoid", HV, K, dev))
+
+        def allocs():
+            return (
+                torch.empty(BT, HV, K, dtype=bf16, device=dev), torch.empty(BT, HV, V, dtype=bf16, device=dev),
+                torch.empty(BT, HV, K, dtype=bf16, device=dev), torch.empty(BT, HV, K, dtype=bf16, device=dev),
+                torch.empty(BT, HV, 64, dtype=bf16, device=dev), torch.empty(BT, HV, K, dtype=torch.float32, device=dev),
+                torch.empty(B, T, HV, V, dtype=bf16, device=dev), torch.empty(B, HV, V, K, dtype=torch.float32, device=dev),
+            )  # fmt: skip
+
+        rows["8 torch.empty"] = per_call_us(allocs)
+        w, u, qg, kg, Aqk, g_cum, o, ht = allocs()
+        a_log, bias = intra.gate_params(x["A_log"], x["dt_bias"], "sigmoid", HV, K, dev)
+        no_cu, no_ci = torch.zeros(2, dtype=torch.int32, device=dev), torch.zeros(1, 2, dtype=torch.int32, device=dev)
+        fn_intra = intra.compiled_for(bf16, bf16, bf16, "sigmoid", False, True, "sigmoid")
+        intra_args = (
+            x["q"].view(BT, H, K), x["k"].view(BT, H, K), x["v"].view(BT, HV, V), x["g"].view(BT, HV, K),
+            x["beta"].view(BT, HV), a_log, bias, w, u, qg, kg, Aqk, g_cum, no_cu, no_ci, T, NC, B, D**-0.5, -5.0,
+        )  # fmt: skip
+        rows["intra kernel call (20 args)"] = per_call_us(lambda: fn_intra(*intra_args))
+        fn_state = dh.get_compiled(dtype=dh._TORCH_TO_CUTLASS[bf16], varlen=False, has_h0=True, has_ht=True,
+                                   state_v_first=True)  # fmt: skip
+        state_args = (w, u, kg, qg, g_cum, Aqk, o.view(BT, HV, V), x["initial_state"], ht, no_cu, T, B, D**-0.5)
+        rows["state kernel call (13 args)"] = per_call_us(lambda: fn_state(*state_args))
+        rows["5 tensor views"] = per_call_us(lambda: (x["q"].view(BT, H, K), x["k"].view(BT, H, K),
+                                                      x["v"].view(BT, HV, V), x["g"].view(BT, HV, K),
+                                                      x["beta"].view(BT, HV)))  # fmt: skip
+    width = max(map(len, rows))
+    for name, us in rows.items():
+        print(f"{name:<{width}}  {us:7.1f} us/call", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "host_breakdown.json"), "w") as f:
+        json.dump({k: round(v, 2) for k, v in rows.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
