@@ -6,17 +6,17 @@ the pool rows (int32), under ``torch.inference_mode()``:
 
 * ``decode-N{N}-H64``: T = 1, H = 64, N in {1, 8, 32, 64, 128, 256, 512};
 * ``mtp-N64-T4-H64``: an MTP verify step, T = 4 tokens per sequence, N = 64;
-* ``decode-N{N}-H16``: T = 1, GVA with H = 16 q/k heads (4 value heads per q/k head), same N.
+* ``decode-N{N}-H16``: T = 1, GVA with H = 16 q/k heads (4 value heads per q/k head), same N;
+* ``decode-N{N}-H64-kv``: T = 1, H = 64, N in {1, 64, 256}, with FLA's default ``[P, HV, K, V]`` pool
+  (``state_v_first=False``) for both.
 
 H = 64 configs run first, so FLA's Triton compile for that shape is paid once; H = 16 and T > 1 (2-D
 indices) compile again.
 
 cula call: ``cula.kda.kda_decode(q, k, v, g, beta, pool, indices, A_log=, dt_bias=, lower_bound=-5.0,
 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)``
-with q/k ``[N, T, H, K]``, v ``[N, T, HV, V]``, g ``[N, T, HV, K]``, beta ``[N, T, HV]``; when
-``cula.kda.kda_decode`` does not exist, ``cula.ops.kda.sm90.decode.kda_decode_sm90`` is called directly with
-the same meaning (``gate="lower_bound"``, a fresh ``torch.empty`` output per call). ``meta["cula_entry"]``
-says which.
+(``state_v_first=False`` for the kv rows) with q/k ``[N, T, H, K]``, v ``[N, T, HV, V]``, g ``[N, T, HV, K]``,
+beta ``[N, T, HV]``. ``meta["cula_entry"]`` names the entry point.
 
 FLA call: ``fused_recurrent_kda_fwd`` on the same tensors viewed as ``[1, N*T, ...]`` with
 ``cu_seqlens = arange(0, N*T + 1, T)`` (int32), ``initial_state = pool``, ``ssm_state_indices = indices``,
@@ -65,6 +65,7 @@ FAIL_TOL = 5e-2
 DEVICE = "cuda"  # the CPU tests point this at "cpu"
 
 DECODE_N = (1, 8, 32, 64, 128, 256, 512)
+KV_N = (1, 64, 256)  # the [K, V] pool rows
 MTP = (64, 4)  # (N, T)
 QUICK = ("decode-N1-H64", "decode-N64-H64", "mtp-N64-T4-H64", "decode-N64-H16")
 
@@ -91,6 +92,7 @@ class Config:
     N: int
     T: int
     H: int
+    kv: bool = False  # [P, HV, K, V] pool (state_v_first=False) instead of [P, HV, V, K]
 
     @property
     def P(self) -> int:
@@ -98,9 +100,10 @@ class Config:
 
     @property
     def name(self) -> str:
+        layout = "-kv" if self.kv else ""
         if self.T == 1:
-            return f"decode-N{self.N}-H{self.H}"
-        return f"mtp-N{self.N}-T{self.T}-H{self.H}"
+            return f"decode-N{self.N}-H{self.H}{layout}"
+        return f"mtp-N{self.N}-T{self.T}-H{self.H}{layout}"
 
 
 def suite(quick: bool = False) -> list[Config]:
@@ -108,6 +111,7 @@ def suite(quick: bool = False) -> list[Config]:
     cfgs = [Config(n, 1, 64) for n in DECODE_N]
     cfgs.append(Config(MTP[0], MTP[1], 64))
     cfgs += [Config(n, 1, 16) for n in DECODE_N]
+    cfgs += [Config(n, 1, 64, kv=True) for n in KV_N]
     if quick:
         cfgs = [c for c in cfgs if c.name in QUICK]
     return cfgs
@@ -129,18 +133,21 @@ def input_set_bytes(cfg: Config) -> int:
 
 
 def make_shared(cfg: Config, device: str | None = None) -> dict[str, torch.Tensor]:
-    """Gate parameters (A_log fp32 ``[HV]``, dt_bias fp32 ``[HV*K]``) and FLA's ``cu_seqlens`` (int32)."""
+    """Gate parameters (A_log fp32 ``[HV]``, dt_bias fp32 ``[HV*K]``), FLA's ``cu_seqlens`` (int32) and the pool
+    layout flag ``state_v_first``."""
     device = device or DEVICE
     torch.manual_seed(bc.config_seed(cfg.name) + 1)
     return {
         "A_log": torch.empty(HV, dtype=torch.float32, device=device).uniform_(1, 16).log(),
         "dt_bias": 0.1 * torch.randn(HV * K, dtype=torch.float32, device=device),
         "cu_seqlens": torch.arange(0, cfg.N * cfg.T + 1, cfg.T, dtype=torch.int32, device=device),
+        "state_v_first": not cfg.kv,
     }
 
 
 def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, torch.Tensor]:
-    """One independent input set, its own pool ``[P, HV, V, K]`` fp32 and int32 ``indices [N]`` included."""
+    """One independent input set, its own pool ``[P, HV, V, K]`` (``[P, HV, K, V]`` for kv configs) fp32 and int32
+    ``indices [N]`` included."""
     device = device or DEVICE
     gen = torch.Generator().manual_seed(bc.config_seed(cfg.name) + 100 + index)
     torch.manual_seed(bc.config_seed(cfg.name) + 100 + index)
@@ -153,7 +160,7 @@ def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, to
         "v": torch.randn(n, t, HV, V, dtype=bf16, device=device),
         "g": torch.randn(n, t, HV, K, dtype=bf16, device=device),
         "beta": torch.randn(n, t, HV, dtype=bf16, device=device),
-        "pool": 0.01 * torch.randn(cfg.P, HV, V, K, dtype=torch.float32, device=device),
+        "pool": 0.01 * torch.randn(cfg.P, HV, *((K, V) if cfg.kv else (V, K)), dtype=torch.float32, device=device),
         "indices": perm.to(dtype=torch.int32, device=device),
     }
 
@@ -181,6 +188,7 @@ def fla_args(s: dict, shared: dict, pool: torch.Tensor | None = None) -> dict[st
         "cu_seqlens": shared["cu_seqlens"],
         "ssm_state_indices": fla_indices(s["indices"], t),
         **CALL_FLAGS,
+        "state_v_first": shared["state_v_first"],
     }
 
 
@@ -193,15 +201,15 @@ def fla_call(fn: Callable, s: dict, shared: dict,
 
 
 def resolve_cula() -> tuple[Callable, str]:
-    """``(fn, entry)``: ``fn(q, k, v, g, beta, pool, indices, A_log, dt_bias) -> o`` through the public
-    ``cula.kda.kda_decode`` when it exists, else straight into ``kda_decode_sm90``."""
+    """``(fn, entry)``: ``fn(q, k, v, g, beta, pool, indices, A_log, dt_bias, state_v_first) -> o`` through the
+    public ``cula.kda.kda_decode``."""
     from cula.kda import kda_decode
 
     # A serving loop validates its slot indices once, not per step, so it passes check_indices=False
     # (the per-call check reads the indices on the host, a device sync).
-    def public(q, k, v, g, beta, pool, indices, A_log, dt_bias):
+    def public(q, k, v, g, beta, pool, indices, A_log, dt_bias, state_v_first):
         return kda_decode(q, k, v, g, beta, pool, indices, A_log=A_log, dt_bias=dt_bias, scale=None,
-                          check_indices=False, **CALL_FLAGS)
+                          check_indices=False, **dict(CALL_FLAGS, state_v_first=state_v_first))
 
     return public, "cula.kda.kda_decode(check_indices=False)"
 
@@ -210,7 +218,7 @@ def cula_call(fn: Callable, s: dict, shared: dict,
               pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
     """Zero-argument cula call returning ``o`` ``[N, T, HV, V]``."""
     args = (s["q"], s["k"], s["v"], s["g"], s["beta"], s["pool"] if pool is None else pool, s["indices"],
-            shared["A_log"], shared["dt_bias"])
+            shared["A_log"], shared["dt_bias"], shared["state_v_first"])
     return lambda: fn(*args)
 
 
@@ -340,7 +348,7 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
         "cula_entry": cula_entry,
         "cula_check_indices": ("False: the index range check (a host sync) is the caller's, as in a serving "
                                "loop"),
-        "shape": {"HV": HV, "K": K, "V": V, "dtype": "bfloat16", "state": "float32 pool [2N, HV, V, K]",
+        "shape": {"HV": HV, "K": K, "V": V, "dtype": "bfloat16", "state": "float32 pool [2N, HV, V, K]; [2N, HV, K, V] (state_v_first=False) in the -kv rows",
                   "indices": "int32 [N], random permutation of pool rows"},
         "call_flags": {**CALL_FLAGS, "fla": "inplace_final_state=True, cu_seqlens=arange(0, N*T+1, T) int32"},
         "mtp_fla_indices": ("2-D ssm_state_indices [N, T] repeating indices[n] (FLA writes the state after "

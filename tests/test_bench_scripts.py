@@ -121,7 +121,8 @@ def test_decode_suite_order():
     names = [c.name for c in kd.suite()]
     assert names[:7] == [f"decode-N{n}-H64" for n in (1, 8, 32, 64, 128, 256, 512)]
     assert names[7] == "mtp-N64-T4-H64"
-    assert names[8:] == [f"decode-N{n}-H16" for n in (1, 8, 32, 64, 128, 256, 512)]
+    assert names[8:15] == [f"decode-N{n}-H16" for n in (1, 8, 32, 64, 128, 256, 512)]
+    assert names[15:] == [f"decode-N{n}-H64-kv" for n in (1, 64, 256)]
     assert [c.name for c in kd.suite(quick=True)] == list(kd.QUICK)
     assert all(c.P == 2 * c.N for c in kd.suite())
 
@@ -134,6 +135,21 @@ def test_decode_bytes():
     assert kd.state_bytes(mtp) == 2 * 4 * 64 * 64 * 128 * 128  # T does not multiply state traffic
     assert kd.activation_bytes(mtp) == 2 * 64 * 4 * (2 * 16 * 128 + 64 * 128 * 3 + 64)
     assert kd.input_set_bytes(cfg) == 4 * 8 * 64 * 128 * 128 + kd.activation_bytes(cfg)
+
+
+def test_decode_kv_layout(monkeypatch):
+    """kv configs: a [P, HV, K, V] pool and state_v_first=False for both FLA and cula."""
+    monkeypatch.setattr(kd, "HV", 4)
+    monkeypatch.setattr(kd, "K", 8)
+    monkeypatch.setattr(kd, "V", 16)
+    cfg = kd.Config(2, 1, 2, kv=True)
+    s, shared = kd.make_set(cfg, 0, "cpu"), kd.make_shared(cfg, "cpu")
+    assert s["pool"].shape == (4, 4, 8, 16) and shared["state_v_first"] is False
+    assert kd.fla_args(s, shared)["state_v_first"] is False
+    seen = []
+    kd.cula_call(lambda *a: seen.append(a[-1]), s, shared)()
+    assert seen == [False]
+    assert kd.make_shared(kd.Config(2, 1, 2), "cpu")["state_v_first"] is True
 
 
 def test_decode_inputs_and_fla_indices(monkeypatch):
@@ -161,12 +177,12 @@ def _fake_fla_decode(q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_
     return v.clone(), initial_state
 
 
-def _fake_cula_decode(q, k, v, g, beta, pool, indices, A_log, dt_bias):
+def _fake_cula_decode(q, k, v, g, beta, pool, indices, A_log, dt_bias, state_v_first):
     pool[indices.long()] += 1.0
     return v.clone()
 
 
-def _stray_cula_decode(q, k, v, g, beta, pool, indices, A_log, dt_bias):
+def _stray_cula_decode(q, k, v, g, beta, pool, indices, A_log, dt_bias, state_v_first):
     pool += 1.0  # also touches rows it was not given
     return v.clone()
 
