@@ -348,7 +348,8 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
         "cula_entry": cula_entry,
         "cula_check_indices": ("False: the index range check (a host sync) is the caller's, as in a serving "
                                "loop"),
-        "shape": {"HV": HV, "K": K, "V": V, "dtype": "bfloat16", "state": "float32 pool [2N, HV, V, K]; [2N, HV, K, V] (state_v_first=False) in the -kv rows",
+        "shape": {"HV": HV, "K": K, "V": V, "dtype": "bfloat16",
+                  "state": "float32 pool [2N, HV, V, K]; [2N, HV, K, V] (state_v_first=False) in the -kv rows",
                   "indices": "int32 [N], random permutation of pool rows"},
         "call_flags": {**CALL_FLAGS, "fla": "inplace_final_state=True, cu_seqlens=arange(0, N*T+1, T) int32"},
         "mtp_fla_indices": ("2-D ssm_state_indices [N, T] repeating indices[n] (FLA writes the state after "
