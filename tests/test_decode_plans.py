@@ -278,6 +278,29 @@ def test_fused_recurrent_kda_pool_form_runs_the_decode_kernel(counted_plans, fak
         assert not ok and why in reason, (over, reason)
 
 
+def test_fused_recurrent_kda_large_kv_pools_run_on_fla(monkeypatch):
+    """[K, V] pools with K = 128 and many states go to FLA (cula's kernel is slower there until the wide lane
+    tile lands); [V, K] pools, small calls and the wide tile stay on cula."""
+    import cula.kda.backends as kb
+    import cula.ops.kda.sm90.decode as dec
+
+    n, hv, d = 16, 64, 128  # 1024 states > KV_POOL_FLA_MIN_STATES
+    q = torch.zeros(n, 1, 16, d, dtype=torch.bfloat16)
+    v = torch.zeros(n, 1, hv, d, dtype=torch.bfloat16)
+    base = {"q": q, "k": q, "v": v, "g": torch.zeros(n, 1, hv, d), "beta": torch.zeros(n, 1, hv),
+            "A_log": torch.zeros(hv), "dt_bias": None, "initial_state": torch.zeros(2 * n, hv, d, d),
+            "inplace_final_state": True, "cu_seqlens": None, "ssm_state_indices": torch.arange(n, dtype=torch.int32),
+            "num_accepted_tokens": None, "use_gate_in_kernel": True, "lower_bound": -5.0, "state_v_first": False}
+    ok, reason = kb._cula_recurrent_supports(**base)
+    assert not ok and "[K, V] pool with 1024" in reason
+    assert kb._cula_recurrent_supports(**dict(base, state_v_first=True)) == (True, None)
+    monkeypatch.setattr(kb, "KV_POOL_FLA_MIN_STATES", 1024)
+    assert kb._cula_recurrent_supports(**base) == (True, None)
+    monkeypatch.setattr(kb, "KV_POOL_FLA_MIN_STATES", 512)
+    monkeypatch.setattr(dec, "WIDE_KV_DEFAULT", True)
+    assert kb._cula_recurrent_supports(**base) == (True, None)
+
+
 def test_fused_recurrent_kda_fwd_repeats_skip_validation(monkeypatch):
     """FLA's serving entry point, called once per token by engines: validated once per signature."""
     import cula.kda.fused_recurrent as fr
