@@ -22,6 +22,11 @@ FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
 
 
+# fp16 q/k/v on the cula-sm90 kernels (both compile for fp16 and CI traces them): on once
+# tests/test_gpu_api.py::test_chunk_kda_fp16_cuda passes on the H200
+CHUNK_FP16_ON_CULA = False
+
+
 def _cula_chunk_supports(
     q,
     k,
@@ -41,7 +46,7 @@ def _cula_chunk_supports(
 ) -> tuple:
     if needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return False, "training (autograd) runs on fla until cula's backward lands"
-    if q.dtype != torch.bfloat16:
+    if q.dtype != torch.bfloat16 and not (CHUNK_FP16_ON_CULA and q.dtype == torch.float16):
         return False, f"q dtype {q.dtype} (kernel path is validated for bf16)"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K=V=128)"
