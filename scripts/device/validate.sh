@@ -20,7 +20,7 @@ P="python -m pytest -m gpu -q -rfE --tb=short -p no:warnings"
 step decode 120 $P tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/ops/test_kda_decode_kernel.py \
   tests/ops/test_lightning_decode_kernel.py -k "not speed_report"
 step api 260 $P tests/test_gpu_api.py tests/test_chunk_plans.py
-step intra 300 $P tests/ops/test_kda_intra_kernel.py
+step intra 400 $P tests/ops/test_kda_intra_kernel.py
 step long 100 $P tests/test_gpu_long.py
 step speed 90 $P -s tests/ops/test_lightning_decode_kernel.py tests/ops/test_kda_decode_kernel.py -k speed_report
 echo "== done at +$(( $(date +%s) - S ))s"
