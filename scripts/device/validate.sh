@@ -16,7 +16,9 @@ step() {  # step NAME SECONDS COMMAND...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "   rc=$?"; grep -E "passed|failed|error|FAIL|geomean" "$OUT/$name.log" | tail -4
 }
-P="python -m pytest -m gpu -q -rfE --tb=short -p no:warnings"
+# a test stuck on the GPU (a kernel waiting forever) dumps its stack and ends its step after 150 s instead of
+# using up the step's whole limit
+P="python -m pytest -m gpu -q -rfE --tb=short -p no:warnings -o faulthandler_timeout=150 -o faulthandler_exit_on_timeout=true"
 step decode 120 $P tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/ops/test_kda_decode_kernel.py \
   tests/ops/test_lightning_decode_kernel.py -k "not speed_report"
 step api 260 $P tests/test_gpu_api.py tests/test_chunk_plans.py
