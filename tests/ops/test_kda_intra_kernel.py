@@ -415,8 +415,9 @@ def test_intra_vs_fla(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 def test_pipelined_loads_bit_identical(case, fused):
-    """The pending pipelined_loads variant (P1 / P6 loops issue the next loads before this step's stores) changes
-    no bit of any output, including the untouched rows past each sequence end (poisoned before every run)."""
+    """The pending pipelined_loads variant (the read-modify-write loops of P1, P2, P5 and P6 issue their next loads
+    before this step's stores; raw g lands on its own barrier) changes no bit of any output, including the
+    untouched rows past each sequence end (poisoned before every run)."""
     q, k, v, g, beta, cu, A_log, dt_bias, lb = (_raw_preproc if fused else _setup)(case)
     extra = {"use_qk_l2norm": True, "beta_sigmoid": True} if fused else {}
     ci = None
