@@ -537,6 +537,26 @@ def test_decode_speed_report(capsys, monkeypatch):
                 f"{us:8.2f} us  "
                 f"{n_state_bytes / us / 1e6:6.3f} TB/s state  host {host_us:5.1f} us/call"
             )
+    # CTA size at the same 16 resident warps per SM ([V, K] pools): whether the scheduling granularity (waves,
+    # per-CTA launch) is what holds the bandwidth at 84-87%
+    for warps in (2, 8):
+        for N in (64, 256):
+            H = HV = 64
+            K = V = 128
+            q, k, v, g, beta, A_log, dt_bias = _inputs(N, 1, H, HV, K, V, gate="softplus")
+            pool = torch.randn(N, HV, V, K, device="cuda") * 0.1
+            indices = torch.arange(N, dtype=torch.int32, device="cuda")
+            out = torch.empty(N, 1, HV, V, device="cuda", dtype=torch.bfloat16)
+            launch = D.kda_decode_launcher(
+                io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=V, gate="softplus", has_a_log=True,
+                has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
+                has_step_states=False, warps_per_cta=warps,
+            )  # fmt: skip
+            call = functools.partial(launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, None)
+            call()
+            torch.cuda.synchronize()
+            us = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
+            lines.append(f"vk {warps} warps/CTA N={N:4d} T=1: {us:8.2f} us  {N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 

@@ -58,8 +58,9 @@ GATES = ("none", "softplus", "lower_bound")
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# wide_kv: 64 state registers a lane, 3 CTAs of 4 warps per SM
-WIDE_CTAS_PER_SM = 3
+# resident warps per SM: 16 (4 CTAs of 4 warps) keeps ptxas at 128 registers; wide_kv's 64 state registers a lane
+# need 168, so 12
+WARPS_PER_SM, WIDE_WARPS_PER_SM = 16, 12
 
 _TORCH_TO_CUTE = {
     torch.bfloat16: cutlass.BFloat16,
@@ -128,7 +129,9 @@ class KdaDecodeSm90:
         self.state_v_first = state_v_first
         self.has_step_states = has_step_states
         self.warps_per_cta = warps_per_cta
-        self.min_blocks_per_sm = min_blocks_per_sm or (WIDE_CTAS_PER_SM if wide_kv else 4)
+        self.min_blocks_per_sm = min_blocks_per_sm or max(
+            1, (WIDE_WARPS_PER_SM if wide_kv else WARPS_PER_SM) // warps_per_cta
+        )
 
         self.k_blocks = self.k_per_lane // 4  # j extent
         self.k_stride_j = 4 * self.lanes_k  # k distance between a lane's consecutive 4-row blocks
@@ -516,18 +519,20 @@ def kda_decode_variant(
     state_v_first: bool,
     has_step_states: bool,
     wide_kv: bool = False,
+    warps_per_cta: int = 4,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
 
     Call it as ``fn(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)``
-    with None exactly where the variant has no A_log / dt_bias / step_states. Used by the CPU compile tests.
+    with None exactly where the variant has no A_log / dt_bias / step_states. ``warps_per_cta`` (the resident
+    warps per SM stay 16, or 12 with ``wide_kv``) is for the speed report's sweep. Used by the CPU compile tests.
     """
     key = _variant_key(
         {"io_dtype": io_dtype, "g_dtype": g_dtype, "beta_dtype": beta_dtype, "K": K, "V": V, "gate": gate,
          "has_a_log": has_a_log, "has_dt_bias": has_dt_bias, "use_qk_l2norm": use_qk_l2norm,
          "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval, "state_v_first": state_v_first,
-         "has_step_states": has_step_states, "wide_kv": wide_kv, "arch": arch}
+         "has_step_states": has_step_states, "wide_kv": wide_kv, "warps_per_cta": warps_per_cta, "arch": arch}
     )  # fmt: skip
     return compiled_kernel(key, lambda: _build(key))
 
