@@ -24,5 +24,5 @@ step decode 120 $P tests/test_decode_plans.py tests/test_lightning_decode_api.py
 step api 260 $P tests/test_gpu_api.py tests/test_chunk_plans.py
 step intra 400 $P tests/ops/test_kda_intra_kernel.py
 step long 100 $P tests/test_gpu_long.py
-step speed 90 $P -s tests/ops/test_lightning_decode_kernel.py tests/ops/test_kda_decode_kernel.py -k speed_report
+step speed 120 $P -s tests/ops/test_lightning_decode_kernel.py tests/ops/test_kda_decode_kernel.py -k speed_report
 echo "== done at +$(( $(date +%s) - S ))s"
