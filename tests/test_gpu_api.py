@@ -47,31 +47,34 @@ def _f64(*ts):
     return [None if t is None else t.double() for t in ts]
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-@pytest.mark.parametrize("state_v_first", [False, True])
-def test_chunk_kda_cuda(case, state_v_first):
+def _inference_vs_fla_and_ref(case, state_v_first=False, dtype=torch.bfloat16):
+    """cula.kda.chunk_kda with the benchmark's inference flags (fused gate, l2norm, beta sigmoid) against FLA's
+    chunk_kda and the float64 recurrence; returns cula's ``(o, ht)`` and a function that runs the call again."""
     import fla.ops.kda as fk
 
     import cula.kda as ck
-    from cula.kda.naive import naive_recurrent_kda
+    from cula.kda.naive import kda_gate, l2norm, naive_recurrent_kda
 
-    q, k, v, cu, N = _inputs(*case)
-    B, T, H, D = q.shape
+    q, k, v, cu, N = _inputs(*case, dtype=dtype)
+    B, T, _H, D = q.shape
     HV = v.shape[2]
-    g_raw = torch.randn(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
+    g_raw = torch.randn(B, T, HV, D, device=DEV, dtype=dtype)
     beta_raw = torch.randn(B, T, HV, device=DEV, dtype=torch.float32)
     A_log = torch.randn(HV, device=DEV) * 0.5
     dt_bias = torch.randn(HV * D, device=DEV) * 0.5
     h0 = torch.randn(N, HV, D, D, device=DEV) * 0.1
-    kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=state_v_first,
-              cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias)
-    with torch.inference_mode():
-        poison_cuda_allocator()
-        o, ht = ck.chunk_kda(q, k, v, g_raw, beta_raw, initial_state=h0, **kw)
-        o_fla, ht_fla = fk.chunk_kda(q, k, v, g_raw, beta_raw, initial_state=h0, **kw)
-    from cula.kda.naive import kda_gate, l2norm
+    kw = {"scale": None, "output_final_state": True, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
+          "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "state_v_first": state_v_first,
+          "cu_seqlens": cu, "A_log": A_log, "dt_bias": dt_bias}
 
+    def run():
+        with torch.inference_mode():
+            return ck.chunk_kda(q, k, v, g_raw, beta_raw, initial_state=h0, **kw)
+
+    poison_cuda_allocator()
+    o, ht = run()
+    with torch.inference_mode():
+        o_fla, ht_fla = fk.chunk_kda(q, k, v, g_raw, beta_raw, initial_state=h0, **kw)
     g = kda_gate(g_raw.double(), A_log.double(), dt_bias.double(), lower_bound=-5.0)
     h0_kv = h0.transpose(-1, -2) if state_v_first else h0
     ro, rt = naive_recurrent_kda(l2norm(q.double()), l2norm(k.double()), v.double(), g, beta_raw.double().sigmoid(),
@@ -81,8 +84,14 @@ def test_chunk_kda_cuda(case, state_v_first):
     assert_close("ht vs ref", rt, ht, TOL)
     assert_close("o vs fla", o_fla, o, TOL)
     assert_close("ht vs fla", ht_fla, ht, TOL)
-    with torch.inference_mode():
-        o2, ht2 = ck.chunk_kda(q, k, v, g_raw, beta_raw, initial_state=h0, **kw)
+    return o, ht, run
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_chunk_kda_cuda(case, state_v_first):
+    o, ht, run = _inference_vs_fla_and_ref(case, state_v_first)
+    o2, ht2 = run()
     assert torch.equal(o, o2) and torch.equal(ht, ht2), "results differ between identical runs"
 
 
@@ -90,41 +99,16 @@ def test_chunk_kda_cuda(case, state_v_first):
 def test_chunk_kda_fp16_cuda(case, monkeypatch):
     """fp16 q/k/v forced onto the cula-sm90 kernels (CHUNK_FP16_ON_CULA, off until this passes) against FLA's fp16
     chunk_kda and the float64 recurrence."""
-    import fla.ops.kda as fk
-
-    import cula.kda as ck
     import cula.kda.backends as kb
     from cula.backends import clear_plan_caches
-    from cula.kda.naive import kda_gate, l2norm, naive_recurrent_kda
 
     monkeypatch.setattr(kb, "CHUNK_FP16_ON_CULA", True)
     monkeypatch.setenv("CULA_BACKEND", "cula-sm90")  # raise rather than fall back
     monkeypatch.setenv("CULA_KDA_INTRA", "1")
     clear_plan_caches()
-    q, k, v, cu, N = _inputs(*case, dtype=torch.float16)
-    B, T, _H, D = q.shape
-    HV = v.shape[2]
-    g_raw = torch.randn(B, T, HV, D, device=DEV, dtype=torch.float16)
-    beta_raw = torch.randn(B, T, HV, device=DEV, dtype=torch.float32)
-    A_log = torch.randn(HV, device=DEV) * 0.5
-    dt_bias = torch.randn(HV * D, device=DEV) * 0.5
-    h0 = torch.randn(N, HV, D, D, device=DEV) * 0.1
-    kw = {"scale": None, "output_final_state": True, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
-          "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "cu_seqlens": cu,
-          "A_log": A_log, "dt_bias": dt_bias}
-    with torch.inference_mode():
-        poison_cuda_allocator()
-        o, ht = ck.chunk_kda(q, k, v, g_raw, beta_raw, initial_state=h0, **kw)
-        o_fla, ht_fla = fk.chunk_kda(q, k, v, g_raw, beta_raw, initial_state=h0, **kw)
+    o, _ht, _run = _inference_vs_fla_and_ref(case, dtype=torch.float16)
     clear_plan_caches()
     assert o.dtype == torch.float16
-    g = kda_gate(g_raw.double(), A_log.double(), dt_bias.double(), lower_bound=-5.0)
-    ro, rt = naive_recurrent_kda(l2norm(q.double()), l2norm(k.double()), v.double(), g, beta_raw.double().sigmoid(),
-                                 initial_state=h0.double(), output_final_state=True, cu_seqlens=cu)  # fmt: skip
-    assert_close("o vs ref", ro, o, TOL)
-    assert_close("ht vs ref", rt, ht, TOL)
-    assert_close("o vs fla", o_fla, o, TOL)
-    assert_close("ht vs fla", ht_fla, ht, TOL)
 
 
 def test_chunk_kda_cuda_backward_matches_fla():

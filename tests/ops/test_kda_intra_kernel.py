@@ -11,6 +11,7 @@ and ``cula.kda.chunk_kda`` with ``CULA_KDA_INTRA=1`` against FLA's ``chunk_kda``
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -457,7 +458,7 @@ def test_g_cum_last_only(case):
     T = q.shape[1]
     bounds = cu.tolist() if cu is not None else [0, T]
     is_last = torch.zeros(T, dtype=torch.bool)
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
+    for bos, eos in itertools.pairwise(bounds):
         for c0 in range(bos, eos, 64):
             is_last[min(c0 + 64, eos) - 1] = True
     is_last = is_last.to(q.device)

@@ -355,7 +355,7 @@ class ChunkKDAIntraFwdSm90:
                     for e in cutlass.range_constexpr(4):
                         part[e] = src[4 * hh + e]
                     cute.autovec_copy(part, self._b_unit(sB, slot, r + 16 * which, c4 + hh))
-            if const_expr(self.g_cum_last_only):
+            if const_expr(self.g_cum_last_only):  # noqa: SIM102 - a trace-time condition around a run-time one
                 if t == valid - 1:
                     cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
             if live:
