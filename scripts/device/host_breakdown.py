@@ -1,4 +1,4 @@
-"""Where chunk_kda's host time per call goes on the device machine (the benchmark's B1-T256 inference config).
+"""Where chunk_kda's (B1-T256 inference) and kda_decode's (N=1) host time per call goes on the device machine.
 
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/host_breakdown.py
 
@@ -83,11 +83,42 @@ def main() -> None:
         rows["5 tensor views"] = per_call_us(lambda: (x["q"].view(BT, H, K), x["k"].view(BT, H, K),
                                                       x["v"].view(BT, HV, V), x["g"].view(BT, HV, K),
                                                       x["beta"].view(BT, HV)))  # fmt: skip
+        rows.update(decode_rows())
     width = max(map(len, rows))
     for name, us in rows.items():
         print(f"{name:<{width}}  {us:7.1f} us/call", flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "host_breakdown.json"), "w") as f:
         json.dump({k: round(v, 2) for k, v in rows.items()}, f, indent=1)
+
+
+def decode_rows() -> dict[str, float]:
+    """The same split for one kda_decode step at N=1 (issue 4's 15 us per call target)."""
+    from cula.backends import tensor_sig
+    from cula.kda import kda_decode
+    from cula.ops.kda.sm90.decode import kda_decode_launcher
+
+    torch.manual_seed(0)
+    N, HV, dev, bf16 = 1, 64, "cuda", torch.bfloat16
+    q, k = (torch.randn(N, 1, 16, D, dtype=bf16, device=dev) for _ in range(2))
+    v, g = (torch.randn(N, 1, HV, D, dtype=bf16, device=dev) for _ in range(2))
+    beta = torch.randn(N, 1, HV, dtype=bf16, device=dev)
+    pool = torch.randn(4, HV, D, D, device=dev) * 0.01
+    idx = torch.tensor([1], dtype=torch.int32, device=dev)
+    A_log, dt_bias = torch.randn(HV, device=dev), torch.randn(HV * D, device=dev)
+    out = torch.empty(N, 1, HV, D, dtype=bf16, device=dev)
+    rows = {"kda_decode N=1 (whole call, plan cached)": per_call_us(lambda: kda_decode(
+        q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, check_indices=False))}  # fmt: skip
+    tensors = (q, k, v, g, beta, pool, idx, A_log, dt_bias, out, None)
+    rows["kda_decode: 11 tensor_sig"] = per_call_us(lambda: [tensor_sig(t) for t in tensors])
+    launch = kda_decode_launcher(
+        io_dtype=bf16, g_dtype=bf16, beta_dtype=bf16, K=D, V=D, gate="lower_bound", has_a_log=True,
+        has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
+        has_step_states=False,
+    )  # fmt: skip
+    rows["kda_decode: kernel call (13 args)"] = per_call_us(
+        lambda: launch(q, k, v, g, beta, A_log, dt_bias, pool, idx, out, None, D**-0.5, -5.0)
+    )
+    return rows
 
 
 if __name__ == "__main__":
