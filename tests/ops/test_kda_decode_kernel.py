@@ -488,44 +488,35 @@ def test_decode_speed_report(capsys, monkeypatch):
     from cula.ops.kda.sm90.decode import kda_decode_sm90
 
     _requires_sm90()
+    H = HV = 64
+    K = V = 128
+
+    def setup(N, T, state_v_first, steps):
+        """(q, k, v, g, beta, A_log, dt_bias, pool, indices, out, step_states) for one shape."""
+        inner = (V, K) if state_v_first else (K, V)
+        return (
+            *_inputs(N, T, H, HV, K, V, gate="softplus"), torch.randn(N, HV, *inner, device="cuda") * 0.1,
+            torch.arange(N, dtype=torch.int32, device="cuda"),
+            torch.empty(N, T, HV, V, device="cuda", dtype=torch.bfloat16),
+            torch.empty(N, T, HV, *inner, device="cuda") if steps else None,
+        )  # fmt: skip
+
+    def kernel_us(call):
+        call()
+        torch.cuda.synchronize()
+        return do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
+
     lines = []
     shapes = ((1, 1, False), (64, 1, False), (256, 1, False), (64, 4, False), (64, 4, True))
     for state_v_first, wide in ((False, False), (False, True), (True, False)):
         for N, T, steps in shapes:
             monkeypatch.setattr(D, "WIDE_KV_DEFAULT", wide)
-            H = HV = 64
-            K = V = 128
-            q, k, v, g, beta, A_log, dt_bias = _inputs(N, T, H, HV, K, V, gate="softplus")
-            inner = (V, K) if state_v_first else (K, V)
-            pool = torch.randn(N, HV, *inner, device="cuda") * 0.1
-            indices = torch.arange(N, dtype=torch.int32, device="cuda")
-            out = torch.empty(N, T, HV, V, device="cuda", dtype=torch.bfloat16)
-            step = torch.empty(N, T, HV, *inner, device="cuda") if steps else None
-
+            *tensors, step = setup(N, T, state_v_first, steps)
             call = functools.partial(
-                kda_decode_sm90,
-                q,
-                k,
-                v,
-                g,
-                beta,
-                A_log,
-                dt_bias,
-                pool,
-                indices,
-                out,
-                scale=K**-0.5,
-                gate="softplus",
-                lower_bound=None,
-                use_qk_l2norm=True,
-                beta_sigmoid=True,
-                allow_neg_eigval=False,
-                state_v_first=state_v_first,
-                step_states=step,
-            )
-            call()
-            torch.cuda.synchronize()
-            us = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
+                kda_decode_sm90, *tensors, scale=K**-0.5, gate="softplus", lower_bound=None, use_qk_l2norm=True,
+                beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first, step_states=step,
+            )  # fmt: skip
+            us = kernel_us(call)
             n_state_bytes = N * HV * K * V * 4 * (1 + (T if steps else 1))
             t0 = time.perf_counter()
             for _ in range(200):
@@ -541,21 +532,14 @@ def test_decode_speed_report(capsys, monkeypatch):
     # per-CTA launch) is what holds the bandwidth at 84-87%
     for warps in (2, 8):
         for N in (64, 256):
-            H = HV = 64
-            K = V = 128
-            q, k, v, g, beta, A_log, dt_bias = _inputs(N, 1, H, HV, K, V, gate="softplus")
-            pool = torch.randn(N, HV, V, K, device="cuda") * 0.1
-            indices = torch.arange(N, dtype=torch.int32, device="cuda")
-            out = torch.empty(N, 1, HV, V, device="cuda", dtype=torch.bfloat16)
+            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, _ = setup(N, 1, True, False)
             launch = D.kda_decode_launcher(
                 io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=V, gate="softplus", has_a_log=True,
                 has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
                 has_step_states=False, warps_per_cta=warps,
             )  # fmt: skip
-            call = functools.partial(launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, None)
-            call()
-            torch.cuda.synchronize()
-            us = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
+            us = kernel_us(functools.partial(
+                launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, None))  # fmt: skip
             lines.append(f"vk {warps} warps/CTA N={N:4d} T=1: {us:8.2f} us  {N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
