@@ -706,7 +706,7 @@ class ChunkKDAIntraFwdSm90:
         sB = cute.make_tensor(cute.recast_ptr(region, dtype=Float32), cute.make_layout(2 * 32 * self.dk))
         tiled_tf = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
         rounds = ((0, 3), (1, 2))
-        accs = []
+        blocks = []  # per round: this warp's accumulator, key block and anchor
         for rnd in cutlass.range_constexpr(2):
             a0, a1 = rounds[rnd]
             self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, rounds[rnd])
@@ -718,7 +718,7 @@ class ChunkKDAIntraFwdSm90:
             kb, anc, slot = _block_of(warp_idx, a0, a1)
             if (warp_idx < a0 + a1 + 2) & (16 * kb < valid):
                 self._score_block(tiled_tf, acc, sK0, sG, sB, kb, anc, slot, valid, lane)
-            accs.append(acc)
+            blocks.append((acc, kb, anc))
             cute.arch.barrier()  # every score product has read sB: the next round rewrites it, then it is scratch
 
         # accumulator (v, nt) of lane (g, c): key row s = 16 kb + row(g) (+ 8 for v >= 2), B row n = 8 nt + 2 c
@@ -728,8 +728,7 @@ class ChunkKDAIntraFwdSm90:
         for rnd in cutlass.range_constexpr(2):
             a0, a1 = rounds[rnd]
             if warp_idx < a0 + a1 + 2:
-                kb, anc, _slot = _block_of(warp_idx, a0, a1)
-                acc = accs[rnd]
+                acc, kb, anc = blocks[rnd]
                 for nt in cutlass.range_constexpr(4):
                     for v in cutlass.range_constexpr(4):
                         s = 16 * kb + _tf32_row(g_) + 8 * (v // 2)
