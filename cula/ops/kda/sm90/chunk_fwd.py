@@ -41,7 +41,7 @@ CUTE_INTRA_AUTO_MAX_TOKEN_HEADS: int | None = None
 # cula's intra kernel writes g_cum at each chunk's last valid row only, the one row the state/output kernel reads
 # (1/64 of the fp32 g_cum bytes, ~17% of the intra kernel's traffic); on once the H200 confirms chunk_kda is
 # unchanged bit for bit (tests/ops/test_kda_intra_kernel.py::test_g_cum_last_only)
-G_CUM_LAST_ONLY = False
+G_CUM_LAST_ONLY = True
 
 
 def _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) -> bool:

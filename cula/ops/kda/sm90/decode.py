@@ -619,8 +619,7 @@ def kda_decode_launcher(*, gate: str, has_a_log: bool, has_dt_bias: bool, wide_k
 
 
 _ARCH = (9, 0)
-# [K, V] pools with the wide lane tile (KdaDecodeSm90(wide_kv=True)): the default once the H200 confirms the
-# results (tests/ops/test_kda_decode_kernel.py::test_wide_kv_matches) and a higher bandwidth (the speed report's
-# "kv wide" rows; the narrow tile reads [K, V] rows in 32-byte pieces and reached 2.4 TB/s against 3.6 for
-# [V, K] on 2026-11-30)
-WIDE_KV_DEFAULT = False
+# [K, V] pools with K=128 take the wide lane tile (KdaDecodeSm90(wide_kv=True)): on the H200 (2026-11-30) it
+# matched the narrow tile (tests/ops/test_kda_decode_kernel.py::test_wide_kv_matches) and ran N=64 in 180 us
+# against 225 (3.0 against 2.4 TB/s; the narrow tile reads [K, V] rows in lone 32-byte pieces)
+WIDE_KV_DEFAULT = True

@@ -97,7 +97,7 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the modul
 # loads the raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. Same arithmetic in
 # the same order: the default once tests/ops/test_kda_intra_kernel.py::test_pipelined_loads_bit_identical passes
 # on the H200 and profile_kda.py shows it faster
-PIPELINED_LOADS_DEFAULT = False
+PIPELINED_LOADS_DEFAULT = True
 
 
 class ChunkKDAIntraFwdSm90:
