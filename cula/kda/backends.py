@@ -149,13 +149,6 @@ def _reference_recurrent_supports(ssm_state_indices=None, num_accepted_tokens=No
     return True, None
 
 
-# [K, V] pools (FLA's default layout) with K = 128: cula's decode kernel, even with the wide lane tile
-# (WIDE_KV_DEFAULT in cula/ops/kda/sm90/decode.py), reaches 3.0 TB/s there against 3.6 for [V, K] pools
-# (N=64 HV=64 on the H200, 2026-11-30: 180 us; FLA ~139 us in its own layout). Calls with more (sequence, value
-# head) states than this run on FLA; below it cula's lower host overhead wins. The threshold is an estimate.
-KV_POOL_FLA_MIN_STATES = 512
-
-
 def _cula_recurrent_supports(
     q, k, v, g, beta, A_log, dt_bias, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
     num_accepted_tokens, use_gate_in_kernel, lower_bound, state_v_first, **_,
@@ -186,10 +179,6 @@ def _cula_recurrent_supports(
         return False, "the state pool must be fp32 [P, HV, ...] for cula's kernel"
     if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
-    states = q.shape[0] * v.shape[2]
-    if not state_v_first and q.shape[-1] == 128 and states > KV_POOL_FLA_MIN_STATES:
-        return False, (f"a [K, V] pool with {states} (sequence, value head) states: fla is faster there "
-                       "(state_v_first=True pools run on cula)")
     return pool_layout_verdict(initial_state, q.shape[-1], v.shape[-1], state_v_first)
 
 

@@ -58,24 +58,34 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+# switches of a variant waiting for its GPU check, as (module, attribute, value): profiled as "cula-intra-pending"
+# beside the default when not empty
+PENDING: list[tuple[str, str, object]] = []
+
+
 def profile_paths() -> None:
+    import importlib
+
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    import cula.ops.kda.sm90.intra as intra_mod
     from cula.backends import clear_plan_caches
     from cula.kda import chunk_kda
 
+    paths = [("fla", None, False), ("cula-fla-intra", "0", False), ("cula-intra", "1", False)]
+    if PENDING:
+        paths.append(("cula-intra-pending", "1", True))
+    saved = [(importlib.import_module(m), a) for m, a, _ in PENDING]
+    saved = [(mod, a, getattr(mod, a)) for mod, a in saved]
     report = {}
     with torch.inference_mode():
         for B, T in SHAPES:
             x = inputs(B, T)
-            for path, env, pending in (("fla", None, False), ("cula-fla-intra", "0", False), ("cula-intra", "1", False),
-                                       ("cula-intra-pending", "1", True)):  # fmt: skip
+            for path, env, pending in paths:
                 if env is not None:
                     os.environ["CULA_KDA_INTRA"] = env
-                # the variant waiting for its GPU check
-                intra_mod.PIPELINED_LOADS_DEFAULT = pending
-                clear_plan_caches()  # chunk_kda binds the switch into its per-signature plan
+                for (mod, a, default), (_, _, value) in zip(saved, PENDING):
+                    setattr(mod, a, value if pending else default)
+                clear_plan_caches()  # chunk_kda binds module switches into its per-signature plan
                 fn = fla_chunk_kda if env is None else chunk_kda
                 times = kernel_times(lambda fn=fn, x=x: fn(**x, **FLAGS))
                 key = f"B{B}-T{T} {path}"

@@ -46,11 +46,9 @@ _VARIANTS = [
      "beta_act": "sigmoid"},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "Float32", "gate": "none", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid2"},
-    # chunk_kda's inference config, and with the pending variant (loads issued ahead of the stores)
+    # chunk_kda's inference config
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid"},
-    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
-     "beta_act": "sigmoid", "pipelined_loads": True},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -65,8 +63,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         t0 = time.time()
         M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
                    v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}",
-                   l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"),
-                   pipelined_loads=v.get("pipelined_loads", False))
+                   l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"))
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -84,8 +81,6 @@ def _vid(v):
         vid += "-l2norm"
     if v.get("beta_act", "none") != "none":
         vid += f"-beta_{v['beta_act']}"
-    if v.get("pipelined_loads"):
-        vid += "-pipelined_loads"
     return vid
 
 
@@ -411,36 +406,12 @@ def test_intra_vs_fla(case):
     _assert_matches_fla((g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref), out, cu)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_preproc"])
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
-def test_pipelined_loads_bit_identical(case, fused):
-    """The pending pipelined_loads variant (the read-modify-write loops of P1, P2, P5 and P6 issue their next loads
-    before this step's stores; raw g lands on its own barrier) changes no bit of any output, including the
-    untouched rows past each sequence end (poisoned before every run)."""
-    q, k, v, g, beta, cu, A_log, dt_bias, lb = (_raw_preproc if fused else _setup)(case)
-    extra = {"use_qk_l2norm": True, "beta_sigmoid": True} if fused else {}
-    ci = None
-    if cu is not None:
-        from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
-
-        ci = prepare_chunk_indices_i32(cu)
-    outs = [
-        _run_ours(q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb, pipelined_loads=pl, **extra)
-        for pl in (False, True)
-    ]
-    torch.cuda.synchronize()
-    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), *outs):
-        assert torch.equal(a.view(torch.int8), b.view(torch.int8)), name
-
-
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 def test_g_cum_last_only(case):
     """g_cum_last_only writes each chunk's last valid g_cum row (bit-equal to the full write) and no other, and
-    the state/output kernel fed it returns the same bits (it reads no other row; chunk_fwd.G_CUM_LAST_ONLY)."""
+    the state/output kernel fed it returns the same bits (it reads no other row; chunk_fwd always asks for it)."""
     from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
     from cula.testing import poison_
 

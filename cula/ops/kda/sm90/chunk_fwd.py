@@ -38,10 +38,6 @@ _CUTE_INTRA_MIN_LOWER_BOUND = -5.0
 # tokens x value heads up to which ``auto`` takes cula's intra kernel; None: no cap. With the vector_io kernel
 # ours is faster at every measured shape (H200, 2026-11-30: B2-T16K 6.30 vs 6.65 ms of kernels)
 CUTE_INTRA_AUTO_MAX_TOKEN_HEADS: int | None = None
-# cula's intra kernel writes g_cum at each chunk's last valid row only, the one row the state/output kernel reads
-# (1/64 of the fp32 g_cum bytes, ~17% of the intra kernel's traffic); on once the H200 confirms chunk_kda is
-# unchanged bit for bit (tests/ops/test_kda_intra_kernel.py::test_g_cum_last_only)
-G_CUM_LAST_ONLY = True
 
 
 def _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) -> bool:
@@ -228,7 +224,7 @@ def _intra_cute(
     chunk_kda_intra_sm90(
         q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu32, chunk_indices, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound if gate == "sigmoid" else None, use_qk_l2norm=use_qk_l2norm,
-        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=G_CUM_LAST_ONLY,
+        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=True,
     )  # fmt: skip
     return w, u, qg, kg, Aqk, g_cum
 
@@ -263,9 +259,8 @@ def prepare_chunk_kda_fwd_sm90(
     the intra -> state/output intermediates in their flat kernel shapes and calls the two compiled kernels
     directly: none of the per-call checks, views and cache-key builds of the general path, which the caller's
     full validation of the first call with this signature stands for (``cula.kda.chunk``'s plan cache).
-    Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``, ``G_CUM_LAST_ONLY``, ``intra.PIPELINED_LOADS_DEFAULT``) are
-    read here, once:
-    call ``cula.backends.clear_plan_caches()`` after changing them; ``CULA_KDA_INTRA`` is part of the signature.
+    Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``) are read here, once: call
+    ``cula.backends.clear_plan_caches()`` after changing them; ``CULA_KDA_INTRA`` is part of the signature.
     """
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import intra
@@ -283,7 +278,7 @@ def prepare_chunk_kda_fwd_sm90(
     gate = _gate_kind(use_gate_in_kernel, lower_bound)
     beta_act = intra.beta_act_for(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     fn_intra = intra.compiled_for(
-        q.dtype, g.dtype, beta.dtype, gate, False, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=G_CUM_LAST_ONLY
+        q.dtype, g.dtype, beta.dtype, gate, False, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=True
     )
     has_h0 = initial_state is not None
     fn_state = dh.get_compiled(

@@ -91,13 +91,11 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
-# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P5, P6's k' and v') issue
-# the next step's loads before this step's stores: ptxas cannot move a load above a store it cannot prove
-# disjoint, so the plain loops run one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 also
-# loads the raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. Same arithmetic in
-# the same order: the default once tests/ops/test_kda_intra_kernel.py::test_pipelined_loads_bit_identical passes
-# on the H200 and profile_kda.py shows it faster
-PIPELINED_LOADS_DEFAULT = True
+# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P5, P6's k' and v')
+# issue the next step's loads before this step's stores: ptxas never moves a load above a store it cannot prove
+# disjoint, so a plain loop runs one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 loads the
+# raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. On the H200 this was bit-
+# identical to the plain loops and 6% faster (B2-T16384 3127 -> 2930 us, 2026-11-30).
 
 
 class ChunkKDAIntraFwdSm90:
@@ -112,10 +110,8 @@ class ChunkKDAIntraFwdSm90:
 
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
-        l2norm_qk: bool = False, beta_act: str = "none", pipelined_loads: bool | None = None,
-        g_cum_last_only: bool = False,
+        l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False,
     ):  # fmt: skip
-        self.pipelined_loads = PIPELINED_LOADS_DEFAULT if pipelined_loads is None else bool(pipelined_loads)
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
         if gate not in GATES:
@@ -133,7 +129,6 @@ class ChunkKDAIntraFwdSm90:
         self.sb_bytes = 2 * 32 * self.dk * 4
         self.gin_bytes = self.dk * self.bt * (g_dtype.width // 8)
         self.x_bytes = self.bt * self.dk * (dtype.width // 8)
-        self.tx_bytes = 2 * self.x_bytes + self.gin_bytes  # q, k, raw g; v comes later, into q's tile
         # The region holds raw g (P0-P1), the score B operands (P2-P3), then: Akk, inverted in place into T
         # (fp32 [BT, a_ld], P3 epilogue-P6); Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte
         # aligned, banks staggered; P3 epilogue); Y (P5); bf16 T as the WGMMA A operand (1024-aligned for its
@@ -200,7 +195,7 @@ class ChunkKDAIntraFwdSm90:
             sG: cute.struct.Align[cute.struct.MemRange[Float32, BT * DK], 1024]
             region: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.region_bytes], 1024]
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
-            mbar: cute.struct.MemRange[cutlass.Int64, 2]  # q, k (then v); raw g (pipelined_loads)
+            mbar: cute.struct.MemRange[cutlass.Int64, 2]  # q, k (then v); raw g
 
         self.storage = Storage
         self.kernel(
@@ -259,11 +254,11 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(self._vec_at(sX0, (c8, tidx // 16 + rows * m)), rv)
             return rv
 
-        nxt = load(0) if const_expr(self.pipelined_loads) else None
+        nxt = load(0)
         for m in cutlass.range_constexpr(steps):
             t = tidx // 16 + rows * m
-            rv = nxt if const_expr(self.pipelined_loads) else load(m)
-            if const_expr(self.pipelined_loads and m + 1 < steps):
+            rv = nxt
+            if const_expr(m + 1 < steps):
                 nxt = load(m + 1)
             b = sBeta[t]
             for e in cutlass.range_constexpr(8):
@@ -285,11 +280,11 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(self._vec_at(sG, (c8, 16 * j + r), 4), rg)  # sG rows: 16-byte aligned
             return rk, rg
 
-        nxt = load(0) if const_expr(self.pipelined_loads) else None
+        nxt = load(0)
         for j in cutlass.range_constexpr(steps):
             t = 16 * j + r
-            rk, rg = nxt if const_expr(self.pipelined_loads) else load(j)
-            if const_expr(self.pipelined_loads and j + 1 < steps):
+            rk, rg = nxt
+            if const_expr(j + 1 < steps):
                 nxt = load(j + 1)
             b = sBeta[t]
             for e in cutlass.range_constexpr(8):
@@ -323,13 +318,13 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(at(sG, (c8, 16 * j + 8), 4), rga)
             return rq, rk, rg, rga
 
-        # pipelined_loads: the second sub-chunk's rows are read before the first one's stores
-        ahead = [load(0), load(1)] if const_expr(self.pipelined_loads) else None
+        # the second sub-chunk's rows are read before the first one's stores
+        ahead = [load(0), load(1)]
         for slot in cutlass.range_constexpr(2):
             j = subchunks[slot]
             t = 16 * j + r
             live = t < valid
-            rq, rk, rg, rga = ahead[slot] if const_expr(self.pipelined_loads) else load(slot)
+            rq, rk, rg, rga = ahead[slot]
             rqg = cute.make_rmem_tensor(V8, dt)
             rkg = cute.make_rmem_tensor(V8, dt)
             bq = cute.make_rmem_tensor(V8, Float32)
@@ -403,10 +398,10 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(self._vec_at(sX0, (c * V8, t)), rx)
             return rx
 
-        nxt = load(0) if const_expr(self.pipelined_loads) else None
+        nxt = load(0)
         for c in cutlass.range_constexpr(steps):
-            rx = nxt if const_expr(self.pipelined_loads) else load(c)
-            if const_expr(self.pipelined_loads and c + 1 < steps):
+            rx = nxt
+            if const_expr(c + 1 < steps):
                 nxt = load(c + 1)
             for e in cutlass.range_constexpr(V8):
                 rx[e] = (rx[e].to(Float32) * r).to(dt)
@@ -478,26 +473,19 @@ class ChunkKDAIntraFwdSm90:
         )  # (t, s)
 
         # ---------------- P0: loads of q, k, raw g (phase 0 of the barrier; v is phase 1) ----------------
-        # pipelined_loads: raw g first, on its own barrier, so the gate cumsum starts before q and k have landed
+        # raw g first, on its own barrier, so the gate cumsum starts before q and k have landed
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
-            if const_expr(self.pipelined_loads):
-                cute.arch.mbarrier_init(bar_g, 1)
+            cute.arch.mbarrier_init(bar_g, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
         if warp_idx == 0:
-            if const_expr(self.pipelined_loads):
-                if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar_g, self.gin_bytes)
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * self.x_bytes)
-                for atom, tsrc, head, sdst, b in ((tma_g, tg, hv, sGin, bar_g), (tma_q, tq, h, sQ, bar),
-                                                  (tma_k, tk, h, sK, bar)):  # fmt: skip
-                    self._load_tile(atom, tsrc, head, sdst, tok0, b)
-            else:
-                if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tx_bytes)
-                for atom, tsrc, head, sdst in ((tma_q, tq, h, sQ), (tma_k, tk, h, sK), (tma_g, tg, hv, sGin)):
-                    self._load_tile(atom, tsrc, head, sdst, tok0, bar)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar_g, self.gin_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * self.x_bytes)
+            for atom, tsrc, head, sdst, b in ((tma_g, tg, hv, sGin, bar_g), (tma_q, tq, h, sQ, bar),
+                                              (tma_k, tk, h, sK, bar)):  # fmt: skip
+                self._load_tile(atom, tsrc, head, sdst, tok0, b)
         if tidx < BT:
             b = Float32(0.0)
             if tidx < valid:
@@ -508,39 +496,29 @@ class ChunkKDAIntraFwdSm90:
         if const_expr(self.gate != "none"):
             coef = cute.math.exp(mAlog[hv].to(Float32), fastmath=True)
             bias = mBias[hv, tid].to(Float32)
-        if const_expr(not self.pipelined_loads):
-            cute.arch.mbarrier_wait(bar, 0)
-            cute.arch.barrier()
 
         # ---------------- P1: gate cumsum (WG0) | q, k row norms (WG1) ----------------
         sQ0, sK0, sV0, sGin0 = sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sGin[None, None, 0]
         if wg == 0:
             # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
             acc = Float32(0.0)
-            if const_expr(self.pipelined_loads):
-                cute.arch.mbarrier_wait(bar_g, 0)
-                # blocks of 8 steps, the next block's raw gates loaded before this block's g_cum stores
-                GB = 8
-                nxt = [sGin0[tid, e].to(Float32) for e in range(GB)]
-                for blk in cutlass.range_constexpr(BT // GB):
-                    cur = nxt
-                    if const_expr(blk + 1 < BT // GB):
-                        nxt = [sGin0[tid, GB * (blk + 1) + e].to(Float32) for e in range(GB)]
-                    for e in cutlass.range_constexpr(GB):
-                        t = GB * blk + e
-                        a = self._act(cur[e], coef, bias, lower_bound)
-                        acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
-                        sG[tid, t] = acc * RCP_LN2
-                cute.arch.mbarrier_wait(bar, 0)  # q and k, read by everyone from P2 on
-            else:
-                for t in cutlass.range(BT, unroll=8):
-                    a = self._act(sGin0[tid, t].to(Float32), coef, bias, lower_bound)
+            cute.arch.mbarrier_wait(bar_g, 0)
+            # blocks of 8 steps, the next block's raw gates loaded before this block's g_cum stores
+            GB = 8
+            nxt = [sGin0[tid, e].to(Float32) for e in range(GB)]
+            for blk in cutlass.range_constexpr(BT // GB):
+                cur = nxt
+                if const_expr(blk + 1 < BT // GB):
+                    nxt = [sGin0[tid, GB * (blk + 1) + e].to(Float32) for e in range(GB)]
+                for e in cutlass.range_constexpr(GB):
+                    t = GB * blk + e
+                    a = self._act(cur[e], coef, bias, lower_bound)
                     # rows past the sequence end add nothing, so gc there equals gc at the last valid row
                     acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
                     sG[tid, t] = acc * RCP_LN2
+            cute.arch.mbarrier_wait(bar, 0)  # q and k, read by everyone from P2 on
         else:
-            if const_expr(self.pipelined_loads):
-                cute.arch.mbarrier_wait(bar, 0)
+            cute.arch.mbarrier_wait(bar, 0)
             if const_expr(self.l2norm_qk):
                 # nothing reads q or k before P2; thread tid owns row tid % 64 of q (tid < 64) or of k
                 off = cute.assume(Int32(cutlass.select_(tid < BT, 0, x_elems)), divby=x_elems)
@@ -584,8 +562,8 @@ class ChunkKDAIntraFwdSm90:
         # overwrites that row block
         rr = tidx // 16
         c0 = tidx % 16
-        # (pipelined_loads: each half-step stores its i results after all their loads; the stores go to sY, or to
-        # column blocks of row block i that this half-step does not read)
+        # (each half-step stores its i results after all their loads; the stores go to sY, or to column blocks of
+        # row block i that this half-step does not read)
         for i in cutlass.range_constexpr(1, 4):
             ys = []
             for p in cutlass.range_constexpr(i):
@@ -595,11 +573,8 @@ class ChunkKDAIntraFwdSm90:
                     for e in cutlass.range_constexpr(4):
                         y = y + ra[e] * sA[4 * m4 + e, c0 + 16 * p]
                 ys.append(y)
-                if const_expr(not self.pipelined_loads):
-                    sY[rr, c0 + 16 * p] = y
-            if const_expr(self.pipelined_loads):
-                for p in cutlass.range_constexpr(i):
-                    sY[rr, c0 + 16 * p] = ys[p]
+            for p in cutlass.range_constexpr(i):
+                sY[rr, c0 + 16 * p] = ys[p]
             cute.arch.barrier()
             ys = []
             for p in cutlass.range_constexpr(i):
@@ -609,11 +584,8 @@ class ChunkKDAIntraFwdSm90:
                     for e in cutlass.range_constexpr(4):
                         y = y - ra[e] * sY[4 * m4 + e, c0 + 16 * p]
                 ys.append(y)
-                if const_expr(not self.pipelined_loads):
-                    sA[16 * i + rr, c0 + 16 * p] = y
-            if const_expr(self.pipelined_loads):
-                for p in cutlass.range_constexpr(i):
-                    sA[16 * i + rr, c0 + 16 * p] = ys[p]
+            for p in cutlass.range_constexpr(i):
+                sA[16 * i + rr, c0 + 16 * p] = ys[p]
             cute.arch.barrier()
 
         # ---------------- P6: bf16(T), v' = bf16(beta v), k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ------
@@ -898,14 +870,13 @@ def gate_params(
 
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str, *, pipelined_loads: bool | None = None, g_cum_last_only: bool = False,
+    beta_act: str, *, g_cum_last_only: bool = False,
 ):  # fmt: skip
-    """The compiled variant for torch dtypes and the launch flags (``pipelined_loads``: ``PIPELINED_LOADS_DEFAULT``
-    when None); ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s bound launch both take their kernel from here."""
+    """The compiled variant for torch dtypes and the launch flags; ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s
+    bound launch both take their kernel from here."""
     return get_compiled(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
-        pipelined_loads=PIPELINED_LOADS_DEFAULT if pipelined_loads is None else bool(pipelined_loads),
         g_cum_last_only=bool(g_cum_last_only),
     )  # fmt: skip
 
@@ -945,7 +916,6 @@ def chunk_kda_intra_sm90(
     use_qk_l2norm: bool = False,
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
-    pipelined_loads: bool | None = None,
     g_cum_last_only: bool = False,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
@@ -974,8 +944,6 @@ def chunk_kda_intra_sm90(
             rounded to q's dtype, before any use.
         beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
-        pipelined_loads: the variant whose read-modify-write loops issue the next loads before the stores (same
-            results); ``PIPELINED_LOADS_DEFAULT`` when None.
         g_cum_last_only: write g_cum at the last valid row of each chunk only (what the state/output kernel
             reads); its other rows are left as they were.
 
@@ -1029,8 +997,7 @@ def chunk_kda_intra_sm90(
     dev = q.device
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
-        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, pipelined_loads=pipelined_loads,
-        g_cum_last_only=g_cum_last_only,
+        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only
     )
 
     def flat(t):
