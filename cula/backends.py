@@ -28,6 +28,19 @@ import torch
 
 logger = logging.getLogger("cula")
 
+# os.environ.get encodes its key on every call (~1 us on the device host, a tenth of a decode step's host
+# budget); plan keys read CULA_BACKEND through CPython's own bytes-keyed mirror of the environment, which
+# os.environ's setters and deleters keep current.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_BACKEND_KEY = os.environ.encodekey("CULA_BACKEND") if _ENV_DATA is not None else None
+
+
+def forced_backend() -> Any:
+    """``CULA_BACKEND`` for a plan key: its value, undecoded (bytes on POSIX), or None when unset."""
+    if _ENV_DATA is None:
+        return os.environ.get("CULA_BACKEND")
+    return _ENV_DATA.get(_BACKEND_KEY)
+
 Verdict = tuple[bool, "str | None"]
 
 
@@ -196,7 +209,7 @@ def call_signature(call: dict[str, Any], tensors: tuple[str, ...], scalars: tupl
     values = tuple(call[n] for n in scalars)
     if any(type(x) not in _PLAIN_SCALARS for x in values):
         return None
-    return (*(tensor_sig(call[n]) for n in tensors), *values, os.environ.get("CULA_BACKEND"), *extra)
+    return (*(tensor_sig(call[n]) for n in tensors), *values, forced_backend(), *extra)
 
 
 class PlanCache:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from cula._validate import (
@@ -19,7 +17,7 @@ from cula._validate import (
     is_row_major,
     pool_layout_verdict,
 )
-from cula.backends import PlanCache, Registry, always, cula_kernels_on, tensor_sig
+from cula.backends import PlanCache, Registry, always, cula_kernels_on, forced_backend, tensor_sig
 
 kda_decode_registry = Registry("kda.kda_decode")
 # Validated launches by call signature: a serving loop repeats a few signatures once per token, and full
@@ -74,24 +72,21 @@ def kda_decode(
         tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta), tensor_sig(state_pool),
         tensor_sig(state_indices), tensor_sig(A_log), tensor_sig(dt_bias), tensor_sig(out), tensor_sig(step_states),
         scale is None or type(scale), lower_bound is None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, os.environ.get("CULA_BACKEND"),
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, forced_backend(),
     )  # fmt: skip
-    launch = _plans.lookup(key, lambda: _plan(
-        q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
-        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out,
-        step_states,
-    ))  # fmt: skip
+    launch = _plans.get(key)
+    if launch is None:
+        launch = _plans.lookup(key, lambda: _plan(
+            q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out,
+            step_states,
+        ))  # fmt: skip
     if check_indices:
         check_pool_indices(state_indices, state_pool.shape[0])
     if out is None:
         out = torch.empty_like(v)
-    launch(
-        q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices, A_log=A_log,
-        dt_bias=dt_bias, scale=check_scale(scale, q.shape[-1]), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first, out=out,
-        step_states=step_states,
-    )  # fmt: skip
+    launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, check_scale(scale, q.shape[-1]), lower_bound,
+           out, step_states)  # fmt: skip
     return out
 
 
@@ -128,14 +123,25 @@ def _plan(
             "step_states", step_states, shape=(N, T) + tuple(state_pool.shape[1:]), dtypes=(torch.float32,),
             device=dev,
         )  # fmt: skip
-    args = dict(
-        q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices, A_log=A_log,
-        dt_bias=dt_bias, scale=check_scale(scale, K), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first, out=out,
-        step_states=step_states,
+    flags = dict(
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first,
     )  # fmt: skip
-    return kda_decode_registry.plan(dev, args)
+    run = kda_decode_registry.plan(dev, dict(
+        q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices, A_log=A_log,
+        dt_bias=dt_bias, scale=check_scale(scale, K), lower_bound=lower_bound, out=out, step_states=step_states,
+        **flags,
+    ))  # fmt: skip
+    if getattr(run, "positional", False):
+        return run
+
+    # the flags are part of the plan key, so they are bound here once
+    def launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states):
+        run(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices, A_log=A_log,
+            dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, out=out, step_states=step_states, **flags)  # fmt: skip
+
+    return launch
 
 
 def _cula_supports(q, k, v, state_pool, state_v_first, step_states=None, **_) -> tuple:
@@ -157,7 +163,8 @@ def _gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
 def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, use_qk_l2norm_in_kernel,
                        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
                        out, step_states, **_):  # fmt: skip
-    """The compiled kernel bound once; None (the general path) where an input needs a dense copy first."""
+    """The compiled kernel bound once, called with ``kda_decode``'s positional launch arguments (see ``_plan``);
+    None (the general path) where an input needs a dense copy first."""
     from cula.ops.kda.sm90.decode import kda_decode_launcher
 
     if q.shape[0] == 0 or not all(is_dense(t) for t in (q, k, v, g, beta, state_indices, out)):
@@ -169,10 +176,10 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, has_step_states=step_states is not None,
     )  # fmt: skip
 
-    def launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states,
-               **_):  # fmt: skip
+    def launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states):
         bound(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, out, step_states, scale, lower_bound)
 
+    launch.positional = True
     return launch
 
 

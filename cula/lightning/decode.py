@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from cula._validate import (
@@ -17,7 +15,7 @@ from cula._validate import (
     is_dense,
     pool_layout_verdict,
 )
-from cula.backends import PlanCache, Registry, always, cula_kernels_on, tensor_sig
+from cula.backends import PlanCache, Registry, always, cula_kernels_on, forced_backend, tensor_sig
 
 lightning_decode_registry = Registry("lightning.lightning_decode")
 _plans = PlanCache()  # validated launches by call signature (see cula.backends.PlanCache)
@@ -61,18 +59,18 @@ def lightning_decode(
     """
     key = (
         tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(decay), tensor_sig(state_pool),
-        tensor_sig(state_indices), tensor_sig(out), scale is None or type(scale), state_v_first,
-        os.environ.get("CULA_BACKEND"),
+        tensor_sig(state_indices), tensor_sig(out), scale is None or type(scale), state_v_first, forced_backend(),
     )  # fmt: skip
-    launch = _plans.lookup(key, lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out))
+    launch = _plans.get(key)
+    if launch is None:
+        launch = _plans.lookup(
+            key, lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out)
+        )
     if check_indices:
         check_pool_indices(state_indices, state_pool.shape[0])
     if out is None:
         out = torch.empty_like(v)
-    launch(
-        q=q, k=k, v=v, decay=decay, state_pool=state_pool, state_indices=state_indices,
-        scale=check_scale(scale, q.shape[-1]), state_v_first=bool(state_v_first), out=out,
-    )  # fmt: skip
+    launch(q, k, v, decay, state_pool, state_indices, check_scale(scale, q.shape[-1]), out)
     return out
 
 
@@ -93,7 +91,15 @@ def _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
         "q": q, "k": k, "v": v, "decay": decay, "state_pool": state_pool, "state_indices": state_indices,
         "scale": check_scale(scale, K), "state_v_first": bool(state_v_first), "out": out,
     }  # fmt: skip
-    return lightning_decode_registry.plan(dev, args)
+    run = lightning_decode_registry.plan(dev, args)
+    if getattr(run, "positional", False):
+        return run
+
+    def launch(q, k, v, decay, state_pool, state_indices, scale, out):  # state_v_first is part of the plan key
+        run(q=q, k=k, v=v, decay=decay, state_pool=state_pool, state_indices=state_indices, scale=scale,
+            state_v_first=bool(state_v_first), out=out)  # fmt: skip
+
+    return launch
 
 
 def _cula_supports(q, v, state_pool, state_v_first, **_) -> tuple:
@@ -116,9 +122,10 @@ def _prepare_cula_sm90(q, k, v, decay, state_pool, state_indices, state_v_first,
         return None
     bound = lightning_decode_launcher(q, v, state_v_first=state_v_first)
 
-    def launch(q, k, v, decay, state_pool, state_indices, scale, out, **_):
+    def launch(q, k, v, decay, state_pool, state_indices, scale, out):  # lightning_decode's positional launch
         bound(q, k, v, decay, state_pool, state_indices, out, scale)
 
+    launch.positional = True
     return launch
 
 

@@ -118,6 +118,12 @@ def decode_rows() -> dict[str, float]:
     rows["kda_decode: kernel call (13 args)"] = per_call_us(
         lambda: launch(q, k, v, g, beta, A_log, dt_bias, pool, idx, out, None, D**-0.5, -5.0)
     )
+    rows["torch.empty_like(v)"] = per_call_us(lambda: torch.empty_like(v))
+    # TVM-FFI converts torch tensors through torch's DLPack exchange API when torch has it (fast), else through
+    # torch.utils.dlpack (slow); 1.0 = present
+    import tvm_ffi  # noqa: F401 - installs the attribute where it can
+
+    rows["torch.Tensor.__dlpack_c_exchange_api__ present"] = float(hasattr(torch.Tensor, "__dlpack_c_exchange_api__"))
     return rows
 
 

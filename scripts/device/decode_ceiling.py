@@ -1,0 +1,85 @@
+"""What the decode kernels' memory traffic can reach at best on this GPU: the ceiling under the 95% target.
+
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_ceiling.py
+
+Decode reads each touched fp32 state (64 KB at K=V=128) from a pool and writes it back in place. The benchmarks
+score that traffic against ``dst.copy_(src)`` over 1 GiB. This script times, in TB/s of read plus write:
+- that copy at 1 GiB and at the decode sizes (N * HV states of 64 KB);
+- an in-place elementwise update of one contiguous buffer (read and write of the same addresses);
+- a Triton kernel that does only the decode's memory traffic: each program scales one state of the pool, picked
+  by an index as in serving (rows of a random permutation of 2N slots), in place, for several tile sizes.
+If the last one tops out near the decode kernels' 3.5-3.7 TB/s, the gap to 95% of the copy is the access pattern
+(in place, 64 KB pieces at random pool rows), not the kernels' arithmetic. Prints a table, writes
+$OUT/decode_ceiling.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+HV, D = 64, 128
+
+
+@triton.jit
+def _scale_states(pool, idx, n_heads: tl.constexpr, state: tl.constexpr, block: tl.constexpr):
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    row = tl.load(idx + pid // n_heads).to(tl.int64)
+    base = pool + (row * n_heads + pid % n_heads) * state + part * block
+    offs = tl.arange(0, block)
+    x = tl.load(base + offs)
+    tl.store(base + offs, x * 1.0001)
+
+
+def tbps(fn, nbytes: float, iters: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in ev)[iters // 2]
+    return nbytes / (ms * 1e-3) / 1e12
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    rows = {}
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    rows["copy_ 1 GiB"] = tbps(lambda: dst.copy_(src), 2 * src.numel())
+    del src, dst
+    state = D * D
+    for n in (64, 256):
+        nbytes = n * HV * state * 4
+        a = torch.randn(nbytes // 4, device="cuda")
+        b = torch.empty_like(a)
+        rows[f"copy_ {nbytes >> 20} MiB (N={n})"] = tbps(lambda a=a, b=b: b.copy_(a), 2 * nbytes)
+        rows[f"in-place mul_ {nbytes >> 20} MiB (N={n})"] = tbps(lambda a=a: a.mul_(1.0001), 2 * nbytes)
+        del a, b
+        pool = torch.randn(2 * n, HV, state, device="cuda")
+        idx = torch.randperm(2 * n, device="cuda")[:n].to(torch.int32)
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8):
+                def run(block=block, warps=warps, pool=pool, idx=idx, n=n):
+                    _scale_states[(n * HV, state // block)](pool, idx, HV, state, block, num_warps=warps)
+
+                rows[f"indexed in-place N={n} block={block} warps={warps}"] = tbps(run, 2 * nbytes)
+        del pool
+    width = max(map(len, rows))
+    for k, v in rows.items():
+        print(f"{k:<{width}} : {v:6.3f} TB/s ({100 * v / rows['copy_ 1 GiB']:5.1f}% of the 1 GiB copy)", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "decode_ceiling.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "tbps": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
