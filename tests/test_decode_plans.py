@@ -131,6 +131,22 @@ def test_kda_decode_backend_override_starts_a_new_plan(counted_plans, monkeypatc
     assert counted_plans["kda"] == 4
 
 
+def test_forced_backend_follows_the_environment(monkeypatch):
+    """Plan keys read CULA_BACKEND through CPython's mirror of the environment, which setting and deleting
+    through os.environ (and monkeypatch) keep current."""
+    from cula.backends import forced_backend
+
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    assert forced_backend() is None
+    monkeypatch.setenv("CULA_BACKEND", "reference")
+    first = forced_backend()
+    assert first is not None and first in (b"reference", "reference")
+    monkeypatch.setenv("CULA_BACKEND", "fla")
+    assert forced_backend() not in (None, first)
+    monkeypatch.delenv("CULA_BACKEND")
+    assert forced_backend() is None
+
+
 @pytest.fixture
 def fake_sm90(monkeypatch, pretend_sm90):
     """Make CPU tensors look like an SM90 device with the DSL installed; kernels record their arguments."""
