@@ -46,9 +46,11 @@ _VARIANTS = [
      "beta_act": "sigmoid"},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "Float32", "gate": "none", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid2"},
-    # chunk_kda's inference config
+    # chunk_kda's inference configs (chunk_kda writes g_cum at each chunk's last row only)
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
-     "beta_act": "sigmoid"},
+     "beta_act": "sigmoid", "g_cum_last_only": True},
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": False, "l2norm": True,
+     "beta_act": "sigmoid", "g_cum_last_only": True},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -63,7 +65,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         t0 = time.time()
         M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
                    v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}",
-                   l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"))
+                   l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"),
+                   g_cum_last_only=v.get("g_cum_last_only", False))
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -81,6 +84,8 @@ def _vid(v):
         vid += "-l2norm"
     if v.get("beta_act", "none") != "none":
         vid += f"-beta_{v['beta_act']}"
+    if v.get("g_cum_last_only"):
+        vid += "-g_cum_last_only"
     return vid
 
 
