@@ -197,6 +197,22 @@ def test_kda_decode_fast_launch_passes_what_the_kernel_takes(counted_plans, fake
     assert fake_sm90[0][1][0].is_contiguous() and fake_sm90[0][1][0] is not q_odd
 
 
+def test_single_token_min_blocks_picks_the_one_slot_variant(counted_plans, fake_sm90, monkeypatch):
+    """SINGLE_TOKEN_MIN_BLOCKS applies to T=1 calls only (a one-slot variant would run T>1 in rounds of one)."""
+    import cula.ops.kda.sm90.decode as kops
+
+    monkeypatch.setattr(kops, "SINGLE_TOKEN_MIN_BLOCKS", 5)
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
+    pool = pool.transpose(-1, -2).contiguous()
+    A_log = torch.randn(HV)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, lower_bound=-5.0)
+    two = [torch.cat([t, t], dim=1) for t in (q, k, v, g, beta)]
+    kd.kda_decode(*two, pool, idx, A_log=A_log, lower_bound=-5.0)
+    variants = [c[1] for c in fake_sm90 if c[0] == "variant"]
+    assert variants[0]["tokens_per_round"] == 1 and variants[0]["min_blocks_per_sm"] == 5
+    assert "tokens_per_round" not in variants[1] and "min_blocks_per_sm" not in variants[1]
+
+
 def test_lightning_decode_plans(counted_plans, fake_sm90):
     q, k, v, decay, pool, idx = _lightning_inputs()
     kd_pool = pool.clone()

@@ -19,10 +19,10 @@ step() {  # step NAME SECONDS COMMAND...
 # a test stuck on the GPU (a kernel waiting forever) dumps its stack and ends its step after 150 s instead of
 # using up the step's whole limit
 P="python -m pytest -m gpu -q -rfE --tb=short -p no:warnings -o faulthandler_timeout=150 -o faulthandler_exit_on_timeout=true"
-step decode 120 $P tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/ops/test_kda_decode_kernel.py \
+step decode 150 $P tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/ops/test_kda_decode_kernel.py \
   tests/ops/test_lightning_decode_kernel.py -k "not speed_report"
 step api 260 $P tests/test_gpu_api.py tests/test_chunk_plans.py
 step intra 400 $P tests/ops/test_kda_intra_kernel.py
 step long 100 $P tests/test_gpu_long.py
-step speed 120 $P -s tests/ops/test_lightning_decode_kernel.py tests/ops/test_kda_decode_kernel.py -k speed_report
+step speed 180 $P -s tests/ops/test_lightning_decode_kernel.py tests/ops/test_kda_decode_kernel.py -k speed_report
 echo "== done at +$(( $(date +%s) - S ))s"

@@ -65,7 +65,16 @@ _VARIANTS = [
     # the wide lane tile for [K, V] pools
     _variant(gate="lower_bound", wide_kv=True),
     _variant(gate="softplus", has_step_states=True, wide_kv=True),
+    # SINGLE_TOKEN_MIN_BLOCKS: one token slot per warp, 5 or 6 CTAs per SM
+    _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
+             min_blocks_per_sm=5),
+    _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
+             min_blocks_per_sm=6),
+    _variant(gate="softplus", K=64, tokens_per_round=1, min_blocks_per_sm=6),
 ]
+# ptxas spills allowed where a variant asks for more registers than it is given (bytes): the wide tile parks one
+# 8-byte value with step states; 5 and 6 CTAs per SM cap the kernel at 96 and 80 registers
+_SPILL_ALLOWED = {"wide": 8, 5: 32, 6: 64}
 
 @pytest.fixture(scope="module")
 def compiled_variants():
@@ -84,17 +93,21 @@ def _vid(v):
         + (["vk"] if v["state_v_first"] else ["kv"])
         + (["steps"] if v["has_step_states"] else [])
         + (["wide"] if v.get("wide_kv") else [])
+        + ([f"slots{v['tokens_per_round']}"] if "tokens_per_round" in v else [])
+        + ([f"{v['min_blocks_per_sm']}ctas"] if v.get("min_blocks_per_sm") else [])
     )
 
 
 @pytest.mark.parametrize("i", range(len(_VARIANTS)), ids=[_vid(v) for v in _VARIANTS])
 def test_variant_compiles_without_spills(compiled_variants, i):
     regs, spill, _sec, cached = compiled_variants[i]
-    # the wide tile fills its 168 registers; with step states ptxas parks one 8-byte value
-    wide = _VARIANTS[i].get("wide_kv", False)
-    assert spill <= (8 if wide else 0), f"{_vid(_VARIANTS[i])}: {spill} bytes spilled"
-    # 4 CTAs of 128 threads per SM; the wide_kv variant holds twice the state and runs 3
-    cap = 65536 // (128 * (3 if wide else 4))
+    v = _VARIANTS[i]
+    wide = v.get("wide_kv", False)
+    ctas = v.get("min_blocks_per_sm") or (3 if wide else 4)
+    allowed = _SPILL_ALLOWED.get("wide" if wide else ctas, 0)
+    assert spill <= allowed, f"{_vid(v)}: {spill} bytes spilled"
+    # 4 CTAs of 128 threads per SM by default; the wide_kv variant holds twice the state and runs 3
+    cap = 65536 // (128 * ctas)
     assert regs <= cap, f"{_vid(_VARIANTS[i])}: {regs} registers would cost occupancy"
     assert cached, "the second lookup of the same variant must hit cula.cache"
 
@@ -541,6 +554,23 @@ def test_decode_speed_report(capsys, monkeypatch):
             us = kernel_us(functools.partial(
                 launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, None))  # fmt: skip
             lines.append(f"vk {warps} warps/CTA N={N:4d} T=1: {us:8.2f} us  {N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")
+    # more resident warps at T=1 (SINGLE_TOKEN_MIN_BLOCKS): one token slot per warp frees the shared memory that
+    # held the default at 4 CTAs of 4 warps; ptxas then has to fit 5 or 6
+    for ctas in (None, 5, 6):
+        for state_v_first in (True, False):
+            for N in (64, 256):
+                q, k, v, g, beta, A_log, dt_bias, pool, indices, out, _ = setup(N, 1, state_v_first, False)
+                extra = {} if ctas is None else {"tokens_per_round": 1, "min_blocks_per_sm": ctas}
+                launch = D.kda_decode_launcher(
+                    io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=V, gate="softplus",
+                    has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+                    state_v_first=state_v_first, has_step_states=False, wide_kv=False, **extra,
+                )  # fmt: skip
+                us = kernel_us(functools.partial(
+                    launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, None))  # fmt: skip
+                what = "8 slots, 4 CTAs/SM" if ctas is None else f"1 slot, {ctas} CTAs/SM"
+                lines.append(f"{'vk' if state_v_first else 'kv narrow'} {what} N={N:4d} T=1: "
+                             f"{us:8.2f} us  {N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")  # fmt: skip
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 
@@ -586,3 +616,37 @@ def test_wide_kv_matches(monkeypatch, N, T, K, steps):
     if steps:
         assert_close("step states", s0[~padded], s1[~padded], 1e-5)
         assert torch.isnan(s1[padded]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [5, 6])
+@pytest.mark.parametrize("N,state_v_first", [(1, True), (64, True), (300, True), (2000, True), (77, False)])
+def test_single_token_occupancy_matches(monkeypatch, N, state_v_first, ctas):
+    """SINGLE_TOKEN_MIN_BLOCKS (one token slot per warp, 5 or 6 CTAs per SM) against the default variant at T=1:
+    the same instructions on the same data, so the same bits (outputs and pool), padded slots zeroed and pool rows
+    of other sequences untouched. [K, V] pools are checked with the narrow tile (the wide one is left alone)."""
+    import cula.ops.kda.sm90.decode as D
+
+    _requires_sm90()
+    H, HV, K = 4, 16, 128
+    monkeypatch.setattr(D, "WIDE_KV_DEFAULT", False)
+    q, k, v, g, beta, A_log, dt_bias = _inputs(N, 1, H, HV, K, K, gate="lower_bound")
+    pool0 = torch.randn(N + 7, HV, K, K, device="cuda") * 0.3
+    indices = torch.randperm(N + 7, device="cuda")[:N].to(torch.int32)
+    if N > 1:
+        indices[1::3] = -1
+    results = []
+    for blocks in (None, ctas):
+        monkeypatch.setattr(D, "SINGLE_TOKEN_MIN_BLOCKS", blocks)
+        pool = pool0.clone()
+        out = torch.full((N, 1, HV, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+        D.kda_decode_sm90(
+            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound", lower_bound=-5.0,
+            use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        results.append((out, pool))
+    (o0, p0), (o1, p1) = results
+    assert not torch.isnan(o1).any()
+    assert torch.equal(o0.view(torch.int16), o1.view(torch.int16))
+    assert torch.equal(p0.view(torch.int32), p1.view(torch.int32))

@@ -74,7 +74,6 @@ class KdaDecodeSm90:
 
     arch = 90
     V_PER_LANE = 4  # one 16-byte fp32 vector
-    TOKENS_PER_ROUND = 8  # shared-memory token slots per warp
 
     def __init__(
         self,
@@ -95,9 +94,15 @@ class KdaDecodeSm90:
         warps_per_cta: int = 4,
         min_blocks_per_sm: int | None = None,
         wide_kv: bool = False,
+        tokens_per_round: int = 8,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
+        if not 1 <= tokens_per_round <= 8:
+            raise ValueError(f"tokens_per_round must be in 1..8, got {tokens_per_round}")
+        # shared-memory token slots per warp (~1.6 KB each at K=128): the tokens of one round are prepared
+        # before the state loop runs them; any T works, in rounds
+        self.tokens_per_round = tokens_per_round
         # K spread over K/8 lanes (16 for K=128, 8 for K=64): 32 fp32 state registers per lane, which
         # leaves room for 4+ CTAs of 4 warps per SM without spills. wide_kv ([K, V] pools only): K over K/16
         # lanes, 64 state registers, so a warp's V slice is twice as wide: rows of 64 B (K=128) instead of
@@ -307,7 +312,7 @@ class KdaDecodeSm90:
         HV = mV.shape[2]
         KB = self.k_blocks
         R = self.V_PER_LANE
-        TR = self.TOKENS_PER_ROUND
+        TR = self.tokens_per_round
 
         smem = cutlass.utils.SmemAllocator()
         sBuf = smem.allocate_tensor(
@@ -365,7 +370,7 @@ class KdaDecodeSm90:
         KPT = self.k_per_lane
         LOG_LK = int(math.log2(self.lanes_k))
         R = self.V_PER_LANE
-        TR = self.TOKENS_PER_ROUND
+        TR = self.tokens_per_round
         lk = lane % self.lanes_k
         lv = lane // self.lanes_k
         rq = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
@@ -520,19 +525,24 @@ def kda_decode_variant(
     has_step_states: bool,
     wide_kv: bool = False,
     warps_per_cta: int = 4,
+    tokens_per_round: int = 8,
+    min_blocks_per_sm: int | None = None,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
 
     Call it as ``fn(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)``
     with None exactly where the variant has no A_log / dt_bias / step_states. ``warps_per_cta`` (the resident
-    warps per SM stay 16, or 12 with ``wide_kv``) is for the speed report's sweep. Used by the CPU compile tests.
+    warps per SM stay 16, or 12 with ``wide_kv``) is for the speed report's sweep. ``tokens_per_round``: shared
+    token slots per warp (any T runs, in rounds); ``min_blocks_per_sm``: CTAs per SM that ptxas must fit (None:
+    16 or 12 resident warps). Used by the CPU compile tests.
     """
     key = _variant_key(
         {"io_dtype": io_dtype, "g_dtype": g_dtype, "beta_dtype": beta_dtype, "K": K, "V": V, "gate": gate,
          "has_a_log": has_a_log, "has_dt_bias": has_dt_bias, "use_qk_l2norm": use_qk_l2norm,
          "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval, "state_v_first": state_v_first,
-         "has_step_states": has_step_states, "wide_kv": wide_kv, "warps_per_cta": warps_per_cta, "arch": arch}
+         "has_step_states": has_step_states, "wide_kv": wide_kv, "warps_per_cta": warps_per_cta,
+         "tokens_per_round": tokens_per_round, "min_blocks_per_sm": min_blocks_per_sm, "arch": arch}
     )  # fmt: skip
     return compiled_kernel(key, lambda: _build(key))
 
@@ -594,18 +604,23 @@ def kda_decode_sm90(
         io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=q.shape[-1], V=v.shape[-1], gate=gate,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm,
         beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-        has_step_states=step_states is not None,
+        has_step_states=step_states is not None, tokens=q.shape[1],
     )  # fmt: skip
     launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)
 
 
-def kda_decode_launcher(*, gate: str, has_a_log: bool, has_dt_bias: bool, wide_kv: bool | None = None, **flags):
+def kda_decode_launcher(
+    *, gate: str, has_a_log: bool, has_dt_bias: bool, wide_kv: bool | None = None, tokens: int | None = None, **flags
+):  # fmt: skip
     """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``wide_kv`` None:
-    ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices,
-    out, step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
+    ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128; ``tokens``: the calls' T, when known, for
+    ``SINGLE_TOKEN_MIN_BLOCKS``), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out,
+    step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     if wide_kv is None:
         wide_kv = WIDE_KV_DEFAULT and not flags["state_v_first"] and flags["K"] == 128
+    if tokens == 1 and SINGLE_TOKEN_MIN_BLOCKS and not wide_kv and "min_blocks_per_sm" not in flags:
+        flags.update(tokens_per_round=1, min_blocks_per_sm=SINGLE_TOKEN_MIN_BLOCKS)
     fn = kda_decode_variant(
         gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, wide_kv=bool(wide_kv),
         arch=_ARCH, **flags,
@@ -623,3 +638,9 @@ _ARCH = (9, 0)
 # matched the narrow tile (tests/ops/test_kda_decode_kernel.py::test_wide_kv_matches) and ran N=64 in 180 us
 # against 225 (3.0 against 2.4 TB/s; the narrow tile reads [K, V] rows in lone 32-byte pieces)
 WIDE_KV_DEFAULT = True
+# T=1 calls (not the wide tile) with one token slot per warp instead of 8 (51 -> 6 KB of shared memory per CTA)
+# and this many 4-warp CTAs per SM, None: 4. The default holds 16 warps per SM and 64 KB of state loads in flight
+# at most, near what Little's law asks at ~1.5 us of loaded latency; 5 CTAs fit 96 registers (24 bytes spilled),
+# 6 fit 80 (56 bytes). Off until the speed report's "one slot" rows show it faster on the H200 and
+# tests/ops/test_kda_decode_kernel.py::test_single_token_occupancy_matches passes.
+SINGLE_TOKEN_MIN_BLOCKS: int | None = None
