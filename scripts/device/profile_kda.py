@@ -60,7 +60,7 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
 
 # switches of a variant waiting for its GPU check, as (module, attribute, value): profiled as "cula-intra-pending"
 # beside the default when not empty
-PENDING: list[tuple[str, str, object]] = []
+PENDING: list[tuple[str, str, object]] = [("cula.ops.kda.sm90.intra", "OPERANDS_DURING_INVERSE_DEFAULT", True)]
 
 
 def profile_paths() -> None:
