@@ -190,3 +190,114 @@ def test_inputs_needing_a_copy_take_the_general_path(counted, fake_sm90):
     assert counted[0] == 1 and [c[0] for c in fake_sm90] == ["intra", "state"] * 2
     q_seen = fake_sm90[0][2][0]
     assert q_seen.is_contiguous() and q_seen.data_ptr() != x["q"].data_ptr()
+
+
+@pytest.mark.parametrize("T_", [128, 1100, 2048, 4133, 16384, 100_000])
+def test_segment_bounds_cover_whole_chunks(T_):
+    from cula.ops.kda.sm90.chunk_fwd import _MAX_SEGMENTS, _segment_bounds
+
+    bounds = _segment_bounds(T_)
+    assert bounds[0][0] == 0 and bounds[-1][1] == T_
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all((t1 - t0) % 64 == 0 and t1 > t0 for t0, t1 in bounds[:-1]) and bounds[-1][1] > bounds[-1][0]
+    assert 2 <= len(bounds) <= _MAX_SEGMENTS
+
+
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, with_h0):
+    """OVERLAP_STATE_MIN_TOKENS on the CPU with the kernels and CUDA streams stubbed: each segment's intra on the
+    caller's stream, then its state kernel on the side stream after an event, the state handed from one segment's
+    ht to the next one's h0, the caller's initial and final state at the ends."""
+    import contextlib
+
+    import cula.ops.kda.sm90.chunk_fwd as cf
+
+    class Stream:
+        def __init__(self, name="side", **_):
+            self.name = name
+
+        def wait_stream(self, other):
+            fake_sm90.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, ev):
+            fake_sm90.append(("wait_event", self.name))
+
+    class Event:
+        def record(self, stream):
+            fake_sm90.append(("record", stream.name))
+
+    @contextlib.contextmanager
+    def on(stream):
+        fake_sm90.append(("enter", stream.name))
+        yield
+        fake_sm90.append(("exit", stream.name))
+
+    main = Stream("main")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(cf, "_side_streams", {})
+    monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", 64)
+    x = {n: (t[:1] if t is not None and t.dim() > 1 else t) for n, t in _inputs().items()}
+    if not with_h0:
+        x["initial_state"] = None
+    with torch.no_grad():
+        chunk_kda(**x, **FLAGS)
+        fake_sm90.clear()
+        o, s = chunk_kda(**x, **FLAGS)
+    kinds = [c[0] for c in fake_sm90]
+    assert kinds == ["wait_stream", "intra", "record", "wait_event", "enter", "state", "exit",
+                     "intra", "record", "wait_event", "enter", "state", "exit", "wait_stream"]  # fmt: skip
+    assert fake_sm90[0][1:] == ("side", "main") and fake_sm90[-1][1:] == ("main", "side")
+    intras = [c[2] for c in fake_sm90 if c[0] == "intra"]
+    states = [c for c in fake_sm90 if c[0] == "state"]
+    assert [a[15] for a in intras] == [64, T - 64]  # tokens of each segment (T = 100)
+    assert intras[1][0].data_ptr() == x["q"].data_ptr() + 64 * H * D * 2
+    (kw0, a0), (kw1, a1) = ((c[1], c[2]) for c in states)
+    assert kw0["has_h0"] == with_h0 and kw0["has_ht"] and kw1["has_h0"] and kw1["has_ht"]
+    if with_h0:
+        assert a0[7].data_ptr() == x["initial_state"].data_ptr()
+    assert a1[7].data_ptr() == a0[8].data_ptr() and a1[8].data_ptr() == s.data_ptr()
+    assert a0[6].data_ptr() == o.data_ptr() and a1[6].data_ptr() == o.data_ptr() + 64 * HV * D * 2
+    assert (a0[10], a1[10]) == (64, T - 64) and a0[11] == a1[11] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("T_,with_h0,with_ht", [(1100, True, True), (4133, False, True), (2048, True, False)])
+def test_segmented_launch_bit_identical_cuda(counted, monkeypatch, T_, with_h0, with_ht):
+    """OVERLAP_STATE_MIN_TOKENS: a B=1 call in time segments (intra on the caller's stream, the recurrence of each
+    segment on a side stream, the state handed on in fp32) returns the same bits as the one-piece bound launch."""
+    import cula.ops.kda.sm90.chunk_fwd as cf
+    from cula.backends import clear_plan_caches
+    from cula.testing import poison_cuda_allocator
+
+    gen = torch.Generator(device="cuda").manual_seed(T_)
+
+    def rnd(*shape, dt=torch.bfloat16, s=1.0):
+        return (s * torch.randn(*shape, generator=gen, device="cuda")).to(dt)
+
+    x = {"q": rnd(1, T_, H, D), "k": rnd(1, T_, H, D), "v": rnd(1, T_, HV, D), "g": rnd(1, T_, HV, D),
+         "beta": rnd(1, T_, HV), "initial_state": rnd(1, HV, D, D, dt=torch.float32, s=0.1) if with_h0 else None,
+         "A_log": rnd(HV, dt=torch.float32, s=0.5), "dt_bias": rnd(HV * D, dt=torch.float32, s=0.5)}  # fmt: skip
+    flags = dict(FLAGS, output_final_state=with_ht)
+    outs = []
+    with torch.inference_mode():
+        for min_tokens in (None, 1024):
+            monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", min_tokens)
+            clear_plan_caches()
+            for _ in range(2):  # the general path plans, the second call runs the bound launch
+                poison_cuda_allocator()
+                o, s = chunk_kda(**x, **flags)
+            torch.cuda.synchronize()
+            outs.append((o, s))
+    (o0, s0), (o1, s1) = outs
+    assert not torch.isnan(o1).any()
+    assert torch.equal(o0.view(torch.int16), o1.view(torch.int16))
+    if with_ht:
+        assert torch.equal(s0.view(torch.int32), s1.view(torch.int32))
+    else:
+        assert s0 is None and s1 is None

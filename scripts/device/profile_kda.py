@@ -22,7 +22,7 @@ import torch
 
 H = HV = 64
 D = 128
-SHAPES = [(1, 512), (2, 1024), (1, 4096), (2, 16384)]
+SHAPES = [(1, 512), (2, 1024), (1, 4096), (1, 16384), (2, 16384)]
 FLAGS = dict(output_final_state=True, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=True)
 
@@ -58,9 +58,28 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-# switches of a variant waiting for its GPU check, as (module, attribute, value): profiled as "cula-intra-pending"
-# beside the default when not empty
-PENDING: list[tuple[str, str, object]] = [("cula.ops.kda.sm90.intra", "OPERANDS_DURING_INVERSE_DEFAULT", True)]
+def wall_us(fn, calls: int = 7) -> float:
+    """Median wall time of one call between CUDA events on the caller's stream (kernels on a side stream that
+    the caller's stream waits for are included; summed kernel times would count overlapped ones twice)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return round(sorted(times)[calls // 2], 1)
+
+
+# variants waiting for their GPU check: name -> switches as (module, attribute, value), each profiled as
+# "cula-intra+<name>" beside the default
+PENDING: dict[str, list[tuple[str, str, object]]] = {
+    "operands-during-inverse": [("cula.ops.kda.sm90.intra", "OPERANDS_DURING_INVERSE_DEFAULT", True)],
+    "overlap-state": [("cula.ops.kda.sm90.chunk_fwd", "OVERLAP_STATE_MIN_TOKENS", 4096)],
+}
 
 
 def profile_paths() -> None:
@@ -71,26 +90,27 @@ def profile_paths() -> None:
     from cula.backends import clear_plan_caches
     from cula.kda import chunk_kda
 
-    paths = [("fla", None, False), ("cula-fla-intra", "0", False), ("cula-intra", "1", False)]
-    if PENDING:
-        paths.append(("cula-intra-pending", "1", True))
-    saved = [(importlib.import_module(m), a) for m, a, _ in PENDING]
-    saved = [(mod, a, getattr(mod, a)) for mod, a in saved]
+    paths = [("fla", None, []), ("cula-fla-intra", "0", []), ("cula-intra", "1", [])]
+    paths += [(f"cula-intra+{name}", "1", switches) for name, switches in PENDING.items()]
+    defaults = {(m, a): getattr(importlib.import_module(m), a) for sw in PENDING.values() for m, a, _ in sw}
     report = {}
     with torch.inference_mode():
         for B, T in SHAPES:
             x = inputs(B, T)
-            for path, env, pending in paths:
+            for path, env, switches in paths:
                 if env is not None:
                     os.environ["CULA_KDA_INTRA"] = env
-                for (mod, a, default), (_, _, value) in zip(saved, PENDING):
-                    setattr(mod, a, value if pending else default)
+                for (m, a), value in defaults.items():
+                    setattr(importlib.import_module(m), a, value)
+                for m, a, value in switches:
+                    setattr(importlib.import_module(m), a, value)
                 clear_plan_caches()  # chunk_kda binds module switches into its per-signature plan
                 fn = fla_chunk_kda if env is None else chunk_kda
                 times = kernel_times(lambda fn=fn, x=x: fn(**x, **FLAGS))
+                wall = wall_us(lambda fn=fn, x=x: fn(**x, **FLAGS))
                 key = f"B{B}-T{T} {path}"
-                report[key] = {"total_us": round(sum(times.values()), 1), "kernels": times}
-                print(f"== {key}: {report[key]['total_us']} us of kernels", flush=True)
+                report[key] = {"total_us": round(sum(times.values()), 1), "wall_us": wall, "kernels": times}
+                print(f"== {key}: {report[key]['total_us']} us of kernels, {wall} us wall", flush=True)
                 for name, us in times.items():
                     print(f"   {us:10.1f} us  {name}", flush=True)
             del x

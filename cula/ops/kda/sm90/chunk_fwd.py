@@ -38,6 +38,15 @@ _CUTE_INTRA_MIN_LOWER_BOUND = -5.0
 # tokens x value heads up to which ``auto`` takes cula's intra kernel; None: no cap. With the vector_io kernel
 # ours is faster at every measured shape (H200, 2026-11-30: B2-T16K 6.30 vs 6.65 ms of kernels)
 CUTE_INTRA_AUTO_MAX_TOKEN_HEADS: int | None = None
+# B=1 fixed-length calls of at least this many tokens run in time segments: the state/output kernel (one CTA per
+# value head, stepping through the chunks in order) takes HV SMs for as long as it runs, so with HV <= half the
+# SMs the intra kernel of segment i + 1 runs on the idle ones while the recurrence works through segment i (on a
+# second, high-priority stream; the state is handed on in fp32, so the results are the same bits). None: off
+# until tests/test_chunk_plans.py::test_segmented_launch_bit_identical_cuda passes on the H200 and shows it
+# faster (predicted B1-T16384 2.14 -> ~1.9 ms).
+OVERLAP_STATE_MIN_TOKENS: int | None = None
+_SEGMENT_TOKENS = 2048  # at most 8 segments
+_MAX_SEGMENTS = 8
 
 
 def _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) -> bool:
@@ -166,6 +175,67 @@ def chunk_kda_fwd_sm90(
     return o, final_state
 
 
+def _segment_bounds(T: int) -> list[tuple[int, int]]:
+    """[t0, t1) token ranges covering T, each a multiple of 64 long but the last."""
+    n = max(2, min(_MAX_SEGMENTS, T // _SEGMENT_TOKENS))
+    step = -(-T // n // 64) * 64
+    return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _segmented_launch(
+    fn_intra, fn_states, bounds, gate, H, HV, K, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state,
+    no_cu, no_ci, lb,
+):  # fmt: skip
+    """The bound launch of a B=1 call in time segments (see ``OVERLAP_STATE_MIN_TOKENS``): intra kernels on the
+    caller's stream, the state/output kernel of each segment on a side stream once its intra has run, the state
+    handed from segment to segment through two fp32 buffers."""
+    from cula.ops.kda.sm90 import intra
+
+    T = bounds[-1][1]
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=dev, priority=-1)  # its CTAs get the SMs as they free
+    side = _side_streams[index]
+    last = len(bounds) - 1
+
+    def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
+        a_log, bias = intra.gate_params(A_log, dt_bias, gate, HV, K, dev)
+        w, u, qg, kg = torch.empty(4, T, HV, K, dtype=dt, device=dev).unbind(0)
+        Aqk = torch.empty(T, HV, 64, dtype=dt, device=dev)
+        g_cum = torch.empty(T, HV, K, dtype=torch.float32, device=dev)
+        o = torch.empty(1, T, HV, V, dtype=v.dtype, device=dev)
+        final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
+        carry = torch.empty(2, *state_shape, dtype=torch.float32, device=dev)  # ping-pong between segments
+        s = float(scale)
+        qf, kf, vf, gf, bf, of = q.view(T, H, K), k.view(T, H, K), v.view(T, HV, V), g.view(T, HV, K), beta.view(
+            T, HV), o.view(T, HV, V)  # fmt: skip
+        main = torch.cuda.current_stream(dev)
+        side.wait_stream(main)  # the allocations above and whatever wrote the inputs
+        for i, (t0, t1) in enumerate(bounds):
+            n = t1 - t0
+            fn_intra(
+                qf[t0:t1], kf[t0:t1], vf[t0:t1], gf[t0:t1], bf[t0:t1], a_log, bias, w[t0:t1], u[t0:t1], qg[t0:t1],
+                kg[t0:t1], Aqk[t0:t1], g_cum[t0:t1], no_cu, no_ci, n, (n + 63) // 64, 1, s, lb,
+            )  # fmt: skip
+            done = torch.cuda.Event()
+            done.record(main)
+            side.wait_event(done)
+            h0 = (initial_state if has_h0 else dummy_state) if i == 0 else carry[(i - 1) % 2]
+            ht = (final_state if output_final_state else dummy_state) if i == last else carry[i % 2]
+            with torch.cuda.stream(side):
+                fn_states[(i > 0 or has_h0, i < last or output_final_state)](
+                    w[t0:t1], u[t0:t1], kg[t0:t1], qg[t0:t1], g_cum[t0:t1], Aqk[t0:t1], of[t0:t1], h0, ht, no_cu,
+                    n, 1, s,
+                )  # fmt: skip
+        main.wait_stream(side)  # o, the final state, and the buffers freed on return
+        return o, final_state
+
+    return launch
+
+
 def _intra_fla(
     q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, use_gate_in_kernel, A_log, dt_bias,
     lower_bound, safe_gate, use_qk_l2norm, beta_sigmoid, allow_neg_eigval,
@@ -259,7 +329,7 @@ def prepare_chunk_kda_fwd_sm90(
     the intra -> state/output intermediates in their flat kernel shapes and calls the two compiled kernels
     directly: none of the per-call checks, views and cache-key builds of the general path, which the caller's
     full validation of the first call with this signature stands for (``cula.kda.chunk``'s plan cache).
-    Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``) are read here, once: call
+    Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``, ``OVERLAP_STATE_MIN_TOKENS``) are read here, once: call
     ``cula.backends.clear_plan_caches()`` after changing them; ``CULA_KDA_INTRA`` is part of the signature.
     """
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
@@ -291,6 +361,18 @@ def prepare_chunk_kda_fwd_sm90(
     dummy_state = dh._placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
     no_cu, no_ci = intra._placeholder(dev, torch.int32, (2,)), intra._placeholder(dev, torch.int32, (1, 2))
     lb = float(lower_bound) if gate == "sigmoid" else 0.0
+
+    if (OVERLAP_STATE_MIN_TOKENS is not None and B == 1 and T >= OVERLAP_STATE_MIN_TOKENS
+            and 2 * HV <= torch.cuda.get_device_properties(dev).multi_processor_count):  # fmt: skip
+        fn_states = {
+            (h0, ht): dh.get_compiled(dtype=dh._TORCH_TO_CUTLASS[q.dtype], varlen=False, has_h0=h0, has_ht=ht,
+                                      state_v_first=state_v_first)  # fmt: skip
+            for h0 in (True, has_h0) for ht in (True, bool(output_final_state))
+        }
+        return _segmented_launch(
+            fn_intra, fn_states, _segment_bounds(T), gate, H, HV, K, V, dt, dev, state_shape, has_h0,
+            bool(output_final_state), dummy_state, no_cu, no_ci, lb,
+        )  # fmt: skip
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
         a_log, bias = intra.gate_params(A_log, dt_bias, gate, HV, K, dev)
