@@ -9,6 +9,8 @@ at the end compares the outputs bit for bit).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -198,7 +200,7 @@ def test_segment_bounds_cover_whole_chunks(T_):
 
     bounds = _segment_bounds(T_)
     assert bounds[0][0] == 0 and bounds[-1][1] == T_
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert all((t1 - t0) % 64 == 0 and t1 > t0 for t0, t1 in bounds[:-1]) and bounds[-1][1] > bounds[-1][0]
     assert 2 <= len(bounds) <= _MAX_SEGMENTS
 
@@ -301,3 +303,33 @@ def test_segmented_launch_bit_identical_cuda(counted, monkeypatch, T_, with_h0, 
         assert torch.equal(s0.view(torch.int32), s1.view(torch.int32))
     else:
         assert s0 is None and s1 is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_segmented_launch_in_cuda_graph(counted, monkeypatch):
+    """The segmented launch's side stream forks from and joins the capturing stream, so a CUDA graph of the call
+    replays the same bits."""
+    import cula.ops.kda.sm90.chunk_fwd as cf
+    from cula.backends import clear_plan_caches
+
+    monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", 1024)
+    clear_plan_caches()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    T_ = 3000
+    x = {n: torch.randn(*shape, generator=gen, device="cuda").to(dt) for n, shape, dt in (
+        ("q", (1, T_, H, D), torch.bfloat16), ("k", (1, T_, H, D), torch.bfloat16), ("v", (1, T_, HV, D), torch.bfloat16),
+        ("g", (1, T_, HV, D), torch.bfloat16), ("beta", (1, T_, HV), torch.bfloat16),
+        ("A_log", (HV,), torch.float32), ("dt_bias", (HV * D,), torch.float32))}  # fmt: skip
+    x["initial_state"] = 0.1 * torch.randn(1, HV, D, D, generator=gen, device="cuda")
+    with torch.inference_mode():
+        for _ in range(2):
+            o_eager, s_eager = chunk_kda(**x, **FLAGS)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph, s_graph = chunk_kda(**x, **FLAGS)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(o_graph.view(torch.int16), o_eager.view(torch.int16))
+    assert torch.equal(s_graph.view(torch.int32), s_eager.view(torch.int32))

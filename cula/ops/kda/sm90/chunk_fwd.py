@@ -364,10 +364,11 @@ def prepare_chunk_kda_fwd_sm90(
 
     if (OVERLAP_STATE_MIN_TOKENS is not None and B == 1 and T >= OVERLAP_STATE_MIN_TOKENS
             and 2 * HV <= torch.cuda.get_device_properties(dev).multi_processor_count):  # fmt: skip
+        dtype = dh._TORCH_TO_CUTLASS[q.dtype]
         fn_states = {
-            (h0, ht): dh.get_compiled(dtype=dh._TORCH_TO_CUTLASS[q.dtype], varlen=False, has_h0=h0, has_ht=ht,
-                                      state_v_first=state_v_first)  # fmt: skip
-            for h0 in (True, has_h0) for ht in (True, bool(output_final_state))
+            (h0, ht): dh.get_compiled(dtype=dtype, varlen=False, has_h0=h0, has_ht=ht, state_v_first=state_v_first)
+            for h0 in (True, has_h0)
+            for ht in (True, bool(output_final_state))
         }
         return _segmented_launch(
             fn_intra, fn_states, _segment_bounds(T), gate, H, HV, K, V, dt, dev, state_shape, has_h0,
