@@ -575,6 +575,16 @@ def test_decode_speed_report(capsys, monkeypatch):
         print("\n" + "\n".join(lines))
 
 
+def _padded_pool_case(N, T, H, HV, K):
+    """Inputs (lower_bound gate), a pool of N + 7 states and N random rows of it, every third one padded (-1)."""
+    tensors = _inputs(N, T, H, HV, K, K, gate="lower_bound")
+    pool0 = torch.randn(N + 7, HV, K, K, device="cuda") * 0.3
+    indices = torch.randperm(N + 7, device="cuda")[:N].to(torch.int32)
+    if N > 1:
+        indices[1::3] = -1
+    return tensors, pool0, indices
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "N,T,K,steps", [(1, 1, 128, False), (64, 1, 128, False), (300, 1, 128, False), (64, 4, 128, True),
@@ -587,11 +597,7 @@ def test_wide_kv_matches(monkeypatch, N, T, K, steps):
 
     _requires_sm90()
     H, HV = 4, 16
-    q, k, v, g, beta, A_log, dt_bias = _inputs(N, T, H, HV, K, K, gate="lower_bound")
-    pool0 = torch.randn(N + 7, HV, K, K, device="cuda") * 0.3
-    indices = torch.randperm(N + 7, device="cuda")[:N].to(torch.int32)
-    if N > 1:
-        indices[1::3] = -1
+    (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, T, H, HV, K)
     results = []
     for wide in (False, True):
         monkeypatch.setattr(D, "WIDE_KV_DEFAULT", wide)
@@ -630,11 +636,7 @@ def test_single_token_occupancy_matches(monkeypatch, N, state_v_first, ctas):
     _requires_sm90()
     H, HV, K = 4, 16, 128
     monkeypatch.setattr(D, "WIDE_KV_DEFAULT", False)
-    q, k, v, g, beta, A_log, dt_bias = _inputs(N, 1, H, HV, K, K, gate="lower_bound")
-    pool0 = torch.randn(N + 7, HV, K, K, device="cuda") * 0.3
-    indices = torch.randperm(N + 7, device="cuda")[:N].to(torch.int32)
-    if N > 1:
-        indices[1::3] = -1
+    (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, 1, H, HV, K)
     results = []
     for blocks in (None, ctas):
         monkeypatch.setattr(D, "SINGLE_TOKEN_MIN_BLOCKS", blocks)
