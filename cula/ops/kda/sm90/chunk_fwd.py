@@ -45,7 +45,7 @@ CUTE_INTRA_AUTO_MAX_TOKEN_HEADS: int | None = None
 # until tests/test_chunk_plans.py::test_segmented_launch_bit_identical_cuda passes on the H200 and shows it
 # faster (predicted B1-T16384 2.14 -> ~1.9 ms).
 OVERLAP_STATE_MIN_TOKENS: int | None = None
-_SEGMENT_TOKENS = 2048  # at most 8 segments
+_SEGMENT_TOKENS = 2048  # about this many tokens a segment, 2 to _MAX_SEGMENTS segments
 _MAX_SEGMENTS = 8
 
 
