@@ -7,7 +7,8 @@ score that traffic against ``dst.copy_(src)`` over 1 GiB. This script times, in 
 - that copy at 1 GiB and at the decode sizes (N * HV states of 64 KB);
 - an in-place elementwise update of one contiguous buffer (read and write of the same addresses);
 - a Triton kernel that does only the decode's memory traffic: each program scales one state of the pool, picked
-  by an index as in serving (rows of a random permutation of 2N slots), in place, for several tile sizes.
+  by an index as in serving (rows of a random permutation of 2N slots), in place, for several tile sizes; and the
+  same from a persistent grid (a few programs per SM looping over the tiles).
 If the last one tops out near the decode kernels' 3.5-3.7 TB/s, the gap to 95% of the copy is the access pattern
 (in place, 64 KB pieces at random pool rows), not the kernels' arithmetic. Prints a table, writes
 $OUT/decode_ceiling.json.
@@ -36,6 +37,19 @@ def _scale_states(pool, idx, n_heads: tl.constexpr, state: tl.constexpr, block: 
     tl.store(base + offs, x * 1.0001)
 
 
+@triton.jit
+def _scale_states_persistent(pool, idx, n_items, n_heads: tl.constexpr, state: tl.constexpr, block: tl.constexpr):
+    """The same traffic from a fixed grid: program p takes items p, p + grid, ... (item = (state, block))."""
+    parts: tl.constexpr = state // block
+    offs = tl.arange(0, block)
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        pid = item // parts
+        row = tl.load(idx + pid // n_heads).to(tl.int64)
+        base = pool + (row * n_heads + pid % n_heads) * state + (item % parts) * block
+        x = tl.load(base + offs)
+        tl.store(base + offs, x * 1.0001)
+
+
 def tbps(fn, nbytes: float, iters: int = 50) -> float:
     for _ in range(3):
         fn()
@@ -55,7 +69,7 @@ def main() -> None:
     rows = {}
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    rows["copy_ 1 GiB"] = tbps(lambda: dst.copy_(src), 2 * src.numel())
+    rows["copy_ 1 GiB"] = tbps(lambda dst=dst, src=src: dst.copy_(src), 2 * src.numel())
     del src, dst
     state = D * D
     for n in (64, 256):
@@ -73,6 +87,15 @@ def main() -> None:
                     _scale_states[(n * HV, state // block)](pool, idx, HV, state, block, num_warps=warps)
 
                 rows[f"indexed in-place N={n} block={block} warps={warps}"] = tbps(run, 2 * nbytes)
+        # a persistent grid (as Lightning decode's): whether launching ~65 K small CTAs is what costs the last 9%
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for block, warps, per_sm in ((1024, 4, 8), (1024, 4, 16), (4096, 4, 4), (4096, 8, 4)):
+            items = n * HV * (state // block)
+
+            def run_p(block=block, warps=warps, per_sm=per_sm, pool=pool, idx=idx, items=items, sms=sms):
+                _scale_states_persistent[(sms * per_sm,)](pool, idx, items, HV, state, block, num_warps=warps)
+
+            rows[f"indexed in-place persistent N={n} block={block} warps={warps} {per_sm}/SM"] = tbps(run_p, 2 * nbytes)
         del pool
     width = max(map(len, rows))
     for k, v in rows.items():
