@@ -434,11 +434,8 @@ def test_operands_during_inverse_bit_identical(case, fused):
         from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
 
         ci = prepare_chunk_indices_i32(cu)
-    outs = [
-        _run_ours(q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb, operands_during_inverse=on,
-                  **extra)  # fmt: skip
-        for on in (False, True)
-    ]
+    args = (q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb)
+    outs = [_run_ours(*args, operands_during_inverse=on, **extra) for on in (False, True)]
     torch.cuda.synchronize()
     for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), *outs):
         assert torch.equal(a.view(torch.int8), b.view(torch.int8)), name

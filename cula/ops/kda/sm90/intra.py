@@ -568,7 +568,7 @@ class ChunkKDAIntraFwdSm90:
             if col < 16:
                 for r in cutlass.range_constexpr(16):
                     sA[o + r, o + col] = rX[r]
-        if const_expr(self.operands_during_inverse):
+        if const_expr(self.operands_during_inverse):  # noqa: SIM102 - a trace-time condition around a run-time one
             if tidx >= 4 * 32:
                 # P6's v' and k' on warps 4-7 (WG1, which multiplies u = T v' in P7): q, k and the gate are read
                 # for the last time in P3, v has landed in q's tile or lands now
