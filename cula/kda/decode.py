@@ -74,13 +74,11 @@ def kda_decode(
         scale is None or type(scale), lower_bound is None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, forced_backend(),
     )  # fmt: skip
-    launch = _plans.get(key)
-    if launch is None:
-        launch = _plans.lookup(key, lambda: _plan(
-            q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
-            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out,
-            step_states,
-        ))  # fmt: skip
+    launch = _plans.lookup(key, lambda: _plan(
+        q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out,
+        step_states,
+    ))  # fmt: skip
     if check_indices:
         check_pool_indices(state_indices, state_pool.shape[0])
     if out is None:

@@ -61,11 +61,7 @@ def lightning_decode(
         tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(decay), tensor_sig(state_pool),
         tensor_sig(state_indices), tensor_sig(out), scale is None or type(scale), state_v_first, forced_backend(),
     )  # fmt: skip
-    launch = _plans.get(key)
-    if launch is None:
-        launch = _plans.lookup(
-            key, lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out)
-        )
+    launch = _plans.lookup(key, lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out))
     if check_indices:
         check_pool_indices(state_indices, state_pool.shape[0])
     if out is None:
