@@ -12,29 +12,23 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+from common import measure_host_overhead  # the benchmarks' helpers live beside their scripts
 
 B, T, H, D = 1, 256, 64, 128
 FLAGS = {"output_final_state": True, "use_gate_in_kernel": True, "use_qk_l2norm_in_kernel": True,
          "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "state_v_first": True}
 
 
-def per_call_us(fn, n: int = 400) -> float:
-    """Median host microseconds of one call, each issued with the GPU idle (synchronised before, not timed after):
-    the time until the call returns, whatever its kernels then take on the GPU. (Timing back-to-back calls
-    instead measures max(host, GPU) per call: at B1-T256 the kernels take longer than their launches.)"""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return sorted(out)[n // 2]
+def per_call_us(fn) -> float:
+    """Median host microseconds of one call, each issued with the GPU idle and timed until it returns (the
+    benchmarks' ``measure_host_overhead``; timing back-to-back calls instead measures max(host, GPU) per call,
+    and at B1-T256 the kernels take longer than their launches)."""
+    return measure_host_overhead(fn, n=400)["host_us"]
 
 
 def main() -> None:

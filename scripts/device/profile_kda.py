@@ -20,6 +20,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+from common import bench  # the benchmarks' helpers live beside their scripts
+
 H = HV = 64
 D = 128
 SHAPES = [(1, 512), (2, 1024), (1, 4096), (1, 16384), (2, 16384)]
@@ -58,20 +61,11 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def wall_us(fn, calls: int = 7) -> float:
-    """Median wall time of one call between CUDA events on the caller's stream (kernels on a side stream that
-    the caller's stream waits for are included; summed kernel times would count overlapped ones twice)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return round(sorted(times)[calls // 2], 1)
+def wall_us(fn) -> float:
+    """Median wall time of one call between CUDA events on the caller's stream (the benchmarks' ``bench``):
+    kernels on a side stream that the caller's stream waits for are included, where summed kernel times would
+    count overlapped ones twice."""
+    return round(bench(fn, iters=7, warmup=1).median_ms * 1e3, 1)
 
 
 # variants waiting for their GPU check: name -> switches as (module, attribute, value), each profiled as
