@@ -182,6 +182,18 @@ def _segment_bounds(T: int) -> list[tuple[int, int]]:
     return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
 
 
+def _launch_buffers(B, T, HV, K, dt, o_dtype, dev, state_shape, output_final_state):
+    """A bound launch's intermediates in their flat kernel shapes, ``w, u, qg, kg`` ``[B T, HV, K]`` (K = V),
+    ``Aqk``, fp32 ``g_cum``, and its outputs ``o`` ``[B, T, HV, V]`` and the final state (or None)."""
+    # one allocation for the four [BT, HV, 128] intermediates: each torch.empty costs ~3 us of host time
+    w, u, qg, kg = torch.empty(4, B * T, HV, K, dtype=dt, device=dev).unbind(0)
+    Aqk = torch.empty(B * T, HV, 64, dtype=dt, device=dev)
+    g_cum = torch.empty(B * T, HV, K, dtype=torch.float32, device=dev)
+    o = torch.empty(B, T, HV, K, dtype=o_dtype, device=dev)
+    final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
+    return w, u, qg, kg, Aqk, g_cum, o, final_state
+
+
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -203,11 +215,9 @@ def _segmented_launch(
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
         a_log, bias = intra.gate_params(A_log, dt_bias, gate, HV, K, dev)
-        w, u, qg, kg = torch.empty(4, T, HV, K, dtype=dt, device=dev).unbind(0)
-        Aqk = torch.empty(T, HV, 64, dtype=dt, device=dev)
-        g_cum = torch.empty(T, HV, K, dtype=torch.float32, device=dev)
-        o = torch.empty(1, T, HV, V, dtype=v.dtype, device=dev)
-        final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
+        w, u, qg, kg, Aqk, g_cum, o, final_state = _launch_buffers(
+            1, T, HV, K, dt, v.dtype, dev, state_shape, output_final_state
+        )
         carry = torch.empty(2, *state_shape, dtype=torch.float32, device=dev)  # ping-pong between segments
         s = float(scale)
         qf, kf, vf, gf, bf, of = q.view(T, H, K), k.view(T, H, K), v.view(T, HV, V), g.view(T, HV, K), beta.view(
@@ -377,12 +387,9 @@ def prepare_chunk_kda_fwd_sm90(
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
         a_log, bias = intra.gate_params(A_log, dt_bias, gate, HV, K, dev)
-        # one allocation for the four [BT, HV, 128] intermediates: each torch.empty costs ~3 us of host time
-        w, u, qg, kg = torch.empty(4, BT, HV, K, dtype=dt, device=dev).unbind(0)
-        Aqk = torch.empty(BT, HV, 64, dtype=dt, device=dev)
-        g_cum = torch.empty(BT, HV, K, dtype=torch.float32, device=dev)
-        o = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
-        final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
+        w, u, qg, kg, Aqk, g_cum, o, final_state = _launch_buffers(
+            B, T, HV, K, dt, v.dtype, dev, state_shape, output_final_state
+        )
         s = float(scale)
         fn_intra(
             q.view(BT, H, K), k.view(BT, H, K), v.view(BT, HV, V), g.view(BT, HV, K), beta.view(BT, HV), a_log, bias,
