@@ -205,6 +205,17 @@ def test_segment_bounds_cover_whole_chunks(T_):
     assert 2 <= len(bounds) <= _MAX_SEGMENTS
 
 
+def _b1_inputs(T_: int, seed: int) -> dict:
+    """One CUDA sequence of T_ tokens (module sizes H, HV, D), with an initial state."""
+    x = _inputs("cuda", seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for n in ("q", "k", "v", "g", "beta"):
+        shape = (1, T_) + tuple(x[n].shape[2:])
+        x[n] = torch.randn(shape, generator=gen, device="cuda").to(x[n].dtype)
+    x["initial_state"] = x["initial_state"][:1].contiguous()
+    return x
+
+
 @pytest.mark.parametrize("with_h0", [False, True])
 def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, with_h0):
     """OVERLAP_STATE_MIN_TOKENS on the CPU with the kernels and CUDA streams stubbed: each segment's intra on the
@@ -277,14 +288,9 @@ def test_segmented_launch_bit_identical_cuda(counted, monkeypatch, T_, with_h0, 
     from cula.backends import clear_plan_caches
     from cula.testing import poison_cuda_allocator
 
-    gen = torch.Generator(device="cuda").manual_seed(T_)
-
-    def rnd(*shape, dt=torch.bfloat16, s=1.0):
-        return (s * torch.randn(*shape, generator=gen, device="cuda")).to(dt)
-
-    x = {"q": rnd(1, T_, H, D), "k": rnd(1, T_, H, D), "v": rnd(1, T_, HV, D), "g": rnd(1, T_, HV, D),
-         "beta": rnd(1, T_, HV), "initial_state": rnd(1, HV, D, D, dt=torch.float32, s=0.1) if with_h0 else None,
-         "A_log": rnd(HV, dt=torch.float32, s=0.5), "dt_bias": rnd(HV * D, dt=torch.float32, s=0.5)}  # fmt: skip
+    x = _b1_inputs(T_, seed=T_)
+    if not with_h0:
+        x["initial_state"] = None
     flags = dict(FLAGS, output_final_state=with_ht)
     outs = []
     with torch.inference_mode():
@@ -315,13 +321,7 @@ def test_segmented_launch_in_cuda_graph(counted, monkeypatch):
 
     monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", 1024)
     clear_plan_caches()
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    T_ = 3000
-    x = {n: torch.randn(*shape, generator=gen, device="cuda").to(dt) for n, shape, dt in (
-        ("q", (1, T_, H, D), torch.bfloat16), ("k", (1, T_, H, D), torch.bfloat16), ("v", (1, T_, HV, D), torch.bfloat16),
-        ("g", (1, T_, HV, D), torch.bfloat16), ("beta", (1, T_, HV), torch.bfloat16),
-        ("A_log", (HV,), torch.float32), ("dt_bias", (HV * D,), torch.float32))}  # fmt: skip
-    x["initial_state"] = 0.1 * torch.randn(1, HV, D, D, generator=gen, device="cuda")
+    x = _b1_inputs(3000, seed=7)
     with torch.inference_mode():
         for _ in range(2):
             o_eager, s_eager = chunk_kda(**x, **FLAGS)
