@@ -117,11 +117,9 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False,
-        operands_during_inverse: bool | None = None,
+        operands_during_inverse: bool = False,
     ):  # fmt: skip
-        self.operands_during_inverse = (
-            OPERANDS_DURING_INVERSE_DEFAULT if operands_during_inverse is None else bool(operands_during_inverse)
-        )
+        self.operands_during_inverse = bool(operands_during_inverse)
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
         if gate not in GATES:
