@@ -541,33 +541,30 @@ def test_decode_speed_report(capsys, monkeypatch):
                 f"{us:8.2f} us  "
                 f"{n_state_bytes / us / 1e6:6.3f} TB/s state  host {host_us:5.1f} us/call"
             )
+    def variant_us(N, state_v_first, **variant):
+        """Kernel microseconds of one T=1 call through a launcher variant (the narrow tile for [K, V])."""
+        q, k, v, g, beta, A_log, dt_bias, pool, indices, out, _ = setup(N, 1, state_v_first, False)
+        launch = D.kda_decode_launcher(
+            io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=V, gate="softplus", has_a_log=True,
+            has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+            state_v_first=state_v_first, has_step_states=False, wide_kv=False, **variant,
+        )  # fmt: skip
+        return kernel_us(functools.partial(
+            launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, None))  # fmt: skip
+
     # CTA size at the same 16 resident warps per SM ([V, K] pools): whether the scheduling granularity (waves,
     # per-CTA launch) is what holds the bandwidth at 84-87%
     for warps in (2, 8):
         for N in (64, 256):
-            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, _ = setup(N, 1, True, False)
-            launch = D.kda_decode_launcher(
-                io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=V, gate="softplus", has_a_log=True,
-                has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
-                has_step_states=False, warps_per_cta=warps,
-            )  # fmt: skip
-            us = kernel_us(functools.partial(
-                launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, None))  # fmt: skip
+            us = variant_us(N, True, warps_per_cta=warps)
             lines.append(f"vk {warps} warps/CTA N={N:4d} T=1: {us:8.2f} us  {N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")
     # more resident warps at T=1 (SINGLE_TOKEN_MIN_BLOCKS): one token slot per warp frees the shared memory that
     # held the default at 4 CTAs of 4 warps; ptxas then has to fit 5 or 6
     for ctas in (None, 5, 6):
         for state_v_first in (True, False):
             for N in (64, 256):
-                q, k, v, g, beta, A_log, dt_bias, pool, indices, out, _ = setup(N, 1, state_v_first, False)
                 extra = {} if ctas is None else {"tokens_per_round": 1, "min_blocks_per_sm": ctas}
-                launch = D.kda_decode_launcher(
-                    io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=V, gate="softplus",
-                    has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
-                    state_v_first=state_v_first, has_step_states=False, wide_kv=False, **extra,
-                )  # fmt: skip
-                us = kernel_us(functools.partial(
-                    launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, None))  # fmt: skip
+                us = variant_us(N, state_v_first, **extra)
                 what = "8 slots, 4 CTAs/SM" if ctas is None else f"1 slot, {ctas} CTAs/SM"
                 lines.append(f"{'vk' if state_v_first else 'kv narrow'} {what} N={N:4d} T=1: "
                              f"{us:8.2f} us  {N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")  # fmt: skip
