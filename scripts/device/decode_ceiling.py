@@ -91,6 +91,16 @@ def main() -> None:
                 _scale_states_persistent[(sms * per_sm,)](pool, idx, items, HV, state, block, num_warps=warps)
 
             rows[f"indexed in-place persistent N={n} block={block} warps={warps} {per_sm}/SM"] = tbps(run_p, 2 * nbytes)
+        # the same kernel over other index sets: whether the random placement of the 64 KB pieces is what costs
+        # the gap to the contiguous in-place rate (identity: pool rows 0..N-1 in order; sorted: the random set
+        # in ascending order)
+        for name, order in (("identity", torch.arange(n, device="cuda", dtype=torch.int32)),
+                            ("sorted", torch.sort(idx).values)):
+            for block in (1024, 4096):
+                def run_o(block=block, pool=pool, order=order, n=n):
+                    _scale_states[(n * HV, state // block)](pool, order, HV, state, block, num_warps=4)
+
+                rows[f"{name} in-place N={n} block={block} warps=4"] = tbps(run_o, 2 * nbytes)
         del pool
     width = max(map(len, rows))
     for k, v in rows.items():

@@ -71,7 +71,6 @@ def wall_us(fn) -> float:
 # variants waiting for their GPU check: name -> switches as (module, attribute, value), each profiled as
 # "cula-intra+<name>" beside the default
 PENDING: dict[str, list[tuple[str, str, object]]] = {
-    "operands-during-inverse": [("cula.ops.kda.sm90.intra", "OPERANDS_DURING_INVERSE_DEFAULT", True)],
     "overlap-state": [("cula.ops.kda.sm90.chunk_fwd", "OVERLAP_STATE_MIN_TOKENS", 4096)],
 }
 

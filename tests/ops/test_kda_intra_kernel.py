@@ -51,9 +51,6 @@ _VARIANTS = [
      "beta_act": "sigmoid", "g_cum_last_only": True},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True},
-    # the pending variant (v' and k' built during the diagonal-block inverses)
-    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
-     "beta_act": "sigmoid", "g_cum_last_only": True, "operands_during_inverse": True},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -69,8 +66,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
                    v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}",
                    l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"),
-                   g_cum_last_only=v.get("g_cum_last_only", False),
-                   operands_during_inverse=v.get("operands_during_inverse", False))
+                   g_cum_last_only=v.get("g_cum_last_only", False))
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -90,8 +86,6 @@ def _vid(v):
         vid += f"-beta_{v['beta_act']}"
     if v.get("g_cum_last_only"):
         vid += "-g_cum_last_only"
-    if v.get("operands_during_inverse"):
-        vid += "-operands_during_inverse"
     return vid
 
 
@@ -117,12 +111,10 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
         # the fused row norms, a thread per row: no shuffles, a correctly rounded sqrt (FLA's 1 / sqrt(sum + eps))
         assert "shfl.sync.bfly" not in ptx and "sqrt.rn.f32" in ptx
     # 16-byte shared stores: P2's score operands (two fp32 units of a q and a k row, 2 sub-chunks, 2 rounds),
-    # beta v (4 rows; 8 when warps 4-7 alone build it during P4), k' (4 rows; 8 likewise), bf16(T) (2), the row
-    # norms (16);
+    # beta v (4 rows), k' (4 rows), bf16(T) (2), the row norms (16);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
     # thread); no 2- or 4-byte global stores
-    during_inverse = _VARIANTS[idx].get("operands_during_inverse", False)
-    assert ptx.count("st.shared.v4") == 26 + 16 * l2norm + 8 * during_inverse, ptx.count("st.shared.v4")
+    assert ptx.count("st.shared.v4") == 26 + 16 * l2norm, ptx.count("st.shared.v4")
     assert ptx.count("st.global.v4") == 34, ptx.count("st.global.v4")
     assert "st.global.b16" not in ptx and "st.global.f32" not in ptx and "st.global.b32" not in ptx
     if nvdisasm is None:
@@ -417,28 +409,6 @@ def test_intra_vs_fla(case):
     out = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb)
     torch.cuda.synchronize()
     _assert_matches_fla((g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref), out, cu)
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_preproc"])
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
-def test_operands_during_inverse_bit_identical(case, fused):
-    """The pending operands_during_inverse variant (warps 4-7 build v' and k' while warps 0-3 invert the diagonal
-    blocks) changes no bit of any output, including the untouched rows past each sequence end (poisoned before
-    every run)."""
-    q, k, v, g, beta, cu, A_log, dt_bias, lb = (_raw_preproc if fused else _setup)(case)
-    extra = {"use_qk_l2norm": True, "beta_sigmoid": True} if fused else {}
-    ci = None
-    if cu is not None:
-        from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
-
-        ci = prepare_chunk_indices_i32(cu)
-    args = (q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb)
-    outs = [_run_ours(*args, operands_during_inverse=on, **extra) for on in (False, True)]
-    torch.cuda.synchronize()
-    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), *outs):
-        assert torch.equal(a.view(torch.int8), b.view(torch.int8)), name
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

@@ -31,7 +31,7 @@ _BASE = {
     "io_dtype": "bfloat16",
     "K": 128,
     "state_v_first": True,
-    "load_hint": "no_allocate",
+    "load_hint": None,  # default_load_hint: none, or no_allocate for [K, V] pools with K=64
     "store_hint": "default",
 }
 
@@ -45,7 +45,7 @@ def _variant(**kw):
 _VARIANTS = [_variant(state_v_first=vf, K=K) for vf in (True, False) for K in (128, 64)] + [
     _variant(io_dtype="float16"),
     _variant(io_dtype="float16", state_v_first=False, K=64),
-    _variant(load_hint="default", store_hint="default"),
+    _variant(load_hint="no_allocate", store_hint="default"),
     _variant(load_hint="streaming", store_hint="streaming"),
     _variant(load_hint="no_allocate", store_hint="no_allocate"),
     _variant(state_v_first=False, load_hint="default", store_hint="streaming"),

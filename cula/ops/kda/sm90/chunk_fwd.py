@@ -41,10 +41,12 @@ CUTE_INTRA_AUTO_MAX_TOKEN_HEADS: int | None = None
 # B=1 fixed-length calls of at least this many tokens run in time segments: the state/output kernel (one CTA per
 # value head, stepping through the chunks in order) takes HV SMs for as long as it runs, so with HV <= half the
 # SMs the intra kernel of segment i + 1 runs on the idle ones while the recurrence works through segment i (on a
-# second, high-priority stream; the state is handed on in fp32, so the results are the same bits). None: off
-# until tests/test_chunk_plans.py::test_segmented_launch_bit_identical_cuda passes on the H200 and shows it
-# faster (predicted B1-T16384 2.14 -> ~1.9 ms).
-OVERLAP_STATE_MIN_TOKENS: int | None = None
+# second, high-priority stream; the state is handed on in fp32, so the results are the same bits). None: off.
+# On the H200 (2026-12-01, profile_kda.py wall times) B1-T16384 2127 -> 2063 us and B1-T4096 546 -> 538 us, well
+# short of the ~1.9 ms predicted: the intra CTAs beside the recurrence ran 38% slower than alone (they share L2 and
+# DRAM with it, and the first segment's intra and the last one's recurrence overlap nothing). Bit-identical
+# (test_segmented_launch_bit_identical_cuda) and CUDA-graph safe (test_segmented_launch_in_cuda_graph).
+OVERLAP_STATE_MIN_TOKENS: int | None = 4096
 _SEGMENT_TOKENS = 2048  # about this many tokens a segment, 2 to _MAX_SEGMENTS segments
 _MAX_SEGMENTS = 8
 

@@ -639,8 +639,9 @@ _ARCH = (9, 0)
 # against 225 (3.0 against 2.4 TB/s; the narrow tile reads [K, V] rows in lone 32-byte pieces)
 WIDE_KV_DEFAULT = True
 # T=1 calls (not the wide tile) with one token slot per warp instead of 8 (51 -> 6 KB of shared memory per CTA)
-# and this many 4-warp CTAs per SM, None: 4. The default holds 16 warps per SM and 64 KB of state loads in flight
-# at most, near what Little's law asks at ~1.5 us of loaded latency; 5 CTAs fit 96 registers (24 bytes spilled),
-# 6 fit 80 (56 bytes). Off until the speed report's "one slot" rows show it faster on the H200 and
-# tests/ops/test_kda_decode_kernel.py::test_single_token_occupancy_matches passes.
-SINGLE_TOKEN_MIN_BLOCKS: int | None = None
+# and this many 4-warp CTAs per SM (None: 4). 16 warps per SM hold at most 64 KB of state loads in flight, about
+# what Little's law asks at ~1.5 us of loaded latency, and less on average; 5 CTAs fit 96 registers (24 bytes
+# spilled). On the H200 (2026-12-01, speed report, [V, K] pool) 5 CTAs ran N=64 in 141 us against 153 (3.82
+# against 3.52 TB/s) and N=256 in 542 against 582 (94% of copy); 6 CTAs (80 registers, 56 bytes spilled) only
+# 149 / 574. test_single_token_occupancy_matches saw identical bits.
+SINGLE_TOKEN_MIN_BLOCKS: int | None = 5

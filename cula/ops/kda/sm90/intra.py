@@ -96,12 +96,6 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the modul
 # disjoint, so a plain loop runs one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 loads the
 # raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. On the H200 this was bit-
 # identical to the plain loops and 6% faster (B2-T16384 3127 -> 2930 us, 2026-11-30).
-# P4 (the diagonal blocks' inverses) keeps 64 threads busy while the other 192 wait at the barrier after it. v' and k'
-# (P6) depend on neither the inverse nor T, so with ``operands_during_inverse`` warps 4-7 build them during P4
-# (same arithmetic per element, other threads). Off until
-# tests/ops/test_kda_intra_kernel.py::test_operands_during_inverse_bit_identical passes on the H200 and
-# profile_kda.py (PENDING) shows it faster.
-OPERANDS_DURING_INVERSE_DEFAULT = False
 
 
 class ChunkKDAIntraFwdSm90:
@@ -117,9 +111,7 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False,
-        operands_during_inverse: bool = False,
     ):  # fmt: skip
-        self.operands_during_inverse = bool(operands_during_inverse)
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
         if gate not in GATES:
@@ -566,13 +558,6 @@ class ChunkKDAIntraFwdSm90:
             if col < 16:
                 for r in cutlass.range_constexpr(16):
                     sA[o + r, o + col] = rX[r]
-        if const_expr(self.operands_during_inverse):  # noqa: SIM102 - a trace-time condition around a run-time one
-            if tidx >= 4 * 32:
-                # P6's v' and k' on warps 4-7 (WG1, which multiplies u = T v' in P7): q, k and the gate are read
-                # for the last time in P3, v has landed in q's tile or lands now
-                cute.arch.mbarrier_wait(bar, 1)
-                self._scale_rows_vec(sV0, sBeta, tid, threads=128)
-                self._k_prime_vec(sK0, sG, sBeta, tid, threads=128)
         cute.arch.barrier()
 
         # ---------------- P5: off-diagonal blocks, X_i,<i = -D_i^-1 (A_i,<i X_<i,<i), in place ----------------
@@ -619,10 +604,9 @@ class ChunkKDAIntraFwdSm90:
                 for e in cutlass.range_constexpr(4):
                     rt[4 * h4 + e] = ra[e].to(dt)
             cute.autovec_copy(rt, self._vec_at(sT0, (t, s0)))
-        if const_expr(not self.operands_during_inverse):
-            cute.arch.mbarrier_wait(bar, 1)
-            self._scale_rows_vec(sV0, sBeta, tidx)
-            self._k_prime_vec(sK0, sG, sBeta, tidx)
+        cute.arch.mbarrier_wait(bar, 1)
+        self._scale_rows_vec(sV0, sBeta, tidx)
+        self._k_prime_vec(sK0, sG, sBeta, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
 
@@ -889,18 +873,14 @@ def gate_params(
 
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str, *, g_cum_last_only: bool = False, operands_during_inverse: bool | None = None,
+    beta_act: str, *, g_cum_last_only: bool = False,
 ):  # fmt: skip
-    """The compiled variant for torch dtypes and the launch flags (``operands_during_inverse`` None:
-    ``OPERANDS_DURING_INVERSE_DEFAULT``); ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s bound launch both take their
-    kernel from here."""
+    """The compiled variant for torch dtypes and the launch flags; ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s
+    bound launch both take their kernel from here."""
     return get_compiled(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
         g_cum_last_only=bool(g_cum_last_only),
-        operands_during_inverse=(
-            OPERANDS_DURING_INVERSE_DEFAULT if operands_during_inverse is None else bool(operands_during_inverse)
-        ),
     )  # fmt: skip
 
 
@@ -940,7 +920,6 @@ def chunk_kda_intra_sm90(
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
     g_cum_last_only: bool = False,
-    operands_during_inverse: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -970,8 +949,6 @@ def chunk_kda_intra_sm90(
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
         g_cum_last_only: write g_cum at the last valid row of each chunk only (what the state/output kernel
             reads); its other rows are left as they were.
-        operands_during_inverse: the variant that builds v' and k' during the diagonal-block inverses (same
-            results); ``OPERANDS_DURING_INVERSE_DEFAULT`` when None.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -1024,7 +1001,6 @@ def chunk_kda_intra_sm90(
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
         dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
-        operands_during_inverse=operands_during_inverse,
     )
 
     def flat(t):

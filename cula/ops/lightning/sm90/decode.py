@@ -28,8 +28,9 @@ nominal 64 KB is in flight, which is right at the edge. Here:
   unit is ~300 instructions against ~4,000 issue slots of memory time), and the 2-4x surplus of bytes in
   flight keeps the DRAM saturated while the last units drain.
 * **Whole 128-byte lines per warp instruction** in both layouts (the KDA ``[K, V]`` path touches 32 bytes per
-  row per instruction and reached 2.39 TB/s): state loads bypass L1 (``L1::no_allocate``; the state is read
-  once) so L1 keeps the q/k rows shared by the warps of a head.
+  row per instruction and reached 2.39 TB/s). The state loads and stores take no cache hint: on the H200
+  (2026-12-01, speed report, N=64) that ran 145-146 us against 150-154 us with ``L1::no_allocate`` loads, in
+  both layouts, although the state is read only once.
 
 **Work split.** A lane's state fragment is ``R`` rows x ``C`` chunks of 4 contiguous fp32 (``R * C * 4 = 64``)
 along the contiguous ("inner") dimension of the pool tile; ``L_in`` lanes cover the inner dimension of one
@@ -69,8 +70,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cula.cache import compile_options, compiled_kernel
 
 __all__ = [
-    "LOAD_HINTS", "STORE_HINTS", "LightningDecodeSm90", "lightning_decode_launcher", "lightning_decode_sm90",
-    "lightning_decode_variant",
+    "LOAD_HINTS", "STORE_HINTS", "LightningDecodeSm90", "default_load_hint", "lightning_decode_launcher",
+    "lightning_decode_sm90", "lightning_decode_variant",
 ]
 
 # Cache hints for the state traffic (the only bytes that matter); speed-report knobs, not correctness ones.
@@ -101,7 +102,7 @@ class LightningDecodeSm90:
         K: int,
         V: int,
         state_v_first: bool,
-        load_hint: str = "no_allocate",
+        load_hint: str = "default",
         store_hint: str = "default",
         warps_per_sm: int = 16,
     ):
@@ -450,6 +451,12 @@ def _compile(cfg: LightningDecodeSm90, arch: tuple[int, int]):
     )
 
 
+def default_load_hint(K: int, state_v_first: bool) -> str:
+    """The state loads' cache hint: none, except for [K, V] pools with K=64, whose tile spills 20 bytes at the
+    128-register cap without ``L1::no_allocate`` (and was measured with it)."""
+    return "no_allocate" if K == 64 and not state_v_first else "default"
+
+
 def _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, arch) -> tuple:
     return ("lightning_decode_sm90", io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, arch)
 
@@ -478,7 +485,7 @@ def lightning_decode_variant(
     K: int,
     V: int,
     state_v_first: bool,
-    load_hint: str = "no_allocate",
+    load_hint: str | None = None,
     store_hint: str = "default",
     warps_per_sm: int = 16,
     arch: tuple[int, int] = (9, 0),
@@ -487,6 +494,7 @@ def lightning_decode_variant(
 
     Call it as ``fn(q, k, v, decay, state, indices, out, scale, num_ctas)``. Used by the CPU compile tests.
     """
+    load_hint = default_load_hint(K, state_v_first) if load_hint is None else load_hint
     key = _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, arch)
     return compiled_kernel(key, lambda: _compile(_config_for(key), arch))
 
@@ -507,7 +515,7 @@ def lightning_decode_sm90(
     *,
     scale: float,
     state_v_first: bool,
-    load_hint: str = "no_allocate",
+    load_hint: str | None = None,
     store_hint: str = "default",
     warps_per_sm: int = 16,
 ) -> None:
@@ -529,7 +537,7 @@ def lightning_decode_sm90(
         out: ``[N, T, HV, V]`` in q's dtype, written.
         scale: multiplies ``S^T q``.
         load_hint, store_hint, warps_per_sm: tuning knobs for the speed report (see ``LOAD_HINTS``,
-            ``STORE_HINTS``; ``warps_per_sm`` sets ptxas' register cap to ``65536 / (32 * warps_per_sm)``).
+            ``STORE_HINTS``; ``load_hint`` None: :func:`default_load_hint`; ``warps_per_sm`` sets ptxas' register cap to ``65536 / (32 * warps_per_sm)``).
     """
     if q.shape[0] == 0:  # an empty grid is a launch error
         return
@@ -544,15 +552,15 @@ def lightning_decode_launcher(
     v: torch.Tensor,
     *,
     state_v_first: bool,
-    load_hint: str = "no_allocate",
+    load_hint: str | None = None,
     store_hint: str = "default",
     warps_per_sm: int = 16,
 ):
     """The compiled variant and grid for calls shaped like ``q`` / ``v`` (``N >= 1``), bound once:
     ``launch(q, k, v, decay, state, indices, out, scale)`` (arguments as :func:`lightning_decode_sm90`)."""
-    key = _variant_key(
-        q.dtype, q.shape[-1], v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, _ARCH
-    )
+    K = q.shape[-1]
+    load_hint = default_load_hint(K, state_v_first) if load_hint is None else load_hint
+    key = _variant_key(q.dtype, K, v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, _ARCH)
     cfg = _config_for(key)
     fn = compiled_kernel(key, lambda: _compile(cfg, _ARCH))
     ctas = min(cfg.ctas_needed(q.shape[0], v.shape[2]), _sm_count(q.device.index) * cfg.min_blocks_per_sm)
