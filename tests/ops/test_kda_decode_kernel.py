@@ -71,6 +71,11 @@ _VARIANTS = [
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
              min_blocks_per_sm=6),
     _variant(gate="softplus", K=64, tokens_per_round=1, min_blocks_per_sm=6),
+    # KV_TMA_DEFAULT: [K, V] pools through shared memory by TMA, 4 (KV_TMA_MIN_BLOCKS) or 5 CTAs per SM
+    _variant(gate="softplus", tokens_per_round=1, min_blocks_per_sm=4, kv_tma=True),
+    _variant(gate="softplus", tokens_per_round=1, min_blocks_per_sm=5, kv_tma=True),
+    _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", tokens_per_round=1, min_blocks_per_sm=5,
+             kv_tma=True),
 ]
 # ptxas spills allowed where a variant asks for more registers than it is given (bytes): the wide tile parks one
 # 8-byte value with step states; 5 and 6 CTAs per SM cap the kernel at 96 and 80 registers
@@ -93,6 +98,7 @@ def _vid(v):
         + (["vk"] if v["state_v_first"] else ["kv"])
         + (["steps"] if v["has_step_states"] else [])
         + (["wide"] if v.get("wide_kv") else [])
+        + (["tma"] if v.get("kv_tma") else [])
         + ([f"slots{v['tokens_per_round']}"] if "tokens_per_round" in v else [])
         + ([f"{v['min_blocks_per_sm']}ctas"] if v.get("min_blocks_per_sm") else [])
     )
@@ -568,6 +574,12 @@ def test_decode_speed_report(capsys, monkeypatch):
                 what = "8 slots, 4 CTAs/SM" if ctas is None else f"1 slot, {ctas} CTAs/SM"
                 lines.append(f"{'vk' if state_v_first else 'kv narrow'} {what} N={N:4d} T=1: "
                              f"{us:8.2f} us  {N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")  # fmt: skip
+    # [K, V] pools by TMA (KV_TMA_DEFAULT): whole 128-byte row pieces through shared memory
+    for ctas in (4, 5):
+        for N in (64, 256):
+            us = variant_us(N, False, kv_tma=True, tokens_per_round=1, min_blocks_per_sm=ctas)
+            lines.append(f"kv tma 1 slot, {ctas} CTAs/SM N={N:4d} T=1: {us:8.2f} us  "
+                         f"{N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")  # fmt: skip
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 
@@ -596,6 +608,7 @@ def test_wide_kv_matches(monkeypatch, N, T, K, steps):
     H, HV = 4, 16
     (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, T, H, HV, K)
     results = []
+    monkeypatch.setattr(D, "KV_TMA_DEFAULT", False)  # T=1 would take the TMA box either way
     for wide in (False, True):
         monkeypatch.setattr(D, "WIDE_KV_DEFAULT", wide)
         pool = pool0.clone()
@@ -622,6 +635,43 @@ def test_wide_kv_matches(monkeypatch, N, T, K, steps):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,HV,V", [(1, 16, 128), (64, 16, 128), (77, 8, 64), (1000, 4, 128)])
+def test_kv_tma_matches(monkeypatch, N, HV, V):
+    """KV_TMA_DEFAULT ([K, V] pool boxes by TMA) at T=1 against the narrow tile (which the tests above hold to the
+    float64 recurrence): outputs and pool to fp32 summation order, NaN-poisoned outputs all written, padded slots
+    zeroed, pool rows not in the batch untouched bit for bit."""
+    import cula.ops.kda.sm90.decode as D
+
+    _requires_sm90()
+    H, K = 4, 128
+    (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, 1, H, HV, K)
+    v = v[..., :V].contiguous()
+    pool0 = pool0[..., :V].contiguous()
+    results = []
+    for tma in (False, True):
+        monkeypatch.setattr(D, "KV_TMA_DEFAULT", tma)
+        monkeypatch.setattr(D, "WIDE_KV_DEFAULT", False)
+        pool = pool0.clone()
+        out = torch.full((N, 1, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16)
+        D.kda_decode_sm90(
+            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound", lower_bound=-5.0,
+            use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=False,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        results.append((out, pool))
+    (o0, p0), (o1, p1) = results
+    live = indices[indices >= 0].long()
+    untouched = torch.ones(pool0.shape[0], dtype=torch.bool, device="cuda")
+    untouched[live] = False
+    assert torch.equal(p1[untouched].view(torch.int32), pool0[untouched].view(torch.int32))
+    padded = indices < 0
+    assert not torch.isnan(o1).any()
+    assert torch.equal(o1[padded], torch.zeros_like(o1[padded]))
+    assert_close("out", o0[~padded], o1[~padded], 2e-3)
+    assert_close("pool", p0[live], p1[live], 1e-5)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ctas", [5, 6])
 @pytest.mark.parametrize("N,state_v_first", [(1, True), (64, True), (300, True), (2000, True), (77, False)])
 def test_single_token_occupancy_matches(monkeypatch, N, state_v_first, ctas):
@@ -633,6 +683,7 @@ def test_single_token_occupancy_matches(monkeypatch, N, state_v_first, ctas):
     _requires_sm90()
     H, HV, K = 4, 16, 128
     monkeypatch.setattr(D, "WIDE_KV_DEFAULT", False)
+    monkeypatch.setattr(D, "KV_TMA_DEFAULT", False)
     (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, 1, H, HV, K)
     results = []
     for blocks in (None, ctas):

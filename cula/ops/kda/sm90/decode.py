@@ -29,9 +29,13 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   in further rounds of 8 (the contract is T <= 8, but nothing breaks above it).
 * **Occupancy**: 128-thread CTAs with ``min_blocks_per_mp=4`` cap ptxas at 128 registers (99-116 used, no
   spills): 16 warps and 64 KB of state loads in flight per SM.
-* **wide_kv** (a variant for ``[K, V]`` pools with K=128, off until measured): ``LK = 8`` and 64 state
+* **wide_kv** (for ``[K, V]`` pools with K=128 when T > 1 or with step states): ``LK = 8`` and 64 state
   registers per lane (``j`` < 4), so a warp's V slice and each row it reads are twice as wide (64 B); 3 CTAs
   per SM.
+* **kv_tma** (``[K, V]`` pools with K=128 at T=1): the four warps of a CTA take four adjacent V slices of one
+  (sequence, head); one TMA load brings their ``[128 K, 32 V]`` box (whole 128-byte row pieces) into shared
+  memory with the 128-byte swizzle, each lane reads its fragment (rows ``lk + 16 i``, conflict-free under the
+  swizzle), runs the same token math and writes it back, and one TMA store returns the box.
 
 Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in {64, 128}; V a multiple of
 8 (K=128) or 16 (K=64), 64 and 128 tested; any GVA ratio; any H/HV/N/T/pool size at run time (one compile
@@ -47,7 +51,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from cula.cache import compile_options, compiled_kernel
@@ -95,6 +100,7 @@ class KdaDecodeSm90:
         min_blocks_per_sm: int | None = None,
         wide_kv: bool = False,
         tokens_per_round: int = 8,
+        kv_tma: bool = False,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -111,6 +117,15 @@ class KdaDecodeSm90:
             # K=64 [K, V] rows are already 64 B wide with the default tile
             raise ValueError("wide_kv is for [K, V] pools (state_v_first=False) with K=128")
         self.wide_kv = wide_kv
+        # kv_tma ([K, V] pools, K=128, no step states): the CTA's four warps own four adjacent 8-wide V slices of one
+        # (sequence, head), i.e. a [128, 32] fp32 box of whole 128-byte row pieces, which one TMA load brings to
+        # shared memory (128-byte swizzle) and one TMA store writes back; each lane then owns rows lk + 16 i
+        # (i < 8) of its 4 columns, which the swizzle makes a conflict-free 16-byte read per row
+        if kv_tma and (state_v_first or K != 128 or wide_kv or has_step_states or warps_per_cta != 4
+                       or tokens_per_round != 1 or V % 32 != 0):  # fmt: skip
+            raise ValueError("kv_tma is for [K, V] pools with K=128, V % 32 == 0, no step states, 4 warps per CTA "
+                             "and one token slot")
+        self.kv_tma = kv_tma
         self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
         self.lanes_k = K // self.k_per_lane
         self.lanes_v = 32 // self.lanes_k
@@ -137,6 +152,7 @@ class KdaDecodeSm90:
         self.min_blocks_per_sm = min_blocks_per_sm or max(
             1, (WIDE_WARPS_PER_SM if wide_kv else WARPS_PER_SM) // warps_per_cta
         )
+        self.tile_v = 32  # kv_tma: V columns per CTA
 
         self.k_blocks = self.k_per_lane // 4  # j extent
         self.k_stride_j = 4 * self.lanes_k  # k distance between a lane's consecutive 4-row blocks
@@ -172,16 +188,29 @@ class KdaDecodeSm90:
         HV = mV.shape[2]
         units = N * HV * self.v_slices
         grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
-        self.kernel(
-            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound
-        ).launch(
-            grid=[grid, 1, 1],
-            block=[32 * self.warps_per_cta, 1, 1],
-            min_blocks_per_mp=self.min_blocks_per_sm,
-            # token slots live in shared memory; L1 only sees streaming state traffic
-            preferred_smem_carveout=100,
-            stream=stream,
-        )
+        if const_expr(self.kv_tma):
+            s_vk = cute.make_tensor(mState.iterator, cute.select(mState.layout, mode=[3, 2, 1, 0]))  # (V, K, HV, P)
+            box = (self.tile_v, self.K)
+            box_l = cute.select(self._tile_layout(), mode=[0, 1])
+            tma_ld, t_ld = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), s_vk, box_l, box)
+            tma_st, t_st = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), s_vk, box_l, box)
+            self.kernel_kv_tma(
+                mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
+            ).launch(
+                grid=[grid, 1, 1], block=[32 * self.warps_per_cta, 1, 1], min_blocks_per_mp=self.min_blocks_per_sm,
+                preferred_smem_carveout=100, stream=stream,
+            )  # fmt: skip
+        else:
+            self.kernel(
+                mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound
+            ).launch(
+                grid=[grid, 1, 1],
+                block=[32 * self.warps_per_cta, 1, 1],
+                min_blocks_per_mp=self.min_blocks_per_sm,
+                # token slots live in shared memory; L1 only sees streaming state traffic
+                preferred_smem_carveout=100,
+                stream=stream,
+            )
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.jit
@@ -341,6 +370,92 @@ class KdaDecodeSm90:
             else:
                 self._zero_rows(mOut, n, hv, v0, lk, T)
 
+    def _tile_layout(self):
+        """kv_tma's shared [32 V, 128 K] fp32 box (V contiguous), 128-byte swizzled: the 16-byte unit c of row k
+        sits at unit c ^ (k % 8) (the DSL's swizzles act on byte offsets: 3 bits at 16 B, xor-ed from 128 B)."""
+        return cute.make_composed_layout(
+            cute.make_swizzle(3, 4, 3), 0, cute.make_layout((self.tile_v, self.K, 1), stride=(1, self.tile_v, 0))
+        )
+
+    @cute.kernel
+    def kernel_kv_tma(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor | None,
+        mDtBias: cute.Tensor | None,
+        tma_ld: cute.CopyAtom,
+        t_ld: cute.Tensor,
+        tma_st: cute.CopyAtom,
+        t_st: cute.Tensor,
+        mIdx: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        """The kv_tma variant: the CTA's [128, 32] state box through shared memory by TMA, the token math of
+        ``_run_unit`` on a register fragment read from it (see ``__init__``)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        H = mQ.shape[2]
+        HV = mV.shape[2]
+        T = mQ.shape[1]
+        R = self.V_PER_LANE
+        TV = self.tile_v
+
+        smem = cutlass.utils.SmemAllocator()
+        sRaw = smem.allocate_tensor(Float32, cute.make_layout(TV * self.K), byte_alignment=1024)
+        sBuf = smem.allocate_tensor(Float32, cute.make_layout((self.slot_floats, 1, self.warps_per_cta)),
+                                    byte_alignment=16)  # fmt: skip
+        bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8).iterator
+        tile_l = self._tile_layout()
+        sTile = cute.make_tensor(cute.recast_ptr(sRaw.iterator, tile_l.inner, dtype=Float32), tile_l.outer)
+
+        lk = lane % self.lanes_k
+        lv = lane // self.lanes_k
+        n, h, hv, vs, v0 = self._unit_coords(bidx * self.warps_per_cta + warp, HV, H, lv)
+        vb = vs // self.warps_per_cta  # the CTA's box along V
+        slot = mIdx[n]  # one (sequence, head) per CTA: the branch below is CTA-uniform
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        if slot >= 0:
+            if warp == 0:
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, TV * self.K * 4)
+                g_box = cute.local_tile(t_ld[None, None, hv, slot], (TV, self.K), (None, 0))
+                ts, tg = cpasync.tma_partition(
+                    tma_ld, 0, cute.make_layout(1), cute.group_modes(sTile, 0, 2), cute.group_modes(g_box, 0, 2)
+                )
+                cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
+            # this lane's rows lk + 16 i and columns 8 (warp) + 4 lv + r: under the swizzle one 16-byte unit per row,
+            # at the same unit for every i since (lk + 16 i) % 8 = lk % 8
+            unit = (2 * warp + lv) ^ (lk % 8)
+            off = cute.assume(lk * TV + unit * R, divby=R)
+            gS = cute.make_tensor(sRaw.iterator + off, cute.make_layout((self.k_per_lane, R), stride=(16 * TV, 1)))
+            tS = cute.make_rmem_tensor(cute.make_layout((self.k_per_lane, R), stride=(R, 1)), Float32)
+            self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, None, sBuf[None, None, warp],
+                           n, h, hv, vs, v0, lane, T, scale, lower_bound, bar)  # fmt: skip
+            # the fragments are back in shared memory (generic proxy): visible to the TMA store after the fence
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+            if warp == 0:
+                g_box = cute.local_tile(t_st[None, None, hv, slot], (TV, self.K), (None, 0))
+                ts, tg = cpasync.tma_partition(
+                    tma_st, 0, cute.make_layout(1), cute.group_modes(sTile, 0, 2), cute.group_modes(g_box, 0, 2)
+                )
+                cute.copy(tma_st, ts[None, 0], tg[None, vb])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
+        else:
+            self._zero_rows(mOut, n, hv, v0, lk, T)
+
     @cute.jit
     def _unit_coords(self, unit, HV, H, lv):
         """Unit -> (sequence n, q/k head h, value head hv, V slice vs, this lane's first v column v0)."""
@@ -363,9 +478,10 @@ class KdaDecodeSm90:
     @cute.jit
     def _run_unit(
         self, tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW, n, h, hv, vs, v0, lane, T, scale,
-        lower_bound,
+        lower_bound, bar=None,
     ):  # fmt: skip
-        """The T tokens of one unit on its state tile ``tS`` (in registers), then the tile back to ``gS``."""
+        """The T tokens of one unit on its state tile ``tS`` (in registers), then the tile back to ``gS``. With
+        kv_tma, ``gS`` is the lane's fragment in shared memory, loaded into ``tS`` once ``bar`` says it landed."""
         KB = self.k_blocks
         KPT = self.k_per_lane
         LOG_LK = int(math.log2(self.lanes_k))
@@ -373,12 +489,19 @@ class KdaDecodeSm90:
         TR = self.tokens_per_round
         lk = lane % self.lanes_k
         lv = lane // self.lanes_k
-        rq = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
-        rk = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
-        reg = cute.make_rmem_tensor(cute.make_layout((4, KB)), Float32)
+        # the lane's K elements of a token slot: k = 4 lk + c + k_stride_j j, or lk + 16 i with kv_tma
+        kshape = (4, KB)
+        lane_k = cute.make_layout(kshape, stride=(1, self.k_stride_j))
+        kq = cute.assume(4 * lk, divby=4)
+        if const_expr(self.kv_tma):
+            kshape = KPT
+            lane_k = cute.make_layout(KPT, stride=self.lanes_k)
+            kq = lk
+        rq = cute.make_rmem_tensor(cute.make_layout(kshape), Float32)
+        rk = cute.make_rmem_tensor(cute.make_layout(kshape), Float32)
+        reg = cute.make_rmem_tensor(cute.make_layout(kshape), Float32)
         rv = cute.make_rmem_tensor(R, Float32)
         ro = cute.make_rmem_tensor(R, self.io_dtype)
-        lane_k = cute.make_layout((4, KB), stride=(1, self.k_stride_j))
 
         for t0 in range(0, T, TR):
             nt = cutlass.min(T - t0, TR)
@@ -388,11 +511,14 @@ class KdaDecodeSm90:
                     lower_bound,
                 )  # fmt: skip
             cute.arch.sync_warp()
+            if const_expr(self.kv_tma):
+                if t0 == 0:
+                    cute.arch.mbarrier_wait(bar, 0)
+                    cute.autovec_copy(gS, tS)
 
             for tt in range(nt):
                 t = t0 + tt
                 sSlot = sW[None, tt]
-                kq = cute.assume(4 * lk, divby=4)
                 cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_eg + kq, lane_k), reg)
                 cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_k + kq, lane_k), rk)
                 v_off = cute.assume(self.off_v + lv * R, divby=R)
@@ -497,6 +623,7 @@ def _variant_key(flags: dict) -> tuple:
         flags.update(has_a_log=False, has_dt_bias=False)
     flags["allow_neg_eigval"] = flags["allow_neg_eigval"] and flags["beta_sigmoid"]
     flags["wide_kv"] = bool(flags["wide_kv"])
+    flags["kv_tma"] = bool(flags.get("kv_tma", False))
     return ("kda_decode_sm90", *sorted(flags.items()))
 
 
@@ -527,6 +654,7 @@ def kda_decode_variant(
     warps_per_cta: int = 4,
     tokens_per_round: int = 8,
     min_blocks_per_sm: int | None = None,
+    kv_tma: bool = False,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
@@ -542,7 +670,8 @@ def kda_decode_variant(
          "has_a_log": has_a_log, "has_dt_bias": has_dt_bias, "use_qk_l2norm": use_qk_l2norm,
          "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval, "state_v_first": state_v_first,
          "has_step_states": has_step_states, "wide_kv": wide_kv, "warps_per_cta": warps_per_cta,
-         "tokens_per_round": tokens_per_round, "min_blocks_per_sm": min_blocks_per_sm, "arch": arch}
+         "tokens_per_round": tokens_per_round, "min_blocks_per_sm": min_blocks_per_sm, "kv_tma": kv_tma,
+         "arch": arch}
     )  # fmt: skip
     return compiled_kernel(key, lambda: _build(key))
 
@@ -617,8 +746,14 @@ def kda_decode_launcher(
     ``SINGLE_TOKEN_MIN_BLOCKS``), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out,
     step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
+    kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
+    if (KV_TMA_DEFAULT and kv_pool_128 and tokens == 1 and wide_kv is None and flags["V"] % 32 == 0
+            and not flags["has_step_states"] and "min_blocks_per_sm" not in flags
+            and flags.get("warps_per_cta", 4) == 4):  # fmt: skip
+        wide_kv = False
+        flags.update(kv_tma=True, tokens_per_round=1, min_blocks_per_sm=KV_TMA_MIN_BLOCKS)
     if wide_kv is None:
-        wide_kv = WIDE_KV_DEFAULT and not flags["state_v_first"] and flags["K"] == 128
+        wide_kv = WIDE_KV_DEFAULT and kv_pool_128
     if tokens == 1 and SINGLE_TOKEN_MIN_BLOCKS and not wide_kv and "min_blocks_per_sm" not in flags:
         flags.update(tokens_per_round=1, min_blocks_per_sm=SINGLE_TOKEN_MIN_BLOCKS)
     fn = kda_decode_variant(
@@ -645,3 +780,9 @@ WIDE_KV_DEFAULT = True
 # against 3.52 TB/s) and N=256 in 542 against 582 (94% of copy); 6 CTAs (80 registers, 56 bytes spilled) only
 # 149 / 574. test_single_token_occupancy_matches saw identical bits.
 SINGLE_TOKEN_MIN_BLOCKS: int | None = 5
+# T=1 calls on [K, V] pools with K=128 (no step states) take KdaDecodeSm90(kv_tma=True): each CTA's [128, 32] state
+# box by one TMA load and one TMA store, whole 128-byte row pieces, instead of the wide tile's 64-byte rows from
+# registers. On the H200 (2026-12-01, speed report) N=64 140 us and N=256 536 us (4.0 TB/s) at 4 CTAs per SM, against
+# 179 / 685 us for the wide tile; 5 CTAs per SM 143 / 550 us. test_kv_tma_matches passed.
+KV_TMA_DEFAULT = True
+KV_TMA_MIN_BLOCKS = 4
