@@ -584,6 +584,18 @@ def test_decode_speed_report(capsys, monkeypatch):
         print("\n" + "\n".join(lines))
 
 
+def _assert_pool_rows_and_padding(pool0, pool, out, indices):
+    """Pool rows outside the batch untouched bit for bit, padded slots' outputs zeroed; returns (live pool rows,
+    padded mask)."""
+    live = indices[indices >= 0].long()
+    untouched = torch.ones(pool0.shape[0], dtype=torch.bool, device="cuda")
+    untouched[live] = False
+    assert torch.equal(pool[untouched].view(torch.int32), pool0[untouched].view(torch.int32))
+    padded = indices < 0
+    assert torch.equal(out[padded], torch.zeros_like(out[padded]))
+    return live, padded
+
+
 def _padded_pool_case(N, T, H, HV, K):
     """Inputs (lower_bound gate), a pool of N + 7 states and N random rows of it, every third one padded (-1)."""
     tensors = _inputs(N, T, H, HV, K, K, gate="lower_bound")
@@ -621,12 +633,7 @@ def test_wide_kv_matches(monkeypatch, N, T, K, steps):
         torch.cuda.synchronize()
         results.append((out, pool, step))
     (o0, p0, s0), (o1, p1, s1) = results
-    live = indices[indices >= 0].long()
-    untouched = torch.ones(N + 7, dtype=torch.bool, device="cuda")
-    untouched[live] = False
-    assert torch.equal(p1[untouched].view(torch.int32), pool0[untouched].view(torch.int32))
-    padded = indices < 0
-    assert torch.equal(o1[padded], torch.zeros_like(o1[padded]))
+    live, padded = _assert_pool_rows_and_padding(pool0, p1, o1, indices)
     assert_close("out", o0[~padded], o1[~padded], 2e-3)
     assert_close("pool", p0[live], p1[live], 1e-5)
     if steps:
@@ -660,13 +667,8 @@ def test_kv_tma_matches(monkeypatch, N, HV, V):
         torch.cuda.synchronize()
         results.append((out, pool))
     (o0, p0), (o1, p1) = results
-    live = indices[indices >= 0].long()
-    untouched = torch.ones(pool0.shape[0], dtype=torch.bool, device="cuda")
-    untouched[live] = False
-    assert torch.equal(p1[untouched].view(torch.int32), pool0[untouched].view(torch.int32))
-    padded = indices < 0
     assert not torch.isnan(o1).any()
-    assert torch.equal(o1[padded], torch.zeros_like(o1[padded]))
+    live, padded = _assert_pool_rows_and_padding(pool0, p1, o1, indices)
     assert_close("out", o0[~padded], o1[~padded], 2e-3)
     assert_close("pool", p0[live], p1[live], 1e-5)
 

@@ -194,23 +194,19 @@ class KdaDecodeSm90:
             box_l = cute.select(self._tile_layout(), mode=[0, 1])
             tma_ld, t_ld = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), s_vk, box_l, box)
             tma_st, t_st = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), s_vk, box_l, box)
-            self.kernel_kv_tma(
+            kernel = self.kernel_kv_tma(
                 mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
-            ).launch(
-                grid=[grid, 1, 1], block=[32 * self.warps_per_cta, 1, 1], min_blocks_per_mp=self.min_blocks_per_sm,
-                preferred_smem_carveout=100, stream=stream,
-            )  # fmt: skip
-        else:
-            self.kernel(
-                mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound
-            ).launch(
-                grid=[grid, 1, 1],
-                block=[32 * self.warps_per_cta, 1, 1],
-                min_blocks_per_mp=self.min_blocks_per_sm,
-                # token slots live in shared memory; L1 only sees streaming state traffic
-                preferred_smem_carveout=100,
-                stream=stream,
             )
+        else:
+            kernel = self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound)
+        kernel.launch(
+            grid=[grid, 1, 1],
+            block=[32 * self.warps_per_cta, 1, 1],
+            min_blocks_per_mp=self.min_blocks_per_sm,
+            # token slots live in shared memory; L1 only sees streaming state traffic
+            preferred_smem_carveout=100,
+            stream=stream,
+        )
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.jit
@@ -377,6 +373,14 @@ class KdaDecodeSm90:
             cute.make_swizzle(3, 4, 3), 0, cute.make_layout((self.tile_v, self.K, 1), stride=(1, self.tile_v, 0))
         )
 
+    @cute.jit
+    def _box_partition(self, atom, t_pool, sTile, hv, slot):
+        """(shared box, the state's boxes along V) of ``slot``'s head ``hv`` for a kv_tma TMA atom (load or store)."""
+        g_box = cute.local_tile(t_pool[None, None, hv, slot], (self.tile_v, self.K), (None, 0))
+        return cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(sTile, 0, 2), cute.group_modes(g_box, 0, 2)
+        )
+
     @cute.kernel
     def kernel_kv_tma(
         self,
@@ -429,10 +433,7 @@ class KdaDecodeSm90:
             if warp == 0:
                 if lane == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(bar, TV * self.K * 4)
-                g_box = cute.local_tile(t_ld[None, None, hv, slot], (TV, self.K), (None, 0))
-                ts, tg = cpasync.tma_partition(
-                    tma_ld, 0, cute.make_layout(1), cute.group_modes(sTile, 0, 2), cute.group_modes(g_box, 0, 2)
-                )
+                ts, tg = self._box_partition(tma_ld, t_ld, sTile, hv, slot)
                 cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
             # this lane's rows lk + 16 i and columns 8 (warp) + 4 lv + r: under the swizzle one 16-byte unit per row,
             # at the same unit for every i since (lk + 16 i) % 8 = lk % 8
@@ -446,10 +447,7 @@ class KdaDecodeSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
             if warp == 0:
-                g_box = cute.local_tile(t_st[None, None, hv, slot], (TV, self.K), (None, 0))
-                ts, tg = cpasync.tma_partition(
-                    tma_st, 0, cute.make_layout(1), cute.group_modes(sTile, 0, 2), cute.group_modes(g_box, 0, 2)
-                )
+                ts, tg = self._box_partition(tma_st, t_st, sTile, hv, slot)
                 cute.copy(tma_st, ts[None, 0], tg[None, vb])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads

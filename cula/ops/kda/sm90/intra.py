@@ -243,11 +243,10 @@ class ChunkKDAIntraFwdSm90:
         )
 
     @cute.jit
-    def _scale_rows_vec(self, sX0, sBeta, tidx, threads: int = 256):
-        """v' = bf16(v beta_t) in place on a (V, BT) smem tile, 8 channels per access (``threads`` threads,
-        ``tidx`` counted from 0)."""
+    def _scale_rows_vec(self, sX0, sBeta, tidx):
+        """v' = bf16(v beta_t) in place on a (V, BT) smem tile, 8 channels per access (all threads)."""
         c8 = cute.assume((tidx % 16) * 8, divby=8)
-        rows = threads // 16
+        rows = self.num_threads // 16
         steps = self.bt // rows
 
         def load(m):
@@ -267,11 +266,10 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(rv, self._vec_at(sX0, (c8, t)))
 
     @cute.jit
-    def _k_prime_vec(self, sK0, sG, sBeta, tidx, threads: int = 256):
-        """k' = bf16(bf16(beta_t k) exp2(g_cum)) in place, 8 channels per access (``threads`` threads, ``tidx``
-        counted from 0)."""
+    def _k_prime_vec(self, sK0, sG, sBeta, tidx):
+        """k' = bf16(bf16(beta_t k) exp2(g_cum)) in place, 8 channels per access (all threads)."""
         dt = self.dtype
-        rows = threads // 16
+        rows = self.num_threads // 16
         r = tidx // 16
         c8 = cute.assume((tidx % 16) * 8, divby=8)
         steps = self.bt // rows

@@ -458,6 +458,8 @@ def default_load_hint(K: int, state_v_first: bool) -> str:
 
 
 def _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, arch) -> tuple:
+    """The compile-cache key (``load_hint`` None: :func:`default_load_hint`)."""
+    load_hint = default_load_hint(K, state_v_first) if load_hint is None else load_hint
     return ("lightning_decode_sm90", io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, arch)
 
 
@@ -494,7 +496,6 @@ def lightning_decode_variant(
 
     Call it as ``fn(q, k, v, decay, state, indices, out, scale, num_ctas)``. Used by the CPU compile tests.
     """
-    load_hint = default_load_hint(K, state_v_first) if load_hint is None else load_hint
     key = _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, arch)
     return compiled_kernel(key, lambda: _compile(_config_for(key), arch))
 
@@ -537,7 +538,8 @@ def lightning_decode_sm90(
         out: ``[N, T, HV, V]`` in q's dtype, written.
         scale: multiplies ``S^T q``.
         load_hint, store_hint, warps_per_sm: tuning knobs for the speed report (see ``LOAD_HINTS``,
-            ``STORE_HINTS``; ``load_hint`` None: :func:`default_load_hint`; ``warps_per_sm`` sets ptxas' register cap to ``65536 / (32 * warps_per_sm)``).
+            ``STORE_HINTS``; ``load_hint`` None: :func:`default_load_hint`; ``warps_per_sm`` sets ptxas' register
+            cap to ``65536 / (32 * warps_per_sm)``).
     """
     if q.shape[0] == 0:  # an empty grid is a launch error
         return
@@ -558,9 +560,9 @@ def lightning_decode_launcher(
 ):
     """The compiled variant and grid for calls shaped like ``q`` / ``v`` (``N >= 1``), bound once:
     ``launch(q, k, v, decay, state, indices, out, scale)`` (arguments as :func:`lightning_decode_sm90`)."""
-    K = q.shape[-1]
-    load_hint = default_load_hint(K, state_v_first) if load_hint is None else load_hint
-    key = _variant_key(q.dtype, K, v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, _ARCH)
+    key = _variant_key(
+        q.dtype, q.shape[-1], v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, _ARCH
+    )
     cfg = _config_for(key)
     fn = compiled_kernel(key, lambda: _compile(cfg, _ARCH))
     ctas = min(cfg.ctas_needed(q.shape[0], v.shape[2]), _sm_count(q.device.index) * cfg.min_blocks_per_sm)
