@@ -162,7 +162,7 @@ def test_lane_maps_partition_the_tile(state_v_first, K):
             assert (out_a == out_b) == same_group
 
 
-def test_grid_is_persistent():
+def test_grid_sizes():
     from cutlass import BFloat16
 
     from cula.ops.lightning.sm90.decode import LightningDecodeSm90
@@ -297,11 +297,16 @@ _CASES = [
     {"N": 6, "T": 1, "H": 2, "HV": 4, "D": 128, "all_padded": True},
     {"N": 6, "T": 1, "H": 2, "HV": 4, "D": 128, "all_padded": True, "state_v_first": False},
     {"N": 6, "T": 2, "H": 2, "HV": 4, "D": 128, "scale": 1.0},
-    # the persistent grid: far more units than resident warps (132 SMs x 16), padded slots among them
+    # far more units than resident warps (132 SMs x 16), padded slots among them: one CTA per unit group (the
+    # default) and the persistent grid walking them with a grid stride
     {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 128},
     {"N": 700, "T": 2, "H": 4, "HV": 16, "D": 128, "state_v_first": False},
     {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64},
     {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64, "state_v_first": False},
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 128, "persistent": True},
+    {"N": 700, "T": 2, "H": 4, "HV": 16, "D": 128, "state_v_first": False, "persistent": True},
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64, "persistent": True},
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64, "state_v_first": False, "persistent": True},
     # cache hints change no result
     {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "default", "store_hint": "streaming"},
     {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "streaming", "store_hint": "no_allocate",
@@ -407,5 +412,10 @@ def test_decode_speed_report(capsys):
     for state_v_first in (True, False):
         for N in (64, 256):
             lines.append(measure(N, state_v_first, warps_per_sm=20))
+    # the persistent grid (#SMs x CTAs per SM walking the units) against one CTA per unit group (PERSISTENT_GRID)
+    for state_v_first in (True, False):
+        for N, T in ((64, 1), (256, 1), (64, 4)):
+            for persistent in (True, False):
+                lines.append(measure(N, state_v_first, T=T, persistent=persistent))
     with capsys.disabled():
         print("\n" + "\n".join(lines))

@@ -21,12 +21,12 @@ nominal 64 KB is in flight, which is right at the edge. Here:
 * **Twice the state per thread**: each lane holds 64 fp32 (sixteen 16-byte loads, all issued back to back
   before the first use, together with the token's q/k/v and the decay), so 16 warps per SM (ptxas cap 128
   registers) put 128 KB of state loads in flight.
-* **Persistent warps with the next pool index prefetched**: the grid is ``#SMs x CTAs per SM``; each warp
-  (or CTA, see below) walks work units with a grid stride and loads the pool index of its *next* unit while
-  the current one is in flight, so the dependent index round trip and the CTA launch are off the critical
-  path. Between units a warp has the loads of one unit in flight for most of its time (the compute of one
-  unit is ~300 instructions against ~4,000 issue slots of memory time), and the 2-4x surplus of bytes in
-  flight keeps the DRAM saturated while the last units drain.
+* **Persistent warps with the next pool index prefetched, for T >= 2**: the grid is ``#SMs x CTAs per SM``;
+  each warp (or CTA, see below) walks work units with a grid stride and loads the pool index of its *next*
+  unit while the current one is in flight, so the dependent index round trip and the CTA launch are off the
+  critical path. At T=1 the same kernel runs one round on a grid of one CTA per unit group instead
+  (``PERSISTENT_MIN_TOKENS``): there the hardware's CTA scheduler, which hands work to whichever SM frees up,
+  beat the static grid stride by 4% (N=64) and 5% (N=256) on the H200.
 * **Whole 128-byte lines per warp instruction** in both layouts (the KDA ``[K, V]`` path touches 32 bytes per
   row per instruction and reached 2.39 TB/s). The state loads and stores take no cache hint: on the H200
   (2026-12-01, speed report, N=64) that ran 145-146 us against 150-154 us with ``L1::no_allocate`` loads, in
@@ -519,6 +519,7 @@ def lightning_decode_sm90(
     load_hint: str | None = None,
     store_hint: str = "default",
     warps_per_sm: int = 16,
+    persistent: bool | None = None,
 ) -> None:
     """One Lightning decode step (T tokens per sequence) against an fp32 state pool, on SM90.
 
@@ -539,13 +540,15 @@ def lightning_decode_sm90(
         scale: multiplies ``S^T q``.
         load_hint, store_hint, warps_per_sm: tuning knobs for the speed report (see ``LOAD_HINTS``,
             ``STORE_HINTS``; ``load_hint`` None: :func:`default_load_hint`; ``warps_per_sm`` sets ptxas' register
-            cap to ``65536 / (32 * warps_per_sm)``).
+            cap to ``65536 / (32 * warps_per_sm)``); ``persistent``: ``#SMs x CTAs per SM`` CTAs walking the units
+            with a grid stride instead of one CTA per unit group (None: from ``PERSISTENT_MIN_TOKENS``).
     """
     if q.shape[0] == 0:  # an empty grid is a launch error
         return
     launch = lightning_decode_launcher(
-        q, v, state_v_first=state_v_first, load_hint=load_hint, store_hint=store_hint, warps_per_sm=warps_per_sm
-    )
+        q, v, state_v_first=state_v_first, load_hint=load_hint, store_hint=store_hint, warps_per_sm=warps_per_sm,
+        persistent=persistent,
+    )  # fmt: skip
     launch(q, k, v, decay, state, indices, out, scale)
 
 
@@ -557,6 +560,7 @@ def lightning_decode_launcher(
     load_hint: str | None = None,
     store_hint: str = "default",
     warps_per_sm: int = 16,
+    persistent: bool | None = None,
 ):
     """The compiled variant and grid for calls shaped like ``q`` / ``v`` (``N >= 1``), bound once:
     ``launch(q, k, v, decay, state, indices, out, scale)`` (arguments as :func:`lightning_decode_sm90`)."""
@@ -565,7 +569,11 @@ def lightning_decode_launcher(
     )
     cfg = _config_for(key)
     fn = compiled_kernel(key, lambda: _compile(cfg, _ARCH))
-    ctas = min(cfg.ctas_needed(q.shape[0], v.shape[2]), _sm_count(q.device.index) * cfg.min_blocks_per_sm)
+    ctas = cfg.ctas_needed(q.shape[0], v.shape[2])
+    if persistent is None:
+        persistent = PERSISTENT_MIN_TOKENS is not None and q.shape[1] >= PERSISTENT_MIN_TOKENS
+    if persistent:
+        ctas = min(ctas, _sm_count(q.device.index) * cfg.min_blocks_per_sm)
 
     def launch(q, k, v, decay, state, indices, out, scale):
         fn(q, k, v, decay, state, indices, out, scale, ctas)
@@ -574,3 +582,10 @@ def lightning_decode_launcher(
 
 
 _ARCH = (9, 0)
+# Calls with fewer tokens than this launch one CTA per unit group (the kernel's grid stride then runs one round)
+# rather than #SMs x CTAs per SM walking the units: the hardware hands each new CTA to whichever SM frees up,
+# where a static grid stride gives every CTA the same share and the slowest SMs set the end. On the H200
+# (2026-12-01, speed report, N=64 / 256, T=1) 139.3-139.7 / 542.9-543.3 us in both layouts against 144.5-146.5 /
+# 567.5-569.6 us persistent (91 / 93.6% of copy against 87-88 / 89.5%). At T=4 the persistent grid is still
+# faster (156-157 against 162-163 us at N=64), so it stays for T >= 2. None: always persistent.
+PERSISTENT_MIN_TOKENS: int | None = 2
