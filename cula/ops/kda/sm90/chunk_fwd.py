@@ -200,14 +200,12 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _segmented_launch(
-    fn_intra, fn_states, bounds, gate, H, HV, K, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state,
-    no_cu, no_ci, lb,
+    fn_intra, fn_states, bounds, gate_args, H, HV, K, V, dt, dev, state_shape, has_h0, output_final_state,
+    dummy_state, no_cu, no_ci, lb,
 ):  # fmt: skip
     """The bound launch of a B=1 call in time segments (see ``OVERLAP_STATE_MIN_TOKENS``): intra kernels on the
     caller's stream, the state/output kernel of each segment on a side stream once its intra has run, the state
     handed from segment to segment through two fp32 buffers."""
-    from cula.ops.kda.sm90 import intra
-
     T = bounds[-1][1]
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     if index not in _side_streams:
@@ -216,7 +214,7 @@ def _segmented_launch(
     last = len(bounds) - 1
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
-        a_log, bias = intra.gate_params(A_log, dt_bias, gate, HV, K, dev)
+        a_log, bias = gate_args(A_log, dt_bias)
         w, u, qg, kg, Aqk, g_cum, o, final_state = _launch_buffers(
             1, T, HV, K, dt, v.dtype, dev, state_shape, output_final_state
         )
@@ -373,6 +371,7 @@ def prepare_chunk_kda_fwd_sm90(
     dummy_state = dh._placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
     no_cu, no_ci = intra._placeholder(dev, torch.int32, (2,)), intra._placeholder(dev, torch.int32, (1, 2))
     lb = float(lower_bound) if gate == "sigmoid" else 0.0
+    gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev)
 
     if (OVERLAP_STATE_MIN_TOKENS is not None and B == 1 and T >= OVERLAP_STATE_MIN_TOKENS
             and 2 * HV <= torch.cuda.get_device_properties(dev).multi_processor_count):  # fmt: skip
@@ -383,12 +382,12 @@ def prepare_chunk_kda_fwd_sm90(
             for ht in (True, bool(output_final_state))
         }
         return _segmented_launch(
-            fn_intra, fn_states, _segment_bounds(T), gate, H, HV, K, V, dt, dev, state_shape, has_h0,
+            fn_intra, fn_states, _segment_bounds(T), gate_args, H, HV, K, V, dt, dev, state_shape, has_h0,
             bool(output_final_state), dummy_state, no_cu, no_ci, lb,
         )  # fmt: skip
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
-        a_log, bias = intra.gate_params(A_log, dt_bias, gate, HV, K, dev)
+        a_log, bias = gate_args(A_log, dt_bias)
         w, u, qg, kg, Aqk, g_cum, o, final_state = _launch_buffers(
             B, T, HV, K, dt, v.dtype, dev, state_shape, output_final_state
         )

@@ -869,6 +869,25 @@ def gate_params(
     return A_log.reshape(HV).to(torch.float32).contiguous(), dt_bias.reshape(HV, K).to(torch.float32).contiguous()
 
 
+def gate_params_binder(
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, gate: str, HV: int, K: int, device: torch.device
+):
+    """``gate_params`` for every later call whose A_log / dt_bias have these shapes, strides and dtypes, as a
+    function ``(A_log, dt_bias) -> (A_log [HV], dt_bias [HV, K])``: absent ones are bound to their placeholders
+    once, contiguous fp32 ones pass through (dt_bias as one view) instead of three conversions each per call."""
+    fp32_dense = lambda t: t.dtype == torch.float32 and t.is_contiguous()  # noqa: E731
+    if A_log is not None and not fp32_dense(A_log) or dt_bias is not None and not fp32_dense(dt_bias):
+        return lambda a, b: gate_params(a, b, gate, HV, K, device)
+    a_fixed, b_fixed = gate_params(A_log, dt_bias, gate, HV, K, device)  # the placeholders where absent
+    if A_log is None and dt_bias is None:
+        return lambda a, b: (a_fixed, b_fixed)
+    if A_log is None:
+        return lambda a, b: (a_fixed, b.view(HV, K))
+    if dt_bias is None:
+        return lambda a, b: (a.view(HV), b_fixed)
+    return lambda a, b: (a.view(HV), b.view(HV, K))
+
+
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
     beta_act: str, *, g_cum_last_only: bool = False,
