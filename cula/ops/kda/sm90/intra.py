@@ -876,7 +876,7 @@ def gate_params_binder(
     function ``(A_log, dt_bias) -> (A_log [HV], dt_bias [HV, K])``: absent ones are bound to their placeholders
     once, contiguous fp32 ones pass through (dt_bias as one view) instead of three conversions each per call."""
     fp32_dense = lambda t: t.dtype == torch.float32 and t.is_contiguous()  # noqa: E731
-    if A_log is not None and not fp32_dense(A_log) or dt_bias is not None and not fp32_dense(dt_bias):
+    if (A_log is not None and not fp32_dense(A_log)) or (dt_bias is not None and not fp32_dense(dt_bias)):
         return lambda a, b: gate_params(a, b, gate, HV, K, device)
     a_fixed, b_fixed = gate_params(A_log, dt_bias, gate, HV, K, device)  # the placeholders where absent
     if A_log is None and dt_bias is None:
