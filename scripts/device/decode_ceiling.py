@@ -10,7 +10,9 @@ score that traffic against ``dst.copy_(src)`` over 1 GiB. This script times, in 
   by an index as in serving (rows of a random permutation of 2N slots), in place, for several tile sizes; and the
   same from a persistent grid (a few programs per SM looping over the tiles).
 If the last one tops out near the decode kernels' 3.5-3.7 TB/s, the gap to 95% of the copy is the access pattern
-(in place, 64 KB pieces at random pool rows), not the kernels' arithmetic. Prints a table, writes
+(in place, 64 KB pieces at random pool rows), not the kernels' arithmetic. The part-major rows order the programs as
+the decode kernels order their CTAs, with and without the index load and with a decode CTA's token loads and
+reduction in front of its stores. Prints a table, writes
 $OUT/decode_ceiling.json.
 """
 
@@ -58,6 +60,25 @@ def _scale_states_part_major(pool, idx, n_heads: tl.constexpr, state: tl.constex
     offs = tl.arange(0, block)
     x = tl.load(base + offs)
     tl.store(base + offs, x * 1.0001)
+
+
+@triton.jit
+def _scale_states_with_tokens(pool, idx, tok, out, n_heads: tl.constexpr, state: tl.constexpr, block: tl.constexpr,
+                              tok_elems: tl.constexpr):
+    """_scale_states_part_major (indexed) plus what a decode CTA does besides its state traffic: load its (sequence,
+    head)'s token vector (``tok_elems`` bf16, the same for every piece of a state, so L2 hits after the first), reduce
+    it, and make the state store and a small output store depend on that reduction."""
+    parts: tl.constexpr = state // block
+    pid = tl.program_id(0) // parts
+    part = tl.program_id(0) % parts
+    row = tl.load(idx + pid // n_heads).to(tl.int64)
+    base = pool + (row * n_heads + pid % n_heads) * state + part * block
+    offs = tl.arange(0, block)
+    x = tl.load(base + offs)
+    t = tl.load(tok + pid * tok_elems + tl.arange(0, tok_elems)).to(tl.float32)
+    s = tl.sum(t * t, axis=0)
+    tl.store(base + offs, x * 1.0001 + s * 1e-20)
+    tl.store(out + tl.program_id(0), s)
 
 
 @triton.jit
@@ -130,6 +151,20 @@ def main() -> None:
                                                                            num_warps=4)
 
                 rows[f"part-major {name} N={n} block={block} warps=4"] = tbps(run_pm, 2 * nbytes)
+        # the same with a decode CTA's other work: a token vector per (sequence, head) from L2 (q + k: 256 bf16 =
+        # 512 B; q + k + g: 1 KB), reduced, the stores waiting for it. Whether that, not the state traffic's
+        # shape, is what holds the decode kernels at 91% (N=64) where this kernel without it reaches 94.5%
+        for tok_elems in (256, 512):
+            tok = torch.randn(n * HV, tok_elems, device="cuda").to(torch.bfloat16)
+            for block in (1024, 4096):
+                out = torch.empty(n * HV * (state // block), device="cuda")
+
+                def run_t(block=block, pool=pool, idx=idx, n=n, tok=tok, out=out, tok_elems=tok_elems):
+                    _scale_states_with_tokens[(n * HV * (state // block),)](pool, idx, tok, out, HV, state, block,
+                                                                            tok_elems, num_warps=4)
+
+                name = f"part-major random + {2 * tok_elems} B tokens N={n} block={block} warps=4"
+                rows[name] = tbps(run_t, 2 * nbytes)
         del pool
     width = max(map(len, rows))
     for k, v in rows.items():
