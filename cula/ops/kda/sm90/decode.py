@@ -101,6 +101,7 @@ class KdaDecodeSm90:
         wide_kv: bool = False,
         tokens_per_round: int = 8,
         kv_tma: bool = False,
+        shared_prep: bool = False,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -126,12 +127,20 @@ class KdaDecodeSm90:
             raise ValueError("kv_tma is for [K, V] pools with K=128, V % 32 == 0, no step states, 4 warps per CTA "
                              "and one token slot")
         self.kv_tma = kv_tma
+        # shared_prep (one token slot): a CTA's warps own adjacent V slices of one (sequence, head), so they need the
+        # same q_hat, k_hat, exp(g) and beta; instead of every warp loading and preparing all K of them, thread i of
+        # the CTA prepares element i (one cross-warp sum for the two norms), into one slot the warps share
+        if shared_prep and (tokens_per_round != 1 or wide_kv or K > 32 * warps_per_cta):
+            raise ValueError("shared_prep needs one token slot, the narrow tile and K <= 32 * warps_per_cta")
+        self.shared_prep = shared_prep
         self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
         self.lanes_k = K // self.k_per_lane
         self.lanes_v = 32 // self.lanes_k
         self.v_per_warp = self.lanes_v * self.V_PER_LANE  # 8 for K=128 (16 with wide_kv), 16 for K=64
         if V % self.v_per_warp != 0:
             raise ValueError(f"V must be a multiple of {self.v_per_warp}, got {V}")
+        if shared_prep and (V // self.v_per_warp) % warps_per_cta != 0:
+            raise ValueError("shared_prep needs the V slices of a head to fill whole CTAs")
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if gate == "softplus" and not has_a_log:
@@ -267,28 +276,54 @@ class KdaDecodeSm90:
                 rb,
             )
             g = g + rb.load()
-        if cutlass.const_expr(self.gate == "softplus"):
-            a = -cute.math.exp(Float32(mALog[hv]), fastmath=True)
-            for i in cutlass.range_constexpr(KP):
-                x = g[i]
-                sp = x
-                if x <= 20.0:
-                    # accurate log1p: for x << 0 softplus ~ exp(x) and 1 + exp(x) would round it away
-                    sp = cute.math.log1p(cute.math.exp(x, fastmath=True))
-                rout[i] = cute.math.exp2(a * sp * _LOG2E, fastmath=True)
-        elif cutlass.const_expr(self.gate == "lower_bound"):
-            a = Float32(1.0)
-            if cutlass.const_expr(self.has_a_log):
-                a = cute.math.exp(Float32(mALog[hv]), fastmath=True)
-            for i in cutlass.range_constexpr(KP):
-                sig = cute.arch.rcp_approx(1.0 + cute.math.exp2(-a * g[i] * _LOG2E, fastmath=True))
-                rout[i] = cute.math.exp2(lower_bound * sig * _LOG2E, fastmath=True)
-        else:
-            for i in cutlass.range_constexpr(KP):
-                rout[i] = cute.math.exp2(g[i] * _LOG2E, fastmath=True)
+        a = self._gate_coef(mALog, hv)
+        for i in cutlass.range_constexpr(KP):
+            rout[i] = self._decay(g[i], a, lower_bound)
         cute.autovec_copy(rout, cute.make_tensor(sSlot.iterator + self.off_eg + k0, cute.make_layout(KP)))
 
-        # the warp's 8 or 16 values of v: the first 2 or 4 lanes load 4 each
+        self._prep_v(mV, sSlot, n, t, hv, vs, lane)
+        if lane == self.lanes_v:
+            sSlot[self.off_beta] = self._beta(mBeta, n, t, hv)
+
+    @cute.jit
+    def _gate_coef(self, mALog, hv):
+        """The per-head factor of the gate: -exp(A_log) (softplus), exp(A_log) or 1 (lower_bound)."""
+        a = Float32(1.0)
+        if cutlass.const_expr(self.gate == "softplus"):
+            a = -cute.math.exp(Float32(mALog[hv]), fastmath=True)
+        elif cutlass.const_expr(self.gate == "lower_bound" and self.has_a_log):
+            a = cute.math.exp(Float32(mALog[hv]), fastmath=True)
+        return a
+
+    @cute.jit
+    def _decay(self, x, a, lower_bound):
+        """exp(gk) of one raw gate value x (dt_bias added), for the configured gate."""
+        r = Float32(0.0)
+        if cutlass.const_expr(self.gate == "softplus"):
+            sp = x
+            if x <= 20.0:
+                # accurate log1p: for x << 0 softplus ~ exp(x) and 1 + exp(x) would round it away
+                sp = cute.math.log1p(cute.math.exp(x, fastmath=True))
+            r = cute.math.exp2(a * sp * _LOG2E, fastmath=True)
+        elif cutlass.const_expr(self.gate == "lower_bound"):
+            sig = cute.arch.rcp_approx(1.0 + cute.math.exp2(-a * x * _LOG2E, fastmath=True))
+            r = cute.math.exp2(lower_bound * sig * _LOG2E, fastmath=True)
+        else:
+            r = cute.math.exp2(x * _LOG2E, fastmath=True)
+        return r
+
+    @cute.jit
+    def _beta(self, mBeta, n, t, hv):
+        b = Float32(mBeta[n, t, hv])
+        if cutlass.const_expr(self.beta_sigmoid):
+            b = cute.arch.rcp_approx(1.0 + cute.math.exp2(-b * _LOG2E, fastmath=True))
+            if cutlass.const_expr(self.allow_neg_eigval):
+                b = b * 2.0
+        return b
+
+    @cute.jit
+    def _prep_v(self, mV, sSlot, n, t, hv, vs, lane):
+        """The warp's 8 or 16 values of v into its slot: the first 2 or 4 lanes load 4 each."""
         if lane < self.lanes_v:
             v_off = cute.assume(vs * self.v_per_warp + lane * self.V_PER_LANE, divby=self.V_PER_LANE)
             rv = cute.make_rmem_tensor(self.V_PER_LANE, self.io_dtype)
@@ -301,13 +336,48 @@ class KdaDecodeSm90:
             cute.autovec_copy(
                 rvf, cute.make_tensor(sSlot.iterator + s_off, cute.make_layout(self.V_PER_LANE))
             )
-        if lane == self.lanes_v:
-            b = Float32(mBeta[n, t, hv])
-            if cutlass.const_expr(self.beta_sigmoid):
-                b = cute.arch.rcp_approx(1.0 + cute.math.exp2(-b * _LOG2E, fastmath=True))
-                if cutlass.const_expr(self.allow_neg_eigval):
-                    b = b * 2.0
-            sSlot[self.off_beta] = b
+
+    @cute.jit
+    def _prep_token_shared(
+        self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, sTok, sRed, sSlot, n, t, h, hv, vs, lane, warp, scale,
+        lower_bound,
+    ):  # fmt: skip
+        """shared_prep: q_hat, k_hat, exp(g) and beta of token t into the CTA's shared slot ``sTok``, thread
+        32 warp + lane preparing element K index 32 warp + lane; the warp's v into its own slot ``sSlot``. Every
+        thread of the CTA must call it (two CTA barriers); ``sTok`` is ready when it returns."""
+        e = warp * 32 + lane
+        active = e < self.K
+        ke = cutlass.min(e, self.K - 1)  # inactive threads read a valid element and contribute 0
+        q = Float32(mQ[n, t, h, ke])
+        k = Float32(mK[n, t, h, ke])
+        x = Float32(mG[n, t, hv, ke])
+        if cutlass.const_expr(self.has_dt_bias):
+            x = x + Float32(mDtBias[hv * self.K + ke])
+        self._prep_v(mV, sSlot, n, t, hv, vs, lane)
+        q_mul = scale
+        k_mul = Float32(1.0)
+        sq = self._warp_sum(Float32(cutlass.select_(active, q * q, Float32(0.0))))
+        sk = self._warp_sum(Float32(cutlass.select_(active, k * k, Float32(0.0))))
+        if lane == 0:
+            sRed[0, warp] = sq
+            sRed[1, warp] = sk
+        # also keeps this token's writes to sTok behind every warp's reads of the previous token's
+        cute.arch.barrier()
+        if cutlass.const_expr(self.use_qk_l2norm):
+            sq = Float32(0.0)
+            sk = Float32(0.0)
+            for w in cutlass.range_constexpr(self.warps_per_cta):
+                sq = sq + sRed[0, w]
+                sk = sk + sRed[1, w]
+            q_mul = scale * cute.math.rsqrt(sq + 1e-6)
+            k_mul = cute.math.rsqrt(sk + 1e-6)
+        if active:
+            sTok[e] = q * q_mul
+            sTok[self.off_k + e] = k * k_mul
+            sTok[self.off_eg + e] = self._decay(x, self._gate_coef(mALog, hv), lower_bound)
+        if e == 0:
+            sTok[self.off_beta] = self._beta(mBeta, n, t, hv)
+        cute.arch.barrier()  # the slot is whole before any warp reads it
 
     @cute.kernel
     def kernel(
@@ -343,6 +413,7 @@ class KdaDecodeSm90:
         sBuf = smem.allocate_tensor(
             Float32, cute.make_layout((self.slot_floats, TR, self.warps_per_cta)), byte_alignment=16
         )
+        shared = self._shared_slot(smem, warp)
 
         units = N * HV * self.v_slices
         lk = lane % self.lanes_k
@@ -362,7 +433,7 @@ class KdaDecodeSm90:
                 gS = self._state_view(mState[slot, hv, None, None], lk, v0)
                 cute.autovec_copy(gS, tS)
                 self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW,
-                               n, h, hv, vs, v0, lane, T, scale, lower_bound)  # fmt: skip
+                               n, h, hv, vs, v0, lane, T, scale, lower_bound, shared=shared)  # fmt: skip
             else:
                 self._zero_rows(mOut, n, hv, v0, lk, T)
 
@@ -418,6 +489,7 @@ class KdaDecodeSm90:
                                     byte_alignment=16)  # fmt: skip
         bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8).iterator
         tile_l = self._tile_layout()
+        shared = self._shared_slot(smem, warp)
         sTile = cute.make_tensor(cute.recast_ptr(sRaw.iterator, tile_l.inner, dtype=Float32), tile_l.outer)
 
         lk = lane % self.lanes_k
@@ -442,7 +514,7 @@ class KdaDecodeSm90:
             gS = cute.make_tensor(sRaw.iterator + off, cute.make_layout((self.k_per_lane, R), stride=(16 * TV, 1)))
             tS = cute.make_rmem_tensor(cute.make_layout((self.k_per_lane, R), stride=(R, 1)), Float32)
             self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, None, sBuf[None, None, warp],
-                           n, h, hv, vs, v0, lane, T, scale, lower_bound, bar)  # fmt: skip
+                           n, h, hv, vs, v0, lane, T, scale, lower_bound, bar, shared)  # fmt: skip
             # the fragments are back in shared memory (generic proxy): visible to the TMA store after the fence
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
@@ -453,6 +525,14 @@ class KdaDecodeSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
         else:
             self._zero_rows(mOut, n, hv, v0, lk, T)
+
+    def _shared_slot(self, smem, warp):
+        """shared_prep's (CTA token slot, cross-warp partial sums, warp index) for ``_run_unit``, else None."""
+        if not self.shared_prep:
+            return None
+        sTok = smem.allocate_tensor(Float32, cute.make_layout(self.slot_floats), byte_alignment=16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.warps_per_cta)), byte_alignment=16)
+        return sTok, sRed, warp
 
     @cute.jit
     def _unit_coords(self, unit, HV, H, lv):
@@ -476,7 +556,7 @@ class KdaDecodeSm90:
     @cute.jit
     def _run_unit(
         self, tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW, n, h, hv, vs, v0, lane, T, scale,
-        lower_bound, bar=None,
+        lower_bound, bar=None, shared=None,
     ):  # fmt: skip
         """The T tokens of one unit on its state tile ``tS`` (in registers), then the tile back to ``gS``. With
         kv_tma, ``gS`` is the lane's fragment in shared memory, loaded into ``tS`` once ``bar`` says it landed."""
@@ -503,11 +583,18 @@ class KdaDecodeSm90:
 
         for t0 in range(0, T, TR):
             nt = cutlass.min(T - t0, TR)
-            for tt in range(nt):
-                self._prep_token(
-                    mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
-                    lower_bound,
+            if const_expr(self.shared_prep):
+                sTok, sRed, warp = shared
+                self._prep_token_shared(
+                    mQ, mK, mV, mG, mBeta, mALog, mDtBias, sTok, sRed, sW[None, 0], n, t0, h, hv, vs, lane, warp,
+                    scale, lower_bound,
                 )  # fmt: skip
+            else:
+                for tt in range(nt):
+                    self._prep_token(
+                        mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
+                        lower_bound,
+                    )  # fmt: skip
             cute.arch.sync_warp()
             if const_expr(self.kv_tma):
                 if t0 == 0:
@@ -516,11 +603,14 @@ class KdaDecodeSm90:
 
             for tt in range(nt):
                 t = t0 + tt
-                sSlot = sW[None, tt]
+                sVslot = sW[None, tt]
+                sSlot = sVslot  # q_hat, k_hat, exp(g), beta: the warp's own slot, or the CTA's with shared_prep
+                if const_expr(self.shared_prep):
+                    sSlot = shared[0]
                 cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_eg + kq, lane_k), reg)
                 cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_k + kq, lane_k), rk)
                 v_off = cute.assume(self.off_v + lv * R, divby=R)
-                cute.autovec_copy(cute.make_tensor(sSlot.iterator + v_off, cute.make_layout(R)), rv)
+                cute.autovec_copy(cute.make_tensor(sVslot.iterator + v_off, cute.make_layout(R)), rv)
                 beta = sSlot[self.off_beta]
 
                 # S <- diag(exp(g)) S ;  p = S^T k  (lane part)
@@ -622,6 +712,7 @@ def _variant_key(flags: dict) -> tuple:
     flags["allow_neg_eigval"] = flags["allow_neg_eigval"] and flags["beta_sigmoid"]
     flags["wide_kv"] = bool(flags["wide_kv"])
     flags["kv_tma"] = bool(flags.get("kv_tma", False))
+    flags["shared_prep"] = bool(flags.get("shared_prep", False))
     return ("kda_decode_sm90", *sorted(flags.items()))
 
 
@@ -653,6 +744,7 @@ def kda_decode_variant(
     tokens_per_round: int = 8,
     min_blocks_per_sm: int | None = None,
     kv_tma: bool = False,
+    shared_prep: bool = False,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
@@ -669,7 +761,7 @@ def kda_decode_variant(
          "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval, "state_v_first": state_v_first,
          "has_step_states": has_step_states, "wide_kv": wide_kv, "warps_per_cta": warps_per_cta,
          "tokens_per_round": tokens_per_round, "min_blocks_per_sm": min_blocks_per_sm, "kv_tma": kv_tma,
-         "arch": arch}
+         "shared_prep": shared_prep, "arch": arch}
     )  # fmt: skip
     return compiled_kernel(key, lambda: _build(key))
 
@@ -754,6 +846,10 @@ def kda_decode_launcher(
         wide_kv = WIDE_KV_DEFAULT and kv_pool_128
     if tokens == 1 and SINGLE_TOKEN_MIN_BLOCKS and not wide_kv and "min_blocks_per_sm" not in flags:
         flags.update(tokens_per_round=1, min_blocks_per_sm=SINGLE_TOKEN_MIN_BLOCKS)
+    v_slices = flags["V"] // (8 if flags["K"] == 128 else 16)  # the narrow tile's V slices of a head
+    if (SHARED_TOKEN_PREP and tokens == 1 and not wide_kv and "shared_prep" not in flags
+            and flags.get("tokens_per_round") == 1 and v_slices % flags.get("warps_per_cta", 4) == 0):  # fmt: skip
+        flags["shared_prep"] = True
     fn = kda_decode_variant(
         gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, wide_kv=bool(wide_kv),
         arch=_ARCH, **flags,
@@ -784,3 +880,7 @@ SINGLE_TOKEN_MIN_BLOCKS: int | None = 5
 # 179 / 685 us for the wide tile; 5 CTAs per SM 143 / 550 us. test_kv_tma_matches passed.
 KV_TMA_DEFAULT = True
 KV_TMA_MIN_BLOCKS = 4
+# T=1 calls with one token slot (both defaults above) take KdaDecodeSm90(shared_prep=True): the CTA's four warps
+# prepare the token once, one K element a thread, instead of each warp all K of it (written in session 12, not yet
+# measured: off)
+SHARED_TOKEN_PREP = False
