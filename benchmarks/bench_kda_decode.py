@@ -33,7 +33,8 @@ write to an untouched row is also a ``FAIL``.
 ``bw_fraction`` (and ``fla_bw_fraction``) = state bytes read and written per call (``2 * 4 * N * HV * K * V``)
 / time / measured copy bandwidth. ``floor_ms`` adds the activations (q, k, v, g, beta in, o out, bf16).
 Host overhead for N = 1 (both H): ``*_host_us`` = wall time per call of 100 back-to-back calls with one
-sync at the end (``common.measure_host_overhead``'s ``back_to_back_us``; all three figures are in meta).
+sync at the end (``common.measure_host_overhead``'s ``back_to_back_us``; all three figures are in meta, with
+``cula_step``: the same for ``cula.kda.kda_decode_step``, the serving form whose fixed arguments are bound once).
 
 Time budget: ``--max-seconds S`` stops starting new configs S seconds after the script started and still
 writes what it has (``meta["partial"]``, ``meta["skipped_configs"]``).
@@ -214,6 +215,19 @@ def resolve_cula() -> tuple[Callable, str]:
     return public, "cula.kda.kda_decode(check_indices=False)"
 
 
+def resolve_cula_step() -> Callable[[dict, dict], Callable[[], torch.Tensor]]:
+    """``make(s, shared)``: a zero-argument call of ``cula.kda.kda_decode_step`` bound to the set's pool and indices
+    (the serving form with the fixed arguments bound once; host overhead only, the kernel is kda_decode's)."""
+    from cula.kda import kda_decode_step
+
+    def make(s: dict, shared: dict) -> Callable[[], torch.Tensor]:
+        step = kda_decode_step(s["pool"], s["indices"], A_log=shared["A_log"], dt_bias=shared["dt_bias"], scale=None,
+                               check_indices=False, **dict(CALL_FLAGS, state_v_first=shared["state_v_first"]))
+        return lambda: step(s["q"], s["k"], s["v"], s["g"], s["beta"])
+
+    return make
+
+
 def cula_call(fn: Callable, s: dict, shared: dict,
               pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
     """Zero-argument cula call returning ``o`` ``[N, T, HV, V]``."""
@@ -237,8 +251,9 @@ def check(s: dict, fla_o: torch.Tensor, fla_pool: torch.Tensor, cula_o: torch.Te
 
 
 def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
-               ceilings: dict[str, float]) -> dict[str, Any]:
-    """Check then time both implementations on one config; returns the result row (errors recorded in it)."""
+               ceilings: dict[str, float], step_maker: Callable | None = None) -> dict[str, Any]:
+    """Check then time both implementations on one config; returns the result row (errors recorded in it).
+    ``step_maker`` (``resolve_cula_step``'s): also the host overhead of the bound-step form at N = 1."""
     errors: dict[str, str] = {}
     record = bc.error_recorder(errors, cfg.name)
     sbytes = state_bytes(cfg)
@@ -308,6 +323,12 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
                 row[f"{label}_host_us"] = round(h["back_to_back_us"], 2)
             except Exception as exc:  # noqa: BLE001
                 record(f"{label} host overhead", exc)
+        if step_maker is not None and status != "FAIL":
+            try:
+                h = bc.measure_host_overhead(step_maker(s0, shared))
+                host["cula_step"] = {k: round(v, 2) for k, v in h.items()}
+            except Exception as exc:  # noqa: BLE001
+                record("cula step host overhead", exc)
         row["host_overhead_us"] = host
     if errors:
         row["errors"] = errors
@@ -334,11 +355,12 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     cula_fn, cula_entry = resolve_cula()
+    step_maker = resolve_cula_step()
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME, f"cula entry {cula_entry}")
 
     with torch.inference_mode():
-        run = run_suite(cfgs, lambda cfg: run_config(cfg, fused_recurrent_kda_fwd, cula_fn, args, ceilings),
+        run = run_suite(cfgs, lambda cfg: run_config(cfg, fused_recurrent_kda_fwd, cula_fn, args, ceilings, step_maker),
                         args.max_seconds, t_start, progress=bc.PROGRESS_KEYS + ("bw_fraction",))
     rows = run.rows
 
@@ -359,6 +381,8 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL,
                       rotate="rotate input sets (own pool each) to > 2x L2"),
         "host_overhead_us": host,
+        "host_overhead_cula_step": ("cula.kda.kda_decode_step(pool, indices, A_log=, dt_bias=, flags, "
+                                    "check_indices=False) bound once, then step(q, k, v, g, beta) per call"),
         **bc.budget_meta(run, args.max_seconds, t_start),
     }
     paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)

@@ -187,6 +187,23 @@ def _stray_cula_decode(q, k, v, g, beta, pool, indices, A_log, dt_bias, state_v_
     return v.clone()
 
 
+def test_decode_step_form_matches_the_public_call(monkeypatch):
+    """The benchmark's kda_decode_step call and its kda_decode call give the same o and pool (reference backend)."""
+    monkeypatch.setattr(kd, "HV", 4)
+    monkeypatch.setattr(kd, "K", 8)
+    monkeypatch.setattr(kd, "V", 8)
+    cfg = kd.Config(2, 1, 2)
+    s, shared = kd.make_set(cfg, 0, "cpu"), kd.make_shared(cfg, "cpu")
+    pool0 = s["pool"].clone()
+    with torch.inference_mode():
+        o_step = kd.resolve_cula_step()(s, shared)()
+        pool_step = s["pool"].clone()
+        s["pool"].copy_(pool0)
+        o_public = kd.cula_call(kd.resolve_cula()[0], s, shared)()
+    torch.testing.assert_close(o_step, o_public, rtol=0, atol=0)
+    torch.testing.assert_close(pool_step, s["pool"], rtol=0, atol=0)
+
+
 def test_decode_run_config_with_fakes(cpu_bench, monkeypatch):
     monkeypatch.setattr(kd, "HV", 4)
     monkeypatch.setattr(kd, "K", 8)
@@ -198,6 +215,13 @@ def test_decode_run_config_with_fakes(cpu_bench, monkeypatch):
     assert row["check"] == "ok" and row["max_rel_err"] == 0.0, row
     assert row["fla_ms"] > 0 and row["cula_ms"] > 0 and row["bw_fraction"] > 0
     assert row["fla_host_us"] == 2.0 and row["cula_host_us"] == 2.0
+    assert set(row["host_overhead_us"]) == {"fla", "cula"}
+    # with the bound-step form (kda_decode_step) its host overhead joins the meta figures, not the table
+    made = []
+    step_row = kd.run_config(kd.Config(1, 1, 2), _fake_fla_decode, _fake_cula_decode, args, cpu_bench,
+                             step_maker=lambda s, shared: (made.append(s), lambda: None)[1])  # fmt: skip
+    assert len(made) == 1 and set(step_row["host_overhead_us"]) == {"fla", "cula", "cula_step"}
+    assert step_row["cula_host_us"] == 2.0 and "cula_step_host_us" not in step_row
 
     mtp = kd.run_config(kd.Config(4, 2, 2), _fake_fla_decode, _fake_cula_decode, args, cpu_bench)
     assert mtp["check"] == "ok" and "fla_host_us" not in mtp

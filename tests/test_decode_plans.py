@@ -197,6 +197,57 @@ def test_kda_decode_fast_launch_passes_what_the_kernel_takes(counted_plans, fake
     assert fake_sm90[0][1][0].is_contiguous() and fake_sm90[0][1][0] is not q_odd
 
 
+def test_kda_decode_step_matches_kda_decode(counted_plans):
+    """``kda_decode_step``: the pool, indices, gate parameters and flags bound once; each step equals the
+    ``kda_decode`` call with the same arguments (reference backend here), the slot indices may change in place
+    between steps, and a new token signature is validated (refused before anything runs) like kda_decode's."""
+    q, k, v, g, beta, pool, idx = _kda_inputs()
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV * D)
+    ref_pool = pool.clone()
+    step = kd.kda_decode_step(pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, scale=0.3)
+    for i in range(3):
+        if i == 2:
+            idx[0] = 3  # the engine moves a sequence to another slot in place
+        o = step(q, k, v, g, beta)
+        before = counted_plans["kda"]
+        ref = kd.kda_decode(q, k, v, g, beta, ref_pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, scale=0.3)
+        torch.testing.assert_close(o, ref, rtol=0, atol=0)
+        torch.testing.assert_close(pool, ref_pool, rtol=0, atol=0)
+        counted_plans["kda"] = before  # count the step's validations only
+    assert counted_plans["kda"] == 1  # one token signature: validated on the first step only
+    out = torch.full_like(v, float("nan"))
+    assert step(q, k, v, g, beta, out=out) is out and not out.isnan().any()
+    with pytest.raises(ValueError, match="`g` must have shape"):
+        step(q, k, v, g[:, :, :2], beta)
+    with pytest.raises(ValueError, match="out of range"):  # the index check runs on every step
+        idx[0] = P
+        step(q, k, v, g, beta)
+    idx[0] = 4
+    with pytest.raises(ValueError, match="A_log"):  # a bound argument is validated with the first step
+        kd.kda_decode_step(pool, idx, lower_bound=None)(q, k, v, g, beta)
+
+
+def test_kda_decode_step_fast_launch(counted_plans, fake_sm90):
+    """On cula-sm90 a step calls the compiled kernel with what kda_decode passes it."""
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
+    pool = pool.transpose(-1, -2).contiguous()  # [P, HV, V, K]
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV * D)
+    step = kd.kda_decode_step(pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, scale=0.25,
+                              check_indices=False)  # fmt: skip
+    for _ in range(2):
+        step(q, k, v, g, beta)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, scale=0.25)
+    launches = [c[1] for c in fake_sm90 if c[0] == "launch"]
+    assert [c[0] for c in fake_sm90].count("variant") == 2 and len(launches) == 3
+    for i, (a, b) in enumerate(zip(launches[0], launches[2], strict=True)):
+        if i == 9:  # out: a fresh tensor each call
+            assert a.shape == b.shape and a is not b
+        elif isinstance(a, torch.Tensor):
+            assert a is b
+        else:
+            assert a == b
+
+
 def test_single_token_min_blocks_picks_the_one_slot_variant(counted_plans, fake_sm90, monkeypatch):
     """SINGLE_TOKEN_MIN_BLOCKS applies to T=1 calls only (a one-slot variant would run T>1 in rounds of one)."""
     import cula.ops.kda.sm90.decode as kops

@@ -88,6 +88,54 @@ def kda_decode(
     return out
 
 
+def kda_decode_step(
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    use_gate_in_kernel: bool = True,
+    use_beta_sigmoid_in_kernel: bool = True,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = True,
+    check_indices: bool = True,
+):
+    r""":func:`kda_decode` with the serving loop's fixed arguments bound once: returns
+    ``step(q, k, v, g, beta, out=None, step_states=None) -> o``, the same call as ``kda_decode(q, k, v, g, beta,
+    state_pool, state_indices, ...)`` with the bound tensors and flags.
+
+    Per step only the five token tensors (and ``out`` / ``step_states``) are read for the call signature, against
+    eleven for ``kda_decode``: the bound ``state_pool``, ``state_indices``, ``A_log`` and ``dt_bias`` are validated
+    with the first step of each new token signature and must keep their shapes, strides, dtype and device from
+    then on (their values may change between steps: the kernel reads them each time, so an engine updates the
+    slot indices in place). Validation, errors and results are those of :func:`kda_decode`.
+    """
+    plans = PlanCache(maxsize=64)
+    flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+
+    def step(q, k, v, g, beta, out=None, step_states=None):
+        key = (
+            tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta), tensor_sig(out),
+            tensor_sig(step_states), forced_backend(),
+        )  # fmt: skip
+        launch = plans.lookup(key, lambda: _plan(
+            q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, *flags, lower_bound, state_v_first,
+            out, step_states,
+        ))  # fmt: skip
+        if check_indices:
+            check_pool_indices(state_indices, state_pool.shape[0])
+        if out is None:
+            out = torch.empty_like(v)
+        launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, check_scale(scale, q.shape[-1]),
+               lower_bound, out, step_states)  # fmt: skip
+        return out
+
+    return step
+
+
 def _plan(
     q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
     use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out, step_states,
