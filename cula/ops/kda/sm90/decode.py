@@ -356,12 +356,13 @@ class KdaDecodeSm90:
         self._prep_v(mV, sSlot, n, t, hv, vs, lane)
         q_mul = scale
         k_mul = Float32(1.0)
-        sq = self._warp_sum(Float32(cutlass.select_(active, q * q, Float32(0.0))))
-        sk = self._warp_sum(Float32(cutlass.select_(active, k * k, Float32(0.0))))
-        if lane == 0:
-            sRed[0, warp] = sq
-            sRed[1, warp] = sk
-        # also keeps this token's writes to sTok behind every warp's reads of the previous token's
+        if cutlass.const_expr(self.use_qk_l2norm):
+            sq = self._warp_sum(Float32(cutlass.select_(active, q * q, Float32(0.0))))
+            sk = self._warp_sum(Float32(cutlass.select_(active, k * k, Float32(0.0))))
+            if lane == 0:
+                sRed[0, warp] = sq
+                sRed[1, warp] = sk
+        # the partial sums are in; also keeps this token's writes to sTok behind every warp's reads of the last one's
         cute.arch.barrier()
         if cutlass.const_expr(self.use_qk_l2norm):
             sq = Float32(0.0)
