@@ -248,6 +248,41 @@ def test_kda_decode_step_fast_launch(counted_plans, fake_sm90):
             assert a == b
 
 
+def test_lightning_decode_step_matches_lightning_decode(counted_plans, fake_sm90):
+    """``lightning_decode_step``: each step equals the ``lightning_decode`` call (reference backend), validated once
+    per token signature, the index check on every step; on cula-sm90 it launches the kernel with what
+    lightning_decode passes it."""
+    q, k, v, decay, pool, idx = _lightning_inputs()
+    ref_pool = pool.clone()
+    step = ld.lightning_decode_step(decay, pool, idx, scale=0.5)
+    for _ in range(2):
+        o = step(q, k, v)
+        before = counted_plans["lightning"]
+        ref = ld.lightning_decode(q, k, v, decay, ref_pool, idx, scale=0.5)
+        counted_plans["lightning"] = before  # count the step's validations only
+        torch.testing.assert_close(o, ref, rtol=0, atol=0)
+        torch.testing.assert_close(pool, ref_pool, rtol=0, atol=0)
+    assert counted_plans["lightning"] == 1
+    with pytest.raises(ValueError, match="out of range"):
+        idx[0] = P
+        step(q, k, v)
+    idx[0] = 2
+    # bf16 on the pretended SM90: the bound launch, with lightning_decode's arguments
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    step_b = ld.lightning_decode_step(decay, pool, idx, check_indices=False)
+    step_b(qb, kb, vb)
+    ld.lightning_decode(qb, kb, vb, decay, pool, idx, check_indices=False)
+    launches = [c[1] for c in fake_sm90 if c[0] == "launch"]
+    assert len(launches) == 2
+    for i, (a, b) in enumerate(zip(*launches, strict=True)):
+        if i == 6:  # out: a fresh tensor each call
+            assert a.shape == b.shape and a is not b
+        elif isinstance(a, torch.Tensor):
+            assert a is b
+        else:
+            assert a == b
+
+
 def test_single_token_min_blocks_picks_the_one_slot_variant(counted_plans, fake_sm90, monkeypatch):
     """SINGLE_TOKEN_MIN_BLOCKS applies to T=1 calls only (a one-slot variant would run T>1 in rounds of one)."""
     import cula.ops.kda.sm90.decode as kops

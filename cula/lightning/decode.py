@@ -70,6 +70,36 @@ def lightning_decode(
     return out
 
 
+def lightning_decode_step(
+    decay: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    state_v_first: bool = True,
+    check_indices: bool = True,
+):
+    r""":func:`lightning_decode` with the serving loop's fixed arguments bound once: returns
+    ``step(q, k, v, out=None) -> o``, the same call as ``lightning_decode(q, k, v, decay, state_pool, state_indices,
+    ...)``. Only q, k, v (and ``out``) enter the per-step call signature; the bound ``decay``, ``state_pool`` and
+    ``state_indices`` are validated with the first step of each token signature and must keep their shapes,
+    strides, dtype and device afterwards (their values may change between steps). Errors and results are those of
+    :func:`lightning_decode`."""
+    plans = PlanCache(maxsize=64)
+
+    def step(q, k, v, out=None):
+        key = (tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(out), forced_backend())
+        launch = plans.lookup(key, lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out))
+        if check_indices:
+            check_pool_indices(state_indices, state_pool.shape[0])
+        if out is None:
+            out = torch.empty_like(v)
+        launch(q, k, v, decay, state_pool, state_indices, check_scale(scale, q.shape[-1]), out)
+        return out
+
+    return step
+
+
 def _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
     """Validate a call with a new signature in full and choose its launch (raises on bad input)."""
     N, T, _H, K, HV, V = check_qkv(q, k, v)
