@@ -197,6 +197,18 @@ def test_kda_decode_fast_launch_passes_what_the_kernel_takes(counted_plans, fake
     assert fake_sm90[0][1][0].is_contiguous() and fake_sm90[0][1][0] is not q_odd
 
 
+def _assert_same_launch(a_args, b_args, out_at):
+    """Two kernel launches got the same arguments: the same tensors, equal scalars, and at ``out_at`` a fresh output
+    of the same shape each."""
+    for i, (a, b) in enumerate(zip(a_args, b_args, strict=True)):
+        if i == out_at:
+            assert a.shape == b.shape and a is not b
+        elif isinstance(a, torch.Tensor):
+            assert a is b
+        else:
+            assert a == b
+
+
 def test_kda_decode_step_matches_kda_decode(counted_plans):
     """``kda_decode_step``: the pool, indices, gate parameters and flags bound once; each step equals the
     ``kda_decode`` call with the same arguments (reference backend here), the slot indices may change in place
@@ -239,13 +251,7 @@ def test_kda_decode_step_fast_launch(counted_plans, fake_sm90):
     kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, scale=0.25)
     launches = [c[1] for c in fake_sm90 if c[0] == "launch"]
     assert [c[0] for c in fake_sm90].count("variant") == 2 and len(launches) == 3
-    for i, (a, b) in enumerate(zip(launches[0], launches[2], strict=True)):
-        if i == 9:  # out: a fresh tensor each call
-            assert a.shape == b.shape and a is not b
-        elif isinstance(a, torch.Tensor):
-            assert a is b
-        else:
-            assert a == b
+    _assert_same_launch(launches[0], launches[2], out_at=9)
 
 
 def test_lightning_decode_step_matches_lightning_decode(counted_plans, fake_sm90):
@@ -274,13 +280,7 @@ def test_lightning_decode_step_matches_lightning_decode(counted_plans, fake_sm90
     ld.lightning_decode(qb, kb, vb, decay, pool, idx, check_indices=False)
     launches = [c[1] for c in fake_sm90 if c[0] == "launch"]
     assert len(launches) == 2
-    for i, (a, b) in enumerate(zip(*launches, strict=True)):
-        if i == 6:  # out: a fresh tensor each call
-            assert a.shape == b.shape and a is not b
-        elif isinstance(a, torch.Tensor):
-            assert a is b
-        else:
-            assert a == b
+    _assert_same_launch(*launches, out_at=6)
 
 
 def test_single_token_min_blocks_picks_the_one_slot_variant(counted_plans, fake_sm90, monkeypatch):

@@ -27,16 +27,14 @@ METRICS = ",".join([
 
 
 def target() -> None:
+    from profile_kda import decode_inputs
+
     from cula.kda import kda_decode
     from cula.lightning import lightning_decode
 
-    torch.manual_seed(0)
-    q, k, v, g = (torch.randn(N, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    beta = torch.randn(N, 1, H, device="cuda")
-    pool = torch.randn(P, H, D, D, device="cuda") * 0.01
-    idx = torch.randperm(P, device="cuda")[:N].to(torch.int32)
-    A_log = torch.randn(H, device="cuda")
-    decay = torch.rand(H, device="cuda")
+    x = decode_inputs(N, P)
+    q, k, v, g, beta, pool, idx = (x[n] for n in ("q", "k", "v", "g", "beta", "pool", "idx"))
+    A_log, decay = x["A_log"], x["decay"]
     flat = torch.randn(N * H * D * D, device="cuda")  # the same bytes as the touched states, contiguous
     for _ in range(2):  # the table lists both launches of each kernel: the second ones are warm
         flat.mul_(1.0001)

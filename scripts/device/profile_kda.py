@@ -125,23 +125,30 @@ def ncu_target() -> None:
     torch.cuda.synchronize()
 
 
+def decode_inputs(N: int = 64, P: int = 128) -> dict:
+    """One T=1 decode step's inputs at HV=64, K=V=128: q, k, v, g, beta, a fp32 pool of P states, N random pool
+    rows, A_log and Lightning's decay (also used by decode_dram.py)."""
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(N, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    return dict(
+        q=q, k=k, v=v, g=g, beta=torch.randn(N, 1, H, device="cuda"),
+        pool=torch.randn(P, H, D, D, device="cuda") * 0.01,
+        idx=torch.randperm(P, device="cuda")[:N].to(torch.int32),
+        A_log=torch.randn(H, device="cuda"), decay=torch.rand(H, device="cuda"),
+    )  # fmt: skip
+
+
 def ncu_decode_target() -> None:
     """Two kda_decode and two lightning_decode steps at N=64, HV=64, K=V=128 over a V-first fp32 pool."""
     from cula.kda import kda_decode
     from cula.lightning import lightning_decode
 
-    N, P = 64, 128
-    torch.manual_seed(0)
-    q, k, v, g = (torch.randn(N, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    beta = torch.randn(N, 1, H, device="cuda")
-    pool = torch.randn(P, H, D, D, device="cuda") * 0.01
-    idx = torch.randperm(P, device="cuda")[:N].to(torch.int32)
-    A_log = torch.randn(H, device="cuda")
+    x = decode_inputs()
+    q, k, v, pool, idx = x["q"], x["k"], x["v"], x["pool"], x["idx"]
     for _ in range(2):
-        kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, lower_bound=-5.0, check_indices=False)
-    decay = torch.rand(H, device="cuda")
+        kda_decode(q, k, v, x["g"], x["beta"], pool, idx, A_log=x["A_log"], lower_bound=-5.0, check_indices=False)
     for _ in range(2):
-        lightning_decode(q, k, v, decay, pool, idx, check_indices=False)
+        lightning_decode(q, k, v, x["decay"], pool, idx, check_indices=False)
     torch.cuda.synchronize()
 
 

@@ -642,6 +642,41 @@ def _padded_pool_case(N, T, H, HV, K):
     return tensors, pool0, indices
 
 
+def _t1_runs(monkeypatch, settings, N, HV, V, state_v_first):
+    """``_padded_pool_case`` at T=1 (H=4, K=128, the pool and v cut to V columns) run through ``kda_decode_sm90``
+    once under each dict of ``cula.ops.kda.sm90.decode`` switches in ``settings``, outputs NaN-poisoned first;
+    returns (pool0, indices, [(out, pool) per setting])."""
+    import cula.ops.kda.sm90.decode as D
+
+    H, K = 4, 128
+    (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, 1, H, HV, K)
+    v = v[..., :V].contiguous()
+    pool0 = (pool0[:, :, :V] if state_v_first else pool0[..., :V]).contiguous()
+    results = []
+    for switches in settings:
+        for name, value in switches.items():
+            monkeypatch.setattr(D, name, value)
+        pool = pool0.clone()
+        out = torch.full((N, 1, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16)
+        D.kda_decode_sm90(
+            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound", lower_bound=-5.0,
+            use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        results.append((out, pool))
+    return pool0, indices, results
+
+
+def _assert_t1_runs_match(pool0, indices, results):
+    """The second of two ``_t1_runs`` against the first: outputs and pool to fp32 summation order, every output
+    written, padded slots zeroed, pool rows not in the batch untouched bit for bit."""
+    (o0, p0), (o1, p1) = results
+    assert not torch.isnan(o1).any()
+    live, padded = _assert_pool_rows_and_padding(pool0, p1, o1, indices)
+    assert_close("out", o0[~padded], o1[~padded], 2e-3)
+    assert_close("pool", p0[live], p1[live], 1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "N,T,K,steps", [(1, 1, 128, False), (64, 1, 128, False), (300, 1, 128, False), (64, 4, 128, True),
@@ -683,30 +718,9 @@ def test_kv_tma_matches(monkeypatch, N, HV, V):
     """KV_TMA_DEFAULT ([K, V] pool boxes by TMA) at T=1 against the narrow tile (which the tests above hold to the
     float64 recurrence): outputs and pool to fp32 summation order, NaN-poisoned outputs all written, padded slots
     zeroed, pool rows not in the batch untouched bit for bit."""
-    import cula.ops.kda.sm90.decode as D
-
     _requires_sm90()
-    H, K = 4, 128
-    (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, 1, H, HV, K)
-    v = v[..., :V].contiguous()
-    pool0 = pool0[..., :V].contiguous()
-    results = []
-    for tma in (False, True):
-        monkeypatch.setattr(D, "KV_TMA_DEFAULT", tma)
-        monkeypatch.setattr(D, "WIDE_KV_DEFAULT", False)
-        pool = pool0.clone()
-        out = torch.full((N, 1, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16)
-        D.kda_decode_sm90(
-            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound", lower_bound=-5.0,
-            use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=False,
-        )  # fmt: skip
-        torch.cuda.synchronize()
-        results.append((out, pool))
-    (o0, p0), (o1, p1) = results
-    assert not torch.isnan(o1).any()
-    live, padded = _assert_pool_rows_and_padding(pool0, p1, o1, indices)
-    assert_close("out", o0[~padded], o1[~padded], 2e-3)
-    assert_close("pool", p0[live], p1[live], 1e-5)
+    settings = [{"KV_TMA_DEFAULT": tma, "WIDE_KV_DEFAULT": False} for tma in (False, True)]
+    _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first=False))
 
 
 @pytest.mark.gpu
@@ -716,29 +730,9 @@ def test_shared_prep_matches(monkeypatch, N, HV, V, state_v_first):
     """SHARED_TOKEN_PREP at T=1 against each warp preparing its own copy of the token: outputs and pool to fp32
     rounding (the norms sum in another order), NaN-poisoned outputs all written, padded slots zeroed, pool rows not
     in the batch untouched bit for bit."""
-    import cula.ops.kda.sm90.decode as D
-
     _requires_sm90()
-    H, K = 4, 128
-    (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, 1, H, HV, K)
-    v = v[..., :V].contiguous()
-    pool0 = (pool0[:, :, :V] if state_v_first else pool0[..., :V]).contiguous()
-    results = []
-    for shared in (False, True):
-        monkeypatch.setattr(D, "SHARED_TOKEN_PREP", shared)
-        pool = pool0.clone()
-        out = torch.full((N, 1, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16)
-        D.kda_decode_sm90(
-            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound", lower_bound=-5.0,
-            use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first,
-        )  # fmt: skip
-        torch.cuda.synchronize()
-        results.append((out, pool))
-    (o0, p0), (o1, p1) = results
-    assert not torch.isnan(o1).any()
-    live, padded = _assert_pool_rows_and_padding(pool0, p1, o1, indices)
-    assert_close("out", o0[~padded], o1[~padded], 2e-3)
-    assert_close("pool", p0[live], p1[live], 1e-5)
+    settings = [{"SHARED_TOKEN_PREP": shared} for shared in (False, True)]
+    _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first))
 
 
 @pytest.mark.gpu
@@ -748,24 +742,10 @@ def test_single_token_occupancy_matches(monkeypatch, N, state_v_first, ctas):
     """SINGLE_TOKEN_MIN_BLOCKS (one token slot per warp, 5 or 6 CTAs per SM) against the default variant at T=1:
     the same instructions on the same data, so the same bits (outputs and pool), padded slots zeroed and pool rows
     of other sequences untouched. [K, V] pools are checked with the narrow tile (the wide one is left alone)."""
-    import cula.ops.kda.sm90.decode as D
-
     _requires_sm90()
-    H, HV, K = 4, 16, 128
-    monkeypatch.setattr(D, "WIDE_KV_DEFAULT", False)
-    monkeypatch.setattr(D, "KV_TMA_DEFAULT", False)
-    (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, 1, H, HV, K)
-    results = []
-    for blocks in (None, ctas):
-        monkeypatch.setattr(D, "SINGLE_TOKEN_MIN_BLOCKS", blocks)
-        pool = pool0.clone()
-        out = torch.full((N, 1, HV, K), float("nan"), device="cuda", dtype=torch.bfloat16)
-        D.kda_decode_sm90(
-            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound", lower_bound=-5.0,
-            use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first,
-        )  # fmt: skip
-        torch.cuda.synchronize()
-        results.append((out, pool))
+    settings = [{"WIDE_KV_DEFAULT": False, "KV_TMA_DEFAULT": False, "SINGLE_TOKEN_MIN_BLOCKS": blocks}
+                for blocks in (None, ctas)]  # fmt: skip
+    _pool0, _indices, results = _t1_runs(monkeypatch, settings, N, 16, 128, state_v_first)
     (o0, p0), (o1, p1) = results
     assert not torch.isnan(o1).any()
     assert torch.equal(o0.view(torch.int16), o1.view(torch.int16))
