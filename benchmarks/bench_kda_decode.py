@@ -32,8 +32,9 @@ write to an untouched row is also a ``FAIL``.
 
 ``bw_fraction`` (and ``fla_bw_fraction``) = state bytes read and written per call (``2 * 4 * N * HV * K * V``)
 / time / measured copy bandwidth. ``floor_ms`` adds the activations (q, k, v, g, beta in, o out, bf16).
-Host overhead for N = 1 (both H): ``*_host_us`` = wall time per call of 100 back-to-back calls with one
-sync at the end (``common.measure_host_overhead``'s ``back_to_back_us``; all three figures are in meta, with
+Host overhead for N = 1 (both H): ``*_host_us`` = wall time per call of 100 back-to-back calls with one sync at
+the end, the median of 15 such runs (``common.measure_host_overhead``'s ``back_to_back_us``; all three figures are
+in meta, with
 ``cula_step``: the same for ``cula.kda.kda_decode_step``, the serving form whose fixed arguments are bound once).
 
 Time budget: ``--max-seconds S`` stops starting new configs S seconds after the script started and still

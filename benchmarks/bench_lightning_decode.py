@@ -27,7 +27,9 @@ write to an untouched pool row is also a ``FAIL``.
 ``bw_fraction`` (and ``fla_bw_fraction``) = state bytes read and written per call (``2 * 4 * N * HV * K * V``)
 / time / measured copy bandwidth; the target is >= 0.95 for N >= 64. ``floor_ms`` adds the activations (q, k,
 v in, o out, bf16). Host overhead for N = 1: ``*_host_us`` = wall time per call of 100 back-to-back calls with
-one sync at the end (``common.measure_host_overhead``'s ``back_to_back_us``; all three figures are in meta).
+one sync at the end, the median of 15 such runs (``common.measure_host_overhead``'s ``back_to_back_us``; all
+three figures are in meta, with ``cula_step``: the same for ``cula.lightning.lightning_decode_step``, the serving
+form whose fixed arguments are bound once).
 
 Time budget: ``--max-seconds S`` stops starting new configs S seconds after the script started and still
 writes what it has (``meta["partial"]``, ``meta["skipped_configs"]``).
@@ -175,6 +177,16 @@ def cula_call(fn: Callable, cfg: Config, s: dict, shared: dict,
                       state_v_first=cfg.state_v_first, check_indices=False)
 
 
+def cula_step_call(cfg: Config, s: dict, shared: dict) -> Callable[[], torch.Tensor]:
+    """Zero-argument call of ``cula.lightning.lightning_decode_step`` bound to the set's decay, pool and indices
+    (the serving form, fixed arguments bound once; host overhead only, the kernel is lightning_decode's)."""
+    from cula.lightning import lightning_decode_step
+
+    step = lightning_decode_step(shared["decay"], s["pool"], s["indices"], state_v_first=cfg.state_v_first,
+                                 check_indices=False)  # fmt: skip
+    return lambda: step(s["q"], s["k"], s["v"])
+
+
 def check(s: dict, fla_o: torch.Tensor, fla_pool: torch.Tensor, cula_o: torch.Tensor,
           cula_pool: torch.Tensor) -> tuple[float, str]:
     """(max relative RMSE over o and the touched pool rows, "ok" | "warn" | "FAIL") of cula against FLA.
@@ -190,8 +202,9 @@ def check(s: dict, fla_o: torch.Tensor, fla_pool: torch.Tensor, cula_o: torch.Te
 
 
 def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
-               ceilings: dict[str, float]) -> dict[str, Any]:
-    """Check then time both implementations on one config; returns the result row (errors recorded in it)."""
+               ceilings: dict[str, float], step_call: Callable | None = None) -> dict[str, Any]:
+    """Check then time both implementations on one config; returns the result row (errors recorded in it).
+    ``step_call`` (``cula_step_call``'s signature): also the host overhead of the bound-step form at N = 1."""
     errors: dict[str, str] = {}
     record = bc.error_recorder(errors, cfg.name)
     sbytes = state_bytes(cfg)
@@ -266,6 +279,12 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
                 row[f"{label}_host_us"] = round(h["back_to_back_us"], 2)
             except Exception as exc:  # noqa: BLE001
                 record(f"{label} host overhead", exc)
+        if step_call is not None and status != "FAIL":
+            try:
+                h = bc.measure_host_overhead(step_call(cfg, s0, shared))
+                host["cula_step"] = {k: round(v, 2) for k, v in h.items()}
+            except Exception as exc:  # noqa: BLE001
+                record("cula_step host overhead", exc)
         row["host_overhead_us"] = host
     if errors:
         row["errors"] = errors
@@ -289,17 +308,18 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
-    return run_benchmark(cfgs, args, t_start, fused_recurrent_simple_gla, lightning_decode, ceilings)
+    return run_benchmark(cfgs, args, t_start, fused_recurrent_simple_gla, lightning_decode, ceilings, cula_step_call)
 
 
 def run_benchmark(cfgs: list[Config], args: argparse.Namespace, t_start: float, fla_fn: Callable,
-                  cula_fn: Callable, ceilings: dict[str, float]) -> tuple[dict, list[dict], dict]:
+                  cula_fn: Callable, ceilings: dict[str, float],
+                  step_call: Callable | None = None) -> tuple[dict, list[dict], dict]:
     """Run ``cfgs`` with the given FLA / cula callables and write the results; returns (meta, rows, paths).
 
     Split from ``main`` so the CPU tests can drive the whole suite with stand-ins for the GPU-only pieces.
     """
     with torch.inference_mode():
-        run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_fn, cula_fn, args, ceilings), args.max_seconds,
+        run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_fn, cula_fn, args, ceilings, step_call), args.max_seconds,
                         t_start, progress=bc.PROGRESS_KEYS + ("backend", "bw_fraction"))
     rows = run.rows
     host = {r["config"]: r["host_overhead_us"] for r in rows if r.get("host_overhead_us")}
@@ -322,6 +342,8 @@ def run_benchmark(cfgs: list[Config], args: argparse.Namespace, t_start: float, 
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL,
                       rotate="rotate input sets (own pool each) to > 2x L2"),
         "host_overhead_us": host,
+        "host_overhead_cula_step": ("cula.lightning.lightning_decode_step(decay, pool, indices, state_v_first=..., "
+                                    "check_indices=False) bound once, then step(q, k, v) per call"),
         **bc.budget_meta(run, args.max_seconds, t_start),
     }
     paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)

@@ -192,13 +192,14 @@ def measure_bf16_gemm_tflops(n: int = 8192, iters: int = 30) -> float:
     return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
 
 
-def measure_host_overhead(fn: Callable[[], Any], n: int = 100, warmup: int = 5) -> dict[str, float]:
+def measure_host_overhead(fn: Callable[[], Any], n: int = 100, warmup: int = 50, batches: int = 15) -> dict[str, float]:
     """Host-side cost of one call of ``fn`` (meant for tiny inputs), in microseconds per call.
 
     Returns:
         ``host_us``: median ``time.perf_counter`` duration of one Python call issued while the GPU is
         idle (a hidden host sync shows up here as GPU time); ``back_to_back_us``: wall time of ``n``
-        calls with a single sync at the end, divided by ``n``; ``gpu_us``: median event time per call.
+        calls with a single sync at the end, divided by ``n``, the median over ``batches`` such runs (one run
+        alone moved by 10-20% between runs on the device's host); ``gpu_us``: median event time per call.
         ``back_to_back_us`` well above ``gpu_us`` means the call is host-bound at that size.
     """
     for _ in range(warmup):
@@ -210,16 +211,18 @@ def measure_host_overhead(fn: Callable[[], Any], n: int = 100, warmup: int = 5) 
         t0 = time.perf_counter()
         fn()
         host.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / n
+    walls = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) / n)
     gpu = bench(fn, iters=n, warmup=1)
     return {
         "host_us": statistics.median(host) * 1e6,
-        "back_to_back_us": wall * 1e6,
+        "back_to_back_us": statistics.median(walls) * 1e6,
         "gpu_us": gpu.median_ms * 1e3,
     }
 

@@ -371,6 +371,16 @@ def test_lightning_decode_pool_step_matches_cula(small_ld, state_v_first):
     no_host = ld.run_config(cfg, _fla_simple_gla_step, lightning_decode, args, small_ld)
     assert no_host["check"] == "ok" and set(no_host) == ROW_KEYS
 
+    # the bound-step form (lightning_decode_step): the same o and pool as the public call; at N = 1 its host
+    # overhead joins the meta figures, not the table
+    step_pool = s["pool"].clone()
+    s_step = dict(s, pool=step_pool)
+    torch.testing.assert_close(ld.cula_step_call(cfg, s_step, shared)(), cula_o, rtol=0, atol=0)
+    torch.testing.assert_close(step_pool, cula_pool, rtol=0, atol=0)
+    step_row = ld.run_config(ld.Config(1, state_v_first), _fla_simple_gla_step, lightning_decode, args, small_ld,
+                             step_call=ld.cula_step_call)  # fmt: skip
+    assert set(step_row["host_overhead_us"]) == {"fla", "cula", "cula_step"} and "cula_step_host_us" not in step_row
+
 
 def test_lightning_decode_gate_and_errors(small_ld):
     from cula.lightning import lightning_decode

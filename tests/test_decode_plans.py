@@ -283,6 +283,23 @@ def test_lightning_decode_step_matches_lightning_decode(counted_plans, fake_sm90
     _assert_same_launch(*launches, out_at=6)
 
 
+def test_lightning_decode_step_binds_the_real_launcher(counted_plans, pretend_sm90, monkeypatch):
+    """The real lightning_decode_launcher with only the compile stubbed: the step's bound launch (``bind``, the
+    kernel called directly) passes the kernel what lightning_decode's launch does, grid size included."""
+    import cula.ops.lightning.sm90.decode as lops
+
+    calls = []
+    monkeypatch.setattr(lops, "compiled_kernel", lambda key, build: lambda *args: calls.append(args))
+    q, k, v, decay, pool, idx = _lightning_inputs(torch.bfloat16)
+    step = ld.lightning_decode_step(decay, pool, idx, scale=0.5, check_indices=False)
+    for _ in range(2):
+        step(q, k, v)
+    ld.lightning_decode(q, k, v, decay, pool, idx, scale=0.5, check_indices=False)
+    assert len(calls) == 3 and len(calls[0]) == 9
+    _assert_same_launch(calls[0], calls[1], out_at=6)
+    _assert_same_launch(calls[1], calls[2], out_at=6)
+
+
 def test_single_token_min_blocks_picks_the_one_slot_variant(counted_plans, fake_sm90, monkeypatch):
     """SINGLE_TOKEN_MIN_BLOCKS applies to T=1 calls only (a one-slot variant would run T>1 in rounds of one)."""
     import cula.ops.kda.sm90.decode as kops

@@ -87,14 +87,30 @@ def lightning_decode_step(
     :func:`lightning_decode`."""
     plans = PlanCache(maxsize=64)
 
+    def bound_plan(q, k, v, out):
+        """``_plan`` for a new token signature, with the bound arguments fixed: ``tokens(q, k, v, out)``."""
+        launch = _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out)
+        scale_ = check_scale(scale, q.shape[-1])
+        if hasattr(launch, "bind"):
+            return launch.bind(decay, state_pool, state_indices, scale_)
+        return lambda q, k, v, out: launch(q, k, v, decay, state_pool, state_indices, scale_, out)
+
     def step(q, k, v, out=None):
-        key = (tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(out), forced_backend())
-        launch = plans.lookup(key, lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out))
+        try:  # tensor_sig of q, k, v written out (as in kda_decode_step)
+            key = (
+                q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
+                k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15,
+                v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15,
+                None if out is None else tensor_sig(out), forced_backend(),
+            )  # fmt: skip
+        except (AttributeError, TypeError):  # not a tensor: the full validation below names it
+            key = (tensor_sig(q), tensor_sig(k), tensor_sig(v))
+        tokens = plans.lookup(key, lambda: bound_plan(q, k, v, out))
         if check_indices:
             check_pool_indices(state_indices, state_pool.shape[0])
         if out is None:
             out = torch.empty_like(v)
-        launch(q, k, v, decay, state_pool, state_indices, check_scale(scale, q.shape[-1]), out)
+        tokens(q, k, v, out)
         return out
 
     return step
@@ -152,6 +168,8 @@ def _prepare_cula_sm90(q, k, v, decay, state_pool, state_indices, state_v_first,
         bound(q, k, v, decay, state_pool, state_indices, out, scale)
 
     launch.positional = True
+    if hasattr(bound, "bind"):
+        launch.bind = lambda decay, state_pool, state_indices, scale: bound.bind(decay, state_pool, state_indices, scale)
     return launch
 
 

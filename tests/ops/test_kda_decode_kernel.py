@@ -76,13 +76,6 @@ _VARIANTS = [
     _variant(gate="softplus", tokens_per_round=1, min_blocks_per_sm=5, kv_tma=True),
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", tokens_per_round=1, min_blocks_per_sm=5,
              kv_tma=True),
-    # SHARED_TOKEN_PREP: the T=1 defaults of both layouts with the token prepared once per CTA
-    _variant(state_v_first=True, tokens_per_round=1, min_blocks_per_sm=5, shared_prep=True),
-    _variant(tokens_per_round=1, min_blocks_per_sm=4, kv_tma=True, shared_prep=True),
-    _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
-             min_blocks_per_sm=5, shared_prep=True),
-    _variant(gate="none", K=64, state_v_first=True, has_step_states=True, tokens_per_round=1, min_blocks_per_sm=5,
-             shared_prep=True),
 ]
 # ptxas spills allowed where a variant asks for more registers than it is given (bytes): the wide tile parks one
 # 8-byte value with step states; 5 and 6 CTAs per SM cap the kernel at 96 and 80 registers
@@ -106,7 +99,6 @@ def _vid(v):
         + (["steps"] if v["has_step_states"] else [])
         + (["wide"] if v.get("wide_kv") else [])
         + (["tma"] if v.get("kv_tma") else [])
-        + (["sharedprep"] if v.get("shared_prep") else [])
         + ([f"slots{v['tokens_per_round']}"] if "tokens_per_round" in v else [])
         + ([f"{v['min_blocks_per_sm']}ctas"] if v.get("min_blocks_per_sm") else [])
     )
@@ -157,10 +149,6 @@ def test_config_rejects_unsupported():
         KdaDecodeSm90(K=128, **dict(kw, gate="sigmoid"))
     with pytest.raises(ValueError, match="V must be a multiple"):
         KdaDecodeSm90(K=64, **dict(kw, V=72))
-    with pytest.raises(ValueError, match="shared_prep needs one token slot"):
-        KdaDecodeSm90(K=128, shared_prep=True, **kw)
-    with pytest.raises(ValueError, match="whole CTAs"):
-        KdaDecodeSm90(K=128, shared_prep=True, tokens_per_round=1, **dict(kw, V=24))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -402,20 +390,6 @@ def test_decode_matches_reference(gate, state_v_first, K, T, use_step_states):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gate", ["softplus", "lower_bound", "none"])
-@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
-@pytest.mark.parametrize("K", [128, 64])
-@pytest.mark.parametrize("use_step_states", [False, True], ids=["pool", "steps"])
-def test_shared_prep_matches_reference(monkeypatch, gate, state_v_first, K, use_step_states):
-    """SHARED_TOKEN_PREP (a T=1 token prepared once per CTA, one K element a thread) against the float64 recurrence,
-    on every T=1 tile it applies to."""
-    import cula.ops.kda.sm90.decode as D
-
-    monkeypatch.setattr(D, "SHARED_TOKEN_PREP", True)
-    _run_case(13, 1, 2, 4, K, K, gate=gate, state_v_first=state_v_first, use_step_states=use_step_states)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize(
     "case",
     [
@@ -606,16 +580,6 @@ def test_decode_speed_report(capsys, monkeypatch):
             us = variant_us(N, False, kv_tma=True, tokens_per_round=1, min_blocks_per_sm=ctas)
             lines.append(f"kv tma 1 slot, {ctas} CTAs/SM N={N:4d} T=1: {us:8.2f} us  "
                          f"{N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")  # fmt: skip
-    # SHARED_TOKEN_PREP against each warp preparing the token itself, on the T=1 defaults of both layouts
-    for shared in (False, True):
-        for N in (1, 64, 256):
-            for what, state_v_first, extra in (
-                ("vk 1 slot, 5 CTAs/SM", True, {"tokens_per_round": 1, "min_blocks_per_sm": 5}),
-                ("kv tma 1 slot, 4 CTAs/SM", False, {"kv_tma": True, "tokens_per_round": 1, "min_blocks_per_sm": 4}),
-            ):  # fmt: skip
-                us = variant_us(N, state_v_first, shared_prep=shared, **extra)
-                lines.append(f"{what} shared_prep={int(shared)} N={N:4d} T=1: {us:8.2f} us  "
-                             f"{N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")  # fmt: skip
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 
@@ -721,18 +685,6 @@ def test_kv_tma_matches(monkeypatch, N, HV, V):
     _requires_sm90()
     settings = [{"KV_TMA_DEFAULT": tma, "WIDE_KV_DEFAULT": False} for tma in (False, True)]
     _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first=False))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("N,HV,V,state_v_first", [(1, 16, 128, True), (1, 16, 128, False), (64, 16, 128, True),
-                                                  (77, 8, 64, False), (2000, 16, 128, True), (1000, 4, 128, False)])
-def test_shared_prep_matches(monkeypatch, N, HV, V, state_v_first):
-    """SHARED_TOKEN_PREP at T=1 against each warp preparing its own copy of the token: outputs and pool to fp32
-    rounding (the norms sum in another order), NaN-poisoned outputs all written, padded slots zeroed, pool rows not
-    in the batch untouched bit for bit."""
-    _requires_sm90()
-    settings = [{"SHARED_TOKEN_PREP": shared} for shared in (False, True)]
-    _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first))
 
 
 @pytest.mark.gpu

@@ -101,7 +101,6 @@ class KdaDecodeSm90:
         wide_kv: bool = False,
         tokens_per_round: int = 8,
         kv_tma: bool = False,
-        shared_prep: bool = False,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -127,20 +126,12 @@ class KdaDecodeSm90:
             raise ValueError("kv_tma is for [K, V] pools with K=128, V % 32 == 0, no step states, 4 warps per CTA "
                              "and one token slot")
         self.kv_tma = kv_tma
-        # shared_prep (one token slot): a CTA's warps own adjacent V slices of one (sequence, head), so they need the
-        # same q_hat, k_hat, exp(g) and beta; instead of every warp loading and preparing all K of them, thread i of
-        # the CTA prepares element i (one cross-warp sum for the two norms), into one slot the warps share
-        if shared_prep and (tokens_per_round != 1 or wide_kv or K > 32 * warps_per_cta):
-            raise ValueError("shared_prep needs one token slot, the narrow tile and K <= 32 * warps_per_cta")
-        self.shared_prep = shared_prep
         self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
         self.lanes_k = K // self.k_per_lane
         self.lanes_v = 32 // self.lanes_k
         self.v_per_warp = self.lanes_v * self.V_PER_LANE  # 8 for K=128 (16 with wide_kv), 16 for K=64
         if V % self.v_per_warp != 0:
             raise ValueError(f"V must be a multiple of {self.v_per_warp}, got {V}")
-        if shared_prep and (V // self.v_per_warp) % warps_per_cta != 0:
-            raise ValueError("shared_prep needs the V slices of a head to fill whole CTAs")
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if gate == "softplus" and not has_a_log:
@@ -337,49 +328,6 @@ class KdaDecodeSm90:
                 rvf, cute.make_tensor(sSlot.iterator + s_off, cute.make_layout(self.V_PER_LANE))
             )
 
-    @cute.jit
-    def _prep_token_shared(
-        self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, sTok, sRed, sSlot, n, t, h, hv, vs, lane, warp, scale,
-        lower_bound,
-    ):  # fmt: skip
-        """shared_prep: q_hat, k_hat, exp(g) and beta of token t into the CTA's shared slot ``sTok``, thread
-        32 warp + lane preparing element K index 32 warp + lane; the warp's v into its own slot ``sSlot``. Every
-        thread of the CTA must call it (two CTA barriers); ``sTok`` is ready when it returns."""
-        e = warp * 32 + lane
-        active = e < self.K
-        ke = cutlass.min(e, self.K - 1)  # inactive threads read a valid element and contribute 0
-        q = Float32(mQ[n, t, h, ke])
-        k = Float32(mK[n, t, h, ke])
-        x = Float32(mG[n, t, hv, ke])
-        if cutlass.const_expr(self.has_dt_bias):
-            x = x + Float32(mDtBias[hv * self.K + ke])
-        self._prep_v(mV, sSlot, n, t, hv, vs, lane)
-        q_mul = scale
-        k_mul = Float32(1.0)
-        if cutlass.const_expr(self.use_qk_l2norm):
-            sq = self._warp_sum(Float32(cutlass.select_(active, q * q, Float32(0.0))))
-            sk = self._warp_sum(Float32(cutlass.select_(active, k * k, Float32(0.0))))
-            if lane == 0:
-                sRed[0, warp] = sq
-                sRed[1, warp] = sk
-        # the partial sums are in; also keeps this token's writes to sTok behind every warp's reads of the last one's
-        cute.arch.barrier()
-        if cutlass.const_expr(self.use_qk_l2norm):
-            sq = Float32(0.0)
-            sk = Float32(0.0)
-            for w in cutlass.range_constexpr(self.warps_per_cta):
-                sq = sq + sRed[0, w]
-                sk = sk + sRed[1, w]
-            q_mul = scale * cute.math.rsqrt(sq + 1e-6)
-            k_mul = cute.math.rsqrt(sk + 1e-6)
-        if active:
-            sTok[e] = q * q_mul
-            sTok[self.off_k + e] = k * k_mul
-            sTok[self.off_eg + e] = self._decay(x, self._gate_coef(mALog, hv), lower_bound)
-        if e == 0:
-            sTok[self.off_beta] = self._beta(mBeta, n, t, hv)
-        cute.arch.barrier()  # the slot is whole before any warp reads it
-
     @cute.kernel
     def kernel(
         self,
@@ -414,7 +362,6 @@ class KdaDecodeSm90:
         sBuf = smem.allocate_tensor(
             Float32, cute.make_layout((self.slot_floats, TR, self.warps_per_cta)), byte_alignment=16
         )
-        shared = self._shared_slot(smem, warp)
 
         units = N * HV * self.v_slices
         lk = lane % self.lanes_k
@@ -434,7 +381,7 @@ class KdaDecodeSm90:
                 gS = self._state_view(mState[slot, hv, None, None], lk, v0)
                 cute.autovec_copy(gS, tS)
                 self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW,
-                               n, h, hv, vs, v0, lane, T, scale, lower_bound, shared=shared)  # fmt: skip
+                               n, h, hv, vs, v0, lane, T, scale, lower_bound)  # fmt: skip
             else:
                 self._zero_rows(mOut, n, hv, v0, lk, T)
 
@@ -490,7 +437,6 @@ class KdaDecodeSm90:
                                     byte_alignment=16)  # fmt: skip
         bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8).iterator
         tile_l = self._tile_layout()
-        shared = self._shared_slot(smem, warp)
         sTile = cute.make_tensor(cute.recast_ptr(sRaw.iterator, tile_l.inner, dtype=Float32), tile_l.outer)
 
         lk = lane % self.lanes_k
@@ -515,7 +461,7 @@ class KdaDecodeSm90:
             gS = cute.make_tensor(sRaw.iterator + off, cute.make_layout((self.k_per_lane, R), stride=(16 * TV, 1)))
             tS = cute.make_rmem_tensor(cute.make_layout((self.k_per_lane, R), stride=(R, 1)), Float32)
             self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, None, sBuf[None, None, warp],
-                           n, h, hv, vs, v0, lane, T, scale, lower_bound, bar, shared)  # fmt: skip
+                           n, h, hv, vs, v0, lane, T, scale, lower_bound, bar)  # fmt: skip
             # the fragments are back in shared memory (generic proxy): visible to the TMA store after the fence
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
@@ -526,14 +472,6 @@ class KdaDecodeSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
         else:
             self._zero_rows(mOut, n, hv, v0, lk, T)
-
-    def _shared_slot(self, smem, warp):
-        """shared_prep's (CTA token slot, cross-warp partial sums, warp index) for ``_run_unit``, else None."""
-        if not self.shared_prep:
-            return None
-        sTok = smem.allocate_tensor(Float32, cute.make_layout(self.slot_floats), byte_alignment=16)
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((2, self.warps_per_cta)), byte_alignment=16)
-        return sTok, sRed, warp
 
     @cute.jit
     def _unit_coords(self, unit, HV, H, lv):
@@ -557,7 +495,7 @@ class KdaDecodeSm90:
     @cute.jit
     def _run_unit(
         self, tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW, n, h, hv, vs, v0, lane, T, scale,
-        lower_bound, bar=None, shared=None,
+        lower_bound, bar=None,
     ):  # fmt: skip
         """The T tokens of one unit on its state tile ``tS`` (in registers), then the tile back to ``gS``. With
         kv_tma, ``gS`` is the lane's fragment in shared memory, loaded into ``tS`` once ``bar`` says it landed."""
@@ -584,18 +522,11 @@ class KdaDecodeSm90:
 
         for t0 in range(0, T, TR):
             nt = cutlass.min(T - t0, TR)
-            if const_expr(self.shared_prep):
-                sTok, sRed, warp = shared
-                self._prep_token_shared(
-                    mQ, mK, mV, mG, mBeta, mALog, mDtBias, sTok, sRed, sW[None, 0], n, t0, h, hv, vs, lane, warp,
-                    scale, lower_bound,
+            for tt in range(nt):
+                self._prep_token(
+                    mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
+                    lower_bound,
                 )  # fmt: skip
-            else:
-                for tt in range(nt):
-                    self._prep_token(
-                        mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
-                        lower_bound,
-                    )  # fmt: skip
             cute.arch.sync_warp()
             if const_expr(self.kv_tma):
                 if t0 == 0:
@@ -604,14 +535,11 @@ class KdaDecodeSm90:
 
             for tt in range(nt):
                 t = t0 + tt
-                sVslot = sW[None, tt]
-                sSlot = sVslot  # q_hat, k_hat, exp(g), beta: the warp's own slot, or the CTA's with shared_prep
-                if const_expr(self.shared_prep):
-                    sSlot = shared[0]
+                sSlot = sW[None, tt]
                 cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_eg + kq, lane_k), reg)
                 cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_k + kq, lane_k), rk)
                 v_off = cute.assume(self.off_v + lv * R, divby=R)
-                cute.autovec_copy(cute.make_tensor(sVslot.iterator + v_off, cute.make_layout(R)), rv)
+                cute.autovec_copy(cute.make_tensor(sSlot.iterator + v_off, cute.make_layout(R)), rv)
                 beta = sSlot[self.off_beta]
 
                 # S <- diag(exp(g)) S ;  p = S^T k  (lane part)
@@ -713,7 +641,6 @@ def _variant_key(flags: dict) -> tuple:
     flags["allow_neg_eigval"] = flags["allow_neg_eigval"] and flags["beta_sigmoid"]
     flags["wide_kv"] = bool(flags["wide_kv"])
     flags["kv_tma"] = bool(flags.get("kv_tma", False))
-    flags["shared_prep"] = bool(flags.get("shared_prep", False))
     return ("kda_decode_sm90", *sorted(flags.items()))
 
 
@@ -745,7 +672,6 @@ def kda_decode_variant(
     tokens_per_round: int = 8,
     min_blocks_per_sm: int | None = None,
     kv_tma: bool = False,
-    shared_prep: bool = False,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
@@ -762,7 +688,7 @@ def kda_decode_variant(
          "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval, "state_v_first": state_v_first,
          "has_step_states": has_step_states, "wide_kv": wide_kv, "warps_per_cta": warps_per_cta,
          "tokens_per_round": tokens_per_round, "min_blocks_per_sm": min_blocks_per_sm, "kv_tma": kv_tma,
-         "shared_prep": shared_prep, "arch": arch}
+         "arch": arch}
     )  # fmt: skip
     return compiled_kernel(key, lambda: _build(key))
 
@@ -847,10 +773,6 @@ def kda_decode_launcher(
         wide_kv = WIDE_KV_DEFAULT and kv_pool_128
     if tokens == 1 and SINGLE_TOKEN_MIN_BLOCKS and not wide_kv and "min_blocks_per_sm" not in flags:
         flags.update(tokens_per_round=1, min_blocks_per_sm=SINGLE_TOKEN_MIN_BLOCKS)
-    v_slices = flags["V"] // (8 if flags["K"] == 128 else 16)  # the narrow tile's V slices of a head
-    if (SHARED_TOKEN_PREP and tokens == 1 and not wide_kv and "shared_prep" not in flags
-            and flags.get("tokens_per_round") == 1 and v_slices % flags.get("warps_per_cta", 4) == 0):  # fmt: skip
-        flags["shared_prep"] = True
     fn = kda_decode_variant(
         gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, wide_kv=bool(wide_kv),
         arch=_ARCH, **flags,
@@ -860,6 +782,18 @@ def kda_decode_launcher(
         fn(q, k, v, g, beta, A_log if gated else None, dt_bias if gated else None, state, indices, out, step_states,
            scale, 0.0 if lower_bound is None else lower_bound)  # fmt: skip
 
+    def bind(A_log, dt_bias, state, indices, scale, lower_bound):
+        """``launch`` with all but the token tensors fixed: ``tokens(q, k, v, g, beta, out, step_states)``, for
+        ``kda_decode_step``, whose N=1 call is host-bound: one Python frame and the argument shuffling less."""
+        a_log, dtb = (A_log, dt_bias) if gated else (None, None)
+        lb = 0.0 if lower_bound is None else lower_bound
+
+        def tokens(q, k, v, g, beta, out, step_states):
+            fn(q, k, v, g, beta, a_log, dtb, state, indices, out, step_states, scale, lb)
+
+        return tokens
+
+    launch.bind = bind
     return launch
 
 
@@ -881,7 +815,3 @@ SINGLE_TOKEN_MIN_BLOCKS: int | None = 5
 # 179 / 685 us for the wide tile; 5 CTAs per SM 143 / 550 us. test_kv_tma_matches passed.
 KV_TMA_DEFAULT = True
 KV_TMA_MIN_BLOCKS = 4
-# T=1 calls with one token slot (both defaults above) take KdaDecodeSm90(shared_prep=True): the CTA's four warps
-# prepare the token once, one K element a thread, instead of each warp all K of it (written in session 12, not yet
-# measured: off)
-SHARED_TOKEN_PREP = False

@@ -578,6 +578,16 @@ def lightning_decode_launcher(
     def launch(q, k, v, decay, state, indices, out, scale):
         fn(q, k, v, decay, state, indices, out, scale, ctas)
 
+    def bind(decay, state, indices, scale):
+        """``launch`` with all but q, k, v and out fixed: ``tokens(q, k, v, out)``, for ``lightning_decode_step``
+        (its N=1 call is host-bound)."""
+
+        def tokens(q, k, v, out):
+            fn(q, k, v, decay, state, indices, out, scale, ctas)
+
+        return tokens
+
+    launch.bind = bind
     return launch
 
 
