@@ -194,10 +194,12 @@ def needs_grad(*tensors) -> bool:
 
 def tensor_sig(t: torch.Tensor | None) -> tuple | None:
     """What validation and backend selection read of a tensor: shape, strides, dtype, device, 16-byte alignment."""
-    if isinstance(t, torch.Tensor):
-        dev = t.get_device()  # a CUDA ordinal, cheap; -1 for every other device, so name those in full
-        return t.shape, t.stride(), t.dtype, dev if dev >= 0 else t.device, t.data_ptr() & 15
-    return None if t is None else (type(t),)  # not a tensor: validation will say so
+    if t is None:
+        return None
+    try:  # attribute reads only, no isinstance: this runs for every tensor of every decode call
+        return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
+    except (AttributeError, TypeError):
+        return (type(t),)  # not a tensor: validation will say so
 
 
 _PLAIN_SCALARS = (type(None), bool, int, float, str)
