@@ -1,5 +1,6 @@
 """Where the [K, V] pool's decode loses against [V, K] in bench_kda_decode (N=64: 146 against 140 us) while the
-kernel speed report (identity indices, softplus gate, fp32 g) has them equal: each bench input property alone.
+kernel speed report (identity indices, softplus gate, fp32 g) has them equal: each bench input property alone,
+then, for [K, V] pools, the wide tile (no TMA) and the TMA box at 5 CTAs per SM in both index orders.
 
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_layouts.py
 """
@@ -15,10 +16,25 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_kda_decode as B  # noqa: E402
 
+import cula.ops.kda.sm90.decode as D  # noqa: E402
+from cula.backends import clear_plan_caches  # noqa: E402
 from cula.kda import kda_decode  # noqa: E402
 
 
-def time_us(cfg, *, identity=False, softplus=False, g_fp32=False, beta_fp32=False, pool_rows=None):
+def time_us(cfg, *, identity=False, softplus=False, g_fp32=False, beta_fp32=False, pool_rows=None, switches=None):
+    defaults = {name: getattr(D, name) for name in (switches or {})}
+    for name, value in (switches or {}).items():
+        setattr(D, name, value)
+    clear_plan_caches()
+    try:
+        return _time_us(cfg, identity, softplus, g_fp32, beta_fp32, pool_rows)
+    finally:
+        for name, value in defaults.items():
+            setattr(D, name, value)
+        clear_plan_caches()
+
+
+def _time_us(cfg, identity, softplus, g_fp32, beta_fp32, pool_rows):
     s, shared = B.make_set(cfg, 0), B.make_shared(cfg)
     if identity:
         s["indices"] = torch.arange(cfg.N, dtype=torch.int32, device="cuda")
@@ -50,8 +66,18 @@ def main():
                              ("softplus gate", {"softplus": True}), ("g fp32", {"g_fp32": True}),
                              ("beta fp32", {"beta_fp32": True}), ("pool of N rows", {"pool_rows": N}),
                              ("all four", {"identity": True, "softplus": True, "g_fp32": True, "beta_fp32": True})):
-                us = time_us(cfg, **kw)
-                print(f"{'kv' if kv else 'vk'} N={N:4d} {what:18s}: {us:8.2f} us  {B.state_bytes(cfg) / us / 1e6:6.3f} TB/s", flush=True)
+                report(cfg, what, time_us(cfg, **kw))
+        # [K, V] pools: is the random-row penalty the TMA box's (128 rows of 128 B, 512 B apart) or the layout's?
+        cfg = B.Config(N, 1, 64, kv=True)
+        for what, switches in (("wide tile", {"KV_TMA_DEFAULT": False}), ("tma 5 CTAs/SM", {"KV_TMA_MIN_BLOCKS": 5})):
+            for order in ("random", "identity"):
+                us = time_us(cfg, identity=order == "identity", switches=switches)
+                report(cfg, f"{what}, {order}", us)
+
+
+def report(cfg, what, us):
+    print(f"{'kv' if cfg.kv else 'vk'} N={cfg.N:4d} {what:24s}: {us:8.2f} us  {B.state_bytes(cfg) / us / 1e6:6.3f} TB/s",
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
