@@ -252,6 +252,16 @@ def test_kda_decode_step_fast_launch(counted_plans, fake_sm90):
     launches = [c[1] for c in fake_sm90 if c[0] == "launch"]
     assert [c[0] for c in fake_sm90].count("variant") == 2 and len(launches) == 3
     _assert_same_launch(launches[0], launches[2], out_at=9)
+    # with step states (their own token signature and variant): the same launch as kda_decode's
+    fake_sm90.clear()
+    states = torch.empty(q.shape[0], 1, *pool.shape[1:])
+    step(q, k, v, g, beta, step_states=states)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, scale=0.25,
+                  step_states=states)  # fmt: skip
+    variants = [c[1] for c in fake_sm90 if c[0] == "variant"]
+    launches = [c[1] for c in fake_sm90 if c[0] == "launch"]
+    assert len(launches) == 2 and launches[0][10] is states and all(v["has_step_states"] for v in variants)
+    _assert_same_launch(*launches, out_at=9)
 
 
 def test_lightning_decode_step_matches_lightning_decode(counted_plans, fake_sm90):
