@@ -124,8 +124,9 @@ def kda_decode_step(
             out, step_states,
         )  # fmt: skip
         scale_ = check_scale(scale, q.shape[-1])
-        if hasattr(launch, "bind"):
-            return launch.bind(state_pool, state_indices, A_log, dt_bias, scale_, lower_bound)
+        bind = getattr(launch, "bind", None)  # the cula-sm90 fast launch's (kda_decode_launcher's argument order)
+        if bind is not None:
+            return bind(A_log, dt_bias, state_pool, state_indices, scale_, lower_bound)
         return lambda q, k, v, g, beta, out, step_states: launch(
             q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale_, lower_bound, out, step_states
         )
@@ -245,10 +246,7 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
         bound(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, out, step_states, scale, lower_bound)
 
     launch.positional = True
-    if hasattr(bound, "bind"):  # kda_decode_step's launch without the positional shuffle
-        launch.bind = lambda state_pool, state_indices, A_log, dt_bias, scale, lower_bound: bound.bind(
-            A_log, dt_bias, state_pool, state_indices, scale, lower_bound
-        )
+    launch.bind = bound.bind  # kda_decode_step's launch, the kernel called without the positional shuffle
     return launch
 
 

@@ -91,8 +91,9 @@ def lightning_decode_step(
         """``_plan`` for a new token signature, with the bound arguments fixed: ``tokens(q, k, v, out)``."""
         launch = _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out)
         scale_ = check_scale(scale, q.shape[-1])
-        if hasattr(launch, "bind"):
-            return launch.bind(decay, state_pool, state_indices, scale_)
+        bind = getattr(launch, "bind", None)
+        if bind is not None:
+            return bind(decay, state_pool, state_indices, scale_)
         return lambda q, k, v, out: launch(q, k, v, decay, state_pool, state_indices, scale_, out)
 
     def step(q, k, v, out=None):
@@ -168,8 +169,7 @@ def _prepare_cula_sm90(q, k, v, decay, state_pool, state_indices, state_v_first,
         bound(q, k, v, decay, state_pool, state_indices, out, scale)
 
     launch.positional = True
-    if hasattr(bound, "bind"):
-        launch.bind = lambda decay, state_pool, state_indices, scale: bound.bind(decay, state_pool, state_indices, scale)
+    launch.bind = getattr(bound, "bind", None)  # lightning_decode_step's launch (None: a launcher without one)
     return launch
 
 
