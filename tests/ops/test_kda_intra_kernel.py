@@ -51,6 +51,9 @@ _VARIANTS = [
      "beta_act": "sigmoid", "g_cum_last_only": True},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True},
+    # w / u through scalar shared stores and row copies for every chunk (the path before wu_tma_store)
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
+     "beta_act": "sigmoid", "g_cum_last_only": True, "wu_tma_store": False},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -66,7 +69,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
                    v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}",
                    l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"),
-                   g_cum_last_only=v.get("g_cum_last_only", False))
+                   g_cum_last_only=v.get("g_cum_last_only", False), wu_tma_store=v.get("wu_tma_store", True))
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -86,6 +89,8 @@ def _vid(v):
         vid += f"-beta_{v['beta_act']}"
     if v.get("g_cum_last_only"):
         vid += "-g_cum_last_only"
+    if not v.get("wu_tma_store", True):
+        vid += "-wu_rows"
     return vid
 
 
@@ -117,6 +122,10 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     assert ptx.count("st.shared.v4") == 26 + 16 * l2norm, ptx.count("st.shared.v4")
     assert ptx.count("st.global.v4") == 34, ptx.count("st.global.v4")
     assert "st.global.b16" not in ptx and "st.global.f32" not in ptx and "st.global.b32" not in ptx
+    # full chunks: w / u by stmatrix (64 x 128 bf16 per warpgroup = 8 x4 stores a thread) and TMA stores
+    tma_wu = _VARIANTS[idx].get("wu_tma_store", True)
+    assert ptx.count("stmatrix.sync.aligned") == (16 if tma_wu else 0), ptx.count("stmatrix.sync.aligned")
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx or "cp.async.bulk.tensor.3d.global.shared" in ptx) == tma_wu
     if nvdisasm is None:
         pytest.skip("nvdisasm not found: PTX checked, SASS not")
     sass = subprocess.run(
@@ -409,6 +418,29 @@ def test_intra_vs_fla(case):
     out = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb)
     torch.cuda.synchronize()
     _assert_matches_fla((g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref), out, cu)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_preproc"])
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_wu_tma_store_bit_identical(case, fused):
+    """w / u of full chunks through stmatrix and TMA stores (``wu_tma_store``) change no bit of any output against
+    the scalar-store path, including the untouched rows past each sequence end (poisoned before every run)."""
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = (_raw_preproc if fused else _setup)(case)
+    extra = {"use_qk_l2norm": True, "beta_sigmoid": True} if fused else {}
+    ci = None
+    if cu is not None:
+        from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+        ci = prepare_chunk_indices_i32(cu)
+    outs = [
+        _run_ours(q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb, wu_tma_store=on, **extra)
+        for on in (False, True)
+    ]
+    torch.cuda.synchronize()
+    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), *outs):
+        assert torch.equal(a.view(torch.int8), b.view(torch.int8)), name
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

@@ -96,6 +96,10 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the modul
 # disjoint, so a plain loop runs one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 loads the
 # raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. On the H200 this was bit-
 # identical to the plain loops and 6% faster (B2-T16384 3127 -> 2930 us, 2026-11-30).
+# P7 of a full chunk moves w / u to global memory by stmatrix into the k / v tile and one TMA store per
+# warpgroup, instead of 64 scalar shared stores (each with its swizzle arithmetic), a barrier and eight 16-byte
+# row copies per thread (~3 K of the tile's ~38 K warp instructions). Partial chunks keep the row-predicated copy.
+WU_TMA_STORE_DEFAULT = True
 
 
 class ChunkKDAIntraFwdSm90:
@@ -111,7 +115,9 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False,
+        wu_tma_store: bool = WU_TMA_STORE_DEFAULT,
     ):  # fmt: skip
+        self.wu_tma_store = bool(wu_tma_store)
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
         if gate not in GATES:
@@ -186,6 +192,12 @@ class ChunkKDAIntraFwdSm90:
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
         tma_v, tv = cpasync.make_tiled_tma_atom(g2s, v_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
         tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sGin_l, mode=[0, 1]), (DK, BT))
+        # w / u leave from the k / v tiles they are staged in, whose layout is the loads' (feature, token) one
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 0, 1]))  # (K, T, HV)
+        u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
+        tma_w, tw = cpasync.make_tiled_tma_atom(s2g, w_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+        tma_u, tu = cpasync.make_tiled_tma_atom(s2g, u_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
 
         # ~97 KB, so that two CTAs share an SM (see the module docstring)
         @cute.struct
@@ -199,7 +211,7 @@ class ChunkKDAIntraFwdSm90:
 
         self.storage = Storage
         self.kernel(
-            tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg,
+            tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg, tma_w, tw, tma_u, tu,
             mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mG, mCu, mCi, seqlen, scale, lower_bound,
             mma_wu, sX_l, sGin_l, sT_l,
         ).launch(
@@ -415,6 +427,8 @@ class ChunkKDAIntraFwdSm90:
         tma_k: cute.CopyAtom, tk: cute.Tensor,
         tma_v: cute.CopyAtom, tv: cute.Tensor,
         tma_g: cute.CopyAtom, tg: cute.Tensor,
+        tma_w: cute.CopyAtom, tw: cute.Tensor,
+        tma_u: cute.CopyAtom, tu: cute.Tensor,
         mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor,
         mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
         mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor,
@@ -628,13 +642,56 @@ class ChunkKDAIntraFwdSm90:
                     atom_wu.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                # through this warpgroup's own B tile (sK0 / sV0, no longer read by anyone): scalar shared
-                # stores, then 16-byte rows to global memory
+                # through this warpgroup's own B tile (sK / sV, no longer read by anyone)
                 sOut = sK0 if which == 0 else sV0
-                for e in cutlass.range_constexpr(cute.size(accW)):
-                    sOut[tWc[e][1], tWc[e][0]] = accW[e].to(dt)
-                cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
-                self._store_rows_vec(sOut, mOut, tok0, hv, valid, tid)
+                if const_expr(self.wu_tma_store):
+                    if valid == BT:
+                        sOut3 = sK if which == 0 else sV
+                        self._store_wu_tma(
+                            mma_wu, accW, sOut3, tma_w if which == 0 else tma_u, tw if which == 0 else tu, hv,
+                            tok0, tid, which,
+                        )  # fmt: skip
+                    else:
+                        self._store_wu_rows(accW, tWc, sOut, mOut, tok0, hv, valid, tid, which)
+                else:
+                    self._store_wu_rows(accW, tWc, sOut, mOut, tok0, hv, valid, tid, which)
+
+    @cute.jit
+    def _store_wu_rows(self, accW, tWc, sOut, mOut, tok0, hv, valid, tid, which):
+        """w or u of a chunk to global memory: scalar shared stores into ``sOut`` (feature, token), a warpgroup
+        barrier, then 16-byte rows (row-predicated, so a partial chunk writes its valid rows only)."""
+        for e in cutlass.range_constexpr(cute.size(accW)):
+            sOut[tWc[e][1], tWc[e][0]] = accW[e].to(self.dtype)
+        cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
+        self._store_rows_vec(sOut, mOut, tok0, hv, valid, tid)
+
+    @cute.jit
+    def _store_wu_tma(self, mma_wu, accW, sOut, tma_out, t_out, hv, tok0, tid, which):
+        """w or u of a full chunk: bf16 accumulator -> ``sOut`` by stmatrix (8 consecutive features of a token
+        row are one 16-byte unit of the swizzled (feature, token) tile), then one TMA store of the tile, issued
+        by the warpgroup's first thread, which also waits for its read of shared memory before the CTA exits."""
+        dt = self.dtype
+        st = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dt), mma_wu
+        )
+        thr_st = st.get_slice(tid)
+        # the tile indexed (token, feature) like the accumulator
+        sMN = cute.make_tensor(sOut.iterator, cute.select(sOut.layout, mode=[1, 0, 2]))
+        r16 = cute.make_rmem_tensor(accW.layout, dt)
+        r16.store(accW.load().to(dt))
+        cute.copy(st, thr_st.retile(r16), thr_st.partition_D(sMN)[None, None, None, 0])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
+        if tid == 0:
+            gdst = cute.local_tile(
+                cute.domain_offset((0, tok0), t_out[None, None, hv]), (self.dk, self.bt), (0, None)
+            )
+            ts, tgm = cpasync.tma_partition(
+                tma_out, 0, cute.make_layout(1), cute.group_modes(sOut, 0, 2), cute.group_modes(gdst, 0, 2)
+            )
+            cute.copy(tma_out, ts[None, 0], tgm[None, 0])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _diag_inverse_column(self, sA, o, col, rX):
@@ -890,7 +947,7 @@ def gate_params_binder(
 
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str, *, g_cum_last_only: bool = False,
+    beta_act: str, *, g_cum_last_only: bool = False, wu_tma_store: bool | None = None,
 ):  # fmt: skip
     """The compiled variant for torch dtypes and the launch flags; ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s
     bound launch both take their kernel from here."""
@@ -898,6 +955,7 @@ def compiled_for(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
         g_cum_last_only=bool(g_cum_last_only),
+        wu_tma_store=WU_TMA_STORE_DEFAULT if wu_tma_store is None else bool(wu_tma_store),
     )  # fmt: skip
 
 
@@ -937,6 +995,7 @@ def chunk_kda_intra_sm90(
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
     g_cum_last_only: bool = False,
+    wu_tma_store: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -966,6 +1025,8 @@ def chunk_kda_intra_sm90(
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
         g_cum_last_only: write g_cum at the last valid row of each chunk only (what the state/output kernel
             reads); its other rows are left as they were.
+        wu_tma_store: w / u of full chunks through stmatrix and TMA stores (None: ``WU_TMA_STORE_DEFAULT``);
+            the outputs are the same bits either way.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -1018,6 +1079,7 @@ def chunk_kda_intra_sm90(
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
         dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
+        wu_tma_store=wu_tma_store,
     )
 
     def flat(t):
