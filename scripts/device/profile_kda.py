@@ -71,8 +71,7 @@ def wall_us(fn) -> float:
 # variants waiting for their GPU check: name -> switches as (module, attribute, value), each profiled as
 # "cula-intra+<name>" beside the default
 PENDING: dict[str, list[tuple[str, str, object]]] = {
-    # w / u through stmatrix + TMA stores is the default since session 14; this row profiles the row-copy path
-    "wu-rows": [("cula.ops.kda.sm90.intra", "WU_TMA_STORE_DEFAULT", False)],
+
 }
 
 

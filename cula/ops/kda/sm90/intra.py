@@ -353,15 +353,17 @@ class ChunkKDAIntraFwdSm90:
                 bq[e] = _round_tf32(qv * f)
                 bk[e] = _round_tf32(kv * f)
             # two 16-byte units per row; lanes 4-7 of each quarter warp store their odd unit first, so each
-            # store instruction's 8 lanes cover all 32 banks
+            # store instruction's 8 lanes cover all 32 banks. The unit is picked by a select: indexing the
+            # register arrays with a run-time unit number put them in local memory (8 STL + 8 LDL a round)
             c4 = cute.assume((tidx % 16) * 2, divby=2)
             first = (tidx // 4) % 2
+            swap = first == 1
             for h in cutlass.range_constexpr(2):
                 hh = h ^ first
                 for which, src in ((0, bq), (1, bk)):
                     part = cute.make_rmem_tensor(4, Float32)
                     for e in cutlass.range_constexpr(4):
-                        part[e] = src[4 * hh + e]
+                        part[e] = Float32(cutlass.select_(swap, src[4 * (1 - h) + e], src[4 * h + e]))
                     cute.autovec_copy(part, self._b_unit(sB, slot, r + 16 * which, c4 + hh))
             if const_expr(self.g_cum_last_only):  # noqa: SIM102 - a trace-time condition around a run-time one
                 if t == valid - 1:
@@ -520,6 +522,10 @@ class ChunkKDAIntraFwdSm90:
             cute.arch.mbarrier_wait(bar_g, 0)
             # blocks of 8 steps, the next block's raw gates loaded before this block's g_cum stores
             GB = 8
+            # sG's swizzle moves channel tid of row t to tid ^ 8 (t % 8): the 8 column offsets are computed once
+            # (the layout's own arithmetic cannot know tid < 128 and redid it for each of the 64 stores)
+            sG_flat = cute.make_tensor(storage.sG.data_ptr(), cute.make_layout(BT * DK))
+            cols = [Int32(tid) ^ Int32(8 * j) for j in range(GB)]
             nxt = [sGin0[tid, e].to(Float32) for e in range(GB)]
             for blk in cutlass.range_constexpr(BT // GB):
                 cur = nxt
@@ -527,10 +533,14 @@ class ChunkKDAIntraFwdSm90:
                     nxt = [sGin0[tid, GB * (blk + 1) + e].to(Float32) for e in range(GB)]
                 for e in cutlass.range_constexpr(GB):
                     t = GB * blk + e
-                    a = self._act(cur[e], coef, bias, lower_bound)
-                    # rows past the sequence end add nothing, so gc there equals gc at the last valid row
-                    acc = acc + Float32(cutlass.select_(t < valid, a, Float32(0.0)))
-                    sG[tid, t] = acc * RCP_LN2
+                    acc = acc + self._act(cur[e], coef, bias, lower_bound)
+                    sG_flat[t * DK + cols[e]] = acc * RCP_LN2
+            # rows past the sequence end hold the last valid row's g_cum (so gc[63] is that row's, which kg uses),
+            # overwriting whatever the raw gate there summed to
+            if valid < BT:
+                last = sG[tid, valid - 1]
+                for t in cutlass.range(valid, BT, unroll=1):
+                    sG[tid, t] = last
             cute.arch.mbarrier_wait(bar, 0)  # q and k, read by everyone from P2 on
         else:
             cute.arch.mbarrier_wait(bar, 0)
