@@ -100,6 +100,9 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the modul
 # warpgroup, instead of 64 scalar shared stores (each with its swizzle arithmetic), a barrier and eight 16-byte
 # row copies per thread (~3 K of the tile's ~38 K warp instructions). Partial chunks keep the row-predicated copy.
 WU_TMA_STORE_DEFAULT = True
+# P5 on tf32 mma.sync (FLA's solve_tril precision for these blocks) instead of fp32 SIMT over shared memory: one
+# warp per block of T, three barriers instead of six, ~0.4 K warp instructions instead of ~4.8 K a tile
+INVERSE_MMA_DEFAULT = True
 
 
 class ChunkKDAIntraFwdSm90:
@@ -115,9 +118,10 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False,
-        wu_tma_store: bool = WU_TMA_STORE_DEFAULT,
+        wu_tma_store: bool = WU_TMA_STORE_DEFAULT, inverse_mma: bool = INVERSE_MMA_DEFAULT,
     ):  # fmt: skip
         self.wu_tma_store = bool(wu_tma_store)
+        self.inverse_mma = bool(inverse_mma)
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
         if gate not in GATES:
@@ -582,36 +586,40 @@ class ChunkKDAIntraFwdSm90:
                     sA[o + r, o + col] = rX[r]
         cute.arch.barrier()
 
-        # ---------------- P5: off-diagonal blocks, X_i,<i = -D_i^-1 (A_i,<i X_<i,<i), in place ----------------
-        # step i reads A's row block i left of the diagonal (still Akk) and X's rows above it (done), then
-        # overwrites that row block
-        rr = tidx // 16
-        c0 = tidx % 16
-        # (each half-step stores its i results after all their loads; the stores go to sY, or to column blocks of
-        # row block i that this half-step does not read)
-        for i in cutlass.range_constexpr(1, 4):
-            ys = []
-            for p in cutlass.range_constexpr(i):
-                y = Float32(0.0)
-                for m4 in cutlass.range_constexpr(4 * p, 4 * i):
-                    ra = self._a_row4(sA, 16 * i + rr, 4 * m4)
-                    for e in cutlass.range_constexpr(4):
-                        y = y + ra[e] * sA[4 * m4 + e, c0 + 16 * p]
-                ys.append(y)
-            for p in cutlass.range_constexpr(i):
-                sY[rr, c0 + 16 * p] = ys[p]
-            cute.arch.barrier()
-            ys = []
-            for p in cutlass.range_constexpr(i):
-                y = Float32(0.0)
-                for m4 in cutlass.range_constexpr(4):
-                    ra = self._a_row4(sA, 16 * i + rr, 16 * i + 4 * m4)
-                    for e in cutlass.range_constexpr(4):
-                        y = y - ra[e] * sY[4 * m4 + e, c0 + 16 * p]
-                ys.append(y)
-            for p in cutlass.range_constexpr(i):
-                sA[16 * i + rr, c0 + 16 * p] = ys[p]
-            cute.arch.barrier()
+        if const_expr(self.inverse_mma):
+            # ---------------- P5: off-diagonal blocks of T on tf32 mma.sync (see _inverse_blocks_mma) ----------------
+            self._inverse_blocks_mma(sA, base, warp_idx, tidx % 32)
+        else:
+            # ---------------- P5: off-diagonal blocks, X_i,<i = -D_i^-1 (A_i,<i X_<i,<i), in place ----------------
+            # step i reads A's row block i left of the diagonal (still Akk) and X's rows above it (done), then
+            # overwrites that row block
+            rr = tidx // 16
+            c0 = tidx % 16
+            # (each half-step stores its i results after all their loads; the stores go to sY, or to column blocks of
+            # row block i that this half-step does not read)
+            for i in cutlass.range_constexpr(1, 4):
+                ys = []
+                for p in cutlass.range_constexpr(i):
+                    y = Float32(0.0)
+                    for m4 in cutlass.range_constexpr(4 * p, 4 * i):
+                        ra = self._a_row4(sA, 16 * i + rr, 4 * m4)
+                        for e in cutlass.range_constexpr(4):
+                            y = y + ra[e] * sA[4 * m4 + e, c0 + 16 * p]
+                    ys.append(y)
+                for p in cutlass.range_constexpr(i):
+                    sY[rr, c0 + 16 * p] = ys[p]
+                cute.arch.barrier()
+                ys = []
+                for p in cutlass.range_constexpr(i):
+                    y = Float32(0.0)
+                    for m4 in cutlass.range_constexpr(4):
+                        ra = self._a_row4(sA, 16 * i + rr, 16 * i + 4 * m4)
+                        for e in cutlass.range_constexpr(4):
+                            y = y - ra[e] * sY[4 * m4 + e, c0 + 16 * p]
+                    ys.append(y)
+                for p in cutlass.range_constexpr(i):
+                    sA[16 * i + rr, c0 + 16 * p] = ys[p]
+                cute.arch.barrier()
 
         # ---------------- P6: bf16(T), v' = bf16(beta v), k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ------
         sT0 = sT[None, None, 0]
@@ -702,6 +710,159 @@ class ChunkKDAIntraFwdSm90:
             cute.copy(tma_out, ts[None, 0], tgm[None, 0])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # ---- P5 on tf32 mma.sync: 16x16 blocks, m16n8k8 atoms. A warp's k slots c and c + 4 (lane (g, c)) hold
+    # physical k = 2 c and 2 c + 1 of each 8-wide k-step, for A and B alike (the contraction order is free): then an
+    # accumulator (lane (g, c) holds columns 2 c, 2 c + 1) is already the A fragment of the next product, and the A
+    # rows from shared memory are 8-byte reads.
+
+    @cute.jit
+    def _frag_a_smem(self, tiled, sX, r0, k0, lane):
+        """A fragment (rows r0..r0+15, k-step k0..k0+7) from an fp32 (row, col) tensor, tf32-rounded."""
+        g, c2 = lane // 4, (lane % 4) * 2
+        fa = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
+        for h in cutlass.range_constexpr(2):
+            two = cute.make_rmem_tensor(2, Float32)
+            cute.autovec_copy(self._vec_at(sX, (r0 + g + 8 * h, k0 + c2), 2, 2), two)
+            fa[h] = _round_tf32(two[0]).to(TFloat32)
+            fa[2 + h] = _round_tf32(two[1]).to(TFloat32)
+        return fa
+
+    @cute.jit
+    def _frags_a_from_acc(self, tiled, negate: bool, acc):
+        """The two k-step A fragments of a 16x16 accumulator (times -1 with ``negate``), tf32-rounded."""
+        frags = []
+        for ks in cutlass.range_constexpr(2):
+            fa = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
+            for slot, v in ((0, 0), (1, 2), (2, 1), (3, 3)):
+                x = acc[v + 4 * ks]
+                if const_expr(negate):
+                    x = -x
+                fa[slot] = _round_tf32(x).to(TFloat32)
+            frags.append(fa)
+        return frags
+
+    @cute.jit
+    def _mma_block(self, tiled, acc, frags_a, sB, r0, c0, lane):
+        """acc (16x16) += A . B[r0 .. r0+15, c0 .. c0+15] for the two k-step A fragments ``frags_a``, B fp32 in
+        shared memory (tf32-rounded as read)."""
+        g, c2 = lane // 4, (lane % 4) * 2
+        for ks in cutlass.range_constexpr(2):
+            fb = cute.make_rmem_tensor(tiled.partition_shape_B((16, 8)), TFloat32)
+            for nt in cutlass.range_constexpr(2):
+                for v in cutlass.range_constexpr(2):
+                    fb[2 * nt + v] = _round_tf32(sB[r0 + 8 * ks + c2 + v, c0 + 8 * nt + g]).to(TFloat32)
+            cute.gemm(tiled, acc, frags_a[ks], fb, acc)
+
+    @cute.jit
+    def _store_block(self, sX, r0, c0, acc, lane):
+        """A 16x16 accumulator to sX[r0.., c0..] (fp32, two 8-byte stores per n-tile)."""
+        g, c2 = lane // 4, (lane % 4) * 2
+        for nt in cutlass.range_constexpr(2):
+            for h in cutlass.range_constexpr(2):
+                two = cute.make_rmem_tensor(2, Float32)
+                two[0] = acc[2 * h + 4 * nt]
+                two[1] = acc[2 * h + 1 + 4 * nt]
+                cute.autovec_copy(two, self._vec_at(sX, (r0 + g + 8 * h, c0 + 8 * nt + c2), 2, 2))
+
+    @cute.jit
+    def _da_at(self, tiled, fd, sA, r0, c0, lane):
+        """D A as a 16x16 accumulator: D's A fragments ``fd``, A the Akk block at (r0, c0), still in sA."""
+        x = cute.make_rmem_tensor(tiled.partition_shape_C((16, 16)), Float32)
+        x.fill(0.0)
+        self._mma_block(tiled, x, fd, sA, r0, c0, lane)
+        return x
+
+    @cute.jit
+    def _d_frags_at(self, tiled, sA, r0, lane):
+        """The two k-step A fragments of the diagonal block of T at (r0, r0)."""
+        return [self._frag_a_smem(tiled, sA, r0, r0 + 8 * ks, lane) for ks in range(2)]
+
+    @cute.jit
+    def _neg_a(self, tiled, x):
+        """N = -x as the A fragments of the next product (x: a 16x16 accumulator such as D_i A_ij)."""
+        return self._frags_a_from_acc(tiled, True, x)
+
+    @staticmethod
+    @cute.jit
+    def _copy_acc(dst, src):
+        for e in cutlass.range_constexpr(cute.size(dst)):
+            dst[e] = src[e]
+
+    @cute.jit
+    def _inverse_blocks_mma(self, sA, region, warp_idx, lane):
+        """The six off-diagonal blocks of T = (I + Akk)^-1 in place in sA, given its diagonal blocks D_i (P4):
+        with N_ij = -D_i A_ij, T_ij = sum_{m = j..i-1} N_im T_mj (T_mm = D_m), one warp per block:
+
+        ====  ===================================  =======================  =====================
+        warp  before barrier 1                      before barrier 2         before barrier 3
+        ====  ===================================  =======================  =====================
+        0     T10 = N10 D0, stored                  .                        .
+        1     T21 = N21 D1, to scratch              T21 stored               .
+        2     T32 = N32 D2                          T32 stored               .
+        3     N20 D0 (N21 kept)                     + N21 T10, T20 stored    .
+        4     N31 D1 (N32 kept)                     + N32 T21, T31 stored    .
+        5     N30 D0 (N31, N32 kept)                + N31 T10                + N32 T20, T30 stored
+        ====  ===================================  =======================  =====================
+
+        Each block of A is read in the first step only and overwritten only after barrier 1, except A10 (read by
+        warp 0 alone), so the blocks are computed in place. FLA computes the same blocks with tf32 dots
+        (``solve_tril``'s precision); the products of one block are summed in fp32 in the accumulator."""
+        tiled = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
+        sS = cute.make_tensor(
+            cute.recast_ptr(region + self.off_y, dtype=Float32), cute.make_layout((16, 16), stride=(20, 1))
+        )  # T21 for warp 4 (rows 20 floats apart: the B reads are free of bank conflicts)
+        shape_c = tiled.partition_shape_C((16, 16))
+        acc = cute.make_rmem_tensor(shape_c, Float32)  # the warp's block of T
+        acc.fill(0.0)
+        # N blocks kept across the barriers as accumulators (8 registers each, shared by the warps' roles)
+        keep1 = cute.make_rmem_tensor(shape_c, Float32)
+        keep2 = cute.make_rmem_tensor(shape_c, Float32)
+        keep1.fill(0.0)
+        keep2.fill(0.0)
+
+        # warps 0-2: T_{j+1, j} = N_{j+1, j} D_j
+        if warp_idx < 3:
+            j = warp_idx
+            fd = self._d_frags_at(tiled, sA, 16 * (j + 1), lane)
+            self._mma_block(tiled, acc, self._neg_a(tiled, self._da_at(tiled, fd, sA, 16 * (j + 1), 16 * j, lane)),
+                            sA, 16 * j, 16 * j, lane)  # fmt: skip
+            if warp_idx == 0:
+                cute.arch.sync_warp()  # A10 (read by this warp alone) is overwritten in place
+                self._store_block(sA, 16, 0, acc, lane)
+            if warp_idx == 1:
+                self._store_block(sS, 0, 0, acc, lane)
+        elif warp_idx == 3:
+            fd = self._d_frags_at(tiled, sA, 32, lane)
+            self._copy_acc(keep1, self._da_at(tiled, fd, sA, 32, 16, lane))  # D2 A21
+            self._mma_block(tiled, acc, self._neg_a(tiled, self._da_at(tiled, fd, sA, 32, 0, lane)), sA, 0, 0, lane)
+        elif warp_idx == 4:
+            fd = self._d_frags_at(tiled, sA, 48, lane)
+            self._copy_acc(keep1, self._da_at(tiled, fd, sA, 48, 32, lane))  # D3 A32
+            self._mma_block(tiled, acc, self._neg_a(tiled, self._da_at(tiled, fd, sA, 48, 16, lane)), sA, 16, 16, lane)
+        elif warp_idx == 5:
+            fd = self._d_frags_at(tiled, sA, 48, lane)
+            self._copy_acc(keep1, self._da_at(tiled, fd, sA, 48, 16, lane))  # D3 A31
+            self._copy_acc(keep2, self._da_at(tiled, fd, sA, 48, 32, lane))  # D3 A32
+            self._mma_block(tiled, acc, self._neg_a(tiled, self._da_at(tiled, fd, sA, 48, 0, lane)), sA, 0, 0, lane)
+        cute.arch.barrier()
+        if warp_idx == 1:
+            self._store_block(sA, 32, 16, acc, lane)
+        elif warp_idx == 2:
+            self._store_block(sA, 48, 32, acc, lane)
+        elif warp_idx == 3:
+            self._mma_block(tiled, acc, self._neg_a(tiled, keep1), sA, 16, 0, lane)  # + N21 T10
+            self._store_block(sA, 32, 0, acc, lane)
+        elif warp_idx == 4:
+            self._mma_block(tiled, acc, self._neg_a(tiled, keep1), sS, 0, 0, lane)  # + N32 T21
+            self._store_block(sA, 48, 16, acc, lane)
+        elif warp_idx == 5:
+            self._mma_block(tiled, acc, self._neg_a(tiled, keep1), sA, 16, 0, lane)  # + N31 T10
+        cute.arch.barrier()
+        if warp_idx == 5:
+            self._mma_block(tiled, acc, self._neg_a(tiled, keep2), sA, 32, 0, lane)  # + N32 T20
+            self._store_block(sA, 48, 0, acc, lane)
+        cute.arch.barrier()
 
     @cute.jit
     def _diag_inverse_column(self, sA, o, col, rX):
@@ -958,6 +1119,7 @@ def gate_params_binder(
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
     beta_act: str, *, g_cum_last_only: bool = False, wu_tma_store: bool | None = None,
+    inverse_mma: bool | None = None,
 ):  # fmt: skip
     """The compiled variant for torch dtypes and the launch flags; ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s
     bound launch both take their kernel from here."""
@@ -966,6 +1128,7 @@ def compiled_for(
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
         g_cum_last_only=bool(g_cum_last_only),
         wu_tma_store=WU_TMA_STORE_DEFAULT if wu_tma_store is None else bool(wu_tma_store),
+        inverse_mma=INVERSE_MMA_DEFAULT if inverse_mma is None else bool(inverse_mma),
     )  # fmt: skip
 
 
@@ -1006,6 +1169,7 @@ def chunk_kda_intra_sm90(
     allow_neg_eigval: bool = False,
     g_cum_last_only: bool = False,
     wu_tma_store: bool | None = None,
+    inverse_mma: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -1037,6 +1201,8 @@ def chunk_kda_intra_sm90(
             reads); its other rows are left as they were.
         wu_tma_store: w / u of full chunks through stmatrix and TMA stores (None: ``WU_TMA_STORE_DEFAULT``);
             the outputs are the same bits either way.
+        inverse_mma: the off-diagonal blocks of (I + Akk)^-1 on tf32 mma.sync (None: ``INVERSE_MMA_DEFAULT``)
+            instead of fp32 SIMT.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -1089,7 +1255,7 @@ def chunk_kda_intra_sm90(
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
         dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
-        wu_tma_store=wu_tma_store,
+        wu_tma_store=wu_tma_store, inverse_mma=inverse_mma,
     )
 
     def flat(t):
