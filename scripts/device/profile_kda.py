@@ -71,8 +71,6 @@ def wall_us(fn) -> float:
 # variants waiting for their GPU check: name -> switches as (module, attribute, value), each profiled as
 # "cula-intra+<name>" beside the default
 PENDING: dict[str, list[tuple[str, str, object]]] = {
-    # the off-diagonal inverse blocks on tf32 mma.sync are the default since session 14; the fp32 SIMT path beside it
-    "simt-inverse": [("cula.ops.kda.sm90.intra", "INVERSE_MMA_DEFAULT", False)],
 }
 
 

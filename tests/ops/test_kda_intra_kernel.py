@@ -51,10 +51,6 @@ _VARIANTS = [
      "beta_act": "sigmoid", "g_cum_last_only": True},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True},
-    # w / u through scalar shared stores and row copies for every chunk (the path before wu_tma_store), and the
-    # fp32 SIMT inverse (the path before inverse_mma)
-    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
-     "beta_act": "sigmoid", "g_cum_last_only": True, "wu_tma_store": False, "inverse_mma": False},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -70,8 +66,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
                    v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}",
                    l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"),
-                   g_cum_last_only=v.get("g_cum_last_only", False), wu_tma_store=v.get("wu_tma_store", True),
-                   inverse_mma=v.get("inverse_mma", True))
+                   g_cum_last_only=v.get("g_cum_last_only", False))
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -91,10 +86,6 @@ def _vid(v):
         vid += f"-beta_{v['beta_act']}"
     if v.get("g_cum_last_only"):
         vid += "-g_cum_last_only"
-    if not v.get("wu_tma_store", True):
-        vid += "-wu_rows"
-    if not v.get("inverse_mma", True):
-        vid += "-simt_inverse"
     return vid
 
 
@@ -127,9 +118,8 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     assert ptx.count("st.global.v4") == 34, ptx.count("st.global.v4")
     assert "st.global.b16" not in ptx and "st.global.f32" not in ptx and "st.global.b32" not in ptx
     # full chunks: w / u by stmatrix (64 x 128 bf16 per warpgroup = 8 x4 stores a thread) and TMA stores
-    tma_wu = _VARIANTS[idx].get("wu_tma_store", True)
-    assert ptx.count("stmatrix.sync.aligned") == (16 if tma_wu else 0), ptx.count("stmatrix.sync.aligned")
-    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx or "cp.async.bulk.tensor.3d.global.shared" in ptx) == tma_wu
+    assert ptx.count("stmatrix.sync.aligned") == 16, ptx.count("stmatrix.sync.aligned")
+    assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == 4  # w and u, two 128-byte-wide boxes each
     if nvdisasm is None:
         pytest.skip("nvdisasm not found: PTX checked, SASS not")
     sass = subprocess.run(
@@ -137,8 +127,7 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     ).stdout
     # scores: one (key block, anchor) pair per warp and round, 16 k-steps x 4 n-tiles of tf32 mma.sync; the
     # inverse's off-diagonal blocks: 16 products of 16x16 blocks (2 k-steps x 2 n-tiles each)
-    inverse_mma = _VARIANTS[idx].get("inverse_mma", True)
-    assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == 128 + 64 * inverse_mma
+    assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == 128 + 64
     # w (warpgroup 0) and u (warpgroup 1): 4 k-steps each, k'/v' read MN-major
     assert len(re.findall(r"HGMMA\.64x128x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
     assert "UTMALDG" in sass
@@ -424,54 +413,6 @@ def test_intra_vs_fla(case):
     out = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb)
     torch.cuda.synchronize()
     _assert_matches_fla((g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref), out, cu)
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_preproc"])
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
-def test_wu_tma_store_bit_identical(case, fused):
-    """w / u of full chunks through stmatrix and TMA stores (``wu_tma_store``) change no bit of any output against
-    the scalar-store path, including the untouched rows past each sequence end (poisoned before every run)."""
-    q, k, v, g, beta, cu, A_log, dt_bias, lb = (_raw_preproc if fused else _setup)(case)
-    extra = {"use_qk_l2norm": True, "beta_sigmoid": True} if fused else {}
-    ci = None
-    if cu is not None:
-        from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
-
-        ci = prepare_chunk_indices_i32(cu)
-    outs = [
-        _run_ours(q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb, wu_tma_store=on, **extra)
-        for on in (False, True)
-    ]
-    torch.cuda.synchronize()
-    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), *outs):
-        assert torch.equal(a.view(torch.int8), b.view(torch.int8)), name
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
-def test_inverse_mma_matches_simt(case):
-    """The off-diagonal blocks of (I + Akk)^-1 on tf32 mma.sync (``inverse_mma``) against the fp32 SIMT path: w and u
-    within tf32 rounding of each other, everything that does not depend on the inverse bit for bit."""
-    from cula.testing import rel_rmse
-
-    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
-    ci = None
-    if cu is not None:
-        from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
-
-        ci = prepare_chunk_indices_i32(cu)
-    simt, mma = (
-        _run_ours(q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb, inverse_mma=on) for on in (False, True)
-    )
-    torch.cuda.synchronize()
-    for name, a, b in zip(("g_cum", "qg", "kg", "Aqk"), (simt[0], *simt[3:]), (mma[0], *mma[3:])):
-        assert torch.equal(a.view(torch.int8), b.view(torch.int8)), name
-    for name, a, b in (("w", simt[1], mma[1]), ("u", simt[2], mma[2])):
-        assert not torch.isnan(b).any(), name  # every row is a sequence's (poisoned before the run)
-        assert rel_rmse(a.float(), b.float()) < 2e-3, (name, rel_rmse(a.float(), b.float()))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

@@ -50,7 +50,7 @@ P3     round r: warps 0-4 each take one (key block kb <= anchor) pair of the rou
        both rounds: Aqk rows to gmem (staged), Akk rows to smem (fp32); warps 5-7 zero the blocks above the
        diagonal
 P4     threads 0-63: inverse of the four 16x16 unit-lower diagonal blocks (forward substitution, fp32, in place)
-P5     block forward substitution for the off-diagonal blocks of T (3 steps, fp32 SIMT, in place)
+P5     warps 0-5: the six off-diagonal blocks of T, one per warp, on tf32 mma.sync (3 steps, in place)
 P6     bf16(T) to smem (WGMMA A layout); wait for v; v <- bf16(beta v), k <- bf16(bf16(beta k) exp2(gc))
 P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through the k / v tiles
 =====  ==========================================================================================================
@@ -91,18 +91,18 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
-# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P5, P6's k' and v')
+# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P6's k' and v')
 # issue the next step's loads before this step's stores: ptxas never moves a load above a store it cannot prove
 # disjoint, so a plain loop runs one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 loads the
 # raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. On the H200 this was bit-
 # identical to the plain loops and 6% faster (B2-T16384 3127 -> 2930 us, 2026-11-30).
 # P7 of a full chunk moves w / u to global memory by stmatrix into the k / v tile and one TMA store per
-# warpgroup, instead of 64 scalar shared stores (each with its swizzle arithmetic), a barrier and eight 16-byte
-# row copies per thread (~3 K of the tile's ~38 K warp instructions). Partial chunks keep the row-predicated copy.
-WU_TMA_STORE_DEFAULT = True
-# P5 on tf32 mma.sync (FLA's solve_tril precision for these blocks) instead of fp32 SIMT over shared memory: one
-# warp per block of T, three barriers instead of six, ~0.4 K warp instructions instead of ~4.8 K a tile
-INVERSE_MMA_DEFAULT = True
+# warpgroup; 64 scalar shared stores (each with its swizzle arithmetic), a barrier and eight 16-byte row copies per
+# thread, kept for partial chunks, were 10% of the kernel's time (H200, B2-T16384 2796 -> 2514 us, 2026-12-01).
+# P5 runs on tf32 mma.sync (FLA's solve_tril precision for these blocks): one warp per block of T and three
+# barriers, where fp32 SIMT over shared memory took six and ~4.8 K warp instructions a tile (2274 -> 2043 us).
+# Between the two, P2's operand stores stopped indexing register arrays at run time (which had put them in local
+# memory) and P1's g_cum stores lost their per-store swizzle arithmetic and select: 2514 -> 2261 us.
 
 
 class ChunkKDAIntraFwdSm90:
@@ -118,10 +118,7 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False,
-        wu_tma_store: bool = WU_TMA_STORE_DEFAULT, inverse_mma: bool = INVERSE_MMA_DEFAULT,
     ):  # fmt: skip
-        self.wu_tma_store = bool(wu_tma_store)
-        self.inverse_mma = bool(inverse_mma)
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
         if gate not in GATES:
@@ -141,13 +138,13 @@ class ChunkKDAIntraFwdSm90:
         self.x_bytes = self.bt * self.dk * (dtype.width // 8)
         # The region holds raw g (P0-P1), the score B operands (P2-P3), then: Akk, inverted in place into T
         # (fp32 [BT, a_ld], P3 epilogue-P6); Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte
-        # aligned, banks staggered; P3 epilogue); Y (P5); bf16 T as the WGMMA A operand (1024-aligned for its
-        # swizzle; P6-P7, after Aqk is stored)
+        # aligned, banks staggered; P3 epilogue); P5's scratch block of T (off_y, 16 rows of 20 floats); bf16 T
+        # as the WGMMA A operand (1024-aligned for its swizzle; P6-P7, after Aqk is stored)
         self.off_akk, self.off_aqk, self.aqk_ld, self.off_t, self.off_y = 0, 17408, self.bt + 8, 17408, 26624
-        # Akk / T rows of 68 floats: 16-byte rows for vector reads in P5 / P6, and the P3 epilogue's column
-        # writes free of bank conflicts
+        # Akk / T rows of 68 floats: 16-byte rows for P6's vector reads, and the P3 epilogue's column writes and
+        # P5's fragment reads free of bank conflicts
         self.a_ld = self.bt + 4
-        self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_y + 16 * 48 * 4)
+        self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_y + 16 * 20 * 4)
         assert self.off_akk + self.bt * self.a_ld * 4 <= min(self.off_aqk, self.off_t)
         assert self.off_aqk + self.bt * self.aqk_ld * 2 <= self.off_y and self.off_t + self.bt * self.bt * 2 <= self.off_y
 
@@ -485,9 +482,6 @@ class ChunkKDAIntraFwdSm90:
         sA = cute.make_tensor(
             cute.recast_ptr(base + self.off_akk, dtype=Float32), cute.make_layout((BT, BT), stride=(self.a_ld, 1))
         )
-        sY = cute.make_tensor(
-            cute.recast_ptr(base + self.off_y, dtype=Float32), cute.make_layout((16, 48), stride=(48, 1))
-        )
         sT = cute.make_tensor(cute.recast_ptr(base + self.off_t, sT_l.inner, dtype=dt), sT_l.outer)
         sAqk = cute.make_tensor(
             cute.recast_ptr(base + self.off_aqk, dtype=dt), cute.make_layout((BT, BT), stride=(self.aqk_ld, 1))
@@ -586,40 +580,8 @@ class ChunkKDAIntraFwdSm90:
                     sA[o + r, o + col] = rX[r]
         cute.arch.barrier()
 
-        if const_expr(self.inverse_mma):
-            # ---------------- P5: off-diagonal blocks of T on tf32 mma.sync (see _inverse_blocks_mma) ----------------
-            self._inverse_blocks_mma(sA, base, warp_idx, tidx % 32)
-        else:
-            # ---------------- P5: off-diagonal blocks, X_i,<i = -D_i^-1 (A_i,<i X_<i,<i), in place ----------------
-            # step i reads A's row block i left of the diagonal (still Akk) and X's rows above it (done), then
-            # overwrites that row block
-            rr = tidx // 16
-            c0 = tidx % 16
-            # (each half-step stores its i results after all their loads; the stores go to sY, or to column blocks of
-            # row block i that this half-step does not read)
-            for i in cutlass.range_constexpr(1, 4):
-                ys = []
-                for p in cutlass.range_constexpr(i):
-                    y = Float32(0.0)
-                    for m4 in cutlass.range_constexpr(4 * p, 4 * i):
-                        ra = self._a_row4(sA, 16 * i + rr, 4 * m4)
-                        for e in cutlass.range_constexpr(4):
-                            y = y + ra[e] * sA[4 * m4 + e, c0 + 16 * p]
-                    ys.append(y)
-                for p in cutlass.range_constexpr(i):
-                    sY[rr, c0 + 16 * p] = ys[p]
-                cute.arch.barrier()
-                ys = []
-                for p in cutlass.range_constexpr(i):
-                    y = Float32(0.0)
-                    for m4 in cutlass.range_constexpr(4):
-                        ra = self._a_row4(sA, 16 * i + rr, 16 * i + 4 * m4)
-                        for e in cutlass.range_constexpr(4):
-                            y = y - ra[e] * sY[4 * m4 + e, c0 + 16 * p]
-                    ys.append(y)
-                for p in cutlass.range_constexpr(i):
-                    sA[16 * i + rr, c0 + 16 * p] = ys[p]
-                cute.arch.barrier()
+        # ---------------- P5: off-diagonal blocks of T on tf32 mma.sync ----------------
+        self._inverse_blocks_mma(sA, base, warp_idx, tidx % 32)
 
         # ---------------- P6: bf16(T), v' = bf16(beta v), k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ------
         sT0 = sT[None, None, 0]
@@ -661,18 +623,13 @@ class ChunkKDAIntraFwdSm90:
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 # through this warpgroup's own B tile (sK / sV, no longer read by anyone)
-                sOut = sK0 if which == 0 else sV0
-                if const_expr(self.wu_tma_store):
-                    if valid == BT:
-                        sOut3 = sK if which == 0 else sV
-                        self._store_wu_tma(
-                            mma_wu, accW, sOut3, tma_w if which == 0 else tma_u, tw if which == 0 else tu, hv,
-                            tok0, tid, which,
-                        )  # fmt: skip
-                    else:
-                        self._store_wu_rows(accW, tWc, sOut, mOut, tok0, hv, valid, tid, which)
+                if valid == BT:
+                    self._store_wu_tma(
+                        mma_wu, accW, sK if which == 0 else sV, tma_w if which == 0 else tma_u,
+                        tw if which == 0 else tu, hv, tok0, tid, which,
+                    )  # fmt: skip
                 else:
-                    self._store_wu_rows(accW, tWc, sOut, mOut, tok0, hv, valid, tid, which)
+                    self._store_wu_rows(accW, tWc, sK0 if which == 0 else sV0, mOut, tok0, hv, valid, tid, which)
 
     @cute.jit
     def _store_wu_rows(self, accW, tWc, sOut, mOut, tok0, hv, valid, tid, which):
@@ -1118,8 +1075,7 @@ def gate_params_binder(
 
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str, *, g_cum_last_only: bool = False, wu_tma_store: bool | None = None,
-    inverse_mma: bool | None = None,
+    beta_act: str, *, g_cum_last_only: bool = False,
 ):  # fmt: skip
     """The compiled variant for torch dtypes and the launch flags; ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s
     bound launch both take their kernel from here."""
@@ -1127,8 +1083,6 @@ def compiled_for(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
         g_cum_last_only=bool(g_cum_last_only),
-        wu_tma_store=WU_TMA_STORE_DEFAULT if wu_tma_store is None else bool(wu_tma_store),
-        inverse_mma=INVERSE_MMA_DEFAULT if inverse_mma is None else bool(inverse_mma),
     )  # fmt: skip
 
 
@@ -1168,8 +1122,6 @@ def chunk_kda_intra_sm90(
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
     g_cum_last_only: bool = False,
-    wu_tma_store: bool | None = None,
-    inverse_mma: bool | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
 
@@ -1199,10 +1151,6 @@ def chunk_kda_intra_sm90(
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
         g_cum_last_only: write g_cum at the last valid row of each chunk only (what the state/output kernel
             reads); its other rows are left as they were.
-        wu_tma_store: w / u of full chunks through stmatrix and TMA stores (None: ``WU_TMA_STORE_DEFAULT``);
-            the outputs are the same bits either way.
-        inverse_mma: the off-diagonal blocks of (I + Akk)^-1 on tf32 mma.sync (None: ``INVERSE_MMA_DEFAULT``)
-            instead of fp32 SIMT.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -1255,7 +1203,6 @@ def chunk_kda_intra_sm90(
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
         dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
-        wu_tma_store=wu_tma_store, inverse_mma=inverse_mma,
     )
 
     def flat(t):
