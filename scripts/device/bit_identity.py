@@ -61,7 +61,8 @@ def main() -> None:
             diff = [n for n, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), *outs)
                     if not torch.equal(a.view(torch.int8), b.view(torch.int8))]  # fmt: skip
             bad += bool(diff)
-            print(f"{T._case_id(case)} {'fused' if fused else 'plain'}: {'DIFFER ' + ' '.join(diff) if diff else 'same bits'}")
+            verdict = "DIFFER " + " ".join(diff) if diff else "same bits"
+            print(f"{T._case_id(case)} {'fused' if fused else 'plain'}: {verdict}")
     print(f"bit identity: {'FAILED' if bad else 'passed'} ({bad} of {2 * len(T.CASES)} differ)")
     sys.exit(1 if bad else 0)
 
