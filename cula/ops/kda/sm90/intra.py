@@ -13,7 +13,8 @@ tokens, value head); per chunk, with rows t, s in [0, 64), ``gc = g_cum`` and ``
     qg     = q exp2(gc),  kg = k exp2(gl - gc)        # bf16
     Aqk    = scale (q k^T o exp2(gc_t - gc_s))  s <= t, 0 above the diagonal   # bf16 [.., 64]
     Akk    = beta_t (k k^T o exp2(gc_t - gc_s)) s <  t, 0 elsewhere            # fp32, stays on chip
-    T      = (I + Akk)^-1                             # fp32 on chip, rounded to bf16 like FLA's Akk
+    T      = (I + Akk)^-1                             # fp32 on chip (off-diagonal 16x16 blocks from tf32 products,
+                                                      # as FLA's solve_tril), rounded to bf16 like FLA's Akk
     w      = T bf16(bf16(beta k) exp2(gc)),  u = T bf16(beta v)               # bf16
 
 exactly the tensors ``chunk_kda_delta_h_fwd_o_sm90`` consumes (FLA's layouts; Aqk's upper triangle is written as
@@ -52,7 +53,8 @@ P3     round r: warps 0-4 each take one (key block kb <= anchor) pair of the rou
 P4     threads 0-63: inverse of the four 16x16 unit-lower diagonal blocks (forward substitution, fp32, in place)
 P5     warps 0-5: the six off-diagonal blocks of T, one per warp, on tf32 mma.sync (3 steps, in place)
 P6     bf16(T) to smem (WGMMA A layout); wait for v; v <- bf16(beta v), k <- bf16(bf16(beta k) exp2(gc))
-P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through the k / v tiles
+P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through the k / v tiles (stmatrix and
+       a TMA store for a full chunk, row-predicated copies for a partial one)
 =====  ==========================================================================================================
 
 Memory floor (bf16 q/k/v, fp32 g, H = HV): it reads q, k, v (3 x 256 B per token and head), g (512 B) and beta,
