@@ -688,20 +688,6 @@ class ChunkKDAIntraFwdSm90:
         return fa
 
     @cute.jit
-    def _frags_a_from_acc(self, tiled, negate: bool, acc):
-        """The two k-step A fragments of a 16x16 accumulator (times -1 with ``negate``), tf32-rounded."""
-        frags = []
-        for ks in cutlass.range_constexpr(2):
-            fa = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
-            for slot, v in ((0, 0), (1, 2), (2, 1), (3, 3)):
-                x = acc[v + 4 * ks]
-                if const_expr(negate):
-                    x = -x
-                fa[slot] = _round_tf32(x).to(TFloat32)
-            frags.append(fa)
-        return frags
-
-    @cute.jit
     def _mma_block(self, tiled, acc, frags_a, sB, r0, c0, lane):
         """acc (16x16) += A . B[r0 .. r0+15, c0 .. c0+15] for the two k-step A fragments ``frags_a``, B fp32 in
         shared memory (tf32-rounded as read)."""
@@ -739,8 +725,16 @@ class ChunkKDAIntraFwdSm90:
 
     @cute.jit
     def _neg_a(self, tiled, x):
-        """N = -x as the A fragments of the next product (x: a 16x16 accumulator such as D_i A_ij)."""
-        return self._frags_a_from_acc(tiled, True, x)
+        """N = -x as the two k-step A fragments of the next product (x: a 16x16 accumulator such as D_i A_ij),
+        tf32-rounded: slots (g, c), (g + 8, c), (g, c + 4), (g + 8, c + 4) are x's (g, 2c), (g + 8, 2c), (g, 2c + 1),
+        (g + 8, 2c + 1)."""
+        frags = []
+        for ks in cutlass.range_constexpr(2):
+            fa = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
+            for slot, v in ((0, 0), (1, 2), (2, 1), (3, 3)):
+                fa[slot] = _round_tf32(-x[v + 4 * ks]).to(TFloat32)
+            frags.append(fa)
+        return frags
 
     @staticmethod
     @cute.jit
