@@ -38,7 +38,6 @@ def main() -> None:
 
     from cula.ops.kda.sm90 import intra as cur
     from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
-    from cula.testing import poison_
 
     ref = load_ref(sys.argv[1])
     bad = 0
@@ -47,16 +46,11 @@ def main() -> None:
             q, k, v, g, beta, cu, A_log, dt_bias, lb = (T._raw_preproc if fused else T._setup)(case)
             extra = {"use_qk_l2norm": True, "beta_sigmoid": True} if fused else {}
             ci = prepare_chunk_indices_i32(cu) if cu is not None else None
-            outs = []
-            for mod in (ref, cur):
-                B, Tn, _H, K = q.shape
-                HV = v.shape[2]
-                w, u, qg, kg = (poison_(torch.empty(B, Tn, HV, K, dtype=q.dtype, device="cuda")) for _ in range(4))
-                Aqk = poison_(torch.empty(B, Tn, HV, 64, dtype=q.dtype, device="cuda"))
-                g_cum = poison_(torch.empty(B, Tn, HV, K, dtype=torch.float32, device="cuda"))
-                mod.chunk_kda_intra_sm90(q, k, v, g, beta, 128**-0.5, w, u, qg, kg, Aqk, g_cum, cu, ci, gate=case[5],
-                                         A_log=A_log, dt_bias=dt_bias, lower_bound=lb, **extra)  # fmt: skip
-                outs.append((g_cum, w, u, qg, kg, Aqk))
+            outs = [
+                T._run_ours(q, k, v, g, beta, 128**-0.5, cu, ci, case[5], A_log, dt_bias, lb,
+                            launcher=mod.chunk_kda_intra_sm90, **extra)  # fmt: skip
+                for mod in (ref, cur)
+            ]
             torch.cuda.synchronize()
             diff = [n for n, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), *outs)
                     if not torch.equal(a.view(torch.int8), b.view(torch.int8))]  # fmt: skip

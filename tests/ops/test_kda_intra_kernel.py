@@ -385,16 +385,20 @@ def _assert_matches_fla(ref, out, cu):
     assert torch.all(A_out.masked_select(~lower.expand_as(A_out)) == 0), "Aqk above the diagonal must be 0"
 
 
-def _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lower_bound, **fused):
+def _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lower_bound, launcher=None, **fused):
+    """Our intra kernel on NaN-poisoned outputs; ``launcher``: another module's ``chunk_kda_intra_sm90`` (an
+    earlier version, for ``scripts/device/bit_identity.py``)."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
     from cula.testing import poison_
+
+    launcher = launcher or chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
     HV = v.shape[2]
     w, u, qg, kg = (poison_(torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)) for _ in range(4))
     Aqk = poison_(torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device))
     g_cum = poison_(torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device))
-    chunk_kda_intra_sm90(
+    launcher(
         q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu, ci, gate=gate, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, **fused,
     )  # fmt: skip
