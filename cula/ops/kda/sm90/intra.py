@@ -33,27 +33,27 @@ lets each warp take one (key block, anchor) pair, so the blocks above the diagon
 
 Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthreads`` between phases). Each
 phase is short and latency-bound, so the kernel is laid out for two CTAs per SM, whose phases interleave: ~97 KB
-of shared memory (q/k tiles, g_cum, one 32 KB region reused phase by phase; v lands in q's tile after P2) and at
-most 128 registers per thread.
+of shared memory (q/k tiles, g_cum, one 32 KB region reused phase by phase; k' replaces q in P2, v lands in k's
+tile after P3) and at most 128 registers per thread.
 
 =====  ==========================================================================================================
 phase  work
 =====  ==========================================================================================================
 P0     warp 0: mbarrier + three TMA tile loads (q, k [64 x 128] of head hv // (HV/H); raw g of head hv);
        act_b(beta) row to smem (0 past the sequence end); wait
-P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem.  WG1 (l2norm_qk): the 128 q/k rows
-       normalised in place, one thread per row
-P2     round r, sub-chunks (0, 3) then (1, 2), all threads, 8 channels per access: their g_cum, qg, kg rows to
-       gmem, their score B operands (query factor * q | k, tf32-rounded fp32) to smem.  After round 1: TMA of v
-       into q's tile
-P3     round r: warps 0-4 each take one (key block kb <= anchor) pair of the round's two anchors (1 + 4, then
-       2 + 3 blocks): A operand (key factor * k) built in registers per k-step, 16x32x128 tf32 mma.sync.  After
-       both rounds: Aqk rows to gmem (staged), Akk rows to smem (fp32); warps 5-7 zero the blocks above the
-       diagonal
+P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem.  WG1, one thread per q / k row:
+       rows past the sequence end zeroed, the others normalised in place (l2norm_qk)
+P2     round r, sub-chunks (0, 1) then (2, 3), all threads, 8 channels per access: their g_cum, qg, kg rows to
+       gmem, their score B operands (query factor * q | k, tf32-rounded fp32) to smem, k' = bf16(bf16(beta k)
+       exp2(gc)) over the q row just read
+P3     round r: warps 0-2, then 0-6, each take one (key block kb <= anchor) pair of the round's two anchors
+       (1 + 2, then 3 + 4 blocks): A operand (key factor * k) built in registers per k-step, 16x32x128 tf32
+       mma.sync.  After both rounds: TMA of v into k's tile; Aqk rows to gmem (staged), Akk rows to smem (fp32);
+       warps 5-7 zero the blocks above the diagonal
 P4     threads 0-63: inverse of the four 16x16 unit-lower diagonal blocks (forward substitution, fp32, in place)
 P5     warps 0-5: the six off-diagonal blocks of T, one per warp, on tf32 mma.sync (3 steps, in place)
-P6     bf16(T) to smem (WGMMA A layout); wait for v; v <- bf16(beta v), k <- bf16(bf16(beta k) exp2(gc))
-P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through the k / v tiles (stmatrix and
+P6     bf16(T) to smem (WGMMA A layout); wait for v; v <- bf16(beta v)
+P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through the k' / v tiles (stmatrix and
        a TMA store for a full chunk, row-predicated copies for a partial one)
 =====  ==========================================================================================================
 
@@ -105,6 +105,9 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the modul
 # barriers, where fp32 SIMT over shared memory took six and ~4.8 K warp instructions a tile (2274 -> 2043 us).
 # Between the two, P2's operand stores stopped indexing register arrays at run time (which had put them in local
 # memory) and P1's g_cum stores lost their per-store swizzle arithmetic and select: 2514 -> 2261 us.
+# P2 builds k' from qg's exp2(gc) (P6 recomputed it), the rows past the sequence end are zeroed once in P1 instead
+# of masked per element in P2 and P3, and P2's score operands are stored without a data select: 2075 -> 1927 us,
+# bit-identical (H200, B2-T16384, 2026-12-01); P3's rounds (0, 1), (2, 3): 1927 -> 1897 us.
 
 
 class ChunkKDAIntraFwdSm90:
@@ -281,35 +284,7 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(rv, self._vec_at(sX0, (c8, t)))
 
     @cute.jit
-    def _k_prime_vec(self, sK0, sG, sBeta, tidx):
-        """k' = bf16(bf16(beta_t k) exp2(g_cum)) in place, 8 channels per access (all threads)."""
-        dt = self.dtype
-        rows = self.num_threads // 16
-        r = tidx // 16
-        c8 = cute.assume((tidx % 16) * 8, divby=8)
-        steps = self.bt // rows
-
-        def load(j):
-            rk = cute.make_rmem_tensor(8, dt)
-            rg = cute.make_rmem_tensor(8, Float32)
-            cute.autovec_copy(self._vec_at(sK0, (c8, rows * j + r)), rk)
-            cute.autovec_copy(self._vec_at(sG, (c8, rows * j + r), 4), rg)  # sG rows: 16-byte aligned
-            return rk, rg
-
-        nxt = load(0)
-        for j in cutlass.range_constexpr(steps):
-            t = rows * j + r
-            rk, rg = nxt
-            if const_expr(j + 1 < steps):
-                nxt = load(j + 1)
-            b = sBeta[t]
-            for e in cutlass.range_constexpr(8):
-                kbeta = (rk[e].to(Float32) * b).to(dt).to(Float32)
-                rk[e] = (kbeta * cute.math.exp2(rg[e], fastmath=True)).to(dt)
-            cute.autovec_copy(rk, self._vec_at(sK0, (c8, t)))
-
-    @cute.jit
-    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks):
+    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks):
         """P2 of one round: g_cum, qg, kg rows to gmem and the score B operands of the two sub-chunks j in
         ``subchunks`` (into B slots 0 and 1 of ``sB``, a flat fp32 tensor, see ``_b_unit``). Thread (r, c) takes
         rows 16 j + r and the 8 channels 8 c..8 c + 7, so every access moves 8 channels."""
@@ -343,31 +318,34 @@ class ChunkKDAIntraFwdSm90:
             rq, rk, rg, rga = ahead[slot]
             rqg = cute.make_rmem_tensor(V8, dt)
             rkg = cute.make_rmem_tensor(V8, dt)
+            rkp = cute.make_rmem_tensor(V8, dt)
             bq = cute.make_rmem_tensor(V8, Float32)
             bk = cute.make_rmem_tensor(V8, Float32)
+            b = sBeta[t]
             for e in cutlass.range_constexpr(V8):
                 gc = rg[e]
                 qv = rq[e].to(Float32)
                 kv = rk[e].to(Float32)
-                rqg[e] = (qv * cute.math.exp2(gc, fastmath=True)).to(dt)
+                eg = cute.math.exp2(gc, fastmath=True)
+                rqg[e] = (qv * eg).to(dt)
+                # P7's B operand k' = bf16(bf16(beta k) exp2(gc)) (FLA's double rounding), from qg's factor
+                rkp[e] = ((kv * b).to(dt).to(Float32) * eg).to(dt)
                 rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
+                # rows past the sequence end have q = k = 0 (P1), so their operands are 0 as well
                 f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
-                f = Float32(cutlass.select_(live, f, Float32(0.0)))
                 bq[e] = _round_tf32(qv * f)
                 bk[e] = _round_tf32(kv * f)
-            # two 16-byte units per row; lanes 4-7 of each quarter warp store their odd unit first, so each
-            # store instruction's 8 lanes cover all 32 banks. The unit is picked by a select: indexing the
-            # register arrays with a run-time unit number put them in local memory (8 STL + 8 LDL a round)
+            # q's row is read: k' takes its place (P7 reads it there)
+            cute.autovec_copy(rkp, at(sQ0, (c8, t)))
+            # two 16-byte units per row, units c4 and c4 + 1 (unit bit 3 = (tidx >> 2) & 1, see _b_unit)
             c4 = cute.assume((tidx % 16) * 2, divby=2)
-            first = (tidx // 4) % 2
-            swap = first == 1
+            u8 = (tidx >> 2) & 1
             for h in cutlass.range_constexpr(2):
-                hh = h ^ first
                 for which, src in ((0, bq), (1, bk)):
                     part = cute.make_rmem_tensor(4, Float32)
                     for e in cutlass.range_constexpr(4):
-                        part[e] = Float32(cutlass.select_(swap, src[4 * (1 - h) + e], src[4 * h + e]))
-                    cute.autovec_copy(part, self._b_unit(sB, slot, r + 16 * which, c4 + hh))
+                        part[e] = src[4 * h + e]
+                    cute.autovec_copy(part, self._b_unit(sB, slot, r + 16 * which, c4 + h, u8))
             if const_expr(self.g_cum_last_only):  # noqa: SIM102 - a trace-time condition around a run-time one
                 if t == valid - 1:
                     cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
@@ -470,7 +448,9 @@ class ChunkKDAIntraFwdSm90:
         x_elems = cute.cosize(sX_l)
         sQ = cute.make_tensor(cute.recast_ptr(storage.sQK.data_ptr(), sX_l.inner, dtype=dt), sX_l.outer)
         sK = cute.make_tensor(cute.recast_ptr(storage.sQK.data_ptr() + x_elems, sX_l.inner, dtype=dt), sX_l.outer)
-        sV = sQ  # v is loaded into q's tile once P2 has read q
+        # P2 overwrites q's tile with k' (P7's B operand of w) row by row as it reads q; v is loaded into k's
+        # tile once P3 has read k
+        sKp, sV = sQ, sK
         # g_cum (k, t): rows of 128 floats, the 8-float units XOR-swizzled by t % 8, so that the score A build's
         # (8 rows x 8 floats) reads and the 8-channel row reads are both free of bank conflicts
         sG = cute.make_tensor(
@@ -544,10 +524,19 @@ class ChunkKDAIntraFwdSm90:
             cute.arch.mbarrier_wait(bar, 0)  # q and k, read by everyone from P2 on
         else:
             cute.arch.mbarrier_wait(bar, 0)
-            if const_expr(self.l2norm_qk):
-                # nothing reads q or k before P2; thread tid owns row tid % 64 of q (tid < 64) or of k
-                off = cute.assume(Int32(cutlass.select_(tid < BT, 0, x_elems)), divby=x_elems)
-                self._l2norm_rows(cute.make_tensor(sQ0.iterator + off, sQ0.layout), tid % BT)
+            # nothing reads q or k before P2; thread tid owns row tid % 64 of q (tid < 64) or of k. Rows past the
+            # sequence end (the next sequence's tokens, or TMA's zero fill) become zeros, so that P2 and P3 need
+            # no row mask: their score operands there are 0 either way
+            off = cute.assume(Int32(cutlass.select_(tid < BT, 0, x_elems)), divby=x_elems)
+            sX0 = cute.make_tensor(sQ0.iterator + off, sQ0.layout)
+            if tid % BT >= valid:
+                zero = cute.make_rmem_tensor(8, dt)
+                zero.fill(0.0)
+                for c in cutlass.range_constexpr(DK // 8):
+                    cute.autovec_copy(zero, self._vec_at(sX0, (8 * c, tid % BT)))
+            else:
+                if const_expr(self.l2norm_qk):
+                    self._l2norm_rows(sX0, tid % BT)
         cute.arch.barrier()
 
         # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
@@ -585,7 +574,7 @@ class ChunkKDAIntraFwdSm90:
         # ---------------- P5: off-diagonal blocks of T on tf32 mma.sync ----------------
         self._inverse_blocks_mma(sA, base, warp_idx, tidx % 32)
 
-        # ---------------- P6: bf16(T), v' = bf16(beta v), k' = bf16(bf16(beta k) exp2(gc)) as WGMMA operands ------
+        # ---------------- P6: bf16(T) and v' = bf16(beta v) as WGMMA operands (k' is P2's) ----------------
         sT0 = sT[None, None, 0]
         # 8 columns of a row per item: two 16-byte reads, one 16-byte store into the swizzled T tile
         for j in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
@@ -600,7 +589,6 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(rt, self._vec_at(sT0, (t, s0)))
         cute.arch.mbarrier_wait(bar, 1)
         self._scale_rows_vec(sV0, sBeta, tidx)
-        self._k_prime_vec(sK0, sG, sBeta, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
 
@@ -608,7 +596,7 @@ class ChunkKDAIntraFwdSm90:
         thr_wu = mma_wu.get_slice(tid)
         wg_wu = mma_wu.get_slice(0)
         tTr = wg_wu.make_fragment_A(wg_wu.partition_A(sT))
-        tKr = wg_wu.make_fragment_B(wg_wu.partition_B(sK))
+        tKr = wg_wu.make_fragment_B(wg_wu.partition_B(sKp))
         tVr = wg_wu.make_fragment_B(wg_wu.partition_B(sV))
         accW = cute.make_rmem_tensor(wg_wu.partition_shape_C((BT, DK)), Float32)
         tWc = thr_wu.partition_C(cute.make_identity_tensor((BT, DK)))
@@ -624,14 +612,15 @@ class ChunkKDAIntraFwdSm90:
                     atom_wu.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                # through this warpgroup's own B tile (sK / sV, no longer read by anyone)
+                # through this warpgroup's own B tile (sKp / sV, no longer read by anyone)
                 if valid == BT:
                     self._store_wu_tma(
-                        mma_wu, accW, sK if which == 0 else sV, tma_w if which == 0 else tma_u,
+                        mma_wu, accW, sKp if which == 0 else sV, tma_w if which == 0 else tma_u,
                         tw if which == 0 else tu, hv, tok0, tid, which,
                     )  # fmt: skip
                 else:
-                    self._store_wu_rows(accW, tWc, sK0 if which == 0 else sV0, mOut, tok0, hv, valid, tid, which)
+                    sOut = sKp[None, None, 0] if which == 0 else sV0
+                    self._store_wu_rows(accW, tWc, sOut, mOut, tok0, hv, valid, tid, which)
 
     @cute.jit
     def _store_wu_rows(self, accW, tWc, sOut, mOut, tok0, hv, valid, tid, which):
@@ -835,9 +824,9 @@ class ChunkKDAIntraFwdSm90:
         return ra
 
     @cute.jit
-    def _load_v_after_q(self, tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx):
-        """q is read (after round 1 of P2): v's tile goes into q's, landing while the scores and the inverse
-        run (phase 1 of the barrier)."""
+    def _load_v_after_scores(self, tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx):
+        """k is read (after P3): v's tile goes into k's, landing while the P3 epilogue and the inverse run (phase
+        1 of the barrier)."""
         if warp_idx == 0:
             if tidx == 0:
                 cute.arch.fence_view_async_shared()
@@ -853,27 +842,31 @@ class ChunkKDAIntraFwdSm90:
         (key block kb <= anchor) pair on tf32 mma.sync; after both rounds the accumulators become Aqk (staged
         bf16) and Akk rows, and warps 5-7 write the blocks above the diagonal as zeros.
 
-        Rounds take anchors (0, 3) and (1, 2): 1 + 4 and 2 + 3 key blocks, five warps busy in each; key blocks
-        wholly past the sequence end are not multiplied (their zero accumulators are still written)."""
+        Rounds take anchors (0, 1), then (2, 3): 3, then 7 (key block, anchor) pairs on warps 0-2, then 0-6.
+        Warp w runs on SM sub-partition w % 4, where a pair's operand build is issue- and MUFU-bound, so a round
+        lasts about as long as its busiest sub-partition's pairs: 1 + 2 here, 2 + 2 with rounds (0, 3), (1, 2) of
+        5 pairs each (warps 0 and 4 on one sub-partition). Measured: -1.6% of the kernel (H200, B2-T16384).
+        Key blocks wholly past the sequence end are not multiplied (their zero accumulators are still written)."""
         dt = self.dtype
         lane = tidx % 32
         sB = cute.make_tensor(cute.recast_ptr(region, dtype=Float32), cute.make_layout(2 * 32 * self.dk))
         tiled_tf = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
-        rounds = ((0, 3), (1, 2))
+        rounds = ((0, 1), (2, 3))
         blocks = []  # per round: this warp's accumulator, key block and anchor
         for rnd in cutlass.range_constexpr(2):
             a0, a1 = rounds[rnd]
-            self._qg_kg_score_operands_vec(sQ0, sK0, sG, sB, mQg, mKg, mG, tok0, hv, valid, tidx, rounds[rnd])
+            self._qg_kg_score_operands_vec(
+                sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, rounds[rnd]
+            )  # fmt: skip
             cute.arch.barrier()
-            if const_expr(rnd == 1):
-                self._load_v_after_q(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
             acc = cute.make_rmem_tensor(tiled_tf.partition_shape_C((16, 32)), Float32)
             acc.fill(0.0)
             kb, anc, slot = _block_of(warp_idx, a0, a1)
             if (warp_idx < a0 + a1 + 2) & (16 * kb < valid):
-                self._score_block(tiled_tf, acc, sK0, sG, sB, kb, anc, slot, valid, lane)
+                self._score_block(tiled_tf, acc, sK0, sG, sB, kb, anc, slot, lane)
             blocks.append((acc, kb, anc))
             cute.arch.barrier()  # every score product has read sB: the next round rewrites it, then it is scratch
+        self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
 
         # accumulator (v, nt) of lane (g, c): key row s = 16 kb + row(g) (+ 8 for v >= 2), B row n = 8 nt + 2 c
         # (+ 1 for odd v): query row 16 anc + n of Aqk (n < 16) or key row 16 anc + n - 16 of Akk
@@ -906,15 +899,17 @@ class ChunkKDAIntraFwdSm90:
                 sA[16 * a + r, s] = Float32(0.0)
 
     @cute.jit
-    def _b_unit(self, sB, slot, n, u):
+    def _b_unit(self, sB, slot, n, u, u8):
         """16-byte unit u (k = 4 u .. 4 u + 3) of row n (16 q rows, then 16 k rows) of B slot ``slot`` in the
-        tf32 score operands: fp32 rows of K floats, the unit index XOR 4 on odd rows, so that a quarter warp's
-        two rows (mma.sync B fragments: rows g, g + 1 at the same k) fall on disjoint banks."""
-        off = (slot * 32 + n) * self.dk + ((u ^ ((n % 2) * 4)) * 4)
+        tf32 score operands: fp32 rows of K floats. The unit index is XOR 4 on odd rows, so that a quarter warp's
+        two rows (mma.sync B fragments: rows g, g + 1 at the same k) fall on disjoint banks, and XOR 1 where unit
+        bit 3 (``u8``, given by the caller, who knows it without arithmetic) is set, so that P2's quarter warp
+        storing units 2 i + h (i < 8) covers all 32 banks without reordering its data."""
+        off = (slot * 32 + n) * self.dk + ((u ^ ((n % 2) * 4) ^ u8) * 4)
         return cute.make_tensor(sB.iterator + cute.assume(off, divby=4), cute.make_layout(4))
 
     @cute.jit
-    def _score_block(self, tiled_tf, acc, sK0, sG, sB, kb, anc, slot, valid, lane):
+    def _score_block(self, tiled_tf, acc, sK0, sG, sB, kb, anc, slot, lane):
         """One warp's block of the scores on tf32 mma.sync: key rows 16 kb..16 kb + 15 against the 32 B rows of
         anchor ``anc`` (in B slot ``slot``): ``acc[s, n] = sum_k A[s, k] B[n, k]``, A = k_s exp2(gc_anc - gc_s)
         (0 past the sequence end), both tf32-rounded.
@@ -941,11 +936,11 @@ class ChunkKDAIntraFwdSm90:
                 cute.autovec_copy(self._vec_at(sG, (kk, s), 4, 4), rgs)
                 for e in cutlass.range_constexpr(4):
                     f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
-                    x[4 * i + e] = _round_tf32(Float32(cutlass.select_(s < valid, rk[e].to(Float32) * f, Float32(0.0))))
+                    x[4 * i + e] = _round_tf32(rk[e].to(Float32) * f)  # k = 0 past the sequence end (P1)
             rb = []  # n-tile nt's 4 k values
             for nt in cutlass.range_constexpr(4):
                 rb.append(cute.make_rmem_tensor(4, Float32))
-                cute.autovec_copy(self._b_unit(sB, slot, 8 * nt + g_, 4 * m + lane % 4), rb[nt])
+                cute.autovec_copy(self._b_unit(sB, slot, 8 * nt + g_, 4 * m + lane % 4, (m >> 1) & 1), rb[nt])
             for step in cutlass.range_constexpr(2):
                 # A values (g, c), (g + 8, c), (g, c + 4), (g + 8, c + 4); B values (k c, n g), (k c + 4, n g)
                 for v in cutlass.range_constexpr(4):
