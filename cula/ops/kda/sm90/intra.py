@@ -285,9 +285,10 @@ class ChunkKDAIntraFwdSm90:
 
     @cute.jit
     def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks):
-        """P2 of one round: g_cum, qg, kg rows to gmem and the score B operands of the two sub-chunks j in
-        ``subchunks`` (into B slots 0 and 1 of ``sB``, a flat fp32 tensor, see ``_b_unit``). Thread (r, c) takes
-        rows 16 j + r and the 8 channels 8 c..8 c + 7, so every access moves 8 channels."""
+        """P2 of one round: g_cum, qg, kg rows to gmem, k' over the q rows in smem and the score B operands of
+        the two sub-chunks j in ``subchunks`` (into B slots 0 and 1 of ``sB``, a flat fp32 tensor, see
+        ``_b_unit``). Thread (r, c) takes rows 16 j + r and the 8 channels 8 c..8 c + 7, so every access moves 8
+        channels."""
         BT, dt, V8 = self.bt, self.dtype, 8
         r = tidx // 16
         c8 = cute.assume((tidx % 16) * V8, divby=V8)
@@ -838,9 +839,9 @@ class ChunkKDAIntraFwdSm90:
         self, sQ0, sK0, sV, sG, region, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale,
         tidx, warp_idx,
     ):  # fmt: skip
-        """P2 + P3: per round, P2 builds the fp32 B operands of two anchors, then warps 0-4 each multiply one
-        (key block kb <= anchor) pair on tf32 mma.sync; after both rounds the accumulators become Aqk (staged
-        bf16) and Akk rows, and warps 5-7 write the blocks above the diagonal as zeros.
+        """P2 + P3: per round, P2 builds the fp32 B operands of two anchors, then one warp per (key block kb <=
+        anchor) pair multiplies it on tf32 mma.sync; after both rounds v's load is issued, the accumulators become
+        Aqk (staged bf16) and Akk rows, and warps 5-7 write the blocks above the diagonal as zeros.
 
         Rounds take anchors (0, 1), then (2, 3): 3, then 7 (key block, anchor) pairs on warps 0-2, then 0-6.
         Warp w runs on SM sub-partition w % 4, where a pair's operand build is issue- and MUFU-bound, so a round
