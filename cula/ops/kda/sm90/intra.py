@@ -107,7 +107,8 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the modul
 # memory) and P1's g_cum stores lost their per-store swizzle arithmetic and select: 2514 -> 2261 us.
 # P2 builds k' from qg's exp2(gc) (P6 recomputed it), the rows past the sequence end are zeroed once in P1 instead
 # of masked per element in P2 and P3, and P2's score operands are stored without a data select: 2075 -> 1927 us,
-# bit-identical (H200, B2-T16384, 2026-12-01); P3's rounds (0, 1), (2, 3): 1927 -> 1897 us.
+# bit-identical (H200, B2-T16384, 2026-12-01); P3's rounds (0, 1), (2, 3): 1927 -> 1897 us. bf16 operands widened
+# from their 32-bit pairs (``_widen``): 1917 -> 1879 us, bit-identical (another machine, same session).
 
 
 class ChunkKDAIntraFwdSm90:
@@ -261,6 +262,21 @@ class ChunkKDAIntraFwdSm90:
         )
 
     @cute.jit
+    def _widen(self, r: cute.Tensor) -> list:
+        """The elements of a register tensor of q's dtype as fp32. For bf16 from the 32-bit pairs: ``w << 16`` and
+        ``w & 0xffff0000``, one instruction each, where the element-wise conversion spends two on every odd
+        element (a byte permute, then the shift). Exact either way."""
+        n = cute.size(r)
+        if const_expr(self.dtype != BFloat16):
+            return [r[e].to(Float32) for e in range(n)]
+        w = cute.recast_tensor(r, Int32)
+        out = []
+        for i in cutlass.range_constexpr(n // 2):
+            out.append((w[i] << 16).bitcast(Float32))
+            out.append((w[i] & Int32(-65536)).bitcast(Float32))
+        return out
+
+    @cute.jit
     def _scale_rows_vec(self, sX0, sBeta, tidx):
         """v' = bf16(v beta_t) in place on a (V, BT) smem tile, 8 channels per access (all threads)."""
         c8 = cute.assume((tidx % 16) * 8, divby=8)
@@ -279,8 +295,9 @@ class ChunkKDAIntraFwdSm90:
             if const_expr(m + 1 < steps):
                 nxt = load(m + 1)
             b = sBeta[t]
+            xv = self._widen(rv)
             for e in cutlass.range_constexpr(8):
-                rv[e] = (rv[e].to(Float32) * b).to(self.dtype)
+                rv[e] = (xv[e] * b).to(self.dtype)
             cute.autovec_copy(rv, self._vec_at(sX0, (c8, t)))
 
     @cute.jit
@@ -323,10 +340,10 @@ class ChunkKDAIntraFwdSm90:
             bq = cute.make_rmem_tensor(V8, Float32)
             bk = cute.make_rmem_tensor(V8, Float32)
             b = sBeta[t]
+            qf, kf = self._widen(rq), self._widen(rk)
             for e in cutlass.range_constexpr(V8):
                 gc = rg[e]
-                qv = rq[e].to(Float32)
-                kv = rk[e].to(Float32)
+                qv, kv = qf[e], kf[e]
                 eg = cute.math.exp2(gc, fastmath=True)
                 rqg[e] = (qv * eg).to(dt)
                 # P7's B operand k' = bf16(bf16(beta k) exp2(gc)) (FLA's double rounding), from qg's factor
@@ -381,9 +398,9 @@ class ChunkKDAIntraFwdSm90:
         for c in cutlass.range_constexpr(self.dk // V8):
             rx = cute.make_rmem_tensor(V8, dt)
             cute.autovec_copy(self._vec_at(sX0, (c * V8, t)), rx)
+            xf = self._widen(rx)
             for e in cutlass.range_constexpr(V8):
-                x = rx[e].to(Float32)
-                ss[e] = ss[e] + x * x
+                ss[e] = ss[e] + xf[e] * xf[e]
         tot = ((ss[0] + ss[1]) + (ss[2] + ss[3])) + ((ss[4] + ss[5]) + (ss[6] + ss[7]))
         # FLA: 1 / sqrt(sum + eps); correctly rounded sqrt and divide, not rsqrt.approx, so the bf16 result
         # differs from FLA's only by the summation order
@@ -400,8 +417,9 @@ class ChunkKDAIntraFwdSm90:
             rx = nxt
             if const_expr(c + 1 < steps):
                 nxt = load(c + 1)
+            xf = self._widen(rx)
             for e in cutlass.range_constexpr(V8):
-                rx[e] = (rx[e].to(Float32) * r).to(dt)
+                rx[e] = (xf[e] * r).to(dt)
             cute.autovec_copy(rx, self._vec_at(sX0, (c * V8, t)))
 
     @cute.kernel
@@ -935,9 +953,10 @@ class ChunkKDAIntraFwdSm90:
                 rgs = cute.make_rmem_tensor(4, Float32)
                 cute.autovec_copy(self._vec_at(sK0, (kk, s), 4, 4), rk)
                 cute.autovec_copy(self._vec_at(sG, (kk, s), 4, 4), rgs)
+                kf = self._widen(rk)
                 for e in cutlass.range_constexpr(4):
                     f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
-                    x[4 * i + e] = _round_tf32(rk[e].to(Float32) * f)  # k = 0 past the sequence end (P1)
+                    x[4 * i + e] = _round_tf32(kf[e] * f)  # k = 0 past the sequence end (P1)
             rb = []  # n-tile nt's 4 k values
             for nt in cutlass.range_constexpr(4):
                 rb.append(cute.make_rmem_tensor(4, Float32))
