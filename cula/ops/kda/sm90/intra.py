@@ -93,7 +93,7 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
-# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P6's k' and v')
+# Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P6's v')
 # issue the next step's loads before this step's stores: ptxas never moves a load above a store it cannot prove
 # disjoint, so a plain loop runs one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 loads the
 # raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. On the H200 this was bit-
