@@ -36,6 +36,11 @@ _VARIANTS = [
     for hs in (False, True)
     for vf in (False, True)
 ] + [{"dtype": "Float16", "varlen": True, "has_h0": True, "has_ht": True, "state_v_first": False}]
+# cula's intra kernel writes Aqk's upper triangle as zeros: no mask, no barrier between the consumer warpgroups
+_VARIANTS += [
+    {"dtype": "BFloat16", "varlen": vl, "has_h0": True, "has_ht": True, "state_v_first": True, "aqk_causal": True}
+    for vl in (False, True)
+]
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
@@ -48,7 +53,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         os.makedirs(d, exist_ok=True)
         t0 = time.time()
         M._compile(getattr(cutlass, v["dtype"]), 3, v["varlen"], v["has_h0"], v["has_ht"], v["state_v_first"],
-                   extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}")
+                   extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}", aqk_causal=v.get("aqk_causal", False))
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -64,6 +69,7 @@ def _vid(v):
     return "-".join(
         [v["dtype"], "varlen" if v["varlen"] else "fixed", "h0" if v["has_h0"] else "noh0",
          "ht" if v["has_ht"] else "noht", "vfirst" if v["state_v_first"] else "kfirst"]
+        + (["causal"] if v.get("aqk_causal") else [])
     )  # fmt: skip
 
 
@@ -203,12 +209,14 @@ def _setup(case):
     return q, k, v, g, beta, h0, cu, vf
 
 
+@pytest.mark.parametrize("aqk_causal", [False, True], ids=["masked", "causal"])
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
-def test_kernel_vs_fla_stages(case):
+def test_kernel_vs_fla_stages(case, aqk_causal):
     """The fused kernel against FLA's chunk_gated_delta_rule_fwd_h + chunk_gla_fwd_o_gk on identical inputs,
-    with NaN-poisoned outputs and a NaN-poisoned upper triangle of Aqk (the kernel must not read it)."""
+    with NaN-poisoned outputs and a NaN-poisoned upper triangle of Aqk (the kernel must not read it), or with
+    ``aqk_causal`` that triangle zeroed, as cula's intra kernel writes it (the kernel must not mask it)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
@@ -243,12 +251,12 @@ def test_kernel_vs_fla_stages(case):
         starts = cu[:-1].long().repeat_interleave((cu[1:] - cu[:-1]).long())
         pos = pos - starts
     rows = upper[pos % 64]  # [T, 64]: columns above the diagonal of each token's row
-    A_poisoned.masked_fill_(rows[None, :, None, :], float("nan"))
+    A_poisoned.masked_fill_(rows[None, :, None, :], 0.0 if aqk_causal else float("nan"))
 
     o = poison_(torch.empty_like(o_ref))
     ht = poison_(torch.empty_like(ht_ref))
     chunk_kda_delta_h_fwd_o_sm90(
-        w, u, kg, qg, g_cum, A_poisoned, o, h0, ht, cu, scale=scale, state_v_first=vf
+        w, u, kg, qg, g_cum, A_poisoned, o, h0, ht, cu, scale=scale, state_v_first=vf, aqk_causal=aqk_causal
     )
     torch.cuda.synchronize()
     assert_close("o", o_ref, o, RATIO)

@@ -150,7 +150,8 @@ def chunk_kda_fwd_sm90(
     cu32 = None
     if cu_seqlens is not None:
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    if _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
+    cute_intra = _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound)
+    if cute_intra:
         w, u, qg, kg, Aqk, g_cum = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
@@ -173,6 +174,7 @@ def chunk_kda_fwd_sm90(
         cu32,
         scale=scale,
         state_v_first=state_v_first,
+        aqk_causal=cute_intra,  # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
     )
     return o, final_state
 
@@ -363,7 +365,7 @@ def prepare_chunk_kda_fwd_sm90(
     has_h0 = initial_state is not None
     fn_state = dh.get_compiled(
         dtype=dh._TORCH_TO_CUTLASS[q.dtype], varlen=False, has_h0=has_h0, has_ht=bool(output_final_state),
-        state_v_first=state_v_first,
+        state_v_first=state_v_first, aqk_causal=True,
     )  # fmt: skip
     dev, dt = q.device, q.dtype
     BT, NC = B * T, (T + 63) // 64
@@ -377,7 +379,9 @@ def prepare_chunk_kda_fwd_sm90(
             and 2 * HV <= torch.cuda.get_device_properties(dev).multi_processor_count):  # fmt: skip
         dtype = dh._TORCH_TO_CUTLASS[q.dtype]
         fn_states = {
-            (h0, ht): dh.get_compiled(dtype=dtype, varlen=False, has_h0=h0, has_ht=ht, state_v_first=state_v_first)
+            (h0, ht): dh.get_compiled(
+                dtype=dtype, varlen=False, has_h0=h0, has_ht=ht, state_v_first=state_v_first, aqk_causal=True
+            )
             for h0 in (True, has_h0)
             for ht in (True, bool(output_final_state))
         }

@@ -1,0 +1,72 @@
+"""chunk_kda's GPU time split by kernel for configs of the kda_prefill suite (cula only, no FLA).
+
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/kernel_split.py [NAME ...]
+
+NAME is a suite config (``B1-T512``, ``varlen-N20-T4096-uniform``, ...); without names a default set of the
+rows where the whole call is far from the sum of its parts' floors. Per config: the median wall time of a call
+between CUDA events (eager and CUDA-graph replay), each kernel's device time per call (torch.profiler), and the
+launch count, so that launch gaps, tails and the intra / state split can be read off. JSON to
+$OUT/kernel_split.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+import bench_kda_prefill as bk  # noqa: E402
+from common import bench, n_rotation_sets  # noqa: E402
+
+DEFAULT = ["B1-T512", "B2-T512", "B2-T1024", "B1-T4096", "varlen-N10-T4096-uniform", "varlen-N20-T4096-uniform",
+           "varlen-N20-T4096-skewed", "varlen-N20-T16384-random", "B2-T16384"]
+
+
+def kernel_times(fn, calls: int = 5) -> dict[str, list[float]]:
+    """Per kernel name: [device us per call, launches per call]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0) or 0
+        if us:
+            out[ev.key[:80]] = [round(us / calls, 1), round(ev.count / calls, 2)]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
+def main(names: list[str]) -> None:
+    from cula.kda import chunk_kda
+
+    cfgs = {c.name: c for c in bk.suite()}
+    report = {}
+    with torch.inference_mode():
+        for name in names:
+            cfg = cfgs[name]
+            shared = bk.make_shared(cfg, "cuda")
+            # as in the benchmark: enough input sets that a call never finds its inputs in L2
+            fns = [bk.bind(chunk_kda, bk.make_set(cfg, i, "cuda"), shared)
+                   for i in range(n_rotation_sets(bk.input_set_bytes(cfg)))]
+            times = kernel_times(fns[0])
+            eager = bench(fns, iters=20, warmup=3).median_ms * 1e3
+            graph = bench(fns, iters=20, warmup=3, cuda_graph=True).median_ms * 1e3
+            total = sum(t[0] for t in times.values())
+            report[name] = {"eager_us": round(eager, 1), "graph_us": round(graph, 1),
+                            "kernel_sum_us": round(total, 1), "kernels": times}
+            print(f"== {name}: eager {eager:.1f} us, graph {graph:.1f} us, kernels {total:.1f} us", flush=True)
+            for k, (us, n) in times.items():
+                print(f"   {us:9.1f} us  x{n:<5}  {k}", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "kernel_split.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or DEFAULT)
