@@ -1,6 +1,10 @@
 """Device time of the KDA state/output kernel's variants, side by side in one process, with bit checks.
 
-    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/time_states.py
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/time_states.py [--ncu NAME]
+
+``--ncu NAME`` instead profiles the last variant on shape NAME under Nsight Compute (speed of light, pipe use,
+warp states, per-SASS source counters): $OUT/ncu_states.txt and $OUT/ncu_states_source.csv (read the CSV with
+``ncu_phases.py``).
 
 For each shape, cula's intra kernel prepares w, u, qg, kg, Aqk (upper triangle zero) and g_cum once; then every
 variant in ``VARIANTS`` (``DeltaHFwdOFusedSm90`` switches) runs the state/output kernel on them, taking turns
@@ -12,7 +16,10 @@ latency; B2-T16384 its bandwidth.
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 
 import torch
 
@@ -20,7 +27,7 @@ H = HV = 64
 D = 128
 # (name, B, T, sequence lengths or None)
 SHAPES = [
-    ("B1-T512", 1, 512, None), ("B2-T1024", 2, 1024, None), ("B1-T8192", 1, 8192, None),
+    ("B1-T512", 1, 512, None), ("B2-T1000", 2, 1000, None), ("B2-T1024", 2, 1024, None), ("B1-T8192", 1, 8192, None),
     ("varlen-N20-T4096-uniform", 1, 4096, [205] * 16 + [204] * 4), ("varlen-N10-T4096", 1, 4096, [410] * 6 + [409] * 4),
     ("B2-T16384", 2, 16384, None),
 ]  # fmt: skip
@@ -100,5 +107,46 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
+def ncu_target(name: str) -> None:
+    """Two calls of the last variant on shape ``name`` (ncu keeps the second)."""
+    from cutlass import BFloat16
+
+    from cula.ops.kda.sm90 import delta_h_fwd_o as dh
+
+    _, B, T, lens = next(s for s in SHAPES if s[0] == name)
+    x = prepare(B, T, lens)
+    kw = list(VARIANTS.values())[-1]
+    fn = dh.get_compiled(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True, **kw)
+    o = torch.empty(B * T, HV, D, dtype=torch.bfloat16, device="cuda")
+    ht = torch.empty_like(x["h0"])
+    for _ in range(2):
+        run(fn, x, o, ht)
+    torch.cuda.synchronize()
+
+
+def run_ncu(name: str) -> None:
+    out = os.environ.get("OUT", ".")
+    rep = os.path.join(out, "ncu_states")
+    env = dict(os.environ, CUTE_DSL_LINEINFO="1")
+    cmd = ["ncu", "--clock-control", "none", "-k", "regex:DeltaHFwdO", "--launch-skip", "1", "--launch-count", "1",
+           "--import-source", "yes", "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis",
+           "--section", "MemoryWorkloadAnalysis", "--section", "WarpStateStats", "--section", "SchedulerStats",
+           "--section", "SourceCounters", "-f", "-o", rep, sys.executable, __file__, "--ncu-target", name]
+    log = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    details = subprocess.run(["ncu", "-i", rep + ".ncu-rep", "--page", "details"], capture_output=True, text=True)
+    src = subprocess.run(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
+                         capture_output=True, text=True)
+    with open(os.path.join(out, "ncu_states.txt"), "w") as f:
+        f.write(log.stdout[-4000:] + log.stderr[-4000:] + details.stdout + details.stderr)
+    with open(os.path.join(out, "ncu_states_source.csv"), "w") as f:
+        f.write(src.stdout)
+    print(details.stdout[-8000:] or log.stderr[-3000:])
+
+
 if __name__ == "__main__":
-    main()
+    if "--ncu-target" in sys.argv:
+        ncu_target(sys.argv[sys.argv.index("--ncu-target") + 1])
+    elif "--ncu" in sys.argv:
+        run_ncu(sys.argv[sys.argv.index("--ncu") + 1])
+    else:
+        main()

@@ -95,6 +95,8 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     assert sass.count("HGMMA.64x128x16.F32") == 4  # GEMM4, kg read MN-major
     assert ".tnspB" in sass
     assert "UTMALDG" in sass and "USETMAXREG" in sass
+    if _VARIANTS[idx].get("aqk_causal"):  # full chunks' o: transposed stmatrix + TMA store
+        assert "UTMASTG" in sass and "STSM.16.MT88.4" in sass
     assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory traffic (spills)"
     regs = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
     assert regs <= 232, regs  # the consumer budget after setmaxnreg

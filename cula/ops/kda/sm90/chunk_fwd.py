@@ -47,7 +47,10 @@ CUTE_INTRA_AUTO_MAX_TOKEN_HEADS: int | None = None
 # DRAM with it, and the first segment's intra and the last one's recurrence overlap nothing). Bit-identical
 # (test_segmented_launch_bit_identical_cuda) and CUDA-graph safe (test_segmented_launch_in_cuda_graph).
 OVERLAP_STATE_MIN_TOKENS: int | None = 4096
-_SEGMENT_TOKENS = 2048  # about this many tokens a segment, 2 to _MAX_SEGMENTS segments
+# about this many tokens a segment, 2 to _MAX_SEGMENTS segments. H200 (2026-12-01, sweep_segments.py, after the
+# state kernel lost its inter-warpgroup barrier): 4096 against 2048 B1-T16384 1402 -> 1348 us, B1-T8192 725 -> 714,
+# B1-T4096 the same (2 segments either way); 1024 was slower everywhere
+_SEGMENT_TOKENS = 4096
 _MAX_SEGMENTS = 8
 
 

@@ -42,12 +42,14 @@ expects the bytes of all six copies, the empty barrier counts the 8 consumer war
 consumer warpgroups meet at one named barrier (the causal mask of the shared Aqk tile is written by both),
 unless ``aqk_causal`` says the upper triangle arrives as zeros (cula's intra kernel writes them): then there is
 no mask and no barrier, and the two warpgroups' recurrences run unsynchronised (H200: -22% kernel time with 64
-CTAs at B1-T8192, -9% for 20 short sequences, -5% at B2-T16384).
+CTAs at B1-T8192, -9% for 20 short sequences, -5% at B2-T16384), and a full chunk's o leaves by TMA (below).
 
 Ragged ends. All tensors are passed flattened as ``[T_total, HV, D]``; a chunk is a TMA box starting at the
 sequence start plus ``64 c``, so a box crossing the sequence end reads the next sequence (or TMA zeros at the
 tensor end). Those rows are harmless: v_new rows past the end are zeroed before GEMM3/GEMM4, kg is multiplied by
-them only, Aqk columns past the end only meet masked rows, and o rows past the end are not stored.
+them only, Aqk columns past the end only meet masked rows, and o rows past the end are not stored: a full chunk's
+o goes out by one TMA store per consumer warpgroup (staged in the stage's u tile; direct stores without
+``aqk_causal``), a partial one's by row-predicated direct stores.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -129,6 +131,9 @@ class DeltaHFwdOFusedSm90:
         # Aqk's upper triangle arrives as zeros (cula's intra kernel writes them): no causal mask, and with it no
         # barrier between the consumer warpgroups, whose recurrences (64 V rows each) are otherwise independent
         self.aqk_causal = aqk_causal
+        # full chunks' o by stmatrix + TMA (see the consumer prologue); the masked variant keeps the direct stores:
+        # with the mask's registers the staging spills (20-28 bytes)
+        self.o_tma = aqk_causal
         self.num_consumer_wg = 2  # each owns 64 of the V rows of S^T (WGMMA M = 64 per warpgroup)
         self.num_threads = 128 * (1 + self.num_consumer_wg)
         # 128 * (40 + 2 * 232) = 64512 <= 65536; the consumers hold S^T (64 regs), its bf16 copy (32),
@@ -194,6 +199,12 @@ class DeltaHFwdOFusedSm90:
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sK_l, mode=[0, 1]), (DK, BT))
         tma_u, tu = cpasync.make_tiled_tma_atom(g2s, u_v, cute.select(sU_l, mode=[0, 1]), (DV, BT))
         tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), (DK, 1))
+        # o^T of one consumer warpgroup: its 64 V rows of the stage's u tile (the half has the tile's swizzle)
+        half = DV // self.num_consumer_wg
+        sOh_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (half, DK, BT), dt, 1)
+        tma_o, to = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), o_v, cute.select(sOh_l, mode=[0, 1]), (half, BT)
+        )
 
         @cute.struct
         class Storage:
@@ -208,7 +219,7 @@ class DeltaHFwdOFusedSm90:
         self.storage = Storage
         HV = mW.shape[1]
         kernel = self.kernel(
-            tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg,
+            tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, tma_o, to,
             o_v, h0_v, ht_v, mCu, seqlen, scale,
             mma_o, mma_s, sW_l, sQ_l, sA_l, sK_l, sU_l, sG_l,
         )  # fmt: skip
@@ -225,6 +236,7 @@ class DeltaHFwdOFusedSm90:
         tma_k: cute.CopyAtom, tk: cute.Tensor,
         tma_u: cute.CopyAtom, tu: cute.Tensor,
         tma_g: cute.CopyAtom, tg: cute.Tensor,
+        tma_o: cute.CopyAtom, to: cute.Tensor,
         o_v: cute.Tensor, h0_v: cute.Tensor, ht_v: cute.Tensor, mCu: cute.Tensor,
         seqlen: Int32, scale: Float32,
         mma_o: cute.TiledMma, mma_s: cute.TiledMma,
@@ -345,6 +357,26 @@ class DeltaHFwdOFusedSm90:
             tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
             gO = cute.local_tile(cute.domain_offset((0, bos), o_v[None, None, h]), (DV, BT), (0, None))
             tOgO = thr_o.partition_C(gO)  # (MMA, MMA_M, MMA_N, NC)
+            # A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (u is dead once v_new
+            # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
+            # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
+            # 64 CTAs at B1-T8192). That thread's warp releases the stage one chunk late, after the store's read.
+            issuer = ctid % 128 == 0  # lane 0 of the warpgroup's first warp, also its warp's release signaller
+            first_warp = (ctid % 128) < 32
+            if const_expr(self.o_tma):
+                me = wg_idx - 1
+                half = DV // self.num_consumer_wg
+                st_o = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), mma_o
+                )
+                thr_sto = st_o.get_slice(ctid)
+                tOsU = thr_sto.partition_D(sU)  # (CPY, CPY_M, CPY_N, S)
+                wg_bar = pipeline.NamedBarrier(barrier_id=2 + me, num_threads=128)
+                sUh = cute.flat_divide(sU, (half, BT))[None, None, me, 0, None]  # (half, BT, S)
+                gOh = cute.local_tile(cute.domain_offset((0, bos), to[None, None, h]), (half, BT), (me, None))
+                tOs, tOg = cpasync.tma_partition(
+                    tma_o, 0, cute.make_layout(1), cute.group_modes(sUh, 0, 2), cute.group_modes(gOh, 0, 2)
+                )
 
             # Causal mask of the shared Aqk tile: consumer thread ctid zeroes row ctid // 4, columns
             # 16 * (ctid % 4) + [0, 16) above the diagonal.
@@ -370,6 +402,13 @@ class DeltaHFwdOFusedSm90:
                     cute.gemm(atom2, accO, tOrS[None, None, kb], tOrQ[None, None, kb, si], accO)
                     atom2.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
+                if const_expr(self.o_tma):
+                    if (c > 0) & first_warp:
+                        # the previous chunk's stage, once its o store has read it (see the end of the loop)
+                        if issuer:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        prev = cutlass.select_(si == 0, S - 1, si - 1)
+                        pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
 
                 # While GEMM1/2 run: mask Aqk, compute the decay factors, fetch u^T.
                 if const_expr(not self.aqk_causal):
@@ -406,17 +445,37 @@ class DeltaHFwdOFusedSm90:
                     cute.gemm(atom4, accS, tVrV[None, None, kb], tSrK[None, None, kb, si], accS)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                pipe.consumer_release(st)
 
                 rO.store(accO.load().to(self.dtype))
                 tOgOc = tOgO[None, None, None, c]
                 if valid == BT:
-                    tOgOc.store(rO.load())
-                else:
+                    if const_expr(self.o_tma):
+                        # u is dead since v_new: o^T goes into this warpgroup's half of the u tile, then out by
+                        # TMA. The first warp releases the stage only once the store has read it (next chunk)
+                        cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
+                        cute.arch.fence_view_async_shared()
+                        wg_bar.arrive_and_wait()
+                        if issuer:
+                            cute.copy(tma_o, tOs[None, si], tOg[None, c])
+                            cute.arch.cp_async_bulk_commit_group()
+                        if not first_warp:
+                            pipe.consumer_release(st)
+                    else:
+                        pipe.consumer_release(st)
+                        tOgOc.store(rO.load())
+                else:  # the partial last chunk: row-predicated stores, the next sequence's rows untouched
+                    pipe.consumer_release(st)
                     for i in cutlass.range_constexpr(cute.size(rO)):
                         if tVcV[i][1] < valid:
                             tOgOc[i] = rO[i]
                 st.advance()
+
+            if const_expr(self.o_tma):
+                if (num_chunks > 0) & (seq_len % BT == 0) & first_warp:  # the last chunk's deferred release
+                    if issuer:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    prev = cutlass.select_(st.index == 0, S - 1, st.index - 1)
+                    pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
 
             if const_expr(self.has_ht):
                 tSgHt = thr_s.partition_C(ht_v[None, None, h, n])

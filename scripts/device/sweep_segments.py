@@ -1,0 +1,58 @@
+"""chunk_kda at B=1 under each time-segment setting of ``cula.ops.kda.sm90.chunk_fwd`` (one process).
+
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/sweep_segments.py
+
+B=1 fixed-length calls run in time segments (``OVERLAP_STATE_MIN_TOKENS``, ``_SEGMENT_TOKENS``,
+``_MAX_SEGMENTS``): the intra kernel of segment i + 1 beside the recurrence of segment i. When either kernel
+changes speed the best segment length moves; this prints the median call time (CUDA events, the kda_prefill
+suite's inputs and rotation) of each setting at the suite's B=1 shapes, settings taking turns.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+import bench_kda_prefill as bk  # noqa: E402
+from common import bench, n_rotation_sets  # noqa: E402
+
+# name -> (OVERLAP_STATE_MIN_TOKENS, _SEGMENT_TOKENS, _MAX_SEGMENTS)
+SETTINGS = {
+    "off": (None, 2048, 8),
+    "seg1024x16": (4096, 1024, 16),
+    "seg2048x8": (4096, 2048, 8),
+    "seg2048x16": (4096, 2048, 16),
+    "seg4096x8": (4096, 4096, 8),
+    "seg8192x8": (4096, 8192, 8),
+}
+NAMES = ["B1-T4096", "B1-T8192", "B1-T16384"]
+
+
+def main() -> None:
+    from cula.backends import clear_plan_caches
+    from cula.kda import chunk_kda
+    from cula.ops.kda.sm90 import chunk_fwd
+
+    cfgs = {c.name: c for c in bk.suite()}
+    with torch.inference_mode():
+        for name in NAMES:
+            cfg = cfgs[name]
+            shared = bk.make_shared(cfg, "cuda")
+            fns = [bk.bind(chunk_kda, bk.make_set(cfg, i, "cuda"), shared)
+                   for i in range(n_rotation_sets(bk.input_set_bytes(cfg)))]
+            times: dict[str, list[float]] = {k: [] for k in SETTINGS}
+            for _ in range(3):
+                for key, (min_tokens, seg, most) in SETTINGS.items():
+                    chunk_fwd.OVERLAP_STATE_MIN_TOKENS = min_tokens
+                    chunk_fwd._SEGMENT_TOKENS, chunk_fwd._MAX_SEGMENTS = seg, most
+                    clear_plan_caches()
+                    times[key].append(bench(fns, iters=15, warmup=3).median_ms * 1e3)
+            print(f"{name}: " + ", ".join(f"{k} {statistics.median(v):.1f} us" for k, v in times.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
