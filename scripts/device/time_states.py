@@ -1,7 +1,6 @@
 """Device time of the KDA state/output kernel's variants, side by side in one process, with bit checks.
 
-    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/time_states.py [REF.py ...]
-                                    ... time_states.py --ncu NAME
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/time_states.py [--ncu NAME]
 
 ``--ncu NAME`` instead profiles the last variant on shape NAME under Nsight Compute (speed of light, pipe use,
 warp states, per-SASS source counters): $OUT/ncu_states.txt and $OUT/ncu_states_source.csv (read the CSV with
@@ -32,12 +31,10 @@ SHAPES = [
     ("varlen-N20-T4096-uniform", 1, 4096, [205] * 16 + [204] * 4), ("varlen-N10-T4096", 1, 4096, [410] * 6 + [409] * 4),
     ("B2-T16384", 2, 16384, None),
 ]  # fmt: skip
-# name -> (get_compiled keyword arguments, persistent grid); with REF.py arguments each copy of the module adds a
-# variant "<file>" (causal, its own signature: without the grid cap before the persistent grid)
+# name -> get_compiled keyword arguments
 VARIANTS = {
-    "masked": (dict(aqk_causal=False), True),
-    "causal-grid": (dict(aqk_causal=True), False),
-    "causal": (dict(aqk_causal=True), True),
+    "masked": dict(aqk_causal=False),
+    "causal": dict(aqk_causal=True),
 }
 
 
@@ -66,17 +63,11 @@ def prepare(B: int, T: int, lens: list[int] | None) -> dict:
     return dict(flat=flat, h0=h0, cu=cu, T=T, N=N, varlen=lens is not None, B=B)
 
 
-def run(fn, x, o, ht, persistent: bool | None = True) -> None:
-    """One launch; ``persistent``: grid capped at the SM count (True), one CTA per item (False), or a module
-    copy from before the cap (None: no such argument)."""
-    from cula.ops.kda.sm90.delta_h_fwd_o import _placeholder, max_ctas
+def run(fn, x, o, ht) -> None:
+    from cula.ops.kda.sm90.delta_h_fwd_o import _placeholder
 
     cu = x["cu"] if x["varlen"] else _placeholder(o.device, torch.int32, (2,))
-    args = (*x["flat"], o, x["h0"], ht, cu, x["T"], x["N"], D**-0.5)
-    if persistent is None:
-        fn(*args)
-    else:
-        fn(*args, max_ctas(o.device) if persistent else HV * x["N"])
+    fn(*x["flat"], o, x["h0"], ht, cu, x["T"], x["N"], D**-0.5)
 
 
 def main() -> None:
@@ -84,20 +75,17 @@ def main() -> None:
 
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bit_identity import load_ref  # a module copy under its own compile cache
-
-    refs = {os.path.basename(p): load_ref(p) for p in sys.argv[1:]}
     for name, B, T, lens in SHAPES:
         x = prepare(B, T, lens)
-        kw = dict(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True)
-        fns = {v: (dh.get_compiled(**kw, **extra), pers) for v, (extra, pers) in VARIANTS.items()}
-        fns.update({r: (m.get_compiled(**kw, aqk_causal=True), None) for r, m in refs.items()})
+        fns = {
+            v: dh.get_compiled(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True, **kw)
+            for v, kw in VARIANTS.items()
+        }  # fmt: skip
         outs = {}
-        for v, (fn, pers) in fns.items():
+        for v, fn in fns.items():
             o = torch.full((B * T, HV, D), float("nan"), dtype=torch.bfloat16, device="cuda")
             ht = torch.full_like(x["h0"], float("nan"))
-            run(fn, x, o, ht, pers)
+            run(fn, x, o, ht)
             outs[v] = (o, ht)
         torch.cuda.synchronize()
         ref = next(iter(outs.values()))
@@ -106,10 +94,10 @@ def main() -> None:
         times = {v: [] for v in fns}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(6):
-            for v, (fn, pers) in fns.items():
+            for v, fn in fns.items():
                 for _ in range(5):
                     start.record()
-                    run(fn, x, *outs[v], pers)
+                    run(fn, x, *outs[v])
                     end.record()
                     end.synchronize()
                     times[v].append(start.elapsed_time(end) * 1e3)
@@ -127,12 +115,12 @@ def ncu_target(name: str) -> None:
 
     _, B, T, lens = next(s for s in SHAPES if s[0] == name)
     x = prepare(B, T, lens)
-    extra, pers = list(VARIANTS.values())[-1]
-    fn = dh.get_compiled(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True, **extra)
+    kw = list(VARIANTS.values())[-1]
+    fn = dh.get_compiled(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True, **kw)
     o = torch.empty(B * T, HV, D, dtype=torch.bfloat16, device="cuda")
     ht = torch.empty_like(x["h0"])
     for _ in range(2):
-        run(fn, x, o, ht, pers)
+        run(fn, x, o, ht)
     torch.cuda.synchronize()
 
 

@@ -206,7 +206,7 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 
 def _segmented_launch(
     fn_intra, fn_states, bounds, gate_args, H, HV, K, V, dt, dev, state_shape, has_h0, output_final_state,
-    dummy_state, no_cu, no_ci, lb, ctas,
+    dummy_state, no_cu, no_ci, lb,
 ):  # fmt: skip
     """The bound launch of a B=1 call in time segments (see ``OVERLAP_STATE_MIN_TOKENS``): intra kernels on the
     caller's stream, the state/output kernel of each segment on a side stream once its intra has run, the state
@@ -243,7 +243,7 @@ def _segmented_launch(
             with torch.cuda.stream(side):
                 fn_states[(i > 0 or has_h0, i < last or output_final_state)](
                     w[t0:t1], u[t0:t1], kg[t0:t1], qg[t0:t1], g_cum[t0:t1], Aqk[t0:t1], of[t0:t1], h0, ht, no_cu,
-                    n, 1, s, ctas,
+                    n, 1, s,
                 )  # fmt: skip
         main.wait_stream(side)  # o, the final state, and the buffers freed on return
         return o, final_state
@@ -377,7 +377,6 @@ def prepare_chunk_kda_fwd_sm90(
     no_cu, no_ci = intra._placeholder(dev, torch.int32, (2,)), intra._placeholder(dev, torch.int32, (1, 2))
     lb = float(lower_bound) if gate == "sigmoid" else 0.0
     gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev)
-    ctas = dh.max_ctas(dev)
 
     if (OVERLAP_STATE_MIN_TOKENS is not None and B == 1 and T >= OVERLAP_STATE_MIN_TOKENS
             and 2 * HV <= torch.cuda.get_device_properties(dev).multi_processor_count):  # fmt: skip
@@ -391,7 +390,7 @@ def prepare_chunk_kda_fwd_sm90(
         }
         return _segmented_launch(
             fn_intra, fn_states, _segment_bounds(T), gate_args, H, HV, K, V, dt, dev, state_shape, has_h0,
-            bool(output_final_state), dummy_state, no_cu, no_ci, lb, ctas,
+            bool(output_final_state), dummy_state, no_cu, no_ci, lb,
         )  # fmt: skip
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
@@ -406,7 +405,7 @@ def prepare_chunk_kda_fwd_sm90(
         )  # fmt: skip
         fn_state(
             w, u, kg, qg, g_cum, Aqk, o.view(BT, HV, V), initial_state if has_h0 else dummy_state,
-            final_state if final_state is not None else dummy_state, no_cu, T, B, s, ctas,
+            final_state if final_state is not None else dummy_state, no_cu, T, B, s,
         )  # fmt: skip
         return o, final_state
 

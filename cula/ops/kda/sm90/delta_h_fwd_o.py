@@ -1,10 +1,9 @@
 """KDA chunk forward, inter-chunk stage on SM90: the gated delta-rule state recurrence fused with the output.
 
 Replaces FLA's ``chunk_gated_delta_rule_fwd_h`` + ``chunk_gla_fwd_o_gk`` (``fla/ops/common/chunk_delta_h.py``,
-``fla/ops/gla/chunk.py``). Per (sequence n, value head h) item a CTA walks the chunks of BT = 64 tokens with the
-state in fp32 registers and never writes the per-chunk states ``h`` or ``v_new`` to memory; the grid is capped at
-one CTA per SM and a CTA takes items grid-stride, its TMA ring running on from one item into the next. Per chunk
-c, with ``S`` the ``[K, V]`` state before the chunk (FLA's ``h[c]``)::
+``fla/ops/gla/chunk.py``). Per (sequence n, value head h) one CTA walks the chunks of BT = 64 tokens with the
+state in fp32 registers and never writes the per-chunk states ``h`` or ``v_new`` to memory. Per chunk c, with
+``S`` the ``[K, V]`` state before the chunk (FLA's ``h[c]``)::
 
     v_new = u - w @ bf16(S)                                   # [BT, V]; rows past the sequence end -> 0
     o     = scale * qg @ bf16(S) + tril(Aqk) @ bf16(v_new)    # [BT, V]; tril keeps the diagonal
@@ -161,7 +160,6 @@ class DeltaHFwdOFusedSm90:
         seqlen: Int32,  # tokens per sequence when not varlen (T_total = N * seqlen)
         num_seqs: Int32,  # N
         scale: Float32,
-        max_ctas: Int32,  # grid cap (the SM count): each CTA walks the (sequence, head) items grid-stride
         stream: cuda.CUstream,
     ):
         dt, BT, DK, DV, S = self.dtype, self.bt, self.dk, self.dv, self.num_stages
@@ -222,27 +220,12 @@ class DeltaHFwdOFusedSm90:
         HV = mW.shape[1]
         kernel = self.kernel(
             tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, tma_o, to,
-            o_v, h0_v, ht_v, mCu, seqlen, scale, HV, num_seqs,
+            o_v, h0_v, ht_v, mCu, seqlen, scale,
             mma_o, mma_s, sW_l, sQ_l, sA_l, sK_l, sU_l, sG_l,
         )  # fmt: skip
         kernel.launch(
-            grid=(cutlass.min(HV * num_seqs, max_ctas), 1, 1), block=(self.num_threads, 1, 1), stream=stream,
-            min_blocks_per_mp=1,
-        )  # fmt: skip
-
-    @cute.jit
-    def _item(self, item: Int32, num_heads: Int32, mCu: cute.Tensor, seqlen: Int32):
-        """(h, n, bos, seq_len, num_chunks) of work item ``item``: bos is the sequence's first token in the
-        flattened [T_total] axis."""
-        h = item % num_heads
-        n = item // num_heads
-        if const_expr(self.varlen):
-            bos = mCu[n]
-            seq_len = mCu[n + 1] - bos
-        else:
-            bos = n * seqlen
-            seq_len = seqlen
-        return h, n, bos, seq_len, (seq_len + self.bt - 1) // self.bt
+            grid=(HV, num_seqs, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1
+        )
 
     @cute.kernel
     def kernel(
@@ -255,24 +238,28 @@ class DeltaHFwdOFusedSm90:
         tma_g: cute.CopyAtom, tg: cute.Tensor,
         tma_o: cute.CopyAtom, to: cute.Tensor,
         o_v: cute.Tensor, h0_v: cute.Tensor, ht_v: cute.Tensor, mCu: cute.Tensor,
-        seqlen: Int32, scale: Float32, num_heads: Int32, num_seqs: Int32,
+        seqlen: Int32, scale: Float32,
         mma_o: cute.TiledMma, mma_s: cute.TiledMma,
         sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout, sA_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
     ):  # fmt: skip
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
-        # Work items (sequence n, value head h), h fastest, grid-stride: with more items than SMs a CTA's producer
-        # loads the next item's first chunks while its consumers finish the current one, where a fresh CTA per
-        # item paid its launch, prologue and first loads each time (short varlen sequences)
-        first_item, _, _ = cute.arch.block_idx()
-        grid_size, _, _ = cute.arch.grid_dim()
-        num_items = num_heads * num_seqs
+        h, n, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:
             for atom in (tma_w, tma_q, tma_a, tma_k, tma_u, tma_g):
                 cpasync.prefetch_descriptor(atom)
+
+        # Sequence bounds: bos = first token of this sequence in the flattened [T_total] axis.
+        if const_expr(self.varlen):
+            bos = mCu[n]
+            seq_len = mCu[n + 1] - bos
+        else:
+            bos = n * seqlen
+            seq_len = seqlen
+        num_chunks = (seq_len + BT - 1) // BT
 
         storage = SmemAllocator().allocate(self.storage)
         pipe = pipeline.PipelineTmaAsync.create(
@@ -293,47 +280,45 @@ class DeltaHFwdOFusedSm90:
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
+                gW = cute.local_tile(cute.domain_offset((bos, 0), tw[None, None, h]), (BT, DK), (None, 0))
+                gQ = cute.local_tile(cute.domain_offset((bos, 0), tq[None, None, h]), (BT, DK), (None, 0))
+                gA = cute.local_tile(cute.domain_offset((bos, 0), ta[None, None, h]), (BT, BT), (None, 0))
+                gK = cute.local_tile(cute.domain_offset((0, bos), tk[None, None, h]), (DK, BT), (0, None))
+                gU = cute.local_tile(cute.domain_offset((0, bos), tu[None, None, h]), (DV, BT), (0, None))
+                gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
+                one = cute.make_layout(1)
+                tWs, tWg = cpasync.tma_partition(
+                    tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+                )
+                tQs, tQg = cpasync.tma_partition(
+                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
+                tAs, tAg = cpasync.tma_partition(
+                    tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                )
+                tKs, tKg = cpasync.tma_partition(
+                    tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+                )
+                tUs, tUg = cpasync.tma_partition(
+                    tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2)
+                )
+                tGs, tGg = cpasync.tma_partition(
+                    tma_g, 0, one, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2)
+                )
                 st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
-                for item in cutlass.range(first_item, num_items, grid_size, unroll=1):
-                    h, n, bos, seq_len, num_chunks = self._item(item, num_heads, mCu, seqlen)
-                    gW = cute.local_tile(cute.domain_offset((bos, 0), tw[None, None, h]), (BT, DK), (None, 0))
-                    gQ = cute.local_tile(cute.domain_offset((bos, 0), tq[None, None, h]), (BT, DK), (None, 0))
-                    gA = cute.local_tile(cute.domain_offset((bos, 0), ta[None, None, h]), (BT, BT), (None, 0))
-                    gK = cute.local_tile(cute.domain_offset((0, bos), tk[None, None, h]), (DK, BT), (0, None))
-                    gU = cute.local_tile(cute.domain_offset((0, bos), tu[None, None, h]), (DV, BT), (0, None))
-                    gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
-                    one = cute.make_layout(1)
-                    tWs, tWg = cpasync.tma_partition(
-                        tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
-                    )
-                    tQs, tQg = cpasync.tma_partition(
-                        tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-                    )
-                    tAs, tAg = cpasync.tma_partition(
-                        tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-                    )
-                    tKs, tKg = cpasync.tma_partition(
-                        tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-                    )
-                    tUs, tUg = cpasync.tma_partition(
-                        tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2)
-                    )
-                    tGs, tGg = cpasync.tma_partition(
-                        tma_g, 0, one, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2)
-                    )
-                    for c in cutlass.range(num_chunks, unroll=1):
-                        pipe.producer_acquire(st)
-                        bar = pipe.producer_get_barrier(st)
-                        cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
-                        cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
-                        cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
-                        cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
-                        cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
-                        # the decay row: g at the last valid token of the chunk
-                        last = cutlass.min(c * BT + BT, seq_len) - 1
-                        cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
-                        pipe.producer_commit(st)
-                        st.advance()
+                for c in cutlass.range(num_chunks, unroll=1):
+                    pipe.producer_acquire(st)
+                    bar = pipe.producer_get_barrier(st)
+                    cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
+                    cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
+                    cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
+                    cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
+                    cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
+                    # the decay row: g at the last valid token of the chunk
+                    last = cutlass.min(c * BT + BT, seq_len) - 1
+                    cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
+                    pipe.producer_commit(st)
+                    st.advance()
                 pipe.producer_tail(st)
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -344,6 +329,11 @@ class DeltaHFwdOFusedSm90:
             mask_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_consumer_wg)
 
             accS = cute.make_rmem_tensor(wg_s.partition_shape_C((DV, DK)), Float32)  # S^T, fp32
+            tSgH0 = thr_s.partition_C(h0_v[None, None, h, n])
+            if const_expr(self.has_h0):
+                accS.store(tSgH0.load())
+            else:
+                accS.fill(0.0)
             # Register A fragments (bf16 S^T for GEMM1/2, bf16 v_new^T for GEMM3/4; the RS A layout of a
             # 64x16 atom does not depend on N, so one v_new fragment serves both tiled MMAs).
             tOrS = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, DK)))
@@ -365,6 +355,8 @@ class DeltaHFwdOFusedSm90:
             tUsU = thr_o.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
             tVcV = thr_o.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
             tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
+            gO = cute.local_tile(cute.domain_offset((0, bos), o_v[None, None, h]), (DV, BT), (0, None))
+            tOgO = thr_o.partition_C(gO)  # (MMA, MMA_M, MMA_N, NC)
             # A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (u is dead once v_new
             # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
             # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
@@ -381,6 +373,10 @@ class DeltaHFwdOFusedSm90:
                 tOsU = thr_sto.partition_D(sU)  # (CPY, CPY_M, CPY_N, S)
                 wg_bar = pipeline.NamedBarrier(barrier_id=2 + me, num_threads=128)
                 sUh = cute.flat_divide(sU, (half, BT))[None, None, me, 0, None]  # (half, BT, S)
+                gOh = cute.local_tile(cute.domain_offset((0, bos), to[None, None, h]), (half, BT), (me, None))
+                tOs, tOg = cpasync.tma_partition(
+                    tma_o, 0, cute.make_layout(1), cute.group_modes(sUh, 0, 2), cute.group_modes(gOh, 0, 2)
+                )
                 # u^T into the accumulator layout by ldmatrix.trans, 4 a thread instead of 32 2-byte loads
                 ld_u = cute.make_tiled_copy_C(
                     cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), mma_o
@@ -395,132 +391,106 @@ class DeltaHFwdOFusedSm90:
             mcol0 = (ctid % 4) * 16
 
             st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
-            # a full chunk's stage that the first warp still holds until its o store has read it
-            pending = Int32(0)
-            for item in cutlass.range(first_item, num_items, grid_size, unroll=1):
-                h, n, bos, seq_len, num_chunks = self._item(item, num_heads, mCu, seqlen)
-                if const_expr(self.has_h0):
-                    accS.store(thr_s.partition_C(h0_v[None, None, h, n]).load())
-                else:
-                    accS.fill(0.0)
-                gO = cute.local_tile(cute.domain_offset((0, bos), o_v[None, None, h]), (DV, BT), (0, None))
-                tOgO = thr_o.partition_C(gO)  # (MMA, MMA_M, MMA_N, NC)
+            for c in cutlass.range(num_chunks, unroll=1):
+                valid = cutlass.min(seq_len - c * BT, BT)
+                si = st.index
+                pipe.consumer_wait(st)
+                # GEMM1 + GEMM2 on the state before this chunk.
+                tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
+                warpgroup.fence()
+                atom = cute.make_mma_atom(mma_o.op)
+                atom.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
+                    cute.gemm(atom, accV, tOrS[None, None, kb], tOrW[None, None, kb, si], accV)
+                    atom.set(warpgroup.Field.ACCUMULATE, True)
+                atom2 = cute.make_mma_atom(mma_o.op)
+                atom2.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
+                    cute.gemm(atom2, accO, tOrS[None, None, kb], tOrQ[None, None, kb, si], accO)
+                    atom2.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
                 if const_expr(self.o_tma):
-                    gOh = cute.local_tile(cute.domain_offset((0, bos), to[None, None, h]), (half, BT), (me, None))
-                    tOs, tOg = cpasync.tma_partition(
-                        tma_o, 0, cute.make_layout(1), cute.group_modes(sUh, 0, 2), cute.group_modes(gOh, 0, 2)
-                    )
-                for c in cutlass.range(num_chunks, unroll=1):
-                    valid = cutlass.min(seq_len - c * BT, BT)
-                    si = st.index
-                    pipe.consumer_wait(st)
-                    # GEMM1 + GEMM2 on the state before this chunk.
-                    tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
-                    warpgroup.fence()
-                    atom = cute.make_mma_atom(mma_o.op)
-                    atom.set(warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
-                        cute.gemm(atom, accV, tOrS[None, None, kb], tOrW[None, None, kb, si], accV)
-                        atom.set(warpgroup.Field.ACCUMULATE, True)
-                    atom2 = cute.make_mma_atom(mma_o.op)
-                    atom2.set(warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
-                        cute.gemm(atom2, accO, tOrS[None, None, kb], tOrQ[None, None, kb, si], accO)
-                        atom2.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    if const_expr(self.o_tma):
-                        if (pending != 0) & first_warp:
-                            # the previous chunk's stage (maybe the previous item's), once its o store has read it
-                            if issuer:
-                                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                            prev = cutlass.select_(si == 0, S - 1, si - 1)
-                            pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
+                    if (c > 0) & first_warp:
+                        # the previous chunk's stage, once its o store has read it (see the end of the loop)
+                        if issuer:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        prev = cutlass.select_(si == 0, S - 1, si - 1)
+                        pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
 
-                    # While GEMM1/2 run: mask Aqk, compute the decay factors, fetch u^T.
-                    if const_expr(not self.aqk_causal):
-                        sAc = sA[None, None, si]
-                        for jj in cutlass.range_constexpr(16):
-                            if mcol0 + jj > mrow:
-                                sAc[mrow, mcol0 + jj] = self.dtype(0.0)
+                # While GEMM1/2 run: mask Aqk, compute the decay factors, fetch u^T.
+                if const_expr(not self.aqk_causal):
+                    sAc = sA[None, None, si]
+                    for jj in cutlass.range_constexpr(16):
+                        if mcol0 + jj > mrow:
+                            sAc[mrow, mcol0 + jj] = self.dtype(0.0)
+                    cute.arch.fence_view_async_shared()
+                # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
+                # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
+                for j in cutlass.range_constexpr(cute.size(rD)):
+                    rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
+                if const_expr(self.o_tma):
+                    cute.copy(ld_u, tUsU_ld[None, None, None, si], thr_ldu.retile(rU16))
+                    rU = rU16.load()
+                else:
+                    rU = tUsU[None, None, None, si].load()
+                for i in cutlass.range_constexpr(cute.size(pV)):
+                    pV[i] = tVcV[i][1] < valid
+
+                warpgroup.wait_group(0)
+                for i in cutlass.range_constexpr(cute.size(accS)):
+                    accS[i] = accS[i] * rD[(i % 2) + 2 * (i // 4)]
+                v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
+                tVrV.store(v_new.to(self.dtype))
+                accO.store(accO.load() * scale)
+                if const_expr(not self.aqk_causal):
+                    mask_bar.arrive_and_wait()
+                # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment.
+                warpgroup.fence()
+                atom3 = cute.make_mma_atom(mma_o.op)
+                atom3.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
+                    cute.gemm(atom3, accO, tVrV[None, None, kb], tOrA[None, None, kb, si], accO)
+                atom4 = cute.make_mma_atom(mma_s.op)
+                atom4.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
+                    cute.gemm(atom4, accS, tVrV[None, None, kb], tSrK[None, None, kb, si], accS)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                rO.store(accO.load().to(self.dtype))
+                tOgOc = tOgO[None, None, None, c]
+                if valid == BT:
+                    if const_expr(self.o_tma):
+                        # u is dead since v_new: o^T goes into this warpgroup's half of the u tile, then out by
+                        # TMA. The first warp releases the stage only once the store has read it (next chunk)
+                        cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
                         cute.arch.fence_view_async_shared()
-                    # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
-                    # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
-                    for j in cutlass.range_constexpr(cute.size(rD)):
-                        rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
-                    if const_expr(self.o_tma):
-                        cute.copy(ld_u, tUsU_ld[None, None, None, si], thr_ldu.retile(rU16))
-                        rU = rU16.load()
-                    else:
-                        rU = tUsU[None, None, None, si].load()
-                    for i in cutlass.range_constexpr(cute.size(pV)):
-                        pV[i] = tVcV[i][1] < valid
-
-                    warpgroup.wait_group(0)
-                    for i in cutlass.range_constexpr(cute.size(accS)):
-                        accS[i] = accS[i] * rD[(i % 2) + 2 * (i // 4)]
-                    v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
-                    tVrV.store(v_new.to(self.dtype))
-                    accO.store(accO.load() * scale)
-                    if const_expr(not self.aqk_causal):
-                        mask_bar.arrive_and_wait()
-                    # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment.
-                    warpgroup.fence()
-                    atom3 = cute.make_mma_atom(mma_o.op)
-                    atom3.set(warpgroup.Field.ACCUMULATE, True)
-                    for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
-                        cute.gemm(atom3, accO, tVrV[None, None, kb], tOrA[None, None, kb, si], accO)
-                    atom4 = cute.make_mma_atom(mma_s.op)
-                    atom4.set(warpgroup.Field.ACCUMULATE, True)
-                    for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
-                        cute.gemm(atom4, accS, tVrV[None, None, kb], tSrK[None, None, kb, si], accS)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-
-                    rO.store(accO.load().to(self.dtype))
-                    tOgOc = tOgO[None, None, None, c]
-                    if valid == BT:
-                        if const_expr(self.o_tma):
-                            # u is dead since v_new: o^T goes into this warpgroup's half of the u tile, then out by
-                            # TMA. The first warp releases the stage only once the store has read it (next chunk)
-                            cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
-                            cute.arch.fence_view_async_shared()
-                            wg_bar.arrive_and_wait()
-                            if issuer:
-                                cute.copy(tma_o, tOs[None, si], tOg[None, c])
-                                cute.arch.cp_async_bulk_commit_group()
-                            if not first_warp:
-                                pipe.consumer_release(st)
-                            pending = Int32(1)
-                        else:
+                        wg_bar.arrive_and_wait()
+                        if issuer:
+                            cute.copy(tma_o, tOs[None, si], tOg[None, c])
+                            cute.arch.cp_async_bulk_commit_group()
+                        if not first_warp:
                             pipe.consumer_release(st)
-                            tOgOc.store(rO.load())
-                    else:  # the partial last chunk: row-predicated stores, the next sequence's rows untouched
+                    else:
                         pipe.consumer_release(st)
-                        for i in cutlass.range_constexpr(cute.size(rO)):
-                            if tVcV[i][1] < valid:
-                                tOgOc[i] = rO[i]
-                        pending = Int32(0)
-                    st.advance()
-
-                if const_expr(self.has_ht):
-                    tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
-                    tSgHt.store(accS.load())
+                        tOgOc.store(rO.load())
+                else:  # the partial last chunk: row-predicated stores, the next sequence's rows untouched
+                    pipe.consumer_release(st)
+                    for i in cutlass.range_constexpr(cute.size(rO)):
+                        if tVcV[i][1] < valid:
+                            tOgOc[i] = rO[i]
+                st.advance()
 
             if const_expr(self.o_tma):
-                if (pending != 0) & first_warp:  # the last full chunk's deferred release
+                if (num_chunks > 0) & (seq_len % BT == 0) & first_warp:  # the last chunk's deferred release
                     if issuer:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                     prev = cutlass.select_(st.index == 0, S - 1, st.index - 1)
                     pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
 
-
-@functools.cache
-def max_ctas(device: torch.device) -> int:
-    """The kernel's grid cap on ``device``: one CTA per SM (each needs a whole SM), walking the (sequence, head)
-    items grid-stride. (Off CUDA, where only the host path runs with stubbed kernels: 1.)"""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+            if const_expr(self.has_ht):
+                tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
+                tSgHt.store(accS.load())
 
 
 @functools.cache
@@ -566,7 +536,7 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
     cu = make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
     args = (
         tok(dtype, DK), tok(dtype, DV), tok(dtype, DK), tok(dtype, DK), tok(Float32, DK), tok(dtype, BT),
-        tok(dtype, DV), state(), state(), cu, Int32(1), Int32(1), Float32(1.0), Int32(1),
+        tok(dtype, DV), state(), state(), cu, Int32(1), Int32(1), Float32(1.0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
@@ -682,5 +652,5 @@ def chunk_kda_delta_h_fwd_o_sm90(
         initial_state if initial_state is not None else dummy_state,
         final_state if final_state is not None else dummy_state,
         cu_seqlens if varlen else _placeholder(dev, torch.int32, (2,)),
-        T, N, float(scale), max_ctas(dev),
+        T, N, float(scale),
     )  # fmt: skip
