@@ -377,13 +377,6 @@ class DeltaHFwdOFusedSm90:
                 tOs, tOg = cpasync.tma_partition(
                     tma_o, 0, cute.make_layout(1), cute.group_modes(sUh, 0, 2), cute.group_modes(gOh, 0, 2)
                 )
-                # u^T into the accumulator layout by ldmatrix.trans, 4 a thread instead of 32 2-byte loads
-                ld_u = cute.make_tiled_copy_C(
-                    cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), mma_o
-                )
-                thr_ldu = ld_u.get_slice(ctid)
-                tUsU_ld = thr_ldu.partition_S(sU)  # (CPY, CPY_M, CPY_N, S)
-                rU16 = cute.make_rmem_tensor(accV.layout, self.dtype)
 
             # Causal mask of the shared Aqk tile: consumer thread ctid zeroes row ctid // 4, columns
             # 16 * (ctid % 4) + [0, 16) above the diagonal.
@@ -428,11 +421,7 @@ class DeltaHFwdOFusedSm90:
                 # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
                 for j in cutlass.range_constexpr(cute.size(rD)):
                     rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
-                if const_expr(self.o_tma):
-                    cute.copy(ld_u, tUsU_ld[None, None, None, si], thr_ldu.retile(rU16))
-                    rU = rU16.load()
-                else:
-                    rU = tUsU[None, None, None, si].load()
+                rU = tUsU[None, None, None, si].load()
                 for i in cutlass.range_constexpr(cute.size(pV)):
                     pV[i] = tVcV[i][1] < valid
 
