@@ -1,6 +1,7 @@
 """Device time of the KDA state/output kernel's variants, side by side in one process, with bit checks.
 
-    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/time_states.py [--ncu NAME]
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/time_states.py [REF.py ...]
+                                    ... time_states.py --ncu NAME
 
 ``--ncu NAME`` instead profiles the last variant on shape NAME under Nsight Compute (speed of light, pipe use,
 warp states, per-SASS source counters): $OUT/ncu_states.txt and $OUT/ncu_states_source.csv (read the CSV with
@@ -8,7 +9,9 @@ warp states, per-SASS source counters): $OUT/ncu_states.txt and $OUT/ncu_states_
 
 For each shape, cula's intra kernel prepares w, u, qg, kg, Aqk (upper triangle zero) and g_cum once; then every
 variant in ``VARIANTS`` (``DeltaHFwdOFusedSm90`` switches) runs the state/output kernel on them, taking turns
-over several rounds, with an fp32 initial state and the final state written (the kda_prefill suite's flags).
+over several rounds, with an fp32 initial state and the final state written (the kda_prefill suite's flags). Each
+REF.py (a copy of ``cula/ops/kda/sm90/delta_h_fwd_o.py``, e.g. ``git show <commit>:...``, untracked so that it
+travels to the device) adds its ``aqk_causal`` kernel as one more variant, named after the file.
 Prints each variant's median CUDA-event time per shape and whether its o and final state equal the first
 variant's bit for bit. Shapes with few (sequence, head) pairs or short sequences show the kernel's per-chunk
 latency; B2-T16384 its bandwidth.
@@ -75,12 +78,15 @@ def main() -> None:
 
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bit_identity import load_ref  # a module copy under its own compile cache
+
+    refs = {os.path.basename(p): load_ref(p) for p in sys.argv[1:]}
     for name, B, T, lens in SHAPES:
         x = prepare(B, T, lens)
-        fns = {
-            v: dh.get_compiled(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True, **kw)
-            for v, kw in VARIANTS.items()
-        }  # fmt: skip
+        kw = dict(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True)
+        fns = {v: dh.get_compiled(**kw, **extra) for v, extra in VARIANTS.items()}
+        fns.update({r: m.get_compiled(**kw, aqk_causal=True) for r, m in refs.items()})
         outs = {}
         for v, fn in fns.items():
             o = torch.full((B * T, HV, D), float("nan"), dtype=torch.bfloat16, device="cuda")
