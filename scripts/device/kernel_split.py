@@ -18,44 +18,32 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kda_prefill as bk  # noqa: E402
 from common import bench, n_rotation_sets  # noqa: E402
+from profile_kda import kernel_stats  # noqa: E402
 
 DEFAULT = ["B1-T512", "B2-T512", "B2-T1024", "B1-T4096", "varlen-N10-T4096-uniform", "varlen-N20-T4096-uniform",
            "varlen-N20-T4096-skewed", "varlen-N20-T16384-random", "B2-T16384"]
 
 
-def kernel_times(fn, calls: int = 5) -> dict[str, list[float]]:
-    """Per kernel name: [device us per call, launches per call]."""
-    from torch.profiler import ProfilerActivity, profile
+def suite_calls(name: str) -> list:
+    """Zero-argument chunk_kda calls on the suite config ``name``: as many input sets as the benchmark rotates
+    through, so that a call never finds its inputs in L2."""
+    from cula.kda import chunk_kda
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", 0) or 0
-        if us:
-            out[ev.key[:80]] = [round(us / calls, 1), round(ev.count / calls, 2)]
-    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+    cfg = next(c for c in bk.suite() if c.name == name)
+    shared = bk.make_shared(cfg, "cuda")
+    return [bk.bind(chunk_kda, bk.make_set(cfg, i, "cuda"), shared)
+            for i in range(n_rotation_sets(bk.input_set_bytes(cfg)))]  # fmt: skip
 
 
 def main(names: list[str]) -> None:
-    from cula.kda import chunk_kda
-
-    cfgs = {c.name: c for c in bk.suite()}
     report = {}
     with torch.inference_mode():
         for name in names:
-            cfg = cfgs[name]
-            shared = bk.make_shared(cfg, "cuda")
-            # as in the benchmark: enough input sets that a call never finds its inputs in L2
-            fns = [bk.bind(chunk_kda, bk.make_set(cfg, i, "cuda"), shared)
-                   for i in range(n_rotation_sets(bk.input_set_bytes(cfg)))]
-            times = kernel_times(fns[0])
+            fns = suite_calls(name)
+            times = kernel_stats(fns[0])
             eager = bench(fns, iters=20, warmup=3).median_ms * 1e3
             graph = bench(fns, iters=20, warmup=3, cuda_graph=True).median_ms * 1e3
             total = sum(t[0] for t in times.values())

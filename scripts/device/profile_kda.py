@@ -42,8 +42,8 @@ def inputs(B: int, T: int) -> dict:
     )
 
 
-def kernel_times(fn, calls: int = 5) -> dict[str, float]:
-    """Summed device microseconds per kernel name, averaged per call."""
+def kernel_stats(fn, calls: int = 5) -> dict[str, list[float]]:
+    """Per kernel name: [device microseconds per call, launches per call], the longest first."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -52,13 +52,18 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    out: dict[str, float] = {}
+    out: dict[str, list[float]] = {}
     for ev in prof.key_averages():
         if ev.device_type.name == "CUDA" or getattr(ev, "self_device_time_total", 0):
             us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
             if us:
-                out[ev.key[:90]] = round(us / calls, 1)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+                out[ev.key[:90]] = [round(us / calls, 1), round(ev.count / calls, 2)]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
+def kernel_times(fn, calls: int = 5) -> dict[str, float]:
+    """Summed device microseconds per kernel name, averaged per call."""
+    return {k: v[0] for k, v in kernel_stats(fn, calls).items()}
 
 
 def wall_us(fn) -> float:

@@ -16,9 +16,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-import bench_kda_prefill as bk  # noqa: E402
-from common import bench, n_rotation_sets  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_split import bench, suite_calls  # noqa: E402 - the suite's configs and input rotation
 
 # name -> (OVERLAP_STATE_MIN_TOKENS, _SEGMENT_TOKENS, _MAX_SEGMENTS)
 SETTINGS = {
@@ -34,16 +33,11 @@ NAMES = ["B1-T4096", "B1-T8192", "B1-T16384"]
 
 def main() -> None:
     from cula.backends import clear_plan_caches
-    from cula.kda import chunk_kda
     from cula.ops.kda.sm90 import chunk_fwd
 
-    cfgs = {c.name: c for c in bk.suite()}
     with torch.inference_mode():
         for name in NAMES:
-            cfg = cfgs[name]
-            shared = bk.make_shared(cfg, "cuda")
-            fns = [bk.bind(chunk_kda, bk.make_set(cfg, i, "cuda"), shared)
-                   for i in range(n_rotation_sets(bk.input_set_bytes(cfg)))]
+            fns = suite_calls(name)
             times: dict[str, list[float]] = {k: [] for k in SETTINGS}
             for _ in range(3):
                 for key, (min_tokens, seg, most) in SETTINGS.items():
