@@ -361,9 +361,9 @@ class DeltaHFwdOFusedSm90:
             # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
             # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
             # 64 CTAs at B1-T8192). That thread's warp releases the stage one chunk late, after the store's read.
-            issuer = ctid % 128 == 0  # lane 0 of the warpgroup's first warp, also its warp's release signaller
-            first_warp = (ctid % 128) < 32
             if const_expr(self.o_tma):
+                issuer = ctid % 128 == 0  # lane 0 of the warpgroup's first warp, also its warp's release signaller
+                first_warp = (ctid % 128) < 32
                 me = wg_idx - 1
                 half = DV // self.num_consumer_wg
                 st_o = cute.make_tiled_copy_C(
