@@ -29,17 +29,26 @@ import torch
 logger = logging.getLogger("cula")
 
 # os.environ.get encodes its key on every call (~1 us on the device host, a tenth of a decode step's host
-# budget); plan keys read CULA_BACKEND through CPython's own bytes-keyed mirror of the environment, which
+# budget); plan keys read variables such as CULA_BACKEND through CPython's own bytes-keyed mirror of the environment, which
 # os.environ's setters and deleters keep current.
 _ENV_DATA = getattr(os.environ, "_data", None)
-_BACKEND_KEY = os.environ.encodekey("CULA_BACKEND") if _ENV_DATA is not None else None
+
+
+def env_reader(name: str) -> Callable[[], Any]:
+    """A reader of environment variable ``name`` for plan keys: its value, undecoded (bytes on POSIX), or None."""
+    if _ENV_DATA is None:
+        return lambda: os.environ.get(name)
+    key = os.environ.encodekey(name)
+    return lambda: _ENV_DATA.get(key)
+
+
+_read_backend = env_reader("CULA_BACKEND")
 
 
 def forced_backend() -> Any:
     """``CULA_BACKEND`` for a plan key: its value, undecoded (bytes on POSIX), or None when unset."""
-    if _ENV_DATA is None:
-        return os.environ.get("CULA_BACKEND")
-    return _ENV_DATA.get(_BACKEND_KEY)
+    return _read_backend()
+
 
 Verdict = tuple[bool, "str | None"]
 
@@ -149,14 +158,26 @@ class Registry:
     def dispatch(self, device: torch.device, args: dict[str, Any]) -> Any:
         return self.select(device, args).run(**args)
 
-    def plan(self, device: torch.device, args: dict[str, Any]) -> Callable[..., Any]:
-        """A launch function for ``args`` and every later call with the same signature (see PlanCache)."""
+    def plan(
+        self, device: torch.device, args: dict[str, Any], positional: tuple[str, ...] | None = None
+    ) -> Callable[..., Any]:
+        """A launch function for ``args`` and every later call with the same signature (see PlanCache).
+
+        With ``positional`` (argument names), the launch takes those arguments' values in that order and the rest
+        stays as in ``args``; a backend's ``prepare`` must then return a launch of that signature."""
         backend = self.select(device, args)
         if backend.prepare is not None:
             launch = backend.prepare(**args)
             if launch is not None:
                 return launch
-        return backend.run
+        if positional is None:
+            return backend.run
+        run = backend.run
+
+        def launch(*values):
+            return run(**dict(args, **dict(zip(positional, values))))
+
+        return launch
 
     def _log(self, chosen: str, declined: tuple) -> None:
         key = (chosen, declined)

@@ -9,6 +9,7 @@ at the end compares the outputs bit for bit).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -105,13 +106,38 @@ def test_new_signatures_and_bad_input_are_validated(counted, monkeypatch):
 
 @pytest.fixture
 def fake_sm90(monkeypatch, pretend_sm90):
-    """CPU tensors that look like an SM90 device with the DSL installed; the two kernels record their arguments."""
-    from cula.ops.kda.sm90 import delta_h_fwd_o, intra
+    """CPU tensors that look like an SM90 device with the DSL installed; the two kernels record their arguments
+    (the bound launch's one host call for both, ``fwd_launch``, as the two calls it makes)."""
+    from cula.ops.kda.sm90 import delta_h_fwd_o, fwd_launch, intra
 
     calls = []
     monkeypatch.setattr(intra, "get_compiled", lambda **kw: lambda *a: calls.append(("intra", kw, a)))
     monkeypatch.setattr(delta_h_fwd_o, "get_compiled", lambda **kw: lambda *a: calls.append(("state", kw, a)))
+    monkeypatch.setattr(fwd_launch, "get_compiled", lambda io, so: functools.partial(_both_stages, calls, io, so))
     return calls
+
+
+def _both_stages(calls, io, so, q, k, v, g, beta, a_log, bias, work, o, h0, ht, cu, scale, lb):
+    """What ``fwd_launch.ChunkKDAFwdSm90`` hands its two kernels, in torch: flat views of the inputs, and the
+    workspace's regions (w, u, qg, kg, Aqk, then g_cum's fp32) of B T HV rows each."""
+    from cula.ops.kda.sm90.fwd_launch import WORK_COLS
+
+    B_, T_, H_, K_ = q.shape
+    HV_ = v.shape[2]
+    rows = B_ * T_ * HV_
+    assert work.shape == (rows, WORK_COLS) and work.dtype == q.dtype and bias.shape == (HV_ * K_,)
+    flat = work.view(-1)
+    w, u, qg, kg = (flat[rows * 128 * i : rows * 128 * (i + 1)].view(B_ * T_, HV_, 128) for i in range(4))
+    aqk = flat[rows * 512 : rows * 576].view(B_ * T_, HV_, 64)
+    g_cum = flat[rows * 576 :].view(torch.float32).view(B_ * T_, HV_, 128)
+    q3, k3, v3, g3, o3 = (x.view(B_ * T_, *x.shape[2:]) for x in (q, k, v, g, o))
+    intra_kw = dict(io, varlen=False)
+    state_kw = dict(dtype=so["dtype"], varlen=False, has_h0=so["has_initial_state"], has_ht=so["has_final_state"],
+                    state_v_first=so["state_v_first"], aqk_causal=so["aqk_causal"])  # fmt: skip
+    calls.append(("intra", intra_kw, (
+        q3, k3, v3, g3, beta.view(B_ * T_, HV_), a_log, bias.view(HV_, K_), w, u, qg, kg, aqk, g_cum, cu,
+        cu.view(1, 2), T_, (T_ + 63) // 64, B_, scale, lb)))  # fmt: skip
+    calls.append(("state", state_kw, (w, u, kg, qg, g_cum, aqk, o3, h0, ht, cu, T_, B_, scale)))
 
 
 def _same(a, b, inputs):
@@ -158,19 +184,22 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, fake_sm90, st
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
-@pytest.mark.parametrize("state_v_first", [False, True])
-def test_bound_launch_bit_identical_cuda(counted, state_v_first):
+@pytest.mark.parametrize("state_v_first,with_state", [(False, True), (True, True), (True, False)])
+def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
+    """The bound launch (both kernels from one host call, fwd_launch) against the general path, bit for bit."""
     from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
     from cula.testing import poison_cuda_allocator
 
     x = _inputs("cuda")
-    if state_v_first:
+    if not with_state:
+        x["initial_state"] = None
+    elif state_v_first:
         x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
-    flags = dict(FLAGS, state_v_first=state_v_first)
+    flags = dict(FLAGS, state_v_first=state_v_first, output_final_state=with_state)
     with torch.inference_mode():
         poison_cuda_allocator()
         ref_o, ref_s = chunk_kda_fwd_sm90(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["initial_state"], True, state_v_first,
+            x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["initial_state"], with_state, state_v_first,
             use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, use_qk_l2norm_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
         )  # fmt: skip
@@ -178,8 +207,12 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first):
             poison_cuda_allocator()
             o, s = chunk_kda(**x, **flags)
             torch.cuda.synchronize()
+            assert not torch.isnan(o).any()
             assert torch.equal(o.view(torch.int16), ref_o.view(torch.int16))
-            assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
+            if with_state:
+                assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
+            else:
+                assert s is None and ref_s is None
     assert counted[0] == 1
 
 

@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from cula._validate import check_scale, resolve_state_layout, take_extra_kwargs
-from cula.backends import PlanCache, call_signature
-from cula.kda._args import check_kda_inputs, dispatch_kda_call
+from cula.backends import PlanCache, env_reader, forced_backend, tensor_sig
+from cula.kda._args import check_kda_inputs
 from cula.kda.backends import chunk_kda_registry
 
 # FLA reads these from **kwargs; every other unknown keyword is an error here.
 _EXTRA_KWARGS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout")
+_PLANNED_KWARGS = frozenset(("A_log", "dt_bias", "chunk_size"))
+_PLAIN_SCALARS = frozenset((type(None), bool, int, float, str))
+_read_intra_mode = env_reader("CULA_KDA_INTRA")
 
-# Fixed-length calls skip validation and backend selection when their signature repeats (see _plan_key); the
-# cula-sm90 backend then also skips its own per-call checks (prepare_chunk_kda_fwd_sm90)
+# Fixed-length calls skip validation and backend selection when their signature repeats (see the fast path at
+# the top of chunk_kda); the cula-sm90 backend then also skips its own per-call checks
+# (prepare_chunk_kda_fwd_sm90). A plan is (launch, scale): launch(*_TENSOR_ARGS, scale) with the scale resolved.
 _plans = PlanCache()
 _TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
-_SCALAR_ARGS = (
-    "scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
-    "allow_neg_eigval", "safe_gate", "lower_bound", "disable_recompute", "state_v_first", "chunk_size",
-    "max_num_seqs",
-)  # fmt: skip
 
 
 def chunk_kda(
@@ -88,35 +85,73 @@ def chunk_kda(
     Backends (first that supports the call): ``cula-sm90`` CuTe DSL kernels on Hopper, ``fla`` (FLA's
     Triton), ``reference`` (float32 PyTorch, the CPU path). ``CULA_BACKEND=<name>`` forces one.
     """
+    # The fast path: a fixed-length call whose signature (everything validation and backend selection read) was
+    # seen before goes straight to its launch. Varlen calls (their cu_seqlens values are checked), context
+    # parallel, FLA's graph mode, intermediate states, the deprecated alias and scalars of unusual types are
+    # validated every time.
+    if (cu_seqlens is None and cu_seqlens_cpu is None and cp_context is None and not use_graph
+            and not return_intermediate_states and (not kwargs or kwargs.keys() <= _PLANNED_KWARGS)):  # fmt: skip
+        A_log, dt_bias, chunk_size = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("chunk_size", 64)
+        flags = (
+            scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, chunk_size, max_num_seqs,
+        )  # fmt: skip
+        if _PLAIN_SCALARS.issuperset(map(type, flags)):
+            tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+            grad = torch.is_grad_enabled() and tuple(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
+            key = (
+                tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta),
+                None if initial_state is None else tensor_sig(initial_state),
+                None if A_log is None else tensor_sig(A_log), None if dt_bias is None else tensor_sig(dt_bias),
+                flags, forced_backend(), _read_intra_mode(), grad, torch.is_inference_mode_enabled(),
+            )  # fmt: skip
+            plan = _plans.get(key)
+            if plan is None:
+                plan = _plan(_call(
+                    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                    disable_recompute, False, state_v_first, None, None, None, False, max_num_seqs, A_log, dt_bias,
+                    chunk_size,
+                ))  # fmt: skip
+                _plans.put(key, plan)
+            launch, scale = plan
+            return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
+
     extra = take_extra_kwargs("chunk_kda", kwargs, _EXTRA_KWARGS)
     state_v_first = resolve_state_layout("chunk_kda", state_v_first, extra)
-    A_log, dt_bias = extra.get("A_log"), extra.get("dt_bias")
-    chunk_size = extra.get("chunk_size", 64)
-    call = dict(
+    args = _checked(_call(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
+        return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph, max_num_seqs,
+        extra.get("A_log"), extra.get("dt_bias"), extra.get("chunk_size", 64),
+    ))  # fmt: skip
+    return chunk_kda_registry.dispatch(args["q"].device, args)
+
+
+def _call(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
+    return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph, max_num_seqs,
+    A_log, dt_bias, chunk_size,
+) -> dict:  # fmt: skip
+    """chunk_kda's arguments as the dispatch dict, flags as bools."""
+    return dict(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
         use_gate_in_kernel=bool(use_gate_in_kernel), use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
         allow_neg_eigval=bool(allow_neg_eigval), safe_gate=bool(safe_gate), lower_bound=lower_bound,
         disable_recompute=bool(disable_recompute), return_intermediate_states=bool(return_intermediate_states),
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
-        use_graph=bool(use_graph), max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
+        state_v_first=bool(state_v_first), cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        cp_context=cp_context, use_graph=bool(use_graph), max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias,
+        chunk_size=chunk_size,
     )  # fmt: skip
-    return dispatch_kda_call(chunk_kda_registry, _plans, _plan_key(call), call, _checked)
 
 
-def _plan_key(call: dict) -> tuple | None:
-    """The signature of a fixed-length call (everything validation and backend selection read), or None for
-    the calls that are validated every time: varlen (``cu_seqlens`` values are checked), context parallel,
-    FLA's graph mode, intermediate states, and scalars of unusual types."""
-    if call["cu_seqlens"] is not None or call["cp_context"] is not None or call["use_graph"]:
-        return None
-    if call["return_intermediate_states"]:
-        return None
-    tensors = tuple(call[n] for n in _TENSOR_ARGS)
-    grad = torch.is_grad_enabled() and tuple(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
-    return call_signature(
-        call, _TENSOR_ARGS, _SCALAR_ARGS, grad, torch.is_inference_mode_enabled(), os.environ.get("CULA_KDA_INTRA")
-    )
+def _plan(call: dict) -> tuple:
+    """Validate the first call of a signature in full (raises on bad input before anything is cached) and choose
+    its backend: ``(launch, scale)``, launch taking ``_TENSOR_ARGS`` and the resolved scale positionally."""
+    args = _checked(call)
+    return chunk_kda_registry.plan(args["q"].device, args, positional=(*_TENSOR_ARGS, "scale")), args["scale"]
 
 
 def _checked(call: dict) -> dict:

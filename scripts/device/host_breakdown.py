@@ -2,9 +2,9 @@
 
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/host_breakdown.py
 
-Times, per call, each piece of a repeated fixed-length ``cula.kda.chunk_kda`` call on its own (the plan cache's
-signature, the bound launch's allocations and ``gate_params``, each compiled kernel's TVM-FFI call with
-prepared arguments) against the whole call: host time only (each call starts with the GPU idle and is timed
+Times, per call, each piece of a repeated fixed-length ``cula.kda.chunk_kda`` call on its own (the plan key's
+tensor signatures, the bound launch's three allocations, its one TVM-FFI call for both kernels, and for comparison
+each kernel's own call as the general path makes them) against the whole call: host time only (each call starts with the GPU idle and is timed
 until it returns). Prints a table and writes $OUT/host_breakdown.json.
 """
 
@@ -32,11 +32,10 @@ def per_call_us(fn) -> float:
 
 
 def main() -> None:
-    from cula.backends import call_signature
-    from cula.kda import chunk as chunk_mod
+    from cula.backends import tensor_sig
     from cula.kda import chunk_kda
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import intra
+    from cula.ops.kda.sm90 import fwd_launch, intra
 
     torch.manual_seed(0)
     bf16, dev = torch.bfloat16, "cuda"
@@ -46,36 +45,47 @@ def main() -> None:
     rows = {}
     with torch.inference_mode():
         rows["chunk_kda (whole call, plan cached)"] = per_call_us(lambda: chunk_kda(**x, **FLAGS))
-        call = dict(x, **FLAGS, scale=None, allow_neg_eigval=False, disable_recompute=False, chunk_size=64,
-                    max_num_seqs=None)  # fmt: skip
-        rows["plan key (call_signature)"] = per_call_us(lambda: call_signature(
-            call, chunk_mod._TENSOR_ARGS, chunk_mod._SCALAR_ARGS, False, True, None))  # fmt: skip
+        tensors = [x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")]
+        rows["plan key: 8 tensor_sig"] = per_call_us(lambda: [tensor_sig(t) for t in tensors])
 
         HV, K, V, BT, NC = H, D, D, B * T, (T + 63) // 64
-        rows["gate_params"] = per_call_us(lambda: intra.gate_params(x["A_log"], x["dt_bias"], "sigmoid", HV, K, dev))
+        cute = intra._TORCH_TO_CUTLASS
+        fn = fwd_launch.get_compiled(
+            dict(dtype=cute[bf16], g_dtype=cute[bf16], beta_dtype=cute[bf16], gate="sigmoid", l2norm_qk=True,
+                 beta_act="sigmoid", g_cum_last_only=True),
+            dict(dtype=cute[bf16], has_initial_state=True, has_final_state=True, state_v_first=True, aqk_causal=True),
+        )  # fmt: skip
 
         def allocs():
             return (
-                torch.empty(BT, HV, K, dtype=bf16, device=dev), torch.empty(BT, HV, V, dtype=bf16, device=dev),
-                torch.empty(BT, HV, K, dtype=bf16, device=dev), torch.empty(BT, HV, K, dtype=bf16, device=dev),
-                torch.empty(BT, HV, 64, dtype=bf16, device=dev), torch.empty(BT, HV, K, dtype=torch.float32, device=dev),
-                torch.empty(B, T, HV, V, dtype=bf16, device=dev), torch.empty(B, HV, V, K, dtype=torch.float32, device=dev),
-            )  # fmt: skip
+                torch.empty(BT * HV, fwd_launch.WORK_COLS, dtype=bf16, device=dev),
+                torch.empty(B, T, HV, V, dtype=bf16, device=dev),
+                torch.empty(B, HV, V, K, dtype=torch.float32, device=dev),
+            )
 
-        rows["8 torch.empty"] = per_call_us(allocs)
-        w, u, qg, kg, Aqk, g_cum, o, ht = allocs()
-        a_log, bias = intra.gate_params(x["A_log"], x["dt_bias"], "sigmoid", HV, K, dev)
-        no_cu, no_ci = torch.zeros(2, dtype=torch.int32, device=dev), torch.zeros(1, 2, dtype=torch.int32, device=dev)
-        fn_intra = intra.compiled_for(bf16, bf16, bf16, "sigmoid", False, True, "sigmoid")
+        rows["3 torch.empty (workspace, o, final state)"] = per_call_us(allocs)
+        work, o, ht = allocs()
+        no_cu = torch.zeros(2, dtype=torch.int32, device=dev)
+        both = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], work, o, x["initial_state"], ht,
+                no_cu, D**-0.5, -5.0)  # fmt: skip
+        rows["both stages' host call (fwd_launch, 14 args)"] = per_call_us(lambda: fn(*both))
+
+        # the two-call form the general path (and segmented B = 1 calls) still make, for comparison
+        w, u, qg, kg = torch.empty(4, BT, HV, K, dtype=bf16, device=dev).unbind(0)
+        Aqk = torch.empty(BT, HV, 64, dtype=bf16, device=dev)
+        g_cum = torch.empty(BT, HV, K, dtype=torch.float32, device=dev)
+        no_ci = torch.zeros(1, 2, dtype=torch.int32, device=dev)
+        fn_intra = intra.compiled_for(bf16, bf16, bf16, "sigmoid", False, True, "sigmoid", g_cum_last_only=True)
         intra_args = (
             x["q"].view(BT, H, K), x["k"].view(BT, H, K), x["v"].view(BT, HV, V), x["g"].view(BT, HV, K),
-            x["beta"].view(BT, HV), a_log, bias, w, u, qg, kg, Aqk, g_cum, no_cu, no_ci, T, NC, B, D**-0.5, -5.0,
+            x["beta"].view(BT, HV), x["A_log"], x["dt_bias"].view(HV, K), w, u, qg, kg, Aqk, g_cum, no_cu, no_ci, T,
+            NC, B, D**-0.5, -5.0,
         )  # fmt: skip
-        rows["intra kernel call (20 args)"] = per_call_us(lambda: fn_intra(*intra_args))
+        rows["intra kernel call alone (20 args)"] = per_call_us(lambda: fn_intra(*intra_args))
         fn_state = dh.get_compiled(dtype=dh._TORCH_TO_CUTLASS[bf16], varlen=False, has_h0=True, has_ht=True,
-                                   state_v_first=True)  # fmt: skip
+                                   state_v_first=True, aqk_causal=True)  # fmt: skip
         state_args = (w, u, kg, qg, g_cum, Aqk, o.view(BT, HV, V), x["initial_state"], ht, no_cu, T, B, D**-0.5)
-        rows["state kernel call (13 args)"] = per_call_us(lambda: fn_state(*state_args))
+        rows["state kernel call alone (13 args)"] = per_call_us(lambda: fn_state(*state_args))
         rows["5 tensor views"] = per_call_us(lambda: (x["q"].view(BT, H, K), x["k"].view(BT, H, K),
                                                       x["v"].view(BT, HV, V), x["g"].view(BT, HV, K),
                                                       x["beta"].view(BT, HV)))  # fmt: skip

@@ -348,7 +348,7 @@ def prepare_chunk_kda_fwd_sm90(
     ``cula.backends.clear_plan_caches()`` after changing them; ``CULA_KDA_INTRA`` is part of the signature.
     """
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import intra
+    from cula.ops.kda.sm90 import fwd_launch, intra
 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -362,24 +362,20 @@ def prepare_chunk_kda_fwd_sm90(
         return None
     gate = _gate_kind(use_gate_in_kernel, lower_bound)
     beta_act = intra.beta_act_for(use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    fn_intra = intra.compiled_for(
-        q.dtype, g.dtype, beta.dtype, gate, False, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=True
-    )
     has_h0 = initial_state is not None
-    fn_state = dh.get_compiled(
-        dtype=dh._TORCH_TO_CUTLASS[q.dtype], varlen=False, has_h0=has_h0, has_ht=bool(output_final_state),
-        state_v_first=state_v_first, aqk_causal=True,
-    )  # fmt: skip
     dev, dt = q.device, q.dtype
-    BT, NC = B * T, (T + 63) // 64
     state_shape = (B, HV, V, K) if state_v_first else (B, HV, K, V)
     dummy_state = dh._placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
-    no_cu, no_ci = intra._placeholder(dev, torch.int32, (2,)), intra._placeholder(dev, torch.int32, (1, 2))
+    no_cu = intra._placeholder(dev, torch.int32, (2,))
     lb = float(lower_bound) if gate == "sigmoid" else 0.0
-    gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev)
+    if gate == "none":  # the kernels read no A_log / dt_bias then: bind the placeholders, whatever is passed
+        A_log = dt_bias = None
 
     if (OVERLAP_STATE_MIN_TOKENS is not None and B == 1 and T >= OVERLAP_STATE_MIN_TOKENS
             and 2 * HV <= torch.cuda.get_device_properties(dev).multi_processor_count):  # fmt: skip
+        fn_intra = intra.compiled_for(
+            q.dtype, g.dtype, beta.dtype, gate, False, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=True
+        )
         dtype = dh._TORCH_TO_CUTLASS[q.dtype]
         fn_states = {
             (h0, ht): dh.get_compiled(
@@ -388,24 +384,31 @@ def prepare_chunk_kda_fwd_sm90(
             for h0 in (True, has_h0)
             for ht in (True, bool(output_final_state))
         }
+        no_ci = intra._placeholder(dev, torch.int32, (1, 2))
         return _segmented_launch(
-            fn_intra, fn_states, _segment_bounds(T), gate_args, H, HV, K, V, dt, dev, state_shape, has_h0,
-            bool(output_final_state), dummy_state, no_cu, no_ci, lb,
+            fn_intra, fn_states, _segment_bounds(T), intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev), H,
+            HV, K, V, dt, dev, state_shape, has_h0, bool(output_final_state), dummy_state, no_cu, no_ci, lb,
         )  # fmt: skip
+
+    # both kernels in one host call (fwd_launch): one TVM-FFI call, no views, the intermediates in one buffer
+    to_cute = intra._TORCH_TO_CUTLASS
+    fn = fwd_launch.get_compiled(
+        dict(dtype=to_cute[q.dtype], g_dtype=to_cute[g.dtype], beta_dtype=to_cute[beta.dtype], gate=gate,
+             l2norm_qk=bool(use_qk_l2norm_in_kernel), beta_act=beta_act, g_cum_last_only=True),
+        dict(dtype=to_cute[q.dtype], has_initial_state=has_h0, has_final_state=bool(output_final_state),
+             state_v_first=bool(state_v_first), aqk_causal=True),
+    )  # fmt: skip
+    gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
+    rows = B * T * HV
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
         a_log, bias = gate_args(A_log, dt_bias)
-        w, u, qg, kg, Aqk, g_cum, o, final_state = _launch_buffers(
-            B, T, HV, K, dt, v.dtype, dev, state_shape, output_final_state
-        )
-        s = float(scale)
-        fn_intra(
-            q.view(BT, H, K), k.view(BT, H, K), v.view(BT, HV, V), g.view(BT, HV, K), beta.view(BT, HV), a_log, bias,
-            w, u, qg, kg, Aqk, g_cum, no_cu, no_ci, T, NC, B, s, lb,
-        )  # fmt: skip
-        fn_state(
-            w, u, kg, qg, g_cum, Aqk, o.view(BT, HV, V), initial_state if has_h0 else dummy_state,
-            final_state if final_state is not None else dummy_state, no_cu, T, B, s,
+        work = torch.empty(rows, fwd_launch.WORK_COLS, dtype=dt, device=dev)
+        o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
+        final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
+        fn(
+            q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
+            final_state if final_state is not None else dummy_state, no_cu, float(scale), lb,
         )  # fmt: skip
         return o, final_state
 

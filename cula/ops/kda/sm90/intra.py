@@ -1066,22 +1066,29 @@ def gate_params(
 
 
 def gate_params_binder(
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, gate: str, HV: int, K: int, device: torch.device
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, gate: str, HV: int, K: int, device: torch.device,
+    *, flat_bias: bool = False,
 ):
     """``gate_params`` for every later call whose A_log / dt_bias have these shapes, strides and dtypes, as a
-    function ``(A_log, dt_bias) -> (A_log [HV], dt_bias [HV, K])``: absent ones are bound to their placeholders
-    once, contiguous fp32 ones pass through (dt_bias as one view) instead of three conversions each per call."""
+    function ``(A_log, dt_bias) -> (A_log [HV], dt_bias [HV, K])`` (``[HV * K]`` with ``flat_bias``, as
+    ``fwd_launch`` takes it): absent ones are bound to their placeholders once, contiguous fp32 ones pass through
+    (as they are where their shape is already the kernel's, else as one view) instead of three conversions each."""
+    bias_shape = (HV * K,) if flat_bias else (HV, K)
     fp32_dense = lambda t: t.dtype == torch.float32 and t.is_contiguous()  # noqa: E731
     if (A_log is not None and not fp32_dense(A_log)) or (dt_bias is not None and not fp32_dense(dt_bias)):
-        return lambda a, b: gate_params(a, b, gate, HV, K, device)
+
+        def converted(a, b):
+            a, b = gate_params(a, b, gate, HV, K, device)
+            return a, b.view(bias_shape)
+
+        return converted
     a_fixed, b_fixed = gate_params(A_log, dt_bias, gate, HV, K, device)  # the placeholders where absent
-    if A_log is None and dt_bias is None:
-        return lambda a, b: (a_fixed, b_fixed)
-    if A_log is None:
-        return lambda a, b: (a_fixed, b.view(HV, K))
-    if dt_bias is None:
-        return lambda a, b: (a.view(HV), b_fixed)
-    return lambda a, b: (a.view(HV), b.view(HV, K))
+    b_fixed = b_fixed.view(bias_shape)
+    a_as_is = A_log is None or tuple(A_log.shape) == (HV,)
+    b_as_is = dt_bias is None or tuple(dt_bias.shape) == bias_shape
+    take_a = (lambda a: a_fixed) if A_log is None else (lambda a: a) if a_as_is else (lambda a: a.view(HV))
+    take_b = (lambda b: b_fixed) if dt_bias is None else (lambda b: b) if b_as_is else (lambda b: b.view(bias_shape))
+    return lambda a, b: (take_a(a), take_b(b))
 
 
 def compiled_for(

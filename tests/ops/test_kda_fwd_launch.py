@@ -1,0 +1,98 @@
+"""chunk_kda's one host call for both stages (``cula/ops/kda/sm90/fwd_launch.py``), on the CPU.
+
+The launcher only composes the intra kernel and the state/output kernel; it must not change either. Each
+variant is compiled for sm_90a three times, as the launcher and as the two kernels alone (what the general path
+runs), and the two kernels' SASS must match instruction for instruction, up to branch labels and the offsets of
+kernel parameters. The GPU side (the bound launch against the general path, bit for bit) is
+``tests/test_chunk_plans.py::test_bound_launch_bit_identical_cuda``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import textwrap
+
+import pytest
+from cute_compile import compile_with_dumps
+
+from cula.testing import find_nvdisasm
+
+# the benchmarks' call (sigmoid gate, fused norms, bf16 g and beta, both states) and a plain one (log-space fp32
+# gate, fp32 beta, fp16, no states, [K, V] state layout)
+_VARIANTS = [
+    {"dtype": "BFloat16", "g_dtype": "BFloat16", "beta_dtype": "BFloat16", "gate": "sigmoid", "l2norm_qk": True,
+     "beta_act": "sigmoid", "h0": True, "ht": True, "state_v_first": True},
+    {"dtype": "Float16", "g_dtype": "Float32", "beta_dtype": "Float32", "gate": "none", "l2norm_qk": False,
+     "beta_act": "none", "h0": False, "ht": False, "state_v_first": False},
+]  # fmt: skip
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import cutlass
+    from cula.ops.kda.sm90 import delta_h_fwd_o, fwd_launch, intra
+    variants, root = json.loads(sys.argv[1]), sys.argv[2]
+    for i, v in enumerate(variants):
+        dt, g_dt, b_dt = (getattr(cutlass, v[n]) for n in ("dtype", "g_dtype", "beta_dtype"))
+        io = dict(dtype=dt, g_dtype=g_dt, beta_dtype=b_dt, gate=v["gate"], l2norm_qk=v["l2norm_qk"],
+                  beta_act=v["beta_act"], g_cum_last_only=True)
+        so = dict(dtype=dt, has_initial_state=v["h0"], has_final_state=v["ht"], state_v_first=v["state_v_first"],
+                  aqk_causal=True)
+        t0 = time.time()
+        for part in ("both", "intra", "state"):
+            d = os.path.join(root, str(i), part)
+            os.makedirs(d, exist_ok=True)
+            opts = f"--keep-ptx --keep-cubin --dump-dir {d}"
+            if part == "both":
+                fwd_launch._compile(io, so, extra_options=opts)
+            elif part == "intra":
+                intra._compile(dt, g_dt, b_dt, v["gate"], False, extra_options=opts, l2norm_qk=v["l2norm_qk"],
+                               beta_act=v["beta_act"], g_cum_last_only=True)
+            else:
+                delta_h_fwd_o._compile(dt, 3, False, v["h0"], v["ht"], v["state_v_first"], extra_options=opts,
+                                       aqk_causal=True)
+        sys.stderr.flush()
+        print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kda_fwd_launch")
+    compile_with_dumps(_COMPILE_SCRIPT, _VARIANTS, root)
+    return root
+
+
+def _kernels(nvdisasm: str, cubin: str) -> dict[str, list[str]]:
+    """SASS per kernel of a cubin (keyed by which stage it is), labels and parameter offsets masked."""
+    sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    out, cur = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"\.section\s+\.text\.(\S+?),", line)
+        if m:
+            name = m.group(1)
+            cur = "intra" if "ChunkKDAIntraFwdSm90" in name else "state" if "DeltaHFwdOFusedSm90" in name else name
+            out[cur] = []
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if m and cur is not None:
+            ins = re.sub(r"\.L_x_\d+", "L", m.group(1))
+            out[cur].append(re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[param]", ins))
+    return out
+
+
+@pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=lambda i: _VARIANTS[i]["gate"])
+def test_both_stages_compile_to_the_kernels_alone(dumps, idx):
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not found: the launcher compiled, its SASS not compared")
+    cubin = {part: next((dumps / str(idx) / part).glob("*.cubin")) for part in ("both", "intra", "state")}
+    both = _kernels(nvdisasm, str(cubin["both"]))
+    assert sorted(both) == ["intra", "state"]
+    for part in ("intra", "state"):
+        alone = _kernels(nvdisasm, str(cubin[part]))[part]
+        assert len(both[part]) == len(alone) > 1000
+        diff = [(a, b) for a, b in zip(both[part], alone) if a != b]
+        assert not diff, (part, diff[:5])
