@@ -64,6 +64,10 @@ def main() -> None:
             )
 
         rows["3 torch.empty (workspace, o, final state)"] = per_call_us(allocs)
+        q = x["q"]
+        rows["1 torch.empty(shape, dtype=, device=)"] = per_call_us(lambda: torch.empty(B, T, HV, V, dtype=bf16, device=dev))
+        rows["1 q.new_empty(shape)"] = per_call_us(lambda: q.new_empty((B, T, HV, V)))
+        rows["1 torch.empty_like(q)"] = per_call_us(lambda: torch.empty_like(q))
         work, o, ht = allocs()
         no_cu = torch.zeros(2, dtype=torch.int32, device=dev)
         both = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], work, o, x["initial_state"], ht,

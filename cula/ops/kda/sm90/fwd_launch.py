@@ -120,9 +120,10 @@ def _compile(intra_options: dict, state_options: dict, arch=(9, 0), extra_option
     inner = (DV, DK) if states.state_v_first else (DK, DV)
 
     def state():
+        # sizes of their own: without an initial / final state the launch passes a [1, 1, ...] placeholder
         return make_fake_tensor(
-            Float32, (cute.sym_int32(), hv, *inner), (cute.sym_int64(divisibility=DK * DV), DK * DV, inner[1], 1),
-            assumed_align=16,
+            Float32, (cute.sym_int32(), cute.sym_int32(), *inner),
+            (cute.sym_int64(divisibility=DK * DV), DK * DV, inner[1], 1), assumed_align=16,
         )  # fmt: skip
 
     args = (
