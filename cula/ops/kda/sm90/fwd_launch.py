@@ -142,6 +142,8 @@ def _compile(intra_options: dict, state_options: dict, arch=(9, 0), extra_option
 
 def get_compiled(intra_options: dict, state_options: dict, arch=(9, 0)):
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
-    key = ("kda.fwd_launch", ChunkKDAFwdSm90.__qualname__, *sorted(intra_options.items()),
-           *sorted(state_options.items()), arch)  # fmt: skip
+    def named(options):  # DSL dtype classes by name, so that the key reads well in the benchmarks' meta
+        return tuple((k, getattr(v, "__name__", v)) for k, v in sorted(options.items()))
+
+    key = ("kda.fwd_launch", ChunkKDAFwdSm90.__qualname__, named(intra_options), named(state_options), arch)
     return compiled_kernel(key, lambda: _compile(intra_options, state_options, arch))
