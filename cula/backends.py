@@ -173,9 +173,11 @@ class Registry:
         if positional is None:
             return backend.run
         run = backend.run
+        # the rest of this call's arguments; its positional tensors are not kept (the plan outlives the call)
+        fixed = {name: value for name, value in args.items() if name not in positional}
 
         def launch(*values):
-            return run(**dict(args, **dict(zip(positional, values))))
+            return run(**fixed, **dict(zip(positional, values)))
 
         return launch
 

@@ -68,6 +68,21 @@ def test_repeats_skip_validation_and_match(counted):
         torch.testing.assert_close(s, outs[0][1], rtol=0, atol=0)
 
 
+def test_plans_keep_no_call_tensors(counted):
+    """A cached plan outlives its first call: it must not hold that call's tensors (activations, with autograd
+    graphs when training) alive."""
+    import gc
+    import weakref
+
+    x = _inputs(dtype=torch.float32)
+    refs = [weakref.ref(t) for t in x.values()]
+    with torch.no_grad():
+        chunk_kda(**x, **FLAGS)
+    del x
+    gc.collect()
+    assert len(chunk_mod._plans) == 1 and all(r() is None for r in refs)
+
+
 def test_new_signatures_and_bad_input_are_validated(counted, monkeypatch):
     x = _inputs(dtype=torch.float32)
     with torch.no_grad():
