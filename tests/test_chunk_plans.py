@@ -242,11 +242,16 @@ def test_inputs_needing_a_copy_take_the_general_path(counted, fake_sm90):
     assert q_seen.is_contiguous() and q_seen.data_ptr() != x["q"].data_ptr()
 
 
+@pytest.mark.parametrize("growth", [None, 4])
 @pytest.mark.parametrize("T_", [128, 1100, 2048, 4133, 16384, 100_000])
-def test_segment_bounds_cover_whole_chunks(T_):
+def test_segment_bounds_cover_whole_chunks(T_, growth, monkeypatch):
+    import cula.ops.kda.sm90.chunk_fwd as cf
     from cula.ops.kda.sm90.chunk_fwd import _MAX_SEGMENTS, _segment_bounds
 
+    monkeypatch.setattr(cf, "_SEGMENT_GROWTH", growth)
     bounds = _segment_bounds(T_)
+    if growth is not None and T_ >= 2 * cf._LAST_SEGMENT_TOKENS:
+        assert cf._LAST_SEGMENT_TOKENS <= bounds[-1][1] - bounds[-1][0] < cf._LAST_SEGMENT_TOKENS + 64
     assert bounds[0][0] == 0 and bounds[-1][1] == T_
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert all((t1 - t0) % 64 == 0 and t1 > t0 for t0, t1 in bounds[:-1]) and bounds[-1][1] > bounds[-1][0]

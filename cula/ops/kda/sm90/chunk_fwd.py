@@ -22,6 +22,7 @@ Importing fla here is deliberate: this module orchestrates FLA's Triton stages u
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -52,6 +53,16 @@ OVERLAP_STATE_MIN_TOKENS: int | None = 4096
 # B1-T4096 the same (2 segments either way); 1024 was slower everywhere
 _SEGMENT_TOKENS = 4096
 _MAX_SEGMENTS = 8
+# Segments shrinking towards the end (None: even ones): the last one about _LAST_SEGMENT_TOKENS long, each earlier
+# one _SEGMENT_GROWTH times the next, the first taking the rest. The last segment's recurrence runs alone on HV of
+# the SMs once the last intra kernel is done, so its length is time the other SMs idle; and each recurrence
+# should end before the next (shorter) segment's intra kernel, which runs beside it on the other SMs, does (the
+# recurrence covers a token ~4x faster than intra on half the GPU).
+# H200 (session 17, sweep_segments.py, against even 4096-token segments): 1024 x 3 B1-T4096 364 -> 347 us
+# ([3072, 1024]), B1-T8192 680 -> 665 ([4096, 3072, 1024]), B1-T16384 1348 -> 1287 ([3072, 9216, 3072, 1024]);
+# 512 x 4 was +2% at B1-T4096, 1024 x 6 no better than even
+_LAST_SEGMENT_TOKENS = 1024
+_SEGMENT_GROWTH: int | None = 3
 
 
 def _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) -> bool:
@@ -183,10 +194,24 @@ def chunk_kda_fwd_sm90(
 
 
 def _segment_bounds(T: int) -> list[tuple[int, int]]:
-    """[t0, t1) token ranges covering T, each a multiple of 64 long but the last."""
-    n = max(2, min(_MAX_SEGMENTS, T // _SEGMENT_TOKENS))
-    step = -(-T // n // 64) * 64
-    return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
+    """[t0, t1) token ranges covering T, each a multiple of 64 long but the last, 2 to _MAX_SEGMENTS of them:
+    even ones, or with ``_SEGMENT_GROWTH`` ones shrinking geometrically towards the end."""
+    last, whole = _LAST_SEGMENT_TOKENS, T // 64 * 64
+    if _SEGMENT_GROWTH is None or whole <= last:
+        n = max(2, min(_MAX_SEGMENTS, T // _SEGMENT_TOKENS))
+        step = -(-T // n // 64) * 64
+        return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
+    sizes, rest, size = [], whole, last  # from the end; T's ragged remainder joins the last segment
+    while len(sizes) < _MAX_SEGMENTS - 1 and rest > size:
+        sizes.append(size)
+        rest -= size
+        size *= _SEGMENT_GROWTH
+    if rest < last and len(sizes) > 1:  # no front segment shorter than the last one
+        rest += sizes.pop()
+    sizes = [rest, *reversed(sizes)]
+    sizes[-1] += T - whole
+    ends = list(itertools.accumulate(sizes))
+    return list(zip([0, *ends[:-1]], ends))
 
 
 def _launch_buffers(B, T, HV, K, dt, o_dtype, dev, state_shape, output_final_state):
