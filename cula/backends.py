@@ -29,8 +29,8 @@ import torch
 logger = logging.getLogger("cula")
 
 # os.environ.get encodes its key on every call (~1 us on the device host, a tenth of a decode step's host
-# budget); plan keys read variables such as CULA_BACKEND through CPython's own bytes-keyed mirror of the environment, which
-# os.environ's setters and deleters keep current.
+# budget); plan keys read variables such as CULA_BACKEND through CPython's own bytes-keyed mirror of the
+# environment, which os.environ's setters and deleters keep current.
 _ENV_DATA = getattr(os.environ, "_data", None)
 
 

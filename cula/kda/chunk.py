@@ -108,10 +108,13 @@ def chunk_kda(
             plan = _plans.get(key)
             if plan is None:
                 plan = _plan(_call(
-                    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                    disable_recompute, False, state_v_first, None, None, None, False, max_num_seqs, A_log, dt_bias,
-                    chunk_size,
+                    q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                    disable_recompute=disable_recompute, return_intermediate_states=False,
+                    state_v_first=state_v_first, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+                    use_graph=False, max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
                 ))  # fmt: skip
                 _plans.put(key, plan)
             launch, scale = plan
@@ -120,31 +123,29 @@ def chunk_kda(
     extra = take_extra_kwargs("chunk_kda", kwargs, _EXTRA_KWARGS)
     state_v_first = resolve_state_layout("chunk_kda", state_v_first, extra)
     args = _checked(_call(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
-        return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph, max_num_seqs,
-        extra.get("A_log"), extra.get("dt_bias"), extra.get("chunk_size", 64),
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+        disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
+        use_graph=use_graph, max_num_seqs=max_num_seqs, A_log=extra.get("A_log"), dt_bias=extra.get("dt_bias"),
+        chunk_size=extra.get("chunk_size", 64),
     ))  # fmt: skip
     return chunk_kda_registry.dispatch(args["q"].device, args)
 
 
-def _call(
-    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-    use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
-    return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph, max_num_seqs,
-    A_log, dt_bias, chunk_size,
-) -> dict:  # fmt: skip
+_BOOL_FLAGS = (
+    "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+    "allow_neg_eigval", "safe_gate", "disable_recompute", "return_intermediate_states", "state_v_first", "use_graph",
+)  # fmt: skip
+
+
+def _call(**args) -> dict:
     """chunk_kda's arguments as the dispatch dict, flags as bools."""
-    return dict(
-        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-        output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-        use_gate_in_kernel=bool(use_gate_in_kernel), use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
-        allow_neg_eigval=bool(allow_neg_eigval), safe_gate=bool(safe_gate), lower_bound=lower_bound,
-        disable_recompute=bool(disable_recompute), return_intermediate_states=bool(return_intermediate_states),
-        state_v_first=bool(state_v_first), cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        cp_context=cp_context, use_graph=bool(use_graph), max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias,
-        chunk_size=chunk_size,
-    )  # fmt: skip
+    for name in _BOOL_FLAGS:
+        args[name] = bool(args[name])
+    return args
 
 
 def _plan(call: dict) -> tuple:

@@ -8,9 +8,9 @@ intermediates out of one workspace, and launches both kernels, so a call costs o
 three allocations (the workspace, o, the final state). The kernels are the same objects as the two-call path's,
 so their code, and the results, are the same bits.
 
-Workspace (``[B T HV, WORK_COLS]`` of q's dtype), per token and value head, in regions of ``B T HV`` rows each:
-w, u, qg, kg (128 elements each), Aqk (64), then g_cum (128 fp32) in the last 256 columns' bytes. Every
-region starts at a multiple of 16 bytes, which the TMA descriptors need.
+Workspace: allocated as ``[B T HV, WORK_COLS]`` of q's dtype (its size: 1,664 bytes per token and value head),
+used as consecutive row-major regions of ``B T HV`` rows each: w, u, qg, kg (128 elements a row), Aqk (64),
+then g_cum (128 fp32). Every region starts at a multiple of 256 bytes; the TMA descriptors need 16.
 """
 
 from __future__ import annotations
