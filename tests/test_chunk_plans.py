@@ -231,6 +231,26 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
     assert counted[0] == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_bound_launch_in_cuda_graph(counted):
+    """The one-call bound launch (fwd_launch) under CUDA-graph capture: its workspace comes from the graph's
+    pool, and a replay returns the eager call's bits."""
+    x = _inputs("cuda")
+    with torch.inference_mode():
+        o_eager, s_eager = chunk_kda(**x, **FLAGS)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph, s_graph = chunk_kda(**x, **FLAGS)
+        o_graph.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    assert counted[0] == 1
+    assert torch.equal(o_graph.view(torch.int16), o_eager.view(torch.int16))
+    assert torch.equal(s_graph.view(torch.int32), s_eager.view(torch.int32))
+
+
 def test_inputs_needing_a_copy_take_the_general_path(counted, fake_sm90):
     x = _inputs()
     x["q"] = torch.randn(B, T, 2 * H, D).to(torch.bfloat16)[:, :, :H]  # strided heads
