@@ -25,6 +25,9 @@ _VARIANTS = [
      "beta_act": "sigmoid", "h0": True, "ht": True, "state_v_first": True},
     {"dtype": "Float16", "g_dtype": "Float32", "beta_dtype": "Float32", "gate": "none", "l2norm_qk": False,
      "beta_act": "none", "h0": False, "ht": False, "state_v_first": False},
+    # packed sequences (ChunkKDAVarlenFwdSm90): the kernels' varlen variants
+    {"dtype": "BFloat16", "g_dtype": "BFloat16", "beta_dtype": "BFloat16", "gate": "sigmoid", "l2norm_qk": True,
+     "beta_act": "sigmoid", "h0": True, "ht": True, "state_v_first": True, "varlen": True},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -44,13 +47,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
             d = os.path.join(root, str(i), part)
             os.makedirs(d, exist_ok=True)
             opts = f"--keep-ptx --keep-cubin --dump-dir {d}"
+            vl = v.get("varlen", False)
             if part == "both":
-                fwd_launch._compile(io, so, extra_options=opts)
+                fwd_launch._compile(io, so, extra_options=opts, varlen=vl)
             elif part == "intra":
-                intra._compile(dt, g_dt, b_dt, v["gate"], False, extra_options=opts, l2norm_qk=v["l2norm_qk"],
+                intra._compile(dt, g_dt, b_dt, v["gate"], vl, extra_options=opts, l2norm_qk=v["l2norm_qk"],
                                beta_act=v["beta_act"], g_cum_last_only=True)
             else:
-                delta_h_fwd_o._compile(dt, 3, False, v["h0"], v["ht"], v["state_v_first"], extra_options=opts,
+                delta_h_fwd_o._compile(dt, 3, vl, v["h0"], v["ht"], v["state_v_first"], extra_options=opts,
                                        aqk_causal=True)
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
@@ -83,7 +87,9 @@ def _kernels(nvdisasm: str, cubin: str) -> dict[str, list[str]]:
     return out
 
 
-@pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=lambda i: _VARIANTS[i]["gate"])
+@pytest.mark.parametrize(
+    "idx", range(len(_VARIANTS)), ids=lambda i: _VARIANTS[i]["gate"] + ("-varlen" if _VARIANTS[i].get("varlen") else "")
+)
 def test_both_stages_compile_to_the_kernels_alone(dumps, idx):
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:

@@ -16,13 +16,13 @@ then g_cum (128 fp32). Every region starts at a multiple of 256 bytes; the TMA d
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
-from cutlass import Float32, Int32, Int64, cute
+from cutlass import Float32, Int32, Int64, const_expr, cute
 
 from cula.cache import compile_options, compiled_kernel
 from cula.ops.kda.sm90.delta_h_fwd_o import DeltaHFwdOFusedSm90
 from cula.ops.kda.sm90.intra import ChunkKDAIntraFwdSm90
 
-__all__ = ["WORK_COLS", "ChunkKDAFwdSm90", "get_compiled"]
+__all__ = ["WORK_COLS", "ChunkKDAFwdSm90", "ChunkKDAVarlenFwdSm90", "get_compiled"]
 
 DK = DV = 128
 BT = 64
@@ -56,13 +56,22 @@ class ChunkKDAFwdSm90:
         lower_bound: Float32,
         stream: cuda.CUstream,
     ):
+        self._stages(mQ, mK, mV, mGin, mBeta, mAlog, mBias, mWork, mO, mH0, mHt, mCu, None, scale, lower_bound, stream)
+
+    @cute.jit
+    def _stages(
+        self, mQ, mK, mV, mGin, mBeta, mAlog, mBias, mWork, mO, mH0, mHt, mCu, mCi, scale: Float32,
+        lower_bound: Float32, stream: cuda.CUstream,
+    ):  # fmt: skip
+        """Both kernels on the call's tensors; ``mCi`` (the chunk indices) None for fixed-length inputs."""
         num_seqs, seqlen, hv = mQ.shape[0], mQ.shape[1], mV.shape[2]
         tokens = num_seqs * seqlen
         # contiguous inputs (the bound launch's condition): token b*T + t sits at b*T*stride_t + t*stride_t
         q, k, v, g, o = (self._flat(x, tokens) for x in (mQ, mK, mV, mGin, mO))
         beta = cute.make_tensor(mBeta.iterator, cute.make_layout((tokens, hv), stride=(mBeta.stride[1], 1)))
         bias = cute.make_tensor(mBias.iterator, cute.make_layout((hv, DK), stride=(DK, 1)))
-        ci = cute.make_tensor(mCu.iterator, cute.make_layout((1, 2), stride=(2, 1)))
+        if const_expr(mCi is None):  # the kernels' unread chunk indices
+            mCi = cute.make_tensor(mCu.iterator, cute.make_layout((1, 2), stride=(2, 1)))
 
         rows = Int64(tokens) * Int64(hv)
         w = self._region(mWork, rows, 0, tokens, hv, DK, self.dtype)
@@ -72,12 +81,17 @@ class ChunkKDAFwdSm90:
         aqk = self._region(mWork, rows, 4 * DK, tokens, hv, BT, self.dtype)
         g_cum = self._region(mWork, rows, 4 * DK + BT, tokens, hv, DK, Float32)
 
-        num_chunks = (seqlen + (BT - 1)) // BT
+        # fixed length: a grid of chunks x HV x B for intra, HV x B for the state kernel; packed sequences: one
+        # intra CTA per chunk index row (x HV), HV x N state CTAs
+        if const_expr(self.intra.varlen):
+            num_chunks, intra_seqs, state_seqs = mCi.shape[0], 1, mCu.shape[0] - 1
+        else:
+            num_chunks, intra_seqs, state_seqs = (seqlen + (BT - 1)) // BT, num_seqs, num_seqs
         self.intra(
-            q, k, v, g, beta, mAlog, bias, w, u, qg, kg, aqk, g_cum, mCu, ci, seqlen, num_chunks, num_seqs, scale,
+            q, k, v, g, beta, mAlog, bias, w, u, qg, kg, aqk, g_cum, mCu, mCi, seqlen, num_chunks, intra_seqs, scale,
             lower_bound, stream,
         )  # fmt: skip
-        self.states(w, u, kg, qg, g_cum, aqk, o, mH0, mHt, mCu, seqlen, num_seqs, scale, stream)
+        self.states(w, u, kg, qg, g_cum, aqk, o, mH0, mHt, mCu, seqlen, state_seqs, scale, stream)
 
     @cute.jit
     def _flat(self, x: cute.Tensor, tokens: Int32) -> cute.Tensor:
@@ -96,16 +110,44 @@ class ChunkKDAFwdSm90:
         return cute.make_tensor(ptr, cute.make_layout((tokens, hv, d), stride=(stride, d, 1)))
 
 
-def _compile(intra_options: dict, state_options: dict, arch=(9, 0), extra_options: str = ""):
+class ChunkKDAVarlenFwdSm90(ChunkKDAFwdSm90):
+    """The same for packed sequences (B = 1, ``cu_seqlens``): intra CTAs per chunk of ``chunk_indices``, state
+    CTAs per (value head, sequence)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (1, T, H, K)  dtype
+        mK: cute.Tensor,  # (1, T, H, K)  dtype
+        mV: cute.Tensor,  # (1, T, HV, V) dtype
+        mGin: cute.Tensor,  # (1, T, HV, K) raw gate
+        mBeta: cute.Tensor,  # (1, T, HV)
+        mAlog: cute.Tensor,  # (HV,) fp32
+        mBias: cute.Tensor,  # (HV * K,) fp32
+        mWork: cute.Tensor,  # (T HV, WORK_COLS) dtype, scratch
+        mO: cute.Tensor,  # (1, T, HV, V) dtype, out
+        mH0: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32; unread unless has_initial_state
+        mHt: cute.Tensor,  # same layout; unwritten unless has_final_state
+        mCu: cute.Tensor,  # (N + 1,) int32 cu_seqlens
+        mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk within it) of every chunk
+        scale: Float32,
+        lower_bound: Float32,
+        stream: cuda.CUstream,
+    ):
+        self._stages(mQ, mK, mV, mGin, mBeta, mAlog, mBias, mWork, mO, mH0, mHt, mCu, mCi, scale, lower_bound, stream)
+
+
+def _compile(intra_options: dict, state_options: dict, arch=(9, 0), extra_options: str = "", varlen: bool = False):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.
 
-    ``intra_options`` / ``state_options``: the keyword arguments of ``ChunkKDAIntraFwdSm90`` (varlen False) and
-    ``DeltaHFwdOFusedSm90`` (dtype, has_initial_state, has_final_state, state_v_first, aqk_causal)."""
+    ``intra_options`` / ``state_options``: the keyword arguments of ``ChunkKDAIntraFwdSm90`` and
+    ``DeltaHFwdOFusedSm90`` (dtype, has_initial_state, has_final_state, state_v_first, aqk_causal) but varlen,
+    which ``varlen`` sets for both (``ChunkKDAVarlenFwdSm90``)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-    intra = ChunkKDAIntraFwdSm90(varlen=False, **intra_options)
+    intra = ChunkKDAIntraFwdSm90(varlen=varlen, **intra_options)
     states = DeltaHFwdOFusedSm90(
-        head_k=DK, head_v=DV, chunk_size=BT, num_stages=3, varlen=False, **state_options
+        head_k=DK, head_v=DV, chunk_size=BT, num_stages=3, varlen=varlen, **state_options
     )  # fmt: skip
     dt, g_dt, beta_dt = intra.dtype, intra.g_dtype, intra.beta_dtype
     b, t, h, hv = (cute.sym_int32() for _ in range(4))
@@ -134,16 +176,21 @@ def _compile(intra_options: dict, state_options: dict, arch=(9, 0), extra_option
         make_fake_compact_tensor(Float32, (cute.sym_int32(),), stride_order=(0,), assumed_align=16),
         make_fake_tensor(dt, (cute.sym_int32(), WORK_COLS), (WORK_COLS, 1), assumed_align=16),
         tok(dt, hv, DV), state(), state(),
-        make_fake_compact_tensor(Int32, (2,), stride_order=(0,), assumed_align=4),
-        Float32(1.0), Float32(-5.0), make_fake_stream(use_tvm_ffi_env_stream=True),
+        make_fake_compact_tensor(Int32, (cute.sym_int32() if varlen else 2,), stride_order=(0,), assumed_align=4),
     )  # fmt: skip
-    return cute.compile(ChunkKDAFwdSm90(intra, states), *args, options=compile_options(arch, extra_options))
+    if varlen:  # the chunk indices
+        args += (make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),)
+    args += (Float32(1.0), Float32(-5.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+    launcher = (ChunkKDAVarlenFwdSm90 if varlen else ChunkKDAFwdSm90)(intra, states)
+    return cute.compile(launcher, *args, options=compile_options(arch, extra_options))
 
 
-def get_compiled(intra_options: dict, state_options: dict, arch=(9, 0)):
+def get_compiled(intra_options: dict, state_options: dict, arch=(9, 0), varlen: bool = False):
     """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
+
     def named(options):  # DSL dtype classes by name, so that the key reads well in the benchmarks' meta
         return tuple((k, getattr(v, "__name__", v)) for k, v in sorted(options.items()))
 
-    key = ("kda.fwd_launch", ChunkKDAFwdSm90.__qualname__, named(intra_options), named(state_options), arch)
-    return compiled_kernel(key, lambda: _compile(intra_options, state_options, arch))
+    cls = ChunkKDAVarlenFwdSm90 if varlen else ChunkKDAFwdSm90
+    key = ("kda.fwd_launch", cls.__qualname__, named(intra_options), named(state_options), arch)
+    return compiled_kernel(key, lambda: _compile(intra_options, state_options, arch, varlen=varlen))
