@@ -125,15 +125,19 @@ def check_cu_seqlens(
     else:
         values = cu_seqlens.detach().to("cpu")
     if values is not None:
-        if values[0].item() != 0:
-            raise ValueError(f"`cu_seqlens` must start at 0, got {values[0].item()}")
-        if values.numel() > 1 and bool((values[1:] < values[:-1]).any()):
-            raise ValueError(f"`cu_seqlens` must be non-decreasing, got {values.tolist()[:16]}")
-        if values[-1].item() != total:
-            raise ValueError(
-                f"`cu_seqlens` must end at the total number of tokens {total}, got {values[-1].item()}"
-            )
+        check_cu_seqlens_values(values.tolist(), total)
     return cu_seqlens.numel() - 1
+
+
+def check_cu_seqlens_values(bounds: list[int], total: int) -> None:
+    """The values of packed varlen boundaries (``cu_seqlens`` as a host list): 0 first, non-decreasing, ``total``
+    last."""
+    if bounds[0] != 0:
+        raise ValueError(f"`cu_seqlens` must start at 0, got {bounds[0]}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"`cu_seqlens` must be non-decreasing, got {bounds[:16]}")
+    if bounds[-1] != total:
+        raise ValueError(f"`cu_seqlens` must end at the total number of tokens {total}, got {bounds[-1]}")
 
 
 def check_state(

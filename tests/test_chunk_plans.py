@@ -128,15 +128,17 @@ def fake_sm90(monkeypatch, pretend_sm90):
     calls = []
     monkeypatch.setattr(intra, "get_compiled", lambda **kw: lambda *a: calls.append(("intra", kw, a)))
     monkeypatch.setattr(delta_h_fwd_o, "get_compiled", lambda **kw: lambda *a: calls.append(("state", kw, a)))
-    monkeypatch.setattr(fwd_launch, "get_compiled", lambda io, so: functools.partial(_both_stages, calls, io, so))
+    monkeypatch.setattr(fwd_launch, "get_compiled", lambda io, so, varlen=False: functools.partial(
+        _both_stages, calls, io, so, varlen))  # fmt: skip
     return calls
 
 
-def _both_stages(calls, io, so, q, k, v, g, beta, a_log, bias, work, o, h0, ht, cu, scale, lb):
-    """What ``fwd_launch.ChunkKDAFwdSm90`` hands its two kernels, in torch: flat views of the inputs, and the
-    workspace's regions (w, u, qg, kg, Aqk, then g_cum's fp32) of B T HV rows each."""
+def _both_stages(calls, io, so, varlen, q, k, v, g, beta, a_log, bias, work, o, h0, ht, cu, *rest):
+    """What ``fwd_launch.ChunkKDAFwdSm90`` (``ChunkKDAVarlenFwdSm90``) hands its two kernels, in torch: flat views of
+    the inputs, and the workspace's regions (w, u, qg, kg, Aqk, then g_cum's fp32) of B T HV rows each."""
     from cula.ops.kda.sm90.fwd_launch import WORK_COLS
 
+    ci, scale, lb = rest if varlen else (cu.view(1, 2), *rest)
     B_, T_, H_, K_ = q.shape
     HV_ = v.shape[2]
     rows = B_ * T_ * HV_
@@ -146,13 +148,14 @@ def _both_stages(calls, io, so, q, k, v, g, beta, a_log, bias, work, o, h0, ht, 
     aqk = flat[rows * 512 : rows * 576].view(B_ * T_, HV_, 64)
     g_cum = flat[rows * 576 :].view(torch.float32).view(B_ * T_, HV_, 128)
     q3, k3, v3, g3, o3 = (x.view(B_ * T_, *x.shape[2:]) for x in (q, k, v, g, o))
-    intra_kw = dict(io, varlen=False)
-    state_kw = dict(dtype=so["dtype"], varlen=False, has_h0=so["has_initial_state"], has_ht=so["has_final_state"],
+    intra_kw = dict(io, varlen=varlen)
+    state_kw = dict(dtype=so["dtype"], varlen=varlen, has_h0=so["has_initial_state"], has_ht=so["has_final_state"],
                     state_v_first=so["state_v_first"], aqk_causal=so["aqk_causal"])  # fmt: skip
+    grid = (ci.shape[0], 1, cu.numel() - 1) if varlen else ((T_ + 63) // 64, B_, B_)
     calls.append(("intra", intra_kw, (
-        q3, k3, v3, g3, beta.view(B_ * T_, HV_), a_log, bias.view(HV_, K_), w, u, qg, kg, aqk, g_cum, cu,
-        cu.view(1, 2), T_, (T_ + 63) // 64, B_, scale, lb)))  # fmt: skip
-    calls.append(("state", state_kw, (w, u, kg, qg, g_cum, aqk, o3, h0, ht, cu, T_, B_, scale)))
+        q3, k3, v3, g3, beta.view(B_ * T_, HV_), a_log, bias.view(HV_, K_), w, u, qg, kg, aqk, g_cum, cu, ci, T_,
+        grid[0], grid[1], scale, lb)))  # fmt: skip
+    calls.append(("state", state_kw, (w, u, kg, qg, g_cum, aqk, o3, h0, ht, cu, T_, grid[2], scale)))
 
 
 def _same(a, b, inputs):
@@ -249,6 +252,94 @@ def test_bound_launch_in_cuda_graph(counted):
     assert counted[0] == 1
     assert torch.equal(o_graph.view(torch.int16), o_eager.view(torch.int16))
     assert torch.equal(s_graph.view(torch.int32), s_eager.view(torch.int32))
+
+
+def _varlen_inputs(lens, seed=0, cu_dtype=torch.int32):
+    x = _inputs(seed=seed)
+    T_ = sum(lens)
+    gen = torch.Generator().manual_seed(seed)
+    for n in ("q", "k", "v", "g", "beta"):
+        x[n] = torch.randn((1, T_) + tuple(x[n].shape[2:]), generator=gen).to(x[n].dtype)
+    x["initial_state"] = 0.1 * torch.randn(len(lens), HV, D, D, generator=gen)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=cu_dtype)
+    return x, dict(cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_varlen_plan_passes_what_the_general_path_passes(counted, fake_sm90, monkeypatch, cu_dtype):
+    """VARLEN_PLANS: packed sequences of new total lengths reuse one plan (validated once), and each call hands
+    the kernels what the general path hands them, chunk indices included (a zero-length sequence among them)."""
+    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+
+    monkeypatch.setattr(chunk_mod, "VARLEN_PLANS", True)
+    for i, lens in enumerate(([40, 0, 130, 64], [3, 64, 200, 1], [0, 0, 0, 65])):
+        x, cus = _varlen_inputs(lens, seed=i, cu_dtype=cu_dtype)
+        with torch.no_grad():
+            fake_sm90.clear()
+            chunk_kda_fwd_sm90(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.125, x["initial_state"], True, True,
+                               **cus, **{n: FLAGS[n] for n in ("use_gate_in_kernel", "lower_bound", "safe_gate",
+                                                               "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel")},
+                               A_log=x["A_log"], dt_bias=x["dt_bias"])  # fmt: skip
+            general = list(fake_sm90)
+            fake_sm90.clear()
+            chunk_kda(**x, **FLAGS, **cus, scale=0.125)
+        assert [c[0] for c in general] == [c[0] for c in fake_sm90] == ["intra", "state"]
+        inputs = [t for t in x.values() if t is not None]
+        for (name, kw_g, args_g), (_, kw_p, args_p) in zip(general, fake_sm90):
+            assert kw_g == kw_p, name
+            assert len(args_g) == len(args_p), name
+            for a, b in zip(args_g, args_p):
+                _same(a, b, inputs)
+        chunk_indices = (general[0][2][14], fake_sm90[0][2][14])
+        assert chunk_indices[1].dtype == torch.int32 and torch.equal(*chunk_indices)
+        assert torch.equal(general[1][2][9], fake_sm90[1][2][9])  # cu_seqlens as int32
+    assert counted[0] == 1 and len(chunk_mod._plans) == 1
+
+
+def test_varlen_plan_checks_every_call(counted, fake_sm90, monkeypatch):
+    """A cached varlen plan still refuses bad boundaries, before any kernel runs; other changes to what validation
+    reads (lengths that differ between tensors, non-contiguous inputs) take the general path and its errors."""
+    monkeypatch.setattr(chunk_mod, "VARLEN_PLANS", True)
+    x, cus = _varlen_inputs([40, 0, 130, 64])
+    with torch.no_grad():
+        chunk_kda(**x, **FLAGS, **cus)
+        fake_sm90.clear()
+        for bad in ([0, 40, 30, 170, 234], [1, 40, 40, 170, 234], [0, 40, 40, 170, 233]):
+            cu = torch.tensor(bad, dtype=torch.int32)
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                chunk_kda(**x, **FLAGS, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+        short = dict(x, beta=x["beta"][:, :-1])
+        with pytest.raises(ValueError, match="beta"):
+            chunk_kda(**short, **FLAGS, **cus)
+    assert fake_sm90 == [] and counted[0] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_varlen_plan_bit_identical_cuda(counted, monkeypatch, cu_dtype):
+    """VARLEN_PLANS: packed calls of three total lengths through one plan (both kernels from one host call, the
+    chunk indices from cu_seqlens_cpu) against the general path, bit for bit, zero-length sequences included."""
+    from cula.backends import clear_plan_caches
+    from cula.testing import poison_cuda_allocator
+
+    clear_plan_caches()
+    with torch.inference_mode():
+        for i, lens in enumerate(([40, 0, 130, 64], [3, 64, 200, 1], [0, 0, 0, 65])):
+            x, cus = _varlen_inputs(lens, seed=i, cu_dtype=cu_dtype)
+            x = {n: t.cuda() for n, t in x.items()}
+            cus["cu_seqlens"] = cus["cu_seqlens"].cuda()
+            outs = []
+            for on in (False, True):  # the general path, then the plan
+                monkeypatch.setattr(chunk_mod, "VARLEN_PLANS", on)
+                poison_cuda_allocator()
+                outs.append(chunk_kda(**x, **FLAGS, **cus))
+            torch.cuda.synchronize()
+            (o0, s0), (o1, s1) = outs
+            assert not torch.isnan(o1).any() and not torch.isnan(s1).any()
+            assert torch.equal(o0.view(torch.int16), o1.view(torch.int16))
+            assert torch.equal(s0.view(torch.int32), s1.view(torch.int32))
+    assert len(chunk_mod._plans) == 1  # the three lengths shared one varlen plan
 
 
 def test_inputs_needing_a_copy_take_the_general_path(counted, fake_sm90):

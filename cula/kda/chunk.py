@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cula._validate import check_scale, resolve_state_layout, take_extra_kwargs
+from cula._validate import check_cu_seqlens_values, check_scale, resolve_state_layout, take_extra_kwargs
 from cula.backends import PlanCache, env_reader, forced_backend, tensor_sig
 from cula.kda._args import check_kda_inputs
 from cula.kda.backends import chunk_kda_registry
@@ -20,6 +20,12 @@ _read_intra_mode = env_reader("CULA_KDA_INTRA")
 # (prepare_chunk_kda_fwd_sm90). A plan is (launch, scale): launch(*_TENSOR_ARGS, scale) with the scale resolved.
 _plans = PlanCache()
 _TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+_VARLEN_ARGS = (*_TENSOR_ARGS, "scale", "cu_seqlens", "cu_seqlens_cpu")
+# Packed sequences (cu_seqlens with its host copy cu_seqlens_cpu, contiguous inputs) through plans keyed on
+# everything but the total length, the boundaries' values checked on the host every call, what a serving engine's
+# prefill needs (CPU, stubbed kernels: 320 -> 100 us a call). Off until its GPU check has run on the H200
+# (tests/test_chunk_plans.py::test_varlen_plan_bit_identical_cuda).
+VARLEN_PLANS = False
 
 
 def chunk_kda(
@@ -89,18 +95,20 @@ def chunk_kda(
     # seen before goes straight to its launch. Varlen calls (their cu_seqlens values are checked), context
     # parallel, FLA's graph mode, intermediate states, the deprecated alias and scalars of unusual types are
     # validated every time.
-    if (cu_seqlens is None and cu_seqlens_cpu is None and cp_context is None and not use_graph
-            and not return_intermediate_states and (not kwargs or kwargs.keys() <= _PLANNED_KWARGS)):  # fmt: skip
+    planned = cu_seqlens_cpu is None if cu_seqlens is None else VARLEN_PLANS and cu_seqlens_cpu is not None
+    if (planned and cp_context is None and not use_graph and not return_intermediate_states
+            and (not kwargs or kwargs.keys() <= _PLANNED_KWARGS)):  # fmt: skip
         A_log, dt_bias, chunk_size = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("chunk_size", 64)
         flags = (
             scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
             allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, chunk_size, max_num_seqs,
         )  # fmt: skip
-        if _PLAIN_SCALARS.issuperset(map(type, flags)):
+        tokens = None if cu_seqlens is None else _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
+        if _PLAIN_SCALARS.issuperset(map(type, flags)) and (cu_seqlens is None or tokens is not None):
             tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
             grad = torch.is_grad_enabled() and tuple(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
             key = (
-                tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta),
+                *(tokens or (tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta))),
                 None if initial_state is None else tensor_sig(initial_state),
                 None if A_log is None else tensor_sig(A_log), None if dt_bias is None else tensor_sig(dt_bias),
                 flags, forced_backend(), _read_intra_mode(), grad, torch.is_inference_mode_enabled(),
@@ -113,12 +121,15 @@ def chunk_kda(
                     use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                     allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
                     disable_recompute=disable_recompute, return_intermediate_states=False,
-                    state_v_first=state_v_first, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+                    state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=None,
                     use_graph=False, max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
-                ))  # fmt: skip
+                ), _TENSOR_ARGS + ("scale",) if cu_seqlens is None else _VARLEN_ARGS)  # fmt: skip
                 _plans.put(key, plan)
             launch, scale = plan
-            return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
+            if cu_seqlens is None:
+                return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
+            check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])  # this call's boundaries, before any launch
+            return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
 
     extra = take_extra_kwargs("chunk_kda", kwargs, _EXTRA_KWARGS)
     state_v_first = resolve_state_layout("chunk_kda", state_v_first, extra)
@@ -148,11 +159,27 @@ def _call(**args) -> dict:
     return args
 
 
-def _plan(call: dict) -> tuple:
+def _plan(call: dict, positional: tuple[str, ...]) -> tuple:
     """Validate the first call of a signature in full (raises on bad input before anything is cached) and choose
-    its backend: ``(launch, scale)``, launch taking ``_TENSOR_ARGS`` and the resolved scale positionally."""
+    its backend: ``(launch, scale)``, launch taking ``positional`` (the tensors, the resolved scale and, for packed
+    sequences, the two ``cu_seqlens``) in that order."""
     args = _checked(call)
-    return chunk_kda_registry.plan(args["q"].device, args, positional=(*_TENSOR_ARGS, "scale")), args["scale"]
+    return chunk_kda_registry.plan(args["q"].device, args, positional=positional), args["scale"]
+
+
+def _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | None:
+    """The plan-key part of a packed-sequence call's token tensors without their common length (which changes
+    from call to call), or None (validate in full) unless all five are contiguous tensors of one length."""
+    try:
+        T = q.shape[1]
+        if any(t.shape[1] != T or not t.is_contiguous() for t in (q, k, v, g, beta)):
+            return None
+        return (
+            *((t.shape[0], t.shape[2:], t.dtype, t.device, t.data_ptr() & 15) for t in (q, k, v, g, beta)),
+            tensor_sig(cu_seqlens), (cu_seqlens_cpu.shape, cu_seqlens_cpu.dtype, cu_seqlens_cpu.device),
+        )
+    except (AttributeError, IndexError, TypeError):
+        return None  # not tensors of at least two dimensions: validation will say so
 
 
 def _checked(call: dict) -> dict:

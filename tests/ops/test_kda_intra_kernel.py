@@ -173,10 +173,13 @@ def test_prepare_chunk_indices_matches_fla():
     from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
     from cula.testing import make_cu_seqlens
 
-    cu = make_cu_seqlens([0, 1, 63, 300, 64, 65])
-    ours = prepare_chunk_indices_i32(cu)
-    assert ours.dtype == torch.int32
-    assert torch.equal(ours.long(), prepare_chunk_indices(cu.long(), 64).cpu())
+    # a few chunks (built as a Python list) and many (torch ops), with and without the host copy
+    for lens in ([0, 1, 63, 300, 64, 65], [0, 70_000, 3, 64 * 1000 + 1, 0]):
+        cu = make_cu_seqlens(lens)
+        for host in (None, cu.clone()):
+            ours = prepare_chunk_indices_i32(cu, 64, host)
+            assert ours.dtype == torch.int32
+            assert torch.equal(ours.long(), prepare_chunk_indices(cu.long(), 64).cpu())
 
 
 def _stub_stages(monkeypatch):

@@ -362,13 +362,14 @@ def prepare_chunk_kda_fwd_sm90(
     allow_neg_eigval: bool = False,
 ):
     """``chunk_kda_fwd_sm90`` bound once for every later call with this call's signature (same shapes, strides,
-    dtypes, device, flags), or None where the general path must run each time (varlen, FLA's intra stage,
-    non-contiguous inputs, no tokens).
+    dtypes, device, flags; with ``cu_seqlens`` everything but the total length), or None where the general path
+    must run each time (FLA's intra stage, non-contiguous inputs, no tokens).
 
-    The returned ``launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_)`` allocates the outputs and
-    the intra -> state/output intermediates in their flat kernel shapes and calls the two compiled kernels
-    directly: none of the per-call checks, views and cache-key builds of the general path, which the caller's
-    full validation of the first call with this signature stands for (``cula.kda.chunk``'s plan cache).
+    The returned ``launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_)`` (with ``cu_seqlens``:
+    ``..., scale, cu_seqlens, cu_seqlens_cpu)``, see ``_varlen_launch``) allocates the outputs and one workspace for
+    the intra -> state/output intermediates and calls both compiled kernels directly: none of the per-call checks,
+    views and cache-key builds of the general path, which the caller's full validation of the first call with this
+    signature stands for (``cula.kda.chunk``'s plan cache).
     Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``, ``OVERLAP_STATE_MIN_TOKENS``) are read here, once: call
     ``cula.backends.clear_plan_caches()`` after changing them; ``CULA_KDA_INTRA`` is part of the signature.
     """
@@ -377,7 +378,8 @@ def prepare_chunk_kda_fwd_sm90(
 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if cu_seqlens is not None or chunk_size != 64 or B * T == 0 or HV == 0 or (K, V) != (128, 128):
+    varlen = cu_seqlens is not None
+    if chunk_size != 64 or B == 0 or HV == 0 or (K, V) != (128, 128) or (T == 0 and not varlen):
         return None
     if not _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
         return None
@@ -389,12 +391,23 @@ def prepare_chunk_kda_fwd_sm90(
     beta_act = intra.beta_act_for(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     has_h0 = initial_state is not None
     dev, dt = q.device, q.dtype
-    state_shape = (B, HV, V, K) if state_v_first else (B, HV, K, V)
+    N = cu_seqlens.numel() - 1 if varlen else B
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     dummy_state = dh._placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
     no_cu = intra._placeholder(dev, torch.int32, (2,))
     lb = float(lower_bound) if gate == "sigmoid" else 0.0
     if gate == "none":  # the kernels read no A_log / dt_bias then: bind the placeholders, whatever is passed
         A_log = dt_bias = None
+
+    if varlen:
+        if CUTE_INTRA_AUTO_MAX_TOKEN_HEADS is not None:  # a cap on the total length: a plan cannot decide it once
+            return None
+        fn = fwd_launch.get_compiled(
+            _launch_intra_options(q, g, beta, gate, use_qk_l2norm_in_kernel, beta_act),
+            _launch_state_options(q, has_h0, output_final_state, state_v_first), varlen=True,
+        )  # fmt: skip
+        gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
+        return _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb)
 
     if (OVERLAP_STATE_MIN_TOKENS is not None and B == 1 and T >= OVERLAP_STATE_MIN_TOKENS
             and 2 * HV <= torch.cuda.get_device_properties(dev).multi_processor_count):  # fmt: skip
@@ -416,12 +429,9 @@ def prepare_chunk_kda_fwd_sm90(
         )  # fmt: skip
 
     # both kernels in one host call (fwd_launch): one TVM-FFI call, no views, the intermediates in one buffer
-    to_cute = intra._TORCH_TO_CUTLASS
     fn = fwd_launch.get_compiled(
-        dict(dtype=to_cute[q.dtype], g_dtype=to_cute[g.dtype], beta_dtype=to_cute[beta.dtype], gate=gate,
-             l2norm_qk=bool(use_qk_l2norm_in_kernel), beta_act=beta_act, g_cum_last_only=True),
-        dict(dtype=to_cute[q.dtype], has_initial_state=has_h0, has_final_state=bool(output_final_state),
-             state_v_first=bool(state_v_first), aqk_causal=True),
+        _launch_intra_options(q, g, beta, gate, use_qk_l2norm_in_kernel, beta_act),
+        _launch_state_options(q, has_h0, output_final_state, state_v_first),
     )  # fmt: skip
     gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
     rows = B * T * HV
@@ -434,6 +444,55 @@ def prepare_chunk_kda_fwd_sm90(
         fn(
             q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
             final_state if final_state is not None else dummy_state, no_cu, float(scale), lb,
+        )  # fmt: skip
+        return o, final_state
+
+    return launch
+
+
+def _launch_intra_options(q, g, beta, gate, use_qk_l2norm_in_kernel, beta_act) -> dict:
+    """``fwd_launch``'s options of the intra kernel for these inputs and flags."""
+    from cula.ops.kda.sm90.intra import _TORCH_TO_CUTLASS as to_cute
+
+    return dict(
+        dtype=to_cute[q.dtype], g_dtype=to_cute[g.dtype], beta_dtype=to_cute[beta.dtype], gate=gate,
+        l2norm_qk=bool(use_qk_l2norm_in_kernel), beta_act=beta_act, g_cum_last_only=True,
+    )  # fmt: skip
+
+
+def _launch_state_options(q, has_h0, output_final_state, state_v_first) -> dict:
+    """``fwd_launch``'s options of the state/output kernel."""
+    from cula.ops.kda.sm90.intra import _TORCH_TO_CUTLASS as to_cute
+
+    return dict(
+        dtype=to_cute[q.dtype], has_initial_state=has_h0, has_final_state=bool(output_final_state),
+        state_v_first=bool(state_v_first), aqk_causal=True,
+    )  # fmt: skip
+
+
+def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb):
+    """The bound launch of packed sequences (B = 1, ``cu_seqlens``): the total length and the boundaries may change
+    from call to call (``cula.kda.chunk`` checks the boundaries' values every time), the chunk indices are built
+    from ``cu_seqlens_cpu``, and both kernels run from one host call."""
+    from cula.ops.kda.sm90 import fwd_launch, intra
+
+    def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu, **_):
+        T = q.shape[1]
+        o = torch.empty(1, T, HV, V, dtype=dt, device=dev)
+        final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
+        if T == 0:  # nothing to read; the state passes through
+            if final_state is not None and has_h0:
+                final_state.copy_(initial_state)
+            elif final_state is not None:
+                final_state.zero_()
+            return o, final_state
+        a_log, bias = gate_args(A_log, dt_bias)
+        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        chunk_indices = intra.prepare_chunk_indices_i32(cu_seqlens, 64, cu_seqlens_cpu)
+        work = torch.empty(T * HV, fwd_launch.WORK_COLS, dtype=dt, device=dev)
+        fn(
+            q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
+            final_state if final_state is not None else dummy_state, cu32, chunk_indices, float(scale), lb,
         )  # fmt: skip
         return o, final_state
 

@@ -1104,15 +1104,28 @@ def compiled_for(
     )  # fmt: skip
 
 
-def prepare_chunk_indices_i32(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
-    """``[NT, 2]`` int32 (sequence id, chunk id within the sequence), FLA's ``prepare_chunk_indices`` order.
+def prepare_chunk_indices_i32(
+    cu_seqlens: torch.Tensor, chunk_size: int = 64, cu_seqlens_cpu: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[NT, 2]`` int32 (sequence id, chunk id within the sequence), FLA's ``prepare_chunk_indices`` order, on
+    ``cu_seqlens``' device.
 
-    Reads the lengths on the host (one device sync); callers that already hold FLA's chunk indices pass those.
-    """
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    rows = [(n, c) for n, ln in enumerate(lens) for c in range(math.ceil(ln / chunk_size))]
-    out = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
-    return out.to(cu_seqlens.device)
+    Reads the lengths from ``cu_seqlens_cpu`` when given, else from ``cu_seqlens`` (one device sync)."""
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+    bounds = host.tolist()
+    if bounds[-1] // chunk_size + len(bounds) <= 2048:
+        # a Python list for the calls whose host time shows (torch's CPU ops cost ~10 us each on the device host)
+        flat = []
+        for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            for c in range(-(-(end - start) // chunk_size)):
+                flat += (n, c)
+        rows = torch.tensor(flat, dtype=torch.int32).view(-1, 2)
+    else:  # torch's CPU ops, whose cost does not grow with the chunk count
+        counts = (host[1:].long() - host[:-1].long() + (chunk_size - 1)) // chunk_size
+        seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        rows = torch.stack([seq, torch.arange(seq.numel()) - first], 1).to(torch.int32)
+    return rows.to(cu_seqlens.device)
 
 
 def chunk_kda_intra_sm90(
