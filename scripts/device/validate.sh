@@ -21,7 +21,7 @@ step() {  # step NAME SECONDS COMMAND...
 P="python -m pytest -m gpu -q -rfE --tb=short -p no:warnings -o faulthandler_timeout=150 -o faulthandler_exit_on_timeout=true"
 # the GPU checks of the switches written CPU-only and still off (scripts/device/README.md "Next GPU session")
 step pending 300 $P tests/ops/test_kda_decode_kernel.py tests/test_chunk_plans.py \
-  -k "single_token_occupancy or segmented"
+  -k "single_token_occupancy or segmented or varlen_plan"
 step decode 150 $P tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/ops/test_kda_decode_kernel.py \
   tests/ops/test_lightning_decode_kernel.py -k "not speed_report"
 step api 400 $P tests/test_gpu_api.py tests/test_chunk_plans.py
