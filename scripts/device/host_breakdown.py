@@ -93,12 +93,33 @@ def main() -> None:
         rows["5 tensor views"] = per_call_us(lambda: (x["q"].view(BT, H, K), x["k"].view(BT, H, K),
                                                       x["v"].view(BT, HV, V), x["g"].view(BT, HV, K),
                                                       x["beta"].view(BT, HV)))  # fmt: skip
+        rows.update(varlen_rows(x))
         rows.update(decode_rows())
     width = max(map(len, rows))
     for name, us in rows.items():
         print(f"{name:<{width}}  {us:7.1f} us/call", flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "host_breakdown.json"), "w") as f:
         json.dump({k: round(v, 2) for k, v in rows.items()}, f, indent=1)
+
+
+def varlen_rows(x: dict) -> dict[str, float]:
+    """A packed call of the same 256 tokens as 4 sequences, through the general path and through a varlen plan
+    (``cula.kda.chunk.VARLEN_PLANS``)."""
+    import cula.kda.chunk as chunk_mod
+    from cula.kda import chunk_kda
+
+    cu = torch.tensor([0, 50, 120, 200, T], dtype=torch.int32)
+    xv = dict(x, initial_state=x["initial_state"].expand(4, -1, -1, -1).contiguous())
+    call = dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    rows, switch = {}, chunk_mod.VARLEN_PLANS
+    try:
+        for on in (False, True):
+            chunk_mod.VARLEN_PLANS = on
+            name = f"chunk_kda varlen N=4 ({'a plan' if on else 'general path'})"
+            rows[name] = per_call_us(lambda: chunk_kda(**xv, **FLAGS, **call))
+    finally:
+        chunk_mod.VARLEN_PLANS = switch
+    return rows
 
 
 def decode_rows() -> dict[str, float]:
