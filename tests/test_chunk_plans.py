@@ -57,6 +57,14 @@ def counted(monkeypatch):
     return count
 
 
+def test_public_args_are_the_signature():
+    """chunk_kda builds its dispatch dict from its locals by these names: they must be its parameters."""
+    import inspect
+
+    names = tuple(inspect.signature(chunk_kda).parameters)
+    assert names[:-1] == chunk_mod._PUBLIC_ARGS and names[-1] == "kwargs"
+
+
 def test_repeats_skip_validation_and_match(counted):
     x = _inputs(dtype=torch.float32)
     flags = dict(FLAGS, state_v_first=False)

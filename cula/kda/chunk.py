@@ -92,9 +92,9 @@ def chunk_kda(
     Triton), ``reference`` (float32 PyTorch, the CPU path). ``CULA_BACKEND=<name>`` forces one.
     """
     # The fast path: a fixed-length call whose signature (everything validation and backend selection read) was
-    # seen before goes straight to its launch. Varlen calls (their cu_seqlens values are checked), context
-    # parallel, FLA's graph mode, intermediate states, the deprecated alias and scalars of unusual types are
-    # validated every time.
+    # seen before goes straight to its launch; with VARLEN_PLANS a packed call too, its boundaries checked here.
+    # Other varlen calls, context parallel, FLA's graph mode, intermediate states, the deprecated alias and
+    # scalars of unusual types are validated every time.
     planned = cu_seqlens_cpu is None if cu_seqlens is None else VARLEN_PLANS and cu_seqlens_cpu is not None
     if (planned and cp_context is None and not use_graph and not return_intermediate_states
             and (not kwargs or kwargs.keys() <= _PLANNED_KWARGS)):  # fmt: skip
@@ -115,15 +115,7 @@ def chunk_kda(
             )  # fmt: skip
             plan = _plans.get(key)
             if plan is None:
-                plan = _plan(_call(
-                    q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                    output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                    use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
-                    disable_recompute=disable_recompute, return_intermediate_states=False,
-                    state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=None,
-                    use_graph=False, max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
-                ), _TENSOR_ARGS + ("scale",) if cu_seqlens is None else _VARLEN_ARGS)  # fmt: skip
+                plan = _plan(_full_call(locals()), _TENSOR_ARGS + ("scale",) if cu_seqlens is None else _VARLEN_ARGS)
                 _plans.put(key, plan)
             launch, scale = plan
             if cu_seqlens is None:
@@ -131,32 +123,34 @@ def chunk_kda(
             check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])  # this call's boundaries, before any launch
             return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
 
-    extra = take_extra_kwargs("chunk_kda", kwargs, _EXTRA_KWARGS)
-    state_v_first = resolve_state_layout("chunk_kda", state_v_first, extra)
-    args = _checked(_call(
-        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
-        disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
-        use_graph=use_graph, max_num_seqs=max_num_seqs, A_log=extra.get("A_log"), dt_bias=extra.get("dt_bias"),
-        chunk_size=extra.get("chunk_size", 64),
-    ))  # fmt: skip
+    args = _checked(_full_call(locals()))
     return chunk_kda_registry.dispatch(args["q"].device, args)
 
 
+# chunk_kda's named parameters (its signature less **kwargs), the dispatch dict's keys with A_log, dt_bias and
+# chunk_size; and its flags, which the dict holds as bools
+_PUBLIC_ARGS = (
+    "q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
+    "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound",
+    "disable_recompute", "return_intermediate_states", "state_v_first", "cu_seqlens", "cu_seqlens_cpu", "cp_context",
+    "use_graph", "max_num_seqs",
+)  # fmt: skip
 _BOOL_FLAGS = (
     "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
     "allow_neg_eigval", "safe_gate", "disable_recompute", "return_intermediate_states", "state_v_first", "use_graph",
 )  # fmt: skip
 
 
-def _call(**args) -> dict:
-    """chunk_kda's arguments as the dispatch dict, flags as bools."""
+def _full_call(scope: dict) -> dict:
+    """The dispatch dict of a chunk_kda call from its local variables: the named parameters, the accepted
+    ``**kwargs`` (anything else raises ``TypeError``), the deprecated state-layout alias resolved, flags as bools."""
+    extra = take_extra_kwargs("chunk_kda", scope["kwargs"], _EXTRA_KWARGS)
+    call = {name: scope[name] for name in _PUBLIC_ARGS}
+    call["state_v_first"] = resolve_state_layout("chunk_kda", call["state_v_first"], extra)
+    call.update(A_log=extra.get("A_log"), dt_bias=extra.get("dt_bias"), chunk_size=extra.get("chunk_size", 64))
     for name in _BOOL_FLAGS:
-        args[name] = bool(args[name])
-    return args
+        call[name] = bool(call[name])
+    return call
 
 
 def _plan(call: dict, positional: tuple[str, ...]) -> tuple:
