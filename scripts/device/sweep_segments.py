@@ -3,9 +3,10 @@
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/sweep_segments.py
 
 B=1 fixed-length calls run in time segments (``OVERLAP_STATE_MIN_TOKENS``, ``_SEGMENT_TOKENS``,
-``_MAX_SEGMENTS``, ``_LAST_SEGMENT_TOKENS``, ``_SEGMENT_GROWTH``): the intra kernel of segment i + 1 beside the recurrence of segment i. When either kernel
-changes speed the best segment length moves; this prints the median call time (CUDA events, the kda_prefill
-suite's inputs and rotation) of each setting at the suite's B=1 shapes, settings taking turns.
+``_MAX_SEGMENTS``, ``_LAST_SEGMENT_TOKENS``, ``_SEGMENT_GROWTH``): the intra kernel of segment i + 1 beside the
+recurrence of segment i. When either kernel changes speed the best schedule moves; this prints the median call time
+(CUDA events, the kda_prefill suite's inputs and rotation) of each setting at the suite's B=1 shapes, settings
+taking turns.
 """
 
 from __future__ import annotations
