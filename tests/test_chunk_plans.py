@@ -284,10 +284,10 @@ def test_varlen_plan_passes_what_the_general_path_passes(counted, fake_sm90, mon
         x, cus = _varlen_inputs(lens, seed=i, cu_dtype=cu_dtype)
         with torch.no_grad():
             fake_sm90.clear()
+            fused = ("use_gate_in_kernel", "lower_bound", "safe_gate", "use_qk_l2norm_in_kernel",
+                     "use_beta_sigmoid_in_kernel")  # fmt: skip
             chunk_kda_fwd_sm90(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.125, x["initial_state"], True, True,
-                               **cus, **{n: FLAGS[n] for n in ("use_gate_in_kernel", "lower_bound", "safe_gate",
-                                                               "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel")},
-                               A_log=x["A_log"], dt_bias=x["dt_bias"])  # fmt: skip
+                               **cus, **{n: FLAGS[n] for n in fused}, A_log=x["A_log"], dt_bias=x["dt_bias"])
             general = list(fake_sm90)
             fake_sm90.clear()
             chunk_kda(**x, **FLAGS, **cus, scale=0.125)

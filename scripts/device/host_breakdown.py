@@ -4,8 +4,8 @@
 
 Times, per call, each piece of a repeated fixed-length ``cula.kda.chunk_kda`` call on its own (the plan key's
 tensor signatures, the bound launch's three allocations, its one TVM-FFI call for both kernels, and for comparison
-each kernel's own call as the general path makes them) against the whole call: host time only (each call starts with the GPU idle and is timed
-until it returns). Prints a table and writes $OUT/host_breakdown.json.
+each kernel's own call as the general path makes them) against the whole call: host time only (each call starts
+with the GPU idle and is timed until it returns). Prints a table and writes $OUT/host_breakdown.json.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def main() -> None:
 
         rows["3 torch.empty (workspace, o, final state)"] = per_call_us(allocs)
         q = x["q"]
-        rows["1 torch.empty(shape, dtype=, device=)"] = per_call_us(lambda: torch.empty(B, T, HV, V, dtype=bf16, device=dev))
+        rows["1 torch.empty(shape, dtype=, device=)"] = per_call_us(
+            lambda: torch.empty(B, T, HV, V, dtype=bf16, device=dev)
+        )
         rows["1 q.new_empty(shape)"] = per_call_us(lambda: q.new_empty((B, T, HV, V)))
         rows["1 torch.empty_like(q)"] = per_call_us(lambda: torch.empty_like(q))
         work, o, ht = allocs()
