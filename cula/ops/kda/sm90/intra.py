@@ -72,7 +72,6 @@ Supported: K = V = 128, BT = 64, bf16/fp16 q/k/v, g in fp32/bf16/fp16, beta in b
 from __future__ import annotations
 
 import functools
-import math
 
 import cuda.bindings.driver as cuda
 import cutlass
