@@ -49,11 +49,10 @@ def main() -> None:
         rows["plan key: 8 tensor_sig"] = per_call_us(lambda: [tensor_sig(t) for t in tensors])
 
         HV, K, V, BT, NC = H, D, D, B * T, (T + 63) // 64
-        cute = intra._TORCH_TO_CUTLASS
         fn = fwd_launch.get_compiled(
-            dict(dtype=cute[bf16], g_dtype=cute[bf16], beta_dtype=cute[bf16], gate="sigmoid", l2norm_qk=True,
-                 beta_act="sigmoid", g_cum_last_only=True),
-            dict(dtype=cute[bf16], has_initial_state=True, has_final_state=True, state_v_first=True, aqk_causal=True),
+            intra.kernel_options(bf16, bf16, bf16, "sigmoid", True, "sigmoid", g_cum_last_only=True),
+            dict(dtype=intra._TORCH_TO_CUTLASS[bf16], has_initial_state=True, has_final_state=True,
+                 state_v_first=True, aqk_causal=True),
         )  # fmt: skip
 
         def allocs():

@@ -394,26 +394,25 @@ def prepare_chunk_kda_fwd_sm90(
     N = cu_seqlens.numel() - 1 if varlen else B
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     dummy_state = dh._placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
-    no_cu = intra._placeholder(dev, torch.int32, (2,))
     lb = float(lower_bound) if gate == "sigmoid" else 0.0
     if gate == "none":  # the kernels read no A_log / dt_bias then: bind the placeholders, whatever is passed
         A_log = dt_bias = None
+    intra_options = intra.kernel_options(
+        q.dtype, g.dtype, beta.dtype, gate, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=True
+    )
+    state_options = _launch_state_options(q, has_h0, output_final_state, state_v_first)
 
     if varlen:
         if CUTE_INTRA_AUTO_MAX_TOKEN_HEADS is not None:  # a cap on the total length: a plan cannot decide it once
             return None
-        fn = fwd_launch.get_compiled(
-            _launch_intra_options(q, g, beta, gate, use_qk_l2norm_in_kernel, beta_act),
-            _launch_state_options(q, has_h0, output_final_state, state_v_first), varlen=True,
-        )  # fmt: skip
+        fn = fwd_launch.get_compiled(intra_options, state_options, varlen=True)
         gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
         return _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb)
 
+    no_cu = intra._placeholder(dev, torch.int32, (2,))  # the fixed-length kernels' unread cu_seqlens
     if (OVERLAP_STATE_MIN_TOKENS is not None and B == 1 and T >= OVERLAP_STATE_MIN_TOKENS
             and 2 * HV <= torch.cuda.get_device_properties(dev).multi_processor_count):  # fmt: skip
-        fn_intra = intra.compiled_for(
-            q.dtype, g.dtype, beta.dtype, gate, False, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=True
-        )
+        fn_intra = intra.get_compiled(varlen=False, **intra_options)
         dtype = dh._TORCH_TO_CUTLASS[q.dtype]
         fn_states = {
             (h0, ht): dh.get_compiled(
@@ -429,10 +428,7 @@ def prepare_chunk_kda_fwd_sm90(
         )  # fmt: skip
 
     # both kernels in one host call (fwd_launch): one TVM-FFI call, no views, the intermediates in one buffer
-    fn = fwd_launch.get_compiled(
-        _launch_intra_options(q, g, beta, gate, use_qk_l2norm_in_kernel, beta_act),
-        _launch_state_options(q, has_h0, output_final_state, state_v_first),
-    )  # fmt: skip
+    fn = fwd_launch.get_compiled(intra_options, state_options)
     gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
     rows = B * T * HV
 
@@ -448,16 +444,6 @@ def prepare_chunk_kda_fwd_sm90(
         return o, final_state
 
     return launch
-
-
-def _launch_intra_options(q, g, beta, gate, use_qk_l2norm_in_kernel, beta_act) -> dict:
-    """``fwd_launch``'s options of the intra kernel for these inputs and flags."""
-    from cula.ops.kda.sm90.intra import _TORCH_TO_CUTLASS as to_cute
-
-    return dict(
-        dtype=to_cute[q.dtype], g_dtype=to_cute[g.dtype], beta_dtype=to_cute[beta.dtype], gate=gate,
-        l2norm_qk=bool(use_qk_l2norm_in_kernel), beta_act=beta_act, g_cum_last_only=True,
-    )  # fmt: skip
 
 
 def _launch_state_options(q, has_h0, output_final_state, state_v_first) -> dict:

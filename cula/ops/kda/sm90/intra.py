@@ -1090,17 +1090,28 @@ def gate_params_binder(
     return lambda a, b: (take_a(a), take_b(b))
 
 
+def kernel_options(
+    dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
+    *, g_cum_last_only: bool = False,
+) -> dict:  # fmt: skip
+    """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_for`` and
+    ``fwd_launch`` take them)."""
+    return dict(
+        dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
+        gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
+    )  # fmt: skip
+
+
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
     beta_act: str, *, g_cum_last_only: bool = False,
 ):  # fmt: skip
     """The compiled variant for torch dtypes and the launch flags; ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s
-    bound launch both take their kernel from here."""
+    segmented launch both take their kernel from here."""
     return get_compiled(
-        dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
-        gate=gate, varlen=varlen, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act,
-        g_cum_last_only=bool(g_cum_last_only),
-    )  # fmt: skip
+        varlen=varlen,
+        **kernel_options(dtype, g_dtype, beta_dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only),
+    )
 
 
 def prepare_chunk_indices_i32(
