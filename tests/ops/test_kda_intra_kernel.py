@@ -543,15 +543,16 @@ def test_chunk_kda_cula_intra_vs_fla(case, monkeypatch):
     monkeypatch.setenv("CULA_KDA_INTRA", "1")
     monkeypatch.setenv("CULA_BACKEND", "cula-sm90")  # raise rather than fall back to FLA
     monkeypatch.setenv("FLA_FLASH_KDA", "0")
-    # compiled_for: the launcher and chunk_kda's bound launch (fixed-length repeats) both take the kernel there
+    # kernel_options: the launcher (compiled_for) and chunk_kda's bound launches (fwd_launch, time segments) all
+    # choose the intra kernel's variant there
     seen = []
-    real = intra_mod.compiled_for
+    real = intra_mod.kernel_options
 
     def spy(*args, **kwargs):
         seen.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(intra_mod, "compiled_for", spy)
+    monkeypatch.setattr(intra_mod, "kernel_options", spy)
     q, k, v, g, beta, cu, A_log, dt_bias, _lb = _raw_preproc(case)
     N = q.shape[0] if cu is None else cu.numel() - 1
     HV = v.shape[2]
@@ -568,7 +569,7 @@ def test_chunk_kda_cula_intra_vs_fla(case, monkeypatch):
         o_ref, ht_ref = fla_chunk_kda(q, k, v, g, beta, **kwargs)
     torch.cuda.synchronize()
     assert len(seen) == 1, "cula's intra kernel did not run"
-    _dt, _g_dt, _beta_dt, gate, _varlen, use_qk_l2norm, beta_act = seen[0]
+    _dt, _g_dt, _beta_dt, gate, use_qk_l2norm, beta_act = seen[0]
     assert use_qk_l2norm and beta_act == "sigmoid" and gate == "sigmoid"
     assert_close("o", o_ref, o, RATIO)
     assert_close("final_state", ht_ref, ht, RATIO)
