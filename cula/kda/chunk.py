@@ -23,9 +23,9 @@ _TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 _VARLEN_ARGS = (*_TENSOR_ARGS, "scale", "cu_seqlens", "cu_seqlens_cpu")
 # Packed sequences (cu_seqlens with its host copy cu_seqlens_cpu, contiguous inputs) through plans keyed on
 # everything but the total length, the boundaries' values checked on the host every call, what a serving engine's
-# prefill needs (CPU, stubbed kernels: 320 -> 100 us a call). Off until its GPU check has run on the H200
-# (tests/test_chunk_plans.py::test_varlen_plan_bit_identical_cuda).
-VARLEN_PLANS = False
+# prefill needs (CPU, stubbed kernels: 320 -> 100 us a call; bit-identical to the general path on the H200,
+# tests/test_chunk_plans.py::test_varlen_plan_bit_identical_cuda). False sends every packed call the general way.
+VARLEN_PLANS = True
 
 
 def chunk_kda(

@@ -3,7 +3,7 @@
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/time_states.py [REF.py ...]
                                     ... time_states.py --ncu NAME
 
-``--ncu NAME`` instead profiles the last variant on shape NAME under Nsight Compute (speed of light, pipe use,
+``--ncu NAME`` instead profiles ``NCU_VARIANT`` on shape NAME under Nsight Compute (speed of light, pipe use,
 warp states, per-SASS source counters): $OUT/ncu_states.txt and $OUT/ncu_states_source.csv (read the CSV with
 ``ncu_phases.py``).
 
@@ -31,14 +31,18 @@ D = 128
 # (name, B, T, sequence lengths or None)
 SHAPES = [
     ("B1-T512", 1, 512, None), ("B2-T1000", 2, 1000, None), ("B2-T1024", 2, 1024, None), ("B1-T8192", 1, 8192, None),
-    ("varlen-N20-T4096-uniform", 1, 4096, [205] * 16 + [204] * 4), ("varlen-N10-T4096", 1, 4096, [410] * 6 + [409] * 4),
+    ("varlen-N20-T4096-uniform", 1, 4096, [205] * 16 + [204] * 4), ("varlen-N20-T3840-full", 1, 3840, [192] * 20), ("varlen-N10-T4096", 1, 4096, [410] * 6 + [409] * 4),
     ("B2-T16384", 2, 16384, None),
 ]  # fmt: skip
-# name -> get_compiled keyword arguments
+# name -> get_compiled keyword arguments (over the suite's flags: varlen as the shape, h0 and ht on, [V, K] state);
+# the variants without h0 / ht are not bit-equal (a different result), they size the state's load and store
 VARIANTS = {
-    "masked": dict(aqk_causal=False),
     "causal": dict(aqk_causal=True),
+    "no-h0": dict(aqk_causal=True, has_h0=False),
+    "no-ht": dict(aqk_causal=True, has_ht=False),
+    "no-h0-ht": dict(aqk_causal=True, has_h0=False, has_ht=False),
 }
+NCU_VARIANT = "causal"
 
 
 def prepare(B: int, T: int, lens: list[int] | None) -> dict:
@@ -85,7 +89,7 @@ def main() -> None:
     for name, B, T, lens in SHAPES:
         x = prepare(B, T, lens)
         kw = dict(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True)
-        fns = {v: dh.get_compiled(**kw, **extra) for v, extra in VARIANTS.items()}
+        fns = {v: dh.get_compiled(**{**kw, **extra}) for v, extra in VARIANTS.items()}
         fns.update({r: m.get_compiled(**kw, aqk_causal=True) for r, m in refs.items()})
         outs = {}
         for v, fn in fns.items():
@@ -114,15 +118,15 @@ def main() -> None:
 
 
 def ncu_target(name: str) -> None:
-    """Two calls of the last variant on shape ``name`` (ncu keeps the second)."""
+    """Two calls of the ``NCU_VARIANT`` on shape ``name`` (ncu keeps the second)."""
     from cutlass import BFloat16
 
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
 
     _, B, T, lens = next(s for s in SHAPES if s[0] == name)
     x = prepare(B, T, lens)
-    kw = list(VARIANTS.values())[-1]
-    fn = dh.get_compiled(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True, **kw)
+    kw = dict(dtype=BFloat16, varlen=x["varlen"], has_h0=True, has_ht=True, state_v_first=True)
+    fn = dh.get_compiled(**{**kw, **VARIANTS[NCU_VARIANT]})
     o = torch.empty(B * T, HV, D, dtype=torch.bfloat16, device="cuda")
     ht = torch.empty_like(x["h0"])
     for _ in range(2):
