@@ -31,7 +31,9 @@ D = 128
 # (name, B, T, sequence lengths or None)
 SHAPES = [
     ("B1-T512", 1, 512, None), ("B2-T1000", 2, 1000, None), ("B2-T1024", 2, 1024, None), ("B1-T8192", 1, 8192, None),
-    ("varlen-N20-T4096-uniform", 1, 4096, [205] * 16 + [204] * 4), ("varlen-N20-T3840-full", 1, 3840, [192] * 20), ("varlen-N10-T4096", 1, 4096, [410] * 6 + [409] * 4),
+    ("varlen-N20-T4096-uniform", 1, 4096, [205] * 16 + [204] * 4), ("varlen-N20-T3840-full", 1, 3840, [192] * 20),
+    ("varlen-N20-T4081-skewed", 1, 4081, [107] * 7 + [2048] + [107] * 12),
+    ("varlen-N10-T4096", 1, 4096, [410] * 6 + [409] * 4),
     ("B2-T16384", 2, 16384, None),
 ]  # fmt: skip
 # name -> get_compiled keyword arguments (over the suite's flags: varlen as the shape, h0 and ht on, [V, K] state);
