@@ -350,6 +350,35 @@ def test_varlen_plan_bit_identical_cuda(counted, monkeypatch, cu_dtype):
     assert len(chunk_mod._plans) == 1  # the three lengths shared one varlen plan
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("varlen", [False, True])
+def test_planned_call_does_not_wait_for_the_gpu(varlen):
+    """A planned call queues its work and returns while the GPU is still busy with earlier work: nothing in it
+    waits for the stream (the varlen plan's chunk indices once did, through a copy from pageable memory, which
+    made host and GPU time add up on every call)."""
+    from cula.backends import clear_plan_caches
+
+    clear_plan_caches()
+    if varlen:
+        x, cus = _varlen_inputs([40, 0, 130, 64])
+        cus["cu_seqlens"] = cus["cu_seqlens"].cuda()
+    else:
+        x, cus = _inputs(), {}
+    x = {n: t.cuda() for n, t in x.items()}
+    with torch.inference_mode():
+        chunk_kda(**x, **FLAGS, **cus)  # builds the plan
+        torch.cuda.synchronize()
+        busy = torch.cuda.Event()
+        torch.cuda._sleep(2 * 10**8)  # ~0.1 s of GPU time at 1.98 GHz, far more than a call's host time
+        busy.record()
+        o, _ = chunk_kda(**x, **FLAGS, **cus)
+        returned_while_busy = not busy.query()
+        torch.cuda.synchronize()
+    assert returned_while_busy
+    assert not torch.isnan(o).any()
+
+
 def test_inputs_needing_a_copy_take_the_general_path(counted, fake_sm90):
     x = _inputs()
     x["q"] = torch.randn(B, T, 2 * H, D).to(torch.bfloat16)[:, :, :H]  # strided heads

@@ -95,7 +95,12 @@ def chunk_kda(
     # seen before goes straight to its launch; with VARLEN_PLANS a packed call too, its boundaries checked here.
     # Other varlen calls, context parallel, FLA's graph mode, intermediate states, the deprecated alias and
     # scalars of unusual types are validated every time.
-    planned = cu_seqlens_cpu is None if cu_seqlens is None else VARLEN_PLANS and cu_seqlens_cpu is not None
+    # A packed call being captured into a CUDA graph takes the general path: the plan copies this call's chunk
+    # indices from pinned host memory, which a graph replay would read again after the allocator reused it.
+    planned = cu_seqlens_cpu is None if cu_seqlens is None else (
+        VARLEN_PLANS and cu_seqlens_cpu is not None
+        and not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())
+    )  # fmt: skip
     if (planned and cp_context is None and not use_graph and not return_intermediate_states
             and (not kwargs or kwargs.keys() <= _PLANNED_KWARGS)):  # fmt: skip
         A_log, dt_bias, chunk_size = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("chunk_size", 64)
