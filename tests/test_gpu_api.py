@@ -66,6 +66,10 @@ def _inference_vs_fla_and_ref(case, state_v_first=False, dtype=torch.bfloat16):
     kw = {"scale": None, "output_final_state": True, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
           "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "state_v_first": state_v_first,
           "cu_seqlens": cu, "A_log": A_log, "dt_bias": dt_bias}
+    if cu is not None and state_v_first:
+        # with its host copy a packed call takes cula's varlen plan (cula.kda.chunk.VARLEN_PLANS), without it the
+        # general path: the two state layouts cover one each
+        kw["cu_seqlens_cpu"] = cu.cpu()
 
     def run():
         with torch.inference_mode():
