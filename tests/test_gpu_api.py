@@ -115,34 +115,57 @@ def test_chunk_kda_fp16_cuda(case, monkeypatch):
     assert o.dtype == torch.float16
 
 
-def test_chunk_kda_cuda_backward_matches_fla():
+@pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate-gva"])
+@pytest.mark.parametrize("on_cula", [True, False], ids=["cula-fwd", "fla"])
+def test_chunk_kda_cuda_backward_matches_fla(on_cula, fused, monkeypatch):
+    """Training: with CHUNK_TRAINING_ON_CULA our forward kernels and FLA's backward (the stages FLA saves
+    recomputed from the inputs), else FLA for both; o, the final state and every input gradient against FLA."""
     import fla.ops.kda as fk
 
     import cula.kda as ck
+    import cula.kda.backends as kb
+    from cula.backends import clear_plan_caches
 
+    monkeypatch.setattr(kb, "CHUNK_TRAINING_ON_CULA", on_cula)
+    clear_plan_caches()
     B, T, H, D = 1, 300, 2, 128
+    HV = 2 * H if fused else H
     base = dict(
         q=torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16),
         k=torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16),
-        v=torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16),
-        g=torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, device=DEV)).clamp(min=-5).to(torch.bfloat16),
-        beta=torch.rand(B, T, H, device=DEV, dtype=torch.bfloat16),
+        v=torch.randn(B, T, HV, D, device=DEV, dtype=torch.bfloat16),
+        g=torch.nn.functional.logsigmoid(torch.randn(B, T, HV, D, device=DEV)).clamp(min=-5).to(torch.bfloat16),
+        beta=torch.rand(B, T, HV, device=DEV, dtype=torch.bfloat16),
     )
-    h0 = torch.randn(B, H, D, D, device=DEV) * 0.1
+    flags = dict(use_qk_l2norm_in_kernel=True)
+    if fused:  # the benchmark's flags: raw gate and beta logits, gate parameters with gradients
+        base.update(g=torch.randn(B, T, HV, D, device=DEV, dtype=torch.bfloat16),
+                    beta=torch.randn(B, T, HV, device=DEV, dtype=torch.bfloat16),
+                    A_log=torch.randn(HV, device=DEV) * 0.5, dt_bias=torch.randn(HV * D, device=DEV) * 0.5)
+        flags.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, use_beta_sigmoid_in_kernel=True,
+                     state_v_first=True)  # fmt: skip
+    h0 = torch.randn(B, HV, D, D, device=DEV) * 0.1
+    ran = []
+    if on_cula:
+        forward = kb._ChunkKDATraining.forward
+        monkeypatch.setattr(kb._ChunkKDATraining, "forward",
+                            staticmethod(lambda *a: ran.append(1) or forward(*a)))  # fmt: skip
 
     def run(fn):
         x = {n: t.clone().requires_grad_() for n, t in base.items()}
         h = h0.clone().requires_grad_()
-        o, ht = fn(**x, initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o, ht = fn(**x, initial_state=h, output_final_state=True, **flags)
         (o.float().pow(2).sum() + ht.pow(2).sum()).backward()
         return o, ht, {n: t.grad for n, t in x.items()}, h.grad
 
     o, ht, grads, dh0 = run(ck.chunk_kda)
+    assert ran == ([1] if on_cula else [])
     o_f, ht_f, grads_f, dh0_f = run(fk.chunk_kda)
     assert_close("o", o_f, o, TOL)
     assert_close("ht", ht_f, ht, TOL)
-    for name, ratio in (("q", 8e-3), ("k", 8e-3), ("v", 8e-3), ("g", 2e-2), ("beta", 2e-2)):
-        assert_close(f"d{name}", grads_f[name], grads[name], ratio)
+    ratios = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
+    for name in grads:
+        assert_close(f"d{name}", grads_f[name], grads[name], ratios[name])
     assert_close("dh0", dh0_f, dh0, 8e-3)
 
 

@@ -1,7 +1,7 @@
 """Backends of the KDA entry points, tried in priority order (see ``cula.backends``).
 
-- ``cula-sm90``: ``chunk_kda``: our CuTe DSL kernels on Hopper (see ``cula.ops.kda.sm90.chunk_fwd``), for
-  inference (no autograd yet), bf16, K = V = 128, chunk 64 (fp16 compiles but is not yet GPU-tested);
+- ``cula-sm90``: ``chunk_kda``: our CuTe DSL kernels on Hopper (see ``cula.ops.kda.sm90.chunk_fwd``), bf16 and
+  fp16, K = V = 128, chunk 64; with autograd on, our forward and FLA 0.6.0's backward (``_ChunkKDATraining``);
   ``fused_recurrent_kda``: FLA's in-place state-pool decode form with one token per sequence, on the
   ``kda_decode`` kernel.
 - ``fla``: FLA 0.6.0's Triton kernels, for everything our kernels do not cover yet on CUDA.
@@ -9,6 +9,8 @@
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -25,6 +27,10 @@ REFERENCE_PRIORITY = 90
 # fp16 q/k/v on the cula-sm90 kernels (tests/test_gpu_api.py::test_chunk_kda_fp16_cuda passed on the H200,
 # 2026-11-30); False sends fp16 to FLA
 CHUNK_FP16_ON_CULA = True
+# Training calls (autograd on) on our forward kernels with FLA 0.6.0's backward (``_ChunkKDATraining``: o, the
+# final state and every input gradient matched FLA on the H200 with log-space and fused gates and GVA,
+# tests/test_gpu_api.py::test_chunk_kda_cuda_backward_matches_fla); False sends them to fla, forward and backward.
+CHUNK_TRAINING_ON_CULA = True
 
 
 def _cula_chunk_supports(
@@ -44,8 +50,8 @@ def _cula_chunk_supports(
     state_v_first=False,
     **_,
 ) -> tuple:
-    if needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        return False, "training (autograd) runs on fla until cula's backward lands"
+    if not CHUNK_TRAINING_ON_CULA and needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return False, "training (autograd) runs on fla (CHUNK_TRAINING_ON_CULA is off)"
     if q.dtype != torch.bfloat16 and not (CHUNK_FP16_ON_CULA and q.dtype == torch.float16):
         return False, f"q dtype {q.dtype} (kernel path is validated for bf16)"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
@@ -73,11 +79,94 @@ def _cula_chunk_args(
     }  # fmt: skip
 
 
+_GRAD_TENSORS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
 def _prepare_chunk_kda_cula_sm90(**args):
-    """The bound launch of a repeated fixed-length call (see ``prepare_chunk_kda_fwd_sm90``), or None."""
+    """The bound launch of a repeated call (see ``prepare_chunk_kda_fwd_sm90``), or None (training calls: autograd
+    runs through ``_ChunkKDATraining``)."""
     from cula.ops.kda.sm90.chunk_fwd import prepare_chunk_kda_fwd_sm90
 
+    if needs_grad(*(args[n] for n in _GRAD_TENSORS)):
+        return None
     return prepare_chunk_kda_fwd_sm90(**_cula_chunk_args(**args))
+
+
+class _ChunkKDATraining(torch.autograd.Function):
+    """Our forward kernels, FLA 0.6.0's backward (``fla.ops.kda.chunk.ChunkKDAFunction.backward``).
+
+    FLA's forward saves the l2-normalised q and k with their rstd, beta after the sigmoid, the gate cumsum (when the
+    gate is not fused) and the intra stage's Aqk and Akk. The backward here recomputes exactly those with FLA's own
+    stages (the ones before the recurrence, from the saved inputs and with FLA's arguments) and hands them to FLA's
+    ``chunk_kda_bwd``, so the gradients are FLA's for the same inputs and output gradients; between forward and
+    backward only the inputs are kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts):
+        from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+
+        o, final_state = chunk_kda_fwd_sm90(
+            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, **opts,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
+        ctx.opts = opts
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        import fla.ops.kda.chunk as fc
+        import fla.ops.kda.chunk_fwd as ff
+
+        q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu = ctx.saved_tensors
+        p = ctx.opts
+        fused_gate = p["use_gate_in_kernel"]
+        # what FLA's chunk_kda hands ChunkKDAFunction: contiguous tensors, the gate parameters only with the fused gate
+        q, k, v, g_raw, beta_raw = (t.contiguous() for t in (q, k, v, g, beta))
+        if not fused_gate:
+            A_log = dt_bias = None
+        sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
+        # FLA's Triton launches go to the current device (FLA's input_guard sets it the same way)
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            q_rstd = k_rstd = None
+            if p["use_qk_l2norm_in_kernel"]:
+                q, q_rstd = fc.l2norm_fwd(q)
+                k, k_rstd = fc.l2norm_fwd(k)
+            if p["use_beta_sigmoid_in_kernel"]:
+                beta = fc.fused_beta_sigmoid(x=beta_raw, scale=sig_scale)
+            chunk_indices = None
+            if cu is not None:
+                chunk_indices = fc.prepare_chunk_indices(cu_seqlens=cu, chunk_size=64, cu_seqlens_cpu=cu_cpu)
+            if fused_gate:
+                g_cum = ff.kda_gate_chunk_cumsum(
+                    g=g_raw, A_log=A_log, dt_bias=dt_bias, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu,
+                    chunk_indices=chunk_indices, lower_bound=p["lower_bound"], use_graph=False,
+                )  # fmt: skip
+            else:
+                g_cum = ff.chunk_local_cumsum(
+                    g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
+                    use_graph=False,
+                )  # fmt: skip
+            *_, Aqk, Akk = ff.chunk_kda_fwd_intra(
+                q=q, k=k, v=v, gk=g_cum, beta=beta, scale=p["scale"], cu_seqlens=cu, chunk_size=64,
+                chunk_indices=chunk_indices, safe_gate=p["safe_gate"], disable_recompute=False, use_graph=False,
+            )  # fmt: skip
+            dq, dk, dv, db, dg, dh0, dA, dbias = fc.chunk_kda_bwd(
+                q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
+                do=do.contiguous(), dht=None if dht is None else dht.contiguous(),
+                # FLA's forward keeps the gate cumsum only when the gate is not fused; the backward redoes it
+                g=None if fused_gate else g_cum, g_org=g_raw if fused_gate else None,
+                state_v_first=p["state_v_first"], cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=64,
+                safe_gate=p["safe_gate"], lower_bound=p["lower_bound"], use_gate_in_kernel=fused_gate, A_log=A_log,
+                dt_bias=dt_bias, disable_recompute=False, cp_context=None, w=None, u=None, qg=None, kg=None,
+                v_new=None, h=None, use_graph=False, chunk_offsets=None,
+            )  # fmt: skip
+            if p["use_qk_l2norm_in_kernel"]:
+                dq = fc.l2norm_bwd(q, q_rstd, dq)
+                dk = fc.l2norm_bwd(k, k_rstd, dk)
+            if p["use_beta_sigmoid_in_kernel"]:
+                db = fc.fused_beta_sigmoid_bwd(x=beta_raw, dy=db, scale=sig_scale)
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(g_raw), db.to(beta_raw), dA, dbias, dh0, None, None, None
 
 
 # The intra-chunk stage still comes from FLA's Triton kernels, hence needs=("fla",).
@@ -92,7 +181,11 @@ def _chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
     from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
 
     # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel where it runs, see chunk_fwd)
-    return chunk_kda_fwd_sm90(cu_seqlens_cpu=cu_seqlens_cpu, **_cula_chunk_args(**args))
+    opts = _cula_chunk_args(**args)
+    if needs_grad(*(args[n] for n in _GRAD_TENSORS)):
+        tensors = [opts.pop(n) for n in (*_GRAD_TENSORS, "cu_seqlens")]
+        return _ChunkKDATraining.apply(*tensors, cu_seqlens_cpu, opts)
+    return chunk_kda_fwd_sm90(cu_seqlens_cpu=cu_seqlens_cpu, **opts)
 
 
 def _reference_chunk_supports(

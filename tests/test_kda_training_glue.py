@@ -1,0 +1,152 @@
+"""CPU check of ``cula.kda.backends._ChunkKDATraining`` (our forward kernels, FLA 0.6.0's backward).
+
+FLA's own ``ChunkKDAFunction`` saves what its forward stages produced and hands them to ``chunk_kda_bwd``; ours
+keeps only the inputs and recomputes those stages in its backward. Here every Triton stage of FLA (and our forward
+kernel) is replaced by a deterministic CPU stand-in, and FLA's real autograd function runs beside ours on the
+same inputs and output gradients: ``chunk_kda_bwd`` must receive the same arguments from both, and the input
+gradients (FLA's post-processing of them included) must come out the same. The real pairing is tested on the GPU
+by test_gpu_api.py::test_chunk_kda_cuda_backward_matches_fla.
+"""
+
+import pytest
+import torch
+
+import cula.kda.backends as kb
+from cula.testing import make_cu_seqlens
+
+fc = pytest.importorskip("fla.ops.kda.chunk")
+ff = pytest.importorskip("fla.ops.kda.chunk_fwd")
+
+
+def _mix(*ts) -> torch.Tensor:
+    """A scalar that depends on every given tensor (None counts as 0)."""
+    return sum(t.double().sum() * (i + 1) for i, t in enumerate(ts) if t is not None)
+
+
+def _intra(q, k, v, gk, beta, scale, cu_seqlens, chunk_size, chunk_indices, safe_gate, disable_recompute, use_graph):
+    B, T, HV, _ = v.shape
+    base = torch.arange(B * T * HV * 64, dtype=torch.float32).view(B, T, HV, 64) / 1e4
+    s = float(_mix(q, k, v, gk, beta, chunk_indices)) * scale + (2.0 if safe_gate else 1.0)
+    z = torch.zeros_like(v)
+    return z, z, None, z, (base * s).to(q.dtype), (base + s).to(k.dtype)
+
+
+def _bwd(calls):
+    def chunk_kda_bwd(**kw):
+        calls.append(kw)
+        m = float(_mix(kw["q"], kw["k"], kw["v"], kw["beta"], kw["Aqk"], kw["Akk"], kw["do"], kw["dht"], kw["g"],
+                       kw["g_org"], kw["initial_state"], kw["A_log"], kw["dt_bias"], kw["chunk_indices"])) / 1e3
+        g_like = kw["g_org"] if kw["g_org"] is not None else kw["g"]
+        dA = None if kw["A_log"] is None else kw["A_log"] * m
+        dbias = None if kw["dt_bias"] is None else kw["dt_bias"] * m
+        dh0 = None if kw["initial_state"] is None else kw["initial_state"] * m
+        return (kw["q"].float() * m, kw["k"].float() + m, kw["v"].float() - m, kw["beta"].float() * 2 * m,
+                g_like.float() * 3 * m, dh0, dA, dbias)  # fmt: skip
+
+    return chunk_kda_bwd
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """FLA's stages and our forward kernel replaced by CPU stand-ins; returns the recorded chunk_kda_bwd calls."""
+    calls = []
+    monkeypatch.setattr(fc, "l2norm_fwd", lambda x: ((x * 0.5 + 0.25).to(x.dtype), x.float().pow(2).sum(-1)))
+    monkeypatch.setattr(fc, "l2norm_bwd", lambda y, rstd, dy: dy * 3 + y.float() * rstd[..., None])
+    monkeypatch.setattr(fc, "fused_beta_sigmoid", lambda x, scale: x.float() * scale + 1)
+    monkeypatch.setattr(fc, "fused_beta_sigmoid_bwd", lambda x, dy, scale: dy * scale + x.float())
+    monkeypatch.setattr(fc, "prepare_chunk_indices", lambda cu_seqlens, chunk_size, cu_seqlens_cpu=None: cu_seqlens * 2)
+    monkeypatch.setattr(fc, "chunk_kda_bwd", _bwd(calls))
+
+    def gate(g, A_log, dt_bias, scale, chunk_size, cu_seqlens, chunk_indices, lower_bound, use_graph=False):
+        return g.float().cumsum(1) * scale + float(_mix(A_log, dt_bias, chunk_indices)) + (lower_bound or 0.0)
+
+    monkeypatch.setattr(ff, "kda_gate_chunk_cumsum", gate)
+    monkeypatch.setattr(ff, "chunk_local_cumsum", lambda g, scale, chunk_size, cu_seqlens, chunk_indices,
+                        use_graph=False: g.float().cumsum(1) * scale + float(_mix(chunk_indices)))  # fmt: skip
+    monkeypatch.setattr(ff, "chunk_kda_fwd_intra", _intra)
+    monkeypatch.setattr(ff, "chunk_gated_delta_rule_fwd_h", lambda **kw: (
+        None, kw["u"], kw["initial_state"] * 2 if kw["output_final_state"] else None))  # fmt: skip
+    monkeypatch.setattr(ff, "chunk_gla_fwd_o_gk", lambda **kw: kw["v"] + 1)
+
+    def our_forward(q, k, v, g, beta, initial_state, output_final_state, **_):  # the kernels' outputs' shapes
+        return v.detach() * 2, initial_state.detach() * 3 if output_final_state else None
+
+    import cula.ops.kda.sm90.chunk_fwd as chunk_fwd
+
+    monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd_sm90", our_forward)
+    return calls
+
+
+CASES = {  # flags, GVA group, varlen, state_v_first
+    "benchmark-flags-varlen-gva": (dict(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
+                                        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True), 2, True, True),
+    "neg-eigval-softplus": (dict(use_gate_in_kernel=True, lower_bound=None, use_beta_sigmoid_in_kernel=True,
+                                 allow_neg_eigval=True), 1, False, False),
+    "log-space-gate": (dict(use_qk_l2norm_in_kernel=True), 1, False, True),
+    "plain-varlen": (dict(), 2, True, False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_backward_hands_fla_what_fla_saves(stand_ins, case):
+    flags, group, varlen, state_v_first = CASES[case]
+    H, D = 2, 8
+    HV = H * group
+    lens = [5, 0, 9] if varlen else None
+    B, T = (1, sum(lens)) if varlen else (2, 7)
+    N = len(lens) if varlen else B
+    cu = make_cu_seqlens(lens) if varlen else None
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    fused = flags.get("use_gate_in_kernel", False)
+    base = dict(q=rnd(B, T, H, D), k=rnd(B, T, H, D), v=rnd(B, T, HV, D), g=rnd(B, T, HV, D), beta=rnd(B, T, HV),
+                initial_state=rnd(N, HV, D, D, dtype=torch.float32))  # fmt: skip
+    if fused:
+        base.update(A_log=rnd(HV, dtype=torch.float32), dt_bias=rnd(HV * D, dtype=torch.float32))
+    w_o, w_t = rnd(B, T, HV, D, dtype=torch.float32), rnd(N, HV, D, D, dtype=torch.float32)
+    kw = dict(scale=D**-0.5, output_final_state=True, state_v_first=state_v_first, cu_seqlens=cu, **flags)
+
+    def leaves():
+        return {n: t.clone().requires_grad_() for n, t in base.items()}
+
+    def backward(o, ht, x):
+        ((o.float() * w_o).sum() + (ht * w_t).sum()).backward()  # the same output gradients for both
+        return {n: t.grad for n, t in x.items()}
+
+    x_fla = leaves()
+    fla_grads = backward(*fc.chunk_kda(**x_fla, **kw), x_fla)
+
+    x_ours = leaves()
+    args = dict(kw, A_log=None, dt_bias=None, chunk_size=64, cu_seqlens_cpu=None if cu is None else cu.clone())
+    args.update(x_ours)
+    for name in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                 "safe_gate"):  # fmt: skip
+        args.setdefault(name, False)
+    args.setdefault("lower_bound", None)
+    our_grads = backward(*kb._chunk_kda_cula_sm90(**args), x_ours)
+
+    assert len(stand_ins) == 2
+    fla_call, our_call = stand_ins
+    assert fla_call.keys() == our_call.keys()
+    for name, a in fla_call.items():
+        b = our_call[name]
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), name
+        else:
+            assert a == b, name
+    assert fla_grads.keys() == our_grads.keys()
+    for name, a in fla_grads.items():
+        b = our_grads[name]
+        assert a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b), f"d{name}"
+
+
+def test_training_call_skips_the_bound_launch(monkeypatch):
+    """A training call's plan must go through autograd, never through the bound (forward-only) launch."""
+    monkeypatch.setattr(kb, "CHUNK_TRAINING_ON_CULA", True)
+    q = torch.randn(1, 4, 2, 128, requires_grad=True)
+    args = dict(q=q, k=q, v=q, g=q, beta=q[..., 0], A_log=None, dt_bias=None, initial_state=None)
+    with torch.enable_grad():
+        assert kb._prepare_chunk_kda_cula_sm90(**args) is None
