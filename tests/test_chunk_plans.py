@@ -379,6 +379,22 @@ def test_planned_call_does_not_wait_for_the_gpu(varlen):
     assert not torch.isnan(o).any()
 
 
+def test_training_calls_run_through_autograd(counted, fake_sm90, monkeypatch):
+    """With autograd on, a repeated call keeps its plan but runs our forward inside ``_ChunkKDATraining`` (FLA's
+    backward behind it), never the forward-only bound launch."""
+    import cula.kda.backends as kb
+
+    seen = []
+    forward = kb._ChunkKDATraining.forward
+    monkeypatch.setattr(kb._ChunkKDATraining, "forward", staticmethod(lambda *a: seen.append(1) or forward(*a)))
+    x = {n: t.requires_grad_() for n, t in _inputs().items()}
+    for _ in range(2):
+        o, ht = chunk_kda(**x, **FLAGS)
+        assert type(o.grad_fn).__name__ == "_ChunkKDATrainingBackward" and ht.grad_fn is o.grad_fn
+    assert seen == [1, 1] and counted[0] == 1
+    assert [c[0] for c in fake_sm90] == ["intra", "state"] * 2
+
+
 def test_inputs_needing_a_copy_take_the_general_path(counted, fake_sm90):
     x = _inputs()
     x["q"] = torch.randn(B, T, 2 * H, D).to(torch.bfloat16)[:, :, :H]  # strided heads
