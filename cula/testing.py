@@ -54,6 +54,14 @@ def make_cu_seqlens(lengths: list[int], device="cpu", dtype=torch.int32) -> torc
     return out.to(device)
 
 
+def small_batch(varlen: bool, fixed_t: int, lens: tuple[int, ...] = (5, 0, 9)):
+    """The token layout of a small test call: ``(B, T, N, cu_seqlens)``, either B = 2 sequences of ``fixed_t``
+    tokens or ``lens`` packed into B = 1 (a zero-length sequence among them)."""
+    if not varlen:
+        return 2, fixed_t, 2, None
+    return 1, sum(lens), len(lens), make_cu_seqlens(list(lens))
+
+
 def poison_cuda_allocator(nbytes: int = 1 << 30) -> None:
     """Fill the CUDA caching allocator's free memory with NaN bytes.
 

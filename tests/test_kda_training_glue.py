@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cula.kda.backends as kb
-from cula.testing import make_cu_seqlens
+from cula.testing import small_batch
 
 fc = pytest.importorskip("fla.ops.kda.chunk")
 ff = pytest.importorskip("fla.ops.kda.chunk_fwd")
@@ -92,10 +92,7 @@ def test_backward_hands_fla_what_fla_saves(stand_ins, case):
     flags, group, varlen, state_v_first = CASES[case]
     H, D = 2, 8
     HV = H * group
-    lens = [5, 0, 9] if varlen else None
-    B, T = (1, sum(lens)) if varlen else (2, 7)
-    N = len(lens) if varlen else B
-    cu = make_cu_seqlens(lens) if varlen else None
+    B, T, N, cu = small_batch(varlen, fixed_t=7)
     gen = torch.Generator().manual_seed(0)
 
     def rnd(*shape, dtype=torch.bfloat16):

@@ -11,7 +11,7 @@ import torch
 
 import cula.simple_gla.backends as sb
 from cula.simple_gla.naive import reference_chunk_simple_gla
-from cula.testing import assert_close, make_cu_seqlens
+from cula.testing import assert_close, small_batch
 
 
 def _fake_forward(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
@@ -52,10 +52,7 @@ def test_training_glue_matches_reference_autograd(monkeypatch, gva, varlen, stat
 
     H, D = 2, 8
     HV = H * gva
-    lens = [5, 0, 9] if varlen else None
-    B, T = (1, sum(lens)) if varlen else (2, 11)
-    cu = make_cu_seqlens(lens) if varlen else None
-    N = len(lens) if varlen else B
+    B, T, N, cu = small_batch(varlen, fixed_t=11)
     torch.manual_seed(0)
     q, k = torch.randn(B, T, H, D), torch.randn(B, T, H, D)
     v = torch.randn(B, T, HV, D)
