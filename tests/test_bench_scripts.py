@@ -1,5 +1,5 @@
-"""Pure logic of the Lightning prefill, KDA decode and Lightning decode benchmarks on the CPU (suites, byte
-formulas, row logic)."""
+"""Pure logic of the Lightning prefill, KDA training, KDA decode and Lightning decode benchmarks on the CPU (suites,
+byte formulas, row logic)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ bc = importlib.import_module("common")
 lp = importlib.import_module("bench_lightning_prefill")
 kd = importlib.import_module("bench_kda_decode")
 ld = importlib.import_module("bench_lightning_decode")
+kt = importlib.import_module("bench_kda_training")
+kp = importlib.import_module("bench_kda_prefill")
 
 
 class _FakeEvent:
@@ -40,6 +42,7 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(lp, "DEVICE", "cpu")
     monkeypatch.setattr(kd, "DEVICE", "cpu")
     monkeypatch.setattr(ld, "DEVICE", "cpu")
+    monkeypatch.setattr(kp, "DEVICE", "cpu")
     return {"copy_bw_tbps": 4.27, "gemm_tflops": 690.0}
 
 
@@ -111,6 +114,42 @@ def test_lightning_run_config_with_fakes(cpu_bench, monkeypatch):
     assert bad["check"] == "FAIL" and bad["cula_ms"] is None and bad["speedup"] is None
 
     raised = lp.run_config(lp.Config("fixed", 1, 16, (16,)), _fake_lightning, _raising, args, cpu_bench)
+    assert raised["check"] == "FAIL" and "cula check" in raised["errors"] and raised["fla_ms"] > 0
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+
+def _fake_training_step(q, k, v, g, beta, initial_state, A_log, dt_bias, output_final_state=True, **kwargs):
+    """Differentiable in all eight leaves, with kda_prefill's shapes."""
+    gate = torch.sigmoid(g.float() + dt_bias.view(1, 1, *g.shape[2:])) * A_log.exp().view(1, 1, -1, 1)
+    o = (v.float() * gate * torch.sigmoid(beta.float())[..., None] + q.float().sum() + k.float().mean()).to(v.dtype)
+    return o, initial_state * 2
+
+
+def test_training_suite_is_prefills():
+    names = [c.name for c in kt.suite()]
+    assert names == list(kt.SUITE) and [c.name for c in kt.suite(quick=True)] == list(kt.QUICK)
+    prefill = {c.name: c for c in kp.suite()}
+    assert all(c == prefill[c.name] for c in kt.suite())  # the same lengths and seeds
+
+
+def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
+    for name, value in (("H", 2), ("HV", 2), ("K", 8), ("V", 8)):
+        monkeypatch.setattr(kp, name, value)
+    args = kt.parse_args(["--iters", "3", "--warmup", "1"])
+    cfg = kp.Config("varlen", 1, 48, (40, 8), "random")
+    row = kt.run_config(cfg, _fake_training_step, _fake_training_step, args)
+    assert row["check"] == "ok" and row["max_rel_err"] == 0.0 and "errors" not in row
+    assert row["fla_ms"] > 0 and row["cula_ms"] > 0 and row["speedup"] > 0 and row["seq_lens"] == [40, 8]
+
+    def wrong_grads(**kw):  # right outputs, gradients 30% too large: the check must see the gradients too
+        o, ht = _fake_training_step(**kw)
+        return (o.float() * 1.3 - o.detach().float() * 0.3).to(o.dtype), ht
+
+    bad = kt.run_config(cfg, _fake_training_step, wrong_grads, args)
+    assert bad["check"] == "FAIL" and bad["cula_ms"] is None and bad["max_rel_err"] > 0.2
+    raised = kt.run_config(kp.Config("fixed", 1, 16, (16,)), _fake_training_step, _raising, args)
     assert raised["check"] == "FAIL" and "cula check" in raised["errors"] and raised["fla_ms"] > 0
 
 

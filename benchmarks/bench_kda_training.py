@@ -1,0 +1,182 @@
+"""KDA training step: FLA 0.6.0 ``fla.ops.kda.chunk_kda`` forward + backward against ``cula.kda.chunk_kda``'s.
+
+cula's training path is our forward kernels with FLA's backward (``cula.kda.backends._ChunkKDATraining``: only the
+inputs are kept, and the backward recomputes what FLA's forward saves with FLA's own stages), so the comparison is
+the whole step on the same inputs and output gradients.
+
+Suite (7 configs, kda_prefill's shapes and flags, H = HV = 64, K = V = 128): fixed B x T in {1 x 4096, 2 x 4096,
+1 x 16384, 2 x 16384}, varlen ``N10-T8192-random``, ``N20-T4096-uniform``, ``N20-T16384-skewed``. FLA autotunes its
+backward kernels on the first call of each shape key (minutes on a fresh machine), which the check call before
+timing absorbs; run through ``scripts/device/run.sh`` to start from the cached choices.
+
+Each timed call runs ``o, ht = chunk_kda(...)`` and ``torch.autograd.backward((o, ht), (do, dht))`` with fixed
+random output gradients, on leaves that require grad (q, k, v, g, beta, A_log, dt_bias, initial_state); the
+gradients accumulate into ``.grad`` across calls on both sides alike. Before timing, one step of each is compared:
+the largest relative RMSE over o, the final state and the eight input gradients against FLA's (warn above 2e-2,
+FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN).
+
+Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import bench_kda_prefill as kp
+import common as bc
+import torch
+
+NAME = "kda_training"
+WARN_TOL = 2e-2  # FLA's tolerance for its gate and beta gradients (its tests' ratios for dq / dk / dv are smaller)
+FAIL_TOL = 1e-1
+SUITE = ("B1-T4096", "B2-T4096", "B1-T16384", "B2-T16384", "varlen-N10-T8192-random", "varlen-N20-T4096-uniform",
+         "varlen-N20-T16384-skewed")  # fmt: skip
+QUICK = ("B1-T4096", "varlen-N20-T4096-uniform")
+GRAD_LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "max_rel_err", "check", "backend")
+
+run_suite = functools.partial(bc.run_suite, name=NAME)
+
+
+def suite(quick: bool = False) -> list[kp.Config]:
+    """The training suite: kda_prefill's configs of these names (same lengths, seeds and data)."""
+    names = QUICK if quick else SUITE
+    by_name = {c.name: c for c in kp.suite()}
+    return [by_name[n] for n in names]
+
+
+def make_step(fn: Callable, tensors: dict, shared: dict, grads: tuple[torch.Tensor, torch.Tensor]):
+    """Zero-argument training step of ``fn`` on one input set; returns the leaves' gradients as a dict."""
+    leaves = {n: t.requires_grad_() for n, t in {**tensors, **shared}.items() if n in GRAD_LEAVES}
+    rest = {n: t for n, t in {**tensors, **shared}.items() if n not in GRAD_LEAVES}
+
+    def step():
+        o, ht = fn(**leaves, **rest, **kp.CALL_FLAGS)
+        torch.autograd.backward((o, ht), grads)
+        return o.detach(), ht.detach(), {n: t.grad for n, t in leaves.items()}
+
+    return step
+
+
+def fresh(tensors: dict) -> dict:
+    """Copies of an input set whose gradients start empty (one per implementation's check step)."""
+    return {n: t.detach().clone() for n, t in tensors.items()}
+
+
+def output_grads(cfg: kp.Config, device: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed output gradients (do for o, dht for the final state) of a config."""
+    device = device or kp.DEVICE
+    torch.manual_seed(kp._seed(cfg.name) + 7)
+    do = torch.randn(cfg.B, cfg.T, kp.HV, kp.V, dtype=torch.bfloat16, device=device)
+    dht = torch.randn(cfg.N, kp.HV, kp.V, kp.K, dtype=torch.float32, device=device)
+    return do, dht
+
+
+def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
+    """(max relative RMSE over o, final state and every input gradient, status) of cula against FLA."""
+    pairs = [(fla_out[0], cula_out[0]), (fla_out[1], cula_out[1])]
+    pairs += [(fla_out[2][n], cula_out[2][n]) for n in fla_out[2]]
+    return bc.check_outputs(pairs, WARN_TOL, FAIL_TOL)
+
+
+def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace) -> dict[str, Any]:
+    """Check one step of each, then time both; returns the result row."""
+    shared = kp.make_shared(cfg)
+    grads = output_grads(cfg)
+    sets = bc.rotation_sets(cfg, kp.make_set, kp.input_set_bytes(cfg), args.l2)
+    errors: dict[str, str] = {}
+    record = bc.error_recorder(errors, cfg.name)
+
+    fla_out = make_step(fla_fn, fresh(sets[0]), fresh(shared), grads)()
+    backend = "unknown"
+    try:
+        step = make_step(cula_fn, fresh(sets[0]), fresh(shared), grads)
+        cula_out, backend = bc.call_recording_backend(step, kp.BACKEND_REGISTRY)
+        torch.cuda.synchronize()
+        err, status = check(fla_out, cula_out)
+        del cula_out
+    except Exception as exc:  # noqa: BLE001  (a raising cula call is a FAIL row, not a dead suite)
+        record("cula check", exc)
+        err, status = float("nan"), "FAIL"
+    del fla_out
+    bc.warn_check(cfg.name, err, status)
+
+    def maker(fn):
+        return lambda s: make_step(fn, s, shared, grads)
+
+    fla_t, cula_t = bc.time_pair(maker(fla_fn), maker(cula_fn) if status != "FAIL" else None, sets, args, record)
+    fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)
+    row = {
+        "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
+        "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
+        "max_rel_err": err, "check": status, "backend": backend, **bc.spread_fields(fla_t, cula_t),
+        "rotation_sets": len(sets),
+    }  # fmt: skip
+    if errors:
+        row["errors"] = errors
+    if cfg.mode == "varlen":
+        row["seq_lens"] = list(cfg.lens)
+    return row
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return bc.arg_parser(
+        __doc__.splitlines()[0], QUICK, iters=20, warmup=3, max_seconds=0.0,
+        max_seconds_help="start no new config after this many seconds (0: no limit); the results say partial",
+        host_overhead_help="unused (a training step is GPU-bound at these sizes)",
+    ).parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
+    """Run the suite with ``FLA_FLASH_KDA=0`` (FLA's Triton path on both sides' backward); returns (meta, rows,
+    written paths)."""
+    with bc.env_var("FLA_FLASH_KDA", "0"):
+        return _run(parse_args(argv))
+
+
+def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
+    import time
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kda_training needs a CUDA GPU")
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    import cula.kda.backends as kb
+    from cula.kda import chunk_kda as cula_chunk_kda
+
+    cfgs = bc.select_configs(suite, args)
+    ceilings = bc.reported_ceilings(NAME)
+    run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),
+                    args.max_seconds or None, time.perf_counter(), progress=bc.PROGRESS_KEYS + ("backend",),
+                    record_wall=False)  # fmt: skip
+    rows = run.rows
+    meta: dict[str, Any] = {}
+    if run.interrupted:
+        meta["partial"] = f"interrupted ({run.interrupted}) after {len(rows)} of {len(cfgs)} configs"
+    elif run.skipped:
+        meta["partial"] = f"stopped after {args.max_seconds:.0f} s: {len(rows)} of {len(cfgs)} configs"
+    meta = {
+        "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
+        "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
+        "CHUNK_TRAINING_ON_CULA": kb.CHUNK_TRAINING_ON_CULA,
+        "shape": {"H": kp.H, "HV": kp.HV, "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
+                  "state": "float32"},  # fmt: skip
+        "call_flags": kp.CALL_FLAGS,
+        "step": "chunk_kda forward + torch.autograd.backward((o, ht), (do, dht)) on 8 leaves",
+        **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
+        **meta,
+    }
+    paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)
+    n_bad = sum(r["check"] == "FAIL" for r in rows)
+    if n_bad:
+        print(f"[{NAME}] {n_bad} config(s) FAILED the correctness check and were not timed", file=sys.stderr)
+    return meta, rows, paths
+
+
+if __name__ == "__main__":
+    main()
