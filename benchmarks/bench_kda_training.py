@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -140,8 +140,6 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
 
 
 def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
-    import time
-
     if not torch.cuda.is_available():
         raise SystemExit("bench_kda_training needs a CUDA GPU")
     from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -155,11 +153,6 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
                     args.max_seconds or None, time.perf_counter(), progress=bc.PROGRESS_KEYS + ("backend",),
                     record_wall=False)  # fmt: skip
     rows = run.rows
-    meta: dict[str, Any] = {}
-    if run.interrupted:
-        meta["partial"] = f"interrupted ({run.interrupted}) after {len(rows)} of {len(cfgs)} configs"
-    elif run.skipped:
-        meta["partial"] = f"stopped after {args.max_seconds:.0f} s: {len(rows)} of {len(cfgs)} configs"
     meta = {
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
@@ -169,12 +162,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "call_flags": kp.CALL_FLAGS,
         "step": "chunk_kda forward + torch.autograd.backward((o, ht), (do, dht)) on 8 leaves",
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
-        **meta,
+        **run.partial_note(len(cfgs), args.max_seconds),
     }
     paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)
-    n_bad = sum(r["check"] == "FAIL" for r in rows)
-    if n_bad:
-        print(f"[{NAME}] {n_bad} config(s) FAILED the correctness check and were not timed", file=sys.stderr)
     return meta, rows, paths
 
 

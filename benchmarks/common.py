@@ -749,6 +749,14 @@ class SuiteRun:
     def __iter__(self) -> Iterator[list]:
         return iter((self.rows, self.skipped))
 
+    def partial_note(self, n_configs: int, max_seconds: float | None) -> dict[str, str]:
+        """The results' ``{"partial": why}`` entry when the suite stopped early, else ``{}``."""
+        if self.interrupted:
+            return {"partial": f"interrupted ({self.interrupted}) after {len(self.rows)} of {n_configs} configs"}
+        if self.skipped:
+            return {"partial": f"stopped after {max_seconds or 0:.0f} s: {len(self.rows)} of {n_configs} configs"}
+        return {}
+
 
 def run_suite(
     cfgs: Sequence[Any],
@@ -924,4 +932,7 @@ def write_suite(name: str, args: argparse.Namespace, meta: dict, rows: Sequence[
     summary = summarize(rows)
     print(f"[{name}] geomean speedup {summary['geomean']:.3f}x, min {summary['min']:.3f}x "
           f"({summary['min_config']}); wrote {paths['md']}", file=sys.stderr, flush=True)
+    n_bad = sum(r.get("check") == "FAIL" for r in rows)
+    if n_bad:
+        print(f"[{name}] {n_bad} config(s) FAILED the correctness check and were not timed", file=sys.stderr)
     return paths
