@@ -1094,8 +1094,8 @@ def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
     *, g_cum_last_only: bool = False,
 ) -> dict:  # fmt: skip
-    """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_for`` and
-    ``fwd_launch`` take them)."""
+    """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_for``,
+    ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
     return dict(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
@@ -1106,8 +1106,8 @@ def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
     beta_act: str, *, g_cum_last_only: bool = False,
 ):  # fmt: skip
-    """The compiled variant for torch dtypes and the launch flags; ``chunk_kda_intra_sm90`` and ``chunk_fwd``'s
-    segmented launch both take their kernel from here."""
+    """The compiled variant for torch dtypes and the launch flags, as ``chunk_kda_intra_sm90`` (the general path)
+    launches it; the bound launches in ``chunk_fwd`` take ``kernel_options`` directly."""
     return get_compiled(
         varlen=varlen,
         **kernel_options(dtype, g_dtype, beta_dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only),
