@@ -310,11 +310,11 @@ def test_lightning_decode_step_binds_the_real_launcher(counted_plans, pretend_sm
     _assert_same_launch(calls[1], calls[2], out_at=6)
 
 
-def test_single_token_min_blocks_picks_the_one_slot_variant(counted_plans, fake_sm90, monkeypatch):
-    """SINGLE_TOKEN_MIN_BLOCKS applies to T=1 calls only (a one-slot variant would run T>1 in rounds of one)."""
+def test_single_token_cta_picks_the_one_slot_variant(counted_plans, fake_sm90, monkeypatch):
+    """SINGLE_TOKEN_CTA applies to T=1 calls only (a one-slot variant would run T>1 in rounds of one)."""
     import cula.ops.kda.sm90.decode as kops
 
-    monkeypatch.setattr(kops, "SINGLE_TOKEN_MIN_BLOCKS", 5)
+    monkeypatch.setattr(kops, "SINGLE_TOKEN_CTA", (1, 20))
     q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
     pool = pool.transpose(-1, -2).contiguous()
     A_log = torch.randn(HV)
@@ -322,8 +322,9 @@ def test_single_token_min_blocks_picks_the_one_slot_variant(counted_plans, fake_
     two = [torch.cat([t, t], dim=1) for t in (q, k, v, g, beta)]
     kd.kda_decode(*two, pool, idx, A_log=A_log, lower_bound=-5.0)
     variants = [c[1] for c in fake_sm90 if c[0] == "variant"]
-    assert variants[0]["tokens_per_round"] == 1 and variants[0]["min_blocks_per_sm"] == 5
-    assert "tokens_per_round" not in variants[1] and "min_blocks_per_sm" not in variants[1]
+    assert variants[0]["tokens_per_round"] == 1 and variants[0]["min_blocks_per_sm"] == 20
+    assert variants[0]["warps_per_cta"] == 1
+    assert not {"tokens_per_round", "min_blocks_per_sm", "warps_per_cta"} & set(variants[1])
 
 
 def test_lightning_decode_plans(counted_plans, fake_sm90):

@@ -65,12 +65,16 @@ _VARIANTS = [
     # the wide lane tile for [K, V] pools
     _variant(gate="lower_bound", wide_kv=True),
     _variant(gate="softplus", has_step_states=True, wide_kv=True),
-    # SINGLE_TOKEN_MIN_BLOCKS: one token slot per warp, 5 or 6 CTAs per SM
+    # SINGLE_TOKEN_CTA: one token slot per warp, 20 or 24 warps per SM in CTAs of 4 or 1
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
              min_blocks_per_sm=5),
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
              min_blocks_per_sm=6),
     _variant(gate="softplus", K=64, tokens_per_round=1, min_blocks_per_sm=6),
+    _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
+             warps_per_cta=1, min_blocks_per_sm=20),
+    _variant(gate="softplus", K=64, state_v_first=True, tokens_per_round=1, warps_per_cta=1, min_blocks_per_sm=20),
+    _variant(gate="none", tokens_per_round=1, warps_per_cta=1, min_blocks_per_sm=20),
     # KV_TMA_DEFAULT: [K, V] pools through shared memory by TMA, 4 (KV_TMA_MIN_BLOCKS) or 5 CTAs per SM
     _variant(gate="softplus", tokens_per_round=1, min_blocks_per_sm=4, kv_tma=True),
     _variant(gate="softplus", tokens_per_round=1, min_blocks_per_sm=5, kv_tma=True),
@@ -78,8 +82,8 @@ _VARIANTS = [
              kv_tma=True),
 ]
 # ptxas spills allowed where a variant asks for more registers than it is given (bytes): the wide tile parks one
-# 8-byte value with step states; 5 and 6 CTAs per SM cap the kernel at 96 and 80 registers
-_SPILL_ALLOWED = {"wide": 8, 5: 32, 6: 64}
+# 8-byte value with step states; 20 and 24 resident warps per SM cap the kernel at 96 and 80 registers
+_SPILL_ALLOWED = {"wide": 8, 20: 32, 24: 64}
 
 @pytest.fixture(scope="module")
 def compiled_variants():
@@ -100,6 +104,7 @@ def _vid(v):
         + (["wide"] if v.get("wide_kv") else [])
         + (["tma"] if v.get("kv_tma") else [])
         + ([f"slots{v['tokens_per_round']}"] if "tokens_per_round" in v else [])
+        + ([f"{v['warps_per_cta']}warps"] if "warps_per_cta" in v else [])
         + ([f"{v['min_blocks_per_sm']}ctas"] if v.get("min_blocks_per_sm") else [])
     )
 
@@ -110,10 +115,11 @@ def test_variant_compiles_without_spills(compiled_variants, i):
     v = _VARIANTS[i]
     wide = v.get("wide_kv", False)
     ctas = v.get("min_blocks_per_sm") or (3 if wide else 4)
-    allowed = _SPILL_ALLOWED.get("wide" if wide else ctas, 0)
+    warps = ctas * v.get("warps_per_cta", 4)
+    allowed = _SPILL_ALLOWED.get("wide" if wide else warps, 0)
     assert spill <= allowed, f"{_vid(v)}: {spill} bytes spilled"
     # 4 CTAs of 128 threads per SM by default; the wide_kv variant holds twice the state and runs 3
-    cap = 65536 // (128 * ctas)
+    cap = 65536 // (32 * warps)
     assert regs <= cap, f"{_vid(_VARIANTS[i])}: {regs} registers would cost occupancy"
     assert cached, "the second lookup of the same variant must hit cula.cache"
 
@@ -688,15 +694,15 @@ def test_kv_tma_matches(monkeypatch, N, HV, V):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ctas", [5, 6])
+@pytest.mark.parametrize("cta", [(4, 5), (4, 6), (1, 20), (1, 21)])
 @pytest.mark.parametrize("N,state_v_first", [(1, True), (64, True), (300, True), (2000, True), (77, False)])
-def test_single_token_occupancy_matches(monkeypatch, N, state_v_first, ctas):
-    """SINGLE_TOKEN_MIN_BLOCKS (one token slot per warp, 5 or 6 CTAs per SM) against the default variant at T=1:
-    the same instructions on the same data, so the same bits (outputs and pool), padded slots zeroed and pool rows
-    of other sequences untouched. [K, V] pools are checked with the narrow tile (the wide one is left alone)."""
+def test_single_token_occupancy_matches(monkeypatch, N, state_v_first, cta):
+    """SINGLE_TOKEN_CTA (one token slot per warp; warps per CTA, CTAs per SM) against the 8-slot 4-warp variant at
+    T=1: the same instructions on the same data, so the same bits (outputs and pool), padded slots zeroed and pool
+    rows of other sequences untouched. [K, V] pools are checked with the narrow tile (the wide one is left alone)."""
     _requires_sm90()
-    settings = [{"WIDE_KV_DEFAULT": False, "KV_TMA_DEFAULT": False, "SINGLE_TOKEN_MIN_BLOCKS": blocks}
-                for blocks in (None, ctas)]  # fmt: skip
+    settings = [{"WIDE_KV_DEFAULT": False, "KV_TMA_DEFAULT": False, "SINGLE_TOKEN_CTA": c}
+                for c in (None, cta)]  # fmt: skip
     _pool0, _indices, results = _t1_runs(monkeypatch, settings, N, 16, 128, state_v_first)
     (o0, p0), (o1, p1) = results
     assert not torch.isnan(o1).any()

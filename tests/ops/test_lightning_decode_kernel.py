@@ -49,6 +49,10 @@ _VARIANTS = [_variant(state_v_first=vf, K=K) for vf in (True, False) for K in (1
     _variant(load_hint="streaming", store_hint="streaming"),
     _variant(load_hint="no_allocate", store_hint="no_allocate"),
     _variant(state_v_first=False, load_hint="default", store_hint="streaming"),
+    # one warp per CTA (each a work unit of its own): [V, K] pools and [K, V] ones with K=64
+    _variant(warps_per_cta=1),
+    _variant(K=64, warps_per_cta=1),
+    _variant(state_v_first=False, K=64, warps_per_cta=1),
 ]
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def compiled_variants():
 def _vid(v):
     return "-".join(
         [v["io_dtype"], f"K{v['K']}", "vk" if v["state_v_first"] else "kv", f"ld_{v['load_hint']}",
-         f"st_{v['store_hint']}"]
+         f"st_{v['store_hint']}"] + ([f"{v['warps_per_cta']}warps"] if "warps_per_cta" in v else [])
     )
 
 
@@ -99,6 +103,12 @@ def test_config_rejects_unsupported():
         LightningDecodeSm90(K=128, V=128, store_hint="evict", **kw)
     with pytest.raises(ValueError, match="warps_per_sm"):
         LightningDecodeSm90(K=128, V=128, warps_per_sm=10, **kw)
+    with pytest.raises(ValueError, match="warps_per_cta must be 1 or 4"):
+        LightningDecodeSm90(K=128, V=128, warps_per_cta=2, **kw)
+    with pytest.raises(ValueError, match="warps_per_cta must be 4"):
+        LightningDecodeSm90(io_dtype=BFloat16, K=128, V=128, state_v_first=False, warps_per_cta=1)
+    one = LightningDecodeSm90(K=128, V=128, warps_per_cta=1, **kw)
+    assert one.min_blocks_per_sm == 16 and one.ctas_needed(1, 64) == 512
 
 
 def _lane_elements(cfg, sub, warp, lane):
@@ -307,6 +317,13 @@ _CASES = [
     {"N": 700, "T": 2, "H": 4, "HV": 16, "D": 128, "state_v_first": False, "persistent": False},
     {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64, "persistent": True},
     {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64, "state_v_first": False, "persistent": True},
+    # one-warp CTAs (SINGLE_WARP_CTAS), both grids
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 128, "warps_per_cta": 1},
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64, "warps_per_cta": 1},
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64, "state_v_first": False, "warps_per_cta": 1},
+    {"N": 700, "T": 2, "H": 4, "HV": 16, "D": 128, "warps_per_cta": 1},
+    {"N": 1, "T": 1, "H": 64, "HV": 64, "D": 128, "warps_per_cta": 1},
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 128, "warps_per_cta": 4},
     # cache hints change no result
     {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "default", "store_hint": "streaming"},
     {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "streaming", "store_hint": "no_allocate",

@@ -28,7 +28,9 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   beta) in its own shared-memory slots (about 12.7 KB per warp for K=128). More than 8 tokens are processed
   in further rounds of 8 (the contract is T <= 8, but nothing breaks above it).
 * **Occupancy**: 128-thread CTAs with ``min_blocks_per_mp=4`` cap ptxas at 128 registers (99-116 used, no
-  spills): 16 warps and 64 KB of state loads in flight per SM.
+  spills): 16 warps and 64 KB of state loads in flight per SM. T=1 calls (``SINGLE_TOKEN_CTA``) keep one token
+  slot per warp and run 20 one-warp CTAs per SM at 96 registers: each warp's registers come back the moment it
+  ends, not when the slowest of four does.
 * **wide_kv** (for ``[K, V]`` pools with K=128 when T > 1 or with step states): ``LK = 8`` and 64 state
   registers per lane (``j`` < 4), so a warp's V slice and each row it reads are twice as wide (64 B); 3 CTAs
   per SM.
@@ -760,7 +762,7 @@ def kda_decode_launcher(
 ):  # fmt: skip
     """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``wide_kv`` None:
     ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128; ``tokens``: the calls' T, when known, for
-    ``SINGLE_TOKEN_MIN_BLOCKS``), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out,
+    ``SINGLE_TOKEN_CTA``), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out,
     step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
@@ -771,8 +773,9 @@ def kda_decode_launcher(
         flags.update(kv_tma=True, tokens_per_round=1, min_blocks_per_sm=KV_TMA_MIN_BLOCKS)
     if wide_kv is None:
         wide_kv = WIDE_KV_DEFAULT and kv_pool_128
-    if tokens == 1 and SINGLE_TOKEN_MIN_BLOCKS and not wide_kv and "min_blocks_per_sm" not in flags:
-        flags.update(tokens_per_round=1, min_blocks_per_sm=SINGLE_TOKEN_MIN_BLOCKS)
+    if tokens == 1 and SINGLE_TOKEN_CTA and not wide_kv and "min_blocks_per_sm" not in flags:
+        warps, ctas = SINGLE_TOKEN_CTA
+        flags.update(tokens_per_round=1, warps_per_cta=warps, min_blocks_per_sm=ctas)
     fn = kda_decode_variant(
         gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, wide_kv=bool(wide_kv),
         arch=_ARCH, **flags,
@@ -802,13 +805,18 @@ _ARCH = (9, 0)
 # matched the narrow tile (tests/ops/test_kda_decode_kernel.py::test_wide_kv_matches) and ran N=64 in 180 us
 # against 225 (3.0 against 2.4 TB/s; the narrow tile reads [K, V] rows in lone 32-byte pieces)
 WIDE_KV_DEFAULT = True
-# T=1 calls (not the wide tile) with one token slot per warp instead of 8 (51 -> 6 KB of shared memory per CTA)
-# and this many 4-warp CTAs per SM (None: 4). 16 warps per SM hold at most 64 KB of state loads in flight, about
-# what Little's law asks at ~1.5 us of loaded latency, and less on average; 5 CTAs fit 96 registers (24 bytes
-# spilled). On the H200 (2026-12-01, speed report, [V, K] pool) 5 CTAs ran N=64 in 141 us against 153 (3.82
-# against 3.52 TB/s) and N=256 in 542 against 582 (94% of copy); 6 CTAs (80 registers, 56 bytes spilled) only
-# 149 / 574. test_single_token_occupancy_matches saw identical bits.
-SINGLE_TOKEN_MIN_BLOCKS: int | None = 5
+# T=1 calls (not the wide tile or the TMA box): one token slot per warp instead of 8 (51 -> 6 KB of shared memory
+# per 4-warp CTA), (warps per CTA, CTAs per SM); None: 4 warps, 16 per SM, 8 slots. 16 warps per SM hold at most
+# 64 KB of state loads in flight, about what Little's law asks at ~1.5 us of loaded latency, and less on average; 20
+# fit 96 registers. On the H200 (2026-12-01, speed report, [V, K] pool) 5 CTAs of 4 warps ran N=64 in 141 us against
+# 153 for 4 CTAs (3.82 against 3.52 TB/s) and N=256 in 542 against 582; 6 CTAs (80 registers, 56 bytes spilled) only
+# 149 / 574. The same 20 warps as CTAs of one warp (session 19, scripts/device/decode_cta_size.py, CUDA-graph replay)
+# ran N=64 / 128 / 256 / 512 in 136.5-137.3 / 267.3-268.3 / 528.4-530.6 / 1053.9-1055.2 us against 140.0-140.4 /
+# 273.2-275.3 / 539.4-544.1 / 1075.3-1081.8 (92.0-92.6 / 94.2-94.5 / 95.3-95.6 / 95.8-95.9% of copy): a CTA's
+# registers are freed when its last warp ends, so with four warps each waits for the slowest of its CTA's state
+# loads. 2 x 10 ran as 4 x 5; 1 x 21 (ptxas then allocates 88 registers) 6% slower; N=1 4.3 against 4.2 us.
+# test_single_token_occupancy_matches saw identical bits for each.
+SINGLE_TOKEN_CTA: tuple[int, int] | None = (1, 20)
 # T=1 calls on [K, V] pools with K=128 (no step states) take KdaDecodeSm90(kv_tma=True): each CTA's [128, 32] state
 # box by one TMA load and one TMA store, whole 128-byte row pieces, instead of the wide tile's 64-byte rows from
 # registers. On the H200 (2026-12-01, speed report) N=64 140 us and N=256 536 us (4.0 TB/s) at 4 CTAs per SM, against

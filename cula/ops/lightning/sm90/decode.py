@@ -93,7 +93,6 @@ class LightningDecodeSm90:
     arch = 90
     VEC = 4  # fp32 per 16-byte state vector
     STATE_REGS = 64  # fp32 state values per lane
-    WARPS_PER_CTA = 4
 
     def __init__(
         self,
@@ -105,6 +104,7 @@ class LightningDecodeSm90:
         load_hint: str = "default",
         store_hint: str = "default",
         warps_per_sm: int = 16,
+        warps_per_cta: int = 4,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -114,14 +114,17 @@ class LightningDecodeSm90:
             raise ValueError(f"load_hint must be one of {sorted(LOAD_HINTS)}, got {load_hint!r}")
         if store_hint not in STORE_HINTS:
             raise ValueError(f"store_hint must be one of {sorted(STORE_HINTS)}, got {store_hint!r}")
-        if warps_per_sm % self.WARPS_PER_CTA != 0:
-            raise ValueError(f"warps_per_sm must be a multiple of {self.WARPS_PER_CTA}, got {warps_per_sm}")
+        if warps_per_cta not in (1, 4):
+            raise ValueError(f"warps_per_cta must be 1 or 4, got {warps_per_cta}")
+        if warps_per_sm % warps_per_cta != 0:
+            raise ValueError(f"warps_per_sm must be a multiple of {warps_per_cta}, got {warps_per_sm}")
+        self.warps_per_cta = warps_per_cta
         self.io_dtype = io_dtype
         self.K, self.V = K, V
         self.state_v_first = state_v_first
         self.load_hint = load_hint
         self.store_hint = store_hint
-        self.min_blocks_per_sm = warps_per_sm // self.WARPS_PER_CTA
+        self.min_blocks_per_sm = warps_per_sm // self.warps_per_cta
 
         if state_v_first:
             # inner = K: the whole K row sits in one warp, so the reduction for o never leaves it
@@ -142,8 +145,9 @@ class LightningDecodeSm90:
             self.warps_per_unit = K // (self.lanes_out * self.R)
             self.units_per_head = V // self.slice_v
         assert self.R * self.C * self.VEC == self.STATE_REGS
-        assert self.warps_per_unit in (1, self.WARPS_PER_CTA)
-        self.units_per_cta = self.WARPS_PER_CTA // self.warps_per_unit
+        if self.warps_per_unit not in (1, self.warps_per_cta):
+            raise ValueError(f"[K, V] pools with K={K} reduce over the CTA's 4 warps: warps_per_cta must be 4")
+        self.units_per_cta = self.warps_per_cta // self.warps_per_unit
         self.chunk_stride = self.lanes_in * self.VEC  # inner distance between a lane's chunks
 
     def units(self, N: int, HV: int) -> int:
@@ -175,7 +179,7 @@ class LightningDecodeSm90:
             carveout = 10
         self.kernel(mQ, mK, mV, mDecay, mState, mIdx, mOut, scale).launch(
             grid=[num_ctas, 1, 1],
-            block=[32 * self.WARPS_PER_CTA, 1, 1],
+            block=[32 * self.warps_per_cta, 1, 1],
             min_blocks_per_mp=self.min_blocks_per_sm,
             preferred_smem_carveout=carveout,
             stream=stream,
@@ -254,8 +258,8 @@ class LightningDecodeSm90:
         unit0 = bidx
         unit_stride = gdim
         if cutlass.const_expr(self.warps_per_unit == 1):
-            unit0 = bidx * self.WARPS_PER_CTA + warp
-            unit_stride = gdim * self.WARPS_PER_CTA
+            unit0 = bidx * self.warps_per_cta + warp
+            unit_stride = gdim * self.warps_per_cta
         total = N * HV * UPH
 
         sRed = None
@@ -263,7 +267,7 @@ class LightningDecodeSm90:
             smem = cutlass.utils.SmemAllocator()
             # partial o of each warp, double buffered so one barrier per token suffices
             sRed = smem.allocate_tensor(
-                Float32, cute.make_layout((self.slice_v, self.WARPS_PER_CTA, 2)), byte_alignment=16
+                Float32, cute.make_layout((self.slice_v, self.warps_per_cta, 2)), byte_alignment=16
             )
 
         frag_layout = cute.make_layout((VEC, (C, R)), stride=(1, (VEC, VEC * C)))
@@ -379,7 +383,7 @@ class LightningDecodeSm90:
                                 tot = cute.make_rmem_tensor(VEC, Float32)
                                 tot.fill(0.0)
                                 part = cute.make_rmem_tensor(VEC, Float32)
-                                for w in cutlass.range_constexpr(self.WARPS_PER_CTA):
+                                for w in cutlass.range_constexpr(self.warps_per_cta):
                                     src = cute.make_tensor(
                                         sRed[None, w, par].iterator + cute.assume(tidx * VEC, divby=VEC),
                                         cute.make_layout(VEC),
@@ -457,14 +461,20 @@ def default_load_hint(K: int, state_v_first: bool) -> str:
     return "no_allocate" if K == 64 and not state_v_first else "default"
 
 
-def _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, arch) -> tuple:
+def default_warps_per_cta(K: int, state_v_first: bool) -> int:
+    """Warps per CTA: 4 (``SINGLE_WARP_CTAS`` off, or a [K, V] pool with K=128, whose CTA is one work unit)."""
+    return 1 if SINGLE_WARP_CTAS and (state_v_first or K == 64) else 4
+
+
+def _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, arch) -> tuple:
     """The compile-cache key (``load_hint`` None: :func:`default_load_hint`)."""
     load_hint = default_load_hint(K, state_v_first) if load_hint is None else load_hint
-    return ("lightning_decode_sm90", io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, arch)
+    return ("lightning_decode_sm90", io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm,
+            warps_per_cta, arch)  # fmt: skip
 
 
 def _config(key: tuple) -> LightningDecodeSm90:
-    _, io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, _arch = key
+    _, io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, _arch = key
     return LightningDecodeSm90(
         io_dtype=_TORCH_IO[io_dtype],
         K=K,
@@ -473,6 +483,7 @@ def _config(key: tuple) -> LightningDecodeSm90:
         load_hint=load_hint,
         store_hint=store_hint,
         warps_per_sm=warps_per_sm,
+        warps_per_cta=warps_per_cta,
     )
 
 
@@ -490,13 +501,14 @@ def lightning_decode_variant(
     load_hint: str | None = None,
     store_hint: str = "default",
     warps_per_sm: int = 16,
+    warps_per_cta: int = 4,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
 
     Call it as ``fn(q, k, v, decay, state, indices, out, scale, num_ctas)``. Used by the CPU compile tests.
     """
-    key = _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, arch)
+    key = _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, arch)
     return compiled_kernel(key, lambda: _compile(_config_for(key), arch))
 
 
@@ -519,6 +531,7 @@ def lightning_decode_sm90(
     load_hint: str | None = None,
     store_hint: str = "default",
     warps_per_sm: int = 16,
+    warps_per_cta: int | None = None,
     persistent: bool | None = None,
 ) -> None:
     """One Lightning decode step (T tokens per sequence) against an fp32 state pool, on SM90.
@@ -547,7 +560,7 @@ def lightning_decode_sm90(
         return
     launch = lightning_decode_launcher(
         q, v, state_v_first=state_v_first, load_hint=load_hint, store_hint=store_hint, warps_per_sm=warps_per_sm,
-        persistent=persistent,
+        warps_per_cta=warps_per_cta, persistent=persistent,
     )  # fmt: skip
     launch(q, k, v, decay, state, indices, out, scale)
 
@@ -560,12 +573,15 @@ def lightning_decode_launcher(
     load_hint: str | None = None,
     store_hint: str = "default",
     warps_per_sm: int = 16,
+    warps_per_cta: int | None = None,
     persistent: bool | None = None,
 ):
     """The compiled variant and grid for calls shaped like ``q`` / ``v`` (``N >= 1``), bound once:
     ``launch(q, k, v, decay, state, indices, out, scale)`` (arguments as :func:`lightning_decode_sm90`)."""
+    if warps_per_cta is None:
+        warps_per_cta = default_warps_per_cta(q.shape[-1], state_v_first)
     key = _variant_key(
-        q.dtype, q.shape[-1], v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, _ARCH
+        q.dtype, q.shape[-1], v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, _ARCH
     )
     cfg = _config_for(key)
     fn = compiled_kernel(key, lambda: _compile(cfg, _ARCH))
@@ -592,6 +608,7 @@ def lightning_decode_launcher(
 
 
 _ARCH = (9, 0)
+SINGLE_WARP_CTAS = False
 # Calls with fewer tokens than this launch one CTA per unit group (the kernel's grid stride then runs one round)
 # rather than #SMs x CTAs per SM walking the units: the hardware hands each new CTA to whichever SM frees up,
 # where a static grid stride gives every CTA the same share and the slowest SMs set the end. On the H200

@@ -1,0 +1,91 @@
+"""KDA and Lightning decode at T=1 by CTA size: does a smaller CTA (1 or 2 warps, 4 or 8 KB of state) reach more of the copy
+bandwidth at N >= 64 than the default 4-warp CTA (16 KB)? The traffic-only kernels of ``decode_ceiling.py``
+reached 93.1% of copy at N=64 with 4 KB programs against 89.1% with 16 KB ones (token work included); the decode
+kernel's CTA size had only been swept at N=1. Kernel time by CUDA-graph replay (``decode_n1.graph_us``), the
+variants taking turns over three rounds (median of the rounds), [V, K] pools, the benchmarks' inputs. Session 19's
+first run (KDA, H200): 1 warp x 20 CTAs per SM 137.3 / 267.3 / 528.4 / 1053.9 us at N = 64 / 128 / 256 / 512
+against 140.4 / 273.2 / 539.4 / 1075.3 for 4 x 5 (92.0 / 94.5 / 95.6 / 95.9% of copy against 90.0 / 92.5 / 93.7 /
+94.0); 2 x 10 as 4 x 5; 16 or 24 warps per SM 4-6% slower.
+
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_cta_size.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kda_decode as B  # noqa: E402
+import common as bc  # noqa: E402
+import decode_n1  # noqa: E402
+
+import cula.ops.kda.sm90.decode as D  # noqa: E402
+import cula.ops.lightning.sm90.decode as L  # noqa: E402
+
+# (warps per CTA, CTAs per SM): 20 resident warps at 96 registers unless said otherwise
+VARIANTS = [(4, 5), (1, 20), (1, 21), (2, 10)]
+# Lightning (warps per CTA, warps per SM): 64 state registers a lane, 16 warps at the 128-register cap
+LIGHTNING = [(4, 16), (1, 16)]
+NS = (1, 64, 128, 256, 512)
+
+
+def main():
+    decode_n1.CALLS = 10  # graphs of 10 launches: N=512 is ~1 ms a launch
+    copy_tbps = bc.measure_copy_bandwidth()
+    print(f"copy {copy_tbps:.3f} TB/s", flush=True)
+    calls = {}
+    for N in NS:
+        cfg = B.Config(N, 1, 64)
+        s, shared = B.make_set(cfg, 0), B.make_shared(cfg)
+        q, k, v, g, beta, pool, idx = (s[n] for n in ("q", "k", "v", "g", "beta", "pool", "indices"))
+        out = torch.empty_like(v)
+        for w, ctas in VARIANTS:
+            launch = D.kda_decode_launcher(
+                io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=B.K, V=B.V, gate="lower_bound",
+                has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+                state_v_first=True, has_step_states=False, warps_per_cta=w, tokens_per_round=1,
+                min_blocks_per_sm=ctas,
+            )  # fmt: skip
+
+            def call(launch=launch, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx, out=out, shared=shared):
+                launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
+
+            calls[(N, w, ctas)] = call
+        lq, lk, lv = (torch.randn(N, 1, B.HV, B.K, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        lpool = 0.01 * torch.randn(2 * N, B.HV, B.V, B.K, device="cuda")
+        lidx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+        decay = torch.rand(B.HV, device="cuda")
+        lout = torch.empty_like(lv)
+        for w, per_sm in LIGHTNING:
+            launch = L.lightning_decode_launcher(lq, lv, state_v_first=True, warps_per_sm=per_sm, warps_per_cta=w)
+
+            def call(launch=launch, q=lq, k=lk, v=lv, decay=decay, pool=lpool, idx=lidx, out=lout):
+                launch(q, k, v, decay, pool, idx, out, B.K**-0.5)
+
+            calls[(N, "lightning", w, per_sm)] = call
+    times = {key: [] for key in calls}
+    for _ in range(3):
+        for key, call in calls.items():
+            times[key].append(decode_n1.graph_us(call))
+    for N in NS:
+        nbytes = N * B.HV * B.K * B.V * 4 * 2
+        for w, ctas in VARIANTS:
+            us = statistics.median(times[(N, w, ctas)])
+            tbps = nbytes / us / 1e6
+            print(f"N={N:4d} kda {w} warps/CTA x {ctas:2d} CTAs/SM: {us:8.2f} us  {tbps:5.3f} TB/s  "
+                  f"{100 * tbps / copy_tbps:5.1f}% of copy", flush=True)
+        for w, per_sm in LIGHTNING:
+            us = statistics.median(times[(N, "lightning", w, per_sm)])
+            tbps = nbytes / us / 1e6
+            print(f"N={N:4d} lightning {w} warps/CTA, {per_sm} warps/SM: {us:8.2f} us  {tbps:5.3f} TB/s  "
+                  f"{100 * tbps / copy_tbps:5.1f}% of copy", flush=True)
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
