@@ -28,9 +28,10 @@ import cula.ops.kda.sm90.decode as D  # noqa: E402
 import cula.ops.lightning.sm90.decode as L  # noqa: E402
 
 # (warps per CTA, CTAs per SM): 20 resident warps at 96 registers unless said otherwise
-VARIANTS = [(4, 5), (1, 20), (1, 21), (2, 10)]
-# Lightning (warps per CTA, warps per SM): 64 state registers a lane, 16 warps at the 128-register cap
-LIGHTNING = [(4, 16), (1, 16)]
+VARIANTS = [(4, 5), (1, 20)]
+# Lightning (warps per CTA, warps per SM, state values a lane): 64 a lane fit 16 warps at the 128-register cap, 32
+# fit 24 (80 registers)
+LIGHTNING = [(4, 16, 64), (1, 16, 64), (1, 20, 32), (1, 24, 32), (4, 24, 32)]
 NS = (1, 64, 128, 256, 512)
 
 
@@ -61,13 +62,15 @@ def main():
         lidx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
         decay = torch.rand(B.HV, device="cuda")
         lout = torch.empty_like(lv)
-        for w, per_sm in LIGHTNING:
-            launch = L.lightning_decode_launcher(lq, lv, state_v_first=True, warps_per_sm=per_sm, warps_per_cta=w)
+        for w, per_sm, regs in LIGHTNING:
+            launch = L.lightning_decode_launcher(
+                lq, lv, state_v_first=True, warps_per_sm=per_sm, warps_per_cta=w, state_regs=regs
+            )
 
             def call(launch=launch, q=lq, k=lk, v=lv, decay=decay, pool=lpool, idx=lidx, out=lout):
                 launch(q, k, v, decay, pool, idx, out, B.K**-0.5)
 
-            calls[(N, "lightning", w, per_sm)] = call
+            calls[(N, "lightning", w, per_sm, regs)] = call
     times = {key: [] for key in calls}
     for _ in range(3):
         for key, call in calls.items():
@@ -79,10 +82,10 @@ def main():
             tbps = nbytes / us / 1e6
             print(f"N={N:4d} kda {w} warps/CTA x {ctas:2d} CTAs/SM: {us:8.2f} us  {tbps:5.3f} TB/s  "
                   f"{100 * tbps / copy_tbps:5.1f}% of copy", flush=True)
-        for w, per_sm in LIGHTNING:
-            us = statistics.median(times[(N, "lightning", w, per_sm)])
+        for w, per_sm, regs in LIGHTNING:
+            us = statistics.median(times[(N, "lightning", w, per_sm, regs)])
             tbps = nbytes / us / 1e6
-            print(f"N={N:4d} lightning {w} warps/CTA, {per_sm} warps/SM: {us:8.2f} us  {tbps:5.3f} TB/s  "
+            print(f"N={N:4d} lightning {w} warps/CTA, {per_sm} warps/SM, {regs} values/lane: {us:8.2f} us  {tbps:5.3f} TB/s  "
                   f"{100 * tbps / copy_tbps:5.1f}% of copy", flush=True)
 
 

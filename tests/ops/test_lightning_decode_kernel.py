@@ -21,7 +21,6 @@ from cula.testing import assert_close
 
 HAS_CUDA = torch.cuda.is_available()
 RATIO = 5e-3
-REG_CAP = 128  # 65536 registers / (16 warps x 32 threads)
 
 # ----------------------------------------------------------------------------------------------------
 # CPU: compile every variant once, in a subprocess (ptxas remarks need the env var before cutlass import)
@@ -53,6 +52,10 @@ _VARIANTS = [_variant(state_v_first=vf, K=K) for vf in (True, False) for K in (1
     _variant(warps_per_cta=1),
     _variant(K=64, warps_per_cta=1),
     _variant(state_v_first=False, K=64, warps_per_cta=1),
+    # half the state a lane ([V, K] pools): 24 warps per SM fit without spills
+    _variant(warps_per_cta=1, state_regs=32, warps_per_sm=24),
+    _variant(K=64, warps_per_cta=1, state_regs=32, warps_per_sm=24),
+    _variant(state_regs=32, warps_per_sm=20),
 ]
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,7 @@ def compiled_variants():
 def _vid(v):
     return "-".join(
         [v["io_dtype"], f"K{v['K']}", "vk" if v["state_v_first"] else "kv", f"ld_{v['load_hint']}",
-         f"st_{v['store_hint']}"] + ([f"{v['warps_per_cta']}warps"] if "warps_per_cta" in v else [])
+         f"st_{v['store_hint']}"] + [f"{k}{v[k]}" for k in ("warps_per_cta", "state_regs", "warps_per_sm") if k in v]
     )
 
 
@@ -72,7 +75,8 @@ def _vid(v):
 def test_variant_compiles_without_spills(compiled_variants, i):
     regs, spill, _sec, cached = compiled_variants[i]
     assert spill == 0, f"{_vid(_VARIANTS[i])}: {spill} bytes spilled ({regs} registers)"
-    assert regs <= REG_CAP, f"{_vid(_VARIANTS[i])}: {regs} registers would cost occupancy"
+    cap = 65536 // (32 * _VARIANTS[i].get("warps_per_sm", 16))
+    assert regs <= cap, f"{_vid(_VARIANTS[i])}: {regs} registers would cost occupancy"
     assert cached, "the second lookup of the same variant must hit cula.cache"
 
 
@@ -105,6 +109,8 @@ def test_config_rejects_unsupported():
         LightningDecodeSm90(K=128, V=128, warps_per_sm=10, **kw)
     with pytest.raises(ValueError, match="warps_per_cta must be 1 or 4"):
         LightningDecodeSm90(K=128, V=128, warps_per_cta=2, **kw)
+    with pytest.raises(ValueError, match="state_regs must be 64, or 32"):
+        LightningDecodeSm90(io_dtype=BFloat16, K=128, V=128, state_v_first=False, state_regs=32)
     with pytest.raises(ValueError, match="warps_per_cta must be 4"):
         LightningDecodeSm90(io_dtype=BFloat16, K=128, V=128, state_v_first=False, warps_per_cta=1)
     one = LightningDecodeSm90(K=128, V=128, warps_per_cta=1, **kw)
@@ -128,23 +134,25 @@ def _lane_elements(cfg, sub, warp, lane):
     ]
 
 
-@pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
+@pytest.mark.parametrize(
+    "state_v_first,state_regs", [(True, 64), (False, 64), (True, 32)], ids=["vk", "kv", "vk-32regs"]
+)
 @pytest.mark.parametrize("K", [128, 64])
-def test_lane_maps_partition_the_tile(state_v_first, K):
+def test_lane_maps_partition_the_tile(state_v_first, state_regs, K):
     """Each tile element belongs to one lane, loads cover whole lines, o reduces over the right lanes."""
     from cutlass import BFloat16
 
     from cula.ops.lightning.sm90.decode import LightningDecodeSm90
 
     V = K
-    cfg = LightningDecodeSm90(io_dtype=BFloat16, K=K, V=V, state_v_first=state_v_first)
+    cfg = LightningDecodeSm90(io_dtype=BFloat16, K=K, V=V, state_v_first=state_v_first, state_regs=state_regs)
     rows, inner = (V, K) if state_v_first else (K, V)
     seen = torch.zeros(rows, inner, dtype=torch.int32)
     for sub in range(cfg.units_per_head):
         for warp in range(cfg.warps_per_unit):
             for lane in range(32):
                 elems = _lane_elements(cfg, sub, warp, lane)
-                assert len(elems) == cfg.STATE_REGS
+                assert len(elems) == cfg.state_regs
                 for r, i in elems:
                     seen[r, i] += 1
                 # each 4-vector is 16-byte aligned in the tile
@@ -324,6 +332,12 @@ _CASES = [
     {"N": 700, "T": 2, "H": 4, "HV": 16, "D": 128, "warps_per_cta": 1},
     {"N": 1, "T": 1, "H": 64, "HV": 64, "D": 128, "warps_per_cta": 1},
     {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 128, "warps_per_cta": 4},
+    # 32 state values a lane ([V, K] pools), 24 warps per SM
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 128, "warps_per_cta": 1, "state_regs": 32, "warps_per_sm": 24},
+    {"N": 700, "T": 1, "H": 4, "HV": 16, "D": 64, "warps_per_cta": 1, "state_regs": 32, "warps_per_sm": 24},
+    {"N": 700, "T": 2, "H": 4, "HV": 16, "D": 128, "warps_per_cta": 1, "state_regs": 32, "warps_per_sm": 24},
+    {"N": 1, "T": 1, "H": 64, "HV": 64, "D": 128, "warps_per_cta": 1, "state_regs": 32, "warps_per_sm": 24},
+    {"N": 9, "T": 3, "H": 1, "HV": 6, "D": 128, "pool_slice": True, "state_regs": 32, "warps_per_sm": 24},
     # cache hints change no result
     {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "default", "store_hint": "streaming"},
     {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "streaming", "store_hint": "no_allocate",

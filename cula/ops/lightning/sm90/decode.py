@@ -20,7 +20,9 @@ nominal 64 KB is in flight, which is right at the edge. Here:
 
 * **Twice the state per thread**: each lane holds 64 fp32 (sixteen 16-byte loads, all issued back to back
   before the first use, together with the token's q/k/v and the decay), so 16 warps per SM (ptxas cap 128
-  registers) put 128 KB of state loads in flight.
+  registers) put 128 KB of state loads in flight. T=1 calls on ``[V, K]`` pools (``SINGLE_TOKEN_TILE``) turn
+  this around: 32 values a lane in one-warp CTAs, 20 warps per SM, which measured 2 points of copy faster: a
+  one-warp CTA gives its registers back when its own state is stored, not when the slowest of four is.
 * **Persistent warps with the next pool index prefetched, for T >= 2**: the grid is ``#SMs x CTAs per SM``;
   each warp (or CTA, see below) walks work units with a grid stride and loads the pool index of its *next*
   unit while the current one is in flight, so the dependent index round trip and the CTA launch are off the
@@ -32,7 +34,8 @@ nominal 64 KB is in flight, which is right at the edge. Here:
   (2026-12-01, speed report, N=64) that ran 145-146 us against 150-154 us with ``L1::no_allocate`` loads, in
   both layouts, although the state is read only once.
 
-**Work split.** A lane's state fragment is ``R`` rows x ``C`` chunks of 4 contiguous fp32 (``R * C * 4 = 64``)
+**Work split.** A lane's state fragment is ``R`` rows x ``C`` chunks of 4 contiguous fp32 (``R * C * 4 = 64``,
+or 32 with ``R = 4`` for ``[V, K]`` pools)
 along the contiguous ("inner") dimension of the pool tile; ``L_in`` lanes cover the inner dimension of one
 row per chunk, ``L_out = 32 / L_in`` lane groups cover ``L_out`` rows per load instruction.
 
@@ -92,7 +95,6 @@ class LightningDecodeSm90:
 
     arch = 90
     VEC = 4  # fp32 per 16-byte state vector
-    STATE_REGS = 64  # fp32 state values per lane
 
     def __init__(
         self,
@@ -105,6 +107,7 @@ class LightningDecodeSm90:
         store_hint: str = "default",
         warps_per_sm: int = 16,
         warps_per_cta: int = 4,
+        state_regs: int = 64,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -119,6 +122,9 @@ class LightningDecodeSm90:
         if warps_per_sm % warps_per_cta != 0:
             raise ValueError(f"warps_per_sm must be a multiple of {warps_per_cta}, got {warps_per_sm}")
         self.warps_per_cta = warps_per_cta
+        if state_regs not in (32, 64) or (state_regs == 32 and not state_v_first):
+            raise ValueError(f"state_regs must be 64, or 32 for [V, K] pools, got {state_regs}")
+        self.state_regs = state_regs  # fp32 state values per lane
         self.io_dtype = io_dtype
         self.K, self.V = K, V
         self.state_v_first = state_v_first
@@ -128,7 +134,8 @@ class LightningDecodeSm90:
 
         if state_v_first:
             # inner = K: the whole K row sits in one warp, so the reduction for o never leaves it
-            self.R, self.C = 8, 2
+            self.C = 2
+            self.R = state_regs // (self.VEC * self.C)
             self.lanes_in = K // (self.VEC * self.C)
             self.lanes_out = 32 // self.lanes_in
             self.rows_per_unit = self.lanes_out * self.R  # rows of V per unit
@@ -138,13 +145,13 @@ class LightningDecodeSm90:
             # inner = V: 8 lanes x 16 B = one 128-byte line of a K row per chunk; K split over lane groups
             # (and for K=128 over the CTA's 4 warps)
             self.R = 16 if K == 64 else 8
-            self.C = self.STATE_REGS // (self.VEC * self.R)
+            self.C = state_regs // (self.VEC * self.R)
             self.lanes_in = 8
             self.lanes_out = 4
             self.slice_v = self.lanes_in * self.VEC * self.C  # 32 (K=64) or 64 (K=128)
             self.warps_per_unit = K // (self.lanes_out * self.R)
             self.units_per_head = V // self.slice_v
-        assert self.R * self.C * self.VEC == self.STATE_REGS
+        assert self.R * self.C * self.VEC == self.state_regs
         if self.warps_per_unit not in (1, self.warps_per_cta):
             raise ValueError(f"[K, V] pools with K={K} reduce over the CTA's 4 warps: warps_per_cta must be 4")
         self.units_per_cta = self.warps_per_cta // self.warps_per_unit
@@ -461,20 +468,25 @@ def default_load_hint(K: int, state_v_first: bool) -> str:
     return "no_allocate" if K == 64 and not state_v_first else "default"
 
 
-def default_warps_per_cta(K: int, state_v_first: bool) -> int:
-    """Warps per CTA: 4 (``SINGLE_WARP_CTAS`` off, or a [K, V] pool with K=128, whose CTA is one work unit)."""
-    return 1 if SINGLE_WARP_CTAS and (state_v_first or K == 64) else 4
+def default_tile(state_v_first: bool, T: int) -> tuple[int, int, int]:
+    """(warps per CTA, warps per SM, state values a lane) of a call: ``SINGLE_TOKEN_TILE`` for T=1 on a [V, K]
+    pool, else 4-warp CTAs, 16 warps per SM and 64 values a lane."""
+    if T == 1 and state_v_first and SINGLE_TOKEN_TILE:
+        return SINGLE_TOKEN_TILE
+    return 4, 16, 64
 
 
-def _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, arch) -> tuple:
+def _variant_key(
+    io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, arch
+) -> tuple:
     """The compile-cache key (``load_hint`` None: :func:`default_load_hint`)."""
     load_hint = default_load_hint(K, state_v_first) if load_hint is None else load_hint
     return ("lightning_decode_sm90", io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm,
-            warps_per_cta, arch)  # fmt: skip
+            warps_per_cta, state_regs, arch)  # fmt: skip
 
 
 def _config(key: tuple) -> LightningDecodeSm90:
-    _, io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, _arch = key
+    _, io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, _arch = key
     return LightningDecodeSm90(
         io_dtype=_TORCH_IO[io_dtype],
         K=K,
@@ -484,6 +496,7 @@ def _config(key: tuple) -> LightningDecodeSm90:
         store_hint=store_hint,
         warps_per_sm=warps_per_sm,
         warps_per_cta=warps_per_cta,
+        state_regs=state_regs,
     )
 
 
@@ -502,13 +515,16 @@ def lightning_decode_variant(
     store_hint: str = "default",
     warps_per_sm: int = 16,
     warps_per_cta: int = 4,
+    state_regs: int = 64,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
 
     Call it as ``fn(q, k, v, decay, state, indices, out, scale, num_ctas)``. Used by the CPU compile tests.
     """
-    key = _variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, arch)
+    key = _variant_key(
+        io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, arch
+    )
     return compiled_kernel(key, lambda: _compile(_config_for(key), arch))
 
 
@@ -530,8 +546,9 @@ def lightning_decode_sm90(
     state_v_first: bool,
     load_hint: str | None = None,
     store_hint: str = "default",
-    warps_per_sm: int = 16,
+    warps_per_sm: int | None = None,
     warps_per_cta: int | None = None,
+    state_regs: int | None = None,
     persistent: bool | None = None,
 ) -> None:
     """One Lightning decode step (T tokens per sequence) against an fp32 state pool, on SM90.
@@ -551,16 +568,18 @@ def lightning_decode_sm90(
             output rows are **zeroed**. Indices must be ``< P`` (not checked here).
         out: ``[N, T, HV, V]`` in q's dtype, written.
         scale: multiplies ``S^T q``.
-        load_hint, store_hint, warps_per_sm: tuning knobs for the speed report (see ``LOAD_HINTS``,
-            ``STORE_HINTS``; ``load_hint`` None: :func:`default_load_hint`; ``warps_per_sm`` sets ptxas' register
-            cap to ``65536 / (32 * warps_per_sm)``); ``persistent``: ``#SMs x CTAs per SM`` CTAs walking the units
+        load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs: tuning knobs for the speed report (see
+            ``LOAD_HINTS``, ``STORE_HINTS``; ``load_hint`` None: :func:`default_load_hint`; ``warps_per_sm`` sets
+            ptxas' register cap to ``65536 / (32 * warps_per_sm)``; ``warps_per_cta`` 1 or 4; ``state_regs``, fp32
+            state values a lane, 64 or, for [V, K] pools, 32). All three None: :func:`default_tile`; any given:
+            the others default to 16, 4 and 64. ``persistent``: ``#SMs x CTAs per SM`` CTAs walking the units
             with a grid stride instead of one CTA per unit group (None: from ``PERSISTENT_MIN_TOKENS``).
     """
     if q.shape[0] == 0:  # an empty grid is a launch error
         return
     launch = lightning_decode_launcher(
         q, v, state_v_first=state_v_first, load_hint=load_hint, store_hint=store_hint, warps_per_sm=warps_per_sm,
-        warps_per_cta=warps_per_cta, persistent=persistent,
+        warps_per_cta=warps_per_cta, state_regs=state_regs, persistent=persistent,
     )  # fmt: skip
     launch(q, k, v, decay, state, indices, out, scale)
 
@@ -572,17 +591,23 @@ def lightning_decode_launcher(
     state_v_first: bool,
     load_hint: str | None = None,
     store_hint: str = "default",
-    warps_per_sm: int = 16,
+    warps_per_sm: int | None = None,
     warps_per_cta: int | None = None,
+    state_regs: int | None = None,
     persistent: bool | None = None,
 ):
     """The compiled variant and grid for calls shaped like ``q`` / ``v`` (``N >= 1``), bound once:
     ``launch(q, k, v, decay, state, indices, out, scale)`` (arguments as :func:`lightning_decode_sm90`)."""
-    if warps_per_cta is None:
-        warps_per_cta = default_warps_per_cta(q.shape[-1], state_v_first)
+    if warps_per_sm is None and warps_per_cta is None and state_regs is None:
+        warps_per_cta, warps_per_sm, state_regs = default_tile(state_v_first, q.shape[1])
+    else:
+        warps_per_sm = 16 if warps_per_sm is None else warps_per_sm
+        warps_per_cta = 4 if warps_per_cta is None else warps_per_cta
+        state_regs = 64 if state_regs is None else state_regs
     key = _variant_key(
-        q.dtype, q.shape[-1], v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, _ARCH
-    )
+        q.dtype, q.shape[-1], v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta,
+        state_regs, _ARCH,
+    )  # fmt: skip
     cfg = _config_for(key)
     fn = compiled_kernel(key, lambda: _compile(cfg, _ARCH))
     ctas = cfg.ctas_needed(q.shape[0], v.shape[2])
@@ -608,7 +633,14 @@ def lightning_decode_launcher(
 
 
 _ARCH = (9, 0)
-SINGLE_WARP_CTAS = False
+# T=1 calls on [V, K] pools: (warps per CTA, warps per SM, state values a lane). One-warp CTAs with half the state a
+# lane (V slices of 8 rows, 83 registers, no spills) against the 4-warp CTAs of 64 values a lane at 16 warps per SM,
+# on the H200 (session 19, scripts/device/decode_cta_size.py, CUDA-graph replay): N=64 / 128 / 256 / 512 in 134.9 /
+# 268.0 / 531.4 / 1060.3 us against 137.7 / 273.3 / 542.7 / 1083.0 (94.1 / 94.8 / 95.6 / 95.8% of copy against 92.2
+# / 92.9 / 93.6 / 93.8); 24 warps per SM (80 registers) the same; one-warp CTAs of 64 values, or 4-warp CTAs of 32
+# values at 24 warps per SM, no faster than the old tile. N=1 3.74 us either way. Smaller CTAs free their registers
+# the moment their one warp ends (see the KDA decode's SINGLE_TOKEN_CTA). None: the old tile.
+SINGLE_TOKEN_TILE: tuple[int, int, int] | None = (1, 20, 32)
 # Calls with fewer tokens than this launch one CTA per unit group (the kernel's grid stride then runs one round)
 # rather than #SMs x CTAs per SM walking the units: the hardware hands each new CTA to whichever SM frees up,
 # where a static grid stride gives every CTA the same share and the slowest SMs set the end. On the H200
