@@ -1,7 +1,7 @@
 """CPU check of ``cula.kda.backends._ChunkKDATraining`` (our forward kernels, FLA 0.6.0's backward).
 
 FLA's own ``ChunkKDAFunction`` saves what its forward stages produced and hands them to ``chunk_kda_bwd``; ours
-keeps only the inputs and recomputes those stages in its backward. Here every Triton stage of FLA (and our forward
+keeps the inputs and its forward's Aqk / Akk and recomputes the rest in its backward. Here every Triton stage of FLA (and our forward
 kernel) is replaced by a deterministic CPU stand-in, and FLA's real autograd function runs beside ours on the
 same inputs and output gradients: ``chunk_kda_bwd`` must receive the same arguments from both, and the input
 gradients (FLA's post-processing of them included) must come out the same. The real pairing is tested on the GPU
@@ -46,6 +46,29 @@ def _bwd(calls):
     return chunk_kda_bwd
 
 
+def _fla_scores(q, k, v, g, beta, *, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, use_gate_in_kernel,
+                lower_bound, safe_gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, **_):
+    """(Aqk, Akk) through FLA's stages (here the stand-ins), with the arguments FLA's forward gives them."""
+    if use_qk_l2norm_in_kernel:
+        q, _ = fc.l2norm_fwd(q)
+        k, _ = fc.l2norm_fwd(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = fc.fused_beta_sigmoid(x=beta, scale=2.0 if allow_neg_eigval else 1.0)
+    ci = None
+    if cu_seqlens is not None:
+        ci = fc.prepare_chunk_indices(cu_seqlens=cu_seqlens, chunk_size=64, cu_seqlens_cpu=cu_seqlens_cpu)
+    if use_gate_in_kernel:
+        g_cum = ff.kda_gate_chunk_cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=ff.RCP_LN2, chunk_size=64,
+                                         cu_seqlens=cu_seqlens, chunk_indices=ci, lower_bound=lower_bound)  # fmt: skip
+    else:
+        g_cum = ff.chunk_local_cumsum(g=g, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu_seqlens, chunk_indices=ci)
+    *_, Aqk, Akk = ff.chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=64, chunk_indices=ci,
+        safe_gate=safe_gate, disable_recompute=False, use_graph=False,
+    )  # fmt: skip
+    return Aqk, Akk
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
     """FLA's stages and our forward kernel replaced by CPU stand-ins; returns the recorded chunk_kda_bwd calls."""
@@ -68,8 +91,13 @@ def stand_ins(monkeypatch):
         None, kw["u"], kw["initial_state"] * 2 if kw["output_final_state"] else None))  # fmt: skip
     monkeypatch.setattr(ff, "chunk_gla_fwd_o_gk", lambda **kw: kw["v"] + 1)
 
-    def our_forward(q, k, v, g, beta, initial_state, output_final_state, **_):  # the kernels' outputs' shapes
-        return v.detach() * 2, initial_state.detach() * 3 if output_final_state else None
+    def our_forward(q, k, v, g, beta, initial_state, output_final_state, keep_scores=False, **kw):
+        # the kernels' outputs' shapes; the scores made as FLA's forward makes them (the stand-in stages), which
+        # on the GPU our intra kernel matches within its tolerance (test_kda_intra_kernel.py::test_akk_vs_fla)
+        o, ht = v.detach() * 2, initial_state.detach() * 3 if output_final_state else None
+        if not keep_scores:
+            return o, ht
+        return (o, ht, *_fla_scores(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), **kw))
 
     import cula.ops.kda.sm90.chunk_fwd as chunk_fwd
 

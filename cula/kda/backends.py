@@ -96,20 +96,23 @@ class _ChunkKDATraining(torch.autograd.Function):
     """Our forward kernels, FLA 0.6.0's backward (``fla.ops.kda.chunk.ChunkKDAFunction.backward``).
 
     FLA's forward saves the l2-normalised q and k with their rstd, beta after the sigmoid, the gate cumsum (when the
-    gate is not fused) and the intra stage's Aqk and Akk. The backward here recomputes exactly those with FLA's own
-    stages (the ones before the recurrence, from the saved inputs and with FLA's arguments) and hands them to FLA's
-    ``chunk_kda_bwd``, so the gradients are FLA's for the same inputs and output gradients; between forward and
-    backward only the inputs are kept."""
+    gate is not fused) and the intra stage's Aqk and Akk. Ours keeps the inputs and the Aqk and Akk our forward
+    made (``keep_scores``: cula's intra kernel writes Akk, ``(I + A)^-1`` in bf16, beside what the recurrence
+    reads; FLA's intra stage where ours does not run), and the backward recomputes the cheap rest with FLA's own
+    elementwise stages (the q/k L2 norm, the beta sigmoid, the gate cumsum) before FLA's ``chunk_kda_bwd``. So the
+    gradients are FLA's backward on our forward's scores: FLA's bits where FLA's intra stage ran, within the intra
+    kernel's tolerance of them where ours did. Recomputing the scores instead (FLA's intra stage in the backward)
+    left the step 1-2% slower than FLA's on the H200 (session 19, bench_kda_training --quick)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts):
         from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
 
-        o, final_state = chunk_kda_fwd_sm90(
+        o, final_state, Aqk, Akk = chunk_kda_fwd_sm90(
             q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, **opts,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, keep_scores=True, **opts,
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, Aqk, Akk)
         ctx.opts = opts
         return o, final_state
 
@@ -118,7 +121,7 @@ class _ChunkKDATraining(torch.autograd.Function):
         import fla.ops.kda.chunk as fc
         import fla.ops.kda.chunk_fwd as ff
 
-        q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, Aqk, Akk = ctx.saved_tensors
         p = ctx.opts
         fused_gate = p["use_gate_in_kernel"]
         # what FLA's chunk_kda hands ChunkKDAFunction: contiguous tensors, the gate parameters only with the fused gate
@@ -137,25 +140,17 @@ class _ChunkKDATraining(torch.autograd.Function):
             chunk_indices = None
             if cu is not None:
                 chunk_indices = fc.prepare_chunk_indices(cu_seqlens=cu, chunk_size=64, cu_seqlens_cpu=cu_cpu)
-            if fused_gate:
-                g_cum = ff.kda_gate_chunk_cumsum(
-                    g=g_raw, A_log=A_log, dt_bias=dt_bias, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu,
-                    chunk_indices=chunk_indices, lower_bound=p["lower_bound"], use_graph=False,
-                )  # fmt: skip
-            else:
+            g_cum = None
+            if not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
                 g_cum = ff.chunk_local_cumsum(
                     g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
                     use_graph=False,
                 )  # fmt: skip
-            *_, Aqk, Akk = ff.chunk_kda_fwd_intra(
-                q=q, k=k, v=v, gk=g_cum, beta=beta, scale=p["scale"], cu_seqlens=cu, chunk_size=64,
-                chunk_indices=chunk_indices, safe_gate=p["safe_gate"], disable_recompute=False, use_graph=False,
-            )  # fmt: skip
             dq, dk, dv, db, dg, dh0, dA, dbias = fc.chunk_kda_bwd(
                 q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
                 do=do.contiguous(), dht=None if dht is None else dht.contiguous(),
                 # FLA's forward keeps the gate cumsum only when the gate is not fused; the backward redoes it
-                g=None if fused_gate else g_cum, g_org=g_raw if fused_gate else None,
+                g=g_cum, g_org=g_raw if fused_gate else None,
                 state_v_first=p["state_v_first"], cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=64,
                 safe_gate=p["safe_gate"], lower_bound=p["lower_bound"], use_gate_in_kernel=fused_gate, A_log=A_log,
                 dt_bias=dt_bias, disable_recompute=False, cp_context=None, w=None, u=None, qg=None, kg=None,

@@ -83,10 +83,10 @@ def main() -> None:
         fn_intra = intra.compiled_for(bf16, bf16, bf16, "sigmoid", False, True, "sigmoid", g_cum_last_only=True)
         intra_args = (
             x["q"].view(BT, H, K), x["k"].view(BT, H, K), x["v"].view(BT, HV, V), x["g"].view(BT, HV, K),
-            x["beta"].view(BT, HV), x["A_log"], x["dt_bias"].view(HV, K), w, u, qg, kg, Aqk, g_cum, no_cu, no_ci, T,
-            NC, B, D**-0.5, -5.0,
+            x["beta"].view(BT, HV), x["A_log"], x["dt_bias"].view(HV, K), w, u, qg, kg, Aqk, None, g_cum, no_cu, no_ci,
+            T, NC, B, D**-0.5, -5.0,
         )  # fmt: skip
-        rows["intra kernel call alone (20 args)"] = per_call_us(lambda: fn_intra(*intra_args))
+        rows["intra kernel call alone (21 args)"] = per_call_us(lambda: fn_intra(*intra_args))
         fn_state = dh.get_compiled(dtype=dh._TORCH_TO_CUTLASS[bf16], varlen=False, has_h0=True, has_ht=True,
                                    state_v_first=True, aqk_causal=True)  # fmt: skip
         state_args = (w, u, kg, qg, g_cum, Aqk, o.view(BT, HV, V), x["initial_state"], ht, no_cu, T, B, D**-0.5)

@@ -51,6 +51,9 @@ _VARIANTS = [
      "beta_act": "sigmoid", "g_cum_last_only": True},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True},
+    # chunk_kda's training forward (T = (I + Akk)^-1 to global memory for FLA's backward)
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": False, "l2norm": True,
+     "beta_act": "sigmoid", "write_akk": True},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -66,7 +69,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
                    v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}",
                    l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"),
-                   g_cum_last_only=v.get("g_cum_last_only", False))
+                   g_cum_last_only=v.get("g_cum_last_only", False), write_akk=v.get("write_akk", False))
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -86,6 +89,8 @@ def _vid(v):
         vid += f"-beta_{v['beta_act']}"
     if v.get("g_cum_last_only"):
         vid += "-g_cum_last_only"
+    if v.get("write_akk"):
+        vid += "-write_akk"
     return vid
 
 
@@ -114,9 +119,10 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     # k' (4 rows), beta v (4 rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end (16), the row
     # norms (16);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
-    # thread); no 2- or 4-byte global stores
+    # thread), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores
     assert ptx.count("st.shared.v4") == 42 + 16 * l2norm, ptx.count("st.shared.v4")
-    assert ptx.count("st.global.v4") == 34, ptx.count("st.global.v4")
+    write_akk = _VARIANTS[idx].get("write_akk", False)
+    assert ptx.count("st.global.v4") == 34 + 2 * write_akk, ptx.count("st.global.v4")
     assert "st.global.b16" not in ptx and "st.global.f32" not in ptx and "st.global.b32" not in ptx
     # full chunks: w / u by stmatrix (64 x 128 bf16 per warpgroup = 8 x4 stores a thread) and TMA stores
     assert ptx.count("stmatrix.sync.aligned") == 16, ptx.count("stmatrix.sync.aligned")
@@ -189,11 +195,12 @@ def _stub_stages(monkeypatch):
     calls = []
 
     def stage(which):
-        def run(q, k, v, *args):
+        def run(q, k, v, *args, **kw):
             calls.append((which, args))
             B, T, _H, K = q.shape
             z = torch.zeros(B, T, v.shape[2], K)
-            return z, z, z, z, torch.zeros(B, T, v.shape[2], 64), z
+            a = torch.zeros(B, T, v.shape[2], 64)
+            return z, z, z, z, a, z, a
 
         return run
 
@@ -421,6 +428,42 @@ def test_intra_vs_fla(case):
     out = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb)
     torch.cuda.synchronize()
     _assert_matches_fla((g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref), out, cu)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_akk_vs_fla(case):
+    """The Akk output (the training forward's): FLA's ``chunk_kda_fwd_intra`` Akk, ``(I + A)^-1`` in bf16, on and
+    below the diagonal, zeros above it, every row written; the other outputs the same bits as without it."""
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+
+    from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
+    from cula.testing import assert_close, poison_
+
+    gate = case[5]
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
+    scale = 128**-0.5
+    g_ref, *_, ci = _fla_intra(q, k, v, g, beta, scale, cu, gate, A_log, dt_bias, lb)
+    *_, Akk_ref = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=g_ref, beta=beta, scale=scale, cu_seqlens=None if cu is None else cu.long(),
+        chunk_size=64, chunk_indices=ci, disable_recompute=True,
+    )  # fmt: skip
+    plain = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb)
+    Akk = poison_(torch.empty_like(plain[-1]))
+
+    def with_akk(*args, **kw):
+        chunk_kda_intra_sm90(*args, Akk=Akk, **kw)
+
+    out = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, launcher=with_akk)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), plain, out):
+        assert torch.equal(a.view(torch.int16 if a.dtype != torch.float32 else torch.int32),
+                           b.view(torch.int16 if b.dtype != torch.float32 else torch.int32)), name  # fmt: skip
+    assert not torch.isnan(Akk).any(), "Akk rows left unwritten"
+    lower = _lower_mask(Akk.shape[1], cu, Akk.device)[None, :, None, :]
+    assert_close("Akk (lower)", Akk_ref.masked_fill(~lower, 0), Akk.masked_fill(~lower, 0), RATIO)
+    assert torch.all(Akk.masked_select(~lower.expand_as(Akk)) == 0), "Akk above the diagonal must be 0"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

@@ -105,8 +105,10 @@ def chunk_kda_fwd_sm90(
     use_qk_l2norm_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA forward, inference only (FLA's ``ChunkKDAFunction.forward`` without the saved tensors).
+    keep_scores: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """KDA forward (FLA's ``ChunkKDAFunction.forward``; with ``keep_scores`` also the intra stage's Aqk and Akk
+    that FLA's forward saves for its backward).
 
     Args:
         q, k: ``[B, T, H, K]`` bf16 (or fp16); L2-normalised here with ``use_qk_l2norm_in_kernel``.
@@ -126,9 +128,14 @@ def chunk_kda_fwd_sm90(
             intra-chunk path, or cula's fused one (``CULA_KDA_INTRA``, see the module docstring).
         use_qk_l2norm_in_kernel: ``x / sqrt(sum x^2 + 1e-6)`` on each q and k row (FLA's ``l2norm_fwd``).
         use_beta_sigmoid_in_kernel, allow_neg_eigval: beta holds logits (see beta).
+        keep_scores: also return ``Aqk`` (``scale (q k^T o exp(g_t - g_s))``, ``s <= t`` in each chunk) and
+            ``Akk`` (``(I + beta k k^T o exp(g_t - g_s))^-1``, unit lower-triangular), both ``[B, T, HV, 64]`` in
+            q's dtype, as FLA 0.6.0's ``chunk_kda_fwd_intra`` returns them (cula's intra kernel writes Aqk's
+            upper triangle as zeros).
 
     Returns:
-        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None.
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None;
+        ``(o, final_state, Aqk, Akk)`` with ``keep_scores``.
     """
     from fla.ops.utils.index import prepare_chunk_indices
 
@@ -156,6 +163,8 @@ def chunk_kda_fwd_sm90(
     if T == 0:  # nothing to read; the state passes through
         if final_state is not None:
             final_state.copy_(initial_state if initial_state is not None else torch.zeros_like(final_state))
+        if keep_scores:
+            return o, final_state, q.new_empty(B, 0, HV, 64), q.new_empty(B, 0, HV, 64)
         return o, final_state
 
     chunk_indices = None
@@ -166,12 +175,12 @@ def chunk_kda_fwd_sm90(
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     cute_intra = _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound)
     if cute_intra:
-        w, u, qg, kg, Aqk, g_cum = _intra_cute(
+        w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-            use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+            use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, keep_akk=keep_scores,
         )  # fmt: skip
     else:
-        w, u, qg, kg, Aqk, g_cum = _intra_fla(
+        w, u, qg, kg, Aqk, g_cum, Akk = _intra_fla(
             q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, use_gate_in_kernel, A_log, dt_bias,
             lower_bound, safe_gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
         )  # fmt: skip
@@ -190,6 +199,8 @@ def chunk_kda_fwd_sm90(
         state_v_first=state_v_first,
         aqk_causal=cute_intra,  # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
     )
+    if keep_scores:
+        return o, final_state, Aqk, Akk
     return o, final_state
 
 
@@ -258,7 +269,7 @@ def _segmented_launch(
             n = t1 - t0
             fn_intra(
                 qf[t0:t1], kf[t0:t1], vf[t0:t1], gf[t0:t1], bf[t0:t1], a_log, bias, w[t0:t1], u[t0:t1], qg[t0:t1],
-                kg[t0:t1], Aqk[t0:t1], g_cum[t0:t1], no_cu, no_ci, n, (n + 63) // 64, 1, s, lb,
+                kg[t0:t1], Aqk[t0:t1], None, g_cum[t0:t1], no_cu, no_ci, n, (n + 63) // 64, 1, s, lb,
             )  # fmt: skip
             done = torch.cuda.Event()
             done.record(main)
@@ -280,7 +291,7 @@ def _intra_fla(
     q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, use_gate_in_kernel, A_log, dt_bias,
     lower_bound, safe_gate, use_qk_l2norm, beta_sigmoid, allow_neg_eigval,
 ):  # fmt: skip
-    """FLA's preprocessing, gate cumsum and intra stage; returns ``(w, u, qg, kg, Aqk, g_cum)``."""
+    """FLA's preprocessing, gate cumsum and intra stage; returns ``(w, u, qg, kg, Aqk, g_cum, Akk)``."""
     from fla.modules.l2norm import l2norm_fwd
     from fla.ops.common.gate import fused_beta_sigmoid_fwd
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
@@ -302,11 +313,11 @@ def _intra_fla(
         g_cum = chunk_local_cumsum(
             g, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices
         )
-    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
+    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(
         q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         chunk_indices=chunk_indices, safe_gate=safe_gate, disable_recompute=True,
     )  # fmt: skip
-    return w, u, qg, kg, Aqk, g_cum
+    return w, u, qg, kg, Aqk, g_cum, Akk
 
 
 def _gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
@@ -318,9 +329,10 @@ def _gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
 
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-    use_qk_l2norm, beta_sigmoid, allow_neg_eigval,
+    use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False,
 ):  # fmt: skip
-    """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``."""
+    """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
+    (Akk None unless ``keep_akk``: the kernel writes it only when asked)."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
@@ -331,12 +343,13 @@ def _intra_cute(
     u = torch.empty_like(v)
     Aqk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
     g_cum = torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device)
+    Akk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device) if keep_akk else None
     chunk_kda_intra_sm90(
         q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu32, chunk_indices, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound if gate == "sigmoid" else None, use_qk_l2norm=use_qk_l2norm,
-        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=True,
+        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=True, Akk=Akk,
     )  # fmt: skip
-    return w, u, qg, kg, Aqk, g_cum
+    return w, u, qg, kg, Aqk, g_cum, Akk
 
 
 def prepare_chunk_kda_fwd_sm90(

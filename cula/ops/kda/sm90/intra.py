@@ -122,10 +122,13 @@ class ChunkKDAIntraFwdSm90:
 
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
-        l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False,
+        l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
+        # bf16 T = (I + Akk)^-1 to global memory too (FLA's saved Akk, for the training path's backward); without
+        # it the kernel's mAkk argument is None
+        self.write_akk = bool(write_akk)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -168,6 +171,7 @@ class ChunkKDAIntraFwdSm90:
         mQg: cute.Tensor,  # (T_total, HV, K) dtype, out
         mKg: cute.Tensor,  # (T_total, HV, K) dtype, out
         mAqk: cute.Tensor,  # (T_total, HV, BT) dtype, out
+        mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype, out: bf16 (I + Akk)^-1 (write_akk), else None
         mG: cute.Tensor,  # (T_total, HV, K) fp32, out
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
         mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
@@ -218,7 +222,7 @@ class ChunkKDAIntraFwdSm90:
         self.storage = Storage
         self.kernel(
             tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg, tma_w, tw, tma_u, tu,
-            mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mG, mCu, mCi, seqlen, scale, lower_bound,
+            mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mCu, mCi, seqlen, scale, lower_bound,
             mma_wu, sX_l, sGin_l, sT_l,
         ).launch(
             grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
@@ -432,7 +436,7 @@ class ChunkKDAIntraFwdSm90:
         tma_u: cute.CopyAtom, tu: cute.Tensor,
         mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor,
         mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
-        mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor,
+        mAkk: cute.Tensor | None, mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor,
         seqlen: Int32, scale: Float32, lower_bound: Float32,
         mma_wu: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sT_l: cute.ComposedLayout,
     ):  # fmt: skip
@@ -605,6 +609,9 @@ class ChunkKDAIntraFwdSm90:
                 for e in cutlass.range_constexpr(4):
                     rt[4 * h4 + e] = ra[e].to(dt)
             cute.autovec_copy(rt, self._vec_at(sT0, (t, s0)))
+            if const_expr(self.write_akk):
+                if t < valid:
+                    cute.autovec_copy(rt, cute.make_tensor(mAkk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8)))
         cute.arch.mbarrier_wait(bar, 1)
         self._scale_rows_vec(sV0, sBeta, tidx)
         cute.arch.fence_view_async_shared()
@@ -1029,7 +1036,7 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
         make_fake_tensor(Float32, (hv, DK), (DK, 1), assumed_align=16),
         tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, BT),
-        tok(Float32, hv, DK),
+        tok(dtype, hv, BT) if kernel.write_akk else None, tok(Float32, hv, DK),
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
         make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
         Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(-5.0),
@@ -1092,26 +1099,30 @@ def gate_params_binder(
 
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
-    *, g_cum_last_only: bool = False,
+    *, g_cum_last_only: bool = False, write_akk: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_for``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
     return dict(
         dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
+        **({"write_akk": True} if write_akk else {}),  # absent when off: the compile keys of the other variants stay
     )  # fmt: skip
 
 
 def compiled_for(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str, *, g_cum_last_only: bool = False,
+    beta_act: str, *, g_cum_last_only: bool = False, write_akk: bool = False,
 ):  # fmt: skip
     """The compiled variant for torch dtypes and the launch flags, as ``chunk_kda_intra_sm90`` (the general path)
     launches it; the bound launches in ``chunk_fwd`` take ``kernel_options`` directly."""
     return get_compiled(
         varlen=varlen,
-        **kernel_options(dtype, g_dtype, beta_dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only),
-    )
+        **kernel_options(
+            dtype, g_dtype, beta_dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
+            write_akk=write_akk,
+        ),
+    )  # fmt: skip
 
 
 def prepare_chunk_indices_i32(
@@ -1169,8 +1180,9 @@ def chunk_kda_intra_sm90(
     beta_sigmoid: bool = False,
     allow_neg_eigval: bool = False,
     g_cum_last_only: bool = False,
+    Akk: torch.Tensor | None = None,
 ) -> None:
-    """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` in place.
+    """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` (and ``Akk``) in place.
 
     Args:
         q, k: ``[B, T, H, K]`` bf16/fp16, L2-normalised, or raw with ``use_qk_l2norm``.
@@ -1198,6 +1210,9 @@ def chunk_kda_intra_sm90(
             ``allow_neg_eigval`` (which needs ``beta_sigmoid``, as in FLA).
         g_cum_last_only: write g_cum at the last valid row of each chunk only (what the state/output kernel
             reads); its other rows are left as they were.
+        Akk: ``[B, T, HV, 64]`` q's dtype or None, out: ``(I + Akk)^-1`` of the token's chunk rounded to q's dtype
+            (the unit lower-triangular matrix that w and u are made with; zeros above the diagonal), FLA's
+            ``chunk_kda_fwd_intra``'s Akk, which its backward takes.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -1224,6 +1239,7 @@ def chunk_kda_intra_sm90(
         ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt),
         ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("Aqk", Aqk, (B, T, HV, 64), dt),
         ("g_cum", g_cum, (B, T, HV, K), torch.float32),
+        *((("Akk", Akk, (B, T, HV, 64), dt),) if Akk is not None else ()),
     ):  # fmt: skip
         if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
             raise ValueError(f"{name}: expected {shape} {dtype or ''}, got {tuple(t.shape)} {t.dtype}")
@@ -1250,6 +1266,7 @@ def chunk_kda_intra_sm90(
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
     fn = compiled_for(
         dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
+        write_akk=Akk is not None,
     )
 
     def flat(t):
@@ -1257,7 +1274,7 @@ def chunk_kda_intra_sm90(
 
     fn(
         flat(q), flat(k), flat(v), flat(g), beta.view(B * T, HV), A_log, dt_bias,
-        flat(w), flat(u), flat(qg), flat(kg), flat(Aqk), flat(g_cum),
+        flat(w), flat(u), flat(qg), flat(kg), flat(Aqk), None if Akk is None else flat(Akk), flat(g_cum),
         cu_seqlens if varlen else _placeholder(dev, torch.int32, (2,)),
         chunk_indices if varlen else _placeholder(dev, torch.int32, (1, 2)),
         T, num_chunks, num_seqs, float(scale), float(lower_bound if lower_bound is not None else 0.0),
