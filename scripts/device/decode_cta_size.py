@@ -1,5 +1,5 @@
-"""KDA and Lightning decode at T=1 by CTA size: does a smaller CTA (1 or 2 warps, 4 or 8 KB of state) reach more of the copy
-bandwidth at N >= 64 than the default 4-warp CTA (16 KB)? The traffic-only kernels of ``decode_ceiling.py``
+"""KDA and Lightning decode at T=1 by CTA size: does a smaller CTA (1 or 2 warps, 4 or 8 KB of state) reach more of
+the copy bandwidth at N >= 64 than the default 4-warp CTA (16 KB)? The traffic-only kernels of ``decode_ceiling.py``
 reached 93.1% of copy at N=64 with 4 KB programs against 89.1% with 16 KB ones (token work included); the decode
 kernel's CTA size had only been swept at N=1. Kernel time by CUDA-graph replay (``decode_n1.graph_us``), the
 variants taking turns over three rounds (median of the rounds), [V, K] pools, the benchmarks' inputs. Session 19's
@@ -7,7 +7,9 @@ first run (KDA, H200): 1 warp x 20 CTAs per SM 137.3 / 267.3 / 528.4 / 1053.9 us
 against 140.4 / 273.2 / 539.4 / 1075.3 for 4 x 5 (92.0 / 94.5 / 95.6 / 95.9% of copy against 90.0 / 92.5 / 93.7 /
 94.0); 2 x 10 as 4 x 5; 16 or 24 warps per SM 4-6% slower.
 
-    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_cta_size.py
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_cta_size.py [--mtp]
+
+``--mtp``: the same question for the MTP verify call (N=64, T = 2 / 4 / 8), by token slots and CTA size (not run yet).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ VARIANTS = [(4, 5), (1, 20)]
 # fit 24 (80 registers)
 LIGHTNING = [(4, 16, 64), (1, 16, 64), (1, 20, 32), (1, 24, 32), (4, 24, 32)]
 NS = (1, 64, 128, 256, 512)
+# MTP verify (``--mtp``: N=64, T = 2 / 4 / 8, KDA [V, K]): (token slots a warp, warps per CTA, CTAs per SM); None: the
+# T>1 default (8 slots, 4 warps, 4 CTAs). ptxas (CPU compile): 104 registers for the default, 106 for one-warp CTAs
+# at 16 per SM, 96 with 20 bytes spilled at 20, 96 / 24 bytes at 4 x 5
+MTP = [None, (4, 1, 16), (8, 1, 16), (4, 1, 20), (4, 4, 5)]
 
 
 def main():
@@ -85,10 +91,48 @@ def main():
         for w, per_sm, regs in LIGHTNING:
             us = statistics.median(times[(N, "lightning", w, per_sm, regs)])
             tbps = nbytes / us / 1e6
-            print(f"N={N:4d} lightning {w} warps/CTA, {per_sm} warps/SM, {regs} values/lane: {us:8.2f} us  {tbps:5.3f} TB/s  "
+            print(f"N={N:4d} lightning {w} warps/CTA, {per_sm} warps/SM, {regs} values/lane: {us:8.2f} us  "
+                  f"{tbps:5.3f} TB/s  "
                   f"{100 * tbps / copy_tbps:5.1f}% of copy", flush=True)
+
+
+def mtp():
+    """Kernel time of the MTP verify call by token slots and CTA size (the T=1 sweep's question at T > 1)."""
+    decode_n1.CALLS = 10
+    copy_tbps = bc.measure_copy_bandwidth()
+    calls = {}
+    for T in (2, 4, 8):
+        cfg = B.Config(64, T, 64)
+        s, shared = B.make_set(cfg, 0), B.make_shared(cfg)
+        q, k, v, g, beta, pool, idx = (s[n] for n in ("q", "k", "v", "g", "beta", "pool", "indices"))
+        out = torch.empty_like(v)
+        for variant in MTP:
+            extra = {} if variant is None else dict(zip(("tokens_per_round", "warps_per_cta", "min_blocks_per_sm"),
+                                                        variant))  # fmt: skip
+            launch = D.kda_decode_launcher(
+                io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=B.K, V=B.V, gate="lower_bound",
+                has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+                state_v_first=True, has_step_states=False, tokens=T, **extra,
+            )  # fmt: skip
+
+            def call(launch=launch, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx, out=out, shared=shared):
+                launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
+
+            calls[(T, variant)] = call
+    times = {key: [] for key in calls}
+    for _ in range(3):
+        for key, call in calls.items():
+            times[key].append(decode_n1.graph_us(call))
+    nbytes = 64 * B.HV * B.K * B.V * 4 * 2
+    for (T, variant), ts in times.items():
+        us = statistics.median(ts)
+        what = "default (8 slots, 4 warps, 4 CTAs/SM)"
+        if variant is not None:
+            what = "%d slots, %d warps/CTA, %d CTAs/SM" % variant
+        print(f"mtp N=64 T={T} {what:38s}: {us:8.2f} us  {100 * nbytes / us / 1e6 / copy_tbps:5.1f}% of copy (state "
+              "bytes once)", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
     with torch.inference_mode():
-        main()
+        mtp() if "--mtp" in sys.argv[1:] else main()
