@@ -1,11 +1,12 @@
 """CPU check of ``cula.kda.backends._ChunkKDATraining`` (our forward kernels, FLA 0.6.0's backward).
 
 FLA's own ``ChunkKDAFunction`` saves what its forward stages produced and hands them to ``chunk_kda_bwd``; ours
-keeps the inputs and its forward's Aqk / Akk and recomputes the rest in its backward. Here every Triton stage of FLA (and our forward
-kernel) is replaced by a deterministic CPU stand-in, and FLA's real autograd function runs beside ours on the
-same inputs and output gradients: ``chunk_kda_bwd`` must receive the same arguments from both, and the input
-gradients (FLA's post-processing of them included) must come out the same. The real pairing is tested on the GPU
-by test_gpu_api.py::test_chunk_kda_cuda_backward_matches_fla.
+keeps the inputs and its forward's Aqk / Akk and recomputes the rest in its backward. Here every Triton stage of
+FLA (and our forward kernel, whose Aqk / Akk the stand-in makes with FLA's stand-in stages) is replaced by a
+deterministic CPU stand-in, and FLA's real autograd function runs beside ours on the same inputs and output
+gradients: ``chunk_kda_bwd`` must receive the same arguments from both, and the input gradients (FLA's
+post-processing of them included) must come out the same. The real pairing is tested on the GPU by
+test_gpu_api.py::test_chunk_kda_cuda_backward_matches_fla and test_kda_intra_kernel.py::test_akk_vs_fla.
 """
 
 import pytest

@@ -52,9 +52,10 @@ _VARIANTS = [_variant(state_v_first=vf, K=K) for vf in (True, False) for K in (1
     _variant(warps_per_cta=1),
     _variant(K=64, warps_per_cta=1),
     _variant(state_v_first=False, K=64, warps_per_cta=1),
-    # half the state a lane ([V, K] pools): 24 warps per SM fit without spills
+    # half the state a lane ([V, K] pools): SINGLE_TOKEN_TILE (20 one-warp CTAs per SM); 24 fit without spills too
+    _variant(warps_per_cta=1, state_regs=32, warps_per_sm=20),
+    _variant(K=64, warps_per_cta=1, state_regs=32, warps_per_sm=20),
     _variant(warps_per_cta=1, state_regs=32, warps_per_sm=24),
-    _variant(K=64, warps_per_cta=1, state_regs=32, warps_per_sm=24),
     _variant(state_regs=32, warps_per_sm=20),
 ]
 

@@ -18,7 +18,8 @@ tokens, value head); per chunk, with rows t, s in [0, 64), ``gc = g_cum`` and ``
     w      = T bf16(bf16(beta k) exp2(gc)),  u = T bf16(beta v)               # bf16
 
 exactly the tensors ``chunk_kda_delta_h_fwd_o_sm90`` consumes (FLA's layouts; Aqk's upper triangle is written as
-zeros, FLA leaves it unspecified). Rows past the end of a sequence are never written.
+zeros, FLA leaves it unspecified). Rows past the end of a sequence are never written. With ``write_akk`` (chunk_kda's
+training forward) bf16 T goes to global memory as well, FLA's saved Akk (128 B more per token and value head).
 
 Numerics of the scores. ``exp2(gc_t - gc_s)`` is factored per 16-row sub-chunk i around an anchor row
 ``p_i = 16 i + 8``: ``exp2(gc_t - gc_p) * exp2(gc_p - gc_s)``; the query factor multiplies q (and k for Akk) of
