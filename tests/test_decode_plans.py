@@ -327,6 +327,23 @@ def test_single_token_cta_picks_the_one_slot_variant(counted_plans, fake_sm90, m
     assert not {"tokens_per_round", "min_blocks_per_sm", "warps_per_cta"} & set(variants[1])
 
 
+def test_kv_cols_switch_picks_the_column_variant(counted_plans, fake_sm90, monkeypatch):
+    """KV_COLS takes T=1 calls on [K, V] pools (ahead of kv_tma), not T>1 ones or [V, K] pools."""
+    import cula.ops.kda.sm90.decode as kops
+
+    monkeypatch.setattr(kops, "KV_COLS", (2, 6))
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
+    A_log = torch.randn(HV)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, lower_bound=-5.0, state_v_first=False)
+    two = [torch.cat([t, t], dim=1) for t in (q, k, v, g, beta)]
+    kd.kda_decode(*two, pool, idx, A_log=A_log, lower_bound=-5.0, state_v_first=False)
+    kd.kda_decode(q, k, v, g, beta, pool.transpose(-1, -2).contiguous(), idx, A_log=A_log, lower_bound=-5.0)
+    first, multi, vk = [c[1] for c in fake_sm90 if c[0] == "variant"]
+    assert first["kv_cols"] and first["warps_per_cta"] == 2 and first["min_blocks_per_sm"] == 6
+    assert first["tokens_per_round"] == 1 and not first["wide_kv"]
+    assert not multi.get("kv_cols") and not vk.get("kv_cols")
+
+
 def test_lightning_decode_plans(counted_plans, fake_sm90):
     q, k, v, decay, pool, idx = _lightning_inputs()
     kd_pool = pool.clone()

@@ -9,7 +9,8 @@ against 140.4 / 273.2 / 539.4 / 1075.3 for 4 x 5 (92.0 / 94.5 / 95.6 / 95.9% of 
 
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_cta_size.py [--mtp]
 
-``--mtp``: the same question for the MTP verify call (N=64, T = 2 / 4 / 8), by token slots and CTA size (not run yet).
+``--mtp``: the same question for the MTP verify call (N=64, T = 2 / 4 / 8), by token slots and CTA size; ``--kv``:
+[K, V] pools, kv_tma against the kv_cols boxes (``KdaDecodeSm90(kv_cols=True)``). Neither has run yet.
 """
 
 from __future__ import annotations
@@ -133,6 +134,45 @@ def mtp():
               "bytes once)", flush=True)  # fmt: skip
 
 
+# [K, V] pools (``--kv``): the T=1 default (kv_tma, [128, 32] TMA boxes) against kv_cols (warps per CTA, CTAs per SM)
+KV_COLS = [(4, 3), (2, 6), (1, 12)]
+
+
+def kv_pools():
+    """Kernel time of T=1 calls on [K, V] pools: kv_tma against kv_cols boxes of 1, 2 and 4 warps."""
+    decode_n1.CALLS = 10
+    copy_tbps = bc.measure_copy_bandwidth()
+    calls = {}
+    for N in NS:
+        cfg = B.Config(N, 1, 64, kv=True)
+        s, shared = B.make_set(cfg, 0), B.make_shared(cfg)
+        q, k, v, g, beta, pool, idx = (s[n] for n in ("q", "k", "v", "g", "beta", "pool", "indices"))
+        out = torch.empty_like(v)
+        base = dict(io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=B.K, V=B.V, gate="lower_bound",
+                    has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+                    state_v_first=False, has_step_states=False, tokens=1)  # fmt: skip
+        for variant in [None, *KV_COLS]:
+            extra = {} if variant is None else dict(kv_cols=True, wide_kv=False, tokens_per_round=1,
+                                                    warps_per_cta=variant[0], min_blocks_per_sm=variant[1])  # fmt: skip
+            launch = D.kda_decode_launcher(**base, **extra)
+
+            def call(launch=launch, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx, out=out, shared=shared):
+                launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
+
+            calls[(N, variant)] = call
+    times = {key: [] for key in calls}
+    for _ in range(3):
+        for key, call in calls.items():
+            times[key].append(decode_n1.graph_us(call))
+    for (N, variant), ts in times.items():
+        us = statistics.median(ts)
+        what = "kv_tma (default)" if variant is None else "kv_cols %d warps/CTA x %d CTAs/SM" % variant
+        tbps = N * B.HV * B.K * B.V * 8 / us / 1e6
+        print(f"kv N={N:4d} {what:34s}: {us:8.2f} us  {tbps:5.3f} TB/s  {100 * tbps / copy_tbps:5.1f}% of copy",
+              flush=True)  # fmt: skip
+
+
 if __name__ == "__main__":
     with torch.inference_mode():
-        mtp() if "--mtp" in sys.argv[1:] else main()
+        args = sys.argv[1:]
+        mtp() if "--mtp" in args else kv_pools() if "--kv" in args else main()

@@ -80,6 +80,11 @@ _VARIANTS = [
     _variant(gate="softplus", tokens_per_round=1, min_blocks_per_sm=5, kv_tma=True),
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", tokens_per_round=1, min_blocks_per_sm=5,
              kv_tma=True),
+    # KV_COLS: [K, V] boxes in shared memory, a state column a lane; 12 warps per SM, any T in rounds
+    _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", tokens_per_round=1, warps_per_cta=4,
+             min_blocks_per_sm=3, kv_cols=True),
+    _variant(gate="softplus", tokens_per_round=1, warps_per_cta=1, min_blocks_per_sm=12, kv_cols=True),
+    _variant(gate="none", K=64, tokens_per_round=2, warps_per_cta=2, min_blocks_per_sm=6, kv_cols=True),
 ]
 # ptxas spills allowed where a variant asks for more registers than it is given (bytes): the wide tile parks one
 # 8-byte value with step states; 20 and 24 resident warps per SM cap the kernel at 96 and 80 registers
@@ -103,6 +108,7 @@ def _vid(v):
         + (["steps"] if v["has_step_states"] else [])
         + (["wide"] if v.get("wide_kv") else [])
         + (["tma"] if v.get("kv_tma") else [])
+        + (["cols"] if v.get("kv_cols") else [])
         + ([f"slots{v['tokens_per_round']}"] if "tokens_per_round" in v else [])
         + ([f"{v['warps_per_cta']}warps"] if "warps_per_cta" in v else [])
         + ([f"{v['min_blocks_per_sm']}ctas"] if v.get("min_blocks_per_sm") else [])
@@ -155,6 +161,12 @@ def test_config_rejects_unsupported():
         KdaDecodeSm90(K=128, **dict(kw, gate="sigmoid"))
     with pytest.raises(ValueError, match="V must be a multiple"):
         KdaDecodeSm90(K=64, **dict(kw, V=72))
+    for bad in ({"state_v_first": True}, {"has_step_states": True}, {"V": 96, "warps_per_cta": 2},
+                {"wide_kv": True}, {"kv_tma": True, "tokens_per_round": 1}):  # fmt: skip
+        with pytest.raises(ValueError, match="kv_cols is for"):
+            KdaDecodeSm90(K=128, kv_cols=True, **dict(kw, **bad))
+    cols = KdaDecodeSm90(K=128, kv_cols=True, warps_per_cta=4, **kw)
+    assert (cols.tile_v, cols.v_slices, cols.lanes_k, cols.min_blocks_per_sm) == (128, 4, 1, 3)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -691,6 +703,45 @@ def test_kv_tma_matches(monkeypatch, N, HV, V):
     _requires_sm90()
     settings = [{"KV_TMA_DEFAULT": tma, "WIDE_KV_DEFAULT": False} for tma in (False, True)]
     _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [(4, 3), (2, 6), (1, 12)], ids=lambda c: f"{c[0]}x{c[1]}")
+@pytest.mark.parametrize("N,HV,V", [(1, 16, 128), (64, 16, 128), (77, 8, 64), (1000, 4, 128)])
+def test_kv_cols_matches(monkeypatch, N, HV, V, cols):
+    """KV_COLS ([K, V] boxes in shared memory, a state column a lane) at T=1 against the narrow tile: outputs and
+    pool to fp32 summation order, NaN-poisoned outputs all written, padded slots zeroed, other pool rows untouched."""
+    _requires_sm90()
+    if V % (32 * cols[0]):
+        pytest.skip("the box is 32 x warps columns wide")
+    settings = [{"KV_TMA_DEFAULT": False, "WIDE_KV_DEFAULT": False, "KV_COLS": c} for c in (None, cols)]
+    _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,T,K,warps,slots", [(33, 3, 128, 2, 2), (64, 4, 128, 4, 4), (9, 5, 64, 1, 2)])
+def test_kv_cols_tokens_match(N, T, K, warps, slots):
+    """kv_cols with T > 1 in rounds of ``slots`` tokens against the narrow tile (the variant the launcher does not
+    pick yet, through ``kda_decode_launcher``'s flags)."""
+    import cula.ops.kda.sm90.decode as D
+
+    _requires_sm90()
+    H, HV = 4, 16
+    (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, T, H, HV, K)
+    base = dict(io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=K, gate="lower_bound",
+                has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+                state_v_first=False, has_step_states=False, wide_kv=False, tokens=T)  # fmt: skip
+    results = []
+    for extra in ({}, {"kv_cols": True, "warps_per_cta": warps, "tokens_per_round": slots,
+                       "min_blocks_per_sm": 12 // warps}):  # fmt: skip
+        pool = pool0.clone()
+        out = torch.full((N, T, HV, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+        D.kda_decode_launcher(**base, **extra)(
+            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, -5.0
+        )
+        torch.cuda.synchronize()
+        results.append((out, pool))
+    _assert_t1_runs_match(pool0, indices, results)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,11 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   (sequence, head); one TMA load brings their ``[128 K, 32 V]`` box (whole 128-byte row pieces) into shared
   memory with the 128-byte swizzle, each lane reads its fragment (rows ``lk + 16 i``, conflict-free under the
   swizzle), runs the same token math and writes it back, and one TMA store returns the box.
+* **kv_cols** (``[K, V]`` pools without step states, off unless ``KV_COLS`` is set): a CTA of W warps takes a
+  ``[K, 32 W]`` box by one TMA load (W = 4 with V = 128: the whole state, contiguous in the pool) and keeps it in
+  shared memory; lane j of warp w owns column ``32 w + j`` with all K rows, so ``S^T k`` and ``S^T q`` are
+  in-lane sums over the column (two passes a token, its q / k / exp(g) broadcast from the warp's slot) and no
+  shuffle runs; one TMA store returns the box.
 
 Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in {64, 128}; V a multiple of
 8 (K=128) or 16 (K=64), 64 and 128 tested; any GVA ratio; any H/HV/N/T/pool size at run time (one compile
@@ -68,6 +73,9 @@ _LN2 = 0.6931471805599453
 # resident warps per SM: 16 (4 CTAs of 4 warps) keeps ptxas at 128 registers; wide_kv's 64 state registers a lane
 # need 168, so 12
 WARPS_PER_SM, WIDE_WARPS_PER_SM = 16, 12
+# kv_cols: the state box in shared memory sets the occupancy (3 CTAs of 4 warps with a 64 KB box); the register cap
+# of 12 warps per SM (168) is no limit
+KV_COLS_WARPS_PER_SM = 12
 
 _TORCH_TO_CUTE = {
     torch.bfloat16: cutlass.BFloat16,
@@ -80,6 +88,7 @@ class KdaDecodeSm90:
     """Static configuration and CuTe kernel for the KDA decode step (see the module docstring)."""
 
     arch = 90
+    KV_COLS_UNROLL = 4  # kv_cols: rows of 4 per unrolled step of its column loops
     V_PER_LANE = 4  # one 16-byte fp32 vector
 
     def __init__(
@@ -103,6 +112,7 @@ class KdaDecodeSm90:
         wide_kv: bool = False,
         tokens_per_round: int = 8,
         kv_tma: bool = False,
+        kv_cols: bool = False,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -128,10 +138,21 @@ class KdaDecodeSm90:
             raise ValueError("kv_tma is for [K, V] pools with K=128, V % 32 == 0, no step states, 4 warps per CTA "
                              "and one token slot")
         self.kv_tma = kv_tma
+        # kv_cols ([K, V] pools, no step states): a CTA of W warps takes a [K, 32 W] box of one (sequence, head) by
+        # one TMA load (the whole 64 KB state with W = 4 and V = 128: one contiguous piece of the pool, where
+        # kv_tma's [128, 32] box is 128 row pieces 512 bytes apart); lane j of warp w owns column 32 w + j, all K of
+        # it, read and written where the box lies in shared memory, so S^T k and S^T q are in-lane sums: no
+        # shuffles, and the token's q / k / exp(g) are broadcast reads of the warp's slot
+        if kv_cols and (state_v_first or wide_kv or kv_tma or has_step_states or V % (32 * warps_per_cta) != 0):
+            raise ValueError("kv_cols is for [K, V] pools without step states, V a multiple of 32 x warps_per_cta, "
+                             "and neither wide_kv nor kv_tma")  # fmt: skip
+        self.kv_cols = kv_cols
         self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
         self.lanes_k = K // self.k_per_lane
         self.lanes_v = 32 // self.lanes_k
         self.v_per_warp = self.lanes_v * self.V_PER_LANE  # 8 for K=128 (16 with wide_kv), 16 for K=64
+        if kv_cols:  # one column of all K a lane
+            self.k_per_lane, self.lanes_k, self.lanes_v, self.v_per_warp = K, 1, 32, 32
         if V % self.v_per_warp != 0:
             raise ValueError(f"V must be a multiple of {self.v_per_warp}, got {V}")
         if gate not in GATES:
@@ -151,10 +172,9 @@ class KdaDecodeSm90:
         self.state_v_first = state_v_first
         self.has_step_states = has_step_states
         self.warps_per_cta = warps_per_cta
-        self.min_blocks_per_sm = min_blocks_per_sm or max(
-            1, (WIDE_WARPS_PER_SM if wide_kv else WARPS_PER_SM) // warps_per_cta
-        )
-        self.tile_v = 32  # kv_tma: V columns per CTA
+        per_sm = KV_COLS_WARPS_PER_SM if kv_cols else WIDE_WARPS_PER_SM if wide_kv else WARPS_PER_SM
+        self.min_blocks_per_sm = min_blocks_per_sm or max(1, per_sm // warps_per_cta)
+        self.tile_v = 32 * warps_per_cta if kv_cols else 32  # kv_tma / kv_cols: V columns per CTA
 
         self.k_blocks = self.k_per_lane // 4  # j extent
         self.k_stride_j = 4 * self.lanes_k  # k distance between a lane's consecutive 4-row blocks
@@ -166,6 +186,8 @@ class KdaDecodeSm90:
         self.off_v = 3 * K
         self.off_beta = 3 * K + self.v_per_warp
         self.slot_floats = 3 * K + self.v_per_warp + 4
+        # the lane that parks beta: one that loads no v (lanes_v < 32), lane 0 with kv_cols (all 32 load one)
+        self.beta_lane = self.lanes_v % 32
 
     # ------------------------------------------------------------------------------------------------ host
     @cute.jit
@@ -190,13 +212,14 @@ class KdaDecodeSm90:
         HV = mV.shape[2]
         units = N * HV * self.v_slices
         grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
-        if const_expr(self.kv_tma):
+        if const_expr(self.kv_tma or self.kv_cols):
             s_vk = cute.make_tensor(mState.iterator, cute.select(mState.layout, mode=[3, 2, 1, 0]))  # (V, K, HV, P)
             box = (self.tile_v, self.K)
             box_l = cute.select(self._tile_layout(), mode=[0, 1])
             tma_ld, t_ld = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), s_vk, box_l, box)
             tma_st, t_st = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), s_vk, box_l, box)
-            kernel = self.kernel_kv_tma(
+            body = self.kernel_kv_cols if const_expr(self.kv_cols) else self.kernel_kv_tma
+            kernel = body(
                 mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
             )
         else:
@@ -275,7 +298,7 @@ class KdaDecodeSm90:
         cute.autovec_copy(rout, cute.make_tensor(sSlot.iterator + self.off_eg + k0, cute.make_layout(KP)))
 
         self._prep_v(mV, sSlot, n, t, hv, vs, lane)
-        if lane == self.lanes_v:
+        if lane == self.beta_lane:
             sSlot[self.off_beta] = self._beta(mBeta, n, t, hv)
 
     @cute.jit
@@ -316,8 +339,11 @@ class KdaDecodeSm90:
 
     @cute.jit
     def _prep_v(self, mV, sSlot, n, t, hv, vs, lane):
-        """The warp's 8 or 16 values of v into its slot: the first 2 or 4 lanes load 4 each."""
-        if lane < self.lanes_v:
+        """The warp's 8 or 16 values of v into its slot: the first 2 or 4 lanes load 4 each (kv_cols: its 32, one
+        a lane)."""
+        if const_expr(self.kv_cols):
+            sSlot[self.off_v + lane] = Float32(mV[n, t, hv, vs * 32 + lane])
+        elif lane < self.lanes_v:
             v_off = cute.assume(vs * self.v_per_warp + lane * self.V_PER_LANE, divby=self.V_PER_LANE)
             rv = cute.make_rmem_tensor(self.V_PER_LANE, self.io_dtype)
             cute.autovec_copy(
@@ -389,9 +415,11 @@ class KdaDecodeSm90:
 
     def _tile_layout(self):
         """kv_tma's shared [32 V, 128 K] fp32 box (V contiguous), 128-byte swizzled: the 16-byte unit c of row k
-        sits at unit c ^ (k % 8) (the DSL's swizzles act on byte offsets: 3 bits at 16 B, xor-ed from 128 B)."""
+        sits at unit c ^ (k % 8) (the DSL's swizzles act on byte offsets: 3 bits at 16 B, xor-ed from 128 B).
+        kv_cols' [32 W V, K] box is not swizzled: its lanes read consecutive columns of one row."""
+        bits = 0 if self.kv_cols else 3
         return cute.make_composed_layout(
-            cute.make_swizzle(3, 4, 3), 0, cute.make_layout((self.tile_v, self.K, 1), stride=(1, self.tile_v, 0))
+            cute.make_swizzle(bits, 4, 3), 0, cute.make_layout((self.tile_v, self.K, 1), stride=(1, self.tile_v, 0))
         )
 
     @cute.jit
@@ -475,13 +503,128 @@ class KdaDecodeSm90:
         else:
             self._zero_rows(mOut, n, hv, v0, lk, T)
 
+    @cute.kernel
+    def kernel_kv_cols(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor | None,
+        mDtBias: cute.Tensor | None,
+        tma_ld: cute.CopyAtom,
+        t_ld: cute.Tensor,
+        tma_st: cute.CopyAtom,
+        t_st: cute.Tensor,
+        mIdx: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        """kv_cols: one [K, 32 W] box of one (sequence, head) per CTA, a state column per lane (see __init__)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        H = mQ.shape[2]
+        HV = mV.shape[2]
+        T = mQ.shape[1]
+        K, TV, TR = self.K, self.tile_v, self.tokens_per_round
+
+        smem = cutlass.utils.SmemAllocator()
+        sRaw = smem.allocate_tensor(Float32, cute.make_layout(TV * K), byte_alignment=128)
+        sBuf = smem.allocate_tensor(Float32, cute.make_layout((self.slot_floats, TR, self.warps_per_cta)),
+                                    byte_alignment=16)  # fmt: skip
+        bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8).iterator
+        tile_l = self._tile_layout()
+        sTile = cute.make_tensor(cute.recast_ptr(sRaw.iterator, tile_l.inner, dtype=Float32), tile_l.outer)
+
+        n, h, hv, vs, c = self._unit_coords(bidx * self.warps_per_cta + warp, HV, H, lane)
+        vb = vs // self.warps_per_cta  # the CTA's box along V
+        sW = sBuf[None, None, warp]
+        slot = mIdx[n]  # one (sequence, head) per CTA: the branch below is CTA-uniform
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        if slot >= 0:
+            if warp == 0:
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, TV * K * 4)
+                ts, tg = self._box_partition(tma_ld, t_ld, sTile, hv, slot)
+                cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
+            # this lane's column, rows k of the box TV floats apart: it stays in shared memory (consecutive lanes,
+            # consecutive words: no bank conflicts), since a column of 128 fp32 in registers spilled at any occupancy
+            col = cute.make_tensor(
+                sRaw.iterator + cute.assume(self.v_per_warp * warp + lane, divby=1), cute.make_layout(K, stride=TV)
+            )
+            r4 = cute.make_rmem_tensor(4, Float32)
+            rb = cute.make_rmem_tensor(4, Float32)
+            rq = cute.make_rmem_tensor(4, Float32)
+            acc = cute.make_rmem_tensor(4, Float32)
+            ro = cute.make_rmem_tensor(1, self.io_dtype)
+            for t0 in range(0, T, TR):
+                nt = cutlass.min(T - t0, TR)
+                for tt in range(nt):
+                    self._prep_token(
+                        mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
+                        lower_bound,
+                    )  # fmt: skip
+                cute.arch.sync_warp()
+                if t0 == 0:
+                    cute.arch.mbarrier_wait(bar, 0)
+                for tt in range(nt):
+                    sSlot = sW[None, tt]
+                    # p = (diag(exp(g)) S)^T k, four partial sums for the FMA latency. Runtime loops (unrolled by
+                    # UNROLL): fully unrolled, the compiler hoisted every slot read and needed 168-255 registers
+                    acc.fill(0.0)
+                    for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
+                        cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
+                        cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
+                        for e in cutlass.range_constexpr(4):
+                            acc[e] = acc[e] + col[4 * i + e] * r4[e] * rb[e]
+                    u = sSlot[self.off_beta] * (sSlot[self.off_v + lane] - ((acc[0] + acc[1]) + (acc[2] + acc[3])))
+                    # S <- diag(exp(g)) S + k u^T ;  o = S^T q_hat
+                    acc.fill(0.0)
+                    for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
+                        cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
+                        cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
+                        cute.autovec_copy(self._slot4(sSlot, 4 * i), rq)
+                        for e in cutlass.range_constexpr(4):
+                            x = col[4 * i + e] * r4[e] + rb[e] * u
+                            col[4 * i + e] = x
+                            acc[e] = acc[e] + x * rq[e]
+                    ro[0] = ((acc[0] + acc[1]) + (acc[2] + acc[3])).to(self.io_dtype)
+                    mOut[n, t0 + tt, hv, c] = ro[0]
+                cute.arch.sync_warp()
+            # the columns were written in shared memory (generic proxy): visible to the TMA store after the fence
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+            if warp == 0:
+                ts, tg = self._box_partition(tma_st, t_st, sTile, hv, slot)
+                cute.copy(tma_st, ts[None, 0], tg[None, vb])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
+        else:
+            zero = cute.make_rmem_tensor(1, self.io_dtype)
+            zero.fill(0.0)
+            for t in range(T):
+                mOut[n, t, hv, c] = zero[0]
+
+    @cute.jit
+    def _slot4(self, sSlot, off):
+        """Four consecutive floats of a token slot (one 16-byte broadcast read)."""
+        return cute.make_tensor(sSlot.iterator + cute.assume(off, divby=4), cute.make_layout(4))
+
     @cute.jit
     def _unit_coords(self, unit, HV, H, lv):
         """Unit -> (sequence n, q/k head h, value head hv, V slice vs, this lane's first v column v0)."""
         vs = unit % self.v_slices
         nh = unit // self.v_slices
         hv = nh % HV
-        return nh // HV, hv // (HV // H), hv, vs, vs * self.v_per_warp + lv * self.V_PER_LANE
+        per_lane = 1 if const_expr(self.kv_cols) else self.V_PER_LANE
+        return nh // HV, hv // (HV // H), hv, vs, vs * self.v_per_warp + lv * per_lane
 
     @cute.jit
     def _zero_rows(self, mOut, n, hv, v0, lk, T):
@@ -643,6 +786,8 @@ def _variant_key(flags: dict) -> tuple:
     flags["allow_neg_eigval"] = flags["allow_neg_eigval"] and flags["beta_sigmoid"]
     flags["wide_kv"] = bool(flags["wide_kv"])
     flags["kv_tma"] = bool(flags.get("kv_tma", False))
+    if not flags.get("kv_cols", False):  # absent when off: the keys (and caches) of the other variants stay
+        flags.pop("kv_cols", None)
     return ("kda_decode_sm90", *sorted(flags.items()))
 
 
@@ -674,6 +819,7 @@ def kda_decode_variant(
     tokens_per_round: int = 8,
     min_blocks_per_sm: int | None = None,
     kv_tma: bool = False,
+    kv_cols: bool = False,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
@@ -690,7 +836,7 @@ def kda_decode_variant(
          "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval, "state_v_first": state_v_first,
          "has_step_states": has_step_states, "wide_kv": wide_kv, "warps_per_cta": warps_per_cta,
          "tokens_per_round": tokens_per_round, "min_blocks_per_sm": min_blocks_per_sm, "kv_tma": kv_tma,
-         "arch": arch}
+         "kv_cols": kv_cols, "arch": arch}
     )  # fmt: skip
     return compiled_kernel(key, lambda: _build(key))
 
@@ -766,6 +912,11 @@ def kda_decode_launcher(
     step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
+    if (KV_COLS and not flags["state_v_first"] and tokens == 1 and wide_kv is None
+            and flags["V"] % (32 * KV_COLS[0]) == 0 and not flags["has_step_states"]
+            and not {"min_blocks_per_sm", "warps_per_cta"} & set(flags)):  # fmt: skip
+        wide_kv = False
+        flags.update(kv_cols=True, tokens_per_round=1, warps_per_cta=KV_COLS[0], min_blocks_per_sm=KV_COLS[1])
     if (KV_TMA_DEFAULT and kv_pool_128 and tokens == 1 and wide_kv is None and flags["V"] % 32 == 0
             and not flags["has_step_states"] and "min_blocks_per_sm" not in flags
             and flags.get("warps_per_cta", 4) == 4):  # fmt: skip
@@ -823,3 +974,10 @@ SINGLE_TOKEN_CTA: tuple[int, int] | None = (1, 20)
 # 179 / 685 us for the wide tile; 5 CTAs per SM 143 / 550 us. test_kv_tma_matches passed.
 KV_TMA_DEFAULT = True
 KV_TMA_MIN_BLOCKS = 4
+# T=1 calls on [K, V] pools (no step states) take KdaDecodeSm90(kv_cols=True) with (warps per CTA, CTAs per SM)
+# when set, ahead of kv_tma: the [K, 32 W] box in shared memory, a state column a lane (76-78 registers, no spills;
+# shared memory allows 3 CTAs of 4 warps, 6 of 2, 12 of 1). None: off. Written in session 19 without a GPU: not
+# yet run (test_kv_cols_matches, scripts/device/decode_cta_size.py --kv); predicted for (4, 3), whose box is the
+# whole 64 KB state in one contiguous piece of the pool: N=64 ~141 us like [V, K] pools (kv_tma 146-148 at random
+# pool rows, 4-5% behind its identity-order time)
+KV_COLS: tuple[int, int] | None = None
