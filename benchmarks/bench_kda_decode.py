@@ -33,9 +33,10 @@ write to an untouched row is also a ``FAIL``.
 ``bw_fraction`` (and ``fla_bw_fraction``) = state bytes read and written per call (``2 * 4 * N * HV * K * V``)
 / time / measured copy bandwidth. ``floor_ms`` adds the activations (q, k, v, g, beta in, o out, bf16).
 Host overhead for N = 1 (both H): ``*_host_us`` = wall time per call of 100 back-to-back calls with one sync at
-the end, the median of 15 such runs (``common.measure_host_overhead``'s ``back_to_back_us``; all three figures are
-in meta, with
-``cula_step``: the same for ``cula.kda.kda_decode_step``, the serving form whose fixed arguments are bound once).
+the end, the median of 15 such runs (``common.measure_host_overhead``'s ``back_to_back_us``), the lowest of three
+rounds that take FLA, cula and the step form in turn (``common.measure_host_overheads``); all three figures are in
+meta, with ``cula_step``: the same for ``cula.kda.kda_decode_step``, the serving form whose fixed arguments are
+bound once).
 
 Time budget: ``--max-seconds S`` stops starting new configs S seconds after the script started and still
 writes what it has (``meta["partial"]``, ``meta["skipped_configs"]``).
@@ -313,23 +314,17 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     })
 
     if cfg.N == 1 and not args.no_host_overhead:
-        host: dict[str, Any] = {}
-        for label, make, ok in (("fla", fla_call, fla_ok), ("cula", cula_call, status != "FAIL")):
-            if not ok:
-                continue
-            fn = fla_fn if label == "fla" else cula_fn
-            try:
-                h = bc.measure_host_overhead(make(fn, s0, shared))
-                host[label] = {k: round(v, 2) for k, v in h.items()}
-                row[f"{label}_host_us"] = round(h["back_to_back_us"], 2)
-            except Exception as exc:  # noqa: BLE001
-                record(f"{label} host overhead", exc)
-        if step_maker is not None and status != "FAIL":
-            try:
-                h = bc.measure_host_overhead(step_maker(s0, shared))
-                host["cula_step"] = {k: round(v, 2) for k, v in h.items()}
-            except Exception as exc:  # noqa: BLE001
-                record("cula step host overhead", exc)
+        calls = {}
+        if fla_ok:
+            calls["fla"] = lambda: fla_call(fla_fn, s0, shared)
+        if status != "FAIL":
+            calls["cula"] = lambda: cula_call(cula_fn, s0, shared)
+            if step_maker is not None:
+                calls["cula_step"] = lambda: step_maker(s0, shared)
+        host = bc.measure_host_overheads(calls, record=record)
+        for label in ("fla", "cula"):
+            if label in host:
+                row[f"{label}_host_us"] = host[label]["back_to_back_us"]
         row["host_overhead_us"] = host
     if errors:
         row["errors"] = errors

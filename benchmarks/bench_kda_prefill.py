@@ -270,13 +270,12 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
 
 
 def host_overhead(fla_fn: Callable, cula_fn: Callable) -> dict[str, Any]:
-    """Per-call host cost of both implementations on a tiny fixed config."""
+    """Per-call host cost of both implementations on a tiny fixed config (the lowest of three interleaved rounds,
+    ``common.measure_host_overheads``)."""
     cfg = Config("fixed", 1, HOST_OVERHEAD_T, (HOST_OVERHEAD_T,))
     shared, tensors = make_shared(cfg), make_set(cfg, 0)
-    out = {"config": cfg.name}
-    for label, fn in (("fla", fla_fn), ("cula", cula_fn)):
-        out[label] = {k: round(v, 2) for k, v in bc.measure_host_overhead(bind(fn, tensors, shared)).items()}
-    return out
+    calls = {"fla": lambda: bind(fla_fn, tensors, shared), "cula": lambda: bind(cula_fn, tensors, shared)}
+    return {"config": cfg.name, **bc.measure_host_overheads(calls)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,7 +27,8 @@ write to an untouched pool row is also a ``FAIL``.
 ``bw_fraction`` (and ``fla_bw_fraction``) = state bytes read and written per call (``2 * 4 * N * HV * K * V``)
 / time / measured copy bandwidth; the target is >= 0.95 for N >= 64. ``floor_ms`` adds the activations (q, k,
 v in, o out, bf16). Host overhead for N = 1: ``*_host_us`` = wall time per call of 100 back-to-back calls with
-one sync at the end, the median of 15 such runs (``common.measure_host_overhead``'s ``back_to_back_us``; all
+one sync at the end, the median of 15 such runs (``common.measure_host_overhead``'s ``back_to_back_us``), the
+lowest of three rounds that take FLA, cula and the step form in turn (``common.measure_host_overheads``); all
 three figures are in meta, with ``cula_step``: the same for ``cula.lightning.lightning_decode_step``, the serving
 form whose fixed arguments are bound once).
 
@@ -268,23 +269,17 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     })
 
     if cfg.N == 1 and not args.no_host_overhead:
-        host: dict[str, Any] = {}
-        for label, call, ok in (("fla", lambda: fla_call(fla_fn, cfg, s0, shared), fla_ok),
-                                ("cula", lambda: cula_call(cula_fn, cfg, s0, shared), status != "FAIL")):
-            if not ok:
-                continue
-            try:
-                h = bc.measure_host_overhead(call())
-                host[label] = {k: round(v, 2) for k, v in h.items()}
-                row[f"{label}_host_us"] = round(h["back_to_back_us"], 2)
-            except Exception as exc:  # noqa: BLE001
-                record(f"{label} host overhead", exc)
-        if step_call is not None and status != "FAIL":
-            try:
-                h = bc.measure_host_overhead(step_call(cfg, s0, shared))
-                host["cula_step"] = {k: round(v, 2) for k, v in h.items()}
-            except Exception as exc:  # noqa: BLE001
-                record("cula_step host overhead", exc)
+        calls = {}
+        if fla_ok:
+            calls["fla"] = lambda: fla_call(fla_fn, cfg, s0, shared)
+        if status != "FAIL":
+            calls["cula"] = lambda: cula_call(cula_fn, cfg, s0, shared)
+            if step_call is not None:
+                calls["cula_step"] = lambda: step_call(cfg, s0, shared)
+        host = bc.measure_host_overheads(calls, record=record)
+        for label in ("fla", "cula"):
+            if label in host:
+                row[f"{label}_host_us"] = host[label]["back_to_back_us"]
         row["host_overhead_us"] = host
     if errors:
         row["errors"] = errors

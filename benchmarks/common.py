@@ -227,6 +227,36 @@ def measure_host_overhead(fn: Callable[[], Any], n: int = 100, warmup: int = 50,
     }
 
 
+def measure_host_overheads(
+    calls: dict[str, Callable[[], Callable[[], Any]]], rounds: int = 3, record: Callable | None = None
+) -> dict[str, dict[str, float]]:
+    """:func:`measure_host_overhead` of several implementations, in ``rounds`` interleaved rounds (each
+    implementation once a round, in turn); per implementation and figure the lowest round's value, rounded to
+    0.01 us.
+
+    ``calls`` maps a label to a maker of the zero-argument call (made once). A slow stretch of the device's host
+    (session 19: the first N=1 row of a suite ran 1.6-2x slower than the same calls a minute later, FLA's and
+    cula's alike) then costs one round of every implementation instead of all of one. A label whose maker or call
+    raises is left out (``record(label + " host overhead", exc)`` when given)."""
+    fns, runs = {}, {}
+    for label, make in calls.items():
+        try:
+            fns[label] = make()
+        except Exception as exc:  # noqa: BLE001
+            if record is not None:
+                record(f"{label} host overhead", exc)
+    for _ in range(rounds):
+        for label in list(fns):
+            try:
+                runs.setdefault(label, []).append(measure_host_overhead(fns[label]))
+            except Exception as exc:  # noqa: BLE001
+                fns.pop(label)
+                runs.pop(label, None)
+                if record is not None:
+                    record(f"{label} host overhead", exc)
+    return {label: {k: round(min(r[k] for r in rs), 2) for k in rs[0]} for label, rs in runs.items()}
+
+
 class Progress:
     """One line per finished config on stderr, with elapsed time, so a long suite shows it is alive."""
 

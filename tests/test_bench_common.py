@@ -100,6 +100,39 @@ def test_bench_rotates_sets_and_takes_median(monkeypatch):
     assert set(overhead) == {"host_us", "back_to_back_us", "gpu_us"}
 
 
+def test_host_overheads_interleave_rounds_and_keep_the_lowest(monkeypatch):
+    """measure_host_overheads: each maker once, the implementations in turn every round, per figure the lowest
+    round; a failing maker or call is recorded and left out."""
+    seen = []
+
+    def fake(fn):
+        seen.append(fn())
+        r = len(seen)
+        return {"host_us": 10.0 + r, "back_to_back_us": 20.0 - r, "gpu_us": 1.0}
+
+    monkeypatch.setattr(bc, "measure_host_overhead", fake)
+    made, errors = [], []
+
+    def maker(label):
+        def make():
+            made.append(label)
+            return lambda: label
+
+        return make
+
+    def broken():
+        raise RuntimeError("no")
+
+    calls = {"fla": maker("fla"), "cula": maker("cula"), "broken": broken,
+             "bad_call": lambda: (lambda: (_ for _ in ()).throw(RuntimeError("call")))}  # fmt: skip
+    out = bc.measure_host_overheads(calls, rounds=3, record=lambda what, exc: errors.append(what))
+    assert made == ["fla", "cula"] and seen == ["fla", "cula"] * 3
+    assert set(out) == {"fla", "cula"} and sorted(errors) == ["bad_call host overhead", "broken host overhead"]
+    # measurements 1-6 alternate fla, cula (bad_call raised before counting): the lowest of each figure per label
+    assert out["fla"]["host_us"] == 11.0 and out["cula"]["host_us"] == 12.0
+    assert out["fla"]["back_to_back_us"] == 15.0 and out["cula"]["back_to_back_us"] == 14.0
+
+
 def _fake_kda(q, k, v, g, beta, initial_state, **kwargs):
     return v.clone(), initial_state * 2
 
