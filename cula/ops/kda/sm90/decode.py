@@ -576,8 +576,8 @@ class KdaDecodeSm90:
                     cute.arch.mbarrier_wait(bar, 0)
                 for tt in range(nt):
                     sSlot = sW[None, tt]
-                    # p = (diag(exp(g)) S)^T k, four partial sums for the FMA latency. Runtime loops (unrolled by
-                    # UNROLL): fully unrolled, the compiler hoisted every slot read and needed 168-255 registers
+                    # p = (diag(exp(g)) S)^T k, four partial sums for the FMA latency. Runtime loops (unrolled
+                    # KV_COLS_UNROLL times): fully unrolled, the compiler hoisted every slot read (168-255 registers)
                     acc.fill(0.0)
                     for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
                         cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
