@@ -275,7 +275,11 @@ def host_overhead(fla_fn: Callable, cula_fn: Callable) -> dict[str, Any]:
     cfg = Config("fixed", 1, HOST_OVERHEAD_T, (HOST_OVERHEAD_T,))
     shared, tensors = make_shared(cfg), make_set(cfg, 0)
     calls = {"fla": lambda: bind(fla_fn, tensors, shared), "cula": lambda: bind(cula_fn, tensors, shared)}
-    return {"config": cfg.name, **bc.measure_host_overheads(calls)}
+    errors: list[BaseException] = []
+    host = bc.measure_host_overheads(calls, record=lambda what, exc: errors.append(exc))
+    if errors:  # the caller writes it into the meta
+        raise errors[0]
+    return {"config": cfg.name, **host}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
