@@ -218,8 +218,7 @@ class KdaDecodeSm90:
             box_l = cute.select(self._tile_layout(), mode=[0, 1])
             tma_ld, t_ld = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), s_vk, box_l, box)
             tma_st, t_st = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), s_vk, box_l, box)
-            body = self.kernel_kv_cols if const_expr(self.kv_cols) else self.kernel_kv_tma
-            kernel = body(
+            kernel = self.kernel_box(
                 mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
             )
         else:
@@ -431,7 +430,7 @@ class KdaDecodeSm90:
         )
 
     @cute.kernel
-    def kernel_kv_tma(
+    def kernel_box(
         self,
         mQ: cute.Tensor,
         mK: cute.Tensor,
@@ -449,8 +448,9 @@ class KdaDecodeSm90:
         scale: Float32,
         lower_bound: Float32,
     ):
-        """The kv_tma variant: the CTA's [128, 32] state box through shared memory by TMA, the token math of
-        ``_run_unit`` on a register fragment read from it (see ``__init__``)."""
+        """The kv_tma and kv_cols variants: the CTA's state box of one (sequence, head) through shared memory by
+        TMA. kv_tma runs the token math of ``_run_unit`` on a register fragment read from the box, kv_cols that of
+        ``_run_columns`` on the box itself (see ``__init__``)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -463,8 +463,8 @@ class KdaDecodeSm90:
 
         smem = cutlass.utils.SmemAllocator()
         sRaw = smem.allocate_tensor(Float32, cute.make_layout(TV * self.K), byte_alignment=1024)
-        sBuf = smem.allocate_tensor(Float32, cute.make_layout((self.slot_floats, 1, self.warps_per_cta)),
-                                    byte_alignment=16)  # fmt: skip
+        sBuf = smem.allocate_tensor(Float32, cute.make_layout((self.slot_floats, self.tokens_per_round,
+                                                               self.warps_per_cta)), byte_alignment=16)  # fmt: skip
         bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8).iterator
         tile_l = self._tile_layout()
         sTile = cute.make_tensor(cute.recast_ptr(sRaw.iterator, tile_l.inner, dtype=Float32), tile_l.outer)
@@ -484,15 +484,19 @@ class KdaDecodeSm90:
                     cute.arch.mbarrier_arrive_and_expect_tx(bar, TV * self.K * 4)
                 ts, tg = self._box_partition(tma_ld, t_ld, sTile, hv, slot)
                 cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
-            # this lane's rows lk + 16 i and columns 8 (warp) + 4 lv + r: under the swizzle one 16-byte unit per row,
-            # at the same unit for every i since (lk + 16 i) % 8 = lk % 8
-            unit = (2 * warp + lv) ^ (lk % 8)
-            off = cute.assume(lk * TV + unit * R, divby=R)
-            gS = cute.make_tensor(sRaw.iterator + off, cute.make_layout((self.k_per_lane, R), stride=(16 * TV, 1)))
-            tS = cute.make_rmem_tensor(cute.make_layout((self.k_per_lane, R), stride=(R, 1)), Float32)
-            self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, None, sBuf[None, None, warp],
-                           n, h, hv, vs, v0, lane, T, scale, lower_bound, bar)  # fmt: skip
-            # the fragments are back in shared memory (generic proxy): visible to the TMA store after the fence
+            if const_expr(self.kv_cols):
+                self._run_columns(sRaw, sBuf[None, None, warp], mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, n, h, hv,
+                                  vs, v0, lane, warp, T, scale, lower_bound, bar)  # fmt: skip
+            else:
+                # this lane's rows lk + 16 i and columns 8 (warp) + 4 lv + r: under the swizzle one 16-byte unit per
+                # row, at the same unit for every i since (lk + 16 i) % 8 = lk % 8
+                unit = (2 * warp + lv) ^ (lk % 8)
+                off = cute.assume(lk * TV + unit * R, divby=R)
+                gS = cute.make_tensor(sRaw.iterator + off, cute.make_layout((self.k_per_lane, R), stride=(16 * TV, 1)))
+                tS = cute.make_rmem_tensor(cute.make_layout((self.k_per_lane, R), stride=(R, 1)), Float32)
+                self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, None, sBuf[None, None, warp],
+                               n, h, hv, vs, v0, lane, T, scale, lower_bound, bar)  # fmt: skip
+            # the box is back in shared memory (generic proxy): visible to the TMA store after the fence
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
             if warp == 0:
@@ -500,117 +504,66 @@ class KdaDecodeSm90:
                 cute.copy(tma_st, ts[None, 0], tg[None, vb])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
-        else:
-            self._zero_rows(mOut, n, hv, v0, lk, T)
-
-    @cute.kernel
-    def kernel_kv_cols(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mG: cute.Tensor,
-        mBeta: cute.Tensor,
-        mALog: cute.Tensor | None,
-        mDtBias: cute.Tensor | None,
-        tma_ld: cute.CopyAtom,
-        t_ld: cute.Tensor,
-        tma_st: cute.CopyAtom,
-        t_st: cute.Tensor,
-        mIdx: cute.Tensor,
-        mOut: cute.Tensor,
-        scale: Float32,
-        lower_bound: Float32,
-    ):
-        """kv_cols: one [K, 32 W] box of one (sequence, head) per CTA, a state column per lane (see __init__)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        H = mQ.shape[2]
-        HV = mV.shape[2]
-        T = mQ.shape[1]
-        K, TV, TR = self.K, self.tile_v, self.tokens_per_round
-
-        smem = cutlass.utils.SmemAllocator()
-        sRaw = smem.allocate_tensor(Float32, cute.make_layout(TV * K), byte_alignment=128)
-        sBuf = smem.allocate_tensor(Float32, cute.make_layout((self.slot_floats, TR, self.warps_per_cta)),
-                                    byte_alignment=16)  # fmt: skip
-        bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8).iterator
-        tile_l = self._tile_layout()
-        sTile = cute.make_tensor(cute.recast_ptr(sRaw.iterator, tile_l.inner, dtype=Float32), tile_l.outer)
-
-        n, h, hv, vs, c = self._unit_coords(bidx * self.warps_per_cta + warp, HV, H, lane)
-        vb = vs // self.warps_per_cta  # the CTA's box along V
-        sW = sBuf[None, None, warp]
-        slot = mIdx[n]  # one (sequence, head) per CTA: the branch below is CTA-uniform
-        if tidx == 0:
-            cute.arch.mbarrier_init(bar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
-        if slot >= 0:
-            if warp == 0:
-                if lane == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, TV * K * 4)
-                ts, tg = self._box_partition(tma_ld, t_ld, sTile, hv, slot)
-                cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
-            # this lane's column, rows k of the box TV floats apart: it stays in shared memory (consecutive lanes,
-            # consecutive words: no bank conflicts), since a column of 128 fp32 in registers spilled at any occupancy
-            col = cute.make_tensor(
-                sRaw.iterator + cute.assume(self.v_per_warp * warp + lane, divby=1), cute.make_layout(K, stride=TV)
-            )
-            r4 = cute.make_rmem_tensor(4, Float32)
-            rb = cute.make_rmem_tensor(4, Float32)
-            rq = cute.make_rmem_tensor(4, Float32)
-            acc = cute.make_rmem_tensor(4, Float32)
-            ro = cute.make_rmem_tensor(1, self.io_dtype)
-            for t0 in range(0, T, TR):
-                nt = cutlass.min(T - t0, TR)
-                for tt in range(nt):
-                    self._prep_token(
-                        mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
-                        lower_bound,
-                    )  # fmt: skip
-                cute.arch.sync_warp()
-                if t0 == 0:
-                    cute.arch.mbarrier_wait(bar, 0)
-                for tt in range(nt):
-                    sSlot = sW[None, tt]
-                    # p = (diag(exp(g)) S)^T k, four partial sums for the FMA latency. Runtime loops (unrolled
-                    # KV_COLS_UNROLL times): fully unrolled, the compiler hoisted every slot read (168-255 registers)
-                    acc.fill(0.0)
-                    for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
-                        cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
-                        cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
-                        for e in cutlass.range_constexpr(4):
-                            acc[e] = acc[e] + col[4 * i + e] * r4[e] * rb[e]
-                    u = sSlot[self.off_beta] * (sSlot[self.off_v + lane] - ((acc[0] + acc[1]) + (acc[2] + acc[3])))
-                    # S <- diag(exp(g)) S + k u^T ;  o = S^T q_hat
-                    acc.fill(0.0)
-                    for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
-                        cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
-                        cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
-                        cute.autovec_copy(self._slot4(sSlot, 4 * i), rq)
-                        for e in cutlass.range_constexpr(4):
-                            x = col[4 * i + e] * r4[e] + rb[e] * u
-                            col[4 * i + e] = x
-                            acc[e] = acc[e] + x * rq[e]
-                    ro[0] = ((acc[0] + acc[1]) + (acc[2] + acc[3])).to(self.io_dtype)
-                    mOut[n, t0 + tt, hv, c] = ro[0]
-                cute.arch.sync_warp()
-            # the columns were written in shared memory (generic proxy): visible to the TMA store after the fence
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
-            if warp == 0:
-                ts, tg = self._box_partition(tma_st, t_st, sTile, hv, slot)
-                cute.copy(tma_st, ts[None, 0], tg[None, vb])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
-        else:
+        elif const_expr(self.kv_cols):
             zero = cute.make_rmem_tensor(1, self.io_dtype)
             zero.fill(0.0)
             for t in range(T):
-                mOut[n, t, hv, c] = zero[0]
+                mOut[n, t, hv, v0] = zero[0]
+        else:
+            self._zero_rows(mOut, n, hv, v0, lk, T)
+
+    @cute.jit
+    def _run_columns(
+        self, sRaw, sW, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, n, h, hv, vs, c, lane, warp, T, scale,
+        lower_bound, bar,
+    ):  # fmt: skip
+        """kv_cols: the T tokens of this lane's state column ``c`` (all K rows, in the shared box), in rounds of
+        ``tokens_per_round`` prepared tokens; the box's TMA load lands on ``bar`` while the first round is prepared."""
+        K, TV, TR = self.K, self.tile_v, self.tokens_per_round
+        # this lane's column, rows k of the box TV floats apart: it stays in shared memory (consecutive lanes,
+        # consecutive words: no bank conflicts), since a column of 128 fp32 in registers spilled at any occupancy
+        col = cute.make_tensor(
+            sRaw.iterator + cute.assume(self.v_per_warp * warp + lane, divby=1), cute.make_layout(K, stride=TV)
+        )
+        r4 = cute.make_rmem_tensor(4, Float32)
+        rb = cute.make_rmem_tensor(4, Float32)
+        rq = cute.make_rmem_tensor(4, Float32)
+        acc = cute.make_rmem_tensor(4, Float32)
+        ro = cute.make_rmem_tensor(1, self.io_dtype)
+        for t0 in range(0, T, TR):
+            nt = cutlass.min(T - t0, TR)
+            for tt in range(nt):
+                self._prep_token(
+                    mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
+                    lower_bound,
+                )  # fmt: skip
+            cute.arch.sync_warp()
+            if t0 == 0:
+                cute.arch.mbarrier_wait(bar, 0)
+            for tt in range(nt):
+                sSlot = sW[None, tt]
+                # p = (diag(exp(g)) S)^T k, four partial sums for the FMA latency. Runtime loops (unrolled
+                # KV_COLS_UNROLL times): fully unrolled, the compiler hoisted every slot read (168-255 registers)
+                acc.fill(0.0)
+                for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
+                    cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
+                    cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
+                    for e in cutlass.range_constexpr(4):
+                        acc[e] = acc[e] + col[4 * i + e] * r4[e] * rb[e]
+                u = sSlot[self.off_beta] * (sSlot[self.off_v + lane] - ((acc[0] + acc[1]) + (acc[2] + acc[3])))
+                # S <- diag(exp(g)) S + k u^T ;  o = S^T q_hat
+                acc.fill(0.0)
+                for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
+                    cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
+                    cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
+                    cute.autovec_copy(self._slot4(sSlot, 4 * i), rq)
+                    for e in cutlass.range_constexpr(4):
+                        x = col[4 * i + e] * r4[e] + rb[e] * u
+                        col[4 * i + e] = x
+                        acc[e] = acc[e] + x * rq[e]
+                ro[0] = ((acc[0] + acc[1]) + (acc[2] + acc[3])).to(self.io_dtype)
+                mOut[n, t0 + tt, hv, c] = ro[0]
+            cute.arch.sync_warp()
 
     @cute.jit
     def _slot4(self, sSlot, off):
