@@ -42,6 +42,15 @@ NS = (1, 64, 128, 256, 512)
 MTP = [None, (4, 1, 16), (8, 1, 16), (4, 1, 20), (4, 4, 5)]
 
 
+def _rounds_us(calls: dict) -> dict:
+    """Graph-replay microseconds of every call, the calls taking turns over three rounds: key -> [us per round]."""
+    times = {key: [] for key in calls}
+    for _ in range(3):
+        for key, call in calls.items():
+            times[key].append(decode_n1.graph_us(call))
+    return times
+
+
 def main():
     decode_n1.CALLS = 10  # graphs of 10 launches: N=512 is ~1 ms a launch
     copy_tbps = bc.measure_copy_bandwidth()
@@ -78,10 +87,7 @@ def main():
                 launch(q, k, v, decay, pool, idx, out, B.K**-0.5)
 
             calls[(N, "lightning", w, per_sm, regs)] = call
-    times = {key: [] for key in calls}
-    for _ in range(3):
-        for key, call in calls.items():
-            times[key].append(decode_n1.graph_us(call))
+    times = _rounds_us(calls)
     for N in NS:
         nbytes = N * B.HV * B.K * B.V * 4 * 2
         for w, ctas in VARIANTS:
@@ -120,10 +126,7 @@ def mtp():
                 launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
 
             calls[(T, variant)] = call
-    times = {key: [] for key in calls}
-    for _ in range(3):
-        for key, call in calls.items():
-            times[key].append(decode_n1.graph_us(call))
+    times = _rounds_us(calls)
     nbytes = 64 * B.HV * B.K * B.V * 4 * 2
     for (T, variant), ts in times.items():
         us = statistics.median(ts)
@@ -160,10 +163,7 @@ def kv_pools():
                 launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
 
             calls[(N, variant)] = call
-    times = {key: [] for key in calls}
-    for _ in range(3):
-        for key, call in calls.items():
-            times[key].append(decode_n1.graph_us(call))
+    times = _rounds_us(calls)
     for (N, variant), ts in times.items():
         us = statistics.median(ts)
         what = "kv_tma (default)" if variant is None else "kv_cols %d warps/CTA x %d CTAs/SM" % variant

@@ -301,6 +301,15 @@ class KdaDecodeSm90:
             sSlot[self.off_beta] = self._beta(mBeta, n, t, hv)
 
     @cute.jit
+    def _prep_round(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW, n, t0, nt, h, hv, vs, lane, scale, lower_bound):
+        """Tokens t0 .. t0 + nt - 1 into the warp's slots ``sW[:, 0 .. nt - 1]``, visible to the whole warp after."""
+        for tt in range(nt):
+            self._prep_token(
+                mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale, lower_bound
+            )
+        cute.arch.sync_warp()
+
+    @cute.jit
     def _gate_coef(self, mALog, hv):
         """The per-head factor of the gate: -exp(A_log) (softplus), exp(A_log) or 1 (lower_bound)."""
         a = Float32(1.0)
@@ -532,12 +541,8 @@ class KdaDecodeSm90:
         ro = cute.make_rmem_tensor(1, self.io_dtype)
         for t0 in range(0, T, TR):
             nt = cutlass.min(T - t0, TR)
-            for tt in range(nt):
-                self._prep_token(
-                    mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
-                    lower_bound,
-                )  # fmt: skip
-            cute.arch.sync_warp()
+            self._prep_round(mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW, n, t0, nt, h, hv, vs, lane, scale,
+                             lower_bound)  # fmt: skip
             if t0 == 0:
                 cute.arch.mbarrier_wait(bar, 0)
             for tt in range(nt):
@@ -620,12 +625,8 @@ class KdaDecodeSm90:
 
         for t0 in range(0, T, TR):
             nt = cutlass.min(T - t0, TR)
-            for tt in range(nt):
-                self._prep_token(
-                    mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW[None, tt], n, t0 + tt, h, hv, vs, lane, scale,
-                    lower_bound,
-                )  # fmt: skip
-            cute.arch.sync_warp()
+            self._prep_round(mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW, n, t0, nt, h, hv, vs, lane, scale,
+                             lower_bound)  # fmt: skip
             if const_expr(self.kv_tma):
                 if t0 == 0:
                     cute.arch.mbarrier_wait(bar, 0)
