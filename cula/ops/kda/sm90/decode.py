@@ -59,10 +59,10 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from cula.cache import compile_options, compiled_kernel
+from cula.ops.state_box import box_partition, state_box_atoms
 
 __all__ = ["GATES", "KdaDecodeSm90", "kda_decode_launcher", "kda_decode_sm90", "kda_decode_variant"]
 
@@ -213,11 +213,8 @@ class KdaDecodeSm90:
         units = N * HV * self.v_slices
         grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
         if const_expr(self.kv_tma or self.kv_cols):
-            s_vk = cute.make_tensor(mState.iterator, cute.select(mState.layout, mode=[3, 2, 1, 0]))  # (V, K, HV, P)
-            box = (self.tile_v, self.K)
             box_l = cute.select(self._tile_layout(), mode=[0, 1])
-            tma_ld, t_ld = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), s_vk, box_l, box)
-            tma_st, t_st = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), s_vk, box_l, box)
+            tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K)
             kernel = self.kernel_box(
                 mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
             )
@@ -433,10 +430,7 @@ class KdaDecodeSm90:
     @cute.jit
     def _box_partition(self, atom, t_pool, sTile, hv, slot):
         """(shared box, the state's boxes along V) of ``slot``'s head ``hv`` for a kv_tma TMA atom (load or store)."""
-        g_box = cute.local_tile(t_pool[None, None, hv, slot], (self.tile_v, self.K), (None, 0))
-        return cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(sTile, 0, 2), cute.group_modes(g_box, 0, 2)
-        )
+        return box_partition(atom, t_pool, sTile, hv, slot, self.tile_v, self.K)
 
     @cute.kernel
     def kernel_box(
