@@ -10,7 +10,8 @@ against 140.4 / 273.2 / 539.4 / 1075.3 for 4 x 5 (92.0 / 94.5 / 95.6 / 95.9% of 
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_cta_size.py [--mtp]
 
 ``--mtp``: the same question for the MTP verify call (N=64, T = 2 / 4 / 8), by token slots and CTA size; ``--kv``:
-[K, V] pools, kv_tma against the kv_cols boxes (``KdaDecodeSm90(kv_cols=True)``). Neither has run yet.
+[K, V] pools, KDA's kv_tma against its kv_cols boxes (``KdaDecodeSm90(kv_cols=True)``) and Lightning's tile against
+its column kernel (``LightningDecodeSm90(cols=True)``). Neither has run yet.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ KV_COLS = [(4, 3), (2, 6), (1, 12)]
 
 
 def kv_pools():
-    """Kernel time of T=1 calls on [K, V] pools: kv_tma against kv_cols boxes of 1, 2 and 4 warps."""
+    """Kernel time of T=1 calls on [K, V] pools: kv_tma against kv_cols boxes of 1, 2 and 4 warps; Lightning's
+    default tile against its column kernel with the same boxes."""
     decode_n1.CALLS = 10
     copy_tbps = bc.measure_copy_bandwidth()
     calls = {}
@@ -163,10 +165,28 @@ def kv_pools():
                 launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
 
             calls[(N, variant)] = call
+        # Lightning on the same [K, V] pool: the default tile against its column kernel
+        lq, lk, lv = (torch.randn(N, 1, B.HV, B.K, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        decay = torch.rand(B.HV, device="cuda")
+        lout = torch.empty_like(lv)
+        for variant in [None, *KV_COLS]:
+            extra = {} if variant is None else dict(cols=True, warps_per_cta=variant[0],
+                                                    warps_per_sm=variant[0] * variant[1])  # fmt: skip
+            launch = L.lightning_decode_launcher(lq, lv, state_v_first=False, **extra)
+
+            def call(launch=launch, q=lq, k=lk, v=lv, decay=decay, pool=pool, idx=idx, out=lout):
+                launch(q, k, v, decay, pool, idx, out, B.K**-0.5)
+
+            calls[(N, ("lightning", variant))] = call
     times = _rounds_us(calls)
     for (N, variant), ts in times.items():
         us = statistics.median(ts)
-        what = "kv_tma (default)" if variant is None else "kv_cols %d warps/CTA x %d CTAs/SM" % variant
+        if isinstance(variant, tuple) and variant[0] == "lightning":
+            what = "lightning default"
+            if variant[1] is not None:
+                what = "lightning cols %d warps/CTA x %d CTAs/SM" % variant[1]
+        else:
+            what = "kv_tma (default)" if variant is None else "kv_cols %d warps/CTA x %d CTAs/SM" % variant
         tbps = N * B.HV * B.K * B.V * 8 / us / 1e6
         print(f"kv N={N:4d} {what:34s}: {us:8.2f} us  {tbps:5.3f} TB/s  {100 * tbps / copy_tbps:5.1f}% of copy",
               flush=True)  # fmt: skip

@@ -57,6 +57,10 @@ _VARIANTS = [_variant(state_v_first=vf, K=K) for vf in (True, False) for K in (1
     _variant(K=64, warps_per_cta=1, state_regs=32, warps_per_sm=20),
     _variant(warps_per_cta=1, state_regs=32, warps_per_sm=24),
     _variant(state_regs=32, warps_per_sm=20),
+    # the column kernel for [K, V] pools (KV_COLS): boxes of 4, 1 and 2 warps, 12 warps per SM
+    _variant(state_v_first=False, cols=True, warps_per_cta=4, warps_per_sm=12),
+    _variant(state_v_first=False, cols=True, warps_per_cta=1, warps_per_sm=12),
+    _variant(state_v_first=False, K=64, cols=True, warps_per_cta=2, warps_per_sm=12),
 ]
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,7 @@ def compiled_variants():
 def _vid(v):
     return "-".join(
         [v["io_dtype"], f"K{v['K']}", "vk" if v["state_v_first"] else "kv", f"ld_{v['load_hint']}",
-         f"st_{v['store_hint']}"] + [f"{k}{v[k]}" for k in ("warps_per_cta", "state_regs", "warps_per_sm") if k in v]
+         f"st_{v['store_hint']}"] + [f"{k}{v[k]}" for k in ("warps_per_cta", "state_regs", "warps_per_sm", "cols") if k in v]
     )
 
 
@@ -110,6 +114,14 @@ def test_config_rejects_unsupported():
         LightningDecodeSm90(K=128, V=128, warps_per_sm=10, **kw)
     with pytest.raises(ValueError, match="warps_per_cta must be 1 or 4"):
         LightningDecodeSm90(K=128, V=128, warps_per_cta=2, **kw)
+    with pytest.raises(ValueError, match="cols is for"):
+        LightningDecodeSm90(K=128, V=128, cols=True, **kw)
+    with pytest.raises(ValueError, match="cols is for"):
+        LightningDecodeSm90(io_dtype=BFloat16, K=128, V=64, state_v_first=False, cols=True, warps_per_cta=4)
+    box = LightningDecodeSm90(io_dtype=BFloat16, K=128, V=128, state_v_first=False, cols=True, warps_per_cta=4,
+                              warps_per_sm=12)  # fmt: skip
+    assert (box.tile_v, box.units_per_head, box.units_per_cta, box.min_blocks_per_sm) == (128, 1, 1, 3)
+    assert box.ctas_needed(3, 5) == 15
     with pytest.raises(ValueError, match="state_regs must be 64, or 32"):
         LightningDecodeSm90(io_dtype=BFloat16, K=128, V=128, state_v_first=False, state_regs=32)
     with pytest.raises(ValueError, match="warps_per_cta must be 4"):
@@ -179,6 +191,18 @@ def test_lane_maps_partition_the_tile(state_v_first, state_regs, K):
             out_b = {x[0] for x in b} if state_v_first else {x[1] for x in b}
             same_group = (lane & ~reduce_mask) == (other & ~reduce_mask)
             assert (out_a == out_b) == same_group
+
+
+def test_default_tile(monkeypatch):
+    """SINGLE_TOKEN_TILE for T=1 [V, K] calls, KV_COLS (when set) for T=1 [K, V] calls whose V its box divides,
+    the 4-warp tile otherwise; the column kernel never runs the persistent grid."""
+    import cula.ops.lightning.sm90.decode as L
+
+    assert L.default_tile(True, 1) == (*L.SINGLE_TOKEN_TILE, False)
+    assert L.default_tile(False, 1) == (4, 16, 64, False) == L.default_tile(True, 2)
+    monkeypatch.setattr(L, "KV_COLS", (4, 3))
+    assert L.default_tile(False, 1, 128) == (4, 12, 64, True)
+    assert L.default_tile(False, 1, 64) == L.default_tile(False, 2, 128) == (4, 16, 64, False)
 
 
 def test_grid_sizes():
@@ -339,6 +363,15 @@ _CASES = [
     {"N": 700, "T": 2, "H": 4, "HV": 16, "D": 128, "warps_per_cta": 1, "state_regs": 32, "warps_per_sm": 24},
     {"N": 1, "T": 1, "H": 64, "HV": 64, "D": 128, "warps_per_cta": 1, "state_regs": 32, "warps_per_sm": 24},
     {"N": 9, "T": 3, "H": 1, "HV": 6, "D": 128, "pool_slice": True, "state_regs": 32, "warps_per_sm": 24},
+    # the column kernel for [K, V] pools (KV_COLS; one CTA a box, also at T > 1)
+    *({"N": 700, "T": T, "H": 4, "HV": 16, "D": D, "state_v_first": False, "cols": True, "warps_per_cta": w,
+       "warps_per_sm": 12} for T, D, w in ((1, 128, 4), (1, 128, 1), (3, 128, 2), (1, 64, 2), (2, 64, 1))),
+    {"N": 1, "T": 1, "H": 64, "HV": 64, "D": 128, "state_v_first": False, "cols": True, "warps_per_cta": 4,
+     "warps_per_sm": 12},
+    {"N": 9, "T": 2, "H": 1, "HV": 6, "D": 128, "pool_slice": True, "state_v_first": False, "cols": True,
+     "warps_per_cta": 4, "warps_per_sm": 12},
+    {"N": 6, "T": 1, "H": 2, "HV": 4, "D": 128, "all_padded": True, "state_v_first": False, "cols": True,
+     "warps_per_cta": 4, "warps_per_sm": 12},
     # cache hints change no result
     {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "default", "store_hint": "streaming"},
     {"N": 33, "T": 2, "H": 2, "HV": 8, "D": 128, "load_hint": "streaming", "store_hint": "no_allocate",

@@ -71,6 +71,7 @@ from cutlass.cute.nvgpu import CacheEvictionPriority, CopyG2ROp, CopyR2GOp, Load
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from cula.cache import compile_options, compiled_kernel
+from cula.ops.state_box import box_partition, state_box_atoms
 
 __all__ = [
     "LOAD_HINTS", "STORE_HINTS", "LightningDecodeSm90", "default_load_hint", "lightning_decode_launcher",
@@ -108,6 +109,7 @@ class LightningDecodeSm90:
         warps_per_sm: int = 16,
         warps_per_cta: int = 4,
         state_regs: int = 64,
+        cols: bool = False,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -117,8 +119,14 @@ class LightningDecodeSm90:
             raise ValueError(f"load_hint must be one of {sorted(LOAD_HINTS)}, got {load_hint!r}")
         if store_hint not in STORE_HINTS:
             raise ValueError(f"store_hint must be one of {sorted(STORE_HINTS)}, got {store_hint!r}")
-        if warps_per_cta not in (1, 4):
-            raise ValueError(f"warps_per_cta must be 1 or 4, got {warps_per_cta}")
+        # cols ([K, V] pools): a CTA of W warps takes a [K, 32 W] box of one (sequence, head) by one TMA load (W = 4,
+        # V = 128: the whole state, one contiguous piece of the pool) and keeps it in shared memory; lane j of warp w
+        # owns column 32 w + j with all K rows, so o = S^T q is an in-lane sum (no reduction across lanes or warps)
+        if cols and (state_v_first or V % (32 * warps_per_cta) != 0):
+            raise ValueError("cols is for [K, V] pools with V a multiple of 32 x warps_per_cta")
+        self.cols = cols
+        if warps_per_cta not in ((1, 2, 4) if cols else (1, 4)):
+            raise ValueError(f"warps_per_cta must be 1 or 4 (or 2 with cols), got {warps_per_cta}")
         if warps_per_sm % warps_per_cta != 0:
             raise ValueError(f"warps_per_sm must be a multiple of {warps_per_cta}, got {warps_per_sm}")
         self.warps_per_cta = warps_per_cta
@@ -152,6 +160,9 @@ class LightningDecodeSm90:
             self.warps_per_unit = K // (self.lanes_out * self.R)
             self.units_per_head = V // self.slice_v
         assert self.R * self.C * self.VEC == self.state_regs
+        self.tile_v = 32 * warps_per_cta  # cols: V columns per CTA
+        if cols:  # a CTA is the unit: one box
+            self.warps_per_unit, self.units_per_head = warps_per_cta, V // self.tile_v
         if self.warps_per_unit not in (1, self.warps_per_cta):
             raise ValueError(f"[K, V] pools with K={K} reduce over the CTA's 4 warps: warps_per_cta must be 4")
         self.units_per_cta = self.warps_per_cta // self.warps_per_unit
@@ -184,7 +195,15 @@ class LightningDecodeSm90:
         carveout = 0
         if cutlass.const_expr(self.warps_per_unit > 1):
             carveout = 10
-        self.kernel(mQ, mK, mV, mDecay, mState, mIdx, mOut, scale).launch(
+        kernel = None
+        if cutlass.const_expr(self.cols):
+            carveout = 100  # the state box
+            box_l = cute.make_layout((self.tile_v, self.K), stride=(1, self.tile_v))
+            tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K)
+            kernel = self.kernel_cols(mQ, mK, mV, mDecay, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale)
+        else:
+            kernel = self.kernel(mQ, mK, mV, mDecay, mState, mIdx, mOut, scale)
+        kernel.launch(
             grid=[num_ctas, 1, 1],
             block=[32 * self.warps_per_cta, 1, 1],
             min_blocks_per_mp=self.min_blocks_per_sm,
@@ -423,6 +442,109 @@ class LightningDecodeSm90:
                             off = cute.assume(sub * self.slice_v + tidx * R, divby=R)
                             self._store_vec(gO + off, zero_io, R)
 
+    @cute.kernel
+    def kernel_cols(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mDecay: cute.Tensor,
+        tma_ld: cute.CopyAtom,
+        t_ld: cute.Tensor,
+        tma_st: cute.CopyAtom,
+        t_st: cute.Tensor,
+        mIdx: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+    ):
+        """cols: one [K, 32 W] state box per CTA (one CTA per box, no grid stride), a column per lane (see __init__).
+        Per token and lane: ``S[k, c] <- a S[k, c] + k_k v_c`` and ``o_c = sum_k S[k, c] q_k`` over the column in
+        shared memory, q (scaled) and k broadcast from the warp's slot."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        T = mQ.shape[1]
+        H = mQ.shape[2]
+        HV = mV.shape[2]
+        K, TV, W, UPH = self.K, self.tile_v, self.warps_per_cta, self.units_per_head
+        KP = K // 32
+
+        smem = cutlass.utils.SmemAllocator()
+        sRaw = smem.allocate_tensor(Float32, cute.make_layout(TV * K), byte_alignment=1024)
+        sQK = smem.allocate_tensor(Float32, cute.make_layout((2 * K, W)), byte_alignment=16)  # q * scale, k
+        bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8).iterator
+        sTile = cute.make_tensor(sRaw.iterator, cute.make_layout((TV, K, 1), stride=(1, TV, 0)))
+
+        vb = bidx % UPH
+        nh = bidx // UPH
+        hv = nh % HV
+        n = nh // HV
+        h = hv // (HV // H)
+        c = vb * TV + 32 * warp + lane  # this lane's column of the state
+        slot = mIdx[n]  # one (sequence, head) per CTA: the branch below is CTA-uniform
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        if slot >= 0:
+            if warp == 0:
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, TV * K * 4)
+                ts, tg = box_partition(tma_ld, t_ld, sTile, hv, slot, TV, K)
+                cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
+            # accurate exp (once per unit): a ulp of bias here compounds over a long decode
+            a = cute.math.exp(-Float32(mDecay[hv]), fastmath=False)
+            col = cute.make_tensor(
+                sRaw.iterator + cute.assume(32 * warp + lane, divby=1), cute.make_layout(K, stride=TV)
+            )
+            sW = sQK[None, warp]
+            rq = cute.make_rmem_tensor(KP, Float32)
+            rk = cute.make_rmem_tensor(KP, Float32)
+            q4 = cute.make_rmem_tensor(4, Float32)
+            k4 = cute.make_rmem_tensor(4, Float32)
+            acc = cute.make_rmem_tensor(4, Float32)
+            ro = cute.make_rmem_tensor(1, self.io_dtype)
+            k0 = cute.assume(lane * KP, divby=KP)
+            for t in range(T):
+                # this lane's K / 32 elements of q (scaled) and k into the warp's slot
+                self._load_vec(mQ[n, t, h, None].iterator + k0, KP, rq, scale)
+                self._load_vec(mK[n, t, h, None].iterator + k0, KP, rk, Float32(1.0))
+                cute.autovec_copy(rq, cute.make_tensor(sW.iterator + k0, cute.make_layout(KP)))
+                cute.autovec_copy(rk, cute.make_tensor(sW.iterator + K + k0, cute.make_layout(KP)))
+                vr = Float32(mV[n, t, hv, c])
+                cute.arch.sync_warp()
+                if t == 0:
+                    cute.arch.mbarrier_wait(bar, 0)
+                acc.fill(0.0)
+                # runtime loop unrolled by 4: fully unrolled, the slot reads would all be hoisted into registers
+                for i in cutlass.range(K // 4, unroll=4):
+                    cute.autovec_copy(cute.make_tensor(sW.iterator + cute.assume(4 * i, divby=4), cute.make_layout(4)),
+                                      q4)  # fmt: skip
+                    cute.autovec_copy(
+                        cute.make_tensor(sW.iterator + cute.assume(K + 4 * i, divby=4), cute.make_layout(4)), k4
+                    )
+                    for e in cutlass.range_constexpr(4):
+                        x = col[4 * i + e] * a + k4[e] * vr
+                        col[4 * i + e] = x
+                        acc[e] = acc[e] + x * q4[e]
+                ro[0] = ((acc[0] + acc[1]) + (acc[2] + acc[3])).to(self.io_dtype)
+                mOut[n, t, hv, c] = ro[0]
+                cute.arch.sync_warp()  # the slot is rewritten by the next token
+            # the box was written in shared memory (generic proxy): visible to the TMA store after the fence
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+            if warp == 0:
+                ts, tg = box_partition(tma_st, t_st, sTile, hv, slot, TV, K)
+                cute.copy(tma_st, ts[None, 0], tg[None, vb])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
+        else:
+            zero = cute.make_rmem_tensor(1, self.io_dtype)
+            zero.fill(0.0)
+            for t in range(T):
+                mOut[n, t, hv, c] = zero[0]
+
     @cute.jit
     def _store_chunks(self, ptr, src_io):
         """``ptr[c + chunk_stride * j] = src_io[c, j]``: the lane's inner values of one output row."""
@@ -468,25 +590,29 @@ def default_load_hint(K: int, state_v_first: bool) -> str:
     return "no_allocate" if K == 64 and not state_v_first else "default"
 
 
-def default_tile(state_v_first: bool, T: int) -> tuple[int, int, int]:
-    """(warps per CTA, warps per SM, state values a lane) of a call: ``SINGLE_TOKEN_TILE`` for T=1 on a [V, K]
-    pool, else 4-warp CTAs, 16 warps per SM and 64 values a lane."""
+def default_tile(state_v_first: bool, T: int, V: int = 128) -> tuple[int, int, int, bool]:
+    """(warps per CTA, warps per SM, state values a lane, cols) of a call: ``SINGLE_TOKEN_TILE`` for T=1 on a
+    [V, K] pool, ``KV_COLS`` (when set) for T=1 on a [K, V] pool whose V its box divides, else 4-warp CTAs, 16
+    warps per SM and 64 values a lane."""
     if T == 1 and state_v_first and SINGLE_TOKEN_TILE:
-        return SINGLE_TOKEN_TILE
-    return 4, 16, 64
+        return (*SINGLE_TOKEN_TILE, False)
+    if T == 1 and not state_v_first and KV_COLS and V % (32 * KV_COLS[0]) == 0:
+        return KV_COLS[0], KV_COLS[0] * KV_COLS[1], 64, True
+    return 4, 16, 64, False
 
 
 def _variant_key(
-    io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, arch
+    io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, cols, arch
 ) -> tuple:
     """The compile-cache key (``load_hint`` None: :func:`default_load_hint`)."""
     load_hint = default_load_hint(K, state_v_first) if load_hint is None else load_hint
     return ("lightning_decode_sm90", io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm,
-            warps_per_cta, state_regs, arch)  # fmt: skip
+            warps_per_cta, state_regs, bool(cols), arch)  # fmt: skip
 
 
 def _config(key: tuple) -> LightningDecodeSm90:
-    _, io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, _arch = key
+    (_, io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, cols,
+     _arch) = key  # fmt: skip
     return LightningDecodeSm90(
         io_dtype=_TORCH_IO[io_dtype],
         K=K,
@@ -497,6 +623,7 @@ def _config(key: tuple) -> LightningDecodeSm90:
         warps_per_sm=warps_per_sm,
         warps_per_cta=warps_per_cta,
         state_regs=state_regs,
+        cols=cols,
     )
 
 
@@ -516,6 +643,7 @@ def lightning_decode_variant(
     warps_per_sm: int = 16,
     warps_per_cta: int = 4,
     state_regs: int = 64,
+    cols: bool = False,
     arch: tuple[int, int] = (9, 0),
 ):
     """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
@@ -523,7 +651,7 @@ def lightning_decode_variant(
     Call it as ``fn(q, k, v, decay, state, indices, out, scale, num_ctas)``. Used by the CPU compile tests.
     """
     key = _variant_key(
-        io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, arch
+        io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, cols, arch
     )
     return compiled_kernel(key, lambda: _compile(_config_for(key), arch))
 
@@ -549,6 +677,7 @@ def lightning_decode_sm90(
     warps_per_sm: int | None = None,
     warps_per_cta: int | None = None,
     state_regs: int | None = None,
+    cols: bool | None = None,
     persistent: bool | None = None,
 ) -> None:
     """One Lightning decode step (T tokens per sequence) against an fp32 state pool, on SM90.
@@ -571,15 +700,16 @@ def lightning_decode_sm90(
         load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs: tuning knobs for the speed report (see
             ``LOAD_HINTS``, ``STORE_HINTS``; ``load_hint`` None: :func:`default_load_hint`; ``warps_per_sm`` sets
             ptxas' register cap to ``65536 / (32 * warps_per_sm)``; ``warps_per_cta`` 1 or 4; ``state_regs``, fp32
-            state values a lane, 64 or, for [V, K] pools, 32). All three None: :func:`default_tile`; any given:
-            the others default to 16, 4 and 64. ``persistent``: ``#SMs x CTAs per SM`` CTAs walking the units
+            state values a lane, 64 or, for [V, K] pools, 32); ``cols``: the column kernel for [K, V] pools (see
+            ``LightningDecodeSm90``). All four None: :func:`default_tile`; any given: the others default to 16, 4,
+            64 and False. ``persistent``: ``#SMs x CTAs per SM`` CTAs walking the units
             with a grid stride instead of one CTA per unit group (None: from ``PERSISTENT_MIN_TOKENS``).
     """
     if q.shape[0] == 0:  # an empty grid is a launch error
         return
     launch = lightning_decode_launcher(
         q, v, state_v_first=state_v_first, load_hint=load_hint, store_hint=store_hint, warps_per_sm=warps_per_sm,
-        warps_per_cta=warps_per_cta, state_regs=state_regs, persistent=persistent,
+        warps_per_cta=warps_per_cta, state_regs=state_regs, cols=cols, persistent=persistent,
     )  # fmt: skip
     launch(q, k, v, decay, state, indices, out, scale)
 
@@ -594,19 +724,23 @@ def lightning_decode_launcher(
     warps_per_sm: int | None = None,
     warps_per_cta: int | None = None,
     state_regs: int | None = None,
+    cols: bool | None = None,
     persistent: bool | None = None,
 ):
     """The compiled variant and grid for calls shaped like ``q`` / ``v`` (``N >= 1``), bound once:
     ``launch(q, k, v, decay, state, indices, out, scale)`` (arguments as :func:`lightning_decode_sm90`)."""
-    if warps_per_sm is None and warps_per_cta is None and state_regs is None:
-        warps_per_cta, warps_per_sm, state_regs = default_tile(state_v_first, q.shape[1])
+    if warps_per_sm is None and warps_per_cta is None and state_regs is None and cols is None:
+        warps_per_cta, warps_per_sm, state_regs, cols = default_tile(state_v_first, q.shape[1], v.shape[-1])
     else:
         warps_per_sm = 16 if warps_per_sm is None else warps_per_sm
         warps_per_cta = 4 if warps_per_cta is None else warps_per_cta
         state_regs = 64 if state_regs is None else state_regs
+        cols = bool(cols)
+    if cols:  # one CTA a box: no grid stride in kernel_cols
+        persistent = False
     key = _variant_key(
         q.dtype, q.shape[-1], v.shape[-1], state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta,
-        state_regs, _ARCH,
+        state_regs, cols, _ARCH,
     )  # fmt: skip
     cfg = _config_for(key)
     fn = compiled_kernel(key, lambda: _compile(cfg, _ARCH))
@@ -641,6 +775,11 @@ _ARCH = (9, 0)
 # values at 24 warps per SM, no faster than the old tile. N=1 3.74 us either way. Smaller CTAs free their registers
 # the moment their one warp ends (see the KDA decode's SINGLE_TOKEN_CTA). None: the old tile.
 SINGLE_TOKEN_TILE: tuple[int, int, int] | None = (1, 20, 32)
+# T=1 calls on [K, V] pools: the column kernel (``LightningDecodeSm90(cols=True)``) with (warps per CTA, CTAs per SM)
+# when set; None: off. Written in session 19 without a GPU, not yet run (test_decode_cases' cols cases,
+# scripts/device/decode_cta_size.py --kv). The [K, V] tile it would replace reaches 91 / 93.7% of copy at N = 64 /
+# 256 against 92.9 / 95.3% for [V, K] pools; its K=128 units reduce over 4 warps through shared memory.
+KV_COLS: tuple[int, int] | None = None
 # Calls with fewer tokens than this launch one CTA per unit group (the kernel's grid stride then runs one round)
 # rather than #SMs x CTAs per SM walking the units: the hardware hands each new CTA to whichever SM frees up,
 # where a static grid stride gives every CTA the same share and the slowest SMs set the end. On the H200
