@@ -10,7 +10,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-__all__ = ["box_partition", "state_box_atoms"]
+__all__ = ["box_barrier_init", "box_load", "box_partition", "box_store", "state_box_atoms"]
 
 
 @cute.jit
@@ -31,3 +31,37 @@ def box_partition(atom, t_pool, sTile, hv, slot, tile_v: int, K: int):
     return cpasync.tma_partition(
         atom, 0, cute.make_layout(1), cute.group_modes(sTile, 0, 2), cute.group_modes(g_box, 0, 2)
     )
+
+
+@cute.jit
+def box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, tile_v: int, K: int):
+    """Arm ``bar`` (initialised by :func:`box_barrier_init`) and issue the TMA load of box ``vb`` of pool row
+    ``slot``, head ``hv`` into ``sTile``, from the CTA's first warp (``warp``: the warp-uniform index); wait with
+    ``mbarrier_wait(bar, 0)``."""
+    if warp == 0:
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, tile_v * K * 4)
+        ts, tg = box_partition(tma_ld, t_ld, sTile, hv, slot, tile_v, K)
+        cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
+
+
+@cute.jit
+def box_barrier_init(bar, tidx):
+    """The box load's mbarrier (one arrival), initialised by thread 0 and visible to the CTA after its barrier."""
+    if tidx == 0:
+        cute.arch.mbarrier_init(bar, 1)
+        cute.arch.mbarrier_init_fence()
+    cute.arch.barrier()
+
+
+@cute.jit
+def box_store(tma_st, t_st, sTile, hv, slot, vb, warp, tile_v: int, K: int):
+    """Every thread's shared-memory writes to the box made visible to the async proxy, then its TMA store from the
+    CTA's first warp, which waits until the store has read the box (shared memory must outlive it)."""
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier()
+    if warp == 0:
+        ts, tg = box_partition(tma_st, t_st, sTile, hv, slot, tile_v, K)
+        cute.copy(tma_st, ts[None, 0], tg[None, vb])
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)

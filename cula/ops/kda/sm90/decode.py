@@ -62,7 +62,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from cula.cache import compile_options, compiled_kernel
-from cula.ops.state_box import box_partition, state_box_atoms
+from cula.ops.state_box import box_barrier_init, box_load, box_store, state_box_atoms
 
 __all__ = ["GATES", "KdaDecodeSm90", "kda_decode_launcher", "kda_decode_sm90", "kda_decode_variant"]
 
@@ -427,11 +427,6 @@ class KdaDecodeSm90:
             cute.make_swizzle(bits, 4, 3), 0, cute.make_layout((self.tile_v, self.K, 1), stride=(1, self.tile_v, 0))
         )
 
-    @cute.jit
-    def _box_partition(self, atom, t_pool, sTile, hv, slot):
-        """(shared box, the state's boxes along V) of ``slot``'s head ``hv`` for a kv_tma TMA atom (load or store)."""
-        return box_partition(atom, t_pool, sTile, hv, slot, self.tile_v, self.K)
-
     @cute.kernel
     def kernel_box(
         self,
@@ -477,16 +472,9 @@ class KdaDecodeSm90:
         n, h, hv, vs, v0 = self._unit_coords(bidx * self.warps_per_cta + warp, HV, H, lv)
         vb = vs // self.warps_per_cta  # the CTA's box along V
         slot = mIdx[n]  # one (sequence, head) per CTA: the branch below is CTA-uniform
-        if tidx == 0:
-            cute.arch.mbarrier_init(bar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
+        box_barrier_init(bar, tidx)
         if slot >= 0:
-            if warp == 0:
-                if lane == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, TV * self.K * 4)
-                ts, tg = self._box_partition(tma_ld, t_ld, sTile, hv, slot)
-                cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
+            box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, self.tile_v, self.K)
             if const_expr(self.kv_cols):
                 self._run_columns(sRaw, sBuf[None, None, warp], mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, n, h, hv,
                                   vs, v0, lane, warp, T, scale, lower_bound, bar)  # fmt: skip
@@ -499,14 +487,7 @@ class KdaDecodeSm90:
                 tS = cute.make_rmem_tensor(cute.make_layout((self.k_per_lane, R), stride=(R, 1)), Float32)
                 self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, None, sBuf[None, None, warp],
                                n, h, hv, vs, v0, lane, T, scale, lower_bound, bar)  # fmt: skip
-            # the box is back in shared memory (generic proxy): visible to the TMA store after the fence
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
-            if warp == 0:
-                ts, tg = self._box_partition(tma_st, t_st, sTile, hv, slot)
-                cute.copy(tma_st, ts[None, 0], tg[None, vb])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
+            box_store(tma_st, t_st, sTile, hv, slot, vb, warp, self.tile_v, self.K)
         elif const_expr(self.kv_cols):
             zero = cute.make_rmem_tensor(1, self.io_dtype)
             zero.fill(0.0)

@@ -71,7 +71,7 @@ from cutlass.cute.nvgpu import CacheEvictionPriority, CopyG2ROp, CopyR2GOp, Load
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from cula.cache import compile_options, compiled_kernel
-from cula.ops.state_box import box_partition, state_box_atoms
+from cula.ops.state_box import box_barrier_init, box_load, box_store, state_box_atoms
 
 __all__ = [
     "LOAD_HINTS", "STORE_HINTS", "LightningDecodeSm90", "default_load_hint", "lightning_decode_launcher",
@@ -483,16 +483,9 @@ class LightningDecodeSm90:
         h = hv // (HV // H)
         c = vb * TV + 32 * warp + lane  # this lane's column of the state
         slot = mIdx[n]  # one (sequence, head) per CTA: the branch below is CTA-uniform
-        if tidx == 0:
-            cute.arch.mbarrier_init(bar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
+        box_barrier_init(bar, tidx)
         if slot >= 0:
-            if warp == 0:
-                if lane == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, TV * K * 4)
-                ts, tg = box_partition(tma_ld, t_ld, sTile, hv, slot, TV, K)
-                cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
+            box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, TV, K)
             # accurate exp (once per unit): a ulp of bias here compounds over a long decode
             a = cute.math.exp(-Float32(mDecay[hv]), fastmath=False)
             col = cute.make_tensor(
@@ -531,14 +524,7 @@ class LightningDecodeSm90:
                 ro[0] = ((acc[0] + acc[1]) + (acc[2] + acc[3])).to(self.io_dtype)
                 mOut[n, t, hv, c] = ro[0]
                 cute.arch.sync_warp()  # the slot is rewritten by the next token
-            # the box was written in shared memory (generic proxy): visible to the TMA store after the fence
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
-            if warp == 0:
-                ts, tg = box_partition(tma_st, t_st, sTile, hv, slot, TV, K)
-                cute.copy(tma_st, ts[None, 0], tg[None, vb])
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the store's reads
+            box_store(tma_st, t_st, sTile, hv, slot, vb, warp, TV, K)
         else:
             zero = cute.make_rmem_tensor(1, self.io_dtype)
             zero.fill(0.0)
