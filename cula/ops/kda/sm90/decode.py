@@ -836,8 +836,8 @@ def kda_decode_launcher(
     *, gate: str, has_a_log: bool, has_dt_bias: bool, wide_kv: bool | None = None, tokens: int | None = None, **flags
 ):  # fmt: skip
     """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``wide_kv`` None:
-    ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128; ``tokens``: the calls' T, when known, for
-    ``SINGLE_TOKEN_CTA``), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out,
+    ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128; ``tokens``: the calls' T, when known, for the T=1 variants
+    ``KV_COLS``, ``KV_TMA_DEFAULT`` and ``SINGLE_TOKEN_CTA``, tried in that order), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out,
     step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
