@@ -19,7 +19,7 @@ from cula.backends import PlanCache, tensor_sig
 N, H, HV, D, P = 3, 2, 4, 64, 6
 
 
-def _kda_inputs(dtype=torch.float32):
+def _kda_inputs(dtype=torch.float32, D=D):
     torch.manual_seed(0)
     q = torch.randn(N, 1, H, D, dtype=dtype)
     k = torch.randn(N, 1, H, D, dtype=dtype)
@@ -328,20 +328,26 @@ def test_single_token_cta_picks_the_one_slot_variant(counted_plans, fake_sm90, m
 
 
 def test_kv_cols_switch_picks_the_column_variant(counted_plans, fake_sm90, monkeypatch):
-    """KV_COLS takes T=1 calls on [K, V] pools (ahead of kv_tma), not T>1 ones or [V, K] pools."""
+    """KV_COLS takes T=1 calls on [K, V] pools with K=128 (ahead of kv_tma) from KV_COLS_MIN_STATES states (N x HV)
+    up; not T>1 calls, [V, K] pools, K=64 or smaller calls (kv_tma)."""
     import cula.ops.kda.sm90.decode as kops
 
     monkeypatch.setattr(kops, "KV_COLS", (2, 6))
-    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
+    monkeypatch.setattr(kops, "KV_COLS_MIN_STATES", N * HV)
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)
     A_log = torch.randn(HV)
-    kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, lower_bound=-5.0, state_v_first=False)
+    kv = dict(A_log=A_log, lower_bound=-5.0, state_v_first=False)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, **kv)
     two = [torch.cat([t, t], dim=1) for t in (q, k, v, g, beta)]
-    kd.kda_decode(*two, pool, idx, A_log=A_log, lower_bound=-5.0, state_v_first=False)
+    kd.kda_decode(*two, pool, idx, **kv)
     kd.kda_decode(q, k, v, g, beta, pool.transpose(-1, -2).contiguous(), idx, A_log=A_log, lower_bound=-5.0)
-    first, multi, vk = [c[1] for c in fake_sm90 if c[0] == "variant"]
+    kd.kda_decode(*(t[:-1] for t in (q, k, v, g, beta)), pool, idx[:-1], **kv)  # N x HV below the threshold
+    kd.kda_decode(*_kda_inputs(torch.bfloat16)[:6], idx, **kv)  # K=64
+    first, multi, vk, small, k64 = [c[1] for c in fake_sm90 if c[0] == "variant"]
     assert first["kv_cols"] and first["warps_per_cta"] == 2 and first["min_blocks_per_sm"] == 6
     assert first["tokens_per_round"] == 1 and not first["wide_kv"]
-    assert not multi.get("kv_cols") and not vk.get("kv_cols")
+    assert not any(c.get("kv_cols") for c in (multi, vk, small, k64))
+    assert small["kv_tma"] and not k64.get("kv_tma")
 
 
 def test_lightning_decode_plans(counted_plans, fake_sm90):

@@ -239,7 +239,7 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
         gate=_gate_kind(use_gate_in_kernel, lower_bound), has_a_log=A_log is not None,
         has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, has_step_states=step_states is not None,
-        tokens=q.shape[1],
+        tokens=q.shape[1], states=q.shape[0] * v.shape[2],
     )  # fmt: skip
 
     def launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states):

@@ -9,9 +9,10 @@ against 140.4 / 273.2 / 539.4 / 1075.3 for 4 x 5 (92.0 / 94.5 / 95.6 / 95.9% of 
 
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_cta_size.py [--mtp]
 
-``--mtp``: the same question for the MTP verify call (N=64, T = 2 / 4 / 8), by token slots and CTA size; ``--kv``:
-[K, V] pools, KDA's kv_tma against its kv_cols boxes (``KdaDecodeSm90(kv_cols=True)``) and Lightning's tile against
-its column kernel (``LightningDecodeSm90(cols=True)``). Neither has run yet.
+``--ns 2,8,32`` / ``--boxes 2x6,4x3``: other N values / kv_cols boxes. ``--mtp``: the same question for the MTP verify
+call (N=64, T = 2 / 4 / 8), by token slots and CTA size; ``--kv``: [K, V] pools, KDA's kv_tma against its kv_cols
+boxes (``KdaDecodeSm90(kv_cols=True)``) and Lightning's tile against its column kernel
+(``LightningDecodeSm90(cols=True)``). Both ran in session 20 (see the KV_COLS comments of the two decode modules).
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ KV_COLS = [(4, 3), (2, 6), (1, 12)]
 
 def kv_pools():
     """Kernel time of T=1 calls on [K, V] pools: kv_tma against kv_cols boxes of 1, 2 and 4 warps; Lightning's
-    default tile against its column kernel with the same boxes."""
+    4-warp tile against its column kernel with the same boxes (both defaults since session 20 up to
+    KV_COLS_MIN_STATES, the column kernels above)."""
     decode_n1.CALLS = 10
     copy_tbps = bc.measure_copy_bandwidth()
     calls = {}
@@ -157,21 +159,24 @@ def kv_pools():
                     has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
                     state_v_first=False, has_step_states=False, tokens=1)  # fmt: skip
         for variant in [None, *KV_COLS]:
-            extra = {} if variant is None else dict(kv_cols=True, wide_kv=False, tokens_per_round=1,
-                                                    warps_per_cta=variant[0], min_blocks_per_sm=variant[1])  # fmt: skip
+            extra = dict(kv_tma=True, wide_kv=False, tokens_per_round=1, min_blocks_per_sm=D.KV_TMA_MIN_BLOCKS)
+            if variant is not None:
+                extra = dict(kv_cols=True, wide_kv=False, tokens_per_round=1, warps_per_cta=variant[0],
+                             min_blocks_per_sm=variant[1])  # fmt: skip
             launch = D.kda_decode_launcher(**base, **extra)
 
             def call(launch=launch, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx, out=out, shared=shared):
                 launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
 
             calls[(N, variant)] = call
-        # Lightning on the same [K, V] pool: the default tile against its column kernel
+        # Lightning on the same [K, V] pool: the 4-warp tile against its column kernel
         lq, lk, lv = (torch.randn(N, 1, B.HV, B.K, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         decay = torch.rand(B.HV, device="cuda")
         lout = torch.empty_like(lv)
         for variant in [None, *KV_COLS]:
-            extra = {} if variant is None else dict(cols=True, warps_per_cta=variant[0],
-                                                    warps_per_sm=variant[0] * variant[1])  # fmt: skip
+            extra = dict(cols=False)  # the 4-warp tile
+            if variant is not None:
+                extra = dict(cols=True, warps_per_cta=variant[0], warps_per_sm=variant[0] * variant[1])
             launch = L.lightning_decode_launcher(lq, lv, state_v_first=False, **extra)
 
             def call(launch=launch, q=lq, k=lk, v=lv, decay=decay, pool=pool, idx=idx, out=lout):
@@ -182,11 +187,11 @@ def kv_pools():
     for (N, variant), ts in times.items():
         us = statistics.median(ts)
         if isinstance(variant, tuple) and variant[0] == "lightning":
-            what = "lightning default"
+            what = "lightning tile"
             if variant[1] is not None:
                 what = "lightning cols %d warps/CTA x %d CTAs/SM" % variant[1]
         else:
-            what = "kv_tma (default)" if variant is None else "kv_cols %d warps/CTA x %d CTAs/SM" % variant
+            what = "kv_tma" if variant is None else "kv_cols %d warps/CTA x %d CTAs/SM" % variant
         tbps = N * B.HV * B.K * B.V * 8 / us / 1e6
         print(f"kv N={N:4d} {what:34s}: {us:8.2f} us  {tbps:5.3f} TB/s  {100 * tbps / copy_tbps:5.1f}% of copy",
               flush=True)  # fmt: skip
@@ -195,4 +200,8 @@ def kv_pools():
 if __name__ == "__main__":
     with torch.inference_mode():
         args = sys.argv[1:]
+        if "--ns" in args:  # e.g. --ns 2,8,32: the N values instead of NS
+            NS = tuple(int(n) for n in args[args.index("--ns") + 1].split(","))
+        if "--boxes" in args:  # e.g. --boxes 2x6,4x3: the kv_cols boxes instead of KV_COLS
+            KV_COLS = [tuple(int(x) for x in b.split("x")) for b in args[args.index("--boxes") + 1].split(",")]
         mtp() if "--mtp" in args else kv_pools() if "--kv" in args else main()

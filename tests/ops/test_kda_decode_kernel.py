@@ -673,7 +673,8 @@ def test_wide_kv_matches(monkeypatch, N, T, K, steps):
     H, HV = 4, 16
     (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, T, H, HV, K)
     results = []
-    monkeypatch.setattr(D, "KV_TMA_DEFAULT", False)  # T=1 would take the TMA box either way
+    monkeypatch.setattr(D, "KV_TMA_DEFAULT", False)  # T=1 would take a TMA box either way
+    monkeypatch.setattr(D, "KV_COLS", None)
     for wide in (False, True):
         monkeypatch.setattr(D, "WIDE_KV_DEFAULT", wide)
         pool = pool0.clone()
@@ -701,7 +702,7 @@ def test_kv_tma_matches(monkeypatch, N, HV, V):
     float64 recurrence): outputs and pool to fp32 summation order, NaN-poisoned outputs all written, padded slots
     zeroed, pool rows not in the batch untouched bit for bit."""
     _requires_sm90()
-    settings = [{"KV_TMA_DEFAULT": tma, "WIDE_KV_DEFAULT": False} for tma in (False, True)]
+    settings = [{"KV_TMA_DEFAULT": tma, "WIDE_KV_DEFAULT": False, "KV_COLS": None} for tma in (False, True)]
     _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first=False))
 
 
@@ -714,7 +715,8 @@ def test_kv_cols_matches(monkeypatch, N, HV, V, cols):
     _requires_sm90()
     if V % (32 * cols[0]):
         pytest.skip("the box is 32 x warps columns wide")
-    settings = [{"KV_TMA_DEFAULT": False, "WIDE_KV_DEFAULT": False, "KV_COLS": c} for c in (None, cols)]
+    settings = [{"KV_TMA_DEFAULT": False, "WIDE_KV_DEFAULT": False, "KV_COLS": c, "KV_COLS_MIN_STATES": 0}
+                for c in (None, cols)]  # fmt: skip
     _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first=False))
 
 
@@ -752,7 +754,7 @@ def test_single_token_occupancy_matches(monkeypatch, N, state_v_first, cta):
     T=1: the same instructions on the same data, so the same bits (outputs and pool), padded slots zeroed and pool
     rows of other sequences untouched. [K, V] pools are checked with the narrow tile (the wide one is left alone)."""
     _requires_sm90()
-    settings = [{"WIDE_KV_DEFAULT": False, "KV_TMA_DEFAULT": False, "SINGLE_TOKEN_CTA": c}
+    settings = [{"WIDE_KV_DEFAULT": False, "KV_TMA_DEFAULT": False, "KV_COLS": None, "SINGLE_TOKEN_CTA": c}
                 for c in (None, cta)]  # fmt: skip
     _pool0, _indices, results = _t1_runs(monkeypatch, settings, N, 16, 128, state_v_first)
     (o0, p0), (o1, p1) = results

@@ -194,15 +194,22 @@ def test_lane_maps_partition_the_tile(state_v_first, state_regs, K):
 
 
 def test_default_tile(monkeypatch):
-    """SINGLE_TOKEN_TILE for T=1 [V, K] calls, KV_COLS (when set) for T=1 [K, V] calls whose V its box divides,
-    the 4-warp tile otherwise; the column kernel never runs the persistent grid."""
+    """SINGLE_TOKEN_TILE for T=1 [V, K] calls, KV_COLS for T=1 [K, V] calls with K=128 whose V its box divides
+    and whose N x HV reach KV_COLS_MIN_STATES, the 4-warp tile otherwise; the column kernel never runs the
+    persistent grid."""
     import cula.ops.lightning.sm90.decode as L
 
+    tile = (4, 16, 64, False)
     assert L.default_tile(True, 1) == (*L.SINGLE_TOKEN_TILE, False)
-    assert L.default_tile(False, 1) == (4, 16, 64, False) == L.default_tile(True, 2)
+    assert L.default_tile(True, 2) == tile
     monkeypatch.setattr(L, "KV_COLS", (4, 3))
-    assert L.default_tile(False, 1, 128) == (4, 12, 64, True)
-    assert L.default_tile(False, 1, 64) == L.default_tile(False, 2, 128) == (4, 16, 64, False)
+    many, few = L.KV_COLS_MIN_STATES, L.KV_COLS_MIN_STATES - 1
+    assert L.default_tile(False, 1, 128) == L.default_tile(False, 1, 128, 128, many) == (4, 12, 64, True)
+    assert L.default_tile(False, 1, 128, 128, few) == tile
+    assert L.default_tile(False, 1, 128, 64, many) == tile
+    assert L.default_tile(False, 1, 64) == L.default_tile(False, 2, 128) == tile
+    monkeypatch.setattr(L, "KV_COLS", None)
+    assert L.default_tile(False, 1, 128, 128, many) == tile
 
 
 def test_grid_sizes():

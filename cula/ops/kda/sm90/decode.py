@@ -34,15 +34,16 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
 * **wide_kv** (for ``[K, V]`` pools with K=128 when T > 1 or with step states): ``LK = 8`` and 64 state
   registers per lane (``j`` < 4), so a warp's V slice and each row it reads are twice as wide (64 B); 3 CTAs
   per SM.
-* **kv_tma** (``[K, V]`` pools with K=128 at T=1): the four warps of a CTA take four adjacent V slices of one
-  (sequence, head); one TMA load brings their ``[128 K, 32 V]`` box (whole 128-byte row pieces) into shared
-  memory with the 128-byte swizzle, each lane reads its fragment (rows ``lk + 16 i``, conflict-free under the
-  swizzle), runs the same token math and writes it back, and one TMA store returns the box.
-* **kv_cols** (``[K, V]`` pools without step states, off unless ``KV_COLS`` is set): a CTA of W warps takes a
-  ``[K, 32 W]`` box by one TMA load (W = 4 with V = 128: the whole state, contiguous in the pool) and keeps it in
-  shared memory; lane j of warp w owns column ``32 w + j`` with all K rows, so ``S^T k`` and ``S^T q`` are
-  in-lane sums over the column (two passes a token, its q / k / exp(g) broadcast from the warp's slot) and no
-  shuffle runs; one TMA store returns the box.
+* **kv_tma** (``[K, V]`` pools with K=128 at T=1, fewer than ``KV_COLS_MIN_STATES`` states): the four warps of a
+  CTA take four adjacent V slices of one (sequence, head); one TMA load brings their ``[128 K, 32 V]`` box (whole
+  128-byte row pieces) into shared memory with the 128-byte swizzle, each lane reads its fragment (rows
+  ``lk + 16 i``, conflict-free under the swizzle), runs the same token math and writes it back, and one TMA store
+  returns the box.
+* **kv_cols** (T=1 calls on ``[K, V]`` pools with K=128 without step states, from ``KV_COLS_MIN_STATES`` states
+  up; below that kv_tma, whose smaller boxes fill more SMs): a CTA of W warps takes a ``[K, 32 W]`` box by one TMA
+  load (W = 4 with V = 128: the whole state, contiguous in the pool) and keeps it in shared memory; lane j of warp w
+  owns column ``32 w + j`` with all K rows, so ``S^T k`` and ``S^T q`` are in-lane sums over the column (two passes
+  a token, its q / k / exp(g) broadcast from the warp's slot) and no shuffle runs; one TMA store returns the box.
 
 Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in {64, 128}; V a multiple of
 8 (K=128) or 16 (K=64), 64 and 128 tested; any GVA ratio; any H/HV/N/T/pool size at run time (one compile
@@ -827,21 +828,25 @@ def kda_decode_sm90(
         io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=q.shape[-1], V=v.shape[-1], gate=gate,
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm,
         beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-        has_step_states=step_states is not None, tokens=q.shape[1],
+        has_step_states=step_states is not None, tokens=q.shape[1], states=q.shape[0] * v.shape[2],
     )  # fmt: skip
     launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)
 
 
 def kda_decode_launcher(
-    *, gate: str, has_a_log: bool, has_dt_bias: bool, wide_kv: bool | None = None, tokens: int | None = None, **flags
+    *, gate: str, has_a_log: bool, has_dt_bias: bool, wide_kv: bool | None = None, tokens: int | None = None,
+    states: int | None = None, **flags,
 ):  # fmt: skip
     """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``wide_kv`` None:
     ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128; ``tokens``: the calls' T, when known, for the T=1 variants
-    ``KV_COLS``, ``KV_TMA_DEFAULT`` and ``SINGLE_TOKEN_CTA``, tried in that order), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out,
-    step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
+    ``KV_COLS``, ``KV_TMA_DEFAULT`` and ``SINGLE_TOKEN_CTA``, tried in that order; ``states``: the calls' N x HV,
+    when known: ``KV_COLS`` takes calls of at least ``KV_COLS_MIN_STATES``, or any when None), bound once:
+    ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)`` (arguments as
+    :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
-    if (KV_COLS and not flags["state_v_first"] and tokens == 1 and wide_kv is None
+    if (KV_COLS and kv_pool_128 and tokens == 1 and wide_kv is None
+            and (states is None or states >= KV_COLS_MIN_STATES)
             and flags["V"] % (32 * KV_COLS[0]) == 0 and not flags["has_step_states"]
             and not {"min_blocks_per_sm", "warps_per_cta"} & set(flags)):  # fmt: skip
         wide_kv = False
@@ -903,10 +908,14 @@ SINGLE_TOKEN_CTA: tuple[int, int] | None = (1, 20)
 # 179 / 685 us for the wide tile; 5 CTAs per SM 143 / 550 us. test_kv_tma_matches passed.
 KV_TMA_DEFAULT = True
 KV_TMA_MIN_BLOCKS = 4
-# T=1 calls on [K, V] pools (no step states) take KdaDecodeSm90(kv_cols=True) with (warps per CTA, CTAs per SM)
-# when set, ahead of kv_tma: the [K, 32 W] box in shared memory, a state column a lane (76-78 registers, no spills;
-# shared memory allows 3 CTAs of 4 warps, 6 of 2, 12 of 1). None: off. Written in session 19 without a GPU: not
-# yet run (test_kv_cols_matches, scripts/device/decode_cta_size.py --kv); predicted for (4, 3), whose box is the
-# whole 64 KB state in one contiguous piece of the pool: N=64 ~141 us like [V, K] pools (kv_tma 146-148 at random
-# pool rows, 4-5% behind its identity-order time)
-KV_COLS: tuple[int, int] | None = None
+# T=1 calls on [K, V] pools with K=128 (no step states; K=64 not timed) of at least KV_COLS_MIN_STATES states
+# (N x HV) take KdaDecodeSm90(kv_cols=True) with (warps per CTA, CTAs per SM), ahead of kv_tma: the [K, 32 W] box in
+# shared memory, a state column a lane (76-78 registers, no spills; shared memory allows 3 CTAs of 4 warps, 6 of 2,
+# 12 of 1). None: off. On the H200 (session 20, scripts/device/decode_cta_size.py --kv, CUDA-graph replay, HV=64,
+# random pool rows) 2 x 6 ran N = 64 / 128 / 256 / 512 in 138.0 / 271.3 / 537.1 / 1069.8 us against kv_tma's 146.2 /
+# 288.6 / 571.6 / 1140.1 (92.0 / 93.6 / 94.6 / 95.0% of copy against 86.9 / 88.0 / 88.9 / 89.1; the [V, K] default
+# 136.5-137.3 at N=64), 4 x 3 1-2% behind it, 1 x 12 as kv_tma. Below ~1024 states kv_tma is faster (N = 1 / 2 / 4 /
+# 8: 4.3 / 6.1 / 9.0 / 15.5 us against 5.6 / 7.1 / 10.1 / 16.9; N = 16: 40.0 against 37.9): with fewer boxes than a
+# wave the column loops' serial K rows are the latency. test_kv_cols_matches passed (14 cases).
+KV_COLS: tuple[int, int] | None = (2, 6)
+KV_COLS_MIN_STATES = 1024

@@ -33,7 +33,8 @@ nominal 64 KB is in flight, which is right at the edge. Here:
   row per instruction and reached 2.39 TB/s). The state loads and stores take no cache hint: on the H200
   (2026-12-01, speed report, N=64) that ran 145-146 us against 150-154 us with ``L1::no_allocate`` loads, in
   both layouts, although the state is read only once.
-* **[K, V] pools by column** (``cols``, off unless ``KV_COLS`` is set): one CTA per ``[K, 32 W]`` box of one
+* **[K, V] pools by column** (``cols``; ``KV_COLS`` for T=1 calls with K=128 and ``KV_COLS_MIN_STATES`` states or
+  more): one CTA per ``[K, 32 W]`` box of one
   (sequence, head), loaded by one TMA into shared memory and kept there; lane j of warp w owns column ``32 w + j``
   with all K rows, so a token is one pass over the column and ``o`` an in-lane sum (``kernel_cols``).
 
@@ -579,13 +580,17 @@ def default_load_hint(K: int, state_v_first: bool) -> str:
     return "no_allocate" if K == 64 and not state_v_first else "default"
 
 
-def default_tile(state_v_first: bool, T: int, V: int = 128) -> tuple[int, int, int, bool]:
+def default_tile(
+    state_v_first: bool, T: int, V: int = 128, K: int = 128, states: int | None = None
+) -> tuple[int, int, int, bool]:
     """(warps per CTA, warps per SM, state values a lane, cols) of a call: ``SINGLE_TOKEN_TILE`` for T=1 on a
-    [V, K] pool, ``KV_COLS`` (when set) for T=1 on a [K, V] pool whose V its box divides, else 4-warp CTAs, 16
-    warps per SM and 64 values a lane."""
+    [V, K] pool, ``KV_COLS`` (when set) for T=1 on a [K, V] pool with K=128 whose V its box divides and whose
+    ``states`` (N x HV; None: any) reach ``KV_COLS_MIN_STATES``, else 4-warp CTAs, 16 warps per SM and 64 values a
+    lane."""
     if T == 1 and state_v_first and SINGLE_TOKEN_TILE:
         return (*SINGLE_TOKEN_TILE, False)
-    if T == 1 and not state_v_first and KV_COLS and V % (32 * KV_COLS[0]) == 0:
+    if (T == 1 and not state_v_first and KV_COLS and K == 128 and V % (32 * KV_COLS[0]) == 0
+            and (states is None or states >= KV_COLS_MIN_STATES)):  # fmt: skip
         return KV_COLS[0], KV_COLS[0] * KV_COLS[1], 64, True
     return 4, 16, 64, False
 
@@ -719,7 +724,9 @@ def lightning_decode_launcher(
     """The compiled variant and grid for calls shaped like ``q`` / ``v`` (``N >= 1``), bound once:
     ``launch(q, k, v, decay, state, indices, out, scale)`` (arguments as :func:`lightning_decode_sm90`)."""
     if warps_per_sm is None and warps_per_cta is None and state_regs is None and cols is None:
-        warps_per_cta, warps_per_sm, state_regs, cols = default_tile(state_v_first, q.shape[1], v.shape[-1])
+        warps_per_cta, warps_per_sm, state_regs, cols = default_tile(
+            state_v_first, q.shape[1], v.shape[-1], q.shape[-1], q.shape[0] * v.shape[2]
+        )
     else:
         warps_per_sm = 16 if warps_per_sm is None else warps_per_sm
         warps_per_cta = 4 if warps_per_cta is None else warps_per_cta
@@ -764,11 +771,15 @@ _ARCH = (9, 0)
 # values at 24 warps per SM, no faster than the old tile. N=1 3.74 us either way. Smaller CTAs free their registers
 # the moment their one warp ends (see the KDA decode's SINGLE_TOKEN_CTA). None: the old tile.
 SINGLE_TOKEN_TILE: tuple[int, int, int] | None = (1, 20, 32)
-# T=1 calls on [K, V] pools: the column kernel (``LightningDecodeSm90(cols=True)``) with (warps per CTA, CTAs per SM)
-# when set; None: off. Written in session 19 without a GPU, not yet run (test_decode_cases' cols cases,
-# scripts/device/decode_cta_size.py --kv). The [K, V] tile it would replace reaches 91 / 93.7% of copy at N = 64 /
-# 256 against 92.9 / 95.3% for [V, K] pools; its K=128 units reduce over 4 warps through shared memory.
-KV_COLS: tuple[int, int] | None = None
+# T=1 calls on [K, V] pools with K=128 (K=64 not timed) and at least KV_COLS_MIN_STATES states (N x HV): the column
+# kernel (``LightningDecodeSm90(cols=True)``) with (warps per CTA, CTAs per SM); None: off. On the H200 (session 20,
+# scripts/device/decode_cta_size.py --kv, CUDA-graph replay, HV=64) 2 x 6 ran N = 48 / 64 / 128 / 256 / 512 in 104.5
+# / 137.3 / 271.0 / 536.5 / 1069.9 us against the 4-warp tile's 104.7 / 137.9 / 272.5 / 540.4 / 1077.7 (95.0 against
+# 94.3% of copy at N=512), 4 x 3 and 1 x 12 behind the tile. N = 16 / 32 tied (37.4 / 71.3 us), N = 1 / 2 / 4 / 8 the
+# tile faster (3.8 / 5.2 / 7.7 / 13.9 against 4.7 / 6.1 / 9.0 / 14.6): too few boxes to fill the SMs.
+# test_decode_cases' cols cases passed (1, 2 and 4 warps, T = 1 to 3, K = 64 and 128).
+KV_COLS: tuple[int, int] | None = (2, 6)
+KV_COLS_MIN_STATES = 3072
 # Calls with fewer tokens than this launch one CTA per unit group (the kernel's grid stride then runs one round)
 # rather than #SMs x CTAs per SM walking the units: the hardware hands each new CTA to whichever SM frees up,
 # where a static grid stride gives every CTA the same share and the slowest SMs set the end. On the H200
