@@ -36,7 +36,8 @@ Host overhead for N = 1 (both H): ``*_host_us`` = wall time per call of 100 back
 the end, the median of 15 such runs (``common.measure_host_overhead``'s ``back_to_back_us``), the lowest of three
 rounds that take FLA, cula and the step form in turn (``common.measure_host_overheads``); all three figures are in
 meta, with ``cula_step``: the same for ``cula.kda.kda_decode_step``, the serving form whose fixed arguments are
-bound once).
+bound once). ``host_yardstick`` in meta is ``torch.empty(1)`` on the device, timed in the same rounds: the host's own
+speed, which swings 1.8x on the H200's host (``common.host_yardstick``).
 
 Time budget: ``--max-seconds S`` stops starting new configs S seconds after the script started and still
 writes what it has (``meta["partial"]``, ``meta["skipped_configs"]``).
@@ -321,6 +322,7 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
             calls["cula"] = lambda: cula_call(cula_fn, s0, shared)
             if step_maker is not None:
                 calls["cula_step"] = lambda: step_maker(s0, shared)
+        calls["host_yardstick"] = bc.host_yardstick(s0["q"].device)
         host = bc.measure_host_overheads(calls, record=record)
         for label in ("fla", "cula"):
             if label in host:

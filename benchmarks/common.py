@@ -227,6 +227,14 @@ def measure_host_overhead(fn: Callable[[], Any], n: int = 100, warmup: int = 50,
     }
 
 
+def host_yardstick(device: torch.device | str) -> Callable[[], Callable[[], Any]]:
+    """A maker for :func:`measure_host_overheads` of ``torch.empty(1, device=device)``: a call with no work of ours,
+    timed beside the implementations as the host's own speed. On the H200's host (session 20,
+    ``scripts/device/host_drift.py``) it swung between 2.6-2.9 and 4.7-5.3 us in stretches of seconds, the decode
+    step's 15-16 against 22-25 us in lockstep: host figures of two runs compare only with their yardsticks."""
+    return lambda: (lambda: torch.empty(1, device=device))
+
+
 def measure_host_overheads(
     calls: dict[str, Callable[[], Callable[[], Any]]], rounds: int = 3, record: Callable | None = None
 ) -> dict[str, dict[str, float]]:

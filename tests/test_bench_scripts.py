@@ -254,12 +254,12 @@ def test_decode_run_config_with_fakes(cpu_bench, monkeypatch):
     assert row["check"] == "ok" and row["max_rel_err"] == 0.0, row
     assert row["fla_ms"] > 0 and row["cula_ms"] > 0 and row["bw_fraction"] > 0
     assert row["fla_host_us"] == 2.0 and row["cula_host_us"] == 2.0
-    assert set(row["host_overhead_us"]) == {"fla", "cula"}
+    assert set(row["host_overhead_us"]) == {"fla", "cula", "host_yardstick"}
     # with the bound-step form (kda_decode_step) its host overhead joins the meta figures, not the table
     made = []
     step_row = kd.run_config(kd.Config(1, 1, 2), _fake_fla_decode, _fake_cula_decode, args, cpu_bench,
                              step_maker=lambda s, shared: (made.append(s), lambda: None)[1])  # fmt: skip
-    assert len(made) == 1 and set(step_row["host_overhead_us"]) == {"fla", "cula", "cula_step"}
+    assert len(made) == 1 and set(step_row["host_overhead_us"]) == {"fla", "cula", "cula_step", "host_yardstick"}
     assert step_row["cula_host_us"] == 2.0 and "cula_step_host_us" not in step_row
 
     mtp = kd.run_config(kd.Config(4, 2, 2), _fake_fla_decode, _fake_cula_decode, args, cpu_bench)
@@ -396,7 +396,7 @@ def test_lightning_decode_pool_step_matches_cula(small_ld, state_v_first):
                 "fla_bw_fraction", "floor_pct"):
         assert row[key] > 0, key
     assert row["fla_host_us"] == row["cula_host_us"] == 2.0
-    assert set(row["host_overhead_us"]) == {"fla", "cula"}
+    assert set(row["host_overhead_us"]) == {"fla", "cula", "host_yardstick"}
 
     # the pool step really is one: both calls leave the same pool, and only the given rows change
     cfg = ld.Config(4, state_v_first)
@@ -418,7 +418,7 @@ def test_lightning_decode_pool_step_matches_cula(small_ld, state_v_first):
     torch.testing.assert_close(step_pool, cula_pool, rtol=0, atol=0)
     step_row = ld.run_config(ld.Config(1, state_v_first), _fla_simple_gla_step, lightning_decode, args, small_ld,
                              step_call=ld.cula_step_call)  # fmt: skip
-    assert set(step_row["host_overhead_us"]) == {"fla", "cula", "cula_step"} and "cula_step_host_us" not in step_row
+    assert set(step_row["host_overhead_us"]) == {"fla", "cula", "cula_step", "host_yardstick"} and "cula_step_host_us" not in step_row
 
 
 def test_lightning_decode_gate_and_errors(small_ld):
@@ -479,5 +479,5 @@ def test_lightning_decode_quick_on_gpu(tmp_path):
     for r in rows:
         assert r["check"] in ("ok", "warn") and r["backend"] == "cula-sm90", r
         assert r["fla_ms"] > 0 and r["fla_kernel_ms"] > 0 and r["cula_ms"] > 0 and r["bw_fraction"] > 0
-    assert set(meta["host_overhead_us"]["decode-N1-vk"]) == {"fla", "cula"}
+    assert set(meta["host_overhead_us"]["decode-N1-vk"]) == {"fla", "cula", "host_yardstick"}
     assert paths["json"].name == "lightning_decode_subset.json"
