@@ -13,7 +13,6 @@ yardstick drifts with the call, the host is slow (clock, neighbours); if only th
 from __future__ import annotations
 
 import gc
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,24 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_kda_decode as B  # noqa: E402
-
-
-def per_call_us(fn, n: int = 100, batches: int = 5) -> float:
-    walls = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(walls)
+import common as bc  # noqa: E402
 
 
 def sample(label: str, calls: dict, seconds: float, t_start: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        figures = "  ".join(f"{name} {per_call_us(fn):6.2f}" for name, fn in calls.items())
+        figures = "  ".join(f"{name} {bc.back_to_back_us(fn, 100, 5):6.2f}" for name, fn in calls.items())
         print(f"{label} +{time.perf_counter() - t_start:5.1f}s  {figures}  (us a call)", flush=True)
         time.sleep(0.3)
 
