@@ -30,8 +30,8 @@ v in, o out, bf16). Host overhead for N = 1: ``*_host_us`` = wall time per call 
 one sync at the end, the median of 15 such runs (``common.measure_host_overhead``'s ``back_to_back_us``), the
 lowest of three rounds that take FLA, cula and the step form in turn (``common.measure_host_overheads``); all
 three figures are in meta, with ``cula_step``: the same for ``cula.lightning.lightning_decode_step``, the serving
-form whose fixed arguments are bound once). ``host_yardstick`` in meta is ``torch.empty(1)`` on the device, timed in the same rounds: the host's own
-speed, which swings 1.8x on the H200's host (``common.host_yardstick``).
+form whose fixed arguments are bound once). ``host_yardstick`` in meta is ``torch.empty(1)`` on the device, timed
+in the same rounds: the host's own speed, which swings 1.8x on the H200's host (``common.host_yardstick``).
 
 Time budget: ``--max-seconds S`` stops starting new configs S seconds after the script started and still
 writes what it has (``meta["partial"]``, ``meta["skipped_configs"]``).

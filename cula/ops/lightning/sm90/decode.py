@@ -34,9 +34,9 @@ nominal 64 KB is in flight, which is right at the edge. Here:
   (2026-12-01, speed report, N=64) that ran 145-146 us against 150-154 us with ``L1::no_allocate`` loads, in
   both layouts, although the state is read only once.
 * **[K, V] pools by column** (``cols``; ``KV_COLS`` for T=1 calls with K=128 and ``KV_COLS_MIN_STATES`` states or
-  more): one CTA per ``[K, 32 W]`` box of one
-  (sequence, head), loaded by one TMA into shared memory and kept there; lane j of warp w owns column ``32 w + j``
-  with all K rows, so a token is one pass over the column and ``o`` an in-lane sum (``kernel_cols``).
+  more): one CTA per ``[K, 32 W]`` box of one (sequence, head), loaded by one TMA into shared memory and kept
+  there; lane j of warp w owns column ``32 w + j`` with all K rows, so a token is one pass over the column and
+  ``o`` an in-lane sum (``kernel_cols``).
 
 **Work split.** A lane's state fragment is ``R`` rows x ``C`` chunks of 4 contiguous fp32 (``R * C * 4 = 64``,
 or 32 with ``R = 4`` for ``[V, K]`` pools)
