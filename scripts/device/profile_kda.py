@@ -9,6 +9,10 @@ Firecracker runtime (device KINDS.md) and is skipped with a message where it can
 ``--ncu-source`` records the intra kernel alone with line info and source counters, and writes its per-SASS-
 instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, hence which phase, the time goes to).
 ``--ncu-decode`` profiles the KDA and Lightning decode kernels at N=64 instead ($OUT/ncu_decode.txt).
+``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
+default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward) the kernels of the forward
+and of the backward separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward
+of our own would replace first. Run through ``run.sh`` so FLA's backward starts from its cached autotune choices.
 """
 
 from __future__ import annotations
@@ -116,6 +120,48 @@ def profile_paths() -> None:
         json.dump(report, f, indent=1)
 
 
+def profile_training(names: list[str]) -> None:
+    """Forward and backward kernels of one training step per path, by kernel name (see the module docstring)."""
+    import bench_kda_prefill as kp
+    import bench_kda_training as kt
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from cula.kda import chunk_kda
+
+    by_name = {c.name: c for c in kp.suite()}
+    report = {}
+    for name in names or ["B1-T4096", "B2-T16384"]:
+        cfg = by_name[name]
+        shared, grads = kp.make_shared(cfg), kt.output_grads(cfg)
+        tensors = kp.make_set(cfg, 0)
+        for path, fn in (("fla", fla_chunk_kda), ("cula", chunk_kda)):
+            leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
+                      if n in kt.GRAD_LEAVES}  # fmt: skip
+            rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
+
+            def forward(fn=fn, leaves=leaves, rest=rest):
+                return fn(**leaves, **rest, **kp.CALL_FLAGS)
+
+            outs = forward()  # autotunes / compiles outside the profile
+            torch.autograd.backward(outs, grads, retain_graph=True)
+            stages = {
+                "forward": kernel_stats(forward, calls=3),
+                # the same saved graph, backward again (retain_graph): the .grad accumulations are extra adds
+                "backward": kernel_stats(lambda: torch.autograd.backward(outs, grads, retain_graph=True), calls=3),
+            }
+            for stage, stats in stages.items():
+                total = round(sum(v[0] for v in stats.values()), 1)
+                key = f"{name} {path} {stage}"
+                report[key] = {"total_us": total, "kernels": stats}
+                print(f"== {key}: {total} us of kernels", flush=True)
+                for kernel, (us, launches) in stats.items():
+                    print(f"   {us:10.1f} us  x{launches:<5}  {kernel}", flush=True)
+            del outs, leaves
+        del tensors
+    with open(os.path.join(os.environ.get("OUT", "."), "profile_kda_training.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def ncu_target() -> None:
     """Two cula calls with cula's intra kernel at B=1, T=4096 (the second is the one ncu keeps)."""
     from cula.kda import chunk_kda
@@ -208,6 +254,9 @@ if __name__ == "__main__":
         ncu_decode_target()
     elif "--ncu-decode" in sys.argv:
         run_ncu_decode()
+    elif "--training" in sys.argv:
+        os.environ.setdefault("FLA_FLASH_KDA", "0")
+        profile_training(sys.argv[sys.argv.index("--training") + 1:])
     else:
         if "--ncu" in sys.argv:
             run_ncu()

@@ -61,6 +61,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options, compiled_kernel
 from cula.ops.state_box import box_barrier_init, box_load, box_store, state_box_atoms
@@ -392,7 +393,7 @@ class KdaDecodeSm90:
         R = self.V_PER_LANE
         TR = self.tokens_per_round
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         sBuf = smem.allocate_tensor(
             Float32, cute.make_layout((self.slot_floats, TR, self.warps_per_cta)), byte_alignment=16
         )
@@ -460,7 +461,7 @@ class KdaDecodeSm90:
         R = self.V_PER_LANE
         TV = self.tile_v
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         sRaw = smem.allocate_tensor(Float32, cute.make_layout(TV * self.K), byte_alignment=1024)
         sBuf = smem.allocate_tensor(Float32, cute.make_layout((self.slot_floats, self.tokens_per_round,
                                                                self.warps_per_cta)), byte_alignment=16)  # fmt: skip

@@ -73,6 +73,7 @@ import torch
 from cutlass import Float32, Int32, cute
 from cutlass.cute.nvgpu import CacheEvictionPriority, CopyG2ROp, CopyR2GOp, LoadCacheMode, StoreCacheMode
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options, compiled_kernel
 from cula.ops.state_box import box_barrier_init, box_load, box_store, state_box_atoms
@@ -294,7 +295,7 @@ class LightningDecodeSm90:
 
         sRed = None
         if cutlass.const_expr(self.warps_per_unit > 1):
-            smem = cutlass.utils.SmemAllocator()
+            smem = SmemAllocator()
             # partial o of each warp, double buffered so one barrier per token suffices
             sRed = smem.allocate_tensor(
                 Float32, cute.make_layout((self.slice_v, self.warps_per_cta, 2)), byte_alignment=16
@@ -474,7 +475,7 @@ class LightningDecodeSm90:
         K, TV, W, UPH = self.K, self.tile_v, self.warps_per_cta, self.units_per_head
         KP = K // 32
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         sRaw = smem.allocate_tensor(Float32, cute.make_layout(TV * K), byte_alignment=1024)
         sQK = smem.allocate_tensor(Float32, cute.make_layout((2 * K, W)), byte_alignment=16)  # q * scale, k
         bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8).iterator
