@@ -9,10 +9,11 @@ against 140.4 / 273.2 / 539.4 / 1075.3 for 4 x 5 (92.0 / 94.5 / 95.6 / 95.9% of 
 
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_cta_size.py [--mtp]
 
-``--ns 2,8,32`` / ``--boxes 2x6,4x3``: other N values / kv_cols boxes. ``--mtp``: the same question for the MTP verify
-call (N=64, T = 2 / 4 / 8), by token slots and CTA size; ``--kv``: [K, V] pools, KDA's kv_tma against its kv_cols
-boxes (``KdaDecodeSm90(kv_cols=True)``) and Lightning's tile against its column kernel
-(``LightningDecodeSm90(cols=True)``). Both ran in session 20 (see the KV_COLS comments of the two decode modules).
+``--ns 2,8,32`` / ``--boxes 2x6,4x3``: other N values / kv_cols boxes. ``--mtp``: the same question for the MTP
+verify call (N=64, T = 2 / 4 / 8), by token slots and CTA size (``--mtp --kv``: on [K, V] pools, the wide_kv default
+against kv_cols boxes; not run yet); ``--kv``: [K, V] pools, KDA's kv_tma against its kv_cols boxes
+(``KdaDecodeSm90(kv_cols=True)``) and Lightning's tile against its column kernel (``LightningDecodeSm90(cols=True)``).
+``--kv`` and ``--mtp`` ran in session 20 (see the KV_COLS comments of the two decode modules, docs/perf-notes-decode.md).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ VARIANTS = [(4, 5), (1, 20)]
 # fit 24 (80 registers)
 LIGHTNING = [(4, 16, 64), (1, 16, 64), (1, 20, 32), (1, 24, 32), (4, 24, 32)]
 NS = (1, 64, 128, 256, 512)
-# MTP verify (``--mtp``: N=64, T = 2 / 4 / 8, KDA [V, K]): (token slots a warp, warps per CTA, CTAs per SM); None: the
+# MTP verify (``--mtp``: N=64, T = 2 / 4 / 8, KDA [V, K]): (token slots a warp, warps per CTA, CTAs per SM) beside the
 # T>1 default (8 slots, 4 warps, 4 CTAs). ptxas (CPU compile): 104 registers for the default, 106 for one-warp CTAs
 # at 16 per SM, 96 with 20 bytes spilled at 20, 96 / 24 bytes at 4 x 5
-MTP = [None, (4, 1, 16), (8, 1, 16), (4, 1, 20), (4, 4, 5)]
+MTP = [(4, 1, 16), (8, 1, 16), (4, 1, 20), (4, 4, 5)]
 
 
 def _rounds_us(calls: dict) -> dict:
@@ -105,23 +106,34 @@ def main():
                   f"{100 * tbps / copy_tbps:5.1f}% of copy", flush=True)
 
 
-def mtp():
-    """Kernel time of the MTP verify call by token slots and CTA size (the T=1 sweep's question at T > 1)."""
+# MTP verify on [K, V] pools (``--mtp --kv``): the T>1 default there (wide_kv, 3 CTAs of 4 warps) against kv_cols
+# boxes, as (warps per CTA, token slots a warp, CTAs per SM); test_kv_cols_tokens_match checked kv_cols at T > 1
+MTP_KV = [(2, 1, 6), (2, 2, 6), (2, 4, 5), (4, 2, 3)]
+
+
+def mtp(kv: bool = False):
+    """Kernel time of the MTP verify call by token slots and CTA size (the T=1 sweep's question at T > 1); with
+    ``kv``, on [K, V] pools: the default (wide_kv) against kv_cols boxes."""
     decode_n1.CALLS = 10
     copy_tbps = bc.measure_copy_bandwidth()
     calls = {}
     for T in (2, 4, 8):
-        cfg = B.Config(64, T, 64)
+        cfg = B.Config(64, T, 64, kv=kv)
         s, shared = B.make_set(cfg, 0), B.make_shared(cfg)
         q, k, v, g, beta, pool, idx = (s[n] for n in ("q", "k", "v", "g", "beta", "pool", "indices"))
         out = torch.empty_like(v)
-        for variant in MTP:
-            extra = {} if variant is None else dict(zip(("tokens_per_round", "warps_per_cta", "min_blocks_per_sm"),
-                                                        variant))  # fmt: skip
+        for variant in [None, *(MTP_KV if kv else MTP)]:
+            if variant is None:
+                extra = {}
+            elif kv:
+                extra = dict(kv_cols=True, wide_kv=False, warps_per_cta=variant[0], tokens_per_round=variant[1],
+                             min_blocks_per_sm=variant[2])  # fmt: skip
+            else:
+                extra = dict(zip(("tokens_per_round", "warps_per_cta", "min_blocks_per_sm"), variant))
             launch = D.kda_decode_launcher(
                 io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=B.K, V=B.V, gate="lower_bound",
                 has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
-                state_v_first=True, has_step_states=False, tokens=T, **extra,
+                state_v_first=not kv, has_step_states=False, tokens=T, **extra,
             )  # fmt: skip
 
             def call(launch=launch, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx, out=out, shared=shared):
@@ -132,11 +144,14 @@ def mtp():
     nbytes = 64 * B.HV * B.K * B.V * 4 * 2
     for (T, variant), ts in times.items():
         us = statistics.median(ts)
-        what = "default (8 slots, 4 warps, 4 CTAs/SM)"
-        if variant is not None:
+        if variant is None:
+            what = "default (wide_kv, 4 warps, 3 CTAs/SM)" if kv else "default (8 slots, 4 warps, 4 CTAs/SM)"
+        elif kv:
+            what = "kv_cols %d warps/CTA, %d slots, %d CTAs/SM" % variant
+        else:
             what = "%d slots, %d warps/CTA, %d CTAs/SM" % variant
-        print(f"mtp N=64 T={T} {what:38s}: {us:8.2f} us  {100 * nbytes / us / 1e6 / copy_tbps:5.1f}% of copy (state "
-              "bytes once)", flush=True)  # fmt: skip
+        print(f"mtp{' kv' if kv else ''} N=64 T={T} {what:40s}: {us:8.2f} us  "
+              f"{100 * nbytes / us / 1e6 / copy_tbps:5.1f}% of copy (state bytes once)", flush=True)  # fmt: skip
 
 
 # [K, V] pools (``--kv``): the T=1 default (kv_tma, [128, 32] TMA boxes) against kv_cols (warps per CTA, CTAs per SM)
@@ -204,4 +219,4 @@ if __name__ == "__main__":
             NS = tuple(int(n) for n in args[args.index("--ns") + 1].split(","))
         if "--boxes" in args:  # e.g. --boxes 2x6,4x3: the kv_cols boxes instead of KV_COLS
             KV_COLS = [tuple(int(x) for x in b.split("x")) for b in args[args.index("--boxes") + 1].split(",")]
-        mtp() if "--mtp" in args else kv_pools() if "--kv" in args else main()
+        mtp(kv="--kv" in args) if "--mtp" in args else kv_pools() if "--kv" in args else main()
