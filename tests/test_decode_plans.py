@@ -350,6 +350,27 @@ def test_kv_cols_switch_picks_the_column_variant(counted_plans, fake_sm90, monke
     assert small["kv_tma"] and not k64.get("kv_tma")
 
 
+def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, monkeypatch):
+    """MULTI_TOKEN_KV_COLS (off by default) takes T > 1 calls on [K, V] pools with K=128 and no step states, with
+    its warps, token slots and CTAs per SM; T=1 calls keep KV_COLS / kv_tma, step states keep the wide tile."""
+    import cula.ops.kda.sm90.decode as kops
+
+    assert kops.MULTI_TOKEN_KV_COLS is None
+    monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS", (2, 4, 5))
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)
+    kv = dict(A_log=torch.randn(HV), lower_bound=-5.0, state_v_first=False)
+    two = [torch.cat([t, t], dim=1) for t in (q, k, v, g, beta)]
+    kd.kda_decode(*two, pool, idx, **kv)
+    steps = torch.empty(N, 2, HV, 128, 128)
+    kd.kda_decode(*two, pool, idx, step_states=steps, **kv)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, **kv)
+    multi, stepped, single = [c[1] for c in fake_sm90 if c[0] == "variant"]
+    assert multi["kv_cols"] and not multi["wide_kv"]
+    assert (multi["warps_per_cta"], multi["tokens_per_round"], multi["min_blocks_per_sm"]) == (2, 4, 5)
+    assert not stepped.get("kv_cols") and stepped["wide_kv"]
+    assert single.get("kv_tma") and not single.get("kv_cols")  # 12 states: below KV_COLS_MIN_STATES
+
+
 def test_lightning_decode_plans(counted_plans, fake_sm90):
     q, k, v, decay, pool, idx = _lightning_inputs()
     kd_pool = pool.clone()

@@ -840,10 +840,10 @@ def kda_decode_launcher(
 ):  # fmt: skip
     """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``wide_kv`` None:
     ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128; ``tokens``: the calls' T, when known, for the T=1 variants
-    ``KV_COLS``, ``KV_TMA_DEFAULT`` and ``SINGLE_TOKEN_CTA``, tried in that order; ``states``: the calls' N x HV,
-    when known: ``KV_COLS`` takes calls of at least ``KV_COLS_MIN_STATES``, or any when None), bound once:
-    ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)`` (arguments as
-    :func:`kda_decode_sm90`, ``N >= 1``)."""
+    ``KV_COLS``, ``KV_TMA_DEFAULT`` and ``SINGLE_TOKEN_CTA``, tried in that order, and ``MULTI_TOKEN_KV_COLS`` for
+    T > 1; ``states``: the calls' N x HV, when known: ``KV_COLS`` takes calls of at least ``KV_COLS_MIN_STATES``, or
+    any when None), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale,
+    lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
     if (KV_COLS and kv_pool_128 and tokens == 1 and wide_kv is None
@@ -857,6 +857,12 @@ def kda_decode_launcher(
             and flags.get("warps_per_cta", 4) == 4):  # fmt: skip
         wide_kv = False
         flags.update(kv_tma=True, tokens_per_round=1, min_blocks_per_sm=KV_TMA_MIN_BLOCKS)
+    if (MULTI_TOKEN_KV_COLS and kv_pool_128 and tokens is not None and tokens > 1 and wide_kv is None
+            and flags["V"] % (32 * MULTI_TOKEN_KV_COLS[0]) == 0 and not flags["has_step_states"]
+            and not {"min_blocks_per_sm", "warps_per_cta", "tokens_per_round"} & set(flags)):  # fmt: skip
+        wide_kv = False
+        warps, slots, ctas = MULTI_TOKEN_KV_COLS
+        flags.update(kv_cols=True, warps_per_cta=warps, tokens_per_round=slots, min_blocks_per_sm=ctas)
     if wide_kv is None:
         wide_kv = WIDE_KV_DEFAULT and kv_pool_128
     if tokens == 1 and SINGLE_TOKEN_CTA and not wide_kv and "min_blocks_per_sm" not in flags:
@@ -920,3 +926,7 @@ KV_TMA_MIN_BLOCKS = 4
 # wave the column loops' serial K rows are the latency. test_kv_cols_matches passed (14 cases).
 KV_COLS: tuple[int, int] | None = (2, 6)
 KV_COLS_MIN_STATES = 1024
+# T > 1 calls (MTP verify) on [K, V] pools with K=128 and no step states: kv_cols with (warps per CTA, token slots a
+# warp, CTAs per SM) instead of the wide tile when set. None: off, not yet timed (scripts/device/decode_cta_size.py
+# --mtp --kv); kv_cols at T > 1 passed test_kv_cols_tokens_match on the H200 (session 20).
+MULTI_TOKEN_KV_COLS: tuple[int, int, int] | None = None
