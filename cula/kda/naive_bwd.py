@@ -1,0 +1,96 @@
+"""Float64 references of the stages of FLA 0.6.0's chunked KDA backward (``fla.ops.kda.chunk_bwd.chunk_kda_bwd``).
+
+cula's training path runs FLA's backward whole (``cula.kda.backends._ChunkKDATraining``). A backward of our own
+replaces its stages one at a time (``docs/design-kda-backward.md``), and each replacement has to take and return
+exactly what FLA's stage does, so that the rest of FLA's pipeline runs on unchanged. These functions pin those
+contracts down in plain torch: the same arguments, shapes and units as FLA's stage, written from the math, and
+checked against FLA's Triton kernel itself (run by Triton's interpreter on the CPU, ``tests/test_naive_bwd.py``).
+
+Conventions of FLA's backward that these follow:
+
+* ``g`` is the chunk-local cumulative gate in log2 units (FLA's ``g_cum``: ``2 ** g`` is the decay), restarting
+  at every chunk of ``chunk_size`` tokens and at every sequence start of ``cu_seqlens``.
+* Gate gradients are returned with respect to the natural-log gate ``G = g * ln 2``, i.e. ``(d loss / d g) / ln 2``;
+  FLA's next stages (the reverse cumsum and the gate backward) take them in those units.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["chunk_kda_bwd_intra_reference"]
+
+
+def _chunks(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None):
+    """(batch row, first token, end) of every chunk, sequences of ``cu_seqlens`` restarting the chunking."""
+    if cu_seqlens is None:
+        return [(None, c, min(c + chunk_size, T)) for c in range(0, T, chunk_size)]
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    return [(0, c, min(c + chunk_size, eos)) for bos, eos in zip(bounds[:-1], bounds[1:])
+            for c in range(bos, eos, chunk_size)]  # fmt: skip
+
+
+def chunk_kda_bwd_intra_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    dAqk: torch.Tensor,
+    dAkk: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    db: torch.Tensor,
+    dg: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""FLA's ``chunk_kda_bwd_intra`` (stage 7 of ``chunk_kda_bwd``): the gradients through the intra-chunk scores.
+
+    Within a chunk, per value head and key channel ``i`` (``E[t, s, i] = 2 ** (g[t, i] - g[s, i])``, ``s <= t``)::
+
+        P[t, s] = sum_i q[t, i] k[s, i] E[t, s, i]             # Aqk before its scale
+        L[t, s] = beta[t] sum_i k[t, i] k[s, i] E[t, s, i]      # the WY system's matrix (Akk)
+
+    and ``dAqk`` / ``dAkk`` are the loss gradients with respect to ``P`` and ``L`` on and below the diagonal
+    (FLA's kernel reads the diagonal of ``dAkk`` too: it changes ``dk`` and ``db``, not ``dg``; entries above the
+    diagonal are ignored). Returns ``dq + dP/dq``, ``dk + ...``, ``db + ...`` and ``dg + ...`` for the incoming
+    accumulations (stage 6's), the gate part in natural-log units (see the module docstring).
+
+    Args:
+        q, k: ``[B, T, H, K]`` (after the l2 norm).  g: ``[B, T, HV, K]`` fp32, chunk-local cumsum in log2 units.
+        beta: ``[B, T, HV]``.  dAqk, dAkk: ``[B, T, HV, chunk_size]``: row ``t`` holds ``d/dP[t, s]`` for the
+            tokens ``s`` of its chunk, by their offset in it.
+        dq, dk, dg: ``[B, T, HV, K]``; db: ``[B, T, HV]``: the accumulations to add to (not modified).
+        cu_seqlens: ``[N + 1]`` sequence boundaries of a packed batch (``B == 1``), or None.
+        chunk_size: FLA's ``BT`` (64).
+
+    Returns:
+        ``(dq, dk, db, dg)`` in the accumulations' dtypes and shapes; ``dq`` / ``dk`` per value head (FLA sums
+        them over the GVA group after this stage).
+    """
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    group = HV // H
+    f64 = torch.float64
+    out_q, out_k, out_b, out_g = (x.to(f64).clone() for x in (dq, dk, db, dg))
+    for row, c0, c1 in _chunks(T, chunk_size, cu_seqlens):
+        rows = slice(None) if row is None else slice(row, row + 1)
+        n = c1 - c0
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        for hv in range(HV):
+            h = hv // group
+            qc, kc = q[rows, c0:c1, h].to(f64), k[rows, c0:c1, h].to(f64)  # [b, n, K]
+            gc, bc = g[rows, c0:c1, hv].to(f64), beta[rows, c0:c1, hv].to(f64)
+            diff = gc[:, :, None, :] - gc[:, None, :, :]  # [b, t, s, K]
+            E = torch.exp2(diff.masked_fill(~causal[None, :, :, None], float("-inf")))  # 0 above the diagonal
+            dP = dAqk[rows, c0:c1, hv, :n].to(f64) * causal
+            dL = dAkk[rows, c0:c1, hv, :n].to(f64) * causal
+            dq_intra = torch.einsum("bts,btsi,bsi->bti", dP, E, kc)
+            dk_p = torch.einsum("bts,btsi,bti->bsi", dP, E, qc)  # k as the score's column
+            row_l = torch.einsum("bts,btsi,bsi->bti", dL, E, kc)  # sum_s dL[t, s] k[s] E[t, s], before beta[t]
+            col_l = torch.einsum("bts,bt,btsi,bti->bsi", dL, bc, E, kc)
+            out_q[rows, c0:c1, hv] += dq_intra
+            out_k[rows, c0:c1, hv] += bc[..., None] * row_l + dk_p + col_l
+            out_b[rows, c0:c1, hv] += (row_l * kc).sum(-1)
+            out_g[rows, c0:c1, hv] += qc * dq_intra - kc * dk_p + kc * (bc[..., None] * row_l - col_l)
+    return out_q.to(dq.dtype), out_k.to(dk.dtype), out_b.to(db.dtype), out_g.to(dg.dtype)
