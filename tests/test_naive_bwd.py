@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from cula.kda.naive_bwd import chunk_kda_bwd_intra_reference
+from cula.kda.naive_bwd import chunk_kda_bwd_gate_reference, chunk_kda_bwd_intra_reference
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BT = 64
@@ -110,7 +110,7 @@ _FLA_SCRIPT = textwrap.dedent(
     sys.path.insert(0, "tests")
     import torch
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
-    from cula.kda.naive_bwd import chunk_kda_bwd_intra_reference
+    from cula.kda.naive_bwd import chunk_kda_bwd_gate_reference, chunk_kda_bwd_intra_reference
     from test_naive_bwd import _intra_case
     out = {}
     for name, args, safe in json.loads(sys.argv[1]):
@@ -138,4 +138,65 @@ def test_intra_reference_matches_fla_kernel():
     assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-3000:]
     for name, errs in json.loads(line[0][2:]).items():
         for what, err in zip(("dq", "dk", "db", "dg"), errs):
+            assert err < 1e-5, (name, what, err)
+
+
+def test_gate_reference_is_the_cumsum_and_gate_gradient():
+    """dg_raw, dA_log, ddt_bias against autograd through the chunk-local cumsum of the activated gate."""
+    from cula.kda.naive import kda_gate
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, HV, K = 1, 150, 2, 32
+    cu = torch.tensor([0, 37, 38, 150], dtype=torch.int32)
+    g_raw, dG = (torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    A_log, dt_bias = torch.randn(HV, generator=gen), torch.randn(HV * K, generator=gen)
+    for lb in (None, -5.0):
+        x, A, b = (t.clone().double().requires_grad_() for t in (g_raw, A_log, dt_bias))
+        a = kda_gate(x, A, b, lb)
+        G = torch.cat([a[:, c0:c1].cumsum(1) for c0, c1 in _chunk_bounds(T, cu)], 1)
+        (G * dG).sum().backward()
+        got = chunk_kda_bwd_gate_reference(dG, g_raw, A_log.double(), dt_bias.double(), lb, cu_seqlens=cu)
+        for w, x_ in zip((x.grad, A.grad, b.grad), got):
+            assert _rel(x_, w) < 1e-10
+
+
+_FLA_GATE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from triton.runtime.autotuner import Autotuner
+    prune = Autotuner.prune_configs
+    Autotuner.prune_configs = lambda self, *a, **k: sorted(prune(self, *a, **k),
+                                                         key=lambda c: (c.num_stages, c.num_warps))[:1]
+    import torch
+    from fla.ops.kda.gate import kda_gate_bwd
+    from fla.ops.utils.cumsum import chunk_local_cumsum
+    from cula.kda.naive_bwd import chunk_kda_bwd_gate_reference
+    gen = torch.Generator().manual_seed(4)
+    out = {}
+    for name, lens, lb in [("fixed-softplus", None, None), ("varlen-lower-bound", [37, 1, 112], -5.0)]:
+        T = 150 if lens is None else sum(lens)
+        cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        g_raw = torch.randn(1, T, 2, 32, generator=gen)
+        dG = torch.randn(1, T, 2, 32, generator=gen)
+        A_log, dt_bias = torch.randn(2, generator=gen), torch.randn(64, generator=gen)
+        da = chunk_local_cumsum(dG.clone(), chunk_size=64, reverse=True, cu_seqlens=cu)
+        fla = kda_gate_bwd(g=g_raw, A_log=A_log, dt_bias=dt_bias, dyg=da, lower_bound=lb)
+        ref = chunk_kda_bwd_gate_reference(dG, g_raw, A_log, dt_bias, lb, cu_seqlens=cu)
+        out[name] = [float((f.double() - r.double()).norm() / r.double().norm()) for f, r in zip(fla, ref)]
+    print("@@" + json.dumps(out))
+    """
+)
+
+
+def test_gate_reference_matches_fla_kernels():
+    """FLA's reverse chunk_local_cumsum + kda_gate_bwd (Triton interpreter) against the reference: the softplus
+    gate on a fixed batch, the lower-bound sigmoid gate on a packed one with a length-1 sequence."""
+    pytest.importorskip("fla.ops.kda.gate")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _FLA_GATE_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+    line = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
+    assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-3000:]
+    for name, errs in json.loads(line[0][2:]).items():
+        for what, err in zip(("dg_raw", "dA_log", "ddt_bias"), errs):
             assert err < 1e-5, (name, what, err)

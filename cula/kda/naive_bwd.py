@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["chunk_kda_bwd_intra_reference"]
+from cula.kda.naive import kda_gate
+
+__all__ = ["chunk_kda_bwd_gate_reference", "chunk_kda_bwd_intra_reference"]
 
 
 def _chunks(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None):
@@ -94,3 +96,40 @@ def chunk_kda_bwd_intra_reference(
             out_b[rows, c0:c1, hv] += (row_l * kc).sum(-1)
             out_g[rows, c0:c1, hv] += qc * dq_intra - kc * dk_p + kc * (bc[..., None] * row_l - col_l)
     return out_q.to(dq.dtype), out_k.to(dk.dtype), out_b.to(db.dtype), out_g.to(dg.dtype)
+
+
+def chunk_kda_bwd_gate_reference(
+    dg: torch.Tensor,
+    g_raw: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    r"""The last two stages of FLA's ``chunk_kda_bwd`` with the gate in the kernel: ``chunk_local_cumsum(dg,
+    reverse=True)`` (the gradient of the chunk-local cumsum: ``da[t] = sum of dg[t']`` over the chunk's
+    ``t' >= t``) and ``kda_gate_bwd`` (through the activation of :func:`cula.kda.naive.kda_gate`).
+
+    Args:
+        dg: ``[B, T, HV, K]`` gradient for the cumulative natural-log gate (stage 7's output).
+        g_raw: ``[B, T, HV, K]`` raw gate logits.  A_log: ``[HV]``.  dt_bias: ``[HV * K]``.
+        lower_bound: the sigmoid gate's bound, or None for the softplus gate (as :func:`kda_gate`).
+        cu_seqlens, chunk_size: as :func:`chunk_kda_bwd_intra_reference`.
+
+    Returns:
+        ``(dg_raw, dA_log, ddt_bias)``: ``dg_raw`` in ``g_raw``'s dtype and shape, ``dA_log`` / ``ddt_bias`` in
+        their parameters' dtypes (None where the parameter is None).
+    """
+    f64 = torch.float64
+    da = torch.zeros_like(dg, dtype=f64)
+    for row, c0, c1 in _chunks(dg.shape[1], chunk_size, cu_seqlens):
+        rows = slice(None) if row is None else slice(row, row + 1)
+        da[rows, c0:c1] = dg[rows, c0:c1].to(f64).flip(1).cumsum(1).flip(1)
+    x = g_raw.detach().to(f64).requires_grad_()
+    params = [p.detach().to(f64).requires_grad_() if p is not None else None for p in (A_log, dt_bias)]
+    a = kda_gate(x, params[0], params[1], lower_bound)
+    grads = torch.autograd.grad(a, [x, *(p for p in params if p is not None)], da)
+    dx, rest = grads[0], list(grads[1:])
+    dparams = [rest.pop(0).to(p.dtype) if p is not None else None for p in (A_log, dt_bias)]
+    return dx.to(g_raw.dtype), dparams[0], dparams[1]
