@@ -322,12 +322,7 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
             calls["cula"] = lambda: cula_call(cula_fn, s0, shared)
             if step_maker is not None:
                 calls["cula_step"] = lambda: step_maker(s0, shared)
-        calls["host_yardstick"] = bc.host_yardstick(s0["q"].device)
-        host = bc.measure_host_overheads(calls, record=record)
-        for label in ("fla", "cula"):
-            if label in host:
-                row[f"{label}_host_us"] = host[label]["back_to_back_us"]
-        row["host_overhead_us"] = host
+        bc.record_host_overheads(row, calls, s0["q"].device, record)
     if errors:
         row["errors"] = errors
     return row

@@ -272,6 +272,17 @@ def measure_host_overheads(
     return {label: {k: round(min(r[k] for r in rs), 2) for k in rs[0]} for label, rs in runs.items()}
 
 
+def record_host_overheads(row: dict, calls: dict[str, Callable[[], Callable[[], Any]]], device, record=None) -> None:
+    """The N=1 rows' host figures of the decode benchmarks: :func:`measure_host_overheads` of ``calls`` with
+    :func:`host_yardstick` on ``device`` beside them, all figures in ``row["host_overhead_us"]`` and the fla / cula
+    ``back_to_back_us`` as ``row["fla_host_us"]`` / ``row["cula_host_us"]``."""
+    host = measure_host_overheads({**calls, "host_yardstick": host_yardstick(device)}, record=record)
+    for label in ("fla", "cula"):
+        if label in host:
+            row[f"{label}_host_us"] = host[label]["back_to_back_us"]
+    row["host_overhead_us"] = host
+
+
 class Progress:
     """One line per finished config on stderr, with elapsed time, so a long suite shows it is alive."""
 
