@@ -54,28 +54,36 @@ def _rounds_us(calls: dict) -> dict:
     return times
 
 
+def _kda_case(N: int, T: int, kv: bool = False):
+    """The benchmark's inputs for one KDA decode shape ([K, V] pool with ``kv``): ``(make, inputs)``, where
+    ``make(**flags)`` is the zero-argument call of the ``kda_decode_launcher`` variant those flags select (the
+    benchmark's gate and flags besides), ready for :func:`_rounds_us`, and ``inputs`` the set it runs on."""
+    cfg = B.Config(N, T, 64, kv=kv)
+    s, shared = B.make_set(cfg, 0), B.make_shared(cfg)
+    q, k, v, g, beta, pool, idx = (s[n] for n in ("q", "k", "v", "g", "beta", "pool", "indices"))
+    out = torch.empty_like(v)
+
+    def make(**flags):
+        launch = D.kda_decode_launcher(
+            io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=B.K, V=B.V, gate="lower_bound",
+            has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+            state_v_first=not kv, has_step_states=False, **flags,
+        )  # fmt: skip
+        return lambda: launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5,
+                              -5.0)  # fmt: skip
+
+    return make, s
+
+
 def main():
     decode_n1.CALLS = 10  # graphs of 10 launches: N=512 is ~1 ms a launch
     copy_tbps = bc.measure_copy_bandwidth()
     print(f"copy {copy_tbps:.3f} TB/s", flush=True)
     calls = {}
     for N in NS:
-        cfg = B.Config(N, 1, 64)
-        s, shared = B.make_set(cfg, 0), B.make_shared(cfg)
-        q, k, v, g, beta, pool, idx = (s[n] for n in ("q", "k", "v", "g", "beta", "pool", "indices"))
-        out = torch.empty_like(v)
+        make, _ = _kda_case(N, 1)
         for w, ctas in VARIANTS:
-            launch = D.kda_decode_launcher(
-                io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=B.K, V=B.V, gate="lower_bound",
-                has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
-                state_v_first=True, has_step_states=False, warps_per_cta=w, tokens_per_round=1,
-                min_blocks_per_sm=ctas,
-            )  # fmt: skip
-
-            def call(launch=launch, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx, out=out, shared=shared):
-                launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
-
-            calls[(N, w, ctas)] = call
+            calls[(N, w, ctas)] = make(warps_per_cta=w, tokens_per_round=1, min_blocks_per_sm=ctas)
         lq, lk, lv = (torch.randn(N, 1, B.HV, B.K, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         lpool = 0.01 * torch.randn(2 * N, B.HV, B.V, B.K, device="cuda")
         lidx = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
@@ -118,10 +126,7 @@ def mtp(kv: bool = False):
     copy_tbps = bc.measure_copy_bandwidth()
     calls = {}
     for T in (2, 4, 8):
-        cfg = B.Config(64, T, 64, kv=kv)
-        s, shared = B.make_set(cfg, 0), B.make_shared(cfg)
-        q, k, v, g, beta, pool, idx = (s[n] for n in ("q", "k", "v", "g", "beta", "pool", "indices"))
-        out = torch.empty_like(v)
+        make, _ = _kda_case(64, T, kv)
         for variant in [None, *(MTP_KV if kv else MTP)]:
             if variant is None:
                 extra = {}
@@ -130,16 +135,7 @@ def mtp(kv: bool = False):
                              min_blocks_per_sm=variant[2])  # fmt: skip
             else:
                 extra = dict(zip(("tokens_per_round", "warps_per_cta", "min_blocks_per_sm"), variant))
-            launch = D.kda_decode_launcher(
-                io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=B.K, V=B.V, gate="lower_bound",
-                has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
-                state_v_first=not kv, has_step_states=False, tokens=T, **extra,
-            )  # fmt: skip
-
-            def call(launch=launch, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx, out=out, shared=shared):
-                launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
-
-            calls[(T, variant)] = call
+            calls[(T, variant)] = make(tokens=T, **extra)
     times = _rounds_us(calls)
     nbytes = 64 * B.HV * B.K * B.V * 4 * 2
     for (T, variant), ts in times.items():
@@ -166,24 +162,14 @@ def kv_pools():
     copy_tbps = bc.measure_copy_bandwidth()
     calls = {}
     for N in NS:
-        cfg = B.Config(N, 1, 64, kv=True)
-        s, shared = B.make_set(cfg, 0), B.make_shared(cfg)
-        q, k, v, g, beta, pool, idx = (s[n] for n in ("q", "k", "v", "g", "beta", "pool", "indices"))
-        out = torch.empty_like(v)
-        base = dict(io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=B.K, V=B.V, gate="lower_bound",
-                    has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
-                    state_v_first=False, has_step_states=False, tokens=1)  # fmt: skip
+        make, kda_set = _kda_case(N, 1, kv=True)
+        pool, idx = kda_set["pool"], kda_set["indices"]
         for variant in [None, *KV_COLS]:
             extra = dict(kv_tma=True, wide_kv=False, tokens_per_round=1, min_blocks_per_sm=D.KV_TMA_MIN_BLOCKS)
             if variant is not None:
                 extra = dict(kv_cols=True, wide_kv=False, tokens_per_round=1, warps_per_cta=variant[0],
                              min_blocks_per_sm=variant[1])  # fmt: skip
-            launch = D.kda_decode_launcher(**base, **extra)
-
-            def call(launch=launch, q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx, out=out, shared=shared):
-                launch(q, k, v, g, beta, shared["A_log"], shared["dt_bias"], pool, idx, out, None, B.K**-0.5, -5.0)
-
-            calls[(N, variant)] = call
+            calls[(N, variant)] = make(tokens=1, **extra)
         # Lightning on the same [K, V] pool: the 4-warp tile against its column kernel
         lq, lk, lv = (torch.randn(N, 1, B.HV, B.K, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         decay = torch.rand(B.HV, device="cuda")

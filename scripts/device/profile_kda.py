@@ -147,7 +147,8 @@ def profile_training(names: list[str]) -> None:
             stages = {
                 "forward": kernel_stats(forward, calls=3),
                 # the same saved graph, backward again (retain_graph): the .grad accumulations are extra adds
-                "backward": kernel_stats(lambda: torch.autograd.backward(outs, grads, retain_graph=True), calls=3),
+                "backward": kernel_stats(lambda outs=outs: torch.autograd.backward(outs, grads, retain_graph=True),
+                                         calls=3),
             }
             for stage, stats in stages.items():
                 total = round(sum(v[0] for v in stats.values()), 1)
