@@ -28,12 +28,9 @@ def _intra_case(B, T, H, HV, K, lens=None, seed=0):
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     a = -0.5 * torch.rand(B, T, HV, K, generator=gen)  # log2 decay a step
-    starts = [0] if cu is None else cu[:-1].tolist()
-    bounds = [(s, e) for s, e in zip(starts, [*starts[1:], T])] if cu is not None else [(0, T)]
     g = torch.empty_like(a)
-    for s, e in bounds:
-        for c in range(s, e, BT):
-            g[:, c:min(c + BT, e)] = a[:, c:min(c + BT, e)].cumsum(1)
+    for c0, c1 in _chunk_bounds(T, cu):
+        g[:, c0:c1] = a[:, c0:c1].cumsum(1)
     beta = torch.rand(B, T, HV, generator=gen)
     dAqk, dAkk = (torch.randn(B, T, HV, BT, generator=gen) for _ in range(2))
     acc = [torch.randn(B, T, HV, K, generator=gen), torch.randn(B, T, HV, K, generator=gen),

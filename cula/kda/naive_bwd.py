@@ -24,11 +24,12 @@ __all__ = ["chunk_kda_bwd_gate_reference", "chunk_kda_bwd_intra_reference"]
 
 
 def _chunks(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None):
-    """(batch row, first token, end) of every chunk, sequences of ``cu_seqlens`` restarting the chunking."""
+    """(batch rows, first token, end) of every chunk: all rows of a fixed batch, or row 0 of a packed one whose
+    sequences (``cu_seqlens``) restart the chunking."""
     if cu_seqlens is None:
-        return [(None, c, min(c + chunk_size, T)) for c in range(0, T, chunk_size)]
+        return [(slice(None), c, min(c + chunk_size, T)) for c in range(0, T, chunk_size)]
     bounds = [int(x) for x in cu_seqlens.tolist()]
-    return [(0, c, min(c + chunk_size, eos)) for bos, eos in zip(bounds[:-1], bounds[1:])
+    return [(slice(0, 1), c, min(c + chunk_size, eos)) for bos, eos in zip(bounds[:-1], bounds[1:])
             for c in range(bos, eos, chunk_size)]  # fmt: skip
 
 
@@ -75,8 +76,7 @@ def chunk_kda_bwd_intra_reference(
     group = HV // H
     f64 = torch.float64
     out_q, out_k, out_b, out_g = (x.to(f64).clone() for x in (dq, dk, db, dg))
-    for row, c0, c1 in _chunks(T, chunk_size, cu_seqlens):
-        rows = slice(None) if row is None else slice(row, row + 1)
+    for rows, c0, c1 in _chunks(T, chunk_size, cu_seqlens):
         n = c1 - c0
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         for hv in range(HV):
@@ -123,8 +123,7 @@ def chunk_kda_bwd_gate_reference(
     """
     f64 = torch.float64
     da = torch.zeros_like(dg, dtype=f64)
-    for row, c0, c1 in _chunks(dg.shape[1], chunk_size, cu_seqlens):
-        rows = slice(None) if row is None else slice(row, row + 1)
+    for rows, c0, c1 in _chunks(dg.shape[1], chunk_size, cu_seqlens):
         da[rows, c0:c1] = dg[rows, c0:c1].to(f64).flip(1).cumsum(1).flip(1)
     x = g_raw.detach().to(f64).requires_grad_()
     params = [p.detach().to(f64).requires_grad_() if p is not None else None for p in (A_log, dt_bias)]
