@@ -846,23 +846,22 @@ def kda_decode_launcher(
     lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
-    if (KV_COLS and kv_pool_128 and tokens == 1 and wide_kv is None
-            and (states is None or states >= KV_COLS_MIN_STATES)
-            and flags["V"] % (32 * KV_COLS[0]) == 0 and not flags["has_step_states"]
-            and not {"min_blocks_per_sm", "warps_per_cta"} & set(flags)):  # fmt: skip
+    box = None  # kv_cols as (warps per CTA, token slots a warp, CTAs per SM)
+    if kv_pool_128 and wide_kv is None and not flags["has_step_states"] and tokens is not None:
+        if (tokens == 1 and KV_COLS and (states is None or states >= KV_COLS_MIN_STATES)
+                and not {"min_blocks_per_sm", "warps_per_cta"} & set(flags)):  # fmt: skip
+            box = (KV_COLS[0], 1, KV_COLS[1])
+        elif (tokens > 1 and MULTI_TOKEN_KV_COLS
+              and not {"min_blocks_per_sm", "warps_per_cta", "tokens_per_round"} & set(flags)):  # fmt: skip
+            box = MULTI_TOKEN_KV_COLS
+    if box and flags["V"] % (32 * box[0]) == 0:
         wide_kv = False
-        flags.update(kv_cols=True, tokens_per_round=1, warps_per_cta=KV_COLS[0], min_blocks_per_sm=KV_COLS[1])
+        flags.update(kv_cols=True, warps_per_cta=box[0], tokens_per_round=box[1], min_blocks_per_sm=box[2])
     if (KV_TMA_DEFAULT and kv_pool_128 and tokens == 1 and wide_kv is None and flags["V"] % 32 == 0
             and not flags["has_step_states"] and "min_blocks_per_sm" not in flags
             and flags.get("warps_per_cta", 4) == 4):  # fmt: skip
         wide_kv = False
         flags.update(kv_tma=True, tokens_per_round=1, min_blocks_per_sm=KV_TMA_MIN_BLOCKS)
-    if (MULTI_TOKEN_KV_COLS and kv_pool_128 and tokens is not None and tokens > 1 and wide_kv is None
-            and flags["V"] % (32 * MULTI_TOKEN_KV_COLS[0]) == 0 and not flags["has_step_states"]
-            and not {"min_blocks_per_sm", "warps_per_cta", "tokens_per_round"} & set(flags)):  # fmt: skip
-        wide_kv = False
-        warps, slots, ctas = MULTI_TOKEN_KV_COLS
-        flags.update(kv_cols=True, warps_per_cta=warps, tokens_per_round=slots, min_blocks_per_sm=ctas)
     if wide_kv is None:
         wide_kv = WIDE_KV_DEFAULT and kv_pool_128
     if tokens == 1 and SINGLE_TOKEN_CTA and not wide_kv and "min_blocks_per_sm" not in flags:
