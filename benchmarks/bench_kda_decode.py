@@ -8,7 +8,8 @@ the pool rows (int32), under ``torch.inference_mode()``:
 * ``mtp-N64-T4-H64``: an MTP verify step, T = 4 tokens per sequence, N = 64;
 * ``decode-N{N}-H16``: T = 1, GVA with H = 16 q/k heads (4 value heads per q/k head), same N;
 * ``decode-N{N}-H64-kv``: T = 1, H = 64, N in {1, 64, 256}, with FLA's default ``[P, HV, K, V]`` pool
-  (``state_v_first=False``) for both.
+  (``state_v_first=False``) for both;
+* ``mtp-N64-T4-H64-kv``: the MTP verify step on that pool.
 
 H = 64 configs run first, so FLA's Triton compile for that shape is paid once; H = 16 and T > 1 (2-D
 indices) compile again.
@@ -111,11 +112,12 @@ class Config:
 
 
 def suite(quick: bool = False) -> list[Config]:
-    """H = 64 decode sweep, the MTP verify step, then the H = 16 (GVA) sweep (module docstring)."""
+    """H = 64 decode sweep, the MTP verify step, the H = 16 (GVA) sweep, the [K, V] pool rows (module docstring)."""
     cfgs = [Config(n, 1, 64) for n in DECODE_N]
     cfgs.append(Config(MTP[0], MTP[1], 64))
     cfgs += [Config(n, 1, 16) for n in DECODE_N]
     cfgs += [Config(n, 1, 64, kv=True) for n in KV_N]
+    cfgs.append(Config(MTP[0], MTP[1], 64, kv=True))
     if quick:
         cfgs = [c for c in cfgs if c.name in QUICK]
     return cfgs

@@ -161,7 +161,7 @@ def test_decode_suite_order():
     assert names[:7] == [f"decode-N{n}-H64" for n in (1, 8, 32, 64, 128, 256, 512)]
     assert names[7] == "mtp-N64-T4-H64"
     assert names[8:15] == [f"decode-N{n}-H16" for n in (1, 8, 32, 64, 128, 256, 512)]
-    assert names[15:] == [f"decode-N{n}-H64-kv" for n in (1, 64, 256)]
+    assert names[15:] == [f"decode-N{n}-H64-kv" for n in (1, 64, 256)] + ["mtp-N64-T4-H64-kv"]
     assert [c.name for c in kd.suite(quick=True)] == list(kd.QUICK)
     assert all(c.P == 2 * c.N for c in kd.suite())
 

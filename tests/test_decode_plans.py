@@ -329,10 +329,12 @@ def test_single_token_cta_picks_the_one_slot_variant(counted_plans, fake_sm90, m
 
 def test_kv_cols_switch_picks_the_column_variant(counted_plans, fake_sm90, monkeypatch):
     """KV_COLS takes T=1 calls on [K, V] pools with K=128 (ahead of kv_tma) from KV_COLS_MIN_STATES states (N x HV)
-    up; not T>1 calls, [V, K] pools, K=64 or smaller calls (kv_tma)."""
+    up; not T>1 calls, [V, K] pools, K=64 or smaller calls (kv_tma). MULTI_TOKEN_KV_COLS is off here: the T>1
+    switch has its own test."""
     import cula.ops.kda.sm90.decode as kops
 
     monkeypatch.setattr(kops, "KV_COLS", (2, 6))
+    monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS", None)
     monkeypatch.setattr(kops, "KV_COLS_MIN_STATES", N * HV)
     q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)
     A_log = torch.randn(HV)
@@ -351,23 +353,27 @@ def test_kv_cols_switch_picks_the_column_variant(counted_plans, fake_sm90, monke
 
 
 def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, monkeypatch):
-    """MULTI_TOKEN_KV_COLS (off by default) takes T > 1 calls on [K, V] pools with K=128 and no step states, with
-    its warps, token slots and CTAs per SM; T=1 calls keep KV_COLS / kv_tma, step states keep the wide tile."""
+    """MULTI_TOKEN_KV_COLS takes calls of 2 to MULTI_TOKEN_KV_COLS_MAX_TOKENS tokens on [K, V] pools with K=128 and no
+    step states, with its warps, token slots and CTAs per SM; longer calls and step states keep the wide tile, T=1
+    calls KV_COLS / kv_tma."""
     import cula.ops.kda.sm90.decode as kops
 
-    assert kops.MULTI_TOKEN_KV_COLS is None
+    assert kops.MULTI_TOKEN_KV_COLS == (2, 1, 6) and kops.MULTI_TOKEN_KV_COLS_MAX_TOKENS == 4
     monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS", (2, 4, 5))
+    monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS_MAX_TOKENS", 2)
     q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)
     kv = dict(A_log=torch.randn(HV), lower_bound=-5.0, state_v_first=False)
-    two = [torch.cat([t, t], dim=1) for t in (q, k, v, g, beta)]
+    two, three = ([torch.cat([t] * n, dim=1) for t in (q, k, v, g, beta)] for n in (2, 3))
     kd.kda_decode(*two, pool, idx, **kv)
     steps = torch.empty(N, 2, HV, 128, 128)
     kd.kda_decode(*two, pool, idx, step_states=steps, **kv)
+    kd.kda_decode(*three, pool, idx, **kv)
     kd.kda_decode(q, k, v, g, beta, pool, idx, **kv)
-    multi, stepped, single = [c[1] for c in fake_sm90 if c[0] == "variant"]
+    multi, stepped, longer, single = [c[1] for c in fake_sm90 if c[0] == "variant"]
     assert multi["kv_cols"] and not multi["wide_kv"]
     assert (multi["warps_per_cta"], multi["tokens_per_round"], multi["min_blocks_per_sm"]) == (2, 4, 5)
-    assert not stepped.get("kv_cols") and stepped["wide_kv"]
+    for wide in (stepped, longer):
+        assert not wide.get("kv_cols") and wide["wide_kv"]
     assert single.get("kv_tma") and not single.get("kv_cols")  # 12 states: below KV_COLS_MIN_STATES
 
 

@@ -10,8 +10,9 @@ against 140.4 / 273.2 / 539.4 / 1075.3 for 4 x 5 (92.0 / 94.5 / 95.6 / 95.9% of 
     device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/decode_cta_size.py [--mtp]
 
 ``--ns 2,8,32`` / ``--boxes 2x6,4x3``: other N values / kv_cols boxes. ``--mtp``: the same question for the MTP
-verify call (N=64, T = 2 / 4 / 8), by token slots and CTA size (``--mtp --kv``: on [K, V] pools, the wide_kv default
-against kv_cols boxes; not run yet); ``--kv``: [K, V] pools, KDA's kv_tma against its kv_cols boxes
+verify call (N=64, T = 2 / 4 / 8 or ``--ts 3,5``), by token slots and CTA size (``--mtp --kv``: on [K, V] pools, the
+wide tile against kv_cols boxes, ``--boxes 2x1x6`` as warps x slots x CTAs per SM; session 21 switched
+MULTI_TOKEN_KV_COLS on from it); ``--kv``: [K, V] pools, KDA's kv_tma against its kv_cols boxes
 (``KdaDecodeSm90(kv_cols=True)``) and Lightning's tile against its column kernel (``LightningDecodeSm90(cols=True)``).
 ``--kv`` and ``--mtp`` ran in session 20 (see the KV_COLS comments of the two decode modules, docs/perf-notes-decode.md).
 """
@@ -117,6 +118,7 @@ def main():
 # MTP verify on [K, V] pools (``--mtp --kv``): the T>1 default there (wide_kv, 3 CTAs of 4 warps) against kv_cols
 # boxes, as (warps per CTA, token slots a warp, CTAs per SM); test_kv_cols_tokens_match checked kv_cols at T > 1
 MTP_KV = [(2, 1, 6), (2, 2, 6), (2, 4, 5), (4, 2, 3)]
+MTP_TOKENS = (2, 4, 8)
 
 
 def mtp(kv: bool = False):
@@ -125,11 +127,11 @@ def mtp(kv: bool = False):
     decode_n1.CALLS = 10
     copy_tbps = bc.measure_copy_bandwidth()
     calls = {}
-    for T in (2, 4, 8):
+    for T in MTP_TOKENS:
         make, _ = _kda_case(64, T, kv)
         for variant in [None, *(MTP_KV if kv else MTP)]:
-            if variant is None:
-                extra = {}
+            if variant is None:  # the wide tile named: on [K, V] pools kv_cols is the default up to 4 tokens
+                extra = dict(wide_kv=True) if kv else {}
             elif kv:
                 extra = dict(kv_cols=True, wide_kv=False, warps_per_cta=variant[0], tokens_per_round=variant[1],
                              min_blocks_per_sm=variant[2])  # fmt: skip
@@ -141,7 +143,7 @@ def mtp(kv: bool = False):
     for (T, variant), ts in times.items():
         us = statistics.median(ts)
         if variant is None:
-            what = "default (wide_kv, 4 warps, 3 CTAs/SM)" if kv else "default (8 slots, 4 warps, 4 CTAs/SM)"
+            what = "wide_kv (4 warps, 3 CTAs/SM)" if kv else "default (8 slots, 4 warps, 4 CTAs/SM)"
         elif kv:
             what = "kv_cols %d warps/CTA, %d slots, %d CTAs/SM" % variant
         else:
@@ -203,6 +205,12 @@ if __name__ == "__main__":
         args = sys.argv[1:]
         if "--ns" in args:  # e.g. --ns 2,8,32: the N values instead of NS
             NS = tuple(int(n) for n in args[args.index("--ns") + 1].split(","))
-        if "--boxes" in args:  # e.g. --boxes 2x6,4x3: the kv_cols boxes instead of KV_COLS
-            KV_COLS = [tuple(int(x) for x in b.split("x")) for b in args[args.index("--boxes") + 1].split(",")]
+        if "--boxes" in args:  # e.g. --boxes 2x6,4x3 (--kv), 2x1x6 (--mtp --kv): the kv_cols boxes to time
+            boxes = [tuple(int(x) for x in b.split("x")) for b in args[args.index("--boxes") + 1].split(",")]
+            if "--mtp" in args:
+                MTP_KV = boxes
+            else:
+                KV_COLS = boxes
+        if "--ts" in args:  # e.g. --ts 3,5,6: the MTP token counts instead of MTP_TOKENS
+            MTP_TOKENS = tuple(int(t) for t in args[args.index("--ts") + 1].split(","))
         mtp(kv="--kv" in args) if "--mtp" in args else kv_pools() if "--kv" in args else main()

@@ -31,16 +31,17 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   spills): 16 warps and 64 KB of state loads in flight per SM. T=1 calls (``SINGLE_TOKEN_CTA``) keep one token
   slot per warp and run 20 one-warp CTAs per SM at 96 registers: each warp's registers come back the moment it
   ends, not when the slowest of four does.
-* **wide_kv** (for ``[K, V]`` pools with K=128 when T > 1 or with step states): ``LK = 8`` and 64 state
-  registers per lane (``j`` < 4), so a warp's V slice and each row it reads are twice as wide (64 B); 3 CTAs
-  per SM.
+* **wide_kv** (for ``[K, V]`` pools with K=128 with step states, or T > 1 calls kv_cols does not take): ``LK = 8``
+  and 64 state registers per lane (``j`` < 4), so a warp's V slice and each row it reads are twice as wide
+  (64 B); 3 CTAs per SM.
 * **kv_tma** (``[K, V]`` pools with K=128 at T=1, fewer than ``KV_COLS_MIN_STATES`` states): the four warps of a
   CTA take four adjacent V slices of one (sequence, head); one TMA load brings their ``[128 K, 32 V]`` box (whole
   128-byte row pieces) into shared memory with the 128-byte swizzle, each lane reads its fragment (rows
   ``lk + 16 i``, conflict-free under the swizzle), runs the same token math and writes it back, and one TMA store
   returns the box.
 * **kv_cols** (T=1 calls on ``[K, V]`` pools with K=128 without step states, from ``KV_COLS_MIN_STATES`` states
-  up; below that kv_tma, whose smaller boxes fill more SMs): a CTA of W warps takes a ``[K, 32 W]`` box by one TMA
+  up, below that kv_tma, whose smaller boxes fill more SMs; MTP calls of 2 to ``MULTI_TOKEN_KV_COLS_MAX_TOKENS``
+  tokens there without step states, of any size): a CTA of W warps takes a ``[K, 32 W]`` box by one TMA
   load (W = 4 with V = 128: the whole state, contiguous in the pool) and keeps it in shared memory; lane j of warp w
   owns column ``32 w + j`` with all K rows, so ``S^T k`` and ``S^T q`` are in-lane sums over the column (two passes
   a token, its q / k / exp(g) broadcast from the warp's slot) and no shuffle runs; one TMA store returns the box.
@@ -841,9 +842,9 @@ def kda_decode_launcher(
     """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``wide_kv`` None:
     ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128; ``tokens``: the calls' T, when known, for the T=1 variants
     ``KV_COLS``, ``KV_TMA_DEFAULT`` and ``SINGLE_TOKEN_CTA``, tried in that order, and ``MULTI_TOKEN_KV_COLS`` for
-    T > 1; ``states``: the calls' N x HV, when known: ``KV_COLS`` takes calls of at least ``KV_COLS_MIN_STATES``, or
-    any when None), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale,
-    lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
+    1 < T <= ``MULTI_TOKEN_KV_COLS_MAX_TOKENS``; ``states``: the calls' N x HV, when known: ``KV_COLS`` takes calls
+    of at least ``KV_COLS_MIN_STATES``, or any when None), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias,
+    state, indices, out, step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
     box = None  # kv_cols as (warps per CTA, token slots a warp, CTAs per SM)
@@ -851,7 +852,7 @@ def kda_decode_launcher(
         if (tokens == 1 and KV_COLS and (states is None or states >= KV_COLS_MIN_STATES)
                 and not {"min_blocks_per_sm", "warps_per_cta"} & set(flags)):  # fmt: skip
             box = (KV_COLS[0], 1, KV_COLS[1])
-        elif (tokens > 1 and MULTI_TOKEN_KV_COLS
+        elif (1 < tokens <= MULTI_TOKEN_KV_COLS_MAX_TOKENS and MULTI_TOKEN_KV_COLS
               and not {"min_blocks_per_sm", "warps_per_cta", "tokens_per_round"} & set(flags)):  # fmt: skip
             box = MULTI_TOKEN_KV_COLS
     if box and flags["V"] % (32 * box[0]) == 0:
@@ -925,7 +926,12 @@ KV_TMA_MIN_BLOCKS = 4
 # wave the column loops' serial K rows are the latency. test_kv_cols_matches passed (14 cases).
 KV_COLS: tuple[int, int] | None = (2, 6)
 KV_COLS_MIN_STATES = 1024
-# T > 1 calls (MTP verify) on [K, V] pools with K=128 and no step states: kv_cols with (warps per CTA, token slots a
-# warp, CTAs per SM) instead of the wide tile when set. None: off, not yet timed (scripts/device/decode_cta_size.py
-# --mtp --kv); kv_cols at T > 1 passed test_kv_cols_tokens_match on the H200 (session 20).
-MULTI_TOKEN_KV_COLS: tuple[int, int, int] | None = None
+# T > 1 calls (MTP verify) up to MULTI_TOKEN_KV_COLS_MAX_TOKENS tokens on [K, V] pools with K=128 and no step states
+# take kv_cols with (warps per CTA, token slots a warp, CTAs per SM) instead of the wide tile; None: off. On the H200
+# (session 21, scripts/device/decode_cta_size.py --mtp --kv, CUDA-graph replay, N=64, HV=64) 2 x 1 x 6 ran T = 2 / 4
+# / 8 in 143.9 / 223.2 / 415.0 us against the wide tile's 204.6 / 257.4 / 362.3 (2 x 2 x 6 151.4 / 240.7 / 436.7,
+# 2 x 4 x 5 and 4 x 2 x 3 slower still): the column's shared-memory passes grow with T (2 reads and 1 write of the
+# box a token), the wide tile's shuffles less. The same compiled variant as KV_COLS at T=1;
+# test_kv_cols_tokens_match passed on the H200 (session 20).
+MULTI_TOKEN_KV_COLS: tuple[int, int, int] | None = (2, 1, 6)
+MULTI_TOKEN_KV_COLS_MAX_TOKENS = 4
