@@ -358,7 +358,7 @@ def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, monkeypatch):
     calls KV_COLS / kv_tma."""
     import cula.ops.kda.sm90.decode as kops
 
-    assert kops.MULTI_TOKEN_KV_COLS == (2, 1, 6) and kops.MULTI_TOKEN_KV_COLS_MAX_TOKENS == 4
+    assert kops.MULTI_TOKEN_KV_COLS == (2, 1, 6) and kops.MULTI_TOKEN_KV_COLS_MAX_TOKENS == 5
     monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS", (2, 4, 5))
     monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS_MAX_TOKENS", 2)
     q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)

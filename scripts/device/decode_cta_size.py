@@ -130,7 +130,7 @@ def mtp(kv: bool = False):
     for T in MTP_TOKENS:
         make, _ = _kda_case(64, T, kv)
         for variant in [None, *(MTP_KV if kv else MTP)]:
-            if variant is None:  # the wide tile named: on [K, V] pools kv_cols is the default up to 4 tokens
+            if variant is None:  # the wide tile named: on [K, V] pools kv_cols is the default up to 5 tokens
                 extra = dict(wide_kv=True) if kv else {}
             elif kv:
                 extra = dict(kv_cols=True, wide_kv=False, warps_per_cta=variant[0], tokens_per_round=variant[1],

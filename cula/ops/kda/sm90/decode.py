@@ -928,10 +928,10 @@ KV_COLS: tuple[int, int] | None = (2, 6)
 KV_COLS_MIN_STATES = 1024
 # T > 1 calls (MTP verify) up to MULTI_TOKEN_KV_COLS_MAX_TOKENS tokens on [K, V] pools with K=128 and no step states
 # take kv_cols with (warps per CTA, token slots a warp, CTAs per SM) instead of the wide tile; None: off. On the H200
-# (session 21, scripts/device/decode_cta_size.py --mtp --kv, CUDA-graph replay, N=64, HV=64) 2 x 1 x 6 ran T = 2 / 4
-# / 8 in 143.9 / 223.2 / 415.0 us against the wide tile's 204.6 / 257.4 / 362.3 (2 x 2 x 6 151.4 / 240.7 / 436.7,
-# 2 x 4 x 5 and 4 x 2 x 3 slower still): the column's shared-memory passes grow with T (2 reads and 1 write of the
-# box a token), the wide tile's shuffles less. The same compiled variant as KV_COLS at T=1;
-# test_kv_cols_tokens_match passed on the H200 (session 20).
+# (session 21, scripts/device/decode_cta_size.py --mtp --kv, CUDA-graph replay, N=64, HV=64) 2 x 1 x 6 ran T = 2 / 3
+# / 4 / 5 / 6 / 8 in 143.9 / 178.2 / 223.2 / 269.5 / 316.9 / 415.0 us against the wide tile's 204.6 / 234.1 / 257.4 /
+# 282.3 / 307.8 / 362.3 (2 x 2 x 6, 2 x 4 x 5 and 4 x 2 x 3 slower than 2 x 1 x 6 at T = 2 / 4 / 8): the column's
+# shared-memory passes grow with T (2 reads and 1 write of the box a token), the wide tile's shuffles less. The
+# same compiled variant as KV_COLS at T=1; test_kv_cols_tokens_match passed on the H200 (sessions 20, 21).
 MULTI_TOKEN_KV_COLS: tuple[int, int, int] | None = (2, 1, 6)
-MULTI_TOKEN_KV_COLS_MAX_TOKENS = 4
+MULTI_TOKEN_KV_COLS_MAX_TOKENS = 5
