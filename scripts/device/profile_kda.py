@@ -9,6 +9,9 @@ Firecracker runtime (device KINDS.md) and is skipped with a message where it can
 ``--ncu-source`` records the intra kernel alone with line info and source counters, and writes its per-SASS-
 instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, hence which phase, the time goes to).
 ``--ncu-decode`` profiles the KDA and Lightning decode kernels at N=64 instead ($OUT/ncu_decode.txt).
+``--ncu-backward`` profiles FLA's two heaviest backward kernels (``chunk_kda_bwd_kernel_wy_dqkg_fused``, stage 6, and
+``chunk_kda_bwd_kernel_intra``, stage 7 of docs/design-kda-backward.md) and the dh recurrence beside them in one FLA
+training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers and spills Triton compiled them with.
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
 default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward) the kernels of the forward
 and of the backward separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward
@@ -202,6 +205,47 @@ def ncu_decode_target() -> None:
     torch.cuda.synchronize()
 
 
+def ncu_backward_target() -> None:
+    """Two FLA training steps at B=1, T=4096 (bench_kda_training's data; ncu keeps the second backward), then the
+    registers and spills of the backward's Triton kernels as compiled."""
+    import bench_kda_prefill as kp
+    import bench_kda_training as kt
+    from fla.ops.kda import chunk_bwd, chunk_intra
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    cfg = {c.name: c for c in kp.suite()}["B1-T4096"]
+    shared, grads, tensors = kp.make_shared(cfg), kt.output_grads(cfg), kp.make_set(cfg, 0)
+    for _ in range(2):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
+                  if n in kt.GRAD_LEAVES}  # fmt: skip
+        rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
+        torch.autograd.backward(fla_chunk_kda(**leaves, **rest, **kp.CALL_FLAGS), grads)
+    torch.cuda.synchronize()
+    for kernel in (chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused, chunk_intra.chunk_kda_bwd_kernel_intra):
+        fn = kernel
+        while not hasattr(fn, "device_caches") and hasattr(fn, "fn"):  # autotuner / heuristics wrappers
+            fn = fn.fn
+        for caches in getattr(fn, "device_caches", {}).values():
+            for compiled in caches[0].values():
+                print(f"[compiled] {fn.__name__}: {getattr(compiled, 'n_regs', '?')} registers, "
+                      f"{getattr(compiled, 'n_spills', '?')} spilled, "
+                      f"{compiled.metadata.num_warps} warps, {compiled.metadata.shared} B shared", flush=True)
+
+
+def run_ncu_backward() -> None:
+    """Occupancy, memory throughput and stall reasons of FLA's stage 6 and 7 kernels (and the dh recurrence)."""
+    out = os.environ.get("OUT", ".")
+    text = _ncu(["ncu", "--clock-control", "none", "-k",
+                 "regex:wy_dqkg_fused|chunk_kda_bwd_kernel_intra|bwd_kernel_dhu",
+                 "--launch-skip", "3", "--launch-count", "3", "--section", "SpeedOfLight", "--section", "Occupancy",
+                 "--section", "LaunchStats", "--section", "WarpStateStats", "--section", "SchedulerStats",
+                 "--section", "MemoryWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis_Tables", sys.executable,
+                 __file__, "--ncu-backward-target"], timeout=400)  # fmt: skip
+    with open(os.path.join(out, "ncu_backward.txt"), "w") as f:
+        f.write(text)
+    print(text[-12000:])
+
+
 def run_ncu_decode() -> None:
     """Why the decode kernels stop at ~85% of copy bandwidth: memory workload and stall reasons at N=64."""
     out = os.environ.get("OUT", ".")
@@ -253,6 +297,11 @@ if __name__ == "__main__":
         ncu_target()
     elif "--ncu-decode-target" in sys.argv:
         ncu_decode_target()
+    elif "--ncu-backward-target" in sys.argv:
+        os.environ.setdefault("FLA_FLASH_KDA", "0")
+        ncu_backward_target()
+    elif "--ncu-backward" in sys.argv:
+        run_ncu_backward()
     elif "--ncu-decode" in sys.argv:
         run_ncu_decode()
     elif "--training" in sys.argv:
