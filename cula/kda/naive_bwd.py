@@ -20,7 +20,7 @@ import torch
 
 from cula.kda.naive import kda_gate
 
-__all__ = ["chunk_kda_bwd_gate_reference", "chunk_kda_bwd_intra_reference"]
+__all__ = ["chunk_kda_bwd_gate_reference", "chunk_kda_bwd_intra_reference", "chunk_kda_bwd_wy_dqkg_reference"]
 
 
 def _chunks(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None):
@@ -31,6 +31,93 @@ def _chunks(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None):
     bounds = [int(x) for x in cu_seqlens.tolist()]
     return [(slice(0, 1), c, min(c + chunk_size, eos)) for bos, eos in zip(bounds[:-1], bounds[1:])
             for c in range(bos, eos, chunk_size)]  # fmt: skip
+
+
+def chunk_kda_bwd_wy_dqkg_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_new: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A: torch.Tensor,
+    h: torch.Tensor,
+    do: torch.Tensor,
+    dh: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, ...]:
+    r"""FLA's ``chunk_kda_bwd_wy_dqkg_fused`` (stage 6 of ``chunk_kda_bwd``): the gradients through a chunk's
+    state terms and its WY representation.
+
+    Per chunk and value head, with ``S = h[c]`` (the state entering the chunk, ``[K, V]``), ``dS = dh[c]`` (the
+    gradient of the state leaving it), ``G = 2 ** g``, ``gamma = G[last row]`` and ``T = A`` (the chunk's
+    ``(I + L)^-1``), the forward terms differentiated are::
+
+        o_inter = scale * (q * G) @ S                         # against do
+        S_next  = gamma * S + (k * gamma / G)^T @ v_new       # against dS (v_new held fixed: its gradient is dv)
+        v_new   = T @ (beta * v) - T @ (beta * k * G) @ S     # against dv (the full gradient of v_new)
+
+    and the returned ``dA`` is the gradient of ``L`` (strictly below the diagonal, through ``T = (I + L)^-1``),
+    the input of stage 7's ``dAkk``. S, v_new and the score terms (stages 3, 4, 7) are someone else's.
+
+    Args:
+        q, k: ``[B, T, H, K]`` (after the l2 norm).  v, v_new, do, dv: ``[B, T, HV, V]``.
+        g: ``[B, T, HV, K]`` fp32, chunk-local cumsum in log2 units.  beta: ``[B, T, HV]``.
+        A: ``[B, T, HV, chunk_size]``: row ``t`` holds row ``t`` of its chunk's ``T`` by column offset.
+        h, dh: ``[B, NT, HV, K, V]`` (``[B, NT, HV, V, K]`` with ``state_v_first``) per chunk; a packed batch
+            (``cu_seqlens``, ``B == 1``) numbers its chunks across the sequences, in order.
+        scale: defaults to ``K ** -0.5``.  cu_seqlens, chunk_size: as :func:`chunk_kda_bwd_intra_reference`.
+
+    Returns:
+        ``(dq, dk, dv, db, dg, dA)`` in FLA's order and shapes (``dq`` / ``dk`` per value head, ``[B, T, HV, K]``;
+        ``dA`` zero on and above the diagonal and past a chunk's end), all in float32 (float64 for float64 inputs;
+        FLA returns ``dv`` in ``v``'s dtype), ``dg`` in natural-log units.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[-1]
+    group = HV // H
+    scale = K**-0.5 if scale is None else scale
+    f64 = torch.float64
+    out = torch.promote_types(torch.float32, q.dtype)
+    dq_o, dk_o, dg_o = (torch.zeros(B, T, HV, K, dtype=f64, device=q.device) for _ in range(3))
+    dv_o = torch.zeros(B, T, HV, V, dtype=f64, device=q.device)
+    db_o = torch.zeros(B, T, HV, dtype=f64, device=q.device)
+    dA_o = torch.zeros(B, T, HV, chunk_size, dtype=f64, device=q.device)
+    for c, (rows, c0, c1) in enumerate(_chunks(T, chunk_size, cu_seqlens)):
+        n = c1 - c0
+        strict = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
+        S, dS = (x[rows, c].to(f64) for x in (h, dh))  # [b, HV, K, V] (or V, K)
+        if state_v_first:
+            S, dS = S.transpose(-1, -2), dS.transpose(-1, -2)
+        for hv in range(HV):
+            qc, kc = (x[rows, c0:c1, hv // group].to(f64) for x in (q, k))  # [b, n, K]
+            vc, vn, doc, du = (x[rows, c0:c1, hv].to(f64) for x in (v, v_new, do, dv))  # [b, n, V]
+            gc, bc = g[rows, c0:c1, hv].to(f64), beta[rows, c0:c1, hv].to(f64)[..., None]
+            Tm = A[rows, c0:c1, hv, :n].to(f64)  # [b, n, n]
+            Sh, dSh = S[:, hv], dS[:, hv]  # [b, K, V]
+            G, last = torch.exp2(gc), gc[:, -1:]
+            kG = kc * G
+            dq = scale * (doc @ Sh.transpose(-1, -2)) * G
+            dk_kg = (vn @ dSh.transpose(-1, -2)) * torch.exp2(last - gc)  # through k * gamma / G
+            dw = -(du @ Sh.transpose(-1, -2))  # d v_new / d w = -S
+            dvb, dkgb = Tm.transpose(-1, -2) @ du, Tm.transpose(-1, -2) @ dw  # T^T du, T^T dw
+            dT = (du @ vc.transpose(-1, -2) + dw @ kG.transpose(-1, -2)) * bc.transpose(-1, -2)  # beta by column
+            dT = dT * strict  # T's diagonal is 1 and its upper part 0: no gradient flows there
+            dL = -(Tm.transpose(-1, -2) @ dT @ Tm.transpose(-1, -2)) * strict
+            dg = qc * dq - kc * dk_kg + kG * dkgb * bc
+            # gamma = G[last] decays S into S_next and scales every k * gamma / G
+            dg[:, -1] += torch.exp2(last[:, 0]) * (Sh * dSh).sum(-1) + (kc * dk_kg).sum(1)
+            dq_o[rows, c0:c1, hv] = dq
+            dk_o[rows, c0:c1, hv] = dk_kg + dkgb * G * bc
+            dv_o[rows, c0:c1, hv] = dvb * bc
+            db_o[rows, c0:c1, hv] = (dvb * vc).sum(-1) + (dkgb * kG).sum(-1)
+            dg_o[rows, c0:c1, hv] = dg
+            dA_o[rows, c0:c1, hv, :n] = dL
+    return tuple(x.to(out) for x in (dq_o, dk_o, dv_o, db_o, dg_o, dA_o))
 
 
 def chunk_kda_bwd_intra_reference(
