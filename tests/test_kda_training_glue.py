@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cula.kda.backends as kb
+from cula.kda import fla_backward
 from cula.testing import small_batch
 
 fc = pytest.importorskip("fla.ops.kda.chunk")
@@ -80,6 +81,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(fc, "fused_beta_sigmoid_bwd", lambda x, dy, scale: dy * scale + x.float())
     monkeypatch.setattr(fc, "prepare_chunk_indices", lambda cu_seqlens, chunk_size, cu_seqlens_cpu=None: cu_seqlens * 2)
     monkeypatch.setattr(fc, "chunk_kda_bwd", _bwd(calls))
+    monkeypatch.setattr(fla_backward, "chunk_kda_bwd", _bwd(calls))  # what our backward calls
 
     def gate(g, A_log, dt_bias, scale, chunk_size, cu_seqlens, chunk_indices, lower_bound, use_graph=False):
         return g.float().cumsum(1) * scale + float(_mix(A_log, dt_bias, chunk_indices)) + (lower_bound or 0.0)

@@ -93,7 +93,8 @@ def _prepare_chunk_kda_cula_sm90(**args):
 
 
 class _ChunkKDATraining(torch.autograd.Function):
-    """Our forward kernels, FLA 0.6.0's backward (``fla.ops.kda.chunk.ChunkKDAFunction.backward``).
+    """Our forward kernels, FLA 0.6.0's backward (``fla.ops.kda.chunk.ChunkKDAFunction.backward``; its stage 6 at
+    the launch configuration of ``cula.kda.fla_backward``).
 
     FLA's forward saves the l2-normalised q and k with their rstd, beta after the sigmoid, the gate cumsum (when the
     gate is not fused) and the intra stage's Aqk and Akk. Ours keeps the inputs and the Aqk and Akk our forward
@@ -121,6 +122,8 @@ class _ChunkKDATraining(torch.autograd.Function):
         import fla.ops.kda.chunk as fc
         import fla.ops.kda.chunk_fwd as ff
 
+        from cula.kda import fla_backward
+
         q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, Aqk, Akk = ctx.saved_tensors
         p = ctx.opts
         fused_gate = p["use_gate_in_kernel"]
@@ -146,7 +149,8 @@ class _ChunkKDATraining(torch.autograd.Function):
                     g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
                     use_graph=False,
                 )  # fmt: skip
-            dq, dk, dv, db, dg, dh0, dA, dbias = fc.chunk_kda_bwd(
+            # FLA's chunk_kda_bwd with its heaviest stage at a faster launch configuration (fla_backward)
+            dq, dk, dv, db, dg, dh0, dA, dbias = fla_backward.chunk_kda_bwd(
                 q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
                 do=do.contiguous(), dht=None if dht is None else dht.contiguous(),
                 # FLA's forward keeps the gate cumsum only when the gate is not fused; the backward redoes it

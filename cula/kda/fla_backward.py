@@ -1,0 +1,102 @@
+"""FLA 0.6.0's chunked KDA backward (``fla.ops.kda.chunk_bwd.chunk_kda_bwd``) as cula's training path runs it: FLA's
+own stages in FLA's order, with stage 6 (``chunk_kda_bwd_wy_dqkg_fused``, the state-term and WY gradients; see
+docs/design-kda-backward.md) launched at a configuration FLA's Hopper autotune list leaves out.
+
+Why: on the H200 that kernel is 42% of the backward (11.5 of 27.2 ms at B=2, T=16384, H=64, K=V=128; session 21,
+``profile_kda.py --training``). Its autotuned choice (BK=64, BV=64, 4 warps) compiles to 255 registers with 302
+spilled; FLA's list stops at 4 warps on Hopper. At 8 warps with BK=32, BV=64 it compiles without spills and runs
+in 8.48 ms (``scripts/device/wy_configs.py``), with the same outputs (dq, dk, dv, dA bit for bit, db and dg to
+fp32 rounding of a different K-block order). The kernel is FLA's, called through its Triton function; only the
+launch grid's block sizes and warp count are ours.
+
+The rest of FLA's ``chunk_kda_bwd`` is left as it is by running FLA's function body with one name rebound: a copy
+of the function object whose globals are FLA's module's with ``chunk_kda_bwd_wy_dqkg_fused`` replaced. FLA's
+module is not modified, so FLA's own backward (``fla.ops.kda.chunk_kda``) in the same process is unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+__all__ = ["chunk_kda_bwd", "WY_DQKG_LAUNCH"]
+
+# (BK, BV, warps, stages) of FLA's stage-6 kernel for K = V = 128 on SM90; None: FLA's autotuned choice.
+# H200 (session 21, wy_configs.py, B2-T16384, [V, K] state): 8.48 ms against 11.54 for FLA's choice. BK=32 at 4
+# warps returned wrong dk there (FLA's list excludes it on Hopper too); BK=32, BV=128 and the configurations timed
+# after it hit an illegal address in that run (not isolated yet), so larger blocks are untimed.
+WY_DQKG_LAUNCH: tuple[int, int, int, int] | None = (32, 64, 8, 1)
+
+
+def _wy_dqkg_fused(
+    q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, state_v_first=False, cu_seqlens=None, chunk_size=64,
+    chunk_indices=None, chunk_offsets=None, use_graph=False,
+):  # fmt: skip
+    """FLA's ``chunk_kda_bwd_wy_dqkg_fused`` with its arguments and returns, launched at ``WY_DQKG_LAUNCH`` where
+    that applies (CUDA on SM90, K = V = 128, 64-token chunks, no CUDA-graph buffers); FLA's own wrapper elsewhere."""
+    from fla.ops.kda import chunk_bwd
+
+    K, V = k.shape[-1], v.shape[-1]
+    if (WY_DQKG_LAUNCH is None or use_graph or not q.is_cuda or (K, V, chunk_size) != (128, 128, 64)
+            or torch.cuda.get_device_capability(q.device) != (9, 0)):  # fmt: skip
+        return chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(
+            q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
+            chunk_offsets=chunk_offsets, use_graph=use_graph,
+        )  # fmt: skip
+    return launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
+                          chunk_indices, WY_DQKG_LAUNCH)  # fmt: skip
+
+
+def launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
+                   chunk_indices, launch):  # fmt: skip
+    """FLA's stage-6 Triton kernel at ``launch = (BK, BV, warps, stages)``: ``(dq, dk, dv, db, dg, dA)`` as FLA's
+    wrapper allocates and returns them (dq / dk per value head in fp32, dv in v's dtype, the rest fp32)."""
+    from fla.ops.kda import chunk_bwd
+    from fla.ops.utils import prepare_chunk_indices
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[-1]
+    if cu_seqlens is not None and chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    NT = -(-T // chunk_size) if cu_seqlens is None else len(chunk_indices)
+    jit = chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused
+    while isinstance(jit, (Autotuner, Heuristics)):  # FLA's decorators around the Triton function
+        jit = jit.fn
+    dq = torch.empty(B, T, HV, K, dtype=torch.float, device=q.device)
+    dk = torch.empty(B, T, HV, K, dtype=torch.float, device=q.device)
+    dv2 = torch.empty_like(v)
+    dg = torch.empty_like(g, dtype=torch.float)
+    db = torch.empty_like(beta, dtype=torch.float)
+    dA = torch.empty_like(A, dtype=torch.float)
+    bk, bv, warps, stages = launch
+    jit[(NT, B * HV)](
+        q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dq=dq, dk=dk, dv=dv, dv2=dv2, dg=dg,
+        db=db, dA=dA, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V,
+        BT=chunk_size, BK=bk, BV=bv, STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
+        USE_GRAPH=False, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return dq, dk, dv2, db, dg, dA
+
+
+@functools.cache
+def _fla_chunk_kda_bwd():
+    """FLA's ``chunk_kda_bwd`` function body over its module's globals with stage 6 rebound to ours."""
+    from fla.ops.kda import chunk_bwd
+
+    fn = chunk_bwd.chunk_kda_bwd
+    if "chunk_kda_bwd_wy_dqkg_fused" not in fn.__code__.co_names:  # another FLA: its backward as it is
+        return fn
+    scope = dict(vars(chunk_bwd), chunk_kda_bwd_wy_dqkg_fused=_wy_dqkg_fused)
+    rebound = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    rebound.__kwdefaults__ = fn.__kwdefaults__
+    return rebound
+
+
+def chunk_kda_bwd(**kwargs):
+    """FLA 0.6.0's ``chunk_kda_bwd`` (same keywords and returns: ``(dq, dk, dv, db, dg, dh0, dA_log, ddt_bias)``),
+    its stage 6 launched at ``WY_DQKG_LAUNCH`` (module docstring)."""
+    return _fla_chunk_kda_bwd()(**kwargs)

@@ -1,0 +1,114 @@
+"""cula.kda.fla_backward on the CPU: FLA's chunk_kda_bwd body with only stage 6 rebound, FLA's module untouched,
+the launch plumbing (grid, chunk indices, outputs) against FLA's own wrapper and the float64 reference under Triton's
+interpreter, and the routing back to FLA's wrapper where the launch configuration does not apply."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cula.kda import fla_backward
+
+chunk_bwd = pytest.importorskip("fla.ops.kda.chunk_bwd")
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from test_naive_bwd import _interpreted  # noqa: E402
+
+
+def test_rebound_backward_is_flas_body_with_stage6_ours():
+    fn = fla_backward._fla_chunk_kda_bwd()
+    assert fn.__code__ is chunk_bwd.chunk_kda_bwd.__code__
+    assert fn.__defaults__ == chunk_bwd.chunk_kda_bwd.__defaults__
+    scope = fn.__globals__
+    assert scope["chunk_kda_bwd_wy_dqkg_fused"] is fla_backward._wy_dqkg_fused
+    assert all(scope[n] is v for n, v in vars(chunk_bwd).items() if n != "chunk_kda_bwd_wy_dqkg_fused")
+    # FLA's own module (and so FLA's own backward) keeps its stage 6
+    assert chunk_bwd.chunk_kda_bwd_wy_dqkg_fused is not fla_backward._wy_dqkg_fused
+    assert chunk_bwd.chunk_kda_bwd.__globals__["chunk_kda_bwd_wy_dqkg_fused"] is chunk_bwd.chunk_kda_bwd_wy_dqkg_fused
+
+
+@pytest.mark.parametrize("launch", [(32, 64, 8, 1), None])
+def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, launch):
+    """CPU tensors (and WY_DQKG_LAUNCH None anywhere) take FLA's wrapper with every argument passed on."""
+    seen = []
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_wy_dqkg_fused", lambda **kw: seen.append(kw) or "fla")
+    monkeypatch.setattr(fla_backward, "WY_DQKG_LAUNCH", launch)
+    t = torch.zeros(1, 64, 1, 128)
+    args = dict(q=t, k=t, v=t, v_new=t, g=t, beta=t[..., 0], A=t[..., :64], h=t, do=t, dh=t, dv=t, scale=0.5,
+                state_v_first=True, cu_seqlens=None, chunk_size=64, chunk_indices=None, chunk_offsets=None,
+                use_graph=False)  # fmt: skip
+    assert fla_backward._wy_dqkg_fused(**args) == "fla"
+    assert seen == [args]
+
+
+_LAUNCH_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from triton.runtime.autotuner import Autotuner
+    prune = Autotuner.prune_configs
+    Autotuner.prune_configs = lambda self, *a, **k: sorted(prune(self, *a, **k),
+                                                         key=lambda c: (c.num_stages, c.num_warps))[:1]
+    sys.path.insert(0, "tests")
+    import torch
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+    from cula.kda.fla_backward import launch_wy_dqkg
+    from cula.kda.naive_bwd import chunk_kda_bwd_wy_dqkg_reference
+    from test_naive_bwd import _wy_case
+    out = {}
+    for name, args in json.loads(sys.argv[1]):
+        case, _ = _wy_case(*args)
+        fla = chunk_kda_bwd_wy_dqkg_fused(**case, chunk_size=64)
+        ours = launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=(32, 64, 8, 1))
+        ref = chunk_kda_bwd_wy_dqkg_reference(**case, chunk_size=64)
+        rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
+        out[name] = [[rel(o, f), rel(o, r)] for o, f, r in zip(ours, fla, ref)]
+    print("@@" + json.dumps(out))
+    """
+)
+
+
+def test_stage6_launch_matches_flas_wrapper_interpreted():
+    """launch_wy_dqkg at the 8-warp configuration (block sizes BK=32, BV=64; the interpreter ignores warps)
+    against FLA's autotuned wrapper and the float64 reference: GVA with an odd T, [V, K] states, a packed batch
+    with a length-1 sequence (its chunk indices made here). fp32 inputs: see test_naive_bwd."""
+    cases = [("gva-odd-v-first", [2, 100, 1, 2, 64, 64, None, True]),
+             ("varlen", [1, 150, 1, 1, 64, 64, [37, 1, 112], False])]  # fmt: skip
+    for name, errs in _interpreted(_LAUNCH_SCRIPT, json.dumps(cases)).items():
+        for what, (vs_fla, vs_ref) in zip(("dq", "dk", "dv", "db", "dg", "dA"), errs):
+            assert vs_fla < 1e-5 and vs_ref < 1e-5, (name, what, vs_fla, vs_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "args",
+    [(2, 300, 2, 4, 128, 128, None, True), (1, 1000, 2, 2, 128, 128, [1, 63, 64, 65, 807], False),
+     (1, 64, 1, 1, 128, 128, None, False)],
+    ids=["gva-odd-v-first", "varlen", "one-chunk"],
+)  # fmt: skip
+def test_stage6_launch_matches_flas_wrapper_gpu(args):
+    """On the GPU, bf16 as FLA's backward holds them: the 8-warp launch against FLA's autotuned wrapper (the same
+    kernel: dq, dk, dv and dA to fp32 noise, db and dg to a different K-block summation order) and both against
+    the float64 reference; outputs start as NaN (poisoned allocator), so an unwritten element fails."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from test_naive_bwd import _wy_case
+
+    from cula.kda.naive_bwd import chunk_kda_bwd_wy_dqkg_reference
+    from cula.testing import poison_cuda_allocator, rel_rmse
+
+    case, _ = _wy_case(*args)
+    low = ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv")
+    case = {n: (x.cuda().bfloat16() if n in low else x.cuda()) if torch.is_tensor(x) else x for n, x in case.items()}
+    fla = chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(**case, chunk_size=64)
+    poison_cuda_allocator()
+    ours = fla_backward.launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=(32, 64, 8, 1))
+    torch.cuda.synchronize()
+    ref = chunk_kda_bwd_wy_dqkg_reference(**{n: x.cpu() if torch.is_tensor(x) else x for n, x in case.items()})
+    for name, o, f, r in zip(("dq", "dk", "dv", "db", "dg", "dA"), ours, fla, ref):
+        assert o.dtype == f.dtype and o.shape == f.shape, name
+        assert not torch.isnan(o).any(), name
+        vs_fla, vs_ref = rel_rmse(f, o), rel_rmse(r, o.cpu())
+        assert vs_fla < (1e-4 if name in ("db", "dg") else 1e-5) and vs_ref < 1e-2, (name, vs_fla, vs_ref)
