@@ -1,7 +1,7 @@
 """FLA's stage-6 backward kernel (``chunk_kda_bwd_kernel_wy_dqkg_fused``) under launch configurations its autotuner
 does not try on Hopper: is its 4.5x over the byte floor the configuration or the kernel's structure?
 
-    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/wy_configs.py [B T]
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/wy_configs.py [B T] [--isolated]
 
 Session 21's ncu (``profile_kda.py --ncu-backward``): the autotuned choice (BK=64, BV=64, 4 warps) compiles to 255
 registers with 302 spilled, 12.5% occupancy, 16.7 M local-memory requests at B1-T4096; FLA's config list stops at 4
@@ -29,6 +29,10 @@ K = V = 128
 BT = 64
 CONFIGS = [c for c in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2))
            if not (c[2] == 4 and c[0] * c[1] > 64 * 64)]  # fmt: skip
+# ``--isolated``: each configuration in its own process, since one illegal address poisons the CUDA context for the
+# rest (session 21's first run: BK=32, BV=128 did, and every configuration after it failed)
+ISOLATED = [(64, 32, 8, 1), (64, 64, 8, 1), (64, 128, 8, 1), (128, 32, 8, 1), (128, 64, 8, 1), (32, 64, 16, 1),
+            (32, 128, 8, 1)]  # fmt: skip
 
 
 def stage6_inputs(B: int, T: int) -> dict:
@@ -46,7 +50,7 @@ def stage6_inputs(B: int, T: int) -> dict:
                 dv=dv, scale=K**-0.5, state_v_first=True)  # fmt: skip
 
 
-def main(B: int = 2, T: int = 16384) -> None:
+def main(B: int = 2, T: int = 16384, configs=None) -> None:
     from fla.ops.kda import chunk_bwd
     from triton.runtime.autotuner import Autotuner, Heuristics
 
@@ -62,7 +66,7 @@ def main(B: int = 2, T: int = 16384) -> None:
                dv2=torch.empty_like(x["v"]), dg=torch.empty_like(x["g"]), db=torch.empty_like(x["beta"]),
                dA=torch.empty_like(x["A"], dtype=torch.float))  # fmt: skip
     NT = T // BT
-    for bk, bv, warps, stages in CONFIGS:
+    for bk, bv, warps, stages in CONFIGS if configs is None else configs:
 
         def launch(bk=bk, bv=bv, warps=warps, stages=stages):
             return jit[(NT, B * HV)](
@@ -87,4 +91,14 @@ def main(B: int = 2, T: int = 16384) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]))
+    shape = [int(a) for a in sys.argv[1:] if a.isdigit()][:2]
+    if "--one" in sys.argv:  # --one BK,BV,WARPS,STAGES
+        main(*shape, configs=[tuple(int(x) for x in sys.argv[sys.argv.index("--one") + 1].split(","))])
+    elif "--isolated" in sys.argv:
+        import subprocess
+
+        for c in ISOLATED:
+            subprocess.run([sys.executable, __file__, *map(str, shape), "--one", ",".join(map(str, c))], check=False,
+                           timeout=120)  # fmt: skip
+    else:
+        main(*shape)
