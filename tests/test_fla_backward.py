@@ -54,14 +54,14 @@ _LAUNCH_SCRIPT = textwrap.dedent(
     sys.path.insert(0, "tests")
     import torch
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
-    from cula.kda.fla_backward import launch_wy_dqkg
+    from cula.kda.fla_backward import WY_DQKG_LAUNCH, launch_wy_dqkg
     from cula.kda.naive_bwd import chunk_kda_bwd_wy_dqkg_reference
     from test_naive_bwd import _wy_case
     out = {}
     for name, args in json.loads(sys.argv[1]):
         case, _ = _wy_case(*args)
         fla = chunk_kda_bwd_wy_dqkg_fused(**case, chunk_size=64)
-        ours = launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=(32, 64, 8, 1))
+        ours = launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=WY_DQKG_LAUNCH)
         ref = chunk_kda_bwd_wy_dqkg_reference(**case, chunk_size=64)
         rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
         out[name] = [[rel(o, f), rel(o, r)] for o, f, r in zip(ours, fla, ref)]
@@ -71,7 +71,7 @@ _LAUNCH_SCRIPT = textwrap.dedent(
 
 
 def test_stage6_launch_matches_flas_wrapper_interpreted():
-    """launch_wy_dqkg at the 8-warp configuration (block sizes BK=32, BV=64; the interpreter ignores warps)
+    """launch_wy_dqkg at WY_DQKG_LAUNCH (its block sizes; the interpreter ignores warps)
     against FLA's autotuned wrapper and the float64 reference: GVA with an odd T, [V, K] states, a packed batch
     with a length-1 sequence (its chunk indices made here). fp32 inputs: see test_naive_bwd."""
     cases = [("gva-odd-v-first", [2, 100, 1, 2, 64, 64, None, True]),
@@ -89,7 +89,7 @@ def test_stage6_launch_matches_flas_wrapper_interpreted():
     ids=["gva-odd-v-first", "varlen", "one-chunk"],
 )  # fmt: skip
 def test_stage6_launch_matches_flas_wrapper_gpu(args):
-    """On the GPU, bf16 as FLA's backward holds them: the 8-warp launch against FLA's autotuned wrapper (the same
+    """On the GPU, bf16 as FLA's backward holds them: the WY_DQKG_LAUNCH launch against FLA's autotuned wrapper (the same
     kernel: dq, dk, dv and dA to fp32 noise, db and dg to a different K-block summation order) and both against
     the float64 reference; outputs start as NaN (poisoned allocator), so an unwritten element fails."""
     if not torch.cuda.is_available():
@@ -104,7 +104,7 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
     case = {n: (x.cuda().bfloat16() if n in low else x.cuda()) if torch.is_tensor(x) else x for n, x in case.items()}
     fla = chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(**case, chunk_size=64)
     poison_cuda_allocator()
-    ours = fla_backward.launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=(32, 64, 8, 1))
+    ours = fla_backward.launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=fla_backward.WY_DQKG_LAUNCH)
     torch.cuda.synchronize()
     ref = chunk_kda_bwd_wy_dqkg_reference(**{n: x.cpu() if torch.is_tensor(x) else x for n, x in case.items()})
     for name, o, f, r in zip(("dq", "dk", "dv", "db", "dg", "dA"), ours, fla, ref):

@@ -4,9 +4,9 @@ docs/design-kda-backward.md) launched at a configuration FLA's Hopper autotune l
 
 Why: on the H200 that kernel is 42% of the backward (11.5 of 27.2 ms at B=2, T=16384, H=64, K=V=128; session 21,
 ``profile_kda.py --training``). Its autotuned choice (BK=64, BV=64, 4 warps) compiles to 255 registers with 302
-spilled; FLA's list stops at 4 warps on Hopper. At 8 warps with BK=32, BV=64 it compiles without spills and runs
-in 8.48 ms (``scripts/device/wy_configs.py``), with the same outputs (dq, dk, dv, dA bit for bit, db and dg to
-fp32 rounding of a different K-block order). The kernel is FLA's, called through its Triton function; only the
+spilled; FLA's list stops at 4 warps on Hopper. At 8 warps (BK = BV = 64) it spills 36 and runs in 7.71 ms
+(``scripts/device/wy_configs.py``), with the same outputs (dq, dk, dv, dA bit for bit, db and dg to fp32 rounding
+of a different summation order). The kernel is FLA's, called through its Triton function; only the
 launch grid's block sizes and warp count are ours.
 
 The rest of FLA's ``chunk_kda_bwd`` is left as it is by running FLA's function body with one name rebound: a copy
@@ -24,10 +24,12 @@ import torch
 __all__ = ["chunk_kda_bwd", "WY_DQKG_LAUNCH"]
 
 # (BK, BV, warps, stages) of FLA's stage-6 kernel for K = V = 128 on SM90; None: FLA's autotuned choice.
-# H200 (session 21, wy_configs.py, B2-T16384, [V, K] state): 8.48 ms against 11.54 for FLA's choice. BK=32 at 4
-# warps returned wrong dk there (FLA's list excludes it on Hopper too); BK=32, BV=128 and the configurations timed
-# after it hit an illegal address in that run (not isolated yet), so larger blocks are untimed.
-WY_DQKG_LAUNCH: tuple[int, int, int, int] | None = (32, 64, 8, 1)
+# H200 (session 21, wy_configs.py, B2-T16384, [V, K] state; FLA's choice, 64 / 64 at 4 warps: 11.54 ms, 302
+# registers spilled): at 8 warps BK / BV 64 / 64 7.71 ms (36 spilled), 32 / 64 8.48 (none), 128 / 64 8.49, 64 / 128
+# 8.41, 32 / 128 8.58, 64 / 32 8.90, 128 / 32 9.60; 32 / 64 at 16 warps 10.70. BK=32 at 4 warps returned wrong dk
+# (FLA's list leaves it out on Hopper too) and 32 / 128 at 4 warps hit an illegal address. Every 8-warp one
+# returned FLA's dq, dk, dv and dA bit for bit.
+WY_DQKG_LAUNCH: tuple[int, int, int, int] | None = (64, 64, 8, 1)
 
 
 def _wy_dqkg_fused(
