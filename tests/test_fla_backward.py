@@ -89,9 +89,9 @@ def test_stage6_launch_matches_flas_wrapper_interpreted():
     ids=["gva-odd-v-first", "varlen", "one-chunk"],
 )  # fmt: skip
 def test_stage6_launch_matches_flas_wrapper_gpu(args):
-    """On the GPU, bf16 as FLA's backward holds them: the WY_DQKG_LAUNCH launch against FLA's autotuned wrapper (the same
-    kernel: dq, dk, dv and dA to fp32 noise, db and dg to a different K-block summation order) and both against
-    the float64 reference; outputs start as NaN (poisoned allocator), so an unwritten element fails."""
+    """On the GPU, bf16 as FLA's backward holds them: the WY_DQKG_LAUNCH launch against FLA's autotuned wrapper
+    (the same kernel: dq, dk, dv and dA to fp32 noise, db and dg to a different K-block summation order) and both
+    against the float64 reference; outputs start as NaN (poisoned allocator), so an unwritten element fails."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from test_naive_bwd import _wy_case
