@@ -112,3 +112,39 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
         assert not torch.isnan(o).any(), name
         vs_fla, vs_ref = rel_rmse(f, o), rel_rmse(r, o.cpu())
         assert vs_fla < (1e-4 if name in ("db", "dg") else 1e-5) and vs_ref < 1e-2, (name, vs_fla, vs_ref)
+
+
+_INTRA_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from triton.runtime.autotuner import Autotuner
+    prune = Autotuner.prune_configs
+    Autotuner.prune_configs = lambda self, *a, **k: sorted(prune(self, *a, **k),
+                                                         key=lambda c: (c.num_stages, c.num_warps))[:1]
+    sys.path.insert(0, "tests")
+    import torch
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+    from cula.kda.fla_backward import launch_intra_bwd
+    from test_naive_bwd import _intra_case
+    out = {}
+    for name, args, bk in json.loads(sys.argv[1]):
+        case = _intra_case(*args)
+        fla = chunk_kda_bwd_intra(**{n: (v.clone() if torch.is_tensor(v) else v) for n, v in case.items()},
+                                  chunk_size=64)
+        ours = launch_intra_bwd(**case, chunk_indices=None, chunk_size=64, safe_gate=False, lower_bound=None,
+                                launch=(bk, 1, 2))
+        out[name] = [float((o.double() - f.double()).norm() / f.double().norm()) for o, f in zip(ours, fla)]
+    print("@@" + json.dumps(out))
+    """
+)
+
+
+def test_intra_launch_matches_flas_wrapper_interpreted():
+    """launch_intra_bwd at BK = 16 (twice FLA's channel blocks, their dbeta partials summed) and at FLA's 32
+    against FLA's chunk_kda_bwd_intra: GVA with an odd T, a packed batch with a length-1 sequence (safe_gate off:
+    its helper does not run under the interpreter)."""
+    cases = [("gva-odd-bk16", [2, 100, 1, 2, 64, None], 16), ("varlen-bk16", [1, 150, 1, 1, 64, [37, 1, 112]], 16),
+             ("gva-odd-bk32", [2, 100, 1, 2, 64, None], 32)]  # fmt: skip
+    for name, errs in _interpreted(_INTRA_SCRIPT, json.dumps(cases)).items():
+        for what, err in zip(("dq", "dk", "db", "dg"), errs):
+            assert err < 1e-5, (name, what, err)

@@ -5,7 +5,7 @@ docs/design-kda-backward.md) launched at a configuration FLA's Hopper autotune l
 Why: on the H200 that kernel is 42% of the backward (11.5 of 27.2 ms at B=2, T=16384, H=64, K=V=128; session 21,
 ``profile_kda.py --training``). Its autotuned choice (BK=64, BV=64, 4 warps) compiles to 255 registers with 302
 spilled; FLA's list stops at 4 warps on Hopper. At 8 warps (BK = BV = 64) it spills 36 and runs in 7.71 ms
-(``scripts/device/wy_configs.py``), with the same outputs (dq, dk, dv, dA bit for bit, db and dg to fp32 rounding
+(``scripts/device/bwd_configs.py``), with the same outputs (dq, dk, dv, dA bit for bit, db and dg to fp32 rounding
 of a different summation order). The kernel is FLA's, called through its Triton function; only the
 launch grid's block sizes and warp count are ours.
 
@@ -24,7 +24,7 @@ import torch
 __all__ = ["chunk_kda_bwd", "WY_DQKG_LAUNCH"]
 
 # (BK, BV, warps, stages) of FLA's stage-6 kernel for K = V = 128 on SM90; None: FLA's autotuned choice.
-# H200 (session 21, wy_configs.py, B2-T16384, [V, K] state; FLA's choice, 64 / 64 at 4 warps: 11.54 ms, 302
+# H200 (session 21, bwd_configs.py, B2-T16384, [V, K] state; FLA's choice, 64 / 64 at 4 warps: 11.54 ms, 302
 # registers spilled): at 8 warps BK / BV 64 / 64 7.71 ms (36 spilled), 32 / 64 8.48 (none), 128 / 64 8.49, 64 / 128
 # 8.41, 32 / 128 8.58, 64 / 32 8.90, 128 / 32 9.60; 32 / 64 at 16 warps 10.70. BK=32 at 4 warps returned wrong dk
 # (FLA's list leaves it out on Hopper too) and 32 / 128 at 4 warps hit an illegal address. Every 8-warp one
@@ -58,16 +58,12 @@ def launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_fir
     wrapper allocates and returns them (dq / dk per value head in fp32, dv in v's dtype, the rest fp32)."""
     from fla.ops.kda import chunk_bwd
     from fla.ops.utils import prepare_chunk_indices
-    from triton.runtime.autotuner import Autotuner, Heuristics
 
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[-1]
     if cu_seqlens is not None and chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
     NT = -(-T // chunk_size) if cu_seqlens is None else len(chunk_indices)
-    jit = chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused
-    while isinstance(jit, (Autotuner, Heuristics)):  # FLA's decorators around the Triton function
-        jit = jit.fn
     dq = torch.empty(B, T, HV, K, dtype=torch.float, device=q.device)
     dk = torch.empty(B, T, HV, K, dtype=torch.float, device=q.device)
     dv2 = torch.empty_like(v)
@@ -75,13 +71,53 @@ def launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_fir
     db = torch.empty_like(beta, dtype=torch.float)
     dA = torch.empty_like(A, dtype=torch.float)
     bk, bv, warps, stages = launch
-    jit[(NT, B * HV)](
+    _triton_fn(chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused)[(NT, B * HV)](
         q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dq=dq, dk=dk, dv=dv, dv2=dv2, dg=dg,
         db=db, dA=dA, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V,
         BT=chunk_size, BK=bk, BV=bv, STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
         USE_GRAPH=False, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return dq, dk, dv2, db, dg, dA
+
+
+def launch_intra_bwd(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chunk_indices, chunk_size, safe_gate,
+                     lower_bound, launch):  # fmt: skip
+    """FLA's stage-7 Triton kernel (``chunk_kda_bwd_kernel_intra``) at ``launch = (BK, warps, stages)``: ``(dq, dk,
+    db, dg)`` as FLA's ``chunk_kda_bwd_intra`` returns them (the dbeta partials of the BK channel blocks summed
+    onto ``db``). Not used by the backward yet: for timing it against FLA's fixed BK=32
+    (``scripts/device/bwd_configs.py --stage 7``)."""
+    from fla.ops.kda import chunk_intra
+    from fla.ops.utils import prepare_chunk_indices
+    from fla.ops.utils.constant import RCP_LN2
+
+    B, T, H, K = k.shape
+    HV = g.shape[2]
+    bk, warps, stages = launch
+    BC = 16
+    if cu_seqlens is not None and chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    NT = -(-T // chunk_size) if cu_seqlens is None else len(chunk_indices)
+    NC, NK = chunk_size // BC, -(-K // bk)
+    dq2, dk2 = torch.empty_like(dq), torch.empty_like(dk)
+    db2 = beta.new_empty(NK, *beta.shape, dtype=torch.float)
+    dg2 = torch.empty_like(dg, dtype=torch.float)
+    _triton_fn(chunk_intra.chunk_kda_bwd_kernel_intra)[(NK * NC * NT, B * HV)](
+        q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dq2=dq2, dk=dk, dk2=dk2, dg=dg, dg2=dg2, db=db2,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, B=B, T=T, H=H, HV=HV, K=K, BT=chunk_size, BC=BC, BK=bk,
+        NC=NC, SAFE_GATE=safe_gate, GATE_SHIFT=(-lower_bound if lower_bound is not None else 2.0) * RCP_LN2,
+        USE_GATHER=chunk_intra.IS_GATHER_SUPPORTED, USE_GRAPH=False, IS_VARLEN=cu_seqlens is not None,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return dq2, dk2, db2.sum(0).add_(db), dg2
+
+
+def _triton_fn(kernel):
+    """The Triton function under FLA's decorators (heuristics, autotuner), to launch at a configuration of ours."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    while isinstance(kernel, (Autotuner, Heuristics)):
+        kernel = kernel.fn
+    return kernel
 
 
 @functools.cache
