@@ -96,11 +96,16 @@ def run_one(stage: int, config: tuple, B: int = 2, T: int = 16384) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    shape = [int(a) for a in args if a.isdigit()][:2]
+    # B T come before the flags: a flag's value (--stage 7) is no shape
+    flags = [i for i, a in enumerate(args) if a.startswith("--")]
+    shape = [int(a) for a in args[: flags[0] if flags else None]][:2]
     stage = int(args[args.index("--stage") + 1]) if "--stage" in args else 6
     if "--one" in args:
         run_one(stage, tuple(int(x) for x in args[args.index("--one") + 1].split(",")), *shape)
     else:
         for c in CONFIGS[stage]:
-            subprocess.run([sys.executable, __file__, *map(str, shape), "--stage", str(stage), "--one",
-                            ",".join(map(str, c))], check=False, timeout=120)  # fmt: skip
+            try:
+                subprocess.run([sys.executable, __file__, *map(str, shape), "--stage", str(stage), "--one",
+                                ",".join(map(str, c))], check=False, timeout=120)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                print(f"stage {stage} {c}: timed out", flush=True)
