@@ -24,7 +24,7 @@ step pending 300 $P tests/ops/test_kda_decode_kernel.py tests/test_chunk_plans.p
   -k "single_token_occupancy or segmented or varlen_plan"
 step decode 150 $P tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/ops/test_kda_decode_kernel.py \
   tests/ops/test_lightning_decode_kernel.py -k "not speed_report"
-step api 400 $P tests/test_gpu_api.py tests/test_chunk_plans.py
+step api 400 $P tests/test_gpu_api.py tests/test_chunk_plans.py tests/test_fla_backward.py
 step intra 400 $P tests/ops/test_kda_intra_kernel.py
 step long 100 $P tests/test_gpu_long.py
 step speed 180 $P -s tests/ops/test_lightning_decode_kernel.py tests/ops/test_kda_decode_kernel.py -k speed_report
