@@ -46,13 +46,6 @@ def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, launch):
 
 _LAUNCH_SCRIPT = textwrap.dedent(
     """
-    import json, sys
-    from triton.runtime.autotuner import Autotuner
-    prune = Autotuner.prune_configs
-    Autotuner.prune_configs = lambda self, *a, **k: sorted(prune(self, *a, **k),
-                                                         key=lambda c: (c.num_stages, c.num_warps))[:1]
-    sys.path.insert(0, "tests")
-    import torch
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
     from cula.kda.fla_backward import WY_DQKG_LAUNCH, launch_wy_dqkg
     from cula.kda.naive_bwd import chunk_kda_bwd_wy_dqkg_reference
@@ -116,13 +109,6 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
 
 _INTRA_SCRIPT = textwrap.dedent(
     """
-    import json, sys
-    from triton.runtime.autotuner import Autotuner
-    prune = Autotuner.prune_configs
-    Autotuner.prune_configs = lambda self, *a, **k: sorted(prune(self, *a, **k),
-                                                         key=lambda c: (c.num_stages, c.num_warps))[:1]
-    sys.path.insert(0, "tests")
-    import torch
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
     from cula.kda.fla_backward import launch_intra_bwd
     from test_naive_bwd import _intra_case

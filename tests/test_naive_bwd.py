@@ -76,12 +76,24 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+# Ahead of every interpreted script: FLA's autotuners take one configuration (each would run them all, slowly, in
+# the interpreter), and the tests folder is importable for the case builders.
+_PRELUDE = """import json, sys
+from triton.runtime.autotuner import Autotuner
+prune = Autotuner.prune_configs
+Autotuner.prune_configs = lambda self, *a, **k: sorted(prune(self, *a, **k),
+                                                     key=lambda c: (c.num_stages, c.num_warps))[:1]
+sys.path.insert(0, "tests")
+import torch
+"""
+
+
 def _interpreted(script: str, *args: str) -> dict:
-    """Run ``script`` (which imports FLA's Triton kernels) under Triton's CPU interpreter in a subprocess and
-    return the JSON it prints after ``@@``."""
+    """Run ``script`` (which imports FLA's Triton kernels; ``json``, ``sys`` and ``torch`` are imported) under
+    Triton's CPU interpreter in a subprocess and return the JSON it prints after ``@@``."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900, check=False)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _PRELUDE + script, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900, check=False)  # fmt: skip
     line = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
     assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-3000:]
     return json.loads(line[0][2:])
@@ -114,13 +126,6 @@ def test_intra_reference_gva_sums_to_the_shared_heads():
 
 _FLA_SCRIPT = textwrap.dedent(
     """
-    import json, sys
-    from triton.runtime.autotuner import Autotuner
-    prune = Autotuner.prune_configs
-    Autotuner.prune_configs = lambda self, *a, **k: sorted(prune(self, *a, **k),
-                                                         key=lambda c: (c.num_stages, c.num_warps))[:1]
-    sys.path.insert(0, "tests")
-    import torch
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
     from cula.kda.naive_bwd import chunk_kda_bwd_intra_reference
     from test_naive_bwd import _intra_case
@@ -169,12 +174,6 @@ def test_gate_reference_is_the_cumsum_and_gate_gradient():
 
 _FLA_GATE_SCRIPT = textwrap.dedent(
     """
-    import json, sys
-    from triton.runtime.autotuner import Autotuner
-    prune = Autotuner.prune_configs
-    Autotuner.prune_configs = lambda self, *a, **k: sorted(prune(self, *a, **k),
-                                                         key=lambda c: (c.num_stages, c.num_warps))[:1]
-    import torch
     from fla.ops.kda.gate import kda_gate_bwd
     from fla.ops.utils.cumsum import chunk_local_cumsum
     from cula.kda.naive_bwd import chunk_kda_bwd_gate_reference
@@ -284,13 +283,6 @@ def test_wy_dqkg_reference_matches_autograd(B, T, K, V, lens, state_v_first):
 
 _FLA_WY_SCRIPT = textwrap.dedent(
     """
-    import json, sys
-    from triton.runtime.autotuner import Autotuner
-    prune = Autotuner.prune_configs
-    Autotuner.prune_configs = lambda self, *a, **k: sorted(prune(self, *a, **k),
-                                                         key=lambda c: (c.num_stages, c.num_warps))[:1]
-    sys.path.insert(0, "tests")
-    import torch
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
     from cula.kda.naive_bwd import chunk_kda_bwd_wy_dqkg_reference
     from test_naive_bwd import _wy_case
