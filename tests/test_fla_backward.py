@@ -23,11 +23,12 @@ def test_rebound_backward_is_flas_body_with_stage6_ours():
     assert fn.__code__ is chunk_bwd.chunk_kda_bwd.__code__
     assert fn.__defaults__ == chunk_bwd.chunk_kda_bwd.__defaults__
     scope = fn.__globals__
-    assert scope["chunk_kda_bwd_wy_dqkg_fused"] is fla_backward._wy_dqkg_fused
-    assert all(scope[n] is v for n, v in vars(chunk_bwd).items() if n != "chunk_kda_bwd_wy_dqkg_fused")
-    # FLA's own module (and so FLA's own backward) keeps its stage 6
-    assert chunk_bwd.chunk_kda_bwd_wy_dqkg_fused is not fla_backward._wy_dqkg_fused
-    assert chunk_bwd.chunk_kda_bwd.__globals__["chunk_kda_bwd_wy_dqkg_fused"] is chunk_bwd.chunk_kda_bwd_wy_dqkg_fused
+    ours = {"chunk_kda_bwd_wy_dqkg_fused": fla_backward._wy_dqkg_fused, "chunk_kda_bwd_intra": fla_backward._intra_bwd}
+    assert all(scope[n] is f for n, f in ours.items())
+    assert all(scope[n] is v for n, v in vars(chunk_bwd).items() if n not in ours)
+    # FLA's own module (and so FLA's own backward) keeps its stages
+    for n, f in ours.items():
+        assert getattr(chunk_bwd, n) is not f and chunk_bwd.chunk_kda_bwd.__globals__[n] is getattr(chunk_bwd, n)
 
 
 @pytest.mark.parametrize("launch", [(32, 64, 8, 1), None])
@@ -41,6 +42,23 @@ def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, launch):
                 state_v_first=True, cu_seqlens=None, chunk_size=64, chunk_indices=None, chunk_offsets=None,
                 use_graph=False)  # fmt: skip
     assert fla_backward._wy_dqkg_fused(**args) == "fla"
+    assert seen == [args]
+
+
+@pytest.mark.parametrize("launch", [(16, 1, 2), None])
+def test_stage7_off_the_gpu_is_flas_wrapper(monkeypatch, launch):
+    """The same for stage 7 (INTRA_BWD_LAUNCH, off by default until timed)."""
+    from fla.ops.kda import chunk_intra
+
+    assert fla_backward.INTRA_BWD_LAUNCH is None
+    seen = []
+    monkeypatch.setattr(chunk_intra, "chunk_kda_bwd_intra", lambda **kw: seen.append(kw) or "fla")
+    monkeypatch.setattr(fla_backward, "INTRA_BWD_LAUNCH", launch)
+    t = torch.zeros(1, 64, 1, 128)
+    args = dict(q=t, k=t, g=t, beta=t[..., 0], dAqk=t[..., :64], dAkk=t[..., :64], dq=t, dk=t, db=t[..., 0], dg=t,
+                cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=True, lower_bound=-5.0,
+                use_graph=False)  # fmt: skip
+    assert fla_backward._intra_bwd(**args) == "fla"
     assert seen == [args]
 
 

@@ -9,8 +9,9 @@ spilled; FLA's list stops at 4 warps on Hopper. At 8 warps (BK = BV = 64) it spi
 of a different summation order). The kernel is FLA's, called through its Triton function; only the
 launch grid's block sizes and warp count are ours.
 
-The rest of FLA's ``chunk_kda_bwd`` is left as it is by running FLA's function body with one name rebound: a copy
-of the function object whose globals are FLA's module's with ``chunk_kda_bwd_wy_dqkg_fused`` replaced. FLA's
+The rest of FLA's ``chunk_kda_bwd`` is left as it is by running FLA's function body with stage names rebound: a copy
+of the function object whose globals are FLA's module's with ``chunk_kda_bwd_wy_dqkg_fused`` (and
+``chunk_kda_bwd_intra``, whose launch of ours, ``INTRA_BWD_LAUNCH``, is off until timed) replaced. FLA's
 module is not modified, so FLA's own backward (``fla.ops.kda.chunk_kda``) in the same process is unchanged.
 """
 
@@ -21,7 +22,7 @@ import types
 
 import torch
 
-__all__ = ["chunk_kda_bwd", "WY_DQKG_LAUNCH"]
+__all__ = ["chunk_kda_bwd", "INTRA_BWD_LAUNCH", "WY_DQKG_LAUNCH"]
 
 # (BK, BV, warps, stages) of FLA's stage-6 kernel for K = V = 128 on SM90; None: FLA's autotuned choice.
 # H200 (session 21, bwd_configs.py, B2-T16384, [V, K] state; FLA's choice, 64 / 64 at 4 warps: 11.54 ms, 302
@@ -30,6 +31,16 @@ __all__ = ["chunk_kda_bwd", "WY_DQKG_LAUNCH"]
 # (FLA's list leaves it out on Hopper too) and 32 / 128 at 4 warps hit an illegal address. Every 8-warp one
 # returned FLA's dq, dk, dv and dA bit for bit.
 WY_DQKG_LAUNCH: tuple[int, int, int, int] | None = (64, 64, 8, 1)
+# (BK, warps, stages) of FLA's stage-7 kernel (``chunk_kda_bwd_kernel_intra``; FLA fixes BK=32 and autotunes warps
+# and stages) for K = 128 on SM90; None: FLA's own. Not timed yet (scripts/device/bwd_configs.py --stage 7): off.
+INTRA_BWD_LAUNCH: tuple[int, int, int] | None = None
+
+
+def _ours(launch, q, use_graph, K, V, chunk_size) -> bool:
+    """Whether a launch configuration of ours applies: set, CUDA on SM90, K = V = 128 and 64-token chunks (the
+    timed shapes), no CUDA-graph buffers (FLA's static allocations)."""
+    return (launch is not None and not use_graph and q.is_cuda and (K, V, chunk_size) == (128, 128, 64)
+            and torch.cuda.get_device_capability(q.device) == (9, 0))  # fmt: skip
 
 
 def _wy_dqkg_fused(
@@ -37,12 +48,10 @@ def _wy_dqkg_fused(
     chunk_indices=None, chunk_offsets=None, use_graph=False,
 ):  # fmt: skip
     """FLA's ``chunk_kda_bwd_wy_dqkg_fused`` with its arguments and returns, launched at ``WY_DQKG_LAUNCH`` where
-    that applies (CUDA on SM90, K = V = 128, 64-token chunks, no CUDA-graph buffers); FLA's own wrapper elsewhere."""
+    that applies (``_ours``); FLA's own wrapper elsewhere."""
     from fla.ops.kda import chunk_bwd
 
-    K, V = k.shape[-1], v.shape[-1]
-    if (WY_DQKG_LAUNCH is None or use_graph or not q.is_cuda or (K, V, chunk_size) != (128, 128, 64)
-            or torch.cuda.get_device_capability(q.device) != (9, 0)):  # fmt: skip
+    if not _ours(WY_DQKG_LAUNCH, q, use_graph, k.shape[-1], v.shape[-1], chunk_size):
         return chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(
             q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
             state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
@@ -80,12 +89,29 @@ def launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_fir
     return dq, dk, dv2, db, dg, dA
 
 
+def _intra_bwd(
+    q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=False,
+    lower_bound=None, use_graph=False,
+):  # fmt: skip
+    """FLA's ``chunk_kda_bwd_intra`` with its arguments and returns, launched at ``INTRA_BWD_LAUNCH`` where that
+    applies (``_ours``); FLA's own wrapper elsewhere."""
+    from fla.ops.kda import chunk_intra
+
+    if not _ours(INTRA_BWD_LAUNCH, q, use_graph, k.shape[-1], k.shape[-1], chunk_size):
+        return chunk_intra.chunk_kda_bwd_intra(
+            q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=safe_gate, lower_bound=lower_bound,
+            use_graph=use_graph,
+        )  # fmt: skip
+    return launch_intra_bwd(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chunk_indices, chunk_size,
+                            safe_gate, lower_bound, INTRA_BWD_LAUNCH)  # fmt: skip
+
+
 def launch_intra_bwd(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chunk_indices, chunk_size, safe_gate,
                      lower_bound, launch):  # fmt: skip
     """FLA's stage-7 Triton kernel (``chunk_kda_bwd_kernel_intra``) at ``launch = (BK, warps, stages)``: ``(dq, dk,
     db, dg)`` as FLA's ``chunk_kda_bwd_intra`` returns them (the dbeta partials of the BK channel blocks summed
-    onto ``db``). Not used by the backward yet: for timing it against FLA's fixed BK=32
-    (``scripts/device/bwd_configs.py --stage 7``)."""
+    onto ``db``); the backward's stage 7 when ``INTRA_BWD_LAUNCH`` is set."""
     from fla.ops.kda import chunk_intra
     from fla.ops.utils import prepare_chunk_indices
     from fla.ops.utils.constant import RCP_LN2
@@ -122,13 +148,14 @@ def _triton_fn(kernel):
 
 @functools.cache
 def _fla_chunk_kda_bwd():
-    """FLA's ``chunk_kda_bwd`` function body over its module's globals with stage 6 rebound to ours."""
+    """FLA's ``chunk_kda_bwd`` function body over its module's globals with stages 6 and 7 rebound to ours."""
     from fla.ops.kda import chunk_bwd
 
     fn = chunk_bwd.chunk_kda_bwd
-    if "chunk_kda_bwd_wy_dqkg_fused" not in fn.__code__.co_names:  # another FLA: its backward as it is
+    ours = {"chunk_kda_bwd_wy_dqkg_fused": _wy_dqkg_fused, "chunk_kda_bwd_intra": _intra_bwd}
+    if not set(ours) <= set(fn.__code__.co_names):  # another FLA: its backward as it is
         return fn
-    scope = dict(vars(chunk_bwd), chunk_kda_bwd_wy_dqkg_fused=_wy_dqkg_fused)
+    scope = dict(vars(chunk_bwd), **ours)
     rebound = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     rebound.__kwdefaults__ = fn.__kwdefaults__
     return rebound
@@ -136,5 +163,5 @@ def _fla_chunk_kda_bwd():
 
 def chunk_kda_bwd(**kwargs):
     """FLA 0.6.0's ``chunk_kda_bwd`` (same keywords and returns: ``(dq, dk, dv, db, dg, dh0, dA_log, ddt_bias)``),
-    its stage 6 launched at ``WY_DQKG_LAUNCH`` (module docstring)."""
+    its stage 6 launched at ``WY_DQKG_LAUNCH`` and stage 7 at ``INTRA_BWD_LAUNCH`` (module docstring)."""
     return _fla_chunk_kda_bwd()(**kwargs)
