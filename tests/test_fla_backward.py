@@ -1,6 +1,7 @@
-"""cula.kda.fla_backward on the CPU: FLA's chunk_kda_bwd body with only stage 6 rebound, FLA's module untouched,
-the launch plumbing (grid, chunk indices, outputs) against FLA's own wrapper and the float64 reference under Triton's
-interpreter, and the routing back to FLA's wrapper where the launch configuration does not apply."""
+"""cula.kda.fla_backward on the CPU: FLA's chunk_kda_bwd body with only stages 6 and 7 rebound, FLA's module
+untouched, the launch plumbing (grid, chunk indices, outputs) against FLA's own wrappers and the float64 reference
+under Triton's interpreter, and the routing back to FLA's wrappers where a launch configuration does not apply; on
+the GPU, stage 6's launch against FLA's wrapper."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_naive_bwd import _interpreted  # noqa: E402
 
 
-def test_rebound_backward_is_flas_body_with_stage6_ours():
+def test_rebound_backward_is_flas_body_with_our_stages():
     fn = fla_backward._fla_chunk_kda_bwd()
     assert fn.__code__ is chunk_bwd.chunk_kda_bwd.__code__
     assert fn.__defaults__ == chunk_bwd.chunk_kda_bwd.__defaults__

@@ -221,10 +221,10 @@ def ncu_backward_target() -> None:
         rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
         torch.autograd.backward(fla_chunk_kda(**leaves, **rest, **kp.CALL_FLAGS), grads)
     torch.cuda.synchronize()
+    from cula.kda.fla_backward import _triton_fn
+
     for kernel in (chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused, chunk_intra.chunk_kda_bwd_kernel_intra):
-        fn = kernel
-        while not hasattr(fn, "device_caches") and hasattr(fn, "fn"):  # autotuner / heuristics wrappers
-            fn = fn.fn
+        fn = _triton_fn(kernel)
         for caches in getattr(fn, "device_caches", {}).values():
             for compiled in caches[0].values():
                 print(f"[compiled] {fn.__name__}: {getattr(compiled, 'n_regs', '?')} registers, "
