@@ -377,6 +377,27 @@ def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, monkeypatch):
     assert single.get("kv_tma") and not single.get("kv_cols")  # 12 states: below KV_COLS_MIN_STATES
 
 
+def test_multi_token_vk_cols_switch(counted_plans, fake_sm90, monkeypatch):
+    """MULTI_TOKEN_VK_COLS (off by default) takes calls of 2 to MULTI_TOKEN_VK_COLS_MAX_TOKENS tokens on [V, K] pools
+    with K=128 and no step states to kv_cols (the row box); T=1, longer calls and step states keep their variants."""
+    import cula.ops.kda.sm90.decode as kops
+
+    assert kops.MULTI_TOKEN_VK_COLS is None
+    monkeypatch.setattr(kops, "MULTI_TOKEN_VK_COLS", (2, 1, 6))
+    monkeypatch.setattr(kops, "MULTI_TOKEN_VK_COLS_MAX_TOKENS", 2)
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)
+    vk = dict(A_log=torch.randn(HV), lower_bound=-5.0, state_v_first=True)
+    two, three = ([torch.cat([t] * n, dim=1) for t in (q, k, v, g, beta)] for n in (2, 3))
+    kd.kda_decode(*two, pool, idx, **vk)
+    kd.kda_decode(*two, pool, idx, step_states=torch.empty(N, 2, HV, 128, 128), **vk)
+    kd.kda_decode(*three, pool, idx, **vk)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, **vk)
+    multi, stepped, longer, single = [c[1] for c in fake_sm90 if c[0] == "variant"]
+    assert multi["kv_cols"] and multi["state_v_first"]
+    assert (multi["warps_per_cta"], multi["tokens_per_round"], multi["min_blocks_per_sm"]) == (2, 1, 6)
+    assert not any(c.get("kv_cols") for c in (stepped, longer, single))
+
+
 def test_lightning_decode_plans(counted_plans, fake_sm90):
     q, k, v, decay, pool, idx = _lightning_inputs()
     kd_pool = pool.clone()

@@ -12,9 +12,12 @@ against 140.4 / 273.2 / 539.4 / 1075.3 for 4 x 5 (92.0 / 94.5 / 95.6 / 95.9% of 
 ``--ns 2,8,32`` / ``--boxes 2x6,4x3``: other N values / kv_cols boxes. ``--mtp``: the same question for the MTP
 verify call (N=64, T = 2 / 4 / 8 or ``--ts 3,5``), by token slots and CTA size (``--mtp --kv``: on [K, V] pools, the
 wide tile against kv_cols boxes, ``--boxes 2x1x6`` as warps x slots x CTAs per SM; session 21 switched
-MULTI_TOKEN_KV_COLS on from it); ``--kv``: [K, V] pools, KDA's kv_tma against its kv_cols boxes
-(``KdaDecodeSm90(kv_cols=True)``) and Lightning's tile against its column kernel (``LightningDecodeSm90(cols=True)``).
-``--kv`` and ``--mtp`` ran in session 20 (see the KV_COLS comments of the two decode modules, docs/perf-notes-decode.md).
+MULTI_TOKEN_KV_COLS on from it; ``--mtp --rows``: [V, K] pools, the default against kv_cols boxes of pool
+rows, ``MULTI_TOKEN_VK_COLS``'s question, not run yet); ``--kv``: [K, V] pools, KDA's kv_tma against its kv_cols
+boxes (``KdaDecodeSm90(kv_cols=True)``) and Lightning's tile against its column kernel
+(``LightningDecodeSm90(cols=True)``).
+``--kv`` and ``--mtp`` ran in session 20 (see the KV_COLS comments of the two decode modules,
+docs/perf-notes-decode.md).
 """
 
 from __future__ import annotations
@@ -121,18 +124,19 @@ MTP_KV = [(2, 1, 6), (2, 2, 6), (2, 4, 5), (4, 2, 3)]
 MTP_TOKENS = (2, 4, 8)
 
 
-def mtp(kv: bool = False):
+def mtp(kv: bool = False, rows: bool = False):
     """Kernel time of the MTP verify call by token slots and CTA size (the T=1 sweep's question at T > 1); with
-    ``kv``, on [K, V] pools: the default (wide_kv) against kv_cols boxes."""
+    ``kv``, on [K, V] pools: the wide tile against kv_cols boxes; with ``rows``, on [V, K] pools: the default
+    against kv_cols boxes of pool rows (``MTP_KV``'s boxes)."""
     decode_n1.CALLS = 10
     copy_tbps = bc.measure_copy_bandwidth()
     calls = {}
     for T in MTP_TOKENS:
         make, _ = _kda_case(64, T, kv)
-        for variant in [None, *(MTP_KV if kv else MTP)]:
+        for variant in [None, *(MTP_KV if kv or rows else MTP)]:
             if variant is None:  # the wide tile named: on [K, V] pools kv_cols is the default up to 5 tokens
                 extra = dict(wide_kv=True) if kv else {}
-            elif kv:
+            elif kv or rows:
                 extra = dict(kv_cols=True, wide_kv=False, warps_per_cta=variant[0], tokens_per_round=variant[1],
                              min_blocks_per_sm=variant[2])  # fmt: skip
             else:
@@ -144,11 +148,11 @@ def mtp(kv: bool = False):
         us = statistics.median(ts)
         if variant is None:
             what = "wide_kv (4 warps, 3 CTAs/SM)" if kv else "default (8 slots, 4 warps, 4 CTAs/SM)"
-        elif kv:
+        elif kv or rows:
             what = "kv_cols %d warps/CTA, %d slots, %d CTAs/SM" % variant
         else:
             what = "%d slots, %d warps/CTA, %d CTAs/SM" % variant
-        print(f"mtp{' kv' if kv else ''} N=64 T={T} {what:40s}: {us:8.2f} us  "
+        print(f"mtp{' kv' if kv else ' vk rows' if rows else ''} N=64 T={T} {what:40s}: {us:8.2f} us  "
               f"{100 * nbytes / us / 1e6 / copy_tbps:5.1f}% of copy (state bytes once)", flush=True)  # fmt: skip
 
 
@@ -207,10 +211,13 @@ if __name__ == "__main__":
             NS = tuple(int(n) for n in args[args.index("--ns") + 1].split(","))
         if "--boxes" in args:  # e.g. --boxes 2x6,4x3 (--kv), 2x1x6 (--mtp --kv): the kv_cols boxes to time
             boxes = [tuple(int(x) for x in b.split("x")) for b in args[args.index("--boxes") + 1].split(",")]
-            if "--mtp" in args:
+            if "--mtp" in args:  # --kv or --rows
                 MTP_KV = boxes
             else:
                 KV_COLS = boxes
         if "--ts" in args:  # e.g. --ts 3,5,6: the MTP token counts instead of MTP_TOKENS
             MTP_TOKENS = tuple(int(t) for t in args[args.index("--ts") + 1].split(","))
-        mtp(kv="--kv" in args) if "--mtp" in args else kv_pools() if "--kv" in args else main()
+        if "--mtp" in args:
+            mtp(kv="--kv" in args, rows="--rows" in args)
+        else:
+            kv_pools() if "--kv" in args else main()

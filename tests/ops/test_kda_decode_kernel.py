@@ -85,6 +85,11 @@ _VARIANTS = [
              min_blocks_per_sm=3, kv_cols=True),
     _variant(gate="softplus", tokens_per_round=1, warps_per_cta=1, min_blocks_per_sm=12, kv_cols=True),
     _variant(gate="none", K=64, tokens_per_round=2, warps_per_cta=2, min_blocks_per_sm=6, kv_cols=True),
+    # kv_cols on [V, K] pools: the box holds pool rows (swizzled 128-byte pieces, 16-byte reads of a lane's row)
+    _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
+             warps_per_cta=2, min_blocks_per_sm=6, kv_cols=True),
+    _variant(gate="softplus", K=64, state_v_first=True, tokens_per_round=2, warps_per_cta=1, min_blocks_per_sm=12,
+             kv_cols=True),
 ]
 # ptxas spills allowed where a variant asks for more registers than it is given (bytes): the wide tile parks one
 # 8-byte value with step states; 20 and 24 resident warps per SM cap the kernel at 96 and 80 registers
@@ -161,12 +166,14 @@ def test_config_rejects_unsupported():
         KdaDecodeSm90(K=128, **dict(kw, gate="sigmoid"))
     with pytest.raises(ValueError, match="V must be a multiple"):
         KdaDecodeSm90(K=64, **dict(kw, V=72))
-    for bad in ({"state_v_first": True}, {"has_step_states": True}, {"V": 96, "warps_per_cta": 2},
-                {"wide_kv": True}, {"kv_tma": True, "tokens_per_round": 1}):  # fmt: skip
+    for bad in ({"has_step_states": True}, {"V": 96, "warps_per_cta": 2}, {"wide_kv": True},
+                {"kv_tma": True, "tokens_per_round": 1}, {"state_v_first": True, "has_step_states": True}):  # fmt: skip
         with pytest.raises(ValueError, match="kv_cols is for"):
             KdaDecodeSm90(K=128, kv_cols=True, **dict(kw, **bad))
     cols = KdaDecodeSm90(K=128, kv_cols=True, warps_per_cta=4, **kw)
     assert (cols.tile_v, cols.v_slices, cols.lanes_k, cols.min_blocks_per_sm) == (128, 4, 1, 3)
+    rows = KdaDecodeSm90(K=128, kv_cols=True, warps_per_cta=2, **dict(kw, state_v_first=True))  # [V, K] pool rows
+    assert (rows.tile_v, rows.v_slices, rows.lanes_k) == (64, 4, 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -721,10 +728,13 @@ def test_kv_cols_matches(monkeypatch, N, HV, V, cols):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,T,K,warps,slots", [(33, 3, 128, 2, 2), (64, 4, 128, 4, 4), (9, 5, 64, 1, 2)])
-def test_kv_cols_tokens_match(N, T, K, warps, slots):
-    """kv_cols with T > 1 in rounds of ``slots`` tokens against the narrow tile (the variant the launcher does not
-    pick yet, through ``kda_decode_launcher``'s flags)."""
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("N,T,K,warps,slots", [(33, 3, 128, 2, 2), (64, 4, 128, 4, 4), (9, 5, 64, 1, 2),
+                                               (64, 1, 128, 2, 1), (70, 4, 128, 2, 1)])  # fmt: skip
+def test_kv_cols_tokens_match(N, T, K, warps, slots, state_v_first):
+    """kv_cols with T tokens in rounds of ``slots`` against the narrow tile, through ``kda_decode_launcher``'s
+    flags, on both pool layouts (on [V, K] pools the lane's column of S is a row of the pool: the swizzled row box,
+    not yet picked by the launcher, written in session 21 without a GPU)."""
     import cula.ops.kda.sm90.decode as D
 
     _requires_sm90()
@@ -732,7 +742,7 @@ def test_kv_cols_tokens_match(N, T, K, warps, slots):
     (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, T, H, HV, K)
     base = dict(io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=K, gate="lower_bound",
                 has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
-                state_v_first=False, has_step_states=False, wide_kv=False, tokens=T)  # fmt: skip
+                state_v_first=state_v_first, has_step_states=False, wide_kv=False, tokens=T)  # fmt: skip
     results = []
     for extra in ({}, {"kv_cols": True, "warps_per_cta": warps, "tokens_per_round": slots,
                        "min_blocks_per_sm": 12 // warps}):  # fmt: skip

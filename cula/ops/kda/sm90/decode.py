@@ -146,8 +146,13 @@ class KdaDecodeSm90:
         # kv_tma's [128, 32] box is 128 row pieces 512 bytes apart); lane j of warp w owns column 32 w + j, all K of
         # it, read and written where the box lies in shared memory, so S^T k and S^T q are in-lane sums: no
         # shuffles, and the token's q / k / exp(g) are broadcast reads of the warp's slot
-        if kv_cols and (state_v_first or wide_kv or kv_tma or has_step_states or V % (32 * warps_per_cta) != 0):
-            raise ValueError("kv_cols is for [K, V] pools without step states, V a multiple of 32 x warps_per_cta, "
+        # On [V, K] pools (state_v_first) the lane's column of S is a row of the pool: the box is 32 W rows staged
+        # as 128-byte pieces with the 128-byte swizzle keyed on the row (state_box's rows view), and the lane reads
+        # and writes its row 16 bytes at a time, a warp's read touching each bank 4 times (the minimum) where a
+        # plain [32 W, K] box would put all 32 lanes' k in one bank
+        if kv_cols and (wide_kv or kv_tma or has_step_states or V % (32 * warps_per_cta) != 0
+                        or (state_v_first and K % 32 != 0)):  # fmt: skip
+            raise ValueError("kv_cols is for pools without step states, V a multiple of 32 x warps_per_cta, "
                              "and neither wide_kv nor kv_tma")  # fmt: skip
         self.kv_cols = kv_cols
         self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
@@ -216,8 +221,9 @@ class KdaDecodeSm90:
         units = N * HV * self.v_slices
         grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
         if const_expr(self.kv_tma or self.kv_cols):
-            box_l = cute.select(self._tile_layout(), mode=[0, 1])
-            tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K)
+            rows = self.kv_cols and self.state_v_first
+            box_l = cute.select(self._tile_layout(), mode=[0, 1, 2] if rows else [0, 1])
+            tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K, rows)
             kernel = self.kernel_box(
                 mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
             )
@@ -424,7 +430,15 @@ class KdaDecodeSm90:
     def _tile_layout(self):
         """kv_tma's shared [32 V, 128 K] fp32 box (V contiguous), 128-byte swizzled: the 16-byte unit c of row k
         sits at unit c ^ (k % 8) (the DSL's swizzles act on byte offsets: 3 bits at 16 B, xor-ed from 128 B).
-        kv_cols' [32 W V, K] box is not swizzled: its lanes read consecutive columns of one row."""
+        kv_cols' [32 W V, K] box is not swizzled: its lanes read consecutive columns of one row. kv_cols on [V, K]
+        pools: (32 k, 32 W rows, K / 32 pieces), swizzled as kv_tma's: its 128-byte lines are numbered row first,
+        so unit c of a row's piece sits at unit c ^ (row % 8)."""
+        if const_expr(self.kv_cols and self.state_v_first):
+            TV = self.tile_v
+            return cute.make_composed_layout(
+                cute.make_swizzle(3, 4, 3), 0,
+                cute.make_layout((32, TV, self.K // 32, 1), stride=(1, 32, 32 * TV, 0)),
+            )  # fmt: skip
         bits = 0 if self.kv_cols else 3
         return cute.make_composed_layout(
             cute.make_swizzle(bits, 4, 3), 0, cute.make_layout((self.tile_v, self.K, 1), stride=(1, self.tile_v, 0))
@@ -461,6 +475,7 @@ class KdaDecodeSm90:
         T = mQ.shape[1]
         R = self.V_PER_LANE
         TV = self.tile_v
+        rows = self.kv_cols and self.state_v_first  # the box holds pool rows (see _tile_layout)
 
         smem = SmemAllocator()
         sRaw = smem.allocate_tensor(Float32, cute.make_layout(TV * self.K), byte_alignment=1024)
@@ -477,7 +492,7 @@ class KdaDecodeSm90:
         slot = mIdx[n]  # one (sequence, head) per CTA: the branch below is CTA-uniform
         box_barrier_init(bar, tidx)
         if slot >= 0:
-            box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, self.tile_v, self.K)
+            box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, self.tile_v, self.K, rows)
             if const_expr(self.kv_cols):
                 self._run_columns(sRaw, sBuf[None, None, warp], mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, n, h, hv,
                                   vs, v0, lane, warp, T, scale, lower_bound, bar)  # fmt: skip
@@ -490,7 +505,7 @@ class KdaDecodeSm90:
                 tS = cute.make_rmem_tensor(cute.make_layout((self.k_per_lane, R), stride=(R, 1)), Float32)
                 self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, None, sBuf[None, None, warp],
                                n, h, hv, vs, v0, lane, T, scale, lower_bound, bar)  # fmt: skip
-            box_store(tma_st, t_st, sTile, hv, slot, vb, warp, self.tile_v, self.K)
+            box_store(tma_st, t_st, sTile, hv, slot, vb, warp, self.tile_v, self.K, rows)
         elif const_expr(self.kv_cols):
             zero = cute.make_rmem_tensor(1, self.io_dtype)
             zero.fill(0.0)
@@ -509,9 +524,9 @@ class KdaDecodeSm90:
         K, TV, TR = self.K, self.tile_v, self.tokens_per_round
         # this lane's column, rows k of the box TV floats apart: it stays in shared memory (consecutive lanes,
         # consecutive words: no bank conflicts), since a column of 128 fp32 in registers spilled at any occupancy
-        col = cute.make_tensor(
-            sRaw.iterator + cute.assume(self.v_per_warp * warp + lane, divby=1), cute.make_layout(K, stride=TV)
-        )
+        row = self.v_per_warp * warp + lane  # the lane's column of S: a row of the box on [V, K] pools
+        col = cute.make_tensor(sRaw.iterator + cute.assume(row, divby=1), cute.make_layout(K, stride=TV))
+        rs = cute.make_rmem_tensor(4, Float32)  # [V, K] pools: 4 of the lane's row, one 16-byte read
         r4 = cute.make_rmem_tensor(4, Float32)
         rb = cute.make_rmem_tensor(4, Float32)
         rq = cute.make_rmem_tensor(4, Float32)
@@ -531,8 +546,13 @@ class KdaDecodeSm90:
                 for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
                     cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
                     cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
-                    for e in cutlass.range_constexpr(4):
-                        acc[e] = acc[e] + col[4 * i + e] * r4[e] * rb[e]
+                    if const_expr(self.state_v_first):
+                        cute.autovec_copy(self._row4(sRaw, row, i), rs)
+                        for e in cutlass.range_constexpr(4):
+                            acc[e] = acc[e] + rs[e] * r4[e] * rb[e]
+                    else:
+                        for e in cutlass.range_constexpr(4):
+                            acc[e] = acc[e] + col[4 * i + e] * r4[e] * rb[e]
                 u = sSlot[self.off_beta] * (sSlot[self.off_v + lane] - ((acc[0] + acc[1]) + (acc[2] + acc[3])))
                 # S <- diag(exp(g)) S + k u^T ;  o = S^T q_hat
                 acc.fill(0.0)
@@ -540,13 +560,29 @@ class KdaDecodeSm90:
                     cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
                     cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
                     cute.autovec_copy(self._slot4(sSlot, 4 * i), rq)
-                    for e in cutlass.range_constexpr(4):
-                        x = col[4 * i + e] * r4[e] + rb[e] * u
-                        col[4 * i + e] = x
-                        acc[e] = acc[e] + x * rq[e]
+                    if const_expr(self.state_v_first):
+                        cute.autovec_copy(self._row4(sRaw, row, i), rs)
+                        for e in cutlass.range_constexpr(4):
+                            rs[e] = rs[e] * r4[e] + rb[e] * u
+                            acc[e] = acc[e] + rs[e] * rq[e]
+                        cute.autovec_copy(rs, self._row4(sRaw, row, i))
+                    else:
+                        for e in cutlass.range_constexpr(4):
+                            x = col[4 * i + e] * r4[e] + rb[e] * u
+                            col[4 * i + e] = x
+                            acc[e] = acc[e] + x * rq[e]
                 ro[0] = ((acc[0] + acc[1]) + (acc[2] + acc[3])).to(self.io_dtype)
                 mOut[n, t0 + tt, hv, c] = ro[0]
             cute.arch.sync_warp()
+
+    @cute.jit
+    def _row4(self, sRaw, row, i):
+        """kv_cols on [V, K] pools: k = 4 i .. 4 i + 3 of box row ``row``, where the swizzle put them: piece
+        ``i // 8`` of the row is 128-byte line ``row + TV (i // 8)``, its 16-byte unit ``i % 8`` sits at
+        ``(i % 8) ^ (row % 8)`` (TV is a multiple of 8, so the line's low bits are the row's)."""
+        line = row + self.tile_v * (i // 8)
+        off = line * 32 + 4 * ((i % 8) ^ (row % 8))
+        return cute.make_tensor(sRaw.iterator + cute.assume(off, divby=4), cute.make_layout(4))
 
     @cute.jit
     def _slot4(self, sSlot, off):
@@ -841,20 +877,23 @@ def kda_decode_launcher(
 ):  # fmt: skip
     """The compiled variant for these flags (keywords as :func:`kda_decode_variant`; ``wide_kv`` None:
     ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128; ``tokens``: the calls' T, when known, for the T=1 variants
-    ``KV_COLS``, ``KV_TMA_DEFAULT`` and ``SINGLE_TOKEN_CTA``, tried in that order, and ``MULTI_TOKEN_KV_COLS`` for
-    1 < T <= ``MULTI_TOKEN_KV_COLS_MAX_TOKENS``; ``states``: the calls' N x HV, when known: ``KV_COLS`` takes calls
-    of at least ``KV_COLS_MIN_STATES``, or any when None), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias,
+    ``KV_COLS``, ``KV_TMA_DEFAULT`` and ``SINGLE_TOKEN_CTA``, tried in that order, and ``MULTI_TOKEN_KV_COLS`` /
+    ``MULTI_TOKEN_VK_COLS`` for 1 < T <= their ``_MAX_TOKENS`` on [K, V] / [V, K] pools; ``states``: the calls'
+    N x HV, when known: ``KV_COLS`` takes calls of at least ``KV_COLS_MIN_STATES``, or any when None), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias,
     state, indices, out, step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
     box = None  # kv_cols as (warps per CTA, token slots a warp, CTAs per SM)
+    free = not {"min_blocks_per_sm", "warps_per_cta", "tokens_per_round"} & set(flags)  # no shape asked for
     if kv_pool_128 and wide_kv is None and not flags["has_step_states"] and tokens is not None:
         if (tokens == 1 and KV_COLS and (states is None or states >= KV_COLS_MIN_STATES)
                 and not {"min_blocks_per_sm", "warps_per_cta"} & set(flags)):  # fmt: skip
             box = (KV_COLS[0], 1, KV_COLS[1])
-        elif (1 < tokens <= MULTI_TOKEN_KV_COLS_MAX_TOKENS and MULTI_TOKEN_KV_COLS
-              and not {"min_blocks_per_sm", "warps_per_cta", "tokens_per_round"} & set(flags)):  # fmt: skip
+        elif 1 < tokens <= MULTI_TOKEN_KV_COLS_MAX_TOKENS and MULTI_TOKEN_KV_COLS and free:
             box = MULTI_TOKEN_KV_COLS
+    elif (flags["state_v_first"] and flags["K"] == 128 and not flags["has_step_states"] and tokens is not None
+          and 1 < tokens <= MULTI_TOKEN_VK_COLS_MAX_TOKENS and MULTI_TOKEN_VK_COLS and free):  # fmt: skip
+        box = MULTI_TOKEN_VK_COLS
     if box and flags["V"] % (32 * box[0]) == 0:
         wide_kv = False
         flags.update(kv_cols=True, warps_per_cta=box[0], tokens_per_round=box[1], min_blocks_per_sm=box[2])
@@ -935,3 +974,9 @@ KV_COLS_MIN_STATES = 1024
 # same compiled variant as KV_COLS at T=1; test_kv_cols_tokens_match passed on the H200 (sessions 20, 21).
 MULTI_TOKEN_KV_COLS: tuple[int, int, int] | None = (2, 1, 6)
 MULTI_TOKEN_KV_COLS_MAX_TOKENS = 5
+# The same for [V, K] pools (state_v_first, K=128): kv_cols on a box of pool rows (the lane's column of S is a row of
+# the pool; 128-byte swizzled pieces read 16 bytes at a time, 88 registers, no spills at 2 x 6), instead of the
+# 1-warp T > 1 default (268 us at N=64 T=4 in session 20, against 223 for kv_cols on [K, V] pools). Written in session
+# 21 without a GPU: off until test_kv_cols_tokens_match[vk] passes and decode_cta_size.py --mtp times it.
+MULTI_TOKEN_VK_COLS: tuple[int, int, int] | None = None
+MULTI_TOKEN_VK_COLS_MAX_TOKENS = 5
