@@ -352,6 +352,18 @@ def test_kv_cols_switch_picks_the_column_variant(counted_plans, fake_sm90, monke
     assert small["kv_tma"] and not k64.get("kv_tma")
 
 
+def _mtp_switch_variants(fake_sm90, state_v_first):
+    """The variants of four kda_decode calls on a K=128 pool: 2 tokens, 2 with step states, 3, then 1."""
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)
+    flags = dict(A_log=torch.randn(HV), lower_bound=-5.0, state_v_first=state_v_first)
+    two, three = ([torch.cat([t] * n, dim=1) for t in (q, k, v, g, beta)] for n in (2, 3))
+    kd.kda_decode(*two, pool, idx, **flags)
+    kd.kda_decode(*two, pool, idx, step_states=torch.empty(N, 2, HV, 128, 128), **flags)
+    kd.kda_decode(*three, pool, idx, **flags)
+    kd.kda_decode(q, k, v, g, beta, pool, idx, **flags)
+    return [c[1] for c in fake_sm90 if c[0] == "variant"]
+
+
 def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, monkeypatch):
     """MULTI_TOKEN_KV_COLS takes calls of 2 to MULTI_TOKEN_KV_COLS_MAX_TOKENS tokens on [K, V] pools with K=128 and no
     step states, with its warps, token slots and CTAs per SM; longer calls and step states keep the wide tile, T=1
@@ -361,15 +373,7 @@ def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, monkeypatch):
     assert kops.MULTI_TOKEN_KV_COLS == (2, 1, 6) and kops.MULTI_TOKEN_KV_COLS_MAX_TOKENS == 5
     monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS", (2, 4, 5))
     monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS_MAX_TOKENS", 2)
-    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)
-    kv = dict(A_log=torch.randn(HV), lower_bound=-5.0, state_v_first=False)
-    two, three = ([torch.cat([t] * n, dim=1) for t in (q, k, v, g, beta)] for n in (2, 3))
-    kd.kda_decode(*two, pool, idx, **kv)
-    steps = torch.empty(N, 2, HV, 128, 128)
-    kd.kda_decode(*two, pool, idx, step_states=steps, **kv)
-    kd.kda_decode(*three, pool, idx, **kv)
-    kd.kda_decode(q, k, v, g, beta, pool, idx, **kv)
-    multi, stepped, longer, single = [c[1] for c in fake_sm90 if c[0] == "variant"]
+    multi, stepped, longer, single = _mtp_switch_variants(fake_sm90, state_v_first=False)
     assert multi["kv_cols"] and not multi["wide_kv"]
     assert (multi["warps_per_cta"], multi["tokens_per_round"], multi["min_blocks_per_sm"]) == (2, 4, 5)
     for wide in (stepped, longer):
@@ -385,14 +389,7 @@ def test_multi_token_vk_cols_switch(counted_plans, fake_sm90, monkeypatch):
     assert kops.MULTI_TOKEN_VK_COLS is None
     monkeypatch.setattr(kops, "MULTI_TOKEN_VK_COLS", (2, 1, 6))
     monkeypatch.setattr(kops, "MULTI_TOKEN_VK_COLS_MAX_TOKENS", 2)
-    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)
-    vk = dict(A_log=torch.randn(HV), lower_bound=-5.0, state_v_first=True)
-    two, three = ([torch.cat([t] * n, dim=1) for t in (q, k, v, g, beta)] for n in (2, 3))
-    kd.kda_decode(*two, pool, idx, **vk)
-    kd.kda_decode(*two, pool, idx, step_states=torch.empty(N, 2, HV, 128, 128), **vk)
-    kd.kda_decode(*three, pool, idx, **vk)
-    kd.kda_decode(q, k, v, g, beta, pool, idx, **vk)
-    multi, stepped, longer, single = [c[1] for c in fake_sm90 if c[0] == "variant"]
+    multi, stepped, longer, single = _mtp_switch_variants(fake_sm90, state_v_first=True)
     assert multi["kv_cols"] and multi["state_v_first"]
     assert (multi["warps_per_cta"], multi["tokens_per_round"], multi["min_blocks_per_sm"]) == (2, 1, 6)
     assert not any(c.get("kv_cols") for c in (stepped, longer, single))
