@@ -45,6 +45,8 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   load (W = 4 with V = 128: the whole state, contiguous in the pool) and keeps it in shared memory; lane j of warp w
   owns column ``32 w + j`` with all K rows, so ``S^T k`` and ``S^T q`` are in-lane sums over the column (two passes
   a token, its q / k / exp(g) broadcast from the warp's slot) and no shuffle runs; one TMA store returns the box.
+  On ``[V, K]`` pools the same column is a pool row: the box is ``32 W`` rows in 128-byte swizzled pieces, read and
+  written 16 bytes at a time (``MULTI_TOKEN_VK_COLS``, off until GPU-tested).
 
 Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in {64, 128}; V a multiple of
 8 (K=128) or 16 (K=64), 64 and 128 tested; any GVA ratio; any H/HV/N/T/pool size at run time (one compile
@@ -879,8 +881,9 @@ def kda_decode_launcher(
     ``WIDE_KV_DEFAULT`` for [K, V] pools with K=128; ``tokens``: the calls' T, when known, for the T=1 variants
     ``KV_COLS``, ``KV_TMA_DEFAULT`` and ``SINGLE_TOKEN_CTA``, tried in that order, and ``MULTI_TOKEN_KV_COLS`` /
     ``MULTI_TOKEN_VK_COLS`` for 1 < T <= their ``_MAX_TOKENS`` on [K, V] / [V, K] pools; ``states``: the calls'
-    N x HV, when known: ``KV_COLS`` takes calls of at least ``KV_COLS_MIN_STATES``, or any when None), bound once: ``launch(q, k, v, g, beta, A_log, dt_bias,
-    state, indices, out, step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``)."""
+    N x HV, when known: ``KV_COLS`` takes calls of at least ``KV_COLS_MIN_STATES``, or any when None), bound once:
+    ``launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)`` (arguments as
+    :func:`kda_decode_sm90`, ``N >= 1``)."""
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
     box = None  # kv_cols as (warps per CTA, token slots a warp, CTAs per SM)
