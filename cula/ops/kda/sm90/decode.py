@@ -157,6 +157,7 @@ class KdaDecodeSm90:
             raise ValueError("kv_cols is for pools without step states, V a multiple of 32 x warps_per_cta, "
                              "and neither wide_kv nor kv_tma")  # fmt: skip
         self.kv_cols = kv_cols
+        self.row_box = kv_cols and state_v_first  # the box holds pool rows (see _tile_layout)
         self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
         self.lanes_k = K // self.k_per_lane
         self.lanes_v = 32 // self.lanes_k
@@ -223,9 +224,8 @@ class KdaDecodeSm90:
         units = N * HV * self.v_slices
         grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
         if const_expr(self.kv_tma or self.kv_cols):
-            rows = self.kv_cols and self.state_v_first
-            box_l = cute.select(self._tile_layout(), mode=[0, 1, 2] if rows else [0, 1])
-            tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K, rows)
+            box_l = cute.select(self._tile_layout(), mode=[0, 1, 2] if self.row_box else [0, 1])
+            tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K, self.row_box)
             kernel = self.kernel_box(
                 mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
             )
@@ -435,7 +435,7 @@ class KdaDecodeSm90:
         kv_cols' [32 W V, K] box is not swizzled: its lanes read consecutive columns of one row. kv_cols on [V, K]
         pools: (32 k, 32 W rows, K / 32 pieces), swizzled as kv_tma's: its 128-byte lines are numbered row first,
         so unit c of a row's piece sits at unit c ^ (row % 8)."""
-        if const_expr(self.kv_cols and self.state_v_first):
+        if const_expr(self.row_box):
             TV = self.tile_v
             return cute.make_composed_layout(
                 cute.make_swizzle(3, 4, 3), 0,
@@ -477,7 +477,6 @@ class KdaDecodeSm90:
         T = mQ.shape[1]
         R = self.V_PER_LANE
         TV = self.tile_v
-        rows = self.kv_cols and self.state_v_first  # the box holds pool rows (see _tile_layout)
 
         smem = SmemAllocator()
         sRaw = smem.allocate_tensor(Float32, cute.make_layout(TV * self.K), byte_alignment=1024)
@@ -494,7 +493,7 @@ class KdaDecodeSm90:
         slot = mIdx[n]  # one (sequence, head) per CTA: the branch below is CTA-uniform
         box_barrier_init(bar, tidx)
         if slot >= 0:
-            box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, self.tile_v, self.K, rows)
+            box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, self.tile_v, self.K, self.row_box)
             if const_expr(self.kv_cols):
                 self._run_columns(sRaw, sBuf[None, None, warp], mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, n, h, hv,
                                   vs, v0, lane, warp, T, scale, lower_bound, bar)  # fmt: skip
@@ -507,7 +506,7 @@ class KdaDecodeSm90:
                 tS = cute.make_rmem_tensor(cute.make_layout((self.k_per_lane, R), stride=(R, 1)), Float32)
                 self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, None, sBuf[None, None, warp],
                                n, h, hv, vs, v0, lane, T, scale, lower_bound, bar)  # fmt: skip
-            box_store(tma_st, t_st, sTile, hv, slot, vb, warp, self.tile_v, self.K, rows)
+            box_store(tma_st, t_st, sTile, hv, slot, vb, warp, self.tile_v, self.K, self.row_box)
         elif const_expr(self.kv_cols):
             zero = cute.make_rmem_tensor(1, self.io_dtype)
             zero.fill(0.0)
@@ -548,7 +547,7 @@ class KdaDecodeSm90:
                 for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
                     cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
                     cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
-                    if const_expr(self.state_v_first):
+                    if const_expr(self.row_box):
                         cute.autovec_copy(self._row4(sRaw, row, i), rs)
                         for e in cutlass.range_constexpr(4):
                             acc[e] = acc[e] + rs[e] * r4[e] * rb[e]
@@ -562,7 +561,7 @@ class KdaDecodeSm90:
                     cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
                     cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
                     cute.autovec_copy(self._slot4(sSlot, 4 * i), rq)
-                    if const_expr(self.state_v_first):
+                    if const_expr(self.row_box):
                         cute.autovec_copy(self._row4(sRaw, row, i), rs)
                         for e in cutlass.range_constexpr(4):
                             rs[e] = rs[e] * r4[e] + rb[e] * u
@@ -887,16 +886,16 @@ def kda_decode_launcher(
     gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
     box = None  # kv_cols as (warps per CTA, token slots a warp, CTAs per SM)
-    free = not {"min_blocks_per_sm", "warps_per_cta", "tokens_per_round"} & set(flags)  # no shape asked for
-    if kv_pool_128 and wide_kv is None and not flags["has_step_states"] and tokens is not None:
-        if (tokens == 1 and KV_COLS and (states is None or states >= KV_COLS_MIN_STATES)
+    if (flags["K"] == 128 and not flags["has_step_states"] and tokens is not None
+            and (flags["state_v_first"] or wide_kv is None)):  # fmt: skip
+        multi, most = ((MULTI_TOKEN_VK_COLS, MULTI_TOKEN_VK_COLS_MAX_TOKENS) if flags["state_v_first"]
+                       else (MULTI_TOKEN_KV_COLS, MULTI_TOKEN_KV_COLS_MAX_TOKENS))  # fmt: skip
+        if (kv_pool_128 and tokens == 1 and KV_COLS and (states is None or states >= KV_COLS_MIN_STATES)
                 and not {"min_blocks_per_sm", "warps_per_cta"} & set(flags)):  # fmt: skip
             box = (KV_COLS[0], 1, KV_COLS[1])
-        elif 1 < tokens <= MULTI_TOKEN_KV_COLS_MAX_TOKENS and MULTI_TOKEN_KV_COLS and free:
-            box = MULTI_TOKEN_KV_COLS
-    elif (flags["state_v_first"] and flags["K"] == 128 and not flags["has_step_states"] and tokens is not None
-          and 1 < tokens <= MULTI_TOKEN_VK_COLS_MAX_TOKENS and MULTI_TOKEN_VK_COLS and free):  # fmt: skip
-        box = MULTI_TOKEN_VK_COLS
+        elif (1 < tokens <= most and multi
+              and not {"min_blocks_per_sm", "warps_per_cta", "tokens_per_round"} & set(flags)):  # fmt: skip
+            box = multi
     if box and flags["V"] % (32 * box[0]) == 0:
         wide_kv = False
         flags.update(kv_cols=True, warps_per_cta=box[0], tokens_per_round=box[1], min_blocks_per_sm=box[2])
