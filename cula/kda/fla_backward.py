@@ -66,13 +66,10 @@ def launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_fir
     """FLA's stage-6 Triton kernel at ``launch = (BK, BV, warps, stages)``: ``(dq, dk, dv, db, dg, dA)`` as FLA's
     wrapper allocates and returns them (dq / dk per value head in fp32, dv in v's dtype, the rest fp32)."""
     from fla.ops.kda import chunk_bwd
-    from fla.ops.utils import prepare_chunk_indices
 
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[-1]
-    if cu_seqlens is not None and chunk_indices is None:
-        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
-    NT = -(-T // chunk_size) if cu_seqlens is None else len(chunk_indices)
+    chunk_indices, NT = _chunk_grid(T, cu_seqlens, chunk_indices, chunk_size)
     dq = torch.empty(B, T, HV, K, dtype=torch.float, device=q.device)
     dk = torch.empty(B, T, HV, K, dtype=torch.float, device=q.device)
     dv2 = torch.empty_like(v)
@@ -113,16 +110,13 @@ def launch_intra_bwd(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chun
     db, dg)`` as FLA's ``chunk_kda_bwd_intra`` returns them (the dbeta partials of the BK channel blocks summed
     onto ``db``); the backward's stage 7 when ``INTRA_BWD_LAUNCH`` is set."""
     from fla.ops.kda import chunk_intra
-    from fla.ops.utils import prepare_chunk_indices
     from fla.ops.utils.constant import RCP_LN2
 
     B, T, H, K = k.shape
     HV = g.shape[2]
     bk, warps, stages = launch
     BC = 16
-    if cu_seqlens is not None and chunk_indices is None:
-        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
-    NT = -(-T // chunk_size) if cu_seqlens is None else len(chunk_indices)
+    chunk_indices, NT = _chunk_grid(T, cu_seqlens, chunk_indices, chunk_size)
     NC, NK = chunk_size // BC, -(-K // bk)
     dq2, dk2 = torch.empty_like(dq), torch.empty_like(dk)
     db2 = beta.new_empty(NK, *beta.shape, dtype=torch.float)
@@ -135,6 +129,18 @@ def launch_intra_bwd(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chun
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return dq2, dk2, db2.sum(0).add_(db), dg2
+
+
+def _chunk_grid(T, cu_seqlens, chunk_indices, chunk_size):
+    """``(chunk_indices, NT)`` as FLA's wrappers make them: the packed batch's (sequence, chunk) pairs (built from
+    ``cu_seqlens`` when not given) and the number of chunks the grid's first dimension walks."""
+    if cu_seqlens is None:
+        return chunk_indices, -(-T // chunk_size)
+    if chunk_indices is None:
+        from fla.ops.utils import prepare_chunk_indices
+
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    return chunk_indices, len(chunk_indices)
 
 
 def _triton_fn(kernel):

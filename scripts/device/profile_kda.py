@@ -216,10 +216,7 @@ def ncu_backward_target() -> None:
     cfg = {c.name: c for c in kp.suite()}["B1-T4096"]
     shared, grads, tensors = kp.make_shared(cfg), kt.output_grads(cfg), kp.make_set(cfg, 0)
     for _ in range(2):
-        leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
-                  if n in kt.GRAD_LEAVES}  # fmt: skip
-        rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
-        torch.autograd.backward(fla_chunk_kda(**leaves, **rest, **kp.CALL_FLAGS), grads)
+        kt.make_step(fla_chunk_kda, kt.fresh(tensors), kt.fresh(shared), grads)()
     torch.cuda.synchronize()
     from cula.kda.fla_backward import _triton_fn
 
