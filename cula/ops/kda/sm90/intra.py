@@ -18,7 +18,8 @@ tokens, value head); per chunk, with rows t, s in [0, 64), ``gc = g_cum`` and ``
     w      = T bf16(bf16(beta k) exp2(gc)),  u = T bf16(beta v)               # bf16
 
 exactly the tensors ``chunk_kda_delta_h_fwd_o_sm90`` consumes (FLA's layouts; Aqk's upper triangle is written as
-zeros, FLA leaves it unspecified). Rows past the end of a sequence are never written. With ``write_akk`` (chunk_kda's
+zeros, FLA leaves it unspecified). Rows past the end of a sequence are never written, and a chunk-index row
+(n, c) with ``64 c >=`` the length of sequence n (the padding of indices built on the device) writes nothing. With ``write_akk`` (chunk_kda's
 training forward) bf16 T goes to global memory as well, FLA's saved Akk (128 B more per token and value head).
 
 Numerics of the scores. ``exp2(gc_t - gc_s)`` is factored per 16-row sub-chunk i around an anchor row
@@ -58,6 +59,13 @@ P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through t
        a TMA store for a full chunk, row-predicated copies for a partial one)
 =====  ==========================================================================================================
 
+Synchronisation: phases hand shared memory on through CTA-wide barriers (barrier 0); the only named barriers are
+P7's, one per warpgroup, after the last CTA-wide one. P4 used a named barrier of the four inverting warps, and with
+it compute-sanitizer's racecheck matched the later barrier-0 instances of warps 0-3 with the wrong ones of warps 4-7
+and reported every later cross-half hand-over as a race; a CTA-wide barrier there costs nothing (warps 4-7 are
+idle in P4) and leaves racecheck clean. In P7 each warpgroup waits for all four warps' share of its WGMMA before
+any warp rewrites the B tile with the result (a warp's ``wgmma.wait_group`` covers its own share only).
+
 Memory floor (bf16 q/k/v, fp32 g, H = HV): it reads q, k, v (3 x 256 B per token and head), g (512 B) and beta,
 writes w, u, qg, kg (4 x 256 B), Aqk (128 B) and g_cum (512 B): 1,282 B read, 1,664 B written, 2,946 B per
 token and head, about 2.3x its inputs.
@@ -71,8 +79,6 @@ Supported: K = V = 128, BT = 64, bf16/fp16 q/k/v, g in fp32/bf16/fp16, beta in b
 """
 
 from __future__ import annotations
-
-import functools
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -540,7 +546,8 @@ class ChunkKDAIntraFwdSm90:
                     sG_flat[t * DK + cols[e]] = acc * RCP_LN2
             # rows past the sequence end hold the last valid row's g_cum (so gc[63] is that row's, which kg uses),
             # overwriting whatever the raw gate there summed to
-            if valid < BT:
+            # valid <= 0: a padding row of chunk indices built on the device (a no-op CTA that writes nothing)
+            if (valid < BT) & (valid > 0):
                 last = sG[tid, valid - 1]
                 for t in cutlass.range(valid, BT, unroll=1):
                     sG[tid, t] = last
@@ -582,16 +589,20 @@ class ChunkKDAIntraFwdSm90:
         # (the blocks above the diagonal are already the zeros T has there)
         # one block per warp (lanes 0-15), so a warp's broadcast reads stay in one block: rows 16 apart are
         # 16 * 68 floats apart, the same banks
-        if tidx < 4 * 32:
-            col = tidx % 32
-            o = 16 * (tidx // 32)
-            rX = cute.make_rmem_tensor(16, Float32)
-            if col < 16:
-                self._diag_inverse_column(sA, o, col, rX)
-            cute.arch.barrier(barrier_id=3, number_of_threads=4 * 32)  # blocks read before rewritten
-            if col < 16:
-                for r in cutlass.range_constexpr(16):
-                    sA[o + r, o + col] = rX[r]
+        col = tidx % 32
+        o = 16 * (tidx // 32)
+        inverts = (tidx < 4 * 32) & (col < 16)
+        rX = cute.make_rmem_tensor(16, Float32)
+        if inverts:
+            self._diag_inverse_column(sA, o, col, rX)
+        # the blocks are read before they are rewritten. A CTA-wide barrier, not a named one of the four warps
+        # that invert: after a named barrier that part of the CTA joins, compute-sanitizer's racecheck paired the
+        # later phases' barrier-0 instances wrongly between the two halves of the CTA and reported their (ordered)
+        # accesses as races; the other four warps only wait here instead of at the next barrier
+        cute.arch.barrier()
+        if inverts:
+            for r in cutlass.range_constexpr(16):
+                sA[o + r, o + col] = rX[r]
         cute.arch.barrier()
 
         # ---------------- P5: off-diagonal blocks of T on tf32 mma.sync ----------------
@@ -638,6 +649,9 @@ class ChunkKDAIntraFwdSm90:
                     atom_wu.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                # a warp's wait covers its own share of the product; the B tile is rewritten below, so every warp
+                # of the warpgroup must be done reading it
+                cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
                 # through this warpgroup's own B tile (sKp / sV, no longer read by anyone)
                 if valid == BT:
                     self._store_wu_tma(
@@ -987,10 +1001,22 @@ class ChunkKDAIntraFwdSm90:
         cute.copy(atom, tgm[None, 0], ts[None, 0], tma_bar_ptr=bar)
 
 
-@functools.cache
+_placeholders: dict[tuple, torch.Tensor] = {}
+
+
 def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple, value: float = 0.0) -> torch.Tensor:
-    """A small constant tensor standing in for an absent optional argument."""
-    return torch.full(shape, value, dtype=dtype, device=device)
+    """A small constant tensor standing in for an absent optional argument (cached per device, dtype, shape, value).
+
+    One made while a CUDA graph captures is not kept: its fill is a node of that graph, which runs only when the
+    graph replays, so a later eager call reading it (the gate parameters' defaults) would read memory nothing had
+    written yet."""
+    key = (device, dtype, shape, value)
+    t = _placeholders.get(key)
+    if t is None:
+        t = torch.full(shape, value, dtype=dtype, device=device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _placeholders[key] = t
+    return t
 
 
 def _block_of(warp_idx, a0: int, a1: int):

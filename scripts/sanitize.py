@@ -1,0 +1,199 @@
+"""compute-sanitizer's four tools over every kernel variant the dispatch can select; writes a markdown report.
+
+    python scripts/sanitize.py [--out DIR] [--report PATH] [--tools memcheck,racecheck,...] [CASE_SUBSTRING ...]
+
+On the H200 through the device tool (the payload carried):
+    bash scripts/device/run.sh python scripts/sanitize.py --out $OUT --report $OUT/sanitizer.md
+
+The cases are ``scripts/sanitize_cases.py`` (small calls through the public API). Each tool runs them in its own
+process, all tools at once (racecheck, the slowest, split over several processes), with only cula's CuTe DSL kernels
+instrumented (``--kernel-name kns=kernel_cutlass``: FLA's Triton kernels, which some paths call, are not ours to
+check), line info compiled in (so a finding names its source line), and the caching allocator off (see the cases'
+module docstring). A finding is attributed to the case whose markers surround it. Exit status: 0 only when every
+tool finished with 0 errors and 0 hazards and every case ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+# processes per tool: racecheck instruments every shared-memory access and is by far the slowest
+SPLIT = {"racecheck": 3}
+OURS = "kernel_cutlass"  # CuTe DSL kernel names start with it
+_KERNEL = re.compile(r"at (\S+?)\+0x")
+_FINDING = re.compile(r"^========= (Error|Warning|Invalid|Uninitialized|Race|Barrier|Potential|Program hit)")
+
+
+def _run(tool: str, group: str, names: list[str], out: str, limit: int, print_limit: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", CUTE_DSL_LINEINFO="1", PYTHONUNBUFFERED="1")
+    cmd = ["timeout", str(limit), "compute-sanitizer", f"--tool={tool}", "--target-processes", "all",
+           "--print-limit", str(print_limit)]
+    if tool != "initcheck":
+        # initcheck must see every kernel's writes: with the filter, memory that PyTorch's kernels wrote counts as
+        # never written and every read of an input is reported
+        cmd += ["--kernel-name", "kns=kernel_cutlass"]
+    if tool == "racecheck":
+        cmd += ["--racecheck-report", "analysis"]
+    cmd += [sys.executable, os.path.join(REPO, "scripts", "sanitize_cases.py"), "--group", group]
+    log = open(os.path.join(out, f"{tool}-{group.replace('/', 'of')}.log"), "w")
+    return subprocess.Popen(cmd + names, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _parse(text: str) -> dict:
+    """Counts and per-case findings of one log."""
+    cases, failed, findings, variants, foreign = [], [], {}, [], 0
+    current = None
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("@@case "):
+            current = line.split()[1]
+            cases.append(current)
+        elif line.startswith("@@failed "):
+            failed.append(line[len("@@failed ") :])
+        elif line.startswith("@@variants "):
+            variants = __import__("json").loads(line[len("@@variants ") :])
+        elif _FINDING.match(line):
+            # the kernel is named on the report's first line (racecheck) or the next one ("at KERNEL+0x...")
+            where = _KERNEL.search(line) or _KERNEL.search(lines[i + 1] if i + 1 < len(lines) else "")
+            if where and not where.group(1).startswith(OURS):
+                foreign += 1  # FLA's Triton or PyTorch's kernels (initcheck instruments every kernel)
+                continue
+            findings.setdefault(current or "(outside a case)", []).append(line[len("========= ") :].strip())
+    errors = [int(m) for m in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+    hazards = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
+    done = len(re.findall(r"^@@done ", text, flags=re.M))
+    return {
+        "cases": cases, "done": done, "failed": failed, "findings": findings, "variants": variants,
+        "errors": sum(errors) if errors else None, "summary_seen": bool(errors or hazards), "foreign": foreign,
+        "ours": sum(len(v) for v in findings.values()),
+        "hazards": sum(int(h[0]) for h in hazards), "race_errors": sum(int(h[1]) for h in hazards),
+        "race_warnings": sum(int(h[2]) for h in hazards),
+    }  # fmt: skip
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "cula", "scripts"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def _version() -> str:
+    try:
+        out = subprocess.run(["compute-sanitizer", "--version"], capture_output=True, text=True).stdout
+        return out.strip().splitlines()[-1]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("names", nargs="*", help="only the cases whose name contains one of these")
+    ap.add_argument("--out", default=os.path.join(REPO, "tmp", "sanitize"))
+    ap.add_argument("--report", default=None, help="markdown report path (default: OUT/sanitizer.md)")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--limit", type=int, default=540, help="seconds each process may run")
+    ap.add_argument("--print-limit", type=int, default=10000, help="reports each process prints at most")
+    ap.add_argument("--split", type=int, default=SPLIT["racecheck"], help="racecheck processes")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    tools = a.tools.split(",")
+    t0 = time.time()
+    procs = {}
+    for tool in tools:
+        n = a.split if tool == "racecheck" else 1
+        for i in range(1, n + 1):
+            procs[(tool, f"{i}/{n}")] = _run(tool, f"{i}/{n}", a.names, a.out, a.limit, a.print_limit)
+    for p in procs.values():
+        p.wait()
+    wall = time.time() - t0
+
+    rows, details, clean, variants, all_cases = [], [], True, set(), set()
+    for tool in tools:
+        parts = [
+            _parse(open(os.path.join(a.out, f"{tool}-{g.replace('/', 'of')}.log")).read())
+            for (t, g) in procs if t == tool
+        ]  # fmt: skip
+        cases = [c for p in parts for c in p["cases"]]
+        all_cases.update(cases)
+        done = sum(p["done"] for p in parts)
+        failed = [f for p in parts for f in p["failed"]]
+        for p in parts:
+            variants.update(p["variants"])
+        complete = all(p["summary_seen"] for p in parts) and done == len(cases) and not failed
+        # reports about other kernels are counted apart: the verdict is about cula's kernels
+        foreign = sum(p["foreign"] for p in parts)
+        errors = sum(p["ours"] for p in parts) if tool != "racecheck" else sum(p["errors"] or 0 for p in parts)
+        if tool != "racecheck" and sum(p["errors"] or 0 for p in parts) > errors + foreign:
+            complete = False  # more reports than printed: raise --print-limit
+            details.append(f"- {tool}: reports past --print-limit {a.print_limit}, not all attributed")
+        if foreign:
+            details.append(f"- {tool}: {foreign} reports about kernels that are not cula's (FLA, PyTorch), not counted")
+        hazards = sum(p["hazards"] for p in parts)
+        ok = complete and errors == 0 and hazards == 0
+        clean &= ok
+        race = f"{hazards} ({sum(p['race_errors'] for p in parts)} errors, " \
+               f"{sum(p['race_warnings'] for p in parts)} warnings)" if tool == "racecheck" else "-"  # fmt: skip
+        rows.append(f"| {tool} | {done}/{len(cases)} | {errors} | {race} | {'clean' if ok else 'FINDINGS'} |")
+        for p in parts:
+            for name, lines in p["findings"].items():
+                uniq = sorted(set(lines))
+                details.append(f"- {tool}, `{name}`: {len(lines)} report lines, {len(uniq)} distinct")
+                details += [f"  - `{u[:300]}`" for u in uniq[:12]]
+        details += [f"- {tool}: case failed: `{f}`" for f in failed]
+        if not complete:
+            details.append(f"- {tool}: did not finish every case (time limit {a.limit} s, or a crash): see its log")
+
+    report = [
+        "# compute-sanitizer over every cula kernel variant",
+        "",
+        f"Commit `{_commit()}`, {datetime.date.today().isoformat()}, "
+        f"{_device()}, {_version()}; {wall:.0f} s wall (tools in parallel).",
+        "Produced by `python scripts/sanitize.py` (cases: `scripts/sanitize_cases.py`, small calls through the public"
+        " API; only cula's CuTe DSL kernels instrumented; line info on; PyTorch's caching allocator off).",
+        "",
+        "| tool | cases run | errors | racecheck hazards | verdict |",
+        "| --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+        f"Cases ({len(all_cases)}): " + ", ".join(f"`{c}`" for c in sorted(all_cases)),
+        "",
+        f"Compiled variants exercised ({len(variants)}):",
+        "",
+        *(f"- `{v}`" for v in sorted(variants)),
+        "",
+        "## Findings",
+        "",
+        *(details or ["None."]),
+        "",
+    ]
+    path = a.report or os.path.join(a.out, "sanitizer.md")
+    with open(path, "w") as f:
+        f.write("\n".join(report))
+    print("\n".join(report[:12 + len(rows)]))
+    print("\n".join(details[:80]))
+    return 0 if clean else 1
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - the report still gets written
+        return "unknown GPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

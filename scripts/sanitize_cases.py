@@ -1,0 +1,345 @@
+"""Small calls that reach every CuTe DSL kernel variant cula's dispatch can select, for compute-sanitizer.
+
+Each case goes through the public API (so the planner picks the variant, as in a user's program), runs once and
+synchronises; ``@@case NAME`` / ``@@done NAME`` markers around it let ``scripts/sanitize.sh`` attribute a finding
+to a case. At the end ``@@variants`` lists the compile keys that ran (``cula.cache``), which the report records so
+that a new variant without a case shows up as missing from it.
+
+    python scripts/sanitize_cases.py [--list] [--group I/N] [NAME_SUBSTRING ...]
+
+Run under ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (sanitize.sh does): every tensor is then its own allocation, so
+memcheck sees an access past a tensor's end and initcheck sees a read of memory no one wrote since it was
+allocated, instead of the caching allocator's recycled blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+DEV = "cuda"
+CASES: dict[str, callable] = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def _r(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def _cu(lens):
+    from cula.testing import make_cu_seqlens
+
+    return make_cu_seqlens(list(lens), device=DEV)
+
+
+def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="sigmoid", h0=True, v_first=False, cpu_copy=True,
+               grad=False, neg=False):  # fmt: skip
+    """One chunk_kda call: fixed (lens an int T, B sequences) or packed (lens a list, B = 1)."""
+    from cula.kda import chunk_kda
+
+    packed = isinstance(lens, (list, tuple))
+    T = sum(lens) if packed else lens
+    N = len(lens) if packed else B
+    q, k = _r(B, T, H, 128, dtype=dtype), _r(B, T, H, 128, dtype=dtype)
+    v = _r(B, T, HV, 128, dtype=dtype)
+    beta = _r(B, T, HV, dtype=torch.float32)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, safe_gate=True,
+              state_v_first=v_first, output_final_state=True)  # fmt: skip
+    if gate == "sigmoid":
+        g = _r(B, T, HV, 128, dtype=torch.float32)
+        kw.update(use_gate_in_kernel=True, lower_bound=-5.0, A_log=torch.randn(HV, device=DEV) * 0.1,
+                  dt_bias=torch.randn(HV * 128, device=DEV) * 0.1)  # fmt: skip
+    elif gate == "none":
+        g = -torch.rand(B, T, HV, 128, device=DEV) * 0.5  # log-space, within the safe range
+    else:  # FLA's intra stage, then our state/output kernel
+        g = torch.nn.functional.logsigmoid(_r(B, T, HV, 128, dtype=torch.float32))
+        kw.update(safe_gate=False)
+    if h0:
+        kw["initial_state"] = torch.randn(N, HV, 128, 128, device=DEV) * 0.1
+    if packed:
+        kw["cu_seqlens"] = _cu(lens)
+        if cpu_copy:
+            kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    if grad:
+        for t in (q, k, v, g, beta):
+            t.requires_grad_(True)
+        o, ht = chunk_kda(q, k, v, g, beta, **kw)
+        (o.float().sum() + ht.sum()).backward()
+        return o
+    with torch.inference_mode():
+        return chunk_kda(q, k, v, g, beta, **kw)
+
+
+@case
+def kda_fixed_sigmoid_kv():
+    _kda_chunk(2, 130, 2, 2)
+
+
+@case
+def kda_fixed_log_gate_vk():
+    _kda_chunk(2, 77, 2, 2, gate="none", v_first=True, h0=False)
+
+
+@case
+def kda_fixed_gva_fp16():
+    _kda_chunk(1, 200, 1, 2, dtype=torch.float16, neg=True)
+
+
+@case
+def kda_fixed_fla_intra():
+    _kda_chunk(2, 100, 2, 2, gate="fla")
+
+
+@case
+def kda_packed_issue_case():
+    # the call racecheck first flagged: lengths [1, 0, 63, 130, 17], fused lower-bound gate, V-first states
+    _kda_chunk(1, [1, 0, 63, 130, 17], 2, 2, v_first=True)
+
+
+@case
+def kda_packed_no_host_copy():
+    _kda_chunk(1, [64, 5, 0, 129], 2, 2, cpu_copy=False, gate="none")
+
+
+@case
+def kda_packed_fla_intra():
+    _kda_chunk(1, [33, 0, 100], 2, 2, gate="fla", v_first=True)
+
+
+@case
+def kda_segmented_b1():
+    # B=1 and T >= OVERLAP_STATE_MIN_TOKENS: intra and state kernels of time segments on two streams
+    _kda_chunk(1, 4096 + 65, 1, 1, h0=True)
+
+
+@case
+def kda_training_forward():
+    # autograd on: the intra kernel's write_akk variant (FLA's Triton backward is not ours to check)
+    _kda_chunk(1, [70, 0, 65], 1, 2, grad=True)
+
+
+def _kda_decode_call(N, T, H, HV, D=128, *, v_first=True, steps=False, gate="lower_bound", dtype=torch.bfloat16,
+                     pool_rows=None, g_dtype=torch.float32, beta_dtype=torch.float32):  # fmt: skip
+    from cula.kda import kda_decode
+
+    P = pool_rows or N + 2
+    q, k = _r(N, T, H, D, dtype=dtype), _r(N, T, H, D, dtype=dtype)
+    v = _r(N, T, HV, D, dtype=dtype)
+    g, beta = _r(N, T, HV, D, dtype=g_dtype), _r(N, T, HV, dtype=beta_dtype)
+    pool = torch.randn(P, HV, D, D, device=DEV) * 0.1
+    idx = torch.arange(N, dtype=torch.int32, device=DEV).flip(0)
+    if N > 1:
+        idx[1] = -1  # a padded slot
+    kw = dict(state_v_first=v_first)
+    if gate == "lower_bound":
+        kw.update(lower_bound=-5.0, A_log=torch.randn(HV, device=DEV) * 0.1)
+    elif gate == "softplus":
+        kw.update(lower_bound=None, A_log=torch.randn(HV, device=DEV) * 0.1,
+                  dt_bias=torch.randn(HV * D, device=DEV) * 0.1)  # fmt: skip
+    else:
+        kw.update(use_gate_in_kernel=False)
+        g = -torch.rand(N, T, HV, D, device=DEV).to(g_dtype)
+    if steps:
+        kw["step_states"] = torch.empty(N, T, HV, D, D, device=DEV)
+    return kda_decode(q, k, v, g, beta, pool, idx, **kw)
+
+
+@case
+def kda_decode_t1_vk():
+    _kda_decode_call(4, 1, 2, 4)
+
+
+@case
+def kda_decode_t1_kv_tma():
+    _kda_decode_call(4, 1, 2, 4, v_first=False, gate="softplus")
+
+
+@case
+def kda_decode_t1_kv_cols():
+    # from KV_COLS_MIN_STATES (N x HV) states the [K, V] pool runs by column from shared memory
+    from cula.ops.kda.sm90 import decode
+
+    _kda_decode_call(decode.KV_COLS_MIN_STATES // 16, 1, 16, 16, v_first=False)
+
+
+@case
+def kda_decode_mtp_kv_cols():
+    _kda_decode_call(3, 3, 1, 2, v_first=False, beta_dtype=torch.bfloat16)
+
+
+@case
+def kda_decode_mtp_vk():
+    _kda_decode_call(3, 3, 1, 2, gate="none", g_dtype=torch.bfloat16)
+
+
+@case
+def kda_decode_mtp_steps_vk():
+    _kda_decode_call(3, 4, 2, 2, steps=True)
+
+
+@case
+def kda_decode_mtp_steps_kv_wide():
+    _kda_decode_call(3, 4, 2, 2, steps=True, v_first=False)
+
+
+@case
+def kda_decode_t8_kv_wide():
+    _kda_decode_call(2, 8, 1, 2, v_first=False, dtype=torch.float16)
+
+
+@case
+def kda_decode_d64():
+    _kda_decode_call(3, 1, 2, 2, D=64)
+    _kda_decode_call(3, 2, 2, 2, D=64, v_first=False)
+
+
+@case
+def kda_decode_step_and_serving():
+    from cula.kda import fused_recurrent_kda_fwd, kda_commit_accepted, kda_decode_step
+
+    N, HV = 3, 2
+    pool = torch.randn(N + 1, HV, 128, 128, device=DEV) * 0.1
+    idx = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEV)
+    step = kda_decode_step(pool, idx, lower_bound=-5.0)
+    for _ in range(2):
+        step(_r(N, 1, 1, 128), _r(N, 1, 1, 128), _r(N, 1, HV, 128), _r(N, 1, HV, 128, dtype=torch.float32),
+             _r(N, 1, HV, dtype=torch.float32))  # fmt: skip
+    fused_recurrent_kda_fwd(
+        _r(N, 1, 1, 128), _r(N, 1, 1, 128), _r(N, 1, HV, 128), _r(N, 1, HV, 128, dtype=torch.float32),
+        _r(N, 1, HV, dtype=torch.float32), initial_state=pool, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0,
+    )  # fmt: skip
+    steps = torch.randn(N, 3, HV, 128, 128, device=DEV)
+    kda_commit_accepted(steps, pool, idx, torch.tensor([1, 2, 3], dtype=torch.int32, device=DEV))
+
+
+def _lightning_prefill(B, lens, H, D, *, h0=True, v_first=False):
+    from cula.lightning import lightning_attn_fwd
+
+    packed = isinstance(lens, (list, tuple))
+    T = sum(lens) if packed else lens
+    N = len(lens) if packed else B
+    kw = dict(output_final_state=True, state_v_first=v_first)
+    if h0:
+        kw["initial_state"] = torch.randn(N, H, D, D, device=DEV) * 0.1
+    if packed:
+        kw["cu_seqlens"] = _cu(lens)
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+    decay = torch.linspace(0.01, 1.0, H, device=DEV)
+    return lightning_attn_fwd(_r(B, T, H, D), _r(B, T, H, D), _r(B, T, H, D), decay, **kw)
+
+
+@case
+def lightning_prefill_fixed():
+    _lightning_prefill(2, 130, 2, 128)
+    _lightning_prefill(1, 65, 2, 64, h0=False, v_first=True)
+
+
+@case
+def lightning_prefill_packed():
+    _lightning_prefill(1, [1, 0, 63, 130, 17], 2, 128, v_first=True)
+
+
+@case
+def simple_gla_g_gamma():
+    from cula.simple_gla import chunk_simple_gla
+
+    B, T, H = 1, 100, 2
+    chunk_simple_gla(_r(B, T, H, 128), _r(B, T, H, 128), _r(B, T, H, 128),
+                     g_gamma=-torch.linspace(0.01, 1.0, H, device=DEV), output_final_state=True)  # fmt: skip
+
+
+def _lightning_decode_call(N, T, H, D=128, *, v_first=True):
+    from cula.lightning import lightning_decode
+
+    pool = torch.randn(N + 1, H, D, D, device=DEV) * 0.1
+    idx = torch.arange(N, dtype=torch.int32, device=DEV)
+    if N > 1:
+        idx[0] = -1
+    decay = torch.linspace(0.01, 1.0, H, device=DEV)
+    return lightning_decode(_r(N, T, H, D), _r(N, T, H, D), _r(N, T, H, D), decay, pool, idx, state_v_first=v_first)
+
+
+@case
+def lightning_decode_t1():
+    _lightning_decode_call(3, 1, 2)
+    _lightning_decode_call(3, 1, 2, v_first=False)
+
+
+@case
+def lightning_decode_kv_cols():
+    from cula.ops.lightning.sm90 import decode
+
+    _lightning_decode_call(decode.KV_COLS_MIN_STATES // 32, 1, 32, v_first=False)
+
+
+@case
+def lightning_decode_multi_token():
+    from cula.lightning import lightning_decode_step
+
+    _lightning_decode_call(3, 3, 2)
+    _lightning_decode_call(2, 2, 2, D=64, v_first=False)
+    pool = torch.randn(2, 2, 128, 128, device=DEV) * 0.1
+    step = lightning_decode_step(torch.tensor([0.1, 0.5], device=DEV), pool, torch.tensor([1], dtype=torch.int32,
+                                 device=DEV))  # fmt: skip
+    step(_r(1, 1, 2, 128), _r(1, 1, 2, 128), _r(1, 1, 2, 128))
+
+
+def _fla_untuned():
+    """Tests' one-config FLA autotuning (tests/conftest.py): the training case's backward would otherwise time
+    every config of FLA's kernels under the sanitizer."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "conftest.py")
+    spec = importlib.util.spec_from_file_location("_cula_test_conftest", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod._fla_untuned()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("names", nargs="*", help="run the cases whose name contains one of these")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--group", default="1/1", help="I/N: every N-th case starting at the I-th")
+    a = ap.parse_args()
+    names = [n for n in CASES if not a.names or any(s in n for s in a.names)]
+    i, n = (int(x) for x in a.group.split("/"))
+    names = names[i - 1 :: n]
+    if a.list:
+        print("\n".join(names))
+        return 0
+    _fla_untuned()
+    import cula.cache
+
+    torch.manual_seed(0)
+    failed = []
+    for name in names:
+        print(f"@@case {name}", flush=True)
+        t0 = time.time()
+        try:
+            CASES[name]()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported, and the run's exit code says so
+            failed.append(name)
+            print(f"@@failed {name}: {type(e).__name__}: {e}", flush=True)
+        print(f"@@done {name} {time.time() - t0:.1f}s", flush=True)
+    variants = sorted(repr(k) for k in cula.cache._CACHE)
+    print("@@variants " + json.dumps(variants), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
