@@ -8,6 +8,7 @@ skipped while a CUDA graph is being captured, where a copy is not allowed.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Iterable
 
@@ -93,7 +94,20 @@ def check_scale(scale: Any, head_dim: int) -> float:
         return head_dim**-0.5
     if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
         raise TypeError(f"`scale` must be a Python float, got {type(scale).__name__}")
+    if not math.isfinite(scale):  # a host value: free to check, and every output would be NaN
+        raise ValueError(f"`scale` must be finite, got {scale}")
     return float(scale)
+
+
+def check_lower_bound(lower_bound: Any) -> None:
+    """``lower_bound`` of the fused KDA gate: None or a finite Python number (the kernels take it as an fp32
+    scalar; its range is the caller's rule, e.g. ``safe_gate``'s [-5, 0))."""
+    if lower_bound is None:
+        return
+    if isinstance(lower_bound, (bool, torch.Tensor)) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"`lower_bound` must be a Python float, got {type(lower_bound).__name__}")
+    if not math.isfinite(lower_bound):
+        raise ValueError(f"`lower_bound` must be finite, got {lower_bound}")
 
 
 def check_cu_seqlens(
@@ -119,6 +133,10 @@ def check_cu_seqlens(
         )
     if cu_seqlens_cpu is not None:
         check_tensor("cu_seqlens_cpu", cu_seqlens_cpu, shape=tuple(cu_seqlens.shape), dtypes=INDEX_DTYPES)
+        if cu_seqlens_cpu.device.type != "cpu" and cu_seqlens_cpu.device != device:  # its values are read here
+            raise ValueError(
+                f"`cu_seqlens_cpu` must be the host copy of `cu_seqlens`, a CPU tensor; got one on {cu_seqlens_cpu.device}"
+            )
         values = cu_seqlens_cpu
     elif cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         values = None
@@ -163,9 +181,9 @@ def check_state(
     check_tensor(name, state, dtypes=(torch.float32,), device=device)
 
 
-def check_head_dim(name: str, size: int, limit: int = 256) -> None:
+def check_head_dim(name: str, size: int, limit: int = 256, arg: str = "q") -> None:
     if size < 1 or size > limit:
-        raise ValueError(f"unsupported head size: {name}={size} (supported: 1..{limit})")
+        raise ValueError(f"unsupported head size of `{arg}`: {name}={size} (supported: 1..{limit})")
 
 
 def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
@@ -178,9 +196,9 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
         raise ValueError(f"`v` must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
     check_head_dim("K", K)
-    check_head_dim("V", V)
-    if HV % H != 0:
-        raise ValueError(f"GVA needs the value heads HV={HV} to be a multiple of the q/k heads H={H}")
+    check_head_dim("V", V, arg="v")
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"GVA needs the value heads of `v` (HV={HV}) to be a multiple of the q/k heads (H={H})")
     return B, T, H, K, HV, V
 
 

@@ -7,7 +7,15 @@ from typing import Any
 
 import torch
 
-from cula._validate import FLOAT_DTYPES, check_cu_seqlens, check_qkv, check_scale, check_state, check_tensor
+from cula._validate import (
+    FLOAT_DTYPES,
+    check_cu_seqlens,
+    check_lower_bound,
+    check_qkv,
+    check_scale,
+    check_state,
+    check_tensor,
+)
 
 
 def check_kda_inputs(
@@ -33,7 +41,7 @@ def check_kda_inputs(
     B, T, H, K, HV, V = check_qkv(q, k, v)
     device = q.device
     check_tensor("g", g, shape=(B, T, HV, K), dtypes=FLOAT_DTYPES, device=device)
-    if beta_per_value and beta.dim() == 4:
+    if beta_per_value and isinstance(beta, torch.Tensor) and beta.dim() == 4:
         check_tensor("beta", beta, shape=(B, T, HV, V), dtypes=FLOAT_DTYPES, device=device)
     else:
         check_tensor("beta", beta, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device)
@@ -54,8 +62,7 @@ def check_kda_inputs(
                 raise ValueError(
                     f"`dt_bias` must have HV*K={HV * K} elements ([HV*K]), got {list(dt_bias.shape)}"
                 )
-    if lower_bound is not None and not isinstance(lower_bound, (int, float)):
-        raise TypeError(f"`lower_bound` must be a float, got {type(lower_bound).__name__}")
+    check_lower_bound(lower_bound)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
     return N

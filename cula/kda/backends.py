@@ -31,6 +31,8 @@ CHUNK_FP16_ON_CULA = True
 # final state and every input gradient matched FLA on the H200 with log-space and fused gates and GVA,
 # tests/test_gpu_api.py::test_chunk_kda_cuda_backward_matches_fla); False sends them to fla, forward and backward.
 CHUNK_TRAINING_ON_CULA = True
+# the gate and beta dtypes the CuTe kernels are compiled for (validation also lets float64 through, as FLA does)
+_KERNEL_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _cula_chunk_supports(
@@ -54,6 +56,8 @@ def _cula_chunk_supports(
         return False, "training (autograd) runs on fla (CHUNK_TRAINING_ON_CULA is off)"
     if q.dtype != torch.bfloat16 and not (CHUNK_FP16_ON_CULA and q.dtype == torch.float16):
         return False, f"q dtype {q.dtype} (kernel path is validated for bf16)"
+    if g.dtype not in _KERNEL_FLOATS or beta.dtype not in _KERNEL_FLOATS:
+        return False, f"g dtype {g.dtype} / beta dtype {beta.dtype} (kernels take bf16/fp16/fp32)"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K=V=128)"
     if chunk_size != 64:
@@ -82,6 +86,24 @@ def _cula_chunk_args(
 _GRAD_TENSORS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
 
+# The chunk kernels' compiled signatures take contiguous inputs aligned to 16 bytes, beta to its element and A_log
+# to 4 bytes (TVM-FFI refuses the rest at the launch).
+_KERNEL_ALIGN = {"beta": 1, "A_log": 4}
+
+
+def _kernel_ready(name: str, t: torch.Tensor | None) -> bool:
+    return t is None or (t.is_contiguous() and t.data_ptr() % _KERNEL_ALIGN.get(name, 16) == 0)
+
+
+def _ready_inputs(args: dict) -> dict:
+    """``args`` with a contiguous, aligned copy of each input tensor that is not (a strided view, an odd storage
+    offset)."""
+    return {
+        n: (t.clone(memory_format=torch.contiguous_format) if n in _GRAD_TENSORS and not _kernel_ready(n, t) else t)
+        for n, t in args.items()
+    }
+
+
 def _prepare_chunk_kda_cula_sm90(**args):
     """The bound launch of a repeated call (see ``prepare_chunk_kda_fwd_sm90``), or None (training calls: autograd
     runs through ``_ChunkKDATraining``)."""
@@ -89,6 +111,8 @@ def _prepare_chunk_kda_cula_sm90(**args):
 
     if needs_grad(*(args[n] for n in _GRAD_TENSORS)):
         return None
+    if not all(_kernel_ready(n, args[n]) for n in _GRAD_TENSORS):
+        return None  # the general path, which copies them (_ready_inputs) on every call
     return prepare_chunk_kda_fwd_sm90(**_cula_chunk_args(**args))
 
 
@@ -180,7 +204,7 @@ def _chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
     from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
 
     # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel where it runs, see chunk_fwd)
-    opts = _cula_chunk_args(**args)
+    opts = _cula_chunk_args(**_ready_inputs(args))
     if needs_grad(*(args[n] for n in _GRAD_TENSORS)):
         tensors = [opts.pop(n) for n in (*_GRAD_TENSORS, "cu_seqlens")]
         return _ChunkKDATraining.apply(*tensors, cu_seqlens_cpu, opts)
@@ -246,7 +270,7 @@ def _cula_recurrent_supports(
     num_accepted_tokens, use_gate_in_kernel, lower_bound, state_v_first, **_,
 ) -> tuple:  # fmt: skip
     """FLA's serving call that is exactly one ``kda_decode`` step: [N, 1] tokens, an fp32 pool, int32 [N] rows."""
-    from cula._validate import FLOAT_DTYPES, pool_layout_verdict
+    from cula._validate import pool_layout_verdict
 
     if ssm_state_indices is None or not inplace_final_state:
         return False, "only the in-place state-pool form (ssm_state_indices, inplace_final_state=True) runs on cula"
@@ -259,8 +283,8 @@ def _cula_recurrent_supports(
         return False, f"{q.shape[1]} tokens per sequence with a state pool run on fla (cula's kernel: one)"
     if ssm_state_indices.ndim != 1 or ssm_state_indices.dtype != torch.int32:
         return False, "ssm_state_indices must be int32 [N] for cula's kernel"
-    if q.dtype not in (torch.bfloat16, torch.float16) or g.dtype not in FLOAT_DTYPES:
-        return False, f"q dtype {q.dtype} / g dtype {g.dtype} (kernel takes bf16/fp16 q, float g)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or g.dtype not in _KERNEL_FLOATS:
+        return False, f"q dtype {q.dtype} / g dtype {g.dtype} (kernel takes bf16/fp16 q, bf16/fp16/fp32 g)"
     if beta.ndim == v.ndim or beta.dtype not in (torch.float32, torch.bfloat16):
         return False, "per-channel beta, or beta not fp32/bf16, runs on fla"
     if use_gate_in_kernel and A_log is None and lower_bound is None:
@@ -285,7 +309,9 @@ def _fused_recurrent_kda_cula_sm90(
     from cula.kda.decode import kda_decode
 
     o = kda_decode(
-        q, k, v, g, beta, initial_state, ssm_state_indices, A_log=A_log, dt_bias=dt_bias, scale=scale,
+        q, k, v, g, beta, initial_state, ssm_state_indices, A_log=A_log,
+        # FLA takes any dt_bias of HV*K elements, kda_decode the flat [HV*K] one
+        dt_bias=None if dt_bias is None else dt_bias.reshape(-1), scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         lower_bound=lower_bound, state_v_first=state_v_first, out=out, check_indices=False,

@@ -7,6 +7,7 @@ import torch
 from cula._validate import (
     FLOAT_DTYPES,
     check_decode_tokens,
+    check_lower_bound,
     check_pool_indices,
     check_qkv,
     check_scale,
@@ -14,7 +15,6 @@ from cula._validate import (
     check_tensor,
     dense,
     is_dense,
-    is_row_major,
     pool_layout_verdict,
 )
 from cula.backends import PlanCache, Registry, always, cula_kernels_on, forced_backend, tensor_sig
@@ -81,10 +81,11 @@ def kda_decode(
     ))  # fmt: skip
     if check_indices:
         check_pool_indices(state_indices, state_pool.shape[0])
+    scale = check_scale(scale, q.shape[-1])
+    check_lower_bound(lower_bound)  # the plan key holds only whether it is None
     if out is None:
-        out = torch.empty_like(v)
-    launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, check_scale(scale, q.shape[-1]), lower_bound,
-           out, step_states)  # fmt: skip
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states)
     return out
 
 
@@ -148,7 +149,7 @@ def kda_decode_step(
         if check_indices:
             check_pool_indices(state_indices, state_pool.shape[0])
         if out is None:
-            out = torch.empty_like(v)
+            out = torch.empty_like(v, memory_format=torch.contiguous_format)
         tokens(q, k, v, g, beta, out, step_states)
         return out
 
@@ -179,8 +180,10 @@ def _plan(
             check_tensor("dt_bias", dt_bias, shape=(HV * K,), dtypes=(torch.float32,), device=dev)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+    check_lower_bound(lower_bound)
     if out is None:
-        out = torch.empty_like(v)  # stands for the fresh buffer every such call allocates
+        # stands for the fresh buffer every such call allocates
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)
     else:
         check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=dev)
     if step_states is not None:
@@ -209,13 +212,15 @@ def _plan(
     return launch
 
 
-def _cula_supports(q, k, v, state_pool, state_v_first, step_states=None, **_) -> tuple:
+def _cula_supports(q, k, v, g, state_pool, state_v_first, step_states=None, **_) -> tuple:
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q dtype {q.dtype} (kernel takes bf16/fp16)"
+    if g.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False, f"g dtype {g.dtype} (kernel takes bf16/fp16/fp32)"
     if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
-    if step_states is not None and not is_row_major(step_states):
-        return False, "step_states is not row-major"
+    if step_states is not None and not is_dense(step_states):
+        return False, "step_states is not row-major and 16-byte aligned"
     return pool_layout_verdict(state_pool, q.shape[-1], v.shape[-1], state_v_first)
 
 
@@ -233,6 +238,8 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
     from cula.ops.kda.sm90.decode import kda_decode_launcher
 
     if q.shape[0] == 0 or not all(is_dense(t) for t in (q, k, v, g, beta, state_indices, out)):
+        return None
+    if not all(t is None or is_dense(t) for t in (A_log, dt_bias)):
         return None
     bound = kda_decode_launcher(
         io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=q.shape[-1], V=v.shape[-1],
@@ -279,7 +286,8 @@ def _decode_cula_sm90(
     # The kernel's compact fake tensors want exact row-major strides (size-1 dims included); decode inputs
     # are a few KB per sequence, so a copy of an odd-strided one costs less than leaving the kernel.
     q, k, v, g, beta, state_indices = (dense(t) for t in (q, k, v, g, beta, state_indices))
-    o = out if is_dense(out) else torch.empty_like(out)
+    A_log, dt_bias = (None if t is None else dense(t) for t in (A_log, dt_bias))
+    o = out if is_dense(out) else torch.empty_like(out, memory_format=torch.contiguous_format)  # row-major
     kda_decode_sm90(
         q,
         k,
@@ -327,6 +335,8 @@ def _decode_reference(
 ):
     from cula.kda.naive import reference_chunk_kda
 
+    # with check_indices=False too: torch's indexing below would fail inside a kernel (on CUDA, a device assert)
+    check_pool_indices(state_indices, state_pool.shape[0])
     live = state_indices >= 0
     rows = state_indices.long().clamp(min=0)
     flags = dict(
@@ -382,22 +392,25 @@ def kda_commit_accepted(
         state_indices: int32 ``[N]``.
         num_accepted_tokens: int32/int64 ``[N]``.
     """
-    N, T = step_states.shape[:2]
-    check_tensor(
-        "step_states",
-        step_states,
-        shape=(N, T) + tuple(state_pool.shape[1:]),
-        dtypes=(torch.float32,),
-        device=state_pool.device,
-    )
-    check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=state_pool.device)
-    check_tensor(
-        "num_accepted_tokens",
-        num_accepted_tokens,
-        shape=(N,),
-        dtypes=(torch.int32, torch.int64),
-        device=state_pool.device,
-    )
+    check_tensor("step_states", step_states, ndim=5, dtypes=(torch.float32,))
+    dev = step_states.device
+    check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=dev)
+    N, T, state_shape = step_states.shape[0], step_states.shape[1], tuple(state_pool.shape[1:])
+    if tuple(step_states.shape[2:]) != state_shape:
+        raise ValueError(
+            f"`step_states` [N, T, HV, ...] must hold states of `state_pool`'s shape {list(state_shape)}, got "
+            f"{list(step_states.shape)}"
+        )
+    check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=dev)
+    check_tensor("num_accepted_tokens", num_accepted_tokens, shape=(N,), dtypes=(torch.int32, torch.int64), device=dev)
+    # The indexing below syncs with the host anyway (once per verify step, not per token): check the values first,
+    # an out-of-range row would fail inside torch's indexing kernel (on CUDA, a device assert).
+    check_pool_indices(state_indices, state_pool.shape[0])
+    lo, hi = torch.stack(torch.aminmax(num_accepted_tokens)).tolist() if N else (0, 0)
+    if not 0 <= lo <= hi <= T:
+        raise ValueError(
+            f"`num_accepted_tokens` must lie in 0..T={T}, got {num_accepted_tokens.tolist()[:16]}"
+        )
     keep = (state_indices >= 0) & (num_accepted_tokens > 0)
     last = (num_accepted_tokens.long() - 1).clamp(0, T - 1)
     picked = step_states[torch.arange(N, device=step_states.device), last]

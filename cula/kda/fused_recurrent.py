@@ -138,7 +138,7 @@ def _checked(call: dict) -> dict:
     pooled = call["ssm_state_indices"] is not None
     if call["inplace_final_state"] and initial_state is None:
         raise ValueError("`inplace_final_state=True` needs `initial_state` (the state pool to update)")
-    check_kda_inputs(
+    N = check_kda_inputs(
         q,
         call["k"],
         call["v"],
@@ -157,7 +157,10 @@ def _checked(call: dict) -> dict:
         beta_per_value=True,
     )
     if pooled:
-        check_tensor("ssm_state_indices", call["ssm_state_indices"], dtypes=INDEX_DTYPES, device=q.device)
+        indices = call["ssm_state_indices"]
+        check_tensor("ssm_state_indices", indices, dtypes=INDEX_DTYPES, device=q.device)
+        if indices.dim() not in (1, 2) or indices.shape[0] != N:  # a row a sequence, or one a token (MTP)
+            raise ValueError(f"`ssm_state_indices` must have shape [N] or [N, T] with N={N}, got {list(indices.shape)}")
         if initial_state is None:
             raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool)")
         check_tensor("initial_state", initial_state, ndim=4, dtypes=(torch.float32,), device=q.device)

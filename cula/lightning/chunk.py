@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cula._validate import check_tensor, take_extra_kwargs
+from cula._validate import check_qkv, check_tensor, take_extra_kwargs
 from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
 
@@ -22,6 +22,9 @@ def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=No
     Returns:
         ``[num_heads]`` float32 log decay (<= 0); ``decay = -g_gamma``.
     """
+    if type(num_heads) is not int or num_heads < 1:
+        raise ValueError(f"`num_heads` must be a positive int, got {num_heads!r}")
+    _check_layer(layer_idx, num_layers)
     return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(
         num_heads, dtype=torch.float32, device=device
     )
@@ -51,7 +54,8 @@ def lightning_attn_fwd(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable in q, k, v, initial_state.
     """
-    check_tensor("decay", decay, ndim=1, dtypes=(torch.float32,), device=q.device)
+    *_, HV, _V = check_qkv(q, k, v)  # first: the decay's shape and device are q's and v's
+    check_tensor("decay", decay, shape=(HV,), dtypes=(torch.float32,), device=q.device)
     return chunk_simple_gla(
         q,
         k,
@@ -66,10 +70,22 @@ def lightning_attn_fwd(
     )
 
 
+def _check_heads(q, v) -> int:
+    """FLA's Lightning wrappers are multi-head (the decay schedule runs over q's H heads): v has H heads too."""
+    check_tensor("q", q, ndim=4)
+    check_tensor("v", v, ndim=4)
+    if v.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"`v` must have the H={q.shape[2]} heads of `q` (one decay a head), got {list(v.shape)}; "
+            "for more value heads pass the decays to lightning_attn_fwd"
+        )
+    return q.shape[2]
+
+
 def _check_layer(layer_idx: int, num_layers: int) -> None:
-    if not isinstance(num_layers, int) or num_layers < 1:
+    if type(num_layers) is not int or num_layers < 1:
         raise ValueError(f"`num_layers` must be a positive int, got {num_layers!r}")
-    if not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
+    if type(layer_idx) is not int or not 0 <= layer_idx < num_layers:
         raise ValueError(f"`layer_idx` must be an int in [0, num_layers={num_layers}), got {layer_idx!r}")
 
 
@@ -94,8 +110,7 @@ def chunk_lightning_attn(
     if "head_first" in extra:
         raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
     _check_layer(layer_idx, num_layers)
-    check_tensor("q", q, ndim=4)
-    g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, device=q.device)
+    g_gamma = lightning_g_gamma(_check_heads(q, v), layer_idx, num_layers, device=q.device)
     return chunk_simple_gla(
         q,
         k,
@@ -126,8 +141,7 @@ def fused_recurrent_lightning_attn(
     Same decay schedule as :func:`chunk_lightning_attn`; ``reverse`` runs each sequence from its end.
     """
     _check_layer(layer_idx, num_layers)
-    check_tensor("q", q, ndim=4)
-    g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, device=q.device)
+    g_gamma = lightning_g_gamma(_check_heads(q, v), layer_idx, num_layers, device=q.device)
     return fused_recurrent_simple_gla(
         q,
         k,

@@ -65,7 +65,7 @@ def lightning_decode(
     if check_indices:
         check_pool_indices(state_indices, state_pool.shape[0])
     if out is None:
-        out = torch.empty_like(v)
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)
     launch(q, k, v, decay, state_pool, state_indices, check_scale(scale, q.shape[-1]), out)
     return out
 
@@ -110,7 +110,7 @@ def lightning_decode_step(
         if check_indices:
             check_pool_indices(state_indices, state_pool.shape[0])
         if out is None:
-            out = torch.empty_like(v)
+            out = torch.empty_like(v, memory_format=torch.contiguous_format)
         tokens(q, k, v, out)
         return out
 
@@ -127,7 +127,8 @@ def _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
         state_pool, state_indices, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=dev
     )
     if out is None:
-        out = torch.empty_like(v)  # stands for the fresh buffer every such call allocates
+        # stands for the fresh buffer every such call allocates
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)
     else:
         check_tensor("out", out, shape=tuple(v.shape), dtypes=(q.dtype,), device=dev)
     args = {
@@ -206,6 +207,8 @@ def _decode_cula_sm90(q, k, v, decay, state_pool, state_indices, scale, state_v_
 def _decode_reference(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
     from cula.simple_gla.naive import reference_chunk_simple_gla
 
+    # with check_indices=False too: torch's indexing below would fail inside a kernel (on CUDA, a device assert)
+    check_pool_indices(state_indices, state_pool.shape[0])
     live = state_indices >= 0
     rows = state_indices.long().clamp(min=0)
     with torch.no_grad():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from cula._validate import dense
 from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 
 chunk_simple_gla_registry = Registry("simple_gla.chunk_simple_gla")
@@ -38,16 +39,21 @@ def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_stat
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     decay = torch.zeros(HV, device=q.device) if g_gamma is None else (-g_gamma).float()
-    o = torch.empty_like(v)
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)  # row-major whatever v's layout
     final = torch.empty(N, HV, V, V, device=q.device, dtype=torch.float32) if output_final_state else None
+    if T == 0:  # nothing to read (the kernel is not launched on empty tensors); the state passes through
+        if final is not None:
+            final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
+        return o, final
     if cu_seqlens is not None and cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
     if initial_state is not None:
-        initial_state = initial_state.contiguous()
+        initial_state = dense(initial_state)
+    # the kernel's compiled signature takes row-major, 16-byte aligned tensors (TVM-FFI refuses the rest)
     lightning_fwd_sm90(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
+        dense(q),
+        dense(k),
+        dense(v),
         decay.contiguous(),
         o,
         initial_state,
