@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from cula._validate import check_cu_seqlens_values, check_scale, resolve_state_layout, take_extra_kwargs
+from cula._validate import (
+    check_cu_seqlens_values,
+    check_lower_bound,
+    check_scale,
+    resolve_state_layout,
+    take_extra_kwargs,
+)
 from cula.backends import PlanCache, env_reader, forced_backend, tensor_sig
 from cula.kda._args import check_kda_inputs
 from cula.kda.backends import chunk_kda_registry
@@ -94,13 +100,9 @@ def chunk_kda(
     # The fast path: a fixed-length call whose signature (everything validation and backend selection read) was
     # seen before goes straight to its launch; with VARLEN_PLANS a packed call too, its boundaries checked here.
     # Other varlen calls, context parallel, FLA's graph mode, intermediate states, the deprecated alias and
-    # scalars of unusual types are validated every time.
-    # A packed call being captured into a CUDA graph takes the general path: the plan copies this call's chunk
-    # indices from pinned host memory, which a graph replay would read again after the allocator reused it.
-    planned = cu_seqlens_cpu is None if cu_seqlens is None else (
-        VARLEN_PLANS and cu_seqlens_cpu is not None
-        and not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())
-    )  # fmt: skip
+    # scalars of unusual types are validated every time. Packed calls plan under CUDA-graph capture too: the launch
+    # then makes its chunk indices on the device (cula.ops.kda.sm90.chunk_fwd.device_chunk_indices).
+    planned = cu_seqlens_cpu is None if cu_seqlens is None else VARLEN_PLANS and cu_seqlens_cpu is not None
     if (planned and cp_context is None and not use_graph and not return_intermediate_states
             and (not kwargs or kwargs.keys() <= _PLANNED_KWARGS)):  # fmt: skip
         A_log, dt_bias, chunk_size = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("chunk_size", 64)
@@ -121,7 +123,11 @@ def chunk_kda(
             plan = _plans.get(key)
             if plan is None:
                 plan = _plan(_full_call(locals()), _TENSOR_ARGS + ("scale",) if cu_seqlens is None else _VARLEN_ARGS)
-                _plans.put(key, plan)
+                # A plan made while a CUDA graph captures serves that call only: the placeholders it binds for
+                # absent gate parameters were filled by the graph (cula.ops.kda.sm90.intra._placeholder), so an
+                # eager call before the first replay would read them unset.
+                if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    _plans.put(key, plan)
             launch, scale = plan
             if cu_seqlens is None:
                 return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
@@ -186,6 +192,7 @@ def _checked(call: dict) -> dict:
     q, lower_bound = call["q"], call["lower_bound"]
     if call["chunk_size"] not in (32, 64):
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {call['chunk_size']}")
+    check_lower_bound(lower_bound)  # its type, before the range check compares it
     if call["safe_gate"] and call["use_gate_in_kernel"]:
         if lower_bound is None:
             raise ValueError(

@@ -137,7 +137,7 @@ def chunk_kda_fwd_sm90(
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None;
         ``(o, final_state, Aqk, Akk)`` with ``keep_scores``.
     """
-    from fla.ops.utils.index import prepare_chunk_indices
+    from cula.ops.kda.sm90 import intra
 
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
@@ -168,8 +168,12 @@ def chunk_kda_fwd_sm90(
         return o, final_state
 
     chunk_indices = None
-    if cu_seqlens is not None:
-        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+    if cu_seqlens is not None and capturing(cu_seqlens):
+        chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, N))
+    elif cu_seqlens is not None:
+        # not FLA's prepare_chunk_indices: it memoises on the tensors' identity, so a cu_seqlens buffer rewritten
+        # in place between calls (an engine's static input) would get the previous boundaries' chunks
+        chunk_indices = intra.prepare_chunk_indices_i32(cu_seqlens, chunk_size, cu_seqlens_cpu)
     cu32 = None
     if cu_seqlens is not None:
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
@@ -472,7 +476,8 @@ def _launch_state_options(q, has_h0, output_final_state, state_v_first) -> dict:
 def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb):
     """The bound launch of packed sequences (B = 1, ``cu_seqlens``): the total length and the boundaries may change
     from call to call (``cula.kda.chunk`` checks the boundaries' values every time), the chunk indices are built
-    from ``cu_seqlens_cpu``, and both kernels run from one host call."""
+    from ``cu_seqlens_cpu`` (on the device from ``cu_seqlens`` while a CUDA graph captures, see
+    ``device_chunk_indices``), and both kernels run from one host call."""
     from cula.ops.kda.sm90 import fwd_launch, intra
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu, **_):
@@ -487,7 +492,10 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
             return o, final_state
         a_log, bias = gate_args(A_log, dt_bias)
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-        chunk_indices = intra.prepare_chunk_indices_i32(cu_seqlens, 64, cu_seqlens_cpu)
+        if capturing(cu_seqlens):
+            chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, cu_seqlens.numel() - 1))
+        else:
+            chunk_indices = intra.prepare_chunk_indices_i32(cu_seqlens, 64, cu_seqlens_cpu)
         work = torch.empty(T * HV, fwd_launch.WORK_COLS, dtype=dt, device=dev)
         fn(
             q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
@@ -496,3 +504,43 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
         return o, final_state
 
     return launch
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CUDA tensor and the current stream is capturing a CUDA graph (False on the CPU, where
+    torch's query would raise)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def chunk_rows_bound(total: int, num_seqs: int, chunk_size: int = 64) -> int:
+    """An upper bound on the chunk count of ``num_seqs`` packed sequences of ``total`` tokens in all, from the
+    shapes alone: ``sum ceil(len / c) <= (total + num_seqs (c - 1)) // c``, reached when every sequence ends one
+    token into a chunk."""
+    return (total + num_seqs * (chunk_size - 1)) // chunk_size
+
+
+def device_chunk_indices(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = 64) -> torch.Tensor:
+    """``[num_rows, 2]`` int32 (sequence, chunk within it), FLA's ``prepare_chunk_indices`` order, made by torch ops
+    on ``cu_seqlens``' device from its values there.
+
+    For CUDA-graph capture: the host path (``prepare_chunk_indices_i32``, FLA's ``prepare_chunk_indices``) reads
+    the boundaries on the host and copies the rows up, a sync or a copy from pageable memory that capture refuses,
+    or, from pinned memory, a copy that every replay would repeat from a host buffer long since reused. Here
+    nothing leaves the device, so a replay recomputes the rows from whatever boundaries ``cu_seqlens`` then holds.
+
+    ``num_rows`` is fixed when the launch is captured, so it cannot be the boundaries' own chunk count: callers
+    pass ``chunk_rows_bound`` of the shapes. The rows past the real chunks name the last sequence with chunk
+    numbers from its chunk count on (``c * chunk_size >= len``): chunks past that sequence's end, which cula's
+    intra kernel and FLA's chunked stages skip (each masks or returns on ``c * chunk_size >= len``), so the graph
+    holds for any boundaries with the same sequence count and total length. Values are not checked (capture
+    cannot read them); boundaries that are not non-decreasing give meaningless rows.
+    """
+    cu = cu_seqlens.long()  # searchsorted takes one dtype for both sides; int64 also rules out overflow
+    counts = (cu[1:] - cu[:-1] + (chunk_size - 1)).div(chunk_size, rounding_mode="floor")
+    ends = counts.cumsum(0)  # one past each sequence's last chunk row
+    row = torch.arange(num_rows, dtype=torch.int64, device=cu.device)
+    seq = torch.searchsorted(ends, row, right=True).clamp_(max=counts.numel() - 1)
+    rows = torch.empty(num_rows, 2, dtype=torch.int32, device=cu.device)
+    rows[:, 0] = seq
+    rows[:, 1] = row - (ends - counts)[seq]
+    return rows
