@@ -7,10 +7,12 @@ a poisoned output element that a kernel forgot to write fails the check.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
 
 import torch
 
@@ -62,18 +64,32 @@ def small_batch(varlen: bool, fixed_t: int, lens: tuple[int, ...] = (5, 0, 9)):
     return 1, sum(lens), len(lens), make_cu_seqlens(list(lens))
 
 
-def poison_cuda_allocator(nbytes: int = 1 << 30) -> None:
-    """Fill the CUDA caching allocator's free memory with NaN bytes.
+@contextlib.contextmanager
+def poisoned_allocations() -> Iterator[None]:
+    """Within the block every ``torch.empty`` / ``empty_like`` / ``new_empty`` / ``empty_strided`` (and the
+    grown part of a ``resize_``) starts as NaN (floating dtypes) or the dtype's largest value (integers), on the
+    CPU and the GPU alike, whatever the size.
 
-    Outputs that a library allocates itself with ``torch.empty`` then start as NaN, so an element a
-    kernel never writes fails ``assert_close`` instead of passing by luck.
+    The kernels' outputs, workspaces and temporaries come from those calls, so an element that a kernel forgets
+    to write reaches ``assert_close`` as NaN instead of whatever the allocator handed out (which passes by luck
+    when it happens to be a stale copy of the right answer). This is PyTorch's own fill: deterministic mode with
+    ``torch.utils.deterministic.fill_uninitialized_memory``. ``warn_only`` keeps the ops without a deterministic
+    implementation running (with a warning) instead of raising; Triton and CuTe kernels are not affected.
+    What it cannot reach: memory allocated once and reused across calls (a cached placeholder or workspace); fill
+    such buffers with :func:`poison_` where a test reuses them.
     """
-    if not torch.cuda.is_available():
-        return
-    # All-ones bytes are NaN in fp32, bf16 and fp16 alike (a fp32 NaN's low half is a bf16 zero).
-    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    block.fill_(0xFF)
-    del block
+    import torch.utils.deterministic as det
+
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        det.fill_uninitialized_memory = was_fill
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn_only)
 
 
 def find_nvdisasm() -> str | None:

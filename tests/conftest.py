@@ -4,6 +4,9 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 # The FLA column must always be FLA's own Triton kernels, never FlashKDA.
 os.environ.setdefault("FLA_FLASH_KDA", "0")
+# GPU tests run in deterministic mode (the ``poisoned`` fixture below), where cuBLAS needs a fixed workspace
+# configuration or warns on every matmul; it must be set before CUDA initialises.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -52,6 +55,26 @@ def _no_forced_backend(monkeypatch):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def poisoned():
+    """Every uninitialised allocation of the test starts as NaN (integers: their largest value), whatever its
+    size: ``cula.testing.poisoned_allocations``. An output element a kernel leaves unwritten then fails
+    ``assert_close``. On for every GPU test (``_poison_gpu_tests``); CPU tests ask for it by name."""
+    from cula.testing import poisoned_allocations
+
+    with poisoned_allocations():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _poison_gpu_tests(request):
+    # Autouse fixtures are set up before the test's own function-scoped ones, so buffers those fixtures allocate
+    # are poisoned too. Tensors allocated once and cached across calls are not: cula keeps none but the constant
+    # placeholders of absent optional inputs (``_placeholder`` in cula/ops/kda/sm90), which no kernel writes.
+    if request.node.get_closest_marker("gpu") is not None:
+        request.getfixturevalue("poisoned")
 
 
 @pytest.fixture

@@ -214,7 +214,6 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, fake_sm90, st
 def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
     """The bound launch (both kernels from one host call, fwd_launch) against the general path, bit for bit."""
     from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
-    from cula.testing import poison_cuda_allocator
 
     x = _inputs("cuda")
     if not with_state:
@@ -223,14 +222,12 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
         x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
     flags = dict(FLAGS, state_v_first=state_v_first, output_final_state=with_state)
     with torch.inference_mode():
-        poison_cuda_allocator()
         ref_o, ref_s = chunk_kda_fwd_sm90(
             x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["initial_state"], with_state, state_v_first,
             use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, use_qk_l2norm_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
         )  # fmt: skip
         for _ in range(3):
-            poison_cuda_allocator()
             o, s = chunk_kda(**x, **flags)
             torch.cuda.synchronize()
             assert not torch.isnan(o).any()
@@ -329,7 +326,6 @@ def test_varlen_plan_bit_identical_cuda(counted, monkeypatch, cu_dtype):
     """VARLEN_PLANS: packed calls of three total lengths through one plan (both kernels from one host call, the
     chunk indices from cu_seqlens_cpu) against the general path, bit for bit, zero-length sequences included."""
     from cula.backends import clear_plan_caches
-    from cula.testing import poison_cuda_allocator
 
     clear_plan_caches()
     with torch.inference_mode():
@@ -340,7 +336,6 @@ def test_varlen_plan_bit_identical_cuda(counted, monkeypatch, cu_dtype):
             outs = []
             for on in (False, True):  # the general path, then the plan
                 monkeypatch.setattr(chunk_mod, "VARLEN_PLANS", on)
-                poison_cuda_allocator()
                 outs.append(chunk_kda(**x, **FLAGS, **cus))
             torch.cuda.synchronize()
             (o0, s0), (o1, s1) = outs
@@ -503,7 +498,6 @@ def test_segmented_launch_bit_identical_cuda(counted, monkeypatch, T_, with_h0, 
     segment on a side stream, the state handed on in fp32) returns the same bits as the one-piece bound launch."""
     import cula.ops.kda.sm90.chunk_fwd as cf
     from cula.backends import clear_plan_caches
-    from cula.testing import poison_cuda_allocator
 
     x = _b1_inputs(T_, seed=T_)
     if not with_h0:
@@ -515,7 +509,6 @@ def test_segmented_launch_bit_identical_cuda(counted, monkeypatch, T_, with_h0, 
             monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", min_tokens)
             clear_plan_caches()
             for _ in range(2):  # the general path plans, the second call runs the bound launch
-                poison_cuda_allocator()
                 o, s = chunk_kda(**x, **flags)
             torch.cuda.synchronize()
             outs.append((o, s))

@@ -4,7 +4,7 @@ CPU: bad dtypes, shapes, layouts and out-of-range indices raise before anything 
 backend (what runs on the CPU) equals ``cula.simple_gla.fused_recurrent_simple_gla(g_gamma=-decay)`` on the
 gathered states, writes the final states back to the pool rows it was given, zeroes padded output rows and
 leaves every other pool row alone. GPU (``-m gpu`` on an SM90 device): the ``cula-sm90`` backend against the
-``reference`` backend through the public function, and its dispatch.
+float64 recurrence and the ``reference`` backend through the public function, and its dispatch.
 """
 
 from __future__ import annotations
@@ -102,8 +102,9 @@ def test_check_indices_false_skips_the_range_check():
     idx[0] = pool.shape[0]
     with pytest.raises(ValueError, match="out of range"):
         lightning_decode(q, k, v, decay, pool, idx)
-    # unchecked, the bad row reaches the backend (here the reference's gather fails on it)
-    with pytest.raises(IndexError):
+    # unchecked, the bad row reaches the backend: the reference checks it anyway (its gather would fail on it, on
+    # CUDA with a device assert), cula's kernel trusts the caller
+    with pytest.raises(ValueError, match="out of range"):
         lightning_decode(q, k, v, decay, pool, idx, check_indices=False)
 
 
@@ -188,6 +189,23 @@ def test_validation_layout_and_indices():
 # ------------------------------------------------------------------------------------------------- GPU
 
 
+def _float64(q, k, v, decay, pool, idx, state_v_first=True, scale=None):
+    """The float64 recurrence of a pool call: ``o`` (padded slots zero) and the pool after it."""
+    from cula.simple_gla.naive import naive_recurrent_simple_gla
+
+    live = idx >= 0
+    rows = idx.long()[live]
+    o_live, states = naive_recurrent_simple_gla(
+        *(t[live].double() for t in (q, k, v)), g_gamma=-decay.double(), scale=scale,
+        initial_state=pool[rows].double(), output_final_state=True, state_v_first=state_v_first,
+    )  # fmt: skip
+    o = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
+    o[live] = o_live
+    after = pool.double()
+    after[rows] = states
+    return o, after
+
+
 def _requires_sm90():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU (H100/H200)")
@@ -206,12 +224,15 @@ def test_cula_backend_matches_reference(monkeypatch, state_v_first, D, T):
         "state_v_first": state_v_first, "out": torch.empty_like(v),
     })
     assert selected.name == "cula-sm90"
+    o64, pool64 = _float64(q, k, v, decay, pool, idx, state_v_first)
     o = lightning_decode(q, k, v, decay, pool, idx, state_v_first=state_v_first)
     monkeypatch.setenv("CULA_BACKEND", "reference")
     o_ref = lightning_decode(q, k, v, decay, pool_ref, idx, state_v_first=state_v_first)
     torch.cuda.synchronize()
-    assert_close("o", o_ref.float(), o.float(), 5e-3)
-    assert_close("pool", pool_ref, pool, 5e-3)
+    assert_close("o vs float64", o64, o, 5e-3)
+    assert_close("pool vs float64", pool64, pool, 5e-3)
+    assert_close("o vs reference backend", o_ref.float(), o.float(), 5e-3)
+    assert_close("pool vs reference backend", pool_ref, pool, 5e-3)
     live = idx >= 0
     assert torch.equal(o[~live], torch.zeros_like(o[~live]))
 
@@ -231,20 +252,27 @@ def test_cula_backend_odd_strides(monkeypatch):
         "state_indices": idx, "scale": 0.1, "state_v_first": True, "out": out,
     })
     assert selected.name == "cula-sm90"
+    o64, pool64 = _float64(q[:, 1:2], k[:, 1:2], v[:, 1:2], decay, pool, idx)
     o = lightning_decode(q[:, 1:2], k[:, 1:2], v[:, 1:2], decay, pool, idx, out=out)
     monkeypatch.setenv("CULA_BACKEND", "reference")
     o_ref = lightning_decode(q[:, 1:2], k[:, 1:2], v[:, 1:2], decay, pool_ref, idx)
     torch.cuda.synchronize()
     assert o is out
-    assert_close("o", o_ref.float(), o.float(), 5e-3)
-    assert_close("pool", pool_ref, pool, 5e-3)
+    assert_close("o vs float64", o64, o, 5e-3)
+    assert_close("pool vs float64", pool64, pool, 5e-3)
+    assert_close("o vs reference backend", o_ref.float(), o.float(), 5e-3)
+    assert_close("pool vs reference backend", pool_ref, pool, 5e-3)
     assert torch.equal(big[:, 0], other), "the rows between pool rows changed"
     # N = 1: q[:, 1:2] is is_contiguous() yet its size-1 dims carry foreign strides
     q1, k1, v1 = (x[:1, 1:2] for x in (q, k, v))
     pool1, pool1_ref = pool.clone(), pool.clone()
+    idx1 = idx[:1].clone().fill_(2)
+    o1_64, pool1_64 = _float64(q1, k1, v1, decay, pool1, idx1)
     monkeypatch.delenv("CULA_BACKEND")
-    o1 = lightning_decode(q1, k1, v1, decay, pool1, idx[:1].clone().fill_(2))
+    o1 = lightning_decode(q1, k1, v1, decay, pool1, idx1)
     monkeypatch.setenv("CULA_BACKEND", "reference")
-    o1_ref = lightning_decode(q1, k1, v1, decay, pool1_ref, idx[:1].clone().fill_(2))
-    assert_close("o (N=1)", o1_ref.float(), o1.float(), 5e-3)
-    assert_close("pool (N=1)", pool1_ref, pool1, 5e-3)
+    o1_ref = lightning_decode(q1, k1, v1, decay, pool1_ref, idx1)
+    assert_close("o (N=1) vs float64", o1_64, o1, 5e-3)
+    assert_close("pool (N=1) vs float64", pool1_64, pool1, 5e-3)
+    assert_close("o (N=1) vs reference backend", o1_ref.float(), o1.float(), 5e-3)
+    assert_close("pool (N=1) vs reference backend", pool1_ref, pool1, 5e-3)

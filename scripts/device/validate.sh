@@ -1,31 +1,66 @@
 #!/usr/bin/env bash
-# The GPU tests of everything written since the last GPU run, most important first, each step under its own
-# time limit so a slow step cannot starve the rest. All steps can exceed one 10-minute device call when FLA and
-# our kernels compile on first use; name steps to run a subset:
-#   device run, carry [".device"], timeout 600:  bash scripts/device/run.sh bash scripts/device/validate.sh [STEP...]
-# Steps: pending decode api intra long speed. Logs land in $OUT (one file per step); FLA's autotune results are restored
-# and saved by run.sh.
+# Every GPU test of tests/ (`pytest -m gpu`), file by file in steps, each step under its own time limit so a slow
+# step cannot starve the rest. Every test file belongs to exactly one step: `rest` takes each tests/**/test_*.py
+# that no other step names, so a new test file is never left out (a file without GPU tests costs its import).
+# The steps' limits are sized for the groups in CALLS, each of which fits one 10-minute device call (limits
+# summing to <= 590 s); the typical times on a warm machine are in brackets:
+#   device run, carry [".device"], timeout 600:  bash scripts/device/run.sh bash scripts/device/validate.sh STEP...
+#     api long                     [~4 + ~1.5 min]
+#     intra states                 [~3.5 + ~2 min]
+#     decode lightning reference   [~2.5 + ~1.5 + ~0.5 min]
+#     bench rest                   [~2 + ~2 min]
+# No STEP: all of them in that order (four calls' worth). `--list`: each step's limit and files and the calls,
+# nothing run (tests/test_validate_script.py checks them on the CPU).
+# Logs land in $OUT (one file per step); FLA's autotune results are restored and saved by run.sh.
 set -u
 cd "$(dirname "$0")/../.."
 S=$(date +%s)
-WANT=" ${*:-pending decode api intra long speed} "
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  [[ "$WANT" == *" $name "* ]] || return 0
-  echo "== $name (limit ${limit}s) at +$(( $(date +%s) - S ))s"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "   rc=$?"; grep -E "passed|failed|error|FAIL|geomean" "$OUT/$name.log" | tail -4
-}
-# a test stuck on the GPU (a kernel waiting forever) dumps its stack and ends its step after 150 s instead of
-# using up the step's whole limit
-P="python -m pytest -m gpu -q -rfE --tb=short -p no:warnings -o faulthandler_timeout=150 -o faulthandler_exit_on_timeout=true"
-# the GPU checks of the switches written CPU-only and still off (scripts/device/README.md "Next GPU session")
-step pending 300 $P tests/ops/test_kda_decode_kernel.py tests/test_chunk_plans.py \
-  -k "single_token_occupancy or segmented or varlen_plan"
-step decode 150 $P tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/ops/test_kda_decode_kernel.py \
-  tests/ops/test_lightning_decode_kernel.py -k "not speed_report"
-step api 400 $P tests/test_gpu_api.py tests/test_chunk_plans.py tests/test_fla_backward.py
-step intra 400 $P tests/ops/test_kda_intra_kernel.py
-step long 100 $P tests/test_gpu_long.py
-step speed 180 $P -s tests/ops/test_lightning_decode_kernel.py tests/ops/test_kda_decode_kernel.py -k speed_report
+
+STEPS=(api long intra states decode lightning reference bench rest)
+CALLS=("api long" "intra states" "decode lightning reference" "bench rest")
+declare -A LIMIT FILES
+LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.py tests/test_fla_backward.py"
+LIMIT[long]=150;      FILES[long]="tests/test_gpu_long.py"
+LIMIT[intra]=340;     FILES[intra]="tests/ops/test_kda_intra_kernel.py"
+LIMIT[states]=240;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py"
+LIMIT[decode]=240;    FILES[decode]="tests/test_decode_plans.py tests/test_lightning_decode_api.py
+                                     tests/ops/test_kda_decode_kernel.py tests/ops/test_lightning_decode_kernel.py"
+LIMIT[lightning]=180; FILES[lightning]="tests/ops/test_lightning_kernel.py"
+LIMIT[reference]=150; FILES[reference]="tests/test_reference.py"
+LIMIT[bench]=300;     FILES[bench]="tests/test_bench_scripts.py tests/test_bench_common.py"
+LIMIT[rest]=280
+named=" $(echo ${FILES[*]}) "
+FILES[rest]=$(find tests -name 'test_*.py' | sort | while read -r f; do [[ "$named" == *" $f "* ]] || echo "$f"; done)
+
+if [[ "${1:-}" == "--list" ]]; then
+  for name in "${STEPS[@]}"; do echo "step $name ${LIMIT[$name]}" $(echo ${FILES[$name]}); done
+  for call in "${CALLS[@]}"; do echo "call $call"; done
+  exit 0
+fi
+for name in "$@"; do
+  [[ -n "${LIMIT[$name]:-}" ]] || { echo "unknown step $name (steps: ${STEPS[*]})" >&2; exit 2; }
+done
+WANT=" ${*:-${STEPS[*]}} "
+OUT=${OUT:-/tmp/cula-validate}
+mkdir -p "$OUT"
+
+# a test stuck on the GPU (a kernel waiting forever) dumps its stack and ends its step after STUCK seconds instead
+# of using up the step's whole limit; a benchmark's quick suite in one test compiles and measures for longer
+declare -A STUCK=([bench]=280)
+P="python -m pytest -m gpu -q -rfEs --tb=short -p no:warnings -o faulthandler_exit_on_timeout=true"
+for name in "${STEPS[@]}"; do
+  [[ "$WANT" == *" $name "* ]] || continue
+  # no files would make pytest collect all of tests/
+  [[ -n "$(echo ${FILES[$name]})" ]] || { echo "== $name: no files"; continue; }
+  echo "== $name (limit ${LIMIT[$name]}s) at +$(( $(date +%s) - S ))s:" $(echo ${FILES[$name]})
+  timeout "${LIMIT[$name]}" $P -o faulthandler_timeout="${STUCK[$name]:-150}" ${FILES[$name]} > "$OUT/$name.log" 2>&1
+  rc=$?
+  case $rc in
+    0) ;;
+    5) echo "   no GPU tests in these files" ;;
+    124) echo "   TIMED OUT after ${LIMIT[$name]}s" ;;
+  esac
+  # failures and skips (a skip on the H200 means a test did not run), then pytest's summary line
+  echo "   rc=$rc"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/$name.log" | head -20; tail -1 "$OUT/$name.log"
+done
 echo "== done at +$(( $(date +%s) - S ))s"

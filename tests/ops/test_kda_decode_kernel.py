@@ -6,7 +6,7 @@ for sm_90a in one subprocess with ptxas remarks on, and ptxas reports no spills 
 compiled variant serves T = 1 and T = 4 alike. GPU (``-m gpu`` on an H100/H200): outputs and states against a
 float64 recurrence (relative RMSE < 5e-3), NaN-poisoned outputs, padded slots and unreferenced pool rows
 untouched bit for bit, step_states mode leaving the pool alone, GVA, both layouts, and 10,000 consecutive
-decode steps tracking the float64 recurrence.
+decode steps tracking the float64 recurrence. Kernel times: ``benchmarks/kernel_report.py kda-decode``.
 """
 
 from __future__ import annotations
@@ -517,96 +517,6 @@ def test_long_decode_tracks_float64(state_v_first):
     for i in range(0, steps, 1000):  # and no stretch of the run drifts
         assert_close(f"outputs {i}..{i + 999}", seq(ref_o)[i : i + 1000, 0], outs[i : i + 1000, 0], RATIO)
     assert torch.equal(pool[0], torch.zeros_like(pool[0])) and torch.equal(pool[2], torch.zeros_like(pool[2]))
-
-
-@pytest.mark.gpu
-def test_decode_speed_report(capsys, monkeypatch):
-    """Prints kernel time and state bandwidth (not a pass/fail speed gate; see docs/perf-notes-decode.md), for
-    both pool layouts, [K, V] ("kv") also with the wide lane tile ("kv wide")."""
-    import functools
-    import time
-
-    from triton.testing import do_bench
-
-    import cula.ops.kda.sm90.decode as D
-    from cula.ops.kda.sm90.decode import kda_decode_sm90
-
-    _requires_sm90()
-    H = HV = 64
-    K = V = 128
-
-    def setup(N, T, state_v_first, steps):
-        """(q, k, v, g, beta, A_log, dt_bias, pool, indices, out, step_states) for one shape."""
-        inner = (V, K) if state_v_first else (K, V)
-        return (
-            *_inputs(N, T, H, HV, K, V, gate="softplus"), torch.randn(N, HV, *inner, device="cuda") * 0.1,
-            torch.arange(N, dtype=torch.int32, device="cuda"),
-            torch.empty(N, T, HV, V, device="cuda", dtype=torch.bfloat16),
-            torch.empty(N, T, HV, *inner, device="cuda") if steps else None,
-        )  # fmt: skip
-
-    def kernel_us(call):
-        call()
-        torch.cuda.synchronize()
-        return do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
-
-    lines = []
-    shapes = ((1, 1, False), (64, 1, False), (256, 1, False), (64, 4, False), (64, 4, True))
-    for state_v_first, wide in ((False, False), (False, True), (True, False)):
-        for N, T, steps in shapes:
-            monkeypatch.setattr(D, "WIDE_KV_DEFAULT", wide)
-            *tensors, step = setup(N, T, state_v_first, steps)
-            call = functools.partial(
-                kda_decode_sm90, *tensors, scale=K**-0.5, gate="softplus", lower_bound=None, use_qk_l2norm=True,
-                beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first, step_states=step,
-            )  # fmt: skip
-            us = kernel_us(call)
-            n_state_bytes = N * HV * K * V * 4 * (1 + (T if steps else 1))
-            t0 = time.perf_counter()
-            for _ in range(200):
-                call()
-            host_us = (time.perf_counter() - t0) / 200 * 1e6
-            torch.cuda.synchronize()
-            lines.append(
-                f"{'vk' if state_v_first else 'kv'}{' wide' if wide else '     '} N={N:4d} T={T} steps={int(steps)}: "
-                f"{us:8.2f} us  "
-                f"{n_state_bytes / us / 1e6:6.3f} TB/s state  host {host_us:5.1f} us/call"
-            )
-    def variant_us(N, state_v_first, **variant):
-        """Kernel microseconds of one T=1 call through a launcher variant (the narrow tile for [K, V])."""
-        q, k, v, g, beta, A_log, dt_bias, pool, indices, out, _ = setup(N, 1, state_v_first, False)
-        launch = D.kda_decode_launcher(
-            io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=V, gate="softplus", has_a_log=True,
-            has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
-            state_v_first=state_v_first, has_step_states=False, wide_kv=False, **variant,
-        )  # fmt: skip
-        return kernel_us(functools.partial(
-            launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, None))  # fmt: skip
-
-    # CTA size at the same 16 resident warps per SM ([V, K] pools): whether the scheduling granularity (waves,
-    # per-CTA launch) is what holds the bandwidth at 84-87%
-    for warps in (2, 8):
-        for N in (64, 256):
-            us = variant_us(N, True, warps_per_cta=warps)
-            lines.append(f"vk {warps} warps/CTA N={N:4d} T=1: {us:8.2f} us  {N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")
-    # more resident warps at T=1 (SINGLE_TOKEN_MIN_BLOCKS): one token slot per warp frees the shared memory that
-    # held the default at 4 CTAs of 4 warps; ptxas then has to fit 5 or 6
-    for ctas in (None, 5, 6):
-        for state_v_first in (True, False):
-            for N in (64, 256):
-                extra = {} if ctas is None else {"tokens_per_round": 1, "min_blocks_per_sm": ctas}
-                us = variant_us(N, state_v_first, **extra)
-                what = "8 slots, 4 CTAs/SM" if ctas is None else f"1 slot, {ctas} CTAs/SM"
-                lines.append(f"{'vk' if state_v_first else 'kv narrow'} {what} N={N:4d} T=1: "
-                             f"{us:8.2f} us  {N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")  # fmt: skip
-    # [K, V] pools by TMA (KV_TMA_DEFAULT): whole 128-byte row pieces through shared memory
-    for ctas in (4, 5):
-        for N in (64, 256):
-            us = variant_us(N, False, kv_tma=True, tokens_per_round=1, min_blocks_per_sm=ctas)
-            lines.append(f"kv tma 1 slot, {ctas} CTAs/SM N={N:4d} T=1: {us:8.2f} us  "
-                         f"{N * HV * K * V * 8 / us / 1e6:6.3f} TB/s")  # fmt: skip
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
 
 
 def _assert_pool_rows_and_padding(pool0, pool, out, indices):

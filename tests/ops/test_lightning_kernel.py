@@ -11,9 +11,8 @@ import re
 import pytest
 import torch
 
+from cula.ops.lightning.sm90 import chunk_fwd
 from cula.testing import assert_close, make_cu_seqlens, poison_
-
-chunk_fwd = pytest.importorskip("cula.ops.lightning.sm90.chunk_fwd")
 
 # (head_dim, has_h0, has_ht, varlen, state_v_first): a spread that touches every trace branch once
 CPU_VARIANTS = [

@@ -1,0 +1,276 @@
+"""Kernel-level timing reports of our SM90 kernels, called directly (no public API, no FLA table).
+
+They answer what the suite benchmarks do not ask: which variant of a kernel is faster, and how far a kernel alone is
+from its bytes. Nothing here is a pass/fail gate; the kernels' correctness is tested in tests/ops/.
+
+    python benchmarks/kernel_report.py [REPORT...] [--json PATH]
+    device run, carry [".device"]:  bash scripts/device/run.sh python benchmarks/kernel_report.py kda-decode
+
+Reports (all by default):
+
+* ``kda-decode``: ``kda_decode_sm90`` kernel time, state bandwidth and host time per call for N = 1 / 64 / 256
+  (T = 1), N = 64 (T = 4, with and without step states), H = HV = 64, K = V = 128, on both pool layouts ([K, V]
+  also with the wide lane tile); then the launcher's variants at T = 1: CTA size at 16 warps per SM, one token slot
+  per warp at 5 and 6 CTAs per SM, and [K, V] boxes by TMA at 4 and 5 CTAs per SM.
+* ``lightning-decode``: ``lightning_decode_sm90`` for N = 1 / 64 / 256 (T = 1) and N = 64 (T = 4) on both layouts,
+  each cache-hint pair at N = 64, 20 resident warps per SM, and the persistent grid against one CTA per unit group.
+* ``kda-intra``: the intra-chunk kernel (``chunk_kda_intra_sm90``, log-space gate) at B = 2, T = 16384, H = HV = 64
+  against FLA's gate cumsum + ``chunk_kda_fwd_intra``.
+* ``kda-states``: the state/output kernel (``chunk_kda_delta_h_fwd_o_sm90``) alone on FLA's intermediates at the same
+  shape, FLA's intra stage, ``chunk_kda_fwd_sm90`` whole and FLA's ``chunk_kda``.
+
+Kernel times are medians of CUDA-event-timed calls (``common.bench``) with L2 flushed before each decode call
+(the decode inputs fit in L2) and one input set for the prefill shapes (each far above 2x L2). FLA autotunes on its
+first call per shape here (this is not a test run): run through ``scripts/device/run.sh`` to start from the cached
+choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# The script's own directory is on sys.path when run as `python benchmarks/kernel_report.py`.
+import common as bc
+import torch
+
+K = V = D = 128
+H = HV = 64
+
+
+def kernel_us(call: Callable[[], object], flush: bool = True, iters: int = 200) -> float:
+    return bc.bench(call, iters=iters, warmup=25, l2="flush" if flush else "rotate").median_ms * 1e3
+
+
+def host_us(call: Callable[[], object], n: int = 200) -> float:
+    """Wall time per call of ``n`` back-to-back calls (the launch path's host cost while the GPU keeps up)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
+
+
+# ------------------------------------------------------------------------------------------------ KDA decode
+
+
+def _kda_decode_inputs(N: int, T: int, state_v_first: bool, steps: bool) -> tuple:
+    """``kda_decode_sm90``'s positional tensors for a softplus-gate call: q, k, v, g, beta, A_log, dt_bias, pool,
+    indices, out, step_states."""
+    dev = "cuda"
+    inner = (V, K) if state_v_first else (K, V)
+    q = torch.randn(N, T, H, K, device=dev).to(torch.bfloat16)
+    k = torch.randn(N, T, H, K, device=dev).to(torch.bfloat16)
+    v = torch.randn(N, T, HV, V, device=dev).to(torch.bfloat16)
+    g = torch.randn(N, T, HV, K, device=dev) * 2.0
+    beta = torch.randn(N, T, HV, device=dev)
+    A_log = torch.rand(HV, device=dev) * 2.0 - 1.0
+    dt_bias = torch.randn(HV * K, device=dev) * 0.5
+    pool = torch.randn(N, HV, *inner, device=dev) * 0.1
+    indices = torch.arange(N, dtype=torch.int32, device=dev)
+    out = torch.empty(N, T, HV, V, device=dev, dtype=torch.bfloat16)
+    step_states = torch.empty(N, T, HV, *inner, device=dev) if steps else None
+    return q, k, v, g, beta, A_log, dt_bias, pool, indices, out, step_states
+
+
+def report_kda_decode() -> list[dict]:
+    import cula.ops.kda.sm90.decode as Dk
+
+    rows = []
+    wide_default = Dk.WIDE_KV_DEFAULT
+    try:
+        for state_v_first, wide in ((False, False), (False, True), (True, False)):
+            Dk.WIDE_KV_DEFAULT = wide
+            for N, T, steps in ((1, 1, False), (64, 1, False), (256, 1, False), (64, 4, False), (64, 4, True)):
+                *tensors, step = _kda_decode_inputs(N, T, state_v_first, steps)
+                call = functools.partial(
+                    Dk.kda_decode_sm90, *tensors, scale=K**-0.5, gate="softplus", lower_bound=None,
+                    use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first,
+                    step_states=step,
+                )  # fmt: skip
+                us = kernel_us(call)
+                state_bytes = N * HV * K * V * 4 * (1 + (T if steps else 1))
+                layout = ("vk" if state_v_first else "kv") + (" wide" if wide else "")
+                rows.append({"report": "kda-decode", "variant": layout, "N": N, "T": T, "step_states": steps,
+                             "kernel_us": us, "state_tbps": state_bytes / us / 1e6, "host_us": host_us(call)})
+    finally:
+        Dk.WIDE_KV_DEFAULT = wide_default
+
+    def variant_us(N: int, state_v_first: bool, **variant) -> float:
+        q, k, v, g, beta, A_log, dt_bias, pool, indices, out, _ = _kda_decode_inputs(N, 1, state_v_first, False)
+        launch = Dk.kda_decode_launcher(
+            io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=V, gate="softplus", has_a_log=True,
+            has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+            state_v_first=state_v_first, has_step_states=False, wide_kv=False, **variant,
+        )  # fmt: skip
+        return kernel_us(functools.partial(launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None,
+                                           K**-0.5, None))  # fmt: skip
+
+    def add(name: str, N: int, state_v_first: bool, **variant) -> None:
+        us = variant_us(N, state_v_first, **variant)
+        rows.append({"report": "kda-decode", "variant": f"{'vk' if state_v_first else 'kv narrow'} {name}", "N": N,
+                     "T": 1, "kernel_us": us, "state_tbps": N * HV * K * V * 8 / us / 1e6})  # fmt: skip
+
+    # CTA size at the same 16 resident warps per SM ([V, K] pools)
+    for warps, N in itertools.product((2, 8), (64, 256)):
+        add(f"{warps} warps/CTA", N, True, warps_per_cta=warps)
+    # one token slot per warp frees the shared memory that held the default at 4 CTAs of 4 warps
+    for ctas, state_v_first, N in itertools.product((None, 5, 6), (True, False), (64, 256)):
+        extra = {} if ctas is None else {"tokens_per_round": 1, "min_blocks_per_sm": ctas}
+        add("8 slots, 4 CTAs/SM" if ctas is None else f"1 slot, {ctas} CTAs/SM", N, state_v_first, **extra)
+    # [K, V] pools by TMA: whole 128-byte row pieces through shared memory
+    for ctas, N in itertools.product((4, 5), (64, 256)):
+        add(f"tma 1 slot, {ctas} CTAs/SM", N, False, kv_tma=True, tokens_per_round=1, min_blocks_per_sm=ctas)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ Lightning decode
+
+
+def report_lightning_decode() -> list[dict]:
+    from cula.ops.lightning.sm90.decode import LOAD_HINTS, STORE_HINTS, lightning_decode_sm90
+
+    copy_tbps = bc.measure_copy_bandwidth()
+    rows = []
+
+    def measure(N: int, state_v_first: bool, T: int = 1, **hints) -> None:
+        dev = "cuda"
+        q = torch.randn(N, T, H, D, device=dev, dtype=torch.bfloat16)
+        k = (torch.randn(N, T, H, D, device=dev) * D**-0.5).to(torch.bfloat16)
+        v = torch.randn(N, T, HV, D, device=dev, dtype=torch.bfloat16)
+        decay = torch.rand(HV, device=dev)
+        pool = torch.randn(2 * N, HV, D, D, device=dev) * 0.1
+        indices = torch.randperm(2 * N, device=dev)[:N].to(torch.int32)
+        out = torch.empty(N, T, HV, D, device=dev, dtype=torch.bfloat16)
+        call = functools.partial(lightning_decode_sm90, q, k, v, decay, pool, indices, out, scale=D**-0.5,
+                                 state_v_first=state_v_first, **hints)  # fmt: skip
+        us = kernel_us(call)
+        tbps = 2 * N * HV * D * D * 4 / us / 1e6
+        rows.append({"report": "lightning-decode", "variant": ("vk" if state_v_first else "kv"),
+                     "options": " ".join(f"{n}={x}" for n, x in hints.items()), "N": N, "T": T, "kernel_us": us,
+                     "state_tbps": tbps, "pct_of_copy": 100 * tbps / copy_tbps, "host_us": host_us(call)})  # fmt: skip
+
+    for state_v_first in (True, False):
+        for N in (1, 64, 256):
+            measure(N, state_v_first)
+        measure(64, state_v_first, T=4)
+    for state_v_first, (load_hint, store_hint) in itertools.product((True, False),
+                                                                    itertools.product(LOAD_HINTS, STORE_HINTS)):
+        measure(64, state_v_first, load_hint=load_hint, store_hint=store_hint)
+    # 20 resident warps per SM instead of 16 (ptxas then fits 96 registers and spills a little)
+    for state_v_first, N in itertools.product((True, False), (64, 256)):
+        measure(N, state_v_first, warps_per_sm=20)
+    # the persistent grid (#SMs x CTAs per SM walking the units) against one CTA per unit group
+    for state_v_first, (N, T), persistent in itertools.product((True, False), ((64, 1), (256, 1), (64, 4)),
+                                                               (True, False)):
+        measure(N, state_v_first, T=T, persistent=persistent)
+    for r in rows:
+        r["copy_tbps"] = copy_tbps
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ KDA prefill stages
+
+
+def _kda_prefill_inputs(B: int = 2, T: int = 16384) -> tuple:
+    """q, k (unit rows), v, log-space gate (about -0.05 a step), beta in (0, 1): bf16 but the fp32 gate."""
+    dev = "cuda"
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(torch.bfloat16)
+    v = torch.randn(B, T, HV, V, device=dev).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, device=dev) + 3.0)
+    beta = torch.sigmoid(torch.randn(B, T, HV, device=dev)).to(torch.bfloat16)
+    return q, k, v, g, beta
+
+
+def _fla_intra(q, k, v, g, beta, scale):
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    g_cum = chunk_local_cumsum(g, chunk_size=64, scale=1.4426950408889634)  # log2 units, as FLA's stages take it
+    return g_cum, *chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, disable_recompute=True)
+
+
+def report_kda_intra() -> list[dict]:
+    from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
+
+    q, k, v, g, beta = _kda_prefill_inputs()
+    B, T = q.shape[:2]
+    scale = K**-0.5
+    w, u, qg, kg = (torch.empty(B, T, HV, K, device="cuda", dtype=q.dtype) for _ in range(4))
+    Aqk = torch.empty(B, T, HV, 64, device="cuda", dtype=q.dtype)
+    g_cum = torch.empty(B, T, HV, K, device="cuda")
+    ms = kernel_us(lambda: chunk_kda_intra_sm90(q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, gate="none"),
+                   flush=False, iters=50) / 1e3  # fmt: skip
+    ms_fla = kernel_us(lambda: _fla_intra(q, k, v, g, beta, scale), flush=False, iters=50) / 1e3
+    nbytes = sum(t.numel() * t.element_size() for t in (q, k, v, g, beta, w, u, qg, kg, Aqk, g_cum))
+    return [{"report": "kda-intra", "B": B, "T": T, "cula_intra_us": ms * 1e3, "cula_intra_tbps": nbytes / ms / 1e9,
+             "fla_cumsum_intra_us": ms_fla * 1e3}]  # fmt: skip
+
+
+def report_kda_states() -> list[dict]:
+    from fla.ops.kda import chunk_kda
+
+    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+
+    q, k, v, g, beta = _kda_prefill_inputs()
+    B, T = q.shape[:2]
+    scale = K**-0.5
+    g_cum, w, u, qg, kg, Aqk, *_ = _fla_intra(q, k, v, g, beta, scale)
+    o = torch.empty_like(v)
+    ht = torch.empty(B, HV, K, V, device="cuda")
+    ms_kernel = kernel_us(lambda: chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, None, ht, scale=scale),
+                          flush=False, iters=50) / 1e3  # fmt: skip
+    nbytes = sum(t.numel() * t.element_size() for t in (w, u, kg, qg, Aqk, o)) + ht.numel() * 4
+    ms_intra = kernel_us(lambda: _fla_intra(q, k, v, g, beta, scale), flush=False, iters=50) / 1e3
+    ms_cula = kernel_us(lambda: chunk_kda_fwd_sm90(q, k, v, g, beta, scale, None, True), flush=False, iters=50) / 1e3
+    ms_fla = kernel_us(lambda: chunk_kda(q, k, v, g, beta, scale=scale, output_final_state=True), flush=False,
+                       iters=50) / 1e3  # fmt: skip
+    return [{"report": "kda-states", "B": B, "T": T, "states_kernel_us": ms_kernel * 1e3,
+             "states_kernel_tbps": nbytes / ms_kernel / 1e9, "fla_intra_us": ms_intra * 1e3,
+             "chunk_kda_fwd_sm90_us": ms_cula * 1e3, "fla_chunk_kda_us": ms_fla * 1e3}]  # fmt: skip
+
+
+REPORTS = {
+    "kda-decode": report_kda_decode,
+    "lightning-decode": report_lightning_decode,
+    "kda-intra": report_kda_intra,
+    "kda-states": report_kda_states,
+}
+
+
+def _fmt(row: dict) -> str:
+    return "  ".join(f"{n}={x:.3f}" if isinstance(x, float) else f"{n}={x}" for n, x in row.items() if n != "report")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reports", nargs="*", metavar="REPORT", help=f"any of {', '.join(REPORTS)} (default: all)")
+    parser.add_argument("--json", type=Path, help="also write the rows and the environment here")
+    args = parser.parse_args(argv)
+    unknown = [r for r in args.reports if r not in REPORTS]
+    if unknown:
+        parser.error(f"unknown report(s) {', '.join(unknown)}; choose from {', '.join(REPORTS)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_report needs a CUDA GPU")
+    rows = []
+    for name in args.reports or list(REPORTS):
+        print(f"== {name}", flush=True)
+        for row in REPORTS[name]():
+            print(_fmt(row), flush=True)
+            rows.append(row)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"meta": bc.environment_meta(), "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
