@@ -25,10 +25,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
-# processes per tool: racecheck instruments every shared-memory access and is by far the slowest
-SPLIT = {"racecheck": 3}
+# the slow tools run their cases over several processes: racecheck instruments every shared-memory access,
+# initcheck every kernel (PyTorch's and FLA's too)
+SPLIT = ("racecheck", "initcheck")
 OURS = "kernel_cutlass"  # CuTe DSL kernel names start with it
-_KERNEL = re.compile(r"at (\S+?)\+0x")
 _FINDING = re.compile(r"^========= (Error|Warning|Invalid|Uninitialized|Race|Barrier|Potential|Program hit)")
 
 
@@ -62,12 +62,12 @@ def _parse(text: str) -> dict:
             variants = __import__("json").loads(line[len("@@variants ") :])
         elif _FINDING.match(line):
             # the kernel is named on the report's first line (racecheck) or the next one ("at KERNEL+0x...")
-            where = _KERNEL.search(line) or _KERNEL.search(lines[i + 1] if i + 1 < len(lines) else "")
-            if where and not where.group(1).startswith(OURS):
+            named = line + (lines[i + 1] if i + 1 < len(lines) else "")
+            if OURS not in named:
                 foreign += 1  # FLA's Triton or PyTorch's kernels (initcheck instruments every kernel)
                 continue
             findings.setdefault(current or "(outside a case)", []).append(line[len("========= ") :].strip())
-    errors = [int(m) for m in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+    errors = [int(m) for m in re.findall(r"ERROR SUMMARY: (\d+) errors?\s*$", text, flags=re.M)]
     hazards = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
     done = len(re.findall(r"^@@done ", text, flags=re.M))
     return {
@@ -89,6 +89,21 @@ def _commit() -> str:
         return "unknown"
 
 
+def kernel_digest() -> str:
+    """sha256 (first 16 hex digits) of every source file under cula/ops: the report names the kernels it checked,
+    whatever the device's copy of .git says (it can lag the working tree)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    ops = os.path.join(REPO, "cula", "ops")
+    for root, _dirs, files in sorted(os.walk(ops)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, REPO).encode() + b"\0")
+            h.update(open(path, "rb").read() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def _version() -> str:
     try:
         out = subprocess.run(["compute-sanitizer", "--version"], capture_output=True, text=True).stdout
@@ -104,15 +119,19 @@ def main() -> int:
     ap.add_argument("--report", default=None, help="markdown report path (default: OUT/sanitizer.md)")
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--limit", type=int, default=540, help="seconds each process may run")
-    ap.add_argument("--print-limit", type=int, default=10000, help="reports each process prints at most")
-    ap.add_argument("--split", type=int, default=SPLIT["racecheck"], help="racecheck processes")
+    ap.add_argument("--print-limit", type=int, default=1000000, help="reports each process prints at most")
+    ap.add_argument("--split", type=int, default=3, help="processes for each of racecheck and initcheck")
+    ap.add_argument("--digest", action="store_true", help="print the kernel sources' digest and exit")
     a = ap.parse_args()
+    if a.digest:
+        print(kernel_digest())
+        return 0
     os.makedirs(a.out, exist_ok=True)
     tools = a.tools.split(",")
     t0 = time.time()
     procs = {}
     for tool in tools:
-        n = a.split if tool == "racecheck" else 1
+        n = a.split if tool in SPLIT else 1
         for i in range(1, n + 1):
             procs[(tool, f"{i}/{n}")] = _run(tool, f"{i}/{n}", a.names, a.out, a.limit, a.print_limit)
     for p in procs.values():
@@ -158,7 +177,8 @@ def main() -> int:
     report = [
         "# compute-sanitizer over every cula kernel variant",
         "",
-        f"Commit `{_commit()}`, {datetime.date.today().isoformat()}, "
+        f"Commit `{_commit()}`, kernel sources `cula/ops` sha256 `{kernel_digest()}` "
+        f"(`python scripts/sanitize.py --digest`), {datetime.date.today().isoformat()}, "
         f"{_device()}, {_version()}; {wall:.0f} s wall (tools in parallel).",
         "Produced by `python scripts/sanitize.py` (cases: `scripts/sanitize_cases.py`, small calls through the public"
         " API; only cula's CuTe DSL kernels instrumented; line info on; PyTorch's caching allocator off).",
