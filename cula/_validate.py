@@ -117,8 +117,10 @@ def check_cu_seqlens(
     batch: int,
     total: int,
     device: torch.device,
+    partial: bool = False,
 ) -> int:
-    """Validate packed varlen boundaries; return the number of sequences N (B when not varlen)."""
+    """Validate packed varlen boundaries; return the number of sequences N (B when not varlen). ``partial``: the
+    sequences may end before ``total`` (FLA's graph mode, whose static buffers are filled only in part)."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             raise ValueError("`cu_seqlens_cpu` was given without `cu_seqlens`")
@@ -143,18 +145,18 @@ def check_cu_seqlens(
     else:
         values = cu_seqlens.detach().to("cpu")
     if values is not None:
-        check_cu_seqlens_values(values.tolist(), total)
+        check_cu_seqlens_values(values.tolist(), total, partial)
     return cu_seqlens.numel() - 1
 
 
-def check_cu_seqlens_values(bounds: list[int], total: int) -> None:
+def check_cu_seqlens_values(bounds: list[int], total: int, partial: bool = False) -> None:
     """The values of packed varlen boundaries (``cu_seqlens`` as a host list): 0 first, non-decreasing, ``total``
-    last."""
+    last (at most ``total`` when ``partial``)."""
     if bounds[0] != 0:
         raise ValueError(f"`cu_seqlens` must start at 0, got {bounds[0]}")
     if any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"`cu_seqlens` must be non-decreasing, got {bounds[:16]}")
-    if bounds[-1] != total:
+    if bounds[-1] > total or (bounds[-1] != total and not partial):
         raise ValueError(f"`cu_seqlens` must end at the total number of tokens {total}, got {bounds[-1]}")
 
 

@@ -505,3 +505,126 @@ def test_first_call_of_a_signature_inside_capture(form, monkeypatch):
             _same_bits(f"eager call after the capture, tensor {j}", b, a)
     draws = [_redraw(x, names, gen) for _ in range(2)]
     _replays_match_eager(fn, x, draws, pools=pools, graph_and_out=graph_and_out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FLA's graph mode (use_graph / max_num_seqs): packed sequences padded with empty ones to a fixed count
+
+
+def test_graph_mode_rules():
+    """FLA's rules: ``cu_seqlens`` holds exactly ``max_num_seqs`` sequences, no ``disable_recompute``; the
+    sequences may end before the last token (checked before any backend runs)."""
+    x = _kda_inputs(1, 70, 1, 1, 3, torch.Generator().manual_seed(0), device="cpu")
+    cu = make_cu_seqlens([30, 0, 40])
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        chunk_kda(**x, cu_seqlens=cu, use_graph=True, max_num_seqs=4)
+    with pytest.raises(TypeError, match="max_num_seqs"):
+        chunk_kda(**x, cu_seqlens=cu, use_graph=True, max_num_seqs=3.0)
+    with pytest.raises(ValueError, match="disable_recompute"):
+        chunk_kda(**x, cu_seqlens=cu, use_graph=True, disable_recompute=True)
+    short = make_cu_seqlens([30, 0, 30])
+    with pytest.raises(ValueError, match="end at the total"):
+        chunk_kda(**x, cu_seqlens=short)
+    from cula.backends import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError):  # validation passes; on the CPU no backend runs graph mode
+        chunk_kda(**x, cu_seqlens=short, use_graph=True, max_num_seqs=3)
+
+
+def test_graph_mode_backward_chunks():
+    """The backward's chunk list: FLA's static one in graph mode (sentinel rows past the real chunks), the exact
+    host one otherwise."""
+    from cula.kda.backends import _backward_chunks
+
+    cu = make_cu_seqlens([30, 0, 70])
+    ci, offsets = _backward_chunks(cu, None, 128, graph=True)
+    assert ci.shape == (2 + 3 - 1, 2) and offsets is not None  # ceil(128 / 64) + N - 1 rows
+    assert ci[:3].tolist() == [[0, 0], [2, 0], [2, 1]] and (ci[3:, 0] < 0).all()
+    ci, offsets = _backward_chunks(cu, cu, 100, graph=False)
+    assert ci.tolist() == [[0, 0], [2, 0], [2, 1]] and offsets is None
+    assert _backward_chunks(None, None, 100, graph=True) == (None, None)
+
+
+GRAPH_LENS = [37, 0, 130, 1]  # padded to max_num_seqs = 5 with an empty sequence; 232 of 240 tokens used
+GRAPH_REPACKED = ([64, 1, 100, 60, 0], [200, 0, 0, 0, 1], [1, 1, 1, 1, 228])
+
+
+@gpu
+def test_graph_mode_training_step():
+    """A training step (forward and backward of packed chunk_kda in FLA's graph mode) captured once and replayed
+    for new inputs and new boundaries, against eager steps on the same values: outputs, final states and every
+    gradient bit for bit on the tokens the boundaries cover."""
+    gen = torch.Generator(DEV).manual_seed(7)
+    T, N = 240, len(GRAPH_LENS) + 1
+    x = _kda_inputs(1, T, 2, 4, N, gen)
+    leaves = ("q", "k", "v", "g", "beta", "initial_state")
+    for name in leaves:
+        x[name].requires_grad_(True)
+    x["cu_seqlens"] = make_cu_seqlens(GRAPH_LENS + [0], device=DEV)
+    flags = dict(SAFE_GATE, use_graph=True, max_num_seqs=N)
+    do = torch.randn(1, T, 4, D, generator=gen, device=DEV).to(torch.bfloat16)
+    dht = torch.randn(N, 4, D, D, generator=gen, device=DEV)
+
+    def step():
+        for name in leaves:
+            x[name].grad = None
+        o, ht = chunk_kda(**x, **flags)
+        torch.autograd.backward((o, ht), (do, dht))
+        return [o, ht] + [x[name].grad for name in leaves]
+
+    graph, outs = _capture(step, warmup=2)  # step() drops the gradients first: the capture allocates them
+    for lens in GRAPH_REPACKED:
+        with torch.no_grad():
+            for name, value in _redraw(x, leaves, gen).items():
+                x[name].copy_(value)
+            x["cu_seqlens"].copy_(make_cu_seqlens(lens, device=DEV))
+        graph.replay()
+        replayed = [t.detach().clone() for t in outs]
+        eager = [t.detach().clone() for t in step()]
+        torch.cuda.synchronize()
+        used = sum(lens)  # rows past the last sequence are left undefined in graph mode (as in FLA)
+        for i, (r, e) in enumerate(zip(replayed, eager)):
+            if tuple(r.shape[:2]) == (1, T):  # o and the token tensors' gradients
+                r, e = r[:, :used], e[:, :used]
+            _same_bits(f"{lens} tensor {i}", e, r)
+
+
+@gpu
+def test_graph_mode_serving_loop():
+    """A packed prefill (graph mode, the pool rows as its initial and final states) followed by decode steps on the
+    same pool, captured as one graph and replayed for new prompts and boundaries, against the same loop run
+    eagerly."""
+    from cula.kda import kda_decode
+
+    gen = torch.Generator(DEV).manual_seed(8)
+    T, N, steps = 240, len(GRAPH_LENS) + 1, 3
+    x = _kda_inputs(1, T, 2, 4, N, gen)
+    x["cu_seqlens"] = make_cu_seqlens(GRAPH_LENS + [0], device=DEV)
+    flags = dict(SAFE_GATE, use_graph=True, max_num_seqs=N)
+    tokens = _pool_inputs(N, 1, 2, 4, N, gen)
+    slots = torch.arange(N, dtype=torch.int32, device=DEV)
+
+    def loop():
+        o, ht = chunk_kda(**x, **flags)
+        outs = [o]
+        for _ in range(steps):
+            outs.append(kda_decode(tokens["q"], tokens["k"], tokens["v"], tokens["g"], tokens["beta"], ht, slots,
+                                   A_log=tokens["A_log"], dt_bias=tokens["dt_bias"], state_v_first=False,
+                                   **DECODE_FLAGS))  # fmt: skip
+        return outs + [ht]
+
+    with torch.inference_mode():
+        graph, outs = _capture(loop, warmup=2)
+        for lens in GRAPH_REPACKED:
+            for name, value in _redraw(x, TOKENS + ("initial_state",), gen).items():
+                x[name].copy_(value)
+            x["cu_seqlens"].copy_(make_cu_seqlens(lens, device=DEV))
+            graph.replay()
+            replayed = [t.clone() for t in outs]
+            eager = [t.clone() for t in loop()]
+            torch.cuda.synchronize()
+            used = sum(lens)
+            for i, (r, e) in enumerate(zip(replayed, eager)):
+                if i == 0:
+                    r, e = r[:, :used], e[:, :used]
+                _same_bits(f"{lens} tensor {i}", e, r)

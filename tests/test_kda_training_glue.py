@@ -80,6 +80,10 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(fc, "fused_beta_sigmoid", lambda x, scale: x.float() * scale + 1)
     monkeypatch.setattr(fc, "fused_beta_sigmoid_bwd", lambda x, dy, scale: dy * scale + x.float())
     monkeypatch.setattr(fc, "prepare_chunk_indices", lambda cu_seqlens, chunk_size, cu_seqlens_cpu=None: cu_seqlens * 2)
+    # our backward builds the same list with cula's (uncached) builder
+    import cula.ops.kda.sm90.intra as intra
+
+    monkeypatch.setattr(intra, "prepare_chunk_indices_i32", lambda cu, chunk_size=64, cu_seqlens_cpu=None: cu * 2)
     monkeypatch.setattr(fc, "chunk_kda_bwd", _bwd(calls))
     monkeypatch.setattr(fla_backward, "chunk_kda_bwd", _bwd(calls))  # what our backward calls
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
+from cula import _custom_ops
 from cula._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -80,6 +82,12 @@ def chunk_gated_delta_rule(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::chunk_gated_delta_rule op instead
+        return _custom_ops.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+            cp_context, **kwargs,
+        )  # fmt: skip
     extra = take_extra_kwargs("chunk_gated_delta_rule", kwargs, _EXTRA_KWARGS)
     if "head_first" in extra:
         raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
+from cula import _custom_ops
 from cula._validate import FLOAT_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
 from cula.gated_delta_rule.backends import fused_recurrent_gdn_registry
 from cula.gated_delta_rule.chunk import check_gdn_inputs
@@ -46,6 +48,12 @@ def fused_recurrent_gated_delta_rule(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::fused_recurrent_gated_delta_rule op
+        return _custom_ops.fused_recurrent_gated_delta_rule(
+            q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+            cu_seqlens, **kwargs,
+        )  # fmt: skip
     extra = take_extra_kwargs("fused_recurrent_gated_delta_rule", kwargs, ("transpose_state_layout",))
     state_v_first = resolve_state_layout("fused_recurrent_gated_delta_rule", state_v_first, extra)
     check_gdn_inputs(

@@ -36,8 +36,10 @@ def check_kda_inputs(
     use_beta_sigmoid_in_kernel,
     allow_neg_eigval,
     beta_per_value=False,
+    partial_cu_seqlens=False,
 ) -> int:
-    """Check KDA arguments (FLA 0.6.0 rules plus dtype/device/layout checks); return N sequences."""
+    """Check KDA arguments (FLA 0.6.0 rules plus dtype/device/layout checks); return N sequences.
+    ``partial_cu_seqlens``: the packed sequences may end before the last token (FLA's graph mode)."""
     B, T, H, K, HV, V = check_qkv(q, k, v)
     device = q.device
     check_tensor("g", g, shape=(B, T, HV, K), dtypes=FLOAT_DTYPES, device=device)
@@ -45,7 +47,7 @@ def check_kda_inputs(
         check_tensor("beta", beta, shape=(B, T, HV, V), dtypes=FLOAT_DTYPES, device=device)
     else:
         check_tensor("beta", beta, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device)
-    N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device)
+    N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device, partial=partial_cu_seqlens)
     check_state(
         "initial_state", initial_state, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device
     )

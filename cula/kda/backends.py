@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.backends import BackendUnavailableError, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 
 chunk_kda_registry = Registry("kda.chunk_kda")
 fused_recurrent_kda_registry = Registry("kda.fused_recurrent_kda")
@@ -46,10 +46,13 @@ def _cula_chunk_supports(
     dt_bias,
     chunk_size,
     cp_context=None,
-    use_graph=False,
     return_intermediate_states=False,
     cu_seqlens=None,
     state_v_first=False,
+    use_graph=False,
+    safe_gate=False,
+    use_gate_in_kernel=False,
+    lower_bound=None,
     **_,
 ) -> tuple:
     if not CHUNK_TRAINING_ON_CULA and needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
@@ -62,17 +65,25 @@ def _cula_chunk_supports(
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K=V=128)"
     if chunk_size != 64:
         return False, f"chunk_size={chunk_size} (kernel takes 64)"
-    if cp_context is not None or use_graph or return_intermediate_states:
-        return False, "cp_context / use_graph / return_intermediate_states run on fla"
+    if cp_context is not None or return_intermediate_states:
+        return False, "cp_context / return_intermediate_states run on fla"
+    if use_graph and cu_seqlens is not None:
+        from cula.ops.kda.sm90.chunk_fwd import _use_cute_intra
+
+        if not _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
+            # graph mode lets the sequences end before the last token; FLA's intra stage leaves those rows of kg
+            # unwritten, which our state kernel would then read
+            return False, "use_graph with FLA's intra stage (no safe_gate) runs on fla"
     return True, None
 
 
 def _cula_chunk_args(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
     use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log, dt_bias,
-    chunk_size, **_unused,
+    chunk_size, use_graph=False, **_unused,
 ):  # fmt: skip
-    """The dispatch arguments as ``chunk_kda_fwd_sm90`` and its ``prepare_`` twin take them."""
+    """The dispatch arguments as ``chunk_kda_fwd_sm90`` and its ``prepare_`` twin take them (``use_graph`` only where
+    packed sequences make it matter)."""
     return {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "scale": scale, "initial_state": initial_state,
         "output_final_state": output_final_state, "state_v_first": state_v_first, "cu_seqlens": cu_seqlens,
@@ -80,6 +91,7 @@ def _cula_chunk_args(
         "lower_bound": lower_bound if use_gate_in_kernel else None, "safe_gate": safe_gate,
         "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
         "allow_neg_eigval": allow_neg_eigval,
+        **({"use_graph": True} if use_graph and cu_seqlens is not None else {}),
     }  # fmt: skip
 
 
@@ -109,8 +121,8 @@ def _prepare_chunk_kda_cula_sm90(**args):
     runs through ``_ChunkKDATraining``)."""
     from cula.ops.kda.sm90.chunk_fwd import prepare_chunk_kda_fwd_sm90
 
-    if needs_grad(*(args[n] for n in _GRAD_TENSORS)):
-        return None
+    if needs_grad(*(args[n] for n in _GRAD_TENSORS)) or args.get("use_graph"):
+        return None  # graph mode is validated and built each call (it is captured once)
     if not all(_kernel_ready(n, args[n]) for n in _GRAD_TENSORS):
         return None  # the general path, which copies them (_ready_inputs) on every call
     return prepare_chunk_kda_fwd_sm90(**_cula_chunk_args(**args))
@@ -131,65 +143,100 @@ class _ChunkKDATraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts):
-        from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
-
-        o, final_state, Aqk, Akk = chunk_kda_fwd_sm90(
-            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, keep_scores=True, **opts,
-        )  # fmt: skip
+        o, final_state, Aqk, Akk = _training_forward(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts
+        )
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, Aqk, Akk)
         ctx.opts = opts
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        import fla.ops.kda.chunk as fc
-        import fla.ops.kda.chunk_fwd as ff
+        return (*_training_backward(ctx.saved_tensors, ctx.opts, do, dht), None, None, None)
 
-        from cula.kda import fla_backward
 
-        q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, Aqk, Akk = ctx.saved_tensors
-        p = ctx.opts
-        fused_gate = p["use_gate_in_kernel"]
-        # what FLA's chunk_kda hands ChunkKDAFunction: contiguous tensors, the gate parameters only with the fused gate
-        q, k, v, g_raw, beta_raw = (t.contiguous() for t in (q, k, v, g, beta))
-        if not fused_gate:
-            A_log = dt_bias = None
-        sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
-        # FLA's Triton launches go to the current device (FLA's input_guard sets it the same way)
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            q_rstd = k_rstd = None
-            if p["use_qk_l2norm_in_kernel"]:
-                q, q_rstd = fc.l2norm_fwd(q)
-                k, k_rstd = fc.l2norm_fwd(k)
-            if p["use_beta_sigmoid_in_kernel"]:
-                beta = fc.fused_beta_sigmoid(x=beta_raw, scale=sig_scale)
-            chunk_indices = None
-            if cu is not None:
-                chunk_indices = fc.prepare_chunk_indices(cu_seqlens=cu, chunk_size=64, cu_seqlens_cpu=cu_cpu)
-            g_cum = None
-            if not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
-                g_cum = ff.chunk_local_cumsum(
-                    g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
-                    use_graph=False,
-                )  # fmt: skip
-            # FLA's chunk_kda_bwd with its heaviest stage at a faster launch configuration (fla_backward)
-            dq, dk, dv, db, dg, dh0, dA, dbias = fla_backward.chunk_kda_bwd(
-                q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
-                do=do.contiguous(), dht=None if dht is None else dht.contiguous(),
-                # FLA's forward keeps the gate cumsum only when the gate is not fused; the backward redoes it
-                g=g_cum, g_org=g_raw if fused_gate else None,
-                state_v_first=p["state_v_first"], cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=64,
-                safe_gate=p["safe_gate"], lower_bound=p["lower_bound"], use_gate_in_kernel=fused_gate, A_log=A_log,
-                dt_bias=dt_bias, disable_recompute=False, cp_context=None, w=None, u=None, qg=None, kg=None,
-                v_new=None, h=None, use_graph=False, chunk_offsets=None,
+def _training_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts):
+    """``_ChunkKDATraining``'s forward: ``(o, final_state, Aqk, Akk)``."""
+    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+
+    return chunk_kda_fwd_sm90(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, keep_scores=True, **opts,
+    )  # fmt: skip
+
+
+def _training_backward(saved, p, do, dht):
+    """``_ChunkKDATraining``'s backward from what its forward saved: the gradients of q, k, v, g, beta, A_log, dt_bias
+    and the initial state (None where FLA gives none)."""
+    import fla.ops.kda.chunk as fc
+    import fla.ops.kda.chunk_fwd as ff
+
+    from cula.kda import fla_backward
+
+    q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, Aqk, Akk = saved
+    fused_gate = p["use_gate_in_kernel"]
+    # what FLA's chunk_kda hands ChunkKDAFunction: contiguous tensors, the gate parameters only with the fused gate
+    q, k, v, g_raw, beta_raw = (t.contiguous() for t in (q, k, v, g, beta))
+    if not fused_gate:
+        A_log = dt_bias = None
+    sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
+    # FLA's Triton launches go to the current device (FLA's input_guard sets it the same way)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        q_rstd = k_rstd = None
+        if p["use_qk_l2norm_in_kernel"]:
+            q, q_rstd = fc.l2norm_fwd(q)
+            k, k_rstd = fc.l2norm_fwd(k)
+        if p["use_beta_sigmoid_in_kernel"]:
+            beta = fc.fused_beta_sigmoid(x=beta_raw, scale=sig_scale)
+        graph = bool(p.get("use_graph"))
+        chunk_indices, chunk_offsets = _backward_chunks(cu, cu_cpu, q.shape[1], graph)
+        g_cum = None
+        if not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
+            g_cum = ff.chunk_local_cumsum(
+                g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
+                use_graph=graph,
             )  # fmt: skip
-            if p["use_qk_l2norm_in_kernel"]:
-                dq = fc.l2norm_bwd(q, q_rstd, dq)
-                dk = fc.l2norm_bwd(k, k_rstd, dk)
-            if p["use_beta_sigmoid_in_kernel"]:
-                db = fc.fused_beta_sigmoid_bwd(x=beta_raw, dy=db, scale=sig_scale)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(g_raw), db.to(beta_raw), dA, dbias, dh0, None, None, None
+        # FLA's chunk_kda_bwd with its heaviest stage at a faster launch configuration (fla_backward)
+        dq, dk, dv, db, dg, dh0, dA, dbias = fla_backward.chunk_kda_bwd(
+            q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
+            do=do.contiguous(), dht=None if dht is None else dht.contiguous(),
+            # FLA's forward keeps the gate cumsum only when the gate is not fused; the backward redoes it
+            g=g_cum, g_org=g_raw if fused_gate else None,
+            state_v_first=p["state_v_first"], cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=64,
+            safe_gate=p["safe_gate"], lower_bound=p["lower_bound"], use_gate_in_kernel=fused_gate, A_log=A_log,
+            dt_bias=dt_bias, disable_recompute=False, cp_context=None, w=None, u=None, qg=None, kg=None,
+            v_new=None, h=None, use_graph=graph, chunk_offsets=chunk_offsets,
+        )  # fmt: skip
+        if p["use_qk_l2norm_in_kernel"]:
+            dq = fc.l2norm_bwd(q, q_rstd, dq)
+            dk = fc.l2norm_bwd(k, k_rstd, dk)
+        if p["use_beta_sigmoid_in_kernel"]:
+            db = fc.fused_beta_sigmoid_bwd(x=beta_raw, dy=db, scale=sig_scale)
+    return dq.to(q), dk.to(k), dv.to(v), dg.to(g_raw), db.to(beta_raw), dA, dbias, dh0
+
+
+def _backward_chunks(cu, cu_cpu, T: int, graph: bool):
+    """``(chunk_indices, chunk_offsets)`` for FLA's backward stages of a packed call (both None for fixed lengths).
+
+    In FLA's graph mode (``use_graph``) FLA's own fixed-size list, built on the device, whose rows past the real
+    chunks are sentinels its graph-mode kernels skip. Otherwise the exact list from the host copy of the boundaries
+    (cula's, not FLA's ``prepare_chunk_indices``, which memoises on the tensor's identity and would hand a rewritten
+    ``cu_seqlens`` buffer the previous boundaries' chunks); while a CUDA graph captures, that host list would be
+    copied at capture and replayed from a stale host buffer, so capture without graph mode is refused."""
+    if cu is None:
+        return None, None
+    if graph:
+        from fla.ops.utils.index import prepare_chunk_indices_static
+
+        return prepare_chunk_indices_static(cu_seqlens=cu, chunk_size=64, nt_max=-(-T // 64) + cu.shape[0] - 2)
+    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "capturing the backward of a packed chunk_kda call in a CUDA graph needs use_graph=True (FLA's graph "
+            "mode: a chunk list of fixed size built on the device)"
+        )
+    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+    return prepare_chunk_indices_i32(cu, 64, cu_cpu), None
 
 
 # The intra-chunk stage still comes from FLA's Triton kernels, hence needs=("fla",).
@@ -211,13 +258,49 @@ def _chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
     return chunk_kda_fwd_sm90(cu_seqlens_cpu=cu_seqlens_cpu, **opts)
 
 
+# torch.compile's chunk_kda op (cula._custom_ops) records the autograd itself: it runs _ChunkKDATraining's two halves
+# apart, handing Aqk and Akk from its forward to its backward as outputs, whose shapes it must know from the
+# arguments' metadata alone.
+
+
+def chunk_training_keeps_scores(args: dict) -> bool:
+    """Whether a training call with these dispatch arguments runs ``_ChunkKDATraining`` (our forward, keeping Aqk and
+    Akk ``[B, T, HV, 64]`` in q's dtype for FLA's backward). Reads metadata only: valid on fake tensors."""
+    q = args["q"]
+    if q.device.type != "cuda" or not CHUNK_TRAINING_ON_CULA:
+        return False
+    try:
+        return chunk_kda_registry.select(q.device, args).name == "cula-sm90"
+    except BackendUnavailableError:
+        return False  # the op's eager call raises it
+
+
+def _training_call(args: dict) -> tuple[list, dict]:
+    """``_ChunkKDATraining``'s tensor arguments and options for a training call's dispatch arguments."""
+    opts = _cula_chunk_args(**_ready_inputs(args))
+    return [opts.pop(n) for n in (*_GRAD_TENSORS, "cu_seqlens")], opts
+
+
+def chunk_kda_training_forward(args: dict) -> tuple:
+    """``(o, final_state, Aqk, Akk)`` of a validated training call on cula's kernels, nothing recorded."""
+    tensors, opts = _training_call(args)
+    return _training_forward(*tensors, args["cu_seqlens_cpu"], opts)
+
+
+def chunk_kda_training_backward(args: dict, Aqk, Akk, do, dht) -> tuple:
+    """The gradients of ``_GRAD_TENSORS`` (q, k, v, g, beta, A_log, dt_bias, initial_state; None where FLA gives
+    none) of the training call ``chunk_kda_training_forward(args)`` made Aqk and Akk for."""
+    tensors, opts = _training_call(args)
+    return _training_backward((*tensors, args["cu_seqlens_cpu"], Aqk, Akk), opts, do, dht)
+
+
 def _reference_chunk_supports(
     cp_context=None, use_graph=False, return_intermediate_states=False, **_
 ) -> tuple:
     if cp_context is not None:
         return False, "cp_context (context parallel) is only run by the fla backend"
     if use_graph:
-        return False, "use_graph is only run by the fla backend"
+        return False, "use_graph runs on the cula-sm90 and fla backends"
     if return_intermediate_states:
         return False, "return_intermediate_states is only run by the fla backend"
     return True, None

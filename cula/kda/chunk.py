@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
+from cula import _custom_ops
 from cula._validate import (
     check_cu_seqlens_values,
     check_lower_bound,
@@ -86,7 +88,11 @@ def chunk_kda(
         state_v_first: V-first state layout; ``transpose_state_layout`` is its deprecated alias.
         cu_seqlens: int32/int64 ``[N+1]`` boundaries of packed sequences (B must be 1);
             ``cu_seqlens_cpu`` is its host copy and saves a device-to-host sync.
-        cp_context, use_graph, max_num_seqs: FLA's context-parallel and CUDA-graph options, run by the FLA backend.
+        cp_context: FLA's context parallel, run by the FLA backend.
+        use_graph, max_num_seqs: FLA's CUDA-graph mode for packed sequences: the chunk list is built on the device
+            at a fixed size from the shapes, so a captured call (forward and backward) replays for any boundaries
+            with the same total length; ``cu_seqlens`` padded with empty sequences to ``max_num_seqs + 1`` entries
+            (``initial_state`` ``[max_num_seqs, ...]``); not with ``disable_recompute``.
         **kwargs: only ``A_log`` (fp32 ``[HV]``), ``dt_bias`` (fp32 ``[HV*K]``), ``chunk_size`` (32 or 64)
             and ``transpose_state_layout``; anything else raises ``TypeError``.
 
@@ -97,6 +103,13 @@ def chunk_kda(
     Backends (first that supports the call): ``cula-sm90`` CuTe DSL kernels on Hopper, ``fla`` (FLA's
     Triton), ``reference`` (float32 PyTorch, the CPU path). ``CULA_BACKEND=<name>`` forces one.
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::chunk_kda op instead
+        return _custom_ops.chunk_kda(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
+            return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph,
+            max_num_seqs, **kwargs,
+        )  # fmt: skip
     # The fast path: a fixed-length call whose signature (everything validation and backend selection read) was
     # seen before goes straight to its launch; with VARLEN_PLANS a packed call too, its boundaries checked here.
     # Other varlen calls, context parallel, FLA's graph mode, intermediate states, the deprecated alias and
@@ -218,7 +231,10 @@ def _checked(call: dict) -> dict:
         lower_bound=lower_bound,
         use_beta_sigmoid_in_kernel=call["use_beta_sigmoid_in_kernel"],
         allow_neg_eigval=call["allow_neg_eigval"],
+        partial_cu_seqlens=call["use_graph"],
     )
+    if call["use_graph"] and call["cu_seqlens"] is not None:
+        _check_graph_mode(call)
     if call["return_intermediate_states"] and (
         not torch.is_inference_mode_enabled() or call["disable_recompute"]
     ):
@@ -227,3 +243,18 @@ def _checked(call: dict) -> dict:
         )
     call["scale"] = check_scale(call["scale"], q.shape[-1])
     return call
+
+
+def _check_graph_mode(call: dict) -> None:
+    """FLA's rules for ``use_graph`` with packed sequences: ``cu_seqlens`` holds exactly ``max_num_seqs`` sequences
+    (the tail padded with empty ones), so that every buffer of a captured call has a size fixed by the shapes."""
+    cu, most = call["cu_seqlens"], call["max_num_seqs"]
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int)):
+        raise TypeError(f"`max_num_seqs` must be an int, got {type(most).__name__}")
+    if most is not None and cu.shape[0] - 1 != most:
+        raise ValueError(
+            f"with `use_graph`, `cu_seqlens` must be padded with empty sequences to exactly max_num_seqs + 1 = "
+            f"{most + 1} entries, got {cu.shape[0]}"
+        )
+    if call["disable_recompute"]:
+        raise ValueError("`use_graph=True` does not support `disable_recompute=True` (as in FLA)")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
+from cula import _custom_ops
 from cula._validate import (
     FLOAT_DTYPES,
     check_decode_tokens,
@@ -68,6 +70,14 @@ def kda_decode(
     Returns:
         ``o`` ``[N, T, HV, V]`` in q's dtype.
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::kda_decode op instead
+        return _custom_ops.kda_decode(
+            q, k, v, g, beta, state_pool, state_indices, A_log=A_log, dt_bias=dt_bias, scale=scale,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            lower_bound=lower_bound, state_v_first=state_v_first, out=out, step_states=step_states,
+            check_indices=check_indices,
+        )  # fmt: skip
     key = (
         tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta), tensor_sig(state_pool),
         tensor_sig(state_indices), tensor_sig(A_log), tensor_sig(dt_bias), tensor_sig(out), tensor_sig(step_states),
@@ -133,6 +143,14 @@ def kda_decode_step(
         )
 
     def step(q, k, v, g, beta, out=None, step_states=None):
+        if is_compiling() and _custom_ops.routes():  # the kda_decode call this step stands for, as an op
+            return kda_decode(
+                q, k, v, g, beta, state_pool, state_indices, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                lower_bound=lower_bound, state_v_first=state_v_first, out=out, step_states=step_states,
+                check_indices=check_indices,
+            )  # fmt: skip
         try:  # tensor_sig of the five token tensors, written out: five calls of it cost ~2 us of a ~15 us N=1 step
             key = (
                 q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
@@ -392,6 +410,8 @@ def kda_commit_accepted(
         state_indices: int32 ``[N]``.
         num_accepted_tokens: int32/int64 ``[N]``.
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::kda_commit_accepted op instead
+        return _custom_ops.kda_commit_accepted(step_states, state_pool, state_indices, num_accepted_tokens)
     check_tensor("step_states", step_states, ndim=5, dtypes=(torch.float32,))
     dev = step_states.device
     check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=dev)

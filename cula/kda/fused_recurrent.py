@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
+from cula import _custom_ops
 from cula._validate import INDEX_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
 from cula.backends import PlanCache, call_signature
 from cula.kda._args import check_kda_inputs, dispatch_kda_call
@@ -57,6 +59,12 @@ def fused_recurrent_kda(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces cula's ops instead
+        return _custom_ops.fused_recurrent_kda(
+            q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+            **kwargs,
+        )  # fmt: skip
     extra = take_extra_kwargs("fused_recurrent_kda", kwargs, ("transpose_state_layout",) + _DECODE_KWARGS)
     state_v_first = resolve_state_layout("fused_recurrent_kda", state_v_first, extra)
     return fused_recurrent_kda_fwd(
@@ -116,6 +124,12 @@ def fused_recurrent_kda_fwd(
     ``out`` (``[B, T, HV, V]``) receives the output when given. Other arguments as
     :func:`fused_recurrent_kda`.
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces cula's ops instead
+        return _custom_ops.fused_recurrent_kda_fwd(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+            state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs,
+        )  # fmt: skip
     extra = take_extra_kwargs("fused_recurrent_kda_fwd", kwargs, ("transpose_state_layout",))
     state_v_first = resolve_state_layout("fused_recurrent_kda_fwd", state_v_first, extra)
     call = dict(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
+from cula import _custom_ops
 from cula._validate import (
     check_decode_tokens,
     check_pool_indices,
@@ -57,6 +59,11 @@ def lightning_decode(
     Backends: ``cula-sm90`` (SM90, bf16/fp16, ``K = V`` in {64, 128}) and ``reference`` (float32 PyTorch,
     any device).
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::lightning_decode op instead
+        return _custom_ops.lightning_decode(
+            q, k, v, decay, state_pool, state_indices, scale=scale, state_v_first=state_v_first, out=out,
+            check_indices=check_indices,
+        )  # fmt: skip
     key = (
         tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(decay), tensor_sig(state_pool),
         tensor_sig(state_indices), tensor_sig(out), scale is None or type(scale), state_v_first, forced_backend(),
@@ -97,6 +104,11 @@ def lightning_decode_step(
         return lambda q, k, v, out: launch(q, k, v, decay, state_pool, state_indices, scale_, out)
 
     def step(q, k, v, out=None):
+        if is_compiling() and _custom_ops.routes():  # the lightning_decode call this step stands for, as an op
+            return lightning_decode(
+                q, k, v, decay, state_pool, state_indices, scale=scale, state_v_first=state_v_first, out=out,
+                check_indices=check_indices,
+            )  # fmt: skip
         try:  # tensor_sig of q, k, v written out (as in kda_decode_step)
             key = (
                 q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,

@@ -80,27 +80,33 @@ class _LightningTraining(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
-        from fla.ops.utils import prepare_chunk_indices
-
-        q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
-        B, T, H, K = q.shape
-        group = v.shape[2] // H
-        qx, kx = q, k
-        if group > 1:  # FLA's kernels have no GVA: one q/k copy per value head, gradients summed back
-            qx, kx = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
-        chunk_indices = None
-        if cu_seqlens is not None:
-            chunk_indices = prepare_chunk_indices(cu_seqlens, 64, cu_seqlens_cpu=cu_seqlens_cpu)
-        dq, dk, dv, _, dh0 = chunk_simple_gla_bwd(
-            q=qx, k=kx, v=v, g=None, g_gamma=None if g_gamma is None else g_gamma.float() * RCP_LN2,
-            initial_state=initial_state, do=do.contiguous(), dht=dht, scale=ctx.scale,
-            state_v_first=ctx.state_v_first, cu_seqlens=cu_seqlens, chunk_size=64, chunk_indices=chunk_indices,
-        )  # fmt: skip
-        if group > 1:
-            dq, dk = (t.view(B, T, H, group, K).sum(3) for t in (dq, dk))
+        dq, dk, dv, dh0 = lightning_backward(*ctx.saved_tensors, ctx.scale, ctx.state_v_first, do, dht)
         # FLA gives no gradient for the constant decay g_gamma either.
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dh0, None, None, None, None, None
+        return dq, dk, dv, None, dh0, None, None, None, None, None
+
+
+def lightning_backward(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, do, dht):
+    """``_LightningTraining``'s backward from its inputs: the gradients of q, k, v and the initial state (also what
+    torch.compile's chunk_simple_gla op runs for a call on cula's kernel, cula._custom_ops)."""
+    from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
+    from fla.ops.utils import prepare_chunk_indices
+
+    B, T, H, K = q.shape
+    group = v.shape[2] // H
+    qx, kx = q, k
+    if group > 1:  # FLA's kernels have no GVA: one q/k copy per value head, gradients summed back
+        qx, kx = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    chunk_indices = None
+    if cu_seqlens is not None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, 64, cu_seqlens_cpu=cu_seqlens_cpu)
+    dq, dk, dv, _, dh0 = chunk_simple_gla_bwd(
+        q=qx, k=kx, v=v, g=None, g_gamma=None if g_gamma is None else g_gamma.float() * RCP_LN2,
+        initial_state=initial_state, do=do.contiguous(), dht=dht, scale=scale,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=64, chunk_indices=chunk_indices,
+    )  # fmt: skip
+    if group > 1:
+        dq, dk = (t.view(B, T, H, group, K).sum(3) for t in (dq, dk))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dh0
 
 
 @chunk_simple_gla_registry.register(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
+from cula import _custom_ops
 from cula._validate import (
     FLOAT_DTYPES,
     check_cu_seqlens,
@@ -62,6 +64,11 @@ def chunk_simple_gla(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable (q, k, v, g, h0).
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::chunk_simple_gla op instead
+        return _custom_ops.chunk_simple_gla(
+            q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
+            **kwargs,
+        )  # fmt: skip
     extra = take_extra_kwargs(
         "chunk_simple_gla", kwargs, ("chunk_size", "transpose_state_layout", "head_first")
     )
@@ -120,6 +127,11 @@ def fused_recurrent_simple_gla(
     Same arguments as :func:`chunk_simple_gla`, plus ``reverse`` (run each sequence from its end).
     **kwargs: only the deprecated ``transpose_state_layout``.
     """
+    if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::fused_recurrent_simple_gla op
+        return _custom_ops.fused_recurrent_simple_gla(
+            q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens,
+            **kwargs,
+        )  # fmt: skip
     extra = take_extra_kwargs("fused_recurrent_simple_gla", kwargs, ("transpose_state_layout",))
     state_v_first = resolve_state_layout("fused_recurrent_simple_gla", state_v_first, extra)
     check_simple_gla_inputs(

@@ -106,6 +106,7 @@ def chunk_kda_fwd_sm90(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     keep_scores: bool = False,
+    use_graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """KDA forward (FLA's ``ChunkKDAFunction.forward``; with ``keep_scores`` also the intra stage's Aqk and Akk
     that FLA's forward saves for its backward).
@@ -128,6 +129,8 @@ def chunk_kda_fwd_sm90(
             intra-chunk path, or cula's fused one (``CULA_KDA_INTRA``, see the module docstring).
         use_qk_l2norm_in_kernel: ``x / sqrt(sum x^2 + 1e-6)`` on each q and k row (FLA's ``l2norm_fwd``).
         use_beta_sigmoid_in_kernel, allow_neg_eigval: beta holds logits (see beta).
+        use_graph: FLA's graph mode: the chunk indices of packed sequences are built on the device at the size the
+            shapes bound, as while a CUDA graph captures, so a captured call holds for any boundaries.
         keep_scores: also return ``Aqk`` (``scale (q k^T o exp(g_t - g_s))``, ``s <= t`` in each chunk) and
             ``Akk`` (``(I + beta k k^T o exp(g_t - g_s))^-1``, unit lower-triangular), both ``[B, T, HV, 64]`` in
             q's dtype, as FLA 0.6.0's ``chunk_kda_fwd_intra`` returns them (cula's intra kernel writes Aqk's
@@ -168,7 +171,7 @@ def chunk_kda_fwd_sm90(
         return o, final_state
 
     chunk_indices = None
-    if cu_seqlens is not None and capturing(cu_seqlens):
+    if cu_seqlens is not None and (use_graph or capturing(cu_seqlens)):
         chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, N))
     elif cu_seqlens is not None:
         # not FLA's prepare_chunk_indices: it memoises on the tensors' identity, so a cu_seqlens buffer rewritten
@@ -182,6 +185,7 @@ def chunk_kda_fwd_sm90(
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, keep_akk=keep_scores,
+            zero_kg=use_graph,
         )  # fmt: skip
     else:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_fla(
@@ -333,17 +337,19 @@ def _gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
 
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-    use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False,
+    use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False,
 ):  # fmt: skip
     """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
-    (Akk None unless ``keep_akk``: the kernel writes it only when asked)."""
+    (Akk None unless ``keep_akk``: the kernel writes it only when asked). ``zero_kg``: kg starts as zeros, for
+    graph mode, where the sequences may end before the last token: the state kernel multiplies the rows of the last
+    chunk past the end (never written) by zeros, and garbage there could be NaN."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
     HV = v.shape[2]
     gate = _gate_kind(use_gate_in_kernel, lower_bound)
     w = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
-    qg, kg = torch.empty_like(w), torch.empty_like(w)
+    qg, kg = torch.empty_like(w), torch.zeros_like(w) if zero_kg else torch.empty_like(w)
     u = torch.empty_like(v)
     Aqk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
     g_cum = torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device)
