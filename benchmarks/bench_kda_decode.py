@@ -339,8 +339,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
-    """Run the suite; returns (meta, rows, written paths). ``FLA_FLASH_KDA=0`` for the run, then restored."""
-    with bc.env_var("FLA_FLASH_KDA", "0"):
+    """Run the suite; returns (meta, rows, written paths). ``FLA_FLASH_KDA=0`` and ``FLA_CULA=0`` (FLA's column is
+    FLA's own kernels, not cula's through FLA's dispatch) for the run, then restored."""
+    with bc.env_var("FLA_FLASH_KDA", "0"), bc.env_var("FLA_CULA", "0"):
         return _run(parse_args(argv), time.perf_counter())
 
 
@@ -362,6 +363,7 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
     host = {r["config"]: r["host_overhead_us"] for r in rows if r.get("host_overhead_us")}
     meta: dict[str, Any] = {
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
+        "FLA_CULA": os.environ.get("FLA_CULA"),
         "cula_entry": cula_entry,
         "cula_check_indices": ("False: the index range check (a host sync) is the caller's, as in a serving "
                                "loop"),

@@ -293,11 +293,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     """Run the suite; returns (meta, rows, written paths).
 
-    Sets ``FLA_FLASH_KDA=0`` for the duration of the run (FLA reads it at every dispatch, and it is set
-    before fla is first imported here) and restores the previous value afterwards, so an in-process
-    caller such as the GPU test does not leak it into later tests.
+    Sets ``FLA_FLASH_KDA=0`` and ``FLA_CULA=0`` for the duration of the run (FLA reads them at every dispatch:
+    the FLA column is FLA's own Triton kernels, not FlashKDA's nor, through FLA's dispatch, cula's) and restores
+    the previous values afterwards, so an in-process caller such as the GPU test does not leak them into later
+    tests.
     """
-    with bc.env_var("FLA_FLASH_KDA", "0"):
+    with bc.env_var("FLA_FLASH_KDA", "0"), bc.env_var("FLA_CULA", "0"):
         return _run(parse_args(argv))
 
 
@@ -352,6 +353,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     meta = {
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
+        "FLA_CULA": os.environ.get("FLA_CULA"),
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
         "CULA_KDA_INTRA": os.environ.get("CULA_KDA_INTRA", "unset"),
         "shape": {"H": H, "HV": HV, "K": K, "V": V, "chunk": CHUNK, "dtype": "bfloat16", "state": "float32"},

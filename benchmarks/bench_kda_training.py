@@ -133,9 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
-    """Run the suite with ``FLA_FLASH_KDA=0`` (FLA's Triton path on both sides' backward); returns (meta, rows,
-    written paths)."""
-    with bc.env_var("FLA_FLASH_KDA", "0"):
+    """Run the suite with ``FLA_FLASH_KDA=0`` (FLA's Triton path on both sides' backward) and ``FLA_CULA=0`` (FLA's
+    column is FLA's own kernels, not cula's through FLA's dispatch); returns (meta, rows, written paths)."""
+    with bc.env_var("FLA_FLASH_KDA", "0"), bc.env_var("FLA_CULA", "0"):
         return _run(parse_args(argv))
 
 
@@ -155,6 +155,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     rows = run.rows
     meta = {
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
+        "FLA_CULA": os.environ.get("FLA_CULA"),
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
         "CHUNK_TRAINING_ON_CULA": kb.CHUNK_TRAINING_ON_CULA,
         "shape": {"H": kp.H, "HV": kp.HV, "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",

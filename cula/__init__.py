@@ -7,6 +7,8 @@ FLA's Triton kernels where ours do not cover the arguments yet, or a PyTorch ref
 
 import importlib
 
+from cula import fla_dispatch as _fla_dispatch
+
 __version__ = "0.1.0"
 
 _SUBPACKAGES = ("kda", "gated_delta_rule", "lightning", "simple_gla")
@@ -17,3 +19,7 @@ def __getattr__(name):
     if name in _SUBPACKAGES:
         return importlib.import_module(f"cula.{name}")
     raise AttributeError(f"module 'cula' has no attribute {name!r}")
+
+
+# FLA's own calls (fla.ops.kda.chunk_kda, ...) run cula's kernels where they cover them; FLA_CULA=0 turns that off.
+_fla_dispatch.install()

@@ -21,6 +21,7 @@ import sys
 import time
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
+os.environ.setdefault("FLA_CULA", "0")  # FLA's calls stay FLA's (cula.fla_dispatch)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402

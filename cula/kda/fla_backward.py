@@ -36,11 +36,25 @@ WY_DQKG_LAUNCH: tuple[int, int, int, int] | None = (64, 64, 8, 1)
 INTRA_BWD_LAUNCH: tuple[int, int, int] | None = None
 
 
+def launch_verdict(launch, q, use_graph, K, V, chunk_size) -> tuple[bool, str | None]:
+    """Whether a launch configuration of ours applies, with the reason if not: set, CUDA on SM90, K = V = 128 and
+    64-token chunks (the timed shapes), no CUDA-graph buffers (FLA's static allocations)."""
+    if launch is None:
+        return False, "no launch configuration of ours is set for this stage"
+    if use_graph:
+        return False, "use_graph (FLA's static buffers) runs FLA's wrapper"
+    if not q.is_cuda:
+        return False, f"needs a CUDA tensor, got {q.device.type}"
+    if (K, V, chunk_size) != (128, 128, 64):
+        return False, f"K={K} V={V} chunk_size={chunk_size} (ours is timed for K = V = 128, 64-token chunks)"
+    arch = torch.cuda.get_device_capability(q.device)
+    if arch != (9, 0):
+        return False, f"device is sm_{arch[0]}{arch[1]} (ours is timed on sm_90)"
+    return True, None
+
+
 def _ours(launch, q, use_graph, K, V, chunk_size) -> bool:
-    """Whether a launch configuration of ours applies: set, CUDA on SM90, K = V = 128 and 64-token chunks (the
-    timed shapes), no CUDA-graph buffers (FLA's static allocations)."""
-    return (launch is not None and not use_graph and q.is_cuda and (K, V, chunk_size) == (128, 128, 64)
-            and torch.cuda.get_device_capability(q.device) == (9, 0))  # fmt: skip
+    return launch_verdict(launch, q, use_graph, K, V, chunk_size)[0]
 
 
 def _wy_dqkg_fused(

@@ -296,6 +296,7 @@ if __name__ == "__main__":
         ncu_decode_target()
     elif "--ncu-backward-target" in sys.argv:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
+        os.environ.setdefault("FLA_CULA", "0")
         ncu_backward_target()
     elif "--ncu-backward" in sys.argv:
         run_ncu_backward()
@@ -303,6 +304,7 @@ if __name__ == "__main__":
         run_ncu_decode()
     elif "--training" in sys.argv:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
+        os.environ.setdefault("FLA_CULA", "0")
         profile_training(sys.argv[sys.argv.index("--training") + 1:])
     else:
         if "--ncu" in sys.argv:

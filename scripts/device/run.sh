@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source .device/activate
-export PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/cula-triton-cache}"
+export PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0 FLA_CULA=0 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/cula-triton-cache}"
 mkdir -p "$TRITON_CACHE_DIR"
 tar xzf scripts/device/fla-autotune-h200.tgz -C "$TRITON_CACHE_DIR"
 "$@"

@@ -19,6 +19,7 @@ import sys
 import torch
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
+os.environ.setdefault("FLA_CULA", "0")  # FLA's calls stay FLA's (cula.fla_dispatch)
 FLAGS = dict(output_final_state=True, use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)  # fmt: skip
 

@@ -1,0 +1,261 @@
+"""The FLA backend ``cula.fla_dispatch`` registers: verifiers and implementations for FLA 0.6.0's dispatched KDA
+functions (see that module). Imported on registration, when FLA (hence torch) is loaded; cula's KDA modules are
+imported on the first call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+
+import torch
+
+from cula.backends import PlanCache, call_signature
+from cula.fla_dispatch import BACKEND_TYPE, CULA_BACKEND, ENV_VAR, PRIORITY
+
+logger = logging.getLogger("cula")
+
+# set while a call FLA dispatched to cula runs: a nested FLA call (cula's own fla backend) must not come back
+_inside = contextvars.ContextVar("cula_fla_dispatch_inside", default=False)
+# (cu_seqlens, its host copy) the chunk verifier read for the call FLA is about to hand cula (see _chunk_decision)
+_host_bounds = contextvars.ContextVar("cula_fla_dispatch_host_bounds", default=None)
+_noted: set[tuple[str, str]] = set()
+
+
+def _note(entry: str, reason: str | None) -> None:
+    """Log at INFO, once per distinct case, where FLA's call of ``entry`` went and why."""
+    key = (entry, reason or "")
+    if key in _noted or len(_noted) > 1024:
+        return
+    _noted.add(key)
+    if reason is None:
+        logger.info("FLA dispatch: %s -> %s", entry, BACKEND_TYPE)
+    else:
+        logger.info(
+            "FLA dispatch: %s -> not %s (%s); FLA's next backend runs it", entry, BACKEND_TYPE, reason
+        )
+
+
+_binders: dict = {}
+
+
+def _bind(fn, args: tuple, kwargs: dict) -> dict:
+    """``fn``'s parameters bound to a call's ``args`` and ``kwargs``, defaults filled in and keywords that are not
+    parameters under ``"kwargs"`` (what ``fn``'s body sees as its locals): ``inspect.Signature.bind``'s result,
+    at a fraction of its cost."""
+    binder = _binders.get(fn)
+    if binder is None:
+        import inspect
+
+        params = inspect.signature(fn).parameters.values()
+        names = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+        defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        position = {name: i for i, name in enumerate(names)}
+        binder = _binders[fn] = (names, position, defaults, tuple(n for n in names if n not in defaults))
+    names, position, defaults, required = binder
+    if len(args) > len(names):
+        raise TypeError(f"{fn.__name__}() takes {len(names)} positional arguments but {len(args)} were given")
+    scope = dict(defaults)
+    scope.update(zip(names, args))
+    extra = {}
+    for name, value in kwargs.items():
+        if name in position:
+            if position[name] < len(args):
+                raise TypeError(f"{fn.__name__}() got multiple values for argument {name!r}")
+            scope[name] = value
+        else:
+            extra[name] = value
+    missing = [n for n in required if n not in scope]
+    if missing:
+        raise TypeError(f"{fn.__name__}() missing required arguments: {', '.join(missing)}")
+    scope["kwargs"] = extra
+    return scope
+
+
+def _forced_elsewhere() -> str | None:
+    forced = os.environ.get("CULA_BACKEND")
+    if forced and forced != CULA_BACKEND:
+        return f"CULA_BACKEND={forced} sends cula's calls to {forced}"
+    return None
+
+
+def _verdict(entry: str, decide, args: tuple, kwargs: dict, guarded: bool = True):
+    """``decide(args, kwargs)``'s ``(ok, reason)``, declining calls ``CULA_BACKEND`` sends elsewhere and, for
+    ``guarded`` entries (those whose implementation calls cula's public function), nested calls; cula's validation
+    errors become reasons (FLA's own path then raises its own)."""
+    if guarded and _inside.get():
+        ok, why = False, "a call made while cula runs a call FLA dispatched to it (recursion guard)"
+    else:
+        why = _forced_elsewhere()
+        ok = why is None
+        if ok:
+            try:
+                ok, why = decide(args, kwargs)
+            except Exception as error:
+                ok, why = False, f"cula's validation: {type(error).__name__}: {error}"
+    _note(entry, why)
+    return ok, why
+
+
+def _run(fn, args: tuple, kwargs: dict):
+    token = _inside.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _inside.reset(token)
+
+
+def _chunk_decision(args: tuple, kwargs: dict):
+    """As ``cula.kda.chunk_kda`` validates and selects its call. A packed call without ``cu_seqlens_cpu`` has its
+    boundaries copied to the host here, once: validation reads them, and the call FLA then hands cula gets the copy
+    (``_chunk_kda``), which saves cula's own validation a second device-to-host copy and lets the call take cula's
+    packed-call plans."""
+    from cula.kda import chunk as impl
+    from cula.kda.backends import chunk_kda_registry
+
+    _host_bounds.set(None)
+    call = impl._full_call(_bind(impl.chunk_kda, args, kwargs))
+    cu = call["cu_seqlens"]
+    # not in FLA's graph mode, whose chunk list cula builds on the device from cu_seqlens alone
+    made = (isinstance(cu, torch.Tensor) and call["cu_seqlens_cpu"] is None and not call["use_graph"]
+            and not (cu.is_cuda and torch.cuda.is_current_stream_capturing()))  # fmt: skip
+    if made:
+        call["cu_seqlens_cpu"] = cu.detach().to("cpu")
+    call = impl._checked(call)
+    ok, why = chunk_kda_registry.verdict(CULA_BACKEND, call["q"].device, call)
+    if ok and made:
+        _host_bounds.set((cu, call["cu_seqlens_cpu"]))
+    return ok, why
+
+
+_RECURRENT_FLAGS = (
+    "output_final_state", "inplace_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+    "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+)  # fmt: skip
+_recurrent_verdicts = PlanCache()  # cleared with cula's plans (cula.backends.clear_plan_caches)
+
+
+def _recurrent_decision(args: tuple, kwargs: dict):
+    """As ``cula.kda.fused_recurrent_kda_fwd`` builds, validates and selects its call; serving engines call FLA's
+    function once per token, so a fixed-length call's verdict is kept under cula's own plan key for that function
+    (``call_signature``: everything its validation and selection read)."""
+    from cula._validate import resolve_state_layout, take_extra_kwargs
+    from cula.kda import fused_recurrent as impl
+    from cula.kda.backends import fused_recurrent_kda_registry
+
+    call = _bind(impl.fused_recurrent_kda_fwd, args, kwargs)
+    extra = take_extra_kwargs("fused_recurrent_kda_fwd", call.pop("kwargs"), ("transpose_state_layout",))
+    call["state_v_first"] = resolve_state_layout("fused_recurrent_kda_fwd", call["state_v_first"], extra)
+    for name in _RECURRENT_FLAGS:
+        call[name] = bool(call[name])
+    key = (
+        None if call["cu_seqlens"] is not None else call_signature(call, impl._TENSOR_ARGS, impl._SCALAR_ARGS)
+    )
+    if key is not None:
+        verdict = _recurrent_verdicts.get(key)
+        if verdict is not None:
+            return verdict
+    try:
+        checked = impl._checked(call)
+    except Exception as error:
+        verdict = False, f"cula's validation: {type(error).__name__}: {error}"
+    else:
+        verdict = fused_recurrent_kda_registry.verdict(CULA_BACKEND, checked["q"].device, checked)
+    if key is not None:
+        _recurrent_verdicts.put(key, verdict)
+    return verdict
+
+
+def _wy_dqkg_decision(args: tuple, kwargs: dict):
+    from cula.kda import fla_backward
+
+    call = _bind(_wy_dqkg_params, args, kwargs)
+    if call["kwargs"]:
+        return False, f"arguments FLA 0.6.0's stage does not take: {', '.join(call['kwargs'])}"
+    q, k, v = call["q"], call["k"], call["v"]
+    # the dtypes cula's training path hands this stage (bf16, and fp16 with CHUNK_FP16_ON_CULA)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"q dtype {q.dtype} (cula's launch of this stage runs bf16 / fp16 calls)"
+    return fla_backward.launch_verdict(
+        fla_backward.WY_DQKG_LAUNCH, q, call["use_graph"], k.shape[-1], v.shape[-1], call["chunk_size"]
+    )
+
+
+def _wy_dqkg_params(
+    q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, state_v_first=False, cu_seqlens=None, chunk_size=64,
+    chunk_indices=None, chunk_offsets=None, use_graph=False,
+):  # fmt: skip
+    """The parameters of FLA 0.6.0's ``chunk_kda_bwd_wy_dqkg_fused``, for ``_bind``."""
+
+
+def _wy_dqkg(*args, **kwargs):
+    from cula.kda import fla_backward
+
+    c = _bind(_wy_dqkg_params, args, kwargs)
+    return fla_backward.launch_wy_dqkg(
+        c["q"], c["k"], c["v"], c["v_new"], c["g"], c["beta"], c["A"], c["h"], c["do"], c["dh"], c["dv"],
+        c["scale"], c["state_v_first"], c["cu_seqlens"], c["chunk_size"], c["chunk_indices"],
+        fla_backward.WY_DQKG_LAUNCH,
+    )  # fmt: skip
+
+
+def _chunk_kda(*args, **kwargs):
+    from cula.kda import chunk_kda
+
+    bounds = _host_bounds.get()
+    if bounds is not None:
+        _host_bounds.set(None)
+        # the verifier just made this call's host copy of its boundaries (FLA calls the verifier, then this)
+        if kwargs.get("cu_seqlens") is bounds[0] and "cu_seqlens_cpu" not in kwargs:
+            kwargs["cu_seqlens_cpu"] = bounds[1]
+    return chunk_kda(*args, **kwargs)
+
+
+def _fused_recurrent_kda_fwd(*args, **kwargs):
+    from cula.kda import fused_recurrent_kda_fwd
+
+    return fused_recurrent_kda_fwd(*args, **kwargs)
+
+
+_classes: dict = {}
+
+
+def backend_class(base: type) -> type:
+    """cula's backend as a subclass of FLA's ``BaseBackend`` (defined on registration: FLA is not imported before)."""
+    if base in _classes:
+        return _classes[base]
+
+    class CulaBackend(base):
+        """cula's kernels (``cula.fla_dispatch``); off with ``FLA_CULA=0``. Methods are named after the FLA functions
+        they stand in for, their verifiers ``<name>_verifier``."""
+
+        backend_type = BACKEND_TYPE
+        package_name = None
+        env_var = ENV_VAR
+        default_enable = True
+        priority = PRIORITY
+
+        def chunk_kda_verifier(self, *args, **kwargs):
+            return _verdict("fla.ops.kda.chunk_kda", _chunk_decision, args, kwargs)
+
+        def chunk_kda(self, *args, **kwargs):
+            return _run(_chunk_kda, args, kwargs)
+
+        def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs):
+            return _verdict("fla.ops.kda.fused_recurrent_kda_fwd", _recurrent_decision, args, kwargs)
+
+        def fused_recurrent_kda_fwd(self, *args, **kwargs):
+            return _run(_fused_recurrent_kda_fwd, args, kwargs)
+
+        def chunk_kda_bwd_wy_dqkg_fused_verifier(self, *args, **kwargs):
+            return _verdict(
+                "fla.ops.kda.chunk_kda_bwd_wy_dqkg_fused", _wy_dqkg_decision, args, kwargs, guarded=False
+            )
+
+        def chunk_kda_bwd_wy_dqkg_fused(self, *args, **kwargs):
+            return _wy_dqkg(*args, **kwargs)  # FLA's Triton kernel at our launch: nothing dispatches back
+
+    CulaBackend.__qualname__ = CulaBackend.__name__
+    _classes[base] = CulaBackend
+    return CulaBackend

@@ -1,0 +1,559 @@
+"""cula's backend in FLA 0.6.0's dispatch (``cula.fla_dispatch``, ``cula._fla_backend``).
+
+On the CPU: registration on ``import cula`` in either import order (fresh interpreters), the priority against
+FlashKDA, the ``FLA_CULA`` switch, the verifiers' reasons, and that FLA's calls reach cula's ``cula-sm90`` backend
+(``pretend_sm90``, its kernels stubbed) or FLA's next backend (a stand-in registered after ours: FLA's Triton kernels
+cannot run here), never both and never in a loop. On the GPU: FLA's ``KimiDeltaAttention`` layer, as
+flash-linear-attention 0.6.0 ships it, forward and backward with cula registered against FLA alone, and FLA's
+decode step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import fla.backends as fla_backends
+import fla.ops.kda as fla_kda
+import pytest
+import torch
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fused_recurrent_kda_fwd
+
+import cula  # noqa: F401  (registers with FLA, whichever of the two comes first)
+from cula import _fla_backend, fla_dispatch
+from cula.backends import clear_plan_caches
+
+HAS_CUDA = torch.cuda.is_available()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B, T, H, D = 2, 16, 2, 128
+# the flags FLA's KimiDeltaAttention layer passes
+LAYER_FLAGS = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+               "state_v_first": True}  # fmt: skip
+
+
+def _chunk_registry():
+    return fla_backends._function_registries[inspect.unwrap(fla_kda.chunk_kda)]
+
+
+def _kda_registry():
+    return fla_backends._operation_registries["kda"]
+
+
+def _inputs(dtype=torch.bfloat16, K=D, device="cpu", requires_grad=False):
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen).to(device, dt).requires_grad_(requires_grad)
+
+    return {
+        "q": rnd(B, T, H, K), "k": rnd(B, T, H, K), "v": rnd(B, T, H, D), "g": rnd(B, T, H, K), "beta": rnd(B, T, H),
+        "A_log": rnd(H, dt=torch.float32), "dt_bias": rnd(H * K, dt=torch.float32),
+    }  # fmt: skip
+
+
+def _pool_call(dtype=torch.bfloat16, **over):
+    """FLA's serving decode step: [N, 1] tokens, an fp32 state pool updated in place at int32 rows."""
+    gen = torch.Generator().manual_seed(1)
+    N, P = 3, 5
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen).to(dt)
+
+    call = {
+        "q": rnd(N, 1, H, D), "k": rnd(N, 1, H, D), "v": rnd(N, 1, H, D), "g": rnd(N, 1, H, D), "beta": rnd(N, 1, H),
+        "A_log": rnd(H, dt=torch.float32), "dt_bias": rnd(H * D, dt=torch.float32),
+        "initial_state": rnd(P, H, D, D, dt=torch.float32), "ssm_state_indices": torch.tensor([4, 0, 2], dtype=torch.int32),
+        "inplace_final_state": True, **LAYER_FLAGS,
+    }  # fmt: skip
+    call.update(over)
+    return call
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """cula's backend in FLA's chunk_kda registry, switched on (conftest switches it off for the other tests)."""
+    assert fla_dispatch.registered(), fla_dispatch.status()
+    monkeypatch.setenv("FLA_CULA", "1")
+    return _chunk_registry()._backends["cula"]
+
+
+@pytest.fixture
+def sink():
+    """A backend after ours in both of FLA's registries, standing in for FLA's next one: records what reaches it."""
+    calls = []
+
+    class Sink(fla_backends.BaseBackend):
+        backend_type = "cula_test_sink"
+        priority = 50
+
+        def chunk_kda(self, *args, **kwargs):
+            calls.append("chunk_kda")
+            return "sink"
+
+        def fused_recurrent_kda_fwd(self, *args, **kwargs):
+            calls.append("fused_recurrent_kda_fwd")
+            return "sink"
+
+    registries = (_chunk_registry(), _kda_registry())
+    for registry in registries:
+        registry.register(Sink())
+    yield calls
+    for registry in registries:
+        registry._backends.pop("cula_test_sink")
+
+
+@pytest.fixture
+def cula_kernels(pretend_sm90, monkeypatch):
+    """cula's ``cula-sm90`` backends of chunk_kda and fused_recurrent_kda_fwd with their kernels stubbed: calls
+    reaching them are recorded (op, dispatch arguments)."""
+    from cula.kda.backends import chunk_kda_registry, fused_recurrent_kda_registry
+
+    calls = []
+
+    def stub(op):
+        def run(**args):
+            calls.append((op, args))
+            return "cula"
+
+        return run
+
+    for registry, op in (
+        (chunk_kda_registry, "chunk_kda"),
+        (fused_recurrent_kda_registry, "fused_recurrent"),
+    ):
+        backends = [
+            dataclasses.replace(b, run=stub(op), prepare=None) if b.name == "cula-sm90" else b
+            for b in registry._backends
+        ]
+        monkeypatch.setattr(registry, "_backends", backends)
+    clear_plan_caches()  # plans and verdicts made before the stubs
+    yield calls
+    clear_plan_caches()
+
+
+_CHECK = """
+import inspect, json, sys
+import cula
+import fla.backends as fb, fla.ops.kda as kda
+from cula import fla_dispatch
+chunk = fb._function_registries.get(inspect.unwrap(kda.chunk_kda))
+op = fb._operation_registries.get("kda")
+print("@@" + json.dumps({
+    "registered": fla_dispatch.registered(), "status": fla_dispatch.status(),
+    "chunk": chunk and [(b.backend_type, b.priority) for b in chunk._get_sorted_backends()],
+    "kda": op and [(b.backend_type, b.priority) for b in op._get_sorted_backends()],
+    "hooks": [type(f).__name__ for f in sys.meta_path if "Register" in type(f).__name__],
+}))
+"""
+
+
+def _fresh(prelude: str, **env) -> dict:
+    import json
+
+    full_env = dict(os.environ, **env)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(prelude) + _CHECK], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("@@")[-1])
+
+
+def test_import_cula_is_light_and_registers_when_fla_comes():
+    """``import cula`` first: it loads neither FLA nor torch, and FLA's KDA ops, imported later, come registered."""
+    seen = _fresh("""
+        import sys
+        import cula
+        assert not {"fla", "torch", "triton", "cutlass"} & set(sys.modules), sorted(sys.modules)
+    """)
+    assert seen["registered"], seen["status"]
+    assert seen["chunk"][0] == ["cula", fla_dispatch.PRIORITY]
+    names = [name for name, _ in seen["chunk"]]
+    assert names.index("cula") < names.index("flash_kda")
+    kda = [name for name, _ in seen["kda"]]
+    assert "cula" in kda and kda.index("cula") < kda.index("tilelang")
+    assert seen["hooks"] == []  # the import hook is gone once it served
+
+
+def test_import_cula_after_fla_registers():
+    seen = _fresh("import fla.ops.kda\n")
+    assert seen["registered"], seen["status"]
+    assert [name for name, _ in seen["chunk"]][:2] == ["cula", "flash_kda"]
+
+
+def test_dispatch_disabled_registers_nothing():
+    """FLA_DISABLE_BACKEND_DISPATCH=1: FLA's functions are its undecorated ones, and cula leaves them alone."""
+    seen = _fresh("", FLA_DISABLE_BACKEND_DISPATCH="1")
+    assert not seen["registered"] and "FLA_DISABLE_BACKEND_DISPATCH" in seen["status"]
+    assert seen["chunk"] is None
+
+
+def test_priority_before_flash_kda(registered):
+    from fla.ops.kda.backends.flash_kda import FlashKDABackend
+
+    assert registered.priority == fla_dispatch.PRIORITY < FlashKDABackend.priority
+    order = [b.backend_type for b in _chunk_registry()._get_sorted_backends()]
+    assert order.index("cula") < order.index("flash_kda")
+    assert registered.env_var == "FLA_CULA" and registered.default_enable
+
+
+def test_fla_chunk_kda_runs_on_cula(registered, cula_kernels, sink):
+    x = _inputs()
+    assert fla_kda.chunk_kda(**x, **LAYER_FLAGS, output_final_state=True) == "cula"
+    assert sink == [] and len(cula_kernels) == 1
+    op, args = cula_kernels[0]
+    assert (
+        op == "chunk_kda"
+        and args["A_log"] is x["A_log"]
+        and args["state_v_first"]
+        and args["output_final_state"]
+    )
+    assert args["scale"] == D**-0.5  # cula's validation resolved it
+    # positional arguments bind as FLA's signature does
+    assert (
+        fla_kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, True, A_log=x["A_log"])
+        == "cula"
+    )
+    assert cula_kernels[-1][1]["output_final_state"] and not cula_kernels[-1][1]["use_gate_in_kernel"]
+
+
+def test_fla_training_call_runs_on_cula(registered, cula_kernels, sink, monkeypatch):
+    """FLA dispatches before its autograd Function, so a training call reaches cula's training path; with cula's
+    training switch off it stays FLA's."""
+    import cula.kda.backends as kb
+
+    x = _inputs(requires_grad=True)
+    assert fla_kda.chunk_kda(**x, **LAYER_FLAGS) == "cula" and sink == []
+    monkeypatch.setattr(kb, "CHUNK_TRAINING_ON_CULA", False)
+    ok, why = registered.verify("chunk_kda", **x, **LAYER_FLAGS)
+    assert not ok and "CHUNK_TRAINING_ON_CULA" in why
+    assert fla_kda.chunk_kda(**x, **LAYER_FLAGS) == "sink"
+
+
+def test_packed_call_gets_the_host_bounds(registered, cula_kernels, sink):
+    """A packed call without cu_seqlens_cpu: the verifier's host copy of the boundaries goes with the call."""
+    x = {n: (t.flatten(0, 1)[None] if n not in ("A_log", "dt_bias") else t) for n, t in _inputs().items()}
+    cu = torch.tensor([0, 5, 5, 32], dtype=torch.int32)
+    assert fla_kda.chunk_kda(**x, **LAYER_FLAGS, cu_seqlens=cu) == "cula"
+    args = cula_kernels[-1][1]
+    assert args["cu_seqlens"] is cu and args["cu_seqlens_cpu"].tolist() == [0, 5, 5, 32]
+    assert _fla_backend._host_bounds.get() is None  # handed over once, not kept
+    # bad boundaries: cula declines, FLA's own path gets the call (and says what is wrong in its own words)
+    assert fla_kda.chunk_kda(**x, **LAYER_FLAGS, cu_seqlens=torch.tensor([0, 5, 31])) == "sink"
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"dtype": torch.float32}, "dtype"),
+        ({"K": 64}, "K=64"),
+        ({"chunk_size": 32}, "chunk_size=32"),
+        ({"return_intermediate_states": True}, "return_intermediate_states"),
+        ({"cp_context": object()}, "cp_context"),
+        ({"A_log": torch.zeros(H, dtype=torch.bfloat16)}, "A_log"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_uncovered_calls_go_on_to_fla_with_a_reason(registered, cula_kernels, sink, caplog, change, reason):
+    change = dict(change)
+    x = _inputs(dtype=change.pop("dtype", torch.bfloat16), K=change.pop("K", D))
+    call = {**x, **LAYER_FLAGS, **change}
+    ok, why = registered.verify("chunk_kda", **call)
+    assert not ok and reason in why, why
+    with caplog.at_level(logging.INFO, logger="cula"):
+        _fla_backend._noted.clear()
+        assert fla_kda.chunk_kda(**call) == "sink"
+    assert cula_kernels == [] and sink == ["chunk_kda"]
+    assert any("not cula" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_cpu_tensors_decline_with_a_reason(registered, sink):
+    """Without a GPU (no pretend_sm90) cula's kernels are not available: FLA keeps the call."""
+    ok, why = registered.verify("chunk_kda", **_inputs(), **LAYER_FLAGS)
+    assert not ok and "CUDA" in why
+    assert fla_kda.chunk_kda(**_inputs(), **LAYER_FLAGS) == "sink"
+
+
+def test_fla_cula_switch(registered, cula_kernels, sink, monkeypatch):
+    x = _inputs()
+    monkeypatch.setenv("FLA_CULA", "0")
+    assert fla_kda.chunk_kda(**x, **LAYER_FLAGS) == "sink"
+    assert fla_fused_recurrent_kda_fwd(**_pool_call()) == "sink"
+    monkeypatch.setenv("FLA_CULA", "1")
+    assert fla_kda.chunk_kda(**x, **LAYER_FLAGS) == "cula"
+    assert fla_fused_recurrent_kda_fwd(**_pool_call()) == "cula"
+    assert [op for op, _ in cula_kernels] == ["chunk_kda", "fused_recurrent"]
+    assert sink == ["chunk_kda", "fused_recurrent_kda_fwd"]
+
+
+def test_cula_backend_forced_elsewhere_does_not_loop(registered, cula_kernels, sink, monkeypatch):
+    """CULA_BACKEND=fla: cula's own fla backend calls FLA's dispatched chunk_kda, whose verifier must decline."""
+    from cula.kda import chunk_kda
+
+    monkeypatch.setenv("CULA_BACKEND", "fla")
+    x = _inputs()
+    ok, why = registered.verify("chunk_kda", **x, **LAYER_FLAGS)
+    assert not ok and "CULA_BACKEND=fla" in why
+    assert (
+        chunk_kda(**x, **LAYER_FLAGS) == "sink"
+    )  # cula -> FLA's dispatch -> past cula -> FLA's next backend
+    assert cula_kernels == []
+
+
+def test_nested_calls_are_not_dispatched_back(registered, pretend_sm90, sink, monkeypatch):
+    """While cula runs a call FLA dispatched to it, a nested FLA call (as cula's own fla backend makes) skips cula."""
+    from cula.kda.backends import chunk_kda_registry
+
+    x = _inputs()
+    nested = []
+
+    def run(**args):
+        nested.append(fla_kda.chunk_kda(**x, **LAYER_FLAGS))
+        return "cula"
+
+    backends = [dataclasses.replace(b, run=run, prepare=None) if b.name == "cula-sm90" else b
+                for b in chunk_kda_registry._backends]  # fmt: skip
+    monkeypatch.setattr(chunk_kda_registry, "_backends", backends)
+    clear_plan_caches()
+    try:
+        assert fla_kda.chunk_kda(**x, **LAYER_FLAGS) == "cula"
+    finally:
+        clear_plan_caches()
+    assert nested == ["sink"] and sink == ["chunk_kda"]
+    assert not _fla_backend._inside.get()  # reset after the call
+
+
+def test_fla_decode_step_runs_on_cula(registered, cula_kernels, sink, monkeypatch):
+    from cula.kda import fused_recurrent as impl
+
+    checks = []
+    real = impl._checked
+    monkeypatch.setattr(impl, "_checked", lambda call: checks.append(1) or real(call))
+    call = _pool_call()
+    for _ in range(3):
+        assert fla_fused_recurrent_kda_fwd(**call) == "cula"
+    assert sink == [] and len(cula_kernels) == 3
+    assert cula_kernels[0][1]["ssm_state_indices"] is call["ssm_state_indices"]
+    # validated once by the verifier and once by cula's own plan; repeats hit both caches
+    assert len(checks) == 2
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"ssm_state_indices": None, "inplace_final_state": False, "output_final_state": True}, "in-place"),
+        ({"dtype": torch.float32}, "dtype"),
+        ({"ssm_state_indices": torch.tensor([4, 0, 2], dtype=torch.int64)}, "int32"),
+    ],
+)
+def test_uncovered_decode_calls_go_on_to_fla(registered, cula_kernels, sink, change, reason):
+    change = dict(change)
+    call = _pool_call(dtype=change.pop("dtype", torch.bfloat16), **change)
+    if call["ssm_state_indices"] is None:  # FLA's public fused_recurrent_kda: a state a sequence
+        call["initial_state"] = call["initial_state"][:3].clone()
+    ok, why = _kda_registry()._backends["cula"].verify("fused_recurrent_kda_fwd", **call)
+    assert not ok and reason in why, why
+    assert fla_fused_recurrent_kda_fwd(**call) == "sink" and cula_kernels == []
+
+
+def test_wy_dqkg_stage_verifier_reasons(registered):
+    """The backward stage cula launches at its own configuration: only on SM90 CUDA, bf16/fp16, K = V = 128."""
+    ours = _kda_registry()._backends["cula"]
+    t = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+    stage = {"q": t, "k": t, "v": t, "v_new": t, "g": t.float(), "beta": t[..., 0], "A": t[..., :64], "h": t,
+             "do": t, "dh": t, "dv": t, "scale": 1.0}  # fmt: skip
+    for change, reason in (({}, "CUDA"), ({"use_graph": True}, "use_graph"), ({"q": t.float()}, "dtype"),
+                           ({"bogus": 1}, "bogus")):  # fmt: skip
+        ok, why = ours.verify("chunk_kda_bwd_wy_dqkg_fused", **{**stage, **change})
+        assert not ok and reason in why, why
+
+
+def test_other_kda_functions_stay_fla(registered):
+    """FLA asks every backend of its 'kda' registry about each of its functions there: cula answers only for its
+    own (no implementation for the rest, so FLA moves on)."""
+    ours = _kda_registry()._backends["cula"]
+    for name in ("kda_gate_fwd", "chunk_kda_fwd_intra", "chunk_kda_bwd_intra", "recompute_w_u_fwd"):
+        assert ours.get_implementation(name) is None
+    for name in ("chunk_kda", "fused_recurrent_kda_fwd", "chunk_kda_bwd_wy_dqkg_fused"):
+        assert ours.get_implementation(name) is not None
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((1, 2, 3, 4, 5), {}),
+        ((1, 2, 3, 4, 5, 0.5, None, True), {"A_log": 7, "chunk_size": 64}),
+        ((), {"q": 1, "k": 2, "v": 3, "g": 4, "beta": 5, "cu_seqlens": 6, "transpose_state_layout": True}),
+    ],
+)
+def test_bind_matches_inspect(args, kwargs):
+    from cula.kda.chunk import chunk_kda
+
+    bound = inspect.signature(chunk_kda).bind(*args, **kwargs)
+    bound.apply_defaults()
+    assert _fla_backend._bind(chunk_kda, args, kwargs) == dict(bound.arguments)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error",
+    [
+        ((1, 2, 3, 4), {}, "missing"),
+        ((1, 2, 3, 4, 5), {"q": 1}, "multiple values"),
+        ((0,) * 30, {}, "positional"),
+    ],
+)
+def test_bind_refuses_what_python_refuses(args, kwargs, error):
+    from cula.kda.chunk import chunk_kda
+
+    with pytest.raises(TypeError, match=error):
+        _fla_backend._bind(chunk_kda, args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+
+def _kda_layer_class(monkeypatch):
+    """FLA's KimiDeltaAttention from flash-linear-attention 0.6.0 (fla-core has no fla.layers). That package's
+    ``__init__`` imports every layer, some of which need transformers; the KDA layer's module needs only
+    ``fla.layers.utils`` and fla-core, so where the package cannot be imported whole (no transformers, or only those
+    files shipped, as to the GPU machine) the layer's module is loaded, unchanged, under a bare ``fla.layers``."""
+    import importlib
+    import importlib.util
+
+    spec = importlib.util.find_spec("fla.layers")
+    if spec is None:
+        pytest.skip(
+            "flash-linear-attention 0.6.0 (fla.layers) is not installed: pip install 'cula[fla-layers]'"
+        )
+    try:
+        return importlib.import_module("fla.layers.kda").KimiDeltaAttention
+    except ModuleNotFoundError:
+        pass
+    monkeypatch.setitem(sys.modules, "fla.layers", importlib.util.module_from_spec(spec))
+    return importlib.import_module("fla.layers.kda").KimiDeltaAttention
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts of cula's chunk forward (general and bound launches) and backward entries."""
+    from cula.kda import fla_backward
+    from cula.ops.kda.sm90 import chunk_fwd
+
+    count = {"forward": 0, "backward": 0}
+
+    def counted(fn, what):
+        def wrapper(*args, **kwargs):
+            count[what] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd_sm90", counted(chunk_fwd.chunk_kda_fwd_sm90, "forward"))
+    monkeypatch.setattr(
+        chunk_fwd, "prepare_chunk_kda_fwd_sm90", counted(chunk_fwd.prepare_chunk_kda_fwd_sm90, "forward")
+    )
+    monkeypatch.setattr(fla_backward, "chunk_kda_bwd", counted(fla_backward.chunk_kda_bwd, "backward"))
+    clear_plan_caches()  # a cached plan would skip prepare_chunk_kda_fwd_sm90
+    return count
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("training", [True, False], ids=["train", "infer"])
+def test_fla_kda_layer_on_cula_matches_fla(monkeypatch, launches, training):
+    """FLA's KimiDeltaAttention layer, unchanged, bf16 (B=2, T=2048, 16 heads of 128): its chunk_kda calls run on
+    cula's kernels through FLA's dispatch, and the output and gradients match FLA alone (``FLA_CULA=0``) within FLA's
+    tolerances."""
+    from cula.testing import assert_close
+
+    KimiDeltaAttention = _kda_layer_class(monkeypatch)
+    assert fla_dispatch.registered(), fla_dispatch.status()
+    torch.manual_seed(0)
+    Bl, Tl, Hl = 2, 2048, 16
+    layer = KimiDeltaAttention(hidden_size=Hl * D, head_dim=D, num_heads=Hl, mode="chunk").to(
+        "cuda", torch.bfloat16
+    )
+    # the gate parameters stay fp32, as mixed-precision training keeps them (and cula's kernels take them)
+    layer.A_log = torch.nn.Parameter(layer.A_log.detach().float())
+    layer.dt_bias = torch.nn.Parameter(layer.dt_bias.detach().float())
+    layer.train(training)
+    x = torch.randn(Bl, Tl, Hl * D, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(x)
+
+    def run(switch):
+        monkeypatch.setenv("FLA_CULA", switch)
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(training)
+        with torch.set_grad_enabled(training):
+            o = layer(xi)[0]
+        if not training:
+            return o, {}
+        (o * do).sum().backward()
+        return o.detach(), {"x": xi.grad, "A_log": layer.A_log.grad, "dt_bias": layer.dt_bias.grad}
+
+    o_fla, g_fla = run("0")
+    assert launches == {"forward": 0, "backward": 0}
+    o_cula, g_cula = run("1")
+    assert launches["forward"] >= 1 and launches["backward"] == (1 if training else 0), launches
+    assert_close("o", o_fla, o_cula, 5e-3)
+    for name, tol in (("x", 8e-3), ("A_log", 2e-2), ("dt_bias", 2e-2)):
+        if name in g_fla:
+            assert_close(f"d{name}", g_fla[name], g_cula[name], tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_fla_own_backward_takes_culas_stage_launch(monkeypatch):
+    """A training call FLA's own path keeps (here: cula's training switch off) still gets cula's launch of the
+    backward's heaviest stage through FLA's 'kda' registry, with FLA's gradients."""
+    import cula.kda.backends as kb
+    from cula.kda import fla_backward
+    from cula.testing import assert_close
+
+    assert fla_dispatch.registered(), fla_dispatch.status()
+    monkeypatch.setattr(kb, "CHUNK_TRAINING_ON_CULA", False)
+    calls = []
+    real = fla_backward.launch_wy_dqkg
+    monkeypatch.setattr(fla_backward, "launch_wy_dqkg", lambda *a: calls.append(1) or real(*a))
+    x = _inputs(device="cuda")
+    do = torch.randn_like(x["v"])
+    grads = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("FLA_CULA", switch)
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o, _ = fla_kda.chunk_kda(**leaves, **LAYER_FLAGS)
+        (o.float() * do).sum().backward()
+        grads[switch] = {n: t.grad for n, t in leaves.items()}
+        assert len(calls) == (0 if switch == "0" else 1)
+    for name in ("q", "k", "v"):
+        assert_close(f"d{name}", grads["0"][name], grads["1"][name], 8e-3)
+    for name in ("g", "beta", "A_log", "dt_bias"):
+        assert_close(f"d{name}", grads["0"][name], grads["1"][name], 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_fla_decode_step_on_cula_matches_fla(monkeypatch):
+    """FLA's fused_recurrent_kda_fwd in its serving form, through FLA's dispatch: cula's kda_decode against FLA's
+    kernel, output and updated state pool."""
+    from cula.kda import decode
+    from cula.testing import assert_close
+
+    assert fla_dispatch.registered(), fla_dispatch.status()
+    calls = []
+    real = decode.kda_decode
+    monkeypatch.setattr(decode, "kda_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    call = {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in _pool_call().items()}
+    results = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("FLA_CULA", switch)
+        pool = call["initial_state"].clone()
+        o, final = fla_fused_recurrent_kda_fwd(**dict(call, initial_state=pool))
+        assert final is pool
+        results[switch] = o, pool
+    assert calls, "cula's kda_decode did not run"
+    assert_close("o", results["0"][0], results["1"][0], 5e-3)
+    assert_close("state pool", results["0"][1], results["1"][1], 5e-3)
