@@ -730,8 +730,8 @@ def call_recording_backend(call: Callable[[], Any], registry: str) -> tuple[Any,
     chosen: list[str] = []
     original = reg.select
 
-    def spy(device, args):
-        backend = original(device, args)
+    def spy(device, args, *skip):
+        backend = original(device, args, *skip)
         chosen.append(backend.name)
         return backend
 

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+from cula.cache import VariantUnavailableError
+
 logger = logging.getLogger("cula")
 
 # os.environ.get encodes its key on every call (~1 us on the device host, a tenth of a decode step's host
@@ -131,8 +133,16 @@ class Registry:
             ok, why = backend.supports(**args)
         return ok, why
 
-    def select(self, device: torch.device, args: dict[str, Any]) -> Backend:
-        """The backend that will run ``args`` (a dict of the public function's arguments)."""
+    def verdict(self, name: str, device: torch.device, args: dict[str, Any]) -> Verdict:
+        """Whether backend ``name`` can run ``args`` (validated arguments) on ``device``, with the reason if not."""
+        for backend in self._backends:
+            if backend.name == name:
+                return self._verdict(backend, device, args)
+        return False, f"{self.op} has no backend {name!r}"
+
+    def select(self, device: torch.device, args: dict[str, Any], skip: tuple = ()) -> Backend:
+        """The backend that will run ``args`` (a dict of the public function's arguments); ``skip``: ``(name,
+        reason)`` of backends that already failed to provide a kernel for them."""
         forced = os.environ.get("CULA_BACKEND")
         if forced:
             match = [b for b in self._backends if b.name == forced]
@@ -141,13 +151,17 @@ class Registry:
                     f"CULA_BACKEND={forced!r} is not a backend of {self.op}; known: {', '.join(self.names)}"
                 )
             ok, why = self._verdict(match[0], device, args)
+            ok, why = (False, dict(skip)[forced]) if forced in dict(skip) else (ok, why)
             if not ok:
                 raise BackendUnavailableError(f"CULA_BACKEND={forced!r} cannot run {self.op}: {why}")
             self._log(match[0].name, (("forced by CULA_BACKEND", ""),))
             return match[0]
-        declined = []
+        declined, skipped = [], dict(skip)
         for backend in self._backends:
-            ok, why = self._verdict(backend, device, args)
+            if backend.name in skipped:
+                ok, why = False, skipped[backend.name]
+            else:
+                ok, why = self._verdict(backend, device, args)
             if ok:
                 self._log(backend.name, tuple(declined))
                 return backend
@@ -156,7 +170,13 @@ class Registry:
         raise BackendUnavailableError(f"no backend of {self.op} supports these arguments ({table})")
 
     def dispatch(self, device: torch.device, args: dict[str, Any]) -> Any:
-        return self.select(device, args).run(**args)
+        skip: tuple = ()
+        while True:
+            backend = self.select(device, args, skip) if skip else self.select(device, args)
+            try:
+                return backend.run(**args)
+            except VariantUnavailableError as err:  # raised before any launch: the next backend runs the call
+                skip += ((backend.name, str(err)),)
 
     def plan(
         self, device: torch.device, args: dict[str, Any], positional: tuple[str, ...] | None = None
@@ -165,14 +185,22 @@ class Registry:
 
         With ``positional`` (argument names), the launch takes those arguments' values in that order and the rest
         stays as in ``args``; a backend's ``prepare`` must then return a launch of that signature."""
-        backend = self.select(device, args)
-        if backend.prepare is not None:
-            launch = backend.prepare(**args)
+        skip: tuple = ()
+        while True:
+            backend = self.select(device, args, skip) if skip else self.select(device, args)
+            try:
+                launch = backend.prepare(**args) if backend.prepare is not None else None
+            except VariantUnavailableError as err:
+                skip += ((backend.name, str(err)),)
+                continue
             if launch is not None:
                 return launch
+            break
+        # cula's kernels may still meet a variant without a binary: then this plan moves to the next backend for good
+        # (other backends' runs stay unwrapped: a frame less per call)
+        run = self._falling_back(device, backend, skip) if backend.name.startswith("cula") else backend.run
         if positional is None:
-            return backend.run
-        run = backend.run
+            return run
         # the rest of this call's arguments; its positional tensors are not kept (the plan outlives the call)
         fixed = {name: value for name, value in args.items() if name not in positional}
 
@@ -180,6 +208,22 @@ class Registry:
             return run(**fixed, **dict(zip(positional, values)))
 
         return launch
+
+    def _falling_back(self, device: torch.device, backend: Backend, skip: tuple) -> Callable[..., Any]:
+        """``backend.run``, or from its first ``VariantUnavailableError`` on, the next backend's (chosen on that
+        call's arguments: the plan keeps none of its first call's tensors)."""
+        chosen = [backend.run]
+
+        def run(**call):
+            try:
+                return chosen[0](**call)
+            except VariantUnavailableError as err:
+                if chosen[0] is not backend.run:
+                    raise
+                chosen[0] = self.select(device, call, skip + ((backend.name, str(err)),)).run
+                return chosen[0](**call)
+
+        return run
 
     def _log(self, chosen: str, declined: tuple) -> None:
         key = (chosen, declined)
@@ -191,7 +235,8 @@ class Registry:
 
 
 def cula_kernels_on(arch: tuple[int, int], needs: tuple[str, ...] = ()) -> Callable[[torch.device], Verdict]:
-    """Availability of our CuTe DSL kernels: a CUDA tensor on ``arch``, the DSL and ``needs`` installed."""
+    """Availability of our CuTe DSL kernels: a CUDA tensor on ``arch``, TVM-FFI and ``needs`` installed, and the
+    DSL to compile them or a prebuilt wheel's binaries (a variant missing from those declines per call)."""
 
     def probe(device: torch.device) -> Verdict:
         from cula.arch import device_arch
@@ -202,12 +247,21 @@ def cula_kernels_on(arch: tuple[int, int], needs: tuple[str, ...] = ()) -> Calla
         found = device_arch(device)
         if found != arch:
             return False, f"kernels target sm_{arch[0]}{arch[1]}, device is sm_{found[0]}{found[1]}"
-        for package in ("cutlass", "tvm_ffi", *needs):
+        for package in ("tvm_ffi", *needs):
             if not has_package(package):
                 return False, f"package {package!r} is not installed"
+        if not has_package("cutlass") and not _has_prebuilt(arch):
+            return False, f"no prebuilt kernels for sm_{arch[0]}{arch[1]}a and nvidia-cutlass-dsl is not installed"
         return True, None
 
     return probe
+
+
+@functools.lru_cache(maxsize=None)
+def _has_prebuilt(arch: tuple[int, int]) -> bool:
+    from cula.cache import has_prebuilt
+
+    return has_prebuilt(arch)
 
 
 def needs_grad(*tensors) -> bool:

@@ -2,8 +2,14 @@ import os
 
 # Must be set before anything imports cutlass: with no GPU the CuTe DSL would target sm_100a.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-# The FLA column must always be FLA's own Triton kernels, never FlashKDA.
+# Tests stub cute.compile and count compiles: no binary from a wheel or an earlier process may stand in
+# (tests/test_cache.py turns both on in its own subprocesses).
+os.environ.setdefault("CULA_PREBUILT", "0")
+os.environ.setdefault("CULA_DISK_CACHE", "0")
+# The FLA column must always be FLA's own Triton kernels, never FlashKDA, nor cula's own kernels through FLA's
+# dispatch (cula.fla_dispatch; tests/test_fla_dispatch.py turns it on where it tests it).
 os.environ.setdefault("FLA_FLASH_KDA", "0")
+os.environ.setdefault("FLA_CULA", "0")
 # GPU tests run in deterministic mode (the ``poisoned`` fixture below), where cuBLAS needs a fixed workspace
 # configuration or warns on every matmul; it must be set before CUDA initialises.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

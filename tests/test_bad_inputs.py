@@ -908,9 +908,9 @@ def fake_kernels(monkeypatch, pretend_sm90, recorded):
     import cutlass.cute.runtime
 
     import cula.cache
-    import cula.ops.kda.sm90.decode
-    import cula.ops.lightning.sm90.chunk_fwd
-    import cula.ops.lightning.sm90.decode
+    import cula.ops.kda.sm90.decode_kernel
+    import cula.ops.lightning.sm90.chunk_fwd_kernel
+    import cula.ops.lightning.sm90.decode_kernel
 
     events, state = recorded
     state["routed_fla"] = True
@@ -922,8 +922,8 @@ def fake_kernels(monkeypatch, pretend_sm90, recorded):
         fake._cula_compact = True
         return fake
 
-    for mod in (cutlass.cute.runtime, cula.ops.kda.sm90.decode, cula.ops.lightning.sm90.decode,
-                cula.ops.lightning.sm90.chunk_fwd):  # fmt: skip
+    for mod in (cutlass.cute.runtime, cula.ops.kda.sm90.decode_kernel, cula.ops.lightning.sm90.decode_kernel,
+                cula.ops.lightning.sm90.chunk_fwd_kernel):  # fmt: skip
         if hasattr(mod, "make_fake_compact_tensor"):
             monkeypatch.setattr(mod, "make_fake_compact_tensor", compact)
 

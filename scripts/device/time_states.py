@@ -8,13 +8,13 @@ warp states, per-SASS source counters): $OUT/ncu_states.txt and $OUT/ncu_states_
 ``ncu_phases.py``).
 
 For each shape, cula's intra kernel prepares w, u, qg, kg, Aqk (upper triangle zero) and g_cum once; then every
-variant in ``VARIANTS`` (``DeltaHFwdOFusedSm90`` switches) runs the state/output kernel on them, taking turns
-over several rounds, with an fp32 initial state and the final state written (the kda_prefill suite's flags). Each
-REF.py (a copy of ``cula/ops/kda/sm90/delta_h_fwd_o.py``, e.g. ``git show <commit>:...``, untracked so that it
-travels to the device) adds its ``aqk_causal`` kernel as one more variant, named after the file.
-Prints each variant's median CUDA-event time per shape and whether its o and final state equal the first
-variant's bit for bit. Shapes with few (sequence, head) pairs or short sequences show the kernel's per-chunk
-latency; B2-T16384 its bandwidth.
+variant in ``VARIANTS`` (``DeltaHFwdOFusedSm90`` switches) runs the state/output kernel on them, taking turns over
+several rounds, with an fp32 initial state and the final state written (the kda_prefill suite's flags). Each REF.py
+(a copy of ``cula/ops/kda/sm90/delta_h_fwd_o_kernel.py``, or ``delta_h_fwd_o.py`` of a commit from before the kernel
+had a module of its own, e.g. ``git show <commit>:...``, untracked so that it travels to the device) adds its
+``aqk_causal`` kernel as one more variant, named after the file. Prints each variant's median CUDA-event time per
+shape and whether its o and final state equal the first variant's bit for bit. Shapes with few (sequence, head)
+pairs or short sequences show the kernel's per-chunk latency; B2-T16384 its bandwidth.
 """
 
 from __future__ import annotations

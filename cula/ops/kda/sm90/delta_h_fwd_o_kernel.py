@@ -1,0 +1,518 @@
+"""KDA chunk forward, inter-chunk stage on SM90: the gated delta-rule state recurrence fused with the output.
+
+Replaces FLA's ``chunk_gated_delta_rule_fwd_h`` + ``chunk_gla_fwd_o_gk`` (``fla/ops/common/chunk_delta_h.py``,
+``fla/ops/gla/chunk.py``). Per (sequence n, value head h) one CTA walks the chunks of BT = 64 tokens with the
+state in fp32 registers and never writes the per-chunk states ``h`` or ``v_new`` to memory. Per chunk c, with
+``S`` the ``[K, V]`` state before the chunk (FLA's ``h[c]``)::
+
+    v_new = u - w @ bf16(S)                                   # [BT, V]; rows past the sequence end -> 0
+    o     = scale * qg @ bf16(S) + tril(Aqk) @ bf16(v_new)    # [BT, V]; tril keeps the diagonal
+    S     = diag(exp2(g[last])) S + kg^T @ bf16(v_new)
+
+where the inputs are what ``fla.ops.kda.chunk_intra.chunk_kda_fwd_intra(..., disable_recompute=True)`` returns:
+``w = A_kk (beta k exp2(g))``, ``u = A_kk (beta v)``, ``qg = q exp2(g)``, ``kg = k exp2(g_last - g)`` (zero past the
+sequence end), ``Aqk`` (already scaled; upper triangle unspecified, or 0 with ``aqk_causal``) and ``g`` the
+chunk-local cumsum of the log gate in base 2 (FLA multiplies by RCP_LN2), ``g_last`` its last valid row in the
+chunk. The rounding points (bf16 state copy for both products, bf16 v_new) are FLA's, so results match FLA to bf16
+noise.
+
+Layout in the kernel. The state is kept transposed, ``S^T`` fp32 ``[V, K]``, as the WGMMA accumulator of two
+consumer warpgroups (each owns 64 of the 128 V rows), so every product with the state is an RS WGMMA with the
+bf16 copy of ``S^T`` as the register A operand::
+
+    GEMM1  v^T  = bf16(S^T) . w^T       M=V  N=BT K=K   B = w   tile [BT, K], K-major
+    GEMM2  o^T  = bf16(S^T) . qg^T      M=V  N=BT K=K   B = qg  tile [BT, K], K-major
+    GEMM3  o^T += bf16(v_new^T) . Aqk^T M=V  N=BT K=BT  B = Aqk tile [BT, BT], K-major (upper triangle zeroed)
+    GEMM4  S^T += bf16(v_new^T) . kg    M=V  N=K  K=BT  B = kg  tile [BT, K], MN-major
+
+The accumulator of GEMM1 becomes the A fragment of GEMM3/GEMM4 without leaving registers.
+
+Warp roles (384 threads, ``min_blocks_per_mp=1``):
+
+=========  =========  =====================================================================================
+warps      registers  role
+=========  =========  =====================================================================================
+0          40         TMA producer: per chunk w, qg, u, kg, Aqk tiles and the g row of the last valid token
+1-3        40         idle
+4-11       232        two consumer warpgroups: mask Aqk, the four GEMMs, decay, o stores, initial/final state
+=========  =========  =====================================================================================
+
+One ``PipelineTmaAsync`` with ``num_stages`` slots (3 by default, 72 KB each) connects them: the full barrier
+expects the bytes of all six copies, the empty barrier counts the 8 consumer warps. Inside a chunk the two
+consumer warpgroups meet at one named barrier (the causal mask of the shared Aqk tile is written by both),
+unless ``aqk_causal`` says the upper triangle arrives as zeros (cula's intra kernel writes them): then there is
+no mask and no barrier, and the two warpgroups' recurrences run unsynchronised (H200: -22% kernel time with 64
+CTAs at B1-T8192, -9% for 20 short sequences, -5% at B2-T16384), and a full chunk's o leaves by TMA (below).
+
+Ragged ends. All tensors are passed flattened as ``[T_total, HV, D]``; a chunk is a TMA box starting at the
+sequence start plus ``64 c``, so a box crossing the sequence end reads the next sequence (or TMA zeros at the
+tensor end). Those rows are harmless: v_new rows past the end are zeroed before GEMM3/GEMM4, kg is multiplied by
+them only, Aqk columns past the end only meet masked rows, and o rows past the end are not stored: a full chunk's
+o goes out by one TMA store per consumer warpgroup (staged in the stage's u tile; direct stores without
+``aqk_causal``), a partial one's by row-predicated direct stores.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from cula.cache import compile_options
+from cula.ops._host import dsl_type
+
+__all__ = ["DeltaHFwdOFusedSm90"]
+
+_SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
+
+def acc_as_a_frag(acc: cute.Tensor) -> cute.Tensor:
+    """View an SM90 fp32 accumulator ``((2,2,N/8),MMA_M,MMA_N)`` as the A-operand fragment
+    ``((2,2,2),MMA_M,(N/16,MMA_N))`` of a 16-bit RS WGMMA over the same registers (N of one GEMM = K of the next).
+    """
+    lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    new = cute.make_layout(
+        (
+            (lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]),
+            lay.shape[1],
+            (lay.shape[0][2][1], lay.shape[2]),
+        ),
+        stride=(
+            (lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]),
+            lay.stride[1],
+            (lay.stride[0][2][1], lay.stride[2]),
+        ),
+    )
+    return cute.make_tensor(acc.iterator, new)
+
+
+class DeltaHFwdOFusedSm90:
+    """Fused KDA state recurrence (``chunk_gated_delta_rule_fwd_h``) + output (``chunk_gla_fwd_o_gk``), sm_90a.
+
+    Static configuration: element dtype of w/u/kg/qg/Aqk/o, head sizes (K = V = 128), chunk size 64, pipeline
+    depth, and four trace flags (varlen, initial state, final state, state layout). Sizes that vary per call
+    (total tokens, heads, sequences) are runtime values.
+    """
+
+    arch = 90
+
+    def __init__(
+        self,
+        dtype=BFloat16,
+        head_k: int = 128,
+        head_v: int = 128,
+        chunk_size: int = 64,
+        num_stages: int = 3,
+        varlen: bool = False,
+        has_initial_state: bool = False,
+        has_final_state: bool = False,
+        state_v_first: bool = False,
+        aqk_causal: bool = False,
+    ):
+        if head_k != 128 or head_v != 128:
+            raise ValueError(f"only K = V = 128 is implemented, got K={head_k}, V={head_v}")
+        if chunk_size != 64:
+            raise ValueError(f"only chunk_size 64 is implemented, got {chunk_size}")
+        if dtype not in (BFloat16, Float16):
+            raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
+        self.dtype = dtype
+        self.dk, self.dv, self.bt = head_k, head_v, chunk_size
+        self.num_stages = num_stages
+        self.varlen = varlen
+        self.has_h0 = has_initial_state
+        self.has_ht = has_final_state
+        self.state_v_first = state_v_first
+        # Aqk's upper triangle arrives as zeros (cula's intra kernel writes them): no causal mask, and with it no
+        # barrier between the consumer warpgroups, whose recurrences (64 V rows each) are otherwise independent
+        self.aqk_causal = aqk_causal
+        # full chunks' o by stmatrix + TMA (see the consumer prologue); the masked variant keeps the direct stores:
+        # with the mask's registers the staging spills (20-28 bytes)
+        self.o_tma = aqk_causal
+        self.num_consumer_wg = 2  # each owns 64 of the V rows of S^T (WGMMA M = 64 per warpgroup)
+        self.num_threads = 128 * (1 + self.num_consumer_wg)
+        # 128 * (40 + 2 * 232) = 64512 <= 65536; the consumers hold S^T (64 regs), its bf16 copy (32),
+        # two 64x64 accumulators (64), u (16) and the bf16 v_new fragment (16).
+        self.producer_regs, self.consumer_regs = 40, 232
+        elt = dtype.width // 8
+        self.stage_bytes = (4 * self.bt * self.dk + self.bt * self.bt) * elt + self.dk * 4
+        if self.num_stages * self.stage_bytes + 1024 > _SMEM_BYTES_SM90:
+            raise ValueError(f"{num_stages} stages of {self.stage_bytes} B do not fit in shared memory")
+
+    @cute.jit
+    def __call__(
+        self,
+        mW: cute.Tensor,  # (T_total, HV, K)  dtype
+        mU: cute.Tensor,  # (T_total, HV, V)  dtype
+        mKg: cute.Tensor,  # (T_total, HV, K)  dtype
+        mQg: cute.Tensor,  # (T_total, HV, K)  dtype
+        mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate
+        mA: cute.Tensor,  # (T_total, HV, BT) dtype, Aqk
+        mO: cute.Tensor,  # (T_total, HV, V)  dtype, output
+        mH0: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32; unread unless has_initial_state
+        mHt: cute.Tensor,  # same layout as mH0; unwritten unless has_final_state
+        mCu: cute.Tensor,  # (N + 1,) int32 cu_seqlens; unread unless varlen
+        seqlen: Int32,  # tokens per sequence when not varlen (T_total = N * seqlen)
+        num_seqs: Int32,  # N
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        dt, BT, DK, DV, S = self.dtype, self.bt, self.dk, self.dv, self.num_stages
+        # Transposed / reordered views; each keeps one unit-stride mode for TMA.
+        w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[0, 2, 1]))  # (T, K, HV)
+        q_v = cute.make_tensor(mQg.iterator, cute.select(mQg.layout, mode=[0, 2, 1]))  # (T, K, HV)
+        a_v = cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[0, 2, 1]))  # (T, BT, HV)
+        k_v = cute.make_tensor(mKg.iterator, cute.select(mKg.layout, mode=[2, 0, 1]))  # (K, T, HV)
+        u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
+        g_v = cute.make_tensor(mG.iterator, cute.select(mG.layout, mode=[2, 0, 1]))  # (K, T, HV)
+        o_v = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[2, 0, 1]))  # (V, T, HV)
+        hmode = [2, 3, 1, 0] if const_expr(self.state_v_first) else [3, 2, 1, 0]
+        h0_v = cute.make_tensor(mH0.iterator, cute.select(mH0.layout, mode=hmode))  # (V, K, HV, N)
+        ht_v = cute.make_tensor(mHt.iterator, cute.select(mHt.layout, mode=hmode))  # (V, K, HV, N)
+
+        # GEMM1-3: M = V over both warpgroups, N = BT. GEMM4: M = V, N = K, B (kg) read MN-major.
+        mma_o = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (self.num_consumer_wg, 1, 1), tiler_mn=(64, BT), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (self.num_consumer_wg, 1, 1), tiler_mn=(64, DK), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+
+        sW_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, DK), dt, S)  # (BT, K, S)
+        sQ_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, DK), dt, S)  # (BT, K, S)
+        sA_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S)  # (BT_i, BT_j, S)
+        sK_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (K, BT, S)
+        sU_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (V, BT, S)
+        sG_l = cute.make_layout((DK, 1, S), stride=(1, DK, DK))  # (K, 1, S) fp32
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
+        tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sQ_l, mode=[0, 1]), (BT, DK))
+        tma_a, ta = cpasync.make_tiled_tma_atom(g2s, a_v, cute.select(sA_l, mode=[0, 1]), (BT, BT))
+        tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sK_l, mode=[0, 1]), (DK, BT))
+        tma_u, tu = cpasync.make_tiled_tma_atom(g2s, u_v, cute.select(sU_l, mode=[0, 1]), (DV, BT))
+        tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), (DK, 1))
+        # o^T of one consumer warpgroup: its 64 V rows of the stage's u tile (the half has the tile's swizzle)
+        half = DV // self.num_consumer_wg
+        sOh_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (half, DK, BT), dt, 1)
+        tma_o, to = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), o_v, cute.select(sOh_l, mode=[0, 1]), (half, BT)
+        )
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, S * 2]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sW_l)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_l)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sA_l)], 1024]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sG_l)], 128]
+
+        self.storage = Storage
+        HV = mW.shape[1]
+        kernel = self.kernel(
+            tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, tma_o, to,
+            o_v, h0_v, ht_v, mCu, seqlen, scale,
+            mma_o, mma_s, sW_l, sQ_l, sA_l, sK_l, sU_l, sG_l,
+        )  # fmt: skip
+        kernel.launch(
+            grid=(HV, num_seqs, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_w: cute.CopyAtom, tw: cute.Tensor,
+        tma_q: cute.CopyAtom, tq: cute.Tensor,
+        tma_a: cute.CopyAtom, ta: cute.Tensor,
+        tma_k: cute.CopyAtom, tk: cute.Tensor,
+        tma_u: cute.CopyAtom, tu: cute.Tensor,
+        tma_g: cute.CopyAtom, tg: cute.Tensor,
+        tma_o: cute.CopyAtom, to: cute.Tensor,
+        o_v: cute.Tensor, h0_v: cute.Tensor, ht_v: cute.Tensor, mCu: cute.Tensor,
+        seqlen: Int32, scale: Float32,
+        mma_o: cute.TiledMma, mma_s: cute.TiledMma,
+        sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout, sA_l: cute.ComposedLayout,
+        sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
+    ):  # fmt: skip
+        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        h, n, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            for atom in (tma_w, tma_q, tma_a, tma_k, tma_u, tma_g):
+                cpasync.prefetch_descriptor(atom)
+
+        # Sequence bounds: bos = first token of this sequence in the flattened [T_total] axis.
+        if const_expr(self.varlen):
+            bos = mCu[n]
+            seq_len = mCu[n + 1] - bos
+        else:
+            bos = n * seqlen
+            seq_len = seqlen
+        num_chunks = (seq_len + BT - 1) // BT
+
+        storage = SmemAllocator().allocate(self.storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=S,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # consumer_release arrives once per warp (lane 0) without clusters
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
+            tx_count=self.stage_bytes,
+        )
+        sW = storage.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
+        sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
+        sA = storage.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
+        sK = storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)
+        sU = storage.sU.get_tensor(sU_l.outer, swizzle=sU_l.inner)
+        sG = storage.sG.get_tensor(sG_l)
+
+        if wg_idx == 0:  # ------------------------------ producer ------------------------------
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
+                gW = cute.local_tile(cute.domain_offset((bos, 0), tw[None, None, h]), (BT, DK), (None, 0))
+                gQ = cute.local_tile(cute.domain_offset((bos, 0), tq[None, None, h]), (BT, DK), (None, 0))
+                gA = cute.local_tile(cute.domain_offset((bos, 0), ta[None, None, h]), (BT, BT), (None, 0))
+                gK = cute.local_tile(cute.domain_offset((0, bos), tk[None, None, h]), (DK, BT), (0, None))
+                gU = cute.local_tile(cute.domain_offset((0, bos), tu[None, None, h]), (DV, BT), (0, None))
+                gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
+                one = cute.make_layout(1)
+                tWs, tWg = cpasync.tma_partition(
+                    tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+                )
+                tQs, tQg = cpasync.tma_partition(
+                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
+                tAs, tAg = cpasync.tma_partition(
+                    tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                )
+                tKs, tKg = cpasync.tma_partition(
+                    tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+                )
+                tUs, tUg = cpasync.tma_partition(
+                    tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2)
+                )
+                tGs, tGg = cpasync.tma_partition(
+                    tma_g, 0, one, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2)
+                )
+                st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+                for c in cutlass.range(num_chunks, unroll=1):
+                    pipe.producer_acquire(st)
+                    bar = pipe.producer_get_barrier(st)
+                    cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
+                    cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
+                    cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
+                    cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
+                    cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
+                    # the decay row: g at the last valid token of the chunk
+                    last = cutlass.min(c * BT + BT, seq_len) - 1
+                    cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
+                    pipe.producer_commit(st)
+                    st.advance()
+                pipe.producer_tail(st)
+        else:  # ------------------------------ consumers ------------------------------
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            ctid = tidx - 128
+            wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
+            wg_o, wg_s = mma_o.get_slice(wg_first), mma_s.get_slice(wg_first)
+            thr_o, thr_s = mma_o.get_slice(ctid), mma_s.get_slice(ctid)
+            mask_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_consumer_wg)
+
+            accS = cute.make_rmem_tensor(wg_s.partition_shape_C((DV, DK)), Float32)  # S^T, fp32
+            tSgH0 = thr_s.partition_C(h0_v[None, None, h, n])
+            if const_expr(self.has_h0):
+                accS.store(tSgH0.load())
+            else:
+                accS.fill(0.0)
+            # Register A fragments (bf16 S^T for GEMM1/2, bf16 v_new^T for GEMM3/4; the RS A layout of a
+            # 64x16 atom does not depend on N, so one v_new fragment serves both tiled MMAs).
+            tOrS = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, DK)))
+            tVrV = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, BT)))
+            tOrW = wg_o.make_fragment_B(wg_o.partition_B(sW))
+            tOrQ = wg_o.make_fragment_B(wg_o.partition_B(sQ))
+            tOrA = wg_o.make_fragment_B(wg_o.partition_B(sA))
+            tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
+            accV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
+            accO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
+            rO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), self.dtype)
+            pV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), cutlass.Boolean)
+            # accS is ((2, 2, K/8), 1, 1): (column pair, row +8, column block of 8); the decay depends on the
+            # column only, so a thread needs 2 * K/8 factors.
+            assert cute.rank(accS.shape[0]) == 3 and cute.size(accS.shape[0][1]) == 2
+            assert cute.size(accS.shape[1]) == 1 and cute.size(accS.shape[2]) == 1
+            rD = cute.make_rmem_tensor(2 * cute.size(accS.shape[0][2]), Float32)
+
+            tUsU = thr_o.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
+            tVcV = thr_o.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
+            tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
+            gO = cute.local_tile(cute.domain_offset((0, bos), o_v[None, None, h]), (DV, BT), (0, None))
+            tOgO = thr_o.partition_C(gO)  # (MMA, MMA_M, MMA_N, NC)
+            # A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (u is dead once v_new
+            # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
+            # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
+            # 64 CTAs at B1-T8192). That thread's warp releases the stage one chunk late, after the store's read.
+            if const_expr(self.o_tma):
+                issuer = ctid % 128 == 0  # lane 0 of the warpgroup's first warp, also its warp's release signaller
+                first_warp = (ctid % 128) < 32
+                me = wg_idx - 1
+                half = DV // self.num_consumer_wg
+                st_o = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), mma_o
+                )
+                thr_sto = st_o.get_slice(ctid)
+                tOsU = thr_sto.partition_D(sU)  # (CPY, CPY_M, CPY_N, S)
+                wg_bar = pipeline.NamedBarrier(barrier_id=2 + me, num_threads=128)
+                sUh = cute.flat_divide(sU, (half, BT))[None, None, me, 0, None]  # (half, BT, S)
+                gOh = cute.local_tile(cute.domain_offset((0, bos), to[None, None, h]), (half, BT), (me, None))
+                tOs, tOg = cpasync.tma_partition(
+                    tma_o, 0, cute.make_layout(1), cute.group_modes(sUh, 0, 2), cute.group_modes(gOh, 0, 2)
+                )
+
+            # Causal mask of the shared Aqk tile: consumer thread ctid zeroes row ctid // 4, columns
+            # 16 * (ctid % 4) + [0, 16) above the diagonal.
+            mrow = ctid // 4
+            mcol0 = (ctid % 4) * 16
+
+            st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
+            for c in cutlass.range(num_chunks, unroll=1):
+                valid = cutlass.min(seq_len - c * BT, BT)
+                si = st.index
+                pipe.consumer_wait(st)
+                # GEMM1 + GEMM2 on the state before this chunk.
+                tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
+                warpgroup.fence()
+                atom = cute.make_mma_atom(mma_o.op)
+                atom.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
+                    cute.gemm(atom, accV, tOrS[None, None, kb], tOrW[None, None, kb, si], accV)
+                    atom.set(warpgroup.Field.ACCUMULATE, True)
+                atom2 = cute.make_mma_atom(mma_o.op)
+                atom2.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
+                    cute.gemm(atom2, accO, tOrS[None, None, kb], tOrQ[None, None, kb, si], accO)
+                    atom2.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                if const_expr(self.o_tma):
+                    if (c > 0) & first_warp:
+                        # the previous chunk's stage, once its o store has read it (see the end of the loop)
+                        if issuer:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        prev = cutlass.select_(si == 0, S - 1, si - 1)
+                        pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
+
+                # While GEMM1/2 run: mask Aqk, compute the decay factors, fetch u^T.
+                if const_expr(not self.aqk_causal):
+                    sAc = sA[None, None, si]
+                    for jj in cutlass.range_constexpr(16):
+                        if mcol0 + jj > mrow:
+                            sAc[mrow, mcol0 + jj] = self.dtype(0.0)
+                    cute.arch.fence_view_async_shared()
+                # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
+                # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
+                for j in cutlass.range_constexpr(cute.size(rD)):
+                    rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
+                rU = tUsU[None, None, None, si].load()
+                for i in cutlass.range_constexpr(cute.size(pV)):
+                    pV[i] = tVcV[i][1] < valid
+
+                warpgroup.wait_group(0)
+                for i in cutlass.range_constexpr(cute.size(accS)):
+                    accS[i] = accS[i] * rD[(i % 2) + 2 * (i // 4)]
+                v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
+                tVrV.store(v_new.to(self.dtype))
+                accO.store(accO.load() * scale)
+                if const_expr(not self.aqk_causal):
+                    mask_bar.arrive_and_wait()
+                # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment.
+                warpgroup.fence()
+                atom3 = cute.make_mma_atom(mma_o.op)
+                atom3.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
+                    cute.gemm(atom3, accO, tVrV[None, None, kb], tOrA[None, None, kb, si], accO)
+                atom4 = cute.make_mma_atom(mma_s.op)
+                atom4.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
+                    cute.gemm(atom4, accS, tVrV[None, None, kb], tSrK[None, None, kb, si], accS)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                rO.store(accO.load().to(self.dtype))
+                tOgOc = tOgO[None, None, None, c]
+                if valid == BT:
+                    if const_expr(self.o_tma):
+                        # u is dead since v_new: o^T goes into this warpgroup's half of the u tile, then out by
+                        # TMA. The first warp releases the stage only once the store has read it (next chunk)
+                        cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
+                        cute.arch.fence_view_async_shared()
+                        wg_bar.arrive_and_wait()
+                        if issuer:
+                            cute.copy(tma_o, tOs[None, si], tOg[None, c])
+                            cute.arch.cp_async_bulk_commit_group()
+                        if not first_warp:
+                            pipe.consumer_release(st)
+                    else:
+                        pipe.consumer_release(st)
+                        tOgOc.store(rO.load())
+                else:  # the partial last chunk: row-predicated stores, the next sequence's rows untouched
+                    pipe.consumer_release(st)
+                    for i in cutlass.range_constexpr(cute.size(rO)):
+                        if tVcV[i][1] < valid:
+                            tOgOc[i] = rO[i]
+                st.advance()
+
+            if const_expr(self.o_tma):
+                if (num_chunks > 0) & (seq_len % BT == 0) & first_warp:  # the last chunk's deferred release
+                    if issuer:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    prev = cutlass.select_(st.index == 0, S - 1, st.index - 1)
+                    pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
+
+            if const_expr(self.has_ht):
+                tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
+                tSgHt.store(accS.load())
+
+def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 0), extra_options="",
+             aqk_causal=False):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.
+
+    ``extra_options`` is appended to the cute.compile options (tests use ``--keep-cubin --dump-dir D``).
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    DK = DV = 128
+    BT = 64
+    dtype = dsl_type(dtype)
+    kernel = DeltaHFwdOFusedSm90(
+        dtype=dtype, head_k=DK, head_v=DV, chunk_size=BT, num_stages=num_stages, varlen=varlen,
+        has_initial_state=has_h0, has_final_state=has_ht, state_v_first=state_v_first, aqk_causal=aqk_causal,
+    )  # fmt: skip
+    # Token and sequence strides are 64-bit so that T_total * HV * D (or N * HV * K * V) may pass 2^31
+    # elements; their divisibility keeps TMA's 16-byte stride check provable at compile time.
+    tt, hv = cute.sym_int32(), cute.sym_int32()
+    tok_stride = {d: cute.sym_int64(divisibility=d) for d in (DK, BT)}
+
+    def tok(dt, d):
+        return make_fake_tensor(dt, (tt, hv, d), (tok_stride[d], d, 1), assumed_align=16)
+
+    def state():
+        inner = (DV, DK) if state_v_first else (DK, DV)
+        return make_fake_tensor(
+            Float32,
+            (cute.sym_int32(), cute.sym_int32(), *inner),
+            (cute.sym_int64(divisibility=DK * DV), DK * DV, inner[1], 1),
+            assumed_align=16,
+        )
+
+    cu = make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
+    args = (
+        tok(dtype, DK), tok(dtype, DV), tok(dtype, DK), tok(dtype, DK), tok(Float32, DK), tok(dtype, BT),
+        tok(dtype, DV), state(), state(), cu, Int32(1), Int32(1), Float32(1.0),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    )  # fmt: skip
+    return cute.compile(kernel, *args, options=compile_options(arch, extra_options))

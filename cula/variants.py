@@ -1,0 +1,174 @@
+"""Every compiled kernel variant the planners can select, per op, architecture, dtype and flag combination.
+
+A prebuilt wheel is checked against this list (``scripts/build_wheel.py`` compiles it, ``tests/test_variants.py``
+drives the public entry points over a grid of calls and checks that every variant they ask ``cula.cache`` for is
+listed here). The list is made by calling the launchers' own selection code (``kda_decode_launcher``,
+``lightning_decode.launch_key``, the chunk kernels' ``get_compiled``) under ``cula.cache.recording``, over the whole
+domain of the arguments their backends accept; only the chunk forward's choice between its launch forms
+(``chunk_fwd``'s plan, general and time-segmented paths) is restated here, and the test keeps it honest.
+
+``scope``: ``"full"`` is everything selectable; ``"wheel"`` the part a prebuilt wheel ships (``WHEEL_DTYPES``:
+the dtypes models use; the rest of the full list JIT-compiles where the DSL is installed, and runs on FLA where it
+is not); ``"smoke"`` one configuration of every kernel family (``_smoke``), for CI's wheel build and the H200's
+wheel check.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+import torch
+
+from cula import cache
+
+ARCHS = ((9, 0),)  # every kernel targets sm_90a; none exists for sm_100a yet
+SCOPES = ("full", "wheel", "smoke")
+_BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
+# dtypes of the full domain, per role, as the backends' verifiers accept them
+FULL_DTYPES = {
+    "io": (_BF16, _FP16),  # q / k / v (chunk_kda: CHUNK_FP16_ON_CULA; decode: both)
+    "g": (_FP32, _BF16, _FP16),
+    "beta": (_BF16, _FP16, _FP32),
+    "decode_beta": (_FP32, _BF16),
+}
+# what the wheel ships: bf16 activations, the gate in fp32 or bf16, beta in bf16 or fp32
+WHEEL_DTYPES = {"io": (_BF16,), "g": (_FP32, _BF16), "beta": (_BF16, _FP32), "decode_beta": (_FP32, _BF16)}
+_B = (False, True)
+
+
+def _dtypes(scope: str) -> dict:
+    return FULL_DTYPES if scope == "full" else WHEEL_DTYPES
+
+
+def _kda_chunk(scope: str) -> None:
+    """``chunk_kda`` on cula-sm90 (``cula.ops.kda.sm90.chunk_fwd``): the state/output kernel after FLA's intra
+    stage; cula's intra kernel (``safe_gate``: gate none or the lower-bound sigmoid) with it, in the general path
+    (inference and training, which also writes Akk), in one fused launch (the plan of a repeated contiguous
+    inference call, fixed length or packed), and as separate kernels in time segments (B = 1, long T)."""
+    from cula.ops.kda.sm90 import chunk_fwd as cf
+    from cula.ops.kda.sm90 import delta_h_fwd_o as dh
+    from cula.ops.kda.sm90 import fwd_launch, intra
+
+    d = _dtypes(scope)
+    for dt, varlen, h0, ht, svf, causal in itertools.product(d["io"], _B, _B, _B, _B, _B):
+        dh.get_compiled(dtype=dh._TORCH_TO_CUTLASS[dt], varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
+                        aqk_causal=causal)  # fmt: skip
+    # cf._use_cute_intra: the log-space gate or the lower-bound sigmoid (the softplus gate has no bound)
+    cute_gates = [cf._gate_kind(fused, lb) for fused, lb in ((False, None), (True, -1.0))]
+    for dt, g_dt, b_dt, gate, l2, beta_act in itertools.product(
+        d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS
+    ):  # fmt: skip
+        for varlen, akk in itertools.product(_B, _B):
+            intra.compiled_for(dt, g_dt, b_dt, gate, varlen, l2, beta_act, g_cum_last_only=True, write_akk=akk)
+        options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True)
+        for varlen, h0, ht, svf in itertools.product(_B, _B, _B, _B):
+            state = dict(dtype=dh._TORCH_TO_CUTLASS[dt], has_initial_state=h0, has_final_state=ht,
+                         state_v_first=svf, aqk_causal=True)  # fmt: skip
+            fwd_launch.get_compiled(options, state, varlen=varlen)
+        intra.get_compiled(varlen=False, **options)  # the segmented launch's intra kernel
+
+
+def _kda_decode(scope: str) -> None:
+    """``kda_decode`` / ``kda_decode_step`` / ``fused_recurrent_kda``'s pool form on cula-sm90: every flag
+    combination at every T (1..``DECODE_MAX_TOKENS``), below and above the state counts where the tile changes."""
+    from cula._validate import DECODE_MAX_TOKENS
+    from cula.ops.kda.sm90 import decode as kd
+
+    d = _dtypes(scope)
+    gates = [("none", False, False), ("softplus", True, False), ("softplus", True, True)]
+    gates += [("lower_bound", a, b) for a, b in itertools.product(_B, _B)]
+    betas = [(False, False), (True, False), (True, True)]  # (sigmoid, allow_neg_eigval)
+    states = (1, kd.KV_COLS_MIN_STATES)
+    for io, g_dt, b_dt, kv, (gate, a_log, bias), l2, (sig, neg), svf, step, tokens, n in itertools.product(
+        d["io"], d["g"], d["decode_beta"], (64, 128), gates, _B, betas, _B, _B, range(1, DECODE_MAX_TOKENS + 1),
+        states,
+    ):  # fmt: skip
+        kd.kda_decode_launcher(
+            io_dtype=io, g_dtype=g_dt, beta_dtype=b_dt, K=kv, V=kv, gate=gate, has_a_log=a_log, has_dt_bias=bias,
+            use_qk_l2norm=l2, beta_sigmoid=sig, allow_neg_eigval=neg, state_v_first=svf, has_step_states=step,
+            tokens=tokens, states=n,
+        )  # fmt: skip
+
+
+def _lightning(scope: str) -> None:
+    """``lightning_attn_fwd`` / ``chunk_simple_gla`` (constant decay, bf16, K = V in {64, 128}) and
+    ``lightning_decode`` (bf16 / fp16) on cula-sm90."""
+    from cula._validate import DECODE_MAX_TOKENS
+    from cula.ops.lightning.sm90 import chunk_fwd as lc
+    from cula.ops.lightning.sm90 import decode as ld
+
+    for d, h0, ht, varlen, svf in itertools.product((64, 128), _B, _B, _B, _B):
+        lc.compile_lightning_fwd_sm90(d, h0, ht, varlen, svf)
+    for io, d, svf, tokens, n in itertools.product(
+        _dtypes(scope)["io"], (64, 128), _B, range(1, DECODE_MAX_TOKENS + 1), (1, ld.KV_COLS_MIN_STATES)
+    ):  # fmt: skip
+        key = ld.launch_key(io, d, d, tokens, n, state_v_first=svf)
+        cache.compiled_kernel(key, lambda key=key: ld._compile(ld._config_for(key), key[-1]))
+
+
+def _smoke() -> None:
+    """The variants of the calls ``scripts/device/wheel_check.py`` makes (and CI's wheel build compiles): one
+    configuration of every kernel family, FLA's flags as models pass them."""
+    from cula.ops.kda.sm90 import decode as kd
+    from cula.ops.kda.sm90 import delta_h_fwd_o as dh
+    from cula.ops.kda.sm90 import fwd_launch, intra
+    from cula.ops.lightning.sm90 import chunk_fwd as lc
+    from cula.ops.lightning.sm90 import decode as ld
+
+    # chunk_kda, bf16 q/k/v, fp32 g, bf16 beta, safe_gate with the lower-bound gate, q/k L2 norm, beta sigmoid,
+    # initial and final state: the inference plans (fixed length and packed), training's forward, and the
+    # state/output kernel after FLA's intra stage (the same call without safe_gate)
+    options = intra.kernel_options(_BF16, _FP32, _BF16, "sigmoid", True, "sigmoid", g_cum_last_only=True)
+    state = dict(dtype="BFloat16", has_initial_state=True, has_final_state=True, state_v_first=False,
+                 aqk_causal=True)  # fmt: skip
+    for varlen in _B:
+        fwd_launch.get_compiled(options, state, varlen=varlen)
+    intra.compiled_for(_BF16, _FP32, _BF16, "sigmoid", False, True, "sigmoid", g_cum_last_only=True, write_akk=True)
+    for causal in _B:
+        dh.get_compiled(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
+    # kda_decode's defaults (softplus gate with A_log and dt_bias, L2 norm, beta sigmoid, [V, K] pool), T = 1 and 4
+    for tokens in (1, 4):
+        kd.kda_decode_launcher(
+            io_dtype=_BF16, g_dtype=_FP32, beta_dtype=_FP32, K=128, V=128, gate="softplus", has_a_log=True,
+            has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
+            has_step_states=False, tokens=tokens, states=64,
+        )  # fmt: skip
+    # lightning_attn_fwd with initial and final state, fixed and packed; lightning_decode at T = 1
+    for varlen in _B:
+        lc.compile_lightning_fwd_sm90(128, True, True, varlen, False)
+    key = ld.launch_key(_BF16, 128, 128, 1, 64, state_v_first=True)
+    cache.compiled_kernel(key, lambda: ld._compile(ld._config_for(key), key[-1]))
+
+
+OPS: dict[str, Callable[[str], None]] = {"kda.chunk": _kda_chunk, "kda.decode": _kda_decode, "lightning": _lightning}
+
+
+def planner_variants(scope: str = "full", ops: tuple[str, ...] | None = None) -> dict[tuple, Callable[[], Any]]:
+    """``{compile key: build function}`` of every variant the planners can select (see the module docstring).
+    Nothing is compiled, and the DSL is not imported."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    found: dict[tuple, Callable[[], Any]] = {}
+    if scope == "smoke":
+        with cache.recording() as seen:
+            _smoke()
+        return dict(seen)
+    for name in ops or tuple(OPS):
+        with cache.recording() as seen:
+            OPS[name](scope)
+        found.update(seen)
+    return found
+
+
+def variant_texts(scope: str = "full") -> set[str]:
+    """``cache.key_text`` of every variant in ``scope`` (what a manifest must cover)."""
+    return {cache.key_text(k) for k in planner_variants(scope)}
+
+
+if __name__ == "__main__":  # python -m cula.variants: the count of each scope, by kernel family
+    for scope in SCOPES:
+        families: dict[str, int] = {}
+        for key in planner_variants(scope):
+            families[str(key[0])] = families.get(str(key[0]), 0) + 1
+        print(f"{scope}: {sum(families.values())} variants {families}")

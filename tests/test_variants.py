@@ -1,0 +1,207 @@
+"""The variant list (``cula.variants``) against what the public entry points actually ask for, on the CPU.
+
+Every call below runs on the cula-sm90 backends (``pretend_sm90``) with ``cula.cache.recording`` on: each compiled
+kernel a launcher asks for is recorded and stands in as a no-op, so nothing is compiled or launched. Whatever the
+planners request, through any path (the plan of a repeated call, the general path, training, packed sequences, the
+time-segmented launch, decode at T = 1 and multi-token, GVA), must be in ``planner_variants("full")``; the wheel
+scope must be part of the full one; and every Lightning variant listed must be reachable.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import cula.cache
+from cula import variants
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.fixture(scope="module")
+def full_list():
+    return set(variants.planner_variants("full"))
+
+
+@pytest.fixture
+def requested(monkeypatch, pretend_sm90):
+    """Record every variant asked for; FLA's intra stage (Triton) and CUDA streams stubbed on the CPU."""
+    import cula.backends
+    import cula.ops.kda.sm90.chunk_fwd as cf
+
+    def fla_intra(q, k, v, g, beta, *args, **kwargs):
+        B, T, _, K = q.shape
+        HV = v.shape[2]
+        w = torch.zeros(B, T, HV, K, dtype=q.dtype)
+        return w, w.clone(), w.clone(), w.clone(), torch.zeros(B, T, HV, 64, dtype=q.dtype), w.float(), None
+
+    class Stream:
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, ev):
+            pass
+
+    class Event:
+        def record(self, stream):
+            pass
+
+    import contextlib
+
+    monkeypatch.setattr(cf, "_intra_fla", fla_intra)
+    monkeypatch.setattr(cf, "_side_streams", {})
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    cula.backends.clear_plan_caches()
+    with cula.cache.recording() as seen:
+        yield seen
+    cula.backends.clear_plan_caches()
+
+
+def _rnd(*shape, dtype=BF16, requires_grad=False):
+    return (0.1 * torch.randn(*shape)).to(dtype).requires_grad_(requires_grad)
+
+
+def _sampled(grid, every: int):
+    """Every ``every``-th combination of ``grid`` (a deterministic spread over all axes), and the first and last."""
+    combos = list(itertools.product(*grid))
+    return combos[::every] + [combos[-1]]
+
+
+def _chunk_calls():
+    from cula.kda import chunk_kda
+
+    grid = (
+        (BF16, FP16), (FP32, BF16, FP16), (BF16, FP16, FP32),  # q/k/v, g, beta
+        ("plain", "safe_logspace", "safe_sigmoid", "softplus"),  # gate form
+        (False, True), ((False, False), (True, False), (True, True)),  # l2norm, (beta sigmoid, neg eigval)
+        (False, True), (False, True), (False, True),  # initial state, final state, state_v_first
+        ("fixed", "packed", "segmented", "training"),
+    )
+    for io, g_dt, b_dt, gate, l2, (sig, neg), h0, ht, svf, form in _sampled(grid, 23):
+        H, HV, K = 1, 2, 128  # GVA
+        B, T = (1, 130) if form in ("packed", "segmented") else (2, 70)
+        train = form == "training"
+        x = dict(q=_rnd(B, T, H, K, dtype=io, requires_grad=train), k=_rnd(B, T, H, K, dtype=io),
+                 v=_rnd(B, T, HV, K, dtype=io), g=-_rnd(B, T, HV, K, dtype=g_dt).abs(),
+                 beta=_rnd(B, T, HV, dtype=b_dt))  # fmt: skip
+        kw = dict(use_qk_l2norm_in_kernel=l2, use_beta_sigmoid_in_kernel=sig, allow_neg_eigval=neg,
+                  output_final_state=ht, state_v_first=svf)  # fmt: skip
+        if gate.startswith("safe"):
+            kw["safe_gate"] = True
+        if gate in ("safe_sigmoid", "softplus"):
+            kw.update(use_gate_in_kernel=True, A_log=_rnd(HV, dtype=FP32), dt_bias=_rnd(HV * K, dtype=FP32))
+            if gate == "safe_sigmoid":
+                kw["lower_bound"] = -5.0
+        N = B
+        if form == "packed":
+            kw["cu_seqlens"] = torch.tensor([0, 50, 130], dtype=torch.int32)
+            kw["cu_seqlens_cpu"] = kw["cu_seqlens"]
+            N = 2
+        if h0:
+            kw["initial_state"] = _rnd(N, HV, K, K, dtype=FP32)
+        yield form, x, kw, chunk_kda
+
+
+def test_chunk_kda_requests_are_listed(requested, full_list, monkeypatch):
+    import cula.ops.kda.sm90.chunk_fwd as cf
+
+    calls = 0
+    for form, x, kw, chunk_kda in _chunk_calls():
+        monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", 64 if form == "segmented" else None)
+        for _ in range(2):  # the second call of a signature takes its plan (the fused launch)
+            with torch.no_grad() if form != "training" else torch.enable_grad():
+                chunk_kda(**x, **kw)
+        calls += 1
+    families = {k[0] for k in requested}
+    assert families == {"kda.intra", "kda.delta_h_fwd_o", "kda.fwd_launch"}, families
+    missing = [cula.cache.key_text(k) for k in requested if k not in full_list]
+    assert not missing, f"{len(missing)} of {len(requested)} requested variants are not listed: {missing[:3]}"
+    assert calls > 100
+
+
+def test_decode_requests_are_listed(requested, full_list):
+    from cula.kda import fused_recurrent_kda, kda_decode, kda_decode_step
+    from cula.lightning import lightning_decode
+
+    grid = (
+        (BF16, FP16), (FP32, BF16, FP16), (FP32, BF16), (64, 128),
+        ("none", "softplus", "lower_bound", "lower_bound_no_a"), (False, True), ((False, False), (True, True)),
+        (False, True), (False, True), (1, 2, 4, 8), (1, 16),  # state_v_first, step_states, T, N
+    )
+    for io, g_dt, b_dt, d, gate, l2, (sig, neg), svf, step, T, N in _sampled(grid, 13):
+        H, HV = 1, 2 if N == 1 else 64  # N x HV reaches the column kernels' state counts at N = 16
+        q, k, v = _rnd(N, T, H, d, dtype=io), _rnd(N, T, H, d, dtype=io), _rnd(N, T, HV, d, dtype=io)
+        g, beta = _rnd(N, T, HV, d, dtype=g_dt), _rnd(N, T, HV, dtype=b_dt)
+        pool = torch.empty(N + 1, HV, d, d)  # never read: the kernels are stubs
+        idx = torch.arange(N, dtype=torch.int32)
+        kw = dict(use_qk_l2norm_in_kernel=l2, use_beta_sigmoid_in_kernel=sig, allow_neg_eigval=neg,
+                  state_v_first=svf, use_gate_in_kernel=gate != "none")  # fmt: skip
+        if gate != "none":
+            kw["dt_bias"] = _rnd(HV * d, dtype=FP32)
+            if gate != "lower_bound_no_a":
+                kw["A_log"] = _rnd(HV, dtype=FP32)
+            if gate.startswith("lower_bound"):
+                kw["lower_bound"] = -5.0
+        steps = torch.empty(N, T, HV, d, d) if step else None
+        kda_decode(q, k, v, g, beta, pool, idx, step_states=steps, **kw)
+        kda_decode_step(pool, idx, **{n: a for n, a in kw.items()})(q, k, v, g, beta, step_states=steps)
+        if T == 1 and g_dt != FP16:  # FLA's in-place pool form
+            fused_recurrent_kda(q.transpose(0, 1).reshape(N, 1, H, d), k, v, g, beta, initial_state=pool,
+                                ssm_state_indices=idx, inplace_final_state=True,
+                                **{n: a for n, a in kw.items() if n != "allow_neg_eigval" or a})  # fmt: skip
+        if io in (BF16, FP16):
+            lightning_decode(q, k, v, torch.rand(HV), pool, idx, state_v_first=svf)
+    families = {k[0] for k in requested}
+    assert families == {"kda_decode_sm90", "lightning_decode_sm90"}, families
+    missing = [cula.cache.key_text(k) for k in requested if k not in full_list]
+    assert not missing, f"{len(missing)} of {len(requested)} requested variants are not listed: {missing[:3]}"
+
+
+def test_lightning_variants_all_reachable(requested):
+    """Every listed Lightning variant (prefill and decode) is asked for by some public call."""
+    from cula.lightning import lightning_attn_fwd, lightning_decode
+
+    for d, h0, ht, packed, svf in itertools.product((64, 128), (False, True), (False, True), (False, True),
+                                                    (False, True)):  # fmt: skip
+        B, T, HV = (1, 100, 2) if packed else (2, 50, 2)
+        q, k, v = _rnd(B, T, 1, d), _rnd(B, T, 1, d), _rnd(B, T, HV, d)
+        kw = dict(output_final_state=ht, state_v_first=svf)
+        if packed:
+            kw["cu_seqlens"] = torch.tensor([0, 30, 100], dtype=torch.int32)
+        if h0:
+            kw["initial_state"] = _rnd(2, HV, d, d, dtype=FP32)
+        with torch.no_grad():
+            lightning_attn_fwd(q, k, v, torch.rand(HV), **kw)
+    for io, d, svf, T, N in itertools.product((BF16, FP16), (64, 128), (False, True), range(1, 9), (1, 16)):
+        HV = 2 if N == 1 else 256
+        q, k, v = _rnd(N, T, 1, d, dtype=io), _rnd(N, T, 1, d, dtype=io), _rnd(N, T, HV, d, dtype=io)
+        lightning_decode(q, k, v, torch.rand(HV), torch.empty(N, HV, d, d), torch.arange(N, dtype=torch.int32),
+                         state_v_first=svf, check_indices=False)  # fmt: skip
+    listed = set(variants.planner_variants("full", ops=("lightning",)))
+    assert set(requested) == listed, (len(set(requested) - listed), len(listed - set(requested)))
+
+
+def test_scopes_nest(full_list):
+    wheel = set(variants.planner_variants("wheel"))
+    smoke = set(variants.planner_variants("smoke"))
+    assert smoke <= wheel <= full_list
+    assert {k[0] for k in smoke} == {k[0] for k in full_list}  # every kernel family in CI's wheel
+    assert all("(9, 0)" in cula.cache.key_text(k) for k in full_list)  # sm_90a only
+
+
+def test_recording_compiles_nothing(monkeypatch):
+    """Listing the variants builds none of them (it is a dictionary of build functions)."""
+    built = []
+    monkeypatch.setattr(cula.cache, "_obtain", lambda key, build: built.append(key))
+    listed = variants.planner_variants("smoke")
+    assert listed and not built and all(callable(b) for b in listed.values())
