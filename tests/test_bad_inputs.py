@@ -1117,3 +1117,46 @@ def test_float64_gates_run_where_they_are_supported(fake_kernels, caplog):
         _fn("cula.kda", "kda_decode")(dict(call, g=call["g"].double()))
     assert fake_kernels == [("run", "kda.kda_decode", "reference")]
     assert "cula-sm90: g dtype torch.float64" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["kda", "lightning"])
+@pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
+def test_unchecked_index_past_the_pool_writes_nothing_outside_gpu(op, state_v_first):
+    """``check_indices=False`` with an index past the pool: the pool is a view of a larger buffer, and the rows
+    behind it (and every pool row no sequence owns) keep their bits; the other sequences match the reference. The
+    register kernels skip such a slot ([V, K] pools at T=1), the TMA box kernels' accesses are clipped to the pool
+    ([K, V] pools)."""
+    from cula.kda import kda_decode
+    from cula.lightning import lightning_decode
+
+    dev, N, H, HV, D, P = "cuda", 3, 1, 2, 128, 4
+    gen = torch.Generator(dev).manual_seed(11)
+
+    def rnd(*shape, dtype=torch.bfloat16, s=1.0):
+        return (s * torch.randn(*shape, generator=gen, device=dev)).to(dtype)
+
+    buffer = rnd(P + 3, HV, D, D, dtype=torch.float32, s=0.1)
+    pool = buffer[:P]
+    before = buffer.clone()
+    idx = torch.tensor([2, P + 1, 0], dtype=torch.int32, device=dev)
+    q, k, v = rnd(N, 1, H, D), rnd(N, 1, H, D), rnd(N, 1, HV, D)
+    if op == "kda":
+        g, beta = rnd(N, 1, HV, D, dtype=torch.float32), rnd(N, 1, HV, dtype=torch.float32)
+        run = lambda pool_, idx_: kda_decode(q, k, v, g, beta, pool_, idx_, lower_bound=-5.0,  # noqa: E731
+                                             state_v_first=state_v_first, check_indices=False)  # fmt: skip
+    else:
+        decay = torch.linspace(0.1, 1.0, HV, device=dev)
+        run = lambda pool_, idx_: lightning_decode(q, k, v, decay, pool_, idx_,  # noqa: E731
+                                                   state_v_first=state_v_first, check_indices=False)  # fmt: skip
+    o = run(pool, idx)
+    torch.cuda.synchronize()
+    assert torch.equal(buffer[P:].view(torch.int32), before[P:].view(torch.int32)), "rows behind the pool changed"
+    for row in (1, 3):  # no sequence owns them
+        assert torch.equal(buffer[row].view(torch.int32), before[row].view(torch.int32)), f"pool row {row} changed"
+    # the sequences with valid slots, against the same call with the bad one marked padded
+    ref_pool = before[:P].clone()
+    o_ref = run(ref_pool, torch.tensor([2, -1, 0], dtype=torch.int32, device=dev))
+    torch.cuda.synchronize()
+    assert torch.equal(o[[0, 2]].view(torch.int16), o_ref[[0, 2]].view(torch.int16))
+    assert torch.equal(pool.view(torch.int32), ref_pool.view(torch.int32))

@@ -53,6 +53,9 @@ Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in
 per dtype/flag combination); the pool's dim-0 stride may be any multiple of 4 elements (a slice of a larger
 buffer), the rest must be contiguous.
 Padded slots (``indices[n] < 0``) leave the pool and ``step_states`` untouched and get **zeroed** output rows.
+An index past the pool (``>= P``, which callers may leave unchecked) touches no memory outside it: the register
+kernels skip it as a padded slot; the TMA box kernels' loads and stores are clipped to the pool by the TMA unit (the
+output rows are then unspecified).
 """
 from __future__ import annotations
 
@@ -406,7 +409,8 @@ class KdaDecodeSm90:
         if unit < units:
             n, h, hv, vs, v0 = self._unit_coords(unit, HV, H, lv)
             slot = mIdx[n]
-            if slot >= 0:
+            # a slot past the pool (an unchecked index) is skipped like a padded one: no access outside the pool
+            if (slot >= 0) & (slot < mState.shape[0]):
                 # state tile -> registers first, so the loads fly during token preprocessing
                 gS = self._state_view(mState[slot, hv, None, None], lk, v0)
                 cute.autovec_copy(gS, tS)

@@ -61,6 +61,9 @@ Supported: q/k/v/out bf16 or fp16; K in {64, 128}; V a multiple of 64; any H, HV
 tokens run one after the other with the state kept in registers; written back once) and pool size at run
 time; the pool's dim-0 stride may be any multiple of 4 elements, the inner dims must be contiguous.
 Padded slots (``indices[n] < 0``) leave the pool untouched and get **zeroed** output rows.
+An index past the pool (``>= P``, which callers may leave unchecked) touches no memory outside it: the register
+kernels skip it as a padded slot; the TMA box kernels' loads and stores are clipped to the pool by the TMA unit (the
+output rows are then unspecified).
 """
 from __future__ import annotations
 
@@ -255,7 +258,8 @@ class LightningDecodeSm90(LightningDecodeTile):
                 inner0 = sub * self.slice_v + l_in * VEC  # first v of this lane
                 row_stride = self.V
 
-            if slot >= 0:
+            # a slot past the pool (an unchecked index) is skipped like a padded one: no access outside the pool
+            if (slot >= 0) & (slot < mState.shape[0]):
                 # 1) every load of the unit, state first, before any of them is used
                 gS = self._lane_tile(mState[slot, hv, None, None].iterator, row0, inner0, row_stride)
                 cute.copy(ld_atom, gS, tS)
