@@ -483,3 +483,14 @@ def test_lightning_decode_quick_on_gpu(tmp_path):
     # main() measures the bound-step form too (cula_step_call), beside the public call and the yardstick
     assert set(meta["host_overhead_us"]["decode-N1-vk"]) == {"fla", "cula", "cula_step", "host_yardstick"}
     assert paths["json"].name == "lightning_decode_subset.json"
+
+
+def test_lightning_time_parallel_suite_and_cli():
+    cfgs = lp.tp_suite()
+    names = [c.name for c in cfgs]
+    assert len(names) == len(set(names))
+    assert "H4-B1-T65536" in names and "H4-pack-64K+5x1K" in names
+    assert [c.name for c in lp.tp_suite(quick=True)] == list(lp.TP_QUICK)
+    pack = next(c for c in cfgs if c.varlen)
+    assert pack.T == 65536 + 5 * 1024 and pack.N == 6
+    assert lp.parse_args(["--time-parallel"]).time_parallel and not lp.parse_args([]).time_parallel

@@ -120,9 +120,39 @@ def _chunk_cula_sm90(
         return _LightningTraining.apply(
             q, k, v, g_gamma, initial_state, scale, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu
         )
+    plan = _time_split_plan(q, v, cu_seqlens, cu_seqlens_cpu)
+    if plan is not None:
+        from cula.lightning.time_parallel import time_parallel_forward
+
+        return time_parallel_forward(
+            _lightning_forward, plan, q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first,
+            cu_seqlens,
+        )  # fmt: skip
     return _lightning_forward(
         q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens
     )
+
+
+def _time_split_plan(q, v, cu_seqlens, cu_seqlens_cpu):
+    """The time-parallel cut of this inference call (``cula.lightning.time_parallel``), or None to run it unsplit.
+
+    Lengths come from the shapes or ``cu_seqlens_cpu`` only: reading ``cu_seqlens`` would sync with the device.
+    """
+    from cula.arch import device_arch
+    from cula.lightning import time_parallel as tp
+
+    thresholds = tp.thresholds_for(device_arch(q.device))
+    if thresholds is None:
+        return None
+    B, T, HV = v.shape[:3]
+    if cu_seqlens is None:
+        lengths = (T,) * B
+    elif cu_seqlens_cpu is not None:
+        bounds = cu_seqlens_cpu.tolist()
+        lengths = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    else:
+        return None
+    return tp.plan_time_split(lengths, HV, tp.sm_count(q.device.index or 0), thresholds)
 
 
 def _expand_gva(args: dict) -> dict:
