@@ -345,9 +345,11 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         compile_seconds = getattr(cula.cache, "compile_seconds", None)
         if compile_seconds is not None:
             meta["cula_compile_s"] = {repr(k): round(v, 3) for k, v in compile_seconds().items()}
-        from cula.ops.kda.sm90 import chunk_fwd
+        import dataclasses
 
-        meta["cula_intra"] = {"auto_max_token_heads": chunk_fwd.CUTE_INTRA_AUTO_MAX_TOKEN_HEADS}
+        from cula.kda.plan import KDA_TUNING
+
+        meta["cula_tuning"] = dataclasses.asdict(KDA_TUNING.get((9, 0)))
     except ImportError:
         pass
 

@@ -21,6 +21,7 @@ Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DI
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import time
@@ -144,8 +145,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         raise SystemExit("bench_kda_training needs a CUDA GPU")
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    import cula.kda.backends as kb
     from cula.kda import chunk_kda as cula_chunk_kda
+    from cula.kda.plan import KDA_TUNING
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
@@ -157,7 +158,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
         "FLA_CULA": os.environ.get("FLA_CULA"),
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
-        "CHUNK_TRAINING_ON_CULA": kb.CHUNK_TRAINING_ON_CULA,
+        "cula_tuning": dataclasses.asdict(KDA_TUNING.get((9, 0))),
         "shape": {"H": kp.H, "HV": kp.HV, "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
                   "state": "float32"},  # fmt: skip
         "call_flags": kp.CALL_FLAGS,

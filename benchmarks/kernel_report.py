@@ -81,31 +81,27 @@ def _kda_decode_inputs(N: int, T: int, state_v_first: bool, steps: bool) -> tupl
 
 
 def report_kda_decode() -> list[dict]:
-    import cula.ops.kda.sm90.decode as Dk
+    from cula.kda.plan import KDA_TUNING, kda_decode_launcher, kda_decode_sm90
 
     rows = []
-    wide_default = Dk.WIDE_KV_DEFAULT
-    try:
-        for state_v_first, wide in ((False, False), (False, True), (True, False)):
-            Dk.WIDE_KV_DEFAULT = wide
-            for N, T, steps in ((1, 1, False), (64, 1, False), (256, 1, False), (64, 4, False), (64, 4, True)):
-                *tensors, step = _kda_decode_inputs(N, T, state_v_first, steps)
-                call = functools.partial(
-                    Dk.kda_decode_sm90, *tensors, scale=K**-0.5, gate="softplus", lower_bound=None,
-                    use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first,
-                    step_states=step,
-                )  # fmt: skip
+    for state_v_first, wide in ((False, False), (False, True), (True, False)):
+        for N, T, steps in ((1, 1, False), (64, 1, False), (256, 1, False), (64, 4, False), (64, 4, True)):
+            *tensors, step = _kda_decode_inputs(N, T, state_v_first, steps)
+            call = functools.partial(
+                kda_decode_sm90, *tensors, scale=K**-0.5, gate="softplus", lower_bound=None, use_qk_l2norm=True,
+                beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first, step_states=step,
+            )  # fmt: skip
+            with KDA_TUNING.override(wide_kv=wide):
                 us = kernel_us(call)
-                state_bytes = N * HV * K * V * 4 * (1 + (T if steps else 1))
-                layout = ("vk" if state_v_first else "kv") + (" wide" if wide else "")
-                rows.append({"report": "kda-decode", "variant": layout, "N": N, "T": T, "step_states": steps,
-                             "kernel_us": us, "state_tbps": state_bytes / us / 1e6, "host_us": host_us(call)})
-    finally:
-        Dk.WIDE_KV_DEFAULT = wide_default
+                host = host_us(call)
+            state_bytes = N * HV * K * V * 4 * (1 + (T if steps else 1))
+            layout = ("vk" if state_v_first else "kv") + (" wide" if wide else "")
+            rows.append({"report": "kda-decode", "variant": layout, "N": N, "T": T, "step_states": steps,
+                         "kernel_us": us, "state_tbps": state_bytes / us / 1e6, "host_us": host})
 
     def variant_us(N: int, state_v_first: bool, **variant) -> float:
         q, k, v, g, beta, A_log, dt_bias, pool, indices, out, _ = _kda_decode_inputs(N, 1, state_v_first, False)
-        launch = Dk.kda_decode_launcher(
+        launch = kda_decode_launcher(
             io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=V, gate="softplus", has_a_log=True,
             has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
             state_v_first=state_v_first, has_step_states=False, wide_kv=False, **variant,
@@ -218,7 +214,7 @@ def report_kda_intra() -> list[dict]:
 def report_kda_states() -> list[dict]:
     from fla.ops.kda import chunk_kda
 
-    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.kda.forward import chunk_kda_fwd_sm90
     from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 
     q, k, v, g, beta = _kda_prefill_inputs()

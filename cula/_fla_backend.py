@@ -174,11 +174,11 @@ def _wy_dqkg_decision(args: tuple, kwargs: dict):
     if call["kwargs"]:
         return False, f"arguments FLA 0.6.0's stage does not take: {', '.join(call['kwargs'])}"
     q, k, v = call["q"], call["k"], call["v"]
-    # the dtypes cula's training path hands this stage (bf16, and fp16 with CHUNK_FP16_ON_CULA)
+    # the dtypes cula's training path hands this stage
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q dtype {q.dtype} (cula's launch of this stage runs bf16 / fp16 calls)"
     return fla_backward.launch_verdict(
-        fla_backward.WY_DQKG_LAUNCH, q, call["use_graph"], k.shape[-1], v.shape[-1], call["chunk_size"]
+        fla_backward.wy_dqkg_launch(q.device), q, call["use_graph"], k.shape[-1], v.shape[-1], call["chunk_size"]
     )
 
 
@@ -196,7 +196,7 @@ def _wy_dqkg(*args, **kwargs):
     return fla_backward.launch_wy_dqkg(
         c["q"], c["k"], c["v"], c["v_new"], c["g"], c["beta"], c["A"], c["h"], c["do"], c["dh"], c["dv"],
         c["scale"], c["state_v_first"], c["cu_seqlens"], c["chunk_size"], c["chunk_indices"],
-        fla_backward.WY_DQKG_LAUNCH,
+        fla_backward.wy_dqkg_launch(c["q"].device),
     )  # fmt: skip
 
 

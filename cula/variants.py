@@ -5,7 +5,7 @@ drives the public entry points over a grid of calls and checks that every varian
 listed here). The list is made by calling the launchers' own selection code (``kda_decode_launcher``,
 ``lightning_decode.launch_key``, the chunk kernels' ``get_compiled``) under ``cula.cache.recording``, over the whole
 domain of the arguments their backends accept; only the chunk forward's choice between its launch forms
-(``chunk_fwd``'s plan, general and time-segmented paths) is restated here, and the test keeps it honest.
+(``cula.kda.forward``'s plan, general and time-segmented paths) is restated here, and the test keeps it honest.
 
 ``scope``: ``"full"`` is everything selectable; ``"wheel"`` the part a prebuilt wheel ships (``WHEEL_DTYPES``:
 the dtypes models use; the rest of the full list JIT-compiles where the DSL is installed, and runs on FLA where it
@@ -27,7 +27,7 @@ SCOPES = ("full", "wheel", "smoke")
 _BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
 # dtypes of the full domain, per role, as the backends' verifiers accept them
 FULL_DTYPES = {
-    "io": (_BF16, _FP16),  # q / k / v (chunk_kda: CHUNK_FP16_ON_CULA; decode: both)
+    "io": (_BF16, _FP16),  # q / k / v
     "g": (_FP32, _BF16, _FP16),
     "beta": (_BF16, _FP16, _FP32),
     "decode_beta": (_FP32, _BF16),
@@ -42,11 +42,11 @@ def _dtypes(scope: str) -> dict:
 
 
 def _kda_chunk(scope: str) -> None:
-    """``chunk_kda`` on cula-sm90 (``cula.ops.kda.sm90.chunk_fwd``): the state/output kernel after FLA's intra
+    """``chunk_kda`` on cula-sm90 (``cula.kda.forward``): the state/output kernel after FLA's intra
     stage; cula's intra kernel (``safe_gate``: gate none or the lower-bound sigmoid) with it, in the general path
     (inference and training, which also writes Akk), in one fused launch (the plan of a repeated contiguous
     inference call, fixed length or packed), and as separate kernels in time segments (B = 1, long T)."""
-    from cula.ops.kda.sm90 import chunk_fwd as cf
+    from cula.kda import forward as cf
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import fwd_launch, intra
 
@@ -54,7 +54,7 @@ def _kda_chunk(scope: str) -> None:
     for dt, varlen, h0, ht, svf, causal in itertools.product(d["io"], _B, _B, _B, _B, _B):
         dh.get_compiled(dtype=dh._TORCH_TO_CUTLASS[dt], varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                         aqk_causal=causal)  # fmt: skip
-    # cf._use_cute_intra: the log-space gate or the lower-bound sigmoid (the softplus gate has no bound)
+    # cula.kda.plan.use_cula_intra: the log-space gate or the lower-bound sigmoid (the softplus gate has no bound)
     cute_gates = [cf._gate_kind(fused, lb) for fused, lb in ((False, None), (True, -1.0))]
     for dt, g_dt, b_dt, gate, l2, beta_act in itertools.product(
         d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS
@@ -73,18 +73,18 @@ def _kda_decode(scope: str) -> None:
     """``kda_decode`` / ``kda_decode_step`` / ``fused_recurrent_kda``'s pool form on cula-sm90: every flag
     combination at every T (1..``DECODE_MAX_TOKENS``), below and above the state counts where the tile changes."""
     from cula._validate import DECODE_MAX_TOKENS
-    from cula.ops.kda.sm90 import decode as kd
+    from cula.kda.plan import KDA_TUNING, kda_decode_launcher
 
     d = _dtypes(scope)
     gates = [("none", False, False), ("softplus", True, False), ("softplus", True, True)]
     gates += [("lower_bound", a, b) for a, b in itertools.product(_B, _B)]
     betas = [(False, False), (True, False), (True, True)]  # (sigmoid, allow_neg_eigval)
-    states = (1, kd.KV_COLS_MIN_STATES)
+    states = (1, KDA_TUNING.get((9, 0)).kv_cols_min_states)
     for io, g_dt, b_dt, kv, (gate, a_log, bias), l2, (sig, neg), svf, step, tokens, n in itertools.product(
         d["io"], d["g"], d["decode_beta"], (64, 128), gates, _B, betas, _B, _B, range(1, DECODE_MAX_TOKENS + 1),
         states,
     ):  # fmt: skip
-        kd.kda_decode_launcher(
+        kda_decode_launcher(
             io_dtype=io, g_dtype=g_dt, beta_dtype=b_dt, K=kv, V=kv, gate=gate, has_a_log=a_log, has_dt_bias=bias,
             use_qk_l2norm=l2, beta_sigmoid=sig, allow_neg_eigval=neg, state_v_first=svf, has_step_states=step,
             tokens=tokens, states=n,
@@ -110,7 +110,7 @@ def _lightning(scope: str) -> None:
 def _smoke() -> None:
     """The variants of the calls ``scripts/device/wheel_check.py`` makes (and CI's wheel build compiles): one
     configuration of every kernel family, FLA's flags as models pass them."""
-    from cula.ops.kda.sm90 import decode as kd
+    from cula.kda.plan import kda_decode_launcher
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import fwd_launch, intra
     from cula.ops.lightning.sm90 import chunk_fwd as lc
@@ -129,7 +129,7 @@ def _smoke() -> None:
         dh.get_compiled(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
     # kda_decode's defaults (softplus gate with A_log and dt_bias, L2 norm, beta sigmoid, [V, K] pool), T = 1 and 4
     for tokens in (1, 4):
-        kd.kda_decode_launcher(
+        kda_decode_launcher(
             io_dtype=_BF16, g_dtype=_FP32, beta_dtype=_FP32, K=128, V=128, gate="softplus", has_a_log=True,
             has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
             has_step_states=False, tokens=tokens, states=64,

@@ -121,7 +121,7 @@ def kda_packed_fla_intra():
 
 @case
 def kda_segmented_b1():
-    # B=1 and T >= OVERLAP_STATE_MIN_TOKENS: intra and state kernels of time segments on two streams
+    # B=1 and T >= KdaTuning.overlap_state_min_tokens: intra and state kernels of time segments on two streams
     _kda_chunk(1, 4096 + 65, 1, 1, h0=True)
 
 
@@ -169,10 +169,10 @@ def kda_decode_t1_kv_tma():
 
 @case
 def kda_decode_t1_kv_cols():
-    # from KV_COLS_MIN_STATES (N x HV) states the [K, V] pool runs by column from shared memory
-    from cula.ops.kda.sm90 import decode
+    # from kv_cols_min_states (N x HV) states the [K, V] pool runs by column from shared memory
+    from cula.kda.plan import KDA_TUNING
 
-    _kda_decode_call(decode.KV_COLS_MIN_STATES // 16, 1, 16, 16, v_first=False)
+    _kda_decode_call(KDA_TUNING.get((9, 0)).kv_cols_min_states // 16, 1, 16, 16, v_first=False)
 
 
 @case

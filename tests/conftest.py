@@ -93,3 +93,26 @@ def pretend_sm90(monkeypatch):
     monkeypatch.setattr(cula.backends, "cuda_only", lambda dev: (True, None))
     monkeypatch.setattr(cula.backends, "has_package", lambda name: True)
     monkeypatch.setattr(cula.arch, "device_arch", lambda dev: (9, 0))
+
+
+def _tuning_fixture(table):
+    """A fixture function: ``set(**changes)`` overrides the sm_90 entry of ``table`` until the test ends (plans made
+    under other numbers dropped on the way in and out)."""
+
+    @pytest.fixture
+    def fixture():
+        import contextlib
+
+        with contextlib.ExitStack() as stack:
+            yield lambda **changes: stack.enter_context(table().override((9, 0), **changes))
+
+    return fixture
+
+
+def _kda_table():
+    from cula.kda.plan import KDA_TUNING
+
+    return KDA_TUNING
+
+
+kda_tuning = _tuning_fixture(_kda_table)

@@ -178,7 +178,7 @@ def _same(a, b, inputs):
 @pytest.mark.parametrize("state_v_first", [False, True])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_bound_launch_passes_what_the_general_path_passes(counted, fake_sm90, state_v_first, with_state):
-    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.kda.forward import chunk_kda_fwd_sm90
 
     x = _inputs()
     if not with_state:
@@ -213,7 +213,7 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, fake_sm90, st
 @pytest.mark.parametrize("state_v_first,with_state", [(False, True), (True, True), (True, False)])
 def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
     """The bound launch (both kernels from one host call, fwd_launch) against the general path, bit for bit."""
-    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.kda.forward import chunk_kda_fwd_sm90
 
     x = _inputs("cuda")
     if not with_state:
@@ -272,11 +272,10 @@ def _varlen_inputs(lens, seed=0, cu_dtype=torch.int32):
 
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
 def test_varlen_plan_passes_what_the_general_path_passes(counted, fake_sm90, monkeypatch, cu_dtype):
-    """VARLEN_PLANS: packed sequences of new total lengths reuse one plan (validated once), and each call hands
+    """Packed sequences of new total lengths reuse one plan (validated once), and each call hands
     the kernels what the general path hands them, chunk indices included (a zero-length sequence among them)."""
-    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.kda.forward import chunk_kda_fwd_sm90
 
-    monkeypatch.setattr(chunk_mod, "VARLEN_PLANS", True)
     for i, lens in enumerate(([40, 0, 130, 64], [3, 64, 200, 1], [0, 0, 0, 65])):
         x, cus = _varlen_inputs(lens, seed=i, cu_dtype=cu_dtype)
         with torch.no_grad():
@@ -304,7 +303,6 @@ def test_varlen_plan_passes_what_the_general_path_passes(counted, fake_sm90, mon
 def test_varlen_plan_checks_every_call(counted, fake_sm90, monkeypatch):
     """A cached varlen plan still refuses bad boundaries, before any kernel runs; other changes to what validation
     reads (lengths that differ between tensors, non-contiguous inputs) take the general path and its errors."""
-    monkeypatch.setattr(chunk_mod, "VARLEN_PLANS", True)
     x, cus = _varlen_inputs([40, 0, 130, 64])
     with torch.no_grad():
         chunk_kda(**x, **FLAGS, **cus)
@@ -323,8 +321,9 @@ def test_varlen_plan_checks_every_call(counted, fake_sm90, monkeypatch):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
 def test_varlen_plan_bit_identical_cuda(counted, monkeypatch, cu_dtype):
-    """VARLEN_PLANS: packed calls of three total lengths through one plan (both kernels from one host call, the
-    chunk indices from cu_seqlens_cpu) against the general path, bit for bit, zero-length sequences included."""
+    """Packed calls of three total lengths through one plan (both kernels from one host call, the chunk indices from
+    cu_seqlens_cpu) against the general path (no host copy of the boundaries), bit for bit, zero-length sequences
+    included."""
     from cula.backends import clear_plan_caches
 
     clear_plan_caches()
@@ -334,9 +333,9 @@ def test_varlen_plan_bit_identical_cuda(counted, monkeypatch, cu_dtype):
             x = {n: t.cuda() for n, t in x.items()}
             cus["cu_seqlens"] = cus["cu_seqlens"].cuda()
             outs = []
-            for on in (False, True):  # the general path, then the plan
-                monkeypatch.setattr(chunk_mod, "VARLEN_PLANS", on)
-                outs.append(chunk_kda(**x, **FLAGS, **cus))
+            for host_copy in (False, True):  # the general path, then the plan
+                outs.append(chunk_kda(**x, **FLAGS, **dict(cus, cu_seqlens_cpu=cus["cu_seqlens_cpu"] if host_copy
+                                                            else None)))  # fmt: skip
             torch.cuda.synchronize()
             (o0, s0), (o1, s1) = outs
             assert not torch.isnan(o1).any() and not torch.isnan(s1).any()
@@ -403,18 +402,18 @@ def test_inputs_needing_a_copy_take_the_general_path(counted, fake_sm90):
 
 @pytest.mark.parametrize("growth", [None, 4])
 @pytest.mark.parametrize("T_", [128, 1100, 2048, 4133, 16384, 100_000])
-def test_segment_bounds_cover_whole_chunks(T_, growth, monkeypatch):
-    import cula.ops.kda.sm90.chunk_fwd as cf
-    from cula.ops.kda.sm90.chunk_fwd import _MAX_SEGMENTS, _segment_bounds
+def test_segment_bounds_cover_whole_chunks(T_, growth):
+    from cula.kda.plan import KdaTuning, segment_bounds
 
-    monkeypatch.setattr(cf, "_SEGMENT_GROWTH", growth)
-    bounds = _segment_bounds(T_)
-    if growth is not None and T_ >= 2 * cf._LAST_SEGMENT_TOKENS:
-        assert cf._LAST_SEGMENT_TOKENS <= bounds[-1][1] - bounds[-1][0] < cf._LAST_SEGMENT_TOKENS + 64
+    tuning = KdaTuning(segment_growth=growth)
+    bounds = segment_bounds(T_, tuning)
+    last = tuning.last_segment_tokens
+    if growth is not None and T_ >= 2 * last:
+        assert last <= bounds[-1][1] - bounds[-1][0] < last + 64
     assert bounds[0][0] == 0 and bounds[-1][1] == T_
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert all((t1 - t0) % 64 == 0 and t1 > t0 for t0, t1 in bounds[:-1]) and bounds[-1][1] > bounds[-1][0]
-    assert 2 <= len(bounds) <= _MAX_SEGMENTS
+    assert 2 <= len(bounds) <= tuning.max_segments
 
 
 def _b1_inputs(T_: int, seed: int) -> dict:
@@ -429,13 +428,13 @@ def _b1_inputs(T_: int, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("with_h0", [False, True])
-def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, with_h0):
-    """OVERLAP_STATE_MIN_TOKENS on the CPU with the kernels and CUDA streams stubbed: each segment's intra on the
+def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, kda_tuning, with_h0):
+    """Time segments (overlap_state_min_tokens) on the CPU with the kernels and CUDA streams stubbed: each segment's intra on the
     caller's stream, then its state kernel on the side stream after an event, the state handed from one segment's
     ht to the next one's h0, the caller's initial and final state at the ends."""
     import contextlib
 
-    import cula.ops.kda.sm90.chunk_fwd as cf
+    import cula.kda.forward as cf
 
     class Stream:
         def __init__(self, name="side", **_):
@@ -465,7 +464,7 @@ def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, with_h0):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
     monkeypatch.setattr(cf, "_side_streams", {})
-    monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", 64)
+    kda_tuning(overlap_state_min_tokens=64)
     x = {n: (t[:1] if t is not None and t.dim() > 1 else t) for n, t in _inputs().items()}
     if not with_h0:
         x["initial_state"] = None
@@ -493,11 +492,10 @@ def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, with_h0):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 @pytest.mark.parametrize("T_,with_h0,with_ht", [(1100, True, True), (4133, False, True), (2048, True, False)])
-def test_segmented_launch_bit_identical_cuda(counted, monkeypatch, T_, with_h0, with_ht):
-    """OVERLAP_STATE_MIN_TOKENS: a B=1 call in time segments (intra on the caller's stream, the recurrence of each
+def test_segmented_launch_bit_identical_cuda(counted, T_, with_h0, with_ht):
+    """overlap_state_min_tokens: a B=1 call in time segments (intra on the caller's stream, the recurrence of each
     segment on a side stream, the state handed on in fp32) returns the same bits as the one-piece bound launch."""
-    import cula.ops.kda.sm90.chunk_fwd as cf
-    from cula.backends import clear_plan_caches
+    from cula.kda.plan import KDA_TUNING
 
     x = _b1_inputs(T_, seed=T_)
     if not with_h0:
@@ -506,10 +504,9 @@ def test_segmented_launch_bit_identical_cuda(counted, monkeypatch, T_, with_h0, 
     outs = []
     with torch.inference_mode():
         for min_tokens in (None, 1024):
-            monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", min_tokens)
-            clear_plan_caches()
-            for _ in range(2):  # the general path plans, the second call runs the bound launch
-                o, s = chunk_kda(**x, **flags)
+            with KDA_TUNING.override(overlap_state_min_tokens=min_tokens):
+                for _ in range(2):  # the general path plans, the second call runs the bound launch
+                    o, s = chunk_kda(**x, **flags)
             torch.cuda.synchronize()
             outs.append((o, s))
     (o0, s0), (o1, s1) = outs
@@ -523,14 +520,10 @@ def test_segmented_launch_bit_identical_cuda(counted, monkeypatch, T_, with_h0, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
-def test_segmented_launch_in_cuda_graph(counted, monkeypatch):
+def test_segmented_launch_in_cuda_graph(counted, kda_tuning):
     """The segmented launch's side stream forks from and joins the capturing stream, so a CUDA graph of the call
     replays the same bits."""
-    import cula.ops.kda.sm90.chunk_fwd as cf
-    from cula.backends import clear_plan_caches
-
-    monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", 1024)
-    clear_plan_caches()
+    kda_tuning(overlap_state_min_tokens=1024)
     x = _b1_inputs(3000, seed=7)
     with torch.inference_mode():
         for _ in range(2):

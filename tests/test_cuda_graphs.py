@@ -5,7 +5,7 @@ for a few new draws of the inputs copied into the captured (static) tensors, poi
 and compares the replay bit for bit with an eager call on the same values; in-place state pools are reset to the
 same start before both. Packed ``chunk_kda`` / Lightning calls also change their boundaries between replays (same
 sequence count and total length): the graph makes the chunk indices on the device from ``cu_seqlens``, for a
-fixed number of rows bounded by the shapes (``chunk_fwd.device_chunk_indices``), while the eager call builds the
+fixed number of rows bounded by the shapes (``cula.kda.forward.device_chunk_indices``), while the eager call builds the
 exact ones on the host.
 
 Warm-up: a call's first run in a process compiles and loads its kernels (and FLA's Triton autotuner times its
@@ -54,7 +54,7 @@ def test_device_chunk_indices_match_the_host_ones(lens, cu_dtype):
     rows up to the shapes' bound name the last sequence at chunks past its end."""
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from cula.ops.kda.sm90.chunk_fwd import chunk_rows_bound, device_chunk_indices
+    from cula.kda.forward import chunk_rows_bound, device_chunk_indices
     from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
 
     cu = make_cu_seqlens(lens, dtype=cu_dtype)
@@ -73,7 +73,7 @@ def test_device_chunk_indices_match_the_host_ones(lens, cu_dtype):
 
 
 def test_chunk_rows_bound_holds_and_is_reached():
-    from cula.ops.kda.sm90.chunk_fwd import chunk_rows_bound, device_chunk_indices
+    from cula.kda.forward import chunk_rows_bound, device_chunk_indices
 
     rng = random.Random(0)
     for _ in range(300):
@@ -100,7 +100,6 @@ def stubbed_kernels(monkeypatch, pretend_sm90):
 
     seen = []
     monkeypatch.setattr(chunk_mod, "_plans", PlanCache())
-    monkeypatch.setattr(chunk_mod, "VARLEN_PLANS", True)
     monkeypatch.delenv("CULA_KDA_INTRA", raising=False)
     monkeypatch.setattr(intra, "get_compiled", lambda **kw: lambda *a: seen.append(("general", a[15])))
     monkeypatch.setattr(delta_h_fwd_o, "get_compiled", lambda **kw: lambda *a: None)
@@ -114,7 +113,7 @@ def stubbed_kernels(monkeypatch, pretend_sm90):
 def test_capture_takes_the_device_chunk_indices(stubbed_kernels, monkeypatch, host_copy):
     """While capturing (simulated), the plan (with ``cu_seqlens_cpu``) and the general path (without) make their chunk
     indices on the device, with the shapes' bound of rows, and never build them on the host."""
-    import cula.ops.kda.sm90.chunk_fwd as cf
+    import cula.kda.forward as cf
     from cula.ops.kda.sm90 import intra
 
     lens = [37, 0, 130, 64, 1]

@@ -150,6 +150,7 @@ def test_forced_backend_follows_the_environment(monkeypatch):
 @pytest.fixture
 def fake_sm90(monkeypatch, pretend_sm90):
     """Make CPU tensors look like an SM90 device with the DSL installed; kernels record their arguments."""
+    import cula.kda.plan as kplan
     import cula.ops.kda.sm90.decode as kops
     import cula.ops.lightning.sm90.decode as lops
 
@@ -160,7 +161,7 @@ def fake_sm90(monkeypatch, pretend_sm90):
         return lambda *args: calls.append(("launch", args))
 
     monkeypatch.setattr(kops, "kda_decode_variant", variant)
-    monkeypatch.setattr(kops, "kda_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
+    monkeypatch.setattr(kplan, "kda_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
     monkeypatch.setattr(lops, "lightning_decode_launcher",
                         lambda q, v, **kw: (calls.append(("variant", kw)),
                                             lambda *args: calls.append(("launch", args)))[1])  # fmt: skip
@@ -310,11 +311,9 @@ def test_lightning_decode_step_binds_the_real_launcher(counted_plans, pretend_sm
     _assert_same_launch(calls[1], calls[2], out_at=6)
 
 
-def test_single_token_cta_picks_the_one_slot_variant(counted_plans, fake_sm90, monkeypatch):
-    """SINGLE_TOKEN_CTA applies to T=1 calls only (a one-slot variant would run T>1 in rounds of one)."""
-    import cula.ops.kda.sm90.decode as kops
-
-    monkeypatch.setattr(kops, "SINGLE_TOKEN_CTA", (1, 20))
+def test_single_token_cta_picks_the_one_slot_variant(counted_plans, fake_sm90, kda_tuning):
+    """single_token_cta applies to T=1 calls only (a one-slot variant would run T>1 in rounds of one)."""
+    kda_tuning(single_token_cta=(1, 20))
     q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
     pool = pool.transpose(-1, -2).contiguous()
     A_log = torch.randn(HV)
@@ -327,15 +326,11 @@ def test_single_token_cta_picks_the_one_slot_variant(counted_plans, fake_sm90, m
     assert not {"tokens_per_round", "min_blocks_per_sm", "warps_per_cta"} & set(variants[1])
 
 
-def test_kv_cols_switch_picks_the_column_variant(counted_plans, fake_sm90, monkeypatch):
-    """KV_COLS takes T=1 calls on [K, V] pools with K=128 (ahead of kv_tma) from KV_COLS_MIN_STATES states (N x HV)
-    up; not T>1 calls, [V, K] pools, K=64 or smaller calls (kv_tma). MULTI_TOKEN_KV_COLS is off here: the T>1
-    switch has its own test."""
-    import cula.ops.kda.sm90.decode as kops
-
-    monkeypatch.setattr(kops, "KV_COLS", (2, 6))
-    monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS", None)
-    monkeypatch.setattr(kops, "KV_COLS_MIN_STATES", N * HV)
+def test_kv_cols_switch_picks_the_column_variant(counted_plans, fake_sm90, kda_tuning):
+    """kv_cols takes T=1 calls on [K, V] pools with K=128 (ahead of kv_tma) from kv_cols_min_states states (N x HV)
+    up; not T>1 calls, [V, K] pools, K=64 or smaller calls (kv_tma). multi_token_kv_cols is off here: the T>1
+    box has its own test."""
+    kda_tuning(kv_cols=(2, 6), multi_token_kv_cols=None, kv_cols_min_states=N * HV)
     q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16, D=128)
     A_log = torch.randn(HV)
     kv = dict(A_log=A_log, lower_bound=-5.0, state_v_first=False)
@@ -364,35 +359,17 @@ def _mtp_switch_variants(fake_sm90, state_v_first):
     return [c[1] for c in fake_sm90 if c[0] == "variant"]
 
 
-def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, monkeypatch):
-    """MULTI_TOKEN_KV_COLS takes calls of 2 to MULTI_TOKEN_KV_COLS_MAX_TOKENS tokens on [K, V] pools with K=128 and no
-    step states, with its warps, token slots and CTAs per SM; longer calls and step states keep the wide tile, T=1
-    calls KV_COLS / kv_tma."""
-    import cula.ops.kda.sm90.decode as kops
-
-    assert kops.MULTI_TOKEN_KV_COLS == (2, 1, 6) and kops.MULTI_TOKEN_KV_COLS_MAX_TOKENS == 5
-    monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS", (2, 4, 5))
-    monkeypatch.setattr(kops, "MULTI_TOKEN_KV_COLS_MAX_TOKENS", 2)
+def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, kda_tuning):
+    """multi_token_kv_cols takes calls of 2 to multi_token_kv_cols_max_tokens tokens on [K, V] pools with K=128 and
+    no step states, with its warps, token slots and CTAs per SM; longer calls and step states keep the wide tile, T=1
+    calls kv_cols / kv_tma."""
+    kda_tuning(multi_token_kv_cols=(2, 4, 5), multi_token_kv_cols_max_tokens=2)
     multi, stepped, longer, single = _mtp_switch_variants(fake_sm90, state_v_first=False)
     assert multi["kv_cols"] and not multi["wide_kv"]
     assert (multi["warps_per_cta"], multi["tokens_per_round"], multi["min_blocks_per_sm"]) == (2, 4, 5)
     for wide in (stepped, longer):
         assert not wide.get("kv_cols") and wide["wide_kv"]
-    assert single.get("kv_tma") and not single.get("kv_cols")  # 12 states: below KV_COLS_MIN_STATES
-
-
-def test_multi_token_vk_cols_switch(counted_plans, fake_sm90, monkeypatch):
-    """MULTI_TOKEN_VK_COLS (off by default) takes calls of 2 to MULTI_TOKEN_VK_COLS_MAX_TOKENS tokens on [V, K] pools
-    with K=128 and no step states to kv_cols (the row box); T=1, longer calls and step states keep their variants."""
-    import cula.ops.kda.sm90.decode as kops
-
-    assert kops.MULTI_TOKEN_VK_COLS is None
-    monkeypatch.setattr(kops, "MULTI_TOKEN_VK_COLS", (2, 1, 6))
-    monkeypatch.setattr(kops, "MULTI_TOKEN_VK_COLS_MAX_TOKENS", 2)
-    multi, stepped, longer, single = _mtp_switch_variants(fake_sm90, state_v_first=True)
-    assert multi["kv_cols"] and multi["state_v_first"]
-    assert (multi["warps_per_cta"], multi["tokens_per_round"], multi["min_blocks_per_sm"]) == (2, 1, 6)
-    assert not any(c.get("kv_cols") for c in (stepped, longer, single))
+    assert single.get("kv_tma") and not single.get("kv_cols")  # 12 states: below kv_cols_min_states
 
 
 def test_lightning_decode_plans(counted_plans, fake_sm90):
@@ -426,7 +403,7 @@ def test_fast_launch_matches_the_general_path_on_sm90(op):
     """On the H200: repeated public calls (the bound launch) give bit-identical results to the launcher."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    from cula.ops.kda.sm90.decode import kda_decode_sm90
+    from cula.kda.plan import kda_decode_sm90
     from cula.ops.lightning.sm90.decode import lightning_decode_sm90
 
     torch.manual_seed(2)

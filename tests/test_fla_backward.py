@@ -24,7 +24,7 @@ def test_rebound_backward_is_flas_body_with_our_stages():
     assert fn.__code__ is chunk_bwd.chunk_kda_bwd.__code__
     assert fn.__defaults__ == chunk_bwd.chunk_kda_bwd.__defaults__
     scope = fn.__globals__
-    ours = {"chunk_kda_bwd_wy_dqkg_fused": fla_backward._wy_dqkg_fused, "chunk_kda_bwd_intra": fla_backward._intra_bwd}
+    ours = {"chunk_kda_bwd_wy_dqkg_fused": fla_backward._wy_dqkg_fused}
     assert all(scope[n] is f for n, f in ours.items())
     assert all(scope[n] is v for n, v in vars(chunk_bwd).items() if n not in ours)
     # FLA's own module (and so FLA's own backward) keeps its stages
@@ -33,11 +33,11 @@ def test_rebound_backward_is_flas_body_with_our_stages():
 
 
 @pytest.mark.parametrize("launch", [(32, 64, 8, 1), None])
-def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, launch):
-    """CPU tensors (and WY_DQKG_LAUNCH None anywhere) take FLA's wrapper with every argument passed on."""
+def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, kda_tuning, launch):
+    """CPU tensors (and no wy_dqkg_launch anywhere) take FLA's wrapper with every argument passed on."""
     seen = []
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_wy_dqkg_fused", lambda **kw: seen.append(kw) or "fla")
-    monkeypatch.setattr(fla_backward, "WY_DQKG_LAUNCH", launch)
+    kda_tuning(wy_dqkg_launch=launch)
     t = torch.zeros(1, 64, 1, 128)
     args = dict(q=t, k=t, v=t, v_new=t, g=t, beta=t[..., 0], A=t[..., :64], h=t, do=t, dh=t, dv=t, scale=0.5,
                 state_v_first=True, cu_seqlens=None, chunk_size=64, chunk_indices=None, chunk_offsets=None,
@@ -46,34 +46,18 @@ def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, launch):
     assert seen == [args]
 
 
-@pytest.mark.parametrize("launch", [(16, 1, 2), None])
-def test_stage7_off_the_gpu_is_flas_wrapper(monkeypatch, launch):
-    """The same for stage 7 (INTRA_BWD_LAUNCH, off by default until timed)."""
-    from fla.ops.kda import chunk_intra
-
-    assert fla_backward.INTRA_BWD_LAUNCH is None
-    seen = []
-    monkeypatch.setattr(chunk_intra, "chunk_kda_bwd_intra", lambda **kw: seen.append(kw) or "fla")
-    monkeypatch.setattr(fla_backward, "INTRA_BWD_LAUNCH", launch)
-    t = torch.zeros(1, 64, 1, 128)
-    args = dict(q=t, k=t, g=t, beta=t[..., 0], dAqk=t[..., :64], dAkk=t[..., :64], dq=t, dk=t, db=t[..., 0], dg=t,
-                cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=True, lower_bound=-5.0,
-                use_graph=False)  # fmt: skip
-    assert fla_backward._intra_bwd(**args) == "fla"
-    assert seen == [args]
-
-
 _LAUNCH_SCRIPT = textwrap.dedent(
     """
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
-    from cula.kda.fla_backward import WY_DQKG_LAUNCH, launch_wy_dqkg
+    from cula.kda.fla_backward import launch_wy_dqkg
+    from cula.kda.plan import KDA_TUNING
     from cula.kda.naive_bwd import chunk_kda_bwd_wy_dqkg_reference
     from test_naive_bwd import _wy_case
     out = {}
     for name, args in json.loads(sys.argv[1]):
         case, _ = _wy_case(*args)
         fla = chunk_kda_bwd_wy_dqkg_fused(**case, chunk_size=64)
-        ours = launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=WY_DQKG_LAUNCH)
+        ours = launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=KDA_TUNING.get((9, 0)).wy_dqkg_launch)
         ref = chunk_kda_bwd_wy_dqkg_reference(**case, chunk_size=64)
         rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
         out[name] = [[rel(o, f), rel(o, r)] for o, f, r in zip(ours, fla, ref)]
@@ -83,7 +67,7 @@ _LAUNCH_SCRIPT = textwrap.dedent(
 
 
 def test_stage6_launch_matches_flas_wrapper_interpreted():
-    """launch_wy_dqkg at WY_DQKG_LAUNCH (its block sizes; the interpreter ignores warps)
+    """launch_wy_dqkg at the H200's wy_dqkg_launch (its block sizes; the interpreter ignores warps)
     against FLA's autotuned wrapper and the float64 reference: GVA with an odd T, [V, K] states, a packed batch
     with a length-1 sequence (its chunk indices made here). fp32 inputs: see test_naive_bwd."""
     cases = [("gva-odd-v-first", [2, 100, 1, 2, 64, 64, None, True]),
@@ -101,7 +85,7 @@ def test_stage6_launch_matches_flas_wrapper_interpreted():
     ids=["gva-odd-v-first", "varlen", "one-chunk"],
 )  # fmt: skip
 def test_stage6_launch_matches_flas_wrapper_gpu(args):
-    """On the GPU, bf16 as FLA's backward holds them: the WY_DQKG_LAUNCH launch against FLA's autotuned wrapper
+    """On the GPU, bf16 as FLA's backward holds them: the wy_dqkg_launch launch against FLA's autotuned wrapper
     (the same kernel: dq, dk, dv and dA to fp32 noise, db and dg to a different K-block summation order) and both
     against the float64 reference; outputs start as NaN (poisoned allocator), so an unwritten element fails."""
     if not torch.cuda.is_available():
@@ -115,7 +99,8 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
     low = ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv")
     case = {n: (x.cuda().bfloat16() if n in low else x.cuda()) if torch.is_tensor(x) else x for n, x in case.items()}
     fla = chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(**case, chunk_size=64)
-    ours = fla_backward.launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=fla_backward.WY_DQKG_LAUNCH)
+    launch = fla_backward.wy_dqkg_launch(torch.device("cuda"))
+    ours = fla_backward.launch_wy_dqkg(**case, chunk_size=64, chunk_indices=None, launch=launch)
     torch.cuda.synchronize()
     ref = chunk_kda_bwd_wy_dqkg_reference(**{n: x.cpu() if torch.is_tensor(x) else x for n, x in case.items()})
     for name, o, f, r in zip(("dq", "dk", "dv", "db", "dg", "dA"), ours, fla, ref):
@@ -123,32 +108,3 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
         assert not torch.isnan(o).any(), name
         vs_fla, vs_ref = rel_rmse(f, o), rel_rmse(r, o.cpu())
         assert vs_fla < (1e-4 if name in ("db", "dg") else 1e-5) and vs_ref < 1e-2, (name, vs_fla, vs_ref)
-
-
-_INTRA_SCRIPT = textwrap.dedent(
-    """
-    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
-    from cula.kda.fla_backward import launch_intra_bwd
-    from test_naive_bwd import _intra_case
-    out = {}
-    for name, args, bk in json.loads(sys.argv[1]):
-        case = _intra_case(*args)
-        fla = chunk_kda_bwd_intra(**{n: (v.clone() if torch.is_tensor(v) else v) for n, v in case.items()},
-                                  chunk_size=64)
-        ours = launch_intra_bwd(**case, chunk_indices=None, chunk_size=64, safe_gate=False, lower_bound=None,
-                                launch=(bk, 1, 2))
-        out[name] = [float((o.double() - f.double()).norm() / f.double().norm()) for o, f in zip(ours, fla)]
-    print("@@" + json.dumps(out))
-    """
-)
-
-
-def test_intra_launch_matches_flas_wrapper_interpreted():
-    """launch_intra_bwd at BK = 16 (twice FLA's channel blocks, their dbeta partials summed) and at FLA's 32
-    against FLA's chunk_kda_bwd_intra: GVA with an odd T, a packed batch with a length-1 sequence (safe_gate off:
-    its helper does not run under the interpreter)."""
-    cases = [("gva-odd-bk16", [2, 100, 1, 2, 64, None], 16), ("varlen-bk16", [1, 150, 1, 1, 64, [37, 1, 112]], 16),
-             ("gva-odd-bk32", [2, 100, 1, 2, 64, None], 32)]  # fmt: skip
-    for name, errs in _interpreted(_INTRA_SCRIPT, json.dumps(cases)).items():
-        for what, err in zip(("dq", "dk", "db", "dg"), errs):
-            assert err < 1e-5, (name, what, err)

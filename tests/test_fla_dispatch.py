@@ -220,17 +220,10 @@ def test_fla_chunk_kda_runs_on_cula(registered, cula_kernels, sink):
     assert cula_kernels[-1][1]["output_final_state"] and not cula_kernels[-1][1]["use_gate_in_kernel"]
 
 
-def test_fla_training_call_runs_on_cula(registered, cula_kernels, sink, monkeypatch):
-    """FLA dispatches before its autograd Function, so a training call reaches cula's training path; with cula's
-    training switch off it stays FLA's."""
-    import cula.kda.backends as kb
-
+def test_fla_training_call_runs_on_cula(registered, cula_kernels, sink):
+    """FLA dispatches before its autograd Function, so a training call reaches cula's training path."""
     x = _inputs(requires_grad=True)
     assert fla_kda.chunk_kda(**x, **LAYER_FLAGS) == "cula" and sink == []
-    monkeypatch.setattr(kb, "CHUNK_TRAINING_ON_CULA", False)
-    ok, why = registered.verify("chunk_kda", **x, **LAYER_FLAGS)
-    assert not ok and "CHUNK_TRAINING_ON_CULA" in why
-    assert fla_kda.chunk_kda(**x, **LAYER_FLAGS) == "sink"
 
 
 def test_packed_call_gets_the_host_bounds(registered, cula_kernels, sink):
@@ -440,7 +433,7 @@ def _kda_layer_class(monkeypatch):
 def launches(monkeypatch):
     """Counts of cula's chunk forward (general and bound launches) and backward entries."""
     from cula.kda import fla_backward
-    from cula.ops.kda.sm90 import chunk_fwd
+    from cula.kda import forward as chunk_fwd
 
     count = {"forward": 0, "backward": 0}
 
@@ -507,14 +500,14 @@ def test_fla_kda_layer_on_cula_matches_fla(monkeypatch, launches, training):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_fla_own_backward_takes_culas_stage_launch(monkeypatch):
-    """A training call FLA's own path keeps (here: cula's training switch off) still gets cula's launch of the
-    backward's heaviest stage through FLA's 'kda' registry, with FLA's gradients."""
-    import cula.kda.backends as kb
+    """A training call FLA's own path keeps (here: cula's chunk verifier made to decline) still gets cula's launch
+    of the backward's heaviest stage through FLA's 'kda' registry, with FLA's gradients."""
+    from cula import _fla_backend
     from cula.kda import fla_backward
     from cula.testing import assert_close
 
     assert fla_dispatch.registered(), fla_dispatch.status()
-    monkeypatch.setattr(kb, "CHUNK_TRAINING_ON_CULA", False)
+    monkeypatch.setattr(_fla_backend, "_chunk_decision", lambda args, kwargs: (False, "declined by the test"))
     calls = []
     real = fla_backward.launch_wy_dqkg
     monkeypatch.setattr(fla_backward, "launch_wy_dqkg", lambda *a: calls.append(1) or real(*a))

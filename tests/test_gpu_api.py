@@ -68,8 +68,7 @@ def _inference_vs_fla_and_ref(case, state_v_first=False, dtype=torch.bfloat16):
           "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "state_v_first": state_v_first,
           "cu_seqlens": cu, "A_log": A_log, "dt_bias": dt_bias}
     if cu is not None and state_v_first:
-        # with its host copy a packed call takes cula's varlen plan (cula.kda.chunk.VARLEN_PLANS), without it the
-        # general path: the two state layouts cover one each
+        # with its host copy a packed call takes cula's varlen plan, without it the general path: the two state layouts cover one each
         kw["cu_seqlens_cpu"] = cu.cpu()
 
     def run():
@@ -103,12 +102,9 @@ def test_chunk_kda_cuda(case, state_v_first):
 
 @pytest.mark.parametrize("case", [(2, 300, 2, 4, 128, None), (1, 0, 2, 2, 128, [0, 1, 63, 300, 64])], ids=_ids)
 def test_chunk_kda_fp16_cuda(case, monkeypatch):
-    """fp16 q/k/v forced onto the cula-sm90 kernels (CHUNK_FP16_ON_CULA, off until this passes) against FLA's fp16
-    chunk_kda and the float64 recurrence."""
-    import cula.kda.backends as kb
+    """fp16 q/k/v on the cula-sm90 kernels against FLA's fp16 chunk_kda and the float64 recurrence."""
     from cula.backends import clear_plan_caches
 
-    monkeypatch.setattr(kb, "CHUNK_FP16_ON_CULA", True)
     monkeypatch.setenv("CULA_BACKEND", "cula-sm90")  # raise rather than fall back
     monkeypatch.setenv("CULA_KDA_INTRA", "1")
     clear_plan_caches()
@@ -143,18 +139,16 @@ def _reference_kda(**kw):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate-gva"])
-@pytest.mark.parametrize("on_cula", [True, False], ids=["cula-fwd", "fla"])
-def test_chunk_kda_cuda_backward_matches_fla(on_cula, fused, monkeypatch):
-    """Training: with CHUNK_TRAINING_ON_CULA our forward kernels and FLA's backward (the stages FLA saves
-    recomputed from the inputs), else FLA for both; o, the final state and every input gradient against the
-    float64 reference (cula's call and FLA's own alike) and against FLA."""
+def test_chunk_kda_cuda_backward_matches_fla(fused, monkeypatch):
+    """Training: our forward kernels and FLA's backward (the stages FLA saves recomputed from the inputs); o, the
+    final state and every input gradient against the float64 reference (cula's call and FLA's own alike) and
+    against FLA."""
     import fla.ops.kda as fk
 
     import cula.kda as ck
     import cula.kda.backends as kb
     from cula.backends import clear_plan_caches
 
-    monkeypatch.setattr(kb, "CHUNK_TRAINING_ON_CULA", on_cula)
     clear_plan_caches()
     B, T, H, D = 1, 300, 2, 128
     HV = 2 * H if fused else H
@@ -176,14 +170,12 @@ def test_chunk_kda_cuda_backward_matches_fla(on_cula, fused, monkeypatch):
     cotangents = (torch.randn(B, T, HV, D, device=DEV).to(torch.bfloat16).double(),
                   torch.randn(B, HV, D, D, device=DEV).double())  # fmt: skip
     ran = []
-    if on_cula:
-        forward = kb._ChunkKDATraining.forward
-        monkeypatch.setattr(kb._ChunkKDATraining, "forward",
-                            staticmethod(lambda *a: ran.append(1) or forward(*a)))  # fmt: skip
+    forward = kb._ChunkKDATraining.forward
+    monkeypatch.setattr(kb._ChunkKDATraining, "forward", staticmethod(lambda *a: ran.append(1) or forward(*a)))
 
     kw = dict(output_final_state=True, **flags)
     o, ht, grads = _grads(ck.chunk_kda, base, cotangents, **kw)
-    assert ran == ([1] if on_cula else [])
+    assert ran == [1]
     o_f, ht_f, grads_f = _grads(fk.chunk_kda, base, cotangents, **kw)
     o_r, ht_r, grads_r = _grads(_reference_kda, base, cotangents, dtype=torch.float64, **kw)
     for who, (o_x, ht_x, grads_x) in (("cula", (o, ht, grads)), ("fla", (o_f, ht_f, grads_f))):

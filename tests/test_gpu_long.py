@@ -36,20 +36,19 @@ def _needs_gib(gib: float):
 
 
 @pytest.mark.parametrize("intra,segments", [("auto", True), ("1", False)])
-def test_chunk_kda_past_int32_offsets(intra, segments, monkeypatch):
+def test_chunk_kda_past_int32_offsets(intra, segments, monkeypatch, kda_tuning):
     """B=1, T=2^20, H=HV=16, K=V=128: T*HV*K = 2^31 elements, so every flat offset past the middle needs 64 bits.
     ``segments``: the bound launch in time segments (two kernel calls a segment), or in one host call for both
     kernels (``fwd_launch``, whose workspace regions then start past 2^31 elements too)."""
     import fla.ops.kda as fk
 
     import cula.kda as ck
-    import cula.ops.kda.sm90.chunk_fwd as cf
     from cula.backends import clear_plan_caches
 
     _needs_gib(90)
     monkeypatch.setenv("CULA_KDA_INTRA", intra)  # "1": cula's intra kernel too, not only the state/output one
     if not segments:
-        monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", None)
+        kda_tuning(overlap_state_min_tokens=None)
     clear_plan_caches()
     T, H, D = 2**20, 16, 128
     torch.manual_seed(0)

@@ -106,7 +106,7 @@ def stand_ins(monkeypatch):
             return o, ht
         return (o, ht, *_fla_scores(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), **kw))
 
-    import cula.ops.kda.sm90.chunk_fwd as chunk_fwd
+    import cula.kda.forward as chunk_fwd
 
     monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd_sm90", our_forward)
     return calls
@@ -177,7 +177,6 @@ def test_backward_hands_fla_what_fla_saves(stand_ins, case):
 
 def test_training_call_skips_the_bound_launch(monkeypatch):
     """A training call's plan must go through autograd, never through the bound (forward-only) launch."""
-    monkeypatch.setattr(kb, "CHUNK_TRAINING_ON_CULA", True)
     q = torch.randn(1, 4, 2, 128, requires_grad=True)
     args = dict(q=q, k=q, v=q, g=q, beta=q[..., 0], A_log=None, dt_bias=None, initial_state=None)
     with torch.enable_grad():

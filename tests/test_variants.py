@@ -29,7 +29,7 @@ def full_list():
 def requested(monkeypatch, pretend_sm90):
     """Record every variant asked for; FLA's intra stage (Triton) and CUDA streams stubbed on the CPU."""
     import cula.backends
-    import cula.ops.kda.sm90.chunk_fwd as cf
+    import cula.kda.forward as cf
 
     def fla_intra(q, k, v, g, beta, *args, **kwargs):
         B, T, _, K = q.shape
@@ -112,15 +112,15 @@ def _chunk_calls():
         yield form, x, kw, chunk_kda
 
 
-def test_chunk_kda_requests_are_listed(requested, full_list, monkeypatch):
-    import cula.ops.kda.sm90.chunk_fwd as cf
+def test_chunk_kda_requests_are_listed(requested, full_list):
+    from cula.kda.plan import KDA_TUNING
 
     calls = 0
     for form, x, kw, chunk_kda in _chunk_calls():
-        monkeypatch.setattr(cf, "OVERLAP_STATE_MIN_TOKENS", 64 if form == "segmented" else None)
-        for _ in range(2):  # the second call of a signature takes its plan (the fused launch)
-            with torch.no_grad() if form != "training" else torch.enable_grad():
-                chunk_kda(**x, **kw)
+        with KDA_TUNING.override(overlap_state_min_tokens=64 if form == "segmented" else None):
+            for _ in range(2):  # the second call of a signature takes its plan (the fused launch)
+                with torch.no_grad() if form != "training" else torch.enable_grad():
+                    chunk_kda(**x, **kw)
         calls += 1
     families = {k[0] for k in requested}
     assert families == {"kda.intra", "kda.delta_h_fwd_o", "kda.fwd_launch"}, families

@@ -1,6 +1,6 @@
 """Backends of the KDA entry points, tried in priority order (see ``cula.backends``).
 
-- ``cula-sm90``: ``chunk_kda``: our CuTe DSL kernels on Hopper (see ``cula.ops.kda.sm90.chunk_fwd``), bf16 and
+- ``cula-sm90``: ``chunk_kda``: our CuTe DSL kernels on Hopper (see ``cula.kda.forward``), bf16 and
   fp16, K = V = 128, chunk 64; with autograd on, our forward and FLA 0.6.0's backward (``_ChunkKDATraining``);
   ``fused_recurrent_kda``: FLA's in-place state-pool decode form with one token per sequence, on the
   ``kda_decode`` kernel.
@@ -24,13 +24,6 @@ FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
 
 
-# fp16 q/k/v on the cula-sm90 kernels (tests/test_gpu_api.py::test_chunk_kda_fp16_cuda passed on the H200,
-# 2026-11-30); False sends fp16 to FLA
-CHUNK_FP16_ON_CULA = True
-# Training calls (autograd on) on our forward kernels with FLA 0.6.0's backward (``_ChunkKDATraining``: o, the
-# final state and every input gradient matched FLA on the H200 with log-space and fused gates and GVA,
-# tests/test_gpu_api.py::test_chunk_kda_cuda_backward_matches_fla); False sends them to fla, forward and backward.
-CHUNK_TRAINING_ON_CULA = True
 # the gate and beta dtypes the CuTe kernels are compiled for (validation also lets float64 through, as FLA does)
 _KERNEL_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -55,10 +48,8 @@ def _cula_chunk_supports(
     lower_bound=None,
     **_,
 ) -> tuple:
-    if not CHUNK_TRAINING_ON_CULA and needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        return False, "training (autograd) runs on fla (CHUNK_TRAINING_ON_CULA is off)"
-    if q.dtype != torch.bfloat16 and not (CHUNK_FP16_ON_CULA and q.dtype == torch.float16):
-        return False, f"q dtype {q.dtype} (kernel path is validated for bf16)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"q dtype {q.dtype} (kernels take bf16 / fp16)"
     if g.dtype not in _KERNEL_FLOATS or beta.dtype not in _KERNEL_FLOATS:
         return False, f"g dtype {g.dtype} / beta dtype {beta.dtype} (kernels take bf16/fp16/fp32)"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
@@ -68,9 +59,9 @@ def _cula_chunk_supports(
     if cp_context is not None or return_intermediate_states:
         return False, "cp_context / return_intermediate_states run on fla"
     if use_graph and cu_seqlens is not None:
-        from cula.ops.kda.sm90.chunk_fwd import _use_cute_intra
+        from cula.kda.plan import use_cula_intra
 
-        if not _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
+        if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
             # graph mode lets the sequences end before the last token; FLA's intra stage leaves those rows of kg
             # unwritten, which our state kernel would then read
             return False, "use_graph with FLA's intra stage (no safe_gate) runs on fla"
@@ -119,7 +110,7 @@ def _ready_inputs(args: dict) -> dict:
 def _prepare_chunk_kda_cula_sm90(**args):
     """The bound launch of a repeated call (see ``prepare_chunk_kda_fwd_sm90``), or None (training calls: autograd
     runs through ``_ChunkKDATraining``)."""
-    from cula.ops.kda.sm90.chunk_fwd import prepare_chunk_kda_fwd_sm90
+    from cula.kda.forward import prepare_chunk_kda_fwd_sm90
 
     if needs_grad(*(args[n] for n in _GRAD_TENSORS)) or args.get("use_graph"):
         return None  # graph mode is validated and built each call (it is captured once)
@@ -157,7 +148,7 @@ class _ChunkKDATraining(torch.autograd.Function):
 
 def _training_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts):
     """``_ChunkKDATraining``'s forward: ``(o, final_state, Aqk, Akk)``."""
-    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.kda.forward import chunk_kda_fwd_sm90
 
     return chunk_kda_fwd_sm90(
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
@@ -248,9 +239,9 @@ def _backward_chunks(cu, cu_cpu, T: int, graph: bool):
     prepare=_prepare_chunk_kda_cula_sm90,
 )
 def _chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
-    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.kda.forward import chunk_kda_fwd_sm90
 
-    # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel where it runs, see chunk_fwd)
+    # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel where it runs, see cula.kda.forward)
     opts = _cula_chunk_args(**_ready_inputs(args))
     if needs_grad(*(args[n] for n in _GRAD_TENSORS)):
         tensors = [opts.pop(n) for n in (*_GRAD_TENSORS, "cu_seqlens")]
@@ -267,7 +258,7 @@ def chunk_training_keeps_scores(args: dict) -> bool:
     """Whether a training call with these dispatch arguments runs ``_ChunkKDATraining`` (our forward, keeping Aqk and
     Akk ``[B, T, HV, 64]`` in q's dtype for FLA's backward). Reads metadata only: valid on fake tensors."""
     q = args["q"]
-    if q.device.type != "cuda" or not CHUNK_TRAINING_ON_CULA:
+    if q.device.type != "cuda":
         return False
     try:
         return chunk_kda_registry.select(q.device, args).name == "cula-sm90"

@@ -29,11 +29,9 @@ _read_intra_mode = env_reader("CULA_KDA_INTRA")
 _plans = PlanCache()
 _TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 _VARLEN_ARGS = (*_TENSOR_ARGS, "scale", "cu_seqlens", "cu_seqlens_cpu")
-# Packed sequences (cu_seqlens with its host copy cu_seqlens_cpu, contiguous inputs) through plans keyed on
-# everything but the total length, the boundaries' values checked on the host every call, what a serving engine's
-# prefill needs (CPU, stubbed kernels: 320 -> 100 us a call; bit-identical to the general path on the H200,
-# tests/test_chunk_plans.py::test_varlen_plan_bit_identical_cuda). False sends every packed call the general way.
-VARLEN_PLANS = True
+# Packed sequences (cu_seqlens with its host copy cu_seqlens_cpu, contiguous inputs) go through plans keyed on
+# everything but the total length, the boundaries' values checked on the host every call: what a serving engine's
+# prefill needs (a third of the general path's host time).
 
 
 def chunk_kda(
@@ -111,11 +109,11 @@ def chunk_kda(
             max_num_seqs, **kwargs,
         )  # fmt: skip
     # The fast path: a fixed-length call whose signature (everything validation and backend selection read) was
-    # seen before goes straight to its launch; with VARLEN_PLANS a packed call too, its boundaries checked here.
+    # seen before goes straight to its launch; so does a packed call with cu_seqlens_cpu, its boundaries checked here.
     # Other varlen calls, context parallel, FLA's graph mode, intermediate states, the deprecated alias and
     # scalars of unusual types are validated every time. Packed calls plan under CUDA-graph capture too: the launch
-    # then makes its chunk indices on the device (cula.ops.kda.sm90.chunk_fwd.device_chunk_indices).
-    planned = cu_seqlens_cpu is None if cu_seqlens is None else VARLEN_PLANS and cu_seqlens_cpu is not None
+    # then makes its chunk indices on the device (cula.kda.forward.device_chunk_indices).
+    planned = cu_seqlens_cpu is None if cu_seqlens is None else cu_seqlens_cpu is not None
     if (planned and cp_context is None and not use_graph and not return_intermediate_states
             and (not kwargs or kwargs.keys() <= _PLANNED_KWARGS)):  # fmt: skip
         A_log, dt_bias, chunk_size = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("chunk_size", 64)

@@ -253,7 +253,7 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
                        out, step_states, **_):  # fmt: skip
     """The compiled kernel bound once, called with ``kda_decode``'s positional launch arguments (see ``_plan``);
     None (the general path) where an input needs a dense copy first."""
-    from cula.ops.kda.sm90.decode import kda_decode_launcher
+    from cula.kda.plan import KDA_TUNING, kda_decode_launcher
 
     if q.shape[0] == 0 or not all(is_dense(t) for t in (q, k, v, g, beta, state_indices, out)):
         return None
@@ -264,7 +264,7 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
         gate=_gate_kind(use_gate_in_kernel, lower_bound), has_a_log=A_log is not None,
         has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, has_step_states=step_states is not None,
-        tokens=q.shape[1], states=q.shape[0] * v.shape[2],
+        tokens=q.shape[1], states=q.shape[0] * v.shape[2], tuning=KDA_TUNING.for_device(q.device),
     )  # fmt: skip
 
     def launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states):
@@ -298,7 +298,7 @@ def _decode_cula_sm90(
     out,
     step_states,
 ):
-    from cula.ops.kda.sm90.decode import kda_decode_sm90
+    from cula.kda.plan import kda_decode_sm90
 
     gate = _gate_kind(use_gate_in_kernel, lower_bound)
     # The kernel's compact fake tensors want exact row-major strides (size-1 dims included); decode inputs

@@ -3,16 +3,10 @@
 A decode CTA that works on ``[K, tile_v]`` of one (pool row, head) state moves it with one TMA load into shared
 memory and one TMA store back. These helpers build the two TMA atoms over the pool viewed as ``(V, K, HV, P)`` and
 cut the box of one (head, pool row) out of it; the kernels own the shared-memory layout (swizzled or not).
-
-``rows=True`` does the same for ``tile_v`` rows of a ``[P, HV, V, K]`` pool (``state_v_first``), viewed as
-``(32, V, K / 32, HV, P)``: 128-byte pieces of K first, then the row, then the piece index, so that the staged
-box's 128-byte lines are numbered row first and a 128-byte swizzle keys on the row (see ``KdaDecodeSm90``'s kv_cols
-on [V, K] pools).
 """
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
@@ -20,33 +14,20 @@ __all__ = ["box_barrier_init", "box_load", "box_partition", "box_store", "state_
 
 
 @cute.jit
-def state_box_atoms(mState: cute.Tensor, box_layout, tile_v: int, K: int, rows: bool = False):
+def state_box_atoms(mState: cute.Tensor, box_layout, tile_v: int, K: int):
     """``(tma_load, load_view, tma_store, store_view)`` for ``[tile_v V, K]`` boxes of a ``[P, HV, K, V]`` pool,
-    staged in shared memory as ``box_layout`` (``(tile_v, K)``, V contiguous); with ``rows``, for ``tile_v`` rows
-    of a ``[P, HV, V, K]`` pool staged as ``(32, tile_v, K / 32)``."""
-    if cutlass.const_expr(rows):
-        st = mState.layout.stride
-        view = cute.make_layout((32, mState.shape[2], K // 32, mState.shape[1], mState.shape[0]),
-                                stride=(1, K, 32, st[1], st[0]))  # fmt: skip
-        pool, box = cute.make_tensor(mState.iterator, view), (32, tile_v, K // 32)
-    else:
-        pool = cute.make_tensor(mState.iterator, cute.select(mState.layout, mode=[3, 2, 1, 0]))  # (V, K, HV, P)
-        box = (tile_v, K)
+    staged in shared memory as ``box_layout`` (``(tile_v, K)``, V contiguous)."""
+    pool = cute.make_tensor(mState.iterator, cute.select(mState.layout, mode=[3, 2, 1, 0]))  # (V, K, HV, P)
+    box = (tile_v, K)
     tma_ld, t_ld = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), pool, box_layout, box)
     tma_st, t_st = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), pool, box_layout, box)
     return tma_ld, t_ld, tma_st, t_st
 
 
 @cute.jit
-def box_partition(atom, t_pool, sTile, hv, slot, tile_v: int, K: int, rows: bool = False):
+def box_partition(atom, t_pool, sTile, hv, slot, tile_v: int, K: int):
     """(shared box, the state's boxes along V) of pool row ``slot``, head ``hv``, for a load or store atom of
-    :func:`state_box_atoms`; ``sTile`` is the ``(tile_v, K, 1)`` shared tile (``(32, tile_v, K / 32, 1)`` with
-    ``rows``)."""
-    if cutlass.const_expr(rows):
-        g_box = cute.local_tile(t_pool[None, None, None, hv, slot], (32, tile_v, K // 32), (0, None, 0))
-        return cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(sTile, 0, 3), cute.group_modes(g_box, 0, 3)
-        )
+    :func:`state_box_atoms`; ``sTile`` is the ``(tile_v, K, 1)`` shared tile."""
     g_box = cute.local_tile(t_pool[None, None, hv, slot], (tile_v, K), (None, 0))
     return cpasync.tma_partition(
         atom, 0, cute.make_layout(1), cute.group_modes(sTile, 0, 2), cute.group_modes(g_box, 0, 2)
@@ -54,14 +35,14 @@ def box_partition(atom, t_pool, sTile, hv, slot, tile_v: int, K: int, rows: bool
 
 
 @cute.jit
-def box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, tile_v: int, K: int, rows: bool = False):
+def box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, tile_v: int, K: int):
     """Arm ``bar`` (initialised by :func:`box_barrier_init`) and issue the TMA load of box ``vb`` of pool row
     ``slot``, head ``hv`` into ``sTile``, from the CTA's first warp (``warp``: the warp-uniform index); wait with
     ``mbarrier_wait(bar, 0)``."""
     if warp == 0:
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, tile_v * K * 4)
-        ts, tg = box_partition(tma_ld, t_ld, sTile, hv, slot, tile_v, K, rows)
+        ts, tg = box_partition(tma_ld, t_ld, sTile, hv, slot, tile_v, K)
         cute.copy(tma_ld, tg[None, vb], ts[None, 0], tma_bar_ptr=bar)
 
 
@@ -75,13 +56,13 @@ def box_barrier_init(bar, tidx):
 
 
 @cute.jit
-def box_store(tma_st, t_st, sTile, hv, slot, vb, warp, tile_v: int, K: int, rows: bool = False):
+def box_store(tma_st, t_st, sTile, hv, slot, vb, warp, tile_v: int, K: int):
     """Every thread's shared-memory writes to the box made visible to the async proxy, then its TMA store from the
     CTA's first warp, which waits until the store has read the box (shared memory must outlive it)."""
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier()
     if warp == 0:
-        ts, tg = box_partition(tma_st, t_st, sTile, hv, slot, tile_v, K, rows)
+        ts, tg = box_partition(tma_st, t_st, sTile, hv, slot, tile_v, K)
         cute.copy(tma_st, ts[None, 0], tg[None, vb])
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)

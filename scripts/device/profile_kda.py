@@ -80,35 +80,21 @@ def wall_us(fn) -> float:
     return round(bench(fn, iters=7, warmup=1).median_ms * 1e3, 1)
 
 
-# variants waiting for their GPU check: name -> switches as (module, attribute, value), each profiled as
-# "cula-intra+<name>" beside the default
-PENDING: dict[str, list[tuple[str, str, object]]] = {
-}
-
-
 def profile_paths() -> None:
-    import importlib
-
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from cula.backends import clear_plan_caches
     from cula.kda import chunk_kda
 
-    paths = [("fla", None, []), ("cula-fla-intra", "0", []), ("cula-intra", "1", [])]
-    paths += [(f"cula-intra+{name}", "1", switches) for name, switches in PENDING.items()]
-    defaults = {(m, a): getattr(importlib.import_module(m), a) for sw in PENDING.values() for m, a, _ in sw}
+    paths = [("fla", None), ("cula-fla-intra", "0"), ("cula-intra", "1")]
     report = {}
     with torch.inference_mode():
         for B, T in SHAPES:
             x = inputs(B, T)
-            for path, env, switches in paths:
+            for path, env in paths:
                 if env is not None:
                     os.environ["CULA_KDA_INTRA"] = env
-                for (m, a), value in defaults.items():
-                    setattr(importlib.import_module(m), a, value)
-                for m, a, value in switches:
-                    setattr(importlib.import_module(m), a, value)
-                clear_plan_caches()  # chunk_kda binds module switches into its per-signature plan
+                clear_plan_caches()
                 fn = fla_chunk_kda if env is None else chunk_kda
                 times = kernel_times(lambda fn=fn, x=x: fn(**x, **FLAGS))
                 wall = wall_us(lambda fn=fn, x=x: fn(**x, **FLAGS))

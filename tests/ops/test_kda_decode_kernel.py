@@ -65,7 +65,7 @@ _VARIANTS = [
     # the wide lane tile for [K, V] pools
     _variant(gate="lower_bound", wide_kv=True),
     _variant(gate="softplus", has_step_states=True, wide_kv=True),
-    # SINGLE_TOKEN_CTA: one token slot per warp, 20 or 24 warps per SM in CTAs of 4 or 1
+    # single_token_cta: one token slot per warp, 20 or 24 warps per SM in CTAs of 4 or 1
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
              min_blocks_per_sm=5),
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
@@ -75,21 +75,16 @@ _VARIANTS = [
              warps_per_cta=1, min_blocks_per_sm=20),
     _variant(gate="softplus", K=64, state_v_first=True, tokens_per_round=1, warps_per_cta=1, min_blocks_per_sm=20),
     _variant(gate="none", tokens_per_round=1, warps_per_cta=1, min_blocks_per_sm=20),
-    # KV_TMA_DEFAULT: [K, V] pools through shared memory by TMA, 4 (KV_TMA_MIN_BLOCKS) or 5 CTAs per SM
+    # kv_tma: [K, V] pools through shared memory by TMA, 4 (kv_tma_min_blocks) or 5 CTAs per SM
     _variant(gate="softplus", tokens_per_round=1, min_blocks_per_sm=4, kv_tma=True),
     _variant(gate="softplus", tokens_per_round=1, min_blocks_per_sm=5, kv_tma=True),
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", tokens_per_round=1, min_blocks_per_sm=5,
              kv_tma=True),
-    # KV_COLS: [K, V] boxes in shared memory, a state column a lane; 12 warps per SM, any T in rounds
+    # kv_cols: [K, V] boxes in shared memory, a state column a lane; 12 warps per SM, any T in rounds
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", tokens_per_round=1, warps_per_cta=4,
              min_blocks_per_sm=3, kv_cols=True),
     _variant(gate="softplus", tokens_per_round=1, warps_per_cta=1, min_blocks_per_sm=12, kv_cols=True),
     _variant(gate="none", K=64, tokens_per_round=2, warps_per_cta=2, min_blocks_per_sm=6, kv_cols=True),
-    # kv_cols on [V, K] pools: the box holds pool rows (swizzled 128-byte pieces, 16-byte reads of a lane's row)
-    _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
-             warps_per_cta=2, min_blocks_per_sm=6, kv_cols=True),
-    _variant(gate="softplus", K=64, state_v_first=True, tokens_per_round=2, warps_per_cta=1, min_blocks_per_sm=12,
-             kv_cols=True),
 ]
 # ptxas spills allowed where a variant asks for more registers than it is given (bytes): the wide tile parks one
 # 8-byte value with step states; 20 and 24 resident warps per SM cap the kernel at 96 and 80 registers
@@ -304,7 +299,7 @@ def _run_case(
     pad=True,
     pool_slice=False,
 ):
-    from cula.ops.kda.sm90.decode import kda_decode_sm90
+    from cula.kda.plan import kda_decode_sm90
 
     _requires_sm90()
     q, k, v, g, beta, A_log, dt_bias = _inputs(
@@ -461,7 +456,7 @@ def test_decode_cases(case):
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 def test_long_decode_tracks_float64(state_v_first):
     """10,000 consecutive T=1 steps (H=HV=2) stay within 5e-3 of the float64 recurrence."""
-    from cula.ops.kda.sm90.decode import kda_decode_sm90
+    from cula.kda.plan import kda_decode_sm90
 
     _requires_sm90()
     steps, H, HV, K, V = 10_000, 2, 2, 128, 128
@@ -541,26 +536,26 @@ def _padded_pool_case(N, T, H, HV, K):
     return tensors, pool0, indices
 
 
-def _t1_runs(monkeypatch, settings, N, HV, V, state_v_first):
+def _t1_runs(settings, N, HV, V, state_v_first):
     """``_padded_pool_case`` at T=1 (H=4, K=128, the pool and v cut to V columns) run through ``kda_decode_sm90``
-    once under each dict of ``cula.ops.kda.sm90.decode`` switches in ``settings``, outputs NaN-poisoned first;
-    returns (pool0, indices, [(out, pool) per setting])."""
-    import cula.ops.kda.sm90.decode as D
+    once under each dict of ``KdaTuning`` fields in ``settings``, outputs NaN-poisoned first; returns (pool0,
+    indices, [(out, pool) per setting])."""
+    from cula.kda.plan import KDA_TUNING, kda_decode_sm90
 
     H, K = 4, 128
     (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, 1, H, HV, K)
     v = v[..., :V].contiguous()
     pool0 = (pool0[:, :, :V] if state_v_first else pool0[..., :V]).contiguous()
     results = []
-    for switches in settings:
-        for name, value in switches.items():
-            monkeypatch.setattr(D, name, value)
+    for tuning in settings:
         pool = pool0.clone()
         out = torch.full((N, 1, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16)
-        D.kda_decode_sm90(
-            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound", lower_bound=-5.0,
-            use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=state_v_first,
-        )  # fmt: skip
+        with KDA_TUNING.override(**tuning):
+            kda_decode_sm90(
+                q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound",
+                lower_bound=-5.0, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
+                state_v_first=state_v_first,
+            )  # fmt: skip
         torch.cuda.synchronize()
         results.append((out, pool))
     return pool0, indices, results
@@ -581,26 +576,26 @@ def _assert_t1_runs_match(pool0, indices, results):
     "N,T,K,steps", [(1, 1, 128, False), (64, 1, 128, False), (300, 1, 128, False), (64, 4, 128, True),
                     (33, 3, 128, False), (2000, 1, 128, False)],
 )  # fmt: skip
-def test_wide_kv_matches(monkeypatch, N, T, K, steps):
+def test_wide_kv_matches(N, T, K, steps):
     """The wide lane tile on a [K, V] pool against the default tile: the same results up to fp32 summation order
     (outputs, pool, step states), padded slots and rows of other sequences untouched bit for bit."""
-    import cula.ops.kda.sm90.decode as D
+    from cula.kda.plan import KDA_TUNING, kda_decode_sm90
 
     _requires_sm90()
     H, HV = 4, 16
     (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, T, H, HV, K)
     results = []
-    monkeypatch.setattr(D, "KV_TMA_DEFAULT", False)  # T=1 would take a TMA box either way
-    monkeypatch.setattr(D, "KV_COLS", None)
     for wide in (False, True):
-        monkeypatch.setattr(D, "WIDE_KV_DEFAULT", wide)
         pool = pool0.clone()
         out = torch.full((N, T, HV, K), float("nan"), device="cuda", dtype=torch.bfloat16)
         step = torch.full((N, T, HV, K, K), float("nan"), device="cuda") if steps else None
-        D.kda_decode_sm90(
-            q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound", lower_bound=-5.0,
-            use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=False, step_states=step,
-        )  # fmt: skip
+        # no TMA or column box: T=1 would take one either way, and MTP calls the column box
+        with KDA_TUNING.override(kv_tma=False, kv_cols=None, multi_token_kv_cols=None, wide_kv=wide):
+            kda_decode_sm90(
+                q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound",
+                lower_bound=-5.0, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=False,
+                step_states=step,
+            )  # fmt: skip
         torch.cuda.synchronize()
         results.append((out, pool, step))
     (o0, p0, s0), (o1, p1, s1) = results
@@ -614,13 +609,13 @@ def test_wide_kv_matches(monkeypatch, N, T, K, steps):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,HV,V", [(1, 16, 128), (64, 16, 128), (77, 8, 64), (1000, 4, 128)])
-def test_kv_tma_matches(monkeypatch, N, HV, V):
-    """KV_TMA_DEFAULT ([K, V] pool boxes by TMA) at T=1 against the narrow tile (which the tests above hold to the
+def test_kv_tma_matches(N, HV, V):
+    """kv_tma ([K, V] pool boxes by TMA) at T=1 against the narrow tile (which the tests above hold to the
     float64 recurrence): outputs and pool to fp32 summation order, NaN-poisoned outputs all written, padded slots
     zeroed, pool rows not in the batch untouched bit for bit."""
     _requires_sm90()
-    settings = [{"KV_TMA_DEFAULT": tma, "WIDE_KV_DEFAULT": False, "KV_COLS": None} for tma in (False, True)]
-    _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first=False))
+    settings = [{"kv_tma": tma, "wide_kv": False, "kv_cols": None} for tma in (False, True)]
+    _assert_t1_runs_match(*_t1_runs(settings, N, HV, V, state_v_first=False))
 
 
 @pytest.mark.gpu
@@ -634,37 +629,34 @@ def test_kv_tma_matches(monkeypatch, N, HV, V):
     ],
     ids=str,
 )
-def test_kv_cols_matches(monkeypatch, N, HV, V, cols):
-    """KV_COLS ([K, V] boxes in shared memory, a state column a lane) at T=1 against the narrow tile: outputs and
+def test_kv_cols_matches(N, HV, V, cols):
+    """kv_cols ([K, V] boxes in shared memory, a state column a lane) at T=1 against the narrow tile: outputs and
     pool to fp32 summation order, NaN-poisoned outputs all written, padded slots zeroed, other pool rows untouched."""
     _requires_sm90()
-    settings = [{"KV_TMA_DEFAULT": False, "WIDE_KV_DEFAULT": False, "KV_COLS": c, "KV_COLS_MIN_STATES": 0}
-                for c in (None, cols)]  # fmt: skip
-    _assert_t1_runs_match(*_t1_runs(monkeypatch, settings, N, HV, V, state_v_first=False))
+    settings = [{"kv_tma": False, "wide_kv": False, "kv_cols": c, "kv_cols_min_states": 0} for c in (None, cols)]
+    _assert_t1_runs_match(*_t1_runs(settings, N, HV, V, state_v_first=False))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("N,T,K,warps,slots", [(33, 3, 128, 2, 2), (64, 4, 128, 4, 4), (9, 5, 64, 1, 2),
                                                (64, 1, 128, 2, 1), (70, 4, 128, 2, 1)])  # fmt: skip
-def test_kv_cols_tokens_match(N, T, K, warps, slots, state_v_first):
+def test_kv_cols_tokens_match(N, T, K, warps, slots):
     """kv_cols with T tokens in rounds of ``slots`` against the narrow tile, through ``kda_decode_launcher``'s
-    flags, on both pool layouts (on [V, K] pools the lane's column of S is a row of the pool: the swizzled row box,
-    not yet picked by the launcher, written in session 21 without a GPU)."""
-    import cula.ops.kda.sm90.decode as D
+    flags."""
+    from cula.kda.plan import kda_decode_launcher
 
     _requires_sm90()
     H, HV = 4, 16
     (q, k, v, g, beta, A_log, dt_bias), pool0, indices = _padded_pool_case(N, T, H, HV, K)
     base = dict(io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=K, V=K, gate="lower_bound",
                 has_a_log=True, has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
-                state_v_first=state_v_first, has_step_states=False, wide_kv=False, tokens=T)  # fmt: skip
+                state_v_first=False, has_step_states=False, wide_kv=False, tokens=T)  # fmt: skip
     results = []
     for extra in ({}, {"kv_cols": True, "warps_per_cta": warps, "tokens_per_round": slots,
                        "min_blocks_per_sm": 12 // warps}):  # fmt: skip
         pool = pool0.clone()
         out = torch.full((N, T, HV, K), float("nan"), device="cuda", dtype=torch.bfloat16)
-        D.kda_decode_launcher(**base, **extra)(
+        kda_decode_launcher(**base, **extra)(
             q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5, -5.0
         )
         torch.cuda.synchronize()
@@ -675,14 +667,13 @@ def test_kv_cols_tokens_match(N, T, K, warps, slots, state_v_first):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cta", [(4, 5), (4, 6), (1, 20), (1, 21)])
 @pytest.mark.parametrize("N,state_v_first", [(1, True), (64, True), (300, True), (2000, True), (77, False)])
-def test_single_token_occupancy_matches(monkeypatch, N, state_v_first, cta):
-    """SINGLE_TOKEN_CTA (one token slot per warp; warps per CTA, CTAs per SM) against the 8-slot 4-warp variant at
+def test_single_token_occupancy_matches(N, state_v_first, cta):
+    """single_token_cta (one token slot per warp; warps per CTA, CTAs per SM) against the 8-slot 4-warp variant at
     T=1: the same instructions on the same data, so the same bits (outputs and pool), padded slots zeroed and pool
     rows of other sequences untouched. [K, V] pools are checked with the narrow tile (the wide one is left alone)."""
     _requires_sm90()
-    settings = [{"WIDE_KV_DEFAULT": False, "KV_TMA_DEFAULT": False, "KV_COLS": None, "SINGLE_TOKEN_CTA": c}
-                for c in (None, cta)]  # fmt: skip
-    _pool0, _indices, results = _t1_runs(monkeypatch, settings, N, 16, 128, state_v_first)
+    settings = [{"wide_kv": False, "kv_tma": False, "kv_cols": None, "single_token_cta": c} for c in (None, cta)]
+    _pool0, _indices, results = _t1_runs(settings, N, 16, 128, state_v_first)
     (o0, p0), (o1, p1) = results
     assert not torch.isnan(o1).any()
     assert torch.equal(o0.view(torch.int16), o1.view(torch.int16))

@@ -290,7 +290,7 @@ def test_kernel_vs_fla_stages(case, aqk_causal):
 def test_chunk_kda_fwd_sm90_vs_fla_and_f64(case):
     from fla.ops.kda import chunk_kda
 
-    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.kda.forward import chunk_kda_fwd_sm90
     from cula.testing import assert_close
 
     q, k, v, g, beta, h0, cu, vf = _setup(case)
@@ -317,7 +317,7 @@ def test_chunk_kda_fwd_sm90_vs_fla_and_f64(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 def test_no_initial_no_final_state():
-    from cula.ops.kda.sm90.chunk_fwd import chunk_kda_fwd_sm90
+    from cula.kda.forward import chunk_kda_fwd_sm90
     from cula.testing import assert_close
 
     case = (1, 130, 2, 2, None, False, False)

@@ -197,7 +197,7 @@ def test_prepare_chunk_indices_matches_fla():
 
 def _stub_stages(monkeypatch):
     """chunk_kda_fwd_sm90 with both intra stages and the delta_h kernel replaced by recorders (CPU)."""
-    from cula.ops.kda.sm90 import chunk_fwd as CF
+    from cula.kda import forward as CF
 
     calls = []
 
@@ -218,7 +218,7 @@ def _stub_stages(monkeypatch):
 
 
 def test_chunk_fwd_picks_intra_stage(monkeypatch):
-    """CULA_KDA_INTRA (read per call: auto by size, 1, 0) and safe_gate select cula's fused intra; flags reach it."""
+    """CULA_KDA_INTRA (read per call: auto, 1, 0) and safe_gate select cula's fused intra; flags reach it."""
     fwd, calls = _stub_stages(monkeypatch)
     B, T, H, HV = 1, 70, 2, 4
     q = torch.zeros(B, T, H, 128, dtype=torch.bfloat16)
@@ -234,13 +234,8 @@ def test_chunk_fwd_picks_intra_stage(monkeypatch):
         ((which, args),) = calls
         return which, args
 
-    from cula.ops.kda.sm90.chunk_fwd import CUTE_INTRA_AUTO_MAX_TOKEN_HEADS
-
-    monkeypatch.delenv("CULA_KDA_INTRA", raising=False)  # auto, no cap by default
+    monkeypatch.delenv("CULA_KDA_INTRA", raising=False)  # auto
     assert run(safe_gate=True, **gate, **flags)[0] == "cute"
-    monkeypatch.setattr("cula.ops.kda.sm90.chunk_fwd.CUTE_INTRA_AUTO_MAX_TOKEN_HEADS", T * HV - 1)
-    assert run(safe_gate=True, **gate, **flags)[0] == "fla"
-    assert CUTE_INTRA_AUTO_MAX_TOKEN_HEADS is None
     monkeypatch.setenv("CULA_KDA_INTRA", "2")
     with pytest.raises(ValueError, match="CULA_KDA_INTRA"):
         run(safe_gate=True)
@@ -270,7 +265,7 @@ def test_chunk_fwd_picks_intra_stage(monkeypatch):
 def test_backend_passes_preprocessing_flags(monkeypatch):
     """The cula-sm90 backend leaves q/k/beta alone and hands the three flags to chunk_kda_fwd_sm90."""
     from cula.kda.backends import _chunk_kda_cula_sm90
-    from cula.ops.kda.sm90 import chunk_fwd as CF
+    from cula.kda import forward as CF
 
     seen = {}
 
@@ -349,7 +344,7 @@ def _setup(case, device="cuda"):
             if strong:
                 # Strong but inside the kernel's exact range (no 8-step window past 69 nats; the steepest of a
                 # million draws is ~59). exp(A_log) = 3 (-5.4 per step) leaves ~2% of windows outside it, where
-                # the kernel is documented to be inexact and chunk_fwd never sends such gates.
+                # the kernel is documented to be inexact and the planner never sends such gates.
                 A_log = torch.full((HV,), 0.5, device=device)
     return q, k, v, g, beta, cu, A_log, dt_bias, lower_bound
 
@@ -593,7 +588,7 @@ def test_akk_vs_fla(case):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 def test_g_cum_last_only(case):
     """g_cum_last_only writes each chunk's last valid g_cum row (bit-equal to the full write) and no other, and
-    the state/output kernel fed it returns the same bits (it reads no other row; chunk_fwd always asks for it)."""
+    the state/output kernel fed it returns the same bits (it reads no other row; cula.kda.forward always asks for it)."""
     from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
     from cula.testing import poison_
 

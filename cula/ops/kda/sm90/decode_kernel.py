@@ -28,25 +28,23 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   beta) in its own shared-memory slots (about 12.7 KB per warp for K=128). More than 8 tokens are processed
   in further rounds of 8 (the contract is T <= 8, but nothing breaks above it).
 * **Occupancy**: 128-thread CTAs with ``min_blocks_per_mp=4`` cap ptxas at 128 registers (99-116 used, no
-  spills): 16 warps and 64 KB of state loads in flight per SM. T=1 calls (``SINGLE_TOKEN_CTA``) keep one token
+  spills): 16 warps and 64 KB of state loads in flight per SM. T=1 calls (``KdaTuning.single_token_cta``) keep one token
   slot per warp and run 20 one-warp CTAs per SM at 96 registers: each warp's registers come back the moment it
   ends, not when the slowest of four does.
 * **wide_kv** (for ``[K, V]`` pools with K=128 with step states, or T > 1 calls kv_cols does not take): ``LK = 8``
   and 64 state registers per lane (``j`` < 4), so a warp's V slice and each row it reads are twice as wide
   (64 B); 3 CTAs per SM.
-* **kv_tma** (``[K, V]`` pools with K=128 at T=1, fewer than ``KV_COLS_MIN_STATES`` states): the four warps of a
+* **kv_tma** (``[K, V]`` pools with K=128 at T=1, fewer than ``KdaTuning.kv_cols_min_states`` states): the four warps of a
   CTA take four adjacent V slices of one (sequence, head); one TMA load brings their ``[128 K, 32 V]`` box (whole
   128-byte row pieces) into shared memory with the 128-byte swizzle, each lane reads its fragment (rows
   ``lk + 16 i``, conflict-free under the swizzle), runs the same token math and writes it back, and one TMA store
   returns the box.
-* **kv_cols** (T=1 calls on ``[K, V]`` pools with K=128 without step states, from ``KV_COLS_MIN_STATES`` states
-  up, below that kv_tma, whose smaller boxes fill more SMs; MTP calls of 2 to ``MULTI_TOKEN_KV_COLS_MAX_TOKENS``
+* **kv_cols** (T=1 calls on ``[K, V]`` pools with K=128 without step states, from ``KdaTuning.kv_cols_min_states`` states
+  up, below that kv_tma, whose smaller boxes fill more SMs; MTP calls of 2 to ``KdaTuning.multi_token_kv_cols_max_tokens``
   tokens there without step states, of any size): a CTA of W warps takes a ``[K, 32 W]`` box by one TMA
   load (W = 4 with V = 128: the whole state, contiguous in the pool) and keeps it in shared memory; lane j of warp w
   owns column ``32 w + j`` with all K rows, so ``S^T k`` and ``S^T q`` are in-lane sums over the column (two passes
   a token, its q / k / exp(g) broadcast from the warp's slot) and no shuffle runs; one TMA store returns the box.
-  On ``[V, K]`` pools the same column is a pool row: the box is ``32 W`` rows in 128-byte swizzled pieces, read and
-  written 16 bytes at a time (``MULTI_TOKEN_VK_COLS``, off until GPU-tested).
 
 Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in {64, 128}; V a multiple of
 8 (K=128) or 16 (K=64), 64 and 128 tested; any GVA ratio; any H/HV/N/T/pool size at run time (one compile
@@ -137,16 +135,10 @@ class KdaDecodeSm90:
         # kv_tma's [128, 32] box is 128 row pieces 512 bytes apart); lane j of warp w owns column 32 w + j, all K of
         # it, read and written where the box lies in shared memory, so S^T k and S^T q are in-lane sums: no
         # shuffles, and the token's q / k / exp(g) are broadcast reads of the warp's slot
-        # On [V, K] pools (state_v_first) the lane's column of S is a row of the pool: the box is 32 W rows staged
-        # as 128-byte pieces with the 128-byte swizzle keyed on the row (state_box's rows view), and the lane reads
-        # and writes its row 16 bytes at a time, a warp's read touching each bank 4 times (the minimum) where a
-        # plain [32 W, K] box would put all 32 lanes' k in one bank
-        if kv_cols and (wide_kv or kv_tma or has_step_states or V % (32 * warps_per_cta) != 0
-                        or (state_v_first and K % 32 != 0)):  # fmt: skip
-            raise ValueError("kv_cols is for pools without step states, V a multiple of 32 x warps_per_cta, "
+        if kv_cols and (state_v_first or wide_kv or kv_tma or has_step_states or V % (32 * warps_per_cta) != 0):
+            raise ValueError("kv_cols is for [K, V] pools without step states, V a multiple of 32 x warps_per_cta, "
                              "and neither wide_kv nor kv_tma")  # fmt: skip
         self.kv_cols = kv_cols
-        self.row_box = kv_cols and state_v_first  # the box holds pool rows (see _tile_layout)
         self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
         self.lanes_k = K // self.k_per_lane
         self.lanes_v = 32 // self.lanes_k
@@ -213,8 +205,8 @@ class KdaDecodeSm90:
         units = N * HV * self.v_slices
         grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
         if const_expr(self.kv_tma or self.kv_cols):
-            box_l = cute.select(self._tile_layout(), mode=[0, 1, 2] if self.row_box else [0, 1])
-            tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K, self.row_box)
+            box_l = cute.select(self._tile_layout(), mode=[0, 1])
+            tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K)
             kernel = self.kernel_box(
                 mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
             )
@@ -422,15 +414,7 @@ class KdaDecodeSm90:
     def _tile_layout(self):
         """kv_tma's shared [32 V, 128 K] fp32 box (V contiguous), 128-byte swizzled: the 16-byte unit c of row k
         sits at unit c ^ (k % 8) (the DSL's swizzles act on byte offsets: 3 bits at 16 B, xor-ed from 128 B).
-        kv_cols' [32 W V, K] box is not swizzled: its lanes read consecutive columns of one row. kv_cols on [V, K]
-        pools: (32 k, 32 W rows, K / 32 pieces), swizzled as kv_tma's: its 128-byte lines are numbered row first,
-        so unit c of a row's piece sits at unit c ^ (row % 8)."""
-        if const_expr(self.row_box):
-            TV = self.tile_v
-            return cute.make_composed_layout(
-                cute.make_swizzle(3, 4, 3), 0,
-                cute.make_layout((32, TV, self.K // 32, 1), stride=(1, 32, 32 * TV, 0)),
-            )  # fmt: skip
+        kv_cols' [32 W V, K] box is not swizzled: its lanes read consecutive columns of one row."""
         bits = 0 if self.kv_cols else 3
         return cute.make_composed_layout(
             cute.make_swizzle(bits, 4, 3), 0, cute.make_layout((self.tile_v, self.K, 1), stride=(1, self.tile_v, 0))
@@ -483,7 +467,7 @@ class KdaDecodeSm90:
         slot = mIdx[n]  # one (sequence, head) per CTA: the branch below is CTA-uniform
         box_barrier_init(bar, tidx)
         if slot >= 0:
-            box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, self.tile_v, self.K, self.row_box)
+            box_load(tma_ld, t_ld, sTile, hv, slot, vb, bar, warp, lane, self.tile_v, self.K)
             if const_expr(self.kv_cols):
                 self._run_columns(sRaw, sBuf[None, None, warp], mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, n, h, hv,
                                   vs, v0, lane, warp, T, scale, lower_bound, bar)  # fmt: skip
@@ -496,7 +480,7 @@ class KdaDecodeSm90:
                 tS = cute.make_rmem_tensor(cute.make_layout((self.k_per_lane, R), stride=(R, 1)), Float32)
                 self._run_unit(tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, None, sBuf[None, None, warp],
                                n, h, hv, vs, v0, lane, T, scale, lower_bound, bar)  # fmt: skip
-            box_store(tma_st, t_st, sTile, hv, slot, vb, warp, self.tile_v, self.K, self.row_box)
+            box_store(tma_st, t_st, sTile, hv, slot, vb, warp, self.tile_v, self.K)
         elif const_expr(self.kv_cols):
             zero = cute.make_rmem_tensor(1, self.io_dtype)
             zero.fill(0.0)
@@ -515,9 +499,8 @@ class KdaDecodeSm90:
         K, TV, TR = self.K, self.tile_v, self.tokens_per_round
         # this lane's column, rows k of the box TV floats apart: it stays in shared memory (consecutive lanes,
         # consecutive words: no bank conflicts), since a column of 128 fp32 in registers spilled at any occupancy
-        row = self.v_per_warp * warp + lane  # the lane's column of S: a row of the box on [V, K] pools
-        col = cute.make_tensor(sRaw.iterator + cute.assume(row, divby=1), cute.make_layout(K, stride=TV))
-        rs = cute.make_rmem_tensor(4, Float32)  # [V, K] pools: 4 of the lane's row, one 16-byte read
+        box_col = self.v_per_warp * warp + lane  # the lane's column within the box (c is its column of V)
+        col = cute.make_tensor(sRaw.iterator + cute.assume(box_col, divby=1), cute.make_layout(K, stride=TV))
         r4 = cute.make_rmem_tensor(4, Float32)
         rb = cute.make_rmem_tensor(4, Float32)
         rq = cute.make_rmem_tensor(4, Float32)
@@ -537,13 +520,8 @@ class KdaDecodeSm90:
                 for i in cutlass.range(K // 4, unroll=self.KV_COLS_UNROLL):
                     cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
                     cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
-                    if const_expr(self.row_box):
-                        cute.autovec_copy(self._row4(sRaw, row, i), rs)
-                        for e in cutlass.range_constexpr(4):
-                            acc[e] = acc[e] + rs[e] * r4[e] * rb[e]
-                    else:
-                        for e in cutlass.range_constexpr(4):
-                            acc[e] = acc[e] + col[4 * i + e] * r4[e] * rb[e]
+                    for e in cutlass.range_constexpr(4):
+                        acc[e] = acc[e] + col[4 * i + e] * r4[e] * rb[e]
                 u = sSlot[self.off_beta] * (sSlot[self.off_v + lane] - ((acc[0] + acc[1]) + (acc[2] + acc[3])))
                 # S <- diag(exp(g)) S + k u^T ;  o = S^T q_hat
                 acc.fill(0.0)
@@ -551,29 +529,13 @@ class KdaDecodeSm90:
                     cute.autovec_copy(self._slot4(sSlot, self.off_eg + 4 * i), r4)
                     cute.autovec_copy(self._slot4(sSlot, self.off_k + 4 * i), rb)
                     cute.autovec_copy(self._slot4(sSlot, 4 * i), rq)
-                    if const_expr(self.row_box):
-                        cute.autovec_copy(self._row4(sRaw, row, i), rs)
-                        for e in cutlass.range_constexpr(4):
-                            rs[e] = rs[e] * r4[e] + rb[e] * u
-                            acc[e] = acc[e] + rs[e] * rq[e]
-                        cute.autovec_copy(rs, self._row4(sRaw, row, i))
-                    else:
-                        for e in cutlass.range_constexpr(4):
-                            x = col[4 * i + e] * r4[e] + rb[e] * u
-                            col[4 * i + e] = x
-                            acc[e] = acc[e] + x * rq[e]
+                    for e in cutlass.range_constexpr(4):
+                        x = col[4 * i + e] * r4[e] + rb[e] * u
+                        col[4 * i + e] = x
+                        acc[e] = acc[e] + x * rq[e]
                 ro[0] = ((acc[0] + acc[1]) + (acc[2] + acc[3])).to(self.io_dtype)
                 mOut[n, t0 + tt, hv, c] = ro[0]
             cute.arch.sync_warp()
-
-    @cute.jit
-    def _row4(self, sRaw, row, i):
-        """kv_cols on [V, K] pools: k = 4 i .. 4 i + 3 of box row ``row``, where the swizzle put them: piece
-        ``i // 8`` of the row is 128-byte line ``row + TV (i // 8)``, its 16-byte unit ``i % 8`` sits at
-        ``(i % 8) ^ (row % 8)`` (TV is a multiple of 8, so the line's low bits are the row's)."""
-        line = row + self.tile_v * (i // 8)
-        off = line * 32 + 4 * ((i % 8) ^ (row % 8))
-        return cute.make_tensor(sRaw.iterator + cute.assume(off, divby=4), cute.make_layout(4))
 
     @cute.jit
     def _slot4(self, sSlot, off):

@@ -1,6 +1,6 @@
-"""KDA chunk forward on SM90: an intra-chunk stage, then cula's fused state/output kernel.
+"""KDA's chunk forward on SM90 as launches: the intra-chunk stage, then cula's fused state/output kernel.
 
-Stage split (FLA 0.6.0 ``fla/ops/kda/chunk.py`` + ``chunk_fwd.py::chunk_kda_fwd`` are the reference):
+Stages (FLA 0.6.0 ``fla/ops/kda/chunk.py`` + ``chunk_fwd.py::chunk_kda_fwd`` are the reference):
 
 0. Optional preprocessing, as FLA's ``ChunkKDAFunction``: ``l2norm_fwd`` on q and k, ``fused_beta_sigmoid`` on
    beta (FLA Triton).
@@ -11,76 +11,25 @@ Stage split (FLA 0.6.0 ``fla/ops/kda/chunk.py`` + ``chunk_fwd.py::chunk_kda_fwd`
 3. ``chunk_kda_delta_h_fwd_o_sm90``: the state recurrence and the output in one CuTe DSL kernel, in place of
    FLA's ``chunk_gated_delta_rule_fwd_h`` + ``chunk_gla_fwd_o_gk``; no per-chunk states or v_new in memory.
 
-For ``safe_gate=True`` calls, stages 0-2 are instead one CuTe DSL launch, ``chunk_kda_intra_sm90``, with the
-q/k L2 norm and the beta sigmoid fused (cula's intra kernel is exact only for bounded gates, see its module
-docstring; without ``safe_gate`` FLA's stages always run). ``CULA_KDA_INTRA`` (read per call) chooses: ``auto``
-(default) takes it up to ``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS`` tokens x value heads (no cap: it is faster than
-FLA's stages at every measured shape, 1.5-6.7x end to end on the H200), ``1`` always, ``0`` never.
+Where ``cula.kda.plan.use_cula_intra`` says so (bounded ``safe_gate`` gates), stages 0-2 are instead one CuTe DSL
+launch, ``chunk_kda_intra_sm90``, with the q/k L2 norm and the beta sigmoid fused. ``chunk_kda_fwd_sm90`` is the
+general path; ``prepare_chunk_kda_fwd_sm90`` binds a repeated call's launch once: both kernels from one host call
+(``fwd_launch``), packed sequences through the same, or a long single sequence in time segments
+(``cula.kda.plan.time_segments``).
 
-Importing fla here is deliberate: this module orchestrates FLA's Triton stages until cula's replace them.
+Importing fla here is deliberate: this module orchestrates FLA's Triton stages where cula's do not run.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-
 import torch
 
+from cula.kda.plan import time_segments, use_cula_intra
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 
 __all__ = ["chunk_kda_fwd_sm90"]
 
 RCP_LN2 = 1.4426950408889634  # 1 / ln(2): FLA keeps the gate cumsum in base 2
-CUTE_INTRA_ENV = "CULA_KDA_INTRA"
-# cula's intra kernel is exact while no channel decays by more than 69 nats over 8 steps; FLA's safe-gate range
-# (lower_bound >= -5, at most 40 nats) is inside that, anything below it is left to FLA's stage
-_CUTE_INTRA_MIN_LOWER_BOUND = -5.0
-# tokens x value heads up to which ``auto`` takes cula's intra kernel; None: no cap. With the vector_io kernel
-# ours is faster at every measured shape (H200, 2026-11-30: B2-T16K 6.30 vs 6.65 ms of kernels)
-CUTE_INTRA_AUTO_MAX_TOKEN_HEADS: int | None = None
-# B=1 fixed-length calls of at least this many tokens run in time segments: the state/output kernel (one CTA per
-# value head, stepping through the chunks in order) takes HV SMs for as long as it runs, so with HV <= half the
-# SMs the intra kernel of segment i + 1 runs on the idle ones while the recurrence works through segment i (on a
-# second, high-priority stream; the state is handed on in fp32, so the results are the same bits). None: off.
-# On the H200 (2026-12-01, profile_kda.py wall times) B1-T16384 2127 -> 2063 us and B1-T4096 546 -> 538 us, well
-# short of the ~1.9 ms predicted: the intra CTAs beside the recurrence ran 38% slower than alone (they share L2 and
-# DRAM with it, and the first segment's intra and the last one's recurrence overlap nothing). Bit-identical
-# (test_segmented_launch_bit_identical_cuda) and CUDA-graph safe (test_segmented_launch_in_cuda_graph).
-OVERLAP_STATE_MIN_TOKENS: int | None = 4096
-# about this many tokens a segment, 2 to _MAX_SEGMENTS segments. H200 (2026-12-01, sweep_segments.py, after the
-# state kernel lost its inter-warpgroup barrier): 4096 against 2048 B1-T16384 1402 -> 1348 us, B1-T8192 725 -> 714,
-# B1-T4096 the same (2 segments either way); 1024 was slower everywhere
-_SEGMENT_TOKENS = 4096
-_MAX_SEGMENTS = 8
-# Segments shrinking towards the end (None: even ones): the last one about _LAST_SEGMENT_TOKENS long, each earlier
-# one _SEGMENT_GROWTH times the next, the first taking the rest. The last segment's recurrence runs alone on HV of
-# the SMs once the last intra kernel is done, so its length is time the other SMs idle; and each recurrence
-# should end before the next (shorter) segment's intra kernel, which runs beside it on the other SMs, does (the
-# recurrence covers a token ~4x faster than intra on half the GPU).
-# H200 (session 17, sweep_segments.py, against even 4096-token segments): 1024 x 3 B1-T4096 364 -> 347 us
-# ([3072, 1024]), B1-T8192 680 -> 665 ([4096, 3072, 1024]), B1-T16384 1348 -> 1287 ([3072, 9216, 3072, 1024]);
-# 512 x 4 was +2% at B1-T4096, 1024 x 6 no better than even
-_LAST_SEGMENT_TOKENS = 1024
-_SEGMENT_GROWTH: int | None = 3
-
-
-def _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) -> bool:
-    """Whether this call takes ``chunk_kda_intra_sm90`` instead of FLA's preprocessing + cumsum + intra."""
-    mode = os.environ.get(CUTE_INTRA_ENV, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{CUTE_INTRA_ENV} must be 'auto', '0' or '1', got {mode!r}")
-    if mode == "0" or not safe_gate:
-        return False
-    cap = CUTE_INTRA_AUTO_MAX_TOKEN_HEADS
-    if mode == "auto" and cap is not None and v.shape[0] * v.shape[1] * v.shape[2] > cap:
-        return False
-    if q.shape[-1] != 128 or v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if lower_bound is not None and lower_bound < _CUTE_INTRA_MIN_LOWER_BOUND:
-        return False
-    # the fused softplus gate has no lower bound, whatever safe_gate promises
-    return not (use_gate_in_kernel and lower_bound is None)
 
 
 def chunk_kda_fwd_sm90(
@@ -180,7 +129,7 @@ def chunk_kda_fwd_sm90(
     cu32 = None
     if cu_seqlens is not None:
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    cute_intra = _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound)
+    cute_intra = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound)
     if cute_intra:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
@@ -212,27 +161,6 @@ def chunk_kda_fwd_sm90(
     return o, final_state
 
 
-def _segment_bounds(T: int) -> list[tuple[int, int]]:
-    """[t0, t1) token ranges covering T, each a multiple of 64 long but the last, 2 to _MAX_SEGMENTS of them:
-    even ones, or with ``_SEGMENT_GROWTH`` ones shrinking geometrically towards the end."""
-    last, whole = _LAST_SEGMENT_TOKENS, T // 64 * 64
-    if _SEGMENT_GROWTH is None or whole <= last:
-        n = max(2, min(_MAX_SEGMENTS, T // _SEGMENT_TOKENS))
-        step = -(-T // n // 64) * 64
-        return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
-    sizes, rest, size = [], whole, last  # from the end; T's ragged remainder joins the last segment
-    while len(sizes) < _MAX_SEGMENTS - 1 and rest > size:
-        sizes.append(size)
-        rest -= size
-        size *= _SEGMENT_GROWTH
-    if rest < last and len(sizes) > 1:  # no front segment shorter than the last one
-        rest += sizes.pop()
-    sizes = [rest, *reversed(sizes)]
-    sizes[-1] += T - whole
-    ends = list(itertools.accumulate(sizes))
-    return list(zip([0, *ends[:-1]], ends))
-
-
 def _launch_buffers(B, T, HV, K, dt, o_dtype, dev, state_shape, output_final_state):
     """A bound launch's intermediates in their flat kernel shapes, ``w, u, qg, kg`` ``[B T, HV, K]`` (K = V),
     ``Aqk``, fp32 ``g_cum``, and its outputs ``o`` ``[B, T, HV, V]`` and the final state (or None)."""
@@ -252,7 +180,7 @@ def _segmented_launch(
     fn_intra, fn_states, bounds, gate_args, H, HV, K, V, dt, dev, state_shape, has_h0, output_final_state,
     dummy_state, no_cu, no_ci, lb,
 ):  # fmt: skip
-    """The bound launch of a B=1 call in time segments (see ``OVERLAP_STATE_MIN_TOKENS``): intra kernels on the
+    """The bound launch of a B=1 call in time segments (``cula.kda.plan.time_segments``): intra kernels on the
     caller's stream, the state/output kernel of each segment on a side stream once its intra has run, the state
     handed from segment to segment through two fp32 buffers."""
     T = bounds[-1][1]
@@ -393,8 +321,8 @@ def prepare_chunk_kda_fwd_sm90(
     the intra -> state/output intermediates and calls both compiled kernels directly: none of the per-call checks,
     views and cache-key builds of the general path, which the caller's full validation of the first call with this
     signature stands for (``cula.kda.chunk``'s plan cache).
-    Module switches (``CUTE_INTRA_AUTO_MAX_TOKEN_HEADS``, ``OVERLAP_STATE_MIN_TOKENS``) are read here, once: call
-    ``cula.backends.clear_plan_caches()`` after changing them; ``CULA_KDA_INTRA`` is part of the signature.
+    The tuning (``cula.kda.plan.KDA_TUNING``) is read here, once (its ``override`` drops the plans made under
+    other numbers); ``CULA_KDA_INTRA`` is part of the signature.
     """
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import fwd_launch, intra
@@ -404,7 +332,7 @@ def prepare_chunk_kda_fwd_sm90(
     varlen = cu_seqlens is not None
     if chunk_size != 64 or B == 0 or HV == 0 or (K, V) != (128, 128) or (T == 0 and not varlen):
         return None
-    if not _use_cute_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
+    if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
         return None
     if not all(t.is_contiguous() for t in (q, k, v, g, beta)):
         return None
@@ -426,15 +354,13 @@ def prepare_chunk_kda_fwd_sm90(
     state_options = _launch_state_options(q, has_h0, output_final_state, state_v_first)
 
     if varlen:
-        if CUTE_INTRA_AUTO_MAX_TOKEN_HEADS is not None:  # a cap on the total length: a plan cannot decide it once
-            return None
         fn = fwd_launch.get_compiled(intra_options, state_options, varlen=True)
         gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
         return _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb)
 
     no_cu = intra._placeholder(dev, torch.int32, (2,))  # the fixed-length kernels' unread cu_seqlens
-    if (OVERLAP_STATE_MIN_TOKENS is not None and B == 1 and T >= OVERLAP_STATE_MIN_TOKENS
-            and 2 * HV <= torch.cuda.get_device_properties(dev).multi_processor_count):  # fmt: skip
+    bounds = time_segments(B, T, HV, dev)
+    if bounds is not None:
         fn_intra = intra.get_compiled(varlen=False, **intra_options)
         dtype = dh._TORCH_TO_CUTLASS[q.dtype]
         fn_states = {
@@ -446,7 +372,7 @@ def prepare_chunk_kda_fwd_sm90(
         }
         no_ci = intra._placeholder(dev, torch.int32, (1, 2))
         return _segmented_launch(
-            fn_intra, fn_states, _segment_bounds(T), intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev), H,
+            fn_intra, fn_states, bounds, intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev), H,
             HV, K, V, dt, dev, state_shape, has_h0, bool(output_final_state), dummy_state, no_cu, no_ci, lb,
         )  # fmt: skip
 

@@ -1,0 +1,267 @@
+"""KDA's planner: what runs for a call, decided from its shapes and flags and the GPU's tuning entry.
+
+- ``chunk_kda``: whether cula's intra kernel or FLA's stages make the intra-chunk terms (``use_cula_intra``), and
+  whether a long single sequence runs in time segments, with the state/output kernel of one segment beside the
+  intra kernel of the next (``time_segments``). ``cula.kda.forward`` builds the launches from these answers.
+- the decode kernels: which ``KdaDecodeSm90`` variant runs a call (``decode_variant``), and its bound launch
+  (``kda_decode_launcher``).
+- the training backward: the launch of FLA's stage-6 kernel (``KdaTuning.wy_dqkg_launch``, read by
+  ``cula.kda.fla_backward``).
+
+The numbers are in ``KDA_TUNING``, one ``KdaTuning`` per compute capability; tests change them with
+``KDA_TUNING.override(...)``, never by patching module globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+import torch
+
+from cula.tuning import TuningTable
+
+__all__ = [
+    "KDA_TUNING", "KdaTuning", "decode_variant", "kda_decode_launcher", "kda_decode_sm90", "segment_bounds",
+    "time_segments", "use_cula_intra",
+]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaTuning:
+    """The numbers behind KDA's launch decisions on one GPU."""
+
+    # chunk_kda, B=1 fixed-length calls of at least this many tokens run in time segments (None: never): the
+    # state/output kernel holds one SM per value head for its whole run, so with HV at most half the SMs the intra
+    # kernel of segment i + 1 runs on the idle ones while the recurrence works through segment i
+    overlap_state_min_tokens: int | None = 4096
+    # segments of about this many tokens, 2 to max_segments of them (even ones when segment_growth is None) ...
+    segment_tokens: int = 4096
+    max_segments: int = 8
+    # ... or shrinking towards the end: the last one about last_segment_tokens long, each earlier one
+    # segment_growth times the next. The last segment's recurrence runs alone, so its length is idle time on the
+    # other SMs, and each recurrence should end before the next (shorter) segment's intra kernel does.
+    last_segment_tokens: int = 1024
+    segment_growth: int | None = 3
+
+    # Decode. [K, V] pools with K=128 take the wide lane tile (the narrow one reads [K, V] rows in lone 32-byte
+    # pieces).
+    wide_kv: bool = True
+    # T=1 calls (not the wide tile or a TMA box): (warps per CTA, CTAs per SM) with one token slot a warp; None:
+    # 4 warps, 16 per SM, 8 slots. One-warp CTAs free their registers as soon as their own loads are done.
+    single_token_cta: tuple[int, int] | None = (1, 20)
+    # T=1 calls on [K, V] pools with K=128 without step states: each CTA's [128, 32] state box by one TMA load and
+    # store (whole 128-byte row pieces), at kv_tma_min_blocks CTAs per SM
+    kv_tma: bool = True
+    kv_tma_min_blocks: int = 4
+    # ... and from kv_cols_min_states states (N x HV) on, ahead of kv_tma: the [K, 32 W] box in shared memory with
+    # a state column a lane, (warps per CTA, CTAs per SM); below that kv_tma wins (fewer boxes than a wave leave
+    # the column loops' serial K rows as the latency). None: off.
+    kv_cols: tuple[int, int] | None = (2, 6)
+    kv_cols_min_states: int = 1024
+    # MTP verify calls of 2 .. multi_token_kv_cols_max_tokens tokens on [K, V] pools with K=128 and no step states:
+    # kv_cols with (warps per CTA, token slots a warp, CTAs per SM) instead of the wide tile (its shared-memory
+    # passes grow with T, the wide tile's shuffles less, hence the cap). None: off.
+    multi_token_kv_cols: tuple[int, int, int] | None = (2, 1, 6)
+    multi_token_kv_cols_max_tokens: int = 5
+
+    # training: (BK, BV, warps, stages) of FLA's stage-6 backward kernel (chunk_kda_bwd_wy_dqkg_fused) for
+    # K = V = 128; None: FLA's autotuned choice, which on Hopper stops at 4 warps and spills
+    wy_dqkg_launch: tuple[int, int, int, int] | None = (64, 64, 8, 1)
+
+
+# H100 and H200 share sm_90; the numbers were measured on the H200. Other GPUs run no cula kernel yet.
+KDA_TUNING: TuningTable[KdaTuning] = TuningTable("kda", {(9, 0): KdaTuning()}, fallback=KdaTuning())
+
+# ------------------------------------------------------------------------------------------------------- chunk_kda
+
+INTRA_ENV = "CULA_KDA_INTRA"
+# cula's intra kernel is exact while no channel decays by more than 69 nats over 8 steps; FLA's safe-gate range
+# (lower_bound >= -5, at most 40 nats) is inside that, anything below it is left to FLA's stage
+_INTRA_MIN_LOWER_BOUND = -5.0
+
+
+def use_cula_intra(q, v, safe_gate: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> bool:
+    """Whether cula's intra kernel (gate, cumsum, L2 norm, beta sigmoid, scores, inverse and w/u in one launch)
+    makes the intra-chunk terms, instead of FLA's preprocessing + cumsum + intra stages. It is faster at every
+    shape; it runs only where it is exact: ``safe_gate`` gates of at least ``-5``, bf16/fp16, K = V = 128.
+    ``CULA_KDA_INTRA=0`` (read per call) sends every call to FLA's stages."""
+    mode = os.environ.get(INTRA_ENV, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{INTRA_ENV} must be 'auto', '0' or '1', got {mode!r}")
+    if mode == "0" or not safe_gate:
+        return False
+    if q.shape[-1] != 128 or v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if lower_bound is not None and lower_bound < _INTRA_MIN_LOWER_BOUND:
+        return False
+    # the fused softplus gate has no lower bound, whatever safe_gate promises
+    return not (use_gate_in_kernel and lower_bound is None)
+
+
+def time_segments(B: int, T: int, HV: int, device: torch.device) -> list[tuple[int, int]] | None:
+    """The ``[t0, t1)`` segments a fixed-length call runs in (``KdaTuning.overlap_state_min_tokens``), or None
+    for one launch of both kernels."""
+    tuning = KDA_TUNING.for_device(device)
+    least = tuning.overlap_state_min_tokens
+    if least is None or B != 1 or T < least:
+        return None
+    if 2 * HV > torch.cuda.get_device_properties(device).multi_processor_count:
+        return None  # the recurrence alone fills half the GPU: nothing idles for the next intra kernel
+    return segment_bounds(T, tuning)
+
+
+def segment_bounds(T: int, tuning: KdaTuning) -> list[tuple[int, int]]:
+    """[t0, t1) token ranges covering T, each a multiple of 64 long but the last, 2 to ``max_segments`` of them:
+    even ones, or with ``segment_growth`` ones shrinking geometrically towards the end."""
+    last, whole, most = tuning.last_segment_tokens, T // 64 * 64, tuning.max_segments
+    if tuning.segment_growth is None or whole <= last:
+        n = max(2, min(most, T // tuning.segment_tokens))
+        step = -(-T // n // 64) * 64
+        return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
+    sizes, rest, size = [], whole, last  # from the end; T's ragged remainder joins the last segment
+    while len(sizes) < most - 1 and rest > size:
+        sizes.append(size)
+        rest -= size
+        size *= tuning.segment_growth
+    if rest < last and len(sizes) > 1:  # no front segment shorter than the last one
+        rest += sizes.pop()
+    sizes = [rest, *reversed(sizes)]
+    sizes[-1] += T - whole
+    ends = list(itertools.accumulate(sizes))
+    return list(zip([0, *ends[:-1]], ends))
+
+
+# ---------------------------------------------------------------------------------------------------------- decode
+
+_SWEEP_FLAGS = frozenset(("min_blocks_per_sm", "warps_per_cta", "tokens_per_round"))
+
+
+def decode_variant(
+    *, gate: str, has_a_log: bool, has_dt_bias: bool, wide_kv: bool | None = None, tokens: int | None = None,
+    states: int | None = None, tuning: KdaTuning | None = None, **flags,
+) -> dict:  # fmt: skip
+    """The keywords of ``cula.ops.kda.sm90.decode.kda_decode_variant`` for a call.
+
+    ``flags`` are that function's other keywords (dtypes, K, V, the math flags; a sweep may fix
+    ``warps_per_cta`` / ``tokens_per_round`` / ``min_blocks_per_sm`` itself). ``wide_kv`` None: the tuning's
+    choice for [K, V] pools with K=128. ``tokens`` (the calls' T) and ``states`` (N x HV), when known, pick the
+    T=1 variants (``kv_cols``, then ``kv_tma``, then ``single_token_cta``) and the MTP box
+    (``multi_token_kv_cols``)."""
+    t = tuning or KDA_TUNING.get((9, 0))
+    swept = _SWEEP_FLAGS & set(flags)
+    kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
+    box = None  # kv_cols as (warps per CTA, token slots a warp, CTAs per SM)
+    if kv_pool_128 and not flags["has_step_states"] and tokens is not None and wide_kv is None:
+        if (tokens == 1 and t.kv_cols and (states is None or states >= t.kv_cols_min_states)
+                and not swept - {"tokens_per_round"}):  # fmt: skip
+            box = (t.kv_cols[0], 1, t.kv_cols[1])
+        elif 1 < tokens <= t.multi_token_kv_cols_max_tokens and t.multi_token_kv_cols and not swept:
+            box = t.multi_token_kv_cols
+    if box and flags["V"] % (32 * box[0]) == 0:
+        wide_kv = False
+        flags.update(kv_cols=True, warps_per_cta=box[0], tokens_per_round=box[1], min_blocks_per_sm=box[2])
+    if (t.kv_tma and kv_pool_128 and tokens == 1 and wide_kv is None and flags["V"] % 32 == 0
+            and not flags["has_step_states"] and "min_blocks_per_sm" not in flags
+            and flags.get("warps_per_cta", 4) == 4):  # fmt: skip
+        wide_kv = False
+        flags.update(kv_tma=True, tokens_per_round=1, min_blocks_per_sm=t.kv_tma_min_blocks)
+    if wide_kv is None:
+        wide_kv = t.wide_kv and kv_pool_128
+    if tokens == 1 and t.single_token_cta and not wide_kv and "min_blocks_per_sm" not in flags:
+        warps, ctas = t.single_token_cta
+        flags.update(tokens_per_round=1, warps_per_cta=warps, min_blocks_per_sm=ctas)
+    gated = gate != "none"  # the ungated variant takes no A_log / dt_bias
+    return dict(
+        gate=gate, has_a_log=gated and has_a_log, has_dt_bias=gated and has_dt_bias, wide_kv=bool(wide_kv),
+        arch=(9, 0), **flags,
+    )  # fmt: skip
+
+
+def kda_decode_launcher(*, gate: str, tuning: KdaTuning | None = None, **flags):
+    """The compiled variant ``decode_variant`` picks, bound once: ``launch(q, k, v, g, beta, A_log, dt_bias, state,
+    indices, out, step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``), and
+    ``launch.bind(A_log, dt_bias, state, indices, scale, lower_bound)``, the same with all but the token tensors
+    fixed, for ``kda_decode_step``, whose N=1 call is host-bound."""
+    from cula.ops.kda.sm90.decode import kda_decode_variant
+
+    fn = kda_decode_variant(**decode_variant(gate=gate, tuning=tuning, **flags))
+    gated = gate != "none"
+
+    def launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound):
+        fn(q, k, v, g, beta, A_log if gated else None, dt_bias if gated else None, state, indices, out, step_states,
+           scale, 0.0 if lower_bound is None else lower_bound)  # fmt: skip
+
+    def bind(A_log, dt_bias, state, indices, scale, lower_bound):
+        a_log, dtb = (A_log, dt_bias) if gated else (None, None)
+        lb = 0.0 if lower_bound is None else lower_bound
+
+        def tokens(q, k, v, g, beta, out, step_states):
+            fn(q, k, v, g, beta, a_log, dtb, state, indices, out, step_states, scale, lb)
+
+        return tokens
+
+    launch.bind = bind
+    return launch
+
+
+def kda_decode_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state: torch.Tensor,
+    indices: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    gate: str,
+    lower_bound: float | None,
+    use_qk_l2norm: bool,
+    beta_sigmoid: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
+    step_states: torch.Tensor | None = None,
+) -> None:
+    """One KDA decode step (T tokens per sequence) against an fp32 state pool, on SM90, through the variant the
+    planner picks. Inputs are validated by the caller (``cula.kda.decode``); TVM-FFI still checks dtypes, ranks,
+    matching sizes, contiguity of the inner dims and 16-byte alignment, and raises on a mismatch.
+
+    Args:
+        q, k: ``[N, T, H, K]`` bf16 or fp16, contiguous, 16-byte aligned. ``K`` in {64, 128}.
+        v: ``[N, T, HV, V]``, q's dtype, contiguous; ``HV % H == 0`` (GVA); ``V % 8 == 0`` for K=128,
+            ``V % 16 == 0`` for K=64.
+        g: ``[N, T, HV, K]`` bf16 or fp32: raw gate logits for ``gate in ("softplus", "lower_bound")``,
+            log-space decay for ``gate == "none"``.
+        beta: ``[N, T, HV]`` fp32, bf16 or fp16: raw logits when ``beta_sigmoid`` (``2 * sigmoid`` with
+            ``allow_neg_eigval``, which is ignored without ``beta_sigmoid``, as in FLA), else used as is.
+        A_log: ``[HV]`` fp32; required by ``softplus``, optional for ``lower_bound``, ignored for ``none``.
+        dt_bias: ``[HV * K]`` fp32 or None, added to g before the gate activation (ignored for ``none``).
+        state: fp32 pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` if ``state_v_first``), updated in place unless
+            ``step_states`` is given. Dims 1.. contiguous; dim 0 may have any stride that is a multiple of 4.
+        indices: ``[N]`` int32 pool rows. A negative index (or one past the pool) is a padded slot: the pool and
+            ``step_states`` are not touched and its output rows are **zeroed**.
+        out: ``[N, T, HV, V]`` in q's dtype, written.
+        scale: multiplies q (after the l2norm).
+        gate: ``"softplus"``: ``g = -exp(A_log) * softplus(g + dt_bias)`` (softplus is the identity above
+            20, as in torch); ``"lower_bound"``: ``g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``
+            (no ``exp(A_log)`` factor when A_log is None); ``"none"``: g used as given.
+        lower_bound: the bound for ``gate == "lower_bound"`` (negative), else unused.
+        use_qk_l2norm: ``x / sqrt(sum(x^2) + 1e-6)`` on q and k per token and head, before ``scale``.
+        step_states: optional ``[N, T, HV, K, V]`` (``[N, T, HV, V, K]``) fp32, contiguous: when given, the
+            state after every token is written there and the pool is left untouched.
+    """
+    if q.shape[0] == 0:  # an empty grid is a launch error
+        return
+    launch = kda_decode_launcher(
+        io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=q.shape[-1], V=v.shape[-1], gate=gate,
+        has_a_log=A_log is not None, has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm,
+        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+        has_step_states=step_states is not None, tokens=q.shape[1], states=q.shape[0] * v.shape[2],
+        tuning=KDA_TUNING.for_device(q.device),
+    )  # fmt: skip
+    launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)
