@@ -42,7 +42,7 @@ segment length of ``TP_SEGMENTS``, eager and CUDA-graph replay side by side in e
 ``--cuda-graph`` is ignored there). H = HV in ``TP_HEADS`` x T in ``TP_T`` at B = 1, B = 2 at 64K, and the ragged pack
 64K + 5 x 1K; decay from FLA's schedule for H heads. Each row checks every split against the serial output (relative
 RMSE, same gates) and gives per segment length ``split_ms`` / ``split_graph_ms`` (``segments`` in the JSON) and the
-best one. These are the numbers ``cula.lightning.time_parallel.SPLIT_TABLES`` is set from.
+best one. These are the numbers ``cula.lightning.plan.LightningTuning.time_split`` is set from.
 
 Usage: ``python benchmarks/bench_lightning_prefill.py [--quick] [--iters N] [--max-seconds S] [--out DIR]
 [--time-parallel]``.

@@ -131,7 +131,8 @@ def report_kda_decode() -> list[dict]:
 
 
 def report_lightning_decode() -> list[dict]:
-    from cula.ops.lightning.sm90.decode import LOAD_HINTS, STORE_HINTS, lightning_decode_sm90
+    from cula.lightning.plan import lightning_decode_sm90
+    from cula.ops.lightning.sm90.decode import LOAD_HINTS, STORE_HINTS
 
     copy_tbps = bc.measure_copy_bandwidth()
     rows = []

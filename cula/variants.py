@@ -3,7 +3,7 @@
 A prebuilt wheel is checked against this list (``scripts/build_wheel.py`` compiles it, ``tests/test_variants.py``
 drives the public entry points over a grid of calls and checks that every variant they ask ``cula.cache`` for is
 listed here). The list is made by calling the launchers' own selection code (``kda_decode_launcher``,
-``lightning_decode.launch_key``, the chunk kernels' ``get_compiled``) under ``cula.cache.recording``, over the whole
+``cula.lightning.plan.launch_key``, the chunk kernels' ``get_compiled``) under ``cula.cache.recording``, over the whole
 domain of the arguments their backends accept; only the chunk forward's choice between its launch forms
 (``cula.kda.forward``'s plan, general and time-segmented paths) is restated here, and the test keeps it honest.
 
@@ -95,22 +95,24 @@ def _lightning(scope: str) -> None:
     """``lightning_attn_fwd`` / ``chunk_simple_gla`` (constant decay, bf16, K = V in {64, 128}) and
     ``lightning_decode`` (bf16 / fp16) on cula-sm90."""
     from cula._validate import DECODE_MAX_TOKENS
+    from cula.lightning.plan import LIGHTNING_TUNING, launch_key
     from cula.ops.lightning.sm90 import chunk_fwd as lc
     from cula.ops.lightning.sm90 import decode as ld
 
     for d, h0, ht, varlen, svf in itertools.product((64, 128), _B, _B, _B, _B):
         lc.compile_lightning_fwd_sm90(d, h0, ht, varlen, svf)
     for io, d, svf, tokens, n in itertools.product(
-        _dtypes(scope)["io"], (64, 128), _B, range(1, DECODE_MAX_TOKENS + 1), (1, ld.KV_COLS_MIN_STATES)
+        _dtypes(scope)["io"], (64, 128), _B, range(1, DECODE_MAX_TOKENS + 1),
+        (1, LIGHTNING_TUNING.get((9, 0)).kv_cols_min_states),
     ):  # fmt: skip
-        key = ld.launch_key(io, d, d, tokens, n, state_v_first=svf)
-        cache.compiled_kernel(key, lambda key=key: ld._compile(ld._config_for(key), key[-1]))
+        ld.compiled_variant(launch_key(io, d, d, tokens, n, state_v_first=svf))
 
 
 def _smoke() -> None:
     """The variants of the calls ``scripts/device/wheel_check.py`` makes (and CI's wheel build compiles): one
     configuration of every kernel family, FLA's flags as models pass them."""
     from cula.kda.plan import kda_decode_launcher
+    from cula.lightning.plan import launch_key
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import fwd_launch, intra
     from cula.ops.lightning.sm90 import chunk_fwd as lc
@@ -137,8 +139,7 @@ def _smoke() -> None:
     # lightning_attn_fwd with initial and final state, fixed and packed; lightning_decode at T = 1
     for varlen in _B:
         lc.compile_lightning_fwd_sm90(128, True, True, varlen, False)
-    key = ld.launch_key(_BF16, 128, 128, 1, 64, state_v_first=True)
-    cache.compiled_kernel(key, lambda: ld._compile(ld._config_for(key), key[-1]))
+    ld.compiled_variant(launch_key(_BF16, 128, 128, 1, 64, state_v_first=True))
 
 
 OPS: dict[str, Callable[[str], None]] = {"kda.chunk": _kda_chunk, "kda.decode": _kda_decode, "lightning": _lightning}

@@ -281,9 +281,9 @@ def lightning_decode_t1():
 
 @case
 def lightning_decode_kv_cols():
-    from cula.ops.lightning.sm90 import decode
+    from cula.lightning.plan import LIGHTNING_TUNING
 
-    _lightning_decode_call(decode.KV_COLS_MIN_STATES // 32, 1, 32, v_first=False)
+    _lightning_decode_call(LIGHTNING_TUNING.get((9, 0)).kv_cols_min_states // 32, 1, 32, v_first=False)
 
 
 @case

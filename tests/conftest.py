@@ -116,3 +116,12 @@ def _kda_table():
 
 
 kda_tuning = _tuning_fixture(_kda_table)
+
+
+def _lightning_table():
+    from cula.lightning.plan import LIGHTNING_TUNING
+
+    return LIGHTNING_TUNING
+
+
+lightning_tuning = _tuning_fixture(_lightning_table)

@@ -151,8 +151,8 @@ def test_forced_backend_follows_the_environment(monkeypatch):
 def fake_sm90(monkeypatch, pretend_sm90):
     """Make CPU tensors look like an SM90 device with the DSL installed; kernels record their arguments."""
     import cula.kda.plan as kplan
+    import cula.lightning.plan as lplan
     import cula.ops.kda.sm90.decode as kops
-    import cula.ops.lightning.sm90.decode as lops
 
     calls = []
 
@@ -162,10 +162,10 @@ def fake_sm90(monkeypatch, pretend_sm90):
 
     monkeypatch.setattr(kops, "kda_decode_variant", variant)
     monkeypatch.setattr(kplan, "kda_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
-    monkeypatch.setattr(lops, "lightning_decode_launcher",
+    monkeypatch.setattr(lplan, "lightning_decode_launcher",
                         lambda q, v, **kw: (calls.append(("variant", kw)),
                                             lambda *args: calls.append(("launch", args)))[1])  # fmt: skip
-    monkeypatch.setattr(lops, "lightning_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
+    monkeypatch.setattr(lplan, "lightning_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
     return calls
 
 
@@ -404,7 +404,7 @@ def test_fast_launch_matches_the_general_path_on_sm90(op):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda.plan import kda_decode_sm90
-    from cula.ops.lightning.sm90.decode import lightning_decode_sm90
+    from cula.lightning.plan import lightning_decode_sm90
 
     torch.manual_seed(2)
     n, h, hv, d, p = 16, 4, 8, 128, 40

@@ -10,6 +10,7 @@ import torch
 
 import cula.simple_gla.backends as sb
 from cula.lightning import time_parallel as tp
+from cula.lightning.plan import LIGHTNING_TUNING
 from cula.simple_gla.naive import reference_chunk_simple_gla
 from cula.testing import rel_rmse
 
@@ -130,7 +131,7 @@ def test_split_plan_bounds():
 def test_planner_decisions():
     # off unless a table is given: the default for every GPU until measured
     assert tp.plan_time_split((65536,), 4, 132, None) is None
-    assert tp.SPLIT_TABLES[(9, 0)] is None
+    assert LIGHTNING_TUNING.get((9, 0)).time_split is None
     # B=1, 4 heads, 64K on 132 SMs: 2 * 132 / 4 = 66 segments -> ceil(65536 / 66) = 993 -> 1024 (a 64 multiple)
     plan = tp.plan_time_split((65536,), 4, 132, TABLE)
     assert plan.segment_len == 1024 and plan.num_segments == 64
@@ -155,7 +156,7 @@ def test_planner_decisions():
 # ------------------------------------------------------------------------------------ the cula-sm90 backend hook
 
 
-def _patch_hook(monkeypatch, table, calls):
+def _patch_hook(monkeypatch, tune, table, calls):
     import cula.arch
 
     def fake_forward(*args):
@@ -165,14 +166,14 @@ def _patch_hook(monkeypatch, table, calls):
     monkeypatch.setattr(sb, "_lightning_forward", fake_forward)
     monkeypatch.setattr(cula.arch, "device_arch", lambda dev: (9, 0))
     monkeypatch.setattr(tp, "sm_count", lambda index: 132)
-    monkeypatch.setitem(tp.SPLIT_TABLES, (9, 0), table)
+    tune(time_split=table)
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_backend_splits_when_table_says(monkeypatch, varlen):
+def test_backend_splits_when_table_says(monkeypatch, lightning_tuning, varlen):
     calls = []
     table = tp.SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=128, min_seq_len=512)
-    _patch_hook(monkeypatch, table, calls)
+    _patch_hook(monkeypatch, lightning_tuning, table, calls)
     lengths = (3000, 100, 0, 200) if varlen else (3000,)
     q, k, v, g, h0, cu = _inputs(lengths, varlen, torch.float64, True, False)
     args = (q, k, v, g, 0.25, h0, True, False, cu, None if cu is None else cu.clone())
@@ -185,9 +186,9 @@ def test_backend_splits_when_table_says(monkeypatch, varlen):
         assert calls[-1] is cu
 
 
-def test_backend_unchanged_while_table_off(monkeypatch):
+def test_backend_unchanged_while_table_off(monkeypatch, lightning_tuning):
     calls = []
-    _patch_hook(monkeypatch, None, calls)
+    _patch_hook(monkeypatch, lightning_tuning, None, calls)
     q, k, v, g, h0, _ = _inputs((3000,), False, torch.float64, True, False)
     sb._chunk_cula_sm90(q, k, v, g, 0.25, h0, True, False, None, None)
     assert calls == [None]
@@ -239,11 +240,11 @@ def test_gpu_ragged_pack(state_v_first):
 
 
 @pytest.mark.gpu
-def test_gpu_dispatch_and_graph_capture(monkeypatch):
+def test_gpu_dispatch_and_graph_capture(lightning_tuning):
     """Through ``lightning_attn_fwd`` with a table switched on: split, and replayable from a CUDA graph."""
     from cula.lightning import lightning_attn_fwd
 
-    monkeypatch.setitem(tp.SPLIT_TABLES, (9, 0), tp.SplitThresholds(2.0, 1.0, 1024, 4096))
+    lightning_tuning(time_split=tp.SplitThresholds(2.0, 1.0, 1024, 4096))
     q, k, v, g, h0, _ = _gpu_inputs((131072,), False)
     with torch.inference_mode():
         o_s, ht_s = sb._lightning_forward(q, k, v, g, q.shape[-1] ** -0.5, h0, True, False, None)

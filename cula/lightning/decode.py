@@ -169,7 +169,7 @@ def _cula_supports(q, v, state_pool, state_v_first, **_) -> tuple:
 
 def _prepare_cula_sm90(q, k, v, decay, state_pool, state_indices, state_v_first, out, **_):
     """The compiled kernel and grid bound once; None (the general path) where an input needs fixing first."""
-    from cula.ops.lightning.sm90.decode import lightning_decode_launcher
+    from cula.lightning.plan import lightning_decode_launcher
 
     _, HV, D0, D1 = state_pool.shape
     if q.shape[0] == 0 or (HV == 1 and state_pool.stride(1) != D0 * D1):
@@ -190,7 +190,7 @@ def _prepare_cula_sm90(q, k, v, decay, state_pool, state_indices, state_v_first,
     "cula-sm90", 10, available=cula_kernels_on((9, 0)), supports=_cula_supports, prepare=_prepare_cula_sm90
 )
 def _decode_cula_sm90(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
-    from cula.ops.lightning.sm90.decode import lightning_decode_sm90
+    from cula.lightning.plan import lightning_decode_sm90
 
     P, HV, D0, D1 = state_pool.shape
     if HV == 1 and state_pool.stride(1) != D0 * D1:

@@ -51,11 +51,6 @@ class SplitThresholds:
             raise ValueError(f"min_segment must be a positive multiple of {SEGMENT_ALIGN}, got {self.min_segment}")
 
 
-# Per compute capability. The H200 (9, 0) entry stays None (time-parallel off, the serial path unchanged) until
-# `benchmarks/bench_lightning_prefill.py --time-parallel` has measured where splitting pays on the GPU.
-SPLIT_TABLES: dict[tuple[int, int], SplitThresholds | None] = {(9, 0): None}
-
-
 @dataclasses.dataclass(frozen=True)
 class SplitPlan:
     """How a batch of sequences is cut. All host ints; ``cula.lightning.time_parallel`` caches their device copies.
@@ -120,10 +115,6 @@ def plan_time_split(lengths: Sequence[int], num_value_heads: int, sm_count: int,
     seg = math.ceil(sum(nonempty) / target_segments)
     seg = max(thresholds.min_segment, -(-seg // SEGMENT_ALIGN) * SEGMENT_ALIGN)
     return split_plan(lengths, seg, thresholds.min_seq_len)
-
-
-def thresholds_for(arch: tuple[int, int] | None) -> SplitThresholds | None:
-    return SPLIT_TABLES.get(arch) if arch is not None else None
 
 
 @functools.lru_cache(maxsize=16)

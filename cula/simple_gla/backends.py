@@ -138,10 +138,10 @@ def _time_split_plan(q, v, cu_seqlens, cu_seqlens_cpu):
 
     Lengths come from the shapes or ``cu_seqlens_cpu`` only: reading ``cu_seqlens`` would sync with the device.
     """
-    from cula.arch import device_arch
     from cula.lightning import time_parallel as tp
+    from cula.lightning.plan import LIGHTNING_TUNING
 
-    thresholds = tp.thresholds_for(device_arch(q.device))
+    thresholds = LIGHTNING_TUNING.for_device(q.device).time_split
     if thresholds is None:
         return None
     B, T, HV = v.shape[:3]

@@ -52,12 +52,12 @@ _VARIANTS = [_variant(state_v_first=vf, K=K) for vf in (True, False) for K in (1
     _variant(warps_per_cta=1),
     _variant(K=64, warps_per_cta=1),
     _variant(state_v_first=False, K=64, warps_per_cta=1),
-    # half the state a lane ([V, K] pools): SINGLE_TOKEN_TILE (20 one-warp CTAs per SM); 24 fit without spills too
+    # half the state a lane ([V, K] pools): single_token_tile (20 one-warp CTAs per SM); 24 fit without spills too
     _variant(warps_per_cta=1, state_regs=32, warps_per_sm=20),
     _variant(K=64, warps_per_cta=1, state_regs=32, warps_per_sm=20),
     _variant(warps_per_cta=1, state_regs=32, warps_per_sm=24),
     _variant(state_regs=32, warps_per_sm=20),
-    # the column kernel for [K, V] pools (KV_COLS): boxes of 4, 1 and 2 warps, 12 warps per SM
+    # the column kernel for [K, V] pools (kv_cols): boxes of 4, 1 and 2 warps, 12 warps per SM
     _variant(state_v_first=False, cols=True, warps_per_cta=4, warps_per_sm=12),
     _variant(state_v_first=False, cols=True, warps_per_cta=1, warps_per_sm=12),
     _variant(state_v_first=False, K=64, cols=True, warps_per_cta=2, warps_per_sm=12),
@@ -182,23 +182,23 @@ def test_lane_maps_partition_the_tile(state_v_first, state_regs, K):
             assert (out_a == out_b) == same_group
 
 
-def test_default_tile(monkeypatch):
-    """SINGLE_TOKEN_TILE for T=1 [V, K] calls, KV_COLS for T=1 [K, V] calls with K=128 whose V its box divides
-    and whose N x HV reach KV_COLS_MIN_STATES, the 4-warp tile otherwise; the column kernel never runs the
+def test_default_tile(lightning_tuning):
+    """single_token_tile for T=1 [V, K] calls, kv_cols for T=1 [K, V] calls with K=128 whose V its box divides
+    and whose N x HV reach kv_cols_min_states, the 4-warp tile otherwise; the column kernel never runs the
     persistent grid."""
-    import cula.ops.lightning.sm90.decode as L
+    from cula.lightning.plan import LIGHTNING_TUNING, default_tile
 
     tile = (4, 16, 64, False)
-    assert L.default_tile(True, 1) == (*L.SINGLE_TOKEN_TILE, False)
-    assert L.default_tile(True, 2) == tile
-    monkeypatch.setattr(L, "KV_COLS", (4, 3))
-    many, few = L.KV_COLS_MIN_STATES, L.KV_COLS_MIN_STATES - 1
-    assert L.default_tile(False, 1, 128) == L.default_tile(False, 1, 128, 128, many) == (4, 12, 64, True)
-    assert L.default_tile(False, 1, 128, 128, few) == tile
-    assert L.default_tile(False, 1, 128, 64, many) == tile
-    assert L.default_tile(False, 1, 64) == L.default_tile(False, 2, 128) == tile
-    monkeypatch.setattr(L, "KV_COLS", None)
-    assert L.default_tile(False, 1, 128, 128, many) == tile
+    assert default_tile(True, 1) == (*LIGHTNING_TUNING.get((9, 0)).single_token_tile, False)
+    assert default_tile(True, 2) == tile
+    t = lightning_tuning(kv_cols=(4, 3))
+    many, few = t.kv_cols_min_states, t.kv_cols_min_states - 1
+    assert default_tile(False, 1, 128) == default_tile(False, 1, 128, 128, many) == (4, 12, 64, True)
+    assert default_tile(False, 1, 128, 128, few) == tile
+    assert default_tile(False, 1, 128, 64, many) == tile
+    assert default_tile(False, 1, 64) == default_tile(False, 2, 128) == tile
+    lightning_tuning(kv_cols=None)
+    assert default_tile(False, 1, 128, 128, many) == tile
 
 
 def test_grid_sizes():
@@ -263,7 +263,7 @@ def _run_case(
     scale=None,
     **hints,
 ):
-    from cula.ops.lightning.sm90.decode import lightning_decode_sm90
+    from cula.lightning.plan import lightning_decode_sm90
 
     _requires_sm90()
     gen = torch.Generator(device="cuda").manual_seed(N * 1000 + T * 100 + HV)
@@ -359,7 +359,7 @@ _CASES = [
     {"N": 700, "T": 2, "H": 4, "HV": 16, "D": 128, "warps_per_cta": 1, "state_regs": 32, "warps_per_sm": 24},
     {"N": 1, "T": 1, "H": 64, "HV": 64, "D": 128, "warps_per_cta": 1, "state_regs": 32, "warps_per_sm": 24},
     {"N": 9, "T": 3, "H": 1, "HV": 6, "D": 128, "pool_slice": True, "state_regs": 32, "warps_per_sm": 24},
-    # the column kernel for [K, V] pools (KV_COLS; one CTA a box, also at T > 1)
+    # the column kernel for [K, V] pools (kv_cols; one CTA a box, also at T > 1)
     *({"N": 700, "T": T, "H": 4, "HV": 16, "D": D, "state_v_first": False, "cols": True, "warps_per_cta": w,
        "warps_per_sm": 12} for T, D, w in ((1, 128, 4), (1, 128, 1), (3, 128, 2), (1, 64, 2), (2, 64, 1))),
     {"N": 1, "T": 1, "H": 64, "HV": 64, "D": 128, "state_v_first": False, "cols": True, "warps_per_cta": 4,
@@ -386,7 +386,7 @@ def test_decode_cases(case):
 @pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
 def test_long_decode_tracks_float64(state_v_first):
     """2,000 consecutive T=1 steps (H=HV=2) stay within 5e-3 of the float64 recurrence."""
-    from cula.ops.lightning.sm90.decode import lightning_decode_sm90
+    from cula.lightning.plan import lightning_decode_sm90
 
     _requires_sm90()
     steps, H, HV, D = 2000, 2, 2, 128

@@ -20,20 +20,20 @@ nominal 64 KB is in flight, which is right at the edge. Here:
 
 * **Twice the state per thread**: each lane holds 64 fp32 (sixteen 16-byte loads, all issued back to back
   before the first use, together with the token's q/k/v and the decay), so 16 warps per SM (ptxas cap 128
-  registers) put 128 KB of state loads in flight. T=1 calls on ``[V, K]`` pools (``SINGLE_TOKEN_TILE``) turn
+  registers) put 128 KB of state loads in flight. T=1 calls on ``[V, K]`` pools (``LightningTuning.single_token_tile``) turn
   this around: 32 values a lane in one-warp CTAs, 20 warps per SM, which measured 2 points of copy faster: a
   one-warp CTA gives its registers back when its own state is stored, not when the slowest of four is.
 * **Persistent warps with the next pool index prefetched, for T >= 2**: the grid is ``#SMs x CTAs per SM``;
   each warp (or CTA, see below) walks work units with a grid stride and loads the pool index of its *next*
   unit while the current one is in flight, so the dependent index round trip and the CTA launch are off the
   critical path. At T=1 the same kernel runs one round on a grid of one CTA per unit group instead
-  (``PERSISTENT_MIN_TOKENS``): there the hardware's CTA scheduler, which hands work to whichever SM frees up,
+  (``LightningTuning.persistent_min_tokens``): there the hardware's CTA scheduler, which hands work to whichever SM frees up,
   beat the static grid stride by 4% (N=64) and 5% (N=256) on the H200.
 * **Whole 128-byte lines per warp instruction** in both layouts (the KDA ``[K, V]`` path touches 32 bytes per
   row per instruction and reached 2.39 TB/s). The state loads and stores take no cache hint: on the H200
   (2026-12-01, speed report, N=64) that ran 145-146 us against 150-154 us with ``L1::no_allocate`` loads, in
   both layouts, although the state is read only once.
-* **[K, V] pools by column** (``cols``; ``KV_COLS`` for T=1 calls with K=128 and ``KV_COLS_MIN_STATES`` states or
+* **[K, V] pools by column** (``cols``; ``LightningTuning.kv_cols`` for T=1 calls with K=128 and ``kv_cols_min_states`` states or
   more): one CTA per ``[K, 32 W]`` box of one (sequence, head), loaded by one TMA into shared memory and kept
   there; lane j of warp w owns column ``32 w + j`` with all K rows, so a token is one pass over the column and
   ``o`` an in-lane sum (``kernel_cols``).
