@@ -236,9 +236,9 @@ def back_to_back_us(fn: Callable[[], Any], n: int = 100, batches: int = 15) -> f
 
 def host_yardstick(device: torch.device | str) -> Callable[[], Callable[[], Any]]:
     """A maker for :func:`measure_host_overheads` of ``torch.empty(1, device=device)``: a call with no work of ours,
-    timed beside the implementations as the host's own speed. On the H200's host (session 20,
-    ``scripts/device/host_drift.py``) it swung between 2.6-2.9 and 4.7-5.3 us in stretches of seconds, the decode
-    step's 15-16 against 22-25 us in lockstep: host figures of two runs compare only with their yardsticks."""
+    timed beside the implementations as the host's own speed. On the H200's host it swung between 2.6-2.9 and
+    4.7-5.3 us in stretches of seconds, the decode step's 15-16 against 22-25 us in lockstep: host figures of two
+    runs compare only with their yardsticks."""
     return lambda: (lambda: torch.empty(1, device=device))
 
 
@@ -250,8 +250,8 @@ def measure_host_overheads(
     0.01 us.
 
     ``calls`` maps a label to a maker of the zero-argument call (made once). A slow stretch of the device's host
-    (session 19: the first N=1 row of a suite ran 1.6-2x slower than the same calls a minute later, FLA's and
-    cula's alike) then costs one round of every implementation instead of all of one. A label whose maker or call
+    (the first N=1 row of a suite has run 1.6-2x slower than the same calls a minute later, FLA's and cula's
+    alike) then costs one round of every implementation instead of all of one. A label whose maker or call
     raises is left out (``record(label + " host overhead", exc)`` when given)."""
     fns, runs = {}, {}
     for label, make in calls.items():

@@ -130,7 +130,7 @@ class _ChunkKDATraining(torch.autograd.Function):
     elementwise stages (the q/k L2 norm, the beta sigmoid, the gate cumsum) before FLA's ``chunk_kda_bwd``. So the
     gradients are FLA's backward on our forward's scores: FLA's bits where FLA's intra stage ran, within the intra
     kernel's tolerance of them where ours did. Recomputing the scores instead (FLA's intra stage in the backward)
-    left the step 1-2% slower than FLA's on the H200 (session 19, bench_kda_training --quick)."""
+    left the step 1-2% slower than FLA's on the H200."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts):

@@ -23,7 +23,7 @@ from cula.backends import PlanCache, Registry, always, cula_kernels_on, forced_b
 
 kda_decode_registry = Registry("kda.kda_decode")
 # Validated launches by call signature: a serving loop repeats a few signatures once per token, and full
-# validation plus dispatch costs several times the N=1 kernel (perf-notes-decode.md).
+# validation plus dispatch costs several times the N=1 kernel.
 _plans = PlanCache()
 
 def kda_decode(

@@ -1,7 +1,7 @@
 """Float64 references of the stages of FLA 0.6.0's chunked KDA backward (``fla.ops.kda.chunk_bwd.chunk_kda_bwd``).
 
 cula's training path runs FLA's backward whole (``cula.kda.backends._ChunkKDATraining``). A backward of our own
-replaces its stages one at a time (``docs/design-kda-backward.md``), and each replacement has to take and return
+replaces its stages one at a time (``docs/kernels/kda-backward.md``), and each replacement has to take and return
 exactly what FLA's stage does, so that the rest of FLA's pipeline runs on unchanged. These functions pin those
 contracts down in plain torch: the same arguments, shapes and units as FLA's stage, written from the math, and
 checked against FLA's Triton kernel itself (run by Triton's interpreter on the CPU, ``tests/test_naive_bwd.py``).

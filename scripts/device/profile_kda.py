@@ -10,7 +10,7 @@ Firecracker runtime (device KINDS.md) and is skipped with a message where it can
 instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, hence which phase, the time goes to).
 ``--ncu-decode`` profiles the KDA and Lightning decode kernels at N=64 instead ($OUT/ncu_decode.txt).
 ``--ncu-backward`` profiles FLA's two heaviest backward kernels (``chunk_kda_bwd_kernel_wy_dqkg_fused``, stage 6, and
-``chunk_kda_bwd_kernel_intra``, stage 7 of docs/design-kda-backward.md) and the dh recurrence beside them in one FLA
+``chunk_kda_bwd_kernel_intra``, stage 7 of docs/kernels/kda-backward.md) and the dh recurrence beside them in one FLA
 training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers and spills Triton compiled them with.
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
 default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward) the kernels of the forward

@@ -509,8 +509,8 @@ def _assert_matches_fla(ref, out, cu):
 
 
 def _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lower_bound, launcher=None, **fused):
-    """Our intra kernel on NaN-poisoned outputs; ``launcher``: another module's ``chunk_kda_intra_sm90`` (an
-    earlier version, for ``scripts/device/bit_identity.py``)."""
+    """Our intra kernel on NaN-poisoned outputs; ``launcher``: a stand-in for ``chunk_kda_intra_sm90`` (a wrapper
+    asking for more outputs)."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
     from cula.testing import poison_
 

@@ -100,19 +100,18 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the modul
 # Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P6's v')
 # issue the next step's loads before this step's stores: ptxas never moves a load above a store it cannot prove
 # disjoint, so a plain loop runs one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 loads the
-# raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k. On the H200 this was bit-
-# identical to the plain loops and 6% faster (B2-T16384 3127 -> 2930 us, 2026-11-30).
+# raw gate first, on its own mbarrier, so the gate cumsum need not wait for q and k (bit-identical to the plain
+# loops, 6% faster on the H200).
 # P7 of a full chunk moves w / u to global memory by stmatrix into the k / v tile and one TMA store per
 # warpgroup; 64 scalar shared stores (each with its swizzle arithmetic), a barrier and eight 16-byte row copies per
-# thread, kept for partial chunks, were 10% of the kernel's time (H200, B2-T16384 2796 -> 2514 us, 2026-12-01).
+# thread, kept for partial chunks, were a tenth of the kernel's time.
 # P5 runs on tf32 mma.sync (FLA's solve_tril precision for these blocks): one warp per block of T and three
-# barriers, where fp32 SIMT over shared memory took six and ~4.8 K warp instructions a tile (2274 -> 2043 us).
-# Between the two, P2's operand stores stopped indexing register arrays at run time (which had put them in local
-# memory) and P1's g_cum stores lost their per-store swizzle arithmetic and select: 2514 -> 2261 us.
-# P2 builds k' from qg's exp2(gc) (P6 recomputed it), the rows past the sequence end are zeroed once in P1 instead
-# of masked per element in P2 and P3, and P2's score operands are stored without a data select: 2075 -> 1927 us,
-# bit-identical (H200, B2-T16384, 2026-12-01); P3's rounds (0, 1), (2, 3): 1927 -> 1897 us. bf16 operands widened
-# from their 32-bit pairs (``_widen``): 1917 -> 1879 us, bit-identical (another machine, same session).
+# barriers, where fp32 SIMT over shared memory took six and ~4.8 K warp instructions a tile.
+# P2's operand stores index no register array at run time (that would put them in local memory), and P1's g_cum
+# stores carry no per-store swizzle arithmetic or select.
+# P2 builds k' from qg's exp2(gc) rather than recomputing it, the rows past the sequence end are zeroed once in P1
+# instead of masked per element in P2 and P3, P2's score operands are stored without a data select, and bf16
+# operands are widened from their 32-bit pairs (``_widen``).
 
 
 class ChunkKDAIntraFwdSm90:

@@ -10,8 +10,7 @@ Without a delta rule there is nothing to compute but a scaled rank-1 update and 
 is a copy of the state (``K * V * 4`` bytes read and written per sequence and value head) with three FP32
 operations per element on the way. Everything below is about keeping enough bytes in flight.
 
-**Why the KDA decode kernel stops at ~84% and what this one does instead** (``cula/ops/kda/sm90/decode.py``,
-``docs/perf-notes-decode.md``). Little's law: at 4.27 TB/s over 132 SMs each SM moves ~16 GB/s each way,
+**Why a decode kernel stops short of copy bandwidth and what this one does** (``docs/kernels/lightning-decode.md``). Little's law: at 4.27 TB/s over 132 SMs each SM moves ~16 GB/s each way,
 which at the 1-2 us latency of a loaded HBM3e read needs 16-32 KB of reads in flight per SM *on average*.
 The KDA kernel has 16 warps x 4 KB = 64 KB per SM at best, but each warp spends part of its short life with
 nothing in flight: it first loads its pool index (one dependent round trip), then its state, then computes
@@ -27,14 +26,13 @@ nominal 64 KB is in flight, which is right at the edge. Here:
   each warp (or CTA, see below) walks work units with a grid stride and loads the pool index of its *next*
   unit while the current one is in flight, so the dependent index round trip and the CTA launch are off the
   critical path. At T=1 the same kernel runs one round on a grid of one CTA per unit group instead
-  (``LightningTuning.persistent_min_tokens``): there the hardware's CTA scheduler, which hands work to whichever SM frees up,
-  beat the static grid stride by 4% (N=64) and 5% (N=256) on the H200.
+  (``LightningTuning.persistent_min_tokens``): there the hardware's CTA scheduler, which hands work to whichever
+  SM frees up, beat the static grid stride by 4% (N=64) and 5% (N=256) on the H200.
 * **Whole 128-byte lines per warp instruction** in both layouts (the KDA ``[K, V]`` path touches 32 bytes per
-  row per instruction and reached 2.39 TB/s). The state loads and stores take no cache hint: on the H200
-  (2026-12-01, speed report, N=64) that ran 145-146 us against 150-154 us with ``L1::no_allocate`` loads, in
-  both layouts, although the state is read only once.
-* **[K, V] pools by column** (``cols``; ``LightningTuning.kv_cols`` for T=1 calls with K=128 and ``kv_cols_min_states`` states or
-  more): one CTA per ``[K, 32 W]`` box of one (sequence, head), loaded by one TMA into shared memory and kept
+  row per instruction and reached 2.39 TB/s). The state loads and stores take no cache hint: on the H200 that ran
+  3-5% faster than ``L1::no_allocate`` loads in both layouts, although the state is read only once.
+* **[K, V] pools by column** (``cols``; ``LightningTuning.kv_cols`` for T=1 calls with K=128 and
+  ``kv_cols_min_states`` states or more): one CTA per ``[K, 32 W]`` box of one (sequence, head), loaded by one TMA into shared memory and kept
   there; lane j of warp w owns column ``32 w + j`` with all K rows, so a token is one pass over the column and
   ``o`` an in-lane sum (``kernel_cols``).
 
