@@ -188,6 +188,11 @@ def _check_tokens(q, k, v) -> None:
     check_qkv(q, k, v)
 
 
+def _param_names(params: str) -> list[str]:
+    """The argument names of a schema's argument list (``"Tensor q, float? scale"``: ``["q", "scale"]``)."""
+    return [p.split()[-1] for p in params.split(", ")]
+
+
 def _state_shape(n, heads: int, k: int, v: int, state_v_first: bool) -> tuple:
     return (n, heads, v, k) if state_v_first else (n, heads, k, v)
 
@@ -223,37 +228,23 @@ _LAYOUT_ONLY = frozenset(("transpose_state_layout",))
 _KDA_GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
 
-@torch.library.custom_op("cula::chunk_kda", mutates_args=())
-def _chunk_kda_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
-    initial_state: Optional[Tensor],
-    cu_seqlens: Optional[Tensor],
-    cu_seqlens_cpu: Optional[Tensor],
-    scale: Optional[float],
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool,
-    safe_gate: bool,
-    lower_bound: Optional[float],
-    disable_recompute: bool,
-    state_v_first: bool,
-    chunk_size: int,
-    max_num_seqs: Optional[int],
-    use_graph: bool,
-    training: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+# chunk_kda's flat schema, one list for both ops: the backward op takes the forward op's arguments (less
+# `training`) to run or differentiate the very call the forward ran
+_KDA_PARAMS = (
+    "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, Tensor? initial_state, "
+    "Tensor? cu_seqlens, Tensor? cu_seqlens_cpu, float? scale, bool output_final_state, "
+    "bool use_qk_l2norm_in_kernel, bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, "
+    "bool safe_gate, float? lower_bound, bool disable_recompute, bool state_v_first, SymInt chunk_size, "
+    "SymInt? max_num_seqs, bool use_graph"
+)
+_KDA_NAMES = _param_names(_KDA_PARAMS)
+
+
+def _chunk_kda(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(o, final_state, Aqk, Akk)``: ``chunk_kda``'s outputs (final_state empty unless ``output_final_state``),
     and, for a ``training`` call that runs ``_ChunkKDATraining``, the scores its backward reads (else empty)."""
-    call = dict(locals())
-    del call["training"]
+    call, training = dict(zip(_KDA_NAMES, args)), args[-1]
+    q = call["q"]
     if training and _kda_keeps_scores(call):
         from cula.kda import backends, chunk
 
@@ -263,9 +254,15 @@ def _chunk_kda_op(
     else:
         o, final = _run_training("chunk_kda", call, _KDA_GRADS) if training else _run("chunk_kda", call)
         Aqk, Akk = _empty(q), _empty(q)
-    inputs = (q, k, v, g, beta, initial_state)
+    inputs = tuple(call[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
     final = _empty(q) if final is None else _fresh(final, *inputs)
     return _fresh(o, *inputs), final, Aqk, Akk
+
+
+_chunk_kda_op = torch.library.custom_op(
+    "cula::chunk_kda", _chunk_kda, mutates_args=(),
+    schema=f"({_KDA_PARAMS}, bool training) -> (Tensor, Tensor, Tensor, Tensor)",
+)  # fmt: skip
 
 
 def _kda_dispatch_args(call: dict) -> dict:
@@ -284,70 +281,46 @@ def _kda_keeps_scores(call: dict) -> bool:
 
 
 @_chunk_kda_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-      use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-      lower_bound, disable_recompute, state_v_first, chunk_size, max_num_seqs, use_graph, training):  # fmt: skip
-    call = dict(locals())
-    _check_tokens(q, k, v)
+def _(*args):
+    call, training = dict(zip(_KDA_NAMES, args)), args[-1]
+    q, v = call["q"], call["v"]
+    _check_tokens(q, call["k"], v)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty(B, T, HV, V)
     final = _empty(q)
-    if output_final_state:
-        final = q.new_empty(_state_shape(_sequences(q, cu_seqlens), HV, K, V, state_v_first), dtype=torch.float32)
+    if call["output_final_state"]:
+        shape = _final_shape(q, v, call["cu_seqlens"], call["state_v_first"])
+        final = q.new_empty(shape, dtype=torch.float32)
     if training and _kda_keeps_scores(call):
         return o, final, q.new_empty(B, T, HV, 64), q.new_empty(B, T, HV, 64)
     return o, final, _empty(q), _empty(q)
 
 
-@torch.library.custom_op("cula::chunk_kda_bwd", mutates_args=())
-def _chunk_kda_bwd_op(
-    do: Tensor,
-    dht: Optional[Tensor],
-    Aqk: Tensor,
-    Akk: Tensor,
-    needs: list[bool],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    A_log: Optional[Tensor],
-    dt_bias: Optional[Tensor],
-    initial_state: Optional[Tensor],
-    cu_seqlens: Optional[Tensor],
-    cu_seqlens_cpu: Optional[Tensor],
-    scale: Optional[float],
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool,
-    safe_gate: bool,
-    lower_bound: Optional[float],
-    disable_recompute: bool,
-    state_v_first: bool,
-    chunk_size: int,
-    max_num_seqs: Optional[int],
-    use_graph: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _chunk_kda_bwd(do, dht, Aqk, Akk, needs, *args) -> tuple[Tensor, ...]:
     """The gradients of ``_KDA_GRADS`` flagged in ``needs`` (empty where not), given ``do`` and ``dht`` (None when
     the final state's gradient is)."""
-    call = dict(locals())
-    for n in ("do", "dht", "Aqk", "Akk", "needs"):
-        del call[n]
+    call = dict(zip(_KDA_NAMES, args))
+    q = call["q"]
     inputs = [call[n] for n in _KDA_GRADS]
     if Aqk.dim() == 4:  # the forward ran _ChunkKDATraining's: its backward, on the scores it kept
         from cula._validate import check_scale
         from cula.kda import backends
 
         args = _kda_dispatch_args(call)
-        args["scale"] = check_scale(scale, q.shape[-1])
+        args["scale"] = check_scale(call["scale"], q.shape[-1])
         with _eager_path:
             grads = backends.chunk_kda_training_backward(args, Aqk, Akk, do, dht)
     else:
         grads = _recompute_grads("chunk_kda", call, _KDA_GRADS, needs, (do, dht))
     return _grads_out(grads, inputs, needs, q, do, dht, *inputs)
+
+
+_chunk_kda_bwd_op = torch.library.custom_op(
+    "cula::chunk_kda_bwd", _chunk_kda_bwd, mutates_args=(),
+    schema=f"(Tensor do, Tensor? dht, Tensor Aqk, Tensor Akk, bool[] needs, {_KDA_PARAMS}) -> "
+    f"({', '.join(['Tensor'] * len(_KDA_GRADS))})",
+)  # fmt: skip
 
 
 @_chunk_kda_bwd_op.register_fake
@@ -623,29 +596,32 @@ def lightning_decode(q, k, v, decay, state_pool, state_indices, *, scale=None, s
 _SIMPLE_GLA_GRADS = ("q", "k", "v", "g", "g_gamma", "initial_state")
 
 
-@torch.library.custom_op("cula::chunk_simple_gla", mutates_args=())
-def _chunk_simple_gla_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Optional[Tensor],
-    g_gamma: Optional[Tensor],
-    initial_state: Optional[Tensor],
-    cu_seqlens: Optional[Tensor],
-    cu_seqlens_cpu: Optional[Tensor],
-    scale: Optional[float],
-    output_final_state: bool,
-    state_v_first: bool,
-    chunk_size: Optional[int],
-) -> tuple[Tensor, Tensor]:
+# the forward op's schema, and the backward op's after the incoming gradients (see _KDA_PARAMS)
+_SIMPLE_GLA_PARAMS = (
+    "Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? g_gamma, Tensor? initial_state, Tensor? cu_seqlens, "
+    "Tensor? cu_seqlens_cpu, float? scale, bool output_final_state, bool state_v_first, SymInt? chunk_size"
+)
+_SIMPLE_GLA_NAMES = _param_names(_SIMPLE_GLA_PARAMS)
+
+
+def _chunk_simple_gla(*args) -> tuple[Tensor, Tensor]:
     """``chunk_simple_gla``: ``(o, final_state or empty)``. Its backends choose alike with and without autograd."""
-    o, final = _run("chunk_simple_gla", _simple_gla_call(locals()))
-    inputs = (q, k, v, g, g_gamma, initial_state)
+    call = _simple_gla_call(args)
+    o, final = _run("chunk_simple_gla", call)
+    q = call["q"]
+    inputs = tuple(call[n] for n in _SIMPLE_GLA_GRADS)
     return _fresh(o, *inputs), _empty(q) if final is None else _fresh(final, *inputs)
 
 
-def _simple_gla_call(params: dict) -> dict:
-    call = dict(params)
+_chunk_simple_gla_op = torch.library.custom_op(
+    "cula::chunk_simple_gla", _chunk_simple_gla, mutates_args=(),
+    schema=f"({_SIMPLE_GLA_PARAMS}) -> (Tensor, Tensor)",
+)  # fmt: skip
+
+
+def _simple_gla_call(args: tuple) -> dict:
+    """The eager call of the op arguments ``args`` (``_SIMPLE_GLA_PARAMS``'s)."""
+    call = dict(zip(_SIMPLE_GLA_NAMES, args))
     if call["chunk_size"] is None:  # a keyword of **kwargs there: absent, not None
         del call["chunk_size"]
     return call
@@ -660,26 +636,11 @@ def _(q, k, v, g, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu, scale, out
     return o, q.new_empty(_final_shape(q, v, cu_seqlens, state_v_first), dtype=torch.float32)
 
 
-@torch.library.custom_op("cula::chunk_simple_gla_bwd", mutates_args=())
-def _chunk_simple_gla_bwd_op(
-    do: Tensor,
-    dht: Optional[Tensor],
-    needs: list[bool],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Optional[Tensor],
-    g_gamma: Optional[Tensor],
-    initial_state: Optional[Tensor],
-    cu_seqlens: Optional[Tensor],
-    cu_seqlens_cpu: Optional[Tensor],
-    scale: Optional[float],
-    output_final_state: bool,
-    state_v_first: bool,
-    chunk_size: Optional[int],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _chunk_simple_gla_bwd(do, dht, needs, *args) -> tuple[Tensor, ...]:
     """The gradients of ``_SIMPLE_GLA_GRADS`` flagged in ``needs`` (empty where not)."""
-    call = _simple_gla_call({n: x for n, x in locals().items() if n not in ("do", "dht", "needs")})
+    (q, k, v, g, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, state_v_first,
+     chunk_size) = args  # fmt: skip
+    call = _simple_gla_call(args)
     from cula._validate import check_scale
     from cula.simple_gla import backends
 
@@ -697,6 +658,13 @@ def _chunk_simple_gla_bwd_op(
     else:
         grads = _recompute_grads("chunk_simple_gla", call, _SIMPLE_GLA_GRADS, needs, (do, dht))
     return _grads_out(grads, inputs, needs, q, do, dht, *inputs)
+
+
+_chunk_simple_gla_bwd_op = torch.library.custom_op(
+    "cula::chunk_simple_gla_bwd", _chunk_simple_gla_bwd, mutates_args=(),
+    schema=f"(Tensor do, Tensor? dht, bool[] needs, {_SIMPLE_GLA_PARAMS}) -> "
+    f"({', '.join(['Tensor'] * len(_SIMPLE_GLA_GRADS))})",
+)  # fmt: skip
 
 
 @_chunk_simple_gla_bwd_op.register_fake
@@ -756,7 +724,7 @@ def _recomputed_op(name: str, params: str, grads: tuple):
     final_state [N, HV, K, V] fp32 or empty)``, with ``params`` its flat schema's arguments (which include
     ``q``, ``v``, ``output_final_state``, ``state_v_first`` and ``cu_seqlens``), and ``cula::<name>_bwd``, the
     gradients of ``grads`` (a subset of the tensor arguments), joined as its autograd."""
-    names = [p.split()[-1] for p in params.split(", ")]
+    names = _param_names(params)
     tensor_at = [i for i, p in enumerate(params.split(", ")) if p.startswith("Tensor")]
     grad_at = [names.index(n) for n in grads]
 

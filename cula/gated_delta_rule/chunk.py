@@ -46,6 +46,24 @@ def check_gdn_inputs(q, k, v, g, beta, *, initial_state, state_v_first, cu_seqle
     return n
 
 
+def check_gdn_activations(
+    q, v, g, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
+) -> None:
+    """The in-kernel activations' arguments: with ``use_gate_in_kernel`` the raw ``g`` and fp32 ``A_log [HV]``
+    (and ``dt_bias [HV]`` if given); ``allow_neg_eigval`` only with ``use_beta_sigmoid_in_kernel``."""
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`")
+        if g is None:
+            raise ValueError("`g` (raw pre-activation) must be provided when `use_gate_in_kernel=True`")
+        HV = v.shape[2]
+        check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=q.device)
+        if dt_bias is not None:
+            check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=(torch.float32,), device=q.device)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,15 +128,9 @@ def chunk_gated_delta_rule(
     )
     if g is None or beta is None:
         raise ValueError("`g` and `beta` are required for chunk_gated_delta_rule")
-    HV = v.shape[2]
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`")
-        check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=q.device)
-        if dt_bias is not None:
-            check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=(torch.float32,), device=q.device)
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+    check_gdn_activations(
+        q, v, g, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
+    )
     if chunk_indices is not None:
         check_tensor("chunk_indices", chunk_indices, ndim=2, dtypes=INDEX_DTYPES, device=q.device)
     if cp_context is not None and (initial_state is not None or output_final_state):

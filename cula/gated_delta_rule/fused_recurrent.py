@@ -8,7 +8,7 @@ from torch.compiler import is_compiling
 from cula import _custom_ops
 from cula._validate import FLOAT_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
 from cula.gated_delta_rule.backends import fused_recurrent_gdn_registry
-from cula.gated_delta_rule.chunk import check_gdn_inputs
+from cula.gated_delta_rule.chunk import check_gdn_activations, check_gdn_inputs
 
 
 def fused_recurrent_gated_delta_rule(
@@ -73,18 +73,11 @@ def fused_recurrent_gated_delta_rule(
         check_tensor("gk", gk, shape=(B, T, HV, K), dtypes=FLOAT_DTYPES, device=q.device)
     if gv is not None:
         check_tensor("gv", gv, shape=(B, T, HV, V), dtypes=FLOAT_DTYPES, device=q.device)
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`")
-        if g is None:
-            raise ValueError("`g` (raw pre-activation) must be provided when `use_gate_in_kernel=True`")
-        check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=q.device)
-        if dt_bias is not None:
-            check_tensor("dt_bias", dt_bias, shape=(HV,), dtypes=(torch.float32,), device=q.device)
-    else:
+    check_gdn_activations(
+        q, v, g, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
+    )
+    if not use_gate_in_kernel:
         A_log = dt_bias = None
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
     args = dict(
         q=q,
         k=k,

@@ -86,19 +86,7 @@ def naive_recurrent_gated_delta_rule(
     Returns:
         ``(o [B, T, HV, V], final_state or None)`` in the compute dtype.
     """
-    return naive_recurrent_kda(
-        q,
-        k,
-        v,
-        _per_key(g, q.shape[-1]),
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        compute_dtype=compute_dtype,
-    )
+    return naive_recurrent_kda(**dict(locals(), g=_per_key(g, q.shape[-1])))
 
 
 def naive_chunk_gated_delta_rule(
@@ -120,20 +108,7 @@ def naive_chunk_gated_delta_rule(
     Note the argument order differs from FLA's ``naive_chunk_gated_delta_rule``, whose sixth positional
     argument is ``chunk_size``.
     """
-    return naive_chunk_kda(
-        q,
-        k,
-        v,
-        _per_key(g, q.shape[-1]),
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-        compute_dtype=compute_dtype,
-    )
+    return naive_chunk_kda(**dict(locals(), g=_per_key(g, q.shape[-1])))
 
 
 def reference_chunk_gated_delta_rule(
@@ -202,27 +177,14 @@ def reference_chunk_gated_delta_rule(
 
 
 def reference_fused_recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None = None,
-    gk: torch.Tensor | None = None,
-    gv: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    *,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None, gv: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+    scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None, use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+    state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None, *,
     compute_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """FLA 0.6.0 ``fused_recurrent_gated_delta_rule`` semantics in plain torch (same positional order).
 
     Per step the state is decayed by ``exp(g_t)`` (scalar), ``exp(gk_t)`` on its K axis and ``exp(gv_t)``

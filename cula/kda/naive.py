@@ -480,19 +480,8 @@ def naive_recurrent_kda(
     Returns:
         ``(o [B, T, HV, V], final_state or None)`` in the compute dtype.
     """
-    return recurrent_linear_attention(
-        q,
-        k,
-        v,
-        gk=g,
-        beta=beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        compute_dtype=compute_dtype,
-    )
+    args = dict(locals())  # all of it passes through: KDA is the delta rule with its gate on the key axis
+    return recurrent_linear_attention(gk=args.pop("g"), **args)
 
 
 def naive_chunk_kda(
@@ -513,20 +502,8 @@ def naive_chunk_kda(
 
     Same arguments and result as :func:`naive_recurrent_kda` (equal up to rounding), plus ``chunk_size``.
     """
-    return chunk_linear_attention(
-        q,
-        k,
-        v,
-        gk=g,
-        beta=beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-        compute_dtype=compute_dtype,
-    )
+    args = dict(locals())
+    return chunk_linear_attention(gk=args.pop("g"), **args)
 
 
 def _finish(o: torch.Tensor, S: torch.Tensor | None, out_dtype: torch.dtype):

@@ -49,21 +49,8 @@ def reference_lightning_attn(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state float32 or None)``.
     """
-    return reference_chunk_simple_gla(
-        q,
-        k,
-        v,
-        g_gamma=-decay,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        reverse=reverse,
-        compute_dtype=compute_dtype,
-        form=form,
-        chunk_size=chunk_size,
-    )
+    args = dict(locals())
+    return reference_chunk_simple_gla(g_gamma=-args.pop("decay"), **args)
 
 
 def reference_chunk_lightning_attn(
@@ -88,19 +75,7 @@ def reference_chunk_lightning_attn(
     The schedule is built over the value heads ``HV = v.shape[2]`` (FLA has no GVA here, so HV == H).
     Other arguments and the result as :func:`reference_lightning_attn`.
     """
+    args = dict(locals())
+    del args["layer_idx"], args["num_layers"]
     g_gamma = lightning_g_gamma(v.shape[2], layer_idx, num_layers, device=q.device)
-    return reference_lightning_attn(
-        q,
-        k,
-        v,
-        -g_gamma,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        reverse=reverse,
-        compute_dtype=compute_dtype,
-        form=form,
-        chunk_size=chunk_size,
-    )
+    return reference_lightning_attn(decay=-g_gamma, **args)

@@ -35,6 +35,38 @@ def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first
     )
 
 
+def _checked_args(
+    q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, **own
+) -> dict:
+    """The call both entry points hand their registry, after the checks they share: ``scale`` resolved,
+    ``output_final_state`` a bool, then the entry point's ``own`` arguments (a ``cu_seqlens_cpu`` among them
+    is checked with ``cu_seqlens``)."""
+    check_simple_gla_inputs(
+        q,
+        k,
+        v,
+        g,
+        g_gamma,
+        initial_state=initial_state,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=own.get("cu_seqlens_cpu"),
+    )
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        g_gamma=g_gamma,
+        scale=check_scale(scale, q.shape[-1]),
+        initial_state=initial_state,
+        output_final_state=bool(output_final_state),
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        **own,
+    )
+
+
 def chunk_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -80,31 +112,10 @@ def chunk_simple_gla(
         not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1)
     ):
         raise ValueError(f"`chunk_size` must be a power of 2, got {chunk_size}")
-    check_simple_gla_inputs(
-        q,
-        k,
-        v,
-        g,
-        g_gamma,
-        initial_state=initial_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-    )
-    args = dict(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        g_gamma=g_gamma,
-        scale=check_scale(scale, q.shape[-1]),
-        initial_state=initial_state,
-        output_final_state=bool(output_final_state),
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        chunk_size=chunk_size,
-    )
+    args = _checked_args(
+        q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
+    )  # fmt: skip
     return chunk_simple_gla_registry.dispatch(q.device, args)
 
 
@@ -134,28 +145,8 @@ def fused_recurrent_simple_gla(
         )  # fmt: skip
     extra = take_extra_kwargs("fused_recurrent_simple_gla", kwargs, ("transpose_state_layout",))
     state_v_first = resolve_state_layout("fused_recurrent_simple_gla", state_v_first, extra)
-    check_simple_gla_inputs(
-        q,
-        k,
-        v,
-        g,
-        g_gamma,
-        initial_state=initial_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=None,
-    )
-    args = dict(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        g_gamma=g_gamma,
-        scale=check_scale(scale, q.shape[-1]),
-        initial_state=initial_state,
-        output_final_state=bool(output_final_state),
+    args = _checked_args(
+        q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
         reverse=bool(reverse),
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-    )
+    )  # fmt: skip
     return fused_recurrent_simple_gla_registry.dispatch(q.device, args)

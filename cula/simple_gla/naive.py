@@ -38,6 +38,14 @@ def _per_key_gate(q, v, g, g_gamma, dtype):
     return None if gate is None else gate[..., None].expand(B, T, HV, K)
 
 
+def _no_delta_rule(core, q, k, v, g, g_gamma, compute_dtype, **args):
+    """``core`` (the recurrent or chunk form) as Simple GLA: plain linear attention, gated on the key axis
+    by the gate of ``g`` and ``g_gamma``, built in the compute dtype; ``args`` pass through."""
+    dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
+    gk = _per_key_gate(q, v, g, g_gamma, dtype)
+    return core(q, k, v, gk=gk, delta_rule=False, compute_dtype=dtype, **args)
+
+
 def naive_recurrent_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -66,21 +74,7 @@ def naive_recurrent_simple_gla(
     Returns:
         ``(o [B, T, HV, V], final_state or None)`` in the compute dtype.
     """
-    dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
-    return recurrent_linear_attention(
-        q,
-        k,
-        v,
-        gk=_per_key_gate(q, v, g, g_gamma, dtype),
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        reverse=reverse,
-        delta_rule=False,
-        compute_dtype=dtype,
-    )
+    return _no_delta_rule(recurrent_linear_attention, **locals())
 
 
 def naive_chunk_simple_gla(
@@ -99,22 +93,7 @@ def naive_chunk_simple_gla(
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise Simple GLA, any T. Arguments and result as :func:`naive_recurrent_simple_gla`."""
-    dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
-    return chunk_linear_attention(
-        q,
-        k,
-        v,
-        gk=_per_key_gate(q, v, g, g_gamma, dtype),
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens,
-        reverse=reverse,
-        delta_rule=False,
-        chunk_size=chunk_size,
-        compute_dtype=dtype,
-    )
+    return _no_delta_rule(chunk_linear_attention, **locals())
 
 
 def reference_chunk_simple_gla(
@@ -141,19 +120,12 @@ def reference_chunk_simple_gla(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state float32 or None)``.
     """
-    common = {
-        "scale": scale,
-        "initial_state": initial_state,
-        "output_final_state": output_final_state,
-        "state_v_first": state_v_first,
-        "cu_seqlens": cu_seqlens,
-        "reverse": reverse,
-        "compute_dtype": compute_dtype,
-    }
+    args = dict(locals())
+    del args["form"], args["chunk_size"]
     if form == "chunk":
-        o, S = naive_chunk_simple_gla(q, k, v, g, g_gamma, chunk_size=chunk_size, **common)
+        o, S = naive_chunk_simple_gla(chunk_size=chunk_size, **args)
     elif form == "recurrent":
-        o, S = naive_recurrent_simple_gla(q, k, v, g, g_gamma, **common)
+        o, S = naive_recurrent_simple_gla(**args)
     else:
         raise ValueError(f"form must be 'chunk' or 'recurrent', got {form!r}")
     return _finish(o, S, q.dtype)
