@@ -110,7 +110,7 @@ def _run(name: str, kwargs: dict):
 
 def _run_training(name: str, kwargs: dict, grad_names: tuple):
     """``_run`` as a training step's forward: with autograd on and the floating inputs of ``grad_names`` requiring a
-    gradient, so that a backend chosen differently for training (``CHUNK_TRAINING_ON_CULA=False``) is chosen here
+    gradient, so that a backend that would decline a training call declines it here
     too. Nothing is recorded (the op runs below autograd)."""
     call = dict(kwargs)
     for n in grad_names:

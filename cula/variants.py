@@ -46,16 +46,16 @@ def _kda_chunk(scope: str) -> None:
     stage; cula's intra kernel (``safe_gate``: gate none or the lower-bound sigmoid) with it, in the general path
     (inference and training, which also writes Akk), in one fused launch (the plan of a repeated contiguous
     inference call, fixed length or packed), and as separate kernels in time segments (B = 1, long T)."""
-    from cula.kda import forward as cf
+    from cula.ops._host import dsl_name, gate_kind
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import fwd_launch, intra
 
     d = _dtypes(scope)
     for dt, varlen, h0, ht, svf, causal in itertools.product(d["io"], _B, _B, _B, _B, _B):
-        dh.get_compiled(dtype=dh._TORCH_TO_CUTLASS[dt], varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
+        dh.get_compiled(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                         aqk_causal=causal)  # fmt: skip
     # cula.kda.plan.use_cula_intra: the log-space gate or the lower-bound sigmoid (the softplus gate has no bound)
-    cute_gates = [cf._gate_kind(fused, lb) for fused, lb in ((False, None), (True, -1.0))]
+    cute_gates = [gate_kind(fused, lb) for fused, lb in ((False, None), (True, -1.0))]
     for dt, g_dt, b_dt, gate, l2, beta_act in itertools.product(
         d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS
     ):  # fmt: skip
@@ -63,7 +63,7 @@ def _kda_chunk(scope: str) -> None:
             intra.compiled_for(dt, g_dt, b_dt, gate, varlen, l2, beta_act, g_cum_last_only=True, write_akk=akk)
         options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True)
         for varlen, h0, ht, svf in itertools.product(_B, _B, _B, _B):
-            state = dict(dtype=dh._TORCH_TO_CUTLASS[dt], has_initial_state=h0, has_final_state=ht,
+            state = dict(dtype=dsl_name(dt), has_initial_state=h0, has_final_state=ht,
                          state_v_first=svf, aqk_causal=True)  # fmt: skip
             fwd_launch.get_compiled(options, state, varlen=varlen)
         intra.get_compiled(varlen=False, **options)  # the segmented launch's intra kernel
@@ -121,12 +121,13 @@ def _smoke() -> None:
     # chunk_kda, bf16 q/k/v, fp32 g, bf16 beta, safe_gate with the lower-bound gate, q/k L2 norm, beta sigmoid,
     # initial and final state: the inference plans (fixed length and packed), training's forward, and the
     # state/output kernel after FLA's intra stage (the same call without safe_gate)
-    options = intra.kernel_options(_BF16, _FP32, _BF16, "sigmoid", True, "sigmoid", g_cum_last_only=True)
+    options = intra.kernel_options(_BF16, _FP32, _BF16, "lower_bound", True, "sigmoid", g_cum_last_only=True)
     state = dict(dtype="BFloat16", has_initial_state=True, has_final_state=True, state_v_first=False,
                  aqk_causal=True)  # fmt: skip
     for varlen in _B:
         fwd_launch.get_compiled(options, state, varlen=varlen)
-    intra.compiled_for(_BF16, _FP32, _BF16, "sigmoid", False, True, "sigmoid", g_cum_last_only=True, write_akk=True)
+    intra.compiled_for(_BF16, _FP32, _BF16, "lower_bound", False, True, "sigmoid", g_cum_last_only=True,
+                       write_akk=True)
     for causal in _B:
         dh.get_compiled(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
     # kda_decode's defaults (softplus gate with A_log and dt_bias, L2 norm, beta sigmoid, [V, K] pool), T = 1 and 4

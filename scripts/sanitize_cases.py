@@ -45,7 +45,7 @@ def _cu(lens):
     return make_cu_seqlens(list(lens), device=DEV)
 
 
-def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="sigmoid", h0=True, v_first=False, cpu_copy=True,
+def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=True, v_first=False, cpu_copy=True,
                grad=False, neg=False):  # fmt: skip
     """One chunk_kda call: fixed (lens an int T, B sequences) or packed (lens a list, B = 1)."""
     from cula.kda import chunk_kda
@@ -58,7 +58,7 @@ def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="sigmoid", h0=True,
     beta = _r(B, T, HV, dtype=torch.float32)
     kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, safe_gate=True,
               state_v_first=v_first, output_final_state=True)  # fmt: skip
-    if gate == "sigmoid":
+    if gate == "lower_bound":
         g = _r(B, T, HV, 128, dtype=torch.float32)
         kw.update(use_gate_in_kernel=True, lower_bound=-5.0, A_log=torch.randn(HV, device=DEV) * 0.1,
                   dt_bias=torch.randn(HV * 128, device=DEV) * 0.1)  # fmt: skip

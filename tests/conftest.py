@@ -78,7 +78,7 @@ def poisoned():
 def _poison_gpu_tests(request):
     # Autouse fixtures are set up before the test's own function-scoped ones, so buffers those fixtures allocate
     # are poisoned too. Tensors allocated once and cached across calls are not: cula keeps none but the constant
-    # placeholders of absent optional inputs (``_placeholder`` in cula/ops/kda/sm90), which no kernel writes.
+    # placeholders of absent optional inputs (``cula.ops._host.placeholder``), which no kernel writes.
     if request.node.get_closest_marker("gpu") is not None:
         request.getfixturevalue("poisoned")
 

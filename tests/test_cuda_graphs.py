@@ -452,7 +452,7 @@ def test_first_call_of_a_signature_inside_capture(form, monkeypatch):
     from cula.backends import PlanCache, clear_plan_caches
     from cula.kda import kda_decode, kda_decode_step
     from cula.lightning import lightning_decode, lightning_decode_step
-    from cula.ops.kda.sm90 import intra
+    from cula.ops import _host
 
     gen = torch.Generator(DEV).manual_seed(10)
     pools = ()
@@ -492,7 +492,7 @@ def test_first_call_of_a_signature_inside_capture(form, monkeypatch):
         torch.cuda.synchronize()
         clear_plan_caches()
         monkeypatch.setattr(chunk_mod, "_plans", PlanCache())
-        monkeypatch.setattr(intra, "_placeholders", {})
+        monkeypatch.setattr(_host, "_placeholders", {})
         graph_and_out = _capture(fn, warmup=0)
         if form.startswith("chunk_kda"):
             assert len(chunk_mod._plans) == 0  # made for the capture only

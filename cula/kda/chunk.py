@@ -135,7 +135,7 @@ def chunk_kda(
             if plan is None:
                 plan = _plan(_full_call(locals()), _TENSOR_ARGS + ("scale",) if cu_seqlens is None else _VARLEN_ARGS)
                 # A plan made while a CUDA graph captures serves that call only: the placeholders it binds for
-                # absent gate parameters were filled by the graph (cula.ops.kda.sm90.intra._placeholder), so an
+                # absent gate parameters were filled by the graph (cula.ops._host.placeholder), so an
                 # eager call before the first replay would read them unset.
                 if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                     _plans.put(key, plan)

@@ -20,6 +20,7 @@ from cula._validate import (
     pool_layout_verdict,
 )
 from cula.backends import PlanCache, Registry, always, cula_kernels_on, forced_backend, tensor_sig
+from cula.ops._host import gate_kind
 
 kda_decode_registry = Registry("kda.kda_decode")
 # Validated launches by call signature: a serving loop repeats a few signatures once per token, and full
@@ -242,12 +243,6 @@ def _cula_supports(q, k, v, g, state_pool, state_v_first, step_states=None, **_)
     return pool_layout_verdict(state_pool, q.shape[-1], v.shape[-1], state_v_first)
 
 
-def _gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
-    if not use_gate_in_kernel:
-        return "none"
-    return "softplus" if lower_bound is None else "lower_bound"
-
-
 def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, use_qk_l2norm_in_kernel,
                        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
                        out, step_states, **_):  # fmt: skip
@@ -261,7 +256,7 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
         return None
     bound = kda_decode_launcher(
         io_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, K=q.shape[-1], V=v.shape[-1],
-        gate=_gate_kind(use_gate_in_kernel, lower_bound), has_a_log=A_log is not None,
+        gate=gate_kind(use_gate_in_kernel, lower_bound), has_a_log=A_log is not None,
         has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, has_step_states=step_states is not None,
         tokens=q.shape[1], states=q.shape[0] * v.shape[2], tuning=KDA_TUNING.for_device(q.device),
@@ -300,7 +295,7 @@ def _decode_cula_sm90(
 ):
     from cula.kda.plan import kda_decode_sm90
 
-    gate = _gate_kind(use_gate_in_kernel, lower_bound)
+    gate = gate_kind(use_gate_in_kernel, lower_bound)
     # The kernel's compact fake tensors want exact row-major strides (size-1 dims included); decode inputs
     # are a few KB per sequence, so a copy of an odd-strided one costs less than leaving the kernel.
     q, k, v, g, beta, state_indices = (dense(t) for t in (q, k, v, g, beta, state_indices))

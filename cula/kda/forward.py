@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from cula.kda.plan import time_segments, use_cula_intra
+from cula.ops._host import dsl_name, gate_kind, placeholder
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 
 __all__ = ["chunk_kda_fwd_sm90"]
@@ -256,13 +257,6 @@ def _intra_fla(
     return w, u, qg, kg, Aqk, g_cum, Akk
 
 
-def _gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
-    """The intra kernel's gate for FLA's flags: the lower-bound sigmoid gate, the softplus gate, or none."""
-    if not use_gate_in_kernel:
-        return "none"
-    return "sigmoid" if lower_bound is not None else "softplus"
-
-
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False,
@@ -275,7 +269,7 @@ def _intra_cute(
 
     B, T, _H, K = q.shape
     HV = v.shape[2]
-    gate = _gate_kind(use_gate_in_kernel, lower_bound)
+    gate = gate_kind(use_gate_in_kernel, lower_bound)
     w = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
     qg, kg = torch.empty_like(w), torch.zeros_like(w) if zero_kg else torch.empty_like(w)
     u = torch.empty_like(v)
@@ -284,7 +278,7 @@ def _intra_cute(
     Akk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device) if keep_akk else None
     chunk_kda_intra_sm90(
         q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu32, chunk_indices, gate=gate, A_log=A_log,
-        dt_bias=dt_bias, lower_bound=lower_bound if gate == "sigmoid" else None, use_qk_l2norm=use_qk_l2norm,
+        dt_bias=dt_bias, lower_bound=lower_bound if gate == "lower_bound" else None, use_qk_l2norm=use_qk_l2norm,
         beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=True, Akk=Akk,
     )  # fmt: skip
     return w, u, qg, kg, Aqk, g_cum, Akk
@@ -338,14 +332,14 @@ def prepare_chunk_kda_fwd_sm90(
         return None
     if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         return None
-    gate = _gate_kind(use_gate_in_kernel, lower_bound)
+    gate = gate_kind(use_gate_in_kernel, lower_bound)
     beta_act = intra.beta_act_for(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     has_h0 = initial_state is not None
     dev, dt = q.device, q.dtype
     N = cu_seqlens.numel() - 1 if varlen else B
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    dummy_state = dh._placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
-    lb = float(lower_bound) if gate == "sigmoid" else 0.0
+    dummy_state = placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
+    lb = float(lower_bound) if gate == "lower_bound" else 0.0
     if gate == "none":  # the kernels read no A_log / dt_bias then: bind the placeholders, whatever is passed
         A_log = dt_bias = None
     intra_options = intra.kernel_options(
@@ -358,11 +352,11 @@ def prepare_chunk_kda_fwd_sm90(
         gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
         return _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb)
 
-    no_cu = intra._placeholder(dev, torch.int32, (2,))  # the fixed-length kernels' unread cu_seqlens
+    no_cu = placeholder(dev, torch.int32, (2,))  # the fixed-length kernels' unread cu_seqlens
     bounds = time_segments(B, T, HV, dev)
     if bounds is not None:
         fn_intra = intra.get_compiled(varlen=False, **intra_options)
-        dtype = dh._TORCH_TO_CUTLASS[q.dtype]
+        dtype = dsl_name(q.dtype)
         fn_states = {
             (h0, ht): dh.get_compiled(
                 dtype=dtype, varlen=False, has_h0=h0, has_ht=ht, state_v_first=state_v_first, aqk_causal=True
@@ -370,7 +364,7 @@ def prepare_chunk_kda_fwd_sm90(
             for h0 in (True, has_h0)
             for ht in (True, bool(output_final_state))
         }
-        no_ci = intra._placeholder(dev, torch.int32, (1, 2))
+        no_ci = placeholder(dev, torch.int32, (1, 2))
         return _segmented_launch(
             fn_intra, fn_states, bounds, intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev), H,
             HV, K, V, dt, dev, state_shape, has_h0, bool(output_final_state), dummy_state, no_cu, no_ci, lb,
@@ -397,10 +391,8 @@ def prepare_chunk_kda_fwd_sm90(
 
 def _launch_state_options(q, has_h0, output_final_state, state_v_first) -> dict:
     """``fwd_launch``'s options of the state/output kernel."""
-    from cula.ops.kda.sm90.intra import _TORCH_TO_CUTLASS as to_cute
-
     return dict(
-        dtype=to_cute[q.dtype], has_initial_state=has_h0, has_final_state=bool(output_final_state),
+        dtype=dsl_name(q.dtype), has_initial_state=has_h0, has_final_state=bool(output_final_state),
         state_v_first=bool(state_v_first), aqk_causal=True,
     )  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""What the host side of a kernel module needs without the CuTe DSL: dtype names and lazy access to the kernel.
+"""What the host side of a kernel module needs without the CuTe DSL: dtype names, the gate vocabulary, placeholders
+for absent optional arguments, and lazy access to the kernel.
 
 Each kernel lives in two modules: ``<name>_kernel.py`` (the CuTe DSL classes and ``_compile``, imported only to
 compile a variant) and ``<name>.py`` (compile keys, variant choice, launchers), which never imports ``cutlass``,
@@ -16,6 +17,35 @@ import torch
 
 # torch dtype -> the CuTe DSL numeric type's name, as compile keys spell it
 TORCH_TO_DSL = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32"}
+
+# The gate functions every KDA kernel knows, in FLA's terms: "none" (g is the log decay), "softplus"
+# (-exp(A_log) softplus(g + dt_bias)), "lower_bound" (lower_bound sigmoid(exp(A_log) (g + dt_bias))).
+GATES = ("none", "softplus", "lower_bound")
+
+
+def gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
+    """The kernels' gate for FLA's flags (FLA applies ``lower_bound`` only through the fused gate)."""
+    if not use_gate_in_kernel:
+        return "none"
+    return "softplus" if lower_bound is None else "lower_bound"
+
+
+_placeholders: dict[tuple, torch.Tensor] = {}
+
+
+def placeholder(device: torch.device, dtype: torch.dtype, shape: tuple, value: float = 0.0) -> torch.Tensor:
+    """A small constant tensor standing in for an absent optional argument (cached per device, dtype, shape, value).
+
+    One made while a CUDA graph captures is not kept: its fill is a node of that graph, which runs only when the
+    graph replays, so a later eager call reading it (the gate parameters' defaults) would read memory nothing had
+    written yet."""
+    key = (device, dtype, shape, value)
+    t = _placeholders.get(key)
+    if t is None:
+        t = torch.full(shape, value, dtype=dtype, device=device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _placeholders[key] = t
+    return t
 
 
 def dsl_name(dtype: Any) -> str:

@@ -21,12 +21,12 @@ from cula.testing import find_nvdisasm
 # the benchmarks' call (sigmoid gate, fused norms, bf16 g and beta, both states) and a plain one (log-space fp32
 # gate, fp32 beta, fp16, no states, [K, V] state layout)
 _VARIANTS = [
-    {"dtype": "BFloat16", "g_dtype": "BFloat16", "beta_dtype": "BFloat16", "gate": "sigmoid", "l2norm_qk": True,
+    {"dtype": "BFloat16", "g_dtype": "BFloat16", "beta_dtype": "BFloat16", "gate": "lower_bound", "l2norm_qk": True,
      "beta_act": "sigmoid", "h0": True, "ht": True, "state_v_first": True},
     {"dtype": "Float16", "g_dtype": "Float32", "beta_dtype": "Float32", "gate": "none", "l2norm_qk": False,
      "beta_act": "none", "h0": False, "ht": False, "state_v_first": False},
     # packed sequences (ChunkKDAVarlenFwdSm90): the kernels' varlen variants
-    {"dtype": "BFloat16", "g_dtype": "BFloat16", "beta_dtype": "BFloat16", "gate": "sigmoid", "l2norm_qk": True,
+    {"dtype": "BFloat16", "g_dtype": "BFloat16", "beta_dtype": "BFloat16", "gate": "lower_bound", "l2norm_qk": True,
      "beta_act": "sigmoid", "h0": True, "ht": True, "state_v_first": True, "varlen": True},
 ]  # fmt: skip
 

@@ -32,7 +32,7 @@ os.environ.setdefault("FLA_FLASH_KDA", "0")  # compare against FLA's own Triton 
 HAS_CUDA = torch.cuda.is_available()
 RATIO = 5e-3
 # FLA is the baseline here, not the product under test: its own bf16 pipeline sits right at 5e-3 on the weak-decay
-# packed cases (H200: 5.011e-3 at lens [1, 63, 300, 64], sigmoid gate), so its check against float64 is a fixed,
+# packed cases (H200: 5.011e-3 at lens [1, 63, 300, 64], lower-bound gate), so its check against float64 is a fixed,
 # looser sanity bound
 FLA_RATIO = 1e-2
 RCP_LN2 = 1.4426950408889634
@@ -47,19 +47,19 @@ _VARIANTS = [
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False},
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": True},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": False},
-    {"dtype": "BFloat16", "g": "Float32", "beta": "Float32", "gate": "sigmoid", "varlen": True},
-    {"dtype": "Float16", "g": "Float32", "beta": "Float16", "gate": "sigmoid", "varlen": False},
-    {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
+    {"dtype": "BFloat16", "g": "Float32", "beta": "Float32", "gate": "lower_bound", "varlen": True},
+    {"dtype": "Float16", "g": "Float32", "beta": "Float16", "gate": "lower_bound", "varlen": False},
+    {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "lower_bound", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid"},
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "Float32", "gate": "none", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid2"},
     # chunk_kda's inference configs (chunk_kda writes g_cum at each chunk's last row only)
-    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": True, "l2norm": True,
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True},
-    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": False, "l2norm": True,
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True},
     # chunk_kda's training forward (T = (I + Akk)^-1 to global memory for FLA's backward)
-    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "sigmoid", "varlen": False, "l2norm": True,
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "write_akk": True},
 ]  # fmt: skip
 
@@ -164,7 +164,7 @@ def test_launcher_validates():
     with pytest.raises(ValueError, match="gate must be"):
         chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, *outs, A, gc, gate="relu")
     with pytest.raises(ValueError, match="lower_bound"):
-        chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, *outs, A, gc, gate="sigmoid")
+        chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, *outs, A, gc, gate="lower_bound")
     with pytest.raises(ValueError, match="Aqk"):
         chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, *outs, gc, gc, gate="none")
     with pytest.raises(ValueError, match="multiple"):
@@ -296,11 +296,11 @@ def test_backend_passes_preprocessing_flags(monkeypatch):
 # across a chunk half, the regime where exp2(+-g_cum) over a whole chunk over/underflows fp32).
 CASES = [
     (2, 64, 2, 2, None, "none", "weak"),
-    (2, 63, 2, 2, None, "sigmoid", "strong"),
+    (2, 63, 2, 2, None, "lower_bound", "strong"),
     (1, 1000, 2, 4, None, "softplus", "weak"),
     (1, 1000, 2, 4, None, "none", "strong"),
     (1, 0, 2, 2, [0, 1, 63, 300, 64], "none", "weak"),
-    (1, 0, 2, 2, [0, 1, 63, 300, 64], "sigmoid", "strong"),
+    (1, 0, 2, 2, [0, 1, 63, 300, 64], "lower_bound", "strong"),
     (1, 0, 2, 2, [0, 1, 63, 300, 64], "softplus", "strong"),
 ]
 
@@ -336,7 +336,7 @@ def _setup(case, device="cuda"):
     else:
         A_log = (0.5 * torch.randn(HV, device=device)).float()
         dt_bias = (0.5 * torch.randn(HV * K, device=device)).float()
-        if gate == "sigmoid":
+        if gate == "lower_bound":
             lower_bound = -5.0
             g = torch.randn(B, T, HV, K, device=device) + (4.0 if strong else -6.0)
         else:  # softplus: -exp(A_log) softplus(x); x around 1.5 gives about -3 per step with exp(A_log) ~ 1.65
@@ -458,7 +458,7 @@ _REFERENCE_SCRIPT = textwrap.dedent(
         q, k = (torch.nn.functional.normalize(rnd(1, T, H, 64), dim=-1) for _ in range(2))
         v, beta = rnd(1, T, HV, 64), torch.sigmoid(rnd(1, T, HV))
         A_log, dt_bias = 0.5 * rnd(HV), 0.5 * rnd(HV * 64)
-        lb = -5.0 if gate == "sigmoid" else None
+        lb = -5.0 if gate == "lower_bound" else None
         if gate == "none":
             g = torch.nn.functional.logsigmoid(rnd(1, T, HV, 64) + 3.0)
             g_cum = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
@@ -484,7 +484,7 @@ def test_intra_reference_matches_fla_interpreted():
     both fused gates on a packed GVA batch with a one-token sequence. Every output to fp32 rounding."""
     from test_naive_bwd import _interpreted
 
-    cases = [("log-gate", 100, 1, 1, None, "none"), ("sigmoid-varlen-gva", 128, 1, 2, [37, 1, 90], "sigmoid"),
+    cases = [("log-gate", 100, 1, 1, None, "none"), ("lower-bound-varlen-gva", 128, 1, 2, [37, 1, 90], "lower_bound"),
              ("softplus-varlen-gva", 128, 1, 2, [37, 1, 90], "softplus")]  # fmt: skip
     for name, errs in _interpreted(_REFERENCE_SCRIPT, json.dumps(cases)).items():
         for what, err in errs.items():
@@ -652,10 +652,10 @@ def _fla_preproc(q, k, beta, beta_act):
 
 # (case as CASES, beta activation): one (H, HV, varlen) combination each that CASES already has
 FUSED_CASES = [
-    ((2, 63, 2, 2, None, "sigmoid", "strong"), "sigmoid"),
+    ((2, 63, 2, 2, None, "lower_bound", "strong"), "sigmoid"),
     ((1, 1000, 2, 4, None, "softplus", "weak"), "sigmoid2"),
     ((1, 0, 2, 2, [0, 1, 63, 300, 64], "none", "strong"), "sigmoid"),
-    ((1, 0, 2, 2, [0, 1, 63, 300, 64], "sigmoid", "weak"), "sigmoid2"),
+    ((1, 0, 2, 2, [0, 1, 63, 300, 64], "lower_bound", "weak"), "sigmoid2"),
 ]
 
 
@@ -689,8 +689,8 @@ def test_intra_fused_preproc_vs_fla(case, beta_act):
 
 
 E2E_FUSED_CASES = [
-    (2, 300, 2, 4, None, "sigmoid", "strong"),
-    (1, 0, 2, 4, [0, 1, 63, 300, 64], "sigmoid", "weak"),
+    (2, 300, 2, 4, None, "lower_bound", "strong"),
+    (1, 0, 2, 4, [0, 1, 63, 300, 64], "lower_bound", "weak"),
 ]
 
 
@@ -734,7 +734,7 @@ def test_chunk_kda_cula_intra_vs_fla(case, monkeypatch):
     torch.cuda.synchronize()
     assert len(seen) == 1, "cula's intra kernel did not run"
     _dt, _g_dt, _beta_dt, gate, use_qk_l2norm, beta_act = seen[0]
-    assert use_qk_l2norm and beta_act == "sigmoid" and gate == "sigmoid"
+    assert use_qk_l2norm and beta_act == "sigmoid" and gate == "lower_bound"
     assert_close("o vs fla", o_ref, o, RATIO)
     assert_close("final_state vs fla", ht_ref, ht, RATIO)
     _assert_match_float64(q, k, v, g, beta, kwargs, cula=(o, ht), fla=(o_ref, ht_ref))

@@ -9,11 +9,10 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import kernel_attr
+from cula.ops._host import GATES, kernel_attr
 
 __all__ = ["GATES", "kda_decode_variant"]
 
-GATES = ("none", "softplus", "lower_bound")
 
 # resident warps per SM: 16 (4 CTAs of 4 warps) keeps ptxas at 128 registers; wide_kv's 64 state registers a lane
 # need 168, so 12

@@ -67,8 +67,9 @@ from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
-from cula.ops.kda.sm90.decode import GATES, KV_COLS_WARPS_PER_SM, WARPS_PER_SM, WIDE_WARPS_PER_SM
-from cula.ops.state_box import box_barrier_init, box_load, box_store, state_box_atoms
+from cula.ops._host import GATES
+from cula.ops.kda.sm90.decode import KV_COLS_WARPS_PER_SM, WARPS_PER_SM, WIDE_WARPS_PER_SM
+from cula.ops.cute_common import box_barrier_init, box_load, box_store, state_box_atoms
 
 __all__ = ["KdaDecodeSm90"]
 

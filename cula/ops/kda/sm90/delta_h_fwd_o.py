@@ -7,27 +7,18 @@ description are in ``delta_h_fwd_o_kernel.py``, imported (with the CuTe DSL) onl
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import dsl_name, kernel_attr
+from cula.ops._host import dsl_name, kernel_attr, placeholder
 
 __all__ = ["chunk_kda_delta_h_fwd_o_sm90"]
 
-# torch dtype -> the kernel's dtype (by name: the key's spelling, and no DSL import)
-_TORCH_TO_CUTLASS = {torch.bfloat16: "BFloat16", torch.float16: "Float16"}
+IO_DTYPES = (torch.bfloat16, torch.float16)  # the kernel's 16-bit operands
 
 
 def __getattr__(name):
     return kernel_attr(__name__, name)
-
-
-@functools.cache
-def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    """A tiny tensor standing in for an absent optional argument (the kernel variant never touches it)."""
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def get_compiled(dtype="BFloat16", num_stages=3, varlen=False, has_h0=False, has_ht=False, state_v_first=False,
@@ -90,7 +81,7 @@ def chunk_kda_delta_h_fwd_o_sm90(
     V = u.shape[-1]
     if (K, V) != (128, 128):
         raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
-    if w.dtype not in _TORCH_TO_CUTLASS:
+    if w.dtype not in IO_DTYPES:
         raise ValueError(f"w/u/kg/qg/Aqk/o must be bf16 or fp16, got {w.dtype}")
     for name, t, shape, dtype in (
         ("u", u, (B, T, HV, V), w.dtype), ("kg", kg, (B, T, HV, K), w.dtype), ("qg", qg, (B, T, HV, K), w.dtype),
@@ -128,9 +119,9 @@ def chunk_kda_delta_h_fwd_o_sm90(
                 final_state.zero_()
         return
     dev = w.device
-    dummy_state = _placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
+    dummy_state = placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
     fn = get_compiled(
-        dtype=_TORCH_TO_CUTLASS[w.dtype], varlen=varlen, has_h0=initial_state is not None,
+        dtype=dsl_name(w.dtype), varlen=varlen, has_h0=initial_state is not None,
         has_ht=final_state is not None, state_v_first=state_v_first, aqk_causal=aqk_causal,
     )  # fmt: skip
 
@@ -141,6 +132,6 @@ def chunk_kda_delta_h_fwd_o_sm90(
         flat(w), flat(u), flat(kg), flat(qg), flat(g), flat(Aqk), flat(o),
         initial_state if initial_state is not None else dummy_state,
         final_state if final_state is not None else dummy_state,
-        cu_seqlens if varlen else _placeholder(dev, torch.int32, (2,)),
+        cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
         T, N, float(scale),
     )  # fmt: skip

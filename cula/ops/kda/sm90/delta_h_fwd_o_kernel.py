@@ -53,6 +53,8 @@ o goes out by one TMA store per consumer warpgroup (staged in the stage's u tile
 """
 from __future__ import annotations
 
+import enum
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -63,29 +65,18 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
+from cula.ops.cute_common import FIRST_NAMED_BARRIER, acc_as_a_frag
 
 __all__ = ["DeltaHFwdOFusedSm90"]
 
 _SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
 
-def acc_as_a_frag(acc: cute.Tensor) -> cute.Tensor:
-    """View an SM90 fp32 accumulator ``((2,2,N/8),MMA_M,MMA_N)`` as the A-operand fragment
-    ``((2,2,2),MMA_M,(N/16,MMA_N))`` of a 16-bit RS WGMMA over the same registers (N of one GEMM = K of the next).
-    """
-    lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
-    new = cute.make_layout(
-        (
-            (lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]),
-            lay.shape[1],
-            (lay.shape[0][2][1], lay.shape[2]),
-        ),
-        stride=(
-            (lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]),
-            lay.stride[1],
-            (lay.stride[0][2][1], lay.stride[2]),
-        ),
-    )
-    return cute.make_tensor(acc.iterator, new)
+class Barrier(enum.IntEnum):
+    """Named barriers (0 is the CTA-wide one)."""
+
+    MASK = FIRST_NAMED_BARRIER  # both consumer warpgroups: the causal mask of the shared Aqk tile is written
+    WARPGROUP0 = FIRST_NAMED_BARRIER + 1  # one consumer warpgroup: its half of o is staged for the TMA store
+    WARPGROUP1 = FIRST_NAMED_BARRIER + 2
 
 
 class DeltaHFwdOFusedSm90:
@@ -322,7 +313,7 @@ class DeltaHFwdOFusedSm90:
             wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
             wg_o, wg_s = mma_o.get_slice(wg_first), mma_s.get_slice(wg_first)
             thr_o, thr_s = mma_o.get_slice(ctid), mma_s.get_slice(ctid)
-            mask_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_consumer_wg)
+            mask_bar = pipeline.NamedBarrier(barrier_id=Barrier.MASK, num_threads=128 * self.num_consumer_wg)
 
             accS = cute.make_rmem_tensor(wg_s.partition_shape_C((DV, DK)), Float32)  # S^T, fp32
             tSgH0 = thr_s.partition_C(h0_v[None, None, h, n])
@@ -367,7 +358,7 @@ class DeltaHFwdOFusedSm90:
                 )
                 thr_sto = st_o.get_slice(ctid)
                 tOsU = thr_sto.partition_D(sU)  # (CPY, CPY_M, CPY_N, S)
-                wg_bar = pipeline.NamedBarrier(barrier_id=2 + me, num_threads=128)
+                wg_bar = pipeline.NamedBarrier(barrier_id=Barrier.WARPGROUP0 + me, num_threads=128)
                 sUh = cute.flat_divide(sU, (half, BT))[None, None, me, 0, None]  # (half, BT, S)
                 gOh = cute.local_tile(cute.domain_offset((0, bos), to[None, None, h]), (half, BT), (me, None))
                 tOs, tOg = cpasync.tma_partition(

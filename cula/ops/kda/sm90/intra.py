@@ -9,36 +9,16 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import TORCH_TO_DSL, dsl_name, kernel_attr
+from cula.ops._host import GATES, TORCH_TO_DSL, dsl_name, kernel_attr, placeholder
 
 __all__ = ["BETA_ACTS", "GATES", "chunk_kda_intra_sm90", "prepare_chunk_indices_i32"]
 
-GATES = ("none", "softplus", "sigmoid")
 BETA_ACTS = ("none", "sigmoid", "sigmoid2")  # sigmoid2 = 2 sigmoid (FLA's allow_neg_eigval)
-# torch dtype -> the kernel's dtype (by name: the key's spelling, and no DSL import)
-_TORCH_TO_CUTLASS = TORCH_TO_DSL
 
 
 def __getattr__(name):
     return kernel_attr(__name__, name)
 
-
-_placeholders: dict[tuple, torch.Tensor] = {}
-
-
-def _placeholder(device: torch.device, dtype: torch.dtype, shape: tuple, value: float = 0.0) -> torch.Tensor:
-    """A small constant tensor standing in for an absent optional argument (cached per device, dtype, shape, value).
-
-    One made while a CUDA graph captures is not kept: its fill is a node of that graph, which runs only when the
-    graph replays, so a later eager call reading it (the gate parameters' defaults) would read memory nothing had
-    written yet."""
-    key = (device, dtype, shape, value)
-    t = _placeholders.get(key)
-    if t is None:
-        t = torch.full(shape, value, dtype=dtype, device=device)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _placeholders[key] = t
-    return t
 
 def get_compiled(
     dtype="BFloat16", g_dtype="Float32", beta_dtype="BFloat16", gate="none", varlen=False, arch=(9, 0), **options
@@ -63,9 +43,9 @@ def gate_params(
     """``(A_log [HV], dt_bias [HV, K])`` fp32 as the kernel reads them, FLA's defaults where absent."""
     if A_log is None:
         # FLA: softplus uses exp(1) when A_log is absent, sigmoid uses 1 = exp(0)
-        A_log = _placeholder(device, torch.float32, (HV,), 1.0 if gate == "softplus" else 0.0)
+        A_log = placeholder(device, torch.float32, (HV,), 1.0 if gate == "softplus" else 0.0)
     if dt_bias is None:
-        dt_bias = _placeholder(device, torch.float32, (HV, K))
+        dt_bias = placeholder(device, torch.float32, (HV, K))
     return A_log.reshape(HV).to(torch.float32).contiguous(), dt_bias.reshape(HV, K).to(torch.float32).contiguous()
 
 
@@ -102,7 +82,7 @@ def kernel_options(
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_for``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
     return dict(
-        dtype=_TORCH_TO_CUTLASS[dtype], g_dtype=_TORCH_TO_CUTLASS[g_dtype], beta_dtype=_TORCH_TO_CUTLASS[beta_dtype],
+        dtype=TORCH_TO_DSL[dtype], g_dtype=TORCH_TO_DSL[g_dtype], beta_dtype=TORCH_TO_DSL[beta_dtype],
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
         **({"write_akk": True} if write_akk else {}),  # absent when off: the compile keys of the other variants stay
     )  # fmt: skip
@@ -198,10 +178,10 @@ def chunk_kda_intra_sm90(
         chunk_indices: ``[NT, 2]`` (sequence, chunk) as FLA's ``prepare_chunk_indices`` (any int dtype);
             computed here (one host sync) when None and ``cu_seqlens`` is given.
         gate: ``"none"`` (g is already log space), ``"softplus"`` (``-exp(A_log) softplus(g + dt_bias)``) or
-            ``"sigmoid"`` (``lower_bound sigmoid(exp(A_log) (g + dt_bias))``), FLA's ``kda_gate_chunk_cumsum``.
+            ``"lower_bound"`` (``lower_bound sigmoid(exp(A_log) (g + dt_bias))``), FLA's ``kda_gate_chunk_cumsum``.
         A_log: ``[HV]`` (None: FLA's defaults, coefficient e for softplus and 1 for sigmoid).
         dt_bias: ``[HV * K]`` or ``[HV, K]`` or None.
-        lower_bound: required for ``gate="sigmoid"``.
+        lower_bound: required for ``gate="lower_bound"``.
         use_qk_l2norm: normalise each q and k row in fp32 as FLA's ``l2norm_fwd`` (``x / sqrt(sum x^2 + 1e-6)``),
             rounded to q's dtype, before any use.
         beta_sigmoid: beta holds logits; the kernel uses ``sigmoid(beta)`` (fp32), ``2 sigmoid(beta)`` with
@@ -218,8 +198,8 @@ def chunk_kda_intra_sm90(
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-    if gate == "sigmoid" and lower_bound is None:
-        raise ValueError('gate="sigmoid" needs lower_bound')
+    if gate == "lower_bound" and lower_bound is None:
+        raise ValueError('gate="lower_bound" needs lower_bound')
     if allow_neg_eigval and not beta_sigmoid:
         raise ValueError("allow_neg_eigval needs beta_sigmoid")
     beta_act = beta_act_for(beta_sigmoid, allow_neg_eigval)
@@ -243,7 +223,7 @@ def chunk_kda_intra_sm90(
             raise ValueError(f"{name}: expected {shape} {dtype or ''}, got {tuple(t.shape)} {t.dtype}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if g.dtype not in _TORCH_TO_CUTLASS or beta.dtype not in _TORCH_TO_CUTLASS:
+    if g.dtype not in TORCH_TO_DSL or beta.dtype not in TORCH_TO_DSL:
         raise ValueError(f"g and beta must be fp32/bf16/fp16, got {g.dtype}, {beta.dtype}")
     varlen = cu_seqlens is not None
     if varlen:
@@ -273,7 +253,7 @@ def chunk_kda_intra_sm90(
     fn(
         flat(q), flat(k), flat(v), flat(g), beta.view(B * T, HV), A_log, dt_bias,
         flat(w), flat(u), flat(qg), flat(kg), flat(Aqk), None if Akk is None else flat(Akk), flat(g_cum),
-        cu_seqlens if varlen else _placeholder(dev, torch.int32, (2,)),
-        chunk_indices if varlen else _placeholder(dev, torch.int32, (1, 2)),
+        cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
+        chunk_indices if varlen else placeholder(dev, torch.int32, (1, 2)),
         T, num_chunks, num_seqs, float(scale), float(lower_bound if lower_bound is not None else 0.0),
     )  # fmt: skip

@@ -8,7 +8,7 @@ tokens, value head); per chunk, with rows t, s in [0, 64), ``gc = g_cum`` and ``
     q, k   = bf16(x / sqrt(sum_k x^2 + 1e-6))          # only with l2norm_qk (FLA's l2norm_fwd), per row
     beta   = act_b(beta)                              # beta_act "none": beta; "sigmoid"; "sigmoid2": 2 sigmoid
     a      = act(g)                                   # "none": g; "softplus": -exp(A_log) softplus(g + dt_bias);
-                                                      # "sigmoid": lower_bound sigmoid(exp(A_log) (g + dt_bias))
+                                                      # "lower_bound": lower_bound sigmoid(exp(A_log) (g + dt_bias))
     gc     = cumsum_t(a) / ln 2                       # fp32, written for the valid rows
     qg     = q exp2(gc),  kg = k exp2(gl - gc)        # bf16
     Aqk    = scale (q k^T o exp2(gc_t - gc_s))  s <= t, 0 above the diagonal   # bf16 [.., 64]
@@ -28,7 +28,7 @@ the 16 rows of sub-chunk i, the key factor multiplies k of the rows s < 16 (i + 
 (s before the sub-chunk) have a key factor <= 1; the query factor and the in-block key factors span at most 8
 gate steps. Exponents are clamped at 100 (base 2), so every operand stays finite; the result is exact while
 no 8-step window of one channel decays by more than 2^100 (69 nats, i.e. a mean log gate >= -8.6 per step;
-``gate="sigmoid"`` with ``lower_bound >= -8.6`` always satisfies it; FLA's non-safe path has no such limit, its
+``gate="lower_bound"`` with ``lower_bound >= -8.6`` always satisfies it; FLA's non-safe path has no such limit, its
 safe path has a similar one). The products run on tensor cores as tf32 ``mma.sync`` (fp32 accumulation), the
 operands rounded to nearest first, like FLA's tf32 dots (the DSL has no tf32 WGMMA). The warp-level MMA also
 lets each warp take one (key block, anchor) pair, so the blocks above the diagonal cost nothing.
@@ -79,6 +79,8 @@ Supported: K = V = 128, BT = 64, bf16/fp16 q/k/v, g in fp32/bf16/fp16, beta in b
 """
 from __future__ import annotations
 
+import enum
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -88,8 +90,9 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
-from cula.ops._host import dsl_type
-from cula.ops.kda.sm90.intra import BETA_ACTS, GATES
+from cula.ops._host import GATES, dsl_type
+from cula.ops.cute_common import FIRST_NAMED_BARRIER
+from cula.ops.kda.sm90.intra import BETA_ACTS
 
 __all__ = ["ChunkKDAIntraFwdSm90"]
 
@@ -112,6 +115,14 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the modul
 # P2 builds k' from qg's exp2(gc) rather than recomputing it, the rows past the sequence end are zeroed once in P1
 # instead of masked per element in P2 and P3, P2's score operands are stored without a data select, and bf16
 # operands are widened from their 32-bit pairs (``_widen``).
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers (0 is the CTA-wide one)."""
+
+    # one per warpgroup (128 threads): its w / u product has read the B tile, or its output tile is staged
+    WARPGROUP0 = FIRST_NAMED_BARRIER
+    WARPGROUP1 = FIRST_NAMED_BARRIER + 1
 
 
 class ChunkKDAIntraFwdSm90:
@@ -243,7 +254,7 @@ class ChunkKDAIntraFwdSm90:
             # softplus with FLA's threshold 20 (identity above it)
             sp = cute.math.log2(1.0 + cute.math.exp2(z * RCP_LN2, fastmath=True), fastmath=True) * LN2
             a = -coef * Float32(cutlass.select_(z > 20.0, z, sp))
-        if const_expr(self.gate == "sigmoid"):
+        if const_expr(self.gate == "lower_bound"):
             z = coef * (x + bias)
             # rcp.approx (<= 1 ulp) instead of an IEEE divide: its slow-path branch kept the cumsum loop from
             # overlapping iterations
@@ -648,7 +659,7 @@ class ChunkKDAIntraFwdSm90:
                 warpgroup.wait_group(0)
                 # a warp's wait covers its own share of the product; the B tile is rewritten below, so every warp
                 # of the warpgroup must be done reading it
-                cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
+                cute.arch.barrier(barrier_id=Barrier.WARPGROUP0 + which, number_of_threads=128)
                 # through this warpgroup's own B tile (sKp / sV, no longer read by anyone)
                 if valid == BT:
                     self._store_wu_tma(
@@ -665,7 +676,7 @@ class ChunkKDAIntraFwdSm90:
         barrier, then 16-byte rows (row-predicated, so a partial chunk writes its valid rows only)."""
         for e in cutlass.range_constexpr(cute.size(accW)):
             sOut[tWc[e][1], tWc[e][0]] = accW[e].to(self.dtype)
-        cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
+        cute.arch.barrier(barrier_id=Barrier.WARPGROUP0 + which, number_of_threads=128)
         self._store_rows_vec(sOut, mOut, tok0, hv, valid, tid)
 
     @cute.jit
@@ -684,7 +695,7 @@ class ChunkKDAIntraFwdSm90:
         r16.store(accW.load().to(dt))
         cute.copy(st, thr_st.retile(r16), thr_st.partition_D(sMN)[None, None, None, 0])
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=1 + which, number_of_threads=128)
+        cute.arch.barrier(barrier_id=Barrier.WARPGROUP0 + which, number_of_threads=128)
         if tid == 0:
             gdst = cute.local_tile(
                 cute.domain_offset((0, tok0), t_out[None, None, hv]), (self.dk, self.bt), (0, None)

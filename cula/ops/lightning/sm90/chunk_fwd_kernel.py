@@ -39,6 +39,8 @@ overlaps the other's tensor-core work.
 """
 from __future__ import annotations
 
+import enum
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as sm90
@@ -49,27 +51,19 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
+from cula.ops.cute_common import FIRST_NAMED_BARRIER, acc_as_a_frag
 from cula.ops.lightning.sm90.chunk_fwd import CHUNK, SUPPORTED_HEAD_DIMS, V_TILE
 
 __all__ = ["LightningFwdSm90"]
 
 LOG2E = 1.4426950408889634
 
-# Named barrier ids (0 is __syncthreads). Both are among the 128 math threads only.
-_BAR_P_READY = 1  # P tile written to smem; also orders reuse of the o staging buffer
-_BAR_O_READY = 2  # o tile written to smem, the TMA store may read it
 
-def _acc_as_a_frag(acc: cute.Tensor) -> cute.Tensor:
-    """View an SM90 fp32 accumulator ((2,2,N/8),MMA_M,MMA_N) as the layout of a 16-bit A fragment
-    ((2,2,2),MMA_M,(N/16,MMA_N)), so GEMM-1's N becomes GEMM-2's K without moving registers."""
-    lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
-    new = cute.make_layout(
-        ((lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]), lay.shape[1],
-         (lay.shape[0][2][1], lay.shape[2])),
-        stride=((lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]), lay.stride[1],
-                (lay.stride[0][2][1], lay.stride[2])),
-    )
-    return cute.make_tensor(acc.iterator, new)
+class Barrier(enum.IntEnum):
+    """Named barriers (0 is the CTA-wide one), both among the 128 math threads only."""
+
+    P_READY = FIRST_NAMED_BARRIER  # P tile written to smem; also orders reuse of the o staging buffer
+    O_READY = FIRST_NAMED_BARRIER + 1  # o tile written to smem, the TMA store may read it
 
 
 def _transpose_view(t: cute.Tensor) -> cute.Tensor:
@@ -305,7 +299,7 @@ class LightningFwdSm90:
             accS.store(thr_s.partition_C(gH0).load())
         else:
             accS.fill(0.0)
-        tOrS.store(_acc_as_a_frag(accS).load().to(BFloat16))
+        tOrS.store(acc_as_a_frag(accS).load().to(BFloat16))
 
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for c in cutlass.range(num_chunks, unroll=1):
@@ -349,20 +343,20 @@ class LightningFwdSm90:
             if is_store_warp:
                 # the o store issued two chunks ago read the staging buffer this chunk will write
                 cute.arch.cp_async_bulk_wait_group(1, read=True)
-            cute.arch.barrier(barrier_id=_BAR_P_READY, number_of_threads=128)
+            cute.arch.barrier(barrier_id=Barrier.P_READY, number_of_threads=128)
             warpgroup.fence()
             self._gemm(mma_pv, accO, tVsV, tVsP, s, 0, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             pipe.consumer_release(st)
-            tOrS.store(_acc_as_a_frag(accS).load().to(BFloat16))
+            tOrS.store(acc_as_a_frag(accS).load().to(BFloat16))
             # 5. epilogue
             rO16.store(accO.load().to(BFloat16))
             if L == BT:
                 buf = c % 2
                 cute.copy(cp_o, tCrO, tCsO[None, None, None, buf])
                 cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=_BAR_O_READY, number_of_threads=128)
+                cute.arch.barrier(barrier_id=Barrier.O_READY, number_of_threads=128)
                 if is_store_warp:
                     # a TMA store is not elect_one'd by cute.copy; issue and commit from one lane
                     with cute.arch.elect_one():

@@ -76,7 +76,7 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.lightning.sm90.decode import LightningDecodeTile
-from cula.ops.state_box import box_barrier_init, box_load, box_store, state_box_atoms
+from cula.ops.cute_common import box_barrier_init, box_load, box_store, state_box_atoms
 
 __all__ = ["LOAD_HINTS", "STORE_HINTS", "LightningDecodeSm90"]
 

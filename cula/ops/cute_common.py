@@ -1,8 +1,13 @@
-"""TMA boxes of fp32 decode states in a ``[P, HV, K, V]`` pool, shared by the KDA and Lightning decode kernels (SM90).
+"""CuTe DSL pieces shared by the SM90 kernels: barrier ids, the accumulator-as-operand view of chained WGMMAs, and
+the TMA boxes of fp32 decode states.
 
-A decode CTA that works on ``[K, tile_v]`` of one (pool row, head) state moves it with one TMA load into shared
-memory and one TMA store back. These helpers build the two TMA atoms over the pool viewed as ``(V, K, HV, P)`` and
-cut the box of one (head, pool row) out of it; the kernels own the shared-memory layout (swizzled or not).
+**Named barriers.** Barrier 0 is the CTA-wide ``bar.sync``; every kernel numbers its other named barriers in an
+``IntEnum`` of its own module, from ``FIRST_NAMED_BARRIER`` on, so no id is a bare number at its use.
+
+**State boxes.** A decode CTA that works on ``[K, tile_v]`` of one (pool row, head) state moves it with one TMA load
+into shared memory and one TMA store back. ``state_box_atoms`` builds the two TMA atoms over a ``[P, HV, K, V]``
+pool viewed as ``(V, K, HV, P)``, ``box_partition`` cuts the box of one (head, pool row) out of it; the kernels own
+the shared-memory layout (swizzled or not).
 """
 
 from __future__ import annotations
@@ -10,7 +15,28 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-__all__ = ["box_barrier_init", "box_load", "box_partition", "box_store", "state_box_atoms"]
+__all__ = [
+    "FIRST_NAMED_BARRIER", "acc_as_a_frag", "box_barrier_init", "box_load", "box_partition", "box_store",
+    "state_box_atoms",
+]  # fmt: skip
+
+FIRST_NAMED_BARRIER = 1  # 0 is the CTA-wide barrier
+
+
+def acc_as_a_frag(acc: cute.Tensor) -> cute.Tensor:
+    """View an SM90 fp32 accumulator ``((2,2,N/8),MMA_M,MMA_N)`` as the A-operand fragment
+    ``((2,2,2),MMA_M,(N/16,MMA_N))`` of a 16-bit RS WGMMA over the same registers, so the N of one GEMM becomes the
+    K of the next without moving a register (after a conversion to the 16-bit type)."""
+    lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    new = cute.make_layout(
+        ((lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]), lay.shape[1], (lay.shape[0][2][1], lay.shape[2])),
+        stride=(
+            (lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]),
+            lay.stride[1],
+            (lay.stride[0][2][1], lay.stride[2]),
+        ),
+    )
+    return cute.make_tensor(acc.iterator, new)
 
 
 @cute.jit
