@@ -444,12 +444,19 @@ def test_fused_recurrent_kda_pool_form_runs_the_decode_kernel(counted_plans, fak
     A_log = torch.randn(HV)
     kw = dict(A_log=A_log, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               lower_bound=-5.0, ssm_state_indices=idx, inplace_final_state=True)  # fmt: skip
-    o, ht = ck.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, **kw)
-    assert ht is pool and o.shape == v.shape
-    assert [c[0] for c in fake_sm90] == ["variant", "launch"]
+    import cula.kda.fused_recurrent as fr
+
+    fr._plans.clear()
+    for _ in range(2):
+        o, ht = ck.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, **kw)
+        assert ht is pool and o.shape == v.shape
+    # bound once under the call's own plan; kda_decode's validation and plan cache are not walked on the way
+    assert [c[0] for c in fake_sm90] == ["variant", "launch", "launch"] and counted_plans["kda"] == 0
     assert fake_sm90[0][1]["gate"] == "lower_bound" and fake_sm90[0][1]["state_v_first"] is False
-    args = fake_sm90[1][1]
-    assert args[7] is pool and args[8] is idx and args[11] == D**-0.5
+    args = fake_sm90[2][1]
+    assert args[0] is q and args[7] is pool and args[8] is idx and args[11] == D**-0.5
+    with pytest.raises(ValueError, match="state_pool"):  # the pool's shape, checked when the call is bound
+        ck.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool[:, :1].clone(), **kw)
     # what the kernel does not cover goes to FLA, with the reason
     base = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=None, initial_state=pool,
                 inplace_final_state=True, cu_seqlens=None, ssm_state_indices=idx, num_accepted_tokens=None,

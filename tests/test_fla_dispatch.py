@@ -532,13 +532,15 @@ def test_fla_own_backward_takes_culas_stage_launch(monkeypatch):
 def test_fla_decode_step_on_cula_matches_fla(monkeypatch):
     """FLA's fused_recurrent_kda_fwd in its serving form, through FLA's dispatch: cula's kda_decode against FLA's
     kernel, output and updated state pool."""
+    from cula.backends import clear_plan_caches
     from cula.kda import decode
     from cula.testing import assert_close
 
     assert fla_dispatch.registered(), fla_dispatch.status()
     calls = []
-    real = decode.kda_decode
-    monkeypatch.setattr(decode, "kda_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = decode._prepare_cula_sm90  # binds the kda_decode kernel for cula's serving plan
+    monkeypatch.setattr(decode, "_prepare_cula_sm90", lambda **k: calls.append(1) or real(**k))
+    clear_plan_caches()
     call = {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in _pool_call().items()}
     results = {}
     for switch in ("0", "1"):
@@ -547,6 +549,6 @@ def test_fla_decode_step_on_cula_matches_fla(monkeypatch):
         o, final = fla_fused_recurrent_kda_fwd(**dict(call, initial_state=pool))
         assert final is pool
         results[switch] = o, pool
-    assert calls, "cula's kda_decode did not run"
+    assert calls, "cula's decode kernel did not run"
     assert_close("o", results["0"][0], results["1"][0], 5e-3)
     assert_close("state pool", results["0"][1], results["1"][1], 5e-3)

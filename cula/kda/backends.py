@@ -372,10 +372,45 @@ def _cula_recurrent_supports(
     return pool_layout_verdict(initial_state, q.shape[-1], v.shape[-1], state_v_first)
 
 
+def _prepare_recurrent_cula_sm90(
+    q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_indices, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out, **_,
+):  # fmt: skip
+    """The decode kernel bound once for a repeated serving call (one plan: the call does not walk ``kda_decode``'s
+    validation, registry and plan cache a second time); None where an input needs a dense copy first (the
+    general path, through ``kda_decode``)."""
+    from cula._validate import check_state_pool
+    from cula.kda import decode
+
+    check_state_pool(
+        initial_state, ssm_state_indices, n=q.shape[0], heads=v.shape[2], k=q.shape[-1], v=v.shape[-1],
+        state_v_first=state_v_first, device=q.device,
+    )  # fmt: skip
+    flat_bias = None if dt_bias is None else dt_bias.reshape(-1)  # FLA takes any dt_bias of HV*K elements
+    bound = decode._prepare_cula_sm90(
+        q=q, k=k, v=v, g=g, beta=beta, state_pool=initial_state, state_indices=ssm_state_indices, A_log=A_log,
+        dt_bias=flat_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, state_v_first=state_v_first,
+        out=torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out, step_states=None,
+    )  # fmt: skip
+    if bound is None:
+        return None
+
+    def launch(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, ssm_state_indices, lower_bound, out, **_):
+        o = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
+        bias = None if dt_bias is None else dt_bias.reshape(-1)
+        bound(q, k, v, g, beta, initial_state, ssm_state_indices, A_log, bias, scale, lower_bound, o, None)
+        return o, initial_state
+
+    return launch
+
+
 # Serving engines call FLA's fused_recurrent_kda_fwd once per token; the [N, 1] pool form is exactly kda_decode.
 @fused_recurrent_kda_registry.register(
-    "cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)), supports=_cula_recurrent_supports
-)
+    "cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)), supports=_cula_recurrent_supports,
+    prepare=_prepare_recurrent_cula_sm90,
+)  # fmt: skip
 def _fused_recurrent_kda_cula_sm90(
     q, k, v, g, beta, A_log, dt_bias, initial_state, scale, ssm_state_indices, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out, **_,
