@@ -37,7 +37,13 @@ Floor for cula (``floor_ms = max(bytes / copy_bw, flops / gemm_rate)``, both mea
       Aqk v_new (intra output)         2 c^2 V
   Elementwise work (gates, l2norm, cumsum, decays) is not counted, so the floor is a true lower bound.
 
-Usage: ``python benchmarks/bench_kda_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph]``.
+``--time-parallel``: a separate suite (result ``kda_prefill_time_parallel``) of few-head long sequences
+(``common.time_split_suite``: H = HV of 4, 8 and 16, B = 1 up to T = 1M, B = 2 at 64K, the ragged pack 64K + 5 x 1K),
+timing cula's serial ``chunk_kda`` against its exact time-parallel recurrence (``cula.kda.forward``'s parallel
+segments) at each segment length of ``common.TIME_SPLIT_SEGMENTS``, eager and CUDA-graph replay in every row, each
+split checked against the serial output first. These are the numbers ``KdaTuning.time_split`` is set from.
+
+Usage: ``python benchmarks/bench_kda_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph] [--time-parallel]``.
 """
 
 from __future__ import annotations
@@ -283,11 +289,14 @@ def host_overhead(fla_fn: Callable, cula_fn: Callable) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return bc.arg_parser(
+    p = bc.arg_parser(
         __doc__.splitlines()[0], QUICK, iters=100, warmup=10, max_seconds=0.0,
         max_seconds_help="start no new config after this many seconds (0: no limit); the results say partial",
         host_overhead_help="skip the host-overhead measurement",
-    ).parse_args(argv)
+    )
+    p.add_argument("--time-parallel", action="store_true",
+                   help="few-head long rows: serial against time-parallel at several segment lengths")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
@@ -305,6 +314,8 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
 def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kda_prefill needs a CUDA GPU")
+    if args.time_parallel:
+        return main_time_parallel(args, time.perf_counter())
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from cula.kda import chunk_kda as cula_chunk_kda
@@ -345,8 +356,6 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         compile_seconds = getattr(cula.cache, "compile_seconds", None)
         if compile_seconds is not None:
             meta["cula_compile_s"] = {repr(k): round(v, 3) for k, v in compile_seconds().items()}
-        import dataclasses
-
         from cula.kda.plan import KDA_TUNING
 
         meta["cula_tuning"] = dataclasses.asdict(KDA_TUNING.get((9, 0)))
@@ -365,6 +374,84 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     }
     paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)
     return meta, rows, paths
+
+
+# ------------------------------------------------------------------------------------------- time-parallel suite
+
+TP_NAME = NAME + "_time_parallel"
+
+
+def tp_shared(cfg: bc.TimeSplitConfig, device: str | None = None) -> dict[str, Any]:
+    """Gate parameters and (packed) both copies of cu_seqlens, as ``make_shared`` for H value heads."""
+    device = device or DEVICE
+    torch.manual_seed(bc.config_seed(cfg.name) + 1)
+    shared: dict[str, Any] = {
+        "A_log": torch.empty(cfg.H, dtype=torch.float32, device=device).uniform_(1, 16).log(),
+        "dt_bias": 0.1 * torch.randn(cfg.H * K, dtype=torch.float32, device=device),
+    }
+    if cfg.varlen:
+        shared.update(bc.cu_seqlens(cfg.lens, device))
+    return shared
+
+
+def tp_inputs(cfg: bc.TimeSplitConfig, index: int, device: str | None = None) -> dict[str, torch.Tensor]:
+    """One input set: q, k, v, g, beta bf16 (B = 1 packed for the ragged pack), initial_state fp32 [N, H, V, K]."""
+    device = device or DEVICE
+    torch.manual_seed(bc.config_seed(cfg.name) + 100 + index)
+    b, h, bf16 = (1 if cfg.varlen else cfg.N), cfg.H, torch.bfloat16
+    return {
+        **{n: torch.randn(b, cfg.T, h, K, dtype=bf16, device=device) for n in ("q", "k", "v", "g")},
+        "beta": torch.randn(b, cfg.T, h, dtype=bf16, device=device),
+        "initial_state": 0.01 * torch.randn(cfg.N, h, V, K, dtype=torch.float32, device=device),
+    }
+
+
+def run_time_parallel_config(cfg: bc.TimeSplitConfig, args: argparse.Namespace, ceilings: dict[str, float]
+                             ) -> dict[str, Any]:  # fmt: skip
+    """Serial ``chunk_kda`` against the cut one at every segment length that cuts the longest sequence (the tuning
+    entry overridden to cut at exactly that length)."""
+    from cula.kda import chunk_kda
+    from cula.kda.plan import KDA_TUNING
+    from cula.time_split import SplitThresholds, split_plan
+
+    shared = tp_shared(cfg)
+    sets = bc.rotation_sets(cfg, tp_inputs, 2 * cfg.T * cfg.H * (4 * K + 1), args.l2)
+
+    def call(s):
+        return bind(chunk_kda, s, shared)
+
+    def split(seg):
+        plan = split_plan(cfg.lens, seg)
+        if plan is None:
+            return None
+        # every sequence longer than seg cut into pieces of seg: aim at more segments than anything can give
+        exact = SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=seg, min_seq_len=0)
+        return call, plan.num_segments, KDA_TUNING.override(time_split=exact)
+
+    nbytes, flops = kda_bytes(cfg.lens, h=cfg.H, hv=cfg.H), kda_flops(cfg.lens, hv=cfg.H)
+    floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
+    return bc.time_split_row(cfg, sets, call, split, check, floor, args)
+
+
+def main_time_parallel(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], dict]:
+    cfgs = bc.select_configs(bc.time_split_suite, args)
+    ceilings = bc.reported_ceilings(TP_NAME)
+    with torch.inference_mode():
+        run = bc.run_suite(cfgs, lambda cfg: run_time_parallel_config(cfg, args, ceilings), args.max_seconds,
+                           t_start, name=TP_NAME, progress=("speedup", "graph_speedup", "best_segment", "check"))
+    args.cuda_graph = False  # every row already has both; keep the result name free of the graph suffix
+    meta: dict[str, Any] = {
+        "shape": {"K": K, "V": V, "H = HV": "per row", "dtype": "bfloat16", "state": "float32 [N, H, V, K]",
+                  "segments": list(bc.TIME_SPLIT_SEGMENTS)},
+        "call_flags": CALL_FLAGS,
+        "calls": {"serial": "cula.kda.chunk_kda",
+                  "split": "cula.kda.chunk_kda under KDA_TUNING.override(time_split=...)"},
+        **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
+        **bc.budget_meta(run, args.max_seconds, t_start),
+    }
+    meta["timing"]["mode"] = "eager and cuda_graph (both in every row)"
+    paths = bc.write_suite(TP_NAME, args, meta, run.rows, bc.TIME_SPLIT_COLUMNS)
+    return meta, run.rows, paths
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ writes what it has (``meta["partial"]`` then lists the skipped configs).
 
 ``--time-parallel``: a separate suite (result ``lightning_prefill_time_parallel``) of few-head long sequences, where
 the serial kernel leaves most SMs idle, timing cula's serial path against ``cula.lightning.time_parallel`` at each
-segment length of ``TP_SEGMENTS``, eager and CUDA-graph replay side by side in every row (the other options as above;
-``--cuda-graph`` is ignored there). H = HV in ``TP_HEADS`` x T in ``TP_T`` at B = 1, B = 2 at 64K, and the ragged pack
-64K + 5 x 1K; decay from FLA's schedule for H heads. Each row checks every split against the serial output (relative
+segment length of ``common.TIME_SPLIT_SEGMENTS``, eager and CUDA-graph replay side by side in every row (the other
+options as above; ``--cuda-graph`` is ignored there). The configs are ``common.time_split_suite``'s (H = HV of 4, 8
+and 16, B = 1 up to T = 1M, B = 2 at 64K, and the ragged pack 64K + 5 x 1K); decay from FLA's schedule for H heads. Each row checks every split against the serial output (relative
 RMSE, same gates) and gives per segment length ``split_ms`` / ``split_graph_ms`` (``segments`` in the JSON) and the
 best one. These are the numbers ``cula.lightning.plan.LightningTuning.time_split`` is set from.
 
@@ -51,7 +51,7 @@ Usage: ``python benchmarks/bench_lightning_prefill.py [--quick] [--iters N] [--m
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import functools
 import os
 import time
@@ -259,44 +259,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------- time-parallel suite
 
 TP_NAME = NAME + "_time_parallel"
-TP_HEADS = (4, 8, 16)
-TP_T = (16384, 65536, 262144, 1048576)
-TP_SEGMENTS = (1024, 2048, 4096, 8192, 16384, 32768)
-TP_PACK = (65536,) + (1024,) * 5
-TP_QUICK = ("H4-B1-T65536", "H4-pack-64K+5x1K")
-TP_COLUMNS = ("config", "H", "T", "N", "serial_ms", "serial_graph_ms", "best_segment", "split_ms", "split_graph_ms",
-              "speedup", "graph_speedup", "max_rel_err", "check", "floor_ms", "floor_pct")
+TP_QUICK = bc.TIME_SPLIT_QUICK
 
 
-@dataclasses.dataclass(frozen=True)
-class TPConfig:
-    H: int
-    lens: tuple[int, ...]
-    varlen: bool
-
-    @property
-    def name(self) -> str:
-        if self.varlen:
-            return f"H{self.H}-pack-{self.lens[0] // 1024}K+{len(self.lens) - 1}x{self.lens[1] // 1024}K"
-        return f"H{self.H}-B{len(self.lens)}-T{self.lens[0]}"
-
-    @property
-    def T(self) -> int:
-        return sum(self.lens) if self.varlen else self.lens[0]
-
-    @property
-    def N(self) -> int:
-        return len(self.lens)
+def tp_suite(quick: bool = False) -> list[bc.TimeSplitConfig]:
+    return bc.time_split_suite(quick)
 
 
-def tp_suite(quick: bool = False) -> list[TPConfig]:
-    cfgs = [TPConfig(h, (t,), False) for h in TP_HEADS for t in TP_T]
-    cfgs += [TPConfig(h, (65536,) * 2, False) for h in TP_HEADS]
-    cfgs += [TPConfig(h, TP_PACK, True) for h in TP_HEADS]
-    return [c for c in cfgs if c.name in TP_QUICK] if quick else cfgs
-
-
-def tp_inputs(cfg: TPConfig, index: int, device: str | None = None) -> dict[str, Any]:
+def tp_inputs(cfg: bc.TimeSplitConfig, index: int, device: str | None = None) -> dict[str, Any]:
     """One input set: q, k, v bf16 ``[B, T, H, D]`` (B = 1 packed for the ragged pack)."""
     device = device or DEVICE
     torch.manual_seed(bc.config_seed(cfg.name) + 100 + index)
@@ -304,18 +274,14 @@ def tp_inputs(cfg: TPConfig, index: int, device: str | None = None) -> dict[str,
     return {name: torch.randn(shape, dtype=torch.bfloat16, device=device) for name in ("q", "k", "v")}
 
 
-def run_time_parallel_config(cfg: TPConfig, args: argparse.Namespace, ceilings: dict[str, float]) -> dict[str, Any]:
-    """Serial against split at every segment length of ``TP_SEGMENTS`` that cuts the longest sequence."""
+def run_time_parallel_config(cfg: bc.TimeSplitConfig, args: argparse.Namespace, ceilings: dict[str, float]
+                             ) -> dict[str, Any]:  # fmt: skip
+    """Serial against split at every segment length of ``bc.TIME_SPLIT_SEGMENTS`` that cuts the longest
+    sequence."""
     from cula.lightning import lightning_g_gamma
     from cula.lightning import time_parallel as tp
     from cula.simple_gla.backends import _lightning_forward
 
-    errors: dict[str, str] = {}
-    record = bc.error_recorder(errors, cfg.name)
-    nbytes, flops = lightning_bytes(cfg.lens, h=cfg.H), lightning_flops(cfg.lens, h=cfg.H)
-    floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
-    row: dict[str, Any] = {"config": cfg.name, "H": cfg.H, "T": cfg.T, "N": cfg.N, "check": "FAIL",
-                           "max_rel_err": float("nan"), "floor_ms": floor, "segments": {}}
     g_gamma = lightning_g_gamma(cfg.H, LAYER_IDX, NUM_LAYERS, device=DEVICE)
     cu = bc.cu_seqlens(cfg.lens, DEVICE)["cu_seqlens"] if cfg.varlen else None
     scale = D ** -0.5
@@ -324,56 +290,17 @@ def run_time_parallel_config(cfg: TPConfig, args: argparse.Namespace, ceilings: 
     def serial(s):
         return lambda: _lightning_forward(s["q"], s["k"], s["v"], g_gamma, scale, None, True, False, cu)
 
-    def split(plan):
-        return lambda s: lambda: tp.time_parallel_forward(_lightning_forward, plan, s["q"], s["k"], s["v"], g_gamma,
-                                                          scale, None, True, False, cu)
-
-    def both(label, make):
-        out = []
-        for graph in (False, True):
-            try:
-                t = bc.bench([make(s) for s in sets], iters=args.iters, warmup=args.warmup, cuda_graph=graph,
-                             l2=args.l2)
-                out.append(t.median_ms)
-            except Exception as exc:  # noqa: BLE001  (a refused capture costs one cell)
-                record(f"{label} {'graph' if graph else 'eager'} timing", exc)
-                torch.cuda.synchronize()
-                out.append(None)
-        return out
-
-    ref = serial(sets[0])()
-    row["serial_ms"], row["serial_graph_ms"] = both("serial", serial)
-    worst, status = 0.0, "ok"
-    for seg in TP_SEGMENTS:
+    def split(seg):
         plan = tp.split_plan(cfg.lens, seg)
         if plan is None:
-            continue
-        entry: dict[str, Any] = {"num_segments": plan.num_segments}
-        try:
-            err, st = check(ref, split(plan)(sets[0])())
-        except Exception as exc:  # noqa: BLE001
-            record(f"split {seg} check", exc)
-            err, st = float("nan"), "FAIL"
-        entry["rel_err"], entry["check"] = err, st
-        worst = max(worst, err) if err == err else float("nan")
-        if st == "FAIL":
-            status = "FAIL"
-        else:
-            if st == "warn" and status == "ok":
-                status = "warn"
-            entry["split_ms"], entry["split_graph_ms"] = both(f"split {seg}", split(plan))
-        row["segments"][seg] = entry
-    timed = {seg: e for seg, e in row["segments"].items() if e.get("split_ms") is not None}
-    if timed:
-        best = min(timed, key=lambda seg: timed[seg]["split_ms"])
-        row.update(best_segment=best, split_ms=timed[best]["split_ms"], split_graph_ms=timed[best]["split_graph_ms"])
-        row["speedup"] = bc.speedup(row["serial_ms"], row["split_ms"])
-        row["graph_speedup"] = bc.speedup(row["serial_graph_ms"], row["split_graph_ms"])
-        row["floor_pct"] = bc.floor_pct(floor, row["split_ms"])
-    row["max_rel_err"], row["check"] = worst, status if row["segments"] else "unchecked"
-    if errors:
-        row["errors"] = errors
-    return row
+            return None
+        return (lambda s: lambda: tp.time_parallel_forward(_lightning_forward, plan, s["q"], s["k"], s["v"], g_gamma,
+                                                           scale, None, True, False, cu)), plan.num_segments, \
+            contextlib.nullcontext()
+
+    nbytes, flops = lightning_bytes(cfg.lens, h=cfg.H), lightning_flops(cfg.lens, h=cfg.H)
+    floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
+    return bc.time_split_row(cfg, sets, serial, split, check, floor, args)
 
 
 def main_time_parallel(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], dict]:
@@ -384,7 +311,8 @@ def main_time_parallel(args: argparse.Namespace, t_start: float) -> tuple[dict, 
                            t_start, name=TP_NAME, progress=("speedup", "graph_speedup", "best_segment", "check"))
     args.cuda_graph = False  # every row already has both; keep the result name free of the graph suffix
     meta: dict[str, Any] = {
-        "shape": {"D": D, "dtype": "bfloat16", "state": "float32 [N, H, K, V]", "segments": list(TP_SEGMENTS)},
+        "shape": {"D": D, "dtype": "bfloat16", "state": "float32 [N, H, K, V]",
+                  "segments": list(bc.TIME_SPLIT_SEGMENTS)},
         "decay": f"-lightning_g_gamma(H, {LAYER_IDX}, {NUM_LAYERS})",
         "calls": {"serial": "cula.simple_gla.backends._lightning_forward",
                   "split": "cula.lightning.time_parallel.time_parallel_forward(_lightning_forward, split_plan(...))"},
@@ -392,7 +320,7 @@ def main_time_parallel(args: argparse.Namespace, t_start: float) -> tuple[dict, 
         **bc.budget_meta(run, args.max_seconds, t_start),
     }
     meta["timing"]["mode"] = "eager and cuda_graph (both in every row)"
-    paths = bc.write_suite(TP_NAME, args, meta, run.rows, TP_COLUMNS)
+    paths = bc.write_suite(TP_NAME, args, meta, run.rows, bc.TIME_SPLIT_COLUMNS)
     return meta, run.rows, paths
 
 

@@ -992,3 +992,115 @@ def write_suite(name: str, args: argparse.Namespace, meta: dict, rows: Sequence[
     if n_bad:
         print(f"[{name}] {n_bad} config(s) FAILED the correctness check and were not timed", file=sys.stderr)
     return paths
+
+
+# --------------------------------------------------------------------------------- time-parallel (split) suites
+# Few-head long sequences, where a serial recurrence leaves most SMs idle: each row times the serial path against
+# the split one at every segment length that cuts the longest sequence, eager and CUDA-graph replay side by side,
+# each split checked against the serial output first. Shared by bench_lightning_prefill.py and bench_kda_prefill.py
+# (``--time-parallel``); their results set the planners' ``time_split`` thresholds.
+
+TIME_SPLIT_HEADS = (4, 8, 16)
+TIME_SPLIT_T = (16384, 65536, 262144, 1048576)
+TIME_SPLIT_SEGMENTS = (1024, 2048, 4096, 8192, 16384, 32768)
+TIME_SPLIT_PACK = (65536,) + (1024,) * 5
+TIME_SPLIT_QUICK = ("H4-B1-T65536", "H4-pack-64K+5x1K")
+TIME_SPLIT_COLUMNS = (
+    "config", "H", "T", "N", "serial_ms", "serial_graph_ms", "best_segment", "split_ms", "split_graph_ms", "speedup",
+    "graph_speedup", "max_rel_err", "check", "floor_ms", "floor_pct",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeSplitConfig:
+    H: int
+    lens: tuple[int, ...]
+    varlen: bool
+
+    @property
+    def name(self) -> str:
+        if self.varlen:
+            return f"H{self.H}-pack-{self.lens[0] // 1024}K+{len(self.lens) - 1}x{self.lens[1] // 1024}K"
+        return f"H{self.H}-B{len(self.lens)}-T{self.lens[0]}"
+
+    @property
+    def T(self) -> int:
+        return sum(self.lens) if self.varlen else self.lens[0]
+
+    @property
+    def N(self) -> int:
+        return len(self.lens)
+
+
+def time_split_suite(quick: bool = False) -> list[TimeSplitConfig]:
+    cfgs = [TimeSplitConfig(h, (t,), False) for h in TIME_SPLIT_HEADS for t in TIME_SPLIT_T]
+    cfgs += [TimeSplitConfig(h, (65536,) * 2, False) for h in TIME_SPLIT_HEADS]
+    cfgs += [TimeSplitConfig(h, TIME_SPLIT_PACK, True) for h in TIME_SPLIT_HEADS]
+    return [c for c in cfgs if c.name in TIME_SPLIT_QUICK] if quick else cfgs
+
+
+def time_split_row(
+    cfg: TimeSplitConfig,
+    sets: list,
+    serial: Callable[[Any], Callable[[], Any]],
+    split: Callable[[int], tuple[Callable[[Any], Callable[[], Any]], int, contextlib.AbstractContextManager] | None],
+    check: Callable[[Any, Any], tuple[float, str]],
+    floor: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One row of a time-split suite. ``serial(s)`` makes a zero-argument call on input set ``s``; ``split(segment)``
+    gives ``(make, number of segments, context)`` with ``make(s)`` the same for the split path, run inside
+    ``context`` (a tuning override, say), or None where that length cuts nothing; ``check(serial_out, split_out)``
+    gives ``(relative error, "ok" | "warn" | "FAIL")``."""
+    errors: dict[str, str] = {}
+    record = error_recorder(errors, cfg.name)
+    row: dict[str, Any] = {"config": cfg.name, "H": cfg.H, "T": cfg.T, "N": cfg.N, "check": "FAIL",
+                           "max_rel_err": float("nan"), "floor_ms": floor, "segments": {}}  # fmt: skip
+
+    def both(label, make):
+        out = []
+        for graph in (False, True):
+            try:
+                t = bench([make(s) for s in sets], iters=args.iters, warmup=args.warmup, cuda_graph=graph, l2=args.l2)
+                out.append(t.median_ms)
+            except Exception as exc:  # noqa: BLE001  (a refused capture costs one cell)
+                record(f"{label} {'graph' if graph else 'eager'} timing", exc)
+                torch.cuda.synchronize()
+                out.append(None)
+        return out
+
+    ref = serial(sets[0])()
+    row["serial_ms"], row["serial_graph_ms"] = both("serial", serial)
+    worst, status = 0.0, "ok"
+    for seg in TIME_SPLIT_SEGMENTS:
+        cut = split(seg)
+        if cut is None:
+            continue
+        make, segments, context = cut
+        entry: dict[str, Any] = {"num_segments": segments}
+        with context:
+            try:
+                err, st = check(ref, make(sets[0])())
+            except Exception as exc:  # noqa: BLE001
+                record(f"split {seg} check", exc)
+                err, st = float("nan"), "FAIL"
+            entry["rel_err"], entry["check"] = err, st
+            worst = max(worst, err) if err == err else float("nan")
+            if st == "FAIL":
+                status = "FAIL"
+            else:
+                if st == "warn" and status == "ok":
+                    status = "warn"
+                entry["split_ms"], entry["split_graph_ms"] = both(f"split {seg}", make)
+        row["segments"][seg] = entry
+    timed = {seg: e for seg, e in row["segments"].items() if e.get("split_ms") is not None}
+    if timed:
+        best = min(timed, key=lambda seg: timed[seg]["split_ms"])
+        row.update(best_segment=best, split_ms=timed[best]["split_ms"], split_graph_ms=timed[best]["split_graph_ms"])
+        row["speedup"] = speedup(row["serial_ms"], row["split_ms"])
+        row["graph_speedup"] = speedup(row["serial_graph_ms"], row["split_graph_ms"])
+        row["floor_pct"] = floor_pct(floor, row["split_ms"])
+    row["max_rel_err"], row["check"] = worst, status if row["segments"] else "unchecked"
+    if errors:
+        row["errors"] = errors
+    return row

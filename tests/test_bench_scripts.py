@@ -485,6 +485,14 @@ def test_lightning_decode_quick_on_gpu(tmp_path):
     assert paths["json"].name == "lightning_decode_subset.json"
 
 
+def test_kda_time_parallel_cli():
+    assert kp.parse_args(["--time-parallel"]).time_parallel and not kp.parse_args([]).time_parallel
+    cfg = bc.time_split_suite(quick=True)[0]
+    x = kp.tp_inputs(cfg, 0, device="cpu")
+    assert x["q"].shape == (1, cfg.T, cfg.H, kp.K) and x["initial_state"].shape == (cfg.N, cfg.H, kp.V, kp.K)
+    assert kp.tp_shared(cfg, device="cpu")["dt_bias"].shape == (cfg.H * kp.K,)
+
+
 def test_lightning_time_parallel_suite_and_cli():
     cfgs = lp.tp_suite()
     names = [c.name for c in cfgs]

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from cula.kda.plan import time_segments, use_cula_intra
+from cula.kda.plan import KDA_TUNING, parallel_segments, time_segments, use_cula_intra
 from cula.ops._host import dsl_name, gate_kind, placeholder
+from cula.time_split import on_device
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 
 __all__ = ["chunk_kda_fwd_sm90"]
@@ -142,24 +143,83 @@ def chunk_kda_fwd_sm90(
             q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, use_gate_in_kernel, A_log, dt_bias,
             lower_bound, safe_gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
         )  # fmt: skip
-    chunk_kda_delta_h_fwd_o_sm90(
-        w,
-        u,
-        kg,
-        qg,
-        g_cum,
-        Aqk,
-        o,
-        initial_state,
-        final_state,
-        cu32,
-        scale=scale,
-        state_v_first=state_v_first,
-        aqk_causal=cute_intra,  # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
-    )
+    # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
+    states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
+    split = None if use_graph else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
+    if split is None:
+        chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states)
+    else:
+        parallel_segment_states(split, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, **states)
     if keep_scores:
         return o, final_state, Aqk, Akk
     return o, final_state
+
+
+def parallel_segment_states(
+    plan, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, *, scale, state_v_first, aqk_causal,
+    states_fn=chunk_kda_delta_h_fwd_o_sm90,
+):  # fmt: skip
+    """The state recurrence and the output of ``plan``'s segments (``cula.time_split``) all at once, exactly.
+
+    Over a segment the recurrence is affine in its start state: ``S_end = R S_start + E`` (``[K, V]`` states; for
+    ``[V, K]`` ones ``S_end = S_start R + E``), ``R`` a ``K x K`` matrix (the product of the segment's chunk
+    transitions ``diag(exp2 g_last) - kg^T w``) and ``E`` the end state from a zero start. So, with every segment a
+    sequence of one packed call of the state/output kernel (``states_fn``), three calls give everything:
+
+    1. from zero starts (the caller's initial state for each sequence's first segment): ``E``;
+    2. from the identity with ``u = 0``: ``R`` (no input enters, so the end state is the transition itself);
+    3. from the true start states, made in between by a segmented scan over the segments of each sequence
+       (``log2`` of their count steps of batched 128 x 128 products, in float64): the outputs and final states.
+
+    Each call runs segments x value heads CTAs, where the serial kernel runs sequences x value heads, each walking
+    its whole sequence. The intermediates (``w, u, kg, qg, g_cum, Aqk`` of the intra stage) are the serial path's:
+    segments start on chunk boundaries of their sequence, so every chunk is the same chunk."""
+    B, T, HV, K = w.shape
+    V = u.shape[-1]
+    M, N = plan.num_segments, len(plan.lengths)
+    dev = w.device
+    seg_cu = on_device(plan.bounds, torch.int32, dev)
+    seq_of = on_device(tuple(n for n in range(N) for _ in plan.segments_of(n)), torch.long, dev)
+    first = on_device(plan.first_segment, torch.long, dev)
+    last = on_device(tuple(plan.segments_of(n)[-1] for n in range(N)), torch.long, dev)
+
+    def packed(t):
+        return t.view((1, B * T) + tuple(t.shape[2:]))
+
+    W, U, KG, QG, G, A = (packed(t) for t in (w, u, kg, qg, g_cum, Aqk))
+    shape = (M, HV, V, K) if state_v_first else (M, HV, K, V)
+    scratch = torch.empty_like(packed(o))  # the first two calls' outputs, not wanted
+    kw = dict(scale=scale, state_v_first=state_v_first, aqk_causal=aqk_causal)
+
+    starts = torch.zeros(shape, dtype=torch.float32, device=dev)
+    if initial_state is not None:
+        starts.index_copy_(0, first, initial_state)
+    E = torch.empty(shape, dtype=torch.float32, device=dev)
+    states_fn(W, U, KG, QG, G, A, scratch, starts, E, seg_cu, **kw)
+    eye = torch.eye(K, dtype=torch.float32, device=dev).expand(shape).contiguous()
+    R = torch.empty(shape, dtype=torch.float32, device=dev)
+    states_fn(W, torch.zeros_like(U), KG, QG, G, A, scratch, eye, R, seg_cu, **kw)
+
+    # inclusive scan: (R, E) of segment i becomes the composition of its sequence's segments up to i
+    R, E = R.double(), E.double()
+    d = 1
+    while d < M:
+        same = (seq_of[d:] == seq_of[:-d]).view(-1, 1, 1, 1)
+        R_i, E_i, R_j, E_j = R[d:], E[d:], R[:-d], E[:-d]  # j = i - d runs first
+        if state_v_first:
+            R_new, E_new = R_j @ R_i, E_j @ R_i + E_i
+        else:
+            R_new, E_new = R_i @ R_j, R_i @ E_j + E_i
+        R = torch.cat((R[:d], torch.where(same, R_new, R_i)))
+        E = torch.cat((E[:d], torch.where(same, E_new, E_i)))
+        d *= 2
+    # a segment starts where its predecessor in the same sequence ends (first segments: as in call 1)
+    follows = torch.cat((seq_of.new_zeros(1, dtype=torch.bool), seq_of[1:] == seq_of[:-1])).view(-1, 1, 1, 1)
+    true_starts = torch.where(follows, torch.cat((E[:1], E[:-1])).float(), starts).contiguous()
+    ends = torch.empty(shape, dtype=torch.float32, device=dev) if final_state is not None else None
+    states_fn(W, U, KG, QG, G, A, packed(o), true_starts, ends, seg_cu, **kw)
+    if final_state is not None:
+        final_state.copy_(ends.index_select(0, last))
 
 
 def _launch_buffers(B, T, HV, K, dt, o_dtype, dev, state_shape, output_final_state):
@@ -327,6 +387,10 @@ def prepare_chunk_kda_fwd_sm90(
     if chunk_size != 64 or B == 0 or HV == 0 or (K, V) != (128, 128) or (T == 0 and not varlen):
         return None
     if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
+        return None
+    if varlen and KDA_TUNING.for_device(q.device).time_split is not None:
+        return None  # whether to cut depends on each call's lengths: the general path decides per call
+    if not varlen and parallel_segments(B, T, HV, None, None, q.device) is not None:
         return None
     if not all(t.is_contiguous() for t in (q, k, v, g, beta)):
         return None

@@ -1,8 +1,9 @@
 """KDA's planner: what runs for a call, decided from its shapes and flags and the GPU's tuning entry.
 
-- ``chunk_kda``: whether cula's intra kernel or FLA's stages make the intra-chunk terms (``use_cula_intra``), and
+- ``chunk_kda``: whether cula's intra kernel or FLA's stages make the intra-chunk terms (``use_cula_intra``);
   whether a long single sequence runs in time segments, with the state/output kernel of one segment beside the
-  intra kernel of the next (``time_segments``). ``cula.kda.forward`` builds the launches from these answers.
+  intra kernel of the next (``time_segments``); whether long sequences with few heads are cut into segments whose
+  recurrences run at once, exactly (``parallel_segments``). ``cula.kda.forward`` builds the launches.
 - the decode kernels: which ``KdaDecodeSm90`` variant runs a call (``decode_variant``), and its bound launch
   (``kda_decode_launcher``).
 - the training backward: the launch of FLA's stage-6 kernel (``KdaTuning.wy_dqkg_launch``, read by
@@ -20,11 +21,12 @@ import os
 
 import torch
 
+from cula.time_split import SplitPlan, SplitThresholds, plan_time_split, sm_count
 from cula.tuning import TuningTable
 
 __all__ = [
-    "KDA_TUNING", "KdaTuning", "decode_variant", "kda_decode_launcher", "kda_decode_sm90", "segment_bounds",
-    "time_segments", "use_cula_intra",
+    "KDA_TUNING", "KdaTuning", "decode_variant", "kda_decode_launcher", "kda_decode_sm90", "parallel_segments",
+    "segment_bounds", "time_segments", "use_cula_intra",
 ]  # fmt: skip
 
 
@@ -70,6 +72,10 @@ class KdaTuning:
     # K = V = 128; None: FLA's autotuned choice, which on Hopper stops at 4 warps and spills
     wy_dqkg_launch: tuple[int, int, int, int] | None = (64, 64, 8, 1)
 
+    # chunk_kda: when and how long sequences with few heads are cut into segments whose recurrences run at once
+    # (exact: cula.kda.forward's parallel segments); None: never
+    time_split: SplitThresholds | None = None
+
 
 # H100 and H200 share sm_90; the numbers were measured on the H200. Other GPUs run no cula kernel yet.
 KDA_TUNING: TuningTable[KdaTuning] = TuningTable("kda", {(9, 0): KdaTuning()}, fallback=KdaTuning())
@@ -110,6 +116,23 @@ def time_segments(B: int, T: int, HV: int, device: torch.device) -> list[tuple[i
     if 2 * HV > torch.cuda.get_device_properties(device).multi_processor_count:
         return None  # the recurrence alone fills half the GPU: nothing idles for the next intra kernel
     return segment_bounds(T, tuning)
+
+
+def parallel_segments(B: int, T: int, HV: int, cu_seqlens, cu_seqlens_cpu, device: torch.device) -> SplitPlan | None:
+    """How a call's sequences are cut for the exact time-parallel recurrence (``KdaTuning.time_split``), or None to
+    run them whole. From the shapes or ``cu_seqlens_cpu`` only (never a read of ``cu_seqlens``: no sync), so the
+    same call is always cut the same way and can be captured in a CUDA graph."""
+    thresholds = KDA_TUNING.for_device(device).time_split
+    if thresholds is None:
+        return None
+    if cu_seqlens is None:
+        lengths = (T,) * B
+    elif cu_seqlens_cpu is not None:
+        bounds = cu_seqlens_cpu.tolist()
+        lengths = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    else:
+        return None
+    return plan_time_split(lengths, HV, sm_count(device.index or 0), thresholds)
 
 
 def segment_bounds(T: int, tuning: KdaTuning) -> list[tuple[int, int]]:

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from cula.lightning.time_parallel import SplitThresholds
+from cula.time_split import SplitThresholds
 from cula.ops.lightning.sm90.decode import compiled_variant, tile_for, variant_key
 from cula.tuning import TuningTable
 

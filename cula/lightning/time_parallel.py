@@ -21,108 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-SEGMENT_ALIGN = 64  # the kernel's chunk: a segment of whole chunks adds no partial chunk but the last
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitThresholds:
-    """When and how to cut sequences, for one GPU kind.
-
-    Attributes:
-        items_per_sm: (segment, value head) work items to aim for per SM; the segment length follows from it.
-        busy_items_per_sm: no split when the unsplit call already has this many (sequence, value head) items per SM.
-        min_segment: shortest segment, in tokens (a multiple of ``SEGMENT_ALIGN``): below it the combine and the
-            extra reads of the carry correction cost more than the parallelism gains.
-        min_seq_len: sequences shorter than this are never cut.
-    """
-
-    items_per_sm: float
-    busy_items_per_sm: float
-    min_segment: int
-    min_seq_len: int
-
-    def __post_init__(self):
-        if self.min_segment < SEGMENT_ALIGN or self.min_segment % SEGMENT_ALIGN:
-            raise ValueError(f"min_segment must be a positive multiple of {SEGMENT_ALIGN}, got {self.min_segment}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitPlan:
-    """How a batch of sequences is cut. All host ints; ``cula.lightning.time_parallel`` caches their device copies.
-
-    Attributes:
-        lengths: the sequences' lengths.
-        segment_len: length of every segment of a cut sequence but its last (which may be shorter).
-        split: per sequence, whether it is cut.
-        bounds: cumulative boundaries of all segments, packed in sequence order ``[M + 1]``.
-        first_segment: per sequence, the index of its first segment (where the initial state goes).
-    """
-
-    lengths: tuple[int, ...]
-    segment_len: int
-    split: tuple[bool, ...]
-    bounds: tuple[int, ...]
-    first_segment: tuple[int, ...]
-
-    @property
-    def num_segments(self) -> int:
-        return len(self.bounds) - 1
-
-    def segments_of(self, seq: int) -> range:
-        end = self.first_segment[seq + 1] if seq + 1 < len(self.lengths) else self.num_segments
-        return range(self.first_segment[seq], end)
-
-
-def split_plan(lengths: Sequence[int], segment_len: int, min_seq_len: int = 0) -> SplitPlan | None:
-    """Cut every sequence longer than ``segment_len`` (and at least ``min_seq_len``) into ``segment_len`` pieces.
-
-    Returns None when no sequence would be cut.
-    """
-    if segment_len < 1:
-        raise ValueError(f"segment_len must be positive, got {segment_len}")
-    lengths = tuple(int(n) for n in lengths)
-    split = tuple(n > segment_len and n >= min_seq_len for n in lengths)
-    if not any(split):
-        return None
-    bounds, first = [0], []
-    for n, cut in zip(lengths, split):
-        first.append(len(bounds) - 1)
-        start = bounds[-1]
-        if cut:
-            bounds += [start + a for a in range(segment_len, n, segment_len)]
-        bounds.append(start + n)
-    return SplitPlan(lengths, segment_len, split, tuple(bounds), tuple(first))
-
-
-def plan_time_split(lengths: Sequence[int], num_value_heads: int, sm_count: int,
-                    thresholds: SplitThresholds | None) -> SplitPlan | None:
-    """Whether and how to cut a call's sequences (``lengths``: B copies of T, or the varlen lengths).
-
-    Pure: the same answer for the same arguments, so a captured CUDA graph stays valid. None means run unsplit.
-    """
-    if thresholds is None or sm_count < 1 or num_value_heads < 1:
-        return None
-    nonempty = [n for n in lengths if n > 0]
-    if not nonempty or len(nonempty) * num_value_heads >= thresholds.busy_items_per_sm * sm_count:
-        return None
-    # enough segments over all sequences to give every SM its share of work items, but never short ones
-    target_segments = max(1, math.ceil(thresholds.items_per_sm * sm_count / num_value_heads))
-    seg = math.ceil(sum(nonempty) / target_segments)
-    seg = max(thresholds.min_segment, -(-seg // SEGMENT_ALIGN) * SEGMENT_ALIGN)
-    return split_plan(lengths, seg, thresholds.min_seq_len)
-
-
-@functools.lru_cache(maxsize=16)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-# ------------------------------------------------------------------------------------------------ execution
+from cula.time_split import (  # noqa: F401  (the split's planning, shared with KDA; re-exported for callers)
+    SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, sm_count, split_plan,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,12 +58,6 @@ def _layout(plan: SplitPlan, with_final: bool) -> _Layout:
     )
     last = tuple(plan.segments_of(s)[-1] for s in range(len(plan.lengths)))
     return _Layout(tuple(cols), tuple(rows_per_seq), dist, last)
-
-
-@functools.lru_cache(maxsize=256)
-def _on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Cached so that later calls of the same layout copy nothing from the host (CUDA-graph capture needs that).
-    return torch.tensor(values, dtype=dtype, device=device)
 
 
 ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -196,11 +95,11 @@ def time_parallel_forward(
     if N != expect_n or sum(plan.lengths) != B * T:
         raise ValueError(f"plan for lengths {plan.lengths} does not match q {list(q.shape)} ({expect_n} sequences)")
     dev = q.device
-    bounds = _on_device(plan.bounds, torch.int32, dev)
+    bounds = on_device(plan.bounds, torch.int32, dev)
     h0 = None
     if initial_state is not None:
         h0 = initial_state.new_zeros((plan.num_segments,) + tuple(initial_state.shape[1:]))
-        h0.index_copy_(0, _on_device(plan.first_segment, torch.long, dev), initial_state)
+        h0.index_copy_(0, on_device(plan.first_segment, torch.long, dev), initial_state)
     o, E = chunk_fn(q.reshape(1, B * T, H, K), k.reshape(1, B * T, H, K), v.reshape(1, B * T, HV, V),
                     g_gamma, scale, h0, True, state_v_first, bounds)
     o = o.view(B, T, HV, V)
@@ -209,15 +108,15 @@ def time_parallel_forward(
     state_shape = E.shape[2:]
     cd = torch.promote_types(E.dtype, torch.float32)
     g = (torch.zeros(HV, device=dev) if g_gamma is None else g_gamma).to(cd)
-    dist = _on_device(layout.dist, cd, dev)  # [R, C]
+    dist = on_device(layout.dist, cd, dev)  # [R, C]
     # exp(g * d) in (0, 1] for d >= 0; masked entries (d = -1) get weight 0
     w = torch.where(dist >= 0, torch.exp(g[:, None, None] * dist.clamp_min(0)), 0.0)  # [HV, R, C]
-    Ec = E.index_select(0, _on_device(layout.cols, torch.long, dev)).to(cd).flatten(2)  # [C, HV, KV]
+    Ec = E.index_select(0, on_device(layout.cols, torch.long, dev)).to(cd).flatten(2)  # [C, HV, KV]
     carried = torch.einsum("hrc,chx->rhx", w, Ec).view((-1, HV) + tuple(state_shape))  # [R, HV, ...]
 
     final = None
     if output_final_state:
-        final = E.index_select(0, _on_device(layout.last_segment, torch.long, dev))
+        final = E.index_select(0, on_device(layout.last_segment, torch.long, dev))
     L = plan.segment_len
     decay_t = torch.exp(g[None, :] * torch.arange(1, L + 1, device=dev, dtype=cd)[:, None])  # [L, HV]
     fixed = cu_seqlens is None
@@ -243,7 +142,7 @@ def time_parallel_forward(
             if output_final_state:
                 finals.append(rows[0, -1])
         if output_final_state and finals:
-            final = final.index_copy(0, _on_device(tuple(cut_seqs), torch.long, dev),
+            final = final.index_copy(0, on_device(tuple(cut_seqs), torch.long, dev),
                                      torch.stack(finals).to(E.dtype))
     return o, final
 

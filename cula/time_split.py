@@ -1,0 +1,116 @@
+"""Cutting long sequences into segments that run at once: the planning shared by the exact time-parallel forwards
+of Lightning / ``chunk_simple_gla(g_gamma=...)`` (``cula.lightning.time_parallel``) and KDA
+(``cula.kda.forward``). Everything here is host ints, decided from shapes or ``cu_seqlens_cpu``; ``on_device``
+caches their device copies, so a repeated call copies nothing from the host and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+
+SEGMENT_ALIGN = 64  # the kernel's chunk: a segment of whole chunks adds no partial chunk but the last
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitThresholds:
+    """When and how to cut sequences, for one GPU kind.
+
+    Attributes:
+        items_per_sm: (segment, value head) work items to aim for per SM; the segment length follows from it.
+        busy_items_per_sm: no split when the unsplit call already has this many (sequence, value head) items per SM.
+        min_segment: shortest segment, in tokens (a multiple of ``SEGMENT_ALIGN``): below it the combine and the
+            extra reads of the carry correction cost more than the parallelism gains.
+        min_seq_len: sequences shorter than this are never cut.
+    """
+
+    items_per_sm: float
+    busy_items_per_sm: float
+    min_segment: int
+    min_seq_len: int
+
+    def __post_init__(self):
+        if self.min_segment < SEGMENT_ALIGN or self.min_segment % SEGMENT_ALIGN:
+            raise ValueError(f"min_segment must be a positive multiple of {SEGMENT_ALIGN}, got {self.min_segment}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """How a batch of sequences is cut. All host ints; ``cula.lightning.time_parallel`` caches their device copies.
+
+    Attributes:
+        lengths: the sequences' lengths.
+        segment_len: length of every segment of a cut sequence but its last (which may be shorter).
+        split: per sequence, whether it is cut.
+        bounds: cumulative boundaries of all segments, packed in sequence order ``[M + 1]``.
+        first_segment: per sequence, the index of its first segment (where the initial state goes).
+    """
+
+    lengths: tuple[int, ...]
+    segment_len: int
+    split: tuple[bool, ...]
+    bounds: tuple[int, ...]
+    first_segment: tuple[int, ...]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.bounds) - 1
+
+    def segments_of(self, seq: int) -> range:
+        end = self.first_segment[seq + 1] if seq + 1 < len(self.lengths) else self.num_segments
+        return range(self.first_segment[seq], end)
+
+
+def split_plan(lengths: Sequence[int], segment_len: int, min_seq_len: int = 0) -> SplitPlan | None:
+    """Cut every sequence longer than ``segment_len`` (and at least ``min_seq_len``) into ``segment_len`` pieces.
+
+    Returns None when no sequence would be cut.
+    """
+    if segment_len < 1:
+        raise ValueError(f"segment_len must be positive, got {segment_len}")
+    lengths = tuple(int(n) for n in lengths)
+    split = tuple(n > segment_len and n >= min_seq_len for n in lengths)
+    if not any(split):
+        return None
+    bounds, first = [0], []
+    for n, cut in zip(lengths, split):
+        first.append(len(bounds) - 1)
+        start = bounds[-1]
+        if cut:
+            bounds += [start + a for a in range(segment_len, n, segment_len)]
+        bounds.append(start + n)
+    return SplitPlan(lengths, segment_len, split, tuple(bounds), tuple(first))
+
+
+def plan_time_split(lengths: Sequence[int], num_value_heads: int, sm_count: int,
+                    thresholds: SplitThresholds | None) -> SplitPlan | None:
+    """Whether and how to cut a call's sequences (``lengths``: B copies of T, or the varlen lengths).
+
+    Pure: the same answer for the same arguments, so a captured CUDA graph stays valid. None means run unsplit.
+    """
+    if thresholds is None or sm_count < 1 or num_value_heads < 1:
+        return None
+    nonempty = [n for n in lengths if n > 0]
+    if not nonempty or len(nonempty) * num_value_heads >= thresholds.busy_items_per_sm * sm_count:
+        return None
+    # enough segments over all sequences to give every SM its share of work items, but never short ones
+    target_segments = max(1, math.ceil(thresholds.items_per_sm * sm_count / num_value_heads))
+    seg = math.ceil(sum(nonempty) / target_segments)
+    seg = max(thresholds.min_segment, -(-seg // SEGMENT_ALIGN) * SEGMENT_ALIGN)
+    return split_plan(lengths, seg, thresholds.min_seq_len)
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=256)
+def on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a device tensor, made once per (values, dtype, device): later calls of the same layout copy
+    nothing from the host (CUDA-graph capture refuses pageable copies)."""
+    return torch.tensor(values, dtype=dtype, device=device)

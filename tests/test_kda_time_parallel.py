@@ -1,0 +1,169 @@
+"""KDA's exact time-parallel recurrence (``cula.kda.forward.parallel_segment_states``) and its planner
+(``cula.kda.plan.parallel_segments``).
+
+CPU: the state/output kernel replaced by a float64 torch model of the same stage (``_states_model``: the chunked
+recurrence over the intra stage's w / u / kg / qg / g / Aqk), so the cut, the three packed calls, the segmented scan
+and the final states are checked against one serial call of the same model, for packed sequences (empty and
+ragged ones among them), fixed-length batches, both state layouts, with and without states. GPU: ``chunk_kda``
+cut against the serial path and the float64 reference (``-m gpu``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cula.kda.forward import parallel_segment_states
+from cula.testing import assert_close, make_cu_seqlens
+from cula.time_split import SplitThresholds, split_plan
+
+K = V = 16  # the model takes any head size; the kernel's 128 changes nothing here
+HV = 3
+BT = 64
+
+
+def _states_model(w, u, kg, qg, g, Aqk, o, h0, ht, cu, *, scale, state_v_first, aqk_causal):
+    """The state/output stage's math in float64 (the kernel's contract): per chunk of each sequence
+    ``v' = u - w S``, ``o = scale qg S + tril(Aqk) v'``, ``S <- diag(exp2 g_last) S + kg^T v'``."""
+    del aqk_causal
+    bounds = cu.tolist()
+    W, U, KG, QG, G, A = (t[0].double() for t in (w, u, kg, qg, g, Aqk))
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        S = h0[n].double() if h0 is not None else torch.zeros(HV, K, V, dtype=torch.float64)
+        if state_v_first and h0 is not None:
+            S = S.transpose(-1, -2)
+        for c in range(bos, eos, BT):
+            r = slice(c, min(c + BT, eos))
+            L = r.stop - r.start
+            v_new = U[r] - torch.einsum("lhk,hkv->lhv", W[r], S)
+            mask = torch.tril(torch.ones(L, L, dtype=torch.bool))
+            Ac = torch.where(mask[:, None, :], A[r][:, :, :L], 0.0)
+            o[0, r] = (scale * torch.einsum("lhk,hkv->lhv", QG[r], S) + torch.einsum("lhs,shv->lhv", Ac, v_new)).to(
+                o.dtype
+            )
+            S = torch.exp2(G[r.stop - 1])[:, :, None] * S + torch.einsum("lhk,lhv->hkv", KG[r], v_new)
+        if ht is not None:
+            ht[n] = (S.transpose(-1, -2) if state_v_first else S).to(ht.dtype)
+
+
+def _intermediates(total: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    w, kg, qg = (rnd(1, total, HV, K) * 0.2 for _ in range(3))
+    u = rnd(1, total, HV, V)
+    g = -torch.rand(1, total, HV, K, generator=gen) * 2.0  # base-2 log decay of the chunk's last row
+    Aqk = rnd(1, total, HV, BT) * 0.1
+    return w, u, kg, qg, g, Aqk
+
+
+def _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht, seed=0):
+    total = sum(lengths)
+    w, u, kg, qg, g, Aqk = _intermediates(total, seed)
+    N = len(lengths)
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    h0 = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1)) if with_h0 else None
+    kw = dict(scale=0.25, state_v_first=state_v_first, aqk_causal=True)
+    o_ref = torch.full((1, total, HV, V), float("nan"))
+    ht_ref = torch.full(shape, float("nan")) if with_ht else None
+    _states_model(w, u, kg, qg, g, Aqk, o_ref, h0, ht_ref, make_cu_seqlens(lengths), **kw)
+    plan = split_plan(lengths, segment_len)
+    assert plan is not None
+    o = torch.full_like(o_ref, float("nan"))
+    ht = torch.full(shape, float("nan")) if with_ht else None
+    parallel_segment_states(plan, w, u, kg, qg, g, Aqk, o, h0, ht, states_fn=_states_model, **kw)
+    return (o_ref, ht_ref), (o, ht), plan
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("with_h0,with_ht", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize(
+    "lengths,segment_len",
+    [([1000], 64), ([1000], 192), ([640, 0, 129, 3 * BT + 7, 1], 128), ([5 * BT, 5 * BT], 64)],
+    ids=["one-64", "one-192", "ragged-pack", "two-equal"],
+)
+def test_split_matches_serial(lengths, segment_len, state_v_first, with_h0, with_ht):
+    (o_ref, ht_ref), (o, ht), plan = _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht)
+    assert plan.num_segments > len(lengths)  # something was cut
+    assert not o.isnan().any()
+    assert_close("o", o_ref, o, 1e-5)
+    if with_ht:
+        assert not ht.isnan().any()
+        assert_close("final state", ht_ref, ht, 1e-5)
+
+
+def test_strong_and_no_decay():
+    """Gates near 0 (no decay over thousands of tokens) and strong ones: the carry is exact either way."""
+    for scale_g in (0.0, 8.0):
+        total = 2000
+        w, u, kg, qg, g, Aqk = _intermediates(total, 3)
+        g = g * scale_g
+        kw = dict(scale=0.5, state_v_first=False, aqk_causal=True)
+        ref = torch.empty(1, total, HV, V)
+        ht_ref = torch.empty(1, HV, K, V)
+        _states_model(w, u, kg, qg, g, Aqk, ref, None, ht_ref, make_cu_seqlens([total]), **kw)
+        o, ht = torch.empty_like(ref), torch.empty_like(ht_ref)
+        parallel_segment_states(split_plan([total], 64), w, u, kg, qg, g, Aqk, o, None, ht, states_fn=_states_model,
+                                **kw)  # fmt: skip
+        assert_close(f"o (gate x{scale_g})", ref, o, 1e-5)
+        assert_close(f"ht (gate x{scale_g})", ht_ref, ht, 1e-5)
+
+
+def test_planner_is_off_until_measured_and_cuts_when_told(monkeypatch, kda_tuning, pretend_sm90):
+    import cula.kda.plan as kp
+
+    dev = torch.device("cuda", 0)
+    assert kp.KDA_TUNING.get((9, 0)).time_split is None
+    assert kp.parallel_segments(1, 65536, 4, None, None, dev) is None
+    monkeypatch.setattr(kp, "sm_count", lambda index: 132)
+    kda_tuning(time_split=SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024, min_seq_len=4096))
+    plan = kp.parallel_segments(1, 65536, 4, None, None, dev)
+    assert plan is not None and plan.segment_len == 1024 and plan.num_segments == 64
+    assert kp.parallel_segments(64, 65536, 64, None, None, dev) is None  # the GPU is full already
+    cu_cpu = make_cu_seqlens([65536, 1024, 0, 1024])
+    plan = kp.parallel_segments(1, 67584, 4, cu_cpu, cu_cpu, dev)
+    assert plan.split == (True, False, False, False)
+    assert kp.parallel_segments(1, 67584, 4, cu_cpu, None, dev) is None  # no host copy: no cut (no sync)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("lengths", [[20000], [16384 + 7, 1024, 0, 1024, 1024]], ids=["one", "pack"])
+def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, kda_tuning):
+    """chunk_kda on cula's kernels cut in time against the serial path and the float64 reference, with the fused
+    lower-bound gate at -5 (strong decay) and the caller's initial state, NaN-poisoned outputs."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.kda import chunk_kda
+    from cula.kda.naive import reference_chunk_kda
+
+    torch.manual_seed(0)
+    H = HVg = 4
+    D = 128
+    T = sum(lengths)
+    q, k, v = (torch.randn(1, T, n, D, device="cuda", dtype=torch.bfloat16) for n in (H, H, HVg))
+    g = torch.randn(1, T, HVg, D, device="cuda", dtype=torch.bfloat16)
+    beta = torch.randn(1, T, HVg, device="cuda", dtype=torch.bfloat16)
+    A_log, dt_bias = torch.randn(HVg, device="cuda") * 0.5, torch.randn(HVg * D, device="cuda") * 0.5
+    N = len(lengths)
+    shape = (N, HVg, D, D)
+    h0 = torch.randn(shape, device="cuda") * 0.1
+    cu = make_cu_seqlens(lengths, device="cuda")
+    kw = dict(
+        initial_state=h0 if not state_v_first else h0.transpose(-1, -2).contiguous(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+        lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu,
+        cu_seqlens_cpu=cu.cpu(),
+    )  # fmt: skip
+    with torch.inference_mode():
+        o_serial, ht_serial = chunk_kda(q, k, v, g, beta, **kw)
+        kda_tuning(time_split=SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024,
+                                              min_seq_len=4096))  # fmt: skip
+        o, ht = chunk_kda(q, k, v, g, beta, **kw)
+    assert not o.isnan().any() and not ht.isnan().any()
+    assert_close("o vs serial", o_serial, o, 5e-3)
+    assert_close("ht vs serial", ht_serial, ht, 5e-3)
+    ref_kw = {n: (x.cpu() if torch.is_tensor(x) else x) for n, x in kw.items() if n != "cu_seqlens_cpu"}
+    o_ref, ht_ref = reference_chunk_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), compute_dtype=torch.float64,
+                                        **ref_kw)  # fmt: skip
+    assert_close("o vs f64", o_ref, o.cpu(), 5e-3)
+    assert_close("ht vs f64", ht_ref, ht.cpu(), 5e-3)
