@@ -1,14 +1,62 @@
-"""Backends of the Gated DeltaNet entry points (see ``cula.backends``): ``fla`` on CUDA, ``reference``."""
+"""Backends of the Gated DeltaNet entry points (see ``cula.backends``).
+
+- ``cula-sm90`` (``chunk_gated_delta_rule``): Gated DeltaNet is KDA with one gate per head, so the call runs as
+  ``cula.kda.chunk_kda`` with the gate (and the fused gate's ``dt_bias``) repeated over the K channels: the same
+  recurrence, on cula's KDA kernels, and trainable on Hopper through KDA's training path (FLA 0.6.0's own gated
+  backward refuses the Triton that PyTorch ships there); the gradient of the repeated gate is summed back by
+  autograd. ``chunk_indices`` (FLA's precomputed chunk list) is not needed: cula builds its own.
+- ``fla``: FLA 0.6.0's Triton kernels, for what cula does not cover.
+- ``reference``: float32 PyTorch, the CPU path.
+"""
 
 from __future__ import annotations
 
-from cula.backends import Registry, always, package_on_cuda
+import torch
+
+from cula.backends import Registry, always, cula_kernels_on, package_on_cuda
 
 chunk_gdn_registry = Registry("gated_delta_rule.chunk_gated_delta_rule")
 fused_recurrent_gdn_registry = Registry("gated_delta_rule.fused_recurrent_gated_delta_rule")
 
+CULA_PRIORITY = 10
 FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
+
+
+def _cula_chunk_supports(q, v, g, beta, chunk_size=64, cp_context=None, **_) -> tuple:
+    if cp_context is not None:
+        return False, "cp_context (context parallel) runs on fla"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"q dtype {q.dtype} (kernels take bf16 / fp16)"
+    if (q.shape[-1], v.shape[-1]) != (128, 128):
+        return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernels take K = V = 128)"
+    if chunk_size != 64:
+        return False, f"chunk_size={chunk_size} (kernels take 64)"
+    kernel_floats = (torch.bfloat16, torch.float16, torch.float32)
+    if g.dtype not in kernel_floats or beta.dtype not in kernel_floats:
+        return False, f"g dtype {g.dtype} / beta dtype {beta.dtype} (kernels take bf16 / fp16 / fp32)"
+    return True, None
+
+
+@chunk_gdn_registry.register(
+    "cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0), needs=("fla",)), supports=_cula_chunk_supports
+)
+def _chunk_cula_sm90(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+    allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, use_gate_in_kernel, A_log, dt_bias, **_,
+):  # fmt: skip
+    from cula.kda import chunk_kda
+
+    K, HV = q.shape[-1], v.shape[2]
+    gk = g.unsqueeze(-1).expand(*g.shape, K).contiguous()
+    bias = None if dt_bias is None else dt_bias.unsqueeze(-1).expand(HV, K).reshape(HV * K)
+    return chunk_kda(
+        q, k, v, gk, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
+        dt_bias=bias,
+    )  # fmt: skip
 
 
 def _reference_chunk_supports(cp_context=None, **_) -> tuple:

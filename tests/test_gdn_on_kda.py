@@ -1,0 +1,124 @@
+"""Gated DeltaNet on cula's KDA path (``cula.gated_delta_rule.backends``'s ``cula-sm90``): the gate repeated over K.
+
+CPU: the backend's call, which reaches ``cula.kda.chunk_kda`` (its reference backend here), against Gated DeltaNet's
+own float64 reference, outputs, final states and every input gradient (the repeated gate's summed back by
+autograd), with the fused gate, beta sigmoid, GVA, packed sequences and both state layouts; what the kernels do
+not take declines with its reason. GPU (``-m gpu``): ``chunk_gated_delta_rule`` training on the H200 (FLA 0.6.0's
+own gated backward refuses to run there) against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cula.gated_delta_rule.backends import _chunk_cula_sm90, _cula_chunk_supports
+from cula.gated_delta_rule.naive import reference_chunk_gated_delta_rule
+from cula.testing import assert_close, make_cu_seqlens
+
+
+def _inputs(B, T, H, HV, D, fused, seed=0, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = dict(q=rnd(B, T, H, D), k=rnd(B, T, H, D), v=rnd(B, T, HV, D))
+    if fused:
+        x.update(g=rnd(B, T, HV), beta=rnd(B, T, HV), A_log=rnd(HV) * 0.5, dt_bias=rnd(HV) * 0.5)
+    else:
+        x.update(g=torch.nn.functional.logsigmoid(rnd(B, T, HV) + 2), beta=torch.rand(B, T, HV, generator=gen))
+    return {n: (t.to(dtype) if n in ("q", "k", "v") else t).to(device) for n, t in x.items()}
+
+
+def _run(fn, x, flags, grads=True):
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    o, ht = fn(**leaves, **flags)
+    if not grads:
+        return o, ht, {}
+    gen = torch.Generator().manual_seed(7)
+    loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
+    if ht is not None:
+        loss = loss + (ht.double() * torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht.device)).sum()
+    loss.backward()
+    return o, ht, {n: t.grad for n, t in leaves.items()}
+
+
+def _flags(fused, state_v_first, cu, h0):
+    return dict(
+        scale=0.125, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=fused, allow_neg_eigval=False, state_v_first=state_v_first, cu_seqlens=cu,
+        use_gate_in_kernel=fused,
+    )  # fmt: skip
+
+
+def _backend(**kw):
+    kw.setdefault("A_log", None)
+    kw.setdefault("dt_bias", None)
+    return _chunk_cula_sm90(cu_seqlens_cpu=None if kw["cu_seqlens"] is None else kw["cu_seqlens"].cpu(), **kw)
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+def test_matches_the_gdn_reference(fused, state_v_first, packed):
+    lens = [37, 0, 70, 1]
+    B, T = (1, sum(lens)) if packed else (2, 45)
+    N = len(lens) if packed else B
+    x = _inputs(B, T, 2, 4, 16, fused)
+    cu = make_cu_seqlens(lens) if packed else None
+    shape = (N, 4, 16, 16)
+    h0 = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    flags = _flags(fused, state_v_first, cu, h0)
+    o, ht, grads = _run(_backend, x, flags)
+    o_r, ht_r, grads_r = _run(
+        lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), x, flags
+    )
+    # the KDA path runs cula's float32 reference here, the GDN reference float64: fp32 rounding apart
+    assert_close("o", o_r, o, 1e-4)
+    assert_close("final state", ht_r, ht, 1e-4)
+    for name in grads_r:
+        assert_close(f"d{name}", grads_r[name], grads[name], 1e-4)
+
+
+def test_declines_what_the_kernels_do_not_take():
+    x = _inputs(1, 8, 1, 1, 128, False, dtype=torch.bfloat16)
+    base = dict(q=x["q"], v=x["v"], g=x["g"], beta=x["beta"], chunk_size=64)
+    assert _cula_chunk_supports(**base) == (True, None)
+    for over, why in (
+        ({"q": x["q"].float()}, "q dtype"),
+        ({"v": x["v"][..., :64]}, "head sizes"),
+        ({"chunk_size": 32}, "chunk_size"),
+        ({"cp_context": object()}, "cp_context"),
+        ({"g": x["g"].double()}, "g dtype"),
+    ):
+        ok, reason = _cula_chunk_supports(**dict(base, **over))
+        assert not ok and why in reason, (over, reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate-gva"])
+def test_gdn_training_on_hopper_cuda(fused):
+    """``chunk_gated_delta_rule`` with autograd on the H200, through cula's KDA path, against the float64
+    reference: outputs, final state and every gradient at FLA's tolerances."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    H, HV = (2, 4) if fused else (2, 2)
+    x = _inputs(2, 300, H, HV, 128, fused, dtype=torch.bfloat16, device="cuda")
+    h0 = torch.randn(2, HV, 128, 128, device="cuda") * 0.1
+    flags = _flags(fused, True, None, h0)
+    if fused:
+        extra = {n: x.pop(n) for n in ("A_log", "dt_bias")}
+        x.update(extra)
+    o, ht, grads = _run(chunk_gated_delta_rule, x, flags)
+    assert not o.isnan().any()
+    cpu = {n: t.cpu() for n, t in x.items()}
+    flags_cpu = dict(flags, initial_state=h0.cpu())
+    o_r, ht_r, grads_r = _run(
+        lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu, flags_cpu
+    )
+    assert_close("o", o_r, o.cpu(), 5e-3)
+    assert_close("final state", ht_r, ht.cpu(), 5e-3)
+    tol = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}
+    for name in grads_r:
+        assert not grads[name].isnan().any(), name
+        assert_close(f"d{name}", grads_r[name], grads[name].cpu(), tol[name])
