@@ -3,7 +3,7 @@
 A prebuilt wheel is checked against this list (``scripts/build_wheel.py`` compiles it, ``tests/test_variants.py``
 drives the public entry points over a grid of calls and checks that every variant they ask ``cula.cache`` for is
 listed here). The list is made by calling the launchers' own selection code (``kda_decode_launcher``,
-``cula.lightning.plan.launch_key``, the chunk kernels' ``get_compiled``) under ``cula.cache.recording``, over the whole
+``cula.lightning.plan.launch_key``, the chunk kernels' ``compiled_variant``) under ``cula.cache.recording``, over the whole
 domain of the arguments their backends accept; only the chunk forward's choice between its launch forms
 (``cula.kda.forward``'s plan, general and time-segmented paths) is restated here, and the test keeps it honest.
 
@@ -52,7 +52,7 @@ def _kda_chunk(scope: str) -> None:
 
     d = _dtypes(scope)
     for dt, varlen, h0, ht, svf, causal in itertools.product(d["io"], _B, _B, _B, _B, _B):
-        dh.get_compiled(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
+        dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                         aqk_causal=causal)  # fmt: skip
     # cula.kda.plan.use_cula_intra: the log-space gate or the lower-bound sigmoid (the softplus gate has no bound)
     cute_gates = [gate_kind(fused, lb) for fused, lb in ((False, None), (True, -1.0))]
@@ -60,13 +60,16 @@ def _kda_chunk(scope: str) -> None:
         d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS
     ):  # fmt: skip
         for varlen, akk in itertools.product(_B, _B):
-            intra.compiled_for(dt, g_dt, b_dt, gate, varlen, l2, beta_act, g_cum_last_only=True, write_akk=akk)
+            intra.compiled_variant(
+                varlen=varlen,
+                **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True, write_akk=akk),
+            )  # fmt: skip
         options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True)
         for varlen, h0, ht, svf in itertools.product(_B, _B, _B, _B):
             state = dict(dtype=dsl_name(dt), has_initial_state=h0, has_final_state=ht,
                          state_v_first=svf, aqk_causal=True)  # fmt: skip
-            fwd_launch.get_compiled(options, state, varlen=varlen)
-        intra.get_compiled(varlen=False, **options)  # the segmented launch's intra kernel
+            fwd_launch.compiled_variant(options, state, varlen=varlen)
+        intra.compiled_variant(varlen=False, **options)  # the segmented launch's intra kernel
 
 
 def _kda_decode(scope: str) -> None:
@@ -100,12 +103,12 @@ def _lightning(scope: str) -> None:
     from cula.ops.lightning.sm90 import decode as ld
 
     for d, h0, ht, varlen, svf in itertools.product((64, 128), _B, _B, _B, _B):
-        lc.compile_lightning_fwd_sm90(d, h0, ht, varlen, svf)
+        lc.compiled_variant(d, h0, ht, varlen, svf)
     for io, d, svf, tokens, n in itertools.product(
         _dtypes(scope)["io"], (64, 128), _B, range(1, DECODE_MAX_TOKENS + 1),
         (1, LIGHTNING_TUNING.get((9, 0)).kv_cols_min_states),
     ):  # fmt: skip
-        ld.compiled_variant(launch_key(io, d, d, tokens, n, state_v_first=svf))
+        ld.compiled(launch_key(io, d, d, tokens, n, state_v_first=svf))
 
 
 def _smoke() -> None:
@@ -125,11 +128,13 @@ def _smoke() -> None:
     state = dict(dtype="BFloat16", has_initial_state=True, has_final_state=True, state_v_first=False,
                  aqk_causal=True)  # fmt: skip
     for varlen in _B:
-        fwd_launch.get_compiled(options, state, varlen=varlen)
-    intra.compiled_for(_BF16, _FP32, _BF16, "lower_bound", False, True, "sigmoid", g_cum_last_only=True,
-                       write_akk=True)
+        fwd_launch.compiled_variant(options, state, varlen=varlen)
+    intra.compiled_variant(
+        varlen=False,
+        **intra.kernel_options(_BF16, _FP32, _BF16, "lower_bound", True, "sigmoid", g_cum_last_only=True, write_akk=True),
+    )  # fmt: skip
     for causal in _B:
-        dh.get_compiled(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
+        dh.compiled_variant(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
     # kda_decode's defaults (softplus gate with A_log and dt_bias, L2 norm, beta sigmoid, [V, K] pool), T = 1 and 4
     for tokens in (1, 4):
         kda_decode_launcher(
@@ -139,8 +144,8 @@ def _smoke() -> None:
         )  # fmt: skip
     # lightning_attn_fwd with initial and final state, fixed and packed; lightning_decode at T = 1
     for varlen in _B:
-        lc.compile_lightning_fwd_sm90(128, True, True, varlen, False)
-    ld.compiled_variant(launch_key(_BF16, 128, 128, 1, 64, state_v_first=True))
+        lc.compiled_variant(128, True, True, varlen, False)
+    ld.compiled(launch_key(_BF16, 128, 128, 1, 64, state_v_first=True))
 
 
 OPS: dict[str, Callable[[str], None]] = {"kda.chunk": _kda_chunk, "kda.decode": _kda_decode, "lightning": _lightning}

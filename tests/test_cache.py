@@ -31,7 +31,7 @@ _GET = textwrap.dedent(
     torch_s = time.perf_counter() - start
     from cula.ops.lightning.sm90 import decode
     import cula.cache as cache
-    fn = decode.lightning_decode_variant(**{_VARIANT})
+    fn = decode.compiled_variant(**{_VARIANT})
     print(json.dumps({{
         "seconds": time.perf_counter() - start - torch_s,
         "origins": list(cache.origins().values()),
@@ -90,7 +90,7 @@ def prebuilt(tmp_path):
         from cula import aot, cache
         from cula.ops.lightning.sm90 import decode
         with cache.recording() as seen:
-            decode.lightning_decode_variant(**{_VARIANT})
+            decode.compiled_variant(**{_VARIANT})
         (key, build), = seen.items()
         out = Path(sys.argv[1])
         symbols = aot.link_variants(out / "libcula_test.so", [(key, build())])

@@ -134,9 +134,9 @@ def fake_sm90(monkeypatch, pretend_sm90):
     from cula.ops.kda.sm90 import delta_h_fwd_o, fwd_launch, intra
 
     calls = []
-    monkeypatch.setattr(intra, "get_compiled", lambda **kw: lambda *a: calls.append(("intra", kw, a)))
-    monkeypatch.setattr(delta_h_fwd_o, "get_compiled", lambda **kw: lambda *a: calls.append(("state", kw, a)))
-    monkeypatch.setattr(fwd_launch, "get_compiled", lambda io, so, varlen=False: functools.partial(
+    monkeypatch.setattr(intra, "compiled_variant", lambda **kw: lambda *a: calls.append(("intra", kw, a)))
+    monkeypatch.setattr(delta_h_fwd_o, "compiled_variant", lambda **kw: lambda *a: calls.append(("state", kw, a)))
+    monkeypatch.setattr(fwd_launch, "compiled_variant", lambda io, so, varlen=False: functools.partial(
         _both_stages, calls, io, so, varlen))  # fmt: skip
     return calls
 

@@ -101,10 +101,10 @@ def stubbed_kernels(monkeypatch, pretend_sm90):
     seen = []
     monkeypatch.setattr(chunk_mod, "_plans", PlanCache())
     monkeypatch.delenv("CULA_KDA_INTRA", raising=False)
-    monkeypatch.setattr(intra, "get_compiled", lambda **kw: lambda *a: seen.append(("general", a[15])))
-    monkeypatch.setattr(delta_h_fwd_o, "get_compiled", lambda **kw: lambda *a: None)
+    monkeypatch.setattr(intra, "compiled_variant", lambda **kw: lambda *a: seen.append(("general", a[15])))
+    monkeypatch.setattr(delta_h_fwd_o, "compiled_variant", lambda **kw: lambda *a: None)
     monkeypatch.setattr(
-        fwd_launch, "get_compiled", lambda io, so, varlen=False: lambda *a: seen.append(("plan", a[12]))
+        fwd_launch, "compiled_variant", lambda io, so, varlen=False: lambda *a: seen.append(("plan", a[12]))
     )
     return seen
 

@@ -160,7 +160,7 @@ def fake_sm90(monkeypatch, pretend_sm90):
         calls.append(("variant", kw))
         return lambda *args: calls.append(("launch", args))
 
-    monkeypatch.setattr(kops, "kda_decode_variant", variant)
+    monkeypatch.setattr(kops, "compiled_variant", variant)
     monkeypatch.setattr(kplan, "kda_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
     monkeypatch.setattr(lplan, "lightning_decode_launcher",
                         lambda q, v, **kw: (calls.append(("variant", kw)),

@@ -412,17 +412,17 @@ def prepare_chunk_kda_fwd_sm90(
     state_options = _launch_state_options(q, has_h0, output_final_state, state_v_first)
 
     if varlen:
-        fn = fwd_launch.get_compiled(intra_options, state_options, varlen=True)
+        fn = fwd_launch.compiled_variant(intra_options, state_options, varlen=True)
         gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
         return _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb)
 
     no_cu = placeholder(dev, torch.int32, (2,))  # the fixed-length kernels' unread cu_seqlens
     bounds = time_segments(B, T, HV, dev)
     if bounds is not None:
-        fn_intra = intra.get_compiled(varlen=False, **intra_options)
+        fn_intra = intra.compiled_variant(varlen=False, **intra_options)
         dtype = dsl_name(q.dtype)
         fn_states = {
-            (h0, ht): dh.get_compiled(
+            (h0, ht): dh.compiled_variant(
                 dtype=dtype, varlen=False, has_h0=h0, has_ht=ht, state_v_first=state_v_first, aqk_causal=True
             )
             for h0 in (True, has_h0)
@@ -435,7 +435,7 @@ def prepare_chunk_kda_fwd_sm90(
         )  # fmt: skip
 
     # both kernels in one host call (fwd_launch): one TVM-FFI call, no views, the intermediates in one buffer
-    fn = fwd_launch.get_compiled(intra_options, state_options)
+    fn = fwd_launch.compiled_variant(intra_options, state_options)
     gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
     rows = B * T * HV
 

@@ -165,7 +165,7 @@ def decode_variant(
     *, gate: str, has_a_log: bool, has_dt_bias: bool, wide_kv: bool | None = None, tokens: int | None = None,
     states: int | None = None, tuning: KdaTuning | None = None, **flags,
 ) -> dict:  # fmt: skip
-    """The keywords of ``cula.ops.kda.sm90.decode.kda_decode_variant`` for a call.
+    """The keywords of ``cula.ops.kda.sm90.decode.compiled_variant`` for a call.
 
     ``flags`` are that function's other keywords (dtypes, K, V, the math flags; a sweep may fix
     ``warps_per_cta`` / ``tokens_per_round`` / ``min_blocks_per_sm`` itself). ``wide_kv`` None: the tuning's
@@ -207,9 +207,9 @@ def kda_decode_launcher(*, gate: str, tuning: KdaTuning | None = None, **flags):
     indices, out, step_states, scale, lower_bound)`` (arguments as :func:`kda_decode_sm90`, ``N >= 1``), and
     ``launch.bind(A_log, dt_bias, state, indices, scale, lower_bound)``, the same with all but the token tensors
     fixed, for ``kda_decode_step``, whose N=1 call is host-bound."""
-    from cula.ops.kda.sm90.decode import kda_decode_variant
+    from cula.ops.kda.sm90 import decode
 
-    fn = kda_decode_variant(**decode_variant(gate=gate, tuning=tuning, **flags))
+    fn = decode.compiled_variant(**decode_variant(gate=gate, tuning=tuning, **flags))
     gated = gate != "none"
 
     def launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound):

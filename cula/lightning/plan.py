@@ -17,7 +17,7 @@ import functools
 import torch
 
 from cula.time_split import SplitThresholds
-from cula.ops.lightning.sm90.decode import compiled_variant, tile_for, variant_key
+from cula.ops.lightning.sm90.decode import compiled, tile_for, variant_key
 from cula.tuning import TuningTable
 
 __all__ = [
@@ -88,8 +88,9 @@ def launch_key(
         state_regs = 64 if state_regs is None else state_regs
         cols = bool(cols)
     return variant_key(
-        io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, cols, _ARCH
-    )
+        io_dtype=io_dtype, K=K, V=V, state_v_first=state_v_first, load_hint=load_hint, store_hint=store_hint,
+        warps_per_sm=warps_per_sm, warps_per_cta=warps_per_cta, state_regs=state_regs, cols=cols, arch=_ARCH,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -123,7 +124,7 @@ def lightning_decode_launcher(
     if key[10]:  # cols: one CTA a box, no grid stride in kernel_cols
         persistent = False
     cfg = tile_for(key)
-    fn = compiled_variant(key)
+    fn = compiled(key)
     ctas = cfg.ctas_needed(q.shape[0], v.shape[2])
     if persistent is None:
         persistent = tuning.persistent_min_tokens is not None and q.shape[1] >= tuning.persistent_min_tokens

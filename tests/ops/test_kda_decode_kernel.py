@@ -93,7 +93,7 @@ _SPILL_ALLOWED = {"wide": 8, 20: 32, 24: 64}
 @pytest.fixture(scope="module")
 def compiled_variants():
     """{variant index: (registers, spill store bytes, compile seconds, cached)} from one compile run."""
-    return compile_variants("cula.ops.kda.sm90.decode:kda_decode_variant", [dict(v, V=v["K"]) for v in _VARIANTS])
+    return compile_variants("cula.ops.kda.sm90.decode:compiled_variant", [dict(v, V=v["K"]) for v in _VARIANTS])
 
 
 def _vid(v):
@@ -162,13 +162,11 @@ def test_config_rejects_unsupported():
     with pytest.raises(ValueError, match="V must be a multiple"):
         KdaDecodeSm90(K=64, **dict(kw, V=72))
     for bad in ({"has_step_states": True}, {"V": 96, "warps_per_cta": 2}, {"wide_kv": True},
-                {"kv_tma": True, "tokens_per_round": 1}, {"state_v_first": True, "has_step_states": True}):  # fmt: skip
+                {"kv_tma": True, "tokens_per_round": 1}, {"state_v_first": True}):  # fmt: skip
         with pytest.raises(ValueError, match="kv_cols is for"):
             KdaDecodeSm90(K=128, kv_cols=True, **dict(kw, **bad))
     cols = KdaDecodeSm90(K=128, kv_cols=True, warps_per_cta=4, **kw)
     assert (cols.tile_v, cols.v_slices, cols.lanes_k, cols.min_blocks_per_sm) == (128, 4, 1, 3)
-    rows = KdaDecodeSm90(K=128, kv_cols=True, warps_per_cta=2, **dict(kw, state_v_first=True))  # [V, K] pool rows
-    assert (rows.tile_v, rows.v_slices, rows.lanes_k) == (64, 4, 1)
 
 
 # ----------------------------------------------------------------------------------------------------

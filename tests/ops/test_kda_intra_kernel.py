@@ -708,7 +708,7 @@ def test_chunk_kda_cula_intra_vs_fla(case, monkeypatch):
     monkeypatch.setenv("CULA_KDA_INTRA", "1")
     monkeypatch.setenv("CULA_BACKEND", "cula-sm90")  # raise rather than fall back to FLA
     monkeypatch.setenv("FLA_FLASH_KDA", "0")
-    # kernel_options: the launcher (compiled_for) and chunk_kda's bound launches (fwd_launch, time segments) all
+    # kernel_options: the launcher (compiled_variant) and chunk_kda's bound launches (fwd_launch, time segments) all
     # choose the intra kernel's variant there
     seen = []
     real = intra_mod.kernel_options

@@ -66,7 +66,7 @@ _VARIANTS = [_variant(state_v_first=vf, K=K) for vf in (True, False) for K in (1
 @pytest.fixture(scope="module")
 def compiled_variants():
     """{variant index: (registers, spill store bytes, compile seconds, cached)} from one compile run."""
-    return compile_variants("cula.ops.lightning.sm90.decode:lightning_decode_variant", [dict(v, V=v["K"]) for v in _VARIANTS])
+    return compile_variants("cula.ops.lightning.sm90.decode:compiled_variant", [dict(v, V=v["K"]) for v in _VARIANTS])
 
 
 def _vid(v):

@@ -11,7 +11,7 @@ import torch
 from cula.cache import compiled_kernel
 from cula.ops._host import GATES, kernel_attr
 
-__all__ = ["GATES", "kda_decode_variant"]
+__all__ = ["GATES", "compiled", "compiled_variant", "variant_key"]
 
 
 # resident warps per SM: 16 (4 CTAs of 4 warps) keeps ptxas at 128 registers; wide_kv's 64 state registers a lane
@@ -26,21 +26,7 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def _variant_key(flags: dict) -> tuple:
-    """The compile-cache key of a variant: its flags, those that cannot change the trace folded so they never
-    cost a second compile."""
-    flags = dict(flags)
-    if flags["gate"] == "none":
-        flags.update(has_a_log=False, has_dt_bias=False)
-    flags["allow_neg_eigval"] = flags["allow_neg_eigval"] and flags["beta_sigmoid"]
-    flags["wide_kv"] = bool(flags["wide_kv"])
-    flags["kv_tma"] = bool(flags.get("kv_tma", False))
-    if not flags.get("kv_cols", False):  # absent when off: the keys (and caches) of the other variants stay
-        flags.pop("kv_cols", None)
-    return ("kda_decode_sm90", *sorted(flags.items()))
-
-
-def kda_decode_variant(
+def variant_key(
     *,
     io_dtype: torch.dtype,
     g_dtype: torch.dtype,
@@ -62,21 +48,32 @@ def kda_decode_variant(
     kv_tma: bool = False,
     kv_cols: bool = False,
     arch: tuple[int, int] = (9, 0),
-):
-    """The compiled TVM-FFI function of one variant (traced once per process through ``cula.cache``).
+) -> tuple:
+    """The compile key of a variant: its flags, those that cannot change the trace folded so they never cost a
+    second compile. ``warps_per_cta`` (the resident warps per SM stay 16, or 12 with ``wide_kv``) is for sweeps;
+    ``tokens_per_round``: shared token slots per warp (any T runs, in rounds); ``min_blocks_per_sm``: CTAs per SM
+    that ptxas must fit (None: 16 or 12 resident warps)."""
+    gated = gate != "none"
+    flags = {
+        "io_dtype": io_dtype, "g_dtype": g_dtype, "beta_dtype": beta_dtype, "K": K, "V": V, "gate": gate,
+        "has_a_log": has_a_log and gated, "has_dt_bias": has_dt_bias and gated, "use_qk_l2norm": use_qk_l2norm,
+        "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval and beta_sigmoid,
+        "state_v_first": state_v_first, "has_step_states": has_step_states, "wide_kv": bool(wide_kv),
+        "warps_per_cta": warps_per_cta, "tokens_per_round": tokens_per_round, "min_blocks_per_sm": min_blocks_per_sm,
+        "kv_tma": bool(kv_tma), "arch": arch,
+    }  # fmt: skip
+    if kv_cols:  # absent when off: the keys (and caches) of the other variants stay
+        flags["kv_cols"] = True
+    return ("kda_decode_sm90", *sorted(flags.items()))
 
-    Call it as ``fn(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)``
-    with None exactly where the variant has no A_log / dt_bias / step_states. ``warps_per_cta`` (the resident
-    warps per SM stay 16, or 12 with ``wide_kv``) is for the speed report's sweep. ``tokens_per_round``: shared
-    token slots per warp (any T runs, in rounds); ``min_blocks_per_sm``: CTAs per SM that ptxas must fit (None:
-    16 or 12 resident warps). Used by the CPU compile tests.
-    """
-    key = _variant_key(
-        {"io_dtype": io_dtype, "g_dtype": g_dtype, "beta_dtype": beta_dtype, "K": K, "V": V, "gate": gate,
-         "has_a_log": has_a_log, "has_dt_bias": has_dt_bias, "use_qk_l2norm": use_qk_l2norm,
-         "beta_sigmoid": beta_sigmoid, "allow_neg_eigval": allow_neg_eigval, "state_v_first": state_v_first,
-         "has_step_states": has_step_states, "wide_kv": wide_kv, "warps_per_cta": warps_per_cta,
-         "tokens_per_round": tokens_per_round, "min_blocks_per_sm": min_blocks_per_sm, "kv_tma": kv_tma,
-         "kv_cols": kv_cols, "arch": arch}
-    )  # fmt: skip
+
+def compiled(key: tuple):
+    """The compiled TVM-FFI function of the variant ``key`` (traced once per process through ``cula.cache``):
+    ``fn(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)`` with None exactly
+    where the variant has no A_log / dt_bias / step_states."""
     return compiled_kernel(key, lambda: kernel_attr(__name__, "_build")(key))
+
+
+def compiled_variant(**flags):
+    """``compiled(variant_key(**flags))``."""
+    return compiled(variant_key(**flags))

@@ -12,7 +12,7 @@ import torch
 from cula.cache import compiled_kernel
 from cula.ops._host import dsl_name, kernel_attr, placeholder
 
-__all__ = ["chunk_kda_delta_h_fwd_o_sm90"]
+__all__ = ["chunk_kda_delta_h_fwd_o_sm90", "compiled", "compiled_variant", "variant_key"]
 
 IO_DTYPES = (torch.bfloat16, torch.float16)  # the kernel's 16-bit operands
 
@@ -21,18 +21,27 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def get_compiled(dtype="BFloat16", num_stages=3, varlen=False, has_h0=False, has_ht=False, state_v_first=False,
-                 arch=(9, 0), aqk_causal=False):  # fmt: skip
-    """The cached compiled variant (see ``cula.cache.compiled_kernel``); ``dtype`` a DSL type, its name or a torch
-    dtype."""
-    key = ("kda.delta_h_fwd_o", "DeltaHFwdOFusedSm90", dsl_name(dtype), 128, 128, 64, num_stages,
-           varlen, has_h0, has_ht, state_v_first, arch, ("aqk_causal", aqk_causal))  # fmt: skip
+def variant_key(dtype="BFloat16", num_stages=3, varlen=False, has_h0=False, has_ht=False, state_v_first=False,
+                arch=(9, 0), aqk_causal=False) -> tuple:  # fmt: skip
+    """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype."""
+    return ("kda.delta_h_fwd_o", "DeltaHFwdOFusedSm90", dsl_name(dtype), 128, 128, 64, num_stages,
+            varlen, has_h0, has_ht, state_v_first, arch, ("aqk_causal", aqk_causal))  # fmt: skip
+
+
+def compiled(key: tuple):
+    """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
+    dtype, _K, _V, _BT, num_stages, varlen, has_h0, has_ht, state_v_first, arch, (_, aqk_causal) = key[2:]
     return compiled_kernel(
         key,
         lambda: kernel_attr(__name__, "_compile")(
             dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch, aqk_causal=aqk_causal
         ),
     )
+
+
+def compiled_variant(**options):
+    """``compiled(variant_key(**options))``."""
+    return compiled(variant_key(**options))
 
 def chunk_kda_delta_h_fwd_o_sm90(
     w: torch.Tensor,
@@ -120,7 +129,7 @@ def chunk_kda_delta_h_fwd_o_sm90(
         return
     dev = w.device
     dummy_state = placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
-    fn = get_compiled(
+    fn = compiled_variant(
         dtype=dsl_name(w.dtype), varlen=varlen, has_h0=initial_state is not None,
         has_ht=final_state is not None, state_v_first=state_v_first, aqk_causal=aqk_causal,
     )  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 from cula.cache import compiled_kernel
 from cula.ops._host import kernel_attr
 
-__all__ = ["WORK_COLS", "get_compiled"]
+__all__ = ["WORK_COLS", "compiled", "compiled_variant", "variant_key"]
 
 DK = DV = 128
 BT = 64
@@ -21,14 +21,26 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def get_compiled(intra_options: dict, state_options: dict, arch=(9, 0), varlen: bool = False):
-    """The cached compiled variant (see ``cula.cache.compiled_kernel``)."""
+def variant_key(intra_options: dict, state_options: dict, arch=(9, 0), varlen: bool = False) -> tuple:
+    """The compile key of a variant: the intra kernel's options (``intra.kernel_options``) and the state/output
+    kernel's."""
 
     def named(options):  # DSL dtype classes by name, so that the key reads well in the benchmarks' meta
         return tuple((k, getattr(v, "__name__", v)) for k, v in sorted(options.items()))
 
     cls = "ChunkKDAVarlenFwdSm90" if varlen else "ChunkKDAFwdSm90"
-    key = ("kda.fwd_launch", cls, named(intra_options), named(state_options), arch)
+    return ("kda.fwd_launch", cls, named(intra_options), named(state_options), arch)
+
+
+def compiled(key: tuple):
+    """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
+    _, cls, intra_options, state_options, arch = key
+    varlen = cls == "ChunkKDAVarlenFwdSm90"
     return compiled_kernel(
-        key, lambda: kernel_attr(__name__, "_compile")(intra_options, state_options, arch, varlen=varlen)
+        key, lambda: kernel_attr(__name__, "_compile")(dict(intra_options), dict(state_options), arch, varlen=varlen)
     )
+
+
+def compiled_variant(intra_options: dict, state_options: dict, arch=(9, 0), varlen: bool = False):
+    """``compiled(variant_key(...))``."""
+    return compiled(variant_key(intra_options, state_options, arch, varlen))

@@ -11,7 +11,10 @@ import torch
 from cula.cache import compiled_kernel
 from cula.ops._host import GATES, TORCH_TO_DSL, dsl_name, kernel_attr, placeholder
 
-__all__ = ["BETA_ACTS", "GATES", "chunk_kda_intra_sm90", "prepare_chunk_indices_i32"]
+__all__ = [
+    "BETA_ACTS", "GATES", "chunk_kda_intra_sm90", "compiled", "compiled_variant", "kernel_options",
+    "prepare_chunk_indices_i32", "variant_key",
+]  # fmt: skip
 
 BETA_ACTS = ("none", "sigmoid", "sigmoid2")  # sigmoid2 = 2 sigmoid (FLA's allow_neg_eigval)
 
@@ -20,16 +23,27 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def get_compiled(
+def variant_key(
     dtype="BFloat16", g_dtype="Float32", beta_dtype="BFloat16", gate="none", varlen=False, arch=(9, 0), **options
-):  # fmt: skip
-    """The cached compiled variant (see ``cula.cache.compiled_kernel``); ``options`` as ``_compile``'s; dtypes as
-    DSL types, their names or torch dtypes."""
-    key = ("kda.intra", "ChunkKDAIntraFwdSm90", dsl_name(dtype), dsl_name(g_dtype), dsl_name(beta_dtype), gate,
-           varlen, arch, *sorted(options.items()))  # fmt: skip
+) -> tuple:  # fmt: skip
+    """The compile key of a variant; ``options`` as ``_compile``'s; dtypes as DSL types, their names or torch
+    dtypes."""
+    return ("kda.intra", "ChunkKDAIntraFwdSm90", dsl_name(dtype), dsl_name(g_dtype), dsl_name(beta_dtype), gate,
+            varlen, arch, *sorted(options.items()))  # fmt: skip
+
+
+def compiled(key: tuple):
+    """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
+    dtype, g_dtype, beta_dtype, gate, varlen, arch = key[2:8]
+    options = dict(key[8:])
     return compiled_kernel(
         key, lambda: kernel_attr(__name__, "_compile")(dtype, g_dtype, beta_dtype, gate, varlen, arch, **options)
     )
+
+
+def compiled_variant(**options):
+    """``compiled(variant_key(**options))``."""
+    return compiled(variant_key(**options))
 
 
 def beta_act_for(beta_sigmoid: bool, allow_neg_eigval: bool) -> str:
@@ -79,27 +93,12 @@ def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
     *, g_cum_last_only: bool = False, write_akk: bool = False,
 ) -> dict:  # fmt: skip
-    """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_for``,
+    """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
     return dict(
         dtype=TORCH_TO_DSL[dtype], g_dtype=TORCH_TO_DSL[g_dtype], beta_dtype=TORCH_TO_DSL[beta_dtype],
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
         **({"write_akk": True} if write_akk else {}),  # absent when off: the compile keys of the other variants stay
-    )  # fmt: skip
-
-
-def compiled_for(
-    dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, varlen: bool, use_qk_l2norm: bool,
-    beta_act: str, *, g_cum_last_only: bool = False, write_akk: bool = False,
-):  # fmt: skip
-    """The compiled variant for torch dtypes and the launch flags, as ``chunk_kda_intra_sm90`` (the general path)
-    launches it; the bound launches in ``chunk_fwd`` take ``kernel_options`` directly."""
-    return get_compiled(
-        varlen=varlen,
-        **kernel_options(
-            dtype, g_dtype, beta_dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
-            write_akk=write_akk,
-        ),
     )  # fmt: skip
 
 
@@ -242,10 +241,13 @@ def chunk_kda_intra_sm90(
         return
     dev = q.device
     A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
-    fn = compiled_for(
-        dt, g.dtype, beta.dtype, gate, varlen, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
-        write_akk=Akk is not None,
-    )
+    fn = compiled_variant(
+        varlen=varlen,
+        **kernel_options(
+            dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
+            write_akk=Akk is not None,
+        ),
+    )  # fmt: skip
 
     def flat(t):
         return t.view(B * T, t.shape[2], t.shape[-1])

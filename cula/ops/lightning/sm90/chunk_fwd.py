@@ -20,15 +20,22 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def compile_lightning_fwd_sm90(head_dim: int, has_h0: bool, has_ht: bool, varlen: bool,
-                               state_v_first: bool, arch: tuple[int, int] = (9, 0)):
-    """Trace and compile one variant (cached). Returns the TVM-FFI callable
+def variant_key(head_dim: int, has_h0: bool, has_ht: bool, varlen: bool, state_v_first: bool,
+                arch: tuple[int, int] = (9, 0)) -> tuple:  # fmt: skip
+    """The compile key of a variant."""
+    return ("lightning_fwd", "LightningFwdSm90", "BFloat16", head_dim, has_h0, has_ht, varlen, state_v_first, arch)
+
+
+def compiled(key: tuple):
+    """The compiled variant of ``key`` (cached, see ``cula.cache.compiled_kernel``): the TVM-FFI callable
     ``fn(q, k, v, o, decay, h0, ht, cu_seqlens, scale)`` taking torch tensors (None where absent)."""
-    key = ("lightning_fwd", "LightningFwdSm90", "BFloat16", head_dim, has_h0, has_ht, varlen,
-           state_v_first, arch)
-    return compiled_kernel(
-        key, lambda: kernel_attr(__name__, "_compile")(head_dim, has_h0, has_ht, varlen, state_v_first, arch)
-    )
+    return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(*key[3:]))
+
+
+def compiled_variant(head_dim: int, has_h0: bool, has_ht: bool, varlen: bool, state_v_first: bool,
+                     arch: tuple[int, int] = (9, 0)):  # fmt: skip
+    """``compiled(variant_key(...))``."""
+    return compiled(variant_key(head_dim, has_h0, has_ht, varlen, state_v_first, arch))
 
 
 def lightning_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, o: torch.Tensor,
@@ -47,6 +54,6 @@ def lightning_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay:
         scale: multiplies o (FLA default ``D ** -0.5``).
         state_v_first: states are ``[N, HV, V, K]`` if True, else ``[N, HV, K, V]``.
     """
-    fn = compile_lightning_fwd_sm90(q.shape[-1], initial_state is not None, final_state is not None,
-                                    cu_seqlens is not None, state_v_first)
+    fn = compiled_variant(q.shape[-1], initial_state is not None, final_state is not None, cu_seqlens is not None,
+                          state_v_first)  # fmt: skip
     fn(q, k, v, o, decay, initial_state, final_state, cu_seqlens, float(scale))

@@ -15,8 +15,7 @@ from cula.cache import compiled_kernel
 from cula.ops._host import kernel_attr
 
 __all__ = [
-    "HINTS", "LightningDecodeTile", "compiled_variant", "default_load_hint", "lightning_decode_variant", "tile_for",
-    "variant_key",
+    "HINTS", "LightningDecodeTile", "compiled", "compiled_variant", "default_load_hint", "tile_for", "variant_key",
 ]  # fmt: skip
 
 HINTS = ("default", "no_allocate", "streaming")  # the cache hints' names (``decode_kernel.LOAD_HINTS``)
@@ -118,18 +117,34 @@ def default_load_hint(K: int, state_v_first: bool) -> str:
 
 
 def variant_key(
-    io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs, cols, arch
+    *,
+    io_dtype: torch.dtype,
+    K: int,
+    V: int,
+    state_v_first: bool,
+    load_hint: str | None = None,
+    store_hint: str = "default",
+    warps_per_sm: int = 16,
+    warps_per_cta: int = 4,
+    state_regs: int = 64,
+    cols: bool = False,
+    arch: tuple[int, int] = (9, 0),
 ) -> tuple:
-    """The compile-cache key (``load_hint`` None: :func:`default_load_hint`)."""
+    """The compile key of a variant (``load_hint`` None: :func:`default_load_hint`)."""
     load_hint = default_load_hint(K, state_v_first) if load_hint is None else load_hint
     return ("lightning_decode_sm90", io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm,
             warps_per_cta, state_regs, bool(cols), arch)  # fmt: skip
 
 
-def compiled_variant(key: tuple):
-    """The compiled TVM-FFI function of the variant ``key`` (a :func:`variant_key`), traced once per process
-    through ``cula.cache``: ``fn(q, k, v, decay, state, indices, out, scale, num_ctas)``."""
+def compiled(key: tuple):
+    """The compiled TVM-FFI function of the variant ``key``, traced once per process through ``cula.cache``:
+    ``fn(q, k, v, decay, state, indices, out, scale, num_ctas)``."""
     return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(config_for(key), key[-1]))
+
+
+def compiled_variant(**options):
+    """``compiled(variant_key(**options))``."""
+    return compiled(variant_key(**options))
 
 
 @functools.cache
@@ -147,24 +162,3 @@ def tile_for(key: tuple) -> LightningDecodeTile:
         io_dtype=io_dtype, K=K, V=V, state_v_first=state_v_first, load_hint=load_hint, store_hint=store_hint,
         warps_per_sm=warps_per_sm, warps_per_cta=warps_per_cta, state_regs=state_regs, cols=cols,
     )  # fmt: skip
-
-
-def lightning_decode_variant(
-    *,
-    io_dtype: torch.dtype,
-    K: int,
-    V: int,
-    state_v_first: bool,
-    load_hint: str | None = None,
-    store_hint: str = "default",
-    warps_per_sm: int = 16,
-    warps_per_cta: int = 4,
-    state_regs: int = 64,
-    cols: bool = False,
-    arch: tuple[int, int] = (9, 0),
-):
-    """:func:`compiled_variant` by keywords (the CPU compile tests)."""
-    return compiled_variant(
-        variant_key(io_dtype, K, V, state_v_first, load_hint, store_hint, warps_per_sm, warps_per_cta, state_regs,
-                    cols, arch)  # fmt: skip
-    )
