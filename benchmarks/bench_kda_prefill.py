@@ -434,24 +434,14 @@ def run_time_parallel_config(cfg: bc.TimeSplitConfig, args: argparse.Namespace, 
 
 
 def main_time_parallel(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], dict]:
-    cfgs = bc.select_configs(bc.time_split_suite, args)
-    ceilings = bc.reported_ceilings(TP_NAME)
-    with torch.inference_mode():
-        run = bc.run_suite(cfgs, lambda cfg: run_time_parallel_config(cfg, args, ceilings), args.max_seconds,
-                           t_start, name=TP_NAME, progress=("speedup", "graph_speedup", "best_segment", "check"))
-    args.cuda_graph = False  # every row already has both; keep the result name free of the graph suffix
-    meta: dict[str, Any] = {
+    meta = {
         "shape": {"K": K, "V": V, "H = HV": "per row", "dtype": "bfloat16", "state": "float32 [N, H, V, K]",
                   "segments": list(bc.TIME_SPLIT_SEGMENTS)},
         "call_flags": CALL_FLAGS,
         "calls": {"serial": "cula.kda.chunk_kda",
                   "split": "cula.kda.chunk_kda under KDA_TUNING.override(time_split=...)"},
-        **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
-        **bc.budget_meta(run, args.max_seconds, t_start),
-    }
-    meta["timing"]["mode"] = "eager and cuda_graph (both in every row)"
-    paths = bc.write_suite(TP_NAME, args, meta, run.rows, bc.TIME_SPLIT_COLUMNS)
-    return meta, run.rows, paths
+    }  # fmt: skip
+    return bc.time_split_main(TP_NAME, args, t_start, run_time_parallel_config, meta, WARN_TOL, FAIL_TOL)
 
 
 if __name__ == "__main__":

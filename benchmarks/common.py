@@ -1039,6 +1039,24 @@ def time_split_suite(quick: bool = False) -> list[TimeSplitConfig]:
     return [c for c in cfgs if c.name in TIME_SPLIT_QUICK] if quick else cfgs
 
 
+def time_split_main(
+    name: str, args: argparse.Namespace, t_start: float, row: Callable, meta: dict[str, Any], warn_tol: float,
+    fail_tol: float, suite: Callable[..., list] = time_split_suite,
+) -> tuple[dict, list[dict], dict]:
+    """Run a time-split suite (``row(cfg, args, ceilings)`` per config) and write it as ``name``, ``meta`` first in
+    the result's meta."""
+    cfgs = select_configs(suite, args)
+    ceilings = reported_ceilings(name)
+    with torch.inference_mode():
+        run = run_suite(cfgs, lambda cfg: row(cfg, args, ceilings), args.max_seconds, t_start, name=name,
+                        progress=("speedup", "graph_speedup", "best_segment", "check"))  # fmt: skip
+    args.cuda_graph = False  # every row already has both; keep the result name free of the graph suffix
+    meta = {**meta, **run_meta(args, ceilings, warn_tol, fail_tol), **budget_meta(run, args.max_seconds, t_start)}
+    meta["timing"]["mode"] = "eager and cuda_graph (both in every row)"
+    paths = write_suite(name, args, meta, run.rows, TIME_SPLIT_COLUMNS)
+    return meta, run.rows, paths
+
+
 def time_split_row(
     cfg: TimeSplitConfig,
     sets: list,

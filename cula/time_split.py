@@ -104,6 +104,17 @@ def plan_time_split(lengths: Sequence[int], num_value_heads: int, sm_count: int,
     return split_plan(lengths, seg, thresholds.min_seq_len)
 
 
+def call_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...] | None:
+    """A call's sequence lengths from its shapes or ``cu_seqlens_cpu``; None for packed sequences without the host
+    copy (reading ``cu_seqlens`` would sync with the device)."""
+    if cu_seqlens is None:
+        return (T,) * B
+    if cu_seqlens_cpu is None:
+        return None
+    bounds = cu_seqlens_cpu.tolist()
+    return tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+
+
 @functools.lru_cache(maxsize=16)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from cula.time_split import SplitPlan, SplitThresholds, plan_time_split, sm_count
+from cula.time_split import SplitPlan, SplitThresholds, call_lengths, plan_time_split, sm_count
 from cula.tuning import TuningTable
 
 __all__ = [
@@ -125,12 +125,8 @@ def parallel_segments(B: int, T: int, HV: int, cu_seqlens, cu_seqlens_cpu, devic
     thresholds = KDA_TUNING.for_device(device).time_split
     if thresholds is None:
         return None
-    if cu_seqlens is None:
-        lengths = (T,) * B
-    elif cu_seqlens_cpu is not None:
-        bounds = cu_seqlens_cpu.tolist()
-        lengths = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    else:
+    lengths = call_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
+    if lengths is None:
         return None
     return plan_time_split(lengths, HV, sm_count(device.index or 0), thresholds)
 

@@ -140,17 +140,14 @@ def _time_split_plan(q, v, cu_seqlens, cu_seqlens_cpu):
     """
     from cula.lightning import time_parallel as tp
     from cula.lightning.plan import LIGHTNING_TUNING
+    from cula.time_split import call_lengths
 
     thresholds = LIGHTNING_TUNING.for_device(q.device).time_split
     if thresholds is None:
         return None
     B, T, HV = v.shape[:3]
-    if cu_seqlens is None:
-        lengths = (T,) * B
-    elif cu_seqlens_cpu is not None:
-        bounds = cu_seqlens_cpu.tolist()
-        lengths = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    else:
+    lengths = call_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
+    if lengths is None:
         return None
     return tp.plan_time_split(lengths, HV, tp.sm_count(q.device.index or 0), thresholds)
 
