@@ -32,9 +32,9 @@ Warp roles (384 threads, ``min_blocks_per_mp=1``):
 =========  =========  =====================================================================================
 warps      registers  role
 =========  =========  =====================================================================================
-0          40         TMA producer: per chunk w, qg, u, kg, Aqk tiles and the g row of the last valid token
+0          40         ``_load_chunks``, the TMA producer: per chunk w, qg, u, kg, Aqk and the last valid g row
 1-3        40         idle
-4-11       232        two consumer warpgroups: mask Aqk, the four GEMMs, decay, o stores, initial/final state
+4-11       232        ``_recurrence``, two consumer warpgroups: mask Aqk, four GEMMs, decay, o, initial/final state
 =========  =========  =====================================================================================
 
 One ``PipelineTmaAsync`` with ``num_stages`` slots (3 by default, 72 KB each) connects them: the full barrier
@@ -267,206 +267,232 @@ class DeltaHFwdOFusedSm90:
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
-                gW = cute.local_tile(cute.domain_offset((bos, 0), tw[None, None, h]), (BT, DK), (None, 0))
-                gQ = cute.local_tile(cute.domain_offset((bos, 0), tq[None, None, h]), (BT, DK), (None, 0))
-                gA = cute.local_tile(cute.domain_offset((bos, 0), ta[None, None, h]), (BT, BT), (None, 0))
-                gK = cute.local_tile(cute.domain_offset((0, bos), tk[None, None, h]), (DK, BT), (0, None))
-                gU = cute.local_tile(cute.domain_offset((0, bos), tu[None, None, h]), (DV, BT), (0, None))
-                gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
-                one = cute.make_layout(1)
-                tWs, tWg = cpasync.tma_partition(
-                    tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
-                )
-                tQs, tQg = cpasync.tma_partition(
-                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-                )
-                tAs, tAg = cpasync.tma_partition(
-                    tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-                )
-                tKs, tKg = cpasync.tma_partition(
-                    tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-                )
-                tUs, tUg = cpasync.tma_partition(
-                    tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2)
-                )
-                tGs, tGg = cpasync.tma_partition(
-                    tma_g, 0, one, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2)
-                )
-                st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
-                for c in cutlass.range(num_chunks, unroll=1):
-                    pipe.producer_acquire(st)
-                    bar = pipe.producer_get_barrier(st)
-                    cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
-                    cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
-                    cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
-                    cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
-                    cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
-                    # the decay row: g at the last valid token of the chunk
-                    last = cutlass.min(c * BT + BT, seq_len) - 1
-                    cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
-                    pipe.producer_commit(st)
-                    st.advance()
-                pipe.producer_tail(st)
+                self._load_chunks(
+                    pipe, tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, sW, sQ, sA, sK, sU, sG, h,
+                    bos, seq_len, num_chunks,
+                )  # fmt: skip
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            ctid = tidx - 128
-            wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
-            wg_o, wg_s = mma_o.get_slice(wg_first), mma_s.get_slice(wg_first)
-            thr_o, thr_s = mma_o.get_slice(ctid), mma_s.get_slice(ctid)
-            mask_bar = pipeline.NamedBarrier(barrier_id=Barrier.MASK, num_threads=128 * self.num_consumer_wg)
+            self._recurrence(
+                pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, scale, mma_o, mma_s, sW, sQ, sA, sK, sU, sG,
+                tma_o, to, o_v, h0_v, ht_v,
+            )  # fmt: skip
 
-            accS = cute.make_rmem_tensor(wg_s.partition_shape_C((DV, DK)), Float32)  # S^T, fp32
-            tSgH0 = thr_s.partition_C(h0_v[None, None, h, n])
-            if const_expr(self.has_h0):
-                accS.store(tSgH0.load())
-            else:
-                accS.fill(0.0)
-            # Register A fragments (bf16 S^T for GEMM1/2, bf16 v_new^T for GEMM3/4; the RS A layout of a
-            # 64x16 atom does not depend on N, so one v_new fragment serves both tiled MMAs).
-            tOrS = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, DK)))
-            tVrV = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, BT)))
-            tOrW = wg_o.make_fragment_B(wg_o.partition_B(sW))
-            tOrQ = wg_o.make_fragment_B(wg_o.partition_B(sQ))
-            tOrA = wg_o.make_fragment_B(wg_o.partition_B(sA))
-            tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
-            accV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
-            accO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
-            rO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), self.dtype)
-            pV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), cutlass.Boolean)
-            # accS is ((2, 2, K/8), 1, 1): (column pair, row +8, column block of 8); the decay depends on the
-            # column only, so a thread needs 2 * K/8 factors.
-            assert cute.rank(accS.shape[0]) == 3 and cute.size(accS.shape[0][1]) == 2
-            assert cute.size(accS.shape[1]) == 1 and cute.size(accS.shape[2]) == 1
-            rD = cute.make_rmem_tensor(2 * cute.size(accS.shape[0][2]), Float32)
+    @cute.jit
+    def _load_chunks(
+        self, pipe, tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, sW, sQ, sA, sK, sU, sG, h, bos,
+        seq_len, num_chunks,
+    ):  # fmt: skip
+        """Producer (warp 0): each chunk's six tiles (w, q, k, u, Aqk and the decay row) into the next stage."""
+        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
+        gW = cute.local_tile(cute.domain_offset((bos, 0), tw[None, None, h]), (BT, DK), (None, 0))
+        gQ = cute.local_tile(cute.domain_offset((bos, 0), tq[None, None, h]), (BT, DK), (None, 0))
+        gA = cute.local_tile(cute.domain_offset((bos, 0), ta[None, None, h]), (BT, BT), (None, 0))
+        gK = cute.local_tile(cute.domain_offset((0, bos), tk[None, None, h]), (DK, BT), (0, None))
+        gU = cute.local_tile(cute.domain_offset((0, bos), tu[None, None, h]), (DV, BT), (0, None))
+        gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
+        one = cute.make_layout(1)
+        tWs, tWg = cpasync.tma_partition(
+            tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2)
+        )
+        tQs, tQg = cpasync.tma_partition(
+            tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tAs, tAg = cpasync.tma_partition(
+            tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        tKs, tKg = cpasync.tma_partition(
+            tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tUs, tUg = cpasync.tma_partition(
+            tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2)
+        )
+        tGs, tGg = cpasync.tma_partition(
+            tma_g, 0, one, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2)
+        )
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+        for c in cutlass.range(num_chunks, unroll=1):
+            pipe.producer_acquire(st)
+            bar = pipe.producer_get_barrier(st)
+            cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
+            # the decay row: g at the last valid token of the chunk
+            last = cutlass.min(c * BT + BT, seq_len) - 1
+            cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
+            pipe.producer_commit(st)
+            st.advance()
+        pipe.producer_tail(st)
 
-            tUsU = thr_o.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
-            tVcV = thr_o.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
-            tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
-            gO = cute.local_tile(cute.domain_offset((0, bos), o_v[None, None, h]), (DV, BT), (0, None))
-            tOgO = thr_o.partition_C(gO)  # (MMA, MMA_M, MMA_N, NC)
-            # A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (u is dead once v_new
-            # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
-            # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
-            # 64 CTAs at B1-T8192). That thread's warp releases the stage one chunk late, after the store's read.
+    @cute.jit
+    def _recurrence(
+        self, pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, scale, mma_o, mma_s, sW, sQ, sA, sK, sU, sG, tma_o,
+        to, o_v, h0_v, ht_v,
+    ):  # fmt: skip
+        """Consumers (two warpgroups, each half of V): the state S^T in registers, chunk by chunk (GEMM1 w S,
+        GEMM2 q S, v_new, GEMM3 Aqk v_new, GEMM4 S update), the output tile out, the final state at the end."""
+        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
+        ctid = tidx - 128
+        wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
+        wg_o, wg_s = mma_o.get_slice(wg_first), mma_s.get_slice(wg_first)
+        thr_o, thr_s = mma_o.get_slice(ctid), mma_s.get_slice(ctid)
+        mask_bar = pipeline.NamedBarrier(barrier_id=Barrier.MASK, num_threads=128 * self.num_consumer_wg)
+
+        accS = cute.make_rmem_tensor(wg_s.partition_shape_C((DV, DK)), Float32)  # S^T, fp32
+        tSgH0 = thr_s.partition_C(h0_v[None, None, h, n])
+        if const_expr(self.has_h0):
+            accS.store(tSgH0.load())
+        else:
+            accS.fill(0.0)
+        # Register A fragments (bf16 S^T for GEMM1/2, bf16 v_new^T for GEMM3/4; the RS A layout of a
+        # 64x16 atom does not depend on N, so one v_new fragment serves both tiled MMAs).
+        tOrS = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, DK)))
+        tVrV = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, BT)))
+        tOrW = wg_o.make_fragment_B(wg_o.partition_B(sW))
+        tOrQ = wg_o.make_fragment_B(wg_o.partition_B(sQ))
+        tOrA = wg_o.make_fragment_B(wg_o.partition_B(sA))
+        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
+        accV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
+        accO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
+        rO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), self.dtype)
+        pV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), cutlass.Boolean)
+        # accS is ((2, 2, K/8), 1, 1): (column pair, row +8, column block of 8); the decay depends on the
+        # column only, so a thread needs 2 * K/8 factors.
+        assert cute.rank(accS.shape[0]) == 3 and cute.size(accS.shape[0][1]) == 2
+        assert cute.size(accS.shape[1]) == 1 and cute.size(accS.shape[2]) == 1
+        rD = cute.make_rmem_tensor(2 * cute.size(accS.shape[0][2]), Float32)
+
+        tUsU = thr_o.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
+        tVcV = thr_o.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
+        tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
+        gO = cute.local_tile(cute.domain_offset((0, bos), o_v[None, None, h]), (DV, BT), (0, None))
+        tOgO = thr_o.partition_C(gO)  # (MMA, MMA_M, MMA_N, NC)
+        # A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (u is dead once v_new
+        # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
+        # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
+        # 64 CTAs at B1-T8192). That thread's warp releases the stage one chunk late, after the store's read.
+        if const_expr(self.o_tma):
+            issuer = ctid % 128 == 0  # lane 0 of the warpgroup's first warp, also its warp's release signaller
+            first_warp = (ctid % 128) < 32
+            me = wg_idx - 1
+            half = DV // self.num_consumer_wg
+            st_o = cute.make_tiled_copy_C(
+                cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), mma_o
+            )
+            thr_sto = st_o.get_slice(ctid)
+            tOsU = thr_sto.partition_D(sU)  # (CPY, CPY_M, CPY_N, S)
+            wg_bar = pipeline.NamedBarrier(barrier_id=Barrier.WARPGROUP0 + me, num_threads=128)
+            sUh = cute.flat_divide(sU, (half, BT))[None, None, me, 0, None]  # (half, BT, S)
+            gOh = cute.local_tile(cute.domain_offset((0, bos), to[None, None, h]), (half, BT), (me, None))
+            tOs, tOg = cpasync.tma_partition(
+                tma_o, 0, cute.make_layout(1), cute.group_modes(sUh, 0, 2), cute.group_modes(gOh, 0, 2)
+            )
+
+        # Causal mask of the shared Aqk tile: consumer thread ctid zeroes row ctid // 4, columns
+        # 16 * (ctid % 4) + [0, 16) above the diagonal.
+        mrow = ctid // 4
+        mcol0 = (ctid % 4) * 16
+
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
+        for c in cutlass.range(num_chunks, unroll=1):
+            valid = cutlass.min(seq_len - c * BT, BT)
+            si = st.index
+            pipe.consumer_wait(st)
+            # GEMM1 + GEMM2 on the state before this chunk.
+            tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
+            warpgroup.fence()
+            atom = cute.make_mma_atom(mma_o.op)
+            atom.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
+                cute.gemm(atom, accV, tOrS[None, None, kb], tOrW[None, None, kb, si], accV)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+            atom2 = cute.make_mma_atom(mma_o.op)
+            atom2.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
+                cute.gemm(atom2, accO, tOrS[None, None, kb], tOrQ[None, None, kb, si], accO)
+                atom2.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
             if const_expr(self.o_tma):
-                issuer = ctid % 128 == 0  # lane 0 of the warpgroup's first warp, also its warp's release signaller
-                first_warp = (ctid % 128) < 32
-                me = wg_idx - 1
-                half = DV // self.num_consumer_wg
-                st_o = cute.make_tiled_copy_C(
-                    cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), mma_o
-                )
-                thr_sto = st_o.get_slice(ctid)
-                tOsU = thr_sto.partition_D(sU)  # (CPY, CPY_M, CPY_N, S)
-                wg_bar = pipeline.NamedBarrier(barrier_id=Barrier.WARPGROUP0 + me, num_threads=128)
-                sUh = cute.flat_divide(sU, (half, BT))[None, None, me, 0, None]  # (half, BT, S)
-                gOh = cute.local_tile(cute.domain_offset((0, bos), to[None, None, h]), (half, BT), (me, None))
-                tOs, tOg = cpasync.tma_partition(
-                    tma_o, 0, cute.make_layout(1), cute.group_modes(sUh, 0, 2), cute.group_modes(gOh, 0, 2)
-                )
-
-            # Causal mask of the shared Aqk tile: consumer thread ctid zeroes row ctid // 4, columns
-            # 16 * (ctid % 4) + [0, 16) above the diagonal.
-            mrow = ctid // 4
-            mcol0 = (ctid % 4) * 16
-
-            st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
-            for c in cutlass.range(num_chunks, unroll=1):
-                valid = cutlass.min(seq_len - c * BT, BT)
-                si = st.index
-                pipe.consumer_wait(st)
-                # GEMM1 + GEMM2 on the state before this chunk.
-                tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
-                warpgroup.fence()
-                atom = cute.make_mma_atom(mma_o.op)
-                atom.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
-                    cute.gemm(atom, accV, tOrS[None, None, kb], tOrW[None, None, kb, si], accV)
-                    atom.set(warpgroup.Field.ACCUMULATE, True)
-                atom2 = cute.make_mma_atom(mma_o.op)
-                atom2.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
-                    cute.gemm(atom2, accO, tOrS[None, None, kb], tOrQ[None, None, kb, si], accO)
-                    atom2.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                if const_expr(self.o_tma):
-                    if (c > 0) & first_warp:
-                        # the previous chunk's stage, once its o store has read it (see the end of the loop)
-                        if issuer:
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        prev = cutlass.select_(si == 0, S - 1, si - 1)
-                        pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
-
-                # While GEMM1/2 run: mask Aqk, compute the decay factors, fetch u^T.
-                if const_expr(not self.aqk_causal):
-                    sAc = sA[None, None, si]
-                    for jj in cutlass.range_constexpr(16):
-                        if mcol0 + jj > mrow:
-                            sAc[mrow, mcol0 + jj] = self.dtype(0.0)
-                    cute.arch.fence_view_async_shared()
-                # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
-                # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
-                for j in cutlass.range_constexpr(cute.size(rD)):
-                    rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
-                rU = tUsU[None, None, None, si].load()
-                for i in cutlass.range_constexpr(cute.size(pV)):
-                    pV[i] = tVcV[i][1] < valid
-
-                warpgroup.wait_group(0)
-                for i in cutlass.range_constexpr(cute.size(accS)):
-                    accS[i] = accS[i] * rD[(i % 2) + 2 * (i // 4)]
-                v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
-                tVrV.store(v_new.to(self.dtype))
-                accO.store(accO.load() * scale)
-                if const_expr(not self.aqk_causal):
-                    mask_bar.arrive_and_wait()
-                # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment.
-                warpgroup.fence()
-                atom3 = cute.make_mma_atom(mma_o.op)
-                atom3.set(warpgroup.Field.ACCUMULATE, True)
-                for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
-                    cute.gemm(atom3, accO, tVrV[None, None, kb], tOrA[None, None, kb, si], accO)
-                atom4 = cute.make_mma_atom(mma_s.op)
-                atom4.set(warpgroup.Field.ACCUMULATE, True)
-                for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
-                    cute.gemm(atom4, accS, tVrV[None, None, kb], tSrK[None, None, kb, si], accS)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-
-                rO.store(accO.load().to(self.dtype))
-                tOgOc = tOgO[None, None, None, c]
-                if valid == BT:
-                    if const_expr(self.o_tma):
-                        # u is dead since v_new: o^T goes into this warpgroup's half of the u tile, then out by
-                        # TMA. The first warp releases the stage only once the store has read it (next chunk)
-                        cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
-                        cute.arch.fence_view_async_shared()
-                        wg_bar.arrive_and_wait()
-                        if issuer:
-                            cute.copy(tma_o, tOs[None, si], tOg[None, c])
-                            cute.arch.cp_async_bulk_commit_group()
-                        if not first_warp:
-                            pipe.consumer_release(st)
-                    else:
-                        pipe.consumer_release(st)
-                        tOgOc.store(rO.load())
-                else:  # the partial last chunk: row-predicated stores, the next sequence's rows untouched
-                    pipe.consumer_release(st)
-                    for i in cutlass.range_constexpr(cute.size(rO)):
-                        if tVcV[i][1] < valid:
-                            tOgOc[i] = rO[i]
-                st.advance()
-
-            if const_expr(self.o_tma):
-                if (num_chunks > 0) & (seq_len % BT == 0) & first_warp:  # the last chunk's deferred release
+                if (c > 0) & first_warp:
+                    # the previous chunk's stage, once its o store has read it (see the end of the loop)
                     if issuer:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    prev = cutlass.select_(st.index == 0, S - 1, st.index - 1)
+                    prev = cutlass.select_(si == 0, S - 1, si - 1)
                     pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
 
-            if const_expr(self.has_ht):
-                tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
-                tSgHt.store(accS.load())
+            # While GEMM1/2 run: mask Aqk, compute the decay factors, fetch u^T.
+            if const_expr(not self.aqk_causal):
+                sAc = sA[None, None, si]
+                for jj in cutlass.range_constexpr(16):
+                    if mcol0 + jj > mrow:
+                        sAc[mrow, mcol0 + jj] = self.dtype(0.0)
+                cute.arch.fence_view_async_shared()
+            # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
+            # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
+            for j in cutlass.range_constexpr(cute.size(rD)):
+                rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
+            rU = tUsU[None, None, None, si].load()
+            for i in cutlass.range_constexpr(cute.size(pV)):
+                pV[i] = tVcV[i][1] < valid
+
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                accS[i] = accS[i] * rD[(i % 2) + 2 * (i // 4)]
+            v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
+            tVrV.store(v_new.to(self.dtype))
+            accO.store(accO.load() * scale)
+            if const_expr(not self.aqk_causal):
+                mask_bar.arrive_and_wait()
+            # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment.
+            warpgroup.fence()
+            atom3 = cute.make_mma_atom(mma_o.op)
+            atom3.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
+                cute.gemm(atom3, accO, tVrV[None, None, kb], tOrA[None, None, kb, si], accO)
+            atom4 = cute.make_mma_atom(mma_s.op)
+            atom4.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
+                cute.gemm(atom4, accS, tVrV[None, None, kb], tSrK[None, None, kb, si], accS)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            rO.store(accO.load().to(self.dtype))
+            tOgOc = tOgO[None, None, None, c]
+            if valid == BT:
+                if const_expr(self.o_tma):
+                    # u is dead since v_new: o^T goes into this warpgroup's half of the u tile, then out by
+                    # TMA. The first warp releases the stage only once the store has read it (next chunk)
+                    cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
+                    cute.arch.fence_view_async_shared()
+                    wg_bar.arrive_and_wait()
+                    if issuer:
+                        cute.copy(tma_o, tOs[None, si], tOg[None, c])
+                        cute.arch.cp_async_bulk_commit_group()
+                    if not first_warp:
+                        pipe.consumer_release(st)
+                else:
+                    pipe.consumer_release(st)
+                    tOgOc.store(rO.load())
+            else:  # the partial last chunk: row-predicated stores, the next sequence's rows untouched
+                pipe.consumer_release(st)
+                for i in cutlass.range_constexpr(cute.size(rO)):
+                    if tVcV[i][1] < valid:
+                        tOgOc[i] = rO[i]
+            st.advance()
+
+        if const_expr(self.o_tma):
+            if (num_chunks > 0) & (seq_len % BT == 0) & first_warp:  # the last chunk's deferred release
+                if issuer:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                prev = cutlass.select_(st.index == 0, S - 1, st.index - 1)
+                pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
+
+        if const_expr(self.has_ht):
+            tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
+            tSgHt.store(accS.load())
+
 
 def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 0), extra_options="",
              aqk_causal=False):
