@@ -26,8 +26,8 @@ import torch
 
 from cula.kda.plan import KDA_TUNING, parallel_segments, time_segments, use_cula_intra
 from cula.ops._host import dsl_name, gate_kind, placeholder
-from cula.time_split import on_device
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+from cula.time_split import on_device
 
 __all__ = ["chunk_kda_fwd_sm90"]
 

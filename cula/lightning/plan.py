@@ -16,8 +16,8 @@ import functools
 
 import torch
 
-from cula.time_split import SplitThresholds
 from cula.ops.lightning.sm90.decode import compiled, tile_for, variant_key
+from cula.time_split import SplitThresholds
 from cula.tuning import TuningTable
 
 __all__ = [
