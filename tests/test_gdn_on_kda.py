@@ -122,3 +122,81 @@ def test_gdn_training_on_hopper_cuda(fused):
     for name in grads_r:
         assert not grads[name].isnan().any(), name
         assert_close(f"d{name}", grads_r[name], grads[name].cpu(), tol[name])
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_recurrent_decode_matches_the_gdn_reference(T, fused, state_v_first):
+    """``fused_recurrent_gated_delta_rule``'s decode-sized calls on ``kda_decode`` (its reference backend here): the
+    outputs and final state of GDN's own reference, the caller's initial state untouched, beta None as ones."""
+    from cula.gated_delta_rule.backends import _recurrent_cula_sm90
+    from cula.gated_delta_rule.naive import reference_fused_recurrent_gated_delta_rule
+
+    x = _inputs(5, T, 2, 4, 16, fused, seed=T)
+    h0 = torch.randn(5, 4, 16, 16, generator=torch.Generator().manual_seed(9))
+    kept = h0.clone()
+    flags = dict(
+        scale=0.25, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=fused, A_log=x.pop("A_log", None), dt_bias=x.pop("dt_bias", None),
+        use_beta_sigmoid_in_kernel=fused, allow_neg_eigval=False, state_v_first=state_v_first, cu_seqlens=None,
+    )  # fmt: skip
+    for beta in (x["beta"], None):
+        args = dict(x, beta=beta, **flags)
+        o, ht = _recurrent_cula_sm90(gk=None, gv=None, **args)
+        o_r, ht_r = reference_fused_recurrent_gated_delta_rule(**args)
+        assert_close("o", o_r, o, 1e-4)
+        assert_close("final state", ht_r, ht, 1e-4)
+        assert torch.equal(h0, kept)
+
+
+def test_recurrent_declines_what_the_kernel_does_not_take():
+    from cula.gated_delta_rule.backends import _cula_recurrent_supports
+
+    x = _inputs(2, 1, 1, 1, 128, False, dtype=torch.bfloat16)
+    h0 = torch.zeros(2, 1, 128, 128)
+    base = dict(q=x["q"], v=x["v"], g=x["g"], gk=None, gv=None, beta=x["beta"], initial_state=h0,
+                state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None)  # fmt: skip
+    assert _cula_recurrent_supports(**base) == (True, None)
+    for over, why in (
+        ({"cu_seqlens": torch.tensor([0, 1, 2])}, "cu_seqlens"),
+        ({"gk": torch.zeros(2, 1, 1, 128)}, "per-key"),
+        ({"q": torch.zeros(2, 9, 1, 128, dtype=torch.bfloat16)}, "tokens per sequence"),
+        ({"initial_state": None}, "initial_state"),
+        ({"initial_state": h0.double()}, "initial_state"),
+        ({"q": x["q"].float()}, "q dtype"),
+        ({"beta": x["beta"].half()}, "beta dtype"),
+        ({"q": x["q"].detach().requires_grad_()}, "autograd"),
+    ):
+        ok, reason = _cula_recurrent_supports(**dict(base, **over))
+        assert not ok and why in reason, (over, reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_recurrent_decode_on_hopper_cuda(T):
+    """``fused_recurrent_gated_delta_rule`` decode calls on cula's kernel against the float64 reference and FLA's
+    kernel, NaN-poisoned outputs, the caller's states untouched."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fn
+
+    from cula.gated_delta_rule import fused_recurrent_gated_delta_rule
+    from cula.gated_delta_rule.naive import reference_fused_recurrent_gated_delta_rule
+
+    x = _inputs(64, T, 4, 8, 128, True, dtype=torch.bfloat16, device="cuda")
+    h0 = torch.randn(64, 8, 128, 128, device="cuda") * 0.1
+    kept = h0.clone()
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, A_log=x.pop("A_log"), dt_bias=x.pop("dt_bias"))  # fmt: skip
+    o, ht = fused_recurrent_gated_delta_rule(**x, **kw)
+    assert torch.equal(h0, kept) and not o.isnan().any()
+    o_f, ht_f = fla_fn(**x, **kw)
+    o_r, ht_r = reference_fused_recurrent_gated_delta_rule(
+        **{n: t.cpu() for n, t in x.items()}, **{n: (t.cpu() if torch.is_tensor(t) else t) for n, t in kw.items()},
+        compute_dtype=torch.float64,
+    )  # fmt: skip
+    assert_close("o vs f64", o_r, o.cpu(), 5e-3)
+    assert_close("ht vs f64", ht_r, ht.cpu(), 5e-3)
+    assert_close("o vs fla", o_f, o, 5e-3)
+    assert_close("ht vs fla", ht_f, ht, 5e-3)

@@ -5,6 +5,8 @@
   recurrence, on cula's KDA kernels, and trainable on Hopper through KDA's training path (FLA 0.6.0's own gated
   backward refuses the Triton that PyTorch ships there); the gradient of the repeated gate is summed back by
   autograd. ``chunk_indices`` (FLA's precomputed chunk list) is not needed: cula builds its own.
+- ``cula-sm90`` (``fused_recurrent_gated_delta_rule``): decode-sized calls (1..8 tokens a sequence, fp32 states) on
+  ``kda_decode``'s kernel, the gate repeated over K, the new states written beside the caller's.
 - ``fla``: FLA 0.6.0's Triton kernels, for what cula does not cover.
 - ``reference``: float32 PyTorch, the CPU path.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from cula.backends import Registry, always, cula_kernels_on, package_on_cuda
+from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 
 chunk_gdn_registry = Registry("gated_delta_rule.chunk_gated_delta_rule")
 fused_recurrent_gdn_registry = Registry("gated_delta_rule.fused_recurrent_gated_delta_rule")
@@ -114,6 +116,58 @@ def _chunk_reference(
         state_v_first=state_v_first,
         cu_seqlens=cu_seqlens,
     )
+
+
+def _cula_recurrent_supports(q, v, g, gk, gv, beta, initial_state, state_v_first, cu_seqlens, A_log, dt_bias,
+                             **_) -> tuple:  # fmt: skip
+    from cula._validate import DECODE_MAX_TOKENS, pool_layout_verdict
+
+    if needs_grad(q, v, g, beta, initial_state, A_log, dt_bias):
+        return False, "autograd (cula's decode kernel is forward-only)"
+    if cu_seqlens is not None:
+        return False, "cu_seqlens (the packed form) runs on fla; pass q as [N, T, H, K] for cula's kernel"
+    if gk is not None or gv is not None or g is None:
+        return False, "per-key / per-value gates, or no gate, run on fla"
+    if not 1 <= q.shape[1] <= DECODE_MAX_TOKENS:
+        return False, f"{q.shape[1]} tokens per sequence (cula's decode kernel takes 1..{DECODE_MAX_TOKENS})"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"q dtype {q.dtype} (the kernel takes bf16 / fp16)"
+    if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):
+        return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (the kernel takes K = V in {{64, 128}})"
+    if g.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False, f"g dtype {g.dtype} (the kernel takes bf16 / fp16 / fp32)"
+    if beta is not None and beta.dtype not in (torch.float32, torch.bfloat16):
+        return False, f"beta dtype {beta.dtype} (the kernel takes fp32 / bf16)"
+    if initial_state is None or initial_state.dtype != torch.float32:
+        return False, "an fp32 initial_state is needed (the kernel reads the states in place)"
+    return pool_layout_verdict(initial_state, q.shape[-1], v.shape[-1], state_v_first)
+
+
+@fused_recurrent_gdn_registry.register(
+    "cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)), supports=_cula_recurrent_supports
+)
+def _recurrent_cula_sm90(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+    dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, **_,
+):  # fmt: skip
+    """Decode-sized calls (1..8 tokens a sequence) on ``kda_decode``'s kernel, the gate repeated over K: the states
+    are read from ``initial_state`` and the new ones written to a separate buffer (``step_states``), so the caller's
+    states stay untouched, as in FLA."""
+    from cula.kda import kda_decode
+
+    N, T, _H, K = q.shape
+    HV = v.shape[2]
+    steps = torch.empty((N, T) + tuple(initial_state.shape[1:]), dtype=torch.float32, device=q.device)
+    o = kda_decode(
+        q, k, v, g.unsqueeze(-1).expand(N, T, HV, K).contiguous(),
+        torch.ones(N, T, HV, device=q.device) if beta is None else beta,
+        initial_state, torch.arange(N, dtype=torch.int32, device=q.device), A_log=A_log,
+        dt_bias=None if dt_bias is None else dt_bias.unsqueeze(-1).expand(HV, K).reshape(HV * K), scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first, step_states=steps, check_indices=False,
+    )  # fmt: skip
+    return o, (steps[:, -1].contiguous() if output_final_state else None)
 
 
 @fused_recurrent_gdn_registry.register("fla", FLA_PRIORITY, available=package_on_cuda("fla"))
