@@ -126,6 +126,35 @@ def kda_segmented_b1():
 
 
 @case
+def kda_parallel_segments():
+    # few heads, long sequences cut in time: the state/output kernel from the identity with u = 0, then from the
+    # scanned starts (the H200's tuning entry has no time_split yet: forced here)
+    from cula.kda.plan import KDA_TUNING
+    from cula.time_split import SplitThresholds
+
+    with KDA_TUNING.override(time_split=SplitThresholds(1e9, 1e9, 128, 0)):
+        _kda_chunk(1, [300, 0, 70], 1, 2, v_first=True)
+
+
+@case
+def gdn_chunk_and_decode():
+    # Gated DeltaNet on the KDA kernels: the chunk path and the decode path (states into step states)
+    from cula.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    q, k, v = _r(1, 100, 1, 128), _r(1, 100, 1, 128), _r(1, 100, 2, 128)
+    g, beta = -torch.rand(1, 100, 2, device=DEV), torch.rand(1, 100, 2, device=DEV)
+    h0 = torch.randn(1, 2, 128, 128, device=DEV) * 0.1
+    with torch.inference_mode():
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)  # fmt: skip
+        fused_recurrent_gated_delta_rule(
+            _r(3, 1, 1, 128), _r(3, 1, 1, 128), _r(3, 1, 2, 128), g=-torch.rand(3, 1, 2, device=DEV),
+            beta=torch.rand(3, 1, 2, device=DEV), initial_state=torch.randn(3, 2, 128, 128, device=DEV) * 0.1,
+            output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+
+
+@case
 def kda_training_forward():
     # autograd on: the intra kernel's write_akk variant (FLA's Triton backward is not ours to check)
     _kda_chunk(1, [70, 0, 65], 1, 2, grad=True)
