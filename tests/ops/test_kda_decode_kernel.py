@@ -133,7 +133,7 @@ def test_variant_compiles_without_spills(compiled_variants, i):
 def test_config_rejects_unsupported():
     from cutlass import BFloat16, Float32
 
-    from cula.ops.kda.sm90.decode import KdaDecodeSm90
+    from cula.ops.kda.sm90.decode import KdaDecodeBoxSm90, KdaDecodeSm90
 
     kw = {
         "io_dtype": BFloat16,
@@ -164,8 +164,8 @@ def test_config_rejects_unsupported():
     for bad in ({"has_step_states": True}, {"V": 96, "warps_per_cta": 2}, {"wide_kv": True},
                 {"kv_tma": True, "tokens_per_round": 1}, {"state_v_first": True}):  # fmt: skip
         with pytest.raises(ValueError, match="kv_cols is for"):
-            KdaDecodeSm90(K=128, kv_cols=True, **dict(kw, **bad))
-    cols = KdaDecodeSm90(K=128, kv_cols=True, warps_per_cta=4, **kw)
+            KdaDecodeBoxSm90(K=128, kv_cols=True, **dict(kw, **bad))
+    cols = KdaDecodeBoxSm90(K=128, kv_cols=True, warps_per_cta=4, **kw)
     assert (cols.tile_v, cols.v_slices, cols.lanes_k, cols.min_blocks_per_sm) == (128, 4, 1, 3)
 
 

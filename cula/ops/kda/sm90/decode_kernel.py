@@ -71,18 +71,29 @@ from cula.ops._host import GATES
 from cula.ops.kda.sm90.decode import KV_COLS_WARPS_PER_SM, WARPS_PER_SM, WIDE_WARPS_PER_SM
 from cula.ops.cute_common import box_barrier_init, box_load, box_store, state_box_atoms
 
-__all__ = ["KdaDecodeSm90"]
+__all__ = ["KdaDecodeBoxSm90", "KdaDecodeSm90"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
 class KdaDecodeSm90:
-    """Static configuration and CuTe kernel for the KDA decode step (see the module docstring)."""
+    """The KDA decode step with the state tile in registers, read from and written to the pool directly (the
+    narrow tile, or ``wide_kv``); the static configuration and the token preparation shared with the box variants
+    (``KdaDecodeBoxSm90``). See the module docstring.
+
+    ==========  ==============================================================================================
+    warps       role
+    ==========  ==============================================================================================
+    every warp  a work unit of its own: issue its state tile's loads, prepare the round's tokens into its slots
+                (l2norm, gate, beta) while they fly, run the tokens on the tile, store it (or every step state)
+    ==========  ==============================================================================================
+    """
 
     arch = 90
     KV_COLS_UNROLL = 4  # kv_cols: rows of 4 per unrolled step of its column loops
     V_PER_LANE = 4  # one 16-byte fp32 vector
+    kv_tma = kv_cols = False  # the box variants' (KdaDecodeBoxSm90), read by the shared token and tile code
 
     def __init__(
         self,
@@ -104,8 +115,6 @@ class KdaDecodeSm90:
         min_blocks_per_sm: int | None = None,
         wide_kv: bool = False,
         tokens_per_round: int = 8,
-        kv_tma: bool = False,
-        kv_cols: bool = False,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -122,29 +131,11 @@ class KdaDecodeSm90:
             # K=64 [K, V] rows are already 64 B wide with the default tile
             raise ValueError("wide_kv is for [K, V] pools (state_v_first=False) with K=128")
         self.wide_kv = wide_kv
-        # kv_tma ([K, V] pools, K=128, no step states): the CTA's four warps own four adjacent 8-wide V slices of one
-        # (sequence, head), i.e. a [128, 32] fp32 box of whole 128-byte row pieces, which one TMA load brings to
-        # shared memory (128-byte swizzle) and one TMA store writes back; each lane then owns rows lk + 16 i
-        # (i < 8) of its 4 columns, which the swizzle makes a conflict-free 16-byte read per row
-        if kv_tma and (state_v_first or K != 128 or wide_kv or has_step_states or warps_per_cta != 4
-                       or tokens_per_round != 1 or V % 32 != 0):  # fmt: skip
-            raise ValueError("kv_tma is for [K, V] pools with K=128, V % 32 == 0, no step states, 4 warps per CTA "
-                             "and one token slot")
-        self.kv_tma = kv_tma
-        # kv_cols ([K, V] pools, no step states): a CTA of W warps takes a [K, 32 W] box of one (sequence, head) by
-        # one TMA load (the whole 64 KB state with W = 4 and V = 128: one contiguous piece of the pool, where
-        # kv_tma's [128, 32] box is 128 row pieces 512 bytes apart); lane j of warp w owns column 32 w + j, all K of
-        # it, read and written where the box lies in shared memory, so S^T k and S^T q are in-lane sums: no
-        # shuffles, and the token's q / k / exp(g) are broadcast reads of the warp's slot
-        if kv_cols and (state_v_first or wide_kv or kv_tma or has_step_states or V % (32 * warps_per_cta) != 0):
-            raise ValueError("kv_cols is for [K, V] pools without step states, V a multiple of 32 x warps_per_cta, "
-                             "and neither wide_kv nor kv_tma")  # fmt: skip
-        self.kv_cols = kv_cols
         self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
         self.lanes_k = K // self.k_per_lane
         self.lanes_v = 32 // self.lanes_k
         self.v_per_warp = self.lanes_v * self.V_PER_LANE  # 8 for K=128 (16 with wide_kv), 16 for K=64
-        if kv_cols:  # one column of all K a lane
+        if self.kv_cols:  # one column of all K a lane
             self.k_per_lane, self.lanes_k, self.lanes_v, self.v_per_warp = K, 1, 32, 32
         if V % self.v_per_warp != 0:
             raise ValueError(f"V must be a multiple of {self.v_per_warp}, got {V}")
@@ -165,9 +156,9 @@ class KdaDecodeSm90:
         self.state_v_first = state_v_first
         self.has_step_states = has_step_states
         self.warps_per_cta = warps_per_cta
-        per_sm = KV_COLS_WARPS_PER_SM if kv_cols else WIDE_WARPS_PER_SM if wide_kv else WARPS_PER_SM
+        per_sm = KV_COLS_WARPS_PER_SM if self.kv_cols else WIDE_WARPS_PER_SM if wide_kv else WARPS_PER_SM
         self.min_blocks_per_sm = min_blocks_per_sm or max(1, per_sm // warps_per_cta)
-        self.tile_v = 32 * warps_per_cta if kv_cols else 32  # kv_tma / kv_cols: V columns per CTA
+        self.tile_v = 32 * warps_per_cta if self.kv_cols else 32  # kv_tma / kv_cols: V columns per CTA
 
         self.k_blocks = self.k_per_lane // 4  # j extent
         self.k_stride_j = 4 * self.lanes_k  # k distance between a lane's consecutive 4-row blocks
@@ -205,14 +196,7 @@ class KdaDecodeSm90:
         HV = mV.shape[2]
         units = N * HV * self.v_slices
         grid = (units + self.warps_per_cta - 1) // self.warps_per_cta
-        if const_expr(self.kv_tma or self.kv_cols):
-            box_l = cute.select(self._tile_layout(), mode=[0, 1])
-            tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K)
-            kernel = self.kernel_box(
-                mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
-            )
-        else:
-            kernel = self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound)
+        kernel = self._kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound)
         kernel.launch(
             grid=[grid, 1, 1],
             block=[32 * self.warps_per_cta, 1, 1],
@@ -221,6 +205,11 @@ class KdaDecodeSm90:
             preferred_smem_carveout=100,
             stream=stream,
         )
+
+    def _kernel(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound):
+        """This variant's kernel bound to the call's arguments (run while ``__call__`` traces): the register tile
+        on the pool itself."""
+        return self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound)
 
     # ---------------------------------------------------------------------------------------------- device
     @cute.jit
@@ -412,6 +401,158 @@ class KdaDecodeSm90:
             else:
                 self._zero_rows(mOut, n, hv, v0, lk, T)
 
+    @cute.jit
+    def _unit_coords(self, unit, HV, H, lv):
+        """Unit -> (sequence n, q/k head h, value head hv, V slice vs, this lane's first v column v0)."""
+        vs = unit % self.v_slices
+        nh = unit // self.v_slices
+        hv = nh % HV
+        per_lane = 1 if const_expr(self.kv_cols) else self.V_PER_LANE
+        return nh // HV, hv // (HV // H), hv, vs, vs * self.v_per_warp + lv * per_lane
+
+    @cute.jit
+    def _zero_rows(self, mOut, n, hv, v0, lk, T):
+        """A padded slot's output rows: zeros (the pool is not touched)."""
+        R = self.V_PER_LANE
+        rzero = cute.make_rmem_tensor(R, self.io_dtype)
+        rzero.fill(0.0)
+        if lk == 0:
+            for t in range(T):
+                gO = mOut[n, t, hv, None]
+                cute.autovec_copy(rzero, cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)))
+
+    @cute.jit
+    def _run_unit(
+        self, tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW, n, h, hv, vs, v0, lane, T, scale,
+        lower_bound, bar=None,
+    ):  # fmt: skip
+        """The T tokens of one unit on its state tile ``tS`` (in registers), then the tile back to ``gS``. With
+        kv_tma, ``gS`` is the lane's fragment in shared memory, loaded into ``tS`` once ``bar`` says it landed."""
+        KB = self.k_blocks
+        KPT = self.k_per_lane
+        LOG_LK = int(math.log2(self.lanes_k))
+        R = self.V_PER_LANE
+        TR = self.tokens_per_round
+        lk = lane % self.lanes_k
+        lv = lane // self.lanes_k
+        # the lane's K elements of a token slot: k = 4 lk + c + k_stride_j j, or lk + 16 i with kv_tma
+        kshape = (4, KB)
+        lane_k = cute.make_layout(kshape, stride=(1, self.k_stride_j))
+        kq = cute.assume(4 * lk, divby=4)
+        if const_expr(self.kv_tma):
+            kshape = KPT
+            lane_k = cute.make_layout(KPT, stride=self.lanes_k)
+            kq = lk
+        rq = cute.make_rmem_tensor(cute.make_layout(kshape), Float32)
+        rk = cute.make_rmem_tensor(cute.make_layout(kshape), Float32)
+        reg = cute.make_rmem_tensor(cute.make_layout(kshape), Float32)
+        rv = cute.make_rmem_tensor(R, Float32)
+        ro = cute.make_rmem_tensor(R, self.io_dtype)
+
+        for t0 in range(0, T, TR):
+            nt = cutlass.min(T - t0, TR)
+            self._prep_round(mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW, n, t0, nt, h, hv, vs, lane, scale,
+                             lower_bound)  # fmt: skip
+            if const_expr(self.kv_tma):
+                if t0 == 0:
+                    cute.arch.mbarrier_wait(bar, 0)
+                    cute.autovec_copy(gS, tS)
+
+            for tt in range(nt):
+                t = t0 + tt
+                sSlot = sW[None, tt]
+                cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_eg + kq, lane_k), reg)
+                cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_k + kq, lane_k), rk)
+                v_off = cute.assume(self.off_v + lv * R, divby=R)
+                cute.autovec_copy(cute.make_tensor(sSlot.iterator + v_off, cute.make_layout(R)), rv)
+                beta = sSlot[self.off_beta]
+
+                # S <- diag(exp(g)) S ;  p = S^T k  (lane part)
+                p = [Float32(0.0)] * R
+                for i in cutlass.range_constexpr(KPT):
+                    for r in cutlass.range_constexpr(R):
+                        s = tS[i, r] * reg[i]
+                        tS[i, r] = s
+                        p[r] = p[r] + s * rk[i]
+                # u = beta * (v - S^T k)
+                u = [Float32(0.0)] * R
+                for r in cutlass.range_constexpr(R):
+                    x = p[r]
+                    for b in cutlass.range_constexpr(LOG_LK):
+                        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
+                    u[r] = beta * (rv[r] - x)
+
+                cute.autovec_copy(cute.make_tensor(sSlot.iterator + kq, lane_k), rq)
+                # S <- S + k u^T ;  o = S^T q_hat
+                o = [Float32(0.0)] * R
+                for i in cutlass.range_constexpr(KPT):
+                    for r in cutlass.range_constexpr(R):
+                        s = tS[i, r] + rk[i] * u[r]
+                        tS[i, r] = s
+                        o[r] = o[r] + s * rq[i]
+                for r in cutlass.range_constexpr(R):
+                    x = o[r]
+                    for b in cutlass.range_constexpr(LOG_LK):
+                        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
+                    ro[r] = x.to(self.io_dtype)
+                if lk == 0:
+                    gO = mOut[n, t, hv, None]
+                    cute.autovec_copy(
+                        ro,
+                        cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)),
+                    )
+                if cutlass.const_expr(self.has_step_states):
+                    cute.autovec_copy(tS, self._state_view(mStep[n, t, hv, None, None], lk, v0))
+            cute.arch.sync_warp()
+
+        if cutlass.const_expr(not self.has_step_states):
+            cute.autovec_copy(tS, gS)
+
+# ---------------------------------------------------------------------------------------------------- host
+class KdaDecodeBoxSm90(KdaDecodeSm90):
+    """The variants that move each CTA's state box through shared memory by TMA ([K, V] pools with K=128, no step
+    states; see the module docstring), one TMA load and one TMA store a box:
+
+    * ``kv_tma``: the CTA's four warps own four adjacent 8-wide V slices of one (sequence, head), a ``[128, 32]``
+      fp32 box of whole 128-byte row pieces (128-byte swizzle); each lane reads its fragment (rows ``lk + 16 i``,
+      a conflict-free 16-byte read a row) and runs the register tile's token math (``_run_unit``) on it;
+    * ``kv_cols``: a CTA of W warps takes a ``[K, 32 W]`` box (W = 4, V = 128: the whole 64 KB state, one
+      contiguous piece of the pool); lane j of warp w owns column ``32 w + j``, all K of it, where the box lies in
+      shared memory, so ``S^T k`` and ``S^T q`` are in-lane sums (``_run_columns``): no shuffles, and the token's
+      q / k / exp(g) are broadcast reads of the warp's slot.
+
+    ==========  ==============================================================================================
+    warps       role
+    ==========  ==============================================================================================
+    0           arms the box's mbarrier, issues the TMA load, later the TMA store (after every warp's writes)
+    all         prepare the round's tokens into their slots while the box lands, then the token math on the box
+    ==========  ==============================================================================================
+    """
+
+    def __init__(self, *, kv_tma: bool = False, kv_cols: bool = False, **config):
+        if not (kv_tma or kv_cols):
+            raise ValueError("a box variant is kv_tma or kv_cols")
+        K, V = config["K"], config["V"]
+        warps, slots = config.get("warps_per_cta", 4), config.get("tokens_per_round", 8)
+        if kv_tma and (config["state_v_first"] or K != 128 or config.get("wide_kv") or config["has_step_states"]
+                       or warps != 4 or slots != 1 or V % 32 != 0):  # fmt: skip
+            raise ValueError("kv_tma is for [K, V] pools with K=128, V % 32 == 0, no step states, 4 warps per CTA "
+                             "and one token slot")
+        if kv_cols and (config["state_v_first"] or config.get("wide_kv") or kv_tma or config["has_step_states"]
+                        or V % (32 * warps) != 0):  # fmt: skip
+            raise ValueError("kv_cols is for [K, V] pools without step states, V a multiple of 32 x warps_per_cta, "
+                             "and neither wide_kv nor kv_tma")  # fmt: skip
+        self.kv_tma, self.kv_cols = kv_tma, kv_cols  # read by the shared geometry in __init__
+        super().__init__(**config)
+
+    def _kernel(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mOut, mStep, scale, lower_bound):
+        """The box kernel with the TMA atoms of the pool's boxes."""
+        box_l = cute.select(self._tile_layout(), mode=[0, 1])
+        tma_ld, t_ld, tma_st, t_st = state_box_atoms(mState, box_l, self.tile_v, self.K)
+        return self.kernel_box(
+            mQ, mK, mV, mG, mBeta, mALog, mDtBias, tma_ld, t_ld, tma_st, t_st, mIdx, mOut, scale, lower_bound
+        )
+
     def _tile_layout(self):
         """kv_tma's shared [32 V, 128 K] fp32 box (V contiguous), 128-byte swizzled: the 16-byte unit c of row k
         sits at unit c ^ (k % 8) (the DSL's swizzles act on byte offsets: 3 bits at 16 B, xor-ed from 128 B).
@@ -543,114 +684,7 @@ class KdaDecodeSm90:
         """Four consecutive floats of a token slot (one 16-byte broadcast read)."""
         return cute.make_tensor(sSlot.iterator + cute.assume(off, divby=4), cute.make_layout(4))
 
-    @cute.jit
-    def _unit_coords(self, unit, HV, H, lv):
-        """Unit -> (sequence n, q/k head h, value head hv, V slice vs, this lane's first v column v0)."""
-        vs = unit % self.v_slices
-        nh = unit // self.v_slices
-        hv = nh % HV
-        per_lane = 1 if const_expr(self.kv_cols) else self.V_PER_LANE
-        return nh // HV, hv // (HV // H), hv, vs, vs * self.v_per_warp + lv * per_lane
 
-    @cute.jit
-    def _zero_rows(self, mOut, n, hv, v0, lk, T):
-        """A padded slot's output rows: zeros (the pool is not touched)."""
-        R = self.V_PER_LANE
-        rzero = cute.make_rmem_tensor(R, self.io_dtype)
-        rzero.fill(0.0)
-        if lk == 0:
-            for t in range(T):
-                gO = mOut[n, t, hv, None]
-                cute.autovec_copy(rzero, cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)))
-
-    @cute.jit
-    def _run_unit(
-        self, tS, gS, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mOut, mStep, sW, n, h, hv, vs, v0, lane, T, scale,
-        lower_bound, bar=None,
-    ):  # fmt: skip
-        """The T tokens of one unit on its state tile ``tS`` (in registers), then the tile back to ``gS``. With
-        kv_tma, ``gS`` is the lane's fragment in shared memory, loaded into ``tS`` once ``bar`` says it landed."""
-        KB = self.k_blocks
-        KPT = self.k_per_lane
-        LOG_LK = int(math.log2(self.lanes_k))
-        R = self.V_PER_LANE
-        TR = self.tokens_per_round
-        lk = lane % self.lanes_k
-        lv = lane // self.lanes_k
-        # the lane's K elements of a token slot: k = 4 lk + c + k_stride_j j, or lk + 16 i with kv_tma
-        kshape = (4, KB)
-        lane_k = cute.make_layout(kshape, stride=(1, self.k_stride_j))
-        kq = cute.assume(4 * lk, divby=4)
-        if const_expr(self.kv_tma):
-            kshape = KPT
-            lane_k = cute.make_layout(KPT, stride=self.lanes_k)
-            kq = lk
-        rq = cute.make_rmem_tensor(cute.make_layout(kshape), Float32)
-        rk = cute.make_rmem_tensor(cute.make_layout(kshape), Float32)
-        reg = cute.make_rmem_tensor(cute.make_layout(kshape), Float32)
-        rv = cute.make_rmem_tensor(R, Float32)
-        ro = cute.make_rmem_tensor(R, self.io_dtype)
-
-        for t0 in range(0, T, TR):
-            nt = cutlass.min(T - t0, TR)
-            self._prep_round(mQ, mK, mV, mG, mBeta, mALog, mDtBias, sW, n, t0, nt, h, hv, vs, lane, scale,
-                             lower_bound)  # fmt: skip
-            if const_expr(self.kv_tma):
-                if t0 == 0:
-                    cute.arch.mbarrier_wait(bar, 0)
-                    cute.autovec_copy(gS, tS)
-
-            for tt in range(nt):
-                t = t0 + tt
-                sSlot = sW[None, tt]
-                cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_eg + kq, lane_k), reg)
-                cute.autovec_copy(cute.make_tensor(sSlot.iterator + self.off_k + kq, lane_k), rk)
-                v_off = cute.assume(self.off_v + lv * R, divby=R)
-                cute.autovec_copy(cute.make_tensor(sSlot.iterator + v_off, cute.make_layout(R)), rv)
-                beta = sSlot[self.off_beta]
-
-                # S <- diag(exp(g)) S ;  p = S^T k  (lane part)
-                p = [Float32(0.0)] * R
-                for i in cutlass.range_constexpr(KPT):
-                    for r in cutlass.range_constexpr(R):
-                        s = tS[i, r] * reg[i]
-                        tS[i, r] = s
-                        p[r] = p[r] + s * rk[i]
-                # u = beta * (v - S^T k)
-                u = [Float32(0.0)] * R
-                for r in cutlass.range_constexpr(R):
-                    x = p[r]
-                    for b in cutlass.range_constexpr(LOG_LK):
-                        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
-                    u[r] = beta * (rv[r] - x)
-
-                cute.autovec_copy(cute.make_tensor(sSlot.iterator + kq, lane_k), rq)
-                # S <- S + k u^T ;  o = S^T q_hat
-                o = [Float32(0.0)] * R
-                for i in cutlass.range_constexpr(KPT):
-                    for r in cutlass.range_constexpr(R):
-                        s = tS[i, r] + rk[i] * u[r]
-                        tS[i, r] = s
-                        o[r] = o[r] + s * rq[i]
-                for r in cutlass.range_constexpr(R):
-                    x = o[r]
-                    for b in cutlass.range_constexpr(LOG_LK):
-                        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << b)
-                    ro[r] = x.to(self.io_dtype)
-                if lk == 0:
-                    gO = mOut[n, t, hv, None]
-                    cute.autovec_copy(
-                        ro,
-                        cute.make_tensor(gO.iterator + cute.assume(v0, divby=R), cute.make_layout(R)),
-                    )
-                if cutlass.const_expr(self.has_step_states):
-                    cute.autovec_copy(tS, self._state_view(mStep[n, t, hv, None, None], lk, v0))
-            cute.arch.sync_warp()
-
-        if cutlass.const_expr(not self.has_step_states):
-            cute.autovec_copy(tS, gS)
-
-# ---------------------------------------------------------------------------------------------------- host
 def _compile(cfg: KdaDecodeSm90, arch: tuple[int, int]):
     """Trace and compile one variant against fake tensors with symbolic N, T, H, HV, P."""
     N, T, H, HV, P = (cute.sym_int32() for _ in range(5))
@@ -702,4 +736,7 @@ def _build(key: tuple):
     arch = flags.pop("arch")
     for name in ("io_dtype", "g_dtype", "beta_dtype"):
         flags[name] = dsl_type(flags[name])
-    return _compile(KdaDecodeSm90(**flags), arch)
+    kernel = KdaDecodeBoxSm90 if flags.get("kv_tma") or flags.get("kv_cols") else KdaDecodeSm90
+    if kernel is KdaDecodeSm90:
+        flags.pop("kv_tma", None)
+    return _compile(kernel(**flags), arch)
