@@ -158,19 +158,20 @@ def kda_flops(lens: tuple[int, ...], hv: int = HV, k: int = K, v: int = V, chunk
     return total * hv
 
 
-def kda_bytes(lens: tuple[int, ...], h: int = H, hv: int = HV, k: int = K, v: int = V) -> int:
-    """Compulsory DRAM traffic: bf16 q, k, v, g, beta in and o out; fp32 state in and out; gate params."""
+def kda_bytes(lens: tuple[int, ...], h: int = H, hv: int = HV, k: int = K, v: int = V, gate_k: int = K) -> int:
+    """Compulsory DRAM traffic: bf16 q, k, v, g, beta in and o out; fp32 state in and out; gate params.
+    ``gate_k``: gate values a token and head (K for KDA, 1 for Gated DeltaNet's scalar gate)."""
     t, n = sum(lens), len(lens)
-    activations = 2 * t * (2 * h * k + hv * v + hv * k + hv + hv * v)
+    activations = 2 * t * (2 * h * k + hv * v + hv * gate_k + hv + hv * v)
     states = 2 * 4 * n * hv * k * v
-    params = 4 * hv + 4 * hv * k
+    params = 4 * hv + 4 * hv * gate_k
     return activations + states + params
 
 
-def input_set_bytes(cfg: Config) -> int:
+def input_set_bytes(cfg: Config, gate_k: int = K) -> int:
     """Bytes read from inputs by one call: what rotation must keep out of L2."""
     t = sum(cfg.lens)
-    return 2 * t * (2 * H * K + HV * V + HV * K + HV) + 4 * cfg.N * HV * K * V
+    return 2 * t * (2 * H * K + HV * V + HV * gate_k + HV) + 4 * cfg.N * HV * K * V
 
 
 def make_shared(cfg: Config, device: str | None = None) -> dict[str, Any]:
@@ -218,10 +219,25 @@ CALL_FLAGS = {
 }
 
 
-def bind(fn: Callable, tensors: dict, shared: dict) -> Callable[[], Any]:
-    """Zero-argument call of ``fn`` on one input set with the suite's flags."""
-    kwargs = {**tensors, **shared, **CALL_FLAGS}
+def bind(fn: Callable, tensors: dict, shared: dict, flags: dict | None = None) -> Callable[[], Any]:
+    """Zero-argument call of ``fn`` on one input set with the suite's flags (``CALL_FLAGS`` unless given)."""
+    kwargs = {**tensors, **shared, **(CALL_FLAGS if flags is None else flags)}
     return lambda: fn(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What a prefill suite calls: its inputs, flags, backend registry and gate width (KDA's here; the Gated
+    DeltaNet suite, ``bench_gdn_prefill.py``, has its own)."""
+
+    make_shared: Callable[..., dict]
+    make_set: Callable[..., dict]
+    flags: dict
+    registry: str
+    gate_k: int
+
+
+KDA = Workload(make_shared, make_set, CALL_FLAGS, BACKEND_REGISTRY, K)
 
 
 def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
@@ -230,17 +246,17 @@ def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
 
 
 def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
-               ceilings: dict[str, float]) -> dict[str, Any]:
+               ceilings: dict[str, float], work: Workload = KDA) -> dict[str, Any]:
     """Check then time both implementations on one config; returns the result row."""
-    shared = make_shared(cfg)
-    sets = bc.rotation_sets(cfg, make_set, input_set_bytes(cfg), args.l2)
+    shared = work.make_shared(cfg)
+    sets = bc.rotation_sets(cfg, work.make_set, input_set_bytes(cfg, work.gate_k), args.l2)
     errors: dict[str, str] = {}
     record = bc.error_recorder(errors, cfg.name)
 
-    fla_out = bind(fla_fn, sets[0], shared)()
+    fla_out = bind(fla_fn, sets[0], shared, work.flags)()
     backend = "unknown"
     try:
-        cula_out, backend = bc.call_recording_backend(bind(cula_fn, sets[0], shared), BACKEND_REGISTRY)
+        cula_out, backend = bc.call_recording_backend(bind(cula_fn, sets[0], shared, work.flags), work.registry)
         torch.cuda.synchronize()
         err, status = check(fla_out, cula_out)
         del cula_out
@@ -250,12 +266,12 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     del fla_out
     bc.warn_check(cfg.name, err, status)
 
-    fla_t, cula_t = bc.time_pair(lambda s: bind(fla_fn, s, shared),
-                                 (lambda s: bind(cula_fn, s, shared)) if status != "FAIL" else None,
-                                 sets, args, record)
+    fla_t, cula_t = bc.time_pair(lambda s: bind(fla_fn, s, shared, work.flags),
+                                 (lambda s: bind(cula_fn, s, shared, work.flags)) if status != "FAIL" else None,
+                                 sets, args, record)  # fmt: skip
     fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)
 
-    nbytes, flops = kda_bytes(cfg.lens), kda_flops(cfg.lens)
+    nbytes, flops = kda_bytes(cfg.lens, gate_k=work.gate_k), kda_flops(cfg.lens)
     floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
     row = {
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,

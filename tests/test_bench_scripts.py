@@ -485,6 +485,20 @@ def test_lightning_decode_quick_on_gpu(tmp_path):
     assert paths["json"].name == "lightning_decode_subset.json"
 
 
+def test_gdn_prefill_inputs_run_on_the_reference():
+    """bench_gdn_prefill's inputs and flags make a valid Gated DeltaNet call (the CPU reference here)."""
+    gp = importlib.import_module("bench_gdn_prefill")
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    cfg = kp.Config("fixed", 1, 64, (64,))
+    x, shared = gp.make_set(cfg, 0, device="cpu"), gp.make_shared(cfg, device="cpu")
+    assert x["g"].shape == (1, 64, kp.HV) and shared["dt_bias"].shape == (kp.HV,)
+    o, ht = kp.bind(chunk_gated_delta_rule, x, shared, gp.CALL_FLAGS)()
+    assert o.shape == x["v"].shape and ht.shape == x["initial_state"].shape and not o.isnan().any()
+    with pytest.raises(SystemExit, match="time-parallel"):
+        gp.main(["--time-parallel"])
+
+
 def test_kda_time_parallel_cli():
     assert kp.parse_args(["--time-parallel"]).time_parallel and not kp.parse_args([]).time_parallel
     cfg = bc.time_split_suite(quick=True)[0]

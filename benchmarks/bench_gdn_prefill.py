@@ -1,0 +1,93 @@
+"""Gated DeltaNet prefill: cula's ``chunk_gated_delta_rule`` against FLA 0.6.0's, inference, H = HV = 64, K = V = 128.
+
+cula runs it on the KDA kernels (the scalar gate repeated over K, ``cula.gated_delta_rule.backends``); FLA on its
+own Gated DeltaNet kernels. The configs, timing, checks, floors and result format are ``bench_kda_prefill.py``'s
+(see its docstring), with Gated DeltaNet's inputs: g ``[B, T, HV]`` raw, the fused gate ``-exp(A_log) softplus(g
++ dt_bias)`` with ``A_log`` / ``dt_bias`` ``[HV]``, beta logits, q / k L2 norm in the kernel, ``[V, K]`` states.
+The table says whether cula's path is the faster one for inference (``cula.gated_delta_rule.backends`` routes
+there by default).
+
+Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import bench_kda_prefill as kp
+import common as bc
+import torch
+
+NAME = "gdn_prefill"
+BACKEND_REGISTRY = "cula.gated_delta_rule.backends:chunk_gdn_registry"
+CALL_FLAGS = {
+    "output_final_state": True,
+    "use_gate_in_kernel": True,
+    "use_qk_l2norm_in_kernel": True,
+    "use_beta_sigmoid_in_kernel": True,
+    "state_v_first": True,
+}
+
+
+def make_shared(cfg: kp.Config, device: str | None = None) -> dict[str, Any]:
+    """The gate parameters (per head) and, packed, both copies of cu_seqlens."""
+    device = device or kp.DEVICE
+    torch.manual_seed(bc.config_seed(NAME + cfg.name) + 1)
+    shared: dict[str, Any] = {
+        "A_log": torch.empty(kp.HV, dtype=torch.float32, device=device).uniform_(1, 16).log(),
+        "dt_bias": 0.1 * torch.randn(kp.HV, dtype=torch.float32, device=device),
+    }
+    if cfg.mode == "varlen":
+        shared.update(bc.cu_seqlens(cfg.lens, device))
+    return shared
+
+
+def make_set(cfg: kp.Config, index: int, device: str | None = None) -> dict[str, torch.Tensor]:
+    """One input set: q, k, v bf16, g and beta ``[B, T, HV]`` bf16, initial_state ``[N, HV, V, K]`` fp32."""
+    x = kp.make_set(cfg, index, device)
+    x["g"] = x["g"][..., 0].contiguous()
+    return x
+
+
+GDN = kp.Workload(make_shared, make_set, CALL_FLAGS, BACKEND_REGISTRY, gate_k=1)
+
+
+def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
+    """Run the suite; returns (meta, rows, written paths). FLA's own kernels (no FlashKDA, no cula through FLA's
+    dispatch) on the FLA side, as in bench_kda_prefill."""
+    args = kp.parse_args(argv)
+    if args.time_parallel:
+        raise SystemExit("--time-parallel is bench_kda_prefill.py's (and bench_lightning_prefill.py's) suite")
+    with bc.env_var("FLA_FLASH_KDA", "0"), bc.env_var("FLA_CULA", "0"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gdn_prefill needs a CUDA GPU")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
+
+    from cula.gated_delta_rule import chunk_gated_delta_rule as cula_fn
+
+    cfgs = bc.select_configs(kp.suite, args)
+    ceilings = bc.reported_ceilings(NAME)
+    t_start = time.perf_counter()
+    with torch.inference_mode():
+        run = bc.run_suite(cfgs, lambda cfg: kp.run_config(cfg, fla_fn, cula_fn, args, ceilings, GDN),
+                           args.max_seconds or None, t_start, name=NAME,
+                           progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)  # fmt: skip
+    meta: dict[str, Any] = {
+        "shape": {"H": kp.H, "HV": kp.HV, "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
+                  "gate": "[B, T, HV] scalar", "state": "float32"},  # fmt: skip
+        "call_flags": CALL_FLAGS,
+        **bc.run_meta(args, ceilings, kp.WARN_TOL, kp.FAIL_TOL),
+        **run.partial_note(len(cfgs), args.max_seconds),
+    }
+    paths = bc.write_suite(NAME, args, meta, run.rows, kp.MD_COLUMNS)
+    return meta, run.rows, paths
+
+
+if __name__ == "__main__":
+    main()
