@@ -140,11 +140,13 @@ def kda_parallel_segments():
 def gdn_chunk_and_decode():
     # Gated DeltaNet on the KDA kernels: the chunk path and the decode path (states into step states)
     from cula.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from cula.gated_delta_rule.plan import GDN_TUNING
 
     q, k, v = _r(1, 100, 1, 128), _r(1, 100, 1, 128), _r(1, 100, 2, 128)
     g, beta = -torch.rand(1, 100, 2, device=DEV), torch.rand(1, 100, 2, device=DEV)
     h0 = torch.randn(1, 2, 128, 128, device=DEV) * 0.1
-    with torch.inference_mode():
+    on_cula = GDN_TUNING.override(inference_chunk_on_cula=True, inference_decode_on_cula=True)
+    with torch.inference_mode(), on_cula:
         chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                use_qk_l2norm_in_kernel=True)  # fmt: skip
         fused_recurrent_gated_delta_rule(

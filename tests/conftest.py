@@ -125,3 +125,12 @@ def _lightning_table():
 
 
 lightning_tuning = _tuning_fixture(_lightning_table)
+
+
+def _gdn_table():
+    from cula.gated_delta_rule.plan import GDN_TUNING
+
+    return GDN_TUNING
+
+
+gdn_tuning = _tuning_fixture(_gdn_table)

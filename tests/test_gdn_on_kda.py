@@ -78,9 +78,14 @@ def test_matches_the_gdn_reference(fused, state_v_first, packed):
         assert_close(f"d{name}", grads_r[name], grads[name], 1e-4)
 
 
-def test_declines_what_the_kernels_do_not_take():
+def test_declines_what_the_kernels_do_not_take(gdn_tuning, pretend_sm90):
     x = _inputs(1, 8, 1, 1, 128, False, dtype=torch.bfloat16)
-    base = dict(q=x["q"], v=x["v"], g=x["g"], beta=x["beta"], chunk_size=64)
+    base = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], chunk_size=64)
+    # inference stays on FLA's kernels until measured; training always takes cula's path
+    ok, why = _cula_chunk_supports(**base)
+    assert not ok and "inference_chunk_on_cula" in why
+    assert _cula_chunk_supports(**dict(base, g=x["g"].clone().requires_grad_())) == (True, None)
+    gdn_tuning(inference_chunk_on_cula=True)
     assert _cula_chunk_supports(**base) == (True, None)
     for over, why in (
         ({"q": x["q"].float()}, "q dtype"),
@@ -150,13 +155,16 @@ def test_recurrent_decode_matches_the_gdn_reference(T, fused, state_v_first):
         assert torch.equal(h0, kept)
 
 
-def test_recurrent_declines_what_the_kernel_does_not_take():
+def test_recurrent_declines_what_the_kernel_does_not_take(gdn_tuning, pretend_sm90):
     from cula.gated_delta_rule.backends import _cula_recurrent_supports
 
     x = _inputs(2, 1, 1, 1, 128, False, dtype=torch.bfloat16)
     h0 = torch.zeros(2, 1, 128, 128)
     base = dict(q=x["q"], v=x["v"], g=x["g"], gk=None, gv=None, beta=x["beta"], initial_state=h0,
                 state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None)  # fmt: skip
+    ok, why = _cula_recurrent_supports(**base)
+    assert not ok and "inference_decode_on_cula" in why  # until measured
+    gdn_tuning(inference_decode_on_cula=True)
     assert _cula_recurrent_supports(**base) == (True, None)
     for over, why in (
         ({"cu_seqlens": torch.tensor([0, 1, 2])}, "cu_seqlens"),
@@ -174,7 +182,7 @@ def test_recurrent_declines_what_the_kernel_does_not_take():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4])
-def test_recurrent_decode_on_hopper_cuda(T):
+def test_recurrent_decode_on_hopper_cuda(T, gdn_tuning):
     """``fused_recurrent_gated_delta_rule`` decode calls on cula's kernel against the float64 reference and FLA's
     kernel, NaN-poisoned outputs, the caller's states untouched."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -184,6 +192,7 @@ def test_recurrent_decode_on_hopper_cuda(T):
     from cula.gated_delta_rule import fused_recurrent_gated_delta_rule
     from cula.gated_delta_rule.naive import reference_fused_recurrent_gated_delta_rule
 
+    gdn_tuning(inference_decode_on_cula=True)  # off on the H200 until measured
     x = _inputs(64, T, 4, 8, 128, True, dtype=torch.bfloat16, device="cuda")
     h0 = torch.randn(64, 8, 128, 128, device="cuda") * 0.1
     kept = h0.clone()

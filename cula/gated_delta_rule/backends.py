@@ -1,11 +1,12 @@
 """Backends of the Gated DeltaNet entry points (see ``cula.backends``).
 
-- ``cula-sm90`` (``chunk_gated_delta_rule``): Gated DeltaNet is KDA with one gate per head, so the call runs as
+- ``cula-sm90`` (``chunk_gated_delta_rule``; inference calls where ``cula.gated_delta_rule.plan.GDN_TUNING`` says
+  cula's path measured faster): Gated DeltaNet is KDA with one gate per head, so the call runs as
   ``cula.kda.chunk_kda`` with the gate (and the fused gate's ``dt_bias``) repeated over the K channels: the same
   recurrence, on cula's KDA kernels, and trainable on Hopper through KDA's training path (FLA 0.6.0's own gated
   backward refuses the Triton that PyTorch ships there); the gradient of the repeated gate is summed back by
   autograd. ``chunk_indices`` (FLA's precomputed chunk list) is not needed: cula builds its own.
-- ``cula-sm90`` (``fused_recurrent_gated_delta_rule``): decode-sized calls (1..8 tokens a sequence, fp32 states) on
+- ``cula-sm90`` (``fused_recurrent_gated_delta_rule``, where ``GDN_TUNING`` says so): decode-sized calls (1..8 tokens a sequence, fp32 states) on
   ``kda_decode``'s kernel, the gate repeated over K, the new states written beside the caller's.
 - ``fla``: FLA 0.6.0's Triton kernels, for what cula does not cover.
 - ``reference``: float32 PyTorch, the CPU path.
@@ -25,7 +26,14 @@ FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
 
 
-def _cula_chunk_supports(q, v, g, beta, chunk_size=64, cp_context=None, **_) -> tuple:
+def _cula_chunk_supports(
+    q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, chunk_size=64, cp_context=None, **_
+) -> tuple:  # fmt: skip
+    from cula.gated_delta_rule.plan import GDN_TUNING
+
+    training = needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    if not training and not GDN_TUNING.for_device(q.device).inference_chunk_on_cula:
+        return False, "inference runs on FLA's kernels on this GPU (GdnTuning.inference_chunk_on_cula)"
     if cp_context is not None:
         return False, "cp_context (context parallel) runs on fla"
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -122,8 +130,12 @@ def _cula_recurrent_supports(q, v, g, gk, gv, beta, initial_state, state_v_first
                              **_) -> tuple:  # fmt: skip
     from cula._validate import DECODE_MAX_TOKENS, pool_layout_verdict
 
+    from cula.gated_delta_rule.plan import GDN_TUNING
+
     if needs_grad(q, v, g, beta, initial_state, A_log, dt_bias):
         return False, "autograd (cula's decode kernel is forward-only)"
+    if not GDN_TUNING.for_device(q.device).inference_decode_on_cula:
+        return False, "decode runs on FLA's kernel on this GPU (GdnTuning.inference_decode_on_cula)"
     if cu_seqlens is not None:
         return False, "cu_seqlens (the packed form) runs on fla; pass q as [N, T, H, K] for cula's kernel"
     if gk is not None or gv is not None or g is None:
