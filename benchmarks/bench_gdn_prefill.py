@@ -4,8 +4,8 @@ cula runs it on the KDA kernels (the scalar gate repeated over K, ``cula.gated_d
 own Gated DeltaNet kernels. The configs, timing, checks, floors and result format are ``bench_kda_prefill.py``'s
 (see its docstring), with Gated DeltaNet's inputs: g ``[B, T, HV]`` raw, the fused gate ``-exp(A_log) softplus(g
 + dt_bias)`` with ``A_log`` / ``dt_bias`` ``[HV]``, beta logits, q / k L2 norm in the kernel, ``[V, K]`` states.
-The table says whether cula's path is the faster one for inference (``cula.gated_delta_rule.backends`` routes
-there by default).
+The table says whether cula's path is the faster one for inference: ``GdnTuning.inference_chunk_on_cula``
+(``cula/gated_delta_rule/plan.py``) is set from it; the run forces cula's path on for the cula column.
 
 Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph]``.
 """
@@ -70,11 +70,12 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
 
     from cula.gated_delta_rule import chunk_gated_delta_rule as cula_fn
+    from cula.gated_delta_rule.plan import GDN_TUNING
 
     cfgs = bc.select_configs(kp.suite, args)
     ceilings = bc.reported_ceilings(NAME)
     t_start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True):
         run = bc.run_suite(cfgs, lambda cfg: kp.run_config(cfg, fla_fn, cula_fn, args, ceilings, GDN),
                            args.max_seconds or None, t_start, name=NAME,
                            progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)  # fmt: skip
