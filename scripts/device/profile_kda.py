@@ -166,7 +166,7 @@ def ncu_target() -> None:
 
 def decode_inputs(N: int = 64, P: int = 128) -> dict:
     """One T=1 decode step's inputs at HV=64, K=V=128: q, k, v, g, beta, a fp32 pool of P states, N random pool
-    rows, A_log and Lightning's decay (also used by decode_dram.py)."""
+    rows, A_log and Lightning's decay."""
     torch.manual_seed(0)
     q, k, v, g = (torch.randn(N, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     return dict(
