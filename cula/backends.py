@@ -279,6 +279,22 @@ def tensor_sig(t: torch.Tensor | None) -> tuple | None:
         return (type(t),)  # not a tensor: validation will say so
 
 
+def token_sigs(q, k, v, g, beta) -> tuple:
+    """``tensor_sig`` of the five token tensors of a call, written out in one frame (five calls of it cost a
+    microsecond or two of a repeated call's host time); on anything that is not a tensor, the five ``tensor_sig``
+    (validation will then say what is wrong)."""
+    try:
+        return (
+            q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
+            k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15,
+            v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15,
+            g.shape, g.stride(), g.dtype, g.device, g.data_ptr() & 15,
+            beta.shape, beta.stride(), beta.dtype, beta.device, beta.data_ptr() & 15,
+        )  # fmt: skip
+    except (AttributeError, TypeError):
+        return (tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta))
+
+
 _PLAIN_SCALARS = (type(None), bool, int, float, str)
 
 

@@ -13,7 +13,7 @@ from cula._validate import (
     resolve_state_layout,
     take_extra_kwargs,
 )
-from cula.backends import PlanCache, env_reader, forced_backend, tensor_sig
+from cula.backends import PlanCache, env_reader, forced_backend, tensor_sig, token_sigs
 from cula.kda._args import check_kda_inputs
 from cula.kda.backends import chunk_kda_registry
 
@@ -126,7 +126,7 @@ def chunk_kda(
             tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
             grad = torch.is_grad_enabled() and tuple(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
             key = (
-                *(tokens or _token_sigs(q, k, v, g, beta)),
+                *(tokens or token_sigs(q, k, v, g, beta)),
                 None if initial_state is None else tensor_sig(initial_state),
                 None if A_log is None else tensor_sig(A_log), None if dt_bias is None else tensor_sig(dt_bias),
                 flags, forced_backend(), _read_intra_mode(), grad, torch.is_inference_mode_enabled(),
@@ -181,21 +181,6 @@ def _plan(call: dict, positional: tuple[str, ...]) -> tuple:
     sequences, the two ``cu_seqlens``) in that order."""
     args = _checked(call)
     return chunk_kda_registry.plan(args["q"].device, args, positional=positional), args["scale"]
-
-
-def _token_sigs(q, k, v, g, beta) -> tuple:
-    """``tensor_sig`` of the five token tensors, written out in one frame (five calls cost a microsecond or two of a
-    repeated call's host time)."""
-    try:
-        return (
-            q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
-            k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15,
-            v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15,
-            g.shape, g.stride(), g.dtype, g.device, g.data_ptr() & 15,
-            beta.shape, beta.stride(), beta.dtype, beta.device, beta.data_ptr() & 15,
-        )  # fmt: skip
-    except (AttributeError, TypeError):  # not tensors: validation will say so
-        return (tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta))
 
 
 def _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | None:

@@ -19,7 +19,9 @@ from cula._validate import (
     is_dense,
     pool_layout_verdict,
 )
-from cula.backends import PlanCache, Registry, always, cula_kernels_on, forced_backend, tensor_sig
+from cula.backends import (
+    PlanCache, Registry, always, cula_kernels_on, forced_backend, tensor_sig, token_sigs,
+)  # fmt: skip
 from cula.ops._host import gate_kind
 
 kda_decode_registry = Registry("kda.kda_decode")
@@ -152,18 +154,11 @@ def kda_decode_step(
                 lower_bound=lower_bound, state_v_first=state_v_first, out=out, step_states=step_states,
                 check_indices=check_indices,
             )  # fmt: skip
-        try:  # tensor_sig of the five token tensors, written out: five calls of it cost ~2 us of a ~15 us N=1 step
-            key = (
-                q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
-                k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15,
-                v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15,
-                g.shape, g.stride(), g.dtype, g.device, g.data_ptr() & 15,
-                beta.shape, beta.stride(), beta.dtype, beta.device, beta.data_ptr() & 15,
-                None if out is None else tensor_sig(out), None if step_states is None else tensor_sig(step_states),
-                forced_backend(),
-            )  # fmt: skip
-        except (AttributeError, TypeError):  # not a tensor: the full validation below names it
-            key = (tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta))
+        key = (
+            *token_sigs(q, k, v, g, beta),
+            None if out is None else tensor_sig(out), None if step_states is None else tensor_sig(step_states),
+            forced_backend(),
+        )  # fmt: skip
         tokens = plans.lookup(key, lambda: bound_plan(q, k, v, g, beta, out, step_states))
         if check_indices:
             check_pool_indices(state_indices, state_pool.shape[0])
