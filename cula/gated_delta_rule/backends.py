@@ -26,6 +26,13 @@ FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
 
 
+def _over_k(g: torch.Tensor, dt_bias: torch.Tensor | None, K: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scalar gate ``[..., HV]`` and the fused gate's ``dt_bias`` ``[HV]`` as KDA's per-channel ones (``[..., HV,
+    K]`` contiguous, ``[HV * K]``): the same recurrence on the KDA kernels."""
+    gk = g.unsqueeze(-1).expand(*g.shape, K).contiguous()
+    return gk, None if dt_bias is None else dt_bias.unsqueeze(-1).expand(dt_bias.shape[0], K).reshape(-1)
+
+
 def _cula_chunk_supports(
     q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, chunk_size=64, cp_context=None, **_
 ) -> tuple:  # fmt: skip
@@ -57,9 +64,7 @@ def _chunk_cula_sm90(
 ):  # fmt: skip
     from cula.kda import chunk_kda
 
-    K, HV = q.shape[-1], v.shape[2]
-    gk = g.unsqueeze(-1).expand(*g.shape, K).contiguous()
-    bias = None if dt_bias is None else dt_bias.unsqueeze(-1).expand(HV, K).reshape(HV * K)
+    gk, bias = _over_k(g, dt_bias, q.shape[-1])
     return chunk_kda(
         q, k, v, gk, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -167,14 +172,12 @@ def _recurrent_cula_sm90(
     states stay untouched, as in FLA."""
     from cula.kda import kda_decode
 
-    N, T, _H, K = q.shape
-    HV = v.shape[2]
+    N, T = q.shape[:2]
+    gk, bias = _over_k(g, dt_bias, q.shape[-1])
     steps = torch.empty((N, T) + tuple(initial_state.shape[1:]), dtype=torch.float32, device=q.device)
     o = kda_decode(
-        q, k, v, g.unsqueeze(-1).expand(N, T, HV, K).contiguous(),
-        torch.ones(N, T, HV, device=q.device) if beta is None else beta,
-        initial_state, torch.arange(N, dtype=torch.int32, device=q.device), A_log=A_log,
-        dt_bias=None if dt_bias is None else dt_bias.unsqueeze(-1).expand(HV, K).reshape(HV * K), scale=scale,
+        q, k, v, gk, torch.ones(N, T, v.shape[2], device=q.device) if beta is None else beta,
+        initial_state, torch.arange(N, dtype=torch.int32, device=q.device), A_log=A_log, dt_bias=bias, scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first, step_states=steps, check_indices=False,
