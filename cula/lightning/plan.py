@@ -12,12 +12,11 @@ The numbers are in ``LIGHTNING_TUNING``, one ``LightningTuning`` per compute cap
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from cula.ops.lightning.sm90.decode import compiled, tile_for, variant_key
-from cula.time_split import SplitThresholds
+from cula.time_split import SplitThresholds, sm_count
 from cula.tuning import TuningTable
 
 __all__ = [
@@ -93,11 +92,6 @@ def launch_key(
     )  # fmt: skip
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def lightning_decode_launcher(
     q: torch.Tensor,
     v: torch.Tensor,
@@ -129,7 +123,7 @@ def lightning_decode_launcher(
     if persistent is None:
         persistent = tuning.persistent_min_tokens is not None and q.shape[1] >= tuning.persistent_min_tokens
     if persistent:
-        ctas = min(ctas, _sm_count(q.device.index) * cfg.min_blocks_per_sm)
+        ctas = min(ctas, sm_count(q.device.index) * cfg.min_blocks_per_sm)
 
     def launch(q, k, v, decay, state, indices, out, scale):
         fn(q, k, v, decay, state, indices, out, scale, ctas)
