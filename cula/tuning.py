@@ -17,6 +17,8 @@ from typing import Generic, Iterator, TypeVar
 
 import torch
 
+import cula.arch  # read as cula.arch.device_arch at each call: tests stand in for it
+
 T = TypeVar("T")
 
 
@@ -32,9 +34,7 @@ class TuningTable(Generic[T]):
         return self._entries.get(arch, self.fallback) if arch is not None else self.fallback
 
     def for_device(self, device: torch.device) -> T:
-        from cula.arch import device_arch
-
-        return self.get(device_arch(device))
+        return self.get(cula.arch.device_arch(device))
 
     @contextlib.contextmanager
     def override(self, arch: tuple[int, int] = (9, 0), **changes) -> Iterator[T]:
