@@ -108,13 +108,20 @@ def test_strong_and_no_decay():
         assert_close(f"ht (gate x{scale_g})", ht_ref, ht, 1e-5)
 
 
-def test_planner_is_off_until_measured_and_cuts_when_told(monkeypatch, kda_tuning, pretend_sm90):
+def test_planner_cuts_where_measured_and_when_told(monkeypatch, kda_tuning, pretend_sm90):
     import cula.kda.plan as kp
 
     dev = torch.device("cuda", 0)
-    assert kp.KDA_TUNING.get((9, 0)).time_split is None
-    assert kp.parallel_segments(1, 65536, 4, None, None, dev) is None
     monkeypatch.setattr(kp, "sm_count", lambda index: 132)
+    # the H200's entry: the measured best segment lengths (4096 at 4 heads x 64K, 8192 at 8 heads x 64K), 16K and
+    # 16 heads whole
+    for hv, t, seg in ((4, 65536, 4096), (8, 65536, 8192), (4, 262144, 16384), (8, 262144, 32768)):
+        plan = kp.parallel_segments(1, t, hv, None, None, dev)
+        assert plan is not None and abs(plan.segment_len - seg) <= seg // 8, (hv, t, plan)
+    assert kp.parallel_segments(1, 16384, 4, None, None, dev) is None
+    assert kp.parallel_segments(1, 1 << 20, 16, None, None, dev) is None
+    kda_tuning(time_split=None)
+    assert kp.parallel_segments(1, 65536, 4, None, None, dev) is None
     kda_tuning(time_split=SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024, min_seq_len=4096))
     plan = kp.parallel_segments(1, 65536, 4, None, None, dev)
     assert plan is not None and plan.segment_len == 1024 and plan.num_segments == 64
