@@ -120,8 +120,32 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=256)
 def on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` as a device tensor, made once per (values, dtype, device): later calls of the same layout copy
-    nothing from the host (CUDA-graph capture refuses pageable copies)."""
-    return torch.tensor(values, dtype=dtype, device=device)
+    nothing from the host.
+
+    A CUDA-graph capture refuses pageable copies, so a layout first met while capturing is copied from pinned
+    memory instead: the graph replays that copy, and both buffers live as long as the process (a graph may replay
+    any time). That tensor is the capture's own: an eager call before the first replay would read it unwritten,
+    so it never enters the eager cache. A cached tensor a capture uses is kept alive for good too."""
+    key = (values, dtype, device)
+    out = _ON_DEVICE.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if out is not None:
+        if capturing:  # the graph reads it at every replay: never freed by an eviction from the cache
+            _CAPTURED.append((out,))
+        return out
+    if capturing:
+        host = torch.tensor(values, dtype=dtype).pin_memory()
+        out = host.to(device, non_blocking=True)
+        _CAPTURED.append((host, out))
+        return out
+    if len(_ON_DEVICE) >= _ON_DEVICE_MAX:
+        _ON_DEVICE.pop(next(iter(_ON_DEVICE)))  # the oldest layout
+    out = _ON_DEVICE[key] = torch.tensor(values, dtype=dtype, device=device)
+    return out
+
+
+_ON_DEVICE: dict[tuple, torch.Tensor] = {}
+_ON_DEVICE_MAX = 256
+_CAPTURED: list[tuple[torch.Tensor, ...]] = []

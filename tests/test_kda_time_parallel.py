@@ -174,3 +174,39 @@ def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, kda_tuning):
                                         **ref_kw)  # fmt: skip
     assert_close("o vs f64", o_ref, o.cpu(), 5e-3)
     assert_close("ht vs f64", ht_ref, ht.cpu(), 5e-3)
+
+
+@pytest.mark.gpu
+def test_chunk_kda_cut_captured_first_cuda(kda_tuning):
+    """A cut layout first met inside a CUDA-graph capture (its segment tables copied from pinned memory by the graph)
+    replays to the eager cut call's bits, and an eager call after the capture (before and after the replay) is
+    right too: the capture's tables never serve it unwritten."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.kda import chunk_kda
+
+    torch.manual_seed(1)
+    H, D, T = 2, 128, 12352  # a length no other test cuts, so its tables are not cached yet
+    q, k, v, g = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    beta = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
+    A_log, dt_bias = torch.randn(H, device="cuda") * 0.5, torch.randn(H * D, device="cuda") * 0.5
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-1.0, A_log=A_log, dt_bias=dt_bias)
+    kda_tuning(time_split=SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024, min_seq_len=4096))
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            o_g, ht_g = chunk_kda(q, k, v, g, beta, **kw)
+        torch.cuda.current_stream().wait_stream(stream)
+        o_e, ht_e = chunk_kda(q, k, v, g, beta, **kw)  # before any replay
+        graph.replay()
+        torch.cuda.synchronize()
+        o_e2, ht_e2 = chunk_kda(q, k, v, g, beta, **kw)
+        kda_tuning(time_split=None)
+        o_s, ht_s = chunk_kda(q, k, v, g, beta, **kw)
+    assert torch.equal(o_g, o_e) and torch.equal(ht_g, ht_e)
+    assert torch.equal(o_e2, o_e) and torch.equal(ht_e2, ht_e)
+    assert_close("o vs serial", o_s, o_e, 5e-3)
+    assert_close("ht vs serial", ht_s, ht_e, 5e-3)
