@@ -109,6 +109,26 @@ def stubbed_kernels(monkeypatch, pretend_sm90):
     return seen
 
 
+def test_packed_plan_cuts_only_long_packs(stubbed_kernels, monkeypatch, kda_tuning):
+    """A packed signature keeps its one-call launch while the time split (``KdaTuning.time_split``) would not cut
+    the call's lengths, and takes the cut general path, the segment summary first, for a call it would cut."""
+    from cula.ops.kda.sm90 import segment_summary
+    from cula.time_split import SplitThresholds
+
+    summaries = []
+    monkeypatch.setattr(segment_summary, "compiled_variant", lambda **kw: lambda *a: summaries.append(a[-1]))
+    kda_tuning(time_split=SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=64, min_seq_len=256))
+    for lens, cut in (([100, 10], False), ([300, 10], True), ([120, 30], False)):
+        x = _kda_inputs(1, sum(lens), 2, 4, len(lens), torch.Generator().manual_seed(0), device="cpu")
+        cu = make_cu_seqlens(lens)
+        stubbed_kernels.clear()
+        summaries.clear()
+        with torch.no_grad():
+            chunk_kda(**x, **SAFE_GATE, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+        assert [path for path, _ in stubbed_kernels] == ["general" if cut else "plan"], lens
+        assert summaries == ([6] if cut else []), lens  # 300 tokens in 5 segments of up to 64, the short one whole
+
+
 @pytest.mark.parametrize("host_copy", [True, False], ids=["cu_seqlens_cpu", "device_only"])
 def test_capture_takes_the_device_chunk_indices(stubbed_kernels, monkeypatch, host_copy):
     """While capturing (simulated), the plan (with ``cu_seqlens_cpu``) and the general path (without) make their chunk

@@ -46,6 +46,19 @@ def _states_model(w, u, kg, qg, g, Aqk, o, h0, ht, cu, *, scale, state_v_first, 
             ht[n] = (S.transpose(-1, -2) if state_v_first else S).to(ht.dtype)
 
 
+def _summary_model(w, u, kg, g, starts, summary, cu, *, state_v_first):
+    """The segment-summary kernel's contract (``segment_summary_kernel.py``) from the state model: E of head h
+    (from ``starts`` or zero) at h, R of head h (from the identity, u = 0) at HV + h."""
+    M, o = cu.numel() - 1, torch.empty(u.shape, dtype=u.dtype)
+    eye = torch.eye(K).expand(M, HV, K, K).contiguous()
+    E, R = torch.empty(M, HV, K, V), torch.empty(M, HV, K, V)
+    kw = dict(scale=1.0, state_v_first=state_v_first, aqk_causal=True)
+    zeros, no_scores = torch.zeros_like(u), torch.zeros(u.shape[:-1] + (BT,))
+    _states_model(w, u, kg, torch.zeros_like(kg), g, no_scores, o, starts, E, cu, **kw)
+    _states_model(w, zeros, kg, torch.zeros_like(kg), g, no_scores, o, eye, R, cu, **kw)
+    summary.copy_(torch.cat((E, R), dim=1))
+
+
 def _intermediates(total: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -70,7 +83,8 @@ def _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht, see
     assert plan is not None
     o = torch.full_like(o_ref, float("nan"))
     ht = torch.full(shape, float("nan")) if with_ht else None
-    parallel_segment_states(plan, w, u, kg, qg, g, Aqk, o, h0, ht, states_fn=_states_model, **kw)
+    parallel_segment_states(plan, w, u, kg, qg, g, Aqk, o, h0, ht, states_fn=_states_model,
+                            summary_fn=_summary_model, **kw)  # fmt: skip
     return (o_ref, ht_ref), (o, ht), plan
 
 
@@ -103,7 +117,7 @@ def test_strong_and_no_decay():
         _states_model(w, u, kg, qg, g, Aqk, ref, None, ht_ref, make_cu_seqlens([total]), **kw)
         o, ht = torch.empty_like(ref), torch.empty_like(ht_ref)
         parallel_segment_states(split_plan([total], 64), w, u, kg, qg, g, Aqk, o, None, ht, states_fn=_states_model,
-                                **kw)  # fmt: skip
+                                summary_fn=_summary_model, **kw)  # fmt: skip
         assert_close(f"o (gate x{scale_g})", ref, o, 1e-5)
         assert_close(f"ht (gate x{scale_g})", ht_ref, ht, 1e-5)
 

@@ -27,6 +27,7 @@ import torch
 from cula.kda.plan import KDA_TUNING, parallel_segments, time_segments, use_cula_intra
 from cula.ops._host import dsl_name, gate_kind, placeholder
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90
 from cula.time_split import on_device
 
 __all__ = ["chunk_kda_fwd_sm90"]
@@ -157,69 +158,80 @@ def chunk_kda_fwd_sm90(
 
 def parallel_segment_states(
     plan, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, *, scale, state_v_first, aqk_causal,
-    states_fn=chunk_kda_delta_h_fwd_o_sm90,
+    states_fn=chunk_kda_delta_h_fwd_o_sm90, summary_fn=chunk_kda_segment_summary_sm90,
 ):  # fmt: skip
     """The state recurrence and the output of ``plan``'s segments (``cula.time_split``) all at once, exactly.
 
     Over a segment the recurrence is affine in its start state: ``S_end = R S_start + E`` (``[K, V]`` states; for
     ``[V, K]`` ones ``S_end = S_start R + E``), ``R`` a ``K x K`` matrix (the product of the segment's chunk
-    transitions ``diag(exp2 g_last) - kg^T w``) and ``E`` the end state from a zero start. So, with every segment a
-    sequence of one packed call of the state/output kernel (``states_fn``), three calls give everything:
+    transitions ``diag(exp2 g_last) - kg^T w``) and ``E`` the end state from a zero start. With every segment a
+    sequence of one packed call:
 
-    1. from zero starts (the caller's initial state for each sequence's first segment): ``E``;
-    2. from the identity with ``u = 0``: ``R`` (no input enters, so the end state is the transition itself);
-    3. from the true start states, made in between by a segmented scan over the segments of each sequence
-       (``log2`` of their count steps of batched 128 x 128 products, in float64): the outputs and final states.
+    1. ``summary_fn`` (``segment_summary_kernel.py``): E and R of every segment in one launch, E of a sequence's
+       first segment from the caller's initial state;
+    2. the true start states, segment by segment along each sequence (all sequences at once): a sequence's
+       ``j``-th segment starts where its ``j - 1``-th ends, ``end = start R + E``; fp32 products, finer than the
+       kernels' bf16 copies of the state;
+    3. ``states_fn`` (the state/output kernel) from the true starts: the outputs and the final states.
 
-    Each call runs segments x value heads CTAs, where the serial kernel runs sequences x value heads, each walking
-    its whole sequence. The intermediates (``w, u, kg, qg, g_cum, Aqk`` of the intra stage) are the serial path's:
-    segments start on chunk boundaries of their sequence, so every chunk is the same chunk."""
+    Each kernel runs segments x value heads CTAs (twice that for 1), where the serial kernel runs sequences x value
+    heads, each walking its whole sequence. The intermediates (``w, u, kg, qg, g_cum, Aqk`` of the intra stage) are
+    the serial path's: segments start on chunk boundaries of their sequence, so every chunk is the same chunk."""
     B, T, HV, K = w.shape
     V = u.shape[-1]
     M, N = plan.num_segments, len(plan.lengths)
     dev = w.device
     seg_cu = on_device(plan.bounds, torch.int32, dev)
-    seq_of = on_device(tuple(n for n in range(N) for _ in plan.segments_of(n)), torch.long, dev)
     first = on_device(plan.first_segment, torch.long, dev)
     last = on_device(tuple(plan.segments_of(n)[-1] for n in range(N)), torch.long, dev)
 
-    def packed(t):
-        return t.view((1, B * T) + tuple(t.shape[2:]))
-
-    W, U, KG, QG, G, A = (packed(t) for t in (w, u, kg, qg, g_cum, Aqk))
-    shape = (M, HV, V, K) if state_v_first else (M, HV, K, V)
-    scratch = torch.empty_like(packed(o))  # the first two calls' outputs, not wanted
-    kw = dict(scale=scale, state_v_first=state_v_first, aqk_causal=aqk_causal)
-
-    starts = torch.zeros(shape, dtype=torch.float32, device=dev)
+    W, U, KG, QG, G, A, O = (t.view(1, B * T, HV, t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
+    inner = (V, K) if state_v_first else (K, V)
+    starts = None
     if initial_state is not None:
+        starts = torch.zeros((M, HV) + inner, dtype=torch.float32, device=dev)
         starts.index_copy_(0, first, initial_state)
-    E = torch.empty(shape, dtype=torch.float32, device=dev)
-    states_fn(W, U, KG, QG, G, A, scratch, starts, E, seg_cu, **kw)
-    eye = torch.eye(K, dtype=torch.float32, device=dev).expand(shape).contiguous()
-    R = torch.empty(shape, dtype=torch.float32, device=dev)
-    states_fn(W, torch.zeros_like(U), KG, QG, G, A, scratch, eye, R, seg_cu, **kw)
-
-    # inclusive scan: (R, E) of segment i becomes the composition of its sequence's segments up to i
-    R, E = R.double(), E.double()
-    d = 1
-    while d < M:
-        same = (seq_of[d:] == seq_of[:-d]).view(-1, 1, 1, 1)
-        R_i, E_i, R_j, E_j = R[d:], E[d:], R[:-d], E[:-d]  # j = i - d runs first
-        if state_v_first:
-            R_new, E_new = R_j @ R_i, E_j @ R_i + E_i
-        else:
-            R_new, E_new = R_i @ R_j, R_i @ E_j + E_i
-        R = torch.cat((R[:d], torch.where(same, R_new, R_i)))
-        E = torch.cat((E[:d], torch.where(same, E_new, E_i)))
-        d *= 2
-    # a segment starts where its predecessor in the same sequence ends (first segments: as in call 1)
-    follows = torch.cat((seq_of.new_zeros(1, dtype=torch.bool), seq_of[1:] == seq_of[:-1])).view(-1, 1, 1, 1)
-    true_starts = torch.where(follows, torch.cat((E[:1], E[:-1])).float(), starts).contiguous()
-    ends = torch.empty(shape, dtype=torch.float32, device=dev) if final_state is not None else None
-    states_fn(W, U, KG, QG, G, A, packed(o), true_starts, ends, seg_cu, **kw)
+    summary = torch.empty((M, 2 * HV) + inner, dtype=torch.float32, device=dev)
+    summary_fn(W, U, KG, G, starts, summary, seg_cu, state_v_first=state_v_first)
+    true_starts = _chain_segments(plan, summary[:, :HV], summary[:, HV:], starts, first, state_v_first)
+    ends = torch.empty((M, HV) + inner, dtype=torch.float32, device=dev) if final_state is not None else None
+    states_fn(W, U, KG, QG, G, A, O, true_starts, ends, seg_cu, scale=scale, state_v_first=state_v_first,
+              aqk_causal=aqk_causal)  # fmt: skip
     if final_state is not None:
         final_state.copy_(ends.index_select(0, last))
+
+
+def _chain_segments(plan, E, R, starts, first, state_v_first):
+    """Every segment's true start state from its E and R (``parallel_segment_states``): ``[M, HV, ...]`` fp32.
+
+    Step ``j`` advances every sequence with more than ``j`` segments by one segment; fixed-length batches (every
+    sequence cut alike) take strided views, packed ones index lists (made once per layout)."""
+    M, N, dev = plan.num_segments, len(plan.lengths), E.device
+    counts = [len(plan.segments_of(n)) for n in range(N)]
+
+    def advance(prev, R_j, E_j):
+        return E_j + (prev @ R_j if state_v_first else R_j @ prev)
+
+    ends = E.contiguous()  # a copy (E is every other head block of the summary); a first segment's E is its end
+    if len(set(counts)) == 1:
+        m = counts[0]
+        ends5, R5 = ends.view((N, m) + ends.shape[1:]), R.view((N, m) + R.shape[1:])
+        for j in range(1, m):
+            ends5[:, j] = advance(ends5[:, j - 1], R5[:, j], ends5[:, j])
+    else:
+        for j in range(1, max(counts)):
+            at = tuple(plan.first_segment[n] + j for n in range(N) if counts[n] > j)
+            idx = on_device(at, torch.long, dev)
+            prev = on_device(tuple(i - 1 for i in at), torch.long, dev)
+            ends.index_copy_(0, idx, advance(ends.index_select(0, prev), R.index_select(0, idx),
+                                             ends.index_select(0, idx)))  # fmt: skip
+    true_starts = torch.empty_like(ends)
+    true_starts[1:] = ends[:-1]
+    if starts is not None:
+        true_starts.index_copy_(0, first, starts.index_select(0, first))
+    else:
+        true_starts.index_fill_(0, first, 0.0)
+    return true_starts
 
 
 def _launch_buffers(B, T, HV, K, dt, o_dtype, dev, state_shape, output_final_state):
@@ -388,8 +400,6 @@ def prepare_chunk_kda_fwd_sm90(
         return None
     if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
         return None
-    if varlen and KDA_TUNING.for_device(q.device).time_split is not None:
-        return None  # whether to cut depends on each call's lengths: the general path decides per call
     if not varlen and parallel_segments(B, T, HV, None, None, q.device) is not None:
         return None
     if not all(t.is_contiguous() for t in (q, k, v, g, beta)):
@@ -414,7 +424,28 @@ def prepare_chunk_kda_fwd_sm90(
     if varlen:
         fn = fwd_launch.compiled_variant(intra_options, state_options, varlen=True)
         gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
-        return _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb)
+        launch = _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state,
+                                lb)  # fmt: skip
+        thresholds = KDA_TUNING.for_device(dev).time_split
+        if thresholds is None:
+            return launch
+        flags = dict(
+            use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, safe_gate=safe_gate,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval,
+        )  # fmt: skip
+
+        def launch_or_cut(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu, **_):
+            # whether to cut depends on each call's lengths; only a pack holding a long sequence can be cut
+            T = q.shape[1]
+            if T >= thresholds.min_seq_len and parallel_segments(1, T, HV, cu_seqlens, cu_seqlens_cpu, dev):
+                return chunk_kda_fwd_sm90(
+                    q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                    cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias, **flags,
+                )  # fmt: skip
+            return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
+
+        return launch_or_cut
 
     no_cu = placeholder(dev, torch.int32, (2,))  # the fixed-length kernels' unread cu_seqlens
     bounds = time_segments(B, T, HV, dev)

@@ -80,6 +80,15 @@ def check_chunk():
             ro, rs = reference(chunk_kda, **xp, **CHUNK_FLAGS, cu_seqlens=cu)
             report(f"chunk_kda packed, call {i + 1}: o", o, ro, 1e-2)
             report(f"chunk_kda packed, call {i + 1}: final state", s, rs, 1e-2)
+        # the same pack cut in time (the segment summary, then the packed state/output kernel)
+        from cula.kda.plan import KDA_TUNING
+        from cula.time_split import SplitThresholds
+
+        cut = SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=128, min_seq_len=256)
+        with KDA_TUNING.override((9, 0), time_split=cut):
+            o, s = chunk_kda(**xp, **CHUNK_FLAGS, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+        report("chunk_kda packed, cut in time: o", o, ro, 1e-2)
+        report("chunk_kda packed, cut in time: final state", s, rs, 1e-2)
     names = ("q", "k", "v", "g", "beta")
     grads = {}
     for label, run in (("cula", chunk_kda), ("reference", lambda **a: reference(chunk_kda, **a))):

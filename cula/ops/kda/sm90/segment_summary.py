@@ -1,0 +1,87 @@
+"""KDA time-parallel forward, first pass on SM90: the host side (compile keys, launch).
+
+The kernel, ``SegmentSummarySm90`` (every segment's end state and transition in one launch), and its description
+are in ``segment_summary_kernel.py``, imported (with the CuTe DSL) only to compile a variant; see
+``cula.ops._host``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula.cache import compiled_kernel
+from cula.ops._host import dsl_name, kernel_attr, placeholder
+
+__all__ = ["chunk_kda_segment_summary_sm90", "compiled", "compiled_variant", "variant_key"]
+
+IO_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def __getattr__(name):
+    return kernel_attr(__name__, name)
+
+
+def variant_key(dtype="BFloat16", has_h0=False, state_v_first=False, arch=(9, 0)) -> tuple:
+    """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype."""
+    return ("kda.segment_summary", "SegmentSummarySm90", dsl_name(dtype), 128, 128, 64, has_h0, state_v_first, arch)
+
+
+def compiled(key: tuple):
+    """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
+    dtype, _K, _V, _BT, has_h0, state_v_first, arch = key[2:]
+    return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(dtype, has_h0, state_v_first, arch))
+
+
+def compiled_variant(**options):
+    """``compiled(variant_key(**options))``."""
+    return compiled(variant_key(**options))
+
+
+def chunk_kda_segment_summary_sm90(
+    w: torch.Tensor,
+    u: torch.Tensor,
+    kg: torch.Tensor,
+    g: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    state_v_first: bool = False,
+) -> None:
+    """Every segment's end state E and transition R (``segment_summary_kernel.py``), written into ``ends``.
+
+    Args:
+        w, u, kg: ``[1, T, HV, 128]`` bf16/fp16, the intra stage's (as for ``chunk_kda_delta_h_fwd_o_sm90``).
+        g: ``[1, T, HV, 128]`` fp32, the chunk-local cumsum of the log2 gate.
+        starts: ``[M, HV, K, V]`` fp32 (``[M, HV, V, K]`` if ``state_v_first``), each segment's given start
+            state, or None for zeros.
+        ends: ``[M, 2 HV, ...]`` fp32, the same layout: E of head h at h, R at ``HV + h``.
+        segments: ``[M + 1]`` int32, the segments' token bounds (each a whole number of 64-token chunks but the
+            last of a sequence).
+    """
+    B, T, HV, K = w.shape
+    if B != 1 or K != 128 or u.shape[-1] != 128:
+        raise ValueError(f"expected packed [1, T, HV, 128] operands, got w {tuple(w.shape)}, u {tuple(u.shape)}")
+    if w.dtype not in IO_DTYPES:
+        raise ValueError(f"w/u/kg must be bf16 or fp16, got {w.dtype}")
+    for name, t, dtype in (("u", u, w.dtype), ("kg", kg, w.dtype), ("g", g, torch.float32)):
+        if tuple(t.shape) != tuple(w.shape) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous {tuple(w.shape)} {dtype}, got {tuple(t.shape)} {t.dtype}")
+    if segments.dtype != torch.int32:
+        raise ValueError(f"segments must be int32, got {segments.dtype}")
+    M = segments.numel() - 1
+    for name, t, heads in (("starts", starts, HV), ("ends", ends, 2 * HV)):
+        if t is not None and (tuple(t.shape) != (M, heads, K, K) or t.dtype != torch.float32
+                              or not t.is_contiguous()):  # fmt: skip
+            raise ValueError(f"{name}: expected contiguous {(M, heads, K, K)} float32, got {tuple(t.shape)} {t.dtype}")
+    if M == 0 or HV == 0 or T == 0:
+        return
+    fn = compiled_variant(dtype=dsl_name(w.dtype), has_h0=starts is not None, state_v_first=state_v_first)
+
+    def flat(t):
+        return t.view(T, HV, K)
+
+    fn(
+        flat(w), flat(u), flat(kg), flat(g),
+        starts if starts is not None else placeholder(w.device, torch.float32, (1, 1, K, K)), ends, segments, M,
+    )  # fmt: skip

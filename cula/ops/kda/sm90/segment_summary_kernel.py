@@ -1,0 +1,322 @@
+"""KDA time-parallel forward, first pass on SM90: every segment's end state and its transition in one launch.
+
+Over a segment of whole chunks the KDA recurrence is affine in the segment's start state (``cula.kda.forward``'s
+``parallel_segment_states``): with ``S`` the ``[K, V]`` state, per chunk ``v_new = u - w S`` and
+``S <- diag(exp2 g_last) S + kg^T v_new``, so ``S_end = R S_start + E`` with
+
+    E = the end state from the segment's given start (zero, or the caller's state for a sequence's first segment)
+    R = the end state from the identity with u = 0   (the product of the chunks' ``diag(gamma) - kg^T w``)
+
+This kernel computes both for every segment (packed like sequences, ``cu_seqlens`` their bounds) without the
+output: CTA ``(h, n)`` of ``h < HV`` walks segment ``n`` of value head ``h`` for E; ``h >= HV`` walks the same
+segment of head ``h - HV`` for R. Both land in one ``[M, 2 HV, ...]`` state tensor (E then R along the head axis),
+in the caller's state layout. The arithmetic is the state/output kernel's (``delta_h_fwd_o_kernel.py``: fp32 state
+transposed in the accumulators, bf16 copies as the RS operand, FLA's rounding points); without ``qg``, ``Aqk`` and
+``o`` a chunk moves two thirds of the bytes and runs two of its four GEMMs::
+
+    GEMM1  v^T  = bf16(S^T) . w^T        M=V  N=BT K=K   B = w   tile [BT, K], K-major
+    GEMM4  S^T += bf16(v_new^T) . kg     M=V  N=K  K=BT  B = kg  tile [BT, K], MN-major
+
+A transition CTA loads u like the others (one transaction size for the pipeline) and ignores it. Rows past a
+segment's end are zeroed in v_new, as in the state/output kernel.
+
+Warp roles (384 threads, ``min_blocks_per_mp=1``):
+
+=========  =========  =====================================================================================
+warps      registers  role
+=========  =========  =====================================================================================
+0          40         ``_load_chunks``, the TMA producer: per chunk w, kg, u and the last valid g row
+1-3        40         idle
+4-11       232        ``_recurrence``, two consumer warpgroups (64 V rows each): GEMM1, decay, v_new, GEMM4
+=========  =========  =====================================================================================
+
+One ``PipelineTmaAsync`` of ``num_stages`` slots (4 by default, 49.7 KB each); the consumer warpgroups never meet.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from cula.cache import compile_options
+from cula.ops._host import dsl_type
+from cula.ops.cute_common import acc_as_a_frag
+
+__all__ = ["SegmentSummarySm90"]
+
+_SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
+
+
+class SegmentSummarySm90:
+    """End state E and transition R of every segment of a packed KDA call, sm_90a (see the module docstring).
+
+    Static configuration: element dtype of w/u/kg, K = V = 128, chunk size 64, pipeline depth, whether E starts
+    from given states, and the state layout. The number of segments, heads and tokens are runtime values.
+    """
+
+    arch = 90
+
+    def __init__(self, dtype=BFloat16, num_stages: int = 4, has_initial_state: bool = False,
+                 state_v_first: bool = False):  # fmt: skip
+        if dtype not in (BFloat16, Float16):
+            raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
+        self.dtype = dtype
+        self.dk = self.dv = 128
+        self.bt = 64
+        self.num_stages = num_stages
+        self.has_h0 = has_initial_state
+        self.state_v_first = state_v_first
+        self.num_consumer_wg = 2
+        self.num_threads = 128 * (1 + self.num_consumer_wg)
+        self.producer_regs, self.consumer_regs = 40, 232
+        elt = dtype.width // 8
+        self.stage_bytes = 3 * self.bt * self.dk * elt + self.dk * 4
+        if self.num_stages * self.stage_bytes + 1024 > _SMEM_BYTES_SM90:
+            raise ValueError(f"{num_stages} stages of {self.stage_bytes} B do not fit in shared memory")
+
+    @cute.jit
+    def __call__(
+        self,
+        mW: cute.Tensor,  # (T_total, HV, K)  dtype
+        mU: cute.Tensor,  # (T_total, HV, V)  dtype
+        mKg: cute.Tensor,  # (T_total, HV, K)  dtype
+        mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate
+        mH0: cute.Tensor,  # (M, HV, K, V) or (M, HV, V, K) fp32 start states; unread unless has_initial_state
+        mEnds: cute.Tensor,  # (M, 2 HV, K, V) or (M, 2 HV, V, K) fp32: E of head h at h, R at HV + h
+        mCu: cute.Tensor,  # (M + 1,) int32 segment bounds
+        num_segments: Int32,
+        stream: cuda.CUstream,
+    ):
+        dt, BT, DK, DV, S = self.dtype, self.bt, self.dk, self.dv, self.num_stages
+        w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[0, 2, 1]))  # (T, K, HV)
+        k_v = cute.make_tensor(mKg.iterator, cute.select(mKg.layout, mode=[2, 0, 1]))  # (K, T, HV)
+        u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
+        g_v = cute.make_tensor(mG.iterator, cute.select(mG.layout, mode=[2, 0, 1]))  # (K, T, HV)
+        hmode = [2, 3, 1, 0] if const_expr(self.state_v_first) else [3, 2, 1, 0]
+        h0_v = cute.make_tensor(mH0.iterator, cute.select(mH0.layout, mode=hmode))  # (V, K, HV, M)
+        ends_v = cute.make_tensor(mEnds.iterator, cute.select(mEnds.layout, mode=hmode))  # (V, K, 2 HV, M)
+
+        mma_v = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (self.num_consumer_wg, 1, 1), tiler_mn=(64, BT), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (self.num_consumer_wg, 1, 1), tiler_mn=(64, DK), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+
+        sW_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, DK), dt, S)  # (BT, K, S)
+        sK_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (K, BT, S)
+        sU_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (V, BT, S)
+        sG_l = cute.make_layout((DK, 1, S), stride=(1, DK, DK))  # (K, 1, S) fp32
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
+        tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sK_l, mode=[0, 1]), (DK, BT))
+        tma_u, tu = cpasync.make_tiled_tma_atom(g2s, u_v, cute.select(sU_l, mode=[0, 1]), (DV, BT))
+        tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), (DK, 1))
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, S * 2]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sW_l)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_l)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_l)], 1024]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sG_l)], 128]
+
+        self.storage = Storage
+        HV = mW.shape[1]
+        kernel = self.kernel(
+            tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, h0_v, ends_v, mCu, HV, mma_v, mma_s, sW_l, sK_l, sU_l, sG_l,
+        )  # fmt: skip
+        kernel.launch(
+            grid=(2 * HV, num_segments, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_w: cute.CopyAtom, tw: cute.Tensor,
+        tma_k: cute.CopyAtom, tk: cute.Tensor,
+        tma_u: cute.CopyAtom, tu: cute.Tensor,
+        tma_g: cute.CopyAtom, tg: cute.Tensor,
+        h0_v: cute.Tensor, ends_v: cute.Tensor, mCu: cute.Tensor, HV: Int32,
+        mma_v: cute.TiledMma, mma_s: cute.TiledMma,
+        sW_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
+    ):  # fmt: skip
+        S = self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        slot, n, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            for atom in (tma_w, tma_k, tma_u, tma_g):
+                cpasync.prefetch_descriptor(atom)
+        transition = slot >= HV
+        h = cutlass.select_(transition, slot - HV, slot)  # the value head whose tensors this CTA reads
+
+        bos = mCu[n]
+        seg_len = mCu[n + 1] - bos
+        num_chunks = (seg_len + self.bt - 1) // self.bt
+
+        storage = SmemAllocator().allocate(self.storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=S,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # consumer_release arrives once per warp (lane 0) without clusters
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
+            tx_count=self.stage_bytes,
+        )
+        sW = storage.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
+        sK = storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)
+        sU = storage.sU.get_tensor(sU_l.outer, swizzle=sU_l.inner)
+        sG = storage.sG.get_tensor(sG_l)
+
+        if wg_idx == 0:  # ------------------------------ producer ------------------------------
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
+                self._load_chunks(
+                    pipe, tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, sW, sK, sU, sG, h, bos, seg_len, num_chunks
+                )
+        else:  # ------------------------------ consumers ------------------------------
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._recurrence(
+                pipe, tidx, wg_idx, h, slot, n, transition, seg_len, num_chunks, mma_v, mma_s, sW, sK, sU, sG, h0_v,
+                ends_v,
+            )  # fmt: skip
+
+    @cute.jit
+    def _load_chunks(
+        self, pipe, tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, sW, sK, sU, sG, h, bos, seg_len, num_chunks
+    ):
+        """Producer (warp 0): each chunk's w, kg and u tiles and its decay row into the next stage."""
+        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
+        gW = cute.local_tile(cute.domain_offset((bos, 0), tw[None, None, h]), (BT, DK), (None, 0))
+        gK = cute.local_tile(cute.domain_offset((0, bos), tk[None, None, h]), (DK, BT), (0, None))
+        gU = cute.local_tile(cute.domain_offset((0, bos), tu[None, None, h]), (DV, BT), (0, None))
+        gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
+        one = cute.make_layout(1)
+        tWs, tWg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tUs, tUg = cpasync.tma_partition(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2))
+        tGs, tGg = cpasync.tma_partition(tma_g, 0, one, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2))
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+        for c in cutlass.range(num_chunks, unroll=1):
+            pipe.producer_acquire(st)
+            bar = pipe.producer_get_barrier(st)
+            cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
+            last = cutlass.min(c * BT + BT, seg_len) - 1  # the decay row: g at the chunk's last valid token
+            cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
+            pipe.producer_commit(st)
+            st.advance()
+        pipe.producer_tail(st)
+
+    @cute.jit
+    def _recurrence(
+        self, pipe, tidx, wg_idx, h, slot, n, transition, seg_len, num_chunks, mma_v, mma_s, sW, sK, sU, sG, h0_v,
+        ends_v,
+    ):  # fmt: skip
+        """Consumers (two warpgroups, each half of V): S^T in registers from its start (the given state, zero, or
+        the identity for R), chunk by chunk GEMM1, decay, v_new (u, or nothing for R), GEMM4; S^T out at the end."""
+        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
+        ctid = tidx - 128
+        wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
+        wg_v, wg_s = mma_v.get_slice(wg_first), mma_s.get_slice(wg_first)
+        thr_v, thr_s = mma_v.get_slice(ctid), mma_s.get_slice(ctid)
+
+        accS = cute.make_rmem_tensor(wg_s.partition_shape_C((DV, DK)), Float32)  # S^T, fp32
+        tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
+        if transition:
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                accS[i] = cutlass.select_(tScS[i][0] == tScS[i][1], Float32(1.0), Float32(0.0))
+        else:
+            if const_expr(self.has_h0):
+                accS.store(thr_s.partition_C(h0_v[None, None, h, n]).load())
+            else:
+                accS.fill(0.0)
+        tOrS = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, DK)))
+        tVrV = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))
+        tOrW = wg_v.make_fragment_B(wg_v.partition_B(sW))
+        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
+        accV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), Float32)
+        pV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), cutlass.Boolean)
+        # accS is ((2, 2, K/8), 1, 1): (column pair, row +8, column block of 8); the decay depends on the column
+        # only, so a thread needs 2 * K/8 factors
+        assert cute.rank(accS.shape[0]) == 3 and cute.size(accS.shape[0][1]) == 2
+        assert cute.size(accS.shape[1]) == 1 and cute.size(accS.shape[2]) == 1
+        rD = cute.make_rmem_tensor(2 * cute.size(accS.shape[0][2]), Float32)
+        tUsU = thr_v.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
+        tVcV = thr_v.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
+        # R ignores u: v_new = 0 - w S there
+        u_weight = cutlass.select_(transition, Float32(0.0), Float32(1.0))
+
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
+        for c in cutlass.range(num_chunks, unroll=1):
+            valid = cutlass.min(seg_len - c * BT, BT)
+            si = st.index
+            pipe.consumer_wait(st)
+            tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
+            warpgroup.fence()
+            atom = cute.make_mma_atom(mma_v.op)
+            atom.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
+                cute.gemm(atom, accV, tOrS[None, None, kb], tOrW[None, None, kb, si], accV)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            # while GEMM1 runs: the decay factors exp2(g_last[k]) of this thread's columns, u^T, the row mask
+            # (applied after the wait: ptxas serialises the WGMMAs if S^T registers change while they run)
+            for j in cutlass.range_constexpr(cute.size(rD)):
+                rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
+            rU = tUsU[None, None, None, si].load()
+            for i in cutlass.range_constexpr(cute.size(pV)):
+                pV[i] = tVcV[i][1] < valid
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(accS)):
+                accS[i] = accS[i] * rD[(i % 2) + 2 * (i // 4)]
+            v_new = cute.where(pV.load(), rU.to(Float32) * u_weight - accV.load(), 0.0)
+            tVrV.store(v_new.to(self.dtype))
+            warpgroup.fence()
+            atom4 = cute.make_mma_atom(mma_s.op)
+            atom4.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
+                cute.gemm(atom4, accS, tVrV[None, None, kb], tSrK[None, None, kb, si], accS)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            pipe.consumer_release(st)
+            st.advance()
+
+        thr_s.partition_C(ends_v[None, None, slot, n]).store(accS.load())
+
+
+def _compile(dtype, has_h0, state_v_first, arch=(9, 0), extra_options="", num_stages=4):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    DK = DV = 128
+    dtype = dsl_type(dtype)
+    kernel = SegmentSummarySm90(dtype=dtype, num_stages=num_stages, has_initial_state=has_h0,
+                                state_v_first=state_v_first)  # fmt: skip
+    # 64-bit token and segment strides: T_total * HV * D (or M * 2 HV * K * V) may pass 2^31 elements
+    tt, hv = cute.sym_int32(), cute.sym_int32()
+    tok_stride = cute.sym_int64(divisibility=DK)
+
+    def tok(dt):
+        return make_fake_tensor(dt, (tt, hv, DK), (tok_stride, DK, 1), assumed_align=16)
+
+    def state():
+        return make_fake_tensor(
+            Float32, (cute.sym_int32(), cute.sym_int32(), DK, DV),
+            (cute.sym_int64(divisibility=DK * DV), DK * DV, DV, 1), assumed_align=16,
+        )  # fmt: skip
+
+    cu = make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
+    args = (tok(dtype), tok(dtype), tok(dtype), tok(Float32), state(), state(), cu, Int32(1),
+            make_fake_stream(use_tvm_ffi_env_stream=True))  # fmt: skip
+    return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
