@@ -128,3 +128,17 @@ def test_summary_vs_f64_cuda(state_v_first, with_starts):
     assert not out.isnan().any()
     assert_close("E", E.float(), out[:, :HV].cpu(), 5e-3)
     assert_close("R", R.float(), out[:, HV:].cpu(), 5e-3)
+
+
+def test_no_tokens_passes_the_starts_through():
+    """Segments with no tokens at all (no TMA descriptor can describe them): E is the start, R the identity,
+    with nothing launched."""
+    from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90 as run
+
+    w, g = torch.zeros(1, 0, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 0, 2, 128)
+    starts = torch.randn(2, 2, 128, 128)
+    out = torch.full((2, 4, 128, 128), float("nan"))
+    run(w, w, w, g, starts, out, make_cu_seqlens([0, 0]))
+    assert torch.equal(out[:, :2], starts) and torch.equal(out[:, 2:], torch.eye(128).expand(2, 2, 128, 128))
+    run(w, w, w, g, None, out, make_cu_seqlens([0, 0]))
+    assert not out[:, :2].any()

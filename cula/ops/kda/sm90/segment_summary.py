@@ -74,7 +74,12 @@ def chunk_kda_segment_summary_sm90(
         if t is not None and (tuple(t.shape) != (M, heads, K, K) or t.dtype != torch.float32
                               or not t.is_contiguous()):  # fmt: skip
             raise ValueError(f"{name}: expected contiguous {(M, heads, K, K)} float32, got {tuple(t.shape)} {t.dtype}")
-    if M == 0 or HV == 0 or T == 0:
+    if M == 0 or HV == 0:
+        return
+    if T == 0:  # every segment empty (no TMA descriptor describes an empty tensor): E is the start, R the identity
+        E, R = ends[:, :HV], ends[:, HV:]
+        E.copy_(starts) if starts is not None else E.zero_()
+        R.copy_(torch.eye(K, dtype=torch.float32, device=ends.device).expand(R.shape))
         return
     fn = compiled_variant(dtype=dsl_name(w.dtype), has_h0=starts is not None, state_v_first=state_v_first)
 
