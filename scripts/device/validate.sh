@@ -28,8 +28,8 @@ LIMIT[decode]=150;    FILES[decode]="tests/test_decode_plans.py tests/test_light
 LIMIT[lightning]=90;  FILES[lightning]="tests/ops/test_lightning_kernel.py"
 LIMIT[reference]=90;  FILES[reference]="tests/test_reference.py"
 # the time-parallel paths and Gated DeltaNet on the KDA kernels (float64 references of long sequences on the host)
-LIMIT[split]=240;     FILES[split]="tests/test_kda_time_parallel.py tests/test_lightning_time_parallel.py
-                                    tests/test_gdn_on_kda.py"
+LIMIT[split]=240;     FILES[split]="tests/ops/test_kda_segment_summary_kernel.py tests/test_kda_time_parallel.py
+                                    tests/test_lightning_time_parallel.py tests/test_gdn_on_kda.py"
 LIMIT[bench]=300;     FILES[bench]="tests/test_bench_scripts.py tests/test_bench_common.py"
 LIMIT[rest]=280
 named=" $(echo ${FILES[*]}) "
