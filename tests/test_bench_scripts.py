@@ -516,3 +516,50 @@ def test_lightning_time_parallel_suite_and_cli():
     pack = next(c for c in cfgs if c.varlen)
     assert pack.T == 65536 + 5 * 1024 and pack.N == 6
     assert lp.parse_args(["--time-parallel"]).time_parallel and not lp.parse_args([]).time_parallel
+
+
+# ------------------------------------------------------------------------------------------------ long context
+lc = importlib.import_module("bench_long_context")
+
+
+def test_long_context_suite_and_cli():
+    cfgs = lc.suite()
+    assert len(cfgs) == 36 + 20 and len({c.name for c in cfgs}) == len(cfgs)
+    assert {c.H for c in cfgs} == {4, 8, 16, 32} and max(c.T for c in cfgs) == 2 * 131072
+    assert [c.name for c in lc.suite(quick=True)] == list(lc.QUICK)
+    ragged = next(c for c in cfgs if c.name == "kda-H4-ragged")
+    assert ragged.packed and ragged.lens == (65536,) + (1024,) * 5 and ragged.T == 70656
+    assert lc.parse_args(["--configs", "kda-H8-B1-T16384"]).configs == "kda-H8-B1-T16384"
+
+
+def _fake_long(q, k, v, *args, output_final_state=True, initial_state=None, cu_seqlens=None, **kwargs):
+    n = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    return v * 2, torch.ones(n, q.shape[2], q.shape[3], v.shape[3])
+
+
+def test_long_context_rows_with_fakes(cpu_bench, monkeypatch):
+    monkeypatch.setattr(lc, "DEVICE", "cpu")
+    monkeypatch.setattr(lc, "D", 8)
+    monkeypatch.setattr(lc, "segments", lambda cfg: None)
+    args = lc.parse_args(["--iters", "3", "--warmup", "1"])
+    seen_cp = []
+
+    def fla(**kw):
+        import os
+
+        seen_cp.append(os.environ.get("FLA_INTRACARD_CP"))
+        return _fake_long(**kw)
+
+    for cfg in (lc.Config("kda", 2, (64, 64), True), lc.Config("lightning", 2, (96,), False)):
+        row = lc.run_config(cfg, fla, _fake_long, args, cpu_bench)
+        assert row["check"] == "ok" and row["max_rel_err"] == 0.0, row
+        assert row["fla_ms"] > 0 and row["cula_ms"] > 0 and row["fla_graph_ms"] is None  # no capture on the CPU
+        assert (row["fla_cp_ms"] is not None) == (cfg.op == "kda") and "errors" in row
+    assert "1" in seen_cp  # FLA's CP column ran under FLA_INTRACARD_CP=1
+
+    def nan(**kw):
+        o, s = _fake_long(**kw)
+        return o * float("nan"), s
+
+    bad = lc.run_config(lc.Config("lightning", 2, (96,), False), fla, nan, args, cpu_bench)
+    assert bad["check"] == "FAIL" and bad["cula_ms"] is None and bad["speedup"] is None
