@@ -4,7 +4,7 @@ Every call below runs on the cula-sm90 backends (``pretend_sm90``) with ``cula.c
 kernel a launcher asks for is recorded and stands in as a no-op, so nothing is compiled or launched. Whatever the
 planners request, through any path (the plan of a repeated call, the general path, training, packed sequences, the
 time-segmented launch, decode at T = 1 and multi-token, GVA), must be in ``planner_variants("full")``; the wheel
-scope must be part of the full one; and every Lightning variant listed must be reachable.
+scope must be part of the full one; and every variant listed (chunk, decode, Lightning) must be reachable.
 """
 
 from __future__ import annotations
@@ -205,3 +205,90 @@ def test_recording_compiles_nothing(monkeypatch):
     monkeypatch.setattr(cula.cache, "_obtain", lambda key, build: built.append(key))
     listed = variants.planner_variants("smoke")
     assert listed and not built and all(callable(b) for b in listed.values())
+
+
+def test_chunk_variants_all_reachable(requested, kda_tuning):
+    """Every listed chunk_kda variant (intra, state/output, the one-call launch, the segment summary) is asked for
+    by some public call: fixed and packed inference (general path and plan), training, FLA's intra stage, the
+    time-segmented launch and calls cut in time, over every dtype and flag the backend accepts."""
+    from cula.kda import chunk_kda
+    from cula.time_split import SplitThresholds
+
+    grid = (
+        (BF16, FP16), (FP32, BF16, FP16), (BF16, FP16, FP32),  # q/k/v, g, beta
+        ("plain", "safe_logspace", "safe_sigmoid"),  # gate form (FLA's intra stage without safe_gate)
+        (False, True), ((False, False), (True, False), (True, True)),  # l2norm, (beta sigmoid, neg eigval)
+        (False, True), (False, True), (False, True),  # initial state, final state, state_v_first
+    )
+    cut = SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=64, min_seq_len=128)
+    forms = {  # (B, packed, training, tuning)
+        "fixed": (2, False, False, {}), "packed": (1, True, False, {}), "training": (2, False, True, {}),
+        "training_packed": (1, True, True, {}), "segmented": (1, False, False, {"overlap_state_min_tokens": 64}),
+        "cut": (1, False, False, {"time_split": cut}), "cut_packed": (1, True, False, {"time_split": cut}),
+    }  # fmt: skip
+    H, HV, K, T = 1, 2, 128, 200
+    for io, g_dt, b_dt, gate, l2, (sig, neg), h0, ht, svf in itertools.product(*grid):
+        kw = dict(use_qk_l2norm_in_kernel=l2, use_beta_sigmoid_in_kernel=sig, allow_neg_eigval=neg,
+                  output_final_state=ht, state_v_first=svf, safe_gate=gate != "plain")  # fmt: skip
+        if gate == "safe_sigmoid":
+            kw.update(use_gate_in_kernel=True, A_log=_rnd(HV, dtype=FP32), dt_bias=_rnd(HV * K, dtype=FP32),
+                      lower_bound=-5.0)  # fmt: skip
+        for B, packed, training, tuning in forms.values():
+            x = dict(q=_rnd(B, T, H, K, dtype=io, requires_grad=training), k=_rnd(B, T, H, K, dtype=io),
+                     v=_rnd(B, T, HV, K, dtype=io), g=-_rnd(B, T, HV, K, dtype=g_dt).abs(),
+                     beta=_rnd(B, T, HV, dtype=b_dt))  # fmt: skip
+            call, N = dict(kw), B
+            if packed:
+                cu = torch.tensor([0, 150, 200], dtype=torch.int32)
+                call.update(cu_seqlens=cu, cu_seqlens_cpu=cu)
+                N = 2
+            if h0:
+                call["initial_state"] = _rnd(N, HV, K, K, dtype=FP32)
+            kda_tuning(**{"time_split": None, "overlap_state_min_tokens": None, **tuning})
+            for _ in range(2):  # the second call of a signature takes its plan (the fused launch)
+                with torch.enable_grad() if training else torch.no_grad():
+                    chunk_kda(**x, **call)
+    listed = set(variants.planner_variants("full", ops=("kda.chunk",)))
+    unreached = listed - set(requested)
+    assert not unreached, (len(unreached), [cula.cache.key_text(k) for k in sorted(unreached, key=str)[:3]])
+
+
+def test_decode_variants_all_reachable(requested):
+    """Every listed kda_decode variant is asked for by some ``kda_decode`` call: every dtype, head size, gate (with
+    and without ``A_log`` / ``dt_bias`` where optional), flag, token count and both sides of the state count where
+    the tile changes."""
+    from cula._validate import DECODE_MAX_TOKENS
+    from cula.kda import kda_decode
+
+    gates = [("none", False, False), ("softplus", True, False), ("softplus", True, True)]
+    gates += [("lower_bound", a, b) for a, b in itertools.product((False, True), (False, True))]
+    grid = (
+        (BF16, FP16), (FP32, BF16, FP16), (FP32, BF16), (64, 128), gates, (False, True),
+        ((False, False), (True, False), (True, True)), (False, True), (False, True),  # beta, state_v_first, steps
+        range(1, DECODE_MAX_TOKENS + 1), (1, 16),  # T, N (N = 16 with 64 value heads: the column kernels' counts)
+    )
+    made = {}
+
+    def tensors(io, g_dt, b_dt, d, T, N, HV):  # made once a shape: the kernels are stubs, nothing reads them
+        key = (io, g_dt, b_dt, d, T, N)
+        if key not in made:
+            qkv = [torch.zeros(N, T, h, d, dtype=io) for h in (1, 1, HV)]
+            made[key] = (*qkv, torch.zeros(N, T, HV, d, dtype=g_dt), torch.zeros(N, T, HV, dtype=b_dt),
+                         torch.empty(N + 1, HV, d, d), torch.arange(N, dtype=torch.int32), torch.empty(N, T, HV, d, d))
+        return made[key]
+
+    for io, g_dt, b_dt, d, (gate, a_log, bias), l2, (sig, neg), svf, step, T, N in itertools.product(*grid):
+        HV = 2 if N == 1 else 64
+        q, k, v, g, beta, pool, idx, steps = tensors(io, g_dt, b_dt, d, T, N, HV)
+        kw = dict(use_qk_l2norm_in_kernel=l2, use_beta_sigmoid_in_kernel=sig, allow_neg_eigval=neg,
+                  state_v_first=svf, use_gate_in_kernel=gate != "none")  # fmt: skip
+        if a_log:
+            kw["A_log"] = _rnd(HV, dtype=FP32)
+        if bias:
+            kw["dt_bias"] = _rnd(HV * d, dtype=FP32)
+        if gate == "lower_bound":
+            kw["lower_bound"] = -5.0
+        kda_decode(q, k, v, g, beta, pool, idx, step_states=steps if step else None, **kw)
+    listed = set(variants.planner_variants("full", ops=("kda.decode",)))
+    unreached = listed - set(requested)
+    assert not unreached, (len(unreached), [cula.cache.key_text(k) for k in sorted(unreached, key=str)[:3]])
