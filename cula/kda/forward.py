@@ -198,7 +198,7 @@ def parallel_segment_states(
     states_fn(W, U, KG, QG, G, A, O, true_starts, ends, seg_cu, scale=scale, state_v_first=state_v_first,
               aqk_causal=aqk_causal)  # fmt: skip
     if final_state is not None:
-        final_state.copy_(ends.index_select(0, last))
+        torch.index_select(ends, 0, last, out=final_state)
 
 
 def _chain_segments(plan, E, R, starts, first, state_v_first):
@@ -213,7 +213,11 @@ def _chain_segments(plan, E, R, starts, first, state_v_first):
         return E_j + (prev @ R_j if state_v_first else R_j @ prev)
 
     ends = E.contiguous()  # a copy (E is every other head block of the summary); a first segment's E is its end
-    if len(set(counts)) == 1:
+    if N == 1:  # one launch a step: end_j += end_{j-1} R_j (or R_j end_{j-1}), batched over the heads
+        for j in range(1, M):
+            prev, R_j = ends[j - 1], R[j]
+            ends[j].baddbmm_(*((prev, R_j) if state_v_first else (R_j, prev)))
+    elif len(set(counts)) == 1:
         m = counts[0]
         ends5, R5 = ends.view((N, m) + ends.shape[1:]), R.view((N, m) + R.shape[1:])
         for j in range(1, m):
