@@ -146,48 +146,81 @@ def test_planner_cuts_where_measured_and_when_told(monkeypatch, kda_tuning, pret
     assert kp.parallel_segments(1, 67584, 4, cu_cpu, None, dev) is None  # no host copy: no cut (no sync)
 
 
+def _gpu_case(lengths, H, gate, state_v_first, seed=0):
+    """Inputs and flags of a packed chunk_kda call on the GPU: ``gate`` "strong" (the fused lower-bound gate at -5
+    on raw logits: most channels forget within a chunk), "weak" (the same gate on logits shifted by -8: about
+    -2e-3 a token, so a state carries across whole segments), or "softplus_weak" (the softplus gate without
+    safe_gate, on shifted logits: FLA's intra stage, then cula's state kernels); initial states in the layout."""
+    torch.manual_seed(seed)
+    D, T = 128, sum(lengths)
+    q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    g = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    if gate != "strong":
+        g = g - 8.0
+    beta = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
+    A_log, dt_bias = torch.randn(H, device="cuda") * 0.5, torch.randn(H * D, device="cuda") * 0.5
+    h0 = torch.randn(len(lengths), H, D, D, device="cuda") * 0.1
+    cu = make_cu_seqlens(lengths, device="cuda")
+    kw = dict(
+        initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu,
+        cu_seqlens_cpu=cu.cpu(),
+    )  # fmt: skip
+    if gate != "softplus_weak":
+        kw.update(safe_gate=True, lower_bound=-5.0)
+    return (q, k, v, g, beta), kw
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["strong", "weak", "softplus_weak"])
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("lengths", [[20000], [16384 + 7, 1024, 0, 1024, 1024]], ids=["one", "pack"])
-def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, kda_tuning):
-    """chunk_kda on cula's kernels cut in time against the serial path and the float64 reference, with the fused
-    lower-bound gate at -5 (strong decay) and the caller's initial state, NaN-poisoned outputs."""
+def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, gate, kda_tuning):
+    """chunk_kda on cula's kernels cut in time against the serial path and the float64 reference, strong and weak
+    gates of both functions, the caller's initial states, NaN-poisoned outputs."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda import chunk_kda
     from cula.kda.naive import reference_chunk_kda
 
-    torch.manual_seed(0)
-    H = HVg = 4
-    D = 128
-    T = sum(lengths)
-    q, k, v = (torch.randn(1, T, n, D, device="cuda", dtype=torch.bfloat16) for n in (H, H, HVg))
-    g = torch.randn(1, T, HVg, D, device="cuda", dtype=torch.bfloat16)
-    beta = torch.randn(1, T, HVg, device="cuda", dtype=torch.bfloat16)
-    A_log, dt_bias = torch.randn(HVg, device="cuda") * 0.5, torch.randn(HVg * D, device="cuda") * 0.5
-    N = len(lengths)
-    shape = (N, HVg, D, D)
-    h0 = torch.randn(shape, device="cuda") * 0.1
-    cu = make_cu_seqlens(lengths, device="cuda")
-    kw = dict(
-        initial_state=h0 if not state_v_first else h0.transpose(-1, -2).contiguous(), output_final_state=True,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
-        lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu,
-        cu_seqlens_cpu=cu.cpu(),
-    )  # fmt: skip
+    x, kw = _gpu_case(lengths, 4, gate, state_v_first)
     with torch.inference_mode():
-        o_serial, ht_serial = chunk_kda(q, k, v, g, beta, **kw)
+        kda_tuning(time_split=None)
+        o_serial, ht_serial = chunk_kda(*x, **kw)
         kda_tuning(time_split=SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024,
                                               min_seq_len=4096))  # fmt: skip
-        o, ht = chunk_kda(q, k, v, g, beta, **kw)
+        o, ht = chunk_kda(*x, **kw)
     assert not o.isnan().any() and not ht.isnan().any()
     assert_close("o vs serial", o_serial, o, 5e-3)
     assert_close("ht vs serial", ht_serial, ht, 5e-3)
-    ref_kw = {n: (x.cpu() if torch.is_tensor(x) else x) for n, x in kw.items() if n != "cu_seqlens_cpu"}
-    o_ref, ht_ref = reference_chunk_kda(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), compute_dtype=torch.float64,
-                                        **ref_kw)  # fmt: skip
+    ref_kw = {n: (t.cpu() if torch.is_tensor(t) else t) for n, t in kw.items() if n != "cu_seqlens_cpu"}
+    o_ref, ht_ref = reference_chunk_kda(*(t.cpu() for t in x), compute_dtype=torch.float64, **ref_kw)
     assert_close("o vs f64", o_ref, o.cpu(), 5e-3)
     assert_close("ht vs f64", ht_ref, ht.cpu(), 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lengths,H", [([1 << 20], 2), ([65536, 1024, 1024, 0, 1024, 1024, 1024], 4)], ids=["T1M", "ragged-64K+5x1K"]
+)
+def test_chunk_kda_cut_long_cuda(lengths, H):
+    """The H200's own planner entry (no override) cuts a 1M-token sequence and the ragged pack's long sequence;
+    both match the serial path with a weak gate (state carried across every segment)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    import cula.kda.plan as kp
+    from cula.kda import chunk_kda
+
+    x, kw = _gpu_case(lengths, H, "weak", True, seed=2)
+    plan = kp.parallel_segments(1, sum(lengths), H, kw["cu_seqlens"], kw["cu_seqlens_cpu"], x[0].device)
+    assert plan is not None and plan.split[0] and not any(plan.split[1:])
+    with torch.inference_mode():
+        o, ht = chunk_kda(*x, **kw)
+        with kp.KDA_TUNING.override((9, 0), time_split=None):
+            o_serial, ht_serial = chunk_kda(*x, **kw)
+    assert not o.isnan().any() and not ht.isnan().any()
+    assert_close("o vs serial", o_serial, o, 5e-3)
+    assert_close("ht vs serial", ht_serial, ht, 5e-3)
 
 
 @pytest.mark.gpu
