@@ -22,7 +22,8 @@ class SplitThresholds:
 
     Attributes:
         items_per_sm: (segment, value head) work items to aim for per SM; the segment length follows from it.
-        busy_items_per_sm: no split when the unsplit call already has this many (sequence, value head) items per SM.
+        busy_items_per_sm: no split when the unsplit call already has this many (sequence, value head) items per SM,
+            sequences counted by length against the longest (a pack of one long and many short ones is about one).
         min_segment: shortest segment, in tokens (a multiple of ``SEGMENT_ALIGN``): below it the combine and the
             extra reads of the carry correction cost more than the parallelism gains.
         min_seq_len: sequences shorter than this are never cut.
@@ -95,7 +96,12 @@ def plan_time_split(lengths: Sequence[int], num_value_heads: int, sm_count: int,
     if thresholds is None or sm_count < 1 or num_value_heads < 1:
         return None
     nonempty = [n for n in lengths if n > 0]
-    if not nonempty or len(nonempty) * num_value_heads >= thresholds.busy_items_per_sm * sm_count:
+    if not nonempty:
+        return None
+    # the unsplit call's parallelism in whole-length lanes: a long sequence among short ones keeps few SMs busy for
+    # most of the call, however many short ones finish early
+    lanes = sum(nonempty) / max(nonempty)
+    if lanes * num_value_heads >= thresholds.busy_items_per_sm * sm_count:
         return None
     # enough segments over all sequences to give every SM its share of work items, but never short ones
     target_segments = max(1, math.ceil(thresholds.items_per_sm * sm_count / num_value_heads))

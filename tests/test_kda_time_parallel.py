@@ -134,6 +134,12 @@ def test_planner_cuts_where_measured_and_when_told(monkeypatch, kda_tuning, pret
         assert plan is not None and abs(plan.segment_len - seg) <= seg // 8, (hv, t, plan)
     assert kp.parallel_segments(1, 16384, 4, None, None, dev) is None
     assert kp.parallel_segments(1, 1 << 20, 16, None, None, dev) is None
+    # one long sequence among short ones: about one lane of work, cut; sixteen long ones fill the GPU, whole
+    ragged = make_cu_seqlens([65536, 1024, 1024, 0, 1024, 1024, 1024])
+    plan = kp.parallel_segments(1, 70656, 4, ragged, ragged, dev)
+    assert plan is not None and plan.split == (True,) + (False,) * 6
+    many = make_cu_seqlens([65536] * 16)
+    assert kp.parallel_segments(1, 16 * 65536, 4, many, many, dev) is None
     kda_tuning(time_split=None)
     assert kp.parallel_segments(1, 65536, 4, None, None, dev) is None
     kda_tuning(time_split=SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024, min_seq_len=4096))
