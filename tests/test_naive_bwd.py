@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cula.kda.naive_bwd import (
+    chunk_kda_bwd_dhu_reference,
     chunk_kda_bwd_gate_reference,
     chunk_kda_bwd_intra_reference,
     chunk_kda_bwd_wy_dqkg_reference,
@@ -308,3 +309,79 @@ def test_wy_dqkg_reference_matches_fla_kernel():
     for name, errs in _interpreted(_FLA_WY_SCRIPT, json.dumps(cases)).items():
         for what, err in zip(("dq", "dk", "dv", "db", "dg", "dA"), errs):
             assert err < 1e-5, (name, what, err)
+
+
+# ------------------------------------------------------------------------------------------ state gradients (stage 5)
+def _dhu_case(B, T, HV, K, V, lens, state_v_first, seed=0):
+    """Inputs of FLA's chunk_gated_delta_rule_bwd_dhu as chunk_kda_bwd passes them (qg, kg, w, do, dv, the
+    chunk-local log2 gate cumsum gk, an initial state's presence, dht), fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    r = lambda *s: 0.5 * torch.randn(*s, generator=gen)  # noqa: E731
+    a = -0.3 * torch.rand(B, T, HV, K, generator=gen)
+    gk = torch.empty_like(a)
+    for c0, c1 in _chunk_bounds(T, cu):
+        gk[:, c0:c1] = a[:, c0:c1].cumsum(1)
+    N = B if cu is None else len(lens)
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    return dict(q=r(B, T, HV, K), k=r(B, T, HV, K), w=r(B, T, HV, K), do=r(B, T, HV, V), dv=r(B, T, HV, V), gk=gk,
+                h0=torch.zeros(shape), dht=r(*shape), scale=0.3, state_v_first=state_v_first, cu_seqlens=cu)
+
+
+_FLA_DHU_SCRIPT = textwrap.dedent(
+    """
+    import builtins
+    import fla.ops.common.chunk_delta_h as dh_mod
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+    from cula.kda.naive_bwd import chunk_kda_bwd_dhu_reference
+
+    class Index(int):  # the kernel converts its loop index with .to(tl.int64), which a Python int lacks
+        def to(self, *args, **kwargs):
+            return self
+
+    dh_mod.range = lambda *a: (Index(i) for i in builtins.range(*(int(x) for x in a)))
+    from test_naive_bwd import _dhu_case
+    out = {}
+    for name, args in json.loads(sys.argv[1]):
+        case = _dhu_case(*args)
+        fla = chunk_gated_delta_rule_bwd_dhu(**case, chunk_size=64)
+        ref = chunk_kda_bwd_dhu_reference(**case, chunk_size=64)
+        out[name] = [float((f.double() - r.double()).norm() / r.double().norm()) for f, r in zip(fla, ref)]
+    print("@@" + json.dumps(out))
+    """
+)
+
+
+def test_dhu_reference_matches_fla_kernel():
+    """FLA's chunk_gated_delta_rule_bwd_dhu with the per-channel gate (Triton interpreter) against the reference:
+    an odd T over two batch rows, the [V, K] layout, and a packed batch with a length-1 sequence; fp32 inputs
+    (the interpreter's bf16 loads are not to be trusted, see above)."""
+    pytest.importorskip("fla.ops.common.chunk_delta_h")
+    cases = [("odd-T", [2, 100, 2, 32, 64, None, False]), ("v-first", [1, 130, 1, 64, 32, None, True]),
+             ("varlen", [1, 150, 2, 32, 32, [37, 1, 112], False])]  # fmt: skip
+    for name, errs in _interpreted(_FLA_DHU_SCRIPT, json.dumps(cases)).items():
+        for what, err in zip(("dh", "dh0", "dv2"), errs):
+            assert err < 1e-5, (name, what, err)
+
+
+def test_dhu_reference_is_the_gradient():
+    """The reference's dh0 and dv2 are the gradients of the forward recurrence's outputs by autograd (float64,
+    no rounding): o = scale qg S + (terms without S), S_next = diag(gamma) S + kg^T (u - w S) with u's gradient
+    dv, against a loss with do on o and dht on the final state."""
+    B, T, HV, K, V = 1, 150, 2, 16, 8
+    case = _dhu_case(B, T, HV, K, V, None, False, seed=3)
+    q, k, w, do, dv, gk = (case[n].double() for n in ("q", "k", "w", "do", "dv", "gk"))
+    S0 = torch.randn(B, HV, K, V, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(B, T, HV, V, dtype=torch.float64, requires_grad=True)
+    S, loss = S0, 0.0
+    for c0, c1 in _chunk_bounds(T, None):
+        loss = loss + (do[:, c0:c1] * (0.3 * torch.einsum("bnhk,bhkv->bnhv", q[:, c0:c1], S))).sum()
+        v_new = u[:, c0:c1] - torch.einsum("bnhk,bhkv->bnhv", w[:, c0:c1], S)
+        loss = loss + (dv[:, c0:c1] * v_new).sum()  # dv: the gradient reaching v_new from the outputs' scores
+        S = torch.exp2(gk[:, c1 - 1])[..., None] * S + torch.einsum("bnhk,bnhv->bhkv", k[:, c0:c1], v_new)
+    loss = loss + (case["dht"].double() * S).sum()
+    loss.backward()
+    dh, dh0, dv2 = chunk_kda_bwd_dhu_reference(**{**case, "q": q, "k": k, "w": w, "do": do, "dv": dv, "gk": gk,
+                                                  "dht": case["dht"].double()})  # fmt: skip
+    assert _rel(dh0, S0.grad) < 1e-12
+    assert _rel(dv2, u.grad) < 1e-12

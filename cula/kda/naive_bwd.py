@@ -20,7 +20,10 @@ import torch
 
 from cula.kda.naive import kda_gate
 
-__all__ = ["chunk_kda_bwd_gate_reference", "chunk_kda_bwd_intra_reference", "chunk_kda_bwd_wy_dqkg_reference"]
+__all__ = [
+    "chunk_kda_bwd_dhu_reference", "chunk_kda_bwd_gate_reference", "chunk_kda_bwd_intra_reference",
+    "chunk_kda_bwd_wy_dqkg_reference",
+]
 
 
 def _chunks(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None):
@@ -31,6 +34,81 @@ def _chunks(T: int, chunk_size: int, cu_seqlens: torch.Tensor | None):
     bounds = [int(x) for x in cu_seqlens.tolist()]
     return [(slice(0, 1), c, min(c + chunk_size, eos)) for bos, eos in zip(bounds[:-1], bounds[1:])
             for c in range(bos, eos, chunk_size)]  # fmt: skip
+
+
+def chunk_kda_bwd_dhu_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    do: torch.Tensor,
+    dv: torch.Tensor,
+    gk: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    r"""FLA's ``chunk_gated_delta_rule_bwd_dhu`` with KDA's per-channel gate ``gk`` (stage 5 of
+    ``chunk_kda_bwd``): the state gradients chunk by chunk, last to first, and ``dv`` completed with the state term.
+
+    Per sequence and value head, with ``dS`` the gradient of the state leaving chunk ``c`` (``dht`` or zero at the
+    end) and ``gamma = 2 ** gk[last row]``, FLA's rounding points kept (``dS`` rounded to ``q``'s dtype for the
+    ``k`` product and for ``dh``, ``dv2`` to ``dv``'s dtype for the ``w`` product)::
+
+        dh[c] = dS
+        dv2   = k @ dS + dv                                    # rows of chunk c
+        dS    = gamma * dS + scale * q^T @ do - w^T @ dv2      # gamma scales dS's K rows
+
+    Args:
+        q, k: ``[B, T, HV, K]`` (FLA passes ``qg = q 2^gk`` and ``kg = k 2^(gk_last - gk)``).  w: ``[B, T, HV, K]``.
+        do, dv: ``[B, T, HV, V]``.  gk: ``[B, T, HV, K]`` chunk-local log2 cumsum.
+        h0: only whether there is one (then ``dh0`` is returned).  dht: ``[N, HV, K, V]`` or None.
+        state_v_first: ``dh``, ``dht`` and ``dh0`` as ``[..., V, K]``.
+
+    Returns:
+        ``(dh [B, NT, HV, K, V] in q's dtype, dh0 float or None, dv2 in dv's dtype)``, as FLA's.
+    """
+    B, T, HV, K = q.shape
+    V = do.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    f64 = torch.float64
+    # (batch rows, first token, end, first chunk in dh, state rows) of every sequence
+    if cu_seqlens is None:
+        seqs = [(slice(None), 0, T, 0, slice(None))]
+        NT = -(-T // chunk_size)
+    else:
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        counts = [-(-(e - b) // chunk_size) for b, e in zip(bounds[:-1], bounds[1:])]
+        seqs = [(slice(0, 1), b, e, sum(counts[:s]), slice(s, s + 1))
+                for s, (b, e) in enumerate(zip(bounds[:-1], bounds[1:]))]  # fmt: skip
+        NT = sum(counts)
+    N = B if cu_seqlens is None else len(seqs)
+    dh = torch.zeros(B, NT, HV, K, V, dtype=f64)
+    dv2 = torch.zeros(B, T, HV, V, dtype=f64)
+    dh0 = torch.zeros(N, HV, K, V, dtype=f64)
+    for rows, bos, eos, first, srows in seqs:
+        dS = torch.zeros_like(dh0[srows])
+        if dht is not None:
+            dS = dht[srows].to(f64).transpose(-1, -2) if state_v_first else dht[srows].to(f64)
+        starts = list(range(bos, eos, chunk_size))
+        for ci in range(len(starts) - 1, -1, -1):
+            c0, c1 = starts[ci], min(starts[ci] + chunk_size, eos)
+            dh[rows, first + ci] = dS
+            dSr = dS.to(q.dtype).to(f64)
+            kc, qc, wc = (x[rows, c0:c1].to(f64) for x in (k, q, w))  # [b, n, HV, K]
+            dvn = torch.einsum("bnhk,bhkv->bnhv", kc, dSr) + dv[rows, c0:c1].to(f64)
+            dv2[rows, c0:c1] = dvn
+            dvr = dvn.to(dv.dtype).to(f64)
+            gamma = torch.exp2(gk[rows, c1 - 1].to(f64))  # [b, HV, K]
+            qdo = torch.einsum("bnhk,bnhv->bhkv", qc, do[rows, c0:c1].to(f64))
+            dS = gamma[..., None] * dS + scale * qdo - torch.einsum("bnhk,bnhv->bhkv", wc, dvr)
+        dh0[srows] = dS
+    if state_v_first:
+        dh, dh0 = dh.transpose(-1, -2), dh0.transpose(-1, -2)
+    out = torch.promote_types(torch.float32, q.dtype)
+    return dh.to(q.dtype), dh0.to(out) if h0 is not None else None, dv2.to(dv.dtype)
 
 
 def chunk_kda_bwd_wy_dqkg_reference(
