@@ -127,8 +127,8 @@ def kda_segmented_b1():
 
 @case
 def kda_parallel_segments():
-    # few heads, long sequences cut in time: the state/output kernel from the identity with u = 0, then from the
-    # scanned starts (the H200's tuning entry has no time_split yet: forced here)
+    # few heads, long sequences cut in time: the segment summary (E and R of every segment), then the state/output
+    # kernel from the chained starts (forced at a small length here)
     from cula.kda.plan import KDA_TUNING
     from cula.time_split import SplitThresholds
 
@@ -160,6 +160,16 @@ def gdn_chunk_and_decode():
 def kda_training_forward():
     # autograd on: the intra kernel's write_akk variant (FLA's Triton backward is not ours to check)
     _kda_chunk(1, [70, 0, 65], 1, 2, grad=True)
+
+
+@case
+def kda_training_bwd_dhu():
+    # autograd on with stage 5 of the backward on cula's kernel (KdaTuning.bwd_dhu), fixed and packed
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(bwd_dhu=True):
+        _kda_chunk(2, 130, 1, 2, grad=True, v_first=True)
+        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
 
 
 def _kda_decode_call(N, T, H, HV, D=128, *, v_first=True, steps=False, gate="lower_bound", dtype=torch.bfloat16,

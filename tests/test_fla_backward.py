@@ -24,7 +24,8 @@ def test_rebound_backward_is_flas_body_with_our_stages():
     assert fn.__code__ is chunk_bwd.chunk_kda_bwd.__code__
     assert fn.__defaults__ == chunk_bwd.chunk_kda_bwd.__defaults__
     scope = fn.__globals__
-    ours = {"chunk_kda_bwd_wy_dqkg_fused": fla_backward._wy_dqkg_fused}
+    ours = {"chunk_kda_bwd_wy_dqkg_fused": fla_backward._wy_dqkg_fused,
+            "chunk_gated_delta_rule_bwd_dhu": fla_backward._bwd_dhu}  # fmt: skip
     assert all(scope[n] is f for n, f in ours.items())
     assert all(scope[n] is v for n, v in vars(chunk_bwd).items() if n not in ours)
     # FLA's own module (and so FLA's own backward) keeps its stages
@@ -43,6 +44,22 @@ def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, kda_tuning, launch):
                 state_v_first=True, cu_seqlens=None, chunk_size=64, chunk_indices=None, chunk_offsets=None,
                 use_graph=False)  # fmt: skip
     assert fla_backward._wy_dqkg_fused(**args) == "fla"
+    assert seen == [args]
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_stage5_off_the_gpu_is_flas_function(monkeypatch, kda_tuning, on):
+    """CPU tensors (whatever the tuning entry says) take FLA's chunk_gated_delta_rule_bwd_dhu with every argument
+    passed on."""
+    from fla.ops.common import chunk_delta_h
+
+    seen = []
+    monkeypatch.setattr(chunk_delta_h, "chunk_gated_delta_rule_bwd_dhu", lambda **kw: seen.append(kw) or "fla")
+    kda_tuning(bwd_dhu=on)
+    t = torch.zeros(1, 64, 1, 128)
+    args = dict(q=t, k=t, w=t, do=t, dv=t, g=None, gk=t, h0=None, dht=None, scale=0.5, state_v_first=True,
+                cu_seqlens=None, chunk_size=64, chunk_indices=None, chunk_offsets=None, use_graph=False)  # fmt: skip
+    assert fla_backward._bwd_dhu(**args) == "fla"
     assert seen == [args]
 
 
@@ -108,3 +125,44 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
         assert not torch.isnan(o).any(), name
         vs_fla, vs_ref = rel_rmse(f, o), rel_rmse(r, o.cpu())
         assert vs_fla < (1e-4 if name in ("db", "dg") else 1e-5) and vs_ref < 1e-2, (name, vs_fla, vs_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+def test_training_with_stage5_on_cula_gpu(kda_tuning, packed):
+    """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with stage 5
+    on cula's kernel (``KdaTuning.bwd_dhu``) against the same step on FLA's: every gradient within FLA's
+    tolerances of the other (the kernels share their rounding points), none NaN."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.kda import chunk_kda
+    from cula.testing import assert_close
+
+    torch.manual_seed(0)
+    H, D = 2, 128
+    lens = [300, 1, 0, 200] if packed else None
+    B, T = (1, 501) if packed else (2, 300)
+    N = len(lens) if packed else B
+    leaves = dict(
+        q=torch.randn(B, T, H, D), k=torch.randn(B, T, H, D), v=torch.randn(B, T, H, D), g=torch.randn(B, T, H, D),
+        beta=torch.randn(B, T, H), initial_state=0.1 * torch.randn(N, H, D, D), A_log=0.5 * torch.randn(H),
+        dt_bias=0.5 * torch.randn(H * D),
+    )  # fmt: skip
+    low = ("q", "k", "v", "g", "beta")
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)  # fmt: skip
+    if packed:
+        cu = torch.tensor([0, 300, 301, 301, 501], dtype=torch.int32, device="cuda")
+        kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    do, dht = torch.randn(B, T, H, D, device="cuda").bfloat16(), torch.randn(N, H, D, D, device="cuda")
+    grads = {}
+    for on in (False, True):
+        kda_tuning(bwd_dhu=on)
+        x = {n: (t.cuda().bfloat16() if n in low else t.cuda()).requires_grad_() for n, t in leaves.items()}
+        o, ht = chunk_kda(**x, **kw)
+        torch.autograd.backward((o, ht), (do, dht))
+        grads[on] = {n: t.grad for n, t in x.items()}
+    for n in leaves:
+        assert not grads[True][n].isnan().any(), n
+        tol = 2e-2 if n in ("g", "beta", "A_log", "dt_bias") else 8e-3
+        assert_close(f"d{n}", grads[False][n].float(), grads[True][n].float(), tol)

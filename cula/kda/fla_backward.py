@@ -1,14 +1,16 @@
 """FLA 0.6.0's chunked KDA backward (``fla.ops.kda.chunk_bwd.chunk_kda_bwd``) as cula's training path runs it: FLA's
 own stages in FLA's order, with stage 6 (``chunk_kda_bwd_wy_dqkg_fused``, the state-term and WY gradients) launched
-at a configuration FLA's Hopper autotune list leaves out (``KdaTuning.wy_dqkg_launch``).
+at a configuration FLA's Hopper autotune list leaves out (``KdaTuning.wy_dqkg_launch``), and stage 5
+(``chunk_gated_delta_rule_bwd_dhu``, the state-gradient recurrence) on cula's own kernel where ``KdaTuning.bwd_dhu``
+says so.
 
 Why: that kernel is the backward's largest stage. FLA's autotuned choice on Hopper (BK = BV = 64, 4 warps) compiles
 to 255 registers and spills about 300 of them; at 8 warps it spills a tenth of that and runs about 1.5x faster, with
 the same outputs (dq, dk, dv, dA bit for bit, db and dg to fp32 rounding of a different summation order). The
 kernel is FLA's, called through its Triton function; only the launch grid's block sizes and warp count are ours.
 
-The rest of FLA's ``chunk_kda_bwd`` is left as it is by running FLA's function body with that stage's name rebound:
-a copy of the function object whose globals are FLA's module's with ``chunk_kda_bwd_wy_dqkg_fused`` replaced.
+The rest of FLA's ``chunk_kda_bwd`` is left as it is by running FLA's function body with those stages' names
+rebound: a copy of the function object whose globals are FLA's module's with the two names replaced.
 FLA's module is not modified, so FLA's own backward (``fla.ops.kda.chunk_kda``) in the same process is unchanged.
 """
 
@@ -115,13 +117,40 @@ def _triton_fn(kernel):
     return kernel
 
 
+def _bwd_dhu(
+    q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale=None, state_v_first=False, cu_seqlens=None,
+    chunk_size=64, chunk_indices=None, chunk_offsets=None, use_graph=False,
+):  # fmt: skip
+    """FLA's ``chunk_gated_delta_rule_bwd_dhu`` (stage 5) with its arguments and returns, on cula's kernel
+    (``cula.ops.kda.sm90.bwd_dhu``) where the tuning entry says so (``KdaTuning.bwd_dhu``) and the call is one it
+    covers (the per-channel gate alone, bf16 / fp16, per-value-head q); FLA's own function elsewhere."""
+    from fla.ops.common import chunk_delta_h
+
+    from cula.kda.plan import KDA_TUNING
+
+    on = KDA_TUNING.for_device(q.device).bwd_dhu if q.is_cuda else False
+    ours, _ = launch_verdict(on or None, q, use_graph, q.shape[-1], do.shape[-1], chunk_size)
+    if ours and g is None and gk is not None and q.dtype in (torch.bfloat16, torch.float16) and q.shape == w.shape:
+        from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90
+
+        return chunk_kda_bwd_dhu_sm90(
+            q, k, w, do, dv, gk, h0=h0, dht=None if dht is None else dht.contiguous(), scale=scale,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
+        )  # fmt: skip
+    return chunk_delta_h.chunk_gated_delta_rule_bwd_dhu(
+        q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, h0=h0, dht=dht, scale=scale, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
+        use_graph=use_graph,
+    )  # fmt: skip
+
+
 @functools.cache
 def _fla_chunk_kda_bwd():
     """FLA's ``chunk_kda_bwd`` function body over its module's globals with stage 6 rebound to ours."""
     from fla.ops.kda import chunk_bwd
 
     fn = chunk_bwd.chunk_kda_bwd
-    ours = {"chunk_kda_bwd_wy_dqkg_fused": _wy_dqkg_fused}
+    ours = {"chunk_kda_bwd_wy_dqkg_fused": _wy_dqkg_fused, "chunk_gated_delta_rule_bwd_dhu": _bwd_dhu}
     if not set(ours) <= set(fn.__code__.co_names):  # another FLA: its backward as it is
         return fn
     scope = dict(vars(chunk_bwd), **ours)

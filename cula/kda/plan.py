@@ -71,6 +71,9 @@ class KdaTuning:
     # training: (BK, BV, warps, stages) of FLA's stage-6 backward kernel (chunk_kda_bwd_wy_dqkg_fused) for
     # K = V = 128; None: FLA's autotuned choice, which on Hopper stops at 4 warps and spills
     wy_dqkg_launch: tuple[int, int, int, int] | None = (64, 64, 8, 1)
+    # training: stage 5 of FLA's backward (chunk_gated_delta_rule_bwd_dhu, the state-gradient recurrence) on cula's
+    # kernel (cula.ops.kda.sm90.bwd_dhu) instead of FLA's
+    bwd_dhu: bool = False
 
     # chunk_kda: when and how long sequences with few heads are cut into segments whose recurrences run at once
     # (exact: cula.kda.forward's parallel segments); None: never

@@ -1,0 +1,124 @@
+"""KDA chunk backward, the state-gradient recurrence on SM90: the host side (compile keys, launch).
+
+The kernel, ``ChunkKDABwdDhuSm90`` (FLA's ``chunk_gated_delta_rule_bwd_dhu`` with the per-channel gate), and its
+description are in ``bwd_dhu_kernel.py``, imported (with the CuTe DSL) only to compile a variant; see
+``cula.ops._host``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula.cache import compiled_kernel
+from cula.ops._host import dsl_name, kernel_attr, placeholder
+
+__all__ = ["chunk_kda_bwd_dhu_sm90", "compiled", "compiled_variant", "variant_key"]
+
+IO_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def __getattr__(name):
+    return kernel_attr(__name__, name)
+
+
+def variant_key(dtype="BFloat16", varlen=False, has_dht=False, has_dh0=False, state_v_first=False,
+                arch=(9, 0)) -> tuple:  # fmt: skip
+    """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype."""
+    return ("kda.bwd_dhu", "ChunkKDABwdDhuSm90", dsl_name(dtype), 128, 128, 64, varlen, has_dht, has_dh0,
+            state_v_first, arch)  # fmt: skip
+
+
+def compiled(key: tuple):
+    """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
+    dtype, _K, _V, _BT, varlen, has_dht, has_dh0, state_v_first, arch = key[2:]
+    return compiled_kernel(
+        key, lambda: kernel_attr(__name__, "_compile")(dtype, varlen, has_dht, has_dh0, state_v_first, arch)
+    )
+
+
+def compiled_variant(**options):
+    """``compiled(variant_key(**options))``."""
+    return compiled(variant_key(**options))
+
+
+def chunk_kda_bwd_dhu_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    do: torch.Tensor,
+    dv: torch.Tensor,
+    gk: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    chunk_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """FLA's ``chunk_gated_delta_rule_bwd_dhu(q, k, w, do, dv, gk=gk, h0=h0, dht=dht, ...)`` for KDA on SM90: the
+    same arguments (as FLA's ``chunk_kda_bwd`` passes them: ``q = qg``, ``k = kg``, per value head), the same
+    returns ``(dh, dh0, dv2)`` (contract: ``cula.kda.naive_bwd.chunk_kda_bwd_dhu_reference``).
+
+    Args:
+        q, k, w: ``[B, T, HV, 128]`` bf16/fp16.  do, dv: ``[B, T, HV, 128]``, the same dtype.
+        gk: ``[B, T, HV, 128]`` fp32, the chunk-local log2 gate cumsum.
+        h0: whether to return ``dh0`` (its shape: ``[N, HV, 128, 128]``); not read.
+        dht: ``[N, HV, 128, 128]`` fp32 or None (zeros).
+        scale: defaults to ``K ** -0.5``.
+        state_v_first: ``dh``, ``dht``, ``dh0`` as ``[..., V, K]``.
+        cu_seqlens: ``[N + 1]`` int32 / int64 with ``B == 1``; ``chunk_indices`` (FLA's) only sizes ``dh``
+            (``len(chunk_indices)`` chunks), else the chunk count is read from ``cu_seqlens`` (a host sync).
+
+    Returns:
+        ``dh`` ``[B, NT, HV, K, V]`` (``[..., V, K]``) in q's dtype, ``dh0`` fp32 or None, ``dv2`` like ``dv``.
+    """
+    if chunk_size != 64:
+        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
+    B, T, HV, K = q.shape
+    V = do.shape[-1]
+    if (K, V) != (128, 128):
+        raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
+    if q.dtype not in IO_DTYPES:
+        raise ValueError(f"q/k/w/do/dv must be bf16 or fp16, got {q.dtype}")
+    for name, t, dtype in (("k", k, q.dtype), ("w", w, q.dtype), ("do", do, q.dtype), ("dv", dv, q.dtype),
+                           ("gk", gk, torch.float32)):  # fmt: skip
+        if tuple(t.shape) != (B, T, HV, K) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous {(B, T, HV, K)} {dtype}, got {tuple(t.shape)} {t.dtype}")
+    varlen = cu_seqlens is not None
+    if varlen:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
+        N = cu_seqlens.numel() - 1
+        cu32 = cu_seqlens.to(torch.int32)
+        lens = cu32[1:] - cu32[:-1]
+        counts = (lens + 63) // 64
+        offsets = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+        NT = len(chunk_indices) if chunk_indices is not None else int(counts.sum())
+    else:
+        N, NT = B, -(-T // 64)
+    state = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    if dht is not None and (tuple(dht.shape) != state or dht.dtype != torch.float32 or not dht.is_contiguous()):
+        raise ValueError(f"dht: expected contiguous {state} float32, got {tuple(dht.shape)} {dht.dtype}")
+    dev = q.device
+    dh = q.new_empty((B, NT, HV) + state[2:])
+    dh0 = torch.empty(state, dtype=torch.float32, device=dev) if h0 is not None else None
+    dv2 = torch.empty_like(dv)
+    if N == 0 or HV == 0 or B * T == 0:  # no tokens: nothing to launch (TMA describes no empty tensor)
+        if dh0 is not None:
+            dh0.copy_(dht) if dht is not None else dh0.zero_()
+        return dh, dh0, dv2
+    fn = compiled_variant(dtype=dsl_name(q.dtype), varlen=varlen, has_dht=dht is not None, has_dh0=h0 is not None,
+                          state_v_first=state_v_first)  # fmt: skip
+    no_state = placeholder(dev, torch.float32, (1, 1, 128, 128))
+    no_ints = placeholder(dev, torch.int32, (2,))
+
+    def flat(t):
+        return t.view(B * T, HV, t.shape[-1])
+
+    fn(
+        flat(q), flat(k), flat(w), flat(gk), flat(do), flat(dv), flat(dv2), dh.view((B * NT, HV) + state[2:]),
+        dht if dht is not None else no_state, dh0 if dh0 is not None else no_state,
+        cu32 if varlen else no_ints, offsets if varlen else no_ints, T, N, float(K**-0.5 if scale is None else scale),
+    )  # fmt: skip
+    return dh, dh0, dv2

@@ -1,0 +1,405 @@
+"""KDA chunk backward, the state-gradient recurrence on SM90: FLA's ``chunk_gated_delta_rule_bwd_dhu`` for KDA.
+
+Per (sequence n, value head h) one CTA walks the chunks of BT = 64 tokens from last to first with the state
+gradient in fp32 registers. With ``dS`` the ``[K, V]`` gradient of the state leaving chunk c (FLA's ``dh[c]``;
+``dht`` or zero for the last chunk), per chunk::
+
+    dh[c]   = bf16(dS)                                        # stored for the WY / dq / dk stage
+    dv2     = kg @ bf16(dS) + dv                              # [BT, V]; rows past the sequence end -> 0
+    dS      = diag(exp2(g[last])) dS + scale * qg^T @ do - w^T @ bf16(dv2)
+
+and ``dh0 = dS`` after the first chunk. Inputs are the recomputed forward intermediates FLA's ``chunk_kda_bwd``
+passes (``qg = q exp2(g)``, ``kg = k exp2(g_last - g)``, ``w``, the chunk-local log2 gate cumsum ``g``) with
+``do`` and stage 4's ``dv``. The rounding points are FLA's (bf16 ``dS`` for ``dh`` and the kg product, bf16 ``dv2``
+for the w product), so results match FLA's kernel to fp32 summation order.
+
+Layout in the kernel: ``dS^T`` fp32 ``[V, K]`` is the accumulator of two consumer warpgroups (64 V rows each), as
+the forward state kernel keeps ``S^T``::
+
+    GEMM1  dv2^T = bf16(dS^T) . kg^T        M=V N=BT K=K   A registers, B = kg tile [BT, K] K-major
+    GEMM2  dS^T += bf16(-dv2^T) . w         M=V N=K  K=BT  A registers, B = w tile [BT, K] MN-major
+    GEMM3  dS^T += do^T . qg                M=V N=K  K=BT  A = do tile read M-major from shared memory,
+                                                           B = qg tile MN-major
+
+``scale`` multiplies GEMM3's product alone: the state is divided by it before GEMM3 and multiplied after (fp32,
+an ulp each), which keeps one accumulator. ``dh`` and ``dv2`` leave by direct stores.
+
+Warp roles (384 threads, ``min_blocks_per_mp=1``):
+
+=========  =========  =====================================================================================
+warps      registers  role
+=========  =========  =====================================================================================
+0          40         ``_load_chunks``, the TMA producer: per chunk (last first) kg, w, qg, do, dv and the
+                      chunk's last g row
+1-3        40         idle
+4-11       232        ``_recurrence``, two consumer warpgroups: dh store, GEMM1, dv2, decay, GEMM2, GEMM3
+=========  =========  =====================================================================================
+
+One ``PipelineTmaAsync`` of ``num_stages`` slots (2, 80.5 KB each); the two consumer warpgroups never meet.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from cula.cache import compile_options
+from cula.ops._host import dsl_type
+from cula.ops.cute_common import acc_as_a_frag
+
+__all__ = ["ChunkKDABwdDhuSm90"]
+
+_SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
+
+
+class ChunkKDABwdDhuSm90:
+    """KDA state-gradient recurrence (``chunk_gated_delta_rule_bwd_dhu`` with the per-channel gate), sm_90a.
+
+    Static configuration: element dtype of qg/kg/w/do/dv (and of the dh / dv2 outputs), K = V = 128, chunk size
+    64, pipeline depth, and four trace flags (varlen, final-state gradient in, initial-state gradient out, state
+    layout). Token, head and sequence counts are runtime values.
+    """
+
+    arch = 90
+
+    def __init__(self, dtype=BFloat16, num_stages: int = 2, varlen: bool = False, has_dht: bool = False,
+                 has_dh0: bool = False, state_v_first: bool = False):  # fmt: skip
+        if dtype not in (BFloat16, Float16):
+            raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
+        self.dtype = dtype
+        self.dk = self.dv = 128
+        self.bt = 64
+        self.num_stages = num_stages
+        self.varlen = varlen
+        self.has_dht = has_dht
+        self.has_dh0 = has_dh0
+        self.state_v_first = state_v_first
+        self.num_consumer_wg = 2
+        self.num_threads = 128 * (1 + self.num_consumer_wg)
+        self.producer_regs, self.consumer_regs = 40, 232
+        elt = dtype.width // 8
+        self.stage_bytes = 5 * self.bt * self.dk * elt + self.dk * 4
+        if self.num_stages * self.stage_bytes + 1024 > _SMEM_BYTES_SM90:
+            raise ValueError(f"{num_stages} stages of {self.stage_bytes} B do not fit in shared memory")
+
+    @cute.jit
+    def __call__(
+        self,
+        mQg: cute.Tensor,  # (T_total, HV, K)  dtype
+        mKg: cute.Tensor,  # (T_total, HV, K)  dtype
+        mW: cute.Tensor,  # (T_total, HV, K)  dtype
+        mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate
+        mDo: cute.Tensor,  # (T_total, HV, V)  dtype
+        mDv: cute.Tensor,  # (T_total, HV, V)  dtype, stage 4's dv
+        mDv2: cute.Tensor,  # (T_total, HV, V)  dtype, output
+        mDh: cute.Tensor,  # (NT_total, HV, K, V) or (NT_total, HV, V, K) dtype, output
+        mDht: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32; unread unless has_dht
+        mDh0: cute.Tensor,  # same layout as mDht; unwritten unless has_dh0
+        mCu: cute.Tensor,  # (N + 1,) int32 cu_seqlens; unread unless varlen
+        mChunkOff: cute.Tensor,  # (N,) int32 first chunk of each sequence in mDh; unread unless varlen
+        seqlen: Int32,  # tokens per sequence when not varlen
+        num_seqs: Int32,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        dt, BT, DK, DV, S = self.dtype, self.bt, self.dk, self.dv, self.num_stages
+        kg_v = cute.make_tensor(mKg.iterator, cute.select(mKg.layout, mode=[0, 2, 1]))  # (T, K, HV)
+        w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 0, 1]))  # (K, T, HV)
+        q_v = cute.make_tensor(mQg.iterator, cute.select(mQg.layout, mode=[2, 0, 1]))  # (K, T, HV)
+        g_v = cute.make_tensor(mG.iterator, cute.select(mG.layout, mode=[2, 0, 1]))  # (K, T, HV)
+        do_v = cute.make_tensor(mDo.iterator, cute.select(mDo.layout, mode=[2, 0, 1]))  # (V, T, HV)
+        dv_v = cute.make_tensor(mDv.iterator, cute.select(mDv.layout, mode=[2, 0, 1]))  # (V, T, HV)
+        dv2_v = cute.make_tensor(mDv2.iterator, cute.select(mDv2.layout, mode=[2, 0, 1]))  # (V, T, HV)
+        hmode = [2, 3, 1, 0] if const_expr(self.state_v_first) else [3, 2, 1, 0]
+        dh_v = cute.make_tensor(mDh.iterator, cute.select(mDh.layout, mode=hmode))  # (V, K, HV, NT)
+        dht_v = cute.make_tensor(mDht.iterator, cute.select(mDht.layout, mode=hmode))  # (V, K, HV, N)
+        dh0_v = cute.make_tensor(mDh0.iterator, cute.select(mDh0.layout, mode=hmode))  # (V, K, HV, N)
+
+        # GEMM1: N = BT, B (kg) K-major. GEMM2: N = K, B (w) MN-major. GEMM3: A (do^T) and B (qg) from shared
+        # memory, both MN-major.
+        mma_v = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (self.num_consumer_wg, 1, 1), tiler_mn=(64, BT), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (self.num_consumer_wg, 1, 1), tiler_mn=(64, DK), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        mma_d = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.MN, OperandMajorMode.MN, Float32, (self.num_consumer_wg, 1, 1),
+            tiler_mn=(64, DK),
+        )  # fmt: skip
+
+        sKg_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, DK), dt, S)  # (BT, K, S)
+        sW_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (K, BT, S)
+        sQ_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (K, BT, S)
+        sDo_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (V, BT, S)
+        sDv_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (V, BT, S)
+        sG_l = cute.make_layout((DK, 1, S), stride=(1, DK, DK))  # (K, 1, S) fp32
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_kg, tkg = cpasync.make_tiled_tma_atom(g2s, kg_v, cute.select(sKg_l, mode=[0, 1]), (BT, DK))
+        tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (DK, BT))
+        tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sQ_l, mode=[0, 1]), (DK, BT))
+        tma_do, tdo = cpasync.make_tiled_tma_atom(g2s, do_v, cute.select(sDo_l, mode=[0, 1]), (DV, BT))
+        tma_dv, tdv = cpasync.make_tiled_tma_atom(g2s, dv_v, cute.select(sDv_l, mode=[0, 1]), (DV, BT))
+        tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), (DK, 1))
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, S * 2]
+            sKg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKg_l)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sW_l)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
+            sDo: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDo_l)], 1024]
+            sDv: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDv_l)], 1024]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sG_l)], 128]
+
+        self.storage = Storage
+        HV = mW.shape[1]
+        kernel = self.kernel(
+            tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_dv, tdv, tma_g, tg,
+            dv2_v, dh_v, dht_v, dh0_v, mCu, mChunkOff, seqlen, scale,
+            mma_v, mma_s, mma_d, sKg_l, sW_l, sQ_l, sDo_l, sDv_l, sG_l,
+        )  # fmt: skip
+        kernel.launch(grid=(HV, num_seqs, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_kg: cute.CopyAtom, tkg: cute.Tensor,
+        tma_w: cute.CopyAtom, tw: cute.Tensor,
+        tma_q: cute.CopyAtom, tq: cute.Tensor,
+        tma_do: cute.CopyAtom, tdo: cute.Tensor,
+        tma_dv: cute.CopyAtom, tdv: cute.Tensor,
+        tma_g: cute.CopyAtom, tg: cute.Tensor,
+        dv2_v: cute.Tensor, dh_v: cute.Tensor, dht_v: cute.Tensor, dh0_v: cute.Tensor,
+        mCu: cute.Tensor, mChunkOff: cute.Tensor, seqlen: Int32, scale: Float32,
+        mma_v: cute.TiledMma, mma_s: cute.TiledMma, mma_d: cute.TiledMma,
+        sKg_l: cute.ComposedLayout, sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout,
+        sDo_l: cute.ComposedLayout, sDv_l: cute.ComposedLayout, sG_l: cute.Layout,
+    ):  # fmt: skip
+        S = self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        h, n, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == 0:
+            for atom in (tma_kg, tma_w, tma_q, tma_do, tma_dv, tma_g):
+                cpasync.prefetch_descriptor(atom)
+
+        if const_expr(self.varlen):
+            bos = mCu[n]
+            seq_len = mCu[n + 1] - bos
+            first_chunk = mChunkOff[n]
+        else:
+            bos = n * seqlen
+            seq_len = seqlen
+            first_chunk = n * ((seqlen + self.bt - 1) // self.bt)
+        num_chunks = (seq_len + self.bt - 1) // self.bt
+
+        storage = SmemAllocator().allocate(self.storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=S,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # consumer_release arrives once per warp (lane 0) without clusters
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
+            tx_count=self.stage_bytes,
+        )
+        sKg = storage.sKg.get_tensor(sKg_l.outer, swizzle=sKg_l.inner)
+        sW = storage.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
+        sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
+        sDo = storage.sDo.get_tensor(sDo_l.outer, swizzle=sDo_l.inner)
+        sDv = storage.sDv.get_tensor(sDv_l.outer, swizzle=sDv_l.inner)
+        sG = storage.sG.get_tensor(sG_l)
+
+        if wg_idx == 0:  # ------------------------------ producer ------------------------------
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
+                self._load_chunks(
+                    pipe, tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_dv, tdv, tma_g, tg, sKg, sW, sQ, sDo,
+                    sDv, sG, h, bos, seq_len, num_chunks,
+                )  # fmt: skip
+        else:  # ------------------------------ consumers ------------------------------
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._recurrence(
+                pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, mma_d, sKg,
+                sW, sQ, sDo, sDv, sG, dv2_v, dh_v, dht_v, dh0_v,
+            )  # fmt: skip
+
+    @cute.jit
+    def _load_chunks(
+        self, pipe, tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_dv, tdv, tma_g, tg, sKg, sW, sQ, sDo, sDv,
+        sG, h, bos, seq_len, num_chunks,
+    ):  # fmt: skip
+        """Producer (warp 0): the chunks' kg, w, qg, do and dv tiles and decay rows, last chunk first."""
+        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
+        gKg = cute.local_tile(cute.domain_offset((bos, 0), tkg[None, None, h]), (BT, DK), (None, 0))
+        gW = cute.local_tile(cute.domain_offset((0, bos), tw[None, None, h]), (DK, BT), (0, None))
+        gQ = cute.local_tile(cute.domain_offset((0, bos), tq[None, None, h]), (DK, BT), (0, None))
+        gDo = cute.local_tile(cute.domain_offset((0, bos), tdo[None, None, h]), (DV, BT), (0, None))
+        gDv = cute.local_tile(cute.domain_offset((0, bos), tdv[None, None, h]), (DV, BT), (0, None))
+        gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
+        one = cute.make_layout(1)
+
+        def part(atom, s, g):
+            return cpasync.tma_partition(atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+
+        tKgs, tKgg = part(tma_kg, sKg, gKg)
+        tWs, tWg = part(tma_w, sW, gW)
+        tQs, tQg = part(tma_q, sQ, gQ)
+        tDos, tDog = part(tma_do, sDo, gDo)
+        tDvs, tDvg = part(tma_dv, sDv, gDv)
+        tGs, tGg = part(tma_g, sG, gG)
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+        for i in cutlass.range(num_chunks, unroll=1):
+            c = num_chunks - 1 - i
+            pipe.producer_acquire(st)
+            bar = pipe.producer_get_barrier(st)
+            cute.copy(tma_kg, tKgg[None, c], tKgs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_do, tDog[None, c], tDos[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_dv, tDvg[None, c], tDvs[None, st.index], tma_bar_ptr=bar)
+            last = cutlass.min(c * BT + BT, seq_len) - 1  # the decay row: g at the chunk's last valid token
+            cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
+            pipe.producer_commit(st)
+            st.advance()
+        pipe.producer_tail(st)
+
+    @cute.jit
+    def _recurrence(
+        self, pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, mma_d, sKg, sW,
+        sQ, sDo, sDv, sG, dv2_v, dh_v, dht_v, dh0_v,
+    ):  # fmt: skip
+        """Consumers (two warpgroups, each half of V): dS^T in registers from dht (or zero), chunk by chunk last
+        to first: dh out, GEMM1 and dv2 out, decay, GEMM2, GEMM3; dh0 at the end."""
+        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
+        ctid = tidx - 128
+        wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
+        wg_v, wg_s, wg_d = mma_v.get_slice(wg_first), mma_s.get_slice(wg_first), mma_d.get_slice(wg_first)
+        thr_v, thr_s = mma_v.get_slice(ctid), mma_s.get_slice(ctid)
+
+        accS = cute.make_rmem_tensor(wg_s.partition_shape_C((DV, DK)), Float32)  # dS^T, fp32
+        if const_expr(self.has_dht):
+            accS.store(thr_s.partition_C(dht_v[None, None, h, n]).load())
+        else:
+            accS.fill(0.0)
+        tOrS = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, DK)))  # bf16 dS^T for GEMM1
+        tVrV = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))  # bf16 -dv2^T for GEMM2
+        tVrKg = wg_v.make_fragment_B(wg_v.partition_B(sKg))
+        tSrW = wg_s.make_fragment_B(wg_s.partition_B(sW))
+        tDrDo = wg_d.make_fragment_A(wg_d.partition_A(sDo))
+        tDrQ = wg_d.make_fragment_B(wg_d.partition_B(sQ))
+        accV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), Float32)
+        rV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), self.dtype)
+        pV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), cutlass.Boolean)
+        # accS is ((2, 2, K/8), 1, 1): (column pair, row +8, column block of 8); the decay depends on the column
+        # only, so a thread needs 2 * K/8 factors
+        assert cute.rank(accS.shape[0]) == 3 and cute.size(accS.shape[0][1]) == 2
+        assert cute.size(accS.shape[1]) == 1 and cute.size(accS.shape[2]) == 1
+        rD = cute.make_rmem_tensor(2 * cute.size(accS.shape[0][2]), Float32)
+
+        tVsDv = thr_v.partition_C(sDv)  # (MMA, MMA_M, MMA_N, S) view of dv^T in the accumulator layout
+        tVcV = thr_v.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
+        tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
+        gDv2 = cute.local_tile(cute.domain_offset((0, bos), dv2_v[None, None, h]), (DV, BT), (0, None))
+        tVgDv2 = thr_v.partition_C(gDv2)  # (MMA, MMA_M, MMA_N, NC)
+        inv_scale = Float32(1.0) / scale
+
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
+        for i in cutlass.range(num_chunks, unroll=1):
+            c = num_chunks - 1 - i
+            valid = cutlass.min(seq_len - c * BT, BT)
+            si = st.index
+            # dh[c]: the gradient of the state leaving this chunk, as FLA stores it
+            thr_s.partition_C(dh_v[None, None, h, first_chunk + c]).store(accS.load().to(self.dtype))
+            pipe.consumer_wait(st)
+            # GEMM1: dv2^T = bf16(dS^T) . kg^T
+            tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
+            warpgroup.fence()
+            atom = cute.make_mma_atom(mma_v.op)
+            atom.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
+                cute.gemm(atom, accV, tOrS[None, None, kb], tVrKg[None, None, kb, si], accV)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            # while it runs: the decay factors, dv^T, the row mask
+            for j in cutlass.range_constexpr(cute.size(rD)):
+                rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
+            rDv = tVsDv[None, None, None, si].load()
+            for e in cutlass.range_constexpr(cute.size(pV)):
+                pV[e] = tVcV[e][1] < valid
+            warpgroup.wait_group(0)
+            dv2 = cute.where(pV.load(), accV.load() + rDv.to(Float32), 0.0)
+            rV.store(dv2.to(self.dtype))
+            tVrV.store(-rV.load())  # exact in bf16 / fp16
+            tVgDv2c = tVgDv2[None, None, None, c]
+            if valid == BT:
+                tVgDv2c.store(rV.load())
+            else:  # the partial chunk: the next sequence's rows untouched
+                for e in cutlass.range_constexpr(cute.size(rV)):
+                    if tVcV[e][1] < valid:
+                        tVgDv2c[e] = rV[e]
+            # decay, then GEMM2: dS^T += bf16(-dv2^T) . w
+            for e in cutlass.range_constexpr(cute.size(accS)):
+                accS[e] = accS[e] * rD[(e % 2) + 2 * (e // 4)]
+            warpgroup.fence()
+            atom2 = cute.make_mma_atom(mma_s.op)
+            atom2.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
+                cute.gemm(atom2, accS, tVrV[None, None, kb], tSrW[None, None, kb, si], accS)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            # GEMM3 with scale on its product alone: dS^T = scale * (dS^T / scale + do^T . qg)
+            accS.store(accS.load() * inv_scale)
+            warpgroup.fence()
+            atom3 = cute.make_mma_atom(mma_d.op)
+            atom3.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(cute.size(tDrDo, mode=[2])):
+                cute.gemm(atom3, accS, tDrDo[None, None, kb, si], tDrQ[None, None, kb, si], accS)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            pipe.consumer_release(st)
+            accS.store(accS.load() * scale)
+            st.advance()
+
+        if const_expr(self.has_dh0):
+            thr_s.partition_C(dh0_v[None, None, h, n]).store(accS.load())
+
+
+def _compile(dtype, varlen, has_dht, has_dh0, state_v_first, arch=(9, 0), extra_options="", num_stages=2):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    D = 128
+    dtype = dsl_type(dtype)
+    kernel = ChunkKDABwdDhuSm90(dtype=dtype, num_stages=num_stages, varlen=varlen, has_dht=has_dht,
+                                has_dh0=has_dh0, state_v_first=state_v_first)  # fmt: skip
+    # 64-bit token and chunk strides: T_total * HV * D (or NT * HV * K * V) may pass 2^31 elements
+    tt, hv = cute.sym_int32(), cute.sym_int32()
+    tok_stride = cute.sym_int64(divisibility=D)
+
+    def tok(dt):
+        return make_fake_tensor(dt, (tt, hv, D), (tok_stride, D, 1), assumed_align=16)
+
+    def state(dt):
+        return make_fake_tensor(
+            dt, (cute.sym_int32(), cute.sym_int32(), D, D), (cute.sym_int64(divisibility=D * D), D * D, D, 1),
+            assumed_align=16,
+        )  # fmt: skip
+
+    def ints():
+        return make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
+
+    args = (
+        tok(dtype), tok(dtype), tok(dtype), tok(Float32), tok(dtype), tok(dtype), tok(dtype), state(dtype),
+        state(Float32), state(Float32), ints(), ints(), Int32(1), Int32(1), Float32(1.0),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    )  # fmt: skip
+    return cute.compile(kernel, *args, options=compile_options(arch, extra_options))

@@ -1,0 +1,135 @@
+"""KDA backward state-gradient recurrence on SM90 (``cula/ops/kda/sm90/bwd_dhu.py``), stage 5 of FLA's
+``chunk_kda_bwd``.
+
+CPU: every variant traces and compiles for sm_90a with WGMMA, TMA and register reallocation, no spills and no WGMMA
+serialisation; the launcher rejects bad shapes before any launch. GPU (``-m gpu``): ``dh``, ``dh0`` and ``dv2``
+against FLA 0.6.0's ``chunk_gated_delta_rule_bwd_dhu`` on the same inputs and against the float64 contract
+(``cula.kda.naive_bwd.chunk_kda_bwd_dhu_reference``), fixed and packed (empty and length-1 sequences, odd lengths),
+both state layouts, with and without ``dht`` and ``h0``; NaN-poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+import torch
+from cute_compile import compile_with_dumps
+
+from cula.testing import assert_close, make_cu_seqlens
+
+_VARIANTS = [
+    {"dtype": "BFloat16", "varlen": vl, "has_dht": s, "has_dh0": s, "state_v_first": vf}
+    for vl in (False, True)
+    for s in (False, True)
+    for vf in (False, True)
+] + [{"dtype": "Float16", "varlen": True, "has_dht": True, "has_dh0": False, "state_v_first": False}]
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from cula.ops.kda.sm90 import bwd_dhu_kernel as M
+    variants, root = json.loads(sys.argv[1]), sys.argv[2]
+    for i, v in enumerate(variants):
+        d = os.path.join(root, str(i))
+        os.makedirs(d, exist_ok=True)
+        t0 = time.time()
+        M._compile(v["dtype"], v["varlen"], v["has_dht"], v["has_dh0"], v["state_v_first"],
+                   extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}")
+        sys.stderr.flush()
+        print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled_variants(tmp_path_factory):
+    return compile_with_dumps(_COMPILE_SCRIPT, _VARIANTS, tmp_path_factory.mktemp("kda_bwd_dhu"))
+
+
+@pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=["-".join(map(str, v.values())) for v in _VARIANTS])
+def test_variant_compiles_sm90a(compiled_variants, idx):
+    res = compiled_variants[idx]
+    ptx, remarks = res["ptx"], res["remarks"]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", remarks)
+    assert spills and all(a == "0" and b == "0" for a, b in spills), remarks[-3000:]
+    for code in ("C7508", "C7510", "C7517", "C7515"):  # setmaxnreg ignored / WGMMA serialised or waited
+        assert code not in remarks, remarks[-3000:]
+
+
+def test_launcher_validates_shapes():
+    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90 as run
+
+    B, T, HV = 1, 100, 2
+    x = torch.zeros(B, T, HV, 128, dtype=torch.bfloat16)
+    g = torch.zeros(B, T, HV, 128)
+    with pytest.raises(ValueError, match="gk"):
+        run(x, x, x, x, x, g.bfloat16())
+    with pytest.raises(ValueError, match="K = V = 128"):
+        run(x[..., :64], x[..., :64], x[..., :64], x[..., :64], x[..., :64], g[..., :64])
+    with pytest.raises(ValueError, match="dht"):
+        run(x, x, x, x, x, g, dht=torch.zeros(2, HV, 128, 128))
+    with pytest.raises(ValueError, match="batch size"):
+        run(*(t.expand(2, T, HV, 128).contiguous() for t in (x, x, x, x, x, g)), cu_seqlens=make_cu_seqlens([50, 50]))
+    with pytest.raises(ValueError, match="chunk_size"):
+        run(x, x, x, x, x, g, chunk_size=32)
+
+
+def test_no_tokens_passes_dht_through():
+    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90 as run
+
+    x, g = torch.zeros(1, 0, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 0, 2, 128)
+    dht = torch.randn(2, 2, 128, 128)
+    dh, dh0, dv2 = run(x, x, x, x, x, g, h0=dht, dht=dht, cu_seqlens=make_cu_seqlens([0, 0]))
+    assert dh.shape == (1, 0, 2, 128, 128) and dv2.shape == x.shape and torch.equal(dh0, dht)
+
+
+def _case(lens, B, HV, state_v_first, with_dht, seed=0):
+    """Stage 5's inputs on the GPU as chunk_kda_bwd makes them: qg, kg, w of unit-scale rows, a chunk-local log2
+    gate cumsum restarting at every chunk and sequence, do and dv."""
+    torch.manual_seed(seed)
+    D = 128
+    T = sum(lens) if lens is not None else 300
+    cu = make_cu_seqlens(lens, device="cuda") if lens is not None else None
+    r = lambda *s: (torch.randn(*s, device="cuda") / D**0.5).bfloat16()  # noqa: E731
+    a = -0.2 * torch.rand(B, T, HV, D, device="cuda")
+    gk = torch.empty_like(a)
+    bounds = [0, T] if cu is None else cu.tolist()
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c0 in range(bos, eos, 64):
+            gk[:, c0 : min(c0 + 64, eos)] = a[:, c0 : min(c0 + 64, eos)].cumsum(1)
+    N = B if cu is None else len(lens)
+    shape = (N, HV, D, D)
+    dht = torch.randn(shape, device="cuda") * 0.1 if with_dht else None
+    do, dv = (torch.randn(B, T, HV, D, device="cuda").bfloat16() for _ in range(2))
+    return dict(q=r(B, T, HV, D), k=r(B, T, HV, D), w=r(B, T, HV, D), do=do, dv=dv, gk=gk,
+                h0=torch.zeros(shape, device="cuda"), dht=dht, scale=D**-0.5, state_v_first=state_v_first,
+                cu_seqlens=cu)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_dht", [False, True], ids=["no-dht", "dht"])
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("lens,B", [(None, 2), ([300, 0, 1, 129, 64, 7], 1)], ids=["fixed", "packed"])
+def test_dhu_vs_fla_and_f64_cuda(lens, B, state_v_first, with_dht):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+
+    from cula.kda.naive_bwd import chunk_kda_bwd_dhu_reference
+    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90
+
+    case = _case(lens, B, 3, state_v_first, with_dht)
+    dh, dh0, dv2 = chunk_kda_bwd_dhu_sm90(**case)
+    fla = chunk_gated_delta_rule_bwd_dhu(**case, chunk_size=64)
+    torch.cuda.synchronize()
+    cpu = {n: (t.cpu() if torch.is_tensor(t) else t) for n, t in case.items()}
+    ref = chunk_kda_bwd_dhu_reference(**cpu)
+    for name, ours, theirs, exact in zip(("dh", "dh0", "dv2"), (dh, dh0, dv2), fla, ref):
+        assert not ours.isnan().any(), name
+        assert_close(f"{name} vs FLA", theirs.float().cpu(), ours.float().cpu(), 5e-3)
+        assert_close(f"{name} vs f64", exact.float(), ours.float().cpu(), 8e-3)
+        assert_close(f"FLA's {name} vs f64", exact.float(), theirs.float().cpu(), 8e-3)
