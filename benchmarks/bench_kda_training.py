@@ -21,6 +21,7 @@ Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DI
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -126,11 +127,15 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return bc.arg_parser(
+    p = bc.arg_parser(
         __doc__.splitlines()[0], QUICK, iters=20, warmup=3, max_seconds=0.0,
         max_seconds_help="start no new config after this many seconds (0: no limit); the results say partial",
         host_overhead_help="unused (a training step is GPU-bound at these sizes)",
-    ).parse_args(argv)
+    )
+    p.add_argument("--bwd-dhu", action="store_true",
+                   help="cula's side with stage 5 of the backward on cula's kernel (KdaTuning.bwd_dhu), whatever "
+                        "the tuning entry says; results as kda_training_bwd_dhu")  # fmt: skip
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
@@ -150,15 +155,18 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
-    run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),
-                    args.max_seconds or None, time.perf_counter(), progress=bc.PROGRESS_KEYS + ("backend",),
-                    record_wall=False)  # fmt: skip
+    tuning = KDA_TUNING.override((9, 0), bwd_dhu=True) if args.bwd_dhu else contextlib.nullcontext()
+    with tuning:
+        run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),
+                        args.max_seconds or None, time.perf_counter(), progress=bc.PROGRESS_KEYS + ("backend",),
+                        record_wall=False)  # fmt: skip
+        entry = dataclasses.asdict(KDA_TUNING.get((9, 0)))
     rows = run.rows
     meta = {
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
         "FLA_CULA": os.environ.get("FLA_CULA"),
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
-        "cula_tuning": dataclasses.asdict(KDA_TUNING.get((9, 0))),
+        "cula_tuning": entry,
         "shape": {"H": kp.H, "HV": kp.HV, "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
                   "state": "float32"},  # fmt: skip
         "call_flags": kp.CALL_FLAGS,
@@ -166,7 +174,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
-    paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)
+    paths = bc.write_suite(NAME + ("_bwd_dhu" if args.bwd_dhu else ""), args, meta, rows, MD_COLUMNS)
     return meta, rows, paths
 
 
