@@ -1,8 +1,18 @@
-"""CuTe DSL pieces shared by the SM90 kernels: barrier ids, the accumulator-as-operand view of chained WGMMAs, and
-the TMA boxes of fp32 decode states.
+"""CuTe DSL pieces shared by the SM90 kernels: barrier ids, the accumulator-as-operand view of chained WGMMAs, the
+pieces of the chunk-recurrence kernels, and the TMA boxes of fp32 decode states.
 
 **Named barriers.** Barrier 0 is the CTA-wide ``bar.sync``; every kernel numbers its other named barriers in an
 ``IntEnum`` of its own module, from ``FIRST_NAMED_BARRIER`` on, so no id is a bare number at its use.
+
+**Chunk recurrences.** The KDA kernels that walk a sequence chunk by chunk with a ``[K, V]`` state (the forward's
+state/output kernel, the time-parallel segment summary, the backward's state-gradient recurrence) keep the state
+transposed, ``[V, K]`` fp32, as the accumulator of two consumer warpgroups (64 V rows each), fed by one TMA producer
+warp through a ``PipelineTmaAsync`` of one chunk's tiles a stage. A token tile ``[BT, D]`` lands in shared memory in
+the layout of the WGMMA operand it is (``token_tile_b_k_major``: B of a product with the state, N = BT;
+``token_tile_b_mn_major``: B of an update of the state, N = K; ``token_tile_a_m_major``: A read M-major, or a tile
+read in the accumulator layout), the chunk's last gate row as ``gate_row_layout``. ``recurrence_pipeline`` makes the
+pipeline; ``column_decay`` / ``decay_columns`` scale the state's K columns by ``exp2`` of the gate row;
+``gemm_k_blocks`` issues one product's K-block WGMMAs.
 
 **State boxes.** A decode CTA that works on ``[K, tile_v]`` of one (pool row, head) state moves it with one TMA load
 into shared memory and one TMA store back. ``state_box_atoms`` builds the two TMA atoms over a ``[P, HV, K, V]``
@@ -13,11 +23,16 @@ the shared-memory layout (swizzled or not).
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 __all__ = [
     "FIRST_NAMED_BARRIER", "acc_as_a_frag", "box_barrier_init", "box_load", "box_partition", "box_store",
+    "column_decay", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay", "recurrence_pipeline",
     "state_box_atoms",
+    "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major",
 ]  # fmt: skip
 
 FIRST_NAMED_BARRIER = 1  # 0 is the CTA-wide barrier
@@ -37,6 +52,76 @@ def acc_as_a_frag(acc: cute.Tensor) -> cute.Tensor:
         ),
     )
     return cute.make_tensor(acc.iterator, new)
+
+
+# ------------------------------------------------------------------------------------------- chunk recurrences
+def token_tile_b_k_major(dtype, num_stages: int, D: int = 128, BT: int = 64):
+    """``(BT, D, S)``: a token tile as the B operand of a product with the state (N = BT, K-major)."""
+    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (D, BT, D), dtype, num_stages)
+
+
+def token_tile_b_mn_major(dtype, num_stages: int, D: int = 128, BT: int = 64):
+    """``(D, BT, S)``: a token tile as the B operand of an update of the state (N = D, MN-major)."""
+    return sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (D, D, BT), dtype, num_stages)
+
+
+def token_tile_a_m_major(dtype, num_stages: int, D: int = 128, BT: int = 64):
+    """``(D, BT, S)``: a token tile transposed, as an A operand read M-major or read in the accumulator layout."""
+    return sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, D, BT), dtype, num_stages)
+
+
+def gate_row_layout(num_stages: int, D: int = 128):
+    """``(D, 1, S)`` fp32: one gate row a stage."""
+    return cute.make_layout((D, 1, num_stages), stride=(1, D, D))
+
+
+def recurrence_pipeline(barrier_ptr, num_stages: int, num_consumer_wg: int, tx_count: int):
+    """The producer-warp -> consumer-warpgroups pipeline: one thread commits a stage's TMA bytes, every consumer
+    warp releases it (lane 0, no clusters)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier_ptr,
+        num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * num_consumer_wg),
+        tx_count=tx_count,
+    )
+
+
+def column_decay(acc: cute.Tensor) -> cute.Tensor:
+    """Registers for the decay factors of the state accumulator ``acc`` ``((2, 2, K/8), 1, 1)`` (column pair, row
+    + 8, column block of 8): a factor depends on the K column only, so a thread needs ``2 K/8`` of them."""
+    assert cute.rank(acc.shape[0]) == 3 and cute.size(acc.shape[0][1]) == 2
+    assert cute.size(acc.shape[1]) == 1 and cute.size(acc.shape[2]) == 1
+    return cute.make_rmem_tensor(2 * cute.size(acc.shape[0][2]), Float32)
+
+
+# The helpers below are plain Python, traced inline into the calling kernel: their loops unroll at trace time.
+def load_column_decay(rD: cute.Tensor, sG: cute.Tensor, tScS: cute.Tensor, stage) -> None:
+    """``rD`` = ``exp2`` of the gate row of ``stage`` at this thread's columns (``tScS``: the accumulator's
+    (v, k) coordinates)."""
+    for j in range(cute.size(rD)):
+        rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, stage], fastmath=True)
+
+
+def decay_columns(acc: cute.Tensor, rD: cute.Tensor) -> None:
+    """Scale the accumulator's K columns by ``rD`` (after the WGMMAs reading it have retired: ptxas serialises
+    WGMMAs whose accumulator registers change while they run)."""
+    for i in range(cute.size(acc)):
+        acc[i] = acc[i] * rD[(i % 2) + 2 * (i // 4)]
+
+
+def gemm_k_blocks(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate: bool, a_stage=None,
+                  b_stage=None) -> None:
+    """One product's WGMMAs over the K blocks of ``a`` ``(MMA, M, KB[, S])`` and ``b`` ``(MMA, N, KB[, S])`` into
+    ``acc`` (overwritten first unless ``accumulate``), at pipeline stage ``a_stage`` / ``b_stage`` of an operand in
+    shared memory; the caller fences, commits and waits."""
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for kb in range(cute.size(a, mode=[2])):
+        a_kb = a[None, None, kb] if a_stage is None else a[None, None, kb, a_stage]
+        b_kb = b[None, None, kb] if b_stage is None else b[None, None, kb, b_stage]
+        cute.gemm(atom, acc, a_kb, b_kb, acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
 
 
 @cute.jit

@@ -45,11 +45,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
-from cula.ops.cute_common import acc_as_a_frag
+from cula.ops.cute_common import (
+    acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks, load_column_decay,
+    recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+)  # fmt: skip
 
 __all__ = ["ChunkKDABwdDhuSm90"]
 
@@ -134,12 +136,10 @@ class ChunkKDABwdDhuSm90:
             tiler_mn=(64, DK),
         )  # fmt: skip
 
-        sKg_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, DK), dt, S)  # (BT, K, S)
-        sW_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (K, BT, S)
-        sQ_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (K, BT, S)
-        sDo_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (V, BT, S)
-        sDv_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (V, BT, S)
-        sG_l = cute.make_layout((DK, 1, S), stride=(1, DK, DK))  # (K, 1, S) fp32
+        sKg_l = token_tile_b_k_major(dt, S)
+        sW_l, sQ_l = token_tile_b_mn_major(dt, S), token_tile_b_mn_major(dt, S)
+        sDo_l, sDv_l = token_tile_a_m_major(dt, S), token_tile_a_m_major(dt, S)
+        sG_l = gate_row_layout(S)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_kg, tkg = cpasync.make_tiled_tma_atom(g2s, kg_v, cute.select(sKg_l, mode=[0, 1]), (BT, DK))
@@ -203,14 +203,7 @@ class ChunkKDABwdDhuSm90:
         num_chunks = (seq_len + self.bt - 1) // self.bt
 
         storage = SmemAllocator().allocate(self.storage)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=S,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # consumer_release arrives once per warp (lane 0) without clusters
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
-            tx_count=self.stage_bytes,
-        )
+        pipe = recurrence_pipeline(storage.mbar.data_ptr(), S, self.num_consumer_wg, self.stage_bytes)
         sKg = storage.sKg.get_tensor(sKg_l.outer, swizzle=sKg_l.inner)
         sW = storage.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
         sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
@@ -299,11 +292,7 @@ class ChunkKDABwdDhuSm90:
         accV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), Float32)
         rV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), self.dtype)
         pV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), cutlass.Boolean)
-        # accS is ((2, 2, K/8), 1, 1): (column pair, row +8, column block of 8); the decay depends on the column
-        # only, so a thread needs 2 * K/8 factors
-        assert cute.rank(accS.shape[0]) == 3 and cute.size(accS.shape[0][1]) == 2
-        assert cute.size(accS.shape[1]) == 1 and cute.size(accS.shape[2]) == 1
-        rD = cute.make_rmem_tensor(2 * cute.size(accS.shape[0][2]), Float32)
+        rD = column_decay(accS)
 
         tVsDv = thr_v.partition_C(sDv)  # (MMA, MMA_M, MMA_N, S) view of dv^T in the accumulator layout
         tVcV = thr_v.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
@@ -323,15 +312,10 @@ class ChunkKDABwdDhuSm90:
             # GEMM1: dv2^T = bf16(dS^T) . kg^T
             tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
             warpgroup.fence()
-            atom = cute.make_mma_atom(mma_v.op)
-            atom.set(warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
-                cute.gemm(atom, accV, tOrS[None, None, kb], tVrKg[None, None, kb, si], accV)
-                atom.set(warpgroup.Field.ACCUMULATE, True)
+            gemm_k_blocks(mma_v, accV, tOrS, tVrKg, accumulate=False, b_stage=si)
             warpgroup.commit_group()
             # while it runs: the decay factors, dv^T, the row mask
-            for j in cutlass.range_constexpr(cute.size(rD)):
-                rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
+            load_column_decay(rD, sG, tScS, si)
             rDv = tVsDv[None, None, None, si].load()
             for e in cutlass.range_constexpr(cute.size(pV)):
                 pV[e] = tVcV[e][1] < valid
@@ -347,22 +331,15 @@ class ChunkKDABwdDhuSm90:
                     if tVcV[e][1] < valid:
                         tVgDv2c[e] = rV[e]
             # decay, then GEMM2: dS^T += bf16(-dv2^T) . w
-            for e in cutlass.range_constexpr(cute.size(accS)):
-                accS[e] = accS[e] * rD[(e % 2) + 2 * (e // 4)]
+            decay_columns(accS, rD)
             warpgroup.fence()
-            atom2 = cute.make_mma_atom(mma_s.op)
-            atom2.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
-                cute.gemm(atom2, accS, tVrV[None, None, kb], tSrW[None, None, kb, si], accS)
+            gemm_k_blocks(mma_s, accS, tVrV, tSrW, accumulate=True, b_stage=si)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             # GEMM3 with scale on its product alone: dS^T = scale * (dS^T / scale + do^T . qg)
             accS.store(accS.load() * inv_scale)
             warpgroup.fence()
-            atom3 = cute.make_mma_atom(mma_d.op)
-            atom3.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(cute.size(tDrDo, mode=[2])):
-                cute.gemm(atom3, accS, tDrDo[None, None, kb, si], tDrQ[None, None, kb, si], accS)
+            gemm_k_blocks(mma_d, accS, tDrDo, tDrQ, accumulate=True, a_stage=si, b_stage=si)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             pipe.consumer_release(st)

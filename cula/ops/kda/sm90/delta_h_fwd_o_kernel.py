@@ -65,7 +65,10 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
-from cula.ops.cute_common import FIRST_NAMED_BARRIER, acc_as_a_frag
+from cula.ops.cute_common import (
+    FIRST_NAMED_BARRIER, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
+    load_column_decay, recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+)  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90"]
 
@@ -172,12 +175,9 @@ class DeltaHFwdOFusedSm90:
             (self.num_consumer_wg, 1, 1), tiler_mn=(64, DK), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
 
-        sW_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, DK), dt, S)  # (BT, K, S)
-        sQ_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, DK), dt, S)  # (BT, K, S)
+        sW_l, sQ_l = token_tile_b_k_major(dt, S), token_tile_b_k_major(dt, S)
         sA_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S)  # (BT_i, BT_j, S)
-        sK_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (K, BT, S)
-        sU_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (V, BT, S)
-        sG_l = cute.make_layout((DK, 1, S), stride=(1, DK, DK))  # (K, 1, S) fp32
+        sK_l, sU_l, sG_l = token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S), gate_row_layout(S)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
@@ -249,14 +249,7 @@ class DeltaHFwdOFusedSm90:
         num_chunks = (seq_len + BT - 1) // BT
 
         storage = SmemAllocator().allocate(self.storage)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=S,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # consumer_release arrives once per warp (lane 0) without clusters
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
-            tx_count=self.stage_bytes,
-        )
+        pipe = recurrence_pipeline(storage.mbar.data_ptr(), S, self.num_consumer_wg, self.stage_bytes)
         sW = storage.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
         sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
         sA = storage.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
@@ -358,11 +351,7 @@ class DeltaHFwdOFusedSm90:
         accO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
         rO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), self.dtype)
         pV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), cutlass.Boolean)
-        # accS is ((2, 2, K/8), 1, 1): (column pair, row +8, column block of 8); the decay depends on the
-        # column only, so a thread needs 2 * K/8 factors.
-        assert cute.rank(accS.shape[0]) == 3 and cute.size(accS.shape[0][1]) == 2
-        assert cute.size(accS.shape[1]) == 1 and cute.size(accS.shape[2]) == 1
-        rD = cute.make_rmem_tensor(2 * cute.size(accS.shape[0][2]), Float32)
+        rD = column_decay(accS)
 
         tUsU = thr_o.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
         tVcV = thr_o.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
@@ -403,16 +392,8 @@ class DeltaHFwdOFusedSm90:
             # GEMM1 + GEMM2 on the state before this chunk.
             tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
             warpgroup.fence()
-            atom = cute.make_mma_atom(mma_o.op)
-            atom.set(warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
-                cute.gemm(atom, accV, tOrS[None, None, kb], tOrW[None, None, kb, si], accV)
-                atom.set(warpgroup.Field.ACCUMULATE, True)
-            atom2 = cute.make_mma_atom(mma_o.op)
-            atom2.set(warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
-                cute.gemm(atom2, accO, tOrS[None, None, kb], tOrQ[None, None, kb, si], accO)
-                atom2.set(warpgroup.Field.ACCUMULATE, True)
+            gemm_k_blocks(mma_o, accV, tOrS, tOrW, accumulate=False, b_stage=si)
+            gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
             warpgroup.commit_group()
             if const_expr(self.o_tma):
                 if (c > 0) & first_warp:
@@ -431,15 +412,13 @@ class DeltaHFwdOFusedSm90:
                 cute.arch.fence_view_async_shared()
             # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
             # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
-            for j in cutlass.range_constexpr(cute.size(rD)):
-                rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
+            load_column_decay(rD, sG, tScS, si)
             rU = tUsU[None, None, None, si].load()
             for i in cutlass.range_constexpr(cute.size(pV)):
                 pV[i] = tVcV[i][1] < valid
 
             warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(accS)):
-                accS[i] = accS[i] * rD[(i % 2) + 2 * (i // 4)]
+            decay_columns(accS, rD)
             v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
             tVrV.store(v_new.to(self.dtype))
             accO.store(accO.load() * scale)
@@ -447,14 +426,8 @@ class DeltaHFwdOFusedSm90:
                 mask_bar.arrive_and_wait()
             # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment.
             warpgroup.fence()
-            atom3 = cute.make_mma_atom(mma_o.op)
-            atom3.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
-                cute.gemm(atom3, accO, tVrV[None, None, kb], tOrA[None, None, kb, si], accO)
-            atom4 = cute.make_mma_atom(mma_s.op)
-            atom4.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
-                cute.gemm(atom4, accS, tVrV[None, None, kb], tSrK[None, None, kb, si], accS)
+            gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=si)
+            gemm_k_blocks(mma_s, accS, tVrV, tSrK, accumulate=True, b_stage=si)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 

@@ -40,11 +40,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
-from cula.ops.cute_common import acc_as_a_frag
+from cula.ops.cute_common import (
+    acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks, load_column_decay,
+    recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+)  # fmt: skip
 
 __all__ = ["SegmentSummarySm90"]
 
@@ -109,10 +111,8 @@ class SegmentSummarySm90:
             (self.num_consumer_wg, 1, 1), tiler_mn=(64, DK), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
 
-        sW_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, DK), dt, S)  # (BT, K, S)
-        sK_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (K, BT, S)
-        sU_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (DV, DK, BT), dt, S)  # (V, BT, S)
-        sG_l = cute.make_layout((DK, 1, S), stride=(1, DK, DK))  # (K, 1, S) fp32
+        sW_l, sK_l, sU_l = token_tile_b_k_major(dt, S), token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S)
+        sG_l = gate_row_layout(S)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
@@ -164,14 +164,7 @@ class SegmentSummarySm90:
         num_chunks = (seg_len + self.bt - 1) // self.bt
 
         storage = SmemAllocator().allocate(self.storage)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=S,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # consumer_release arrives once per warp (lane 0) without clusters
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
-            tx_count=self.stage_bytes,
-        )
+        pipe = recurrence_pipeline(storage.mbar.data_ptr(), S, self.num_consumer_wg, self.stage_bytes)
         sW = storage.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
         sK = storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)
         sU = storage.sU.get_tensor(sU_l.outer, swizzle=sU_l.inner)
@@ -247,11 +240,7 @@ class SegmentSummarySm90:
         tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
         accV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), Float32)
         pV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), cutlass.Boolean)
-        # accS is ((2, 2, K/8), 1, 1): (column pair, row +8, column block of 8); the decay depends on the column
-        # only, so a thread needs 2 * K/8 factors
-        assert cute.rank(accS.shape[0]) == 3 and cute.size(accS.shape[0][1]) == 2
-        assert cute.size(accS.shape[1]) == 1 and cute.size(accS.shape[2]) == 1
-        rD = cute.make_rmem_tensor(2 * cute.size(accS.shape[0][2]), Float32)
+        rD = column_decay(accS)
         tUsU = thr_v.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
         tVcV = thr_v.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
         # R ignores u: v_new = 0 - w S there
@@ -264,29 +253,19 @@ class SegmentSummarySm90:
             pipe.consumer_wait(st)
             tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
             warpgroup.fence()
-            atom = cute.make_mma_atom(mma_v.op)
-            atom.set(warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(cute.size(tOrS, mode=[2])):
-                cute.gemm(atom, accV, tOrS[None, None, kb], tOrW[None, None, kb, si], accV)
-                atom.set(warpgroup.Field.ACCUMULATE, True)
+            gemm_k_blocks(mma_v, accV, tOrS, tOrW, accumulate=False, b_stage=si)
             warpgroup.commit_group()
-            # while GEMM1 runs: the decay factors exp2(g_last[k]) of this thread's columns, u^T, the row mask
-            # (applied after the wait: ptxas serialises the WGMMAs if S^T registers change while they run)
-            for j in cutlass.range_constexpr(cute.size(rD)):
-                rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, si], fastmath=True)
+            # while GEMM1 runs: the decay factors of this thread's columns, u^T, the row mask
+            load_column_decay(rD, sG, tScS, si)
             rU = tUsU[None, None, None, si].load()
             for i in cutlass.range_constexpr(cute.size(pV)):
                 pV[i] = tVcV[i][1] < valid
             warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(accS)):
-                accS[i] = accS[i] * rD[(i % 2) + 2 * (i // 4)]
+            decay_columns(accS, rD)
             v_new = cute.where(pV.load(), rU.to(Float32) * u_weight - accV.load(), 0.0)
             tVrV.store(v_new.to(self.dtype))
             warpgroup.fence()
-            atom4 = cute.make_mma_atom(mma_s.op)
-            atom4.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(cute.size(tVrV, mode=[2])):
-                cute.gemm(atom4, accS, tVrV[None, None, kb], tSrK[None, None, kb, si], accS)
+            gemm_k_blocks(mma_s, accS, tVrV, tSrK, accumulate=True, b_stage=si)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             pipe.consumer_release(st)
