@@ -175,16 +175,7 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
                            "max_rel_err": float("nan")}  # fmt: skip
 
     def timings(label, make):
-        out = []
-        for graph in (False, True):
-            try:
-                t = bc.bench([make(s) for s in sets], iters=args.iters, warmup=args.warmup, cuda_graph=graph, l2=args.l2)
-                out.append(t.median_ms)
-            except Exception as exc:  # noqa: BLE001  (a refused capture costs one cell)
-                record(f"{label} {'graph' if graph else 'eager'} timing", exc)
-                torch.cuda.synchronize()
-                out.append(None)
-        return out
+        return bc.eager_and_graph_ms(label, make, sets, args, record)
 
     try:
         fla_out = bind(fla_fn, cfg, sets[0], shared)()

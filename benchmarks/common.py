@@ -1057,6 +1057,22 @@ def time_split_main(
     return meta, run.rows, paths
 
 
+def eager_and_graph_ms(label: str, make: Callable[[Any], Callable[[], Any]], sets: Sequence, args: argparse.Namespace,
+                       record: Callable[[str, BaseException], None]) -> list[float | None]:
+    """``[eager median ms, CUDA-graph replay median ms]`` of ``make(set)`` over ``sets`` (``--iters --warmup
+    --l2``); a failure (a refused capture, say) is recorded as ``"<label> eager|graph timing"`` and costs its cell."""
+    out: list[float | None] = []
+    for graph in (False, True):
+        try:
+            t = bench([make(s) for s in sets], iters=args.iters, warmup=args.warmup, cuda_graph=graph, l2=args.l2)
+            out.append(t.median_ms)
+        except Exception as exc:  # noqa: BLE001
+            record(f"{label} {'graph' if graph else 'eager'} timing", exc)
+            torch.cuda.synchronize()
+            out.append(None)
+    return out
+
+
 def time_split_row(
     cfg: TimeSplitConfig,
     sets: list,
@@ -1076,16 +1092,7 @@ def time_split_row(
                            "max_rel_err": float("nan"), "floor_ms": floor, "segments": {}}  # fmt: skip
 
     def both(label, make):
-        out = []
-        for graph in (False, True):
-            try:
-                t = bench([make(s) for s in sets], iters=args.iters, warmup=args.warmup, cuda_graph=graph, l2=args.l2)
-                out.append(t.median_ms)
-            except Exception as exc:  # noqa: BLE001  (a refused capture costs one cell)
-                record(f"{label} {'graph' if graph else 'eager'} timing", exc)
-                torch.cuda.synchronize()
-                out.append(None)
-        return out
+        return eager_and_graph_ms(label, make, sets, args, record)
 
     ref = serial(sets[0])()
     row["serial_ms"], row["serial_graph_ms"] = both("serial", serial)
