@@ -138,8 +138,8 @@ def on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.
     out = _ON_DEVICE.get(key)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if out is not None:
-        if capturing:  # the graph reads it at every replay: never freed by an eviction from the cache
-            _CAPTURED.append((out,))
+        if capturing:  # the graph reads it at every replay: never evicted from the cache
+            _KEPT.add(key)
         return out
     if capturing:
         host = torch.tensor(values, dtype=dtype).pin_memory()
@@ -147,11 +147,14 @@ def on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.
         _CAPTURED.append((host, out))
         return out
     if len(_ON_DEVICE) >= _ON_DEVICE_MAX:
-        _ON_DEVICE.pop(next(iter(_ON_DEVICE)))  # the oldest layout
+        oldest = next((k for k in _ON_DEVICE if k not in _KEPT), None)
+        if oldest is not None:
+            del _ON_DEVICE[oldest]
     out = _ON_DEVICE[key] = torch.tensor(values, dtype=dtype, device=device)
     return out
 
 
 _ON_DEVICE: dict[tuple, torch.Tensor] = {}
 _ON_DEVICE_MAX = 256
-_CAPTURED: list[tuple[torch.Tensor, ...]] = []
+_KEPT: set[tuple] = set()  # layouts some captured graph reads
+_CAPTURED: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pinned host copy, device tensor) of captures
