@@ -29,7 +29,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 __all__ = [
-    "FIRST_NAMED_BARRIER", "acc_as_a_frag", "box_barrier_init", "box_load", "box_partition", "box_store",
+    "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init", "box_load", "box_partition", "box_store",
     "column_decay", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay", "recurrence_pipeline",
     "state_box_atoms",
     "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major",
@@ -73,6 +73,25 @@ def token_tile_a_m_major(dtype, num_stages: int, D: int = 128, BT: int = 64):
 def gate_row_layout(num_stages: int, D: int = 128):
     """``(D, 1, S)`` fp32: one gate row a stage."""
     return cute.make_layout((D, 1, num_stages), stride=(1, D, D))
+
+
+SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
+
+
+class ChunkRecurrenceResources:
+    """The resources every chunk-recurrence kernel has: one producer warpgroup (its first warp issues the TMA loads)
+    and two consumer warpgroups, each owning 64 of the state's V rows (WGMMA M = 64 a warpgroup); 40 registers for
+    the producer, 232 for the consumers (128 (40 + 2 232) = 64,512 of 65,536); ``num_stages`` pipeline stages of
+    ``stage_bytes`` each, checked against shared memory."""
+
+    num_consumer_wg = 2
+    num_threads = 128 * (1 + num_consumer_wg)
+    producer_regs, consumer_regs = 40, 232
+
+    def _set_stages(self, num_stages: int, stage_bytes: int) -> None:
+        if num_stages * stage_bytes + 1024 > SMEM_BYTES_SM90:
+            raise ValueError(f"{num_stages} stages of {stage_bytes} B do not fit in shared memory")
+        self.num_stages, self.stage_bytes = num_stages, stage_bytes
 
 
 def recurrence_pipeline(barrier_ptr, num_stages: int, num_consumer_wg: int, tx_count: int):

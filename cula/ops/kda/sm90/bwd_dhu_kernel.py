@@ -49,16 +49,15 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks, load_column_decay,
-    recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
+    load_column_decay, recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["ChunkKDABwdDhuSm90"]
 
-_SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
 
 
-class ChunkKDABwdDhuSm90:
+class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
     """KDA state-gradient recurrence (``chunk_gated_delta_rule_bwd_dhu`` with the per-channel gate), sm_90a.
 
     Static configuration: element dtype of qg/kg/w/do/dv (and of the dh / dv2 outputs), K = V = 128, chunk size
@@ -75,18 +74,11 @@ class ChunkKDABwdDhuSm90:
         self.dtype = dtype
         self.dk = self.dv = 128
         self.bt = 64
-        self.num_stages = num_stages
         self.varlen = varlen
         self.has_dht = has_dht
         self.has_dh0 = has_dh0
         self.state_v_first = state_v_first
-        self.num_consumer_wg = 2
-        self.num_threads = 128 * (1 + self.num_consumer_wg)
-        self.producer_regs, self.consumer_regs = 40, 232
-        elt = dtype.width // 8
-        self.stage_bytes = 5 * self.bt * self.dk * elt + self.dk * 4
-        if self.num_stages * self.stage_bytes + 1024 > _SMEM_BYTES_SM90:
-            raise ValueError(f"{num_stages} stages of {self.stage_bytes} B do not fit in shared memory")
+        self._set_stages(num_stages, 5 * self.bt * self.dk * (dtype.width // 8) + self.dk * 4)
 
     @cute.jit
     def __call__(

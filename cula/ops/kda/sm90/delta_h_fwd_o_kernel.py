@@ -66,13 +66,12 @@ from cutlass.tensor_utils import LayoutEnum
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    FIRST_NAMED_BARRIER, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
+    FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
     load_column_decay, recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90"]
 
-_SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
 
 class Barrier(enum.IntEnum):
     """Named barriers (0 is the CTA-wide one)."""
@@ -82,7 +81,7 @@ class Barrier(enum.IntEnum):
     WARPGROUP1 = FIRST_NAMED_BARRIER + 2
 
 
-class DeltaHFwdOFusedSm90:
+class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
     """Fused KDA state recurrence (``chunk_gated_delta_rule_fwd_h``) + output (``chunk_gla_fwd_o_gk``), sm_90a.
 
     Static configuration: element dtype of w/u/kg/qg/Aqk/o, head sizes (K = V = 128), chunk size 64, pipeline
@@ -113,7 +112,6 @@ class DeltaHFwdOFusedSm90:
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype = dtype
         self.dk, self.dv, self.bt = head_k, head_v, chunk_size
-        self.num_stages = num_stages
         self.varlen = varlen
         self.has_h0 = has_initial_state
         self.has_ht = has_final_state
@@ -124,15 +122,10 @@ class DeltaHFwdOFusedSm90:
         # full chunks' o by stmatrix + TMA (see the consumer prologue); the masked variant keeps the direct stores:
         # with the mask's registers the staging spills (20-28 bytes)
         self.o_tma = aqk_causal
-        self.num_consumer_wg = 2  # each owns 64 of the V rows of S^T (WGMMA M = 64 per warpgroup)
-        self.num_threads = 128 * (1 + self.num_consumer_wg)
-        # 128 * (40 + 2 * 232) = 64512 <= 65536; the consumers hold S^T (64 regs), its bf16 copy (32),
-        # two 64x64 accumulators (64), u (16) and the bf16 v_new fragment (16).
-        self.producer_regs, self.consumer_regs = 40, 232
+        # the consumers hold S^T (64 registers), its bf16 copy (32), two 64x64 accumulators (64), u (16) and the
+        # bf16 v_new fragment (16) of their 232
         elt = dtype.width // 8
-        self.stage_bytes = (4 * self.bt * self.dk + self.bt * self.bt) * elt + self.dk * 4
-        if self.num_stages * self.stage_bytes + 1024 > _SMEM_BYTES_SM90:
-            raise ValueError(f"{num_stages} stages of {self.stage_bytes} B do not fit in shared memory")
+        self._set_stages(num_stages, (4 * self.bt * self.dk + self.bt * self.bt) * elt + self.dk * 4)
 
     @cute.jit
     def __call__(

@@ -44,16 +44,15 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks, load_column_decay,
-    recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
+    load_column_decay, recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["SegmentSummarySm90"]
 
-_SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
 
 
-class SegmentSummarySm90:
+class SegmentSummarySm90(ChunkRecurrenceResources):
     """End state E and transition R of every segment of a packed KDA call, sm_90a (see the module docstring).
 
     Static configuration: element dtype of w/u/kg, K = V = 128, chunk size 64, pipeline depth, whether E starts
@@ -69,16 +68,9 @@ class SegmentSummarySm90:
         self.dtype = dtype
         self.dk = self.dv = 128
         self.bt = 64
-        self.num_stages = num_stages
         self.has_h0 = has_initial_state
         self.state_v_first = state_v_first
-        self.num_consumer_wg = 2
-        self.num_threads = 128 * (1 + self.num_consumer_wg)
-        self.producer_regs, self.consumer_regs = 40, 232
-        elt = dtype.width // 8
-        self.stage_bytes = 3 * self.bt * self.dk * elt + self.dk * 4
-        if self.num_stages * self.stage_bytes + 1024 > _SMEM_BYTES_SM90:
-            raise ValueError(f"{num_stages} stages of {self.stage_bytes} B do not fit in shared memory")
+        self._set_stages(num_stages, 3 * self.bt * self.dk * (dtype.width // 8) + self.dk * 4)
 
     @cute.jit
     def __call__(
