@@ -22,7 +22,7 @@ declare -A LIMIT FILES
 LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.py tests/test_fla_backward.py"
 LIMIT[long]=150;      FILES[long]="tests/test_gpu_long.py"
 LIMIT[intra]=340;     FILES[intra]="tests/ops/test_kda_intra_kernel.py"
-LIMIT[states]=240;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py"
+LIMIT[states]=240;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py tests/ops/test_kda_bwd_dhu_kernel.py"
 LIMIT[decode]=120;    FILES[decode]="tests/test_decode_plans.py tests/test_lightning_decode_api.py
                                      tests/ops/test_kda_decode_kernel.py tests/ops/test_lightning_decode_kernel.py"
 LIMIT[lightning]=90;  FILES[lightning]="tests/ops/test_lightning_kernel.py"
