@@ -13,9 +13,11 @@ Each timed call runs ``o, ht = chunk_kda(...)`` and ``torch.autograd.backward((o
 random output gradients, on leaves that require grad (q, k, v, g, beta, A_log, dt_bias, initial_state); the
 gradients accumulate into ``.grad`` across calls on both sides alike. Before timing, one step of each is compared:
 the largest relative RMSE over o, the final state and the eight input gradients against FLA's (warn above 2e-2,
-FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN).
+FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN). After timing, one more step of each
+measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cula_peak_mib``: activations kept for
+the backward, the backward's workspace, the gradients).
 
-Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR]``.
+Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu]``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ SUITE = ("B1-T4096", "B2-T4096", "B1-T16384", "B2-T16384", "varlen-N10-T8192-ran
          "varlen-N20-T16384-skewed")  # fmt: skip
 QUICK = ("B1-T4096", "varlen-N20-T4096-uniform")
 GRAD_LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "max_rel_err", "check", "backend")
+MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "fla_peak_mib", "cula_peak_mib",
+              "max_rel_err", "check", "backend")
 
 run_suite = functools.partial(bc.run_suite, name=NAME)
 
@@ -86,6 +89,21 @@ def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
     return bc.check_outputs(pairs, WARN_TOL, FAIL_TOL)
 
 
+def step_peak_mib(step: Callable[[], Any]) -> float | None:
+    """What one step allocates at its peak beyond the memory live before it (MiB): the activations the forward keeps
+    for the backward, the backward's workspace and the gradients; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
 def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace) -> dict[str, Any]:
     """Check one step of each, then time both; returns the result row."""
     shared = kp.make_shared(cfg)
@@ -113,11 +131,14 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
 
     fla_t, cula_t = bc.time_pair(maker(fla_fn), maker(cula_fn) if status != "FAIL" else None, sets, args, record)
     fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)
+    # after the timings, so that neither side's first call (compilation, FLA's autotuning) is in its peak
+    fla_peak = step_peak_mib(maker(fla_fn)(fresh(sets[0])))
+    cula_peak = step_peak_mib(maker(cula_fn)(fresh(sets[0]))) if status != "FAIL" else None
     row = {
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
         "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
         "max_rel_err": err, "check": status, "backend": backend, **bc.spread_fields(fla_t, cula_t),
-        "rotation_sets": len(sets),
+        "fla_peak_mib": fla_peak, "cula_peak_mib": cula_peak, "rotation_sets": len(sets),
     }  # fmt: skip
     if errors:
         row["errors"] = errors
