@@ -111,7 +111,8 @@ def stubbed_kernels(monkeypatch, pretend_sm90):
 
 def test_packed_plan_cuts_only_long_packs(stubbed_kernels, monkeypatch, kda_tuning):
     """A packed signature keeps its one-call launch while the time split (``KdaTuning.time_split``) would not cut
-    the call's lengths, and takes the cut general path, the segment summary first, for a call it would cut."""
+    the call's lengths, and takes the cut general path, the segment summary first, for a call it would cut; a
+    fixed-length signature that is cut plans the cut path."""
     from cula.ops.kda.sm90 import segment_summary
     from cula.time_split import SplitThresholds
 
@@ -127,6 +128,14 @@ def test_packed_plan_cuts_only_long_packs(stubbed_kernels, monkeypatch, kda_tuni
             chunk_kda(**x, **SAFE_GATE, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
         assert [path for path, _ in stubbed_kernels] == ["general" if cut else "plan"], lens
         assert summaries == ([6] if cut else []), lens  # 300 tokens in 5 segments of up to 64, the short one whole
+    # a fixed-length signature that is cut: its plan is the cut general path, the first call and the next alike
+    x = _kda_inputs(1, 300, 2, 4, 1, torch.Generator().manual_seed(1), device="cpu")
+    stubbed_kernels.clear()
+    summaries.clear()
+    with torch.no_grad():
+        for _ in range(2):
+            chunk_kda(**x, **SAFE_GATE)
+    assert [path for path, _ in stubbed_kernels] == ["general", "general"] and summaries == [5, 5]
 
 
 @pytest.mark.parametrize("host_copy", [True, False], ids=["cu_seqlens_cpu", "device_only"])

@@ -384,7 +384,8 @@ def prepare_chunk_kda_fwd_sm90(
 ):
     """``chunk_kda_fwd_sm90`` bound once for every later call with this call's signature (same shapes, strides,
     dtypes, device, flags; with ``cu_seqlens`` everything but the total length), or None where the general path
-    must run each time (FLA's intra stage, non-contiguous inputs, no tokens).
+    must run each time (FLA's intra stage, non-contiguous inputs, no tokens). A call the time split cuts
+    (``cula.kda.plan.parallel_segments``) is bound to the general path, which cuts it, without the public validation.
 
     The returned ``launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_)`` (with ``cu_seqlens``:
     ``..., scale, cu_seqlens, cu_seqlens_cpu)``, see ``_varlen_launch``) allocates the outputs and one workspace for
@@ -404,12 +405,25 @@ def prepare_chunk_kda_fwd_sm90(
         return None
     if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
         return None
-    if not varlen and parallel_segments(B, T, HV, None, None, q.device) is not None:
-        return None
     if not all(t.is_contiguous() for t in (q, k, v, g, beta)):
         return None
     if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         return None
+    flags = dict(
+        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, safe_gate=safe_gate,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+    )  # fmt: skip
+
+    def cut(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens=None, cu_seqlens_cpu=None, **_):
+        # a call cut in time: the general path, without the public validation this signature has passed
+        return chunk_kda_fwd_sm90(
+            q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
+            A_log=A_log, dt_bias=dt_bias, **flags,
+        )  # fmt: skip
+
+    if not varlen and parallel_segments(B, T, HV, None, None, q.device) is not None:
+        return cut
     gate = gate_kind(use_gate_in_kernel, lower_bound)
     beta_act = intra.beta_act_for(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     has_h0 = initial_state is not None
@@ -433,20 +447,12 @@ def prepare_chunk_kda_fwd_sm90(
         thresholds = KDA_TUNING.for_device(dev).time_split
         if thresholds is None:
             return launch
-        flags = dict(
-            use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, safe_gate=safe_gate,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=allow_neg_eigval,
-        )  # fmt: skip
 
         def launch_or_cut(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu, **_):
             # whether to cut depends on each call's lengths; only a pack holding a long sequence can be cut
             T = q.shape[1]
             if T >= thresholds.min_seq_len and parallel_segments(1, T, HV, cu_seqlens, cu_seqlens_cpu, dev):
-                return chunk_kda_fwd_sm90(
-                    q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                    cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias, **flags,
-                )  # fmt: skip
+                return cut(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
             return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
 
         return launch_or_cut
