@@ -115,8 +115,8 @@ def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, to
     b, t = (1, cfg.T) if cfg.packed else (cfg.N, cfg.lens[0])
     bf16 = torch.bfloat16
     x = {n: torch.randn(b, t, cfg.H, D, dtype=bf16, device=device) for n in ("q", "k", "v")}
-    if cfg.op == "kda":
-        x["g"] = torch.randn(b, t, cfg.H, D, dtype=bf16, device=device)
+    if cfg.op == "kda":  # weak gates, so that state carries across segments (kp.tp_inputs says why)
+        x["g"] = torch.randn(b, t, cfg.H, D, dtype=bf16, device=device) + kp.TP_GATE_SHIFT
         x["beta"] = torch.randn(b, t, cfg.H, dtype=bf16, device=device)
         x["initial_state"] = 0.01 * torch.randn(cfg.N, cfg.H, D, D, dtype=torch.float32, device=device)
     return x
