@@ -10,9 +10,11 @@ transposed, ``[V, K]`` fp32, as the accumulator of two consumer warpgroups (64 V
 warp through a ``PipelineTmaAsync`` of one chunk's tiles a stage. A token tile ``[BT, D]`` lands in shared memory in
 the layout of the WGMMA operand it is (``token_tile_b_k_major``: B of a product with the state, N = BT;
 ``token_tile_b_mn_major``: B of an update of the state, N = K; ``token_tile_a_m_major``: A read M-major, or a tile
-read in the accumulator layout), the chunk's last gate row as ``gate_row_layout``. ``recurrence_pipeline`` makes the
-pipeline; ``column_decay`` / ``decay_columns`` scale the state's K columns by ``exp2`` of the gate row;
-``gemm_k_blocks`` issues one product's K-block WGMMAs.
+read in the accumulator layout), the chunk's last gate row as ``gate_row_layout``; ``token_rows`` / ``token_cols`` /
+``state_view`` reorder the global tensors for those boxes and for the transposed state. ``ChunkRecurrenceResources``
+holds the warp layout, the register split, the stage check and the two tiled MMAs every such kernel has (products
+with the state, updates of it); ``recurrence_pipeline`` makes the pipeline; ``column_decay`` / ``decay_columns``
+scale the state's K columns by ``exp2`` of the gate row; ``gemm_k_blocks`` issues one product's K-block WGMMAs.
 
 **State boxes.** A decode CTA that works on ``[K, tile_v]`` of one (pool row, head) state moves it with one TMA load
 into shared memory and one TMA store back. ``state_box_atoms`` builds the two TMA atoms over a ``[P, HV, K, V]``
@@ -25,13 +27,13 @@ from __future__ import annotations
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 __all__ = [
-    "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init", "box_load", "box_partition", "box_store",
-    "column_decay", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay", "recurrence_pipeline",
-    "state_box_atoms",
+    "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
+    "box_load", "box_partition", "box_store", "column_decay", "decay_columns", "gate_row_layout", "gemm_k_blocks",
+    "load_column_decay", "recurrence_pipeline", "state_box_atoms", "state_view", "token_cols", "token_rows",
     "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major",
 ]  # fmt: skip
 
@@ -92,6 +94,38 @@ class ChunkRecurrenceResources:
         if num_stages * stage_bytes + 1024 > SMEM_BYTES_SM90:
             raise ValueError(f"{num_stages} stages of {stage_bytes} B do not fit in shared memory")
         self.num_stages, self.stage_bytes = num_stages, stage_bytes
+
+    def _state_product_mma(self, dtype, n: int):
+        """``state^T (registers, bf16) . tile^T``: M = V over the consumer warpgroups, N = ``n`` token rows or
+        columns, the token tile K-major (``token_tile_b_k_major``)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (self.num_consumer_wg, 1, 1),
+            tiler_mn=(64, n), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+
+    def _state_update_mma(self, dtype, n: int = 128):
+        """``(token-by-V fragment, registers)^T . tile``: M = V, N = ``n`` = K, the token tile MN-major
+        (``token_tile_b_mn_major``)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (self.num_consumer_wg, 1, 1),
+            tiler_mn=(64, n), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+
+
+def token_rows(t: cute.Tensor) -> cute.Tensor:
+    """``(T, HV, D)`` as ``(T, D, HV)``: a token tile's rows for a K-major TMA box (``token_tile_b_k_major``)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+
+
+def token_cols(t: cute.Tensor) -> cute.Tensor:
+    """``(T, HV, D)`` as ``(D, T, HV)``: a token tile transposed, for MN-major boxes and the accumulator layout."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 0, 1]))
+
+
+def state_view(t: cute.Tensor, state_v_first: bool) -> cute.Tensor:
+    """``(N, HV, K, V)`` (or ``(N, HV, V, K)`` with ``state_v_first``) as ``(V, K, HV, N)``: the transposed state
+    the consumer warpgroups hold."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0] if state_v_first else [3, 2, 1, 0]))
 
 
 def recurrence_pipeline(barrier_ptr, num_stages: int, num_consumer_wg: int, tx_count: int):

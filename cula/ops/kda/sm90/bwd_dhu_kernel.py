@@ -50,7 +50,8 @@ from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
     ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
-    load_column_decay, recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows, token_tile_a_m_major,
+    token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["ChunkKDABwdDhuSm90"]
@@ -101,28 +102,21 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         stream: cuda.CUstream,
     ):
         dt, BT, DK, DV, S = self.dtype, self.bt, self.dk, self.dv, self.num_stages
-        kg_v = cute.make_tensor(mKg.iterator, cute.select(mKg.layout, mode=[0, 2, 1]))  # (T, K, HV)
-        w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 0, 1]))  # (K, T, HV)
-        q_v = cute.make_tensor(mQg.iterator, cute.select(mQg.layout, mode=[2, 0, 1]))  # (K, T, HV)
-        g_v = cute.make_tensor(mG.iterator, cute.select(mG.layout, mode=[2, 0, 1]))  # (K, T, HV)
-        do_v = cute.make_tensor(mDo.iterator, cute.select(mDo.layout, mode=[2, 0, 1]))  # (V, T, HV)
-        dv_v = cute.make_tensor(mDv.iterator, cute.select(mDv.layout, mode=[2, 0, 1]))  # (V, T, HV)
-        dv2_v = cute.make_tensor(mDv2.iterator, cute.select(mDv2.layout, mode=[2, 0, 1]))  # (V, T, HV)
-        hmode = [2, 3, 1, 0] if const_expr(self.state_v_first) else [3, 2, 1, 0]
-        dh_v = cute.make_tensor(mDh.iterator, cute.select(mDh.layout, mode=hmode))  # (V, K, HV, NT)
-        dht_v = cute.make_tensor(mDht.iterator, cute.select(mDht.layout, mode=hmode))  # (V, K, HV, N)
-        dh0_v = cute.make_tensor(mDh0.iterator, cute.select(mDh0.layout, mode=hmode))  # (V, K, HV, N)
+        kg_v = token_rows(mKg)  # (T, K, HV)
+        w_v = token_cols(mW)  # (K, T, HV)
+        q_v = token_cols(mQg)  # (K, T, HV)
+        g_v = token_cols(mG)  # (K, T, HV)
+        do_v = token_cols(mDo)  # (V, T, HV)
+        dv_v = token_cols(mDv)  # (V, T, HV)
+        dv2_v = token_cols(mDv2)  # (V, T, HV)
+        dh_v = state_view(mDh, self.state_v_first)  # (V, K, HV, NT)
+        dht_v = state_view(mDht, self.state_v_first)  # (V, K, HV, N)
+        dh0_v = state_view(mDh0, self.state_v_first)  # (V, K, HV, N)
 
         # GEMM1: N = BT, B (kg) K-major. GEMM2: N = K, B (w) MN-major. GEMM3: A (do^T) and B (qg) from shared
         # memory, both MN-major.
-        mma_v = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            (self.num_consumer_wg, 1, 1), tiler_mn=(64, BT), a_source=warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
-        mma_s = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            (self.num_consumer_wg, 1, 1), tiler_mn=(64, DK), a_source=warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
+        mma_v = self._state_product_mma(dt, BT)
+        mma_s = self._state_update_mma(dt, DK)
         mma_d = sm90_utils.make_trivial_tiled_mma(
             dt, dt, OperandMajorMode.MN, OperandMajorMode.MN, Float32, (self.num_consumer_wg, 1, 1),
             tiler_mn=(64, DK),

@@ -59,15 +59,16 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
-    load_column_decay, recurrence_pipeline, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns,
+    gate_row_layout, gemm_k_blocks, load_column_decay, recurrence_pipeline, state_view, token_cols,
+    token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90"]
@@ -147,26 +148,19 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
     ):
         dt, BT, DK, DV, S = self.dtype, self.bt, self.dk, self.dv, self.num_stages
         # Transposed / reordered views; each keeps one unit-stride mode for TMA.
-        w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[0, 2, 1]))  # (T, K, HV)
-        q_v = cute.make_tensor(mQg.iterator, cute.select(mQg.layout, mode=[0, 2, 1]))  # (T, K, HV)
-        a_v = cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[0, 2, 1]))  # (T, BT, HV)
-        k_v = cute.make_tensor(mKg.iterator, cute.select(mKg.layout, mode=[2, 0, 1]))  # (K, T, HV)
-        u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
-        g_v = cute.make_tensor(mG.iterator, cute.select(mG.layout, mode=[2, 0, 1]))  # (K, T, HV)
-        o_v = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[2, 0, 1]))  # (V, T, HV)
-        hmode = [2, 3, 1, 0] if const_expr(self.state_v_first) else [3, 2, 1, 0]
-        h0_v = cute.make_tensor(mH0.iterator, cute.select(mH0.layout, mode=hmode))  # (V, K, HV, N)
-        ht_v = cute.make_tensor(mHt.iterator, cute.select(mHt.layout, mode=hmode))  # (V, K, HV, N)
+        w_v = token_rows(mW)  # (T, K, HV)
+        q_v = token_rows(mQg)  # (T, K, HV)
+        a_v = token_rows(mA)  # (T, BT, HV)
+        k_v = token_cols(mKg)  # (K, T, HV)
+        u_v = token_cols(mU)  # (V, T, HV)
+        g_v = token_cols(mG)  # (K, T, HV)
+        o_v = token_cols(mO)  # (V, T, HV)
+        h0_v = state_view(mH0, self.state_v_first)  # (V, K, HV, N)
+        ht_v = state_view(mHt, self.state_v_first)  # (V, K, HV, N)
 
         # GEMM1-3: M = V over both warpgroups, N = BT. GEMM4: M = V, N = K, B (kg) read MN-major.
-        mma_o = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            (self.num_consumer_wg, 1, 1), tiler_mn=(64, BT), a_source=warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
-        mma_s = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            (self.num_consumer_wg, 1, 1), tiler_mn=(64, DK), a_source=warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
+        mma_o = self._state_product_mma(dt, BT)
+        mma_s = self._state_update_mma(dt, DK)
 
         sW_l, sQ_l = token_tile_b_k_major(dt, S), token_tile_b_k_major(dt, S)
         sA_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S)  # (BT_i, BT_j, S)
