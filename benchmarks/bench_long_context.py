@@ -144,19 +144,13 @@ def floor_inputs(cfg: Config) -> tuple[int, float]:
 
 def segments(cfg: Config) -> int | None:
     """How many pieces cula's planner cuts this call into (None: run whole)."""
-    dev = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device(DEVICE)
-    if cfg.op == "kda":
-        from cula.kda.plan import parallel_segments
+    from cula.kda.plan import parallel_segments as kda_segments
+    from cula.lightning.plan import parallel_segments as lightning_segments
 
-        cu = bc.cu_seqlens(cfg.lens, "cpu")["cu_seqlens_cpu"] if cfg.packed else None
-        plan = parallel_segments(1 if cfg.packed else cfg.N, cfg.T if cfg.packed else cfg.lens[0], cfg.H, cu, cu, dev)
-        return plan.num_segments if plan is not None else None
-    from cula.lightning.plan import LIGHTNING_TUNING
-    from cula.time_split import plan_time_split, sm_count
-
-    thresholds = LIGHTNING_TUNING.for_device(dev).time_split
-    count = sm_count(0) if DEVICE == "cuda" else 132
-    plan = plan_time_split(cfg.lens, cfg.H, count, thresholds)
+    planner = kda_segments if cfg.op == "kda" else lightning_segments
+    cu = bc.cu_seqlens(cfg.lens, "cpu")["cu_seqlens_cpu"] if cfg.packed else None
+    B, T = (1, cfg.T) if cfg.packed else (cfg.N, cfg.lens[0])
+    plan = planner(B, T, cfg.H, cu, cu, torch.device(DEVICE, 0))
     return plan.num_segments if plan is not None else None
 
 

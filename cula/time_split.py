@@ -110,6 +110,19 @@ def plan_time_split(lengths: Sequence[int], num_value_heads: int, sm_count: int,
     return split_plan(lengths, seg, thresholds.min_seq_len)
 
 
+def plan_call(thresholds: SplitThresholds | None, B: int, T: int, num_value_heads: int, cu_seqlens, cu_seqlens_cpu,
+              device: torch.device) -> SplitPlan | None:
+    """``plan_time_split`` for one call of an op whose GPU tuning entry has ``thresholds``: its lengths from the
+    shapes or ``cu_seqlens_cpu`` only (never a read of ``cu_seqlens``: no sync, so the same call is always cut the
+    same way and can be captured in a CUDA graph), the SM count of its device. None: run it whole."""
+    if thresholds is None:
+        return None
+    lengths = call_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
+    if lengths is None:
+        return None
+    return plan_time_split(lengths, num_value_heads, sm_count(device.index or 0), thresholds)
+
+
 def call_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...] | None:
     """A call's sequence lengths from its shapes or ``cu_seqlens_cpu``; None for packed sequences without the host
     copy (reading ``cu_seqlens`` would sync with the device)."""

@@ -126,7 +126,6 @@ def test_planner_cuts_where_measured_and_when_told(monkeypatch, kda_tuning, pret
     import cula.kda.plan as kp
 
     dev = torch.device("cuda", 0)
-    monkeypatch.setattr(kp, "sm_count", lambda index: 132)
     # the H200's entry: the measured best segment lengths (4096 at 4 heads x 64K, 8192 at 8 heads x 64K), 16K and
     # 16 heads whole
     for hv, t, seg in ((4, 65536, 4096), (8, 65536, 8192), (4, 262144, 16384), (8, 262144, 32768)):

@@ -165,7 +165,7 @@ def _patch_hook(monkeypatch, tune, table, calls):
 
     monkeypatch.setattr(sb, "_lightning_forward", fake_forward)
     monkeypatch.setattr(cula.arch, "device_arch", lambda dev: (9, 0))
-    monkeypatch.setattr(tp, "sm_count", lambda index: 132)
+    monkeypatch.setattr("cula.time_split.sm_count", lambda index: 132)
     tune(time_split=table)
 
 

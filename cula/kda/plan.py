@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from cula.time_split import SplitPlan, SplitThresholds, call_lengths, plan_time_split, sm_count
+from cula.time_split import SplitPlan, SplitThresholds, plan_call
 from cula.tuning import TuningTable
 
 __all__ = [
@@ -130,13 +130,7 @@ def parallel_segments(B: int, T: int, HV: int, cu_seqlens, cu_seqlens_cpu, devic
     """How a call's sequences are cut for the exact time-parallel recurrence (``KdaTuning.time_split``), or None to
     run them whole. From the shapes or ``cu_seqlens_cpu`` only (never a read of ``cu_seqlens``: no sync), so the
     same call is always cut the same way and can be captured in a CUDA graph."""
-    thresholds = KDA_TUNING.for_device(device).time_split
-    if thresholds is None:
-        return None
-    lengths = call_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
-    if lengths is None:
-        return None
-    return plan_time_split(lengths, HV, sm_count(device.index or 0), thresholds)
+    return plan_call(KDA_TUNING.for_device(device).time_split, B, T, HV, cu_seqlens, cu_seqlens_cpu, device)
 
 
 def segment_bounds(T: int, tuning: KdaTuning) -> list[tuple[int, int]]:

@@ -16,12 +16,13 @@ import dataclasses
 import torch
 
 from cula.ops.lightning.sm90.decode import compiled, tile_for, variant_key
-from cula.time_split import SplitThresholds, sm_count
+from cula import time_split
+from cula.time_split import SplitPlan, SplitThresholds
 from cula.tuning import TuningTable
 
 __all__ = [
     "LIGHTNING_TUNING", "LightningTuning", "default_tile", "launch_key", "lightning_decode_launcher",
-    "lightning_decode_sm90",
+    "lightning_decode_sm90", "parallel_segments",
 ]  # fmt: skip
 
 
@@ -123,7 +124,7 @@ def lightning_decode_launcher(
     if persistent is None:
         persistent = tuning.persistent_min_tokens is not None and q.shape[1] >= tuning.persistent_min_tokens
     if persistent:
-        ctas = min(ctas, sm_count(q.device.index) * cfg.min_blocks_per_sm)
+        ctas = min(ctas, time_split.sm_count(q.device.index) * cfg.min_blocks_per_sm)
 
     def launch(q, k, v, decay, state, indices, out, scale):
         fn(q, k, v, decay, state, indices, out, scale, ctas)
@@ -187,3 +188,12 @@ def lightning_decode_sm90(
         warps_per_cta=warps_per_cta, state_regs=state_regs, cols=cols, persistent=persistent,
     )  # fmt: skip
     launch(q, k, v, decay, state, indices, out, scale)
+
+
+def parallel_segments(B: int, T: int, HV: int, cu_seqlens, cu_seqlens_cpu, device: torch.device) -> SplitPlan | None:
+    """How a Lightning / ``chunk_simple_gla(g_gamma)`` inference call's sequences are cut for the exact
+    time-parallel forward (``LightningTuning.time_split``, ``cula.lightning.time_parallel``), or None to run them
+    whole; as ``cula.kda.plan.parallel_segments``."""
+    return time_split.plan_call(
+        LIGHTNING_TUNING.for_device(device).time_split, B, T, HV, cu_seqlens, cu_seqlens_cpu, device
+    )

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from cula.time_split import (  # noqa: F401  (the split's planning, shared with KDA; re-exported for callers)
-    SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, sm_count, split_plan,
+    SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, split_plan,
 )
 
 

@@ -120,7 +120,10 @@ def _chunk_cula_sm90(
         return _LightningTraining.apply(
             q, k, v, g_gamma, initial_state, scale, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu
         )
-    plan = _time_split_plan(q, v, cu_seqlens, cu_seqlens_cpu)
+    from cula.lightning.plan import parallel_segments
+
+    B, T, HV = v.shape[:3]
+    plan = parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
     if plan is not None:
         from cula.lightning.time_parallel import time_parallel_forward
 
@@ -131,25 +134,6 @@ def _chunk_cula_sm90(
     return _lightning_forward(
         q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens
     )
-
-
-def _time_split_plan(q, v, cu_seqlens, cu_seqlens_cpu):
-    """The time-parallel cut of this inference call (``cula.lightning.time_parallel``), or None to run it unsplit.
-
-    Lengths come from the shapes or ``cu_seqlens_cpu`` only: reading ``cu_seqlens`` would sync with the device.
-    """
-    from cula.lightning import time_parallel as tp
-    from cula.lightning.plan import LIGHTNING_TUNING
-    from cula.time_split import call_lengths
-
-    thresholds = LIGHTNING_TUNING.for_device(q.device).time_split
-    if thresholds is None:
-        return None
-    B, T, HV = v.shape[:3]
-    lengths = call_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
-    if lengths is None:
-        return None
-    return tp.plan_time_split(lengths, HV, tp.sm_count(q.device.index or 0), thresholds)
 
 
 def _expand_gva(args: dict) -> dict:
