@@ -95,3 +95,24 @@ def compile_with_dumps(script: str, variants: list[dict], dump_root, timeout: fl
             "cubins": glob.glob(str(d / "*.cubin")),
         }
     return out
+
+
+# ptxas remarks that a warp-specialized WGMMA kernel must not draw: setmaxnreg ignored, WGMMAs serialised or waited
+WGMMA_REMARKS = ("C7508", "C7510", "C7517", "C7515")
+
+
+def assert_wgmma_kernel(res: dict, spill_bytes: int = 0, setmaxnreg: bool = True,
+                        remarks_absent: tuple[str, ...] = WGMMA_REMARKS) -> None:  # fmt: skip
+    """One ``compile_with_dumps`` result is an sm_90a WGMMA + TMA kernel (with register reallocation unless not
+    ``setmaxnreg``) whose ptxas report shows at most ``spill_bytes`` of spill stores and loads and none of
+    ``remarks_absent``."""
+    ptx, remarks = res["ptx"], res["remarks"]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    if setmaxnreg:
+        assert "setmaxnreg" in ptx
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", remarks)
+    assert spills, remarks[-3000:]
+    assert all(int(a) <= spill_bytes and int(b) <= spill_bytes for a, b in spills), spills
+    for code in remarks_absent:
+        assert code not in remarks, remarks[-3000:]

@@ -9,12 +9,11 @@ empty segment and given start states, both state layouts; NaN-poisoned outputs.
 
 from __future__ import annotations
 
-import re
 import textwrap
 
 import pytest
 import torch
-from cute_compile import compile_with_dumps
+from cute_compile import assert_wgmma_kernel, compile_with_dumps
 
 from cula.testing import assert_close, make_cu_seqlens
 
@@ -48,14 +47,7 @@ def compiled_variants(tmp_path_factory):
 
 @pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=["-".join(map(str, v.values())) for v in _VARIANTS])
 def test_variant_compiles_sm90a(compiled_variants, idx):
-    res = compiled_variants[idx]
-    ptx, remarks = res["ptx"], res["remarks"]
-    assert ".target sm_90a" in ptx
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", remarks)
-    assert spills and all(a == "0" and b == "0" for a, b in spills), remarks[-3000:]
-    for code in ("C7508", "C7510", "C7517", "C7515"):  # setmaxnreg ignored / WGMMA serialised or waited
-        assert code not in remarks, remarks[-3000:]
+    assert_wgmma_kernel(compiled_variants[idx])
 
 
 def test_launcher_validates_shapes():
