@@ -462,7 +462,6 @@ def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, kda_tuning, 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
     monkeypatch.setattr(cf, "_side_streams", {})
     kda_tuning(overlap_state_min_tokens=64)
     x = {n: (t[:1] if t is not None and t.dim() > 1 else t) for n, t in _inputs().items()}

@@ -60,7 +60,6 @@ def requested(monkeypatch, pretend_sm90):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
     cula.backends.clear_plan_caches()
     with cula.cache.recording() as seen:
         yield seen

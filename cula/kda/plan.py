@@ -21,7 +21,8 @@ import os
 
 import torch
 
-from cula.time_split import SplitPlan, SplitThresholds, plan_call
+from cula import time_split
+from cula.time_split import SplitPlan, SplitThresholds
 from cula.tuning import TuningTable
 
 __all__ = [
@@ -121,7 +122,7 @@ def time_segments(B: int, T: int, HV: int, device: torch.device) -> list[tuple[i
     least = tuning.overlap_state_min_tokens
     if least is None or B != 1 or T < least:
         return None
-    if 2 * HV > torch.cuda.get_device_properties(device).multi_processor_count:
+    if 2 * HV > time_split.sm_count(device.index or 0):
         return None  # the recurrence alone fills half the GPU: nothing idles for the next intra kernel
     return segment_bounds(T, tuning)
 
@@ -130,7 +131,8 @@ def parallel_segments(B: int, T: int, HV: int, cu_seqlens, cu_seqlens_cpu, devic
     """How a call's sequences are cut for the exact time-parallel recurrence (``KdaTuning.time_split``), or None to
     run them whole. From the shapes or ``cu_seqlens_cpu`` only (never a read of ``cu_seqlens``: no sync), so the
     same call is always cut the same way and can be captured in a CUDA graph."""
-    return plan_call(KDA_TUNING.for_device(device).time_split, B, T, HV, cu_seqlens, cu_seqlens_cpu, device)
+    thresholds = KDA_TUNING.for_device(device).time_split
+    return time_split.plan_call(thresholds, B, T, HV, cu_seqlens, cu_seqlens_cpu, device)
 
 
 def segment_bounds(T: int, tuning: KdaTuning) -> list[tuple[int, int]]:
