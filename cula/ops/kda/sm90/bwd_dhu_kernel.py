@@ -18,8 +18,11 @@ the forward state kernel keeps ``S^T``::
 
     GEMM1  dv2^T = bf16(dS^T) . kg^T        M=V N=BT K=K   A registers, B = kg tile [BT, K] K-major
     GEMM2  dS^T += bf16(-dv2^T) . w         M=V N=K  K=BT  A registers, B = w tile [BT, K] MN-major
-    GEMM3  dS^T += do^T . qg                M=V N=K  K=BT  A = do tile read M-major from shared memory,
-                                                           B = qg tile MN-major
+    GEMM3  dS^T += do^T . qg                M=V N=K  K=BT  A registers (do^T, rows past the sequence end
+                                                           zeroed), B = qg tile MN-major
+
+A partial chunk's tiles hold the next sequence's tokens (or the next batch row's) past ``valid``: both products
+over tokens take their A operand from registers so those rows can be zeroed (dv2 for GEMM2, do for GEMM3).
 
 ``scale`` multiplies GEMM3's product alone: the state is divided by it before GEMM3 and multiplied after (fp32,
 an ulp each), which keeps one accumulator. ``dh`` and ``dv2`` leave by direct stores.
@@ -41,9 +44,8 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options
@@ -113,14 +115,9 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         dht_v = state_view(mDht, self.state_v_first)  # (V, K, HV, N)
         dh0_v = state_view(mDh0, self.state_v_first)  # (V, K, HV, N)
 
-        # GEMM1: N = BT, B (kg) K-major. GEMM2: N = K, B (w) MN-major. GEMM3: A (do^T) and B (qg) from shared
-        # memory, both MN-major.
+        # GEMM1: N = BT, B (kg) K-major. GEMM2 and GEMM3: N = K, B (w, qg) MN-major.
         mma_v = self._state_product_mma(dt, BT)
         mma_s = self._state_update_mma(dt, DK)
-        mma_d = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, OperandMajorMode.MN, OperandMajorMode.MN, Float32, (self.num_consumer_wg, 1, 1),
-            tiler_mn=(64, DK),
-        )  # fmt: skip
 
         sKg_l = token_tile_b_k_major(dt, S)
         sW_l, sQ_l = token_tile_b_mn_major(dt, S), token_tile_b_mn_major(dt, S)
@@ -150,7 +147,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         kernel = self.kernel(
             tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_dv, tdv, tma_g, tg,
             dv2_v, dh_v, dht_v, dh0_v, mCu, mChunkOff, seqlen, scale,
-            mma_v, mma_s, mma_d, sKg_l, sW_l, sQ_l, sDo_l, sDv_l, sG_l,
+            mma_v, mma_s, sKg_l, sW_l, sQ_l, sDo_l, sDv_l, sG_l,
         )  # fmt: skip
         kernel.launch(grid=(HV, num_seqs, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1)
 
@@ -165,7 +162,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         tma_g: cute.CopyAtom, tg: cute.Tensor,
         dv2_v: cute.Tensor, dh_v: cute.Tensor, dht_v: cute.Tensor, dh0_v: cute.Tensor,
         mCu: cute.Tensor, mChunkOff: cute.Tensor, seqlen: Int32, scale: Float32,
-        mma_v: cute.TiledMma, mma_s: cute.TiledMma, mma_d: cute.TiledMma,
+        mma_v: cute.TiledMma, mma_s: cute.TiledMma,
         sKg_l: cute.ComposedLayout, sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout,
         sDo_l: cute.ComposedLayout, sDv_l: cute.ComposedLayout, sG_l: cute.Layout,
     ):  # fmt: skip
@@ -207,7 +204,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
-                pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, mma_d, sKg,
+                pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, sKg,
                 sW, sQ, sDo, sDv, sG, dv2_v, dh_v, dht_v, dh0_v,
             )  # fmt: skip
 
@@ -253,7 +250,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
 
     @cute.jit
     def _recurrence(
-        self, pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, mma_d, sKg, sW,
+        self, pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, sKg, sW,
         sQ, sDo, sDv, sG, dv2_v, dh_v, dht_v, dh0_v,
     ):  # fmt: skip
         """Consumers (two warpgroups, each half of V): dS^T in registers from dht (or zero), chunk by chunk last
@@ -261,7 +258,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         ctid = tidx - 128
         wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
-        wg_v, wg_s, wg_d = mma_v.get_slice(wg_first), mma_s.get_slice(wg_first), mma_d.get_slice(wg_first)
+        wg_v, wg_s = mma_v.get_slice(wg_first), mma_s.get_slice(wg_first)
         thr_v, thr_s = mma_v.get_slice(ctid), mma_s.get_slice(ctid)
 
         accS = cute.make_rmem_tensor(wg_s.partition_shape_C((DV, DK)), Float32)  # dS^T, fp32
@@ -270,17 +267,18 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         else:
             accS.fill(0.0)
         tOrS = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, DK)))  # bf16 dS^T for GEMM1
-        tVrV = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))  # bf16 -dv2^T for GEMM2
+        tVrV = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))  # bf16 -dv2^T for GEMM2, then do^T
         tVrKg = wg_v.make_fragment_B(wg_v.partition_B(sKg))
         tSrW = wg_s.make_fragment_B(wg_s.partition_B(sW))
-        tDrDo = wg_d.make_fragment_A(wg_d.partition_A(sDo))
-        tDrQ = wg_d.make_fragment_B(wg_d.partition_B(sQ))
+        tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ))
         accV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), Float32)
         rV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), self.dtype)
+        rDo = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), self.dtype)
         pV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), cutlass.Boolean)
         rD = column_decay(accS)
 
         tVsDv = thr_v.partition_C(sDv)  # (MMA, MMA_M, MMA_N, S) view of dv^T in the accumulator layout
+        tVsDo = thr_v.partition_C(sDo)  # do^T, likewise
         tVcV = thr_v.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
         tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
         gDv2 = cute.local_tile(cute.domain_offset((0, bos), dv2_v[None, None, h]), (DV, BT), (0, None))
@@ -321,11 +319,14 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             warpgroup.fence()
             gemm_k_blocks(mma_s, accS, tVrV, tSrW, accumulate=True, b_stage=si)
             warpgroup.commit_group()
+            # while it runs: do^T with the rows past the end zeroed
+            rDo.store(cute.where(pV.load(), tVsDo[None, None, None, si].load().to(Float32), 0.0).to(self.dtype))
             warpgroup.wait_group(0)
             # GEMM3 with scale on its product alone: dS^T = scale * (dS^T / scale + do^T . qg)
             accS.store(accS.load() * inv_scale)
+            tVrV.store(rDo.load())
             warpgroup.fence()
-            gemm_k_blocks(mma_d, accS, tDrDo, tDrQ, accumulate=True, a_stage=si, b_stage=si)
+            gemm_k_blocks(mma_s, accS, tVrV, tSrQ, accumulate=True, b_stage=si)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             pipe.consumer_release(st)
