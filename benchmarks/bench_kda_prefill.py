@@ -452,7 +452,9 @@ def run_time_parallel_config(cfg: bc.TimeSplitConfig, args: argparse.Namespace, 
 
     nbytes, flops = kda_bytes(cfg.lens, h=cfg.H, hv=cfg.H), kda_flops(cfg.lens, hv=cfg.H)
     floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
-    return bc.time_split_row(cfg, sets, call, split, check, floor, args)
+    # the serial column is the kernel unsplit, not the H200's default plan (which cuts long calls itself)
+    serial = KDA_TUNING.override(time_split=None)
+    return bc.time_split_row(cfg, sets, call, split, check, floor, args, serial_context=serial)
 
 
 def main_time_parallel(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], dict]:
@@ -460,7 +462,7 @@ def main_time_parallel(args: argparse.Namespace, t_start: float) -> tuple[dict, 
         "shape": {"K": K, "V": V, "H = HV": "per row", "dtype": "bfloat16", "state": "float32 [N, H, V, K]",
                   "segments": list(bc.TIME_SPLIT_SEGMENTS)},
         "call_flags": CALL_FLAGS,
-        "calls": {"serial": "cula.kda.chunk_kda",
+        "calls": {"serial": "cula.kda.chunk_kda under KDA_TUNING.override(time_split=None)",
                   "split": "cula.kda.chunk_kda under KDA_TUNING.override(time_split=...)"},
     }  # fmt: skip
     return bc.time_split_main(TP_NAME, args, t_start, run_time_parallel_config, meta, WARN_TOL, FAIL_TOL)

@@ -1081,11 +1081,13 @@ def time_split_row(
     check: Callable[[Any, Any], tuple[float, str]],
     floor: float,
     args: argparse.Namespace,
+    serial_context: contextlib.AbstractContextManager | None = None,
 ) -> dict[str, Any]:
-    """One row of a time-split suite. ``serial(s)`` makes a zero-argument call on input set ``s``; ``split(segment)``
-    gives ``(make, number of segments, context)`` with ``make(s)`` the same for the split path, run inside
-    ``context`` (a tuning override, say), or None where that length cuts nothing; ``check(serial_out, split_out)``
-    gives ``(relative error, "ok" | "warn" | "FAIL")``."""
+    """One row of a time-split suite. ``serial(s)`` makes a zero-argument call on input set ``s``, run inside
+    ``serial_context`` (where the default planner would cut the call itself: a tuning override turning the split
+    off); ``split(segment)`` gives ``(make, number of segments, context)`` with ``make(s)`` the same for the split
+    path, run inside ``context``, or None where that length cuts nothing; ``check(serial_out, split_out)`` gives
+    ``(relative error, "ok" | "warn" | "FAIL")``."""
     errors: dict[str, str] = {}
     record = error_recorder(errors, cfg.name)
     row: dict[str, Any] = {"config": cfg.name, "H": cfg.H, "T": cfg.T, "N": cfg.N, "check": "FAIL",
@@ -1094,8 +1096,9 @@ def time_split_row(
     def both(label, make):
         return eager_and_graph_ms(label, make, sets, args, record)
 
-    ref = serial(sets[0])()
-    row["serial_ms"], row["serial_graph_ms"] = both("serial", serial)
+    with serial_context or contextlib.nullcontext():
+        ref = serial(sets[0])()
+        row["serial_ms"], row["serial_graph_ms"] = both("serial", serial)
     worst, status = 0.0, "ok"
     for seg in TIME_SPLIT_SEGMENTS:
         cut = split(seg)

@@ -46,10 +46,11 @@ def _kda_chunk(scope: str) -> None:
     stage; cula's intra kernel (``safe_gate``: gate none or the lower-bound sigmoid) with it, in the general path
     (inference and training, which also writes Akk), in one fused launch (the plan of a repeated contiguous
     inference call, fixed length or packed), as separate kernels in time segments (B = 1, long T), and cut for the
-    exact time-parallel recurrence (the segment summary, then the packed state/output kernel)."""
+    exact time-parallel recurrence (the segment summary, the segment chain, then the packed state/output
+    kernel)."""
     from cula.ops._host import dsl_name, gate_kind
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import fwd_launch, intra, segment_summary
+    from cula.ops.kda.sm90 import fwd_launch, intra, segment_chain, segment_summary
 
     d = _dtypes(scope)
     for dt, varlen, h0, ht, svf, causal in itertools.product(d["io"], _B, _B, _B, _B, _B):
@@ -71,10 +72,12 @@ def _kda_chunk(scope: str) -> None:
                          state_v_first=svf, aqk_causal=True)  # fmt: skip
             fwd_launch.compiled_variant(options, state, varlen=varlen)
         intra.compiled_variant(varlen=False, **options)  # the segmented launch's intra kernel
-    # the time-parallel path (cula.kda.plan.parallel_segments): every segment's summary before the state/output
-    # kernel (whose packed variants are above)
-    for dt, h0, svf in itertools.product(d["io"], _B, _B):
-        segment_summary.compiled_variant(dtype=dsl_name(dt), has_h0=h0, state_v_first=svf)
+    # the time-parallel path (cula.kda.plan.parallel_segments): every segment's summary and the chain of true
+    # starts before the state/output kernel (whose packed variants are above)
+    for dt, svf in itertools.product(d["io"], _B):
+        segment_summary.compiled_variant(dtype=dsl_name(dt), state_v_first=svf)
+    for h0, ht, svf in itertools.product(_B, _B, _B):
+        segment_chain.compiled_variant(has_h0=h0, has_ht=ht, state_v_first=svf)
 
 
 def _kda_decode(scope: str) -> None:
@@ -122,7 +125,7 @@ def _smoke() -> None:
     from cula.kda.plan import kda_decode_launcher
     from cula.lightning.plan import launch_key
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import fwd_launch, intra, segment_summary
+    from cula.ops.kda.sm90 import fwd_launch, intra, segment_chain, segment_summary
     from cula.ops.lightning.sm90 import chunk_fwd as lc
     from cula.ops.lightning.sm90 import decode as ld
 
@@ -140,9 +143,10 @@ def _smoke() -> None:
     )  # fmt: skip
     for causal in _B:
         dh.compiled_variant(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
-    # the packed call cut in time: the segment summary, then the packed state/output kernel
-    segment_summary.compiled_variant(dtype="BFloat16", has_h0=True)
-    dh.compiled_variant(dtype="BFloat16", varlen=True, has_h0=True, has_ht=True, aqk_causal=True)
+    # the packed call cut in time: the segment summary, the segment chain, then the packed state/output kernel
+    segment_summary.compiled_variant(dtype="BFloat16")
+    segment_chain.compiled_variant(has_h0=True, has_ht=True)
+    dh.compiled_variant(dtype="BFloat16", varlen=True, has_h0=True, has_ht=False, aqk_causal=True)
     # kda_decode's defaults (softplus gate with A_log and dt_bias, L2 norm, beta sigmoid, [V, K] pool), T = 1 and 4
     for tokens in (1, 4):
         kda_decode_launcher(

@@ -96,13 +96,14 @@ def stubbed_kernels(monkeypatch, pretend_sm90):
     (the bound launch's one host call, fwd_launch, and the general path's intra kernel)."""
     import cula.kda.chunk as chunk_mod
     from cula.backends import PlanCache
-    from cula.ops.kda.sm90 import delta_h_fwd_o, fwd_launch, intra
+    from cula.ops.kda.sm90 import delta_h_fwd_o, fwd_launch, intra, segment_chain
 
     seen = []
     monkeypatch.setattr(chunk_mod, "_plans", PlanCache())
     monkeypatch.delenv("CULA_KDA_INTRA", raising=False)
     monkeypatch.setattr(intra, "compiled_variant", lambda **kw: lambda *a: seen.append(("general", a[15])))
     monkeypatch.setattr(delta_h_fwd_o, "compiled_variant", lambda **kw: lambda *a: None)
+    monkeypatch.setattr(segment_chain, "compiled_variant", lambda **kw: lambda *a: None)
     monkeypatch.setattr(
         fwd_launch, "compiled_variant", lambda io, so, varlen=False: lambda *a: seen.append(("plan", a[12]))
     )

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cula.kda.forward import parallel_segment_states
-from cula.testing import assert_close, make_cu_seqlens
+from cula.testing import assert_close, make_cu_seqlens, rel_rmse
 from cula.time_split import SplitThresholds, split_plan
 
 K = V = 16  # the model takes any head size; the kernel's 128 changes nothing here
@@ -46,17 +46,38 @@ def _states_model(w, u, kg, qg, g, Aqk, o, h0, ht, cu, *, scale, state_v_first, 
             ht[n] = (S.transpose(-1, -2) if state_v_first else S).to(ht.dtype)
 
 
-def _summary_model(w, u, kg, g, starts, summary, cu, *, state_v_first):
+def _summary_model(w, u, kg, g, summary, cu, *, state_v_first):
     """The segment-summary kernel's contract (``segment_summary_kernel.py``) from the state model: E of head h
-    (from ``starts`` or zero) at h, R of head h (from the identity, u = 0) at HV + h."""
+    (from a zero start) at h, R of head h (from the identity, u = 0) at HV + h."""
     M, o = cu.numel() - 1, torch.empty(u.shape, dtype=u.dtype)
     eye = torch.eye(K).expand(M, HV, K, K).contiguous()
     E, R = torch.empty(M, HV, K, V), torch.empty(M, HV, K, V)
     kw = dict(scale=1.0, state_v_first=state_v_first, aqk_causal=True)
     zeros, no_scores = torch.zeros_like(u), torch.zeros(u.shape[:-1] + (BT,))
-    _states_model(w, u, kg, torch.zeros_like(kg), g, no_scores, o, starts, E, cu, **kw)
+    _states_model(w, u, kg, torch.zeros_like(kg), g, no_scores, o, None, E, cu, **kw)
     _states_model(w, zeros, kg, torch.zeros_like(kg), g, no_scores, o, eye, R, cu, **kw)
     summary.copy_(torch.cat((E, R), dim=1))
+
+
+def chain_model(summary, h0, starts, ht, first, *, state_v_first):
+    """The segment-chain kernel's contract (``segment_chain_kernel.py``) in float64: along each sequence, a segment
+    starts where the one before ends (the first from ``h0`` or zero), ``end = R start + E`` in the [K, V] state's
+    terms (the transposes for [V, K] states, whose stored R is the transpose too); the last end is the final
+    state."""
+    HV = summary.shape[1] // 2
+    E, R = summary[:, :HV].double(), summary[:, HV:].double()
+    if state_v_first:  # [V, K] storage holds every state transposed, R included
+        E, R = E.transpose(-1, -2), R.transpose(-1, -2)
+    bounds = first.tolist()
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        S = torch.zeros(E.shape[1:], dtype=torch.float64) if h0 is None else h0[n].double()
+        if h0 is not None and state_v_first:
+            S = S.transpose(-1, -2)
+        for m in range(a, b):
+            starts[m] = (S.transpose(-1, -2) if state_v_first else S).to(starts.dtype)
+            S = R[m] @ S + E[m]
+        if ht is not None:
+            ht[n] = (S.transpose(-1, -2) if state_v_first else S).to(ht.dtype)
 
 
 def _intermediates(total: int, seed: int):
@@ -84,7 +105,7 @@ def _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht, see
     o = torch.full_like(o_ref, float("nan"))
     ht = torch.full(shape, float("nan")) if with_ht else None
     parallel_segment_states(plan, w, u, kg, qg, g, Aqk, o, h0, ht, states_fn=_states_model,
-                            summary_fn=_summary_model, **kw)  # fmt: skip
+                            summary_fn=_summary_model, chain_fn=chain_model, **kw)  # fmt: skip
     return (o_ref, ht_ref), (o, ht), plan
 
 
@@ -117,7 +138,7 @@ def test_strong_and_no_decay():
         _states_model(w, u, kg, qg, g, Aqk, ref, None, ht_ref, make_cu_seqlens([total]), **kw)
         o, ht = torch.empty_like(ref), torch.empty_like(ht_ref)
         parallel_segment_states(split_plan([total], 64), w, u, kg, qg, g, Aqk, o, None, ht, states_fn=_states_model,
-                                summary_fn=_summary_model, **kw)  # fmt: skip
+                                summary_fn=_summary_model, chain_fn=chain_model, **kw)  # fmt: skip
         assert_close(f"o (gate x{scale_g})", ref, o, 1e-5)
         assert_close(f"ht (gate x{scale_g})", ht_ref, ht, 1e-5)
 
@@ -182,7 +203,11 @@ def _gpu_case(lengths, H, gate, state_v_first, seed=0):
 @pytest.mark.parametrize("lengths", [[20000], [16384 + 7, 1024, 0, 1024, 1024]], ids=["one", "pack"])
 def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, gate, kda_tuning):
     """chunk_kda on cula's kernels cut in time against the serial path and the float64 reference, strong and weak
-    gates of both functions, the caller's initial states, NaN-poisoned outputs."""
+    gates of both functions, the caller's initial states, NaN-poisoned outputs.
+
+    Against float64 the bound is FLA's tolerance, or FLA's own error on the same inputs where that is larger: with
+    weak gates a state carries over thousands of tokens and every bf16 operand's rounding with it (FLA's kernels and
+    cula's serial path land near 5e-3 there); the cut path may not be less accurate than FLA's kernels."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda import chunk_kda
@@ -198,10 +223,15 @@ def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, gate, kda_tun
     assert not o.isnan().any() and not ht.isnan().any()
     assert_close("o vs serial", o_serial, o, 5e-3)
     assert_close("ht vs serial", ht_serial, ht, 5e-3)
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    with torch.inference_mode():
+        o_fla, ht_fla = fla_chunk_kda(*x, **kw)
     ref_kw = {n: (t.cpu() if torch.is_tensor(t) else t) for n, t in kw.items() if n != "cu_seqlens_cpu"}
     o_ref, ht_ref = reference_chunk_kda(*(t.cpu() for t in x), compute_dtype=torch.float64, **ref_kw)
-    assert_close("o vs f64", o_ref, o.cpu(), 5e-3)
-    assert_close("ht vs f64", ht_ref, ht.cpu(), 5e-3)
+    for name, ref, ours, fla in (("o", o_ref, o, o_fla), ("ht", ht_ref, ht, ht_fla)):
+        fla_err = rel_rmse(ref.float(), fla.float().cpu())
+        assert_close(f"{name} vs f64 (FLA's error {fla_err:.2e})", ref, ours.cpu(), max(5e-3, 1.1 * fla_err))
 
 
 @pytest.mark.gpu

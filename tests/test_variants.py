@@ -207,8 +207,8 @@ def test_recording_compiles_nothing(monkeypatch):
 
 
 def test_chunk_variants_all_reachable(requested, kda_tuning):
-    """Every listed chunk_kda variant (intra, state/output, the one-call launch, the segment summary) is asked for
-    by some public call: fixed and packed inference (general path and plan), training, FLA's intra stage, the
+    """Every listed chunk_kda variant (intra, state/output, the one-call launch, the segment summary and chain) is
+    asked for by some public call: fixed and packed inference (general path and plan), training, FLA's intra stage, the
     time-segmented launch and calls cut in time, over every dtype and flag the backend accepts."""
     from cula.kda import chunk_kda
     from cula.time_split import SplitThresholds

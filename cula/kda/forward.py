@@ -27,6 +27,7 @@ import torch
 from cula.kda.plan import KDA_TUNING, parallel_segments, time_segments, use_cula_intra
 from cula.ops._host import dsl_name, gate_kind, placeholder
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
+from cula.ops.kda.sm90.segment_chain import chunk_kda_segment_chain_sm90
 from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90
 from cula.time_split import on_device
 
@@ -159,83 +160,39 @@ def chunk_kda_fwd_sm90(
 def parallel_segment_states(
     plan, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, *, scale, state_v_first, aqk_causal,
     states_fn=chunk_kda_delta_h_fwd_o_sm90, summary_fn=chunk_kda_segment_summary_sm90,
+    chain_fn=chunk_kda_segment_chain_sm90,
 ):  # fmt: skip
     """The state recurrence and the output of ``plan``'s segments (``cula.time_split``) all at once, exactly.
 
     Over a segment the recurrence is affine in its start state: ``S_end = R S_start + E`` (``[K, V]`` states; for
-    ``[V, K]`` ones ``S_end = S_start R + E``), ``R`` a ``K x K`` matrix (the product of the segment's chunk
+    ``[V, K]`` ones ``S_end = S_start R^T + E``), ``R`` a ``K x K`` matrix (the product of the segment's chunk
     transitions ``diag(exp2 g_last) - kg^T w``) and ``E`` the end state from a zero start. With every segment a
     sequence of one packed call:
 
-    1. ``summary_fn`` (``segment_summary_kernel.py``): E and R of every segment in one launch, E of a sequence's
-       first segment from the caller's initial state;
-    2. the true start states, segment by segment along each sequence (all sequences at once): a sequence's
-       ``j``-th segment starts where its ``j - 1``-th ends, ``end = start R + E``; fp32 products, finer than the
-       kernels' bf16 copies of the state;
-    3. ``states_fn`` (the state/output kernel) from the true starts: the outputs and the final states.
+    1. ``summary_fn`` (``segment_summary_kernel.py``): E and R of every segment in one launch;
+    2. ``chain_fn`` (``segment_chain_kernel.py``): the true start states, segment by segment along each sequence
+       from the caller's initial state (all sequences, heads and column blocks at once; fp32, finer than the
+       kernels' bf16 copies of the state), and the final states (the last segment's end);
+    3. ``states_fn`` (the state/output kernel) from the true starts: the outputs.
 
     Each kernel runs segments x value heads CTAs (twice that for 1), where the serial kernel runs sequences x value
     heads, each walking its whole sequence. The intermediates (``w, u, kg, qg, g_cum, Aqk`` of the intra stage) are
     the serial path's: segments start on chunk boundaries of their sequence, so every chunk is the same chunk."""
     B, T, HV, K = w.shape
     V = u.shape[-1]
-    M, N = plan.num_segments, len(plan.lengths)
+    M = plan.num_segments
     dev = w.device
     seg_cu = on_device(plan.bounds, torch.int32, dev)
-    first = on_device(plan.first_segment, torch.long, dev)
-    last = on_device(tuple(plan.segments_of(n)[-1] for n in range(N)), torch.long, dev)
+    first = on_device(plan.first_segment + (M,), torch.int32, dev)
 
     W, U, KG, QG, G, A, O = (t.view(1, B * T, HV, t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
     inner = (V, K) if state_v_first else (K, V)
-    starts = None
-    if initial_state is not None:
-        starts = torch.zeros((M, HV) + inner, dtype=torch.float32, device=dev)
-        starts.index_copy_(0, first, initial_state)
     summary = torch.empty((M, 2 * HV) + inner, dtype=torch.float32, device=dev)
-    summary_fn(W, U, KG, G, starts, summary, seg_cu, state_v_first=state_v_first)
-    true_starts = _chain_segments(plan, summary[:, :HV], summary[:, HV:], starts, first, state_v_first)
-    ends = torch.empty((M, HV) + inner, dtype=torch.float32, device=dev) if final_state is not None else None
-    states_fn(W, U, KG, QG, G, A, O, true_starts, ends, seg_cu, scale=scale, state_v_first=state_v_first,
+    summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first)
+    starts = torch.empty((M, HV) + inner, dtype=torch.float32, device=dev)
+    chain_fn(summary, initial_state, starts, final_state, first, state_v_first=state_v_first)
+    states_fn(W, U, KG, QG, G, A, O, starts, None, seg_cu, scale=scale, state_v_first=state_v_first,
               aqk_causal=aqk_causal)  # fmt: skip
-    if final_state is not None:
-        torch.index_select(ends, 0, last, out=final_state)
-
-
-def _chain_segments(plan, E, R, starts, first, state_v_first):
-    """Every segment's true start state from its E and R (``parallel_segment_states``): ``[M, HV, ...]`` fp32.
-
-    Step ``j`` advances every sequence with more than ``j`` segments by one segment; fixed-length batches (every
-    sequence cut alike) take strided views, packed ones index lists (made once per layout)."""
-    M, N, dev = plan.num_segments, len(plan.lengths), E.device
-    counts = [len(plan.segments_of(n)) for n in range(N)]
-
-    def advance(prev, R_j, E_j):
-        return E_j + (prev @ R_j if state_v_first else R_j @ prev)
-
-    ends = E.contiguous()  # a copy (E is every other head block of the summary); a first segment's E is its end
-    if N == 1:  # one launch a step: end_j += end_{j-1} R_j (or R_j end_{j-1}), batched over the heads
-        for j in range(1, M):
-            prev, R_j = ends[j - 1], R[j]
-            ends[j].baddbmm_(*((prev, R_j) if state_v_first else (R_j, prev)))
-    elif len(set(counts)) == 1:
-        m = counts[0]
-        ends5, R5 = ends.view((N, m) + ends.shape[1:]), R.view((N, m) + R.shape[1:])
-        for j in range(1, m):
-            ends5[:, j] = advance(ends5[:, j - 1], R5[:, j], ends5[:, j])
-    else:
-        for j in range(1, max(counts)):
-            at = tuple(plan.first_segment[n] + j for n in range(N) if counts[n] > j)
-            idx = on_device(at, torch.long, dev)
-            prev = on_device(tuple(i - 1 for i in at), torch.long, dev)
-            ends.index_copy_(0, idx, advance(ends.index_select(0, prev), R.index_select(0, idx),
-                                             ends.index_select(0, idx)))  # fmt: skip
-    true_starts = torch.empty_like(ends)
-    true_starts[1:] = ends[:-1]
-    if starts is not None:
-        true_starts.index_copy_(0, first, starts.index_select(0, first))
-    else:
-        true_starts.index_fill_(0, first, 0.0)
-    return true_starts
 
 
 def _launch_buffers(B, T, HV, K, dt, o_dtype, dev, state_shape, output_final_state):

@@ -80,7 +80,7 @@ def check_chunk():
             ro, rs = reference(chunk_kda, **xp, **CHUNK_FLAGS, cu_seqlens=cu)
             report(f"chunk_kda packed, call {i + 1}: o", o, ro, 1e-2)
             report(f"chunk_kda packed, call {i + 1}: final state", s, rs, 1e-2)
-        # the same pack cut in time (the segment summary, then the packed state/output kernel)
+        # the same pack cut in time (the segment summary and chain, then the packed state/output kernel)
         from cula.kda.plan import KDA_TUNING
         from cula.time_split import SplitThresholds
 

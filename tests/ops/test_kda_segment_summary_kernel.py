@@ -4,7 +4,7 @@ transition R in one launch.
 CPU: every variant traces and compiles for sm_90a with WGMMA, TMA and register reallocation, no spills and no WGMMA
 serialisation; the launcher rejects bad shapes before any launch. GPU (``-m gpu``): E and R against a float64
 recurrence over the same w / u / kg / g (the kernel's contract), for packed segments with a partial last chunk, an
-empty segment and given start states, both state layouts; NaN-poisoned outputs.
+empty segment, both state layouts; NaN-poisoned outputs.
 """
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ from cute_compile import assert_wgmma_kernel, compile_with_dumps
 
 from cula.testing import assert_close, make_cu_seqlens
 
-_VARIANTS = [
-    {"dtype": dt, "has_h0": h0, "state_v_first": vf}
-    for dt in ("BFloat16",)
-    for h0 in (False, True)
-    for vf in (False, True)
-] + [{"dtype": "Float16", "has_h0": True, "state_v_first": False}]
+_VARIANTS = [{"dtype": "BFloat16", "state_v_first": vf} for vf in (False, True)] + [
+    {"dtype": "Float16", "state_v_first": False}
+]
 
 _COMPILE_SCRIPT = textwrap.dedent(
     """
@@ -33,7 +30,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         d = os.path.join(root, str(i))
         os.makedirs(d, exist_ok=True)
         t0 = time.time()
-        M._compile(v["dtype"], v["has_h0"], v["state_v_first"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}")
+        M._compile(v["dtype"], v["state_v_first"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}")
         sys.stderr.flush()
         print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
     """
@@ -59,18 +56,16 @@ def test_launcher_validates_shapes():
     cu = make_cu_seqlens([128, 72])
     ends = torch.zeros(2, 2 * HV, 128, 128)
     with pytest.raises(ValueError, match="ends"):
-        run(w, w, w, g, None, torch.zeros(2, HV, 128, 128), cu)
+        run(w, w, w, g, torch.zeros(2, HV, 128, 128), cu)
     with pytest.raises(ValueError, match="g:"):
-        run(w, w, w, g.bfloat16(), None, ends, cu)
+        run(w, w, w, g.bfloat16(), ends, cu)
     with pytest.raises(ValueError, match="int32"):
-        run(w, w, w, g, None, ends, cu.long())
-    with pytest.raises(ValueError, match="starts"):
-        run(w, w, w, g, torch.zeros(1, HV, 128, 128), ends, cu)
+        run(w, w, w, g, ends, cu.long())
     with pytest.raises(ValueError, match="packed"):
-        run(w.view(2, 100, HV, 128), w, w, g, None, ends, cu)
+        run(w.view(2, 100, HV, 128), w, w, g, ends, cu)
 
 
-def _summary_f64(w, u, kg, g, starts, cu, state_v_first):
+def _summary_f64(w, u, kg, g, cu, state_v_first):
     """E and R of every segment in float64, with the kernel's bf16 copies of the state for both products' sake
     left out (the comparison's tolerance covers them)."""
     W, U, KG, G = (t[0].double() for t in (w, u, kg, g))
@@ -79,9 +74,7 @@ def _summary_f64(w, u, kg, g, starts, cu, state_v_first):
     R = torch.zeros(M, HV, D, D, dtype=torch.float64)
     bounds = cu.tolist()
     for n in range(M):
-        S = torch.zeros(HV, D, D, dtype=torch.float64) if starts is None else starts[n].double()
-        if state_v_first and starts is not None:
-            S = S.transpose(-1, -2)
+        S = torch.zeros(HV, D, D, dtype=torch.float64)
         P = torch.eye(D, dtype=torch.float64).expand(HV, D, D).clone()
         for c in range(bounds[n], bounds[n + 1], 64):
             r = slice(c, min(c + 64, bounds[n + 1]))
@@ -96,8 +89,7 @@ def _summary_f64(w, u, kg, g, starts, cu, state_v_first):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
-@pytest.mark.parametrize("with_starts", [False, True], ids=["zero", "starts"])
-def test_summary_vs_f64_cuda(state_v_first, with_starts):
+def test_summary_vs_f64_cuda(state_v_first):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90 as run
@@ -111,26 +103,21 @@ def test_summary_vs_f64_cuda(state_v_first, with_starts):
     g = -0.3 * torch.rand(1, T, HV, D, device="cuda")  # chunk-local cumsum stand-in: any values <= 0 will do
     cu = make_cu_seqlens(lengths, device="cuda")
     M = len(lengths)
-    starts = 0.1 * torch.randn(M, HV, D, D, device="cuda") if with_starts else None
     out = torch.full((M, 2 * HV, D, D), float("nan"), device="cuda")
-    run(w, u, kg, g, starts, out, cu, state_v_first=state_v_first)
+    run(w, u, kg, g, out, cu, state_v_first=state_v_first)
     torch.cuda.synchronize()
-    E, R = _summary_f64(w.cpu(), u.cpu(), kg.cpu(), g.cpu(), None if starts is None else starts.cpu(), cu.cpu(),
-                        state_v_first)  # fmt: skip
+    E, R = _summary_f64(w.cpu(), u.cpu(), kg.cpu(), g.cpu(), cu.cpu(), state_v_first)
     assert not out.isnan().any()
     assert_close("E", E.float(), out[:, :HV].cpu(), 5e-3)
     assert_close("R", R.float(), out[:, HV:].cpu(), 5e-3)
 
 
-def test_no_tokens_passes_the_starts_through():
-    """Segments with no tokens at all (no TMA descriptor can describe them): E is the start, R the identity,
-    with nothing launched."""
+def test_no_tokens_gives_zero_and_identity():
+    """Segments with no tokens at all (no TMA descriptor can describe them): E is zero, R the identity, with
+    nothing launched."""
     from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90 as run
 
     w, g = torch.zeros(1, 0, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 0, 2, 128)
-    starts = torch.randn(2, 2, 128, 128)
     out = torch.full((2, 4, 128, 128), float("nan"))
-    run(w, w, w, g, starts, out, make_cu_seqlens([0, 0]))
-    assert torch.equal(out[:, :2], starts) and torch.equal(out[:, 2:], torch.eye(128).expand(2, 2, 128, 128))
-    run(w, w, w, g, None, out, make_cu_seqlens([0, 0]))
-    assert not out[:, :2].any()
+    run(w, w, w, g, out, make_cu_seqlens([0, 0]))
+    assert not out[:, :2].any() and torch.equal(out[:, 2:], torch.eye(128).expand(2, 2, 128, 128))

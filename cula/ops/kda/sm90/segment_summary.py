@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import dsl_name, kernel_attr, placeholder
+from cula.ops._host import dsl_name, kernel_attr
 
 __all__ = ["chunk_kda_segment_summary_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -21,15 +21,15 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def variant_key(dtype="BFloat16", has_h0=False, state_v_first=False, arch=(9, 0)) -> tuple:
+def variant_key(dtype="BFloat16", state_v_first=False, arch=(9, 0)) -> tuple:
     """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype."""
-    return ("kda.segment_summary", "SegmentSummarySm90", dsl_name(dtype), 128, 128, 64, has_h0, state_v_first, arch)
+    return ("kda.segment_summary", "SegmentSummarySm90", dsl_name(dtype), 128, 128, 64, state_v_first, arch)
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
-    dtype, _K, _V, _BT, has_h0, state_v_first, arch = key[2:]
-    return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(dtype, has_h0, state_v_first, arch))
+    dtype, _K, _V, _BT, state_v_first, arch = key[2:]
+    return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(dtype, state_v_first, arch))
 
 
 def compiled_variant(**options):
@@ -42,7 +42,6 @@ def chunk_kda_segment_summary_sm90(
     u: torch.Tensor,
     kg: torch.Tensor,
     g: torch.Tensor,
-    starts: torch.Tensor | None,
     ends: torch.Tensor,
     segments: torch.Tensor,
     *,
@@ -53,9 +52,8 @@ def chunk_kda_segment_summary_sm90(
     Args:
         w, u, kg: ``[1, T, HV, 128]`` bf16/fp16, the intra stage's (as for ``chunk_kda_delta_h_fwd_o_sm90``).
         g: ``[1, T, HV, 128]`` fp32, the chunk-local cumsum of the log2 gate.
-        starts: ``[M, HV, K, V]`` fp32 (``[M, HV, V, K]`` if ``state_v_first``), each segment's given start
-            state, or None for zeros.
-        ends: ``[M, 2 HV, ...]`` fp32, the same layout: E of head h at h, R at ``HV + h``.
+        ends: ``[M, 2 HV, K, V]`` fp32 (``[M, 2 HV, V, K]`` if ``state_v_first``): E (the end from a zero start) of
+            head h at h, R at ``HV + h``.
         segments: ``[M + 1]`` int32, the segments' token bounds (each a whole number of 64-token chunks but the
             last of a sequence).
     """
@@ -70,23 +68,18 @@ def chunk_kda_segment_summary_sm90(
     if segments.dtype != torch.int32:
         raise ValueError(f"segments must be int32, got {segments.dtype}")
     M = segments.numel() - 1
-    for name, t, heads in (("starts", starts, HV), ("ends", ends, 2 * HV)):
-        if t is not None and (tuple(t.shape) != (M, heads, K, K) or t.dtype != torch.float32
-                              or not t.is_contiguous()):  # fmt: skip
-            raise ValueError(f"{name}: expected contiguous {(M, heads, K, K)} float32, got {tuple(t.shape)} {t.dtype}")
+    if tuple(ends.shape) != (M, 2 * HV, K, K) or ends.dtype != torch.float32 or not ends.is_contiguous():
+        raise ValueError(f"ends: expected contiguous {(M, 2 * HV, K, K)} float32, got {tuple(ends.shape)} {ends.dtype}")
     if M == 0 or HV == 0:
         return
-    if T == 0:  # every segment empty (no TMA descriptor describes an empty tensor): E is the start, R the identity
+    if T == 0:  # every segment empty (no TMA descriptor describes an empty tensor): E is zero, R the identity
         E, R = ends[:, :HV], ends[:, HV:]
-        E.copy_(starts) if starts is not None else E.zero_()
+        E.zero_()
         R.copy_(torch.eye(K, dtype=torch.float32, device=ends.device).expand(R.shape))
         return
-    fn = compiled_variant(dtype=dsl_name(w.dtype), has_h0=starts is not None, state_v_first=state_v_first)
+    fn = compiled_variant(dtype=dsl_name(w.dtype), state_v_first=state_v_first)
 
     def flat(t):
         return t.view(T, HV, K)
 
-    fn(
-        flat(w), flat(u), flat(kg), flat(g),
-        starts if starts is not None else placeholder(w.device, torch.float32, (1, 1, K, K)), ends, segments, M,
-    )  # fmt: skip
+    fn(flat(w), flat(u), flat(kg), flat(g), ends, segments, M)

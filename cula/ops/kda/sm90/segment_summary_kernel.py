@@ -4,7 +4,7 @@ Over a segment of whole chunks the KDA recurrence is affine in the segment's sta
 ``parallel_segment_states``): with ``S`` the ``[K, V]`` state, per chunk ``v_new = u - w S`` and
 ``S <- diag(exp2 g_last) S + kg^T v_new``, so ``S_end = R S_start + E`` with
 
-    E = the end state from the segment's given start (zero, or the caller's state for a sequence's first segment)
+    E = the end state from a zero start
     R = the end state from the identity with u = 0   (the product of the chunks' ``diag(gamma) - kg^T w``)
 
 This kernel computes both for every segment (packed like sequences, ``cu_seqlens`` their bounds) without the
@@ -55,20 +55,18 @@ __all__ = ["SegmentSummarySm90"]
 class SegmentSummarySm90(ChunkRecurrenceResources):
     """End state E and transition R of every segment of a packed KDA call, sm_90a (see the module docstring).
 
-    Static configuration: element dtype of w/u/kg, K = V = 128, chunk size 64, pipeline depth, whether E starts
-    from given states, and the state layout. The number of segments, heads and tokens are runtime values.
+    Static configuration: element dtype of w/u/kg, K = V = 128, chunk size 64, pipeline depth and the state
+    layout. The number of segments, heads and tokens are runtime values.
     """
 
     arch = 90
 
-    def __init__(self, dtype=BFloat16, num_stages: int = 4, has_initial_state: bool = False,
-                 state_v_first: bool = False):  # fmt: skip
+    def __init__(self, dtype=BFloat16, num_stages: int = 4, state_v_first: bool = False):
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype = dtype
         self.dk = self.dv = 128
         self.bt = 64
-        self.has_h0 = has_initial_state
         self.state_v_first = state_v_first
         self._set_stages(num_stages, 3 * self.bt * self.dk * (dtype.width // 8) + self.dk * 4)
 
@@ -79,7 +77,6 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         mU: cute.Tensor,  # (T_total, HV, V)  dtype
         mKg: cute.Tensor,  # (T_total, HV, K)  dtype
         mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate
-        mH0: cute.Tensor,  # (M, HV, K, V) or (M, HV, V, K) fp32 start states; unread unless has_initial_state
         mEnds: cute.Tensor,  # (M, 2 HV, K, V) or (M, 2 HV, V, K) fp32: E of head h at h, R at HV + h
         mCu: cute.Tensor,  # (M + 1,) int32 segment bounds
         num_segments: Int32,
@@ -90,7 +87,6 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         k_v = token_cols(mKg)  # (K, T, HV)
         u_v = token_cols(mU)  # (V, T, HV)
         g_v = token_cols(mG)  # (K, T, HV)
-        h0_v = state_view(mH0, self.state_v_first)  # (V, K, HV, M)
         ends_v = state_view(mEnds, self.state_v_first)  # (V, K, 2 HV, M)
 
         mma_v = self._state_product_mma(dt, BT)
@@ -116,7 +112,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         self.storage = Storage
         HV = mW.shape[1]
         kernel = self.kernel(
-            tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, h0_v, ends_v, mCu, HV, mma_v, mma_s, sW_l, sK_l, sU_l, sG_l,
+            tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, ends_v, mCu, HV, mma_v, mma_s, sW_l, sK_l, sU_l, sG_l,
         )  # fmt: skip
         kernel.launch(
             grid=(2 * HV, num_segments, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1
@@ -129,7 +125,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         tma_k: cute.CopyAtom, tk: cute.Tensor,
         tma_u: cute.CopyAtom, tu: cute.Tensor,
         tma_g: cute.CopyAtom, tg: cute.Tensor,
-        h0_v: cute.Tensor, ends_v: cute.Tensor, mCu: cute.Tensor, HV: Int32,
+        ends_v: cute.Tensor, mCu: cute.Tensor, HV: Int32,
         mma_v: cute.TiledMma, mma_s: cute.TiledMma,
         sW_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
     ):  # fmt: skip
@@ -164,8 +160,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
-                pipe, tidx, wg_idx, h, slot, n, transition, seg_len, num_chunks, mma_v, mma_s, sW, sK, sU, sG, h0_v,
-                ends_v,
+                pipe, tidx, wg_idx, h, slot, n, transition, seg_len, num_chunks, mma_v, mma_s, sW, sK, sU, sG, ends_v,
             )  # fmt: skip
 
     @cute.jit
@@ -198,11 +193,10 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
 
     @cute.jit
     def _recurrence(
-        self, pipe, tidx, wg_idx, h, slot, n, transition, seg_len, num_chunks, mma_v, mma_s, sW, sK, sU, sG, h0_v,
-        ends_v,
+        self, pipe, tidx, wg_idx, h, slot, n, transition, seg_len, num_chunks, mma_v, mma_s, sW, sK, sU, sG, ends_v,
     ):  # fmt: skip
-        """Consumers (two warpgroups, each half of V): S^T in registers from its start (the given state, zero, or
-        the identity for R), chunk by chunk GEMM1, decay, v_new (u, or nothing for R), GEMM4; S^T out at the end."""
+        """Consumers (two warpgroups, each half of V): S^T in registers from its start (zero, or the identity
+        for R), chunk by chunk GEMM1, decay, v_new (u, or nothing for R), GEMM4; S^T out at the end."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         ctid = tidx - 128
         wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
@@ -215,10 +209,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             for i in cutlass.range_constexpr(cute.size(accS)):
                 accS[i] = cutlass.select_(tScS[i][0] == tScS[i][1], Float32(1.0), Float32(0.0))
         else:
-            if const_expr(self.has_h0):
-                accS.store(thr_s.partition_C(h0_v[None, None, h, n]).load())
-            else:
-                accS.fill(0.0)
+            accS.fill(0.0)
         tOrS = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, DK)))
         tVrV = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))
         tOrW = wg_v.make_fragment_B(wg_v.partition_B(sW))
@@ -259,14 +250,13 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         thr_s.partition_C(ends_v[None, None, slot, n]).store(accS.load())
 
 
-def _compile(dtype, has_h0, state_v_first, arch=(9, 0), extra_options="", num_stages=4):
+def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK = DV = 128
     dtype = dsl_type(dtype)
-    kernel = SegmentSummarySm90(dtype=dtype, num_stages=num_stages, has_initial_state=has_h0,
-                                state_v_first=state_v_first)  # fmt: skip
+    kernel = SegmentSummarySm90(dtype=dtype, num_stages=num_stages, state_v_first=state_v_first)
     # 64-bit token and segment strides: T_total * HV * D (or M * 2 HV * K * V) may pass 2^31 elements
     tt, hv = cute.sym_int32(), cute.sym_int32()
     tok_stride = cute.sym_int64(divisibility=DK)
@@ -281,6 +271,6 @@ def _compile(dtype, has_h0, state_v_first, arch=(9, 0), extra_options="", num_st
         )  # fmt: skip
 
     cu = make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
-    args = (tok(dtype), tok(dtype), tok(dtype), tok(Float32), state(), state(), cu, Int32(1),
+    args = (tok(dtype), tok(dtype), tok(dtype), tok(Float32), state(), cu, Int32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))  # fmt: skip
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
