@@ -65,6 +65,28 @@ def compile_variants(factory: str, variants: list[dict], timeout: float = 900) -
     }
 
 
+def dump_script(imports: str, body: str) -> str:
+    """A script for ``compile_with_dumps``: after ``imports``, ``body`` runs for every variant with ``v`` (the
+    variant's dict), ``d`` (its dump directory) and ``opts`` (the compile options keeping its PTX and cubins
+    there) bound, then the variant's marker is printed."""
+    loop = textwrap.dedent(
+        """
+        import json, os, sys, time
+        variants, root = json.loads(sys.argv[1]), sys.argv[2]
+        for i, v in enumerate(variants):
+            d = os.path.join(root, str(i))
+            os.makedirs(d, exist_ok=True)
+            opts = f"--keep-ptx --keep-cubin --dump-dir {d}"
+            t0 = time.time()
+        BODY
+            sys.stderr.flush()
+            print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
+        """
+    )
+    body = textwrap.indent(textwrap.dedent(body).strip(), " " * 4)
+    return textwrap.dedent(imports).strip() + "\n" + loop.replace("BODY", body)
+
+
 def compile_with_dumps(script: str, variants: list[dict], dump_root, timeout: float = 1200) -> dict[int, dict]:
     """Run ``script`` (argv: variants as JSON, dump root) that compiles variant ``i`` with
     ``--keep-ptx --keep-cubin --dump-dir <root>/<i>`` and prints ``@@done <i> <seconds>`` to stderr after each.

@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import textwrap
 
 import pytest
 import torch
-from cute_compile import assert_wgmma_kernel, compile_with_dumps
+from cute_compile import assert_wgmma_kernel, compile_with_dumps, dump_script
 
 from cula.testing import find_nvdisasm
 
@@ -43,21 +42,12 @@ _VARIANTS += [
     for vl in (False, True)
 ]
 
-_COMPILE_SCRIPT = textwrap.dedent(
+_COMPILE_SCRIPT = dump_script(
+    "import cutlass\nfrom cula.ops.kda.sm90 import delta_h_fwd_o as M",
     """
-    import json, os, sys, time
-    import cutlass
-    from cula.ops.kda.sm90 import delta_h_fwd_o as M
-    variants, root = json.loads(sys.argv[1]), sys.argv[2]
-    for i, v in enumerate(variants):
-        d = os.path.join(root, str(i))
-        os.makedirs(d, exist_ok=True)
-        t0 = time.time()
-        M._compile(getattr(cutlass, v["dtype"]), 3, v["varlen"], v["has_h0"], v["has_ht"], v["state_v_first"],
-                   extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}", aqk_causal=v.get("aqk_causal", False))
-        sys.stderr.flush()
-        print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
-    """
+    M._compile(getattr(cutlass, v["dtype"]), 3, v["varlen"], v["has_h0"], v["has_ht"], v["state_v_first"],
+               extra_options=opts, aqk_causal=v.get("aqk_causal", False))
+    """,
 )
 
 

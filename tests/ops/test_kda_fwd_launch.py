@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import re
 import subprocess
-import textwrap
 
 import pytest
-from cute_compile import compile_with_dumps
+from cute_compile import compile_with_dumps, dump_script
 
 from cula.testing import find_nvdisasm
 
@@ -30,35 +29,27 @@ _VARIANTS = [
      "beta_act": "sigmoid", "h0": True, "ht": True, "state_v_first": True, "varlen": True},
 ]  # fmt: skip
 
-_COMPILE_SCRIPT = textwrap.dedent(
+_COMPILE_SCRIPT = dump_script(
+    "import cutlass\nfrom cula.ops.kda.sm90 import delta_h_fwd_o, fwd_launch, intra",
     """
-    import json, os, sys, time
-    import cutlass
-    from cula.ops.kda.sm90 import delta_h_fwd_o, fwd_launch, intra
-    variants, root = json.loads(sys.argv[1]), sys.argv[2]
-    for i, v in enumerate(variants):
-        dt, g_dt, b_dt = (getattr(cutlass, v[n]) for n in ("dtype", "g_dtype", "beta_dtype"))
-        io = dict(dtype=dt, g_dtype=g_dt, beta_dtype=b_dt, gate=v["gate"], l2norm_qk=v["l2norm_qk"],
-                  beta_act=v["beta_act"], g_cum_last_only=True)
-        so = dict(dtype=dt, has_initial_state=v["h0"], has_final_state=v["ht"], state_v_first=v["state_v_first"],
-                  aqk_causal=True)
-        t0 = time.time()
-        for part in ("both", "intra", "state"):
-            d = os.path.join(root, str(i), part)
-            os.makedirs(d, exist_ok=True)
-            opts = f"--keep-ptx --keep-cubin --dump-dir {d}"
-            vl = v.get("varlen", False)
-            if part == "both":
-                fwd_launch._compile(io, so, extra_options=opts, varlen=vl)
-            elif part == "intra":
-                intra._compile(dt, g_dt, b_dt, v["gate"], vl, extra_options=opts, l2norm_qk=v["l2norm_qk"],
-                               beta_act=v["beta_act"], g_cum_last_only=True)
-            else:
-                delta_h_fwd_o._compile(dt, 3, vl, v["h0"], v["ht"], v["state_v_first"], extra_options=opts,
-                                       aqk_causal=True)
-        sys.stderr.flush()
-        print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
-    """
+    dt, g_dt, b_dt = (getattr(cutlass, v[n]) for n in ("dtype", "g_dtype", "beta_dtype"))
+    io = dict(dtype=dt, g_dtype=g_dt, beta_dtype=b_dt, gate=v["gate"], l2norm_qk=v["l2norm_qk"],
+              beta_act=v["beta_act"], g_cum_last_only=True)
+    so = dict(dtype=dt, has_initial_state=v["h0"], has_final_state=v["ht"], state_v_first=v["state_v_first"],
+              aqk_causal=True)
+    for part in ("both", "intra", "state"):  # each in a directory of its own
+        os.makedirs(os.path.join(d, part), exist_ok=True)
+        opts = f"--keep-ptx --keep-cubin --dump-dir {os.path.join(d, part)}"
+        vl = v.get("varlen", False)
+        if part == "both":
+            fwd_launch._compile(io, so, extra_options=opts, varlen=vl)
+        elif part == "intra":
+            intra._compile(dt, g_dt, b_dt, v["gate"], vl, extra_options=opts, l2norm_qk=v["l2norm_qk"],
+                           beta_act=v["beta_act"], g_cum_last_only=True)
+        else:
+            delta_h_fwd_o._compile(dt, 3, vl, v["h0"], v["ht"], v["state_v_first"], extra_options=opts,
+                                   aqk_causal=True)
+    """,
 )
 
 

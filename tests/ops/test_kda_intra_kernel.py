@@ -22,7 +22,7 @@ import textwrap
 
 import pytest
 import torch
-from cute_compile import assert_wgmma_kernel, compile_with_dumps
+from cute_compile import assert_wgmma_kernel, compile_with_dumps, dump_script
 
 from cula.testing import find_nvdisasm
 
@@ -63,23 +63,14 @@ _VARIANTS = [
      "beta_act": "sigmoid", "write_akk": True},
 ]  # fmt: skip
 
-_COMPILE_SCRIPT = textwrap.dedent(
+_COMPILE_SCRIPT = dump_script(
+    "import cutlass\nfrom cula.ops.kda.sm90 import intra as M",
     """
-    import json, os, sys, time
-    import cutlass
-    from cula.ops.kda.sm90 import intra as M
-    variants, root = json.loads(sys.argv[1]), sys.argv[2]
-    for i, v in enumerate(variants):
-        d = os.path.join(root, str(i))
-        os.makedirs(d, exist_ok=True)
-        t0 = time.time()
-        M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
-                   v["varlen"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}",
-                   l2norm_qk=v.get("l2norm", False), beta_act=v.get("beta_act", "none"),
-                   g_cum_last_only=v.get("g_cum_last_only", False), write_akk=v.get("write_akk", False))
-        sys.stderr.flush()
-        print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
-    """
+    M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
+               v["varlen"], extra_options=opts, l2norm_qk=v.get("l2norm", False),
+               beta_act=v.get("beta_act", "none"), g_cum_last_only=v.get("g_cum_last_only", False),
+               write_akk=v.get("write_akk", False))
+    """,
 )
 
 

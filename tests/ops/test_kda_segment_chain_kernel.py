@@ -11,11 +11,10 @@ outputs.
 from __future__ import annotations
 
 import re
-import textwrap
 
 import pytest
 import torch
-from cute_compile import compile_with_dumps
+from cute_compile import compile_with_dumps, dump_script
 from test_kda_time_parallel import chain_model
 
 from cula.testing import assert_close
@@ -24,19 +23,9 @@ _VARIANTS = [
     {"has_h0": h0, "has_ht": ht, "state_v_first": vf} for h0 in (False, True) for ht in (False, True) for vf in (False, True)
 ]
 
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys, time
-    from cula.ops.kda.sm90 import segment_chain_kernel as M
-    variants, root = json.loads(sys.argv[1]), sys.argv[2]
-    for i, v in enumerate(variants):
-        d = os.path.join(root, str(i))
-        os.makedirs(d, exist_ok=True)
-        t0 = time.time()
-        M._compile(v["has_h0"], v["has_ht"], v["state_v_first"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}")
-        sys.stderr.flush()
-        print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
-    """
+_COMPILE_SCRIPT = dump_script(
+    "from cula.ops.kda.sm90 import segment_chain_kernel as M",
+    'M._compile(v["has_h0"], v["has_ht"], v["state_v_first"], extra_options=opts)',
 )
 
 

@@ -9,11 +9,10 @@ empty segment, both state layouts; NaN-poisoned outputs.
 
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 import torch
-from cute_compile import assert_wgmma_kernel, compile_with_dumps
+from cute_compile import assert_wgmma_kernel, compile_with_dumps, dump_script
 
 from cula.testing import assert_close, make_cu_seqlens
 
@@ -21,19 +20,9 @@ _VARIANTS = [{"dtype": "BFloat16", "state_v_first": vf} for vf in (False, True)]
     {"dtype": "Float16", "state_v_first": False}
 ]
 
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys, time
-    from cula.ops.kda.sm90 import segment_summary_kernel as M
-    variants, root = json.loads(sys.argv[1]), sys.argv[2]
-    for i, v in enumerate(variants):
-        d = os.path.join(root, str(i))
-        os.makedirs(d, exist_ok=True)
-        t0 = time.time()
-        M._compile(v["dtype"], v["state_v_first"], extra_options=f"--keep-ptx --keep-cubin --dump-dir {d}")
-        sys.stderr.flush()
-        print(f"@@done {i} {time.time() - t0:.2f}", file=sys.stderr, flush=True)
-    """
+_COMPILE_SCRIPT = dump_script(
+    "from cula.ops.kda.sm90 import segment_summary_kernel as M",
+    'M._compile(v["dtype"], v["state_v_first"], extra_options=opts)',
 )
 
 
