@@ -27,12 +27,16 @@ class SplitThresholds:
         min_segment: shortest segment, in tokens (a multiple of ``SEGMENT_ALIGN``): below it the combine and the
             extra reads of the carry correction cost more than the parallelism gains.
         min_seq_len: sequences shorter than this are never cut.
+        wave_ctas: CTAs of the widest pass per (segment, value head), each alone on an SM; when set, the segment
+            count is rounded down to whole waves of that pass (one more segment than a wave holds costs a whole
+            wave). 0: no rounding.
     """
 
     items_per_sm: float
     busy_items_per_sm: float
     min_segment: int
     min_seq_len: int
+    wave_ctas: int = 0
 
     def __post_init__(self):
         if self.min_segment < SEGMENT_ALIGN or self.min_segment % SEGMENT_ALIGN:
@@ -105,6 +109,9 @@ def plan_time_split(lengths: Sequence[int], num_value_heads: int, sm_count: int,
         return None
     # enough segments over all sequences to give every SM its share of work items, but never short ones
     target_segments = max(1, math.ceil(thresholds.items_per_sm * sm_count / num_value_heads))
+    if thresholds.wave_ctas:
+        per_wave = max(1, sm_count // (thresholds.wave_ctas * num_value_heads))
+        target_segments = max(per_wave, target_segments // per_wave * per_wave)
     seg = math.ceil(sum(nonempty) / target_segments)
     seg = max(thresholds.min_segment, -(-seg // SEGMENT_ALIGN) * SEGMENT_ALIGN)
     return split_plan(lengths, seg, thresholds.min_seq_len)

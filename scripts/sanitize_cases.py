@@ -127,13 +127,15 @@ def kda_segmented_b1():
 
 @case
 def kda_parallel_segments():
-    # few heads, long sequences cut in time: the segment summary (E and R of every segment), then the state/output
-    # kernel from the chained starts (forced at a small length here)
+    # few heads, long sequences cut in time: the segment summary (E and R of every segment), the segment chain (the
+    # true starts and the final states), then the state/output kernel from the starts (forced at a small length
+    # here); with and without initial states, both layouts
     from cula.kda.plan import KDA_TUNING
     from cula.time_split import SplitThresholds
 
     with KDA_TUNING.override(time_split=SplitThresholds(1e9, 1e9, 128, 0)):
         _kda_chunk(1, [300, 0, 70], 1, 2, v_first=True)
+        _kda_chunk(1, [70, 300], 1, 2, h0=False)
 
 
 @case

@@ -148,10 +148,11 @@ def test_planner_cuts_where_measured_and_when_told(monkeypatch, kda_tuning, pret
 
     dev = torch.device("cuda", 0)
     # the H200's entry: the measured best segment lengths (4096 at 4 heads x 64K, 8192 at 8 heads x 64K), 16K and
-    # 16 heads whole
+    # 16 heads whole; the segment summary's 2 CTAs per (segment, head) in one wave of the 132 SMs
     for hv, t, seg in ((4, 65536, 4096), (8, 65536, 8192), (4, 262144, 16384), (8, 262144, 32768)):
         plan = kp.parallel_segments(1, t, hv, None, None, dev)
         assert plan is not None and abs(plan.segment_len - seg) <= seg // 8, (hv, t, plan)
+        assert 2 * hv * plan.num_segments <= 132, (hv, t, plan.num_segments)
     assert kp.parallel_segments(1, 16384, 4, None, None, dev) is None
     assert kp.parallel_segments(1, 1 << 20, 16, None, None, dev) is None
     # one long sequence among short ones: about one lane of work, cut; sixteen long ones fill the GPU, whole

@@ -5,6 +5,8 @@ end states and the carry into their outputs, against the unsplit float64 referen
 comparisons with cula's kernel against its own serial path at up to 1M tokens.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -151,6 +153,19 @@ def test_planner_decisions():
     assert tp.plan_time_split((0, 0), 4, 132, TABLE) is None
     with pytest.raises(ValueError, match="multiple"):
         tp.SplitThresholds(items_per_sm=1, busy_items_per_sm=1, min_segment=100, min_seq_len=0)
+
+
+def test_planner_fills_whole_waves():
+    """With ``wave_ctas`` the segment count is rounded down to whole waves of the widest pass: at 4 heads on 132
+    SMs a pass of 2 CTAs per (segment, head) holds 16 segments a wave, so a target of 17 (one too many) becomes 16
+    and a target of 40 becomes 32; never below one wave."""
+    waves = dataclasses.replace(TABLE, items_per_sm=0.5, min_segment=64, wave_ctas=2)
+    assert tp.plan_time_split((65536,), 4, 132, dataclasses.replace(waves, wave_ctas=0)).num_segments == 17
+    assert tp.plan_time_split((65536,), 4, 132, waves).num_segments == 16
+    assert tp.plan_time_split((65536,), 4, 132, dataclasses.replace(waves, items_per_sm=1.2)).num_segments == 32
+    assert tp.plan_time_split((65536,), 4, 132, dataclasses.replace(waves, items_per_sm=0.01)).num_segments == 16
+    # 8 heads: 8 segments a wave
+    assert tp.plan_time_split((65536,), 8, 132, waves).num_segments == 8
 
 
 # ------------------------------------------------------------------------------------ the cula-sm90 backend hook

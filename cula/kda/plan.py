@@ -84,9 +84,10 @@ class KdaTuning:
 # H100 and H200 share sm_90; the numbers were measured on the H200. Other GPUs run no cula kernel yet.
 # time_split from benchmarks/results/nvidia-h200/kda_prefill_time_parallel.md: 4 and 8 heads gain from 64K tokens
 # on (1.3-3.3x), 16K loses at every segment length, 16 heads gain at most 6% (left whole); the best segment gives
-# about half a (segment, head) item per SM
+# about half a (segment, head) item per SM. The segment summary runs two CTAs per (segment, head), one an SM: whole
+# waves of it (17 segments at 4 heads would be 136 CTAs on 132 SMs, a second wave for 4 of them)
 _H200 = KdaTuning(time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.12, min_segment=2048,
-                                             min_seq_len=65536))
+                                             min_seq_len=65536, wave_ctas=2))
 KDA_TUNING: TuningTable[KdaTuning] = TuningTable("kda", {(9, 0): _H200}, fallback=KdaTuning())
 
 # ------------------------------------------------------------------------------------------------------- chunk_kda
