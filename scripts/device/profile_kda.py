@@ -16,6 +16,10 @@ training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers a
 default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward) the kernels of the forward
 and of the backward separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward
 of our own would replace first. Run through ``run.sh`` so FLA's backward starts from its cached autotune choices.
+``--time-split [H:T:SEGMENT ...]`` profiles chunk_kda cut in time (default 4:16384:8192, 4:65536:4096,
+4:65536:2048, 8:65536:8192): per shape, serial and cut, each kernel's device time and launches, the event wall
+time, the host's time per call with the GPU idle (a call whose host time nears its wall time is host-bound, or
+syncs), and the cut call's heaviest Python frames (cProfile), into $OUT/profile_kda_time_split.json.
 """
 
 from __future__ import annotations
@@ -149,6 +153,75 @@ def profile_training(names: list[str]) -> None:
             del outs, leaves
         del tensors
     with open(os.path.join(os.environ.get("OUT", "."), "profile_kda_training.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def host_us(fn, calls: int = 20) -> float:
+    """Median host microseconds of one call issued while the GPU is idle (synchronised before each)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def python_frames(fn, calls: int = 10, top: int = 15) -> list[str]:
+    """The heaviest Python frames of ``calls`` calls by their own time (cProfile), one line each."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()][-top:]
+
+
+def profile_time_split(specs: list[str]) -> None:
+    """chunk_kda serial and cut in time, per ``H:T:SEGMENT`` (see the module docstring)."""
+    import bench_kda_prefill as kp
+
+    from cula.kda import chunk_kda
+    from cula.kda.plan import KDA_TUNING
+    from cula.time_split import SplitThresholds
+
+    report = {}
+    for spec in specs or ["4:16384:8192", "4:65536:4096", "4:65536:2048", "8:65536:8192"]:
+        h, t, seg = (int(x) for x in spec.split(":"))
+        cfg = kp.bc.TimeSplitConfig(h, (t,), False)
+        x = {**kp.tp_inputs(cfg, 0), **kp.tp_shared(cfg)}
+        exact = SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=seg, min_seq_len=0)
+        for path, split in (("serial", None), ("cut", exact)):
+            with torch.inference_mode(), KDA_TUNING.override(time_split=split):
+                def call(x=x):
+                    return chunk_kda(**x, **kp.CALL_FLAGS)
+
+                stats = kernel_stats(call)
+                key = f"{spec} {path}"
+                report[key] = {"kernels_us": round(sum(v[0] for v in stats.values()), 1), "wall_us": wall_us(call),
+                               "host_us": host_us(call), "kernels": stats}  # fmt: skip
+                if path == "cut":
+                    report[key]["python"] = python_frames(call)
+            r = report[key]
+            print(f"== {key}: {r['kernels_us']} us of kernels, {r['wall_us']} us wall, {r['host_us']} us host",
+                  flush=True)
+            for kernel, (us, launches) in stats.items():
+                print(f"   {us:10.1f} us  x{launches:<5}  {kernel}", flush=True)
+            for line in r.get("python", []):
+                print(f"   {line}", flush=True)
+        del x
+    with open(os.path.join(os.environ.get("OUT", "."), "profile_kda_time_split.json"), "w") as f:
         json.dump(report, f, indent=1)
 
 
@@ -288,6 +361,10 @@ if __name__ == "__main__":
         run_ncu_backward()
     elif "--ncu-decode" in sys.argv:
         run_ncu_decode()
+    elif "--time-split" in sys.argv:
+        os.environ.setdefault("FLA_FLASH_KDA", "0")
+        os.environ.setdefault("FLA_CULA", "0")
+        profile_time_split(sys.argv[sys.argv.index("--time-split") + 1:])
     elif "--training" in sys.argv:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
         os.environ.setdefault("FLA_CULA", "0")
