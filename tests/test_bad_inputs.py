@@ -205,6 +205,16 @@ def _kda_decode_mtp_base(device):
     )  # fmt: skip
 
 
+def _gdn_decode_base(device):
+    """GDN's pooled decode: KDA's decode call with a scalar gate and GDN's fused-gate parameters ([HV] each)."""
+    gen = _gen(5)
+    return dict(
+        _decode_tokens(device), g=_randn(gen, DN, 1, DHV, device=device), state_pool=_pool(device),
+        state_indices=_decode_rows(device), A_log=_randn(gen, DHV, device=device, scale=0.5),
+        dt_bias=_randn(gen, DHV, device=device, scale=0.5), scale=0.25, out=_decode_out(device),
+    )  # fmt: skip
+
+
 def _kda_pool_fwd_base(device):
     """FLA's serving form on a state pool (the cula-sm90 backend runs it on the decode kernel)."""
     return dict(
@@ -464,6 +474,17 @@ SPECS = [
               ("num_accepted_tokens",), True),
              ("accepted int64", {"num_accepted_tokens": torch.tensor([2, 1, 1])}, (), False),
          )),  # fmt: skip
+    Spec("gdn_decode", _fn("cula.gated_delta_rule", "gdn_decode"), _gdn_decode_base, inplace=("state_pool", "out"),
+         pool="state_pool", index="state_indices", fixed_dim0=("state_pool",), required=("q", "k", "v", "g", "beta",
+         "state_pool", "state_indices"), gates=("g", "beta", "A_log", "dt_bias"),
+         extra=SCALE_CASES + UNKNOWN_KW + DECODE_CASES + (
+             ("T=9 tokens", {"_tokens": 9}, ("T", "tokens"), True),
+             ("fused gate without A_log", {"A_log": None}, ("A_log",), True),
+         )),  # fmt: skip
+    Spec("gdn_commit_accepted", _fn("cula.gated_delta_rule", "gdn_commit_accepted"), _commit_base,
+         inplace=("state_pool",), pool="state_pool", index="state_indices", fixed_dim0=("state_pool",),
+         coupled=("step_states",), required=("step_states", "state_pool", "state_indices", "num_accepted_tokens"),
+         extra=DECODE_CASES[:3]),
     Spec("chunk_gated_delta_rule", _fn("cula.gated_delta_rule", "chunk_gated_delta_rule"), _gdn_base,
          required=("q", "k", "v", "g", "beta"), gates=("g", "beta"),
          extra=SCALE_CASES + UNKNOWN_KW + NO_VARLEN_CPU + (

@@ -264,6 +264,33 @@ def test_kda_decode_and_step(backend):
     assert counter.frame_count == 1 and _cula_ops(counter) == {"kda_decode", "kda_commit_accepted"}
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_gdn_decode(backend):
+    """GDN's pooled decode traces as the ``kda_decode`` op it makes (the gate repeated over K in the graph), the pool
+    updated in place, then ``gdn_commit_accepted``."""
+    q, k, v, _, beta, pool, idx, A_log, _ = _decode_inputs()
+    N, T, HV = v.shape[:3]
+    g = torch.randn(N, T, HV, generator=torch.Generator().manual_seed(1))
+    dt_bias = torch.randn(HV, generator=torch.Generator().manual_seed(2))
+    accepted = torch.tensor([2, 0, 1, 2, 1], dtype=torch.int32)
+
+    def run(q, k, v, g, beta, pool, pool2, steps):
+        o = gated_delta_rule.gdn_decode(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias)
+        gated_delta_rule.gdn_decode(q, k, v, g, beta, pool2, idx, A_log=A_log, dt_bias=dt_bias, step_states=steps)
+        gated_delta_rule.gdn_commit_accepted(steps, pool2, idx, accepted)
+        return o
+
+    def fresh():
+        return pool.clone(), pool.clone(), torch.zeros(N, T, *pool.shape[1:])
+
+    eager_bufs, compiled_bufs = fresh(), fresh()
+    out_e = run(q, k, v, g, beta, *eager_bufs)
+    cfn, counter = _compile(run, backend)
+    out_c = cfn(q, k, v, g, beta, *compiled_bufs)
+    _assert_same("gdn decode", [out_e, *eager_bufs], [out_c, *compiled_bufs])
+    assert counter.frame_count == 1 and _cula_ops(counter) == {"kda_decode", "kda_commit_accepted"}
+
+
 def test_kda_decode_dynamic_batch():
     q, k, v, g, beta, pool, idx, A_log, dt_bias = _decode_inputs(N=6, T=1)
 

@@ -7,7 +7,7 @@
 #   device run, carry [".device"], timeout 600:  bash scripts/device/run.sh bash scripts/device/validate.sh STEP...
 #     api long reference                [~5.5 + ~1 + ~0.5 min]
 #     intra states                      [~3.5 + ~2 min]
-#     decode lightning split            [~1.5 + ~0.5 + ~4.5 min]
+#     decode lightning split            [~2 + ~0.5 + ~4.5 min]
 #     bench rest                        [~1 + ~4.5 min]
 # No STEP: all of them in that order (four calls' worth). `--list`: each step's limit and files and the calls,
 # nothing run (tests/test_validate_script.py checks them on the CPU).
@@ -23,7 +23,7 @@ LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.p
 LIMIT[long]=100;      FILES[long]="tests/test_gpu_long.py"
 LIMIT[intra]=340;     FILES[intra]="tests/ops/test_kda_intra_kernel.py"
 LIMIT[states]=240;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py tests/ops/test_kda_bwd_dhu_kernel.py"
-LIMIT[decode]=120;    FILES[decode]="tests/test_decode_plans.py tests/test_lightning_decode_api.py
+LIMIT[decode]=150;    FILES[decode]="tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/test_gdn_decode.py
                                      tests/ops/test_kda_decode_kernel.py tests/ops/test_lightning_decode_kernel.py"
 LIMIT[lightning]=90;  FILES[lightning]="tests/ops/test_lightning_kernel.py"
 LIMIT[reference]=90;  FILES[reference]="tests/test_reference.py"

@@ -1,0 +1,81 @@
+"""Gated DeltaNet decode against a state pool: the serving form ``cula.kda.kda_decode`` gives KDA, for GDN's scalar
+gate (FLA 0.6.0 has no pooled form of ``fused_recurrent_gated_delta_rule``).
+
+GDN is KDA with one decay per token and value head; the scalar gate (and the fused gate's ``dt_bias``) repeated
+over the K channels is the same recurrence, so every call runs ``kda_decode`` on the repeated gate: its kernels on
+Hopper, its reference elsewhere, its pool, padding and speculative-decoding semantics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula._validate import FLOAT_DTYPES, check_tensor
+from cula.gated_delta_rule.backends import _over_k
+from cula.gated_delta_rule.chunk import check_gdn_activations
+from cula.kda.decode import kda_commit_accepted, kda_decode
+
+__all__ = ["gdn_commit_accepted", "gdn_decode"]
+
+
+def gdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    use_gate_in_kernel: bool = True,
+    use_beta_sigmoid_in_kernel: bool = True,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = True,
+    out: torch.Tensor | None = None,
+    step_states: torch.Tensor | None = None,
+    check_indices: bool = True,
+) -> torch.Tensor:
+    r"""Run T (1..8) Gated DeltaNet tokens for each of N sequences, reading and updating their states in a pool.
+
+    Same math and flags as :func:`cula.gated_delta_rule.fused_recurrent_gated_delta_rule` with a scalar gate ``g``;
+    the pool, padding and ``step_states`` semantics of :func:`cula.kda.kda_decode`: the state of sequence ``n``
+    lives in ``state_pool[state_indices[n]]`` and is updated in place; a negative index marks a padded slot (its
+    pool row untouched, its output rows zero). The defaults are the serving ones (Qwen3-Next style): the fused gate
+    ``-exp(A_log) softplus(g + dt_bias)``, beta logits, q/k L2-normalised, ``[V, K]`` states.
+
+    Args:
+        q, k: ``[N, T, H, K]`` bf16/fp16.  v: ``[N, T, HV, V]``.  g: ``[N, T, HV]`` log decay (raw logits with
+            ``use_gate_in_kernel``).
+        beta: ``[N, T, HV]`` fp32/bf16 (logits with ``use_beta_sigmoid_in_kernel``).
+        state_pool: fp32 ``[P, HV, V, K]`` (``state_v_first=True``, the default here) or ``[P, HV, K, V]``.
+        state_indices: int32 ``[N]`` pool rows; checked to be ``< P`` unless ``check_indices=False``.
+        A_log, dt_bias: fp32 ``[HV]`` each (``use_gate_in_kernel`` only; ``dt_bias`` optional).
+        out: optional ``[N, T, HV, V]`` output buffer in q's dtype.
+        step_states: optional fp32 ``[N, T, HV, ...]``: receives the state after every token and leaves the pool
+            untouched (speculative decoding: commit the accepted prefix with :func:`gdn_commit_accepted`).
+
+    Returns:
+        ``o`` ``[N, T, HV, V]`` in q's dtype.
+    """
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
+    N, T, HV = q.shape[0], q.shape[1], v.shape[2]
+    check_tensor("g", g, shape=(N, T, HV), dtypes=FLOAT_DTYPES, device=q.device)
+    check_gdn_activations(q, v, g, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    gk, bias = _over_k(g, dt_bias, q.shape[-1])
+    return kda_decode(
+        q, k, v, gk, beta, state_pool, state_indices, A_log=A_log, dt_bias=bias, scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first, out=out, step_states=step_states, check_indices=check_indices,
+    )  # fmt: skip
+
+
+# The pool commit after a verify call does not depend on the gate: KDA's, under GDN's name.
+gdn_commit_accepted = kda_commit_accepted

@@ -1,0 +1,109 @@
+"""``cula.gated_delta_rule.gdn_decode``: Gated DeltaNet's pooled decode (``kda_decode``'s serving form with the scalar
+gate repeated over K) and ``gdn_commit_accepted``.
+
+CPU (``kda_decode``'s reference backend) and GPU (``-m gpu``: cula's decode kernel on the H200): against GDN's own
+float64 recurrence (``reference_fused_recurrent_gated_delta_rule``) per pool row: outputs, the pool updated in
+place, a padded slot (negative index) untouched with zero outputs, per-token step states with the pool left alone
+and the commit of an accepted prefix; the fused and the log-space gate, GVA, both state layouts, 1 and 4 tokens,
+NaN-poisoned outputs. Bad gate arguments are rejected before any work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cula.gated_delta_rule import gdn_commit_accepted, gdn_decode
+from cula.gated_delta_rule.naive import reference_fused_recurrent_gated_delta_rule
+from cula.testing import assert_close
+
+INDICES = [3, -1, 0]  # the second sequence is a padded slot
+P = 5
+
+
+def _case(T, H, HV, K, fused, state_v_first, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    N = len(INDICES)
+
+    def rnd(*shape, dtype=torch.float32, s=1.0):
+        return (torch.randn(*shape, generator=gen) * s).to(dtype).to(device)
+
+    x = dict(
+        q=rnd(N, T, H, K, dtype=torch.bfloat16), k=rnd(N, T, H, K, dtype=torch.bfloat16),
+        v=rnd(N, T, HV, K, dtype=torch.bfloat16),
+        g=rnd(N, T, HV) if fused else -torch.rand(N, T, HV, generator=gen).to(device) * 0.5,
+        beta=rnd(N, T, HV),
+    )  # fmt: skip
+    flags = dict(use_gate_in_kernel=fused, state_v_first=state_v_first)
+    if fused:
+        flags.update(A_log=rnd(HV, s=0.5), dt_bias=rnd(HV, s=0.5))
+    pool = rnd(P, HV, K, K, s=0.1)
+    return x, flags, pool, torch.tensor(INDICES, dtype=torch.int32, device=device)
+
+
+def _reference(x, flags, pool, n, tokens):
+    """GDN's float64 recurrence for sequence n's first ``tokens`` tokens from its pool row: (o, final state)."""
+    row = pool[INDICES[n]].cpu()[None]
+    return reference_fused_recurrent_gated_delta_rule(
+        *(x[name][n : n + 1, :tokens].cpu() for name in ("q", "k", "v")), g=x["g"][n : n + 1, :tokens].cpu(),
+        beta=x["beta"][n : n + 1, :tokens].cpu(), initial_state=row, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, compute_dtype=torch.float64,
+        **{k: (v.cpu() if torch.is_tensor(v) else v) for k, v in flags.items()},
+    )  # fmt: skip
+
+
+def _check(device, T, H, HV, K, fused, state_v_first):
+    x, flags, pool, idx = _case(T, H, HV, K, fused, state_v_first, device)
+    before = pool.clone()
+    out = torch.full_like(x["v"], float("nan"))
+    o = gdn_decode(**x, state_pool=pool, state_indices=idx, out=out, **flags)
+    assert o is out and not o.isnan().any()
+    for n, row in enumerate(INDICES):
+        if row < 0:
+            assert not o[n].any() and torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]])
+            continue
+        o_ref, s_ref = _reference(x, flags, before, n, T)
+        assert_close(f"o[{n}]", o_ref[0].float(), o[n].float().cpu(), 5e-3)
+        assert_close(f"pool[{row}]", s_ref[0].float(), pool[row].cpu(), 5e-3)
+
+    # speculative decoding: every token's state into step_states, the pool untouched; then commit a prefix
+    pool = before.clone()
+    steps = torch.full((len(INDICES), T) + tuple(pool.shape[1:]), float("nan"), device=device)
+    gdn_decode(**x, state_pool=pool, state_indices=idx, step_states=steps, **flags)
+    assert torch.equal(pool, before)
+    for t in range(T):
+        _, s_ref = _reference(x, flags, before, 0, t + 1)
+        assert_close(f"step state {t}", s_ref[0].float(), steps[0, t].cpu(), 5e-3)
+    accepted = torch.tensor([T - 1, 1, 0], dtype=torch.int32, device=device)
+    gdn_commit_accepted(steps, pool, idx, accepted)
+    if T > 1:
+        assert torch.equal(pool[3], steps[0, T - 2])
+    assert torch.equal(pool[0], before[0])  # nothing accepted: the row stays
+
+
+@pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_gate", "log_gate"])
+@pytest.mark.parametrize("T,H,HV", [(1, 2, 2), (4, 1, 2)], ids=["T1", "T4-gva"])
+def test_gdn_decode_matches_the_recurrence(T, H, HV, fused, state_v_first):
+    _check("cpu", T, H, HV, 64, fused, state_v_first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_gate", "log_gate"])
+@pytest.mark.parametrize("T,H,HV,K", [(1, 2, 4, 128), (4, 1, 2, 128), (3, 2, 2, 64)], ids=["T1", "T4-gva", "T3-d64"])
+def test_gdn_decode_matches_the_recurrence_cuda(T, H, HV, K, fused, state_v_first):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    _check("cuda", T, H, HV, K, fused, state_v_first)
+
+
+def test_gdn_decode_rejects_bad_gates():
+    x, flags, pool, idx = _case(2, 1, 2, 64, True, True, "cpu")
+    with pytest.raises(ValueError, match="`g`"):
+        gdn_decode(**{**x, "g": x["g"][..., None].expand(-1, -1, -1, 64)}, state_pool=pool, state_indices=idx,
+                   **flags)  # fmt: skip
+    with pytest.raises(ValueError, match="dt_bias"):
+        gdn_decode(**x, state_pool=pool, state_indices=idx, **{**flags, "dt_bias": torch.zeros(2 * 64)})
+    with pytest.raises(ValueError, match="A_log"):
+        gdn_decode(**x, state_pool=pool, state_indices=idx, **{**flags, "A_log": None})
