@@ -215,6 +215,15 @@ def _gdn_decode_base(device):
     )  # fmt: skip
 
 
+def _gdn_decode_step_call(call):
+    from cula.gated_delta_rule import gdn_decode_step
+
+    tokens = {n: call[n] for n in ("q", "k", "v", "g", "beta", "out", "step_states") if n in call}
+    bound = {n: v for n, v in call.items() if n not in tokens}
+    step = gdn_decode_step(bound.pop("state_pool"), bound.pop("state_indices"), **bound)
+    return step(**tokens)
+
+
 def _kda_pool_fwd_base(device):
     """FLA's serving form on a state pool (the cula-sm90 backend runs it on the decode kernel)."""
     return dict(
@@ -481,6 +490,10 @@ SPECS = [
              ("T=9 tokens", {"_tokens": 9}, ("T", "tokens"), True),
              ("fused gate without A_log", {"A_log": None}, ("A_log",), True),
          )),  # fmt: skip
+    Spec("gdn_decode_step", _gdn_decode_step_call, _gdn_decode_base, inplace=("state_pool", "out"),
+         pool="state_pool", index="state_indices", fixed_dim0=("state_pool",), required=("q", "k", "v", "g", "beta",
+         "state_pool", "state_indices"), gates=("g", "beta", "A_log", "dt_bias"),
+         extra=SCALE_CASES + UNKNOWN_KW + DECODE_CASES),
     Spec("gdn_commit_accepted", _fn("cula.gated_delta_rule", "gdn_commit_accepted"), _commit_base,
          inplace=("state_pool",), pool="state_pool", index="state_indices", fixed_dim0=("state_pool",),
          coupled=("step_states",), required=("step_states", "state_pool", "state_indices", "num_accepted_tokens"),
@@ -1048,11 +1061,12 @@ def test_cuda_path_reaches_the_kernels(fake_kernels, monkeypatch):
     }, launched  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["kda_decode_step", "lightning_decode_step"])
+@pytest.mark.parametrize("name", ["kda_decode_step", "gdn_decode_step", "lightning_decode_step"])
 @pytest.mark.parametrize("path", ["cpu", "cuda_path"])
 def test_step_closures_refuse_bad_steps(name, path, request):
     """A step closure keeps its plans by token signature: after a good step, every bad token variant is still
     refused before anything runs, and slot indices rewritten in place out of range are caught by the index check."""
+    from cula.gated_delta_rule import gdn_decode_step
     from cula.kda import kda_decode_step
     from cula.lightning import lightning_decode_step
 
@@ -1065,8 +1079,9 @@ def test_step_closures_refuse_bad_steps(name, path, request):
     call = spec.base("cpu")
     tokens = {n: call.pop(n) for n in token_names if n in call}
     pool, idx = call["state_pool"], call["state_indices"]
-    if name == "kda_decode_step":
-        step = kda_decode_step(call.pop("state_pool"), call.pop("state_indices"), **call)
+    if name in ("kda_decode_step", "gdn_decode_step"):
+        make = kda_decode_step if name == "kda_decode_step" else gdn_decode_step
+        step = make(call.pop("state_pool"), call.pop("state_indices"), **call)
     else:
         step = lightning_decode_step(call.pop("decay"), call.pop("state_pool"), call.pop("state_indices"), **call)
     with torch.no_grad():

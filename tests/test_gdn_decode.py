@@ -1,11 +1,12 @@
 """``cula.gated_delta_rule.gdn_decode``: Gated DeltaNet's pooled decode (``kda_decode``'s serving form with the scalar
-gate repeated over K) and ``gdn_commit_accepted``.
+gate repeated over K), its bound step ``gdn_decode_step`` and ``gdn_commit_accepted``.
 
 CPU (``kda_decode``'s reference backend) and GPU (``-m gpu``: cula's decode kernel on the H200): against GDN's own
 float64 recurrence (``reference_fused_recurrent_gated_delta_rule``) per pool row: outputs, the pool updated in
 place, a padded slot (negative index) untouched with zero outputs, per-token step states with the pool left alone
 and the commit of an accepted prefix; the fused and the log-space gate, GVA, both state layouts, 1 and 4 tokens,
-NaN-poisoned outputs. Bad gate arguments are rejected before any work.
+NaN-poisoned outputs; two steps of the bound closure equal two ``gdn_decode`` calls bit for bit. Bad gate arguments
+are rejected before any work.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cula.gated_delta_rule import gdn_commit_accepted, gdn_decode
+from cula.gated_delta_rule import gdn_commit_accepted, gdn_decode, gdn_decode_step
 from cula.gated_delta_rule.naive import reference_fused_recurrent_gated_delta_rule
 from cula.testing import assert_close
 
@@ -81,11 +82,27 @@ def _check(device, T, H, HV, K, fused, state_v_first):
     assert torch.equal(pool[0], before[0])  # nothing accepted: the row stays
 
 
+def _check_step(device, T, H, HV, K, fused, state_v_first):
+    x, flags, pool, idx = _case(T, H, HV, K, fused, state_v_first, device)
+    x2, _, _, _ = _case(T, H, HV, K, fused, state_v_first, device, seed=1)
+    pool_step = pool.clone()
+    step = gdn_decode_step(pool_step, idx, **flags)
+    for tokens in (x, x2):  # the pool evolves over the two steps
+        o_step = step(**tokens)
+        o = gdn_decode(**tokens, state_pool=pool, state_indices=idx, **flags)
+        assert torch.equal(o_step, o) and torch.equal(pool_step, pool)
+
+
 @pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_gate", "log_gate"])
 @pytest.mark.parametrize("T,H,HV", [(1, 2, 2), (4, 1, 2)], ids=["T1", "T4-gva"])
 def test_gdn_decode_matches_the_recurrence(T, H, HV, fused, state_v_first):
     _check("cpu", T, H, HV, 64, fused, state_v_first)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_gate", "log_gate"])
+def test_gdn_decode_step_is_gdn_decode(fused):
+    _check_step("cpu", 2, 1, 2, 64, fused, True)
 
 
 @pytest.mark.gpu
@@ -96,6 +113,7 @@ def test_gdn_decode_matches_the_recurrence_cuda(T, H, HV, K, fused, state_v_firs
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     _check("cuda", T, H, HV, K, fused, state_v_first)
+    _check_step("cuda", T, H, HV, K, fused, state_v_first)
 
 
 def test_gdn_decode_rejects_bad_gates():

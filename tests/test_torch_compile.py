@@ -266,8 +266,8 @@ def test_kda_decode_and_step(backend):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_gdn_decode(backend):
-    """GDN's pooled decode traces as the ``kda_decode`` op it makes (the gate repeated over K in the graph), the pool
-    updated in place, then ``gdn_commit_accepted``."""
+    """GDN's pooled decode and its bound step trace as the ``kda_decode`` op they make (the gate repeated over K in
+    the graph), the pool updated in place, then ``gdn_commit_accepted``."""
     q, k, v, _, beta, pool, idx, A_log, _ = _decode_inputs()
     N, T, HV = v.shape[:3]
     g = torch.randn(N, T, HV, generator=torch.Generator().manual_seed(1))
@@ -276,7 +276,8 @@ def test_gdn_decode(backend):
 
     def run(q, k, v, g, beta, pool, pool2, steps):
         o = gated_delta_rule.gdn_decode(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias)
-        gated_delta_rule.gdn_decode(q, k, v, g, beta, pool2, idx, A_log=A_log, dt_bias=dt_bias, step_states=steps)
+        step = gated_delta_rule.gdn_decode_step(pool2, idx, A_log=A_log, dt_bias=dt_bias)
+        step(q, k, v, g, beta, step_states=steps)
         gated_delta_rule.gdn_commit_accepted(steps, pool2, idx, accepted)
         return o
 

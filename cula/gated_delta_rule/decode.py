@@ -13,9 +13,9 @@ import torch
 from cula._validate import FLOAT_DTYPES, check_tensor
 from cula.gated_delta_rule.backends import _over_k
 from cula.gated_delta_rule.chunk import check_gdn_activations
-from cula.kda.decode import kda_commit_accepted, kda_decode
+from cula.kda.decode import kda_commit_accepted, kda_decode, kda_decode_step
 
-__all__ = ["gdn_commit_accepted", "gdn_decode"]
+__all__ = ["gdn_commit_accepted", "gdn_decode", "gdn_decode_step"]
 
 
 def gdn_decode(
@@ -75,6 +75,53 @@ def gdn_decode(
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first, out=out, step_states=step_states, check_indices=check_indices,
     )  # fmt: skip
+
+
+def gdn_decode_step(
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    use_gate_in_kernel: bool = True,
+    use_beta_sigmoid_in_kernel: bool = True,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = True,
+    check_indices: bool = True,
+):
+    r""":func:`gdn_decode` with the serving loop's fixed arguments bound once (as :func:`cula.kda.kda_decode_step`):
+    returns ``step(q, k, v, g, beta, out=None, step_states=None) -> o``, the same call as ``gdn_decode(q, k, v, g,
+    beta, state_pool, state_indices, ...)``.
+
+    The bound tensors follow ``kda_decode_step``'s rules (validated with the first step of each token signature;
+    values may change in place between steps), except ``dt_bias``: it is repeated over the K channels once, at the
+    first step of each head size, so a later in-place change to it is not seen (bind a new step instead).
+    """
+    steps: dict[int, object] = {}  # kda_decode_step closures by head size K
+
+    def step(q, k, v, g, beta, out=None, step_states=None):
+        check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+        check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
+        check_tensor("g", g, shape=(q.shape[0], q.shape[1], v.shape[2]), dtypes=FLOAT_DTYPES, device=q.device)
+        K = q.shape[-1]
+        inner = steps.get(K)
+        if inner is None:
+            check_gdn_activations(q, v, g, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                                  allow_neg_eigval)  # fmt: skip
+            a_log, bias = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
+            inner = steps[K] = kda_decode_step(
+                state_pool, state_indices, A_log=a_log,
+                dt_bias=None if bias is None else bias.unsqueeze(-1).expand(bias.shape[0], K).reshape(-1),
+                scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                state_v_first=state_v_first, check_indices=check_indices,
+            )  # fmt: skip
+        gk = g.unsqueeze(-1).expand(*g.shape, K).contiguous()
+        return inner(q, k, v, gk, beta, out=out, step_states=step_states)
+
+    return step
 
 
 # The pool commit after a verify call does not depend on the gate: KDA's, under GDN's name.
