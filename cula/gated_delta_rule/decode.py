@@ -1,9 +1,9 @@
-"""Gated DeltaNet decode against a state pool: the serving form ``cula.kda.kda_decode`` gives KDA, for GDN's scalar
-gate (FLA 0.6.0 has no pooled form of ``fused_recurrent_gated_delta_rule``).
+"""Gated DeltaNet decode against a state pool: the serving form ``cula.kda.kda_decode`` gives KDA, for GDN's
+scalar gate (FLA 0.6.0 has no pooled form of ``fused_recurrent_gated_delta_rule``).
 
-GDN is KDA with one decay per token and value head; the scalar gate (and the fused gate's ``dt_bias``) repeated
-over the K channels is the same recurrence, so every call runs ``kda_decode`` on the repeated gate: its kernels on
-Hopper, its reference elsewhere, its pool, padding and speculative-decoding semantics.
+GDN is KDA with one decay per token and value head; the scalar gate (and the fused gate's ``dt_bias``)
+repeated over the K channels is the same recurrence, so every call runs ``kda_decode`` on the repeated gate:
+its kernels on Hopper, its reference elsewhere, its pool, padding and speculative-decoding semantics.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ def gdn_decode(
     step_states: torch.Tensor | None = None,
     check_indices: bool = True,
 ) -> torch.Tensor:
-    r"""Run T (1..8) Gated DeltaNet tokens for each of N sequences, reading and updating their states in a pool.
+    r"""Run T (1..8) Gated DeltaNet tokens for each of N sequences, reading and updating their pooled states.
 
-    Same math and flags as :func:`cula.gated_delta_rule.fused_recurrent_gated_delta_rule` with a scalar gate ``g``;
-    the pool, padding and ``step_states`` semantics of :func:`cula.kda.kda_decode`: the state of sequence ``n``
-    lives in ``state_pool[state_indices[n]]`` and is updated in place; a negative index marks a padded slot (its
-    pool row untouched, its output rows zero). The defaults are the serving ones (Qwen3-Next style): the fused gate
-    ``-exp(A_log) softplus(g + dt_bias)``, beta logits, q/k L2-normalised, ``[V, K]`` states.
+    Same math and flags as :func:`cula.gated_delta_rule.fused_recurrent_gated_delta_rule` with a scalar gate
+    ``g``; the pool, padding and ``step_states`` semantics of :func:`cula.kda.kda_decode`: the state of
+    sequence ``n`` lives in ``state_pool[state_indices[n]]`` and is updated in place; a negative index marks a
+    padded slot (its pool row untouched, its output rows zero). The defaults are the serving ones (Qwen3-Next
+    style): the fused gate ``-exp(A_log) softplus(g + dt_bias)``, beta logits, q/k L2-normalised, ``[V, K]``
+    states.
 
     Args:
         q, k: ``[N, T, H, K]`` bf16/fp16.  v: ``[N, T, HV, V]``.  g: ``[N, T, HV]`` log decay (raw logits with
@@ -55,8 +56,9 @@ def gdn_decode(
         state_indices: int32 ``[N]`` pool rows; checked to be ``< P`` unless ``check_indices=False``.
         A_log, dt_bias: fp32 ``[HV]`` each (``use_gate_in_kernel`` only; ``dt_bias`` optional).
         out: optional ``[N, T, HV, V]`` output buffer in q's dtype.
-        step_states: optional fp32 ``[N, T, HV, ...]``: receives the state after every token and leaves the pool
-            untouched (speculative decoding: commit the accepted prefix with :func:`gdn_commit_accepted`).
+        step_states: optional fp32 ``[N, T, HV, ...]``: receives the state after every token and leaves the
+            pool untouched (speculative decoding: commit the accepted prefix with
+            :func:`gdn_commit_accepted`).
 
     Returns:
         ``o`` ``[N, T, HV, V]`` in q's dtype.
@@ -65,7 +67,9 @@ def gdn_decode(
     check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
     N, T, HV = q.shape[0], q.shape[1], v.shape[2]
     check_tensor("g", g, shape=(N, T, HV), dtypes=FLOAT_DTYPES, device=q.device)
-    check_gdn_activations(q, v, g, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    check_gdn_activations(
+        q, v, g, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
+    )
     if not use_gate_in_kernel:
         A_log = dt_bias = None
     gk, bias = _over_k(g, dt_bias, q.shape[-1])
@@ -91,20 +95,22 @@ def gdn_decode_step(
     state_v_first: bool = True,
     check_indices: bool = True,
 ):
-    r""":func:`gdn_decode` with the serving loop's fixed arguments bound once (as :func:`cula.kda.kda_decode_step`):
-    returns ``step(q, k, v, g, beta, out=None, step_states=None) -> o``, the same call as ``gdn_decode(q, k, v, g,
-    beta, state_pool, state_indices, ...)``.
+    r""":func:`gdn_decode` with the serving loop's fixed arguments bound once (as
+    :func:`cula.kda.kda_decode_step`): returns ``step(q, k, v, g, beta, out=None, step_states=None) -> o``,
+    the same call as ``gdn_decode(q, k, v, g, beta, state_pool, state_indices, ...)``.
 
-    The bound tensors follow ``kda_decode_step``'s rules (validated with the first step of each token signature;
-    values may change in place between steps), except ``dt_bias``: it is repeated over the K channels once, at the
-    first step of each head size, so a later in-place change to it is not seen (bind a new step instead).
+    The bound tensors follow ``kda_decode_step``'s rules (validated with the first step of each token
+    signature; values may change in place between steps), except ``dt_bias``: it is repeated over the K
+    channels once, at the first step of each head size, so a later in-place change to it is not seen (bind a
+    new step instead).
     """
     steps: dict[int, object] = {}  # kda_decode_step closures by head size K
 
     def step(q, k, v, g, beta, out=None, step_states=None):
         check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
         check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
-        check_tensor("g", g, shape=(q.shape[0], q.shape[1], v.shape[2]), dtypes=FLOAT_DTYPES, device=q.device)
+        N, T, HV = q.shape[0], q.shape[1], v.shape[2]
+        check_tensor("g", g, shape=(N, T, HV), dtypes=FLOAT_DTYPES, device=q.device)
         K = q.shape[-1]
         inner = steps.get(K)
         if inner is None:
@@ -114,8 +120,9 @@ def gdn_decode_step(
             inner = steps[K] = kda_decode_step(
                 state_pool, state_indices, A_log=a_log,
                 dt_bias=None if bias is None else bias.unsqueeze(-1).expand(bias.shape[0], K).reshape(-1),
-                scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval,
                 state_v_first=state_v_first, check_indices=check_indices,
             )  # fmt: skip
         gk = g.unsqueeze(-1).expand(*g.shape, K).contiguous()

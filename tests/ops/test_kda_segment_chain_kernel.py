@@ -20,7 +20,10 @@ from test_kda_time_parallel import chain_model
 from cula.testing import assert_close
 
 _VARIANTS = [
-    {"has_h0": h0, "has_ht": ht, "state_v_first": vf} for h0 in (False, True) for ht in (False, True) for vf in (False, True)
+    {"has_h0": h0, "has_ht": ht, "state_v_first": vf}
+    for h0 in (False, True)
+    for ht in (False, True)
+    for vf in (False, True)
 ]
 
 _COMPILE_SCRIPT = dump_script(

@@ -62,13 +62,17 @@ def chunk_kda_segment_chain_sm90(
     if summary.dim() != 4 or tuple(summary.shape[2:]) != (D, D) or HV2 % 2:
         raise ValueError(f"summary: expected [M, 2 HV, {D}, {D}], got {tuple(summary.shape)}")
     if first_segment.dtype != torch.int32 or first_segment.dim() != 1 or N < 0:
-        raise ValueError(f"first_segment must be a 1-D int32 tensor, got {first_segment.dtype} {first_segment.dim()}-D")
+        raise ValueError(
+            f"first_segment must be a 1-D int32 tensor, got {first_segment.dtype} {first_segment.dim()}-D"
+        )
     for name, t, rows in (("summary", summary, M), ("initial_state", initial_state, N), ("starts", starts, M),
                           ("final_state", final_state, N)):  # fmt: skip
         heads = HV2 if name == "summary" else HV
         if t is not None and (tuple(t.shape) != (rows, heads, D, D) or t.dtype != torch.float32
                               or not t.is_contiguous()):  # fmt: skip
-            raise ValueError(f"{name}: expected contiguous {(rows, heads, D, D)} float32, got {tuple(t.shape)} {t.dtype}")
+            raise ValueError(
+                f"{name}: expected contiguous {(rows, heads, D, D)} float32, got {tuple(t.shape)} {t.dtype}"
+            )
     if N == 0 or HV == 0:
         return
     fn = compiled_variant(has_h0=initial_state is not None, has_ht=final_state is not None,
