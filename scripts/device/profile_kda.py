@@ -17,9 +17,10 @@ default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's bac
 and of the backward separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward
 of our own would replace first. Run through ``run.sh`` so FLA's backward starts from its cached autotune choices.
 ``--time-split [H:T:SEGMENT ...]`` profiles chunk_kda cut in time (default 4:16384:8192, 4:65536:4096,
-4:65536:2048, 8:65536:8192): per shape, serial and cut, each kernel's device time and launches, the event wall
-time, the host's time per call with the GPU idle (a call whose host time nears its wall time is host-bound, or
-syncs), and the cut call's heaviest Python frames (cProfile), into $OUT/profile_kda_time_split.json.
+4:65536:2048, 8:65536:8192): per shape, serial and cut, each kernel's device time and launches, the benchmarks'
+host overhead (``measure_host_overhead``: event time, host time per call with the GPU idle, back-to-back time; a
+host time near the event time means host-bound or a sync), and the cut call's heaviest Python frames (cProfile),
+into $OUT/profile_kda_time_split.json.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-from common import bench  # the benchmarks' helpers live beside their scripts
+from common import bench, measure_host_overhead  # the benchmarks' helpers live beside their scripts
 
 H = HV = 64
 D = 128
@@ -156,21 +157,6 @@ def profile_training(names: list[str]) -> None:
         json.dump(report, f, indent=1)
 
 
-def host_us(fn, calls: int = 20) -> float:
-    """Median host microseconds of one call issued while the GPU is idle (synchronised before each)."""
-    import statistics
-    import time
-
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return round(statistics.median(times) * 1e6, 1)
-
-
 def python_frames(fn, calls: int = 10, top: int = 15) -> list[str]:
     """The heaviest Python frames of ``calls`` calls by their own time (cProfile), one line each."""
     import cProfile
@@ -209,13 +195,13 @@ def profile_time_split(specs: list[str]) -> None:
 
                 stats = kernel_stats(call)
                 key = f"{spec} {path}"
-                report[key] = {"kernels_us": round(sum(v[0] for v in stats.values()), 1), "wall_us": wall_us(call),
-                               "host_us": host_us(call), "kernels": stats}  # fmt: skip
+                host = {k: round(v, 1) for k, v in measure_host_overhead(call, n=20, warmup=3, batches=5).items()}
+                report[key] = {"kernels_us": round(sum(v[0] for v in stats.values()), 1), **host, "kernels": stats}
                 if path == "cut":
                     report[key]["python"] = python_frames(call)
             r = report[key]
-            print(f"== {key}: {r['kernels_us']} us of kernels, {r['wall_us']} us wall, {r['host_us']} us host",
-                  flush=True)
+            print(f"== {key}: {r['kernels_us']} us of kernels, {r['gpu_us']} us event time, {r['host_us']} us host "
+                  f"(GPU idle), {r['back_to_back_us']} us back to back", flush=True)
             for kernel, (us, launches) in stats.items():
                 print(f"   {us:10.1f} us  x{launches:<5}  {kernel}", flush=True)
             for line in r.get("python", []):
