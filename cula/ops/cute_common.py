@@ -122,6 +122,16 @@ def token_cols(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 0, 1]))
 
 
+def chunk_tiles(atom: cute.CopyAtom, t: cute.Tensor, s: cute.Tensor, h, bos, tile: tuple, tokens_first: bool):
+    """The producer's TMA partitions of value head ``h``'s chunk tiles of ``t`` (a TMA tensor over a
+    ``token_rows`` view when ``tokens_first``, else over a ``token_cols`` view), tokens counted from ``bos``:
+    ``(smem, gmem)``, stage ``i`` at ``smem[None, i]`` and token tile ``c`` at ``gmem[None, c]``."""
+    at, tiles = ((bos, 0), (None, 0)) if tokens_first else ((0, bos), (0, None))
+    g = cute.local_tile(cute.domain_offset(at, t[None, None, h]), tile, tiles)
+    one = cute.make_layout(1)
+    return cpasync.tma_partition(atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+
+
 def state_view(t: cute.Tensor, state_v_first: bool) -> cute.Tensor:
     """``(N, HV, K, V)`` (or ``(N, HV, V, K)`` with ``state_v_first``) as ``(V, K, HV, N)``: the transposed state
     the consumer warpgroups hold."""

@@ -51,9 +51,9 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
-    load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows, token_tile_a_m_major,
-    token_tile_b_k_major, token_tile_b_mn_major,
+    ChunkRecurrenceResources, acc_as_a_frag, chunk_tiles, column_decay, decay_columns, gate_row_layout,
+    gemm_k_blocks, load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows,
+    token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["ChunkKDABwdDhuSm90"]
@@ -215,23 +215,12 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
     ):  # fmt: skip
         """Producer (warp 0): the chunks' kg, w, qg, do and dv tiles and decay rows, last chunk first."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
-        gKg = cute.local_tile(cute.domain_offset((bos, 0), tkg[None, None, h]), (BT, DK), (None, 0))
-        gW = cute.local_tile(cute.domain_offset((0, bos), tw[None, None, h]), (DK, BT), (0, None))
-        gQ = cute.local_tile(cute.domain_offset((0, bos), tq[None, None, h]), (DK, BT), (0, None))
-        gDo = cute.local_tile(cute.domain_offset((0, bos), tdo[None, None, h]), (DV, BT), (0, None))
-        gDv = cute.local_tile(cute.domain_offset((0, bos), tdv[None, None, h]), (DV, BT), (0, None))
-        gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
-        one = cute.make_layout(1)
-
-        def part(atom, s, g):
-            return cpasync.tma_partition(atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
-
-        tKgs, tKgg = part(tma_kg, sKg, gKg)
-        tWs, tWg = part(tma_w, sW, gW)
-        tQs, tQg = part(tma_q, sQ, gQ)
-        tDos, tDog = part(tma_do, sDo, gDo)
-        tDvs, tDvg = part(tma_dv, sDv, gDv)
-        tGs, tGg = part(tma_g, sG, gG)
+        tKgs, tKgg = chunk_tiles(tma_kg, tkg, sKg, h, bos, (BT, DK), tokens_first=True)
+        tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (DK, BT), tokens_first=False)
+        tQs, tQg = chunk_tiles(tma_q, tq, sQ, h, bos, (DK, BT), tokens_first=False)
+        tDos, tDog = chunk_tiles(tma_do, tdo, sDo, h, bos, (DV, BT), tokens_first=False)
+        tDvs, tDvg = chunk_tiles(tma_dv, tdv, sDv, h, bos, (DV, BT), tokens_first=False)
+        tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
         for i in cutlass.range(num_chunks, unroll=1):
             c = num_chunks - 1 - i

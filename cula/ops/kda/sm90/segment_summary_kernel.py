@@ -43,9 +43,9 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
-    load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows, token_tile_a_m_major,
-    token_tile_b_k_major, token_tile_b_mn_major,
+    ChunkRecurrenceResources, acc_as_a_frag, chunk_tiles, column_decay, decay_columns, gate_row_layout,
+    gemm_k_blocks, load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows,
+    token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["SegmentSummarySm90"]
@@ -169,15 +169,10 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
     ):
         """Producer (warp 0): each chunk's w, kg and u tiles and its decay row into the next stage."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
-        gW = cute.local_tile(cute.domain_offset((bos, 0), tw[None, None, h]), (BT, DK), (None, 0))
-        gK = cute.local_tile(cute.domain_offset((0, bos), tk[None, None, h]), (DK, BT), (0, None))
-        gU = cute.local_tile(cute.domain_offset((0, bos), tu[None, None, h]), (DV, BT), (0, None))
-        gG = cute.local_tile(cute.domain_offset((0, bos), tg[None, None, h]), (DK, 1), (0, None))
-        one = cute.make_layout(1)
-        tWs, tWg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
-        tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tUs, tUg = cpasync.tma_partition(tma_u, 0, one, cute.group_modes(sU, 0, 2), cute.group_modes(gU, 0, 2))
-        tGs, tGg = cpasync.tma_partition(tma_g, 0, one, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2))
+        tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (BT, DK), tokens_first=True)
+        tKs, tKg = chunk_tiles(tma_k, tk, sK, h, bos, (DK, BT), tokens_first=False)
+        tUs, tUg = chunk_tiles(tma_u, tu, sU, h, bos, (DV, BT), tokens_first=False)
+        tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
         for c in cutlass.range(num_chunks, unroll=1):
             pipe.producer_acquire(st)
