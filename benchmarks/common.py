@@ -1058,11 +1058,12 @@ def time_split_main(
 
 
 def eager_and_graph_ms(label: str, make: Callable[[Any], Callable[[], Any]], sets: Sequence, args: argparse.Namespace,
-                       record: Callable[[str, BaseException], None]) -> list[float | None]:
+                       record: Callable[[str, BaseException], None], capture: bool = True) -> list[float | None]:
     """``[eager median ms, CUDA-graph replay median ms]`` of ``make(set)`` over ``sets`` (``--iters --warmup
-    --l2``); a failure (a refused capture, say) is recorded as ``"<label> eager|graph timing"`` and costs its cell."""
+    --l2``); a failure (a refused capture, say) is recorded as ``"<label> eager|graph timing"`` and costs its cell.
+    ``capture=False``: a call that cannot be captured at all (it copies from the host) gets no graph cell."""
     out: list[float | None] = []
-    for graph in (False, True):
+    for graph in (False, True)[:1 + capture]:
         try:
             t = bench([make(s) for s in sets], iters=args.iters, warmup=args.warmup, cuda_graph=graph, l2=args.l2)
             out.append(t.median_ms)
@@ -1070,7 +1071,7 @@ def eager_and_graph_ms(label: str, make: Callable[[Any], Callable[[], Any]], set
             record(f"{label} {'graph' if graph else 'eager'} timing", exc)
             torch.cuda.synchronize()
             out.append(None)
-    return out
+    return out + [None] * (2 - len(out))
 
 
 def time_split_row(

@@ -147,14 +147,17 @@ def test_planner_cuts_where_measured_and_when_told(monkeypatch, kda_tuning, pret
     import cula.kda.plan as kp
 
     dev = torch.device("cuda", 0)
-    # the H200's entry: the measured best segment lengths (4096 at 4 heads x 64K, 8192 at 8 heads x 64K), 16K and
-    # 16 heads whole; the segment summary's 2 CTAs per (segment, head) in one wave of the 132 SMs
-    for hv, t, seg in ((4, 65536, 4096), (8, 65536, 8192), (4, 262144, 16384), (8, 262144, 32768)):
+    # the H200's entry: the measured best segment lengths (2048 at 4 and 8 heads x 16K, 4096 at 4 heads x 64K and
+    # 16 heads x 16K, 8192 at 8 heads x 64K), 16 heads cut, 2 x 16 heads whole; the segment summary's 2 CTAs per
+    # (segment, head) in one wave of the 132 SMs
+    for hv, t, seg in ((4, 16384, 2048), (8, 16384, 2048), (16, 16384, 4096), (4, 65536, 4096), (8, 65536, 8192),
+                       (4, 262144, 16384), (8, 262144, 32768)):
         plan = kp.parallel_segments(1, t, hv, None, None, dev)
         assert plan is not None and abs(plan.segment_len - seg) <= seg // 8, (hv, t, plan)
         assert 2 * hv * plan.num_segments <= 132, (hv, t, plan.num_segments)
-    assert kp.parallel_segments(1, 16384, 4, None, None, dev) is None
-    assert kp.parallel_segments(1, 1 << 20, 16, None, None, dev) is None
+    assert kp.parallel_segments(1, 8192, 4, None, None, dev) is None
+    assert kp.parallel_segments(2, 65536, 16, None, None, dev) is None
+    assert kp.parallel_segments(1, 1 << 20, 32, None, None, dev) is None
     # one long sequence among short ones: about one lane of work, cut; sixteen long ones fill the GPU, whole
     ragged = make_cu_seqlens([65536, 1024, 1024, 0, 1024, 1024, 1024])
     plan = kp.parallel_segments(1, 70656, 4, ragged, ragged, dev)

@@ -82,12 +82,13 @@ class KdaTuning:
 
 
 # H100 and H200 share sm_90; the numbers were measured on the H200. Other GPUs run no cula kernel yet.
-# time_split from benchmarks/results/nvidia-h200/kda_prefill_time_parallel.md: 4 and 8 heads gain from 64K tokens
-# on (1.3-3.3x), 16K loses at every segment length, 16 heads gain at most 6% (left whole); the best segment gives
-# about half a (segment, head) item per SM. The segment summary runs two CTAs per (segment, head), one an SM: whole
-# waves of it (17 segments at 4 heads would be 136 CTAs on 132 SMs, a second wave for 4 of them)
-_H200 = KdaTuning(time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.12, min_segment=2048,
-                                             min_seq_len=65536, wave_ctas=2))
+# time_split from benchmarks/results/nvidia-h200/kda_prefill_time_parallel.md: every measured call with fewer than
+# about 26 (sequence, head) lanes gains from 16K tokens on (4 heads 1.8-4.4x, 8 heads 1.8-2.5x, 16 heads 1.3-1.4x);
+# 2 x 64K at 16 heads (32 lanes) gains 7%, left whole. The best segment gives about half a (segment, head) item per
+# SM. The segment summary runs two CTAs per (segment, head), one an SM: whole waves of it (17 segments at 4 heads
+# would be 136 CTAs on 132 SMs, a second wave for 4 of them)
+_H200 = KdaTuning(time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
+                                             min_seq_len=16384, wave_ctas=2))
 KDA_TUNING: TuningTable[KdaTuning] = TuningTable("kda", {(9, 0): _H200}, fallback=KdaTuning())
 
 # ------------------------------------------------------------------------------------------------------- chunk_kda
