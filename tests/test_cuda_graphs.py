@@ -72,6 +72,23 @@ def test_device_chunk_indices_match_the_host_ones(lens, cu_dtype):
     assert device_chunk_indices(cu, len(exact)).tolist() == exact  # sized to the exact count: no padding
 
 
+def test_host_chunk_indices_are_remembered_by_value():
+    """A packed batch's chunk indices are built once for its boundaries (every layer and the backward reuse them),
+    and a boundary buffer rewritten in place gets the new boundaries' rows, never the remembered ones."""
+    from cula.ops.kda.sm90.intra import _ROWS_KEPT, prepare_chunk_indices_i32
+
+    host = make_cu_seqlens([70, 0, 130])
+    first = prepare_chunk_indices_i32(host, 64, host)
+    assert first.tolist() == _host_rows([70, 0, 130])
+    assert prepare_chunk_indices_i32(host.clone(), 64, host.clone()) is first  # same values, other tensors
+    assert prepare_chunk_indices_i32(host, 32, host).tolist() == _host_rows([70, 0, 130], 32)
+    host[1:] = torch.tensor([5, 200, 200], dtype=host.dtype)  # rewritten in place: the same tensor, new values
+    assert prepare_chunk_indices_i32(host, 64, host).tolist() == _host_rows([5, 195, 0])
+    for n in range(1, _ROWS_KEPT + 2):  # bounded: the oldest boundaries are forgotten
+        prepare_chunk_indices_i32(make_cu_seqlens([n]), 64)
+    assert prepare_chunk_indices_i32(make_cu_seqlens([70, 0, 130]), 64) is not first
+
+
 def test_chunk_rows_bound_holds_and_is_reached():
     from cula.kda.forward import chunk_rows_bound, device_chunk_indices
 

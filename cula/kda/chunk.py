@@ -186,14 +186,18 @@ def _plan(call: dict, positional: tuple[str, ...]) -> tuple:
 def _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | None:
     """The plan-key part of a packed-sequence call's token tensors without their common length (which changes
     from call to call), or None (validate in full) unless all five are contiguous tensors of one length."""
-    try:
-        T = q.shape[1]
-        if any(t.shape[1] != T or not t.is_contiguous() for t in (q, k, v, g, beta)):
+    try:  # written out, no generator: this runs for every packed call
+        qs, ks, vs, gs, bs = q.shape, k.shape, v.shape, g.shape, beta.shape
+        T = qs[1]
+        if (ks[1] != T or vs[1] != T or gs[1] != T or bs[1] != T or not q.is_contiguous() or not k.is_contiguous()
+                or not v.is_contiguous() or not g.is_contiguous() or not beta.is_contiguous()):  # fmt: skip
             return None
         return (
-            *((t.shape[0], t.shape[2:], t.dtype, t.device, t.data_ptr() & 15) for t in (q, k, v, g, beta)),
-            tensor_sig(cu_seqlens), (cu_seqlens_cpu.shape, cu_seqlens_cpu.dtype, cu_seqlens_cpu.device),
-        )
+            qs[0], qs[2:], q.dtype, q.device, q.data_ptr() & 15, ks[0], ks[2:], k.dtype, k.device, k.data_ptr() & 15,
+            vs[0], vs[2:], v.dtype, v.device, v.data_ptr() & 15, gs[0], gs[2:], g.dtype, g.device, g.data_ptr() & 15,
+            bs[0], bs[2:], beta.dtype, beta.device, beta.data_ptr() & 15,
+            tensor_sig(cu_seqlens), cu_seqlens_cpu.shape, cu_seqlens_cpu.dtype, cu_seqlens_cpu.device,
+        )  # fmt: skip
     except (AttributeError, IndexError, TypeError):
         return None  # not tensors of at least two dimensions: validation will say so
 
