@@ -75,18 +75,20 @@ def test_device_chunk_indices_match_the_host_ones(lens, cu_dtype):
 def test_host_chunk_indices_are_remembered_by_value():
     """A packed batch's chunk indices are built once for its boundaries (every layer and the backward reuse them),
     and a boundary buffer rewritten in place gets the new boundaries' rows, never the remembered ones."""
-    from cula.ops.kda.sm90.intra import _ROWS_KEPT, prepare_chunk_indices_i32
+    from cula.kda.forward import CHUNK_INDICES_KEPT
+    from cula.kda.forward import host_chunk_indices as rows_of
 
     host = make_cu_seqlens([70, 0, 130])
-    first = prepare_chunk_indices_i32(host, 64, host)
+    first = rows_of(host, host)
     assert first.tolist() == _host_rows([70, 0, 130])
-    assert prepare_chunk_indices_i32(host.clone(), 64, host.clone()) is first  # same values, other tensors
-    assert prepare_chunk_indices_i32(host, 32, host).tolist() == _host_rows([70, 0, 130], 32)
+    assert rows_of(host.clone(), host.clone()) is first  # same values, other tensors
+    assert rows_of(host, None) is first  # the boundaries read from cu_seqlens itself
+    assert rows_of(host, host, 32).tolist() == _host_rows([70, 0, 130], 32)
     host[1:] = torch.tensor([5, 200, 200], dtype=host.dtype)  # rewritten in place: the same tensor, new values
-    assert prepare_chunk_indices_i32(host, 64, host).tolist() == _host_rows([5, 195, 0])
-    for n in range(1, _ROWS_KEPT + 2):  # bounded: the oldest boundaries are forgotten
-        prepare_chunk_indices_i32(make_cu_seqlens([n]), 64)
-    assert prepare_chunk_indices_i32(make_cu_seqlens([70, 0, 130]), 64) is not first
+    assert rows_of(host, host).tolist() == _host_rows([5, 195, 0])
+    for n in range(1, CHUNK_INDICES_KEPT + 2):  # bounded: the oldest boundaries are forgotten
+        rows_of(make_cu_seqlens([n]), None)
+    assert rows_of(make_cu_seqlens([70, 0, 130]), None) is not first
 
 
 def test_chunk_rows_bound_holds_and_is_reached():

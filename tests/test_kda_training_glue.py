@@ -80,10 +80,14 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(fc, "fused_beta_sigmoid", lambda x, scale: x.float() * scale + 1)
     monkeypatch.setattr(fc, "fused_beta_sigmoid_bwd", lambda x, dy, scale: dy * scale + x.float())
     monkeypatch.setattr(fc, "prepare_chunk_indices", lambda cu_seqlens, chunk_size, cu_seqlens_cpu=None: cu_seqlens * 2)
-    # our backward builds the same list with cula's (uncached) builder
+    # our backward builds the same list with cula's builder (its memo of earlier boundaries emptied)
+    import collections
+
+    import cula.kda.forward as chunk_fwd
     import cula.ops.kda.sm90.intra as intra
 
     monkeypatch.setattr(intra, "prepare_chunk_indices_i32", lambda cu, chunk_size=64, cu_seqlens_cpu=None: cu * 2)
+    monkeypatch.setattr(chunk_fwd, "_CHUNK_INDICES", collections.OrderedDict())
     monkeypatch.setattr(fc, "chunk_kda_bwd", _bwd(calls))
     monkeypatch.setattr(fla_backward, "chunk_kda_bwd", _bwd(calls))  # what our backward calls
 
@@ -105,8 +109,6 @@ def stand_ins(monkeypatch):
         if not keep_scores:
             return o, ht
         return (o, ht, *_fla_scores(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), **kw))
-
-    import cula.kda.forward as chunk_fwd
 
     monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd_sm90", our_forward)
     return calls

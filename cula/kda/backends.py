@@ -225,9 +225,9 @@ def _backward_chunks(cu, cu_cpu, T: int, graph: bool):
             "capturing the backward of a packed chunk_kda call in a CUDA graph needs use_graph=True (FLA's graph "
             "mode: a chunk list of fixed size built on the device)"
         )
-    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+    from cula.kda.forward import host_chunk_indices
 
-    return prepare_chunk_indices_i32(cu, 64, cu_cpu), None
+    return host_chunk_indices(cu, cu_cpu), None
 
 
 # The intra-chunk stage still comes from FLA's Triton kernels, hence needs=("fla",).

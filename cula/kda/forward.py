@@ -22,6 +22,8 @@ Importing fla here is deliberate: this module orchestrates FLA's Triton stages w
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from cula.kda.plan import KDA_TUNING, parallel_segments, time_segments, use_cula_intra
@@ -129,7 +131,7 @@ def chunk_kda_fwd_sm90(
     elif cu_seqlens is not None:
         # not FLA's prepare_chunk_indices: it memoises on the tensors' identity, so a cu_seqlens buffer rewritten
         # in place between calls (an engine's static input) would get the previous boundaries' chunks
-        chunk_indices = intra.prepare_chunk_indices_i32(cu_seqlens, chunk_size, cu_seqlens_cpu)
+        chunk_indices = host_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size)
     cu32 = None
     if cu_seqlens is not None:
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
@@ -481,7 +483,7 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
         if capturing(cu_seqlens):
             chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, cu_seqlens.numel() - 1))
         else:
-            chunk_indices = intra.prepare_chunk_indices_i32(cu_seqlens, 64, cu_seqlens_cpu)
+            chunk_indices = host_chunk_indices(cu_seqlens, cu_seqlens_cpu)
         work = torch.empty(T * HV, fwd_launch.WORK_COLS, dtype=dt, device=dev)
         fn(
             q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
@@ -490,6 +492,33 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
         return o, final_state
 
     return launch
+
+
+def host_chunk_indices(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, chunk_size: int = 64):
+    """``prepare_chunk_indices_i32``'s rows on ``cu_seqlens``' device, remembered for the last 32 boundary lists:
+    every layer of a model gets the same packed batch, and the backward the forward's, so only a batch's first
+    call builds them and copies them up. Read only: the same boundaries' tensor is handed out again.
+
+    Keyed by the boundaries' values, never by the tensors' identity (an engine rewrites its static boundary
+    buffers in place), and by the current stream, on which the copy to the device was queued."""
+    from cula.ops.kda.sm90 import intra
+
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+    dev = cu_seqlens.device
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (tuple(host.tolist()), chunk_size, dev, stream)
+    rows = _CHUNK_INDICES.get(key)
+    if rows is not None:
+        _CHUNK_INDICES.move_to_end(key)
+        return rows
+    rows = _CHUNK_INDICES[key] = intra.prepare_chunk_indices_i32(cu_seqlens, chunk_size, host)
+    if len(_CHUNK_INDICES) > CHUNK_INDICES_KEPT:
+        _CHUNK_INDICES.popitem(last=False)
+    return rows
+
+
+_CHUNK_INDICES: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+CHUNK_INDICES_KEPT = 32
 
 
 def capturing(t: torch.Tensor) -> bool:

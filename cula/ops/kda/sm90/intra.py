@@ -6,8 +6,6 @@ only to compile a variant; see ``cula.ops._host``.
 
 from __future__ import annotations
 
-import collections
-
 import torch
 
 from cula.cache import compiled_kernel
@@ -104,54 +102,34 @@ def kernel_options(
     )  # fmt: skip
 
 
-# device chunk indices of recently seen boundaries, by value: every layer of a model gets the same packed batch, and
-# the backward the forward's, so only the first call of a batch builds and copies them
-_ROWS: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
-_ROWS_KEPT = 32
-
-
 def prepare_chunk_indices_i32(
     cu_seqlens: torch.Tensor, chunk_size: int = 64, cu_seqlens_cpu: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``[NT, 2]`` int32 (sequence id, chunk id within the sequence), FLA's ``prepare_chunk_indices`` order, on
-    ``cu_seqlens``' device. Read only: the same boundaries' tensor is handed out again.
+    ``cu_seqlens``' device.
 
     Reads the lengths from ``cu_seqlens_cpu`` when given (then nothing waits for the GPU), else from ``cu_seqlens``
-    (one device sync). Remembered by the boundaries' values, never by the tensors' identity (an engine rewrites
-    its static boundary buffers in place), and by the current stream, on which the copy to the device was queued."""
+    (one device sync)."""
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
     bounds = host.tolist()
-    dev = cu_seqlens.device
-    key = (tuple(bounds), chunk_size, dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
-    rows = _ROWS.get(key)
-    if rows is not None:
-        _ROWS.move_to_end(key)
-        return rows
-    rows = _build_chunk_indices(host, bounds, chunk_size, cu_seqlens.is_cuda).to(dev, non_blocking=True)
-    _ROWS[key] = rows
-    if len(_ROWS) > _ROWS_KEPT:
-        _ROWS.popitem(last=False)
-    return rows
-
-
-def _build_chunk_indices(host: torch.Tensor, bounds: list[int], chunk_size: int, pin: bool) -> torch.Tensor:
-    """``prepare_chunk_indices_i32``'s rows on the host (in pinned memory when ``pin``)."""
     # From pinned memory the copy to the GPU is queued like a kernel. From pageable memory torch waits for the
     # stream to drain first, so every packed call through a plan would have waited for the previous call's kernels
     # (H200, kda_prefill's varlen rows: +6-12%, host and GPU time adding up instead of overlapping).
+    pin = cu_seqlens.is_cuda
     if bounds[-1] // chunk_size + len(bounds) <= 2048:
         # a Python list for the calls whose host time shows (torch's CPU ops cost ~10 us each on the device host)
         flat = []
         for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
             for c in range(-(-(end - start) // chunk_size)):
                 flat += (n, c)
-        return torch.tensor(flat, dtype=torch.int32, pin_memory=pin).view(-1, 2)
-    # torch's CPU ops, whose cost does not grow with the chunk count
-    counts = (host[1:].long() - host[:-1].long() + (chunk_size - 1)) // chunk_size
-    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    rows = torch.stack([seq, torch.arange(seq.numel()) - first], 1).to(torch.int32)
-    return rows.pin_memory() if pin else rows
+        rows = torch.tensor(flat, dtype=torch.int32, pin_memory=pin).view(-1, 2)
+    else:  # torch's CPU ops, whose cost does not grow with the chunk count
+        counts = (host[1:].long() - host[:-1].long() + (chunk_size - 1)) // chunk_size
+        seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        rows = torch.stack([seq, torch.arange(seq.numel()) - first], 1).to(torch.int32)
+        rows = rows.pin_memory() if pin else rows
+    return rows.to(cu_seqlens.device, non_blocking=True)
 
 
 def chunk_kda_intra_sm90(
