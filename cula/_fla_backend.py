@@ -1,5 +1,5 @@
 """The FLA backend ``cula.fla_dispatch`` registers: verifiers and implementations for FLA 0.6.0's dispatched KDA
-functions (see that module). Imported on registration, when FLA (hence torch) is loaded; cula's KDA modules are
+functions and its gated ``chunk_bwd_dqkwg`` (see that module). Imported on registration, when FLA (hence torch) is loaded; cula's KDA modules are
 imported on the first call.
 """
 
@@ -200,6 +200,37 @@ def _wy_dqkg(*args, **kwargs):
     )  # fmt: skip
 
 
+def _dqkwg_decision(args: tuple, kwargs: dict):
+    """The gated calls of FLA's ``chunk_bwd_dqkwg`` that FLA's own Triton kernel refuses (Hopper, Triton 3.4.0 to
+    3.7.0, FLA issue #640) and no TileLang backend takes; everything else stays FLA's (faster there)."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    from cula.common.chunk_o import chunk_bwd_dqkwg
+
+    call = _bind(chunk_bwd_dqkwg, args, kwargs)
+    if call["kwargs"]:
+        return False, f"arguments FLA 0.6.0's stage does not take: {', '.join(call['kwargs'])}"
+    if call["g"] is None:
+        return False, "ungated (no g): FLA's Triton kernel is correct there"
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return False, "FLA's Triton kernel is correct on this GPU and Triton"
+    if _tilelang_usable():
+        return False, "TileLang is installed: FLA's TileLang kernel runs the gated stage"
+    return True, None
+
+
+def _tilelang_usable() -> bool:
+    from fla.backends import TileLangBackend
+
+    return TileLangBackend.is_available() and TileLangBackend().is_enabled()
+
+
+def _chunk_bwd_dqkwg(*args, **kwargs):
+    from cula.common.chunk_o import chunk_bwd_dqkwg
+
+    return chunk_bwd_dqkwg(*args, **kwargs)
+
+
 def _chunk_kda(*args, **kwargs):
     from cula.kda import chunk_kda
 
@@ -255,6 +286,12 @@ def backend_class(base: type) -> type:
 
         def chunk_kda_bwd_wy_dqkg_fused(self, *args, **kwargs):
             return _wy_dqkg(*args, **kwargs)  # FLA's Triton kernel at our launch: nothing dispatches back
+
+        def chunk_bwd_dqkwg_verifier(self, *args, **kwargs):
+            return _verdict("fla.ops.common.chunk_bwd_dqkwg", _dqkwg_decision, args, kwargs, guarded=False)
+
+        def chunk_bwd_dqkwg(self, *args, **kwargs):
+            return _chunk_bwd_dqkwg(*args, **kwargs)  # torch's matrix products: nothing dispatches back
 
     CulaBackend.__qualname__ = CulaBackend.__name__
     _classes[base] = CulaBackend

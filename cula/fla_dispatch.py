@@ -8,7 +8,10 @@ FLA dispatches that cula's kernels speed up:
   gets cula's forward kernels and cula's backward, ``_ChunkKDATraining``);
 - ``fused_recurrent_kda_fwd`` (FLA's ``'kda'`` registry): the state-pool decode step that ``kda_decode`` runs;
 - ``chunk_kda_bwd_wy_dqkg_fused`` (``'kda'``): the stage of FLA's backward that ``cula.kda.fla_backward`` launches
-  at a faster configuration, for the training calls FLA's own path keeps (context parallel, say).
+  at a faster configuration, for the training calls FLA's own path keeps (context parallel, say);
+- ``chunk_bwd_dqkwg`` (``'common'``), the gated calls only, where FLA's Triton kernel refuses them (Hopper with
+  Triton 3.4.0 to 3.7.0, FLA issue #640) and TileLang is not installed: ``cula.common.chunk_o`` runs them, so the
+  backwards of FLA's Gated DeltaNet, Simple GLA with a data-dependent ``g``, Comba and their kin complete on Hopper.
 
 Each verifier runs cula's own validation and the ``cula-sm90`` backend's availability probe and ``supports``, the
 code ``cula.kda`` selects with, so FLA hands cula exactly the calls cula's kernels would run; everything else goes on
@@ -84,6 +87,7 @@ def register() -> bool:
         backend = backend_class(fla_backends.BaseBackend)
         fla_backends.register(chunk_module.chunk_kda)(backend)
         fla_backends.register("kda")(backend)
+        fla_backends.register("common")(backend)
     except Exception as error:  # another FLA: cula.kda works as ever, FLA's calls stay FLA's
         import logging
 
