@@ -343,6 +343,35 @@ class PlanCache:
         return len(self._plans)
 
 
+class StepPlans:
+    """The launches of a decode step closure (``kda_decode_step``, ``lightning_decode_step``): by the call's full
+    signature, validated with its first call; and, where the launch's compiled TVM-FFI entry checks its own
+    arguments before it launches (``launch.checks_arguments``: every dtype, the sizes the tensors share, strides,
+    16-byte alignment, one device for all), also by the step's short key (the shapes and dtypes the launch choice
+    reads), a few attribute reads a step instead of five per tensor. A call the entry refuses is validated in full,
+    which raises cula's own error for bad input or plans the new signature."""
+
+    def __init__(self, maxsize: int = 64):
+        self.full = PlanCache(maxsize)
+        self.short = PlanCache(maxsize)
+
+    def run(self, key: tuple | None, call: Callable[[Callable], Any], full_key: Callable[[], tuple],
+            plan: Callable[[], Callable]) -> Any:  # fmt: skip
+        """``call(launch)`` with the launch for ``key`` (None: no short key, e.g. not tensors), else for
+        ``full_key()`` (planned by ``plan()``, which validates and may raise)."""
+        launch = None if key is None else self.short.get(key)
+        if launch is not None:
+            try:
+                return call(launch)
+            except Exception:  # noqa: BLE001  (refused before any launch: find out why by validating in full)
+                pass
+        launch = self.full.lookup(full_key(), plan)
+        result = call(launch)
+        if key is not None and getattr(launch, "checks_arguments", False):
+            self.short.put(key, launch)
+        return result
+
+
 _PLAN_CACHES: weakref.WeakSet[PlanCache] = weakref.WeakSet()
 
 

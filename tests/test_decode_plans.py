@@ -265,6 +265,42 @@ def test_kda_decode_step_fast_launch(counted_plans, fake_sm90):
     _assert_same_launch(*launches, out_at=9)
 
 
+def test_step_keys_on_shapes_where_the_kernel_entry_checks_the_rest(counted_plans, fake_sm90, monkeypatch):
+    """A repeated step reads only its short key (shapes and dtypes) when the launch's compiled entry checks its
+    own arguments; a call that entry refuses is validated in full (cula's error, nothing launched) and a good call
+    with the same short key runs again; the reference backend's launches (no entry checks) keep the full key."""
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
+    pool = pool.transpose(-1, -2).contiguous()
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV * D)
+    sigs = []
+    real_sigs = kd.token_sigs
+    monkeypatch.setattr(kd, "token_sigs", lambda *a: sigs.append(1) or real_sigs(*a))
+    step = kd.kda_decode_step(pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, check_indices=False)
+    for _ in range(3):
+        step(q, k, v, g, beta)
+    assert len(sigs) == 1 and [c[0] for c in fake_sm90].count("launch") == 3
+    # the entry refuses (a TVM-FFI check; here a stand-in refusing any other k): validated in full
+    import cula.ops.kda.sm90.decode as kops
+
+    def refusing(**kw):
+        def launch(*args):
+            if args[1] is not k:
+                raise TypeError("Mismatched k.dtype")  # what TVM-FFI raises for an argument it refuses
+            fake_sm90.append(("launch", args))
+
+        return launch
+
+    monkeypatch.setattr(kops, "compiled_variant", refusing)
+    step = kd.kda_decode_step(pool, idx, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, check_indices=False)
+    step(q, k, v, g, beta)
+    fake_sm90.clear()
+    with pytest.raises(TypeError, match="`k` must have dtype"):
+        step(q, k.half(), v, g, beta)  # the short key's shapes and dtypes, a k cula refuses
+    assert not fake_sm90
+    step(q, k, v, g, beta)
+    assert [c[0] for c in fake_sm90] == ["launch"]
+
+
 def test_lightning_decode_step_matches_lightning_decode(counted_plans, fake_sm90):
     """``lightning_decode_step``: each step equals the ``lightning_decode`` call (reference backend), validated once
     per token signature, the index check on every step; on cula-sm90 it launches the kernel with what

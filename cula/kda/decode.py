@@ -20,7 +20,7 @@ from cula._validate import (
     pool_layout_verdict,
 )
 from cula.backends import (
-    PlanCache, Registry, always, cula_kernels_on, forced_backend, tensor_sig, token_sigs,
+    PlanCache, Registry, StepPlans, always, cula_kernels_on, forced_backend, tensor_sig, token_sigs,
 )  # fmt: skip
 from cula.ops._host import gate_kind
 
@@ -121,13 +121,15 @@ def kda_decode_step(
     ``step(q, k, v, g, beta, out=None, step_states=None) -> o``, the same call as ``kda_decode(q, k, v, g, beta,
     state_pool, state_indices, ...)`` with the bound tensors and flags.
 
-    Per step only the five token tensors (and ``out`` / ``step_states``) are read for the call signature, against
-    eleven for ``kda_decode``: the bound ``state_pool``, ``state_indices``, ``A_log`` and ``dt_bias`` are validated
-    with the first step of each new token signature and must keep their shapes, strides, dtype and device from
-    then on (their values may change between steps: the kernel reads them each time, so an engine updates the
-    slot indices in place). Validation, errors and results are those of :func:`kda_decode`.
+    Per step only the token tensors' shapes and dtypes are read on cula's kernels (the compiled entry checks the
+    rest before it launches, and a call it refuses is validated in full: ``cula.backends.StepPlans``), against
+    every signature field of eleven tensors for ``kda_decode``: the bound ``state_pool``, ``state_indices``,
+    ``A_log`` and ``dt_bias`` are validated with the first step of each new token signature and must keep their
+    shapes, strides, dtype and device from then on (their values may change between steps: the kernel reads them
+    each time, so an engine updates the slot indices in place). Validation, errors and results are those of
+    :func:`kda_decode`.
     """
-    plans = PlanCache(maxsize=64)
+    plans = StepPlans()
     flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
 
     def bound_plan(q, k, v, g, beta, out, step_states):
@@ -154,18 +156,24 @@ def kda_decode_step(
                 lower_bound=lower_bound, state_v_first=state_v_first, out=out, step_states=step_states,
                 check_indices=check_indices,
             )  # fmt: skip
-        key = (
-            *token_sigs(q, k, v, g, beta),
-            None if out is None else tensor_sig(out), None if step_states is None else tensor_sig(step_states),
-            forced_backend(),
+        try:  # the step's short key (cula.backends.StepPlans)
+            key = (q.shape, v.shape, q.dtype, g.dtype, beta.dtype, out is None, step_states is None, forced_backend())
+        except AttributeError:
+            key = None  # not tensors: validated in full
+
+        def call(tokens):
+            if check_indices:
+                check_pool_indices(state_indices, state_pool.shape[0])
+            o = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
+            tokens(q, k, v, g, beta, o, step_states)
+            return o
+
+        return plans.run(
+            key, call,
+            lambda: (*token_sigs(q, k, v, g, beta), None if out is None else tensor_sig(out),
+                     None if step_states is None else tensor_sig(step_states), forced_backend()),
+            lambda: bound_plan(q, k, v, g, beta, out, step_states),
         )  # fmt: skip
-        tokens = plans.lookup(key, lambda: bound_plan(q, k, v, g, beta, out, step_states))
-        if check_indices:
-            check_pool_indices(state_indices, state_pool.shape[0])
-        if out is None:
-            out = torch.empty_like(v, memory_format=torch.contiguous_format)
-        tokens(q, k, v, g, beta, out, step_states)
-        return out
 
     return step
 

@@ -225,6 +225,7 @@ def kda_decode_launcher(*, gate: str, tuning: KdaTuning | None = None, **flags):
         def tokens(q, k, v, g, beta, out, step_states):
             fn(q, k, v, g, beta, a_log, dtb, state, indices, out, step_states, scale, lb)
 
+        tokens.checks_arguments = True  # the compiled entry's own checks (cula.backends.StepPlans)
         return tokens
 
     launch.bind = bind

@@ -17,7 +17,7 @@ from cula._validate import (
     is_dense,
     pool_layout_verdict,
 )
-from cula.backends import PlanCache, Registry, always, cula_kernels_on, forced_backend, tensor_sig
+from cula.backends import PlanCache, Registry, StepPlans, always, cula_kernels_on, forced_backend, tensor_sig
 
 lightning_decode_registry = Registry("lightning.lightning_decode")
 _plans = PlanCache()  # validated launches by call signature (see cula.backends.PlanCache)
@@ -88,11 +88,12 @@ def lightning_decode_step(
 ):
     r""":func:`lightning_decode` with the serving loop's fixed arguments bound once: returns
     ``step(q, k, v, out=None) -> o``, the same call as ``lightning_decode(q, k, v, decay, state_pool, state_indices,
-    ...)``. Only q, k, v (and ``out``) enter the per-step call signature; the bound ``decay``, ``state_pool`` and
+    ...)``. Only q, k, v (and ``out``) enter the per-step call signature, on cula's kernels only their shapes and
+    q's dtype (``cula.backends.StepPlans``); the bound ``decay``, ``state_pool`` and
     ``state_indices`` are validated with the first step of each token signature and must keep their shapes,
     strides, dtype and device afterwards (their values may change between steps). Errors and results are those of
     :func:`lightning_decode`."""
-    plans = PlanCache(maxsize=64)
+    plans = StepPlans()
 
     def bound_plan(q, k, v, out):
         """``_plan`` for a new token signature, with the bound arguments fixed: ``tokens(q, k, v, out)``."""
@@ -109,22 +110,30 @@ def lightning_decode_step(
                 q, k, v, decay, state_pool, state_indices, scale=scale, state_v_first=state_v_first, out=out,
                 check_indices=check_indices,
             )  # fmt: skip
-        try:  # tensor_sig of q, k, v written out (as in kda_decode_step)
-            key = (
-                q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
-                k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15,
-                v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15,
-                None if out is None else tensor_sig(out), forced_backend(),
-            )  # fmt: skip
-        except (AttributeError, TypeError):  # not a tensor: the full validation below names it
-            key = (tensor_sig(q), tensor_sig(k), tensor_sig(v))
-        tokens = plans.lookup(key, lambda: bound_plan(q, k, v, out))
-        if check_indices:
-            check_pool_indices(state_indices, state_pool.shape[0])
-        if out is None:
-            out = torch.empty_like(v, memory_format=torch.contiguous_format)
-        tokens(q, k, v, out)
-        return out
+        try:  # the step's short key (cula.backends.StepPlans)
+            key = (q.shape, v.shape, q.dtype, out is None, forced_backend())
+        except AttributeError:
+            key = None  # not tensors: validated in full
+
+        def call(tokens):
+            if check_indices:
+                check_pool_indices(state_indices, state_pool.shape[0])
+            o = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
+            tokens(q, k, v, o)
+            return o
+
+        def full_key():
+            try:  # tensor_sig of q, k, v written out
+                return (
+                    q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
+                    k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15,
+                    v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15,
+                    None if out is None else tensor_sig(out), forced_backend(),
+                )  # fmt: skip
+            except (AttributeError, TypeError):  # not a tensor: the full validation names it
+                return (tensor_sig(q), tensor_sig(k), tensor_sig(v))
+
+        return plans.run(key, call, full_key, lambda: bound_plan(q, k, v, out))
 
     return step
 

@@ -133,6 +133,7 @@ def lightning_decode_launcher(
         def tokens(q, k, v, out):
             fn(q, k, v, decay, state, indices, out, scale, ctas)
 
+        tokens.checks_arguments = True  # the compiled entry's own checks (cula.backends.StepPlans)
         return tokens
 
     launch.bind = bind
