@@ -129,6 +129,39 @@ def stubbed_kernels(monkeypatch, pretend_sm90):
     return seen
 
 
+def test_fixed_calls_key_on_shapes_where_the_launch_checks_the_rest(stubbed_kernels, monkeypatch):
+    """A repeated fixed-length call of the one-call launch reads only its short key (shapes, the variant's dtypes,
+    flags); a call that launch's compiled entry refuses is validated in full (cula's error, nothing launched)."""
+    import cula.kda.chunk as chunk_mod
+    from cula.ops.kda.sm90 import fwd_launch
+
+    sigs = []
+    real_sigs = chunk_mod.token_sigs
+    monkeypatch.setattr(chunk_mod, "token_sigs", lambda *a: sigs.append(1) or real_sigs(*a))
+    monkeypatch.setattr(chunk_mod, "_short_plans", chunk_mod.PlanCache())
+    x = _kda_inputs(1, 128, 2, 4, 1, torch.Generator().manual_seed(0), device="cpu")
+
+    def entry(io, so, varlen=False):  # a stand-in for the TVM-FFI entry's checks: k must be bf16 and dense
+        def launch(*a):
+            if a[1].dtype != torch.bfloat16 or not a[1].is_contiguous():
+                raise TypeError("Mismatched k")
+            stubbed_kernels.append(("plan", a[12]))
+
+        return launch
+
+    monkeypatch.setattr(fwd_launch, "compiled_variant", entry)
+    with torch.no_grad():
+        for _ in range(3):
+            chunk_kda(**x, **SAFE_GATE)
+        assert len(sigs) == 1 and len(stubbed_kernels) == 3
+        stubbed_kernels.clear()
+        with pytest.raises(TypeError, match="`k` must have dtype"):
+            chunk_kda(**dict(x, k=x["k"].half()), **SAFE_GATE)
+        assert not stubbed_kernels
+        chunk_kda(**x, **SAFE_GATE)
+        assert len(stubbed_kernels) == 1
+
+
 def test_packed_plan_cuts_only_long_packs(stubbed_kernels, monkeypatch, kda_tuning):
     """A packed signature keeps its one-call launch while the time split (``KdaTuning.time_split``) would not cut
     the call's lengths, and takes the cut general path, the segment summary first, for a call it would cut; a

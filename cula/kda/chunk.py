@@ -27,6 +27,8 @@ _read_intra_mode = env_reader("CULA_KDA_INTRA")
 # the top of chunk_kda); the cula-sm90 backend then also skips its own per-call checks
 # (prepare_chunk_kda_fwd_sm90). A plan is (launch, scale): launch(*_TENSOR_ARGS, scale) with the scale resolved.
 _plans = PlanCache()
+# the same plans by a short key, for launches whose compiled entry checks their own arguments (cula.backends.StepPlans)
+_short_plans = PlanCache()
 _TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 _VARLEN_ARGS = (*_TENSOR_ARGS, "scale", "cu_seqlens", "cu_seqlens_cpu")
 # Packed sequences (cu_seqlens with its host copy cu_seqlens_cpu, contiguous inputs) go through plans keyed on
@@ -109,7 +111,8 @@ def chunk_kda(
             max_num_seqs, **kwargs,
         )  # fmt: skip
     # The fast path: a fixed-length call whose signature (everything validation and backend selection read) was
-    # seen before goes straight to its launch; so does a packed call with cu_seqlens_cpu, its boundaries checked here.
+    # seen before goes straight to its launch (found by a short key where the launch checks its own arguments);
+    # so does a packed call with cu_seqlens_cpu, its boundaries checked here.
     # Other varlen calls, context parallel, FLA's graph mode, intermediate states, the deprecated alias and
     # scalars of unusual types are validated every time. Packed calls plan under CUDA-graph capture too: the launch
     # then makes its chunk indices on the device (cula.kda.forward.device_chunk_indices).
@@ -125,11 +128,31 @@ def chunk_kda(
         if _PLAIN_SCALARS.issuperset(map(type, flags)) and (cu_seqlens is None or tokens is not None):
             tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
             grad = torch.is_grad_enabled() and tuple(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
+            inference = torch.is_inference_mode_enabled()
+            short = None
+            if cu_seqlens is None:
+                # the short key (as cula.backends.StepPlans'): shapes and the dtypes the variant reads, for launches
+                # whose compiled entry checks the rest (strides, alignment, one device, the sizes shared with q)
+                try:
+                    short = (
+                        q.shape, v.shape, q.dtype, g.dtype, beta.dtype,
+                        None if initial_state is None else initial_state.shape,
+                        None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape,
+                        flags, forced_backend(), _read_intra_mode(), grad, inference,
+                    )  # fmt: skip
+                except AttributeError:
+                    short = None  # not tensors: validated in full
+                plan = None if short is None else _short_plans.get(short)
+                if plan is not None:
+                    try:
+                        return plan[0](q, k, v, g, beta, initial_state, A_log, dt_bias, plan[1])
+                    except Exception:  # noqa: BLE001  (the entry refused the arguments: validate in full below)
+                        pass
             key = (
                 *(tokens or token_sigs(q, k, v, g, beta)),
                 None if initial_state is None else tensor_sig(initial_state),
                 None if A_log is None else tensor_sig(A_log), None if dt_bias is None else tensor_sig(dt_bias),
-                flags, forced_backend(), _read_intra_mode(), grad, torch.is_inference_mode_enabled(),
+                flags, forced_backend(), _read_intra_mode(), grad, inference,
             )  # fmt: skip
             plan = _plans.get(key)
             if plan is None:
@@ -141,7 +164,10 @@ def chunk_kda(
                     _plans.put(key, plan)
             launch, scale = plan
             if cu_seqlens is None:
-                return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
+                o = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
+                if short is not None and getattr(launch, "checks_arguments", False) and _plans.get(key) is plan:
+                    _short_plans.put(short, plan)
+                return o
             check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])  # this call's boundaries, before any launch
             return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
 
