@@ -9,15 +9,16 @@
 #     intra states                      [~3.5 + ~2 min]
 #     decode lightning split            [~2 + ~0.5 + ~4.5 min]
 #     bench rest                        [~1 + ~4.5 min]
-# No STEP: all of them in that order (four calls' worth). `--list`: each step's limit and files and the calls,
+#     fla                               [not yet timed: FLA's Gated DeltaNet / Simple GLA training autotunes]
+# No STEP: all of them in that order (five calls' worth). `--list`: each step's limit and files and the calls,
 # nothing run (tests/test_validate_script.py checks them on the CPU).
 # Logs land in $OUT (one file per step); FLA's autotune results are restored and saved by run.sh.
 set -u
 cd "$(dirname "$0")/../.."
 S=$(date +%s)
 
-STEPS=(api long intra states decode lightning reference split bench rest)
-CALLS=("api long reference" "intra states" "decode lightning split" "bench rest")
+STEPS=(api long intra states decode lightning reference split bench fla rest)
+CALLS=("api long reference" "intra states" "decode lightning split" "bench rest" "fla")
 declare -A LIMIT FILES
 LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.py tests/test_fla_backward.py"
 LIMIT[long]=100;      FILES[long]="tests/test_gpu_long.py"
@@ -32,6 +33,8 @@ LIMIT[split]=330;     FILES[split]="tests/ops/test_kda_segment_summary_kernel.py
                                     tests/test_kda_time_parallel.py tests/test_lightning_time_parallel.py
                                     tests/test_gdn_on_kda.py"
 LIMIT[bench]=300;     FILES[bench]="tests/test_bench_scripts.py tests/test_bench_common.py"
+# FLA's own training backwards with cula's gated chunk_bwd_dqkwg (FLA autotunes its Triton stages on first calls)
+LIMIT[fla]=400;       FILES[fla]="tests/test_common_chunk_o.py"
 LIMIT[rest]=280
 named=" $(echo ${FILES[*]}) "
 FILES[rest]=$(find tests -name 'test_*.py' | sort | while read -r f; do [[ "$named" == *" $f "* ]] || echo "$f"; done)
