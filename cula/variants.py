@@ -112,6 +112,9 @@ def _lightning(scope: str) -> None:
 
     for d, h0, ht, varlen, svf in itertools.product((64, 128), _B, _B, _B, _B):
         lc.compiled_variant(d, h0, ht, varlen, svf)
+    # the time-parallel prefill's first pass (cula.lightning.time_parallel): every segment's end state, packed
+    for d, svf in itertools.product((64, 128), _B):
+        lc.compiled_variant(d, False, True, True, svf, states_only=True)
     for io, d, svf, tokens, n in itertools.product(
         _dtypes(scope)["io"], (64, 128), _B, range(1, DECODE_MAX_TOKENS + 1),
         (1, LIGHTNING_TUNING.get((9, 0)).kv_cols_min_states),

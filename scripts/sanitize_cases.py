@@ -297,6 +297,18 @@ def lightning_prefill_packed():
 
 
 @case
+def lightning_time_split():
+    # one long sequence cut in time (forced at a small length): the states-only first pass over the segments, then
+    # the full kernel from the true starts; packed with an initial state and [V, K] states, fixed without
+    from cula.lightning.plan import LIGHTNING_TUNING
+    from cula.time_split import SplitThresholds
+
+    with LIGHTNING_TUNING.override(time_split=SplitThresholds(1e9, 1e9, 64, 0)):
+        _lightning_prefill(1, [300, 0, 70], 2, 128, v_first=True)
+        _lightning_prefill(1, 300, 2, 64, h0=False)
+
+
+@case
 def simple_gla_g_gamma():
     from cula.simple_gla import chunk_simple_gla
 

@@ -23,6 +23,9 @@ DECAYS = (0.0, 0.01, 1.0, 4.0)
 
 
 def _reference_fn(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
+    if q is None:  # the kernel's states-only form: the final states alone
+        return None, _reference_fn(torch.zeros_like(k), k, v, g_gamma, scale, initial_state, True, state_v_first,
+                                   cu_seqlens)[1]  # fmt: skip
     return reference_chunk_simple_gla(
         q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,

@@ -181,6 +181,15 @@ def test_lightning_variants_all_reachable(requested):
             kw["initial_state"] = _rnd(2, HV, d, d, dtype=FP32)
         with torch.no_grad():
             lightning_attn_fwd(q, k, v, torch.rand(HV), **kw)
+    # a call the time split cuts (whatever the H200's entry says): its first pass, the states-only variant
+    from cula.lightning.plan import LIGHTNING_TUNING
+    from cula.time_split import SplitThresholds
+
+    cut = SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=64, min_seq_len=128)
+    with LIGHTNING_TUNING.override((9, 0), time_split=cut), torch.no_grad():
+        for d, svf in itertools.product((64, 128), (False, True)):
+            q, k, v = _rnd(1, 256, 1, d), _rnd(1, 256, 1, d), _rnd(1, 256, 2, d)
+            lightning_attn_fwd(q, k, v, torch.rand(2), state_v_first=svf)
     for io, d, svf, T, N in itertools.product((BF16, FP16), (64, 128), (False, True), range(1, 9), (1, 16)):
         HV = 2 if N == 1 else 256
         q, k, v = _rnd(N, T, 1, d, dtype=io), _rnd(N, T, 1, d, dtype=io), _rnd(N, T, HV, d, dtype=io)

@@ -34,13 +34,15 @@ def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, **_) -> tuple:
 
 
 def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
-    from cula.ops.lightning.sm90.chunk_fwd import lightning_fwd_sm90
+    """The Lightning kernel's call: ``(o, final_state)``; with ``q`` None the states-only variant, ``(None,
+    final_state)`` (``cula.lightning.time_parallel``'s first pass)."""
+    from cula.ops.lightning.sm90.chunk_fwd import lightning_fwd_sm90, lightning_states_sm90
 
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    decay = torch.zeros(HV, device=q.device) if g_gamma is None else (-g_gamma).float()
-    o = torch.empty_like(v, memory_format=torch.contiguous_format)  # row-major whatever v's layout
-    final = torch.empty(N, HV, V, V, device=q.device, dtype=torch.float32) if output_final_state else None
+    decay = torch.zeros(HV, device=v.device) if g_gamma is None else (-g_gamma).float()
+    o = None if q is None else torch.empty_like(v, memory_format=torch.contiguous_format)  # row-major
+    final = torch.empty(N, HV, V, V, device=v.device, dtype=torch.float32) if output_final_state else None
     if T == 0:  # nothing to read (the kernel is not launched on empty tensors); the state passes through
         if final is not None:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
@@ -49,6 +51,10 @@ def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_stat
         cu_seqlens = cu_seqlens.to(torch.int32)
     if initial_state is not None:
         initial_state = dense(initial_state)
+    if q is None:
+        lightning_states_sm90(dense(k), dense(v), decay.contiguous(), initial_state, final, cu_seqlens,
+                              state_v_first=state_v_first)  # fmt: skip
+        return None, final
     # the kernel's compiled signature takes row-major, 16-byte aligned tensors (TVM-FFI refuses the rest)
     lightning_fwd_sm90(
         dense(q),

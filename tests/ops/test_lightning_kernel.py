@@ -33,6 +33,40 @@ def test_compiles_for_sm90(variant):
     assert chunk_fwd.compiled_variant(*variant) is fn
 
 
+# the states-only variants the time-parallel prefill's first pass uses (packed segments, with and without h0)
+STATES_VARIANTS = [(128, False, True, True, False), (128, True, True, True, True), (64, False, True, False, False)]
+
+
+@pytest.mark.parametrize("variant", STATES_VARIANTS, ids=lambda v: "D{}-h0{:d}-varlen{:d}-vfirst{:d}".format(*v[:2], *v[3:]))
+def test_states_only_compiles_for_sm90(variant):
+    fn = chunk_fwd.compiled_variant(*variant, states_only=True)
+    assert fn is not None and chunk_fwd.compiled_variant(*variant, states_only=True) is fn
+    assert chunk_fwd.compiled_variant(*variant) is not fn
+    with pytest.raises(ValueError, match="has_ht"):
+        chunk_fwd.LightningFwdSm90(128, False, False, False, False, states_only=True)
+
+
+def test_states_only_ptx_reads_k_and_v_and_writes_no_output():
+    import cutlass
+    from cutlass import cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from cula.cache import compile_options
+
+    B, T, H, HV = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    args = [None, chunk_fwd._fake(bf16, (B, T, H, 128)), chunk_fwd._fake(bf16, (B, T, HV, 128)), None,
+            cute.runtime.make_fake_compact_tensor(f32, (HV,), assumed_align=4), None,
+            chunk_fwd._fake(f32, (B, HV, 128, 128)), None, f32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True)]
+    kernel = chunk_fwd.LightningFwdSm90(128, False, True, False, False, states_only=True)
+    ptx = cute.compile(kernel, *args, options=compile_options((9, 0), "--keep-ptx")).__ptx__
+    assert "wgmma.mma_async" in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx
+    # k (two 64-column boxes at D = 128) and v^T (one): the full kernel's five loads less q's two
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global", ptx)) == 3
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" not in ptx and "stmatrix" not in ptx  # no output
+    assert ".local" not in ptx
+
+
 def test_ptx_uses_tma_wgmma_and_register_handoff():
     import cutlass
     from cutlass import cute
@@ -165,3 +199,25 @@ def test_without_final_state():
     chunk_fwd.lightning_fwd_sm90(q, k, v, decay, o, None, None, None, scale=0.1, state_v_first=False)
     ref_o, _ = reference(q, k, v, decay, 0.1)
     assert_close("o", ref_o, o, 5e-3)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("D,state_v_first,use_h0", [(128, False, False), (128, True, True), (64, False, True)])
+def test_states_only_final_states(D, state_v_first, use_h0):
+    """The states-only variant's final states against the float64 recurrence: packed with empty and length-1
+    sequences, GVA, a zero, a slow and a strong decay; nothing but the final states written."""
+    torch.manual_seed(1)
+    dev, lengths, H, HV = "cuda", [300, 0, 1, 64, 129], 2, 4
+    T, N = sum(lengths), len(lengths)
+    k = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, T, HV, D, device=dev, dtype=torch.bfloat16)
+    decay = torch.tensor([0.0, 0.01, 1.0, 5.0], device=dev)
+    cu = make_cu_seqlens(lengths, device=dev)
+    h0 = torch.randn(N, HV, D, D, device=dev) if use_h0 else None
+    ht = poison_(torch.empty(N, HV, D, D, device=dev))
+    h0_arg = None if h0 is None else (h0.transpose(-1, -2).contiguous() if state_v_first else h0)
+    chunk_fwd.lightning_states_sm90(k, v, decay, h0_arg, ht, cu, state_v_first=state_v_first)
+    torch.cuda.synchronize()
+    _, ref_ht = reference(torch.zeros_like(k), k, v, decay, 1.0, h0, cu)
+    assert_close("ht", ref_ht, ht.transpose(-1, -2) if state_v_first else ht, 5e-3)

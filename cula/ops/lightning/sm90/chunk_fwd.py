@@ -21,21 +21,23 @@ def __getattr__(name):
 
 
 def variant_key(head_dim: int, has_h0: bool, has_ht: bool, varlen: bool, state_v_first: bool,
-                arch: tuple[int, int] = (9, 0)) -> tuple:  # fmt: skip
-    """The compile key of a variant."""
-    return ("lightning_fwd", "LightningFwdSm90", "BFloat16", head_dim, has_h0, has_ht, varlen, state_v_first, arch)
+                arch: tuple[int, int] = (9, 0), states_only: bool = False) -> tuple:  # fmt: skip
+    """The compile key of a variant (``states_only`` appended only when set: the full variants' keys stay)."""
+    key = ("lightning_fwd", "LightningFwdSm90", "BFloat16", head_dim, has_h0, has_ht, varlen, state_v_first, arch)
+    return key + (True,) if states_only else key
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (cached, see ``cula.cache.compiled_kernel``): the TVM-FFI callable
-    ``fn(q, k, v, o, decay, h0, ht, cu_seqlens, scale)`` taking torch tensors (None where absent)."""
+    ``fn(q, k, v, o, decay, h0, ht, cu_seqlens, scale)`` taking torch tensors (None where absent; q and o in a
+    states-only variant)."""
     return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(*key[3:]))
 
 
 def compiled_variant(head_dim: int, has_h0: bool, has_ht: bool, varlen: bool, state_v_first: bool,
-                     arch: tuple[int, int] = (9, 0)):  # fmt: skip
+                     arch: tuple[int, int] = (9, 0), states_only: bool = False):  # fmt: skip
     """``compiled(variant_key(...))``."""
-    return compiled(variant_key(head_dim, has_h0, has_ht, varlen, state_v_first, arch))
+    return compiled(variant_key(head_dim, has_h0, has_ht, varlen, state_v_first, arch, states_only))
 
 
 def lightning_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, o: torch.Tensor,
@@ -57,3 +59,12 @@ def lightning_fwd_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay:
     fn = compiled_variant(q.shape[-1], initial_state is not None, final_state is not None, cu_seqlens is not None,
                           state_v_first)  # fmt: skip
     fn(q, k, v, o, decay, initial_state, final_state, cu_seqlens, float(scale))
+
+
+def lightning_states_sm90(k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, initial_state: torch.Tensor | None,
+                          final_state: torch.Tensor, cu_seqlens: torch.Tensor | None, *, state_v_first: bool) -> None:
+    """The final states alone (the states-only variant: k and v read, no q, no output); arguments as
+    :func:`lightning_fwd_sm90`'s."""
+    fn = compiled_variant(k.shape[-1], initial_state is not None, True, cu_seqlens is not None, state_v_first,
+                          states_only=True)  # fmt: skip
+    fn(None, k, v, None, decay, initial_state, final_state, cu_seqlens, 1.0)

@@ -30,6 +30,10 @@ Kernel organisation (one CTA per (V slice of 64 columns, value head, sequence)):
         5. O^T -> bf16 -> smem (stmatrix, transposed) -> TMA store; a partial last chunk is stored
            with predicated direct stores instead, so nothing lands past the sequence end.
 
+``states_only``: the end state alone (the time-parallel prefill's first pass, ``cula.lightning.time_parallel``):
+the producer loads k and v^T, the math warpgroup runs step 2's weights and step 3's state update only, and nothing
+but the final state is written; half the bytes of a full pass.
+
 Rows of the last chunk past the sequence end are read (TMA zero-fills past the tensor end; inside a
 packed varlen batch they hold the next sequence) but never used: the causal mask keeps them out of
 valid o rows, and their state weight lam^(L-1-j) is forced to 0. Splitting V over two CTAs costs a
@@ -77,17 +81,21 @@ class LightningFwdSm90:
     """Chunked Lightning-attention forward for sm_90a (see the module docstring for the schedule).
 
     Static configuration: head dim (64 or 128, K == V), whether an initial / final state is given,
-    packed varlen (cu_seqlens) or padded batch, and the state layout ([V, K] when
-    ``state_v_first`` else [K, V]). Everything else (B, T, N, H, HV) is a runtime size.
+    packed varlen (cu_seqlens) or padded batch, the state layout ([V, K] when ``state_v_first`` else
+    [K, V]) and ``states_only`` (no q, no output). Everything else (B, T, N, H, HV) is a runtime size.
     """
 
     arch = 90
 
-    def __init__(self, head_dim: int, has_h0: bool, has_ht: bool, varlen: bool, state_v_first: bool):
+    def __init__(self, head_dim: int, has_h0: bool, has_ht: bool, varlen: bool, state_v_first: bool,
+                 states_only: bool = False):  # fmt: skip
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        if states_only and not has_ht:
+            raise ValueError("a states-only variant writes the final state: has_ht must be set")
         self.dk = self.dv = head_dim
         self.has_h0, self.has_ht, self.varlen = has_h0, has_ht, varlen
+        self.states_only = states_only
         self.state_v_first = state_v_first
         self.v_splits = head_dim // V_TILE
         self.stages = 2
@@ -98,16 +106,14 @@ class LightningFwdSm90:
         self.min_blocks_per_sm = 2
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+    def __call__(self, mQ: cute.Tensor | None, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor | None,
                  mDecay: cute.Tensor, mH0: cute.Tensor | None, mHt: cute.Tensor | None,
                  mCu: cute.Tensor | None, scale: Float32, stream: cuda.CUstream):
         # torch layouts: q, k [B, T, H, K]; v, o [B, T, HV, V] (B == 1 when varlen);
         # decay [HV]; h0 / ht [N, HV, K, V] or [N, HV, V, K] fp32; cu_seqlens [N + 1] int32.
         DK, BT, VT = self.dk, CHUNK, V_TILE
-        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))   # (T, K, H, B)
         k = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))   # (T, K, H, B)
         vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))  # (V, T, HV, B)
-        ot = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[3, 1, 2, 0]))  # (V, T, HV, B)
 
         mma_p = sm90.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(BT, BT))
@@ -128,12 +134,17 @@ class LightningFwdSm90:
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         one_q = cute.select(sQ_l, mode=[0, 1])
-        tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q, one_q, (BT, DK))
+        tma_q, tq, tma_o, to, ot = None, None, None, None, None
+        if const_expr(not self.states_only):
+            q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))   # (T, K, H, B)
+            ot = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[3, 1, 2, 0]))  # (V, T, HV, B)
+            tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q, one_q, (BT, DK))
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k, one_q, (BT, DK))
         tma_v, tv = cpasync.make_tiled_tma_atom(g2s, vt, cute.select(sV_l, mode=[0, 1]), (VT, BT))
-        tma_o, to = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), ot, cute.select(sO_l, mode=[0, 1]), (VT, BT))
-        self.tx_bytes = (2 * BT * DK + VT * BT) * BFloat16.width // 8
+        if const_expr(not self.states_only):
+            tma_o, to = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), ot, cute.select(sO_l, mode=[0, 1]), (VT, BT))
+        self.tx_bytes = ((1 if self.states_only else 2) * BT * DK + VT * BT) * BFloat16.width // 8
 
         hT, h0T = None, None
         state_modes = [2, 3, 1, 0] if const_expr(self.state_v_first) else [3, 2, 1, 0]
@@ -155,7 +166,7 @@ class LightningFwdSm90:
         if const_expr(self.varlen):
             num_seqs = mCu.shape[0] - 1
         else:
-            num_seqs = mQ.shape[0]
+            num_seqs = mK.shape[0]
         self.kernel(tma_q, tq, tma_k, tk, tma_v, tv, tma_o, to, ot, mDecay, h0T, hT, mCu, scale,
                     mma_p, mma_o, mma_s, mma_pv, sQ_l, sV_l, sP_l, sO_l).launch(
             grid=(self.v_splits, mV.shape[2], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
@@ -165,9 +176,9 @@ class LightningFwdSm90:
             preferred_smem_carveout=100)
 
     @cute.kernel
-    def kernel(self, tma_q: cute.CopyAtom, tq: cute.Tensor, tma_k: cute.CopyAtom, tk: cute.Tensor,
-               tma_v: cute.CopyAtom, tv: cute.Tensor, tma_o: cute.CopyAtom, to: cute.Tensor,
-               ot: cute.Tensor, mDecay: cute.Tensor, h0T: cute.Tensor | None, hT: cute.Tensor | None,
+    def kernel(self, tma_q: cute.CopyAtom | None, tq: cute.Tensor | None, tma_k: cute.CopyAtom, tk: cute.Tensor,
+               tma_v: cute.CopyAtom, tv: cute.Tensor, tma_o: cute.CopyAtom | None, to: cute.Tensor | None,
+               ot: cute.Tensor | None, mDecay: cute.Tensor, h0T: cute.Tensor | None, hT: cute.Tensor | None,
                mCu: cute.Tensor | None, scale: Float32,
                mma_p: cute.TiledMma, mma_o: cute.TiledMma, mma_s: cute.TiledMma, mma_pv: cute.TiledMma,
                sQ_l: cute.ComposedLayout, sV_l: cute.ComposedLayout, sP_l: cute.ComposedLayout,
@@ -178,17 +189,17 @@ class LightningFwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_o):
+            for atom in (tma_k, tma_v) if const_expr(self.states_only) else (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
 
-        h = hv // (tv.shape[2] // tq.shape[2])  # GVA: HV / H value heads share one q/k head
+        h = hv // (tv.shape[2] // tk.shape[2])  # GVA: HV / H value heads share one q/k head
         if const_expr(self.varlen):
             bos = mCu[n]
             seqlen = mCu[n + 1] - bos
             b = 0
         else:
             bos = Int32(0)
-            seqlen = tq.shape[0]
+            seqlen = tk.shape[0]
             b = n
         num_chunks = (seqlen + BT - 1) // BT
 
@@ -206,15 +217,17 @@ class LightningFwdSm90:
         sO = storage.sO.get_tensor(sO_l.outer, swizzle=sO_l.inner)
 
         # Token offsets of this sequence; chunk c of the tiles starts at token bos + 64 c.
-        gQ = cute.local_tile(cute.domain_offset((bos, 0), tq[None, None, h, b]), (BT, DK), (None, 0))
         gK = cute.local_tile(cute.domain_offset((bos, 0), tk[None, None, h, b]), (BT, DK), (None, 0))
         gV = cute.local_tile(cute.domain_offset((0, bos), tv[None, None, hv, b]), (VT, BT), (vs, None))
 
         if wg_idx == 0:  # ---------------- producer ----------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: the TMA issue and expect_tx are elect_one'd inside
-                tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
-                                                 cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                tQs, tQg = None, None
+                if const_expr(not self.states_only):
+                    gQ = cute.local_tile(cute.domain_offset((bos, 0), tq[None, None, h, b]), (BT, DK), (None, 0))
+                    tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                                     cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
                 tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
                                                  cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
                 tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
@@ -223,7 +236,8 @@ class LightningFwdSm90:
                 for c in cutlass.range(num_chunks, unroll=1):
                     pipe.producer_acquire(st)
                     bar = pipe.producer_get_barrier(st)
-                    cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
+                    if const_expr(not self.states_only):
+                        cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
                     cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
                     cute.copy(tma_v, tVg[None, c], tVs[None, st.index], tma_bar_ptr=bar)
                     pipe.producer_commit(st)
@@ -231,8 +245,11 @@ class LightningFwdSm90:
                 pipe.producer_tail(st)
         else:  # ---------------- math warpgroup ----------------
             cute.arch.setmaxregister_increase(self.math_regs)
-            self.math(pipe, num_chunks, seqlen, bos, b, n, hv, vs, mDecay[hv], scale, h0T, hT, ot, to, tma_o,
-                      sQ, sK, sV, sP, sO, mma_p, mma_o, mma_s, mma_pv, warp_idx)
+            if const_expr(self.states_only):
+                self.states(pipe, num_chunks, seqlen, n, hv, vs, mDecay[hv], h0T, hT, sK, sV, mma_s)
+            else:
+                self.math(pipe, num_chunks, seqlen, bos, b, n, hv, vs, mDecay[hv], scale, h0T, hT, ot, to, tma_o,
+                          sQ, sK, sV, sP, sO, mma_p, mma_o, mma_s, mma_pv, warp_idx)
 
     @cute.jit
     def math(self, pipe, num_chunks: Int32, seqlen: Int32, bos: Int32, b, n: Int32, hv: Int32, vs: Int32,
@@ -313,12 +330,7 @@ class LightningFwdSm90:
             warpgroup.commit_group()
             # 2. meanwhile: state weights lam^(L-1-j) (0 past the end) on v^T, and S^T *= lam^L
             cute.copy(cp_v, tCsV[None, None, None, s], tCrV)
-            for e in cutlass.range_constexpr(cute.size(tSrV)):
-                j = cV[e][1]
-                w = Float32(0.0)
-                if j < L:
-                    w = cute.math.exp2(log2_lam * Float32(L - 1 - j), fastmath=True)
-                tSrV[e] = (Float32(tSrV[e]) * w).to(BFloat16)
+            self._weigh_v(tSrV, cV, L, log2_lam)
             lam_L = cute.math.exp2(log2_lam * Float32(L), fastmath=True)
             warpgroup.wait_group(0)
             # (not overlapped with the GEMMs above: ptxas then serialises them, C7517)
@@ -375,6 +387,55 @@ class LightningFwdSm90:
             gHt = cute.local_tile(hT[None, None, hv, n], (VT, DK), (vs, 0))
             thr_s.partition_C(gHt).store(accS.load())
 
+    @cute.jit
+    def states(self, pipe, num_chunks: Int32, seqlen: Int32, n: Int32, hv: Int32, vs: Int32, decay: Float32,
+               h0T, hT, sK: cute.Tensor, sV: cute.Tensor, mma_s: cute.TiledMma):
+        """``states_only``: steps 2 and 3's state update alone, chunk by chunk, then the final state."""
+        DK, BT, VT = self.dk, CHUNK, V_TILE
+        tidx, _, _ = cute.arch.thread_idx()
+        mtid = tidx - 128
+        log2_lam = -decay * LOG2E
+        thr_s, wg_s = mma_s.get_slice(mtid), mma_s.get_slice(0)
+        tSrV = wg_s.make_fragment_A(wg_s.partition_shape_A((VT, BT)))
+        tSsK = wg_s.make_fragment_B(wg_s.partition_B(_transpose_view(sK)))
+        accS = cute.make_rmem_tensor(wg_s.partition_shape_C((VT, DK)), Float32)
+        cV = thr_s.partition_A(cute.make_identity_tensor((VT, BT)))
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
+        cp_v = cute.make_tiled_copy_A(ldsm_t, mma_s).get_slice(mtid)
+        tCsV = cp_v.partition_S(sV)
+        tCrV = cp_v.retile(tSrV)
+        if const_expr(self.has_h0):
+            accS.store(thr_s.partition_C(cute.local_tile(h0T[None, None, hv, n], (VT, DK), (vs, 0))).load())
+        else:
+            accS.fill(0.0)
+
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for c in cutlass.range(num_chunks, unroll=1):
+            L = cutlass.min(seqlen - c * BT, BT)
+            pipe.consumer_wait(st)
+            s = st.index
+            cute.copy(cp_v, tCsV[None, None, None, s], tCrV)
+            self._weigh_v(tSrV, cV, L, log2_lam)
+            accS.store(accS.load() * cute.math.exp2(log2_lam * Float32(L), fastmath=True))
+            warpgroup.fence()
+            self._gemm(mma_s, accS, tSrV, tSsK, None, s, False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            pipe.consumer_release(st)
+            st.advance()
+        thr_s.partition_C(cute.local_tile(hT[None, None, hv, n], (VT, DK), (vs, 0))).store(accS.load())
+
+    @staticmethod
+    @cute.jit
+    def _weigh_v(tSrV: cute.Tensor, cV: cute.Tensor, L: Int32, log2_lam: Float32):
+        """The state weights lam^(L-1-j) on the v^T fragment's columns j, 0 past the chunk's L rows."""
+        for e in cutlass.range_constexpr(cute.size(tSrV)):
+            j = cV[e][1]
+            w = Float32(0.0)
+            if j < L:
+                w = cute.math.exp2(log2_lam * Float32(L - 1 - j), fastmath=True)
+            tSrV[e] = (Float32(tSrV[e]) * w).to(BFloat16)
+
     @staticmethod
     @cute.jit
     def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
@@ -400,20 +461,22 @@ def _fake(dtype, shape):
                                     assumed_align=16)
 
 
-def _compile(head_dim: int, has_h0: bool, has_ht: bool, varlen: bool, state_v_first: bool, arch=(9, 0)):
+def _compile(head_dim: int, has_h0: bool, has_ht: bool, varlen: bool, state_v_first: bool, arch=(9, 0),
+             states_only: bool = False):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable
-    ``fn(q, k, v, o, decay, h0, ht, cu_seqlens, scale)`` taking torch tensors (None where absent)."""
+    ``fn(q, k, v, o, decay, h0, ht, cu_seqlens, scale)`` taking torch tensors (None where absent: q and o with
+    ``states_only``)."""
     B, T, H, HV = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     N = cute.sym_int32() if varlen else B
     D = head_dim
-    q = _fake(BFloat16, (B, T, H, D))
+    q = None if states_only else _fake(BFloat16, (B, T, H, D))
     k = _fake(BFloat16, (B, T, H, D))
     v = _fake(BFloat16, (B, T, HV, D))
-    o = _fake(BFloat16, (B, T, HV, D))
+    o = None if states_only else _fake(BFloat16, (B, T, HV, D))
     decay = make_fake_compact_tensor(Float32, (HV,), assumed_align=4)
     h0 = _fake(Float32, (N, HV, D, D)) if has_h0 else None
     ht = _fake(Float32, (N, HV, D, D)) if has_ht else None
     cu = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4) if varlen else None
-    kernel = LightningFwdSm90(head_dim, has_h0, has_ht, varlen, state_v_first)
+    kernel = LightningFwdSm90(head_dim, has_h0, has_ht, varlen, state_v_first, states_only)
     return cute.compile(kernel, q, k, v, o, decay, h0, ht, cu, Float32(1.0),
                         make_fake_stream(use_tvm_ffi_env_stream=True), options=compile_options(arch))
