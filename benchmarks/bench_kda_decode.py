@@ -52,6 +52,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -256,23 +257,27 @@ def check(s: dict, fla_o: torch.Tensor, fla_pool: torch.Tensor, cula_o: torch.Te
 
 
 def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
-               ceilings: dict[str, float], step_maker: Callable | None = None) -> dict[str, Any]:
+               ceilings: dict[str, float], step_maker: Callable | None = None, w: Any = None) -> dict[str, Any]:
     """Check then time both implementations on one config; returns the result row (errors recorded in it).
-    ``step_maker`` (``resolve_cula_step``'s): also the host overhead of the bound-step form at N = 1."""
+    ``step_maker`` (``resolve_cula_step``'s): also the host overhead of the bound-step form at N = 1. ``w``: the
+    workload module (this one by default; ``bench_gdn_decode`` passes itself): its ``HV``, ``state_bytes``,
+    ``activation_bytes``, ``input_set_bytes``, ``make_shared``, ``make_set``, ``fla_call``, ``cula_call`` and
+    ``check``."""
+    w = w or sys.modules[__name__]
     errors: dict[str, str] = {}
     record = bc.error_recorder(errors, cfg.name)
-    sbytes = state_bytes(cfg)
-    nbytes = sbytes + activation_bytes(cfg)
+    sbytes = w.state_bytes(cfg)
+    nbytes = sbytes + w.activation_bytes(cfg)
     floor = bc.floor_ms(nbytes, 0.0, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
     row: dict[str, Any] = {
-        "config": cfg.name, "N": cfg.N, "T": cfg.T, "H": cfg.H, "HV": HV, "P": cfg.P,
+        "config": cfg.name, "N": cfg.N, "T": cfg.T, "H": cfg.H, "HV": w.HV, "P": cfg.P,
         "fla_ms": None, "cula_ms": None, "speedup": None, "max_rel_err": float("nan"), "check": "FAIL",
         "bw_fraction": None, "fla_bw_fraction": None, "floor_ms": floor, "floor_pct": None,
         "state_mbytes": sbytes / 1e6, "mbytes": nbytes / 1e6,
     }
     try:
-        shared = make_shared(cfg)
-        sets = bc.rotation_sets(cfg, make_set, input_set_bytes(cfg), args.l2)
+        shared = w.make_shared(cfg)
+        sets = bc.rotation_sets(cfg, w.make_set, w.input_set_bytes(cfg), args.l2)
         row["rotation_sets"] = len(sets)
     except Exception as exc:  # noqa: BLE001  (this row fails, the suite goes on)
         record("inputs", exc)
@@ -285,16 +290,16 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     fla_o = fla_pool = None
     try:
         fla_pool = s0["pool"].clone()
-        fla_o = fla_call(fla_fn, s0, shared, fla_pool)()
+        fla_o = w.fla_call(fla_fn, s0, shared, fla_pool)()
     except Exception as exc:  # noqa: BLE001
         record("fla check", exc)
         fla_ok = False
     try:
         cula_pool = s0["pool"].clone()
-        cula_o = cula_call(cula_fn, s0, shared, cula_pool)()
+        cula_o = w.cula_call(cula_fn, s0, shared, cula_pool)()
         torch.cuda.synchronize()
         if fla_ok:
-            err, status = check(s0, fla_o, fla_pool, cula_o, cula_pool)
+            err, status = w.check(s0, fla_o, fla_pool, cula_o, cula_pool)
         else:
             status = "unchecked"
         del cula_o, cula_pool
@@ -304,8 +309,8 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     row["max_rel_err"], row["check"] = err, status
     bc.warn_check(cfg.name, err, status)
 
-    fla_t, cula_t = bc.time_pair((lambda s: fla_call(fla_fn, s, shared)) if fla_ok else None,
-                                 (lambda s: cula_call(cula_fn, s, shared)) if status != "FAIL" else None,
+    fla_t, cula_t = bc.time_pair((lambda s: w.fla_call(fla_fn, s, shared)) if fla_ok else None,
+                                 (lambda s: w.cula_call(cula_fn, s, shared)) if status != "FAIL" else None,
                                  sets, args, record)
     fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)
     row.update({
@@ -319,9 +324,9 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     if cfg.N == 1 and not args.no_host_overhead:
         calls = {}
         if fla_ok:
-            calls["fla"] = lambda: fla_call(fla_fn, s0, shared)
+            calls["fla"] = lambda: w.fla_call(fla_fn, s0, shared)
         if status != "FAIL":
-            calls["cula"] = lambda: cula_call(cula_fn, s0, shared)
+            calls["cula"] = lambda: w.cula_call(cula_fn, s0, shared)
             if step_maker is not None:
                 calls["cula_step"] = lambda: step_maker(s0, shared)
         bc.record_host_overheads(row, calls, s0["q"].device, record)

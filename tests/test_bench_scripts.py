@@ -499,6 +499,32 @@ def test_gdn_prefill_inputs_run_on_the_reference():
         gp.main(["--time-parallel"])
 
 
+def test_gdn_decode_rows_on_the_reference(cpu_bench, monkeypatch):
+    """bench_gdn_decode end to end on the CPU: its FLA-side call (cula's functional recurrent GDN, the reference
+    here, with FLA's signature) and its gdn_decode call agree on o and the touched pool rows; the step form's
+    host overhead joins the meta figures; the suite and the CLI."""
+    gd = importlib.import_module("bench_gdn_decode")
+    for name, value in (("H", 2), ("HV", 4), ("K", 16), ("V", 16), ("DEVICE", "cpu")):
+        monkeypatch.setattr(gd, name, value)
+    monkeypatch.setattr(gd.Config, "H", 2)
+    monkeypatch.setattr(bc, "measure_host_overhead",
+                        lambda fn, **k: (fn(), {"host_us": 1.0, "back_to_back_us": 2.0, "gpu_us": 0.5})[1])
+    from cula.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    args = gd.parse_args(["--iters", "2", "--warmup", "1"])
+    rows = []
+    with torch.inference_mode():
+        for cfg in (gd.Config(1, 1), gd.Config(3, 2)):
+            rows.append(gd.run_config(cfg, fused_recurrent_gated_delta_rule, gd.resolve_cula()[0], args, cpu_bench,
+                                      gd.resolve_cula_step()))  # fmt: skip
+    for row in rows:
+        assert row["check"] == "ok" and row["max_rel_err"] < 1e-5, row
+        assert row["HV"] == 4 and row["bw_fraction"] > 0
+    assert set(rows[0]["host_overhead_us"]) >= {"fla", "cula", "cula_step"} and "host_overhead_us" not in rows[1]
+    assert [c.name for c in gd.suite(quick=True)] == list(gd.QUICK)
+    assert gd.parse_args(["--quick"]).quick
+
+
 def test_kda_time_parallel_cli():
     assert kp.parse_args(["--time-parallel"]).time_parallel and not kp.parse_args([]).time_parallel
     cfg = bc.time_split_suite(quick=True)[0]
