@@ -55,13 +55,16 @@ def suite(quick: bool = False) -> list[kp.Config]:
     return [by_name[n] for n in names]
 
 
-def make_step(fn: Callable, tensors: dict, shared: dict, grads: tuple[torch.Tensor, torch.Tensor]):
-    """Zero-argument training step of ``fn`` on one input set; returns the leaves' gradients as a dict."""
+def make_step(fn: Callable, tensors: dict, shared: dict, grads: tuple[torch.Tensor, torch.Tensor],
+              flags: dict | None = None):  # fmt: skip
+    """Zero-argument training step of ``fn`` on one input set (with ``flags``, KDA's by default); returns the
+    leaves' gradients as a dict."""
     leaves = {n: t.requires_grad_() for n, t in {**tensors, **shared}.items() if n in GRAD_LEAVES}
     rest = {n: t for n, t in {**tensors, **shared}.items() if n not in GRAD_LEAVES}
+    flags = kp.CALL_FLAGS if flags is None else flags
 
     def step():
-        o, ht = fn(**leaves, **rest, **kp.CALL_FLAGS)
+        o, ht = fn(**leaves, **rest, **flags)
         torch.autograd.backward((o, ht), grads)
         return o.detach(), ht.detach(), {n: t.grad for n, t in leaves.items()}
 
@@ -104,19 +107,21 @@ def step_peak_mib(step: Callable[[], Any]) -> float | None:
     return peak / 2**20
 
 
-def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace) -> dict[str, Any]:
-    """Check one step of each, then time both; returns the result row."""
-    shared = kp.make_shared(cfg)
+def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
+               work: kp.Workload = kp.KDA) -> dict[str, Any]:  # fmt: skip
+    """Check one step of each, then time both; returns the result row. ``work``: the inputs, flags and backend
+    registry (KDA's; ``bench_gdn_training`` passes Gated DeltaNet's)."""
+    shared = work.make_shared(cfg)
     grads = output_grads(cfg)
-    sets = bc.rotation_sets(cfg, kp.make_set, kp.input_set_bytes(cfg), args.l2)
+    sets = bc.rotation_sets(cfg, work.make_set, kp.input_set_bytes(cfg, work.gate_k), args.l2)
     errors: dict[str, str] = {}
     record = bc.error_recorder(errors, cfg.name)
 
-    fla_out = make_step(fla_fn, fresh(sets[0]), fresh(shared), grads)()
+    fla_out = make_step(fla_fn, fresh(sets[0]), fresh(shared), grads, work.flags)()
     backend = "unknown"
     try:
-        step = make_step(cula_fn, fresh(sets[0]), fresh(shared), grads)
-        cula_out, backend = bc.call_recording_backend(step, kp.BACKEND_REGISTRY)
+        step = make_step(cula_fn, fresh(sets[0]), fresh(shared), grads, work.flags)
+        cula_out, backend = bc.call_recording_backend(step, work.registry)
         torch.cuda.synchronize()
         err, status = check(fla_out, cula_out)
         del cula_out
@@ -127,7 +132,7 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     bc.warn_check(cfg.name, err, status)
 
     def maker(fn):
-        return lambda s: make_step(fn, s, shared, grads)
+        return lambda s: make_step(fn, s, shared, grads, work.flags)
 
     fla_t, cula_t = bc.time_pair(maker(fla_fn), maker(cula_fn) if status != "FAIL" else None, sets, args, record)
     fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)

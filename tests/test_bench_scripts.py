@@ -153,6 +153,23 @@ def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
     assert raised["check"] == "FAIL" and "cula check" in raised["errors"] and raised["fla_ms"] > 0
 
 
+def test_gdn_training_steps_on_the_reference(cpu_bench, monkeypatch):
+    """bench_gdn_training's rows on the CPU with cula's Gated DeltaNet (its reference here) on both sides: the
+    inputs, flags and eight leaves make a valid training step; the suite and CLI are the KDA training ones."""
+    gt = importlib.import_module("bench_gdn_training")
+    for name, value in (("H", 2), ("HV", 2), ("K", 8), ("V", 8)):
+        monkeypatch.setattr(kp, name, value)
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    args = gt.parse_args(["--iters", "2", "--warmup", "1"])
+    for cfg in (kp.Config("varlen", 1, 48, (40, 8), "random"), kp.Config("fixed", 2, 16, (16, 16))):
+        row = kt.run_config(cfg, chunk_gated_delta_rule, chunk_gated_delta_rule, args, importlib.import_module(
+            "bench_gdn_prefill").GDN)  # fmt: skip
+        assert row["check"] == "ok" and row["max_rel_err"] == 0.0 and "errors" not in row, row
+        assert row["backend"] == "reference"
+    assert gt.parse_args(["--quick"]).quick
+
+
 # ------------------------------------------------------------------------------------------------- decode
 
 
