@@ -1,10 +1,12 @@
-"""Gated DeltaNet prefill: cula's ``chunk_gated_delta_rule`` against FLA 0.6.0's, inference, H = HV = 64, K = V = 128.
+"""Gated DeltaNet prefill: cula's ``chunk_gated_delta_rule`` against FLA 0.6.0's, inference, K = V = 128.
 
 cula runs it on the KDA kernels (the scalar gate repeated over K, ``cula.gated_delta_rule.backends``); FLA on its
 own Gated DeltaNet kernels. The configs, timing, checks, floors and result format are ``bench_kda_prefill.py``'s
 (see its docstring), with Gated DeltaNet's inputs: g ``[B, T, HV]`` raw, the fused gate ``-exp(A_log) softplus(g
 + dt_bias)`` with ``A_log`` / ``dt_bias`` ``[HV]``, beta logits, q / k L2 norm in the kernel, ``[V, K]`` states.
-The table says whether cula's path is the faster one for inference: ``GdnTuning.inference_chunk_on_cula``
+H = HV = 64 on the 28 configs, then Qwen-style GVA rows (``-H16-HV32`` / ``-H16-HV64``: 1 x 8K, 1 x 32K, 4 x 8K)
+with published H200 numbers for two of them in ``meta["anchors_ms"]``. The table says whether cula's path is the
+faster one for inference: ``GdnTuning.inference_chunk_on_cula``
 (``cula/gated_delta_rule/plan.py``) is set from it; the run forces cula's path on for the cula column.
 
 Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph]``.
@@ -36,8 +38,8 @@ def make_shared(cfg: kp.Config, device: str | None = None) -> dict[str, Any]:
     device = device or kp.DEVICE
     torch.manual_seed(bc.config_seed(NAME + cfg.name) + 1)
     shared: dict[str, Any] = {
-        "A_log": torch.empty(kp.HV, dtype=torch.float32, device=device).uniform_(1, 16).log(),
-        "dt_bias": 0.1 * torch.randn(kp.HV, dtype=torch.float32, device=device),
+        "A_log": torch.empty(cfg.HV, dtype=torch.float32, device=device).uniform_(1, 16).log(),
+        "dt_bias": 0.1 * torch.randn(cfg.HV, dtype=torch.float32, device=device),
     }
     if cfg.mode == "varlen":
         shared.update(bc.cu_seqlens(cfg.lens, device))
@@ -52,6 +54,19 @@ def make_set(cfg: kp.Config, index: int, device: str | None = None) -> dict[str,
 
 
 GDN = kp.Workload(make_shared, make_set, CALL_FLAGS, BACKEND_REGISTRY, gate_k=1)
+
+# Qwen-style GVA rows after the 28-config suite: 16 q/k heads with 32 and with 64 value heads; published H200
+# numbers for two of them (ms): one 32K sequence at 32 value heads, 4 x 8K at 64
+QWEN = [kp.Config("fixed", b, t, (t,) * b, heads=(16, hv)) for hv in (32, 64)
+        for b, t in ((1, 8192), (1, 32768), (4, 8192))]  # fmt: skip
+ANCHORS = {"B1-T32768-H16-HV32": {"FlashQLA": 0.877, "FLA": 1.89, "target": 0.6},
+           "B4-T8192-H16-HV64": {"FlashInfer": 0.827, "FLA": 3.36, "target": 0.6}}  # fmt: skip
+
+
+def suite(quick: bool = False) -> list[kp.Config]:
+    """bench_kda_prefill's 28 configs, then the Qwen-style GVA rows (quick: its quick ones and the two anchors)."""
+    qwen = [c for c in QWEN if c.name in ANCHORS] if quick else QWEN
+    return kp.suite(quick) + qwen
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
@@ -72,7 +87,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     from cula.gated_delta_rule import chunk_gated_delta_rule as cula_fn
     from cula.gated_delta_rule.plan import GDN_TUNING
 
-    cfgs = bc.select_configs(kp.suite, args)
+    cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
     t_start = time.perf_counter()
     with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True):
@@ -80,9 +95,10 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
                            args.max_seconds or None, t_start, name=NAME,
                            progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)  # fmt: skip
     meta: dict[str, Any] = {
-        "shape": {"H": kp.H, "HV": kp.HV, "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
+        "shape": {"H": f"{kp.H} (GVA rows: 16)", "HV": f"{kp.HV} (GVA rows: per row)", "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
                   "gate": "[B, T, HV] scalar", "state": "float32"},  # fmt: skip
         "call_flags": CALL_FLAGS,
+        "anchors_ms": ANCHORS,
         **bc.run_meta(args, ceilings, kp.WARN_TOL, kp.FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }

@@ -95,17 +95,27 @@ class Config:
     T: int  # tokens per batch row (varlen: all packed tokens)
     lens: tuple[int, ...]
     dist: str = "-"
+    heads: tuple[int, int] | None = None  # (H, HV) when not the suite's (bench_gdn_prefill's GVA rows)
 
     @property
     def N(self) -> int:
         return len(self.lens)
 
     @property
+    def H(self) -> int:
+        return H if self.heads is None else self.heads[0]
+
+    @property
+    def HV(self) -> int:
+        return HV if self.heads is None else self.heads[1]
+
+    @property
     def name(self) -> str:
+        suffix = "" if self.heads is None else f"-H{self.heads[0]}-HV{self.heads[1]}"
         if self.mode == "varlen":
-            return f"varlen-N{self.N}-T{self.T}-{self.dist}"
+            return f"varlen-N{self.N}-T{self.T}-{self.dist}{suffix}"
         prefix = "warmup-" if self.mode == "warmup" else ""
-        return f"{prefix}B{self.B}-T{self.T}"
+        return f"{prefix}B{self.B}-T{self.T}{suffix}"
 
 
 def varlen_lengths(n: int, total: int, dist: str, seed: int) -> list[int]:
@@ -170,8 +180,8 @@ def kda_bytes(lens: tuple[int, ...], h: int = H, hv: int = HV, k: int = K, v: in
 
 def input_set_bytes(cfg: Config, gate_k: int = K) -> int:
     """Bytes read from inputs by one call: what rotation must keep out of L2."""
-    t = sum(cfg.lens)
-    return 2 * t * (2 * H * K + HV * V + HV * gate_k + HV) + 4 * cfg.N * HV * K * V
+    t, h, hv = sum(cfg.lens), cfg.H, cfg.HV
+    return 2 * t * (2 * h * K + hv * V + hv * gate_k + hv) + 4 * cfg.N * hv * K * V
 
 
 def make_shared(cfg: Config, device: str | None = None) -> dict[str, Any]:
@@ -184,8 +194,8 @@ def make_shared(cfg: Config, device: str | None = None) -> dict[str, Any]:
     torch.manual_seed(_seed(cfg.name) + 1)
     shared: dict[str, Any] = {
         # Real checkpoints initialise A_log = log(U(1, 16)) and a small dt_bias.
-        "A_log": torch.empty(HV, dtype=torch.float32, device=device).uniform_(1, 16).log(),
-        "dt_bias": 0.1 * torch.randn(HV * K, dtype=torch.float32, device=device),
+        "A_log": torch.empty(cfg.HV, dtype=torch.float32, device=device).uniform_(1, 16).log(),
+        "dt_bias": 0.1 * torch.randn(cfg.HV * K, dtype=torch.float32, device=device),
     }
     if cfg.mode == "varlen":
         shared.update(bc.cu_seqlens(cfg.lens, device))
@@ -196,15 +206,15 @@ def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, to
     """One independent input set: q, k, v, g, beta [B, T, ...] bf16 and initial_state [N, HV, V, K] fp32."""
     device = device or DEVICE
     torch.manual_seed(_seed(cfg.name) + 100 + index)
-    b, t = cfg.B, cfg.T
+    b, t, h, hv = cfg.B, cfg.T, cfg.H, cfg.HV
     bf16 = torch.bfloat16
     return {
-        "q": torch.randn(b, t, H, K, dtype=bf16, device=device),
-        "k": torch.randn(b, t, H, K, dtype=bf16, device=device),
-        "v": torch.randn(b, t, HV, V, dtype=bf16, device=device),
-        "g": torch.randn(b, t, HV, K, dtype=bf16, device=device),
-        "beta": torch.randn(b, t, HV, dtype=bf16, device=device),
-        "initial_state": 0.01 * torch.randn(cfg.N, HV, V, K, dtype=torch.float32, device=device),
+        "q": torch.randn(b, t, h, K, dtype=bf16, device=device),
+        "k": torch.randn(b, t, h, K, dtype=bf16, device=device),
+        "v": torch.randn(b, t, hv, V, dtype=bf16, device=device),
+        "g": torch.randn(b, t, hv, K, dtype=bf16, device=device),
+        "beta": torch.randn(b, t, hv, dtype=bf16, device=device),
+        "initial_state": 0.01 * torch.randn(cfg.N, hv, V, K, dtype=torch.float32, device=device),
     }
 
 
@@ -271,10 +281,12 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
                                  sets, args, record)  # fmt: skip
     fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)
 
-    nbytes, flops = kda_bytes(cfg.lens, gate_k=work.gate_k), kda_flops(cfg.lens)
+    nbytes = kda_bytes(cfg.lens, h=cfg.H, hv=cfg.HV, gate_k=work.gate_k)
+    flops = kda_flops(cfg.lens, hv=cfg.HV)
     floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
     row = {
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
+        "H": cfg.H, "HV": cfg.HV,
         "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
         "max_rel_err": err, "check": status, "backend": backend,
         "floor_ms": floor, "floor_pct": bc.floor_pct(floor, cula_ms),
