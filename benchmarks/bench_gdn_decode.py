@@ -9,18 +9,18 @@ Suite, Qwen3-Next's shape: H = 16 q/k heads, HV = 32 value heads, K = V = 128, b
 
 cula call: ``cula.gated_delta_rule.gdn_decode(q, k, v, g, beta, pool, indices, A_log=, dt_bias=,
 check_indices=False)`` with its serving defaults (the fused gate ``-exp(A_log) softplus(g + dt_bias)`` on raw
-``g [N, T, HV]``, beta logits, q / k L2 norm in the kernel): the pool ``[2N, HV, V, K]`` read and updated in place
-at int32 ``indices`` (the first N of a seeded permutation of its rows). ``cula_step``'s host overhead in meta:
-``gdn_decode_step``, the form with the pool, indices and gate parameters bound once.
+``g [N, T, HV]``, beta logits, q / k L2 norm in the kernel): the pool ``[2N, HV, V, K]`` read and updated in
+place at int32 ``indices`` (the first N of a seeded permutation of its rows). ``cula_step``'s host overhead in
+meta: ``gdn_decode_step``, the form with the pool, indices and gate parameters bound once.
 
-FLA call: FLA 0.6.0 has no pooled Gated DeltaNet decode, so FLA runs ``fused_recurrent_gated_delta_rule`` with the
-same flags on the same tokens as a batch of N sequences, its states already gathered (``initial_state =
-pool[indices]``, ``output_final_state=True``): the gather before and the scatter after, which an engine adds, are
-not in FLA's time. Correctness gate (``bench_kda_decode``'s): o and the touched pool rows (FLA's final states
-scattered into a copy of the pool) by relative RMSE; a cula write to an untouched row fails.
+FLA call: FLA 0.6.0 has no pooled Gated DeltaNet decode, so FLA runs ``fused_recurrent_gated_delta_rule`` with
+the same flags on the same tokens as a batch of N sequences, its states already gathered (``initial_state =
+pool[indices]``, ``output_final_state=True``): the gather before and the scatter after, which an engine adds,
+are not in FLA's time. Correctness gate (``bench_kda_decode``'s): o and the touched pool rows (FLA's final
+states scattered into a copy of the pool) by relative RMSE; a cula write to an untouched row fails.
 
-``bw_fraction``: state bytes read and written per call (``2 * 4 * N * HV * K * V``) / time / copy bandwidth (the
-issue's target: at least 0.9 at N >= 64); host overhead at N = 1 (``cula_host_us``; target 15 us) as in
+``bw_fraction``: state bytes read and written per call (``2 * 4 * N * HV * K * V``) / time / copy bandwidth
+(the issue's target: at least 0.9 at N >= 64); host overhead at N = 1 (``cula_host_us``; target 15 us) as in
 ``bench_kda_decode``.
 
 Usage: ``python benchmarks/bench_gdn_decode.py [--quick] [--iters N] [--max-seconds S] [--out DIR]``.
@@ -110,13 +110,15 @@ def make_set(cfg: Config, index: int, device: str | None = None) -> dict[str, to
     }
 
 
-def fla_call(fn: Callable, s: dict, shared: dict, pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
-    """FLA's call on the gathered states; with ``pool`` (the correctness run) its final states are scattered into
-    it afterwards, outside what the timed call does."""
+def fla_call(fn: Callable, s: dict, shared: dict,
+             pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """FLA's call on the gathered states; with ``pool`` (the correctness run) its final states are scattered
+    into it afterwards, outside what the timed call does."""
     rows = s["indices"].long()
     states = s["pool"][rows].clone()
     kwargs = dict(q=s["q"], k=s["k"], v=s["v"], g=s["g"], beta=s["beta"], A_log=shared["A_log"],
-                  dt_bias=shared["dt_bias"], initial_state=states, output_final_state=True, **CALL_FLAGS)  # fmt: skip
+                  dt_bias=shared["dt_bias"], initial_state=states, output_final_state=True,
+                  **CALL_FLAGS)  # fmt: skip
     if pool is None:
         return lambda: fn(**kwargs)[0]
 
@@ -149,7 +151,8 @@ def resolve_cula_step() -> Callable[[dict, dict], Callable[[], torch.Tensor]]:
     return make
 
 
-def cula_call(fn: Callable, s: dict, shared: dict, pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+def cula_call(fn: Callable, s: dict, shared: dict,
+              pool: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:  # fmt: skip
     args = (s["q"], s["k"], s["v"], s["g"], s["beta"], s["pool"] if pool is None else pool, s["indices"],
             shared["A_log"], shared["dt_bias"])
     return lambda: fn(*args)
@@ -195,15 +198,18 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
                            args.max_seconds, t_start, name=NAME, progress=bc.PROGRESS_KEYS + ("bw_fraction",))
     meta: dict[str, Any] = {
         "cula_entry": entry,
-        "shape": {"H": H, "HV": HV, "K": K, "V": V, "dtype": "bfloat16", "state": "float32 pool [2N, HV, V, K]",
+        "shape": {"H": H, "HV": HV, "K": K, "V": V, "dtype": "bfloat16",
+                  "state": "float32 pool [2N, HV, V, K]",
                   "indices": "int32 [N], random permutation of pool rows"},
         "call_flags": CALL_FLAGS,
         "fla_call": ("fused_recurrent_gated_delta_rule on the states gathered before the timed call "
                      "(initial_state=pool[indices], output_final_state=True); the scatter back is not timed"),
         "gdn_tuning": dataclasses.asdict(GDN_TUNING.get((9, 0))),
         "bw_fraction": "state bytes read + written per call (2 * 4 * N * HV * K * V) / time / copy bandwidth",
-        **bc.run_meta(args, ceilings, kd.WARN_TOL, kd.FAIL_TOL, rotate="rotate input sets (own pool each) to > 2x L2"),
-        "host_overhead_us": {r["config"]: r["host_overhead_us"] for r in run.rows if r.get("host_overhead_us")},
+        **bc.run_meta(args, ceilings, kd.WARN_TOL, kd.FAIL_TOL,
+                      rotate="rotate input sets (own pool each) to > 2x L2"),
+        "host_overhead_us": {r["config"]: r["host_overhead_us"] for r in run.rows
+                             if r.get("host_overhead_us")},  # fmt: skip
         **bc.budget_meta(run, args.max_seconds, t_start),
     }
     paths = bc.write_suite(NAME, args, meta, run.rows, kd.MD_COLUMNS)

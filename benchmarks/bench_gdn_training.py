@@ -1,13 +1,14 @@
 """Gated DeltaNet training step: FLA 0.6.0 ``chunk_gated_delta_rule`` forward + backward against cula's.
 
-cula's step runs the KDA training path (the scalar gate repeated over K: cula's forward kernels, FLA's KDA backward
-stages); FLA's runs its own Gated DeltaNet stages. On Hopper with the Triton PyTorch ships (3.4.0 to 3.7.0) FLA's
-gated ``chunk_bwd_dqkwg`` refuses to run (FLA issue #640) unless TileLang is installed, so FLA's column then gets
-that one stage from cula's FLA backend (``cula.common.chunk_o``, torch's batched matrix products), the rest FLA's
-own; ``meta["fla_dqkwg"]`` says which ran. Inputs, suite, method and columns are ``bench_kda_training``'s with
-``bench_gdn_prefill``'s Gated DeltaNet inputs (g ``[B, T, HV]`` raw with the fused softplus gate, ``A_log`` /
-``dt_bias`` ``[HV]``, beta logits, q / k L2 norm, ``[V, K]`` states): the step time, the largest relative RMSE
-of o, the final state and the eight input gradients against FLA's, and each step's peak memory.
+cula's step runs the KDA training path (the scalar gate repeated over K: cula's forward kernels, FLA's KDA
+backward stages); FLA's runs its own Gated DeltaNet stages. On Hopper with the Triton PyTorch ships (3.4.0 to
+3.7.0) FLA's gated ``chunk_bwd_dqkwg`` refuses to run (FLA issue #640) unless TileLang is installed, so FLA's
+column then gets that one stage from cula's FLA backend (``cula.common.chunk_o``, torch's batched matrix
+products), the rest FLA's own; ``meta["fla_dqkwg"]`` says which ran. Inputs, suite, method and columns are
+``bench_kda_training``'s with ``bench_gdn_prefill``'s Gated DeltaNet inputs (g ``[B, T, HV]`` raw with the
+fused softplus gate, ``A_log`` / ``dt_bias`` ``[HV]``, beta logits, q / k L2 norm, ``[V, K]`` states): the
+step time, the largest relative RMSE of o, the final state and the eight input gradients against FLA's, and
+each step's peak memory.
 
 Usage: ``python benchmarks/bench_gdn_training.py [--quick] [--iters N] [--max-seconds S] [--out DIR]``.
 """
@@ -30,7 +31,8 @@ NAME = "gdn_training"
 
 
 def fla_dqkwg() -> str:
-    """Which gated ``chunk_bwd_dqkwg`` FLA's step runs here (FLA's own rule for refusing its Triton kernel)."""
+    """Which gated ``chunk_bwd_dqkwg`` FLA's step runs here (FLA's own rule for refusing its Triton
+    kernel)."""
     from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 
     if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
@@ -49,8 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
-    """Run the suite with cula's FLA backend on (``FLA_CULA=1``: on Hopper FLA's step needs its gated stage from
-    it; cula registers no other stage FLA's Gated DeltaNet calls); returns (meta, rows, written paths)."""
+    """Run the suite with cula's FLA backend on (``FLA_CULA=1``: on Hopper FLA's step needs its gated stage
+    from it; cula registers no other stage FLA's Gated DeltaNet calls); returns (meta, rows, written
+    paths)."""
     with bc.env_var("FLA_FLASH_KDA", "0"), bc.env_var("FLA_CULA", "1"):
         return _run(parse_args(argv))
 

@@ -1,6 +1,6 @@
 """The FLA backend ``cula.fla_dispatch`` registers: verifiers and implementations for FLA 0.6.0's dispatched KDA
-functions and its gated ``chunk_bwd_dqkwg`` (see that module). Imported on registration, when FLA (hence torch) is loaded; cula's KDA modules are
-imported on the first call.
+functions and its gated ``chunk_bwd_dqkwg`` (see that module). Imported on registration, when FLA (hence torch) is
+loaded; cula's KDA modules are imported on the first call.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""``cula.common.chunk_o.chunk_bwd_dqkwg`` (FLA's gated dq / dk / dw / dg stage in torch's matrix products) and its
-place in FLA 0.6.0's dispatch.
+"""``cula.common.chunk_o.chunk_bwd_dqkwg`` (FLA's gated dq / dk / dw / dg stage in torch's matrix products)
+and its place in FLA 0.6.0's dispatch.
 
-CPU: against the float64 contract ``chunk_bwd_dqkwg_reference`` (itself FLA's kernel under Triton's interpreter,
-``tests/test_gdn_naive_bwd.py``) with dw, GVA and odd lengths, [V, K] states, packed batches with empty and
-length-1 sequences (with and without FLA's chunk list), the constant-decay and ungated forms, bf16 inputs; the
-verifier of cula's FLA backend takes exactly the gated calls FLA's Triton kernel refuses. GPU (``-m gpu``): FLA's
-own ``chunk_gated_delta_rule`` and ``chunk_simple_gla`` (data-dependent ``g``) training on the H200 with cula
-imported, against float64 references: FLA alone raises there (issue #640).
+CPU: against the float64 contract ``chunk_bwd_dqkwg_reference`` (itself FLA's kernel under Triton's
+interpreter, ``tests/test_gdn_naive_bwd.py``) with dw, GVA and odd lengths, [V, K] states, packed batches with
+empty and length-1 sequences (with and without FLA's chunk list), the constant-decay and ungated forms, bf16
+inputs; the verifier of cula's FLA backend takes exactly the gated calls FLA's Triton kernel refuses. GPU
+(``-m gpu``): FLA's own ``chunk_gated_delta_rule`` and ``chunk_simple_gla`` (data-dependent ``g``) training on
+the H200 with cula imported, against float64 references: FLA alone raises there (issue #640).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_fla_dispatch_hands_cula_the_refused_calls(hopper_with_refused_triton, m
     backend = fla_backends._operation_registries["common"]._backends["cula"]
     case = _case("gated-dw-gva-odd")
     assert backend.verify("chunk_bwd_dqkwg", **case) == (True, None)
-    # FLA's own function, dispatched: cula's stage runs it (FLA's kernel would raise, or cannot run on the CPU)
+    # FLA's own function, dispatched: cula's stage runs it (FLA's kernel would raise, or cannot run here)
     for a, b in zip(fla_chunk_bwd_dqkwg(**case), chunk_bwd_dqkwg_reference(**case)):
         assert_close("fla dispatched", b, a, 1e-5)
     ok, why = backend.verify("chunk_bwd_dqkwg", **_case("gamma"))
@@ -117,7 +117,8 @@ def _train(fn, x, **flags):
     o, ht = fn(**leaves, **flags)
     gen = torch.Generator().manual_seed(7)
     loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
-    loss = loss + (ht.double() * torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht.device)).sum()
+    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht.device)
+    loss = loss + (ht.double() * dht).sum()
     loss.backward()
     return o, ht, {n: t.grad for n, t in leaves.items()}
 
@@ -160,19 +161,22 @@ def test_fla_trains_gated_delta_rule_and_simple_gla_on_hopper_cuda(packed, monke
     N = len(lens) if packed else B
     x["h0"] = torch.randn(N, 2, 128, 128, generator=gen) * 0.1
     cu = make_cu_seqlens(lens) if packed else None
+    cu_gpu = None if cu is None else cu.cuda()
     beta = torch.rand(B, T, 2, generator=gen)
-    to_gpu = lambda d, dt: {n: t.to("cuda", dt if n in ("q", "k", "v") else torch.float32) for n, t in d.items()}  # noqa: E731
+    def to_gpu(d, dt):
+        return {n: t.to("cuda", dt if n in ("q", "k", "v") else torch.float32) for n, t in d.items()}
+
 
     gdn = dict(x, beta=beta)
     gdn_cpu = {n: (t.bfloat16().double() if n in ("q", "k", "v") else t.double()) for n, t in gdn.items()}
     kw = dict(scale=0.125, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     def fla_gdn(h0, **t):
-        return chunk_gated_delta_rule(**t, initial_state=h0, cu_seqlens=None if cu is None else cu.cuda(), **kw)
+        return chunk_gated_delta_rule(**t, initial_state=h0, cu_seqlens=cu_gpu, **kw)
 
     def ref_gdn(h0, **t):
-        return reference_chunk_gated_delta_rule(**t, initial_state=h0, cu_seqlens=cu, compute_dtype=torch.float64,
-                                                **kw)  # fmt: skip
+        return reference_chunk_gated_delta_rule(**t, initial_state=h0, cu_seqlens=cu,
+                                                compute_dtype=torch.float64, **kw)  # fmt: skip
 
     tols = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "h0": 8e-3}
     _check("gdn", _train(ref_gdn, gdn_cpu), _train(fla_gdn, to_gpu(gdn, torch.bfloat16)), tols)
@@ -181,10 +185,11 @@ def test_fla_trains_gated_delta_rule_and_simple_gla_on_hopper_cuda(packed, monke
     kw = dict(scale=0.125, output_final_state=True)
 
     def fla_sgla(h0, **t):
-        return chunk_simple_gla(**t, initial_state=h0, cu_seqlens=None if cu is None else cu.cuda(), **kw)
+        return chunk_simple_gla(**t, initial_state=h0, cu_seqlens=cu_gpu, **kw)
 
     def ref_sgla(h0, **t):
-        return naive_recurrent_simple_gla(**t, initial_state=h0, cu_seqlens=cu, compute_dtype=torch.float64, **kw)
+        return naive_recurrent_simple_gla(**t, initial_state=h0, cu_seqlens=cu, compute_dtype=torch.float64,
+                                          **kw)  # fmt: skip
 
     tols = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "h0": 8e-3}
     _check("simple_gla", _train(ref_sgla, sgla_cpu), _train(fla_sgla, to_gpu(x, torch.bfloat16)), tols)

@@ -1,25 +1,27 @@
 """The dq / dk / dw / dg stage of the chunked delta-rule and Simple GLA backwards (FLA 0.6.0's
 ``fla.ops.common.chunk_o.chunk_bwd_dqkwg``), for the gated case FLA refuses on Hopper.
 
-FLA's Gated DeltaNet, Simple GLA (data-dependent ``g``), Comba and preconditioned Gated DeltaNet backwards turn the
-per-chunk states ``h`` and their gradients ``dh`` into dq, dk, dw and dg with this stage. With a gate, FLA 0.6.0
-raises on Hopper under Triton 3.4.0 to 3.7.0 (its Triton kernel gives wrong results there, FLA issue #640), which
-is the Triton PyTorch 2.11 ships, unless TileLang is installed. ``chunk_bwd_dqkwg`` here takes and returns exactly
-what FLA's does (the contract: ``cula.gated_delta_rule.naive_bwd.chunk_bwd_dqkwg_reference``, itself checked
-against FLA's kernel under Triton's interpreter), so FLA's other stages run on unchanged; ``cula.fla_dispatch``
-hands it the calls FLA's Triton kernel would refuse.
+FLA's Gated DeltaNet, Simple GLA (data-dependent ``g``), Comba and preconditioned Gated DeltaNet backwards
+turn the per-chunk states ``h`` and their gradients ``dh`` into dq, dk, dw and dg with this stage. With a
+gate, FLA 0.6.0 raises on Hopper under Triton 3.4.0 to 3.7.0 (its Triton kernel gives wrong results there, FLA
+issue #640), which is the Triton PyTorch 2.11 ships, unless TileLang is installed. ``chunk_bwd_dqkwg`` here
+takes and returns exactly what FLA's does (the contract:
+``cula.gated_delta_rule.naive_bwd.chunk_bwd_dqkwg_reference``, itself checked against FLA's kernel under
+Triton's interpreter), so FLA's other stages run on unchanged; ``cula.fla_dispatch`` hands it the calls FLA's
+Triton kernel would refuse.
 
-It is batched matrix products in fp32 over every (chunk, value head), no custom kernel: per chunk of ``BT`` rows,
-with ``ds = do v^T`` masked causal and the chunk-local base-2 gate ``g``::
+It is batched matrix products in fp32 over every (chunk, value head), no custom kernel: per chunk of ``BT``
+rows, with ``ds = do v^T`` masked causal and the chunk-local base-2 gate ``g``::
 
     dq = scale 2^g (do h^T) + scale (ds o 2^(g_i - g_j)) k
     dk = 2^(g_last - g) (v dh^T) + scale (ds o 2^(g_i - g_j))^T q
     dw = -dv h^T
-    dg = rowsum(dq o q) - rowsum(dk o k), the chunk's last row + 2^g_last <h, dh> + sum(2^(g_last - g) (v dh^T) o k)
+    dg = rowsum(dq o q) - rowsum(dk o k),
+         the chunk's last row + 2^g_last <h, dh> + sum(2^(g_last - g) (v dh^T) o k)
 
-Chunks are gathered from their sequences (fixed length or ``cu_seqlens``) into ``[chunks, BT]`` rows on the device,
-no host read of the boundaries beyond FLA's own chunk list, and worked through in slices that bound the fp32
-temporaries to about a gigabyte.
+Chunks are gathered from their sequences (fixed length or ``cu_seqlens``) into ``[chunks, BT]`` rows on the
+device, no host read of the boundaries beyond FLA's own chunk list, and worked through in slices that bound
+the fp32 temporaries to about a gigabyte.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 
 __all__ = ["chunk_bwd_dqkwg"]
 
-# (chunk, value head) pairs a slice works on: its fp32 temporaries are a few [pairs, BT, 128] and [pairs, 128, 128]
+# (chunk, value head) pairs a slice works on: its fp32 temporaries are a few [pairs, BT, 128] and
+# [pairs, 128, 128]
 _PAIRS_PER_SLICE = 4096
 
 
@@ -141,8 +144,9 @@ def chunk_bwd_dqkwg(
 
 
 def _chunk_rows(B, T, BT, cu_seqlens, chunk_indices, dev):
-    """Token rows of every chunk in FLA's state order: ``pos`` ``[chunks, BT]`` (flat token index, 0 where past the
-    sequence's end), ``valid`` ``[chunks, BT]`` and ``last`` ``[chunks]`` (the chunk's last token)."""
+    """Token rows of every chunk in FLA's state order: ``pos`` ``[chunks, BT]`` (flat token index, 0 where
+    past the sequence's end), ``valid`` ``[chunks, BT]`` and ``last`` ``[chunks]`` (the chunk's last
+    token)."""
     if cu_seqlens is None:
         nt = -(-T // BT)
         seq = torch.arange(B, device=dev).repeat_interleave(nt)

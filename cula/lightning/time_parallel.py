@@ -1,22 +1,23 @@
 """Exact time-parallel prefill for a constant per-head decay (Lightning, ``chunk_simple_gla(g_gamma=...)``).
 
-The chunk kernel parallelises over sequences, heads and V tiles only, so one long sequence with few heads runs on a
-handful of SMs. With a scalar decay ``gamma = exp(g_gamma)`` per head the state transition over ``n`` tokens is the
-scalar ``gamma^n``, so a sequence can be cut into segments whose recurrences all run at once:
+The chunk kernel parallelises over sequences, heads and V tiles only, so one long sequence with few heads runs
+on a handful of SMs. With a scalar decay ``gamma = exp(g_gamma)`` per head the state transition over ``n``
+tokens is the scalar ``gamma^n``, so a sequence can be cut into segments whose recurrences all run at once:
 
     E_j      = the end state of segment j from a zero start (the kernel's states-only pass: k and v read)
-    S_i      = gamma^(a_i - s) h0 + sum_{j < i} gamma^(a_i - b_j) E_j    (segment i starts at a_i, its sequence
-                                                                         at s with initial state h0; b_j: end of j)
+    S_i      = gamma^(a_i - s) h0 + sum_{j < i} gamma^(a_i - b_j) E_j
     o, S_end = the kernel's full pass over every segment from its true start S_i
 
-so the bytes are a full pass and half of one (k and v again), and the final state is the last segment's end. The
-sums are one small matmul per head with weights ``exp(g_gamma * distance)`` (a distance of tokens, never a product
-of factors, so neither under- nor overflow compounds); nothing is truncated, so gates near 0 (no decay) are exact
-too.
+(segment i starts at token a_i, its sequence at s with initial state h0; b_j is the end of segment j)
 
-Everything about the cut (segment boundaries, which end states feed which start) is decided on the host from shapes
-or ``cu_seqlens_cpu``; the device tensors holding it are cached per layout, so a call after the first one needs no
-host-to-device copy and can be captured in a CUDA graph.
+so the bytes are a full pass and half of one (k and v again), and the final state is the last segment's end.
+The sums are one small matmul per head with weights ``exp(g_gamma * distance)`` (a distance of tokens, never a
+product of factors, so neither under- nor overflow compounds); nothing is truncated, so gates near 0 (no
+decay) are exact too.
+
+Everything about the cut (segment boundaries, which end states feed which start) is decided on the host from
+shapes or ``cu_seqlens_cpu``; the device tensors holding it are cached per layout, so a call after the first
+one needs no host-to-device copy and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from cula.time_split import (  # noqa: F401  (the split's planning, shared with 
 
 @functools.lru_cache(maxsize=64)
 def _start_weights_layout(plan: SplitPlan, with_h0: bool) -> tuple[tuple[int, ...], ...]:
-    """``[segments, segments (+ sequences with h0)]`` distances in tokens from each column's point (a segment's end,
-    or a sequence's start for its initial state) to each segment's start, -1 where the column does not feed it."""
+    """``[segments, segments (+ sequences with h0)]`` distances in tokens from each column's point (a
+    segment's end, or a sequence's start for its initial state) to each segment's start, -1 where the column
+    does not feed it."""
     seq_of = [s for s in range(len(plan.lengths)) for _ in plan.segments_of(s)]
     start_of = [plan.bounds[plan.first_segment[s]] for s in range(len(plan.lengths))]
     M = plan.num_segments
@@ -64,14 +66,15 @@ def time_parallel_forward(
     state_v_first: bool,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunk forward of ``chunk_fn`` run over ``plan``'s segments at once, exactly (see the module docstring).
+    """The chunk forward of ``chunk_fn`` run over ``plan``'s segments at once, exactly (module docstring).
 
     Args:
         chunk_fn: ``chunk_fn(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first,
-            cu_seqlens) -> (o, final_state)`` on packed sequences (the cula kernel, or the reference in tests);
-            with ``q`` None it reads no q and returns ``(None, final_state)`` (the kernel's states-only variant).
-        plan: from :func:`plan_time_split` / :func:`split_plan` over the call's sequence lengths (B copies of T
-            without ``cu_seqlens``).
+            cu_seqlens) -> (o, final_state)`` on packed sequences (the cula kernel, or the reference in
+            tests); with ``q`` None it reads no q and returns ``(None, final_state)`` (the kernel's
+            states-only variant).
+        plan: from :func:`plan_time_split` / :func:`split_plan` over the call's sequence lengths (B copies of
+            T without ``cu_seqlens``).
         Others: as ``chunk_simple_gla`` (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, states fp32).
 
     Returns:
@@ -82,13 +85,15 @@ def time_parallel_forward(
     N = len(plan.lengths)
     expect_n = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if N != expect_n or sum(plan.lengths) != B * T:
-        raise ValueError(f"plan for lengths {plan.lengths} does not match q {list(q.shape)} ({expect_n} sequences)")
+        raise ValueError(
+            f"plan for lengths {plan.lengths} does not match q {list(q.shape)} ({expect_n} sequences)"
+        )
     dev = q.device
     bounds = on_device(plan.bounds, torch.int32, dev)
     qf, kf, vf = q.reshape(1, B * T, H, K), k.reshape(1, B * T, H, K), v.reshape(1, B * T, HV, V)
     # 1. every segment's end state from a zero start
     _, E = chunk_fn(None, kf, vf, g_gamma, scale, None, True, state_v_first, bounds)
-    # 2. every segment's true start: its sequence's initial state and the earlier segments' end states, decayed
+    # 2. every segment's true start: its sequence's initial state and the earlier segments' ends, decayed
     cd = torch.promote_types(E.dtype, torch.float32)
     cols = E.to(cd)
     if initial_state is not None:
