@@ -26,10 +26,11 @@ FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
 
 
-def _over_k(g: torch.Tensor, dt_bias: torch.Tensor | None, K: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _over_k(g: torch.Tensor | None, dt_bias: torch.Tensor | None,
+            K: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """The scalar gate ``[..., HV]`` and the fused gate's ``dt_bias`` ``[HV]`` as KDA's per-channel ones (``[..., HV,
-    K]`` contiguous, ``[HV * K]``): the same recurrence on the KDA kernels."""
-    gk = g.unsqueeze(-1).expand(*g.shape, K).contiguous()
+    K]`` contiguous, ``[HV * K]``): the same recurrence on the KDA kernels. None stays None."""
+    gk = None if g is None else g.unsqueeze(-1).expand(*g.shape, K).contiguous()
     return gk, None if dt_bias is None else dt_bias.unsqueeze(-1).expand(dt_bias.shape[0], K).reshape(-1)
 
 

@@ -63,10 +63,7 @@ def gdn_decode(
     Returns:
         ``o`` ``[N, T, HV, V]`` in q's dtype.
     """
-    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
-    N, T, HV = q.shape[0], q.shape[1], v.shape[2]
-    check_tensor("g", g, shape=(N, T, HV), dtypes=FLOAT_DTYPES, device=q.device)
+    _check_tokens(q, v, g)
     check_gdn_activations(
         q, v, g, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval
     )
@@ -113,9 +110,7 @@ def gdn_decode_step(
         except AttributeError:
             seen = None  # not tensors: the checks below name them
         if seen is None or seen not in checked:
-            check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
-            check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
-            check_tensor("g", g, shape=(q.shape[0], q.shape[1], v.shape[2]), dtypes=FLOAT_DTYPES, device=q.device)
+            _check_tokens(q, v, g)
             if len(checked) < 64:
                 checked.add(seen)
         K = q.shape[-1]
@@ -125,17 +120,22 @@ def gdn_decode_step(
                                   allow_neg_eigval)  # fmt: skip
             a_log, bias = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
             inner = steps[K] = kda_decode_step(
-                state_pool, state_indices, A_log=a_log,
-                dt_bias=None if bias is None else bias.unsqueeze(-1).expand(bias.shape[0], K).reshape(-1),
-                scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                state_pool, state_indices, A_log=a_log, dt_bias=_over_k(None, bias, K)[1], scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                 allow_neg_eigval=allow_neg_eigval,
                 state_v_first=state_v_first, check_indices=check_indices,
             )  # fmt: skip
-        gk = g.unsqueeze(-1).expand(*g.shape, K).contiguous()
+        gk, _ = _over_k(g, None, K)
         return inner(q, k, v, gk, beta, out=out, step_states=step_states)
 
     return step
+
+
+def _check_tokens(q, v, g) -> None:
+    """GDN's own checks of a call's tokens before its gate is repeated over K: q and v 4-D, g ``[N, T, HV]``."""
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
+    check_tensor("g", g, shape=(q.shape[0], q.shape[1], v.shape[2]), dtypes=FLOAT_DTYPES, device=q.device)
 
 
 # The pool commit after a verify call does not depend on the gate: KDA's, under GDN's name.
