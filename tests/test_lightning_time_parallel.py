@@ -136,7 +136,6 @@ def test_split_plan_bounds():
 def test_planner_decisions():
     # off unless a table is given: the default for every GPU until measured
     assert tp.plan_time_split((65536,), 4, 132, None) is None
-    assert LIGHTNING_TUNING.get((9, 0)).time_split is None
     # B=1, 4 heads, 64K on 132 SMs: 2 * 132 / 4 = 66 segments -> ceil(65536 / 66) = 993 -> 1024 (a 64 multiple)
     plan = tp.plan_time_split((65536,), 4, 132, TABLE)
     assert plan.segment_len == 1024 and plan.num_segments == 64
@@ -156,6 +155,21 @@ def test_planner_decisions():
     assert tp.plan_time_split((0, 0), 4, 132, TABLE) is None
     with pytest.raises(ValueError, match="multiple"):
         tp.SplitThresholds(items_per_sm=1, busy_items_per_sm=1, min_segment=100, min_seq_len=0)
+
+
+def test_h200_entry_cuts_where_measured():
+    """The H200's entry picks, at 132 SMs, a segment length whose time bench_lightning_prefill.py --time-parallel
+    measured within 10% of the best: e.g. 4 heads x 64K 2048 (0.191 ms, best 4096 at 0.190), 4 heads x 1M 31808
+    (about the best 32K), 16 heads x 2 x 64K about 16K (the best)."""
+    entry = LIGHTNING_TUNING.get((9, 0)).time_split
+    cases = {((65536,), 4): 2048, ((1 << 20,), 4): 31808, ((262144,), 4): 8000, ((262144,), 8): 15424,
+             ((65536,), 16): 7296, ((65536,) * 2, 16): 14592, ((65536,) + (1024,) * 5, 4): 2176}
+    for (lens, heads), seg in cases.items():
+        assert tp.plan_time_split(lens, heads, 132, entry).segment_len == seg, (lens, heads)
+    # the prefill table's 64 heads and short sequences run whole
+    assert tp.plan_time_split((16384,), 64, 132, entry) is None
+    assert tp.plan_time_split((8192,), 4, 132, entry) is None
+    assert tp.plan_time_split((65536,) * 3, 16, 132, entry) is None
 
 
 def test_planner_fills_whole_waves():

@@ -46,10 +46,15 @@ class LightningTuning:
     time_split: SplitThresholds | None = None
 
 
-# The H200's numbers (H100 shares sm_90). time_split stays off until bench_lightning_prefill.py --time-parallel has
-# measured where cutting pays.
+# The H200's numbers (H100 shares sm_90). time_split from bench_lightning_prefill.py --time-parallel: about one
+# (segment, head) item per SM was best or within 5% of it from 4 to 16 heads and 16K to 1M tokens (longer segments
+# as the call grows, so the two passes' extra state traffic stays small); a call of 32 (sequence, head) items
+# already gained 1.6x from cutting (16 heads x 2 x 64K).
 LIGHTNING_TUNING: TuningTable[LightningTuning] = TuningTable(
-    "lightning", {(9, 0): LightningTuning()}, fallback=LightningTuning()
+    "lightning",
+    {(9, 0): LightningTuning(time_split=SplitThresholds(items_per_sm=1.0, busy_items_per_sm=0.3, min_segment=2048,
+                                                        min_seq_len=16384))},
+    fallback=LightningTuning(),
 )
 _ARCH = (9, 0)
 
