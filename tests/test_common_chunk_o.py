@@ -57,6 +57,20 @@ def test_matches_the_contract(name, dtype):
         assert_close(label, r, o, tol)
 
 
+@pytest.mark.parametrize("name", ["gated-dw-gva-odd", "gated-packed-empty-len1"])
+def test_strong_gates_with_partial_chunks_stay_finite(name):
+    """Gates of up to -10 a token (chunk-local cumsums down to -640, base 2) with chunks that end inside a
+    sequence's last 64 rows: a padded row must never meet a real one in 2^(g_i - g_j) (0 * inf)."""
+    case = _case(name)
+    case["g"] = case["g"] * 20
+    ref = chunk_bwd_dqkwg_reference(**case, chunk_size=64)
+    ours = chunk_bwd_dqkwg(**case, chunk_size=64)
+    for label, r, o in zip(("dq", "dk", "dw", "dg"), ref, ours):
+        if r is not None:
+            assert not o.isnan().any(), label
+            assert_close(label, r, o, 1e-5)
+
+
 def test_takes_fla_chunk_list_and_refuses_mismatched_states():
     from fla.ops.utils.index import prepare_chunk_indices
 

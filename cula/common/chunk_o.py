@@ -118,10 +118,12 @@ def chunk_bwd_dqkwg(
             dqc = dqc * (torch.exp2(gc)[..., None] * scale)
             dkc = dkc * torch.exp2(g_last[..., None] - gc)[..., None]
             dkc = torch.where(ok[:, None, :, None], dkc, 0.0)
-            # 2^(g_i - g_j) where j <= i only: above the diagonal the exponent is unbounded
+            # 2^(g_i - g_j) only where j <= i and both rows are in the sequence: elsewhere the exponent is
+            # unbounded (a padded row's g is 0, far above a strong gate's cumsum) and 0 * inf would be NaN
             causal = torch.ones(BT, BT, dtype=torch.bool, device=dev).tril()
-            diff = torch.where(causal, gc[..., :, None] - gc[..., None, :], 0.0)
-            ds = torch.where(causal, ds * torch.exp2(diff), 0.0) * scale
+            pair = causal & ok[:, None, :, None] & ok[:, None, None, :]
+            diff = torch.where(pair, gc[..., :, None] - gc[..., None, :], 0.0)
+            ds = torch.where(pair, ds * torch.exp2(diff), 0.0) * scale
             if dg is not None:
                 dg_last = (S * dS).sum((-1, -2)) * torch.exp2(g_last) + (dkc * kc).sum((-1, -2))
             dqc = dqc + ds @ kc
