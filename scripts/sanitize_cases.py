@@ -147,7 +147,7 @@ def gdn_chunk_and_decode():
     q, k, v = _r(1, 100, 1, 128), _r(1, 100, 1, 128), _r(1, 100, 2, 128)
     g, beta = -torch.rand(1, 100, 2, device=DEV), torch.rand(1, 100, 2, device=DEV)
     h0 = torch.randn(1, 2, 128, 128, device=DEV) * 0.1
-    on_cula = GDN_TUNING.override(inference_chunk_on_cula=True, inference_decode_on_cula=True)
+    on_cula = GDN_TUNING.override(inference_chunk_on_cula=True, inference_decode_max_tokens=8)
     with torch.inference_mode(), on_cula:
         chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                use_qk_l2norm_in_kernel=True)  # fmt: skip

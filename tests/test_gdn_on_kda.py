@@ -162,10 +162,13 @@ def test_recurrent_declines_what_the_kernel_does_not_take(gdn_tuning, pretend_sm
     h0 = torch.zeros(2, 1, 128, 128)
     base = dict(q=x["q"], v=x["v"], g=x["g"], gk=None, gv=None, beta=x["beta"], initial_state=h0,
                 state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None)  # fmt: skip
-    ok, why = _cula_recurrent_supports(**base)
-    assert not ok and "inference_decode_on_cula" in why  # until measured
-    gdn_tuning(inference_decode_on_cula=True)
+    # the H200's entry: one token a sequence (measured faster than FLA's), MTP-sized calls on FLA's kernel
     assert _cula_recurrent_supports(**base) == (True, None)
+    four = dict(base, q=torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16))
+    ok, why = _cula_recurrent_supports(**four)
+    assert not ok and "inference_decode_max_tokens=1" in why
+    gdn_tuning(inference_decode_max_tokens=8)
+    assert _cula_recurrent_supports(**four) == (True, None)
     for over, why in (
         ({"cu_seqlens": torch.tensor([0, 1, 2])}, "cu_seqlens"),
         ({"gk": torch.zeros(2, 1, 1, 128)}, "per-key"),
@@ -192,7 +195,7 @@ def test_recurrent_decode_on_hopper_cuda(T, gdn_tuning):
     from cula.gated_delta_rule import fused_recurrent_gated_delta_rule
     from cula.gated_delta_rule.naive import reference_fused_recurrent_gated_delta_rule
 
-    gdn_tuning(inference_decode_on_cula=True)  # off on the H200 until measured
+    gdn_tuning(inference_decode_max_tokens=8)  # MTP-sized calls run on FLA's kernel on the H200
     x = _inputs(64, T, 4, 8, 128, True, dtype=torch.bfloat16, device="cuda")
     h0 = torch.randn(64, 8, 128, 128, device="cuda") * 0.1
     kept = h0.clone()

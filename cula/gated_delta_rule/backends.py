@@ -6,8 +6,9 @@
   recurrence, on cula's KDA kernels, and trainable on Hopper through KDA's training path (FLA 0.6.0's own gated
   backward refuses the Triton that PyTorch ships there); the gradient of the repeated gate is summed back by
   autograd. ``chunk_indices`` (FLA's precomputed chunk list) is not needed: cula builds its own.
-- ``cula-sm90`` (``fused_recurrent_gated_delta_rule``, where ``GDN_TUNING`` says so): decode-sized calls (1..8 tokens a sequence, fp32 states) on
-  ``kda_decode``'s kernel, the gate repeated over K, the new states written beside the caller's.
+- ``cula-sm90`` (``fused_recurrent_gated_delta_rule``): decode calls (fp32 states, up to
+  ``GDN_TUNING``'s ``inference_decode_max_tokens`` tokens a sequence, at most 8) on ``kda_decode``'s kernel, the
+  gate repeated over K, the new states written beside the caller's.
 - ``fla``: FLA 0.6.0's Triton kernels, for what cula does not cover.
 - ``reference``: float32 PyTorch, the CPU path.
 """
@@ -140,14 +141,16 @@ def _cula_recurrent_supports(q, v, g, gk, gv, beta, initial_state, state_v_first
 
     if needs_grad(q, v, g, beta, initial_state, A_log, dt_bias):
         return False, "autograd (cula's decode kernel is forward-only)"
-    if not GDN_TUNING.for_device(q.device).inference_decode_on_cula:
-        return False, "decode runs on FLA's kernel on this GPU (GdnTuning.inference_decode_on_cula)"
     if cu_seqlens is not None:
         return False, "cu_seqlens (the packed form) runs on fla; pass q as [N, T, H, K] for cula's kernel"
     if gk is not None or gv is not None or g is None:
         return False, "per-key / per-value gates, or no gate, run on fla"
     if not 1 <= q.shape[1] <= DECODE_MAX_TOKENS:
         return False, f"{q.shape[1]} tokens per sequence (cula's decode kernel takes 1..{DECODE_MAX_TOKENS})"
+    most = GDN_TUNING.for_device(q.device).inference_decode_max_tokens
+    if q.shape[1] > most:
+        return False, (f"{q.shape[1]} tokens a sequence: decode runs on FLA's kernel on this GPU beyond "
+                       f"GdnTuning.inference_decode_max_tokens={most}")
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q dtype {q.dtype} (the kernel takes bf16 / fp16)"
     if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):

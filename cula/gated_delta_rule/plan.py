@@ -3,7 +3,8 @@
 Training always takes cula's path on SM90 (FLA 0.6.0's own gated backward refuses the Triton that PyTorch ships on
 Hopper). For inference FLA's Gated DeltaNet kernels (cheaper than KDA's: one gate per head, no per-channel
 exponentials) may be the faster ones, so cula's path takes inference calls only where the GPU's entry says it
-measured faster (``benchmarks/bench_gdn_prefill.py``; decode: ``inference_decode_on_cula``).
+measured faster (``benchmarks/bench_gdn_prefill.py``; decode: ``inference_decode_max_tokens``,
+``benchmarks/bench_gdn_decode.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ class GdnTuning:
     """Which Gated DeltaNet inference calls run on cula's KDA kernels on one GPU."""
 
     inference_chunk_on_cula: bool = False  # chunk_gated_delta_rule without autograd
-    inference_decode_on_cula: bool = False  # fused_recurrent_gated_delta_rule's decode-sized calls
+    # fused_recurrent_gated_delta_rule's decode calls of up to this many tokens a sequence (0: none)
+    inference_decode_max_tokens: int = 0
 
 
-# Not measured yet on the H200: FLA's kernels keep inference until bench_gdn_prefill.py has run.
-GDN_TUNING: TuningTable[GdnTuning] = TuningTable("gated_delta_rule", {(9, 0): GdnTuning()}, fallback=GdnTuning())
+# The H200: bench_gdn_prefill.py measured cula's path at 0.49-0.89x FLA's Gated DeltaNet kernels (K gate exponentials
+# a token where FLA's need one), so prefill inference stays on FLA; bench_gdn_decode.py measured one token a
+# sequence at 1.18-1.48x FLA's (1 and 64 sequences), 4 tokens (MTP) at 0.70x.
+GDN_TUNING: TuningTable[GdnTuning] = TuningTable(
+    "gated_delta_rule", {(9, 0): GdnTuning(inference_decode_max_tokens=1)}, fallback=GdnTuning()
+)
