@@ -372,6 +372,39 @@ class StepPlans:
         return result
 
 
+class DerivedTensors:
+    """Small tensors computed from a parameter tensor (a decay's negation, a split's combine weights), made once per
+    (parameter, tag) while the parameter is the same, unmodified tensor: a repeated call launches nothing for them.
+
+    An entry holds its parameter, so the object (and its address) cannot be reused by another tensor while cached;
+    an in-place change bumps the parameter's ``_version`` and remakes the entry. While a CUDA graph is captured the
+    tensors are made inside the capture and never cached: the graph owns them and recomputes them at each replay,
+    so no later eviction can free memory a graph reads."""
+
+    def __init__(self, maxsize: int = 64):
+        self.maxsize = maxsize
+        self._entries: dict[tuple, tuple[torch.Tensor | None, int, Any]] = {}
+
+    def get(self, param: torch.Tensor | None, device: torch.device, tag: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``'s value for (``param``, ``device``, ``tag``); ``param`` None is a parameter too (the value
+        then depends on the tag and device alone)."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return make()
+        key = (None if param is None else id(param), device, tag)
+        version = -1 if param is None else param._version
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is param and hit[1] == version:
+            return hit[2]
+        value = make()
+        if len(self._entries) >= self.maxsize:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = (param, version, value)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
 _PLAN_CACHES: weakref.WeakSet[PlanCache] = weakref.WeakSet()
 
 

@@ -91,11 +91,13 @@ def split_plan(lengths: Sequence[int], segment_len: int, min_seq_len: int = 0) -
     return SplitPlan(lengths, segment_len, split, tuple(bounds), tuple(first))
 
 
-def plan_time_split(lengths: Sequence[int], num_value_heads: int, sm_count: int,
+@functools.lru_cache(maxsize=256)
+def plan_time_split(lengths: tuple[int, ...], num_value_heads: int, sm_count: int,
                     thresholds: SplitThresholds | None) -> SplitPlan | None:
     """Whether and how to cut a call's sequences (``lengths``: B copies of T, or the varlen lengths).
 
-    Pure: the same answer for the same arguments, so a captured CUDA graph stays valid. None means run unsplit.
+    Pure: the same answer for the same arguments, so a captured CUDA graph stays valid (and cached: a repeated call
+    plans nothing). ``lengths`` must be hashable (a tuple). None means run unsplit.
     """
     if thresholds is None or sm_count < 1 or num_value_heads < 1:
         return None

@@ -112,6 +112,27 @@ def test_no_decay_given():
     assert rel_rmse(o_ref, o) < F64_TOL and rel_rmse(ht_ref, ht) < F64_TOL
 
 
+def test_repeated_call_reuses_the_combine_weights(monkeypatch):
+    """The combine's weights are made once per (decay tensor, plan) and again after the decay changes in place; the
+    result follows the new decay."""
+    made = []
+    real = tp._weights
+    monkeypatch.setattr(tp, "_weights", lambda *a: made.append(1) or real(*a))
+    tp._WEIGHTS.clear()
+    lengths = (2000, 100, 100)
+    q, k, v, g_gamma, state, cu = _inputs(lengths, True, torch.float64, True, False)
+    plan = tp.split_plan(lengths, 256)
+    run = lambda: tp.time_parallel_forward(_reference_fn, plan, q, k, v, g_gamma, 0.25, state, True,  # noqa: E731
+                                           False, cu)
+    first = run()
+    assert torch.equal(run()[0], first[0]) and len(made) == 1
+    g_gamma.mul_(0.5)
+    o, ht = run()
+    assert len(made) == 2
+    o_ref, ht_ref = _reference_fn(q, k, v, g_gamma, 0.25, state, True, False, cu)
+    assert rel_rmse(o_ref, o) < F64_TOL and rel_rmse(ht_ref, ht) < F64_TOL
+
+
 def test_plan_mismatch_raises():
     q, k, v, g, _, _ = _inputs((300,), False, torch.float64, False, False)
     with pytest.raises(ValueError, match="does not match"):

@@ -24,30 +24,107 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from cula.backends import DerivedTensors
 from cula.time_split import (  # noqa: F401  (the split's planning, shared with KDA; re-exported for callers)
     SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, split_plan,
 )
 
 
+class _Combine(NamedTuple):
+    """Which rows the start combination touches, and the distances that weigh it (host ints, per plan).
+
+    Rows and E columns are the segments of the cut sequences (``segs``; None when every sequence is cut: all
+    segments, no gather); ``e_dist`` ``[R, R]`` is the distance in tokens from column c's end to row r's start, -1
+    where c does not feed r; ``h_dist`` ``[R, Nc]`` from each cut sequence's start (its initial state, columns
+    ``seqs``) to row r's start, -1 for another sequence. ``seq_of`` ``[M]`` is every segment's sequence (an uncut
+    sequence starts from its initial state as it is) and ``last`` ``[N]`` each sequence's last segment."""
+
+    segs: tuple[int, ...] | None
+    seqs: tuple[int, ...] | None
+    e_dist: tuple[tuple[int, ...], ...]
+    h_dist: tuple[tuple[int, ...], ...]
+    seq_of: tuple[int, ...]
+    last: tuple[int, ...]
+
+
 @functools.lru_cache(maxsize=64)
-def _start_weights_layout(plan: SplitPlan, with_h0: bool) -> tuple[tuple[int, ...], ...]:
-    """``[segments, segments (+ sequences with h0)]`` distances in tokens from each column's point (a
-    segment's end, or a sequence's start for its initial state) to each segment's start, -1 where the column
-    does not feed it."""
-    seq_of = [s for s in range(len(plan.lengths)) for _ in plan.segments_of(s)]
-    start_of = [plan.bounds[plan.first_segment[s]] for s in range(len(plan.lengths))]
-    M = plan.num_segments
-    rows = []
-    for i in range(M):
+def _combine_layout(plan: SplitPlan) -> _Combine:
+    N = len(plan.lengths)
+    seq_of = tuple(s for s in range(N) for _ in plan.segments_of(s))
+    cut = [s for s in range(N) if plan.split[s]]
+    rows = [i for s in cut for i in plan.segments_of(s)]
+    start = {s: plan.bounds[plan.first_segment[s]] for s in cut}
+    e_dist, h_dist = [], []
+    for i in rows:
         a = plan.bounds[i]
-        row = [a - plan.bounds[j + 1] if seq_of[j] == seq_of[i] and j < i else -1 for j in range(M)]
-        if with_h0:
-            row += [a - start_of[s] if s == seq_of[i] else -1 for s in range(len(plan.lengths))]
-        rows.append(tuple(row))
-    return tuple(rows)
+        e_dist.append(tuple(a - plan.bounds[j + 1] if seq_of[j] == seq_of[i] and j < i else -1 for j in rows))
+        h_dist.append(tuple(a - start[s] if s == seq_of[i] else -1 for s in cut))
+    every = len(cut) == N
+    return _Combine(
+        None if every else tuple(rows), None if every else tuple(cut), tuple(e_dist), tuple(h_dist), seq_of,
+        tuple(plan.segments_of(s)[-1] for s in range(N)),
+    )  # fmt: skip
+
+
+# the combine's weights by (decay tensor, plan, device): a repeated call computes none of them
+_WEIGHTS = DerivedTensors()
+
+
+def _weights(layout: _Combine, g_gamma: torch.Tensor | None, HV: int, dtype: torch.dtype, dev: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``[HV, R, R]`` and ``[HV, R, Nc]`` weights ``exp(g_gamma * distance)``, 0 where a column does not feed
+    a row: in (0, 1] for distances >= 0, so neither under- nor overflow compounds."""
+    g = torch.zeros(HV, dtype=dtype, device=dev) if g_gamma is None else g_gamma.detach().to(dtype)
+
+    def weigh(dist):
+        d = on_device(dist, dtype, dev)
+        return torch.where(d >= 0, torch.exp(g[:, None, None] * d.clamp_min(0)), 0.0)
+
+    return weigh(layout.e_dist), weigh(layout.h_dist)
+
+
+def _per_head_mm(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
+    """``out[r, h] (+)= sum_c w[h, r, c] x[c, h]`` over ``[rows, HV, K, V]`` tensors: one batched product over
+    the heads, read and written in place through transposed views (no copies)."""
+    HV = x.shape[1]
+    xv = x.reshape(x.shape[0], HV, -1).transpose(0, 1)
+    ov = out.view(out.shape[0], HV, -1).transpose(0, 1)
+    if add:
+        ov.baddbmm_(w, xv)
+    else:
+        torch.bmm(w, xv, out=ov)
+
+
+def _starts(layout: _Combine, E: torch.Tensor, h0: torch.Tensor | None, g_gamma: torch.Tensor | None,
+            plan: SplitPlan) -> torch.Tensor:  # fmt: skip
+    """Every segment's true start ``[M, HV, K, V]`` from the zero-start ends ``E`` and the initial states."""
+    dev, HV = E.device, E.shape[1]
+    cd = torch.promote_types(E.dtype, torch.float32)
+    we, wh = _WEIGHTS.get(g_gamma, dev, ("lightning_starts", plan, HV, cd),
+                          lambda: _weights(layout, g_gamma, HV, cd, dev))  # fmt: skip
+    E = E.to(cd)
+    h0 = None if h0 is None else h0.to(cd)
+    if layout.segs is None:  # every sequence cut: rows and columns are all segments
+        starts = E.new_empty(E.shape)
+        _per_head_mm(we, E, starts)
+        if h0 is not None:
+            _per_head_mm(wh, h0, starts, add=True)
+        return starts
+    # some sequences run whole: they start from their initial state; only the cut ones' rows are combined
+    rows = on_device(layout.segs, torch.long, dev)
+    cols = E.index_select(0, rows)
+    part = cols.new_empty(cols.shape)
+    _per_head_mm(we, cols, part)
+    if h0 is None:
+        starts = E.new_zeros(E.shape)
+    else:
+        _per_head_mm(wh, h0.index_select(0, on_device(layout.seqs, torch.long, dev)), part, add=True)
+        starts = h0.index_select(0, on_device(layout.seq_of, torch.long, dev))
+    return starts.index_copy_(0, rows, part)
 
 
 ChunkFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]
@@ -94,19 +171,11 @@ def time_parallel_forward(
     # 1. every segment's end state from a zero start
     _, E = chunk_fn(None, kf, vf, g_gamma, scale, None, True, state_v_first, bounds)
     # 2. every segment's true start: its sequence's initial state and the earlier segments' ends, decayed
-    cd = torch.promote_types(E.dtype, torch.float32)
-    cols = E.to(cd)
-    if initial_state is not None:
-        cols = torch.cat([cols, initial_state.to(cd)])
-    dist = on_device(_start_weights_layout(plan, initial_state is not None), cd, dev)  # [M, C]
-    g = (torch.zeros(HV, device=dev) if g_gamma is None else g_gamma).to(cd)
-    # exp(g * d) in (0, 1] for d >= 0; columns that do not feed a row (d = -1) weigh 0
-    w = torch.where(dist >= 0, torch.exp(g[:, None, None] * dist.clamp_min(0)), 0.0)  # [HV, M, C]
-    starts = torch.einsum("hrc,chx->rhx", w, cols.flatten(2)).view(E.shape).to(E.dtype)
+    layout = _combine_layout(plan)
+    starts = _starts(layout, E, initial_state, g_gamma, plan).to(E.dtype)
     # 3. the outputs from the true starts; each sequence's last segment ends in its final state
     o, ends = chunk_fn(qf, kf, vf, g_gamma, scale, starts, output_final_state, state_v_first, bounds)
     final = None
     if output_final_state:
-        last = tuple(plan.segments_of(s)[-1] for s in range(N))
-        final = ends.index_select(0, on_device(last, torch.long, dev))
+        final = ends.index_select(0, on_device(layout.last, torch.long, dev))
     return o.view(B, T, HV, V), final

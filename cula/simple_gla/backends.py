@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from cula._validate import dense
-from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.backends import DerivedTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 
 chunk_simple_gla_registry = Registry("simple_gla.chunk_simple_gla")
 fused_recurrent_simple_gla_registry = Registry("simple_gla.fused_recurrent_simple_gla")
@@ -33,6 +33,14 @@ def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, **_) -> tuple:
     return True, None
 
 
+# the kernel's decay (-g_gamma in fp32) by g_gamma tensor: a repeated call launches nothing for it
+_DECAYS = DerivedTensors()
+
+
+def _decay(g_gamma: torch.Tensor | None, HV: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(HV, device=device) if g_gamma is None else (-g_gamma.detach()).float().contiguous()
+
+
 def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
     """The Lightning kernel's call: ``(o, final_state)``; with ``q`` None the states-only variant, ``(None,
     final_state)`` (``cula.lightning.time_parallel``'s first pass)."""
@@ -40,7 +48,7 @@ def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_stat
 
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    decay = torch.zeros(HV, device=v.device) if g_gamma is None else (-g_gamma).float()
+    decay = _DECAYS.get(g_gamma, v.device, ("lightning_decay", HV), lambda: _decay(g_gamma, HV, v.device))
     o = None if q is None else torch.empty_like(v, memory_format=torch.contiguous_format)  # row-major
     final = torch.empty(N, HV, V, V, device=v.device, dtype=torch.float32) if output_final_state else None
     if T == 0:  # nothing to read (the kernel is not launched on empty tensors); the state passes through
@@ -52,7 +60,7 @@ def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_stat
     if initial_state is not None:
         initial_state = dense(initial_state)
     if q is None:
-        lightning_states_sm90(dense(k), dense(v), decay.contiguous(), initial_state, final, cu_seqlens,
+        lightning_states_sm90(dense(k), dense(v), decay, initial_state, final, cu_seqlens,
                               state_v_first=state_v_first)  # fmt: skip
         return None, final
     # the kernel's compiled signature takes row-major, 16-byte aligned tensors (TVM-FFI refuses the rest)
@@ -60,7 +68,7 @@ def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_stat
         dense(q),
         dense(k),
         dense(v),
-        decay.contiguous(),
+        decay,
         o,
         initial_state,
         final,
