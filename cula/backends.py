@@ -391,7 +391,8 @@ class DerivedTensors:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return make()
         key = (None if param is None else id(param), device, tag)
-        version = -1 if param is None else param._version
+        # inference tensors keep no version counter (and cannot change outside inference mode): identity alone
+        version = -1 if param is None or param.is_inference() else param._version
         hit = self._entries.get(key)
         if hit is not None and hit[0] is param and hit[1] == version:
             return hit[2]
