@@ -250,7 +250,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         **bc.budget_meta(run, args.max_seconds, t_start),
     }
     meta["timing"]["mode"] = "eager and cuda_graph (both in every row)"
-    paths = bc.write_suite(NAME, args, meta, run.rows, MD_COLUMNS)
+    paths = bc.write_suite(NAME, args, meta, run.rows, MD_COLUMNS, [c.name for c in suite()])
     return meta, run.rows, paths
 
 

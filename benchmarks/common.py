@@ -20,6 +20,7 @@ The module imports on a CPU-only machine; anything that touches the GPU does so 
 from __future__ import annotations
 
 import argparse
+import io
 import contextlib
 import dataclasses
 import datetime as _dt
@@ -560,8 +561,20 @@ def plot_speedup(path: Path, name: str, rows: Sequence[dict], subtitle: str = ""
     ax.set_title(title + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
     ax.set_ylim(0, max([1.2] + [h * 1.15 for h in heights]))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120)
     plt.close(fig)
+    _save_palette_png(buf, path)
+
+
+def _save_palette_png(buf: io.BytesIO, path: Path) -> None:
+    """The chart as a 64-colour palette PNG: a third of the RGBA file's bytes for the same picture (the results
+    travel with every device call, whose upload is capped)."""
+    from PIL import Image
+
+    buf.seek(0)
+    with Image.open(buf) as img:
+        img.convert("RGB").quantize(colors=64).save(path, optimize=True)
 
 
 def write_results(
@@ -909,6 +922,10 @@ def arg_parser(
     p.add_argument("--l2", choices=("rotate", "flush"), default="rotate",
                    help="keep inputs out of L2 by rotating input sets (default) or flushing 256 MiB")
     p.add_argument("--configs", default=None, help="comma-separated config names to run (default: all)")
+    p.add_argument("--merge", default=None, metavar="JSON",
+                   help="merge this run's rows into an earlier result of the same suite (a config run again "
+                        "replaces its row) and write the whole under the suite's name: a suite longer than one "
+                        "device call, run in parts")  # fmt: skip
     if host_overhead_help is not None:
         p.add_argument("--no-host-overhead", action="store_true", help=host_overhead_help)
     return p
@@ -982,9 +999,15 @@ def budget_meta(run: SuiteRun, max_seconds: float | None, t_start: float) -> dic
 
 
 def write_suite(name: str, args: argparse.Namespace, meta: dict, rows: Sequence[dict],
-                md_columns: Sequence[str]) -> dict[str, Path]:
-    """``write_results`` under ``result_name(name, args)`` in ``--out``, then the summary line on stderr."""
-    paths = write_results(result_name(name, args), meta, rows, out_dir=args.out, md_columns=md_columns)
+                md_columns: Sequence[str], suite_names: Sequence[str] | None = None) -> dict[str, Path]:
+    """``write_results`` under ``result_name(name, args)`` in ``--out``, then the summary line on stderr. With
+    ``--merge`` the rows join the earlier result's (:func:`merge_results`; ``suite_names``: the full suite's
+    config names, for the order and what is still missing) under the suite's own name."""
+    out_name = result_name(name, args)
+    if getattr(args, "merge", None):
+        meta, rows = merge_results(Path(args.merge), meta, rows, suite_names)
+        out_name = result_name(name, argparse.Namespace(**{**vars(args), "quick": False, "configs": None}))
+    paths = write_results(out_name, meta, rows, out_dir=args.out, md_columns=md_columns)
     summary = summarize(rows)
     print(f"[{name}] geomean speedup {summary['geomean']:.3f}x, min {summary['min']:.3f}x "
           f"({summary['min_config']}); wrote {paths['md']}", file=sys.stderr, flush=True)
@@ -992,6 +1015,34 @@ def write_suite(name: str, args: argparse.Namespace, meta: dict, rows: Sequence[
     if n_bad:
         print(f"[{name}] {n_bad} config(s) FAILED the correctness check and were not timed", file=sys.stderr)
     return paths
+
+
+def merge_results(path: Path, meta: dict, rows: Sequence[dict], suite_names: Sequence[str] | None = None
+                  ) -> tuple[dict, list[dict]]:  # fmt: skip
+    """An earlier result (``path``, JSON) with this run's ``rows`` merged in: a config run again replaces its row;
+    every row carries the ``cula_git`` of the run that measured it, and ``meta["merged_runs"]`` lists each run's
+    commit, date and configs. With ``suite_names`` the rows follow the suite's order and ``partial`` /
+    ``missing_configs`` say what no run has measured yet."""
+    old = json.loads(Path(path).read_text())
+    env = environment_meta()
+    git, date = meta.get("cula_git", env.get("cula_git")), meta.get("date", env.get("date"))
+    merged = {r["config"]: {**r, "cula_git": r.get("cula_git", old["meta"].get("cula_git"))} for r in old["rows"]}
+    for r in rows:
+        merged[r["config"]] = {**r, "cula_git": git}
+    order = {n: i for i, n in enumerate(suite_names or ())}
+    out = sorted(merged.values(), key=lambda r: order.get(r["config"], len(order)))
+    runs = old["meta"].get("merged_runs") or [
+        {"cula_git": old["meta"].get("cula_git"), "date": old["meta"].get("date"),
+         "configs": [r["config"] for r in old["rows"]]}
+    ]  # fmt: skip
+    meta = {k: v for k, v in meta.items() if k not in ("skipped_configs", "max_seconds", "partial")}
+    meta["merged_runs"] = runs + [{"cula_git": git, "date": date, "configs": [r["config"] for r in rows]}]
+    if suite_names is not None:
+        missing = [n for n in suite_names if n not in merged]
+        meta["partial"] = bool(missing)
+        if missing:
+            meta["missing_configs"] = missing
+    return meta, out
 
 
 # --------------------------------------------------------------------------------- time-parallel (split) suites

@@ -190,6 +190,27 @@ def test_write_results_md_json_png(tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_merge_runs_in_parts(tmp_path):
+    """``--merge``: a second run's rows join the first's under the suite's own name (a config run again replaces
+    its row), each row with the commit that measured it, in suite order, with what is still missing."""
+    rows = fake_rows()
+    first = bc.write_results("fake_bench", {"cula_git": "aaa"}, rows[:2], out_dir=tmp_path)["json"]
+    args = kda_bench.parse_args(["--configs", "x", "--merge", str(first), "--out", str(tmp_path / "next")])
+    again = dict(rows[1], speedup=9.0)
+    suite = [r["config"] for r in rows] + ["never-run"]
+    paths = bc.write_suite("fake_bench", args, {"cula_git": "bbb", "partial": False}, [rows[2], again],
+                           ["config", "speedup"], suite)
+    assert paths["json"].name == "fake_bench.json"
+    data = json.loads(paths["json"].read_text())
+    assert [r["config"] for r in data["rows"]] == suite[:3]
+    assert [r["cula_git"] for r in data["rows"]] == ["aaa", "bbb", "bbb"]
+    assert data["rows"][1]["speedup"] == 9.0
+    m = data["meta"]
+    assert m["partial"] and m["missing_configs"] == ["failed", "never-run"]
+    assert [r["cula_git"] for r in m["merged_runs"]] == ["aaa", "bbb"]
+    assert m["merged_runs"][1]["configs"] == [rows[2]["config"], rows[1]["config"]]
+
+
 def test_write_results_fills_missing_ceilings(tmp_path):
     paths = bc.write_results("bare", {}, fake_rows()[:1], out_dir=tmp_path, md_columns=["config", "speedup"])
     m = json.loads(paths["json"].read_text())["meta"]
