@@ -354,6 +354,10 @@ class StepPlans:
     def __init__(self, maxsize: int = 64):
         self.full = PlanCache(maxsize)
         self.short = PlanCache(maxsize)
+        # the last short key run and its launch: a serving loop repeats one signature, and a step that compares
+        # its key with this one skips the closures and lookups of ``run`` (the decode steps' fast path)
+        self.last_key: tuple | None = None
+        self.last_launch: Callable | None = None
 
     def run(self, key: tuple | None, call: Callable[[Callable], Any], full_key: Callable[[], tuple],
             plan: Callable[[], Callable]) -> Any:  # fmt: skip
@@ -362,13 +366,16 @@ class StepPlans:
         launch = None if key is None else self.short.get(key)
         if launch is not None:
             try:
-                return call(launch)
+                result = call(launch)
+                self.last_key, self.last_launch = key, launch
+                return result
             except Exception:  # noqa: BLE001  (refused before any launch: find out why by validating in full)
                 pass
         launch = self.full.lookup(full_key(), plan)
         result = call(launch)
         if key is not None and getattr(launch, "checks_arguments", False):
             self.short.put(key, launch)
+            self.last_key, self.last_launch = key, launch
         return result
 
 
