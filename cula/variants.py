@@ -80,6 +80,23 @@ def _kda_chunk(scope: str) -> None:
         segment_chain.compiled_variant(has_h0=h0, has_ht=ht, state_v_first=svf)
 
 
+def _gdn_chunk(scope: str) -> None:
+    """``chunk_gated_delta_rule`` inference on cula-sm90 where ``GDN_TUNING``'s entry runs it there: cula's intra
+    kernel with the per-head gate (``scalar_gate``: the log-space gate or the fused softplus one, exact for any
+    gate) in the general path; the state/output and time-parallel kernels are KDA's (above)."""
+    from cula.gated_delta_rule.plan import GDN_TUNING
+    from cula.ops.kda.sm90 import intra
+
+    if not GDN_TUNING.get((9, 0)).inference_chunk_on_cula:
+        return
+    d = _dtypes(scope)
+    for dt, g_dt, b_dt, gate, l2, beta_act, varlen in itertools.product(
+        d["io"], d["g"], d["beta"], ("none", "softplus"), _B, intra.BETA_ACTS, _B
+    ):  # fmt: skip
+        options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True, scalar_gate=True)
+        intra.compiled_variant(varlen=varlen, **options)
+
+
 def _kda_decode(scope: str) -> None:
     """``kda_decode`` / ``kda_decode_step`` / ``fused_recurrent_kda``'s pool form on cula-sm90: every flag
     combination at every T (1..``DECODE_MAX_TOKENS``), below and above the state counts where the tile changes."""
@@ -163,7 +180,9 @@ def _smoke() -> None:
     ld.compiled(launch_key(_BF16, 128, 128, 1, 64, state_v_first=True))
 
 
-OPS: dict[str, Callable[[str], None]] = {"kda.chunk": _kda_chunk, "kda.decode": _kda_decode, "lightning": _lightning}
+OPS: dict[str, Callable[[str], None]] = {
+    "kda.chunk": _kda_chunk, "gdn.chunk": _gdn_chunk, "kda.decode": _kda_decode, "lightning": _lightning,
+}  # fmt: skip
 
 
 def planner_variants(scope: str = "full", ops: tuple[str, ...] | None = None) -> dict[tuple, Callable[[], Any]]:

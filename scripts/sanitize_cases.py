@@ -140,7 +140,8 @@ def kda_parallel_segments():
 
 @case
 def gdn_chunk_and_decode():
-    # Gated DeltaNet on the KDA kernels: the chunk path and the decode path (states into step states)
+    # Gated DeltaNet on the KDA kernels: the chunk path (the intra kernel's per-head gate, fixed and packed) and the
+    # decode path (states into step states)
     from cula.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     from cula.gated_delta_rule.plan import GDN_TUNING
 
@@ -148,9 +149,16 @@ def gdn_chunk_and_decode():
     g, beta = -torch.rand(1, 100, 2, device=DEV), torch.rand(1, 100, 2, device=DEV)
     h0 = torch.randn(1, 2, 128, 128, device=DEV) * 0.1
     on_cula = GDN_TUNING.override(inference_chunk_on_cula=True, inference_decode_max_tokens=8)
+    cu = torch.tensor([0, 70, 70, 71, 100], dtype=torch.int32, device=DEV)  # empty, one-token, partial chunks
     with torch.inference_mode(), on_cula:
         chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                use_qk_l2norm_in_kernel=True)  # fmt: skip
+        # the intra kernel's per-head gate, packed, with the fused softplus gate
+        chunk_gated_delta_rule(
+            q, k, v, torch.randn(1, 100, 2, device=DEV), beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, A_log=torch.rand(2, device=DEV), dt_bias=torch.rand(2, device=DEV),
+            cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
+        )  # fmt: skip
         fused_recurrent_gated_delta_rule(
             _r(3, 1, 1, 128), _r(3, 1, 1, 128), _r(3, 1, 2, 128), g=-torch.rand(3, 1, 2, device=DEV),
             beta=torch.rand(3, 1, 2, device=DEV), initial_state=torch.randn(3, 2, 128, 128, device=DEV) * 0.1,

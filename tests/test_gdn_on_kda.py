@@ -129,6 +129,43 @@ def test_gdn_training_on_hopper_cuda(fused):
         assert_close(f"d{name}", grads_r[name], grads[name].cpu(), tol[name])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("gates", ["mild", "steep"])
+@pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])
+def test_gdn_inference_per_head_gate_on_hopper_cuda(fused, gates, state_v_first, gdn_tuning):
+    """Inference on cula's path: KDA's forward with the intra kernel's per-head gate (``scalar_gate``), nothing
+    repeated over K, against the float64 reference: GVA, a ragged pack with empty and one-token sequences and a
+    partial last chunk, initial states, and gates steep enough (about 10 to 50 nats a token) that the per-channel
+    kernel's factored scores would not be exact."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    gdn_tuning(inference_chunk_on_cula=True)
+    lens = [130, 0, 1, 64, 257, 7]
+    x = _inputs(1, sum(lens), 2, 4, 128, fused, dtype=torch.bfloat16, device="cuda")
+    if gates == "steep":
+        if fused:  # -16 softplus(g + 3): about -50 a token
+            x["A_log"] = torch.full_like(x["A_log"], 16.0).log()
+            x["dt_bias"] = x["dt_bias"] + 3.0
+        else:
+            x["g"] = x["g"] - 10.0
+    cu = make_cu_seqlens(lens).cuda()
+    h0 = torch.randn(len(lens), 4, 128, 128, device="cuda") * 0.1
+    flags = dict(_flags(fused, state_v_first, cu, h0), cu_seqlens_cpu=cu.cpu())
+    with torch.inference_mode():
+        o, ht = chunk_gated_delta_rule(**x, **flags)
+    assert not o.isnan().any() and not ht.isnan().any()
+    cpu = {n: t.cpu() for n, t in x.items()}
+    flags_cpu = dict(flags, initial_state=h0.cpu(), cu_seqlens=cu.cpu())
+    flags_cpu.pop("cu_seqlens_cpu")
+    o_r, ht_r, _ = _run(lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu,
+                        flags_cpu, grads=False)  # fmt: skip
+    assert_close("o", o_r, o.cpu(), 5e-3)
+    assert_close("final state", ht_r, ht.cpu(), 5e-3)
+
+
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])
 @pytest.mark.parametrize("T", [1, 3])

@@ -128,6 +128,33 @@ def test_chunk_kda_requests_are_listed(requested, full_list):
     assert calls > 100
 
 
+def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
+    """With the GPU's entry running Gated DeltaNet inference on cula (``GdnTuning.inference_chunk_on_cula``), its
+    per-head-gate intra kernels are listed, and only then."""
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    assert not [k for k in variants.planner_variants("full", ops=("gdn.chunk",))]  # the H200's entry: off
+    gdn_tuning(inference_chunk_on_cula=True)
+    listed = set(variants.planner_variants("full", ops=("gdn.chunk",)))
+    grid = ((BF16, FP16), (FP32, BF16), (BF16, FP32), (False, True), (False, True), ("fixed", "packed"))
+    for io, g_dt, b_dt, fused, l2, form in _sampled(grid, 3):
+        B, T, H, HV, K = (1, 130, 1, 2, 128) if form == "packed" else (2, 70, 1, 2, 128)
+        x = dict(q=_rnd(B, T, H, K, dtype=io), k=_rnd(B, T, H, K, dtype=io), v=_rnd(B, T, HV, K, dtype=io),
+                 g=-_rnd(B, T, HV, dtype=g_dt).abs(), beta=_rnd(B, T, HV, dtype=b_dt))  # fmt: skip
+        kw = dict(use_qk_l2norm_in_kernel=l2, use_beta_sigmoid_in_kernel=fused, output_final_state=True)
+        if fused:
+            kw.update(use_gate_in_kernel=True, A_log=_rnd(HV, dtype=FP32), dt_bias=_rnd(HV, dtype=FP32))
+        if form == "packed":
+            kw["cu_seqlens"] = torch.tensor([0, 50, 130], dtype=torch.int32)
+            kw["cu_seqlens_cpu"] = kw["cu_seqlens"]
+        with torch.no_grad():
+            chunk_gated_delta_rule(**x, **kw)
+    intra = [k for k in requested if k[0] == "kda.intra"]
+    assert intra and all(("scalar_gate", True) in k for k in intra)
+    missing = [cula.cache.key_text(k) for k in intra if k not in listed]
+    assert not missing, missing[:3]
+
+
 def test_decode_requests_are_listed(requested, full_list):
     from cula.kda import fused_recurrent_kda, kda_decode, kda_decode_step
     from cula.lightning import lightning_decode

@@ -1,11 +1,13 @@
 """Backends of the Gated DeltaNet entry points (see ``cula.backends``).
 
 - ``cula-sm90`` (``chunk_gated_delta_rule``; inference calls where ``cula.gated_delta_rule.plan.GDN_TUNING`` says
-  cula's path measured faster): Gated DeltaNet is KDA with one gate per head, so the call runs as
-  ``cula.kda.chunk_kda`` with the gate (and the fused gate's ``dt_bias``) repeated over the K channels: the same
-  recurrence, on cula's KDA kernels, and trainable on Hopper through KDA's training path (FLA 0.6.0's own gated
-  backward refuses the Triton that PyTorch ships there); the gradient of the repeated gate is summed back by
-  autograd. ``chunk_indices`` (FLA's precomputed chunk list) is not needed: cula builds its own.
+  cula's path measured faster): Gated DeltaNet is KDA with one gate per head. Inference runs KDA's forward
+  (``cula.kda.forward.chunk_kda_fwd_sm90``) with that gate as it is: the intra kernel's ``scalar_gate`` variant
+  applies it to the scores, exact for any gate. Training runs ``cula.kda.chunk_kda`` with the gate (and the fused
+  gate's ``dt_bias``) repeated over the K channels: the same recurrence, trainable on Hopper through KDA's training
+  path (FLA 0.6.0's own gated backward refuses the Triton that PyTorch ships there); the gradient of the repeated
+  gate is summed back by autograd. ``chunk_indices`` (FLA's precomputed chunk list) is not needed: cula builds its
+  own.
 - ``cula-sm90`` (``fused_recurrent_gated_delta_rule``): decode calls (fp32 states, up to
   ``GDN_TUNING``'s ``inference_decode_max_tokens`` tokens a sequence, at most 8) on ``kda_decode``'s kernel, the
   gate repeated over K, the new states written beside the caller's.
@@ -66,6 +68,17 @@ def _chunk_cula_sm90(
 ):  # fmt: skip
     from cula.kda import chunk_kda
 
+    if not needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        # inference: the intra kernel takes the one gate per token and head itself (exact for any gate), so
+        # nothing is repeated over K
+        from cula.kda.forward import chunk_kda_fwd_sm90
+
+        return chunk_kda_fwd_sm90(
+            q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, initial_state, output_final_state,
+            state_v_first, cu_seqlens, cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+            dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        )  # fmt: skip
     gk, bias = _over_k(g, dt_bias, q.shape[-1])
     return chunk_kda(
         q, k, v, gk, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,

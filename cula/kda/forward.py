@@ -70,7 +70,9 @@ def chunk_kda_fwd_sm90(
         q, k: ``[B, T, H, K]`` bf16 (or fp16); L2-normalised here with ``use_qk_l2norm_in_kernel``.
         v: ``[B, T, HV, V]`` same dtype; HV is a multiple of H (GVA).
         g: ``[B, T, HV, K]`` log-space decay (natural log, <= 0), any float dtype; raw gate logits when
-            ``use_gate_in_kernel`` (the gate activation is then fused with the chunk cumsum, as in FLA).
+            ``use_gate_in_kernel`` (the gate activation is then fused with the chunk cumsum, as in FLA). ``[B, T,
+            HV]``: one gate per token and head (Gated DeltaNet; dt_bias ``[HV]``), on cula's intra kernel for any
+            gate, else repeated over K for FLA's stages.
         beta: ``[B, T, HV]`` post-sigmoid, or logits with ``use_beta_sigmoid_in_kernel`` (``2 sigmoid`` with
             ``allow_neg_eigval``, which needs ``use_beta_sigmoid_in_kernel``).
         scale: query scale (FLA default ``K ** -0.5`` is the caller's job).
@@ -135,7 +137,11 @@ def chunk_kda_fwd_sm90(
     cu32 = None
     if cu_seqlens is not None:
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    cute_intra = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound)
+    scalar_gate = g.dim() == 3
+    cute_intra = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound, scalar_gate)
+    if scalar_gate and not cute_intra:  # FLA's stages take the gate (and its bias) per channel
+        g = g.unsqueeze(-1).expand(*g.shape, K).contiguous()
+        dt_bias = None if dt_bias is None else dt_bias.reshape(HV, 1).expand(HV, K).reshape(-1)
     if cute_intra:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,

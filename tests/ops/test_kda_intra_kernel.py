@@ -61,6 +61,11 @@ _VARIANTS = [
     # chunk_kda's training forward (T = (I + Akk)^-1 to global memory for FLA's backward)
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "write_akk": True},
+    # Gated DeltaNet's one gate per token and head (scalar_gate): the fused softplus gate, and a log gate
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": True, "l2norm": True,
+     "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True},
+    {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False,
+     "scalar_gate": True},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = dump_script(
@@ -69,7 +74,7 @@ _COMPILE_SCRIPT = dump_script(
     M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
                v["varlen"], extra_options=opts, l2norm_qk=v.get("l2norm", False),
                beta_act=v.get("beta_act", "none"), g_cum_last_only=v.get("g_cum_last_only", False),
-               write_akk=v.get("write_akk", False))
+               write_akk=v.get("write_akk", False), scalar_gate=v.get("scalar_gate", False))
     """,
 )
 
@@ -89,6 +94,8 @@ def _vid(v):
         vid += "-g_cum_last_only"
     if v.get("write_akk"):
         vid += "-write_akk"
+    if v.get("scalar_gate"):
+        vid += "-scalar_gate"
     return vid
 
 

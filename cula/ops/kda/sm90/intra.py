@@ -54,13 +54,16 @@ def beta_act_for(beta_sigmoid: bool, allow_neg_eigval: bool) -> str:
 def gate_params(
     A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, gate: str, HV: int, K: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A_log [HV], dt_bias [HV, K])`` fp32 as the kernel reads them, FLA's defaults where absent."""
+    """``(A_log [HV], dt_bias [HV, K])`` fp32 as the kernel reads them, FLA's defaults where absent (``K`` 0: one
+    gate per head, dt_bias ``[HV]``)."""
     if A_log is None:
         # FLA: softplus uses exp(1) when A_log is absent, sigmoid uses 1 = exp(0)
         A_log = placeholder(device, torch.float32, (HV,), 1.0 if gate == "softplus" else 0.0)
+    bias_shape = (HV, K) if K else (HV,)
     if dt_bias is None:
-        dt_bias = placeholder(device, torch.float32, (HV, K))
-    return A_log.reshape(HV).to(torch.float32).contiguous(), dt_bias.reshape(HV, K).to(torch.float32).contiguous()
+        dt_bias = placeholder(device, torch.float32, bias_shape)
+    A_log = A_log.reshape(HV).to(torch.float32).contiguous()
+    return A_log, dt_bias.reshape(bias_shape).to(torch.float32).contiguous()
 
 
 def gate_params_binder(
@@ -91,14 +94,15 @@ def gate_params_binder(
 
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
-    *, g_cum_last_only: bool = False, write_akk: bool = False,
+    *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
     return dict(
         dtype=TORCH_TO_DSL[dtype], g_dtype=TORCH_TO_DSL[g_dtype], beta_dtype=TORCH_TO_DSL[beta_dtype],
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
-        **({"write_akk": True} if write_akk else {}),  # absent when off: the compile keys of the other variants stay
+        # absent when off: the compile keys of the other variants stay
+        **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
     )  # fmt: skip
 
 
@@ -164,7 +168,8 @@ def chunk_kda_intra_sm90(
     Args:
         q, k: ``[B, T, H, K]`` bf16/fp16, L2-normalised, or raw with ``use_qk_l2norm``.
         v: ``[B, T, HV, V]`` same dtype; HV a multiple of H.
-        g: ``[B, T, HV, K]`` fp32/bf16/fp16: log-space gate (``gate="none"``) or the raw gate logits.
+        g: ``[B, T, HV, K]`` fp32/bf16/fp16: log-space gate (``gate="none"``) or the raw gate logits; ``[B, T,
+            HV]``: one gate per token and head (Gated DeltaNet), exact for any gate (the kernel's scalar_gate).
         beta: ``[B, T, HV]`` bf16/fp16/fp32, post-sigmoid, or logits with ``beta_sigmoid``.
         scale: query scale; folded into Aqk (not into qg), as in FLA.
         w, qg, kg: ``[B, T, HV, K]`` q's dtype, out: ``(I + Akk)^-1 bf16(beta k exp2(g_cum))``,
@@ -179,7 +184,7 @@ def chunk_kda_intra_sm90(
         gate: ``"none"`` (g is already log space), ``"softplus"`` (``-exp(A_log) softplus(g + dt_bias)``) or
             ``"lower_bound"`` (``lower_bound sigmoid(exp(A_log) (g + dt_bias))``), FLA's ``kda_gate_chunk_cumsum``.
         A_log: ``[HV]`` (None: FLA's defaults, coefficient e for softplus and 1 for sigmoid).
-        dt_bias: ``[HV * K]`` or ``[HV, K]`` or None.
+        dt_bias: ``[HV * K]`` or ``[HV, K]`` (``[HV]`` with a per-head g) or None.
         lower_bound: required for ``gate="lower_bound"``.
         use_qk_l2norm: normalise each q and k row in fp32 as FLA's ``l2norm_fwd`` (``x / sqrt(sum x^2 + 1e-6)``),
             rounded to q's dtype, before any use.
@@ -211,8 +216,10 @@ def chunk_kda_intra_sm90(
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"q/k/v must be bf16 or fp16, got {q.dtype}")
     dt = q.dtype
+    scalar_gate = g.dim() == 3
+    g_shape = (B, T, HV) if scalar_gate else (B, T, HV, K)
     for name, t, shape, dtype in (
-        ("k", k, (B, T, H, K), dt), ("v", v, (B, T, HV, V), dt), ("g", g, (B, T, HV, K), None),
+        ("k", k, (B, T, H, K), dt), ("v", v, (B, T, HV, V), dt), ("g", g, g_shape, None),
         ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt),
         ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("Aqk", Aqk, (B, T, HV, 64), dt),
         ("g_cum", g_cum, (B, T, HV, K), torch.float32),
@@ -240,12 +247,12 @@ def chunk_kda_intra_sm90(
     if B * T == 0 or HV == 0 or num_chunks == 0:
         return
     dev = q.device
-    A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev)
+    A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, 0 if scalar_gate else K, dev)
     fn = compiled_variant(
         varlen=varlen,
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
-            write_akk=Akk is not None,
+            write_akk=Akk is not None, scalar_gate=scalar_gate,
         ),
     )  # fmt: skip
 
@@ -253,7 +260,8 @@ def chunk_kda_intra_sm90(
         return t.view(B * T, t.shape[2], t.shape[-1])
 
     fn(
-        flat(q), flat(k), flat(v), flat(g), beta.view(B * T, HV), A_log, dt_bias,
+        flat(q), flat(k), flat(v), g.view(B * T, HV) if scalar_gate else flat(g), beta.view(B * T, HV), A_log,
+        dt_bias,
         flat(w), flat(u), flat(qg), flat(kg), flat(Aqk), None if Akk is None else flat(Akk), flat(g_cum),
         cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
         chunk_indices if varlen else placeholder(dev, torch.int32, (1, 2)),

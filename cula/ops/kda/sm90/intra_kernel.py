@@ -33,6 +33,14 @@ safe path has a similar one). The products run on tensor cores as tf32 ``mma.syn
 operands rounded to nearest first, like FLA's tf32 dots (the DSL has no tf32 WGMMA). The warp-level MMA also
 lets each warp take one (key block, anchor) pair, so the blocks above the diagonal cost nothing.
 
+``scalar_gate`` (Gated DeltaNet: one gate per token and value head, g ``(T, HV)``, dt_bias ``(HV,)``): the
+gate is the same on every channel, so it factors out of the dot products. The score operands are the plain q
+and k (bf16 and fp16 values are exact in tf32, so the products are exact in fp32), and the epilogue multiplies
+each score by ``exp2(gc_t - gc_s)``, at most 1 where it is kept: exact for any gate, however steep. P0's first
+64 threads copy the chunk's 64 raw gates to shared memory (arriving on the gate's mbarrier in place of the TMA
+tile), and P1 writes g_cum broadcast over the channels as above, so the outputs and the state/output kernel are
+KDA's.
+
 Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthreads`` between phases). Each
 phase is short and latency-bound, so the kernel is laid out for two CTAs per SM, whose phases interleave: ~97 KB
 of shared memory (q/k tiles, g_cum, one 32 KB region reused phase by phase; k' replaces q in P2, v lands in k's
@@ -138,12 +146,16 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
+        scalar_gate: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
         # bf16 T = (I + Akk)^-1 to global memory too (FLA's saved Akk, for the training path's backward); without
         # it the kernel's mAkk argument is None
         self.write_akk = bool(write_akk)
+        # one gate per (token, value head), Gated DeltaNet's: raw g (T, HV), dt_bias (HV,); the scores are the
+        # plain products times exp2(gc_t - gc_s), exact for any gate (see the module docstring)
+        self.scalar_gate = bool(scalar_gate)
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -157,7 +169,7 @@ class ChunkKDAIntraFwdSm90:
         self.num_threads = 256
         # score B operands of the 2 anchors of one round: 2 x [32 rows (16 q | 16 k), K] fp32 (tf32-rounded)
         self.sb_bytes = 2 * 32 * self.dk * 4
-        self.gin_bytes = self.dk * self.bt * (g_dtype.width // 8)
+        self.gin_bytes = 0 if self.scalar_gate else self.dk * self.bt * (g_dtype.width // 8)
         self.x_bytes = self.bt * self.dk * (dtype.width // 8)
         # The region holds raw g (P0-P1), the score B operands (P2-P3), then: Akk, inverted in place into T
         # (fp32 [BT, a_ld], P3 epilogue-P6); Aqk staged as bf16 [BT, BT + 8] (rows 144 B apart: 16-byte
@@ -177,10 +189,11 @@ class ChunkKDAIntraFwdSm90:
         mQ: cute.Tensor,  # (T_total, H, K)   dtype
         mK: cute.Tensor,  # (T_total, H, K)   dtype
         mV: cute.Tensor,  # (T_total, HV, V)  dtype
-        mGin: cute.Tensor,  # (T_total, HV, K) g_dtype, raw gate (log space when gate == "none")
+        mGin: cute.Tensor,  # (T_total, HV, K) g_dtype, raw gate (log space when gate == "none");
+        #                    (T_total, HV) with scalar_gate
         mBeta: cute.Tensor,  # (T_total, HV) beta_dtype
         mAlog: cute.Tensor,  # (HV,) fp32
-        mBias: cute.Tensor,  # (HV, K) fp32
+        mBias: cute.Tensor,  # (HV, K) fp32; (HV,) with scalar_gate
         mW: cute.Tensor,  # (T_total, HV, K)  dtype, out
         mU: cute.Tensor,  # (T_total, HV, V)  dtype, out
         mQg: cute.Tensor,  # (T_total, HV, K) dtype, out
@@ -201,7 +214,6 @@ class ChunkKDAIntraFwdSm90:
         q_v = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[2, 0, 1]))  # (K, T, H)
         k_v = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[2, 0, 1]))  # (K, T, H)
         v_v = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))  # (V, T, HV)
-        g_v = cute.make_tensor(mGin.iterator, cute.select(mGin.layout, mode=[2, 0, 1]))  # (K, T, HV)
 
         # q/k/v tiles are stored as the MN-major B operand of w = T k', u = T v' (feature x token).
         sX_l = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BT, DK, BT), dt, 1)  # (K, BT, 1)
@@ -216,7 +228,10 @@ class ChunkKDAIntraFwdSm90:
         tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
         tma_v, tv = cpasync.make_tiled_tma_atom(g2s, v_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
-        tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sGin_l, mode=[0, 1]), (DK, BT))
+        tma_g, tg = None, mGin  # scalar_gate: P0 copies the chunk's 64 gates from global memory
+        if const_expr(not self.scalar_gate):
+            g_v = cute.make_tensor(mGin.iterator, cute.select(mGin.layout, mode=[2, 0, 1]))  # (K, T, HV)
+            tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sGin_l, mode=[0, 1]), (DK, BT))
         # w / u leave from the k / v tiles they are staged in, whose layout is the loads' (feature, token) one
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 0, 1]))  # (K, T, HV)
@@ -260,6 +275,15 @@ class ChunkKDAIntraFwdSm90:
             # overlapping iterations
             a = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp2(-z * RCP_LN2, fastmath=True))
         return a
+
+    @cute.jit
+    def _raw_gate(self, sGin0: cute.Tensor, region, ch, t: int) -> Float32:
+        """Raw gate of channel ``ch`` at chunk row ``t``: from the TMA tile, or with ``scalar_gate`` the row's
+        one gate, P0's fp32 copy at the region's start (every thread of a warp reads the same word: a
+        broadcast)."""
+        if const_expr(not self.scalar_gate):
+            return sGin0[ch, t].to(Float32)
+        return cute.make_tensor(cute.recast_ptr(region, dtype=Float32), cute.make_layout(self.bt))[t]
 
     @cute.jit
     def _act_beta(self, x: Float32) -> Float32:
@@ -368,9 +392,13 @@ class ChunkKDAIntraFwdSm90:
                 rkp[e] = ((kv * b).to(dt).to(Float32) * eg).to(dt)
                 rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
                 # rows past the sequence end have q = k = 0 (P1), so their operands are 0 as well
-                f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
-                bq[e] = _round_tf32(qv * f)
-                bk[e] = _round_tf32(kv * f)
+                if const_expr(self.scalar_gate):  # plain products, the gate applied to the scores (P3)
+                    bq[e] = _round_tf32(qv)
+                    bk[e] = _round_tf32(kv)
+                else:
+                    f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
+                    bq[e] = _round_tf32(qv * f)
+                    bk[e] = _round_tf32(kv * f)
             # q's row is read: k' takes its place (P7 reads it there)
             cute.autovec_copy(rkp, at(sQ0, (c8, t)))
             # two 16-byte units per row, units c4 and c4 + 1 (unit bit 3 = (tidx >> 2) & 1, see _b_unit)
@@ -510,26 +538,41 @@ class ChunkKDAIntraFwdSm90:
         # raw g first, on its own barrier, so the gate cumsum starts before q and k have landed
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
-            cute.arch.mbarrier_init(bar_g, 1)
+            # scalar_gate: the 64 threads that store the chunk's gates arrive instead of a TMA
+            cute.arch.mbarrier_init(bar_g, BT if self.scalar_gate else 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
         if warp_idx == 0:
             if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(bar_g, self.gin_bytes)
+                if const_expr(not self.scalar_gate):
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar_g, self.gin_bytes)
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * self.x_bytes)
-            for atom, tsrc, head, sdst, b in ((tma_g, tg, hv, sGin, bar_g), (tma_q, tq, h, sQ, bar),
-                                              (tma_k, tk, h, sK, bar)):  # fmt: skip
-                self._load_tile(atom, tsrc, head, sdst, tok0, b)
+            if const_expr(not self.scalar_gate):
+                self._load_tile(tma_g, tg, hv, sGin, tok0, bar_g)
+            for atom, tsrc, head, sdst in ((tma_q, tq, h, sQ), (tma_k, tk, h, sK)):
+                self._load_tile(atom, tsrc, head, sdst, tok0, bar)
         if tidx < BT:
             b = Float32(0.0)
             if tidx < valid:
                 b = self._act_beta(mBeta[tok0 + tidx, hv].to(Float32))
             sBeta[tidx] = b
+            if const_expr(self.scalar_gate):
+                # the chunk's raw gates in the region's first 64 floats, where the TMA tile would go (0 past the
+                # sequence end, whose g_cum P1 overwrites); P1 waits for all 64 on bar_g
+                x = Float32(0.0)
+                if tidx < valid:
+                    x = tg[tok0 + tidx, hv].to(Float32)
+                sGin_flat = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(BT))
+                sGin_flat[tidx] = x
+                cute.arch.mbarrier_arrive(bar_g)
         coef = Float32(1.0)
         bias = Float32(0.0)
         if const_expr(self.gate != "none"):
             coef = cute.math.exp(mAlog[hv].to(Float32), fastmath=True)
-            bias = mBias[hv, tid].to(Float32)
+            if const_expr(self.scalar_gate):
+                bias = mBias[hv].to(Float32)
+            else:
+                bias = mBias[hv, tid].to(Float32)
 
         # ---------------- P1: gate cumsum (WG0) | q, k row norms (WG1) ----------------
         sQ0, sK0, sV0, sGin0 = sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sGin[None, None, 0]
@@ -543,11 +586,11 @@ class ChunkKDAIntraFwdSm90:
             # (the layout's own arithmetic cannot know tid < 128 and redid it for each of the 64 stores)
             sG_flat = cute.make_tensor(storage.sG.data_ptr(), cute.make_layout(BT * DK))
             cols = [Int32(tid) ^ Int32(8 * j) for j in range(GB)]
-            nxt = [sGin0[tid, e].to(Float32) for e in range(GB)]
+            nxt = [self._raw_gate(sGin0, base, tid, e) for e in range(GB)]
             for blk in cutlass.range_constexpr(BT // GB):
                 cur = nxt
                 if const_expr(blk + 1 < BT // GB):
-                    nxt = [sGin0[tid, GB * (blk + 1) + e].to(Float32) for e in range(GB)]
+                    nxt = [self._raw_gate(sGin0, base, tid, GB * (blk + 1) + e) for e in range(GB)]
                 for e in cutlass.range_constexpr(GB):
                     t = GB * blk + e
                     acc = acc + self._act(cur[e], coef, bias, lower_bound)
@@ -929,6 +972,11 @@ class ChunkKDAIntraFwdSm90:
                         s = 16 * kb + _tf32_row(g_) + 8 * (v // 2)
                         t = 16 * anc + (8 * nt + 2 * c + v % 2) % 16
                         x = acc[v + 4 * nt]
+                        if const_expr(self.scalar_gate):
+                            # exp2(gc_t - gc_s) for s <= t is at most 1: exact for any gate (the masked entries
+                            # are not used); one g_cum per row, channel 0 of the broadcast tile
+                            d = sG[0, t] - sG[0, s]
+                            x = x * cute.math.exp2(cute.arch.fmin(d, _ANCHOR_CLAMP), fastmath=True)
                         if const_expr(nt < 2):  # Aqk, staged; stored as 16-byte rows by the caller
                             sAqk[t, s] = Float32(cutlass.select_(s <= t, x * scale, Float32(0.0))).to(dt)
                         else:  # Akk: every (t, s) is written, zero for s >= t
@@ -973,19 +1021,27 @@ class ChunkKDAIntraFwdSm90:
         fb = cute.make_rmem_tensor(tiled_tf.partition_shape_B((32, 8)), TFloat32)
         for m in cutlass.range_constexpr(self.dk // 16):
             kk = 16 * m + c4
-            rga = cute.make_rmem_tensor(4, Float32)
-            cute.autovec_copy(self._vec_at(sG, (kk, 16 * anc + 8), 4, 4), rga)
             x = cute.make_rmem_tensor(8, Float32)  # (row i, k 4 m + e) at 4 i + e
-            for i in cutlass.range_constexpr(2):
-                s = rows[i]
-                rk = cute.make_rmem_tensor(4, self.dtype)
-                rgs = cute.make_rmem_tensor(4, Float32)
-                cute.autovec_copy(self._vec_at(sK0, (kk, s), 4, 4), rk)
-                cute.autovec_copy(self._vec_at(sG, (kk, s), 4, 4), rgs)
-                kf = self._widen(rk)
-                for e in cutlass.range_constexpr(4):
-                    f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
-                    x[4 * i + e] = _round_tf32(kf[e] * f)  # k = 0 past the sequence end (P1)
+            if const_expr(self.scalar_gate):  # plain k: the gate multiplies the scores in the epilogue
+                for i in cutlass.range_constexpr(2):
+                    rk = cute.make_rmem_tensor(4, self.dtype)
+                    cute.autovec_copy(self._vec_at(sK0, (kk, rows[i]), 4, 4), rk)
+                    kf = self._widen(rk)
+                    for e in cutlass.range_constexpr(4):
+                        x[4 * i + e] = _round_tf32(kf[e])
+            else:
+                rga = cute.make_rmem_tensor(4, Float32)
+                cute.autovec_copy(self._vec_at(sG, (kk, 16 * anc + 8), 4, 4), rga)
+                for i in cutlass.range_constexpr(2):
+                    s = rows[i]
+                    rk = cute.make_rmem_tensor(4, self.dtype)
+                    rgs = cute.make_rmem_tensor(4, Float32)
+                    cute.autovec_copy(self._vec_at(sK0, (kk, s), 4, 4), rk)
+                    cute.autovec_copy(self._vec_at(sG, (kk, s), 4, 4), rgs)
+                    kf = self._widen(rk)
+                    for e in cutlass.range_constexpr(4):
+                        f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
+                        x[4 * i + e] = _round_tf32(kf[e] * f)  # k = 0 past the sequence end (P1)
             rb = []  # n-tile nt's 4 k values
             for nt in cutlass.range_constexpr(4):
                 rb.append(cute.make_rmem_tensor(4, Float32))
@@ -1043,11 +1099,15 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
     def tok(dt, heads, d):
         return make_fake_tensor(dt, (tt, heads, d), (cute.sym_int64(divisibility=d), d, 1), assumed_align=16)
 
+    def per_head(dt):  # (T, HV): beta, and Gated DeltaNet's gate
+        return make_fake_tensor(dt, (tt, hv), (cute.sym_int64(), 1), assumed_align=dt.width // 8)
+
     args = (
-        tok(dtype, h, DK), tok(dtype, h, DK), tok(dtype, hv, DK), tok(g_dtype, hv, DK),
-        make_fake_tensor(beta_dtype, (tt, hv), (cute.sym_int64(), 1), assumed_align=beta_dtype.width // 8),
+        tok(dtype, h, DK), tok(dtype, h, DK), tok(dtype, hv, DK),
+        per_head(g_dtype) if kernel.scalar_gate else tok(g_dtype, hv, DK), per_head(beta_dtype),
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
-        make_fake_tensor(Float32, (hv, DK), (DK, 1), assumed_align=16),
+        make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4) if kernel.scalar_gate
+        else make_fake_tensor(Float32, (hv, DK), (DK, 1), assumed_align=16),
         tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, BT),
         tok(dtype, hv, BT) if kernel.write_akk else None, tok(Float32, hv, DK),
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
