@@ -366,7 +366,8 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(at(sQ0, (c8, 16 * j + r)), rq)
             cute.autovec_copy(at(sK0, (c8, 16 * j + r)), rk)
             cute.autovec_copy(at(sG, (c8, 16 * j + r), 4), rg)
-            cute.autovec_copy(at(sG, (c8, 16 * j + 8), 4), rga)
+            if const_expr(not self.scalar_gate):  # the anchor row's g_cum, for the factored score operands
+                cute.autovec_copy(at(sG, (c8, 16 * j + 8), 4), rga)
             return rq, rk, rg, rga
 
         # the second sub-chunk's rows are read before the first one's stores
