@@ -5,7 +5,8 @@
 # apache-tvm-ffi and fla-core from the .device payload (its CuTe DSL is left out), all with --no-deps.
 #
 #   here:    SCOPE=smoke bash scripts/build_wheel.sh (CUDA=13 for the H200's torch), and ../shared/device/make-payload
-#   device:  carry [".device", "dist"]:  bash scripts/device/wheel_check.sh dist/cula-*.whl
+#   device:  carry [".device/site-rest.tar.xz", "dist"]:  bash scripts/device/wheel_check.sh dist/cula-*.whl
+#            (the payload's DSL libraries are not needed and would not fit beside the wheel in the 64 MiB upload)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
