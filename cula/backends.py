@@ -386,9 +386,10 @@ class DerivedTensors:
     An entry holds its parameter, so the object (and its address) cannot be reused by another tensor while cached;
     an in-place change bumps the parameter's ``_version`` and remakes the entry. While a CUDA graph is captured the
     tensors are made inside the capture and never cached: the graph owns them and recomputes them at each replay,
-    so no later eviction can free memory a graph reads."""
+    so no later eviction can free memory a graph reads. ``maxsize`` covers a model's layers (one parameter each)
+    times a few call layouts."""
 
-    def __init__(self, maxsize: int = 64):
+    def __init__(self, maxsize: int = 512):
         self.maxsize = maxsize
         self._entries: dict[tuple, tuple[torch.Tensor | None, int, Any]] = {}
 
