@@ -254,6 +254,34 @@ def test_chunk_fwd_picks_intra_stage(monkeypatch):
     assert run(safe_gate=True, **gate)[0] == "fla"
 
 
+def test_chunk_fwd_takes_a_per_head_gate(monkeypatch):
+    """g ``[B, T, HV]`` (Gated DeltaNet) goes to cula's intra kernel as it is, for any gate (no safe_gate, the
+    unbounded softplus gate); with CULA_KDA_INTRA=0 FLA's stages get it, and dt_bias, repeated over K."""
+    fwd, calls = _stub_stages(monkeypatch)
+    B, T, H, HV = 1, 70, 2, 4
+    q = torch.zeros(B, T, H, 128, dtype=torch.bfloat16)
+    v = torch.zeros(B, T, HV, 128, dtype=torch.bfloat16)
+    g = torch.randn(B, T, HV)
+    beta = torch.zeros(B, T, HV, dtype=torch.bfloat16)
+    bias = torch.randn(HV)
+
+    def run():
+        calls.clear()
+        fwd(q, q, v, g, beta, 0.1, None, False, use_gate_in_kernel=True, dt_bias=bias)
+        ((which, args),) = calls
+        return which, args
+
+    monkeypatch.delenv("CULA_KDA_INTRA", raising=False)
+    which, args = run()
+    # (g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound, ...)
+    assert which == "cute" and args[0].shape == (B, T, HV) and args[7] is bias
+    monkeypatch.setenv("CULA_KDA_INTRA", "0")
+    which, args = run()
+    assert which == "fla" and torch.equal(args[0], g.unsqueeze(-1).expand(B, T, HV, 128))
+    # (g, beta, scale, cu_seqlens, chunk_indices, chunk_size, use_gate_in_kernel, A_log, dt_bias, ...)
+    assert torch.equal(args[8], bias.repeat_interleave(128))
+
+
 def test_backend_passes_preprocessing_flags(monkeypatch):
     """The cula-sm90 backend leaves q/k/beta alone and hands the three flags to chunk_kda_fwd_sm90."""
     from cula.kda.backends import _chunk_kda_cula_sm90
