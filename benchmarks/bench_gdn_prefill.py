@@ -2,12 +2,13 @@
 
 cula runs it on the KDA kernels (the intra kernel's per-head-gate variant, then KDA's state/output kernel:
 ``cula.gated_delta_rule.backends``); FLA on its own Gated DeltaNet kernels. The configs, timing, checks, floors
-and result format are ``bench_kda_prefill.py``'s (see its docstring), with Gated DeltaNet's inputs: g ``[B, T, HV]`` raw, the fused gate ``-exp(A_log) softplus(g
-+ dt_bias)`` with ``A_log`` / ``dt_bias`` ``[HV]``, beta logits, q / k L2 norm in the kernel, ``[V, K]`` states.
-H = HV = 64 on the 28 configs, then Qwen-style GVA rows (``-H16-HV32`` / ``-H16-HV64``: 1 x 8K, 1 x 32K, 4 x 8K)
-with published H200 numbers for two of them in ``meta["anchors_ms"]``. The table says whether cula's path is the
-faster one for inference: ``GdnTuning.inference_chunk_on_cula``
-(``cula/gated_delta_rule/plan.py``) is set from it; the run forces cula's path on for the cula column.
+and result format are ``bench_kda_prefill.py``'s (see its docstring), with Gated DeltaNet's inputs: g ``[B, T,
+HV]`` raw, the fused gate ``-exp(A_log) softplus(g + dt_bias)`` with ``A_log`` / ``dt_bias`` ``[HV]``, beta
+logits, q / k L2 norm in the kernel, ``[V, K]`` states. H = HV = 64 on the 28 configs, then Qwen-style GVA rows
+(``-H16-HV32`` / ``-H16-HV64``: 1 x 8K, 1 x 32K, 4 x 8K) with published H200 numbers for two of them in
+``meta["anchors_ms"]``. The table says whether cula's path is the faster one for inference:
+``GdnTuning.inference_chunk_on_cula`` (``cula/gated_delta_rule/plan.py``) is set from it; the run forces cula's
+path on for the cula column.
 
 Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph]``.
 """
