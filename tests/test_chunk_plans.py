@@ -57,6 +57,32 @@ def counted(monkeypatch):
     return count
 
 
+def test_derived_tensors_follow_their_parameter():
+    """``cula.backends.DerivedTensors``: one value per (parameter, device, tag) while the parameter is the same,
+    unmodified tensor; an in-place change or another tensor remakes it; inference tensors (no version counter) by
+    identity; a full cache drops its oldest entry."""
+    from cula.backends import DerivedTensors
+
+    made = []
+    cache = DerivedTensors(maxsize=2)
+    cpu = torch.device("cpu")
+
+    def get(p, tag=("t",)):
+        return cache.get(p, cpu, tag, lambda: made.append(1) or (-p if p is not None else torch.zeros(1)))
+
+    a = torch.ones(3)
+    assert get(a) is get(a) and len(made) == 1
+    a.mul_(2)
+    assert torch.equal(get(a), -a) and len(made) == 2
+    assert get(None) is get(None) and len(made) == 3
+    with torch.inference_mode():
+        b = torch.ones(3)
+        assert get(b) is get(b)
+    assert get(b) is get(b) and len(made) == 4
+    get(a)  # evicted by the two newer entries
+    assert len(made) == 5
+
+
 def test_public_args_are_the_signature():
     """chunk_kda builds its dispatch dict from its locals by these names: they must be its parameters."""
     import inspect
