@@ -20,12 +20,12 @@ The module imports on a CPU-only machine; anything that touches the GPU does so 
 from __future__ import annotations
 
 import argparse
-import io
 import contextlib
 import dataclasses
 import datetime as _dt
 import importlib
 import importlib.metadata
+import io
 import json
 import math
 import os

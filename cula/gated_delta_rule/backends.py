@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from cula._validate import check_scale
 from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.kda.plan import gate_over_k
 
 chunk_gdn_registry = Registry("gated_delta_rule.chunk_gated_delta_rule")
 fused_recurrent_gdn_registry = Registry("gated_delta_rule.fused_recurrent_gated_delta_rule")
@@ -27,14 +29,6 @@ fused_recurrent_gdn_registry = Registry("gated_delta_rule.fused_recurrent_gated_
 CULA_PRIORITY = 10
 FLA_PRIORITY = 50
 REFERENCE_PRIORITY = 90
-
-
-def _over_k(g: torch.Tensor | None, dt_bias: torch.Tensor | None,
-            K: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """The scalar gate ``[..., HV]`` and the fused gate's ``dt_bias`` ``[HV]`` as KDA's per-channel ones (``[..., HV,
-    K]`` contiguous, ``[HV * K]``): the same recurrence on the KDA kernels. None stays None."""
-    gk = None if g is None else g.unsqueeze(-1).expand(*g.shape, K).contiguous()
-    return gk, None if dt_bias is None else dt_bias.unsqueeze(-1).expand(dt_bias.shape[0], K).reshape(-1)
 
 
 def _cula_chunk_supports(
@@ -74,12 +68,12 @@ def _chunk_cula_sm90(
         from cula.kda.forward import chunk_kda_fwd_sm90
 
         return chunk_kda_fwd_sm90(
-            q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale, initial_state, output_final_state,
+            q, k, v, g, beta, check_scale(scale, q.shape[-1]), initial_state, output_final_state,
             state_v_first, cu_seqlens, cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
             dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         )  # fmt: skip
-    gk, bias = _over_k(g, dt_bias, q.shape[-1])
+    gk, bias = gate_over_k(g, dt_bias, q.shape[-1])
     return chunk_kda(
         q, k, v, gk, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -190,7 +184,7 @@ def _recurrent_cula_sm90(
     from cula.kda import kda_decode
 
     N, T = q.shape[:2]
-    gk, bias = _over_k(g, dt_bias, q.shape[-1])
+    gk, bias = gate_over_k(g, dt_bias, q.shape[-1])
     steps = torch.empty((N, T) + tuple(initial_state.shape[1:]), dtype=torch.float32, device=q.device)
     o = kda_decode(
         q, k, v, gk, torch.ones(N, T, v.shape[2], device=q.device) if beta is None else beta,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from cula._validate import FLOAT_DTYPES, check_tensor
-from cula.gated_delta_rule.backends import _over_k
 from cula.gated_delta_rule.chunk import check_gdn_activations
 from cula.kda.decode import kda_commit_accepted, kda_decode, kda_decode_step
+from cula.kda.plan import gate_over_k
 
 __all__ = ["gdn_commit_accepted", "gdn_decode", "gdn_decode_step"]
 
@@ -69,7 +69,7 @@ def gdn_decode(
     )
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    gk, bias = _over_k(g, dt_bias, q.shape[-1])
+    gk, bias = gate_over_k(g, dt_bias, q.shape[-1])
     return kda_decode(
         q, k, v, gk, beta, state_pool, state_indices, A_log=A_log, dt_bias=bias, scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -120,12 +120,12 @@ def gdn_decode_step(
                                   allow_neg_eigval)  # fmt: skip
             a_log, bias = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
             inner = steps[K] = kda_decode_step(
-                state_pool, state_indices, A_log=a_log, dt_bias=_over_k(None, bias, K)[1], scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                state_pool, state_indices, A_log=a_log, dt_bias=gate_over_k(None, bias, K)[1], scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                 allow_neg_eigval=allow_neg_eigval,
                 state_v_first=state_v_first, check_indices=check_indices,
             )  # fmt: skip
-        gk, _ = _over_k(g, None, K)
+        gk, _ = gate_over_k(g, None, K)
         return inner(q, k, v, gk, beta, out=out, step_states=step_states)
 
     return step

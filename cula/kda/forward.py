@@ -26,7 +26,7 @@ import collections
 
 import torch
 
-from cula.kda.plan import KDA_TUNING, parallel_segments, time_segments, use_cula_intra
+from cula.kda.plan import KDA_TUNING, gate_over_k, parallel_segments, time_segments, use_cula_intra
 from cula.ops._host import dsl_name, gate_kind, placeholder
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 from cula.ops.kda.sm90.segment_chain import chunk_kda_segment_chain_sm90
@@ -140,8 +140,7 @@ def chunk_kda_fwd_sm90(
     scalar_gate = g.dim() == 3
     cute_intra = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound, scalar_gate)
     if scalar_gate and not cute_intra:  # FLA's stages take the gate (and its bias) per channel
-        g = g.unsqueeze(-1).expand(*g.shape, K).contiguous()
-        dt_bias = None if dt_bias is None else dt_bias.reshape(HV, 1).expand(HV, K).reshape(-1)
+        g, dt_bias = gate_over_k(g, dt_bias, K)
     if cute_intra:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,

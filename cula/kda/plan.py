@@ -99,6 +99,15 @@ INTRA_ENV = "CULA_KDA_INTRA"
 _INTRA_MIN_LOWER_BOUND = -5.0
 
 
+def gate_over_k(g: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                K: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """One gate per token and head ``[..., HV]`` (Gated DeltaNet's) and the fused gate's ``dt_bias`` ``[HV]`` as KDA's
+    per-channel ones (``[..., HV, K]`` contiguous, ``[HV * K]``): the same recurrence for the kernels and stages that
+    take the gate per channel. None stays None."""
+    gk = None if g is None else g.unsqueeze(-1).expand(*g.shape, K).contiguous()
+    return gk, None if dt_bias is None else dt_bias.unsqueeze(-1).expand(dt_bias.shape[0], K).reshape(-1)
+
+
 def use_cula_intra(q, v, safe_gate: bool, use_gate_in_kernel: bool, lower_bound: float | None,
                    scalar_gate: bool = False) -> bool:  # fmt: skip
     """Whether cula's intra kernel (gate, cumsum, L2 norm, beta sigmoid, scores, inverse and w/u in one launch)
