@@ -52,14 +52,15 @@ def beta_act_for(beta_sigmoid: bool, allow_neg_eigval: bool) -> str:
 
 
 def gate_params(
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, gate: str, HV: int, K: int, device: torch.device
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, gate: str, HV: int, K: int, device: torch.device,
+    *, per_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A_log [HV], dt_bias [HV, K])`` fp32 as the kernel reads them, FLA's defaults where absent (``K`` 0: one
-    gate per head, dt_bias ``[HV]``)."""
+    """``(A_log [HV], dt_bias [HV, K])`` fp32 as the kernel reads them, FLA's defaults where absent (``per_head``:
+    one gate per token and head, dt_bias ``[HV]``)."""
     if A_log is None:
         # FLA: softplus uses exp(1) when A_log is absent, sigmoid uses 1 = exp(0)
         A_log = placeholder(device, torch.float32, (HV,), 1.0 if gate == "softplus" else 0.0)
-    bias_shape = (HV, K) if K else (HV,)
+    bias_shape = (HV,) if per_head else (HV, K)
     if dt_bias is None:
         dt_bias = placeholder(device, torch.float32, bias_shape)
     A_log = A_log.reshape(HV).to(torch.float32).contiguous()
@@ -247,7 +248,7 @@ def chunk_kda_intra_sm90(
     if B * T == 0 or HV == 0 or num_chunks == 0:
         return
     dev = q.device
-    A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, 0 if scalar_gate else K, dev)
+    A_log, dt_bias = gate_params(A_log, dt_bias, gate, HV, K, dev, per_head=scalar_gate)
     fn = compiled_variant(
         varlen=varlen,
         **kernel_options(
