@@ -81,7 +81,8 @@ def test_matches_the_gdn_reference(fused, state_v_first, packed):
 def test_declines_what_the_kernels_do_not_take(gdn_tuning, pretend_sm90):
     x = _inputs(1, 8, 1, 1, 128, False, dtype=torch.bfloat16)
     base = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], chunk_size=64)
-    # inference stays on FLA's kernels until measured; training always takes cula's path
+    # inference takes cula's path only where the GPU's entry says so; training always does
+    gdn_tuning(inference_chunk_on_cula=False)
     ok, why = _cula_chunk_supports(**base)
     assert not ok and "inference_chunk_on_cula" in why
     assert _cula_chunk_supports(**dict(base, g=x["g"].clone().requires_grad_())) == (True, None)

@@ -133,7 +133,8 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     per-head-gate intra kernels are listed, and only then."""
     from cula.gated_delta_rule import chunk_gated_delta_rule
 
-    assert not [k for k in variants.planner_variants("full", ops=("gdn.chunk",))]  # the H200's entry: off
+    gdn_tuning(inference_chunk_on_cula=False)
+    assert not [k for k in variants.planner_variants("full", ops=("gdn.chunk",))]
     gdn_tuning(inference_chunk_on_cula=True)
     listed = set(variants.planner_variants("full", ops=("gdn.chunk",)))
     grid = ((BF16, FP16), (FP32, BF16), (BF16, FP32), (False, True), (False, True), ("fixed", "packed"))

@@ -25,10 +25,11 @@ class GdnTuning:
     inference_decode_max_tokens: int = 0
 
 
-# The H200: bench_gdn_prefill.py measured cula's earlier path (the gate repeated over K, whose unbounded softplus
-# gate sent the intra stage to FLA's Triton kernels) at 0.49-0.89x FLA's Gated DeltaNet kernels; the per-head-gate
-# intra kernel that replaced it is not measured yet, so prefill inference stays on FLA. bench_gdn_decode.py
+# The H200: bench_gdn_prefill.py measured cula's path (the intra kernel's per-head gate, then KDA's state/output
+# kernel) at 1.2-4.6x FLA's Gated DeltaNet kernels on its quick suite (GVA rows included); bench_gdn_decode.py
 # measured one token a sequence at 1.18-1.48x FLA's (1 and 64 sequences), 4 tokens (MTP) at 0.70x.
 GDN_TUNING: TuningTable[GdnTuning] = TuningTable(
-    "gated_delta_rule", {(9, 0): GdnTuning(inference_decode_max_tokens=1)}, fallback=GdnTuning()
+    "gated_delta_rule",
+    {(9, 0): GdnTuning(inference_chunk_on_cula=True, inference_decode_max_tokens=1)},
+    fallback=GdnTuning(),
 )
