@@ -1,5 +1,6 @@
-"""CuTe DSL pieces shared by the SM90 kernels: barrier ids, the accumulator-as-operand view of chained WGMMAs, the
-pieces of the chunk-recurrence kernels, and the TMA boxes of fp32 decode states.
+"""CuTe DSL pieces shared by the SM90 kernels: barrier ids, the accumulator-as-operand view of chained WGMMAs, tf32
+rounding and vector views for the kernels on ``mma.sync``, the pieces of the chunk-recurrence kernels, and the TMA
+boxes of fp32 decode states.
 
 **Named barriers.** Barrier 0 is the CTA-wide ``bar.sync``; every kernel numbers its other named barriers in an
 ``IntEnum`` of its own module, from ``FIRST_NAMED_BARRIER`` on, so no id is a bare number at its use.
@@ -26,15 +27,15 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, pipeline
+from cutlass import Float32, Int32, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 __all__ = [
     "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
     "box_load", "box_partition", "box_store", "column_decay", "decay_columns", "gate_row_layout", "gemm_k_blocks",
-    "load_column_decay", "recurrence_pipeline", "state_box_atoms", "state_view", "token_cols", "token_rows",
-    "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major",
+    "load_column_decay", "recurrence_pipeline", "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_rows",
+    "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major", "vec_at",
 ]  # fmt: skip
 
 FIRST_NAMED_BARRIER = 1  # 0 is the CTA-wide barrier
@@ -54,6 +55,20 @@ def acc_as_a_frag(acc: cute.Tensor) -> cute.Tensor:
         ),
     )
     return cute.make_tensor(acc.iterator, new)
+
+
+@cute.jit
+def round_tf32(x: Float32) -> Float32:
+    """x rounded to tf32's 10 mantissa bits (to nearest, ties away from zero), still as fp32: mma.sync drops the
+    low 13 bits, so adding half of their range first rounds instead of truncating (FLA's tf32 dots round)."""
+    return (x.bitcast(Int32) + Int32(0x1000)).bitcast(Float32)
+
+
+@cute.jit
+def vec_at(t_: cute.Tensor, crd, divby: int = 8, n: int = 8) -> cute.Tensor:
+    """The n (8) elements at and after ``crd`` in memory, for tensors whose n-element runs are contiguous there
+    (``divby``: the offset's known divisibility, which sets the access width)."""
+    return cute.make_tensor(t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), cute.make_layout(n))
 
 
 # ------------------------------------------------------------------------------------------- chunk recurrences

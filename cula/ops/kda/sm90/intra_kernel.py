@@ -99,7 +99,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import GATES, dsl_type
-from cula.ops.cute_common import FIRST_NAMED_BARRIER
+from cula.ops.cute_common import FIRST_NAMED_BARRIER, round_tf32, vec_at
 from cula.ops.kda.sm90.intra import BETA_ACTS
 
 __all__ = ["ChunkKDAIntraFwdSm90"]
@@ -296,14 +296,6 @@ class ChunkKDAIntraFwdSm90:
         return b
 
     @cute.jit
-    def _vec_at(self, t_: cute.Tensor, crd, divby: int = 8, n: int = 8) -> cute.Tensor:
-        """The n (8) elements at and after ``crd`` in memory, for tiles whose n-element runs are contiguous there
-        (``divby``: the offset's known divisibility, which sets the access width)."""
-        return cute.make_tensor(
-            t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), cute.make_layout(n)
-        )
-
-    @cute.jit
     def _widen(self, r: cute.Tensor) -> list:
         """The elements of a register tensor of q's dtype as fp32. For bf16 from the 32-bit pairs: ``w << 16`` and
         ``w & 0xffff0000``, one instruction each, where the element-wise conversion spends two on every odd
@@ -327,7 +319,7 @@ class ChunkKDAIntraFwdSm90:
 
         def load(m):
             rv = cute.make_rmem_tensor(8, self.dtype)
-            cute.autovec_copy(self._vec_at(sX0, (c8, tidx // 16 + rows * m)), rv)
+            cute.autovec_copy(vec_at(sX0, (c8, tidx // 16 + rows * m)), rv)
             return rv
 
         nxt = load(0)
@@ -340,7 +332,7 @@ class ChunkKDAIntraFwdSm90:
             xv = self._widen(rv)
             for e in cutlass.range_constexpr(8):
                 rv[e] = (xv[e] * b).to(self.dtype)
-            cute.autovec_copy(rv, self._vec_at(sX0, (c8, t)))
+            cute.autovec_copy(rv, vec_at(sX0, (c8, t)))
 
     @cute.jit
     def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks):
@@ -352,7 +344,7 @@ class ChunkKDAIntraFwdSm90:
         r = tidx // 16
         c8 = cute.assume((tidx % 16) * V8, divby=V8)
         vec = cute.make_layout(V8)
-        at = self._vec_at
+        at = vec_at
 
         rgl = cute.make_rmem_tensor(V8, Float32)
         cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG's 8-float units stay whole under its swizzle
@@ -394,12 +386,12 @@ class ChunkKDAIntraFwdSm90:
                 rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
                 # rows past the sequence end have q = k = 0 (P1), so their operands are 0 as well
                 if const_expr(self.scalar_gate):  # plain products, the gate applied to the scores (P3)
-                    bq[e] = _round_tf32(qv)
-                    bk[e] = _round_tf32(kv)
+                    bq[e] = round_tf32(qv)
+                    bk[e] = round_tf32(kv)
                 else:
                     f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
-                    bq[e] = _round_tf32(qv * f)
-                    bk[e] = _round_tf32(kv * f)
+                    bq[e] = round_tf32(qv * f)
+                    bk[e] = round_tf32(kv * f)
             # q's row is read: k' takes its place (P7 reads it there)
             cute.autovec_copy(rkp, at(sQ0, (c8, t)))
             # two 16-byte units per row, units c4 and c4 + 1 (unit bit 3 = (tidx >> 2) & 1, see _b_unit)
@@ -431,7 +423,7 @@ class ChunkKDAIntraFwdSm90:
             t = tid // 16 + 8 * m
             if t < valid:
                 r = cute.make_rmem_tensor(V8, self.dtype)
-                cute.autovec_copy(self._vec_at(sX0, (c8, t)), r)
+                cute.autovec_copy(vec_at(sX0, (c8, t)), r)
                 cute.autovec_copy(r, cute.make_tensor(mOut[tok0 + t, hv, None].iterator + c8, vec))
 
     @cute.jit
@@ -444,7 +436,7 @@ class ChunkKDAIntraFwdSm90:
         ss.fill(0.0)
         for c in cutlass.range_constexpr(self.dk // V8):
             rx = cute.make_rmem_tensor(V8, dt)
-            cute.autovec_copy(self._vec_at(sX0, (c * V8, t)), rx)
+            cute.autovec_copy(vec_at(sX0, (c * V8, t)), rx)
             xf = self._widen(rx)
             for e in cutlass.range_constexpr(V8):
                 ss[e] = ss[e] + xf[e] * xf[e]
@@ -456,7 +448,7 @@ class ChunkKDAIntraFwdSm90:
 
         def load(c):
             rx = cute.make_rmem_tensor(V8, dt)
-            cute.autovec_copy(self._vec_at(sX0, (c * V8, t)), rx)
+            cute.autovec_copy(vec_at(sX0, (c * V8, t)), rx)
             return rx
 
         nxt = load(0)
@@ -467,7 +459,7 @@ class ChunkKDAIntraFwdSm90:
             xf = self._widen(rx)
             for e in cutlass.range_constexpr(V8):
                 rx[e] = (xf[e] * r).to(dt)
-            cute.autovec_copy(rx, self._vec_at(sX0, (c * V8, t)))
+            cute.autovec_copy(rx, vec_at(sX0, (c * V8, t)))
 
     @cute.kernel
     def kernel(
@@ -615,7 +607,7 @@ class ChunkKDAIntraFwdSm90:
                 zero = cute.make_rmem_tensor(8, dt)
                 zero.fill(0.0)
                 for c in cutlass.range_constexpr(DK // 8):
-                    cute.autovec_copy(zero, self._vec_at(sX0, (8 * c, tid % BT)))
+                    cute.autovec_copy(zero, vec_at(sX0, (8 * c, tid % BT)))
             else:
                 if const_expr(self.l2norm_qk):
                     self._l2norm_rows(sX0, tid % BT)
@@ -633,7 +625,7 @@ class ChunkKDAIntraFwdSm90:
             s0 = cute.assume((item % 8) * 8, divby=8)
             if t < valid:
                 ra = cute.make_rmem_tensor(8, dt)
-                cute.autovec_copy(self._vec_at(sAqk, (t, s0)), ra)
+                cute.autovec_copy(vec_at(sAqk, (t, s0)), ra)
                 dst = cute.make_tensor(mAqk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8))
                 cute.autovec_copy(ra, dst)
 
@@ -672,7 +664,7 @@ class ChunkKDAIntraFwdSm90:
                 ra = self._a_row4(sA, t, s0 + 4 * h4)
                 for e in cutlass.range_constexpr(4):
                     rt[4 * h4 + e] = ra[e].to(dt)
-            cute.autovec_copy(rt, self._vec_at(sT0, (t, s0)))
+            cute.autovec_copy(rt, vec_at(sT0, (t, s0)))
             if const_expr(self.write_akk):
                 if t < valid:
                     cute.autovec_copy(rt, cute.make_tensor(mAkk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8)))
@@ -763,9 +755,9 @@ class ChunkKDAIntraFwdSm90:
         fa = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
         for h in cutlass.range_constexpr(2):
             two = cute.make_rmem_tensor(2, Float32)
-            cute.autovec_copy(self._vec_at(sX, (r0 + g + 8 * h, k0 + c2), 2, 2), two)
-            fa[h] = _round_tf32(two[0]).to(TFloat32)
-            fa[2 + h] = _round_tf32(two[1]).to(TFloat32)
+            cute.autovec_copy(vec_at(sX, (r0 + g + 8 * h, k0 + c2), 2, 2), two)
+            fa[h] = round_tf32(two[0]).to(TFloat32)
+            fa[2 + h] = round_tf32(two[1]).to(TFloat32)
         return fa
 
     @cute.jit
@@ -777,7 +769,7 @@ class ChunkKDAIntraFwdSm90:
             fb = cute.make_rmem_tensor(tiled.partition_shape_B((16, 8)), TFloat32)
             for nt in cutlass.range_constexpr(2):
                 for v in cutlass.range_constexpr(2):
-                    fb[2 * nt + v] = _round_tf32(sB[r0 + 8 * ks + c2 + v, c0 + 8 * nt + g]).to(TFloat32)
+                    fb[2 * nt + v] = round_tf32(sB[r0 + 8 * ks + c2 + v, c0 + 8 * nt + g]).to(TFloat32)
             cute.gemm(tiled, acc, frags_a[ks], fb, acc)
 
     @cute.jit
@@ -789,7 +781,7 @@ class ChunkKDAIntraFwdSm90:
                 two = cute.make_rmem_tensor(2, Float32)
                 two[0] = acc[2 * h + 4 * nt]
                 two[1] = acc[2 * h + 1 + 4 * nt]
-                cute.autovec_copy(two, self._vec_at(sX, (r0 + g + 8 * h, c0 + 8 * nt + c2), 2, 2))
+                cute.autovec_copy(two, vec_at(sX, (r0 + g + 8 * h, c0 + 8 * nt + c2), 2, 2))
 
     @cute.jit
     def _da_at(self, tiled, fd, sA, r0, c0, lane):
@@ -813,7 +805,7 @@ class ChunkKDAIntraFwdSm90:
         for ks in cutlass.range_constexpr(2):
             fa = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
             for slot, v in ((0, 0), (1, 2), (2, 1), (3, 3)):
-                fa[slot] = _round_tf32(-x[v + 4 * ks]).to(TFloat32)
+                fa[slot] = round_tf32(-x[v + 4 * ks]).to(TFloat32)
             frags.append(fa)
         return frags
 
@@ -912,7 +904,7 @@ class ChunkKDAIntraFwdSm90:
     def _a_row4(self, sA, t, s0):
         """sA[t, s0 .. s0 + 3] in registers (one 16-byte read: rows of 68 floats, s0 a multiple of 4)."""
         ra = cute.make_rmem_tensor(4, Float32)
-        cute.autovec_copy(self._vec_at(sA, (t, s0), 4, 4), ra)
+        cute.autovec_copy(vec_at(sA, (t, s0), 4, 4), ra)
         return ra
 
     @cute.jit
@@ -1026,23 +1018,23 @@ class ChunkKDAIntraFwdSm90:
             if const_expr(self.scalar_gate):  # plain k: the gate multiplies the scores in the epilogue
                 for i in cutlass.range_constexpr(2):
                     rk = cute.make_rmem_tensor(4, self.dtype)
-                    cute.autovec_copy(self._vec_at(sK0, (kk, rows[i]), 4, 4), rk)
+                    cute.autovec_copy(vec_at(sK0, (kk, rows[i]), 4, 4), rk)
                     kf = self._widen(rk)
                     for e in cutlass.range_constexpr(4):
-                        x[4 * i + e] = _round_tf32(kf[e])
+                        x[4 * i + e] = round_tf32(kf[e])
             else:
                 rga = cute.make_rmem_tensor(4, Float32)
-                cute.autovec_copy(self._vec_at(sG, (kk, 16 * anc + 8), 4, 4), rga)
+                cute.autovec_copy(vec_at(sG, (kk, 16 * anc + 8), 4, 4), rga)
                 for i in cutlass.range_constexpr(2):
                     s = rows[i]
                     rk = cute.make_rmem_tensor(4, self.dtype)
                     rgs = cute.make_rmem_tensor(4, Float32)
-                    cute.autovec_copy(self._vec_at(sK0, (kk, s), 4, 4), rk)
-                    cute.autovec_copy(self._vec_at(sG, (kk, s), 4, 4), rgs)
+                    cute.autovec_copy(vec_at(sK0, (kk, s), 4, 4), rk)
+                    cute.autovec_copy(vec_at(sG, (kk, s), 4, 4), rgs)
                     kf = self._widen(rk)
                     for e in cutlass.range_constexpr(4):
                         f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
-                        x[4 * i + e] = _round_tf32(kf[e] * f)  # k = 0 past the sequence end (P1)
+                        x[4 * i + e] = round_tf32(kf[e] * f)  # k = 0 past the sequence end (P1)
             rb = []  # n-tile nt's 4 k values
             for nt in cutlass.range_constexpr(4):
                 rb.append(cute.make_rmem_tensor(4, Float32))
@@ -1078,12 +1070,6 @@ def _tf32_row(g):
     ``_score_block``); fragment row g + 8 is that row + 8."""
     return (g % 4) * 2 + g // 4
 
-
-@cute.jit
-def _round_tf32(x: Float32) -> Float32:
-    """x rounded to tf32's 10 mantissa bits (to nearest, ties away from zero), still as fp32: mma.sync drops the
-    low 13 bits, so adding half of their range first rounds instead of truncating (FLA's tf32 dots round)."""
-    return (x.bitcast(Int32) + Int32(0x1000)).bitcast(Float32)
 
 def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_options="", **options):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.

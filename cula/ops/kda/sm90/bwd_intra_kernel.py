@@ -1,0 +1,393 @@
+"""KDA chunk backward, the gradients through the intra-chunk scores on SM90 (stage 7 of FLA's ``chunk_kda_bwd``).
+
+Replaces FLA 0.6.0's ``chunk_kda_bwd_intra`` (``fla/ops/kda/chunk_intra.py``); contract:
+``cula.kda.naive_bwd.chunk_kda_bwd_intra_reference``. Per chunk of BT = 64 tokens and value head, with rows t, s,
+channels c, ``g`` the chunk-local log2 gate cumsum and ``E[t, s, c] = exp2(g[t, c] - g[s, c])`` (s <= t)::
+
+    dq_t  += sum_{s <= t} dAqk[t, s] k_s E_ts                          (dq_intra)
+    row_t  = sum_{s <= t} dAkk[t, s] k_s E_ts
+    dk_s  += beta_s row_s + sum_{t >= s} (dAqk[t, s] q_t + dAkk[t, s] beta_t k_t) E_ts
+    db_t  += sum_c row_t k_t
+    dg    += q dq_intra + k (beta row - col)      col_s = sum_{t >= s} dAkk[t, s] beta_t k_t E_ts
+
+(``dg`` for the natural-log gate; dAkk's diagonal included, as FLA's kernel reads it.) Outputs are new tensors:
+``dq + ...``, ``dk + ...``, ``dg + ...``, ``db + ...``, all fp32.
+
+Numerics: the gate factor is split per 16-row sub-chunk around an anchor row ``a`` (row 8 of the sub-chunk, or its
+last valid row): the "row" products (dq_intra, row) of output sub-chunk i are ``exp2(g_t - g_a) * sum_s dA[t, s]
+(k_s exp2(g_a - g_s))`` over the key sub-chunks j <= i, the "column" products (col and the dAqk term of dk) of
+output sub-chunk j are ``exp2(g_a - g_s) * sum_t dA[t, s] (x_t exp2(g_t - g_a))`` over the query sub-chunks
+i >= j, with a the anchor of the output sub-chunk. Exponents are clamped at 100 (base 2) as in the forward intra
+kernel, with the same exactness condition (no 8-step window of one channel decays by more than 2^100; the
+training path takes this kernel only where the forward's intra kernel ran, which requires it). The products run as
+tf32 ``mma.sync`` (m16n8k8, fp32 accumulation) with operands rounded to nearest, as FLA's tf32 dots.
+
+Layout (256 threads, 8 warps, one CTA per (chunk, value head), ~107 KB of shared memory: two CTAs per SM):
+
+=====  ======================================================================================================
+phase  work
+=====  ======================================================================================================
+L      all threads: q, k (head hv // (HV/H)) bf16, g fp32, dAqk, dAkk fp32 (cp.async) and beta to padded shared
+       rows, zeros past the sequence end; CTA barrier
+R      warp w: output sub-chunk i = w % 4, channel half w // 4. Row products (dq_intra, row) over key blocks
+       j <= i, two accumulators [16 x 64] fed by one B operand (k times its factor, built in registers); then
+       dq, and dk / dg with the row terms, to global memory, and the half's db partial to shared memory
+C      the same warp, the same rows and channels: column products over query blocks i' >= i (A read transposed
+       from the score gradients, B operands q and beta k times their factor, both products summed into one
+       accumulator: dk and dg take only their sum); then dk, dg completed in place (the thread reads back only
+       what it wrote in R)
+D      CTA barrier; threads 0..63: db = db_in + both halves' partials
+=====  ======================================================================================================
+
+Row unit i costs i + 1 key blocks, column unit i costs 4 - i: every warp does five block products.
+Shared rows are padded (q / k 136 bf16, g 132 floats, score gradients 68 floats) so that the B-operand builds
+(8 channels x 4 tokens a quarter warp) and the transposed A reads are free of bank conflicts.
+
+Supported: K = 128, BT = 64, q / k bf16 or fp16, beta fp32 / bf16 / fp16, GVA (HV a multiple of H), varlen
+(``cu_seqlens`` int32 + ``chunk_indices`` int32 ``[NT, 2]``; a padding row (n, c) with ``64 c >=`` the length of
+sequence n writes nothing).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float16, Float32, Int32, TFloat32, const_expr, cute
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.memory import SmemAllocator
+
+from cula.cache import compile_options
+from cula.ops._host import dsl_type
+from cula.ops.cute_common import round_tf32, vec_at
+
+__all__ = ["ChunkKDABwdIntraSm90"]
+
+_ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the gate factors (see the module docstring)
+
+
+class ChunkKDABwdIntraSm90:
+    """KDA backward through the intra-chunk scores (FLA's ``chunk_kda_bwd_intra``), sm_90a.
+
+    Static configuration: the dtype of q / k, the dtype of beta, varlen. Token counts, heads and sequences are
+    runtime values.
+    """
+
+    arch = 90
+
+    def __init__(self, dtype=BFloat16, beta_dtype=Float32, varlen: bool = False):
+        if dtype not in (BFloat16, Float16):
+            raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
+        if beta_dtype not in (BFloat16, Float16, Float32):
+            raise ValueError(f"beta_dtype must be BFloat16, Float16 or Float32, got {beta_dtype}")
+        self.dtype, self.beta_dtype, self.varlen = dtype, beta_dtype, bool(varlen)
+        self.bt, self.dk = 64, 128
+        self.num_threads = 256
+        # padded row strides (elements), see the module docstring
+        self.x_ld, self.g_ld, self.a_ld = self.dk + 8, self.dk + 4, self.bt + 4
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T_total, H, K) dtype
+        mK: cute.Tensor,  # (T_total, H, K) dtype
+        mG: cute.Tensor,  # (T_total, HV, K) fp32, chunk-local log2 cumsum
+        mBeta: cute.Tensor,  # (T_total, HV) beta_dtype
+        mDAqk: cute.Tensor,  # (T_total, HV, BT) fp32
+        mDAkk: cute.Tensor,  # (T_total, HV, BT) fp32
+        mDq: cute.Tensor,  # (T_total, HV, K) fp32, in
+        mDk: cute.Tensor,  # (T_total, HV, K) fp32, in
+        mDg: cute.Tensor,  # (T_total, HV, K) fp32, in
+        mDb: cute.Tensor,  # (T_total, HV) fp32, in
+        mDq2: cute.Tensor,  # (T_total, HV, K) fp32, out
+        mDk2: cute.Tensor,  # (T_total, HV, K) fp32, out
+        mDg2: cute.Tensor,  # (T_total, HV, K) fp32, out
+        mDb2: cute.Tensor,  # (T_total, HV) fp32, out
+        mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
+        mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
+        seqlen: Int32,  # tokens per sequence when not varlen
+        num_chunks: Int32,  # grid x: chunks per sequence, or NT when varlen
+        num_seqs: Int32,  # grid z: B, or 1 when varlen
+        stream: cuda.CUstream,
+    ):
+        BT = self.bt
+
+        @cute.struct
+        class Storage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.x_ld], 16]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.x_ld], 16]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, BT * self.g_ld], 16]
+            sAq: cute.struct.Align[cute.struct.MemRange[Float32, BT * self.a_ld], 16]
+            sAk: cute.struct.Align[cute.struct.MemRange[Float32, BT * self.a_ld], 16]
+            sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
+            sDb: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BT], 16]  # the two halves' db partials
+
+        self.storage = Storage
+        self.kernel(
+            mQ, mK, mG, mBeta, mDAqk, mDAkk, mDq, mDk, mDg, mDb, mDq2, mDk2, mDg2, mDb2, mCu, mCi, seqlen
+        ).launch(
+            grid=(num_chunks, mDq.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
+            min_blocks_per_mp=2, max_number_threads=[self.num_threads, 1, 1], preferred_smem_carveout=100,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mDAqk: cute.Tensor,
+        mDAkk: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
+        mDq2: cute.Tensor, mDk2: cute.Tensor, mDg2: cute.Tensor, mDb2: cute.Tensor, mCu: cute.Tensor,
+        mCi: cute.Tensor, seqlen: Int32,
+    ):  # fmt: skip
+        BT, DK = self.bt, self.dk
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, hv, bz = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        HV = mDq.shape[1]
+        h = hv // (HV // mQ.shape[1])
+
+        if const_expr(self.varlen):
+            n = mCi[bx, 0]
+            c = mCi[bx, 1]
+            bos = mCu[n]
+            seq_len = mCu[n + 1] - bos
+        else:
+            c = bx
+            bos = bz * seqlen
+            seq_len = seqlen
+        tok0 = bos + c * BT
+        valid = cutlass.min(seq_len - c * BT, BT)
+
+        if valid > 0:
+            storage = SmemAllocator().allocate(self.storage)
+            sQ = storage.sQ.get_tensor(cute.make_layout((BT, DK), stride=(self.x_ld, 1)))
+            sK = storage.sK.get_tensor(cute.make_layout((BT, DK), stride=(self.x_ld, 1)))
+            sG = storage.sG.get_tensor(cute.make_layout((BT, DK), stride=(self.g_ld, 1)))
+            sAq = storage.sAq.get_tensor(cute.make_layout((BT, BT), stride=(self.a_ld, 1)))
+            sAk = storage.sAk.get_tensor(cute.make_layout((BT, BT), stride=(self.a_ld, 1)))
+            sBeta = storage.sBeta.get_tensor(cute.make_layout(BT))
+            sDb = storage.sDb.get_tensor(cute.make_layout((BT, 2), stride=(1, BT)))
+
+            self._load(mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, tok0, h, hv, valid, tidx)
+            cute.arch.barrier()
+
+            tiled = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
+            sub = warp_idx % 4
+            half = warp_idx // 4
+            if 16 * sub < valid:
+                anchor = cutlass.min(16 * sub + 8, valid - 1)
+                self._row_unit(tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, mDq, mDk, mDg, mDq2, mDk2, mDg2, tok0, hv,
+                               valid, sub, half, anchor, lane)  # fmt: skip
+                self._column_unit(tiled, sQ, sK, sG, sAq, sAk, sBeta, mDk2, mDg2, tok0, hv, valid, sub, half, anchor,
+                                  lane)  # fmt: skip
+            cute.arch.barrier()
+            if tidx < valid:
+                mDb2[tok0 + tidx, hv] = mDb[tok0 + tidx, hv] + sDb[tidx, 0] + sDb[tidx, 1]
+
+    @cute.jit
+    def _load(self, mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, tok0, h, hv, valid, tidx):
+        """Phase L: the chunk's tiles to shared memory by 16-byte ``cp.async`` (no registers held), zeros past the
+        sequence end."""
+        BT = self.bt
+        x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
+        f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+        c8 = cute.assume((tidx % 16) * 8, divby=8)  # q / k: 16 units of 8 a row, 16 rows a pass
+        for m in cutlass.range_constexpr(BT // 16):
+            t = tidx // 16 + 16 * m
+            for src, dst in ((mQ, sQ), (mK, sK)):
+                if t < valid:
+                    cute.copy(x_atom, vec_at(src, (tok0 + t, h, c8)), vec_at(dst, (t, c8)))
+                else:
+                    vec_at(dst, (t, c8)).fill(0.0)
+        c4 = cute.assume((tidx % 32) * 4, divby=4)  # g: 32 units of 4 a row, 8 rows a pass
+        for m in cutlass.range_constexpr(BT // 8):
+            t = tidx // 32 + 8 * m
+            if t < valid:
+                cute.copy(f_atom, vec_at(mG, (tok0 + t, hv, c4), 4, 4), vec_at(sG, (t, c4), 4, 4))
+            else:
+                vec_at(sG, (t, c4), 4, 4).fill(0.0)
+        s4 = cute.assume((tidx % 16) * 4, divby=4)  # score gradients: 16 units of 4 a row, 16 rows a pass
+        for m in cutlass.range_constexpr(BT // 16):
+            t = tidx // 16 + 16 * m
+            for src, dst in ((mDAqk, sAq), (mDAkk, sAk)):
+                if t < valid:
+                    cute.copy(f_atom, vec_at(src, (tok0 + t, hv, s4), 4, 4), vec_at(dst, (t, s4), 4, 4))
+                else:
+                    vec_at(dst, (t, s4), 4, 4).fill(0.0)
+        cute.arch.cp_async_commit_group()
+        if tidx < BT:
+            b = Float32(0.0)
+            if tidx < valid:
+                b = mBeta[tok0 + tidx, hv].to(Float32)
+            sBeta[tidx] = b
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _accumulators(self, tiled) -> list:
+        """Eight zeroed [16 x 8] accumulators: one per n-tile of a [16 x 64] product, so that each n-tile's B
+        fragment is built just before its MMA and only two of its values are live."""
+        accs = []
+        for _ in cutlass.range_constexpr(8):
+            acc = cute.make_rmem_tensor(tiled.partition_shape_C((16, 8)), Float32)
+            acc.fill(0.0)
+            accs.append(acc)
+        return accs
+
+    @cute.jit
+    def _row_unit(self, tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, mDq, mDk, mDg, mDq2, mDk2, mDg2, tok0, hv, valid,
+                  sub, half, anchor, lane):  # fmt: skip
+        """Phase R for output rows 16 sub .. +15 and channels 64 half .. +63."""
+        g_, c = lane // 4, lane % 4
+        ch0 = half * 64
+        acc_q, acc_l = self._accumulators(tiled), self._accumulators(tiled)
+        fq = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
+        fl = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
+        for j in cutlass.range(sub + 1, unroll=1):
+            off_diag = j != sub
+            for ks in cutlass.range_constexpr(2):
+                s0 = 16 * j + 8 * ks
+                # A: (row g + 8 hh, k slot c | c + 4) <- token s0 + 2 c | s0 + 2 c + 1 (the contraction order is
+                # free; the B operand below uses the same one), masked to s <= t on the diagonal block
+                for hh in cutlass.range_constexpr(2):
+                    t_loc = g_ + 8 * hh
+                    two_q = cute.make_rmem_tensor(2, Float32)
+                    two_l = cute.make_rmem_tensor(2, Float32)
+                    cute.autovec_copy(vec_at(sAq, (16 * sub + t_loc, s0 + 2 * c), 2, 2), two_q)
+                    cute.autovec_copy(vec_at(sAk, (16 * sub + t_loc, s0 + 2 * c), 2, 2), two_l)
+                    for v in cutlass.range_constexpr(2):
+                        keep = off_diag | (8 * ks + 2 * c + v <= t_loc)
+                        fq[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, two_q[v], Float32(0.0)))).to(TFloat32)
+                        fl[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, two_l[v], Float32(0.0)))).to(TFloat32)
+                # B, one n-tile at a time: (k slot c + 4 v <- token s0 + 2 c + v, column 8 nt + g) =
+                # k exp2(g_a - g_s)
+                for nt in cutlass.range_constexpr(8):
+                    ch = ch0 + 8 * nt + g_
+                    fb = cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32)
+                    for v in cutlass.range_constexpr(2):
+                        s = s0 + 2 * c + v
+                        f = cute.math.exp2(cute.arch.fmin(sG[anchor, ch] - sG[s, ch], _ANCHOR_CLAMP), fastmath=True)
+                        fb[v] = round_tf32(sK[s, ch].to(Float32) * f).to(TFloat32)
+                    cute.gemm(tiled, acc_q[nt], fq, fb, acc_q[nt])
+                    cute.gemm(tiled, acc_l[nt], fl, fb, acc_l[nt])
+
+        # epilogue: n-tile nt's accumulator holds (row g + 8 hh, column 8 nt + 2 c + v) at index v + 2 hh
+        for hh in cutlass.range_constexpr(2):
+            t = 16 * sub + g_ + 8 * hh
+            bt = sBeta[t]
+            dbp = Float32(0.0)
+            if t < valid:
+                for nt in cutlass.range_constexpr(8):
+                    ch = cute.assume(ch0 + 8 * nt + 2 * c, divby=2)
+                    gt, g_a, q2, k2, dq, dk, dg = (cute.make_rmem_tensor(2, x) for x in (
+                        Float32, Float32, self.dtype, self.dtype, Float32, Float32, Float32))  # fmt: skip
+                    cute.autovec_copy(vec_at(sG, (t, ch), 2, 2), gt)
+                    cute.autovec_copy(vec_at(sG, (anchor, ch), 2, 2), g_a)
+                    cute.autovec_copy(vec_at(sQ, (t, ch), 2, 2), q2)
+                    cute.autovec_copy(vec_at(sK, (t, ch), 2, 2), k2)
+                    cute.autovec_copy(vec_at(mDq, (tok0 + t, hv, ch), 2, 2), dq)
+                    cute.autovec_copy(vec_at(mDk, (tok0 + t, hv, ch), 2, 2), dk)
+                    cute.autovec_copy(vec_at(mDg, (tok0 + t, hv, ch), 2, 2), dg)
+                    for v in cutlass.range_constexpr(2):
+                        f = cute.math.exp2(cute.arch.fmin(gt[v] - g_a[v], _ANCHOR_CLAMP), fastmath=True)
+                        dqi = f * acc_q[nt][v + 2 * hh]
+                        row = f * acc_l[nt][v + 2 * hh]
+                        qv, kv = q2[v].to(Float32), k2[v].to(Float32)
+                        dq[v] = dq[v] + dqi
+                        dk[v] = dk[v] + bt * row
+                        dg[v] = dg[v] + qv * dqi + kv * bt * row
+                        dbp = dbp + row * kv
+                    cute.autovec_copy(dq, vec_at(mDq2, (tok0 + t, hv, ch), 2, 2))
+                    cute.autovec_copy(dk, vec_at(mDk2, (tok0 + t, hv, ch), 2, 2))
+                    cute.autovec_copy(dg, vec_at(mDg2, (tok0 + t, hv, ch), 2, 2))
+            # the row's sum over this half's channels: the quad's four lanes
+            dbp = dbp + cute.arch.shuffle_sync_bfly(dbp, offset=1)
+            dbp = dbp + cute.arch.shuffle_sync_bfly(dbp, offset=2)
+            if c == 0:
+                sDb[t, half] = dbp
+
+    @cute.jit
+    def _column_unit(self, tiled, sQ, sK, sG, sAq, sAk, sBeta, mDk2, mDg2, tok0, hv, valid, sub, half, anchor,
+                     lane):  # fmt: skip
+        """Phase C for output rows 16 sub .. +15 and channels 64 half .. +63 (the rows and channels of phase R,
+        whose dk / dg it completes in place)."""
+        g_, c = lane // 4, lane % 4
+        ch0 = half * 64
+        acc = self._accumulators(tiled)  # both column products sum into one: dk takes their sum
+        fp = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
+        fc = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
+        for i in cutlass.range(sub, (valid + 15) // 16, unroll=1):
+            off_diag = i != sub
+            for ks in cutlass.range_constexpr(2):
+                t0 = 16 * i + 8 * ks
+                # A: (output row s = g + 8 hh, k slot c + 4 v <- query token t0 + 2 c + v) = dA[t, s], transposed,
+                # masked to t >= s on the diagonal block
+                for hh in cutlass.range_constexpr(2):
+                    s_loc = g_ + 8 * hh
+                    for v in cutlass.range_constexpr(2):
+                        t = t0 + 2 * c + v
+                        keep = off_diag | (8 * ks + 2 * c + v >= s_loc)
+                        xp = sAq[t, 16 * sub + s_loc]
+                        xc = sAk[t, 16 * sub + s_loc]
+                        fp[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, xp, Float32(0.0)))).to(TFloat32)
+                        fc[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, xc, Float32(0.0)))).to(TFloat32)
+                # B, one n-tile at a time: q_t exp2(g_t - g_a) and beta_t k_t exp2(g_t - g_a)
+                bts = (sBeta[t0 + 2 * c], sBeta[t0 + 2 * c + 1])
+                for nt in cutlass.range_constexpr(8):
+                    ch = ch0 + 8 * nt + g_
+                    fbq = cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32)
+                    fbk = cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32)
+                    for v in cutlass.range_constexpr(2):
+                        t = t0 + 2 * c + v
+                        f = cute.math.exp2(cute.arch.fmin(sG[t, ch] - sG[anchor, ch], _ANCHOR_CLAMP), fastmath=True)
+                        fbq[v] = round_tf32(sQ[t, ch].to(Float32) * f).to(TFloat32)
+                        fbk[v] = round_tf32(sK[t, ch].to(Float32) * (bts[v] * f)).to(TFloat32)
+                    cute.gemm(tiled, acc[nt], fp, fbq, acc[nt])
+                    cute.gemm(tiled, acc[nt], fc, fbk, acc[nt])
+
+        for hh in cutlass.range_constexpr(2):
+            s = 16 * sub + g_ + 8 * hh
+            if s < valid:
+                for nt in cutlass.range_constexpr(8):
+                    ch = cute.assume(ch0 + 8 * nt + 2 * c, divby=2)
+                    gs, g_a, k2, dk, dg = (cute.make_rmem_tensor(2, x) for x in (
+                        Float32, Float32, self.dtype, Float32, Float32))  # fmt: skip
+                    cute.autovec_copy(vec_at(sG, (s, ch), 2, 2), gs)
+                    cute.autovec_copy(vec_at(sG, (anchor, ch), 2, 2), g_a)
+                    cute.autovec_copy(vec_at(sK, (s, ch), 2, 2), k2)
+                    # phase R's values, written by this thread
+                    cute.autovec_copy(vec_at(mDk2, (tok0 + s, hv, ch), 2, 2), dk)
+                    cute.autovec_copy(vec_at(mDg2, (tok0 + s, hv, ch), 2, 2), dg)
+                    for v in cutlass.range_constexpr(2):
+                        f = cute.math.exp2(cute.arch.fmin(g_a[v] - gs[v], _ANCHOR_CLAMP), fastmath=True)
+                        col = f * acc[nt][v + 2 * hh]
+                        dk[v] = dk[v] + col
+                        dg[v] = dg[v] - k2[v].to(Float32) * col
+                    cute.autovec_copy(dk, vec_at(mDk2, (tok0 + s, hv, ch), 2, 2))
+                    cute.autovec_copy(dg, vec_at(mDg2, (tok0 + s, hv, ch), 2, 2))
+
+
+def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options=""):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    DK, BT = 128, 64
+    dtype, beta_dtype = dsl_type(dtype), dsl_type(beta_dtype)
+    kernel = ChunkKDABwdIntraSm90(dtype=dtype, beta_dtype=beta_dtype, varlen=varlen)
+    tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+
+    def tok(dt, heads, d):
+        return make_fake_tensor(dt, (tt, heads, d), (cute.sym_int64(divisibility=d), d, 1), assumed_align=16)
+
+    def per_head(dt):
+        return make_fake_tensor(dt, (tt, hv), (cute.sym_int64(), 1), assumed_align=dt.width // 8)
+
+    args = (
+        tok(dtype, h, DK), tok(dtype, h, DK), tok(Float32, hv, DK), per_head(beta_dtype),
+        tok(Float32, hv, BT), tok(Float32, hv, BT),
+        tok(Float32, hv, DK), tok(Float32, hv, DK), tok(Float32, hv, DK), per_head(Float32),
+        tok(Float32, hv, DK), tok(Float32, hv, DK), tok(Float32, hv, DK), per_head(Float32),
+        make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
+        make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
+        Int32(1), Int32(1), Int32(1),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    )  # fmt: skip
+    return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
