@@ -17,7 +17,7 @@ FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN). After
 measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cula_peak_mib``: activations kept for
 the backward, the backward's workspace, the gradients).
 
-Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu]``.
+Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu] [--bwd-intra]``.
 """
 
 from __future__ import annotations
@@ -161,6 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bwd-dhu", action="store_true",
                    help="cula's side with stage 5 of the backward on cula's kernel (KdaTuning.bwd_dhu), whatever "
                         "the tuning entry says; results as kda_training_bwd_dhu")  # fmt: skip
+    p.add_argument("--bwd-intra", action="store_true",
+                   help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
+                        "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dhu_bwd_intra)")
     return p.parse_args(argv)
 
 
@@ -181,7 +184,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
-    tuning = KDA_TUNING.override((9, 0), bwd_dhu=True) if args.bwd_dhu else contextlib.nullcontext()
+    stages = [s for s, on in (("bwd_dhu", args.bwd_dhu), ("bwd_intra", args.bwd_intra)) if on]
+    tuning = KDA_TUNING.override((9, 0), **dict.fromkeys(stages, True)) if stages else contextlib.nullcontext()
     with tuning:
         run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),
                         args.max_seconds or None, time.perf_counter(), progress=bc.PROGRESS_KEYS + ("backend",),
@@ -200,7 +204,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
-    paths = bc.write_suite(NAME + ("_bwd_dhu" if args.bwd_dhu else ""), args, meta, rows, MD_COLUMNS)
+    paths = bc.write_suite(NAME + "".join("_" + s for s in stages), args, meta, rows, MD_COLUMNS)
     return meta, rows, paths
 
 

@@ -182,6 +182,17 @@ def kda_training_bwd_dhu():
         _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
 
 
+@case
+def kda_training_bwd_intra():
+    # autograd on with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), fixed and packed (empty,
+    # one-token and partial sub-chunks), GVA
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(bwd_intra=True):
+        _kda_chunk(2, 130, 1, 2, grad=True)
+        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True)
+
+
 def _kda_decode_call(N, T, H, HV, D=128, *, v_first=True, steps=False, gate="lower_bound", dtype=torch.bfloat16,
                      pool_rows=None, g_dtype=torch.float32, beta_dtype=torch.float32):  # fmt: skip
     from cula.kda import kda_decode

@@ -27,10 +27,16 @@ def test_rebound_backward_is_flas_body_with_our_stages():
     ours = {"chunk_kda_bwd_wy_dqkg_fused": fla_backward._wy_dqkg_fused,
             "chunk_gated_delta_rule_bwd_dhu": fla_backward._bwd_dhu}  # fmt: skip
     assert all(scope[n] is f for n, f in ours.items())
+    # stage 7's, told whether the call's gates are ones cula's kernel is exact for
+    for exact in (False, True):
+        intra = fla_backward._fla_chunk_kda_bwd(exact).__globals__["chunk_kda_bwd_intra"]
+        assert intra.func is fla_backward._bwd_intra and intra.keywords == {"exact": exact}
+    ours["chunk_kda_bwd_intra"] = None
     assert all(scope[n] is v for n, v in vars(chunk_bwd).items() if n not in ours)
     # FLA's own module (and so FLA's own backward) keeps its stages
     for n, f in ours.items():
         assert getattr(chunk_bwd, n) is not f and chunk_bwd.chunk_kda_bwd.__globals__[n] is getattr(chunk_bwd, n)
+    assert scope["chunk_kda_bwd_intra"] is not chunk_bwd.chunk_kda_bwd_intra
 
 
 @pytest.mark.parametrize("launch", [(32, 64, 8, 1), None])
@@ -61,6 +67,38 @@ def test_stage5_off_the_gpu_is_flas_function(monkeypatch, kda_tuning, on):
                 cu_seqlens=None, chunk_size=64, chunk_indices=None, chunk_offsets=None, use_graph=False)  # fmt: skip
     assert fla_backward._bwd_dhu(**args) == "fla"
     assert seen == [args]
+
+
+@pytest.mark.parametrize("on,exact", [(True, True), (True, False), (False, True)])
+def test_stage7_off_the_gpu_or_inexact_is_flas_function(monkeypatch, kda_tuning, on, exact):
+    """CPU tensors (whatever the tuning entry says), and gates cula's kernel is not exact for, take FLA's
+    chunk_kda_bwd_intra with every argument passed on."""
+    from fla.ops.kda import chunk_intra
+
+    seen = []
+    monkeypatch.setattr(chunk_intra, "chunk_kda_bwd_intra", lambda **kw: seen.append(kw) or "fla")
+    kda_tuning(bwd_intra=on)
+    t = torch.zeros(1, 64, 1, 128)
+    args = dict(q=t, k=t, g=t, beta=t[..., 0], dAqk=t[..., :64], dAkk=t[..., :64], dq=t, dk=t, db=t[..., 0], dg=t,
+                cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=True, lower_bound=None,
+                use_graph=False)  # fmt: skip
+    assert fla_backward._bwd_intra(**args, exact=exact) == "fla"
+    assert seen == [args]
+
+
+def test_stage7_exactness_follows_the_forward_intra_kernel(monkeypatch):
+    """chunk_kda_bwd hands stage 7 ``exact`` exactly where the forward's intra kernel takes the call."""
+    calls = []
+    monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd", lambda exact: lambda **kw: calls.append(exact))
+    q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+    for kw, want in (
+        (dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0), True),
+        (dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=None), False),  # unbounded softplus gate
+        (dict(safe_gate=False, use_gate_in_kernel=False, lower_bound=None), False),
+        (dict(safe_gate=True, use_gate_in_kernel=False, lower_bound=None), True),
+    ):
+        fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
+        assert calls[-1] is want, kw
 
 
 _LAUNCH_SCRIPT = textwrap.dedent(
@@ -128,11 +166,12 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["bwd_dhu", "bwd_intra"])
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
-def test_training_with_stage5_on_cula_gpu(kda_tuning, packed):
+def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with stage 5
-    on cula's kernel (``KdaTuning.bwd_dhu``) against the same step on FLA's: every gradient within FLA's
-    tolerances of the other (the kernels share their rounding points), none NaN."""
+    (``KdaTuning.bwd_dhu``) or stage 7 (``KdaTuning.bwd_intra``) on cula's kernel against the same step on FLA's:
+    every gradient within FLA's tolerances of the other, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda import chunk_kda
@@ -157,7 +196,7 @@ def test_training_with_stage5_on_cula_gpu(kda_tuning, packed):
     do, dht = torch.randn(B, T, H, D, device="cuda").bfloat16(), torch.randn(N, H, D, D, device="cuda")
     grads = {}
     for on in (False, True):
-        kda_tuning(bwd_dhu=on)
+        kda_tuning(**{stage: on})
         x = {n: (t.cuda().bfloat16() if n in low else t.cuda()).requires_grad_() for n, t in leaves.items()}
         o, ht = chunk_kda(**x, **kw)
         torch.autograd.backward((o, ht), (do, dht))

@@ -1,8 +1,9 @@
 """FLA 0.6.0's chunked KDA backward (``fla.ops.kda.chunk_bwd.chunk_kda_bwd``) as cula's training path runs it: FLA's
 own stages in FLA's order, with stage 6 (``chunk_kda_bwd_wy_dqkg_fused``, the state-term and WY gradients) launched
-at a configuration FLA's Hopper autotune list leaves out (``KdaTuning.wy_dqkg_launch``), and stage 5
+at a configuration FLA's Hopper autotune list leaves out (``KdaTuning.wy_dqkg_launch``), stage 5
 (``chunk_gated_delta_rule_bwd_dhu``, the state-gradient recurrence) on cula's own kernel where ``KdaTuning.bwd_dhu``
-says so.
+says so, and stage 7 (``chunk_kda_bwd_intra``, the gradients through the intra-chunk scores) on cula's own kernel
+where ``KdaTuning.bwd_intra`` says so and the gates are ones it is exact for.
 
 Why: that kernel is the backward's largest stage. FLA's autotuned choice on Hopper (BK = BV = 64, 4 warps) compiles
 to 255 registers and spills about 300 of them; at 8 warps it spills a tenth of that and runs about 1.5x faster, with
@@ -144,13 +145,45 @@ def _bwd_dhu(
     )  # fmt: skip
 
 
+def _bwd_intra(
+    q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=False,
+    lower_bound=None, use_graph=False, *, exact: bool = False,
+):  # fmt: skip
+    """FLA's ``chunk_kda_bwd_intra`` (stage 7) with its arguments and returns, on cula's kernel
+    (``cula.ops.kda.sm90.bwd_intra``) where the tuning entry says so (``KdaTuning.bwd_intra``) and the call's gates
+    are ones its anchored factors are exact for (``exact``: the forward's intra kernel took the call,
+    ``cula.kda.plan.use_cula_intra``); FLA's own function elsewhere."""
+    from fla.ops.kda import chunk_intra
+
+    from cula.kda.plan import KDA_TUNING
+
+    on = KDA_TUNING.for_device(q.device).bwd_intra if q.is_cuda else False
+    ours, _ = launch_verdict(on or None, q, use_graph, q.shape[-1], 128, chunk_size)
+    if ours and exact:
+        from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
+
+        return chunk_kda_bwd_intra_sm90(
+            q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+            chunk_size=chunk_size,
+        )  # fmt: skip
+    return chunk_intra.chunk_kda_bwd_intra(
+        q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=safe_gate, lower_bound=lower_bound,
+        use_graph=use_graph,
+    )  # fmt: skip
+
+
 @functools.cache
-def _fla_chunk_kda_bwd():
-    """FLA's ``chunk_kda_bwd`` function body over its module's globals with stage 6 rebound to ours."""
+def _fla_chunk_kda_bwd(intra_exact: bool = False):
+    """FLA's ``chunk_kda_bwd`` function body over its module's globals with stages 5, 6 and 7 rebound to ours
+    (``intra_exact``: stage 7's gates are ones cula's kernel is exact for)."""
     from fla.ops.kda import chunk_bwd
 
     fn = chunk_bwd.chunk_kda_bwd
-    ours = {"chunk_kda_bwd_wy_dqkg_fused": _wy_dqkg_fused, "chunk_gated_delta_rule_bwd_dhu": _bwd_dhu}
+    ours = {
+        "chunk_kda_bwd_wy_dqkg_fused": _wy_dqkg_fused, "chunk_gated_delta_rule_bwd_dhu": _bwd_dhu,
+        "chunk_kda_bwd_intra": functools.partial(_bwd_intra, exact=intra_exact),
+    }  # fmt: skip
     if not set(ours) <= set(fn.__code__.co_names):  # another FLA: its backward as it is
         return fn
     scope = dict(vars(chunk_bwd), **ours)
@@ -161,5 +194,10 @@ def _fla_chunk_kda_bwd():
 
 def chunk_kda_bwd(**kwargs):
     """FLA 0.6.0's ``chunk_kda_bwd`` (same keywords and returns: ``(dq, dk, dv, db, dg, dh0, dA_log, ddt_bias)``),
-    its stage 6 launched at ``wy_dqkg_launch`` (module docstring)."""
-    return _fla_chunk_kda_bwd()(**kwargs)
+    its stage 6 launched at ``wy_dqkg_launch``, stages 5 and 7 on cula's kernels where the tuning says so (module
+    docstring)."""
+    from cula.kda.plan import use_cula_intra
+
+    exact = use_cula_intra(kwargs["q"], kwargs["v"], kwargs.get("safe_gate", False),
+                           kwargs.get("use_gate_in_kernel", False), kwargs.get("lower_bound"))  # fmt: skip
+    return _fla_chunk_kda_bwd(exact)(**kwargs)

@@ -25,6 +25,7 @@ the shared-memory layout (swizzled or not).
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, pipeline
@@ -33,7 +34,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 __all__ = [
     "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
-    "box_load", "box_partition", "box_store", "column_decay", "decay_columns", "gate_row_layout", "gemm_k_blocks",
+    "box_load", "box_partition", "box_store", "chunk_rows", "column_decay", "decay_columns", "gate_row_layout", "gemm_k_blocks",
     "load_column_decay", "recurrence_pipeline", "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_rows",
     "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major", "vec_at",
 ]  # fmt: skip
@@ -62,6 +63,24 @@ def round_tf32(x: Float32) -> Float32:
     """x rounded to tf32's 10 mantissa bits (to nearest, ties away from zero), still as fp32: mma.sync drops the
     low 13 bits, so adding half of their range first rounds instead of truncating (FLA's tf32 dots round)."""
     return (x.bitcast(Int32) + Int32(0x1000)).bitcast(Float32)
+
+
+@cute.jit
+def chunk_rows(varlen: bool, mCu: cute.Tensor, mCi: cute.Tensor, bx, bz, seqlen, BT: int):
+    """``(tok0, valid)`` of the chunk a per-chunk CTA works on: its first token in the flattened ``[T_total]`` axis
+    and its number of rows inside the sequence (<= 0 for a padding row of a device-built chunk list). Packed
+    (``varlen``): chunk-list row ``bx`` = (sequence, chunk) over ``cu_seqlens``; fixed: chunk ``bx`` of sequence
+    ``bz`` of ``seqlen`` tokens."""
+    if cutlass.const_expr(varlen):
+        n = mCi[bx, 0]
+        c = mCi[bx, 1]
+        bos = mCu[n]
+        seq_len = mCu[n + 1] - bos
+    else:
+        c = bx
+        bos = bz * seqlen
+        seq_len = seqlen
+    return bos + c * BT, cutlass.min(seq_len - c * BT, BT)
 
 
 @cute.jit

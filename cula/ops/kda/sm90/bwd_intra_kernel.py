@@ -58,7 +58,7 @@ from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
-from cula.ops.cute_common import round_tf32, vec_at
+from cula.ops.cute_common import chunk_rows, round_tf32, vec_at
 
 __all__ = ["ChunkKDABwdIntraSm90"]
 
@@ -145,17 +145,7 @@ class ChunkKDABwdIntraSm90:
         HV = mDq.shape[1]
         h = hv // (HV // mQ.shape[1])
 
-        if const_expr(self.varlen):
-            n = mCi[bx, 0]
-            c = mCi[bx, 1]
-            bos = mCu[n]
-            seq_len = mCu[n + 1] - bos
-        else:
-            c = bx
-            bos = bz * seqlen
-            seq_len = seqlen
-        tok0 = bos + c * BT
-        valid = cutlass.min(seq_len - c * BT, BT)
+        tok0, valid = chunk_rows(self.varlen, mCu, mCi, bx, bz, seqlen, BT)
 
         if valid > 0:
             storage = SmemAllocator().allocate(self.storage)

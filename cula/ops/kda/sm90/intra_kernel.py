@@ -99,7 +99,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import GATES, dsl_type
-from cula.ops.cute_common import FIRST_NAMED_BARRIER, round_tf32, vec_at
+from cula.ops.cute_common import FIRST_NAMED_BARRIER, chunk_rows, round_tf32, vec_at
 from cula.ops.kda.sm90.intra import BETA_ACTS
 
 __all__ = ["ChunkKDAIntraFwdSm90"]
@@ -486,18 +486,7 @@ class ChunkKDAIntraFwdSm90:
         HV = mW.shape[1]
         h = hv // (HV // tq.shape[2])
 
-        # chunk -> (first token in the flattened [T_total] axis, number of valid rows)
-        if const_expr(self.varlen):
-            n = mCi[bx, 0]
-            c = mCi[bx, 1]
-            bos = mCu[n]
-            seq_len = mCu[n + 1] - bos
-        else:
-            c = bx
-            bos = bz * seqlen
-            seq_len = seqlen
-        tok0 = bos + c * BT
-        valid = cutlass.min(seq_len - c * BT, BT)
+        tok0, valid = chunk_rows(self.varlen, mCu, mCi, bx, bz, seqlen, BT)
 
         storage = SmemAllocator().allocate(self.storage)
         bar = storage.mbar.data_ptr()

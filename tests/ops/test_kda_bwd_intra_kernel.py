@@ -1,0 +1,131 @@
+"""KDA backward through the intra-chunk scores on SM90 (``cula/ops/kda/sm90/bwd_intra.py``), stage 7 of FLA's
+``chunk_kda_bwd``.
+
+CPU: every variant traces and compiles for sm_90a (tf32 ``mma.sync``, ``cp.async``, no spills); the launcher rejects
+bad shapes before any launch. GPU (``-m gpu``): ``dq``, ``dk``, ``db``, ``dg`` against FLA 0.6.0's
+``chunk_kda_bwd_intra`` on the same inputs and against the float64 contract
+(``cula.kda.naive_bwd.chunk_kda_bwd_intra_reference``), both on the outputs and on the increments over the
+incoming accumulations: fixed and packed (empty and length-1 sequences, odd lengths), GVA, fp32 and bf16 beta,
+gates near 0 and at FLA's safe-gate bound; NaN-poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+from cute_compile import assert_mma_sync_kernel, compile_with_dumps, dump_script
+
+from cula.testing import assert_close, make_cu_seqlens
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from test_naive_bwd import _intra_case  # noqa: E402
+
+_VARIANTS = [
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": False},
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True},
+    {"dtype": "BFloat16", "beta_dtype": "BFloat16", "varlen": False},
+    {"dtype": "Float16", "beta_dtype": "Float16", "varlen": True},
+]
+
+_COMPILE_SCRIPT = dump_script(
+    "from cula.ops.kda.sm90 import bwd_intra_kernel as M",
+    'M._compile(v["dtype"], v["beta_dtype"], v["varlen"], extra_options=opts)',
+)
+
+
+@pytest.fixture(scope="module")
+def compiled_variants(tmp_path_factory):
+    return compile_with_dumps(_COMPILE_SCRIPT, _VARIANTS, tmp_path_factory.mktemp("kda_bwd_intra"))
+
+
+@pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=["-".join(map(str, v.values())) for v in _VARIANTS])
+def test_variant_compiles_sm90a(compiled_variants, idx):
+    assert_mma_sync_kernel(compiled_variants[idx])
+
+
+def _zeros(B=1, T=100, H=1, HV=2, K=128):
+    x = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    f = torch.zeros(B, T, HV, K)
+    return dict(q=x, k=x, g=f, beta=torch.zeros(B, T, HV), dAqk=torch.zeros(B, T, HV, 64),
+                dAkk=torch.zeros(B, T, HV, 64), dq=f, dk=f, db=torch.zeros(B, T, HV), dg=f)  # fmt: skip
+
+
+def test_launcher_validates_shapes():
+    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90 as run
+
+    x = _zeros()
+    with pytest.raises(ValueError, match="K = 128"):
+        run(**{n: (t[..., :64] if t.dim() == 4 and t.shape[-1] == 128 else t) for n, t in x.items()})
+    with pytest.raises(ValueError, match="q and k"):
+        run(**dict(x, q=x["q"].float()))
+    with pytest.raises(ValueError, match="dAkk"):
+        run(**dict(x, dAkk=x["dAkk"][..., :32]))
+    with pytest.raises(ValueError, match="dg"):
+        run(**dict(x, dg=x["dg"].bfloat16()))
+    with pytest.raises(ValueError, match="multiple"):
+        run(**dict(_zeros(H=2, HV=3)))
+    with pytest.raises(ValueError, match="batch size"):
+        run(**_zeros(B=2), cu_seqlens=make_cu_seqlens([50, 50]))
+    with pytest.raises(ValueError, match="chunk_size"):
+        run(**x, chunk_size=32)
+
+
+def test_no_tokens_launches_nothing():
+    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90 as run
+
+    dq, dk, db, dg = run(**_zeros(T=0), cu_seqlens=make_cu_seqlens([0, 0]))
+    assert dq.shape == dk.shape == dg.shape == (1, 0, 2, 128) and db.shape == (1, 0, 2)
+
+
+def _gpu_case(B, T, H, HV, lens, gate, beta_dtype, seed):
+    case = _intra_case(B, T, H, HV, 128, lens=lens, seed=seed)
+    if gate != "mild":  # the chunk-local cumsum of another per-step decay
+        gen = torch.Generator().manual_seed(seed + 1)
+        step = -5.0 / math.log(2) if gate == "bound" else -1e-3  # FLA's safe-gate bound (-5 nats a step), near 0
+        a = step * torch.rand(case["g"].shape, generator=gen)
+        cu = case["cu_seqlens"]
+        starts = [0] if cu is None else cu[:-1].tolist()
+        ends = [T] if cu is None else cu[1:].tolist()
+        for s, e in zip(starts, ends):
+            for c0 in range(s, e, 64):
+                case["g"][:, c0 : min(c0 + 64, e)] = a[:, c0 : min(c0 + 64, e)].cumsum(1)
+    case["q"], case["k"] = case["q"].bfloat16(), case["k"].bfloat16()
+    case["beta"] = case["beta"].to(beta_dtype)
+    return case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["mild", "bound", "near0"])
+@pytest.mark.parametrize(
+    "B,T,H,HV,lens,beta_dtype",
+    [(2, 300, 1, 2, None, torch.float32), (1, 501, 2, 2, [300, 0, 1, 129, 64, 7], torch.float32),
+     (1, 63, 1, 1, None, torch.bfloat16)],
+    ids=["fixed-gva", "packed", "short-bf16-beta"],
+)  # fmt: skip
+def test_bwd_intra_vs_fla_and_f64_cuda(B, T, H, HV, lens, beta_dtype, gate):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+
+    from cula.kda.naive_bwd import chunk_kda_bwd_intra_reference
+    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
+
+    case = _gpu_case(B, T, H, HV, lens, gate, beta_dtype, seed=7)
+    ref = chunk_kda_bwd_intra_reference(**case)
+    gpu = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in case.items()}
+    ours = chunk_kda_bwd_intra_sm90(**gpu)
+    fla = chunk_kda_bwd_intra(**gpu, safe_gate=gate == "bound", lower_bound=-5.0 if gate == "bound" else None)
+    torch.cuda.synchronize()
+    incoming = (case["dq"], case["dk"], case["db"], case["dg"])
+    for name, o, f, r, acc in zip(("dq", "dk", "db", "dg"), ours, fla, ref, incoming):
+        assert o.dtype == torch.float32 and o.shape == acc.shape, name
+        assert not o.isnan().any(), name
+        o, f = o.cpu(), f.float().cpu()
+        tol = 2e-2 if name in ("db", "dg") else 8e-3
+        assert_close(f"{name} vs f64", r.float(), o, 5e-3)
+        # the increments alone (the incoming accumulations would hide an error in them)
+        assert_close(f"{name} increment vs f64", (r - acc).float(), o - acc, tol)
+        assert_close(f"{name} increment vs FLA", f - acc, o - acc, tol)
