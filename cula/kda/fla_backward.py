@@ -118,6 +118,15 @@ def _triton_fn(kernel):
     return kernel
 
 
+def _stage_on(flag: str, q, use_graph, K, V, chunk_size) -> bool:
+    """Whether a backward stage runs on cula's kernel: the GPU's tuning entry turns it on (``KdaTuning.<flag>``)
+    and ``launch_verdict``'s conditions hold (CUDA on SM90, K = V = 128, 64-token chunks, not FLA's graph mode)."""
+    from cula.kda.plan import KDA_TUNING
+
+    on = getattr(KDA_TUNING.for_device(q.device), flag) if q.is_cuda else False
+    return _ours(on or None, q, use_graph, K, V, chunk_size)
+
+
 def _bwd_dhu(
     q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale=None, state_v_first=False, cu_seqlens=None,
     chunk_size=64, chunk_indices=None, chunk_offsets=None, use_graph=False,
@@ -127,10 +136,7 @@ def _bwd_dhu(
     covers (the per-channel gate alone, bf16 / fp16, per-value-head q); FLA's own function elsewhere."""
     from fla.ops.common import chunk_delta_h
 
-    from cula.kda.plan import KDA_TUNING
-
-    on = KDA_TUNING.for_device(q.device).bwd_dhu if q.is_cuda else False
-    ours, _ = launch_verdict(on or None, q, use_graph, q.shape[-1], do.shape[-1], chunk_size)
+    ours = _stage_on("bwd_dhu", q, use_graph, q.shape[-1], do.shape[-1], chunk_size)
     if ours and g is None and gk is not None and q.dtype in (torch.bfloat16, torch.float16) and q.shape == w.shape:
         from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90
 
@@ -155,11 +161,8 @@ def _bwd_intra(
     ``cula.kda.plan.use_cula_intra``); FLA's own function elsewhere."""
     from fla.ops.kda import chunk_intra
 
-    from cula.kda.plan import KDA_TUNING
-
-    on = KDA_TUNING.for_device(q.device).bwd_intra if q.is_cuda else False
-    ours, _ = launch_verdict(on or None, q, use_graph, q.shape[-1], 128, chunk_size)
-    if ours and exact:
+    # stage 7 has no value dimension: V = 128 stands for "any"
+    if exact and _stage_on("bwd_intra", q, use_graph, q.shape[-1], 128, chunk_size):
         from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
 
         return chunk_kda_bwd_intra_sm90(

@@ -34,9 +34,10 @@ from cutlass.tensor_utils import LayoutEnum
 
 __all__ = [
     "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
-    "box_load", "box_partition", "box_store", "chunk_rows", "column_decay", "decay_columns", "gate_row_layout", "gemm_k_blocks",
-    "load_column_decay", "recurrence_pipeline", "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_rows",
-    "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major", "vec_at",
+    "box_load", "box_partition", "box_store", "chunk_rows", "column_decay", "decay_columns", "gate_row_layout",
+    "gemm_k_blocks", "load_column_decay", "recurrence_pipeline", "round_tf32", "state_box_atoms", "state_view",
+    "token_cols", "token_rows", "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major",
+    "vec_at",
 ]  # fmt: skip
 
 FIRST_NAMED_BARRIER = 1  # 0 is the CTA-wide barrier
@@ -87,7 +88,9 @@ def chunk_rows(varlen: bool, mCu: cute.Tensor, mCi: cute.Tensor, bx, bz, seqlen,
 def vec_at(t_: cute.Tensor, crd, divby: int = 8, n: int = 8) -> cute.Tensor:
     """The n (8) elements at and after ``crd`` in memory, for tensors whose n-element runs are contiguous there
     (``divby``: the offset's known divisibility, which sets the access width)."""
-    return cute.make_tensor(t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), cute.make_layout(n))
+    return cute.make_tensor(
+        t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), cute.make_layout(n)
+    )
 
 
 # ------------------------------------------------------------------------------------------- chunk recurrences

@@ -21,7 +21,7 @@ from cute_compile import assert_mma_sync_kernel, compile_with_dumps, dump_script
 from cula.testing import assert_close, make_cu_seqlens
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from test_naive_bwd import _intra_case  # noqa: E402
+from test_naive_bwd import _chunk_bounds, _intra_case  # noqa: E402
 
 _VARIANTS = [
     {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": False},
@@ -86,12 +86,8 @@ def _gpu_case(B, T, H, HV, lens, gate, beta_dtype, seed):
         gen = torch.Generator().manual_seed(seed + 1)
         step = -5.0 / math.log(2) if gate == "bound" else -1e-3  # FLA's safe-gate bound (-5 nats a step), near 0
         a = step * torch.rand(case["g"].shape, generator=gen)
-        cu = case["cu_seqlens"]
-        starts = [0] if cu is None else cu[:-1].tolist()
-        ends = [T] if cu is None else cu[1:].tolist()
-        for s, e in zip(starts, ends):
-            for c0 in range(s, e, 64):
-                case["g"][:, c0 : min(c0 + 64, e)] = a[:, c0 : min(c0 + 64, e)].cumsum(1)
+        for c0, c1 in _chunk_bounds(T, case["cu_seqlens"]):
+            case["g"][:, c0:c1] = a[:, c0:c1].cumsum(1)
     case["q"], case["k"] = case["q"].bfloat16(), case["k"].bfloat16()
     case["beta"] = case["beta"].to(beta_dtype)
     return case
