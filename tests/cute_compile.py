@@ -140,12 +140,12 @@ def assert_wgmma_kernel(res: dict, spill_bytes: int = 0, setmaxnreg: bool = True
         assert code not in remarks, remarks[-3000:]
 
 
-def assert_mma_sync_kernel(res: dict) -> None:
-    """One ``compile_with_dumps`` result is an sm_90a kernel on tf32 ``mma.sync`` fed by ``cp.async``, with no
-    spills."""
+def assert_mma_sync_kernel(res: dict, max_spill_bytes: int = 0) -> None:
+    """One ``compile_with_dumps`` result is an sm_90a kernel on tf32 ``mma.sync`` fed by ``cp.async``, spilling at
+    most ``max_spill_bytes``."""
     ptx, remarks = res["ptx"], res["remarks"]
     assert ".target sm_90a" in ptx
     assert "mma.sync.aligned.m16n8k8" in ptx and ".tf32" in ptx and "cp.async" in ptx
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", remarks)
     assert spills, remarks[-3000:]
-    assert all(int(a) == 0 and int(b) == 0 for a, b in spills), spills
+    assert all(int(a) <= max_spill_bytes and int(b) <= max_spill_bytes for a, b in spills), spills

@@ -12,8 +12,11 @@ instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, henc
 ``--ncu-backward`` profiles FLA's two heaviest backward kernels (``chunk_kda_bwd_kernel_wy_dqkg_fused``, stage 6, and
 ``chunk_kda_bwd_kernel_intra``, stage 7 of docs/kernels/kda-backward.md) and the dh recurrence beside them in one FLA
 training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers and spills Triton compiled them with.
+``--ncu-cula-backward`` does the same for cula's stage 5 and 7 kernels (with the stage-7 kernel's per-instruction
+stall samples in $OUT/ncu_bwd_intra_source.csv).
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
-default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward) the kernels of the forward
+default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward, and that with stage 7 or
+stage 5 on cula's kernel) the kernels of the forward
 and of the backward separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward
 of our own would replace first. Run through ``run.sh`` so FLA's backward starts from its cached autotune choices.
 ``--time-split [H:T:SEGMENT ...]`` profiles chunk_kda cut in time (default 4:16384:8192, 4:65536:4096,
@@ -121,6 +124,7 @@ def profile_training(names: list[str]) -> None:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from cula.kda import chunk_kda
+    from cula.kda.plan import KDA_TUNING
 
     by_name = {c.name: c for c in kp.suite()}
     report = {}
@@ -128,7 +132,9 @@ def profile_training(names: list[str]) -> None:
         cfg = by_name[name]
         shared, grads = kp.make_shared(cfg), kt.output_grads(cfg)
         tensors = kp.make_set(cfg, 0)
-        for path, fn in (("fla", fla_chunk_kda), ("cula", chunk_kda)):
+        for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ()),
+                                    ("cula+bwd_intra", chunk_kda, ("bwd_intra",)),
+                                    ("cula+bwd_dhu", chunk_kda, ("bwd_dhu",))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
             rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
@@ -136,14 +142,16 @@ def profile_training(names: list[str]) -> None:
             def forward(fn=fn, leaves=leaves, rest=rest):
                 return fn(**leaves, **rest, **kp.CALL_FLAGS)
 
-            outs = forward()  # autotunes / compiles outside the profile
-            torch.autograd.backward(outs, grads, retain_graph=True)
-            stages = {
-                "forward": kernel_stats(forward, calls=3),
-                # the same saved graph, backward again (retain_graph): the .grad accumulations are extra adds
-                "backward": kernel_stats(lambda outs=outs: torch.autograd.backward(outs, grads, retain_graph=True),
-                                         calls=3),
-            }
+            # each path with only its own backward stages on cula's kernels, whatever the tuning entry says
+            with KDA_TUNING.override((9, 0), bwd_intra="bwd_intra" in stages_on, bwd_dhu="bwd_dhu" in stages_on):
+                outs = forward()  # autotunes / compiles outside the profile
+                torch.autograd.backward(outs, grads, retain_graph=True)
+                stages = {
+                    "forward": kernel_stats(forward, calls=3),
+                    # the same saved graph, backward again (retain_graph): the .grad accumulations are extra adds
+                    "backward": kernel_stats(
+                        lambda outs=outs, grads=grads: torch.autograd.backward(outs, grads, retain_graph=True), calls=3),
+                }
             for stage, stats in stages.items():
                 total = round(sum(v[0] for v in stats.values()), 1)
                 key = f"{name} {path} {stage}"
@@ -288,6 +296,44 @@ def run_ncu_backward() -> None:
     print(text[-12000:])
 
 
+def ncu_cula_backward_target() -> None:
+    """Two cula training steps at B=1, T=4096 with stages 5 and 7 on cula's kernels (ncu keeps the second)."""
+    import bench_kda_prefill as kp
+    import bench_kda_training as kt
+
+    from cula.kda import chunk_kda
+    from cula.kda.plan import KDA_TUNING
+
+    cfg = {c.name: c for c in kp.suite()}["B1-T4096"]
+    shared, grads, tensors = kp.make_shared(cfg), kt.output_grads(cfg), kp.make_set(cfg, 0)
+    with KDA_TUNING.override((9, 0), bwd_intra=True, bwd_dhu=True):
+        for _ in range(2):
+            kt.make_step(chunk_kda, kt.fresh(tensors), kt.fresh(shared), grads)()
+    torch.cuda.synchronize()
+
+
+def run_ncu_cula_backward() -> None:
+    """Occupancy, memory throughput and stall reasons of cula's stage 5 and 7 kernels, and the stage-7 kernel's
+    per-instruction stall samples (second launch) as CSV."""
+    out = os.environ.get("OUT", ".")
+    rep = os.path.join(out, "ncu_cula_bwd")
+    env = dict(os.environ, CUTE_DSL_LINEINFO="1")
+    log = _ncu(["ncu", "--clock-control", "none", "-k", "regex:BwdIntraSm90|BwdDhuSm90", "--launch-skip", "2",
+                "--launch-count", "2", "--import-source", "yes", "--section", "SpeedOfLight", "--section",
+                "Occupancy", "--section", "LaunchStats", "--section", "WarpStateStats", "--section", "SchedulerStats",
+                "--section", "MemoryWorkloadAnalysis", "--section", "SourceCounters", "-f", "-o", rep,
+                sys.executable, __file__, "--ncu-cula-backward-target"], timeout=400, env=env)  # fmt: skip
+    details = _ncu(["ncu", "-i", rep + ".ncu-rep", "--print-details", "all"])
+    csv = _ncu(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass",
+                "-k", "regex:BwdIntraSm90"])  # fmt: skip
+    with open(os.path.join(out, "ncu_cula_bwd.txt"), "w") as f:
+        f.write(log + details)
+    with open(os.path.join(out, "ncu_bwd_intra_source.csv"), "w") as f:
+        f.write(csv)
+    print(log[-2000:])
+    print(details[-9000:])
+
+
 def run_ncu_decode() -> None:
     """Why the decode kernels stop at ~85% of copy bandwidth: memory workload and stall reasons at N=64."""
     out = os.environ.get("OUT", ".")
@@ -343,6 +389,12 @@ if __name__ == "__main__":
         os.environ.setdefault("FLA_FLASH_KDA", "0")
         os.environ.setdefault("FLA_CULA", "0")
         ncu_backward_target()
+    elif "--ncu-cula-backward-target" in sys.argv:
+        os.environ.setdefault("FLA_FLASH_KDA", "0")
+        os.environ.setdefault("FLA_CULA", "0")
+        ncu_cula_backward_target()
+    elif "--ncu-cula-backward" in sys.argv:
+        run_ncu_cula_backward()
     elif "--ncu-backward" in sys.argv:
         run_ncu_backward()
     elif "--ncu-decode" in sys.argv:

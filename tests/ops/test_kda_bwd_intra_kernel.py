@@ -43,7 +43,8 @@ def compiled_variants(tmp_path_factory):
 
 @pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=["-".join(map(str, v.values())) for v in _VARIANTS])
 def test_variant_compiles_sm90a(compiled_variants, idx):
-    assert_mma_sync_kernel(compiled_variants[idx])
+    # the epilogues' batched gradient loads spill 16 bytes and measured faster than every spill-free batching
+    assert_mma_sync_kernel(compiled_variants[idx], max_spill_bytes=16)
 
 
 def _zeros(B=1, T=100, H=1, HV=2, K=128):

@@ -22,7 +22,7 @@ kernel, with the same exactness condition (no 8-step window of one channel decay
 training path takes this kernel only where the forward's intra kernel ran, which requires it). The products run as
 tf32 ``mma.sync`` (m16n8k8, fp32 accumulation) with operands rounded to nearest, as FLA's tf32 dots.
 
-Layout (256 threads, 8 warps, one CTA per (chunk, value head), ~107 KB of shared memory: two CTAs per SM):
+Layout (256 threads, 8 warps, one CTA per (chunk, value head), 104 KB of shared memory: two CTAs per SM):
 
 =====  ======================================================================================================
 phase  work
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float16, Float32, Int32, TFloat32, const_expr, cute
+from cutlass import BFloat16, Float16, Float32, Int32, TFloat32, cute
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
@@ -245,8 +245,12 @@ class ChunkKDABwdIntraSm90:
                     cute.autovec_copy(vec_at(sAk, (16 * sub + t_loc, s0 + 2 * c), 2, 2), two_l)
                     for v in cutlass.range_constexpr(2):
                         keep = off_diag | (8 * ks + 2 * c + v <= t_loc)
-                        fq[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, two_q[v], Float32(0.0)))).to(TFloat32)
-                        fl[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, two_l[v], Float32(0.0)))).to(TFloat32)
+                        fq[hh + 2 * v] = round_tf32(
+                            Float32(cutlass.select_(keep, two_q[v], Float32(0.0)))
+                        ).to(TFloat32)
+                        fl[hh + 2 * v] = round_tf32(
+                            Float32(cutlass.select_(keep, two_l[v], Float32(0.0)))
+                        ).to(TFloat32)
                 # B, one n-tile at a time: (k slot c + 4 v <- token s0 + 2 c + v, column 8 nt + g) =
                 # k exp2(g_a - g_s)
                 for nt in cutlass.range_constexpr(8):
@@ -254,28 +258,40 @@ class ChunkKDABwdIntraSm90:
                     fb = cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32)
                     for v in cutlass.range_constexpr(2):
                         s = s0 + 2 * c + v
-                        f = cute.math.exp2(cute.arch.fmin(sG[anchor, ch] - sG[s, ch], _ANCHOR_CLAMP), fastmath=True)
+                        f = cute.math.exp2(
+                            cute.arch.fmin(sG[anchor, ch] - sG[s, ch], _ANCHOR_CLAMP), fastmath=True
+                        )
                         fb[v] = round_tf32(sK[s, ch].to(Float32) * f).to(TFloat32)
                     cute.gemm(tiled, acc_q[nt], fq, fb, acc_q[nt])
                     cute.gemm(tiled, acc_l[nt], fl, fb, acc_l[nt])
 
-        # epilogue: n-tile nt's accumulator holds (row g + 8 hh, column 8 nt + 2 c + v) at index v + 2 hh
+        # epilogue: n-tile nt's accumulator holds (row g + 8 hh, column 8 nt + 2 c + v) at index v + 2 hh. The
+        # gradient inputs of all eight n-tiles are loaded before the first output is stored: the compiler cannot
+        # move a load past a store that may alias it, and a load after each store waited a full memory latency per
+        # n-tile (most of the kernel's time in Nsight Compute's stall samples). It costs 16 bytes of spills, and
+        # was the fastest of 1, 2, 4 and 8 n-tiles a load batch (5.65, 4.94, 4.03, 3.90 ms at B=2 T=16K H=64)
         for hh in cutlass.range_constexpr(2):
             t = 16 * sub + g_ + 8 * hh
             bt = sBeta[t]
             dbp = Float32(0.0)
             if t < valid:
+                grads = []
                 for nt in cutlass.range_constexpr(8):
                     ch = cute.assume(ch0 + 8 * nt + 2 * c, divby=2)
-                    gt, g_a, q2, k2, dq, dk, dg = (cute.make_rmem_tensor(2, x) for x in (
-                        Float32, Float32, self.dtype, self.dtype, Float32, Float32, Float32))  # fmt: skip
+                    dq, dk, dg = (cute.make_rmem_tensor(2, Float32) for _ in range(3))
+                    cute.autovec_copy(vec_at(mDq, (tok0 + t, hv, ch), 2, 2), dq)
+                    cute.autovec_copy(vec_at(mDk, (tok0 + t, hv, ch), 2, 2), dk)
+                    cute.autovec_copy(vec_at(mDg, (tok0 + t, hv, ch), 2, 2), dg)
+                    grads.append((dq, dk, dg))
+                for nt in cutlass.range_constexpr(8):
+                    ch = cute.assume(ch0 + 8 * nt + 2 * c, divby=2)
+                    dq, dk, dg = grads[nt]
+                    gt, g_a, q2, k2 = (cute.make_rmem_tensor(2, x) for x in (
+                        Float32, Float32, self.dtype, self.dtype))  # fmt: skip
                     cute.autovec_copy(vec_at(sG, (t, ch), 2, 2), gt)
                     cute.autovec_copy(vec_at(sG, (anchor, ch), 2, 2), g_a)
                     cute.autovec_copy(vec_at(sQ, (t, ch), 2, 2), q2)
                     cute.autovec_copy(vec_at(sK, (t, ch), 2, 2), k2)
-                    cute.autovec_copy(vec_at(mDq, (tok0 + t, hv, ch), 2, 2), dq)
-                    cute.autovec_copy(vec_at(mDk, (tok0 + t, hv, ch), 2, 2), dk)
-                    cute.autovec_copy(vec_at(mDg, (tok0 + t, hv, ch), 2, 2), dg)
                     for v in cutlass.range_constexpr(2):
                         f = cute.math.exp2(cute.arch.fmin(gt[v] - g_a[v], _ANCHOR_CLAMP), fastmath=True)
                         dqi = f * acc_q[nt][v + 2 * hh]
@@ -317,8 +333,12 @@ class ChunkKDABwdIntraSm90:
                         keep = off_diag | (8 * ks + 2 * c + v >= s_loc)
                         xp = sAq[t, 16 * sub + s_loc]
                         xc = sAk[t, 16 * sub + s_loc]
-                        fp[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, xp, Float32(0.0)))).to(TFloat32)
-                        fc[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, xc, Float32(0.0)))).to(TFloat32)
+                        fp[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, xp, Float32(0.0)))).to(
+                            TFloat32
+                        )
+                        fc[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, xc, Float32(0.0)))).to(
+                            TFloat32
+                        )
                 # B, one n-tile at a time: q_t exp2(g_t - g_a) and beta_t k_t exp2(g_t - g_a)
                 bts = (sBeta[t0 + 2 * c], sBeta[t0 + 2 * c + 1])
                 for nt in cutlass.range_constexpr(8):
@@ -327,7 +347,9 @@ class ChunkKDABwdIntraSm90:
                     fbk = cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32)
                     for v in cutlass.range_constexpr(2):
                         t = t0 + 2 * c + v
-                        f = cute.math.exp2(cute.arch.fmin(sG[t, ch] - sG[anchor, ch], _ANCHOR_CLAMP), fastmath=True)
+                        f = cute.math.exp2(
+                            cute.arch.fmin(sG[t, ch] - sG[anchor, ch], _ANCHOR_CLAMP), fastmath=True
+                        )
                         fbq[v] = round_tf32(sQ[t, ch].to(Float32) * f).to(TFloat32)
                         fbk[v] = round_tf32(sK[t, ch].to(Float32) * (bts[v] * f)).to(TFloat32)
                     cute.gemm(tiled, acc[nt], fp, fbq, acc[nt])
@@ -336,16 +358,21 @@ class ChunkKDABwdIntraSm90:
         for hh in cutlass.range_constexpr(2):
             s = 16 * sub + g_ + 8 * hh
             if s < valid:
+                # phase R's values, written by this thread, all read back before the first store (see phase R)
+                grads = []
                 for nt in cutlass.range_constexpr(8):
                     ch = cute.assume(ch0 + 8 * nt + 2 * c, divby=2)
-                    gs, g_a, k2, dk, dg = (cute.make_rmem_tensor(2, x) for x in (
-                        Float32, Float32, self.dtype, Float32, Float32))  # fmt: skip
+                    dk, dg = cute.make_rmem_tensor(2, Float32), cute.make_rmem_tensor(2, Float32)
+                    cute.autovec_copy(vec_at(mDk2, (tok0 + s, hv, ch), 2, 2), dk)
+                    cute.autovec_copy(vec_at(mDg2, (tok0 + s, hv, ch), 2, 2), dg)
+                    grads.append((dk, dg))
+                for nt in cutlass.range_constexpr(8):
+                    ch = cute.assume(ch0 + 8 * nt + 2 * c, divby=2)
+                    dk, dg = grads[nt]
+                    gs, g_a, k2 = (cute.make_rmem_tensor(2, x) for x in (Float32, Float32, self.dtype))
                     cute.autovec_copy(vec_at(sG, (s, ch), 2, 2), gs)
                     cute.autovec_copy(vec_at(sG, (anchor, ch), 2, 2), g_a)
                     cute.autovec_copy(vec_at(sK, (s, ch), 2, 2), k2)
-                    # phase R's values, written by this thread
-                    cute.autovec_copy(vec_at(mDk2, (tok0 + s, hv, ch), 2, 2), dk)
-                    cute.autovec_copy(vec_at(mDg2, (tok0 + s, hv, ch), 2, 2), dg)
                     for v in cutlass.range_constexpr(2):
                         f = cute.math.exp2(cute.arch.fmin(g_a[v] - gs[v], _ANCHOR_CLAMP), fastmath=True)
                         col = f * acc[nt][v + 2 * hh]
