@@ -92,6 +92,16 @@ def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
     return bc.check_outputs(pairs, WARN_TOL, FAIL_TOL)
 
 
+def output_errors(fla_out: tuple, cula_out: tuple) -> dict[str, float]:
+    """Relative RMSE of cula against FLA per output (o, ht) and per input gradient (d<leaf>), for the JSON row: which
+    gradient sets ``max_rel_err``, to read against FLA's per-gradient tolerances."""
+    from cula.testing import rel_rmse
+
+    pairs = {"o": (fla_out[0], cula_out[0]), "ht": (fla_out[1], cula_out[1])}
+    pairs.update({f"d{n}": (fla_out[2][n], cula_out[2][n]) for n in fla_out[2]})
+    return {n: float(f"{rel_rmse(f.float(), c.float()):.3g}") for n, (f, c) in pairs.items()}
+
+
 def step_peak_mib(step: Callable[[], Any]) -> float | None:
     """What one step allocates at its peak beyond the memory live before it (MiB): the activations the forward keeps
     for the backward, the backward's workspace and the gradients; None without CUDA."""
@@ -118,12 +128,13 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     record = bc.error_recorder(errors, cfg.name)
 
     fla_out = make_step(fla_fn, fresh(sets[0]), fresh(shared), grads, work.flags)()
-    backend = "unknown"
+    backend, per_output = "unknown", {}
     try:
         step = make_step(cula_fn, fresh(sets[0]), fresh(shared), grads, work.flags)
         cula_out, backend = bc.call_recording_backend(step, work.registry)
         torch.cuda.synchronize()
         err, status = check(fla_out, cula_out)
+        per_output = output_errors(fla_out, cula_out) if status != "FAIL" else {}
         del cula_out
     except Exception as exc:  # noqa: BLE001  (a raising cula call is a FAIL row, not a dead suite)
         record("cula check", exc)
@@ -142,8 +153,8 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     row = {
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
         "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
-        "max_rel_err": err, "check": status, "backend": backend, **bc.spread_fields(fla_t, cula_t),
-        "fla_peak_mib": fla_peak, "cula_peak_mib": cula_peak, "rotation_sets": len(sets),
+        "max_rel_err": err, "rel_err": per_output, "check": status, "backend": backend,
+        **bc.spread_fields(fla_t, cula_t), "fla_peak_mib": fla_peak, "cula_peak_mib": cula_peak, "rotation_sets": len(sets),
     }  # fmt: skip
     if errors:
         row["errors"] = errors

@@ -141,6 +141,7 @@ def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
     cfg = kp.Config("varlen", 1, 48, (40, 8), "random")
     row = kt.run_config(cfg, _fake_training_step, _fake_training_step, args)
     assert row["check"] == "ok" and row["max_rel_err"] == 0.0 and "errors" not in row
+    assert row["rel_err"] == dict.fromkeys(["o", "ht", *(f"d{n}" for n in kt.GRAD_LEAVES)], 0.0)
     assert row["fla_ms"] > 0 and row["cula_ms"] > 0 and row["speedup"] > 0 and row["seq_lens"] == [40, 8]
 
     def wrong_grads(**kw):  # right outputs, gradients 30% too large: the check must see the gradients too
@@ -148,7 +149,7 @@ def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
         return (o.float() * 1.3 - o.detach().float() * 0.3).to(o.dtype), ht
 
     bad = kt.run_config(cfg, _fake_training_step, wrong_grads, args)
-    assert bad["check"] == "FAIL" and bad["cula_ms"] is None and bad["max_rel_err"] > 0.2
+    assert bad["check"] == "FAIL" and bad["cula_ms"] is None and bad["max_rel_err"] > 0.2 and bad["rel_err"] == {}
     raised = kt.run_config(kp.Config("fixed", 1, 16, (16,)), _fake_training_step, _raising, args)
     assert raised["check"] == "FAIL" and "cula check" in raised["errors"] and raised["fla_ms"] > 0
 
