@@ -17,7 +17,7 @@ FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN). After
 measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cula_peak_mib``: activations kept for
 the backward, the backward's workspace, the gradients).
 
-Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu] [--bwd-intra]``.
+Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu] [--bwd-wy-dqkg] [--bwd-intra]``.
 """
 
 from __future__ import annotations
@@ -172,6 +172,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bwd-dhu", action="store_true",
                    help="cula's side with stage 5 of the backward on cula's kernel (KdaTuning.bwd_dhu), whatever "
                         "the tuning entry says; results as kda_training_bwd_dhu")  # fmt: skip
+    p.add_argument("--bwd-wy-dqkg", action="store_true",
+                   help="cula's side with stage 6 of the backward on cula's kernel (KdaTuning.bwd_wy_dqkg), whatever "
+                        "the tuning entry says; results as kda_training_bwd_wy_dqkg")  # fmt: skip
     p.add_argument("--bwd-intra", action="store_true",
                    help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
                         "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dhu_bwd_intra)")
@@ -195,7 +198,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
-    stages = [s for s, on in (("bwd_dhu", args.bwd_dhu), ("bwd_intra", args.bwd_intra)) if on]
+    stages = [s for s, on in (("bwd_dhu", args.bwd_dhu), ("bwd_wy_dqkg", args.bwd_wy_dqkg),
+                              ("bwd_intra", args.bwd_intra)) if on]  # fmt: skip
     tuning = KDA_TUNING.override((9, 0), **dict.fromkeys(stages, True)) if stages else contextlib.nullcontext()
     with tuning:
         run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),

@@ -193,6 +193,17 @@ def kda_training_bwd_intra():
         _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True)
 
 
+@case
+def kda_training_bwd_wy_dqkg():
+    # autograd on with stage 6 of the backward on cula's kernel (KdaTuning.bwd_wy_dqkg), fixed and packed (empty,
+    # one-token and partial chunks), GVA, both state layouts
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(bwd_wy_dqkg=True):
+        _kda_chunk(2, 130, 1, 2, grad=True)
+        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True)
+
+
 def _kda_decode_call(N, T, H, HV, D=128, *, v_first=True, steps=False, gate="lower_bound", dtype=torch.bfloat16,
                      pool_rows=None, g_dtype=torch.float32, beta_dtype=torch.float32):  # fmt: skip
     from cula.kda import kda_decode

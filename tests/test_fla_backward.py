@@ -39,12 +39,13 @@ def test_rebound_backward_is_flas_body_with_our_stages():
     assert scope["chunk_kda_bwd_intra"] is not chunk_bwd.chunk_kda_bwd_intra
 
 
-@pytest.mark.parametrize("launch", [(32, 64, 8, 1), None])
-def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, kda_tuning, launch):
-    """CPU tensors (and no wy_dqkg_launch anywhere) take FLA's wrapper with every argument passed on."""
+@pytest.mark.parametrize("launch,ours", [((32, 64, 8, 1), True), (None, False)])
+def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, kda_tuning, launch, ours):
+    """CPU tensors (whatever the tuning entry says of cula's kernel and of wy_dqkg_launch) take FLA's wrapper with
+    every argument passed on."""
     seen = []
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_wy_dqkg_fused", lambda **kw: seen.append(kw) or "fla")
-    kda_tuning(wy_dqkg_launch=launch)
+    kda_tuning(wy_dqkg_launch=launch, bwd_wy_dqkg=ours)
     t = torch.zeros(1, 64, 1, 128)
     args = dict(q=t, k=t, v=t, v_new=t, g=t, beta=t[..., 0], A=t[..., :64], h=t, do=t, dh=t, dv=t, scale=0.5,
                 state_v_first=True, cu_seqlens=None, chunk_size=64, chunk_indices=None, chunk_offsets=None,
@@ -166,11 +167,11 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage", ["bwd_dhu", "bwd_intra"])
+@pytest.mark.parametrize("stage", ["bwd_dhu", "bwd_intra", "bwd_wy_dqkg"])
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with stage 5
-    (``KdaTuning.bwd_dhu``) or stage 7 (``KdaTuning.bwd_intra``) on cula's kernel against the same step on FLA's:
+    (``KdaTuning.bwd_dhu``), 6 (``KdaTuning.bwd_wy_dqkg``) or 7 (``KdaTuning.bwd_intra``) on cula's kernel against the same step on FLA's:
     every gradient within FLA's tolerances of the other, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")

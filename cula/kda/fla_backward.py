@@ -1,6 +1,7 @@
 """FLA 0.6.0's chunked KDA backward (``fla.ops.kda.chunk_bwd.chunk_kda_bwd``) as cula's training path runs it: FLA's
-own stages in FLA's order, with stage 6 (``chunk_kda_bwd_wy_dqkg_fused``, the state-term and WY gradients) launched
-at a configuration FLA's Hopper autotune list leaves out (``KdaTuning.wy_dqkg_launch``), stage 5
+own stages in FLA's order, with stage 6 (``chunk_kda_bwd_wy_dqkg_fused``, the state-term and WY gradients) on cula's
+own kernel where ``KdaTuning.bwd_wy_dqkg`` says so, else launched at a configuration FLA's Hopper autotune list leaves
+out (``KdaTuning.wy_dqkg_launch``), stage 5
 (``chunk_gated_delta_rule_bwd_dhu``, the state-gradient recurrence) on cula's own kernel where ``KdaTuning.bwd_dhu``
 says so, and stage 7 (``chunk_kda_bwd_intra``, the gradients through the intra-chunk scores) on cula's own kernel
 where ``KdaTuning.bwd_intra`` says so and the gates are ones it is exact for.
@@ -57,10 +58,20 @@ def _wy_dqkg_fused(
     q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, state_v_first=False, cu_seqlens=None, chunk_size=64,
     chunk_indices=None, chunk_offsets=None, use_graph=False,
 ):  # fmt: skip
-    """FLA's ``chunk_kda_bwd_wy_dqkg_fused`` with its arguments and returns, launched at ``wy_dqkg_launch`` where
-    that applies (``_ours``); FLA's own wrapper elsewhere."""
+    """FLA's ``chunk_kda_bwd_wy_dqkg_fused`` with its arguments and returns: on cula's kernel
+    (``cula.ops.kda.sm90.bwd_wy_dqkg``) where the tuning entry says so (``KdaTuning.bwd_wy_dqkg``) and the operands
+    share one 16-bit dtype; else launched at ``wy_dqkg_launch`` where that applies (``_ours``); else FLA's own
+    wrapper."""
     from fla.ops.kda import chunk_bwd
 
+    same_dtype = all(t.dtype == q.dtype for t in (k, v, v_new, A, h, do, dh, dv))
+    if same_dtype and _stage_on("bwd_wy_dqkg", q, use_graph, k.shape[-1], v.shape[-1], chunk_size):
+        from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
+
+        return chunk_kda_bwd_wy_dqkg_sm90(
+            q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=scale, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
+        )  # fmt: skip
     launch = wy_dqkg_launch(q.device)
     if not _ours(launch, q, use_graph, k.shape[-1], v.shape[-1], chunk_size):
         return chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(

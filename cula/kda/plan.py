@@ -78,6 +78,9 @@ class KdaTuning:
     # training: stage 7 (chunk_kda_bwd_intra, the gradients through the intra-chunk scores) on cula's kernel
     # (cula.ops.kda.sm90.bwd_intra) where the forward's intra kernel ran
     bwd_intra: bool = False
+    # training: stage 6 (chunk_kda_bwd_wy_dqkg_fused, the gradients through the state terms and the WY form) on
+    # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
+    bwd_wy_dqkg: bool = False
 
     # chunk_kda: when and how long sequences with few heads are cut into segments whose recurrences run at once
     # (exact: cula.kda.forward's parallel segments); None: never

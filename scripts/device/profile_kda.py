@@ -12,11 +12,11 @@ instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, henc
 ``--ncu-backward`` profiles FLA's two heaviest backward kernels (``chunk_kda_bwd_kernel_wy_dqkg_fused``, stage 6, and
 ``chunk_kda_bwd_kernel_intra``, stage 7 of docs/kernels/kda-backward.md) and the dh recurrence beside them in one FLA
 training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers and spills Triton compiled them with.
-``--ncu-cula-backward`` does the same for cula's stage 5 and 7 kernels (with the stage-7 kernel's per-instruction
+``--ncu-cula-backward`` does the same for cula's stage 5, 6 and 7 kernels (with the stage-7 kernel's per-instruction
 stall samples in $OUT/ncu_bwd_intra_source.csv).
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
-default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward, and that with stage 7 or
-stage 5 on cula's kernel) the kernels of the forward
+default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward, and that with stage 7,
+5 or 6 on cula's kernel) the kernels of the forward
 and of the backward separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward
 of our own would replace first. Run through ``run.sh`` so FLA's backward starts from its cached autotune choices.
 ``--time-split [H:T:SEGMENT ...]`` profiles chunk_kda cut in time (default 4:16384:8192, 4:65536:4096,
@@ -134,7 +134,8 @@ def profile_training(names: list[str]) -> None:
         tensors = kp.make_set(cfg, 0)
         for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ()),
                                     ("cula+bwd_intra", chunk_kda, ("bwd_intra",)),
-                                    ("cula+bwd_dhu", chunk_kda, ("bwd_dhu",))):
+                                    ("cula+bwd_dhu", chunk_kda, ("bwd_dhu",)),
+                                    ("cula+bwd_wy_dqkg", chunk_kda, ("bwd_wy_dqkg",))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
             rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
@@ -143,7 +144,7 @@ def profile_training(names: list[str]) -> None:
                 return fn(**leaves, **rest, **kp.CALL_FLAGS)
 
             # each path with only its own backward stages on cula's kernels, whatever the tuning entry says
-            with KDA_TUNING.override((9, 0), bwd_intra="bwd_intra" in stages_on, bwd_dhu="bwd_dhu" in stages_on):
+            with KDA_TUNING.override((9, 0), **{s: s in stages_on for s in ("bwd_intra", "bwd_dhu", "bwd_wy_dqkg")}):
                 outs = forward()  # autotunes / compiles outside the profile
                 torch.autograd.backward(outs, grads, retain_graph=True)
                 stages = {
@@ -297,7 +298,7 @@ def run_ncu_backward() -> None:
 
 
 def ncu_cula_backward_target() -> None:
-    """Two cula training steps at B=1, T=4096 with stages 5 and 7 on cula's kernels (ncu keeps the second)."""
+    """Two cula training steps at B=1, T=4096 with stages 5, 6 and 7 on cula's kernels (ncu keeps the second)."""
     import bench_kda_prefill as kp
     import bench_kda_training as kt
 
@@ -306,19 +307,19 @@ def ncu_cula_backward_target() -> None:
 
     cfg = {c.name: c for c in kp.suite()}["B1-T4096"]
     shared, grads, tensors = kp.make_shared(cfg), kt.output_grads(cfg), kp.make_set(cfg, 0)
-    with KDA_TUNING.override((9, 0), bwd_intra=True, bwd_dhu=True):
+    with KDA_TUNING.override((9, 0), bwd_intra=True, bwd_dhu=True, bwd_wy_dqkg=True):
         for _ in range(2):
             kt.make_step(chunk_kda, kt.fresh(tensors), kt.fresh(shared), grads)()
     torch.cuda.synchronize()
 
 
 def run_ncu_cula_backward() -> None:
-    """Occupancy, memory throughput and stall reasons of cula's stage 5 and 7 kernels, and the stage-7 kernel's
+    """Occupancy, memory throughput and stall reasons of cula's stage 5, 6 and 7 kernels, and the stage-7 kernel's
     per-instruction stall samples (second launch) as CSV."""
     out = os.environ.get("OUT", ".")
     rep = os.path.join(out, "ncu_cula_bwd")
     env = dict(os.environ, CUTE_DSL_LINEINFO="1")
-    log = _ncu(["ncu", "--clock-control", "none", "-k", "regex:BwdIntraSm90|BwdDhuSm90", "--launch-skip", "2",
+    log = _ncu(["ncu", "--clock-control", "none", "-k", "regex:BwdIntraSm90|BwdDhuSm90|BwdWyDqkgSm90", "--launch-skip", "2",
                 "--launch-count", "2", "--import-source", "yes", "--section", "SpeedOfLight", "--section",
                 "Occupancy", "--section", "LaunchStats", "--section", "WarpStateStats", "--section", "SchedulerStats",
                 "--section", "MemoryWorkloadAnalysis", "--section", "SourceCounters", "-f", "-o", rep,

@@ -1,0 +1,136 @@
+"""KDA chunk backward, the gradients through the state terms and the WY representation on SM90: the host side
+(compile keys, launch).
+
+The kernel, ``ChunkKDABwdWyDqkgSm90`` (FLA's ``chunk_kda_bwd_wy_dqkg_fused``, stage 6 of ``chunk_kda_bwd``), and its
+description are in ``bwd_wy_dqkg_kernel.py``, imported (with the CuTe DSL) only to compile a variant; see
+``cula.ops._host``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula.cache import compiled_kernel
+from cula.ops._host import dsl_name, kernel_attr, placeholder
+
+__all__ = ["chunk_kda_bwd_wy_dqkg_sm90", "compiled", "compiled_variant", "variant_key"]
+
+IO_DTYPES = (torch.bfloat16, torch.float16)
+BETA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def __getattr__(name):
+    return kernel_attr(__name__, name)
+
+
+def variant_key(dtype="BFloat16", beta_dtype="Float32", state_v_first=False, varlen=False, arch=(9, 0)) -> tuple:
+    """The compile key of a variant; dtypes as DSL types, their names or torch dtypes."""
+    return ("kda.bwd_wy_dqkg", "ChunkKDABwdWyDqkgSm90", dsl_name(dtype), dsl_name(beta_dtype), 128, 128, 64,
+            bool(state_v_first), bool(varlen), arch)  # fmt: skip
+
+
+def compiled(key: tuple):
+    """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
+    dtype, beta_dtype, _K, _V, _BT, state_v_first, varlen, arch = key[2:]
+    return compiled_kernel(
+        key, lambda: kernel_attr(__name__, "_compile")(dtype, beta_dtype, state_v_first, varlen, arch)
+    )
+
+
+def compiled_variant(**options):
+    """``compiled(variant_key(**options))``."""
+    return compiled(variant_key(**options))
+
+
+def chunk_kda_bwd_wy_dqkg_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_new: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A: torch.Tensor,
+    h: torch.Tensor,
+    do: torch.Tensor,
+    dh: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    chunk_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """FLA's ``chunk_kda_bwd_wy_dqkg_fused(q, k, v, v_new, g, beta, A, h, do, dh, dv, ...)`` on SM90: the same
+    arguments and returns ``(dq, dk, dv2, db, dg, dA)`` (dq, dk, dg ``[B, T, HV, 128]``, db ``[B, T, HV]``, dA
+    ``[B, T, HV, 64]`` fp32; dv2 in v's dtype); contract: ``cula.kda.naive_bwd.chunk_kda_bwd_wy_dqkg_reference``.
+
+    Args:
+        q, k: ``[B, T, H, 128]`` (after the L2 norm).  v, v_new, do, dv: ``[B, T, HV, 128]``; dv is the gradient of
+            v_new.  g: ``[B, T, HV, 128]`` fp32, the chunk-local log2 gate cumsum.  beta: ``[B, T, HV]`` fp32 / bf16 /
+            fp16.  A: ``[B, T, HV, 64]``, the chunks' ``(I + L)^-1`` by rows.  h, dh: ``[B, NT, HV, 128, 128]`` per
+            chunk (``[V, K]`` with ``state_v_first``; NT the chunk-list length when packed). q, k, v, v_new, do, dv,
+            A, h and dh share one dtype, bf16 or fp16.
+        scale: defaults to ``K ** -0.5``.  cu_seqlens: ``[N + 1]`` int32 / int64 with ``B == 1``; ``chunk_indices``:
+            ``[NT, 2]`` (sequence, chunk) as FLA's ``prepare_chunk_indices`` (built from ``cu_seqlens`` when absent,
+            a host sync).
+    """
+    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+    if chunk_size != 64:
+        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[-1]
+    if K != 128 or V != 128:
+        raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
+    if q.dtype not in IO_DTYPES:
+        raise ValueError(f"q must be bf16 or fp16, got {q.dtype}")
+    if beta.dtype not in BETA_DTYPES:
+        raise ValueError(f"beta must be fp32, bf16 or fp16, got {beta.dtype}")
+    if H == 0 or HV % H:
+        raise ValueError(f"the value heads ({HV}) must be a multiple of the q/k heads ({H})")
+    varlen = cu_seqlens is not None
+    dev = q.device
+    if varlen:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
+        cu32 = cu_seqlens.to(torch.int32).contiguous()
+        if chunk_indices is None:
+            chunk_indices = prepare_chunk_indices_i32(cu32)
+        ci = chunk_indices.to(torch.int32).contiguous()
+        num_chunks, num_seqs = ci.shape[0], 1
+    else:
+        num_chunks, num_seqs = -(-T // 64), B
+    io, f32 = q.dtype, torch.float32
+    for name, t, shape, dtype in (
+        ("k", k, (B, T, H, K), io), ("v", v, (B, T, HV, V), io), ("v_new", v_new, (B, T, HV, V), io),
+        ("g", g, (B, T, HV, K), f32), ("beta", beta, (B, T, HV), beta.dtype), ("A", A, (B, T, HV, 64), io),
+        ("h", h, (B, num_chunks, HV, K, V), io), ("do", do, (B, T, HV, V), io),
+        ("dh", dh, (B, num_chunks, HV, K, V), io), ("dv", dv, (B, T, HV, V), io),
+    ):  # fmt: skip
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
+    scale = K**-0.5 if scale is None else float(scale)
+    q, k, v, v_new, g, beta, A, h, do, dh, dv = (
+        t.contiguous() for t in (q, k, v, v_new, g, beta, A, h, do, dh, dv)
+    )  # fmt: skip
+    dq = torch.empty(B, T, HV, K, dtype=f32, device=dev)
+    dk, dg = torch.empty_like(dq), torch.empty_like(dq)
+    dv2 = torch.empty_like(v)
+    db = torch.empty(B, T, HV, dtype=f32, device=dev)
+    dA = torch.empty(B, T, HV, 64, dtype=f32, device=dev)
+    if num_chunks * num_seqs * HV == 0:  # no tokens: nothing to launch
+        return dq, dk, dv2, db, dg, dA
+    fn = compiled_variant(dtype=dsl_name(io), beta_dtype=dsl_name(beta.dtype), state_v_first=state_v_first,
+                          varlen=varlen)  # fmt: skip
+
+    def flat(t):
+        return t.view(B * t.shape[1], *t.shape[2:])
+
+    fn(
+        flat(q), flat(k), flat(v), flat(v_new), flat(g), flat(beta), flat(A), flat(h), flat(do), flat(dh),
+        flat(dv), flat(dq), flat(dk), flat(dv2), flat(dg), flat(db), flat(dA),
+        cu32 if varlen else placeholder(dev, torch.int32, (2,)),
+        ci if varlen else placeholder(dev, torch.int32, (1, 2)),
+        scale, T, num_chunks, num_seqs,
+    )  # fmt: skip
+    return dq, dk, dv2, db, dg, dA

@@ -1,0 +1,539 @@
+"""KDA chunk backward, the gradients through the state terms and the WY representation on SM90 (stage 6 of FLA's
+``chunk_kda_bwd``).
+
+Replaces FLA 0.6.0's ``chunk_kda_bwd_wy_dqkg_fused`` (``fla/ops/kda/chunk_bwd.py``); contract:
+``cula.kda.naive_bwd.chunk_kda_bwd_wy_dqkg_reference``. Per chunk of BT = 64 tokens and value head, with ``S`` the
+state entering the chunk (``[K, V]``), ``dS`` the gradient of the state leaving it, ``G = exp2(g)`` (g the chunk-local
+log2 gate cumsum), ``gn`` the last valid row's g, ``T`` the chunk's ``(I + L)^-1`` and ``du`` the gradient of v_new::
+
+    dq    = scale (do S^T) G                                      (P1)
+    dks   = (v_new dS^T) exp2(gn - g)                              (P2, rows past the end 0)
+    dw    = -bf16(du S^T)                                          (P3)
+    dvb   = T^T du;  dv2 = beta dvb                                (P5)
+    dkgb  = T^T dw                                                 (P6)
+    dA    = du v^T + dw bf16(k G)^T                                (P4, P7)
+    dAm   = bf16(dA beta_s) on t > s;  dL = -bf16(T^T bf16(dAm T^T)) on t > s   (P8a, P8b)
+    dk    = dks + dkgb G beta;   db = sum_v dvb v + sum_k dkgb k G
+    dg    = q dq - k dks + k G dkgb beta,  plus on the last row exp2(gn) sum_v S dS + sum_t k dks
+
+(the rounding points are FLA's: bf16 operands, fp32 accumulation). Outputs are new tensors: dq, dk, dg, db, dA fp32,
+dv2 in v's dtype.
+
+Layout (256 threads, 8 warps, one CTA per (chunk, value head), ~216 KB of shared memory: one CTA per SM). All
+products are bf16 / fp16 ``mma.sync`` m16n8k16 with operand fragments read from padded shared rows; warp w owns the
+16 output rows 16 (w % 4) .. +15 and one column half (w // 4) of every product:
+
+=====  ======================================================================================================
+phase  work
+=====  ======================================================================================================
+L      all threads: S, dS (as stored, [K, V] or [V, K]), do, v_new, du, v, q, k (head hv // (HV/H)), g fp32,
+       T and beta to padded shared rows by ``cp.async``, zeros past the sequence end; CTA barrier
+1      P5 (its epilogue: dv2 out, the db term of v), P4 into the dA accumulator, then P1, P3 (one B fragment of S
+       for both) and P2 over V; every thread: a half row of ``sum_v S dS``
+E1     CTA barrier; dq out; dks and ``q dq - k dks`` kept in the P1 / P2 registers; bf16(-dw) and bf16(k G) to the
+       shared rows do and v_new had; the column sums of ``k dks`` per row block to shared memory; CTA barrier
+2      P6 and P7; dk, dg out (the last row adds the channel sums), db's half partial to shared memory; bf16(dAm)
+       to du's rows; CTA barrier
+3      P8a into v's rows (bf16), CTA barrier, P8b: dA out; db out
+=====  ======================================================================================================
+
+Supported: K = V = 128, BT = 64, q / k / v / v_new / do / du / h / dh / T all bf16 or all fp16, beta fp32 / bf16 /
+fp16, GVA (HV a multiple of H), both state layouts, varlen (``cu_seqlens`` int32 + ``chunk_indices`` int32
+``[NT, 2]``; states numbered by chunk-list row; a padding row (n, c) with ``64 c >=`` the length of sequence n writes
+nothing).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.memory import SmemAllocator
+
+from cula.cache import compile_options
+from cula.ops._host import dsl_type
+from cula.ops.cute_common import chunk_rows, vec_at
+
+__all__ = ["ChunkKDABwdWyDqkgSm90"]
+
+
+class ChunkKDABwdWyDqkgSm90:
+    """KDA backward through the state terms and the WY representation (FLA's ``chunk_kda_bwd_wy_dqkg_fused``),
+    sm_90a.
+
+    Static configuration: the dtype of the bf16 / fp16 operands, the dtype of beta, the state layout, varlen. Token
+    counts, heads, sequences and the scale are runtime values.
+    """
+
+    arch = 90
+
+    def __init__(self, dtype=BFloat16, beta_dtype=Float32, state_v_first: bool = False, varlen: bool = False):
+        if dtype not in (BFloat16, Float16):
+            raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
+        if beta_dtype not in (BFloat16, Float16, Float32):
+            raise ValueError(f"beta_dtype must be BFloat16, Float16 or Float32, got {beta_dtype}")
+        self.dtype, self.beta_dtype = dtype, beta_dtype
+        self.state_v_first, self.varlen = bool(state_v_first), bool(varlen)
+        self.bt, self.dk, self.dv = 64, 128, 128
+        self.num_threads = 256
+        # padded row strides (elements): 16-bit rows of 128 (+8) and of 64 (+8), fp32 rows of 128 (+4); a quarter
+        # warp's 32-bit fragment reads (8 rows x 4 words) then fall in distinct banks
+        self.x_ld, self.a_ld, self.g_ld = 136, 72, 132
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T_total, H, K) dtype
+        mK: cute.Tensor,  # (T_total, H, K) dtype
+        mV: cute.Tensor,  # (T_total, HV, V) dtype
+        mVn: cute.Tensor,  # (T_total, HV, V) dtype, v_new
+        mG: cute.Tensor,  # (T_total, HV, K) fp32, chunk-local log2 cumsum
+        mBeta: cute.Tensor,  # (T_total, HV) beta_dtype
+        mA: cute.Tensor,  # (T_total, HV, BT) dtype, T by rows
+        mH: cute.Tensor,  # (NT_total, HV, K, V) dtype, or (NT_total, HV, V, K) with state_v_first
+        mDo: cute.Tensor,  # (T_total, HV, V) dtype
+        mDh: cute.Tensor,  # as mH
+        mDu: cute.Tensor,  # (T_total, HV, V) dtype, the gradient of v_new (FLA's dv argument)
+        mDq: cute.Tensor,  # (T_total, HV, K) fp32, out
+        mDk: cute.Tensor,  # (T_total, HV, K) fp32, out
+        mDv2: cute.Tensor,  # (T_total, HV, V) dtype, out
+        mDg: cute.Tensor,  # (T_total, HV, K) fp32, out
+        mDb: cute.Tensor,  # (T_total, HV) fp32, out
+        mDA: cute.Tensor,  # (T_total, HV, BT) fp32, out
+        mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
+        mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
+        scale: Float32,
+        seqlen: Int32,  # tokens per sequence when not varlen
+        num_chunks: Int32,  # grid x: chunks per sequence, or NT when varlen
+        num_seqs: Int32,  # grid z: B, or 1 when varlen
+        stream: cuda.CUstream,
+    ):
+        BT, DK = self.bt, self.dk
+
+        @cute.struct
+        class Storage:
+            sH: cute.struct.Align[cute.struct.MemRange[self.dtype, DK * self.x_ld], 16]
+            sDh: cute.struct.Align[cute.struct.MemRange[self.dtype, DK * self.x_ld], 16]
+            sDo: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.x_ld], 16]  # then bf16(-dw)
+            sVn: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.x_ld], 16]  # then bf16(k G)
+            sDu: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.x_ld], 16]  # then bf16(dAm)
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.x_ld], 16]  # then bf16(dAm T^T)
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.x_ld], 16]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.x_ld], 16]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, BT * self.g_ld], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.a_ld], 16]
+            sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
+            sDgk: cute.struct.Align[cute.struct.MemRange[Float32, DK], 16]  # sum_v S dS per channel
+            sKdk: cute.struct.Align[cute.struct.MemRange[Float32, 4 * DK], 16]  # sum_t k dks per row block
+            sDb: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BT], 16]  # db's two column-half partials
+
+        self.storage = Storage
+        self.kernel(
+            mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, mDq, mDk, mDv2, mDg, mDb, mDA, mCu, mCi, scale,
+            seqlen, num_chunks,
+        ).launch(
+            grid=(num_chunks, mDq.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
+            min_blocks_per_mp=1, max_number_threads=[self.num_threads, 1, 1], preferred_smem_carveout=100,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+        mA: cute.Tensor, mH: cute.Tensor, mDo: cute.Tensor, mDh: cute.Tensor, mDu: cute.Tensor, mDq: cute.Tensor,
+        mDk: cute.Tensor, mDv2: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor, mDA: cute.Tensor, mCu: cute.Tensor,
+        mCi: cute.Tensor, scale: Float32, seqlen: Int32, num_chunks: Int32,
+    ):  # fmt: skip
+        BT, DK = self.bt, self.dk
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, hv, bz = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        HV = mDq.shape[1]
+        h = hv // (HV // mQ.shape[1])
+
+        tok0, valid = chunk_rows(self.varlen, mCu, mCi, bx, bz, seqlen, BT)
+        # the chunk's state row: its chunk-list row when packed, sequence-major when not
+        tg = bx
+        if const_expr(not self.varlen):
+            tg = bz * num_chunks + bx
+
+        if valid > 0:
+            st = SmemAllocator().allocate(self.storage)
+            rows = cute.make_layout((BT, DK), stride=(self.x_ld, 1))
+            sQ, sK = st.sQ.get_tensor(rows), st.sK.get_tensor(rows)
+            sDo, sVn, sDu, sV = (x.get_tensor(rows) for x in (st.sDo, st.sVn, st.sDu, st.sV))
+            sG = st.sG.get_tensor(cute.make_layout((BT, DK), stride=(self.g_ld, 1)))
+            sA = st.sA.get_tensor(cute.make_layout((BT, BT), stride=(self.a_ld, 1)))
+            sBeta = st.sBeta.get_tensor(cute.make_layout(BT))
+            sDgk = st.sDgk.get_tensor(cute.make_layout(DK))
+            sKdk = st.sKdk.get_tensor(cute.make_layout((4, DK), stride=(DK, 1)))
+            sDb = st.sDb.get_tensor(cute.make_layout((BT, 2), stride=(1, BT)))
+            # the states as stored (rows of 128 + 8), and as (k, v) views whatever the layout
+            state_rows = cute.make_layout((DK, DK), stride=(self.x_ld, 1))
+            sHr, sDhr = st.sH.get_tensor(state_rows), st.sDh.get_tensor(state_rows)
+            kv = cute.make_layout((DK, DK), stride=(1, self.x_ld) if self.state_v_first else (self.x_ld, 1))
+            sS, sDS = st.sH.get_tensor(kv), st.sDh.get_tensor(kv)
+
+            self._load(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sBeta, sA, sHr, sDhr,
+                       sDo, sDu, tok0, tg, h, hv, valid, tidx)  # fmt: skip
+            cute.arch.barrier()
+
+            tiled = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
+            rb = warp_idx % 4
+            half = warp_idx // 4
+            last = valid - 1
+            # transposed views: T^T (s, t), du^T (v, t), and later dw^T (k, t), M1^T (s', t)
+            sAT = cute.make_tensor(sA.iterator, cute.make_layout((BT, BT), stride=(1, self.a_ld)))
+            sDuT = cute.make_tensor(sDu.iterator, cute.make_layout((DK, BT), stride=(1, self.x_ld)))
+
+            # phase 1
+            dbp = self._dv2(tiled, sAT, sDuT, sBeta, sV, mDv2, tok0, hv, valid, rb, half, lane)
+            acc_da = self._accumulators(tiled, 4)
+            self._gemm(tiled, acc_da, sDu, True, sV, True, 16 * rb, 32 * half, DK // 16, lane)
+            acc_dq, acc_dw, acc_dk = self._state_products(tiled, sDo, sDu, sVn, sS, sDS, rb, half, lane)
+            self._state_channel_sums(sS, sDS, sDgk, tidx)
+            cute.arch.barrier()
+
+            # E1: dq out; acc_dq <- q dq - k dks, acc_dk <- dks; -dw and k G to shared rows
+            sDw, sKG = sDo, sVn
+            self._epilogue_state(acc_dq, acc_dk, acc_dw, sQ, sK, sG, sDw, sKG, sKdk, mDq, scale, tok0, hv, valid,
+                                 last, rb, half, lane)  # fmt: skip
+            cute.arch.barrier()
+
+            # phase 2: P6, P7 and their epilogue
+            sDwT = cute.make_tensor(sDw.iterator, cute.make_layout((DK, BT), stride=(1, self.x_ld)))
+            acc_kgb = self._accumulators(tiled, 8)
+            self._gemm(tiled, acc_kgb, sAT, False, sDwT, False, 16 * rb, 64 * half, BT // 16, lane)
+            self._gemm(tiled, acc_da, sDw, True, sKG, True, 16 * rb, 32 * half, DK // 16, lane)
+            self._epilogue_wy(acc_kgb, acc_dq, acc_dk, sK, sG, sBeta, sDgk, sKdk, sDb, mDk, mDg, dbp, tok0, hv,
+                                    valid, last, rb, half, lane)  # fmt: skip
+            sDAm = cute.make_tensor(sDu.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
+            self._mask_da(acc_da, sBeta, sDAm, valid, rb, half, lane)
+            cute.arch.barrier()
+
+            # phase 3: dL = -T^T bf16(dAm T^T)
+            sM1 = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
+            acc_m1 = self._accumulators(tiled, 4)
+            self._gemm(tiled, acc_m1, sDAm, True, sA, True, 16 * rb, 32 * half, BT // 16, lane)
+            self._store_c16(acc_m1, sM1, 16 * rb, 32 * half, lane)
+            cute.arch.barrier()
+            sM1T = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(1, self.x_ld)))
+            acc_dl = self._accumulators(tiled, 4)
+            self._gemm(tiled, acc_dl, sAT, False, sM1T, False, 16 * rb, 32 * half, BT // 16, lane)
+            self._store_dl(acc_dl, mDA, tok0, hv, valid, rb, half, lane)
+            if tidx < valid:
+                mDb[tok0 + tidx, hv] = sDb[tidx, 0] + sDb[tidx, 1]
+
+    # ------------------------------------------------------------------------------------------------ loads
+    @cute.jit
+    def _load(self, mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sBeta, sA, sHr, sDhr,
+              sDo, sDu, tok0, tg, h, hv, valid, tidx):  # fmt: skip
+        """Phase L: the chunk's tiles to shared memory by 16-byte ``cp.async``, zeros past the sequence end."""
+        BT, DK = self.bt, self.dk
+        x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
+        f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+        c8 = cute.assume((tidx % 16) * 8, divby=8)  # 16-bit rows of 128: 16 units of 8, 16 rows a pass
+        for m in cutlass.range_constexpr(DK // 16):  # the two states, as stored
+            r = tidx // 16 + 16 * m
+            cute.copy(x_atom, vec_at(mH, (tg, hv, r, c8)), vec_at(sHr, (r, c8)))
+            cute.copy(x_atom, vec_at(mDh, (tg, hv, r, c8)), vec_at(sDhr, (r, c8)))
+        for m in cutlass.range_constexpr(BT // 16):
+            t = tidx // 16 + 16 * m
+            for src, dst, head in ((mDo, sDo, hv), (mVn, sVn, hv), (mDu, sDu, hv), (mV, sV, hv), (mQ, sQ, h),
+                                   (mK, sK, h)):  # fmt: skip
+                if t < valid:
+                    cute.copy(x_atom, vec_at(src, (tok0 + t, head, c8)), vec_at(dst, (t, c8)))
+                else:
+                    vec_at(dst, (t, c8)).fill(0.0)
+        c4 = cute.assume((tidx % 32) * 4, divby=4)  # g: 32 units of 4 a row, 8 rows a pass
+        for m in cutlass.range_constexpr(BT // 8):
+            t = tidx // 32 + 8 * m
+            if t < valid:
+                cute.copy(f_atom, vec_at(mG, (tok0 + t, hv, c4), 4, 4), vec_at(sG, (t, c4), 4, 4))
+            else:
+                vec_at(sG, (t, c4), 4, 4).fill(0.0)
+        a8 = cute.assume((tidx % 8) * 8, divby=8)  # T: 8 units of 8 a row, 32 rows a pass
+        for m in cutlass.range_constexpr(BT // 32):
+            t = tidx // 8 + 32 * m
+            if t < valid:
+                cute.copy(x_atom, vec_at(mA, (tok0 + t, hv, a8)), vec_at(sA, (t, a8)))
+            else:
+                vec_at(sA, (t, a8)).fill(0.0)
+        cute.arch.cp_async_commit_group()
+        if tidx < BT:
+            b = Float32(0.0)
+            if tidx < valid:
+                b = mBeta[tok0 + tidx, hv].to(Float32)
+            sBeta[tidx] = b
+        cute.arch.cp_async_wait_group(0)
+
+    # ---------------------------------------------------------------------------------------------- products
+    @cute.jit
+    def _accumulators(self, tiled, n: int) -> list:
+        """``n`` zeroed [16 x 8] accumulators: the n-tiles of a [16 x 8n] product."""
+        accs = []
+        for _ in cutlass.range_constexpr(n):
+            acc = cute.make_rmem_tensor(tiled.partition_shape_C((16, 8)), Float32)
+            acc.fill(0.0)
+            accs.append(acc)
+        return accs
+
+    @cute.jit
+    def _frag_a(self, tiled, s, r0, k0, k_contiguous: bool, lane):
+        """The A fragment (16 x 16) of rows r0.. and contraction columns k0.. of the (M, K) view ``s``: value
+        ``i = v0 + 2 v1 + 4 v2`` holds (row g + 8 v1, column 2 c + v0 + 8 v2), g = lane / 4, c = lane % 4."""
+        g_, c = lane // 4, lane % 4
+        fa = cute.make_rmem_tensor(tiled.partition_shape_A((16, 16)), self.dtype)
+        for v1 in cutlass.range_constexpr(2):
+            for v2 in cutlass.range_constexpr(2):
+                r, kk = r0 + g_ + 8 * v1, k0 + 2 * c + 8 * v2
+                if const_expr(k_contiguous):
+                    two = cute.make_rmem_tensor(2, self.dtype)
+                    cute.autovec_copy(vec_at(s, (r, kk), 2, 2), two)
+                    fa[2 * v1 + 4 * v2] = two[0]
+                    fa[1 + 2 * v1 + 4 * v2] = two[1]
+                else:
+                    fa[2 * v1 + 4 * v2] = s[r, kk]
+                    fa[1 + 2 * v1 + 4 * v2] = s[r, kk + 1]
+        return fa
+
+    @cute.jit
+    def _frag_b(self, tiled, s, n0, k0, k_contiguous: bool, lane):
+        """The B fragment (16 x 8) of output columns n0.. and contraction rows k0.. of the (N, K) view ``s``: value
+        ``i = v0 + 2 v1`` holds (column g, contraction row 2 c + v0 + 8 v1)."""
+        g_, c = lane // 4, lane % 4
+        fb = cute.make_rmem_tensor(tiled.partition_shape_B((8, 16)), self.dtype)
+        for v1 in cutlass.range_constexpr(2):
+            n, kk = n0 + g_, k0 + 2 * c + 8 * v1
+            if const_expr(k_contiguous):
+                two = cute.make_rmem_tensor(2, self.dtype)
+                cute.autovec_copy(vec_at(s, (n, kk), 2, 2), two)
+                fb[2 * v1] = two[0]
+                fb[1 + 2 * v1] = two[1]
+            else:
+                fb[2 * v1] = s[n, kk]
+                fb[1 + 2 * v1] = s[n, kk + 1]
+        return fb
+
+    @cute.jit
+    def _gemm(self, tiled, accs, sa, a_contiguous: bool, sb, b_contiguous: bool, r0, n0, k_steps: int, lane):
+        """``accs[nt] += sa[r0:r0+16, :] sb[n0 + 8 nt : +8, :]^T`` over ``k_steps`` x 16 contraction columns."""
+        for ks in cutlass.range(k_steps, unroll=1):
+            fa = self._frag_a(tiled, sa, r0, 16 * ks, a_contiguous, lane)
+            for nt in cutlass.range_constexpr(len(accs)):
+                fb = self._frag_b(tiled, sb, n0 + 8 * nt, 16 * ks, b_contiguous, lane)
+                cute.gemm(tiled, accs[nt], fa, fb, accs[nt])
+
+    @cute.jit
+    def _state_products(self, tiled, sDo, sDu, sVn, sS, sDS, rb, half, lane):
+        """P1 (do S^T), P3 (du S^T, sharing S's B fragments) and P2 (v_new dS^T) for rows 16 rb.. and channels
+        64 half.., over V."""
+        acc_dq, acc_dw, acc_dk = self._accumulators(tiled, 8), self._accumulators(tiled, 8), self._accumulators(tiled, 8)
+        b_contiguous = not self.state_v_first
+        for ks in cutlass.range(self.dv // 16, unroll=1):
+            fdo = self._frag_a(tiled, sDo, 16 * rb, 16 * ks, True, lane)
+            fdu = self._frag_a(tiled, sDu, 16 * rb, 16 * ks, True, lane)
+            fvn = self._frag_a(tiled, sVn, 16 * rb, 16 * ks, True, lane)
+            for nt in cutlass.range_constexpr(8):
+                fs = self._frag_b(tiled, sS, 64 * half + 8 * nt, 16 * ks, b_contiguous, lane)
+                cute.gemm(tiled, acc_dq[nt], fdo, fs, acc_dq[nt])
+                cute.gemm(tiled, acc_dw[nt], fdu, fs, acc_dw[nt])
+                fds = self._frag_b(tiled, sDS, 64 * half + 8 * nt, 16 * ks, b_contiguous, lane)
+                cute.gemm(tiled, acc_dk[nt], fvn, fds, acc_dk[nt])
+        return acc_dq, acc_dw, acc_dk
+
+    @cute.jit
+    def _state_channel_sums(self, sS, sDS, sDgk, tidx):
+        """``sDgk[k] = sum_v S[k, v] dS[k, v]``: two threads a channel, 64 values each."""
+        kk = tidx // 2
+        v0 = (tidx % 2) * 64
+        acc = Float32(0.0)
+        for v in cutlass.range_constexpr(64):
+            acc = acc + sS[kk, v0 + v].to(Float32) * sDS[kk, v0 + v].to(Float32)
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+        if tidx % 2 == 0:
+            sDgk[kk] = acc
+
+    # --------------------------------------------------------------------------------------------- epilogues
+    @cute.jit
+    def _dv2(self, tiled, sAT, sDuT, sBeta, sV, mDv2, tok0, hv, valid, rb, half, lane):
+        """P5 ``dvb = T^T du`` for rows 16 rb.. and value columns 64 half..; dv2 = beta dvb out. Returns the rows'
+        ``sum_v dvb v`` over these columns (a lane's two rows, quad-reduced later with the dkgb term)."""
+        g_, c = lane // 4, lane % 4
+        acc = self._accumulators(tiled, 8)
+        self._gemm(tiled, acc, sAT, False, sDuT, False, 16 * rb, 64 * half, self.bt // 16, lane)
+        dbp = cute.make_rmem_tensor(2, Float32)
+        for hh in cutlass.range_constexpr(2):
+            t = 16 * rb + g_ + 8 * hh
+            bt = sBeta[t]
+            part = Float32(0.0)
+            for nt in cutlass.range_constexpr(8):
+                col = cute.assume(64 * half + 8 * nt + 2 * c, divby=2)
+                v2 = cute.make_rmem_tensor(2, self.dtype)
+                out = cute.make_rmem_tensor(2, self.dtype)
+                cute.autovec_copy(vec_at(sV, (t, col), 2, 2), v2)
+                for v in cutlass.range_constexpr(2):
+                    x = acc[nt][v + 2 * hh]
+                    out[v] = (x * bt).to(self.dtype)
+                    part = part + x * v2[v].to(Float32)
+                if t < valid:
+                    cute.autovec_copy(out, vec_at(mDv2, (tok0 + t, hv, col), 2, 2))
+            dbp[hh] = part
+        return dbp
+
+    @cute.jit
+    def _epilogue_state(self, acc_dq, acc_dk, acc_dw, sQ, sK, sG, sDw, sKG, sKdk, mDq, scale, tok0, hv, valid, last,
+                        rb, half, lane):  # fmt: skip
+        """E1 for rows 16 rb.. and channels 64 half..: dq out; ``acc_dq`` becomes ``q dq - k dks`` and ``acc_dk``
+        dks; bf16(-dw) and bf16(k G) to shared rows; the row block's column sums of ``k dks`` to ``sKdk``."""
+        g_, c = lane // 4, lane % 4
+        for nt in cutlass.range_constexpr(8):
+            col = cute.assume(64 * half + 8 * nt + 2 * c, divby=2)
+            gn = cute.make_rmem_tensor(2, Float32)
+            cute.autovec_copy(vec_at(sG, (last, col), 2, 2), gn)
+            colsum = cute.make_rmem_tensor(2, Float32)
+            colsum.fill(0.0)
+            for hh in cutlass.range_constexpr(2):
+                t = 16 * rb + g_ + 8 * hh
+                gt, q2, k2 = (cute.make_rmem_tensor(2, x) for x in (Float32, self.dtype, self.dtype))
+                cute.autovec_copy(vec_at(sG, (t, col), 2, 2), gt)
+                cute.autovec_copy(vec_at(sQ, (t, col), 2, 2), q2)
+                cute.autovec_copy(vec_at(sK, (t, col), 2, 2), k2)
+                dq, nw, kg = (cute.make_rmem_tensor(2, x) for x in (Float32, self.dtype, self.dtype))
+                for v in cutlass.range_constexpr(2):
+                    i = v + 2 * hh
+                    gexp = cute.math.exp2(gt[v], fastmath=True)
+                    dq[v] = acc_dq[nt][i] * gexp * scale
+                    dks = Float32(0.0)
+                    if t < valid:
+                        dks = acc_dk[nt][i] * cute.math.exp2(gn[v] - gt[v], fastmath=True)
+                    kf = k2[v].to(Float32)
+                    acc_dq[nt][i] = q2[v].to(Float32) * dq[v] - kf * dks
+                    acc_dk[nt][i] = dks
+                    colsum[v] = colsum[v] + kf * dks
+                    nw[v] = (-acc_dw[nt][i]).to(self.dtype)
+                    kg[v] = (kf * gexp).to(self.dtype)
+                if t < valid:
+                    cute.autovec_copy(dq, vec_at(mDq, (tok0 + t, hv, col), 2, 2))
+                cute.autovec_copy(nw, vec_at(sDw, (t, col), 2, 2))
+                cute.autovec_copy(kg, vec_at(sKG, (t, col), 2, 2))
+            # the row block's 16 rows: the eight row groups of the warp
+            for v in cutlass.range_constexpr(2):
+                x = colsum[v]
+                for off in cutlass.range_constexpr(3):
+                    x = x + cute.arch.shuffle_sync_bfly(x, offset=4 << off)
+                if g_ == 0:
+                    sKdk[rb, col + v] = x
+
+    @cute.jit
+    def _epilogue_wy(self, acc_kgb, acc_dg, acc_dks, sK, sG, sBeta, sDgk, sKdk, sDb, mDk, mDg, dbp, tok0, hv, valid,
+                     last, rb, half, lane):  # fmt: skip
+        """Phase 2's epilogue for rows 16 rb.. and channels 64 half..: dk, dg out (the last row adds the channel
+        sums), the rows' db partials (with P5's) to ``sDb``."""
+        g_, c = lane // 4, lane % 4
+        for hh in cutlass.range_constexpr(2):
+            t = 16 * rb + g_ + 8 * hh
+            bt = sBeta[t]
+            part = dbp[hh]
+            for nt in cutlass.range_constexpr(8):
+                col = cute.assume(64 * half + 8 * nt + 2 * c, divby=2)
+                gt, gn, k2 = (cute.make_rmem_tensor(2, x) for x in (Float32, Float32, self.dtype))
+                cute.autovec_copy(vec_at(sG, (t, col), 2, 2), gt)
+                cute.autovec_copy(vec_at(sG, (last, col), 2, 2), gn)
+                cute.autovec_copy(vec_at(sK, (t, col), 2, 2), k2)
+                dk, dg = cute.make_rmem_tensor(2, Float32), cute.make_rmem_tensor(2, Float32)
+                for v in cutlass.range_constexpr(2):
+                    i = v + 2 * hh
+                    gexp = cute.math.exp2(gt[v], fastmath=True)
+                    kg = k2[v].to(Float32) * gexp
+                    x = acc_kgb[nt][i]
+                    dk[v] = acc_dks[nt][i] + x * gexp * bt
+                    dg[v] = acc_dg[nt][i] + kg * x * bt
+                    if t == last:
+                        ch = col + v
+                        dg[v] = dg[v] + cute.math.exp2(gn[v], fastmath=True) * sDgk[ch] + (
+                            sKdk[0, ch] + sKdk[1, ch] + sKdk[2, ch] + sKdk[3, ch])
+                    part = part + x * kg
+                if t < valid:
+                    cute.autovec_copy(dk, vec_at(mDk, (tok0 + t, hv, col), 2, 2))
+                    cute.autovec_copy(dg, vec_at(mDg, (tok0 + t, hv, col), 2, 2))
+            # the row's sum over this half's columns: the quad's four lanes
+            part = part + cute.arch.shuffle_sync_bfly(part, offset=1)
+            part = part + cute.arch.shuffle_sync_bfly(part, offset=2)
+            if c == 0:
+                sDb[t, half] = part
+
+    @cute.jit
+    def _mask_da(self, acc_da, sBeta, sDAm, valid, rb, half, lane):
+        """``dAm = bf16(dA beta_s)`` on t > s (both in the sequence), 0 elsewhere, to shared rows."""
+        g_, c = lane // 4, lane % 4
+        for hh in cutlass.range_constexpr(2):
+            t = 16 * rb + g_ + 8 * hh
+            for nt in cutlass.range_constexpr(4):
+                col = cute.assume(32 * half + 8 * nt + 2 * c, divby=2)
+                out = cute.make_rmem_tensor(2, self.dtype)
+                for v in cutlass.range_constexpr(2):
+                    s = col + v
+                    keep = (t > s) & (t < valid)
+                    out[v] = Float32(cutlass.select_(keep, acc_da[nt][v + 2 * hh] * sBeta[s], Float32(0.0))).to(self.dtype)
+                cute.autovec_copy(out, vec_at(sDAm, (t, col), 2, 2))
+
+    @cute.jit
+    def _store_c16(self, accs, s, r0, n0, lane):
+        """The [16 x 8n] accumulators rounded to the operand dtype into rows r0.. and columns n0.. of ``s``."""
+        g_, c = lane // 4, lane % 4
+        for hh in cutlass.range_constexpr(2):
+            for nt in cutlass.range_constexpr(len(accs)):
+                out = cute.make_rmem_tensor(2, self.dtype)
+                for v in cutlass.range_constexpr(2):
+                    out[v] = accs[nt][v + 2 * hh].to(self.dtype)
+                col = cute.assume(n0 + 8 * nt + 2 * c, divby=2)
+                cute.autovec_copy(out, vec_at(s, (r0 + g_ + 8 * hh, col), 2, 2))
+
+    @cute.jit
+    def _store_dl(self, acc_dl, mDA, tok0, hv, valid, rb, half, lane):
+        """dA out: ``-dL`` on t > s, 0 elsewhere, rows in the sequence, all 64 columns."""
+        g_, c = lane // 4, lane % 4
+        for hh in cutlass.range_constexpr(2):
+            t = 16 * rb + g_ + 8 * hh
+            if t < valid:
+                for nt in cutlass.range_constexpr(4):
+                    col = cute.assume(32 * half + 8 * nt + 2 * c, divby=2)
+                    out = cute.make_rmem_tensor(2, Float32)
+                    for v in cutlass.range_constexpr(2):
+                        out[v] = Float32(cutlass.select_(t > col + v, -acc_dl[nt][v + 2 * hh], Float32(0.0)))
+                    cute.autovec_copy(out, vec_at(mDA, (tok0 + t, hv, col), 2, 2))
+
+
+def _compile(dtype, beta_dtype, state_v_first, varlen, arch=(9, 0), extra_options=""):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    D, BT = 128, 64
+    dtype, beta_dtype = dsl_type(dtype), dsl_type(beta_dtype)
+    kernel = ChunkKDABwdWyDqkgSm90(dtype=dtype, beta_dtype=beta_dtype, state_v_first=state_v_first, varlen=varlen)
+    tt, nt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+
+    def tok(dt, heads, d):
+        return make_fake_tensor(dt, (tt, heads, d), (cute.sym_int64(divisibility=d), d, 1), assumed_align=16)
+
+    def per_head(dt):
+        return make_fake_tensor(dt, (tt, hv), (cute.sym_int64(), 1), assumed_align=dt.width // 8)
+
+    def state():
+        return make_fake_tensor(dtype, (nt, hv, D, D), (cute.sym_int64(divisibility=D * D), D * D, D, 1),
+                                assumed_align=16)  # fmt: skip
+
+    args = (
+        tok(dtype, h, D), tok(dtype, h, D), tok(dtype, hv, D), tok(dtype, hv, D), tok(Float32, hv, D),
+        per_head(beta_dtype), tok(dtype, hv, BT), state(), tok(dtype, hv, D), state(), tok(dtype, hv, D),
+        tok(Float32, hv, D), tok(Float32, hv, D), tok(dtype, hv, D), tok(Float32, hv, D), per_head(Float32),
+        tok(Float32, hv, BT),
+        make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
+        make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
+        Float32(1.0), Int32(1), Int32(1), Int32(1),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    )  # fmt: skip
+    return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
