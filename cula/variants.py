@@ -97,6 +97,30 @@ def _gdn_chunk(scope: str) -> None:
         intra.compiled_variant(varlen=varlen, **options)
 
 
+def _kda_training(scope: str) -> None:
+    """The stages of ``chunk_kda``'s backward that run on cula's kernels where ``KDA_TUNING``'s entry turns them on
+    (``cula.kda.fla_backward``): stage 5 (the state-gradient recurrence), 6 (the state-term and WY gradients), 7
+    (the intra-score gradients). beta reaches them after the glue's sigmoid (fp32) or as given."""
+    from cula.kda.plan import KDA_TUNING
+    from cula.ops._host import dsl_name
+    from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg
+
+    entry = KDA_TUNING.get((9, 0))
+    d = _dtypes(scope)
+    for dt, varlen in itertools.product(d["io"], _B):
+        if entry.bwd_dhu:
+            for dht, dh0, svf in itertools.product(_B, _B, _B):
+                bwd_dhu.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_dht=dht, has_dh0=dh0,
+                                         state_v_first=svf)  # fmt: skip
+        for b_dt in d["beta"]:
+            if entry.bwd_wy_dqkg:
+                for svf in _B:
+                    bwd_wy_dqkg.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), state_v_first=svf,
+                                                 varlen=varlen)  # fmt: skip
+            if entry.bwd_intra:
+                bwd_intra.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), varlen=varlen)
+
+
 def _kda_decode(scope: str) -> None:
     """``kda_decode`` / ``kda_decode_step`` / ``fused_recurrent_kda``'s pool form on cula-sm90: every flag
     combination at every T (1..``DECODE_MAX_TOKENS``), below and above the state counts where the tile changes."""
@@ -145,7 +169,7 @@ def _smoke() -> None:
     from cula.kda.plan import kda_decode_launcher
     from cula.lightning.plan import launch_key
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import fwd_launch, intra, segment_chain, segment_summary
+    from cula.ops.kda.sm90 import bwd_intra, fwd_launch, intra, segment_chain, segment_summary
     from cula.ops.lightning.sm90 import chunk_fwd as lc
     from cula.ops.lightning.sm90 import decode as ld
 
@@ -163,6 +187,8 @@ def _smoke() -> None:
     )  # fmt: skip
     for causal in _B:
         dh.compiled_variant(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
+    # training's backward: stage 7 on cula's kernel (beta after the glue's sigmoid is fp32)
+    bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False)
     # the packed call cut in time: the segment summary, the segment chain, then the packed state/output kernel
     segment_summary.compiled_variant(dtype="BFloat16")
     segment_chain.compiled_variant(has_h0=True, has_ht=True)
@@ -181,7 +207,8 @@ def _smoke() -> None:
 
 
 OPS: dict[str, Callable[[str], None]] = {
-    "kda.chunk": _kda_chunk, "gdn.chunk": _gdn_chunk, "kda.decode": _kda_decode, "lightning": _lightning,
+    "kda.chunk": _kda_chunk, "kda.training": _kda_training, "gdn.chunk": _gdn_chunk, "kda.decode": _kda_decode,
+    "lightning": _lightning,
 }  # fmt: skip
 
 

@@ -156,6 +156,35 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     assert not missing, missing[:3]
 
 
+def test_training_stage_requests_are_listed(requested, kda_tuning):
+    """The backward stages' hosts (stages 5, 6, 7 on cula's kernels) ask only for listed variants, over the dtypes,
+    layouts and forms the training path hands them; a stage whose tuning flag is off lists nothing."""
+    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90
+    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
+    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
+
+    kda_tuning(bwd_dhu=False, bwd_wy_dqkg=False, bwd_intra=False)
+    assert not variants.planner_variants("full", ops=("kda.training",))
+    kda_tuning(bwd_dhu=True, bwd_wy_dqkg=True, bwd_intra=True)
+    listed = set(variants.planner_variants("full", ops=("kda.training",)))
+    H, HV, D = 1, 2, 128
+    for io, b_dt, svf, packed in itertools.product((BF16, FP16), (FP32, BF16, FP16), (False, True), (False, True)):
+        B, T = (1, 130) if packed else (2, 70)
+        cu = torch.tensor([0, 50, 130], dtype=torch.int32) if packed else None
+        NT = 3 if packed else 2
+        x, xv, f = _rnd(B, T, H, D, dtype=io), _rnd(B, T, HV, D, dtype=io), _rnd(B, T, HV, D, dtype=FP32)
+        beta, a = _rnd(B, T, HV, dtype=b_dt), _rnd(B, T, HV, 64, dtype=FP32)
+        s = _rnd(B, NT, HV, D, D, dtype=io)
+        chunk_kda_bwd_intra_sm90(x, x, f, beta, a, a, f, f, _rnd(B, T, HV, dtype=FP32), f, cu_seqlens=cu)
+        chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf, cu_seqlens=cu)
+        chunk_kda_bwd_dhu_sm90(xv, xv, xv, xv, xv, f, h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32),
+                               dht=None, state_v_first=svf, cu_seqlens=cu)  # fmt: skip
+    families = {k[0] for k in requested}
+    assert families == {"kda.bwd_dhu", "kda.bwd_wy_dqkg", "kda.bwd_intra"}, families
+    missing = [cula.cache.key_text(k) for k in requested if k not in listed]
+    assert not missing, missing[:3]
+
+
 def test_decode_requests_are_listed(requested, full_list):
     from cula.kda import fused_recurrent_kda, kda_decode, kda_decode_step
     from cula.lightning import lightning_decode
