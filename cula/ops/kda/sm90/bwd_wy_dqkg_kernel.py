@@ -26,10 +26,11 @@ products are bf16 / fp16 ``mma.sync`` m16n8k16 with operand fragments read from 
 =====  ======================================================================================================
 phase  work
 =====  ======================================================================================================
-L      all threads: S, dS (as stored, [K, V] or [V, K]), do, v_new, du, v, q, k (head hv // (HV/H)), g fp32,
-       T and beta to padded shared rows by ``cp.async``, zeros past the sequence end; CTA barrier
-1      P5 (its epilogue: dv2 out, the db term of v), P4 into the dA accumulator, then P1, P3 (one B fragment of S
-       for both) and P2 over V; every thread: a half row of ``sum_v S dS``
+L      all threads: S, dS (as stored, [K, V] or [V, K]), do, du, v_new in one ``cp.async`` group, v, q, k
+       (head hv // (HV/H)), g fp32, T in a second, to padded shared rows (zeros past the sequence end); beta
+1      once the first group is in (CTA barrier): P1, P3 (one B fragment of S for both) and P2 over V, and every
+       thread a half row of ``sum_v S dS``; once the second is (CTA barrier): P5 (its epilogue: dv2 out, the db
+       term of v), P4 into the dA accumulator
 E1     CTA barrier; dq out; dks and ``q dq - k dks`` kept in the P1 / P2 registers; bf16(-dw) and bf16(k G) to the
        shared rows do and v_new had; the column sums of ``k dks`` per row block to shared memory; CTA barrier
 2      P6 and P7; dk, dg out (the last row adds the channel sums), db's half partial to shared memory; bf16(dAm)
@@ -178,7 +179,6 @@ class ChunkKDABwdWyDqkgSm90:
 
             self._load(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sBeta, sA, sHr, sDhr,
                        sDo, sDu, tok0, tg, h, hv, valid, tidx)  # fmt: skip
-            cute.arch.barrier()
 
             tiled = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
             rb = warp_idx % 4
@@ -188,12 +188,16 @@ class ChunkKDABwdWyDqkgSm90:
             sAT = cute.make_tensor(sA.iterator, cute.make_layout((BT, BT), stride=(1, self.a_ld)))
             sDuT = cute.make_tensor(sDu.iterator, cute.make_layout((DK, BT), stride=(1, self.x_ld)))
 
-            # phase 1
+            # phase 1: the state products once the first load group has landed (the second still in flight)
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.barrier()
+            acc_dq, acc_dw, acc_dk = self._state_products(tiled, sDo, sDu, sVn, sS, sDS, rb, half, lane)
+            self._state_channel_sums(sS, sDS, sDgk, tidx)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
             dbp = self._dv2(tiled, sAT, sDuT, sBeta, sV, mDv2, tok0, hv, valid, rb, half, lane)
             acc_da = self._accumulators(tiled, 4)
             self._gemm(tiled, acc_da, sDu, True, sV, True, 16 * rb, 32 * half, DK // 16, lane)
-            acc_dq, acc_dw, acc_dk = self._state_products(tiled, sDo, sDu, sVn, sS, sDS, rb, half, lane)
-            self._state_channel_sums(sS, sDS, sDgk, tidx)
             cute.arch.barrier()
 
             # E1: dq out; acc_dq <- q dq - k dks, acc_dk <- dks; -dw and k G to shared rows
@@ -208,7 +212,7 @@ class ChunkKDABwdWyDqkgSm90:
             self._gemm(tiled, acc_kgb, sAT, False, sDwT, False, 16 * rb, 64 * half, BT // 16, lane)
             self._gemm(tiled, acc_da, sDw, True, sKG, True, 16 * rb, 32 * half, DK // 16, lane)
             self._epilogue_wy(acc_kgb, acc_dq, acc_dk, sK, sG, sBeta, sDgk, sKdk, sDb, mDk, mDg, dbp, tok0, hv,
-                                    valid, last, rb, half, lane)  # fmt: skip
+                              valid, last, rb, half, lane)  # fmt: skip
             sDAm = cute.make_tensor(sDu.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
             self._mask_da(acc_da, sBeta, sDAm, valid, rb, half, lane)
             cute.arch.barrier()
@@ -230,7 +234,8 @@ class ChunkKDABwdWyDqkgSm90:
     @cute.jit
     def _load(self, mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sBeta, sA, sHr, sDhr,
               sDo, sDu, tok0, tg, h, hv, valid, tidx):  # fmt: skip
-        """Phase L: the chunk's tiles to shared memory by 16-byte ``cp.async``, zeros past the sequence end."""
+        """Phase L: the chunk's tiles to shared memory by 16-byte ``cp.async`` in two groups (first what P1-P3
+        read: the states, do, du, v_new; then v, q, k, g, T), zeros past the sequence end; beta by plain loads."""
         BT, DK = self.bt, self.dk
         x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
         f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
@@ -239,14 +244,9 @@ class ChunkKDABwdWyDqkgSm90:
             r = tidx // 16 + 16 * m
             cute.copy(x_atom, vec_at(mH, (tg, hv, r, c8)), vec_at(sHr, (r, c8)))
             cute.copy(x_atom, vec_at(mDh, (tg, hv, r, c8)), vec_at(sDhr, (r, c8)))
-        for m in cutlass.range_constexpr(BT // 16):
-            t = tidx // 16 + 16 * m
-            for src, dst, head in ((mDo, sDo, hv), (mVn, sVn, hv), (mDu, sDu, hv), (mV, sV, hv), (mQ, sQ, h),
-                                   (mK, sK, h)):  # fmt: skip
-                if t < valid:
-                    cute.copy(x_atom, vec_at(src, (tok0 + t, head, c8)), vec_at(dst, (t, c8)))
-                else:
-                    vec_at(dst, (t, c8)).fill(0.0)
+        self._load_rows(x_atom, ((mDo, sDo, hv), (mDu, sDu, hv), (mVn, sVn, hv)), tok0, valid, tidx)
+        cute.arch.cp_async_commit_group()
+        self._load_rows(x_atom, ((mV, sV, hv), (mQ, sQ, h), (mK, sK, h)), tok0, valid, tidx)
         c4 = cute.assume((tidx % 32) * 4, divby=4)  # g: 32 units of 4 a row, 8 rows a pass
         for m in cutlass.range_constexpr(BT // 8):
             t = tidx // 32 + 8 * m
@@ -267,7 +267,18 @@ class ChunkKDABwdWyDqkgSm90:
             if tidx < valid:
                 b = mBeta[tok0 + tidx, hv].to(Float32)
             sBeta[tidx] = b
-        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _load_rows(self, x_atom, tiles, tok0, valid, tidx):
+        """16-bit token rows of 128 (``(source, destination, head)`` each): 16 units of 8 a row, 16 rows a pass."""
+        c8 = cute.assume((tidx % 16) * 8, divby=8)
+        for m in cutlass.range_constexpr(self.bt // 16):
+            t = tidx // 16 + 16 * m
+            for src, dst, head in tiles:
+                if t < valid:
+                    cute.copy(x_atom, vec_at(src, (tok0 + t, head, c8)), vec_at(dst, (t, c8)))
+                else:
+                    vec_at(dst, (t, c8)).fill(0.0)
 
     # ---------------------------------------------------------------------------------------------- products
     @cute.jit
