@@ -6,7 +6,8 @@
 # summing to <= 590 s); the typical times on a warm machine are in brackets:
 #   device run, carry [".device"], timeout 600:  bash scripts/device/run.sh bash scripts/device/validate.sh STEP...
 #     api long reference                [~5.5 + ~1 + ~0.5 min]
-#     intra states                      [~3.5 + ~2 min]
+#     intra states                      [~3.5 + ~1.5 min]
+#     backward                          [~3 min: the backward stages' kernels, the training step with each]
 #     decode lightning split            [~2 + ~0.5 + ~4.5 min]
 #     bench rest                        [~1 + ~4.5 min]
 #     fla                               [not yet timed: FLA's Gated DeltaNet / Simple GLA training autotunes]
@@ -17,13 +18,16 @@ set -u
 cd "$(dirname "$0")/../.."
 S=$(date +%s)
 
-STEPS=(api long intra states decode lightning reference split bench fla rest)
-CALLS=("api long reference" "intra states" "decode lightning split" "bench rest" "fla")
+STEPS=(api long intra states backward decode lightning reference split bench fla rest)
+CALLS=("api long reference" "intra states" "backward" "decode lightning split" "bench rest" "fla")
 declare -A LIMIT FILES
-LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.py tests/test_fla_backward.py"
+LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.py"
 LIMIT[long]=100;      FILES[long]="tests/test_gpu_long.py"
 LIMIT[intra]=340;     FILES[intra]="tests/ops/test_kda_intra_kernel.py"
-LIMIT[states]=240;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py tests/ops/test_kda_bwd_dhu_kernel.py"
+LIMIT[states]=240;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py"
+# the backward stages on cula's kernels (5, 6, 7) against FLA's and float64, and a training step with each
+LIMIT[backward]=420;  FILES[backward]="tests/ops/test_kda_bwd_dhu_kernel.py tests/ops/test_kda_bwd_wy_dqkg_kernel.py
+                                       tests/ops/test_kda_bwd_intra_kernel.py tests/test_fla_backward.py"
 LIMIT[decode]=150;    FILES[decode]="tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/test_gdn_decode.py
                                      tests/ops/test_kda_decode_kernel.py tests/ops/test_lightning_decode_kernel.py"
 LIMIT[lightning]=90;  FILES[lightning]="tests/ops/test_lightning_kernel.py"
