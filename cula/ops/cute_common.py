@@ -5,6 +5,10 @@ boxes of fp32 decode states.
 **Named barriers.** Barrier 0 is the CTA-wide ``bar.sync``; every kernel numbers its other named barriers in an
 ``IntEnum`` of its own module, from ``FIRST_NAMED_BARRIER`` on, so no id is a bare number at its use.
 
+**Warp MMAs.** The kernels on ``mma.sync`` (the backward's stage 6 and 7 kernels, one CTA of 256 threads per chunk)
+load a chunk's token rows with ``cp_async_token_rows``, index them with ``vec_at`` and keep a product as
+``n_tile_accumulators``; ``round_tf32`` rounds tf32 operands to nearest.
+
 **Chunk recurrences.** The KDA kernels that walk a sequence chunk by chunk with a ``[K, V]`` state (the forward's
 state/output kernel, the time-parallel segment summary, the backward's state-gradient recurrence) keep the state
 transposed, ``[V, K]`` fp32, as the accumulator of two consumer warpgroups (64 V rows each), fed by one TMA producer
@@ -34,8 +38,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 __all__ = [
     "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
-    "box_load", "box_partition", "box_store", "chunk_rows", "column_decay", "decay_columns", "gate_row_layout",
-    "gemm_k_blocks", "load_column_decay", "recurrence_pipeline", "round_tf32", "state_box_atoms", "state_view",
+    "box_load", "box_partition", "box_store", "chunk_rows", "column_decay", "cp_async_token_rows", "decay_columns",
+    "gate_row_layout", "gemm_k_blocks", "load_column_decay", "n_tile_accumulators", "recurrence_pipeline",
+    "round_tf32", "state_box_atoms", "state_view",
     "token_cols", "token_rows", "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major",
     "vec_at",
 ]  # fmt: skip
@@ -91,6 +96,33 @@ def vec_at(t_: cute.Tensor, crd, divby: int = 8, n: int = 8) -> cute.Tensor:
     return cute.make_tensor(
         t_.iterator + cute.assume(cute.crd2idx(crd, t_.layout), divby=divby), cute.make_layout(n)
     )
+
+
+@cute.jit
+def n_tile_accumulators(tiled_mma, n: int) -> list:
+    """``n`` zeroed ``[16 x 8]`` fp32 accumulators of a warp's ``mma.sync``: the n-tiles of a ``[16 x 8n]`` product,
+    one tensor each, so that an n-tile's B fragment can be built just before its MMA."""
+    accs = []
+    for _ in cutlass.range_constexpr(n):
+        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((16, 8)), Float32)
+        acc.fill(0.0)
+        accs.append(acc)
+    return accs
+
+
+@cute.jit
+def cp_async_token_rows(atom: cute.CopyAtom, tiles, tok0, valid, tidx, rows: int = 64):
+    """16-byte ``cp.async`` copies of ``rows`` token rows of 128 16-bit elements, ``tiles`` a tuple of ``(source
+    (T, heads, 128), destination (rows, 128) in shared memory, head)``: 256 threads, 16 units of 8 a row, 16 rows a
+    pass; rows at and past ``valid`` are zero-filled instead."""
+    c8 = cute.assume((tidx % 16) * 8, divby=8)
+    for m in cutlass.range_constexpr(rows // 16):
+        t = tidx // 16 + 16 * m
+        for src, dst, head in tiles:
+            if t < valid:
+                cute.copy(atom, vec_at(src, (tok0 + t, head, c8)), vec_at(dst, (t, c8)))
+            else:
+                vec_at(dst, (t, c8)).fill(0.0)
 
 
 # ------------------------------------------------------------------------------------------- chunk recurrences

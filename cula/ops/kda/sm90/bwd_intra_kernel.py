@@ -58,7 +58,7 @@ from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
-from cula.ops.cute_common import chunk_rows, round_tf32, vec_at
+from cula.ops.cute_common import chunk_rows, cp_async_token_rows, n_tile_accumulators, round_tf32, vec_at
 
 __all__ = ["ChunkKDABwdIntraSm90"]
 
@@ -180,14 +180,7 @@ class ChunkKDABwdIntraSm90:
         BT = self.bt
         x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
         f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
-        c8 = cute.assume((tidx % 16) * 8, divby=8)  # q / k: 16 units of 8 a row, 16 rows a pass
-        for m in cutlass.range_constexpr(BT // 16):
-            t = tidx // 16 + 16 * m
-            for src, dst in ((mQ, sQ), (mK, sK)):
-                if t < valid:
-                    cute.copy(x_atom, vec_at(src, (tok0 + t, h, c8)), vec_at(dst, (t, c8)))
-                else:
-                    vec_at(dst, (t, c8)).fill(0.0)
+        cp_async_token_rows(x_atom, ((mQ, sQ, h), (mK, sK, h)), tok0, valid, tidx)
         c4 = cute.assume((tidx % 32) * 4, divby=4)  # g: 32 units of 4 a row, 8 rows a pass
         for m in cutlass.range_constexpr(BT // 8):
             t = tidx // 32 + 8 * m
@@ -212,23 +205,12 @@ class ChunkKDABwdIntraSm90:
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def _accumulators(self, tiled) -> list:
-        """Eight zeroed [16 x 8] accumulators: one per n-tile of a [16 x 64] product, so that each n-tile's B
-        fragment is built just before its MMA and only two of its values are live."""
-        accs = []
-        for _ in cutlass.range_constexpr(8):
-            acc = cute.make_rmem_tensor(tiled.partition_shape_C((16, 8)), Float32)
-            acc.fill(0.0)
-            accs.append(acc)
-        return accs
-
-    @cute.jit
     def _row_unit(self, tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, mDq, mDk, mDg, mDq2, mDk2, mDg2, tok0, hv, valid,
                   sub, half, anchor, lane):  # fmt: skip
         """Phase R for output rows 16 sub .. +15 and channels 64 half .. +63."""
         g_, c = lane // 4, lane % 4
         ch0 = half * 64
-        acc_q, acc_l = self._accumulators(tiled), self._accumulators(tiled)
+        acc_q, acc_l = n_tile_accumulators(tiled, 8), n_tile_accumulators(tiled, 8)
         fq = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
         fl = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
         for j in cutlass.range(sub + 1, unroll=1):
@@ -317,7 +299,7 @@ class ChunkKDABwdIntraSm90:
         whose dk / dg it completes in place)."""
         g_, c = lane // 4, lane % 4
         ch0 = half * 64
-        acc = self._accumulators(tiled)  # both column products sum into one: dk takes their sum
+        acc = n_tile_accumulators(tiled, 8)  # both column products sum into one: dk takes their sum
         fp = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
         fc = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
         for i in cutlass.range(sub, (valid + 15) // 16, unroll=1):

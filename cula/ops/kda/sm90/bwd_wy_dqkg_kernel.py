@@ -54,7 +54,7 @@ from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
-from cula.ops.cute_common import chunk_rows, vec_at
+from cula.ops.cute_common import chunk_rows, cp_async_token_rows, n_tile_accumulators, vec_at
 
 __all__ = ["ChunkKDABwdWyDqkgSm90"]
 
@@ -196,7 +196,7 @@ class ChunkKDABwdWyDqkgSm90:
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             dbp = self._dv2(tiled, sAT, sDuT, sBeta, sV, mDv2, tok0, hv, valid, rb, half, lane)
-            acc_da = self._accumulators(tiled, 4)
+            acc_da = n_tile_accumulators(tiled, 4)
             self._gemm(tiled, acc_da, sDu, True, sV, True, 16 * rb, 32 * half, DK // 16, lane)
             cute.arch.barrier()
 
@@ -208,7 +208,7 @@ class ChunkKDABwdWyDqkgSm90:
 
             # phase 2: P6, P7 and their epilogue
             sDwT = cute.make_tensor(sDw.iterator, cute.make_layout((DK, BT), stride=(1, self.x_ld)))
-            acc_kgb = self._accumulators(tiled, 8)
+            acc_kgb = n_tile_accumulators(tiled, 8)
             self._gemm(tiled, acc_kgb, sAT, False, sDwT, False, 16 * rb, 64 * half, BT // 16, lane)
             self._gemm(tiled, acc_da, sDw, True, sKG, True, 16 * rb, 32 * half, DK // 16, lane)
             self._epilogue_wy(acc_kgb, acc_dq, acc_dk, sK, sG, sBeta, sDgk, sKdk, sDb, mDk, mDg, dbp, tok0, hv,
@@ -219,12 +219,12 @@ class ChunkKDABwdWyDqkgSm90:
 
             # phase 3: dL = -T^T bf16(dAm T^T)
             sM1 = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
-            acc_m1 = self._accumulators(tiled, 4)
+            acc_m1 = n_tile_accumulators(tiled, 4)
             self._gemm(tiled, acc_m1, sDAm, True, sA, True, 16 * rb, 32 * half, BT // 16, lane)
             self._store_c16(acc_m1, sM1, 16 * rb, 32 * half, lane)
             cute.arch.barrier()
             sM1T = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(1, self.x_ld)))
-            acc_dl = self._accumulators(tiled, 4)
+            acc_dl = n_tile_accumulators(tiled, 4)
             self._gemm(tiled, acc_dl, sAT, False, sM1T, False, 16 * rb, 32 * half, BT // 16, lane)
             self._store_dl(acc_dl, mDA, tok0, hv, valid, rb, half, lane)
             if tidx < valid:
@@ -244,9 +244,9 @@ class ChunkKDABwdWyDqkgSm90:
             r = tidx // 16 + 16 * m
             cute.copy(x_atom, vec_at(mH, (tg, hv, r, c8)), vec_at(sHr, (r, c8)))
             cute.copy(x_atom, vec_at(mDh, (tg, hv, r, c8)), vec_at(sDhr, (r, c8)))
-        self._load_rows(x_atom, ((mDo, sDo, hv), (mDu, sDu, hv), (mVn, sVn, hv)), tok0, valid, tidx)
+        cp_async_token_rows(x_atom, ((mDo, sDo, hv), (mDu, sDu, hv), (mVn, sVn, hv)), tok0, valid, tidx)
         cute.arch.cp_async_commit_group()
-        self._load_rows(x_atom, ((mV, sV, hv), (mQ, sQ, h), (mK, sK, h)), tok0, valid, tidx)
+        cp_async_token_rows(x_atom, ((mV, sV, hv), (mQ, sQ, h), (mK, sK, h)), tok0, valid, tidx)
         c4 = cute.assume((tidx % 32) * 4, divby=4)  # g: 32 units of 4 a row, 8 rows a pass
         for m in cutlass.range_constexpr(BT // 8):
             t = tidx // 32 + 8 * m
@@ -268,29 +268,7 @@ class ChunkKDABwdWyDqkgSm90:
                 b = mBeta[tok0 + tidx, hv].to(Float32)
             sBeta[tidx] = b
 
-    @cute.jit
-    def _load_rows(self, x_atom, tiles, tok0, valid, tidx):
-        """16-bit token rows of 128 (``(source, destination, head)`` each): 16 units of 8 a row, 16 rows a pass."""
-        c8 = cute.assume((tidx % 16) * 8, divby=8)
-        for m in cutlass.range_constexpr(self.bt // 16):
-            t = tidx // 16 + 16 * m
-            for src, dst, head in tiles:
-                if t < valid:
-                    cute.copy(x_atom, vec_at(src, (tok0 + t, head, c8)), vec_at(dst, (t, c8)))
-                else:
-                    vec_at(dst, (t, c8)).fill(0.0)
-
     # ---------------------------------------------------------------------------------------------- products
-    @cute.jit
-    def _accumulators(self, tiled, n: int) -> list:
-        """``n`` zeroed [16 x 8] accumulators: the n-tiles of a [16 x 8n] product."""
-        accs = []
-        for _ in cutlass.range_constexpr(n):
-            acc = cute.make_rmem_tensor(tiled.partition_shape_C((16, 8)), Float32)
-            acc.fill(0.0)
-            accs.append(acc)
-        return accs
-
     @cute.jit
     def _frag_a(self, tiled, s, r0, k0, k_contiguous: bool, lane):
         """The A fragment (16 x 16) of rows r0.. and contraction columns k0.. of the (M, K) view ``s``: value
@@ -341,7 +319,7 @@ class ChunkKDABwdWyDqkgSm90:
     def _state_products(self, tiled, sDo, sDu, sVn, sS, sDS, rb, half, lane):
         """P1 (do S^T), P3 (du S^T, sharing S's B fragments) and P2 (v_new dS^T) for rows 16 rb.. and channels
         64 half.., over V."""
-        acc_dq, acc_dw, acc_dk = self._accumulators(tiled, 8), self._accumulators(tiled, 8), self._accumulators(tiled, 8)
+        acc_dq, acc_dw, acc_dk = (n_tile_accumulators(tiled, 8) for _ in range(3))
         b_contiguous = not self.state_v_first
         for ks in cutlass.range(self.dv // 16, unroll=1):
             fdo = self._frag_a(tiled, sDo, 16 * rb, 16 * ks, True, lane)
@@ -373,7 +351,7 @@ class ChunkKDABwdWyDqkgSm90:
         """P5 ``dvb = T^T du`` for rows 16 rb.. and value columns 64 half..; dv2 = beta dvb out. Returns the rows'
         ``sum_v dvb v`` over these columns (a lane's two rows, quad-reduced later with the dkgb term)."""
         g_, c = lane // 4, lane % 4
-        acc = self._accumulators(tiled, 8)
+        acc = n_tile_accumulators(tiled, 8)
         self._gemm(tiled, acc, sAT, False, sDuT, False, 16 * rb, 64 * half, self.bt // 16, lane)
         dbp = cute.make_rmem_tensor(2, Float32)
         for hh in cutlass.range_constexpr(2):
@@ -488,7 +466,8 @@ class ChunkKDABwdWyDqkgSm90:
                 for v in cutlass.range_constexpr(2):
                     s = col + v
                     keep = (t > s) & (t < valid)
-                    out[v] = Float32(cutlass.select_(keep, acc_da[nt][v + 2 * hh] * sBeta[s], Float32(0.0))).to(self.dtype)
+                    x = Float32(cutlass.select_(keep, acc_da[nt][v + 2 * hh] * sBeta[s], Float32(0.0)))
+                    out[v] = x.to(self.dtype)
                 cute.autovec_copy(out, vec_at(sDAm, (t, col), 2, 2))
 
     @cute.jit
