@@ -27,10 +27,13 @@ def test_rebound_backward_is_flas_body_with_our_stages():
     ours = {"chunk_kda_bwd_wy_dqkg_fused": fla_backward._wy_dqkg_fused,
             "chunk_gated_delta_rule_bwd_dhu": fla_backward._bwd_dhu}  # fmt: skip
     assert all(scope[n] is f for n, f in ours.items())
-    # stage 7's, told whether the call's gates are ones cula's kernel is exact for
-    for exact in (False, True):
-        intra = fla_backward._fla_chunk_kda_bwd(exact).__globals__["chunk_kda_bwd_intra"]
-        assert intra.func is fla_backward._bwd_intra and intra.keywords == {"exact": exact}
+    # stage 7's, told whether cula's kernel takes the call; with it, stage 8 (dg's reverse cumsum) is skipped
+    for on in (False, True):
+        rebound = fla_backward._fla_chunk_kda_bwd(on).__globals__
+        intra = rebound["chunk_kda_bwd_intra"]
+        assert intra.func is fla_backward._bwd_intra and intra.keywords == {"ours": on}
+        skip = rebound["chunk_local_cumsum"] is fla_backward._reverse_cumsum_done
+        assert skip is on and (on or rebound["chunk_local_cumsum"] is chunk_bwd.chunk_local_cumsum)
     ours["chunk_kda_bwd_intra"] = None
     assert all(scope[n] is v for n, v in vars(chunk_bwd).items() if n not in ours)
     # FLA's own module (and so FLA's own backward) keeps its stages
@@ -70,36 +73,44 @@ def test_stage5_off_the_gpu_is_flas_function(monkeypatch, kda_tuning, on):
     assert seen == [args]
 
 
-@pytest.mark.parametrize("on,exact", [(True, True), (True, False), (False, True)])
-def test_stage7_off_the_gpu_or_inexact_is_flas_function(monkeypatch, kda_tuning, on, exact):
-    """CPU tensors (whatever the tuning entry says), and gates cula's kernel is not exact for, take FLA's
-    chunk_kda_bwd_intra with every argument passed on."""
+def test_stage7_not_ours_is_flas_function(monkeypatch):
+    """Stage 7 not on cula's kernel takes FLA's chunk_kda_bwd_intra with every argument passed on."""
     from fla.ops.kda import chunk_intra
 
     seen = []
     monkeypatch.setattr(chunk_intra, "chunk_kda_bwd_intra", lambda **kw: seen.append(kw) or "fla")
-    kda_tuning(bwd_intra=on)
     t = torch.zeros(1, 64, 1, 128)
     args = dict(q=t, k=t, g=t, beta=t[..., 0], dAqk=t[..., :64], dAkk=t[..., :64], dq=t, dk=t, db=t[..., 0], dg=t,
                 cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=True, lower_bound=None,
                 use_graph=False)  # fmt: skip
-    assert fla_backward._bwd_intra(**args, exact=exact) == "fla"
+    assert fla_backward._bwd_intra(**args, ours=False) == "fla"
     assert seen == [args]
 
 
-def test_stage7_exactness_follows_the_forward_intra_kernel(monkeypatch):
-    """chunk_kda_bwd hands stage 7 ``exact`` exactly where the forward's intra kernel takes the call."""
+@pytest.mark.parametrize("on", [True, False])
+def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda_tuning, on):
+    """chunk_kda_bwd puts stage 7 on cula's kernel exactly where the tuning entry says so, the tensors are on an SM90
+    GPU and the forward's intra kernel takes the call's gates; CPU tensors never."""
     calls = []
-    monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd", lambda exact: lambda **kw: calls.append(exact))
+    monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd", lambda ours: lambda **kw: calls.append(ours))
+    kda_tuning(bwd_intra=on)
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
-    for kw, want in (
+    gates = (
         (dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0), True),
         (dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=None), False),  # unbounded softplus gate
         (dict(safe_gate=False, use_gate_in_kernel=False, lower_bound=None), False),
         (dict(safe_gate=True, use_gate_in_kernel=False, lower_bound=None), True),
-    ):
+    )
+    for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
-        assert calls[-1] is want, kw
+        assert calls[-1] is False, kw  # CPU tensors
+    from cula.kda.plan import KDA_TUNING
+
+    # as if on an SM90 GPU: the stage is on where the tuning entry says so
+    monkeypatch.setattr(fla_backward, "_stage_on", lambda flag, *a: getattr(KDA_TUNING.get((9, 0)), flag))
+    for kw, exact in gates:
+        fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
+        assert calls[-1] is (on and exact), kw
 
 
 _LAUNCH_SCRIPT = textwrap.dedent(

@@ -175,7 +175,8 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
         x, xv, f = _rnd(B, T, H, D, dtype=io), _rnd(B, T, HV, D, dtype=io), _rnd(B, T, HV, D, dtype=FP32)
         beta, a = _rnd(B, T, HV, dtype=b_dt), _rnd(B, T, HV, 64, dtype=FP32)
         s = _rnd(B, NT, HV, D, D, dtype=io)
-        chunk_kda_bwd_intra_sm90(x, x, f, beta, a, a, f, f, _rnd(B, T, HV, dtype=FP32), f, cu_seqlens=cu)
+        chunk_kda_bwd_intra_sm90(x, x, f, beta, a, a, f, f, _rnd(B, T, HV, dtype=FP32), f, cu_seqlens=cu,
+                                 reverse_cumsum_dg=True)  # fmt: skip
         chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf, cu_seqlens=cu)
         chunk_kda_bwd_dhu_sm90(xv, xv, xv, xv, xv, f, h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32),
                                dht=None, state_v_first=svf, cu_seqlens=cu)  # fmt: skip

@@ -1,12 +1,13 @@
 """KDA backward through the intra-chunk scores on SM90 (``cula/ops/kda/sm90/bwd_intra.py``), stage 7 of FLA's
 ``chunk_kda_bwd``.
 
-CPU: every variant traces and compiles for sm_90a (tf32 ``mma.sync``, ``cp.async``, no spills); the launcher rejects
-bad shapes before any launch. GPU (``-m gpu``): ``dq``, ``dk``, ``db``, ``dg`` against FLA 0.6.0's
+CPU: every variant traces and compiles for sm_90a (tf32 ``mma.sync``, ``cp.async``, at most 16 bytes of spills);
+the launcher rejects bad shapes before any launch. GPU (``-m gpu``): ``dq``, ``dk``, ``db``, ``dg`` against FLA 0.6.0's
 ``chunk_kda_bwd_intra`` on the same inputs and against the float64 contract
 (``cula.kda.naive_bwd.chunk_kda_bwd_intra_reference``), both on the outputs and on the increments over the
 incoming accumulations: fixed and packed (empty and length-1 sequences, odd lengths), GVA, fp32 and bf16 beta,
-gates near 0 and at FLA's safe-gate bound; NaN-poisoned outputs.
+gates near 0 and at FLA's safe-gate bound; with stage 8 (dg's reverse chunk cumsum) on chip too; NaN-poisoned
+outputs.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from test_naive_bwd import _chunk_bounds, _intra_case  # noqa: E402
 
 _VARIANTS = [
-    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": False},
-    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True},
-    {"dtype": "BFloat16", "beta_dtype": "BFloat16", "varlen": False},
-    {"dtype": "Float16", "beta_dtype": "Float16", "varlen": True},
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": False, "reverse_cumsum": False},
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True},
+    {"dtype": "BFloat16", "beta_dtype": "BFloat16", "varlen": False, "reverse_cumsum": True},
+    {"dtype": "Float16", "beta_dtype": "Float16", "varlen": True, "reverse_cumsum": False},
 ]
 
 _COMPILE_SCRIPT = dump_script(
     "from cula.ops.kda.sm90 import bwd_intra_kernel as M",
-    'M._compile(v["dtype"], v["beta_dtype"], v["varlen"], extra_options=opts)',
+    'M._compile(v["dtype"], v["beta_dtype"], v["varlen"], extra_options=opts, reverse_cumsum=v["reverse_cumsum"])',
 )
 
 
@@ -126,3 +127,13 @@ def test_bwd_intra_vs_fla_and_f64_cuda(B, T, H, HV, lens, beta_dtype, gate):
         # the increments alone (the incoming accumulations would hide an error in them)
         assert_close(f"{name} increment vs f64", (r - acc).float(), o - acc, tol)
         assert_close(f"{name} increment vs FLA", f - acc, o - acc, tol)
+    # with stage 8 on chip: dg as FLA's chunk_local_cumsum(dg, reverse=True) leaves it, the rest bit for bit
+    fused = chunk_kda_bwd_intra_sm90(**gpu, reverse_cumsum_dg=True)
+    torch.cuda.synchronize()
+    for name, o, x in zip(("dq", "dk", "db"), ours, fused):
+        assert torch.equal(o, x), name
+    want = ours[3].cpu().double().clone()
+    for c0, c1 in _chunk_bounds(T, case["cu_seqlens"]):
+        want[:, c0:c1] = want[:, c0:c1].flip(1).cumsum(1).flip(1)
+    assert not fused[3].isnan().any()
+    assert_close("dg reverse cumsum", want.float(), fused[3].cpu(), 1e-5)

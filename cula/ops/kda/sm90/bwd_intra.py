@@ -22,15 +22,18 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def variant_key(dtype="BFloat16", beta_dtype="Float32", varlen=False, arch=(9, 0)) -> tuple:
+def variant_key(dtype="BFloat16", beta_dtype="Float32", varlen=False, reverse_cumsum=False, arch=(9, 0)) -> tuple:
     """The compile key of a variant; dtypes as DSL types, their names or torch dtypes."""
-    return ("kda.bwd_intra", "ChunkKDABwdIntraSm90", dsl_name(dtype), dsl_name(beta_dtype), 128, 64, varlen, arch)
+    return ("kda.bwd_intra", "ChunkKDABwdIntraSm90", dsl_name(dtype), dsl_name(beta_dtype), 128, 64, bool(varlen),
+            bool(reverse_cumsum), arch)  # fmt: skip
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
-    dtype, beta_dtype, _K, _BT, varlen, arch = key[2:]
-    return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(dtype, beta_dtype, varlen, arch))
+    dtype, beta_dtype, _K, _BT, varlen, reverse_cumsum, arch = key[2:]
+    return compiled_kernel(
+        key, lambda: kernel_attr(__name__, "_compile")(dtype, beta_dtype, varlen, arch, reverse_cumsum=reverse_cumsum)
+    )
 
 
 def compiled_variant(**options):
@@ -52,10 +55,12 @@ def chunk_kda_bwd_intra_sm90(
     cu_seqlens: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     chunk_size: int = 64,
+    reverse_cumsum_dg: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FLA's ``chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, ...)`` on SM90: the same arguments
     and returns ``(dq, dk, db, dg)``, new fp32 tensors (contract: ``cula.kda.naive_bwd.chunk_kda_bwd_intra_reference``;
-    exact while no 8 steps of one channel's gate decay by more than 2^100, see the kernel's docstring).
+    exact while no 8 steps of one channel's gate decay by more than 2^100, see the kernel's docstring). With
+    ``reverse_cumsum_dg`` dg comes back as FLA's next stage makes it, ``chunk_local_cumsum(dg, reverse=True)``.
 
     Args:
         q, k: ``[B, T, H, 128]`` bf16 / fp16 (after the L2 norm).  g: ``[B, T, HV, 128]`` fp32, the chunk-local log2
@@ -105,7 +110,8 @@ def chunk_kda_bwd_intra_sm90(
         num_chunks, num_seqs = -(-T // 64), B
     if num_chunks * num_seqs * HV == 0:  # no tokens: nothing to launch
         return dq2, dk2, db2, dg2
-    fn = compiled_variant(dtype=dsl_name(q.dtype), beta_dtype=dsl_name(beta.dtype), varlen=varlen)
+    fn = compiled_variant(dtype=dsl_name(q.dtype), beta_dtype=dsl_name(beta.dtype), varlen=varlen,
+                          reverse_cumsum=reverse_cumsum_dg)  # fmt: skip
 
     def flat(t):
         return t.view(B * T, *t.shape[2:])

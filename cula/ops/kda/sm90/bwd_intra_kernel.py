@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float16, Float32, Int32, TFloat32, cute
+from cutlass import BFloat16, Float16, Float32, Int32, TFloat32, const_expr, cute
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
@@ -68,18 +68,20 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the gate factors (see the module
 class ChunkKDABwdIntraSm90:
     """KDA backward through the intra-chunk scores (FLA's ``chunk_kda_bwd_intra``), sm_90a.
 
-    Static configuration: the dtype of q / k, the dtype of beta, varlen. Token counts, heads and sequences are
-    runtime values.
+    Static configuration: the dtype of q / k, the dtype of beta, varlen, and ``reverse_cumsum``: dg leaves as its
+    reverse chunk-local cumsum (FLA's next stage, ``chunk_local_cumsum(dg, reverse=True)``, done on chip). Token
+    counts, heads and sequences are runtime values.
     """
 
     arch = 90
 
-    def __init__(self, dtype=BFloat16, beta_dtype=Float32, varlen: bool = False):
+    def __init__(self, dtype=BFloat16, beta_dtype=Float32, varlen: bool = False, reverse_cumsum: bool = False):
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         if beta_dtype not in (BFloat16, Float16, Float32):
             raise ValueError(f"beta_dtype must be BFloat16, Float16 or Float32, got {beta_dtype}")
         self.dtype, self.beta_dtype, self.varlen = dtype, beta_dtype, bool(varlen)
+        self.reverse_cumsum = bool(reverse_cumsum)
         self.bt, self.dk = 64, 128
         self.num_threads = 256
         # padded row strides (elements), see the module docstring
@@ -163,13 +165,21 @@ class ChunkKDABwdIntraSm90:
             tiled = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
             sub = warp_idx % 4
             half = warp_idx // 4
+            anchor = cutlass.min(16 * sub + 8, valid - 1)
+            acc_col = n_tile_accumulators(tiled, 8)  # both column products sum into one: dk takes their sum
             if 16 * sub < valid:
-                anchor = cutlass.min(16 * sub + 8, valid - 1)
                 self._row_unit(tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, mDq, mDk, mDg, mDq2, mDk2, mDg2, tok0, hv,
                                valid, sub, half, anchor, lane)  # fmt: skip
-                self._column_unit(tiled, sQ, sK, sG, sAq, sAk, sBeta, mDk2, mDg2, tok0, hv, valid, sub, half, anchor,
-                                  lane)  # fmt: skip
+                self._column_products(tiled, acc_col, sQ, sK, sG, sAq, sAk, sBeta, valid, sub, half, anchor, lane)
+            # with the reverse cumsum, dg's rows go to shared memory over the score gradients: once all are read
+            sDG = cute.make_tensor(sAq.iterator, cute.make_layout((BT, DK), stride=(self.g_ld, 1)))
+            if const_expr(self.reverse_cumsum):
+                cute.arch.barrier()
+            if 16 * sub < valid:
+                self._column_epilogue(acc_col, sK, sG, mDk2, mDg2, sDG, tok0, hv, valid, sub, half, anchor, lane)
             cute.arch.barrier()
+            if const_expr(self.reverse_cumsum):
+                self._reverse_cumsum(sDG, mDg2, tok0, hv, valid, tidx)
             if tidx < valid:
                 mDb2[tok0 + tidx, hv] = mDb[tok0 + tidx, hv] + sDb[tidx, 0] + sDb[tidx, 1]
 
@@ -293,13 +303,11 @@ class ChunkKDABwdIntraSm90:
                 sDb[t, half] = dbp
 
     @cute.jit
-    def _column_unit(self, tiled, sQ, sK, sG, sAq, sAk, sBeta, mDk2, mDg2, tok0, hv, valid, sub, half, anchor,
-                     lane):  # fmt: skip
-        """Phase C for output rows 16 sub .. +15 and channels 64 half .. +63 (the rows and channels of phase R,
-        whose dk / dg it completes in place)."""
+    def _column_products(self, tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, valid, sub, half, anchor, lane):
+        """Phase C's products for output rows 16 sub .. +15 and channels 64 half .. +63 (the rows and channels of
+        phase R) into ``acc``."""
         g_, c = lane // 4, lane % 4
         ch0 = half * 64
-        acc = n_tile_accumulators(tiled, 8)  # both column products sum into one: dk takes their sum
         fp = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
         fc = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
         for i in cutlass.range(sub, (valid + 15) // 16, unroll=1):
@@ -337,6 +345,12 @@ class ChunkKDABwdIntraSm90:
                     cute.gemm(tiled, acc[nt], fp, fbq, acc[nt])
                     cute.gemm(tiled, acc[nt], fc, fbk, acc[nt])
 
+    @cute.jit
+    def _column_epilogue(self, acc, sK, sG, mDk2, mDg2, sDG, tok0, hv, valid, sub, half, anchor, lane):
+        """Phase C's epilogue: dk and dg of phase R completed in place (dg into ``sDG`` instead with
+        ``reverse_cumsum``)."""
+        g_, c = lane // 4, lane % 4
+        ch0 = half * 64
         for hh in cutlass.range_constexpr(2):
             s = 16 * sub + g_ + 8 * hh
             if s < valid:
@@ -361,16 +375,36 @@ class ChunkKDABwdIntraSm90:
                         dk[v] = dk[v] + col
                         dg[v] = dg[v] - k2[v].to(Float32) * col
                     cute.autovec_copy(dk, vec_at(mDk2, (tok0 + s, hv, ch), 2, 2))
-                    cute.autovec_copy(dg, vec_at(mDg2, (tok0 + s, hv, ch), 2, 2))
+                    if const_expr(self.reverse_cumsum):
+                        cute.autovec_copy(dg, vec_at(sDG, (s, ch), 2, 2))
+                    else:
+                        cute.autovec_copy(dg, vec_at(mDg2, (tok0 + s, hv, ch), 2, 2))
+
+    @cute.jit
+    def _reverse_cumsum(self, sDG, mDg2, tok0, hv, valid, tidx):
+        """``dg[t] = sum_{t' >= t} dg[t']`` over the chunk's rows, per channel: thread j < 128 the rows 0..31 of
+        channel j (after summing rows 32.., which thread j + 128 scans), coalesced stores a row at a time."""
+        ch = tidx % self.dk
+        r0 = 32 * (tidx // self.dk)
+        run = Float32(0.0)
+        if r0 == 0:
+            for r in cutlass.range_constexpr(32, self.bt):
+                if r < valid:
+                    run = run + sDG[r, ch]
+        for j in cutlass.range_constexpr(32):
+            r = r0 + 31 - j
+            if r < valid:
+                run = run + sDG[r, ch]
+                mDg2[tok0 + r, hv, ch] = run
 
 
-def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options=""):
+def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options="", reverse_cumsum=False):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK, BT = 128, 64
     dtype, beta_dtype = dsl_type(dtype), dsl_type(beta_dtype)
-    kernel = ChunkKDABwdIntraSm90(dtype=dtype, beta_dtype=beta_dtype, varlen=varlen)
+    kernel = ChunkKDABwdIntraSm90(dtype=dtype, beta_dtype=beta_dtype, varlen=varlen, reverse_cumsum=reverse_cumsum)
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
     def tok(dt, heads, d):
