@@ -35,8 +35,10 @@ R      warp w: output sub-chunk i = w % 4, channel half w // 4. Row products (dq
 C      the same warp, the same rows and channels: column products over query blocks i' >= i (A read transposed
        from the score gradients, B operands q and beta k times their factor, both products summed into one
        accumulator: dk and dg take only their sum); then dk, dg completed in place (the thread reads back only
-       what it wrote in R)
-D      CTA barrier; threads 0..63: db = db_in + both halves' partials
+       what it wrote in R). With ``reverse_cumsum``: a CTA barrier before that epilogue, whose dg rows go to
+       shared memory over the score gradients
+D      CTA barrier; with ``reverse_cumsum``, threads j and j + 128: channel j's dg as suffix sums over the rows
+       (0..31 and 32..63); threads 0..63: db = db_in + both halves' partials
 =====  ======================================================================================================
 
 Row unit i costs i + 1 key blocks, column unit i costs 4 - i: every warp does five block products.
