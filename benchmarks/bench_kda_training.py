@@ -17,7 +17,8 @@ FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN). After
 measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cula_peak_mib``: activations kept for
 the backward, the backward's workspace, the gradients).
 
-Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu] [--bwd-wy-dqkg] [--bwd-intra]``.
+Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu] [--bwd-wy-dqkg]
+[--bwd-intra [--bwd-intra-cumsum]]``.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
         "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
         "max_rel_err": err, "rel_err": per_output, "check": status, "backend": backend,
-        **bc.spread_fields(fla_t, cula_t), "fla_peak_mib": fla_peak, "cula_peak_mib": cula_peak, "rotation_sets": len(sets),
+        **bc.spread_fields(fla_t, cula_t), "fla_peak_mib": fla_peak, "cula_peak_mib": cula_peak,
+        "rotation_sets": len(sets),
     }  # fmt: skip
     if errors:
         row["errors"] = errors
@@ -175,6 +177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bwd-wy-dqkg", action="store_true",
                    help="cula's side with stage 6 of the backward on cula's kernel (KdaTuning.bwd_wy_dqkg), whatever "
                         "the tuning entry says; results as kda_training_bwd_wy_dqkg")  # fmt: skip
+    p.add_argument("--bwd-intra-cumsum", action="store_true",
+                   help="with --bwd-intra: stage 8 on chip in the stage-7 kernel (KdaTuning.bwd_intra_cumsum); results "
+                        "as kda_training_..._bwd_intra_cumsum")  # fmt: skip
     p.add_argument("--bwd-intra", action="store_true",
                    help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
                         "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dhu_bwd_intra)")
@@ -198,8 +203,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
-    stages = [s for s, on in (("bwd_dhu", args.bwd_dhu), ("bwd_wy_dqkg", args.bwd_wy_dqkg),
-                              ("bwd_intra", args.bwd_intra)) if on]  # fmt: skip
+    flags = (("bwd_dhu", args.bwd_dhu), ("bwd_wy_dqkg", args.bwd_wy_dqkg), ("bwd_intra", args.bwd_intra),
+             ("bwd_intra_cumsum", args.bwd_intra_cumsum))  # fmt: skip
+    stages = [s for s, on in flags if on]
     tuning = KDA_TUNING.override((9, 0), **dict.fromkeys(stages, True)) if stages else contextlib.nullcontext()
     with tuning:
         run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),

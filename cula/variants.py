@@ -100,7 +100,8 @@ def _gdn_chunk(scope: str) -> None:
 def _kda_training(scope: str) -> None:
     """The stages of ``chunk_kda``'s backward that run on cula's kernels where ``KDA_TUNING``'s entry turns them on
     (``cula.kda.fla_backward``): stage 5 (the state-gradient recurrence), 6 (the state-term and WY gradients), 7
-    (the intra-score gradients, with stage 8 on chip). beta reaches them after the glue's sigmoid (fp32) or as given."""
+    (the intra-score gradients, with stage 8 on chip where the entry says so). beta reaches them after the glue's
+    sigmoid (fp32) or as given."""
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg
@@ -117,9 +118,9 @@ def _kda_training(scope: str) -> None:
                 for svf in _B:
                     bwd_wy_dqkg.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), state_v_first=svf,
                                                  varlen=varlen)  # fmt: skip
-            if entry.bwd_intra:  # with stage 8 on chip (cula.kda.fla_backward._bwd_intra)
+            if entry.bwd_intra:  # with stage 8 on chip where the entry says so (cula.kda.fla_backward._bwd_intra)
                 bwd_intra.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), varlen=varlen,
-                                           reverse_cumsum=True)  # fmt: skip
+                                           reverse_cumsum=entry.bwd_intra_cumsum)  # fmt: skip
 
 
 def _kda_decode(scope: str) -> None:
@@ -167,7 +168,7 @@ def _lightning(scope: str) -> None:
 def _smoke() -> None:
     """The variants of the calls ``scripts/device/wheel_check.py`` makes (and CI's wheel build compiles): one
     configuration of every kernel family, FLA's flags as models pass them."""
-    from cula.kda.plan import kda_decode_launcher
+    from cula.kda.plan import KDA_TUNING, kda_decode_launcher
     from cula.lightning.plan import launch_key
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import bwd_intra, fwd_launch, intra, segment_chain, segment_summary
@@ -189,7 +190,8 @@ def _smoke() -> None:
     for causal in _B:
         dh.compiled_variant(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
     # training's backward: stage 7 on cula's kernel (beta after the glue's sigmoid is fp32)
-    bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False, reverse_cumsum=True)
+    bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False,
+                               reverse_cumsum=KDA_TUNING.get((9, 0)).bwd_intra_cumsum)  # fmt: skip
     # the packed call cut in time: the segment summary, the segment chain, then the packed state/output kernel
     segment_summary.compiled_variant(dtype="BFloat16")
     segment_chain.compiled_variant(has_h0=True, has_ht=True)

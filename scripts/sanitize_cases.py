@@ -188,9 +188,10 @@ def kda_training_bwd_intra():
     # one-token and partial sub-chunks), GVA
     from cula.kda.plan import KDA_TUNING
 
-    with KDA_TUNING.override(bwd_intra=True):
-        _kda_chunk(2, 130, 1, 2, grad=True)
-        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True)
+    for cumsum in (False, True):  # stage 8 (dg's reverse cumsum) in FLA's kernel, then on chip
+        with KDA_TUNING.override(bwd_intra=True, bwd_intra_cumsum=cumsum):
+            _kda_chunk(2, 130, 1, 2, grad=True)
+            _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True)
 
 
 @case

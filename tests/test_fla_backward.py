@@ -27,13 +27,13 @@ def test_rebound_backward_is_flas_body_with_our_stages():
     ours = {"chunk_kda_bwd_wy_dqkg_fused": fla_backward._wy_dqkg_fused,
             "chunk_gated_delta_rule_bwd_dhu": fla_backward._bwd_dhu}  # fmt: skip
     assert all(scope[n] is f for n, f in ours.items())
-    # stage 7's, told whether cula's kernel takes the call; with it, stage 8 (dg's reverse cumsum) is skipped
-    for on in (False, True):
-        rebound = fla_backward._fla_chunk_kda_bwd(on).__globals__
+    # stage 7's, told whether cula's kernel takes the call and does stage 8 (dg's reverse cumsum), skipped then
+    for on, fused in ((False, False), (True, False), (True, True)):
+        rebound = fla_backward._fla_chunk_kda_bwd(on, fused).__globals__
         intra = rebound["chunk_kda_bwd_intra"]
-        assert intra.func is fla_backward._bwd_intra and intra.keywords == {"ours": on}
+        assert intra.func is fla_backward._bwd_intra and intra.keywords == {"ours": on, "cumsum": fused}
         skip = rebound["chunk_local_cumsum"] is fla_backward._reverse_cumsum_done
-        assert skip is on and (on or rebound["chunk_local_cumsum"] is chunk_bwd.chunk_local_cumsum)
+        assert skip is fused and (fused or rebound["chunk_local_cumsum"] is chunk_bwd.chunk_local_cumsum)
     ours["chunk_kda_bwd_intra"] = None
     assert all(scope[n] is v for n, v in vars(chunk_bwd).items() if n not in ours)
     # FLA's own module (and so FLA's own backward) keeps its stages
@@ -89,11 +89,12 @@ def test_stage7_not_ours_is_flas_function(monkeypatch):
 
 @pytest.mark.parametrize("on", [True, False])
 def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda_tuning, on):
-    """chunk_kda_bwd puts stage 7 on cula's kernel exactly where the tuning entry says so, the tensors are on an SM90
-    GPU and the forward's intra kernel takes the call's gates; CPU tensors never."""
+    """chunk_kda_bwd puts stage 7 on cula's kernel (with stage 8, as the entry says) exactly where the tuning entry
+    says so, the tensors are on an SM90 GPU and the forward's intra kernel takes the call's gates; CPU tensors
+    never."""
     calls = []
-    monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd", lambda ours: lambda **kw: calls.append(ours))
-    kda_tuning(bwd_intra=on)
+    monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd", lambda *flags: lambda **kw: calls.append(flags))
+    kda_tuning(bwd_intra=on, bwd_intra_cumsum=True)
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
     gates = (
         (dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0), True),
@@ -103,14 +104,14 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
     )
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
-        assert calls[-1] is False, kw  # CPU tensors
+        assert calls[-1] == (False, False), kw  # CPU tensors
     from cula.kda.plan import KDA_TUNING
 
     # as if on an SM90 GPU: the stage is on where the tuning entry says so
     monkeypatch.setattr(fla_backward, "_stage_on", lambda flag, *a: getattr(KDA_TUNING.get((9, 0)), flag))
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
-        assert calls[-1] is (on and exact), kw
+        assert calls[-1] == (on and exact,) * 2, kw
 
 
 _LAUNCH_SCRIPT = textwrap.dedent(
@@ -178,7 +179,7 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage", ["bwd_dhu", "bwd_intra", "bwd_wy_dqkg"])
+@pytest.mark.parametrize("stage", ["bwd_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_wy_dqkg"])
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with stage 5

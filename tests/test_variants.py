@@ -165,7 +165,7 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
 
     kda_tuning(bwd_dhu=False, bwd_wy_dqkg=False, bwd_intra=False)
     assert not variants.planner_variants("full", ops=("kda.training",))
-    kda_tuning(bwd_dhu=True, bwd_wy_dqkg=True, bwd_intra=True)
+    kda_tuning(bwd_dhu=True, bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True)
     listed = set(variants.planner_variants("full", ops=("kda.training",)))
     H, HV, D = 1, 2, 128
     for io, b_dt, svf, packed in itertools.product((BF16, FP16), (FP32, BF16, FP16), (False, True), (False, True)):

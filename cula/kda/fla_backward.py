@@ -5,7 +5,7 @@ out (``KdaTuning.wy_dqkg_launch``), stage 5
 (``chunk_gated_delta_rule_bwd_dhu``, the state-gradient recurrence) on cula's own kernel where ``KdaTuning.bwd_dhu``
 says so, and stage 7 (``chunk_kda_bwd_intra``, the gradients through the intra-chunk scores) on cula's own kernel
 where ``KdaTuning.bwd_intra`` says so and the gates are ones it is exact for; that kernel also does stage 8 (the
-reverse chunk-local cumsum of dg), which the rebound body then skips.
+reverse chunk-local cumsum of dg) where ``KdaTuning.bwd_intra_cumsum`` says so, and the rebound body then skips it.
 
 Why: that kernel is the backward's largest stage. FLA's autotuned choice on Hopper (BK = BV = 64, 4 warps) compiles
 to 255 registers and spills about 300 of them; at 8 warps it spills a tenth of that and runs about 1.5x faster, with
@@ -165,11 +165,12 @@ def _bwd_dhu(
 
 def _bwd_intra(
     q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=False,
-    lower_bound=None, use_graph=False, *, ours: bool = False,
+    lower_bound=None, use_graph=False, *, ours: bool = False, cumsum: bool = False,
 ):  # fmt: skip
     """FLA's ``chunk_kda_bwd_intra`` (stage 7) with its arguments and returns: on cula's kernel
-    (``cula.ops.kda.sm90.bwd_intra``) when ``ours`` (``_stage7_ours``), its dg already through stage 8 (FLA's
-    ``chunk_local_cumsum(dg, reverse=True)``, which the rebound body then skips); FLA's own function elsewhere."""
+    (``cula.ops.kda.sm90.bwd_intra``) when ``ours`` (``_stage7_ours``), with ``cumsum`` its dg already through stage
+    8 (FLA's ``chunk_local_cumsum(dg, reverse=True)``, which the rebound body then skips); FLA's own function
+    elsewhere."""
     from fla.ops.kda import chunk_intra
 
     if ours:
@@ -177,7 +178,7 @@ def _bwd_intra(
 
         return chunk_kda_bwd_intra_sm90(
             q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-            chunk_size=chunk_size, reverse_cumsum_dg=True,
+            chunk_size=chunk_size, reverse_cumsum_dg=cumsum,
         )  # fmt: skip
     return chunk_intra.chunk_kda_bwd_intra(
         q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, cu_seqlens=cu_seqlens,
@@ -191,30 +192,32 @@ def _reverse_cumsum_done(g, *args, **kwargs):
     return g
 
 
-def _stage7_ours(q, v, use_graph, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -> bool:
+def _stage7_ours(q, v, use_graph, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -> tuple[bool, bool]:
     """Whether stage 7 runs on cula's kernel: the tuning entry says so (``KdaTuning.bwd_intra``), ``_stage_on``'s
     conditions hold and the call's gates are ones its anchored factors are exact for (the forward's intra kernel
-    took the call, ``cula.kda.plan.use_cula_intra``)."""
+    took the call, ``cula.kda.plan.use_cula_intra``); and whether that kernel also does stage 8
+    (``KdaTuning.bwd_intra_cumsum``)."""
     from cula.kda.plan import use_cula_intra
 
     # stage 7 has no value dimension: V = 128 stands for "any"
-    return use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) and _stage_on(
+    ours = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) and _stage_on(
         "bwd_intra", q, use_graph, q.shape[-1], 128, chunk_size
     )
+    return ours, ours and _stage_on("bwd_intra_cumsum", q, use_graph, q.shape[-1], 128, chunk_size)
 
 
 @functools.cache
-def _fla_chunk_kda_bwd(stage7_ours: bool = False):
+def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False):
     """FLA's ``chunk_kda_bwd`` function body over its module's globals with stages 5, 6 and 7 rebound to ours
-    (``stage7_ours``: stage 7 on cula's kernel, which also does stage 8)."""
+    (``stage7_ours``: stage 7 on cula's kernel; ``stage8_fused``: which also does stage 8)."""
     from fla.ops.kda import chunk_bwd
 
     fn = chunk_bwd.chunk_kda_bwd
     ours = {
         "chunk_kda_bwd_wy_dqkg_fused": _wy_dqkg_fused, "chunk_gated_delta_rule_bwd_dhu": _bwd_dhu,
-        "chunk_kda_bwd_intra": functools.partial(_bwd_intra, ours=stage7_ours),
+        "chunk_kda_bwd_intra": functools.partial(_bwd_intra, ours=stage7_ours, cumsum=stage8_fused),
     }  # fmt: skip
-    if stage7_ours:
+    if stage8_fused:
         ours["chunk_local_cumsum"] = _reverse_cumsum_done
     if not set(ours) <= set(fn.__code__.co_names):  # another FLA: its backward as it is
         return fn
@@ -228,7 +231,8 @@ def chunk_kda_bwd(**kwargs):
     """FLA 0.6.0's ``chunk_kda_bwd`` (same keywords and returns: ``(dq, dk, dv, db, dg, dh0, dA_log, ddt_bias)``),
     its stage 6 launched at ``wy_dqkg_launch``, stages 5, 6 and 7 on cula's kernels where the tuning says so (module
     docstring)."""
-    ours = _stage7_ours(kwargs["q"], kwargs["v"], kwargs.get("use_graph", False), kwargs.get("chunk_size", 64),
-                        kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False),
-                        kwargs.get("lower_bound"))  # fmt: skip
-    return _fla_chunk_kda_bwd(ours)(**kwargs)
+    ours, fused = _stage7_ours(
+        kwargs["q"], kwargs["v"], kwargs.get("use_graph", False), kwargs.get("chunk_size", 64),
+        kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False), kwargs.get("lower_bound"),
+    )  # fmt: skip
+    return _fla_chunk_kda_bwd(ours, fused)(**kwargs)

@@ -78,6 +78,8 @@ class KdaTuning:
     # training: stage 7 (chunk_kda_bwd_intra, the gradients through the intra-chunk scores) on cula's kernel
     # (cula.ops.kda.sm90.bwd_intra) where the forward's intra kernel ran
     bwd_intra: bool = False
+    # ... with stage 8 (dg's reverse chunk-local cumsum) on chip in that kernel instead of FLA's chunk_local_cumsum
+    bwd_intra_cumsum: bool = False
     # training: stage 6 (chunk_kda_bwd_wy_dqkg_fused, the gradients through the state terms and the WY form) on
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
     bwd_wy_dqkg: bool = False
@@ -94,7 +96,8 @@ class KdaTuning:
 # SM. The segment summary runs two CTAs per (segment, head), one an SM: whole waves of it (17 segments at 4 heads
 # would be 136 CTAs on 132 SMs, a second wave for 4 of them)
 # bwd_intra: the stage-7 kernel took 3.89 ms against FLA's 6.84 in a B=2 T=16K training step (bench_kda_training
-# --quick --bwd-intra 1.15-1.41x, kda_training_bwd_intra_subset.md); bwd_dhu stays FLA's (0.29 ms against 0.19)
+# --quick --bwd-intra 1.15-1.41x, kda_training_bwd_intra_subset.md); bwd_dhu stays FLA's (0.29 ms against 0.19);
+# bwd_intra_cumsum and bwd_wy_dqkg are off until they have run on the H200
 _H200 = KdaTuning(bwd_intra=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
                                              min_seq_len=16384, wave_ctas=2))
