@@ -6,7 +6,7 @@ boxes of fp32 decode states.
 ``IntEnum`` of its own module, from ``FIRST_NAMED_BARRIER`` on, so no id is a bare number at its use.
 
 **Warp MMAs.** The kernels on ``mma.sync`` (the backward's stage 6 and 7 kernels, one CTA of 256 threads per chunk)
-load a chunk's token rows with ``cp_async_token_rows``, index them with ``vec_at`` and keep a product as
+load a chunk's token rows with ``cp_async_token_rows`` (and a per-token scalar with ``load_token_scalars``), index them with ``vec_at`` and keep a product as
 ``n_tile_accumulators``; ``round_tf32`` rounds tf32 operands to nearest.
 
 **Chunk recurrences.** The KDA kernels that walk a sequence chunk by chunk with a ``[K, V]`` state (the forward's
@@ -39,7 +39,8 @@ from cutlass.tensor_utils import LayoutEnum
 __all__ = [
     "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
     "box_load", "box_partition", "box_store", "chunk_rows", "column_decay", "cp_async_token_rows", "decay_columns",
-    "gate_row_layout", "gemm_k_blocks", "load_column_decay", "n_tile_accumulators", "recurrence_pipeline",
+    "gate_row_layout", "gemm_k_blocks", "load_column_decay", "load_token_scalars", "n_tile_accumulators",
+    "recurrence_pipeline",
     "round_tf32", "state_box_atoms", "state_view",
     "token_cols", "token_rows", "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major",
     "vec_at",
@@ -111,18 +112,32 @@ def n_tile_accumulators(tiled_mma, n: int) -> list:
 
 
 @cute.jit
-def cp_async_token_rows(atom: cute.CopyAtom, tiles, tok0, valid, tidx, rows: int = 64):
-    """16-byte ``cp.async`` copies of ``rows`` token rows of 128 16-bit elements, ``tiles`` a tuple of ``(source
-    (T, heads, 128), destination (rows, 128) in shared memory, head)``: 256 threads, 16 units of 8 a row, 16 rows a
-    pass; rows at and past ``valid`` are zero-filled instead."""
-    c8 = cute.assume((tidx % 16) * 8, divby=8)
-    for m in cutlass.range_constexpr(rows // 16):
-        t = tidx // 16 + 16 * m
+def cp_async_token_rows(atom: cute.CopyAtom, tiles, tok0, valid, tidx, rows: int = 64, row_units: int = 16,
+                        unit: int = 8, threads: int = 256):  # fmt: skip
+    """16-byte ``cp.async`` copies of ``rows`` token rows, ``tiles`` a tuple of ``(source (T, heads, width),
+    destination (rows, width) in shared memory, head)`` whose rows are ``row_units`` units of ``unit`` elements
+    (16-bit rows of 128 by default; fp32 rows of 128: 32 units of 4): ``threads`` threads, a unit each, rows at and
+    past ``valid`` zero-filled instead."""
+    col = cute.assume((tidx % row_units) * unit, divby=unit)
+    per_pass = threads // row_units
+    for m in cutlass.range_constexpr(rows // per_pass):
+        t = tidx // row_units + per_pass * m
         for src, dst, head in tiles:
             if t < valid:
-                cute.copy(atom, vec_at(src, (tok0 + t, head, c8)), vec_at(dst, (t, c8)))
+                cute.copy(atom, vec_at(src, (tok0 + t, head, col), unit, unit), vec_at(dst, (t, col), unit, unit))
             else:
-                vec_at(dst, (t, c8)).fill(0.0)
+                vec_at(dst, (t, col), unit, unit).fill(0.0)
+
+
+@cute.jit
+def load_token_scalars(src: cute.Tensor, dst: cute.Tensor, tok0, valid, head, tidx, rows: int = 64):
+    """``dst[t] = src[tok0 + t, head]`` as fp32 for the chunk's ``rows`` rows (0 at and past ``valid``), by the
+    first ``rows`` threads."""
+    if tidx < rows:
+        x = Float32(0.0)
+        if tidx < valid:
+            x = src[tok0 + tidx, head].to(Float32)
+        dst[tidx] = x
 
 
 # ------------------------------------------------------------------------------------------- chunk recurrences

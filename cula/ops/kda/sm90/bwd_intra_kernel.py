@@ -60,7 +60,9 @@ from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
-from cula.ops.cute_common import chunk_rows, cp_async_token_rows, n_tile_accumulators, round_tf32, vec_at
+from cula.ops.cute_common import (
+    chunk_rows, cp_async_token_rows, load_token_scalars, n_tile_accumulators, round_tf32, vec_at,
+)  # fmt: skip
 
 __all__ = ["ChunkKDABwdIntraSm90"]
 
@@ -189,31 +191,13 @@ class ChunkKDABwdIntraSm90:
     def _load(self, mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, tok0, h, hv, valid, tidx):
         """Phase L: the chunk's tiles to shared memory by 16-byte ``cp.async`` (no registers held), zeros past the
         sequence end."""
-        BT = self.bt
         x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
         f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
         cp_async_token_rows(x_atom, ((mQ, sQ, h), (mK, sK, h)), tok0, valid, tidx)
-        c4 = cute.assume((tidx % 32) * 4, divby=4)  # g: 32 units of 4 a row, 8 rows a pass
-        for m in cutlass.range_constexpr(BT // 8):
-            t = tidx // 32 + 8 * m
-            if t < valid:
-                cute.copy(f_atom, vec_at(mG, (tok0 + t, hv, c4), 4, 4), vec_at(sG, (t, c4), 4, 4))
-            else:
-                vec_at(sG, (t, c4), 4, 4).fill(0.0)
-        s4 = cute.assume((tidx % 16) * 4, divby=4)  # score gradients: 16 units of 4 a row, 16 rows a pass
-        for m in cutlass.range_constexpr(BT // 16):
-            t = tidx // 16 + 16 * m
-            for src, dst in ((mDAqk, sAq), (mDAkk, sAk)):
-                if t < valid:
-                    cute.copy(f_atom, vec_at(src, (tok0 + t, hv, s4), 4, 4), vec_at(dst, (t, s4), 4, 4))
-                else:
-                    vec_at(dst, (t, s4), 4, 4).fill(0.0)
+        cp_async_token_rows(f_atom, ((mG, sG, hv),), tok0, valid, tidx, row_units=32, unit=4)
+        cp_async_token_rows(f_atom, ((mDAqk, sAq, hv), (mDAkk, sAk, hv)), tok0, valid, tidx, unit=4)
         cute.arch.cp_async_commit_group()
-        if tidx < BT:
-            b = Float32(0.0)
-            if tidx < valid:
-                b = mBeta[tok0 + tidx, hv].to(Float32)
-            sBeta[tidx] = b
+        load_token_scalars(mBeta, sBeta, tok0, valid, hv, tidx)
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit

@@ -43,23 +43,11 @@ def compiled_variant(**options):
 
 
 def chunk_kda_bwd_wy_dqkg_sm90(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    v_new: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A: torch.Tensor,
-    h: torch.Tensor,
-    do: torch.Tensor,
-    dh: torch.Tensor,
-    dv: torch.Tensor,
-    scale: float | None = None,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_new: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A: torch.Tensor, h: torch.Tensor, do: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, scale: float | None = None,
+    state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
     chunk_indices: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """FLA's ``chunk_kda_bwd_wy_dqkg_fused(q, k, v, v_new, g, beta, A, h, do, dh, dv, ...)`` on SM90: the same
     arguments and returns ``(dq, dk, dv2, db, dg, dA)`` (dq, dk, dg ``[B, T, HV, 128]``, db ``[B, T, HV]``, dA
     ``[B, T, HV, 64]`` fp32; dv2 in v's dtype); contract: ``cula.kda.naive_bwd.chunk_kda_bwd_wy_dqkg_reference``.

@@ -54,7 +54,9 @@ from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
-from cula.ops.cute_common import chunk_rows, cp_async_token_rows, n_tile_accumulators, vec_at
+from cula.ops.cute_common import (
+    chunk_rows, cp_async_token_rows, load_token_scalars, n_tile_accumulators, vec_at,
+)  # fmt: skip
 
 __all__ = ["ChunkKDABwdWyDqkgSm90"]
 
@@ -236,7 +238,7 @@ class ChunkKDABwdWyDqkgSm90:
               sDo, sDu, tok0, tg, h, hv, valid, tidx):  # fmt: skip
         """Phase L: the chunk's tiles to shared memory by 16-byte ``cp.async`` in two groups (first what P1-P3
         read: the states, do, du, v_new; then v, q, k, g, T), zeros past the sequence end; beta by plain loads."""
-        BT, DK = self.bt, self.dk
+        DK = self.dk
         x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
         f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
         c8 = cute.assume((tidx % 16) * 8, divby=8)  # 16-bit rows of 128: 16 units of 8, 16 rows a pass
@@ -247,26 +249,10 @@ class ChunkKDABwdWyDqkgSm90:
         cp_async_token_rows(x_atom, ((mDo, sDo, hv), (mDu, sDu, hv), (mVn, sVn, hv)), tok0, valid, tidx)
         cute.arch.cp_async_commit_group()
         cp_async_token_rows(x_atom, ((mV, sV, hv), (mQ, sQ, h), (mK, sK, h)), tok0, valid, tidx)
-        c4 = cute.assume((tidx % 32) * 4, divby=4)  # g: 32 units of 4 a row, 8 rows a pass
-        for m in cutlass.range_constexpr(BT // 8):
-            t = tidx // 32 + 8 * m
-            if t < valid:
-                cute.copy(f_atom, vec_at(mG, (tok0 + t, hv, c4), 4, 4), vec_at(sG, (t, c4), 4, 4))
-            else:
-                vec_at(sG, (t, c4), 4, 4).fill(0.0)
-        a8 = cute.assume((tidx % 8) * 8, divby=8)  # T: 8 units of 8 a row, 32 rows a pass
-        for m in cutlass.range_constexpr(BT // 32):
-            t = tidx // 8 + 32 * m
-            if t < valid:
-                cute.copy(x_atom, vec_at(mA, (tok0 + t, hv, a8)), vec_at(sA, (t, a8)))
-            else:
-                vec_at(sA, (t, a8)).fill(0.0)
+        cp_async_token_rows(f_atom, ((mG, sG, hv),), tok0, valid, tidx, row_units=32, unit=4)
+        cp_async_token_rows(x_atom, ((mA, sA, hv),), tok0, valid, tidx, row_units=8)
         cute.arch.cp_async_commit_group()
-        if tidx < BT:
-            b = Float32(0.0)
-            if tidx < valid:
-                b = mBeta[tok0 + tidx, hv].to(Float32)
-            sBeta[tidx] = b
+        load_token_scalars(mBeta, sBeta, tok0, valid, hv, tidx)
 
     # ---------------------------------------------------------------------------------------------- products
     @cute.jit
