@@ -183,3 +183,22 @@ def test_training_call_skips_the_bound_launch(monkeypatch):
     args = dict(q=q, k=q, v=q, g=q, beta=q[..., 0], A_log=None, dt_bias=None, initial_state=None)
     with torch.enable_grad():
         assert kb._prepare_chunk_kda_cula_sm90(**args) is None
+
+
+def test_disable_recompute_is_said_once(monkeypatch, caplog):
+    """disable_recompute=True on cula's training path changes nothing but is not silent: one INFO line a process
+    says the backward recomputes."""
+    import logging
+
+    monkeypatch.setattr(kb, "_said_recompute", [])
+    monkeypatch.setattr(kb._ChunkKDATraining, "apply", lambda *a: "trained")
+    q = torch.randn(1, 4, 2, 128, requires_grad=True)
+    args = dict(q=q, k=q, v=q, g=q, beta=q[..., 0], A_log=None, dt_bias=None, initial_state=None, scale=0.1,
+                output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None,
+                state_v_first=False, cu_seqlens=None, chunk_size=64)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="cula"), torch.enable_grad():
+        for recompute in (False, True, True):
+            assert kb._chunk_kda_cula_sm90(**args, disable_recompute=recompute) == "trained"
+    said = [r for r in caplog.records if "disable_recompute" in r.getMessage()]
+    assert len(said) == 1 and "recomputes" in said[0].getMessage()

@@ -14,7 +14,9 @@ import contextlib
 
 import torch
 
-from cula.backends import BackendUnavailableError, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.backends import (
+    BackendUnavailableError, Registry, always, cula_kernels_on, logger, needs_grad, package_on_cuda,
+)  # fmt: skip
 
 chunk_kda_registry = Registry("kda.chunk_kda")
 fused_recurrent_kda_registry = Registry("kda.fused_recurrent_kda")
@@ -230,6 +232,9 @@ def _backward_chunks(cu, cu_cpu, T: int, graph: bool):
     return host_chunk_indices(cu, cu_cpu), None
 
 
+_said_recompute: list[bool] = []  # disable_recompute's note, logged once a process
+
+
 # The intra-chunk stage still comes from FLA's Triton kernels, hence needs=("fla",).
 @chunk_kda_registry.register(
     "cula-sm90",
@@ -244,6 +249,10 @@ def _chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
     # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel where it runs, see cula.kda.forward)
     opts = _cula_chunk_args(**_ready_inputs(args))
     if needs_grad(*(args[n] for n in _GRAD_TENSORS)):
+        if args.get("disable_recompute") and not _said_recompute:
+            _said_recompute.append(True)
+            logger.info("chunk_kda: disable_recompute=True on cula-sm90: the backward recomputes its intermediates "
+                        "(the same gradients, FLA's default activation memory)")  # fmt: skip
         tensors = [opts.pop(n) for n in (*_GRAD_TENSORS, "cu_seqlens")]
         return _ChunkKDATraining.apply(*tensors, cu_seqlens_cpu, opts)
     return chunk_kda_fwd_sm90(cu_seqlens_cpu=cu_seqlens_cpu, **opts)
