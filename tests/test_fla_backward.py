@@ -107,7 +107,8 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
         assert calls[-1] == (False, False), kw  # CPU tensors
     from cula.kda.plan import KDA_TUNING
 
-    # as if on an SM90 GPU: the stage is on where the tuning entry says so
+    # as if on an SM90 GPU: the device's entry is the H200's, and a stage is on where it says so
+    monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
     monkeypatch.setattr(fla_backward, "_stage_on", lambda flag, *a: getattr(KDA_TUNING.get((9, 0)), flag))
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)

@@ -1,5 +1,5 @@
 """What the host side of a kernel module needs without the CuTe DSL: dtype names, the gate vocabulary, placeholders
-for absent optional arguments, and lazy access to the kernel.
+for absent optional arguments, the launchers' shape checks, and lazy access to the kernel.
 
 Each kernel lives in two modules: ``<name>_kernel.py`` (the CuTe DSL classes and ``_compile``, imported only to
 compile a variant) and ``<name>.py`` (compile keys, variant choice, launchers), which never imports ``cutlass``,
@@ -28,6 +28,16 @@ def gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
     if not use_gate_in_kernel:
         return "none"
     return "softplus" if lower_bound is None else "lower_bound"
+
+
+def check_tensors(specs, contiguous: bool = False) -> None:
+    """Raise ``ValueError`` naming the first of ``specs`` (``(name, tensor, shape, dtype or None for any)``) whose
+    shape or dtype differs, or (``contiguous``) that is not contiguous."""
+    for name, t, shape, dtype in specs:
+        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+            raise ValueError(f"{name}: expected {shape} {dtype or ''}, got {tuple(t.shape)} {t.dtype}")
+        if contiguous and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
 
 
 _placeholders: dict[tuple, torch.Tensor] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import dsl_name, kernel_attr, placeholder
+from cula.ops._host import check_tensors, dsl_name, kernel_attr
 
 __all__ = ["chunk_kda_bwd_intra_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -70,7 +70,7 @@ def chunk_kda_bwd_intra_sm90(
         cu_seqlens: ``[N + 1]`` int32 / int64 with ``B == 1``; ``chunk_indices``: ``[NT, 2]`` (sequence, chunk) as
             FLA's ``prepare_chunk_indices`` (any int dtype; built from ``cu_seqlens`` when absent, a host sync).
     """
-    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+    from cula.ops.kda.sm90.intra import per_chunk_grid
 
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
@@ -85,29 +85,17 @@ def chunk_kda_bwd_intra_sm90(
     if H == 0 or HV % H:
         raise ValueError(f"the value heads ({HV}) must be a multiple of the q/k heads ({H})")
     f32 = torch.float32
-    for name, t, shape, dtype in (
+    check_tensors((
         ("k", k, (B, T, H, K), q.dtype), ("g", g, (B, T, HV, K), f32), ("beta", beta, (B, T, HV), beta.dtype),
         ("dAqk", dAqk, (B, T, HV, 64), f32), ("dAkk", dAkk, (B, T, HV, 64), f32), ("dq", dq, (B, T, HV, K), f32),
         ("dk", dk, (B, T, HV, K), f32), ("dg", dg, (B, T, HV, K), f32), ("db", db, (B, T, HV), f32),
-    ):  # fmt: skip
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"{name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
+    ))  # fmt: skip
     q, k, g, beta, dAqk, dAkk, dq, dk, db, dg = (
         t.contiguous() for t in (q, k, g, beta, dAqk, dAkk, dq, dk, db, dg)
     )  # fmt: skip
     dq2, dk2, dg2, db2 = torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db)
     varlen = cu_seqlens is not None
-    dev = q.device
-    if varlen:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
-        cu32 = cu_seqlens.to(torch.int32).contiguous()
-        if chunk_indices is None:
-            chunk_indices = prepare_chunk_indices_i32(cu32)
-        ci = chunk_indices.to(torch.int32).contiguous()
-        num_chunks, num_seqs = ci.shape[0], 1
-    else:
-        num_chunks, num_seqs = -(-T // 64), B
+    cu32, ci, num_chunks, num_seqs = per_chunk_grid(B, T, cu_seqlens, chunk_indices, q.device)
     if num_chunks * num_seqs * HV == 0:  # no tokens: nothing to launch
         return dq2, dk2, db2, dg2
     fn = compiled_variant(dtype=dsl_name(q.dtype), beta_dtype=dsl_name(beta.dtype), varlen=varlen,
@@ -118,9 +106,6 @@ def chunk_kda_bwd_intra_sm90(
 
     fn(
         flat(q), flat(k), flat(g), flat(beta), flat(dAqk), flat(dAkk), flat(dq), flat(dk), flat(dg), flat(db),
-        flat(dq2), flat(dk2), flat(dg2), flat(db2),
-        cu32 if varlen else placeholder(dev, torch.int32, (2,)),
-        ci if varlen else placeholder(dev, torch.int32, (1, 2)),
-        T, num_chunks, num_seqs,
+        flat(dq2), flat(dk2), flat(dg2), flat(db2), cu32, ci, T, num_chunks, num_seqs,
     )  # fmt: skip
     return dq2, dk2, db2, dg2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import dsl_name, kernel_attr, placeholder
+from cula.ops._host import check_tensors, dsl_name, kernel_attr
 
 __all__ = ["chunk_kda_bwd_wy_dqkg_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -62,7 +62,7 @@ def chunk_kda_bwd_wy_dqkg_sm90(
             ``[NT, 2]`` (sequence, chunk) as FLA's ``prepare_chunk_indices`` (built from ``cu_seqlens`` when absent,
             a host sync).
     """
-    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+    from cula.ops.kda.sm90.intra import per_chunk_grid
 
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
@@ -76,27 +76,16 @@ def chunk_kda_bwd_wy_dqkg_sm90(
         raise ValueError(f"beta must be fp32, bf16 or fp16, got {beta.dtype}")
     if H == 0 or HV % H:
         raise ValueError(f"the value heads ({HV}) must be a multiple of the q/k heads ({H})")
-    varlen = cu_seqlens is not None
-    dev = q.device
-    if varlen:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
-        cu32 = cu_seqlens.to(torch.int32).contiguous()
-        if chunk_indices is None:
-            chunk_indices = prepare_chunk_indices_i32(cu32)
-        ci = chunk_indices.to(torch.int32).contiguous()
-        num_chunks, num_seqs = ci.shape[0], 1
-    else:
-        num_chunks, num_seqs = -(-T // 64), B
+    varlen, dev = cu_seqlens is not None, q.device
+    # the states' chunk count is the grid's
+    cu32, ci, num_chunks, num_seqs = per_chunk_grid(B, T, cu_seqlens, chunk_indices, dev)
     io, f32 = q.dtype, torch.float32
-    for name, t, shape, dtype in (
+    check_tensors((
         ("k", k, (B, T, H, K), io), ("v", v, (B, T, HV, V), io), ("v_new", v_new, (B, T, HV, V), io),
         ("g", g, (B, T, HV, K), f32), ("beta", beta, (B, T, HV), beta.dtype), ("A", A, (B, T, HV, 64), io),
         ("h", h, (B, num_chunks, HV, K, V), io), ("do", do, (B, T, HV, V), io),
         ("dh", dh, (B, num_chunks, HV, K, V), io), ("dv", dv, (B, T, HV, V), io),
-    ):  # fmt: skip
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"{name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
+    ))  # fmt: skip
     scale = K**-0.5 if scale is None else float(scale)
     q, k, v, v_new, g, beta, A, h, do, dh, dv = (
         t.contiguous() for t in (q, k, v, v_new, g, beta, A, h, do, dh, dv)
@@ -116,9 +105,7 @@ def chunk_kda_bwd_wy_dqkg_sm90(
 
     fn(
         flat(q), flat(k), flat(v), flat(v_new), flat(g), flat(beta), flat(A), flat(h), flat(do), flat(dh),
-        flat(dv), flat(dq), flat(dk), flat(dv2), flat(dg), flat(db), flat(dA),
-        cu32 if varlen else placeholder(dev, torch.int32, (2,)),
-        ci if varlen else placeholder(dev, torch.int32, (1, 2)),
-        scale, T, num_chunks, num_seqs,
+        flat(dv), flat(dq), flat(dk), flat(dv2), flat(dg), flat(db), flat(dA), cu32, ci, scale, T, num_chunks,
+        num_seqs,
     )  # fmt: skip
     return dq, dk, dv2, db, dg, dA

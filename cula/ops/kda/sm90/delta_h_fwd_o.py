@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import dsl_name, kernel_attr, placeholder
+from cula.ops._host import check_tensors, dsl_name, kernel_attr, placeholder
 
 __all__ = ["chunk_kda_delta_h_fwd_o_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -92,15 +92,11 @@ def chunk_kda_delta_h_fwd_o_sm90(
         raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
     if w.dtype not in IO_DTYPES:
         raise ValueError(f"w/u/kg/qg/Aqk/o must be bf16 or fp16, got {w.dtype}")
-    for name, t, shape, dtype in (
+    check_tensors((
         ("u", u, (B, T, HV, V), w.dtype), ("kg", kg, (B, T, HV, K), w.dtype), ("qg", qg, (B, T, HV, K), w.dtype),
         ("g", g, (B, T, HV, K), torch.float32), ("Aqk", Aqk, (B, T, HV, 64), w.dtype),
         ("o", o, (B, T, HV, V), w.dtype),
-    ):  # fmt: skip
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"{name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    ), contiguous=True)  # fmt: skip
     varlen = cu_seqlens is not None
     if varlen:
         if B != 1:

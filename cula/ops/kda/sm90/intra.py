@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import GATES, TORCH_TO_DSL, dsl_name, kernel_attr, placeholder
+from cula.ops._host import GATES, TORCH_TO_DSL, check_tensors, dsl_name, kernel_attr, placeholder
 
 __all__ = [
     "BETA_ACTS", "GATES", "chunk_kda_intra_sm90", "compiled", "compiled_variant", "kernel_options",
@@ -137,6 +137,22 @@ def prepare_chunk_indices_i32(
     return rows.to(cu_seqlens.device, non_blocking=True)
 
 
+def per_chunk_grid(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_indices: torch.Tensor | None,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:  # fmt: skip
+    """``(cu_seqlens int32, chunk list int32 [NT, 2], grid x, grid z)`` of a kernel with one CTA per 64-token chunk:
+    packed, the chunk list (built from ``cu_seqlens`` when not given, a host sync) and ``(NT, 1)``; fixed-length,
+    placeholders the kernel does not read and ``(chunks per sequence, B)``."""
+    if cu_seqlens is None:
+        return placeholder(device, torch.int32, (2,)), placeholder(device, torch.int32, (1, 2)), -(-T // 64), B
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
+    cu32 = cu_seqlens.to(torch.int32).contiguous()
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices_i32(cu32)
+    ci = chunk_indices.to(torch.int32).contiguous()
+    return cu32, ci, ci.shape[0], 1
+
+
 def chunk_kda_intra_sm90(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -219,17 +235,13 @@ def chunk_kda_intra_sm90(
     dt = q.dtype
     scalar_gate = g.dim() == 3
     g_shape = (B, T, HV) if scalar_gate else (B, T, HV, K)
-    for name, t, shape, dtype in (
+    check_tensors((
         ("k", k, (B, T, H, K), dt), ("v", v, (B, T, HV, V), dt), ("g", g, g_shape, None),
         ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt),
         ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("Aqk", Aqk, (B, T, HV, 64), dt),
         ("g_cum", g_cum, (B, T, HV, K), torch.float32),
         *((("Akk", Akk, (B, T, HV, 64), dt),) if Akk is not None else ()),
-    ):  # fmt: skip
-        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
-            raise ValueError(f"{name}: expected {shape} {dtype or ''}, got {tuple(t.shape)} {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    ), contiguous=True)  # fmt: skip
     if g.dtype not in TORCH_TO_DSL or beta.dtype not in TORCH_TO_DSL:
         raise ValueError(f"g and beta must be fp32/bf16/fp16, got {g.dtype}, {beta.dtype}")
     varlen = cu_seqlens is not None
