@@ -173,13 +173,8 @@ def _wy_dqkg_decision(args: tuple, kwargs: dict):
     call = _bind(_wy_dqkg_params, args, kwargs)
     if call["kwargs"]:
         return False, f"arguments FLA 0.6.0's stage does not take: {', '.join(call['kwargs'])}"
-    q, k, v = call["q"], call["k"], call["v"]
-    # the dtypes cula's training path hands this stage
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return False, f"q dtype {q.dtype} (cula's launch of this stage runs bf16 / fp16 calls)"
-    return fla_backward.launch_verdict(
-        fla_backward.wy_dqkg_launch(q.device), q, call["use_graph"], k.shape[-1], v.shape[-1], call["chunk_size"]
-    )
+    return fla_backward.wy_dqkg_verdict(*(call[n] for n in ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv")),
+                                        call["use_graph"], call["chunk_size"])  # fmt: skip
 
 
 def _wy_dqkg_params(
@@ -193,10 +188,9 @@ def _wy_dqkg(*args, **kwargs):
     from cula.kda import fla_backward
 
     c = _bind(_wy_dqkg_params, args, kwargs)
-    return fla_backward.launch_wy_dqkg(
+    return fla_backward.wy_dqkg_ours(
         c["q"], c["k"], c["v"], c["v_new"], c["g"], c["beta"], c["A"], c["h"], c["do"], c["dh"], c["dv"],
         c["scale"], c["state_v_first"], c["cu_seqlens"], c["chunk_size"], c["chunk_indices"],
-        fla_backward.wy_dqkg_launch(c["q"].device),
     )  # fmt: skip
 
 
@@ -285,7 +279,7 @@ def backend_class(base: type) -> type:
             )
 
         def chunk_kda_bwd_wy_dqkg_fused(self, *args, **kwargs):
-            return _wy_dqkg(*args, **kwargs)  # FLA's Triton kernel at our launch: nothing dispatches back
+            return _wy_dqkg(*args, **kwargs)  # cula's kernel or FLA's Triton kernel at our launch: nothing dispatches back
 
         def chunk_bwd_dqkwg_verifier(self, *args, **kwargs):
             return _verdict("fla.ops.common.chunk_bwd_dqkwg", _dqkwg_decision, args, kwargs, guarded=False)

@@ -171,7 +171,7 @@ def _smoke() -> None:
     from cula.kda.plan import KDA_TUNING, kda_decode_launcher
     from cula.lightning.plan import launch_key
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import bwd_intra, fwd_launch, intra, segment_chain, segment_summary
+    from cula.ops.kda.sm90 import bwd_intra, bwd_wy_dqkg, fwd_launch, intra, segment_chain, segment_summary
     from cula.ops.lightning.sm90 import chunk_fwd as lc
     from cula.ops.lightning.sm90 import decode as ld
 
@@ -189,9 +189,14 @@ def _smoke() -> None:
     )  # fmt: skip
     for causal in _B:
         dh.compiled_variant(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
-    # training's backward: stage 7 on cula's kernel (beta after the glue's sigmoid is fp32)
-    bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False,
-                               reverse_cumsum=KDA_TUNING.get((9, 0)).bwd_intra_cumsum)  # fmt: skip
+    # training's backward: stages 6 and 7 on cula's kernels where the entry says so (beta after the glue's sigmoid
+    # is fp32)
+    entry = KDA_TUNING.get((9, 0))
+    if entry.bwd_wy_dqkg:
+        bwd_wy_dqkg.compiled_variant(dtype="BFloat16", beta_dtype="Float32", state_v_first=False, varlen=False)
+    if entry.bwd_intra:
+        bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False,
+                                   reverse_cumsum=entry.bwd_intra_cumsum)  # fmt: skip
     # the packed call cut in time: the segment summary, the segment chain, then the packed state/output kernel
     segment_summary.compiled_variant(dtype="BFloat16")
     segment_chain.compiled_variant(has_h0=True, has_ht=True)

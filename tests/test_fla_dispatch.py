@@ -500,8 +500,9 @@ def test_fla_kda_layer_on_cula_matches_fla(monkeypatch, launches, training):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_fla_own_backward_takes_culas_stage_launch(monkeypatch):
-    """A training call FLA's own path keeps (here: cula's chunk verifier made to decline) still gets cula's launch
-    of the backward's heaviest stage through FLA's 'kda' registry, with FLA's gradients."""
+    """A training call FLA's own path keeps (here: cula's chunk verifier made to decline) still gets cula's side of
+    the backward's heaviest stage (cula's kernel or FLA's at cula's launch) through FLA's 'kda' registry, with FLA's
+    gradients."""
     from cula import _fla_backend
     from cula.kda import fla_backward
     from cula.testing import assert_close
@@ -509,8 +510,8 @@ def test_fla_own_backward_takes_culas_stage_launch(monkeypatch):
     assert fla_dispatch.registered(), fla_dispatch.status()
     monkeypatch.setattr(_fla_backend, "_chunk_decision", lambda args, kwargs: (False, "declined by the test"))
     calls = []
-    real = fla_backward.launch_wy_dqkg
-    monkeypatch.setattr(fla_backward, "launch_wy_dqkg", lambda *a: calls.append(1) or real(*a))
+    real = fla_backward.wy_dqkg_ours
+    monkeypatch.setattr(fla_backward, "wy_dqkg_ours", lambda *a: calls.append(1) or real(*a))
     x = _inputs(device="cuda")
     do = torch.randn_like(x["v"])
     grads = {}

@@ -24,7 +24,7 @@ import types
 
 import torch
 
-__all__ = ["chunk_kda_bwd", "launch_verdict", "launch_wy_dqkg", "wy_dqkg_launch"]
+__all__ = ["chunk_kda_bwd", "launch_verdict", "launch_wy_dqkg", "wy_dqkg_launch", "wy_dqkg_ours", "wy_dqkg_verdict"]
 
 
 def wy_dqkg_launch(device: torch.device) -> tuple[int, int, int, int] | None:
@@ -59,29 +59,57 @@ def _wy_dqkg_fused(
     q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, state_v_first=False, cu_seqlens=None, chunk_size=64,
     chunk_indices=None, chunk_offsets=None, use_graph=False,
 ):  # fmt: skip
-    """FLA's ``chunk_kda_bwd_wy_dqkg_fused`` with its arguments and returns: on cula's kernel
-    (``cula.ops.kda.sm90.bwd_wy_dqkg``) where the tuning entry says so (``KdaTuning.bwd_wy_dqkg``) and the operands
-    share one 16-bit dtype; else launched at ``wy_dqkg_launch`` where that applies (``_ours``); else FLA's own
-    wrapper."""
+    """FLA's ``chunk_kda_bwd_wy_dqkg_fused`` with its arguments and returns: ``wy_dqkg_ours`` where
+    ``wy_dqkg_verdict`` allows it, else FLA's own wrapper."""
     from fla.ops.kda import chunk_bwd
 
-    same_dtype = all(t.dtype == q.dtype for t in (k, v, v_new, A, h, do, dh, dv))
-    if same_dtype and _stage_on("bwd_wy_dqkg", q, use_graph, k.shape[-1], v.shape[-1], chunk_size):
+    if wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, use_graph, chunk_size)[0]:
+        return wy_dqkg_ours(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
+                            chunk_indices)  # fmt: skip
+    return chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(
+        q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
+        chunk_offsets=chunk_offsets, use_graph=use_graph,
+    )  # fmt: skip
+
+
+def _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv) -> bool:
+    """Whether cula's stage-6 kernel takes the call: the entry turns it on and the operands share one 16-bit
+    dtype."""
+    return entry.bwd_wy_dqkg and q.dtype in (torch.bfloat16, torch.float16) and all(
+        t.dtype == q.dtype for t in (k, v, v_new, A, h, do, dh, dv)
+    )
+
+
+def wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, use_graph, chunk_size) -> tuple[bool, str | None]:
+    """Whether stage 6 runs on cula's side (``wy_dqkg_ours``), with the reason if not: cula's kernel takes the call
+    (``KdaTuning.bwd_wy_dqkg``, one 16-bit dtype) or the tuning entry sets a launch of FLA's kernel
+    (``KdaTuning.wy_dqkg_launch``), and ``launch_verdict``'s conditions hold."""
+    from cula.kda.plan import KDA_TUNING
+
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"q dtype {q.dtype} (cula's side of this stage runs bf16 / fp16 calls)"
+    entry = KDA_TUNING.for_device(q.device)
+    ours = _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv) or entry.wy_dqkg_launch is not None
+    return launch_verdict(ours or None, q, use_graph, k.shape[-1], v.shape[-1], chunk_size)
+
+
+def wy_dqkg_ours(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
+                 chunk_indices):  # fmt: skip
+    """Stage 6 where ``wy_dqkg_verdict`` allows it: cula's kernel (``cula.ops.kda.sm90.bwd_wy_dqkg``) where it takes
+    the call, else FLA's Triton kernel at ``wy_dqkg_launch``."""
+    from cula.kda.plan import KDA_TUNING
+
+    entry = KDA_TUNING.for_device(q.device)
+    if _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv):
         from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
 
         return chunk_kda_bwd_wy_dqkg_sm90(
             q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=scale, state_v_first=state_v_first,
             cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
         )  # fmt: skip
-    launch = wy_dqkg_launch(q.device)
-    if not _ours(launch, q, use_graph, k.shape[-1], v.shape[-1], chunk_size):
-        return chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(
-            q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
-            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
-            chunk_offsets=chunk_offsets, use_graph=use_graph,
-        )  # fmt: skip
     return launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
-                          chunk_indices, launch)  # fmt: skip
+                          chunk_indices, entry.wy_dqkg_launch)  # fmt: skip
 
 
 def launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,

@@ -95,10 +95,11 @@ class KdaTuning:
 # 2 x 64K at 16 heads (32 lanes) gains 7%, left whole. The best segment gives about half a (segment, head) item per
 # SM. The segment summary runs two CTAs per (segment, head), one an SM: whole waves of it (17 segments at 4 heads
 # would be 136 CTAs on 132 SMs, a second wave for 4 of them)
-# bwd_intra: the stage-7 kernel took 3.89 ms against FLA's 6.84 in a B=2 T=16K training step (bench_kda_training
-# --quick --bwd-intra 1.15-1.41x, kda_training_bwd_intra_subset.md); bwd_dhu stays FLA's (0.29 ms against 0.19);
-# bwd_intra_cumsum and bwd_wy_dqkg are off until they have run on the H200
-_H200 = KdaTuning(bwd_intra=True,
+# bwd_intra: the stage-7 kernel took 3.89 ms against FLA's 6.84 in a B=2 T=16K training step; bwd_wy_dqkg and
+# bwd_intra_cumsum (stages 6 and 8 on cula's kernels) took the step from 4.09 to 3.11 ms at B1-T4096 and from 3.61
+# to 3.30 ms at varlen-N20-T4096 (bench_kda_training --quick, kda_training_bwd_wy_dqkg_bwd_intra_bwd_intra_cumsum_
+# subset.md: 1.45x and 1.54x FLA); bwd_dhu stays FLA's (0.29 ms against 0.19)
+_H200 = KdaTuning(bwd_intra=True, bwd_intra_cumsum=True, bwd_wy_dqkg=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
                                              min_seq_len=16384, wave_ctas=2))
 KDA_TUNING: TuningTable[KdaTuning] = TuningTable("kda", {(9, 0): _H200}, fallback=KdaTuning())
