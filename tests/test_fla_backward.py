@@ -93,7 +93,8 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
     says so, the tensors are on an SM90 GPU and the forward's intra kernel takes the call's gates; CPU tensors
     never."""
     calls = []
-    monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd", lambda *flags: lambda **kw: calls.append(flags))
+    monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd",
+                        lambda *flags: lambda **kw: calls.append(flags) or (None,) * 8)  # fmt: skip
     kda_tuning(bwd_intra=on, bwd_intra_cumsum=True)
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
     gates = (
@@ -104,7 +105,7 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
     )
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
-        assert calls[-1] == (False, False), kw  # CPU tensors
+        assert calls[-1] == (False, False, False), kw  # CPU tensors
     from cula.kda.plan import KDA_TUNING
 
     # as if on an SM90 GPU: the device's entry is the H200's, and a stage is on where it says so
@@ -112,7 +113,43 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
     monkeypatch.setattr(fla_backward, "_stage_on", lambda flag, *a: getattr(KDA_TUNING.get((9, 0)), flag))
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
-        assert calls[-1] == (on and exact,) * 2, kw
+        assert calls[-1] == (on and exact, on and exact, False), kw
+
+
+def test_stage7_fuses_the_gate_and_the_l2_norm_where_the_tuning_says(monkeypatch, kda_tuning):
+    """Stage 9 (the gate's backward) joins stages 7 and 8 on cula's kernel for the lower-bound gate with fp32 (or
+    absent) parameters where KdaTuning.bwd_intra_gate says so; the L2 norm's backward where
+    KdaTuning.bwd_intra_l2norm says so, rstd given and no GVA. Otherwise the wrapper applies FLA's l2norm_bwd."""
+    import fla.ops.kda.chunk as fla_chunk
+
+    from cula.kda.plan import KDA_TUNING
+
+    seen = []
+    monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd", lambda *flags: lambda **kw: seen.append(
+        (flags, fla_backward._STAGE7_CALL.get())) or ("dq", "dk", *(None,) * 6))  # fmt: skip
+    monkeypatch.setattr(fla_chunk, "l2norm_bwd", lambda y, rstd, dy: ("l2", dy))
+    monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
+    monkeypatch.setattr(fla_backward, "_stage_on", lambda flag, *a: getattr(KDA_TUNING.get((9, 0)), flag))
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    g_raw, a_log, bias = torch.zeros(1, 64, 2, 128), torch.zeros(2), torch.zeros(256)
+    rstd = (torch.ones(128), torch.ones(128))
+    gate = dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0, g_org=g_raw, A_log=a_log, dt_bias=bias)
+    for (fuse_gate, fuse_l2), kw, v, want in (
+        ((True, True), gate, q, ((True, True, True), True, True)),
+        ((False, True), gate, q, ((True, True, False), False, True)),
+        ((True, False), gate, q, ((True, True, True), True, False)),
+        ((True, True), dict(gate, A_log=a_log.double()), q, ((True, True, False), False, True)),
+        ((True, True), dict(gate, dt_bias=None), q, ((True, True, True), True, True)),
+        ((True, True), gate, q.repeat(1, 1, 2, 1), ((True, True, True), True, False)),  # GVA: no L2 norm on chip
+        ((True, True), dict(safe_gate=True, use_gate_in_kernel=False, lower_bound=None), q,
+         ((True, True, False), False, True)),
+    ):  # fmt: skip
+        kda_tuning(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=fuse_gate, bwd_intra_l2norm=fuse_l2)
+        dq, dk, *_ = fla_backward.chunk_kda_bwd(qk_rstd=rstd, q=q, k=q, v=v, **kw)
+        flags, call = seen[-1]
+        assert (flags, call.gate is not None, call.qk_rstd is not None) == want, (fuse_gate, fuse_l2, kw.keys())
+        assert (dq, dk) == (("dq", "dk") if want[2] else (("l2", "dq"), ("l2", "dk")))
+    assert fla_backward._STAGE7_CALL.get() is None
 
 
 _LAUNCH_SCRIPT = textwrap.dedent(

@@ -34,18 +34,27 @@ def _intra(q, k, v, gk, beta, scale, cu_seqlens, chunk_size, chunk_indices, safe
 
 
 def _bwd(calls):
-    def chunk_kda_bwd(**kw):
+    def chunk_kda_bwd(qk_rstd=None, **kw):
+        """FLA's chunk_kda_bwd (a stand-in); with ``qk_rstd`` (cula's wrapper, ``fla_backward.chunk_kda_bwd``) dq and
+        dk through FLA's l2norm_bwd, as that wrapper's contract says."""
         calls.append(kw)
-        m = float(_mix(kw["q"], kw["k"], kw["v"], kw["beta"], kw["Aqk"], kw["Akk"], kw["do"], kw["dht"], kw["g"],
-                       kw["g_org"], kw["initial_state"], kw["A_log"], kw["dt_bias"], kw["chunk_indices"])) / 1e3
-        g_like = kw["g_org"] if kw["g_org"] is not None else kw["g"]
-        dA = None if kw["A_log"] is None else kw["A_log"] * m
-        dbias = None if kw["dt_bias"] is None else kw["dt_bias"] * m
-        dh0 = None if kw["initial_state"] is None else kw["initial_state"] * m
-        return (kw["q"].float() * m, kw["k"].float() + m, kw["v"].float() - m, kw["beta"].float() * 2 * m,
-                g_like.float() * 3 * m, dh0, dA, dbias)  # fmt: skip
+        out = _bwd_outputs(kw)
+        if qk_rstd is not None:
+            out = (fc.l2norm_bwd(kw["q"], qk_rstd[0], out[0]), fc.l2norm_bwd(kw["k"], qk_rstd[1], out[1]), *out[2:])
+        return out
 
     return chunk_kda_bwd
+
+
+def _bwd_outputs(kw):
+    m = float(_mix(kw["q"], kw["k"], kw["v"], kw["beta"], kw["Aqk"], kw["Akk"], kw["do"], kw["dht"], kw["g"],
+                   kw["g_org"], kw["initial_state"], kw["A_log"], kw["dt_bias"], kw["chunk_indices"])) / 1e3
+    g_like = kw["g_org"] if kw["g_org"] is not None else kw["g"]
+    dA = None if kw["A_log"] is None else kw["A_log"] * m
+    dbias = None if kw["dt_bias"] is None else kw["dt_bias"] * m
+    dh0 = None if kw["initial_state"] is None else kw["initial_state"] * m
+    return (kw["q"].float() * m, kw["k"].float() + m, kw["v"].float() - m, kw["beta"].float() * 2 * m,
+            g_like.float() * 3 * m, dh0, dA, dbias)  # fmt: skip
 
 
 def _fla_scores(q, k, v, g, beta, *, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, scale, use_gate_in_kernel,

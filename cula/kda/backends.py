@@ -190,7 +190,9 @@ def _training_backward(saved, p, do, dht):
                 use_graph=graph,
             )  # fmt: skip
         # FLA's chunk_kda_bwd with its heaviest stage at a faster launch configuration (fla_backward)
+        # with q_rstd / k_rstd, dq and dk come back through the L2 norm's backward (on chip where the tuning says so)
         dq, dk, dv, db, dg, dh0, dA, dbias = fla_backward.chunk_kda_bwd(
+            qk_rstd=None if q_rstd is None else (q_rstd, k_rstd),
             q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
             do=do.contiguous(), dht=None if dht is None else dht.contiguous(),
             # FLA's forward keeps the gate cumsum only when the gate is not fused; the backward redoes it
@@ -200,9 +202,6 @@ def _training_backward(saved, p, do, dht):
             dt_bias=dt_bias, disable_recompute=False, cp_context=None, w=None, u=None, qg=None, kg=None,
             v_new=None, h=None, use_graph=graph, chunk_offsets=chunk_offsets,
         )  # fmt: skip
-        if p["use_qk_l2norm_in_kernel"]:
-            dq = fc.l2norm_bwd(q, q_rstd, dq)
-            dk = fc.l2norm_bwd(k, k_rstd, dk)
         if p["use_beta_sigmoid_in_kernel"]:
             db = fc.fused_beta_sigmoid_bwd(x=beta_raw, dy=db, scale=sig_scale)
     return dq.to(q), dk.to(k), dv.to(v), dg.to(g_raw), db.to(beta_raw), dA, dbias, dh0

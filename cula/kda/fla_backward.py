@@ -19,6 +19,8 @@ FLA's module is not modified, so FLA's own backward (``fla.ops.kda.chunk_kda``) 
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import functools
 import types
 
@@ -191,23 +193,42 @@ def _bwd_dhu(
     )  # fmt: skip
 
 
+@dataclasses.dataclass
+class _Stage7Call:
+    """What one backward call's stage 7 fuses beyond stage 8 (``_stage7_plan``), and what it leaves for the rebound
+    stage 9: the L2 norm's backward with ``qk_rstd``, the gate's with ``gate = (g_raw, A_log, dt_bias,
+    lower_bound)``, whose results (``dg_raw, dA_log, ddt_bias``) the kernel's call puts in ``gate_grads``."""
+
+    qk_rstd: tuple | None = None
+    gate: tuple | None = None
+    gate_grads: tuple | None = None
+
+
+_STAGE7_CALL: contextvars.ContextVar[_Stage7Call | None] = contextvars.ContextVar("cula_stage7_call", default=None)
+
+
 def _bwd_intra(
     q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=False,
     lower_bound=None, use_graph=False, *, ours: bool = False, cumsum: bool = False,
 ):  # fmt: skip
     """FLA's ``chunk_kda_bwd_intra`` (stage 7) with its arguments and returns: on cula's kernel
     (``cula.ops.kda.sm90.bwd_intra``) when ``ours`` (``_stage7_ours``), with ``cumsum`` its dg already through stage
-    8 (FLA's ``chunk_local_cumsum(dg, reverse=True)``, which the rebound body then skips); FLA's own function
-    elsewhere."""
+    8 (FLA's ``chunk_local_cumsum(dg, reverse=True)``, which the rebound body then skips), and with the fused
+    neighbours this call's ``_Stage7Call`` names (dq / dk then the raw q's and k's gradients, dg the raw gate's);
+    FLA's own function elsewhere."""
     from fla.ops.kda import chunk_intra
 
     if ours:
         from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
 
-        return chunk_kda_bwd_intra_sm90(
+        call = _STAGE7_CALL.get() or _Stage7Call()
+        out = chunk_kda_bwd_intra_sm90(
             q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-            chunk_size=chunk_size, reverse_cumsum_dg=cumsum,
+            chunk_size=chunk_size, reverse_cumsum_dg=cumsum, qk_rstd=call.qk_rstd, gate=call.gate,
         )  # fmt: skip
+        if call.gate is not None:
+            call.gate_grads = out[3:]
+        return out[:4]
     return chunk_intra.chunk_kda_bwd_intra(
         q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=safe_gate, lower_bound=lower_bound,
@@ -218,6 +239,17 @@ def _bwd_intra(
 def _reverse_cumsum_done(g, *args, **kwargs):
     """Stage 8 (``chunk_local_cumsum(dg, reverse=True)``) where cula's stage-7 kernel has done it on chip."""
     return g
+
+
+def _gate_bwd(g, A_log=None, dt_bias=None, dyg=None, lower_bound=None):
+    """Stage 9 (FLA's ``kda_gate_bwd``, same arguments and returns): the results of cula's stage-7 kernel where it
+    took the gate's backward for this ``dyg``, else FLA's function."""
+    from fla.ops.kda import gate as fla_gate
+
+    call = _STAGE7_CALL.get()
+    if call is not None and call.gate_grads is not None and call.gate_grads[0] is dyg:
+        return call.gate_grads
+    return fla_gate.kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
 
 
 def _stage7_ours(q, v, use_graph, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -> tuple[bool, bool]:
@@ -235,9 +267,10 @@ def _stage7_ours(q, v, use_graph, chunk_size, safe_gate, use_gate_in_kernel, low
 
 
 @functools.cache
-def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False):
+def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False, stage9_fused: bool = False):
     """FLA's ``chunk_kda_bwd`` function body over its module's globals with stages 5, 6 and 7 rebound to ours
-    (``stage7_ours``: stage 7 on cula's kernel; ``stage8_fused``: which also does stage 8)."""
+    (``stage7_ours``: stage 7 on cula's kernel; ``stage8_fused``: which also does stage 8; ``stage9_fused``: and
+    stage 9, the gate's backward)."""
     from fla.ops.kda import chunk_bwd
 
     fn = chunk_bwd.chunk_kda_bwd
@@ -247,6 +280,8 @@ def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False):
     }  # fmt: skip
     if stage8_fused:
         ours["chunk_local_cumsum"] = _reverse_cumsum_done
+    if stage9_fused:
+        ours["kda_gate_bwd"] = _gate_bwd
     if not set(ours) <= set(fn.__code__.co_names):  # another FLA: its backward as it is
         return fn
     scope = dict(vars(chunk_bwd), **ours)
@@ -255,12 +290,46 @@ def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False):
     return rebound
 
 
-def chunk_kda_bwd(**kwargs):
+def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage7Call]:
+    """``_fla_chunk_kda_bwd``'s flags for one call and what its stage 7 fuses beyond stage 8: the gate's backward
+    (``KdaTuning.bwd_intra_gate``: the lower-bound gate in the kernel, fp32 or absent parameters) and the L2 norm's
+    (``KdaTuning.bwd_intra_l2norm``: ``qk_rstd`` given, no GVA)."""
+    from cula.kda.plan import KDA_TUNING
+
+    q, v = kwargs["q"], kwargs["v"]
+    lower_bound = kwargs.get("lower_bound")
+    ours, cumsum = _stage7_ours(
+        q, v, kwargs.get("use_graph", False), kwargs.get("chunk_size", 64), kwargs.get("safe_gate", False),
+        kwargs.get("use_gate_in_kernel", False), lower_bound,
+    )  # fmt: skip
+    call = _Stage7Call()
+    if not ours:
+        return (ours, cumsum, False), call
+    entry = KDA_TUNING.for_device(q.device)
+    A_log, dt_bias, g_raw = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("g_org")
+    if (cumsum and entry.bwd_intra_gate and kwargs.get("use_gate_in_kernel", False) and lower_bound is not None
+            and g_raw is not None and all(p is None or p.dtype == torch.float32 for p in (A_log, dt_bias))):
+        call.gate = (g_raw, A_log, dt_bias, lower_bound)
+    if entry.bwd_intra_l2norm and qk_rstd is not None and q.shape[2] == v.shape[2]:
+        call.qk_rstd = qk_rstd
+    return (ours, cumsum, call.gate is not None), call
+
+
+def chunk_kda_bwd(qk_rstd: tuple | None = None, **kwargs):
     """FLA 0.6.0's ``chunk_kda_bwd`` (same keywords and returns: ``(dq, dk, dv, db, dg, dh0, dA_log, ddt_bias)``),
     its stage 6 launched at ``wy_dqkg_launch``, stages 5, 6 and 7 on cula's kernels where the tuning says so (module
-    docstring)."""
-    ours, fused = _stage7_ours(
-        kwargs["q"], kwargs["v"], kwargs.get("use_graph", False), kwargs.get("chunk_size", 64),
-        kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False), kwargs.get("lower_bound"),
-    )  # fmt: skip
-    return _fla_chunk_kda_bwd(ours, fused)(**kwargs)
+    docstring). ``qk_rstd = (q_rstd, k_rstd)`` (``l2norm_fwd``'s, q and k then the normalised ones): dq and dk come
+    back as the raw q's and k's gradients (FLA's ``l2norm_bwd`` applied here, or in the stage-7 kernel where the
+    tuning says so)."""
+    flags, call = _stage7_plan(kwargs, qk_rstd)
+    token = _STAGE7_CALL.set(call)
+    try:
+        dq, dk, *rest = _fla_chunk_kda_bwd(*flags)(**kwargs)
+    finally:
+        _STAGE7_CALL.reset(token)
+    if qk_rstd is not None and call.qk_rstd is None:
+        import fla.ops.kda.chunk as fla_chunk  # the l2norm_bwd FLA's ChunkKDAFunction calls
+
+        dq = fla_chunk.l2norm_bwd(kwargs["q"], qk_rstd[0], dq)
+        dk = fla_chunk.l2norm_bwd(kwargs["k"], qk_rstd[1], dk)
+    return (dq, dk, *rest)

@@ -29,11 +29,17 @@ _VARIANTS = [
     {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True},
     {"dtype": "BFloat16", "beta_dtype": "BFloat16", "varlen": False, "reverse_cumsum": True},
     {"dtype": "Float16", "beta_dtype": "Float16", "varlen": True, "reverse_cumsum": False},
+    # the fused neighbours: the L2 norm's and the gate's backward
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": False, "reverse_cumsum": True, "l2norm": True,
+     "gate": "lower_bound", "g_raw_dtype": "Float32"},
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True, "l2norm": False,
+     "gate": "lower_bound", "g_raw_dtype": "BFloat16", "has_a_log": False, "has_dt_bias": False},
+    {"dtype": "Float16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": False, "l2norm": True},
 ]
 
 _COMPILE_SCRIPT = dump_script(
     "from cula.ops.kda.sm90 import bwd_intra_kernel as M",
-    'M._compile(v["dtype"], v["beta_dtype"], v["varlen"], extra_options=opts, reverse_cumsum=v["reverse_cumsum"])',
+    'M._compile(extra_options=opts, **v)',
 )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import check_tensors, dsl_name, kernel_attr
+from cula.ops._host import check_tensors, dsl_name, kernel_attr, placeholder
 
 __all__ = ["chunk_kda_bwd_intra_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -22,18 +22,25 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def variant_key(dtype="BFloat16", beta_dtype="Float32", varlen=False, reverse_cumsum=False, arch=(9, 0)) -> tuple:
-    """The compile key of a variant; dtypes as DSL types, their names or torch dtypes."""
+def variant_key(dtype="BFloat16", beta_dtype="Float32", varlen=False, reverse_cumsum=False, l2norm=False, gate=None,
+                g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True, arch=(9, 0)) -> tuple:  # fmt: skip
+    """The compile key of a variant; dtypes as DSL types, their names or torch dtypes. The gate's options are
+    normalised away without ``gate``."""
+    fused = (bool(l2norm), gate) + ((dsl_name(g_raw_dtype), bool(has_a_log), bool(has_dt_bias)) if gate else ())
     return ("kda.bwd_intra", "ChunkKDABwdIntraSm90", dsl_name(dtype), dsl_name(beta_dtype), 128, 64, bool(varlen),
-            bool(reverse_cumsum), arch)  # fmt: skip
+            bool(reverse_cumsum), fused, arch)  # fmt: skip
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
-    dtype, beta_dtype, _K, _BT, varlen, reverse_cumsum, arch = key[2:]
+    dtype, beta_dtype, _K, _BT, varlen, reverse_cumsum, fused, arch = key[2:]
+    l2norm, gate = fused[:2]
+    gate_options = dict(zip(("g_raw_dtype", "has_a_log", "has_dt_bias"), fused[2:]))
     return compiled_kernel(
-        key, lambda: kernel_attr(__name__, "_compile")(dtype, beta_dtype, varlen, arch, reverse_cumsum=reverse_cumsum)
-    )
+        key, lambda: kernel_attr(__name__, "_compile")(
+            dtype, beta_dtype, varlen, arch, reverse_cumsum=reverse_cumsum, l2norm=l2norm, gate=gate, **gate_options
+        ),
+    )  # fmt: skip
 
 
 def compiled_variant(**options):
@@ -56,11 +63,24 @@ def chunk_kda_bwd_intra_sm90(
     chunk_indices: torch.Tensor | None = None,
     chunk_size: int = 64,
     reverse_cumsum_dg: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    qk_rstd: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gate: tuple | None = None,
+) -> tuple[torch.Tensor, ...]:
     """FLA's ``chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, ...)`` on SM90: the same arguments
     and returns ``(dq, dk, db, dg)``, new fp32 tensors (contract: ``cula.kda.naive_bwd.chunk_kda_bwd_intra_reference``;
     exact while no 8 steps of one channel's gate decay by more than 2^100, see the kernel's docstring). With
     ``reverse_cumsum_dg`` dg comes back as FLA's next stage makes it, ``chunk_local_cumsum(dg, reverse=True)``.
+
+    Two later stages of FLA's backward can run in the same launch (see the kernel's docstring):
+
+    - ``qk_rstd = (q_rstd, k_rstd)``: FLA's ``l2norm_bwd(q, q_rstd, dq)`` and ``l2norm_bwd(k, k_rstd, dk)`` (q and k
+      are then the normalised ones, the rstd ``[B, T, H]`` or flat fp32 as ``l2norm_fwd`` returns them): dq and dk
+      come back as the raw q's and k's gradients, in q's dtype. Needs ``HV == H``.
+    - ``gate = (g_raw, A_log, dt_bias, lower_bound)``: FLA's ``kda_gate_bwd(g_raw, A_log, dt_bias, dyg,
+      lower_bound)`` after the reverse cumsum (so it needs ``reverse_cumsum_dg``), the sigmoid gate with a lower
+      bound only; ``g_raw`` ``[B, T, HV, 128]`` fp32 / bf16 / fp16, ``A_log`` ``[HV]`` and ``dt_bias``
+      ``[HV * 128]`` fp32 or None. Returns ``(dq, dk, db, dg_raw, dA_log, ddt_bias)`` then: dg_raw in g_raw's
+      dtype, dA_log / ddt_bias as FLA's (summed over the chunks in a fixed order; None where the parameter is).
 
     Args:
         q, k: ``[B, T, H, 128]`` bf16 / fp16 (after the L2 norm).  g: ``[B, T, HV, 128]`` fp32, the chunk-local log2
@@ -93,19 +113,81 @@ def chunk_kda_bwd_intra_sm90(
     q, k, g, beta, dAqk, dAkk, dq, dk, db, dg = (
         t.contiguous() for t in (q, k, g, beta, dAqk, dAkk, dq, dk, db, dg)
     )  # fmt: skip
+    fused = _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg)
     dq2, dk2, dg2, db2 = torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db)
     varlen = cu_seqlens is not None
     cu32, ci, num_chunks, num_seqs = per_chunk_grid(B, T, cu_seqlens, chunk_indices, q.device)
-    if num_chunks * num_seqs * HV == 0:  # no tokens: nothing to launch
+    # the outputs of the fused stages: dq / dk in q's dtype, dg_raw and the per-chunk partial sums of the gate's
+    # parameters (a row per grid chunk: padding rows of a packed list write zeros)
+    # (an output that is off is a tensor of its shape and dtype that the kernel does not write)
+    dq_n, dk_n = (torch.empty_like(q), torch.empty_like(k)) if qk_rstd is not None else (q, k)
+    dg_raw = torch.empty_like(fused["g_raw"]) if gate is not None else fused["g_raw"]
+    a_part, bias_part = db2.view(B * T, HV), dg2.view(B * T, HV, K)
+    if gate is not None:
+        rows = num_chunks * num_seqs
+        if gate[1] is not None:
+            a_part = torch.empty(rows, HV, dtype=torch.float32, device=q.device)
+        if gate[2] is not None:
+            bias_part = torch.empty(rows, HV, K, dtype=torch.float32, device=q.device)
+    if num_chunks * num_seqs * HV > 0:
+        fn = compiled_variant(
+            dtype=dsl_name(q.dtype), beta_dtype=dsl_name(beta.dtype), varlen=varlen, reverse_cumsum=reverse_cumsum_dg,
+            l2norm=qk_rstd is not None, gate=None if gate is None else "lower_bound",
+            g_raw_dtype=dsl_name(fused["g_raw"].dtype), has_a_log=gate is not None and gate[1] is not None,
+            has_dt_bias=gate is not None and gate[2] is not None,
+        )  # fmt: skip
+
+        def flat(t):
+            return t.view(B * T, *t.shape[2:])
+
+        fn(
+            flat(q), flat(k), flat(g), flat(beta), flat(dAqk), flat(dAkk), flat(dq), flat(dk), flat(dg), flat(db),
+            flat(dq2), flat(dk2), flat(dg2), flat(db2), cu32, ci, fused["q_rstd"], fused["k_rstd"], flat(dq_n),
+            flat(dk_n), flat(fused["g_raw"]), fused["A_log"], fused["dt_bias"], flat(dg_raw), a_part, bias_part,
+            fused["lower_bound"], T, num_chunks, num_seqs,
+        )  # fmt: skip
+    if qk_rstd is not None:
+        dq2, dk2 = dq_n, dk_n
+    if gate is None:
         return dq2, dk2, db2, dg2
-    fn = compiled_variant(dtype=dsl_name(q.dtype), beta_dtype=dsl_name(beta.dtype), varlen=varlen,
-                          reverse_cumsum=reverse_cumsum_dg)  # fmt: skip
+    # FLA's kda_gate_bwd sums its per-block partials the same way (in the parameters' dtypes)
+    _, A_log, dt_bias, _ = gate
+    dA = a_part.sum(0).view_as(A_log).type_as(A_log) if A_log is not None else None
+    dbias = bias_part.sum(0).view(-1).to(dt_bias) if dt_bias is not None else None
+    return dq2, dk2, db2, dg_raw, dA, dbias
 
-    def flat(t):
-        return t.view(B * T, *t.shape[2:])
 
-    fn(
-        flat(q), flat(k), flat(g), flat(beta), flat(dAqk), flat(dAkk), flat(dq), flat(dk), flat(dg), flat(db),
-        flat(dq2), flat(dk2), flat(dg2), flat(db2), cu32, ci, T, num_chunks, num_seqs,
-    )  # fmt: skip
-    return dq2, dk2, db2, dg2
+def _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg) -> dict:
+    """The fused stages' inputs, checked, as the kernel takes them (flat rstd; placeholders for what is off)."""
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    f32 = torch.float32
+    stand_in = placeholder(q.device, f32, (1,))
+    out = {"q_rstd": placeholder(q.device, f32, (1, H)), "k_rstd": placeholder(q.device, f32, (1, H)), "g_raw": g,
+           "A_log": stand_in, "dt_bias": stand_in, "lower_bound": 0.0}  # fmt: skip
+    if qk_rstd is not None:
+        if HV != H:
+            raise ValueError(f"the L2 norm's backward in the kernel needs HV == H (got HV={HV}, H={H}): with GVA the "
+                             "value heads' dq / dk are summed first")  # fmt: skip
+        for name, r in zip(("q_rstd", "k_rstd"), qk_rstd):
+            if r.dtype != f32 or r.numel() != B * T * H or not r.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous fp32 tensor of B*T*H = {B * T * H} elements, got "
+                                 f"{tuple(r.shape)} {r.dtype}")  # fmt: skip
+            out[name] = r.view(B * T, H)
+    if gate is not None:
+        g_raw, A_log, dt_bias, lower_bound = gate
+        if not reverse_cumsum_dg:
+            raise ValueError("the gate's backward runs after dg's reverse cumsum: gate needs reverse_cumsum_dg=True")
+        if lower_bound is None:
+            raise ValueError("the gate's backward in the kernel is the lower-bound sigmoid gate's: lower_bound is None")
+        if g_raw.dtype not in (f32, torch.bfloat16, torch.float16):
+            raise ValueError(f"g_raw must be fp32, bf16 or fp16, got {g_raw.dtype}")
+        check_tensors((("g_raw", g_raw, (B, T, HV, K), g_raw.dtype),))
+        out["g_raw"], out["lower_bound"] = g_raw.contiguous(), float(lower_bound)
+        for name, p, n in (("A_log", A_log, HV), ("dt_bias", dt_bias, HV * K)):
+            if p is None:
+                continue
+            if p.dtype != f32 or p.numel() != n:
+                raise ValueError(f"{name} must be fp32 with {n} elements, got {tuple(p.shape)} {p.dtype}")
+            out[name] = p.contiguous().view(n)
+    return out

@@ -38,8 +38,21 @@ C      the same warp, the same rows and channels: column products over query blo
        what it wrote in R). With ``reverse_cumsum``: a CTA barrier before that epilogue, whose dg rows go to
        shared memory over the score gradients
 D      CTA barrier; with ``reverse_cumsum``, threads j and j + 128: channel j's dg as suffix sums over the rows
-       (0..31 and 32..63); threads 0..63: db = db_in + both halves' partials
+       (0..31 and 32..63), with ``gate`` taken through the gate's backward (below); threads 0..63: db = db_in +
+       both halves' partials
 =====  ======================================================================================================
+
+Fused neighbours (static options), so that their reads and writes of dq / dk / dg drop out:
+
+- ``l2norm`` (FLA's ``l2norm_bwd`` after the stage, ``HV == H`` only: with GVA the value heads' dq / dk are summed
+  first): ``dx = rstd (dy - (dy . y) y)`` per row with ``y`` the normalised q or k (the shared rows) and ``rstd`` the
+  forward's; the row's dot product is summed over both channel halves by the warp pair that owns the rows (a named
+  barrier of 64 threads), then dq (phase R) and dk (phase C) leave in q's dtype. dk's row terms still pass through
+  the fp32 scratch of phase R.
+- ``gate = "lower_bound"`` (FLA's ``kda_gate_bwd`` for ``g = lb sigmoid(A (g_raw + dt_bias))``, A = exp(A_log) or
+  1; with ``reverse_cumsum``): phase D takes each suffix sum ``dy`` through ``dg_raw = dy lb s (1 - s) A`` (s the
+  sigmoid) into g_raw's dtype, and leaves the chunk's partial sums of ddt_bias (per channel) and dA_log
+  (``sum dg_raw (g_raw + dt_bias)``) in per-(chunk, value head) rows that the host sums in a fixed order.
 
 Row unit i costs i + 1 key blocks, column unit i costs 4 - i: every warp does five block products.
 Shared rows are padded (q / k 136 bf16, g 132 floats, score gradients 68 floats) so that the B-operand builds
@@ -52,6 +65,8 @@ sequence n writes nothing).
 
 from __future__ import annotations
 
+import enum
+
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import BFloat16, Float16, Float32, Int32, TFloat32, const_expr, cute
@@ -61,7 +76,7 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    chunk_rows, cp_async_token_rows, load_token_scalars, n_tile_accumulators, round_tf32, vec_at,
+    FIRST_NAMED_BARRIER, chunk_rows, cp_async_token_rows, load_token_scalars, n_tile_accumulators, round_tf32, vec_at,
 )  # fmt: skip
 
 __all__ = ["ChunkKDABwdIntraSm90"]
@@ -69,23 +84,41 @@ __all__ = ["ChunkKDABwdIntraSm90"]
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the gate factors (see the module docstring)
 
 
+class Barrier(enum.IntEnum):
+    """Named barriers (0 is the CTA-wide one)."""
+
+    # one per row block (64 threads): warps w and w + 4 (the block's two channel halves) have put their partial
+    # row dot products of the L2 norm's backward in shared memory
+    ROW_PAIR0 = FIRST_NAMED_BARRIER
+
+
 class ChunkKDABwdIntraSm90:
     """KDA backward through the intra-chunk scores (FLA's ``chunk_kda_bwd_intra``), sm_90a.
 
-    Static configuration: the dtype of q / k, the dtype of beta, varlen, and ``reverse_cumsum``: dg leaves as its
-    reverse chunk-local cumsum (FLA's next stage, ``chunk_local_cumsum(dg, reverse=True)``, done on chip). Token
-    counts, heads and sequences are runtime values.
+    Static configuration: the dtype of q / k, the dtype of beta, varlen, ``reverse_cumsum``: dg leaves as its
+    reverse chunk-local cumsum (FLA's next stage, ``chunk_local_cumsum(dg, reverse=True)``, done on chip), and the
+    fused neighbours of the module docstring: ``l2norm``, ``gate`` with ``g_raw_dtype``, ``has_a_log``,
+    ``has_dt_bias``. Token counts, heads, sequences and the gate's bound are runtime values.
     """
 
     arch = 90
 
-    def __init__(self, dtype=BFloat16, beta_dtype=Float32, varlen: bool = False, reverse_cumsum: bool = False):
+    def __init__(self, dtype=BFloat16, beta_dtype=Float32, varlen: bool = False, reverse_cumsum: bool = False,
+                 l2norm: bool = False, gate: str | None = None, g_raw_dtype=Float32, has_a_log: bool = True,
+                 has_dt_bias: bool = True):  # fmt: skip
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         if beta_dtype not in (BFloat16, Float16, Float32):
             raise ValueError(f"beta_dtype must be BFloat16, Float16 or Float32, got {beta_dtype}")
+        if gate not in (None, "lower_bound"):
+            raise ValueError(f"gate must be None or 'lower_bound', got {gate!r}")
+        if gate is not None and not reverse_cumsum:
+            raise ValueError("the gate's backward runs after dg's reverse cumsum: gate needs reverse_cumsum")
+        if g_raw_dtype not in (BFloat16, Float16, Float32):
+            raise ValueError(f"g_raw_dtype must be BFloat16, Float16 or Float32, got {g_raw_dtype}")
         self.dtype, self.beta_dtype, self.varlen = dtype, beta_dtype, bool(varlen)
-        self.reverse_cumsum = bool(reverse_cumsum)
+        self.reverse_cumsum, self.l2norm, self.gate = bool(reverse_cumsum), bool(l2norm), gate
+        self.g_raw_dtype, self.has_a_log, self.has_dt_bias = g_raw_dtype, bool(has_a_log), bool(has_dt_bias)
         self.bt, self.dk = 64, 128
         self.num_threads = 256
         # padded row strides (elements), see the module docstring
@@ -110,6 +143,17 @@ class ChunkKDABwdIntraSm90:
         mDb2: cute.Tensor,  # (T_total, HV) fp32, out
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
         mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
+        mQRstd: cute.Tensor,  # (T_total, H) fp32, unread unless l2norm
+        mKRstd: cute.Tensor,  # (T_total, H) fp32, unread unless l2norm
+        mDqN: cute.Tensor,  # (T_total, H, K) dtype, out with l2norm (mDq2 unwritten then)
+        mDkN: cute.Tensor,  # (T_total, H, K) dtype, out with l2norm (mDk2 is phase R's scratch then)
+        mGRaw: cute.Tensor,  # (T_total, HV, K) g_raw_dtype, unread unless gate
+        mALog: cute.Tensor,  # (HV,) fp32, unread unless gate and has_a_log
+        mDtBias: cute.Tensor,  # (HV * K,) fp32, unread unless gate and has_dt_bias
+        mDgRaw: cute.Tensor,  # (T_total, HV, K) g_raw_dtype, out with gate (mDg2 is phase R's scratch then)
+        mDAPart: cute.Tensor,  # (chunk rows, HV) fp32, out with gate and has_a_log
+        mDBiasPart: cute.Tensor,  # (chunk rows, HV, K) fp32, out with gate and has_dt_bias
+        lower_bound: Float32,
         seqlen: Int32,  # tokens per sequence when not varlen
         num_chunks: Int32,  # grid x: chunks per sequence, or NT when varlen
         num_seqs: Int32,  # grid z: B, or 1 when varlen
@@ -126,10 +170,15 @@ class ChunkKDABwdIntraSm90:
             sAk: cute.struct.Align[cute.struct.MemRange[Float32, BT * self.a_ld], 16]
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
             sDb: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BT], 16]  # the two halves' db partials
+            # the two halves' partial row dot products of the L2-norm backward (dq, then dk)
+            sDot: cute.struct.Align[cute.struct.MemRange[Float32, 4 * BT], 16]
+            # the gate backward's partial sums: ddt_bias per channel for both row halves, dA_log per warp
+            sGate: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.dk + 8], 16]
 
         self.storage = Storage
         self.kernel(
-            mQ, mK, mG, mBeta, mDAqk, mDAkk, mDq, mDk, mDg, mDb, mDq2, mDk2, mDg2, mDb2, mCu, mCi, seqlen
+            mQ, mK, mG, mBeta, mDAqk, mDAkk, mDq, mDk, mDg, mDb, mDq2, mDk2, mDg2, mDb2, mCu, mCi, mQRstd, mKRstd,
+            mDqN, mDkN, mGRaw, mALog, mDtBias, mDgRaw, mDAPart, mDBiasPart, lower_bound, seqlen,
         ).launch(
             grid=(num_chunks, mDq.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
             min_blocks_per_mp=2, max_number_threads=[self.num_threads, 1, 1], preferred_smem_carveout=100,
@@ -141,7 +190,9 @@ class ChunkKDABwdIntraSm90:
         mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mDAqk: cute.Tensor,
         mDAkk: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
         mDq2: cute.Tensor, mDk2: cute.Tensor, mDg2: cute.Tensor, mDb2: cute.Tensor, mCu: cute.Tensor,
-        mCi: cute.Tensor, seqlen: Int32,
+        mCi: cute.Tensor, mQRstd: cute.Tensor, mKRstd: cute.Tensor, mDqN: cute.Tensor, mDkN: cute.Tensor,
+        mGRaw: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor, mDgRaw: cute.Tensor, mDAPart: cute.Tensor,
+        mDBiasPart: cute.Tensor, lower_bound: Float32, seqlen: Int32,
     ):  # fmt: skip
         BT, DK = self.bt, self.dk
         tidx, _, _ = cute.arch.thread_idx()
@@ -152,6 +203,8 @@ class ChunkKDABwdIntraSm90:
         h = hv // (HV // mQ.shape[1])
 
         tok0, valid = chunk_rows(self.varlen, mCu, mCi, bx, bz, seqlen, BT)
+        # the chunk's row of the gate's partial sums: the grid's (sequence, chunk) flattened
+        part_row = bz * cute.arch.grid_dim()[0] + bx
 
         if valid > 0:
             storage = SmemAllocator().allocate(self.storage)
@@ -162,6 +215,8 @@ class ChunkKDABwdIntraSm90:
             sAk = storage.sAk.get_tensor(cute.make_layout((BT, BT), stride=(self.a_ld, 1)))
             sBeta = storage.sBeta.get_tensor(cute.make_layout(BT))
             sDb = storage.sDb.get_tensor(cute.make_layout((BT, 2), stride=(1, BT)))
+            sDot = storage.sDot.get_tensor(cute.make_layout((BT, 2, 2), stride=(1, BT, 2 * BT)))  # (t, half, q|k)
+            sGate = storage.sGate.get_tensor(cute.make_layout(2 * DK + 8))
 
             self._load(mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, tok0, h, hv, valid, tidx)
             cute.arch.barrier()
@@ -172,20 +227,28 @@ class ChunkKDABwdIntraSm90:
             anchor = cutlass.min(16 * sub + 8, valid - 1)
             acc_col = n_tile_accumulators(tiled, 8)  # both column products sum into one: dk takes their sum
             if 16 * sub < valid:
-                self._row_unit(tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, mDq, mDk, mDg, mDq2, mDk2, mDg2, tok0, hv,
-                               valid, sub, half, anchor, lane)  # fmt: skip
+                self._row_unit(tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, mDq, mDk, mDg, mDq2, mDk2, mDg2,
+                               mQRstd, mDqN, tok0, h, hv, valid, sub, half, anchor, lane)  # fmt: skip
                 self._column_products(tiled, acc_col, sQ, sK, sG, sAq, sAk, sBeta, valid, sub, half, anchor, lane)
             # with the reverse cumsum, dg's rows go to shared memory over the score gradients: once all are read
             sDG = cute.make_tensor(sAq.iterator, cute.make_layout((BT, DK), stride=(self.g_ld, 1)))
             if const_expr(self.reverse_cumsum):
                 cute.arch.barrier()
             if 16 * sub < valid:
-                self._column_epilogue(acc_col, sK, sG, mDk2, mDg2, sDG, tok0, hv, valid, sub, half, anchor, lane)
+                self._column_epilogue(acc_col, sK, sG, sDot, mDk2, mDg2, mKRstd, mDkN, sDG, tok0, h, hv, valid, sub,
+                                      half, anchor, lane)  # fmt: skip
             cute.arch.barrier()
             if const_expr(self.reverse_cumsum):
-                self._reverse_cumsum(sDG, mDg2, tok0, hv, valid, tidx)
+                self._reverse_cumsum(sDG, sGate, mDg2, mGRaw, mALog, mDtBias, mDgRaw, lower_bound, tok0, hv, valid,
+                                     tidx)  # fmt: skip
             if tidx < valid:
                 mDb2[tok0 + tidx, hv] = mDb[tok0 + tidx, hv] + sDb[tidx, 0] + sDb[tidx, 1]
+            if const_expr(self.gate is not None):
+                cute.arch.barrier()
+                self._gate_partials(sGate, mDAPart, mDBiasPart, part_row, hv, tidx)
+        if const_expr(self.gate is not None):
+            if valid <= 0:  # a padding row of the chunk list: its partial sums are zero
+                self._zero_gate_partials(mDAPart, mDBiasPart, part_row, hv, tidx)
 
     @cute.jit
     def _load(self, mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, tok0, h, hv, valid, tidx):
@@ -201,9 +264,10 @@ class ChunkKDABwdIntraSm90:
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def _row_unit(self, tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, mDq, mDk, mDg, mDq2, mDk2, mDg2, tok0, hv, valid,
-                  sub, half, anchor, lane):  # fmt: skip
-        """Phase R for output rows 16 sub .. +15 and channels 64 half .. +63."""
+    def _row_unit(self, tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, mDq, mDk, mDg, mDq2, mDk2, mDg2, mQRstd,
+                  mDqN, tok0, h, hv, valid, sub, half, anchor, lane):  # fmt: skip
+        """Phase R for output rows 16 sub .. +15 and channels 64 half .. +63 (with ``l2norm``, dq through the L2
+        norm's backward into ``mDqN``)."""
         g_, c = lane // 4, lane % 4
         ch0 = half * 64
         acc_q, acc_l = n_tile_accumulators(tiled, 8), n_tile_accumulators(tiled, 8)
@@ -252,6 +316,7 @@ class ChunkKDABwdIntraSm90:
             t = 16 * sub + g_ + 8 * hh
             bt = sBeta[t]
             dbp = Float32(0.0)
+            dq_fin = cute.make_rmem_tensor(16, Float32)  # with l2norm: dq until the row's dot product is known
             if t < valid:
                 grads = []
                 for nt in cutlass.range_constexpr(8):
@@ -279,7 +344,10 @@ class ChunkKDABwdIntraSm90:
                         dk[v] = dk[v] + bt * row
                         dg[v] = dg[v] + qv * dqi + kv * bt * row
                         dbp = dbp + row * kv
-                    cute.autovec_copy(dq, vec_at(mDq2, (tok0 + t, hv, ch), 2, 2))
+                        if const_expr(self.l2norm):
+                            dq_fin[2 * nt + v] = dq[v]
+                    if const_expr(not self.l2norm):
+                        cute.autovec_copy(dq, vec_at(mDq2, (tok0 + t, hv, ch), 2, 2))
                     cute.autovec_copy(dk, vec_at(mDk2, (tok0 + t, hv, ch), 2, 2))
                     cute.autovec_copy(dg, vec_at(mDg2, (tok0 + t, hv, ch), 2, 2))
             # the row's sum over this half's channels: the quad's four lanes
@@ -287,6 +355,8 @@ class ChunkKDABwdIntraSm90:
             dbp = dbp + cute.arch.shuffle_sync_bfly(dbp, offset=2)
             if c == 0:
                 sDb[t, half] = dbp
+            if const_expr(self.l2norm):
+                self._l2norm_rows(dq_fin, sQ, sDot, mQRstd, mDqN, 0, tok0, t, h, valid, sub, half, lane)
 
     @cute.jit
     def _column_products(self, tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, valid, sub, half, anchor, lane):
@@ -332,13 +402,15 @@ class ChunkKDABwdIntraSm90:
                     cute.gemm(tiled, acc[nt], fc, fbk, acc[nt])
 
     @cute.jit
-    def _column_epilogue(self, acc, sK, sG, mDk2, mDg2, sDG, tok0, hv, valid, sub, half, anchor, lane):
+    def _column_epilogue(self, acc, sK, sG, sDot, mDk2, mDg2, mKRstd, mDkN, sDG, tok0, h, hv, valid, sub, half,
+                         anchor, lane):  # fmt: skip
         """Phase C's epilogue: dk and dg of phase R completed in place (dg into ``sDG`` instead with
-        ``reverse_cumsum``)."""
+        ``reverse_cumsum``; with ``l2norm``, dk through the L2 norm's backward into ``mDkN``)."""
         g_, c = lane // 4, lane % 4
         ch0 = half * 64
         for hh in cutlass.range_constexpr(2):
             s = 16 * sub + g_ + 8 * hh
+            dk_fin = cute.make_rmem_tensor(16, Float32)  # with l2norm: dk until the row's dot product is known
             if s < valid:
                 # phase R's values, written by this thread, all read back before the first store (see phase R)
                 grads = []
@@ -360,16 +432,53 @@ class ChunkKDABwdIntraSm90:
                         col = f * acc[nt][v + 2 * hh]
                         dk[v] = dk[v] + col
                         dg[v] = dg[v] - k2[v].to(Float32) * col
-                    cute.autovec_copy(dk, vec_at(mDk2, (tok0 + s, hv, ch), 2, 2))
+                        if const_expr(self.l2norm):
+                            dk_fin[2 * nt + v] = dk[v]
+                    if const_expr(not self.l2norm):
+                        cute.autovec_copy(dk, vec_at(mDk2, (tok0 + s, hv, ch), 2, 2))
                     if const_expr(self.reverse_cumsum):
                         cute.autovec_copy(dg, vec_at(sDG, (s, ch), 2, 2))
                     else:
                         cute.autovec_copy(dg, vec_at(mDg2, (tok0 + s, hv, ch), 2, 2))
+            if const_expr(self.l2norm):
+                self._l2norm_rows(dk_fin, sK, sDot, mKRstd, mDkN, 1, tok0, s, h, valid, sub, half, lane)
 
     @cute.jit
-    def _reverse_cumsum(self, sDG, mDg2, tok0, hv, valid, tidx):
+    def _l2norm_rows(self, dy, sY, sDot, mRstd, mOut, which, tok0, t, h, valid, sub, half, lane):
+        """FLA's ``l2norm_bwd`` for row t's 16 elements a thread (``dy``, this half's channels 8 nt + 2 c + v):
+        ``dx = rstd (dy - (dy . y) y)``, the dot product over both halves (the warp pair of rows 16 sub .. +15 meets
+        at a named barrier), dx in q's dtype to ``mOut``. ``which``: 0 for dq, 1 for dk (their slots in ``sDot``)."""
+        c = lane % 4
+        ch0 = half * 64
+        dot = Float32(0.0)
+        if t < valid:
+            for nt in cutlass.range_constexpr(8):
+                y2 = cute.make_rmem_tensor(2, self.dtype)
+                cute.autovec_copy(vec_at(sY, (t, ch0 + 8 * nt + 2 * c), 2, 2), y2)
+                for v in cutlass.range_constexpr(2):
+                    dot = dot + dy[2 * nt + v] * y2[v].to(Float32)
+        dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1)
+        dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=2)
+        if c == 0:
+            sDot[t, half, which] = dot
+        cute.arch.barrier(barrier_id=Barrier.ROW_PAIR0 + sub, number_of_threads=64)
+        if t < valid:
+            dot = dot + sDot[t, 1 - half, which]
+            rstd = mRstd[tok0 + t, h]
+            for nt in cutlass.range_constexpr(8):
+                ch = cute.assume(ch0 + 8 * nt + 2 * c, divby=2)
+                y2, x2 = cute.make_rmem_tensor(2, self.dtype), cute.make_rmem_tensor(2, self.dtype)
+                cute.autovec_copy(vec_at(sY, (t, ch), 2, 2), y2)
+                for v in cutlass.range_constexpr(2):
+                    x2[v] = ((dy[2 * nt + v] - dot * y2[v].to(Float32)) * rstd).to(self.dtype)
+                cute.autovec_copy(x2, vec_at(mOut, (tok0 + t, h, ch), 2, 2))
+
+    @cute.jit
+    def _reverse_cumsum(self, sDG, sGate, mDg2, mGRaw, mALog, mDtBias, mDgRaw, lower_bound, tok0, hv, valid, tidx):
         """``dg[t] = sum_{t' >= t} dg[t']`` over the chunk's rows, per channel: thread j < 128 the rows 0..31 of
-        channel j (after summing rows 32.., which thread j + 128 scans), coalesced stores a row at a time."""
+        channel j (after summing rows 32.., which thread j + 128 scans), coalesced stores a row at a time. With
+        ``gate``, each sum through the gate's backward into ``mDgRaw``, the thread's partial sums of ddt_bias and
+        dA_log to ``sGate``."""
         ch = tidx % self.dk
         r0 = 32 * (tidx // self.dk)
         run = Float32(0.0)
@@ -377,36 +486,101 @@ class ChunkKDABwdIntraSm90:
             for r in cutlass.range_constexpr(32, self.bt):
                 if r < valid:
                     run = run + sDG[r, ch]
-        for j in cutlass.range_constexpr(32):
-            r = r0 + 31 - j
-            if r < valid:
-                run = run + sDG[r, ch]
-                mDg2[tok0 + r, hv, ch] = run
+        if const_expr(self.gate is None):
+            for j in cutlass.range_constexpr(32):
+                r = r0 + 31 - j
+                if r < valid:
+                    run = run + sDG[r, ch]
+                    mDg2[tok0 + r, hv, ch] = run
+        else:
+            a = Float32(1.0)
+            if const_expr(self.has_a_log):
+                a = cute.math.exp(mALog[hv].to(Float32), fastmath=False)
+            bias = Float32(0.0)
+            if const_expr(self.has_dt_bias):
+                bias = mDtBias[hv * self.dk + ch].to(Float32)
+            # the raw gate's 32 rows, all loaded before the first store (which might alias them for the compiler)
+            x = cute.make_rmem_tensor(32, Float32)
+            for j in cutlass.range_constexpr(32):
+                r = r0 + 31 - j
+                x[j] = Float32(0.0)
+                if r < valid:
+                    x[j] = mGRaw[tok0 + r, hv, ch].to(Float32) + bias
+            d_bias, d_a = Float32(0.0), Float32(0.0)
+            for j in cutlass.range_constexpr(32):
+                r = r0 + 31 - j
+                if r < valid:
+                    run = run + sDG[r, ch]
+                    sig = 1.0 / (1.0 + cute.math.exp(-(a * x[j]), fastmath=False))
+                    dgr = run * (lower_bound * (sig * (1.0 - sig))) * a
+                    mDgRaw[tok0 + r, hv, ch] = dgr.to(self.g_raw_dtype)
+                    d_bias = d_bias + dgr
+                    d_a = d_a + dgr * x[j]
+            sGate[tidx] = d_bias
+            # dA_log's sum over the warp's 32 lanes
+            for off in cutlass.range_constexpr(5):
+                d_a = d_a + cute.arch.shuffle_sync_bfly(d_a, offset=1 << off)
+            if tidx % 32 == 0:
+                sGate[2 * self.dk + tidx // 32] = d_a
+
+    @cute.jit
+    def _gate_partials(self, sGate, mDAPart, mDBiasPart, part_row, hv, tidx):
+        """The chunk's partial sums of the gate's parameter gradients from ``sGate`` (after a CTA barrier): ddt_bias
+        per channel (both row halves), dA_log (the eight warps) in a fixed order."""
+        if const_expr(self.has_dt_bias):
+            if tidx < self.dk:
+                mDBiasPart[part_row, hv, tidx] = sGate[tidx] + sGate[tidx + self.dk]
+        if const_expr(self.has_a_log):
+            if tidx == 0:
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(8):
+                    total = total + sGate[2 * self.dk + w]
+                mDAPart[part_row, hv] = total
+
+    @cute.jit
+    def _zero_gate_partials(self, mDAPart, mDBiasPart, part_row, hv, tidx):
+        if const_expr(self.has_dt_bias):
+            if tidx < self.dk:
+                mDBiasPart[part_row, hv, tidx] = Float32(0.0)
+        if const_expr(self.has_a_log):
+            if tidx == 0:
+                mDAPart[part_row, hv] = Float32(0.0)
 
 
-def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options="", reverse_cumsum=False):
+def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options="", reverse_cumsum=False, l2norm=False, gate=None,
+             g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK, BT = 128, 64
-    dtype, beta_dtype = dsl_type(dtype), dsl_type(beta_dtype)
-    kernel = ChunkKDABwdIntraSm90(dtype=dtype, beta_dtype=beta_dtype, varlen=varlen, reverse_cumsum=reverse_cumsum)
+    dtype, beta_dtype, g_raw_dtype = dsl_type(dtype), dsl_type(beta_dtype), dsl_type(g_raw_dtype)
+    kernel = ChunkKDABwdIntraSm90(
+        dtype=dtype, beta_dtype=beta_dtype, varlen=varlen, reverse_cumsum=reverse_cumsum, l2norm=l2norm, gate=gate,
+        g_raw_dtype=g_raw_dtype, has_a_log=has_a_log, has_dt_bias=has_dt_bias,
+    )  # fmt: skip
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
     def tok(dt, heads, d):
         return make_fake_tensor(dt, (tt, heads, d), (cute.sym_int64(divisibility=d), d, 1), assumed_align=16)
 
-    def per_head(dt):
-        return make_fake_tensor(dt, (tt, hv), (cute.sym_int64(), 1), assumed_align=dt.width // 8)
+    def per_head(dt, heads=hv):
+        return make_fake_tensor(dt, (tt, heads), (cute.sym_int64(), 1), assumed_align=dt.width // 8)
 
+    def flat(dt):
+        return make_fake_compact_tensor(dt, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
+
+    rows = cute.sym_int32()
     args = (
         tok(dtype, h, DK), tok(dtype, h, DK), tok(Float32, hv, DK), per_head(beta_dtype),
         tok(Float32, hv, BT), tok(Float32, hv, BT),
         tok(Float32, hv, DK), tok(Float32, hv, DK), tok(Float32, hv, DK), per_head(Float32),
         tok(Float32, hv, DK), tok(Float32, hv, DK), tok(Float32, hv, DK), per_head(Float32),
-        make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
-        make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
-        Int32(1), Int32(1), Int32(1),
+        flat(Int32), make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
+        per_head(Float32, h), per_head(Float32, h), tok(dtype, h, DK), tok(dtype, h, DK),
+        tok(g_raw_dtype, hv, DK), flat(Float32), flat(Float32), tok(g_raw_dtype, hv, DK),
+        make_fake_tensor(Float32, (rows, hv), (cute.sym_int64(), 1), assumed_align=4),
+        make_fake_tensor(Float32, (rows, hv, DK), (cute.sym_int64(divisibility=DK), DK, 1), assumed_align=16),
+        Float32(0.0), Int32(1), Int32(1), Int32(1),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
