@@ -118,9 +118,24 @@ def _kda_training(scope: str) -> None:
                 for svf in _B:
                     bwd_wy_dqkg.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), state_v_first=svf,
                                                  varlen=varlen)  # fmt: skip
-            if entry.bwd_intra:  # with stage 8 on chip where the entry says so (cula.kda.fla_backward._bwd_intra)
-                bwd_intra.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), varlen=varlen,
-                                           reverse_cumsum=entry.bwd_intra_cumsum)  # fmt: skip
+            if entry.bwd_intra:  # with stages 8, 9 and the L2 norm's on chip where the entry says so (_bwd_intra)
+                for fused in _bwd_intra_fused(entry, d):
+                    bwd_intra.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), varlen=varlen,
+                                               reverse_cumsum=entry.bwd_intra_cumsum, **fused)  # fmt: skip
+
+
+def _bwd_intra_fused(entry, d: dict) -> list[dict]:
+    """The stage-7 kernel's fused-neighbour options a call can ask for under ``entry``
+    (``cula.kda.fla_backward._stage7_plan``): the L2 norm's backward or not (GVA, or no L2 norm in the call), and
+    the gate's backward (the lower-bound gate, any raw-gate dtype, A_log and dt_bias each present or not) or not."""
+    from cula.ops._host import dsl_name
+
+    gates = [{}]
+    if entry.bwd_intra_cumsum and entry.bwd_intra_gate:
+        gates += [dict(gate="lower_bound", g_raw_dtype=dsl_name(g), has_a_log=a, has_dt_bias=b)
+                  for g, a, b in itertools.product(d["g"], _B, _B)]  # fmt: skip
+    norms = (False, True) if entry.bwd_intra_l2norm else (False,)
+    return [dict(gate_options, l2norm=n) for n in norms for gate_options in gates]
 
 
 def _kda_decode(scope: str) -> None:
@@ -194,9 +209,12 @@ def _smoke() -> None:
     entry = KDA_TUNING.get((9, 0))
     if entry.bwd_wy_dqkg:
         bwd_wy_dqkg.compiled_variant(dtype="BFloat16", beta_dtype="Float32", state_v_first=False, varlen=False)
-    if entry.bwd_intra:
+    if entry.bwd_intra:  # the call's g is fp32, with A_log and dt_bias; GVA (no L2 norm's backward on chip)
+        fused = {}
+        if entry.bwd_intra_cumsum and entry.bwd_intra_gate:
+            fused.update(gate="lower_bound", g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True)
         bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False,
-                                   reverse_cumsum=entry.bwd_intra_cumsum)  # fmt: skip
+                                   reverse_cumsum=entry.bwd_intra_cumsum, **fused)  # fmt: skip
     # the packed call cut in time: the segment summary, the segment chain, then the packed state/output kernel
     segment_summary.compiled_variant(dtype="BFloat16")
     segment_chain.compiled_variant(has_h0=True, has_ht=True)

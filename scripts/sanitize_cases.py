@@ -195,6 +195,18 @@ def kda_training_bwd_intra():
 
 
 @case
+def kda_training_bwd_intra_fused():
+    # stage 7 with stages 8, 9 (the gate's backward) and the L2 norm's backward on chip (KdaTuning.bwd_intra_gate,
+    # bwd_intra_l2norm): fixed and packed without GVA (both fused), packed with GVA (the gate alone)
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_intra_l2norm=True):
+        _kda_chunk(2, 130, 2, 2, grad=True)
+        _kda_chunk(1, [70, 0, 65, 1], 1, 1, grad=True, v_first=True)
+        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
+
+
+@case
 def kda_training_bwd_wy_dqkg():
     # autograd on with stage 6 of the backward on cula's kernel (KdaTuning.bwd_wy_dqkg), fixed and packed (empty,
     # one-token and partial chunks), GVA, both state layouts

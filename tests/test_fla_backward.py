@@ -217,12 +217,16 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage", ["bwd_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_wy_dqkg"])
+@pytest.mark.parametrize(
+    "stage", ["bwd_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_wy_dqkg"]
+)
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
-    """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with stage 5
-    (``KdaTuning.bwd_dhu``), 6 (``KdaTuning.bwd_wy_dqkg``) or 7 (``KdaTuning.bwd_intra``) on cula's kernel against the same step on FLA's:
-    every gradient within FLA's tolerances of the other, none NaN."""
+    """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with one
+    ``KdaTuning`` stage flag off and on (the rest as the H200's entry has them): stage 5 (``bwd_dhu``), 6
+    (``bwd_wy_dqkg``) or 7 (``bwd_intra``) on cula's kernel, or stage 8, 9 or the L2 norm's backward fused into
+    stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``, ``bwd_intra_l2norm``): every gradient within FLA's
+    tolerances of the other, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda import chunk_kda

@@ -165,7 +165,8 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
 
     kda_tuning(bwd_dhu=False, bwd_wy_dqkg=False, bwd_intra=False)
     assert not variants.planner_variants("full", ops=("kda.training",))
-    kda_tuning(bwd_dhu=True, bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True)
+    kda_tuning(bwd_dhu=True, bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
+               bwd_intra_l2norm=True)  # fmt: skip
     listed = set(variants.planner_variants("full", ops=("kda.training",)))
     H, HV, D = 1, 2, 128
     for io, b_dt, svf, packed in itertools.product((BF16, FP16), (FP32, BF16, FP16), (False, True), (False, True)):
@@ -177,6 +178,19 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
         s = _rnd(B, NT, HV, D, D, dtype=io)
         chunk_kda_bwd_intra_sm90(x, x, f, beta, a, a, f, f, _rnd(B, T, HV, dtype=FP32), f, cu_seqlens=cu,
                                  reverse_cumsum_dg=True)  # fmt: skip
+        # stage 7 with the gate's backward (GVA here) and, with one value head a q/k head, the L2 norm's
+        for g_dt, has_a, has_b in itertools.product((FP32, BF16, FP16), (False, True), (False, True)):
+            gate = (_rnd(B, T, HV, D, dtype=g_dt), _rnd(HV, dtype=FP32) if has_a else None,
+                    _rnd(HV * D, dtype=FP32) if has_b else None, -5.0)  # fmt: skip
+            chunk_kda_bwd_intra_sm90(x, x, f, beta, a, a, f, f, _rnd(B, T, HV, dtype=FP32), f, cu_seqlens=cu,
+                                     reverse_cumsum_dg=True, gate=gate)  # fmt: skip
+            f1, a1, beta1 = f[:, :, :1].contiguous(), a[:, :, :1].contiguous(), beta[:, :, :1].contiguous()
+            rstd = (_rnd(B * T, dtype=FP32), _rnd(B * T, dtype=FP32))
+            gate1 = (gate[0][:, :, :1].contiguous(), None if gate[1] is None else gate[1][:1],
+                     None if gate[2] is None else gate[2][:D], -5.0)  # fmt: skip
+            for g1 in (None, gate1):
+                chunk_kda_bwd_intra_sm90(x, x, f1, beta1, a1, a1, f1, f1, _rnd(B, T, 1, dtype=FP32), f1,
+                                         cu_seqlens=cu, reverse_cumsum_dg=True, qk_rstd=rstd, gate=g1)  # fmt: skip
         chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf, cu_seqlens=cu)
         chunk_kda_bwd_dhu_sm90(xv, xv, xv, xv, xv, f, h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32),
                                dht=None, state_v_first=svf, cu_seqlens=cu)  # fmt: skip

@@ -132,11 +132,10 @@ def profile_training(names: list[str]) -> None:
         cfg = by_name[name]
         shared, grads = kp.make_shared(cfg), kt.output_grads(cfg)
         tensors = kp.make_set(cfg, 0)
-        for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ()),
-                                    ("cula+bwd_intra", chunk_kda, ("bwd_intra",)),
-                                    ("cula+bwd_dhu", chunk_kda, ("bwd_dhu",)),
-                                    ("cula+bwd_wy_dqkg", chunk_kda, ("bwd_wy_dqkg",)),
-                                    ("cula+bwd_intra+cumsum", chunk_kda, ("bwd_intra", "bwd_intra_cumsum"))):
+        ours = ("bwd_intra", "bwd_intra_cumsum", "bwd_wy_dqkg")  # the H200 entry's stages
+        for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ours),
+                                    ("cula+gate+l2norm", chunk_kda, ours + ("bwd_intra_gate", "bwd_intra_l2norm")),
+                                    ("cula+bwd_dhu", chunk_kda, ours + ("bwd_dhu",))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
             rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
@@ -145,7 +144,7 @@ def profile_training(names: list[str]) -> None:
                 return fn(**leaves, **rest, **kp.CALL_FLAGS)
 
             # each path with only its own backward stages on cula's kernels, whatever the tuning entry says
-            flags = ("bwd_intra", "bwd_intra_cumsum", "bwd_dhu", "bwd_wy_dqkg")
+            flags = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_dhu", "bwd_wy_dqkg")
             with KDA_TUNING.override((9, 0), **{s: s in stages_on for s in flags}):
                 outs = forward()  # autotunes / compiles outside the profile
                 torch.autograd.backward(outs, grads, retain_graph=True)
@@ -309,7 +308,8 @@ def ncu_cula_backward_target() -> None:
 
     cfg = {c.name: c for c in kp.suite()}["B1-T4096"]
     shared, grads, tensors = kp.make_shared(cfg), kt.output_grads(cfg), kp.make_set(cfg, 0)
-    with KDA_TUNING.override((9, 0), bwd_intra=True, bwd_intra_cumsum=True, bwd_dhu=True, bwd_wy_dqkg=True):
+    with KDA_TUNING.override((9, 0), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_intra_l2norm=True,
+                             bwd_dhu=True, bwd_wy_dqkg=True):  # fmt: skip
         for _ in range(2):
             kt.make_step(chunk_kda, kt.fresh(tensors), kt.fresh(shared), grads)()
     torch.cuda.synchronize()

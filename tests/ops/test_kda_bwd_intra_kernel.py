@@ -143,3 +143,94 @@ def test_bwd_intra_vs_fla_and_f64_cuda(B, T, H, HV, lens, beta_dtype, gate):
         want[:, c0:c1] = want[:, c0:c1].flip(1).cumsum(1).flip(1)
     assert not fused[3].isnan().any()
     assert_close("dg reverse cumsum", want.float(), fused[3].cpu(), 1e-5)
+
+
+def test_launcher_validates_the_fused_neighbours():
+    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90 as run
+
+    x, x1 = _zeros(), _zeros(HV=1)
+    g_raw = torch.zeros(1, 100, 1, 128)
+    with pytest.raises(ValueError, match="HV == H"):
+        run(**x, qk_rstd=(torch.ones(100), torch.ones(100)))
+    with pytest.raises(ValueError, match="k_rstd"):
+        run(**x1, qk_rstd=(torch.ones(100), torch.ones(99)))
+    with pytest.raises(ValueError, match="reverse_cumsum_dg"):
+        run(**x1, gate=(g_raw, None, None, -5.0))
+    with pytest.raises(ValueError, match="lower_bound"):
+        run(**x1, gate=(g_raw, None, None, None), reverse_cumsum_dg=True)
+    with pytest.raises(ValueError, match="A_log"):
+        run(**x1, gate=(g_raw, torch.zeros(2), None, -5.0), reverse_cumsum_dg=True)
+    with pytest.raises(ValueError, match="dt_bias"):
+        run(**x1, gate=(g_raw, None, torch.zeros(128, dtype=torch.bfloat16), -5.0), reverse_cumsum_dg=True)
+    with pytest.raises(ValueError, match="g_raw"):
+        run(**x1, gate=(g_raw[:, :50], None, None, -5.0), reverse_cumsum_dg=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g_raw_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "B,T,H,HV,lens,params",
+    [(2, 300, 2, 2, None, "both"), (1, 501, 2, 2, [300, 0, 1, 129, 64, 7], "both"),
+     (1, 200, 1, 2, None, "A_log"), (1, 130, 1, 1, [1, 129], "none")],
+    ids=["fixed", "packed", "gva-gate-only", "packed-no-params"],
+)  # fmt: skip
+def test_fused_l2norm_and_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens, params, g_raw_dtype):
+    """Stages 9 (the lower-bound gate's backward) and G1 (the L2 norm's backward of dq and dk, without GVA) in the
+    stage-7 kernel: against FLA's kda_gate_bwd and l2norm_bwd applied to the unfused kernel's outputs, and against
+    the float64 contracts; the other outputs bit for bit the unfused kernel's; no NaN."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+    from fla.ops.kda.gate import kda_gate_bwd
+
+    from cula.kda.naive_bwd import chunk_kda_bwd_gate_reference, chunk_kda_bwd_intra_reference
+    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
+
+    case = _gpu_case(B, T, H, HV, lens, "bound", torch.float32, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    q_raw, k_raw = (torch.randn(B, T, H, 128, generator=gen).bfloat16().cuda() for _ in range(2))
+    (q_n, q_rstd), (k_n, k_rstd) = l2norm_fwd(q_raw), l2norm_fwd(k_raw)
+    case["q"], case["k"] = q_n.cpu(), k_n.cpu()
+    g_raw = torch.randn(B, T, HV, 128, generator=gen).to(g_raw_dtype)
+    A_log = torch.rand(HV, generator=gen) if params in ("both", "A_log") else None
+    dt_bias = torch.randn(HV * 128, generator=gen) if params == "both" else None
+    lb = -5.0
+    gpu = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in case.items()}
+    gate = tuple(t.cuda() if t is not None else None for t in (g_raw, A_log, dt_bias)) + (lb,)
+    l2 = H == HV
+    plain = chunk_kda_bwd_intra_sm90(**gpu, reverse_cumsum_dg=True)
+    fused = chunk_kda_bwd_intra_sm90(**gpu, reverse_cumsum_dg=True, gate=gate,
+                                     qk_rstd=(q_rstd, k_rstd) if l2 else None)  # fmt: skip
+    dg_f, dA_f, dbias_f = kda_gate_bwd(g=gate[0], A_log=gate[1], dt_bias=gate[2], dyg=plain[3], lower_bound=lb)
+    torch.cuda.synchronize()
+    assert len(fused) == 6
+    for t in fused:
+        assert t is None or not t.isnan().any()
+    assert torch.equal(fused[2], plain[2])  # db
+    assert fused[3].dtype == g_raw_dtype and fused[3].shape == g_raw.shape
+    assert_close("dg_raw vs FLA's kda_gate_bwd", dg_f.float(), fused[3].float(), 2e-2)
+    for name, f, o in (("dA_log", dA_f, fused[4]), ("ddt_bias", dbias_f, fused[5])):
+        assert (f is None) == (o is None), name
+        if o is not None:
+            assert o.dtype == torch.float32 and o.shape == f.shape, name
+            assert_close(f"{name} vs FLA", f, o, 2e-2)
+    # float64: the gate's contract on the intra contract's dg
+    ref = chunk_kda_bwd_intra_reference(**case)
+    r_dg, r_dA, r_dbias = chunk_kda_bwd_gate_reference(
+        ref[3], g_raw, None if A_log is None else A_log.double(), None if dt_bias is None else dt_bias.double(), lb,
+        cu_seqlens=case["cu_seqlens"],
+    )  # fmt: skip
+    assert_close("dg_raw vs f64", r_dg.float(), fused[3].float().cpu(), 2e-2)
+    for name, r, o in (("dA_log", r_dA, fused[4]), ("ddt_bias", r_dbias, fused[5])):
+        if o is not None:
+            assert_close(f"{name} vs f64", r.float(), o.cpu(), 2e-2)
+    if not l2:
+        assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+        return
+    for name, y, rstd, o, p, r in (("dq", q_n, q_rstd, fused[0], plain[0], ref[0]),
+                                   ("dk", k_n, k_rstd, fused[1], plain[1], ref[1])):  # fmt: skip
+        assert o.dtype == y.dtype and o.shape == y.shape, name
+        assert_close(f"{name} vs FLA's l2norm_bwd", l2norm_bwd(y, rstd, p).float(), o.float(), 8e-3)
+        y64, r64 = y.double().cpu(), rstd.double().cpu().view(B, T, H, 1)
+        want = r64 * (r.double() - (r.double() * y64).sum(-1, keepdim=True) * y64)
+        assert_close(f"{name} vs f64", want.float(), o.float().cpu(), 8e-3)
