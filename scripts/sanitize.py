@@ -11,6 +11,10 @@ instrumented (``--kernel-name kns=kernel_cutlass``: FLA's Triton kernels, which 
 check), line info compiled in (so a finding names its source line), and the caching allocator off (see the cases'
 module docstring). A finding is attributed to the case whose markers surround it. Exit status: 0 only when every
 tool finished with 0 errors and 0 hazards and every case ran.
+
+Before the tools, the cases run once without a sanitizer (``--no-warm`` skips it): FLA's Triton kernels autotune
+on their first call per shape, and under initcheck (which instruments every kernel) each training case's autotuning
+took minutes; warmed, the tools find the winners in Triton's cache.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ def main() -> int:
     ap.add_argument("--print-limit", type=int, default=1000000, help="reports each process prints at most")
     ap.add_argument("--split", type=int, default=3, help="processes for each of racecheck and initcheck")
     ap.add_argument("--digest", action="store_true", help="print the kernel sources' digest and exit")
+    ap.add_argument("--no-warm", action="store_true", help="skip the cases' plain run (FLA's autotuning) first")
     a = ap.parse_args()
     if a.digest:
         print(kernel_digest())
@@ -129,6 +134,11 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     tools = a.tools.split(",")
     t0 = time.time()
+    if not a.no_warm:
+        with open(os.path.join(a.out, "warm.log"), "w") as log:
+            cmd = ["timeout", str(a.limit), sys.executable, os.path.join(REPO, "scripts", "sanitize_cases.py"), *a.names]
+            subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        print(f"[sanitize] cases warmed in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     procs = {}
     for tool in tools:
         n = a.split if tool in SPLIT else 1
