@@ -18,7 +18,7 @@ measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cul
 the backward, the backward's workspace, the gradients).
 
 Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu] [--bwd-wy-dqkg]
-[--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]]``.
+[--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]] [--bwd-recompute-intra]``.
 """
 
 from __future__ import annotations
@@ -184,6 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --bwd-intra-cumsum: stage 9 (the gate's backward) on chip too (KdaTuning.bwd_intra_gate)")
     p.add_argument("--bwd-intra-l2norm", action="store_true",
                    help="with --bwd-intra: the L2 norm's backward on chip too (KdaTuning.bwd_intra_l2norm)")
+    p.add_argument("--bwd-recompute-intra", action="store_true",
+                   help="the backward's recompute prefix on cula's intra kernel (KdaTuning.bwd_recompute_intra)")
     p.add_argument("--bwd-intra", action="store_true",
                    help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
                         "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dhu_bwd_intra)")
@@ -207,10 +209,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
-    flags = (("bwd_dhu", args.bwd_dhu), ("bwd_wy_dqkg", args.bwd_wy_dqkg), ("bwd_intra", args.bwd_intra),
-             ("bwd_intra_cumsum", args.bwd_intra_cumsum), ("bwd_intra_gate", args.bwd_intra_gate),
-             ("bwd_intra_l2norm", args.bwd_intra_l2norm))  # fmt: skip
-    stages = [s for s, on in flags if on]
+    flags = ("bwd_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
+             "bwd_recompute_intra")  # fmt: skip
+    stages = [s for s in flags if getattr(args, s)]
     tuning = KDA_TUNING.override((9, 0), **dict.fromkeys(stages, True)) if stages else contextlib.nullcontext()
     with tuning:
         run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),

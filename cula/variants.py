@@ -48,7 +48,7 @@ def _kda_chunk(scope: str) -> None:
     inference call, fixed length or packed), as separate kernels in time segments (B = 1, long T), and cut for the
     exact time-parallel recurrence (the segment summary, the segment chain, then the packed state/output
     kernel)."""
-    from cula.ops._host import dsl_name, gate_kind
+    from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import fwd_launch, intra, segment_chain, segment_summary
 
@@ -56,11 +56,7 @@ def _kda_chunk(scope: str) -> None:
     for dt, varlen, h0, ht, svf, causal in itertools.product(d["io"], _B, _B, _B, _B, _B):
         dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                         aqk_causal=causal)  # fmt: skip
-    # cula.kda.plan.use_cula_intra: the log-space gate or the lower-bound sigmoid (the softplus gate has no bound)
-    cute_gates = [gate_kind(fused, lb) for fused, lb in ((False, None), (True, -1.0))]
-    for dt, g_dt, b_dt, gate, l2, beta_act in itertools.product(
-        d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS
-    ):  # fmt: skip
+    for dt, g_dt, b_dt, gate, l2, beta_act in _kda_intra_forms(d):
         for varlen, akk in itertools.product(_B, _B):
             intra.compiled_variant(
                 varlen=varlen,
@@ -97,6 +93,24 @@ def _gdn_chunk(scope: str) -> None:
         intra.compiled_variant(varlen=varlen, **options)
 
 
+def _kda_intra_forms(d: dict):
+    """(io, g, beta dtypes, gate, L2 norm, beta activation) of the calls cula's intra kernel takes with a gate per
+    channel (cula.kda.plan.use_cula_intra: the log-space gate or the lower-bound sigmoid; the softplus gate has no
+    bound)."""
+    from cula.ops._host import gate_kind
+    from cula.ops.kda.sm90 import intra
+
+    cute_gates = [gate_kind(fused, lb) for fused, lb in ((False, None), (True, -1.0))]
+    return itertools.product(d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS)
+
+
+def _kda_intra_variants(d: dict, **flags) -> None:
+    from cula.ops.kda.sm90 import intra
+
+    for (dt, g_dt, b_dt, gate, l2, beta_act), varlen in itertools.product(_kda_intra_forms(d), _B):
+        intra.compiled_variant(varlen=varlen, **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, **flags))
+
+
 def _kda_training(scope: str) -> None:
     """The stages of ``chunk_kda``'s backward that run on cula's kernels where ``KDA_TUNING``'s entry turns them on
     (``cula.kda.fla_backward``): stage 5 (the state-gradient recurrence), 6 (the state-term and WY gradients), 7
@@ -108,6 +122,8 @@ def _kda_training(scope: str) -> None:
 
     entry = KDA_TUNING.get((9, 0))
     d = _dtypes(scope)
+    if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, no Akk
+        _kda_intra_variants(d, g_cum_last_only=False)
     for dt, varlen in itertools.product(d["io"], _B):
         if entry.bwd_dhu:
             for dht, dh0, svf in itertools.product(_B, _B, _B):

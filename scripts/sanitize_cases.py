@@ -197,10 +197,12 @@ def kda_training_bwd_intra():
 @case
 def kda_training_bwd_intra_fused():
     # stage 7 with stages 8, 9 (the gate's backward) and the L2 norm's backward on chip (KdaTuning.bwd_intra_gate,
-    # bwd_intra_l2norm): fixed and packed without GVA (both fused), packed with GVA (the gate alone)
+    # bwd_intra_l2norm), the recompute prefix on the intra kernel (bwd_recompute_intra): fixed and packed without
+    # GVA (both fused), packed with GVA (the gate alone)
     from cula.kda.plan import KDA_TUNING
 
-    with KDA_TUNING.override(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_intra_l2norm=True):
+    with KDA_TUNING.override(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_intra_l2norm=True,
+                             bwd_recompute_intra=True):  # fmt: skip
         _kda_chunk(2, 130, 2, 2, grad=True)
         _kda_chunk(1, [70, 0, 65, 1], 1, 1, grad=True, v_first=True)
         _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)

@@ -218,15 +218,16 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "stage", ["bwd_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_wy_dqkg"]
+    "stage", ["bwd_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_wy_dqkg",
+              "bwd_recompute_intra"],
 )
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with one
     ``KdaTuning`` stage flag off and on (the rest as the H200's entry has them): stage 5 (``bwd_dhu``), 6
     (``bwd_wy_dqkg``) or 7 (``bwd_intra``) on cula's kernel, or stage 8, 9 or the L2 norm's backward fused into
-    stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``, ``bwd_intra_l2norm``): every gradient within FLA's
-    tolerances of the other, none NaN."""
+    stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``, ``bwd_intra_l2norm``), or the recompute prefix on cula's
+    intra kernel (``bwd_recompute_intra``): every gradient within FLA's tolerances of the other, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda import chunk_kda
@@ -260,3 +261,66 @@ def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
         assert not grads[True][n].isnan().any(), n
         tol = 2e-2 if n in ("g", "beta", "A_log", "dt_bias") else 8e-3
         assert_close(f"d{n}", grads[False][n].float(), grads[True][n].float(), tol)
+
+
+def test_recompute_on_cula_follows_the_tuning(monkeypatch, kda_tuning):
+    """The recompute prefix runs on cula's intra kernel only where the tuning entry says so, on CUDA tensors, outside
+    FLA's graph mode, and for gates cula's intra kernel takes."""
+    from cula.kda.plan import KDA_TUNING
+
+    q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+    p = dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0, use_graph=False)
+    kda_tuning(bwd_recompute_intra=True)
+    assert not fla_backward.recompute_on_cula(q, q, p)  # CPU tensors
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
+    assert fla_backward.recompute_on_cula(q, q, p)
+    assert not fla_backward.recompute_on_cula(q, q, dict(p, use_graph=True))
+    assert not fla_backward.recompute_on_cula(q, q, dict(p, lower_bound=None))  # the unbounded softplus gate
+    assert not fla_backward.recompute_on_cula(q, q, dict(p, safe_gate=False, use_gate_in_kernel=False))
+    kda_tuning(bwd_recompute_intra=False)
+    assert not fla_backward.recompute_on_cula(q, q, p)
+
+
+@pytest.mark.parametrize("fused_gate", [True, False])
+def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fused_gate):
+    """With the prefix on cula's intra kernel, FLA's chunk_kda_bwd gets disable_recompute=True, the prefix's w, u,
+    qg, kg, v_new, h and its gate cumsum as g (the raw gate as g_org with the fused gate); the prefix gets the raw
+    (unnormalised) q and k."""
+    from cula.kda import backends as kb
+
+    B, T, H, D = 1, 70, 2, 128
+    x = {n: torch.randn(B, T, H, D).bfloat16() for n in ("q", "k", "v")}
+    g, beta = torch.randn(B, T, H, D), torch.randn(B, T, H)
+    made = {n: torch.full((1,), float(i)) for i, n in enumerate(("g", "w", "u", "qg", "kg", "v_new", "h"))}
+    seen = {}
+
+    def prefix(q, k, *args):
+        seen["prefix_q"] = (q, k)
+        return dict(made)
+
+    def bwd(qk_rstd=None, **kw):
+        seen["bwd"] = kw
+        return (kw["q"].float(), kw["k"].float(), kw["v"].float(), kw["beta"].float(), g.clone(), None, None, None)
+
+    import fla.ops.kda.chunk as fc
+
+    monkeypatch.setattr(fc, "l2norm_fwd", lambda t: ((t * 0.5).to(t.dtype), t.float().pow(2).sum(-1)))
+    monkeypatch.setattr(fc, "fused_beta_sigmoid", lambda x, scale: x.float() * scale)
+    monkeypatch.setattr(fc, "fused_beta_sigmoid_bwd", lambda x, dy, scale: dy * scale)
+    monkeypatch.setattr(fla_backward, "recompute_on_cula", lambda q, v, p: True)
+    monkeypatch.setattr(fla_backward, "recompute_prefix", prefix)
+    monkeypatch.setattr(fla_backward, "chunk_kda_bwd", bwd)
+    p = dict(use_gate_in_kernel=fused_gate, allow_neg_eigval=False, use_qk_l2norm_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True, use_graph=False, scale=D**-0.5, state_v_first=False, safe_gate=True,
+             lower_bound=-5.0 if fused_gate else None)  # fmt: skip
+    A_log, dt_bias = torch.zeros(H), torch.zeros(H * D)
+    saved = (x["q"], x["k"], x["v"], g, beta, A_log, dt_bias, None, None, None, torch.zeros(B, T, H, 64),
+             torch.zeros(B, T, H, 64))  # fmt: skip
+    kb._training_backward(saved, p, torch.randn(B, T, H, D).bfloat16(), None)
+    kw = seen["bwd"]
+    assert kw["disable_recompute"] is True and kw["g"] is made["g"]
+    assert all(kw[n] is made[n] for n in ("w", "u", "qg", "kg", "v_new", "h"))
+    assert (kw["g_org"] is not None) == fused_gate
+    assert seen["prefix_q"][0] is x["q"] and seen["prefix_q"][1] is x["k"]  # raw, not the normalised copies
+    assert not torch.equal(kw["q"], x["q"])  # FLA's stages get the normalised q

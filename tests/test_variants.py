@@ -166,7 +166,7 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
     kda_tuning(bwd_dhu=False, bwd_wy_dqkg=False, bwd_intra=False)
     assert not variants.planner_variants("full", ops=("kda.training",))
     kda_tuning(bwd_dhu=True, bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
-               bwd_intra_l2norm=True)  # fmt: skip
+               bwd_intra_l2norm=True, bwd_recompute_intra=True)  # fmt: skip
     listed = set(variants.planner_variants("full", ops=("kda.training",)))
     H, HV, D = 1, 2, 128
     for io, b_dt, svf, packed in itertools.product((BF16, FP16), (FP32, BF16, FP16), (False, True), (False, True)):
@@ -194,8 +194,19 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
         chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf, cu_seqlens=cu)
         chunk_kda_bwd_dhu_sm90(xv, xv, xv, xv, xv, f, h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32),
                                dht=None, state_v_first=svf, cu_seqlens=cu)  # fmt: skip
+    # the recompute prefix on cula's intra kernel: every row of g_cum, no Akk, over the gates and flags it takes
+    from cula.kda.forward import _intra_cute
+
+    x, xv, beta = _rnd(1, 70, H, D, dtype=BF16), _rnd(1, 70, HV, D, dtype=BF16), _rnd(1, 70, HV, dtype=FP32)
+    for g_dt, (fused, lb), l2, (sig, neg), cu in itertools.product(
+        (FP32, BF16), ((False, None), (True, -5.0)), (False, True), ((False, False), (True, True)),
+        (None, torch.tensor([0, 30, 70], dtype=torch.int32)),
+    ):  # fmt: skip
+        ci = None if cu is None else torch.tensor([[0, 0], [1, 0]], dtype=torch.int32)
+        _intra_cute(x, x, xv, _rnd(1, 70, HV, D, dtype=g_dt), beta, 0.1, cu, ci, fused, _rnd(HV, dtype=FP32),
+                    _rnd(HV * D, dtype=FP32), lb, l2, sig, neg, full_g_cum=True)  # fmt: skip
     families = {k[0] for k in requested}
-    assert families == {"kda.bwd_dhu", "kda.bwd_wy_dqkg", "kda.bwd_intra"}, families
+    assert families == {"kda.bwd_dhu", "kda.bwd_wy_dqkg", "kda.bwd_intra", "kda.intra"}, families
     missing = [cula.cache.key_text(k) for k in requested if k not in listed]
     assert not missing, missing[:3]
 

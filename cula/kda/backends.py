@@ -170,6 +170,7 @@ def _training_backward(saved, p, do, dht):
     fused_gate = p["use_gate_in_kernel"]
     # what FLA's chunk_kda hands ChunkKDAFunction: contiguous tensors, the gate parameters only with the fused gate
     q, k, v, g_raw, beta_raw = (t.contiguous() for t in (q, k, v, g, beta))
+    q_raw, k_raw = q, k
     if not fused_gate:
         A_log = dt_bias = None
     sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
@@ -183,8 +184,12 @@ def _training_backward(saved, p, do, dht):
             beta = fc.fused_beta_sigmoid(x=beta_raw, scale=sig_scale)
         graph = bool(p.get("use_graph"))
         chunk_indices, chunk_offsets = _backward_chunks(cu, cu_cpu, q.shape[1], graph)
-        g_cum = None
-        if not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
+        g_cum, prefix = None, {}
+        if fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
+            prefix = fla_backward.recompute_prefix(q_raw, k_raw, v, g_raw, beta_raw, A_log, dt_bias, h0, cu,
+                                                   chunk_indices, chunk_offsets, p)  # fmt: skip
+            g_cum = prefix.pop("g")
+        elif not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
             g_cum = ff.chunk_local_cumsum(
                 g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
                 use_graph=graph,
@@ -199,8 +204,9 @@ def _training_backward(saved, p, do, dht):
             g=g_cum, g_org=g_raw if fused_gate else None,
             state_v_first=p["state_v_first"], cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=64,
             safe_gate=p["safe_gate"], lower_bound=p["lower_bound"], use_gate_in_kernel=fused_gate, A_log=A_log,
-            dt_bias=dt_bias, disable_recompute=False, cp_context=None, w=None, u=None, qg=None, kg=None,
-            v_new=None, h=None, use_graph=graph, chunk_offsets=chunk_offsets,
+            dt_bias=dt_bias, disable_recompute=bool(prefix), cp_context=None,
+            **(prefix or dict(w=None, u=None, qg=None, kg=None, v_new=None, h=None)),
+            use_graph=graph, chunk_offsets=chunk_offsets,
         )  # fmt: skip
         if p["use_beta_sigmoid_in_kernel"]:
             db = fc.fused_beta_sigmoid_bwd(x=beta_raw, dy=db, scale=sig_scale)

@@ -26,7 +26,10 @@ import types
 
 import torch
 
-__all__ = ["chunk_kda_bwd", "launch_verdict", "launch_wy_dqkg", "wy_dqkg_launch", "wy_dqkg_ours", "wy_dqkg_verdict"]
+__all__ = [
+    "chunk_kda_bwd", "launch_verdict", "launch_wy_dqkg", "recompute_on_cula", "recompute_prefix", "wy_dqkg_launch",
+    "wy_dqkg_ours", "wy_dqkg_verdict",
+]  # fmt: skip
 
 
 def wy_dqkg_launch(device: torch.device) -> tuple[int, int, int, int] | None:
@@ -288,6 +291,42 @@ def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False, st
     rebound = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     rebound.__kwdefaults__ = fn.__kwdefaults__
     return rebound
+
+
+def recompute_on_cula(q, v, p: dict) -> bool:
+    """Whether the backward's recompute prefix runs on cula's intra kernel (``recompute_prefix``): the tuning entry
+    says so (``KdaTuning.bwd_recompute_intra``), the call's gates are ones that kernel takes
+    (``cula.kda.plan.use_cula_intra``, as in the forward) and it is not FLA's graph mode (whose chunk list has
+    sentinel rows)."""
+    from cula.kda.plan import KDA_TUNING, use_cula_intra
+
+    if not q.is_cuda or p.get("use_graph") or not KDA_TUNING.for_device(q.device).bwd_recompute_intra:
+        return False
+    return use_cula_intra(q, v, p["safe_gate"], p["use_gate_in_kernel"], p["lower_bound"])
+
+
+def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
+                     p: dict) -> dict:  # fmt: skip
+    """What FLA's ``chunk_kda_bwd`` recomputes before its first gradient stage, for its ``disable_recompute=True``
+    path: the gate cumsum ``g`` (every row), ``w, u, qg, kg`` from one launch of cula's intra kernel on the raw
+    inputs (the launch the forward made, without Akk), then ``h, v_new`` from FLA's
+    ``chunk_gated_delta_rule_fwd_h``, as FLA's recompute branch calls it. Replaces FLA's ``kda_gate_chunk_cumsum``
+    (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    from cula.kda.forward import _intra_cute
+
+    cu32 = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
+    w, u, qg, kg, _, g_cum, _ = _intra_cute(
+        q, k, v, g, beta, p["scale"], cu32, chunk_indices, p["use_gate_in_kernel"], A_log, dt_bias,
+        p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
+        full_g_cum=True,
+    )  # fmt: skip
+    h, v_new, _ = chunk_gated_delta_rule_fwd_h(
+        k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=64, state_v_first=p["state_v_first"],
+    )  # fmt: skip
+    return dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
 
 
 def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage7Call]:

@@ -299,12 +299,13 @@ def _intra_fla(
 
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-    use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False,
+    use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False, full_g_cum=False,
 ):  # fmt: skip
     """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
     (Akk None unless ``keep_akk``: the kernel writes it only when asked). ``zero_kg``: kg starts as zeros, for
     graph mode, where the sequences may end before the last token: the state kernel multiplies the rows of the last
-    chunk past the end (never written) by zeros, and garbage there could be NaN."""
+    chunk past the end (never written) by zeros, and garbage there could be NaN. ``full_g_cum``: every row of
+    g_cum (the state/output kernel reads only each chunk's last; the training backward's stages read all)."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
@@ -319,7 +320,7 @@ def _intra_cute(
     chunk_kda_intra_sm90(
         q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu32, chunk_indices, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound if gate == "lower_bound" else None, use_qk_l2norm=use_qk_l2norm,
-        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=True, Akk=Akk,
+        beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=not full_g_cum, Akk=Akk,
     )  # fmt: skip
     return w, u, qg, kg, Aqk, g_cum, Akk
 

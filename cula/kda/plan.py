@@ -84,6 +84,9 @@ class KdaTuning:
     bwd_intra_gate: bool = False
     # ... with FLA's l2norm_bwd of dq and dk on chip (no GVA: the value heads' dq / dk are summed before it)
     bwd_intra_l2norm: bool = False
+    # training: the backward's recompute of w, u, qg, kg and the gate cumsum (FLA's kda_gate_chunk_cumsum and
+    # recompute_w_u_fwd) on cula's intra kernel where the forward's ran, then FLA's chunk_kda_bwd without recompute
+    bwd_recompute_intra: bool = False
     # training: stage 6 (chunk_kda_bwd_wy_dqkg_fused, the gradients through the state terms and the WY form) on
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
     bwd_wy_dqkg: bool = False
@@ -102,8 +105,8 @@ class KdaTuning:
 # bwd_intra: the stage-7 kernel took 3.89 ms against FLA's 6.84 in a B=2 T=16K training step; bwd_wy_dqkg and
 # bwd_intra_cumsum (stages 6 and 8 on cula's kernels) took the step from 4.09 to 3.11 ms at B1-T4096 and from 3.61
 # to 3.30 ms at varlen-N20-T4096 (bench_kda_training --quick, kda_training_bwd_wy_dqkg_bwd_intra_bwd_intra_cumsum_
-# subset.md: 1.45x and 1.54x FLA); bwd_dhu stays FLA's (0.29 ms against 0.19); bwd_intra_gate and bwd_intra_l2norm
-# are off until they have run on the H200
+# subset.md: 1.45x and 1.54x FLA); bwd_dhu stays FLA's (0.29 ms against 0.19); bwd_intra_gate, bwd_intra_l2norm and
+# bwd_recompute_intra are off until they have run on the H200
 _H200 = KdaTuning(bwd_intra=True, bwd_intra_cumsum=True, bwd_wy_dqkg=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
                                              min_seq_len=16384, wave_ctas=2))

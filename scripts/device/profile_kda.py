@@ -135,6 +135,7 @@ def profile_training(names: list[str]) -> None:
         ours = ("bwd_intra", "bwd_intra_cumsum", "bwd_wy_dqkg")  # the H200 entry's stages
         for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ours),
                                     ("cula+gate+l2norm", chunk_kda, ours + ("bwd_intra_gate", "bwd_intra_l2norm")),
+                                    ("cula+recompute", chunk_kda, ours + ("bwd_recompute_intra",)),
                                     ("cula+bwd_dhu", chunk_kda, ours + ("bwd_dhu",))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
@@ -144,7 +145,8 @@ def profile_training(names: list[str]) -> None:
                 return fn(**leaves, **rest, **kp.CALL_FLAGS)
 
             # each path with only its own backward stages on cula's kernels, whatever the tuning entry says
-            flags = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_dhu", "bwd_wy_dqkg")
+            flags = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_dhu", "bwd_wy_dqkg",
+                     "bwd_recompute_intra")  # fmt: skip
             with KDA_TUNING.override((9, 0), **{s: s in stages_on for s in flags}):
                 outs = forward()  # autotunes / compiles outside the profile
                 torch.autograd.backward(outs, grads, retain_graph=True)
