@@ -77,19 +77,21 @@ def _kda_chunk(scope: str) -> None:
 
 
 def _gdn_chunk(scope: str) -> None:
-    """``chunk_gated_delta_rule`` inference on cula-sm90 where ``GDN_TUNING``'s entry runs it there: cula's intra
-    kernel with the per-head gate (``scalar_gate``: the log-space gate or the fused softplus one, exact for any
-    gate) in the general path; the state/output and time-parallel kernels are KDA's (above)."""
+    """``chunk_gated_delta_rule`` on cula-sm90 where ``GDN_TUNING``'s entry runs it there: cula's intra kernel with
+    the per-head gate (``scalar_gate``: the log-space gate or the fused softplus one, exact for any gate) in the
+    general path, for inference and (``training_per_head_gate``, writing Akk) training's forward; the state/output
+    and time-parallel kernels are KDA's (above)."""
     from cula.gated_delta_rule.plan import GDN_TUNING
     from cula.ops.kda.sm90 import intra
 
-    if not GDN_TUNING.get((9, 0)).inference_chunk_on_cula:
-        return
+    entry = GDN_TUNING.get((9, 0))
+    akk = [False] * entry.inference_chunk_on_cula + [True] * entry.training_per_head_gate
     d = _dtypes(scope)
-    for dt, g_dt, b_dt, gate, l2, beta_act, varlen in itertools.product(
-        d["io"], d["g"], d["beta"], ("none", "softplus"), _B, intra.BETA_ACTS, _B
+    for dt, g_dt, b_dt, gate, l2, beta_act, varlen, write_akk in itertools.product(
+        d["io"], d["g"], d["beta"], ("none", "softplus"), _B, intra.BETA_ACTS, _B, akk
     ):  # fmt: skip
-        options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True, scalar_gate=True)
+        options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True, scalar_gate=True,
+                                       write_akk=write_akk)  # fmt: skip
         intra.compiled_variant(varlen=varlen, **options)
 
 

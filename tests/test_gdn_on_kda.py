@@ -100,13 +100,17 @@ def test_declines_what_the_kernels_do_not_take(gdn_tuning, pretend_sm90):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_head", [False, True], ids=["repeated-gate", "per-head-forward"])
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate-gva"])
-def test_gdn_training_on_hopper_cuda(fused):
-    """``chunk_gated_delta_rule`` with autograd on the H200, through cula's KDA path, against the float64
-    reference: outputs, final state and every gradient at FLA's tolerances."""
+def test_gdn_training_on_hopper_cuda(fused, per_head, gdn_tuning):
+    """``chunk_gated_delta_rule`` with autograd on the H200, through cula's KDA path (the forward with the gate
+    repeated over K, or on the intra kernel's per-head gate: ``GdnTuning.training_per_head_gate``), against the
+    float64 reference: outputs, final state and every gradient at FLA's tolerances."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    gdn_tuning(training_per_head_gate=per_head)
 
     H, HV = (2, 4) if fused else (2, 2)
     x = _inputs(2, 300, H, HV, 128, fused, dtype=torch.bfloat16, device="cuda")

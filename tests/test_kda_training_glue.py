@@ -211,3 +211,41 @@ def test_disable_recompute_is_said_once(monkeypatch, caplog):
             assert kb._chunk_kda_cula_sm90(**args, disable_recompute=recompute) == "trained"
     said = [r for r in caplog.records if "disable_recompute" in r.getMessage()]
     assert len(said) == 1 and "recomputes" in said[0].getMessage()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])
+def test_per_head_gate_backward_sums_the_repeated_gate(stand_ins, fused):
+    """Gated DeltaNet's gate (``g [B, T, HV]``, ``dt_bias [HV]``) saved by the forward: the backward hands FLA's
+    stages the gate repeated over K, exactly as a call with the repeated gate would, and sums dg and ddt_bias back over
+    K; the other gradients are that call's."""
+    from cula.kda import backends as kb
+    from cula.kda.plan import gate_over_k
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, HV, D = 1, 70, 1, 2, 128
+    x = {n: torch.randn(B, T, h, D, generator=gen).bfloat16() for n, h in (("q", H), ("k", H), ("v", HV))}
+    g, beta = torch.randn(B, T, HV, generator=gen), torch.randn(B, T, HV, generator=gen)
+    A_log, bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+    p = dict(use_gate_in_kernel=fused, allow_neg_eigval=False, use_qk_l2norm_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True, use_graph=False, scale=D**-0.5, state_v_first=False, safe_gate=False,
+             lower_bound=None)  # fmt: skip
+    scores = (torch.randn(B, T, HV, 64, generator=gen).bfloat16(),) * 2
+    do = torch.randn(B, T, HV, D, generator=gen).bfloat16()
+    head = kb._training_backward((x["q"], x["k"], x["v"], g, beta, A_log, bias, None, None, None, *scores), p, do,
+                                 None)  # fmt: skip
+    gk, bias_k = gate_over_k(g, bias, D)
+    chan = kb._training_backward((x["q"], x["k"], x["v"], gk, beta, A_log, bias_k, None, None, None, *scores), p, do,
+                                 None)  # fmt: skip
+    assert stand_ins[0].keys() == stand_ins[1].keys()
+    for name, a in stand_ins[0].items():
+        b = stand_ins[1][name]
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+    for name, a, b in zip(names, head, chan):
+        if name == "dg":
+            b = b.float().sum(-1)
+        elif name == "ddt_bias" and b is not None:
+            b = b.view(HV, D).sum(-1)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-6), name

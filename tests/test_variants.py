@@ -129,16 +129,18 @@ def test_chunk_kda_requests_are_listed(requested, full_list):
 
 
 def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
-    """With the GPU's entry running Gated DeltaNet inference on cula (``GdnTuning.inference_chunk_on_cula``), its
-    per-head-gate intra kernels are listed, and only then."""
+    """With the GPU's entry running Gated DeltaNet inference on cula (``GdnTuning.inference_chunk_on_cula``) and
+    training's forward on the per-head gate (``training_per_head_gate``), its per-head-gate intra kernels are listed,
+    and only then."""
     from cula.gated_delta_rule import chunk_gated_delta_rule
 
     gdn_tuning(inference_chunk_on_cula=False)
     assert not [k for k in variants.planner_variants("full", ops=("gdn.chunk",))]
-    gdn_tuning(inference_chunk_on_cula=True)
+    gdn_tuning(inference_chunk_on_cula=True, training_per_head_gate=True)
     listed = set(variants.planner_variants("full", ops=("gdn.chunk",)))
-    grid = ((BF16, FP16), (FP32, BF16), (BF16, FP32), (False, True), (False, True), ("fixed", "packed"))
-    for io, g_dt, b_dt, fused, l2, form in _sampled(grid, 3):
+    grid = ((BF16, FP16), (FP32, BF16), (BF16, FP32), (False, True), (False, True), ("fixed", "packed"),
+            ("inference", "training"))  # fmt: skip
+    for io, g_dt, b_dt, fused, l2, form, mode in _sampled(grid, 3):
         B, T, H, HV, K = (1, 130, 1, 2, 128) if form == "packed" else (2, 70, 1, 2, 128)
         x = dict(q=_rnd(B, T, H, K, dtype=io), k=_rnd(B, T, H, K, dtype=io), v=_rnd(B, T, HV, K, dtype=io),
                  g=-_rnd(B, T, HV, dtype=g_dt).abs(), beta=_rnd(B, T, HV, dtype=b_dt))  # fmt: skip
@@ -148,10 +150,13 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
         if form == "packed":
             kw["cu_seqlens"] = torch.tensor([0, 50, 130], dtype=torch.int32)
             kw["cu_seqlens_cpu"] = kw["cu_seqlens"]
-        with torch.no_grad():
+        if mode == "training":  # the forward only (training_per_head_gate: the per-head gate, writing Akk)
+            x["q"].requires_grad_()
+        with torch.no_grad() if mode == "inference" else torch.enable_grad():
             chunk_gated_delta_rule(**x, **kw)
     intra = [k for k in requested if k[0] == "kda.intra"]
     assert intra and all(("scalar_gate", True) in k for k in intra)
+    assert any(("write_akk", True) in k for k in intra)
     missing = [cula.cache.key_text(k) for k in intra if k not in listed]
     assert not missing, missing[:3]
 

@@ -6,7 +6,9 @@
   applies it to the scores, exact for any gate. Training runs ``cula.kda.chunk_kda`` with the gate (and the fused
   gate's ``dt_bias``) repeated over the K channels: the same recurrence, trainable on Hopper through KDA's training
   path (FLA 0.6.0's own gated backward refuses the Triton that PyTorch ships there); the gradient of the repeated
-  gate is summed back by autograd. ``chunk_indices`` (FLA's precomputed chunk list) is not needed: cula builds its
+  gate is summed back by autograd. Where ``GdnTuning.training_per_head_gate`` says so, training's forward runs the
+  per-head gate on the intra kernel as inference does and only the backward repeats it
+  (``cula.kda.backends._training_backward``). ``chunk_indices`` (FLA's precomputed chunk list) is not needed: cula builds its
   own.
 - ``cula-sm90`` (``fused_recurrent_gated_delta_rule``): decode calls (fp32 states, up to
   ``GDN_TUNING``'s ``inference_decode_max_tokens`` tokens a sequence, at most 8) on ``kda_decode``'s kernel, the
@@ -60,6 +62,7 @@ def _chunk_cula_sm90(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
     allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, use_gate_in_kernel, A_log, dt_bias, **_,
 ):  # fmt: skip
+    from cula.gated_delta_rule.plan import GDN_TUNING
     from cula.kda import chunk_kda
 
     if not needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
@@ -72,6 +75,19 @@ def _chunk_cula_sm90(
             state_v_first, cu_seqlens, cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
             dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        )  # fmt: skip
+    if GDN_TUNING.for_device(q.device).training_per_head_gate:
+        # the forward's intra kernel takes the per-head gate itself; the backward repeats it over K for FLA's stages
+        # (cula.kda.backends._training_backward)
+        from cula.kda.backends import _chunk_kda_cula_sm90
+
+        return _chunk_kda_cula_sm90(
+            cu_seqlens_cpu=cu_seqlens_cpu, q=q, k=k, v=v, g=g, beta=beta, scale=check_scale(scale, q.shape[-1]),
+            initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=False, lower_bound=None, state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=A_log,
+            dt_bias=dt_bias, chunk_size=64,
         )  # fmt: skip
     gk, bias = gate_over_k(g, dt_bias, q.shape[-1])
     return chunk_kda(

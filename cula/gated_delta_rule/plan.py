@@ -21,6 +21,9 @@ class GdnTuning:
     """Which Gated DeltaNet inference calls run on cula's KDA kernels on one GPU."""
 
     inference_chunk_on_cula: bool = False  # chunk_gated_delta_rule without autograd
+    # training's forward on the intra kernel's per-head-gate variant (exact for any gate; Akk kept for the backward)
+    # instead of KDA's with the gate repeated over K; the backward stays FLA's stages with the gate repeated
+    training_per_head_gate: bool = False
     # fused_recurrent_gated_delta_rule's decode calls of up to this many tokens a sequence (0: none)
     inference_decode_max_tokens: int = 0
 
@@ -28,6 +31,7 @@ class GdnTuning:
 # The H200: bench_gdn_prefill.py measured cula's path (the intra kernel's per-head gate, then KDA's state/output
 # kernel) at 1.2-4.6x FLA's Gated DeltaNet kernels on its quick suite (GVA rows included); bench_gdn_decode.py
 # measured one token a sequence at 1.18-1.48x FLA's (1 and 64 sequences), 4 tokens (MTP) at 0.70x.
+# training_per_head_gate is off until it has run on the H200.
 GDN_TUNING: TuningTable[GdnTuning] = TuningTable(
     "gated_delta_rule",
     {(9, 0): GdnTuning(inference_chunk_on_cula=True, inference_decode_max_tokens=1)},

@@ -173,6 +173,11 @@ def _training_backward(saved, p, do, dht):
     q_raw, k_raw = q, k
     if not fused_gate:
         A_log = dt_bias = None
+    per_head_gate, g_in, bias_in = g.dim() == 3, g, dt_bias
+    if per_head_gate:  # Gated DeltaNet's gate: FLA's stages take it per channel (fp32: dg is summed back below)
+        from cula.kda.plan import gate_over_k
+
+        g_raw, dt_bias = gate_over_k(g_raw.float(), dt_bias, q.shape[-1])
     sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
     # FLA's Triton launches go to the current device (FLA's input_guard sets it the same way)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
@@ -210,7 +215,10 @@ def _training_backward(saved, p, do, dht):
         )  # fmt: skip
         if p["use_beta_sigmoid_in_kernel"]:
             db = fc.fused_beta_sigmoid_bwd(x=beta_raw, dy=db, scale=sig_scale)
-    return dq.to(q), dk.to(k), dv.to(v), dg.to(g_raw), db.to(beta_raw), dA, dbias, dh0
+    if per_head_gate:  # the repeated gate's (and bias's) gradients summed over the K channels
+        dg = dg.float().sum(-1)
+        dbias = None if dbias is None else dbias.float().view(-1, q.shape[-1]).sum(-1).to(bias_in)
+    return dq.to(q), dk.to(k), dv.to(v), dg.to(g_in), db.to(beta_raw), dA, dbias, dh0
 
 
 def _backward_chunks(cu, cu_cpu, T: int, graph: bool):
