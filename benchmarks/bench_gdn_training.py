@@ -10,7 +10,8 @@ fused softplus gate, ``A_log`` / ``dt_bias`` ``[HV]``, beta logits, q / k L2 nor
 step time, the largest relative RMSE of o, the final state and the eight input gradients against FLA's, and
 each step's peak memory.
 
-Usage: ``python benchmarks/bench_gdn_training.py [--quick] [--iters N] [--max-seconds S] [--out DIR]``.
+Usage: ``python benchmarks/bench_gdn_training.py [--quick] [--iters N] [--max-seconds S] [--out DIR]
+[--per-head-gate]``.
 """
 
 from __future__ import annotations
@@ -43,11 +44,15 @@ def fla_dqkwg() -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return bc.arg_parser(
+    p = bc.arg_parser(
         __doc__.splitlines()[0], kt.QUICK, iters=20, warmup=3, max_seconds=0.0,
         max_seconds_help="start no new config after this many seconds (0: no limit); the results say partial",
         host_overhead_help="unused (a training step is GPU-bound at these sizes)",
-    ).parse_args(argv)
+    )
+    p.add_argument("--per-head-gate", action="store_true",
+                   help="cula's forward on the intra kernel's per-head gate (GdnTuning.training_per_head_gate), "
+                        "whatever the tuning entry says; results as gdn_training_per_head_gate")  # fmt: skip
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
@@ -65,16 +70,21 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     import cula  # noqa: F401  (registers cula's FLA backend)
     from cula.gated_delta_rule import chunk_gated_delta_rule as cula_fn
+    from cula.gated_delta_rule.plan import GDN_TUNING
     from cula.kda.plan import KDA_TUNING
 
     cfgs = bc.select_configs(kt.suite, args)
     ceilings = bc.reported_ceilings(NAME)
-    run = bc.run_suite(cfgs, lambda cfg: kt.run_config(cfg, fla_fn, cula_fn, args, gp.GDN),
-                       args.max_seconds or None, time.perf_counter(), name=NAME,
-                       progress=bc.PROGRESS_KEYS + ("backend",), record_wall=False)  # fmt: skip
+    per_head = {"training_per_head_gate": True} if args.per_head_gate else {}
+    with GDN_TUNING.override((9, 0), **per_head):
+        run = bc.run_suite(cfgs, lambda cfg: kt.run_config(cfg, fla_fn, cula_fn, args, gp.GDN),
+                           args.max_seconds or None, time.perf_counter(), name=NAME,
+                           progress=bc.PROGRESS_KEYS + ("backend",), record_wall=False)  # fmt: skip
+        gdn_entry = dataclasses.asdict(GDN_TUNING.get((9, 0)))
     meta: dict[str, Any] = {
         "fla_dqkwg": fla_dqkwg(),
         "cula_tuning": dataclasses.asdict(KDA_TUNING.get((9, 0))),
+        "cula_gdn_tuning": gdn_entry,
         "shape": {"H": kp.H, "HV": kp.HV, "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
                   "gate": "[B, T, HV] scalar", "state": "float32"},  # fmt: skip
         "call_flags": gp.CALL_FLAGS,
@@ -82,7 +92,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         **bc.run_meta(args, ceilings, kt.WARN_TOL, kt.FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
-    paths = bc.write_suite(NAME, args, meta, run.rows, kt.MD_COLUMNS)
+    paths = bc.write_suite(NAME + ("_per_head_gate" if args.per_head_gate else ""), args, meta, run.rows, kt.MD_COLUMNS)
     return meta, run.rows, paths
 
 
