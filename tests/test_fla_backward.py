@@ -324,3 +324,39 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     assert (kw["g_org"] is not None) == fused_gate
     assert seen["prefix_q"][0] is x["q"] and seen["prefix_q"][1] is x["k"]  # raw, not the normalised copies
     assert not torch.equal(kw["q"], x["q"])  # FLA's stages get the normalised q
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["entry", "all-fused"])
+def test_training_step_is_deterministic_gpu(kda_tuning, fused):
+    """The same training step twice (packed, GVA, the fused lower-bound gate, L2 norm, beta sigmoid, states in and
+    out): every gradient bit for bit the same, with the H200 entry's backward stages and with every fused stage on
+    (no atomics in cula's kernels; the gate's partial sums are added in a fixed order)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.kda import chunk_kda
+
+    if fused:
+        kda_tuning(bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True)
+    torch.manual_seed(1)
+    H, HV, D, T = 2, 4, 128, 701
+    cu = torch.tensor([0, 300, 301, 301, 701], dtype=torch.int32, device="cuda")
+    leaves = dict(
+        q=torch.randn(1, T, H, D), k=torch.randn(1, T, H, D), v=torch.randn(1, T, HV, D), g=torch.randn(1, T, HV, D),
+        beta=torch.randn(1, T, HV), initial_state=0.1 * torch.randn(4, HV, D, D), A_log=0.5 * torch.randn(HV),
+        dt_bias=0.5 * torch.randn(HV * D),
+    )  # fmt: skip
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, cu_seqlens=cu,
+              cu_seqlens_cpu=cu.cpu())  # fmt: skip
+    do, dht = torch.randn(1, T, HV, D, device="cuda").bfloat16(), torch.randn(4, HV, D, D, device="cuda")
+    runs = []
+    for _ in range(2):
+        x = {n: (t.cuda().bfloat16() if n in ("q", "k", "v", "g", "beta") else t.cuda()).requires_grad_()
+             for n, t in leaves.items()}  # fmt: skip
+        o, ht = chunk_kda(**x, **kw)
+        torch.autograd.backward((o, ht), (do, dht))
+        runs.append({n: t.grad for n, t in x.items()})
+    for n in leaves:
+        assert not runs[0][n].isnan().any(), n
+        assert torch.equal(runs[0][n], runs[1][n]), f"d{n} differs between two identical steps"
