@@ -26,7 +26,7 @@ LIMIT[long]=100;      FILES[long]="tests/test_gpu_long.py"
 LIMIT[intra]=340;     FILES[intra]="tests/ops/test_kda_intra_kernel.py"
 LIMIT[states]=240;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py"
 # the backward stages on cula's kernels (5, 6, 7) against FLA's and float64, and a training step with each
-LIMIT[backward]=420;  FILES[backward]="tests/ops/test_kda_bwd_dhu_kernel.py tests/ops/test_kda_bwd_wy_dqkg_kernel.py
+LIMIT[backward]=480;  FILES[backward]="tests/ops/test_kda_bwd_dhu_kernel.py tests/ops/test_kda_bwd_wy_dqkg_kernel.py
                                        tests/ops/test_kda_bwd_intra_kernel.py tests/test_fla_backward.py"
 LIMIT[decode]=150;    FILES[decode]="tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/test_gdn_decode.py
                                      tests/ops/test_kda_decode_kernel.py tests/ops/test_lightning_decode_kernel.py"
