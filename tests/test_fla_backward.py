@@ -360,3 +360,42 @@ def test_training_step_is_deterministic_gpu(kda_tuning, fused):
     for n in leaves:
         assert not runs[0][n].isnan().any(), n
         assert torch.equal(runs[0][n], runs[1][n]), f"d{n} differs between two identical steps"
+
+
+@pytest.mark.gpu
+def test_training_at_64k_tokens_matches_fla_gpu(kda_tuning):
+    """One 65,536-token sequence (the fused lower-bound gate at FLA's safe bound, L2 norm, beta sigmoid, states in
+    and out) with every backward stage of cula's on (the entry's and the fused ones): o, the final state and every
+    gradient within FLA's tolerances of FLA 0.6.0's own training step, none NaN."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from cula.kda import chunk_kda
+    from cula.testing import assert_close
+
+    kda_tuning(bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True)
+    torch.manual_seed(2)
+    H, D, T = 2, 128, 65536
+    leaves = dict(
+        q=torch.randn(1, T, H, D), k=torch.randn(1, T, H, D), v=torch.randn(1, T, H, D), g=torch.randn(1, T, H, D),
+        beta=torch.randn(1, T, H), initial_state=0.1 * torch.randn(1, H, D, D), A_log=0.5 * torch.randn(H),
+        dt_bias=0.5 * torch.randn(H * D),
+    )  # fmt: skip
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)  # fmt: skip
+    do, dht = torch.randn(1, T, H, D, device="cuda").bfloat16(), torch.randn(1, H, D, D, device="cuda")
+    out = {}
+    for who, fn in (("cula", chunk_kda), ("fla", fla_chunk_kda)):
+        x = {n: (t.cuda().bfloat16() if n in ("q", "k", "v", "g", "beta") else t.cuda()).requires_grad_()
+             for n, t in leaves.items()}  # fmt: skip
+        o, ht = fn(**x, **kw)
+        torch.autograd.backward((o, ht), (do, dht))
+        out[who] = (o.detach(), ht.detach(), {n: t.grad for n, t in x.items()})
+    (o, ht, grads), (o_f, ht_f, grads_f) = out["cula"], out["fla"]
+    assert_close("o", o_f.float(), o.float(), 5e-3)
+    assert_close("final state", ht_f, ht, 5e-3)
+    for n in leaves:
+        assert not grads[n].isnan().any(), n
+        tol = 2e-2 if n in ("g", "beta", "A_log", "dt_bias") else 8e-3
+        assert_close(f"d{n}", grads_f[n].float(), grads[n].float(), tol)
