@@ -107,6 +107,7 @@ def _kda_intra_forms(d: dict):
 
 
 def _kda_intra_variants(d: dict, **flags) -> None:
+    """The per-channel-gate intra kernel over ``_kda_intra_forms``, fixed and packed, with launch ``flags``."""
     from cula.ops.kda.sm90 import intra
 
     for (dt, g_dt, b_dt, gate, l2, beta_act), varlen in itertools.product(_kda_intra_forms(d), _B):
