@@ -167,6 +167,27 @@ def gdn_chunk_and_decode():
 
 
 @case
+def gdn_training_per_head_gate():
+    # Gated DeltaNet training with the forward on the intra kernel's per-head gate writing Akk
+    # (GdnTuning.training_per_head_gate), packed with empty and one-token sequences, the fused softplus gate
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+    from cula.gated_delta_rule.plan import GDN_TUNING
+
+    cu = torch.tensor([0, 70, 70, 71, 100], dtype=torch.int32, device=DEV)
+    x = [_r(1, 100, 1, 128), _r(1, 100, 1, 128), _r(1, 100, 2, 128), torch.randn(1, 100, 2, device=DEV),
+         torch.randn(1, 100, 2, device=DEV)]  # fmt: skip
+    for t in x:
+        t.requires_grad_(True)
+    with GDN_TUNING.override(training_per_head_gate=True):
+        o, ht = chunk_gated_delta_rule(
+            *x, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, A_log=torch.rand(2, device=DEV), dt_bias=torch.rand(2, device=DEV),
+            cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
+        )  # fmt: skip
+        (o.float().sum() + ht.sum()).backward()
+
+
+@case
 def kda_training_forward():
     # autograd on: the intra kernel's write_akk variant (FLA's Triton backward is not ours to check)
     _kda_chunk(1, [70, 0, 65], 1, 2, grad=True)
