@@ -216,6 +216,33 @@ def test_stage6_launch_matches_flas_wrapper_gpu(args):
         assert vs_fla < (1e-4 if name in ("db", "dg") else 1e-5) and vs_ref < 1e-2, (name, vs_fla, vs_ref)
 
 
+# a chunk_kda training step as the benchmark's calls make it: the fused lower-bound gate at FLA's safe bound, L2 norm,
+# beta sigmoid, states in and out
+_STEP_FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                   use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)  # fmt: skip
+_GRAD_TOL = {"g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2}  # FLA's; 8e-3 for the rest
+
+
+def _step_inputs(B, T, H, HV, N, D=128):
+    """Random leaves (on the CPU, fp32) and output gradients (on the GPU) of a training step."""
+    leaves = dict(
+        q=torch.randn(B, T, H, D), k=torch.randn(B, T, H, D), v=torch.randn(B, T, HV, D), g=torch.randn(B, T, HV, D),
+        beta=torch.randn(B, T, HV), initial_state=0.1 * torch.randn(N, HV, D, D), A_log=0.5 * torch.randn(HV),
+        dt_bias=0.5 * torch.randn(HV * D),
+    )  # fmt: skip
+    return leaves, (torch.randn(B, T, HV, D, device="cuda").bfloat16(), torch.randn(N, HV, D, D, device="cuda"))
+
+
+def _step(fn, leaves, cotangents, **kw):
+    """``fn(**leaves, **kw)`` on the GPU (q, k, v, g, beta in bf16) pulled back along ``cotangents``: ``(o, ht,
+    {leaf: gradient})``."""
+    x = {n: (t.cuda().bfloat16() if n in ("q", "k", "v", "g", "beta") else t.cuda()).requires_grad_()
+         for n, t in leaves.items()}  # fmt: skip
+    o, ht = fn(**x, **kw)
+    torch.autograd.backward((o, ht), cotangents)
+    return o.detach(), ht.detach(), {n: t.grad for n, t in x.items()}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "stage", ["bwd_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_wy_dqkg",
@@ -234,32 +261,19 @@ def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     from cula.testing import assert_close
 
     torch.manual_seed(0)
-    H, D = 2, 128
-    lens = [300, 1, 0, 200] if packed else None
-    B, T = (1, 501) if packed else (2, 300)
-    N = len(lens) if packed else B
-    leaves = dict(
-        q=torch.randn(B, T, H, D), k=torch.randn(B, T, H, D), v=torch.randn(B, T, H, D), g=torch.randn(B, T, H, D),
-        beta=torch.randn(B, T, H), initial_state=0.1 * torch.randn(N, H, D, D), A_log=0.5 * torch.randn(H),
-        dt_bias=0.5 * torch.randn(H * D),
-    )  # fmt: skip
-    low = ("q", "k", "v", "g", "beta")
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)  # fmt: skip
+    B, T, N = (1, 501, 4) if packed else (2, 300, 2)
+    leaves, cotangents = _step_inputs(B, T, 2, 2, N)
+    kw = dict(_STEP_FLAGS)
     if packed:
         cu = torch.tensor([0, 300, 301, 301, 501], dtype=torch.int32, device="cuda")
         kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
-    do, dht = torch.randn(B, T, H, D, device="cuda").bfloat16(), torch.randn(N, H, D, D, device="cuda")
     grads = {}
     for on in (False, True):
         kda_tuning(**{stage: on})
-        x = {n: (t.cuda().bfloat16() if n in low else t.cuda()).requires_grad_() for n, t in leaves.items()}
-        o, ht = chunk_kda(**x, **kw)
-        torch.autograd.backward((o, ht), (do, dht))
-        grads[on] = {n: t.grad for n, t in x.items()}
+        grads[on] = _step(chunk_kda, leaves, cotangents, **kw)[2]
     for n in leaves:
         assert not grads[True][n].isnan().any(), n
-        tol = 2e-2 if n in ("g", "beta", "A_log", "dt_bias") else 8e-3
+        tol = _GRAD_TOL.get(n, 8e-3)
         assert_close(f"d{n}", grads[False][n].float(), grads[True][n].float(), tol)
 
 
@@ -339,24 +353,10 @@ def test_training_step_is_deterministic_gpu(kda_tuning, fused):
     if fused:
         kda_tuning(bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True)
     torch.manual_seed(1)
-    H, HV, D, T = 2, 4, 128, 701
     cu = torch.tensor([0, 300, 301, 301, 701], dtype=torch.int32, device="cuda")
-    leaves = dict(
-        q=torch.randn(1, T, H, D), k=torch.randn(1, T, H, D), v=torch.randn(1, T, HV, D), g=torch.randn(1, T, HV, D),
-        beta=torch.randn(1, T, HV), initial_state=0.1 * torch.randn(4, HV, D, D), A_log=0.5 * torch.randn(HV),
-        dt_bias=0.5 * torch.randn(HV * D),
-    )  # fmt: skip
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, cu_seqlens=cu,
-              cu_seqlens_cpu=cu.cpu())  # fmt: skip
-    do, dht = torch.randn(1, T, HV, D, device="cuda").bfloat16(), torch.randn(4, HV, D, D, device="cuda")
-    runs = []
-    for _ in range(2):
-        x = {n: (t.cuda().bfloat16() if n in ("q", "k", "v", "g", "beta") else t.cuda()).requires_grad_()
-             for n, t in leaves.items()}  # fmt: skip
-        o, ht = chunk_kda(**x, **kw)
-        torch.autograd.backward((o, ht), (do, dht))
-        runs.append({n: t.grad for n, t in x.items()})
+    leaves, cotangents = _step_inputs(1, 701, 2, 4, 4)
+    runs = [_step(chunk_kda, leaves, cotangents, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), **_STEP_FLAGS)[2]
+            for _ in range(2)]  # fmt: skip
     for n in leaves:
         assert not runs[0][n].isnan().any(), n
         assert torch.equal(runs[0][n], runs[1][n]), f"d{n} differs between two identical steps"
@@ -376,26 +376,11 @@ def test_training_at_64k_tokens_matches_fla_gpu(kda_tuning):
 
     kda_tuning(bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True)
     torch.manual_seed(2)
-    H, D, T = 2, 128, 65536
-    leaves = dict(
-        q=torch.randn(1, T, H, D), k=torch.randn(1, T, H, D), v=torch.randn(1, T, H, D), g=torch.randn(1, T, H, D),
-        beta=torch.randn(1, T, H), initial_state=0.1 * torch.randn(1, H, D, D), A_log=0.5 * torch.randn(H),
-        dt_bias=0.5 * torch.randn(H * D),
-    )  # fmt: skip
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0)  # fmt: skip
-    do, dht = torch.randn(1, T, H, D, device="cuda").bfloat16(), torch.randn(1, H, D, D, device="cuda")
-    out = {}
-    for who, fn in (("cula", chunk_kda), ("fla", fla_chunk_kda)):
-        x = {n: (t.cuda().bfloat16() if n in ("q", "k", "v", "g", "beta") else t.cuda()).requires_grad_()
-             for n, t in leaves.items()}  # fmt: skip
-        o, ht = fn(**x, **kw)
-        torch.autograd.backward((o, ht), (do, dht))
-        out[who] = (o.detach(), ht.detach(), {n: t.grad for n, t in x.items()})
-    (o, ht, grads), (o_f, ht_f, grads_f) = out["cula"], out["fla"]
+    leaves, cotangents = _step_inputs(1, 65536, 2, 2, 1)
+    o, ht, grads = _step(chunk_kda, leaves, cotangents, **_STEP_FLAGS)
+    o_f, ht_f, grads_f = _step(fla_chunk_kda, leaves, cotangents, **_STEP_FLAGS)
     assert_close("o", o_f.float(), o.float(), 5e-3)
     assert_close("final state", ht_f, ht, 5e-3)
     for n in leaves:
         assert not grads[n].isnan().any(), n
-        tol = 2e-2 if n in ("g", "beta", "A_log", "dt_bias") else 8e-3
-        assert_close(f"d{n}", grads_f[n].float(), grads[n].float(), tol)
+        assert_close(f"d{n}", grads_f[n].float(), grads[n].float(), _GRAD_TOL.get(n, 8e-3))
