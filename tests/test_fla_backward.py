@@ -239,8 +239,11 @@ def _step(fn, leaves, cotangents, **kw):
     x = {n: (t.cuda().bfloat16() if n in ("q", "k", "v", "g", "beta") else t.cuda()).requires_grad_()
          for n, t in leaves.items()}  # fmt: skip
     o, ht = fn(**x, **kw)
-    torch.autograd.backward((o, ht), cotangents)
-    return o.detach(), ht.detach(), {n: t.grad for n, t in x.items()}
+    if ht is None:  # no final state: o's gradient alone
+        torch.autograd.backward(o, cotangents[0])
+    else:
+        torch.autograd.backward((o, ht), cotangents)
+    return o.detach(), None if ht is None else ht.detach(), {n: t.grad for n, t in x.items()}
 
 
 @pytest.mark.gpu
@@ -381,6 +384,33 @@ def test_training_at_64k_tokens_matches_fla_gpu(kda_tuning):
     o_f, ht_f, grads_f = _step(fla_chunk_kda, leaves, cotangents, **_STEP_FLAGS)
     assert_close("o", o_f.float(), o.float(), 5e-3)
     assert_close("final state", ht_f, ht, 5e-3)
+    for n in leaves:
+        assert not grads[n].isnan().any(), n
+        assert_close(f"d{n}", grads_f[n].float(), grads[n].float(), _GRAD_TOL.get(n, 8e-3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+def test_training_int64_bounds_no_final_state_matches_fla_gpu(kda_tuning, state_v_first):
+    """A packed training step with int64 cu_seqlens (empty, one-token and partial sequences), GVA, no final state
+    (so no final-state gradient), both state layouts, every cula backward stage on: every gradient within FLA's
+    tolerances of FLA 0.6.0's own step, none NaN."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from cula.kda import chunk_kda
+    from cula.testing import assert_close
+
+    kda_tuning(bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True)
+    torch.manual_seed(3)
+    cu = torch.tensor([0, 0, 1, 130, 330], dtype=torch.int64, device="cuda")
+    leaves, (do, _) = _step_inputs(1, 330, 2, 4, 4)
+    kw = dict(_STEP_FLAGS, output_final_state=False, state_v_first=state_v_first, cu_seqlens=cu,
+              cu_seqlens_cpu=cu.cpu())  # fmt: skip
+    o, _, grads = _step(chunk_kda, leaves, (do, None), **kw)
+    o_f, _, grads_f = _step(fla_chunk_kda, leaves, (do, None), **kw)
+    assert_close("o", o_f.float(), o.float(), 5e-3)
     for n in leaves:
         assert not grads[n].isnan().any(), n
         assert_close(f"d{n}", grads_f[n].float(), grads[n].float(), _GRAD_TOL.get(n, 8e-3))
