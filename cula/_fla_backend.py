@@ -279,7 +279,8 @@ def backend_class(base: type) -> type:
             )
 
         def chunk_kda_bwd_wy_dqkg_fused(self, *args, **kwargs):
-            return _wy_dqkg(*args, **kwargs)  # cula's kernel or FLA's Triton kernel at our launch: nothing dispatches back
+            # cula's kernel or FLA's Triton kernel at our launch: nothing dispatches back
+            return _wy_dqkg(*args, **kwargs)
 
         def chunk_bwd_dqkwg_verifier(self, *args, **kwargs):
             return _verdict("fla.ops.common.chunk_bwd_dqkwg", _dqkwg_decision, args, kwargs, guarded=False)

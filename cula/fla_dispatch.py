@@ -7,8 +7,9 @@ FLA dispatches that cula's kernels speed up:
   ``cula-sm90`` backend, inference and training (FLA dispatches before its autograd Function, so a training call
   gets cula's forward kernels and cula's backward, ``_ChunkKDATraining``);
 - ``fused_recurrent_kda_fwd`` (FLA's ``'kda'`` registry): the state-pool decode step that ``kda_decode`` runs;
-- ``chunk_kda_bwd_wy_dqkg_fused`` (``'kda'``): the stage of FLA's backward that ``cula.kda.fla_backward`` launches
-  at a faster configuration, for the training calls FLA's own path keeps (context parallel, say);
+- ``chunk_kda_bwd_wy_dqkg_fused`` (``'kda'``): the stage of FLA's backward that ``cula.kda.fla_backward`` runs on
+  cula's kernel (or FLA's at a faster configuration), for the training calls FLA's own path keeps (context
+  parallel, say);
 - ``chunk_bwd_dqkwg`` (``'common'``), the gated calls only, where FLA's Triton kernel refuses them (Hopper with
   Triton 3.4.0 to 3.7.0, FLA issue #640) and TileLang is not installed: ``cula.common.chunk_o`` runs them, so the
   backwards of FLA's Gated DeltaNet, Simple GLA with a data-dependent ``g``, Comba and their kin complete on Hopper.
