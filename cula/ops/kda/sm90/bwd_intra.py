@@ -114,7 +114,9 @@ def chunk_kda_bwd_intra_sm90(
         t.contiguous() for t in (q, k, g, beta, dAqk, dAkk, dq, dk, db, dg)
     )  # fmt: skip
     fused = _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg)
-    dq2, dk2, dg2, db2 = torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db)
+    # with the L2 norm's backward the kernel writes dq only in q's dtype (dq_n below): dq stands in for its fp32 output
+    dq2 = torch.empty_like(dq) if qk_rstd is None else dq
+    dk2, dg2, db2 = torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db)
     varlen = cu_seqlens is not None
     cu32, ci, num_chunks, num_seqs = per_chunk_grid(B, T, cu_seqlens, chunk_indices, q.device)
     # the outputs of the fused stages: dq / dk in q's dtype, dg_raw and the per-chunk partial sums of the gate's
