@@ -563,23 +563,26 @@ def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options="", reverse_c
     def tok(dt, heads, d):
         return make_fake_tensor(dt, (tt, heads, d), (cute.sym_int64(divisibility=d), d, 1), assumed_align=16)
 
-    def per_head(dt, heads=hv):
-        return make_fake_tensor(dt, (tt, heads), (cute.sym_int64(), 1), assumed_align=dt.width // 8)
+    def per_head(dt, heads=hv, rows=tt):
+        return make_fake_tensor(dt, (rows, heads), (cute.sym_int64(), 1), assumed_align=dt.width // 8)
 
     def flat(dt):
         return make_fake_compact_tensor(dt, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
 
-    rows = cute.sym_int32()
+    # the norms' rstd and each of the gate's partial sums have rows of their own: an output that is off is a
+    # stand-in of another size (a (1, H) rstd, a per-token view of a scratch output)
+    rstd_rows = cute.sym_int32()
     args = (
         tok(dtype, h, DK), tok(dtype, h, DK), tok(Float32, hv, DK), per_head(beta_dtype),
         tok(Float32, hv, BT), tok(Float32, hv, BT),
         tok(Float32, hv, DK), tok(Float32, hv, DK), tok(Float32, hv, DK), per_head(Float32),
         tok(Float32, hv, DK), tok(Float32, hv, DK), tok(Float32, hv, DK), per_head(Float32),
         flat(Int32), make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
-        per_head(Float32, h), per_head(Float32, h), tok(dtype, h, DK), tok(dtype, h, DK),
+        per_head(Float32, h, rstd_rows), per_head(Float32, h, rstd_rows), tok(dtype, h, DK), tok(dtype, h, DK),
         tok(g_raw_dtype, hv, DK), flat(Float32), flat(Float32), tok(g_raw_dtype, hv, DK),
-        make_fake_tensor(Float32, (rows, hv), (cute.sym_int64(), 1), assumed_align=4),
-        make_fake_tensor(Float32, (rows, hv, DK), (cute.sym_int64(divisibility=DK), DK, 1), assumed_align=16),
+        make_fake_tensor(Float32, (cute.sym_int32(), hv), (cute.sym_int64(), 1), assumed_align=4),
+        make_fake_tensor(Float32, (cute.sym_int32(), hv, DK), (cute.sym_int64(divisibility=DK), DK, 1),
+                         assumed_align=16),
         Float32(0.0), Int32(1), Int32(1), Int32(1),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip
