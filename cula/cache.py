@@ -53,6 +53,8 @@ PREBUILT_DIR = _PACKAGE / "_prebuilt"
 MANIFEST_NAME = "manifest.json"
 # ``key_text`` of every variant compiled, loaded or looked up while recording (see ``recording``)
 _recorder: dict[tuple, Callable[[], Any]] | None = None
+# while recording with a launch callback: called with each launch of a recorded stub as ``(key, args)``
+_on_launch: Callable[[tuple, tuple], None] | None = None
 
 
 class VariantUnavailableError(RuntimeError):
@@ -85,7 +87,7 @@ def compiled_kernel(key: tuple, build: Callable[[], Any]) -> Any:
     if _recorder is not None:
         with _LOCK:
             _recorder.setdefault(key, build)
-        return _recorded_stub
+        return functools.partial(_recorded_stub, key)
     fn = _CACHE.get(key)
     if fn is not None:
         return fn
@@ -100,22 +102,26 @@ def compiled_kernel(key: tuple, build: Callable[[], Any]) -> Any:
     return fn
 
 
-def _recorded_stub(*args, **kwargs) -> None:
-    """What a launcher gets while recording: a kernel that does nothing."""
+def _recorded_stub(key: tuple, *args, **kwargs) -> None:
+    """What a launcher gets while recording: a kernel that does nothing (and notes its arguments when asked to)."""
+    if _on_launch is not None:
+        _on_launch(key, args)
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[dict[tuple, Callable[[], Any]]]:
+def recording(on_launch: Callable[[tuple, tuple], None] | None = None) -> Iterator[dict[tuple, Callable[[], Any]]]:
     """Within the block, ``compiled_kernel`` compiles and loads nothing: it records each key with its build
     function and hands back a no-op kernel. ``cula.variants`` drives the launchers this way to list the variants
-    they select."""
-    global _recorder
+    they select. With ``on_launch``, each call of such a kernel calls ``on_launch(key, args)``, for checking the
+    arguments against the variant's compiled signature (``cula.testing.check_launch``) without a GPU."""
+    global _recorder, _on_launch
     with _LOCK:
         outer, _recorder = _recorder, {}
+        outer_launch, _on_launch = _on_launch, on_launch
         try:
             yield _recorder
         finally:
-            _recorder = outer
+            _recorder, _on_launch = outer, outer_launch
 
 
 def _obtain(key: tuple, build: Callable[[], Any]) -> tuple[Any, str]:

@@ -107,3 +107,93 @@ def find_nvdisasm() -> str | None:
                 if hits:
                     return hits[0]
     return None
+
+
+def fake_arguments(build) -> tuple:
+    """The fake arguments a variant's build function (``cula.cache.compiled_kernel``'s ``build``) traces its kernel
+    against, without tracing or compiling: ``cute.compile`` is intercepted for the call."""
+    import cutlass.cute as cute
+
+    seen: list[tuple] = []
+
+    def intercept(kernel, *args, **kwargs):
+        seen.append(args)
+
+    real = cute.compile
+    cute.compile = intercept
+    try:
+        build()
+    finally:
+        cute.compile = real
+    if len(seen) != 1:
+        raise AssertionError(f"the build function called cute.compile {len(seen)} times, expected once")
+    return seen[0]
+
+
+def check_launch(fake: tuple, args: tuple, name: str = "kernel") -> None:
+    """Fail unless ``args`` (a host's launch arguments: torch tensors and Python scalars, the stream left to the
+    environment) satisfy the compiled signature ``fake`` (``fake_arguments``) as TVM-FFI checks it at the call,
+    and the contracts it leaves to the kernel: dtype, rank, every static size and stride, one value per size or
+    stride symbol across all arguments, symbols' divisibility, 32-bit symbols and ``Int32`` scalars in range, the
+    assumed alignment of each tensor's data. Runs on the CPU: a host whose stand-in for an unused input has the
+    wrong shape fails here instead of at its first launch on a GPU."""
+    from cutlass.base_dsl.typing import Float, Integer, Numeric
+    from cutlass.cute.typing import SymInt
+
+    from cula.ops._host import TORCH_TO_DSL, dsl_name
+
+    names = {**TORCH_TO_DSL, torch.int32: "Int32", torch.int64: "Int64", torch.uint8: "Uint8", torch.int8: "Int8",
+             torch.bool: "Boolean"}  # fmt: skip
+    fake = tuple(f for f in fake if type(f).__name__ != "_FakeStream")
+    if len(fake) != len(args):
+        raise AssertionError(f"{name}: {len(args)} arguments launched, the signature has {len(fake)}")
+    bound: dict[int, tuple[int, str]] = {}
+
+    def value(sym_or_int, real: int, where: str) -> None:
+        if isinstance(sym_or_int, int):
+            if real != sym_or_int:
+                raise AssertionError(f"{name}: {where} is {real}, the signature fixes {sym_or_int}")
+            return
+        if not isinstance(sym_or_int, SymInt):
+            raise AssertionError(f"{name}: {where}: unexpected signature entry {sym_or_int!r}")
+        div = sym_or_int.divisibility or 1
+        if real % div:
+            raise AssertionError(f"{name}: {where} is {real}, not a multiple of {div}")
+        if sym_or_int.width == 32 and not -(2**31) <= real < 2**31:
+            raise AssertionError(f"{name}: {where} is {real}, past a 32-bit symbol's range")
+        first = bound.setdefault(id(sym_or_int), (real, where))
+        if first[0] != real:
+            raise AssertionError(f"{name}: {where} is {real}, but {first[1]} is {first[0]} (the same symbol)")
+
+    for i, (f, a) in enumerate(zip(fake, args)):
+        if f is None or a is None:  # an absent optional input: None in the signature and at the call
+            if f is not a:
+                raise AssertionError(f"{name}: argument #{i} is {type(a).__name__}, the signature has "
+                                     f"{type(f).__name__}")  # fmt: skip
+            continue
+        if isinstance(f, Numeric):
+            if isinstance(a, torch.Tensor) or not isinstance(a, (int, float)):
+                raise AssertionError(f"{name}: argument #{i} must be a Python number ({type(f).__name__}), got "
+                                     f"{type(a).__name__}")  # fmt: skip
+            if isinstance(f, Integer):
+                if not isinstance(a, int):
+                    raise AssertionError(f"{name}: argument #{i} must be an int ({type(f).__name__}), got {a!r}")
+                if f.width == 32 and not -(2**31) <= a < 2**31:
+                    raise AssertionError(f"{name}: argument #{i} is {a}, past Int32's range")
+            elif not isinstance(f, Float):
+                raise AssertionError(f"{name}: argument #{i}: unexpected signature entry {f!r}")
+            continue
+        if not isinstance(a, torch.Tensor):
+            raise AssertionError(f"{name}: argument #{i} must be a tensor, got {type(a).__name__}")
+        if names.get(a.dtype) != dsl_name(f.element_type):
+            raise AssertionError(f"{name}: argument #{i} is {a.dtype}, the signature takes {dsl_name(f.element_type)}")
+        if a.dim() != len(f.shape):
+            raise AssertionError(f"{name}: argument #{i} has rank {a.dim()} {tuple(a.shape)}, the signature "
+                                 f"{len(f.shape)}")  # fmt: skip
+        for d, s in enumerate(f.shape):
+            value(s, a.shape[d], f"argument #{i} shape[{d}]")
+        for d, st in enumerate(f.stride):
+            value(st, a.stride(d), f"argument #{i} stride[{d}]")
+        align = getattr(f, "_assumed_align", None) or 1
+        if a.numel() and a.data_ptr() % align:
+            raise AssertionError(f"{name}: argument #{i}'s data is not {align}-byte aligned")

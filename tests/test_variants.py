@@ -1,7 +1,8 @@
 """The variant list (``cula.variants``) against what the public entry points actually ask for, on the CPU.
 
 Every call below runs on the cula-sm90 backends (``pretend_sm90``) with ``cula.cache.recording`` on: each compiled
-kernel a launcher asks for is recorded and stands in as a no-op, so nothing is compiled or launched. Whatever the
+kernel a launcher asks for is recorded and stands in as a no-op, so nothing is compiled or launched; each launch's
+arguments are then checked against its variant's compiled signature (``cula.testing.check_launch``). Whatever the
 planners request, through any path (the plan of a repeated call, the general path, training, packed sequences, the
 time-segmented launch, decode at T = 1 and multi-token, GVA), must be in ``planner_variants("full")``; the wheel
 scope must be part of the full one; and every variant listed (chunk, decode, Lightning) must be reachable.
@@ -61,9 +62,24 @@ def requested(monkeypatch, pretend_sm90):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cula.backends.clear_plan_caches()
-    with cula.cache.recording() as seen:
+    with cula.cache.recording(_check_launch) as seen:
         yield seen
     cula.backends.clear_plan_caches()
+
+
+_FAKES: dict = {}
+
+
+def _check_launch(key: tuple, args: tuple) -> None:
+    """A launch against its variant's compiled signature (``cula.testing.check_launch``), so a host's arguments
+    that TVM-FFI would refuse on the GPU (a stand-in of the wrong shape, a symbol bound to two sizes) fail on the
+    CPU."""
+    from cula.testing import check_launch, fake_arguments
+
+    fake = _FAKES.get(key)
+    if fake is None:
+        fake = _FAKES[key] = fake_arguments(cula.cache._recorder[key])
+    check_launch(fake, args, cula.cache.key_text(key))
 
 
 def _rnd(*shape, dtype=BF16, requires_grad=False):
