@@ -169,7 +169,7 @@ def test_backward_hands_fla_what_fla_saves(stand_ins, case):
                  "safe_gate"):  # fmt: skip
         args.setdefault(name, False)
     args.setdefault("lower_bound", None)
-    our_grads = backward(*kb._chunk_kda_cula_sm90(**args), x_ours)
+    our_grads = backward(*kb.chunk_kda_cula_sm90(**args), x_ours)
 
     assert len(stand_ins) == 2
     fla_call, our_call = stand_ins
@@ -208,7 +208,7 @@ def test_disable_recompute_is_said_once(monkeypatch, caplog):
                 state_v_first=False, cu_seqlens=None, chunk_size=64)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="cula"), torch.enable_grad():
         for recompute in (False, True, True):
-            assert kb._chunk_kda_cula_sm90(**args, disable_recompute=recompute) == "trained"
+            assert kb.chunk_kda_cula_sm90(**args, disable_recompute=recompute) == "trained"
     said = [r for r in caplog.records if "disable_recompute" in r.getMessage()]
     assert len(said) == 1 and "recomputes" in said[0].getMessage()
 

@@ -79,9 +79,9 @@ def _chunk_cula_sm90(
     if GDN_TUNING.for_device(q.device).training_per_head_gate:
         # the forward's intra kernel takes the per-head gate itself; the backward repeats it over K for FLA's stages
         # (cula.kda.backends._training_backward)
-        from cula.kda.backends import _chunk_kda_cula_sm90
+        from cula.kda.backends import chunk_kda_cula_sm90
 
-        return _chunk_kda_cula_sm90(
+        return chunk_kda_cula_sm90(
             cu_seqlens_cpu=cu_seqlens_cpu, q=q, k=k, v=v, g=g, beta=beta, scale=check_scale(scale, q.shape[-1]),
             initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,

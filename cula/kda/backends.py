@@ -256,7 +256,10 @@ _said_recompute: list[bool] = []  # disable_recompute's note, logged once a proc
     supports=_cula_chunk_supports,
     prepare=_prepare_chunk_kda_cula_sm90,
 )
-def _chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
+def chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
+    """The cula-sm90 backend of ``chunk_kda`` on validated dispatch arguments: inference on ``chunk_kda_fwd_sm90``,
+    training through ``_ChunkKDATraining``. Gated DeltaNet's training path runs it directly (its per-head gate is
+    one the intra kernel takes)."""
     from cula.kda.forward import chunk_kda_fwd_sm90
 
     # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel where it runs, see cula.kda.forward)

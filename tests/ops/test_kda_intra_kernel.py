@@ -284,7 +284,7 @@ def test_chunk_fwd_takes_a_per_head_gate(monkeypatch):
 
 def test_backend_passes_preprocessing_flags(monkeypatch):
     """The cula-sm90 backend leaves q/k/beta alone and hands the three flags to chunk_kda_fwd_sm90."""
-    from cula.kda.backends import _chunk_kda_cula_sm90
+    from cula.kda.backends import chunk_kda_cula_sm90
     from cula.kda import forward as CF
 
     seen = {}
@@ -295,7 +295,7 @@ def test_backend_passes_preprocessing_flags(monkeypatch):
 
     monkeypatch.setattr(CF, "chunk_kda_fwd_sm90", fake)
     q, beta = torch.randn(1, 4, 1, 128), torch.randn(1, 4, 1)
-    _chunk_kda_cula_sm90(
+    chunk_kda_cula_sm90(
         q=q, k=q, v=q, g=q, beta=beta, scale=0.1, initial_state=None, output_final_state=False,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         allow_neg_eigval=True, safe_gate=True, lower_bound=-5.0, state_v_first=True, cu_seqlens=None,
