@@ -7,7 +7,7 @@
 #   device run, carry [".device"], timeout 600:  bash scripts/device/run.sh bash scripts/device/validate.sh STEP...
 #     api long reference                [~5.5 + ~1 + ~0.5 min]
 #     intra states                      [~3.5 + ~1.5 min]
-#     backward                          [~6.5 min: the backward stages' kernels, a training step per stage flag, steps vs float64]
+#     backward                          [~6.5 min: the stage kernels, a step per stage flag, steps vs float64]
 #     decode lightning split            [~2 + ~0.5 + ~4.5 min]
 #     bench rest                        [~1 + ~4.5 min]
 #     fla                               [not yet timed: FLA's Gated DeltaNet / Simple GLA training autotunes]
