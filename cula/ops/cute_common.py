@@ -73,6 +73,14 @@ def round_tf32(x: Float32) -> Float32:
 
 
 @cute.jit
+def split_tf32(x: Float32):
+    """x as ``hi + lo``, both tf32 values (``hi`` rounded, its low 13 bits cleared; ``lo`` the remainder rounded):
+    the three tf32 products ``hi hi' + hi lo' + lo hi'`` carry about fp32's precision (3xTF32)."""
+    hi = ((x.bitcast(Int32) + Int32(0x1000)) & Int32(-0x2000)).bitcast(Float32)
+    return hi, round_tf32(x - hi)
+
+
+@cute.jit
 def chunk_rows(varlen: bool, mCu: cute.Tensor, mCi: cute.Tensor, bx, bz, seqlen, BT: int):
     """``(tok0, valid)`` of the chunk a per-chunk CTA works on: its first token in the flattened ``[T_total]`` axis
     and its number of rows inside the sequence (<= 0 for a padding row of a device-built chunk list). Packed

@@ -76,12 +76,34 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    FIRST_NAMED_BARRIER, chunk_rows, cp_async_token_rows, load_token_scalars, n_tile_accumulators, round_tf32, vec_at,
+    FIRST_NAMED_BARRIER, chunk_rows, cp_async_token_rows, load_token_scalars, n_tile_accumulators, round_tf32,
+    split_tf32, vec_at,
 )  # fmt: skip
 
 __all__ = ["ChunkKDABwdIntraSm90"]
 
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the gate factors (see the module docstring)
+
+
+@cute.jit
+def _tf32_operand(frags, i, x: Float32):
+    """Element ``i`` of an MMA operand: ``x`` rounded to tf32 (one fragment), or its 3xTF32 ``hi`` and ``lo``
+    parts (two fragments)."""
+    if const_expr(len(frags) == 1):
+        frags[0][i] = round_tf32(x).to(TFloat32)
+    else:
+        hi, lo = split_tf32(x)
+        frags[0][i] = hi.to(TFloat32)
+        frags[1][i] = lo.to(TFloat32)
+
+
+@cute.jit
+def _tf32_gemm(tiled, acc, fa, fb):
+    """``acc += a b`` from the operands' fragments: one tf32 product, or 3xTF32's three (small terms first)."""
+    if const_expr(len(fa) == 2):
+        cute.gemm(tiled, acc, fa[1], fb[0], acc)
+        cute.gemm(tiled, acc, fa[0], fb[1], acc)
+    cute.gemm(tiled, acc, fa[0], fb[0], acc)
 
 
 class Barrier(enum.IntEnum):
@@ -271,41 +293,9 @@ class ChunkKDABwdIntraSm90:
         g_, c = lane // 4, lane % 4
         ch0 = half * 64
         acc_q, acc_l = n_tile_accumulators(tiled, 8), n_tile_accumulators(tiled, 8)
-        fq = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
-        fl = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
-        for j in cutlass.range(sub + 1, unroll=1):
-            off_diag = j != sub
-            for ks in cutlass.range_constexpr(2):
-                s0 = 16 * j + 8 * ks
-                # A: (row g + 8 hh, k slot c | c + 4) <- token s0 + 2 c | s0 + 2 c + 1 (the contraction order is
-                # free; the B operand below uses the same one), masked to s <= t on the diagonal block
-                for hh in cutlass.range_constexpr(2):
-                    t_loc = g_ + 8 * hh
-                    two_q = cute.make_rmem_tensor(2, Float32)
-                    two_l = cute.make_rmem_tensor(2, Float32)
-                    cute.autovec_copy(vec_at(sAq, (16 * sub + t_loc, s0 + 2 * c), 2, 2), two_q)
-                    cute.autovec_copy(vec_at(sAk, (16 * sub + t_loc, s0 + 2 * c), 2, 2), two_l)
-                    for v in cutlass.range_constexpr(2):
-                        keep = off_diag | (8 * ks + 2 * c + v <= t_loc)
-                        fq[hh + 2 * v] = round_tf32(
-                            Float32(cutlass.select_(keep, two_q[v], Float32(0.0)))
-                        ).to(TFloat32)
-                        fl[hh + 2 * v] = round_tf32(
-                            Float32(cutlass.select_(keep, two_l[v], Float32(0.0)))
-                        ).to(TFloat32)
-                # B, one n-tile at a time: (k slot c + 4 v <- token s0 + 2 c + v, column 8 nt + g) =
-                # k exp2(g_a - g_s)
-                for nt in cutlass.range_constexpr(8):
-                    ch = ch0 + 8 * nt + g_
-                    fb = cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32)
-                    for v in cutlass.range_constexpr(2):
-                        s = s0 + 2 * c + v
-                        f = cute.math.exp2(
-                            cute.arch.fmin(sG[anchor, ch] - sG[s, ch], _ANCHOR_CLAMP), fastmath=True
-                        )
-                        fb[v] = round_tf32(sK[s, ch].to(Float32) * f).to(TFloat32)
-                    cute.gemm(tiled, acc_q[nt], fq, fb, acc_q[nt])
-                    cute.gemm(tiled, acc_l[nt], fl, fb, acc_l[nt])
+        for j in cutlass.range(sub, unroll=1):
+            self._row_block(tiled, acc_q, acc_l, sAq, sAk, sK, sG, 16 * j, sub, ch0, anchor, lane, False)
+        self._row_block(tiled, acc_q, acc_l, sAq, sAk, sK, sG, 16 * sub, sub, ch0, anchor, lane, True)
 
         # epilogue: n-tile nt's accumulator holds (row g + 8 hh, column 8 nt + 2 c + v) at index v + 2 hh. The
         # gradient inputs of all eight n-tiles are loaded before the first output is stored: the compiler cannot
@@ -359,47 +349,89 @@ class ChunkKDABwdIntraSm90:
                 self._l2norm_rows(dq_fin, sQ, sDot, mQRstd, mDqN, 0, tok0, t, h, valid, sub, half, lane)
 
     @cute.jit
+    def _row_block(self, tiled, acc_q, acc_l, sAq, sAk, sK, sG, s_blk, sub, ch0, anchor, lane,
+                   diag: cutlass.Constexpr[bool]):
+        """Phase R's products of key block ``s_blk`` .. +15 into ``acc_q`` (dq_intra) and ``acc_l`` (row); the
+        diagonal block (``diag``) masked to s <= t and in 3xTF32 (see the module docstring)."""
+        g_, c = lane // 4, lane % 4
+        parts = 2 if diag else 1
+        fq = [cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32) for _ in range(parts)]
+        fl = [cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32) for _ in range(parts)]
+        for ks in cutlass.range_constexpr(2):
+            s0 = s_blk + 8 * ks
+            # A: (row g + 8 hh, k slot c | c + 4) <- token s0 + 2 c | s0 + 2 c + 1 (the contraction order is free;
+            # the B operand below uses the same one)
+            for hh in cutlass.range_constexpr(2):
+                t_loc = g_ + 8 * hh
+                two_q = cute.make_rmem_tensor(2, Float32)
+                two_l = cute.make_rmem_tensor(2, Float32)
+                cute.autovec_copy(vec_at(sAq, (16 * sub + t_loc, s0 + 2 * c), 2, 2), two_q)
+                cute.autovec_copy(vec_at(sAk, (16 * sub + t_loc, s0 + 2 * c), 2, 2), two_l)
+                for v in cutlass.range_constexpr(2):
+                    xq, xl = two_q[v], two_l[v]
+                    if const_expr(diag):
+                        keep = 8 * ks + 2 * c + v <= t_loc
+                        xq = Float32(cutlass.select_(keep, xq, Float32(0.0)))
+                        xl = Float32(cutlass.select_(keep, xl, Float32(0.0)))
+                    _tf32_operand(fq, hh + 2 * v, xq)
+                    _tf32_operand(fl, hh + 2 * v, xl)
+            # B, one n-tile at a time: (k slot c + 4 v <- token s0 + 2 c + v, column 8 nt + g) = k exp2(g_a - g_s)
+            for nt in cutlass.range_constexpr(8):
+                ch = ch0 + 8 * nt + g_
+                fb = [cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32) for _ in range(parts)]
+                for v in cutlass.range_constexpr(2):
+                    s = s0 + 2 * c + v
+                    f = cute.math.exp2(cute.arch.fmin(sG[anchor, ch] - sG[s, ch], _ANCHOR_CLAMP), fastmath=True)
+                    _tf32_operand(fb, v, sK[s, ch].to(Float32) * f)
+                _tf32_gemm(tiled, acc_q[nt], fq, fb)
+                _tf32_gemm(tiled, acc_l[nt], fl, fb)
+
+    @cute.jit
     def _column_products(self, tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, valid, sub, half, anchor, lane):
         """Phase C's products for output rows 16 sub .. +15 and channels 64 half .. +63 (the rows and channels of
         phase R) into ``acc``."""
-        g_, c = lane // 4, lane % 4
         ch0 = half * 64
-        fp = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
-        fc = cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32)
-        for i in cutlass.range(sub, (valid + 15) // 16, unroll=1):
-            off_diag = i != sub
-            for ks in cutlass.range_constexpr(2):
-                t0 = 16 * i + 8 * ks
-                # A: (output row s = g + 8 hh, k slot c + 4 v <- query token t0 + 2 c + v) = dA[t, s], transposed,
-                # masked to t >= s on the diagonal block
-                for hh in cutlass.range_constexpr(2):
-                    s_loc = g_ + 8 * hh
-                    for v in cutlass.range_constexpr(2):
-                        t = t0 + 2 * c + v
-                        keep = off_diag | (8 * ks + 2 * c + v >= s_loc)
-                        xp = sAq[t, 16 * sub + s_loc]
-                        xc = sAk[t, 16 * sub + s_loc]
-                        fp[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, xp, Float32(0.0)))).to(
-                            TFloat32
-                        )
-                        fc[hh + 2 * v] = round_tf32(Float32(cutlass.select_(keep, xc, Float32(0.0)))).to(
-                            TFloat32
-                        )
-                # B, one n-tile at a time: q_t exp2(g_t - g_a) and beta_t k_t exp2(g_t - g_a)
-                bts = (sBeta[t0 + 2 * c], sBeta[t0 + 2 * c + 1])
-                for nt in cutlass.range_constexpr(8):
-                    ch = ch0 + 8 * nt + g_
-                    fbq = cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32)
-                    fbk = cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32)
-                    for v in cutlass.range_constexpr(2):
-                        t = t0 + 2 * c + v
-                        f = cute.math.exp2(
-                            cute.arch.fmin(sG[t, ch] - sG[anchor, ch], _ANCHOR_CLAMP), fastmath=True
-                        )
-                        fbq[v] = round_tf32(sQ[t, ch].to(Float32) * f).to(TFloat32)
-                        fbk[v] = round_tf32(sK[t, ch].to(Float32) * (bts[v] * f)).to(TFloat32)
-                    cute.gemm(tiled, acc[nt], fp, fbq, acc[nt])
-                    cute.gemm(tiled, acc[nt], fc, fbk, acc[nt])
+        self._column_block(tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, 16 * sub, sub, ch0, anchor, lane, True)
+        for i in cutlass.range(sub + 1, (valid + 15) // 16, unroll=1):
+            self._column_block(tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, 16 * i, sub, ch0, anchor, lane, False)
+
+    @cute.jit
+    def _column_block(self, tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, t_blk, sub, ch0, anchor, lane,
+                   diag: cutlass.Constexpr[bool]):
+        """Phase C's products of query block ``t_blk`` .. +15 into ``acc``; the diagonal block (``diag``) masked to
+        t >= s and in 3xTF32."""
+        g_, c = lane // 4, lane % 4
+        parts = 2 if diag else 1
+        fp = [cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32) for _ in range(parts)]
+        fc = [cute.make_rmem_tensor(tiled.partition_shape_A((16, 8)), TFloat32) for _ in range(parts)]
+        for ks in cutlass.range_constexpr(2):
+            t0 = t_blk + 8 * ks
+            # A: (output row s = g + 8 hh, k slot c + 4 v <- query token t0 + 2 c + v) = dA[t, s], transposed
+            for hh in cutlass.range_constexpr(2):
+                s_loc = g_ + 8 * hh
+                for v in cutlass.range_constexpr(2):
+                    t = t0 + 2 * c + v
+                    xp = sAq[t, 16 * sub + s_loc]
+                    xc = sAk[t, 16 * sub + s_loc]
+                    if const_expr(diag):
+                        keep = 8 * ks + 2 * c + v >= s_loc
+                        xp = Float32(cutlass.select_(keep, xp, Float32(0.0)))
+                        xc = Float32(cutlass.select_(keep, xc, Float32(0.0)))
+                    _tf32_operand(fp, hh + 2 * v, xp)
+                    _tf32_operand(fc, hh + 2 * v, xc)
+            # B, one n-tile at a time: q_t exp2(g_t - g_a) and beta_t k_t exp2(g_t - g_a)
+            bts = (sBeta[t0 + 2 * c], sBeta[t0 + 2 * c + 1])
+            for nt in cutlass.range_constexpr(8):
+                ch = ch0 + 8 * nt + g_
+                fbq = [cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32) for _ in range(parts)]
+                fbk = [cute.make_rmem_tensor(tiled.partition_shape_B((8, 8)), TFloat32) for _ in range(parts)]
+                for v in cutlass.range_constexpr(2):
+                    t = t0 + 2 * c + v
+                    f = cute.math.exp2(cute.arch.fmin(sG[t, ch] - sG[anchor, ch], _ANCHOR_CLAMP), fastmath=True)
+                    _tf32_operand(fbq, v, sQ[t, ch].to(Float32) * f)
+                    _tf32_operand(fbk, v, sK[t, ch].to(Float32) * (bts[v] * f))
+                _tf32_gemm(tiled, acc[nt], fp, fbq)
+                _tf32_gemm(tiled, acc[nt], fc, fbk)
 
     @cute.jit
     def _column_epilogue(self, acc, sK, sG, sDot, mDk2, mDg2, mKRstd, mDkN, sDG, tok0, h, hv, valid, sub, half,
