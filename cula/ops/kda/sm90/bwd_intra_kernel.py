@@ -20,7 +20,10 @@ output sub-chunk j are ``exp2(g_a - g_s) * sum_t dA[t, s] (x_t exp2(g_t - g_a))`
 i >= j, with a the anchor of the output sub-chunk. Exponents are clamped at 100 (base 2) as in the forward intra
 kernel, with the same exactness condition (no 8-step window of one channel decays by more than 2^100; the
 training path takes this kernel only where the forward's intra kernel ran, which requires it). The products run as
-tf32 ``mma.sync`` (m16n8k8, fp32 accumulation) with operands rounded to nearest, as FLA's tf32 dots.
+tf32 ``mma.sync`` (m16n8k8, fp32 accumulation) with operands rounded to nearest, as FLA's tf32 dots; the diagonal
+blocks (i = j) as 3xTF32 (each operand split into tf32 ``hi + lo``, three products), as FLA's bf16x3 there: dg's
+``q dq_intra`` and ``k col`` terms cancel pairwise in the reverse cumsum over the chunk, and tf32's rounding of the
+largest of them, near the diagonal, added up over a chunk's rows (a training step's ddt_bias was 6% off).
 
 Layout (256 threads, 8 warps, one CTA per (chunk, value head), 104 KB of shared memory: two CTAs per SM):
 
