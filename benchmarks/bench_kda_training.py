@@ -18,7 +18,9 @@ measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cul
 the backward, the backward's workspace, the gradients).
 
 Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu] [--bwd-wy-dqkg]
-[--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]] [--bwd-recompute-intra]``.
+[--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]] [--bwd-recompute-intra]
+[--also NAME=FLAG[,FLAG...] ...]``: ``--also`` times cula's side again with more stages on, in the same process
+(FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``.
 """
 
 from __future__ import annotations
@@ -121,48 +123,86 @@ def step_peak_mib(step: Callable[[], Any]) -> float | None:
 def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
                work: kp.Workload = kp.KDA) -> dict[str, Any]:  # fmt: skip
     """Check one step of each, then time both; returns the result row. ``work``: the inputs, flags and backend
-    registry (KDA's; ``bench_gdn_training`` passes Gated DeltaNet's)."""
+    registry (KDA's; ``bench_gdn_training`` passes Gated DeltaNet's). With ``--also``, cula's side again under each
+    named set of extra backward stages (FLA timed once): the row's ``also`` holds their fields, and ``<name>_ms`` /
+    ``<name>_speedup`` their headline."""
     shared = work.make_shared(cfg)
     grads = output_grads(cfg)
     sets = bc.rotation_sets(cfg, work.make_set, kp.input_set_bytes(cfg, work.gate_k), args.l2)
     errors: dict[str, str] = {}
     record = bc.error_recorder(errors, cfg.name)
 
-    fla_out = make_step(fla_fn, fresh(sets[0]), fresh(shared), grads, work.flags)()
-    backend, per_output = "unknown", {}
-    try:
-        step = make_step(cula_fn, fresh(sets[0]), fresh(shared), grads, work.flags)
-        cula_out, backend = bc.call_recording_backend(step, work.registry)
-        torch.cuda.synchronize()
-        err, status = check(fla_out, cula_out)
-        per_output = output_errors(fla_out, cula_out) if status != "FAIL" else {}
-        del cula_out
-    except Exception as exc:  # noqa: BLE001  (a raising cula call is a FAIL row, not a dead suite)
-        record("cula check", exc)
-        err, status = float("nan"), "FAIL"
-    del fla_out
-    bc.warn_check(cfg.name, err, status)
-
     def maker(fn):
         return lambda s: make_step(fn, s, shared, grads, work.flags)
 
-    fla_t, cula_t = bc.time_pair(maker(fla_fn), maker(cula_fn) if status != "FAIL" else None, sets, args, record)
-    fla_ms, cula_ms = bc.median_ms(fla_t), bc.median_ms(cula_t)
+    fla_out = maker(fla_fn)(fresh(sets[0]))()
+    fla_t, _ = bc.time_pair(maker(fla_fn), None, sets, args, record)
+    fla_ms = bc.median_ms(fla_t)
     # after the timings, so that neither side's first call (compilation, FLA's autotuning) is in its peak
     fla_peak = step_peak_mib(maker(fla_fn)(fresh(sets[0])))
-    cula_peak = step_peak_mib(maker(cula_fn)(fresh(sets[0]))) if status != "FAIL" else None
+
+    def cula_side(label: str, fla_out: tuple) -> dict[str, Any]:
+        backend, per_output = "unknown", {}
+        try:
+            cula_out, backend = bc.call_recording_backend(maker(cula_fn)(fresh(sets[0])), work.registry)
+            torch.cuda.synchronize()
+            err, status = check(fla_out, cula_out)
+            per_output = output_errors(fla_out, cula_out) if status != "FAIL" else {}
+            del cula_out
+        except Exception as exc:  # noqa: BLE001  (a raising cula call is a FAIL row, not a dead suite)
+            record(f"{label} check", exc)
+            err, status = float("nan"), "FAIL"
+        bc.warn_check(f"{cfg.name} {label}", err, status)
+        _, cula_t = bc.time_pair(None, maker(cula_fn) if status != "FAIL" else None, sets, args, record)
+        cula_ms = bc.median_ms(cula_t)
+        return {
+            "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms), "max_rel_err": err, "rel_err": per_output,
+            "check": status, "backend": backend, **bc.spread_fields(None, cula_t),
+            "cula_peak_mib": step_peak_mib(maker(cula_fn)(fresh(sets[0]))) if status != "FAIL" else None,
+        }  # fmt: skip
+
+    main = cula_side("cula", fla_out)
+    also = {}
+    for name, stages in getattr(args, "also", None) or ():
+        with _stages_on(stages):
+            also[name] = {"stages": list(stages), **cula_side(name, fla_out)}
+    del fla_out
     row = {
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
-        "fla_ms": fla_ms, "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms),
-        "max_rel_err": err, "rel_err": per_output, "check": status, "backend": backend,
-        **bc.spread_fields(fla_t, cula_t), "fla_peak_mib": fla_peak, "cula_peak_mib": cula_peak,
-        "rotation_sets": len(sets),
+        "fla_ms": fla_ms, **main, **bc.spread_fields(fla_t, None), "cula_p10_ms": main["cula_p10_ms"],
+        "cula_p90_ms": main["cula_p90_ms"], "fla_peak_mib": fla_peak, "rotation_sets": len(sets),
     }  # fmt: skip
+    if also:
+        row["also"] = also
+        for name, part in also.items():
+            row[f"{name}_ms"], row[f"{name}_speedup"] = part["cula_ms"], part["speedup"]
     if errors:
         row["errors"] = errors
     if cfg.mode == "varlen":
         row["seq_lens"] = list(cfg.lens)
     return row
+
+
+def _stages_on(stages):
+    """The H200's tuning entry with these backward stages (``KdaTuning`` flag names) on for the block."""
+    from cula.kda.plan import KDA_TUNING
+
+    return KDA_TUNING.override((9, 0), **dict.fromkeys(stages, True)) if stages else contextlib.nullcontext()
+
+
+_STAGE_FLAGS = ("bwd_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
+                "bwd_recompute_intra")  # fmt: skip
+
+
+def _also(text: str) -> tuple[str, tuple[str, ...]]:
+    """``--also NAME=FLAG[,FLAG...]`` (``KdaTuning`` flag names, on top of the run's stages)."""
+    name, _, flags = text.partition("=")
+    stages = tuple(f.strip() for f in flags.split(",") if f.strip())
+    bad = [f for f in stages if f not in _STAGE_FLAGS]
+    if not name.isidentifier() or not stages or bad:
+        raise argparse.ArgumentTypeError(f"--also wants NAME=FLAG[,FLAG...] with flags among {_STAGE_FLAGS}, "
+                                         f"got {text!r}")  # fmt: skip
+    return name, stages
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,6 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bwd-intra", action="store_true",
                    help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
                         "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dhu_bwd_intra)")
+    p.add_argument("--also", type=_also, action="append", default=[], metavar="NAME=FLAG[,FLAG...]",
+                   help="time cula's side again with these backward stages on too (KdaTuning flag names), FLA timed "
+                        "once: columns NAME_ms and NAME_speedup; repeatable")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -209,11 +252,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
-    flags = ("bwd_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
-             "bwd_recompute_intra")  # fmt: skip
-    stages = [s for s in flags if getattr(args, s)]
-    tuning = KDA_TUNING.override((9, 0), **dict.fromkeys(stages, True)) if stages else contextlib.nullcontext()
-    with tuning:
+    stages = [s for s in _STAGE_FLAGS if getattr(args, s)]
+    with _stages_on(stages):
         run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),
                         args.max_seconds or None, time.perf_counter(), progress=bc.PROGRESS_KEYS + ("backend",),
                         record_wall=False)  # fmt: skip
@@ -231,7 +271,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
-    paths = bc.write_suite(NAME + "".join("_" + s for s in stages), args, meta, rows, MD_COLUMNS)
+    extra = [f"{name}_{col}" for name, _ in args.also for col in ("ms", "speedup")]
+    paths = bc.write_suite(NAME + "".join("_" + s for s in stages) + "".join("_also_" + n for n, _ in args.also),
+                           args, meta, rows, MD_COLUMNS + tuple(extra))  # fmt: skip
     return meta, rows, paths
 
 

@@ -154,6 +154,30 @@ def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
     assert raised["check"] == "FAIL" and "cula check" in raised["errors"] and raised["fla_ms"] > 0
 
 
+def test_training_also_times_more_stage_sets(cpu_bench, monkeypatch):
+    """``--also NAME=FLAGS``: cula's side again under the named stages (the tuning entry changed for that call only),
+    FLA timed once; bad flag names are refused by the parser."""
+    from cula.kda.plan import KDA_TUNING
+
+    for name, value in (("H", 2), ("HV", 2), ("K", 8), ("V", 8)):
+        monkeypatch.setattr(kp, name, value)
+    seen = []
+
+    def cula_step(**kw):
+        seen.append(KDA_TUNING.get((9, 0)).bwd_intra_gate)
+        return _fake_training_step(**kw)
+
+    args = kt.parse_args(["--iters", "2", "--warmup", "1", "--also", "gate=bwd_intra_gate"])
+    assert args.also == [("gate", ("bwd_intra_gate",))]
+    row = kt.run_config(kp.Config("fixed", 1, 16, (16,)), _fake_training_step, cula_step, args)
+    assert row["also"]["gate"]["check"] == "ok" and row["also"]["gate"]["stages"] == ["bwd_intra_gate"]
+    assert row["gate_ms"] > 0 and row["gate_speedup"] > 0 and row["cula_ms"] > 0
+    assert False in seen and True in seen and not KDA_TUNING.get((9, 0)).bwd_intra_gate
+    for bad in ("gate", "gate=bwd_nothing", "1x=bwd_intra_gate"):
+        with pytest.raises(SystemExit):
+            kt.parse_args(["--also", bad])
+
+
 def test_gdn_training_steps_on_the_reference(cpu_bench, monkeypatch):
     """bench_gdn_training's rows on the CPU with cula's Gated DeltaNet (its reference here) on both sides: the
     inputs, flags and eight leaves make a valid training step; the suite and CLI are the KDA training ones."""
