@@ -10,7 +10,7 @@
 #     backward                          [~6.5 min: the stage kernels, a step per stage flag, steps vs float64]
 #     decode lightning split            [~2 + ~0.5 + ~4.5 min]
 #     bench rest                        [~1 + ~4.5 min]
-#     fla                               [not yet timed: FLA's Gated DeltaNet / Simple GLA training autotunes]
+#     fla matrix                        [not yet timed: FLA's Gated DeltaNet / Simple GLA training autotunes]
 # No STEP: all of them in that order (five calls' worth). `--list`: each step's limit and files and the calls,
 # nothing run (tests/test_validate_script.py checks them on the CPU).
 # Logs land in $OUT (one file per step); FLA's autotune results are restored and saved by run.sh.
@@ -18,8 +18,8 @@ set -u
 cd "$(dirname "$0")/../.."
 S=$(date +%s)
 
-STEPS=(api long intra states backward decode lightning reference split bench fla rest)
-CALLS=("api long reference" "intra states" "backward" "decode lightning split" "bench rest" "fla")
+STEPS=(api long intra states backward decode lightning reference split bench fla matrix rest)
+CALLS=("api long reference" "intra states" "backward" "decode lightning split" "bench rest" "fla matrix")
 declare -A LIMIT FILES
 LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.py"
 LIMIT[long]=100;      FILES[long]="tests/test_gpu_long.py"
@@ -39,6 +39,8 @@ LIMIT[split]=330;     FILES[split]="tests/ops/test_kda_segment_summary_kernel.py
 LIMIT[bench]=300;     FILES[bench]="tests/test_bench_scripts.py tests/test_bench_common.py"
 # FLA's own training backwards with cula's gated chunk_bwd_dqkwg (FLA autotunes its Triton stages on first calls)
 LIMIT[fla]=400;       FILES[fla]="tests/test_common_chunk_o.py"
+# cula's training step on the inputs FLA's own KDA tests draw (positive keys), against FLA and float64
+LIMIT[matrix]=180;    FILES[matrix]="tests/test_fla_matrix.py"
 LIMIT[rest]=280
 named=" $(echo ${FILES[*]}) "
 FILES[rest]=$(find tests -name 'test_*.py' | sort | while read -r f; do [[ "$named" == *" $f "* ]] || echo "$f"; done)
