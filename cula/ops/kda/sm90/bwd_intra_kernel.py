@@ -57,7 +57,8 @@ Fused neighbours (static options), so that their reads and writes of dq / dk / d
   sigmoid) into g_raw's dtype, and leaves the chunk's partial sums of ddt_bias (per channel) and dA_log
   (``sum dg_raw (g_raw + dt_bias)``) in per-(chunk, value head) rows that the host sums in a fixed order.
 
-Row unit i costs i + 1 key blocks, column unit i costs 4 - i: every warp does five block products.
+Row unit i costs i + 1 key blocks, column unit i costs 4 - i: every warp does five block products, the two diagonal
+ones as three tf32 products each (nine in all).
 Shared rows are padded (q / k 136 bf16, g 132 floats, score gradients 68 floats) so that the B-operand builds
 (8 channels x 4 tokens a quarter warp) and the transposed A reads are free of bank conflicts.
 
