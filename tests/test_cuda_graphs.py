@@ -72,6 +72,22 @@ def test_device_chunk_indices_match_the_host_ones(lens, cu_dtype):
     assert device_chunk_indices(cu, len(exact)).tolist() == exact  # sized to the exact count: no padding
 
 
+def test_int64_boundaries_as_int32_are_remembered_by_value():
+    """int64 boundaries reach the kernels as an int32 copy made once per boundary list (no cast kernel a call);
+    int32 ones as themselves; a buffer rewritten in place gets the new values."""
+    from cula.kda.forward import host_chunk_indices, host_cu32
+
+    cu = make_cu_seqlens([70, 0, 130], dtype=torch.int64)
+    first = host_cu32(cu, cu)
+    assert first.dtype == torch.int32 and first.tolist() == [0, 70, 70, 200]
+    assert host_cu32(cu.clone(), None) is first
+    assert host_chunk_indices(cu, cu).tolist() == _host_rows([70, 0, 130])  # a key of its own beside the copy
+    cu32 = cu.to(torch.int32)
+    assert host_cu32(cu32, cu32) is cu32
+    cu[1:] = torch.tensor([5, 200, 200])
+    assert host_cu32(cu, cu).tolist() == [0, 5, 200, 200]
+
+
 def test_host_chunk_indices_are_remembered_by_value():
     """A packed batch's chunk indices are built once for its boundaries (every layer and the backward reuse them),
     and a boundary buffer rewritten in place gets the new boundaries' rows, never the remembered ones."""

@@ -97,8 +97,6 @@ def chunk_kda_fwd_sm90(
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None;
         ``(o, final_state, Aqk, Akk)`` with ``keep_scores``.
     """
-    from cula.ops.kda.sm90 import intra
-
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
     B, T, H, K = q.shape
@@ -135,7 +133,9 @@ def chunk_kda_fwd_sm90(
         # in place between calls (an engine's static input) would get the previous boundaries' chunks
         chunk_indices = host_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size)
     cu32 = None
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and chunk_indices is not None and not (use_graph or capturing(cu_seqlens)):
+        cu32 = host_cu32(cu_seqlens, cu_seqlens_cpu)
+    elif cu_seqlens is not None:
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     scalar_gate = g.dim() == 3
     cute_intra = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound, scalar_gate)
@@ -475,7 +475,7 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
     from call to call (``cula.kda.chunk`` checks the boundaries' values every time), the chunk indices are built
     from ``cu_seqlens_cpu`` (on the device from ``cu_seqlens`` while a CUDA graph captures, see
     ``device_chunk_indices``), and both kernels run from one host call."""
-    from cula.ops.kda.sm90 import fwd_launch, intra
+    from cula.ops.kda.sm90 import fwd_launch
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu, **_):
         T = q.shape[1]
@@ -488,10 +488,11 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
                 final_state.zero_()
             return o, final_state
         a_log, bias = gate_args(A_log, dt_bias)
-        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
         if capturing(cu_seqlens):
+            cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
             chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, cu_seqlens.numel() - 1))
         else:
+            cu32 = host_cu32(cu_seqlens, cu_seqlens_cpu)
             chunk_indices = host_chunk_indices(cu_seqlens, cu_seqlens_cpu)
         work = torch.empty(T * HV, fwd_launch.WORK_COLS, dtype=dt, device=dev)
         fn(
@@ -512,15 +513,38 @@ def host_chunk_indices(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | 
     buffers in place), and by the current stream, on which the copy to the device was queued."""
     from cula.ops.kda.sm90 import intra
 
+    def make(host):
+        return intra.prepare_chunk_indices_i32(cu_seqlens, chunk_size, host)
+
+    return _per_boundaries(chunk_size, cu_seqlens, cu_seqlens_cpu, make)
+
+
+def host_cu32(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
+    """The boundaries as the int32 tensor the kernels read: ``cu_seqlens`` itself when int32, else an int32 copy
+    made from the host boundaries and remembered as ``host_chunk_indices`` remembers its rows (an int64 list
+    would otherwise cost a cast kernel, with its launch and allocation, on every packed call)."""
+    if cu_seqlens.dtype == torch.int32:
+        return cu_seqlens
+    pin = cu_seqlens.is_cuda  # queued like a kernel, as the chunk indices are (intra.prepare_chunk_indices_i32)
+    return _per_boundaries(
+        "int32", cu_seqlens, cu_seqlens_cpu,
+        lambda host: torch.tensor(host.tolist(), dtype=torch.int32, pin_memory=pin).to(cu_seqlens.device,
+                                                                                      non_blocking=True),
+    )  # fmt: skip
+
+
+def _per_boundaries(what, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, make) -> torch.Tensor:
+    """``make(host boundaries)``, remembered for the last ``CHUNK_INDICES_KEPT`` (``what``, boundary list, device,
+    stream) keys (see ``host_chunk_indices``)."""
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
     dev = cu_seqlens.device
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    key = (tuple(host.tolist()), chunk_size, dev, stream)
+    key = (tuple(host.tolist()), what, dev, stream)
     rows = _CHUNK_INDICES.get(key)
     if rows is not None:
         _CHUNK_INDICES.move_to_end(key)
         return rows
-    rows = _CHUNK_INDICES[key] = intra.prepare_chunk_indices_i32(cu_seqlens, chunk_size, host)
+    rows = _CHUNK_INDICES[key] = make(host)
     if len(_CHUNK_INDICES) > CHUNK_INDICES_KEPT:
         _CHUNK_INDICES.popitem(last=False)
     return rows
