@@ -73,19 +73,23 @@ def test_device_chunk_indices_match_the_host_ones(lens, cu_dtype):
 
 
 def test_int64_boundaries_as_int32_are_remembered_by_value():
-    """int64 boundaries reach the kernels as an int32 copy made once per boundary list (no cast kernel a call);
+    """int64 boundaries reach the kernels as an int32 copy made once per boundary list (no cast kernel a call),
     int32 ones as themselves; a buffer rewritten in place gets the new values."""
-    from cula.kda.forward import host_chunk_indices, host_cu32
+    from cula.kda.forward import host_boundaries
 
     cu = make_cu_seqlens([70, 0, 130], dtype=torch.int64)
-    first = host_cu32(cu, cu)
+    first, rows = host_boundaries(cu, cu)
     assert first.dtype == torch.int32 and first.tolist() == [0, 70, 70, 200]
-    assert host_cu32(cu.clone(), None) is first
-    assert host_chunk_indices(cu, cu).tolist() == _host_rows([70, 0, 130])  # a key of its own beside the copy
+    assert rows.tolist() == _host_rows([70, 0, 130])
+    assert host_boundaries(cu.clone(), None)[0] is first
     cu32 = cu.to(torch.int32)
-    assert host_cu32(cu32, cu32) is cu32
+    assert host_boundaries(cu32, cu32)[0] is cu32 and host_boundaries(cu32, cu32)[1] is rows
+    other = make_cu_seqlens([3, 4])  # int32 first, then the same values as int64: the copy is made then
+    assert host_boundaries(other, other)[0] is other
+    wide = other.long()
+    assert host_boundaries(wide, wide)[0].dtype == torch.int32 and host_boundaries(wide, wide)[0].tolist() == [0, 3, 7]
     cu[1:] = torch.tensor([5, 200, 200])
-    assert host_cu32(cu, cu).tolist() == [0, 5, 200, 200]
+    assert host_boundaries(cu, cu)[0].tolist() == [0, 5, 200, 200]
 
 
 def test_host_chunk_indices_are_remembered_by_value():

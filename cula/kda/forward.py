@@ -125,18 +125,14 @@ def chunk_kda_fwd_sm90(
             return o, final_state, q.new_empty(B, 0, HV, 64), q.new_empty(B, 0, HV, 64)
         return o, final_state
 
-    chunk_indices = None
+    chunk_indices = cu32 = None
     if cu_seqlens is not None and (use_graph or capturing(cu_seqlens)):
         chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, N))
+        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     elif cu_seqlens is not None:
         # not FLA's prepare_chunk_indices: it memoises on the tensors' identity, so a cu_seqlens buffer rewritten
         # in place between calls (an engine's static input) would get the previous boundaries' chunks
-        chunk_indices = host_chunk_indices(cu_seqlens, cu_seqlens_cpu, chunk_size)
-    cu32 = None
-    if cu_seqlens is not None and chunk_indices is not None and not (use_graph or capturing(cu_seqlens)):
-        cu32 = host_cu32(cu_seqlens, cu_seqlens_cpu)
-    elif cu_seqlens is not None:
-        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        cu32, chunk_indices = host_boundaries(cu_seqlens, cu_seqlens_cpu, chunk_size)
     scalar_gate = g.dim() == 3
     cute_intra = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound, scalar_gate)
     if scalar_gate and not cute_intra:  # FLA's stages take the gate (and its bias) per channel
@@ -492,8 +488,7 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
             cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
             chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, cu_seqlens.numel() - 1))
         else:
-            cu32 = host_cu32(cu_seqlens, cu_seqlens_cpu)
-            chunk_indices = host_chunk_indices(cu_seqlens, cu_seqlens_cpu)
+            cu32, chunk_indices = host_boundaries(cu_seqlens, cu_seqlens_cpu)
         work = torch.empty(T * HV, fwd_launch.WORK_COLS, dtype=dt, device=dev)
         fn(
             q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
@@ -505,52 +500,44 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
 
 
 def host_chunk_indices(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, chunk_size: int = 64):
-    """``prepare_chunk_indices_i32``'s rows on ``cu_seqlens``' device, remembered for the last 32 boundary lists:
-    every layer of a model gets the same packed batch, and the backward the forward's, so only a batch's first
-    call builds them and copies them up. Read only: the same boundaries' tensor is handed out again.
+    """``prepare_chunk_indices_i32``'s rows on ``cu_seqlens``' device (``host_boundaries``' second half)."""
+    return host_boundaries(cu_seqlens, cu_seqlens_cpu, chunk_size)[1]
+
+
+def host_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None,
+                    chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(cu32, chunk indices)`` of packed boundaries, as the kernels read them: the boundaries as int32 (``cu_seqlens``
+    itself when int32, else an int32 copy made from the host boundaries: an int64 list would otherwise cost a cast
+    kernel, with its launch and allocation, on every call) and ``prepare_chunk_indices_i32``'s rows, on
+    ``cu_seqlens``' device, remembered for the last 32 boundary lists: every layer of a model gets the same packed
+    batch, and the backward the forward's, so only a batch's first call builds them and copies them up. Read only:
+    the same tensors are handed out again.
 
     Keyed by the boundaries' values, never by the tensors' identity (an engine rewrites its static boundary
-    buffers in place), and by the current stream, on which the copy to the device was queued."""
+    buffers in place), and by the current stream, on which the copies to the device were queued."""
     from cula.ops.kda.sm90 import intra
 
-    def make(host):
-        return intra.prepare_chunk_indices_i32(cu_seqlens, chunk_size, host)
-
-    return _per_boundaries(chunk_size, cu_seqlens, cu_seqlens_cpu, make)
-
-
-def host_cu32(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None) -> torch.Tensor:
-    """The boundaries as the int32 tensor the kernels read: ``cu_seqlens`` itself when int32, else an int32 copy
-    made from the host boundaries and remembered as ``host_chunk_indices`` remembers its rows (an int64 list
-    would otherwise cost a cast kernel, with its launch and allocation, on every packed call)."""
-    if cu_seqlens.dtype == torch.int32:
-        return cu_seqlens
-    pin = cu_seqlens.is_cuda  # queued like a kernel, as the chunk indices are (intra.prepare_chunk_indices_i32)
-    return _per_boundaries(
-        "int32", cu_seqlens, cu_seqlens_cpu,
-        lambda host: torch.tensor(host.tolist(), dtype=torch.int32, pin_memory=pin).to(cu_seqlens.device,
-                                                                                      non_blocking=True),
-    )  # fmt: skip
-
-
-def _per_boundaries(what, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, make) -> torch.Tensor:
-    """``make(host boundaries)``, remembered for the last ``CHUNK_INDICES_KEPT`` (``what``, boundary list, device,
-    stream) keys (see ``host_chunk_indices``)."""
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
     dev = cu_seqlens.device
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    key = (tuple(host.tolist()), what, dev, stream)
-    rows = _CHUNK_INDICES.get(key)
-    if rows is not None:
+    key = (tuple(host.tolist()), chunk_size, dev, stream)
+    made = _CHUNK_INDICES.get(key)
+    if made is None:
+        made = _CHUNK_INDICES[key] = (None, intra.prepare_chunk_indices_i32(cu_seqlens, chunk_size, host))
+        if len(_CHUNK_INDICES) > CHUNK_INDICES_KEPT:
+            _CHUNK_INDICES.popitem(last=False)
+    else:
         _CHUNK_INDICES.move_to_end(key)
-        return rows
-    rows = _CHUNK_INDICES[key] = make(host)
-    if len(_CHUNK_INDICES) > CHUNK_INDICES_KEPT:
-        _CHUNK_INDICES.popitem(last=False)
-    return rows
+    # int32 boundaries are read from the caller's tensor itself (an engine's static buffer, which it keeps alive)
+    if cu_seqlens.dtype == torch.int32:
+        return cu_seqlens, made[1]
+    if made[0] is None:  # queued like a kernel, as the chunk indices are
+        cu32 = torch.tensor(key[0], dtype=torch.int32, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        made = _CHUNK_INDICES[key] = (cu32, made[1])
+    return made
 
 
-_CHUNK_INDICES: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+_CHUNK_INDICES: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 CHUNK_INDICES_KEPT = 32
 
 
