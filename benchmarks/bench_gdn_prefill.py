@@ -96,8 +96,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
                            args.max_seconds or None, t_start, name=NAME,
                            progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)  # fmt: skip
     meta: dict[str, Any] = {
-        "shape": {"H": f"{kp.H} (GVA rows: 16)", "HV": f"{kp.HV} (GVA rows: per row)", "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
-                  "gate": "[B, T, HV] scalar", "state": "float32"},  # fmt: skip
+        "shape": {"H": f"{kp.H} (GVA rows: 16)", "HV": f"{kp.HV} (GVA rows: per row)", "K": kp.K, "V": kp.V,
+                  "chunk": kp.CHUNK, "dtype": "bfloat16", "gate": "[B, T, HV] scalar", "state": "float32"},  # fmt: skip
         "call_flags": CALL_FLAGS,
         "anchors_ms": ANCHORS,
         **bc.run_meta(args, ceilings, kp.WARN_TOL, kp.FAIL_TOL),

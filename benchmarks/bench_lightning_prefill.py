@@ -39,10 +39,11 @@ writes what it has (``meta["partial"]`` then lists the skipped configs).
 ``--time-parallel``: a separate suite (result ``lightning_prefill_time_parallel``) of few-head long sequences, where
 the serial kernel leaves most SMs idle, timing cula's serial path against ``cula.lightning.time_parallel`` at each
 segment length of ``common.TIME_SPLIT_SEGMENTS``, eager and CUDA-graph replay side by side in every row (the other
-options as above; ``--cuda-graph`` is ignored there). The configs are ``common.time_split_suite``'s (H = HV of 4, 8
-and 16, B = 1 up to T = 1M, B = 2 at 64K, and the ragged pack 64K + 5 x 1K); decay from FLA's schedule for H heads. Each row checks every split against the serial output (relative
-RMSE, same gates) and gives per segment length ``split_ms`` / ``split_graph_ms`` (``segments`` in the JSON) and the
-best one. These are the numbers ``cula.lightning.plan.LightningTuning.time_split`` is set from.
+options as above; ``--cuda-graph`` is ignored there). The configs are ``common.time_split_suite``'s (H = HV of 4, 8 and
+16, B = 1 up to T = 1M, B = 2 at 64K, and the ragged pack 64K + 5 x 1K); decay from FLA's schedule for H heads. Each row
+checks every split against the serial output (relative RMSE, same gates) and gives per segment length ``split_ms`` /
+``split_graph_ms`` (``segments`` in the JSON) and the best one. These are the numbers
+``cula.lightning.plan.LightningTuning.time_split`` is set from.
 
 Usage: ``python benchmarks/bench_lightning_prefill.py [--quick] [--iters N] [--max-seconds S] [--out DIR]
 [--time-parallel]``.

@@ -3,8 +3,8 @@
 A prebuilt wheel is checked against this list (``scripts/build_wheel.py`` compiles it, ``tests/test_variants.py``
 drives the public entry points over a grid of calls and checks that every variant they ask ``cula.cache`` for is
 listed here). The list is made by calling the launchers' own selection code (``kda_decode_launcher``,
-``cula.lightning.plan.launch_key``, the chunk kernels' ``compiled_variant``) under ``cula.cache.recording``, over the whole
-domain of the arguments their backends accept; only the chunk forward's choice between its launch forms
+``cula.lightning.plan.launch_key``, the chunk kernels' ``compiled_variant``) under ``cula.cache.recording``, over
+the whole domain of the arguments their backends accept; only the chunk forward's choice between its launch forms
 (``cula.kda.forward``'s plan, general and time-segmented paths) is restated here, and the test keeps it honest.
 
 ``scope``: ``"full"`` is everything selectable; ``"wheel"`` the part a prebuilt wheel ships (``WHEEL_DTYPES``:
@@ -219,7 +219,8 @@ def _smoke() -> None:
         fwd_launch.compiled_variant(options, state, varlen=varlen)
     intra.compiled_variant(
         varlen=False,
-        **intra.kernel_options(_BF16, _FP32, _BF16, "lower_bound", True, "sigmoid", g_cum_last_only=True, write_akk=True),
+        **intra.kernel_options(_BF16, _FP32, _BF16, "lower_bound", True, "sigmoid", g_cum_last_only=True,
+                               write_akk=True),
     )  # fmt: skip
     for causal in _B:
         dh.compiled_variant(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)

@@ -136,7 +136,8 @@ def main() -> int:
     t0 = time.time()
     if not a.no_warm:
         with open(os.path.join(a.out, "warm.log"), "w") as log:
-            cmd = ["timeout", str(a.limit), sys.executable, os.path.join(REPO, "scripts", "sanitize_cases.py"), *a.names]
+            cases = os.path.join(REPO, "scripts", "sanitize_cases.py")
+            cmd = ["timeout", str(a.limit), sys.executable, cases, *a.names]
             subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         print(f"[sanitize] cases warmed in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     procs = {}

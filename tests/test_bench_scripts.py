@@ -542,7 +542,8 @@ def test_gdn_prefill_inputs_run_on_the_reference():
     # the Qwen-style GVA rows: their own heads in the inputs, names and byte counts, the anchors among them
     gva = kp.Config("fixed", 1, 64, (64,), heads=(2, 4))
     x, shared = gp.make_set(gva, 0, device="cpu"), gp.make_shared(gva, device="cpu")
-    assert x["q"].shape[2] == 2 and x["v"].shape[2] == 4 and x["g"].shape == (1, 64, 4) and shared["A_log"].shape == (4,)
+    assert x["q"].shape[2] == 2 and x["v"].shape[2] == 4 and x["g"].shape == (1, 64, 4)
+    assert shared["A_log"].shape == (4,)
     o, ht = kp.bind(chunk_gated_delta_rule, x, shared, gp.CALL_FLAGS)()
     assert o.shape == x["v"].shape and not o.isnan().any()
     assert gva.name == "B1-T64-H2-HV4" and kp.input_set_bytes(gva, 1) < kp.input_set_bytes(cfg, 1)

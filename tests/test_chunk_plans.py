@@ -455,9 +455,9 @@ def _b1_inputs(T_: int, seed: int) -> dict:
 
 @pytest.mark.parametrize("with_h0", [False, True])
 def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, kda_tuning, with_h0):
-    """Time segments (overlap_state_min_tokens) on the CPU with the kernels and CUDA streams stubbed: each segment's intra on the
-    caller's stream, then its state kernel on the side stream after an event, the state handed from one segment's
-    ht to the next one's h0, the caller's initial and final state at the ends."""
+    """Time segments (overlap_state_min_tokens) on the CPU with the kernels and CUDA streams stubbed: each segment's
+    intra on the caller's stream, then its state kernel on the side stream after an event, the state handed from one
+    segment's ht to the next one's h0, the caller's initial and final state at the ends."""
     import contextlib
 
     import cula.kda.forward as cf

@@ -67,7 +67,8 @@ def _pool_call(dtype=torch.bfloat16, **over):
     call = {
         "q": rnd(N, 1, H, D), "k": rnd(N, 1, H, D), "v": rnd(N, 1, H, D), "g": rnd(N, 1, H, D), "beta": rnd(N, 1, H),
         "A_log": rnd(H, dt=torch.float32), "dt_bias": rnd(H * D, dt=torch.float32),
-        "initial_state": rnd(P, H, D, D, dt=torch.float32), "ssm_state_indices": torch.tensor([4, 0, 2], dtype=torch.int32),
+        "initial_state": rnd(P, H, D, D, dt=torch.float32),
+        "ssm_state_indices": torch.tensor([4, 0, 2], dtype=torch.int32),
         "inplace_final_state": True, **LAYER_FLAGS,
     }  # fmt: skip
     call.update(over)

@@ -68,7 +68,8 @@ def _inference_vs_fla_and_ref(case, state_v_first=False, dtype=torch.bfloat16):
           "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "state_v_first": state_v_first,
           "cu_seqlens": cu, "A_log": A_log, "dt_bias": dt_bias}
     if cu is not None and state_v_first:
-        # with its host copy a packed call takes cula's varlen plan, without it the general path: the two state layouts cover one each
+        # with its host copy a packed call takes cula's varlen plan, without it the general path: the two state
+        # layouts cover one each
         kw["cu_seqlens_cpu"] = cu.cpu()
 
     def run():

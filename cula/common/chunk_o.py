@@ -68,7 +68,7 @@ def chunk_bwd_dqkwg(
         None; dg ``[B, T, HV]`` fp32 (per token, before FLA's reverse cumsum) or None without ``g``.
     """
     B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[-1]
+    HV = v.shape[2]
     if HV % H:
         raise ValueError(f"the value heads (HV={HV}) must be a multiple of the q/k heads (H={H})")
     if dv is None and w is not None:

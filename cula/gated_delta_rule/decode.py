@@ -120,9 +120,9 @@ def gdn_decode_step(
                                   allow_neg_eigval)  # fmt: skip
             a_log, bias = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
             inner = steps[K] = kda_decode_step(
-                state_pool, state_indices, A_log=a_log, dt_bias=gate_over_k(None, bias, K)[1], scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                allow_neg_eigval=allow_neg_eigval,
+                state_pool, state_indices, A_log=a_log, dt_bias=gate_over_k(None, bias, K)[1], scale=scale,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                 state_v_first=state_v_first, check_indices=check_indices,
             )  # fmt: skip
         gk, _ = gate_over_k(g, None, K)

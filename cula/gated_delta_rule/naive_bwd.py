@@ -52,7 +52,7 @@ def chunk_bwd_dqkwg_reference(
 
     (``g_gamma``: the gate ``g_gamma (t + 1)`` of a constant decay; neither: no gate.)"""
     B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[-1]
+    HV = v.shape[2]
     scale = K**-0.5 if scale is None else scale
     f64 = torch.float64
     group = HV // H

@@ -262,7 +262,8 @@ def chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
     one the intra kernel takes)."""
     from cula.kda.forward import chunk_kda_fwd_sm90
 
-    # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel where it runs, see cula.kda.forward)
+    # q/k L2 norm and the beta sigmoid happen inside (fused into cula's intra kernel where it runs, see
+    # cula.kda.forward)
     opts = _cula_chunk_args(**_ready_inputs(args))
     if needs_grad(*(args[n] for n in _GRAD_TENSORS)):
         if args.get("disable_recompute") and not _said_recompute:

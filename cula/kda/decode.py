@@ -238,7 +238,8 @@ def _plan(
     # the flags are part of the plan key, so they are bound here once
     def launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states):
         run(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices, A_log=A_log,
-            dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, out=out, step_states=step_states, **flags)  # fmt: skip
+            dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, out=out, step_states=step_states,
+            **flags)  # fmt: skip
 
     return launch
 

@@ -154,7 +154,8 @@ def profile_training(names: list[str]) -> None:
                     "forward": kernel_stats(forward, calls=3),
                     # the same saved graph, backward again (retain_graph): the .grad accumulations are extra adds
                     "backward": kernel_stats(
-                        lambda outs=outs, grads=grads: torch.autograd.backward(outs, grads, retain_graph=True), calls=3),
+                        lambda outs=outs, grads=grads: torch.autograd.backward(outs, grads, retain_graph=True),
+                        calls=3),
                 }
             for stage, stats in stages.items():
                 total = round(sum(v[0] for v in stats.values()), 1)
@@ -323,9 +324,10 @@ def run_ncu_cula_backward() -> None:
     out = os.environ.get("OUT", ".")
     rep = os.path.join(out, "ncu_cula_bwd")
     env = dict(os.environ, CUTE_DSL_LINEINFO="1")
-    log = _ncu(["ncu", "--clock-control", "none", "-k", "regex:BwdIntraSm90|BwdDhuSm90|BwdWyDqkgSm90", "--launch-skip", "2",
-                "--launch-count", "2", "--import-source", "yes", "--section", "SpeedOfLight", "--section",
-                "Occupancy", "--section", "LaunchStats", "--section", "WarpStateStats", "--section", "SchedulerStats",
+    log = _ncu(["ncu", "--clock-control", "none", "-k", "regex:BwdIntraSm90|BwdDhuSm90|BwdWyDqkgSm90",
+                "--launch-skip", "2", "--launch-count", "2", "--import-source", "yes", "--section", "SpeedOfLight",
+                "--section", "Occupancy", "--section", "LaunchStats", "--section", "WarpStateStats",
+                "--section", "SchedulerStats",
                 "--section", "MemoryWorkloadAnalysis", "--section", "SourceCounters", "-f", "-o", rep,
                 sys.executable, __file__, "--ncu-cula-backward-target"], timeout=400, env=env)  # fmt: skip
     details = _ncu(["ncu", "-i", rep + ".ncu-rep", "--print-details", "all"])

@@ -608,7 +608,8 @@ def test_akk_vs_fla(case):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 def test_g_cum_last_only(case):
     """g_cum_last_only writes each chunk's last valid g_cum row (bit-equal to the full write) and no other, and
-    the state/output kernel fed it returns the same bits (it reads no other row; cula.kda.forward always asks for it)."""
+    the state/output kernel fed it returns the same bits (it reads no other row; cula.kda.forward always asks for
+    it)."""
     from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
     from cula.testing import poison_
 

@@ -72,7 +72,8 @@ def compiled_variants():
 def _vid(v):
     return "-".join(
         [v["io_dtype"], f"K{v['K']}", "vk" if v["state_v_first"] else "kv", f"ld_{v['load_hint']}",
-         f"st_{v['store_hint']}"] + [f"{k}{v[k]}" for k in ("warps_per_cta", "state_regs", "warps_per_sm", "cols") if k in v]
+         f"st_{v['store_hint']}"]
+        + [f"{k}{v[k]}" for k in ("warps_per_cta", "state_regs", "warps_per_sm", "cols") if k in v]
     )
 
 

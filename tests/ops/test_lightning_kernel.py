@@ -37,7 +37,9 @@ def test_compiles_for_sm90(variant):
 STATES_VARIANTS = [(128, False, True, True, False), (128, True, True, True, True), (64, False, True, False, False)]
 
 
-@pytest.mark.parametrize("variant", STATES_VARIANTS, ids=lambda v: "D{}-h0{:d}-varlen{:d}-vfirst{:d}".format(*v[:2], *v[3:]))
+@pytest.mark.parametrize(
+    "variant", STATES_VARIANTS, ids=lambda v: "D{}-h0{:d}-varlen{:d}-vfirst{:d}".format(*v[:2], *v[3:])
+)
 def test_states_only_compiles_for_sm90(variant):
     fn = chunk_fwd.compiled_variant(*variant, states_only=True)
     assert fn is not None and chunk_fwd.compiled_variant(*variant, states_only=True) is fn

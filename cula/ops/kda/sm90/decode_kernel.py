@@ -34,17 +34,17 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
 * **wide_kv** (for ``[K, V]`` pools with K=128 with step states, or T > 1 calls kv_cols does not take): ``LK = 8``
   and 64 state registers per lane (``j`` < 4), so a warp's V slice and each row it reads are twice as wide
   (64 B); 3 CTAs per SM.
-* **kv_tma** (``[K, V]`` pools with K=128 at T=1, fewer than ``KdaTuning.kv_cols_min_states`` states): the four warps of a
-  CTA take four adjacent V slices of one (sequence, head); one TMA load brings their ``[128 K, 32 V]`` box (whole
-  128-byte row pieces) into shared memory with the 128-byte swizzle, each lane reads its fragment (rows
-  ``lk + 16 i``, conflict-free under the swizzle), runs the same token math and writes it back, and one TMA store
-  returns the box.
-* **kv_cols** (T=1 calls on ``[K, V]`` pools with K=128 without step states, from ``KdaTuning.kv_cols_min_states`` states
-  up, below that kv_tma, whose smaller boxes fill more SMs; MTP calls of 2 to ``KdaTuning.multi_token_kv_cols_max_tokens``
-  tokens there without step states, of any size): a CTA of W warps takes a ``[K, 32 W]`` box by one TMA
-  load (W = 4 with V = 128: the whole state, contiguous in the pool) and keeps it in shared memory; lane j of warp w
-  owns column ``32 w + j`` with all K rows, so ``S^T k`` and ``S^T q`` are in-lane sums over the column (two passes
-  a token, its q / k / exp(g) broadcast from the warp's slot) and no shuffle runs; one TMA store returns the box.
+* **kv_tma** (``[K, V]`` pools with K=128 at T=1, fewer than ``KdaTuning.kv_cols_min_states`` states): the four warps of
+  a CTA take four adjacent V slices of one (sequence, head); one TMA load brings their ``[128 K, 32 V]`` box (whole
+  128-byte row pieces) into shared memory with the 128-byte swizzle, each lane reads its fragment (rows ``lk + 16 i``,
+  conflict-free under the swizzle), runs the same token math and writes it back, and one TMA store returns the box.
+* **kv_cols** (T=1 calls on ``[K, V]`` pools with K=128 without step states, from ``KdaTuning.kv_cols_min_states``
+  states up, below that kv_tma, whose smaller boxes fill more SMs; MTP calls of 2 to
+  ``KdaTuning.multi_token_kv_cols_max_tokens`` tokens there without step states, of any size): a CTA of W warps takes a
+  ``[K, 32 W]`` box by one TMA load (W = 4 with V = 128: the whole state, contiguous in the pool) and keeps it in shared
+  memory; lane j of warp w owns column ``32 w + j`` with all K rows, so ``S^T k`` and ``S^T q`` are in-lane sums over
+  the column (two passes a token, its q / k / exp(g) broadcast from the warp's slot) and no shuffle runs; one TMA
+  store returns the box.
 
 Supported: q/k/v/out bf16 or fp16; g bf16 or fp32; beta fp32, bf16 or fp16; K in {64, 128}; V a multiple of
 8 (K=128) or 16 (K=64), 64 and 128 tested; any GVA ratio; any H/HV/N/T/pool size at run time (one compile

@@ -217,7 +217,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout, sA_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
     ):  # fmt: skip
-        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
+        BT, S = self.bt, self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
         h, n, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())

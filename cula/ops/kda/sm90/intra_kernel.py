@@ -17,10 +17,11 @@ tokens, value head); per chunk, with rows t, s in [0, 64), ``gc = g_cum`` and ``
                                                       # as FLA's solve_tril), rounded to bf16 like FLA's Akk
     w      = T bf16(bf16(beta k) exp2(gc)),  u = T bf16(beta v)               # bf16
 
-exactly the tensors ``chunk_kda_delta_h_fwd_o_sm90`` consumes (FLA's layouts; Aqk's upper triangle is written as
-zeros, FLA leaves it unspecified). Rows past the end of a sequence are never written, and a chunk-index row
-(n, c) with ``64 c >=`` the length of sequence n (the padding of indices built on the device) writes nothing. With ``write_akk`` (chunk_kda's
-training forward) bf16 T goes to global memory as well, FLA's saved Akk (128 B more per token and value head).
+exactly the tensors ``chunk_kda_delta_h_fwd_o_sm90`` consumes (FLA's layouts; Aqk's upper triangle is written as zeros,
+FLA leaves it unspecified). Rows past the end of a sequence are never written, and a chunk-index row (n, c) with
+``64 c >=`` the length of sequence n (the padding of indices built on the device) writes nothing. With ``write_akk``
+(chunk_kda's training forward) bf16 T goes to global memory as well, FLA's saved Akk (128 B more per token and value
+head).
 
 Numerics of the scores. ``exp2(gc_t - gc_s)`` is factored per 16-row sub-chunk i around an anchor row
 ``p_i = 16 i + 8``: ``exp2(gc_t - gc_p) * exp2(gc_p - gc_s)``; the query factor multiplies q (and k for Akk) of
@@ -181,7 +182,8 @@ class ChunkKDAIntraFwdSm90:
         self.a_ld = self.bt + 4
         self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_y + 16 * 20 * 4)
         assert self.off_akk + self.bt * self.a_ld * 4 <= min(self.off_aqk, self.off_t)
-        assert self.off_aqk + self.bt * self.aqk_ld * 2 <= self.off_y and self.off_t + self.bt * self.bt * 2 <= self.off_y
+        assert self.off_aqk + self.bt * self.aqk_ld * 2 <= self.off_y
+        assert self.off_t + self.bt * self.bt * 2 <= self.off_y
 
     @cute.jit
     def __call__(

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
+from cutlass import BFloat16, Float16, Float32, Int32, cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 

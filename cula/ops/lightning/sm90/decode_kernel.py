@@ -10,18 +10,18 @@ Without a delta rule there is nothing to compute but a scaled rank-1 update and 
 is a copy of the state (``K * V * 4`` bytes read and written per sequence and value head) with three FP32
 operations per element on the way. Everything below is about keeping enough bytes in flight.
 
-**Why a decode kernel stops short of copy bandwidth and what this one does** (``docs/kernels/lightning-decode.md``). Little's law: at 4.27 TB/s over 132 SMs each SM moves ~16 GB/s each way,
-which at the 1-2 us latency of a loaded HBM3e read needs 16-32 KB of reads in flight per SM *on average*.
-The KDA kernel has 16 warps x 4 KB = 64 KB per SM at best, but each warp spends part of its short life with
-nothing in flight: it first loads its pool index (one dependent round trip), then its state, then computes
-and stores, then the CTA retires and a new one launches. Averaged over a warp's life well under half of the
-nominal 64 KB is in flight, which is right at the edge. Here:
+**Why a decode kernel stops short of copy bandwidth and what this one does** (``docs/kernels/lightning-decode.md``).
+Little's law: at 4.27 TB/s over 132 SMs each SM moves ~16 GB/s each way, which at the 1-2 us latency of a loaded HBM3e
+read needs 16-32 KB of reads in flight per SM *on average*. The KDA kernel has 16 warps x 4 KB = 64 KB per SM at best,
+but each warp spends part of its short life with nothing in flight: it first loads its pool index (one dependent round
+trip), then its state, then computes and stores, then the CTA retires and a new one launches. Averaged over a warp's
+life well under half of the nominal 64 KB is in flight, which is right at the edge. Here:
 
-* **Twice the state per thread**: each lane holds 64 fp32 (sixteen 16-byte loads, all issued back to back
-  before the first use, together with the token's q/k/v and the decay), so 16 warps per SM (ptxas cap 128
-  registers) put 128 KB of state loads in flight. T=1 calls on ``[V, K]`` pools (``LightningTuning.single_token_tile``) turn
-  this around: 32 values a lane in one-warp CTAs, 20 warps per SM, which measured 2 points of copy faster: a
-  one-warp CTA gives its registers back when its own state is stored, not when the slowest of four is.
+* **Twice the state per thread**: each lane holds 64 fp32 (sixteen 16-byte loads, all issued back to back before the
+  first use, together with the token's q/k/v and the decay), so 16 warps per SM (ptxas cap 128 registers) put 128 KB of
+  state loads in flight. T=1 calls on ``[V, K]`` pools (``LightningTuning.single_token_tile``) turn this around: 32
+  values a lane in one-warp CTAs, 20 warps per SM, which measured 2 points of copy faster: a one-warp CTA gives its
+  registers back when its own state is stored, not when the slowest of four is.
 * **Persistent warps with the next pool index prefetched, for T >= 2**: the grid is ``#SMs x CTAs per SM``;
   each warp (or CTA, see below) walks work units with a grid stride and loads the pool index of its *next*
   unit while the current one is in flight, so the dependent index round trip and the CTA launch are off the
@@ -31,10 +31,10 @@ nominal 64 KB is in flight, which is right at the edge. Here:
 * **Whole 128-byte lines per warp instruction** in both layouts (the KDA ``[K, V]`` path touches 32 bytes per
   row per instruction and reached 2.39 TB/s). The state loads and stores take no cache hint: on the H200 that ran
   3-5% faster than ``L1::no_allocate`` loads in both layouts, although the state is read only once.
-* **[K, V] pools by column** (``cols``; ``LightningTuning.kv_cols`` for T=1 calls with K=128 and
-  ``kv_cols_min_states`` states or more): one CTA per ``[K, 32 W]`` box of one (sequence, head), loaded by one TMA into shared memory and kept
-  there; lane j of warp w owns column ``32 w + j`` with all K rows, so a token is one pass over the column and
-  ``o`` an in-lane sum (``kernel_cols``).
+* **[K, V] pools by column** (``cols``; ``LightningTuning.kv_cols`` for T=1 calls with K=128 and ``kv_cols_min_states``
+  states or more): one CTA per ``[K, 32 W]`` box of one (sequence, head), loaded by one TMA into shared memory and kept
+  there; lane j of warp w owns column ``32 w + j`` with all K rows, so a token is one pass over the column and ``o`` an
+  in-lane sum (``kernel_cols``).
 
 **Work split.** A lane's state fragment is ``R`` rows x ``C`` chunks of 4 contiguous fp32 (``R * C * 4 = 64``,
 or 32 with ``R = 4`` for ``[V, K]`` pools)
