@@ -124,10 +124,9 @@ def chunk_kda(
             scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
             allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, chunk_size, max_num_seqs,
         )  # fmt: skip
-        tokens = None if cu_seqlens is None else _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
-        if _PLAIN_SCALARS.issuperset(map(type, flags)) and (cu_seqlens is None or tokens is not None):
+        if _PLAIN_SCALARS.issuperset(map(type, flags)):
             # whether autograd records the call (every backend decides on that alone); spelled out, as a generator
-            # over the eight costs ~2 us a call
+            # over the eight costs ~1 us a call
             try:
                 grad = torch.is_grad_enabled() and bool(
                     q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or beta.requires_grad
@@ -137,47 +136,46 @@ def chunk_kda(
             except AttributeError:  # not tensors: validated in full below
                 grad = None
             inference = torch.is_inference_mode_enabled()
-            short = None
-            if cu_seqlens is None:
-                # the short key (as cula.backends.StepPlans'): shapes and the dtypes the variant reads, for launches
-                # whose compiled entry checks the rest (strides, alignment, one device, the sizes shared with q)
+            # the short key (as cula.backends.StepPlans'): shapes and dtypes, for launches whose compiled entry checks
+            # the rest (strides, alignment, one device, the sizes shared with q); a packed call's without its total
+            # length, its boundaries' values checked here every call
+            short = _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, flags,
+                               grad, inference)  # fmt: skip
+            plan = None if short is None else _short_plans.get(short)
+            if plan is not None:
                 try:
-                    short = (
-                        q.shape, v.shape, q.dtype, g.dtype, beta.dtype,
-                        None if initial_state is None else initial_state.shape,
-                        None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape,
-                        flags, forced_backend(), _read_intra_mode(), grad, inference,
-                    )  # fmt: skip
-                except AttributeError:
-                    short = None  # not tensors: validated in full
-                plan = None if short is None else _short_plans.get(short)
-                if plan is not None:
-                    try:
+                    if cu_seqlens is None:
                         return plan[0](q, k, v, g, beta, initial_state, A_log, dt_bias, plan[1])
-                    except Exception:  # noqa: BLE001  (the entry refused the arguments: validate in full below)
-                        pass
-            key = (
-                *(tokens or token_sigs(q, k, v, g, beta)),
-                None if initial_state is None else tensor_sig(initial_state),
-                None if A_log is None else tensor_sig(A_log), None if dt_bias is None else tensor_sig(dt_bias),
-                flags, forced_backend(), _read_intra_mode(), grad, inference,
-            )  # fmt: skip
-            plan = _plans.get(key)
-            if plan is None:
-                plan = _plan(_full_call(locals()), _TENSOR_ARGS + ("scale",) if cu_seqlens is None else _VARLEN_ARGS)
-                # A plan made while a CUDA graph captures serves that call only: the placeholders it binds for
-                # absent gate parameters were filled by the graph (cula.ops._host.placeholder), so an
-                # eager call before the first replay would read them unset.
-                if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                    _plans.put(key, plan)
-            launch, scale = plan
-            if cu_seqlens is None:
-                o = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
+                    check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])
+                    return plan[0](q, k, v, g, beta, initial_state, A_log, dt_bias, plan[1], cu_seqlens, cu_seqlens_cpu)
+                except Exception:  # noqa: BLE001  (refused, or bad boundaries: validate in full below, which says why)
+                    pass
+            tokens = None if cu_seqlens is None else _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
+            if cu_seqlens is None or tokens is not None:
+                key = (
+                    *(tokens or token_sigs(q, k, v, g, beta)),
+                    None if initial_state is None else tensor_sig(initial_state),
+                    None if A_log is None else tensor_sig(A_log), None if dt_bias is None else tensor_sig(dt_bias),
+                    flags, forced_backend(), _read_intra_mode(), grad, inference,
+                )  # fmt: skip
+                plan = _plans.get(key)
+                if plan is None:
+                    positional = _TENSOR_ARGS + ("scale",) if cu_seqlens is None else _VARLEN_ARGS
+                    plan = _plan(_full_call(locals()), positional)
+                    # A plan made while a CUDA graph captures serves that call only: the placeholders it binds for
+                    # absent gate parameters were filled by the graph (cula.ops._host.placeholder), so an
+                    # eager call before the first replay would read them unset.
+                    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                        _plans.put(key, plan)
+                launch, scale = plan
+                if cu_seqlens is None:
+                    out = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
+                else:
+                    check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])  # before any launch
+                    out = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
                 if short is not None and getattr(launch, "checks_arguments", False) and _plans.get(key) is plan:
                     _short_plans.put(short, plan)
-                return o
-            check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])  # this call's boundaries, before any launch
-            return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
+                return out
 
     args = _checked(_full_call(locals()))
     return chunk_kda_registry.dispatch(args["q"].device, args)
@@ -234,6 +232,33 @@ def _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | 
         )  # fmt: skip
     except (AttributeError, IndexError, TypeError):
         return None  # not tensors of at least two dimensions: validation will say so
+
+
+def _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, flags, grad,
+               inference) -> tuple | None:  # fmt: skip
+    """The short plan key of a call (see the fast path in ``chunk_kda``), or None (not tensors: validated in full).
+    A packed call's leaves out the total length, which changes from call to call, after checking that the five
+    token tensors share it."""
+    try:
+        states = (
+            None if initial_state is None else (initial_state.shape, initial_state.dtype),
+            None if A_log is None else (A_log.shape, A_log.dtype),
+            None if dt_bias is None else (dt_bias.shape, dt_bias.dtype),
+        )  # fmt: skip
+        if cu_seqlens is None:
+            return (q.shape, v.shape, q.dtype, g.dtype, beta.dtype, *states, flags, forced_backend(),
+                    _read_intra_mode(), grad, inference)  # fmt: skip
+        qs, T = q.shape, q.shape[1]
+        if k.shape[1] != T or v.shape[1] != T or g.shape[1] != T or beta.shape[1] != T:
+            return None
+        return (
+            "packed", qs[0], qs[2:], k.shape[2:], v.shape[2:], g.shape[2:], beta.shape[2:], q.dtype, k.dtype,
+            v.dtype, g.dtype, beta.dtype, q.device, cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device,
+            cu_seqlens_cpu.shape, cu_seqlens_cpu.dtype, cu_seqlens_cpu.device, *states, flags, forced_backend(),
+            _read_intra_mode(), grad, inference,
+        )  # fmt: skip
+    except (AttributeError, IndexError, TypeError):
+        return None
 
 
 def _checked(call: dict) -> dict:

@@ -28,6 +28,7 @@ import torch
 
 from cula.kda.plan import KDA_TUNING, gate_over_k, parallel_segments, time_segments, use_cula_intra
 from cula.ops._host import dsl_name, gate_kind, placeholder
+from cula.ops.kda.sm90 import intra
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 from cula.ops.kda.sm90.segment_chain import chunk_kda_segment_chain_sm90
 from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90
@@ -357,7 +358,7 @@ def prepare_chunk_kda_fwd_sm90(
     other numbers); ``CULA_KDA_INTRA`` is part of the signature.
     """
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import fwd_launch, intra
+    from cula.ops.kda.sm90 import fwd_launch
 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -416,6 +417,8 @@ def prepare_chunk_kda_fwd_sm90(
                 return cut(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
             return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
 
+        # both ways end in compiled entries that check their tensors (the cut one on contiguous copies)
+        launch_or_cut.checks_arguments = True
         return launch_or_cut
 
     no_cu = placeholder(dev, torch.int32, (2,))  # the fixed-length kernels' unread cu_seqlens
@@ -496,6 +499,8 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
         )  # fmt: skip
         return o, final_state
 
+    # its one TVM-FFI call checks the tensors before launching (chunk_kda then keys it on shapes alone)
+    launch.checks_arguments = True
     return launch
 
 
@@ -515,8 +520,6 @@ def host_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
 
     Keyed by the boundaries' values, never by the tensors' identity (an engine rewrites its static boundary
     buffers in place), and by the current stream, on which the copies to the device were queued."""
-    from cula.ops.kda.sm90 import intra
-
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
     dev = cu_seqlens.device
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
