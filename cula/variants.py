@@ -166,16 +166,19 @@ def _kda_decode(scope: str) -> None:
     d = _dtypes(scope)
     gates = [("none", False, False), ("softplus", True, False), ("softplus", True, True)]
     gates += [("lower_bound", a, b) for a, b in itertools.product(_B, _B)]
+    # (gate, A_log, dt_bias, one gate per head): Gated DeltaNet's decode (gdn_decode, gdn_decode_step and
+    # fused_recurrent_gated_delta_rule's decode calls) takes kda_decode's per-head gate, never the lower bound
+    gates = [(*gate, False) for gate in gates] + [(*gate, True) for gate in gates if gate[0] != "lower_bound"]
     betas = [(False, False), (True, False), (True, True)]  # (sigmoid, allow_neg_eigval)
     states = (1, KDA_TUNING.get((9, 0)).kv_cols_min_states)
-    for io, g_dt, b_dt, kv, (gate, a_log, bias), l2, (sig, neg), svf, step, tokens, n in itertools.product(
+    for io, g_dt, b_dt, kv, (gate, a_log, bias, per_head), l2, (sig, neg), svf, step, tokens, n in itertools.product(
         d["io"], d["g"], d["decode_beta"], (64, 128), gates, _B, betas, _B, _B, range(1, DECODE_MAX_TOKENS + 1),
         states,
     ):  # fmt: skip
         kda_decode_launcher(
             io_dtype=io, g_dtype=g_dt, beta_dtype=b_dt, K=kv, V=kv, gate=gate, has_a_log=a_log, has_dt_bias=bias,
             use_qk_l2norm=l2, beta_sigmoid=sig, allow_neg_eigval=neg, state_v_first=svf, has_step_states=step,
-            tokens=tokens, states=n,
+            tokens=tokens, states=n, per_head_gate=per_head,
         )  # fmt: skip
 
 
@@ -246,6 +249,12 @@ def _smoke() -> None:
             has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
             has_step_states=False, tokens=tokens, states=64,
         )  # fmt: skip
+    # gdn_decode's defaults (the same with one gate per token and head), T = 1
+    kda_decode_launcher(
+        io_dtype=_BF16, g_dtype=_FP32, beta_dtype=_FP32, K=128, V=128, gate="softplus", has_a_log=True,
+        has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
+        has_step_states=False, tokens=1, states=64, per_head_gate=True,
+    )  # fmt: skip
     # lightning_attn_fwd with initial and final state, fixed and packed; lightning_decode at T = 1
     for varlen in _B:
         lc.compiled_variant(128, True, True, varlen, False)

@@ -164,6 +164,18 @@ def gdn_chunk_and_decode():
             beta=torch.rand(3, 1, 2, device=DEV), initial_state=torch.randn(3, 2, 128, 128, device=DEV) * 0.1,
             output_final_state=True, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
+        # the serving form with the fused gate (per-head A_log / dt_bias): MTP with step states on a [V, K] pool, one
+        # token a step on a [K, V] pool (a padded slot in each)
+        from cula.gated_delta_rule import gdn_decode, gdn_decode_step
+
+        gate = dict(A_log=torch.rand(2, device=DEV), dt_bias=torch.rand(2, device=DEV))
+        slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEV)
+        pool = torch.randn(4, 2, 128, 128, device=DEV) * 0.1
+        gdn_decode(_r(3, 3, 1, 128), _r(3, 3, 1, 128), _r(3, 3, 2, 128), _r(3, 3, 2), _r(3, 3, 2), pool, slots,
+                   step_states=torch.empty(3, 3, 2, 128, 128, device=DEV), **gate)  # fmt: skip
+        step = gdn_decode_step(pool, slots, state_v_first=False, **gate)
+        for _ in range(2):
+            step(_r(3, 1, 1, 128), _r(3, 1, 1, 128), _r(3, 1, 2, 128), _r(3, 1, 2), _r(3, 1, 2))
 
 
 @case

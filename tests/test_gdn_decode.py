@@ -1,5 +1,5 @@
-"""``cula.gated_delta_rule.gdn_decode``: Gated DeltaNet's pooled decode (``kda_decode``'s serving form with the scalar
-gate repeated over K), its bound step ``gdn_decode_step`` and ``gdn_commit_accepted``.
+"""``cula.gated_delta_rule.gdn_decode``: Gated DeltaNet's pooled decode (``kda_decode``'s serving form with its
+per-head gate), its bound step ``gdn_decode_step`` and ``gdn_commit_accepted``.
 
 CPU (``kda_decode``'s reference backend) and GPU (``-m gpu``: cula's decode kernel on the H200): against GDN's own
 float64 recurrence (``reference_fused_recurrent_gated_delta_rule``) per pool row: outputs, the pool updated in

@@ -367,13 +367,14 @@ def test_chunk_variants_all_reachable(requested, kda_tuning):
 
 def test_decode_variants_all_reachable(requested):
     """Every listed kda_decode variant is asked for by some ``kda_decode`` call: every dtype, head size, gate (with
-    and without ``A_log`` / ``dt_bias`` where optional), flag, token count and both sides of the state count where
-    the tile changes."""
+    and without ``A_log`` / ``dt_bias`` where optional; per channel, and per head as Gated DeltaNet's), flag, token
+    count and both sides of the state count where the tile changes."""
     from cula._validate import DECODE_MAX_TOKENS
     from cula.kda import kda_decode
 
     gates = [("none", False, False), ("softplus", True, False), ("softplus", True, True)]
     gates += [("lower_bound", a, b) for a, b in itertools.product((False, True), (False, True))]
+    gates = [(*gate, False) for gate in gates] + [(*gate, True) for gate in gates if gate[0] != "lower_bound"]
     grid = (
         (BF16, FP16), (FP32, BF16, FP16), (FP32, BF16), (64, 128), gates, (False, True),
         ((False, False), (True, False), (True, True)), (False, True), (False, True),  # beta, state_v_first, steps
@@ -381,23 +382,24 @@ def test_decode_variants_all_reachable(requested):
     )
     made = {}
 
-    def tensors(io, g_dt, b_dt, d, T, N, HV):  # made once a shape: the kernels are stubs, nothing reads them
-        key = (io, g_dt, b_dt, d, T, N)
+    def tensors(io, g_dt, b_dt, d, T, N, HV, per_head):  # made once a shape: the kernels are stubs
+        key = (io, g_dt, b_dt, d, T, N, per_head)
         if key not in made:
             qkv = [torch.zeros(N, T, h, d, dtype=io) for h in (1, 1, HV)]
-            made[key] = (*qkv, torch.zeros(N, T, HV, d, dtype=g_dt), torch.zeros(N, T, HV, dtype=b_dt),
-                         torch.empty(N + 1, HV, d, d), torch.arange(N, dtype=torch.int32), torch.empty(N, T, HV, d, d))
+            g = torch.zeros((N, T, HV) if per_head else (N, T, HV, d), dtype=g_dt)
+            made[key] = (*qkv, g, torch.zeros(N, T, HV, dtype=b_dt), torch.empty(N + 1, HV, d, d),
+                         torch.arange(N, dtype=torch.int32), torch.empty(N, T, HV, d, d))  # fmt: skip
         return made[key]
 
-    for io, g_dt, b_dt, d, (gate, a_log, bias), l2, (sig, neg), svf, step, T, N in itertools.product(*grid):
+    for io, g_dt, b_dt, d, (gate, a_log, bias, per_head), l2, (sig, neg), svf, step, T, N in itertools.product(*grid):
         HV = 2 if N == 1 else 64
-        q, k, v, g, beta, pool, idx, steps = tensors(io, g_dt, b_dt, d, T, N, HV)
+        q, k, v, g, beta, pool, idx, steps = tensors(io, g_dt, b_dt, d, T, N, HV, per_head)
         kw = dict(use_qk_l2norm_in_kernel=l2, use_beta_sigmoid_in_kernel=sig, allow_neg_eigval=neg,
                   state_v_first=svf, use_gate_in_kernel=gate != "none")  # fmt: skip
         if a_log:
             kw["A_log"] = _rnd(HV, dtype=FP32)
         if bias:
-            kw["dt_bias"] = _rnd(HV * d, dtype=FP32)
+            kw["dt_bias"] = _rnd(HV if per_head else HV * d, dtype=FP32)
         if gate == "lower_bound":
             kw["lower_bound"] = -5.0
         kda_decode(q, k, v, g, beta, pool, idx, step_states=steps if step else None, **kw)

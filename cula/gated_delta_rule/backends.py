@@ -194,17 +194,16 @@ def _recurrent_cula_sm90(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
     dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, **_,
 ):  # fmt: skip
-    """Decode-sized calls (1..8 tokens a sequence) on ``kda_decode``'s kernel, the gate repeated over K: the states
-    are read from ``initial_state`` and the new ones written to a separate buffer (``step_states``), so the caller's
-    states stay untouched, as in FLA."""
+    """Decode-sized calls (1..8 tokens a sequence) on ``kda_decode``'s kernel with its per-head gate (g ``[N, T,
+    HV]``, dt_bias ``[HV]``): the states are read from ``initial_state`` and the new ones written to a separate buffer
+    (``step_states``), so the caller's states stay untouched, as in FLA."""
     from cula.kda import kda_decode
 
     N, T = q.shape[:2]
-    gk, bias = gate_over_k(g, dt_bias, q.shape[-1])
     steps = torch.empty((N, T) + tuple(initial_state.shape[1:]), dtype=torch.float32, device=q.device)
     o = kda_decode(
-        q, k, v, gk, torch.ones(N, T, v.shape[2], device=q.device) if beta is None else beta,
-        initial_state, torch.arange(N, dtype=torch.int32, device=q.device), A_log=A_log, dt_bias=bias, scale=scale,
+        q, k, v, g, torch.ones(N, T, v.shape[2], device=q.device) if beta is None else beta,
+        initial_state, torch.arange(N, dtype=torch.int32, device=q.device), A_log=A_log, dt_bias=dt_bias, scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first, step_states=steps, check_indices=False,

@@ -1,9 +1,10 @@
 """Gated DeltaNet decode against a state pool: the serving form ``cula.kda.kda_decode`` gives KDA, for GDN's
 scalar gate (FLA 0.6.0 has no pooled form of ``fused_recurrent_gated_delta_rule``).
 
-GDN is KDA with one decay per token and value head; the scalar gate (and the fused gate's ``dt_bias``)
-repeated over the K channels is the same recurrence, so every call runs ``kda_decode`` on the repeated gate:
-its kernels on Hopper, its reference elsewhere, its pool, padding and speculative-decoding semantics.
+GDN is KDA with one decay per token and value head, so every call runs ``kda_decode`` with that gate as it is
+(g ``[N, T, HV]``, dt_bias ``[HV]``: its kernels activate one gate per token and head and apply it to every K
+channel; its reference repeats it over K): its kernels on Hopper, its reference elsewhere, its pool, padding and
+speculative-decoding semantics.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 from cula._validate import FLOAT_DTYPES, check_tensor
 from cula.gated_delta_rule.chunk import check_gdn_activations
 from cula.kda.decode import kda_commit_accepted, kda_decode, kda_decode_step
-from cula.kda.plan import gate_over_k
 
 __all__ = ["gdn_commit_accepted", "gdn_decode", "gdn_decode_step"]
 
@@ -69,9 +69,8 @@ def gdn_decode(
     )
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    gk, bias = gate_over_k(g, dt_bias, q.shape[-1])
     return kda_decode(
-        q, k, v, gk, beta, state_pool, state_indices, A_log=A_log, dt_bias=bias, scale=scale,
+        q, k, v, g, beta, state_pool, state_indices, A_log=A_log, dt_bias=dt_bias, scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first, out=out, step_states=step_states, check_indices=check_indices,
@@ -97,9 +96,7 @@ def gdn_decode_step(
     the same call as ``gdn_decode(q, k, v, g, beta, state_pool, state_indices, ...)``.
 
     The bound tensors follow ``kda_decode_step``'s rules (validated with the first step of each token
-    signature; values may change in place between steps), except ``dt_bias``: it is repeated over the K
-    channels once, at the first step of each head size, so a later in-place change to it is not seen (bind a
-    new step instead).
+    signature; values may change in place between steps).
     """
     steps: dict[int, object] = {}  # kda_decode_step closures by head size K
     checked: set = set()  # (q, v, g) shapes, dtypes and devices whose GDN checks passed
@@ -120,13 +117,12 @@ def gdn_decode_step(
                                   allow_neg_eigval)  # fmt: skip
             a_log, bias = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
             inner = steps[K] = kda_decode_step(
-                state_pool, state_indices, A_log=a_log, dt_bias=gate_over_k(None, bias, K)[1], scale=scale,
+                state_pool, state_indices, A_log=a_log, dt_bias=bias, scale=scale,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                 state_v_first=state_v_first, check_indices=check_indices,
             )  # fmt: skip
-        gk, _ = gate_over_k(g, None, K)
-        return inner(q, k, v, gk, beta, out=out, step_states=step_states)
+        return inner(q, k, v, g, beta, out=out, step_states=step_states)
 
     return step
 

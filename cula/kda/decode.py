@@ -59,12 +59,13 @@ def kda_decode(
 
     Args:
         q, k: ``[N, T, H, K]`` bf16/fp16.  v: ``[N, T, HV, V]``.  g: ``[N, T, HV, K]`` (raw logits with
-            ``use_gate_in_kernel``: softplus gate with ``A_log``, or the ``lower_bound`` sigmoid gate).
+            ``use_gate_in_kernel``: softplus gate with ``A_log``, or the ``lower_bound`` sigmoid gate), or
+            ``[N, T, HV]``: one gate per token and value head (Gated DeltaNet's), with ``dt_bias`` ``[HV]``.
         beta: ``[N, T, HV]`` fp32/bf16 (logits with ``use_beta_sigmoid_in_kernel``).
         state_pool: fp32 ``[P, HV, V, K]`` (``state_v_first=True``, the default here) or ``[P, HV, K, V]``.
         state_indices: int32 ``[N]`` pool rows; checked to be ``< P`` unless ``check_indices=False``
             (the check reads the indices on the host; serving loops that guarantee them can skip it).
-        A_log, dt_bias: fp32 ``[HV]`` and ``[HV * K]``.
+        A_log, dt_bias: fp32 ``[HV]`` and ``[HV * K]`` (``[HV]`` with a per-head g).
         out: optional ``[N, T, HV, V]`` output buffer in q's dtype.
         step_states: optional fp32 ``[N, T, HV, V, K]`` (or ``[N, T, HV, K, V]``): receives the state after
             every token and leaves the pool untouched, so a speculative-decoding engine can commit the
@@ -157,7 +158,8 @@ def kda_decode_step(
                 check_indices=check_indices,
             )  # fmt: skip
         try:  # the step's short key (cula.backends.StepPlans)
-            key = (q.shape, v.shape, q.dtype, g.dtype, beta.dtype, out is None, step_states is None, forced_backend())
+            key = (q.shape, v.shape, q.dtype, g.dtype, g.dim(), beta.dtype, out is None, step_states is None,
+                   forced_backend())  # fmt: skip
         except AttributeError:
             key = None  # not tensors: validated in full
         if key is not None and key == plans.last_key:  # the loop's signature again: straight to its launch
@@ -195,7 +197,8 @@ def _plan(
     N, T, _H, K, HV, V = check_qkv(q, k, v)
     check_decode_tokens("kda_decode", T)
     dev = q.device
-    check_tensor("g", g, shape=(N, T, HV, K), dtypes=FLOAT_DTYPES, device=dev)
+    per_head = getattr(g, "ndim", None) == 3  # one gate per token and value head (Gated DeltaNet's)
+    check_tensor("g", g, shape=(N, T, HV) if per_head else (N, T, HV, K), dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("beta", beta, shape=(N, T, HV), dtypes=(torch.float32, torch.bfloat16), device=dev)
     check_state_pool(
         state_pool, state_indices, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=dev
@@ -208,7 +211,8 @@ def _plan(
         if A_log is not None:
             check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=dev)
         if dt_bias is not None:
-            check_tensor("dt_bias", dt_bias, shape=(HV * K,), dtypes=(torch.float32,), device=dev)
+            check_tensor("dt_bias", dt_bias, shape=(HV,) if per_head else (HV * K,), dtypes=(torch.float32,),
+                         device=dev)  # fmt: skip
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
     check_lower_bound(lower_bound)
@@ -273,6 +277,7 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
         has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm_in_kernel, beta_sigmoid=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, has_step_states=step_states is not None,
         tokens=q.shape[1], states=q.shape[0] * v.shape[2], tuning=KDA_TUNING.for_device(q.device),
+        per_head_gate=g.dim() == 3,
     )  # fmt: skip
 
     def launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states):
@@ -360,7 +365,10 @@ def _decode_reference(
     step_states,
 ):
     from cula.kda.naive import reference_chunk_kda
+    from cula.kda.plan import gate_over_k
 
+    if g.dim() == 3:  # one gate per token and value head: the same recurrence with it on every K channel
+        g, dt_bias = gate_over_k(g, dt_bias, q.shape[-1])
     # with check_indices=False too: torch's indexing below would fail inside a kernel (on CUDA, a device assert)
     check_pool_indices(state_indices, state_pool.shape[0])
     live = state_indices >= 0

@@ -296,11 +296,12 @@ def kda_decode_sm90(
         v: ``[N, T, HV, V]``, q's dtype, contiguous; ``HV % H == 0`` (GVA); ``V % 8 == 0`` for K=128,
             ``V % 16 == 0`` for K=64.
         g: ``[N, T, HV, K]`` bf16 or fp32: raw gate logits for ``gate in ("softplus", "lower_bound")``,
-            log-space decay for ``gate == "none"``.
+            log-space decay for ``gate == "none"``; or ``[N, T, HV]``, one gate per token and value head.
         beta: ``[N, T, HV]`` fp32, bf16 or fp16: raw logits when ``beta_sigmoid`` (``2 * sigmoid`` with
             ``allow_neg_eigval``, which is ignored without ``beta_sigmoid``, as in FLA), else used as is.
         A_log: ``[HV]`` fp32; required by ``softplus``, optional for ``lower_bound``, ignored for ``none``.
-        dt_bias: ``[HV * K]`` fp32 or None, added to g before the gate activation (ignored for ``none``).
+        dt_bias: ``[HV * K]`` (``[HV]`` with a per-head g) fp32 or None, added to g before the gate activation
+            (ignored for ``none``).
         state: fp32 pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` if ``state_v_first``), updated in place unless
             ``step_states`` is given. Dims 1.. contiguous; dim 0 may have any stride that is a multiple of 4.
         indices: ``[N]`` int32 pool rows. A negative index (or one past the pool) is a padded slot: the pool and
@@ -322,6 +323,6 @@ def kda_decode_sm90(
         has_a_log=A_log is not None, has_dt_bias=dt_bias is not None, use_qk_l2norm=use_qk_l2norm,
         beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
         has_step_states=step_states is not None, tokens=q.shape[1], states=q.shape[0] * v.shape[2],
-        tuning=KDA_TUNING.for_device(q.device),
+        tuning=KDA_TUNING.for_device(q.device), per_head_gate=g.dim() == 3,
     )  # fmt: skip
     launch(q, k, v, g, beta, A_log, dt_bias, state, indices, out, step_states, scale, lower_bound)

@@ -85,6 +85,11 @@ _VARIANTS = [
              min_blocks_per_sm=3, kv_cols=True),
     _variant(gate="softplus", tokens_per_round=1, warps_per_cta=1, min_blocks_per_sm=12, kv_cols=True),
     _variant(gate="none", K=64, tokens_per_round=2, warps_per_cta=2, min_blocks_per_sm=6, kv_cols=True),
+    # Gated DeltaNet's gate: one per token and value head (g [N, T, HV], dt_bias [HV])
+    _variant(gate="softplus", state_v_first=True, per_head_gate=True),
+    _variant(gate="softplus", g_dtype="bfloat16", state_v_first=True, tokens_per_round=1, warps_per_cta=1,
+             min_blocks_per_sm=20, per_head_gate=True),
+    _variant(gate="none", tokens_per_round=1, warps_per_cta=1, min_blocks_per_sm=12, kv_cols=True, per_head_gate=True),
 ]
 # ptxas spills allowed where a variant asks for more registers than it is given (bytes): the wide tile parks one
 # 8-byte value with step states; 20 and 24 resident warps per SM cap the kernel at 96 and 80 registers
@@ -109,6 +114,7 @@ def _vid(v):
         + (["wide"] if v.get("wide_kv") else [])
         + (["tma"] if v.get("kv_tma") else [])
         + (["cols"] if v.get("kv_cols") else [])
+        + (["head-gate"] if v.get("per_head_gate") else [])
         + ([f"slots{v['tokens_per_round']}"] if "tokens_per_round" in v else [])
         + ([f"{v['warps_per_cta']}warps"] if "warps_per_cta" in v else [])
         + ([f"{v['min_blocks_per_sm']}ctas"] if v.get("min_blocks_per_sm") else [])

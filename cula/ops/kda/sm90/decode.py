@@ -47,6 +47,7 @@ def variant_key(
     min_blocks_per_sm: int | None = None,
     kv_tma: bool = False,
     kv_cols: bool = False,
+    per_head_gate: bool = False,
     arch: tuple[int, int] = (9, 0),
 ) -> tuple:
     """The compile key of a variant: its flags, those that cannot change the trace folded so they never cost a
@@ -64,6 +65,8 @@ def variant_key(
     }  # fmt: skip
     if kv_cols:  # absent when off: the keys (and caches) of the other variants stay
         flags["kv_cols"] = True
+    if per_head_gate:  # g [N, T, HV] and dt_bias [HV] (Gated DeltaNet's gate); absent when off, as kv_cols
+        flags["per_head_gate"] = True
     return ("kda_decode_sm90", *sorted(flags.items()))
 
 

@@ -21,12 +21,13 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   along V for ``[K, V]`` pools, along K for ``[V, K]`` pools (``state_v_first``); a warp-wide access covers
   whole 32-byte sectors (32 B per row for ``[K, V]`` with K=128, 256 B per row for ``[V, K]``).
 * **Reductions over K** (``S^T k`` and ``S^T q``) are 8 FMAs in the lane and a ``log2(LK)``-step butterfly.
-* **Token preprocessing** (l2norm, gate activation, beta activation, scale) depends only on the token, so it
-  runs while the state loads issued just before are in flight: each warp loads q/k/g of up to 8 tokens with
-  one short vector per lane, computes the full-K norms with warp butterflies and one gate per lane and K
-  element, and parks the fp32 results (``q * scale / |q|``, ``k / |k|``, ``exp(g)``, the warp's v values and
-  beta) in its own shared-memory slots (about 12.7 KB per warp for K=128). More than 8 tokens are processed
-  in further rounds of 8 (the contract is T <= 8, but nothing breaks above it).
+* **Token preprocessing** (l2norm, gate activation, beta activation, scale) depends only on the token, so it runs while
+  the state loads issued just before are in flight: each warp loads q/k/g of up to 8 tokens with one short vector per
+  lane, computes the full-K norms with warp butterflies and one gate per lane and K element (``per_head_gate``, Gated
+  DeltaNet's: one scalar gate per token and head, activated once), and parks the fp32 results (``q * scale / |q|``,
+  ``k / |k|``, ``exp(g)``, the warp's v values and beta) in its own shared-memory slots (about 12.7 KB per warp for
+  K=128).
+  More than 8 tokens are processed in further rounds of 8 (the contract is T <= 8, but nothing breaks above it).
 * **Occupancy**: 128-thread CTAs with ``min_blocks_per_mp=4`` cap ptxas at 128 registers (99-116 used, no
   spills): 16 warps and 64 KB of state loads in flight per SM. T=1 calls (``KdaTuning.single_token_cta``) keep one token
   slot per warp and run 20 one-warp CTAs per SM at 96 registers: each warp's registers come back the moment it
@@ -115,6 +116,7 @@ class KdaDecodeSm90:
         min_blocks_per_sm: int | None = None,
         wide_kv: bool = False,
         tokens_per_round: int = 8,
+        per_head_gate: bool = False,
     ):
         if K not in (64, 128):
             raise ValueError(f"K must be 64 or 128, got {K}")
@@ -123,6 +125,9 @@ class KdaDecodeSm90:
         # shared-memory token slots per warp (~1.6 KB each at K=128): the tokens of one round are prepared
         # before the state loop runs them; any T works, in rounds
         self.tokens_per_round = tokens_per_round
+        # one gate per token and value head (Gated DeltaNet's: g [N, T, HV], dt_bias [HV]), activated once and
+        # broadcast over the K channels of the token's slot
+        self.per_head_gate = bool(per_head_gate)
         # K spread over K/8 lanes (16 for K=128, 8 for K=64): 32 fp32 state registers per lane, which
         # leaves room for 4+ CTAs of 4 warps per SM without spills. wide_kv ([K, V] pools only): K over K/16
         # lanes, 64 state registers, so a warp's V slice is twice as wide: rows of 64 B (K=128) instead of
@@ -180,10 +185,10 @@ class KdaDecodeSm90:
         mQ: cute.Tensor,  # [N, T, H, K] io
         mK: cute.Tensor,  # [N, T, H, K] io
         mV: cute.Tensor,  # [N, T, HV, V] io
-        mG: cute.Tensor,  # [N, T, HV, K] g_dtype
+        mG: cute.Tensor,  # [N, T, HV, K] g_dtype, or [N, T, HV] with per_head_gate
         mBeta: cute.Tensor,  # [N, T, HV] beta_dtype
         mALog: cute.Tensor | None,  # [HV] fp32
-        mDtBias: cute.Tensor | None,  # [HV * K] fp32
+        mDtBias: cute.Tensor | None,  # [HV * K] fp32, or [HV] with per_head_gate
         mState: cute.Tensor,  # [P, HV, K, V] or [P, HV, V, K] fp32
         mIdx: cute.Tensor,  # [N] int32
         mOut: cute.Tensor,  # [N, T, HV, V] io
@@ -238,13 +243,16 @@ class KdaDecodeSm90:
         k0 = cute.assume(lane * KP, divby=KP)
         rq = cute.make_rmem_tensor(KP, self.io_dtype)
         rk = cute.make_rmem_tensor(KP, self.io_dtype)
-        rg = cute.make_rmem_tensor(KP, self.g_dtype)
         cute.autovec_copy(cute.make_tensor(mQ[n, t, h, None].iterator + k0, cute.make_layout(KP)), rq)
         cute.autovec_copy(cute.make_tensor(mK[n, t, h, None].iterator + k0, cute.make_layout(KP)), rk)
-        cute.autovec_copy(cute.make_tensor(mG[n, t, hv, None].iterator + k0, cute.make_layout(KP)), rg)
+        if cutlass.const_expr(self.per_head_gate):
+            g_head = Float32(mG[n, t, hv])
+        else:
+            rg = cute.make_rmem_tensor(KP, self.g_dtype)
+            cute.autovec_copy(cute.make_tensor(mG[n, t, hv, None].iterator + k0, cute.make_layout(KP)), rg)
+            g = rg.load().to(Float32)
         q = rq.load().to(Float32)
         k = rk.load().to(Float32)
-        g = rg.load().to(Float32)
 
         q_mul = scale
         k_mul = Float32(1.0)
@@ -261,18 +269,23 @@ class KdaDecodeSm90:
         cute.autovec_copy(rout, cute.make_tensor(sSlot.iterator + self.off_k + k0, cute.make_layout(KP)))
 
         # gate -> log-space decay gk -> exp(gk)
-        if cutlass.const_expr(self.has_dt_bias):
-            rb = cute.make_rmem_tensor(KP, Float32)
-            cute.autovec_copy(
-                cute.make_tensor(
-                    mDtBias.iterator + cute.assume(hv * self.K + k0, divby=KP), cute.make_layout(KP)
-                ),
-                rb,
-            )
-            g = g + rb.load()
         a = self._gate_coef(mALog, hv)
-        for i in cutlass.range_constexpr(KP):
-            rout[i] = self._decay(g[i], a, lower_bound)
+        if cutlass.const_expr(self.per_head_gate):
+            if cutlass.const_expr(self.has_dt_bias):
+                g_head = g_head + Float32(mDtBias[hv])
+            rout.fill(self._decay(g_head, a, lower_bound))
+        else:
+            if cutlass.const_expr(self.has_dt_bias):
+                rb = cute.make_rmem_tensor(KP, Float32)
+                cute.autovec_copy(
+                    cute.make_tensor(
+                        mDtBias.iterator + cute.assume(hv * self.K + k0, divby=KP), cute.make_layout(KP)
+                    ),
+                    rb,
+                )
+                g = g + rb.load()
+            for i in cutlass.range_constexpr(KP):
+                rout[i] = self._decay(g[i], a, lower_bound)
         cute.autovec_copy(rout, cute.make_tensor(sSlot.iterator + self.off_eg + k0, cute.make_layout(KP)))
 
         self._prep_v(mV, sSlot, n, t, hv, vs, lane)
@@ -698,10 +711,14 @@ def _compile(cfg: KdaDecodeSm90, arch: tuple[int, int]):
     q = mk(cfg.io_dtype, (N, T, H, K))
     k = mk(cfg.io_dtype, (N, T, H, K))
     v = mk(cfg.io_dtype, (N, T, HV, V))
-    g = mk(cfg.g_dtype, (N, T, HV, K))
+    if cfg.per_head_gate:  # one gate (and dt_bias) per token and value head
+        g = mk(cfg.g_dtype, (N, T, HV), align=cfg.g_dtype.width // 8)
+        dt_bias = mk(Float32, (HV,), align=4) if cfg.has_dt_bias else None
+    else:
+        g = mk(cfg.g_dtype, (N, T, HV, K))
+        dt_bias = mk(Float32, (HVK,)) if cfg.has_dt_bias else None
     beta = mk(cfg.beta_dtype, (N, T, HV), align=cfg.beta_dtype.width // 8)
     a_log = mk(Float32, (HV,), align=4) if cfg.has_a_log else None
-    dt_bias = mk(Float32, (HVK,)) if cfg.has_dt_bias else None
     inner = (V, K) if cfg.state_v_first else (K, V)
     # dim-0 stride free (the pool may be a slice of a larger buffer) but 16-byte aligned
     pool_stride = cute.sym_int64(divisibility=4)
