@@ -116,6 +116,37 @@ def test_gdn_decode_matches_the_recurrence_cuda(T, H, HV, K, fused, state_v_firs
     _check_step("cuda", T, H, HV, K, fused, state_v_first)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("steps", [False, True], ids=["pool", "step_states"])
+@pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_gate", "log_gate"])
+@pytest.mark.parametrize("T,HV", [(1, 2), (1, 64), (4, 2)], ids=["T1", "T1-cols", "T4"])
+def test_per_head_gate_is_the_repeated_gate_cuda(T, HV, fused, state_v_first, steps):
+    """The decode kernel's per-head gate (what gdn_decode runs) gives kda_decode's results with the gate repeated
+    over K bit for bit: outputs and pool (or step states), at one token (incl. the [K, V] column kernel's state
+    count) and four."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.kda import kda_decode
+    from cula.kda.plan import gate_over_k
+
+    x, flags, pool, idx = _case(T, 1, HV, 128, fused, state_v_first, "cuda")
+    runs = []
+    for per_head in (True, False):
+        p = pool.clone()
+        xs, fl = dict(x), dict(flags)
+        if not per_head:
+            xs["g"], bias = gate_over_k(x["g"], flags.get("dt_bias"), 128)
+            if fused:
+                fl["dt_bias"] = bias
+        st = torch.full((len(INDICES), T) + tuple(p.shape[1:]), float("nan"), device="cuda") if steps else None
+        o = kda_decode(**xs, state_pool=p, state_indices=idx, step_states=st, **fl)
+        runs.append((o, p, st))
+    (o1, p1, s1), (o2, p2, s2) = runs
+    assert not o1.isnan().any() and torch.equal(o1, o2) and torch.equal(p1, p2)
+    assert not steps or torch.equal(s1[0], s2[0])  # the padded slot's step states are left as they were (NaN)
+
+
 def test_gdn_decode_rejects_bad_gates():
     x, flags, pool, idx = _case(2, 1, 2, 64, True, True, "cpu")
     with pytest.raises(ValueError, match="`g`"):
