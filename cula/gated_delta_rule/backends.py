@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from cula._validate import check_scale
-from cula.backends import Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.backends import DerivedTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 from cula.kda.plan import gate_over_k
 
 chunk_gdn_registry = Registry("gated_delta_rule.chunk_gated_delta_rule")
@@ -187,6 +187,9 @@ def _cula_recurrent_supports(q, v, g, gk, gv, beta, initial_state, state_v_first
     return pool_layout_verdict(initial_state, q.shape[-1], v.shape[-1], state_v_first)
 
 
+_SLOTS = DerivedTensors()
+
+
 @fused_recurrent_gdn_registry.register(
     "cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)), supports=_cula_recurrent_supports
 )
@@ -201,9 +204,11 @@ def _recurrent_cula_sm90(
 
     N, T = q.shape[:2]
     steps = torch.empty((N, T) + tuple(initial_state.shape[1:]), dtype=torch.float32, device=q.device)
+    # sequence n's state is initial_state[n]: the identity slots, made once per N and device (an arange kernel a call)
+    slots = _SLOTS.get(None, q.device, ("slots", N), lambda: torch.arange(N, dtype=torch.int32, device=q.device))
     o = kda_decode(
         q, k, v, g, torch.ones(N, T, v.shape[2], device=q.device) if beta is None else beta,
-        initial_state, torch.arange(N, dtype=torch.int32, device=q.device), A_log=A_log, dt_bias=dt_bias, scale=scale,
+        initial_state, slots, A_log=A_log, dt_bias=dt_bias, scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first, step_states=steps, check_indices=False,
