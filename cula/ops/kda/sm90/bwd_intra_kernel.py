@@ -90,9 +90,11 @@ _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the gate factors (see the module
 
 
 @cute.jit
-def _tf32_operand(frags, i, x: Float32):
-    """Element ``i`` of an MMA operand: ``x`` rounded to tf32 (one fragment), or its 3xTF32 ``hi`` and ``lo``
-    parts (two fragments)."""
+def _tf32_operand(frags, i, x: Float32, keep=None):
+    """Element ``i`` of an MMA operand: ``x`` (zero where ``keep`` is false: a diagonal block's triangle) rounded to
+    tf32 (one fragment), or its 3xTF32 ``hi`` and ``lo`` parts (two fragments)."""
+    if const_expr(keep is not None):
+        x = Float32(cutlass.select_(keep, x, Float32(0.0)))
     if const_expr(len(frags) == 1):
         frags[0][i] = round_tf32(x).to(TFloat32)
     else:
@@ -372,13 +374,11 @@ class ChunkKDABwdIntraSm90:
                 cute.autovec_copy(vec_at(sAq, (16 * sub + t_loc, s0 + 2 * c), 2, 2), two_q)
                 cute.autovec_copy(vec_at(sAk, (16 * sub + t_loc, s0 + 2 * c), 2, 2), two_l)
                 for v in cutlass.range_constexpr(2):
-                    xq, xl = two_q[v], two_l[v]
+                    keep = None
                     if const_expr(diag):
                         keep = 8 * ks + 2 * c + v <= t_loc
-                        xq = Float32(cutlass.select_(keep, xq, Float32(0.0)))
-                        xl = Float32(cutlass.select_(keep, xl, Float32(0.0)))
-                    _tf32_operand(fq, hh + 2 * v, xq)
-                    _tf32_operand(fl, hh + 2 * v, xl)
+                    _tf32_operand(fq, hh + 2 * v, two_q[v], keep)
+                    _tf32_operand(fl, hh + 2 * v, two_l[v], keep)
             # B, one n-tile at a time: (k slot c + 4 v <- token s0 + 2 c + v, column 8 nt + g) = k exp2(g_a - g_s)
             for nt in cutlass.range_constexpr(8):
                 ch = ch0 + 8 * nt + g_
@@ -415,14 +415,11 @@ class ChunkKDABwdIntraSm90:
                 s_loc = g_ + 8 * hh
                 for v in cutlass.range_constexpr(2):
                     t = t0 + 2 * c + v
-                    xp = sAq[t, 16 * sub + s_loc]
-                    xc = sAk[t, 16 * sub + s_loc]
+                    keep = None
                     if const_expr(diag):
                         keep = 8 * ks + 2 * c + v >= s_loc
-                        xp = Float32(cutlass.select_(keep, xp, Float32(0.0)))
-                        xc = Float32(cutlass.select_(keep, xc, Float32(0.0)))
-                    _tf32_operand(fp, hh + 2 * v, xp)
-                    _tf32_operand(fc, hh + 2 * v, xc)
+                    _tf32_operand(fp, hh + 2 * v, sAq[t, 16 * sub + s_loc], keep)
+                    _tf32_operand(fc, hh + 2 * v, sAk[t, 16 * sub + s_loc], keep)
             # B, one n-tile at a time: q_t exp2(g_t - g_a) and beta_t k_t exp2(g_t - g_a)
             bts = (sBeta[t0 + 2 * c], sBeta[t0 + 2 * c + 1])
             for nt in cutlass.range_constexpr(8):
