@@ -26,8 +26,8 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   lane, computes the full-K norms with warp butterflies and one gate per lane and K element (``per_head_gate``, Gated
   DeltaNet's: one scalar gate per token and head, activated once), and parks the fp32 results (``q * scale / |q|``,
   ``k / |k|``, ``exp(g)``, the warp's v values and beta) in its own shared-memory slots (about 12.7 KB per warp for
-  K=128).
-  More than 8 tokens are processed in further rounds of 8 (the contract is T <= 8, but nothing breaks above it).
+  K=128). More than 8 tokens are processed in further rounds of 8 (the contract is T <= 8, but nothing breaks above
+  it).
 * **Occupancy**: 128-thread CTAs with ``min_blocks_per_mp=4`` cap ptxas at 128 registers (99-116 used, no
   spills): 16 warps and 64 KB of state loads in flight per SM. T=1 calls (``KdaTuning.single_token_cta``) keep one token
   slot per warp and run 20 one-warp CTAs per SM at 96 registers: each warp's registers come back the moment it
