@@ -12,9 +12,10 @@ check), line info compiled in (so a finding names its source line), and the cach
 module docstring). A finding is attributed to the case whose markers surround it. Exit status: 0 only when every
 tool finished with 0 errors and 0 hazards and every case ran.
 
-Before the tools, the cases run once without a sanitizer (``--no-warm`` skips it): FLA's Triton kernels autotune
-on their first call per shape, and under initcheck (which instruments every kernel) each training case's autotuning
-took minutes; warmed, the tools find the winners in Triton's cache.
+Before the tools, the cases run once without a sanitizer (``--no-warm`` skips it), shared over ``--warm-procs``
+processes: FLA's Triton kernels autotune on their first call per shape, and under initcheck (which instruments every
+kernel) each training case's autotuning took minutes; warmed, the tools find the winners in Triton's cache, and the
+DSL's compiles (the bulk of the plain run) in cula's disk cache.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ def main() -> int:
     ap.add_argument("--split", type=int, default=3, help="processes for each of racecheck and initcheck")
     ap.add_argument("--digest", action="store_true", help="print the kernel sources' digest and exit")
     ap.add_argument("--no-warm", action="store_true", help="skip the cases' plain run (FLA's autotuning) first")
+    ap.add_argument("--warm-procs", type=int, default=6, help="processes sharing the plain run's cases")
+    ap.add_argument("--warm-limit", type=int, default=300, help="seconds each plain-run process may run")
     a = ap.parse_args()
     if a.digest:
         print(kernel_digest())
@@ -135,11 +138,17 @@ def main() -> int:
     tools = a.tools.split(",")
     t0 = time.time()
     if not a.no_warm:
-        with open(os.path.join(a.out, "warm.log"), "w") as log:
-            cases = os.path.join(REPO, "scripts", "sanitize_cases.py")
-            cmd = ["timeout", str(a.limit), sys.executable, cases, *a.names]
-            subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        print(f"[sanitize] cases warmed in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        # the warm run is mostly the DSL compiling each case's variants (CPU-bound, ~4 s a variant): several
+        # processes share it out, and leave the variants in cula's disk cache for the tools' processes to load
+        cases = os.path.join(REPO, "scripts", "sanitize_cases.py")
+        n = a.warm_procs
+        warm = []
+        for i in range(1, n + 1):
+            log = open(os.path.join(a.out, f"warm-{i}of{n}.log"), "w")
+            cmd = ["timeout", str(a.warm_limit), sys.executable, cases, "--group", f"{i}/{n}", *a.names]
+            warm.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+        codes = [p.wait() for p in warm]
+        print(f"[sanitize] cases warmed in {time.time() - t0:.0f} s (exit codes {codes})", file=sys.stderr, flush=True)
     procs = {}
     for tool in tools:
         n = a.split if tool in SPLIT else 1
@@ -184,6 +193,9 @@ def main() -> int:
         details += [f"- {tool}: case failed: `{f}`" for f in failed]
         if not complete:
             details.append(f"- {tool}: did not finish every case (time limit {a.limit} s, or a crash): see its log")
+            for (t, g), p in zip([k for k in procs if k[0] == tool], parts):
+                if not p["summary_seen"] and p["cases"]:
+                    details.append(f"  - process {g}: {p['done']} of its cases done, last started `{p['cases'][-1]}`")
 
     report = [
         "# compute-sanitizer over every cula kernel variant",
