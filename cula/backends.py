@@ -17,6 +17,7 @@ validation and selection. A signature holds everything validation and selection 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import logging
 import os
@@ -262,6 +263,19 @@ def _has_prebuilt(arch: tuple[int, int]) -> bool:
     from cula.cache import has_prebuilt
 
     return has_prebuilt(arch)
+
+
+def fla_reexports(package: str, fla_module: str, names: tuple[str, ...]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that hands out FLA's own functions for the names of ``fla_module`` cula does not
+    accelerate, so that swapping ``fla.ops.X`` for ``cula.X`` in an import line keeps working for every name FLA
+    exports. FLA is imported on first use (``import cula`` stays free of triton)."""
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            return getattr(importlib.import_module(fla_module), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def needs_grad(*tensors) -> bool:

@@ -574,9 +574,29 @@ def test_every_public_function_is_fuzzed():
     import cula.lightning
     import cula.simple_gla
 
-    exported = {n for m in (cula.kda, cula.gated_delta_rule, cula.simple_gla, cula.lightning) for n in m.__all__}
+    packages = (cula.kda, cula.gated_delta_rule, cula.simple_gla, cula.lightning)
+    # names re-exported from FLA as they are: FLA's functions, FLA's argument checks
+    exported = {n for m in packages for n in m.__all__ if n not in getattr(m, "_FLA_ONLY", ())}
     covered = {s.name.split("[")[0] for s in SPECS} | {"chunk_gdn", "fused_recurrent_gdn"}
     assert exported <= covered, sorted(exported - covered)
+
+
+def test_every_name_fla_exports_imports_from_cula():
+    """The import swap (``fla.ops.X`` -> ``cula.X``) works for every public name of FLA's op packages: cula's own
+    function, or FLA's where cula does not accelerate it."""
+    import importlib
+
+    pytest.importorskip("fla")
+    for ours, theirs in (("kda", "kda"), ("gated_delta_rule", "gated_delta_rule"),
+                         ("simple_gla", "simple_gla"), ("lightning", "lightning_attn")):  # fmt: skip
+        cula_mod, fla_mod = importlib.import_module(f"cula.{ours}"), importlib.import_module(f"fla.ops.{theirs}")
+        for name in fla_mod.__all__:
+            fn = getattr(cula_mod, name)
+            assert callable(fn), (ours, name)
+            if name in getattr(cula_mod, "_FLA_ONLY", ()):
+                assert fn is getattr(fla_mod, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        importlib.import_module("cula.simple_gla").nope
 
 
 def test_aliases_are_the_fuzzed_functions():
