@@ -3,6 +3,7 @@
     python scripts/build_wheel.py compile --scope wheel --out build/prebuilt [--jobs N]
     python scripts/build_wheel.py check build/prebuilt --scope wheel     # the manifest covers the list?
     python scripts/build_wheel.py check dist/cula-*.whl --scope smoke    # the same, inside a built wheel
+    python scripts/build_wheel.py estimate --scope wheel [--per-family 4]  # the wheel's size and build time
 
 ``compile`` works on a CPU-only machine: each of ``--jobs`` worker processes lists the variants
 (``cula.variants.planner_variants``), takes every N-th, compiles it for its target with ``cute.compile`` and
@@ -19,8 +20,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,14 +36,28 @@ def _variants(scope: str) -> dict:
     return variants.planner_variants(scope)
 
 
-def _worker(scope: str, out: Path, index: int, jobs: int) -> int:
+def _listed(scope: str, per_family: int = 0) -> list[tuple[tuple, object]]:
+    """The scope's ``(key, build)`` pairs in key order; with ``per_family``, that many of each kernel family's,
+    evenly spaced through its list (a sample for ``estimate``)."""
+    from cula import cache
+
+    items = sorted(_variants(scope).items(), key=lambda kv: cache.key_text(kv[0]))
+    if not per_family:
+        return items
+    families: dict[object, list] = {}
+    for item in items:
+        families.setdefault(item[0][0], []).append(item)
+    return [x for group in families.values() for x in group[:: max(1, len(group) // per_family)][:per_family]]
+
+
+def _worker(scope: str, out: Path, index: int, jobs: int, per_family: int = 0) -> int:
     """Compile and export this worker's share of the variants; prints one line per variant."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from cula import aot, cache
 
     objects = out / "objects"
     failures = 0
-    for i, (key, build) in enumerate(sorted(_variants(scope).items(), key=lambda kv: cache.key_text(kv[0]))):
+    for i, (key, build) in enumerate(_listed(scope, per_family)):
         if i % jobs != index:
             continue
         target = objects / f"{cache.key_digest(key)}.o"
@@ -60,19 +77,29 @@ def _worker(scope: str, out: Path, index: int, jobs: int) -> int:
     return failures
 
 
+def _run_workers(scope: str, out: Path, jobs: int, per_family: int = 0) -> tuple[int, list[str]]:
+    """Compile the scope (or its sample) into ``out/objects`` over ``jobs`` processes: failed workers and the
+    workers' printed lines."""
+    (out / "objects").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CULA_DISK_CACHE="0", CULA_PREBUILT="0", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, __file__, "_worker", scope, str(out)]
+    workers = [subprocess.Popen([*cmd, str(i), str(jobs), str(per_family)], env=env, stdout=subprocess.PIPE,
+                                text=True) for i in range(jobs)]  # fmt: skip
+    lines = []
+    for w in workers:
+        for line in w.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+    return sum(1 for w in workers if w.wait() != 0), lines
+
+
 def compile_all(scope: str, out: Path, jobs: int) -> None:
     from cula import aot, cache
 
-    (out / "objects").mkdir(parents=True, exist_ok=True)
     listed = _variants(scope)
     print(f"{len(listed)} variants in scope {scope!r}, {jobs} workers", flush=True)
     start = time.perf_counter()
-    env = dict(os.environ, CULA_DISK_CACHE="0", CULA_PREBUILT="0", PYTHONPATH=str(REPO))
-    workers = [
-        subprocess.Popen([sys.executable, __file__, "_worker", scope, str(out), str(i), str(jobs)], env=env)
-        for i in range(jobs)
-    ]
-    failed = sum(1 for w in workers if w.wait() != 0)
+    failed, _ = _run_workers(scope, out, jobs)
     compiled = time.perf_counter() - start
     families: dict[str, list[tuple]] = {}
     for key in sorted(listed, key=cache.key_text):
@@ -133,9 +160,46 @@ def check(path: Path, scope: str) -> None:
     print(f"manifest covers all {len(listed)} variants of scope {scope!r} ({len(manifest['variants'])} entries)")
 
 
+def estimate(scope: str, per_family: int, jobs: int) -> None:
+    """The scope's wheel size (its objects deflated, as a wheel's zip stores them) and compile time, from a sample
+    of ``per_family`` variants of each kernel family scaled by the family's count."""
+    from cula import cache
+
+    counts: dict[str, int] = {}
+    for key in _variants(scope):
+        counts[str(key[0])] = counts.get(str(key[0]), 0) + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        _, lines = _run_workers(scope, Path(tmp), jobs, per_family)
+        done = [ln.rstrip("\n").split(" ", 2) for ln in lines if ln.startswith("@@done ")]  # "@@done 1.2s KEY"
+        seconds = {key: float(secs[:-1]) for _, secs, key in done}
+        sizes: dict[str, list[tuple[int, int, float]]] = {}
+        for key, _build in _listed(scope, per_family):
+            path = Path(tmp) / "objects" / f"{cache.key_digest(key)}.o"
+            if path.is_file():
+                data = path.read_bytes()
+                sample = (len(data), len(zlib.compress(data, 6)), seconds.get(cache.key_text(key), 0.0))
+                sizes.setdefault(str(key[0]), []).append(sample)
+    total = [0.0, 0.0, 0.0]
+    print(f"\n{'family':24} {'variants':>8} {'object':>9} {'deflated':>9} {'all objects':>12} {'in a wheel':>11} "
+          f"{'compile':>9}")  # fmt: skip
+    for family, n in sorted(counts.items()):
+        got = sizes.get(family)
+        if not got:
+            print(f"{family:24} {n:8d}  (no sample compiled)")
+            continue
+        raw, packed, secs = (sum(x[i] for x in got) / len(got) for i in range(3))
+        total = [total[0] + n * raw, total[1] + n * packed, total[2] + n * secs]
+        print(f"{family:24} {n:8d} {raw / 1e3:8.1f}K {packed / 1e3:8.1f}K {n * raw / 1e6:11.1f}M "
+              f"{n * packed / 1e6:10.1f}M {n * secs / 3600:8.2f}h")  # fmt: skip
+    print(f"scope {scope!r}: {sum(counts.values())} variants, about {total[1] / 1e6:.0f} MB in a wheel "
+          f"({total[0] / 1e6:.0f} MB of objects installed) and {total[2] / 3600:.1f} core-hours to compile "
+          f"(from {sum(len(v) for v in sizes.values())} sampled variants; each library adds the DSL's static runtime)")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
-        sys.exit(1 if _worker(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])) else 0)
+        failures = _worker(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+        sys.exit(1 if failures else 0)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compile")
@@ -145,10 +209,16 @@ def main() -> None:
     k = sub.add_parser("check")
     k.add_argument("path", type=Path)
     k.add_argument("--scope", default="wheel", choices=("full", "wheel", "smoke"))
+    e = sub.add_parser("estimate")
+    e.add_argument("--scope", default="wheel", choices=("full", "wheel", "smoke"))
+    e.add_argument("--per-family", type=int, default=4)
+    e.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     if args.command == "compile":
         compile_all(args.scope, args.out.resolve(), args.jobs)
+    elif args.command == "estimate":
+        estimate(args.scope, args.per_family, args.jobs)
     else:
         check(args.path, args.scope)
 

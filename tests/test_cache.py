@@ -159,3 +159,17 @@ def test_no_dsl_no_wheel_is_unavailable(monkeypatch, pretend_sm90):
     monkeypatch.setattr(cula.backends, "_has_prebuilt", lambda arch: False)
     ok, why = cula.backends.cula_kernels_on((9, 0))(torch.device("cuda"))
     assert not ok and "nvidia-cutlass-dsl" in why
+
+
+def test_wheel_estimate_samples_every_family(monkeypatch):
+    """``build_wheel.py estimate`` compiles a few variants of every kernel family, spread through its list."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_wheel", os.path.join(REPO, "scripts", "build_wheel.py"))
+    build_wheel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_wheel)
+    listed = {("a", i): None for i in range(10)} | {("b", 0): None}
+    monkeypatch.setattr(build_wheel, "_variants", lambda scope: listed)
+    sample = [key for key, _ in build_wheel._listed("wheel", per_family=3)]
+    assert sample == [("a", 0), ("a", 3), ("a", 6), ("b", 0)]
+    assert len(build_wheel._listed("wheel")) == 11
