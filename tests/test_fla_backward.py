@@ -452,3 +452,34 @@ def test_training_int64_bounds_no_final_state_matches_fla_gpu(kda_tuning, state_
     ours = _step(chunk_kda, leaves, (do, None), **kw)
     fla = _step(fla_chunk_kda, leaves, (do, None), **kw)
     _judge_step(ours, fla, _step_f64(leaves, (do, None), **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+def test_disable_recompute_keeps_the_prefix_gpu(kda_tuning, packed, state_v_first):
+    """``disable_recompute=True`` (the forward keeps g_cum, w, u, qg, kg, h and v_new; FLA's backward takes them):
+    the step's outputs and gradients within FLA's tolerances of the recomputing step's, of FLA 0.6.0's own
+    ``disable_recompute=True`` step and of the float64 reference; GVA, packed with an empty and a one-token
+    sequence, both state layouts, none NaN."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from cula.kda import chunk_kda
+    from cula.testing import assert_close, poisoned_allocations
+
+    torch.manual_seed(4)
+    B, T, N = (1, 330, 4) if packed else (2, 200, 2)
+    leaves, cotangents = _step_inputs(B, T, 2, 4, N)
+    kw = dict(_STEP_FLAGS, state_v_first=state_v_first)
+    if packed:
+        cu = torch.tensor([0, 0, 1, 130, 330], dtype=torch.int32, device="cuda")
+        kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    with poisoned_allocations():
+        kept = _step(chunk_kda, leaves, cotangents, disable_recompute=True, **kw)
+    again = _step(chunk_kda, leaves, cotangents, **kw)
+    for n in leaves:
+        assert_close(f"d{n}", again[2][n].float(), kept[2][n].float(), _GRAD_TOL.get(n, 8e-3))
+    fla = _step(fla_chunk_kda, leaves, cotangents, disable_recompute=True, **kw)
+    _judge_step(kept, fla, _step_f64(leaves, cotangents, **kw))

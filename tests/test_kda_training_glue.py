@@ -194,23 +194,72 @@ def test_training_call_skips_the_bound_launch(monkeypatch):
         assert kb._prepare_chunk_kda_cula_sm90(**args) is None
 
 
+def _plain_call(q):
+    return dict(q=q, k=q, v=q, g=q, beta=q[..., 0], A_log=None, dt_bias=None, initial_state=None, scale=0.1,
+                output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=True, lower_bound=None,
+                state_v_first=False, cu_seqlens=None, chunk_size=64)  # fmt: skip
+
+
+def _prefix_forward(monkeypatch, with_prefix: bool) -> list:
+    """Our forward replaced by one that returns marked prefix tensors (or None, as where FLA's intra stage runs)
+    and FLA's backward by a recorder; returns the recorded chunk_kda_bwd keyword sets."""
+    import cula.kda.forward as chunk_fwd
+
+    calls = []
+
+    def forward(q, k, v, g, beta, initial_state, output_final_state, keep_scores=False, keep_prefix=False, **kw):
+        assert keep_scores
+        scores = (v.detach() * 2, None, torch.ones_like(v), torch.ones_like(v) * 2)
+        if not keep_prefix:
+            return scores
+        marks = {n: torch.full_like(v, i + 3.0) for i, n in enumerate(("g", "w", "u", "qg", "kg"))}
+        return (*scores, marks if with_prefix else None)
+
+    def bwd(qk_rstd=None, **kw):
+        calls.append(kw)
+        return (kw["q"].float(), kw["k"].float(), kw["v"].float(), kw["beta"].float(), kw["g"].float(), None, None,
+                None)  # fmt: skip
+
+    monkeypatch.setattr(chunk_fwd, "chunk_kda_fwd_sm90", forward)
+    monkeypatch.setattr(kb, "_forward_states", lambda prefix, *a: dict(h=prefix["w"] * 10, v_new=prefix["u"] * 10))
+    monkeypatch.setattr(fla_backward, "chunk_kda_bwd", bwd)
+    monkeypatch.setattr(fla_backward, "recompute_on_cula", lambda *a: pytest.fail("the prefix was recomputed"))
+    monkeypatch.setattr(kb, "_said_recompute", [])
+    return calls
+
+
+def test_disable_recompute_keeps_what_the_backward_reads(monkeypatch):
+    """disable_recompute=True (FLA's switch to keep the intermediates instead of recomputing them): the forward's
+    g_cum, w, u, qg, kg and the states it computed reach FLA's backward as they are, with disable_recompute=True."""
+    calls = _prefix_forward(monkeypatch, with_prefix=True)
+    q = torch.randn(1, 4, 2, 128, requires_grad=True)
+    with torch.enable_grad():
+        o, _ = kb.chunk_kda_cula_sm90(**_plain_call(q), disable_recompute=True)
+        o.sum().backward()
+    (kw,) = calls
+    assert kw["disable_recompute"] is True
+    for i, name in enumerate(("g", "w", "u", "qg", "kg")):
+        assert torch.equal(kw[name], torch.full_like(q, i + 3.0)), name
+    assert torch.equal(kw["h"], torch.full_like(q, 40.0)) and torch.equal(kw["v_new"], torch.full_like(q, 50.0))
+
+
 def test_disable_recompute_is_said_once(monkeypatch, caplog):
-    """disable_recompute=True on cula's training path changes nothing but is not silent: one INFO line a process
-    says the backward recomputes."""
+    """Where the forward cannot keep them (FLA's intra stage ran), disable_recompute=True changes nothing but is not
+    silent: one INFO line a process says the backward recomputes; without it the backward recomputes unsaid."""
     import logging
 
-    monkeypatch.setattr(kb, "_said_recompute", [])
-    monkeypatch.setattr(kb._ChunkKDATraining, "apply", lambda *a: "trained")
+    calls = _prefix_forward(monkeypatch, with_prefix=False)
+    monkeypatch.setattr(fla_backward, "recompute_on_cula", lambda *a: False)
+    monkeypatch.setattr(ff, "chunk_local_cumsum", lambda g, **kw: g.float())
     q = torch.randn(1, 4, 2, 128, requires_grad=True)
-    args = dict(q=q, k=q, v=q, g=q, beta=q[..., 0], A_log=None, dt_bias=None, initial_state=None, scale=0.1,
-                output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None,
-                state_v_first=False, cu_seqlens=None, chunk_size=64)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="cula"), torch.enable_grad():
         for recompute in (False, True, True):
-            assert kb.chunk_kda_cula_sm90(**args, disable_recompute=recompute) == "trained"
+            o, _ = kb.chunk_kda_cula_sm90(**_plain_call(q), disable_recompute=recompute)
+            o.sum().backward()
     said = [r for r in caplog.records if "disable_recompute" in r.getMessage()]
     assert len(said) == 1 and "recomputes" in said[0].getMessage()
+    assert [kw["disable_recompute"] for kw in calls] == [False] * 3
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])

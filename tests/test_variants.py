@@ -319,12 +319,16 @@ def test_recording_compiles_nothing(monkeypatch):
     assert listed and not built and all(callable(b) for b in listed.values())
 
 
-def test_chunk_variants_all_reachable(requested, kda_tuning):
+def test_chunk_variants_all_reachable(requested, kda_tuning, monkeypatch):
     """Every listed chunk_kda variant (intra, state/output, the one-call launch, the segment summary and chain) is
-    asked for by some public call: fixed and packed inference (general path and plan), training, FLA's intra stage, the
-    time-segmented launch and calls cut in time, over every dtype and flag the backend accepts."""
-    from cula.kda import chunk_kda
+    asked for by some public call: fixed and packed inference (general path and plan), training (with and without
+    ``disable_recompute``), FLA's intra stage, the time-segmented launch and calls cut in time, over every dtype and
+    flag the backend accepts."""
+    from cula.kda import backends, chunk_kda
     from cula.time_split import SplitThresholds
+
+    # disable_recompute's states come from FLA's Triton kernel, which needs a GPU
+    monkeypatch.setattr(backends, "_forward_states", lambda prefix, *a: {"h": prefix["w"], "v_new": prefix["u"]})
 
     grid = (
         (BF16, FP16), (FP32, BF16, FP16), (BF16, FP16, FP32),  # q/k/v, g, beta
@@ -333,10 +337,13 @@ def test_chunk_variants_all_reachable(requested, kda_tuning):
         (False, True), (False, True), (False, True),  # initial state, final state, state_v_first
     )
     cut = SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=64, min_seq_len=128)
-    forms = {  # (B, packed, training, tuning)
-        "fixed": (2, False, False, {}), "packed": (1, True, False, {}), "training": (2, False, True, {}),
-        "training_packed": (1, True, True, {}), "segmented": (1, False, False, {"overlap_state_min_tokens": 64}),
-        "cut": (1, False, False, {"time_split": cut}), "cut_packed": (1, True, False, {"time_split": cut}),
+    kept = {"disable_recompute": True}
+    forms = {  # (B, packed, training, tuning, call)
+        "fixed": (2, False, False, {}, {}), "packed": (1, True, False, {}, {}), "training": (2, False, True, {}, {}),
+        "training_packed": (1, True, True, {}, {}), "training_kept": (2, False, True, {}, kept),
+        "training_kept_packed": (1, True, True, {}, kept),
+        "segmented": (1, False, False, {"overlap_state_min_tokens": 64}, {}),
+        "cut": (1, False, False, {"time_split": cut}, {}), "cut_packed": (1, True, False, {"time_split": cut}, {}),
     }  # fmt: skip
     H, HV, K, T = 1, 2, 128, 200
     for io, g_dt, b_dt, gate, l2, (sig, neg), h0, ht, svf in itertools.product(*grid):
@@ -345,11 +352,11 @@ def test_chunk_variants_all_reachable(requested, kda_tuning):
         if gate == "safe_sigmoid":
             kw.update(use_gate_in_kernel=True, A_log=_rnd(HV, dtype=FP32), dt_bias=_rnd(HV * K, dtype=FP32),
                       lower_bound=-5.0)  # fmt: skip
-        for B, packed, training, tuning in forms.values():
+        for B, packed, training, tuning, extra in forms.values():
             x = dict(q=_rnd(B, T, H, K, dtype=io, requires_grad=training), k=_rnd(B, T, H, K, dtype=io),
                      v=_rnd(B, T, HV, K, dtype=io), g=-_rnd(B, T, HV, K, dtype=g_dt).abs(),
                      beta=_rnd(B, T, HV, dtype=b_dt))  # fmt: skip
-            call, N = dict(kw), B
+            call, N = dict(kw, **extra), B
             if packed:
                 cu = torch.tensor([0, 150, 200], dtype=torch.int32)
                 call.update(cu_seqlens=cu, cu_seqlens_cpu=cu)

@@ -136,31 +136,69 @@ class _ChunkKDATraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts):
-        o, final_state, Aqk, Akk = _training_forward(
-            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts
+        keep = opts.get("disable_recompute", False)
+        o, final_state, Aqk, Akk, *prefix = _training_forward(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts, keep_prefix=keep
         )
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, Aqk, Akk)
+        prefix = prefix[0] if prefix else None
+        saved = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, Aqk, Akk)
+        ctx.save_for_backward(*saved, *(prefix[n] for n in PREFIX) if prefix else ())
         ctx.opts = opts
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        return (*_training_backward(ctx.saved_tensors, ctx.opts, do, dht), None, None, None)
+        saved = ctx.saved_tensors
+        prefix = dict(zip(PREFIX, saved[12:])) if len(saved) > 12 else None
+        return (*_training_backward(saved[:12], ctx.opts, do, dht, prefix), None, None, None)
 
 
-def _training_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts):
-    """``_ChunkKDATraining``'s forward: ``(o, final_state, Aqk, Akk)``."""
+# what FLA's backward recomputes before its first gradient stage, kept by the forward under disable_recompute=True
+PREFIX = ("g", "w", "u", "qg", "kg", "h", "v_new")
+
+
+def _training_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts,
+                      keep_prefix=False):  # fmt: skip
+    """``_ChunkKDATraining``'s forward: ``(o, final_state, Aqk, Akk)``, and with ``keep_prefix`` (FLA's
+    ``disable_recompute=True``) a fifth item: the tensors of ``PREFIX`` for FLA's backward, or None (logged once)
+    where cula's intra kernel does not run and the backward recomputes them."""
     from cula.kda.forward import chunk_kda_fwd_sm90
 
-    return chunk_kda_fwd_sm90(
+    opts = {n: x for n, x in opts.items() if n != "disable_recompute"}
+    out = chunk_kda_fwd_sm90(
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, keep_scores=True, **opts,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, keep_scores=True, keep_prefix=keep_prefix, **opts,
     )  # fmt: skip
+    if not keep_prefix:
+        return out
+    *head, prefix = out
+    if prefix is None:  # (or no tokens: nothing to keep)
+        if q.shape[1] > 0:
+            _say_recompute("FLA's intra stage ran (no safe_gate, or gates cula's intra kernel does not take)")
+        return (*head, None)
+    prefix.update(_forward_states(prefix, initial_state, cu_seqlens, cu_seqlens_cpu, q.shape[1], opts))
+    return (*head, prefix)
 
 
-def _training_backward(saved, p, do, dht):
+def _forward_states(prefix, initial_state, cu_seqlens, cu_seqlens_cpu, T, opts) -> dict:
+    """h (the state before every chunk, in q's dtype) and v_new for FLA's backward, by FLA's
+    ``chunk_gated_delta_rule_fwd_h`` as FLA's forward makes them under ``disable_recompute=True``."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    chunk_indices, chunk_offsets = _backward_chunks(cu_seqlens, cu_seqlens_cpu, T, False)
+    with torch.cuda.device(prefix["w"].device):
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(
+            k=prefix["kg"], w=prefix["w"], u=prefix["u"], gk=prefix["g"], initial_state=initial_state,
+            output_final_state=False, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
+            chunk_size=64, state_v_first=opts["state_v_first"],
+        )  # fmt: skip
+    return dict(h=h, v_new=v_new)
+
+
+def _training_backward(saved, p, do, dht, kept=None):
     """``_ChunkKDATraining``'s backward from what its forward saved: the gradients of q, k, v, g, beta, A_log, dt_bias
-    and the initial state (None where FLA gives none)."""
+    and the initial state (None where FLA gives none). ``kept``: the forward's ``PREFIX`` tensors
+    (``disable_recompute=True``), which FLA's backward then takes instead of recomputing them."""
     import fla.ops.kda.chunk as fc
     import fla.ops.kda.chunk_fwd as ff
 
@@ -190,7 +228,10 @@ def _training_backward(saved, p, do, dht):
         graph = bool(p.get("use_graph"))
         chunk_indices, chunk_offsets = _backward_chunks(cu, cu_cpu, q.shape[1], graph)
         g_cum, prefix = None, {}
-        if fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
+        if kept is not None:
+            prefix = dict(kept)
+            g_cum = prefix.pop("g")
+        elif fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
             prefix = fla_backward.recompute_prefix(q_raw, k_raw, v, g_raw, beta_raw, A_log, dt_bias, h0, cu,
                                                    chunk_indices, chunk_offsets, p)  # fmt: skip
             g_cum = prefix.pop("g")
@@ -248,6 +289,13 @@ def _backward_chunks(cu, cu_cpu, T: int, graph: bool):
 _said_recompute: list[bool] = []  # disable_recompute's note, logged once a process
 
 
+def _say_recompute(why: str) -> None:
+    if not _said_recompute:
+        _said_recompute.append(True)
+        logger.info("chunk_kda: disable_recompute=True on cula-sm90, but the backward recomputes its intermediates "
+                    "(the same gradients, FLA's default activation memory): %s", why)  # fmt: skip
+
+
 # The intra-chunk stage still comes from FLA's Triton kernels, hence needs=("fla",).
 @chunk_kda_registry.register(
     "cula-sm90",
@@ -266,11 +314,9 @@ def chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
     # cula.kda.forward)
     opts = _cula_chunk_args(**_ready_inputs(args))
     if needs_grad(*(args[n] for n in _GRAD_TENSORS)):
-        if args.get("disable_recompute") and not _said_recompute:
-            _said_recompute.append(True)
-            logger.info("chunk_kda: disable_recompute=True on cula-sm90: the backward recomputes its intermediates "
-                        "(the same gradients, FLA's default activation memory)")  # fmt: skip
         tensors = [opts.pop(n) for n in (*_GRAD_TENSORS, "cu_seqlens")]
+        if args.get("disable_recompute"):
+            opts["disable_recompute"] = True
         return _ChunkKDATraining.apply(*tensors, cu_seqlens_cpu, opts)
     return chunk_kda_fwd_sm90(cu_seqlens_cpu=cu_seqlens_cpu, **opts)
 
@@ -300,6 +346,8 @@ def _training_call(args: dict) -> tuple[list, dict]:
 
 def chunk_kda_training_forward(args: dict) -> tuple:
     """``(o, final_state, Aqk, Akk)`` of a validated training call on cula's kernels, nothing recorded."""
+    if args.get("disable_recompute"):
+        _say_recompute("torch.compile's chunk_kda op hands its backward only the scores")
     tensors, opts = _training_call(args)
     return _training_forward(*tensors, args["cu_seqlens_cpu"], opts)
 

@@ -62,8 +62,9 @@ def chunk_kda_fwd_sm90(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     keep_scores: bool = False,
+    keep_prefix: bool = False,
     use_graph: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+) -> tuple:
     """KDA forward (FLA's ``ChunkKDAFunction.forward``; with ``keep_scores`` also the intra stage's Aqk and Akk
     that FLA's forward saves for its backward).
 
@@ -93,11 +94,17 @@ def chunk_kda_fwd_sm90(
             ``Akk`` (``(I + beta k k^T o exp(g_t - g_s))^-1``, unit lower-triangular), both ``[B, T, HV, 64]`` in
             q's dtype, as FLA 0.6.0's ``chunk_kda_fwd_intra`` returns them (cula's intra kernel writes Aqk's
             upper triangle as zeros).
+        keep_prefix: with ``keep_scores``, also what FLA's backward would recompute before its first gradient
+            stage, as far as the intra stage makes it: ``{"g": g_cum, "w", "u", "qg", "kg"}`` (g_cum fp32 with every
+            row written, the rest in q's dtype), where cula's intra kernel runs; None where FLA's intra stage does.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None;
-        ``(o, final_state, Aqk, Akk)`` with ``keep_scores``.
+        ``(o, final_state, Aqk, Akk)`` with ``keep_scores``, ``(o, final_state, Aqk, Akk, prefix)`` with
+        ``keep_prefix`` too.
     """
+    if keep_prefix and not keep_scores:
+        raise ValueError("keep_prefix needs keep_scores")
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
     B, T, H, K = q.shape
@@ -123,7 +130,8 @@ def chunk_kda_fwd_sm90(
         if final_state is not None:
             final_state.copy_(initial_state if initial_state is not None else torch.zeros_like(final_state))
         if keep_scores:
-            return o, final_state, q.new_empty(B, 0, HV, 64), q.new_empty(B, 0, HV, 64)
+            scores = (o, final_state, q.new_empty(B, 0, HV, 64), q.new_empty(B, 0, HV, 64))
+            return (*scores, None) if keep_prefix else scores
         return o, final_state
 
     chunk_indices = cu32 = None
@@ -142,7 +150,7 @@ def chunk_kda_fwd_sm90(
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, keep_akk=keep_scores,
-            zero_kg=use_graph,
+            zero_kg=use_graph, full_g_cum=keep_prefix,
         )  # fmt: skip
     else:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_fla(
@@ -156,6 +164,9 @@ def chunk_kda_fwd_sm90(
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states)
     else:
         parallel_segment_states(split, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, **states)
+    if keep_prefix:
+        prefix = dict(g=g_cum, w=w, u=u, qg=qg, kg=kg) if cute_intra else None
+        return o, final_state, Aqk, Akk, prefix
     if keep_scores:
         return o, final_state, Aqk, Akk
     return o, final_state
