@@ -20,7 +20,8 @@ the backward, the backward's workspace, the gradients).
 Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--bwd-dhu] [--bwd-wy-dqkg]
 [--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]] [--bwd-recompute-intra]
 [--also NAME=FLAG[,FLAG...] ...]``: ``--also`` times cula's side again with more stages on, in the same process
-(FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``.
+(FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``;
+``disable_recompute`` among the flags calls cula's side with that argument (peak memory beside the time).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     # after the timings, so that neither side's first call (compilation, FLA's autotuning) is in its peak
     fla_peak = step_peak_mib(maker(fla_fn)(fresh(sets[0])))
 
-    def cula_side(label: str, fla_out: tuple) -> dict[str, Any]:
+    def cula_side(label: str, fla_out: tuple, cula_fn=cula_fn) -> dict[str, Any]:
         backend, per_output = "unknown", {}
         try:
             cula_out, backend = bc.call_recording_backend(maker(cula_fn)(fresh(sets[0])), work.registry)
@@ -164,8 +165,10 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     main = cula_side("cula", fla_out)
     also = {}
     for name, stages in getattr(args, "also", None) or ():
-        with _stages_on(stages):
-            also[name] = {"stages": list(stages), **cula_side(name, fla_out)}
+        call = {f: True for f in stages if f in _CALL_FLAGS}
+        fn = functools.partial(cula_fn, **call) if call else cula_fn
+        with _stages_on(tuple(f for f in stages if f not in _CALL_FLAGS)):
+            also[name] = {"stages": list(stages), **cula_side(name, fla_out, fn)}
     del fla_out
     row = {
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
@@ -194,14 +197,19 @@ _STAGE_FLAGS = ("bwd_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_
                 "bwd_recompute_intra")  # fmt: skip
 
 
+# call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)
+_CALL_FLAGS = ("disable_recompute",)
+
+
 def _also(text: str) -> tuple[str, tuple[str, ...]]:
-    """``--also NAME=FLAG[,FLAG...]`` (``KdaTuning`` flag names, on top of the run's stages)."""
+    """``--also NAME=FLAG[,FLAG...]`` (``KdaTuning`` flag names, on top of the run's stages, or ``_CALL_FLAGS``:
+    cula's call with that argument True)."""
     name, _, flags = text.partition("=")
     stages = tuple(f.strip() for f in flags.split(",") if f.strip())
-    bad = [f for f in stages if f not in _STAGE_FLAGS]
+    bad = [f for f in stages if f not in _STAGE_FLAGS + _CALL_FLAGS]
     if not name.isidentifier() or not stages or bad:
-        raise argparse.ArgumentTypeError(f"--also wants NAME=FLAG[,FLAG...] with flags among {_STAGE_FLAGS}, "
-                                         f"got {text!r}")  # fmt: skip
+        raise argparse.ArgumentTypeError(f"--also wants NAME=FLAG[,FLAG...] with flags among "
+                                         f"{_STAGE_FLAGS + _CALL_FLAGS}, got {text!r}")  # fmt: skip
     return name, stages
 
 

@@ -161,18 +161,21 @@ def test_training_also_times_more_stage_sets(cpu_bench, monkeypatch):
 
     for name, value in (("H", 2), ("HV", 2), ("K", 8), ("V", 8)):
         monkeypatch.setattr(kp, name, value)
-    seen = []
+    seen, kept = [], []
 
-    def cula_step(**kw):
+    def cula_step(disable_recompute=False, **kw):
         seen.append(KDA_TUNING.get((9, 0)).bwd_intra_gate)
+        kept.append(disable_recompute)
         return _fake_training_step(**kw)
 
-    args = kt.parse_args(["--iters", "2", "--warmup", "1", "--also", "gate=bwd_intra_gate"])
-    assert args.also == [("gate", ("bwd_intra_gate",))]
+    args = kt.parse_args(["--iters", "2", "--warmup", "1", "--also", "gate=bwd_intra_gate",
+                          "--also", "kept=disable_recompute"])  # fmt: skip
+    assert args.also == [("gate", ("bwd_intra_gate",)), ("kept", ("disable_recompute",))]
     row = kt.run_config(kp.Config("fixed", 1, 16, (16,)), _fake_training_step, cula_step, args)
     assert row["also"]["gate"]["check"] == "ok" and row["also"]["gate"]["stages"] == ["bwd_intra_gate"]
-    assert row["gate_ms"] > 0 and row["gate_speedup"] > 0 and row["cula_ms"] > 0
+    assert row["gate_ms"] > 0 and row["gate_speedup"] > 0 and row["cula_ms"] > 0 and row["kept_ms"] > 0
     assert False in seen and True in seen and not KDA_TUNING.get((9, 0)).bwd_intra_gate
+    assert False in kept and True in kept
     for bad in ("gate", "gate=bwd_nothing", "1x=bwd_intra_gate"):
         with pytest.raises(SystemExit):
             kt.parse_args(["--also", bad])
