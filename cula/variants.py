@@ -68,8 +68,12 @@ def _kda_chunk(scope: str) -> None:
                          state_v_first=svf, aqk_causal=True)  # fmt: skip
             fwd_launch.compiled_variant(options, state, varlen=varlen)
         intra.compiled_variant(varlen=False, **options)  # the segmented launch's intra kernel
-    # the training forward under disable_recompute=True: every row of g_cum beside Akk, kept for the backward
+    # the training forward under disable_recompute=True: every row of g_cum beside Akk, and the states kernel
+    # writing h and v_new, kept for the backward
     _kda_intra_variants(d, g_cum_last_only=False, write_akk=True)
+    for dt, varlen, h0, ht, svf in itertools.product(d["io"], _B, _B, _B, _B):
+        dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
+                            aqk_causal=True, store_states=True)  # fmt: skip
     # the time-parallel path (cula.kda.plan.parallel_segments): every segment's summary and the chain of true
     # starts before the state/output kernel (whose packed variants are above)
     for dt, svf in itertools.product(d["io"], _B):

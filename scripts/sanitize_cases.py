@@ -46,7 +46,7 @@ def _cu(lens):
 
 
 def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=True, v_first=False, cpu_copy=True,
-               grad=False, neg=False):  # fmt: skip
+               grad=False, neg=False, keep=False):  # fmt: skip
     """One chunk_kda call: fixed (lens an int T, B sequences) or packed (lens a list, B = 1)."""
     from cula.kda import chunk_kda
 
@@ -76,7 +76,7 @@ def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=T
     if grad:
         for t in (q, k, v, g, beta):
             t.requires_grad_(True)
-        o, ht = chunk_kda(q, k, v, g, beta, **kw)
+        o, ht = chunk_kda(q, k, v, g, beta, disable_recompute=keep, **kw)
         (o.float().sum() + ht.sum()).backward()
         return o
     with torch.inference_mode():
@@ -203,6 +203,14 @@ def gdn_training_per_head_gate():
 def kda_training_forward():
     # autograd on: the intra kernel's write_akk variant (FLA's Triton backward is not ours to check)
     _kda_chunk(1, [70, 0, 65], 1, 2, grad=True)
+
+
+@case
+def kda_training_disable_recompute():
+    # the training forward keeping FLA's backward's intermediates: the intra kernel writing every g_cum row beside
+    # Akk, the states kernel writing h and v_new (DeltaHFwdOStatesSm90); fixed and packed, both layouts
+    _kda_chunk(2, 130, 1, 2, grad=True, keep=True)
+    _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True, keep=True)
 
 
 @case

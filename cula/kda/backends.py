@@ -160,8 +160,9 @@ PREFIX = ("g", "w", "u", "qg", "kg", "h", "v_new")
 def _training_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts,
                       keep_prefix=False):  # fmt: skip
     """``_ChunkKDATraining``'s forward: ``(o, final_state, Aqk, Akk)``, and with ``keep_prefix`` (FLA's
-    ``disable_recompute=True``) a fifth item: the tensors of ``PREFIX`` for FLA's backward, or None (logged once)
-    where cula's intra kernel does not run and the backward recomputes them."""
+    ``disable_recompute=True``) a fifth item: the tensors of ``PREFIX`` for FLA's backward (the intra kernel's and
+    the states kernel's ``DeltaHFwdOStatesSm90``), or None (logged once) where cula's intra kernel does not run and
+    the backward recomputes them."""
     from cula.kda.forward import chunk_kda_fwd_sm90
 
     opts = {n: x for n, x in opts.items() if n != "disable_recompute"}
@@ -171,28 +172,9 @@ def _training_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
     )  # fmt: skip
     if not keep_prefix:
         return out
-    *head, prefix = out
-    if prefix is None:  # (or no tokens: nothing to keep)
-        if q.shape[1] > 0:
-            _say_recompute("FLA's intra stage ran (no safe_gate, or gates cula's intra kernel does not take)")
-        return (*head, None)
-    prefix.update(_forward_states(prefix, initial_state, cu_seqlens, cu_seqlens_cpu, q.shape[1], opts))
-    return (*head, prefix)
-
-
-def _forward_states(prefix, initial_state, cu_seqlens, cu_seqlens_cpu, T, opts) -> dict:
-    """h (the state before every chunk, in q's dtype) and v_new for FLA's backward, by FLA's
-    ``chunk_gated_delta_rule_fwd_h`` as FLA's forward makes them under ``disable_recompute=True``."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-
-    chunk_indices, chunk_offsets = _backward_chunks(cu_seqlens, cu_seqlens_cpu, T, False)
-    with torch.cuda.device(prefix["w"].device):
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(
-            k=prefix["kg"], w=prefix["w"], u=prefix["u"], gk=prefix["g"], initial_state=initial_state,
-            output_final_state=False, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
-            chunk_size=64, state_v_first=opts["state_v_first"],
-        )  # fmt: skip
-    return dict(h=h, v_new=v_new)
+    if out[-1] is None and q.shape[1] > 0:  # (no tokens: nothing to keep)
+        _say_recompute("FLA's intra stage ran (no safe_gate, or gates cula's intra kernel does not take)")
+    return out
 
 
 def _training_backward(saved, p, do, dht, kept=None):

@@ -159,17 +159,36 @@ def chunk_kda_fwd_sm90(
         )  # fmt: skip
     # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
+    prefix = None
+    if keep_prefix and cute_intra:  # the recurrence in one piece, writing every chunk's state and v_new too
+        prefix = dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, **_state_outputs(u, cu32, chunk_indices, state_v_first))
+        chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states,
+                                     h=prefix["h"], v_new=prefix["v_new"], chunk_offsets=prefix.pop("offsets"))
+        return o, final_state, Aqk, Akk, prefix
     split = None if use_graph else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
     if split is None:
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states)
     else:
         parallel_segment_states(split, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, **states)
     if keep_prefix:
-        prefix = dict(g=g_cum, w=w, u=u, qg=qg, kg=kg) if cute_intra else None
-        return o, final_state, Aqk, Akk, prefix
+        return o, final_state, Aqk, Akk, None
     if keep_scores:
         return o, final_state, Aqk, Akk
     return o, final_state
+
+
+def _state_outputs(u, cu32, chunk_indices, state_v_first) -> dict:
+    """Room for the states kernel's ``h`` and ``v_new`` (the shapes FLA's ``chunk_gated_delta_rule_fwd_h`` returns)
+    and, packed, each sequence's first chunk in ``h`` (on the device: no host read)."""
+    B, T, HV, V = u.shape
+    if cu32 is None:
+        NT, offsets = -(-T // 64), None
+    else:
+        NT = chunk_indices.shape[0]
+        lens = cu32[1:] - cu32[:-1]
+        offsets = torch.cat([cu32.new_zeros(1), ((lens + 63) // 64).cumsum(0)]).to(torch.int32)
+    h = u.new_empty((B, NT, HV, V, V))  # K = V = 128
+    return dict(h=h, v_new=torch.empty_like(u), offsets=offsets)
 
 
 def parallel_segment_states(

@@ -41,12 +41,18 @@ _VARIANTS += [
     {"dtype": "BFloat16", "varlen": vl, "has_h0": True, "has_ht": True, "state_v_first": True, "aqk_causal": True}
     for vl in (False, True)
 ]
+# the training forward under disable_recompute=True: also h and v_new (DeltaHFwdOStatesSm90)
+_VARIANTS += [
+    {"dtype": "BFloat16", "varlen": vl, "has_h0": True, "has_ht": True, "state_v_first": vf, "aqk_causal": True,
+     "store_states": True}
+    for vl in (False, True) for vf in (False, True)
+]  # fmt: skip
 
 _COMPILE_SCRIPT = dump_script(
     "import cutlass\nfrom cula.ops.kda.sm90 import delta_h_fwd_o as M",
     """
     M._compile(getattr(cutlass, v["dtype"]), 3, v["varlen"], v["has_h0"], v["has_ht"], v["state_v_first"],
-               extra_options=opts, aqk_causal=v.get("aqk_causal", False))
+               extra_options=opts, aqk_causal=v.get("aqk_causal", False), store_states=v.get("store_states", False))
     """,
 )
 
@@ -60,14 +66,16 @@ def _vid(v):
     return "-".join(
         [v["dtype"], "varlen" if v["varlen"] else "fixed", "h0" if v["has_h0"] else "noh0",
          "ht" if v["has_ht"] else "noht", "vfirst" if v["state_v_first"] else "kfirst"]
-        + (["causal"] if v.get("aqk_causal") else [])
+        + (["causal"] if v.get("aqk_causal") else []) + (["states"] if v.get("store_states") else [])
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=[_vid(v) for v in _VARIANTS])
 def test_variant_compiles_sm90a(compiled_variants, idx):
     res = compiled_variants[idx]
-    assert_wgmma_kernel(res)
+    states = _VARIANTS[idx].get("store_states", False)
+    # the packed store_states variants spill a little (DeltaHFwdOStatesSm90's docstring)
+    assert_wgmma_kernel(res, spill_bytes=32 if states else 0)
     assert res["cubins"]
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:
@@ -81,7 +89,7 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     assert "UTMALDG" in sass and "USETMAXREG" in sass
     if _VARIANTS[idx].get("aqk_causal"):  # full chunks' o: transposed stmatrix + TMA store
         assert "UTMASTG" in sass and "STSM.16.MT88.4" in sass
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local-memory traffic (spills)"
+    assert states or not re.search(r"\b(LDL|STL)\b", sass), "local-memory traffic (spills)"
     regs = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
     assert regs <= 232, regs  # the consumer budget after setmaxnreg
 
@@ -256,12 +264,23 @@ def test_kernel_vs_fla_stages(case, aqk_causal):
 
     o = poison_(torch.empty_like(o_ref))
     ht = poison_(torch.empty_like(ht_ref))
+    stored = {}
+    if aqk_causal:  # and the states FLA's backward reads (DeltaHFwdOStatesSm90), as chunk_kda_fwd_sm90 asks
+        from cula.kda.forward import _state_outputs
+
+        stored = _state_outputs(u, cu, ci, vf)
+        stored = dict(h=poison_(stored["h"]), v_new=poison_(stored["v_new"]), chunk_offsets=stored["offsets"])
     chunk_kda_delta_h_fwd_o_sm90(
-        w, u, kg, qg, g_cum, A_poisoned, o, h0, ht, cu, scale=scale, state_v_first=vf, aqk_causal=aqk_causal
-    )
+        w, u, kg, qg, g_cum, A_poisoned, o, h0, ht, cu, scale=scale, state_v_first=vf, aqk_causal=aqk_causal,
+        **stored,
+    )  # fmt: skip
     torch.cuda.synchronize()
     assert_close("o vs fla", o_ref, o, RATIO)
     assert_close("final_state vs fla", ht_ref, ht, RATIO)
+    if stored:
+        assert stored["h"].shape == h.shape
+        assert_close("h vs fla", h.float(), stored["h"].float(), RATIO)
+        assert_close("v_new vs fla", v_new.float(), stored["v_new"].float(), RATIO)
     o64, ht64 = _reference_for(case)
     assert_close("o vs float64", o64, o, RATIO)
     assert_close("final_state vs float64", ht64, ht, RATIO)

@@ -22,9 +22,11 @@ def __getattr__(name):
 
 
 def variant_key(dtype="BFloat16", num_stages=3, varlen=False, has_h0=False, has_ht=False, state_v_first=False,
-                arch=(9, 0), aqk_causal=False) -> tuple:  # fmt: skip
-    """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype."""
-    return ("kda.delta_h_fwd_o", "DeltaHFwdOFusedSm90", dsl_name(dtype), 128, 128, 64, num_stages,
+                arch=(9, 0), aqk_causal=False, store_states=False) -> tuple:  # fmt: skip
+    """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype. ``store_states``:
+    ``DeltaHFwdOStatesSm90`` (also h and v_new)."""
+    name = "DeltaHFwdOStatesSm90" if store_states else "DeltaHFwdOFusedSm90"
+    return ("kda.delta_h_fwd_o", name, dsl_name(dtype), 128, 128, 64, num_stages,
             varlen, has_h0, has_ht, state_v_first, arch, ("aqk_causal", aqk_causal))  # fmt: skip
 
 
@@ -34,7 +36,8 @@ def compiled(key: tuple):
     return compiled_kernel(
         key,
         lambda: kernel_attr(__name__, "_compile")(
-            dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch, aqk_causal=aqk_causal
+            dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch, aqk_causal=aqk_causal,
+            store_states=key[1] == "DeltaHFwdOStatesSm90",
         ),
     )
 
@@ -59,8 +62,11 @@ def chunk_kda_delta_h_fwd_o_sm90(
     state_v_first: bool = False,
     chunk_size: int = 64,
     aqk_causal: bool = False,
+    h: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> None:
-    """KDA inter-chunk forward on SM90: writes ``o`` (and ``final_state``) in place.
+    """KDA inter-chunk forward on SM90: writes ``o`` (and ``final_state``, ``h``, ``v_new``) in place.
 
     Inputs are the outputs of FLA's ``chunk_local_cumsum`` + ``chunk_kda_fwd_intra(..., disable_recompute=True)``:
 
@@ -81,6 +87,12 @@ def chunk_kda_delta_h_fwd_o_sm90(
         chunk_size: must be 64.
         aqk_causal: Aqk's upper triangle holds zeros (cula's intra kernel writes them), so the kernel need not
             mask it; with False (FLA's intra stage leaves it unspecified) the kernel zeroes it in shared memory.
+        h, v_new: with ``aqk_causal``, also written (both or neither): FLA's ``chunk_gated_delta_rule_fwd_h``
+            outputs, ``h`` ``[B, NT, HV, K, V]`` (``[B, NT, HV, V, K]`` if ``state_v_first``; NT the chunks of a
+            sequence, or of all of them when packed) in w's dtype, the state before each chunk, and ``v_new``
+            ``[B, T, HV, V]``, ``u - w h``.
+        chunk_offsets: ``[N + 1]`` int32, each packed sequence's first chunk in ``h`` (FLA's
+            ``prepare_chunk_offsets``); with ``h`` and ``cu_seqlens``.
 
     All of w/u/kg/qg/g/Aqk/o must be contiguous. K = V = 128.
     """
@@ -114,6 +126,15 @@ def chunk_kda_delta_h_fwd_o_sm90(
             raise ValueError(
                 f"{name}: expected contiguous {state_shape} float32, got {tuple(t.shape)} {t.dtype}"
             )
+    store = h is not None
+    if store:
+        NT = h.shape[1]
+        if v_new is None or not aqk_causal or (varlen and chunk_offsets is None):
+            raise ValueError("h needs v_new, aqk_causal and, with cu_seqlens, chunk_offsets")
+        if not varlen and NT != -(-T // 64):
+            raise ValueError(f"h: expected {-(-T // 64)} chunks for {T} tokens, got {NT}")
+        check_tensors((("h", h, (B, NT, HV) + state_shape[2:], w.dtype), ("v_new", v_new, (B, T, HV, V), w.dtype)),
+                      contiguous=True)  # fmt: skip
     if N == 0 or HV == 0:
         return
     if B * T == 0:  # no tokens: TMA descriptors cannot describe an empty tensor; the state passes through
@@ -127,16 +148,20 @@ def chunk_kda_delta_h_fwd_o_sm90(
     dummy_state = placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
     fn = compiled_variant(
         dtype=dsl_name(w.dtype), varlen=varlen, has_h0=initial_state is not None,
-        has_ht=final_state is not None, state_v_first=state_v_first, aqk_causal=aqk_causal,
+        has_ht=final_state is not None, state_v_first=state_v_first, aqk_causal=aqk_causal, store_states=store,
     )  # fmt: skip
 
     def flat(t):
         return t.view(B * T, HV, t.shape[-1])
 
+    cu = cu_seqlens if varlen else placeholder(dev, torch.int32, (2,))
+    stored = ()
+    if store:
+        offsets = chunk_offsets.to(torch.int32) if varlen else cu
+        stored = (h.view(B * h.shape[1], HV, *state_shape[2:]), flat(v_new), offsets)
     fn(
         flat(w), flat(u), flat(kg), flat(qg), flat(g), flat(Aqk), flat(o),
         initial_state if initial_state is not None else dummy_state,
         final_state if final_state is not None else dummy_state,
-        cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
-        T, N, float(scale),
+        cu, *stored, T, N, float(scale),
     )  # fmt: skip

@@ -71,7 +71,7 @@ from cula.ops.cute_common import (
     token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
-__all__ = ["DeltaHFwdOFusedSm90"]
+__all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
 
 
 class Barrier(enum.IntEnum):
@@ -104,6 +104,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         has_final_state: bool = False,
         state_v_first: bool = False,
         aqk_causal: bool = False,
+        store_states: bool = False,
     ):
         if head_k != 128 or head_v != 128:
             raise ValueError(f"only K = V = 128 is implemented, got K={head_k}, V={head_v}")
@@ -120,6 +121,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         # Aqk's upper triangle arrives as zeros (cula's intra kernel writes them): no causal mask, and with it no
         # barrier between the consumer warpgroups, whose recurrences (64 V rows each) are otherwise independent
         self.aqk_causal = aqk_causal
+        # also write what FLA's backward reads of the recurrence (``DeltaHFwdOStatesSm90``)
+        self.store_states = store_states
         # full chunks' o by stmatrix + TMA (see the consumer prologue); the masked variant keeps the direct stores:
         # with the mask's registers the staging spills (20-28 bytes)
         self.o_tma = aqk_causal
@@ -146,6 +149,14 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         scale: Float32,
         stream: cuda.CUstream,
     ):
+        self._launch(mW, mU, mKg, mQg, mG, mA, mO, mH0, mHt, mCu, seqlen, num_seqs, scale, stream, None, None, None)
+
+    @cute.jit
+    def _launch(
+        self, mW, mU, mKg, mQg, mG, mA, mO, mH0, mHt, mCu, seqlen: Int32, num_seqs: Int32, scale: Float32,
+        stream: cuda.CUstream, mH, mVn, mChunks,
+    ):  # fmt: skip
+        """The launch; ``mH``, ``mVn``, ``mChunks`` (``store_states``'s outputs and chunk offsets) None without."""
         dt, BT, DK, DV, S = self.dtype, self.bt, self.dk, self.dv, self.num_stages
         # Transposed / reordered views; each keeps one unit-stride mode for TMA.
         w_v = token_rows(mW)  # (T, K, HV)
@@ -157,6 +168,10 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         o_v = token_cols(mO)  # (V, T, HV)
         h0_v = state_view(mH0, self.state_v_first)  # (V, K, HV, N)
         ht_v = state_view(mHt, self.state_v_first)  # (V, K, HV, N)
+        # store_states: h (V, K, HV, chunks) and v_new (V, T, HV); else views the kernel never touches
+        h_v, vn_v, chunks = ht_v, o_v, mCu
+        if const_expr(self.store_states):
+            h_v, vn_v, chunks = state_view(mH, self.state_v_first), token_cols(mVn), mChunks
 
         # GEMM1-3: M = V over both warpgroups, N = BT. GEMM4: M = V, N = K, B (kg) read MN-major.
         mma_o = self._state_product_mma(dt, BT)
@@ -195,7 +210,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         kernel = self.kernel(
             tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, tma_o, to,
             o_v, h0_v, ht_v, mCu, seqlen, scale,
-            mma_o, mma_s, sW_l, sQ_l, sA_l, sK_l, sU_l, sG_l,
+            mma_o, mma_s, sW_l, sQ_l, sA_l, sK_l, sU_l, sG_l, h_v, vn_v, chunks,
         )  # fmt: skip
         kernel.launch(
             grid=(HV, num_seqs, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1
@@ -216,6 +231,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         mma_o: cute.TiledMma, mma_s: cute.TiledMma,
         sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout, sA_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
+        h_v: cute.Tensor, vn_v: cute.Tensor, mChunks: cute.Tensor,
     ):  # fmt: skip
         BT, S = self.bt, self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -234,6 +250,10 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             bos = n * seqlen
             seq_len = seqlen
         num_chunks = (seq_len + BT - 1) // BT
+        # store_states: this sequence's first chunk in h's chunk axis (FLA's chunk_offsets when packed)
+        first_chunk = Int32(0)
+        if const_expr(self.store_states):
+            first_chunk = mChunks[n] if const_expr(self.varlen) else n * ((seqlen + BT - 1) // BT)
 
         storage = SmemAllocator().allocate(self.storage)
         pipe = recurrence_pipeline(storage.mbar.data_ptr(), S, self.num_consumer_wg, self.stage_bytes)
@@ -255,7 +275,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
                 pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, scale, mma_o, mma_s, sW, sQ, sA, sK, sU, sG,
-                tma_o, to, o_v, h0_v, ht_v,
+                tma_o, to, o_v, h0_v, ht_v, h_v, vn_v, first_chunk,
             )  # fmt: skip
 
     @cute.jit
@@ -290,10 +310,11 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
     @cute.jit
     def _recurrence(
         self, pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, scale, mma_o, mma_s, sW, sQ, sA, sK, sU, sG, tma_o,
-        to, o_v, h0_v, ht_v,
+        to, o_v, h0_v, ht_v, h_v, vn_v, first_chunk,
     ):  # fmt: skip
         """Consumers (two warpgroups, each half of V): the state S^T in registers, chunk by chunk (GEMM1 w S,
-        GEMM2 q S, v_new, GEMM3 Aqk v_new, GEMM4 S update), the output tile out, the final state at the end."""
+        GEMM2 q S, v_new, GEMM3 Aqk v_new, GEMM4 S update), the output tile out, the final state at the end; with
+        ``store_states`` each chunk's bf16 state before it and its v_new too."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         ctid = tidx - 128
         wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
@@ -326,6 +347,9 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
         gO = cute.local_tile(cute.domain_offset((0, bos), o_v[None, None, h]), (DV, BT), (0, None))
         tOgO = thr_o.partition_C(gO)  # (MMA, MMA_M, MMA_N, NC)
+        if const_expr(self.store_states):
+            gVn = cute.local_tile(cute.domain_offset((0, bos), vn_v[None, None, h]), (DV, BT), (0, None))
+            tVgVn = thr_o.partition_C(gVn)  # v_new^T's chunks, o's partition
         # A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (u is dead once v_new
         # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
         # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
@@ -421,6 +445,15 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
                 for i in cutlass.range_constexpr(cute.size(rO)):
                     if tVcV[i][1] < valid:
                         tOgOc[i] = rO[i]
+            if const_expr(self.store_states):
+                # from the bf16 operand fragments, once their products are done and o is out (fewest live
+                # registers): FLA's h[c] (the state the chunk's products read) and v_new (the fragment's order is
+                # o's; rows past the sequence end belong to the next one and are not written)
+                acc_as_a_frag(thr_s.partition_C(h_v[None, None, h, first_chunk + c])).store(tOrS.load())
+                tVgVnc = tVgVn[None, None, None, c]
+                for i in cutlass.range_constexpr(cute.size(tVrV)):
+                    if tVcV[i][1] < valid:
+                        tVgVnc[i] = tVrV[i]
             st.advance()
 
         if const_expr(self.o_tma):
@@ -435,8 +468,34 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             tSgHt.store(accS.load())
 
 
+class DeltaHFwdOStatesSm90(DeltaHFwdOFusedSm90):
+    """``DeltaHFwdOFusedSm90`` that also writes what FLA's backward reads of the recurrence (the training forward under
+    ``disable_recompute=True``): per chunk c the bf16 state before it, FLA's ``h[c]`` (``[chunks, HV, K, V]``, or
+    ``[chunks, HV, V, K]`` with ``state_v_first``; a sequence's chunks from ``mChunks[n]`` when packed, FLA's
+    ``chunk_offsets``, else from ``n * ceil(T / 64)``), converted from the fp32 accumulators while GEMM1/2 run, and
+    ``v_new`` (``[T, HV, V]``, FLA's rounding: bf16 of ``u - w bf16(S)``) by row-predicated direct stores. Same warp
+    roles and pipeline; both leave from the bf16 operand fragments the products read, after the chunk's o, where the
+fewest registers are live (the packed variants spill 24-28 bytes at the consumers' 232; 240 would leave the producer
+warp 24, where it spilled too)."""
+
+    def __init__(self, **options):
+        super().__init__(store_states=True, **options)
+
+    @cute.jit
+    def __call__(
+        self,
+        mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mQg: cute.Tensor, mG: cute.Tensor, mA: cute.Tensor,
+        mO: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor, mCu: cute.Tensor,
+        mH: cute.Tensor,  # (chunks, HV, K, V) or (chunks, HV, V, K) dtype, out
+        mVn: cute.Tensor,  # (T_total, HV, V) dtype, out
+        mChunks: cute.Tensor,  # (N + 1,) int32 first chunk of each sequence; unread unless varlen
+        seqlen: Int32, num_seqs: Int32, scale: Float32, stream: cuda.CUstream,
+    ):  # fmt: skip
+        self._launch(mW, mU, mKg, mQg, mG, mA, mO, mH0, mHt, mCu, seqlen, num_seqs, scale, stream, mH, mVn, mChunks)
+
+
 def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 0), extra_options="",
-             aqk_causal=False):
+             aqk_causal=False, store_states=False):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.
 
     ``extra_options`` is appended to the cute.compile options (tests use ``--keep-cubin --dump-dir D``).
@@ -446,7 +505,8 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
     DK = DV = 128
     BT = 64
     dtype = dsl_type(dtype)
-    kernel = DeltaHFwdOFusedSm90(
+    cls = DeltaHFwdOStatesSm90 if store_states else DeltaHFwdOFusedSm90
+    kernel = cls(
         dtype=dtype, head_k=DK, head_v=DV, chunk_size=BT, num_stages=num_stages, varlen=varlen,
         has_initial_state=has_h0, has_final_state=has_ht, state_v_first=state_v_first, aqk_causal=aqk_causal,
     )  # fmt: skip
@@ -458,19 +518,21 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
     def tok(dt, d):
         return make_fake_tensor(dt, (tt, hv, d), (tok_stride[d], d, 1), assumed_align=16)
 
-    def state():
+    def state(dt=Float32):
         inner = (DV, DK) if state_v_first else (DK, DV)
         return make_fake_tensor(
-            Float32,
+            dt,
             (cute.sym_int32(), cute.sym_int32(), *inner),
             (cute.sym_int64(divisibility=DK * DV), DK * DV, inner[1], 1),
             assumed_align=16,
         )
 
-    cu = make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
-    args = (
-        tok(dtype, DK), tok(dtype, DV), tok(dtype, DK), tok(dtype, DK), tok(Float32, DK), tok(dtype, BT),
-        tok(dtype, DV), state(), state(), cu, Int32(1), Int32(1), Float32(1.0),
-        make_fake_stream(use_tvm_ffi_env_stream=True),
-    )  # fmt: skip
+    def cu():
+        return make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
+
+    tensors = (tok(dtype, DK), tok(dtype, DV), tok(dtype, DK), tok(dtype, DK), tok(Float32, DK), tok(dtype, BT),
+               tok(dtype, DV), state(), state(), cu())  # fmt: skip
+    if store_states:  # h, v_new, the chunk offsets
+        tensors += (state(dtype), tok(dtype, DV), cu())
+    args = (*tensors, Int32(1), Int32(1), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
