@@ -95,8 +95,9 @@ def chunk_kda_fwd_sm90(
             q's dtype, as FLA 0.6.0's ``chunk_kda_fwd_intra`` returns them (cula's intra kernel writes Aqk's
             upper triangle as zeros).
         keep_prefix: with ``keep_scores``, also what FLA's backward would recompute before its first gradient
-            stage, as far as the intra stage makes it: ``{"g": g_cum, "w", "u", "qg", "kg"}`` (g_cum fp32 with every
-            row written, the rest in q's dtype), where cula's intra kernel runs; None where FLA's intra stage does.
+            stage: ``{"g": g_cum, "w", "u", "qg", "kg", "h", "v_new"}`` (g_cum fp32 with every row written, the rest
+            in q's dtype; h and v_new as FLA's ``chunk_gated_delta_rule_fwd_h`` returns them), where cula's intra
+            kernel runs (the recurrence then in one piece, not cut in time); None where FLA's intra stage does.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None;
@@ -161,7 +162,7 @@ def chunk_kda_fwd_sm90(
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
     prefix = None
     if keep_prefix and cute_intra:  # the recurrence in one piece, writing every chunk's state and v_new too
-        prefix = dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, **_state_outputs(u, cu32, chunk_indices, state_v_first))
+        prefix = dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, **_state_outputs(u, cu32, chunk_indices))
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states,
                                      h=prefix["h"], v_new=prefix["v_new"], chunk_offsets=prefix.pop("offsets"))
         return o, final_state, Aqk, Akk, prefix
@@ -177,7 +178,7 @@ def chunk_kda_fwd_sm90(
     return o, final_state
 
 
-def _state_outputs(u, cu32, chunk_indices, state_v_first) -> dict:
+def _state_outputs(u, cu32, chunk_indices) -> dict:
     """Room for the states kernel's ``h`` and ``v_new`` (the shapes FLA's ``chunk_gated_delta_rule_fwd_h`` returns)
     and, packed, each sequence's first chunk in ``h`` (on the device: no host read)."""
     B, T, HV, V = u.shape
@@ -187,7 +188,7 @@ def _state_outputs(u, cu32, chunk_indices, state_v_first) -> dict:
         NT = chunk_indices.shape[0]
         lens = cu32[1:] - cu32[:-1]
         offsets = torch.cat([cu32.new_zeros(1), ((lens + 63) // 64).cumsum(0)]).to(torch.int32)
-    h = u.new_empty((B, NT, HV, V, V))  # K = V = 128
+    h = u.new_empty((B, NT, HV, V, V))  # K = V = 128: either state layout
     return dict(h=h, v_new=torch.empty_like(u), offsets=offsets)
 
 

@@ -268,7 +268,7 @@ def test_kernel_vs_fla_stages(case, aqk_causal):
     if aqk_causal:  # and the states FLA's backward reads (DeltaHFwdOStatesSm90), as chunk_kda_fwd_sm90 asks
         from cula.kda.forward import _state_outputs
 
-        stored = _state_outputs(u, cu, ci, vf)
+        stored = _state_outputs(u, cu, ci)
         stored = dict(h=poison_(stored["h"]), v_new=poison_(stored["v_new"]), chunk_offsets=stored["offsets"])
     chunk_kda_delta_h_fwd_o_sm90(
         w, u, kg, qg, g_cum, A_poisoned, o, h0, ht, cu, scale=scale, state_v_first=vf, aqk_causal=aqk_causal,

@@ -472,11 +472,10 @@ class DeltaHFwdOStatesSm90(DeltaHFwdOFusedSm90):
     """``DeltaHFwdOFusedSm90`` that also writes what FLA's backward reads of the recurrence (the training forward under
     ``disable_recompute=True``): per chunk c the bf16 state before it, FLA's ``h[c]`` (``[chunks, HV, K, V]``, or
     ``[chunks, HV, V, K]`` with ``state_v_first``; a sequence's chunks from ``mChunks[n]`` when packed, FLA's
-    ``chunk_offsets``, else from ``n * ceil(T / 64)``), converted from the fp32 accumulators while GEMM1/2 run, and
-    ``v_new`` (``[T, HV, V]``, FLA's rounding: bf16 of ``u - w bf16(S)``) by row-predicated direct stores. Same warp
-    roles and pipeline; both leave from the bf16 operand fragments the products read, after the chunk's o, where the
-fewest registers are live (the packed variants spill 24-28 bytes at the consumers' 232; 240 would leave the producer
-warp 24, where it spilled too)."""
+    ``chunk_offsets``, else from ``n * ceil(T / 64)``), and ``v_new`` (``[T, HV, V]``, FLA's rounding: bf16 of
+    ``u - w bf16(S)``), both by direct stores from the bf16 operand fragments the chunk's products read, after its o,
+    where the fewest registers are live. Same warp roles and pipeline; the packed variants spill 24-28 bytes at the
+    consumers' 232 registers (240 would leave the producer warp 24, where it spilled too)."""
 
     def __init__(self, **options):
         super().__init__(store_states=True, **options)
