@@ -148,7 +148,8 @@ def chunk_kda_delta_h_fwd_o_sm90(
     dummy_state = placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
     fn = compiled_variant(
         dtype=dsl_name(w.dtype), varlen=varlen, has_h0=initial_state is not None,
-        has_ht=final_state is not None, state_v_first=state_v_first, aqk_causal=aqk_causal, store_states=store,
+        has_ht=final_state is not None, state_v_first=state_v_first, aqk_causal=aqk_causal,
+        **({"store_states": True} if store else {}),
     )  # fmt: skip
 
     def flat(t):
