@@ -140,13 +140,14 @@ def main() -> int:
     if not a.no_warm:
         # the warm run is mostly the DSL compiling each case's variants (CPU-bound, ~4 s a variant): several
         # processes share it out, and leave the variants in cula's disk cache for the tools' processes to load
+        # (line info on, as the tools' processes compile: the disk cache's key does not tell them apart)
         cases = os.path.join(REPO, "scripts", "sanitize_cases.py")
         n = a.warm_procs
-        warm = []
+        warm, env = [], dict(os.environ, CUTE_DSL_LINEINFO="1")
         for i in range(1, n + 1):
             log = open(os.path.join(a.out, f"warm-{i}of{n}.log"), "w")
             cmd = ["timeout", str(a.warm_limit), sys.executable, cases, "--group", f"{i}/{n}", *a.names]
-            warm.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+            warm.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
         codes = [p.wait() for p in warm]
         print(f"[sanitize] cases warmed in {time.time() - t0:.0f} s (exit codes {codes})", file=sys.stderr, flush=True)
     procs = {}
