@@ -16,6 +16,7 @@ the TVM-FFI version it was built for (``cula.cache`` checks both before it trust
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -77,20 +78,20 @@ def _worker(scope: str, out: Path, index: int, jobs: int, per_family: int = 0) -
     return failures
 
 
-def _run_workers(scope: str, out: Path, jobs: int, per_family: int = 0) -> tuple[int, list[str]]:
-    """Compile the scope (or its sample) into ``out/objects`` over ``jobs`` processes: failed workers and the
-    workers' printed lines."""
+def _run_workers(scope: str, out: Path, jobs: int, per_family: int = 0, capture: bool = False) -> tuple[int, list[str]]:
+    """Compile the scope (or its sample) into ``out/objects`` over ``jobs`` processes: failed workers, and with
+    ``capture`` the workers' printed lines (each worker's into its own ``out/worker-I.log``, never a pipe, which a
+    reader drains one worker at a time while the others stall on it full); without, they print as they go."""
     (out / "objects").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, CULA_DISK_CACHE="0", CULA_PREBUILT="0", PYTHONPATH=str(REPO))
     cmd = [sys.executable, __file__, "_worker", scope, str(out)]
-    workers = [subprocess.Popen([*cmd, str(i), str(jobs), str(per_family)], env=env, stdout=subprocess.PIPE,
-                                text=True) for i in range(jobs)]  # fmt: skip
-    lines = []
-    for w in workers:
-        for line in w.stdout:
-            print(line, end="", flush=True)
-            lines.append(line)
-    return sum(1 for w in workers if w.wait() != 0), lines
+    logs = [out / f"worker-{i}.log" for i in range(jobs)] if capture else [None] * jobs
+    workers = []
+    for i, log in enumerate(logs):
+        with open(log, "w") if log else contextlib.nullcontext() as f:
+            workers.append(subprocess.Popen([*cmd, str(i), str(jobs), str(per_family)], env=env, stdout=f))
+    failed = sum(1 for w in workers if w.wait() != 0)
+    return failed, [line for log in logs if log for line in log.read_text().splitlines()]
 
 
 def compile_all(scope: str, out: Path, jobs: int) -> None:
@@ -169,8 +170,8 @@ def estimate(scope: str, per_family: int, jobs: int) -> None:
     for key in _variants(scope):
         counts[str(key[0])] = counts.get(str(key[0]), 0) + 1
     with tempfile.TemporaryDirectory() as tmp:
-        _, lines = _run_workers(scope, Path(tmp), jobs, per_family)
-        done = [ln.rstrip("\n").split(" ", 2) for ln in lines if ln.startswith("@@done ")]  # "@@done 1.2s KEY"
+        _, lines = _run_workers(scope, Path(tmp), jobs, per_family, capture=True)
+        done = [ln.split(" ", 2) for ln in lines if ln.startswith("@@done ")]  # "@@done 1.2s KEY"
         seconds = {key: float(secs[:-1]) for _, secs, key in done}
         sizes: dict[str, list[tuple[int, int, float]]] = {}
         for key, _build in _listed(scope, per_family):
