@@ -20,7 +20,8 @@ log2 gate cumsum), ``gn`` the last valid row's g, ``T`` the chunk's ``(I + L)^-1
 dv2 in v's dtype.
 
 Layout (256 threads, 8 warps, one CTA per (chunk, value head), ~216 KB of shared memory: one CTA per SM). All
-products are bf16 / fp16 ``mma.sync`` m16n8k16 with operand fragments read from padded shared rows; warp w owns the
+products are bf16 / fp16 ``mma.sync`` m16n8k16 with operand fragments read from padded shared rows by ``ldmatrix``
+(``.trans`` for the operands whose contraction runs down the rows); warp w owns the
 16 output rows 16 (w % 4) .. +15 and one column half (w // 4) of every product:
 
 =====  ======================================================================================================
@@ -80,8 +81,8 @@ class ChunkKDABwdWyDqkgSm90:
         self.state_v_first, self.varlen = bool(state_v_first), bool(varlen)
         self.bt, self.dk, self.dv = 64, 128, 128
         self.num_threads = 256
-        # padded row strides (elements): 16-bit rows of 128 (+8) and of 64 (+8), fp32 rows of 128 (+4); a quarter
-        # warp's 32-bit fragment reads (8 rows x 4 words) then fall in distinct banks
+        # padded row strides (elements): 16-bit rows of 128 (+8) and of 64 (+8), fp32 rows of 128 (+4); the 8 rows
+        # of 16 bytes an ldmatrix matrix reads, and a quarter warp's epilogue reads, then fall in distinct banks
         self.x_ld, self.a_ld, self.g_ld = 136, 72, 132
 
     @cute.jit
@@ -256,49 +257,33 @@ class ChunkKDABwdWyDqkgSm90:
 
     # ---------------------------------------------------------------------------------------------- products
     @cute.jit
-    def _frag_a(self, tiled, s, r0, k0, k_contiguous: bool, lane):
-        """The A fragment (16 x 16) of rows r0.. and contraction columns k0.. of the (M, K) view ``s``: value
-        ``i = v0 + 2 v1 + 4 v2`` holds (row g + 8 v1, column 2 c + v0 + 8 v2), g = lane / 4, c = lane % 4."""
-        g_, c = lane // 4, lane % 4
-        fa = cute.make_rmem_tensor(tiled.partition_shape_A((16, 16)), self.dtype)
-        for v1 in cutlass.range_constexpr(2):
-            for v2 in cutlass.range_constexpr(2):
-                r, kk = r0 + g_ + 8 * v1, k0 + 2 * c + 8 * v2
-                if const_expr(k_contiguous):
-                    two = cute.make_rmem_tensor(2, self.dtype)
-                    cute.autovec_copy(vec_at(s, (r, kk), 2, 2), two)
-                    fa[2 * v1 + 4 * v2] = two[0]
-                    fa[1 + 2 * v1 + 4 * v2] = two[1]
-                else:
-                    fa[2 * v1 + 4 * v2] = s[r, kk]
-                    fa[1 + 2 * v1 + 4 * v2] = s[r, kk + 1]
-        return fa
-
-    @cute.jit
-    def _frag_b(self, tiled, s, n0, k0, k_contiguous: bool, lane):
-        """The B fragment (16 x 8) of output columns n0.. and contraction rows k0.. of the (N, K) view ``s``: value
-        ``i = v0 + 2 v1`` holds (column g, contraction row 2 c + v0 + 8 v1)."""
-        g_, c = lane // 4, lane % 4
-        fb = cute.make_rmem_tensor(tiled.partition_shape_B((8, 16)), self.dtype)
-        for v1 in cutlass.range_constexpr(2):
-            n, kk = n0 + g_, k0 + 2 * c + 8 * v1
-            if const_expr(k_contiguous):
-                two = cute.make_rmem_tensor(2, self.dtype)
-                cute.autovec_copy(vec_at(s, (n, kk), 2, 2), two)
-                fb[2 * v1] = two[0]
-                fb[1 + 2 * v1] = two[1]
-            else:
-                fb[2 * v1] = s[n, kk]
-                fb[1 + 2 * v1] = s[n, kk + 1]
-        return fb
+    def _frag(self, tiled, s, i, ks, operand_a: bool, k_contiguous: bool, lane):
+        """The A fragment (16 x 16: rows 16 i.., contraction columns 16 ks..) of the (M, K) view ``s``, or the B
+        fragment (8 x 16: output columns 8 i..) of the (N, K) view ``s``, by ``ldmatrix``: each 8 x 8 matrix is 8
+        rows of 16 bytes (the padded strides keep the 8 rows in distinct banks), transposed on the way where the
+        contraction runs down the view's rows (T^T, du^T, dw^T, M1^T, the [V, K] states)."""
+        rows = 16 if operand_a else 8
+        atom = cute.make_copy_atom(
+            warp.LdMatrix8x8x16bOp(transpose=not k_contiguous, num_matrices=rows // 4), self.dtype
+        )
+        if const_expr(operand_a):
+            cp = cute.make_tiled_copy_A(atom, tiled)
+            frag = cute.make_rmem_tensor(tiled.partition_shape_A((16, 16)), self.dtype)
+        else:
+            cp = cute.make_tiled_copy_B(atom, tiled)
+            frag = cute.make_rmem_tensor(tiled.partition_shape_B((8, 16)), self.dtype)
+        thr = cp.get_slice(lane)
+        cute.copy(cp, thr.partition_S(cute.local_tile(s, (rows, 16), (i, ks))), thr.retile(frag))
+        return frag
 
     @cute.jit
     def _gemm(self, tiled, accs, sa, a_contiguous: bool, sb, b_contiguous: bool, r0, n0, k_steps: int, lane):
-        """``accs[nt] += sa[r0:r0+16, :] sb[n0 + 8 nt : +8, :]^T`` over ``k_steps`` x 16 contraction columns."""
-        for ks in cutlass.range(k_steps, unroll=1):
-            fa = self._frag_a(tiled, sa, r0, 16 * ks, a_contiguous, lane)
+        """``accs[nt] += sa[r0:r0+16, :] sb[n0 + 8 nt : +8, :]^T`` over ``k_steps`` x 16 contraction columns (r0, n0
+        multiples of 16 and 8)."""
+        for ks in cutlass.range(k_steps, unroll=2):
+            fa = self._frag(tiled, sa, r0 // 16, ks, True, a_contiguous, lane)
             for nt in cutlass.range_constexpr(len(accs)):
-                fb = self._frag_b(tiled, sb, n0 + 8 * nt, 16 * ks, b_contiguous, lane)
+                fb = self._frag(tiled, sb, n0 // 8 + nt, ks, False, b_contiguous, lane)
                 cute.gemm(tiled, accs[nt], fa, fb, accs[nt])
 
     @cute.jit
@@ -307,15 +292,15 @@ class ChunkKDABwdWyDqkgSm90:
         64 half.., over V."""
         acc_dq, acc_dw, acc_dk = (n_tile_accumulators(tiled, 8) for _ in range(3))
         b_contiguous = not self.state_v_first
-        for ks in cutlass.range(self.dv // 16, unroll=1):
-            fdo = self._frag_a(tiled, sDo, 16 * rb, 16 * ks, True, lane)
-            fdu = self._frag_a(tiled, sDu, 16 * rb, 16 * ks, True, lane)
-            fvn = self._frag_a(tiled, sVn, 16 * rb, 16 * ks, True, lane)
+        for ks in cutlass.range(self.dv // 16, unroll=2):
+            fdo = self._frag(tiled, sDo, rb, ks, True, True, lane)
+            fdu = self._frag(tiled, sDu, rb, ks, True, True, lane)
+            fvn = self._frag(tiled, sVn, rb, ks, True, True, lane)
             for nt in cutlass.range_constexpr(8):
-                fs = self._frag_b(tiled, sS, 64 * half + 8 * nt, 16 * ks, b_contiguous, lane)
+                fs = self._frag(tiled, sS, 8 * half + nt, ks, False, b_contiguous, lane)
                 cute.gemm(tiled, acc_dq[nt], fdo, fs, acc_dq[nt])
                 cute.gemm(tiled, acc_dw[nt], fdu, fs, acc_dw[nt])
-                fds = self._frag_b(tiled, sDS, 64 * half + 8 * nt, 16 * ks, b_contiguous, lane)
+                fds = self._frag(tiled, sDS, 8 * half + nt, ks, False, b_contiguous, lane)
                 cute.gemm(tiled, acc_dk[nt], fvn, fds, acc_dk[nt])
         return acc_dq, acc_dw, acc_dk
 
