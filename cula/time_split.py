@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from cula.ops._host import sm_count
+
 SEGMENT_ALIGN = 64  # the kernel's chunk: a segment of whole chunks adds no partial chunk but the last
 
 
@@ -141,11 +143,6 @@ def call_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...] 
         return None
     bounds = cu_seqlens_cpu.tolist()
     return tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-
-
-@functools.lru_cache(maxsize=16)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

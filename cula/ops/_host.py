@@ -10,6 +10,7 @@ costs ~1 s, 2.6 s on the H200's host). ``<name>.py`` still answers for the kerne
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -83,3 +84,9 @@ def kernel_attr(host_module: str, name: str) -> Any:
         return getattr(kernel, name)
     except AttributeError:
         raise AttributeError(f"module {host_module!r} has no attribute {name!r}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device_index: int) -> int:
+    """The device's SM count (a persistent grid's size)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

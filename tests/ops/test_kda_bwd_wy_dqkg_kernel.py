@@ -96,8 +96,12 @@ def test_no_tokens_launches_nothing():
     [((2, 300, 2, 4, 128, 128, None, True), torch.float32),
      ((1, 1000, 2, 2, 128, 128, [1, 63, 64, 65, 807], False), torch.float32),
      ((1, 200, 1, 1, 128, 128, [130, 0, 70], True), torch.bfloat16),
-     ((1, 64, 1, 1, 128, 128, None, False), torch.float32)],
-    ids=["gva-odd-v-first", "varlen", "varlen-empty-bf16-beta", "one-chunk"],
+     ((1, 64, 1, 1, 128, 128, None, False), torch.float32),
+     # more items than SMs: each persistent CTA walks several, its loads of the next overlapping the current
+     ((2, 4100, 2, 4, 128, 128, None, True), torch.float32),
+     ((1, 8500, 2, 2, 128, 128, [1, 4000, 63, 0, 4306, 130], False), torch.float32)],
+    ids=["gva-odd-v-first", "varlen", "varlen-empty-bf16-beta", "one-chunk", "many-items-v-first",
+         "many-items-varlen"],
 )  # fmt: skip
 def test_bwd_wy_dqkg_vs_fla_and_f64_cuda(args, beta_dtype):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -124,3 +128,29 @@ def test_bwd_wy_dqkg_vs_fla_and_f64_cuda(args, beta_dtype):
         # tolerance or no further off than FLA's own kernel
         fla_vs_ref = rel_rmse(r.double(), f.cpu().double())
         assert vs_fla < tol and vs_ref < max(tol, 1.25 * fla_vs_ref), (name, vs_ref, vs_fla, fla_vs_ref)
+
+
+@pytest.mark.gpu
+def test_bwd_wy_dqkg_padded_chunk_list_cuda():
+    """Padding rows in the chunk list (``(n, c)`` with ``64 c >=`` the length of sequence n, as a list built on the
+    device ends with), among more items than SMs, change no output: the same bits as the unpadded list."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90 as run
+    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+    case, _ = _wy_case(1, 8500, 2, 2, 128, 128, [1, 4000, 63, 0, 4306, 130], True)
+    low = ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv")
+    case = {n: (x.cuda().bfloat16() if n in low else x.cuda()) if torch.is_tensor(x) else x for n, x in case.items()}
+    ci = prepare_chunk_indices_i32(case["cu_seqlens"])
+    pad = torch.tensor([[5, 50]] * 40, dtype=torch.int32, device="cuda")
+    ci_padded = torch.cat([ci[:70], pad[:20], ci[70:], pad[20:]])
+    # each state row follows its chunk-list row; the padding rows' states are never read
+    extra = torch.full_like(case["h"][:, :20], float("nan"))
+    h, dh = case["h"], case["dh"]
+    padded = dict(case, h=torch.cat([h[:, :70], extra, h[:, 70:], extra], 1),
+                  dh=torch.cat([dh[:, :70], extra, dh[:, 70:], extra], 1))  # fmt: skip
+    ours = run(**case, chunk_indices=ci)
+    again = run(**padded, chunk_indices=ci_padded)
+    for name, a, b in zip(("dq", "dk", "dv", "db", "dg", "dA"), ours, again):
+        assert not a.isnan().any() and torch.equal(a, b), name

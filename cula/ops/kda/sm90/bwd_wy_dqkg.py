@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import check_tensors, dsl_name, kernel_attr
+from cula.ops._host import check_tensors, dsl_name, kernel_attr, sm_count
 
 __all__ = ["chunk_kda_bwd_wy_dqkg_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -103,9 +103,11 @@ def chunk_kda_bwd_wy_dqkg_sm90(
     def flat(t):
         return t.view(B * t.shape[1], *t.shape[2:])
 
+    # the kernel's persistent grid: one CTA an SM (its shared memory allows no more), or one per item
+    num_ctas = min(num_chunks * num_seqs * HV, sm_count(dev.index or 0))
     fn(
         flat(q), flat(k), flat(v), flat(v_new), flat(g), flat(beta), flat(A), flat(h), flat(do), flat(dh),
         flat(dv), flat(dq), flat(dk), flat(dv2), flat(dg), flat(db), flat(dA), cu32, ci, scale, T, num_chunks,
-        num_seqs,
+        num_seqs, num_ctas,
     )  # fmt: skip
     return dq, dk, dv2, db, dg, dA

@@ -19,24 +19,25 @@ log2 gate cumsum), ``gn`` the last valid row's g, ``T`` the chunk's ``(I + L)^-1
 (the rounding points are FLA's: bf16 operands, fp32 accumulation). Outputs are new tensors: dq, dk, dg, db, dA fp32,
 dv2 in v's dtype.
 
-Layout (256 threads, 8 warps, one CTA per (chunk, value head), ~216 KB of shared memory: one CTA per SM). All
-products are bf16 / fp16 ``mma.sync`` m16n8k16 with operand fragments read from padded shared rows by ``ldmatrix``
-(``.trans`` for the operands whose contraction runs down the rows); warp w owns the
-16 output rows 16 (w % 4) .. +15 and one column half (w // 4) of every product:
+Layout (256 threads, 8 warps, ~216 KB of shared memory: one CTA per SM). The grid is persistent: CTA b walks the
+work items (chunk, value head) b, b + grid, ... (chunk fastest), and each item's tiles reach shared memory by
+16-byte ``cp.async`` in four groups, each issued as soon as the previous item has read the buffers it lands in, so
+they arrive while that item computes (L0-L3 below; zeros past the sequence end). All products are bf16 / fp16
+``mma.sync`` m16n8k16 with operand fragments read from padded shared rows by ``ldmatrix`` (``.trans`` for the
+operands whose contraction runs down the rows); warp w owns the 16 output rows 16 (w % 4) .. +15 and one column
+half (w // 4) of every product:
 
 =====  ======================================================================================================
-phase  work
+phase  work (all threads; CTA barriers between the steps)
 =====  ======================================================================================================
-L      all threads: S, dS (as stored, [K, V] or [V, K]), do, du, v_new in one ``cp.async`` group, v, q, k
-       (head hv // (HV/H)), g fp32, T in a second, to padded shared rows (zeros past the sequence end); beta
-1      once the first group is in (CTA barrier): P1, P3 (one B fragment of S for both) and P2 over V, and every
-       thread a half row of ``sum_v S dS``; once the second is (CTA barrier): P5 (its epilogue: dv2 out, the db
-       term of v), P4 into the dA accumulator
-E1     CTA barrier; dq out; dks and ``q dq - k dks`` kept in the P1 / P2 registers; bf16(-dw) and bf16(k G) to the
-       shared rows do and v_new had; the column sums of ``k dks`` per row block to shared memory; CTA barrier
+1      once L0 and L2 are in (and L1): P1 and P2 over V, every thread a half row of ``sum_v S dS``, beta (held in
+       a register since the previous item's end) to shared memory; once L3 is in: P3, P5 (its epilogue: dv2
+       out, the db term of v), P4 into the dA accumulator; then the next item's L0 (S, dS, as stored)
+E1     dq out; dks and ``q dq - k dks`` kept in the P1 / P2 registers; bf16(-dw) and bf16(k G) to the shared rows
+       do and v_new had; the column sums of ``k dks`` per row block to shared memory; then the next item's L1 (q)
 2      P6 and P7; dk, dg out (the last row adds the channel sums), db's half partial to shared memory; bf16(dAm)
-       to du's rows; CTA barrier
-3      P8a into v's rows (bf16), CTA barrier, P8b: dA out; db out
+       to du's rows; then the next item's L2 (k, g fp32, do, v_new)
+3      P8a into v's rows (bf16), P8b: dA out; db out; then the next item's L3 (du, v, T) and its beta
 =====  ======================================================================================================
 
 Supported: K = V = 128, BT = 64, q / k / v / v_new / do / du / h / dh / T all bf16 or all fp16, beta fp32 / bf16 /
@@ -56,7 +57,7 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    chunk_rows, cp_async_token_rows, load_token_scalars, n_tile_accumulators, vec_at,
+    chunk_rows, cp_async_token_rows, n_tile_accumulators, vec_at,
 )  # fmt: skip
 
 __all__ = ["ChunkKDABwdWyDqkgSm90"]
@@ -109,8 +110,9 @@ class ChunkKDABwdWyDqkgSm90:
         mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
         scale: Float32,
         seqlen: Int32,  # tokens per sequence when not varlen
-        num_chunks: Int32,  # grid x: chunks per sequence, or NT when varlen
-        num_seqs: Int32,  # grid z: B, or 1 when varlen
+        num_chunks: Int32,  # chunks per sequence, or NT when varlen
+        num_seqs: Int32,  # B, or 1 when varlen
+        num_ctas: Int32,  # the persistent grid: min(chunks x value heads x sequences, SMs)
         stream: cuda.CUstream,
     ):
         BT, DK = self.bt, self.dk
@@ -135,9 +137,9 @@ class ChunkKDABwdWyDqkgSm90:
         self.storage = Storage
         self.kernel(
             mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, mDq, mDk, mDv2, mDg, mDb, mDA, mCu, mCi, scale,
-            seqlen, num_chunks,
+            seqlen, num_chunks, num_seqs,
         ).launch(
-            grid=(num_chunks, mDq.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
+            grid=(num_ctas, 1, 1), block=(self.num_threads, 1, 1), stream=stream,
             min_blocks_per_mp=1, max_number_threads=[self.num_threads, 1, 1], preferred_smem_carveout=100,
         )  # fmt: skip
 
@@ -147,113 +149,160 @@ class ChunkKDABwdWyDqkgSm90:
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
         mA: cute.Tensor, mH: cute.Tensor, mDo: cute.Tensor, mDh: cute.Tensor, mDu: cute.Tensor, mDq: cute.Tensor,
         mDk: cute.Tensor, mDv2: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor, mDA: cute.Tensor, mCu: cute.Tensor,
-        mCi: cute.Tensor, scale: Float32, seqlen: Int32, num_chunks: Int32,
+        mCi: cute.Tensor, scale: Float32, seqlen: Int32, num_chunks: Int32, num_seqs: Int32,
     ):  # fmt: skip
         BT, DK = self.bt, self.dk
         tidx, _, _ = cute.arch.thread_idx()
-        bx, hv, bz = cute.arch.block_idx()
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         HV = mDq.shape[1]
-        h = hv // (HV // mQ.shape[1])
+        group = HV // mQ.shape[1]
+        total = num_chunks * HV * num_seqs
 
-        tok0, valid = chunk_rows(self.varlen, mCu, mCi, bx, bz, seqlen, BT)
-        # the chunk's state row: its chunk-list row when packed, sequence-major when not
-        tg = bx
-        if const_expr(not self.varlen):
-            tg = bz * num_chunks + bx
+        st = SmemAllocator().allocate(self.storage)
+        rows = cute.make_layout((BT, DK), stride=(self.x_ld, 1))
+        sQ, sK = st.sQ.get_tensor(rows), st.sK.get_tensor(rows)
+        sDo, sVn, sDu, sV = (x.get_tensor(rows) for x in (st.sDo, st.sVn, st.sDu, st.sV))
+        sG = st.sG.get_tensor(cute.make_layout((BT, DK), stride=(self.g_ld, 1)))
+        sA = st.sA.get_tensor(cute.make_layout((BT, BT), stride=(self.a_ld, 1)))
+        sBeta = st.sBeta.get_tensor(cute.make_layout(BT))
+        sDgk = st.sDgk.get_tensor(cute.make_layout(DK))
+        sKdk = st.sKdk.get_tensor(cute.make_layout((4, DK), stride=(DK, 1)))
+        sDb = st.sDb.get_tensor(cute.make_layout((BT, 2), stride=(1, BT)))
+        # the states as stored (rows of 128 + 8), and as (k, v) views whatever the layout
+        state_rows = cute.make_layout((DK, DK), stride=(self.x_ld, 1))
+        sHr, sDhr = st.sH.get_tensor(state_rows), st.sDh.get_tensor(state_rows)
+        kv = cute.make_layout((DK, DK), stride=(1, self.x_ld) if self.state_v_first else (self.x_ld, 1))
+        sS, sDS = st.sH.get_tensor(kv), st.sDh.get_tensor(kv)
+        # transposed views: T^T (s, t), du^T (v, t), dw^T (k, t), M1^T (s', t); dw, k G, dAm, M1 reuse the rows
+        # of do, v_new, du and v
+        sAT = cute.make_tensor(sA.iterator, cute.make_layout((BT, BT), stride=(1, self.a_ld)))
+        sDuT = cute.make_tensor(sDu.iterator, cute.make_layout((DK, BT), stride=(1, self.x_ld)))
+        sDw, sKG = sDo, sVn
+        sDwT = cute.make_tensor(sDw.iterator, cute.make_layout((DK, BT), stride=(1, self.x_ld)))
+        sDAm = cute.make_tensor(sDu.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
+        sM1 = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
+        sM1T = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(1, self.x_ld)))
 
-        if valid > 0:
-            st = SmemAllocator().allocate(self.storage)
-            rows = cute.make_layout((BT, DK), stride=(self.x_ld, 1))
-            sQ, sK = st.sQ.get_tensor(rows), st.sK.get_tensor(rows)
-            sDo, sVn, sDu, sV = (x.get_tensor(rows) for x in (st.sDo, st.sVn, st.sDu, st.sV))
-            sG = st.sG.get_tensor(cute.make_layout((BT, DK), stride=(self.g_ld, 1)))
-            sA = st.sA.get_tensor(cute.make_layout((BT, BT), stride=(self.a_ld, 1)))
-            sBeta = st.sBeta.get_tensor(cute.make_layout(BT))
-            sDgk = st.sDgk.get_tensor(cute.make_layout(DK))
-            sKdk = st.sKdk.get_tensor(cute.make_layout((4, DK), stride=(DK, 1)))
-            sDb = st.sDb.get_tensor(cute.make_layout((BT, 2), stride=(1, BT)))
-            # the states as stored (rows of 128 + 8), and as (k, v) views whatever the layout
-            state_rows = cute.make_layout((DK, DK), stride=(self.x_ld, 1))
-            sHr, sDhr = st.sH.get_tensor(state_rows), st.sDh.get_tensor(state_rows)
-            kv = cute.make_layout((DK, DK), stride=(1, self.x_ld) if self.state_v_first else (self.x_ld, 1))
-            sS, sDS = st.sH.get_tensor(kv), st.sDh.get_tensor(kv)
+        tiled = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
+        rb = warp_idx % 4
+        half = warp_idx // 4
+        loads = (mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sA, sHr, sDhr, sDo, sDu)
 
-            self._load(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sBeta, sA, sHr, sDhr,
-                       sDo, sDu, tok0, tg, h, hv, valid, tidx)  # fmt: skip
+        # the first item's tiles, in the four groups the loop issues its successors' in
+        first = self._item(mCu, mCi, bid, num_chunks, HV, group, seqlen, total)
+        for part in cutlass.range_constexpr(4):
+            self._load(loads, part, first, tidx)
+        beta = self._beta(mBeta, first, tidx)
 
-            tiled = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
-            rb = warp_idx % 4
-            half = warp_idx // 4
-            last = valid - 1
-            # transposed views: T^T (s, t), du^T (v, t), and later dw^T (k, t), M1^T (s', t)
-            sAT = cute.make_tensor(sA.iterator, cute.make_layout((BT, BT), stride=(1, self.a_ld)))
-            sDuT = cute.make_tensor(sDu.iterator, cute.make_layout((DK, BT), stride=(1, self.x_ld)))
+        # one CTA an SM walks the items bid, bid + grid, ...: each item's loads go out in four groups as the
+        # previous item frees the buffers they land in, so they arrive while that item computes
+        for item in cutlass.range(bid, total, grid, unroll=1):
+            tok0, valid, _, hv, _ = self._item(mCu, mCi, item, num_chunks, HV, group, seqlen, total)
+            nxt = self._item(mCu, mCi, item + grid, num_chunks, HV, group, seqlen, total)
+            last = cutlass.max(valid - 1, 0)
 
-            # phase 1: the state products once the first load group has landed (the second still in flight)
+            # phase 1: P1 and P2 once the states, do and v_new are in (du, v, T may still be in flight)
             cute.arch.cp_async_wait_group(1)
             cute.arch.barrier()
-            acc_dq, acc_dw, acc_dk = self._state_products(tiled, sDo, sDu, sVn, sS, sDS, rb, half, lane)
+            acc_dq, acc_dk = self._state_products(tiled, sDo, sVn, sS, sDS, rb, half, lane)
             self._state_channel_sums(sS, sDS, sDgk, tidx)
+            if tidx < BT:
+                sBeta[tidx] = beta
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
+            acc_dw = n_tile_accumulators(tiled, 8)
+            self._gemm(tiled, acc_dw, sDu, True, sS, not self.state_v_first, 16 * rb, 64 * half, self.dv // 16,
+                       lane)  # fmt: skip
             dbp = self._dv2(tiled, sAT, sDuT, sBeta, sV, mDv2, tok0, hv, valid, rb, half, lane)
             acc_da = n_tile_accumulators(tiled, 4)
             self._gemm(tiled, acc_da, sDu, True, sV, True, 16 * rb, 32 * half, DK // 16, lane)
             cute.arch.barrier()
+            self._load(loads, 0, nxt, tidx)  # the states are read
 
-            # E1: dq out; acc_dq <- q dq - k dks, acc_dk <- dks; -dw and k G to shared rows
-            sDw, sKG = sDo, sVn
+            # E1: dq out; acc_dq <- q dq - k dks, acc_dk <- dks; -dw and k G to the rows of do and v_new
             self._epilogue_state(acc_dq, acc_dk, acc_dw, sQ, sK, sG, sDw, sKG, sKdk, mDq, scale, tok0, hv, valid,
                                  last, rb, half, lane)  # fmt: skip
             cute.arch.barrier()
+            self._load(loads, 1, nxt, tidx)  # q is read
 
             # phase 2: P6, P7 and their epilogue
-            sDwT = cute.make_tensor(sDw.iterator, cute.make_layout((DK, BT), stride=(1, self.x_ld)))
             acc_kgb = n_tile_accumulators(tiled, 8)
             self._gemm(tiled, acc_kgb, sAT, False, sDwT, False, 16 * rb, 64 * half, BT // 16, lane)
             self._gemm(tiled, acc_da, sDw, True, sKG, True, 16 * rb, 32 * half, DK // 16, lane)
             self._epilogue_wy(acc_kgb, acc_dq, acc_dk, sK, sG, sBeta, sDgk, sKdk, sDb, mDk, mDg, dbp, tok0, hv,
                               valid, last, rb, half, lane)  # fmt: skip
-            sDAm = cute.make_tensor(sDu.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
             self._mask_da(acc_da, sBeta, sDAm, valid, rb, half, lane)
             cute.arch.barrier()
+            self._load(loads, 2, nxt, tidx)  # k, g, dw and k G are read
 
             # phase 3: dL = -T^T bf16(dAm T^T)
-            sM1 = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
             acc_m1 = n_tile_accumulators(tiled, 4)
             self._gemm(tiled, acc_m1, sDAm, True, sA, True, 16 * rb, 32 * half, BT // 16, lane)
             self._store_c16(acc_m1, sM1, 16 * rb, 32 * half, lane)
             cute.arch.barrier()
-            sM1T = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(1, self.x_ld)))
             acc_dl = n_tile_accumulators(tiled, 4)
             self._gemm(tiled, acc_dl, sAT, False, sM1T, False, 16 * rb, 32 * half, BT // 16, lane)
             self._store_dl(acc_dl, mDA, tok0, hv, valid, rb, half, lane)
             if tidx < valid:
                 mDb[tok0 + tidx, hv] = sDb[tidx, 0] + sDb[tidx, 1]
+            cute.arch.barrier()
+            self._load(loads, 3, nxt, tidx)  # du (dAm), v (M1), T and db's partials are read
+            beta = self._beta(mBeta, nxt, tidx)
+
+    @cute.jit
+    def _item(self, mCu, mCi, item, num_chunks, HV, group, seqlen, total):
+        """``(tok0, valid, state row, value head, q / k head)`` of work item ``item`` (chunk fastest, then value
+        head, then sequence); ``valid`` is 0 past the last item, so its loads only zero-fill."""
+        bx = item % num_chunks
+        hv = (item // num_chunks) % HV
+        bz = item // (num_chunks * HV)
+        tok0, valid = chunk_rows(self.varlen, mCu, mCi, bx, bz, seqlen, self.bt)
+        valid = cutlass.select_(item < total, valid, 0)
+        # the chunk's state row: its chunk-list row when packed, sequence-major when not
+        tg = bx
+        if const_expr(not self.varlen):
+            tg = bz * num_chunks + bx
+        return tok0, valid, tg, hv, hv // group
 
     # ------------------------------------------------------------------------------------------------ loads
     @cute.jit
-    def _load(self, mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sBeta, sA, sHr, sDhr,
-              sDo, sDu, tok0, tg, h, hv, valid, tidx):  # fmt: skip
-        """Phase L: the chunk's tiles to shared memory by 16-byte ``cp.async`` in two groups (first what P1-P3
-        read: the states, do, du, v_new; then v, q, k, g, T), zeros past the sequence end; beta by plain loads."""
-        DK = self.dk
+    def _load(self, loads, part: int, item, tidx):
+        """One of an item's four ``cp.async`` groups of 16-byte copies to padded shared rows (zeros past the
+        sequence end), each issued once the previous item has read the buffers it lands in: 0 the two states (as
+        stored), 1 q, 2 k, g, do, v_new, 3 du, v, T."""
+        mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sA, sHr, sDhr, sDo, sDu = loads
+        tok0, valid, tg, hv, h = item
         x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
-        f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
-        c8 = cute.assume((tidx % 16) * 8, divby=8)  # 16-bit rows of 128: 16 units of 8, 16 rows a pass
-        for m in cutlass.range_constexpr(DK // 16):  # the two states, as stored
-            r = tidx // 16 + 16 * m
-            cute.copy(x_atom, vec_at(mH, (tg, hv, r, c8)), vec_at(sHr, (r, c8)))
-            cute.copy(x_atom, vec_at(mDh, (tg, hv, r, c8)), vec_at(sDhr, (r, c8)))
-        cp_async_token_rows(x_atom, ((mDo, sDo, hv), (mDu, sDu, hv), (mVn, sVn, hv)), tok0, valid, tidx)
+        if const_expr(part == 0):
+            if valid > 0:
+                c8 = cute.assume((tidx % 16) * 8, divby=8)  # 16-bit rows of 128: 16 units of 8, 16 rows a pass
+                for m in cutlass.range_constexpr(self.dk // 16):
+                    r = tidx // 16 + 16 * m
+                    cute.copy(x_atom, vec_at(mH, (tg, hv, r, c8)), vec_at(sHr, (r, c8)))
+                    cute.copy(x_atom, vec_at(mDh, (tg, hv, r, c8)), vec_at(sDhr, (r, c8)))
+        elif const_expr(part == 1):
+            cp_async_token_rows(x_atom, ((mQ, sQ, h),), tok0, valid, tidx)
+        elif const_expr(part == 2):
+            f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+            cp_async_token_rows(x_atom, ((mK, sK, h), (mDo, sDo, hv), (mVn, sVn, hv)), tok0, valid, tidx)
+            cp_async_token_rows(f_atom, ((mG, sG, hv),), tok0, valid, tidx, row_units=32, unit=4)
+        else:
+            cp_async_token_rows(x_atom, ((mDu, sDu, hv), (mV, sV, hv)), tok0, valid, tidx)
+            cp_async_token_rows(x_atom, ((mA, sA, hv),), tok0, valid, tidx, row_units=8)
         cute.arch.cp_async_commit_group()
-        cp_async_token_rows(x_atom, ((mV, sV, hv), (mQ, sQ, h), (mK, sK, h)), tok0, valid, tidx)
-        cp_async_token_rows(f_atom, ((mG, sG, hv),), tok0, valid, tidx, row_units=32, unit=4)
-        cp_async_token_rows(x_atom, ((mA, sA, hv),), tok0, valid, tidx, row_units=8)
-        cute.arch.cp_async_commit_group()
-        load_token_scalars(mBeta, sBeta, tok0, valid, hv, tidx)
+
+    @cute.jit
+    def _beta(self, mBeta, item, tidx):
+        """Thread t < 64's beta of the item's row t as fp32 (0 past the sequence end), held in a register until the
+        item's phase 1 stores it to shared memory, so that the load's latency is not waited for at once."""
+        tok0, valid, _, hv, _ = item
+        x = Float32(0.0)
+        if tidx < valid:
+            x = mBeta[tok0 + tidx, hv].to(Float32)
+        return x
 
     # ---------------------------------------------------------------------------------------------- products
     @cute.jit
@@ -287,22 +336,19 @@ class ChunkKDABwdWyDqkgSm90:
                 cute.gemm(tiled, accs[nt], fa, fb, accs[nt])
 
     @cute.jit
-    def _state_products(self, tiled, sDo, sDu, sVn, sS, sDS, rb, half, lane):
-        """P1 (do S^T), P3 (du S^T, sharing S's B fragments) and P2 (v_new dS^T) for rows 16 rb.. and channels
-        64 half.., over V."""
-        acc_dq, acc_dw, acc_dk = (n_tile_accumulators(tiled, 8) for _ in range(3))
+    def _state_products(self, tiled, sDo, sVn, sS, sDS, rb, half, lane):
+        """P1 (do S^T) and P2 (v_new dS^T) for rows 16 rb.. and channels 64 half.., over V."""
+        acc_dq, acc_dk = n_tile_accumulators(tiled, 8), n_tile_accumulators(tiled, 8)
         b_contiguous = not self.state_v_first
         for ks in cutlass.range(self.dv // 16, unroll=2):
             fdo = self._frag(tiled, sDo, rb, ks, True, True, lane)
-            fdu = self._frag(tiled, sDu, rb, ks, True, True, lane)
             fvn = self._frag(tiled, sVn, rb, ks, True, True, lane)
             for nt in cutlass.range_constexpr(8):
                 fs = self._frag(tiled, sS, 8 * half + nt, ks, False, b_contiguous, lane)
                 cute.gemm(tiled, acc_dq[nt], fdo, fs, acc_dq[nt])
-                cute.gemm(tiled, acc_dw[nt], fdu, fs, acc_dw[nt])
                 fds = self._frag(tiled, sDS, 8 * half + nt, ks, False, b_contiguous, lane)
                 cute.gemm(tiled, acc_dk[nt], fvn, fds, acc_dk[nt])
-        return acc_dq, acc_dw, acc_dk
+        return acc_dq, acc_dk
 
     @cute.jit
     def _state_channel_sums(self, sS, sDS, sDgk, tidx):
@@ -494,7 +540,7 @@ def _compile(dtype, beta_dtype, state_v_first, varlen, arch=(9, 0), extra_option
         tok(Float32, hv, BT),
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
         make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
-        Float32(1.0), Int32(1), Int32(1), Int32(1),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
