@@ -88,7 +88,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "shape": {"H": kp.H, "HV": kp.HV, "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
                   "gate": "[B, T, HV] scalar", "state": "float32"},  # fmt: skip
         "call_flags": gp.CALL_FLAGS,
-        "step": "chunk_gated_delta_rule forward + torch.autograd.backward((o, ht), (do, dht)) on 8 leaves",
+        "step": "chunk_gated_delta_rule forward + torch.autograd.backward((o, ht), (do, dht)) on 8 leaves, "
+                ".grad set to None first",
         **bc.run_meta(args, ceilings, kt.WARN_TOL, kt.FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }

@@ -10,8 +10,10 @@ backward kernels on the first call of each shape key (minutes on a fresh machine
 timing absorbs; run through ``scripts/device/run.sh`` to start from the cached choices.
 
 Each timed call runs ``o, ht = chunk_kda(...)`` and ``torch.autograd.backward((o, ht), (do, dht))`` with fixed
-random output gradients, on leaves that require grad (q, k, v, g, beta, A_log, dt_bias, initial_state); the
-gradients accumulate into ``.grad`` across calls on both sides alike. Before timing, one step of each is compared:
+random output gradients, on leaves that require grad (q, k, v, g, beta, A_log, dt_bias, initial_state) whose
+``.grad`` is set to None first, as ``optimizer.zero_grad()`` does by default: a step writes its gradients rather
+than adding them to the last call's (which cost both sides alike ~1.5 ms at B = 2, T = 16384). Before timing, one
+step of each is compared:
 the largest relative RMSE over o, the final state and the eight input gradients against FLA's (warn above 2e-2,
 FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN). After timing, one more step of each
 measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cula_peak_mib``: activations kept for
@@ -68,6 +70,8 @@ def make_step(fn: Callable, tensors: dict, shared: dict, grads: tuple[torch.Tens
     flags = kp.CALL_FLAGS if flags is None else flags
 
     def step():
+        for t in leaves.values():
+            t.grad = None
         o, ht = fn(**leaves, **rest, **flags)
         torch.autograd.backward((o, ht), grads)
         return o.detach(), ht.detach(), {n: t.grad for n, t in leaves.items()}
@@ -275,7 +279,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "shape": {"H": kp.H, "HV": kp.HV, "K": kp.K, "V": kp.V, "chunk": kp.CHUNK, "dtype": "bfloat16",
                   "state": "float32"},  # fmt: skip
         "call_flags": kp.CALL_FLAGS,
-        "step": "chunk_kda forward + torch.autograd.backward((o, ht), (do, dht)) on 8 leaves",
+        "step": "chunk_kda forward + torch.autograd.backward((o, ht), (do, dht)) on 8 leaves, .grad set to None first",
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
