@@ -130,7 +130,7 @@ class ChunkKDABwdWyDqkgSm90:
             sG: cute.struct.Align[cute.struct.MemRange[Float32, BT * self.g_ld], 16]
             sA: cute.struct.Align[cute.struct.MemRange[self.dtype, BT * self.a_ld], 16]
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
-            sDgk: cute.struct.Align[cute.struct.MemRange[Float32, DK], 16]  # sum_v S dS per channel
+            sDgk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * DK], 16]  # sum_v S dS: two V halves
             sKdk: cute.struct.Align[cute.struct.MemRange[Float32, 4 * DK], 16]  # sum_t k dks per row block
             sDb: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BT], 16]  # db's two column-half partials
 
@@ -168,7 +168,7 @@ class ChunkKDABwdWyDqkgSm90:
         sG = st.sG.get_tensor(cute.make_layout((BT, DK), stride=(self.g_ld, 1)))
         sA = st.sA.get_tensor(cute.make_layout((BT, BT), stride=(self.a_ld, 1)))
         sBeta = st.sBeta.get_tensor(cute.make_layout(BT))
-        sDgk = st.sDgk.get_tensor(cute.make_layout(DK))
+        sDgk = st.sDgk.get_tensor(cute.make_layout((2, DK), stride=(DK, 1)))
         sKdk = st.sKdk.get_tensor(cute.make_layout((4, DK), stride=(DK, 1)))
         sDb = st.sDb.get_tensor(cute.make_layout((BT, 2), stride=(1, BT)))
         # the states as stored (rows of 128 + 8), and as (k, v) views whatever the layout
@@ -352,15 +352,25 @@ class ChunkKDABwdWyDqkgSm90:
 
     @cute.jit
     def _state_channel_sums(self, sS, sDS, sDgk, tidx):
-        """``sDgk[k] = sum_v S[k, v] dS[k, v]``: two threads a channel, 64 values each."""
-        kk = tidx // 2
-        v0 = (tidx % 2) * 64
-        acc = Float32(0.0)
-        for v in cutlass.range_constexpr(64):
-            acc = acc + sS[kk, v0 + v].to(Float32) * sDS[kk, v0 + v].to(Float32)
-        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
-        if tidx % 2 == 0:
-            sDgk[kk] = acc
+        """``sDgk[h, k] = sum_v S[k, v] dS[k, v]`` over the V half h, one thread a (channel, half), in order of v;
+        the epilogue adds the halves. ``[K, V]``: threads 2k, 2k + 1 take channel k's two halves, by 16-byte reads
+        along its row; ``[V, K]``: threads k and k + 128, so that a warp reads 32 adjacent channels of a row (one
+        bank each) rather than 16 channels of two rows 64 apart (the same banks)."""
+        if const_expr(self.state_v_first):
+            kk, hv = tidx % self.dk, tidx // self.dk
+            acc = Float32(0.0)
+            for v in cutlass.range_constexpr(64):
+                acc = acc + sS[kk, 64 * hv + v].to(Float32) * sDS[kk, 64 * hv + v].to(Float32)
+        else:
+            kk, hv = tidx // 2, tidx % 2
+            acc = Float32(0.0)
+            for j in cutlass.range_constexpr(8):
+                s8, d8 = cute.make_rmem_tensor(8, self.dtype), cute.make_rmem_tensor(8, self.dtype)
+                cute.autovec_copy(vec_at(sS, (kk, 64 * hv + 8 * j)), s8)
+                cute.autovec_copy(vec_at(sDS, (kk, 64 * hv + 8 * j)), d8)
+                for v in cutlass.range_constexpr(8):
+                    acc = acc + s8[v].to(Float32) * d8[v].to(Float32)
+        sDgk[hv, kk] = acc
 
     # --------------------------------------------------------------------------------------------- epilogues
     @cute.jit
@@ -459,7 +469,7 @@ class ChunkKDABwdWyDqkgSm90:
                     dg[v] = acc_dg[nt][i] + kg * x * bt
                     if t == last:
                         ch = col + v
-                        dg[v] = dg[v] + cute.math.exp2(gn[v], fastmath=True) * sDgk[ch] + (
+                        dg[v] = dg[v] + cute.math.exp2(gn[v], fastmath=True) * (sDgk[0, ch] + sDgk[1, ch]) + (
                             sKdk[0, ch] + sKdk[1, ch] + sKdk[2, ch] + sKdk[3, ch])
                     part = part + x * kg
                 if t < valid:
