@@ -1,0 +1,145 @@
+"""A kernel rewrite against the version before it: every output bit for bit, and each side's time.
+
+    device run, carry [".device"]:  bash scripts/device/run.sh python scripts/device/kernel_ab.py REV [CASE ...]
+
+For a change that keeps each element's arithmetic (docs/testing.md: such a rewrite is checked bit for bit, not
+against a tolerance). The working tree's launcher runs as cula calls it; REV's host module and its ``_kernel``
+module (``git show REV:...``, so REV must be in the device's copy of ``.git``) are loaded beside it under other
+names, compiled outside cula's caches (same compile key, other code), and called with the same arguments. Each
+case prints, per side, the median of ``--iters`` timed calls (CUDA events; the inputs are far larger than L2) and
+whether every output equals the working tree's bit for bit and is free of NaN. No CASE: all of them (``--list``).
+Exit status 1 when any output differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def load_rev(rev: str, host: str) -> types.ModuleType:
+    """``host`` (a dotted module name) and its ``_kernel`` module as they were at ``rev``, compiled outside cula's
+    caches. The DSL reads a kernel's source, so the two are written to files (under the temporary directory) and
+    imported from there."""
+    import importlib.util
+    import tempfile
+
+    alias = f"_kernel_ab_{rev}_{host.rsplit('.', 1)[-1]}"
+    where = Path(tempfile.gettempdir()) / "kernel_ab"
+    where.mkdir(exist_ok=True)
+    for suffix in ("", "_kernel"):
+        path = host.replace(".", "/") + suffix + ".py"
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True)
+        if text.returncode:
+            sys.exit(f"git show {rev}:{path} failed (is {rev} in this checkout's .git?): {text.stderr.strip()}")
+        (where / f"{alias}{suffix}.py").write_text(text.stdout)
+    sys.path.insert(0, str(where))
+    module = importlib.import_module(alias)  # its kernel_attr imports <alias>_kernel from the same directory
+    built: dict = {}
+    module.compiled_kernel = lambda key, build: built[key] if key in built else built.setdefault(key, build())
+    return module
+
+
+def _time(fn: Callable[[], object], iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+# ------------------------------------------------------------------------------------------------------- cases
+def _wy_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | None = None, pad_rows: int = 0):
+    """Stage 6's inputs (``chunk_kda_bwd_wy_dqkg_sm90``), random but finite; packed with ``lens``, its chunk list
+    then ending with ``pad_rows`` padding rows, as a list built on the device does."""
+    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device="cuda", generator=gen)).bfloat16()
+
+    extra = {}
+    if lens is None:
+        NT = B * -(-T // 64)
+    else:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        ci = prepare_chunk_indices_i32(cu)
+        ci = torch.cat([ci, torch.tensor([[len(lens) - 1, 10**6]] * pad_rows, dtype=torch.int32, device="cuda")])
+        NT = ci.shape[0]
+        extra = dict(cu_seqlens=cu, chunk_indices=ci)
+    # a log2 gate cumsum local to each 64 tokens (not each sequence's chunks when packed: any finite g will do)
+    Tp = -(-T // 64) * 64
+    steps = -0.1 * torch.rand(B, Tp // 64, 64, HV, 128, device="cuda", generator=gen)
+    g = steps.cumsum(2).view(B, Tp, HV, 128)[:, :T].contiguous()
+    return dict(
+        q=rnd(B, T, HV, 128), k=rnd(B, T, HV, 128), v=rnd(B, T, HV, 128), v_new=rnd(B, T, HV, 128), g=g,
+        beta=torch.rand(B, T, HV, device="cuda", generator=gen), A=rnd(B, T, HV, 64, scale=0.1),
+        h=rnd(B if lens is None else 1, NT // B if lens is None else NT, HV, 128, 128, scale=0.1),
+        do=rnd(B, T, HV, 128), dh=rnd(B if lens is None else 1, NT // B if lens is None else NT, HV, 128, 128,
+                                        scale=0.1),
+        dv=rnd(B, T, HV, 128), state_v_first=state_v_first, **extra,
+    )  # fmt: skip
+
+
+_WY = ("cula.ops.kda.sm90.bwd_wy_dqkg", "chunk_kda_bwd_wy_dqkg_sm90")
+CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
+    # stage 6 at the training benchmark's largest shape, both state layouts
+    "bwd_wy_dqkg-B2-T16384-vk": (_WY, lambda: _wy_inputs(2, 16384, 64, True)),
+    "bwd_wy_dqkg-B2-T16384-kv": (_WY, lambda: _wy_inputs(2, 16384, 64, False)),
+    # packed: empty, length-1 and partial sequences, more items than SMs, padding rows at the list's end
+    "bwd_wy_dqkg-packed": (_WY, lambda: _wy_inputs(1, 20000, 8, True, [1, 8000, 63, 0, 11806, 130], 40)),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rev", nargs="?", help="the commit to compare against")
+    ap.add_argument("cases", nargs="*")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args()
+    if a.list or a.rev is None:
+        print("\n".join(CASES))
+        return 0
+    import importlib
+
+    same = True
+    old_hosts: dict[str, types.ModuleType] = {}
+    for name in a.cases or list(CASES):
+        (host, fn_name), make = CASES[name]
+        new_fn = getattr(importlib.import_module(host), fn_name)
+        if host not in old_hosts:
+            old_hosts[host] = load_rev(a.rev, host)
+        old_fn = getattr(old_hosts[host], fn_name)
+        inputs = make()
+        new, old = new_fn(**inputs), old_fn(**inputs)
+        torch.cuda.synchronize()
+        outs_new = new if isinstance(new, tuple) else (new,)
+        outs_old = old if isinstance(old, tuple) else (old,)
+        equal = all(torch.equal(x, y) for x, y in zip(outs_new, outs_old)) and len(outs_new) == len(outs_old)
+        nan = any(x.is_floating_point() and x.isnan().any().item() for x in outs_new)
+        same &= equal and not nan
+        t_new = _time(lambda f=new_fn, x=inputs: f(**x), a.iters)
+        t_old = _time(lambda f=old_fn, x=inputs: f(**x), a.iters)
+        print(f"{name}: working tree {t_new:.3f} ms, {a.rev} {t_old:.3f} ms ({t_old / t_new:.2f}x); "
+              f"outputs bit for bit equal: {equal}; NaN in the working tree's: {nan}", flush=True)  # fmt: skip
+        inputs = new = old = outs_new = outs_old = None  # free this case's tensors before the next one's
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
