@@ -93,6 +93,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         **bc.run_meta(args, ceilings, kt.WARN_TOL, kt.FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
+    kt.timing_mode(meta, args)
     paths = bc.write_suite(NAME + ("_per_head_gate" if args.per_head_gate else ""), args, meta, run.rows, kt.MD_COLUMNS)
     return meta, run.rows, paths
 

@@ -12,10 +12,12 @@ timing absorbs; run through ``scripts/device/run.sh`` to start from the cached c
 Each timed call runs ``o, ht = chunk_kda(...)`` and ``torch.autograd.backward((o, ht), (do, dht))`` with fixed
 random output gradients, on leaves that require grad (q, k, v, g, beta, A_log, dt_bias, initial_state) whose
 ``.grad`` is set to None first, as ``optimizer.zero_grad()`` does by default: a step writes its gradients rather
-than adding them to the last call's (which cost both sides alike ~1.5 ms at B = 2, T = 16384). Before timing, one
-step of each is compared:
-the largest relative RMSE over o, the final state and the eight input gradients against FLA's (warn above 2e-2,
-FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN). After timing, one more step of each
+than adding them to the last call's (which cost both sides alike ~1.5 ms at B = 2, T = 16384). Each side is timed
+eagerly (``fla_ms``, ``cula_ms``) and as the replay of a CUDA graph of the whole step (``fla_graph_ms``,
+``cula_graph_ms``: GPU time without the host's launch overhead, which an eager step of FLA's many Triton launches
+partly waits on). Before timing, one step of each is compared: the largest relative RMSE over o, the final state
+and the eight input gradients against FLA's (warn above 2e-2, FLA's own tolerance for dg / dbeta, FAIL and untimed
+above 0.1 or on NaN). After timing, one more step of each
 measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cula_peak_mib``: activations kept for
 the backward, the backward's workspace, the gradients).
 
@@ -48,8 +50,8 @@ SUITE = ("B1-T4096", "B2-T4096", "B1-T16384", "B2-T16384", "varlen-N10-T8192-ran
          "varlen-N20-T16384-skewed")  # fmt: skip
 QUICK = ("B1-T4096", "varlen-N20-T4096-uniform")
 GRAD_LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "fla_peak_mib", "cula_peak_mib",
-              "max_rel_err", "check", "backend")
+MD_COLUMNS = ("config", "B", "T", "N", "dist", "fla_ms", "cula_ms", "speedup", "fla_graph_ms", "cula_graph_ms",
+              "graph_speedup", "fla_peak_mib", "cula_peak_mib", "max_rel_err", "check", "backend")
 
 run_suite = functools.partial(bc.run_suite, name=NAME)
 
@@ -125,6 +127,12 @@ def step_peak_mib(step: Callable[[], Any]) -> float | None:
     return peak / 2**20
 
 
+def timing_mode(meta: dict, args: argparse.Namespace) -> None:
+    """The results' ``timing.mode``: without --cuda-graph, rows hold both timings (``run_config``)."""
+    if not args.cuda_graph:
+        meta["timing"]["mode"] = "eager (*_ms) and cuda_graph replay (*_graph_ms), both in every row"
+
+
 def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argparse.Namespace,
                work: kp.Workload = kp.KDA) -> dict[str, Any]:  # fmt: skip
     """Check one step of each, then time both; returns the result row. ``work``: the inputs, flags and backend
@@ -140,9 +148,24 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     def maker(fn):
         return lambda s: make_step(fn, s, shared, grads, work.flags)
 
+    def graph_ms(label: str, fn) -> float | None:
+        """The step's CUDA-graph replay time beside the eager one: None under --cuda-graph (the main timing is the
+        graph one then), without CUDA (the CPU tests' stand-ins) or where the capture failed (recorded: it costs
+        the cell)."""
+        if args.cuda_graph or not torch.cuda.is_available():
+            return None
+        try:
+            made = [maker(fn)(s) for s in sets]
+            return bc.bench(made, iters=args.iters, warmup=args.warmup, cuda_graph=True, l2=args.l2).median_ms
+        except Exception as exc:  # noqa: BLE001
+            record(f"{label} graph timing", exc)
+            torch.cuda.synchronize()
+            return None
+
     fla_out = maker(fla_fn)(fresh(sets[0]))()
     fla_t, _ = bc.time_pair(maker(fla_fn), None, sets, args, record)
     fla_ms = bc.median_ms(fla_t)
+    fla_graph = graph_ms("fla", fla_fn)
     # after the timings, so that neither side's first call (compilation, FLA's autotuning) is in its peak
     fla_peak = step_peak_mib(maker(fla_fn)(fresh(sets[0])))
 
@@ -160,8 +183,10 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
         bc.warn_check(f"{cfg.name} {label}", err, status)
         _, cula_t = bc.time_pair(None, maker(cula_fn) if status != "FAIL" else None, sets, args, record)
         cula_ms = bc.median_ms(cula_t)
+        cula_graph = graph_ms(label, cula_fn) if status != "FAIL" else None
         return {
-            "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms), "max_rel_err": err, "rel_err": per_output,
+            "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms), "cula_graph_ms": cula_graph,
+            "graph_speedup": bc.speedup(fla_graph, cula_graph), "max_rel_err": err, "rel_err": per_output,
             "check": status, "backend": backend, **bc.spread_fields(None, cula_t),
             "cula_peak_mib": step_peak_mib(maker(cula_fn)(fresh(sets[0]))) if status != "FAIL" else None,
         }  # fmt: skip
@@ -176,13 +201,15 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     del fla_out
     row = {
         "config": cfg.name, "mode": cfg.mode, "B": cfg.B, "T": cfg.T, "N": cfg.N, "dist": cfg.dist,
-        "fla_ms": fla_ms, **main, **bc.spread_fields(fla_t, None), "cula_p10_ms": main["cula_p10_ms"],
+        "fla_ms": fla_ms, "fla_graph_ms": fla_graph, **main, **bc.spread_fields(fla_t, None),
+        "cula_p10_ms": main["cula_p10_ms"],
         "cula_p90_ms": main["cula_p90_ms"], "fla_peak_mib": fla_peak, "rotation_sets": len(sets),
     }  # fmt: skip
     if also:
         row["also"] = also
         for name, part in also.items():
             row[f"{name}_ms"], row[f"{name}_speedup"] = part["cula_ms"], part["speedup"]
+            row[f"{name}_graph_ms"], row[f"{name}_graph_speedup"] = part["cula_graph_ms"], part["graph_speedup"]
     if errors:
         row["errors"] = errors
     if cfg.mode == "varlen":
@@ -283,7 +310,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
-    extra = [f"{name}_{col}" for name, _ in args.also for col in ("ms", "speedup")]
+    timing_mode(meta, args)
+    extra = [f"{name}_{col}" for name, _ in args.also for col in ("ms", "speedup", "graph_ms", "graph_speedup")]
     paths = bc.write_suite(NAME + "".join("_" + s for s in stages) + "".join("_also_" + n for n, _ in args.also),
                            args, meta, rows, MD_COLUMNS + tuple(extra))  # fmt: skip
     return meta, rows, paths
