@@ -131,8 +131,8 @@ def _kda_training(scope: str) -> None:
 
     entry = KDA_TUNING.get((9, 0))
     d = _dtypes(scope)
-    if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, no Akk
-        _kda_intra_variants(d, g_cum_last_only=False)
+    if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, T read
+        _kda_intra_variants(d, g_cum_last_only=False, given_t=True)
     for dt, varlen in itertools.product(d["io"], _B):
         if entry.bwd_dhu:
             for dht, dh0, svf in itertools.product(_B, _B, _B):

@@ -306,7 +306,7 @@ def test_recompute_on_cula_follows_the_tuning(monkeypatch, kda_tuning):
 def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fused_gate):
     """With the prefix on cula's intra kernel, FLA's chunk_kda_bwd gets disable_recompute=True, the prefix's w, u,
     qg, kg, v_new, h and its gate cumsum as g (the raw gate as g_org with the fused gate); the prefix gets the raw
-    (unnormalised) q and k."""
+    (unnormalised) q and k and the forward's Akk."""
     from cula.kda import backends as kb
 
     B, T, H, D = 1, 70, 2, 128
@@ -315,8 +315,8 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     made = {n: torch.full((1,), float(i)) for i, n in enumerate(("g", "w", "u", "qg", "kg", "v_new", "h"))}
     seen = {}
 
-    def prefix(q, k, *args):
-        seen["prefix_q"] = (q, k)
+    def prefix(q, k, *args, Akk=None):
+        seen["prefix_q"], seen["prefix_akk"] = (q, k), Akk
         return dict(made)
 
     def bwd(qk_rstd=None, **kw):
@@ -343,6 +343,7 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     assert all(kw[n] is made[n] for n in ("w", "u", "qg", "kg", "v_new", "h"))
     assert (kw["g_org"] is not None) == fused_gate
     assert seen["prefix_q"][0] is x["q"] and seen["prefix_q"][1] is x["k"]  # raw, not the normalised copies
+    assert seen["prefix_akk"] is saved[-1]  # the forward's T, read instead of recomputed
     assert not torch.equal(kw["q"], x["q"])  # FLA's stages get the normalised q
 
 

@@ -215,7 +215,8 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
         chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf, cu_seqlens=cu)
         chunk_kda_bwd_dhu_sm90(xv, xv, xv, xv, xv, f, h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32),
                                dht=None, state_v_first=svf, cu_seqlens=cu)  # fmt: skip
-    # the recompute prefix on cula's intra kernel: every row of g_cum, no Akk, over the gates and flags it takes
+    # the recompute prefix on cula's intra kernel: every row of g_cum, T read from the forward's Akk, over the gates
+    # and flags it takes
     from cula.kda.forward import _intra_cute
 
     x, xv, beta = _rnd(1, 70, H, D, dtype=BF16), _rnd(1, 70, HV, D, dtype=BF16), _rnd(1, 70, HV, dtype=FP32)
@@ -225,7 +226,8 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
     ):  # fmt: skip
         ci = None if cu is None else torch.tensor([[0, 0], [1, 0]], dtype=torch.int32)
         _intra_cute(x, x, xv, _rnd(1, 70, HV, D, dtype=g_dt), beta, 0.1, cu, ci, fused, _rnd(HV, dtype=FP32),
-                    _rnd(HV * D, dtype=FP32), lb, l2, sig, neg, full_g_cum=True)  # fmt: skip
+                    _rnd(HV * D, dtype=FP32), lb, l2, sig, neg, full_g_cum=True,
+                    given_akk=_rnd(1, 70, HV, 64, dtype=BF16))  # fmt: skip
     families = {k[0] for k in requested}
     assert families == {"kda.bwd_dhu", "kda.bwd_wy_dqkg", "kda.bwd_intra", "kda.intra"}, families
     missing = [cula.cache.key_text(k) for k in requested if k not in listed]

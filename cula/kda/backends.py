@@ -215,7 +215,7 @@ def _training_backward(saved, p, do, dht, kept=None):
             g_cum = prefix.pop("g")
         elif fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
             prefix = fla_backward.recompute_prefix(q_raw, k_raw, v, g_raw, beta_raw, A_log, dt_bias, h0, cu,
-                                                   chunk_indices, chunk_offsets, p)  # fmt: skip
+                                                   chunk_indices, chunk_offsets, p, Akk=Akk)  # fmt: skip
             g_cum = prefix.pop("g")
         elif not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
             g_cum = ff.chunk_local_cumsum(

@@ -306,10 +306,11 @@ def recompute_on_cula(q, v, p: dict) -> bool:
 
 
 def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
-                     p: dict) -> dict:  # fmt: skip
+                     p: dict, Akk=None) -> dict:  # fmt: skip
     """What FLA's ``chunk_kda_bwd`` recomputes before its first gradient stage, for its ``disable_recompute=True``
     path: the gate cumsum ``g`` (every row), ``w, u, qg, kg`` from one launch of cula's intra kernel on the raw
-    inputs (the launch the forward made, without Akk), then ``h, v_new`` from FLA's
+    inputs (the launch the forward made; given the forward's ``Akk``, the kernel reads it instead of computing the
+    scores and the solve again, and w, u are the forward's bits), then ``h, v_new`` from FLA's
     ``chunk_gated_delta_rule_fwd_h``, as FLA's recompute branch calls it. Replaces FLA's ``kda_gate_chunk_cumsum``
     (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -320,7 +321,7 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     w, u, qg, kg, _, g_cum, _ = _intra_cute(
         q, k, v, g, beta, p["scale"], cu32, chunk_indices, p["use_gate_in_kernel"], A_log, dt_bias,
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
-        full_g_cum=True,
+        full_g_cum=True, given_akk=Akk,
     )  # fmt: skip
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,

@@ -61,6 +61,9 @@ _VARIANTS = [
     # chunk_kda's training forward (T = (I + Akk)^-1 to global memory for FLA's backward)
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "write_akk": True},
+    # the training backward's recompute of w, u, qg, kg, g_cum from the forward's T (given_t)
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": True, "l2norm": True,
+     "beta_act": "sigmoid", "given_t": True},
     # Gated DeltaNet's one gate per token and head (scalar_gate): the fused softplus gate, and a log gate
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True},
@@ -74,7 +77,8 @@ _COMPILE_SCRIPT = dump_script(
     M._compile(getattr(cutlass, v["dtype"]), getattr(cutlass, v["g"]), getattr(cutlass, v["beta"]), v["gate"],
                v["varlen"], extra_options=opts, l2norm_qk=v.get("l2norm", False),
                beta_act=v.get("beta_act", "none"), g_cum_last_only=v.get("g_cum_last_only", False),
-               write_akk=v.get("write_akk", False), scalar_gate=v.get("scalar_gate", False))
+               write_akk=v.get("write_akk", False), scalar_gate=v.get("scalar_gate", False),
+               given_t=v.get("given_t", False))
     """,
 )
 
@@ -96,6 +100,8 @@ def _vid(v):
         vid += "-write_akk"
     if v.get("scalar_gate"):
         vid += "-scalar_gate"
+    if v.get("given_t"):
+        vid += "-given_t"
     return vid
 
 
@@ -114,14 +120,15 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     if l2norm:
         # the fused row norms, a thread per row: no shuffles, a correctly rounded sqrt (FLA's 1 / sqrt(sum + eps))
         assert "shfl.sync.bfly" not in ptx and "sqrt.rn.f32" in ptx
-    # 16-byte shared stores: P2's score operands (two fp32 units of a q and a k row, 2 sub-chunks, 2 rounds) and
-    # k' (4 rows), beta v (4 rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end (16), the row
-    # norms (16);
+    # 16-byte shared stores: P2's score operands (two fp32 units of a q and a k row, 2 sub-chunks, 2 rounds; not
+    # with given_t) and k' (4 rows), beta v (4 rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end
+    # (16), the row norms (16);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
-    # thread), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores
-    assert ptx.count("st.shared.v4") == 42 + 16 * l2norm, ptx.count("st.shared.v4")
+    # thread; not with given_t), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores
+    given_t = _VARIANTS[idx].get("given_t", False)
+    assert ptx.count("st.shared.v4") == 42 - 16 * given_t + 16 * l2norm, ptx.count("st.shared.v4")
     write_akk = _VARIANTS[idx].get("write_akk", False)
-    assert ptx.count("st.global.v4") == 34 + 2 * write_akk, ptx.count("st.global.v4")
+    assert ptx.count("st.global.v4") == 34 + 2 * write_akk - 2 * given_t, ptx.count("st.global.v4")
     assert "st.global.b16" not in ptx and "st.global.f32" not in ptx and "st.global.b32" not in ptx
     # full chunks: w / u by stmatrix (64 x 128 bf16 per warpgroup = 8 x4 stores a thread) and TMA stores
     assert ptx.count("stmatrix.sync.aligned") == 16, ptx.count("stmatrix.sync.aligned")
@@ -132,8 +139,8 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
         [nvdisasm, "-c", res["cubins"][0]], capture_output=True, text=True, check=True
     ).stdout
     # scores: one (key block, anchor) pair per warp and round, 16 k-steps x 4 n-tiles of tf32 mma.sync; the
-    # inverse's off-diagonal blocks: 16 products of 16x16 blocks (2 k-steps x 2 n-tiles each)
-    assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == 128 + 64
+    # inverse's off-diagonal blocks: 16 products of 16x16 blocks (2 k-steps x 2 n-tiles each); neither with given_t
+    assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == (0 if given_t else 128 + 64)
     # w (warpgroup 0) and u (warpgroup 1): 4 k-steps each, k'/v' read MN-major
     assert len(re.findall(r"HGMMA\.64x128x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
     assert "UTMALDG" in sass
@@ -601,6 +608,41 @@ def test_akk_vs_fla(case):
     Akk64 = _intra_reference(q, k, v, g, beta, scale, cu, gate, A_log, dt_bias, lb)[-1]
     for who, x in (("cula", Akk), ("fla", Akk_ref)):
         assert_close(f"{who} Akk (lower) vs float64", Akk64, x.masked_fill(~lower, 0), RATIO)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_given_t_is_the_kept_t(case):
+    """given_akk (the training backward's recompute from the forward's T): g_cum, w, u, qg, kg the same bits as the
+    call that wrote that Akk, rows past each sequence end left as they were."""
+    from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
+    from cula.testing import poison_
+
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
+    gate, ci = case[5], None
+    if cu is not None:
+        from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+        ci = prepare_chunk_indices_i32(cu)
+    scale = 128**-0.5
+    Akk = poison_(torch.empty(*v.shape[:3], 64, dtype=q.dtype, device=q.device))
+
+    def with_akk(*args, **kw):
+        chunk_kda_intra_sm90(*args, Akk=Akk, **kw)
+
+    def from_akk(*args, **kw):
+        args = list(args)
+        args[10] = None  # Aqk: not written
+        chunk_kda_intra_sm90(*args, given_akk=Akk, **kw)
+
+    kept = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, launcher=with_akk)
+    again = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, launcher=from_akk)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg"), kept, again):
+        int_view = torch.int16 if a.dtype != torch.float32 else torch.int32
+        assert torch.equal(a.view(int_view), b.view(int_view)), name
+    assert torch.isnan(again[-1]).all(), "Aqk must not be written"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

@@ -104,7 +104,8 @@ def chunk_kda_bwd_wy_dqkg_sm90(
         return t.view(B * t.shape[1], *t.shape[2:])
 
     # the kernel's persistent grid: one CTA an SM (its shared memory allows no more), or one per item
-    num_ctas = min(num_chunks * num_seqs * HV, sm_count(dev.index or 0))
+    items = num_chunks * num_seqs * HV
+    num_ctas = min(items, sm_count(dev.index or 0)) if dev.type == "cuda" else items
     fn(
         flat(q), flat(k), flat(v), flat(v_new), flat(g), flat(beta), flat(A), flat(h), flat(do), flat(dh),
         flat(dv), flat(dq), flat(dk), flat(dv2), flat(dg), flat(db), flat(dA), cu32, ci, scale, T, num_chunks,

@@ -95,7 +95,7 @@ def gate_params_binder(
 
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
-    *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False,
+    *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False, given_t: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
@@ -104,6 +104,7 @@ def kernel_options(
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
         # absent when off: the compile keys of the other variants stay
         **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
+        **({"given_t": True} if given_t else {}),
     )  # fmt: skip
 
 
@@ -164,7 +165,7 @@ def chunk_kda_intra_sm90(
     u: torch.Tensor,
     qg: torch.Tensor,
     kg: torch.Tensor,
-    Aqk: torch.Tensor,
+    Aqk: torch.Tensor | None,
     g_cum: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
@@ -179,6 +180,7 @@ def chunk_kda_intra_sm90(
     allow_neg_eigval: bool = False,
     g_cum_last_only: bool = False,
     Akk: torch.Tensor | None = None,
+    given_akk: torch.Tensor | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` (and ``Akk``) in place.
 
@@ -212,6 +214,9 @@ def chunk_kda_intra_sm90(
         Akk: ``[B, T, HV, 64]`` q's dtype or None, out: ``(I + Akk)^-1`` of the token's chunk rounded to q's dtype
             (the unit lower-triangular matrix that w and u are made with; zeros above the diagonal), FLA's
             ``chunk_kda_fwd_intra``'s Akk, which its backward takes.
+        given_akk: ``[B, T, HV, 64]`` q's dtype or None: an ``Akk`` a call on the same inputs wrote, read instead
+            of computed (the training backward's recompute of w, u, qg, kg and g_cum): no scores and no solve, so
+            ``Aqk`` is not written (pass None) and ``Akk`` must be None. w and u are then the bits that call wrote.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -233,14 +238,19 @@ def chunk_kda_intra_sm90(
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"q/k/v must be bf16 or fp16, got {q.dtype}")
     dt = q.dtype
+    if given_akk is not None and Akk is not None:
+        raise ValueError("given_akk is read and Akk written: pass one of them")
+    if (Aqk is None) != (given_akk is not None):
+        raise ValueError("Aqk is written unless given_akk is passed (then it must be None)")
     scalar_gate = g.dim() == 3
     g_shape = (B, T, HV) if scalar_gate else (B, T, HV, K)
     check_tensors((
         ("k", k, (B, T, H, K), dt), ("v", v, (B, T, HV, V), dt), ("g", g, g_shape, None),
         ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt),
-        ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("Aqk", Aqk, (B, T, HV, 64), dt),
-        ("g_cum", g_cum, (B, T, HV, K), torch.float32),
+        ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("g_cum", g_cum, (B, T, HV, K), torch.float32),
+        *((("Aqk", Aqk, (B, T, HV, 64), dt),) if Aqk is not None else ()),
         *((("Akk", Akk, (B, T, HV, 64), dt),) if Akk is not None else ()),
+        *((("given_akk", given_akk, (B, T, HV, 64), dt),) if given_akk is not None else ()),
     ), contiguous=True)  # fmt: skip
     if g.dtype not in TORCH_TO_DSL or beta.dtype not in TORCH_TO_DSL:
         raise ValueError(f"g and beta must be fp32/bf16/fp16, got {g.dtype}, {beta.dtype}")
@@ -265,7 +275,7 @@ def chunk_kda_intra_sm90(
         varlen=varlen,
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
-            write_akk=Akk is not None, scalar_gate=scalar_gate,
+            write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None,
         ),
     )  # fmt: skip
 
@@ -275,7 +285,8 @@ def chunk_kda_intra_sm90(
     fn(
         flat(q), flat(k), flat(v), g.view(B * T, HV) if scalar_gate else flat(g), beta.view(B * T, HV), A_log,
         dt_bias,
-        flat(w), flat(u), flat(qg), flat(kg), flat(Aqk), None if Akk is None else flat(Akk), flat(g_cum),
+        flat(w), flat(u), flat(qg), flat(kg), None if Aqk is None else flat(Aqk),
+        flat(Akk) if Akk is not None else None if given_akk is None else flat(given_akk), flat(g_cum),
         cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
         chunk_indices if varlen else placeholder(dev, torch.int32, (1, 2)),
         T, num_chunks, num_seqs, float(scale), float(lower_bound if lower_bound is not None else 0.0),

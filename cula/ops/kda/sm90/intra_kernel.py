@@ -147,13 +147,18 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
-        scalar_gate: bool = False,
+        scalar_gate: bool = False, given_t: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
         # bf16 T = (I + Akk)^-1 to global memory too (FLA's saved Akk, for the training path's backward); without
         # it the kernel's mAkk argument is None
         self.write_akk = bool(write_akk)
+        # T = (I + Akk)^-1 read from mAkk (bf16, as write_akk stored it) instead of computed: the training backward's
+        # recompute of w, u, qg, kg and g_cum, with no scores (Aqk is not written, mAqk is None) and no solve
+        self.given_t = bool(given_t)
+        if self.given_t and self.write_akk:
+            raise ValueError("given_t reads Akk: it cannot write it too (write_akk)")
         # one gate per (token, value head), Gated DeltaNet's: raw g (T, HV), dt_bias (HV,); the scores are the
         # plain products times exp2(gc_t - gc_s), exact for any gate (see the module docstring)
         self.scalar_gate = bool(scalar_gate)
@@ -200,8 +205,8 @@ class ChunkKDAIntraFwdSm90:
         mU: cute.Tensor,  # (T_total, HV, V)  dtype, out
         mQg: cute.Tensor,  # (T_total, HV, K) dtype, out
         mKg: cute.Tensor,  # (T_total, HV, K) dtype, out
-        mAqk: cute.Tensor,  # (T_total, HV, BT) dtype, out
-        mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype, out: bf16 (I + Akk)^-1 (write_akk), else None
+        mAqk: cute.Tensor | None,  # (T_total, HV, BT) dtype, out; None with given_t
+        mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype: bf16 (I + Akk)^-1, out (write_akk) or in (given_t)
         mG: cute.Tensor,  # (T_total, HV, K) fp32, out
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
         mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
@@ -360,7 +365,7 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(at(sQ0, (c8, 16 * j + r)), rq)
             cute.autovec_copy(at(sK0, (c8, 16 * j + r)), rk)
             cute.autovec_copy(at(sG, (c8, 16 * j + r), 4), rg)
-            if const_expr(not self.scalar_gate):  # the anchor row's g_cum, for the factored score operands
+            if const_expr(not self.scalar_gate and not self.given_t):  # the anchor's g_cum, for the score operands
                 cute.autovec_copy(at(sG, (c8, 16 * j + 8), 4), rga)
             return rq, rk, rg, rga
 
@@ -387,7 +392,9 @@ class ChunkKDAIntraFwdSm90:
                 rkp[e] = ((kv * b).to(dt).to(Float32) * eg).to(dt)
                 rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
                 # rows past the sequence end have q = k = 0 (P1), so their operands are 0 as well
-                if const_expr(self.scalar_gate):  # plain products, the gate applied to the scores (P3)
+                if const_expr(self.given_t):
+                    pass
+                elif const_expr(self.scalar_gate):  # plain products, the gate applied to the scores (P3)
                     bq[e] = round_tf32(qv)
                     bk[e] = round_tf32(kv)
                 else:
@@ -399,7 +406,7 @@ class ChunkKDAIntraFwdSm90:
             # two 16-byte units per row, units c4 and c4 + 1 (unit bit 3 = (tidx >> 2) & 1, see _b_unit)
             c4 = cute.assume((tidx % 16) * 2, divby=2)
             u8 = (tidx >> 2) & 1
-            for h in cutlass.range_constexpr(2):
+            for h in cutlass.range_constexpr(0 if self.given_t else 2):
                 for which, src in ((0, bq), (1, bk)):
                     part = cute.make_rmem_tensor(4, Float32)
                     for e in cutlass.range_constexpr(4):
@@ -473,7 +480,7 @@ class ChunkKDAIntraFwdSm90:
         tma_w: cute.CopyAtom, tw: cute.Tensor,
         tma_u: cute.CopyAtom, tu: cute.Tensor,
         mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor,
-        mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
+        mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor | None,
         mAkk: cute.Tensor | None, mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor,
         seqlen: Int32, scale: Float32, lower_bound: Float32,
         mma_wu: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sT_l: cute.ComposedLayout,
@@ -605,43 +612,53 @@ class ChunkKDAIntraFwdSm90:
         cute.arch.barrier()
 
         # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
-        self._scores(
-            sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
-            warp_idx,
-        )  # fmt: skip
+        if const_expr(self.given_t):  # P2's rows alone (no score operands, no scores), then v into k's tile
+            sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
+            for rnd in cutlass.range_constexpr(2):
+                self._qg_kg_score_operands_vec(
+                    sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd]
+                )  # fmt: skip
+            cute.arch.barrier()
+            self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
+        else:
+            self._scores(
+                sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
+                warp_idx,
+            )  # fmt: skip
         cute.arch.barrier()
-        for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
-            item = tidx + m * self.num_threads
-            t = item // 8
-            s0 = cute.assume((item % 8) * 8, divby=8)
-            if t < valid:
-                ra = cute.make_rmem_tensor(8, dt)
-                cute.autovec_copy(vec_at(sAqk, (t, s0)), ra)
-                dst = cute.make_tensor(mAqk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8))
-                cute.autovec_copy(ra, dst)
+        if const_expr(not self.given_t):  # the scores' Aqk out, then the solve (P4, P5)
+            for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
+                item = tidx + m * self.num_threads
+                t = item // 8
+                s0 = cute.assume((item % 8) * 8, divby=8)
+                if t < valid:
+                    ra = cute.make_rmem_tensor(8, dt)
+                    cute.autovec_copy(vec_at(sAqk, (t, s0)), ra)
+                    dst = cute.make_tensor(mAqk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8))
+                    cute.autovec_copy(ra, dst)
 
-        # ---------------- P4: inverses of the diagonal blocks, in place ----------------
-        # (the blocks above the diagonal are already the zeros T has there)
-        # one block per warp (lanes 0-15), so a warp's broadcast reads stay in one block: rows 16 apart are
-        # 16 * 68 floats apart, the same banks
-        col = tidx % 32
-        o = 16 * (tidx // 32)
-        inverts = (tidx < 4 * 32) & (col < 16)
-        rX = cute.make_rmem_tensor(16, Float32)
-        if inverts:
-            self._diag_inverse_column(sA, o, col, rX)
-        # the blocks are read before they are rewritten. A CTA-wide barrier, not a named one of the four warps
-        # that invert: after a named barrier that part of the CTA joins, compute-sanitizer's racecheck paired the
-        # later phases' barrier-0 instances wrongly between the two halves of the CTA and reported their (ordered)
-        # accesses as races; the other four warps only wait here instead of at the next barrier
-        cute.arch.barrier()
-        if inverts:
-            for r in cutlass.range_constexpr(16):
-                sA[o + r, o + col] = rX[r]
-        cute.arch.barrier()
+            # ---------------- P4: inverses of the diagonal blocks, in place ----------------
+            # (the blocks above the diagonal are already the zeros T has there)
+            # one block per warp (lanes 0-15), so a warp's broadcast reads stay in one block: rows 16 apart are
+            # 16 * 68 floats apart, the same banks
+            col = tidx % 32
+            o = 16 * (tidx // 32)
+            inverts = (tidx < 4 * 32) & (col < 16)
+            rX = cute.make_rmem_tensor(16, Float32)
+            if inverts:
+                self._diag_inverse_column(sA, o, col, rX)
+            # the blocks are read before they are rewritten. A CTA-wide barrier, not a named one of the four warps
+            # that invert: after a named barrier that part of the CTA joins, compute-sanitizer's racecheck paired the
+            # later phases' barrier-0 instances wrongly between the two halves of the CTA and reported their (ordered)
+            # accesses as races; the other four warps only wait here instead of at the next barrier
+            cute.arch.barrier()
+            if inverts:
+                for r in cutlass.range_constexpr(16):
+                    sA[o + r, o + col] = rX[r]
+            cute.arch.barrier()
 
-        # ---------------- P5: off-diagonal blocks of T on tf32 mma.sync ----------------
-        self._inverse_blocks_mma(sA, base, warp_idx, tidx % 32)
+            # ---------------- P5: off-diagonal blocks of T on tf32 mma.sync ----------------
+            self._inverse_blocks_mma(sA, base, warp_idx, tidx % 32)
 
         # ---------------- P6: bf16(T) and v' = bf16(beta v) as WGMMA operands (k' is P2's) ----------------
         sT0 = sT[None, None, 0]
@@ -651,10 +668,16 @@ class ChunkKDAIntraFwdSm90:
             t = item // 8
             s0 = cute.assume((item % 8) * 8, divby=8)
             rt = cute.make_rmem_tensor(8, dt)
-            for h4 in cutlass.range_constexpr(2):
-                ra = self._a_row4(sA, t, s0 + 4 * h4)
-                for e in cutlass.range_constexpr(4):
-                    rt[4 * h4 + e] = ra[e].to(dt)
+            if const_expr(self.given_t):
+                # the stored T's rows; zeros past the sequence end (those rows of w and u are never stored)
+                rt.fill(0.0)
+                if t < valid:
+                    cute.autovec_copy(cute.make_tensor(mAkk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8)), rt)
+            else:
+                for h4 in cutlass.range_constexpr(2):
+                    ra = self._a_row4(sA, t, s0 + 4 * h4)
+                    for e in cutlass.range_constexpr(4):
+                        rt[4 * h4 + e] = ra[e].to(dt)
             cute.autovec_copy(rt, vec_at(sT0, (t, s0)))
             if const_expr(self.write_akk):
                 if t < valid:
@@ -1086,8 +1109,9 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4) if kernel.scalar_gate
         else make_fake_tensor(Float32, (hv, DK), (DK, 1), assumed_align=16),
-        tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, BT),
-        tok(dtype, hv, BT) if kernel.write_akk else None, tok(Float32, hv, DK),
+        tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK),
+        None if kernel.given_t else tok(dtype, hv, BT),
+        tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t else None, tok(Float32, hv, DK),
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
         make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
         Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(-5.0),
