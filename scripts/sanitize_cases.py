@@ -260,6 +260,33 @@ def kda_training_bwd_wy_dqkg():
         _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True)
 
 
+@case
+def kda_bwd_wy_dqkg_many_items():
+    # the stage-6 kernel alone with more (chunk, value head) items than SMs, so that each persistent CTA walks
+    # several and loads the next item's tiles while it computes the current one: fixed, and packed with a chunk
+    # list ending in padding rows (as a list built on the device does), both state layouts
+    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
+    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+    for svf, lens in ((True, None), (False, [1, 4000, 63, 0, 4306, 130])):
+        T = 9000 if lens is None else sum(lens)
+        B, HV = 1, 4
+        kw = {}
+        if lens is None:
+            NT = -(-T // 64)
+        else:
+            cu = _cu(lens)
+            ci = prepare_chunk_indices_i32(cu)
+            ci = torch.cat([ci, torch.tensor([[len(lens) - 1, 1000]] * 8, dtype=torch.int32, device=DEV)])
+            NT, kw = ci.shape[0], dict(cu_seqlens=cu, chunk_indices=ci)
+        x = {n: _r(B, T, HV, 128) for n in ("q", "k", "v", "v_new", "do", "dv")}
+        g = -0.05 * torch.rand(B, T, HV, 128, device=DEV).cumsum(1).remainder(3.0)
+        chunk_kda_bwd_wy_dqkg_sm90(
+            **x, g=g, beta=torch.rand(B, T, HV, device=DEV), A=_r(B, T, HV, 64, scale=0.1),
+            h=_r(B, NT, HV, 128, 128, scale=0.1), dh=_r(B, NT, HV, 128, 128, scale=0.1), state_v_first=svf, **kw,
+        )  # fmt: skip
+
+
 def _kda_decode_call(N, T, H, HV, D=128, *, v_first=True, steps=False, gate="lower_bound", dtype=torch.bfloat16,
                      pool_rows=None, g_dtype=torch.float32, beta_dtype=torch.float32):  # fmt: skip
     from cula.kda import kda_decode
