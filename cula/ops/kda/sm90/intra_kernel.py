@@ -68,6 +68,10 @@ P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through t
        a TMA store for a full chunk, row-predicated copies for a partial one)
 =====  ==========================================================================================================
 
+``given_t`` (the training backward's recompute of w, u, qg, kg and g_cum from the forward's saved T): P2 writes its
+rows and k' but no score operands, P3-P5 and Aqk are skipped, and P6 loads T's rows from ``mAkk`` instead of
+rounding the solve's; w and u are then the bits the forward's ``write_akk`` call made.
+
 Synchronisation: phases hand shared memory on through CTA-wide barriers (barrier 0); the only named barriers are
 P7's, one per warpgroup, after the last CTA-wide one. P4 used a named barrier of the four inverting warps, and with
 it compute-sanitizer's racecheck matched the later barrier-0 instances of warps 0-3 with the wrong ones of warps 4-7
