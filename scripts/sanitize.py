@@ -130,7 +130,7 @@ def main() -> int:
                     help="processes per tool, as tool=N,...")
     ap.add_argument("--digest", action="store_true", help="print the kernel sources' digest and exit")
     ap.add_argument("--no-warm", action="store_true", help="skip the cases' plain run (FLA's autotuning) first")
-    ap.add_argument("--warm-procs", type=int, default=6, help="processes sharing the plain run's cases")
+    ap.add_argument("--warm-procs", type=int, default=12, help="processes sharing the plain run's cases")
     ap.add_argument("--warm-limit", type=int, default=300, help="seconds each plain-run process may run")
     a = ap.parse_args()
     if a.digest:
