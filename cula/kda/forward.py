@@ -185,9 +185,7 @@ def _state_outputs(u, cu32, chunk_indices) -> dict:
     if cu32 is None:
         NT, offsets = -(-T // 64), None
     else:
-        NT = chunk_indices.shape[0]
-        lens = cu32[1:] - cu32[:-1]
-        offsets = torch.cat([cu32.new_zeros(1), ((lens + 63) // 64).cumsum(0)]).to(torch.int32)
+        NT, offsets = chunk_indices.shape[0], intra.chunk_offsets_i32(cu32)
     h = u.new_empty((B, NT, HV, V, V))  # K = V = 128: either state layout
     return dict(h=h, v_new=torch.empty_like(u), offsets=offsets)
 

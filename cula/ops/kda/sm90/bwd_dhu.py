@@ -11,6 +11,7 @@ import torch
 
 from cula.cache import compiled_kernel
 from cula.ops._host import dsl_name, kernel_attr, placeholder
+from cula.ops.kda.sm90.intra import chunk_offsets_i32
 
 __all__ = ["chunk_kda_bwd_dhu_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -91,10 +92,9 @@ def chunk_kda_bwd_dhu_sm90(
             raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
         N = cu_seqlens.numel() - 1
         cu32 = cu_seqlens.to(torch.int32)
-        lens = cu32[1:] - cu32[:-1]
-        counts = (lens + 63) // 64
-        offsets = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-        NT = len(chunk_indices) if chunk_indices is not None else int(counts.sum())
+        bounds = chunk_offsets_i32(cu32)
+        offsets = bounds[:-1]  # each sequence's first chunk
+        NT = len(chunk_indices) if chunk_indices is not None else int(bounds[-1])
     else:
         N, NT = B, -(-T // 64)
     state = (N, HV, V, K) if state_v_first else (N, HV, K, V)

@@ -12,7 +12,7 @@ from cula.cache import compiled_kernel
 from cula.ops._host import GATES, TORCH_TO_DSL, check_tensors, dsl_name, kernel_attr, placeholder
 
 __all__ = [
-    "BETA_ACTS", "GATES", "chunk_kda_intra_sm90", "compiled", "compiled_variant", "kernel_options",
+    "BETA_ACTS", "GATES", "chunk_kda_intra_sm90", "chunk_offsets_i32", "compiled", "compiled_variant", "kernel_options",
     "prepare_chunk_indices_i32", "variant_key",
 ]  # fmt: skip
 
@@ -136,6 +136,13 @@ def prepare_chunk_indices_i32(
         rows = torch.stack([seq, torch.arange(seq.numel()) - first], 1).to(torch.int32)
         rows = rows.pin_memory() if pin else rows
     return rows.to(cu_seqlens.device, non_blocking=True)
+
+
+def chunk_offsets_i32(cu32: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+    """``[N + 1]`` int32 on ``cu32``'s device: each packed sequence's first chunk in a list of every sequence's
+    chunks (FLA's ``prepare_chunk_offsets``), the last entry their total; no host read."""
+    counts = (cu32[1:] - cu32[:-1] + (chunk_size - 1)) // chunk_size
+    return torch.cat([cu32.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
 
 def per_chunk_grid(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_indices: torch.Tensor | None,
