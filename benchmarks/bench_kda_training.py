@@ -148,19 +148,15 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     def maker(fn):
         return lambda s: make_step(fn, s, shared, grads, work.flags)
 
+    graph_args = argparse.Namespace(**{**vars(args), "cuda_graph": True})
+
     def graph_ms(label: str, fn) -> float | None:
         """The step's CUDA-graph replay time beside the eager one: None under --cuda-graph (the main timing is the
         graph one then), without CUDA (the CPU tests' stand-ins) or where the capture failed (recorded: it costs
         the cell)."""
         if args.cuda_graph or not torch.cuda.is_available():
             return None
-        try:
-            made = [maker(fn)(s) for s in sets]
-            return bc.bench(made, iters=args.iters, warmup=args.warmup, cuda_graph=True, l2=args.l2).median_ms
-        except Exception as exc:  # noqa: BLE001
-            record(f"{label} graph timing", exc)
-            torch.cuda.synchronize()
-            return None
+        return bc.median_ms(bc.timed(f"{label} graph", maker(fn), sets, graph_args, record))
 
     fla_out = maker(fla_fn)(fresh(sets[0]))()
     fla_t, _ = bc.time_pair(maker(fla_fn), None, sets, args, record)

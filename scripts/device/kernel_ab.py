@@ -24,6 +24,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import bench  # noqa: E402  (the benchmarks' timing: CUDA events, the median)
 
 
 def load_rev(rev: str, host: str) -> types.ModuleType:
@@ -49,38 +51,24 @@ def load_rev(rev: str, host: str) -> types.ModuleType:
     return module
 
 
-def _time(fn: Callable[[], object], iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 # ------------------------------------------------------------------------------------------------------- cases
 def _wy_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | None = None, pad_rows: int = 0):
     """Stage 6's inputs (``chunk_kda_bwd_wy_dqkg_sm90``), random but finite; packed with ``lens``, its chunk list
     then ending with ``pad_rows`` padding rows, as a list built on the device does."""
     from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+    from cula.testing import make_cu_seqlens
 
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape, scale=1.0):
         return (scale * torch.randn(*shape, device="cuda", generator=gen)).bfloat16()
 
-    extra = {}
-    if lens is None:
-        NT = B * -(-T // 64)
-    else:
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    extra, states = {}, (B, -(-T // 64), HV, 128, 128)  # a state per chunk, per sequence or per chunk-list row
+    if lens is not None:
+        cu = make_cu_seqlens(lens, device="cuda")
         ci = prepare_chunk_indices_i32(cu)
         ci = torch.cat([ci, torch.tensor([[len(lens) - 1, 10**6]] * pad_rows, dtype=torch.int32, device="cuda")])
-        NT = ci.shape[0]
-        extra = dict(cu_seqlens=cu, chunk_indices=ci)
+        extra, states = dict(cu_seqlens=cu, chunk_indices=ci), (1, ci.shape[0], HV, 128, 128)
     # a log2 gate cumsum local to each 64 tokens (not each sequence's chunks when packed: any finite g will do)
     Tp = -(-T // 64) * 64
     steps = -0.1 * torch.rand(B, Tp // 64, 64, HV, 128, device="cuda", generator=gen)
@@ -88,10 +76,8 @@ def _wy_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | N
     return dict(
         q=rnd(B, T, HV, 128), k=rnd(B, T, HV, 128), v=rnd(B, T, HV, 128), v_new=rnd(B, T, HV, 128), g=g,
         beta=torch.rand(B, T, HV, device="cuda", generator=gen), A=rnd(B, T, HV, 64, scale=0.1),
-        h=rnd(B if lens is None else 1, NT // B if lens is None else NT, HV, 128, 128, scale=0.1),
-        do=rnd(B, T, HV, 128), dh=rnd(B if lens is None else 1, NT // B if lens is None else NT, HV, 128, 128,
-                                        scale=0.1),
-        dv=rnd(B, T, HV, 128), state_v_first=state_v_first, **extra,
+        h=rnd(*states, scale=0.1), do=rnd(B, T, HV, 128), dh=rnd(*states, scale=0.1), dv=rnd(B, T, HV, 128),
+        state_v_first=state_v_first, **extra,
     )  # fmt: skip
 
 
@@ -133,8 +119,8 @@ def main() -> int:
         equal = all(torch.equal(x, y) for x, y in zip(outs_new, outs_old)) and len(outs_new) == len(outs_old)
         nan = any(x.is_floating_point() and x.isnan().any().item() for x in outs_new)
         same &= equal and not nan
-        t_new = _time(lambda f=new_fn, x=inputs: f(**x), a.iters)
-        t_old = _time(lambda f=old_fn, x=inputs: f(**x), a.iters)
+        t_new = bench(lambda f=new_fn, x=inputs: f(**x), iters=a.iters, warmup=1).median_ms
+        t_old = bench(lambda f=old_fn, x=inputs: f(**x), iters=a.iters, warmup=1).median_ms
         print(f"{name}: working tree {t_new:.3f} ms, {a.rev} {t_old:.3f} ms ({t_old / t_new:.2f}x); "
               f"outputs bit for bit equal: {equal}; NaN in the working tree's: {nan}", flush=True)  # fmt: skip
         inputs = new = old = outs_new = outs_old = None  # free this case's tensors before the next one's
