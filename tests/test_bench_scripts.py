@@ -164,17 +164,17 @@ def test_training_also_times_more_stage_sets(cpu_bench, monkeypatch):
     seen, kept = [], []
 
     def cula_step(disable_recompute=False, **kw):
-        seen.append(KDA_TUNING.get((9, 0)).bwd_intra_gate)
+        seen.append(KDA_TUNING.get((9, 0)).bwd_dhu)
         kept.append(disable_recompute)
         return _fake_training_step(**kw)
 
-    args = kt.parse_args(["--iters", "2", "--warmup", "1", "--also", "gate=bwd_intra_gate",
+    args = kt.parse_args(["--iters", "2", "--warmup", "1", "--also", "dhu=bwd_dhu",
                           "--also", "kept=disable_recompute"])  # fmt: skip
-    assert args.also == [("gate", ("bwd_intra_gate",)), ("kept", ("disable_recompute",))]
+    assert args.also == [("dhu", ("bwd_dhu",)), ("kept", ("disable_recompute",))]
     row = kt.run_config(kp.Config("fixed", 1, 16, (16,)), _fake_training_step, cula_step, args)
-    assert row["also"]["gate"]["check"] == "ok" and row["also"]["gate"]["stages"] == ["bwd_intra_gate"]
-    assert row["gate_ms"] > 0 and row["gate_speedup"] > 0 and row["cula_ms"] > 0 and row["kept_ms"] > 0
-    assert False in seen and True in seen and not KDA_TUNING.get((9, 0)).bwd_intra_gate
+    assert row["also"]["dhu"]["check"] == "ok" and row["also"]["dhu"]["stages"] == ["bwd_dhu"]
+    assert row["dhu_ms"] > 0 and row["dhu_speedup"] > 0 and row["cula_ms"] > 0 and row["kept_ms"] > 0
+    assert False in seen and True in seen and not KDA_TUNING.get((9, 0)).bwd_dhu
     assert False in kept and True in kept
     for bad in ("gate", "gate=bwd_nothing", "1x=bwd_intra_gate"):
         with pytest.raises(SystemExit):

@@ -184,7 +184,7 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
     from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
     from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
 
-    kda_tuning(bwd_dhu=False, bwd_wy_dqkg=False, bwd_intra=False)
+    kda_tuning(bwd_dhu=False, bwd_wy_dqkg=False, bwd_intra=False, bwd_recompute_intra=False)
     assert not variants.planner_variants("full", ops=("kda.training",))
     kda_tuning(bwd_dhu=True, bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
                bwd_intra_l2norm=True, bwd_recompute_intra=True)  # fmt: skip
