@@ -15,7 +15,8 @@ random output gradients, on leaves that require grad (q, k, v, g, beta, A_log, d
 than adding them to the last call's (which cost both sides alike ~1.5 ms at B = 2, T = 16384). Each side is timed
 eagerly (``fla_ms``, ``cula_ms``) and as the replay of a CUDA graph of the whole step (``fla_graph_ms``,
 ``cula_graph_ms``: GPU time without the host's launch overhead, which an eager step of FLA's many Triton launches
-partly waits on). Before timing, one step of each is compared: the largest relative RMSE over o, the final state
+partly waits on; packed configs capture cula's step in FLA's graph mode, ``use_graph=True``, as cula's packed
+backward needs). Before timing, one step of each is compared: the largest relative RMSE over o, the final state
 and the eight input gradients against FLA's (warn above 2e-2, FLA's own tolerance for dg / dbeta, FAIL and untimed
 above 0.1 or on NaN). After timing, one more step of each
 measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cula_peak_mib``: activations kept for
@@ -179,7 +180,7 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
         bc.warn_check(f"{cfg.name} {label}", err, status)
         _, cula_t = bc.time_pair(None, maker(cula_fn) if status != "FAIL" else None, sets, args, record)
         cula_ms = bc.median_ms(cula_t)
-        cula_graph = graph_ms(label, cula_fn) if status != "FAIL" else None
+        cula_graph = graph_ms(label, _graph_form(cfg, work, cula_fn)) if status != "FAIL" else None
         return {
             "cula_ms": cula_ms, "speedup": bc.speedup(fla_ms, cula_ms), "cula_graph_ms": cula_graph,
             "graph_speedup": bc.speedup(fla_graph, cula_graph), "max_rel_err": err, "rel_err": per_output,
@@ -211,6 +212,15 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     if cfg.mode == "varlen":
         row["seq_lens"] = list(cfg.lens)
     return row
+
+
+def _graph_form(cfg: kp.Config, work: kp.Workload, cula_fn: Callable) -> Callable:
+    """cula's step as its CUDA-graph timing captures it: a packed KDA one in FLA's graph mode (``use_graph``,
+    ``max_num_seqs`` = the config's sequence count), without which cula refuses to capture a packed backward (its
+    exact chunk list is built on the host); FLA's step captures as it is (its chunk list memoised from the warm-up)."""
+    if cfg.mode != "varlen" or work is not kp.KDA:
+        return cula_fn
+    return functools.partial(cula_fn, use_graph=True, max_num_seqs=cfg.N)
 
 
 def _stages_on(stages):

@@ -174,7 +174,7 @@ def _wy_dqkg_decision(args: tuple, kwargs: dict):
     if call["kwargs"]:
         return False, f"arguments FLA 0.6.0's stage does not take: {', '.join(call['kwargs'])}"
     return fla_backward.wy_dqkg_verdict(*(call[n] for n in ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv")),
-                                        call["use_graph"], call["chunk_size"])  # fmt: skip
+                                        call["chunk_size"])  # fmt: skip
 
 
 def _wy_dqkg_params(
@@ -190,7 +190,7 @@ def _wy_dqkg(*args, **kwargs):
     c = _bind(_wy_dqkg_params, args, kwargs)
     return fla_backward.wy_dqkg_ours(
         c["q"], c["k"], c["v"], c["v_new"], c["g"], c["beta"], c["A"], c["h"], c["do"], c["dh"], c["dv"],
-        c["scale"], c["state_v_first"], c["cu_seqlens"], c["chunk_size"], c["chunk_indices"],
+        c["scale"], c["state_v_first"], c["cu_seqlens"], c["chunk_size"], c["chunk_indices"], c["use_graph"],
     )  # fmt: skip
 
 

@@ -46,8 +46,9 @@ def _cu(lens):
 
 
 def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=True, v_first=False, cpu_copy=True,
-               grad=False, neg=False, keep=False):  # fmt: skip
-    """One chunk_kda call: fixed (lens an int T, B sequences) or packed (lens a list, B = 1)."""
+               grad=False, neg=False, keep=False, graph=False):  # fmt: skip
+    """One chunk_kda call: fixed (lens an int T, B sequences) or packed (lens a list, B = 1); ``graph``: packed in
+    FLA's graph mode (``use_graph``, ``max_num_seqs`` the sequence count)."""
     from cula.kda import chunk_kda
 
     packed = isinstance(lens, (list, tuple))
@@ -73,6 +74,8 @@ def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=T
         kw["cu_seqlens"] = _cu(lens)
         if cpu_copy:
             kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
+        if graph:
+            kw.update(use_graph=True, max_num_seqs=len(lens))
     if grad:
         for t in (q, k, v, g, beta):
             t.requires_grad_(True)
@@ -247,6 +250,14 @@ def kda_training_bwd_intra_fused():
         _kda_chunk(2, 130, 2, 2, grad=True)
         _kda_chunk(1, [70, 0, 65, 1], 1, 1, grad=True, v_first=True)
         _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
+
+
+@case
+def kda_training_graph_mode():
+    # a packed training step in FLA's graph mode: the backward's kernels (the recompute on the intra kernel, stages 6
+    # and 7) walk FLA's fixed-size chunk list, its sentinel rows as padding rows; without and with GVA
+    _kda_chunk(1, [70, 0, 65, 1, 0], 1, 1, grad=True, graph=True)
+    _kda_chunk(1, [70, 0, 65, 1, 0], 1, 2, grad=True, v_first=True, graph=True)
 
 
 @case

@@ -154,6 +154,17 @@ def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
     assert raised["check"] == "FAIL" and "cula check" in raised["errors"] and raised["fla_ms"] > 0
 
 
+def test_training_graph_timing_of_packed_kda_steps_uses_graph_mode():
+    """The CUDA-graph column captures cula's packed KDA step in FLA's graph mode (max_num_seqs = the config's
+    sequence count); fixed steps, and other workloads' steps, as they are."""
+    packed = kp.Config("varlen", 1, 100, (30, 0, 70))
+    fn = kt._graph_form(packed, kp.KDA, _fake_training_step)
+    assert fn.func is _fake_training_step and fn.keywords == {"use_graph": True, "max_num_seqs": 3}
+    assert kt._graph_form(kp.Config("fixed", 2, 64, (64, 64)), kp.KDA, _fake_training_step) is _fake_training_step
+    other = kp.Workload(*([None] * 5))
+    assert kt._graph_form(packed, other, _fake_training_step) is _fake_training_step
+
+
 def test_training_also_times_more_stage_sets(cpu_bench, monkeypatch):
     """``--also NAME=FLAGS``: cula's side again under the named stages (the tuning entry changed for that call only),
     FLA timed once; bad flag names are refused by the parser."""

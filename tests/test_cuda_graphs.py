@@ -691,6 +691,50 @@ def test_graph_mode_training_step():
 
 
 @gpu
+@pytest.mark.parametrize("HV", [2, 4], ids=["mha", "gva"])
+def test_graph_mode_step_matches_the_plain_step(monkeypatch, HV):
+    """Eagerly, a packed training step in FLA's graph mode (FLA's fixed-size chunk list, whose sentinel rows cula's
+    backward kernels get as padding rows) against the same step without it: o, the final states and every gradient
+    within FLA's tolerances (the gate parameters' sums may add in another order), none NaN; cula's stage-6 and
+    stage-7 kernels and the intra kernel's recompute run in both."""
+    from cula.kda import fla_backward
+    from cula.ops.kda.sm90 import bwd_intra, bwd_wy_dqkg
+    from cula.testing import assert_close
+
+    ran = []
+    for module, name in ((bwd_intra, "chunk_kda_bwd_intra_sm90"), (bwd_wy_dqkg, "chunk_kda_bwd_wy_dqkg_sm90")):
+        monkeypatch.setattr(module, name, functools.partial(_count, ran, name, getattr(module, name)))
+    monkeypatch.setattr(fla_backward, "recompute_prefix",
+                        functools.partial(_count, ran, "recompute_prefix", fla_backward.recompute_prefix))
+    gen = torch.Generator(DEV).manual_seed(9)
+    lens = [37, 0, 130, 1, 72, 0]  # ends at the total, so the plain call takes the same boundaries
+    T, N = sum(lens), len(lens)
+    x = _kda_inputs(1, T, 2, HV, N, gen)
+    x["cu_seqlens"] = make_cu_seqlens(lens, device=DEV)
+    do = torch.randn(1, T, HV, D, generator=gen, device=DEV).to(torch.bfloat16)
+    dht = torch.randn(N, HV, D, D, generator=gen, device=DEV)
+    leaves = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+    steps = []
+    for graph in (False, True):
+        ran.clear()
+        y = {n: t.detach().clone().requires_grad_(n in leaves) for n, t in x.items()}
+        flags = dict(SAFE_GATE, use_graph=True, max_num_seqs=N) if graph else SAFE_GATE
+        o, ht = chunk_kda(**y, **flags)
+        torch.autograd.backward((o, ht), (do, dht))
+        steps.append({"o": o.detach(), "ht": ht.detach(), **{f"d{n}": y[n].grad for n in leaves}})
+        assert {"chunk_kda_bwd_intra_sm90", "chunk_kda_bwd_wy_dqkg_sm90", "recompute_prefix"} <= set(ran), ran
+    tol = {"dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 2e-2, "o": 5e-3, "ht": 5e-3}
+    for name, plain in steps[0].items():
+        assert not steps[1][name].isnan().any(), name
+        assert_close(name, plain.float(), steps[1][name].float(), tol.get(name, 8e-3))
+
+
+def _count(ran: list, name: str, fn, *args, **kwargs):
+    ran.append(name)
+    return fn(*args, **kwargs)
+
+
+@gpu
 def test_graph_mode_serving_loop():
     """A packed prefill (graph mode, the pool rows as its initial and final states) followed by decode steps on the
     same pool, captured as one graph and replayed for new prompts and boundaries, against the same loop run

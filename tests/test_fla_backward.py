@@ -284,8 +284,9 @@ def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
 
 
 def test_recompute_on_cula_follows_the_tuning(monkeypatch, kda_tuning):
-    """The recompute prefix runs on cula's intra kernel only where the tuning entry says so, on CUDA tensors, outside
-    FLA's graph mode, and for gates cula's intra kernel takes."""
+    """The recompute prefix runs on cula's intra kernel only where the tuning entry says so, on CUDA tensors, and
+    for gates cula's intra kernel takes (FLA's graph mode too: the kernel gets its chunk list through
+    ``cula_chunk_rows``)."""
     from cula.kda.plan import KDA_TUNING
 
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
@@ -295,11 +296,33 @@ def test_recompute_on_cula_follows_the_tuning(monkeypatch, kda_tuning):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
     assert fla_backward.recompute_on_cula(q, q, p)
-    assert not fla_backward.recompute_on_cula(q, q, dict(p, use_graph=True))
+    assert fla_backward.recompute_on_cula(q, q, dict(p, use_graph=True))
     assert not fla_backward.recompute_on_cula(q, q, dict(p, lower_bound=None))  # the unbounded softplus gate
     assert not fla_backward.recompute_on_cula(q, q, dict(p, safe_gate=False, use_gate_in_kernel=False))
     kda_tuning(bwd_recompute_intra=False)
     assert not fla_backward.recompute_on_cula(q, q, p)
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_cula_chunk_rows_turn_sentinels_into_padding(cu_dtype):
+    """FLA's graph-mode chunk list for cula's kernels: the real rows as they are (so each row still indexes h / dh),
+    the sentinel rows (sequence -1) padding rows of the last sequence with a chunk at or past its end, int32;
+    outside graph mode (or for fixed lengths) the list as given."""
+    from fla.ops.utils.index import prepare_chunk_indices_static
+
+    from cula.testing import make_cu_seqlens
+
+    for lens in ([30, 0, 70], [130, 1, 0], [64, 64], [200]):
+        cu = make_cu_seqlens(lens).to(cu_dtype)
+        T = sum(lens) + 5  # graph mode: the sequences may end before the last token
+        ci, _ = prepare_chunk_indices_static(cu_seqlens=cu, chunk_size=64, nt_max=-(-T // 64) + len(lens) - 1)
+        rows = fla_backward.cula_chunk_rows(ci, cu, use_graph=True)
+        real = int((ci[:, 0] >= 0).sum())
+        assert rows.dtype == torch.int32 and rows.shape == ci.shape
+        assert torch.equal(rows[:real], ci[:real].to(torch.int32))
+        assert (rows[real:, 0] == len(lens) - 1).all() and (64 * rows[real:, 1] >= lens[-1]).all(), lens
+        assert fla_backward.cula_chunk_rows(ci, cu, use_graph=False) is ci
+    assert fla_backward.cula_chunk_rows(None, None, use_graph=True) is None
 
 
 @pytest.mark.parametrize("fused_gate", [True, False])

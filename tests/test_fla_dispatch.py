@@ -354,12 +354,13 @@ def test_uncovered_decode_calls_go_on_to_fla(registered, cula_kernels, sink, cha
 
 
 def test_wy_dqkg_stage_verifier_reasons(registered):
-    """The backward stage cula launches at its own configuration: only on SM90 CUDA, bf16/fp16, K = V = 128."""
+    """The backward stage cula runs (its kernel, or FLA's at cula's launch): only on SM90 CUDA, bf16/fp16, K = V = 128;
+    FLA's graph mode is no reason against it."""
     ours = _kda_registry()._backends["cula"]
     t = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
     stage = {"q": t, "k": t, "v": t, "v_new": t, "g": t.float(), "beta": t[..., 0], "A": t[..., :64], "h": t,
              "do": t, "dh": t, "dv": t, "scale": 1.0}  # fmt: skip
-    for change, reason in (({}, "CUDA"), ({"use_graph": True}, "use_graph"), ({"q": t.float()}, "dtype"),
+    for change, reason in (({}, "CUDA"), ({"use_graph": True}, "CUDA"), ({"q": t.float()}, "dtype"),
                            ({"bogus": 1}, "bogus")):  # fmt: skip
         ok, why = ours.verify("chunk_kda_bwd_wy_dqkg_fused", **{**stage, **change})
         assert not ok and reason in why, why

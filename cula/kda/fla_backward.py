@@ -27,8 +27,8 @@ import types
 import torch
 
 __all__ = [
-    "chunk_kda_bwd", "launch_verdict", "launch_wy_dqkg", "recompute_on_cula", "recompute_prefix", "wy_dqkg_launch",
-    "wy_dqkg_ours", "wy_dqkg_verdict",
+    "chunk_kda_bwd", "cula_chunk_rows", "launch_verdict", "launch_wy_dqkg", "recompute_on_cula", "recompute_prefix",
+    "wy_dqkg_launch", "wy_dqkg_ours", "wy_dqkg_verdict",
 ]  # fmt: skip
 
 
@@ -39,13 +39,12 @@ def wy_dqkg_launch(device: torch.device) -> tuple[int, int, int, int] | None:
     return KDA_TUNING.for_device(device).wy_dqkg_launch
 
 
-def launch_verdict(launch, q, use_graph, K, V, chunk_size) -> tuple[bool, str | None]:
+def launch_verdict(launch, q, K, V, chunk_size) -> tuple[bool, str | None]:
     """Whether a launch configuration of ours applies, with the reason if not: set, CUDA on SM90, K = V = 128 and
-    64-token chunks (the timed shapes), no CUDA-graph buffers (FLA's static allocations)."""
+    64-token chunks (the timed shapes). FLA's graph mode (``use_graph``) is no reason against: cula's kernels take
+    its chunk list through ``cula_chunk_rows``, FLA's kernel at our launch with its ``USE_GRAPH``."""
     if launch is None:
         return False, "no launch configuration of ours is set for this stage"
-    if use_graph:
-        return False, "use_graph (FLA's static buffers) runs FLA's wrapper"
     if not q.is_cuda:
         return False, f"needs a CUDA tensor, got {q.device.type}"
     if (K, V, chunk_size) != (128, 128, 64):
@@ -56,8 +55,25 @@ def launch_verdict(launch, q, use_graph, K, V, chunk_size) -> tuple[bool, str | 
     return True, None
 
 
-def _ours(launch, q, use_graph, K, V, chunk_size) -> bool:
-    return launch_verdict(launch, q, use_graph, K, V, chunk_size)[0]
+def _ours(launch, q, K, V, chunk_size) -> bool:
+    return launch_verdict(launch, q, K, V, chunk_size)[0]
+
+
+def cula_chunk_rows(chunk_indices, cu_seqlens, use_graph: bool):
+    """A backward stage's chunk list as cula's kernels take it. In FLA's graph mode (``use_graph``) the list is FLA's
+    ``prepare_chunk_indices_static``: a fixed number of rows, those past the real chunks sentinels (sequence -1) that
+    FLA's kernels return on; cula's kernels would read the boundary before the first for them, so they become
+    padding rows (the last sequence, a chunk past its end: ``64 c >=`` its length), which cula's kernels skip (and
+    where they leave per-chunk partial sums, write zeros). The real rows, and so each row's index into per-chunk
+    tensors (h, dh), stay as they are. Device ops on the list's shape alone, so a CUDA graph can capture them;
+    otherwise the list as given."""
+    if not use_graph or chunk_indices is None or cu_seqlens is None or cu_seqlens.shape[0] < 2:
+        return chunk_indices
+    rows = chunk_indices.to(torch.int32)
+    sentinel = rows[:, 0] < 0
+    # chunk number: the row count, at least every sequence's chunk count (FLA sizes the list ceil(T / 64) + N - 1)
+    seq = rows[:, 0].masked_fill(sentinel, cu_seqlens.shape[0] - 2)
+    return torch.stack((seq, rows[:, 1].masked_fill(sentinel, rows.shape[0])), 1)
 
 
 def _wy_dqkg_fused(
@@ -68,9 +84,9 @@ def _wy_dqkg_fused(
     ``wy_dqkg_verdict`` allows it, else FLA's own wrapper."""
     from fla.ops.kda import chunk_bwd
 
-    if wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, use_graph, chunk_size)[0]:
+    if wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, chunk_size)[0]:
         return wy_dqkg_ours(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
-                            chunk_indices)  # fmt: skip
+                            chunk_indices, use_graph)  # fmt: skip
     return chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(
         q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv, scale=scale,
         state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
@@ -86,7 +102,7 @@ def _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv) -> bool:
     )
 
 
-def wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, use_graph, chunk_size) -> tuple[bool, str | None]:
+def wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, chunk_size) -> tuple[bool, str | None]:
     """Whether stage 6 runs on cula's side (``wy_dqkg_ours``), with the reason if not: cula's kernel takes the call
     (``KdaTuning.bwd_wy_dqkg``, one 16-bit dtype) or the tuning entry sets a launch of FLA's kernel
     (``KdaTuning.wy_dqkg_launch``), and ``launch_verdict``'s conditions hold."""
@@ -96,13 +112,14 @@ def wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, use_graph, chunk_size) -> 
         return False, f"q dtype {q.dtype} (cula's side of this stage runs bf16 / fp16 calls)"
     entry = KDA_TUNING.for_device(q.device)
     ours = _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv) or entry.wy_dqkg_launch is not None
-    return launch_verdict(ours or None, q, use_graph, k.shape[-1], v.shape[-1], chunk_size)
+    return launch_verdict(ours or None, q, k.shape[-1], v.shape[-1], chunk_size)
 
 
 def wy_dqkg_ours(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
-                 chunk_indices):  # fmt: skip
+                 chunk_indices, use_graph=False):  # fmt: skip
     """Stage 6 where ``wy_dqkg_verdict`` allows it: cula's kernel (``cula.ops.kda.sm90.bwd_wy_dqkg``) where it takes
-    the call, else FLA's Triton kernel at ``wy_dqkg_launch``."""
+    the call, else FLA's Triton kernel at ``wy_dqkg_launch`` (``use_graph``: ``chunk_indices`` is FLA's graph-mode
+    list)."""
     from cula.kda.plan import KDA_TUNING
 
     entry = KDA_TUNING.for_device(q.device)
@@ -111,16 +128,18 @@ def wy_dqkg_ours(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first
 
         return chunk_kda_bwd_wy_dqkg_sm90(
             q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=scale, state_v_first=state_v_first,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            chunk_indices=cula_chunk_rows(chunk_indices, cu_seqlens, use_graph),
         )  # fmt: skip
     return launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
-                          chunk_indices, entry.wy_dqkg_launch)  # fmt: skip
+                          chunk_indices, entry.wy_dqkg_launch, use_graph)  # fmt: skip
 
 
 def launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
-                   chunk_indices, launch):  # fmt: skip
+                   chunk_indices, launch, use_graph=False):  # fmt: skip
     """FLA's stage-6 Triton kernel at ``launch = (BK, BV, warps, stages)``: ``(dq, dk, dv, db, dg, dA)`` as FLA's
-    wrapper allocates and returns them (dq / dk per value head in fp32, dv in v's dtype, the rest fp32)."""
+    wrapper allocates and returns them (dq / dk per value head in fp32, dv in v's dtype, the rest fp32); with
+    ``use_graph`` the kernel returns on the sentinel rows of FLA's graph-mode list, as FLA's wrapper has it do."""
     from fla.ops.kda import chunk_bwd
 
     B, T, H, K = k.shape
@@ -137,7 +156,7 @@ def launch_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_fir
         q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dq=dq, dk=dk, dv=dv, dv2=dv2, dg=dg,
         db=db, dA=dA, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, H=H, HV=HV, K=K, V=V,
         BT=chunk_size, BK=bk, BV=bv, STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
-        USE_GRAPH=False, num_warps=warps, num_stages=stages,
+        USE_GRAPH=use_graph, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return dq, dk, dv2, db, dg, dA
 
@@ -163,13 +182,13 @@ def _triton_fn(kernel):
     return kernel
 
 
-def _stage_on(flag: str, q, use_graph, K, V, chunk_size) -> bool:
+def _stage_on(flag: str, q, K, V, chunk_size) -> bool:
     """Whether a backward stage runs on cula's kernel: the GPU's tuning entry turns it on (``KdaTuning.<flag>``)
-    and ``launch_verdict``'s conditions hold (CUDA on SM90, K = V = 128, 64-token chunks, not FLA's graph mode)."""
+    and ``launch_verdict``'s conditions hold (CUDA on SM90, K = V = 128, 64-token chunks)."""
     from cula.kda.plan import KDA_TUNING
 
     on = getattr(KDA_TUNING.for_device(q.device), flag) if q.is_cuda else False
-    return _ours(on or None, q, use_graph, K, V, chunk_size)
+    return _ours(on or None, q, K, V, chunk_size)
 
 
 def _bwd_dhu(
@@ -178,10 +197,11 @@ def _bwd_dhu(
 ):  # fmt: skip
     """FLA's ``chunk_gated_delta_rule_bwd_dhu`` (stage 5) with its arguments and returns, on cula's kernel
     (``cula.ops.kda.sm90.bwd_dhu``) where the tuning entry says so (``KdaTuning.bwd_dhu``) and the call is one it
-    covers (the per-channel gate alone, bf16 / fp16, per-value-head q); FLA's own function elsewhere."""
+    covers (the per-channel gate alone, bf16 / fp16, per-value-head q, not FLA's graph mode: the kernel walks
+    FLA's exact chunk list); FLA's own function elsewhere."""
     from fla.ops.common import chunk_delta_h
 
-    ours = _stage_on("bwd_dhu", q, use_graph, q.shape[-1], do.shape[-1], chunk_size)
+    ours = not use_graph and _stage_on("bwd_dhu", q, q.shape[-1], do.shape[-1], chunk_size)
     if ours and g is None and gk is not None and q.dtype in (torch.bfloat16, torch.float16) and q.shape == w.shape:
         from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90
 
@@ -218,7 +238,8 @@ def _bwd_intra(
     (``cula.ops.kda.sm90.bwd_intra``) when ``ours`` (``_stage7_ours``), with ``cumsum`` its dg already through stage
     8 (FLA's ``chunk_local_cumsum(dg, reverse=True)``, which the rebound body then skips), and with the fused
     neighbours this call's ``_Stage7Call`` names (dq / dk then the raw q's and k's gradients, dg the raw gate's);
-    FLA's own function elsewhere."""
+    FLA's own function elsewhere. In FLA's graph mode (``use_graph``) both take FLA's static chunk list (cula's
+    kernel through ``cula_chunk_rows``)."""
     from fla.ops.kda import chunk_intra
 
     if ours:
@@ -226,8 +247,9 @@ def _bwd_intra(
 
         call = _STAGE7_CALL.get() or _Stage7Call()
         out = chunk_kda_bwd_intra_sm90(
-            q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-            chunk_size=chunk_size, reverse_cumsum_dg=cumsum, qk_rstd=call.qk_rstd, gate=call.gate,
+            q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens,
+            chunk_indices=cula_chunk_rows(chunk_indices, cu_seqlens, use_graph), chunk_size=chunk_size,
+            reverse_cumsum_dg=cumsum, qk_rstd=call.qk_rstd, gate=call.gate,
         )  # fmt: skip
         if call.gate is not None:
             call.gate_grads = out[3:]
@@ -255,7 +277,7 @@ def _gate_bwd(g, A_log=None, dt_bias=None, dyg=None, lower_bound=None):
     return fla_gate.kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
 
 
-def _stage7_ours(q, v, use_graph, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -> tuple[bool, bool]:
+def _stage7_ours(q, v, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -> tuple[bool, bool]:
     """Whether stage 7 runs on cula's kernel: the tuning entry says so (``KdaTuning.bwd_intra``), ``_stage_on``'s
     conditions hold and the call's gates are ones its anchored factors are exact for (the forward's intra kernel
     took the call, ``cula.kda.plan.use_cula_intra``); and whether that kernel also does stage 8
@@ -264,7 +286,7 @@ def _stage7_ours(q, v, use_graph, chunk_size, safe_gate, use_gate_in_kernel, low
 
     # stage 7 has no value dimension: V = 128 stands for "any"
     ours = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) and _stage_on(
-        "bwd_intra", q, use_graph, q.shape[-1], 128, chunk_size
+        "bwd_intra", q, q.shape[-1], 128, chunk_size
     )
     return ours, ours and KDA_TUNING.for_device(q.device).bwd_intra_cumsum
 
@@ -296,11 +318,10 @@ def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False, st
 def recompute_on_cula(q, v, p: dict) -> bool:
     """Whether the backward's recompute prefix runs on cula's intra kernel (``recompute_prefix``): the tuning entry
     says so (``KdaTuning.bwd_recompute_intra``), the call's gates are ones that kernel takes
-    (``cula.kda.plan.use_cula_intra``, as in the forward) and it is not FLA's graph mode (whose chunk list has
-    sentinel rows)."""
+    (``cula.kda.plan.use_cula_intra``, as in the forward)."""
     from cula.kda.plan import KDA_TUNING, use_cula_intra
 
-    if not q.is_cuda or p.get("use_graph") or not KDA_TUNING.for_device(q.device).bwd_recompute_intra:
+    if not q.is_cuda or not KDA_TUNING.for_device(q.device).bwd_recompute_intra:
         return False
     return use_cula_intra(q, v, p["safe_gate"], p["use_gate_in_kernel"], p["lower_bound"])
 
@@ -312,14 +333,17 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     inputs (the launch the forward made; given the forward's ``Akk``, the kernel reads it instead of computing the
     scores and the solve again, and w, u are the forward's bits), then ``h, v_new`` from FLA's
     ``chunk_gated_delta_rule_fwd_h``, as FLA's recompute branch calls it. Replaces FLA's ``kda_gate_chunk_cumsum``
-    (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``."""
+    (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``. In FLA's graph mode (``p["use_graph"]``)
+    ``chunk_indices`` / ``chunk_offsets`` are FLA's static ones: the intra kernel takes them through
+    ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     from cula.kda.forward import _intra_cute
 
     cu32 = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
+    rows = cula_chunk_rows(chunk_indices, cu_seqlens, bool(p.get("use_graph")))
     w, u, qg, kg, _, g_cum, _ = _intra_cute(
-        q, k, v, g, beta, p["scale"], cu32, chunk_indices, p["use_gate_in_kernel"], A_log, dt_bias,
+        q, k, v, g, beta, p["scale"], cu32, rows, p["use_gate_in_kernel"], A_log, dt_bias,
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
         full_g_cum=True, given_akk=Akk,
     )  # fmt: skip
@@ -339,8 +363,8 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
     q, v = kwargs["q"], kwargs["v"]
     lower_bound = kwargs.get("lower_bound")
     ours, cumsum = _stage7_ours(
-        q, v, kwargs.get("use_graph", False), kwargs.get("chunk_size", 64), kwargs.get("safe_gate", False),
-        kwargs.get("use_gate_in_kernel", False), lower_bound,
+        q, v, kwargs.get("chunk_size", 64), kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False),
+        lower_bound,
     )  # fmt: skip
     call = _Stage7Call()
     if not ours:
