@@ -90,6 +90,9 @@ class KdaTuning:
     # training: stage 6 (chunk_kda_bwd_wy_dqkg_fused, the gradients through the state terms and the WY form) on
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
     bwd_wy_dqkg: bool = False
+    # ... and stage 7 with what bwd_intra* fuse into it in the same launch (the kernel's intra option), where both
+    # run on cula's kernels
+    bwd_wy_intra: bool = False
 
     # chunk_kda: when and how long sequences with few heads are cut into segments whose recurrences run at once
     # (exact: cula.kda.forward's parallel segments); None: never

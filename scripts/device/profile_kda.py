@@ -132,10 +132,11 @@ def profile_training(names: list[str]) -> None:
         cfg = by_name[name]
         shared, grads = kp.make_shared(cfg), kt.output_grads(cfg)
         tensors = kp.make_set(cfg, 0)
-        ours = ("bwd_intra", "bwd_intra_cumsum", "bwd_wy_dqkg")  # the H200 entry's stages
+        # the H200 entry's stages
+        ours = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_recompute_intra",
+                "bwd_wy_dqkg")  # fmt: skip
         for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ours),
-                                    ("cula+gate+l2norm", chunk_kda, ours + ("bwd_intra_gate", "bwd_intra_l2norm")),
-                                    ("cula+recompute", chunk_kda, ours + ("bwd_recompute_intra",)),
+                                    ("cula+wy_intra", chunk_kda, ours + ("bwd_wy_intra",)),
                                     ("cula+bwd_dhu", chunk_kda, ours + ("bwd_dhu",))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
@@ -146,7 +147,7 @@ def profile_training(names: list[str]) -> None:
 
             # each path with only its own backward stages on cula's kernels, whatever the tuning entry says
             flags = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_dhu", "bwd_wy_dqkg",
-                     "bwd_recompute_intra")  # fmt: skip
+                     "bwd_recompute_intra", "bwd_wy_intra")  # fmt: skip
             with KDA_TUNING.override((9, 0), **{s: s in stages_on for s in flags}):
                 outs = forward()  # autotunes / compiles outside the profile
                 torch.autograd.backward(outs, grads, retain_graph=True)

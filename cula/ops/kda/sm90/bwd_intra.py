@@ -12,7 +12,7 @@ import torch
 from cula.cache import compiled_kernel
 from cula.ops._host import check_tensors, dsl_name, kernel_attr, placeholder
 
-__all__ = ["chunk_kda_bwd_intra_sm90", "compiled", "compiled_variant", "variant_key"]
+__all__ = ["chunk_kda_bwd_intra_sm90", "compiled", "compiled_variant", "fused_inputs", "gate_sums", "variant_key"]
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
 BETA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -113,7 +113,7 @@ def chunk_kda_bwd_intra_sm90(
     q, k, g, beta, dAqk, dAkk, dq, dk, db, dg = (
         t.contiguous() for t in (q, k, g, beta, dAqk, dAkk, dq, dk, db, dg)
     )  # fmt: skip
-    fused = _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg)
+    fused = fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg)
     # with the L2 norm's backward the kernel writes dq only in q's dtype (dq_n below): dq stands in for its fp32 output
     dq2 = torch.empty_like(dq) if qk_rstd is None else dq
     dk2, dg2, db2 = torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db)
@@ -152,14 +152,19 @@ def chunk_kda_bwd_intra_sm90(
         dq2, dk2 = dq_n, dk_n
     if gate is None:
         return dq2, dk2, db2, dg2
-    # FLA's kda_gate_bwd sums its per-block partials the same way (in the parameters' dtypes)
+    return dq2, dk2, db2, dg_raw, *gate_sums(gate, a_part, bias_part)
+
+
+def gate_sums(gate: tuple, a_part: torch.Tensor, bias_part: torch.Tensor) -> tuple:
+    """``(dA_log, ddt_bias)`` from the kernel's per-(chunk, value head) partial sums, in the parameters' dtypes (None
+    where the parameter is): summed over the chunks as FLA's ``kda_gate_bwd`` sums its per-block partials."""
     _, A_log, dt_bias, _ = gate
     dA = a_part.sum(0).view_as(A_log).type_as(A_log) if A_log is not None else None
     dbias = bias_part.sum(0).view(-1).to(dt_bias) if dt_bias is not None else None
-    return dq2, dk2, db2, dg_raw, dA, dbias
+    return dA, dbias
 
 
-def _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg) -> dict:
+def fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg) -> dict:
     """The fused stages' inputs, checked, as the kernel takes them (flat rstd; placeholders for what is off)."""
     B, T, H, K = q.shape
     HV = g.shape[2]
