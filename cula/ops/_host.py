@@ -44,6 +44,14 @@ def check_tensors(specs, contiguous: bool = False) -> None:
 _placeholders: dict[tuple, torch.Tensor] = {}
 
 
+def check_beta_and_heads(beta: torch.Tensor, H: int, HV: int) -> None:
+    """The checks every backward stage's host makes of beta's dtype and the head counts (GVA: HV a multiple of H)."""
+    if beta.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"beta must be fp32, bf16 or fp16, got {beta.dtype}")
+    if H == 0 or HV % H:
+        raise ValueError(f"the value heads ({HV}) must be a multiple of the q/k heads ({H})")
+
+
 def placeholder(device: torch.device, dtype: torch.dtype, shape: tuple, value: float = 0.0) -> torch.Tensor:
     """A small constant tensor standing in for an absent optional argument (cached per device, dtype, shape, value).
 

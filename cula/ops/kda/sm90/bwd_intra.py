@@ -10,12 +10,11 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import check_tensors, dsl_name, kernel_attr, placeholder
+from cula.ops._host import check_beta_and_heads, check_tensors, dsl_name, kernel_attr, placeholder
 
 __all__ = ["chunk_kda_bwd_intra_sm90", "compiled", "compiled_variant", "fused_inputs", "gate_sums", "variant_key"]
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
-BETA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def __getattr__(name):
@@ -100,10 +99,7 @@ def chunk_kda_bwd_intra_sm90(
         raise ValueError(f"only K = 128 is supported, got K={K}")
     if q.dtype not in IO_DTYPES or k.dtype != q.dtype:
         raise ValueError(f"q and k must both be bf16 or fp16, got {q.dtype} and {k.dtype}")
-    if beta.dtype not in BETA_DTYPES:
-        raise ValueError(f"beta must be fp32, bf16 or fp16, got {beta.dtype}")
-    if H == 0 or HV % H:
-        raise ValueError(f"the value heads ({HV}) must be a multiple of the q/k heads ({H})")
+    check_beta_and_heads(beta, H, HV)
     f32 = torch.float32
     check_tensors((
         ("k", k, (B, T, H, K), q.dtype), ("g", g, (B, T, HV, K), f32), ("beta", beta, (B, T, HV), beta.dtype),

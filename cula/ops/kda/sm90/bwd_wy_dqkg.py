@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import check_tensors, dsl_name, kernel_attr, placeholder, sm_count
+from cula.ops._host import check_beta_and_heads, check_tensors, dsl_name, kernel_attr, placeholder, sm_count
 
 __all__ = ["chunk_kda_bwd_wy_dqkg_sm90", "chunk_kda_bwd_wy_intra_sm90", "compiled", "compiled_variant", "variant_key"]
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
-BETA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def __getattr__(name):
@@ -152,10 +151,7 @@ class _Launch:
             raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
         if q.dtype not in IO_DTYPES:
             raise ValueError(f"q must be bf16 or fp16, got {q.dtype}")
-        if beta.dtype not in BETA_DTYPES:
-            raise ValueError(f"beta must be fp32, bf16 or fp16, got {beta.dtype}")
-        if H == 0 or HV % H:
-            raise ValueError(f"the value heads ({HV}) must be a multiple of the q/k heads ({H})")
+        check_beta_and_heads(beta, H, HV)
         dev = q.device
         # the states' chunk count is the grid's
         cu32, ci, num_chunks, num_seqs = per_chunk_grid(B, T, cu_seqlens, chunk_indices, dev)
