@@ -152,6 +152,9 @@ class ChunkKDABwdWyDqkgSm90:
     ):
         BT, DK = self.bt, self.dk
         fuse = self.intra is not None
+        if fuse:  # stage 7's fp32 score rows fit do's / v_new's rows, its dg rows both (adjacent fields below)
+            rows_bytes = BT * self.x_ld * self.dtype.width // 8
+            assert BT * (BT + 4) * 4 <= rows_bytes and BT * self.intra.g_ld * 4 <= 2 * rows_bytes
 
         @cute.struct
         class Storage:
