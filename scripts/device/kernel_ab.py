@@ -81,13 +81,39 @@ def _wy_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | N
     )  # fmt: skip
 
 
+def _intra_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = None, fused: bool = True):
+    """Stage 7's inputs (``chunk_kda_bwd_intra_sm90``), random but finite, with stage 8 on chip and, with ``fused``,
+    stage 9 (the gate's backward) and, without GVA, the L2 norm's."""
+    wy = _wy_inputs(B, T, HV, False, lens)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def rnd(*shape, scale=1.0):
+        return scale * torch.randn(*shape, device="cuda", generator=gen)
+
+    q, k = (rnd(B, T, H, 128).bfloat16() for _ in range(2))
+    extra = {n: wy[n] for n in ("cu_seqlens", "chunk_indices") if n in wy}
+    if fused:
+        extra["gate"] = (rnd(B, T, HV, 128), rnd(HV), rnd(HV * 128), -5.0)
+        if H == HV:
+            extra["qk_rstd"] = tuple(0.5 + torch.rand(B * T * H, device="cuda", generator=gen) for _ in range(2))
+    return dict(
+        q=q, k=k, g=wy["g"], beta=wy["beta"], dAqk=rnd(B, T, HV, 64, scale=0.1), dAkk=rnd(B, T, HV, 64, scale=0.1),
+        dq=rnd(B, T, HV, 128), dk=rnd(B, T, HV, 128), db=rnd(B, T, HV), dg=rnd(B, T, HV, 128),
+        reverse_cumsum_dg=True, **extra,
+    )  # fmt: skip
+
+
 _WY = ("cula.ops.kda.sm90.bwd_wy_dqkg", "chunk_kda_bwd_wy_dqkg_sm90")
+_INTRA = ("cula.ops.kda.sm90.bwd_intra", "chunk_kda_bwd_intra_sm90")
 CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
     # stage 6 at the training benchmark's largest shape, both state layouts
     "bwd_wy_dqkg-B2-T16384-vk": (_WY, lambda: _wy_inputs(2, 16384, 64, True)),
     "bwd_wy_dqkg-B2-T16384-kv": (_WY, lambda: _wy_inputs(2, 16384, 64, False)),
     # packed: empty, length-1 and partial sequences, more items than SMs, padding rows at the list's end
     "bwd_wy_dqkg-packed": (_WY, lambda: _wy_inputs(1, 20000, 8, True, [1, 8000, 63, 0, 11806, 130], 40)),
+    # stage 7 with stages 8, 9 and the L2 norm's backward (the H200 entry's), and packed with GVA (no norm)
+    "bwd_intra-B2-T16384-fused": (_INTRA, lambda: _intra_inputs(2, 16384, 64, 64)),
+    "bwd_intra-packed-gva": (_INTRA, lambda: _intra_inputs(1, 20000, 4, 8, [1, 8000, 63, 0, 11806, 130])),
 }
 
 
