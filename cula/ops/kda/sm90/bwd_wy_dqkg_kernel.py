@@ -152,7 +152,7 @@ class ChunkKDABwdWyDqkgSm90:
     ):
         BT, DK = self.bt, self.dk
         fuse = self.intra is not None
-        if fuse:  # stage 7's fp32 score rows fit do's / v_new's rows, its dg rows both (adjacent fields below)
+        if const_expr(fuse):  # stage 7's fp32 score rows fit do's / v_new's rows, its dg rows both (adjacent below)
             rows_bytes = BT * self.x_ld * self.dtype.width // 8
             assert BT * (BT + 4) * 4 <= rows_bytes and BT * self.intra.g_ld * 4 <= 2 * rows_bytes
 
@@ -316,10 +316,10 @@ class ChunkKDABwdWyDqkgSm90:
 
             if const_expr(self.intra is not None):
                 shared = (sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, sGate)
-                self._stage7(shared, fused, mDq, mDk, mDg, mDb, tok0, valid, tg, hv, h, rb, half, lane, tidx)
+                self._stage7(shared, fused, mDq, mDk, mDg, mDb, tok0, valid, tg, hv, h, rb, half, lane, tidx, loads,
+                             nxt)  # fmt: skip
                 cute.arch.barrier()
-                self._load(loads, 1, nxt, tidx)
-                self._load(loads, 2, nxt, tidx)
+                self._load(loads, 5, nxt, tidx)  # do and v_new, over stage 7's score gradients and dg rows
 
     @cute.jit
     def _item(self, mCu, mCi, item, num_chunks, HV, group, seqlen, total):
@@ -341,7 +341,7 @@ class ChunkKDABwdWyDqkgSm90:
     def _load(self, loads, part: int, item, tidx):
         """One of an item's four ``cp.async`` groups of 16-byte copies to padded shared rows (zeros past the
         sequence end), each issued once the previous item has read the buffers it lands in: 0 the two states (as
-        stored), 1 q, 2 k, g, do, v_new, 3 du, v, T."""
+        stored), 1 q, 2 k, g, do, v_new, 3 du, v, T; with the fused stage 7, group 2 in two: 4 k, g, 5 do, v_new."""
         mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sA, sHr, sDhr, sDo, sDu = loads
         tok0, valid, tg, hv, h = item
         x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
@@ -358,6 +358,12 @@ class ChunkKDABwdWyDqkgSm90:
             f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
             cp_async_token_rows(x_atom, ((mK, sK, h), (mDo, sDo, hv), (mVn, sVn, hv)), tok0, valid, tidx)
             cp_async_token_rows(f_atom, ((mG, sG, hv),), tok0, valid, tidx, row_units=32, unit=4)
+        elif const_expr(part == 4):
+            f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+            cp_async_token_rows(x_atom, ((mK, sK, h),), tok0, valid, tidx)
+            cp_async_token_rows(f_atom, ((mG, sG, hv),), tok0, valid, tidx, row_units=32, unit=4)
+        elif const_expr(part == 5):
+            cp_async_token_rows(x_atom, ((mDo, sDo, hv), (mVn, sVn, hv)), tok0, valid, tidx)
         else:
             cp_async_token_rows(x_atom, ((mDu, sDu, hv), (mV, sV, hv)), tok0, valid, tidx)
             cp_async_token_rows(x_atom, ((mA, sA, hv),), tok0, valid, tidx, row_units=8)
@@ -589,10 +595,12 @@ class ChunkKDABwdWyDqkgSm90:
                 cute.autovec_copy(out, vec_at(sAk, (t, col), 2, 2))
 
     @cute.jit
-    def _stage7(self, shared, fused, mDq, mDk, mDg, mDb, tok0, valid, part_row, hv, h, rb, half, lane, tidx):
+    def _stage7(self, shared, fused, mDq, mDk, mDg, mDb, tok0, valid, part_row, hv, h, rb, half, lane, tidx, loads,
+                nxt):  # fmt: skip
         """Phase I: ``ChunkKDABwdIntraSm90``'s phases R, C and D on the item, its inputs in shared memory, adding to
         this kernel's dq, dk, dg and db in place (dq / dk / dg then scratch where its options write other
-        outputs); a padding row only zeroes its gate partial sums."""
+        outputs); a padding row only zeroes its gate partial sums. The next item's q, k and g go out as soon as
+        phase C's epilogue has read this item's."""
         BT, DK = self.bt, self.dk
         sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, sGate = shared
         mDAqk, mQRstd, mKRstd, mDqN, mDkN, mGRaw, mALog, mDtBias, mDgRaw, mDAPart, mDBiasPart, lower_bound = fused
@@ -615,6 +623,8 @@ class ChunkKDABwdWyDqkgSm90:
                 self.intra._column_epilogue(acc_col, sK, sG, sDot, mDk, mDg, mKRstd, mDkN, sDG, tok0, h, hv, valid,
                                             rb, half, anchor, lane)  # fmt: skip
             cute.arch.barrier()
+            self._load(loads, 1, nxt, tidx)
+            self._load(loads, 4, nxt, tidx)
             if const_expr(self.intra.reverse_cumsum):
                 self.intra._reverse_cumsum(sDG, sGate, mDg, mGRaw, mALog, mDtBias, mDgRaw, lower_bound, tok0, hv,
                                            valid, tidx)  # fmt: skip
@@ -623,8 +633,10 @@ class ChunkKDABwdWyDqkgSm90:
             if const_expr(self.intra.gate is not None):
                 cute.arch.barrier()
                 self.intra._gate_partials(sGate, mDAPart, mDBiasPart, part_row, hv, tidx)
-        if const_expr(self.intra.gate is not None):
-            if valid <= 0:
+        if valid <= 0:
+            self._load(loads, 1, nxt, tidx)
+            self._load(loads, 4, nxt, tidx)
+            if const_expr(self.intra.gate is not None):
                 self.intra._zero_gate_partials(mDAPart, mDBiasPart, part_row, hv, tidx)
 
     @cute.jit
