@@ -50,7 +50,7 @@ again and dq, dk, dg, db make their round trip through L2 rather than DRAM:
 3'     P8b's dA goes to shared memory (fp32, over v_new's rows) as stage 7's dAkk, not to global memory
 I      stage 7's phases R, C and D on the shared q, k, g, beta, dAqk and dAkk, adding to this kernel's dq, dk, dg,
        db in place (each thread reads back only what it wrote: the warp / row / channel ownership is the same);
-       then the next item's q, k, g, do and v_new (groups 1 and 2, held back until here)
+       the next item's q, k, g once phase C's epilogue has read the item's, its do, v_new after phase D
 =====  ======================================================================================================
 
 Outputs then as stage 7's (dq, dk, dg fp32, or dq / dk in q's dtype with its ``l2norm`` and dg_raw with its
