@@ -124,8 +124,7 @@ def _kda_training(scope: str) -> None:
     """The stages of ``chunk_kda``'s backward that run on cula's kernels where ``KDA_TUNING``'s entry turns them on
     (``cula.kda.fla_backward``): stage 5 (the state-gradient recurrence), 6 (the state-term and WY gradients), 7
     (the intra-score gradients, with stage 8 on chip where the entry says so; in stage 6's launch with
-    ``bwd_wy_intra``). beta reaches them after the glue's
-    sigmoid (fp32) or as given."""
+    ``bwd_wy_intra``). beta reaches them after the glue's sigmoid (fp32) or as given."""
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg

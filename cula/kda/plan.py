@@ -111,7 +111,7 @@ class KdaTuning:
 # subset.md: 1.45x and 1.54x FLA); bwd_dhu stays FLA's (0.29 ms against 0.19). bwd_intra_gate, bwd_intra_l2norm and
 # bwd_recompute_intra together took the B1-T4096 step's CUDA-graph replay from 2.43 to 2.29 ms (FLA 4.25) and the
 # eager one from 3.07 to 2.67 (kda_training_also_fused_also_recompute_also_all_subset.md); in a B=2 T=16K step the
-# gate and norm backward on chip saved 0.68 ms of kernel time
+# gate and norm backward on chip saved 0.68 ms of kernel time. bwd_wy_intra is off until it has run on the H200
 _H200 = KdaTuning(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_intra_l2norm=True,
                   bwd_recompute_intra=True, bwd_wy_dqkg=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
