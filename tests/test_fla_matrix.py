@@ -88,14 +88,16 @@ def _run_case(leaves, cot, prenorm, **kw):
         (4, 1024, 4, 4, torch.float16, 0.1, 1.0, 0.0, True, False, True, False),
         (2, 1000, 3, 3, torch.float16, 0.1, 1.0, 0.5, False, False, False, True),
         (3, 1024, 4, 4, torch.float16, 1.0, 0.1, 0.0, False, False, False, False),
+        # gates near 0 (a twentieth of FLA's: the state decays little over a chunk), on cula's intra kernel
+        (4, 1024, 4, 4, torch.float16, 0.1, 20.0, 0.0, False, False, True, False),
         (2, 1500, 4, 4, torch.float16, 0.1, 10.0, 0.0, False, True, False, True),
         (2, 1024, 4, 8, torch.float16, 0.1, 1.0, 0.0, True, True, False, False),
         (2, 1024, 2, 8, torch.bfloat16, 0.1, 1.0, 0.0, True, True, False, False),
         (2, 1024, 2, 4, torch.bfloat16, 0.1, 1.0, 0.0, True, True, True, False),
         (1, 63, 1, 1, torch.bfloat16, 1.0, 1.0, 0.0, True, True, True, False),
     ],
-    ids=["fp16-safe", "fp16-safe-l2norm", "fp16-masked", "fp16-strong", "fp16-fused-softplus", "fp16-gva-fused",
-         "bf16-gva-fused", "bf16-gva-fused-lower-bound", "bf16-one-partial-chunk"],
+    ids=["fp16-safe", "fp16-safe-l2norm", "fp16-masked", "fp16-strong", "fp16-weak-safe", "fp16-fused-softplus",
+         "fp16-gva-fused", "bf16-gva-fused", "bf16-gva-fused-lower-bound", "bf16-one-partial-chunk"],
 )  # fmt: skip
 def test_fla_test_chunk_inputs_gpu(B, T, H, HV, dtype, scale, normalizer, mask_p, l2norm, fused_gate, safe_gate,
                                    disable_recompute):  # fmt: skip
