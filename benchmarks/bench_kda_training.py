@@ -231,7 +231,7 @@ def _stages_on(stages):
 
 
 _STAGE_FLAGS = ("bwd_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
-                "bwd_recompute_intra", "bwd_wy_intra")  # fmt: skip
+                "bwd_recompute_intra")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)
@@ -271,8 +271,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --bwd-intra: the L2 norm's backward on chip too (KdaTuning.bwd_intra_l2norm)")
     p.add_argument("--bwd-recompute-intra", action="store_true",
                    help="the backward's recompute prefix on cula's intra kernel (KdaTuning.bwd_recompute_intra)")
-    p.add_argument("--bwd-wy-intra", action="store_true",
-                   help="stages 6 and 7 in one launch (KdaTuning.bwd_wy_intra, with stage 6 and 7 on cula's kernels)")
     p.add_argument("--bwd-intra", action="store_true",
                    help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
                         "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dhu_bwd_intra)")

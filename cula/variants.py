@@ -123,8 +123,8 @@ def _kda_intra_variants(d: dict, **flags) -> None:
 def _kda_training(scope: str) -> None:
     """The stages of ``chunk_kda``'s backward that run on cula's kernels where ``KDA_TUNING``'s entry turns them on
     (``cula.kda.fla_backward``): stage 5 (the state-gradient recurrence), 6 (the state-term and WY gradients), 7
-    (the intra-score gradients, with stage 8 on chip where the entry says so; in stage 6's launch with
-    ``bwd_wy_intra``). beta reaches them after the glue's sigmoid (fp32) or as given."""
+    (the intra-score gradients, with stage 8 on chip where the entry says so). beta reaches them after the glue's
+    sigmoid (fp32) or as given."""
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg
@@ -147,12 +147,6 @@ def _kda_training(scope: str) -> None:
                 for fused in _bwd_intra_fused(entry, d):
                     bwd_intra.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), varlen=varlen,
                                                reverse_cumsum=entry.bwd_intra_cumsum, **fused)  # fmt: skip
-                    if entry.bwd_wy_dqkg and entry.bwd_wy_intra:  # ... or in stage 6's launch (_with_stage7)
-                        for svf in _B:
-                            bwd_wy_dqkg.compiled_variant(
-                                dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), state_v_first=svf, varlen=varlen,
-                                intra=dict(fused, reverse_cumsum=entry.bwd_intra_cumsum),
-                            )  # fmt: skip
 
 
 def _bwd_intra_fused(entry, d: dict) -> list[dict]:

@@ -253,19 +253,6 @@ def kda_training_bwd_intra_fused():
 
 
 @case
-def kda_training_bwd_wy_intra():
-    # stages 6 and 7 in one launch of the stage-6 kernel (KdaTuning.bwd_wy_intra) with stage 7's fused neighbours:
-    # fixed and packed without GVA (the gate and the L2 norm's backward), packed with GVA (the gate alone)
-    from cula.kda.plan import KDA_TUNING
-
-    with KDA_TUNING.override(bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
-                             bwd_intra_l2norm=True, bwd_wy_intra=True):  # fmt: skip
-        _kda_chunk(2, 130, 2, 2, grad=True)
-        _kda_chunk(1, [70, 0, 65, 1], 1, 1, grad=True, v_first=True)
-        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
-
-
-@case
 def kda_training_graph_mode():
     # a packed training step in FLA's graph mode: the backward's kernels (the recompute on the intra kernel, stages 6
     # and 7) walk FLA's fixed-size chunk list, its sentinel rows as padding rows; without and with GVA

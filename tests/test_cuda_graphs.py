@@ -691,21 +691,18 @@ def test_graph_mode_training_step():
 
 
 @gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["entry", "wy-intra"])
 @pytest.mark.parametrize("HV", [2, 4], ids=["mha", "gva"])
-def test_graph_mode_step_matches_the_plain_step(monkeypatch, kda_tuning, HV, fused):
+def test_graph_mode_step_matches_the_plain_step(monkeypatch, HV):
     """Eagerly, a packed training step in FLA's graph mode (FLA's fixed-size chunk list, whose sentinel rows cula's
     backward kernels get as padding rows) against the same step without it: o, the final states and every gradient
     within FLA's tolerances (the gate parameters' sums may add in another order), none NaN; cula's stage-6 and
-    stage-7 kernels (``fused``: in one launch) and the intra kernel's recompute run in both."""
+    stage-7 kernels and the intra kernel's recompute run in both."""
     from cula.kda import fla_backward
     from cula.ops.kda.sm90 import bwd_intra, bwd_wy_dqkg
     from cula.testing import assert_close
 
-    kda_tuning(bwd_wy_intra=fused)
     ran = []
-    for module, name in ((bwd_intra, "chunk_kda_bwd_intra_sm90"), (bwd_wy_dqkg, "chunk_kda_bwd_wy_dqkg_sm90"),
-                         (bwd_wy_dqkg, "chunk_kda_bwd_wy_intra_sm90")):  # fmt: skip
+    for module, name in ((bwd_intra, "chunk_kda_bwd_intra_sm90"), (bwd_wy_dqkg, "chunk_kda_bwd_wy_dqkg_sm90")):
         monkeypatch.setattr(module, name, functools.partial(_count, ran, name, getattr(module, name)))
     monkeypatch.setattr(fla_backward, "recompute_prefix",
                         functools.partial(_count, ran, "recompute_prefix", fla_backward.recompute_prefix))
@@ -725,9 +722,7 @@ def test_graph_mode_step_matches_the_plain_step(monkeypatch, kda_tuning, HV, fus
         o, ht = chunk_kda(**y, **flags)
         torch.autograd.backward((o, ht), (do, dht))
         steps.append({"o": o.detach(), "ht": ht.detach(), **{f"d{n}": y[n].grad for n in leaves}})
-        stages = {"chunk_kda_bwd_wy_intra_sm90"} if fused else {"chunk_kda_bwd_intra_sm90",
-                                                                "chunk_kda_bwd_wy_dqkg_sm90"}  # fmt: skip
-        assert stages | {"recompute_prefix"} <= set(ran), ran
+        assert {"chunk_kda_bwd_intra_sm90", "chunk_kda_bwd_wy_dqkg_sm90", "recompute_prefix"} <= set(ran), ran
     tol = {"dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 2e-2, "o": 5e-3, "ht": 5e-3}
     for name, plain in steps[0].items():
         assert not steps[1][name].isnan().any(), name

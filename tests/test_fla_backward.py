@@ -25,8 +25,7 @@ def test_rebound_backward_is_flas_body_with_our_stages():
     assert fn.__defaults__ == chunk_bwd.chunk_kda_bwd.__defaults__
     scope = fn.__globals__
     ours = {"chunk_kda_bwd_wy_dqkg_fused": fla_backward._wy_dqkg_fused,
-            "chunk_gated_delta_rule_bwd_dhu": fla_backward._bwd_dhu,
-            "chunk_kda_bwd_dAv": fla_backward._bwd_dAv}  # fmt: skip
+            "chunk_gated_delta_rule_bwd_dhu": fla_backward._bwd_dhu}  # fmt: skip
     assert all(scope[n] is f for n, f in ours.items())
     # stage 7's, told whether cula's kernel takes the call and does stage 8 (dg's reverse cumsum), skipped then
     for on, fused in ((False, False), (True, False), (True, True)):
@@ -153,56 +152,6 @@ def test_stage7_fuses_the_gate_and_the_l2_norm_where_the_tuning_says(monkeypatch
     assert fla_backward._STAGE7_CALL.get() is None
 
 
-def test_stage6_takes_stage7_into_its_launch_where_the_call_asks(monkeypatch, kda_tuning):
-    """With KdaTuning.bwd_wy_intra (and stage 7 on cula's kernel) the call plans the fusion; stage 4's dAqk is kept,
-    stage 6 then runs chunk_kda_bwd_wy_intra_sm90 with stage 7's options and the rebound stage 7 hands its results
-    back (the gate's to stage 9) without a launch of its own; without the plan, or before dAqk, stage 6 alone."""
-    from fla.ops.kda import chunk_bwd
-
-    from cula.kda.plan import KDA_TUNING
-    from cula.ops.kda.sm90 import bwd_intra, bwd_wy_dqkg
-
-    monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
-    monkeypatch.setattr(fla_backward, "_stage_on", lambda flag, *a: getattr(KDA_TUNING.get((9, 0)), flag))
-    q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
-    gate_kw = dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0, g_org=q.float(), A_log=None,
-                   dt_bias=None)  # fmt: skip
-    for fuse in (False, True):
-        kda_tuning(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_wy_intra=fuse)
-        _, call = fla_backward._stage7_plan(dict(q=q, v=q, **gate_kw), None)
-        assert call.fuse == fuse and call.cumsum and call.gate is not None
-
-    launched = []
-    monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dAv", lambda **kw: ("dAqk", "dv"))
-    monkeypatch.setattr(fla_backward, "wy_dqkg_verdict", lambda *a: (True, None))
-    monkeypatch.setattr(fla_backward, "_wy_dqkg_kernel_on", lambda *a: True)
-    monkeypatch.setattr(bwd_wy_dqkg, "chunk_kda_bwd_wy_intra_sm90", lambda *a, **kw: launched.append(("67", a[11], kw))
-                        or ("dv2", ("dq", "dk", "db", "dg_raw", "dA_log", "ddt_bias")))  # fmt: skip
-    monkeypatch.setattr(bwd_wy_dqkg, "chunk_kda_bwd_wy_dqkg_sm90", lambda *a, **kw: launched.append(("6",))
-                        or ("dq6", "dk6", "dv6", "db6", "dg6", "dA6"))  # fmt: skip
-    monkeypatch.setattr(bwd_intra, "chunk_kda_bwd_intra_sm90", lambda *a, **kw: launched.append(("7",))
-                        or ("dq7", "dk7", "db7", "dg7"))  # fmt: skip
-    stage6 = (q,) * 11
-    for fuse in (True, False):
-        call = fla_backward._Stage7Call(cumsum=True, gate=("g_raw", None, None, -5.0), fuse=fuse)
-        token = fla_backward._STAGE7_CALL.set(call)
-        try:
-            if fuse:  # before stage 4: stage 6 alone
-                assert fla_backward._wy_dqkg_fused(*stage6)[0] == "dq6" and launched[-1] == ("6",)
-            assert fla_backward._bwd_dAv(q=q) == ("dAqk", "dv")
-            out6 = fla_backward._wy_dqkg_fused(*stage6)
-            out7 = fla_backward._bwd_intra(*(None,) * 10, ours=True, cumsum=True)
-        finally:
-            fla_backward._STAGE7_CALL.reset(token)
-        if fuse:
-            assert out6 == ("dq", "dk", "dv2", "db", "dg_raw", "dAqk") and launched[-1][:2] == ("67", "dAqk")
-            assert launched[-1][2]["reverse_cumsum_dg"] and launched[-1][2]["gate"] == call.gate
-            assert out7 == ("dq", "dk", "db", "dg_raw") and call.gate_grads == ("dg_raw", "dA_log", "ddt_bias")
-            assert call.results is None
-        else:
-            assert out6[0] == "dq6" and out7[0] == "dq7" and call.dAqk is None
-
-
 _LAUNCH_SCRIPT = textwrap.dedent(
     """
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
@@ -303,16 +252,15 @@ def _step(fn, leaves, cotangents, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "stage", ["bwd_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_wy_dqkg",
-              "bwd_recompute_intra", "bwd_wy_intra"],
+              "bwd_recompute_intra"],
 )
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with one
     ``KdaTuning`` stage flag off and on (the rest as the H200's entry has them): stage 5 (``bwd_dhu``), 6
     (``bwd_wy_dqkg``) or 7 (``bwd_intra``) on cula's kernel, or stage 8, 9 or the L2 norm's backward fused into
-    stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``, ``bwd_intra_l2norm``), the recompute prefix on cula's
-    intra kernel (``bwd_recompute_intra``), or stages 6 and 7 in one launch (``bwd_wy_intra``): every gradient
-    within FLA's tolerances of the other, none NaN."""
+    stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``, ``bwd_intra_l2norm``), or the recompute prefix on cula's
+    intra kernel (``bwd_recompute_intra``): every gradient within FLA's tolerances of the other, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda import chunk_kda

@@ -178,17 +178,16 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
 
 
 def test_training_stage_requests_are_listed(requested, kda_tuning):
-    """The backward stages' hosts (stages 5, 6, 7 on cula's kernels, 6 and 7 in one launch) ask only for listed
-    variants, over the dtypes, layouts and forms the training path hands them, with arguments their compiled
-    signatures take; a stage whose tuning flag is off lists nothing."""
+    """The backward stages' hosts (stages 5, 6, 7 on cula's kernels) ask only for listed variants, over the dtypes,
+    layouts and forms the training path hands them; a stage whose tuning flag is off lists nothing."""
     from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90
     from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
-    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90, chunk_kda_bwd_wy_intra_sm90
+    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
 
     kda_tuning(bwd_dhu=False, bwd_wy_dqkg=False, bwd_intra=False, bwd_recompute_intra=False)
     assert not variants.planner_variants("full", ops=("kda.training",))
     kda_tuning(bwd_dhu=True, bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
-               bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_wy_intra=True)  # fmt: skip
+               bwd_intra_l2norm=True, bwd_recompute_intra=True)  # fmt: skip
     listed = set(variants.planner_variants("full", ops=("kda.training",)))
     H, HV, D = 1, 2, 128
     for io, b_dt, svf, packed in itertools.product((BF16, FP16), (FP32, BF16, FP16), (False, True), (False, True)):
@@ -213,13 +212,6 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
             for g1 in (None, gate1):
                 chunk_kda_bwd_intra_sm90(x, x, f1, beta1, a1, a1, f1, f1, _rnd(B, T, 1, dtype=FP32), f1,
                                          cu_seqlens=cu, reverse_cumsum_dg=True, qk_rstd=rstd, gate=g1)  # fmt: skip
-            # stages 6 and 7 in one launch: GVA with the gate, one value head with the L2 norm (and the gate)
-            chunk_kda_bwd_wy_intra_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, a, state_v_first=svf,
-                                        cu_seqlens=cu, reverse_cumsum_dg=True, gate=gate)  # fmt: skip
-            xv1, s1 = xv[:, :, :1].contiguous(), s[:, :, :1].contiguous()
-            chunk_kda_bwd_wy_intra_sm90(x, x, xv1, xv1, f1, beta1, a1.to(io), s1, xv1, s1, xv1, a1,
-                                        state_v_first=svf, cu_seqlens=cu, reverse_cumsum_dg=True, qk_rstd=rstd,
-                                        gate=gate1)  # fmt: skip
         chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf, cu_seqlens=cu)
         chunk_kda_bwd_dhu_sm90(xv, xv, xv, xv, xv, f, h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32),
                                dht=None, state_v_first=svf, cu_seqlens=cu)  # fmt: skip

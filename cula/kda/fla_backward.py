@@ -85,10 +85,6 @@ def _wy_dqkg_fused(
     from fla.ops.kda import chunk_bwd
 
     if wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, chunk_size)[0]:
-        fused = _with_stage7(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens,
-                             chunk_indices, use_graph)  # fmt: skip
-        if fused is not None:
-            return fused
         return wy_dqkg_ours(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
                             chunk_indices, use_graph)  # fmt: skip
     return chunk_bwd.chunk_kda_bwd_wy_dqkg_fused(
@@ -96,30 +92,6 @@ def _wy_dqkg_fused(
         state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
         chunk_offsets=chunk_offsets, use_graph=use_graph,
     )  # fmt: skip
-
-
-def _with_stage7(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_indices,
-                 use_graph):  # fmt: skip
-    """Stage 6 with this backward call's stage 7 in the same launch (``chunk_kda_bwd_wy_intra_sm90``) where the call's
-    ``_Stage7Call`` asks for it (``KdaTuning.bwd_wy_intra``, stage 7 on cula's kernel), stage 6's kernel takes the
-    call and stage 4's dAqk is in: FLA's stage-6 returns, stage 7's results kept for the rebound stage 7 to hand
-    back (its dAkk argument, never read then, is dAqk). None otherwise."""
-    from cula.kda.plan import KDA_TUNING
-
-    call = _STAGE7_CALL.get()
-    if call is None or not call.fuse or call.dAqk is None:
-        return None
-    if not _wy_dqkg_kernel_on(KDA_TUNING.for_device(q.device), q, k, v, v_new, A, h, do, dh, dv):
-        return None
-    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_intra_sm90
-
-    dv2, call.results = chunk_kda_bwd_wy_intra_sm90(
-        q, k, v, v_new, g, beta, A, h, do, dh, dv, call.dAqk, scale=scale, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens, chunk_indices=cula_chunk_rows(chunk_indices, cu_seqlens, use_graph),
-        reverse_cumsum_dg=call.cumsum, qk_rstd=call.qk_rstd, gate=call.gate,
-    )  # fmt: skip
-    dq, dk, db, dg = call.results[:4]
-    return dq, dk, dv2, db, dg, call.dAqk
 
 
 def _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv) -> bool:
@@ -246,19 +218,13 @@ def _bwd_dhu(
 
 @dataclasses.dataclass
 class _Stage7Call:
-    """What one backward call's stage 7 fuses (``_stage7_plan``), and what it leaves for the stages after it: stage
-    8 with ``cumsum``, the L2 norm's backward with ``qk_rstd``, the gate's with ``gate = (g_raw, A_log, dt_bias,
-    lower_bound)``, whose results (``dg_raw, dA_log, ddt_bias``) the kernel's call puts in ``gate_grads`` for the
-    rebound stage 9. With ``fuse`` stage 7 runs in stage 6's launch: stage 4's ``dAqk`` is kept for it and its
-    ``results`` for the rebound stage 7."""
+    """What one backward call's stage 7 fuses beyond stage 8 (``_stage7_plan``), and what it leaves for the rebound
+    stage 9: the L2 norm's backward with ``qk_rstd``, the gate's with ``gate = (g_raw, A_log, dt_bias,
+    lower_bound)``, whose results (``dg_raw, dA_log, ddt_bias``) the kernel's call puts in ``gate_grads``."""
 
-    cumsum: bool = False
     qk_rstd: tuple | None = None
     gate: tuple | None = None
     gate_grads: tuple | None = None
-    fuse: bool = False
-    dAqk: torch.Tensor | None = None
-    results: tuple | None = None
 
 
 _STAGE7_CALL: contextvars.ContextVar[_Stage7Call | None] = contextvars.ContextVar("cula_stage7_call", default=None)
@@ -280,11 +246,6 @@ def _bwd_intra(
         from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
 
         call = _STAGE7_CALL.get() or _Stage7Call()
-        if call.results is not None:  # done in stage 6's launch
-            out, call.results = call.results, None
-            if call.gate is not None:
-                call.gate_grads = out[3:]
-            return out[:4]
         out = chunk_kda_bwd_intra_sm90(
             q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens,
             chunk_indices=cula_chunk_rows(chunk_indices, cu_seqlens, use_graph), chunk_size=chunk_size,
@@ -298,18 +259,6 @@ def _bwd_intra(
         chunk_indices=chunk_indices, chunk_size=chunk_size, safe_gate=safe_gate, lower_bound=lower_bound,
         use_graph=use_graph,
     )  # fmt: skip
-
-
-def _bwd_dAv(*args, **kwargs):
-    """Stage 4 (FLA's ``chunk_kda_bwd_dAv``, same arguments and returns), its dAqk kept for stage 7 where that runs
-    in stage 6's launch."""
-    from fla.ops.kda import chunk_bwd
-
-    dAqk, dv = chunk_bwd.chunk_kda_bwd_dAv(*args, **kwargs)
-    call = _STAGE7_CALL.get()
-    if call is not None and call.fuse:
-        call.dAqk = dAqk
-    return dAqk, dv
 
 
 def _reverse_cumsum_done(g, *args, **kwargs):
@@ -353,7 +302,6 @@ def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False, st
     ours = {
         "chunk_kda_bwd_wy_dqkg_fused": _wy_dqkg_fused, "chunk_gated_delta_rule_bwd_dhu": _bwd_dhu,
         "chunk_kda_bwd_intra": functools.partial(_bwd_intra, ours=stage7_ours, cumsum=stage8_fused),
-        "chunk_kda_bwd_dAv": _bwd_dAv,
     }  # fmt: skip
     if stage8_fused:
         ours["chunk_local_cumsum"] = _reverse_cumsum_done
@@ -418,11 +366,10 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
         q, v, kwargs.get("chunk_size", 64), kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False),
         lower_bound,
     )  # fmt: skip
-    call = _Stage7Call(cumsum=cumsum)
+    call = _Stage7Call()
     if not ours:
         return (ours, cumsum, False), call
     entry = KDA_TUNING.for_device(q.device)
-    call.fuse = entry.bwd_wy_intra
     A_log, dt_bias, g_raw = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("g_org")
     if (cumsum and entry.bwd_intra_gate and kwargs.get("use_gate_in_kernel", False) and lower_bound is not None
             and g_raw is not None and all(p is None or p.dtype == torch.float32 for p in (A_log, dt_bias))):

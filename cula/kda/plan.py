@@ -90,9 +90,6 @@ class KdaTuning:
     # training: stage 6 (chunk_kda_bwd_wy_dqkg_fused, the gradients through the state terms and the WY form) on
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
     bwd_wy_dqkg: bool = False
-    # ... and stage 7 with what bwd_intra* fuse into it in the same launch (the kernel's intra option), where both
-    # run on cula's kernels
-    bwd_wy_intra: bool = False
 
     # chunk_kda: when and how long sequences with few heads are cut into segments whose recurrences run at once
     # (exact: cula.kda.forward's parallel segments); None: never
@@ -111,7 +108,7 @@ class KdaTuning:
 # subset.md: 1.45x and 1.54x FLA); bwd_dhu stays FLA's (0.29 ms against 0.19). bwd_intra_gate, bwd_intra_l2norm and
 # bwd_recompute_intra together took the B1-T4096 step's CUDA-graph replay from 2.43 to 2.29 ms (FLA 4.25) and the
 # eager one from 3.07 to 2.67 (kda_training_also_fused_also_recompute_also_all_subset.md); in a B=2 T=16K step the
-# gate and norm backward on chip saved 0.68 ms of kernel time. bwd_wy_intra is off until it has run on the H200
+# gate and norm backward on chip saved 0.68 ms of kernel time
 _H200 = KdaTuning(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_intra_l2norm=True,
                   bwd_recompute_intra=True, bwd_wy_dqkg=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,

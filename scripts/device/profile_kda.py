@@ -12,9 +12,8 @@ instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, henc
 ``--ncu-backward`` profiles FLA's two heaviest backward kernels (``chunk_kda_bwd_kernel_wy_dqkg_fused``, stage 6, and
 ``chunk_kda_bwd_kernel_intra``, stage 7 of docs/kernels/kda-backward.md) and the dh recurrence beside them in one FLA
 training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers and spills Triton compiled them with.
-``--ncu-cula-backward [fused]`` does the same for cula's stage 5, 6 and 7 kernels of the second of two steps (with the
-stage-7 kernel's per-instruction stall samples in $OUT/ncu_bwd_intra_source.csv); ``fused``: stages 6 and 7 in one
-launch (``KdaTuning.bwd_wy_intra``), whose per-instruction samples go there instead.
+``--ncu-cula-backward`` does the same for cula's stage 5, 6 and 7 kernels (with the stage-7 kernel's per-instruction
+stall samples in $OUT/ncu_bwd_intra_source.csv).
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
 default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward, and that with stage 7,
 5 or 6 on cula's kernel) the kernels of the forward
@@ -133,11 +132,10 @@ def profile_training(names: list[str]) -> None:
         cfg = by_name[name]
         shared, grads = kp.make_shared(cfg), kt.output_grads(cfg)
         tensors = kp.make_set(cfg, 0)
-        # the H200 entry's stages
-        ours = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_recompute_intra",
-                "bwd_wy_dqkg")  # fmt: skip
+        ours = ("bwd_intra", "bwd_intra_cumsum", "bwd_wy_dqkg")  # the H200 entry's stages
         for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ours),
-                                    ("cula+wy_intra", chunk_kda, ours + ("bwd_wy_intra",)),
+                                    ("cula+gate+l2norm", chunk_kda, ours + ("bwd_intra_gate", "bwd_intra_l2norm")),
+                                    ("cula+recompute", chunk_kda, ours + ("bwd_recompute_intra",)),
                                     ("cula+bwd_dhu", chunk_kda, ours + ("bwd_dhu",))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
@@ -148,7 +146,7 @@ def profile_training(names: list[str]) -> None:
 
             # each path with only its own backward stages on cula's kernels, whatever the tuning entry says
             flags = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_dhu", "bwd_wy_dqkg",
-                     "bwd_recompute_intra", "bwd_wy_intra")  # fmt: skip
+                     "bwd_recompute_intra")  # fmt: skip
             with KDA_TUNING.override((9, 0), **{s: s in stages_on for s in flags}):
                 outs = forward()  # autotunes / compiles outside the profile
                 torch.autograd.backward(outs, grads, retain_graph=True)
@@ -303,9 +301,8 @@ def run_ncu_backward() -> None:
     print(text[-12000:])
 
 
-def ncu_cula_backward_target(fused: bool) -> None:
-    """Two cula training steps at B=1, T=4096 with stages 5, 6 and 7 on cula's kernels (ncu keeps the second);
-    ``fused``: 6 and 7 in one launch."""
+def ncu_cula_backward_target() -> None:
+    """Two cula training steps at B=1, T=4096 with stages 5, 6 and 7 on cula's kernels (ncu keeps the second)."""
     import bench_kda_prefill as kp
     import bench_kda_training as kt
 
@@ -315,30 +312,27 @@ def ncu_cula_backward_target(fused: bool) -> None:
     cfg = {c.name: c for c in kp.suite()}["B1-T4096"]
     shared, grads, tensors = kp.make_shared(cfg), kt.output_grads(cfg), kp.make_set(cfg, 0)
     with KDA_TUNING.override((9, 0), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_intra_l2norm=True,
-                             bwd_dhu=True, bwd_wy_dqkg=True, bwd_wy_intra=fused):  # fmt: skip
+                             bwd_dhu=True, bwd_wy_dqkg=True):  # fmt: skip
         for _ in range(2):
             kt.make_step(chunk_kda, kt.fresh(tensors), kt.fresh(shared), grads)()
     torch.cuda.synchronize()
 
 
-def run_ncu_cula_backward(fused: bool) -> None:
-    """Occupancy, memory throughput and stall reasons of cula's stage 5, 6 and 7 kernels of the second step (two
-    launches a step when ``fused``, three otherwise), and the stage-7 kernel's (or the fused one's) per-instruction
-    stall samples as CSV."""
+def run_ncu_cula_backward() -> None:
+    """Occupancy, memory throughput and stall reasons of cula's stage 5, 6 and 7 kernels, and the stage-7 kernel's
+    per-instruction stall samples (second launch) as CSV."""
     out = os.environ.get("OUT", ".")
     rep = os.path.join(out, "ncu_cula_bwd")
     env = dict(os.environ, CUTE_DSL_LINEINFO="1")
-    per_step = "2" if fused else "3"
     log = _ncu(["ncu", "--clock-control", "none", "-k", "regex:BwdIntraSm90|BwdDhuSm90|BwdWyDqkgSm90",
-                "--launch-skip", per_step, "--launch-count", per_step, "--import-source", "yes", "--section",
-                "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats", "--section", "WarpStateStats",
+                "--launch-skip", "2", "--launch-count", "2", "--import-source", "yes", "--section", "SpeedOfLight",
+                "--section", "Occupancy", "--section", "LaunchStats", "--section", "WarpStateStats",
                 "--section", "SchedulerStats",
                 "--section", "MemoryWorkloadAnalysis", "--section", "SourceCounters", "-f", "-o", rep,
-                sys.executable, __file__, "--ncu-cula-backward-target", *(["fused"] if fused else [])],
-               timeout=400, env=env)  # fmt: skip
+                sys.executable, __file__, "--ncu-cula-backward-target"], timeout=400, env=env)  # fmt: skip
     details = _ncu(["ncu", "-i", rep + ".ncu-rep", "--print-details", "all"])
     csv = _ncu(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass",
-                "-k", "regex:BwdWyDqkgSm90" if fused else "regex:BwdIntraSm90"])  # fmt: skip
+                "-k", "regex:BwdIntraSm90"])  # fmt: skip
     with open(os.path.join(out, "ncu_cula_bwd.txt"), "w") as f:
         f.write(log + details)
     with open(os.path.join(out, "ncu_bwd_intra_source.csv"), "w") as f:
@@ -405,9 +399,9 @@ if __name__ == "__main__":
     elif "--ncu-cula-backward-target" in sys.argv:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
         os.environ.setdefault("FLA_CULA", "0")
-        ncu_cula_backward_target("fused" in sys.argv)
+        ncu_cula_backward_target()
     elif "--ncu-cula-backward" in sys.argv:
-        run_ncu_cula_backward("fused" in sys.argv)
+        run_ncu_cula_backward()
     elif "--ncu-backward" in sys.argv:
         run_ncu_backward()
     elif "--ncu-decode" in sys.argv:

@@ -27,17 +27,11 @@ _VARIANTS = [
     {"dtype": "BFloat16", "beta_dtype": "Float32", "state_v_first": True, "varlen": True},
     {"dtype": "BFloat16", "beta_dtype": "BFloat16", "state_v_first": False, "varlen": True},
     {"dtype": "Float16", "beta_dtype": "Float16", "state_v_first": True, "varlen": False},
-    # stage 7 fused after stage 6: with every neighbour stage 7 takes, and with its reverse cumsum alone
-    {"dtype": "BFloat16", "beta_dtype": "Float32", "state_v_first": True, "varlen": True,
-     "intra": {"reverse_cumsum": True, "l2norm": True, "gate": "lower_bound"}},
-    {"dtype": "BFloat16", "beta_dtype": "BFloat16", "state_v_first": False, "varlen": False,
-     "intra": {"reverse_cumsum": True}},
 ]
 
 _COMPILE_SCRIPT = dump_script(
     "from cula.ops.kda.sm90 import bwd_wy_dqkg_kernel as M",
-    'M._compile(v["dtype"], v["beta_dtype"], v["state_v_first"], v["varlen"], extra_options=opts, '
-    'intra=v.get("intra"))',
+    'M._compile(v["dtype"], v["beta_dtype"], v["state_v_first"], v["varlen"], extra_options=opts)',
 )
 
 
@@ -46,10 +40,7 @@ def compiled_variants(tmp_path_factory):
     return compile_with_dumps(_COMPILE_SCRIPT, _VARIANTS, tmp_path_factory.mktemp("kda_bwd_wy_dqkg"))
 
 
-@pytest.mark.parametrize(
-    "idx", range(len(_VARIANTS)), ids=["-".join(str(x) for x in v.values() if not isinstance(x, dict))
-                                       + ("-intra" if "intra" in v else "") for v in _VARIANTS],
-)  # fmt: skip
+@pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=["-".join(map(str, v.values())) for v in _VARIANTS])
 def test_variant_compiles_sm90a(compiled_variants, idx):
     res = compiled_variants[idx]
     ptx, remarks = res["ptx"], res["remarks"]
@@ -57,11 +48,7 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     assert ".target sm_90a" in ptx and f"mma.sync.aligned.m16n8k16.row.col.f32.{dt}.{dt}.f32" in ptx
     assert "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", remarks)
-    # the fused stage 7 at one CTA an SM may spill a few bytes (stage 7's own kernel spills 16 at two)
-    most = 16 if "intra" in _VARIANTS[idx] else 0
-    assert spills and all(int(a) <= most and int(b) <= most for a, b in spills), spills
-    if "intra" in _VARIANTS[idx]:
-        assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
+    assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills), spills
 
 
 def _zeros(B=1, T=100, H=1, HV=2, D=128, NT=None):
@@ -167,59 +154,3 @@ def test_bwd_wy_dqkg_padded_chunk_list_cuda():
     again = run(**padded, chunk_indices=ci_padded)
     for name, a, b in zip(("dq", "dk", "dv", "db", "dg", "dA"), ours, again):
         assert not a.isnan().any() and torch.equal(a, b), name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "args,fused",
-    [((2, 300, 2, 4, 128, 128, None, True), dict(cumsum=True, gate=True)),
-     ((1, 1000, 2, 2, 128, 128, [1, 63, 64, 65, 807], False), dict(cumsum=True, l2norm=True, gate=True)),
-     ((1, 200, 1, 1, 128, 128, [130, 0, 70], True), dict(cumsum=False)),
-     # more items than SMs: stage 7 between an item's loads of the next one
-     ((2, 4100, 2, 2, 128, 128, None, False), dict(cumsum=True, l2norm=True)),
-     ((1, 8500, 2, 2, 128, 128, [1, 4000, 63, 0, 4306, 130], True), dict(cumsum=True, gate=True))],
-    ids=["gva-gate-v-first", "varlen-norm-gate", "varlen-empty-no-cumsum", "many-items-norm", "many-items-varlen-gate"],
-)  # fmt: skip
-def test_bwd_wy_intra_is_the_two_launches_cuda(args, fused):
-    """Stages 6 and 7 in one launch (``chunk_kda_bwd_wy_intra_sm90``) against stage 6's launch followed by stage 7's
-    on its results: every output bit for bit (stage 7's dq, dk, db, dg or dg_raw, dA_log, ddt_bias; stage 6's dv2),
-    none NaN, on memory left full of NaN by an earlier allocation."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
-    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90, chunk_kda_bwd_wy_intra_sm90
-    from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
-
-    case, _ = _wy_case(*args)
-    low = ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv")
-    case = {n: (x.cuda().bfloat16() if n in low else x.cuda()) if torch.is_tensor(x) else x for n, x in case.items()}
-    B, T, HV = case["v"].shape[:3]
-    H = case["q"].shape[2]
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    cu = case["cu_seqlens"]
-    ci = None if cu is None else prepare_chunk_indices_i32(cu)
-    dAqk = 0.1 * torch.randn(B, T, HV, 64, device="cuda", generator=gen)
-    kw = dict(reverse_cumsum_dg=fused["cumsum"])
-    if fused.get("l2norm"):
-        kw["qk_rstd"] = tuple(0.5 + torch.rand(B * T * H, device="cuda", generator=gen) for _ in range(2))
-    if fused.get("gate"):
-        kw["gate"] = tuple(torch.randn(*shape, device="cuda", generator=gen)
-                           for shape in ((B, T, HV, 128), (HV,), (HV * 128,))) + (-5.0,)  # fmt: skip
-
-    def poisoned():  # the caching allocator hands this memory to the launches' outputs
-        torch.full((64 << 20,), float("nan"), device="cuda")
-
-    poisoned()
-    dq, dk, dv2, db, dg, dA = chunk_kda_bwd_wy_dqkg_sm90(**case, chunk_indices=ci)
-    poisoned()
-    two = chunk_kda_bwd_intra_sm90(case["q"], case["k"], case["g"], case["beta"], dAqk, dA, dq, dk, db, dg,
-                                   cu_seqlens=cu, chunk_indices=ci, **kw)  # fmt: skip
-    poisoned()
-    dv2_one, one = chunk_kda_bwd_wy_intra_sm90(**case, dAqk=dAqk, chunk_indices=ci, **kw)
-    torch.cuda.synchronize()
-    assert torch.equal(dv2, dv2_one) and not dv2_one.isnan().any()
-    names = ("dq", "dk", "db", "dg", "dA_log", "ddt_bias")
-    assert len(one) == len(two) == (6 if "gate" in kw else 4)
-    for name, a, b in zip(names, two, one):
-        assert not b.isnan().any(), name
-        assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -12,7 +12,7 @@ import torch
 from cula.cache import compiled_kernel
 from cula.ops._host import check_beta_and_heads, check_tensors, dsl_name, kernel_attr, placeholder
 
-__all__ = ["chunk_kda_bwd_intra_sm90", "compiled", "compiled_variant", "fused_inputs", "gate_sums", "variant_key"]
+__all__ = ["chunk_kda_bwd_intra_sm90", "compiled", "compiled_variant", "variant_key"]
 
 IO_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -109,7 +109,7 @@ def chunk_kda_bwd_intra_sm90(
     q, k, g, beta, dAqk, dAkk, dq, dk, db, dg = (
         t.contiguous() for t in (q, k, g, beta, dAqk, dAkk, dq, dk, db, dg)
     )  # fmt: skip
-    fused = fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg)
+    fused = _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg)
     # with the L2 norm's backward the kernel writes dq only in q's dtype (dq_n below): dq stands in for its fp32 output
     dq2 = torch.empty_like(dq) if qk_rstd is None else dq
     dk2, dg2, db2 = torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db)
@@ -148,19 +148,14 @@ def chunk_kda_bwd_intra_sm90(
         dq2, dk2 = dq_n, dk_n
     if gate is None:
         return dq2, dk2, db2, dg2
-    return dq2, dk2, db2, dg_raw, *gate_sums(gate, a_part, bias_part)
-
-
-def gate_sums(gate: tuple, a_part: torch.Tensor, bias_part: torch.Tensor) -> tuple:
-    """``(dA_log, ddt_bias)`` from the kernel's per-(chunk, value head) partial sums, in the parameters' dtypes (None
-    where the parameter is): summed over the chunks as FLA's ``kda_gate_bwd`` sums its per-block partials."""
+    # FLA's kda_gate_bwd sums its per-block partials the same way (in the parameters' dtypes)
     _, A_log, dt_bias, _ = gate
     dA = a_part.sum(0).view_as(A_log).type_as(A_log) if A_log is not None else None
     dbias = bias_part.sum(0).view(-1).to(dt_bias) if dt_bias is not None else None
-    return dA, dbias
+    return dq2, dk2, db2, dg_raw, dA, dbias
 
 
-def fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg) -> dict:
+def _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg) -> dict:
     """The fused stages' inputs, checked, as the kernel takes them (flat rstd; placeholders for what is off)."""
     B, T, H, K = q.shape
     HV = g.shape[2]

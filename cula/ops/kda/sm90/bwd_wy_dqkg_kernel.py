@@ -40,22 +40,6 @@ E1     dq out; dks and ``q dq - k dks`` kept in the P1 / P2 registers; bf16(-dw)
 3      P8a into v's rows (bf16), P8b: dA out; db out; then the next item's L3 (du, v, T) and its beta
 =====  ======================================================================================================
 
-Fused stage 7 (static option ``intra``, a ``ChunkKDABwdIntraSm90`` whose ``_row_unit`` / ``_column_*`` /
-``_reverse_cumsum`` / ``_gate_partials`` run here): after phase 3 the same CTA takes the item through FLA's next
-stage, ``chunk_kda_bwd_intra``, with its inputs where this kernel has them, so that q, k, g and dAkk are not read
-again and dq, dk, dg, db make their round trip through L2 rather than DRAM:
-
-=====  ======================================================================================================
-2'     after phase 2: the item's dAqk (fp32, FLA's stage 4) by ``cp.async`` into the rows of do (read by P6, P7)
-3'     P8b's dA goes to shared memory (fp32, over v_new's rows) as stage 7's dAkk, not to global memory
-I      stage 7's phases R, C and D on the shared q, k, g, beta, dAqk and dAkk, adding to this kernel's dq, dk, dg,
-       db in place (each thread reads back only what it wrote: the warp / row / channel ownership is the same);
-       the next item's q, k, g once phase C's epilogue has read the item's, its do, v_new after phase D
-=====  ======================================================================================================
-
-Outputs then as stage 7's (dq, dk, dg fp32, or dq / dk in q's dtype with its ``l2norm`` and dg_raw with its
-``gate``; db fp32; dv2), and no dA.
-
 Supported: K = V = 128, BT = 64, q / k / v / v_new / do / du / h / dh / T all bf16 or all fp16, beta fp32 / bf16 /
 fp16, GVA (HV a multiple of H), both state layouts, varlen (``cu_seqlens`` int32 + ``chunk_indices`` int32
 ``[NT, 2]``; states numbered by chunk-list row; a padding row (n, c) with ``64 c >=`` the length of sequence n writes
@@ -75,7 +59,6 @@ from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
     chunk_rows, cp_async_token_rows, n_tile_accumulators, vec_at,
 )  # fmt: skip
-from cula.ops.kda.sm90.bwd_intra_kernel import ChunkKDABwdIntraSm90
 
 __all__ = ["ChunkKDABwdWyDqkgSm90"]
 
@@ -84,22 +67,17 @@ class ChunkKDABwdWyDqkgSm90:
     """KDA backward through the state terms and the WY representation (FLA's ``chunk_kda_bwd_wy_dqkg_fused``),
     sm_90a.
 
-    Static configuration: the dtype of the bf16 / fp16 operands, the dtype of beta, the state layout, varlen, and
-    ``intra``: stage 7 fused after the item (the module docstring), a ``ChunkKDABwdIntraSm90`` of the same dtypes
-    and varlen carrying its own options. Token counts, heads, sequences and the scale are runtime values.
+    Static configuration: the dtype of the bf16 / fp16 operands, the dtype of beta, the state layout, varlen. Token
+    counts, heads, sequences and the scale are runtime values.
     """
 
     arch = 90
 
-    def __init__(self, dtype=BFloat16, beta_dtype=Float32, state_v_first: bool = False, varlen: bool = False,
-                 intra: ChunkKDABwdIntraSm90 | None = None):  # fmt: skip
+    def __init__(self, dtype=BFloat16, beta_dtype=Float32, state_v_first: bool = False, varlen: bool = False):
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         if beta_dtype not in (BFloat16, Float16, Float32):
             raise ValueError(f"beta_dtype must be BFloat16, Float16 or Float32, got {beta_dtype}")
-        if intra is not None and (intra.dtype, intra.beta_dtype, intra.varlen) != (dtype, beta_dtype, bool(varlen)):
-            raise ValueError("the fused stage 7 must share the operand dtype, beta's dtype and varlen")
-        self.intra = intra
         self.dtype, self.beta_dtype = dtype, beta_dtype
         self.state_v_first, self.varlen = bool(state_v_first), bool(varlen)
         self.bt, self.dk, self.dv = 64, 128, 128
@@ -135,26 +113,9 @@ class ChunkKDABwdWyDqkgSm90:
         num_chunks: Int32,  # chunks per sequence, or NT when varlen
         num_seqs: Int32,  # B, or 1 when varlen
         num_ctas: Int32,  # the persistent grid: min(chunks x value heads x sequences, SMs)
-        # the fused stage 7's own inputs and outputs (ChunkKDABwdIntraSm90's of these names), unread unless intra
-        mDAqk: cute.Tensor,  # (T_total, HV, BT) fp32
-        mQRstd: cute.Tensor,
-        mKRstd: cute.Tensor,
-        mDqN: cute.Tensor,
-        mDkN: cute.Tensor,
-        mGRaw: cute.Tensor,
-        mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
-        mDgRaw: cute.Tensor,
-        mDAPart: cute.Tensor,
-        mDBiasPart: cute.Tensor,
-        lower_bound: Float32,
         stream: cuda.CUstream,
     ):
         BT, DK = self.bt, self.dk
-        fuse = self.intra is not None
-        if const_expr(fuse):  # stage 7's fp32 score rows fit do's / v_new's rows, its dg rows both (adjacent below)
-            rows_bytes = BT * self.x_ld * self.dtype.width // 8
-            assert BT * (BT + 4) * 4 <= rows_bytes and BT * self.intra.g_ld * 4 <= 2 * rows_bytes
 
         @cute.struct
         class Storage:
@@ -172,15 +133,11 @@ class ChunkKDABwdWyDqkgSm90:
             sDgk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * DK], 16]  # sum_v S dS: two V halves
             sKdk: cute.struct.Align[cute.struct.MemRange[Float32, 4 * DK], 16]  # sum_t k dks per row block
             sDb: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BT], 16]  # db's two column-half partials
-            # the fused stage 7's row dot products (l2norm) and gate partial sums (see ChunkKDABwdIntraSm90)
-            sDot: cute.struct.Align[cute.struct.MemRange[Float32, 4 * BT if fuse else 4], 16]
-            sGate: cute.struct.Align[cute.struct.MemRange[Float32, 2 * DK + 8 if fuse else 4], 16]
 
         self.storage = Storage
         self.kernel(
             mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, mDq, mDk, mDv2, mDg, mDb, mDA, mCu, mCi, scale,
-            seqlen, num_chunks, num_seqs, mDAqk, mQRstd, mKRstd, mDqN, mDkN, mGRaw, mALog, mDtBias, mDgRaw, mDAPart,
-            mDBiasPart, lower_bound,
+            seqlen, num_chunks, num_seqs,
         ).launch(
             grid=(num_ctas, 1, 1), block=(self.num_threads, 1, 1), stream=stream,
             min_blocks_per_mp=1, max_number_threads=[self.num_threads, 1, 1], preferred_smem_carveout=100,
@@ -192,10 +149,7 @@ class ChunkKDABwdWyDqkgSm90:
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
         mA: cute.Tensor, mH: cute.Tensor, mDo: cute.Tensor, mDh: cute.Tensor, mDu: cute.Tensor, mDq: cute.Tensor,
         mDk: cute.Tensor, mDv2: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor, mDA: cute.Tensor, mCu: cute.Tensor,
-        mCi: cute.Tensor, scale: Float32, seqlen: Int32, num_chunks: Int32, num_seqs: Int32, mDAqk: cute.Tensor,
-        mQRstd: cute.Tensor, mKRstd: cute.Tensor, mDqN: cute.Tensor, mDkN: cute.Tensor, mGRaw: cute.Tensor,
-        mALog: cute.Tensor, mDtBias: cute.Tensor, mDgRaw: cute.Tensor, mDAPart: cute.Tensor, mDBiasPart: cute.Tensor,
-        lower_bound: Float32,
+        mCi: cute.Tensor, scale: Float32, seqlen: Int32, num_chunks: Int32, num_seqs: Int32,
     ):  # fmt: skip
         BT, DK = self.bt, self.dk
         tidx, _, _ = cute.arch.thread_idx()
@@ -231,15 +185,7 @@ class ChunkKDABwdWyDqkgSm90:
         sDAm = cute.make_tensor(sDu.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
         sM1 = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(self.x_ld, 1)))
         sM1T = cute.make_tensor(sV.iterator, cute.make_layout((BT, BT), stride=(1, self.x_ld)))
-        # the fused stage 7's score gradients (fp32 rows of 64 + 4) over the rows of do and v_new: free after phase 2
-        score_rows = cute.make_layout((BT, BT), stride=(BT + 4, 1))
-        sAq = cute.make_tensor(cute.recast_ptr(st.sDo.data_ptr(), dtype=Float32), score_rows)
-        sAk = cute.make_tensor(cute.recast_ptr(st.sVn.data_ptr(), dtype=Float32), score_rows)
-        fuse = self.intra is not None
-        sDot = st.sDot.get_tensor(cute.make_layout((BT, 2, 2), stride=(1, BT, 2 * BT)) if fuse else cute.make_layout(4))
-        sGate = st.sGate.get_tensor(cute.make_layout(2 * DK + 8 if fuse else 4))
 
-        fused = (mDAqk, mQRstd, mKRstd, mDqN, mDkN, mGRaw, mALog, mDtBias, mDgRaw, mDAPart, mDBiasPart, lower_bound)
         tiled = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
         rb = warp_idx % 4
         half = warp_idx // 4
@@ -254,13 +200,12 @@ class ChunkKDABwdWyDqkgSm90:
         # one CTA an SM walks the items bid, bid + grid, ...: each item's loads go out in four groups as the
         # previous item frees the buffers they land in, so they arrive while that item computes
         for item in cutlass.range(bid, total, grid, unroll=1):
-            tok0, valid, tg, hv, h = self._item(mCu, mCi, item, num_chunks, HV, group, seqlen, total)
+            tok0, valid, _, hv, _ = self._item(mCu, mCi, item, num_chunks, HV, group, seqlen, total)
             nxt = self._item(mCu, mCi, item + grid, num_chunks, HV, group, seqlen, total)
             last = cutlass.max(valid - 1, 0)
 
-            # phase 1: P1 and P2 once the states, do and v_new are in (du, v, T may still be in flight; fused, they
-            # went out before q, k, g, do and v_new)
-            cute.arch.cp_async_wait_group(0 if const_expr(self.intra is not None) else 1)
+            # phase 1: P1 and P2 once the states, do and v_new are in (du, v, T may still be in flight)
+            cute.arch.cp_async_wait_group(1)
             cute.arch.barrier()
             acc_dq, acc_dk = self._state_products(tiled, sDo, sVn, sS, sDS, rb, half, lane)
             self._state_channel_sums(sS, sDS, sDgk, tidx)
@@ -281,8 +226,7 @@ class ChunkKDABwdWyDqkgSm90:
             self._epilogue_state(acc_dq, acc_dk, acc_dw, sQ, sK, sG, sDw, sKG, sKdk, mDq, scale, tok0, hv, valid,
                                  last, rb, half, lane)  # fmt: skip
             cute.arch.barrier()
-            if const_expr(self.intra is None):
-                self._load(loads, 1, nxt, tidx)  # q is read
+            self._load(loads, 1, nxt, tidx)  # q is read
 
             # phase 2: P6, P7 and their epilogue
             acc_kgb = n_tile_accumulators(tiled, 8)
@@ -292,10 +236,7 @@ class ChunkKDABwdWyDqkgSm90:
                               valid, last, rb, half, lane)  # fmt: skip
             self._mask_da(acc_da, sBeta, sDAm, valid, rb, half, lane)
             cute.arch.barrier()
-            if const_expr(self.intra is None):
-                self._load(loads, 2, nxt, tidx)  # k, g, dw and k G are read
-            else:
-                self._load_dAqk(fused[0], sAq, tok0, valid, hv, tidx)  # over dw, which P6 and P7 have read
+            self._load(loads, 2, nxt, tidx)  # k, g, dw and k G are read
 
             # phase 3: dL = -T^T bf16(dAm T^T)
             acc_m1 = n_tile_accumulators(tiled, 4)
@@ -304,22 +245,12 @@ class ChunkKDABwdWyDqkgSm90:
             cute.arch.barrier()
             acc_dl = n_tile_accumulators(tiled, 4)
             self._gemm(tiled, acc_dl, sAT, False, sM1T, False, 16 * rb, 32 * half, BT // 16, lane)
-            if const_expr(self.intra is None):
-                self._store_dl(acc_dl, mDA, tok0, hv, valid, rb, half, lane)
-            else:
-                self._store_dl_shared(acc_dl, sAk, valid, rb, half, lane)
+            self._store_dl(acc_dl, mDA, tok0, hv, valid, rb, half, lane)
             if tidx < valid:
                 mDb[tok0 + tidx, hv] = sDb[tidx, 0] + sDb[tidx, 1]
             cute.arch.barrier()
             self._load(loads, 3, nxt, tidx)  # du (dAm), v (M1), T and db's partials are read
             beta = self._beta(mBeta, nxt, tidx)
-
-            if const_expr(self.intra is not None):
-                shared = (sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, sGate)
-                self._stage7(shared, fused, mDq, mDk, mDg, mDb, tok0, valid, tg, hv, h, rb, half, lane, tidx, loads,
-                             nxt)  # fmt: skip
-                cute.arch.barrier()
-                self._load(loads, 5, nxt, tidx)  # do and v_new, over stage 7's score gradients and dg rows
 
     @cute.jit
     def _item(self, mCu, mCi, item, num_chunks, HV, group, seqlen, total):
@@ -341,7 +272,7 @@ class ChunkKDABwdWyDqkgSm90:
     def _load(self, loads, part: int, item, tidx):
         """One of an item's four ``cp.async`` groups of 16-byte copies to padded shared rows (zeros past the
         sequence end), each issued once the previous item has read the buffers it lands in: 0 the two states (as
-        stored), 1 q, 2 k, g, do, v_new, 3 du, v, T; with the fused stage 7, group 2 in two: 4 k, g, 5 do, v_new."""
+        stored), 1 q, 2 k, g, do, v_new, 3 du, v, T."""
         mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sA, sHr, sDhr, sDo, sDu = loads
         tok0, valid, tg, hv, h = item
         x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
@@ -358,22 +289,9 @@ class ChunkKDABwdWyDqkgSm90:
             f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
             cp_async_token_rows(x_atom, ((mK, sK, h), (mDo, sDo, hv), (mVn, sVn, hv)), tok0, valid, tidx)
             cp_async_token_rows(f_atom, ((mG, sG, hv),), tok0, valid, tidx, row_units=32, unit=4)
-        elif const_expr(part == 4):
-            f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
-            cp_async_token_rows(x_atom, ((mK, sK, h),), tok0, valid, tidx)
-            cp_async_token_rows(f_atom, ((mG, sG, hv),), tok0, valid, tidx, row_units=32, unit=4)
-        elif const_expr(part == 5):
-            cp_async_token_rows(x_atom, ((mDo, sDo, hv), (mVn, sVn, hv)), tok0, valid, tidx)
         else:
             cp_async_token_rows(x_atom, ((mDu, sDu, hv), (mV, sV, hv)), tok0, valid, tidx)
             cp_async_token_rows(x_atom, ((mA, sA, hv),), tok0, valid, tidx, row_units=8)
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def _load_dAqk(self, mDAqk, sAq, tok0, valid, hv, tidx):
-        """The fused stage 7's dAqk (FLA's stage 4, fp32) to its shared rows, a ``cp.async`` group of its own."""
-        f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
-        cp_async_token_rows(f_atom, ((mDAqk, sAq, hv),), tok0, valid, tidx, unit=4)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -580,66 +498,6 @@ class ChunkKDABwdWyDqkgSm90:
                 cute.autovec_copy(out, vec_at(sDAm, (t, col), 2, 2))
 
     @cute.jit
-    def _store_dl_shared(self, acc_dl, sAk, valid, rb, half, lane):
-        """P8b's dA as the fused stage 7's dAkk: what ``_store_dl`` writes out, on every row (0 past the sequence
-        end, as stage 7's own loads fill them)."""
-        g_, c = lane // 4, lane % 4
-        for hh in cutlass.range_constexpr(2):
-            t = 16 * rb + g_ + 8 * hh
-            for nt in cutlass.range_constexpr(4):
-                col = cute.assume(32 * half + 8 * nt + 2 * c, divby=2)
-                out = cute.make_rmem_tensor(2, Float32)
-                for v in cutlass.range_constexpr(2):
-                    keep = (t > col + v) & (t < valid)
-                    out[v] = Float32(cutlass.select_(keep, -acc_dl[nt][v + 2 * hh], Float32(0.0)))
-                cute.autovec_copy(out, vec_at(sAk, (t, col), 2, 2))
-
-    @cute.jit
-    def _stage7(self, shared, fused, mDq, mDk, mDg, mDb, tok0, valid, part_row, hv, h, rb, half, lane, tidx, loads,
-                nxt):  # fmt: skip
-        """Phase I: ``ChunkKDABwdIntraSm90``'s phases R, C and D on the item, its inputs in shared memory, adding to
-        this kernel's dq, dk, dg and db in place (dq / dk / dg then scratch where its options write other
-        outputs); a padding row only zeroes its gate partial sums. The next item's q, k and g go out as soon as
-        phase C's epilogue has read this item's."""
-        BT, DK = self.bt, self.dk
-        sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, sGate = shared
-        mDAqk, mQRstd, mKRstd, mDqN, mDkN, mGRaw, mALog, mDtBias, mDgRaw, mDAPart, mDBiasPart, lower_bound = fused
-        if valid > 0:
-            cute.arch.cp_async_wait_group(1)  # dAqk (the next item's du, v and T may still be in flight)
-            cute.arch.barrier()  # ... and every warp's dAkk
-            tiled = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
-            anchor = cutlass.min(16 * rb + 8, valid - 1)
-            acc_col = n_tile_accumulators(tiled, 8)
-            if 16 * rb < valid:
-                self.intra._row_unit(tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, mDq, mDk, mDg, mDq, mDk, mDg,
-                                     mQRstd, mDqN, tok0, h, hv, valid, rb, half, anchor, lane)  # fmt: skip
-                self.intra._column_products(tiled, acc_col, sQ, sK, sG, sAq, sAk, sBeta, valid, rb, half, anchor,
-                                            lane)  # fmt: skip
-            # with the reverse cumsum, dg's rows over the score gradients (the rows of do and v_new, adjacent)
-            sDG = cute.make_tensor(sAq.iterator, cute.make_layout((BT, DK), stride=(self.intra.g_ld, 1)))
-            if const_expr(self.intra.reverse_cumsum):
-                cute.arch.barrier()
-            if 16 * rb < valid:
-                self.intra._column_epilogue(acc_col, sK, sG, sDot, mDk, mDg, mKRstd, mDkN, sDG, tok0, h, hv, valid,
-                                            rb, half, anchor, lane)  # fmt: skip
-            cute.arch.barrier()
-            self._load(loads, 1, nxt, tidx)
-            self._load(loads, 4, nxt, tidx)
-            if const_expr(self.intra.reverse_cumsum):
-                self.intra._reverse_cumsum(sDG, sGate, mDg, mGRaw, mALog, mDtBias, mDgRaw, lower_bound, tok0, hv,
-                                           valid, tidx)  # fmt: skip
-            if tidx < valid:
-                mDb[tok0 + tidx, hv] = mDb[tok0 + tidx, hv] + sDb[tidx, 0] + sDb[tidx, 1]
-            if const_expr(self.intra.gate is not None):
-                cute.arch.barrier()
-                self.intra._gate_partials(sGate, mDAPart, mDBiasPart, part_row, hv, tidx)
-        if valid <= 0:
-            self._load(loads, 1, nxt, tidx)
-            self._load(loads, 4, nxt, tidx)
-            if const_expr(self.intra.gate is not None):
-                self.intra._zero_gate_partials(mDAPart, mDBiasPart, part_row, hv, tidx)
-
-    @cute.jit
     def _store_c16(self, accs, s, r0, n0, lane):
         """The [16 x 8n] accumulators rounded to the operand dtype into rows r0.. and columns n0.. of ``s``."""
         g_, c = lane // 4, lane % 4
@@ -666,19 +524,13 @@ class ChunkKDABwdWyDqkgSm90:
                     cute.autovec_copy(out, vec_at(mDA, (tok0 + t, hv, col), 2, 2))
 
 
-def _compile(dtype, beta_dtype, state_v_first, varlen, arch=(9, 0), extra_options="", intra=None):
-    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable. ``intra``:
-    the fused stage 7's options (``ChunkKDABwdIntraSm90``'s keywords beyond dtypes and varlen), or None."""
+def _compile(dtype, beta_dtype, state_v_first, varlen, arch=(9, 0), extra_options=""):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     D, BT = 128, 64
     dtype, beta_dtype = dsl_type(dtype), dsl_type(beta_dtype)
-    s7 = None
-    if intra is not None:
-        options = dict(intra, g_raw_dtype=dsl_type(intra.get("g_raw_dtype", "Float32")))
-        s7 = ChunkKDABwdIntraSm90(dtype=dtype, beta_dtype=beta_dtype, varlen=varlen, **options)
-    kernel = ChunkKDABwdWyDqkgSm90(dtype=dtype, beta_dtype=beta_dtype, state_v_first=state_v_first, varlen=varlen,
-                                   intra=s7)  # fmt: skip
+    kernel = ChunkKDABwdWyDqkgSm90(dtype=dtype, beta_dtype=beta_dtype, state_v_first=state_v_first, varlen=varlen)
     tt, nt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
     def tok(dt, heads, d):
@@ -698,36 +550,7 @@ def _compile(dtype, beta_dtype, state_v_first, varlen, arch=(9, 0), extra_option
         tok(Float32, hv, BT),
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
         make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
-        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), *_fused_args(s7, dtype, tt, h, hv),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
-
-
-def _fused_args(s7, dtype, tt, h, hv) -> tuple:
-    """The fused stage 7's fake tensors (its ``_compile``'s for the same names): dAqk, the rstd of q and k, dq / dk
-    in q's dtype, g_raw, A_log, dt_bias, dg_raw, the gate's partial sums, the bound. Without it, one-element
-    stand-ins the kernel does not read."""
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
-
-    D, BT = 128, 64
-    if s7 is None:
-        one = make_fake_compact_tensor(Float32, (1,), stride_order=(0,), assumed_align=4)
-        return (one,) * 11 + (Float32(0.0),)
-
-    def tok(dt, heads, d):
-        return make_fake_tensor(dt, (tt, heads, d), (cute.sym_int64(divisibility=d), d, 1), assumed_align=16)
-
-    def flat():
-        return make_fake_compact_tensor(Float32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
-
-    rstd_rows = cute.sym_int32()
-    rstd = make_fake_tensor(Float32, (rstd_rows, h), (cute.sym_int64(), 1), assumed_align=4)
-    return (
-        tok(Float32, hv, BT), rstd, rstd, tok(dtype, h, D), tok(dtype, h, D), tok(s7.g_raw_dtype, hv, D), flat(),
-        flat(), tok(s7.g_raw_dtype, hv, D),
-        make_fake_tensor(Float32, (cute.sym_int32(), hv), (cute.sym_int64(), 1), assumed_align=4),
-        make_fake_tensor(Float32, (cute.sym_int32(), hv, D), (cute.sym_int64(divisibility=D), D, 1),
-                         assumed_align=16),
-        Float32(0.0),
-    )  # fmt: skip
