@@ -408,11 +408,17 @@ def _step_f64(leaves, cotangents, **kw):
     return o.detach(), None if ht is None else ht.detach(), {n: t.grad for n, t in x.items()}
 
 
+# Sums over every token of a head (dA_log; ddt_bias per channel) cancel: at T = 63 with one head the terms of
+# dA_log add up to a twenty-third of their absolute sum, and FLA's own dA_log is 9.2e-2 off float64 (ours 1.1e-1,
+# 1.4e-2 from FLA's: an error both GPU steps share). Where FLA misses the tolerance against float64, ours may miss it
+# by as much as FLA times this, and must still agree with FLA's within the tolerance.
+_SUMS, _SUM_SLACK = ("dA_log", "ddt_bias"), 1.5
+
+
 def _judge_step(ours, fla, ref, tighter: dict | None = None) -> None:
     """Ours against the float64 reference and against FLA's step within FLA's tolerances (o and the final state
-    5e-3, ``_GRAD_TOL`` for the gradients, ``tighter`` by output name where given), none NaN; on failure the message
-    has every output's errors, FLA's own against float64 beside them (a sum over all tokens, dA_log or ddt_bias, can
-    differ from FLA's by more than a per-token gradient does)."""
+    5e-3, ``_GRAD_TOL`` for the gradients, ``tighter`` by output name where given; ``_SUMS`` against float64 as
+    above), none NaN; on failure the message has every output's errors, FLA's own against float64 beside them."""
     from cula.testing import rel_rmse
 
     def outputs(step):
@@ -428,7 +434,8 @@ def _judge_step(ours, fla, ref, tighter: dict | None = None) -> None:
         tol = (tighter or {}).get(name, 5e-3 if name in ("o", "ht") else _GRAD_TOL.get(name[1:], 8e-3))
         errs = (rel_rmse(exact, mine.float()), rel_rmse(theirs.float(), mine.float()), rel_rmse(exact, theirs.float()))
         rows.append(f"{name}: ours-f64 {errs[0]:.2e}, ours-fla {errs[1]:.2e}, fla-f64 {errs[2]:.2e} (tol {tol:.0e})")
-        if mine.isnan().any() or not (errs[0] < tol and errs[1] < tol):
+        to_exact = max(tol, _SUM_SLACK * errs[2]) if name in _SUMS else tol
+        if mine.isnan().any() or not (errs[0] < to_exact and errs[1] < tol):
             bad.append(name)
     assert not bad, f"{bad} out of tolerance:\n" + "\n".join(rows)
 
