@@ -15,9 +15,8 @@ training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers a
 ``--ncu-cula-backward`` does the same for cula's stage 5, 6 and 7 kernels (with the stage-7 kernel's per-instruction
 stall samples in $OUT/ncu_bwd_intra_source.csv).
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
-default B1-T4096 and B2-T16384): per path (FLA whole, cula's forward + FLA's backward, and that with stage 7,
-5 or 6 on cula's kernel) the kernels of the forward
-and of the backward separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward
+default B1-T4096 and B2-T16384): per path (FLA whole; cula with the H200 entry's backward stages; that with stage 5
+on cula's kernel too) the kernels of the forward and of the backward separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward
 of our own would replace first. Run through ``run.sh`` so FLA's backward starts from its cached autotune choices.
 ``--time-split [H:T:SEGMENT ...]`` profiles chunk_kda cut in time (default 4:16384:8192, 4:65536:4096,
 4:65536:2048, 8:65536:8192): per shape, serial and cut, each kernel's device time and launches, the benchmarks'
@@ -132,10 +131,10 @@ def profile_training(names: list[str]) -> None:
         cfg = by_name[name]
         shared, grads = kp.make_shared(cfg), kt.output_grads(cfg)
         tensors = kp.make_set(cfg, 0)
-        ours = ("bwd_intra", "bwd_intra_cumsum", "bwd_wy_dqkg")  # the H200 entry's stages
+        # the H200 entry's stages
+        ours = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_recompute_intra",
+                "bwd_wy_dqkg")  # fmt: skip
         for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ours),
-                                    ("cula+gate+l2norm", chunk_kda, ours + ("bwd_intra_gate", "bwd_intra_l2norm")),
-                                    ("cula+recompute", chunk_kda, ours + ("bwd_recompute_intra",)),
                                     ("cula+bwd_dhu", chunk_kda, ours + ("bwd_dhu",))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
