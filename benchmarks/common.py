@@ -221,6 +221,27 @@ def measure_host_overhead(fn: Callable[[], Any], n: int = 100, warmup: int = 50,
     }
 
 
+def kernel_stats(fn: Callable[[], Any], calls: int = 5, warm: bool = True) -> dict[str, list[float]]:
+    """Per kernel name (its first 90 characters): [device microseconds per call, launches per call] over ``calls``
+    calls of ``fn`` under torch.profiler (after one more, unprofiled, with ``warm``), the longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if warm:
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, list[float]] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" or getattr(ev, "self_device_time_total", 0):
+            us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+            if us:
+                out[ev.key[:90]] = [round(us / calls, 1), round(ev.count / calls, 2)]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
 def back_to_back_us(fn: Callable[[], Any], n: int = 100, batches: int = 15) -> float:
     """Wall time per call of ``n`` back-to-back calls of ``fn`` with one sync at the end, in microseconds: the
     median over ``batches`` such runs."""

@@ -127,11 +127,40 @@ def _fake_training_step(q, k, v, g, beta, initial_state, A_log, dt_bias, output_
     return o, initial_state * 2
 
 
-def test_training_suite_is_prefills():
+def test_training_suite_is_prefills_then_research_shapes():
     names = [c.name for c in kt.suite()]
     assert names == list(kt.SUITE) and [c.name for c in kt.suite(quick=True)] == list(kt.QUICK)
     prefill = {c.name: c for c in kp.suite()}
-    assert all(c == prefill[c.name] for c in kt.suite())  # the same lengths and seeds
+    cfgs = kt.suite()
+    assert all(c == prefill[c.name] for c in cfgs[:len(kt.PREFILL_SHAPES)])  # the same lengths and seeds
+    research = cfgs[len(kt.PREFILL_SHAPES):]
+    assert [(c.B, c.T, c.H, c.HV) for c in research[:3]] == [(8, 4096, 16, 16), (4, 8192, 32, 32), (16, 2048, 32, 32)]
+    pack = research[3]
+    assert pack.mode == "varlen" and pack.N == 64 and pack.H == 32 and 64 <= min(pack.lens) <= max(pack.lens) <= 4096
+    assert pack.lens == kt.research_shapes()[3].lens and pack.T == sum(pack.lens)  # seeded: the same every run
+    grads = kt.output_grads(research[0], device="cpu")
+    assert grads[0].shape == (8, 4096, 16, kp.V) and grads[1].shape == (8, 16, kp.V, kp.K)
+
+
+def test_training_kernel_floors():
+    """``KERNEL_BYTES``: a kernel's floor by the phase that runs it (cula's intra kernel is the forward's or the
+    recompute's), the states per sequence; no floor for kernels it does not model; the markdown tables."""
+    cfg = kp.Config("varlen", 1, 300, (100, 200), "random", heads=(4, 4))
+    per_us = 1e6 / 1e12  # at 1 TB/s
+    intra = "kernel_cutlass_kernel_culaopskdasm90intra_kernelChunkKDAIntraFwdSm90_o"
+    fwd, bwd = (kt.kernel_floor_us(phase, intra, cfg, 1) for phase in ("forward", "backward"))
+    assert fwd == pytest.approx(2314 * 300 * 4 * per_us) and bwd == pytest.approx(2690 * 300 * 4 * per_us)
+    dhu = kt.kernel_floor_us("backward", "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", cfg, 1)
+    assert dhu == pytest.approx((2064 * 300 + 2 * 2 * 4 * kp.K * kp.V) * 4 * per_us)
+    assert kt.kernel_floor_us("both", "l2norm_fwd_kernel", cfg, 1) is not None
+    assert kt.kernel_floor_us("forward", "chunk_kda_bwd_kernel_dAv", cfg, 1) is None
+    assert kt.kernel_floor_us("forward", "void at::native::vectorized_elementwise_kernel", cfg, 1) is None
+    table = [{"phase": "backward", "kernel": "chunk_kda_bwd_kernel_dAv", "us": 10.0, "launches": 1, "floor_us": 5.0,
+              "floor_pct": 50.0},
+             {"phase": "forward", "kernel": "fill", "us": 1.0, "launches": 2, "floor_us": None, "floor_pct": None}]
+    md = kt.kernel_markdown([{"config": "c", "kernels": {"cula": table}}, {"config": "d"}])
+    assert "### c: cula (0.01 ms of kernels)" in md and "| backward | chunk_kda_bwd_kernel_dAv | 10.0 | 1 |" in md
+    assert kt.kernel_markdown([{"config": "d"}]) == ""
 
 
 def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
@@ -143,6 +172,9 @@ def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
     assert row["check"] == "ok" and row["max_rel_err"] == 0.0 and "errors" not in row
     assert row["rel_err"] == dict.fromkeys(["o", "ht", *(f"d{n}" for n in kt.GRAD_LEAVES)], 0.0)
     assert row["fla_ms"] > 0 and row["cula_ms"] > 0 and row["speedup"] > 0 and row["seq_lens"] == [40, 8]
+    assert (row["H"], row["HV"]) == (2, 2) and "kernels" not in row
+    # the forward / backward split is CUDA-graph time: none on the CPU
+    assert row["fla_fwd_graph_ms"] is None and row["cula_bwd_graph_ms"] is None
 
     def wrong_grads(**kw):  # right outputs, gradients 30% too large: the check must see the gradients too
         o, ht = _fake_training_step(**kw)

@@ -16,8 +16,9 @@ training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers a
 stall samples in $OUT/ncu_bwd_intra_source.csv).
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
 default B1-T4096 and B2-T16384): per path (FLA whole; cula with the H200 entry's backward stages; that with stage 5
-on cula's kernel too) the kernels of the forward and of the backward separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward
-of our own would replace first. Run through ``run.sh`` so FLA's backward starts from its cached autotune choices.
+on cula's kernel too) the kernels of the forward and of the backward separately, into
+$OUT/profile_kda_training.json: which of FLA's backward stages a backward of our own would replace first. Run
+through ``run.sh`` so FLA's backward starts from its cached autotune choices.
 ``--time-split [H:T:SEGMENT ...]`` profiles chunk_kda cut in time (default 4:16384:8192, 4:65536:4096,
 4:65536:2048, 8:65536:8192): per shape, serial and cut, each kernel's device time and launches, the benchmarks'
 host overhead (``measure_host_overhead``: event time, host time per call with the GPU idle, back-to-back time; a
@@ -35,7 +36,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-from common import bench, measure_host_overhead  # the benchmarks' helpers live beside their scripts
+from common import bench, kernel_stats, measure_host_overhead  # the benchmarks' helpers live beside their scripts
 
 H = HV = 64
 D = 128
@@ -54,25 +55,6 @@ def inputs(B: int, T: int) -> dict:
         A_log=torch.randn(HV, device="cuda") * 0.5, dt_bias=torch.randn(HV * D, device="cuda") * 0.5,
         initial_state=0.01 * torch.randn(B, HV, D, D, device="cuda"),
     )
-
-
-def kernel_stats(fn, calls: int = 5) -> dict[str, list[float]]:
-    """Per kernel name: [device microseconds per call, launches per call], the longest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, list[float]] = {}
-    for ev in prof.key_averages():
-        if ev.device_type.name == "CUDA" or getattr(ev, "self_device_time_total", 0):
-            us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
-            if us:
-                out[ev.key[:90]] = [round(us / calls, 1), round(ev.count / calls, 2)]
-    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
 
 
 def kernel_times(fn, calls: int = 5) -> dict[str, float]:
@@ -125,7 +107,7 @@ def profile_training(names: list[str]) -> None:
     from cula.kda import chunk_kda
     from cula.kda.plan import KDA_TUNING
 
-    by_name = {c.name: c for c in kp.suite()}
+    by_name = {c.name: c for c in kt.suite()}  # its research shapes too
     report = {}
     for name in names or ["B1-T4096", "B2-T16384"]:
         cfg = by_name[name]
