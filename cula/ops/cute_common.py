@@ -41,7 +41,7 @@ __all__ = [
     "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
     "box_load", "box_partition", "box_store", "chunk_rows", "column_decay", "cp_async_token_rows", "decay_columns",
     "gate_row_layout", "gemm_k_blocks", "load_column_decay", "load_token_scalars", "n_tile_accumulators",
-    "recurrence_pipeline",
+    "prefetch_token_rows", "recurrence_pipeline",
     "round_tf32", "state_box_atoms", "state_view",
     "token_cols", "token_rows", "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major",
     "vec_at",
@@ -136,6 +136,21 @@ def cp_async_token_rows(atom: cute.CopyAtom, tiles, tok0, valid, tidx, rows: int
                 cute.copy(atom, vec_at(src, (tok0 + t, head, col), unit, unit), vec_at(dst, (t, col), unit, unit))
             else:
                 vec_at(dst, (t, col), unit, unit).fill(0.0)
+
+
+@cute.jit
+def prefetch_token_rows(tiles, tok0, valid, tidx, rows: int = 64):
+    """Each ``(source (T, heads, width), head)`` tile's token rows ``tok0 + t`` (t < ``valid``) pulled into L2, thread
+    ``i`` taking row ``i % rows`` of tile ``i // rows`` (one ``prefetch.global.L2`` a 128-byte line): for rows a kernel
+    reads from global memory long after its start, so that the read then waits for L2, not DRAM."""
+    from cutlass.experimental.primitives.nvvm_wrapper import prefetch_l2
+
+    for i, (src, head) in enumerate(tiles):
+        t = tidx - rows * i
+        if t >= 0 and t < rows and t < valid:
+            per_line = 1024 // src.element_type.width  # elements a 128-byte line
+            for line in cutlass.range_constexpr(src.shape[2] // per_line):
+                prefetch_l2(vec_at(src, (tok0 + t, head, line * per_line), 16, 1).iterator)
 
 
 @cute.jit

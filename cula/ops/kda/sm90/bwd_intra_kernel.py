@@ -31,7 +31,8 @@ Layout (256 threads, 8 warps, one CTA per (chunk, value head), 104 KB of shared 
 phase  work
 =====  ======================================================================================================
 L      all threads: q, k (head hv // (HV/H)) bf16, g fp32, dAqk, dAkk fp32 (cp.async) and beta to padded shared
-       rows, zeros past the sequence end; CTA barrier
+       rows, zeros past the sequence end; the incoming dq, dk, dg rows (and g_raw) prefetched into L2 for the
+       epilogues; CTA barrier
 R      warp w: output sub-chunk i = w % 4, channel half w // 4. Row products (dq_intra, row) over key blocks
        j <= i, two accumulators [16 x 64] fed by one B operand (k times its factor, built in registers); then
        dq, and dk / dg with the row terms, to global memory, and the half's db partial to shared memory
@@ -80,8 +81,8 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    FIRST_NAMED_BARRIER, chunk_rows, cp_async_token_rows, load_token_scalars, n_tile_accumulators, round_tf32,
-    split_tf32, vec_at,
+    FIRST_NAMED_BARRIER, chunk_rows, cp_async_token_rows, load_token_scalars, n_tile_accumulators,
+    prefetch_token_rows, round_tf32, split_tf32, vec_at,
 )  # fmt: skip
 
 __all__ = ["ChunkKDABwdIntraSm90"]
@@ -247,6 +248,10 @@ class ChunkKDABwdIntraSm90:
             sGate = storage.sGate.get_tensor(cute.make_layout(2 * DK + 8))
 
             self._load(mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, tok0, h, hv, valid, tidx)
+            # the incoming gradients, read from global memory only in the epilogues (and g_raw in phase D): to L2 now
+            prefetch_token_rows(((mDq, hv), (mDk, hv), (mDg, hv)), tok0, valid, tidx)
+            if const_expr(self.gate is not None):
+                prefetch_token_rows(((mGRaw, hv),), tok0, valid, tidx - 192)
             cute.arch.barrier()
 
             tiled = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
