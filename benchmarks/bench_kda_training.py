@@ -27,8 +27,9 @@ the backward, the backward's workspace, the gradients). With ``--kernels`` one m
 (torch.profiler), its forward and backward apart: every kernel's device time, launches and, where ``KERNEL_BYTES``
 has a byte model for it, its percent of its byte floor (in the JSON rows and a table per config in the markdown).
 
-Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--kernels] [--bwd-dhu]
-[--bwd-wy-dqkg] [--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]] [--bwd-recompute-intra]
+Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--kernels] [--bwd-dhu
+[--bwd-dv-dhu]] [--bwd-wy-dqkg] [--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]]
+[--bwd-recompute-intra]
 [--also NAME=FLAG[,FLAG...] ...]``: ``--also`` times cula's side again with more stages on, in the same process
 (FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``;
 ``disable_recompute`` among the flags calls cula's side with that argument (peak memory beside the time).
@@ -354,8 +355,8 @@ def _stages_on(stages):
     return KDA_TUNING.override((9, 0), **dict.fromkeys(stages, True)) if stages else contextlib.nullcontext()
 
 
-_STAGE_FLAGS = ("bwd_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
-                "bwd_recompute_intra")  # fmt: skip
+_STAGE_FLAGS = ("bwd_dhu", "bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
+                "bwd_intra_l2norm", "bwd_recompute_intra")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)
@@ -383,6 +384,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bwd-dhu", action="store_true",
                    help="cula's side with stage 5 of the backward on cula's kernel (KdaTuning.bwd_dhu), whatever "
                         "the tuning entry says; results as kda_training_bwd_dhu")  # fmt: skip
+    p.add_argument("--bwd-dv-dhu", action="store_true",
+                   help="with --bwd-dhu: stage 4 in stage 5's launch too (KdaTuning.bwd_dv_dhu)")
     p.add_argument("--bwd-wy-dqkg", action="store_true",
                    help="cula's side with stage 6 of the backward on cula's kernel (KdaTuning.bwd_wy_dqkg), whatever "
                         "the tuning entry says; results as kda_training_bwd_wy_dqkg")  # fmt: skip

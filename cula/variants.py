@@ -122,9 +122,9 @@ def _kda_intra_variants(d: dict, **flags) -> None:
 
 def _kda_training(scope: str) -> None:
     """The stages of ``chunk_kda``'s backward that run on cula's kernels where ``KDA_TUNING``'s entry turns them on
-    (``cula.kda.fla_backward``): stage 5 (the state-gradient recurrence), 6 (the state-term and WY gradients), 7
-    (the intra-score gradients, with stage 8 on chip where the entry says so). beta reaches them after the glue's
-    sigmoid (fp32) or as given."""
+    (``cula.kda.fla_backward``): stage 5 (the state-gradient recurrence, with stage 4 where the entry says so), 6
+    (the state-term and WY gradients), 7 (the intra-score gradients, with stage 8 on chip where the entry says so).
+    beta reaches them after the glue's sigmoid (fp32) or as given."""
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg
@@ -134,10 +134,10 @@ def _kda_training(scope: str) -> None:
     if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, T read
         _kda_intra_variants(d, g_cum_last_only=False, given_t=True)
     for dt, varlen in itertools.product(d["io"], _B):
-        if entry.bwd_dhu:
-            for dht, dh0, svf in itertools.product(_B, _B, _B):
+        if entry.bwd_dhu:  # with stage 4 in the launch where the entry says so (fla_backward._stage4_fused)
+            for dht, dh0, svf, dv_intra in itertools.product(_B, _B, _B, _B if entry.bwd_dv_dhu else (False,)):
                 bwd_dhu.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_dht=dht, has_dh0=dh0,
-                                         state_v_first=svf)  # fmt: skip
+                                         state_v_first=svf, dv_intra=dv_intra)  # fmt: skip
         for b_dt in d["beta"]:
             if entry.bwd_wy_dqkg:
                 for svf in _B:

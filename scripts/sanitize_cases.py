@@ -227,6 +227,16 @@ def kda_training_bwd_dhu():
 
 
 @case
+def kda_training_bwd_dv_dhu():
+    # stages 4 and 5 in one launch of cula's stage-5 kernel (KdaTuning.bwd_dv_dhu): fixed and packed, both layouts
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(bwd_dhu=True, bwd_dv_dhu=True):
+        _kda_chunk(2, 130, 1, 2, grad=True, v_first=True)
+        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
+
+
+@case
 def kda_training_bwd_intra():
     # autograd on with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), fixed and packed (empty,
     # one-token and partial sub-chunks), GVA

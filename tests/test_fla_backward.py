@@ -73,6 +73,43 @@ def test_stage5_off_the_gpu_is_flas_function(monkeypatch, kda_tuning, on):
     assert seen == [args]
 
 
+def test_stage4_left_to_stage5(monkeypatch, kda_tuning):
+    """``KdaTuning.bwd_dv_dhu``: the rebound body's stage 4 hands its call on as dv (``_Stage4Left``) with a dAqk
+    buffer; a stage 5 that does not take the call (here: CPU tensors) runs FLA's stage 4 first, fills that buffer
+    and passes FLA's dv on. chunk_kda_bwd leaves stage 4 to stage 5 only on the GPU, with the entry's flags, for
+    gates cula's intra kernel takes (its Aqk is zero above the diagonal)."""
+    from fla.ops.common import chunk_delta_h
+
+    from cula.kda.plan import KDA_TUNING
+
+    rebound = fla_backward._fla_chunk_kda_bwd(False, False, False, True).__globals__
+    assert rebound["chunk_kda_bwd_dAv"] is fla_backward._bwd_dAv
+    assert fla_backward._fla_chunk_kda_bwd().__globals__["chunk_kda_bwd_dAv"] is chunk_bwd.chunk_kda_bwd_dAv
+    t = torch.zeros(1, 64, 2, 128)
+    stage4 = dict(q=t, k=t, v=t, do=t, A=t[..., :64], scale=0.5, cu_seqlens=None, chunk_size=64, chunk_indices=None,
+                  use_graph=False)  # fmt: skip
+    dAqk, left = fla_backward._bwd_dAv(**stage4)
+    assert isinstance(left, fla_backward._Stage4Left) and dAqk.shape == (1, 64, 2, 64) and left.dAqk is dAqk
+    seen = []
+    ones = torch.ones(1, 64, 2, 64)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dAv", lambda **kw: seen.append(kw) or (ones, "dv"))
+    monkeypatch.setattr(chunk_delta_h, "chunk_gated_delta_rule_bwd_dhu", lambda **kw: kw["dv"])
+    kda_tuning(bwd_dhu=True, bwd_dv_dhu=True)
+    assert fla_backward._bwd_dhu(q=t, k=t, w=t, do=t, dv=left, gk=t) == "dv"
+    assert seen == [stage4] and torch.equal(dAqk, ones)
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    gate = dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0)
+    assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))  # CPU tensors
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
+    assert fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))
+    assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate, use_graph=True))
+    assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64].float(), **gate))
+    assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **dict(gate, lower_bound=None)))
+    kda_tuning(bwd_dhu=False, bwd_dv_dhu=True)
+    assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))
+
+
 def test_stage7_not_ours_is_flas_function(monkeypatch):
     """Stage 7 not on cula's kernel takes FLA's chunk_kda_bwd_intra with every argument passed on."""
     from fla.ops.kda import chunk_intra
@@ -105,7 +142,7 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
     )
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
-        assert calls[-1] == (False, False, False), kw  # CPU tensors
+        assert calls[-1] == (False, False, False, False), kw  # CPU tensors
     from cula.kda.plan import KDA_TUNING
 
     # as if on an SM90 GPU: the device's entry is the H200's, and a stage is on where it says so
@@ -113,7 +150,7 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
     monkeypatch.setattr(fla_backward, "_stage_on", lambda flag, *a: getattr(KDA_TUNING.get((9, 0)), flag))
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
-        assert calls[-1] == (on and exact, on and exact, False), kw
+        assert calls[-1] == (on and exact, on and exact, False, False), kw  # stage 4: FLA's off the GPU
 
 
 def test_stage7_fuses_the_gate_and_the_l2_norm_where_the_tuning_says(monkeypatch, kda_tuning):
@@ -147,7 +184,8 @@ def test_stage7_fuses_the_gate_and_the_l2_norm_where_the_tuning_says(monkeypatch
         kda_tuning(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=fuse_gate, bwd_intra_l2norm=fuse_l2)
         dq, dk, *_ = fla_backward.chunk_kda_bwd(qk_rstd=rstd, q=q, k=q, v=v, **kw)
         flags, call = seen[-1]
-        assert (flags, call.gate is not None, call.qk_rstd is not None) == want, (fuse_gate, fuse_l2, kw.keys())
+        assert (flags[:3], call.gate is not None, call.qk_rstd is not None) == want, (fuse_gate, fuse_l2, kw.keys())
+        assert flags[3] is False  # stage 4 stays FLA's off the GPU
         assert (dq, dk) == (("dq", "dk") if want[2] else (("l2", "dq"), ("l2", "dk")))
     assert fla_backward._STAGE7_CALL.get() is None
 
@@ -251,13 +289,14 @@ def _step(fn, leaves, cotangents, **kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "stage", ["bwd_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_wy_dqkg",
-              "bwd_recompute_intra"],
+    "stage", ["bwd_dhu", "bwd_dv_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
+              "bwd_wy_dqkg", "bwd_recompute_intra"],
 )
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with one
-    ``KdaTuning`` stage flag off and on (the rest as the H200's entry has them): stage 5 (``bwd_dhu``), 6
+    ``KdaTuning`` stage flag off and on (the rest as the H200's entry has them): stage 5 (``bwd_dhu``; with
+    ``bwd_dv_dhu`` both flags, stages 4 and 5 in one launch), 6
     (``bwd_wy_dqkg``) or 7 (``bwd_intra``) on cula's kernel, or stage 8, 9 or the L2 norm's backward fused into
     stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``, ``bwd_intra_l2norm``), or the recompute prefix on cula's
     intra kernel (``bwd_recompute_intra``): every gradient within FLA's tolerances of the other, none NaN."""
@@ -274,8 +313,9 @@ def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
         cu = torch.tensor([0, 300, 301, 301, 501], dtype=torch.int32, device="cuda")
         kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
     grads = {}
+    flags = ("bwd_dhu", "bwd_dv_dhu") if stage == "bwd_dv_dhu" else (stage,)
     for on in (False, True):
-        kda_tuning(**{stage: on})
+        kda_tuning(**dict.fromkeys(flags, on))
         grads[on] = _step(chunk_kda, leaves, cotangents, **kw)[2]
     for n in leaves:
         assert not grads[True][n].isnan().any(), n

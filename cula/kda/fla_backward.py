@@ -191,24 +191,62 @@ def _stage_on(flag: str, q, K, V, chunk_size) -> bool:
     return _ours(on or None, q, K, V, chunk_size)
 
 
+@dataclasses.dataclass
+class _Stage4Left:
+    """Stage 4's call (FLA's ``chunk_kda_bwd_dAv``) left for stage 5's launch (``KdaTuning.bwd_dv_dhu``): the rebound
+    body hands it on as ``dv``; ``dAqk`` is the tensor it already returned as stage 4's, which that launch fills."""
+
+    kwargs: dict
+    dAqk: torch.Tensor
+
+    def run_fla(self) -> torch.Tensor:
+        """FLA's stage 4 after all (stage 5 did not take the call): ``dAqk`` filled, ``dv`` returned."""
+        from fla.ops.kda import chunk_bwd
+
+        dA, dv = chunk_bwd.chunk_kda_bwd_dAv(**self.kwargs)
+        self.dAqk.copy_(dA)
+        return dv
+
+
+def _bwd_dAv(q, k, v, do, A=None, scale=None, cu_seqlens=None, chunk_size=64, chunk_indices=None, use_graph=False):
+    """FLA's ``chunk_kda_bwd_dAv`` (stage 4) where stage 5's launch does it (``_fla_chunk_kda_bwd``'s
+    ``stage4_fused``): ``(dAqk, dv)`` with ``dAqk`` still to be written and ``dv`` the call, for ``_bwd_dhu``."""
+    kwargs = dict(q=q, k=k, v=v, do=do, A=A, scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                  chunk_indices=chunk_indices, use_graph=use_graph)  # fmt: skip
+    dAqk = torch.empty(*do.shape[:3], chunk_size, dtype=torch.float32, device=do.device)
+    return dAqk, _Stage4Left(kwargs, dAqk)
+
+
+def _dhu_ours(q, w, do, g, gk, chunk_size, use_graph) -> bool:
+    """Whether stage 5 runs on cula's kernel: the tuning entry says so (``KdaTuning.bwd_dhu``), ``_stage_on``'s
+    conditions hold and the call is one the kernel covers (the per-channel gate alone, bf16 / fp16, per-value-head
+    q, not FLA's graph mode: the kernel walks FLA's exact chunk list)."""
+    ours = not use_graph and _stage_on("bwd_dhu", q, q.shape[-1], do.shape[-1], chunk_size)
+    return ours and g is None and gk is not None and q.dtype in (torch.bfloat16, torch.float16) and q.shape == w.shape
+
+
 def _bwd_dhu(
     q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale=None, state_v_first=False, cu_seqlens=None,
     chunk_size=64, chunk_indices=None, chunk_offsets=None, use_graph=False,
 ):  # fmt: skip
     """FLA's ``chunk_gated_delta_rule_bwd_dhu`` (stage 5) with its arguments and returns, on cula's kernel
-    (``cula.ops.kda.sm90.bwd_dhu``) where the tuning entry says so (``KdaTuning.bwd_dhu``) and the call is one it
-    covers (the per-channel gate alone, bf16 / fp16, per-value-head q, not FLA's graph mode: the kernel walks
-    FLA's exact chunk list); FLA's own function elsewhere."""
+    (``cula.ops.kda.sm90.bwd_dhu``) where ``_dhu_ours`` says so, with stage 4 in the same launch where ``dv`` is
+    its call (``_Stage4Left``); FLA's own function elsewhere (after FLA's stage 4 where that was left to it)."""
     from fla.ops.common import chunk_delta_h
 
-    ours = not use_graph and _stage_on("bwd_dhu", q, q.shape[-1], do.shape[-1], chunk_size)
-    if ours and g is None and gk is not None and q.dtype in (torch.bfloat16, torch.float16) and q.shape == w.shape:
-        from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90
+    if _dhu_ours(q, w, do, g, gk, chunk_size, use_graph):
+        from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90, chunk_kda_bwd_dv_dhu_sm90
 
-        return chunk_kda_bwd_dhu_sm90(
-            q, k, w, do, dv, gk, h0=h0, dht=None if dht is None else dht.contiguous(), scale=scale,
-            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices,
-        )  # fmt: skip
+        dht = None if dht is None else dht.contiguous()
+        common = dict(h0=h0, dht=dht, scale=scale, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                      chunk_size=chunk_size, chunk_indices=chunk_indices)  # fmt: skip
+        if isinstance(dv, _Stage4Left):
+            left = dv.kwargs
+            _, dh, dh0, dv2 = chunk_kda_bwd_dv_dhu_sm90(q, k, w, do, left["A"], left["v"], gk, dAqk=dv.dAqk, **common)
+            return dh, dh0, dv2
+        return chunk_kda_bwd_dhu_sm90(q, k, w, do, dv, gk, **common)
+    if isinstance(dv, _Stage4Left):
+        dv = dv.run_fla()
     return chunk_delta_h.chunk_gated_delta_rule_bwd_dhu(
         q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, h0=h0, dht=dht, scale=scale, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
@@ -292,10 +330,11 @@ def _stage7_ours(q, v, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -
 
 
 @functools.cache
-def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False, stage9_fused: bool = False):
+def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False, stage9_fused: bool = False,
+                       stage4_fused: bool = False):  # fmt: skip
     """FLA's ``chunk_kda_bwd`` function body over its module's globals with stages 5, 6 and 7 rebound to ours
     (``stage7_ours``: stage 7 on cula's kernel; ``stage8_fused``: which also does stage 8; ``stage9_fused``: and
-    stage 9, the gate's backward)."""
+    stage 9, the gate's backward; ``stage4_fused``: stage 4 left to stage 5's launch)."""
     from fla.ops.kda import chunk_bwd
 
     fn = chunk_bwd.chunk_kda_bwd
@@ -303,6 +342,8 @@ def _fla_chunk_kda_bwd(stage7_ours: bool = False, stage8_fused: bool = False, st
         "chunk_kda_bwd_wy_dqkg_fused": _wy_dqkg_fused, "chunk_gated_delta_rule_bwd_dhu": _bwd_dhu,
         "chunk_kda_bwd_intra": functools.partial(_bwd_intra, ours=stage7_ours, cumsum=stage8_fused),
     }  # fmt: skip
+    if stage4_fused:
+        ours["chunk_kda_bwd_dAv"] = _bwd_dAv
     if stage8_fused:
         ours["chunk_local_cumsum"] = _reverse_cumsum_done
     if stage9_fused:
@@ -379,6 +420,22 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
     return (ours, cumsum, call.gate is not None), call
 
 
+def _stage4_fused(kwargs: dict) -> bool:
+    """Whether stage 4 is left to stage 5's launch (``_bwd_dAv``): the tuning entry says so (``KdaTuning.bwd_dhu``
+    and ``bwd_dv_dhu``), not FLA's graph mode, and the forward's Aqk is cula's intra kernel's (the call's gates are
+    ones it takes, ``cula.kda.plan.use_cula_intra``; zero above the diagonal) in q's dtype. Stage 5's own conditions
+    are checked at its call, which runs FLA's stage 4 first where they fail."""
+    from cula.kda.plan import KDA_TUNING, use_cula_intra
+
+    q, v, Aqk = kwargs["q"], kwargs["v"], kwargs.get("Aqk")
+    if not q.is_cuda or kwargs.get("use_graph") or Aqk is None or Aqk.dtype != q.dtype:
+        return False
+    entry = KDA_TUNING.for_device(q.device)
+    return entry.bwd_dhu and entry.bwd_dv_dhu and use_cula_intra(
+        q, v, kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False), kwargs.get("lower_bound")
+    )
+
+
 def chunk_kda_bwd(qk_rstd: tuple | None = None, **kwargs):
     """FLA 0.6.0's ``chunk_kda_bwd`` (same keywords and returns: ``(dq, dk, dv, db, dg, dh0, dA_log, ddt_bias)``),
     its stage 6 launched at ``wy_dqkg_launch``, stages 5, 6 and 7 on cula's kernels where the tuning says so (module
@@ -388,7 +445,7 @@ def chunk_kda_bwd(qk_rstd: tuple | None = None, **kwargs):
     flags, call = _stage7_plan(kwargs, qk_rstd)
     token = _STAGE7_CALL.set(call)
     try:
-        dq, dk, *rest = _fla_chunk_kda_bwd(*flags)(**kwargs)
+        dq, dk, *rest = _fla_chunk_kda_bwd(*flags, _stage4_fused(kwargs))(**kwargs)
     finally:
         _STAGE7_CALL.reset(token)
     if qk_rstd is not None and call.qk_rstd is None:

@@ -75,6 +75,9 @@ class KdaTuning:
     # training: stage 5 of FLA's backward (chunk_gated_delta_rule_bwd_dhu, the state-gradient recurrence) on cula's
     # kernel (cula.ops.kda.sm90.bwd_dhu) instead of FLA's
     bwd_dhu: bool = False
+    # ... with stage 4 (chunk_kda_bwd_dAv: dAqk and dv from do, v_new and the forward's Aqk) in the same launch, where
+    # the forward's intra kernel ran (its Aqk is zero above the diagonal)
+    bwd_dv_dhu: bool = False
     # training: stage 7 (chunk_kda_bwd_intra, the gradients through the intra-chunk scores) on cula's kernel
     # (cula.ops.kda.sm90.bwd_intra) where the forward's intra kernel ran
     bwd_intra: bool = False

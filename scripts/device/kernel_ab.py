@@ -103,9 +103,23 @@ def _intra_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = None
     )  # fmt: skip
 
 
+def _dhu_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | None = None):
+    """Stage 5's inputs (``chunk_kda_bwd_dhu_sm90``), random but finite, with dht in and dh0 out."""
+    wy = _wy_inputs(B, T, HV, state_v_first, lens)
+    N = B if lens is None else len(lens)
+    dht = 0.1 * torch.randn(N, HV, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    extra = {n: wy[n] for n in ("cu_seqlens", "chunk_indices") if n in wy}
+    return dict(q=wy["q"], k=wy["k"], w=wy["v"], do=wy["do"], dv=wy["dv"], gk=wy["g"], h0=dht, dht=dht, scale=0.088,
+                state_v_first=state_v_first, **extra)  # fmt: skip
+
+
+_DHU = ("cula.ops.kda.sm90.bwd_dhu", "chunk_kda_bwd_dhu_sm90")
 _WY = ("cula.ops.kda.sm90.bwd_wy_dqkg", "chunk_kda_bwd_wy_dqkg_sm90")
 _INTRA = ("cula.ops.kda.sm90.bwd_intra", "chunk_kda_bwd_intra_sm90")
 CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
+    # stage 5 at the training benchmark's largest shape, and packed (empty, length-1 and partial sequences)
+    "bwd_dhu-B2-T16384-vk": (_DHU, lambda: _dhu_inputs(2, 16384, 64, True)),
+    "bwd_dhu-packed-kv": (_DHU, lambda: _dhu_inputs(1, 20000, 8, False, [1, 8000, 63, 0, 11806, 130])),
     # stage 6 at the training benchmark's largest shape, both state layouts
     "bwd_wy_dqkg-B2-T16384-vk": (_WY, lambda: _wy_inputs(2, 16384, 64, True)),
     "bwd_wy_dqkg-B2-T16384-kv": (_WY, lambda: _wy_inputs(2, 16384, 64, False)),

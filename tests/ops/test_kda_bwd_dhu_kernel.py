@@ -5,7 +5,9 @@ CPU: every variant traces and compiles for sm_90a with WGMMA, TMA and register r
 serialisation; the launcher rejects bad shapes before any launch. GPU (``-m gpu``): ``dh``, ``dh0`` and ``dv2``
 against FLA 0.6.0's ``chunk_gated_delta_rule_bwd_dhu`` on the same inputs and against the float64 contract
 (``cula.kda.naive_bwd.chunk_kda_bwd_dhu_reference``), fixed and packed (empty and length-1 sequences, odd lengths),
-both state layouts, with and without ``dht`` and ``h0``; NaN-poisoned outputs.
+both state layouts, with and without ``dht`` and ``h0``; NaN-poisoned outputs. The variant with stage 4 in the
+same launch (``dv_intra``, ``chunk_kda_bwd_dv_dhu_sm90``): ``dAqk``, ``dh``, ``dh0`` and ``dv2`` against FLA's
+``chunk_kda_bwd_dAv`` then its stage 5, and against float64, on the same cases.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ _VARIANTS = [
     for vl in (False, True)
     for s in (False, True)
     for vf in (False, True)
-] + [{"dtype": "Float16", "varlen": True, "has_dht": True, "has_dh0": False, "state_v_first": False}]
+] + [{"dtype": "Float16", "varlen": True, "has_dht": True, "has_dh0": False, "state_v_first": False}] + [
+    {"dtype": dt, "varlen": vl, "has_dht": True, "has_dh0": True, "state_v_first": vf, "dv_intra": True}
+    for dt, vl, vf in (("BFloat16", False, True), ("BFloat16", True, False), ("Float16", True, True))
+]
 
 _COMPILE_SCRIPT = dump_script(
     "from cula.ops.kda.sm90 import bwd_dhu_kernel as M",
-    'M._compile(v["dtype"], v["varlen"], v["has_dht"], v["has_dh0"], v["state_v_first"], extra_options=opts)',
+    'M._compile(v["dtype"], v["varlen"], v["has_dht"], v["has_dh0"], v["state_v_first"], extra_options=opts, '
+    'dv_intra=v.get("dv_intra", False))',
 )
 
 
@@ -37,7 +43,9 @@ def compiled_variants(tmp_path_factory):
 
 @pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=["-".join(map(str, v.values())) for v in _VARIANTS])
 def test_variant_compiles_sm90a(compiled_variants, idx):
-    assert_wgmma_kernel(compiled_variants[idx])
+    # stage 4's two products and their operands leave a few registers short in some variants (12 bytes with
+    # varlen and [V, K] states)
+    assert_wgmma_kernel(compiled_variants[idx], spill_bytes=16 if _VARIANTS[idx].get("dv_intra") else 0)
 
 
 def test_launcher_validates_shapes():
@@ -56,6 +64,19 @@ def test_launcher_validates_shapes():
         run(*(t.expand(2, T, HV, 128).contiguous() for t in (x, x, x, x, x, g)), cu_seqlens=make_cu_seqlens([50, 50]))
     with pytest.raises(ValueError, match="chunk_size"):
         run(x, x, x, x, x, g, chunk_size=32)
+
+
+def test_stage4_launcher_validates_shapes():
+    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dv_dhu_sm90 as run
+
+    x, g = torch.zeros(1, 100, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 100, 2, 128)
+    aqk = torch.zeros(1, 100, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Aqk"):
+        run(x, x, x, x, aqk.float(), x, g)
+    with pytest.raises(ValueError, match="v_new"):
+        run(x, x, x, x, aqk, x[:, :99], g)
+    with pytest.raises(ValueError, match="dAqk"):
+        run(x, x, x, x, aqk, x, g, dAqk=torch.zeros(1, 100, 2, 32))
 
 
 def test_no_tokens_passes_dht_through():
@@ -113,3 +134,70 @@ def test_dhu_vs_fla_and_f64_cuda(lens, B, state_v_first, with_dht):
         assert_close(f"{name} vs FLA", theirs.float().cpu(), ours.float().cpu(), 5e-3)
         assert_close(f"{name} vs f64", exact.float(), ours.float().cpu(), 8e-3)
         assert_close(f"FLA's {name} vs f64", exact.float(), theirs.float().cpu(), 8e-3)
+
+
+def _stage4_case(case, seed=1):
+    """Stage 4's inputs beside ``_case``'s: v_new, and the forward's Aqk as cula's intra kernel leaves it (scaled,
+    zero above the diagonal of every chunk; rows past a sequence's end are the next sequence's)."""
+    torch.manual_seed(seed)
+    B, T, HV, D = case["do"].shape
+    v_new = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+    aqk = torch.randn(B, T, HV, 64, device="cuda") * 0.1
+    bounds = [0, T] if case["cu_seqlens"] is None else case["cu_seqlens"].tolist()
+    col = torch.arange(64, device="cuda")
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c0 in range(bos, eos, 64):
+            row = torch.arange(c0, min(c0 + 64, eos), device="cuda") - c0
+            aqk[:, c0 : c0 + len(row)] *= (col[None, :] <= row[:, None]).float()[None, :, None, :]
+    return v_new, aqk.bfloat16()
+
+
+def _stage4_f64(do, v_new, aqk, scale, bounds):
+    """FLA's stage 4 in float64 on the CPU: ``(dAqk, dv)`` per chunk of every sequence."""
+    do, v_new, aqk = (t.double().cpu() for t in (do, v_new, aqk))
+    dA, dv = torch.zeros(*do.shape[:3], 64, dtype=torch.float64), torch.zeros_like(do)
+    for bos, eos in zip(bounds[:-1], bounds[1:]):
+        for c0 in range(bos, eos, 64):
+            c1 = min(c0 + 64, eos)
+            n = c1 - c0
+            a = aqk[:, c0:c1, :, :n].tril().permute(0, 2, 1, 3)  # (B, HV, t, s), s <= t
+            o, vn = do[:, c0:c1].permute(0, 2, 1, 3), v_new[:, c0:c1].permute(0, 2, 1, 3)
+            dA[:, c0:c1, :, :n] = (scale * (o @ vn.transpose(-1, -2))).tril().permute(0, 2, 1, 3)
+            dv[:, c0:c1] = (a.transpose(-1, -2) @ o).permute(0, 2, 1, 3)
+    return dA, dv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_dht", [False, True], ids=["no-dht", "dht"])
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("lens,B", [(None, 2), ([300, 0, 1, 129, 64, 7], 1)], ids=["fixed", "packed"])
+def test_dv_dhu_vs_fla_and_f64_cuda(lens, B, state_v_first, with_dht):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
+
+    from cula.kda.naive_bwd import chunk_kda_bwd_dhu_reference
+    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dv_dhu_sm90
+    from cula.testing import poisoned_allocations
+
+    case = _case(lens, B, 3, state_v_first, with_dht)
+    v_new, aqk = _stage4_case(case)
+    stage5 = {n: t for n, t in case.items() if n != "dv"}
+    with poisoned_allocations():
+        dA, dh, dh0, dv2 = chunk_kda_bwd_dv_dhu_sm90(do=case["do"], Aqk=aqk, v_new=v_new,
+                                                     **{n: t for n, t in stage5.items() if n != "do"})  # fmt: skip
+    fla_dA, fla_dv = chunk_kda_bwd_dAv(q=case["q"], k=case["k"], v=v_new, do=case["do"], A=aqk, scale=case["scale"],
+                                       cu_seqlens=case["cu_seqlens"], chunk_size=64)  # fmt: skip
+    fla = chunk_gated_delta_rule_bwd_dhu(**stage5, dv=fla_dv, chunk_size=64)
+    torch.cuda.synchronize()
+    T = case["do"].shape[1]
+    bounds = [0, T] if case["cu_seqlens"] is None else case["cu_seqlens"].tolist()
+    exact_dA, exact_dv = _stage4_f64(case["do"], v_new, aqk, case["scale"], bounds)
+    cpu = {n: (t.cpu() if torch.is_tensor(t) else t) for n, t in stage5.items()}
+    ref = chunk_kda_bwd_dhu_reference(**cpu, dv=exact_dv)
+    for name, ours, theirs, exact in zip(("dAqk", "dh", "dh0", "dv2"), (dA, dh, dh0, dv2), (fla_dA, *fla),
+                                         (exact_dA, *ref)):  # fmt: skip
+        assert not ours.isnan().any(), name
+        assert_close(f"{name} vs FLA", theirs.float().cpu(), ours.float().cpu(), 5e-3)
+        assert_close(f"{name} vs f64", exact.float(), ours.float().cpu(), 8e-3)

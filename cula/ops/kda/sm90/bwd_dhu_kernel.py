@@ -13,6 +13,13 @@ passes (``qg = q exp2(g)``, ``kg = k exp2(g_last - g)``, ``w``, the chunk-local 
 ``do`` and stage 4's ``dv``. The rounding points are FLA's (bf16 ``dS`` for ``dh`` and the kg product, bf16 ``dv2``
 for the w product), so results match FLA's kernel to fp32 summation order.
 
+With ``dv_intra`` the kernel also does stage 4 (FLA's ``chunk_kda_bwd_dAv``): instead of reading ``dv`` it reads
+the forward's ``Aqk`` (scaled, zero above the diagonal, as cula's intra kernel writes it) and ``v_new``, and per
+chunk::
+
+    dv      = Aqk^T @ do                                      # added to kg @ bf16(dS) in fp32 (FLA: bf16 dv)
+    dAqk    = scale * (do @ v_new^T) on t >= s, 0 above       # [BT, BT] fp32 out, rows past the end unwritten
+
 Layout in the kernel: ``dS^T`` fp32 ``[V, K]`` is the accumulator of two consumer warpgroups (64 V rows each), as
 the forward state kernel keeps ``S^T``::
 
@@ -21,8 +28,16 @@ the forward state kernel keeps ``S^T``::
     GEMM3  dS^T += do^T . qg                M=V N=K  K=BT  A registers (do^T, rows past the sequence end
                                                            zeroed), B = qg tile MN-major
 
+and with ``dv_intra``::
+
+    GEMM0  dv2^T += do^T . Aqk              M=V N=BT K=BT  A registers (do^T, as GEMM3), B = Aqk tile MN-major
+    GEMM4  dAqk  = do . v_new^T             M=BT N=BT K=V  A = the do tile read K-major (the same bytes as its
+                                                           M-major view), B = v_new tile K-major; N split
+                                                           over the two warpgroups
+
 A partial chunk's tiles hold the next sequence's tokens (or the next batch row's) past ``valid``: both products
-over tokens take their A operand from registers so those rows can be zeroed (dv2 for GEMM2, do for GEMM3).
+over tokens take their A operand from registers so those rows can be zeroed (dv2 for GEMM2, do for GEMM3 and
+GEMM0); GEMM4's rows past the end are not stored and its columns past the end are above the diagonal.
 
 ``scale`` multiplies GEMM3's product alone: the state is divided by it before GEMM3 and multiplied after (fp32,
 an ulp each), which keeps one accumulator. ``dh`` and ``dv2`` leave by direct stores.
@@ -32,21 +47,25 @@ Warp roles (384 threads, ``min_blocks_per_mp=1``):
 =========  =========  =====================================================================================
 warps      registers  role
 =========  =========  =====================================================================================
-0          40         ``_load_chunks``, the TMA producer: per chunk (last first) kg, w, qg, do, dv and the
-                      chunk's last g row
+0          40         ``_load_chunks``, the TMA producer: per chunk (last first) kg, w, qg, do, dv (with
+                      ``dv_intra``: v_new and Aqk) and the chunk's last g row
 1-3        40         idle
-4-11       232        ``_recurrence``, two consumer warpgroups: dh store, GEMM1, dv2, decay, GEMM2, GEMM3
+4-11       232        ``_recurrence``, two consumer warpgroups: dh store, GEMM1 (+ GEMM0), GEMM4, dv2, decay,
+                      GEMM2, GEMM3, dAqk store
 =========  =========  =====================================================================================
 
-One ``PipelineTmaAsync`` of ``num_stages`` slots (2, 80.5 KB each); the two consumer warpgroups never meet.
+One ``PipelineTmaAsync`` of ``num_stages`` slots (2, 80.5 KB each; 88.5 KB with ``dv_intra``); the two consumer
+warpgroups never meet.
 """
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
@@ -64,14 +83,14 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
     """KDA state-gradient recurrence (``chunk_gated_delta_rule_bwd_dhu`` with the per-channel gate), sm_90a.
 
     Static configuration: element dtype of qg/kg/w/do/dv (and of the dh / dv2 outputs), K = V = 128, chunk size
-    64, pipeline depth, and four trace flags (varlen, final-state gradient in, initial-state gradient out, state
-    layout). Token, head and sequence counts are runtime values.
+    64, pipeline depth, and five trace flags (varlen, final-state gradient in, initial-state gradient out, state
+    layout, ``dv_intra``: stage 4 in the same launch). Token, head and sequence counts are runtime values.
     """
 
     arch = 90
 
     def __init__(self, dtype=BFloat16, num_stages: int = 2, varlen: bool = False, has_dht: bool = False,
-                 has_dh0: bool = False, state_v_first: bool = False):  # fmt: skip
+                 has_dh0: bool = False, state_v_first: bool = False, dv_intra: bool = False):  # fmt: skip
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype = dtype
@@ -81,7 +100,10 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         self.has_dht = has_dht
         self.has_dh0 = has_dh0
         self.state_v_first = state_v_first
-        self._set_stages(num_stages, 5 * self.bt * self.dk * (dtype.width // 8) + self.dk * 4)
+        self.dv_intra = dv_intra
+        tile = self.bt * self.dk * (dtype.width // 8)
+        aqk = self.bt * self.bt * (dtype.width // 8) if dv_intra else 0
+        self._set_stages(num_stages, 5 * tile + aqk + self.dk * 4)
 
     @cute.jit
     def __call__(
@@ -91,8 +113,11 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         mW: cute.Tensor,  # (T_total, HV, K)  dtype
         mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate
         mDo: cute.Tensor,  # (T_total, HV, V)  dtype
-        mDv: cute.Tensor,  # (T_total, HV, V)  dtype, stage 4's dv
+        mDv: cute.Tensor,  # (T_total, HV, V)  dtype, stage 4's dv; unread with dv_intra
+        mAqk: cute.Tensor,  # (T_total, HV, BT)  dtype, the forward's Aqk; unread unless dv_intra
+        mVn: cute.Tensor,  # (T_total, HV, V)  dtype, v_new; unread unless dv_intra
         mDv2: cute.Tensor,  # (T_total, HV, V)  dtype, output
+        mDAqk: cute.Tensor,  # (T_total, HV, BT)  fp32, output with dv_intra
         mDh: cute.Tensor,  # (NT_total, HV, K, V) or (NT_total, HV, V, K) dtype, output
         mDht: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32; unread unless has_dht
         mDh0: cute.Tensor,  # same layout as mDht; unwritten unless has_dh0
@@ -109,8 +134,8 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         q_v = token_cols(mQg)  # (K, T, HV)
         g_v = token_cols(mG)  # (K, T, HV)
         do_v = token_cols(mDo)  # (V, T, HV)
-        dv_v = token_cols(mDv)  # (V, T, HV)
         dv2_v = token_cols(mDv2)  # (V, T, HV)
+        da_v = token_rows(mDAqk)  # (T, BT, HV)
         dh_v = state_view(mDh, self.state_v_first)  # (V, K, HV, NT)
         dht_v = state_view(mDht, self.state_v_first)  # (V, K, HV, N)
         dh0_v = state_view(mDh0, self.state_v_first)  # (V, K, HV, N)
@@ -119,9 +144,26 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         mma_v = self._state_product_mma(dt, BT)
         mma_s = self._state_update_mma(dt, DK)
 
+        # GEMM0: M = V, N = BT, B (Aqk) MN-major. GEMM4: M = N = BT over both warpgroups (N halves), both operands
+        # K-major (A the do tile)
+        mma_a = self._state_update_mma(dt, BT)
+        mma_d = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, self.num_consumer_wg, 1),
+            tiler_mn=(BT, BT // self.num_consumer_wg),
+        )  # fmt: skip
+
         sKg_l = token_tile_b_k_major(dt, S)
         sW_l, sQ_l = token_tile_b_mn_major(dt, S), token_tile_b_mn_major(dt, S)
-        sDo_l, sDv_l = token_tile_a_m_major(dt, S), token_tile_a_m_major(dt, S)
+        sDo_l = token_tile_a_m_major(dt, S)
+        # the do tile as GEMM4's A, (t, v) K-major: the same function of the bytes as sDo_l transposed
+        sDoK_l = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BT, BT, DV), dt, S)
+        # the fifth tile: dv^T read in the accumulator layout, or with dv_intra v_new as GEMM4's B
+        if const_expr(self.dv_intra):
+            sX_l, x_v, x_box = token_tile_b_k_major(dt, S), token_rows(mVn), (BT, DV)
+            sA_l = token_tile_b_mn_major(dt, S, D=BT)
+        else:
+            sX_l, x_v, x_box = token_tile_a_m_major(dt, S), token_cols(mDv), (DV, BT)
+            sA_l = gate_row_layout(S)  # unused: a stand-in of a few bytes
         sG_l = gate_row_layout(S)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -129,8 +171,11 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (DK, BT))
         tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sQ_l, mode=[0, 1]), (DK, BT))
         tma_do, tdo = cpasync.make_tiled_tma_atom(g2s, do_v, cute.select(sDo_l, mode=[0, 1]), (DV, BT))
-        tma_dv, tdv = cpasync.make_tiled_tma_atom(g2s, dv_v, cute.select(sDv_l, mode=[0, 1]), (DV, BT))
+        tma_x, tx = cpasync.make_tiled_tma_atom(g2s, x_v, cute.select(sX_l, mode=[0, 1]), x_box)
         tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), (DK, 1))
+        tma_a, ta = tma_g, tg  # unused without dv_intra
+        if const_expr(self.dv_intra):
+            tma_a, ta = cpasync.make_tiled_tma_atom(g2s, token_cols(mAqk), cute.select(sA_l, mode=[0, 1]), (BT, BT))
 
         @cute.struct
         class Storage:
@@ -139,15 +184,16 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sW_l)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
             sDo: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDo_l)], 1024]
-            sDv: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDv_l)], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_l)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sA_l)], 1024]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sG_l)], 128]
 
         self.storage = Storage
         HV = mW.shape[1]
         kernel = self.kernel(
-            tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_dv, tdv, tma_g, tg,
-            dv2_v, dh_v, dht_v, dh0_v, mCu, mChunkOff, seqlen, scale,
-            mma_v, mma_s, sKg_l, sW_l, sQ_l, sDo_l, sDv_l, sG_l,
+            tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_x, tx, tma_a, ta, tma_g, tg,
+            dv2_v, da_v, dh_v, dht_v, dh0_v, mCu, mChunkOff, seqlen, scale,
+            mma_v, mma_s, mma_a, mma_d, sKg_l, sW_l, sQ_l, sDo_l, sDoK_l, sX_l, sA_l, sG_l,
         )  # fmt: skip
         kernel.launch(grid=(HV, num_seqs, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1)
 
@@ -158,13 +204,14 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         tma_w: cute.CopyAtom, tw: cute.Tensor,
         tma_q: cute.CopyAtom, tq: cute.Tensor,
         tma_do: cute.CopyAtom, tdo: cute.Tensor,
-        tma_dv: cute.CopyAtom, tdv: cute.Tensor,
+        tma_x: cute.CopyAtom, tx: cute.Tensor,
+        tma_a: cute.CopyAtom, ta: cute.Tensor,
         tma_g: cute.CopyAtom, tg: cute.Tensor,
-        dv2_v: cute.Tensor, dh_v: cute.Tensor, dht_v: cute.Tensor, dh0_v: cute.Tensor,
+        dv2_v: cute.Tensor, da_v: cute.Tensor, dh_v: cute.Tensor, dht_v: cute.Tensor, dh0_v: cute.Tensor,
         mCu: cute.Tensor, mChunkOff: cute.Tensor, seqlen: Int32, scale: Float32,
-        mma_v: cute.TiledMma, mma_s: cute.TiledMma,
+        mma_v: cute.TiledMma, mma_s: cute.TiledMma, mma_a: cute.TiledMma, mma_d: cute.TiledMma,
         sKg_l: cute.ComposedLayout, sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout,
-        sDo_l: cute.ComposedLayout, sDv_l: cute.ComposedLayout, sG_l: cute.Layout,
+        sDo_l: cute.ComposedLayout, sDoK_l: cute.ComposedLayout, sX_l: cute.ComposedLayout, sA_l, sG_l: cute.Layout,
     ):  # fmt: skip
         S = self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -172,8 +219,10 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:
-            for atom in (tma_kg, tma_w, tma_q, tma_do, tma_dv, tma_g):
+            for atom in (tma_kg, tma_w, tma_q, tma_do, tma_x, tma_g):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.dv_intra):
+                cpasync.prefetch_descriptor(tma_a)
 
         if const_expr(self.varlen):
             bos = mCu[n]
@@ -191,35 +240,44 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         sW = storage.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
         sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
         sDo = storage.sDo.get_tensor(sDo_l.outer, swizzle=sDo_l.inner)
-        sDv = storage.sDv.get_tensor(sDv_l.outer, swizzle=sDv_l.inner)
+        sDoK = storage.sDo.get_tensor(sDoK_l.outer, swizzle=sDoK_l.inner)  # the same bytes, (t, v) K-major
+        sX = storage.sX.get_tensor(sX_l.outer, swizzle=sX_l.inner)
+        sA = sX  # unused without dv_intra
+        if const_expr(self.dv_intra):
+            sA = storage.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
         sG = storage.sG.get_tensor(sG_l)
 
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
                 self._load_chunks(
-                    pipe, tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_dv, tdv, tma_g, tg, sKg, sW, sQ, sDo,
-                    sDv, sG, h, bos, seq_len, num_chunks,
+                    pipe, tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_x, tx, tma_a, ta, tma_g, tg, sKg, sW,
+                    sQ, sDo, sX, sA, sG, h, bos, seq_len, num_chunks,
                 )  # fmt: skip
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
-                pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, sKg,
-                sW, sQ, sDo, sDv, sG, dv2_v, dh_v, dht_v, dh0_v,
+                pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, mma_a, mma_d,
+                sKg, sW, sQ, sDo, sDoK, sX, sA, sG, dv2_v, da_v, dh_v, dht_v, dh0_v,
             )  # fmt: skip
 
     @cute.jit
     def _load_chunks(
-        self, pipe, tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_dv, tdv, tma_g, tg, sKg, sW, sQ, sDo, sDv,
-        sG, h, bos, seq_len, num_chunks,
+        self, pipe, tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_x, tx, tma_a, ta, tma_g, tg, sKg, sW, sQ,
+        sDo, sX, sA, sG, h, bos, seq_len, num_chunks,
     ):  # fmt: skip
-        """Producer (warp 0): the chunks' kg, w, qg, do and dv tiles and decay rows, last chunk first."""
+        """Producer (warp 0): the chunks' kg, w, qg, do and dv (or v_new and Aqk) tiles and decay rows, last chunk
+        first."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         tKgs, tKgg = chunk_tiles(tma_kg, tkg, sKg, h, bos, (BT, DK), tokens_first=True)
         tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (DK, BT), tokens_first=False)
         tQs, tQg = chunk_tiles(tma_q, tq, sQ, h, bos, (DK, BT), tokens_first=False)
         tDos, tDog = chunk_tiles(tma_do, tdo, sDo, h, bos, (DV, BT), tokens_first=False)
-        tDvs, tDvg = chunk_tiles(tma_dv, tdv, sDv, h, bos, (DV, BT), tokens_first=False)
+        if const_expr(self.dv_intra):
+            tXs, tXg = chunk_tiles(tma_x, tx, sX, h, bos, (BT, DV), tokens_first=True)
+            tAs, tAg = chunk_tiles(tma_a, ta, sA, h, bos, (BT, BT), tokens_first=False)
+        else:
+            tXs, tXg = chunk_tiles(tma_x, tx, sX, h, bos, (DV, BT), tokens_first=False)
         tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
         for i in cutlass.range(num_chunks, unroll=1):
@@ -230,7 +288,9 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
             cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
             cute.copy(tma_do, tDog[None, c], tDos[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_dv, tDvg[None, c], tDvs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_x, tXg[None, c], tXs[None, st.index], tma_bar_ptr=bar)
+            if const_expr(self.dv_intra):
+                cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
             last = cutlass.min(c * BT + BT, seq_len) - 1  # the decay row: g at the chunk's last valid token
             cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
             pipe.producer_commit(st)
@@ -239,11 +299,13 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
 
     @cute.jit
     def _recurrence(
-        self, pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, sKg, sW,
-        sQ, sDo, sDv, sG, dv2_v, dh_v, dht_v, dh0_v,
+        self, pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, mma_a, mma_d,
+        sKg, sW, sQ, sDo, sDoK, sX, sA, sG, dv2_v, da_v, dh_v, dht_v, dh0_v,
     ):  # fmt: skip
         """Consumers (two warpgroups, each half of V): dS^T in registers from dht (or zero), chunk by chunk last
-        to first: dh out, GEMM1 and dv2 out, decay, GEMM2, GEMM3; dh0 at the end."""
+        to first: dh out, GEMM1 (with ``dv_intra`` GEMM0 into the same accumulator, and GEMM4) and dv2 out, decay,
+        GEMM2, GEMM3 (and dAqk out); dh0 at the end. ``sX`` is dv^T, or with ``dv_intra`` v_new; ``sDoK`` the do tile
+        viewed K-major."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         ctid = tidx - 128
         wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
@@ -256,23 +318,31 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         else:
             accS.fill(0.0)
         tOrS = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, DK)))  # bf16 dS^T for GEMM1
-        tVrV = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))  # bf16 -dv2^T for GEMM2, then do^T
+        tVrV = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))  # bf16 -dv2^T for GEMM2
+        tVrDo = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))  # do^T for GEMM3 (and GEMM0)
         tVrKg = wg_v.make_fragment_B(wg_v.partition_B(sKg))
         tSrW = wg_s.make_fragment_B(wg_s.partition_B(sW))
         tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ))
         accV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), Float32)
         rV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), self.dtype)
-        rDo = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), self.dtype)
-        pV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), cutlass.Boolean)
         rD = column_decay(accS)
 
-        tVsDv = thr_v.partition_C(sDv)  # (MMA, MMA_M, MMA_N, S) view of dv^T in the accumulator layout
+        tVsX = thr_v.partition_C(sX)  # (MMA, MMA_M, MMA_N, S) view of dv^T in the accumulator layout (no dv_intra)
         tVsDo = thr_v.partition_C(sDo)  # do^T, likewise
         tVcV = thr_v.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
         tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
         gDv2 = cute.local_tile(cute.domain_offset((0, bos), dv2_v[None, None, h]), (DV, BT), (0, None))
         tVgDv2 = thr_v.partition_C(gDv2)  # (MMA, MMA_M, MMA_N, NC)
         inv_scale = Float32(1.0) / scale
+        if const_expr(self.dv_intra):
+            tArA = mma_a.get_slice(wg_first).make_fragment_B(mma_a.get_slice(wg_first).partition_B(sA))
+            wg_d, thr_d = mma_d.get_slice(wg_first), mma_d.get_slice(ctid)  # this warpgroup's half of the columns
+            tDrDo = wg_d.make_fragment_A(wg_d.partition_A(sDoK))
+            tDrVn = wg_d.make_fragment_B(wg_d.partition_B(sX))
+            accD = cute.make_rmem_tensor(wg_d.partition_shape_C((BT, BT)), Float32)
+            tDcD = thr_d.partition_C(cute.make_identity_tensor((BT, BT)))  # (t, s) of each element
+            gDA = cute.local_tile(cute.domain_offset((bos, 0), da_v[None, None, h]), (BT, BT), (None, 0))
+            tDgDA = thr_d.partition_C(gDA)  # (MMA, MMA_M, MMA_N, NC)
 
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
         for i in cutlass.range(num_chunks, unroll=1):
@@ -282,19 +352,28 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             # dh[c]: the gradient of the state leaving this chunk, as FLA stores it
             thr_s.partition_C(dh_v[None, None, h, first_chunk + c]).store(accS.load().to(self.dtype))
             pipe.consumer_wait(st)
-            # GEMM1: dv2^T = bf16(dS^T) . kg^T
+            if const_expr(self.dv_intra):  # do^T with the rows past the end zeroed, GEMM0's A
+                self._load_do(tVrDo, tVsDo, tVcV, valid, si)
+            # GEMM1: dv2^T = bf16(dS^T) . kg^T (GEMM0: + do^T . Aqk)
             tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
             warpgroup.fence()
             gemm_k_blocks(mma_v, accV, tOrS, tVrKg, accumulate=False, b_stage=si)
+            if const_expr(self.dv_intra):
+                gemm_k_blocks(mma_a, accV, tVrDo, tArA, accumulate=True, b_stage=si)
             warpgroup.commit_group()
-            # while it runs: the decay factors, dv^T, the row mask
+            if const_expr(self.dv_intra):  # GEMM4: dAqk = do . v_new^T, this warpgroup's columns
+                gemm_k_blocks(mma_d, accD, tDrDo, tDrVn, accumulate=False, a_stage=si, b_stage=si)
+                warpgroup.commit_group()
+            # while they run: the decay factors (and dv^T)
             load_column_decay(rD, sG, tScS, si)
-            rDv = tVsDv[None, None, None, si].load()
-            for e in cutlass.range_constexpr(cute.size(pV)):
-                pV[e] = tVcV[e][1] < valid
-            warpgroup.wait_group(0)
-            dv2 = cute.where(pV.load(), accV.load() + rDv.to(Float32), 0.0)
-            rV.store(dv2.to(self.dtype))
+            if const_expr(self.dv_intra):
+                warpgroup.wait_group(1)
+            else:
+                rDv = tVsX[None, None, None, si].load()
+                warpgroup.wait_group(0)
+                accV.store(accV.load() + rDv.to(Float32))
+            for e in cutlass.range_constexpr(cute.size(rV)):  # the rows past the end zeroed
+                rV[e] = Float32(cutlass.select_(tVcV[e][1] < valid, accV[e], Float32(0.0))).to(self.dtype)
             tVrV.store(-rV.load())  # exact in bf16 / fp16
             tVgDv2c = tVgDv2[None, None, None, c]
             if valid == BT:
@@ -308,14 +387,15 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             warpgroup.fence()
             gemm_k_blocks(mma_s, accS, tVrV, tSrW, accumulate=True, b_stage=si)
             warpgroup.commit_group()
-            # while it runs: do^T with the rows past the end zeroed
-            rDo.store(cute.where(pV.load(), tVsDo[None, None, None, si].load().to(Float32), 0.0).to(self.dtype))
+            if const_expr(not self.dv_intra):  # while it runs: do^T with the rows past the end zeroed
+                self._load_do(tVrDo, tVsDo, tVcV, valid, si)
             warpgroup.wait_group(0)
+            if const_expr(self.dv_intra):
+                self._store_dAqk(accD, tDcD, tDgDA[None, None, None, c], valid, scale)
             # GEMM3 with scale on its product alone: dS^T = scale * (dS^T / scale + do^T . qg)
             accS.store(accS.load() * inv_scale)
-            tVrV.store(rDo.load())
             warpgroup.fence()
-            gemm_k_blocks(mma_s, accS, tVrV, tSrQ, accumulate=True, b_stage=si)
+            gemm_k_blocks(mma_s, accS, tVrDo, tSrQ, accumulate=True, b_stage=si)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             pipe.consumer_release(st)
@@ -325,15 +405,37 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         if const_expr(self.has_dh0):
             thr_s.partition_C(dh0_v[None, None, h, n]).store(accS.load())
 
+    @cute.jit
+    def _load_do(self, tVrDo, tVsDo, tVcV, valid, si):
+        """do^T of stage ``si`` into GEMM3's (and GEMM0's) A fragment, the rows past the sequence end zeroed."""
+        sDo_si = tVsDo[None, None, None, si]
+        for e in cutlass.range_constexpr(cute.size(tVrDo)):
+            tVrDo[e] = self.dtype(cutlass.select_(tVcV[e][1] < valid, sDo_si[e], self.dtype(0.0)))
 
-def _compile(dtype, varlen, has_dht, has_dh0, state_v_first, arch=(9, 0), extra_options="", num_stages=2):
+    @cute.jit
+    def _store_dAqk(self, accD, tDcD, tDgDA, valid, scale):
+        """GEMM4's columns as FLA's dAqk: scaled, zero above the diagonal, the rows past the sequence end unwritten
+        (the next sequence's)."""
+        vals = cute.make_rmem_tensor(accD.shape, Float32)
+        for e in cutlass.range_constexpr(cute.size(vals)):
+            vals[e] = Float32(cutlass.select_(tDcD[e][0] >= tDcD[e][1], accD[e] * scale, Float32(0.0)))
+        if valid == self.bt:
+            tDgDA.store(vals.load())
+        else:
+            for e in cutlass.range_constexpr(cute.size(vals)):
+                if tDcD[e][0] < valid:
+                    tDgDA[e] = vals[e]
+
+
+def _compile(dtype, varlen, has_dht, has_dh0, state_v_first, arch=(9, 0), extra_options="", num_stages=2,
+             dv_intra=False):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-    D = 128
+    D, BT = 128, 64
     dtype = dsl_type(dtype)
     kernel = ChunkKDABwdDhuSm90(dtype=dtype, num_stages=num_stages, varlen=varlen, has_dht=has_dht,
-                                has_dh0=has_dh0, state_v_first=state_v_first)  # fmt: skip
+                                has_dh0=has_dh0, state_v_first=state_v_first, dv_intra=dv_intra)  # fmt: skip
     # 64-bit token and chunk strides: T_total * HV * D (or NT * HV * K * V) may pass 2^31 elements
     tt, hv = cute.sym_int32(), cute.sym_int32()
     tok_stride = cute.sym_int64(divisibility=D)
@@ -347,12 +449,16 @@ def _compile(dtype, varlen, has_dht, has_dh0, state_v_first, arch=(9, 0), extra_
             assumed_align=16,
         )  # fmt: skip
 
+    def scores(dt):  # Aqk / dAqk: their own sizes (1-element stand-ins without dv_intra)
+        return make_fake_tensor(dt, (cute.sym_int32(), cute.sym_int32(), BT), (cute.sym_int64(divisibility=BT), BT, 1),
+                                assumed_align=16)  # fmt: skip
+
     def ints():
         return make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
 
     args = (
-        tok(dtype), tok(dtype), tok(dtype), tok(Float32), tok(dtype), tok(dtype), tok(dtype), state(dtype),
-        state(Float32), state(Float32), ints(), ints(), Int32(1), Int32(1), Float32(1.0),
-        make_fake_stream(use_tvm_ffi_env_stream=True),
+        tok(dtype), tok(dtype), tok(dtype), tok(Float32), tok(dtype), tok(dtype), scores(dtype), tok(dtype),
+        tok(dtype), scores(Float32), state(dtype), state(Float32), state(Float32), ints(), ints(), Int32(1), Int32(1),
+        Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
