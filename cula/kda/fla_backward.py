@@ -242,7 +242,8 @@ def _bwd_dhu(
                       chunk_size=chunk_size, chunk_indices=chunk_indices)  # fmt: skip
         if isinstance(dv, _Stage4Left):
             left = dv.kwargs
-            _, dh, dh0, dv2 = chunk_kda_bwd_dv_dhu_sm90(q, k, w, do, left["A"], left["v"], gk, dAqk=dv.dAqk, **common)
+            aqk, v_new = left["A"].contiguous(), left["v"].contiguous()
+            _, dh, dh0, dv2 = chunk_kda_bwd_dv_dhu_sm90(q, k, w, do, aqk, v_new, gk, dAqk=dv.dAqk, **common)
             return dh, dh0, dv2
         return chunk_kda_bwd_dhu_sm90(q, k, w, do, dv, gk, **common)
     if isinstance(dv, _Stage4Left):
