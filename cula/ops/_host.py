@@ -44,6 +44,21 @@ def check_tensors(specs, contiguous: bool = False) -> None:
 _placeholders: dict[tuple, torch.Tensor] = {}
 
 
+def check_chunk_operands(x: torch.Tensor, v: torch.Tensor, chunk_size: int, names: str) -> tuple[int, ...]:
+    """The checks every chunk-recurrence kernel's host makes first: 64-token chunks, K = V = 128 (``x`` ``[B, T, H,
+    K]``, ``v`` ``[..., V]``) and bf16 / fp16 operands (``names``: what the message calls them). Returns ``(B, T,
+    H, K, V)``."""
+    if chunk_size != 64:
+        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
+    B, T, H, K = x.shape
+    V = v.shape[-1]
+    if (K, V) != (128, 128):
+        raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{names} must be bf16 or fp16, got {x.dtype}")
+    return B, T, H, K, V
+
+
 def check_beta_and_heads(beta: torch.Tensor, H: int, HV: int) -> None:
     """The checks every backward stage's host makes of beta's dtype and the head counts (GVA: HV a multiple of H)."""
     if beta.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -226,6 +226,23 @@ def _setup(case):
     return q, k, v, g, beta, h0, cu, vf
 
 
+def _fla_intra(q, k, v, g, beta, cu, scale=128**-0.5):
+    """FLA's chunk indices, gate cumsum and intra stage (disable_recompute) on a case's inputs: ``(chunk indices,
+    int64 cu_seqlens, g_cum, w, u, qg, kg, Aqk)``."""
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    ci = prepare_chunk_indices(cu.long(), 64) if cu is not None else None
+    cul = cu.long() if cu is not None else None
+    g_cum = chunk_local_cumsum(g, chunk_size=64, scale=1.4426950408889634, cu_seqlens=cul, chunk_indices=ci)
+    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cul, chunk_size=64, chunk_indices=ci,
+        disable_recompute=True,
+    )  # fmt: skip
+    return ci, cul, g_cum, w, u, qg, kg, Aqk
+
+
 @pytest.mark.parametrize("aqk_causal", [False, True], ids=["masked", "causal"])
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 @pytest.mark.gpu
@@ -237,22 +254,13 @@ def test_kernel_vs_fla_stages(case, aqk_causal):
     zeroed, as cula's intra kernel writes it (the kernel must not mask it)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.index import prepare_chunk_indices
 
     from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
     from cula.testing import assert_close, poison_
 
     q, k, v, g, beta, h0, cu, vf = _setup(case)
     scale = 128**-0.5
-    ci = prepare_chunk_indices(cu.long(), 64) if cu is not None else None
-    cul = cu.long() if cu is not None else None
-    g_cum = chunk_local_cumsum(g, chunk_size=64, scale=1.4426950408889634, cu_seqlens=cul, chunk_indices=ci)
-    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
-        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=scale, cu_seqlens=cul, chunk_size=64, chunk_indices=ci,
-        disable_recompute=True,
-    )  # fmt: skip
+    ci, cul, g_cum, w, u, qg, kg, Aqk = _fla_intra(q, k, v, g, beta, cu, scale)
     h, v_new, ht_ref = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=h0, output_final_state=True, cu_seqlens=cul, chunk_indices=ci,
         chunk_size=64, state_v_first=vf,
@@ -302,21 +310,13 @@ def test_states_kernel_vs_fla_fwd_h(case):
     """The recurrence alone (``chunk_kda_fwd_h_sm90``, DeltaHStatesSm90) against FLA's chunk_gated_delta_rule_fwd_h
     on identical inputs (FLA's intra stage's), every output NaN-poisoned: h and v_new."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+    from fla.ops.utils.index import prepare_chunk_offsets
 
     from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_fwd_h_sm90
     from cula.testing import assert_close, poisoned_allocations
 
     q, k, v, g, beta, h0, cu, vf = _setup(case)
-    ci = prepare_chunk_indices(cu.long(), 64) if cu is not None else None
-    cul = cu.long() if cu is not None else None
-    g_cum = chunk_local_cumsum(g, chunk_size=64, scale=1.4426950408889634, cu_seqlens=cul, chunk_indices=ci)
-    w, u, _, kg, _, _ = chunk_kda_fwd_intra(
-        q=q, k=k, v=v, gk=g_cum, beta=beta, scale=128**-0.5, cu_seqlens=cul, chunk_size=64, chunk_indices=ci,
-        disable_recompute=True,
-    )  # fmt: skip
+    ci, cul, g_cum, w, u, _, kg, _ = _fla_intra(q, k, v, g, beta, cu)
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=h0, output_final_state=False, cu_seqlens=cul, chunk_indices=ci,
         chunk_size=64, state_v_first=vf,

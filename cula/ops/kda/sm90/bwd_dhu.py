@@ -10,13 +10,10 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import dsl_name, kernel_attr, placeholder
+from cula.ops._host import check_chunk_operands, dsl_name, kernel_attr, placeholder
 from cula.ops.kda.sm90.intra import chunk_offsets_i32
 
 __all__ = ["chunk_kda_bwd_dhu_sm90", "chunk_kda_bwd_dv_dhu_sm90", "compiled", "compiled_variant", "variant_key"]
-
-IO_DTYPES = (torch.bfloat16, torch.float16)
-
 
 def __getattr__(name):
     return kernel_attr(__name__, name)
@@ -99,14 +96,7 @@ def _launch(q, k, w, do, gk, h0, dht, scale, state_v_first, cu_seqlens, chunk_si
             Aqk=None, v_new=None, dAqk=None):  # fmt: skip
     """Both functions' checks and launch: with ``dv`` stage 5 alone, with ``Aqk`` and ``v_new`` stages 4 and 5.
     Returns ``(dh, dh0, dv2, dAqk or None)``."""
-    if chunk_size != 64:
-        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
-    B, T, HV, K = q.shape
-    V = do.shape[-1]
-    if (K, V) != (128, 128):
-        raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
-    if q.dtype not in IO_DTYPES:
-        raise ValueError(f"q/k/w/do/dv must be bf16 or fp16, got {q.dtype}")
+    B, T, HV, K, V = check_chunk_operands(q, do, chunk_size, "q/k/w/do/dv")
     dv_intra = dv is None
     fifth = ("v_new", v_new) if dv_intra else ("dv", dv)
     for name, t, dtype in (("k", k, q.dtype), ("w", w, q.dtype), ("do", do, q.dtype), (*fifth, q.dtype),

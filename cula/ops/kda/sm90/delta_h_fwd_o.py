@@ -10,12 +10,9 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import check_tensors, dsl_name, kernel_attr, placeholder
+from cula.ops._host import check_chunk_operands, check_tensors, dsl_name, kernel_attr, placeholder
 
 __all__ = ["chunk_kda_delta_h_fwd_o_sm90", "chunk_kda_fwd_h_sm90", "compiled", "compiled_variant", "variant_key"]
-
-IO_DTYPES = (torch.bfloat16, torch.float16)  # the kernel's 16-bit operands
-
 
 def __getattr__(name):
     return kernel_attr(__name__, name)
@@ -102,14 +99,7 @@ def chunk_kda_delta_h_fwd_o_sm90(
 
     All of w/u/kg/qg/g/Aqk/o must be contiguous. K = V = 128.
     """
-    if chunk_size != 64:
-        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
-    B, T, HV, K = w.shape
-    V = u.shape[-1]
-    if (K, V) != (128, 128):
-        raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
-    if w.dtype not in IO_DTYPES:
-        raise ValueError(f"w/u/kg/qg/Aqk/o must be bf16 or fp16, got {w.dtype}")
+    B, T, HV, K, V = check_chunk_operands(w, u, chunk_size, "w/u/kg/qg/Aqk/o")
     check_tensors((
         ("u", u, (B, T, HV, V), w.dtype), ("kg", kg, (B, T, HV, K), w.dtype), ("qg", qg, (B, T, HV, K), w.dtype),
         ("g", g, (B, T, HV, K), torch.float32), ("Aqk", Aqk, (B, T, HV, 64), w.dtype),
@@ -185,14 +175,7 @@ def chunk_kda_fwd_h_sm90(
     ``v_new = u - w h`` like u. Packed (``cu_seqlens``, B = 1): ``chunk_offsets`` (FLA's ``prepare_chunk_offsets``,
     int32 or int64) and ``num_chunks`` (all sequences' chunks) are required; otherwise NT = ceil(T / 64). Shapes
     and dtypes as ``chunk_kda_delta_h_fwd_o_sm90`` takes them."""
-    if chunk_size != 64:
-        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
-    B, T, HV, K = w.shape
-    V = u.shape[-1]
-    if (K, V) != (128, 128):
-        raise ValueError(f"only K = V = 128 is supported, got K={K}, V={V}")
-    if w.dtype not in IO_DTYPES:
-        raise ValueError(f"w/u/kg must be bf16 or fp16, got {w.dtype}")
+    B, T, HV, K, V = check_chunk_operands(w, u, chunk_size, "w/u/kg")
     check_tensors((("u", u, (B, T, HV, V), w.dtype), ("kg", kg, (B, T, HV, K), w.dtype),
                    ("g", g, (B, T, HV, K), torch.float32)), contiguous=True)  # fmt: skip
     varlen = cu_seqlens is not None
