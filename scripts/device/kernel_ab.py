@@ -123,8 +123,8 @@ def _states_inputs(B: int, T: int, HV: int):
     aqk = (wy["A"].float().view(B, T // 64, 64, HV, 64) * causal).view(B, T, HV, 64).bfloat16()
     # w and kg small enough that the recurrence stays bounded over 256 chunks
     return dict(w=wy["q"] * 0.02, u=wy["v"], kg=wy["k"] * 0.02, qg=wy["v_new"], g=wy["g"], Aqk=aqk,
-                o=torch.empty_like(wy["v"]), initial_state=h0, final_state=torch.empty_like(h0), scale=0.088, state_v_first=True, aqk_causal=True,
-                OUT=("o", "final_state"))  # fmt: skip
+                o=torch.empty_like(wy["v"]), initial_state=h0, final_state=torch.empty_like(h0), scale=0.088,
+                state_v_first=True, aqk_causal=True, OUT=("o", "final_state"))  # fmt: skip
 
 
 _STATES = ("cula.ops.kda.sm90.delta_h_fwd_o", "chunk_kda_delta_h_fwd_o_sm90")
