@@ -109,8 +109,9 @@ def _dhu_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | 
     N = B if lens is None else len(lens)
     dht = 0.1 * torch.randn(N, HV, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     extra = {n: wy[n] for n in ("cu_seqlens", "chunk_indices") if n in wy}
-    return dict(q=wy["q"], k=wy["k"], w=wy["v"], do=wy["do"], dv=wy["dv"], gk=wy["g"], h0=dht, dht=dht, scale=0.088,
-                state_v_first=state_v_first, **extra)  # fmt: skip
+    # qg, kg and w small enough that the recurrence stays bounded over 256 chunks
+    return dict(q=wy["q"] * 0.02, k=wy["k"] * 0.02, w=wy["v"] * 0.02, do=wy["do"], dv=wy["dv"], gk=wy["g"], h0=dht,
+                dht=dht, scale=0.088, state_v_first=state_v_first, **extra)  # fmt: skip
 
 
 def _states_inputs(B: int, T: int, HV: int):
