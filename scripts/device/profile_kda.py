@@ -134,13 +134,14 @@ def profile_training(names: list[str]) -> None:
             with KDA_TUNING.override((9, 0), **{s: s in stages_on for s in flags}):
                 outs = forward()  # autotunes / compiles outside the profile
                 torch.autograd.backward(outs, grads, retain_graph=True)
-                stages = {
-                    "forward": kernel_stats(forward, calls=3),
-                    # the same saved graph, backward again (retain_graph): the .grad accumulations are extra adds
-                    "backward": kernel_stats(
-                        lambda outs=outs, grads=grads: torch.autograd.backward(outs, grads, retain_graph=True),
-                        calls=3),
-                }
+                def backward(outs=outs, grads=grads, leaves=leaves):
+                    # the same saved graph, backward again (retain_graph), writing the gradients as a step does
+                    # (.grad set to None first, as zero_grad: no accumulation adds)
+                    for t in leaves.values():
+                        t.grad = None
+                    torch.autograd.backward(outs, grads, retain_graph=True)
+
+                stages = {"forward": kernel_stats(forward, calls=3), "backward": kernel_stats(backward, calls=3)}
             for stage, stats in stages.items():
                 total = round(sum(v[0] for v in stats.values()), 1)
                 key = f"{name} {path} {stage}"
