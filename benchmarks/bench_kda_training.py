@@ -135,8 +135,10 @@ KERNEL_BYTES = (
     ("both", "recompute_w_u_fwd_kda_kernel", 2436, 0),  # 2
     ("both", "chunk_gated_delta_rule_fwd_kernel_h", 1548, 1),  # 3
     ("backward", "chunk_kda_bwd_kernel_dAv", 1152, 0),  # 4
+    # the recompute's h and v_new on cula's state kernel without o (w, u, kg in; h, v_new out)
+    ("backward", "DeltaHStatesSm90", 1536, 1),
     ("backward", "chunk_gated_delta_rule_bwd_kernel_dhu", 2064, 2),  # 5
-    ("backward", "ChunkKDABwdDhuSm90", 2064, 2),
+    ("backward", "ChunkKDABwdDhuSm90", 2064, 2),  # (with stage 4: _STAGE4_BYTES)
     ("backward", "chunk_kda_bwd_kernel_wy_dqkg_fused", 5256, 0),  # 6
     ("backward", "ChunkKDABwdWyDqkgSm90", 5256, 0),
     ("backward", "chunk_kda_bwd_kernel_intra", 4628, 0),  # 7
@@ -148,10 +150,20 @@ KERNEL_BYTES = (
 )
 
 
+# cula's stage-5 kernel with stage 4 in its launch (KdaTuning.bwd_dv_dhu; the same kernel name): qg, kg, w, do,
+# v_new, Aqk and the g rows in, dh, dv2 and dAqk out
+_STAGE4_BYTES = 2440
+
+
 def kernel_floor_us(phase: str, kernel: str, cfg: kp.Config, copy_bw_tbps: float) -> float | None:
-    """A kernel's byte floor in a step of ``cfg`` (``KERNEL_BYTES`` at the copy rate), None where it has none."""
+    """A kernel's byte floor in a step of ``cfg`` (``KERNEL_BYTES`` at the copy rate, under the H200 tuning entry in
+    force), None where it has none."""
+    from cula.kda.plan import KDA_TUNING
+
     for where, piece, per_token, states in KERNEL_BYTES:
         if where in (phase, "both") and piece in kernel:
+            if piece == "ChunkKDABwdDhuSm90" and KDA_TUNING.get((9, 0)).bwd_dv_dhu:
+                per_token = _STAGE4_BYTES
             nbytes = (per_token * sum(cfg.lens) + states * cfg.N * 4 * kp.K * kp.V) * cfg.HV
             return nbytes / (copy_bw_tbps * 1e12) * 1e6
     return None

@@ -153,6 +153,11 @@ def test_training_kernel_floors():
     dhu = kt.kernel_floor_us("backward", "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", cfg, 1)
     assert dhu == pytest.approx((2064 * 300 + 2 * 2 * 4 * kp.K * kp.V) * 4 * per_us)
     assert kt.kernel_floor_us("both", "l2norm_fwd_kernel", cfg, 1) is not None
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override((9, 0), bwd_dhu=True, bwd_dv_dhu=True):  # stage 4 in stage 5's launch: more bytes
+        fused = kt.kernel_floor_us("backward", "kernel_cutlass_kernel_ChunkKDABwdDhuSm90_object", cfg, 1)
+    assert fused == pytest.approx((kt._STAGE4_BYTES * 300 + 2 * 2 * 4 * kp.K * kp.V) * 4 * per_us)
     assert kt.kernel_floor_us("forward", "chunk_kda_bwd_kernel_dAv", cfg, 1) is None
     assert kt.kernel_floor_us("forward", "void at::native::vectorized_elementwise_kernel", cfg, 1) is None
     table = [{"phase": "backward", "kernel": "chunk_kda_bwd_kernel_dAv", "us": 10.0, "launches": 1, "floor_us": 5.0,
