@@ -160,7 +160,7 @@ def _stage4_f64(do, v_new, aqk, scale, bounds):
         for c0 in range(bos, eos, 64):
             c1 = min(c0 + 64, eos)
             n = c1 - c0
-            a = aqk[:, c0:c1, :, :n].tril().permute(0, 2, 1, 3)  # (B, HV, t, s), s <= t
+            a = aqk[:, c0:c1, :, :n].permute(0, 2, 1, 3).tril()  # (B, HV, t, s), s <= t
             o, vn = do[:, c0:c1].permute(0, 2, 1, 3), v_new[:, c0:c1].permute(0, 2, 1, 3)
             dA[:, c0:c1, :, :n] = (scale * (o @ vn.transpose(-1, -2))).tril().permute(0, 2, 1, 3)
             dv[:, c0:c1] = (a.transpose(-1, -2) @ o).permute(0, 2, 1, 3)
