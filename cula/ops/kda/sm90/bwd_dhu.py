@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import check_chunk_operands, dsl_name, kernel_attr, placeholder
+from cula.ops._host import check_chunk_operands, check_tensors, dsl_name, kernel_attr, placeholder
 from cula.ops.kda.sm90.intra import chunk_offsets_i32
 
 __all__ = ["chunk_kda_bwd_dhu_sm90", "chunk_kda_bwd_dv_dhu_sm90", "compiled", "compiled_variant", "variant_key"]
@@ -98,13 +98,14 @@ def _launch(q, k, w, do, gk, h0, dht, scale, state_v_first, cu_seqlens, chunk_si
     Returns ``(dh, dh0, dv2, dAqk or None)``."""
     B, T, HV, K, V = check_chunk_operands(q, do, chunk_size, "q/k/w/do/dv")
     dv_intra = dv is None
-    fifth = ("v_new", v_new) if dv_intra else ("dv", dv)
-    for name, t, dtype in (("k", k, q.dtype), ("w", w, q.dtype), ("do", do, q.dtype), (*fifth, q.dtype),
-                           ("gk", gk, torch.float32)):  # fmt: skip
-        if tuple(t.shape) != (B, T, HV, K) or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous {(B, T, HV, K)} {dtype}, got {tuple(t.shape)} {t.dtype}")
-    if dv_intra and (tuple(Aqk.shape) != (B, T, HV, 64) or Aqk.dtype != q.dtype or not Aqk.is_contiguous()):
-        raise ValueError(f"Aqk: expected contiguous {(B, T, HV, 64)} {q.dtype}, got {tuple(Aqk.shape)} {Aqk.dtype}")
+    tok, scores = (B, T, HV, K), (B, T, HV, 64)
+    specs = [("k", k, tok, q.dtype), ("w", w, tok, q.dtype), ("do", do, tok, q.dtype), ("gk", gk, tok, torch.float32)]
+    if dv_intra:
+        specs += [("v_new", v_new, tok, q.dtype), ("Aqk", Aqk, scores, q.dtype)]
+        specs += [] if dAqk is None else [("dAqk", dAqk, scores, torch.float32)]
+    else:
+        specs.append(("dv", dv, tok, q.dtype))
+    check_tensors(specs, contiguous=True)
     varlen = cu_seqlens is not None
     if varlen:
         if B != 1:
@@ -117,16 +118,14 @@ def _launch(q, k, w, do, gk, h0, dht, scale, state_v_first, cu_seqlens, chunk_si
     else:
         N, NT = B, -(-T // 64)
     state = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    if dht is not None and (tuple(dht.shape) != state or dht.dtype != torch.float32 or not dht.is_contiguous()):
-        raise ValueError(f"dht: expected contiguous {state} float32, got {tuple(dht.shape)} {dht.dtype}")
+    if dht is not None:
+        check_tensors((("dht", dht, state, torch.float32),), contiguous=True)
     dev = q.device
     dh = q.new_empty((B, NT, HV) + state[2:])
     dh0 = torch.empty(state, dtype=torch.float32, device=dev) if h0 is not None else None
     dv2 = torch.empty_like(do)
     if dv_intra and dAqk is None:  # every token's row is written (zero above the diagonal), as FLA's stage 4 does
-        dAqk = torch.empty(B, T, HV, 64, dtype=torch.float32, device=dev)
-    elif dv_intra and (tuple(dAqk.shape) != (B, T, HV, 64) or dAqk.dtype != torch.float32 or not dAqk.is_contiguous()):
-        raise ValueError(f"dAqk: expected contiguous {(B, T, HV, 64)} float32, got {tuple(dAqk.shape)} {dAqk.dtype}")
+        dAqk = torch.empty(scores, dtype=torch.float32, device=dev)
     if N == 0 or HV == 0 or B * T == 0:  # no tokens: nothing to launch (TMA describes no empty tensor)
         if dh0 is not None:
             dh0.copy_(dht) if dht is not None else dh0.zero_()

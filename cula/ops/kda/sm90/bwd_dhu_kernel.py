@@ -335,7 +335,8 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         tVgDv2 = thr_v.partition_C(gDv2)  # (MMA, MMA_M, MMA_N, NC)
         inv_scale = Float32(1.0) / scale
         if const_expr(self.dv_intra):
-            tArA = mma_a.get_slice(wg_first).make_fragment_B(mma_a.get_slice(wg_first).partition_B(sA))
+            wg_a = mma_a.get_slice(wg_first)
+            tArA = wg_a.make_fragment_B(wg_a.partition_B(sA))
             wg_d, thr_d = mma_d.get_slice(wg_first), mma_d.get_slice(ctid)  # this warpgroup's half of the columns
             tDrDo = wg_d.make_fragment_A(wg_d.partition_A(sDoK))
             tDrVn = wg_d.make_fragment_B(wg_d.partition_B(sX))

@@ -187,10 +187,8 @@ def chunk_kda_fwd_h_sm90(
     else:
         N, NT = B, -(-T // 64)
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    if initial_state is not None and (tuple(initial_state.shape) != state_shape
-                                      or initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
-        raise ValueError(f"initial_state: expected contiguous {state_shape} float32, got "
-                         f"{tuple(initial_state.shape)} {initial_state.dtype}")  # fmt: skip
+    if initial_state is not None:
+        check_tensors((("initial_state", initial_state, state_shape, torch.float32),), contiguous=True)
     h = w.new_empty((B, NT, HV) + state_shape[2:])
     v_new = torch.empty_like(u)
     if N == 0 or HV == 0 or B * T == 0:  # no tokens: no chunk, no state before one
