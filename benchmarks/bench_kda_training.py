@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import time
 from collections.abc import Callable
@@ -465,7 +466,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     extra = [f"{name}_{col}" for name, _ in args.also for col in ("ms", "speedup", "graph_ms", "graph_speedup")]
     paths = bc.write_suite(NAME + "".join("_" + s for s in stages) + "".join("_also_" + n for n, _ in args.also),
                            args, meta, rows, MD_COLUMNS + tuple(extra))  # fmt: skip
-    tables = kernel_markdown(rows)
+    # from the written rows: with --merge, the earlier runs' profiles too
+    tables = kernel_markdown(json.loads(paths["json"].read_text())["rows"])
     if tables:
         with open(paths["md"], "a") as f:
             f.write(tables)
