@@ -29,9 +29,9 @@ has a byte model for it, its percent of its byte floor (in the JSON rows and a t
 
 Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--kernels] [--bwd-dhu
 [--bwd-dv-dhu]] [--bwd-wy-dqkg] [--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]]
-[--bwd-recompute-intra [--bwd-recompute-states]] [--also NAME=FLAG[,FLAG...] ...]``: ``--also`` times cula's side
-again with more stages on, in the same process (FLA timed once per config), e.g. ``--also gate=bwd_intra_gate
---also all=bwd_intra_gate,bwd_intra_l2norm``;
+[--bwd-recompute-intra]
+[--also NAME=FLAG[,FLAG...] ...]``: ``--also`` times cula's side again with more stages on, in the same process
+(FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``;
 ``disable_recompute`` among the flags calls cula's side with that argument (peak memory beside the time).
 """
 
@@ -136,8 +136,6 @@ KERNEL_BYTES = (
     ("both", "recompute_w_u_fwd_kda_kernel", 2436, 0),  # 2
     ("both", "chunk_gated_delta_rule_fwd_kernel_h", 1548, 1),  # 3
     ("backward", "chunk_kda_bwd_kernel_dAv", 1152, 0),  # 4
-    # the recompute's h and v_new on cula's state kernel without o (w, u, kg in; h, v_new out)
-    ("backward", "DeltaHStatesSm90", 1536, 1),
     ("backward", "chunk_gated_delta_rule_bwd_kernel_dhu", 2064, 2),  # 5
     ("backward", "ChunkKDABwdDhuSm90", 2064, 2),  # (with stage 4: _STAGE4_BYTES)
     ("backward", "chunk_kda_bwd_kernel_wy_dqkg_fused", 5256, 0),  # 6
@@ -369,7 +367,7 @@ def _stages_on(stages):
 
 
 _STAGE_FLAGS = ("bwd_dhu", "bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
-                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_recompute_states")  # fmt: skip
+                "bwd_intra_l2norm", "bwd_recompute_intra")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)
@@ -411,8 +409,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --bwd-intra: the L2 norm's backward on chip too (KdaTuning.bwd_intra_l2norm)")
     p.add_argument("--bwd-recompute-intra", action="store_true",
                    help="the backward's recompute prefix on cula's intra kernel (KdaTuning.bwd_recompute_intra)")
-    p.add_argument("--bwd-recompute-states", action="store_true",
-                   help="its h and v_new on cula's state kernel too (KdaTuning.bwd_recompute_states)")
     p.add_argument("--bwd-intra", action="store_true",
                    help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
                         "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dhu_bwd_intra)")

@@ -127,17 +127,13 @@ def _kda_training(scope: str) -> None:
     beta reaches them after the glue's sigmoid (fp32) or as given."""
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
-    from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg, delta_h_fwd_o
+    from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg
 
     entry = KDA_TUNING.get((9, 0))
     d = _dtypes(scope)
     if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, T read
         _kda_intra_variants(d, g_cum_last_only=False, given_t=True)
     for dt, varlen in itertools.product(d["io"], _B):
-        if entry.bwd_recompute_intra and entry.bwd_recompute_states:  # its h and v_new (fla_backward.recompute_prefix)
-            for h0, svf in itertools.product(_B, _B):
-                delta_h_fwd_o.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, state_v_first=svf,
-                                               store_states=True, with_output=False)  # fmt: skip
         if entry.bwd_dhu:  # with stage 4 in the launch where the entry says so (fla_backward._stage4_fused)
             for dht, dh0, svf, dv_intra in itertools.product(_B, _B, _B, _B if entry.bwd_dv_dhu else (False,)):
                 bwd_dhu.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_dht=dht, has_dh0=dh0,

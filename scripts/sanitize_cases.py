@@ -237,17 +237,6 @@ def kda_training_bwd_dv_dhu():
 
 
 @case
-def kda_training_recompute_states():
-    # the backward's recompute of h and v_new on the state kernel without the output (KdaTuning.bwd_recompute_states,
-    # DeltaHStatesSm90): fixed and packed, both layouts
-    from cula.kda.plan import KDA_TUNING
-
-    with KDA_TUNING.override(bwd_recompute_intra=True, bwd_recompute_states=True):
-        _kda_chunk(2, 130, 1, 2, grad=True, v_first=True)
-        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
-
-
-@case
 def kda_training_bwd_intra():
     # autograd on with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), fixed and packed (empty,
     # one-token and partial sub-chunks), GVA

@@ -290,7 +290,7 @@ def _step(fn, leaves, cotangents, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "stage", ["bwd_dhu", "bwd_dv_dhu", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
-              "bwd_wy_dqkg", "bwd_recompute_intra", "bwd_recompute_states"],
+              "bwd_wy_dqkg", "bwd_recompute_intra"],
 )
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
@@ -299,8 +299,7 @@ def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     ``bwd_dv_dhu`` both flags, stages 4 and 5 in one launch), 6
     (``bwd_wy_dqkg``) or 7 (``bwd_intra``) on cula's kernel, or stage 8, 9 or the L2 norm's backward fused into
     stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``, ``bwd_intra_l2norm``), or the recompute prefix on cula's
-    intra kernel (``bwd_recompute_intra``) and its h and v_new on cula's state kernel (``bwd_recompute_states``):
-    every gradient within FLA's tolerances of the other, none NaN."""
+    intra kernel (``bwd_recompute_intra``): every gradient within FLA's tolerances of the other, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda import chunk_kda
@@ -409,43 +408,6 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     assert seen["prefix_q"][0] is x["q"] and seen["prefix_q"][1] is x["k"]  # raw, not the normalised copies
     assert seen["prefix_akk"] is saved[-1]  # the forward's T, read instead of recomputed
     assert not torch.equal(kw["q"], x["q"])  # FLA's stages get the normalised q
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
-def test_recompute_prefix_states_on_cula_where_the_tuning_says(monkeypatch, kda_tuning, packed):
-    """``KdaTuning.bwd_recompute_states``: the prefix's h and v_new from cula's state kernel (packed: its chunk
-    offsets from cu_seqlens on the device, the chunk count from the host list), FLA's chunk_gated_delta_rule_fwd_h
-    otherwise and in FLA's graph mode."""
-    from fla.ops.common import chunk_delta_h
-
-    from cula.kda import forward
-    from cula.kda.plan import KDA_TUNING
-    from cula.ops.kda.sm90 import delta_h_fwd_o
-
-    t = torch.zeros(1, 130, 2, 128)
-    monkeypatch.setattr(forward, "_intra_cute", lambda *a, **kw: ("w", "u", "qg", "kg", None, "g", None))
-    monkeypatch.setattr(chunk_delta_h, "chunk_gated_delta_rule_fwd_h", lambda **kw: ("fla_h", "fla_vn", None))
-    seen = []
-    monkeypatch.setattr(delta_h_fwd_o, "chunk_kda_fwd_h_sm90",
-                        lambda *a, **kw: seen.append((a, kw)) or ("h", "vn"))  # fmt: skip
-    monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
-    cu = torch.tensor([0, 65, 130], dtype=torch.int64) if packed else None
-    ci = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]]) if packed else None
-    p = dict(scale=0.1, use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
-             use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False, state_v_first=True, use_graph=False)  # fmt: skip
-    h0 = torch.zeros(2, 2, 128, 128, dtype=torch.float64)
-    for on, graph, want in ((False, False, "fla_h"), (True, True, "fla_h"), (True, False, "h")):
-        kda_tuning(bwd_recompute_states=on)
-        got = fla_backward.recompute_prefix(t, t, t, t, t, None, None, h0, cu, ci, None, dict(p, use_graph=graph))
-        assert got["h"] == want and got["g"] == "g"
-    (args, kw), = seen
-    assert args == ("kg", "w", "u", "g") and kw["state_v_first"] is True
-    assert kw["initial_state"].dtype == torch.float32 and kw["initial_state"].is_contiguous()
-    if packed:
-        assert kw["cu_seqlens"].dtype == torch.int32 and kw["num_chunks"] == 4
-        assert kw["chunk_offsets"].tolist() == [0, 2, 4]
-    else:
-        assert "cu_seqlens" not in kw
 
 
 @pytest.mark.gpu

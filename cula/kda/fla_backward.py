@@ -375,8 +375,7 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     path: the gate cumsum ``g`` (every row), ``w, u, qg, kg`` from one launch of cula's intra kernel on the raw
     inputs (the launch the forward made; given the forward's ``Akk``, the kernel reads it instead of computing the
     scores and the solve again, and w, u are the forward's bits), then ``h, v_new`` from FLA's
-    ``chunk_gated_delta_rule_fwd_h``, as FLA's recompute branch calls it, or from cula's state kernel without the
-    output where ``_recompute_states_on_cula`` says so. Replaces FLA's ``kda_gate_chunk_cumsum``
+    ``chunk_gated_delta_rule_fwd_h``, as FLA's recompute branch calls it. Replaces FLA's ``kda_gate_chunk_cumsum``
     (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``. In FLA's graph mode (``p["use_graph"]``)
     ``chunk_indices`` / ``chunk_offsets`` are FLA's static ones: the intra kernel takes them through
     ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``)."""
@@ -391,35 +390,11 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
         full_g_cum=True, given_akk=Akk,
     )  # fmt: skip
-    if _recompute_states_on_cula(q, p):
-        from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_fwd_h_sm90
-        from cula.ops.kda.sm90.intra import chunk_offsets_i32
-
-        packed = {}
-        if cu_seqlens is not None:  # each sequence's first chunk (a device op), the chunk count from the host list
-            packed = dict(cu_seqlens=cu32, chunk_offsets=chunk_offsets_i32(cu32), num_chunks=len(chunk_indices))
-        h, v_new = chunk_kda_fwd_h_sm90(kg, w, u, g_cum, initial_state=_fp32_state(initial_state),
-                                        state_v_first=p["state_v_first"], **packed)  # fmt: skip
-    else:
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(
-            k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,
-            chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=64, state_v_first=p["state_v_first"],
-        )  # fmt: skip
+    h, v_new, _ = chunk_gated_delta_rule_fwd_h(
+        k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=64, state_v_first=p["state_v_first"],
+    )  # fmt: skip
     return dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
-
-
-def _recompute_states_on_cula(q, p: dict) -> bool:
-    """Whether the recompute's h and v_new come from cula's state kernel (``chunk_kda_fwd_h_sm90``) instead of FLA's
-    ``chunk_gated_delta_rule_fwd_h``: the tuning entry says so (``KdaTuning.bwd_recompute_states``), not FLA's graph
-    mode (its static chunk list sizes h)."""
-    from cula.kda.plan import KDA_TUNING
-
-    return not p.get("use_graph") and KDA_TUNING.for_device(q.device).bwd_recompute_states
-
-
-def _fp32_state(h0):
-    """The initial state as the state kernel takes it (fp32, contiguous), or None."""
-    return None if h0 is None else h0.float().contiguous()
 
 
 def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage7Call]:

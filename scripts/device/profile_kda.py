@@ -16,10 +16,9 @@ training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers a
 stall samples in $OUT/ncu_bwd_intra_source.csv).
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
 default B1-T4096 and B2-T16384): per path (FLA whole; cula with the H200 entry's backward stages; that with stage 5
-on cula's kernel too, with stages 4 and 5 in its one launch, with the recompute's h and v_new on cula's state
-kernel) the kernels of the forward and of the backward separately, into $OUT/profile_kda_training.json: which of
-FLA's backward stages a backward of our own would replace first. Run through ``run.sh`` so FLA's backward starts
-from its cached autotune choices.
+on cula's kernel too, and with stages 4 and 5 in its one launch) the kernels of the forward and of the backward
+separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward of our own would replace
+first. Run through ``run.sh`` so FLA's backward starts from its cached autotune choices.
 ``--time-split [H:T:SEGMENT ...]`` profiles chunk_kda cut in time (default 4:16384:8192, 4:65536:4096,
 4:65536:2048, 8:65536:8192): per shape, serial and cut, each kernel's device time and launches, the benchmarks'
 host overhead (``measure_host_overhead``: event time, host time per call with the GPU idle, back-to-back time; a
@@ -119,8 +118,7 @@ def profile_training(names: list[str]) -> None:
                 "bwd_wy_dqkg")  # fmt: skip
         for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ours),
                                     ("cula+bwd_dhu", chunk_kda, ours + ("bwd_dhu",)),
-                                    ("cula+bwd_dv_dhu", chunk_kda, ours + ("bwd_dhu", "bwd_dv_dhu")),
-                                    ("cula+recompute_states", chunk_kda, ours + ("bwd_recompute_states",))):
+                                    ("cula+bwd_dv_dhu", chunk_kda, ours + ("bwd_dhu", "bwd_dv_dhu"))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
             rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
@@ -130,7 +128,7 @@ def profile_training(names: list[str]) -> None:
 
             # each path with only its own backward stages on cula's kernels, whatever the tuning entry says
             flags = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_dhu", "bwd_dv_dhu",
-                     "bwd_wy_dqkg", "bwd_recompute_intra", "bwd_recompute_states")  # fmt: skip
+                     "bwd_wy_dqkg", "bwd_recompute_intra")  # fmt: skip
             with KDA_TUNING.override((9, 0), **{s: s in stages_on for s in flags}):
                 outs = forward()  # autotunes / compiles outside the profile
                 torch.autograd.backward(outs, grads, retain_graph=True)

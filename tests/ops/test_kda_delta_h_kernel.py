@@ -47,19 +47,12 @@ _VARIANTS += [
      "store_states": True}
     for vl in (False, True) for vf in (False, True)
 ]  # fmt: skip
-# the backward's recompute: h and v_new alone (DeltaHStatesSm90)
-_VARIANTS += [
-    {"dtype": "BFloat16", "varlen": vl, "has_h0": True, "has_ht": False, "state_v_first": vf, "store_states": True,
-     "with_output": False}
-    for vl, vf in ((False, True), (True, False))
-]  # fmt: skip
 
 _COMPILE_SCRIPT = dump_script(
     "import cutlass\nfrom cula.ops.kda.sm90 import delta_h_fwd_o as M",
     """
     M._compile(getattr(cutlass, v["dtype"]), 3, v["varlen"], v["has_h0"], v["has_ht"], v["state_v_first"],
-               extra_options=opts, aqk_causal=v.get("aqk_causal", False), store_states=v.get("store_states", False),
-               with_output=v.get("with_output", True))
+               extra_options=opts, aqk_causal=v.get("aqk_causal", False), store_states=v.get("store_states", False))
     """,
 )
 
@@ -74,15 +67,13 @@ def _vid(v):
         [v["dtype"], "varlen" if v["varlen"] else "fixed", "h0" if v["has_h0"] else "noh0",
          "ht" if v["has_ht"] else "noht", "vfirst" if v["state_v_first"] else "kfirst"]
         + (["causal"] if v.get("aqk_causal") else []) + (["states"] if v.get("store_states") else [])
-        + ([] if v.get("with_output", True) else ["no-output"])
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=[_vid(v) for v in _VARIANTS])
 def test_variant_compiles_sm90a(compiled_variants, idx):
     res = compiled_variants[idx]
-    output = _VARIANTS[idx].get("with_output", True)
-    states = _VARIANTS[idx].get("store_states", False) and output
+    states = _VARIANTS[idx].get("store_states", False)
     # the packed store_states variants spill a little (DeltaHFwdOStatesSm90's docstring)
     assert_wgmma_kernel(res, spill_bytes=32 if states else 0)
     assert res["cubins"]
@@ -92,7 +83,7 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     sass = subprocess.run(
         [nvdisasm, "-c", res["cubins"][0]], capture_output=True, text=True, check=True
     ).stdout
-    assert sass.count("HGMMA.64x64x16.F32") == (20 if output else 8)  # GEMM1, GEMM2 (8 k-steps each), GEMM3 (4)
+    assert sass.count("HGMMA.64x64x16.F32") == 20  # GEMM1, GEMM2 (8 k-steps each), GEMM3 (4)
     assert sass.count("HGMMA.64x128x16.F32") == 4  # GEMM4, kg read MN-major
     assert ".tnspB" in sass
     assert "UTMALDG" in sass and "USETMAXREG" in sass
@@ -301,36 +292,6 @@ def test_kernel_vs_fla_stages(case, aqk_causal):
     o64, ht64 = _reference_for(case)
     assert_close("o vs float64", o64, o, RATIO)
     assert_close("final_state vs float64", ht64, ht, RATIO)
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
-def test_states_kernel_vs_fla_fwd_h(case):
-    """The recurrence alone (``chunk_kda_fwd_h_sm90``, DeltaHStatesSm90) against FLA's chunk_gated_delta_rule_fwd_h
-    on identical inputs (FLA's intra stage's), every output NaN-poisoned: h and v_new."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.utils.index import prepare_chunk_offsets
-
-    from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_fwd_h_sm90
-    from cula.testing import assert_close, poisoned_allocations
-
-    q, k, v, g, beta, h0, cu, vf = _setup(case)
-    ci, cul, g_cum, w, u, _, kg, _ = _fla_intra(q, k, v, g, beta, cu)
-    h, v_new, _ = chunk_gated_delta_rule_fwd_h(
-        k=kg, w=w, u=u, gk=g_cum, initial_state=h0, output_final_state=False, cu_seqlens=cul, chunk_indices=ci,
-        chunk_size=64, state_v_first=vf,
-    )  # fmt: skip
-    packed = {}
-    if cu is not None:
-        packed = dict(cu_seqlens=cu, chunk_offsets=prepare_chunk_offsets(cul, 64), num_chunks=len(ci))
-    with poisoned_allocations():
-        h_ours, v_new_ours = chunk_kda_fwd_h_sm90(kg, w, u, g_cum, initial_state=h0, state_v_first=vf, **packed)
-    torch.cuda.synchronize()
-    assert h_ours.shape == h.shape and v_new_ours.shape == v_new.shape
-    assert not h_ours.isnan().any() and not v_new_ours.isnan().any()
-    assert_close("h vs fla", h.float(), h_ours.float(), RATIO)
-    assert_close("v_new vs fla", v_new.float(), v_new_ours.float(), RATIO)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

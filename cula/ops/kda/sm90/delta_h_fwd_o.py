@@ -12,35 +12,30 @@ import torch
 from cula.cache import compiled_kernel
 from cula.ops._host import check_chunk_operands, check_tensors, dsl_name, kernel_attr, placeholder
 
-__all__ = ["chunk_kda_delta_h_fwd_o_sm90", "chunk_kda_fwd_h_sm90", "compiled", "compiled_variant", "variant_key"]
+__all__ = ["chunk_kda_delta_h_fwd_o_sm90", "compiled", "compiled_variant", "variant_key"]
+
 
 def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-_CLASSES = {  # (store_states, with_output): the kernel class
-    (False, True): "DeltaHFwdOFusedSm90", (True, True): "DeltaHFwdOStatesSm90", (True, False): "DeltaHStatesSm90",
-}  # fmt: skip
-
-
 def variant_key(dtype="BFloat16", num_stages=3, varlen=False, has_h0=False, has_ht=False, state_v_first=False,
-                arch=(9, 0), aqk_causal=False, store_states=False, with_output=True) -> tuple:  # fmt: skip
+                arch=(9, 0), aqk_causal=False, store_states=False) -> tuple:  # fmt: skip
     """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype. ``store_states``:
-    ``DeltaHFwdOStatesSm90`` (also h and v_new); and without ``with_output``, ``DeltaHStatesSm90`` (h and v_new
-    alone)."""
-    return ("kda.delta_h_fwd_o", _CLASSES[store_states, with_output], dsl_name(dtype), 128, 128, 64, num_stages,
+    ``DeltaHFwdOStatesSm90`` (also h and v_new)."""
+    name = "DeltaHFwdOStatesSm90" if store_states else "DeltaHFwdOFusedSm90"
+    return ("kda.delta_h_fwd_o", name, dsl_name(dtype), 128, 128, 64, num_stages,
             varlen, has_h0, has_ht, state_v_first, arch, ("aqk_causal", aqk_causal))  # fmt: skip
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
     dtype, _K, _V, _BT, num_stages, varlen, has_h0, has_ht, state_v_first, arch, (_, aqk_causal) = key[2:]
-    store_states, with_output = {name: flags for flags, name in _CLASSES.items()}[key[1]]
     return compiled_kernel(
         key,
         lambda: kernel_attr(__name__, "_compile")(
             dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch, aqk_causal=aqk_causal,
-            store_states=store_states, with_output=with_output,
+            store_states=key[1] == "DeltaHFwdOStatesSm90",
         ),
     )
 
@@ -162,49 +157,3 @@ def chunk_kda_delta_h_fwd_o_sm90(
         final_state if final_state is not None else dummy_state,
         cu, *stored, T, N, float(scale),
     )  # fmt: skip
-
-
-def chunk_kda_fwd_h_sm90(
-    kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None, chunk_offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-    state_v_first: bool = False, chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """FLA's ``chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, initial_state=..., output_final_state=False, ...)``
-    for KDA on SM90 (``DeltaHStatesSm90``, the recurrence without the output): ``(h, v_new)``, ``h``
-    ``[B, NT, HV, K, V]`` (``[..., V, K]`` with ``state_v_first``) in w's dtype, the state before each chunk, and
-    ``v_new = u - w h`` like u. Packed (``cu_seqlens``, B = 1): ``chunk_offsets`` (FLA's ``prepare_chunk_offsets``,
-    int32 or int64) and ``num_chunks`` (all sequences' chunks) are required; otherwise NT = ceil(T / 64). Shapes
-    and dtypes as ``chunk_kda_delta_h_fwd_o_sm90`` takes them."""
-    B, T, HV, K, V = check_chunk_operands(w, u, chunk_size, "w/u/kg")
-    check_tensors((("u", u, (B, T, HV, V), w.dtype), ("kg", kg, (B, T, HV, K), w.dtype),
-                   ("g", g, (B, T, HV, K), torch.float32)), contiguous=True)  # fmt: skip
-    varlen = cu_seqlens is not None
-    if varlen:
-        if B != 1 or chunk_offsets is None or num_chunks is None:
-            raise ValueError("with cu_seqlens: batch size 1, chunk_offsets and num_chunks")
-        cu_seqlens = cu_seqlens.to(torch.int32)
-        N, NT = cu_seqlens.numel() - 1, int(num_chunks)
-    else:
-        N, NT = B, -(-T // 64)
-    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    if initial_state is not None:
-        check_tensors((("initial_state", initial_state, state_shape, torch.float32),), contiguous=True)
-    h = w.new_empty((B, NT, HV) + state_shape[2:])
-    v_new = torch.empty_like(u)
-    if N == 0 or HV == 0 or B * T == 0:  # no tokens: no chunk, no state before one
-        return h, v_new
-    dev = w.device
-    fn = compiled_variant(dtype=dsl_name(w.dtype), varlen=varlen, has_h0=initial_state is not None,
-                          state_v_first=state_v_first, store_states=True, with_output=False)  # fmt: skip
-
-    def flat(t):
-        return t.view(B * T, HV, t.shape[-1])
-
-    no_ints = placeholder(dev, torch.int32, (2,))
-    dummy_state = placeholder(dev, torch.float32, (1, 1) + state_shape[2:])
-    fn(
-        flat(w), flat(u), flat(kg), flat(g), initial_state if initial_state is not None else dummy_state,
-        dummy_state, cu_seqlens if varlen else no_ints, h.view(B * NT, HV, *state_shape[2:]), flat(v_new),
-        chunk_offsets.to(torch.int32) if varlen else no_ints, T, N,
-    )  # fmt: skip
-    return h, v_new

@@ -50,10 +50,6 @@ tensor end). Those rows are harmless: v_new rows past the end are zeroed before 
 them only, Aqk columns past the end only meet masked rows, and o rows past the end are not stored: a full chunk's
 o goes out by one TMA store per consumer warpgroup (staged in the stage's u tile; direct stores without
 ``aqk_causal``), a partial one's by row-predicated direct stores.
-
-``DeltaHStatesSm90`` is the recurrence alone, FLA's ``chunk_gated_delta_rule_fwd_h`` for the backward's recompute:
-no qg, Aqk or o (GEMM2 and GEMM3 drop out, 48 KB a stage), ``h`` and ``v_new`` written as ``DeltaHFwdOStatesSm90``
-writes them.
 """
 from __future__ import annotations
 
@@ -75,7 +71,7 @@ from cula.ops.cute_common import (
     token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
-__all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90", "DeltaHStatesSm90"]
+__all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
 
 
 class Barrier(enum.IntEnum):
@@ -109,7 +105,6 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         state_v_first: bool = False,
         aqk_causal: bool = False,
         store_states: bool = False,
-        with_output: bool = True,
     ):
         if head_k != 128 or head_v != 128:
             raise ValueError(f"only K = V = 128 is implemented, got K={head_k}, V={head_v}")
@@ -128,18 +123,13 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         self.aqk_causal = aqk_causal
         # also write what FLA's backward reads of the recurrence (``DeltaHFwdOStatesSm90``)
         self.store_states = store_states
-        # o (qg and Aqk in, GEMM2 and GEMM3); without it the recurrence alone (``DeltaHStatesSm90``)
-        if not (with_output or store_states):
-            raise ValueError("without the output the kernel must store the states")
-        self.with_output = with_output
         # full chunks' o by stmatrix + TMA (see the consumer prologue); the masked variant keeps the direct stores:
         # with the mask's registers the staging spills (20-28 bytes)
-        self.o_tma = aqk_causal and with_output
+        self.o_tma = aqk_causal
         # the consumers hold S^T (64 registers), its bf16 copy (32), two 64x64 accumulators (64), u (16) and the
         # bf16 v_new fragment (16) of their 232
         elt = dtype.width // 8
-        tiles = (4 * self.bt * self.dk + self.bt * self.bt) if with_output else 3 * self.bt * self.dk
-        self._set_stages(num_stages, tiles * elt + self.dk * 4)
+        self._set_stages(num_stages, (4 * self.bt * self.dk + self.bt * self.bt) * elt + self.dk * 4)
 
     @cute.jit
     def __call__(
@@ -187,28 +177,23 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         mma_o = self._state_product_mma(dt, BT)
         mma_s = self._state_update_mma(dt, DK)
 
-        sW_l = token_tile_b_k_major(dt, S)
+        sW_l, sQ_l = token_tile_b_k_major(dt, S), token_tile_b_k_major(dt, S)
+        sA_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S)  # (BT_i, BT_j, S)
         sK_l, sU_l, sG_l = token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S), gate_row_layout(S)
-        sQ_l = sA_l = sG_l  # without the output: unused stand-ins of a few bytes
-        if const_expr(self.with_output):
-            sQ_l = token_tile_b_k_major(dt, S)
-            sA_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S)  # (BT_i, BT_j, S)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
+        tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sQ_l, mode=[0, 1]), (BT, DK))
+        tma_a, ta = cpasync.make_tiled_tma_atom(g2s, a_v, cute.select(sA_l, mode=[0, 1]), (BT, BT))
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sK_l, mode=[0, 1]), (DK, BT))
         tma_u, tu = cpasync.make_tiled_tma_atom(g2s, u_v, cute.select(sU_l, mode=[0, 1]), (DV, BT))
         tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), (DK, 1))
-        tma_q, tq, tma_a, ta, tma_o, to = tma_w, tw, tma_w, tw, tma_w, tw  # unused without the output
-        if const_expr(self.with_output):
-            tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sQ_l, mode=[0, 1]), (BT, DK))
-            tma_a, ta = cpasync.make_tiled_tma_atom(g2s, a_v, cute.select(sA_l, mode=[0, 1]), (BT, BT))
-            # o^T of one consumer warpgroup: its 64 V rows of the stage's u tile (the half has the tile's swizzle)
-            half = DV // self.num_consumer_wg
-            sOh_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (half, DK, BT), dt, 1)
-            tma_o, to = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), o_v, cute.select(sOh_l, mode=[0, 1]), (half, BT)
-            )
+        # o^T of one consumer warpgroup: its 64 V rows of the stage's u tile (the half has the tile's swizzle)
+        half = DV // self.num_consumer_wg
+        sOh_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (half, DK, BT), dt, 1)
+        tma_o, to = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), o_v, cute.select(sOh_l, mode=[0, 1]), (half, BT)
+        )
 
         @cute.struct
         class Storage:
@@ -244,7 +229,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         o_v: cute.Tensor, h0_v: cute.Tensor, ht_v: cute.Tensor, mCu: cute.Tensor,
         seqlen: Int32, scale: Float32,
         mma_o: cute.TiledMma, mma_s: cute.TiledMma,
-        sW_l: cute.ComposedLayout, sQ_l, sA_l,
+        sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout, sA_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
         h_v: cute.Tensor, vn_v: cute.Tensor, mChunks: cute.Tensor,
     ):  # fmt: skip
@@ -254,11 +239,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == 0:
-            for atom in (tma_w, tma_k, tma_u, tma_g):
+            for atom in (tma_w, tma_q, tma_a, tma_k, tma_u, tma_g):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(self.with_output):
-                cpasync.prefetch_descriptor(tma_q)
-                cpasync.prefetch_descriptor(tma_a)
 
         # Sequence bounds: bos = first token of this sequence in the flattened [T_total] axis.
         if const_expr(self.varlen):
@@ -276,10 +258,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         storage = SmemAllocator().allocate(self.storage)
         pipe = recurrence_pipeline(storage.mbar.data_ptr(), S, self.num_consumer_wg, self.stage_bytes)
         sW = storage.sW.get_tensor(sW_l.outer, swizzle=sW_l.inner)
-        sQ = sA = sW  # unused without the output
-        if const_expr(self.with_output):
-            sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
-            sA = storage.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
+        sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
+        sA = storage.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
         sK = storage.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)
         sU = storage.sU.get_tensor(sU_l.outer, swizzle=sU_l.inner)
         sG = storage.sG.get_tensor(sG_l)
@@ -303,13 +283,11 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         self, pipe, tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, sW, sQ, sA, sK, sU, sG, h, bos,
         seq_len, num_chunks,
     ):  # fmt: skip
-        """Producer (warp 0): each chunk's six tiles (w, q, k, u, Aqk and the decay row; without the output four)
-        into the next stage."""
+        """Producer (warp 0): each chunk's six tiles (w, q, k, u, Aqk and the decay row) into the next stage."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (BT, DK), tokens_first=True)
-        if const_expr(self.with_output):
-            tQs, tQg = chunk_tiles(tma_q, tq, sQ, h, bos, (BT, DK), tokens_first=True)
-            tAs, tAg = chunk_tiles(tma_a, ta, sA, h, bos, (BT, BT), tokens_first=True)
+        tQs, tQg = chunk_tiles(tma_q, tq, sQ, h, bos, (BT, DK), tokens_first=True)
+        tAs, tAg = chunk_tiles(tma_a, ta, sA, h, bos, (BT, BT), tokens_first=True)
         tKs, tKg = chunk_tiles(tma_k, tk, sK, h, bos, (DK, BT), tokens_first=False)
         tUs, tUg = chunk_tiles(tma_u, tu, sU, h, bos, (DV, BT), tokens_first=False)
         tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
@@ -318,12 +296,10 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             pipe.producer_acquire(st)
             bar = pipe.producer_get_barrier(st)
             cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
-            if const_expr(self.with_output):
-                cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
             cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
             cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
-            if const_expr(self.with_output):
-                cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
             # the decay row: g at the last valid token of the chunk
             last = cutlass.min(c * BT + BT, seq_len) - 1
             cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
@@ -357,22 +333,20 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         tOrS = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, DK)))
         tVrV = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, BT)))
         tOrW = wg_o.make_fragment_B(wg_o.partition_B(sW))
+        tOrQ = wg_o.make_fragment_B(wg_o.partition_B(sQ))
+        tOrA = wg_o.make_fragment_B(wg_o.partition_B(sA))
         tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
         accV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
-        if const_expr(self.with_output):
-            tOrQ = wg_o.make_fragment_B(wg_o.partition_B(sQ))
-            tOrA = wg_o.make_fragment_B(wg_o.partition_B(sA))
-            accO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
-            rO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), self.dtype)
+        accO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
+        rO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), self.dtype)
         pV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), cutlass.Boolean)
         rD = column_decay(accS)
 
         tUsU = thr_o.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
         tVcV = thr_o.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
         tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
-        if const_expr(self.with_output):
-            gO = cute.local_tile(cute.domain_offset((0, bos), o_v[None, None, h]), (DV, BT), (0, None))
-            tOgO = thr_o.partition_C(gO)  # (MMA, MMA_M, MMA_N, NC)
+        gO = cute.local_tile(cute.domain_offset((0, bos), o_v[None, None, h]), (DV, BT), (0, None))
+        tOgO = thr_o.partition_C(gO)  # (MMA, MMA_M, MMA_N, NC)
         if const_expr(self.store_states):
             gVn = cute.local_tile(cute.domain_offset((0, bos), vn_v[None, None, h]), (DV, BT), (0, None))
             tVgVn = thr_o.partition_C(gVn)  # v_new^T's chunks, o's partition
@@ -411,8 +385,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
             warpgroup.fence()
             gemm_k_blocks(mma_o, accV, tOrS, tOrW, accumulate=False, b_stage=si)
-            if const_expr(self.with_output):
-                gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
+            gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
             warpgroup.commit_group()
             if const_expr(self.o_tma):
                 if (c > 0) & first_warp:
@@ -440,43 +413,38 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             decay_columns(accS, rD)
             v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
             tVrV.store(v_new.to(self.dtype))
-            if const_expr(self.with_output):
-                accO.store(accO.load() * scale)
+            accO.store(accO.load() * scale)
             if const_expr(not self.aqk_causal):
                 mask_bar.arrive_and_wait()
             # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment.
             warpgroup.fence()
-            if const_expr(self.with_output):
-                gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=si)
+            gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=si)
             gemm_k_blocks(mma_s, accS, tVrV, tSrK, accumulate=True, b_stage=si)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            if const_expr(self.with_output):
-                rO.store(accO.load().to(self.dtype))
-                tOgOc = tOgO[None, None, None, c]
-                if valid == BT:
-                    if const_expr(self.o_tma):
-                        # u is dead since v_new: o^T goes into this warpgroup's half of the u tile, then out by
-                        # TMA. The first warp releases the stage only once the store has read it (next chunk)
-                        cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
-                        cute.arch.fence_view_async_shared()
-                        wg_bar.arrive_and_wait()
-                        if issuer:
-                            cute.copy(tma_o, tOs[None, si], tOg[None, c])
-                            cute.arch.cp_async_bulk_commit_group()
-                        if not first_warp:
-                            pipe.consumer_release(st)
-                    else:
+            rO.store(accO.load().to(self.dtype))
+            tOgOc = tOgO[None, None, None, c]
+            if valid == BT:
+                if const_expr(self.o_tma):
+                    # u is dead since v_new: o^T goes into this warpgroup's half of the u tile, then out by
+                    # TMA. The first warp releases the stage only once the store has read it (next chunk)
+                    cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
+                    cute.arch.fence_view_async_shared()
+                    wg_bar.arrive_and_wait()
+                    if issuer:
+                        cute.copy(tma_o, tOs[None, si], tOg[None, c])
+                        cute.arch.cp_async_bulk_commit_group()
+                    if not first_warp:
                         pipe.consumer_release(st)
-                        tOgOc.store(rO.load())
-                else:  # the partial last chunk: row-predicated stores, the next sequence's rows untouched
+                else:
                     pipe.consumer_release(st)
-                    for i in cutlass.range_constexpr(cute.size(rO)):
-                        if tVcV[i][1] < valid:
-                            tOgOc[i] = rO[i]
-            else:  # nothing of the stage is read after GEMM4
+                    tOgOc.store(rO.load())
+            else:  # the partial last chunk: row-predicated stores, the next sequence's rows untouched
                 pipe.consumer_release(st)
+                for i in cutlass.range_constexpr(cute.size(rO)):
+                    if tVcV[i][1] < valid:
+                        tOgOc[i] = rO[i]
             if const_expr(self.store_states):
                 # from the bf16 operand fragments, once their products are done and o is out (fewest live
                 # registers): FLA's h[c] (the state the chunk's products read) and v_new (the fragment's order is
@@ -525,31 +493,8 @@ class DeltaHFwdOStatesSm90(DeltaHFwdOFusedSm90):
         self._launch(mW, mU, mKg, mQg, mG, mA, mO, mH0, mHt, mCu, seqlen, num_seqs, scale, stream, mH, mVn, mChunks)
 
 
-class DeltaHStatesSm90(DeltaHFwdOFusedSm90):
-    """The recurrence alone (FLA's ``chunk_gated_delta_rule_fwd_h``, for the backward's recompute): ``h`` and
-    ``v_new`` as ``DeltaHFwdOStatesSm90`` writes them, no o (no qg or Aqk read, GEMM2 and GEMM3 dropped; 3 stages of
-    48.5 KB)."""
-
-    def __init__(self, **options):
-        super().__init__(store_states=True, with_output=False, **options)
-
-    @cute.jit
-    def __call__(
-        self,
-        mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mG: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
-        mCu: cute.Tensor,
-        mH: cute.Tensor,  # (chunks, HV, K, V) or (chunks, HV, V, K) dtype, out
-        mVn: cute.Tensor,  # (T_total, HV, V) dtype, out
-        mChunks: cute.Tensor,  # (N + 1,) int32 first chunk of each sequence; unread unless varlen
-        seqlen: Int32, num_seqs: Int32, stream: cuda.CUstream,
-    ):  # fmt: skip
-        # qg, Aqk and o are never read or written: w, u and v_new stand in for them
-        self._launch(mW, mU, mKg, mW, mG, mW, mVn, mH0, mHt, mCu, seqlen, num_seqs, Float32(1.0), stream, mH, mVn,
-                     mChunks)  # fmt: skip
-
-
 def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 0), extra_options="",
-             aqk_causal=False, store_states=False, with_output=True):
+             aqk_causal=False, store_states=False):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.
 
     ``extra_options`` is appended to the cute.compile options (tests use ``--keep-cubin --dump-dir D``).
@@ -559,11 +504,10 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
     DK = DV = 128
     BT = 64
     dtype = dsl_type(dtype)
-    cls = DeltaHStatesSm90 if not with_output else DeltaHFwdOStatesSm90 if store_states else DeltaHFwdOFusedSm90
+    cls = DeltaHFwdOStatesSm90 if store_states else DeltaHFwdOFusedSm90
     kernel = cls(
         dtype=dtype, head_k=DK, head_v=DV, chunk_size=BT, num_stages=num_stages, varlen=varlen,
-        has_initial_state=has_h0, has_final_state=has_ht, state_v_first=state_v_first,
-        **({"aqk_causal": aqk_causal} if with_output else {}),
+        has_initial_state=has_h0, has_final_state=has_ht, state_v_first=state_v_first, aqk_causal=aqk_causal,
     )  # fmt: skip
     # Token and sequence strides are 64-bit so that T_total * HV * D (or N * HV * K * V) may pass 2^31
     # elements; their divisibility keeps TMA's 16-byte stride check provable at compile time.
@@ -585,11 +529,6 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
     def cu():
         return make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
 
-    if not with_output:  # w, u, kg, g, h0, ht, cu_seqlens, h, v_new, the chunk offsets
-        tensors = (tok(dtype, DK), tok(dtype, DV), tok(dtype, DK), tok(Float32, DK), state(), state(), cu(),
-                   state(dtype), tok(dtype, DV), cu())  # fmt: skip
-        args = (*tensors, Int32(1), Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
-        return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
     tensors = (tok(dtype, DK), tok(dtype, DV), tok(dtype, DK), tok(dtype, DK), tok(Float32, DK), tok(dtype, BT),
                tok(dtype, DV), state(), state(), cu())  # fmt: skip
     if store_states:  # h, v_new, the chunk offsets
