@@ -27,8 +27,8 @@ the backward, the backward's workspace, the gradients). With ``--kernels`` one m
 (torch.profiler), its forward and backward apart: every kernel's device time, launches and, where ``KERNEL_BYTES``
 has a byte model for it, its percent of its byte floor (in the JSON rows and a table per config in the markdown).
 
-Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--kernels] [--bwd-dhu
-[--bwd-dv-dhu]] [--bwd-wy-dqkg] [--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]]
+Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--kernels] [--bwd-dv-dhu]
+[--bwd-wy-dqkg] [--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]]
 [--bwd-recompute-intra]
 [--also NAME=FLAG[,FLAG...] ...]``: ``--also`` times cula's side again with more stages on, in the same process
 (FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``;
@@ -137,7 +137,8 @@ KERNEL_BYTES = (
     ("both", "chunk_gated_delta_rule_fwd_kernel_h", 1548, 1),  # 3
     ("backward", "chunk_kda_bwd_kernel_dAv", 1152, 0),  # 4
     ("backward", "chunk_gated_delta_rule_bwd_kernel_dhu", 2064, 2),  # 5
-    ("backward", "ChunkKDABwdDhuSm90", 2064, 2),  # (with stage 4: _STAGE4_BYTES)
+    # 4 and 5 in one launch of cula's kernel: qg, kg, w, do, v_new, Aqk and the g rows in, dh, dv2 and dAqk out
+    ("backward", "ChunkKDABwdDhuSm90", 2440, 2),
     ("backward", "chunk_kda_bwd_kernel_wy_dqkg_fused", 5256, 0),  # 6
     ("backward", "ChunkKDABwdWyDqkgSm90", 5256, 0),
     ("backward", "chunk_kda_bwd_kernel_intra", 4628, 0),  # 7
@@ -149,20 +150,11 @@ KERNEL_BYTES = (
 )
 
 
-# cula's stage-5 kernel with stage 4 in its launch (KdaTuning.bwd_dv_dhu; the same kernel name): qg, kg, w, do,
-# v_new, Aqk and the g rows in, dh, dv2 and dAqk out
-_STAGE4_BYTES = 2440
-
-
 def kernel_floor_us(phase: str, kernel: str, cfg: kp.Config, copy_bw_tbps: float) -> float | None:
     """A kernel's byte floor in a step of ``cfg`` (``KERNEL_BYTES`` at the copy rate, under the H200 tuning entry in
     force), None where it has none."""
-    from cula.kda.plan import KDA_TUNING
-
     for where, piece, per_token, states in KERNEL_BYTES:
         if where in (phase, "both") and piece in kernel:
-            if piece == "ChunkKDABwdDhuSm90" and KDA_TUNING.get((9, 0)).bwd_dv_dhu:
-                per_token = _STAGE4_BYTES
             nbytes = (per_token * sum(cfg.lens) + states * cfg.N * 4 * kp.K * kp.V) * cfg.HV
             return nbytes / (copy_bw_tbps * 1e12) * 1e6
     return None
@@ -360,13 +352,16 @@ def _graph_form(cfg: kp.Config, work: kp.Workload, cula_fn: Callable) -> Callabl
 
 
 def _stages_on(stages):
-    """The H200's tuning entry with these backward stages (``KdaTuning`` flag names) on for the block."""
+    """The H200's tuning entry with these backward stages (``_STAGE_FLAGS``) on for the block."""
     from cula.kda.plan import KDA_TUNING
 
-    return KDA_TUNING.override((9, 0), **dict.fromkeys(stages, True)) if stages else contextlib.nullcontext()
+    values = dict(_STAGE_VALUES.get(s, (s, True)) for s in stages)
+    return KDA_TUNING.override((9, 0), **values) if stages else contextlib.nullcontext()
 
 
-_STAGE_FLAGS = ("bwd_dhu", "bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
+# KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
+_STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_min_lanes", 1)}
+_STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
                 "bwd_intra_l2norm", "bwd_recompute_intra")  # fmt: skip
 
 
@@ -392,11 +387,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         max_seconds_help="start no new config after this many seconds (0: no limit); the results say partial",
         host_overhead_help="unused (a training step is GPU-bound at these sizes)",
     )
-    p.add_argument("--bwd-dhu", action="store_true",
-                   help="cula's side with stage 5 of the backward on cula's kernel (KdaTuning.bwd_dhu), whatever "
-                        "the tuning entry says; results as kda_training_bwd_dhu")  # fmt: skip
     p.add_argument("--bwd-dv-dhu", action="store_true",
-                   help="with --bwd-dhu: stage 4 in stage 5's launch too (KdaTuning.bwd_dv_dhu)")
+                   help="cula's side with stages 4 and 5 of the backward in one launch of cula's kernel at every lane "
+                        "count (KdaTuning.bwd_dv_dhu_min_lanes = 1); results as kda_training_bwd_dv_dhu")  # fmt: skip
     p.add_argument("--bwd-wy-dqkg", action="store_true",
                    help="cula's side with stage 6 of the backward on cula's kernel (KdaTuning.bwd_wy_dqkg), whatever "
                         "the tuning entry says; results as kda_training_bwd_wy_dqkg")  # fmt: skip
@@ -411,7 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the backward's recompute prefix on cula's intra kernel (KdaTuning.bwd_recompute_intra)")
     p.add_argument("--bwd-intra", action="store_true",
                    help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
-                        "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dhu_bwd_intra)")
+                        "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dv_dhu_bwd_intra)")
     p.add_argument("--kernels", action="store_true",
                    help="profile one step of each side per config: every kernel's time, launches and percent of its "
                         "byte floor (KERNEL_BYTES), by phase, in the JSON rows and a table per config in the markdown")

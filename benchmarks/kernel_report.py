@@ -18,9 +18,8 @@ Reports (all by default):
   against FLA's gate cumsum + ``chunk_kda_fwd_intra``.
 * ``kda-states``: the state/output kernel (``chunk_kda_delta_h_fwd_o_sm90``) alone on FLA's intermediates at the same
   shape, FLA's intra stage, ``chunk_kda_fwd_sm90`` whole and FLA's ``chunk_kda``.
-* ``kda-bwd-dhu``: the backward's state-gradient recurrence (``chunk_kda_bwd_dhu_sm90``) against FLA's
-  ``chunk_gated_delta_rule_bwd_dhu`` at the same shape (what ``KdaTuning.bwd_dhu`` is set from, with the training
-  benchmark's step).
+* ``kda-bwd-dv-dhu``: the backward's dv and state-gradient recurrence in one launch (``chunk_kda_bwd_dv_dhu_sm90``)
+  against FLA's ``chunk_kda_bwd_dAv`` + ``chunk_gated_delta_rule_bwd_dhu`` at the same shape.
 
 Kernel times are medians of CUDA-event-timed calls (``common.bench``) with L2 flushed before each decode call
 (the decode inputs fit in L2) and one input set for the prefill shapes (each far above 2x L2). FLA autotunes on its
@@ -239,26 +238,36 @@ def report_kda_states() -> list[dict]:
              "chunk_kda_fwd_sm90_us": ms_cula * 1e3, "fla_chunk_kda_us": ms_fla * 1e3}]  # fmt: skip
 
 
-def report_kda_bwd_dhu() -> list[dict]:
-    """Stage 5 of the KDA backward at the prefill shape: FLA's chunk_gated_delta_rule_bwd_dhu against cula's
-    kernel on the same inputs (FLA's intermediates, random do / dv / dht), [V, K] states, and the bytes' rate."""
+def report_kda_bwd_dv_dhu() -> list[dict]:
+    """Stages 4 and 5 of the KDA backward at the prefill shape: FLA's chunk_kda_bwd_dAv then
+    chunk_gated_delta_rule_bwd_dhu against cula's one launch on the same inputs (FLA's intermediates, random do /
+    dht, a causal Aqk), [V, K] states, and the bytes' rate."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
 
-    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90
+    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dv_dhu_sm90
 
     q, k, v, g, beta = _kda_prefill_inputs()
     B, T = q.shape[:2]
     scale = K**-0.5
     g_cum, w, u, qg, kg, *_ = _fla_intra(q, k, v, g, beta, scale)
-    do, dv = (torch.randn(B, T, HV, V, device="cuda").to(q.dtype) for _ in range(2))
+    do, v_new = (torch.randn(B, T, HV, V, device="cuda").to(q.dtype) for _ in range(2))
+    t = torch.arange(T, device="cuda")
+    causal = ((t % 64)[:, None] >= torch.arange(64, device="cuda")[None, :])[None, :, None, :]
+    aqk = (torch.randn(B, T, HV, 64, device="cuda") * 0.1 * causal).to(q.dtype)
     dht, h0 = torch.randn(B, HV, V, K, device="cuda") * 0.1, torch.zeros(B, HV, V, K, device="cuda")
-    args = dict(q=qg, k=kg, w=w, do=do, dv=dv, gk=g_cum, h0=h0, dht=dht, scale=scale, state_v_first=True)
-    ms = kernel_us(lambda: chunk_kda_bwd_dhu_sm90(**args), flush=False, iters=50) / 1e3
-    ms_fla = kernel_us(lambda: chunk_gated_delta_rule_bwd_dhu(**args, chunk_size=64), flush=False, iters=50) / 1e3
+    stage5 = dict(q=qg, k=kg, w=w, do=do, gk=g_cum, h0=h0, dht=dht, scale=scale, state_v_first=True)
+
+    def fla():
+        _, dv = chunk_kda_bwd_dAv(q=qg, k=kg, v=v_new, do=do, A=aqk, scale=scale, chunk_size=64)
+        return chunk_gated_delta_rule_bwd_dhu(**stage5, dv=dv, chunk_size=64)
+
+    ms = kernel_us(lambda: chunk_kda_bwd_dv_dhu_sm90(**stage5, Aqk=aqk, v_new=v_new), flush=False, iters=50) / 1e3
+    ms_fla = kernel_us(fla, flush=False, iters=50) / 1e3
     NT = -(-T // 64)
-    nbytes = (sum(t.numel() * t.element_size() for t in (qg, kg, w, do, dv, g_cum)) + dv.numel() * 2
-              + B * NT * HV * K * V * 2 + 2 * dht.numel() * 4)  # fmt: skip
-    return [{"report": "kda-bwd-dhu", "B": B, "T": T, "cula_us": ms * 1e3, "fla_us": ms_fla * 1e3,
+    nbytes = (sum(t.numel() * t.element_size() for t in (qg, kg, w, do, v_new, aqk, g_cum)) + do.numel() * 2
+              + aqk.numel() * 4 + B * NT * HV * K * V * 2 + 2 * dht.numel() * 4)  # fmt: skip
+    return [{"report": "kda-bwd-dv-dhu", "B": B, "T": T, "cula_us": ms * 1e3, "fla_us": ms_fla * 1e3,
              "speedup": ms_fla / ms, "cula_tbps": nbytes / ms / 1e9}]  # fmt: skip
 
 
@@ -267,7 +276,7 @@ REPORTS = {
     "lightning-decode": report_lightning_decode,
     "kda-intra": report_kda_intra,
     "kda-states": report_kda_states,
-    "kda-bwd-dhu": report_kda_bwd_dhu,
+    "kda-bwd-dv-dhu": report_kda_bwd_dv_dhu,
 }
 
 

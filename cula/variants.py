@@ -122,7 +122,7 @@ def _kda_intra_variants(d: dict, **flags) -> None:
 
 def _kda_training(scope: str) -> None:
     """The stages of ``chunk_kda``'s backward that run on cula's kernels where ``KDA_TUNING``'s entry turns them on
-    (``cula.kda.fla_backward``): stage 5 (the state-gradient recurrence, with stage 4 where the entry says so), 6
+    (``cula.kda.fla_backward``): stages 4 and 5 (dv and the state-gradient recurrence, in one launch), 6
     (the state-term and WY gradients), 7 (the intra-score gradients, with stage 8 on chip where the entry says so).
     beta reaches them after the glue's sigmoid (fp32) or as given."""
     from cula.kda.plan import KDA_TUNING
@@ -134,10 +134,10 @@ def _kda_training(scope: str) -> None:
     if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, T read
         _kda_intra_variants(d, g_cum_last_only=False, given_t=True)
     for dt, varlen in itertools.product(d["io"], _B):
-        if entry.bwd_dhu:  # with stage 4 in the launch where the entry says so (fla_backward._stage4_fused)
-            for dht, dh0, svf, dv_intra in itertools.product(_B, _B, _B, _B if entry.bwd_dv_dhu else (False,)):
+        if entry.bwd_dv_dhu_min_lanes is not None:
+            for dht, dh0, svf in itertools.product(_B, _B, _B):
                 bwd_dhu.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_dht=dht, has_dh0=dh0,
-                                         state_v_first=svf, dv_intra=dv_intra)  # fmt: skip
+                                         state_v_first=svf)  # fmt: skip
         for b_dt in d["beta"]:
             if entry.bwd_wy_dqkg:
                 for svf in _B:
@@ -214,7 +214,7 @@ def _smoke() -> None:
     from cula.kda.plan import KDA_TUNING, kda_decode_launcher
     from cula.lightning.plan import launch_key
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import bwd_intra, bwd_wy_dqkg, fwd_launch, intra, segment_chain, segment_summary
+    from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg, fwd_launch, intra, segment_chain, segment_summary
     from cula.ops.lightning.sm90 import chunk_fwd as lc
     from cula.ops.lightning.sm90 import decode as ld
 
@@ -233,9 +233,11 @@ def _smoke() -> None:
     )  # fmt: skip
     for causal in _B:
         dh.compiled_variant(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
-    # training's backward: stages 6 and 7 on cula's kernels where the entry says so (beta after the glue's sigmoid
-    # is fp32)
+    # training's backward: stages 4 and 5, 6 and 7 on cula's kernels where the entry says so (beta after the glue's
+    # sigmoid is fp32)
     entry = KDA_TUNING.get((9, 0))
+    if entry.bwd_dv_dhu_min_lanes is not None:
+        bwd_dhu.compiled_variant(dtype="BFloat16", varlen=False, has_dht=True, has_dh0=True, state_v_first=False)
     if entry.bwd_wy_dqkg:
         bwd_wy_dqkg.compiled_variant(dtype="BFloat16", beta_dtype="Float32", state_v_first=False, varlen=False)
     if entry.bwd_intra:  # the call's g is fp32, with A_log and dt_bias; GVA (no L2 norm's backward on chip)

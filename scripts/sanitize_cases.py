@@ -217,21 +217,12 @@ def kda_training_disable_recompute():
 
 
 @case
-def kda_training_bwd_dhu():
-    # autograd on with stage 5 of the backward on cula's kernel (KdaTuning.bwd_dhu), fixed and packed
-    from cula.kda.plan import KDA_TUNING
-
-    with KDA_TUNING.override(bwd_dhu=True):
-        _kda_chunk(2, 130, 1, 2, grad=True, v_first=True)
-        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
-
-
-@case
 def kda_training_bwd_dv_dhu():
-    # stages 4 and 5 in one launch of cula's stage-5 kernel (KdaTuning.bwd_dv_dhu): fixed and packed, both layouts
+    # stages 4 and 5 in one launch of cula's kernel at every lane count (KdaTuning.bwd_dv_dhu_min_lanes): fixed and
+    # packed, both layouts
     from cula.kda.plan import KDA_TUNING
 
-    with KDA_TUNING.override(bwd_dhu=True, bwd_dv_dhu=True):
+    with KDA_TUNING.override(bwd_dv_dhu_min_lanes=1):
         _kda_chunk(2, 130, 1, 2, grad=True, v_first=True)
         _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
 

@@ -153,11 +153,8 @@ def test_training_kernel_floors():
     dhu = kt.kernel_floor_us("backward", "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", cfg, 1)
     assert dhu == pytest.approx((2064 * 300 + 2 * 2 * 4 * kp.K * kp.V) * 4 * per_us)
     assert kt.kernel_floor_us("both", "l2norm_fwd_kernel", cfg, 1) is not None
-    from cula.kda.plan import KDA_TUNING
-
-    with KDA_TUNING.override((9, 0), bwd_dhu=True, bwd_dv_dhu=True):  # stage 4 in stage 5's launch: more bytes
-        fused = kt.kernel_floor_us("backward", "kernel_cutlass_kernel_ChunkKDABwdDhuSm90_object", cfg, 1)
-    assert fused == pytest.approx((kt._STAGE4_BYTES * 300 + 2 * 2 * 4 * kp.K * kp.V) * 4 * per_us)
+    fused = kt.kernel_floor_us("backward", "kernel_cutlass_kernel_ChunkKDABwdDhuSm90_object", cfg, 1)
+    assert fused == pytest.approx((2440 * 300 + 2 * 2 * 4 * kp.K * kp.V) * 4 * per_us)  # stages 4 and 5
     assert kt.kernel_floor_us("forward", "chunk_kda_bwd_kernel_dAv", cfg, 1) is None
     assert kt.kernel_floor_us("forward", "void at::native::vectorized_elementwise_kernel", cfg, 1) is None
     table = [{"phase": "backward", "kernel": "chunk_kda_bwd_kernel_dAv", "us": 10.0, "launches": 1, "floor_us": 5.0,
@@ -212,17 +209,18 @@ def test_training_also_times_more_stage_sets(cpu_bench, monkeypatch):
     seen, kept = [], []
 
     def cula_step(disable_recompute=False, **kw):
-        seen.append(KDA_TUNING.get((9, 0)).bwd_dhu)
+        seen.append(KDA_TUNING.get((9, 0)).bwd_dv_dhu_min_lanes)
         kept.append(disable_recompute)
         return _fake_training_step(**kw)
 
-    args = kt.parse_args(["--iters", "2", "--warmup", "1", "--also", "dhu=bwd_dhu",
+    args = kt.parse_args(["--iters", "2", "--warmup", "1", "--also", "dhu=bwd_dv_dhu",
                           "--also", "kept=disable_recompute"])  # fmt: skip
-    assert args.also == [("dhu", ("bwd_dhu",)), ("kept", ("disable_recompute",))]
+    assert args.also == [("dhu", ("bwd_dv_dhu",)), ("kept", ("disable_recompute",))]
     row = kt.run_config(kp.Config("fixed", 1, 16, (16,)), _fake_training_step, cula_step, args)
-    assert row["also"]["dhu"]["check"] == "ok" and row["also"]["dhu"]["stages"] == ["bwd_dhu"]
+    assert row["also"]["dhu"]["check"] == "ok" and row["also"]["dhu"]["stages"] == ["bwd_dv_dhu"]
     assert row["dhu_ms"] > 0 and row["dhu_speedup"] > 0 and row["cula_ms"] > 0 and row["kept_ms"] > 0
-    assert False in seen and True in seen and not KDA_TUNING.get((9, 0)).bwd_dhu
+    default = KDA_TUNING.get((9, 0)).bwd_dv_dhu_min_lanes
+    assert set(seen) == {default, 1} and default != 1
     assert False in kept and True in kept
     for bad in ("gate", "gate=bwd_nothing", "1x=bwd_intra_gate"):
         with pytest.raises(SystemExit):

@@ -178,15 +178,15 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
 
 
 def test_training_stage_requests_are_listed(requested, kda_tuning):
-    """The backward stages' hosts (stages 5, 6, 7 on cula's kernels) ask only for listed variants, over the dtypes,
-    layouts and forms the training path hands them; a stage whose tuning flag is off lists nothing."""
-    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90
+    """The backward stages' hosts (stages 4 and 5, 6, 7 on cula's kernels) ask only for listed variants, over the
+    dtypes, layouts and forms the training path hands them; a stage whose tuning flag is off lists nothing."""
+    from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dv_dhu_sm90
     from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
     from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
 
-    kda_tuning(bwd_dhu=False, bwd_wy_dqkg=False, bwd_intra=False, bwd_recompute_intra=False)
+    kda_tuning(bwd_dv_dhu_min_lanes=None, bwd_wy_dqkg=False, bwd_intra=False, bwd_recompute_intra=False)
     assert not variants.planner_variants("full", ops=("kda.training",))
-    kda_tuning(bwd_dhu=True, bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
+    kda_tuning(bwd_dv_dhu_min_lanes=1, bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
                bwd_intra_l2norm=True, bwd_recompute_intra=True)  # fmt: skip
     listed = set(variants.planner_variants("full", ops=("kda.training",)))
     H, HV, D = 1, 2, 128
@@ -213,8 +213,8 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
                 chunk_kda_bwd_intra_sm90(x, x, f1, beta1, a1, a1, f1, f1, _rnd(B, T, 1, dtype=FP32), f1,
                                          cu_seqlens=cu, reverse_cumsum_dg=True, qk_rstd=rstd, gate=g1)  # fmt: skip
         chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf, cu_seqlens=cu)
-        chunk_kda_bwd_dhu_sm90(xv, xv, xv, xv, xv, f, h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32),
-                               dht=None, state_v_first=svf, cu_seqlens=cu)  # fmt: skip
+        chunk_kda_bwd_dv_dhu_sm90(xv, xv, xv, xv, a.to(io), xv, f, dht=None, state_v_first=svf, cu_seqlens=cu,
+                                  h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32))  # fmt: skip
     # the recompute prefix on cula's intra kernel: every row of g_cum, T read from the forward's Akk, over the gates
     # and flags it takes
     from cula.kda.forward import _intra_cute

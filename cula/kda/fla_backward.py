@@ -1,9 +1,9 @@
 """FLA 0.6.0's chunked KDA backward (``fla.ops.kda.chunk_bwd.chunk_kda_bwd``) as cula's training path runs it: FLA's
 own stages in FLA's order, with stage 6 (``chunk_kda_bwd_wy_dqkg_fused``, the state-term and WY gradients) on cula's
 own kernel where ``KdaTuning.bwd_wy_dqkg`` says so, else launched at a configuration FLA's Hopper autotune list leaves
-out (``KdaTuning.wy_dqkg_launch``), stage 5 (``chunk_gated_delta_rule_bwd_dhu``, the state-gradient recurrence) on
-cula's own kernel where ``KdaTuning.bwd_dhu`` says so (with stage 4, ``chunk_kda_bwd_dAv``, in its launch where
-``KdaTuning.bwd_dv_dhu`` says so), and stage 7 (``chunk_kda_bwd_intra``, the gradients through the intra-chunk scores)
+out (``KdaTuning.wy_dqkg_launch``), stages 4 and 5 (``chunk_kda_bwd_dAv`` and ``chunk_gated_delta_rule_bwd_dhu``, dv
+and the state-gradient recurrence) in one launch of cula's own kernel where ``KdaTuning.bwd_dv_dhu_min_lanes`` says
+so, and stage 7 (``chunk_kda_bwd_intra``, the gradients through the intra-chunk scores)
 on cula's own kernel where ``KdaTuning.bwd_intra`` says so and the gates are ones it is exact for; that kernel also
 does stage 8 (the reverse chunk-local cumsum of dg) where ``KdaTuning.bwd_intra_cumsum`` says so, and the rebound body
 then skips it.
@@ -194,8 +194,9 @@ def _stage_on(flag: str, q, K, V, chunk_size) -> bool:
 
 @dataclasses.dataclass
 class _Stage4Left:
-    """Stage 4's call (FLA's ``chunk_kda_bwd_dAv``) left for stage 5's launch (``KdaTuning.bwd_dv_dhu``): the rebound
-    body hands it on as ``dv``; ``dAqk`` is the tensor it already returned as stage 4's, which that launch fills."""
+    """Stage 4's call (FLA's ``chunk_kda_bwd_dAv``) left for stage 5's launch (``KdaTuning.bwd_dv_dhu_min_lanes``):
+    the rebound body hands it on as ``dv``; ``dAqk`` is the tensor it already returned as stage 4's, which that
+    launch fills."""
 
     kwargs: dict
     dAqk: torch.Tensor
@@ -218,35 +219,33 @@ def _bwd_dAv(q, k, v, do, A=None, scale=None, cu_seqlens=None, chunk_size=64, ch
     return dAqk, _Stage4Left(kwargs, dAqk)
 
 
-def _dhu_ours(q, w, do, g, gk, chunk_size, use_graph) -> bool:
-    """Whether stage 5 runs on cula's kernel: the tuning entry says so (``KdaTuning.bwd_dhu``), ``_stage_on``'s
-    conditions hold and the call is one the kernel covers (the per-channel gate alone, bf16 / fp16, per-value-head
-    q, not FLA's graph mode: the kernel walks FLA's exact chunk list)."""
-    ours = not use_graph and _stage_on("bwd_dhu", q, q.shape[-1], do.shape[-1], chunk_size)
-    return ours and g is None and gk is not None and q.dtype in (torch.bfloat16, torch.float16) and q.shape == w.shape
+def _dhu_covers(q, w, do, g, gk, chunk_size) -> bool:
+    """Whether cula's stage-5 kernel covers the call: ``launch_verdict``'s conditions (CUDA on SM90, K = V = 128,
+    64-token chunks), the per-channel gate alone, bf16 / fp16, per-value-head q."""
+    if not _ours(True, q, q.shape[-1], do.shape[-1], chunk_size):
+        return False
+    return g is None and gk is not None and q.dtype in (torch.bfloat16, torch.float16) and q.shape == w.shape
 
 
 def _bwd_dhu(
     q, k, w, do, dv, g=None, gk=None, h0=None, dht=None, scale=None, state_v_first=False, cu_seqlens=None,
     chunk_size=64, chunk_indices=None, chunk_offsets=None, use_graph=False,
 ):  # fmt: skip
-    """FLA's ``chunk_gated_delta_rule_bwd_dhu`` (stage 5) with its arguments and returns, on cula's kernel
-    (``cula.ops.kda.sm90.bwd_dhu``) where ``_dhu_ours`` says so, with stage 4 in the same launch where ``dv`` is
-    its call (``_Stage4Left``); FLA's own function elsewhere (after FLA's stage 4 where that was left to it)."""
+    """FLA's ``chunk_gated_delta_rule_bwd_dhu`` (stage 5) with its arguments and returns: where ``dv`` is stage 4's
+    call (``_Stage4Left``) and ``_dhu_covers`` the call, stages 4 and 5 in one launch of cula's kernel
+    (``cula.ops.kda.sm90.bwd_dhu``); FLA's own function elsewhere (after FLA's stage 4 where that was left to it)."""
     from fla.ops.common import chunk_delta_h
 
-    if _dhu_ours(q, w, do, g, gk, chunk_size, use_graph):
-        from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dhu_sm90, chunk_kda_bwd_dv_dhu_sm90
+    if isinstance(dv, _Stage4Left) and _dhu_covers(q, w, do, g, gk, chunk_size):
+        from cula.ops.kda.sm90.bwd_dhu import chunk_kda_bwd_dv_dhu_sm90
 
-        dht = None if dht is None else dht.contiguous()
-        common = dict(h0=h0, dht=dht, scale=scale, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-                      chunk_size=chunk_size, chunk_indices=chunk_indices)  # fmt: skip
-        if isinstance(dv, _Stage4Left):
-            left = dv.kwargs
-            aqk, v_new = left["A"].contiguous(), left["v"].contiguous()
-            _, dh, dh0, dv2 = chunk_kda_bwd_dv_dhu_sm90(q, k, w, do, aqk, v_new, gk, dAqk=dv.dAqk, **common)
-            return dh, dh0, dv2
-        return chunk_kda_bwd_dhu_sm90(q, k, w, do, dv, gk, **common)
+        left = dv.kwargs
+        _, dh, dh0, dv2 = chunk_kda_bwd_dv_dhu_sm90(
+            q, k, w, do, left["A"].contiguous(), left["v"].contiguous(), gk, h0=h0,
+            dht=None if dht is None else dht.contiguous(), scale=scale, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, chunk_indices=chunk_indices, dAqk=dv.dAqk,
+        )  # fmt: skip
+        return dh, dh0, dv2
     if isinstance(dv, _Stage4Left):
         dv = dv.run_fla()
     return chunk_delta_h.chunk_gated_delta_rule_bwd_dhu(
@@ -423,17 +422,20 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
 
 
 def _stage4_fused(kwargs: dict) -> bool:
-    """Whether stage 4 is left to stage 5's launch (``_bwd_dAv``): the tuning entry says so (``KdaTuning.bwd_dhu``
-    and ``bwd_dv_dhu``), not FLA's graph mode, and the forward's Aqk is cula's intra kernel's (the call's gates are
-    ones it takes, ``cula.kda.plan.use_cula_intra``; zero above the diagonal) in q's dtype. Stage 5's own conditions
-    are checked at its call, which runs FLA's stage 4 first where they fail."""
+    """Whether stage 4 is left to stage 5's launch (``_bwd_dAv``): the tuning entry says so for the call's (sequence,
+    value head) lane count (``KdaTuning.bwd_dv_dhu_min_lanes``; the count from shapes alone, no host sync), not FLA's
+    graph mode (the kernel walks FLA's exact chunk list), and the forward's Aqk is cula's intra kernel's (the call's
+    gates are ones it takes, ``cula.kda.plan.use_cula_intra``; zero above the diagonal) in q's dtype. Stage 5's own
+    conditions are checked at its call, which runs FLA's stage 4 first where they fail."""
     from cula.kda.plan import KDA_TUNING, use_cula_intra
 
     q, v, Aqk = kwargs["q"], kwargs["v"], kwargs.get("Aqk")
     if not q.is_cuda or kwargs.get("use_graph") or Aqk is None or Aqk.dtype != q.dtype:
         return False
-    entry = KDA_TUNING.for_device(q.device)
-    return entry.bwd_dhu and entry.bwd_dv_dhu and use_cula_intra(
+    min_lanes = KDA_TUNING.for_device(q.device).bwd_dv_dhu_min_lanes
+    cu = kwargs.get("cu_seqlens")
+    lanes = (q.shape[0] if cu is None else cu.shape[0] - 1) * v.shape[2]
+    return min_lanes is not None and lanes >= min_lanes and use_cula_intra(
         q, v, kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False), kwargs.get("lower_bound")
     )
 

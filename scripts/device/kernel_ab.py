@@ -104,14 +104,23 @@ def _intra_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = None
 
 
 def _dhu_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | None = None):
-    """Stage 5's inputs (``chunk_kda_bwd_dhu_sm90``), random but finite, with dht in and dh0 out."""
+    """Stages 4 and 5's inputs (``chunk_kda_bwd_dv_dhu_sm90``), random but finite (Aqk zero above each chunk's
+    diagonal as cula's intra kernel writes it), with dht in and dh0 out."""
     wy = _wy_inputs(B, T, HV, state_v_first, lens)
     N = B if lens is None else len(lens)
     dht = 0.1 * torch.randn(N, HV, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     extra = {n: wy[n] for n in ("cu_seqlens", "chunk_indices") if n in wy}
     # qg, kg and w small enough that the recurrence stays bounded over 256 chunks
-    return dict(q=wy["q"] * 0.02, k=wy["k"] * 0.02, w=wy["v"] * 0.02, do=wy["do"], dv=wy["dv"], gk=wy["g"], h0=dht,
-                dht=dht, scale=0.088, state_v_first=state_v_first, **extra)  # fmt: skip
+    return dict(q=wy["q"] * 0.02, k=wy["k"] * 0.02, w=wy["v"] * 0.02, do=wy["do"], Aqk=_causal(wy["A"]),
+                v_new=wy["v_new"], gk=wy["g"], h0=dht, dht=dht, scale=0.088, state_v_first=state_v_first,
+                **extra)  # fmt: skip
+
+
+def _causal(a: torch.Tensor) -> torch.Tensor:
+    """``a`` ``[B, T, HV, 64]`` with each 64-token chunk's entries above the diagonal zeroed (rows by token)."""
+    t = torch.arange(a.shape[1], device=a.device)
+    keep = (t % 64)[:, None] >= torch.arange(64, device=a.device)[None, :]
+    return a * keep[None, :, None, :].to(a.dtype)
 
 
 def _states_inputs(B: int, T: int, HV: int):
@@ -120,8 +129,7 @@ def _states_inputs(B: int, T: int, HV: int):
     fresh ones for each side)."""
     wy = _wy_inputs(B, T, HV, True)
     h0 = 0.1 * torch.randn(B, HV, 128, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
-    causal = torch.tril(torch.ones(64, 64, device="cuda")).view(1, 1, 64, 1, 64)
-    aqk = (wy["A"].float().view(B, T // 64, 64, HV, 64) * causal).view(B, T, HV, 64).bfloat16()
+    aqk = _causal(wy["A"])
     # w and kg small enough that the recurrence stays bounded over 256 chunks
     return dict(w=wy["q"] * 0.02, u=wy["v"], kg=wy["k"] * 0.02, qg=wy["v_new"], g=wy["g"], Aqk=aqk,
                 o=torch.empty_like(wy["v"]), initial_state=h0, final_state=torch.empty_like(h0), scale=0.088,
@@ -129,13 +137,13 @@ def _states_inputs(B: int, T: int, HV: int):
 
 
 _STATES = ("cula.ops.kda.sm90.delta_h_fwd_o", "chunk_kda_delta_h_fwd_o_sm90")
-_DHU = ("cula.ops.kda.sm90.bwd_dhu", "chunk_kda_bwd_dhu_sm90")
+_DHU = ("cula.ops.kda.sm90.bwd_dhu", "chunk_kda_bwd_dv_dhu_sm90")
 _WY = ("cula.ops.kda.sm90.bwd_wy_dqkg", "chunk_kda_bwd_wy_dqkg_sm90")
 _INTRA = ("cula.ops.kda.sm90.bwd_intra", "chunk_kda_bwd_intra_sm90")
 CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
     # the forward's state / output kernel (cula's causal Aqk: o by TMA), fixed at the benchmark's shape
     "states-B2-T16384": (_STATES, lambda: _states_inputs(2, 16384, 64)),
-    # stage 5 at the training benchmark's largest shape, and packed (empty, length-1 and partial sequences)
+    # stages 4 and 5 at the training benchmark's largest shape, and packed (empty, length-1 and partial sequences)
     "bwd_dhu-B2-T16384-vk": (_DHU, lambda: _dhu_inputs(2, 16384, 64, True)),
     "bwd_dhu-packed-kv": (_DHU, lambda: _dhu_inputs(1, 20000, 8, False, [1, 8000, 63, 0, 11806, 130])),
     # stage 6 at the training benchmark's largest shape, both state layouts

@@ -113,12 +113,13 @@ def profile_training(names: list[str]) -> None:
         cfg = by_name[name]
         shared, grads = kp.make_shared(cfg), kt.output_grads(cfg)
         tensors = kp.make_set(cfg, 0)
-        # the H200 entry's stages
-        ours = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_recompute_intra",
-                "bwd_wy_dqkg")  # fmt: skip
-        for path, fn, stages_on in (("fla", fla_chunk_kda, ()), ("cula", chunk_kda, ours),
-                                    ("cula+bwd_dhu", chunk_kda, ours + ("bwd_dhu",)),
-                                    ("cula+bwd_dv_dhu", chunk_kda, ours + ("bwd_dhu", "bwd_dv_dhu"))):
+        # the H200 entry's stages; stages 4 and 5 in one launch at every lane count or never
+        ours = dict.fromkeys(("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
+                              "bwd_recompute_intra", "bwd_wy_dqkg"), True)  # fmt: skip
+        off = dict.fromkeys(ours, False)
+        for path, fn, entry in (("fla", fla_chunk_kda, dict(off, bwd_dv_dhu_min_lanes=None)),
+                                ("cula", chunk_kda, dict(ours, bwd_dv_dhu_min_lanes=None)),
+                                ("cula+bwd_dv_dhu", chunk_kda, dict(ours, bwd_dv_dhu_min_lanes=1))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
             rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
@@ -127,9 +128,7 @@ def profile_training(names: list[str]) -> None:
                 return fn(**leaves, **rest, **kp.CALL_FLAGS)
 
             # each path with only its own backward stages on cula's kernels, whatever the tuning entry says
-            flags = ("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm", "bwd_dhu", "bwd_dv_dhu",
-                     "bwd_wy_dqkg", "bwd_recompute_intra")  # fmt: skip
-            with KDA_TUNING.override((9, 0), **{s: s in stages_on for s in flags}):
+            with KDA_TUNING.override((9, 0), **entry):
                 outs = forward()  # autotunes / compiles outside the profile
                 torch.autograd.backward(outs, grads, retain_graph=True)
                 def backward(outs=outs, grads=grads, leaves=leaves):
@@ -295,7 +294,7 @@ def ncu_cula_backward_target() -> None:
     cfg = {c.name: c for c in kp.suite()}["B1-T4096"]
     shared, grads, tensors = kp.make_shared(cfg), kt.output_grads(cfg), kp.make_set(cfg, 0)
     with KDA_TUNING.override((9, 0), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_intra_l2norm=True,
-                             bwd_dhu=True, bwd_wy_dqkg=True):  # fmt: skip
+                             bwd_dv_dhu_min_lanes=1, bwd_wy_dqkg=True):  # fmt: skip
         for _ in range(2):
             kt.make_step(chunk_kda, kt.fresh(tensors), kt.fresh(shared), grads)()
     torch.cuda.synchronize()

@@ -1,24 +1,21 @@
-"""KDA chunk backward, the state-gradient recurrence on SM90: FLA's ``chunk_gated_delta_rule_bwd_dhu`` for KDA.
+"""KDA chunk backward, stages 4 and 5 in one launch on SM90: FLA's ``chunk_kda_bwd_dAv`` and
+``chunk_gated_delta_rule_bwd_dhu`` for KDA.
 
 Per (sequence n, value head h) one CTA walks the chunks of BT = 64 tokens from last to first with the state
 gradient in fp32 registers. With ``dS`` the ``[K, V]`` gradient of the state leaving chunk c (FLA's ``dh[c]``;
 ``dht`` or zero for the last chunk), per chunk::
 
     dh[c]   = bf16(dS)                                        # stored for the WY / dq / dk stage
-    dv2     = kg @ bf16(dS) + dv                              # [BT, V]; rows past the sequence end -> 0
+    dv2     = kg @ bf16(dS) + Aqk^T @ do                      # [BT, V]; rows past the sequence end -> 0
+    dAqk    = scale * (do @ v_new^T) on t >= s, 0 above       # [BT, BT] fp32 out, rows past the end unwritten
     dS      = diag(exp2(g[last])) dS + scale * qg^T @ do - w^T @ bf16(dv2)
 
 and ``dh0 = dS`` after the first chunk. Inputs are the recomputed forward intermediates FLA's ``chunk_kda_bwd``
-passes (``qg = q exp2(g)``, ``kg = k exp2(g_last - g)``, ``w``, the chunk-local log2 gate cumsum ``g``) with
-``do`` and stage 4's ``dv``. The rounding points are FLA's (bf16 ``dS`` for ``dh`` and the kg product, bf16 ``dv2``
-for the w product), so results match FLA's kernel to fp32 summation order.
-
-With ``dv_intra`` the kernel also does stage 4 (FLA's ``chunk_kda_bwd_dAv``): instead of reading ``dv`` it reads
-the forward's ``Aqk`` (scaled, zero above the diagonal, as cula's intra kernel writes it) and ``v_new``, and per
-chunk::
-
-    dv      = Aqk^T @ do                                      # added to kg @ bf16(dS) in fp32 (FLA: bf16 dv)
-    dAqk    = scale * (do @ v_new^T) on t >= s, 0 above       # [BT, BT] fp32 out, rows past the end unwritten
+passes (``qg = q exp2(g)``, ``kg = k exp2(g_last - g)``, ``w``, the chunk-local log2 gate cumsum ``g``, ``v_new``)
+with ``do`` and the forward's ``Aqk`` (scaled, zero above the diagonal, as cula's intra kernel writes it). FLA's
+stage 4 writes ``dv = Aqk^T do`` to memory in bf16 and stage 5 reads it back; here it never leaves the chip and is
+added in fp32. The other rounding points are FLA's (bf16 ``dS`` for ``dh`` and the kg product, bf16 ``dv2`` for
+the w product), so ``dh`` and ``dh0`` match FLA's kernels to that one rounding and fp32 summation order.
 
 Layout in the kernel: ``dS^T`` fp32 ``[V, K]`` is the accumulator of two consumer warpgroups (64 V rows each), as
 the forward state kernel keeps ``S^T``::
@@ -27,8 +24,6 @@ the forward state kernel keeps ``S^T``::
     GEMM2  dS^T += bf16(-dv2^T) . w         M=V N=K  K=BT  A registers, B = w tile [BT, K] MN-major
     GEMM3  dS^T += do^T . qg                M=V N=K  K=BT  A registers (do^T, rows past the sequence end
                                                            zeroed), B = qg tile MN-major
-
-and with ``dv_intra``::
 
     GEMM0  dv2^T += do^T . Aqk              M=V N=BT K=BT  A registers (do^T, as GEMM3), B = Aqk tile MN-major
     GEMM4  dAqk  = do . v_new^T             M=BT N=BT K=V  A = the do tile read K-major (the same bytes as its
@@ -47,14 +42,14 @@ Warp roles (384 threads, ``min_blocks_per_mp=1``):
 =========  =========  =====================================================================================
 warps      registers  role
 =========  =========  =====================================================================================
-0          40         ``_load_chunks``, the TMA producer: per chunk (last first) kg, w, qg, do, dv (with
-                      ``dv_intra``: v_new and Aqk) and the chunk's last g row
+0          40         ``_load_chunks``, the TMA producer: per chunk (last first) kg, w, qg, do,
+                      v_new, Aqk and the chunk's last g row
 1-3        40         idle
 4-11       232        ``_recurrence``, two consumer warpgroups: dh store, GEMM1 (+ GEMM0), GEMM4, dv2, decay,
                       GEMM2, GEMM3, dAqk store
 =========  =========  =====================================================================================
 
-One ``PipelineTmaAsync`` of ``num_stages`` slots (2, 80.5 KB each; 88.5 KB with ``dv_intra``); the two consumer
+One ``PipelineTmaAsync`` of ``num_stages`` slots (2, 88.5 KB each); the two consumer
 warpgroups never meet.
 """
 from __future__ import annotations
@@ -80,17 +75,18 @@ __all__ = ["ChunkKDABwdDhuSm90"]
 
 
 class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
-    """KDA state-gradient recurrence (``chunk_gated_delta_rule_bwd_dhu`` with the per-channel gate), sm_90a.
+    """KDA dv and state-gradient recurrence (``chunk_kda_bwd_dAv`` then ``chunk_gated_delta_rule_bwd_dhu`` with the
+    per-channel gate), sm_90a.
 
-    Static configuration: element dtype of qg/kg/w/do/dv (and of the dh / dv2 outputs), K = V = 128, chunk size
-    64, pipeline depth, and five trace flags (varlen, final-state gradient in, initial-state gradient out, state
-    layout, ``dv_intra``: stage 4 in the same launch). Token, head and sequence counts are runtime values.
+    Static configuration: element dtype of qg/kg/w/do/v_new/Aqk (and of the dh / dv2 outputs), K = V = 128, chunk
+    size 64, pipeline depth, and four trace flags (varlen, final-state gradient in, initial-state gradient out,
+    state layout). Token, head and sequence counts are runtime values.
     """
 
     arch = 90
 
     def __init__(self, dtype=BFloat16, num_stages: int = 2, varlen: bool = False, has_dht: bool = False,
-                 has_dh0: bool = False, state_v_first: bool = False, dv_intra: bool = False):  # fmt: skip
+                 has_dh0: bool = False, state_v_first: bool = False):  # fmt: skip
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype = dtype
@@ -100,9 +96,8 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         self.has_dht = has_dht
         self.has_dh0 = has_dh0
         self.state_v_first = state_v_first
-        self.dv_intra = dv_intra
         tile = self.bt * self.dk * (dtype.width // 8)
-        aqk = self.bt * self.bt * (dtype.width // 8) if dv_intra else 0
+        aqk = self.bt * self.bt * (dtype.width // 8)
         self._set_stages(num_stages, 5 * tile + aqk + self.dk * 4)
 
     @cute.jit
@@ -113,11 +108,10 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         mW: cute.Tensor,  # (T_total, HV, K)  dtype
         mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate
         mDo: cute.Tensor,  # (T_total, HV, V)  dtype
-        mDv: cute.Tensor,  # (T_total, HV, V)  dtype, stage 4's dv; unread with dv_intra
-        mAqk: cute.Tensor,  # (T_total, HV, BT)  dtype, the forward's Aqk; unread unless dv_intra
-        mVn: cute.Tensor,  # (T_total, HV, V)  dtype, v_new; unread unless dv_intra
+        mAqk: cute.Tensor,  # (T_total, HV, BT)  dtype, the forward's Aqk
+        mVn: cute.Tensor,  # (T_total, HV, V)  dtype, v_new
         mDv2: cute.Tensor,  # (T_total, HV, V)  dtype, output
-        mDAqk: cute.Tensor,  # (T_total, HV, BT)  fp32, output with dv_intra
+        mDAqk: cute.Tensor,  # (T_total, HV, BT)  fp32, output
         mDh: cute.Tensor,  # (NT_total, HV, K, V) or (NT_total, HV, V, K) dtype, output
         mDht: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32; unread unless has_dht
         mDh0: cute.Tensor,  # same layout as mDht; unwritten unless has_dh0
@@ -157,13 +151,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         sDo_l = token_tile_a_m_major(dt, S)
         # the do tile as GEMM4's A, (t, v) K-major: the same function of the bytes as sDo_l transposed
         sDoK_l = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BT, BT, DV), dt, S)
-        # the fifth tile: dv^T read in the accumulator layout, or with dv_intra v_new as GEMM4's B
-        if const_expr(self.dv_intra):
-            sX_l, x_v, x_box = token_tile_b_k_major(dt, S), token_rows(mVn), (BT, DV)
-            sA_l = token_tile_b_mn_major(dt, S, D=BT)
-        else:
-            sX_l, x_v, x_box = token_tile_a_m_major(dt, S), token_cols(mDv), (DV, BT)
-            sA_l = gate_row_layout(S)  # unused: a stand-in of a few bytes
+        sVn_l, sA_l = token_tile_b_k_major(dt, S), token_tile_b_mn_major(dt, S, D=BT)
         sG_l = gate_row_layout(S)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -171,11 +159,9 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (DK, BT))
         tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sQ_l, mode=[0, 1]), (DK, BT))
         tma_do, tdo = cpasync.make_tiled_tma_atom(g2s, do_v, cute.select(sDo_l, mode=[0, 1]), (DV, BT))
-        tma_x, tx = cpasync.make_tiled_tma_atom(g2s, x_v, cute.select(sX_l, mode=[0, 1]), x_box)
+        tma_x, tx = cpasync.make_tiled_tma_atom(g2s, token_rows(mVn), cute.select(sVn_l, mode=[0, 1]), (BT, DV))
         tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), (DK, 1))
-        tma_a, ta = tma_g, tg  # unused without dv_intra
-        if const_expr(self.dv_intra):
-            tma_a, ta = cpasync.make_tiled_tma_atom(g2s, token_cols(mAqk), cute.select(sA_l, mode=[0, 1]), (BT, BT))
+        tma_a, ta = cpasync.make_tiled_tma_atom(g2s, token_cols(mAqk), cute.select(sA_l, mode=[0, 1]), (BT, BT))
 
         @cute.struct
         class Storage:
@@ -184,7 +170,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sW_l)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_l)], 1024]
             sDo: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDo_l)], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_l)], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sVn_l)], 1024]
             sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sA_l)], 1024]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sG_l)], 128]
 
@@ -193,7 +179,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         kernel = self.kernel(
             tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_x, tx, tma_a, ta, tma_g, tg,
             dv2_v, da_v, dh_v, dht_v, dh0_v, mCu, mChunkOff, seqlen, scale,
-            mma_v, mma_s, mma_a, mma_d, sKg_l, sW_l, sQ_l, sDo_l, sDoK_l, sX_l, sA_l, sG_l,
+            mma_v, mma_s, mma_a, mma_d, sKg_l, sW_l, sQ_l, sDo_l, sDoK_l, sVn_l, sA_l, sG_l,
         )  # fmt: skip
         kernel.launch(grid=(HV, num_seqs, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1)
 
@@ -211,7 +197,8 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         mCu: cute.Tensor, mChunkOff: cute.Tensor, seqlen: Int32, scale: Float32,
         mma_v: cute.TiledMma, mma_s: cute.TiledMma, mma_a: cute.TiledMma, mma_d: cute.TiledMma,
         sKg_l: cute.ComposedLayout, sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout,
-        sDo_l: cute.ComposedLayout, sDoK_l: cute.ComposedLayout, sX_l: cute.ComposedLayout, sA_l, sG_l: cute.Layout,
+        sDo_l: cute.ComposedLayout, sDoK_l: cute.ComposedLayout, sVn_l: cute.ComposedLayout, sA_l: cute.ComposedLayout,
+        sG_l: cute.Layout,
     ):  # fmt: skip
         S = self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -221,8 +208,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         if warp_idx == 0:
             for atom in (tma_kg, tma_w, tma_q, tma_do, tma_x, tma_g):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(self.dv_intra):
-                cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_a)
 
         if const_expr(self.varlen):
             bos = mCu[n]
@@ -241,10 +227,8 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         sQ = storage.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)
         sDo = storage.sDo.get_tensor(sDo_l.outer, swizzle=sDo_l.inner)
         sDoK = storage.sDo.get_tensor(sDoK_l.outer, swizzle=sDoK_l.inner)  # the same bytes, (t, v) K-major
-        sX = storage.sX.get_tensor(sX_l.outer, swizzle=sX_l.inner)
-        sA = sX  # unused without dv_intra
-        if const_expr(self.dv_intra):
-            sA = storage.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
+        sX = storage.sX.get_tensor(sVn_l.outer, swizzle=sVn_l.inner)
+        sA = storage.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
         sG = storage.sG.get_tensor(sG_l)
 
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
@@ -266,18 +250,14 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         self, pipe, tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_x, tx, tma_a, ta, tma_g, tg, sKg, sW, sQ,
         sDo, sX, sA, sG, h, bos, seq_len, num_chunks,
     ):  # fmt: skip
-        """Producer (warp 0): the chunks' kg, w, qg, do and dv (or v_new and Aqk) tiles and decay rows, last chunk
-        first."""
+        """Producer (warp 0): the chunks' kg, w, qg, do, v_new and Aqk tiles and decay rows, last chunk first."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         tKgs, tKgg = chunk_tiles(tma_kg, tkg, sKg, h, bos, (BT, DK), tokens_first=True)
         tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (DK, BT), tokens_first=False)
         tQs, tQg = chunk_tiles(tma_q, tq, sQ, h, bos, (DK, BT), tokens_first=False)
         tDos, tDog = chunk_tiles(tma_do, tdo, sDo, h, bos, (DV, BT), tokens_first=False)
-        if const_expr(self.dv_intra):
-            tXs, tXg = chunk_tiles(tma_x, tx, sX, h, bos, (BT, DV), tokens_first=True)
-            tAs, tAg = chunk_tiles(tma_a, ta, sA, h, bos, (BT, BT), tokens_first=False)
-        else:
-            tXs, tXg = chunk_tiles(tma_x, tx, sX, h, bos, (DV, BT), tokens_first=False)
+        tXs, tXg = chunk_tiles(tma_x, tx, sX, h, bos, (BT, DV), tokens_first=True)
+        tAs, tAg = chunk_tiles(tma_a, ta, sA, h, bos, (BT, BT), tokens_first=False)
         tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
         for i in cutlass.range(num_chunks, unroll=1):
@@ -289,8 +269,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
             cute.copy(tma_do, tDog[None, c], tDos[None, st.index], tma_bar_ptr=bar)
             cute.copy(tma_x, tXg[None, c], tXs[None, st.index], tma_bar_ptr=bar)
-            if const_expr(self.dv_intra):
-                cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
+            cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
             last = cutlass.min(c * BT + BT, seq_len) - 1  # the decay row: g at the chunk's last valid token
             cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
             pipe.producer_commit(st)
@@ -303,9 +282,8 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         sKg, sW, sQ, sDo, sDoK, sX, sA, sG, dv2_v, da_v, dh_v, dht_v, dh0_v,
     ):  # fmt: skip
         """Consumers (two warpgroups, each half of V): dS^T in registers from dht (or zero), chunk by chunk last
-        to first: dh out, GEMM1 (with ``dv_intra`` GEMM0 into the same accumulator, and GEMM4) and dv2 out, decay,
-        GEMM2, GEMM3 (and dAqk out); dh0 at the end. ``sX`` is dv^T, or with ``dv_intra`` v_new; ``sDoK`` the do tile
-        viewed K-major."""
+        to first: dh out, GEMM1 and GEMM0 into one accumulator, GEMM4, dv2 out, decay, GEMM2, dAqk out, GEMM3; dh0 at
+        the end. ``sX`` is v_new; ``sDoK`` the do tile viewed K-major."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         ctid = tidx - 128
         wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
@@ -319,7 +297,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             accS.fill(0.0)
         tOrS = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, DK)))  # bf16 dS^T for GEMM1
         tVrV = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))  # bf16 -dv2^T for GEMM2
-        tVrDo = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))  # do^T for GEMM3 (and GEMM0)
+        tVrDo = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))  # do^T for GEMM0 and GEMM3
         tVrKg = wg_v.make_fragment_B(wg_v.partition_B(sKg))
         tSrW = wg_s.make_fragment_B(wg_s.partition_B(sW))
         tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ))
@@ -327,23 +305,21 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         rV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), self.dtype)
         rD = column_decay(accS)
 
-        tVsX = thr_v.partition_C(sX)  # (MMA, MMA_M, MMA_N, S) view of dv^T in the accumulator layout (no dv_intra)
-        tVsDo = thr_v.partition_C(sDo)  # do^T, likewise
+        tVsDo = thr_v.partition_C(sDo)  # (MMA, MMA_M, MMA_N, S) view of do^T in the accumulator layout
         tVcV = thr_v.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
         tScS = thr_s.partition_C(cute.make_identity_tensor((DV, DK)))  # (v, k) of each element
         gDv2 = cute.local_tile(cute.domain_offset((0, bos), dv2_v[None, None, h]), (DV, BT), (0, None))
         tVgDv2 = thr_v.partition_C(gDv2)  # (MMA, MMA_M, MMA_N, NC)
         inv_scale = Float32(1.0) / scale
-        if const_expr(self.dv_intra):
-            wg_a = mma_a.get_slice(wg_first)
-            tArA = wg_a.make_fragment_B(wg_a.partition_B(sA))
-            wg_d, thr_d = mma_d.get_slice(wg_first), mma_d.get_slice(ctid)  # this warpgroup's half of the columns
-            tDrDo = wg_d.make_fragment_A(wg_d.partition_A(sDoK))
-            tDrVn = wg_d.make_fragment_B(wg_d.partition_B(sX))
-            accD = cute.make_rmem_tensor(wg_d.partition_shape_C((BT, BT)), Float32)
-            tDcD = thr_d.partition_C(cute.make_identity_tensor((BT, BT)))  # (t, s) of each element
-            gDA = cute.local_tile(cute.domain_offset((bos, 0), da_v[None, None, h]), (BT, BT), (None, 0))
-            tDgDA = thr_d.partition_C(gDA)  # (MMA, MMA_M, MMA_N, NC)
+        wg_a = mma_a.get_slice(wg_first)
+        tArA = wg_a.make_fragment_B(wg_a.partition_B(sA))
+        wg_d, thr_d = mma_d.get_slice(wg_first), mma_d.get_slice(ctid)  # this warpgroup's half of the columns
+        tDrDo = wg_d.make_fragment_A(wg_d.partition_A(sDoK))
+        tDrVn = wg_d.make_fragment_B(wg_d.partition_B(sX))
+        accD = cute.make_rmem_tensor(wg_d.partition_shape_C((BT, BT)), Float32)
+        tDcD = thr_d.partition_C(cute.make_identity_tensor((BT, BT)))  # (t, s) of each element
+        gDA = cute.local_tile(cute.domain_offset((bos, 0), da_v[None, None, h]), (BT, BT), (None, 0))
+        tDgDA = thr_d.partition_C(gDA)  # (MMA, MMA_M, MMA_N, NC)
 
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
         for i in cutlass.range(num_chunks, unroll=1):
@@ -353,26 +329,19 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             # dh[c]: the gradient of the state leaving this chunk, as FLA stores it
             thr_s.partition_C(dh_v[None, None, h, first_chunk + c]).store(accS.load().to(self.dtype))
             pipe.consumer_wait(st)
-            if const_expr(self.dv_intra):  # do^T with the rows past the end zeroed, GEMM0's A
-                self._load_do(tVrDo, tVsDo, tVcV, valid, si)
-            # GEMM1: dv2^T = bf16(dS^T) . kg^T (GEMM0: + do^T . Aqk)
+            self._load_do(tVrDo, tVsDo, tVcV, valid, si)  # do^T with the rows past the end zeroed, GEMM0's A
+            # GEMM1 and GEMM0: dv2^T = bf16(dS^T) . kg^T + do^T . Aqk
             tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
             warpgroup.fence()
             gemm_k_blocks(mma_v, accV, tOrS, tVrKg, accumulate=False, b_stage=si)
-            if const_expr(self.dv_intra):
-                gemm_k_blocks(mma_a, accV, tVrDo, tArA, accumulate=True, b_stage=si)
+            gemm_k_blocks(mma_a, accV, tVrDo, tArA, accumulate=True, b_stage=si)
             warpgroup.commit_group()
-            if const_expr(self.dv_intra):  # GEMM4: dAqk = do . v_new^T, this warpgroup's columns
-                gemm_k_blocks(mma_d, accD, tDrDo, tDrVn, accumulate=False, a_stage=si, b_stage=si)
-                warpgroup.commit_group()
-            # while they run: the decay factors (and dv^T)
+            # GEMM4: dAqk = do . v_new^T, this warpgroup's columns
+            gemm_k_blocks(mma_d, accD, tDrDo, tDrVn, accumulate=False, a_stage=si, b_stage=si)
+            warpgroup.commit_group()
+            # while they run: the decay factors
             load_column_decay(rD, sG, tScS, si)
-            if const_expr(self.dv_intra):
-                warpgroup.wait_group(1)
-            else:
-                rDv = tVsX[None, None, None, si].load()
-                warpgroup.wait_group(0)
-                accV.store(accV.load() + rDv.to(Float32))
+            warpgroup.wait_group(1)
             for e in cutlass.range_constexpr(cute.size(rV)):  # the rows past the end zeroed
                 rV[e] = Float32(cutlass.select_(tVcV[e][1] < valid, accV[e], Float32(0.0))).to(self.dtype)
             tVrV.store(-rV.load())  # exact in bf16 / fp16
@@ -388,11 +357,8 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
             warpgroup.fence()
             gemm_k_blocks(mma_s, accS, tVrV, tSrW, accumulate=True, b_stage=si)
             warpgroup.commit_group()
-            if const_expr(not self.dv_intra):  # while it runs: do^T with the rows past the end zeroed
-                self._load_do(tVrDo, tVsDo, tVcV, valid, si)
             warpgroup.wait_group(0)
-            if const_expr(self.dv_intra):
-                self._store_dAqk(accD, tDcD, tDgDA[None, None, None, c], valid, scale)
+            self._store_dAqk(accD, tDcD, tDgDA[None, None, None, c], valid, scale)
             # GEMM3 with scale on its product alone: dS^T = scale * (dS^T / scale + do^T . qg)
             accS.store(accS.load() * inv_scale)
             warpgroup.fence()
@@ -408,7 +374,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
 
     @cute.jit
     def _load_do(self, tVrDo, tVsDo, tVcV, valid, si):
-        """do^T of stage ``si`` into GEMM3's (and GEMM0's) A fragment, the rows past the sequence end zeroed."""
+        """do^T of stage ``si`` into GEMM0's and GEMM3's A fragment, the rows past the sequence end zeroed."""
         sDo_si = tVsDo[None, None, None, si]
         for e in cutlass.range_constexpr(cute.size(tVrDo)):
             tVrDo[e] = self.dtype(cutlass.select_(tVcV[e][1] < valid, sDo_si[e], self.dtype(0.0)))
@@ -428,15 +394,14 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
                     tDgDA[e] = vals[e]
 
 
-def _compile(dtype, varlen, has_dht, has_dh0, state_v_first, arch=(9, 0), extra_options="", num_stages=2,
-             dv_intra=False):  # fmt: skip
+def _compile(dtype, varlen, has_dht, has_dh0, state_v_first, arch=(9, 0), extra_options="", num_stages=2):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     D, BT = 128, 64
     dtype = dsl_type(dtype)
     kernel = ChunkKDABwdDhuSm90(dtype=dtype, num_stages=num_stages, varlen=varlen, has_dht=has_dht,
-                                has_dh0=has_dh0, state_v_first=state_v_first, dv_intra=dv_intra)  # fmt: skip
+                                has_dh0=has_dh0, state_v_first=state_v_first)  # fmt: skip
     # 64-bit token and chunk strides: T_total * HV * D (or NT * HV * K * V) may pass 2^31 elements
     tt, hv = cute.sym_int32(), cute.sym_int32()
     tok_stride = cute.sym_int64(divisibility=D)
@@ -450,7 +415,7 @@ def _compile(dtype, varlen, has_dht, has_dh0, state_v_first, arch=(9, 0), extra_
             assumed_align=16,
         )  # fmt: skip
 
-    def scores(dt):  # Aqk / dAqk: their own sizes (1-element stand-ins without dv_intra)
+    def scores(dt):  # Aqk / dAqk
         return make_fake_tensor(dt, (cute.sym_int32(), cute.sym_int32(), BT), (cute.sym_int64(divisibility=BT), BT, 1),
                                 assumed_align=16)  # fmt: skip
 
@@ -458,7 +423,7 @@ def _compile(dtype, varlen, has_dht, has_dh0, state_v_first, arch=(9, 0), extra_
         return make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
 
     args = (
-        tok(dtype), tok(dtype), tok(dtype), tok(Float32), tok(dtype), tok(dtype), scores(dtype), tok(dtype),
+        tok(dtype), tok(dtype), tok(dtype), tok(Float32), tok(dtype), scores(dtype), tok(dtype),
         tok(dtype), scores(Float32), state(dtype), state(Float32), state(Float32), ints(), ints(), Int32(1), Int32(1),
         Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip
