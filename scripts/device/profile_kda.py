@@ -15,10 +15,15 @@ training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers a
 ``--ncu-cula-backward`` does the same for cula's stage 5, 6 and 7 kernels (with the stage-7 kernel's per-instruction
 stall samples in $OUT/ncu_bwd_intra_source.csv).
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
-default B1-T4096 and B2-T16384): per path (FLA whole; cula with the H200 entry's backward stages; that with stage 5
-on cula's kernel too, and with stages 4 and 5 in its one launch) the kernels of the forward and of the backward
-separately, into $OUT/profile_kda_training.json: which of FLA's backward stages a backward of our own would replace
-first. Run through ``run.sh`` so FLA's backward starts from its cached autotune choices.
+default B1-T4096 and B2-T16384): per path (FLA whole; cula with the H200 entry's backward stages and stages 4 and 5
+FLA's; that with stages 4 and 5 in cula's one launch) the kernels of the forward and of the backward separately,
+into $OUT/profile_kda_training.json: which of FLA's backward stages a backward of our own would replace first. Run
+through ``run.sh`` so FLA's backward starts from its cached autotune choices.
+``--memory [CONFIG...]`` records one training step of each side (FLA; cula with the H200 entry) with PyTorch's
+allocator history (default B1-T4096): the step's peak beyond what was live before it, as the training benchmark's
+``*_peak_mib`` measures it, and the allocations live at that peak grouped by the innermost cula / FLA source line
+that made them (size, count, and whether the forward or the backward made them), into $OUT/profile_kda_memory.json:
+where a side's peak comes from.
 ``--time-split [H:T:SEGMENT ...]`` profiles chunk_kda cut in time (default 4:16384:8192, 4:65536:4096,
 4:65536:2048, 8:65536:8192): per shape, serial and cut, each kernel's device time and launches, the benchmarks'
 host overhead (``measure_host_overhead``: event time, host time per call with the GPU idle, back-to-back time; a
@@ -149,6 +154,85 @@ def profile_training(names: list[str]) -> None:
             del outs, leaves
         del tensors
     with open(os.path.join(os.environ.get("OUT", "."), "profile_kda_training.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def _allocation_site(frames: list[dict]) -> str:
+    """The innermost frame of an allocation's stack in cula's or FLA's source (else the innermost Python frame)."""
+    for f in frames:
+        name = f.get("filename", "")
+        if "/cula/" in name or "/fla/" in name or "/benchmarks/" in name:
+            return f"{name.split('/site-packages/')[-1].split('/main/')[-1]}:{f.get('line')} {f.get('name')}"
+    py = [f for f in frames if f.get("filename", "").endswith(".py")]
+    return f"{py[0]['filename']}:{py[0]['line']} {py[0]['name']}" if py else "?"
+
+
+def live_at_peak(trace: list[dict], phase_of) -> tuple[int, list[dict]]:
+    """Replays an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``): the peak of the bytes
+    allocated since the trace began (frees of older blocks count against it) and the blocks live at that peak as
+    ``{"size", "site", "phase"}``; ``phase_of(event index)`` names the step's phase an allocation was made in."""
+    live, cur, peak, at_peak = {}, 0, 0, {}
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = dict(size=e["size"], site=_allocation_site(e.get("frames", [])), phase=phase_of(i))
+            cur += e["size"]
+            if cur > peak:
+                peak, at_peak = cur, dict(live)
+        elif e["action"] == "free_completed":
+            cur -= e["size"]
+            live.pop(e["addr"], None)
+    return peak, list(at_peak.values())
+
+
+def profile_memory(names: list[str]) -> None:
+    """Each side's peak in one training step and what is live at it (see the module docstring)."""
+    import bench_kda_prefill as kp
+    import bench_kda_training as kt
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from cula.kda import chunk_kda
+
+    by_name = {c.name: c for c in kt.suite()}
+    report = {}
+    for name in names or ["B1-T4096"]:
+        cfg = by_name[name]
+        shared, grads = kp.make_shared(cfg), kt.output_grads(cfg)
+        tensors = kp.make_set(cfg, 0)
+        for path, fn in (("fla", fla_chunk_kda), ("cula", chunk_kda)):
+            step = kt.make_step(fn, kt.fresh(tensors), kt.fresh(shared), grads)
+            step()  # autotunes / compiles outside the record
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            try:
+                out = step()
+                torch.cuda.synchronize()
+                snap = torch.cuda.memory._snapshot()
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+            trace = max(snap["device_traces"], key=len)
+            # the backward's first allocation: the first made under an autograd Function's backward
+            first_bwd = next((i for i, e in enumerate(trace) if e["action"] == "alloc"
+                              and any(f.get("name") == "backward" for f in e.get("frames", []))), len(trace))
+            replay_peak, blocks = live_at_peak(trace, lambda i: "forward" if i < first_bwd else "backward")
+            sites: dict[tuple[str, str], list[int]] = {}
+            for b in blocks:
+                sites.setdefault((b["phase"], b["site"]), [0, 0])
+                sites[b["phase"], b["site"]][0] += b["size"]
+                sites[b["phase"], b["site"]][1] += 1
+            rows = sorted(((v[0] / 2**20, v[1], ph, site) for (ph, site), v in sites.items()), reverse=True)
+            key = f"{name} {path}"
+            report[key] = {"peak_mib": peak_mib, "replayed_peak_mib": replay_peak / 2**20,
+                           "live_at_peak": [dict(mib=m, blocks=n, phase=ph, site=site) for m, n, ph, site in rows]}
+            print(f"== {key}: peak {peak_mib:.1f} MiB beyond the {base / 2**20:.1f} live before (replayed "
+                  f"{replay_peak / 2**20:.1f})", flush=True)
+            for m, n, ph, site in rows[:20]:
+                print(f"   {m:9.1f} MiB  x{n:<4} {ph:8}  {site}", flush=True)
+            del out, step
+        del tensors
+    with open(os.path.join(os.environ.get("OUT", "."), "profile_kda_memory.json"), "w") as f:
         json.dump(report, f, indent=1)
 
 
@@ -392,6 +476,10 @@ if __name__ == "__main__":
         os.environ.setdefault("FLA_FLASH_KDA", "0")
         os.environ.setdefault("FLA_CULA", "0")
         profile_time_split(sys.argv[sys.argv.index("--time-split") + 1:])
+    elif "--memory" in sys.argv:
+        os.environ.setdefault("FLA_FLASH_KDA", "0")
+        os.environ.setdefault("FLA_CULA", "0")
+        profile_memory(sys.argv[sys.argv.index("--memory") + 1:])
     elif "--training" in sys.argv:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
         os.environ.setdefault("FLA_CULA", "0")
