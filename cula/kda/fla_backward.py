@@ -3,10 +3,9 @@ own stages in FLA's order, with stage 6 (``chunk_kda_bwd_wy_dqkg_fused``, the st
 own kernel where ``KdaTuning.bwd_wy_dqkg`` says so, else launched at a configuration FLA's Hopper autotune list leaves
 out (``KdaTuning.wy_dqkg_launch``), stages 4 and 5 (``chunk_kda_bwd_dAv`` and ``chunk_gated_delta_rule_bwd_dhu``, dv
 and the state-gradient recurrence) in one launch of cula's own kernel where ``KdaTuning.bwd_dv_dhu_min_lanes`` says
-so, and stage 7 (``chunk_kda_bwd_intra``, the gradients through the intra-chunk scores)
-on cula's own kernel where ``KdaTuning.bwd_intra`` says so and the gates are ones it is exact for; that kernel also
-does stage 8 (the reverse chunk-local cumsum of dg) where ``KdaTuning.bwd_intra_cumsum`` says so, and the rebound body
-then skips it.
+so, and stage 7 (``chunk_kda_bwd_intra``, the gradients through the intra-chunk scores) on cula's own kernel where
+``KdaTuning.bwd_intra`` says so and the gates are ones it is exact for; that kernel also does stage 8 (the reverse
+chunk-local cumsum of dg) where ``KdaTuning.bwd_intra_cumsum`` says so, and the rebound body then skips it.
 
 Why: that kernel is the backward's largest stage. FLA's autotuned choice on Hopper (BK = BV = 64, 4 warps) compiles
 to 255 registers and spills about 300 of them; at 8 warps it spills a tenth of that and runs about 1.5x faster, with
