@@ -360,7 +360,7 @@ def _stages_on(stages):
 
 
 # KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
-_STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_min_lanes", 1)}
+_STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_lanes", (1, 1 << 30))}
 _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
                 "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_recompute_l2norm")  # fmt: skip
 
@@ -388,8 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         host_overhead_help="unused (a training step is GPU-bound at these sizes)",
     )
     p.add_argument("--bwd-dv-dhu", action="store_true",
-                   help="cula's side with stages 4 and 5 of the backward in one launch of cula's kernel at every lane "
-                        "count (KdaTuning.bwd_dv_dhu_min_lanes = 1); results as kda_training_bwd_dv_dhu")  # fmt: skip
+                   help="cula's side with stages 4 and 5 of the backward in one launch of cula's kernel at every "
+                        "lane count (KdaTuning.bwd_dv_dhu_lanes = (1, 2^30)); results as "
+                        "kda_training_bwd_dv_dhu")  # fmt: skip
     p.add_argument("--bwd-wy-dqkg", action="store_true",
                    help="cula's side with stage 6 of the backward on cula's kernel (KdaTuning.bwd_wy_dqkg), whatever "
                         "the tuning entry says; results as kda_training_bwd_wy_dqkg")  # fmt: skip

@@ -136,7 +136,7 @@ def _kda_training(scope: str) -> None:
     if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, T read
         _kda_intra_variants(d, qk_norm=entry.bwd_recompute_l2norm, g_cum_last_only=False, given_t=True)
     for dt, varlen in itertools.product(d["io"], _B):
-        if entry.bwd_dv_dhu_min_lanes is not None:
+        if entry.bwd_dv_dhu_lanes is not None:
             for dht, dh0, svf in itertools.product(_B, _B, _B):
                 bwd_dhu.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_dht=dht, has_dh0=dh0,
                                          state_v_first=svf)  # fmt: skip
@@ -238,7 +238,7 @@ def _smoke() -> None:
     # training's backward: stages 4 and 5, 6 and 7 on cula's kernels where the entry says so (beta after the glue's
     # sigmoid is fp32)
     entry = KDA_TUNING.get((9, 0))
-    if entry.bwd_dv_dhu_min_lanes is not None:
+    if entry.bwd_dv_dhu_lanes is not None:
         bwd_dhu.compiled_variant(dtype="BFloat16", varlen=False, has_dht=True, has_dh0=True, state_v_first=False)
     if entry.bwd_wy_dqkg:
         bwd_wy_dqkg.compiled_variant(dtype="BFloat16", beta_dtype="Float32", state_v_first=False, varlen=False)

@@ -218,11 +218,11 @@ def kda_training_disable_recompute():
 
 @case
 def kda_training_bwd_dv_dhu():
-    # stages 4 and 5 in one launch of cula's kernel at every lane count (KdaTuning.bwd_dv_dhu_min_lanes): fixed and
+    # stages 4 and 5 in one launch of cula's kernel at every lane count (KdaTuning.bwd_dv_dhu_lanes): fixed and
     # packed, both layouts
     from cula.kda.plan import KDA_TUNING
 
-    with KDA_TUNING.override(bwd_dv_dhu_min_lanes=1):
+    with KDA_TUNING.override(bwd_dv_dhu_lanes=(1, 1 << 30)):
         _kda_chunk(2, 130, 1, 2, grad=True, v_first=True)
         _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
 

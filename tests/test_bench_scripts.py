@@ -209,7 +209,7 @@ def test_training_also_times_more_stage_sets(cpu_bench, monkeypatch):
     seen, kept = [], []
 
     def cula_step(disable_recompute=False, **kw):
-        seen.append(KDA_TUNING.get((9, 0)).bwd_dv_dhu_min_lanes)
+        seen.append(KDA_TUNING.get((9, 0)).bwd_dv_dhu_lanes)
         kept.append(disable_recompute)
         return _fake_training_step(**kw)
 
@@ -219,8 +219,8 @@ def test_training_also_times_more_stage_sets(cpu_bench, monkeypatch):
     row = kt.run_config(kp.Config("fixed", 1, 16, (16,)), _fake_training_step, cula_step, args)
     assert row["also"]["dhu"]["check"] == "ok" and row["also"]["dhu"]["stages"] == ["bwd_dv_dhu"]
     assert row["dhu_ms"] > 0 and row["dhu_speedup"] > 0 and row["cula_ms"] > 0 and row["kept_ms"] > 0
-    default = KDA_TUNING.get((9, 0)).bwd_dv_dhu_min_lanes
-    assert set(seen) == {default, 1} and default != 1
+    default = KDA_TUNING.get((9, 0)).bwd_dv_dhu_lanes
+    assert set(seen) == {default, (1, 1 << 30)} and default != (1, 1 << 30)
     assert False in kept and True in kept
     for bad in ("gate", "gate=bwd_nothing", "1x=bwd_intra_gate"):
         with pytest.raises(SystemExit):

@@ -57,15 +57,15 @@ def test_stage6_off_the_gpu_is_flas_wrapper(monkeypatch, kda_tuning, launch, our
     assert seen == [args]
 
 
-@pytest.mark.parametrize("min_lanes", [1, None])
-def test_stage5_after_flas_stage4_is_flas_function(monkeypatch, kda_tuning, min_lanes):
+@pytest.mark.parametrize("lanes", [(1, 1 << 30), None])
+def test_stage5_after_flas_stage4_is_flas_function(monkeypatch, kda_tuning, lanes):
     """Stage 5 with FLA's stage-4 dv (whatever the tuning entry says) takes FLA's chunk_gated_delta_rule_bwd_dhu
     with every argument passed on."""
     from fla.ops.common import chunk_delta_h
 
     seen = []
     monkeypatch.setattr(chunk_delta_h, "chunk_gated_delta_rule_bwd_dhu", lambda **kw: seen.append(kw) or "fla")
-    kda_tuning(bwd_dv_dhu_min_lanes=min_lanes)
+    kda_tuning(bwd_dv_dhu_lanes=lanes)
     t = torch.zeros(1, 64, 1, 128)
     args = dict(q=t, k=t, w=t, do=t, dv=t, g=None, gk=t, h0=None, dht=None, scale=0.5, state_v_first=True,
                 cu_seqlens=None, chunk_size=64, chunk_indices=None, chunk_offsets=None, use_graph=False)  # fmt: skip
@@ -74,10 +74,10 @@ def test_stage5_after_flas_stage4_is_flas_function(monkeypatch, kda_tuning, min_
 
 
 def test_stage4_left_to_stage5(monkeypatch, kda_tuning):
-    """``KdaTuning.bwd_dv_dhu_min_lanes``: the rebound body's stage 4 hands its call on as dv (``_Stage4Left``) with
+    """``KdaTuning.bwd_dv_dhu_lanes``: the rebound body's stage 4 hands its call on as dv (``_Stage4Left``) with
     a dAqk buffer; a stage 5 that does not take the call (here: CPU tensors) runs FLA's stage 4 first, fills that
-    buffer and passes FLA's dv on. chunk_kda_bwd leaves stage 4 to stage 5 only on the GPU, from the entry's lane
-    count on (sequences x value heads, packed or not), for gates cula's intra kernel takes (its Aqk is zero above
+    buffer and passes FLA's dv on. chunk_kda_bwd leaves stage 4 to stage 5 only on the GPU, within the entry's lane
+    counts (sequences x value heads, packed or not), for gates cula's intra kernel takes (its Aqk is zero above
     the diagonal)."""
     from fla.ops.common import chunk_delta_h
 
@@ -95,7 +95,7 @@ def test_stage4_left_to_stage5(monkeypatch, kda_tuning):
     ones = torch.ones(1, 64, 2, 64)
     monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd_dAv", lambda **kw: seen.append(kw) or (ones, "dv"))
     monkeypatch.setattr(chunk_delta_h, "chunk_gated_delta_rule_bwd_dhu", lambda **kw: kw["dv"])
-    kda_tuning(bwd_dv_dhu_min_lanes=1)
+    kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30))
     assert fla_backward._bwd_dhu(q=t, k=t, w=t, do=t, dv=left, gk=t) == "dv"
     assert seen == [stage4] and torch.equal(dAqk, ones)
     q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
@@ -103,18 +103,20 @@ def test_stage4_left_to_stage5(monkeypatch, kda_tuning):
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))  # CPU tensors
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
-    kda_tuning(bwd_dv_dhu_min_lanes=4)
+    kda_tuning(bwd_dv_dhu_lanes=(4, 8))
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))  # 1 x 2 lanes
     wide = torch.zeros(2, 64, 2, 128, dtype=torch.bfloat16)  # 2 x 2
     assert fla_backward._stage4_fused(dict(q=wide, v=wide, Aqk=wide[..., :64], **gate))
     cu = torch.tensor([0, 10, 20, 30, 64])  # 4 sequences x 2
     assert fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], cu_seqlens=cu, **gate))
-    kda_tuning(bwd_dv_dhu_min_lanes=1)
+    cu = torch.tensor([0, 10, 20, 30, 40, 64])  # 5 sequences x 2: past the most
+    assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], cu_seqlens=cu, **gate))
+    kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30))
     assert fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate, use_graph=True))
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64].float(), **gate))
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **dict(gate, lower_bound=None)))
-    kda_tuning(bwd_dv_dhu_min_lanes=None)
+    kda_tuning(bwd_dv_dhu_lanes=None)
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))
 
 
@@ -297,15 +299,15 @@ def _step(fn, leaves, cotangents, **kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "stage", ["bwd_dv_dhu_min_lanes", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
+    "stage", ["bwd_dv_dhu_lanes", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
               "bwd_wy_dqkg", "bwd_recompute_intra", "bwd_recompute_l2norm"],
 )
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     """A chunk_kda training step (the fused lower-bound gate, L2 norm, beta sigmoid, states in and out) with one
     ``KdaTuning`` stage flag off and on (the rest as the H200's entry has them): stages 4 and 5 in one launch
-    (``bwd_dv_dhu_min_lanes``: None, then 1), 6 (``bwd_wy_dqkg``) or 7 (``bwd_intra``) on cula's kernel, or stage 8,
-    9 or the L2 norm's backward fused into stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``,
+    (``bwd_dv_dhu_lanes``: None, then every count), 6 (``bwd_wy_dqkg``) or 7 (``bwd_intra``) on cula's kernel, or
+    stage 8, 9 or the L2 norm's backward fused into stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``,
     ``bwd_intra_l2norm``), or the recompute prefix on cula's intra kernel (``bwd_recompute_intra``; with the L2
     norm's outputs from its launch, ``bwd_recompute_l2norm``): every gradient within FLA's tolerances of the other,
     none NaN."""
@@ -322,7 +324,7 @@ def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
         cu = torch.tensor([0, 300, 301, 301, 501], dtype=torch.int32, device="cuda")
         kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
     grads = {}
-    values = (None, 1) if stage == "bwd_dv_dhu_min_lanes" else (False, True)
+    values = (None, (1, 1 << 30)) if stage == "bwd_dv_dhu_lanes" else (False, True)
     for on, value in zip((False, True), values):
         kda_tuning(**{stage: value})
         grads[on] = _step(chunk_kda, leaves, cotangents, **kw)[2]

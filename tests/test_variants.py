@@ -184,10 +184,11 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
     from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
     from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
 
-    kda_tuning(bwd_dv_dhu_min_lanes=None, bwd_wy_dqkg=False, bwd_intra=False, bwd_recompute_intra=False)
+    kda_tuning(bwd_dv_dhu_lanes=None, bwd_wy_dqkg=False, bwd_intra=False, bwd_recompute_intra=False)
     assert not variants.planner_variants("full", ops=("kda.training",))
-    kda_tuning(bwd_dv_dhu_min_lanes=1, bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
-               bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_recompute_l2norm=True)  # fmt: skip
+    kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30), bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True,
+               bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True,
+               bwd_recompute_l2norm=True)  # fmt: skip
     listed = set(variants.planner_variants("full", ops=("kda.training",)))
     H, HV, D = 1, 2, 128
     for io, b_dt, svf, packed in itertools.product((BF16, FP16), (FP32, BF16, FP16), (False, True), (False, True)):

@@ -2,7 +2,7 @@
 own stages in FLA's order, with stage 6 (``chunk_kda_bwd_wy_dqkg_fused``, the state-term and WY gradients) on cula's
 own kernel where ``KdaTuning.bwd_wy_dqkg`` says so, else launched at a configuration FLA's Hopper autotune list leaves
 out (``KdaTuning.wy_dqkg_launch``), stages 4 and 5 (``chunk_kda_bwd_dAv`` and ``chunk_gated_delta_rule_bwd_dhu``, dv
-and the state-gradient recurrence) in one launch of cula's own kernel where ``KdaTuning.bwd_dv_dhu_min_lanes`` says
+and the state-gradient recurrence) in one launch of cula's own kernel where ``KdaTuning.bwd_dv_dhu_lanes`` says
 so, and stage 7 (``chunk_kda_bwd_intra``, the gradients through the intra-chunk scores) on cula's own kernel where
 ``KdaTuning.bwd_intra`` says so and the gates are ones it is exact for; that kernel also does stage 8 (the reverse
 chunk-local cumsum of dg) where ``KdaTuning.bwd_intra_cumsum`` says so, and the rebound body then skips it.
@@ -193,7 +193,7 @@ def _stage_on(flag: str, q, K, V, chunk_size) -> bool:
 
 @dataclasses.dataclass
 class _Stage4Left:
-    """Stage 4's call (FLA's ``chunk_kda_bwd_dAv``) left for stage 5's launch (``KdaTuning.bwd_dv_dhu_min_lanes``):
+    """Stage 4's call (FLA's ``chunk_kda_bwd_dAv``) left for stage 5's launch (``KdaTuning.bwd_dv_dhu_lanes``):
     the rebound body hands it on as ``dv``; ``dAqk`` is the tensor it already returned as stage 4's, which that
     launch fills."""
 
@@ -443,7 +443,7 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
 
 def _stage4_fused(kwargs: dict) -> bool:
     """Whether stage 4 is left to stage 5's launch (``_bwd_dAv``): the tuning entry says so for the call's (sequence,
-    value head) lane count (``KdaTuning.bwd_dv_dhu_min_lanes``; the count from shapes alone, no host sync), not FLA's
+    value head) lane count (``KdaTuning.bwd_dv_dhu_lanes``; the count from shapes alone, no host sync), not FLA's
     graph mode (the kernel walks FLA's exact chunk list), and the forward's Aqk is cula's intra kernel's (the call's
     gates are ones it takes, ``cula.kda.plan.use_cula_intra``; zero above the diagonal) in q's dtype. Stage 5's own
     conditions are checked at its call, which runs FLA's stage 4 first where they fail."""
@@ -452,10 +452,10 @@ def _stage4_fused(kwargs: dict) -> bool:
     q, v, Aqk = kwargs["q"], kwargs["v"], kwargs.get("Aqk")
     if not q.is_cuda or kwargs.get("use_graph") or Aqk is None or Aqk.dtype != q.dtype:
         return False
-    min_lanes = KDA_TUNING.for_device(q.device).bwd_dv_dhu_min_lanes
+    span = KDA_TUNING.for_device(q.device).bwd_dv_dhu_lanes
     cu = kwargs.get("cu_seqlens")
     lanes = (q.shape[0] if cu is None else cu.shape[0] - 1) * v.shape[2]
-    return min_lanes is not None and lanes >= min_lanes and use_cula_intra(
+    return span is not None and span[0] <= lanes <= span[1] and use_cula_intra(
         q, v, kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False), kwargs.get("lower_bound")
     )
 

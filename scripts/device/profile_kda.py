@@ -122,9 +122,9 @@ def profile_training(names: list[str]) -> None:
         ours = dict.fromkeys(("bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
                               "bwd_recompute_intra", "bwd_wy_dqkg"), True)  # fmt: skip
         off = dict.fromkeys(ours, False)
-        for path, fn, entry in (("fla", fla_chunk_kda, dict(off, bwd_dv_dhu_min_lanes=None)),
-                                ("cula", chunk_kda, dict(ours, bwd_dv_dhu_min_lanes=None)),
-                                ("cula+bwd_dv_dhu", chunk_kda, dict(ours, bwd_dv_dhu_min_lanes=1))):
+        for path, fn, entry in (("fla", fla_chunk_kda, dict(off, bwd_dv_dhu_lanes=None)),
+                                ("cula", chunk_kda, dict(ours, bwd_dv_dhu_lanes=None)),
+                                ("cula+bwd_dv_dhu", chunk_kda, dict(ours, bwd_dv_dhu_lanes=(1, 1 << 30)))):
             leaves = {n: t.detach().clone().requires_grad_() for n, t in {**tensors, **shared}.items()
                       if n in kt.GRAD_LEAVES}  # fmt: skip
             rest = {n: t for n, t in {**tensors, **shared}.items() if n not in kt.GRAD_LEAVES}
@@ -378,7 +378,7 @@ def ncu_cula_backward_target() -> None:
     cfg = {c.name: c for c in kp.suite()}["B1-T4096"]
     shared, grads, tensors = kp.make_shared(cfg), kt.output_grads(cfg), kp.make_set(cfg, 0)
     with KDA_TUNING.override((9, 0), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True, bwd_intra_l2norm=True,
-                             bwd_dv_dhu_min_lanes=1, bwd_wy_dqkg=True):  # fmt: skip
+                             bwd_dv_dhu_lanes=(1, 1 << 30), bwd_wy_dqkg=True):  # fmt: skip
         for _ in range(2):
             kt.make_step(chunk_kda, kt.fresh(tensors), kt.fresh(shared), grads)()
     torch.cuda.synchronize()
