@@ -125,6 +125,9 @@ def main() -> int:
     ap.add_argument("--report", default=None, help="markdown report path (default: OUT/sanitizer.md)")
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--limit", type=int, default=540, help="seconds each process may run")
+    ap.add_argument("--deadline", type=int, default=0,
+                    help="seconds the whole run may take (0: none): the tools' --limit is cut to what the warm run "
+                         "left, less 30 s for the report, so that a report is written inside an outer timeout")
     ap.add_argument("--print-limit", type=int, default=1000000, help="reports each process prints at most")
     ap.add_argument("--split", default=",".join(f"{t}={n}" for t, n in SPLIT.items()),
                     help="processes per tool, as tool=N,...")
@@ -153,6 +156,9 @@ def main() -> int:
             warm.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
         codes = [p.wait() for p in warm]
         print(f"[sanitize] cases warmed in {time.time() - t0:.0f} s (exit codes {codes})", file=sys.stderr, flush=True)
+    if a.deadline:
+        a.limit = max(1, min(a.limit, int(a.deadline - (time.time() - t0)) - 30))
+        print(f"[sanitize] tools limited to {a.limit} s each (--deadline {a.deadline})", file=sys.stderr, flush=True)
     procs = {}
     for tool in tools:
         n = split.get(tool, 1)
