@@ -74,10 +74,10 @@ class KdaTuning:
     wy_dqkg_launch: tuple[int, int, int, int] | None = (64, 64, 8, 1)
     # training: stages 4 and 5 of FLA's backward (chunk_kda_bwd_dAv and chunk_gated_delta_rule_bwd_dhu: dv and the
     # state-gradient recurrence) in one launch of cula's kernel (cula.ops.kda.sm90.bwd_dhu), where the forward's
-    # intra kernel ran (its Aqk is zero above the diagonal) and the call has at least this many (sequence, value
-    # head) lanes within (fewest, most): one CTA a lane walks the chunks in order with stage 4's GEMMs on that
-    # chain, so with fewer lanes than SMs FLA's two kernels (stage 4 parallel over chunks, stage 5 two CTAs a lane)
-    # win, and past one wave of its 1-CTA-an-SM grid they have not been measured. None: FLA's
+    # intra kernel ran (its Aqk is zero above the diagonal) and the call's (sequence, value head) lanes are within
+    # (fewest, most): one CTA a lane walks the chunks in order with stage 4's GEMMs on that chain, so with fewer
+    # lanes than SMs FLA's two kernels (stage 4 parallel over chunks, stage 5 two CTAs a lane) win, and past one
+    # wave of its 1-CTA-an-SM grid they have not been measured. None: FLA's
     bwd_dv_dhu_lanes: tuple[int, int] | None = None
     # training: stage 7 (chunk_kda_bwd_intra, the gradients through the intra-chunk scores) on cula's kernel
     # (cula.ops.kda.sm90.bwd_intra) where the forward's intra kernel ran

@@ -40,7 +40,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from common import bench, kernel_stats, measure_host_overhead  # the benchmarks' helpers live beside their scripts
 
 H = HV = 64
@@ -162,7 +163,9 @@ def _allocation_site(frames: list[dict]) -> str:
     for f in frames:
         name = f.get("filename", "")
         if "/cula/" in name or "/fla/" in name or "/benchmarks/" in name:
-            return f"{name.split('/site-packages/')[-1].split('/main/')[-1]}:{f.get('line')} {f.get('name')}"
+            # the checkout's files relative to its root, installed packages' relative to site-packages
+            short = os.path.relpath(name, REPO) if name.startswith(REPO + os.sep) else name.split("/site-packages/")[-1]
+            return f"{short}:{f.get('line')} {f.get('name')}"
     py = [f for f in frames if f.get("filename", "").endswith(".py")]
     return f"{py[0]['filename']}:{py[0]['line']} {py[0]['name']}" if py else "?"
 

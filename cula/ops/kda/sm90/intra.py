@@ -228,7 +228,8 @@ def chunk_kda_intra_sm90(
             ``Aqk`` is not written (pass None) and ``Akk`` must be None. w and u are then the bits that call wrote.
         qk_norm: ``(qk, rstd)`` or None, out with ``use_qk_l2norm``: ``qk`` ``[2, B, T, H, K]`` q's dtype, the
             normalised q (``qk[0]``) and k (``qk[1]``) as FLA's ``l2norm_fwd`` returns them; ``rstd`` ``[2, B, T,
-            H]`` fp32, their ``1 / sqrt(sum x^2 + 1e-6)`` (FLA's rstd). Rows past each sequence end not written.
+            H]`` fp32, their ``1 / sqrt(sum x^2 + 1e-6)`` (FLA's rstd). Tokens of no sequence (past ``cu_seqlens``'
+            end) not written.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
