@@ -287,7 +287,7 @@ def _bwd_intra(
         out = chunk_kda_bwd_intra_sm90(
             q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens,
             chunk_indices=cula_chunk_rows(chunk_indices, cu_seqlens, use_graph), chunk_size=chunk_size,
-            reverse_cumsum_dg=cumsum, qk_rstd=call.qk_rstd, gate=call.gate,
+            reverse_cumsum_dg=cumsum, qk_rstd=call.qk_rstd, gate=call.gate, in_place=True,
         )  # fmt: skip
         if call.gate is not None:
             call.gate_grads = out[3:]

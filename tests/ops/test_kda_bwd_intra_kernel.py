@@ -138,6 +138,12 @@ def test_bwd_intra_vs_fla_and_f64_cuda(B, T, H, HV, lens, beta_dtype, gate):
     torch.cuda.synchronize()
     for name, o, x in zip(("dq", "dk", "db"), ours, fused):
         assert torch.equal(o, x), name
+    # in place (the training backward's call): the same bits, in the incoming accumulations' own buffers
+    for cumsum, want in ((False, ours), (True, fused)):
+        acc = {n: gpu[n].clone() for n in ("dq", "dk", "db", "dg")}
+        out = chunk_kda_bwd_intra_sm90(**{**gpu, **acc}, reverse_cumsum_dg=cumsum, in_place=True)
+        for name, o, w in zip(("dq", "dk", "db", "dg"), out, want):
+            assert o.data_ptr() == acc[name].data_ptr() and torch.equal(o, w), (name, cumsum)
     def suffix(x):  # FLA's chunk_local_cumsum(x, reverse=True), in float64
         x = x.double().clone()
         for c0, c1 in _chunk_bounds(T, case["cu_seqlens"]):
@@ -233,6 +239,12 @@ def test_fused_l2norm_and_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens, params, g_
     for name, r, o in (("dA_log", r_dA, fused[4]), ("ddt_bias", r_dbias, fused[5])):
         if o is not None:
             assert_close(f"{name} vs f64", r.float(), o.cpu(), 2e-2)
+    acc = {n: gpu[n].clone() for n in ("dq", "dk", "db", "dg")}
+    in_place = chunk_kda_bwd_intra_sm90(**{**gpu, **acc}, reverse_cumsum_dg=True, gate=gate,
+                                        qk_rstd=(q_rstd, k_rstd) if l2 else None, in_place=True)  # fmt: skip
+    assert in_place[2].data_ptr() == acc["db"].data_ptr()
+    for i, (a, b) in enumerate(zip(fused, in_place)):
+        assert (a is None and b is None) or torch.equal(a, b), i
     if not l2:
         assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
         return

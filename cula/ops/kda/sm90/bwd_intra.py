@@ -64,6 +64,7 @@ def chunk_kda_bwd_intra_sm90(
     reverse_cumsum_dg: bool = False,
     qk_rstd: tuple[torch.Tensor, torch.Tensor] | None = None,
     gate: tuple | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """FLA's ``chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, ...)`` on SM90: the same arguments
     and returns ``(dq, dk, db, dg)``, new fp32 tensors (contract: ``cula.kda.naive_bwd.chunk_kda_bwd_intra_reference``;
@@ -85,7 +86,10 @@ def chunk_kda_bwd_intra_sm90(
         q, k: ``[B, T, H, 128]`` bf16 / fp16 (after the L2 norm).  g: ``[B, T, HV, 128]`` fp32, the chunk-local log2
             gate cumsum.  beta: ``[B, T, HV]`` fp32 / bf16 / fp16.
         dAqk, dAkk: ``[B, T, HV, 64]`` fp32.  dq, dk, dg: ``[B, T, HV, 128]`` fp32; db: ``[B, T, HV]`` fp32: the
-            accumulations to add to (not modified).
+            accumulations to add to (not modified, unless ``in_place``).
+        in_place: the sums go into dq, dk, dg and db themselves, which come back as outputs (dq only without
+            ``qk_rstd``; dg only without ``gate``): four fewer output buffers, for a caller that drops the inputs
+            (the training backward: at B = 2, T = 16384, H = 64 they were 2 GiB of its peak).
         cu_seqlens: ``[N + 1]`` int32 / int64 with ``B == 1``; ``chunk_indices``: ``[NT, 2]`` (sequence, chunk) as
             FLA's ``prepare_chunk_indices`` (any int dtype; built from ``cu_seqlens`` when absent, a host sync).
     """
@@ -110,9 +114,11 @@ def chunk_kda_bwd_intra_sm90(
         t.contiguous() for t in (q, k, g, beta, dAqk, dAkk, dq, dk, db, dg)
     )  # fmt: skip
     fused = _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg)
-    # with the L2 norm's backward the kernel writes dq only in q's dtype (dq_n below): dq stands in for its fp32 output
-    dq2 = torch.empty_like(dq) if qk_rstd is None else dq
-    dk2, dg2, db2 = torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db)
+    # with the L2 norm's backward the kernel writes dq only in q's dtype (dq_n below): dq stands in for its fp32 output.
+    # In place, each thread reads an element of dq / dk / dg / db before it writes that element and no other thread
+    # reads it (phase D's dg stores come after a CTA barrier), so the outputs can be the inputs
+    dq2 = torch.empty_like(dq) if qk_rstd is None and not in_place else dq
+    dk2, dg2, db2 = (dk, dg, db) if in_place else (torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db))
     varlen = cu_seqlens is not None
     cu32, ci, num_chunks, num_seqs = per_chunk_grid(B, T, cu_seqlens, chunk_indices, q.device)
     # the outputs of the fused stages: dq / dk in q's dtype, dg_raw and the per-chunk partial sums of the gate's
