@@ -29,7 +29,7 @@ has a byte model for it, its percent of its byte floor (in the JSON rows and a t
 
 Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--kernels] [--bwd-dv-dhu]
 [--bwd-wy-dqkg] [--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]]
-[--bwd-recompute-intra [--bwd-recompute-l2norm]]
+[--bwd-recompute-intra]
 [--also NAME=FLAG[,FLAG...] ...]``: ``--also`` times cula's side again with more stages on, in the same process
 (FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``;
 ``disable_recompute`` among the flags calls cula's side with that argument (peak memory beside the time).
@@ -362,7 +362,7 @@ def _stages_on(stages):
 # KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
 _STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_lanes", (1, 1 << 30))}
 _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
-                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_recompute_l2norm")  # fmt: skip
+                "bwd_intra_l2norm", "bwd_recompute_intra")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)
@@ -403,9 +403,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --bwd-intra: the L2 norm's backward on chip too (KdaTuning.bwd_intra_l2norm)")
     p.add_argument("--bwd-recompute-intra", action="store_true",
                    help="the backward's recompute prefix on cula's intra kernel (KdaTuning.bwd_recompute_intra)")
-    p.add_argument("--bwd-recompute-l2norm", action="store_true",
-                   help="its launch also writes the normalised q, k and their rstd in place of FLA's l2norm_fwd "
-                        "(KdaTuning.bwd_recompute_l2norm)")  # fmt: skip
     p.add_argument("--bwd-intra", action="store_true",
                    help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
                         "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dv_dhu_bwd_intra)")

@@ -112,14 +112,12 @@ def _kda_intra_forms(d: dict):
     return itertools.product(d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS)
 
 
-def _kda_intra_variants(d: dict, qk_norm: bool = False, **flags) -> None:
-    """The per-channel-gate intra kernel over ``_kda_intra_forms``, fixed and packed, with launch ``flags``
-    (``qk_norm``: the forms with the L2 norm write its outputs, ``store_qk_norm``)."""
+def _kda_intra_variants(d: dict, **flags) -> None:
+    """The per-channel-gate intra kernel over ``_kda_intra_forms``, fixed and packed, with launch ``flags``."""
     from cula.ops.kda.sm90 import intra
 
     for (dt, g_dt, b_dt, gate, l2, beta_act), varlen in itertools.product(_kda_intra_forms(d), _B):
-        options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, store_qk_norm=qk_norm and l2, **flags)
-        intra.compiled_variant(varlen=varlen, **options)
+        intra.compiled_variant(varlen=varlen, **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, **flags))
 
 
 def _kda_training(scope: str) -> None:
@@ -134,7 +132,7 @@ def _kda_training(scope: str) -> None:
     entry = KDA_TUNING.get((9, 0))
     d = _dtypes(scope)
     if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, T read
-        _kda_intra_variants(d, qk_norm=entry.bwd_recompute_l2norm, g_cum_last_only=False, given_t=True)
+        _kda_intra_variants(d, g_cum_last_only=False, given_t=True)
     for dt, varlen in itertools.product(d["io"], _B):
         if entry.bwd_dv_dhu_lanes is not None:
             for dht, dh0, svf in itertools.product(_B, _B, _B):

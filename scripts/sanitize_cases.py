@@ -254,17 +254,6 @@ def kda_training_bwd_intra_fused():
 
 
 @case
-def kda_training_recompute_l2norm():
-    # the recompute prefix's launch writing the L2 norm's outputs (KdaTuning.bwd_recompute_l2norm): fixed, packed
-    # with GVA (each q / k head's rows from its group's first value head)
-    from cula.kda.plan import KDA_TUNING
-
-    with KDA_TUNING.override(bwd_recompute_intra=True, bwd_recompute_l2norm=True):
-        _kda_chunk(2, 130, 2, 2, grad=True)
-        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True)
-
-
-@case
 def kda_training_graph_mode():
     # a packed training step in FLA's graph mode: the backward's kernels (the recompute on the intra kernel, stages 6
     # and 7) walk FLA's fixed-size chunk list, its sentinel rows as padding rows; without and with GVA

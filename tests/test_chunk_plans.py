@@ -188,7 +188,7 @@ def _both_stages(calls, io, so, varlen, q, k, v, g, beta, a_log, bias, work, o, 
     grid = (ci.shape[0], 1, cu.numel() - 1) if varlen else ((T_ + 63) // 64, B_, B_)
     calls.append(("intra", intra_kw, (
         q3, k3, v3, g3, beta.view(B_ * T_, HV_), a_log, bias.view(HV_, K_), w, u, qg, kg, aqk, None, g_cum, cu, ci,
-        None, None, T_, grid[0], grid[1], scale, lb)))  # fmt: skip
+        T_, grid[0], grid[1], scale, lb)))  # fmt: skip
     calls.append(("state", state_kw, (w, u, kg, qg, g_cum, aqk, o3, h0, ht, cu, T_, grid[2], scale)))
 
 
@@ -503,7 +503,7 @@ def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, kda_tuning, 
     assert fake_sm90[0][1:] == ("side", "main") and fake_sm90[-1][1:] == ("main", "side")
     intras = [c[2] for c in fake_sm90 if c[0] == "intra"]
     states = [c for c in fake_sm90 if c[0] == "state"]
-    assert [a[18] for a in intras] == [64, T - 64]  # tokens of each segment (T = 100)
+    assert [a[16] for a in intras] == [64, T - 64]  # tokens of each segment (T = 100)
     assert intras[1][0].data_ptr() == x["q"].data_ptr() + 64 * H * D * 2
     (kw0, a0), (kw1, a1) = ((c[1], c[2]) for c in states)
     assert kw0["has_h0"] == with_h0 and kw0["has_ht"] and kw1["has_h0"] and kw1["has_ht"]

@@ -300,7 +300,7 @@ def _step(fn, leaves, cotangents, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "stage", ["bwd_dv_dhu_lanes", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
-              "bwd_wy_dqkg", "bwd_recompute_intra", "bwd_recompute_l2norm"],
+              "bwd_wy_dqkg", "bwd_recompute_intra"],
 )
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
@@ -308,9 +308,8 @@ def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     ``KdaTuning`` stage flag off and on (the rest as the H200's entry has them): stages 4 and 5 in one launch
     (``bwd_dv_dhu_lanes``: None, then every count), 6 (``bwd_wy_dqkg``) or 7 (``bwd_intra``) on cula's kernel, or
     stage 8, 9 or the L2 norm's backward fused into stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``,
-    ``bwd_intra_l2norm``), or the recompute prefix on cula's intra kernel (``bwd_recompute_intra``; with the L2
-    norm's outputs from its launch, ``bwd_recompute_l2norm``): every gradient within FLA's tolerances of the other,
-    none NaN."""
+    ``bwd_intra_l2norm``), or the recompute prefix on cula's intra kernel (``bwd_recompute_intra``): every gradient
+    within FLA's tolerances of the other, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda import chunk_kda
@@ -350,15 +349,8 @@ def test_recompute_on_cula_follows_the_tuning(monkeypatch, kda_tuning):
     assert fla_backward.recompute_on_cula(q, q, dict(p, use_graph=True))
     assert not fla_backward.recompute_on_cula(q, q, dict(p, lower_bound=None))  # the unbounded softplus gate
     assert not fla_backward.recompute_on_cula(q, q, dict(p, safe_gate=False, use_gate_in_kernel=False))
-    # the L2 norm's outputs from that launch: with the norm in the kernel and the entry's flag
-    normed = dict(p, use_qk_l2norm_in_kernel=True)
-    kda_tuning(bwd_recompute_l2norm=True)
-    assert fla_backward.qk_norm_on_cula(q, q, normed)
-    assert not fla_backward.qk_norm_on_cula(q, q, dict(normed, use_qk_l2norm_in_kernel=False))
-    kda_tuning(bwd_recompute_l2norm=False)
-    assert not fla_backward.qk_norm_on_cula(q, q, normed)
-    kda_tuning(bwd_recompute_intra=False, bwd_recompute_l2norm=True)
-    assert not fla_backward.recompute_on_cula(q, q, p) and not fla_backward.qk_norm_on_cula(q, q, normed)
+    kda_tuning(bwd_recompute_intra=False)
+    assert not fla_backward.recompute_on_cula(q, q, p)
 
 
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
@@ -383,13 +375,11 @@ def test_cula_chunk_rows_turn_sentinels_into_padding(cu_dtype):
     assert fla_backward.cula_chunk_rows(None, None, use_graph=True) is None
 
 
-@pytest.mark.parametrize("norm", [False, True], ids=["l2norm_fwd", "norm-in-prefix"])
 @pytest.mark.parametrize("fused_gate", [True, False])
-def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fused_gate, norm):
+def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fused_gate):
     """With the prefix on cula's intra kernel, FLA's chunk_kda_bwd gets disable_recompute=True, the prefix's w, u,
     qg, kg, v_new, h and its gate cumsum as g (the raw gate as g_org with the fused gate); the prefix gets the raw
-    (unnormalised) q and k and the forward's Akk. Where the prefix's launch normalises q and k too
-    (``qk_norm_on_cula``), FLA's stages get its q, k and rstd and FLA's l2norm_fwd is not called."""
+    (unnormalised) q and k and the forward's Akk."""
     from cula.kda import backends as kb
 
     B, T, H, D = 1, 70, 2, 128
@@ -398,24 +388,17 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     made = {n: torch.full((1,), float(i)) for i, n in enumerate(("g", "w", "u", "qg", "kg", "v_new", "h"))}
     seen = {}
 
-    normed = tuple(torch.full((B, T, H, D), float(i)).bfloat16() for i in (7, 8)) + (torch.ones(B, T, H),) * 2
-
-    def prefix(q, k, *args, Akk=None, qk_norm=False):
+    def prefix(q, k, *args, Akk=None):
         seen["prefix_q"], seen["prefix_akk"] = (q, k), Akk
-        return dict(made, qk_norm=normed) if qk_norm else dict(made)
+        return dict(made)
 
     def bwd(qk_rstd=None, **kw):
-        seen["bwd"], seen["rstd"] = kw, qk_rstd
+        seen["bwd"] = kw
         return (kw["q"].float(), kw["k"].float(), kw["v"].float(), kw["beta"].float(), g.clone(), None, None, None)
 
     import fla.ops.kda.chunk as fc
 
-    def l2norm_fwd(t):
-        seen.setdefault("l2norm_fwd", []).append(t)
-        return (t * 0.5).to(t.dtype), t.float().pow(2).sum(-1)
-
-    monkeypatch.setattr(fc, "l2norm_fwd", l2norm_fwd)
-    monkeypatch.setattr(fla_backward, "qk_norm_on_cula", lambda q, v, p: norm)
+    monkeypatch.setattr(fc, "l2norm_fwd", lambda t: ((t * 0.5).to(t.dtype), t.float().pow(2).sum(-1)))
     monkeypatch.setattr(fc, "fused_beta_sigmoid", lambda x, scale: x.float() * scale)
     monkeypatch.setattr(fc, "fused_beta_sigmoid_bwd", lambda x, dy, scale: dy * scale)
     monkeypatch.setattr(fla_backward, "recompute_on_cula", lambda q, v, p: True)
@@ -435,11 +418,6 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     assert seen["prefix_q"][0] is x["q"] and seen["prefix_q"][1] is x["k"]  # raw, not the normalised copies
     assert seen["prefix_akk"] is saved[-1]  # the forward's T, read instead of recomputed
     assert not torch.equal(kw["q"], x["q"])  # FLA's stages get the normalised q
-    if norm:
-        assert kw["q"] is normed[0] and kw["k"] is normed[1] and seen["rstd"] == normed[2:]
-        assert "l2norm_fwd" not in seen
-    else:
-        assert len(seen["l2norm_fwd"]) == 2
 
 
 @pytest.mark.gpu

@@ -187,8 +187,7 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
     kda_tuning(bwd_dv_dhu_lanes=None, bwd_wy_dqkg=False, bwd_intra=False, bwd_recompute_intra=False)
     assert not variants.planner_variants("full", ops=("kda.training",))
     kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30), bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True,
-               bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True,
-               bwd_recompute_l2norm=True)  # fmt: skip
+               bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True)  # fmt: skip
     listed = set(variants.planner_variants("full", ops=("kda.training",)))
     H, HV, D = 1, 2, 128
     for io, b_dt, svf, packed in itertools.product((BF16, FP16), (FP32, BF16, FP16), (False, True), (False, True)):
@@ -217,7 +216,7 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
         chunk_kda_bwd_dv_dhu_sm90(xv, xv, xv, xv, a.to(io), xv, f, dht=None, state_v_first=svf, cu_seqlens=cu,
                                   h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32))  # fmt: skip
     # the recompute prefix on cula's intra kernel: every row of g_cum, T read from the forward's Akk, over the gates
-    # and flags it takes; with the L2 norm in the kernel its outputs written too
+    # and flags it takes
     from cula.kda.forward import _intra_cute
 
     x, xv, beta = _rnd(1, 70, H, D, dtype=BF16), _rnd(1, 70, HV, D, dtype=BF16), _rnd(1, 70, HV, dtype=FP32)
@@ -228,9 +227,7 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
         ci = None if cu is None else torch.tensor([[0, 0], [1, 0]], dtype=torch.int32)
         _intra_cute(x, x, xv, _rnd(1, 70, HV, D, dtype=g_dt), beta, 0.1, cu, ci, fused, _rnd(HV, dtype=FP32),
                     _rnd(HV * D, dtype=FP32), lb, l2, sig, neg, full_g_cum=True,
-                    given_akk=_rnd(1, 70, HV, 64, dtype=BF16),
-                    qk_norm=(_rnd(2, 1, 70, H, D, dtype=BF16), _rnd(2, 1, 70, H, dtype=FP32)) if l2 else None,
-                    )  # fmt: skip
+                    given_akk=_rnd(1, 70, HV, 64, dtype=BF16))  # fmt: skip
     families = {k[0] for k in requested}
     assert families == {"kda.bwd_dhu", "kda.bwd_wy_dqkg", "kda.bwd_intra", "kda.intra"}, families
     missing = [cula.cache.key_text(k) for k in requested if k not in listed]

@@ -201,30 +201,27 @@ def _training_backward(saved, p, do, dht, kept=None):
     sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
     # FLA's Triton launches go to the current device (FLA's input_guard sets it the same way)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        q_rstd = k_rstd = None
+        if p["use_qk_l2norm_in_kernel"]:
+            q, q_rstd = fc.l2norm_fwd(q)
+            k, k_rstd = fc.l2norm_fwd(k)
+        if p["use_beta_sigmoid_in_kernel"]:
+            beta = fc.fused_beta_sigmoid(x=beta_raw, scale=sig_scale)
         graph = bool(p.get("use_graph"))
         chunk_indices, chunk_offsets = _backward_chunks(cu, cu_cpu, q.shape[1], graph)
-        g_cum, prefix, norm = None, {}, None
+        g_cum, prefix = None, {}
         if kept is not None:
             prefix = dict(kept)
             g_cum = prefix.pop("g")
         elif fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
             prefix = fla_backward.recompute_prefix(q_raw, k_raw, v, g_raw, beta_raw, A_log, dt_bias, h0, cu,
-                                                   chunk_indices, chunk_offsets, p, Akk=Akk,
-                                                   qk_norm=fla_backward.qk_norm_on_cula(q, v, p))  # fmt: skip
-            g_cum, norm = prefix.pop("g"), prefix.pop("qk_norm", None)
+                                                   chunk_indices, chunk_offsets, p, Akk=Akk)  # fmt: skip
+            g_cum = prefix.pop("g")
         elif not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
             g_cum = ff.chunk_local_cumsum(
                 g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
                 use_graph=graph,
             )  # fmt: skip
-        q_rstd = k_rstd = None
-        if norm is not None:  # the prefix's launch normalised them
-            q, k, q_rstd, k_rstd = norm
-        elif p["use_qk_l2norm_in_kernel"]:
-            q, q_rstd = fc.l2norm_fwd(q)
-            k, k_rstd = fc.l2norm_fwd(k)
-        if p["use_beta_sigmoid_in_kernel"]:
-            beta = fc.fused_beta_sigmoid(x=beta_raw, scale=sig_scale)
         # FLA's chunk_kda_bwd with its heaviest stage at a faster launch configuration (fla_backward)
         # with q_rstd / k_rstd, dq and dk come back through the L2 norm's backward (on chip where the tuning says so)
         dq, dk, dv, db, dg, dh0, dA, dbias = fla_backward.chunk_kda_bwd(

@@ -27,8 +27,8 @@ import types
 import torch
 
 __all__ = [
-    "chunk_kda_bwd", "cula_chunk_rows", "launch_verdict", "launch_wy_dqkg", "qk_norm_on_cula", "recompute_on_cula",
-    "recompute_prefix", "wy_dqkg_launch", "wy_dqkg_ours", "wy_dqkg_verdict",
+    "chunk_kda_bwd", "cula_chunk_rows", "launch_verdict", "launch_wy_dqkg", "recompute_on_cula", "recompute_prefix",
+    "wy_dqkg_launch", "wy_dqkg_ours", "wy_dqkg_verdict",
 ]  # fmt: skip
 
 
@@ -367,19 +367,8 @@ def recompute_on_cula(q, v, p: dict) -> bool:
     return use_cula_intra(q, v, p["safe_gate"], p["use_gate_in_kernel"], p["lower_bound"])
 
 
-def qk_norm_on_cula(q, v, p: dict) -> bool:
-    """Whether the recompute prefix's launch (``recompute_on_cula``) also hands the backward the L2-normalised q and
-    k with their rstd (``recompute_prefix(qk_norm=True)``) in place of FLA's ``l2norm_fwd``: the call normalises
-    them in the kernel and the tuning entry says so (``KdaTuning.bwd_recompute_l2norm``)."""
-    from cula.kda.plan import KDA_TUNING
-
-    if not p["use_qk_l2norm_in_kernel"] or not recompute_on_cula(q, v, p):
-        return False
-    return KDA_TUNING.for_device(q.device).bwd_recompute_l2norm
-
-
 def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
-                     p: dict, Akk=None, qk_norm: bool = False) -> dict:  # fmt: skip
+                     p: dict, Akk=None) -> dict:  # fmt: skip
     """What FLA's ``chunk_kda_bwd`` recomputes before its first gradient stage, for its ``disable_recompute=True``
     path: the gate cumsum ``g`` (every row), ``w, u, qg, kg`` from one launch of cula's intra kernel on the raw
     inputs (the launch the forward made; given the forward's ``Akk``, the kernel reads it instead of computing the
@@ -387,33 +376,23 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     ``chunk_gated_delta_rule_fwd_h``, as FLA's recompute branch calls it. Replaces FLA's ``kda_gate_chunk_cumsum``
     (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``. In FLA's graph mode (``p["use_graph"]``)
     ``chunk_indices`` / ``chunk_offsets`` are FLA's static ones: the intra kernel takes them through
-    ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``).
-    ``qk_norm`` (with the L2 norm in the kernel): also ``"qk_norm"``, ``(q, k, q_rstd, k_rstd)`` as FLA's
-    ``l2norm_fwd`` returns them for q and k, written by the same launch."""
+    ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     from cula.kda.forward import _intra_cute
 
     cu32 = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
     rows = cula_chunk_rows(chunk_indices, cu_seqlens, bool(p.get("use_graph")))
-    norm = None
-    if qk_norm:  # every token's rows are its chunk's; in graph mode the tokens past the last sequence are no one's
-        new = torch.zeros if p.get("use_graph") else torch.empty
-        norm = (new((2, *q.shape), dtype=q.dtype, device=q.device),
-                new((2, *q.shape[:-1]), dtype=torch.float32, device=q.device))  # fmt: skip
     w, u, qg, kg, _, g_cum, _ = _intra_cute(
         q, k, v, g, beta, p["scale"], cu32, rows, p["use_gate_in_kernel"], A_log, dt_bias,
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
-        full_g_cum=True, given_akk=Akk, qk_norm=norm,
+        full_g_cum=True, given_akk=Akk,
     )  # fmt: skip
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=64, state_v_first=p["state_v_first"],
     )  # fmt: skip
-    out = dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
-    if norm is not None:
-        out["qk_norm"] = (norm[0][0], norm[0][1], norm[1][0], norm[1][1])
-    return out
+    return dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
 
 
 def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage7Call]:

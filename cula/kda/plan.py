@@ -91,9 +91,6 @@ class KdaTuning:
     # training: the backward's recompute of w, u, qg, kg and the gate cumsum (FLA's kda_gate_chunk_cumsum and
     # recompute_w_u_fwd) on cula's intra kernel where the forward's ran, then FLA's chunk_kda_bwd without recompute
     bwd_recompute_intra: bool = False
-    # ... whose launch, with the L2 norm in the kernel, also writes the normalised q, k and their rstd, in place of
-    # FLA's two l2norm_fwd launches (which read q and k again)
-    bwd_recompute_l2norm: bool = False
     # training: stage 6 (chunk_kda_bwd_wy_dqkg_fused, the gradients through the state terms and the WY form) on
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
     bwd_wy_dqkg: bool = False

@@ -13,8 +13,6 @@ first) also against the float64 reference, which FLA must meet as well. Timing a
 
 from __future__ import annotations
 
-import functools
-
 import itertools
 import json
 import os
@@ -66,9 +64,6 @@ _VARIANTS = [
     # the training backward's recompute of w, u, qg, kg, g_cum from the forward's T (given_t)
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "given_t": True},
-    # ... writing the normalised q / k rows and their rstd too (store_qk_norm)
-    {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "lower_bound", "varlen": False, "l2norm": True,
-     "beta_act": "sigmoid", "given_t": True, "store_qk_norm": True},
     # Gated DeltaNet's one gate per token and head (scalar_gate): the fused softplus gate, and a log gate
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True},
@@ -83,7 +78,7 @@ _COMPILE_SCRIPT = dump_script(
                v["varlen"], extra_options=opts, l2norm_qk=v.get("l2norm", False),
                beta_act=v.get("beta_act", "none"), g_cum_last_only=v.get("g_cum_last_only", False),
                write_akk=v.get("write_akk", False), scalar_gate=v.get("scalar_gate", False),
-               given_t=v.get("given_t", False), store_qk_norm=v.get("store_qk_norm", False))
+               given_t=v.get("given_t", False))
     """,
 )
 
@@ -107,8 +102,6 @@ def _vid(v):
         vid += "-scalar_gate"
     if v.get("given_t"):
         vid += "-given_t"
-    if v.get("store_qk_norm"):
-        vid += "-store_qk_norm"
     return vid
 
 
@@ -131,15 +124,12 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     # with given_t) and k' (4 rows), beta v (4 rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end
     # (16), the row norms (16);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
-    # thread; not with given_t), bf16 T with write_akk (2 per thread), the normalised q / k row with store_qk_norm
-    # (16 per thread); no 2- or 4-byte global stores but the row's rstd with store_qk_norm
+    # thread; not with given_t), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores
     given_t = _VARIANTS[idx].get("given_t", False)
     assert ptx.count("st.shared.v4") == 42 - 16 * given_t + 16 * l2norm, ptx.count("st.shared.v4")
-    write_akk, store_qk_norm = _VARIANTS[idx].get("write_akk", False), _VARIANTS[idx].get("store_qk_norm", False)
-    v4 = 34 + 2 * write_akk - 2 * given_t + 16 * store_qk_norm
-    assert ptx.count("st.global.v4") == v4, ptx.count("st.global.v4")
-    assert ptx.count("st.global.b32") == store_qk_norm, ptx.count("st.global.b32")
-    assert "st.global.b16" not in ptx and "st.global.f32" not in ptx
+    write_akk = _VARIANTS[idx].get("write_akk", False)
+    assert ptx.count("st.global.v4") == 34 + 2 * write_akk - 2 * given_t, ptx.count("st.global.v4")
+    assert "st.global.b16" not in ptx and "st.global.f32" not in ptx and "st.global.b32" not in ptx
     # full chunks: w / u by stmatrix (64 x 128 bf16 per warpgroup = 8 x4 stores a thread) and TMA stores
     assert ptx.count("stmatrix.sync.aligned") == 16, ptx.count("stmatrix.sync.aligned")
     assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == 4  # w and u, two 128-byte-wide boxes each
@@ -653,47 +643,6 @@ def test_given_t_is_the_kept_t(case):
         int_view = torch.int16 if a.dtype != torch.float32 else torch.int32
         assert torch.equal(a.view(int_view), b.view(int_view)), name
     assert torch.isnan(again[-1]).all(), "Aqk must not be written"
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
-def test_given_t_writes_the_l2_norm(case):
-    """given_akk with qk_norm (store_qk_norm, the backward's recompute handing on the L2 norm's outputs): the raw q
-    and k normalised as FLA's l2norm_fwd returns them, with their rstd, in every row (NaN-poisoned buffers; with GVA
-    written once per q / k head); the other outputs the same bits as without it."""
-    from fla.modules.l2norm import l2norm_fwd
-
-    from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90, prepare_chunk_indices_i32
-    from cula.testing import assert_close, poison_
-
-    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
-    q, k = (q.float() * 3).bfloat16(), (k.float() * 0.5).bfloat16()  # raw rows off the unit sphere
-    gate, ci = case[5], None if cu is None else prepare_chunk_indices_i32(cu)
-    Akk = poison_(torch.empty(*v.shape[:3], 64, dtype=q.dtype, device=q.device))
-    norm = (poison_(torch.empty(2, *q.shape, dtype=q.dtype, device=q.device)),
-            poison_(torch.empty(2, *q.shape[:-1], dtype=torch.float32, device=q.device)))  # fmt: skip
-
-    def with_akk(*args, **kw):
-        chunk_kda_intra_sm90(*args, Akk=Akk, use_qk_l2norm=True, **kw)
-
-    def from_akk(*args, qk_norm=None, **kw):
-        args = list(args)
-        args[10] = None  # Aqk: not written
-        chunk_kda_intra_sm90(*args, given_akk=Akk, use_qk_l2norm=True, qk_norm=qk_norm, **kw)
-
-    run = functools.partial(_run_ours, q, k, v, g, beta, 128**-0.5, cu, ci, gate, A_log, dt_bias, lb)
-    run(launcher=with_akk)
-    plain, normed = run(launcher=from_akk), run(launcher=from_akk, qk_norm=norm)
-    torch.cuda.synchronize()
-    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg"), plain, normed):
-        int_view = torch.int16 if a.dtype != torch.float32 else torch.int32
-        assert torch.equal(a.view(int_view), b.view(int_view)), name
-    for i, x in enumerate((q, k)):
-        y, rstd = l2norm_fwd(x)
-        assert not norm[0][i].isnan().any() and not norm[1][i].isnan().any(), "rows left unwritten"
-        assert_close(f"{'qk'[i]} normalised vs FLA", y.float(), norm[0][i].float(), 2e-3)  # bf16 ulps at most
-        assert_close(f"{'qk'[i]} rstd vs FLA", rstd.float().view(x.shape[:-1]), norm[1][i], 1e-5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

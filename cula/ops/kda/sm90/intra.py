@@ -96,7 +96,6 @@ def gate_params_binder(
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
     *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False, given_t: bool = False,
-    store_qk_norm: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
@@ -105,7 +104,7 @@ def kernel_options(
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
         # absent when off: the compile keys of the other variants stay
         **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
-        **({"given_t": True} if given_t else {}), **({"store_qk_norm": True} if store_qk_norm else {}),
+        **({"given_t": True} if given_t else {}),
     )  # fmt: skip
 
 
@@ -189,7 +188,6 @@ def chunk_kda_intra_sm90(
     g_cum_last_only: bool = False,
     Akk: torch.Tensor | None = None,
     given_akk: torch.Tensor | None = None,
-    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` (and ``Akk``) in place.
 
@@ -226,10 +224,6 @@ def chunk_kda_intra_sm90(
         given_akk: ``[B, T, HV, 64]`` q's dtype or None: an ``Akk`` a call on the same inputs wrote, read instead
             of computed (the training backward's recompute of w, u, qg, kg and g_cum): no scores and no solve, so
             ``Aqk`` is not written (pass None) and ``Akk`` must be None. w and u are then the bits that call wrote.
-        qk_norm: ``(qk, rstd)`` or None, out with ``use_qk_l2norm``: ``qk`` ``[2, B, T, H, K]`` q's dtype, the
-            normalised q (``qk[0]``) and k (``qk[1]``) as FLA's ``l2norm_fwd`` returns them; ``rstd`` ``[2, B, T,
-            H]`` fp32, their ``1 / sqrt(sum x^2 + 1e-6)`` (FLA's rstd). Tokens of no sequence (past ``cu_seqlens``'
-            end) not written.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -255,8 +249,6 @@ def chunk_kda_intra_sm90(
         raise ValueError("given_akk is read and Akk written: pass one of them")
     if (Aqk is None) != (given_akk is not None):
         raise ValueError("Aqk is written unless given_akk is passed (then it must be None)")
-    if qk_norm is not None and not use_qk_l2norm:
-        raise ValueError("qk_norm holds the L2 norm's outputs: it needs use_qk_l2norm")
     scalar_gate = g.dim() == 3
     g_shape = (B, T, HV) if scalar_gate else (B, T, HV, K)
     check_tensors((
@@ -266,8 +258,6 @@ def chunk_kda_intra_sm90(
         *((("Aqk", Aqk, (B, T, HV, 64), dt),) if Aqk is not None else ()),
         *((("Akk", Akk, (B, T, HV, 64), dt),) if Akk is not None else ()),
         *((("given_akk", given_akk, (B, T, HV, 64), dt),) if given_akk is not None else ()),
-        *((("qk_norm[0]", qk_norm[0], (2, B, T, H, K), dt), ("qk_norm[1]", qk_norm[1], (2, B, T, H), torch.float32))
-          if qk_norm is not None else ()),
     ), contiguous=True)  # fmt: skip
     if g.dtype not in TORCH_TO_DSL or beta.dtype not in TORCH_TO_DSL:
         raise ValueError(f"g and beta must be fp32/bf16/fp16, got {g.dtype}, {beta.dtype}")
@@ -293,7 +283,6 @@ def chunk_kda_intra_sm90(
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
             write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None,
-            store_qk_norm=qk_norm is not None,
         ),
     )  # fmt: skip
 
@@ -307,6 +296,5 @@ def chunk_kda_intra_sm90(
         flat(Akk) if Akk is not None else None if given_akk is None else flat(given_akk), flat(g_cum),
         cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
         chunk_indices if varlen else placeholder(dev, torch.int32, (1, 2)),
-        *((qk_norm[0].view(2 * B * T, H, K), qk_norm[1].view(2 * B * T, H)) if qk_norm is not None else (None, None)),
         T, num_chunks, num_seqs, float(scale), float(lower_bound if lower_bound is not None else 0.0),
     )  # fmt: skip

@@ -70,10 +70,7 @@ P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through t
 
 ``given_t`` (the training backward's recompute of w, u, qg, kg and g_cum from the forward's saved T): P2 writes its
 rows and k' but no score operands, P3-P5 and Aqk are skipped, and P6 loads T's rows from ``mAkk`` instead of
-rounding the solve's; w and u are then the bits the forward's ``write_akk`` call made. With ``store_qk_norm`` (and
-``l2norm_qk``) P1 also writes the normalised q and k rows and their ``1 / sqrt(sum x^2 + eps)`` to global memory,
-FLA's ``l2norm_fwd`` outputs, which the backward's later stages read (from the first value head of each q / k head's
-group, the rows of the sequence only).
+rounding the solve's; w and u are then the bits the forward's ``write_akk`` call made.
 
 Synchronisation: phases hand shared memory on through CTA-wide barriers (barrier 0); the only named barriers are
 P7's, one per warpgroup, after the last CTA-wide one. P4 used a named barrier of the four inverting warps, and with
@@ -154,7 +151,7 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
-        scalar_gate: bool = False, given_t: bool = False, store_qk_norm: bool = False,
+        scalar_gate: bool = False, given_t: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
@@ -174,11 +171,6 @@ class ChunkKDAIntraFwdSm90:
         if beta_act not in BETA_ACTS:
             raise ValueError(f"beta_act must be one of {BETA_ACTS}, got {beta_act!r}")
         self.l2norm_qk, self.beta_act = bool(l2norm_qk), beta_act
-        # the normalised q / k rows and their rstd out as well (mQKn, mQKr): what FLA's l2norm_fwd hands the
-        # backward's stages, from the launch that normalises them anyway
-        self.store_qk_norm = bool(store_qk_norm)
-        if self.store_qk_norm and not self.l2norm_qk:
-            raise ValueError("store_qk_norm writes the L2 norm's outputs: it needs l2norm_qk")
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype, self.g_dtype, self.beta_dtype = dtype, g_dtype, beta_dtype
@@ -222,8 +214,6 @@ class ChunkKDAIntraFwdSm90:
         mG: cute.Tensor,  # (T_total, HV, K) fp32, out
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
         mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
-        mQKn: cute.Tensor | None,  # (2 T_total, H, K) dtype, out with store_qk_norm: normalised q rows, then k's
-        mQKr: cute.Tensor | None,  # (2 T_total, H) fp32, out with store_qk_norm: their rstd, q's then k's
         seqlen: Int32,  # tokens per sequence when not varlen
         num_chunks: Int32,  # grid x: chunks per sequence, or NT when varlen
         num_seqs: Int32,  # grid z: B, or 1 when varlen
@@ -273,7 +263,7 @@ class ChunkKDAIntraFwdSm90:
         self.storage = Storage
         self.kernel(
             tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg, tma_w, tw, tma_u, tu,
-            mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mCu, mCi, mQKn, mQKr, seqlen, scale, lower_bound,
+            mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mCu, mCi, seqlen, scale, lower_bound,
             mma_wu, sX_l, sGin_l, sT_l,
         ).launch(
             grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
@@ -450,11 +440,10 @@ class ChunkKDAIntraFwdSm90:
                 cute.autovec_copy(r, cute.make_tensor(mOut[tok0 + t, hv, None].iterator + c8, vec))
 
     @cute.jit
-    def _l2norm_rows(self, sX0: cute.Tensor, t: Int32, gRow=None, mRstd=None, rstd_at=None, store=None):
+    def _l2norm_rows(self, sX0: cute.Tensor, t: Int32):
         """Normalise token row t of a (K, BT) smem tile in place, one thread per row, 8 channels per access.
         Threads t..t+7 read the same 16-byte column of 8 consecutive rows, which the 128-byte swizzle spreads
-        over all 32 banks; no shuffles, so the 128 rows of q and k are normalised side by side. With ``gRow`` (a
-        (K,) global row) the normalised row goes there too and the rstd to ``mRstd[rstd_at]``, where ``store``."""
+        over all 32 banks; no shuffles, so the 128 rows of q and k are normalised side by side."""
         V8, dt = 8, self.dtype
         ss = cute.make_rmem_tensor(V8, Float32)  # 8 partial sums: short dependent chains
         ss.fill(0.0)
@@ -468,9 +457,6 @@ class ChunkKDAIntraFwdSm90:
         # FLA: 1 / sqrt(sum + eps); correctly rounded sqrt and divide, not rsqrt.approx, so the bf16 result
         # differs from FLA's only by the summation order
         r = Float32(1.0) / cute.math.sqrt(tot + L2NORM_EPS)
-        if const_expr(gRow is not None):
-            if store:
-                mRstd[rstd_at] = r
         steps = self.dk // V8
 
         def load(c):
@@ -487,9 +473,6 @@ class ChunkKDAIntraFwdSm90:
             for e in cutlass.range_constexpr(V8):
                 rx[e] = (xf[e] * r).to(dt)
             cute.autovec_copy(rx, vec_at(sX0, (c * V8, t)))
-            if const_expr(gRow is not None):
-                if store:
-                    cute.autovec_copy(rx, cute.make_tensor(gRow.iterator + c * V8, cute.make_layout(V8)))
 
     @cute.kernel
     def kernel(
@@ -502,8 +485,8 @@ class ChunkKDAIntraFwdSm90:
         tma_u: cute.CopyAtom, tu: cute.Tensor,
         mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor,
         mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor | None,
-        mAkk: cute.Tensor | None, mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor, mQKn: cute.Tensor | None,
-        mQKr: cute.Tensor | None, seqlen: Int32, scale: Float32, lower_bound: Float32,
+        mAkk: cute.Tensor | None, mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor,
+        seqlen: Int32, scale: Float32, lower_bound: Float32,
         mma_wu: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sT_l: cute.ComposedLayout,
     ):  # fmt: skip
         BT, DK = self.bt, self.dk
@@ -628,11 +611,7 @@ class ChunkKDAIntraFwdSm90:
                 for c in cutlass.range_constexpr(DK // 8):
                     cute.autovec_copy(zero, vec_at(sX0, (8 * c, tid % BT)))
             else:
-                if const_expr(self.store_qk_norm):
-                    # q's rows, then k's (tid >= 64), of this q / k head, written by its group's first value head
-                    row = tok0 + tid % BT + cutlass.select_(tid < BT, 0, mQKn.shape[0] // 2)
-                    self._l2norm_rows(sX0, tid % BT, mQKn[row, h, None], mQKr, (row, h), hv % (HV // tq.shape[2]) == 0)
-                elif const_expr(self.l2norm_qk):
+                if const_expr(self.l2norm_qk):
                     self._l2norm_rows(sX0, tid % BT)
         cute.arch.barrier()
 
@@ -1120,7 +1099,7 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
     kernel = ChunkKDAIntraFwdSm90(
         dtype=dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate, varlen=varlen, **options
     )
-    tt, h, hv, tt2 = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
     def tok(dt, heads, d):
         return make_fake_tensor(dt, (tt, heads, d), (cute.sym_int64(divisibility=d), d, 1), assumed_align=16)
@@ -1139,9 +1118,6 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
         tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t else None, tok(Float32, hv, DK),
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
         make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
-        *((make_fake_tensor(dtype, (tt2, h, DK), (cute.sym_int64(divisibility=DK), DK, 1), assumed_align=16),
-           make_fake_tensor(Float32, (tt2, h), (cute.sym_int64(), 1), assumed_align=4))
-          if kernel.store_qk_norm else (None, None)),
         Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(-5.0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip
