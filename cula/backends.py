@@ -195,6 +195,8 @@ class Registry:
                 skip += ((backend.name, str(err)),)
                 continue
             if launch is not None:
+                if positional is not None and backend.name.startswith("cula"):
+                    return self._prepared_falling_back(device, backend, launch, args, positional, skip)
                 return launch
             break
         # cula's kernels may still meet a variant without a binary: then this plan moves to the next backend for good
@@ -209,6 +211,24 @@ class Registry:
             return run(**fixed, **dict(zip(positional, values)))
 
         return launch
+
+    def _prepared_falling_back(self, device: torch.device, backend: Backend, launch: Callable[..., Any],
+                               args: dict[str, Any], positional: tuple[str, ...], skip: tuple) -> Callable[..., Any]:
+        """``launch`` (``backend.prepare``'s, taking the ``positional`` arguments' values), and for a call in which
+        it meets a variant without a binary, that call on the next backend: such a launch picks some paths per call
+        (a packed call cut in time, by its lengths), whose kernels its first call did not need. The error is raised
+        before any launch that writes an output."""
+        fixed = {name: value for name, value in args.items() if name not in positional}
+
+        def run(*values):
+            try:
+                return launch(*values)
+            except VariantUnavailableError as err:
+                call = dict(fixed, **dict(zip(positional, values)))
+                return self.select(device, call, skip + ((backend.name, str(err)),)).run(**call)
+
+        run.__dict__.update(launch.__dict__)  # checks_arguments and the like
+        return run
 
     def _falling_back(self, device: torch.device, backend: Backend, skip: tuple) -> Callable[..., Any]:
         """``backend.run``, or from its first ``VariantUnavailableError`` on, the next backend's (chosen on that

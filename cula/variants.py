@@ -246,8 +246,16 @@ def _smoke() -> None:
             fused.update(gate="lower_bound", g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True)
         bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False,
                                    reverse_cumsum=entry.bwd_intra_cumsum, **fused)  # fmt: skip
-    # the packed call cut in time: the segment summary, the segment chain, then the packed state/output kernel
+    # the backward's recompute prefix on the intra kernel: every gate cumsum row, T read from the forward's Akk
+    if entry.bwd_recompute_intra:
+        intra.compiled_variant(
+            varlen=False,
+            **intra.kernel_options(_BF16, _FP32, _BF16, "lower_bound", True, "sigmoid", given_t=True),
+        )  # fmt: skip
+    # the packed call cut in time: the segment summary, the segment chain, the intra kernel on its own, then the
+    # packed state/output kernel
     segment_summary.compiled_variant(dtype="BFloat16")
+    intra.compiled_variant(varlen=True, **options)
     segment_chain.compiled_variant(has_h0=True, has_ht=True)
     dh.compiled_variant(dtype="BFloat16", varlen=True, has_h0=True, has_ht=False, aqk_causal=True)
     # kda_decode's defaults (softplus gate with A_log and dt_bias, L2 norm, beta sigmoid, [V, K] pool), T = 1 and 4

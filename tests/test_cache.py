@@ -173,3 +173,36 @@ def test_wheel_estimate_samples_every_family(monkeypatch):
     sample = [key for key, _ in build_wheel._listed("wheel", per_family=3)]
     assert sample == [("a", 0), ("a", 3), ("a", 6), ("b", 0)]
     assert len(build_wheel._listed("wheel")) == 11
+
+
+def test_prepared_plan_falls_back_per_call():
+    """A cula backend's prepared launch that meets a variant without a binary on a later call (a path its first
+    call did not take) runs that call on the next backend, and keeps its own launch for the calls it can run."""
+    from cula.backends import Registry
+
+    reg = Registry("test_op")
+    seen = []
+
+    def prepare(x, path):
+        def launch(x_value):
+            if x_value < 0:
+                raise cache.VariantUnavailableError("no binary for the cut path")
+            seen.append(("cula", x_value))
+            return "cula"
+
+        launch.checks_arguments = True
+        return launch
+
+    @reg.register("cula-test", 0, prepare=prepare)
+    def _cula(x, path):
+        return "cula-run"
+
+    @reg.register("other", 1)
+    def _other(x, path):
+        seen.append(("other", x))
+        return "other"
+
+    launch = reg.plan(torch.device("cpu"), {"x": 1, "path": "p"}, positional=("x",))
+    assert launch.checks_arguments
+    assert [launch(1), launch(-2), launch(3)] == ["cula", "other", "cula"]
+    assert seen == [("cula", 1), ("other", -2), ("cula", 3)]

@@ -296,3 +296,35 @@ def test_per_head_gate_backward_sums_the_repeated_gate(stand_ins, fused):
         assert (a is None) == (b is None), name
         if a is not None:
             assert a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-6), name
+
+
+def test_backward_without_a_binary_runs_on_fla_stages(monkeypatch, caplog):
+    """A backward stage of cula's that meets a kernel variant with no binary (a wheel without the DSL) raises
+    before it launches; the backward then runs again on FLA's stages alone (``fla_backward.fla_stages_only``) with
+    the same arguments, logged once a process as a warning."""
+    import logging
+
+    from cula.cache import VariantUnavailableError
+
+    calls = _prefix_forward(monkeypatch, with_prefix=True)
+    recorded = fla_backward.chunk_kda_bwd
+    only = []
+
+    def bwd(qk_rstd=None, **kw):
+        only.append(fla_backward._FLA_STAGES_ONLY.get())
+        if not only[-1]:
+            raise VariantUnavailableError("kernel variant ('kda.bwd_intra', ...) is not in cula's prebuilt manifest")
+        return recorded(qk_rstd, **kw)
+
+    monkeypatch.setattr(fla_backward, "chunk_kda_bwd", bwd)
+    monkeypatch.setattr(kb, "_said_fla_stages", [])
+    q = torch.randn(1, 4, 2, 128, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="cula"), torch.enable_grad():
+        for _ in range(2):
+            o, _ = kb.chunk_kda_cula_sm90(**_plain_call(q), disable_recompute=True)
+            o.sum().backward()
+    assert only == [False, True, False, True]
+    assert len(calls) == 2 and all(kw["disable_recompute"] for kw in calls)
+    said = [r for r in caplog.records if "FLA's stages alone" in r.getMessage()]
+    assert len(said) == 1 and "prebuilt manifest" in said[0].getMessage()
+    assert not fla_backward._FLA_STAGES_ONLY.get()

@@ -313,6 +313,73 @@ def test_scopes_nest(full_list):
     assert all("(9, 0)" in cula.cache.key_text(k) for k in full_list)  # sm_90a only
 
 
+def test_wheel_check_calls_take_smoke_variants(requested, monkeypatch):
+    """The calls of ``scripts/device/wheel_check.py`` (the wheel's check on the H200, where the DSL is absent and
+    only the wheel's variants exist) ask for variants of the smoke scope only, which CI's wheel build compiles:
+    chunk_kda fixed (plan and general path), without safe_gate, packed, packed cut in time, the training forward;
+    the training backward's stages on cula's kernels as the glue calls them for that call; decode and Lightning."""
+    import importlib.util
+    from pathlib import Path
+
+    from cula.kda import chunk_kda, kda_decode
+    from cula.kda.forward import _intra_cute
+    from cula.kda.plan import KDA_TUNING
+    from cula.lightning import lightning_attn_fwd, lightning_decode
+    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
+    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
+    from cula.time_split import SplitThresholds
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "device" / "wheel_check.py"
+    spec = importlib.util.spec_from_file_location("wheel_check", path)
+    wc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wc)
+    monkeypatch.setattr(wc, "DEV", "cpu")
+    flags = wc.CHUNK_FLAGS
+    x, xp = wc._chunk_inputs(2, 300), wc._chunk_inputs(1, 557, N=3, seed=1)
+    cu = torch.tensor([0, 100, 300, 557], dtype=torch.int32)
+    with torch.no_grad():
+        for _ in range(2):
+            chunk_kda(**x, **flags)
+            chunk_kda(**xp, **flags, cu_seqlens=cu, cu_seqlens_cpu=cu)
+        chunk_kda(**x, **dict(flags, safe_gate=False))
+        cut = SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=128, min_seq_len=256)
+        with KDA_TUNING.override((9, 0), time_split=cut):
+            chunk_kda(**xp, **flags, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    xt = {n: t.clone().requires_grad_(n in ("q", "k", "v", "g", "beta")) for n, t in x.items()}
+    chunk_kda(**xt, **flags)
+    # the backward (FLA's Triton stages do not run on the CPU): cula's stages with the glue's arguments for this
+    # call (beta after the glue's sigmoid is fp32; GVA, so no L2 norm's backward in stage 7)
+    q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
+    B, T, HV, D = *v.shape[:3], 128
+    a_log, dt_bias = x["A_log"], x["dt_bias"]
+    _intra_cute(q, k, v, g, beta, D**-0.5, None, None, True, a_log, dt_bias, -5.0, True, True, False,
+                full_g_cum=True, given_akk=torch.zeros(B, T, HV, 64, dtype=BF16))  # fmt: skip
+    f, a, b32 = torch.zeros(B, T, HV, D), torch.zeros(B, T, HV, 64), torch.zeros(B, T, HV)
+    s = torch.zeros(B, -(-T // 64), HV, D, D, dtype=BF16)
+    chunk_kda_bwd_wy_dqkg_sm90(q, k, v, v, f, b32, a.to(BF16), s, v, s, v, state_v_first=False)
+    chunk_kda_bwd_intra_sm90(q, k, f, b32, a, a, f, f, b32, f, reverse_cumsum_dg=True,
+                             gate=(g, a_log, dt_bias, -5.0), in_place=True)  # fmt: skip
+    # decode at T = 1 and 4, Lightning decode, Lightning prefill fixed and packed
+    N, H, HV = 4, 4, 16
+    idx = torch.tensor([3, 0, -1, 1], dtype=torch.int32)
+    pool = torch.zeros(N + 2, HV, D, D)
+    for T in (1, 4):
+        kda_decode(_rnd(N, T, H, D), _rnd(N, T, H, D), _rnd(N, T, HV, D), _rnd(N, T, HV, D, dtype=FP32),
+                   _rnd(N, T, HV, dtype=FP32), pool, idx, A_log=_rnd(HV, dtype=FP32), dt_bias=_rnd(HV * D, dtype=FP32))
+    lightning_decode(_rnd(N, 1, H, D), _rnd(N, 1, H, D), _rnd(N, 1, HV, D), torch.rand(HV), pool, idx)
+    for packed in (False, True):
+        B, T = (1, 557) if packed else (2, 300)
+        with torch.no_grad():
+            lightning_attn_fwd(_rnd(B, T, 2, D), _rnd(B, T, 2, D), _rnd(B, T, 4, D), torch.rand(4),
+                               initial_state=torch.zeros(3 if packed else B, 4, D, D), output_final_state=True,
+                               **({"cu_seqlens": cu} if packed else {}))  # fmt: skip
+    smoke = set(variants.planner_variants("smoke"))
+    missing = [cula.cache.key_text(k) for k in requested if k not in smoke]
+    assert not missing, f"{len(missing)} of {len(requested)} requested variants are not in the smoke scope: {missing}"
+    # every family but stages 4 and 5's (this small call has fewer lanes than KdaTuning.bwd_dv_dhu_lanes)
+    assert {k[0] for k in requested} == {k[0] for k in smoke} - {"kda.bwd_dhu"}
+
+
 def test_recording_compiles_nothing(monkeypatch):
     """Listing the variants builds none of them (it is a dictionary of build functions)."""
     built = []

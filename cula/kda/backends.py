@@ -17,6 +17,7 @@ import torch
 from cula.backends import (
     BackendUnavailableError, Registry, always, cula_kernels_on, logger, needs_grad, package_on_cuda,
 )  # fmt: skip
+from cula.cache import VariantUnavailableError
 
 chunk_kda_registry = Registry("kda.chunk_kda")
 fused_recurrent_kda_registry = Registry("kda.fused_recurrent_kda")
@@ -199,14 +200,13 @@ def _training_backward(saved, p, do, dht, kept=None):
 
         g_raw, dt_bias = gate_over_k(g_raw.float(), dt_bias, q.shape[-1])
     sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
-    # FLA's Triton launches go to the current device (FLA's input_guard sets it the same way)
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        q_rstd = k_rstd = None
+    def gradients():
+        qn, kn, beta_in, q_rstd, k_rstd = q, k, beta, None, None
         if p["use_qk_l2norm_in_kernel"]:
-            q, q_rstd = fc.l2norm_fwd(q)
-            k, k_rstd = fc.l2norm_fwd(k)
+            qn, q_rstd = fc.l2norm_fwd(q)
+            kn, k_rstd = fc.l2norm_fwd(k)
         if p["use_beta_sigmoid_in_kernel"]:
-            beta = fc.fused_beta_sigmoid(x=beta_raw, scale=sig_scale)
+            beta_in = fc.fused_beta_sigmoid(x=beta_raw, scale=sig_scale)
         graph = bool(p.get("use_graph"))
         chunk_indices, chunk_offsets = _backward_chunks(cu, cu_cpu, q.shape[1], graph)
         g_cum, prefix = None, {}
@@ -226,7 +226,7 @@ def _training_backward(saved, p, do, dht, kept=None):
         # with q_rstd / k_rstd, dq and dk come back through the L2 norm's backward (on chip where the tuning says so)
         dq, dk, dv, db, dg, dh0, dA, dbias = fla_backward.chunk_kda_bwd(
             qk_rstd=None if q_rstd is None else (q_rstd, k_rstd),
-            q=q, k=k, v=v, beta=beta, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
+            q=qn, k=kn, v=v, beta=beta_in, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
             do=do.contiguous(), dht=None if dht is None else dht.contiguous(),
             # FLA's forward keeps the gate cumsum only when the gate is not fused; the backward redoes it
             g=g_cum, g_org=g_raw if fused_gate else None,
@@ -238,6 +238,18 @@ def _training_backward(saved, p, do, dht, kept=None):
         )  # fmt: skip
         if p["use_beta_sigmoid_in_kernel"]:
             db = fc.fused_beta_sigmoid_bwd(x=beta_raw, dy=db, scale=sig_scale)
+        return dq, dk, dv, db, dg, dh0, dA, dbias
+
+    # FLA's Triton launches go to the current device (FLA's input_guard sets it the same way)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        try:
+            dq, dk, dv, db, dg, dh0, dA, dbias = gradients()
+        except VariantUnavailableError as err:
+            # a stage of cula's met a kernel variant with no binary (a wheel without the DSL): every output of
+            # this backward is a new tensor, so it runs again on FLA's stages alone (kept prefix tensors included)
+            _say_fla_stages(str(err))
+            with fla_backward.fla_stages_only():
+                dq, dk, dv, db, dg, dh0, dA, dbias = gradients()
     if per_head_gate:  # the repeated gate's (and bias's) gradients summed over the K channels
         dg = dg.float().sum(-1)
         dbias = None if dbias is None else dbias.float().view(-1, q.shape[-1]).sum(-1).to(bias_in)
@@ -269,6 +281,14 @@ def _backward_chunks(cu, cu_cpu, T: int, graph: bool):
 
 
 _said_recompute: list[bool] = []  # disable_recompute's note, logged once a process
+_said_fla_stages: list[bool] = []  # the backward's fallback to FLA's stages, logged once a process
+
+
+def _say_fla_stages(why: str) -> None:
+    if not _said_fla_stages:
+        _said_fla_stages.append(True)
+        logger.warning("chunk_kda: the training backward runs on FLA's stages alone (cula's kernels declined): %s",
+                       why)  # fmt: skip
 
 
 def _say_recompute(why: str) -> None:

@@ -19,6 +19,7 @@ FLA's module is not modified, so FLA's own backward (``fla.ops.kda.chunk_kda``) 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -27,8 +28,8 @@ import types
 import torch
 
 __all__ = [
-    "chunk_kda_bwd", "cula_chunk_rows", "launch_verdict", "launch_wy_dqkg", "recompute_on_cula", "recompute_prefix",
-    "wy_dqkg_launch", "wy_dqkg_ours", "wy_dqkg_verdict",
+    "chunk_kda_bwd", "cula_chunk_rows", "fla_stages_only", "launch_verdict", "launch_wy_dqkg", "recompute_on_cula",
+    "recompute_prefix", "wy_dqkg_launch", "wy_dqkg_ours", "wy_dqkg_verdict",
 ]  # fmt: skip
 
 
@@ -97,7 +98,7 @@ def _wy_dqkg_fused(
 def _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv) -> bool:
     """Whether cula's stage-6 kernel takes the call: the entry turns it on and the operands share one 16-bit
     dtype."""
-    return entry.bwd_wy_dqkg and q.dtype in (torch.bfloat16, torch.float16) and all(
+    return entry.bwd_wy_dqkg and not _FLA_STAGES_ONLY.get() and q.dtype in (torch.bfloat16, torch.float16) and all(
         t.dtype == q.dtype for t in (k, v, v_new, A, h, do, dh, dv)
     )
 
@@ -182,12 +183,28 @@ def _triton_fn(kernel):
     return kernel
 
 
+# set while a backward runs again on FLA's stages alone (``fla_stages_only``)
+_FLA_STAGES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("cula_fla_stages_only", default=False)
+
+
+@contextlib.contextmanager
+def fla_stages_only():
+    """Within the block, every stage of the backward runs FLA's kernels (none of cula's CuTe DSL kernels): for a
+    backward that met a kernel variant with no binary (``cula.cache.VariantUnavailableError``: a wheel without the
+    DSL, a variant outside its manifest)."""
+    token = _FLA_STAGES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _FLA_STAGES_ONLY.reset(token)
+
+
 def _stage_on(flag: str, q, K, V, chunk_size) -> bool:
     """Whether a backward stage runs on cula's kernel: the GPU's tuning entry turns it on (``KdaTuning.<flag>``)
     and ``launch_verdict``'s conditions hold (CUDA on SM90, K = V = 128, 64-token chunks)."""
     from cula.kda.plan import KDA_TUNING
 
-    on = getattr(KDA_TUNING.for_device(q.device), flag) if q.is_cuda else False
+    on = getattr(KDA_TUNING.for_device(q.device), flag) if q.is_cuda and not _FLA_STAGES_ONLY.get() else False
     return _ours(on or None, q, K, V, chunk_size)
 
 
@@ -362,7 +379,7 @@ def recompute_on_cula(q, v, p: dict) -> bool:
     (``cula.kda.plan.use_cula_intra``, as in the forward)."""
     from cula.kda.plan import KDA_TUNING, use_cula_intra
 
-    if not q.is_cuda or not KDA_TUNING.for_device(q.device).bwd_recompute_intra:
+    if not q.is_cuda or _FLA_STAGES_ONLY.get() or not KDA_TUNING.for_device(q.device).bwd_recompute_intra:
         return False
     return use_cula_intra(q, v, p["safe_gate"], p["use_gate_in_kernel"], p["lower_bound"])
 
@@ -429,7 +446,7 @@ def _stage4_fused(kwargs: dict) -> bool:
     from cula.kda.plan import KDA_TUNING, use_cula_intra
 
     q, v, Aqk = kwargs["q"], kwargs["v"], kwargs.get("Aqk")
-    if not q.is_cuda or kwargs.get("use_graph") or Aqk is None or Aqk.dtype != q.dtype:
+    if not q.is_cuda or _FLA_STAGES_ONLY.get() or kwargs.get("use_graph") or Aqk is None or Aqk.dtype != q.dtype:
         return False
     span = KDA_TUNING.for_device(q.device).bwd_dv_dhu_lanes
     cu = kwargs.get("cu_seqlens")

@@ -14,8 +14,12 @@ WHEEL=${1:-$(ls -t dist/cula-*-py3-none-*.whl | head -1)}
 ENV=/tmp/cula-wheel-env
 DEPS=/tmp/cula-wheel-deps
 rm -rf "$ENV" "$DEPS"
-python3 -m venv --system-site-packages "$ENV"
+# the machine's python3 is itself a virtual environment (/opt/torch/.venv): a venv made from it sees the base
+# interpreter's packages, not torch's, so torch's site-packages go in through a .pth file
+TORCH_SITE=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+python3 -m venv "$ENV"
 SITE=$("$ENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$TORCH_SITE" > "$SITE/device_torch.pth"
 mkdir -p "$DEPS"
 tar -xJf .device/site-rest.tar.xz -C "$DEPS" --wildcards './tvm_ffi' './apache_tvm_ffi-*' './fla' './fla_core-*'
 cp -r "$DEPS"/* "$SITE"/
