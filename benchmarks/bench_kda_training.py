@@ -27,11 +27,11 @@ the backward, the backward's workspace, the gradients). With ``--kernels`` one m
 (torch.profiler), its forward and backward apart: every kernel's device time, launches and, where ``KERNEL_BYTES``
 has a byte model for it, its percent of its byte floor (in the JSON rows and a table per config in the markdown).
 
-Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--kernels] [--bwd-dv-dhu]
-[--bwd-wy-dqkg] [--bwd-intra [--bwd-intra-cumsum [--bwd-intra-gate]] [--bwd-intra-l2norm]]
-[--bwd-recompute-intra]
-[--also NAME=FLAG[,FLAG...] ...]``: ``--also`` times cula's side again with more stages on, in the same process
-(FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``;
+Usage: ``python benchmarks/bench_kda_training.py [--quick] [--iters N] [--out DIR] [--kernels]
+[--stages FLAG[,FLAG...]] [--also NAME=FLAG[,FLAG...] ...]``: ``--stages`` runs cula's side with these backward
+stages on whatever the tuning entry says (``KdaTuning`` flag names, ``bwd_dv_dhu`` for stages 4 and 5 in one launch
+at every lane count; results named after them); ``--also`` times cula's side again with more stages on, in the same
+process (FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``;
 ``disable_recompute`` among the flags calls cula's side with that argument (peak memory beside the time).
 """
 
@@ -369,6 +369,14 @@ _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "b
 _CALL_FLAGS = ("disable_recompute",)
 
 
+def _stage_list(text: str) -> tuple[str, ...]:
+    """``--stages FLAG[,FLAG...]``: ``_STAGE_FLAGS`` names, in that order."""
+    stages = {f.strip() for f in text.split(",") if f.strip()}
+    if not stages or not stages <= set(_STAGE_FLAGS):
+        raise argparse.ArgumentTypeError(f"--stages wants FLAG[,FLAG...] among {_STAGE_FLAGS}, got {text!r}")
+    return tuple(f for f in _STAGE_FLAGS if f in stages)
+
+
 def _also(text: str) -> tuple[str, tuple[str, ...]]:
     """``--also NAME=FLAG[,FLAG...]`` (``KdaTuning`` flag names, on top of the run's stages, or ``_CALL_FLAGS``:
     cula's call with that argument True)."""
@@ -387,25 +395,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         max_seconds_help="start no new config after this many seconds (0: no limit); the results say partial",
         host_overhead_help="unused (a training step is GPU-bound at these sizes)",
     )
-    p.add_argument("--bwd-dv-dhu", action="store_true",
-                   help="cula's side with stages 4 and 5 of the backward in one launch of cula's kernel at every "
-                        "lane count (KdaTuning.bwd_dv_dhu_lanes = (1, 2^30)); results as "
-                        "kda_training_bwd_dv_dhu")  # fmt: skip
-    p.add_argument("--bwd-wy-dqkg", action="store_true",
-                   help="cula's side with stage 6 of the backward on cula's kernel (KdaTuning.bwd_wy_dqkg), whatever "
-                        "the tuning entry says; results as kda_training_bwd_wy_dqkg")  # fmt: skip
-    p.add_argument("--bwd-intra-cumsum", action="store_true",
-                   help="with --bwd-intra: stage 8 on chip in the stage-7 kernel (KdaTuning.bwd_intra_cumsum); results "
-                        "as kda_training_..._bwd_intra_cumsum")  # fmt: skip
-    p.add_argument("--bwd-intra-gate", action="store_true",
-                   help="with --bwd-intra-cumsum: stage 9 (the gate's backward) on chip too (KdaTuning.bwd_intra_gate)")
-    p.add_argument("--bwd-intra-l2norm", action="store_true",
-                   help="with --bwd-intra: the L2 norm's backward on chip too (KdaTuning.bwd_intra_l2norm)")
-    p.add_argument("--bwd-recompute-intra", action="store_true",
-                   help="the backward's recompute prefix on cula's intra kernel (KdaTuning.bwd_recompute_intra)")
-    p.add_argument("--bwd-intra", action="store_true",
-                   help="cula's side with stage 7 of the backward on cula's kernel (KdaTuning.bwd_intra), whatever "
-                        "the tuning entry says; results as kda_training_bwd_intra (both flags: _bwd_dv_dhu_bwd_intra)")
+    p.add_argument("--stages", type=_stage_list, default=(), metavar="FLAG[,FLAG...]",
+                   help="cula's side with these backward stages on, whatever the tuning entry says (KdaTuning flag "
+                        "names; bwd_dv_dhu: stages 4 and 5 in one launch at every lane count); results named after "
+                        "them, as kda_training_bwd_intra")  # fmt: skip
     p.add_argument("--kernels", action="store_true",
                    help="profile one step of each side per config: every kernel's time, launches and percent of its "
                         "byte floor (KERNEL_BYTES), by phase, in the JSON rows and a table per config in the markdown")
@@ -433,7 +426,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
     args.copy_bw_tbps = ceilings["copy_bw_tbps"]
-    stages = [s for s in _STAGE_FLAGS if getattr(args, s)]
+    stages = args.stages
     with _stages_on(stages):
         run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),
                         args.max_seconds or None, time.perf_counter(), progress=bc.PROGRESS_KEYS + ("backend",),

@@ -225,6 +225,12 @@ def test_training_also_times_more_stage_sets(cpu_bench, monkeypatch):
     for bad in ("gate", "gate=bwd_nothing", "1x=bwd_intra_gate"):
         with pytest.raises(SystemExit):
             kt.parse_args(["--also", bad])
+    # --stages: the flags in KdaTuning's order, whatever order they are given in
+    assert kt.parse_args(["--stages", "bwd_intra_cumsum, bwd_intra"]).stages == ("bwd_intra", "bwd_intra_cumsum")
+    assert kt.parse_args([]).stages == ()
+    for bad in ("", "bwd_nothing", "bwd_intra,disable_recompute"):
+        with pytest.raises(SystemExit):
+            kt.parse_args(["--stages", bad])
 
 
 def test_gdn_training_steps_on_the_reference(cpu_bench, monkeypatch):
