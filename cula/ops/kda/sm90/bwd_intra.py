@@ -87,10 +87,10 @@ def chunk_kda_bwd_intra_sm90(
             gate cumsum.  beta: ``[B, T, HV]`` fp32 / bf16 / fp16.
         dAqk, dAkk: ``[B, T, HV, 64]`` fp32.  dq, dk, dg: ``[B, T, HV, 128]`` fp32; db: ``[B, T, HV]`` fp32: the
             accumulations to add to (not modified, unless ``in_place``).
-        in_place: the sums go into dq, dk, dg and db themselves, which come back as outputs (dq only without
-            ``qk_rstd``, when it is left as it was; dg only without ``gate``, when it is overwritten as scratch):
-            four fewer output buffers, for a caller that drops the inputs (the training backward: at B = 2,
-            T = 16384, H = 64 they were 2 GiB of its peak).
+        in_place: the sums go into dq, dk, dg and db themselves, which come back as outputs; where a fused
+            neighbour returns its own (``qk_rstd``: dq and dk in q's dtype; ``gate``: dg_raw), dq is left as it was
+            and dk / dg are overwritten as scratch. Four fewer output buffers, for a caller that drops the inputs
+            (the training backward: at B = 2, T = 16384, H = 64 they were 2 GiB of its peak).
         cu_seqlens: ``[N + 1]`` int32 / int64 with ``B == 1``; ``chunk_indices``: ``[NT, 2]`` (sequence, chunk) as
             FLA's ``prepare_chunk_indices`` (any int dtype; built from ``cu_seqlens`` when absent, a host sync).
     """
