@@ -98,7 +98,7 @@ def _wy_dqkg_fused(
 def _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv) -> bool:
     """Whether cula's stage-6 kernel takes the call: the entry turns it on and the operands share one 16-bit
     dtype."""
-    return entry.bwd_wy_dqkg and not _FLA_STAGES_ONLY.get() and q.dtype in (torch.bfloat16, torch.float16) and all(
+    return entry.bwd_wy_dqkg and q.dtype in (torch.bfloat16, torch.float16) and all(
         t.dtype == q.dtype for t in (k, v, v_new, A, h, do, dh, dv)
     )
 
@@ -107,11 +107,9 @@ def wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, chunk_size) -> tuple[bool,
     """Whether stage 6 runs on cula's side (``wy_dqkg_ours``), with the reason if not: cula's kernel takes the call
     (``KdaTuning.bwd_wy_dqkg``, one 16-bit dtype) or the tuning entry sets a launch of FLA's kernel
     (``KdaTuning.wy_dqkg_launch``), and ``launch_verdict``'s conditions hold."""
-    from cula.kda.plan import KDA_TUNING
-
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q dtype {q.dtype} (cula's side of this stage runs bf16 / fp16 calls)"
-    entry = KDA_TUNING.for_device(q.device)
+    entry = _entry(q.device)
     ours = _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv) or entry.wy_dqkg_launch is not None
     return launch_verdict(ours or None, q, k.shape[-1], v.shape[-1], chunk_size)
 
@@ -121,9 +119,7 @@ def wy_dqkg_ours(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first
     """Stage 6 where ``wy_dqkg_verdict`` allows it: cula's kernel (``cula.ops.kda.sm90.bwd_wy_dqkg``) where it takes
     the call, else FLA's Triton kernel at ``wy_dqkg_launch`` (``use_graph``: ``chunk_indices`` is FLA's graph-mode
     list)."""
-    from cula.kda.plan import KDA_TUNING
-
-    entry = KDA_TUNING.for_device(q.device)
+    entry = _entry(q.device)
     if _wy_dqkg_kernel_on(entry, q, k, v, v_new, A, h, do, dh, dv):
         from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
 
@@ -187,6 +183,14 @@ def _triton_fn(kernel):
 _FLA_STAGES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("cula_fla_stages_only", default=False)
 
 
+def _entry(device: torch.device):
+    """The tuning entry every stage predicate reads: the device's, or within ``fla_stages_only`` the defaults, which
+    put no stage on cula's kernels (stage 6 still at FLA's kernel's ``wy_dqkg_launch``, Triton)."""
+    from cula.kda.plan import KDA_TUNING, KdaTuning
+
+    return KdaTuning() if _FLA_STAGES_ONLY.get() else KDA_TUNING.for_device(device)
+
+
 @contextlib.contextmanager
 def fla_stages_only():
     """Within the block, every stage of the backward runs FLA's kernels (none of cula's CuTe DSL kernels): for a
@@ -202,9 +206,8 @@ def fla_stages_only():
 def _stage_on(flag: str, q, K, V, chunk_size) -> bool:
     """Whether a backward stage runs on cula's kernel: the GPU's tuning entry turns it on (``KdaTuning.<flag>``)
     and ``launch_verdict``'s conditions hold (CUDA on SM90, K = V = 128, 64-token chunks)."""
-    from cula.kda.plan import KDA_TUNING
 
-    on = getattr(KDA_TUNING.for_device(q.device), flag) if q.is_cuda and not _FLA_STAGES_ONLY.get() else False
+    on = getattr(_entry(q.device), flag) if q.is_cuda else False
     return _ours(on or None, q, K, V, chunk_size)
 
 
@@ -337,13 +340,13 @@ def _stage7_ours(q, v, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -
     conditions hold and the call's gates are ones its anchored factors are exact for (the forward's intra kernel
     took the call, ``cula.kda.plan.use_cula_intra``); and whether that kernel also does stage 8
     (``KdaTuning.bwd_intra_cumsum``)."""
-    from cula.kda.plan import KDA_TUNING, use_cula_intra
+    from cula.kda.plan import use_cula_intra
 
     # stage 7 has no value dimension: V = 128 stands for "any"
     ours = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) and _stage_on(
         "bwd_intra", q, q.shape[-1], 128, chunk_size
     )
-    return ours, ours and KDA_TUNING.for_device(q.device).bwd_intra_cumsum
+    return ours, ours and _entry(q.device).bwd_intra_cumsum
 
 
 @functools.cache
@@ -377,9 +380,9 @@ def recompute_on_cula(q, v, p: dict) -> bool:
     """Whether the backward's recompute prefix runs on cula's intra kernel (``recompute_prefix``): the tuning entry
     says so (``KdaTuning.bwd_recompute_intra``), the call's gates are ones that kernel takes
     (``cula.kda.plan.use_cula_intra``, as in the forward)."""
-    from cula.kda.plan import KDA_TUNING, use_cula_intra
+    from cula.kda.plan import use_cula_intra
 
-    if not q.is_cuda or _FLA_STAGES_ONLY.get() or not KDA_TUNING.for_device(q.device).bwd_recompute_intra:
+    if not q.is_cuda or not _entry(q.device).bwd_recompute_intra:
         return False
     return use_cula_intra(q, v, p["safe_gate"], p["use_gate_in_kernel"], p["lower_bound"])
 
@@ -416,8 +419,6 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
     """``_fla_chunk_kda_bwd``'s flags for one call and what its stage 7 fuses beyond stage 8: the gate's backward
     (``KdaTuning.bwd_intra_gate``: the lower-bound gate in the kernel, fp32 or absent parameters) and the L2 norm's
     (``KdaTuning.bwd_intra_l2norm``: ``qk_rstd`` given, no GVA)."""
-    from cula.kda.plan import KDA_TUNING
-
     q, v = kwargs["q"], kwargs["v"]
     lower_bound = kwargs.get("lower_bound")
     ours, cumsum = _stage7_ours(
@@ -427,7 +428,7 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
     call = _Stage7Call()
     if not ours:
         return (ours, cumsum, False), call
-    entry = KDA_TUNING.for_device(q.device)
+    entry = _entry(q.device)
     A_log, dt_bias, g_raw = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("g_org")
     if (cumsum and entry.bwd_intra_gate and kwargs.get("use_gate_in_kernel", False) and lower_bound is not None
             and g_raw is not None and all(p is None or p.dtype == torch.float32 for p in (A_log, dt_bias))):
@@ -443,12 +444,12 @@ def _stage4_fused(kwargs: dict) -> bool:
     graph mode (the kernel walks FLA's exact chunk list), and the forward's Aqk is cula's intra kernel's (the call's
     gates are ones it takes, ``cula.kda.plan.use_cula_intra``; zero above the diagonal) in q's dtype. Stage 5's own
     conditions are checked at its call, which runs FLA's stage 4 first where they fail."""
-    from cula.kda.plan import KDA_TUNING, use_cula_intra
+    from cula.kda.plan import use_cula_intra
 
     q, v, Aqk = kwargs["q"], kwargs["v"], kwargs.get("Aqk")
-    if not q.is_cuda or _FLA_STAGES_ONLY.get() or kwargs.get("use_graph") or Aqk is None or Aqk.dtype != q.dtype:
+    if not q.is_cuda or kwargs.get("use_graph") or Aqk is None or Aqk.dtype != q.dtype:
         return False
-    span = KDA_TUNING.for_device(q.device).bwd_dv_dhu_lanes
+    span = _entry(q.device).bwd_dv_dhu_lanes
     cu = kwargs.get("cu_seqlens")
     lanes = (q.shape[0] if cu is None else cu.shape[0] - 1) * v.shape[2]
     return span is not None and span[0] <= lanes <= span[1] and use_cula_intra(
