@@ -141,19 +141,13 @@ def check_decode():
         report(f"lightning_attn_fwd {'packed' if packed else 'fixed'}: final state", s, rs, 1e-2)
 
 
-def host_us(fn, n: int = 200, warmup: int = 20) -> float:
-    """Median host time of one call of ``fn`` issued with the GPU idle, in microseconds (the benchmarks'
-    ``host_us``): the per-call cost of the Python path and the kernel call, which a wheel's kernels must not raise."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    return sorted(times)[n // 2] * 1e6
+def host_us(fn) -> float:
+    """The benchmarks' ``host_us`` of ``fn`` (``benchmarks/common.measure_host_overhead``: median host time of one
+    call issued with the GPU idle, microseconds): the per-call cost a wheel's kernels must not raise."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+    import common  # noqa: PLC0415 (torch and the standard library only)
+
+    return common.measure_host_overhead(fn)["host_us"]
 
 
 # one fresh process per family: inputs made (CUDA initialised) before the clock starts
