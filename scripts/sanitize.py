@@ -126,8 +126,9 @@ def main() -> int:
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--limit", type=int, default=540, help="seconds each process may run")
     ap.add_argument("--deadline", type=int, default=0,
-                    help="seconds the whole run may take (0: none): the tools' --limit is cut to what the warm run "
-                         "left, less 30 s for the report, so that a report is written inside an outer timeout")
+                    help="seconds the whole run may take (0: none): the warm run's limit is cut to half of it and "
+                         "the tools' --limit to what the warm run left, less 30 s for the report, so that a report is "
+                         "written inside an outer timeout (which also counts run.sh's setup: leave it ~60 s)")
     ap.add_argument("--print-limit", type=int, default=1000000, help="reports each process prints at most")
     ap.add_argument("--split", default=",".join(f"{t}={n}" for t, n in SPLIT.items()),
                     help="processes per tool, as tool=N,...")
@@ -144,28 +145,14 @@ def main() -> int:
     split = {t: int(n) for t, n in (x.split("=") for x in a.split.split(","))}
     t0 = time.time()
     if not a.no_warm:
-        # the warm run is mostly the DSL compiling the cases' variants (CPU-bound, ~4 s a variant), left in cula's
-        # disk cache for the tools' processes to load (line info on, as the tools' processes compile: the disk
-        # cache's key does not tell them apart). One process lists the variants without compiling (and runs FLA's
-        # Triton kernels once), the warm processes share the list out variant by variant (not case by case: one
-        # training case alone needs ~20), then the plain run of the cases loads them all
+        # the warm run is mostly the DSL compiling each case's variants (CPU-bound, ~4 s a variant): several
+        # processes share it out, and leave the variants in cula's disk cache for the tools' processes to load
+        # (line info on, as the tools' processes compile: the disk cache's key does not tell them apart)
         cases = os.path.join(REPO, "scripts", "sanitize_cases.py")
         n = a.warm_procs
         warm, env = [], dict(os.environ, CUTE_DSL_LINEINFO="1")
-        listed = os.path.join(a.out, "variants.json")
-        with open(os.path.join(a.out, "warm-record.log"), "w") as log:
-            subprocess.run(["timeout", str(a.warm_limit), sys.executable, cases, "--record", listed, *a.names],
-                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-        if os.path.exists(listed):
-            compiling = []
-            for i in range(1, n + 1):
-                log = open(os.path.join(a.out, f"warm-compile-{i}of{n}.log"), "w")
-                cmd = ["timeout", str(a.warm_limit), sys.executable, cases, "--precompile", listed, "--group",
-                       f"{i}/{n}"]  # fmt: skip
-                compiling.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-            for p in compiling:
-                p.wait()
-            print(f"[sanitize] variants compiled in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        if a.deadline:  # half of it at most, so that the tools run whatever the warm run's cases cost
+            a.warm_limit = max(1, min(a.warm_limit, a.deadline // 2))
         for i in range(1, n + 1):
             log = open(os.path.join(a.out, f"warm-{i}of{n}.log"), "w")
             cmd = ["timeout", str(a.warm_limit), sys.executable, cases, "--group", f"{i}/{n}", *a.names]

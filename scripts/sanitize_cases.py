@@ -6,8 +6,6 @@ to a case. At the end ``@@variants`` lists the compile keys that ran (``cula.cac
 that a new variant without a case shows up as missing from it.
 
     python scripts/sanitize_cases.py [--list] [--group I/N] [NAME_SUBSTRING ...]
-    python scripts/sanitize_cases.py --record JSON [NAME_SUBSTRING ...]     (the variants they need, compiling none)
-    python scripts/sanitize_cases.py --precompile JSON --group I/N          (a share of those into the disk cache)
 
 Run under ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (sanitize.sh does): every tensor is then its own allocation, so
 memcheck sees an access past a tensor's end and initcheck sees a read of memory no one wrote since it was
@@ -492,64 +490,19 @@ def _fla_untuned():
     mod._fla_untuned()
 
 
-def record(names: list[str], path: str) -> None:
-    """The compile keys (``cula.cache.key_text``) the cases ask for, to ``path`` as JSON, found without compiling:
-    under ``cula.cache.recording`` cula's kernels are no-ops (their outputs stay unwritten) and everything else runs,
-    FLA's Triton kernels included, which so land in Triton's cache too."""
-    import cula.cache
-
-    with cula.cache.recording() as seen:
-        for name in names:
-            try:
-                CASES[name]()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001 - its variants then compile in the plain run
-                print(f"@@record-failed {name}: {type(e).__name__}: {e}", flush=True)
-    texts = sorted({cula.cache.key_text(k) for k in seen})
-    with open(path, "w") as f:
-        json.dump(texts, f)
-    print(f"@@recorded {len(texts)} variants", flush=True)
-
-
-def precompile(path: str, group: tuple[int, int]) -> None:
-    """This process's share (every N-th, from the I-th) of the variants ``record`` wrote, compiled into cula's disk
-    cache, so that the processes that run the cases load them instead of compiling (a variant the planner's list
-    does not hold is left to them)."""
-    from cula import cache, variants
-
-    with open(path) as f:
-        texts = json.load(f)[group[0] - 1 :: group[1]]
-    listed = {cache.key_text(k): (k, build) for k, build in variants.planner_variants("full").items()}
-    for text in texts:
-        if text not in listed:
-            print(f"@@unlisted {text}", flush=True)
-            continue
-        t0 = time.time()
-        cache.compiled_kernel(*listed[text])
-        print(f"@@compiled {time.time() - t0:.1f}s {text}", flush=True)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="*", help="run the cases whose name contains one of these")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--group", default="1/1", help="I/N: every N-th case starting at the I-th")
-    ap.add_argument("--record", metavar="JSON", help="write the variants the cases ask for (see record) and exit")
-    ap.add_argument("--precompile", metavar="JSON", help="compile this group's share of --record's variants and exit")
     a = ap.parse_args()
     names = [n for n in CASES if not a.names or any(s in n for s in a.names)]
     i, n = (int(x) for x in a.group.split("/"))
-    if a.precompile:
-        precompile(a.precompile, (i, n))
-        return 0
     names = names[i - 1 :: n]
     if a.list:
         print("\n".join(names))
         return 0
     _fla_untuned()
-    if a.record:
-        record(names, a.record)
-        return 0
     import cula.cache
 
     torch.manual_seed(0)

@@ -206,32 +206,3 @@ def test_prepared_plan_falls_back_per_call():
     assert launch.checks_arguments
     assert [launch(1), launch(-2), launch(3)] == ["cula", "other", "cula"]
     assert seen == [("cula", 1), ("other", -2), ("cula", 3)]
-
-
-def test_sanitizer_precompile_fills_the_disk_cache(tmp_path):
-    """``sanitize_cases.py --precompile`` (the sanitizer's warm run, a share of the recorded variants a process)
-    compiles each listed variant into the disk cache, from which a fresh process then loads it; a key the planner's
-    list does not hold is reported, not compiled."""
-    from cula import variants
-
-    key = next(k for k in variants.planner_variants("smoke") if k[0] == "kda.segment_chain")
-    listed = tmp_path / "variants.json"
-    listed.write_text(json.dumps([cache.key_text(key), "('no.such', 'Kernel')"]))
-    env = dict(os.environ, PYTHONPATH=REPO, CUTE_DSL_ARCH="sm_90a", CULA_DISK_CACHE="1", CULA_PREBUILT="0",
-               CULA_CACHE_DIR=str(tmp_path / "cache"))  # fmt: skip
-    script = os.path.join(REPO, "scripts", "sanitize_cases.py")
-    out = subprocess.run([sys.executable, script, "--precompile", str(listed), "--group", "1/1"], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=600, check=True).stdout  # fmt: skip
-    assert "@@unlisted ('no.such', 'Kernel')" in out and out.count("@@compiled ") == 1, out
-    load = textwrap.dedent(
-        """
-        import json
-        from cula import cache, variants
-        key = next(k for k in variants.planner_variants("smoke") if k[0] == "kda.segment_chain")
-        cache.compiled_kernel(key, lambda: None)
-        print(json.dumps(list(cache.origins().values())))
-        """
-    )
-    got = subprocess.run([sys.executable, "-c", load], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300, check=True).stdout  # fmt: skip
-    assert json.loads(got.strip().splitlines()[-1]) == ["disk"]
