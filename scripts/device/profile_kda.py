@@ -12,8 +12,8 @@ instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, henc
 ``--ncu-backward`` profiles FLA's two heaviest backward kernels (``chunk_kda_bwd_kernel_wy_dqkg_fused``, stage 6, and
 ``chunk_kda_bwd_kernel_intra``, stage 7 of docs/kernels/kda-backward.md) and the dh recurrence beside them in one FLA
 training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers and spills Triton compiled them with.
-``--ncu-cula-backward`` does the same for cula's stage 5, 6 and 7 kernels (with the stage-7 kernel's per-instruction
-stall samples in $OUT/ncu_bwd_intra_source.csv).
+``--ncu-cula-backward`` does the same for cula's stage 5, 6 and 7 kernels (with the stage-7 and stage-6 kernels'
+per-instruction stall samples in $OUT/ncu_bwd_intra_source.csv and $OUT/ncu_bwd_wy_source.csv).
 ``--training [CONFIG...]`` profiles training steps instead (bench_kda_training's data, flags and output gradients;
 default B1-T4096 and B2-T16384): per path (FLA whole; cula with the H200 entry's backward stages and stages 4 and 5
 FLA's; that with stages 4 and 5 in cula's one launch) the kernels of the forward and of the backward separately,
@@ -388,24 +388,25 @@ def ncu_cula_backward_target() -> None:
 
 
 def run_ncu_cula_backward() -> None:
-    """Occupancy, memory throughput and stall reasons of cula's stage 5, 6 and 7 kernels, and the stage-7 kernel's
-    per-instruction stall samples (second launch) as CSV."""
+    """Occupancy, memory throughput and stall reasons of cula's stage 5, 6 and 7 kernels, and the stage-7 and
+    stage-6 kernels' per-instruction stall samples (the second step's launches) as CSV."""
     out = os.environ.get("OUT", ".")
     rep = os.path.join(out, "ncu_cula_bwd")
     env = dict(os.environ, CUTE_DSL_LINEINFO="1")
+    # the three kernels launch once a step, in the order 4+5, 6, 7: the second step's three
     log = _ncu(["ncu", "--clock-control", "none", "-k", "regex:BwdIntraSm90|BwdDhuSm90|BwdWyDqkgSm90",
-                "--launch-skip", "2", "--launch-count", "2", "--import-source", "yes", "--section", "SpeedOfLight",
+                "--launch-skip", "3", "--launch-count", "3", "--import-source", "yes", "--section", "SpeedOfLight",
                 "--section", "Occupancy", "--section", "LaunchStats", "--section", "WarpStateStats",
                 "--section", "SchedulerStats",
                 "--section", "MemoryWorkloadAnalysis", "--section", "SourceCounters", "-f", "-o", rep,
                 sys.executable, __file__, "--ncu-cula-backward-target"], timeout=400, env=env)  # fmt: skip
     details = _ncu(["ncu", "-i", rep + ".ncu-rep", "--print-details", "all"])
-    csv = _ncu(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass",
-                "-k", "regex:BwdIntraSm90"])  # fmt: skip
     with open(os.path.join(out, "ncu_cula_bwd.txt"), "w") as f:
         f.write(log + details)
-    with open(os.path.join(out, "ncu_bwd_intra_source.csv"), "w") as f:
-        f.write(csv)
+    for kernel, name in (("BwdIntraSm90", "ncu_bwd_intra_source.csv"), ("BwdWyDqkgSm90", "ncu_bwd_wy_source.csv")):
+        with open(os.path.join(out, name), "w") as f:
+            f.write(_ncu(["ncu", "-i", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass",
+                          "-k", f"regex:{kernel}"]))  # fmt: skip
     print(log[-2000:])
     print(details[-9000:])
 
