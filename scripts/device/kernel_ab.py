@@ -136,11 +136,37 @@ def _states_inputs(B: int, T: int, HV: int):
                 state_v_first=True, aqk_causal=True, OUT=("o", "final_state"))  # fmt: skip
 
 
+def _intra_fwd_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = None):
+    """The forward intra kernel's inputs (``chunk_kda_intra_sm90``: raw q / k normalised in the kernel, the
+    lower-bound gate and the beta sigmoid fused, as the benchmarks' flags), its outputs written in place (``OUT``:
+    fresh ones for each side; every row is written, g_cum's included)."""
+    from cula.testing import make_cu_seqlens
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    extra = {} if lens is None else dict(cu_seqlens=make_cu_seqlens(lens, device="cuda"))
+    x, a = rnd(B, T, HV, 128), rnd(B, T, HV, 64)
+    return dict(
+        q=rnd(B, T, H, 128), k=rnd(B, T, H, 128), v=rnd(B, T, HV, 128), g=rnd(B, T, HV, 128), beta=rnd(B, T, HV),
+        scale=0.088, w=torch.empty_like(x), u=torch.empty_like(x), qg=torch.empty_like(x), kg=torch.empty_like(x),
+        Aqk=torch.empty_like(a), g_cum=torch.empty_like(x, dtype=torch.float32), gate="lower_bound",
+        A_log=rnd(HV, dtype=torch.float32), dt_bias=rnd(HV * 128, dtype=torch.float32), lower_bound=-5.0,
+        use_qk_l2norm=True, beta_sigmoid=True, OUT=("w", "u", "qg", "kg", "Aqk", "g_cum"), **extra,
+    )  # fmt: skip
+
+
+_INTRA_FWD = ("cula.ops.kda.sm90.intra", "chunk_kda_intra_sm90")
 _STATES = ("cula.ops.kda.sm90.delta_h_fwd_o", "chunk_kda_delta_h_fwd_o_sm90")
 _DHU = ("cula.ops.kda.sm90.bwd_dhu", "chunk_kda_bwd_dv_dhu_sm90")
 _WY = ("cula.ops.kda.sm90.bwd_wy_dqkg", "chunk_kda_bwd_wy_dqkg_sm90")
 _INTRA = ("cula.ops.kda.sm90.bwd_intra", "chunk_kda_bwd_intra_sm90")
 CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
+    # the forward's intra kernel (fused norm, gate and beta sigmoid), fixed and packed (empty and partial sequences)
+    "intra-B2-T16384": (_INTRA_FWD, lambda: _intra_fwd_inputs(2, 16384, 64, 64)),
+    "intra-packed-gva": (_INTRA_FWD, lambda: _intra_fwd_inputs(1, 20000, 4, 8, [1, 8000, 63, 0, 11806, 130])),
     # the forward's state / output kernel (cula's causal Aqk: o by TMA), fixed at the benchmark's shape
     "states-B2-T16384": (_STATES, lambda: _states_inputs(2, 16384, 64)),
     # stages 4 and 5 at the training benchmark's largest shape, and packed (empty, length-1 and partial sequences)
