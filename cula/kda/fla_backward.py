@@ -206,7 +206,6 @@ def fla_stages_only():
 def _stage_on(flag: str, q, K, V, chunk_size) -> bool:
     """Whether a backward stage runs on cula's kernel: the GPU's tuning entry turns it on (``KdaTuning.<flag>``)
     and ``launch_verdict``'s conditions hold (CUDA on SM90, K = V = 128, 64-token chunks)."""
-
     on = getattr(_entry(q.device), flag) if q.is_cuda else False
     return _ours(on or None, q, K, V, chunk_size)
 

@@ -148,11 +148,13 @@ def _intra_fwd_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = 
         return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
 
     extra = {} if lens is None else dict(cu_seqlens=make_cu_seqlens(lens, device="cuda"))
-    x, a = rnd(B, T, HV, 128), rnd(B, T, HV, 64)
+    def out(width, dtype=torch.bfloat16):  # shapes only: each side gets fresh ones (OUT)
+        return torch.empty(B, T, HV, width, dtype=dtype, device="cuda")
+
     return dict(
         q=rnd(B, T, H, 128), k=rnd(B, T, H, 128), v=rnd(B, T, HV, 128), g=rnd(B, T, HV, 128), beta=rnd(B, T, HV),
-        scale=0.088, w=torch.empty_like(x), u=torch.empty_like(x), qg=torch.empty_like(x), kg=torch.empty_like(x),
-        Aqk=torch.empty_like(a), g_cum=torch.empty_like(x, dtype=torch.float32), gate="lower_bound",
+        scale=0.088, w=out(128), u=out(128), qg=out(128), kg=out(128), Aqk=out(64), g_cum=out(128, torch.float32),
+        gate="lower_bound",
         A_log=rnd(HV, dtype=torch.float32), dt_bias=rnd(HV * 128, dtype=torch.float32), lower_bound=-5.0,
         use_qk_l2norm=True, beta_sigmoid=True, OUT=("w", "u", "qg", "kg", "Aqk", "g_cum"), **extra,
     )  # fmt: skip
