@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import datetime as _dt
 import importlib
 import importlib.metadata
@@ -161,13 +162,20 @@ def bench(
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if l2 == "flush" else None
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        if flush is not None:
-            flush.zero_()
-        starts[i].record()
-        runners[i % len(runners)]()
-        ends[i].record()
-    torch.cuda.synchronize()
+    # as timeit does: a host-bound eager call otherwise pays for the collector's passes over whatever the process
+    # holds (after a compilation, millions of objects), which differs from run to run
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(iters):
+            if flush is not None:
+                flush.zero_()
+            starts[i].record()
+            runners[i % len(runners)]()
+            ends[i].record()
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
     samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     del graphs
     return Timing.from_samples(samples)

@@ -76,8 +76,7 @@ class KdaTuning:
     # state-gradient recurrence) in one launch of cula's kernel (cula.ops.kda.sm90.bwd_dhu), where the forward's
     # intra kernel ran (its Aqk is zero above the diagonal) and the call's (sequence, value head) lanes are within
     # (fewest, most): one CTA a lane walks the chunks in order with stage 4's GEMMs on that chain, so with fewer
-    # lanes than SMs FLA's two kernels (stage 4 parallel over chunks, stage 5 two CTAs a lane) win, and past one
-    # wave of its 1-CTA-an-SM grid they have not been measured. None: FLA's
+    # lanes than SMs FLA's two kernels (stage 4 parallel over chunks, stage 5 two CTAs a lane) win. None: FLA's
     bwd_dv_dhu_lanes: tuple[int, int] | None = None
     # training: stage 7 (chunk_kda_bwd_intra, the gradients through the intra-chunk scores) on cula's kernel
     # (cula.ops.kda.sm90.bwd_intra) where the forward's intra kernel ran
@@ -112,12 +111,12 @@ class KdaTuning:
 # subset.md: 1.45x and 1.54x FLA). bwd_intra_gate, bwd_intra_l2norm and
 # bwd_recompute_intra together took the B1-T4096 step's CUDA-graph replay from 2.43 to 2.29 ms (FLA 4.25) and the
 # eager one from 3.07 to 2.67 (kda_training_also_fused_also_recompute_also_all_subset.md); in a B=2 T=16K step the
-# gate and norm backward on chip saved 0.68 ms of kernel time. bwd_dv_dhu_lanes: in a B2-T16384 step (128
-# lanes) stages 4 and 5 took 1.78 ms in one launch against FLA's 1.44 + 0.62, the step's CUDA-graph replay 16.78 ms
-# against 17.06; at B1-T4096 (64 lanes) 2.38 against 2.31 (kda_training_also_dvdhu_subset.md; its varlen graph row
-# ran FLA's graph mode, which keeps FLA's two stages, and its eager row, 3.22 against 2.82 with 1,280 lanes of 4
-# chunks, suggests many short lanes lose): on for one wave of 128-132 lanes until more shapes are timed
-_H200 = KdaTuning(bwd_dv_dhu_lanes=(128, 132), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
+# gate and norm backward on chip saved 0.68 ms of kernel time. bwd_dv_dhu_lanes (kda_training_also_dvdhu.md, whose
+# dvdhu column has stages 4 and 5 in one launch at every lane count): at 64 lanes FLA's two kernels win (B1-T4096 2.38
+# against 2.32 ms in graph replay); from 128 on the one launch wins or ties (B16-T2048 H32, 512 lanes: 8.27 against
+# 8.45). Packed calls of 640-2,048 lanes gained 1-3% eager, inside the spread of host-bound eager steps, and their
+# graph replays run FLA's graph mode (FLA's two stages): left to FLA until measured steadily
+_H200 = KdaTuning(bwd_dv_dhu_lanes=(128, 512), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
                   bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_wy_dqkg=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
                                              min_seq_len=16384, wave_ctas=2))
