@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import datetime as _dt
+import gc
 import importlib
 import importlib.metadata
 import io
@@ -162,8 +162,8 @@ def bench(
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if l2 == "flush" else None
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    # as timeit does: a host-bound eager call otherwise pays for the collector's passes over whatever the process
-    # holds (after a compilation, millions of objects), which differs from run to run
+    # as timeit does: the collector's passes over what the process holds (after a compilation, millions of objects)
+    # are not the call's cost, yet a host-bound eager call would pay for them
     gc.collect()
     gc.disable()
     try:
