@@ -41,7 +41,6 @@ torch.cuda.synchronize()
 first = time.perf_counter() - t
 with torch.no_grad():
     host = w.host_us(lambda: chunk_kda(**x, **w.CHUNK_FLAGS))
-with torch.no_grad():
     op, sp = chunk_kda(**xp, **w.CHUNK_FLAGS, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
 pool = torch.zeros(N, HV, D, D, device="cuda")
 idx = torch.arange(N, dtype=torch.int32, device="cuda")

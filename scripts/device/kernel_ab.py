@@ -14,6 +14,7 @@ Exit status 1 when any output differs.
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
 import types
@@ -52,6 +53,11 @@ def load_rev(rev: str, host: str) -> types.ModuleType:
 
 
 # ------------------------------------------------------------------------------------------------------- cases
+def _randn(gen: torch.Generator, *shape, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``scale`` times standard normal draws from ``gen`` on the GPU, as ``dtype``: the cases' random inputs."""
+    return (scale * torch.randn(*shape, device="cuda", generator=gen)).to(dtype)
+
+
 def _wy_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | None = None, pad_rows: int = 0):
     """Stage 6's inputs (``chunk_kda_bwd_wy_dqkg_sm90``), random but finite; packed with ``lens``, its chunk list
     then ending with ``pad_rows`` padding rows, as a list built on the device does."""
@@ -59,9 +65,7 @@ def _wy_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | N
     from cula.testing import make_cu_seqlens
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, device="cuda", generator=gen)).bfloat16()
+    rnd = functools.partial(_randn, gen)
 
     extra, states = {}, (B, -(-T // 64), HV, 128, 128)  # a state per chunk, per sequence or per chunk-list row
     if lens is not None:
@@ -86,9 +90,7 @@ def _intra_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = None
     stage 9 (the gate's backward) and, without GVA, the L2 norm's."""
     wy = _wy_inputs(B, T, HV, False, lens)
     gen = torch.Generator(device="cuda").manual_seed(1)
-
-    def rnd(*shape, scale=1.0):
-        return scale * torch.randn(*shape, device="cuda", generator=gen)
+    rnd = functools.partial(_randn, gen, dtype=torch.float32)
 
     q, k = (rnd(B, T, H, 128).bfloat16() for _ in range(2))
     extra = {n: wy[n] for n in ("cu_seqlens", "chunk_indices") if n in wy}
@@ -143,9 +145,7 @@ def _intra_fwd_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = 
     from cula.testing import make_cu_seqlens
 
     gen = torch.Generator(device="cuda").manual_seed(4)
-
-    def rnd(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+    rnd = functools.partial(_randn, gen)
 
     extra = {} if lens is None else dict(cu_seqlens=make_cu_seqlens(lens, device="cuda"))
     def out(width, dtype=torch.bfloat16):  # shapes only: each side gets fresh ones (OUT)
