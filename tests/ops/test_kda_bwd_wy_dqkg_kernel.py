@@ -1,7 +1,7 @@
 """KDA backward through the state terms and the WY form on SM90 (``cula/ops/kda/sm90/bwd_wy_dqkg.py``), stage 6 of
 FLA's ``chunk_kda_bwd``.
 
-CPU: every variant traces and compiles for sm_90a (bf16 / fp16 ``mma.sync`` m16n8k16, ``cp.async``, no spills); the
+CPU: every variant traces and compiles for sm_90a (bf16 / fp16 ``mma.sync`` m16n8k16, bulk row copies, no spills); the
 launcher rejects bad shapes before any launch. GPU (``-m gpu``): ``dq``, ``dk``, ``dv2``, ``db``, ``dg``, ``dA``
 against FLA 0.6.0's ``chunk_kda_bwd_wy_dqkg_fused`` on the same bf16 inputs and against the float64 contract
 (``cula.kda.naive_bwd.chunk_kda_bwd_wy_dqkg_reference``): fixed and packed (length-1 and partial chunks, odd
@@ -46,7 +46,9 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     ptx, remarks = res["ptx"], res["remarks"]
     dt = "bf16" if _VARIANTS[idx]["dtype"] == "BFloat16" else "f16"
     assert ".target sm_90a" in ptx and f"mma.sync.aligned.m16n8k16.row.col.f32.{dt}.{dt}.f32" in ptx
-    assert "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
+    # every tile row by one bulk copy on its group's mbarrier, no 16-byte cp.async left
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "cp.async.cg.shared.global" not in ptx and "cp.async.ca.shared.global" not in ptx
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", remarks)
     assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills), spills
 

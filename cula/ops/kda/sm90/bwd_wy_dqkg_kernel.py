@@ -20,9 +20,10 @@ log2 gate cumsum), ``gn`` the last valid row's g, ``T`` the chunk's ``(I + L)^-1
 dv2 in v's dtype.
 
 Layout (256 threads, 8 warps, ~216 KB of shared memory: one CTA per SM). The grid is persistent: CTA b walks the
-work items (chunk, value head) b, b + grid, ... (chunk fastest), and each item's tiles reach shared memory by
-16-byte ``cp.async`` in four groups, each issued as soon as the previous item has read the buffers it lands in, so
-they arrive while that item computes (L0-L3 below; zeros past the sequence end). All products are bf16 / fp16
+work items (chunk, value head) b, b + grid, ... (chunk fastest), and each item's tiles reach shared memory in four
+groups of row copies (``cp.async.bulk``, a thread a row, each group completing on its own mbarrier once an item),
+each issued as soon as the previous item has read the buffers it lands in, so they arrive while that item computes
+(L0-L3 below; zeros past the sequence end). All products are bf16 / fp16
 ``mma.sync`` m16n8k16 with operand fragments read from padded shared rows by ``ldmatrix`` (``.trans`` for the
 operands whose contraction runs down the rows); warp w owns the 16 output rows 16 (w % 4) .. +15 and one column
 half (w // 4) of every product:
@@ -51,13 +52,13 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    chunk_rows, cp_async_token_rows, n_tile_accumulators, vec_at,
+    bulk_row_copy, bulk_token_rows, chunk_rows, n_tile_accumulators, vec_at,
 )  # fmt: skip
 
 __all__ = ["ChunkKDABwdWyDqkgSm90"]
@@ -133,6 +134,7 @@ class ChunkKDABwdWyDqkgSm90:
             sDgk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * DK], 16]  # sum_v S dS: two V halves
             sKdk: cute.struct.Align[cute.struct.MemRange[Float32, 4 * DK], 16]  # sum_t k dks per row block
             sDb: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BT], 16]  # db's two column-half partials
+            mbar: cute.struct.MemRange[cutlass.Int64, 4]  # the four load groups' completion, one phase an item
 
         self.storage = Storage
         self.kernel(
@@ -191,27 +193,38 @@ class ChunkKDABwdWyDqkgSm90:
         half = warp_idx // 4
         loads = (mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sA, sHr, sDhr, sDo, sDu)
 
+        bars = st.mbar.data_ptr()
+        if tidx == 0:
+            for part in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(bars + part, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
         # the first item's tiles, in the four groups the loop issues its successors' in
         first = self._item(mCu, mCi, bid, num_chunks, HV, group, seqlen, total)
         for part in cutlass.range_constexpr(4):
-            self._load(loads, part, first, tidx)
+            self._load(loads, part, first, tidx, bars)
         beta = self._beta(mBeta, first, tidx)
 
         # one CTA an SM walks the items bid, bid + grid, ...: each item's loads go out in four groups as the
-        # previous item frees the buffers they land in, so they arrive while that item computes
+        # previous item frees the buffers they land in, so they arrive while that item computes; each group's
+        # mbarrier completes one phase an item
         for item in cutlass.range(bid, total, grid, unroll=1):
             tok0, valid, _, hv, _ = self._item(mCu, mCi, item, num_chunks, HV, group, seqlen, total)
             nxt = self._item(mCu, mCi, item + grid, num_chunks, HV, group, seqlen, total)
             last = cutlass.max(valid - 1, 0)
+            phase = ((item - bid) // grid) % 2
 
-            # phase 1: P1 and P2 once the states, do and v_new are in (du, v, T may still be in flight)
-            cute.arch.cp_async_wait_group(1)
+            # phase 1: P1 and P2 once the states, do and v_new are in (du, v, T may still be in flight); the
+            # barrier publishes the zero rows past the sequence end, stored by other threads
+            for part in cutlass.range_constexpr(3):
+                cute.arch.mbarrier_wait(bars + part, phase)
             cute.arch.barrier()
             acc_dq, acc_dk = self._state_products(tiled, sDo, sVn, sS, sDS, rb, half, lane)
             self._state_channel_sums(sS, sDS, sDgk, tidx)
             if tidx < BT:
                 sBeta[tidx] = beta
-            cute.arch.cp_async_wait_group(0)
+            cute.arch.mbarrier_wait(bars + 3, phase)
             cute.arch.barrier()
             acc_dw = n_tile_accumulators(tiled, 8)
             self._gemm(tiled, acc_dw, sDu, True, sS, not self.state_v_first, 16 * rb, 64 * half, self.dv // 16,
@@ -219,14 +232,14 @@ class ChunkKDABwdWyDqkgSm90:
             dbp = self._dv2(tiled, sAT, sDuT, sBeta, sV, mDv2, tok0, hv, valid, rb, half, lane)
             acc_da = n_tile_accumulators(tiled, 4)
             self._gemm(tiled, acc_da, sDu, True, sV, True, 16 * rb, 32 * half, DK // 16, lane)
-            cute.arch.barrier()
-            self._load(loads, 0, nxt, tidx)  # the states are read
+            self._free()
+            self._load(loads, 0, nxt, tidx, bars)  # the states are read
 
             # E1: dq out; acc_dq <- q dq - k dks, acc_dk <- dks; -dw and k G to the rows of do and v_new
             self._epilogue_state(acc_dq, acc_dk, acc_dw, sQ, sK, sG, sDw, sKG, sKdk, mDq, scale, tok0, hv, valid,
                                  last, rb, half, lane)  # fmt: skip
-            cute.arch.barrier()
-            self._load(loads, 1, nxt, tidx)  # q is read
+            self._free()
+            self._load(loads, 1, nxt, tidx, bars)  # q is read
 
             # phase 2: P6, P7 and their epilogue
             acc_kgb = n_tile_accumulators(tiled, 8)
@@ -235,8 +248,8 @@ class ChunkKDABwdWyDqkgSm90:
             self._epilogue_wy(acc_kgb, acc_dq, acc_dk, sK, sG, sBeta, sDgk, sKdk, sDb, mDk, mDg, dbp, tok0, hv,
                               valid, last, rb, half, lane)  # fmt: skip
             self._mask_da(acc_da, sBeta, sDAm, valid, rb, half, lane)
-            cute.arch.barrier()
-            self._load(loads, 2, nxt, tidx)  # k, g, dw and k G are read
+            self._free()
+            self._load(loads, 2, nxt, tidx, bars)  # k, g, dw and k G are read
 
             # phase 3: dL = -T^T bf16(dAm T^T)
             acc_m1 = n_tile_accumulators(tiled, 4)
@@ -248,8 +261,8 @@ class ChunkKDABwdWyDqkgSm90:
             self._store_dl(acc_dl, mDA, tok0, hv, valid, rb, half, lane)
             if tidx < valid:
                 mDb[tok0 + tidx, hv] = sDb[tidx, 0] + sDb[tidx, 1]
-            cute.arch.barrier()
-            self._load(loads, 3, nxt, tidx)  # du (dAm), v (M1), T and db's partials are read
+            self._free()
+            self._load(loads, 3, nxt, tidx, bars)  # du (dAm), v (M1), T and db's partials are read
             beta = self._beta(mBeta, nxt, tidx)
 
     @cute.jit
@@ -269,30 +282,38 @@ class ChunkKDABwdWyDqkgSm90:
 
     # ------------------------------------------------------------------------------------------------ loads
     @cute.jit
-    def _load(self, loads, part: int, item, tidx):
-        """One of an item's four ``cp.async`` groups of 16-byte copies to padded shared rows (zeros past the
-        sequence end), each issued once the previous item has read the buffers it lands in: 0 the two states (as
-        stored), 1 q, 2 k, g, do, v_new, 3 du, v, T."""
+    def _free(self):
+        """Every thread done with the buffers the next load group overwrites: its shared-memory writes ordered
+        before the async proxy's (the bulk copies land where bf16(-dw), k G, dAm, M1 and zero rows were written),
+        then the CTA barrier."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier()
+
+    @cute.jit
+    def _load(self, loads, part: int, item, tidx, bars):
+        """One of an item's four load groups, each issued once the previous item has read the buffers it lands in:
+        0 the two states (as stored), 1 q, 2 k, g, do, v_new, 3 du, v, T; a thread a row by one bulk copy into its
+        padded shared row (``bulk_token_rows``: zeros past the sequence end), completing on the group's mbarrier."""
         mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDu, sQ, sK, sV, sVn, sG, sA, sHr, sDhr, sDo, sDu = loads
         tok0, valid, tg, hv, h = item
-        x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
+        D = self.dk
+        x_row = D * self.dtype.width // 8
+        bar = bars + part
         if const_expr(part == 0):
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, cutlass.select_(valid > 0, 2 * D * x_row, 0))
             if valid > 0:
-                c8 = cute.assume((tidx % 16) * 8, divby=8)  # 16-bit rows of 128: 16 units of 8, 16 rows a pass
-                for m in cutlass.range_constexpr(self.dk // 16):
-                    r = tidx // 16 + 16 * m
-                    cute.copy(x_atom, vec_at(mH, (tg, hv, r, c8)), vec_at(sHr, (r, c8)))
-                    cute.copy(x_atom, vec_at(mDh, (tg, hv, r, c8)), vec_at(sDhr, (r, c8)))
+                r = tidx % D
+                if tidx < D:
+                    bulk_row_copy(vec_at(mH, (tg, hv, r, 0), D, D), vec_at(sHr, (r, 0), 8, D), bar)
+                else:
+                    bulk_row_copy(vec_at(mDh, (tg, hv, r, 0), D, D), vec_at(sDhr, (r, 0), 8, D), bar)
         elif const_expr(part == 1):
-            cp_async_token_rows(x_atom, ((mQ, sQ, h),), tok0, valid, tidx)
+            bulk_token_rows(((mQ, sQ, h),), tok0, valid, tidx, bar)
         elif const_expr(part == 2):
-            f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
-            cp_async_token_rows(x_atom, ((mK, sK, h), (mDo, sDo, hv), (mVn, sVn, hv)), tok0, valid, tidx)
-            cp_async_token_rows(f_atom, ((mG, sG, hv),), tok0, valid, tidx, row_units=32, unit=4)
+            bulk_token_rows(((mK, sK, h), (mDo, sDo, hv), (mVn, sVn, hv), (mG, sG, hv)), tok0, valid, tidx, bar)
         else:
-            cp_async_token_rows(x_atom, ((mDu, sDu, hv), (mV, sV, hv)), tok0, valid, tidx)
-            cp_async_token_rows(x_atom, ((mA, sA, hv),), tok0, valid, tidx, row_units=8)
-        cute.arch.cp_async_commit_group()
+            bulk_token_rows(((mDu, sDu, hv), (mV, sV, hv), (mA, sA, hv)), tok0, valid, tidx, bar)
 
     @cute.jit
     def _beta(self, mBeta, item, tidx):
