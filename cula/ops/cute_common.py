@@ -5,10 +5,12 @@ boxes of fp32 decode states.
 **Named barriers.** Barrier 0 is the CTA-wide ``bar.sync``; every kernel numbers its other named barriers in an
 ``IntEnum`` of its own module, from ``FIRST_NAMED_BARRIER`` on, so no id is a bare number at its use.
 
-**Warp MMAs.** The kernels on ``mma.sync`` (the backward's stage 6 and 7 kernels, one CTA of 256 threads per chunk)
-load a chunk's token rows with ``cp_async_token_rows`` (and a per-token scalar with ``load_token_scalars``), index
-them with ``vec_at`` and keep a product as ``n_tile_accumulators``; ``round_tf32`` rounds tf32 operands to nearest,
-``split_tf32`` splits one for 3xTF32 products.
+**Warp MMAs.** The kernels on ``mma.sync`` (the backward's stage 6 and 7 kernels, CTAs of 256 threads) load a
+chunk's token rows into padded shared rows with ``bulk_token_rows`` (a thread a row, one ``cp.async.bulk`` each, on
+an mbarrier: stage 6's persistent loop, whose loads overlap the previous item) or ``cp_async_token_rows`` (16-byte
+``cp.async``: stage 7, a CTA a chunk), a per-token scalar with ``load_token_scalars``, index them with ``vec_at``
+and keep a product as ``n_tile_accumulators``; ``round_tf32`` rounds tf32 operands to nearest, ``split_tf32``
+splits one for 3xTF32 products.
 
 **Chunk recurrences.** The KDA kernels that walk a sequence chunk by chunk with a ``[K, V]`` state (the forward's
 state/output kernel, the time-parallel segment summary, the backward's state-gradient recurrence) keep the state
