@@ -160,6 +160,22 @@ def _intra_fwd_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = 
     )  # fmt: skip
 
 
+def _chain_inputs(HV: int, segments: list[int], state_v_first: bool):
+    """The time-parallel chain's inputs (``chunk_kda_segment_chain_sm90``): ``segments[n]`` segments for sequence n,
+    random summaries whose transitions keep the chain bounded, initial states; the starts and final states written
+    in place (``OUT``: fresh ones for each side)."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    M, N = sum(segments), len(segments)
+    summary = torch.randn(M, 2 * HV, 128, 128, device="cuda", generator=gen)
+    summary[:, HV:] *= 0.9 / 128**0.5  # the transitions: spectral radius about 0.9
+    first = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    h0 = torch.randn(N, HV, 128, 128, device="cuda", generator=gen)
+    return dict(summary=summary, initial_state=h0, starts=torch.empty(M, HV, 128, 128, device="cuda"),
+                final_state=torch.empty_like(h0), first_segment=first, state_v_first=state_v_first,
+                OUT=("starts", "final_state"))  # fmt: skip
+
+
+_CHAIN = ("cula.ops.kda.sm90.segment_chain", "chunk_kda_segment_chain_sm90")
 _INTRA_FWD = ("cula.ops.kda.sm90.intra", "chunk_kda_intra_sm90")
 _STATES = ("cula.ops.kda.sm90.delta_h_fwd_o", "chunk_kda_delta_h_fwd_o_sm90")
 _DHU = ("cula.ops.kda.sm90.bwd_dhu", "chunk_kda_bwd_dv_dhu_sm90")
@@ -169,6 +185,9 @@ CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
     # the forward's intra kernel (fused norm, gate and beta sigmoid), fixed and packed (empty and partial sequences)
     "intra-B2-T16384": (_INTRA_FWD, lambda: _intra_fwd_inputs(2, 16384, 64, 64)),
     "intra-packed-gva": (_INTRA_FWD, lambda: _intra_fwd_inputs(1, 20000, 4, 8, [1, 8000, 63, 0, 11806, 130])),
+    # the time-parallel chain: 4 heads x 64K in 16 segments (the H200 plan), and 16 heads x two sequences
+    "segment_chain-H4-M16-vk": (_CHAIN, lambda: _chain_inputs(4, [16], True)),
+    "segment_chain-H16-N2-kv": (_CHAIN, lambda: _chain_inputs(16, [4, 6], False)),
     # the forward's state / output kernel (cula's causal Aqk: o by TMA), fixed at the benchmark's shape
     "states-B2-T16384": (_STATES, lambda: _states_inputs(2, 16384, 64)),
     # stages 4 and 5 at the training benchmark's largest shape, and packed (empty, length-1 and partial sequences)
