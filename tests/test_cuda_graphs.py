@@ -651,13 +651,10 @@ GRAPH_REPACKED = ([64, 1, 100, 60, 0], [200, 0, 0, 0, 1], [1, 1, 1, 1, 228])
 
 
 @gpu
-@pytest.mark.parametrize("dv_dhu", [False, True], ids=["fla-dv-dhu", "cula-dv-dhu"])
-def test_graph_mode_training_step(kda_tuning, dv_dhu):
+def test_graph_mode_training_step():
     """A training step (forward and backward of packed chunk_kda in FLA's graph mode) captured once and replayed
     for new inputs and new boundaries, against eager steps on the same values: outputs, final states and every
-    gradient bit for bit on the tokens the boundaries cover; stages 4 and 5 by FLA's two kernels or (``dv_dhu``)
-    cula's one launch."""
-    kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30) if dv_dhu else None)
+    gradient bit for bit on the tokens the boundaries cover."""
     gen = torch.Generator(DEV).manual_seed(7)
     T, N = 240, len(GRAPH_LENS) + 1
     x = _kda_inputs(1, T, 2, 4, N, gen)
@@ -694,22 +691,18 @@ def test_graph_mode_training_step(kda_tuning, dv_dhu):
 
 
 @gpu
-@pytest.mark.parametrize("HV,dv_dhu", [(2, False), (4, False), (4, True)], ids=["mha", "gva", "gva-dv-dhu"])
-def test_graph_mode_step_matches_the_plain_step(monkeypatch, kda_tuning, HV, dv_dhu):
+@pytest.mark.parametrize("HV", [2, 4], ids=["mha", "gva"])
+def test_graph_mode_step_matches_the_plain_step(monkeypatch, HV):
     """Eagerly, a packed training step in FLA's graph mode (FLA's fixed-size chunk list, whose sentinel rows cula's
     backward kernels get as padding rows) against the same step without it: o, the final states and every gradient
     within FLA's tolerances (the gate parameters' sums may add in another order), none NaN; cula's stage-6 and
-    stage-7 kernels and the intra kernel's recompute run in both, and with ``dv_dhu`` stages 4 and 5 in one launch
-    of cula's kernel (at every lane count), which in graph mode walks FLA's static chunk list's states."""
+    stage-7 kernels and the intra kernel's recompute run in both."""
     from cula.kda import fla_backward
-    from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg
+    from cula.ops.kda.sm90 import bwd_intra, bwd_wy_dqkg
     from cula.testing import assert_close
 
-    kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30) if dv_dhu else None)
     ran = []
-    stages = [(bwd_intra, "chunk_kda_bwd_intra_sm90"), (bwd_wy_dqkg, "chunk_kda_bwd_wy_dqkg_sm90")]
-    stages += [(bwd_dhu, "chunk_kda_bwd_dv_dhu_sm90")] if dv_dhu else []
-    for module, name in stages:
+    for module, name in ((bwd_intra, "chunk_kda_bwd_intra_sm90"), (bwd_wy_dqkg, "chunk_kda_bwd_wy_dqkg_sm90")):
         monkeypatch.setattr(module, name, functools.partial(_count, ran, name, getattr(module, name)))
     monkeypatch.setattr(fla_backward, "recompute_prefix",
                         functools.partial(_count, ran, "recompute_prefix", fla_backward.recompute_prefix))
@@ -729,7 +722,7 @@ def test_graph_mode_step_matches_the_plain_step(monkeypatch, kda_tuning, HV, dv_
         o, ht = chunk_kda(**y, **flags)
         torch.autograd.backward((o, ht), (do, dht))
         steps.append({"o": o.detach(), "ht": ht.detach(), **{f"d{n}": y[n].grad for n in leaves}})
-        assert {name for _, name in stages} | {"recompute_prefix"} <= set(ran), ran
+        assert {"chunk_kda_bwd_intra_sm90", "chunk_kda_bwd_wy_dqkg_sm90", "recompute_prefix"} <= set(ran), ran
     tol = {"dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 2e-2, "o": 5e-3, "ht": 5e-3}
     for name, plain in steps[0].items():
         assert not steps[1][name].isnan().any(), name

@@ -113,7 +113,7 @@ def test_stage4_left_to_stage5(monkeypatch, kda_tuning):
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], cu_seqlens=cu, **gate))
     kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30))
     assert fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))
-    assert fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate, use_graph=True))
+    assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate, use_graph=True))
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64].float(), **gate))
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **dict(gate, lower_bound=None)))
     kda_tuning(bwd_dv_dhu_lanes=None)

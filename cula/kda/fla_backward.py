@@ -439,16 +439,14 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
 
 def _stage4_fused(kwargs: dict) -> bool:
     """Whether stage 4 is left to stage 5's launch (``_bwd_dAv``): the tuning entry says so for the call's (sequence,
-    value head) lane count (``KdaTuning.bwd_dv_dhu_lanes``; the count from shapes alone, no host sync), and the
-    forward's Aqk is cula's intra kernel's (the call's gates are ones it takes, ``cula.kda.plan.use_cula_intra``; zero
-    above the diagonal) in q's dtype. FLA's graph mode is no reason against: the kernel walks each sequence's chunks
-    from ``cu_seqlens`` and its first chunk's row (``chunk_offsets_i32``, on the device), which in graph mode are
-    FLA's too (the tail's empty sequences have no chunks; ``dh`` is sized by the static list). Stage 5's own
+    value head) lane count (``KdaTuning.bwd_dv_dhu_lanes``; the count from shapes alone, no host sync), not FLA's
+    graph mode (the kernel walks FLA's exact chunk list), and the forward's Aqk is cula's intra kernel's (the call's
+    gates are ones it takes, ``cula.kda.plan.use_cula_intra``; zero above the diagonal) in q's dtype. Stage 5's own
     conditions are checked at its call, which runs FLA's stage 4 first where they fail."""
     from cula.kda.plan import use_cula_intra
 
     q, v, Aqk = kwargs["q"], kwargs["v"], kwargs.get("Aqk")
-    if not q.is_cuda or Aqk is None or Aqk.dtype != q.dtype:
+    if not q.is_cuda or kwargs.get("use_graph") or Aqk is None or Aqk.dtype != q.dtype:
         return False
     span = _entry(q.device).bwd_dv_dhu_lanes
     cu = kwargs.get("cu_seqlens")

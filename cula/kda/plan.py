@@ -114,8 +114,8 @@ class KdaTuning:
 # gate and norm backward on chip saved 0.68 ms of kernel time. bwd_dv_dhu_lanes (kda_training_also_dvdhu.md, whose
 # dvdhu column has stages 4 and 5 in one launch at every lane count): at 64 lanes FLA's two kernels win (B1-T4096 2.38
 # against 2.32 ms in graph replay); from 128 on the one launch wins or ties (B16-T2048 H32, 512 lanes: 8.27 against
-# 8.45). Packed calls of 640-2,048 lanes gained 1-3% eager, inside the spread of host-bound eager steps; their
-# graph replays (FLA's graph mode, which the one launch now takes too) are not measured yet: left to FLA until then
+# 8.45). Packed calls of 640-2,048 lanes gained 1-3% eager, inside the spread of host-bound eager steps, and their
+# graph replays run FLA's graph mode (FLA's two stages): left to FLA until measured steadily
 _H200 = KdaTuning(bwd_dv_dhu_lanes=(128, 512), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
                   bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_wy_dqkg=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
