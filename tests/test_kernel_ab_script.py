@@ -45,3 +45,20 @@ def test_every_case_names_a_launcher():
     for name, ((host, fn), make) in kernel_ab.CASES.items():
         assert callable(getattr(importlib.import_module(host), fn)), name
         assert callable(make), name
+
+
+def test_loads_a_directory_of_files_as_rev(tmp_path, monkeypatch):
+    """REV naming a directory of the working tree: the host and kernel modules are that directory's copies (for a
+    device whose .git lags the checkout)."""
+    host = "cula.ops.kda.sm90.segment_chain"
+    base = tmp_path / "ab_base"
+    for suffix in ("", "_kernel"):
+        path = Path(host.replace(".", "/") + suffix + ".py")
+        (base / path).parent.mkdir(parents=True, exist_ok=True)
+        text = (REPO / path).read_text()
+        (base / path).write_text(text + ("\nMARK = 1\n" if suffix == "_kernel" else ""))
+    monkeypatch.setattr(kernel_ab, "REPO", tmp_path)
+    old = kernel_ab.load_rev("ab_base", host)
+    assert old.__name__ == "_kernel_ab_ab_base_segment_chain"
+    assert old._compile is sys.modules[old.__name__ + "_kernel"]._compile  # the kernel module, imported on use
+    assert sys.modules[old.__name__ + "_kernel"].MARK == 1

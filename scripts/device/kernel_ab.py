@@ -4,11 +4,14 @@
 
 For a change that keeps each element's arithmetic (docs/testing.md: such a rewrite is checked bit for bit, not
 against a tolerance). The working tree's launcher runs as cula calls it; REV's host module and its ``_kernel``
-module (``git show REV:...``, so REV must be in the device's copy of ``.git``) are loaded beside it under other
-names, compiled outside cula's caches (same compile key, other code), and called with the same arguments. Each
-case prints, per side, the median of ``--iters`` timed calls (CUDA events; the inputs are far larger than L2) and
-whether every output equals the working tree's bit for bit and is free of NaN. No CASE: all of them (``--list``).
-Exit status 1 when any output differs.
+module (``git show REV:...``, so REV must be in the device's copy of ``.git``, which can lag the checkout; or,
+where REV names a directory of the working tree, its copies of those files at their repository paths, e.g.
+``git show main:cula/ops/kda/sm90/bwd_dhu_kernel.py > ab_base/cula/ops/kda/sm90/bwd_dhu_kernel.py``, left
+untracked so that they travel with the tree) are loaded beside it under other names, compiled outside cula's
+caches (same compile key, other code), and called with the same arguments. Each case prints, per side, the
+median of ``--iters`` timed calls (CUDA events; the inputs are far larger than L2) and whether every output equals
+the working tree's bit for bit and is free of NaN. No CASE: all of them (``--list``). Exit status 1 when any output
+differs.
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ def load_rev(rev: str, host: str) -> types.ModuleType:
     import importlib.util
     import tempfile
 
-    alias = f"_kernel_ab_{rev}_{host.rsplit('.', 1)[-1]}"
+    alias = f"_kernel_ab_{Path(rev).name}_{host.rsplit('.', 1)[-1]}"
     where = Path(tempfile.gettempdir()) / "kernel_ab"
     where.mkdir(exist_ok=True)
     for suffix in ("", "_kernel"):
         path = host.replace(".", "/") + suffix + ".py"
+        if (REPO / rev).is_dir():  # a directory of the files as they were
+            (where / f"{alias}{suffix}.py").write_text((REPO / rev / path).read_text())
+            continue
         text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True)
         if text.returncode:
             sys.exit(f"git show {rev}:{path} failed (is {rev} in this checkout's .git?): {text.stderr.strip()}")
