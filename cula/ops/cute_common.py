@@ -44,7 +44,7 @@ __all__ = [
     "box_load", "box_partition", "box_store", "bulk_row_copy", "bulk_token_rows", "chunk_rows", "column_decay",
     "cp_async_token_rows", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay",
     "load_token_scalars", "n_tile_accumulators", "prefetch_token_rows", "recurrence_pipeline",
-    "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_row_bytes", "token_rows",
+    "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_rows",
     "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major", "vec_at",
 ]  # fmt: skip
 
@@ -139,7 +139,7 @@ def cp_async_token_rows(atom: cute.CopyAtom, tiles, tok0, valid, tidx, rows: int
                 vec_at(dst, (t, col), unit, unit).fill(0.0)
 
 
-def token_row_bytes(tiles) -> int:
+def _token_row_bytes(tiles) -> int:
     """Bytes a token brings in across ``tiles`` (``(source (T, heads, width), destination, head)`` tuples) when
     each tile's row is ``width`` elements: what :func:`bulk_token_rows` arms its mbarrier with per valid row."""
     return sum(dst.shape[1] * src.element_type.width // 8 for src, dst, _ in tiles)
@@ -160,11 +160,11 @@ def bulk_token_rows(tiles, tok0, valid, tidx, bar, rows: int = 64, threads: int 
     in shared memory with 16-byte aligned rows, head)``) into shared memory, a thread a row (tile j's rows by
     threads ``(j rows) % threads`` on, the tiles past ``threads / rows`` on a second pass): rows before ``valid``
     by one bulk copy each, completing on ``bar``, the rest zero-filled by plain stores. Thread 0 arms ``bar``
-    (one arrival) with ``max(valid, 0) * token_row_bytes(tiles)``; wait on it, then a CTA barrier for the zero rows. The
-    copies go through the TMA unit, where 16-byte ``cp.async`` copies (:func:`cp_async_token_rows`) take the
-    load/store unit's issue slots, one a thread per 16 bytes."""
+    (one arrival) with ``max(valid, 0) * _token_row_bytes(tiles)``; wait on it, then a CTA barrier for the zero
+    rows. The copies go through the TMA unit, where 16-byte ``cp.async`` copies (:func:`cp_async_token_rows`) take
+    the load/store unit's issue slots, one a thread per 16 bytes."""
     if tidx == 0:  # a padding row of a device-built chunk list has valid <= 0: no bytes
-        cute.arch.mbarrier_arrive_and_expect_tx(bar, cutlass.max(valid, 0) * token_row_bytes(tiles))
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, cutlass.max(valid, 0) * _token_row_bytes(tiles))
     for j, (src, dst, head) in enumerate(tiles):
         t = tidx - (j * rows) % threads
         if t >= 0 and t < rows:
