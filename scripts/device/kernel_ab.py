@@ -42,10 +42,11 @@ def load_rev(rev: str, host: str) -> types.ModuleType:
     alias = f"_kernel_ab_{Path(rev).name}_{host.rsplit('.', 1)[-1]}"
     where = Path(tempfile.gettempdir()) / "kernel_ab"
     where.mkdir(exist_ok=True)
+    tree = REPO / rev if (REPO / rev).is_dir() else None  # a directory of the files as they were, or a commit
     for suffix in ("", "_kernel"):
         path = host.replace(".", "/") + suffix + ".py"
-        if (REPO / rev).is_dir():  # a directory of the files as they were
-            (where / f"{alias}{suffix}.py").write_text((REPO / rev / path).read_text())
+        if tree is not None:
+            (where / f"{alias}{suffix}.py").write_text((tree / path).read_text())
             continue
         text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True)
         if text.returncode:
