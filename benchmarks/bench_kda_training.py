@@ -127,6 +127,8 @@ KERNEL_BYTES = (
     # for the backward, Akk out), the state / output kernel (w, u, qg, kg, Aqk, a g row a chunk in; o out)
     ("forward", "ChunkKDAIntraFwdSm90", 2314, 0),
     ("forward", "DeltaHFwdOFusedSm90", 1416, 2),
+    # ... writing every chunk's bf16 state and v_new beside o for the backward (bwd_kept_states, disable_recompute)
+    ("forward", "DeltaHFwdOStatesSm90", 2184, 2),
     # the backward's recompute prefix on cula's intra kernel, from the forward's Akk (q, k, v, g, beta, Akk in; w, u,
     # qg, kg and every g_cum row out)
     ("backward", "ChunkKDAIntraFwdSm90", 2690, 0),
@@ -362,7 +364,7 @@ def _stages_on(stages):
 # KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
 _STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_lanes", (1, 1 << 30))}
 _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
-                "bwd_intra_l2norm", "bwd_recompute_intra")  # fmt: skip
+                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_kept_states")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)

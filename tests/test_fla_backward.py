@@ -388,8 +388,9 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     made = {n: torch.full((1,), float(i)) for i, n in enumerate(("g", "w", "u", "qg", "kg", "v_new", "h"))}
     seen = {}
 
-    def prefix(q, k, *args, Akk=None):
+    def prefix(q, k, *args, Akk=None, states=None):
         seen["prefix_q"], seen["prefix_akk"] = (q, k), Akk
+        assert states is None  # nothing kept by this forward
         return dict(made)
 
     def bwd(qk_rstd=None, **kw):
@@ -532,6 +533,49 @@ def test_training_int64_bounds_no_final_state_matches_fla_gpu(kda_tuning, state_
     ours = _step(chunk_kda, leaves, (do, None), **kw)
     fla = _step(fla_chunk_kda, leaves, (do, None), **kw)
     _judge_step(ours, fla, _step_f64(leaves, (do, None), **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+def test_kept_states_step_gpu(kda_tuning, monkeypatch, packed, state_v_first):
+    """``KdaTuning.bwd_kept_states``: the forward keeps h and v_new, the backward's recompute prefix takes them and
+    FLA's ``fwd_h`` does not run; the step's outputs and gradients within FLA's tolerances of the recomputing
+    step's, of FLA 0.6.0's step and of the float64 reference; GVA, packed with an empty and a one-token sequence,
+    both state layouts, poisoned allocations, none NaN."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    import fla.ops.common.chunk_delta_h as fh
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from cula.kda import chunk_kda
+    from cula.testing import assert_close, poisoned_allocations
+
+    torch.manual_seed(5)
+    B, T, N = (1, 330, 4) if packed else (2, 200, 2)
+    leaves, cotangents = _step_inputs(B, T, 2, 4, N)
+    kw = dict(_STEP_FLAGS, state_v_first=state_v_first)
+    if packed:
+        cu = torch.tensor([0, 0, 1, 130, 330], dtype=torch.int32, device="cuda")
+        kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    again = _step(chunk_kda, leaves, cotangents, **kw)
+    kda_tuning(bwd_kept_states=True)
+    ran = []
+    real_fwd_h, real_prefix = fh.chunk_gated_delta_rule_fwd_h, fla_backward.recompute_prefix
+
+    def prefix(*args, states=None, **kwargs):
+        ran.append(states is not None)
+        return real_prefix(*args, states=states, **kwargs)
+
+    monkeypatch.setattr(fh, "chunk_gated_delta_rule_fwd_h", lambda *a, **k: ran.append("fwd_h") or real_fwd_h(*a, **k))
+    monkeypatch.setattr(fla_backward, "recompute_prefix", prefix)
+    with poisoned_allocations():
+        kept = _step(chunk_kda, leaves, cotangents, **kw)
+    assert ran == [True], ran
+    for n in leaves:
+        assert_close(f"d{n}", again[2][n].float(), kept[2][n].float(), _GRAD_TOL.get(n, 8e-3))
+    fla = _step(fla_chunk_kda, leaves, cotangents, **kw)
+    _judge_step(kept, fla, _step_f64(leaves, cotangents, **kw))
 
 
 @pytest.mark.gpu

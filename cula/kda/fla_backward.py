@@ -386,8 +386,14 @@ def recompute_on_cula(q, v, p: dict) -> bool:
     return use_cula_intra(q, v, p["safe_gate"], p["use_gate_in_kernel"], p["lower_bound"])
 
 
+def kept_states_on(device: torch.device) -> bool:
+    """Whether the tuning entry has the training forward keep h and v_new for ``recompute_prefix``
+    (``KdaTuning.bwd_kept_states``)."""
+    return _entry(device).bwd_kept_states
+
+
 def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
-                     p: dict, Akk=None) -> dict:  # fmt: skip
+                     p: dict, Akk=None, states=None) -> dict:  # fmt: skip
     """What FLA's ``chunk_kda_bwd`` recomputes before its first gradient stage, for its ``disable_recompute=True``
     path: the gate cumsum ``g`` (every row), ``w, u, qg, kg`` from one launch of cula's intra kernel on the raw
     inputs (the launch the forward made; given the forward's ``Akk``, the kernel reads it instead of computing the
@@ -395,7 +401,9 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     ``chunk_gated_delta_rule_fwd_h``, as FLA's recompute branch calls it. Replaces FLA's ``kda_gate_chunk_cumsum``
     (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``. In FLA's graph mode (``p["use_graph"]``)
     ``chunk_indices`` / ``chunk_offsets`` are FLA's static ones: the intra kernel takes them through
-    ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``)."""
+    ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``).
+    ``states``: ``{"h", "v_new"}`` as the training forward wrote them (``KdaTuning.bwd_kept_states``), taken
+    instead of FLA's recurrence."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     from cula.kda.forward import _intra_cute
@@ -407,6 +415,8 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
         full_g_cum=True, given_akk=Akk,
     )  # fmt: skip
+    if states is not None:
+        return dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=states["v_new"], h=states["h"])
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=64, state_v_first=p["state_v_first"],

@@ -63,6 +63,7 @@ def chunk_kda_fwd_sm90(
     allow_neg_eigval: bool = False,
     keep_scores: bool = False,
     keep_prefix: bool = False,
+    keep_states: bool = False,
     use_graph: bool = False,
 ) -> tuple:
     """KDA forward (FLA's ``ChunkKDAFunction.forward``; with ``keep_scores`` also the intra stage's Aqk and Akk
@@ -98,14 +99,19 @@ def chunk_kda_fwd_sm90(
             stage: ``{"g": g_cum, "w", "u", "qg", "kg", "h", "v_new"}`` (g_cum fp32 with every row written, the rest
             in q's dtype; h and v_new as FLA's ``chunk_gated_delta_rule_fwd_h`` returns them), where cula's intra
             kernel runs (the recurrence then in one piece, not cut in time); None where FLA's intra stage does.
+        keep_states: with ``keep_scores``, of that prefix only ``{"h", "v_new"}``, where cula's intra kernel runs,
+            the recurrence is not cut in time (the serial path's one piece, which writes them beside o) and the
+            chunk list is the host's exact one (not FLA's graph mode or a capture of packed sequences); else None.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None;
         ``(o, final_state, Aqk, Akk)`` with ``keep_scores``, ``(o, final_state, Aqk, Akk, prefix)`` with
-        ``keep_prefix`` too.
+        ``keep_prefix`` or ``keep_states`` too.
     """
-    if keep_prefix and not keep_scores:
-        raise ValueError("keep_prefix needs keep_scores")
+    if (keep_prefix or keep_states) and not keep_scores:
+        raise ValueError("keep_prefix and keep_states need keep_scores")
+    if keep_prefix and keep_states:
+        raise ValueError("keep_prefix already keeps the states: pass one of keep_prefix, keep_states")
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
     B, T, H, K = q.shape
@@ -132,11 +138,12 @@ def chunk_kda_fwd_sm90(
             final_state.copy_(initial_state if initial_state is not None else torch.zeros_like(final_state))
         if keep_scores:
             scores = (o, final_state, q.new_empty(B, 0, HV, 64), q.new_empty(B, 0, HV, 64))
-            return (*scores, None) if keep_prefix else scores
+            return (*scores, None) if keep_prefix or keep_states else scores
         return o, final_state
 
     chunk_indices = cu32 = None
-    if cu_seqlens is not None and (use_graph or capturing(cu_seqlens)):
+    device_list = cu_seqlens is not None and (use_graph or capturing(cu_seqlens))
+    if device_list:
         chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, N))
         cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     elif cu_seqlens is not None:
@@ -160,18 +167,20 @@ def chunk_kda_fwd_sm90(
         )  # fmt: skip
     # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
-    prefix = None
-    if keep_prefix and cute_intra:  # the recurrence in one piece, writing every chunk's state and v_new too
-        prefix = dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, **_state_outputs(u, cu32, chunk_indices))
+    split = None if use_graph or keep_prefix else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
+    # the recurrence in one piece, writing every chunk's state and v_new too
+    if cute_intra and (keep_prefix or (keep_states and split is None and not device_list)):
+        kept = _state_outputs(u, cu32, chunk_indices)
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states,
-                                     h=prefix["h"], v_new=prefix["v_new"], chunk_offsets=prefix.pop("offsets"))
-        return o, final_state, Aqk, Akk, prefix
-    split = None if use_graph else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
+                                     h=kept["h"], v_new=kept["v_new"], chunk_offsets=kept.pop("offsets"))
+        if keep_prefix:
+            kept.update(g=g_cum, w=w, u=u, qg=qg, kg=kg)
+        return o, final_state, Aqk, Akk, kept
     if split is None:
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states)
     else:
         parallel_segment_states(split, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, **states)
-    if keep_prefix:
+    if keep_prefix or keep_states:
         return o, final_state, Aqk, Akk, None
     if keep_scores:
         return o, final_state, Aqk, Akk
