@@ -99,9 +99,10 @@ def chunk_kda_fwd_sm90(
             stage: ``{"g": g_cum, "w", "u", "qg", "kg", "h", "v_new"}`` (g_cum fp32 with every row written, the rest
             in q's dtype; h and v_new as FLA's ``chunk_gated_delta_rule_fwd_h`` returns them), where cula's intra
             kernel runs (the recurrence then in one piece, not cut in time); None where FLA's intra stage does.
-        keep_states: with ``keep_scores``, of that prefix only ``{"h", "v_new"}``, where cula's intra kernel runs,
-            the recurrence is not cut in time (the serial path's one piece, which writes them beside o) and the
-            chunk list is the host's exact one (not FLA's graph mode or a capture of packed sequences); else None.
+        keep_states: with ``keep_scores``, of that prefix only ``{"h", "v_new"}``, where cula's intra kernel runs
+            and the recurrence is not cut in time (the serial path's one piece writes them beside o); else None.
+            With a chunk list built on the device (FLA's graph mode, a capture) ``h`` has the rows of FLA's
+            fixed-size list (``prepare_chunk_indices_static``), whose real rows come first in the same order.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None;
@@ -169,8 +170,8 @@ def chunk_kda_fwd_sm90(
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
     split = None if use_graph or keep_prefix else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
     # the recurrence in one piece, writing every chunk's state and v_new too
-    if cute_intra and (keep_prefix or (keep_states and split is None and not device_list)):
-        kept = _state_outputs(u, cu32, chunk_indices)
+    if cute_intra and (keep_prefix or (keep_states and split is None)):
+        kept = _state_outputs(u, cu32, chunk_indices, static_rows=device_list)
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states,
                                      h=kept["h"], v_new=kept["v_new"], chunk_offsets=kept.pop("offsets"))
         if keep_prefix:
@@ -187,14 +188,18 @@ def chunk_kda_fwd_sm90(
     return o, final_state
 
 
-def _state_outputs(u, cu32, chunk_indices) -> dict:
+def _state_outputs(u, cu32, chunk_indices, static_rows: bool = False) -> dict:
     """Room for the states kernel's ``h`` and ``v_new`` (the shapes FLA's ``chunk_gated_delta_rule_fwd_h`` returns)
-    and, packed, each sequence's first chunk in ``h`` (on the device: no host read)."""
+    and, packed, each sequence's first chunk in ``h`` (on the device: no host read). ``static_rows``: ``h`` with
+    as many chunk rows as FLA's graph-mode list has (``chunk_indices`` is then a bound of the real chunks, at most
+    that many), the real ones first."""
     B, T, HV, V = u.shape
     if cu32 is None:
         NT, offsets = -(-T // 64), None
     else:
         NT, offsets = chunk_indices.shape[0], intra.chunk_offsets_i32(cu32)
+        if static_rows:  # the nt_max cula.kda.backends._backward_chunks gives prepare_chunk_indices_static
+            NT = max(NT, -(-T // 64) + cu32.shape[0] - 2)
     h = u.new_empty((B, NT, HV, V, V))  # K = V = 128: either state layout
     return dict(h=h, v_new=torch.empty_like(u), offsets=offsets)
 

@@ -92,7 +92,7 @@ class KdaTuning:
     bwd_recompute_intra: bool = False
     # ... and the recompute's h and v_new (FLA's chunk_gated_delta_rule_fwd_h) not recomputed: the training forward
     # writes them beside o (DeltaHFwdOStatesSm90; 768 B more per token and value head, kept until the backward)
-    # where its recurrence runs in one piece (not cut in time) on the host's chunk list
+    # where its recurrence runs in one piece (not cut in time)
     bwd_kept_states: bool = False
     # training: stage 6 (chunk_kda_bwd_wy_dqkg_fused, the gradients through the state terms and the WY form) on
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
