@@ -152,11 +152,22 @@ KERNEL_BYTES = (
 )
 
 
+# KERNEL_BYTES rows whose bytes change where a KdaTuning flag is on: (phase, piece, flag) -> bytes per token-head.
+# The recompute on the intra kernel without u and so without v (the forward kept h and v_new)
+KERNEL_BYTES_WITH = {("backward", "ChunkKDAIntraFwdSm90", "bwd_kept_states"): 2178}
+
+
 def kernel_floor_us(phase: str, kernel: str, cfg: kp.Config, copy_bw_tbps: float) -> float | None:
     """A kernel's byte floor in a step of ``cfg`` (``KERNEL_BYTES`` at the copy rate, under the H200 tuning entry in
     force), None where it has none."""
+    from cula.kda.plan import KDA_TUNING
+
+    entry = KDA_TUNING.get((9, 0))
     for where, piece, per_token, states in KERNEL_BYTES:
         if where in (phase, "both") and piece in kernel:
+            for (w, p, flag), with_flag in KERNEL_BYTES_WITH.items():
+                if (w, p) == (where, piece) and getattr(entry, flag):
+                    per_token = with_flag
             nbytes = (per_token * sum(cfg.lens) + states * cfg.N * 4 * kp.K * kp.V) * cfg.HV
             return nbytes / (copy_bw_tbps * 1e12) * 1e6
     return None

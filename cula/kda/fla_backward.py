@@ -403,7 +403,8 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     ``chunk_indices`` / ``chunk_offsets`` are FLA's static ones: the intra kernel takes them through
     ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``).
     ``states``: ``{"h", "v_new"}`` as the training forward wrote them (``KdaTuning.bwd_kept_states``), taken
-    instead of FLA's recurrence."""
+    instead of FLA's recurrence; u, which only that recurrence reads, is then not made (None) where the kernel
+    reads the forward's T."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     from cula.kda.forward import _intra_cute
@@ -413,9 +414,9 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     w, u, qg, kg, _, g_cum, _ = _intra_cute(
         q, k, v, g, beta, p["scale"], cu32, rows, p["use_gate_in_kernel"], A_log, dt_bias,
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
-        full_g_cum=True, given_akk=Akk,
+        full_g_cum=True, given_akk=Akk, keep_u=states is None,
     )  # fmt: skip
-    if states is not None:
+    if states is not None:  # u None: FLA's body unpacks it with the others but reads it only to remake v_new
         return dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=states["v_new"], h=states["h"])
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,

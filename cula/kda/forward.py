@@ -340,6 +340,7 @@ def _intra_fla(
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False, full_g_cum=False, given_akk=None,
+    keep_u=True,
 ):  # fmt: skip
     """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
     (Akk None unless ``keep_akk``: the kernel writes it only when asked). ``zero_kg``: kg starts as zeros, for
@@ -347,7 +348,7 @@ def _intra_cute(
     chunk past the end (never written) by zeros, and garbage there could be NaN. ``full_g_cum``: every row of
     g_cum (the state/output kernel reads only each chunk's last; the training backward's stages read all).
     ``given_akk``: the Akk an earlier call on these inputs kept, read instead of computed (no scores: Aqk is
-    None)."""
+    None); with it, ``keep_u=False`` makes no u (None; v is not read)."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
@@ -355,7 +356,7 @@ def _intra_cute(
     gate = gate_kind(use_gate_in_kernel, lower_bound)
     w = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
     qg, kg = torch.empty_like(w), torch.zeros_like(w) if zero_kg else torch.empty_like(w)
-    u = torch.empty_like(v)
+    u = torch.empty_like(v) if keep_u or given_akk is None else None
     Aqk = None if given_akk is not None else torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
     g_cum = torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device)
     Akk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device) if keep_akk else None
