@@ -41,9 +41,12 @@ Floor for cula (``floor_ms = max(bytes / copy_bw, flops / gemm_rate)``, both mea
 (``common.time_split_suite``: H = HV of 4, 8 and 16, B = 1 up to T = 1M, B = 2 at 64K, the ragged pack 64K + 5 x 1K),
 timing cula's serial ``chunk_kda`` against its exact time-parallel recurrence (``cula.kda.forward``'s parallel
 segments) at each segment length of ``common.TIME_SPLIT_SEGMENTS``, eager and CUDA-graph replay in every row, each
-split checked against the serial output first. These are the numbers ``KdaTuning.time_split`` is set from.
+split checked against the serial output first. These are the numbers ``KdaTuning.time_split`` is set from. With
+``--halves`` the split calls run their output pass over each segment's halves (``KdaTuning.time_split_halves``;
+result ``kda_prefill_time_parallel_halves``).
 
-Usage: ``python benchmarks/bench_kda_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph] [--time-parallel]``.
+Usage: ``python benchmarks/bench_kda_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph] [--time-parallel
+[--halves]]``.
 """
 
 from __future__ import annotations
@@ -324,6 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--time-parallel", action="store_true",
                    help="few-head long rows: serial against time-parallel at several segment lengths")
+    p.add_argument("--halves", action="store_true",
+                   help="with --time-parallel: the split calls' output pass over each segment's halves")
     return p.parse_args(argv)
 
 
@@ -460,7 +465,7 @@ def run_time_parallel_config(cfg: bc.TimeSplitConfig, args: argparse.Namespace, 
             return None
         # every sequence longer than seg cut into pieces of seg: aim at more segments than anything can give
         exact = SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=seg, min_seq_len=0)
-        return call, plan.num_segments, KDA_TUNING.override(time_split=exact)
+        return call, plan.num_segments, KDA_TUNING.override(time_split=exact, time_split_halves=args.halves)
 
     nbytes, flops = kda_bytes(cfg.lens, h=cfg.H, hv=cfg.H), kda_flops(cfg.lens, hv=cfg.H)
     floor = bc.floor_ms(nbytes, flops, ceilings["copy_bw_tbps"], ceilings["gemm_tflops"])
@@ -475,9 +480,11 @@ def main_time_parallel(args: argparse.Namespace, t_start: float) -> tuple[dict, 
                   "segments": list(bc.TIME_SPLIT_SEGMENTS)},
         "call_flags": CALL_FLAGS,
         "calls": {"serial": "cula.kda.chunk_kda under KDA_TUNING.override(time_split=None)",
-                  "split": "cula.kda.chunk_kda under KDA_TUNING.override(time_split=...)"},
+                  "split": f"cula.kda.chunk_kda under KDA_TUNING.override(time_split=..., "
+                           f"time_split_halves={args.halves})"},
     }  # fmt: skip
-    return bc.time_split_main(TP_NAME, args, t_start, run_time_parallel_config, meta, WARN_TOL, FAIL_TOL)
+    name = TP_NAME + ("_halves" if args.halves else "")
+    return bc.time_split_main(name, args, t_start, run_time_parallel_config, meta, WARN_TOL, FAIL_TOL)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,16 @@ def split_plan(lengths: Sequence[int], segment_len: int, min_seq_len: int = 0) -
     return SplitPlan(lengths, segment_len, split, tuple(bounds), tuple(first))
 
 
+def half_bounds(bounds: Sequence[int]) -> tuple[int, ...]:
+    """Every segment of ``bounds`` cut in two at a chunk boundary: its first ``ceil(len / SEGMENT_ALIGN) // 2``
+    chunks, then the rest (a segment of at most one chunk has an empty first half). Where KDA's segment summary
+    with ``mid_states`` takes the first half's E and R."""
+    out = [bounds[0]]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out += [a + (-(-(b - a) // SEGMENT_ALIGN) // 2) * SEGMENT_ALIGN, b]
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=256)
 def plan_time_split(lengths: tuple[int, ...], num_value_heads: int, sm_count: int,
                     thresholds: SplitThresholds | None) -> SplitPlan | None:

@@ -50,6 +50,7 @@ def _kda_chunk(scope: str) -> None:
     kernel)."""
     from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
+    from cula.kda.plan import KDA_TUNING
     from cula.ops.kda.sm90 import fwd_launch, intra, segment_chain, segment_summary
 
     d = _dtypes(scope)
@@ -76,8 +77,9 @@ def _kda_chunk(scope: str) -> None:
                             aqk_causal=True, store_states=True)  # fmt: skip
     # the time-parallel path (cula.kda.plan.parallel_segments): every segment's summary and the chain of true
     # starts before the state/output kernel (whose packed variants are above)
+    halves = KDA_TUNING.get((9, 0)).time_split_halves  # the output pass over each segment's halves
     for dt, svf in itertools.product(d["io"], _B):
-        segment_summary.compiled_variant(dtype=dsl_name(dt), state_v_first=svf)
+        segment_summary.compiled_variant(dtype=dsl_name(dt), state_v_first=svf, mid_states=halves)
     for h0, ht, svf in itertools.product(_B, _B, _B):
         segment_chain.compiled_variant(has_h0=h0, has_ht=ht, state_v_first=svf)
 
@@ -258,7 +260,7 @@ def _smoke() -> None:
             )  # fmt: skip
     # the packed call cut in time: the segment summary, the segment chain, the intra kernel on its own, then the
     # packed state/output kernel
-    segment_summary.compiled_variant(dtype="BFloat16")
+    segment_summary.compiled_variant(dtype="BFloat16", mid_states=KDA_TUNING.get((9, 0)).time_split_halves)
     intra.compiled_variant(varlen=True, **options)
     segment_chain.compiled_variant(has_h0=True, has_ht=True)
     dh.compiled_variant(dtype="BFloat16", varlen=True, has_h0=True, has_ht=False, aqk_causal=True)

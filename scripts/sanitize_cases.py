@@ -142,6 +142,19 @@ def kda_parallel_segments():
 
 
 @case
+def kda_parallel_segment_halves():
+    # the same with the output pass over each segment's halves (KdaTuning.time_split_halves): the summary also
+    # writing every first half's E and R (a one-chunk and an empty segment among them), the one-step chain to the
+    # second halves' starts, written through strided views
+    from cula.kda.plan import KDA_TUNING
+    from cula.time_split import SplitThresholds
+
+    with KDA_TUNING.override(time_split=SplitThresholds(1e9, 1e9, 128, 0), time_split_halves=True):
+        _kda_chunk(1, [300, 0, 70], 1, 2, v_first=True)
+        _kda_chunk(1, [70, 300], 1, 2, h0=False)
+
+
+@case
 def gdn_chunk_and_decode():
     # Gated DeltaNet on the KDA kernels: the chunk path (the intra kernel's per-head gate, fixed and packed) and the
     # decode path (states into step states)

@@ -635,6 +635,7 @@ def test_gdn_decode_rows_on_the_reference(cpu_bench, monkeypatch):
 
 def test_kda_time_parallel_cli():
     assert kp.parse_args(["--time-parallel"]).time_parallel and not kp.parse_args([]).time_parallel
+    assert kp.parse_args(["--time-parallel", "--halves"]).halves and not kp.parse_args(["--time-parallel"]).halves
     cfg = bc.time_split_suite(quick=True)[0]
     x = kp.tp_inputs(cfg, 0, device="cpu")
     assert x["q"].shape == (1, cfg.T, cfg.H, kp.K) and x["initial_state"].shape == (cfg.N, cfg.H, kp.V, kp.K)

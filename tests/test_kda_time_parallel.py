@@ -15,7 +15,7 @@ import torch
 
 from cula.kda.forward import parallel_segment_states
 from cula.testing import assert_close, make_cu_seqlens, rel_rmse
-from cula.time_split import SplitThresholds, split_plan
+from cula.time_split import SplitThresholds, half_bounds, split_plan
 
 K = V = 16  # the model takes any head size; the kernel's 128 changes nothing here
 HV = 3
@@ -46,9 +46,15 @@ def _states_model(w, u, kg, qg, g, Aqk, o, h0, ht, cu, *, scale, state_v_first, 
             ht[n] = (S.transpose(-1, -2) if state_v_first else S).to(ht.dtype)
 
 
-def _summary_model(w, u, kg, g, summary, cu, *, state_v_first):
+def _summary_model(w, u, kg, g, summary, cu, *, state_v_first, mids=None):
     """The segment-summary kernel's contract (``segment_summary_kernel.py``) from the state model: E of head h
-    (from a zero start) at h, R of head h (from the identity, u = 0) at HV + h."""
+    (from a zero start) at h, R of head h (from the identity, u = 0) at HV + h; ``mids``: the same of each segment's
+    first half (``cula.time_split.half_bounds``)."""
+    if mids is not None:  # the summaries of all the halves; the first halves are the even ones
+        both = torch.empty((2 * mids.shape[0],) + tuple(mids.shape[1:]))
+        halves = torch.tensor(half_bounds(cu.tolist()), dtype=torch.int32)
+        _summary_model(w, u, kg, g, both, halves, state_v_first=state_v_first)
+        mids.copy_(both[0::2])
     M, o = cu.numel() - 1, torch.empty(u.shape, dtype=u.dtype)
     eye = torch.eye(K).expand(M, HV, K, K).contiguous()
     E, R = torch.empty(M, HV, K, V), torch.empty(M, HV, K, V)
@@ -90,7 +96,7 @@ def _intermediates(total: int, seed: int):
     return w, u, kg, qg, g, Aqk
 
 
-def _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht, seed=0):
+def _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht, seed=0, halves=False):
     total = sum(lengths)
     w, u, kg, qg, g, Aqk = _intermediates(total, seed)
     N = len(lengths)
@@ -105,7 +111,7 @@ def _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht, see
     o = torch.full_like(o_ref, float("nan"))
     ht = torch.full(shape, float("nan")) if with_ht else None
     parallel_segment_states(plan, w, u, kg, qg, g, Aqk, o, h0, ht, states_fn=_states_model,
-                            summary_fn=_summary_model, chain_fn=chain_model, **kw)  # fmt: skip
+                            summary_fn=_summary_model, chain_fn=chain_model, halves=halves, **kw)  # fmt: skip
     return (o_ref, ht_ref), (o, ht), plan
 
 
@@ -116,14 +122,24 @@ def _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht, see
     [([1000], 64), ([1000], 192), ([640, 0, 129, 3 * BT + 7, 1], 128), ([5 * BT, 5 * BT], 64)],
     ids=["one-64", "one-192", "ragged-pack", "two-equal"],
 )
-def test_split_matches_serial(lengths, segment_len, state_v_first, with_h0, with_ht):
-    (o_ref, ht_ref), (o, ht), plan = _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht)
+@pytest.mark.parametrize("halves", [False, True], ids=["segments", "halves"])
+def test_split_matches_serial(lengths, segment_len, state_v_first, with_h0, with_ht, halves):
+    (o_ref, ht_ref), (o, ht), plan = _serial_and_split(lengths, segment_len, state_v_first, with_h0, with_ht,
+                                                       halves=halves)  # fmt: skip
     assert plan.num_segments > len(lengths)  # something was cut
     assert not o.isnan().any()
     assert_close("o", o_ref, o, 1e-5)
     if with_ht:
         assert not ht.isnan().any()
         assert_close("final state", ht_ref, ht, 1e-5)
+
+
+def test_half_bounds():
+    """Each segment cut after the first half of its chunks (rounded down), at a chunk boundary: a segment of at most
+    one chunk (or none) gets an empty first half."""
+    assert half_bounds((0, 1000)) == (0, 512, 1000)  # 16 chunks (the last partial): 8, then 8
+    assert half_bounds((0, 256, 320, 321, 321, 450)) == (0, 128, 256, 256, 320, 320, 321, 321, 321, 385, 450)
+    assert half_bounds((5,)) == (5,)
 
 
 def test_strong_and_no_decay():
@@ -202,12 +218,14 @@ def _gpu_case(lengths, H, gate, state_v_first, seed=0):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("halves", [False, True], ids=["segments", "halves"])
 @pytest.mark.parametrize("gate", ["strong", "weak", "softplus_weak"])
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("lengths", [[20000], [16384 + 7, 1024, 0, 1024, 1024]], ids=["one", "pack"])
-def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, gate, kda_tuning):
+def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, gate, halves, kda_tuning):
     """chunk_kda on cula's kernels cut in time against the serial path and the float64 reference, strong and weak
-    gates of both functions, the caller's initial states, NaN-poisoned outputs.
+    gates of both functions, the caller's initial states, NaN-poisoned outputs; the output pass over the segments,
+    or over their halves (``KdaTuning.time_split_halves``).
 
     Against float64 the bound is FLA's tolerance, or FLA's own error on the same inputs where that is larger: with
     weak gates a state carries over thousands of tokens and every bf16 operand's rounding with it (FLA's kernels and
@@ -222,7 +240,7 @@ def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, gate, kda_tun
         kda_tuning(time_split=None)
         o_serial, ht_serial = chunk_kda(*x, **kw)
         kda_tuning(time_split=SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024,
-                                              min_seq_len=4096))  # fmt: skip
+                                              min_seq_len=4096), time_split_halves=halves)  # fmt: skip
         o, ht = chunk_kda(*x, **kw)
     assert not o.isnan().any() and not ht.isnan().any()
     assert_close("o vs serial", o_serial, o, 5e-3)
@@ -239,17 +257,19 @@ def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, gate, kda_tun
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("halves", [False, True], ids=["segments", "halves"])
 @pytest.mark.parametrize(
     "lengths,H", [([1 << 20], 2), ([65536, 1024, 1024, 0, 1024, 1024, 1024], 4)], ids=["T1M", "ragged-64K+5x1K"]
 )
-def test_chunk_kda_cut_long_cuda(lengths, H):
-    """The H200's own planner entry (no override) cuts a 1M-token sequence and the ragged pack's long sequence;
-    both match the serial path with a weak gate (state carried across every segment)."""
+def test_chunk_kda_cut_long_cuda(lengths, H, halves, kda_tuning):
+    """The H200's own planner entry (no override but the halves) cuts a 1M-token sequence and the ragged pack's
+    long sequence; both match the serial path with a weak gate (state carried across every segment)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     import cula.kda.plan as kp
     from cula.kda import chunk_kda
 
+    kda_tuning(time_split_halves=halves)
     x, kw = _gpu_case(lengths, H, "weak", True, seed=2)
     plan = kp.parallel_segments(1, sum(lengths), H, kw["cu_seqlens"], kw["cu_seqlens_cpu"], x[0].device)
     assert plan is not None and plan.split[0] and not any(plan.split[1:])

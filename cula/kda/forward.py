@@ -32,7 +32,7 @@ from cula.ops.kda.sm90 import intra
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 from cula.ops.kda.sm90.segment_chain import chunk_kda_segment_chain_sm90
 from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90
-from cula.time_split import on_device
+from cula.time_split import half_bounds, on_device
 
 __all__ = ["chunk_kda_fwd_sm90"]
 
@@ -180,7 +180,8 @@ def chunk_kda_fwd_sm90(
     if split is None:
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states)
     else:
-        parallel_segment_states(split, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, **states)
+        parallel_segment_states(split, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, **states,
+                                halves=KDA_TUNING.for_device(q.device).time_split_halves)  # fmt: skip
     if keep_prefix or keep_states:
         return o, final_state, Aqk, Akk, None
     if keep_scores:
@@ -206,7 +207,7 @@ def _state_outputs(u, cu32, chunk_indices, static_rows: bool = False) -> dict:
 
 def parallel_segment_states(
     plan, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, *, scale, state_v_first, aqk_causal,
-    states_fn=chunk_kda_delta_h_fwd_o_sm90, summary_fn=chunk_kda_segment_summary_sm90,
+    halves=False, states_fn=chunk_kda_delta_h_fwd_o_sm90, summary_fn=chunk_kda_segment_summary_sm90,
     chain_fn=chunk_kda_segment_chain_sm90,
 ):  # fmt: skip
     """The state recurrence and the output of ``plan``'s segments (``cula.time_split``) all at once, exactly.
@@ -222,6 +223,10 @@ def parallel_segment_states(
        kernels' bf16 copies of the state), and the final states (the last segment's end);
     3. ``states_fn`` (the state/output kernel) from the true starts: the outputs.
 
+    With ``halves`` (``KdaTuning.time_split_halves``) the output pass runs twice the segments at no more chain
+    steps: the summary also gives each segment's first-half E and R (``cula.time_split.half_bounds`` cuts there), a
+    one-step chain per segment starts the second half from ``R_mid start + E_mid``, and step 3 runs over the halves.
+
     Each kernel runs segments x value heads CTAs (twice that for 1), where the serial kernel runs sequences x value
     heads, each walking its whole sequence. The intermediates (``w, u, kg, qg, g_cum, Aqk`` of the intra stage) are
     the serial path's: segments start on chunk boundaries of their sequence, so every chunk is the same chunk."""
@@ -235,10 +240,25 @@ def parallel_segment_states(
     W, U, KG, QG, G, A, O = (t.view(1, B * T, HV, t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
     inner = (V, K) if state_v_first else (K, V)
     summary = torch.empty((M, 2 * HV) + inner, dtype=torch.float32, device=dev)
-    summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first)
-    starts = torch.empty((M, HV) + inner, dtype=torch.float32, device=dev)
-    chain_fn(summary, initial_state, starts, final_state, first, state_v_first=state_v_first)
-    states_fn(W, U, KG, QG, G, A, O, starts, None, seg_cu, scale=scale, state_v_first=state_v_first,
+    if not halves:
+        summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first)
+        starts = torch.empty((M, HV) + inner, dtype=torch.float32, device=dev)
+        chain_fn(summary, initial_state, starts, final_state, first, state_v_first=state_v_first)
+        states_fn(W, U, KG, QG, G, A, O, starts, None, seg_cu, scale=scale, state_v_first=state_v_first,
+                  aqk_causal=aqk_causal)  # fmt: skip
+        return
+    mids = torch.empty_like(summary)
+    summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first, mids=mids)
+    # the halves' start states interleaved, [segment, half]: the chains write straight into the two views
+    starts = torch.empty((M, 2, HV) + inner, dtype=torch.float32, device=dev)
+    chain_fn(summary, initial_state, starts[:, 0], final_state, first, state_v_first=state_v_first)
+    # every segment a sequence of one step from its true start: its second half's start (its record of that
+    # first start goes to a buffer nothing reads)
+    once = on_device(tuple(range(M + 1)), torch.int32, dev)
+    chain_fn(mids, starts[:, 0], torch.empty((M, HV) + inner, dtype=torch.float32, device=dev), starts[:, 1], once,
+             state_v_first=state_v_first)  # fmt: skip
+    states_fn(W, U, KG, QG, G, A, O, starts.view((2 * M, HV) + inner), None,
+              on_device(half_bounds(plan.bounds), torch.int32, dev), scale=scale, state_v_first=state_v_first,
               aqk_causal=aqk_causal)  # fmt: skip
 
 

@@ -101,6 +101,9 @@ class KdaTuning:
     # chunk_kda: when and how long sequences with few heads are cut into segments whose recurrences run at once
     # (exact: cula.kda.forward's parallel segments); None: never
     time_split: SplitThresholds | None = None
+    # ... and the output pass of a cut call over each segment's two halves (cula.kda.forward's parallel segments):
+    # twice its CTAs, the second half started from the summary's mid-segment E and R, no more chain steps
+    time_split_halves: bool = False
 
 
 # H100 and H200 share sm_90; the numbers were measured on the H200. Other GPUs run no cula kernel yet.

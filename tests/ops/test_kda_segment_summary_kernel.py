@@ -17,12 +17,14 @@ from cute_compile import assert_wgmma_kernel, compile_with_dumps, dump_script
 from cula.testing import assert_close, make_cu_seqlens
 
 _VARIANTS = [{"dtype": "BFloat16", "state_v_first": vf} for vf in (False, True)] + [
-    {"dtype": "Float16", "state_v_first": False}
+    {"dtype": "Float16", "state_v_first": False},
+    # the first halves' summaries too (KdaTuning.time_split_halves)
+    {"dtype": "BFloat16", "state_v_first": True, "mid_states": True},
 ]
 
 _COMPILE_SCRIPT = dump_script(
     "from cula.ops.kda.sm90 import segment_summary_kernel as M",
-    'M._compile(v["dtype"], v["state_v_first"], extra_options=opts)',
+    'M._compile(v["dtype"], v["state_v_first"], extra_options=opts, mid_states=v.get("mid_states", False))',
 )
 
 
@@ -77,11 +79,15 @@ def _summary_f64(w, u, kg, g, cu, state_v_first):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mid_states", [False, True], ids=["ends", "ends-and-mids"])
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
-def test_summary_vs_f64_cuda(state_v_first):
+def test_summary_vs_f64_cuda(state_v_first, mid_states):
+    """E and R of every segment (and with ``mids`` of every segment's first half, ``half_bounds``: E = 0 and R = I
+    for the empty first halves of the empty and one-token segments) against float64; poisoned outputs."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90 as run
+    from cula.time_split import half_bounds
 
     torch.manual_seed(0)
     lengths = [256, 64 * 3 + 17, 0, 1, 128]
@@ -93,12 +99,19 @@ def test_summary_vs_f64_cuda(state_v_first):
     cu = make_cu_seqlens(lengths, device="cuda")
     M = len(lengths)
     out = torch.full((M, 2 * HV, D, D), float("nan"), device="cuda")
-    run(w, u, kg, g, out, cu, state_v_first=state_v_first)
+    mids = torch.full_like(out, float("nan")) if mid_states else None
+    run(w, u, kg, g, out, cu, state_v_first=state_v_first, mids=mids)
     torch.cuda.synchronize()
     E, R = _summary_f64(w.cpu(), u.cpu(), kg.cpu(), g.cpu(), cu.cpu(), state_v_first)
     assert not out.isnan().any()
     assert_close("E", E.float(), out[:, :HV].cpu(), 5e-3)
     assert_close("R", R.float(), out[:, HV:].cpu(), 5e-3)
+    if mid_states:
+        halves = torch.tensor(half_bounds(cu.tolist()), dtype=torch.int32)
+        E2, R2 = _summary_f64(w.cpu(), u.cpu(), kg.cpu(), g.cpu(), halves, state_v_first)
+        assert not mids.isnan().any()
+        assert_close("E of the first halves", E2[0::2].float(), mids[:, :HV].cpu(), 5e-3)
+        assert_close("R of the first halves", R2[0::2].float(), mids[:, HV:].cpu(), 5e-3)
 
 
 def test_no_tokens_gives_zero_and_identity():

@@ -52,6 +52,8 @@ def chunk_kda_segment_chain_sm90(
         initial_state: ``[N, HV, ...]`` fp32, the sequences' start states, or None for zeros.
         starts: ``[M, HV, ...]`` fp32, written: each segment's true start state.
         final_state: ``[N, HV, ...]`` fp32, written: each sequence's end state; or None.
+        The three may be views with rows of whole ``[HV, ...]`` states apart (a row stride that is a multiple of
+        ``HV K V``; the summary is contiguous).
         first_segment: ``[N + 1]`` int32 on the device: sequence n owns segments ``first_segment[n]`` to
             ``first_segment[n + 1] - 1`` (at least one each, as ``cula.time_split.split_plan`` makes them).
     """
@@ -68,11 +70,10 @@ def chunk_kda_segment_chain_sm90(
     for name, t, rows in (("summary", summary, M), ("initial_state", initial_state, N), ("starts", starts, M),
                           ("final_state", final_state, N)):  # fmt: skip
         heads = HV2 if name == "summary" else HV
-        if t is not None and (tuple(t.shape) != (rows, heads, D, D) or t.dtype != torch.float32
-                              or not t.is_contiguous()):  # fmt: skip
-            raise ValueError(
-                f"{name}: expected contiguous {(rows, heads, D, D)} float32, got {tuple(t.shape)} {t.dtype}"
-            )
+        laid_out = t is not None and (t.is_contiguous() if name == "summary" else _whole_rows(t))
+        if t is not None and (tuple(t.shape) != (rows, heads, D, D) or t.dtype != torch.float32 or not laid_out):
+            how = "contiguous" if name == "summary" else "rows of whole states"
+            raise ValueError(f"{name}: expected {(rows, heads, D, D)} float32, {how}, got {tuple(t.shape)} {t.dtype}")
     if N == 0 or HV == 0:
         return
     fn = compiled_variant(has_h0=initial_state is not None, has_ht=final_state is not None,
@@ -82,3 +83,12 @@ def chunk_kda_segment_chain_sm90(
         summary, initial_state if initial_state is not None else dummy, starts,
         final_state if final_state is not None else dummy, first_segment, N,
     )  # fmt: skip
+
+
+def _whole_rows(t: torch.Tensor) -> bool:
+    """Each row ``t[i]`` one contiguous block of whole states, the rows apart by a multiple of it (what the kernel's
+    symbolic outer stride, a multiple of ``K V``, takes)."""
+    row = t.shape[1] * t.shape[2] * t.shape[3]
+    return t.stride()[1:] == (t.shape[2] * t.shape[3], t.shape[3], 1) and (
+        t.shape[0] <= 1 or (t.stride(0) >= row and t.stride(0) % row == 0)
+    )

@@ -21,15 +21,20 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def variant_key(dtype="BFloat16", state_v_first=False, arch=(9, 0)) -> tuple:
-    """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype."""
-    return ("kda.segment_summary", "SegmentSummarySm90", dsl_name(dtype), 128, 128, 64, state_v_first, arch)
+def variant_key(dtype="BFloat16", state_v_first=False, arch=(9, 0), mid_states=False) -> tuple:
+    """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype. ``mid_states`` is in the key
+    only when on (the other variants' keys stay)."""
+    key = ("kda.segment_summary", "SegmentSummarySm90", dsl_name(dtype), 128, 128, 64, state_v_first, arch)
+    return (*key, "mid_states") if mid_states else key
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
-    dtype, _K, _V, _BT, state_v_first, arch = key[2:]
-    return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(dtype, state_v_first, arch))
+    dtype, _K, _V, _BT, state_v_first, arch = key[2:8]
+    mid_states = key[8:] == ("mid_states",)
+    return compiled_kernel(
+        key, lambda: kernel_attr(__name__, "_compile")(dtype, state_v_first, arch, mid_states=mid_states)
+    )
 
 
 def compiled_variant(**options):
@@ -46,6 +51,7 @@ def chunk_kda_segment_summary_sm90(
     segments: torch.Tensor,
     *,
     state_v_first: bool = False,
+    mids: torch.Tensor | None = None,
 ) -> None:
     """Every segment's end state E and transition R (``segment_summary_kernel.py``), written into ``ends``.
 
@@ -56,6 +62,8 @@ def chunk_kda_segment_summary_sm90(
             head h at h, R at ``HV + h``.
         segments: ``[M + 1]`` int32, the segments' token bounds (each a whole number of 64-token chunks but the
             last of a sequence).
+        mids: shaped as ``ends`` or None: also written, E and R of each segment's first ``ceil(len / 64) // 2``
+            chunks (E = 0 and R = I for a segment of at most one chunk).
     """
     B, T, HV, K = w.shape
     if B != 1 or K != 128 or u.shape[-1] != 128:
@@ -68,18 +76,21 @@ def chunk_kda_segment_summary_sm90(
     if segments.dtype != torch.int32:
         raise ValueError(f"segments must be int32, got {segments.dtype}")
     M = segments.numel() - 1
-    if tuple(ends.shape) != (M, 2 * HV, K, K) or ends.dtype != torch.float32 or not ends.is_contiguous():
-        raise ValueError(f"ends: expected contiguous {(M, 2 * HV, K, K)} float32, got {tuple(ends.shape)} {ends.dtype}")
+    for name, t in (("ends", ends), ("mids", mids)):
+        if t is not None and (tuple(t.shape) != (M, 2 * HV, K, K) or t.dtype != torch.float32
+                              or not t.is_contiguous()):  # fmt: skip
+            raise ValueError(f"{name}: expected contiguous {(M, 2 * HV, K, K)} float32, got {tuple(t.shape)} "
+                             f"{t.dtype}")  # fmt: skip
     if M == 0 or HV == 0:
         return
     if T == 0:  # every segment empty (no TMA descriptor describes an empty tensor): E is zero, R the identity
-        E, R = ends[:, :HV], ends[:, HV:]
-        E.zero_()
-        R.copy_(torch.eye(K, dtype=torch.float32, device=ends.device).expand(R.shape))
+        for t in (ends, mids) if mids is not None else (ends,):
+            t[:, :HV].zero_()
+            t[:, HV:].copy_(torch.eye(K, dtype=torch.float32, device=ends.device).expand(M, HV, K, K))
         return
-    fn = compiled_variant(dtype=dsl_name(w.dtype), state_v_first=state_v_first)
+    fn = compiled_variant(dtype=dsl_name(w.dtype), state_v_first=state_v_first, mid_states=mids is not None)
 
     def flat(t):
         return t.view(T, HV, K)
 
-    fn(flat(w), flat(u), flat(kg), flat(g), ends, segments, M)
+    fn(flat(w), flat(u), flat(kg), flat(g), ends, mids, segments, M)

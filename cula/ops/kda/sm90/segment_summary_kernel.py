@@ -20,6 +20,11 @@ transposed in the accumulators, bf16 copies as the RS operand, FLA's rounding po
 A transition CTA loads u like the others (one transaction size for the pipeline) and ignores it. Rows past a
 segment's end are zeroed in v_new, as in the state/output kernel.
 
+With ``mid_states`` the kernel also writes, into ``mMids`` (laid out as ``mEnds``), the same two summaries of the
+segment's first ``num_chunks // 2`` chunks (E and R where the running state stands at that chunk boundary; a
+segment of one chunk or none gives E = 0, R = I): the caller then starts the segment's second half from
+``R_mid S_start + E_mid`` and runs the output pass over twice the segments, with no more chain steps.
+
 Warp roles (384 threads, ``min_blocks_per_mp=1``):
 
 =========  =========  =====================================================================================
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float16, Float32, Int32, cute, pipeline
+from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
@@ -55,16 +60,18 @@ __all__ = ["SegmentSummarySm90"]
 class SegmentSummarySm90(ChunkRecurrenceResources):
     """End state E and transition R of every segment of a packed KDA call, sm_90a (see the module docstring).
 
-    Static configuration: element dtype of w/u/kg, K = V = 128, chunk size 64, pipeline depth and the state
-    layout. The number of segments, heads and tokens are runtime values.
+    Static configuration: element dtype of w/u/kg, K = V = 128, chunk size 64, pipeline depth, the state layout and
+    whether the first halves' summaries are written too (``mid_states``). The number of segments, heads and tokens
+    are runtime values.
     """
 
     arch = 90
 
-    def __init__(self, dtype=BFloat16, num_stages: int = 4, state_v_first: bool = False):
+    def __init__(self, dtype=BFloat16, num_stages: int = 4, state_v_first: bool = False, mid_states: bool = False):
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype = dtype
+        self.mid_states = mid_states
         self.dk = self.dv = 128
         self.bt = 64
         self.state_v_first = state_v_first
@@ -78,6 +85,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         mKg: cute.Tensor,  # (T_total, HV, K)  dtype
         mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate
         mEnds: cute.Tensor,  # (M, 2 HV, K, V) or (M, 2 HV, V, K) fp32: E of head h at h, R at HV + h
+        mMids: cute.Tensor | None,  # as mEnds, after each segment's first half (mid_states), else None
         mCu: cute.Tensor,  # (M + 1,) int32 segment bounds
         num_segments: Int32,
         stream: cuda.CUstream,
@@ -88,6 +96,9 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         u_v = token_cols(mU)  # (V, T, HV)
         g_v = token_cols(mG)  # (K, T, HV)
         ends_v = state_view(mEnds, self.state_v_first)  # (V, K, 2 HV, M)
+        mids_v = ends_v  # never touched without mid_states
+        if const_expr(self.mid_states):
+            mids_v = state_view(mMids, self.state_v_first)
 
         mma_v = self._state_product_mma(dt, BT)
         mma_s = self._state_update_mma(dt, DK)
@@ -112,7 +123,8 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         self.storage = Storage
         HV = mW.shape[1]
         kernel = self.kernel(
-            tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, ends_v, mCu, HV, mma_v, mma_s, sW_l, sK_l, sU_l, sG_l,
+            tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, ends_v, mids_v, mCu, HV, mma_v, mma_s, sW_l, sK_l, sU_l,
+            sG_l,
         )  # fmt: skip
         kernel.launch(
             grid=(2 * HV, num_segments, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1
@@ -125,7 +137,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         tma_k: cute.CopyAtom, tk: cute.Tensor,
         tma_u: cute.CopyAtom, tu: cute.Tensor,
         tma_g: cute.CopyAtom, tg: cute.Tensor,
-        ends_v: cute.Tensor, mCu: cute.Tensor, HV: Int32,
+        ends_v: cute.Tensor, mids_v: cute.Tensor, mCu: cute.Tensor, HV: Int32,
         mma_v: cute.TiledMma, mma_s: cute.TiledMma,
         sW_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
     ):  # fmt: skip
@@ -161,6 +173,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
                 pipe, tidx, wg_idx, h, slot, n, transition, seg_len, num_chunks, mma_v, mma_s, sW, sK, sU, sG, ends_v,
+                mids_v,
             )  # fmt: skip
 
     @cute.jit
@@ -189,9 +202,11 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
     @cute.jit
     def _recurrence(
         self, pipe, tidx, wg_idx, h, slot, n, transition, seg_len, num_chunks, mma_v, mma_s, sW, sK, sU, sG, ends_v,
+        mids_v,
     ):  # fmt: skip
         """Consumers (two warpgroups, each half of V): S^T in registers from its start (zero, or the identity
-        for R), chunk by chunk GEMM1, decay, v_new (u, or nothing for R), GEMM4; S^T out at the end."""
+        for R), chunk by chunk GEMM1, decay, v_new (u, or nothing for R), GEMM4; S^T out at the end (and with
+        ``mid_states`` where the first half ends)."""
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         ctid = tidx - 128
         wg_first = cute.make_layout(self.num_consumer_wg, stride=128)(wg_idx - 1)
@@ -217,10 +232,14 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         # R ignores u: v_new = 0 - w S there
         u_weight = cutlass.select_(transition, Float32(0.0), Float32(1.0))
 
+        half = num_chunks // 2
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
         for c in cutlass.range(num_chunks, unroll=1):
             valid = cutlass.min(seg_len - c * BT, BT)
             si = st.index
+            if const_expr(self.mid_states):
+                if c == half:  # the state after the first half's chunks, before the wait on the next one's tiles
+                    thr_s.partition_C(mids_v[None, None, slot, n]).store(accS.load())
             pipe.consumer_wait(st)
             tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
             warpgroup.fence()
@@ -243,15 +262,19 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             st.advance()
 
         thr_s.partition_C(ends_v[None, None, slot, n]).store(accS.load())
+        if const_expr(self.mid_states):
+            if num_chunks == 0:  # an empty segment: its halves are empty, their start state still written
+                thr_s.partition_C(mids_v[None, None, slot, n]).store(accS.load())
 
 
-def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4):
+def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4, mid_states=False):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK = DV = 128
     dtype = dsl_type(dtype)
-    kernel = SegmentSummarySm90(dtype=dtype, num_stages=num_stages, state_v_first=state_v_first)
+    kernel = SegmentSummarySm90(dtype=dtype, num_stages=num_stages, state_v_first=state_v_first,
+                                mid_states=mid_states)
     # 64-bit token and segment strides: T_total * HV * D (or M * 2 HV * K * V) may pass 2^31 elements
     tt, hv = cute.sym_int32(), cute.sym_int32()
     tok_stride = cute.sym_int64(divisibility=DK)
@@ -266,6 +289,6 @@ def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4):
         )  # fmt: skip
 
     cu = make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
-    args = (tok(dtype), tok(dtype), tok(dtype), tok(Float32), state(), cu, Int32(1),
+    args = (tok(dtype), tok(dtype), tok(dtype), tok(Float32), state(), state() if mid_states else None, cu, Int32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))  # fmt: skip
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
