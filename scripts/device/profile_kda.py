@@ -29,6 +29,13 @@ where a side's peak comes from.
 host overhead (``measure_host_overhead``: event time, host time per call with the GPU idle, back-to-back time; a
 host time near the event time means host-bound or a sync), and the cut call's heaviest Python frames (cProfile),
 into $OUT/profile_kda_time_split.json.
+``--host`` splits the host time of the benchmarks' two host-bound calls (``bench_kda_prefill``'s repeated B1-T256
+``chunk_kda`` and ``bench_kda_decode``'s N=1 ``kda_decode_step``) into a ladder, each rung the one before plus one
+layer, timed in interleaved rounds (``measure_host_overheads``): ``torch.empty(1)`` on the device (the host's own
+speed), an empty tensor of the output's shape, the compiled entry called directly on buffers made once (TVM-FFI's
+argument checks and the kernels' launches), the bound launch (with its allocations), the public call; and the public
+call's heaviest Python frames. Into $OUT/profile_kda_host.json: what the issue's 10 / 8 us targets leave for
+Python.
 """
 
 from __future__ import annotations
@@ -293,6 +300,100 @@ def profile_time_split(specs: list[str]) -> None:
         json.dump(report, f, indent=1)
 
 
+def _recording(module, name: str, seen: dict):
+    """``module.name`` (a compiled-variant getter) replaced by one whose kernels note their last arguments in
+    ``seen["args"]`` and themselves in ``seen["fn"]``; returns the original for restoring."""
+    real = getattr(module, name)
+
+    def getter(*args, **kwargs):
+        fn = real(*args, **kwargs)
+
+        def noted(*a):
+            seen["fn"], seen["args"] = fn, a
+            return fn(*a)
+
+        return noted
+
+    setattr(module, name, getter)
+    return real
+
+
+def profile_host() -> None:
+    """The host-time ladders of a repeated chunk_kda and a decode step (see the module docstring)."""
+    import bench_kda_decode as kd
+    import bench_kda_prefill as kp
+    from common import measure_host_overheads
+
+    from cula.backends import clear_plan_caches
+    from cula.kda import chunk_kda, kda_decode_step
+    from cula.ops.kda.sm90 import decode, fwd_launch
+
+    report = {}
+    with torch.inference_mode():
+        # chunk_kda, B1-T256 H64 with the prefill suite's flags, as bench_kda_prefill's host_overhead_us
+        cfg = kp.Config("fixed", 1, kp.HOST_OVERHEAD_T, (kp.HOST_OVERHEAD_T,))
+        x, shared = kp.make_set(cfg, 0), kp.make_shared(cfg)
+        seen: dict = {}
+        real = _recording(fwd_launch, "compiled_variant", seen)
+        try:
+            clear_plan_caches()
+            public = kp.bind(chunk_kda, x, shared)
+            public()
+            torch.cuda.synchronize()
+        finally:
+            fwd_launch.compiled_variant = real
+        fn, args = seen.get("fn"), seen.get("args")
+        o_shape = x["v"].shape
+        calls = {
+            "empty_1": lambda: lambda: torch.empty(1, device="cuda"),
+            "empty_o": lambda: lambda: torch.empty(o_shape, dtype=torch.bfloat16, device="cuda"),
+        }
+        if fn is not None:
+            calls["entry"] = lambda: lambda: fn(*args)
+        calls["public"] = lambda: public
+        report["chunk_kda"] = measure_host_overheads(calls)
+        report["chunk_kda"]["python"] = python_frames(public, calls=2000)
+        del x, shared
+
+        # kda_decode_step, N=1 H64 with the decode suite's flags, as bench_kda_decode's cula_step
+        dcfg = next(c for c in kd.suite() if c.name == "decode-N1-H64")
+        s, dshared = kd.make_set(dcfg, 0), kd.make_shared(dcfg)
+        seen = {}
+        real = _recording(decode, "compiled_variant", seen)
+        try:
+            clear_plan_caches()
+            step = kd.resolve_cula_step()(s, dshared)
+            step()
+            torch.cuda.synchronize()
+        finally:
+            decode.compiled_variant = real
+        fn, args = seen.get("fn"), seen.get("args")
+        out = torch.empty_like(s["v"])
+        step_fn = kda_decode_step(s["pool"], s["indices"], A_log=dshared["A_log"], dt_bias=dshared["dt_bias"],
+                                  scale=None, check_indices=False,
+                                  **dict(kd.CALL_FLAGS, state_v_first=dshared["state_v_first"]))  # fmt: skip
+        calls = {
+            "empty_1": lambda: lambda: torch.empty(1, device="cuda"),
+            "empty_o": lambda: lambda: torch.empty_like(s["v"]),
+        }
+        if fn is not None:
+            calls["entry"] = lambda: lambda: fn(*args)
+        calls["step_out"] = lambda: lambda: step_fn(s["q"], s["k"], s["v"], s["g"], s["beta"], out=out)
+        calls["step"] = lambda: step
+        report["decode_step"] = measure_host_overheads(calls)
+        report["decode_step"]["python"] = python_frames(step, calls=2000)
+    for name, rungs in report.items():
+        print(f"== {name}", flush=True)
+        for rung, r in rungs.items():
+            if isinstance(r, dict):
+                print(f"   {rung:10s} host {r['host_us']:7.2f} us, back to back {r['back_to_back_us']:7.2f} us, "
+                      f"event {r['gpu_us']:7.2f} us", flush=True)
+        for line in rungs.get("python", []):
+            print(f"   {line}", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "profile_kda_host.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def ncu_target() -> None:
     """Two cula calls with cula's intra kernel at B=1, T=4096 (the second is the one ncu keeps)."""
     from cula.kda import chunk_kda
@@ -476,6 +577,8 @@ if __name__ == "__main__":
         run_ncu_backward()
     elif "--ncu-decode" in sys.argv:
         run_ncu_decode()
+    elif "--host" in sys.argv:
+        profile_host()
     elif "--time-split" in sys.argv:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
         os.environ.setdefault("FLA_CULA", "0")
