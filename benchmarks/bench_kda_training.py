@@ -23,7 +23,9 @@ backward needs), and the backward is the step less it (``*_bwd_graph_ms``). Befo
 compared: the largest relative RMSE over o, the final state and the eight input gradients against FLA's (warn above
 2e-2, FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN). After timing, one more step of each
 measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cula_peak_mib``: activations kept for
-the backward, the backward's workspace, the gradients). With ``--kernels`` one more step of each side is profiled
+the backward, the backward's workspace, the gradients), and one more forward what it keeps for the backward
+(``fla_saved_mib``, ``cula_saved_mib``: memory live after the forward beyond its outputs o and the final state, what
+each layer of a model holds until its backward). With ``--kernels`` one more step of each side is profiled
 (torch.profiler), its forward and backward apart: every kernel's device time, launches and, where ``KERNEL_BYTES``
 has a byte model for it, its percent of its byte floor (in the JSON rows and a table per config in the markdown).
 
@@ -73,7 +75,8 @@ SUITE = PREFILL_SHAPES + tuple(c.name for c in research_shapes())
 GRAD_LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 MD_COLUMNS = ("config", "B", "T", "N", "H", "dist", "fla_ms", "cula_ms", "speedup", "fla_graph_ms", "cula_graph_ms",
               "graph_speedup", "fla_fwd_graph_ms", "fla_bwd_graph_ms", "cula_fwd_graph_ms", "cula_bwd_graph_ms",
-              "fla_peak_mib", "cula_peak_mib", "max_rel_err", "check", "backend")  # fmt: skip
+              "fla_peak_mib", "cula_peak_mib", "fla_saved_mib", "cula_saved_mib", "max_rel_err", "check",
+              "backend")  # fmt: skip
 
 run_suite = functools.partial(bc.run_suite, name=NAME)
 
@@ -247,6 +250,21 @@ def step_peak_mib(step: Callable[[], Any]) -> float | None:
     return peak / 2**20
 
 
+def forward_saved_mib(forward: Callable[[], Any]) -> float | None:
+    """What a training forward keeps for its backward (MiB): the memory live after it beyond what was live before and
+    beyond its own outputs; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = forward()
+    torch.cuda.synchronize()
+    outputs = sum(t.untyped_storage().nbytes() for t in out if isinstance(t, torch.Tensor))
+    kept = torch.cuda.memory_allocated() - base - outputs
+    del out
+    return kept / 2**20
+
+
 def timing_mode(meta: dict, args: argparse.Namespace) -> None:
     """The results' ``timing.mode``: without --cuda-graph, rows hold both timings (``run_config``)."""
     if not args.cuda_graph:
@@ -295,6 +313,7 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     fla_split = split("fla", fla_fn, fla_graph)
     # after the timings, so that neither side's first call (compilation, FLA's autotuning) is in its peak
     fla_peak = step_peak_mib(maker(fla_fn)(fresh(sets[0])))
+    fla_saved = forward_saved_mib(forward_maker(fla_fn)(fresh(sets[0])))
 
     def cula_side(label: str, fla_out: tuple, cula_fn=cula_fn) -> dict[str, Any]:
         backend, per_output = "unknown", {}
@@ -316,6 +335,7 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
             "graph_speedup": bc.speedup(fla_graph, cula_graph), "max_rel_err": err, "rel_err": per_output,
             "check": status, "backend": backend, **bc.spread_fields(None, cula_t),
             "cula_peak_mib": step_peak_mib(maker(cula_fn)(fresh(sets[0]))) if status != "FAIL" else None,
+            "cula_saved_mib": forward_saved_mib(forward_maker(cula_fn)(fresh(sets[0]))) if status != "FAIL" else None,
         }  # fmt: skip
 
     main = cula_side("cula", fla_out)
@@ -339,7 +359,8 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
         "dist": cfg.dist, "fla_ms": fla_ms, "fla_graph_ms": fla_graph, **fla_split, **main,
         **bc.spread_fields(fla_t, None),
         "cula_p10_ms": main["cula_p10_ms"],
-        "cula_p90_ms": main["cula_p90_ms"], "fla_peak_mib": fla_peak, "rotation_sets": len(sets),
+        "cula_p90_ms": main["cula_p90_ms"], "fla_peak_mib": fla_peak, "fla_saved_mib": fla_saved,
+        "rotation_sets": len(sets),
     }  # fmt: skip
     if also:
         row["also"] = also
