@@ -535,6 +535,27 @@ def test_training_int64_bounds_no_final_state_matches_fla_gpu(kda_tuning, state_
     _judge_step(ours, fla, _step_f64(leaves, (do, None), **kw))
 
 
+def _kept_case(packed: bool, state_v_first: bool, seed: int):
+    """Leaves, cotangents and keywords of the kept-intermediates steps: GVA, fixed (B=2) or packed with an empty and
+    a one-token sequence."""
+    torch.manual_seed(seed)
+    B, T, N = (1, 330, 4) if packed else (2, 200, 2)
+    leaves, cotangents = _step_inputs(B, T, 2, 4, N)
+    kw = dict(_STEP_FLAGS, state_v_first=state_v_first)
+    if packed:
+        cu = torch.tensor([0, 0, 1, 130, 330], dtype=torch.int32, device="cuda")
+        kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    return leaves, cotangents, kw
+
+
+def _gradients_close(recomputed, kept) -> None:
+    """Every leaf's gradient of a step that kept intermediates within FLA's tolerance of the recomputing step's."""
+    from cula.testing import assert_close
+
+    for n, grad in recomputed[2].items():
+        assert_close(f"d{n}", grad.float(), kept[2][n].float(), _GRAD_TOL.get(n, 8e-3))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
@@ -549,15 +570,9 @@ def test_kept_states_step_gpu(kda_tuning, monkeypatch, packed, state_v_first):
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from cula.kda import chunk_kda
-    from cula.testing import assert_close, poisoned_allocations
+    from cula.testing import poisoned_allocations
 
-    torch.manual_seed(5)
-    B, T, N = (1, 330, 4) if packed else (2, 200, 2)
-    leaves, cotangents = _step_inputs(B, T, 2, 4, N)
-    kw = dict(_STEP_FLAGS, state_v_first=state_v_first)
-    if packed:
-        cu = torch.tensor([0, 0, 1, 130, 330], dtype=torch.int32, device="cuda")
-        kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    leaves, cotangents, kw = _kept_case(packed, state_v_first, seed=5)
     again = _step(chunk_kda, leaves, cotangents, **kw)
     kda_tuning(bwd_kept_states=True)
     ran = []
@@ -572,8 +587,7 @@ def test_kept_states_step_gpu(kda_tuning, monkeypatch, packed, state_v_first):
     with poisoned_allocations():
         kept = _step(chunk_kda, leaves, cotangents, **kw)
     assert ran == [True], ran
-    for n in leaves:
-        assert_close(f"d{n}", again[2][n].float(), kept[2][n].float(), _GRAD_TOL.get(n, 8e-3))
+    _gradients_close(again, kept)
     fla = _step(fla_chunk_kda, leaves, cotangents, **kw)
     _judge_step(kept, fla, _step_f64(leaves, cotangents, **kw))
 
@@ -591,19 +605,12 @@ def test_disable_recompute_keeps_the_prefix_gpu(kda_tuning, packed, state_v_firs
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from cula.kda import chunk_kda
-    from cula.testing import assert_close, poisoned_allocations
+    from cula.testing import poisoned_allocations
 
-    torch.manual_seed(4)
-    B, T, N = (1, 330, 4) if packed else (2, 200, 2)
-    leaves, cotangents = _step_inputs(B, T, 2, 4, N)
-    kw = dict(_STEP_FLAGS, state_v_first=state_v_first)
-    if packed:
-        cu = torch.tensor([0, 0, 1, 130, 330], dtype=torch.int32, device="cuda")
-        kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    leaves, cotangents, kw = _kept_case(packed, state_v_first, seed=4)
     with poisoned_allocations():
         kept = _step(chunk_kda, leaves, cotangents, disable_recompute=True, **kw)
     again = _step(chunk_kda, leaves, cotangents, **kw)
-    for n in leaves:
-        assert_close(f"d{n}", again[2][n].float(), kept[2][n].float(), _GRAD_TOL.get(n, 8e-3))
+    _gradients_close(again, kept)
     fla = _step(fla_chunk_kda, leaves, cotangents, disable_recompute=True, **kw)
     _judge_step(kept, fla, _step_f64(leaves, cotangents, **kw))
