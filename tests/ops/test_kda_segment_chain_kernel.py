@@ -61,6 +61,18 @@ def test_launcher_validates_shapes():
         run(summary, torch.zeros(3, HV, D, D), starts, None, first)
     with pytest.raises(ValueError, match="final_state"):
         run(summary, None, starts, torch.zeros(2, HV, D, D).double(), first)
+    # states may be views whose rows are whole states a multiple apart (the time-parallel halves' interleaved starts),
+    # not ones whose rows overlap or whose states are not contiguous, nor a strided summary
+    from cula.ops.kda.sm90.segment_chain import _whole_rows
+
+    both = torch.zeros(3, 2, HV, D, D)
+    assert _whole_rows(both[:, 0]) and _whole_rows(both[:, 1]) and _whole_rows(starts)
+    assert not _whole_rows(torch.zeros(3, 3 * HV * D * D + 1)[:, : HV * D * D].view(3, HV, D, D))
+    assert not _whole_rows(starts.transpose(-1, -2)) and not _whole_rows(torch.zeros(3, 1, D, D).expand(3, HV, D, D))
+    with pytest.raises(ValueError, match="starts: .* rows of whole states"):
+        run(summary, None, starts.transpose(-1, -2), None, first)
+    with pytest.raises(ValueError, match="summary: .* contiguous"):
+        run(torch.zeros(3, 2, 2 * HV, D, D)[:, 0], None, starts, None, first)
 
 
 @pytest.mark.gpu
