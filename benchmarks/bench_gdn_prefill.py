@@ -10,7 +10,8 @@ logits, q / k L2 norm in the kernel, ``[V, K]`` states. H = HV = 64 on the 28 co
 ``GdnTuning.inference_chunk_on_cula`` (``cula/gated_delta_rule/plan.py``) is set from it; the run forces cula's
 path on for the cula column.
 
-Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph]``.
+Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph] [--configs NAMES]
+[--split SEGMENT [--halves]]`` (``--split``: cula's calls cut in time, as in ``bench_kda_prefill.py``).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
     t_start = time.perf_counter()
-    with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True):
+    with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True), kp.split_override(args):
         run = bc.run_suite(cfgs, lambda cfg: kp.run_config(cfg, fla_fn, cula_fn, args, ceilings, GDN),
                            args.max_seconds or None, t_start, name=NAME,
                            progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)  # fmt: skip
@@ -100,10 +101,11 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
                   "chunk": kp.CHUNK, "dtype": "bfloat16", "gate": "[B, T, HV] scalar", "state": "float32"},  # fmt: skip
         "call_flags": CALL_FLAGS,
         "anchors_ms": ANCHORS,
+        **({"cula_split": {"segment": args.split, "halves": args.halves}} if args.split else {}),
         **bc.run_meta(args, ceilings, kp.WARN_TOL, kp.FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
-    paths = bc.write_suite(NAME, args, meta, run.rows, kp.MD_COLUMNS)
+    paths = bc.write_suite(NAME + kp.split_suffix(args), args, meta, run.rows, kp.MD_COLUMNS)
     return meta, run.rows, paths
 
 

@@ -45,8 +45,12 @@ split checked against the serial output first. These are the numbers ``KdaTuning
 ``--halves`` the split calls run their output pass over each segment's halves (``KdaTuning.time_split_halves``;
 result ``kda_prefill_time_parallel_halves``).
 
+``--split SEGMENT`` (the main suite, and ``bench_gdn_prefill.py``'s): cula's calls cut in time into segments of that
+many tokens whatever the tuning's planner says (any head count; ``--halves`` too for the output pass over halves),
+results named with ``_split<SEGMENT>``: how the planner's thresholds are checked on other shapes.
+
 Usage: ``python benchmarks/bench_kda_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph] [--time-parallel
-[--halves]]``.
+[--halves]] [--split SEGMENT [--halves]]``.
 """
 
 from __future__ import annotations
@@ -328,7 +332,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-parallel", action="store_true",
                    help="few-head long rows: serial against time-parallel at several segment lengths")
     p.add_argument("--halves", action="store_true",
-                   help="with --time-parallel: the split calls' output pass over each segment's halves")
+                   help="with --time-parallel or --split: the split calls' output pass over each segment's halves")
+    p.add_argument("--split", type=int, default=0, metavar="SEGMENT",
+                   help="cula's calls cut in time into segments of SEGMENT tokens (a multiple of 64), whatever the "
+                        "tuning's planner says")
     return p.parse_args(argv)
 
 
@@ -372,9 +379,10 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         del first_set, first_shared
 
         # The budget counts from here: the first call's compilation above is not part of it.
-        run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings),
-                        args.max_seconds or None, time.perf_counter(),
-                        progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)
+        with split_override(args):
+            run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings),
+                            args.max_seconds or None, time.perf_counter(),
+                            progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)
         rows = run.rows
         meta.update(run.partial_note(len(cfgs), args.max_seconds))
         if not args.no_host_overhead and not run.interrupted:
@@ -402,11 +410,31 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "CULA_KDA_INTRA": os.environ.get("CULA_KDA_INTRA", "unset"),
         "shape": {"H": H, "HV": HV, "K": K, "V": V, "chunk": CHUNK, "dtype": "bfloat16", "state": "float32"},
         "call_flags": CALL_FLAGS,
+        **({"cula_split": {"segment": args.split, "halves": args.halves}} if args.split else {}),
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         **meta,
     }
-    paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)
+    paths = bc.write_suite(NAME + split_suffix(args), args, meta, rows, MD_COLUMNS)
     return meta, rows, paths
+
+
+def split_override(args: argparse.Namespace):
+    """``--split SEGMENT`` (and ``--halves``) as a tuning override for cula's calls: every sequence longer than
+    SEGMENT tokens cut into pieces of that length, at any head count; no override without them."""
+    import contextlib
+
+    from cula.kda.plan import KDA_TUNING
+    from cula.time_split import SplitThresholds
+
+    if not args.split:
+        return contextlib.nullcontext()
+    exact = SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=args.split, min_seq_len=0)
+    return KDA_TUNING.override((9, 0), time_split=exact, time_split_halves=args.halves)
+
+
+def split_suffix(args: argparse.Namespace) -> str:
+    """The result name's mark of ``--split`` / ``--halves`` on a main suite."""
+    return f"_split{args.split}" + ("_halves" if args.halves else "") if args.split else ""
 
 
 # ------------------------------------------------------------------------------------------- time-parallel suite

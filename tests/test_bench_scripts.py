@@ -636,6 +636,15 @@ def test_gdn_decode_rows_on_the_reference(cpu_bench, monkeypatch):
 def test_kda_time_parallel_cli():
     assert kp.parse_args(["--time-parallel"]).time_parallel and not kp.parse_args([]).time_parallel
     assert kp.parse_args(["--time-parallel", "--halves"]).halves and not kp.parse_args(["--time-parallel"]).halves
+    # --split on the main suites: an override cutting at exactly that length (halves too with --halves), named after it
+    from cula.kda.plan import KDA_TUNING
+
+    args = kp.parse_args(["--split", "4096", "--halves"])
+    assert kp.split_suffix(args) == "_split4096_halves" and kp.split_suffix(kp.parse_args([])) == ""
+    with kp.split_override(args):
+        entry = KDA_TUNING.get((9, 0))
+        assert entry.time_split.min_segment == 4096 and entry.time_split_halves
+    assert KDA_TUNING.get((9, 0)).time_split_halves is False
     cfg = bc.time_split_suite(quick=True)[0]
     x = kp.tp_inputs(cfg, 0, device="cpu")
     assert x["q"].shape == (1, cfg.T, cfg.H, kp.K) and x["initial_state"].shape == (cfg.N, cfg.H, kp.V, kp.K)
