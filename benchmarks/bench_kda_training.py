@@ -24,8 +24,9 @@ compared: the largest relative RMSE over o, the final state and the eight input 
 2e-2, FLA's own tolerance for dg / dbeta, FAIL and untimed above 0.1 or on NaN). After timing, one more step of each
 measures its peak memory beyond what was live before it (``fla_peak_mib``, ``cula_peak_mib``: activations kept for
 the backward, the backward's workspace, the gradients), and one more forward what it keeps for the backward
-(``fla_saved_mib``, ``cula_saved_mib``: memory live after the forward beyond its outputs o and the final state, what
-each layer of a model holds until its backward). With ``--kernels`` one more step of each side is profiled
+(``fla_saved_mib``, ``cula_saved_mib``: on inputs made inside the measured call, as a layer's are, the memory live
+after the forward beyond its outputs o and the final state: what each layer of a model holds until its backward,
+inputs it keeps included). With ``--kernels`` one more step of each side is profiled
 (torch.profiler), its forward and backward apart: every kernel's device time, launches and, where ``KERNEL_BYTES``
 has a byte model for it, its percent of its byte floor (in the JSON rows and a table per config in the markdown).
 
@@ -250,11 +251,19 @@ def step_peak_mib(step: Callable[[], Any]) -> float | None:
     return peak / 2**20
 
 
-def forward_saved_mib(forward: Callable[[], Any]) -> float | None:
-    """What a training forward keeps for its backward (MiB): the memory live after it beyond what was live before and
-    beyond its own outputs; None without CUDA."""
+def forward_saved_mib(fn: Callable, tensors: dict, shared: dict, flags: dict | None = None) -> float | None:
+    """What a training forward of ``fn`` keeps for its backward (MiB): the memory live after it beyond what was live
+    before and beyond its own outputs, its per-call inputs (the set's tensors; not the gate parameters) made inside
+    the measured call, so that an input counts only where the forward keeps it; None without CUDA."""
     if not torch.cuda.is_available():
         return None
+    leaves, rest = _leaves(tensors, shared)
+    flags = kp.CALL_FLAGS if flags is None else flags
+
+    def forward():  # the copies die on return unless the forward kept them
+        made = {n: t.clone() if n in tensors else t for n, t in leaves.items()}
+        return fn(**made, **rest, **flags)
+
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     out = forward()
@@ -313,7 +322,7 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
     fla_split = split("fla", fla_fn, fla_graph)
     # after the timings, so that neither side's first call (compilation, FLA's autotuning) is in its peak
     fla_peak = step_peak_mib(maker(fla_fn)(fresh(sets[0])))
-    fla_saved = forward_saved_mib(forward_maker(fla_fn)(fresh(sets[0])))
+    fla_saved = forward_saved_mib(fla_fn, fresh(sets[0]), shared, work.flags)
 
     def cula_side(label: str, fla_out: tuple, cula_fn=cula_fn) -> dict[str, Any]:
         backend, per_output = "unknown", {}
@@ -335,7 +344,8 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
             "graph_speedup": bc.speedup(fla_graph, cula_graph), "max_rel_err": err, "rel_err": per_output,
             "check": status, "backend": backend, **bc.spread_fields(None, cula_t),
             "cula_peak_mib": step_peak_mib(maker(cula_fn)(fresh(sets[0]))) if status != "FAIL" else None,
-            "cula_saved_mib": forward_saved_mib(forward_maker(cula_fn)(fresh(sets[0]))) if status != "FAIL" else None,
+            "cula_saved_mib": forward_saved_mib(cula_fn, fresh(sets[0]), shared, work.flags) if status != "FAIL"
+            else None,
         }  # fmt: skip
 
     main = cula_side("cula", fla_out)
