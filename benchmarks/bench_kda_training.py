@@ -377,6 +377,7 @@ def run_config(cfg: kp.Config, fla_fn: Callable, cula_fn: Callable, args: argpar
         for name, part in also.items():
             row[f"{name}_ms"], row[f"{name}_speedup"] = part["cula_ms"], part["speedup"]
             row[f"{name}_graph_ms"], row[f"{name}_graph_speedup"] = part["cula_graph_ms"], part["graph_speedup"]
+            row[f"{name}_peak_mib"], row[f"{name}_saved_mib"] = part["cula_peak_mib"], part["cula_saved_mib"]
     if kernels:
         row["kernels"] = kernels
     if errors:
@@ -490,7 +491,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         **run.partial_note(len(cfgs), args.max_seconds),
     }
     timing_mode(meta, args)
-    extra = [f"{name}_{col}" for name, _ in args.also for col in ("ms", "speedup", "graph_ms", "graph_speedup")]
+    extra = [f"{name}_{col}" for name, _ in args.also
+             for col in ("ms", "speedup", "graph_ms", "graph_speedup", "peak_mib", "saved_mib")]  # fmt: skip
     paths = bc.write_suite(NAME + "".join("_" + s for s in stages) + "".join("_also_" + n for n, _ in args.also),
                            args, meta, rows, MD_COLUMNS + tuple(extra))  # fmt: skip
     # from the written rows: with --merge, the earlier runs' profiles too
