@@ -537,7 +537,54 @@ class ChunkKDAIntraFwdSm90:
             cute.recast_ptr(base + self.off_aqk, dtype=dt), cute.make_layout((BT, BT), stride=(self.aqk_ld, 1))
         )  # (t, s)
 
+        sQ0, sK0, sV0, sGin0 = sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sGin[None, None, 0]
+
         # ---------------- P0: loads of q, k, raw g (phase 0 of the barrier; v is phase 1) ----------------
+        coef, bias = self._load_chunk(
+            tma_q, tq, tma_k, tk, tma_g, tg, mBeta, mAlog, mBias, sQ, sK, sGin, sBeta, base, bar, bar_g, h, hv, tok0,
+            valid, tidx, tid, warp_idx,
+        )  # fmt: skip
+        # ---------------- P1: gate cumsum (WG0) | q, k row norms (WG1) ----------------
+        self._gate_cumsum_and_norms(
+            sQ0, sGin0, sG, storage.sG.data_ptr(), base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
+        )  # fmt: skip
+        cute.arch.barrier()
+
+        # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
+        if const_expr(self.given_t):  # P2's rows alone (no score operands, no scores), then v into k's tile
+            sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
+            for rnd in cutlass.range_constexpr(2):
+                self._qg_kg_score_operands_vec(
+                    sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd]
+                )  # fmt: skip
+            cute.arch.barrier()
+            if const_expr(not self.skip_u):
+                self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
+        else:
+            self._scores(
+                sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
+                warp_idx,
+            )  # fmt: skip
+        cute.arch.barrier()
+        if const_expr(not self.given_t):  # the scores' Aqk out, then the solve (P4, P5)
+            self._store_aqk(sAqk, mAqk, tok0, hv, valid, tidx)
+            self._solve(sA, base, tidx, warp_idx)
+
+        # ---------------- P6: bf16(T) and v' = bf16(beta v) as WGMMA operands (k' is P2's) ----------------
+        self._wy_operands(sT, sA, sV0, sBeta, mAkk, bar, tok0, hv, valid, tidx)
+
+        # ---------------- P7: w = T k' (WG0), u = T v' (WG1) ----------------
+        self._wy_products(mma_wu, sT, sKp, sV, sV0, tma_w, tw, tma_u, tu, mW, mU, tok0, hv, valid, wg, tid)
+
+    @cute.jit
+    def _load_chunk(
+        self, tma_q, tq, tma_k, tk, tma_g, tg, mBeta, mAlog, mBias, sQ, sK, sGin, sBeta, base, bar, bar_g, h, hv,
+        tok0, valid, tidx, tid, warp_idx,
+    ):  # fmt: skip
+        """P0: the mbarriers, the TMA loads of q, k and the raw gate (warp 0; with ``scalar_gate`` 64 threads copy
+        the chunk's gates instead), act_b(beta) into shared memory; returns the gate activation's coefficient and
+        this thread's channel bias."""
+        BT = self.bt
         # raw g first, on its own barrier, so the gate cumsum starts before q and k have landed
         if tidx == 0:
             cute.arch.mbarrier_init(bar, 1)
@@ -576,9 +623,16 @@ class ChunkKDAIntraFwdSm90:
                 bias = mBias[hv].to(Float32)
             else:
                 bias = mBias[hv, tid].to(Float32)
+        return coef, bias
 
-        # ---------------- P1: gate cumsum (WG0) | q, k row norms (WG1) ----------------
-        sQ0, sK0, sV0, sGin0 = sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sGin[None, None, 0]
+    @cute.jit
+    def _gate_cumsum_and_norms(
+        self, sQ0, sGin0, sG, sG_ptr, base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
+    ):  # fmt: skip
+        """P1: the gate activation and its chunk cumsum (warpgroup 0, a channel a thread, g_cum into shared
+        memory), the q and k rows past the sequence end zeroed and the others L2-normalised (warpgroup 1, a row a
+        thread)."""
+        BT, DK, dt = self.bt, self.dk, self.dtype
         if wg == 0:
             # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
             acc = Float32(0.0)
@@ -587,7 +641,7 @@ class ChunkKDAIntraFwdSm90:
             GB = 8
             # sG's swizzle moves channel tid of row t to tid ^ 8 (t % 8): the 8 column offsets are computed once
             # (the layout's own arithmetic cannot know tid < 128 and redid it for each of the 64 stores)
-            sG_flat = cute.make_tensor(storage.sG.data_ptr(), cute.make_layout(BT * DK))
+            sG_flat = cute.make_tensor(sG_ptr, cute.make_layout(BT * DK))
             cols = [Int32(tid) ^ Int32(8 * j) for j in range(GB)]
             nxt = [self._raw_gate(sGin0, base, tid, e) for e in range(GB)]
             for blk in cutlass.range_constexpr(BT // GB):
@@ -621,59 +675,53 @@ class ChunkKDAIntraFwdSm90:
             else:
                 if const_expr(self.l2norm_qk):
                     self._l2norm_rows(sX0, tid % BT)
+
+    @cute.jit
+    def _store_aqk(self, sAqk, mAqk, tok0, hv, valid, tidx):
+        """The scores' Aqk rows staged in shared memory to global memory, 16 bytes a store (valid rows only)."""
+        BT, dt = self.bt, self.dtype
+        for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
+            item = tidx + m * self.num_threads
+            t = item // 8
+            s0 = cute.assume((item % 8) * 8, divby=8)
+            if t < valid:
+                ra = cute.make_rmem_tensor(8, dt)
+                cute.autovec_copy(vec_at(sAqk, (t, s0)), ra)
+                dst = cute.make_tensor(mAqk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8))
+                cute.autovec_copy(ra, dst)
+
+    @cute.jit
+    def _solve(self, sA, base, tidx, warp_idx):
+        """P4 and P5: T = (I + Akk)^-1 in place, the diagonal blocks by forward substitution, then the
+        off-diagonal ones on tf32 mma.sync."""
+        # ---------------- P4: inverses of the diagonal blocks, in place ----------------
+        # (the blocks above the diagonal are already the zeros T has there)
+        # one block per warp (lanes 0-15), so a warp's broadcast reads stay in one block: rows 16 apart are
+        # 16 * 68 floats apart, the same banks
+        col = tidx % 32
+        o = 16 * (tidx // 32)
+        inverts = (tidx < 4 * 32) & (col < 16)
+        rX = cute.make_rmem_tensor(16, Float32)
+        if inverts:
+            self._diag_inverse_column(sA, o, col, rX)
+        # the blocks are read before they are rewritten. A CTA-wide barrier, not a named one of the four warps
+        # that invert: after a named barrier that part of the CTA joins, compute-sanitizer's racecheck paired the
+        # later phases' barrier-0 instances wrongly between the two halves of the CTA and reported their (ordered)
+        # accesses as races; the other four warps only wait here instead of at the next barrier
+        cute.arch.barrier()
+        if inverts:
+            for r in cutlass.range_constexpr(16):
+                sA[o + r, o + col] = rX[r]
         cute.arch.barrier()
 
-        # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
-        if const_expr(self.given_t):  # P2's rows alone (no score operands, no scores), then v into k's tile
-            sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
-            for rnd in cutlass.range_constexpr(2):
-                self._qg_kg_score_operands_vec(
-                    sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd]
-                )  # fmt: skip
-            cute.arch.barrier()
-            if const_expr(not self.skip_u):
-                self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
-        else:
-            self._scores(
-                sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
-                warp_idx,
-            )  # fmt: skip
-        cute.arch.barrier()
-        if const_expr(not self.given_t):  # the scores' Aqk out, then the solve (P4, P5)
-            for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
-                item = tidx + m * self.num_threads
-                t = item // 8
-                s0 = cute.assume((item % 8) * 8, divby=8)
-                if t < valid:
-                    ra = cute.make_rmem_tensor(8, dt)
-                    cute.autovec_copy(vec_at(sAqk, (t, s0)), ra)
-                    dst = cute.make_tensor(mAqk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8))
-                    cute.autovec_copy(ra, dst)
+        # ---------------- P5: off-diagonal blocks of T on tf32 mma.sync ----------------
+        self._inverse_blocks_mma(sA, base, warp_idx, tidx % 32)
 
-            # ---------------- P4: inverses of the diagonal blocks, in place ----------------
-            # (the blocks above the diagonal are already the zeros T has there)
-            # one block per warp (lanes 0-15), so a warp's broadcast reads stay in one block: rows 16 apart are
-            # 16 * 68 floats apart, the same banks
-            col = tidx % 32
-            o = 16 * (tidx // 32)
-            inverts = (tidx < 4 * 32) & (col < 16)
-            rX = cute.make_rmem_tensor(16, Float32)
-            if inverts:
-                self._diag_inverse_column(sA, o, col, rX)
-            # the blocks are read before they are rewritten. A CTA-wide barrier, not a named one of the four warps
-            # that invert: after a named barrier that part of the CTA joins, compute-sanitizer's racecheck paired the
-            # later phases' barrier-0 instances wrongly between the two halves of the CTA and reported their (ordered)
-            # accesses as races; the other four warps only wait here instead of at the next barrier
-            cute.arch.barrier()
-            if inverts:
-                for r in cutlass.range_constexpr(16):
-                    sA[o + r, o + col] = rX[r]
-            cute.arch.barrier()
-
-            # ---------------- P5: off-diagonal blocks of T on tf32 mma.sync ----------------
-            self._inverse_blocks_mma(sA, base, warp_idx, tidx % 32)
-
-        # ---------------- P6: bf16(T) and v' = bf16(beta v) as WGMMA operands (k' is P2's) ----------------
+    @cute.jit
+    def _wy_operands(self, sT, sA, sV0, sBeta, mAkk, bar, tok0, hv, valid, tidx):
+        """P6: bf16(T) (rounded from the solve, or with ``given_t`` the stored rows) into the WGMMA A tile, with
+        ``write_akk`` to global memory too; v' = bf16(beta v) in v's tile once v has landed."""
+        BT, dt = self.bt, self.dtype
         sT0 = sT[None, None, 0]
         # 8 columns of a row per item: two 16-byte reads, one 16-byte store into the swizzled T tile
         for j in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
@@ -701,7 +749,10 @@ class ChunkKDAIntraFwdSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
 
-        # ---------------- P7: w = T k' (WG0), u = T v' (WG1) ----------------
+    @cute.jit
+    def _wy_products(self, mma_wu, sT, sKp, sV, sV0, tma_w, tw, tma_u, tu, mW, mU, tok0, hv, valid, wg, tid):
+        """P7: w = T k' (warpgroup 0) and u = T v' (warpgroup 1) on SS WGMMA, out through their own B tiles."""
+        BT, DK = self.bt, self.dk
         thr_wu = mma_wu.get_slice(tid)
         wg_wu = mma_wu.get_slice(0)
         tTr = wg_wu.make_fragment_A(wg_wu.partition_A(sT))
