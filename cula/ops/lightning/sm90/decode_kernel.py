@@ -185,8 +185,6 @@ class LightningDecodeSm90(LightningDecodeTile):
         HV = mV.shape[2]
         R, C, VEC = self.R, self.C, self.VEC
         L_in = self.lanes_in
-        LOG_L_IN = int(math.log2(L_in))
-        LOG_L_OUT = int(math.log2(self.lanes_out))
         UPH = self.units_per_head
         l_in = lane % L_in
         l_out = lane // L_in
@@ -273,76 +271,12 @@ class LightningDecodeSm90(LightningDecodeTile):
                     pk = mK[n, t, h, None].iterator
                     pv = mV[n, t, hv, None].iterator
                     if cutlass.const_expr(self.state_v_first):
-                        # inner = k, rows = v:  S[v, k] <- a S[v, k] + k_k v_v ;  o_v = sum_k q_k S[v, k]
-                        self._load_chunks(pq + cute.assume(inner0, divby=VEC), rin_q, scale)
-                        self._load_chunks(pk + cute.assume(inner0, divby=VEC), rin, Float32(1.0))
-                        self._load_vec(pv + cute.assume(row0, divby=R), R, rout, Float32(1.0))
-                        for r in cutlass.range_constexpr(R):
-                            vr = rout[r]
-                            o = Float32(0.0)
-                            for j in cutlass.range_constexpr(C):
-                                for c in cutlass.range_constexpr(VEC):
-                                    s = tS[c, (j, r)] * a + rin[c, j] * vr
-                                    tS[c, (j, r)] = s
-                                    o = o + rin_q[c, j] * s
-                            for b in cutlass.range_constexpr(LOG_L_IN):
-                                o = o + cute.arch.shuffle_sync_bfly(o, offset=1 << b)
-                            ro8[r] = o.to(self.io_dtype)
-                        if l_in == 0:
-                            self._store_vec(gO + cute.assume(row0, divby=R), ro8, R)
+                        self._token_v_first(tS, a, pq, pk, pv, gO, rin_q, rin, rout, ro8, scale, row0, inner0, l_in)
                     else:
-                        # inner = v, rows = k:  S[k, v] <- a S[k, v] + k_k v_v ;  o_v = sum_k q_k S[k, v]
-                        self._load_vec(pq + cute.assume(row0, divby=R), R, rout_q, scale)
-                        self._load_vec(pk + cute.assume(row0, divby=R), R, rout, Float32(1.0))
-                        self._load_chunks(pv + cute.assume(inner0, divby=VEC), rin, Float32(1.0))
-                        acc.fill(0.0)
-                        for r in cutlass.range_constexpr(R):
-                            kr = rout[r]
-                            qr = rout_q[r]
-                            for j in cutlass.range_constexpr(C):
-                                for c in cutlass.range_constexpr(VEC):
-                                    s = tS[c, (j, r)] * a + kr * rin[c, j]
-                                    tS[c, (j, r)] = s
-                                    acc[c, j] = acc[c, j] + qr * s
-                        for j in cutlass.range_constexpr(C):
-                            for c in cutlass.range_constexpr(VEC):
-                                x = acc[c, j]
-                                for b in cutlass.range_constexpr(LOG_L_OUT):
-                                    x = x + cute.arch.shuffle_sync_bfly(x, offset=L_in << b)
-                                acc[c, j] = x
-                        if cutlass.const_expr(self.warps_per_unit == 1):
-                            if l_out == 0:
-                                ro_io.store(acc.load().to(self.io_dtype))
-                                self._store_chunks(gO + cute.assume(inner0, divby=VEC), ro_io)
-                        else:
-                            par = rpar[0]
-                            if l_out == 0:
-                                for j in cutlass.range_constexpr(C):
-                                    dst = cute.make_tensor(
-                                        sRed[None, warp, par].iterator
-                                        + cute.assume(l_in * VEC + j * self.chunk_stride, divby=VEC),
-                                        cute.make_layout(VEC),
-                                    )
-                                    cute.autovec_copy(acc[None, j], dst)
-                            cute.arch.sync_threads()
-                            # 16 threads finish 4 values of the 64-wide slice each
-                            if tidx < self.slice_v // VEC:
-                                tot = cute.make_rmem_tensor(VEC, Float32)
-                                tot.fill(0.0)
-                                part = cute.make_rmem_tensor(VEC, Float32)
-                                for w in cutlass.range_constexpr(self.warps_per_cta):
-                                    src = cute.make_tensor(
-                                        sRed[None, w, par].iterator + cute.assume(tidx * VEC, divby=VEC),
-                                        cute.make_layout(VEC),
-                                    )
-                                    cute.autovec_copy(src, part)
-                                    tot.store(tot.load() + part.load())
-                                ro4 = cute.make_rmem_tensor(VEC, self.io_dtype)
-                                ro4.store(tot.load().to(self.io_dtype))
-                                self._store_vec(
-                                    gO + cute.assume(sub * self.slice_v + tidx * VEC, divby=VEC), ro4, VEC
-                                )
-                            rpar[0] = 1 - par
+                        self._token_k_first(
+                            tS, a, pq, pk, pv, gO, rout_q, rout, rin, acc, ro_io, sRed, rpar, scale, row0, inner0,
+                            l_in, l_out, warp, tidx, sub,
+                        )  # fmt: skip
 
                 cute.copy(st_atom, tS, gS)
             else:
@@ -350,18 +284,106 @@ class LightningDecodeSm90(LightningDecodeTile):
                     rslot[0] = mIdx[nxt // UPH // HV]
                 # padded slot: zero output rows, pool row untouched
                 for t in range(T):
-                    gO = mOut[n, t, hv, None].iterator
-                    if cutlass.const_expr(self.state_v_first):
-                        if l_in == 0:
-                            self._store_vec(gO + cute.assume(row0, divby=R), zero_io, R)
-                    elif cutlass.const_expr(self.warps_per_unit == 1):
-                        if l_out == 0:
-                            ro_io.fill(0.0)
-                            self._store_chunks(gO + cute.assume(inner0, divby=VEC), ro_io)
-                    else:
-                        if tidx < self.slice_v // R:
-                            off = cute.assume(sub * self.slice_v + tidx * R, divby=R)
-                            self._store_vec(gO + off, zero_io, R)
+                    self._zero_token(mOut[n, t, hv, None].iterator, zero_io, ro_io, row0, inner0, l_in, l_out, tidx,
+                                     sub)  # fmt: skip
+
+    @cute.jit
+    def _token_v_first(self, tS, a, pq, pk, pv, gO, rin_q, rin, rout, ro8, scale, row0, inner0, l_in):
+        """One token on a [V, K] state tile (inner = k, rows = v): ``S[v, k] <- a S[v, k] + k_k v_v``, ``o_v =
+        sum_k q_k S[v, k]``, each row's dot product summed over the lanes that share it."""
+        R, C, VEC = self.R, self.C, self.VEC
+        LOG_L_IN = int(math.log2(self.lanes_in))
+        self._load_chunks(pq + cute.assume(inner0, divby=VEC), rin_q, scale)
+        self._load_chunks(pk + cute.assume(inner0, divby=VEC), rin, Float32(1.0))
+        self._load_vec(pv + cute.assume(row0, divby=R), R, rout, Float32(1.0))
+        for r in cutlass.range_constexpr(R):
+            vr = rout[r]
+            o = Float32(0.0)
+            for j in cutlass.range_constexpr(C):
+                for c in cutlass.range_constexpr(VEC):
+                    s = tS[c, (j, r)] * a + rin[c, j] * vr
+                    tS[c, (j, r)] = s
+                    o = o + rin_q[c, j] * s
+            for b in cutlass.range_constexpr(LOG_L_IN):
+                o = o + cute.arch.shuffle_sync_bfly(o, offset=1 << b)
+            ro8[r] = o.to(self.io_dtype)
+        if l_in == 0:
+            self._store_vec(gO + cute.assume(row0, divby=R), ro8, R)
+
+    @cute.jit
+    def _token_k_first(
+        self, tS, a, pq, pk, pv, gO, rout_q, rout, rin, acc, ro_io, sRed, rpar, scale, row0, inner0, l_in, l_out,
+        warp, tidx, sub,
+    ):  # fmt: skip
+        """One token on a [K, V] state tile (inner = v, rows = k): ``S[k, v] <- a S[k, v] + k_k v_v``, ``o_v =
+        sum_k q_k S[k, v]`` summed over the lanes of a column, then (units wider than a warp) over the warps
+        through the double-buffered shared ``sRed``."""
+        R, C, VEC = self.R, self.C, self.VEC
+        L_in = self.lanes_in
+        LOG_L_OUT = int(math.log2(self.lanes_out))
+        self._load_vec(pq + cute.assume(row0, divby=R), R, rout_q, scale)
+        self._load_vec(pk + cute.assume(row0, divby=R), R, rout, Float32(1.0))
+        self._load_chunks(pv + cute.assume(inner0, divby=VEC), rin, Float32(1.0))
+        acc.fill(0.0)
+        for r in cutlass.range_constexpr(R):
+            kr = rout[r]
+            qr = rout_q[r]
+            for j in cutlass.range_constexpr(C):
+                for c in cutlass.range_constexpr(VEC):
+                    s = tS[c, (j, r)] * a + kr * rin[c, j]
+                    tS[c, (j, r)] = s
+                    acc[c, j] = acc[c, j] + qr * s
+        for j in cutlass.range_constexpr(C):
+            for c in cutlass.range_constexpr(VEC):
+                x = acc[c, j]
+                for b in cutlass.range_constexpr(LOG_L_OUT):
+                    x = x + cute.arch.shuffle_sync_bfly(x, offset=L_in << b)
+                acc[c, j] = x
+        if cutlass.const_expr(self.warps_per_unit == 1):
+            if l_out == 0:
+                ro_io.store(acc.load().to(self.io_dtype))
+                self._store_chunks(gO + cute.assume(inner0, divby=VEC), ro_io)
+        else:
+            par = rpar[0]
+            if l_out == 0:
+                for j in cutlass.range_constexpr(C):
+                    dst = cute.make_tensor(
+                        sRed[None, warp, par].iterator + cute.assume(l_in * VEC + j * self.chunk_stride, divby=VEC),
+                        cute.make_layout(VEC),
+                    )
+                    cute.autovec_copy(acc[None, j], dst)
+            cute.arch.sync_threads()
+            # 16 threads finish 4 values of the 64-wide slice each
+            if tidx < self.slice_v // VEC:
+                tot = cute.make_rmem_tensor(VEC, Float32)
+                tot.fill(0.0)
+                part = cute.make_rmem_tensor(VEC, Float32)
+                for w in cutlass.range_constexpr(self.warps_per_cta):
+                    src = cute.make_tensor(
+                        sRed[None, w, par].iterator + cute.assume(tidx * VEC, divby=VEC), cute.make_layout(VEC)
+                    )
+                    cute.autovec_copy(src, part)
+                    tot.store(tot.load() + part.load())
+                ro4 = cute.make_rmem_tensor(VEC, self.io_dtype)
+                ro4.store(tot.load().to(self.io_dtype))
+                self._store_vec(gO + cute.assume(sub * self.slice_v + tidx * VEC, divby=VEC), ro4, VEC)
+            rpar[0] = 1 - par
+
+    @cute.jit
+    def _zero_token(self, gO, zero_io, ro_io, row0, inner0, l_in, l_out, tidx, sub):
+        """A padded slot's token: this lane's part of the output row zeroed (the pool row is not touched)."""
+        R, VEC = self.R, self.VEC
+        if cutlass.const_expr(self.state_v_first):
+            if l_in == 0:
+                self._store_vec(gO + cute.assume(row0, divby=R), zero_io, R)
+        elif cutlass.const_expr(self.warps_per_unit == 1):
+            if l_out == 0:
+                ro_io.fill(0.0)
+                self._store_chunks(gO + cute.assume(inner0, divby=VEC), ro_io)
+        else:
+            if tidx < self.slice_v // R:
+                off = cute.assume(sub * self.slice_v + tidx * R, divby=R)
+                self._store_vec(gO + off, zero_io, R)
 
     @cute.kernel
     def kernel_cols(
