@@ -354,21 +354,10 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
         # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
         # 64 CTAs at B1-T8192). That thread's warp releases the stage one chunk late, after the store's read.
+        issuer = first_warp = st_o = thr_sto = tOsU = wg_bar = tOs = tOg = None
         if const_expr(self.o_tma):
-            issuer = ctid % 128 == 0  # lane 0 of the warpgroup's first warp, also its warp's release signaller
-            first_warp = (ctid % 128) < 32
-            me = wg_idx - 1
-            half = DV // self.num_consumer_wg
-            st_o = cute.make_tiled_copy_C(
-                cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), mma_o
-            )
-            thr_sto = st_o.get_slice(ctid)
-            tOsU = thr_sto.partition_D(sU)  # (CPY, CPY_M, CPY_N, S)
-            wg_bar = pipeline.NamedBarrier(barrier_id=Barrier.WARPGROUP0 + me, num_threads=128)
-            sUh = cute.flat_divide(sU, (half, BT))[None, None, me, 0, None]  # (half, BT, S)
-            gOh = cute.local_tile(cute.domain_offset((0, bos), to[None, None, h]), (half, BT), (me, None))
-            tOs, tOg = cpasync.tma_partition(
-                tma_o, 0, cute.make_layout(1), cute.group_modes(sUh, 0, 2), cute.group_modes(gOh, 0, 2)
+            issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tOs, tOg = self._o_staging(
+                ctid, wg_idx, h, bos, mma_o, sU, tma_o, to
             )
 
         # Causal mask of the shared Aqk tile: consumer thread ctid zeroes row ctid // 4, columns
@@ -424,27 +413,10 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             warpgroup.wait_group(0)
 
             rO.store(accO.load().to(self.dtype))
-            tOgOc = tOgO[None, None, None, c]
-            if valid == BT:
-                if const_expr(self.o_tma):
-                    # u is dead since v_new: o^T goes into this warpgroup's half of the u tile, then out by
-                    # TMA. The first warp releases the stage only once the store has read it (next chunk)
-                    cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
-                    cute.arch.fence_view_async_shared()
-                    wg_bar.arrive_and_wait()
-                    if issuer:
-                        cute.copy(tma_o, tOs[None, si], tOg[None, c])
-                        cute.arch.cp_async_bulk_commit_group()
-                    if not first_warp:
-                        pipe.consumer_release(st)
-                else:
-                    pipe.consumer_release(st)
-                    tOgOc.store(rO.load())
-            else:  # the partial last chunk: row-predicated stores, the next sequence's rows untouched
-                pipe.consumer_release(st)
-                for i in cutlass.range_constexpr(cute.size(rO)):
-                    if tVcV[i][1] < valid:
-                        tOgOc[i] = rO[i]
+            self._store_o(
+                rO, tOgO[None, None, None, c], tVcV, valid, pipe, st, si, c, issuer, first_warp, st_o, thr_sto, tOsU,
+                wg_bar, tma_o, tOs, tOg,
+            )  # fmt: skip
             if const_expr(self.store_states):
                 # from the bf16 operand fragments, once their products are done and o is out (fewest live
                 # registers): FLA's h[c] (the state the chunk's products read) and v_new (the fragment's order is
@@ -466,6 +438,57 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         if const_expr(self.has_ht):
             tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
             tSgHt.store(accS.load())
+
+    def _o_staging(self, ctid, wg_idx, h, bos, mma_o, sU, tma_o, to):
+        """A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (``o_tma``): the
+        transposed stmatrix into it and the TMA partitions of the store, issued by the warpgroup's first thread
+        (lane 0 of its first warp, which also releases the stage one chunk late, after the store has read it).
+        Plain Python, traced inline: ``(issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tOs, tOg)``."""
+        BT, DV = self.bt, self.dv
+        issuer = ctid % 128 == 0
+        first_warp = (ctid % 128) < 32
+        me = wg_idx - 1
+        half = DV // self.num_consumer_wg
+        st_o = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype), mma_o
+        )
+        thr_sto = st_o.get_slice(ctid)
+        tOsU = thr_sto.partition_D(sU)  # (CPY, CPY_M, CPY_N, S)
+        wg_bar = pipeline.NamedBarrier(barrier_id=Barrier.WARPGROUP0 + me, num_threads=128)
+        sUh = cute.flat_divide(sU, (half, BT))[None, None, me, 0, None]  # (half, BT, S)
+        gOh = cute.local_tile(cute.domain_offset((0, bos), to[None, None, h]), (half, BT), (me, None))
+        tOs, tOg = cpasync.tma_partition(
+            tma_o, 0, cute.make_layout(1), cute.group_modes(sUh, 0, 2), cute.group_modes(gOh, 0, 2)
+        )
+        return issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tOs, tOg
+
+    @cute.jit
+    def _store_o(
+        self, rO, tOgOc, tVcV, valid, pipe, st, si, c, issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tma_o, tOs,
+        tOg,
+    ):  # fmt: skip
+        """Chunk c's o^T (``rO``, bf16) out and its stage released: a full chunk by stmatrix and TMA where ``o_tma``
+        (u is dead since v_new; the first warp releases the stage only once the store has read it, at the next
+        chunk), else by direct stores; a partial last chunk by row-predicated stores (the next sequence's rows
+        untouched)."""
+        if valid == self.bt:
+            if const_expr(self.o_tma):
+                cute.copy(st_o, thr_sto.retile(rO), tOsU[None, None, None, si])
+                cute.arch.fence_view_async_shared()
+                wg_bar.arrive_and_wait()
+                if issuer:
+                    cute.copy(tma_o, tOs[None, si], tOg[None, c])
+                    cute.arch.cp_async_bulk_commit_group()
+                if not first_warp:
+                    pipe.consumer_release(st)
+            else:
+                pipe.consumer_release(st)
+                tOgOc.store(rO.load())
+        else:
+            pipe.consumer_release(st)
+            for i in cutlass.range_constexpr(cute.size(rO)):
+                if tVcV[i][1] < valid:
+                    tOgOc[i] = rO[i]
 
 
 class DeltaHFwdOStatesSm90(DeltaHFwdOFusedSm90):
