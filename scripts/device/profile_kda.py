@@ -34,8 +34,9 @@ into $OUT/profile_kda_time_split.json.
 layer, timed in interleaved rounds (``measure_host_overheads``): ``torch.empty(1)`` on the device (the host's own
 speed), an empty tensor of the output's shape, the compiled entry called directly on buffers made once (TVM-FFI's
 argument checks and the kernels' launches), the bound launch (with its allocations), the public call; and the public
-call's heaviest Python frames. Into $OUT/profile_kda_host.json: what the issue's 10 / 8 us targets leave for
-Python.
+call's heaviest Python frames; and the host time of a training step of each side at B1-T4096 and varlen-N20-T4096
+(``bench_kda_training``'s step: where it exceeds the step's GPU time, eager steps are host-bound). Into
+$OUT/profile_kda_host.json: what the issue's 10 / 8 us targets leave for Python.
 """
 
 from __future__ import annotations
@@ -382,6 +383,20 @@ def profile_host() -> None:
         calls["step"] = lambda: step
         report["decode_step"] = measure_host_overheads(calls)
         report["decode_step"]["python"] = python_frames(step, calls=2000)
+
+    # training steps (autograd on): host time with the GPU idle against the step's GPU time, each side
+    import bench_kda_training as kt
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    by_name = {c.name: c for c in kt.suite()}
+    for name in ("B1-T4096", "varlen-N20-T4096-uniform"):
+        cfg = by_name[name]
+        tensors, tshared, grads = kp.make_set(cfg, 0), kp.make_shared(cfg), kt.output_grads(cfg)
+        sides = {"fla": fla_chunk_kda, "cula": chunk_kda}
+        calls = {side: (lambda fn=fn: kt.make_step(fn, kt.fresh(tensors), tshared, grads))
+                 for side, fn in sides.items()}  # fmt: skip
+        report[f"training {name}"] = measure_host_overheads(calls)
+        report[f"training {name}"]["python"] = python_frames(calls["cula"](), calls=20)
     for name, rungs in report.items():
         print(f"== {name}", flush=True)
         for rung, r in rungs.items():
@@ -578,6 +593,8 @@ if __name__ == "__main__":
     elif "--ncu-decode" in sys.argv:
         run_ncu_decode()
     elif "--host" in sys.argv:
+        os.environ.setdefault("FLA_FLASH_KDA", "0")
+        os.environ.setdefault("FLA_CULA", "0")
         profile_host()
     elif "--time-split" in sys.argv:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
