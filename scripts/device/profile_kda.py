@@ -33,10 +33,10 @@ into $OUT/profile_kda_time_split.json.
 ``chunk_kda`` and ``bench_kda_decode``'s N=1 ``kda_decode_step``) into a ladder, each rung the one before plus one
 layer, timed in interleaved rounds (``measure_host_overheads``): ``torch.empty(1)`` on the device (the host's own
 speed), an empty tensor of the output's shape, the compiled entry called directly on buffers made once (TVM-FFI's
-argument checks and the kernels' launches), the bound launch (with its allocations), the public call; and the public
-call's heaviest Python frames; and the host time of a training step of each side at B1-T4096 and varlen-N20-T4096
-(``bench_kda_training``'s step: where it exceeds the step's GPU time, eager steps are host-bound). Into
-$OUT/profile_kda_host.json: what the issue's 10 / 8 us targets leave for Python.
+argument checks and the kernels' launches), for the decode step the step with ``out=`` (no output allocation), the
+public call; and the public call's heaviest Python frames; and the host time of a training step of each side at
+B1-T4096 and varlen-N20-T4096 (``bench_kda_training``'s step: where it exceeds the step's GPU time, eager steps
+are host-bound). Into $OUT/profile_kda_host.json: what the issue's 10 / 8 us targets leave for Python.
 """
 
 from __future__ import annotations
@@ -301,10 +301,14 @@ def profile_time_split(specs: list[str]) -> None:
         json.dump(report, f, indent=1)
 
 
-def _recording(module, name: str, seen: dict):
-    """``module.name`` (a compiled-variant getter) replaced by one whose kernels note their last arguments in
-    ``seen["args"]`` and themselves in ``seen["fn"]``; returns the original for restoring."""
-    real = getattr(module, name)
+def _first_call_entry(module, call):
+    """``(fn, args)``: ``call()`` made once with fresh plans (its compiled entry is bound at that first call) while
+    ``module.compiled_variant`` (a compiled-variant getter) hands out kernels that note themselves and their
+    arguments; ``fn(*args)`` repeats the last launch of that call on the same buffers (``fn`` None where the call
+    launched none)."""
+    from cula.backends import clear_plan_caches
+
+    real, seen = module.compiled_variant, {}
 
     def getter(*args, **kwargs):
         fn = real(*args, **kwargs)
@@ -315,8 +319,14 @@ def _recording(module, name: str, seen: dict):
 
         return noted
 
-    setattr(module, name, getter)
-    return real
+    module.compiled_variant = getter
+    try:
+        clear_plan_caches()
+        call()
+        torch.cuda.synchronize()
+    finally:
+        module.compiled_variant = real
+    return seen.get("fn"), seen.get("args")
 
 
 def profile_host() -> None:
@@ -325,7 +335,6 @@ def profile_host() -> None:
     import bench_kda_prefill as kp
     from common import measure_host_overheads
 
-    from cula.backends import clear_plan_caches
     from cula.kda import chunk_kda, kda_decode_step
     from cula.ops.kda.sm90 import decode, fwd_launch
 
@@ -334,16 +343,8 @@ def profile_host() -> None:
         # chunk_kda, B1-T256 H64 with the prefill suite's flags, as bench_kda_prefill's host_overhead_us
         cfg = kp.Config("fixed", 1, kp.HOST_OVERHEAD_T, (kp.HOST_OVERHEAD_T,))
         x, shared = kp.make_set(cfg, 0), kp.make_shared(cfg)
-        seen: dict = {}
-        real = _recording(fwd_launch, "compiled_variant", seen)
-        try:
-            clear_plan_caches()
-            public = kp.bind(chunk_kda, x, shared)
-            public()
-            torch.cuda.synchronize()
-        finally:
-            fwd_launch.compiled_variant = real
-        fn, args = seen.get("fn"), seen.get("args")
+        public = kp.bind(chunk_kda, x, shared)
+        fn, args = _first_call_entry(fwd_launch, public)
         o_shape = x["v"].shape
         calls = {
             "empty_1": lambda: lambda: torch.empty(1, device="cuda"),
@@ -359,16 +360,8 @@ def profile_host() -> None:
         # kda_decode_step, N=1 H64 with the decode suite's flags, as bench_kda_decode's cula_step
         dcfg = next(c for c in kd.suite() if c.name == "decode-N1-H64")
         s, dshared = kd.make_set(dcfg, 0), kd.make_shared(dcfg)
-        seen = {}
-        real = _recording(decode, "compiled_variant", seen)
-        try:
-            clear_plan_caches()
-            step = kd.resolve_cula_step()(s, dshared)
-            step()
-            torch.cuda.synchronize()
-        finally:
-            decode.compiled_variant = real
-        fn, args = seen.get("fn"), seen.get("args")
+        step = kd.resolve_cula_step()(s, dshared)
+        fn, args = _first_call_entry(decode, step)
         out = torch.empty_like(s["v"])
         step_fn = kda_decode_step(s["pool"], s["indices"], A_log=dshared["A_log"], dt_bias=dshared["dt_bias"],
                                   scale=None, check_indices=False,
