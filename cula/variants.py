@@ -48,9 +48,9 @@ def _kda_chunk(scope: str) -> None:
     inference call, fixed length or packed), as separate kernels in time segments (B = 1, long T), and cut for the
     exact time-parallel recurrence (the segment summary, the segment chain, then the packed state/output
     kernel)."""
+    from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.kda.plan import KDA_TUNING
     from cula.ops.kda.sm90 import fwd_launch, intra, segment_chain, segment_summary
 
     d = _dtypes(scope)
@@ -260,7 +260,7 @@ def _smoke() -> None:
             )  # fmt: skip
     # the packed call cut in time: the segment summary, the segment chain, the intra kernel on its own, then the
     # packed state/output kernel
-    segment_summary.compiled_variant(dtype="BFloat16", mid_states=KDA_TUNING.get((9, 0)).time_split_halves)
+    segment_summary.compiled_variant(dtype="BFloat16", mid_states=entry.time_split_halves)
     intra.compiled_variant(varlen=True, **options)
     segment_chain.compiled_variant(has_h0=True, has_ht=True)
     dh.compiled_variant(dtype="BFloat16", varlen=True, has_h0=True, has_ht=False, aqk_causal=True)
