@@ -149,6 +149,9 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
         (dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=None), False),  # unbounded softplus gate
         (dict(safe_gate=False, use_gate_in_kernel=False, lower_bound=None), False),
         (dict(safe_gate=True, use_gate_in_kernel=False, lower_bound=None), True),
+        # the fused lower-bound gate lies in [lower_bound, 0) whatever safe_gate says
+        (dict(safe_gate=False, use_gate_in_kernel=True, lower_bound=-5.0), True),
+        (dict(safe_gate=False, use_gate_in_kernel=True, lower_bound=-6.0), False),
     )
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)

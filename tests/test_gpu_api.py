@@ -48,7 +48,7 @@ def _f64(*ts):
     return [None if t is None else t.double() for t in ts]
 
 
-def _inference_vs_fla_and_ref(case, state_v_first=False, dtype=torch.bfloat16):
+def _inference_vs_fla_and_ref(case, state_v_first=False, dtype=torch.bfloat16, safe_gate=True):
     """cula.kda.chunk_kda with the benchmark's inference flags (fused gate, l2norm, beta sigmoid) against FLA's
     chunk_kda and the float64 recurrence; returns cula's ``(o, ht)`` and a function that runs the call again."""
     import fla.ops.kda as fk
@@ -65,8 +65,8 @@ def _inference_vs_fla_and_ref(case, state_v_first=False, dtype=torch.bfloat16):
     dt_bias = torch.randn(HV * D, device=DEV) * 0.5
     h0 = torch.randn(N, HV, D, D, device=DEV) * 0.1
     kw = {"scale": None, "output_final_state": True, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
-          "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0, "state_v_first": state_v_first,
-          "cu_seqlens": cu, "A_log": A_log, "dt_bias": dt_bias}
+          "use_beta_sigmoid_in_kernel": True, "safe_gate": safe_gate, "lower_bound": -5.0,
+          "state_v_first": state_v_first, "cu_seqlens": cu, "A_log": A_log, "dt_bias": dt_bias}
     if cu is not None and state_v_first:
         # with its host copy a packed call takes cula's varlen plan, without it the general path: the two state
         # layouts cover one each
@@ -114,6 +114,17 @@ def test_chunk_kda_fp16_cuda(case, monkeypatch):
     assert o.dtype == torch.float16
 
 
+@pytest.mark.parametrize("case", [(2, 300, 2, 4, 128, None), (1, 0, 2, 2, 128, [0, 1, 63, 300, 64])], ids=_ids)
+def test_chunk_kda_lower_bound_gate_without_safe_gate_cuda(case):
+    """The fused lower-bound gate without ``safe_gate`` (its gates lie in ``[lower_bound, 0)`` anyway) runs on cula's
+    intra kernel, against FLA's non-safe intra stages and the float64 recurrence."""
+    from cula.kda.plan import use_cula_intra
+
+    q = torch.empty(1, 1, 1, 128, device=DEV, dtype=torch.bfloat16)
+    assert use_cula_intra(q, q, safe_gate=False, use_gate_in_kernel=True, lower_bound=-5.0)
+    _inference_vs_fla_and_ref(case, state_v_first=True, safe_gate=False)
+
+
 # FLA's training tolerances, per gradient, against the float64 reference and between cula and FLA
 GRAD_TOL = {"q": 8e-3, "k": 8e-3, "v": 8e-3, "g": 2e-2, "beta": 2e-2, "A_log": 2e-2, "dt_bias": 2e-2,
             "initial_state": 8e-3}  # fmt: skip
@@ -139,11 +150,13 @@ def _reference_kda(**kw):
     return reference_chunk_kda(**kw, compute_dtype=torch.float64)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate-gva"])
-def test_chunk_kda_cuda_backward_matches_fla(fused, monkeypatch):
+@pytest.mark.parametrize("fused,safe_gate", [(False, False), (True, True), (True, False)],
+                         ids=["log-gate", "fused-gate-gva", "fused-gate-gva-unsafe"])  # fmt: skip
+def test_chunk_kda_cuda_backward_matches_fla(fused, safe_gate, monkeypatch):
     """Training: our forward kernels and FLA's backward (the stages FLA saves recomputed from the inputs); o, the
     final state and every input gradient against the float64 reference (cula's call and FLA's own alike) and
-    against FLA."""
+    against FLA. The fused lower-bound gate with and without ``safe_gate`` (cula's intra kernel and stage 7 either
+    way, FLA's two intra paths)."""
     import fla.ops.kda as fk
 
     import cula.kda as ck
@@ -165,7 +178,7 @@ def test_chunk_kda_cuda_backward_matches_fla(fused, monkeypatch):
         base.update(g=torch.randn(B, T, HV, D, device=DEV, dtype=torch.bfloat16),
                     beta=torch.randn(B, T, HV, device=DEV, dtype=torch.bfloat16),
                     A_log=torch.randn(HV, device=DEV) * 0.5, dt_bias=torch.randn(HV * D, device=DEV) * 0.5)
-        flags.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, use_beta_sigmoid_in_kernel=True,
+        flags.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=True,
                      state_v_first=True)  # fmt: skip
     base["initial_state"] = torch.randn(B, HV, D, D, device=DEV) * 0.1
     cotangents = (torch.randn(B, T, HV, D, device=DEV).to(torch.bfloat16).double(),

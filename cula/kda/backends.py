@@ -67,7 +67,7 @@ def _cula_chunk_supports(
         if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
             # graph mode lets the sequences end before the last token; FLA's intra stage leaves those rows of kg
             # unwritten, which our state kernel would then read
-            return False, "use_graph with FLA's intra stage (no safe_gate) runs on fla"
+            return False, "use_graph with FLA's intra stage (gates not bounded below by -5) runs on fla"
     return True, None
 
 
@@ -193,7 +193,7 @@ def _training_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
     if not keep_prefix:
         return out
     if out[-1] is None and q.shape[1] > 0:  # (no tokens: nothing to keep)
-        _say_recompute("FLA's intra stage ran (no safe_gate, or gates cula's intra kernel does not take)")
+        _say_recompute("FLA's intra stage ran (gates cula's intra kernel does not take)")
     return out
 
 

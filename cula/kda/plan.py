@@ -151,13 +151,15 @@ def use_cula_intra(q, v, safe_gate: bool, use_gate_in_kernel: bool, lower_bound:
                    scalar_gate: bool = False) -> bool:  # fmt: skip
     """Whether cula's intra kernel (gate, cumsum, L2 norm, beta sigmoid, scores, inverse and w/u in one launch)
     makes the intra-chunk terms, instead of FLA's preprocessing + cumsum + intra stages. It is faster at every
-    shape; it runs only where it is exact: bf16/fp16, K = V = 128, and ``safe_gate`` gates of at least ``-5``, or
-    any gate with one gate per token and head (``scalar_gate``, Gated DeltaNet's). ``CULA_KDA_INTRA=0`` (read per
-    call) sends every call to FLA's stages."""
+    shape; it runs only where it is exact: bf16/fp16, K = V = 128, and gates of at least ``-5`` a step: ``safe_gate``
+    gates, or the fused lower-bound gate (``lower_bound * sigmoid(...)`` lies in ``[lower_bound, 0)`` whatever
+    ``safe_gate`` says); or any gate with one gate per token and head (``scalar_gate``, Gated DeltaNet's).
+    ``CULA_KDA_INTRA=0`` (read per call) sends every call to FLA's stages."""
     mode = os.environ.get(INTRA_ENV, "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{INTRA_ENV} must be 'auto', '0' or '1', got {mode!r}")
-    if mode == "0" or not (safe_gate or scalar_gate):
+    bounded = safe_gate or (use_gate_in_kernel and lower_bound is not None)
+    if mode == "0" or not (bounded or scalar_gate):
         return False
     if q.shape[-1] != 128 or v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
         return False
