@@ -65,6 +65,10 @@ def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=T
                   dt_bias=torch.randn(HV * 128, device=DEV) * 0.1)  # fmt: skip
     elif gate == "none":
         g = -torch.rand(B, T, HV, 128, device=DEV) * 0.5  # log-space, within the safe range
+    elif gate == "steep":  # no bound known (no safe_gate), and steps of -80 nats: the any_gate variant's exact path
+        g = torch.nn.functional.logsigmoid(_r(B, T, HV, 128, dtype=torch.float32))
+        g = g.masked_fill(torch.rand_like(g) < 0.03, -80.0)
+        kw.update(safe_gate=False)
     else:  # FLA's intra stage, then our state/output kernel
         g = torch.nn.functional.logsigmoid(_r(B, T, HV, 128, dtype=torch.float32))
         kw.update(safe_gate=False)
@@ -104,6 +108,18 @@ def kda_fixed_gva_fp16():
 @case
 def kda_fixed_fla_intra():
     _kda_chunk(2, 100, 2, 2, gate="fla")
+
+
+@case
+def kda_any_gate():
+    # gates no bound is known of on cula's intra kernel (KdaTuning.intra_any_gate): tiles on the exact path (the
+    # diagonal blocks element by element) beside tiles on the anchored one; fixed, packed, and a training step
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(intra_any_gate=True):
+        _kda_chunk(2, 130, 2, 2, gate="steep")
+        _kda_chunk(1, [1, 0, 63, 130, 17], 2, 2, gate="steep", v_first=True)
+        _kda_chunk(1, 100, 1, 2, gate="steep", grad=True)
 
 
 @case

@@ -598,3 +598,38 @@ def test_forward_keeps_the_states_where_its_recurrence_is_whole(fake_sm90, monke
     fake_sm90.clear()
     *_, kept = chunk_kda_fwd_sm90(q, k, v, g, beta, **kw)
     assert kept is None and ("summary",) in fake_sm90
+
+
+@pytest.mark.parametrize("gates", ["log", "softplus", "lower_bound"])
+def test_unbounded_gates_take_the_any_gate_variant(counted, fake_sm90, kda_tuning, gates):
+    """Gates no bound is known of (a log-space gate without safe_gate, the fused softplus gate) take the intra
+    kernel's any_gate variant where the tuning entry says so (``KdaTuning.intra_any_gate``), in the bound launch and
+    the general path alike; the fused lower-bound gate is bounded and takes the plain variant either way; with the
+    entry off the unbounded ones leave cula's intra kernel (FLA's stages)."""
+    from cula.kda.forward import chunk_kda_fwd_sm90
+    from cula.kda.plan import gates_bounded, intra_any_gate, use_cula_intra
+
+    x = _inputs()
+    flags = dict(FLAGS, safe_gate=False)
+    if gates == "log":
+        flags.update(use_gate_in_kernel=False, lower_bound=None)
+        x.update(A_log=None, dt_bias=None, g=torch.nn.functional.logsigmoid(x["g"].float()).to(x["g"].dtype))
+    elif gates == "softplus":
+        flags.update(lower_bound=None)
+    bounded = gates == "lower_bound"
+    fused, lb = flags["use_gate_in_kernel"], flags["lower_bound"]
+    assert gates_bounded(False, fused, lb) == bounded and intra_any_gate(False, fused, lb) == (not bounded)
+    q = x["q"]
+    assert use_cula_intra(q, x["v"], False, fused, lb) == bounded
+    kda_tuning(intra_any_gate=True)
+    assert use_cula_intra(q, x["v"], False, fused, lb)
+    with torch.no_grad():
+        chunk_kda_fwd_sm90(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.125, x["initial_state"], True, True,
+                           use_gate_in_kernel=fused, lower_bound=lb, safe_gate=False, use_qk_l2norm_in_kernel=True,
+                           use_beta_sigmoid_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"])  # fmt: skip
+        general = list(fake_sm90)
+        fake_sm90.clear()
+        chunk_kda(**x, **flags, scale=0.125)
+    for calls in (general, fake_sm90):
+        intra_kw = [kw for name, kw, _ in calls if name == "intra"]
+        assert intra_kw and all(kw.get("any_gate", False) == (not bounded) for kw in intra_kw)

@@ -164,6 +164,11 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
         assert calls[-1] == (on and exact, on and exact, False, False), kw  # stage 4: FLA's off the GPU
+    # the forward's intra kernel in its any_gate variant takes the unbounded gates too; stage 7's kernel does not
+    kda_tuning(intra_any_gate=True)
+    for kw, exact in gates:
+        fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
+        assert calls[-1] == (on and exact, on and exact, False, False), kw
 
 
 def test_stage7_fuses_the_gate_and_the_l2_norm_where_the_tuning_says(monkeypatch, kda_tuning):

@@ -339,11 +339,14 @@ def _stage7_ours(q, v, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -
     conditions hold and the call's gates are ones its anchored factors are exact for (the forward's intra kernel
     took the call, ``cula.kda.plan.use_cula_intra``); and whether that kernel also does stage 8
     (``KdaTuning.bwd_intra_cumsum``)."""
-    from cula.kda.plan import use_cula_intra
+    from cula.kda.plan import gates_bounded, use_cula_intra
 
-    # stage 7 has no value dimension: V = 128 stands for "any"
-    ours = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) and _stage_on(
-        "bwd_intra", q, q.shape[-1], 128, chunk_size
+    # stage 7 has no value dimension: V = 128 stands for "any". Its kernel factors the gate as the intra kernel
+    # does without any_gate: bounded gates only
+    ours = (
+        use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound)
+        and gates_bounded(safe_gate, use_gate_in_kernel, lower_bound)
+        and _stage_on("bwd_intra", q, q.shape[-1], 128, chunk_size)
     )
     return ours, ours and _entry(q.device).bwd_intra_cumsum
 

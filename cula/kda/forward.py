@@ -27,7 +27,9 @@ import collections
 
 import torch
 
-from cula.kda.plan import KDA_TUNING, gate_over_k, parallel_segments, time_segments, use_cula_intra
+from cula.kda.plan import (
+    KDA_TUNING, gate_over_k, intra_any_gate, parallel_segments, time_segments, use_cula_intra,
+)  # fmt: skip
 from cula.ops._host import dsl_name, gate_kind, placeholder
 from cula.ops.kda.sm90 import intra
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
@@ -161,6 +163,7 @@ def chunk_kda_fwd_sm90(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, keep_akk=keep_scores,
             zero_kg=use_graph, full_g_cum=keep_prefix,
+            any_gate=intra_any_gate(safe_gate, use_gate_in_kernel, lower_bound, scalar_gate),
         )  # fmt: skip
     else:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_fla(
@@ -361,7 +364,7 @@ def _intra_fla(
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False, full_g_cum=False, given_akk=None,
-    keep_u=True,
+    keep_u=True, any_gate=False,
 ):  # fmt: skip
     """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
     (Akk None unless ``keep_akk``: the kernel writes it only when asked). ``zero_kg``: kg starts as zeros, for
@@ -369,7 +372,8 @@ def _intra_cute(
     chunk past the end (never written) by zeros, and garbage there could be NaN. ``full_g_cum``: every row of
     g_cum (the state/output kernel reads only each chunk's last; the training backward's stages read all).
     ``given_akk``: the Akk an earlier call on these inputs kept, read instead of computed (no scores: Aqk is
-    None); with it, ``keep_u=False`` makes no u (None; v is not read)."""
+    None); with it, ``keep_u=False`` makes no u (None; v is not read). ``any_gate``: the kernel's variant that is
+    exact for any gate (``cula.kda.plan.intra_any_gate``)."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
@@ -385,7 +389,7 @@ def _intra_cute(
         q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu32, chunk_indices, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound if gate == "lower_bound" else None, use_qk_l2norm=use_qk_l2norm,
         beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=not full_g_cum, Akk=Akk,
-        given_akk=given_akk,
+        given_akk=given_akk, any_gate=any_gate,
     )  # fmt: skip
     return w, u, qg, kg, Aqk, g_cum, Akk
 
@@ -465,7 +469,8 @@ def prepare_chunk_kda_fwd_sm90(
     if gate == "none":  # the kernels read no A_log / dt_bias then: bind the placeholders, whatever is passed
         A_log = dt_bias = None
     intra_options = intra.kernel_options(
-        q.dtype, g.dtype, beta.dtype, gate, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=True
+        q.dtype, g.dtype, beta.dtype, gate, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=True,
+        any_gate=intra_any_gate(safe_gate, use_gate_in_kernel, lower_bound),
     )
     state_options = _launch_state_options(q, has_h0, output_final_state, state_v_first)
 

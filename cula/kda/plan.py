@@ -27,7 +27,7 @@ from cula.tuning import TuningTable
 
 __all__ = [
     "KDA_TUNING", "KdaTuning", "decode_variant", "kda_decode_launcher", "kda_decode_sm90", "parallel_segments",
-    "segment_bounds", "time_segments", "use_cula_intra",
+    "gates_bounded", "intra_any_gate", "segment_bounds", "time_segments", "use_cula_intra",
 ]  # fmt: skip
 
 
@@ -99,6 +99,11 @@ class KdaTuning:
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
     bwd_wy_dqkg: bool = False
 
+    # chunk_kda: cula's intra kernel also for gates no bound is known of (a log-space gate without safe_gate, the
+    # fused softplus gate, lower_bound < -5), in its any_gate variant: a tile whose gates break the anchored
+    # factoring's bound makes its diagonal score blocks element by element; else FLA's intra stages run for them
+    intra_any_gate: bool = False
+
     # chunk_kda: when and how long sequences with few heads are cut into segments whose recurrences run at once
     # (exact: cula.kda.forward's parallel segments); None: never
     time_split: SplitThresholds | None = None
@@ -151,24 +156,39 @@ def use_cula_intra(q, v, safe_gate: bool, use_gate_in_kernel: bool, lower_bound:
                    scalar_gate: bool = False) -> bool:  # fmt: skip
     """Whether cula's intra kernel (gate, cumsum, L2 norm, beta sigmoid, scores, inverse and w/u in one launch)
     makes the intra-chunk terms, instead of FLA's preprocessing + cumsum + intra stages. It is faster at every
-    shape; it runs only where it is exact: bf16/fp16, K = V = 128, and gates of at least ``-5`` a step: ``safe_gate``
-    gates, or the fused lower-bound gate (``lower_bound * sigmoid(...)`` lies in ``[lower_bound, 0)`` whatever
-    ``safe_gate`` says); or any gate with one gate per token and head (``scalar_gate``, Gated DeltaNet's).
-    ``CULA_KDA_INTRA=0`` (read per call) sends every call to FLA's stages."""
+    shape; it runs where it is exact: bf16/fp16, K = V = 128, and gates of at least ``-5`` a step
+    (``gates_bounded``), or any gate with one gate per token and head (``scalar_gate``, Gated DeltaNet's), or any
+    gate at all where the tuning entry says so (``KdaTuning.intra_any_gate``: the kernel's any_gate variant,
+    ``intra_any_gate``). ``CULA_KDA_INTRA=0`` (read per call) sends every call to FLA's stages."""
     mode = os.environ.get(INTRA_ENV, "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{INTRA_ENV} must be 'auto', '0' or '1', got {mode!r}")
-    bounded = safe_gate or (use_gate_in_kernel and lower_bound is not None)
-    if mode == "0" or not (bounded or scalar_gate):
+    if mode == "0":
         return False
     if q.shape[-1] != 128 or v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if scalar_gate:
+    if scalar_gate or gates_bounded(safe_gate, use_gate_in_kernel, lower_bound):
         return True
+    return KDA_TUNING.for_device(q.device).intra_any_gate
+
+
+def gates_bounded(safe_gate: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> bool:
+    """Whether a call's per-channel gates are known to be at least ``-5`` a step, where the intra kernel's anchored
+    factoring (and the stage-7 kernel's, the same) is exact: ``safe_gate`` gates, or the fused lower-bound gate
+    (``lower_bound * sigmoid(...)`` lies in ``[lower_bound, 0)`` whatever ``safe_gate`` says), with
+    ``lower_bound >= -5`` when given; never the fused softplus gate, which has no lower bound."""
+    if not (safe_gate or (use_gate_in_kernel and lower_bound is not None)):
+        return False
     if lower_bound is not None and lower_bound < _INTRA_MIN_LOWER_BOUND:
         return False
-    # the fused softplus gate has no lower bound, whatever safe_gate promises
     return not (use_gate_in_kernel and lower_bound is None)
+
+
+def intra_any_gate(safe_gate: bool, use_gate_in_kernel: bool, lower_bound: float | None,
+                   scalar_gate: bool = False) -> bool:  # fmt: skip
+    """Whether a call that ``use_cula_intra`` gives the intra kernel needs its any_gate variant: per-channel gates
+    not known to be bounded (``gates_bounded``)."""
+    return not scalar_gate and not gates_bounded(safe_gate, use_gate_in_kernel, lower_bound)
 
 
 def time_segments(B: int, T: int, HV: int, device: torch.device) -> list[tuple[int, int]] | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -72,6 +73,11 @@ _VARIANTS = [
      "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True},
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False,
      "scalar_gate": True},
+    # gates no bound is known of (any_gate): a log gate without safe_gate (inference), the softplus gate (training)
+    {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False, "l2norm": True,
+     "beta_act": "sigmoid", "g_cum_last_only": True, "any_gate": True},
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": True, "l2norm": True,
+     "beta_act": "sigmoid", "write_akk": True, "any_gate": True},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = dump_script(
@@ -81,7 +87,7 @@ _COMPILE_SCRIPT = dump_script(
                v["varlen"], extra_options=opts, l2norm_qk=v.get("l2norm", False),
                beta_act=v.get("beta_act", "none"), g_cum_last_only=v.get("g_cum_last_only", False),
                write_akk=v.get("write_akk", False), scalar_gate=v.get("scalar_gate", False),
-               given_t=v.get("given_t", False), skip_u=v.get("skip_u", False))
+               given_t=v.get("given_t", False), skip_u=v.get("skip_u", False), any_gate=v.get("any_gate", False))
     """,
 )
 
@@ -107,6 +113,8 @@ def _vid(v):
         vid += "-given_t"
     if v.get("skip_u"):
         vid += "-skip_u"
+    if v.get("any_gate"):
+        vid += "-any_gate"
     return vid
 
 
@@ -228,7 +236,8 @@ def _stub_stages(monkeypatch):
 
 
 def test_chunk_fwd_picks_intra_stage(monkeypatch):
-    """CULA_KDA_INTRA (read per call: auto, 1, 0) and safe_gate select cula's fused intra; flags reach it."""
+    """CULA_KDA_INTRA (read per call: auto, 1, 0) and the gates' bound (safe_gate, or the fused lower-bound gate)
+    select cula's fused intra; flags reach it."""
     fwd, calls = _stub_stages(monkeypatch)
     B, T, H, HV = 1, 70, 2, 4
     q = torch.zeros(B, T, H, 128, dtype=torch.bfloat16)
@@ -254,7 +263,8 @@ def test_chunk_fwd_picks_intra_stage(monkeypatch):
     assert which == "cute"
     # (g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound, l2norm, sigmoid, neg)
     assert args[5] is True and args[8] == -5.0 and args[-3:] == (True, True, True)
-    assert run(safe_gate=False, **gate, **flags)[0] == "fla"
+    # the fused lower-bound gate is bounded whatever safe_gate says
+    assert run(safe_gate=False, **gate, **flags)[0] == "cute"
     # beyond the range where cula's kernel is exact
     assert run(safe_gate=True, use_gate_in_kernel=True, lower_bound=-6.0)[0] == "fla"
     assert run(safe_gate=True, use_gate_in_kernel=True)[0] == "fla"  # softplus gate: unbounded
@@ -580,6 +590,49 @@ def test_intra_vs_fla(case):
     _assert_matches_fla((g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref), out, cu)
     f64 = _intra_reference(q, k, v, g, beta, scale, cu, gate, A_log, dt_bias, lb)
     _assert_match_reference(f64, cu, cula=out, fla=(g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref))
+
+
+# any_gate: gates past the anchored factoring's bound in some chunks (a step of -80 nats on 3% of the channels: those
+# tiles take the exact path, the rest the anchored one), or in all (the softplus gate at exp(A_log) = 30, about -50 a
+# step); packed with one-token and empty sequences too
+ANY_GATE_CASES = [
+    (1, 1000, 2, 4, None, "none", "extreme"),
+    (1, 0, 2, 2, [0, 1, 63, 300, 64], "none", "extreme"),
+    (2, 63, 2, 2, None, "softplus", "extreme"),
+]
+
+
+@pytest.mark.parametrize("case", ANY_GATE_CASES, ids=[_case_id(c) for c in ANY_GATE_CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_any_gate_vs_fla_and_float64(case):
+    """The any_gate variant on gates no bound holds for: every output against FLA's non-safe intra stage (exact for
+    any gate) and the float64 reference, on poisoned outputs; and on the same inputs with the gates tamed (every
+    tile on the anchored path) the plain variant's bits."""
+    gate = case[5]
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
+    B, T, _, HV, K = *q.shape[:3], v.shape[2], q.shape[3]
+    if gate == "none":
+        steep = torch.rand(B, T, HV, K, device=q.device) < 0.03
+        g = g.masked_fill(steep, -80.0)
+    else:  # -30 softplus(x + 1.5): about -50 a step
+        A_log = torch.full((HV,), math.log(30.0), device=q.device)
+        g = torch.randn_like(g) + 1.5
+    scale = 128**-0.5
+    g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref, ci = _fla_intra(q, k, v, g, beta, scale, cu, gate, A_log, dt_bias, lb)
+    out = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, any_gate=True)
+    torch.cuda.synchronize()
+    _assert_matches_fla((g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref), out, cu)
+    f64 = _intra_reference(q, k, v, g, beta, scale, cu, gate, A_log, dt_bias, lb)
+    _assert_match_reference(f64, cu, cula=out, fla=(g_ref, w_ref, u_ref, qg_ref, kg_ref, A_ref))
+    # tamed gates: no tile leaves the anchored path, which is the plain variant's, bit for bit
+    g_mild = torch.nn.functional.logsigmoid(torch.randn_like(g) + 3.0) if gate == "none" else g
+    A_mild = None if A_log is None else torch.zeros_like(A_log)
+    plain = _run_ours(q, k, v, g_mild, beta, scale, cu, ci, gate, A_mild, dt_bias, lb)
+    anyg = _run_ours(q, k, v, g_mild, beta, scale, cu, ci, gate, A_mild, dt_bias, lb, any_gate=True)
+    torch.cuda.synchronize()
+    for name, x, y in zip(("g_cum", "w", "u", "qg", "kg", "Aqk"), plain, anyg):
+        assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)), name  # rows past the ends stay poisoned in both
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

@@ -96,7 +96,7 @@ def gate_params_binder(
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
     *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False, given_t: bool = False,
-    skip_u: bool = False,
+    skip_u: bool = False, any_gate: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
@@ -106,6 +106,7 @@ def kernel_options(
         # absent when off: the compile keys of the other variants stay
         **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
         **({"given_t": True} if given_t else {}), **({"skip_u": True} if skip_u else {}),
+        **({"any_gate": True} if any_gate else {}),
     )  # fmt: skip
 
 
@@ -189,6 +190,7 @@ def chunk_kda_intra_sm90(
     g_cum_last_only: bool = False,
     Akk: torch.Tensor | None = None,
     given_akk: torch.Tensor | None = None,
+    any_gate: bool = False,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` (and ``Akk``) in place.
 
@@ -226,6 +228,10 @@ def chunk_kda_intra_sm90(
         given_akk: ``[B, T, HV, 64]`` q's dtype or None: an ``Akk`` a call on the same inputs wrote, read instead
             of computed (the training backward's recompute of w, u, qg, kg and g_cum): no scores and no solve, so
             ``Aqk`` is not written (pass None) and ``Akk`` must be None. w and u are then the bits that call wrote.
+        any_gate: exact for any per-channel gate (the kernel's any_gate variant: a tile whose gates break the
+            anchored factoring's bound, no channel moving more than 2^96 from a sub-chunk's middle row, makes its
+            diagonal score blocks element by element); without it the scores need gates of at least about -8.6 a
+            step. Not with a per-head g (exact anyway) or ``given_akk`` (no scores).
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -288,6 +294,7 @@ def chunk_kda_intra_sm90(
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
             write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None, skip_u=u is None,
+            any_gate=any_gate and not scalar_gate and given_akk is None,
         ),
     )  # fmt: skip
 

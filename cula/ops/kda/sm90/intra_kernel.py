@@ -30,7 +30,13 @@ the 16 rows of sub-chunk i, the key factor multiplies k of the rows s < 16 (i + 
 gate steps. Exponents are clamped at 100 (base 2), so every operand stays finite; the result is exact while
 no 8-step window of one channel decays by more than 2^100 (69 nats, i.e. a mean log gate >= -8.6 per step;
 ``gate="lower_bound"`` with ``lower_bound >= -8.6`` always satisfies it; FLA's non-safe path has no such limit, its
-safe path has a similar one). The products run on tensor cores as tf32 ``mma.sync`` (fp32 accumulation), the
+safe path has a similar one). ``any_gate`` makes the kernel exact for any gate: P1 checks every channel's g_cum
+against its sub-chunk's anchor row's, and a tile where one differs from it by more than 96 (a factor past 2^96)
+takes the exact path:
+the anchor moves to each sub-chunk's first row, so every factor of an off-diagonal block is <= 1 (gates <= 0), and
+the four diagonal 16 x 16 blocks are made element by element before P2 (``sum_c x_tc k_sc exp2(gc_tc - gc_sc)``,
+every factor <= 1), replacing their products after P3. Tiles within the bound do the anchored path's arithmetic,
+bit for bit. The products run on tensor cores as tf32 ``mma.sync`` (fp32 accumulation), the
 operands rounded to nearest first, like FLA's tf32 dots (the DSL has no tf32 WGMMA). The warp-level MMA also
 lets each warp take one (key block, anchor) pair, so the blocks above the diagonal cost nothing.
 
@@ -52,15 +58,18 @@ phase  work
 =====  ==========================================================================================================
 P0     warp 0: mbarrier + three TMA tile loads (q, k [64 x 128] of head hv // (HV/H); raw g of head hv);
        act_b(beta) row to smem (0 past the sequence end); wait
-P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem.  WG1, one thread per q / k row:
-       rows past the sequence end zeroed, the others normalised in place (l2norm_qk)
+P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem (any_gate: and whether a channel
+       strays past the bound from a sub-chunk's anchor row, voted per warp into smem).  WG1, one thread per q / k
+       row: rows past the sequence end zeroed, the others normalised in place (l2norm_qk)
+P1x    any_gate's exact path only: the diagonal blocks' 544 (t, s <= t) score pairs, a thread a pair, to smem
 P2     round r, sub-chunks (0, 1) then (2, 3), all threads, 8 channels per access: their g_cum, qg, kg rows to
        gmem, their score B operands (query factor * q | k, tf32-rounded fp32) to smem, k' = bf16(bf16(beta k)
        exp2(gc)) over the q row just read
 P3     round r: warps 0-2, then 0-6, each take one (key block kb <= anchor) pair of the round's two anchors
        (1 + 2, then 3 + 4 blocks): A operand (key factor * k) built in registers per k-step, 16x32x128 tf32
        mma.sync.  After both rounds: TMA of v into k's tile; Aqk rows to gmem (staged), Akk rows to smem (fp32);
-       warps 5-7 zero the blocks above the diagonal
+       warps 5-7 zero the blocks above the diagonal (any_gate's exact path: then P1x's pairs over the diagonal
+       blocks' entries)
 P4     threads 0-63: inverse of the four 16x16 unit-lower diagonal blocks (forward substitution, fp32, in place)
 P5     warps 0-5: the six off-diagonal blocks of T, one per warp, on tf32 mma.sync (3 steps, in place)
 P6     bf16(T) to smem (WGMMA A layout); wait for v; v <- bf16(beta v)
@@ -114,6 +123,10 @@ L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum x^2 + eps)
 RCP_LN2 = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the score factors (see the module docstring)
+# any_gate: the anchor factoring is taken where no g_cum of a sub-chunk lies further than this (base 2) from its
+# anchor row's, so that no factor reaches the clamp (a margin for the fp32 rounding of the check)
+_ANCHOR_SPAN = 96.0
+DIAG_PAIRS = 4 * 136  # (t, s <= t) pairs of the four diagonal 16 x 16 blocks
 # Shared-memory loops that read, compute and write back (P1's gate cumsum and row norms, P2, P6's v')
 # issue the next step's loads before this step's stores: ptxas never moves a load above a store it cannot prove
 # disjoint, so a plain loop runs one full latency chain per step (the gate cumsum: ~110 cycles x 64). P0 loads the
@@ -152,7 +165,7 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
-        scalar_gate: bool = False, given_t: bool = False, skip_u: bool = False,
+        scalar_gate: bool = False, given_t: bool = False, skip_u: bool = False, any_gate: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
@@ -172,6 +185,11 @@ class ChunkKDAIntraFwdSm90:
         # one gate per (token, value head), Gated DeltaNet's: raw g (T, HV), dt_bias (HV,); the scores are the
         # plain products times exp2(gc_t - gc_s), exact for any gate (see the module docstring)
         self.scalar_gate = bool(scalar_gate)
+        # exact for any gate: a tile whose gates break the anchor factoring's bound takes the exact path (see the
+        # module docstring); for gates no bound is known of (a log-space gate without safe_gate, the softplus gate)
+        self.any_gate = bool(any_gate)
+        if self.any_gate and (self.scalar_gate or self.given_t):
+            raise ValueError("any_gate is for the per-channel scores: scalar_gate is exact already, given_t has none")
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
         if beta_act not in BETA_ACTS:
@@ -267,6 +285,10 @@ class ChunkKDAIntraFwdSm90:
             region: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.region_bytes], 1024]
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, BT], 16]
             mbar: cute.struct.MemRange[cutlass.Int64, 2]  # q, k (then v); raw g
+            # any_gate (empty otherwise): WG0's warps, whether a channel of theirs breaks the anchor factoring's
+            # bound in some sub-chunk; the exact path's diagonal-block sums (Aqk's and Akk's, unscaled) by pair
+            flags: cute.struct.Align[cute.struct.MemRange[Int32, 4 if self.any_gate else 0], 16]
+            diag: cute.struct.Align[cute.struct.MemRange[Float32, 2 * DIAG_PAIRS if self.any_gate else 0], 16]
 
         self.storage = Storage
         self.kernel(
@@ -354,11 +376,13 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(rv, vec_at(sX0, (c8, t)))
 
     @cute.jit
-    def _qg_kg_score_operands_vec(self, sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks):
+    def _qg_kg_score_operands_vec(
+        self, sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks, anchor_row=8,
+    ):  # fmt: skip
         """P2 of one round: g_cum, qg, kg rows to gmem, k' over the q rows in smem and the score B operands of
         the two sub-chunks j in ``subchunks`` (into B slots 0 and 1 of ``sB``, a flat fp32 tensor, see
-        ``_b_unit``). Thread (r, c) takes rows 16 j + r and the 8 channels 8 c..8 c + 7, so every access moves 8
-        channels."""
+        ``_b_unit``), their query factors taken at row ``16 j + anchor_row``. Thread (r, c) takes rows 16 j + r and
+        the 8 channels 8 c..8 c + 7, so every access moves 8 channels."""
         BT, dt, V8 = self.bt, self.dtype, 8
         r = tidx // 16
         c8 = cute.assume((tidx % 16) * V8, divby=V8)
@@ -378,7 +402,7 @@ class ChunkKDAIntraFwdSm90:
             cute.autovec_copy(at(sK0, (c8, 16 * j + r)), rk)
             cute.autovec_copy(at(sG, (c8, 16 * j + r), 4), rg)
             if const_expr(not self.scalar_gate and not self.given_t):  # the anchor's g_cum, for the score operands
-                cute.autovec_copy(at(sG, (c8, 16 * j + 8), 4), rga)
+                cute.autovec_copy(at(sG, (c8, 16 * j + anchor_row), 4), rga)
             return rq, rk, rg, rga
 
         # the second sub-chunk's rows are read before the first one's stores
@@ -545,10 +569,23 @@ class ChunkKDAIntraFwdSm90:
             valid, tidx, tid, warp_idx,
         )  # fmt: skip
         # ---------------- P1: gate cumsum (WG0) | q, k row norms (WG1) ----------------
+        sFlags = storage.flags.get_tensor(cute.make_layout(4)) if const_expr(self.any_gate) else None
         self._gate_cumsum_and_norms(
             sQ0, sGin0, sG, storage.sG.data_ptr(), base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
+            sFlags, warp_idx,
         )  # fmt: skip
         cute.arch.barrier()
+        # the anchor row of each sub-chunk's score factors: its middle row; any_gate's exact path takes its first
+        # row (every factor of an off-diagonal block then <= 1) and makes the diagonal blocks element by element
+        anchor_row = 8
+        slow = False
+        if const_expr(self.any_gate):
+            sDiag = storage.diag.get_tensor(cute.make_layout(2 * DIAG_PAIRS))
+            slow = (sFlags[0] | sFlags[1] | sFlags[2] | sFlags[3]) != 0
+            anchor_row = Int32(cutlass.select_(slow, 0, 8))
+            if slow:  # the same for every thread of the CTA
+                self._exact_diagonal(sQ0, sK0, sG, sDiag, tidx)
+                cute.arch.barrier()  # q's rows are read: P2 writes k' over them
 
         # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
         if const_expr(self.given_t):  # P2's rows alone (no score operands, no scores), then v into k's tile
@@ -563,9 +600,13 @@ class ChunkKDAIntraFwdSm90:
         else:
             self._scores(
                 sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
-                warp_idx,
+                warp_idx, anchor_row,
             )  # fmt: skip
         cute.arch.barrier()
+        if const_expr(self.any_gate):
+            if slow:  # the exact diagonal blocks replace the products'
+                self._exact_diagonal_scores(sAqk, sA, sDiag, sBeta, scale, tidx)
+                cute.arch.barrier()
         if const_expr(not self.given_t):  # the scores' Aqk out, then the solve (P4, P5)
             self._store_aqk(sAqk, mAqk, tok0, hv, valid, tidx)
             self._solve(sA, base, tidx, warp_idx)
@@ -627,11 +668,14 @@ class ChunkKDAIntraFwdSm90:
 
     @cute.jit
     def _gate_cumsum_and_norms(
-        self, sQ0, sGin0, sG, sG_ptr, base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
+        self, sQ0, sGin0, sG, sG_ptr, base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems, sFlags,
+        warp_idx,
     ):  # fmt: skip
         """P1: the gate activation and its chunk cumsum (warpgroup 0, a channel a thread, g_cum into shared
         memory), the q and k rows past the sequence end zeroed and the others L2-normalised (warpgroup 1, a row a
-        thread)."""
+        thread). With ``any_gate`` warpgroup 0 also records per warp in ``sFlags`` whether a channel's g_cum in some
+        sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from the anchor row's (rows past the sequence end
+        included: at worst a tile takes the exact path it did not need)."""
         BT, DK, dt = self.bt, self.dk, self.dtype
         if wg == 0:
             # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
@@ -644,6 +688,8 @@ class ChunkKDAIntraFwdSm90:
             sG_flat = cute.make_tensor(sG_ptr, cute.make_layout(BT * DK))
             cols = [Int32(tid) ^ Int32(8 * j) for j in range(GB)]
             nxt = [self._raw_gate(sGin0, base, tid, e) for e in range(GB)]
+            far = Int32(0)  # any_gate: a sub-chunk's g_cum strays too far from its anchor row's
+            hi, lo, mid = acc, acc, acc
             for blk in cutlass.range_constexpr(BT // GB):
                 cur = nxt
                 if const_expr(blk + 1 < BT // GB):
@@ -651,7 +697,22 @@ class ChunkKDAIntraFwdSm90:
                 for e in cutlass.range_constexpr(GB):
                     t = GB * blk + e
                     acc = acc + self._act(cur[e], coef, bias, lower_bound)
-                    sG_flat[t * DK + cols[e]] = acc * RCP_LN2
+                    gc = acc * RCP_LN2
+                    sG_flat[t * DK + cols[e]] = gc
+                    if const_expr(self.any_gate):
+                        if const_expr(t % 16 == 0):
+                            hi, lo = gc, gc
+                        else:
+                            hi, lo = cute.arch.fmax(hi, gc), cute.arch.fmin(lo, gc)
+                        if const_expr(t % 16 == 8):
+                            mid = gc
+                        if const_expr(t % 16 == 15):
+                            span = cute.arch.fmax(hi - mid, mid - lo)
+                            far = Int32(cutlass.select_(span > _ANCHOR_SPAN, 1, far))
+            if const_expr(self.any_gate):
+                anyfar = cute.arch.vote_any_sync(far != 0)
+                if tid % 32 == 0:
+                    sFlags[warp_idx] = Int32(cutlass.select_(anyfar, 1, 0))
             # rows past the sequence end hold the last valid row's g_cum (so gc[63] is that row's, which kg uses),
             # overwriting whatever the raw gate there summed to
             # valid <= 0: a padding row of chunk indices built on the device (a no-op CTA that writes nothing)
@@ -999,7 +1060,7 @@ class ChunkKDAIntraFwdSm90:
     @cute.jit
     def _scores(
         self, sQ0, sK0, sV, sG, region, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale,
-        tidx, warp_idx,
+        tidx, warp_idx, anchor_row=8,
     ):  # fmt: skip
         """P2 + P3: per round, P2 builds the fp32 B operands of two anchors, then one warp per (key block kb <=
         anchor) pair multiplies it on tf32 mma.sync; after both rounds v's load is issued, the accumulators become
@@ -1019,14 +1080,14 @@ class ChunkKDAIntraFwdSm90:
         for rnd in cutlass.range_constexpr(2):
             a0, a1 = rounds[rnd]
             self._qg_kg_score_operands_vec(
-                sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, rounds[rnd]
+                sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, rounds[rnd], anchor_row
             )  # fmt: skip
             cute.arch.barrier()
             acc = cute.make_rmem_tensor(tiled_tf.partition_shape_C((16, 32)), Float32)
             acc.fill(0.0)
             kb, anc, slot = _block_of(warp_idx, a0, a1)
             if (warp_idx < a0 + a1 + 2) & (16 * kb < valid):
-                self._score_block(tiled_tf, acc, sK0, sG, sB, kb, anc, slot, lane)
+                self._score_block(tiled_tf, acc, sK0, sG, sB, kb, anc, slot, lane, anchor_row)
             blocks.append((acc, kb, anc))
             cute.arch.barrier()  # every score product has read sB: the next round rewrites it, then it is scratch
         self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
@@ -1067,6 +1128,62 @@ class ChunkKDAIntraFwdSm90:
                 sA[16 * a + r, s] = Float32(0.0)
 
     @cute.jit
+    def _diag_pair(self, item):
+        """(row t, key row s) in the chunk of pair ``item`` of the diagonal 16 x 16 blocks: block item // 136, in it
+        the pairs s <= t in row order (item 136 a + t' (t' + 1) / 2 + s')."""
+        a = item // 136
+        r = item - 136 * a
+        tl = ((cute.math.sqrt(Float32(8 * r + 1)) - 1.0) * 0.5).to(Int32)  # exact: 8 r + 1 < 2^24
+        return 16 * a + tl, 16 * a + r - (tl * (tl + 1)) // 2
+
+    @cute.jit
+    def _exact_diagonal(self, sQ0, sK0, sG, sDiag, tidx):
+        """any_gate's exact path, between P1 and P2 (q still in its tile): the diagonal blocks' scores element by
+        element, ``sum_c x_tc k_sc exp2(gc_tc - gc_sc)`` for x = q (Aqk's) and x = k (Akk's), s <= t, unscaled into
+        ``sDiag``; every factor is at most 1 for gates <= 0, so nothing overflows or is clamped. A thread a pair,
+        8 channels an access."""
+        dt = self.dtype
+        # a loop, not unrolled: the exact path is the rare one, its code need not triple
+        for m in cutlass.range((DIAG_PAIRS + self.num_threads - 1) // self.num_threads, unroll=1):
+            item = tidx + m * self.num_threads
+            if item < DIAG_PAIRS:
+                t, s = self._diag_pair(item)
+                aq = cute.make_rmem_tensor(8, Float32)  # 8 partial sums each: short dependent chains
+                ak = cute.make_rmem_tensor(8, Float32)
+                aq.fill(0.0)
+                ak.fill(0.0)
+                for c in cutlass.range_constexpr(self.dk // 8):
+                    rows = []
+                    for src, row in ((sQ0, t), (sK0, t), (sK0, s)):
+                        rx = cute.make_rmem_tensor(8, dt)
+                        cute.autovec_copy(vec_at(src, (8 * c, row)), rx)
+                        rows.append(self._widen(rx))
+                    rgt = cute.make_rmem_tensor(8, Float32)
+                    rgs = cute.make_rmem_tensor(8, Float32)
+                    cute.autovec_copy(vec_at(sG, (8 * c, t), 4), rgt)
+                    cute.autovec_copy(vec_at(sG, (8 * c, s), 4), rgs)
+                    qt, kt, ks = rows
+                    for e in cutlass.range_constexpr(8):
+                        kse = ks[e] * cute.math.exp2(rgt[e] - rgs[e], fastmath=True)
+                        aq[e] = aq[e] + qt[e] * kse
+                        ak[e] = ak[e] + kt[e] * kse
+                sDiag[2 * item] = ((aq[0] + aq[1]) + (aq[2] + aq[3])) + ((aq[4] + aq[5]) + (aq[6] + aq[7]))
+                sDiag[2 * item + 1] = ((ak[0] + ak[1]) + (ak[2] + ak[3])) + ((ak[4] + ak[5]) + (ak[6] + ak[7]))
+
+    @cute.jit
+    def _exact_diagonal_scores(self, sAqk, sA, sDiag, sBeta, scale, tidx):
+        """any_gate's exact path, after the P3 epilogue: the diagonal blocks' Aqk (staged) and Akk entries from
+        ``_exact_diagonal``'s sums, over what the products left there (the epilogue's masks: Aqk for s <= t, Akk for
+        s < t, its zero diagonal kept)."""
+        for m in cutlass.range_constexpr((DIAG_PAIRS + self.num_threads - 1) // self.num_threads):
+            item = tidx + m * self.num_threads
+            if item < DIAG_PAIRS:
+                t, s = self._diag_pair(item)
+                sAqk[t, s] = (sDiag[2 * item] * scale).to(self.dtype)
+                if s < t:
+                    sA[t, s] = sDiag[2 * item + 1] * sBeta[t]
+
+    @cute.jit
     def _b_unit(self, sB, slot, n, u, u8):
         """16-byte unit u (k = 4 u .. 4 u + 3) of row n (16 q rows, then 16 k rows) of B slot ``slot`` in the
         tf32 score operands: fp32 rows of K floats. The unit index is XOR 4 on odd rows, so that a quarter warp's
@@ -1077,10 +1194,10 @@ class ChunkKDAIntraFwdSm90:
         return cute.make_tensor(sB.iterator + cute.assume(off, divby=4), cute.make_layout(4))
 
     @cute.jit
-    def _score_block(self, tiled_tf, acc, sK0, sG, sB, kb, anc, slot, lane):
+    def _score_block(self, tiled_tf, acc, sK0, sG, sB, kb, anc, slot, lane, anchor_row=8):
         """One warp's block of the scores on tf32 mma.sync: key rows 16 kb..16 kb + 15 against the 32 B rows of
-        anchor ``anc`` (in B slot ``slot``): ``acc[s, n] = sum_k A[s, k] B[n, k]``, A = k_s exp2(gc_anc - gc_s)
-        (0 past the sequence end), both tf32-rounded.
+        sub-chunk ``anc`` (in B slot ``slot``): ``acc[s, n] = sum_k A[s, k] B[n, k]``, A = k_s exp2(gc_p - gc_s)
+        with p = 16 anc + anchor_row (0 past the sequence end), both tf32-rounded.
 
         The contraction order is free, so lane (g, c) takes k = 16 m + 4 c .. + 3 for k-steps 2 m and 2 m + 1:
         16-byte g_cum and B reads, 8-byte k reads. Rows are free as well: fragment row g is key row ``_tf32_row``
@@ -1103,7 +1220,7 @@ class ChunkKDAIntraFwdSm90:
                         x[4 * i + e] = round_tf32(kf[e])
             else:
                 rga = cute.make_rmem_tensor(4, Float32)
-                cute.autovec_copy(vec_at(sG, (kk, 16 * anc + 8), 4, 4), rga)
+                cute.autovec_copy(vec_at(sG, (kk, 16 * anc + anchor_row), 4, 4), rga)
                 for i in cutlass.range_constexpr(2):
                     s = rows[i]
                     rk = cute.make_rmem_tensor(4, self.dtype)
