@@ -6,6 +6,7 @@ dq / dk / dv / dh0, 2e-2 for the gate, beta, A_log and dt_bias gradients), and F
 Every uninitialised allocation starts as NaN (tests/conftest.py), so an output element nobody writes fails.
 """
 
+import itertools
 import os
 
 import pytest
@@ -201,6 +202,50 @@ def test_chunk_kda_cuda_backward_matches_fla(fused, safe_gate, monkeypatch):
     assert_close("ht vs fla", ht_f, ht, TOL)
     for name in grads:
         assert_close(f"d{name} vs fla", grads_f[name], grads[name], GRAD_TOL[name])
+
+
+@pytest.mark.parametrize("lens", [None, [1, 0, 63, 200, 37]], ids=["fixed", "packed"])
+def test_chunk_kda_any_gate_cuda(lens, kda_tuning):
+    """A log-space gate without safe_gate, steps of -80 nats on 3% of the channels, on cula's intra kernel in its
+    any_gate variant (KdaTuning.intra_any_gate): inference and a training step (FLA's stage 7 for these gates)
+    against FLA's non-safe path and the float64 reference."""
+    import fla.ops.kda as fk
+
+    import cula.kda as ck
+    from cula.backends import clear_plan_caches
+
+    kda_tuning(intra_any_gate=True)
+    clear_plan_caches()
+    H, HV, D = 2, 4, 128
+    T = 300 if lens is None else sum(lens)
+    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], device=DEV, dtype=torch.int32)
+    N = 1 if lens is None else len(lens)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV, D, device=DEV) + 2.0)
+    g = g.masked_fill(torch.rand_like(g) < 0.03, -80.0)
+    base = dict(
+        q=torch.randn(1, T, H, D, device=DEV, dtype=torch.bfloat16),
+        k=torch.randn(1, T, H, D, device=DEV, dtype=torch.bfloat16),
+        v=torch.randn(1, T, HV, D, device=DEV, dtype=torch.bfloat16),
+        g=g, beta=torch.rand(1, T, HV, device=DEV, dtype=torch.bfloat16),
+        initial_state=torch.randn(N, HV, D, D, device=DEV) * 0.1,
+    )  # fmt: skip
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    with torch.inference_mode():
+        o, ht = ck.chunk_kda(**base, **kw)
+        o_f, ht_f = fk.chunk_kda(**base, **kw)
+    assert_close("o vs fla", o_f, o, TOL)
+    assert_close("ht vs fla", ht_f, ht, TOL)
+    cotangents = (torch.randn(1, T, HV, D, device=DEV).to(torch.bfloat16).double(),
+                  torch.randn(N, HV, D, D, device=DEV).double())  # fmt: skip
+    o, ht, grads = _grads(ck.chunk_kda, base, cotangents, **kw)
+    o_f, ht_f, grads_f = _grads(fk.chunk_kda, base, cotangents, **kw)
+    o_r, ht_r, grads_r = _grads(_reference_kda, base, cotangents, dtype=torch.float64, **kw)
+    assert_close("o vs ref", o_r, o, TOL)
+    assert_close("ht vs ref", ht_r, ht, TOL)
+    for name in grads:
+        assert_close(f"d{name} vs ref", grads_r[name], grads[name], GRAD_TOL[name])
+        assert_close(f"d{name} vs fla", grads_f[name], grads[name], GRAD_TOL[name])
+    clear_plan_caches()
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
