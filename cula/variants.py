@@ -43,7 +43,8 @@ def _dtypes(scope: str) -> dict:
 
 def _kda_chunk(scope: str) -> None:
     """``chunk_kda`` on cula-sm90 (``cula.kda.forward``): the state/output kernel after FLA's intra
-    stage; cula's intra kernel (``safe_gate``: gate none or the lower-bound sigmoid) with it, in the general path
+    stage; cula's intra kernel (bounded gates: none or the lower-bound sigmoid; any gate in its any_gate variant
+    where the entry says so) with it, in the general path
     (inference and training, which also writes Akk), in one fused launch (the plan of a repeated contiguous
     inference call, fixed length or packed), as separate kernels in time segments (B = 1, long T), and cut for the
     exact time-parallel recurrence (the segment summary, the segment chain, then the packed state/output
@@ -57,13 +58,14 @@ def _kda_chunk(scope: str) -> None:
     for dt, varlen, h0, ht, svf, causal in itertools.product(d["io"], _B, _B, _B, _B, _B):
         dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                         aqk_causal=causal)  # fmt: skip
-    for dt, g_dt, b_dt, gate, l2, beta_act in _kda_intra_forms(d):
+    for dt, g_dt, b_dt, gate, l2, beta_act, extra in _kda_intra_forms(d):
         for varlen, akk in itertools.product(_B, _B):
             intra.compiled_variant(
                 varlen=varlen,
-                **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True, write_akk=akk),
+                **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True, write_akk=akk,
+                                       **extra),
             )  # fmt: skip
-        options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True)
+        options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True, **extra)
         for varlen, h0, ht, svf in itertools.product(_B, _B, _B, _B):
             state = dict(dtype=dsl_name(dt), has_initial_state=h0, has_final_state=ht,
                          state_v_first=svf, aqk_causal=True)  # fmt: skip
@@ -104,22 +106,31 @@ def _gdn_chunk(scope: str) -> None:
 
 
 def _kda_intra_forms(d: dict):
-    """(io, g, beta dtypes, gate, L2 norm, beta activation) of the calls cula's intra kernel takes with a gate per
-    channel (cula.kda.plan.use_cula_intra: the log-space gate or the lower-bound sigmoid; the softplus gate has no
-    bound)."""
+    """(io, g, beta dtypes, gate, L2 norm, beta activation, the any_gate option) of the calls cula's intra kernel
+    takes with a gate per channel (cula.kda.plan.use_cula_intra: the log-space gate or the lower-bound sigmoid
+    within their bound; where the entry's intra_any_gate is on, those and the softplus gate in the any_gate
+    variant too)."""
+    from cula.kda.plan import KDA_TUNING
     from cula.ops._host import gate_kind
     from cula.ops.kda.sm90 import intra
 
-    cute_gates = [gate_kind(fused, lb) for fused, lb in ((False, None), (True, -1.0))]
-    return itertools.product(d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS)
+    cute_gates = [(gate_kind(fused, lb), {}) for fused, lb in ((False, None), (True, -1.0))]
+    if KDA_TUNING.get((9, 0)).intra_any_gate:
+        cute_gates += [(gate, {"any_gate": True}) for gate in ("none", "lower_bound", "softplus")]
+    for dt, g_dt, b_dt, (gate, extra), l2, beta_act in itertools.product(
+        d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS
+    ):
+        yield dt, g_dt, b_dt, gate, l2, beta_act, extra
 
 
 def _kda_intra_variants(d: dict, **flags) -> None:
     """The per-channel-gate intra kernel over ``_kda_intra_forms``, fixed and packed, with launch ``flags``."""
     from cula.ops.kda.sm90 import intra
 
-    for (dt, g_dt, b_dt, gate, l2, beta_act), varlen in itertools.product(_kda_intra_forms(d), _B):
-        intra.compiled_variant(varlen=varlen, **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, **flags))
+    for (dt, g_dt, b_dt, gate, l2, beta_act, extra), varlen in itertools.product(_kda_intra_forms(d), _B):
+        intra.compiled_variant(
+            varlen=varlen, **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, **flags, **extra)
+        )
 
 
 def _kda_training(scope: str) -> None:
@@ -240,6 +251,11 @@ def _smoke() -> None:
     # training's backward: stages 4 and 5, 6 and 7 on cula's kernels where the entry says so (beta after the glue's
     # sigmoid is fp32)
     entry = KDA_TUNING.get((9, 0))
+    if entry.intra_any_gate:  # gates no bound is known of on the intra kernel: a log gate, the softplus gate
+        for gate, varlen in itertools.product(("none", "softplus"), _B):
+            any_options = intra.kernel_options(_BF16, _FP32, _BF16, gate, True, "sigmoid", g_cum_last_only=True,
+                                               any_gate=True)  # fmt: skip
+            fwd_launch.compiled_variant(any_options, state, varlen=varlen)
     if entry.bwd_dv_dhu_lanes is not None:
         bwd_dhu.compiled_variant(dtype="BFloat16", varlen=False, has_dht=True, has_dh0=True, state_v_first=False)
     if entry.bwd_wy_dqkg:
