@@ -32,11 +32,11 @@ no 8-step window of one channel decays by more than 2^100 (69 nats, i.e. a mean 
 ``gate="lower_bound"`` with ``lower_bound >= -8.6`` always satisfies it; FLA's non-safe path has no such limit, its
 safe path has a similar one). ``any_gate`` makes the kernel exact for any gate: P1 checks every channel's g_cum
 against its sub-chunk's anchor row's, and a tile where one differs from it by more than 96 (a factor past 2^96)
-takes the exact path:
-the anchor moves to each sub-chunk's first row, so every factor of an off-diagonal block is <= 1 (gates <= 0), and
-the four diagonal 16 x 16 blocks are made element by element before P2 (``sum_c x_tc k_sc exp2(gc_tc - gc_sc)``,
-every factor <= 1), replacing their products after P3. Tiles within the bound do the anchored path's arithmetic,
-bit for bit. The products run on tensor cores as tf32 ``mma.sync`` (fp32 accumulation), the
+takes the exact path: the anchor moves to each sub-chunk's first row, so every factor of an off-diagonal block is
+<= 1 (gates <= 0), and the four diagonal 16 x 16 blocks are made element by element before P2
+(``sum_c x_tc k_sc exp2(gc_tc - gc_sc)``, every factor <= 1), replacing their products after P3. Tiles within the
+bound do the anchored path's arithmetic, bit for bit. The products run on tensor cores as tf32 ``mma.sync`` (fp32
+accumulation), the
 operands rounded to nearest first, like FLA's tf32 dots (the DSL has no tf32 WGMMA). The warp-level MMA also
 lets each warp take one (key block, anchor) pair, so the blocks above the diagonal cost nothing.
 
