@@ -13,10 +13,9 @@ Stages (FLA 0.6.0 ``fla/ops/kda/chunk.py`` + ``chunk_fwd.py::chunk_kda_fwd`` are
 
 Where ``cula.kda.plan.use_cula_intra`` says so (gates bounded below by -5: ``safe_gate`` or the fused lower-bound
 gate), stages 0-2 are instead one CuTe DSL launch, ``chunk_kda_intra_sm90``, with the q/k L2 norm and the beta
-sigmoid fused. ``chunk_kda_fwd_sm90`` is the
-general path; ``prepare_chunk_kda_fwd_sm90`` binds a repeated call's launch once: both kernels from one host call
-(``fwd_launch``), packed sequences through the same, or a long single sequence in time segments
-(``cula.kda.plan.time_segments``).
+sigmoid fused. ``chunk_kda_fwd_sm90`` is the general path; ``prepare_chunk_kda_fwd_sm90`` binds a repeated call's
+launch once: both kernels from one host call (``fwd_launch``), packed sequences through the same, or a long single
+sequence in time segments (``cula.kda.plan.time_segments``).
 
 Importing fla here is deliberate: this module orchestrates FLA's Triton stages where cula's do not run.
 """
