@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
     t_start = time.perf_counter()
-    with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True), kp.split_override(args):
+    with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True), kp.cula_override(args):
         run = bc.run_suite(cfgs, lambda cfg: kp.run_config(cfg, fla_fn, cula_fn, args, ceilings, GDN),
                            args.max_seconds or None, t_start, name=NAME,
                            progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)  # fmt: skip

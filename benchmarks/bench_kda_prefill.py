@@ -255,6 +255,9 @@ class Workload:
 
 
 KDA = Workload(make_shared, make_set, CALL_FLAGS, BACKEND_REGISTRY, K)
+# --gate softplus: FLA's fused softplus gate without safe_gate, a gate no bound is known of (FLA's non-safe intra
+# stages on FLA's side; on cula's, FLA's intra stages too unless --any-gate)
+KDA_SOFTPLUS = dataclasses.replace(KDA, flags={**CALL_FLAGS, "safe_gate": False, "lower_bound": None})
 
 
 def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
@@ -336,6 +339,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", type=int, default=0, metavar="SEGMENT",
                    help="cula's calls cut in time into segments of SEGMENT tokens (a multiple of 64), whatever the "
                         "tuning's planner says")
+    p.add_argument("--gate", choices=("lower_bound", "softplus"), default="lower_bound",
+                   help="the fused gate: the lower-bound sigmoid with safe_gate (default), or the softplus gate "
+                        "without it (no bound known)")
+    p.add_argument("--any-gate", action="store_true",
+                   help="cula's calls with KdaTuning.intra_any_gate on: unbounded gates on the intra kernel's "
+                        "any_gate variant")
     return p.parse_args(argv)
 
 
@@ -362,6 +371,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
+    work = KDA_SOFTPLUS if args.gate == "softplus" else KDA
 
     meta: dict[str, Any] = {}
     with torch.inference_mode():
@@ -371,7 +381,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
-            bind(cula_chunk_kda, first_set, first_shared)()
+            with cula_override(args):
+                bind(cula_chunk_kda, first_set, first_shared, work.flags)()
             torch.cuda.synchronize()
             meta["cula_first_call_s"] = {first.name: round(time.perf_counter() - t0, 3)}
         except Exception as exc:  # noqa: BLE001  (run_config records it again as a FAIL row)
@@ -379,8 +390,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         del first_set, first_shared
 
         # The budget counts from here: the first call's compilation above is not part of it.
-        with split_override(args):
-            run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings),
+        with cula_override(args):
+            run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, ceilings, work),
                             args.max_seconds or None, time.perf_counter(),
                             progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)
         rows = run.rows
@@ -409,8 +420,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
         "CULA_KDA_INTRA": os.environ.get("CULA_KDA_INTRA", "unset"),
         "shape": {"H": H, "HV": HV, "K": K, "V": V, "chunk": CHUNK, "dtype": "bfloat16", "state": "float32"},
-        "call_flags": CALL_FLAGS,
+        "call_flags": work.flags,
         **({"cula_split": {"segment": args.split, "halves": args.halves}} if args.split else {}),
+        **({"cula_intra_any_gate": True} if args.any_gate else {}),
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         **meta,
     }
@@ -418,23 +430,31 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     return meta, rows, paths
 
 
-def split_override(args: argparse.Namespace):
-    """``--split SEGMENT`` (and ``--halves``) as a tuning override for cula's calls: every sequence longer than
-    SEGMENT tokens cut into pieces of that length, at any head count; no override without them."""
+def cula_override(args: argparse.Namespace):
+    """The tuning override for cula's calls: ``--split SEGMENT`` (and ``--halves``) cuts every sequence longer
+    than SEGMENT tokens into pieces of that length, at any head count; ``--any-gate`` turns
+    ``KdaTuning.intra_any_gate`` on; no override without them."""
     import contextlib
 
     from cula.kda.plan import KDA_TUNING
     from cula.time_split import SplitThresholds
 
-    if not args.split:
-        return contextlib.nullcontext()
-    exact = SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=args.split, min_seq_len=0)
-    return KDA_TUNING.override((9, 0), time_split=exact, time_split_halves=args.halves)
+    changes: dict[str, Any] = {}
+    if args.split:
+        exact = SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=args.split, min_seq_len=0)
+        changes.update(time_split=exact, time_split_halves=args.halves)
+    if getattr(args, "any_gate", False):
+        changes.update(intra_any_gate=True)
+    return KDA_TUNING.override((9, 0), **changes) if changes else contextlib.nullcontext()
 
 
 def split_suffix(args: argparse.Namespace) -> str:
-    """The result name's mark of ``--split`` / ``--halves`` on a main suite."""
-    return f"_split{args.split}" + ("_halves" if args.halves else "") if args.split else ""
+    """The result name's mark of ``--split`` / ``--halves`` / ``--gate softplus`` / ``--any-gate`` on a main
+    suite."""
+    mark = f"_split{args.split}" + ("_halves" if args.halves else "") if args.split else ""
+    if getattr(args, "gate", "lower_bound") != "lower_bound":
+        mark += f"_{args.gate}"
+    return mark + ("_anygate" if getattr(args, "any_gate", False) else "")
 
 
 # ------------------------------------------------------------------------------------------- time-parallel suite

@@ -641,10 +641,17 @@ def test_kda_time_parallel_cli():
 
     args = kp.parse_args(["--split", "4096", "--halves"])
     assert kp.split_suffix(args) == "_split4096_halves" and kp.split_suffix(kp.parse_args([])) == ""
-    with kp.split_override(args):
+    with kp.cula_override(args):
         entry = KDA_TUNING.get((9, 0))
         assert entry.time_split.min_segment == 4096 and entry.time_split_halves
     assert KDA_TUNING.get((9, 0)).time_split_halves is False
+    # --gate softplus (no safe_gate, no bound) and --any-gate (the intra kernel's any_gate variant for cula's calls)
+    args = kp.parse_args(["--gate", "softplus", "--any-gate"])
+    assert kp.split_suffix(args) == "_softplus_anygate"
+    assert kp.KDA_SOFTPLUS.flags["safe_gate"] is False and kp.KDA_SOFTPLUS.flags["lower_bound"] is None
+    with kp.cula_override(args):
+        assert KDA_TUNING.get((9, 0)).intra_any_gate
+    assert not KDA_TUNING.get((9, 0)).intra_any_gate
     cfg = bc.time_split_suite(quick=True)[0]
     x = kp.tp_inputs(cfg, 0, device="cpu")
     assert x["q"].shape == (1, cfg.T, cfg.H, kp.K) and x["initial_state"].shape == (cfg.N, cfg.H, kp.V, kp.K)
