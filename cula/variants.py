@@ -167,7 +167,8 @@ def _kda_training(scope: str) -> None:
 def _bwd_intra_fused(entry, d: dict) -> list[dict]:
     """The stage-7 kernel's fused-neighbour options a call can ask for under ``entry``
     (``cula.kda.fla_backward._stage7_plan``): the L2 norm's backward or not (GVA, or no L2 norm in the call), and
-    the gate's backward (the lower-bound gate, any raw-gate dtype, A_log and dt_bias each present or not) or not."""
+    the gate's backward (the lower-bound gate, any raw-gate dtype, A_log and dt_bias each present or not) or not;
+    each in the any_gate variant too where the entry's intra_any_gate is on."""
     from cula.ops._host import dsl_name
 
     gates = [{}]
@@ -175,7 +176,9 @@ def _bwd_intra_fused(entry, d: dict) -> list[dict]:
         gates += [dict(gate="lower_bound", g_raw_dtype=dsl_name(g), has_a_log=a, has_dt_bias=b)
                   for g, a, b in itertools.product(d["g"], _B, _B)]  # fmt: skip
     norms = (False, True) if entry.bwd_intra_l2norm else (False,)
-    return [dict(gate_options, l2norm=n) for n in norms for gate_options in gates]
+    fused = [dict(gate_options, l2norm=n) for n in norms for gate_options in gates]
+    # gates no bound is known of, where the forward takes them on the intra kernel: the any_gate variants
+    return fused + ([dict(f, any_gate=True) for f in fused] if entry.intra_any_gate else [])
 
 
 def _kda_decode(scope: str) -> None:
@@ -264,8 +267,9 @@ def _smoke() -> None:
         fused = {}
         if entry.bwd_intra_cumsum and entry.bwd_intra_gate:
             fused.update(gate="lower_bound", g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True)
-        bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False,
-                                   reverse_cumsum=entry.bwd_intra_cumsum, **fused)  # fmt: skip
+        for any_gate in {False, entry.intra_any_gate}:
+            bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False,
+                                       reverse_cumsum=entry.bwd_intra_cumsum, any_gate=any_gate, **fused)  # fmt: skip
     # the backward's recompute prefix on the intra kernel: every gate cumsum row, T read from the forward's Akk
     if entry.bwd_recompute_intra:  # (without u too where the forward keeps h and v_new)
         for skip_u in {False, entry.bwd_kept_states}:

@@ -164,11 +164,13 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
         assert calls[-1] == (on and exact, on and exact, False, False), kw  # stage 4: FLA's off the GPU
-    # the forward's intra kernel in its any_gate variant takes the unbounded gates too; stage 7's kernel does not
+    # with the intra kernel's any_gate variant on, the unbounded gates take stage 7's any_gate variant
     kda_tuning(intra_any_gate=True)
     for kw, exact in gates:
         fla_backward.chunk_kda_bwd(q=q, v=q, **kw)
-        assert calls[-1] == (on and exact, on and exact, False, False), kw
+        assert calls[-1] == (on, on, False, False), kw
+        flags, call = fla_backward._stage7_plan(dict(kw, q=q, v=q), None)
+        assert flags[0] == on and call.any_gate == (on and not exact), kw
 
 
 def test_stage7_fuses_the_gate_and_the_l2_norm_where_the_tuning_says(monkeypatch, kda_tuning):

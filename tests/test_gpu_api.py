@@ -207,8 +207,8 @@ def test_chunk_kda_cuda_backward_matches_fla(fused, safe_gate, monkeypatch):
 @pytest.mark.parametrize("lens", [None, [1, 0, 63, 200, 37]], ids=["fixed", "packed"])
 def test_chunk_kda_any_gate_cuda(lens, kda_tuning):
     """A log-space gate without safe_gate, steps of -80 nats on 3% of the channels, on cula's intra kernel in its
-    any_gate variant (KdaTuning.intra_any_gate): inference and a training step (FLA's stage 7 for these gates)
-    against FLA's non-safe path and the float64 reference."""
+    any_gate variant (KdaTuning.intra_any_gate): inference and a training step (stage 7 on its kernel's any_gate
+    variant) against FLA's non-safe path and the float64 reference."""
     import fla.ops.kda as fk
 
     import cula.kda as ck

@@ -282,6 +282,7 @@ class _Stage7Call:
     qk_rstd: tuple | None = None
     gate: tuple | None = None
     gate_grads: tuple | None = None
+    any_gate: bool = False  # gates no bound is known of: the kernel's any_gate variant
 
 
 _STAGE7_CALL: contextvars.ContextVar[_Stage7Call | None] = contextvars.ContextVar("cula_stage7_call", default=None)
@@ -306,7 +307,7 @@ def _bwd_intra(
         out = chunk_kda_bwd_intra_sm90(
             q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens,
             chunk_indices=cula_chunk_rows(chunk_indices, cu_seqlens, use_graph), chunk_size=chunk_size,
-            reverse_cumsum_dg=cumsum, qk_rstd=call.qk_rstd, gate=call.gate, in_place=True,
+            reverse_cumsum_dg=cumsum, qk_rstd=call.qk_rstd, gate=call.gate, in_place=True, any_gate=call.any_gate,
         )  # fmt: skip
         if call.gate is not None:
             call.gate_grads = out[3:]
@@ -339,14 +340,12 @@ def _stage7_ours(q, v, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -
     conditions hold and the call's gates are ones its anchored factors are exact for (the forward's intra kernel
     took the call, ``cula.kda.plan.use_cula_intra``); and whether that kernel also does stage 8
     (``KdaTuning.bwd_intra_cumsum``)."""
-    from cula.kda.plan import gates_bounded, use_cula_intra
+    from cula.kda.plan import use_cula_intra
 
-    # stage 7 has no value dimension: V = 128 stands for "any". Its kernel factors the gate as the intra kernel
-    # does without any_gate: bounded gates only
-    ours = (
-        use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound)
-        and gates_bounded(safe_gate, use_gate_in_kernel, lower_bound)
-        and _stage_on("bwd_intra", q, q.shape[-1], 128, chunk_size)
+    # stage 7 has no value dimension: V = 128 stands for "any". Gates the intra kernel takes only in its any_gate
+    # variant take stage 7's any_gate variant too (_stage7_plan)
+    ours = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound) and _stage_on(
+        "bwd_intra", q, q.shape[-1], 128, chunk_size
     )
     return ours, ours and _entry(q.device).bwd_intra_cumsum
 
@@ -441,6 +440,9 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
     call = _Stage7Call()
     if not ours:
         return (ours, cumsum, False), call
+    from cula.kda.plan import intra_any_gate
+
+    call.any_gate = intra_any_gate(kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False), lower_bound)
     entry = _entry(q.device)
     A_log, dt_bias, g_raw = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("g_org")
     if (cumsum and entry.bwd_intra_gate and kwargs.get("use_gate_in_kernel", False) and lower_bound is not None

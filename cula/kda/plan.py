@@ -99,9 +99,10 @@ class KdaTuning:
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
     bwd_wy_dqkg: bool = False
 
-    # chunk_kda: cula's intra kernel also for gates no bound is known of (a log-space gate without safe_gate, the
-    # fused softplus gate, lower_bound < -5), in its any_gate variant: a tile whose gates break the anchored
-    # factoring's bound makes its diagonal score blocks element by element; else FLA's intra stages run for them
+    # chunk_kda: cula's intra kernel (and in training stage 7's) also for gates no bound is known of (a log-space
+    # gate without safe_gate, the fused softplus gate, lower_bound < -5), in their any_gate variants: a tile whose
+    # gates break the anchored factoring's bound makes its diagonal score blocks element by element; else FLA's
+    # intra stages run for them
     intra_any_gate: bool = False
 
     # chunk_kda: when and how long sequences with few heads are cut into segments whose recurrences run at once

@@ -35,6 +35,10 @@ _VARIANTS = [
     {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True, "l2norm": False,
      "gate": "lower_bound", "g_raw_dtype": "BFloat16", "has_a_log": False, "has_dt_bias": False},
     {"dtype": "Float16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": False, "l2norm": True},
+    # any_gate (exact for any gate): the training defaults of a softplus or log gate (the gate's backward is FLA's)
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": False, "reverse_cumsum": True, "l2norm": True,
+     "any_gate": True},
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True, "any_gate": True},
 ]
 
 _COMPILE_SCRIPT = dump_script(
@@ -50,8 +54,10 @@ def compiled_variants(tmp_path_factory):
 
 @pytest.mark.parametrize("idx", range(len(_VARIANTS)), ids=["-".join(map(str, v.values())) for v in _VARIANTS])
 def test_variant_compiles_sm90a(compiled_variants, idx):
-    # the epilogues' batched gradient loads spill 16 bytes and measured faster than every spill-free batching
-    assert_mma_sync_kernel(compiled_variants[idx], max_spill_bytes=16)
+    # the epilogues' batched gradient loads spill 16 bytes and measured faster than every spill-free batching; the
+    # any_gate variants (the exact path's folds beside both products' accumulators) 16-32 bytes of stores, 48-80 of
+    # reloads
+    assert_mma_sync_kernel(compiled_variants[idx], max_spill_bytes=80 if _VARIANTS[idx].get("any_gate") else 16)
 
 
 def _zeros(B=1, T=100, H=1, HV=2, K=128):
@@ -158,6 +164,52 @@ def test_bwd_intra_vs_fla_and_f64_cuda(B, T, H, HV, lens, beta_dtype, gate):
     ours_err = rel_rmse(exact, suffix(ours[3].cpu() - case["dg"]))
     fla_err = rel_rmse(exact, suffix(fla[3].float().cpu() - case["dg"]))
     assert ours_err <= max(1.5 * fla_err, 1e-3), f"dg suffix sums vs f64: ours {ours_err:.2e}, FLA {fla_err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,T,H,HV,lens", [(2, 300, 1, 2, None), (1, 501, 2, 2, [300, 0, 1, 129, 64, 7])], ids=["fixed-gva", "packed"]
+)  # fmt: skip
+def test_any_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens):
+    """The any_gate variant on steep gates (a chunk-local cumsum of steps of -0.7 nats on average with one step in
+    30 of -80 nats: tiles past the anchored bound beside tiles within it): every output and increment against the
+    float64 contract and FLA's (non-safe) kernel, with stage 8 on chip too; on mild gates the plain variant's bits."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+
+    from cula.kda.naive_bwd import chunk_kda_bwd_intra_reference
+    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
+
+    case = _gpu_case(B, T, H, HV, lens, "mild", torch.float32, seed=11)
+    gpu = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in case.items()}
+    mild = chunk_kda_bwd_intra_sm90(**gpu)
+    mild_any = chunk_kda_bwd_intra_sm90(**gpu, any_gate=True)
+    torch.cuda.synchronize()
+    for name, x, y in zip(("dq", "dk", "db", "dg"), mild, mild_any):
+        assert torch.equal(x, y), name
+    gen = torch.Generator().manual_seed(12)
+    a = -1.0 * torch.rand(case["g"].shape, generator=gen)
+    a = a.masked_fill(torch.rand(case["g"].shape, generator=gen) < 1 / 30, -80.0) / math.log(2)
+    for c0, c1 in _chunk_bounds(T, case["cu_seqlens"]):
+        case["g"][:, c0:c1] = a[:, c0:c1].cumsum(1)
+    gpu["g"] = case["g"].cuda()
+    ref = chunk_kda_bwd_intra_reference(**case)
+    ours = chunk_kda_bwd_intra_sm90(**gpu, any_gate=True)
+    fused = chunk_kda_bwd_intra_sm90(**gpu, any_gate=True, reverse_cumsum_dg=True)
+    fla = chunk_kda_bwd_intra(**gpu, safe_gate=False, lower_bound=None)
+    torch.cuda.synchronize()
+    incoming = (case["dq"], case["dk"], case["db"], case["dg"])
+    for name, o, f, r, acc in zip(("dq", "dk", "db", "dg"), ours, fla, ref, incoming):
+        assert not o.isnan().any(), name
+        o, f = o.cpu(), f.float().cpu()
+        tol = 2e-2 if name in ("db", "dg") else 8e-3
+        assert_close(f"{name} vs f64", r.float(), o, 5e-3)
+        assert_close(f"{name} increment vs f64", (r - acc).float(), o - acc, tol)
+        assert_close(f"{name} increment vs FLA", f - acc, o - acc, tol)
+    for name, o, x in zip(("dq", "dk", "db"), ours, fused):
+        assert torch.equal(o, x), name
+    assert not fused[3].isnan().any()
 
 
 def test_launcher_validates_the_fused_neighbours():

@@ -22,22 +22,24 @@ def __getattr__(name):
 
 
 def variant_key(dtype="BFloat16", beta_dtype="Float32", varlen=False, reverse_cumsum=False, l2norm=False, gate=None,
-                g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True, arch=(9, 0)) -> tuple:  # fmt: skip
+                g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True, any_gate=False,
+                arch=(9, 0)) -> tuple:  # fmt: skip
     """The compile key of a variant; dtypes as DSL types, their names or torch dtypes. The gate's options are
-    normalised away without ``gate``."""
+    normalised away without ``gate``; ``any_gate`` is in the key only when on (the other keys stay)."""
     fused = (bool(l2norm), gate) + ((dsl_name(g_raw_dtype), bool(has_a_log), bool(has_dt_bias)) if gate else ())
     return ("kda.bwd_intra", "ChunkKDABwdIntraSm90", dsl_name(dtype), dsl_name(beta_dtype), 128, 64, bool(varlen),
-            bool(reverse_cumsum), fused, arch)  # fmt: skip
+            bool(reverse_cumsum), fused, arch, *(("any_gate",) if any_gate else ()))  # fmt: skip
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
-    dtype, beta_dtype, _K, _BT, varlen, reverse_cumsum, fused, arch = key[2:]
+    dtype, beta_dtype, _K, _BT, varlen, reverse_cumsum, fused, arch = key[2:10]
     l2norm, gate = fused[:2]
     gate_options = dict(zip(("g_raw_dtype", "has_a_log", "has_dt_bias"), fused[2:]))
     return compiled_kernel(
         key, lambda: kernel_attr(__name__, "_compile")(
-            dtype, beta_dtype, varlen, arch, reverse_cumsum=reverse_cumsum, l2norm=l2norm, gate=gate, **gate_options
+            dtype, beta_dtype, varlen, arch, reverse_cumsum=reverse_cumsum, l2norm=l2norm, gate=gate,
+            any_gate="any_gate" in key[10:], **gate_options,
         ),
     )  # fmt: skip
 
@@ -65,11 +67,14 @@ def chunk_kda_bwd_intra_sm90(
     qk_rstd: tuple[torch.Tensor, torch.Tensor] | None = None,
     gate: tuple | None = None,
     in_place: bool = False,
+    any_gate: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """FLA's ``chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, ...)`` on SM90: the same arguments
     and returns ``(dq, dk, db, dg)``, new fp32 tensors (contract: ``cula.kda.naive_bwd.chunk_kda_bwd_intra_reference``;
     exact while no 8 steps of one channel's gate decay by more than 2^100, see the kernel's docstring). With
     ``reverse_cumsum_dg`` dg comes back as FLA's next stage makes it, ``chunk_local_cumsum(dg, reverse=True)``.
+    ``any_gate``: exact for any gate (the kernel's any_gate variant: a tile whose gates break that bound makes its
+    diagonal blocks element by element).
 
     Two later stages of FLA's backward can run in the same launch (see the kernel's docstring):
 
@@ -139,7 +144,7 @@ def chunk_kda_bwd_intra_sm90(
             dtype=dsl_name(q.dtype), beta_dtype=dsl_name(beta.dtype), varlen=varlen, reverse_cumsum=reverse_cumsum_dg,
             l2norm=qk_rstd is not None, gate=None if gate is None else "lower_bound",
             g_raw_dtype=dsl_name(fused["g_raw"].dtype), has_a_log=gate is not None and gate[1] is not None,
-            has_dt_bias=gate is not None and gate[2] is not None,
+            has_dt_bias=gate is not None and gate[2] is not None, any_gate=any_gate,
         )  # fmt: skip
 
         def flat(t):

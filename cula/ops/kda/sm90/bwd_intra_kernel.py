@@ -19,7 +19,14 @@ last valid row): the "row" products (dq_intra, row) of output sub-chunk i are ``
 output sub-chunk j are ``exp2(g_a - g_s) * sum_t dA[t, s] (x_t exp2(g_t - g_a))`` over the query sub-chunks
 i >= j, with a the anchor of the output sub-chunk. Exponents are clamped at 100 (base 2) as in the forward intra
 kernel, with the same exactness condition (no 8-step window of one channel decays by more than 2^100; the
-training path takes this kernel only where the forward's intra kernel ran, which requires it). The products run as
+training path takes this kernel only where the forward's intra kernel ran, which requires it). ``any_gate`` makes
+it exact for any gate, as the forward intra kernel's variant of that name: after phase L every valid g of each
+sub-chunk is checked against its anchor row's, and a tile where one differs by more than 96 (base 2) takes the exact
+path: the row products anchor at the output sub-chunk's first row and the column products at its last valid row
+(every factor of an off-diagonal block is then at most 1, nothing clamped), and the diagonal block is summed element
+by element (``exp2(g_t - g_s)`` per term, fp32) into the accumulators with their factor (``_row_fold``,
+``_column_fold``), the epilogues' factor then 1. Tiles within the bound do the anchored products' arithmetic. The
+products run as
 tf32 ``mma.sync`` (m16n8k8, fp32 accumulation) with operands rounded to nearest, as FLA's tf32 dots; the diagonal
 blocks (i = j) as 3xTF32 (each operand split into tf32 ``hi + lo``, three products), as FLA's bf16x3 there: dg's
 ``q dq_intra`` and ``k col`` terms cancel pairwise in the reverse cumsum over the chunk, and tf32's rounding of the
@@ -32,7 +39,7 @@ phase  work
 =====  ======================================================================================================
 L      all threads: q, k (head hv // (HV/H)) bf16, g fp32, dAqk, dAkk fp32 (cp.async) and beta to padded shared
        rows, zeros past the sequence end; the incoming dq, dk, dg rows (and g_raw) prefetched into L2 for the
-       epilogues; CTA barrier
+       epilogues; CTA barrier (any_gate: the steepness check, voted per warp into shared memory; CTA barrier)
 R      warp w: output sub-chunk i = w % 4, channel half w // 4. Row products (dq_intra, row) over key blocks
        j <= i, two accumulators [16 x 64] fed by one B operand (k times its factor, built in registers); then
        dq, and dk / dg with the row terms, to global memory, and the half's db partial to shared memory
@@ -88,6 +95,9 @@ from cula.ops.cute_common import (
 __all__ = ["ChunkKDABwdIntraSm90"]
 
 _ANCHOR_CLAMP = 100.0  # base-2 exponent cap of the gate factors (see the module docstring)
+# any_gate: a tile takes the anchored products where no valid g of a sub-chunk lies further than this (base 2) from
+# its anchor row's, so that no factor reaches the clamp
+_ANCHOR_SPAN = 96.0
 
 
 @cute.jit
@@ -134,7 +144,7 @@ class ChunkKDABwdIntraSm90:
 
     def __init__(self, dtype=BFloat16, beta_dtype=Float32, varlen: bool = False, reverse_cumsum: bool = False,
                  l2norm: bool = False, gate: str | None = None, g_raw_dtype=Float32, has_a_log: bool = True,
-                 has_dt_bias: bool = True):  # fmt: skip
+                 has_dt_bias: bool = True, any_gate: bool = False):  # fmt: skip
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         if beta_dtype not in (BFloat16, Float16, Float32):
@@ -148,6 +158,9 @@ class ChunkKDABwdIntraSm90:
         self.dtype, self.beta_dtype, self.varlen = dtype, beta_dtype, bool(varlen)
         self.reverse_cumsum, self.l2norm, self.gate = bool(reverse_cumsum), bool(l2norm), gate
         self.g_raw_dtype, self.has_a_log, self.has_dt_bias = g_raw_dtype, bool(has_a_log), bool(has_dt_bias)
+        # exact for any gate (see the module docstring): tiles whose gates break the anchored factoring's bound take
+        # the exact path
+        self.any_gate = bool(any_gate)
         self.bt, self.dk = 64, 128
         self.num_threads = 256
         # padded row strides (elements), see the module docstring
@@ -203,6 +216,8 @@ class ChunkKDABwdIntraSm90:
             sDot: cute.struct.Align[cute.struct.MemRange[Float32, 4 * BT], 16]
             # the gate backward's partial sums: ddt_bias per channel for both row halves, dA_log per warp
             sGate: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.dk + 8], 16]
+            # any_gate (empty otherwise): per warp, whether a channel of its steps past the anchored bound
+            sFlags: cute.struct.Align[cute.struct.MemRange[Int32, 8 if self.any_gate else 0], 16]
 
         self.storage = Storage
         self.kernel(
@@ -258,18 +273,32 @@ class ChunkKDABwdIntraSm90:
             sub = warp_idx % 4
             half = warp_idx // 4
             anchor = cutlass.min(16 * sub + 8, valid - 1)
+            # the row and column products' anchors; any_gate's exact path: the output sub-chunk's first row for the
+            # rows and its last valid row for the columns (every factor of an off-diagonal block <= 1), the diagonal
+            # blocks element by element in the epilogues
+            anchor_r, anchor_c = anchor, anchor
+            slow = False
+            if const_expr(self.any_gate):
+                sFlags = storage.sFlags.get_tensor(cute.make_layout(8))
+                self._steep_check(sG, sFlags, valid, tidx, warp_idx, lane)
+                cute.arch.barrier()
+                steep = sFlags[0] | sFlags[1] | sFlags[2] | sFlags[3] | sFlags[4] | sFlags[5] | sFlags[6] | sFlags[7]
+                slow = steep != 0
+                anchor_r = Int32(cutlass.select_(slow, 16 * sub, anchor))
+                anchor_c = Int32(cutlass.select_(slow, cutlass.min(16 * sub + 15, valid - 1), anchor))
             acc_col = n_tile_accumulators(tiled, 8)  # both column products sum into one: dk takes their sum
             if 16 * sub < valid:
                 self._row_unit(tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, mDq, mDk, mDg, mDq2, mDk2, mDg2,
-                               mQRstd, mDqN, tok0, h, hv, valid, sub, half, anchor, lane)  # fmt: skip
-                self._column_products(tiled, acc_col, sQ, sK, sG, sAq, sAk, sBeta, valid, sub, half, anchor, lane)
+                               mQRstd, mDqN, tok0, h, hv, valid, sub, half, anchor_r, lane, slow)  # fmt: skip
+                self._column_products(tiled, acc_col, sQ, sK, sG, sAq, sAk, sBeta, valid, sub, half, anchor_c, lane,
+                                      slow)  # fmt: skip
             # with the reverse cumsum, dg's rows go to shared memory over the score gradients: once all are read
             sDG = cute.make_tensor(sAq.iterator, cute.make_layout((BT, DK), stride=(self.g_ld, 1)))
             if const_expr(self.reverse_cumsum):
                 cute.arch.barrier()
             if 16 * sub < valid:
                 self._column_epilogue(acc_col, sK, sG, sDot, mDk2, mDg2, mKRstd, mDkN, sDG, tok0, h, hv, valid, sub,
-                                      half, anchor, lane)  # fmt: skip
+                                      half, anchor_c, lane, slow)  # fmt: skip
             cute.arch.barrier()
             if const_expr(self.reverse_cumsum):
                 self._reverse_cumsum(sDG, sGate, mDg2, mGRaw, mALog, mDtBias, mDgRaw, lower_bound, tok0, hv, valid,
@@ -298,15 +327,22 @@ class ChunkKDABwdIntraSm90:
 
     @cute.jit
     def _row_unit(self, tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, mDq, mDk, mDg, mDq2, mDk2, mDg2, mQRstd,
-                  mDqN, tok0, h, hv, valid, sub, half, anchor, lane):  # fmt: skip
+                  mDqN, tok0, h, hv, valid, sub, half, anchor, lane, slow=False):  # fmt: skip
         """Phase R for output rows 16 sub .. +15 and channels 64 half .. +63 (with ``l2norm``, dq through the L2
-        norm's backward into ``mDqN``)."""
+        norm's backward into ``mDqN``). ``slow``: any_gate's exact path (the diagonal block element by element,
+        folded into the accumulators with their factor, ``_row_fold``)."""
         g_, c = lane // 4, lane % 4
         ch0 = half * 64
         acc_q, acc_l = n_tile_accumulators(tiled, 8), n_tile_accumulators(tiled, 8)
         for j in cutlass.range(sub, unroll=1):
             self._row_block(tiled, acc_q, acc_l, sAq, sAk, sK, sG, 16 * j, sub, ch0, anchor, lane, False)
-        self._row_block(tiled, acc_q, acc_l, sAq, sAk, sK, sG, 16 * sub, sub, ch0, anchor, lane, True)
+        if const_expr(self.any_gate):
+            if slow:
+                self._row_fold(acc_q, acc_l, sAq, sAk, sK, sG, sub, ch0, anchor, lane)
+            else:
+                self._row_block(tiled, acc_q, acc_l, sAq, sAk, sK, sG, 16 * sub, sub, ch0, anchor, lane, True)
+        else:
+            self._row_block(tiled, acc_q, acc_l, sAq, sAk, sK, sG, 16 * sub, sub, ch0, anchor, lane, True)
 
         # epilogue: n-tile nt's accumulator holds (row g + 8 hh, column 8 nt + 2 c + v) at index v + 2 hh. The
         # gradient inputs of all eight n-tiles are loaded before the first output is stored: the compiler cannot
@@ -338,6 +374,8 @@ class ChunkKDABwdIntraSm90:
                     cute.autovec_copy(vec_at(sK, (t, ch), 2, 2), k2)
                     for v in cutlass.range_constexpr(2):
                         f = cute.math.exp2(cute.arch.fmin(gt[v] - g_a[v], _ANCHOR_CLAMP), fastmath=True)
+                        if const_expr(self.any_gate):  # the exact path folded the factor in (_row_fold)
+                            f = Float32(cutlass.select_(slow, Float32(1.0), f))
                         dqi = f * acc_q[nt][v + 2 * hh]
                         row = f * acc_l[nt][v + 2 * hh]
                         qv, kv = q2[v].to(Float32), k2[v].to(Float32)
@@ -396,13 +434,24 @@ class ChunkKDABwdIntraSm90:
                 _tf32_gemm(tiled, acc_l[nt], fl, fb)
 
     @cute.jit
-    def _column_products(self, tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, valid, sub, half, anchor, lane):
+    def _column_products(self, tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, valid, sub, half, anchor, lane, slow=False):
         """Phase C's products for output rows 16 sub .. +15 and channels 64 half .. +63 (the rows and channels of
-        phase R) into ``acc``."""
+        phase R) into ``acc``; ``slow``: any_gate's exact path (the diagonal block element by element, folded in
+        with the factor after the off-diagonal ones, ``_column_fold``, while the score gradients are still in
+        shared memory)."""
         ch0 = half * 64
-        self._column_block(tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, 16 * sub, sub, ch0, anchor, lane, True)
+        if const_expr(self.any_gate):
+            if slow:
+                pass  # the diagonal block: _column_fold below
+            else:
+                self._column_block(tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, 16 * sub, sub, ch0, anchor, lane, True)
+        else:
+            self._column_block(tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, 16 * sub, sub, ch0, anchor, lane, True)
         for i in cutlass.range(sub + 1, (valid + 15) // 16, unroll=1):
             self._column_block(tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, 16 * i, sub, ch0, anchor, lane, False)
+        if const_expr(self.any_gate):
+            if slow:
+                self._column_fold(acc, sQ, sK, sG, sAq, sAk, sBeta, sub, ch0, anchor, lane)
 
     @cute.jit
     def _column_block(self, tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, t_blk, sub, ch0, anchor, lane,
@@ -441,7 +490,7 @@ class ChunkKDABwdIntraSm90:
 
     @cute.jit
     def _column_epilogue(self, acc, sK, sG, sDot, mDk2, mDg2, mKRstd, mDkN, sDG, tok0, h, hv, valid, sub, half,
-                         anchor, lane):  # fmt: skip
+                         anchor, lane, slow=False):  # fmt: skip
         """Phase C's epilogue: dk and dg of phase R completed in place (dg into ``sDG`` instead with
         ``reverse_cumsum``; with ``l2norm``, dk through the L2 norm's backward into ``mDkN``)."""
         g_, c = lane // 4, lane % 4
@@ -467,6 +516,8 @@ class ChunkKDABwdIntraSm90:
                     cute.autovec_copy(vec_at(sK, (s, ch), 2, 2), k2)
                     for v in cutlass.range_constexpr(2):
                         f = cute.math.exp2(cute.arch.fmin(g_a[v] - gs[v], _ANCHOR_CLAMP), fastmath=True)
+                        if const_expr(self.any_gate):  # the exact path folded the factor in (_column_fold)
+                            f = Float32(cutlass.select_(slow, Float32(1.0), f))
                         col = f * acc[nt][v + 2 * hh]
                         dk[v] = dk[v] + col
                         dg[v] = dg[v] - k2[v].to(Float32) * col
@@ -480,6 +531,66 @@ class ChunkKDABwdIntraSm90:
                         cute.autovec_copy(dg, vec_at(mDg2, (tok0 + s, hv, ch), 2, 2))
             if const_expr(self.l2norm):
                 self._l2norm_rows(dk_fin, sK, sDot, mKRstd, mDkN, 1, tok0, s, h, valid, sub, half, lane)
+
+    @cute.jit
+    def _steep_check(self, sG, sFlags, valid, tidx, warp_idx, lane):
+        """any_gate: whether some valid g of a sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from its anchor
+        row's (the anchored products' factors would reach the clamp), voted per warp into ``sFlags``. Thread j:
+        channel j % 128 of sub-chunks 2 (j // 128) and + 1."""
+        ch = tidx % 128
+        far = Int32(0)
+        for u in cutlass.range_constexpr(2):
+            sub = 2 * (tidx // 128) + u
+            ga = sG[cutlass.max(cutlass.min(16 * sub + 8, valid - 1), 0), ch]
+            for r in cutlass.range_constexpr(16):
+                t = 16 * sub + r
+                d = Float32(cutlass.select_(t < valid, sG[t, ch] - ga, Float32(0.0)))
+                far = Int32(cutlass.select_(cute.arch.fmax(d, -d) > _ANCHOR_SPAN, 1, far))
+        anyfar = cute.arch.vote_any_sync(far != 0)
+        if lane == 0:
+            sFlags[warp_idx] = Int32(cutlass.select_(anyfar, 1, 0))
+
+    @cute.jit
+    def _row_fold(self, acc_q, acc_l, sAq, sAk, sK, sG, sub, ch0, anchor, lane):
+        """any_gate's exact path, phase R: ``acc <- exp2(g_t - g_a) acc + sum_{s in the sub-chunk, s <= t} dA[t, s]
+        k_s exp2(g_t - g_s)`` for dAqk (dq_intra) and dAkk (row), every factor at most 1 (gates <= 0; exponents
+        clamped at the rows past the sequence end, whose k is 0). The epilogue then takes the factor as 1."""
+        g_, c = lane // 4, lane % 4
+        for hh in cutlass.range_constexpr(2):
+            t = 16 * sub + g_ + 8 * hh
+            for nt in cutlass.range_constexpr(8):
+                for v in cutlass.range_constexpr(2):
+                    ch = ch0 + 8 * nt + 2 * c + v
+                    gt = sG[t, ch]
+                    f = cute.math.exp2(cute.arch.fmin(gt - sG[anchor, ch], _ANCHOR_CLAMP), fastmath=True)
+                    dq_d, row_d = Float32(0.0), Float32(0.0)
+                    for s in cutlass.range(16 * sub, t + 1, unroll=1):
+                        e = cute.math.exp2(cute.arch.fmin(gt - sG[s, ch], _ANCHOR_CLAMP), fastmath=True)
+                        ks = sK[s, ch].to(Float32) * e
+                        dq_d = dq_d + sAq[t, s] * ks
+                        row_d = row_d + sAk[t, s] * ks
+                    acc_q[nt][v + 2 * hh] = f * acc_q[nt][v + 2 * hh] + dq_d
+                    acc_l[nt][v + 2 * hh] = f * acc_l[nt][v + 2 * hh] + row_d
+
+    @cute.jit
+    def _column_fold(self, acc, sQ, sK, sG, sAq, sAk, sBeta, sub, ch0, anchor, lane):
+        """any_gate's exact path, phase C: ``acc <- exp2(g_a - g_s) acc + sum_{t in the sub-chunk, t >= s}
+        (dAqk[t, s] q_t + dAkk[t, s] beta_t k_t) exp2(g_t - g_s)``, every factor at most 1 (rows past the sequence
+        end have q = k = 0). The epilogue then takes the factor as 1."""
+        g_, c = lane // 4, lane % 4
+        for hh in cutlass.range_constexpr(2):
+            s = 16 * sub + g_ + 8 * hh
+            for nt in cutlass.range_constexpr(8):
+                for v in cutlass.range_constexpr(2):
+                    ch = ch0 + 8 * nt + 2 * c + v
+                    gs = sG[s, ch]
+                    f = cute.math.exp2(cute.arch.fmin(sG[anchor, ch] - gs, _ANCHOR_CLAMP), fastmath=True)
+                    col_d = Float32(0.0)
+                    for t in cutlass.range(s, 16 * sub + 16, unroll=1):
+                        e = cute.math.exp2(cute.arch.fmin(sG[t, ch] - gs, _ANCHOR_CLAMP), fastmath=True)
+                        x = sAq[t, s] * sQ[t, ch].to(Float32) + sAk[t, s] * sBeta[t] * sK[t, ch].to(Float32)
+                        col_d = col_d + x * e
+                    acc[nt][v + 2 * hh] = f * acc[nt][v + 2 * hh] + col_d
 
     @cute.jit
     def _l2norm_rows(self, dy, sY, sDot, mRstd, mOut, which, tok0, t, h, valid, sub, half, lane):
@@ -586,7 +697,7 @@ class ChunkKDABwdIntraSm90:
 
 
 def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options="", reverse_cumsum=False, l2norm=False, gate=None,
-             g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True):  # fmt: skip
+             g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True, any_gate=False):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
@@ -594,7 +705,7 @@ def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options="", reverse_c
     dtype, beta_dtype, g_raw_dtype = dsl_type(dtype), dsl_type(beta_dtype), dsl_type(g_raw_dtype)
     kernel = ChunkKDABwdIntraSm90(
         dtype=dtype, beta_dtype=beta_dtype, varlen=varlen, reverse_cumsum=reverse_cumsum, l2norm=l2norm, gate=gate,
-        g_raw_dtype=g_raw_dtype, has_a_log=has_a_log, has_dt_bias=has_dt_bias,
+        g_raw_dtype=g_raw_dtype, has_a_log=has_a_log, has_dt_bias=has_dt_bias, any_gate=any_gate,
     )  # fmt: skip
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
