@@ -36,6 +36,9 @@ stages on whatever the tuning entry says (``KdaTuning`` flag names, ``bwd_dv_dhu
 at every lane count; results named after them); ``--also`` times cula's side again with more stages on, in the same
 process (FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``;
 ``disable_recompute`` among the flags calls cula's side with that argument (peak memory beside the time).
+``--gate softplus``: the fused softplus gate without ``safe_gate`` (no bound known), on both sides; with
+``intra_any_gate`` among the stages cula's intra and stage-7 kernels take it in their any_gate variants (results
+named ``kda_training_softplus_...``).
 """
 
 from __future__ import annotations
@@ -407,7 +410,7 @@ def _stages_on(stages):
 # KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
 _STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_lanes", (1, 1 << 30))}
 _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
-                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_kept_states")  # fmt: skip
+                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_kept_states", "intra_any_gate")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)
@@ -450,6 +453,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--also", type=_also, action="append", default=[], metavar="NAME=FLAG[,FLAG...]",
                    help="time cula's side again with these backward stages on too (KdaTuning flag names), FLA timed "
                         "once: columns NAME_ms and NAME_speedup; repeatable")  # fmt: skip
+    p.add_argument("--gate", choices=("lower_bound", "softplus"), default="lower_bound",
+                   help="the fused gate: the lower-bound sigmoid with safe_gate (default), or the softplus gate "
+                        "without it (no bound known: FLA's non-safe stages; cula's intra and stage-7 kernels only with "
+                        "intra_any_gate among the stages)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -472,8 +479,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     ceilings = bc.reported_ceilings(NAME)
     args.copy_bw_tbps = ceilings["copy_bw_tbps"]
     stages = args.stages
+    work = kp.KDA_SOFTPLUS if args.gate == "softplus" else kp.KDA
     with _stages_on(stages):
-        run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args),
+        run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, work),
                         args.max_seconds or None, time.perf_counter(), progress=bc.PROGRESS_KEYS + ("backend",),
                         record_wall=False)  # fmt: skip
         entry = dataclasses.asdict(KDA_TUNING.get((9, 0)))
@@ -485,7 +493,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "cula_tuning": entry,
         "shape": {"H = HV": f"{kp.H} (kda_prefill's shapes) or per row (the research shapes)", "K": kp.K, "V": kp.V,
                   "chunk": kp.CHUNK, "dtype": "bfloat16", "state": "float32"},  # fmt: skip
-        "call_flags": kp.CALL_FLAGS,
+        "call_flags": work.flags,
         "step": "chunk_kda forward + torch.autograd.backward((o, ht), (do, dht)) on 8 leaves, .grad set to None first",
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
@@ -493,7 +501,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     timing_mode(meta, args)
     extra = [f"{name}_{col}" for name, _ in args.also
              for col in ("ms", "speedup", "graph_ms", "graph_speedup", "peak_mib", "saved_mib")]  # fmt: skip
-    paths = bc.write_suite(NAME + "".join("_" + s for s in stages) + "".join("_also_" + n for n, _ in args.also),
+    gate = "" if args.gate == "lower_bound" else "_" + args.gate
+    paths = bc.write_suite(NAME + gate + "".join("_" + s for s in stages) + "".join("_also_" + n for n, _ in args.also),
                            args, meta, rows, MD_COLUMNS + tuple(extra))  # fmt: skip
     # from the written rows: with --merge, the earlier runs' profiles too
     tables = kernel_markdown(json.loads(paths["json"].read_text())["rows"])

@@ -228,6 +228,9 @@ def test_training_also_times_more_stage_sets(cpu_bench, monkeypatch):
     # --stages: the flags in KdaTuning's order, whatever order they are given in
     assert kt.parse_args(["--stages", "bwd_intra_cumsum, bwd_intra"]).stages == ("bwd_intra", "bwd_intra_cumsum")
     assert kt.parse_args([]).stages == ()
+    # the softplus gate without safe_gate, cula's intra and stage-7 kernels on their any_gate variants
+    args = kt.parse_args(["--gate", "softplus", "--stages", "intra_any_gate"])
+    assert args.gate == "softplus" and args.stages == ("intra_any_gate",) and kt.parse_args([]).gate == "lower_bound"
     for bad in ("", "bwd_nothing", "bwd_intra,disable_recompute"):
         with pytest.raises(SystemExit):
             kt.parse_args(["--stages", bad])
