@@ -674,8 +674,8 @@ class ChunkKDAIntraFwdSm90:
         """P1: the gate activation and its chunk cumsum (warpgroup 0, a channel a thread, g_cum into shared
         memory), the q and k rows past the sequence end zeroed and the others L2-normalised (warpgroup 1, a row a
         thread). With ``any_gate`` warpgroup 0 also records per warp in ``sFlags`` whether a channel's g_cum in some
-        sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from the anchor row's (rows past the sequence end
-        included: at worst a tile takes the exact path it did not need)."""
+        sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from the anchor row's, rows past the sequence end taken
+        as the products read them (the last valid row's g_cum)."""
         BT, DK, dt = self.bt, self.dk, self.dtype
         if wg == 0:
             # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
@@ -689,7 +689,7 @@ class ChunkKDAIntraFwdSm90:
             cols = [Int32(tid) ^ Int32(8 * j) for j in range(GB)]
             nxt = [self._raw_gate(sGin0, base, tid, e) for e in range(GB)]
             far = Int32(0)  # any_gate: a sub-chunk's g_cum strays too far from its anchor row's
-            hi, lo, mid = acc, acc, acc
+            hi, lo, mid, lastv = acc, acc, acc, acc
             for blk in cutlass.range_constexpr(BT // GB):
                 cur = nxt
                 if const_expr(blk + 1 < BT // GB):
@@ -700,12 +700,16 @@ class ChunkKDAIntraFwdSm90:
                     gc = acc * RCP_LN2
                     sG_flat[t * DK + cols[e]] = gc
                     if const_expr(self.any_gate):
+                        # the row's g_cum as the products read it: past the sequence end the last valid row's
+                        # (overwritten below)
+                        gv = Float32(cutlass.select_(t < valid, gc, lastv))
+                        lastv = gv
                         if const_expr(t % 16 == 0):
-                            hi, lo = gc, gc
+                            hi, lo = gv, gv
                         else:
-                            hi, lo = cute.arch.fmax(hi, gc), cute.arch.fmin(lo, gc)
+                            hi, lo = cute.arch.fmax(hi, gv), cute.arch.fmin(lo, gv)
                         if const_expr(t % 16 == 8):
-                            mid = gc
+                            mid = gv
                         if const_expr(t % 16 == 15):
                             span = cute.arch.fmax(hi - mid, mid - lo)
                             far = Int32(cutlass.select_(span > _ANCHOR_SPAN, 1, far))
