@@ -107,6 +107,20 @@ def _gpu_case(B, T, H, HV, lens, gate, beta_dtype, seed):
     return case
 
 
+def _assert_outputs(case, ours, fla, ref):
+    """dq, dk, db, dg (fp32, no NaN) against the float64 contract and FLA's kernel, whole and as increments over the
+    incoming accumulations (which would hide an error in the increments)."""
+    incoming = (case["dq"], case["dk"], case["db"], case["dg"])
+    for name, o, f, r, acc in zip(("dq", "dk", "db", "dg"), ours, fla, ref, incoming):
+        assert o.dtype == torch.float32 and o.shape == acc.shape, name
+        assert not o.isnan().any(), name
+        o, f = o.cpu(), f.float().cpu()
+        tol = 2e-2 if name in ("db", "dg") else 8e-3
+        assert_close(f"{name} vs f64", r.float(), o, 5e-3)
+        assert_close(f"{name} increment vs f64", (r - acc).float(), o - acc, tol)
+        assert_close(f"{name} increment vs FLA", f - acc, o - acc, tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate", ["mild", "bound", "near0"])
 @pytest.mark.parametrize(
@@ -129,16 +143,7 @@ def test_bwd_intra_vs_fla_and_f64_cuda(B, T, H, HV, lens, beta_dtype, gate):
     ours = chunk_kda_bwd_intra_sm90(**gpu)
     fla = chunk_kda_bwd_intra(**gpu, safe_gate=gate == "bound", lower_bound=-5.0 if gate == "bound" else None)
     torch.cuda.synchronize()
-    incoming = (case["dq"], case["dk"], case["db"], case["dg"])
-    for name, o, f, r, acc in zip(("dq", "dk", "db", "dg"), ours, fla, ref, incoming):
-        assert o.dtype == torch.float32 and o.shape == acc.shape, name
-        assert not o.isnan().any(), name
-        o, f = o.cpu(), f.float().cpu()
-        tol = 2e-2 if name in ("db", "dg") else 8e-3
-        assert_close(f"{name} vs f64", r.float(), o, 5e-3)
-        # the increments alone (the incoming accumulations would hide an error in them)
-        assert_close(f"{name} increment vs f64", (r - acc).float(), o - acc, tol)
-        assert_close(f"{name} increment vs FLA", f - acc, o - acc, tol)
+    _assert_outputs(case, ours, fla, ref)
     # with stage 8 on chip: dg as FLA's chunk_local_cumsum(dg, reverse=True) leaves it, the rest bit for bit
     fused = chunk_kda_bwd_intra_sm90(**gpu, reverse_cumsum_dg=True)
     torch.cuda.synchronize()
@@ -199,14 +204,7 @@ def test_any_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens):
     fused = chunk_kda_bwd_intra_sm90(**gpu, any_gate=True, reverse_cumsum_dg=True)
     fla = chunk_kda_bwd_intra(**gpu, safe_gate=False, lower_bound=None)
     torch.cuda.synchronize()
-    incoming = (case["dq"], case["dk"], case["db"], case["dg"])
-    for name, o, f, r, acc in zip(("dq", "dk", "db", "dg"), ours, fla, ref, incoming):
-        assert not o.isnan().any(), name
-        o, f = o.cpu(), f.float().cpu()
-        tol = 2e-2 if name in ("db", "dg") else 8e-3
-        assert_close(f"{name} vs f64", r.float(), o, 5e-3)
-        assert_close(f"{name} increment vs f64", (r - acc).float(), o - acc, tol)
-        assert_close(f"{name} increment vs FLA", f - acc, o - acc, tol)
+    _assert_outputs(case, ours, fla, ref)
     for name, o, x in zip(("dq", "dk", "db"), ours, fused):
         assert torch.equal(o, x), name
     assert not fused[3].isnan().any()
