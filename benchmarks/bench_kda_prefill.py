@@ -260,6 +260,20 @@ KDA = Workload(make_shared, make_set, CALL_FLAGS, BACKEND_REGISTRY, K)
 KDA_SOFTPLUS = dataclasses.replace(KDA, flags={**CALL_FLAGS, "safe_gate": False, "lower_bound": None})
 
 
+def make_set_log(cfg: Config, index: int, device: str | None = None) -> dict[str, torch.Tensor]:
+    """``make_set``'s inputs with g a log-space gate, ``logsigmoid`` of the raw one (bf16), for ``--gate log``."""
+    x = make_set(cfg, index, device)
+    x["g"] = torch.nn.functional.logsigmoid(x["g"].float()).to(x["g"].dtype)
+    return x
+
+
+# --gate log: FLA's plain call, a log-space gate without safe_gate (no fused gate, no bound known)
+KDA_LOG = dataclasses.replace(KDA, make_set=make_set_log, flags={
+    **CALL_FLAGS, "use_gate_in_kernel": False, "safe_gate": False, "lower_bound": None,
+})  # fmt: skip
+GATE_WORKLOADS = {"lower_bound": KDA, "softplus": KDA_SOFTPLUS, "log": KDA_LOG}
+
+
 def check(fla_out: tuple, cula_out: tuple) -> tuple[float, str]:
     """(max relative RMSE over o and final state, "ok" | "warn" | "FAIL") of cula against FLA."""
     return bc.check_outputs(zip(fla_out[:2], cula_out[:2]), WARN_TOL, FAIL_TOL)
@@ -339,9 +353,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", type=int, default=0, metavar="SEGMENT",
                    help="cula's calls cut in time into segments of SEGMENT tokens (a multiple of 64), whatever the "
                         "tuning's planner says")
-    p.add_argument("--gate", choices=("lower_bound", "softplus"), default="lower_bound",
-                   help="the fused gate: the lower-bound sigmoid with safe_gate (default), or the softplus gate "
-                        "without it (no bound known)")
+    p.add_argument("--gate", choices=tuple(GATE_WORKLOADS), default="lower_bound",
+                   help="the gate: the fused lower-bound sigmoid with safe_gate (default), the fused softplus gate "
+                        "without it, or a log-space gate without it (logsigmoid of the raw one; no bound known)")
     p.add_argument("--any-gate", action="store_true",
                    help="cula's calls with KdaTuning.intra_any_gate on: unbounded gates on the intra kernel's "
                         "any_gate variant")
@@ -371,7 +385,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
 
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
-    work = KDA_SOFTPLUS if args.gate == "softplus" else KDA
+    work = GATE_WORKLOADS[args.gate]
 
     meta: dict[str, Any] = {}
     with torch.inference_mode():

@@ -36,9 +36,9 @@ stages on whatever the tuning entry says (``KdaTuning`` flag names, ``bwd_dv_dhu
 at every lane count; results named after them); ``--also`` times cula's side again with more stages on, in the same
 process (FLA timed once per config), e.g. ``--also gate=bwd_intra_gate --also all=bwd_intra_gate,bwd_intra_l2norm``;
 ``disable_recompute`` among the flags calls cula's side with that argument (peak memory beside the time).
-``--gate softplus``: the fused softplus gate without ``safe_gate`` (no bound known), on both sides; with
-``intra_any_gate`` among the stages cula's intra and stage-7 kernels take it in their any_gate variants (results
-named ``kda_training_softplus_...``).
+``--gate softplus`` / ``--gate log``: the fused softplus gate / a log-space gate without ``safe_gate`` (no bound
+known), on both sides; with ``intra_any_gate`` among the stages cula's intra and stage-7 kernels take it in their
+any_gate variants (results named ``kda_training_softplus_...``, ``kda_training_log_...``).
 """
 
 from __future__ import annotations
@@ -453,10 +453,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--also", type=_also, action="append", default=[], metavar="NAME=FLAG[,FLAG...]",
                    help="time cula's side again with these backward stages on too (KdaTuning flag names), FLA timed "
                         "once: columns NAME_ms and NAME_speedup; repeatable")  # fmt: skip
-    p.add_argument("--gate", choices=("lower_bound", "softplus"), default="lower_bound",
-                   help="the fused gate: the lower-bound sigmoid with safe_gate (default), or the softplus gate "
-                        "without it (no bound known: FLA's non-safe stages; cula's intra and stage-7 kernels only with "
-                        "intra_any_gate among the stages)")  # fmt: skip
+    p.add_argument("--gate", choices=tuple(kp.GATE_WORKLOADS), default="lower_bound",
+                   help="the gate: the fused lower-bound sigmoid with safe_gate (default), the fused softplus gate "
+                        "or a log-space gate without it (no bound known: FLA's non-safe stages; cula's intra and "
+                        "stage-7 kernels only with intra_any_gate among the stages)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -479,7 +479,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     ceilings = bc.reported_ceilings(NAME)
     args.copy_bw_tbps = ceilings["copy_bw_tbps"]
     stages = args.stages
-    work = kp.KDA_SOFTPLUS if args.gate == "softplus" else kp.KDA
+    work = kp.GATE_WORKLOADS[args.gate]
     with _stages_on(stages):
         run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_chunk_kda, cula_chunk_kda, args, work),
                         args.max_seconds or None, time.perf_counter(), progress=bc.PROGRESS_KEYS + ("backend",),

@@ -652,6 +652,10 @@ def test_kda_time_parallel_cli():
     args = kp.parse_args(["--gate", "softplus", "--any-gate"])
     assert kp.split_suffix(args) == "_softplus_anygate"
     assert kp.KDA_SOFTPLUS.flags["safe_gate"] is False and kp.KDA_SOFTPLUS.flags["lower_bound"] is None
+    # --gate log: a log-space gate (every value <= 0) without the fused gate
+    assert not kp.KDA_LOG.flags["use_gate_in_kernel"] and kp.split_suffix(kp.parse_args(["--gate", "log"])) == "_log"
+    cfg = kp.suite(quick=True)[0]
+    assert (kp.make_set_log(cfg, 0, device="cpu")["g"] <= 0).all()
     with kp.cula_override(args):
         assert KDA_TUNING.get((9, 0)).intra_any_gate
     assert not KDA_TUNING.get((9, 0)).intra_any_gate
