@@ -267,8 +267,14 @@ def make_set_log(cfg: Config, index: int, device: str | None = None) -> dict[str
     return x
 
 
+def make_shared_log(cfg: Config, device: str | None = None) -> dict[str, Any]:
+    """``make_shared`` without the fused gate's parameters (``--gate log``: nothing reads them, and a training step
+    would leave them without gradients)."""
+    return {n: t for n, t in make_shared(cfg, device).items() if n not in ("A_log", "dt_bias")}
+
+
 # --gate log: FLA's plain call, a log-space gate without safe_gate (no fused gate, no bound known)
-KDA_LOG = dataclasses.replace(KDA, make_set=make_set_log, flags={
+KDA_LOG = dataclasses.replace(KDA, make_shared=make_shared_log, make_set=make_set_log, flags={
     **CALL_FLAGS, "use_gate_in_kernel": False, "safe_gate": False, "lower_bound": None,
 })  # fmt: skip
 GATE_WORKLOADS = {"lower_bound": KDA, "softplus": KDA_SOFTPLUS, "log": KDA_LOG}

@@ -120,9 +120,10 @@ def test_lightning_run_config_with_fakes(cpu_bench, monkeypatch):
 # ----------------------------------------------------------------------------------------------- training
 
 
-def _fake_training_step(q, k, v, g, beta, initial_state, A_log, dt_bias, output_final_state=True, **kwargs):
-    """Differentiable in all eight leaves, with kda_prefill's shapes."""
-    gate = torch.sigmoid(g.float() + dt_bias.view(1, 1, *g.shape[2:])) * A_log.exp().view(1, 1, -1, 1)
+def _fake_training_step(q, k, v, g, beta, initial_state, A_log=None, dt_bias=None, output_final_state=True, **kwargs):
+    """Differentiable in all eight leaves, with kda_prefill's shapes (in six without the fused gate's parameters)."""
+    gate = torch.sigmoid(g.float()) if A_log is None else (
+        torch.sigmoid(g.float() + dt_bias.view(1, 1, *g.shape[2:])) * A_log.exp().view(1, 1, -1, 1))  # fmt: skip
     o = (v.float() * gate * torch.sigmoid(beta.float())[..., None] + q.float().sum() + k.float().mean()).to(v.dtype)
     return o, initial_state * 2
 
@@ -186,6 +187,10 @@ def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
     assert bad["check"] == "FAIL" and bad["cula_ms"] is None and bad["max_rel_err"] > 0.2 and bad["rel_err"] == {}
     raised = kt.run_config(kp.Config("fixed", 1, 16, (16,)), _fake_training_step, _raising, args)
     assert raised["check"] == "FAIL" and "cula check" in raised["errors"] and raised["fla_ms"] > 0
+    # --gate log: no fused gate, so no A_log / dt_bias leaves (they would have no gradients)
+    row = kt.run_config(cfg, _fake_training_step, _fake_training_step, args, kp.KDA_LOG)
+    assert row["check"] == "ok"
+    assert set(row["rel_err"]) == {"o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"}
 
 
 def test_training_graph_timing_of_packed_kda_steps_uses_graph_mode():
@@ -656,6 +661,7 @@ def test_kda_time_parallel_cli():
     assert not kp.KDA_LOG.flags["use_gate_in_kernel"] and kp.split_suffix(kp.parse_args(["--gate", "log"])) == "_log"
     cfg = kp.suite(quick=True)[0]
     assert (kp.make_set_log(cfg, 0, device="cpu")["g"] <= 0).all()
+    assert "A_log" not in kp.make_shared_log(cfg, device="cpu")
     with kp.cula_override(args):
         assert KDA_TUNING.get((9, 0)).intra_any_gate
     assert not KDA_TUNING.get((9, 0)).intra_any_gate
