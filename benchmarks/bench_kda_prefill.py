@@ -397,7 +397,7 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     with torch.inference_mode():
         # First cula call of the run, timed whole: includes CuTe compilation of the kernels it needs.
         first = cfgs[0]
-        first_set, first_shared = make_set(first, 0), make_shared(first)
+        first_set, first_shared = work.make_set(first, 0), work.make_shared(first)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
