@@ -337,9 +337,9 @@ def _gate_bwd(g, A_log=None, dt_bias=None, dyg=None, lower_bound=None):
 
 def _stage7_ours(q, v, chunk_size, safe_gate, use_gate_in_kernel, lower_bound) -> tuple[bool, bool]:
     """Whether stage 7 runs on cula's kernel: the tuning entry says so (``KdaTuning.bwd_intra``), ``_stage_on``'s
-    conditions hold and the call's gates are ones its anchored factors are exact for (the forward's intra kernel
-    took the call, ``cula.kda.plan.use_cula_intra``); and whether that kernel also does stage 8
-    (``KdaTuning.bwd_intra_cumsum``)."""
+    conditions hold and the forward's intra kernel took the call's gates (``cula.kda.plan.use_cula_intra``: bounded
+    ones, and the others where ``KdaTuning.intra_any_gate`` says so, then in the kernel's any_gate variant); and
+    whether that kernel also does stage 8 (``KdaTuning.bwd_intra_cumsum``)."""
     from cula.kda.plan import use_cula_intra
 
     # stage 7 has no value dimension: V = 128 stands for "any". Gates the intra kernel takes only in its any_gate
