@@ -108,15 +108,15 @@ def _gdn_chunk(scope: str) -> None:
 def _kda_intra_forms(d: dict):
     """(io, g, beta dtypes, gate, L2 norm, beta activation, the any_gate option) of the calls cula's intra kernel
     takes with a gate per channel (cula.kda.plan.use_cula_intra: the log-space gate or the lower-bound sigmoid
-    within their bound; where the entry's intra_any_gate is on, those and the softplus gate in the any_gate
+    within their bound; where the entry's intra_any_gate is on, the log-space and the softplus gate in the any_gate
     variant too)."""
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import gate_kind
     from cula.ops.kda.sm90 import intra
 
     cute_gates = [(gate_kind(fused, lb), {}) for fused, lb in ((False, None), (True, -1.0))]
-    if KDA_TUNING.get((9, 0)).intra_any_gate:
-        cute_gates += [(gate, {"any_gate": True}) for gate in ("none", "lower_bound", "softplus")]
+    if KDA_TUNING.get((9, 0)).intra_any_gate:  # (not the lower-bound gate below -5: rare, compiled when met)
+        cute_gates += [(gate, {"any_gate": True}) for gate in ("none", "softplus")]
     for dt, g_dt, b_dt, (gate, extra), l2, beta_act in itertools.product(
         d["io"], d["g"], d["beta"], cute_gates, _B, intra.BETA_ACTS
     ):
