@@ -336,11 +336,9 @@ class ChunkKDABwdIntraSm90:
         acc_q, acc_l = n_tile_accumulators(tiled, 8), n_tile_accumulators(tiled, 8)
         for j in cutlass.range(sub, unroll=1):
             self._row_block(tiled, acc_q, acc_l, sAq, sAk, sK, sG, 16 * j, sub, ch0, anchor, lane, False)
-        if const_expr(self.any_gate):
-            if slow:
-                self._row_fold(acc_q, acc_l, sAq, sAk, sK, sG, sub, ch0, anchor, lane)
-            else:
-                self._row_block(tiled, acc_q, acc_l, sAq, sAk, sK, sG, 16 * sub, sub, ch0, anchor, lane, True)
+        # (slow is the Python False without any_gate: a trace-time branch then)
+        if slow:
+            self._row_fold(acc_q, acc_l, sAq, sAk, sK, sG, sub, ch0, anchor, lane)
         else:
             self._row_block(tiled, acc_q, acc_l, sAq, sAk, sK, sG, 16 * sub, sub, ch0, anchor, lane, True)
 
@@ -440,18 +438,15 @@ class ChunkKDABwdIntraSm90:
         with the factor after the off-diagonal ones, ``_column_fold``, while the score gradients are still in
         shared memory)."""
         ch0 = half * 64
-        if const_expr(self.any_gate):
-            if slow:
-                pass  # the diagonal block: _column_fold below
-            else:
-                self._column_block(tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, 16 * sub, sub, ch0, anchor, lane, True)
+        # (slow is the Python False without any_gate: trace-time branches then)
+        if slow:
+            pass  # the diagonal block: _column_fold below
         else:
             self._column_block(tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, 16 * sub, sub, ch0, anchor, lane, True)
         for i in cutlass.range(sub + 1, (valid + 15) // 16, unroll=1):
             self._column_block(tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, 16 * i, sub, ch0, anchor, lane, False)
-        if const_expr(self.any_gate):
-            if slow:
-                self._column_fold(acc, sQ, sK, sG, sAq, sAk, sBeta, sub, ch0, anchor, lane)
+        if slow:
+            self._column_fold(acc, sQ, sK, sG, sAq, sAk, sBeta, sub, ch0, anchor, lane)
 
     @cute.jit
     def _column_block(self, tiled, acc, sQ, sK, sG, sAq, sAk, sBeta, t_blk, sub, ch0, anchor, lane,
