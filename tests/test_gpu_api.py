@@ -6,7 +6,6 @@ dq / dk / dv / dh0, 2e-2 for the gate, beta, A_log and dt_bias gradients), and F
 Every uninitialised allocation starts as NaN (tests/conftest.py), so an output element nobody writes fails.
 """
 
-import itertools
 import os
 
 import pytest
@@ -218,7 +217,7 @@ def test_chunk_kda_any_gate_cuda(lens, kda_tuning):
     clear_plan_caches()
     H, HV, D = 2, 4, 128
     T = 300 if lens is None else sum(lens)
-    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], device=DEV, dtype=torch.int32)
+    cu = None if lens is None else make_cu_seqlens(lens, device=DEV)
     N = 1 if lens is None else len(lens)
     g = torch.nn.functional.logsigmoid(torch.randn(1, T, HV, D, device=DEV) + 2.0)
     g = g.masked_fill(torch.rand_like(g) < 0.03, -80.0)
