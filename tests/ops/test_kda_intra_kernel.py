@@ -783,9 +783,10 @@ def test_given_t_writes_the_norms(case, skip_u):
     assert not torch.isnan(normed).any() and not torch.isnan(rstd).any(), "rows left unwritten"
     for i, x in enumerate((q, k)):
         y_ref, r_ref = fla_l2norm.l2norm_fwd(x)
-        torch.testing.assert_close(rstd[i], r_ref, rtol=1e-6, atol=0)
-        # one bf16 rounding apart at most (the sum's order moves 1 / norm by an ulp of fp32)
-        torch.testing.assert_close(normed[i].float(), y_ref.float(), rtol=2**-8, atol=0)
+        # 128 squares summed in another order: a few fp32 ulps of 1 / norm at most
+        torch.testing.assert_close(rstd[i], r_ref, rtol=1e-5, atol=0)
+        # so the rows are one bf16 rounding apart at most, where x / norm lies next to a rounding boundary
+        torch.testing.assert_close(normed[i].float(), y_ref.float(), rtol=2**-7, atol=0)
         assert (normed[i] == y_ref).float().mean() > 0.99
 
 
