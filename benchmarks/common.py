@@ -881,7 +881,7 @@ def run_suite(
     Args:
         cfgs: configs, each with a ``name``.
         run_one: config -> row.
-        max_seconds: the time budget in seconds, or None.
+        max_seconds: the time budget in seconds; None or 0 (the scripts' ``--max-seconds`` default): no limit.
         t_start: ``time.perf_counter()`` the budget counts from.
         on_row: called with ``(config, row)`` after each row.
         name: the benchmark's name, prefix of its stderr lines.
@@ -897,7 +897,7 @@ def run_suite(
     with sigterm_as_interrupt():
         try:
             for cfg in cfgs:
-                if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
+                if max_seconds and time.perf_counter() - t_start > max_seconds:
                     print(f"[{name}] --max-seconds {max_seconds:g} reached: skipping "
                           f"{len(cfgs) - len(rows)} config(s)", file=sys.stderr, flush=True)
                     break

@@ -600,7 +600,10 @@ def host_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
     key = (tuple(host.tolist()), chunk_size, dev, stream)
     made = _CHUNK_INDICES.get(key)
     if made is None:
-        made = _CHUNK_INDICES[key] = (None, intra.prepare_chunk_indices_i32(cu_seqlens, chunk_size, host))
+        # made outside inference mode even under it: a later training call of the same batch gets these tensors,
+        # and an inference tensor there could not be saved for its backward
+        with torch.inference_mode(False):
+            made = _CHUNK_INDICES[key] = (None, intra.prepare_chunk_indices_i32(cu_seqlens, chunk_size, host))
         if len(_CHUNK_INDICES) > CHUNK_INDICES_KEPT:
             _CHUNK_INDICES.popitem(last=False)
     else:
@@ -609,7 +612,8 @@ def host_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
     if cu_seqlens.dtype == torch.int32:
         return cu_seqlens, made[1]
     if made[0] is None:  # queued like a kernel, as the chunk indices are
-        cu32 = torch.tensor(key[0], dtype=torch.int32, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+        with torch.inference_mode(False):
+            cu32 = torch.tensor(key[0], dtype=torch.int32, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
         made = _CHUNK_INDICES[key] = (cu32, made[1])
     return made
 
