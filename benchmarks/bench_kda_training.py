@@ -159,13 +159,9 @@ KERNEL_BYTES = (
 )
 
 
-# KERNEL_BYTES rows whose bytes change where a KdaTuning flag is on: (phase, piece, flag) -> bytes per token-head
-# added. The recompute on the intra kernel without u and so without v (the forward kept h and v_new), and writing
-# the normalised q and k (bf16) and their 1 / norms (fp32) for the gradient stages
-KERNEL_BYTES_WITH = {
-    ("backward", "ChunkKDAIntraFwdSm90", "bwd_kept_states"): -512,
-    ("backward", "ChunkKDAIntraFwdSm90", "bwd_recompute_l2norm"): 520,
-}
+# KERNEL_BYTES rows whose bytes change where a KdaTuning flag is on: (phase, piece, flag) -> bytes per token-head.
+# The recompute on the intra kernel without u and so without v (the forward kept h and v_new)
+KERNEL_BYTES_WITH = {("backward", "ChunkKDAIntraFwdSm90", "bwd_kept_states"): 2178}
 
 
 def kernel_floor_us(phase: str, kernel: str, cfg: kp.Config, copy_bw_tbps: float) -> float | None:
@@ -176,9 +172,9 @@ def kernel_floor_us(phase: str, kernel: str, cfg: kp.Config, copy_bw_tbps: float
     entry = KDA_TUNING.get((9, 0))
     for where, piece, per_token, states in KERNEL_BYTES:
         if where in (phase, "both") and piece in kernel:
-            for (w, p, flag), added in KERNEL_BYTES_WITH.items():
+            for (w, p, flag), with_flag in KERNEL_BYTES_WITH.items():
                 if (w, p) == (where, piece) and getattr(entry, flag):
-                    per_token += added
+                    per_token = with_flag
             nbytes = (per_token * sum(cfg.lens) + states * cfg.N * 4 * kp.K * kp.V) * cfg.HV
             return nbytes / (copy_bw_tbps * 1e12) * 1e6
     return None
@@ -414,8 +410,7 @@ def _stages_on(stages):
 # KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
 _STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_lanes", (1, 1 << 30))}
 _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
-                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_kept_states", "bwd_recompute_l2norm",
-                "intra_any_gate")  # fmt: skip
+                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_kept_states", "intra_any_gate")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)

@@ -123,15 +123,13 @@ def _kda_intra_forms(d: dict):
         yield dt, g_dt, b_dt, gate, l2, beta_act, extra
 
 
-def _kda_intra_variants(d: dict, normed: bool = False, **flags) -> None:
-    """The per-channel-gate intra kernel over ``_kda_intra_forms``, fixed and packed, with launch ``flags``
-    (``normed``: the forms with the L2 norm also write its outputs, ``write_qk``)."""
+def _kda_intra_variants(d: dict, **flags) -> None:
+    """The per-channel-gate intra kernel over ``_kda_intra_forms``, fixed and packed, with launch ``flags``."""
     from cula.ops.kda.sm90 import intra
 
     for (dt, g_dt, b_dt, gate, l2, beta_act, extra), varlen in itertools.product(_kda_intra_forms(d), _B):
         intra.compiled_variant(
-            varlen=varlen,
-            **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, write_qk=normed and l2, **flags, **extra),
+            varlen=varlen, **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, **flags, **extra)
         )
 
 
@@ -147,11 +145,9 @@ def _kda_training(scope: str) -> None:
     entry = KDA_TUNING.get((9, 0))
     d = _dtypes(scope)
     if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, T read
-        # (and the L2 norm's outputs made there too where the entry says so)
-        normed = entry.bwd_recompute_l2norm
-        _kda_intra_variants(d, normed, g_cum_last_only=False, given_t=True)
+        _kda_intra_variants(d, g_cum_last_only=False, given_t=True)
         if entry.bwd_kept_states:  # ... and no u where the forward kept h and v_new (its states kernel is above)
-            _kda_intra_variants(d, normed, g_cum_last_only=False, given_t=True, skip_u=True)
+            _kda_intra_variants(d, g_cum_last_only=False, given_t=True, skip_u=True)
     for dt, varlen in itertools.product(d["io"], _B):
         if entry.bwd_dv_dhu_lanes is not None:
             for dht, dh0, svf in itertools.product(_B, _B, _B):
@@ -280,7 +276,7 @@ def _smoke() -> None:
             intra.compiled_variant(
                 varlen=False,
                 **intra.kernel_options(_BF16, _FP32, _BF16, "lower_bound", True, "sigmoid", given_t=True,
-                                       skip_u=skip_u, write_qk=entry.bwd_recompute_l2norm),
+                                       skip_u=skip_u),
             )  # fmt: skip
     # the packed call cut in time: the segment summary, the segment chain, the intra kernel on its own, then the
     # packed state/output kernel

@@ -258,18 +258,6 @@ def kda_training_kept_states():
 
 
 @case
-def kda_training_recompute_norms():
-    # the recompute prefix's intra launch writing the L2 norm's outputs (KdaTuning.bwd_recompute_l2norm): fixed with
-    # u, packed without it (the kept states), GVA
-    from cula.kda.plan import KDA_TUNING
-
-    with KDA_TUNING.override(bwd_recompute_l2norm=True):
-        _kda_chunk(2, 130, 1, 2, grad=True)
-        with KDA_TUNING.override(bwd_kept_states=True):
-            _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True)
-
-
-@case
 def kda_training_bwd_dv_dhu():
     # stages 4 and 5 in one launch of cula's kernel at every lane count (KdaTuning.bwd_dv_dhu_lanes): fixed and
     # packed, both layouts

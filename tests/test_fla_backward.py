@@ -398,9 +398,9 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     made = {n: torch.full((1,), float(i)) for i, n in enumerate(("g", "w", "u", "qg", "kg", "v_new", "h"))}
     seen = {}
 
-    def prefix(q, k, *args, Akk=None, states=None, normed=False):
+    def prefix(q, k, *args, Akk=None, states=None):
         seen["prefix_q"], seen["prefix_akk"] = (q, k), Akk
-        assert states is None and not normed  # nothing kept by this forward; the entry makes no norms there
+        assert states is None  # nothing kept by this forward
         return dict(made)
 
     def bwd(qk_rstd=None, **kw):
@@ -429,50 +429,6 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     assert seen["prefix_q"][0] is x["q"] and seen["prefix_q"][1] is x["k"]  # raw, not the normalised copies
     assert seen["prefix_akk"] is saved[-1]  # the forward's T, read instead of recomputed
     assert not torch.equal(kw["q"], x["q"])  # FLA's stages get the normalised q
-
-
-def test_recompute_prefix_makes_the_norms(monkeypatch):
-    """``KdaTuning.bwd_recompute_l2norm``: the recompute prefix's intra launch makes the L2 norm's forward outputs
-    (``normed``), FLA's ``l2norm_fwd`` does not run, and FLA's stages get the prefix's normalised q and k with their
-    1 / norms (the L2 norm's backward reads them); without the L2 norm nothing is asked of the prefix."""
-    from cula.kda import backends as kb
-
-    B, T, H, D = 1, 70, 2, 128
-    x = {n: torch.randn(B, T, H, D).bfloat16() for n in ("q", "k", "v")}
-    g, beta = torch.randn(B, T, H, D), torch.randn(B, T, H)
-    made = {n: torch.full((1,), float(i)) for i, n in enumerate(("g", "w", "u", "qg", "kg", "v_new", "h"))}
-    norms = (x["q"] * 2, x["k"] * 2, torch.rand(B, T, H), torch.rand(B, T, H))
-    import fla.ops.kda.chunk as fc
-
-    monkeypatch.setattr(fc, "l2norm_fwd", lambda t: pytest.fail("FLA's l2norm_fwd ran"))
-    monkeypatch.setattr(fla_backward, "recompute_on_cula", lambda q, v, p: True)
-    monkeypatch.setattr(fla_backward, "recompute_norms_on", lambda device: True)
-    for l2 in (True, False):
-        seen = {}
-
-        def prefix(q, k, *args, Akk=None, states=None, normed=False):
-            seen["normed"] = normed
-            return dict(made, qk_norm=norms) if normed else dict(made)
-
-        def bwd(qk_rstd=None, **kw):
-            seen["bwd"], seen["qk_rstd"] = kw, qk_rstd
-            return (kw["q"].float(), kw["k"].float(), kw["v"].float(), kw["beta"].float(), g.clone(), None, None,
-                    None)  # fmt: skip
-
-        monkeypatch.setattr(fla_backward, "recompute_prefix", prefix)
-        monkeypatch.setattr(fla_backward, "chunk_kda_bwd", bwd)
-        p = dict(use_gate_in_kernel=False, allow_neg_eigval=False, use_qk_l2norm_in_kernel=l2,
-                 use_beta_sigmoid_in_kernel=False, use_graph=False, scale=D**-0.5, state_v_first=False,
-                 safe_gate=True, lower_bound=None)  # fmt: skip
-        saved = (x["q"], x["k"], x["v"], g, beta, None, None, None, None, None, torch.zeros(B, T, H, 64),
-                 torch.zeros(B, T, H, 64))  # fmt: skip
-        kb._training_backward(saved, p, torch.randn(B, T, H, D).bfloat16(), None)
-        kw = seen["bwd"]
-        assert seen["normed"] == l2 and "qk_norm" not in kw
-        if l2:
-            assert kw["q"] is norms[0] and kw["k"] is norms[1] and seen["qk_rstd"] == (norms[2], norms[3])
-        else:
-            assert kw["q"] is x["q"] and kw["k"] is x["k"] and seen["qk_rstd"] is None
 
 
 @pytest.mark.gpu
@@ -644,38 +600,6 @@ def test_kept_states_step_gpu(kda_tuning, monkeypatch, packed, state_v_first):
     _gradients_close(again, kept)
     fla = _step(fla_chunk_kda, leaves, cotangents, **kw)
     _judge_step(kept, fla, _step_f64(leaves, cotangents, **kw))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept-states"])
-@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
-def test_recompute_norms_step_gpu(kda_tuning, monkeypatch, packed, kept):
-    """``KdaTuning.bwd_recompute_l2norm``: the recompute prefix's intra launch makes the L2 norm's forward outputs
-    and FLA's ``l2norm_fwd`` does not run in the backward; the step's gradients within FLA's tolerances of the step
-    without it, of FLA 0.6.0's step and of the float64 reference (GVA, so the L2 norm's backward is FLA's on the
-    kernel's 1 / norms; packed with an empty and a one-token sequence; with and without the kept states; poisoned
-    allocations)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-    import fla.ops.kda.chunk as fc
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
-
-    from cula.kda import chunk_kda
-    from cula.testing import poisoned_allocations
-
-    leaves, cotangents, kw = _kept_case(packed, True, seed=6)
-    kda_tuning(bwd_kept_states=kept)
-    again = _step(chunk_kda, leaves, cotangents, **kw)
-    kda_tuning(bwd_kept_states=kept, bwd_recompute_l2norm=True)
-    ran = []
-    real = fc.l2norm_fwd
-    monkeypatch.setattr(fc, "l2norm_fwd", lambda *a, **k: ran.append(1) or real(*a, **k))
-    with poisoned_allocations():
-        normed = _step(chunk_kda, leaves, cotangents, **kw)
-    assert not ran, "FLA's l2norm_fwd ran"
-    _gradients_close(again, normed)
-    fla = _step(fla_chunk_kda, leaves, cotangents, **kw)
-    _judge_step(normed, fla, _step_f64(leaves, cotangents, **kw))
 
 
 @pytest.mark.gpu

@@ -256,7 +256,7 @@ def test_kept_states_skip_the_recompute_of_h(monkeypatch):
         monkeypatch.setattr(fla_backward, "recompute_on_cula", lambda *a: True)
         seen = []
 
-        def prefix(*args, Akk=None, states=None, normed=False):
+        def prefix(*args, Akk=None, states=None):
             seen.append(states)
             made = {n: torch.full((1, 4, 2, 128), -1.0) for n in ("g", "w", "u", "qg", "kg", "h", "v_new")}
             return {**made, **(states or {})}

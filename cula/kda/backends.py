@@ -223,30 +223,26 @@ def _training_backward(saved, p, do, dht, kept=None, states=None):
     sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
     def gradients():
         qn, kn, beta_in, q_rstd, k_rstd = q, k, beta, None, None
+        if p["use_qk_l2norm_in_kernel"]:
+            qn, q_rstd = fc.l2norm_fwd(q)
+            kn, k_rstd = fc.l2norm_fwd(k)
         if p["use_beta_sigmoid_in_kernel"]:
             beta_in = fc.fused_beta_sigmoid(x=beta_raw, scale=sig_scale)
         graph = bool(p.get("use_graph"))
         chunk_indices, chunk_offsets = _backward_chunks(cu, cu_cpu, q.shape[1], graph)
-        g_cum, prefix, qk_norm = None, {}, None
+        g_cum, prefix = None, {}
         if kept is not None:
             prefix = dict(kept)
             g_cum = prefix.pop("g")
         elif fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
-            normed = p["use_qk_l2norm_in_kernel"] and fla_backward.recompute_norms_on(q.device)
             prefix = fla_backward.recompute_prefix(q_raw, k_raw, v, g_raw, beta_raw, A_log, dt_bias, h0, cu,
-                                                   chunk_indices, chunk_offsets, p, Akk=Akk, states=states,
-                                                   normed=normed)  # fmt: skip
-            g_cum, qk_norm = prefix.pop("g"), prefix.pop("qk_norm", None)
+                                                   chunk_indices, chunk_offsets, p, Akk=Akk, states=states)  # fmt: skip
+            g_cum = prefix.pop("g")
         elif not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
             g_cum = ff.chunk_local_cumsum(
                 g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
                 use_graph=graph,
             )  # fmt: skip
-        if qk_norm is not None:  # the recompute's intra launch normalised q and k
-            qn, kn, q_rstd, k_rstd = qk_norm
-        elif p["use_qk_l2norm_in_kernel"]:
-            qn, q_rstd = fc.l2norm_fwd(q)
-            kn, k_rstd = fc.l2norm_fwd(k)
         # FLA's chunk_kda_bwd with its heaviest stage at a faster launch configuration (fla_backward)
         # with q_rstd / k_rstd, dq and dk come back through the L2 norm's backward (on chip where the tuning says so)
         dq, dk, dv, db, dg, dh0, dA, dbias = fla_backward.chunk_kda_bwd(

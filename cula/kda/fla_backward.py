@@ -388,12 +388,6 @@ def recompute_on_cula(q, v, p: dict) -> bool:
     return use_cula_intra(q, v, p["safe_gate"], p["use_gate_in_kernel"], p["lower_bound"])
 
 
-def recompute_norms_on(device: torch.device) -> bool:
-    """Whether the recompute prefix's intra launch also makes the L2 norm's forward outputs
-    (``KdaTuning.bwd_recompute_l2norm``; ``recompute_prefix``'s ``normed``)."""
-    return _entry(device).bwd_recompute_l2norm
-
-
 def kept_states_on(device: torch.device) -> bool:
     """Whether the tuning entry has the training forward keep h and v_new for ``recompute_prefix``
     (``KdaTuning.bwd_kept_states``)."""
@@ -401,7 +395,7 @@ def kept_states_on(device: torch.device) -> bool:
 
 
 def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
-                     p: dict, Akk=None, states=None, normed=False) -> dict:  # fmt: skip
+                     p: dict, Akk=None, states=None) -> dict:  # fmt: skip
     """What FLA's ``chunk_kda_bwd`` recomputes before its first gradient stage, for its ``disable_recompute=True``
     path: the gate cumsum ``g`` (every row), ``w, u, qg, kg`` from one launch of cula's intra kernel on the raw
     inputs (the launch the forward made; given the forward's ``Akk``, the kernel reads it instead of computing the
@@ -412,33 +406,25 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``).
     ``states``: ``{"h", "v_new"}`` as the training forward wrote them (``KdaTuning.bwd_kept_states``), taken
     instead of FLA's recurrence; u, which only that recurrence reads, is then not made (None) where the kernel
-    reads the forward's T. ``normed`` (with ``use_qk_l2norm_in_kernel``): the kernel also writes the normalised q
-    and k and their 1 / norms, returned as ``qk_norm = (qn, kn, q_rstd, k_rstd)``, FLA's ``l2norm_fwd`` outputs."""
+    reads the forward's T."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     from cula.kda.forward import _intra_cute
 
     cu32 = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
     rows = cula_chunk_rows(chunk_indices, cu_seqlens, bool(p.get("use_graph")))
-    qk_out = None
-    if normed:
-        qk_out = (torch.empty((2, *q.shape), dtype=q.dtype, device=q.device),
-                  torch.empty((2, *q.shape[:-1]), dtype=torch.float32, device=q.device))  # fmt: skip
     w, u, qg, kg, _, g_cum, _ = _intra_cute(
         q, k, v, g, beta, p["scale"], cu32, rows, p["use_gate_in_kernel"], A_log, dt_bias,
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
-        full_g_cum=True, given_akk=Akk, keep_u=states is None, qk_out=qk_out,
+        full_g_cum=True, given_akk=Akk, keep_u=states is None,
     )  # fmt: skip
-    out = dict(g=g_cum, w=w, u=u, qg=qg, kg=kg)
-    if qk_out is not None:
-        out["qk_norm"] = (*qk_out[0], *qk_out[1])
     if states is not None:  # u None: FLA's body unpacks it with the others but reads it only to remake v_new
-        return dict(out, v_new=states["v_new"], h=states["h"])
+        return dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=states["v_new"], h=states["h"])
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=64, state_v_first=p["state_v_first"],
     )  # fmt: skip
-    return dict(out, v_new=v_new, h=h)
+    return dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
 
 
 def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage7Call]:

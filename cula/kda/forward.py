@@ -309,7 +309,7 @@ def _segmented_launch(
             n = t1 - t0
             fn_intra(
                 qf[t0:t1], kf[t0:t1], vf[t0:t1], gf[t0:t1], bf[t0:t1], a_log, bias, w[t0:t1], u[t0:t1], qg[t0:t1],
-                kg[t0:t1], Aqk[t0:t1], None, g_cum[t0:t1], None, None, no_cu, no_ci, n, (n + 63) // 64, 1, s, lb,
+                kg[t0:t1], Aqk[t0:t1], None, g_cum[t0:t1], no_cu, no_ci, n, (n + 63) // 64, 1, s, lb,
             )  # fmt: skip
             done = torch.cuda.Event()
             done.record(main)
@@ -363,7 +363,7 @@ def _intra_fla(
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False, full_g_cum=False, given_akk=None,
-    keep_u=True, any_gate=False, qk_out=None,
+    keep_u=True, any_gate=False,
 ):  # fmt: skip
     """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
     (Akk None unless ``keep_akk``: the kernel writes it only when asked). ``zero_kg``: kg starts as zeros, for
@@ -372,8 +372,7 @@ def _intra_cute(
     g_cum (the state/output kernel reads only each chunk's last; the training backward's stages read all).
     ``given_akk``: the Akk an earlier call on these inputs kept, read instead of computed (no scores: Aqk is
     None); with it, ``keep_u=False`` makes no u (None; v is not read). ``any_gate``: the kernel's variant that is
-    exact for any gate (``cula.kda.plan.intra_any_gate``). ``qk_out``: ``(qk_normed, qk_rstd)`` the kernel also
-    writes (``chunk_kda_intra_sm90``'s, with ``use_qk_l2norm``), or None."""
+    exact for any gate (``cula.kda.plan.intra_any_gate``)."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
@@ -385,12 +384,11 @@ def _intra_cute(
     Aqk = None if given_akk is not None else torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
     g_cum = torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device)
     Akk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device) if keep_akk else None
-    qk_normed, qk_rstd = qk_out or (None, None)
     chunk_kda_intra_sm90(
         q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu32, chunk_indices, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound if gate == "lower_bound" else None, use_qk_l2norm=use_qk_l2norm,
         beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=not full_g_cum, Akk=Akk,
-        given_akk=given_akk, any_gate=any_gate, qk_normed=qk_normed, qk_rstd=qk_rstd,
+        given_akk=given_akk, any_gate=any_gate,
     )  # fmt: skip
     return w, u, qg, kg, Aqk, g_cum, Akk
 

@@ -95,10 +95,6 @@ class KdaTuning:
     # what the forward keeps until the backward grows by 768 B per token and value head, on top of the ~1.3 KB
     # that ours and FLA's default forward each keep (bench_kda_training's *_saved_mib): time against activations
     bwd_kept_states: bool = False
-    # ... and the L2 norm's forward (FLA's two l2norm_fwd launches, which read q and k and write them normalised with
-    # their 1 / norm for the gradient stages) in that intra launch, which normalises q and k on chip anyway: it
-    # writes the rows and 1 / norms as well (the kernel's write_qk)
-    bwd_recompute_l2norm: bool = False
     # training: stage 6 (chunk_kda_bwd_wy_dqkg_fused, the gradients through the state terms and the WY form) on
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
     bwd_wy_dqkg: bool = False

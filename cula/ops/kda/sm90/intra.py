@@ -96,7 +96,7 @@ def gate_params_binder(
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
     *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False, given_t: bool = False,
-    skip_u: bool = False, any_gate: bool = False, write_qk: bool = False,
+    skip_u: bool = False, any_gate: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
@@ -106,7 +106,7 @@ def kernel_options(
         # absent when off: the compile keys of the other variants stay
         **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
         **({"given_t": True} if given_t else {}), **({"skip_u": True} if skip_u else {}),
-        **({"any_gate": True} if any_gate else {}), **({"write_qk": True} if write_qk else {}),
+        **({"any_gate": True} if any_gate else {}),
     )  # fmt: skip
 
 
@@ -191,8 +191,6 @@ def chunk_kda_intra_sm90(
     Akk: torch.Tensor | None = None,
     given_akk: torch.Tensor | None = None,
     any_gate: bool = False,
-    qk_normed: torch.Tensor | None = None,
-    qk_rstd: torch.Tensor | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` (and ``Akk``) in place.
 
@@ -234,9 +232,6 @@ def chunk_kda_intra_sm90(
             anchored factoring's bound, no channel moving more than 2^96 from a sub-chunk's middle row, makes its
             diagonal score blocks element by element); without it the scores need gates of at least about -8.6 a
             step. Not with a per-head g (exact anyway) or ``given_akk`` (no scores).
-        qk_normed, qk_rstd: ``[2, B, T, H, K]`` q's dtype and ``[2, B, T, H]`` fp32, or None (both), out, only with
-            ``use_qk_l2norm``: the normalised q and k (index 0 and 1) and their ``1 / sqrt(sum x^2 + 1e-6)``, what
-            FLA's ``l2norm_fwd`` returns for each, for the training backward's stages.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -264,11 +259,6 @@ def chunk_kda_intra_sm90(
         raise ValueError("Aqk is written unless given_akk is passed (then it must be None)")
     if u is None and given_akk is None:
         raise ValueError("u may be None only with given_akk (the forward's state kernel reads it)")
-    write_qk = qk_normed is not None
-    if write_qk != (qk_rstd is not None):
-        raise ValueError("qk_normed and qk_rstd are written together: pass both or neither")
-    if write_qk and not use_qk_l2norm:
-        raise ValueError("qk_normed / qk_rstd are the L2 norm's outputs: they need use_qk_l2norm")
     scalar_gate = g.dim() == 3
     g_shape = (B, T, HV) if scalar_gate else (B, T, HV, K)
     check_tensors((
@@ -279,8 +269,6 @@ def chunk_kda_intra_sm90(
         *((("Aqk", Aqk, (B, T, HV, 64), dt),) if Aqk is not None else ()),
         *((("Akk", Akk, (B, T, HV, 64), dt),) if Akk is not None else ()),
         *((("given_akk", given_akk, (B, T, HV, 64), dt),) if given_akk is not None else ()),
-        *((("qk_normed", qk_normed, (2, B, T, H, K), dt), ("qk_rstd", qk_rstd, (2, B, T, H), torch.float32))
-          if write_qk else ()),
     ), contiguous=True)  # fmt: skip
     if g.dtype not in TORCH_TO_DSL or beta.dtype not in TORCH_TO_DSL:
         raise ValueError(f"g and beta must be fp32/bf16/fp16, got {g.dtype}, {beta.dtype}")
@@ -306,7 +294,7 @@ def chunk_kda_intra_sm90(
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
             write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None, skip_u=u is None,
-            any_gate=any_gate and not scalar_gate and given_akk is None, write_qk=write_qk,
+            any_gate=any_gate and not scalar_gate and given_akk is None,
         ),
     )  # fmt: skip
 
@@ -318,7 +306,6 @@ def chunk_kda_intra_sm90(
         dt_bias,
         flat(w), None if u is None else flat(u), flat(qg), flat(kg), None if Aqk is None else flat(Aqk),
         flat(Akk) if Akk is not None else None if given_akk is None else flat(given_akk), flat(g_cum),
-        qk_normed.view(2, B * T, H, K) if write_qk else None, qk_rstd.view(2, B * T, H) if write_qk else None,
         cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
         chunk_indices if varlen else placeholder(dev, torch.int32, (1, 2)),
         T, num_chunks, num_seqs, float(scale), float(lower_bound if lower_bound is not None else 0.0),

@@ -166,7 +166,6 @@ class ChunkKDAIntraFwdSm90:
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
         scalar_gate: bool = False, given_t: bool = False, skip_u: bool = False, any_gate: bool = False,
-        write_qk: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
@@ -196,11 +195,6 @@ class ChunkKDAIntraFwdSm90:
         if beta_act not in BETA_ACTS:
             raise ValueError(f"beta_act must be one of {BETA_ACTS}, got {beta_act!r}")
         self.l2norm_qk, self.beta_act = bool(l2norm_qk), beta_act
-        # the normalised q and k rows and their 1 / norm to global memory as well (FLA's l2norm_fwd outputs, which
-        # the training backward's stages read): from the first value head of each q / k head's group
-        self.write_qk = bool(write_qk)
-        if self.write_qk and not self.l2norm_qk:
-            raise ValueError("write_qk writes the normalised q and k: it needs l2norm_qk")
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype, self.g_dtype, self.beta_dtype = dtype, g_dtype, beta_dtype
@@ -242,8 +236,6 @@ class ChunkKDAIntraFwdSm90:
         mAqk: cute.Tensor | None,  # (T_total, HV, BT) dtype, out; None with given_t
         mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype: bf16 (I + Akk)^-1, out (write_akk) or in (given_t)
         mG: cute.Tensor,  # (T_total, HV, K) fp32, out
-        mQKn: cute.Tensor | None,  # (2, T_total, H, K) dtype, out: normalised q, k (write_qk; else None)
-        mRstd: cute.Tensor | None,  # (2, T_total, H) fp32, out: their 1 / norm (write_qk; else None)
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
         mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
         seqlen: Int32,  # tokens per sequence when not varlen
@@ -301,7 +293,7 @@ class ChunkKDAIntraFwdSm90:
         self.storage = Storage
         self.kernel(
             tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg, tma_w, tw, tma_u, tu,
-            mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mQKn, mRstd, mCu, mCi, seqlen, scale, lower_bound,
+            mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mCu, mCi, seqlen, scale, lower_bound,
             mma_wu, sX_l, sGin_l, sT_l,
         ).launch(
             grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
@@ -480,11 +472,10 @@ class ChunkKDAIntraFwdSm90:
                 cute.autovec_copy(r, cute.make_tensor(mOut[tok0 + t, hv, None].iterator + c8, vec))
 
     @cute.jit
-    def _l2norm_rows(self, sX0: cute.Tensor, t: Int32, dst=None, write=False) -> Float32:
-        """Normalise token row t of a (K, BT) smem tile in place, one thread per row, 8 channels per access;
-        returns the row's 1 / norm. With ``dst`` (a global row's first element) the row goes there too where
-        ``write`` holds. Threads t..t+7 read the same 16-byte column of 8 consecutive rows, which the 128-byte
-        swizzle spreads over all 32 banks; no shuffles, so the 128 rows of q and k are normalised side by side."""
+    def _l2norm_rows(self, sX0: cute.Tensor, t: Int32):
+        """Normalise token row t of a (K, BT) smem tile in place, one thread per row, 8 channels per access.
+        Threads t..t+7 read the same 16-byte column of 8 consecutive rows, which the 128-byte swizzle spreads
+        over all 32 banks; no shuffles, so the 128 rows of q and k are normalised side by side."""
         V8, dt = 8, self.dtype
         ss = cute.make_rmem_tensor(V8, Float32)  # 8 partial sums: short dependent chains
         ss.fill(0.0)
@@ -514,10 +505,6 @@ class ChunkKDAIntraFwdSm90:
             for e in cutlass.range_constexpr(V8):
                 rx[e] = (xf[e] * r).to(dt)
             cute.autovec_copy(rx, vec_at(sX0, (c * V8, t)))
-            if const_expr(dst is not None):
-                if write:
-                    cute.autovec_copy(rx, cute.make_tensor(dst + c * V8, cute.make_layout(V8)))
-        return r
 
     @cute.kernel
     def kernel(
@@ -530,8 +517,8 @@ class ChunkKDAIntraFwdSm90:
         tma_u: cute.CopyAtom, tu: cute.Tensor,
         mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor,
         mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor | None,
-        mAkk: cute.Tensor | None, mG: cute.Tensor, mQKn: cute.Tensor | None, mRstd: cute.Tensor | None,
-        mCu: cute.Tensor, mCi: cute.Tensor, seqlen: Int32, scale: Float32, lower_bound: Float32,
+        mAkk: cute.Tensor | None, mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor,
+        seqlen: Int32, scale: Float32, lower_bound: Float32,
         mma_wu: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sT_l: cute.ComposedLayout,
     ):  # fmt: skip
         BT, DK = self.bt, self.dk
@@ -542,8 +529,7 @@ class ChunkKDAIntraFwdSm90:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         tid = tidx % 128
         HV = mW.shape[1]
-        group = HV // tq.shape[2]
-        h = hv // group
+        h = hv // (HV // tq.shape[2])
 
         tok0, valid = chunk_rows(self.varlen, mCu, mCi, bx, bz, seqlen, BT)
 
@@ -586,7 +572,7 @@ class ChunkKDAIntraFwdSm90:
         sFlags = storage.flags.get_tensor(cute.make_layout(4)) if const_expr(self.any_gate) else None
         self._gate_cumsum_and_norms(
             sQ0, sGin0, sG, storage.sG.data_ptr(), base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
-            sFlags, warp_idx, mQKn, mRstd, tok0, h, hv % group == 0,
+            sFlags, warp_idx,
         )  # fmt: skip
         cute.arch.barrier()
         # the anchor row of each sub-chunk's score factors: its middle row; any_gate's exact path takes its first
@@ -683,13 +669,11 @@ class ChunkKDAIntraFwdSm90:
     @cute.jit
     def _gate_cumsum_and_norms(
         self, sQ0, sGin0, sG, sG_ptr, base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems, sFlags,
-        warp_idx, mQKn, mRstd, tok0, h, head_first,
+        warp_idx,
     ):  # fmt: skip
         """P1: the gate activation and its chunk cumsum (warpgroup 0, a channel a thread, g_cum into shared
         memory), the q and k rows past the sequence end zeroed and the others L2-normalised (warpgroup 1, a row a
-        thread; with ``write_qk`` the first value head of the q / k head's group, ``head_first``, also writes the
-        normalised rows and their 1 / norm to ``mQKn`` and ``mRstd``). With ``any_gate`` warpgroup 0 also records
-        per warp in ``sFlags`` whether a channel's g_cum in some
+        thread). With ``any_gate`` warpgroup 0 also records per warp in ``sFlags`` whether a channel's g_cum in some
         sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from the anchor row's, rows past the sequence end taken
         as the products read them (the last valid row's g_cum)."""
         BT, DK, dt = self.bt, self.dk, self.dtype
@@ -754,12 +738,7 @@ class ChunkKDAIntraFwdSm90:
                 for c in cutlass.range_constexpr(DK // 8):
                     cute.autovec_copy(zero, vec_at(sX0, (8 * c, tid % BT)))
             else:
-                if const_expr(self.write_qk):
-                    which, t = tid // BT, tid % BT
-                    r = self._l2norm_rows(sX0, t, mQKn[which, tok0 + t, h, None].iterator, head_first)
-                    if head_first:
-                        mRstd[which, tok0 + t, h] = r
-                elif const_expr(self.l2norm_qk):
+                if const_expr(self.l2norm_qk):
                     self._l2norm_rows(sX0, tid % BT)
 
     @cute.jit
@@ -1319,11 +1298,6 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
         tok(dtype, hv, DK), None if kernel.skip_u else tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK),
         None if kernel.given_t else tok(dtype, hv, BT),
         tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t else None, tok(Float32, hv, DK),
-        *((
-            make_fake_tensor(dtype, (2, tt, h, DK), (cute.sym_int64(divisibility=DK), cute.sym_int64(divisibility=DK),
-                                                     DK, 1), assumed_align=16),
-            make_fake_tensor(Float32, (2, tt, h), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4),
-        ) if kernel.write_qk else (None, None)),
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
         make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
         Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(-5.0),
