@@ -134,7 +134,7 @@ KERNEL_BYTES = (
     # for the backward, Akk out), the state / output kernel (w, u, qg, kg, Aqk, a g row a chunk in; o out)
     ("forward", "ChunkKDAIntraFwdSm90", 2314, 0),
     ("forward", "DeltaHFwdOFusedSm90", 1416, 2),
-    # ... writing every chunk's bf16 state and v_new beside o for the backward (bwd_kept_states, disable_recompute)
+    # ... writing every chunk's bf16 state and v_new beside o for the backward (disable_recompute)
     ("forward", "DeltaHFwdOStatesSm90", 2184, 2),
     # the backward's recompute prefix on cula's intra kernel, from the forward's Akk (q, k, v, g, beta, Akk in; w, u,
     # qg, kg and every g_cum row out)
@@ -159,22 +159,10 @@ KERNEL_BYTES = (
 )
 
 
-# KERNEL_BYTES rows whose bytes change where a KdaTuning flag is on: (phase, piece, flag) -> bytes per token-head.
-# The recompute on the intra kernel without u and so without v (the forward kept h and v_new)
-KERNEL_BYTES_WITH = {("backward", "ChunkKDAIntraFwdSm90", "bwd_kept_states"): 2178}
-
-
 def kernel_floor_us(phase: str, kernel: str, cfg: kp.Config, copy_bw_tbps: float) -> float | None:
-    """A kernel's byte floor in a step of ``cfg`` (``KERNEL_BYTES`` at the copy rate, under the H200 tuning entry in
-    force), None where it has none."""
-    from cula.kda.plan import KDA_TUNING
-
-    entry = KDA_TUNING.get((9, 0))
+    """A kernel's byte floor in a step of ``cfg`` (``KERNEL_BYTES`` at the copy rate), None where it has none."""
     for where, piece, per_token, states in KERNEL_BYTES:
         if where in (phase, "both") and piece in kernel:
-            for (w, p, flag), with_flag in KERNEL_BYTES_WITH.items():
-                if (w, p) == (where, piece) and getattr(entry, flag):
-                    per_token = with_flag
             nbytes = (per_token * sum(cfg.lens) + states * cfg.N * 4 * kp.K * kp.V) * cfg.HV
             return nbytes / (copy_bw_tbps * 1e12) * 1e6
     return None
@@ -410,7 +398,7 @@ def _stages_on(stages):
 # KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
 _STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_lanes", (1, 1 << 30))}
 _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
-                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_kept_states", "intra_any_gate")  # fmt: skip
+                "bwd_intra_l2norm", "bwd_recompute_intra", "intra_any_gate")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)

@@ -881,7 +881,7 @@ def run_suite(
     Args:
         cfgs: configs, each with a ``name``.
         run_one: config -> row.
-        max_seconds: the time budget in seconds; None or 0 (the scripts' ``--max-seconds`` default): no limit.
+        max_seconds: the time budget in seconds, or None.
         t_start: ``time.perf_counter()`` the budget counts from.
         on_row: called with ``(config, row)`` after each row.
         name: the benchmark's name, prefix of its stderr lines.
@@ -897,7 +897,7 @@ def run_suite(
     with sigterm_as_interrupt():
         try:
             for cfg in cfgs:
-                if max_seconds and time.perf_counter() - t_start > max_seconds:
+                if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
                     print(f"[{name}] --max-seconds {max_seconds:g} reached: skipping "
                           f"{len(cfgs) - len(rows)} config(s)", file=sys.stderr, flush=True)
                     break
@@ -1128,7 +1128,8 @@ def time_split_main(
     cfgs = select_configs(suite, args)
     ceilings = reported_ceilings(name)
     with torch.inference_mode():
-        run = run_suite(cfgs, lambda cfg: row(cfg, args, ceilings), args.max_seconds, t_start, name=name,
+        # --max-seconds 0 is no limit in the scripts with these suites (bench_kda_prefill's default)
+        run = run_suite(cfgs, lambda cfg: row(cfg, args, ceilings), args.max_seconds or None, t_start, name=name,
                         progress=("speedup", "graph_speedup", "best_segment", "check"))  # fmt: skip
     args.cuda_graph = False  # every row already has both; keep the result name free of the graph suffix
     meta = {**meta, **run_meta(args, ceilings, warn_tol, fail_tol), **budget_meta(run, args.max_seconds, t_start)}

@@ -146,8 +146,6 @@ def _kda_training(scope: str) -> None:
     d = _dtypes(scope)
     if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, T read
         _kda_intra_variants(d, g_cum_last_only=False, given_t=True)
-        if entry.bwd_kept_states:  # ... and no u where the forward kept h and v_new (its states kernel is above)
-            _kda_intra_variants(d, g_cum_last_only=False, given_t=True, skip_u=True)
     for dt, varlen in itertools.product(d["io"], _B):
         if entry.bwd_dv_dhu_lanes is not None:
             for dht, dh0, svf in itertools.product(_B, _B, _B):
@@ -271,13 +269,11 @@ def _smoke() -> None:
             bwd_intra.compiled_variant(dtype="BFloat16", beta_dtype="Float32", varlen=False,
                                        reverse_cumsum=entry.bwd_intra_cumsum, any_gate=any_gate, **fused)  # fmt: skip
     # the backward's recompute prefix on the intra kernel: every gate cumsum row, T read from the forward's Akk
-    if entry.bwd_recompute_intra:  # (without u too where the forward keeps h and v_new)
-        for skip_u in {False, entry.bwd_kept_states}:
-            intra.compiled_variant(
-                varlen=False,
-                **intra.kernel_options(_BF16, _FP32, _BF16, "lower_bound", True, "sigmoid", given_t=True,
-                                       skip_u=skip_u),
-            )  # fmt: skip
+    if entry.bwd_recompute_intra:
+        intra.compiled_variant(
+            varlen=False,
+            **intra.kernel_options(_BF16, _FP32, _BF16, "lower_bound", True, "sigmoid", given_t=True),
+        )  # fmt: skip
     # the packed call cut in time: the segment summary, the segment chain, the intra kernel on its own, then the
     # packed state/output kernel
     segment_summary.compiled_variant(dtype="BFloat16", mid_states=entry.time_split_halves)

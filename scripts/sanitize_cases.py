@@ -246,18 +246,6 @@ def kda_training_disable_recompute():
 
 
 @case
-def kda_training_kept_states():
-    # the training forward keeping h and v_new alone (KdaTuning.bwd_kept_states), the recompute prefix taking them:
-    # fixed, packed, and packed in FLA's graph mode (h with the fixed-size list's rows)
-    from cula.kda.plan import KDA_TUNING
-
-    with KDA_TUNING.override(bwd_kept_states=True):
-        _kda_chunk(2, 130, 1, 2, grad=True)
-        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True)
-        _kda_chunk(1, [70, 0, 65, 1, 0], 1, 2, grad=True, graph=True)
-
-
-@case
 def kda_training_bwd_dv_dhu():
     # stages 4 and 5 in one launch of cula's kernel at every lane count (KdaTuning.bwd_dv_dhu_lanes): fixed and
     # packed, both layouts

@@ -671,6 +671,21 @@ def test_kda_time_parallel_cli():
     assert kp.tp_shared(cfg, device="cpu")["dt_bias"].shape == (cfg.H * kp.K,)
 
 
+def test_time_split_main_runs_every_config_on_the_default_budget(monkeypatch):
+    """bench_kda_prefill's --max-seconds defaults to 0, "no limit": the time-split suites (--time-parallel) run every
+    config on it (they once skipped them all)."""
+    monkeypatch.setattr(bc, "reported_ceilings", lambda name: {"copy_bw_tbps": 1.0, "gemm_tflops": 1.0})
+    monkeypatch.setattr(bc, "run_meta", lambda *a, **k: {"timing": {}})
+    written = {}
+    monkeypatch.setattr(bc, "write_suite", lambda name, args, meta, rows, cols: written.update(rows=rows) or {})
+    args = kp.parse_args(["--time-parallel", "--quick"])
+    assert args.max_seconds == 0
+    cfgs = bc.time_split_suite(quick=True)
+    bc.time_split_main("t", args, time.perf_counter(), lambda cfg, a, c: {"config": cfg.name, "check": "ok"}, {},
+                       0.01, 0.1)
+    assert [r["config"] for r in written["rows"]] == [c.name for c in cfgs]
+
+
 def test_lightning_time_parallel_suite_and_cli():
     cfgs = lp.tp_suite()
     names = [c.name for c in cfgs]

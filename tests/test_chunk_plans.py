@@ -564,19 +564,16 @@ def test_segmented_launch_in_cuda_graph(counted, kda_tuning):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
-def test_forward_keeps_the_states_where_its_recurrence_is_whole(fake_sm90, monkeypatch, kda_tuning, packed):
-    """``chunk_kda_fwd_sm90(keep_states=True)`` (``KdaTuning.bwd_kept_states``): the state kernel's states-writing
+def test_forward_keeps_the_prefix_states(fake_sm90, monkeypatch, packed):
+    """``chunk_kda_fwd_sm90(keep_prefix=True)`` (FLA's ``disable_recompute``): the state kernel's states-writing
     variant gets room for h (FLA's layout: one row a chunk, or with FLA's graph mode the rows of its fixed-size
-    list) and v_new and returns them; a call the time-parallel planner cuts keeps nothing (None)."""
+    list) and v_new, and the prefix returns them beside the intra kernel's tensors."""
     from cula.kda.forward import chunk_kda_fwd_sm90
-    from cula.ops.kda.sm90 import segment_chain, segment_summary
     from cula.testing import make_cu_seqlens
 
-    monkeypatch.setattr(segment_summary, "compiled_variant", lambda **kw: lambda *a: fake_sm90.append(("summary",)))
-    monkeypatch.setattr(segment_chain, "compiled_variant", lambda **kw: lambda *a: fake_sm90.append(("chain",)))
     x = _inputs()
     lens = [37, 0, 130, 1]
-    kw = dict(scale=0.1, initial_state=None, output_final_state=True, keep_scores=True, keep_states=True,
+    kw = dict(scale=0.1, initial_state=None, output_final_state=True, keep_scores=True, keep_prefix=True,
               safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"])
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     if packed:  # the batch's rows as one pack of sum(lens) <= B T tokens
@@ -589,15 +586,8 @@ def test_forward_keeps_the_states_where_its_recurrence_is_whole(fake_sm90, monke
         state = [c for c in fake_sm90 if c[0] == "state"]
         assert len(state) == 1 and state[0][1].get("store_states") is True
         rows = (-(-Tx // 64) + len(lens) - 1) if graph else (sum(-(-n // 64) for n in lens) if packed else -(-Tx // 64))
-        assert set(kept) == {"h", "v_new"} and kept["h"].shape == (Bx, rows, HV, D, D)
+        assert set(kept) == {"g", "w", "u", "qg", "kg", "h", "v_new"} and kept["h"].shape == (Bx, rows, HV, D, D)
         assert kept["v_new"].shape == v.shape and kept["v_new"].dtype == v.dtype
-    # cut in time (the planner at its most eager): nothing kept, the backward recomputes
-    from cula.time_split import SplitThresholds
-
-    kda_tuning(time_split=SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=64, min_seq_len=0))
-    fake_sm90.clear()
-    *_, kept = chunk_kda_fwd_sm90(q, k, v, g, beta, **kw)
-    assert kept is None and ("summary",) in fake_sm90
 
 
 @pytest.mark.parametrize("gates", ["log", "softplus", "lower_bound"])

@@ -651,14 +651,10 @@ GRAPH_REPACKED = ([64, 1, 100, 60, 0], [200, 0, 0, 0, 1], [1, 1, 1, 1, 228])
 
 
 @gpu
-@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept-states"])
-def test_graph_mode_training_step(kda_tuning, kept):
+def test_graph_mode_training_step():
     """A training step (forward and backward of packed chunk_kda in FLA's graph mode) captured once and replayed
     for new inputs and new boundaries, against eager steps on the same values: outputs, final states and every
-    gradient bit for bit on the tokens the boundaries cover; also with the forward keeping h and v_new
-    (``KdaTuning.bwd_kept_states``, h with the rows of FLA's fixed-size list)."""
-    if kept:
-        kda_tuning(bwd_kept_states=True)
+    gradient bit for bit on the tokens the boundaries cover."""
     gen = torch.Generator(DEV).manual_seed(7)
     T, N = 240, len(GRAPH_LENS) + 1
     x = _kda_inputs(1, T, 2, 4, N, gen)
@@ -695,29 +691,21 @@ def test_graph_mode_training_step(kda_tuning, kept):
 
 
 @gpu
-@pytest.mark.parametrize("HV,kept", [(2, False), (4, False), (4, True)], ids=["mha", "gva", "gva-kept-states"])
-def test_graph_mode_step_matches_the_plain_step(monkeypatch, kda_tuning, HV, kept):
+@pytest.mark.parametrize("HV", [2, 4], ids=["mha", "gva"])
+def test_graph_mode_step_matches_the_plain_step(monkeypatch, HV):
     """Eagerly, a packed training step in FLA's graph mode (FLA's fixed-size chunk list, whose sentinel rows cula's
     backward kernels get as padding rows) against the same step without it: o, the final states and every gradient
     within FLA's tolerances (the gate parameters' sums may add in another order), none NaN; cula's stage-6 and
-    stage-7 kernels and the intra kernel's recompute run in both (with ``kept``, the recompute takes the forward's
-    h and v_new, ``KdaTuning.bwd_kept_states``)."""
+    stage-7 kernels and the intra kernel's recompute run in both."""
     from cula.kda import fla_backward
     from cula.ops.kda.sm90 import bwd_intra, bwd_wy_dqkg
     from cula.testing import assert_close
 
-    if kept:
-        kda_tuning(bwd_kept_states=True)
     ran = []
     for module, name in ((bwd_intra, "chunk_kda_bwd_intra_sm90"), (bwd_wy_dqkg, "chunk_kda_bwd_wy_dqkg_sm90")):
         monkeypatch.setattr(module, name, functools.partial(_count, ran, name, getattr(module, name)))
-    real_prefix = fla_backward.recompute_prefix
-
-    def prefix(*args, states=None, **kwargs):
-        ran.append("recompute_prefix" if states is None else "recompute_prefix with states")
-        return real_prefix(*args, states=states, **kwargs)
-
-    monkeypatch.setattr(fla_backward, "recompute_prefix", prefix)
+    monkeypatch.setattr(fla_backward, "recompute_prefix",
+                        functools.partial(_count, ran, "recompute_prefix", fla_backward.recompute_prefix))
     gen = torch.Generator(DEV).manual_seed(9)
     lens = [37, 0, 130, 1, 72, 0]  # ends at the total, so the plain call takes the same boundaries
     T, N = sum(lens), len(lens)
@@ -734,8 +722,7 @@ def test_graph_mode_step_matches_the_plain_step(monkeypatch, kda_tuning, HV, kep
         o, ht = chunk_kda(**y, **flags)
         torch.autograd.backward((o, ht), (do, dht))
         steps.append({"o": o.detach(), "ht": ht.detach(), **{f"d{n}": y[n].grad for n in leaves}})
-        recompute = "recompute_prefix with states" if kept else "recompute_prefix"
-        assert {"chunk_kda_bwd_intra_sm90", "chunk_kda_bwd_wy_dqkg_sm90", recompute} <= set(ran), ran
+        assert {"chunk_kda_bwd_intra_sm90", "chunk_kda_bwd_wy_dqkg_sm90", "recompute_prefix"} <= set(ran), ran
     tol = {"dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 2e-2, "o": 5e-3, "ht": 5e-3}
     for name, plain in steps[0].items():
         assert not steps[1][name].isnan().any(), name

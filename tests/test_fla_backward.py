@@ -569,42 +569,6 @@ def _gradients_close(recomputed, kept) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
-def test_kept_states_step_gpu(kda_tuning, monkeypatch, packed, state_v_first):
-    """``KdaTuning.bwd_kept_states``: the forward keeps h and v_new, the backward's recompute prefix takes them and
-    FLA's ``fwd_h`` does not run; the step's outputs and gradients within FLA's tolerances of the recomputing
-    step's, of FLA 0.6.0's step and of the float64 reference; GVA, packed with an empty and a one-token sequence,
-    both state layouts, poisoned allocations, none NaN."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-    import fla.ops.common.chunk_delta_h as fh
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
-
-    from cula.kda import chunk_kda
-    from cula.testing import poisoned_allocations
-
-    leaves, cotangents, kw = _kept_case(packed, state_v_first, seed=5)
-    again = _step(chunk_kda, leaves, cotangents, **kw)
-    kda_tuning(bwd_kept_states=True)
-    ran = []
-    real_fwd_h, real_prefix = fh.chunk_gated_delta_rule_fwd_h, fla_backward.recompute_prefix
-
-    def prefix(*args, states=None, **kwargs):
-        ran.append(states is not None)
-        return real_prefix(*args, states=states, **kwargs)
-
-    monkeypatch.setattr(fh, "chunk_gated_delta_rule_fwd_h", lambda *a, **k: ran.append("fwd_h") or real_fwd_h(*a, **k))
-    monkeypatch.setattr(fla_backward, "recompute_prefix", prefix)
-    with poisoned_allocations():
-        kept = _step(chunk_kda, leaves, cotangents, **kw)
-    assert ran == [True], ran
-    _gradients_close(again, kept)
-    fla = _step(fla_chunk_kda, leaves, cotangents, **kw)
-    _judge_step(kept, fla, _step_f64(leaves, cotangents, **kw))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
-@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_disable_recompute_keeps_the_prefix_gpu(kda_tuning, packed, state_v_first):
     """``disable_recompute=True`` (the forward keeps g_cum, w, u, qg, kg, h and v_new; FLA's backward takes them):
     the step's outputs and gradients within FLA's tolerances of the recomputing step's, of FLA 0.6.0's own

@@ -208,15 +208,12 @@ def _prefix_forward(monkeypatch, with_prefix: bool) -> list:
 
     calls = []
 
-    def forward(q, k, v, g, beta, initial_state, output_final_state, keep_scores=False, keep_prefix=False,
-                keep_states=False, **kw):  # fmt: skip
-        assert keep_scores and not (keep_prefix and keep_states)
+    def forward(q, k, v, g, beta, initial_state, output_final_state, keep_scores=False, keep_prefix=False, **kw):
+        assert keep_scores
         scores = (v.detach() * 2, None, torch.ones_like(v), torch.ones_like(v) * 2)
-        if not (keep_prefix or keep_states):
+        if not keep_prefix:
             return scores
         marks = {n: torch.full_like(v, i + 3.0) for i, n in enumerate(("g", "w", "u", "qg", "kg", "h", "v_new"))}
-        if keep_states:
-            marks = {n: marks[n] for n in ("h", "v_new")}
         return (*scores, marks if with_prefix else None)
 
     def bwd(qk_rstd=None, **kw):
@@ -243,36 +240,6 @@ def test_disable_recompute_keeps_what_the_backward_reads(monkeypatch):
     assert kw["disable_recompute"] is True
     for i, name in enumerate(("g", "w", "u", "qg", "kg", "h", "v_new")):
         assert torch.equal(kw[name], torch.full_like(q, i + 3.0)), name
-
-
-def test_kept_states_skip_the_recompute_of_h(monkeypatch):
-    """``KdaTuning.bwd_kept_states``: the training forward keeps h and v_new alone (not under disable_recompute,
-    which keeps the whole prefix), and the backward's recompute prefix takes them instead of FLA's fwd_h; FLA's
-    backward then gets them with the rest of the recomputed prefix. Where the forward could not keep them (None),
-    the prefix recomputes them."""
-    for with_states in (True, False):
-        calls = _prefix_forward(monkeypatch, with_prefix=with_states)
-        monkeypatch.setattr(kb, "_keeps_states", lambda q, v, opts: not opts.get("disable_recompute", False))
-        monkeypatch.setattr(fla_backward, "recompute_on_cula", lambda *a: True)
-        seen = []
-
-        def prefix(*args, Akk=None, states=None):
-            seen.append(states)
-            made = {n: torch.full((1, 4, 2, 128), -1.0) for n in ("g", "w", "u", "qg", "kg", "h", "v_new")}
-            return {**made, **(states or {})}
-
-        monkeypatch.setattr(fla_backward, "recompute_prefix", prefix)
-        q = torch.randn(1, 4, 2, 128, requires_grad=True)
-        with torch.enable_grad():
-            o, _ = kb.chunk_kda_cula_sm90(**_plain_call(q))
-            o.sum().backward()
-        (kw,) = calls
-        assert kw["disable_recompute"] is True and torch.equal(kw["g"], torch.full_like(q, -1.0))
-        if with_states:
-            assert set(seen[0]) == {"h", "v_new"}
-            assert torch.equal(kw["h"], torch.full_like(q, 8.0)) and torch.equal(kw["v_new"], torch.full_like(q, 9.0))
-        else:
-            assert seen == [None] and torch.equal(kw["h"], torch.full_like(q, -1.0))
 
 
 def test_disable_recompute_is_said_once(monkeypatch, caplog):

@@ -138,57 +138,38 @@ class _ChunkKDATraining(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts):
         keep = opts.get("disable_recompute", False)
-        # without disable_recompute, the states alone where the backward's recompute would otherwise make them
-        keep_states = not keep and _keeps_states(q, v, opts)
-        o, final_state, Aqk, Akk, *kept = _training_forward(
-            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts, keep_prefix=keep,
-            keep_states=keep_states,
-        )  # fmt: skip
-        kept = kept[0] if kept else None
-        ctx.kept = None if kept is None else tuple(kept)
+        o, final_state, Aqk, Akk, *prefix = _training_forward(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts, keep_prefix=keep
+        )
+        prefix = prefix[0] if prefix else None
         saved = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, Aqk, Akk)
-        ctx.save_for_backward(*saved, *(kept.values() if kept else ()))
+        ctx.save_for_backward(*saved, *(prefix[n] for n in PREFIX) if prefix else ())
         ctx.opts = opts
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
         saved = ctx.saved_tensors
-        kept = dict(zip(ctx.kept, saved[12:])) if ctx.kept else None
-        if kept is not None and kept.keys() == {"h", "v_new"}:  # the states alone: the rest is recomputed
-            grads = _training_backward(saved[:12], ctx.opts, do, dht, states=kept)
-        else:
-            grads = _training_backward(saved[:12], ctx.opts, do, dht, kept)
-        return (*grads, None, None, None)
+        prefix = dict(zip(PREFIX, saved[12:])) if len(saved) > 12 else None
+        return (*_training_backward(saved[:12], ctx.opts, do, dht, prefix), None, None, None)
 
 
 # what FLA's backward recomputes before its first gradient stage, kept by the forward under disable_recompute=True
 PREFIX = ("g", "w", "u", "qg", "kg", "h", "v_new")
 
 
-def _keeps_states(q, v, opts: dict) -> bool:
-    """Whether the training forward keeps every chunk's state and v_new for the backward
-    (``KdaTuning.bwd_kept_states``): only where the backward's recompute prefix runs on cula's intra kernel, which
-    then skips FLA's ``fwd_h`` (``fla_backward.recompute_prefix``); FLA's recompute would make them again."""
-    from cula.kda import fla_backward
-
-    return q.is_cuda and fla_backward.kept_states_on(q.device) and fla_backward.recompute_on_cula(q, v, opts)
-
-
 def _training_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, opts,
-                      keep_prefix=False, keep_states=False):  # fmt: skip
+                      keep_prefix=False):  # fmt: skip
     """``_ChunkKDATraining``'s forward: ``(o, final_state, Aqk, Akk)``, and with ``keep_prefix`` (FLA's
     ``disable_recompute=True``) a fifth item: the tensors of ``PREFIX`` for FLA's backward (the intra kernel's and
     the states kernel's ``DeltaHFwdOStatesSm90``), or None (logged once) where cula's intra kernel does not run and
-    the backward recomputes them; with ``keep_states``, a fifth item of ``h`` and ``v_new`` alone, or None where
-    the forward's recurrence does not run in one piece (``chunk_kda_fwd_sm90``'s ``keep_states``)."""
+    the backward recomputes them."""
     from cula.kda.forward import chunk_kda_fwd_sm90
 
     opts = {n: x for n, x in opts.items() if n != "disable_recompute"}
     out = chunk_kda_fwd_sm90(
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, keep_scores=True, keep_prefix=keep_prefix,
-        keep_states=keep_states, **opts,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, keep_scores=True, keep_prefix=keep_prefix, **opts,
     )  # fmt: skip
     if not keep_prefix:
         return out
@@ -197,12 +178,10 @@ def _training_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
     return out
 
 
-def _training_backward(saved, p, do, dht, kept=None, states=None):
+def _training_backward(saved, p, do, dht, kept=None):
     """``_ChunkKDATraining``'s backward from what its forward saved: the gradients of q, k, v, g, beta, A_log, dt_bias
     and the initial state (None where FLA gives none). ``kept``: the forward's ``PREFIX`` tensors
-    (``disable_recompute=True``), which FLA's backward then takes instead of recomputing them. ``states``: the
-    forward's ``h`` and ``v_new`` alone (``KdaTuning.bwd_kept_states``), which the recompute prefix on cula's intra
-    kernel takes instead of FLA's ``fwd_h``."""
+    (``disable_recompute=True``), which FLA's backward then takes instead of recomputing them."""
     import fla.ops.kda.chunk as fc
     import fla.ops.kda.chunk_fwd as ff
 
@@ -236,7 +215,7 @@ def _training_backward(saved, p, do, dht, kept=None, states=None):
             g_cum = prefix.pop("g")
         elif fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
             prefix = fla_backward.recompute_prefix(q_raw, k_raw, v, g_raw, beta_raw, A_log, dt_bias, h0, cu,
-                                                   chunk_indices, chunk_offsets, p, Akk=Akk, states=states)  # fmt: skip
+                                                   chunk_indices, chunk_offsets, p, Akk=Akk)  # fmt: skip
             g_cum = prefix.pop("g")
         elif not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
             g_cum = ff.chunk_local_cumsum(

@@ -388,14 +388,8 @@ def recompute_on_cula(q, v, p: dict) -> bool:
     return use_cula_intra(q, v, p["safe_gate"], p["use_gate_in_kernel"], p["lower_bound"])
 
 
-def kept_states_on(device: torch.device) -> bool:
-    """Whether the tuning entry has the training forward keep h and v_new for ``recompute_prefix``
-    (``KdaTuning.bwd_kept_states``)."""
-    return _entry(device).bwd_kept_states
-
-
 def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
-                     p: dict, Akk=None, states=None) -> dict:  # fmt: skip
+                     p: dict, Akk=None) -> dict:  # fmt: skip
     """What FLA's ``chunk_kda_bwd`` recomputes before its first gradient stage, for its ``disable_recompute=True``
     path: the gate cumsum ``g`` (every row), ``w, u, qg, kg`` from one launch of cula's intra kernel on the raw
     inputs (the launch the forward made; given the forward's ``Akk``, the kernel reads it instead of computing the
@@ -403,10 +397,7 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     ``chunk_gated_delta_rule_fwd_h``, as FLA's recompute branch calls it. Replaces FLA's ``kda_gate_chunk_cumsum``
     (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``. In FLA's graph mode (``p["use_graph"]``)
     ``chunk_indices`` / ``chunk_offsets`` are FLA's static ones: the intra kernel takes them through
-    ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``).
-    ``states``: ``{"h", "v_new"}`` as the training forward wrote them (``KdaTuning.bwd_kept_states``), taken
-    instead of FLA's recurrence; u, which only that recurrence reads, is then not made (None) where the kernel
-    reads the forward's T."""
+    ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     from cula.kda.forward import _intra_cute
@@ -416,10 +407,8 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     w, u, qg, kg, _, g_cum, _ = _intra_cute(
         q, k, v, g, beta, p["scale"], cu32, rows, p["use_gate_in_kernel"], A_log, dt_bias,
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
-        full_g_cum=True, given_akk=Akk, keep_u=states is None,
+        full_g_cum=True, given_akk=Akk,
     )  # fmt: skip
-    if states is not None:  # u None: FLA's body unpacks it with the others but reads it only to remake v_new
-        return dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=states["v_new"], h=states["h"])
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=64, state_v_first=p["state_v_first"],

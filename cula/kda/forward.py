@@ -65,7 +65,6 @@ def chunk_kda_fwd_sm90(
     allow_neg_eigval: bool = False,
     keep_scores: bool = False,
     keep_prefix: bool = False,
-    keep_states: bool = False,
     use_graph: bool = False,
 ) -> tuple:
     """KDA forward (FLA's ``ChunkKDAFunction.forward``; with ``keep_scores`` also the intra stage's Aqk and Akk
@@ -101,20 +100,16 @@ def chunk_kda_fwd_sm90(
             stage: ``{"g": g_cum, "w", "u", "qg", "kg", "h", "v_new"}`` (g_cum fp32 with every row written, the rest
             in q's dtype; h and v_new as FLA's ``chunk_gated_delta_rule_fwd_h`` returns them), where cula's intra
             kernel runs (the recurrence then in one piece, not cut in time); None where FLA's intra stage does.
-        keep_states: with ``keep_scores``, of that prefix only ``{"h", "v_new"}``, where cula's intra kernel runs
-            and the recurrence is not cut in time (the serial path's one piece writes them beside o); else None.
             With a chunk list built on the device (FLA's graph mode, a capture) ``h`` has the rows of FLA's
             fixed-size list (``prepare_chunk_indices_static``), whose real rows come first in the same order.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None;
         ``(o, final_state, Aqk, Akk)`` with ``keep_scores``, ``(o, final_state, Aqk, Akk, prefix)`` with
-        ``keep_prefix`` or ``keep_states`` too.
+        ``keep_prefix`` too.
     """
-    if (keep_prefix or keep_states) and not keep_scores:
-        raise ValueError("keep_prefix and keep_states need keep_scores")
-    if keep_prefix and keep_states:
-        raise ValueError("keep_prefix already keeps the states: pass one of keep_prefix, keep_states")
+    if keep_prefix and not keep_scores:
+        raise ValueError("keep_prefix needs keep_scores")
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
     B, T, H, K = q.shape
@@ -141,7 +136,7 @@ def chunk_kda_fwd_sm90(
             final_state.copy_(initial_state if initial_state is not None else torch.zeros_like(final_state))
         if keep_scores:
             scores = (o, final_state, q.new_empty(B, 0, HV, 64), q.new_empty(B, 0, HV, 64))
-            return (*scores, None) if keep_prefix or keep_states else scores
+            return (*scores, None) if keep_prefix else scores
         return o, final_state
 
     chunk_indices = cu32 = None
@@ -173,19 +168,18 @@ def chunk_kda_fwd_sm90(
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
     split = None if use_graph or keep_prefix else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
     # the recurrence in one piece, writing every chunk's state and v_new too
-    if cute_intra and (keep_prefix or (keep_states and split is None)):
+    if cute_intra and keep_prefix:
         kept = _state_outputs(u, cu32, chunk_indices, static_rows=device_list)
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states,
                                      h=kept["h"], v_new=kept["v_new"], chunk_offsets=kept.pop("offsets"))
-        if keep_prefix:
-            kept.update(g=g_cum, w=w, u=u, qg=qg, kg=kg)
+        kept.update(g=g_cum, w=w, u=u, qg=qg, kg=kg)
         return o, final_state, Aqk, Akk, kept
     if split is None:
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states)
     else:
         parallel_segment_states(split, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, **states,
                                 halves=KDA_TUNING.for_device(q.device).time_split_halves)  # fmt: skip
-    if keep_prefix or keep_states:
+    if keep_prefix:
         return o, final_state, Aqk, Akk, None
     if keep_scores:
         return o, final_state, Aqk, Akk
@@ -363,7 +357,7 @@ def _intra_fla(
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False, full_g_cum=False, given_akk=None,
-    keep_u=True, any_gate=False,
+    any_gate=False,
 ):  # fmt: skip
     """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
     (Akk None unless ``keep_akk``: the kernel writes it only when asked). ``zero_kg``: kg starts as zeros, for
@@ -371,8 +365,7 @@ def _intra_cute(
     chunk past the end (never written) by zeros, and garbage there could be NaN. ``full_g_cum``: every row of
     g_cum (the state/output kernel reads only each chunk's last; the training backward's stages read all).
     ``given_akk``: the Akk an earlier call on these inputs kept, read instead of computed (no scores: Aqk is
-    None); with it, ``keep_u=False`` makes no u (None; v is not read). ``any_gate``: the kernel's variant that is
-    exact for any gate (``cula.kda.plan.intra_any_gate``)."""
+    None). ``any_gate``: the kernel's variant that is exact for any gate (``cula.kda.plan.intra_any_gate``)."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
@@ -380,7 +373,7 @@ def _intra_cute(
     gate = gate_kind(use_gate_in_kernel, lower_bound)
     w = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
     qg, kg = torch.empty_like(w), torch.zeros_like(w) if zero_kg else torch.empty_like(w)
-    u = torch.empty_like(v) if keep_u or given_akk is None else None
+    u = torch.empty_like(v)
     Aqk = None if given_akk is not None else torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
     g_cum = torch.empty(B, T, HV, K, dtype=torch.float32, device=q.device)
     Akk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device) if keep_akk else None

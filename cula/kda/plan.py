@@ -90,11 +90,6 @@ class KdaTuning:
     # training: the backward's recompute of w, u, qg, kg and the gate cumsum (FLA's kda_gate_chunk_cumsum and
     # recompute_w_u_fwd) on cula's intra kernel where the forward's ran, then FLA's chunk_kda_bwd without recompute
     bwd_recompute_intra: bool = False
-    # ... and the recompute's h and v_new (FLA's chunk_gated_delta_rule_fwd_h) not recomputed: the training forward
-    # writes them beside o (DeltaHFwdOStatesSm90) where its recurrence runs in one piece (not cut in time). A trade:
-    # what the forward keeps until the backward grows by 768 B per token and value head, on top of the ~1.3 KB
-    # that ours and FLA's default forward each keep (bench_kda_training's *_saved_mib): time against activations
-    bwd_kept_states: bool = False
     # training: stage 6 (chunk_kda_bwd_wy_dqkg_fused, the gradients through the state terms and the WY form) on
     # cula's kernel (cula.ops.kda.sm90.bwd_wy_dqkg) instead of FLA's at wy_dqkg_launch
     bwd_wy_dqkg: bool = False

@@ -65,9 +65,6 @@ _VARIANTS = [
     # the training backward's recompute of w, u, qg, kg, g_cum from the forward's T (given_t)
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "given_t": True},
-    # ... without u, for a backward whose forward kept v_new (KdaTuning.bwd_kept_states)
-    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": False, "l2norm": True,
-     "beta_act": "sigmoid", "given_t": True, "skip_u": True},
     # Gated DeltaNet's one gate per token and head (scalar_gate): the fused softplus gate, and a log gate
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True},
@@ -87,7 +84,7 @@ _COMPILE_SCRIPT = dump_script(
                v["varlen"], extra_options=opts, l2norm_qk=v.get("l2norm", False),
                beta_act=v.get("beta_act", "none"), g_cum_last_only=v.get("g_cum_last_only", False),
                write_akk=v.get("write_akk", False), scalar_gate=v.get("scalar_gate", False),
-               given_t=v.get("given_t", False), skip_u=v.get("skip_u", False), any_gate=v.get("any_gate", False))
+               given_t=v.get("given_t", False), any_gate=v.get("any_gate", False))
     """,
 )
 
@@ -111,8 +108,6 @@ def _vid(v):
         vid += "-scalar_gate"
     if v.get("given_t"):
         vid += "-given_t"
-    if v.get("skip_u"):
-        vid += "-skip_u"
     if v.get("any_gate"):
         vid += "-any_gate"
     return vid
@@ -137,19 +132,15 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     # with given_t) and k' (4 rows), beta v (4 rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end
     # (16), the row norms (16);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
-    # thread; not with given_t), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores. skip_u: no
-    # beta v, and u's stores gone
+    # thread; not with given_t), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores
     given_t = _VARIANTS[idx].get("given_t", False)
-    skip_u = _VARIANTS[idx].get("skip_u", False)
-    assert ptx.count("st.shared.v4") == 42 - 16 * given_t + 16 * l2norm - 4 * skip_u, ptx.count("st.shared.v4")
+    assert ptx.count("st.shared.v4") == 42 - 16 * given_t + 16 * l2norm, ptx.count("st.shared.v4")
     write_akk = _VARIANTS[idx].get("write_akk", False)
-    assert ptx.count("st.global.v4") == 34 + 2 * write_akk - 2 * given_t - 8 * skip_u, ptx.count("st.global.v4")
+    assert ptx.count("st.global.v4") == 34 + 2 * write_akk - 2 * given_t, ptx.count("st.global.v4")
     assert "st.global.b16" not in ptx and "st.global.f32" not in ptx and "st.global.b32" not in ptx
     # full chunks: w / u by stmatrix (64 x 128 bf16 per warpgroup = 8 x4 stores a thread) and TMA stores
-    products = 1 if skip_u else 2
-    assert ptx.count("stmatrix.sync.aligned") == 8 * products, ptx.count("stmatrix.sync.aligned")
-    # w and u, two 128-byte-wide boxes each
-    assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == 2 * products
+    assert ptx.count("stmatrix.sync.aligned") == 16, ptx.count("stmatrix.sync.aligned")
+    assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == 4  # w and u, two 128-byte-wide boxes each
     if nvdisasm is None:
         pytest.skip("nvdisasm not found: PTX checked, SASS not")
     sass = subprocess.run(
@@ -159,7 +150,7 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     # inverse's off-diagonal blocks: 16 products of 16x16 blocks (2 k-steps x 2 n-tiles each); neither with given_t
     assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == (0 if given_t else 128 + 64)
     # w (warpgroup 0) and u (warpgroup 1): 4 k-steps each, k'/v' read MN-major
-    assert len(re.findall(r"HGMMA\.64x128x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 4 * products
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
     assert "UTMALDG" in sass
     # the few spilled scalars (above): a bounded number of local-memory instructions
     assert len(re.findall(r"\b(?:LDL|STL)\b", sass)) <= (240 if limit > 256 else 96), "local-memory traffic"
@@ -188,8 +179,6 @@ def test_launcher_validates():
         chunk_kda_intra_sm90(q, q, v3, g, beta, 1.0, *outs, A, gc, gate="none")
     with pytest.raises(ValueError, match="allow_neg_eigval"):
         chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, *outs, A, gc, gate="none", allow_neg_eigval=True)
-    with pytest.raises(ValueError, match="u may be None only with given_akk"):
-        chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, outs[0], None, *outs[2:], A, gc, gate="none")
     with pytest.raises(ValueError, match="batch size must be 1"):
         q2, v2, g2 = (x.expand(2, *x.shape[1:]).contiguous() for x in (q, v, g))
         b2, A2, gc2 = (x.expand(2, *x.shape[1:]).contiguous() for x in (beta, A, gc))
@@ -679,8 +668,7 @@ def test_akk_vs_fla(case):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 def test_given_t_is_the_kept_t(case):
     """given_akk (the training backward's recompute from the forward's T): g_cum, w, u, qg, kg the same bits as the
-    call that wrote that Akk, rows past each sequence end left as they were; without u (u=None, the kernel's
-    skip_u) the same bits of the others."""
+    call that wrote that Akk, rows past each sequence end left as they were."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
     from cula.testing import poison_
 
@@ -701,22 +689,13 @@ def test_given_t_is_the_kept_t(case):
         args[10] = None  # Aqk: not written
         chunk_kda_intra_sm90(*args, given_akk=Akk, **kw)
 
-    def from_akk_without_u(*args, **kw):
-        args = list(args)
-        args[7] = None  # u: not made
-        from_akk(*args, **kw)
-
     kept = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, launcher=with_akk)
     again = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, launcher=from_akk)
-    no_u = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, launcher=from_akk_without_u)
     torch.cuda.synchronize()
-    for name, a, b, c in zip(("g_cum", "w", "u", "qg", "kg"), kept, again, no_u):
+    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg"), kept, again):
         int_view = torch.int16 if a.dtype != torch.float32 else torch.int32
         assert torch.equal(a.view(int_view), b.view(int_view)), name
-        if name != "u":
-            assert torch.equal(a.view(int_view), c.view(int_view)), f"{name} without u"
-    assert torch.isnan(again[-1]).all() and torch.isnan(no_u[-1]).all(), "Aqk must not be written"
-    assert torch.isnan(no_u[2]).all(), "u must not be written without it"
+    assert torch.isnan(again[-1]).all(), "Aqk must not be written"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

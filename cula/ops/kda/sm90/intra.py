@@ -96,7 +96,7 @@ def gate_params_binder(
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
     *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False, given_t: bool = False,
-    skip_u: bool = False, any_gate: bool = False,
+    any_gate: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
@@ -105,7 +105,7 @@ def kernel_options(
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
         # absent when off: the compile keys of the other variants stay
         **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
-        **({"given_t": True} if given_t else {}), **({"skip_u": True} if skip_u else {}),
+        **({"given_t": True} if given_t else {}),
         **({"any_gate": True} if any_gate else {}),
     )  # fmt: skip
 
@@ -203,8 +203,7 @@ def chunk_kda_intra_sm90(
         scale: query scale; folded into Aqk (not into qg), as in FLA.
         w, qg, kg: ``[B, T, HV, K]`` q's dtype, out: ``(I + Akk)^-1 bf16(beta k exp2(g_cum))``,
             ``q exp2(g_cum)``, ``k exp2(g_cum[last] - g_cum)``.
-        u: ``[B, T, HV, V]`` q's dtype, out: ``(I + Akk)^-1 bf16(beta v)``; None with ``given_akk`` when nothing
-            will read it (v is then not read either).
+        u: ``[B, T, HV, V]`` q's dtype, out: ``(I + Akk)^-1 bf16(beta v)``.
         Aqk: ``[B, T, HV, 64]`` q's dtype, out: ``scale (q k^T o exp2(g_t - g_s))`` for ``s <= t`` of the
             token's own chunk, 0 above the diagonal.
         g_cum: ``[B, T, HV, K]`` fp32, out: chunk-local inclusive cumsum of the activated gate times 1/ln 2.
@@ -257,15 +256,12 @@ def chunk_kda_intra_sm90(
         raise ValueError("given_akk is read and Akk written: pass one of them")
     if (Aqk is None) != (given_akk is not None):
         raise ValueError("Aqk is written unless given_akk is passed (then it must be None)")
-    if u is None and given_akk is None:
-        raise ValueError("u may be None only with given_akk (the forward's state kernel reads it)")
     scalar_gate = g.dim() == 3
     g_shape = (B, T, HV) if scalar_gate else (B, T, HV, K)
     check_tensors((
         ("k", k, (B, T, H, K), dt), ("v", v, (B, T, HV, V), dt), ("g", g, g_shape, None),
-        ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt),
-        *((("u", u, (B, T, HV, V), dt),) if u is not None else ()), ("qg", qg, (B, T, HV, K), dt),
-        ("kg", kg, (B, T, HV, K), dt), ("g_cum", g_cum, (B, T, HV, K), torch.float32),
+        ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt),
+        ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("g_cum", g_cum, (B, T, HV, K), torch.float32),
         *((("Aqk", Aqk, (B, T, HV, 64), dt),) if Aqk is not None else ()),
         *((("Akk", Akk, (B, T, HV, 64), dt),) if Akk is not None else ()),
         *((("given_akk", given_akk, (B, T, HV, 64), dt),) if given_akk is not None else ()),
@@ -293,7 +289,7 @@ def chunk_kda_intra_sm90(
         varlen=varlen,
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
-            write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None, skip_u=u is None,
+            write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None,
             any_gate=any_gate and not scalar_gate and given_akk is None,
         ),
     )  # fmt: skip
@@ -304,7 +300,7 @@ def chunk_kda_intra_sm90(
     fn(
         flat(q), flat(k), flat(v), g.view(B * T, HV) if scalar_gate else flat(g), beta.view(B * T, HV), A_log,
         dt_bias,
-        flat(w), None if u is None else flat(u), flat(qg), flat(kg), None if Aqk is None else flat(Aqk),
+        flat(w), flat(u), flat(qg), flat(kg), None if Aqk is None else flat(Aqk),
         flat(Akk) if Akk is not None else None if given_akk is None else flat(given_akk), flat(g_cum),
         cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
         chunk_indices if varlen else placeholder(dev, torch.int32, (1, 2)),

@@ -79,8 +79,7 @@ P7     WG0: w = T k' ; WG1: u = T v' (SS WGMMA 64x128x64), stored bf16 through t
 
 ``given_t`` (the training backward's recompute of w, u, qg, kg and g_cum from the forward's saved T): P2 writes its
 rows and k' but no score operands, P3-P5 and Aqk are skipped, and P6 loads T's rows from ``mAkk`` instead of
-rounding the solve's; w and u are then the bits the forward's ``write_akk`` call made. With ``skip_u`` as well (a
-backward whose forward kept v_new, so nothing reads u) v is never loaded, P6 makes no v' and P7 is WG0's w alone.
+rounding the solve's; w and u are then the bits the forward's ``write_akk`` call made.
 
 Synchronisation: phases hand shared memory on through CTA-wide barriers (barrier 0); the only named barriers are
 P7's, one per warpgroup, after the last CTA-wide one. P4 used a named barrier of the four inverting warps, and with
@@ -165,7 +164,7 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
-        scalar_gate: bool = False, given_t: bool = False, skip_u: bool = False, any_gate: bool = False,
+        scalar_gate: bool = False, given_t: bool = False, any_gate: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
@@ -177,11 +176,6 @@ class ChunkKDAIntraFwdSm90:
         self.given_t = bool(given_t)
         if self.given_t and self.write_akk:
             raise ValueError("given_t reads Akk: it cannot write it too (write_akk)")
-        # no u (mU is None), only with given_t: the forward's state kernel reads u, the backward reads it only to
-        # remake v_new, which a forward that kept v_new spares it
-        self.skip_u = bool(skip_u)
-        if self.skip_u and not self.given_t:
-            raise ValueError("skip_u needs given_t: the forward's state kernel reads u")
         # one gate per (token, value head), Gated DeltaNet's: raw g (T, HV), dt_bias (HV,); the scores are the
         # plain products times exp2(gc_t - gc_s), exact for any gate (see the module docstring)
         self.scalar_gate = bool(scalar_gate)
@@ -230,7 +224,7 @@ class ChunkKDAIntraFwdSm90:
         mAlog: cute.Tensor,  # (HV,) fp32
         mBias: cute.Tensor,  # (HV, K) fp32; (HV,) with scalar_gate
         mW: cute.Tensor,  # (T_total, HV, K)  dtype, out
-        mU: cute.Tensor | None,  # (T_total, HV, V)  dtype, out; None with skip_u
+        mU: cute.Tensor,  # (T_total, HV, V)  dtype, out
         mQg: cute.Tensor,  # (T_total, HV, K) dtype, out
         mKg: cute.Tensor,  # (T_total, HV, K) dtype, out
         mAqk: cute.Tensor | None,  # (T_total, HV, BT) dtype, out; None with given_t
@@ -270,11 +264,9 @@ class ChunkKDAIntraFwdSm90:
         # w / u leave from the k / v tiles they are staged in, whose layout is the loads' (feature, token) one
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 0, 1]))  # (K, T, HV)
+        u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
         tma_w, tw = cpasync.make_tiled_tma_atom(s2g, w_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
-        tma_u, tu = None, None
-        if const_expr(not self.skip_u):
-            u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
-            tma_u, tu = cpasync.make_tiled_tma_atom(s2g, u_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+        tma_u, tu = cpasync.make_tiled_tma_atom(s2g, u_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
 
         # ~97 KB, so that two CTAs share an SM (see the module docstring)
         @cute.struct
@@ -595,8 +587,7 @@ class ChunkKDAIntraFwdSm90:
                     sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd]
                 )  # fmt: skip
             cute.arch.barrier()
-            if const_expr(not self.skip_u):
-                self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
+            self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
         else:
             self._scores(
                 sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
@@ -808,9 +799,8 @@ class ChunkKDAIntraFwdSm90:
             if const_expr(self.write_akk):
                 if t < valid:
                     cute.autovec_copy(rt, cute.make_tensor(mAkk[tok0 + t, hv, None].iterator + s0, cute.make_layout(8)))
-        if const_expr(not self.skip_u):
-            cute.arch.mbarrier_wait(bar, 1)
-            self._scale_rows_vec(sV0, sBeta, tidx)
+        cute.arch.mbarrier_wait(bar, 1)
+        self._scale_rows_vec(sV0, sBeta, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier()
 
@@ -825,7 +815,7 @@ class ChunkKDAIntraFwdSm90:
         tVr = wg_wu.make_fragment_B(wg_wu.partition_B(sV))
         accW = cute.make_rmem_tensor(wg_wu.partition_shape_C((BT, DK)), Float32)
         tWc = thr_wu.partition_C(cute.make_identity_tensor((BT, DK)))
-        for which in cutlass.range_constexpr(1 if self.skip_u else 2):
+        for which in cutlass.range_constexpr(2):
             if wg == which:
                 tBx = tKr if which == 0 else tVr
                 mOut = mW if which == 0 else mU
@@ -1295,7 +1285,7 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4) if kernel.scalar_gate
         else make_fake_tensor(Float32, (hv, DK), (DK, 1), assumed_align=16),
-        tok(dtype, hv, DK), None if kernel.skip_u else tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK),
+        tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK),
         None if kernel.given_t else tok(dtype, hv, BT),
         tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t else None, tok(Float32, hv, DK),
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
