@@ -92,6 +92,19 @@ def test_int64_boundaries_as_int32_are_remembered_by_value():
     assert host_boundaries(cu, cu)[0].tolist() == [0, 5, 200, 200]
 
 
+def test_boundaries_made_in_inference_mode_serve_training_calls():
+    """A batch's first call under torch.inference_mode builds the remembered int32 boundaries and chunk rows; a later
+    training call of the same batch gets those tensors, so they are made as normal tensors (an inference tensor
+    could not be saved for a backward)."""
+    from cula.kda.forward import host_boundaries
+
+    cu = make_cu_seqlens([33, 0, 91, 7], dtype=torch.int64)
+    with torch.inference_mode():
+        made = host_boundaries(cu, cu)
+    assert not any(t.is_inference() for t in made)
+    assert all(a is b for a, b in zip(host_boundaries(cu, cu), made))
+
+
 def test_host_chunk_indices_are_remembered_by_value():
     """A packed batch's chunk indices are built once for its boundaries (every layer and the backward reuse them),
     and a boundary buffer rewritten in place gets the new boundaries' rows, never the remembered ones."""
