@@ -234,6 +234,28 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
     assert not missing, missing[:3]
 
 
+def test_any_gate_lists_only_variants_the_kernel_builds(requested, kda_tuning):
+    """With ``KdaTuning.intra_any_gate`` on, the intra kernel's any_gate option stays off where the kernel makes no
+    per-channel scores (the recompute's given_t, Gated DeltaNet's scalar gate; the kernel refuses both), so every
+    listed variant can be built; and the recompute of a gate with no known bound (the softplus gate without
+    safe_gate, a log gate) asks for listed variants."""
+    from cula.kda.forward import _intra_cute
+
+    kda_tuning(intra_any_gate=True, bwd_recompute_intra=True)
+    listed = set(variants.planner_variants("full", ops=("kda.chunk", "kda.training", "gdn.chunk")))
+    for key in listed:
+        options = dict(key[8:]) if key[0] == "kda.intra" else {}
+        assert not (options.get("any_gate") and (options.get("given_t") or options.get("scalar_gate"))), key
+    H, HV, D = 1, 2, 128
+    x, xv, beta = _rnd(1, 70, H, D, dtype=BF16), _rnd(1, 70, HV, D, dtype=BF16), _rnd(1, 70, HV, dtype=FP32)
+    for fused, any_gate in itertools.product((False, True), (False, True)):
+        _intra_cute(x, x, xv, -_rnd(1, 70, HV, D, dtype=FP32).abs(), beta, 0.1, None, None, fused, _rnd(HV, dtype=FP32),
+                    _rnd(HV * D, dtype=FP32), None, True, True, False, full_g_cum=True,
+                    given_akk=_rnd(1, 70, HV, 64, dtype=BF16), any_gate=any_gate)  # fmt: skip
+    missing = [cula.cache.key_text(k) for k in requested if k not in listed]
+    assert requested and not missing, missing[:3]
+
+
 def test_decode_requests_are_listed(requested, full_list):
     from cula.kda import fused_recurrent_kda, kda_decode, kda_decode_step
     from cula.lightning import lightning_decode

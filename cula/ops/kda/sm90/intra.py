@@ -99,14 +99,16 @@ def kernel_options(
     any_gate: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
-    ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them)."""
+    ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them). ``any_gate`` is dropped where the kernel
+    makes no per-channel scores (``given_t`` reads T, ``scalar_gate`` is exact for any gate): the variant a call with
+    any gate then takes."""
     return dict(
         dtype=TORCH_TO_DSL[dtype], g_dtype=TORCH_TO_DSL[g_dtype], beta_dtype=TORCH_TO_DSL[beta_dtype],
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
         # absent when off: the compile keys of the other variants stay
         **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
         **({"given_t": True} if given_t else {}),
-        **({"any_gate": True} if any_gate else {}),
+        **({"any_gate": True} if any_gate and not (given_t or scalar_gate) else {}),
     )  # fmt: skip
 
 
@@ -290,7 +292,7 @@ def chunk_kda_intra_sm90(
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
             write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None,
-            any_gate=any_gate and not scalar_gate and given_akk is None,
+            any_gate=any_gate,
         ),
     )  # fmt: skip
 
