@@ -111,14 +111,29 @@ def kda_fixed_fla_intra():
 
 
 @case
-def kda_any_gate():
+def kda_any_gate_fixed():
     # gates no bound is known of on cula's intra kernel (KdaTuning.intra_any_gate): tiles on the exact path (the
-    # diagonal blocks element by element) beside tiles on the anchored one; fixed, packed, and a training step
+    # diagonal blocks element by element) beside tiles on the anchored one. Three cases, not one: each compiles its
+    # own variants, and the sanitizer's warm run shares cases, not variants, over its processes
     from cula.kda.plan import KDA_TUNING
 
     with KDA_TUNING.override(intra_any_gate=True):
         _kda_chunk(2, 130, 2, 2, gate="steep")
+
+
+@case
+def kda_any_gate_packed():
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(intra_any_gate=True):
         _kda_chunk(1, [1, 0, 63, 130, 17], 2, 2, gate="steep", v_first=True)
+
+
+@case
+def kda_any_gate_training():
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(intra_any_gate=True):
         _kda_chunk(1, 100, 1, 2, gate="steep", grad=True)
 
 
