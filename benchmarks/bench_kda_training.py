@@ -382,7 +382,7 @@ def _graph_form(cfg: kp.Config, work: kp.Workload, cula_fn: Callable) -> Callabl
     """cula's step as its CUDA-graph timing captures it: a packed KDA one in FLA's graph mode (``use_graph``,
     ``max_num_seqs`` = the config's sequence count), without which cula refuses to capture a packed backward (its
     exact chunk list is built on the host); FLA's step captures as it is (its chunk list memoised from the warm-up)."""
-    if cfg.mode != "varlen" or work is not kp.KDA:
+    if cfg.mode != "varlen" or work not in kp.GATE_WORKLOADS.values():
         return cula_fn
     return functools.partial(cula_fn, use_graph=True, max_num_seqs=cfg.N)
 

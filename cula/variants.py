@@ -55,7 +55,7 @@ def _kda_chunk(scope: str) -> None:
     from cula.ops.kda.sm90 import fwd_launch, intra, segment_chain, segment_summary
 
     d = _dtypes(scope)
-    for dt, varlen, h0, ht, svf, causal in itertools.product(d["io"], _B, _B, _B, _B, _B):
+    for dt, varlen, h0, ht, svf, causal in itertools.product(d["io"], _B, _B, _B, _B, _causal_forms()):
         dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                         aqk_causal=causal)  # fmt: skip
     for dt, g_dt, b_dt, gate, l2, beta_act, extra in _kda_intra_forms(d):
@@ -84,6 +84,15 @@ def _kda_chunk(scope: str) -> None:
         segment_summary.compiled_variant(dtype=dsl_name(dt), state_v_first=svf, mid_states=halves)
     for h0, ht, svf in itertools.product(_B, _B, _B):
         segment_chain.compiled_variant(has_h0=h0, has_ht=ht, state_v_first=svf)
+
+
+def _causal_forms() -> tuple[bool, ...]:
+    """The state/output kernel's ``aqk_causal`` values a call can ask for: False after FLA's intra stages, which
+    bf16 / fp16 calls reach only where the entry's intra_any_gate is off (or with ``CULA_KDA_INTRA=0``, compiled
+    when met)."""
+    from cula.kda.plan import KDA_TUNING
+
+    return (True,) if KDA_TUNING.get((9, 0)).intra_any_gate else (False, True)
 
 
 def _gdn_chunk(scope: str) -> None:
@@ -247,7 +256,7 @@ def _smoke() -> None:
         **intra.kernel_options(_BF16, _FP32, _BF16, "lower_bound", True, "sigmoid", g_cum_last_only=True,
                                write_akk=True),
     )  # fmt: skip
-    for causal in _B:
+    for causal in _causal_forms():
         dh.compiled_variant(dtype="BFloat16", has_h0=True, has_ht=True, aqk_causal=causal)
     # training's backward: stages 4 and 5, 6 and 7 on cula's kernels where the entry says so (beta after the glue's
     # sigmoid is fp32)

@@ -195,10 +195,11 @@ def test_training_run_config_with_fakes(cpu_bench, monkeypatch):
 
 def test_training_graph_timing_of_packed_kda_steps_uses_graph_mode():
     """The CUDA-graph column captures cula's packed KDA step in FLA's graph mode (max_num_seqs = the config's
-    sequence count); fixed steps, and other workloads' steps, as they are."""
+    sequence count), whatever the gate; fixed steps, and other workloads' steps, as they are."""
     packed = kp.Config("varlen", 1, 100, (30, 0, 70))
-    fn = kt._graph_form(packed, kp.KDA, _fake_training_step)
-    assert fn.func is _fake_training_step and fn.keywords == {"use_graph": True, "max_num_seqs": 3}
+    for work in kp.GATE_WORKLOADS.values():  # every gate's KDA step (--gate log's ran ungraphed once)
+        fn = kt._graph_form(packed, work, _fake_training_step)
+        assert fn.func is _fake_training_step and fn.keywords == {"use_graph": True, "max_num_seqs": 3}
     assert kt._graph_form(kp.Config("fixed", 2, 64, (64, 64)), kp.KDA, _fake_training_step) is _fake_training_step
     other = kp.Workload(*([None] * 5))
     assert kt._graph_form(packed, other, _fake_training_step) is _fake_training_step
@@ -662,9 +663,10 @@ def test_kda_time_parallel_cli():
     cfg = kp.suite(quick=True)[0]
     assert (kp.make_set_log(cfg, 0, device="cpu")["g"] <= 0).all()
     assert "A_log" not in kp.make_shared_log(cfg, device="cpu")
-    with kp.cula_override(args):
-        assert KDA_TUNING.get((9, 0)).intra_any_gate
-    assert not KDA_TUNING.get((9, 0)).intra_any_gate
+    with KDA_TUNING.override((9, 0), intra_any_gate=False):
+        with kp.cula_override(args):
+            assert KDA_TUNING.get((9, 0)).intra_any_gate
+        assert not KDA_TUNING.get((9, 0)).intra_any_gate
     cfg = bc.time_split_suite(quick=True)[0]
     x = kp.tp_inputs(cfg, 0, device="cpu")
     assert x["q"].shape == (1, cfg.T, cfg.H, kp.K) and x["initial_state"].shape == (cfg.N, cfg.H, kp.V, kp.K)

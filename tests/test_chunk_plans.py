@@ -610,6 +610,7 @@ def test_unbounded_gates_take_the_any_gate_variant(counted, fake_sm90, kda_tunin
     fused, lb = flags["use_gate_in_kernel"], flags["lower_bound"]
     assert gates_bounded(False, fused, lb) == bounded and intra_any_gate(False, fused, lb) == (not bounded)
     q = x["q"]
+    kda_tuning(intra_any_gate=False)
     assert use_cula_intra(q, x["v"], False, fused, lb) == bounded
     kda_tuning(intra_any_gate=True)
     assert use_cula_intra(q, x["v"], False, fused, lb)

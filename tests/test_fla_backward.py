@@ -111,11 +111,14 @@ def test_stage4_left_to_stage5(monkeypatch, kda_tuning):
     assert fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], cu_seqlens=cu, **gate))
     cu = torch.tensor([0, 10, 20, 30, 40, 64])  # 5 sequences x 2: past the most
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], cu_seqlens=cu, **gate))
-    kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30))
+    kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30), intra_any_gate=False)
     assert fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate, use_graph=True))
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64].float(), **gate))
-    assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **dict(gate, lower_bound=None)))
+    unbounded = dict(q=q, v=q, Aqk=q[..., :64], **dict(gate, lower_bound=None))  # FLA's intra stages made Aqk
+    assert not fla_backward._stage4_fused(unbounded)
+    kda_tuning(intra_any_gate=True)  # ... unless the intra kernel's any_gate variant did
+    assert fla_backward._stage4_fused(unbounded)
     kda_tuning(bwd_dv_dhu_lanes=None)
     assert not fla_backward._stage4_fused(dict(q=q, v=q, Aqk=q[..., :64], **gate))
 
@@ -142,7 +145,7 @@ def test_stage7_follows_the_tuning_and_the_forward_intra_kernel(monkeypatch, kda
     calls = []
     monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd",
                         lambda *flags: lambda **kw: calls.append(flags) or (None,) * 8)  # fmt: skip
-    kda_tuning(bwd_intra=on, bwd_intra_cumsum=True)
+    kda_tuning(bwd_intra=on, bwd_intra_cumsum=True, intra_any_gate=False)
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
     gates = (
         (dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0), True),
@@ -351,7 +354,7 @@ def test_recompute_on_cula_follows_the_tuning(monkeypatch, kda_tuning):
 
     q = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
     p = dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0, use_graph=False)
-    kda_tuning(bwd_recompute_intra=True)
+    kda_tuning(bwd_recompute_intra=True, intra_any_gate=False)
     assert not fla_backward.recompute_on_cula(q, q, p)  # CPU tensors
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
@@ -359,6 +362,9 @@ def test_recompute_on_cula_follows_the_tuning(monkeypatch, kda_tuning):
     assert fla_backward.recompute_on_cula(q, q, dict(p, use_graph=True))
     assert not fla_backward.recompute_on_cula(q, q, dict(p, lower_bound=None))  # the unbounded softplus gate
     assert not fla_backward.recompute_on_cula(q, q, dict(p, safe_gate=False, use_gate_in_kernel=False))
+    kda_tuning(intra_any_gate=True)  # unbounded gates on the intra kernel's any_gate variant
+    assert fla_backward.recompute_on_cula(q, q, dict(p, lower_bound=None))
+    assert fla_backward.recompute_on_cula(q, q, dict(p, safe_gate=False, use_gate_in_kernel=False))
     kda_tuning(bwd_recompute_intra=False)
     assert not fla_backward.recompute_on_cula(q, q, p)
 

@@ -420,7 +420,9 @@ def test_chunk_variants_all_reachable(requested, kda_tuning):
 
     grid = (
         (BF16, FP16), (FP32, BF16, FP16), (BF16, FP16, FP32),  # q/k/v, g, beta
-        ("plain", "safe_logspace", "safe_sigmoid"),  # gate form (FLA's intra stage without safe_gate)
+        # gate form: a log gate without safe_gate and the fused softplus gate, no bound known (the intra kernel's
+        # any_gate variant where the entry says so, else FLA's intra stages)
+        ("plain", "safe_logspace", "safe_sigmoid", "softplus"),
         (False, True), ((False, False), (True, False), (True, True)),  # l2norm, (beta sigmoid, neg eigval)
         (False, True), (False, True), (False, True),  # initial state, final state, state_v_first
     )
@@ -436,10 +438,10 @@ def test_chunk_variants_all_reachable(requested, kda_tuning):
     H, HV, K, T = 1, 2, 128, 200
     for io, g_dt, b_dt, gate, l2, (sig, neg), h0, ht, svf in itertools.product(*grid):
         kw = dict(use_qk_l2norm_in_kernel=l2, use_beta_sigmoid_in_kernel=sig, allow_neg_eigval=neg,
-                  output_final_state=ht, state_v_first=svf, safe_gate=gate != "plain")  # fmt: skip
-        if gate == "safe_sigmoid":
+                  output_final_state=ht, state_v_first=svf, safe_gate=gate.startswith("safe"))  # fmt: skip
+        if gate in ("safe_sigmoid", "softplus"):
             kw.update(use_gate_in_kernel=True, A_log=_rnd(HV, dtype=FP32), dt_bias=_rnd(HV * K, dtype=FP32),
-                      lower_bound=-5.0)  # fmt: skip
+                      lower_bound=-5.0 if gate == "safe_sigmoid" else None)  # fmt: skip
         for B, packed, training, tuning, extra in forms.values():
             x = dict(q=_rnd(B, T, H, K, dtype=io, requires_grad=training), k=_rnd(B, T, H, K, dtype=io),
                      v=_rnd(B, T, HV, K, dtype=io), g=-_rnd(B, T, HV, K, dtype=g_dt).abs(),

@@ -125,8 +125,13 @@ class KdaTuning:
 # against 2.32 ms in graph replay); from 128 on the one launch wins or ties (B16-T2048 H32, 512 lanes: 8.27 against
 # 8.45). Packed calls of 640-2,048 lanes gained 1-3% eager, inside the spread of host-bound eager steps, and their
 # graph replays run FLA's graph mode (FLA's two stages): left to FLA until measured steadily
+# intra_any_gate: with a log-space gate and no safe_gate (FLA's default call) the forward took 0.109 / 1.270 / 0.390 /
+# 1.350 ms against 0.727 / 3.969 / 0.950 / 3.429 on FLA's intra stages (kda_prefill_log_anygate_subset.md against
+# kda_prefill_log_subset.md: 4.48x FLA instead of 1.15x), and the training step's graph replay 2.22 against 4.54 ms
+# at B1-T4096 (kda_training_log_also_any_subset.md, FLA 5.43), its peak memory 1,676 against 1,937 MiB. The softplus
+# gate takes the same variant, unmeasured apart: its strong heads' tiles run the exact path
 _H200 = KdaTuning(bwd_dv_dhu_lanes=(128, 512), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
-                  bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_wy_dqkg=True,
+                  bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_wy_dqkg=True, intra_any_gate=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
                                              min_seq_len=16384, wave_ctas=2))
 KDA_TUNING: TuningTable[KdaTuning] = TuningTable("kda", {(9, 0): _H200}, fallback=KdaTuning())

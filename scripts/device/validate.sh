@@ -13,6 +13,10 @@
 #     fla matrix                        [not yet timed: FLA's Gated DeltaNet / Simple GLA training autotunes]
 # No STEP: all of them in that order (five calls' worth). `--list`: each step's limit and files and the calls,
 # nothing run (tests/test_validate_script.py checks them on the CPU).
+# `-j N` (first argument): N steps at once, longest limit first, each with its share of the CPU's threads (the
+# tests are small on the GPU; a step's time is mostly the DSL compiling its variants, one core each), so that
+# all of them can run in one call: `validate.sh -j 8` with DEADLINE=570 (seconds from the start: no step runs past
+# it; a step cut short says TIMED OUT). The summary follows the steps' order whatever order they ended in.
 # Logs land in $OUT (one file per step); FLA's autotune results are restored and saved by run.sh.
 set -u
 cd "$(dirname "$0")/../.."
@@ -45,6 +49,11 @@ LIMIT[rest]=280
 named=" $(echo ${FILES[*]}) "
 FILES[rest]=$(find tests -name 'test_*.py' | sort | while read -r f; do [[ "$named" == *" $f "* ]] || echo "$f"; done)
 
+JOBS=1
+if [[ "${1:-}" == "-j" ]]; then
+  JOBS=${2:?-j needs a number}; shift 2
+  [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "-j needs a positive number, got $JOBS" >&2; exit 2; }
+fi
 if [[ "${1:-}" == "--list" ]]; then
   for name in "${STEPS[@]}"; do echo "step $name ${LIMIT[$name]}" $(echo ${FILES[$name]}); done
   for call in "${CALLS[@]}"; do echo "call $call"; done
@@ -60,20 +69,57 @@ mkdir -p "$OUT"
 # a test stuck on the GPU (a kernel waiting forever) dumps its stack and ends its step after STUCK seconds instead
 # of using up the step's whole limit; a benchmark's quick suite in one test compiles and measures for longer
 declare -A STUCK=([bench]=280)
-P="python -m pytest -m gpu -q -rfEs --tb=short -p no:warnings -o faulthandler_exit_on_timeout=true"
+P=${VALIDATE_PYTEST:-"python -m pytest -m gpu -q -rfEs --tb=short -p no:warnings -o faulthandler_exit_on_timeout=true"}
+DEADLINE=${DEADLINE:-0}
+
+run_step() {  # name: the step's tests into $OUT/name.log, pytest's exit status into $OUT/name.rc
+  local name=$1 limit=${LIMIT[$1]}
+  if (( DEADLINE > 0 )); then
+    local left=$(( DEADLINE - ($(date +%s) - S) - 5 ))
+    (( left < limit )) && limit=$left
+    (( limit < 1 )) && { echo 124 > "$OUT/$name.rc"; echo "not started: DEADLINE reached" > "$OUT/$name.log"; return; }
+  fi
+  timeout "$limit" $P -o faulthandler_timeout="${STUCK[$name]:-150}" ${FILES[$name]} > "$OUT/$name.log" 2>&1
+  echo $? > "$OUT/$name.rc"
+}
+
+report_step() {  # failures and skips (a skip on the H200 means a test did not run), then pytest's summary line
+  local name=$1 rc
+  rc=$(cat "$OUT/$name.rc" 2>/dev/null || echo "?")
+  case $rc in
+    0) ;;
+    5) echo "   no GPU tests in these files" ;;
+    124) echo "   TIMED OUT (limit ${LIMIT[$name]}s or DEADLINE)" ;;
+  esac
+  echo "   rc=$rc"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/$name.log" | head -20; tail -1 "$OUT/$name.log"
+}
+
+ORDER=()
 for name in "${STEPS[@]}"; do
   [[ "$WANT" == *" $name "* ]] || continue
   # no files would make pytest collect all of tests/
   [[ -n "$(echo ${FILES[$name]})" ]] || { echo "== $name: no files"; continue; }
-  echo "== $name (limit ${LIMIT[$name]}s) at +$(( $(date +%s) - S ))s:" $(echo ${FILES[$name]})
-  timeout "${LIMIT[$name]}" $P -o faulthandler_timeout="${STUCK[$name]:-150}" ${FILES[$name]} > "$OUT/$name.log" 2>&1
-  rc=$?
-  case $rc in
-    0) ;;
-    5) echo "   no GPU tests in these files" ;;
-    124) echo "   TIMED OUT after ${LIMIT[$name]}s" ;;
-  esac
-  # failures and skips (a skip on the H200 means a test did not run), then pytest's summary line
-  echo "   rc=$rc"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/$name.log" | head -20; tail -1 "$OUT/$name.log"
+  ORDER+=("$name")
 done
+if (( JOBS == 1 )); then
+  for name in "${ORDER[@]}"; do
+    echo "== $name (limit ${LIMIT[$name]}s) at +$(( $(date +%s) - S ))s:" $(echo ${FILES[$name]})
+    run_step "$name"
+    report_step "$name"
+  done
+else
+  export OMP_NUM_THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
+  running=0
+  for name in $(for n in "${ORDER[@]}"; do echo "${LIMIT[$n]} $n"; done | sort -rn | cut -d' ' -f2); do
+    if (( running >= JOBS )); then wait -n; running=$(( running - 1 )); fi
+    echo "== $name started at +$(( $(date +%s) - S ))s (limit ${LIMIT[$name]}s)"
+    run_step "$name" &
+    running=$(( running + 1 ))
+  done
+  wait
+  for name in "${ORDER[@]}"; do
+    echo "== $name:" $(echo ${FILES[$name]})
+    report_step "$name"
+  done
+fi
 echo "== done at +$(( $(date +%s) - S ))s"
