@@ -266,12 +266,19 @@ def _kda_inputs(B, T, H, HV, N, gen, device=DEV) -> dict:
     }  # fmt: skip
 
 
-# cula's intra kernel (safe gate, the lower-bound sigmoid gate) and, without safe_gate, FLA's intra stages (the
-# softplus gate); cula's state/output kernel either way
+# cula's intra kernel (safe gate, the lower-bound sigmoid gate); the softplus gate without safe_gate (no bound
+# known) on its any_gate variant (KdaTuning.intra_any_gate), or on FLA's intra stages (CULA_KDA_INTRA=0, see
+# _intra_mode); cula's state/output kernel in every case
 SAFE_GATE = {"output_final_state": True, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
              "use_beta_sigmoid_in_kernel": True, "safe_gate": True, "lower_bound": -5.0}  # fmt: skip
-FLA_INTRA = dict(SAFE_GATE, safe_gate=False, lower_bound=None)
-GATES = {"cula_intra": SAFE_GATE, "fla_intra": FLA_INTRA}
+UNBOUNDED = dict(SAFE_GATE, safe_gate=False, lower_bound=None)
+GATES = {"cula_intra": SAFE_GATE, "any_gate": UNBOUNDED, "fla_intra": UNBOUNDED}
+
+
+def _intra_mode(monkeypatch, gate: str) -> None:
+    """The "fla_intra" cases send the call to FLA's intra stages (read per call, part of the plan key)."""
+    if gate == "fla_intra":
+        monkeypatch.setenv("CULA_KDA_INTRA", "0")
 
 
 def _redraw(statics: dict, names, gen) -> dict:
@@ -347,7 +354,8 @@ TOKENS = ("q", "k", "v", "g", "beta")
 @gpu
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("gate", GATES)
-def test_chunk_kda_fixed(gate, state_v_first):
+def test_chunk_kda_fixed(monkeypatch, gate, state_v_first):
+    _intra_mode(monkeypatch, gate)
     gen = torch.Generator(DEV).manual_seed(1)
     x = _kda_inputs(2, 200, 2, 4, 2, gen)
     flags = dict(GATES[gate], state_v_first=state_v_first)
@@ -376,11 +384,14 @@ def _packed_draws(statics: dict, names, gen, cu_dtype, host_copy: bool) -> list:
 @pytest.mark.parametrize(
     "gate,host_copy,cu_dtype",
     [("cula_intra", True, torch.int32), ("cula_intra", False, torch.int32), ("cula_intra", False, torch.int64),
-     ("cula_intra", True, torch.int64), ("fla_intra", True, torch.int32), ("fla_intra", False, torch.int32)],
+     ("cula_intra", True, torch.int64), ("any_gate", True, torch.int32), ("any_gate", False, torch.int64),
+     ("fla_intra", True, torch.int32), ("fla_intra", False, torch.int32)],
 )  # fmt: skip
-def test_chunk_kda_packed(gate, host_copy, cu_dtype):
+def test_chunk_kda_packed(monkeypatch, gate, host_copy, cu_dtype):
     """Packed sequences, an empty one among them, with ``cu_seqlens_cpu`` (the plan's one-call launch with cula's
-    intra kernel) or without it (the general path); FLA's intra stages too, whose kernels get the padding rows."""
+    intra kernel) or without it (the general path); the any_gate variant, and FLA's intra stages, whose kernels get
+    the padding rows."""
+    _intra_mode(monkeypatch, gate)
     gen = torch.Generator(DEV).manual_seed(2)
     x = _kda_inputs(1, sum(PACKED), 2, 4, len(PACKED), gen)
     x["cu_seqlens"] = make_cu_seqlens(PACKED, device=DEV, dtype=cu_dtype)

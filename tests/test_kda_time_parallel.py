@@ -196,7 +196,7 @@ def _gpu_case(lengths, H, gate, state_v_first, seed=0):
     """Inputs and flags of a packed chunk_kda call on the GPU: ``gate`` "strong" (the fused lower-bound gate at -5
     on raw logits: most channels forget within a chunk), "weak" (the same gate on logits shifted by -8: about
     -2e-3 a token, so a state carries across whole segments), or "softplus_weak" (the softplus gate without
-    safe_gate, on shifted logits: FLA's intra stage, then cula's state kernels); initial states in the layout."""
+    safe_gate, on shifted logits: no bound known, the intra kernel's any_gate variant); initial states in the layout."""
     torch.manual_seed(seed)
     D, T = 128, sum(lengths)
     q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
