@@ -16,7 +16,8 @@
 # `-j N` (first argument): N steps at once, longest limit first, each with its share of the CPU's threads (the
 # tests are small on the GPU; a step's time is mostly the DSL compiling its variants, one core each), so that
 # all of them can run in one call: `validate.sh -j 8` with DEADLINE=570 (seconds from the start: no step runs past
-# it; a step cut short says TIMED OUT). The summary follows the steps' order whatever order they ended in.
+# it; a step cut short says TIMED OUT). The summary follows the steps' order whatever order they ended in. FLA's
+# autotuning under -j works on a private copy of Triton's cache (its winners are not saved).
 # Logs land in $OUT (one file per step); FLA's autotune results are restored and saved by run.sh.
 set -u
 cd "$(dirname "$0")/../.."
@@ -109,6 +110,13 @@ if (( JOBS == 1 )); then
   done
 else
   export OMP_NUM_THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
+  # FLA autotunes what it has not met on a GPU the other steps share: winners picked under that contention must not
+  # reach run.sh's saved set (the benchmarks' FLA baseline), so the steps work on a private copy of Triton's cache
+  if [[ -n "${TRITON_CACHE_DIR:-}" ]]; then
+    private=$(mktemp -d)
+    cp -r "$TRITON_CACHE_DIR/." "$private/" 2>/dev/null
+    export TRITON_CACHE_DIR=$private
+  fi
   running=0
   for name in $(for n in "${ORDER[@]}"; do echo "${LIMIT[$n]} $n"; done | sort -rn | cut -d' ' -f2); do
     if (( running >= JOBS )); then wait -n; running=$(( running - 1 )); fi
