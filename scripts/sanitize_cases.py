@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 os.environ.setdefault("FLA_CULA", "0")  # FLA's calls stay FLA's (cula.fla_dispatch)
@@ -50,6 +51,7 @@ def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=T
     """One chunk_kda call: fixed (lens an int T, B sequences) or packed (lens a list, B = 1); ``graph``: packed in
     FLA's graph mode (``use_graph``, ``max_num_seqs`` the sequence count)."""
     from cula.kda import chunk_kda
+    from cula.kda.plan import INTRA_ENV
 
     packed = isinstance(lens, (list, tuple))
     T = sum(lens) if packed else lens
@@ -69,7 +71,7 @@ def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=T
         g = torch.nn.functional.logsigmoid(_r(B, T, HV, 128, dtype=torch.float32))
         g = g.masked_fill(torch.rand_like(g) < 0.03, -80.0)
         kw.update(safe_gate=False)
-    else:  # FLA's intra stage, then our state/output kernel
+    else:  # FLA's intra stage (CULA_KDA_INTRA=0: the any_gate variant takes such gates by default), our state kernel
         g = torch.nn.functional.logsigmoid(_r(B, T, HV, 128, dtype=torch.float32))
         kw.update(safe_gate=False)
     if h0:
@@ -80,13 +82,15 @@ def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=T
             kw["cu_seqlens_cpu"] = kw["cu_seqlens"].cpu()
         if graph:
             kw.update(use_graph=True, max_num_seqs=len(lens))
+    intra_env = {INTRA_ENV: "0"} if gate == "fla" else {}
     if grad:
         for t in (q, k, v, g, beta):
             t.requires_grad_(True)
-        o, ht = chunk_kda(q, k, v, g, beta, disable_recompute=keep, **kw)
-        (o.float().sum() + ht.sum()).backward()
+        with mock.patch.dict(os.environ, intra_env):
+            o, ht = chunk_kda(q, k, v, g, beta, disable_recompute=keep, **kw)
+            (o.float().sum() + ht.sum()).backward()
         return o
-    with torch.inference_mode():
+    with torch.inference_mode(), mock.patch.dict(os.environ, intra_env):
         return chunk_kda(q, k, v, g, beta, **kw)
 
 
