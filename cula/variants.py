@@ -133,10 +133,13 @@ def _kda_intra_forms(d: dict):
 
 
 def _kda_intra_variants(d: dict, **flags) -> None:
-    """The per-channel-gate intra kernel over ``_kda_intra_forms``, fixed and packed, with launch ``flags``."""
+    """The per-channel-gate intra kernel over ``_kda_intra_forms``, fixed and packed, with launch ``flags`` (those with
+    the L2 norm alone where the flags write its 1 / norms)."""
     from cula.ops.kda.sm90 import intra
 
     for (dt, g_dt, b_dt, gate, l2, beta_act, extra), varlen in itertools.product(_kda_intra_forms(d), _B):
+        if flags.get("write_rstd") and not l2:
+            continue
         intra.compiled_variant(
             varlen=varlen, **intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, **flags, **extra)
         )
@@ -155,6 +158,9 @@ def _kda_training(scope: str) -> None:
     d = _dtypes(scope)
     if entry.bwd_recompute_intra:  # the recompute prefix (fla_backward.recompute_prefix): every row of g_cum, T read
         _kda_intra_variants(d, g_cum_last_only=False, given_t=True)
+        if entry.bwd_norm_on_load:  # ... also writing the 1 / norms stages 6 and 7 normalise with (norm_on_load)
+            _kda_intra_variants(d, g_cum_last_only=False, given_t=True, write_rstd=True)
+    raw = (False, True) if entry.bwd_norm_on_load else (False,)
     for dt, varlen in itertools.product(d["io"], _B):
         if entry.bwd_dv_dhu_lanes is not None:
             for dht, dh0, svf in itertools.product(_B, _B, _B):
@@ -162,9 +168,9 @@ def _kda_training(scope: str) -> None:
                                          state_v_first=svf)  # fmt: skip
         for b_dt in d["beta"]:
             if entry.bwd_wy_dqkg:
-                for svf in _B:
+                for svf, raw_qk in itertools.product(_B, raw):
                     bwd_wy_dqkg.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), state_v_first=svf,
-                                                 varlen=varlen)  # fmt: skip
+                                                 varlen=varlen, raw_qk=raw_qk)  # fmt: skip
             if entry.bwd_intra:  # with stages 8, 9 and the L2 norm's on chip where the entry says so (_bwd_intra)
                 for fused in _bwd_intra_fused(entry, d):
                     bwd_intra.compiled_variant(dtype=dsl_name(dt), beta_dtype=dsl_name(b_dt), varlen=varlen,
@@ -184,6 +190,9 @@ def _bwd_intra_fused(entry, d: dict) -> list[dict]:
                   for g, a, b in itertools.product(d["g"], _B, _B)]  # fmt: skip
     norms = (False, True) if entry.bwd_intra_l2norm else (False,)
     fused = [dict(gate_options, l2norm=n) for n in norms for gate_options in gates]
+    # with the L2 norm's backward, raw q / k normalised as they load where the entry says so (norm_on_load)
+    if entry.bwd_norm_on_load:
+        fused += [dict(f, raw_qk=True) for f in fused if f["l2norm"]]
     # gates no bound is known of, where the forward takes them on the intra kernel: the any_gate variants
     return fused + ([dict(f, any_gate=True) for f in fused] if entry.intra_any_gate else [])
 

@@ -187,8 +187,8 @@ def _both_stages(calls, io, so, varlen, q, k, v, g, beta, a_log, bias, work, o, 
                     state_v_first=so["state_v_first"], aqk_causal=so["aqk_causal"])  # fmt: skip
     grid = (ci.shape[0], 1, cu.numel() - 1) if varlen else ((T_ + 63) // 64, B_, B_)
     calls.append(("intra", intra_kw, (
-        q3, k3, v3, g3, beta.view(B_ * T_, HV_), a_log, bias.view(HV_, K_), w, u, qg, kg, aqk, None, g_cum, cu, ci,
-        T_, grid[0], grid[1], scale, lb)))  # fmt: skip
+        q3, k3, v3, g3, beta.view(B_ * T_, HV_), a_log, bias.view(HV_, K_), w, u, qg, kg, aqk, None, g_cum, None, cu,
+        ci, T_, grid[0], grid[1], scale, lb)))  # fmt: skip
     calls.append(("state", state_kw, (w, u, kg, qg, g_cum, aqk, o3, h0, ht, cu, T_, grid[2], scale)))
 
 
@@ -320,7 +320,7 @@ def test_varlen_plan_passes_what_the_general_path_passes(counted, fake_sm90, mon
             assert len(args_g) == len(args_p), name
             for a, b in zip(args_g, args_p):
                 _same(a, b, inputs)
-        chunk_indices = (general[0][2][14], fake_sm90[0][2][14])
+        chunk_indices = (general[0][2][15], fake_sm90[0][2][15])
         assert chunk_indices[1].dtype == torch.int32 and torch.equal(*chunk_indices)
         assert torch.equal(general[1][2][9], fake_sm90[1][2][9])  # cu_seqlens as int32
     assert counted[0] == 1 and len(chunk_mod._plans) == 1
@@ -503,7 +503,7 @@ def test_segmented_launch_plumbing(counted, fake_sm90, monkeypatch, kda_tuning, 
     assert fake_sm90[0][1:] == ("side", "main") and fake_sm90[-1][1:] == ("main", "side")
     intras = [c[2] for c in fake_sm90 if c[0] == "intra"]
     states = [c for c in fake_sm90 if c[0] == "state"]
-    assert [a[16] for a in intras] == [64, T - 64]  # tokens of each segment (T = 100)
+    assert [a[17] for a in intras] == [64, T - 64]  # tokens of each segment (T = 100)
     assert intras[1][0].data_ptr() == x["q"].data_ptr() + 64 * H * D * 2
     (kw0, a0), (kw1, a1) = ((c[1], c[2]) for c in states)
     assert kw0["has_h0"] == with_h0 and kw0["has_ht"] and kw1["has_h0"] and kw1["has_ht"]

@@ -186,7 +186,7 @@ def test_stage7_fuses_the_gate_and_the_l2_norm_where_the_tuning_says(monkeypatch
 
     seen = []
     monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd", lambda *flags: lambda **kw: seen.append(
-        (flags, fla_backward._STAGE7_CALL.get())) or ("dq", "dk", *(None,) * 6))  # fmt: skip
+        (flags, fla_backward._BACKWARD_CALL.get())) or ("dq", "dk", *(None,) * 6))  # fmt: skip
     monkeypatch.setattr(fla_chunk, "l2norm_bwd", lambda y, rstd, dy: ("l2", dy))
     monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
     monkeypatch.setattr(fla_backward, "_stage_on", lambda flag, *a: getattr(KDA_TUNING.get((9, 0)), flag))
@@ -210,7 +210,7 @@ def test_stage7_fuses_the_gate_and_the_l2_norm_where_the_tuning_says(monkeypatch
         assert (flags[:3], call.gate is not None, call.qk_rstd is not None) == want, (fuse_gate, fuse_l2, kw.keys())
         assert flags[3] is False  # stage 4 stays FLA's off the GPU
         assert (dq, dk) == (("dq", "dk") if want[2] else (("l2", "dq"), ("l2", "dk")))
-    assert fla_backward._STAGE7_CALL.get() is None
+    assert fla_backward._BACKWARD_CALL.get() is None
 
 
 _LAUNCH_SCRIPT = textwrap.dedent(
@@ -369,6 +369,93 @@ def test_recompute_on_cula_follows_the_tuning(monkeypatch, kda_tuning):
     assert not fla_backward.recompute_on_cula(q, q, p)
 
 
+def test_norm_on_load_follows_the_tuning(monkeypatch, kda_tuning):
+    """The backward skips l2norm_fwd (stages 6 and 7 normalise raw q / k) only where KdaTuning.bwd_norm_on_load says
+    so, the call has the L2 norm, no GVA, do in q's dtype, and the recompute, stage 6 and stage 7 with the L2 norm's
+    backward all run on cula's kernels; CPU tensors never."""
+    from cula.kda.plan import KDA_TUNING
+
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    p = dict(safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0, use_graph=False, use_qk_l2norm_in_kernel=True)
+    kda_tuning(bwd_norm_on_load=True, bwd_recompute_intra=True, bwd_wy_dqkg=True, bwd_intra=True,
+               bwd_intra_l2norm=True, intra_any_gate=False)  # fmt: skip
+    assert not fla_backward.norm_on_load(q, q, q, p)  # CPU tensors
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(KDA_TUNING, "for_device", lambda device: KDA_TUNING.get((9, 0)))
+    assert fla_backward.norm_on_load(q, q, q, p)
+    assert not fla_backward.norm_on_load(q, q, q, dict(p, use_qk_l2norm_in_kernel=False))
+    assert not fla_backward.norm_on_load(q, q.repeat(1, 1, 2, 1), q, p)  # GVA: the L2 norm's backward after the sum
+    assert not fla_backward.norm_on_load(q, q, q.half(), p)
+    assert not fla_backward.norm_on_load(q, q, q, dict(p, lower_bound=None))  # the unbounded softplus gate
+    for flag in ("bwd_norm_on_load", "bwd_recompute_intra", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_l2norm"):
+        with KDA_TUNING.override((9, 0), **{flag: False}):
+            assert not fla_backward.norm_on_load(q, q, q, p), flag
+
+
+def test_norm_on_load_hands_the_stages_raw_qk(monkeypatch):
+    """Where norm_on_load says so, no l2norm_fwd runs: the recompute prefix writes the 1 / norms, and chunk_kda_bwd
+    gets the raw q and k, those norms as qk_rstd and raw_qk=True; stage 6 and 7 then hand both to cula's kernels."""
+    from cula.kda import backends as kb
+
+    B, T, H, D = 1, 70, 2, 128
+    x = {n: torch.randn(B, T, H, D).bfloat16() for n in ("q", "k", "v")}
+    g, beta = torch.randn(B, T, H, D), torch.randn(B, T, H)
+    rstd = torch.rand(2, B, T, H)
+    seen, chunk_kda_bwd = {}, fla_backward.chunk_kda_bwd
+
+    def prefix(q, k, *args, Akk=None, qk_rstd=False):
+        assert qk_rstd
+        made = {n: torch.full((1,), float(i)) for i, n in enumerate(("g", "w", "u", "qg", "kg", "v_new", "h"))}
+        return dict(made, qk_rstd=rstd)
+
+    def bwd(qk_rstd=None, raw_qk=False, **kw):
+        seen.update(kw, qk_rstd=qk_rstd, raw_qk=raw_qk)
+        return (kw["q"].float(), kw["k"].float(), kw["v"].float(), kw["beta"].float(), g.clone(), None, None, None)
+
+    import fla.ops.kda.chunk as fc
+
+    monkeypatch.setattr(fc, "l2norm_fwd", lambda t: pytest.fail("l2norm_fwd ran"))
+    monkeypatch.setattr(fc, "fused_beta_sigmoid", lambda x, scale: x.float() * scale)
+    monkeypatch.setattr(fc, "fused_beta_sigmoid_bwd", lambda x, dy, scale: dy * scale)
+    monkeypatch.setattr(fla_backward, "norm_on_load", lambda q, v, do, p: True)
+    monkeypatch.setattr(fla_backward, "recompute_on_cula", lambda q, v, p: True)
+    monkeypatch.setattr(fla_backward, "recompute_prefix", prefix)
+    monkeypatch.setattr(fla_backward, "chunk_kda_bwd", bwd)
+    p = dict(use_gate_in_kernel=True, allow_neg_eigval=False, use_qk_l2norm_in_kernel=True,
+             use_beta_sigmoid_in_kernel=True, use_graph=False, scale=D**-0.5, state_v_first=False, safe_gate=True,
+             lower_bound=-5.0)  # fmt: skip
+    saved = (x["q"], x["k"], x["v"], g, beta, torch.zeros(H), torch.zeros(H * D), None, None, None,
+             torch.zeros(B, T, H, 64), torch.zeros(B, T, H, 64))  # fmt: skip
+    kb._training_backward(saved, p, torch.randn(B, T, H, D).bfloat16(), None)
+    assert seen["raw_qk"] is True and seen["q"] is x["q"] and seen["k"] is x["k"]
+    assert torch.equal(seen["qk_rstd"][0], rstd[0]) and torch.equal(seen["qk_rstd"][1], rstd[1])
+
+    # the stages: raw q / k and the norms reach cula's stage-6 and stage-7 kernels
+    from cula.ops.kda.sm90 import bwd_intra, bwd_wy_dqkg
+
+    got = {}
+    monkeypatch.setattr(fla_backward, "_wy_dqkg_kernel_on", lambda *a: True)
+    monkeypatch.setattr(fla_backward, "wy_dqkg_verdict", lambda *a: (True, None))
+    monkeypatch.setattr(bwd_wy_dqkg, "chunk_kda_bwd_wy_dqkg_sm90",
+                        lambda q, k, *a, qk_rstd=None, **kw: got.update(wy=(q, k, qk_rstd)) or "wy")  # fmt: skip
+    monkeypatch.setattr(bwd_intra, "chunk_kda_bwd_intra_sm90",
+                        lambda q, k, *a, raw_qk=False, qk_rstd=None, **kw: got.update(intra=(q, k, raw_qk, qk_rstd))
+                        or (None,) * 4)  # fmt: skip
+    t = torch.zeros(1, 64, 1, 128)
+    norms = (rstd[0], rstd[1])
+    token = fla_backward._BACKWARD_CALL.set(fla_backward._BackwardCall(qk_rstd=norms, raw_qk=True))
+    try:
+        assert fla_backward._wy_dqkg_fused(t, t, t, t, t, t[..., 0], t[..., :64], t, t, t, t) == "wy"
+        fla_backward._bwd_intra(t, t, t, t[..., 0], t, t, t, t, t[..., 0], t, ours=True)
+    finally:
+        fla_backward._BACKWARD_CALL.reset(token)
+    assert got["wy"] == (t, t, norms) and got["intra"] == (t, t, True, norms)
+    # raw q / k with stage 7 not taking the L2 norm's backward is refused before anything runs
+    with pytest.raises(ValueError, match="raw_qk"):
+        chunk_kda_bwd(qk_rstd=norms, raw_qk=True, q=t, k=t, v=t, safe_gate=True)
+
+
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
 def test_cula_chunk_rows_turn_sentinels_into_padding(cu_dtype):
     """FLA's graph-mode chunk list for cula's kernels: the real rows as they are (so each row still indexes h / dh),
@@ -404,7 +491,8 @@ def test_recompute_prefix_feeds_flas_backward_without_recompute(monkeypatch, fus
     made = {n: torch.full((1,), float(i)) for i, n in enumerate(("g", "w", "u", "qg", "kg", "v_new", "h"))}
     seen = {}
 
-    def prefix(q, k, *args, Akk=None, states=None):
+    def prefix(q, k, *args, Akk=None, states=None, qk_rstd=False):
+        assert not qk_rstd  # CPU tensors: never norm_on_load
         seen["prefix_q"], seen["prefix_akk"] = (q, k), Akk
         assert states is None  # nothing kept by this forward
         return dict(made)

@@ -34,9 +34,10 @@ def _intra(q, k, v, gk, beta, scale, cu_seqlens, chunk_size, chunk_indices, safe
 
 
 def _bwd(calls):
-    def chunk_kda_bwd(qk_rstd=None, **kw):
+    def chunk_kda_bwd(qk_rstd=None, raw_qk=False, **kw):
         """FLA's chunk_kda_bwd (a stand-in); with ``qk_rstd`` (cula's wrapper, ``fla_backward.chunk_kda_bwd``) dq and
-        dk through FLA's l2norm_bwd, as that wrapper's contract says."""
+        dk through FLA's l2norm_bwd, as that wrapper's contract says (CPU tensors: q and k normalised already)."""
+        assert not raw_qk
         calls.append(kw)
         out = _bwd_outputs(kw)
         if qk_rstd is not None:

@@ -202,7 +202,9 @@ def _training_backward(saved, p, do, dht, kept=None):
     sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
     def gradients():
         qn, kn, beta_in, q_rstd, k_rstd = q, k, beta, None, None
-        if p["use_qk_l2norm_in_kernel"]:
+        # stages 6 and 7 normalise the raw q / k with the recompute's 1 / norms, or FLA's l2norm_fwd does it first
+        raw_qk = kept is None and fla_backward.norm_on_load(q, v, do, p)
+        if p["use_qk_l2norm_in_kernel"] and not raw_qk:
             qn, q_rstd = fc.l2norm_fwd(q)
             kn, k_rstd = fc.l2norm_fwd(k)
         if p["use_beta_sigmoid_in_kernel"]:
@@ -214,9 +216,13 @@ def _training_backward(saved, p, do, dht, kept=None):
             prefix = dict(kept)
             g_cum = prefix.pop("g")
         elif fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
-            prefix = fla_backward.recompute_prefix(q_raw, k_raw, v, g_raw, beta_raw, A_log, dt_bias, h0, cu,
-                                                   chunk_indices, chunk_offsets, p, Akk=Akk)  # fmt: skip
+            prefix = fla_backward.recompute_prefix(
+                q_raw, k_raw, v, g_raw, beta_raw, A_log, dt_bias, h0, cu, chunk_indices, chunk_offsets, p, Akk=Akk,
+                qk_rstd=raw_qk,
+            )  # fmt: skip
             g_cum = prefix.pop("g")
+            if raw_qk:
+                q_rstd, k_rstd = prefix.pop("qk_rstd").unbind(0)
         elif not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
             g_cum = ff.chunk_local_cumsum(
                 g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
@@ -225,7 +231,7 @@ def _training_backward(saved, p, do, dht, kept=None):
         # FLA's chunk_kda_bwd with its heaviest stage at a faster launch configuration (fla_backward)
         # with q_rstd / k_rstd, dq and dk come back through the L2 norm's backward (on chip where the tuning says so)
         dq, dk, dv, db, dg, dh0, dA, dbias = fla_backward.chunk_kda_bwd(
-            qk_rstd=None if q_rstd is None else (q_rstd, k_rstd),
+            qk_rstd=None if q_rstd is None else (q_rstd, k_rstd), raw_qk=raw_qk,
             q=qn, k=kn, v=v, beta=beta_in, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
             do=do.contiguous(), dht=None if dht is None else dht.contiguous(),
             # FLA's forward keeps the gate cumsum only when the gate is not fused; the backward redoes it

@@ -28,8 +28,8 @@ import types
 import torch
 
 __all__ = [
-    "chunk_kda_bwd", "cula_chunk_rows", "fla_stages_only", "launch_verdict", "launch_wy_dqkg", "recompute_on_cula",
-    "recompute_prefix", "wy_dqkg_launch", "wy_dqkg_ours", "wy_dqkg_verdict",
+    "chunk_kda_bwd", "cula_chunk_rows", "fla_stages_only", "launch_verdict", "launch_wy_dqkg", "norm_on_load",
+    "recompute_on_cula", "recompute_prefix", "wy_dqkg_launch", "wy_dqkg_ours", "wy_dqkg_verdict",
 ]  # fmt: skip
 
 
@@ -85,6 +85,18 @@ def _wy_dqkg_fused(
     ``wy_dqkg_verdict`` allows it, else FLA's own wrapper."""
     from fla.ops.kda import chunk_bwd
 
+    call = _BACKWARD_CALL.get()
+    if call is not None and call.raw_qk:  # norm_on_load said cula's kernel takes it: it must
+        if not (wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, chunk_size)[0]
+                and _wy_dqkg_kernel_on(_entry(q.device), q, k, v, v_new, A, h, do, dh, dv)):  # fmt: skip
+            raise RuntimeError("stage 6 got raw q / k (norm_on_load) but cula's kernel does not take the call")
+        from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
+
+        return chunk_kda_bwd_wy_dqkg_sm90(
+            q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=scale, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            chunk_indices=cula_chunk_rows(chunk_indices, cu_seqlens, use_graph), qk_rstd=call.qk_rstd,
+        )  # fmt: skip
     if wy_dqkg_verdict(q, k, v, v_new, A, h, do, dh, dv, chunk_size)[0]:
         return wy_dqkg_ours(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size,
                             chunk_indices, use_graph)  # fmt: skip
@@ -274,18 +286,20 @@ def _bwd_dhu(
 
 
 @dataclasses.dataclass
-class _Stage7Call:
+class _BackwardCall:
     """What one backward call's stage 7 fuses beyond stage 8 (``_stage7_plan``), and what it leaves for the rebound
     stage 9: the L2 norm's backward with ``qk_rstd``, the gate's with ``gate = (g_raw, A_log, dt_bias,
-    lower_bound)``, whose results (``dg_raw, dA_log, ddt_bias``) the kernel's call puts in ``gate_grads``."""
+    lower_bound)``, whose results (``dg_raw, dA_log, ddt_bias``) the kernel's call puts in ``gate_grads``. With
+    ``raw_qk`` q and k are the raw ones and stages 6 and 7 normalise them with ``qk_rstd`` (``norm_on_load``)."""
 
     qk_rstd: tuple | None = None
     gate: tuple | None = None
     gate_grads: tuple | None = None
     any_gate: bool = False  # gates no bound is known of: the kernel's any_gate variant
+    raw_qk: bool = False
 
 
-_STAGE7_CALL: contextvars.ContextVar[_Stage7Call | None] = contextvars.ContextVar("cula_stage7_call", default=None)
+_BACKWARD_CALL: contextvars.ContextVar[_BackwardCall | None] = contextvars.ContextVar("cula_stage7_call", default=None)
 
 
 def _bwd_intra(
@@ -295,7 +309,7 @@ def _bwd_intra(
     """FLA's ``chunk_kda_bwd_intra`` (stage 7) with its arguments and returns: on cula's kernel
     (``cula.ops.kda.sm90.bwd_intra``) when ``ours`` (``_stage7_ours``), with ``cumsum`` its dg already through stage
     8 (FLA's ``chunk_local_cumsum(dg, reverse=True)``, which the rebound body then skips), and with the fused
-    neighbours this call's ``_Stage7Call`` names (dq / dk then the raw q's and k's gradients, dg the raw gate's);
+    neighbours this call's ``_BackwardCall`` names (dq / dk then the raw q's and k's gradients, dg the raw gate's);
     FLA's own function elsewhere. In FLA's graph mode (``use_graph``) both take FLA's static chunk list (cula's
     kernel through ``cula_chunk_rows``)."""
     from fla.ops.kda import chunk_intra
@@ -303,11 +317,12 @@ def _bwd_intra(
     if ours:
         from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
 
-        call = _STAGE7_CALL.get() or _Stage7Call()
+        call = _BACKWARD_CALL.get() or _BackwardCall()
         out = chunk_kda_bwd_intra_sm90(
             q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens,
             chunk_indices=cula_chunk_rows(chunk_indices, cu_seqlens, use_graph), chunk_size=chunk_size,
             reverse_cumsum_dg=cumsum, qk_rstd=call.qk_rstd, gate=call.gate, in_place=True, any_gate=call.any_gate,
+            raw_qk=call.raw_qk,
         )  # fmt: skip
         if call.gate is not None:
             call.gate_grads = out[3:]
@@ -329,7 +344,7 @@ def _gate_bwd(g, A_log=None, dt_bias=None, dyg=None, lower_bound=None):
     took the gate's backward for this ``dyg``, else FLA's function."""
     from fla.ops.kda import gate as fla_gate
 
-    call = _STAGE7_CALL.get()
+    call = _BACKWARD_CALL.get()
     if call is not None and call.gate_grads is not None and call.gate_grads[0] is dyg:
         return call.gate_grads
     return fla_gate.kda_gate_bwd(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
@@ -389,7 +404,7 @@ def recompute_on_cula(q, v, p: dict) -> bool:
 
 
 def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
-                     p: dict, Akk=None) -> dict:  # fmt: skip
+                     p: dict, Akk=None, qk_rstd: bool = False) -> dict:  # fmt: skip
     """What FLA's ``chunk_kda_bwd`` recomputes before its first gradient stage, for its ``disable_recompute=True``
     path: the gate cumsum ``g`` (every row), ``w, u, qg, kg`` from one launch of cula's intra kernel on the raw
     inputs (the launch the forward made; given the forward's ``Akk``, the kernel reads it instead of computing the
@@ -397,26 +412,32 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     ``chunk_gated_delta_rule_fwd_h``, as FLA's recompute branch calls it. Replaces FLA's ``kda_gate_chunk_cumsum``
     (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``. In FLA's graph mode (``p["use_graph"]``)
     ``chunk_indices`` / ``chunk_offsets`` are FLA's static ones: the intra kernel takes them through
-    ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``)."""
+    ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``).
+    ``qk_rstd`` (``norm_on_load``): also q's and k's 1 / norms from the same launch, ``[2, B, T, H]`` fp32 under
+    that key."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     from cula.kda.forward import _intra_cute
 
     cu32 = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
     rows = cula_chunk_rows(chunk_indices, cu_seqlens, bool(p.get("use_graph")))
+    rstd = torch.empty(2, *q.shape[:3], dtype=torch.float32, device=q.device) if qk_rstd else None
     w, u, qg, kg, _, g_cum, _ = _intra_cute(
         q, k, v, g, beta, p["scale"], cu32, rows, p["use_gate_in_kernel"], A_log, dt_bias,
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
-        full_g_cum=True, given_akk=Akk,
+        full_g_cum=True, given_akk=Akk, qk_rstd=rstd,
     )  # fmt: skip
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=64, state_v_first=p["state_v_first"],
     )  # fmt: skip
-    return dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
+    out = dict(g=g_cum, w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
+    if qk_rstd:
+        out["qk_rstd"] = rstd
+    return out
 
 
-def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage7Call]:
+def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _BackwardCall]:
     """``_fla_chunk_kda_bwd``'s flags for one call and what its stage 7 fuses beyond stage 8: the gate's backward
     (``KdaTuning.bwd_intra_gate``: the lower-bound gate in the kernel, fp32 or absent parameters) and the L2 norm's
     (``KdaTuning.bwd_intra_l2norm``: ``qk_rstd`` given, no GVA)."""
@@ -426,7 +447,7 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Stage
         q, v, kwargs.get("chunk_size", 64), kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False),
         lower_bound,
     )  # fmt: skip
-    call = _Stage7Call()
+    call = _BackwardCall()
     if not ours:
         return (ours, cumsum, False), call
     from cula.kda.plan import intra_any_gate
@@ -461,18 +482,42 @@ def _stage4_fused(kwargs: dict) -> bool:
     )
 
 
-def chunk_kda_bwd(qk_rstd: tuple | None = None, **kwargs):
+def norm_on_load(q, v, do, p: dict) -> bool:
+    """Whether the backward runs without ``l2norm_fwd`` (``KdaTuning.bwd_norm_on_load``): the recompute's intra
+    kernel writes the 1 / norms (``recompute_prefix(qk_rstd=True)``) and ``chunk_kda_bwd(raw_qk=True)`` hands stages
+    6 and 7 the raw q and k, which cula's kernels normalise as they read them. Only where the norm is on and both
+    stages and the recompute run on cula's kernels, stage 7 with the L2 norm's backward (no GVA), as their
+    predicates decide from the same call."""
+    if not p["use_qk_l2norm_in_kernel"] or not q.is_cuda:
+        return False
+    entry = _entry(q.device)
+    if not (entry.bwd_norm_on_load and entry.bwd_intra_l2norm and entry.bwd_wy_dqkg) or q.shape[2] != v.shape[2]:
+        return False
+    # stage 6's operands share q's dtype in the training backward but do, which autograd hands in
+    if do.dtype != q.dtype or not launch_verdict(True, q, q.shape[-1], v.shape[-1], 64)[0]:
+        return False
+    return recompute_on_cula(q, v, p) and _stage7_ours(
+        q, v, 64, p["safe_gate"], p["use_gate_in_kernel"], p["lower_bound"]
+    )[0]
+
+
+def chunk_kda_bwd(qk_rstd: tuple | None = None, raw_qk: bool = False, **kwargs):
     """FLA 0.6.0's ``chunk_kda_bwd`` (same keywords and returns: ``(dq, dk, dv, db, dg, dh0, dA_log, ddt_bias)``),
     its stage 6 launched at ``wy_dqkg_launch``, stages 5, 6 and 7 on cula's kernels where the tuning says so (module
     docstring). ``qk_rstd = (q_rstd, k_rstd)`` (``l2norm_fwd``'s, q and k then the normalised ones): dq and dk come
     back as the raw q's and k's gradients (FLA's ``l2norm_bwd`` applied here, or in the stage-7 kernel where the
-    tuning says so)."""
+    tuning says so). ``raw_qk`` (where ``norm_on_load`` says so): q and k are the raw ones, normalised with
+    ``qk_rstd`` by stages 6 and 7."""
     flags, call = _stage7_plan(kwargs, qk_rstd)
-    token = _STAGE7_CALL.set(call)
+    if raw_qk:
+        if call.qk_rstd is None:
+            raise ValueError("raw_qk needs stage 7 on cula's kernel with the L2 norm's backward (norm_on_load)")
+        call.raw_qk = True
+    token = _BACKWARD_CALL.set(call)
     try:
         dq, dk, *rest = _fla_chunk_kda_bwd(*flags, _stage4_fused(kwargs))(**kwargs)
     finally:
-        _STAGE7_CALL.reset(token)
+        _BACKWARD_CALL.reset(token)
     if qk_rstd is not None and call.qk_rstd is None:
         import fla.ops.kda.chunk as fla_chunk  # the l2norm_bwd FLA's ChunkKDAFunction calls
 

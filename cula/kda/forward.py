@@ -303,7 +303,7 @@ def _segmented_launch(
             n = t1 - t0
             fn_intra(
                 qf[t0:t1], kf[t0:t1], vf[t0:t1], gf[t0:t1], bf[t0:t1], a_log, bias, w[t0:t1], u[t0:t1], qg[t0:t1],
-                kg[t0:t1], Aqk[t0:t1], None, g_cum[t0:t1], no_cu, no_ci, n, (n + 63) // 64, 1, s, lb,
+                kg[t0:t1], Aqk[t0:t1], None, g_cum[t0:t1], None, no_cu, no_ci, n, (n + 63) // 64, 1, s, lb,
             )  # fmt: skip
             done = torch.cuda.Event()
             done.record(main)
@@ -357,7 +357,7 @@ def _intra_fla(
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False, full_g_cum=False, given_akk=None,
-    any_gate=False,
+    any_gate=False, qk_rstd=None,
 ):  # fmt: skip
     """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
     (Akk None unless ``keep_akk``: the kernel writes it only when asked). ``zero_kg``: kg starts as zeros, for
@@ -365,7 +365,9 @@ def _intra_cute(
     chunk past the end (never written) by zeros, and garbage there could be NaN. ``full_g_cum``: every row of
     g_cum (the state/output kernel reads only each chunk's last; the training backward's stages read all).
     ``given_akk``: the Akk an earlier call on these inputs kept, read instead of computed (no scores: Aqk is
-    None). ``any_gate``: the kernel's variant that is exact for any gate (``cula.kda.plan.intra_any_gate``)."""
+    None). ``any_gate``: the kernel's variant that is exact for any gate (``cula.kda.plan.intra_any_gate``).
+    ``qk_rstd``: a ``[2, B, T, H]`` fp32 tensor the kernel also writes q's and k's 1 / norms into (with
+    ``use_qk_l2norm``), or None."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
@@ -381,7 +383,7 @@ def _intra_cute(
         q, k, v, g, beta, scale, w, u, qg, kg, Aqk, g_cum, cu32, chunk_indices, gate=gate, A_log=A_log,
         dt_bias=dt_bias, lower_bound=lower_bound if gate == "lower_bound" else None, use_qk_l2norm=use_qk_l2norm,
         beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval, g_cum_last_only=not full_g_cum, Akk=Akk,
-        given_akk=given_akk, any_gate=any_gate,
+        given_akk=given_akk, any_gate=any_gate, qk_rstd=qk_rstd,
     )  # fmt: skip
     return w, u, qg, kg, Aqk, g_cum, Akk
 

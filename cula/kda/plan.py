@@ -87,6 +87,11 @@ class KdaTuning:
     bwd_intra_gate: bool = False
     # ... with FLA's l2norm_bwd of dq and dk on chip (no GVA: the value heads' dq / dk are summed before it)
     bwd_intra_l2norm: bool = False
+    # training: no l2norm_fwd before the backward (FLA's two launches): the recompute's intra kernel writes each q / k
+    # row's 1 / norm and stages 6 and 7 normalise the raw rows as they read them, where the recompute runs on the
+    # intra kernel (bwd_recompute_intra), stage 6 on cula's kernel (bwd_wy_dqkg) and stage 7 on cula's with the L2
+    # norm's backward (bwd_intra_l2norm: no GVA)
+    bwd_norm_on_load: bool = False
     # training: the backward's recompute of w, u, qg, kg and the gate cumsum (FLA's kda_gate_chunk_cumsum and
     # recompute_w_u_fwd) on cula's intra kernel where the forward's ran, then FLA's chunk_kda_bwd without recompute
     bwd_recompute_intra: bool = False

@@ -39,6 +39,9 @@ _VARIANTS = [
     {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": False, "reverse_cumsum": True, "l2norm": True,
      "any_gate": True},
     {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True, "any_gate": True},
+    # raw q / k normalised as they load, with the L2 norm's rstd (KdaTuning.bwd_norm_on_load)
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True, "l2norm": True,
+     "gate": "lower_bound", "g_raw_dtype": "BFloat16", "raw_qk": True},
 ]
 
 _COMPILE_SCRIPT = dump_script(
@@ -305,3 +308,35 @@ def test_fused_l2norm_and_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens, params, g_
         y64, r64 = y.double().cpu(), rstd.double().cpu().view(B, T, H, 1)
         want = r64 * (r.double() - (r.double() * y64).sum(-1, keepdim=True) * y64)
         assert_close(f"{name} vs f64", want.float(), o.float().cpu(), 8e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "B,T,H,lens,gated", [(2, 300, 2, None, True), (1, 501, 2, [300, 0, 1, 129, 64, 7], False)],
+    ids=["fixed-gate", "packed"],
+)  # fmt: skip
+def test_raw_qk_is_the_normalised_call_cuda(B, T, H, lens, gated):
+    """``raw_qk`` (KdaTuning.bwd_norm_on_load): the raw q / k with FLA's l2norm_fwd rstd give the bits of the same
+    call on l2norm_fwd's normalised rows (the kernel rounds ``x rstd`` to q's dtype as l2norm_fwd does)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from fla.modules.norm.l2norm import l2norm_fwd
+
+    from cula.ops.kda.sm90.bwd_intra import chunk_kda_bwd_intra_sm90
+
+    case = _gpu_case(B, T, H, H, lens, "bound", torch.float32, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    q_raw, k_raw = ((torch.randn(B, T, H, 128, generator=gen) * (0.1 + 4 * torch.rand(B, T, H, 1, generator=gen)))
+                    .bfloat16().cuda() for _ in range(2))  # fmt: skip
+    (q_n, q_rstd), (k_n, k_rstd) = l2norm_fwd(q_raw), l2norm_fwd(k_raw)
+    gpu = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in case.items()}
+    gate = None
+    if gated:
+        g_raw = torch.randn(B, T, H, 128, generator=gen).bfloat16().cuda()
+        gate = (g_raw, torch.rand(H, generator=gen).cuda(), torch.randn(H * 128, generator=gen).cuda(), -5.0)
+    kw = dict(reverse_cumsum_dg=True, gate=gate, qk_rstd=(q_rstd, k_rstd))
+    plain = chunk_kda_bwd_intra_sm90(**dict(gpu, q=q_n, k=k_n), **kw)
+    raw = chunk_kda_bwd_intra_sm90(**dict(gpu, q=q_raw, k=k_raw), **kw, raw_qk=True)
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(plain, raw)):
+        assert (a is None and b is None) or (not b.isnan().any() and torch.equal(a, b)), i

@@ -27,11 +27,14 @@ _VARIANTS = [
     {"dtype": "BFloat16", "beta_dtype": "Float32", "state_v_first": True, "varlen": True},
     {"dtype": "BFloat16", "beta_dtype": "BFloat16", "state_v_first": False, "varlen": True},
     {"dtype": "Float16", "beta_dtype": "Float16", "state_v_first": True, "varlen": False},
+    # raw q / k normalised as the epilogues read them (KdaTuning.bwd_norm_on_load)
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "state_v_first": False, "varlen": True, "raw_qk": True},
 ]
 
 _COMPILE_SCRIPT = dump_script(
     "from cula.ops.kda.sm90 import bwd_wy_dqkg_kernel as M",
-    'M._compile(v["dtype"], v["beta_dtype"], v["state_v_first"], v["varlen"], extra_options=opts)',
+    'M._compile(v["dtype"], v["beta_dtype"], v["state_v_first"], v["varlen"], extra_options=opts, '
+    'raw_qk=v.get("raw_qk", False))',
 )
 
 
@@ -130,6 +133,32 @@ def test_bwd_wy_dqkg_vs_fla_and_f64_cuda(args, beta_dtype):
         # tolerance or no further off than FLA's own kernel
         fla_vs_ref = rel_rmse(r.double(), f.cpu().double())
         assert vs_fla < tol and vs_ref < max(tol, 1.25 * fla_vs_ref), (name, vs_ref, vs_fla, fla_vs_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "args", [(2, 300, 2, 2, 128, 128, None, True), (1, 8500, 2, 2, 128, 128, [1, 4000, 63, 0, 4306, 130], False)],
+    ids=["fixed-v-first", "many-items-varlen"],
+)  # fmt: skip
+def test_bwd_wy_dqkg_raw_qk_cuda(args):
+    """``qk_rstd`` (KdaTuning.bwd_norm_on_load): raw q / k with their 1 / norms give the bits of the same call on
+    ``bf16(x rstd)``, the normalised rows as FLA's l2norm_fwd rounds them."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90 as run
+
+    case, _ = _wy_case(*args)
+    low = ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv")
+    case = {n: (x.cuda().bfloat16() if n in low else x.cuda()) if torch.is_tensor(x) else x for n, x in case.items()}
+    gen = torch.Generator("cuda").manual_seed(5)
+    raw = {n: (case[n].float() * (0.1 + 4 * torch.rand(*case[n].shape[:-1], 1, generator=gen, device="cuda")))
+           .bfloat16() for n in ("q", "k")}  # fmt: skip
+    rstd = [torch.rsqrt(raw[n].float().pow(2).sum(-1) + 1e-6) for n in ("q", "k")]
+    normed = {n: (raw[n].float() * r[..., None]).bfloat16() for n, r in zip(("q", "k"), rstd)}
+    plain = run(**dict(case, **normed))
+    again = run(**dict(case, **raw), qk_rstd=tuple(rstd))
+    for name, a, b in zip(("dq", "dk", "dv", "db", "dg", "dA"), plain, again):
+        assert not b.isnan().any() and torch.equal(a, b), name
 
 
 @pytest.mark.gpu

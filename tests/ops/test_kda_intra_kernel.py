@@ -65,6 +65,9 @@ _VARIANTS = [
     # the training backward's recompute of w, u, qg, kg, g_cum from the forward's T (given_t)
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "given_t": True},
+    # ... also writing the 1 / norms stages 6 and 7 normalise the raw q / k with (KdaTuning.bwd_norm_on_load)
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "lower_bound", "varlen": False, "l2norm": True,
+     "beta_act": "sigmoid", "given_t": True, "write_rstd": True},
     # Gated DeltaNet's one gate per token and head (scalar_gate): the fused softplus gate, and a log gate
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True},
@@ -84,7 +87,8 @@ _COMPILE_SCRIPT = dump_script(
                v["varlen"], extra_options=opts, l2norm_qk=v.get("l2norm", False),
                beta_act=v.get("beta_act", "none"), g_cum_last_only=v.get("g_cum_last_only", False),
                write_akk=v.get("write_akk", False), scalar_gate=v.get("scalar_gate", False),
-               given_t=v.get("given_t", False), any_gate=v.get("any_gate", False))
+               given_t=v.get("given_t", False), any_gate=v.get("any_gate", False),
+               write_rstd=v.get("write_rstd", False))
     """,
 )
 
@@ -110,6 +114,8 @@ def _vid(v):
         vid += "-given_t"
     if v.get("any_gate"):
         vid += "-any_gate"
+    if v.get("write_rstd"):
+        vid += "-write_rstd"
     return vid
 
 
@@ -132,12 +138,15 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     # with given_t) and k' (4 rows), beta v (4 rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end
     # (16), the row norms (16);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
-    # thread; not with given_t), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores
+    # thread; not with given_t), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores but
+    # write_rstd's 1 / norm (one a row-norm thread)
     given_t = _VARIANTS[idx].get("given_t", False)
     assert ptx.count("st.shared.v4") == 42 - 16 * given_t + 16 * l2norm, ptx.count("st.shared.v4")
     write_akk = _VARIANTS[idx].get("write_akk", False)
     assert ptx.count("st.global.v4") == 34 + 2 * write_akk - 2 * given_t, ptx.count("st.global.v4")
-    assert "st.global.b16" not in ptx and "st.global.f32" not in ptx and "st.global.b32" not in ptx
+    write_rstd = _VARIANTS[idx].get("write_rstd", False)
+    assert ptx.count("st.global.f32") + ptx.count("st.global.b32") == write_rstd
+    assert "st.global.b16" not in ptx
     # full chunks: w / u by stmatrix (64 x 128 bf16 per warpgroup = 8 x4 stores a thread) and TMA stores
     assert ptx.count("stmatrix.sync.aligned") == 16, ptx.count("stmatrix.sync.aligned")
     assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == 4  # w and u, two 128-byte-wide boxes each
@@ -696,6 +705,60 @@ def test_given_t_is_the_kept_t(case):
         int_view = torch.int16 if a.dtype != torch.float32 else torch.int32
         assert torch.equal(a.view(int_view), b.view(int_view)), name
     assert torch.isnan(again[-1]).all(), "Aqk must not be written"
+
+
+# GVA (two value heads a q / k head), and packed with empty and one-token sequences
+NORM_CASES = [CASES[2], CASES[5]]
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=[_case_id(c) for c in NORM_CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+def test_given_t_writes_the_norms(case):
+    """``qk_rstd`` (write_rstd, KdaTuning.bwd_norm_on_load): the recompute from the forward's T on raw q and k (the
+    in-kernel L2 norm) also writes every token's q and k 1 / norm, what FLA's ``l2norm_fwd`` returns as rstd (within
+    fp32 summation order), rows past each sequence end untouched, and the call's other outputs are the bits of the
+    same call without them."""
+    import fla.modules.l2norm as fla_l2norm
+
+    from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
+    from cula.testing import poison_
+
+    q, k, v, g, beta, cu, A_log, dt_bias, lb = _setup(case)
+    gen = torch.Generator(q.device).manual_seed(3)
+    # raw rows of uneven norms, as a model hands them to the kernel's L2 norm
+    q, k = ((x.float() * (0.1 + 4 * torch.rand(*x.shape[:-1], 1, generator=gen, device=x.device))).bfloat16()
+            for x in (q, k))  # fmt: skip
+    gate, ci = case[5], None
+    if cu is not None:
+        from cula.ops.kda.sm90.intra import prepare_chunk_indices_i32
+
+        ci = prepare_chunk_indices_i32(cu)
+    scale = 128**-0.5
+    Akk = poison_(torch.empty(*v.shape[:3], 64, dtype=q.dtype, device=q.device))
+    rstd = poison_(torch.empty(2, *q.shape[:-1], dtype=torch.float32, device=q.device))
+
+    def launcher(extra):
+        def run(*args, **kw):
+            args = list(args)
+            if extra is not None:  # the recompute: T from the forward's Akk, no Aqk
+                args[10] = None
+            chunk_kda_intra_sm90(*args, use_qk_l2norm=True, **kw, **(extra or dict(Akk=Akk)))
+        return run
+
+    _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, launcher=launcher(None))
+    plain = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb, launcher=launcher({"given_akk": Akk}))
+    wrote = _run_ours(q, k, v, g, beta, scale, cu, ci, gate, A_log, dt_bias, lb,
+                      launcher=launcher({"given_akk": Akk, "qk_rstd": rstd}))  # fmt: skip
+    torch.cuda.synchronize()
+    for name, a, b in zip(("g_cum", "w", "u", "qg", "kg"), plain, wrote):
+        int_view = torch.int16 if a.dtype != torch.float32 else torch.int32
+        assert torch.equal(a.view(int_view), b.view(int_view)), name
+    assert not torch.isnan(rstd).any(), "rows left unwritten"
+    for i, x in enumerate((q, k)):
+        _, r_ref = fla_l2norm.l2norm_fwd(x)
+        # 128 squares summed in another order: a few fp32 ulps of 1 / norm at most
+        torch.testing.assert_close(rstd[i], r_ref.view_as(rstd[i]), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

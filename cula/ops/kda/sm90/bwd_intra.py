@@ -22,13 +22,15 @@ def __getattr__(name):
 
 
 def variant_key(dtype="BFloat16", beta_dtype="Float32", varlen=False, reverse_cumsum=False, l2norm=False, gate=None,
-                g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True, any_gate=False,
+                g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True, any_gate=False, raw_qk=False,
                 arch=(9, 0)) -> tuple:  # fmt: skip
     """The compile key of a variant; dtypes as DSL types, their names or torch dtypes. The gate's options are
-    normalised away without ``gate``; ``any_gate`` is in the key only when on (the other keys stay)."""
+    normalised away without ``gate``; ``any_gate`` and ``raw_qk`` are in the key only when on (the other keys
+    stay)."""
     fused = (bool(l2norm), gate) + ((dsl_name(g_raw_dtype), bool(has_a_log), bool(has_dt_bias)) if gate else ())
     return ("kda.bwd_intra", "ChunkKDABwdIntraSm90", dsl_name(dtype), dsl_name(beta_dtype), 128, 64, bool(varlen),
-            bool(reverse_cumsum), fused, arch, *(("any_gate",) if any_gate else ()))  # fmt: skip
+            bool(reverse_cumsum), fused, arch, *(("any_gate",) if any_gate else ()),
+            *(("raw_qk",) if raw_qk else ()))  # fmt: skip
 
 
 def compiled(key: tuple):
@@ -39,7 +41,7 @@ def compiled(key: tuple):
     return compiled_kernel(
         key, lambda: kernel_attr(__name__, "_compile")(
             dtype, beta_dtype, varlen, arch, reverse_cumsum=reverse_cumsum, l2norm=l2norm, gate=gate,
-            any_gate="any_gate" in key[10:], **gate_options,
+            any_gate="any_gate" in key[10:], raw_qk="raw_qk" in key[10:], **gate_options,
         ),
     )  # fmt: skip
 
@@ -68,6 +70,7 @@ def chunk_kda_bwd_intra_sm90(
     gate: tuple | None = None,
     in_place: bool = False,
     any_gate: bool = False,
+    raw_qk: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """FLA's ``chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, ...)`` on SM90: the same arguments
     and returns ``(dq, dk, db, dg)``, new fp32 tensors (contract: ``cula.kda.naive_bwd.chunk_kda_bwd_intra_reference``;
@@ -80,7 +83,9 @@ def chunk_kda_bwd_intra_sm90(
 
     - ``qk_rstd = (q_rstd, k_rstd)``: FLA's ``l2norm_bwd(q, q_rstd, dq)`` and ``l2norm_bwd(k, k_rstd, dk)`` (q and k
       are then the normalised ones, the rstd ``[B, T, H]`` or flat fp32 as ``l2norm_fwd`` returns them): dq and dk
-      come back as the raw q's and k's gradients, in q's dtype. Needs ``HV == H``.
+      come back as the raw q's and k's gradients, in q's dtype. Needs ``HV == H``. With ``raw_qk`` q and k are the
+      raw ones (before the norm): the kernel normalises each row as it loads it, ``x q_rstd`` rounded to q's dtype as
+      ``l2norm_fwd`` rounds it, so that no ``l2norm_fwd`` runs before.
     - ``gate = (g_raw, A_log, dt_bias, lower_bound)``: FLA's ``kda_gate_bwd(g_raw, A_log, dt_bias, dyg,
       lower_bound)`` after the reverse cumsum (so it needs ``reverse_cumsum_dg``), the sigmoid gate with a lower
       bound only; ``g_raw`` ``[B, T, HV, 128]`` fp32 / bf16 / fp16, ``A_log`` ``[HV]`` and ``dt_bias``
@@ -119,6 +124,8 @@ def chunk_kda_bwd_intra_sm90(
     q, k, g, beta, dAqk, dAkk, dq, dk, db, dg = (
         t.contiguous() for t in (q, k, g, beta, dAqk, dAkk, dq, dk, db, dg)
     )  # fmt: skip
+    if raw_qk and qk_rstd is None:
+        raise ValueError("raw_qk normalises q and k with qk_rstd: pass it")
     fused = _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg)
     # with the L2 norm's backward the kernel writes dq only in q's dtype (dq_n below): dq stands in for its fp32 output.
     # In place, each thread reads an element of dq / dk / dg / db before it writes that element and no other thread
@@ -144,7 +151,7 @@ def chunk_kda_bwd_intra_sm90(
             dtype=dsl_name(q.dtype), beta_dtype=dsl_name(beta.dtype), varlen=varlen, reverse_cumsum=reverse_cumsum_dg,
             l2norm=qk_rstd is not None, gate=None if gate is None else "lower_bound",
             g_raw_dtype=dsl_name(fused["g_raw"].dtype), has_a_log=gate is not None and gate[1] is not None,
-            has_dt_bias=gate is not None and gate[2] is not None, any_gate=any_gate,
+            has_dt_bias=gate is not None and gate[2] is not None, any_gate=any_gate, raw_qk=raw_qk,
         )  # fmt: skip
 
         def flat(t):

@@ -144,7 +144,7 @@ class ChunkKDABwdIntraSm90:
 
     def __init__(self, dtype=BFloat16, beta_dtype=Float32, varlen: bool = False, reverse_cumsum: bool = False,
                  l2norm: bool = False, gate: str | None = None, g_raw_dtype=Float32, has_a_log: bool = True,
-                 has_dt_bias: bool = True, any_gate: bool = False):  # fmt: skip
+                 has_dt_bias: bool = True, any_gate: bool = False, raw_qk: bool = False):  # fmt: skip
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         if beta_dtype not in (BFloat16, Float16, Float32):
@@ -161,6 +161,10 @@ class ChunkKDABwdIntraSm90:
         # exact for any gate (see the module docstring): tiles whose gates break the anchored factoring's bound take
         # the exact path
         self.any_gate = bool(any_gate)
+        # q and k arrive before the L2 norm (l2norm's rstd, which it reads anyway, normalises them as they land)
+        self.raw_qk = bool(raw_qk)
+        if self.raw_qk and not self.l2norm:
+            raise ValueError("raw_qk normalises q and k with the L2 norm's rstd: it needs l2norm")
         self.bt, self.dk = 64, 128
         self.num_threads = 256
         # padded row strides (elements), see the module docstring
@@ -262,7 +266,8 @@ class ChunkKDABwdIntraSm90:
             sDot = storage.sDot.get_tensor(cute.make_layout((BT, 2, 2), stride=(1, BT, 2 * BT)))  # (t, half, q|k)
             sGate = storage.sGate.get_tensor(cute.make_layout(2 * DK + 8))
 
-            self._load(mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, tok0, h, hv, valid, tidx)
+            self._load(mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, mQRstd, mKRstd, tok0, h, hv, valid,
+                       tidx)  # fmt: skip
             # the incoming gradients, read from global memory only in the epilogues (and g_raw in phase D): to L2 now
             prefetch_token_rows(((mDq, hv), (mDk, hv), (mDg, hv)), tok0, valid, tidx)
             if const_expr(self.gate is not None):
@@ -313,9 +318,11 @@ class ChunkKDABwdIntraSm90:
                 self._zero_gate_partials(mDAPart, mDBiasPart, part_row, hv, tidx)
 
     @cute.jit
-    def _load(self, mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, tok0, h, hv, valid, tidx):
+    def _load(self, mQ, mK, mG, mBeta, mDAqk, mDAkk, sQ, sK, sG, sAq, sAk, sBeta, mQRstd, mKRstd, tok0, h, hv, valid,
+              tidx):  # fmt: skip
         """Phase L: the chunk's tiles to shared memory by 16-byte ``cp.async`` (no registers held), zeros past the
-        sequence end."""
+        sequence end; with ``raw_qk`` each thread then normalises the q / k units it copied itself (visible to it
+        once its copies are waited for, so no barrier), ``bf16(x rstd)`` as FLA's ``l2norm_fwd`` rounds it."""
         x_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
         f_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
         cp_async_token_rows(x_atom, ((mQ, sQ, h), (mK, sK, h)), tok0, valid, tidx)
@@ -323,7 +330,28 @@ class ChunkKDABwdIntraSm90:
         cp_async_token_rows(f_atom, ((mDAqk, sAq, hv), (mDAkk, sAk, hv)), tok0, valid, tidx, unit=4)
         cute.arch.cp_async_commit_group()
         load_token_scalars(mBeta, sBeta, tok0, valid, hv, tidx)
-        cute.arch.cp_async_wait_group(0)
+        if const_expr(self.raw_qk):
+            # cp_async_token_rows' units: thread tidx copies columns 8 (tidx % 16).. of rows tidx // 16 + 16 m
+            col = cute.assume((tidx % 16) * 8, divby=8)
+            rows = [tidx // 16 + 16 * m for m in range(self.bt // 16)]
+            rstd = []
+            for t in rows:  # the 1 / norms first, so that their loads overlap the copies
+                rq, rk = Float32(0.0), Float32(0.0)
+                if t < valid:
+                    rq = mQRstd[tok0 + t, h]
+                    rk = mKRstd[tok0 + t, h]
+                rstd.append((rq, rk))
+            cute.arch.cp_async_wait_group(0)
+            for m, t in enumerate(rows):
+                if t < valid:
+                    for sX, r in ((sQ, rstd[m][0]), (sK, rstd[m][1])):
+                        x = cute.make_rmem_tensor(8, self.dtype)
+                        cute.autovec_copy(vec_at(sX, (t, col)), x)
+                        for e in cutlass.range_constexpr(8):
+                            x[e] = (x[e].to(Float32) * r).to(self.dtype)
+                        cute.autovec_copy(x, vec_at(sX, (t, col)))
+        else:
+            cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def _row_unit(self, tiled, sQ, sK, sG, sAq, sAk, sBeta, sDb, sDot, mDq, mDk, mDg, mDq2, mDk2, mDg2, mQRstd,
@@ -692,7 +720,7 @@ class ChunkKDABwdIntraSm90:
 
 
 def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options="", reverse_cumsum=False, l2norm=False, gate=None,
-             g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True, any_gate=False):  # fmt: skip
+             g_raw_dtype="Float32", has_a_log=True, has_dt_bias=True, any_gate=False, raw_qk=False):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
@@ -700,7 +728,7 @@ def _compile(dtype, beta_dtype, varlen, arch=(9, 0), extra_options="", reverse_c
     dtype, beta_dtype, g_raw_dtype = dsl_type(dtype), dsl_type(beta_dtype), dsl_type(g_raw_dtype)
     kernel = ChunkKDABwdIntraSm90(
         dtype=dtype, beta_dtype=beta_dtype, varlen=varlen, reverse_cumsum=reverse_cumsum, l2norm=l2norm, gate=gate,
-        g_raw_dtype=g_raw_dtype, has_a_log=has_a_log, has_dt_bias=has_dt_bias, any_gate=any_gate,
+        g_raw_dtype=g_raw_dtype, has_a_log=has_a_log, has_dt_bias=has_dt_bias, any_gate=any_gate, raw_qk=raw_qk,
     )  # fmt: skip
     tt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 

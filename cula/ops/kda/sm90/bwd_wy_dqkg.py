@@ -22,17 +22,20 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def variant_key(dtype="BFloat16", beta_dtype="Float32", state_v_first=False, varlen=False, arch=(9, 0)) -> tuple:
-    """The compile key of a variant; dtypes as DSL types, their names or torch dtypes."""
+def variant_key(dtype="BFloat16", beta_dtype="Float32", state_v_first=False, varlen=False, arch=(9, 0),
+                raw_qk=False) -> tuple:  # fmt: skip
+    """The compile key of a variant; dtypes as DSL types, their names or torch dtypes. ``raw_qk`` is in the key only
+    when on (the other keys stay)."""
     return ("kda.bwd_wy_dqkg", "ChunkKDABwdWyDqkgSm90", dsl_name(dtype), dsl_name(beta_dtype), 128, 128, 64,
-            bool(state_v_first), bool(varlen), arch)  # fmt: skip
+            bool(state_v_first), bool(varlen), arch, *(("raw_qk",) if raw_qk else ()))  # fmt: skip
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
-    dtype, beta_dtype, _K, _V, _BT, state_v_first, varlen, arch = key[2:]
+    dtype, beta_dtype, _K, _V, _BT, state_v_first, varlen, arch = key[2:10]
     return compiled_kernel(
-        key, lambda: kernel_attr(__name__, "_compile")(dtype, beta_dtype, state_v_first, varlen, arch)
+        key, lambda: kernel_attr(__name__, "_compile")(dtype, beta_dtype, state_v_first, varlen, arch,
+                                                        raw_qk="raw_qk" in key[10:])  # fmt: skip
     )
 
 
@@ -45,7 +48,7 @@ def chunk_kda_bwd_wy_dqkg_sm90(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_new: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A: torch.Tensor, h: torch.Tensor, do: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, scale: float | None = None,
     state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64,
-    chunk_indices: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None, qk_rstd: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """FLA's ``chunk_kda_bwd_wy_dqkg_fused(q, k, v, v_new, g, beta, A, h, do, dh, dv, ...)`` on SM90: the same
     arguments and returns ``(dq, dk, dv2, db, dg, dA)`` (dq, dk, dg ``[B, T, HV, 128]``, db ``[B, T, HV]``, dA
@@ -60,6 +63,9 @@ def chunk_kda_bwd_wy_dqkg_sm90(
         scale: defaults to ``K ** -0.5``.  cu_seqlens: ``[N + 1]`` int32 / int64 with ``B == 1``; ``chunk_indices``:
             ``[NT, 2]`` (sequence, chunk) as FLA's ``prepare_chunk_indices`` (built from ``cu_seqlens`` when absent,
             a host sync).
+        qk_rstd: ``(q_rstd, k_rstd)``, each row's ``1 / sqrt(sum x^2 + 1e-6)`` (``[B, T, H]`` or flat, fp32), with q
+            and k the raw ones (before the L2 norm): the kernel normalises what it reads, ``x rstd`` rounded to q's
+            dtype as FLA's ``l2norm_fwd`` rounds it. None: q and k as given.
     """
     from cula.ops.kda.sm90.intra import per_chunk_grid
 
@@ -93,8 +99,15 @@ def chunk_kda_bwd_wy_dqkg_sm90(
     dA = torch.empty(B, T, HV, 64, dtype=f32, device=dev)
     if num_chunks * num_seqs * HV == 0:  # no tokens: nothing to launch
         return dq, dk, dv2, db, dg, dA
+    rstd = (None, None)
+    if qk_rstd is not None:
+        for name, r in zip(("q_rstd", "k_rstd"), qk_rstd):
+            if r.dtype != f32 or r.numel() != B * T * H or not r.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous fp32 tensor of B*T*H = {B * T * H} elements, got "
+                                 f"{tuple(r.shape)} {r.dtype}")  # fmt: skip
+        rstd = tuple(r.view(B * T, H) for r in qk_rstd)
     fn = compiled_variant(dtype=dsl_name(io), beta_dtype=dsl_name(beta.dtype), state_v_first=state_v_first,
-                          varlen=varlen)  # fmt: skip
+                          varlen=varlen, raw_qk=qk_rstd is not None)  # fmt: skip
 
     def flat(t):
         return t.view(B * t.shape[1], *t.shape[2:])
@@ -104,7 +117,7 @@ def chunk_kda_bwd_wy_dqkg_sm90(
     num_ctas = min(items, sm_count(dev.index or 0)) if dev.type == "cuda" else items
     fn(
         flat(q), flat(k), flat(v), flat(v_new), flat(g), flat(beta), flat(A), flat(h), flat(do), flat(dh),
-        flat(dv), flat(dq), flat(dk), flat(dv2), flat(dg), flat(db), flat(dA), cu32, ci, scale, T, num_chunks,
+        flat(dv), flat(dq), flat(dk), flat(dv2), flat(dg), flat(db), flat(dA), cu32, ci, *rstd, scale, T, num_chunks,
         num_seqs, num_ctas,
     )  # fmt: skip
     return dq, dk, dv2, db, dg, dA

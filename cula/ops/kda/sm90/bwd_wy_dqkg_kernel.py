@@ -74,13 +74,18 @@ class ChunkKDABwdWyDqkgSm90:
 
     arch = 90
 
-    def __init__(self, dtype=BFloat16, beta_dtype=Float32, state_v_first: bool = False, varlen: bool = False):
+    def __init__(self, dtype=BFloat16, beta_dtype=Float32, state_v_first: bool = False, varlen: bool = False,
+                 raw_qk: bool = False):  # fmt: skip
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         if beta_dtype not in (BFloat16, Float16, Float32):
             raise ValueError(f"beta_dtype must be BFloat16, Float16 or Float32, got {beta_dtype}")
         self.dtype, self.beta_dtype = dtype, beta_dtype
         self.state_v_first, self.varlen = bool(state_v_first), bool(varlen)
+        # q and k arrive before the L2 norm, with each row's 1 / norm (mQRstd, mKRstd): the epilogues, their only
+        # readers, normalise what they read, bf16(x rstd) as FLA's l2norm_fwd rounds it, so that the training
+        # backward needs no l2norm_fwd launches
+        self.raw_qk = bool(raw_qk)
         self.bt, self.dk, self.dv = 64, 128, 128
         self.num_threads = 256
         # padded row strides (elements): 16-bit rows of 128 (+8) and of 64 (+8), fp32 rows of 128 (+4); the 8 rows
@@ -109,6 +114,8 @@ class ChunkKDABwdWyDqkgSm90:
         mDA: cute.Tensor,  # (T_total, HV, BT) fp32, out
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
         mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
+        mQRstd: cute.Tensor | None,  # (T_total, H) fp32, q's 1 / norms with raw_qk; else None
+        mKRstd: cute.Tensor | None,  # (T_total, H) fp32, k's
         scale: Float32,
         seqlen: Int32,  # tokens per sequence when not varlen
         num_chunks: Int32,  # chunks per sequence, or NT when varlen
@@ -134,12 +141,14 @@ class ChunkKDABwdWyDqkgSm90:
             sDgk: cute.struct.Align[cute.struct.MemRange[Float32, 2 * DK], 16]  # sum_v S dS: two V halves
             sKdk: cute.struct.Align[cute.struct.MemRange[Float32, 4 * DK], 16]  # sum_t k dks per row block
             sDb: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BT], 16]  # db's two column-half partials
+            # raw_qk (empty otherwise): the item's q rows' 1 / norms, then its k rows'
+            sRstd: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BT if self.raw_qk else 0], 16]
             mbar: cute.struct.MemRange[cutlass.Int64, 4]  # the four load groups' completion, one phase an item
 
         self.storage = Storage
         self.kernel(
-            mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, mDq, mDk, mDv2, mDg, mDb, mDA, mCu, mCi, scale,
-            seqlen, num_chunks, num_seqs,
+            mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDu, mDq, mDk, mDv2, mDg, mDb, mDA, mCu, mCi, mQRstd, mKRstd,
+            scale, seqlen, num_chunks, num_seqs,
         ).launch(
             grid=(num_ctas, 1, 1), block=(self.num_threads, 1, 1), stream=stream,
             min_blocks_per_mp=1, max_number_threads=[self.num_threads, 1, 1], preferred_smem_carveout=100,
@@ -151,7 +160,8 @@ class ChunkKDABwdWyDqkgSm90:
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
         mA: cute.Tensor, mH: cute.Tensor, mDo: cute.Tensor, mDh: cute.Tensor, mDu: cute.Tensor, mDq: cute.Tensor,
         mDk: cute.Tensor, mDv2: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor, mDA: cute.Tensor, mCu: cute.Tensor,
-        mCi: cute.Tensor, scale: Float32, seqlen: Int32, num_chunks: Int32, num_seqs: Int32,
+        mCi: cute.Tensor, mQRstd: cute.Tensor | None, mKRstd: cute.Tensor | None, scale: Float32, seqlen: Int32,
+        num_chunks: Int32, num_seqs: Int32,
     ):  # fmt: skip
         BT, DK = self.bt, self.dk
         tidx, _, _ = cute.arch.thread_idx()
@@ -173,6 +183,7 @@ class ChunkKDABwdWyDqkgSm90:
         sDgk = st.sDgk.get_tensor(cute.make_layout((2, DK), stride=(DK, 1)))
         sKdk = st.sKdk.get_tensor(cute.make_layout((4, DK), stride=(DK, 1)))
         sDb = st.sDb.get_tensor(cute.make_layout((BT, 2), stride=(1, BT)))
+        sRstd = st.sRstd.get_tensor(cute.make_layout((BT, 2), stride=(1, BT))) if const_expr(self.raw_qk) else None
         # the states as stored (rows of 128 + 8), and as (k, v) views whatever the layout
         state_rows = cute.make_layout((DK, DK), stride=(self.x_ld, 1))
         sHr, sDhr = st.sH.get_tensor(state_rows), st.sDh.get_tensor(state_rows)
@@ -205,6 +216,7 @@ class ChunkKDABwdWyDqkgSm90:
         for part in cutlass.range_constexpr(4):
             self._load(loads, part, first, tidx, bars)
         beta = self._beta(mBeta, first, tidx)
+        rstd = self._rstd(mQRstd, mKRstd, first, tidx)
 
         # one CTA an SM walks the items bid, bid + grid, ...: each item's loads go out in four groups as the
         # previous item frees the buffers they land in, so they arrive while that item computes; each group's
@@ -224,6 +236,9 @@ class ChunkKDABwdWyDqkgSm90:
             self._state_channel_sums(sS, sDS, sDgk, tidx)
             if tidx < BT:
                 sBeta[tidx] = beta
+            if const_expr(self.raw_qk):
+                if tidx < 2 * BT:
+                    sRstd[tidx % BT, tidx // BT] = rstd
             cute.arch.mbarrier_wait(bars + 3, phase)
             cute.arch.barrier()
             acc_dw = n_tile_accumulators(tiled, 8)
@@ -236,8 +251,8 @@ class ChunkKDABwdWyDqkgSm90:
             self._load(loads, 0, nxt, tidx, bars)  # the states are read
 
             # E1: dq out; acc_dq <- q dq - k dks, acc_dk <- dks; -dw and k G to the rows of do and v_new
-            self._epilogue_state(acc_dq, acc_dk, acc_dw, sQ, sK, sG, sDw, sKG, sKdk, mDq, scale, tok0, hv, valid,
-                                 last, rb, half, lane)  # fmt: skip
+            self._epilogue_state(acc_dq, acc_dk, acc_dw, sQ, sK, sG, sDw, sKG, sKdk, sRstd, mDq, scale, tok0, hv,
+                                 valid, last, rb, half, lane)  # fmt: skip
             self._free()
             self._load(loads, 1, nxt, tidx, bars)  # q is read
 
@@ -245,8 +260,8 @@ class ChunkKDABwdWyDqkgSm90:
             acc_kgb = n_tile_accumulators(tiled, 8)
             self._gemm(tiled, acc_kgb, sAT, False, sDwT, False, 16 * rb, 64 * half, BT // 16, lane)
             self._gemm(tiled, acc_da, sDw, True, sKG, True, 16 * rb, 32 * half, DK // 16, lane)
-            self._epilogue_wy(acc_kgb, acc_dq, acc_dk, sK, sG, sBeta, sDgk, sKdk, sDb, mDk, mDg, dbp, tok0, hv,
-                              valid, last, rb, half, lane)  # fmt: skip
+            self._epilogue_wy(acc_kgb, acc_dq, acc_dk, sK, sG, sBeta, sDgk, sKdk, sDb, sRstd, mDk, mDg, dbp, tok0,
+                              hv, valid, last, rb, half, lane)  # fmt: skip
             self._mask_da(acc_da, sBeta, sDAm, valid, rb, half, lane)
             self._free()
             self._load(loads, 2, nxt, tidx, bars)  # k, g, dw and k G are read
@@ -264,6 +279,7 @@ class ChunkKDABwdWyDqkgSm90:
             self._free()
             self._load(loads, 3, nxt, tidx, bars)  # du (dAm), v (M1), T and db's partials are read
             beta = self._beta(mBeta, nxt, tidx)
+            rstd = self._rstd(mQRstd, mKRstd, nxt, tidx)
 
     @cute.jit
     def _item(self, mCu, mCi, item, num_chunks, HV, group, seqlen, total):
@@ -324,6 +340,29 @@ class ChunkKDABwdWyDqkgSm90:
         if tidx < valid:
             x = mBeta[tok0 + tidx, hv].to(Float32)
         return x
+
+    @cute.jit
+    def _rstd(self, mQRstd, mKRstd, item, tidx):
+        """With ``raw_qk``, thread t < 128's 1 / norm of the item's q row t (t < 64) or k row t - 64 (0 past the
+        sequence end, whose rows arrive as zeros), held in a register until phase 1 stores it, as beta; else 0."""
+        x = Float32(0.0)
+        if const_expr(self.raw_qk):
+            tok0, valid, _, _, h = item
+            t = tidx % self.bt
+            if t < valid:
+                if tidx < self.bt:
+                    x = mQRstd[tok0 + t, h]
+                elif tidx < 2 * self.bt:
+                    x = mKRstd[tok0 + t, h]
+        return x
+
+    @cute.jit
+    def _row_value(self, x, sRstd, t, which: int) -> Float32:
+        """An element ``x`` of q's (``which`` 0) or k's (1) row t as fp32: as it is, or with ``raw_qk`` normalised
+        and rounded back to the operand dtype (FLA's l2norm_fwd output)."""
+        if const_expr(self.raw_qk):
+            return (x.to(Float32) * sRstd[t, which]).to(self.dtype).to(Float32)
+        return x.to(Float32)
 
     # ---------------------------------------------------------------------------------------------- products
     @cute.jit
@@ -421,8 +460,8 @@ class ChunkKDABwdWyDqkgSm90:
         return dbp
 
     @cute.jit
-    def _epilogue_state(self, acc_dq, acc_dk, acc_dw, sQ, sK, sG, sDw, sKG, sKdk, mDq, scale, tok0, hv, valid, last,
-                        rb, half, lane):  # fmt: skip
+    def _epilogue_state(self, acc_dq, acc_dk, acc_dw, sQ, sK, sG, sDw, sKG, sKdk, sRstd, mDq, scale, tok0, hv, valid,
+                        last, rb, half, lane):  # fmt: skip
         """E1 for rows 16 rb.. and channels 64 half..: dq out; ``acc_dq`` becomes ``q dq - k dks`` and ``acc_dk``
         dks; bf16(-dw) and bf16(k G) to shared rows; the row block's column sums of ``k dks`` to ``sKdk``."""
         g_, c = lane // 4, lane % 4
@@ -446,8 +485,8 @@ class ChunkKDABwdWyDqkgSm90:
                     dks = Float32(0.0)
                     if t < valid:
                         dks = acc_dk[nt][i] * cute.math.exp2(gn[v] - gt[v], fastmath=True)
-                    kf = k2[v].to(Float32)
-                    acc_dq[nt][i] = q2[v].to(Float32) * dq[v] - kf * dks
+                    kf = self._row_value(k2[v], sRstd, t, 1)
+                    acc_dq[nt][i] = self._row_value(q2[v], sRstd, t, 0) * dq[v] - kf * dks
                     acc_dk[nt][i] = dks
                     colsum[v] = colsum[v] + kf * dks
                     nw[v] = (-acc_dw[nt][i]).to(self.dtype)
@@ -465,8 +504,8 @@ class ChunkKDABwdWyDqkgSm90:
                     sKdk[rb, col + v] = x
 
     @cute.jit
-    def _epilogue_wy(self, acc_kgb, acc_dg, acc_dks, sK, sG, sBeta, sDgk, sKdk, sDb, mDk, mDg, dbp, tok0, hv, valid,
-                     last, rb, half, lane):  # fmt: skip
+    def _epilogue_wy(self, acc_kgb, acc_dg, acc_dks, sK, sG, sBeta, sDgk, sKdk, sDb, sRstd, mDk, mDg, dbp, tok0, hv,
+                     valid, last, rb, half, lane):  # fmt: skip
         """Phase 2's epilogue for rows 16 rb.. and channels 64 half..: dk, dg out (the last row adds the channel
         sums), the rows' db partials (with P5's) to ``sDb``."""
         g_, c = lane // 4, lane % 4
@@ -484,7 +523,7 @@ class ChunkKDABwdWyDqkgSm90:
                 for v in cutlass.range_constexpr(2):
                     i = v + 2 * hh
                     gexp = cute.math.exp2(gt[v], fastmath=True)
-                    kg = k2[v].to(Float32) * gexp
+                    kg = self._row_value(k2[v], sRstd, t, 1) * gexp
                     x = acc_kgb[nt][i]
                     dk[v] = acc_dks[nt][i] + x * gexp * bt
                     dg[v] = acc_dg[nt][i] + kg * x * bt
@@ -545,13 +584,14 @@ class ChunkKDABwdWyDqkgSm90:
                     cute.autovec_copy(out, vec_at(mDA, (tok0 + t, hv, col), 2, 2))
 
 
-def _compile(dtype, beta_dtype, state_v_first, varlen, arch=(9, 0), extra_options=""):
+def _compile(dtype, beta_dtype, state_v_first, varlen, arch=(9, 0), extra_options="", raw_qk=False):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     D, BT = 128, 64
     dtype, beta_dtype = dsl_type(dtype), dsl_type(beta_dtype)
-    kernel = ChunkKDABwdWyDqkgSm90(dtype=dtype, beta_dtype=beta_dtype, state_v_first=state_v_first, varlen=varlen)
+    kernel = ChunkKDABwdWyDqkgSm90(dtype=dtype, beta_dtype=beta_dtype, state_v_first=state_v_first, varlen=varlen,
+                                   raw_qk=raw_qk)  # fmt: skip
     tt, nt, h, hv = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
     def tok(dt, heads, d):
@@ -559,6 +599,9 @@ def _compile(dtype, beta_dtype, state_v_first, varlen, arch=(9, 0), extra_option
 
     def per_head(dt):
         return make_fake_tensor(dt, (tt, hv), (cute.sym_int64(), 1), assumed_align=dt.width // 8)
+
+    def per_head_h():  # (T, H) fp32: the 1 / norms of raw_qk
+        return make_fake_tensor(Float32, (tt, h), (cute.sym_int64(), 1), assumed_align=4)
 
     def state():
         return make_fake_tensor(dtype, (nt, hv, D, D), (cute.sym_int64(divisibility=D * D), D * D, D, 1),
@@ -571,6 +614,7 @@ def _compile(dtype, beta_dtype, state_v_first, varlen, arch=(9, 0), extra_option
         tok(Float32, hv, BT),
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
         make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
+        *((per_head_h(), per_head_h()) if raw_qk else (None, None)),
         Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1),
         make_fake_stream(use_tvm_ffi_env_stream=True),
     )  # fmt: skip

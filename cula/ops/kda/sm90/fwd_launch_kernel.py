@@ -84,8 +84,8 @@ class ChunkKDAFwdSm90:
         else:
             num_chunks, intra_seqs, state_seqs = (seqlen + (BT - 1)) // BT, num_seqs, num_seqs
         self.intra(
-            q, k, v, g, beta, mAlog, bias, w, u, qg, kg, aqk, None, g_cum, mCu, mCi, seqlen, num_chunks, intra_seqs,
-            scale, lower_bound, stream,
+            q, k, v, g, beta, mAlog, bias, w, u, qg, kg, aqk, None, g_cum, None, mCu, mCi, seqlen, num_chunks,
+            intra_seqs, scale, lower_bound, stream,
         )  # fmt: skip
         self.states(w, u, kg, qg, g_cum, aqk, o, mH0, mHt, mCu, seqlen, state_seqs, scale, stream)
 

@@ -96,7 +96,7 @@ def gate_params_binder(
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
     *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False, given_t: bool = False,
-    any_gate: bool = False,
+    any_gate: bool = False, write_rstd: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them). ``any_gate`` is dropped where the kernel
@@ -107,7 +107,7 @@ def kernel_options(
         gate=gate, l2norm_qk=bool(use_qk_l2norm), beta_act=beta_act, g_cum_last_only=bool(g_cum_last_only),
         # absent when off: the compile keys of the other variants stay
         **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
-        **({"given_t": True} if given_t else {}),
+        **({"given_t": True} if given_t else {}), **({"write_rstd": True} if write_rstd else {}),
         **({"any_gate": True} if any_gate and not (given_t or scalar_gate) else {}),
     )  # fmt: skip
 
@@ -193,6 +193,7 @@ def chunk_kda_intra_sm90(
     Akk: torch.Tensor | None = None,
     given_akk: torch.Tensor | None = None,
     any_gate: bool = False,
+    qk_rstd: torch.Tensor | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` (and ``Akk``) in place.
 
@@ -233,6 +234,8 @@ def chunk_kda_intra_sm90(
             anchored factoring's bound, no channel moving more than 2^96 from a sub-chunk's middle row, makes its
             diagonal score blocks element by element); without it the scores need gates of at least about -8.6 a
             step. Not with a per-head g (exact anyway) or ``given_akk`` (no scores).
+        qk_rstd: ``[2, B, T, H]`` fp32 or None, out, only with ``use_qk_l2norm``: q's (index 0) and k's (index 1)
+            ``1 / sqrt(sum x^2 + 1e-6)`` per row, as FLA's ``l2norm_fwd`` returns it (to fp32 summation order).
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -258,6 +261,8 @@ def chunk_kda_intra_sm90(
         raise ValueError("given_akk is read and Akk written: pass one of them")
     if (Aqk is None) != (given_akk is not None):
         raise ValueError("Aqk is written unless given_akk is passed (then it must be None)")
+    if qk_rstd is not None and not use_qk_l2norm:
+        raise ValueError("qk_rstd holds the L2 norm's 1 / norms: it needs use_qk_l2norm")
     scalar_gate = g.dim() == 3
     g_shape = (B, T, HV) if scalar_gate else (B, T, HV, K)
     check_tensors((
@@ -267,6 +272,7 @@ def chunk_kda_intra_sm90(
         *((("Aqk", Aqk, (B, T, HV, 64), dt),) if Aqk is not None else ()),
         *((("Akk", Akk, (B, T, HV, 64), dt),) if Akk is not None else ()),
         *((("given_akk", given_akk, (B, T, HV, 64), dt),) if given_akk is not None else ()),
+        *((("qk_rstd", qk_rstd, (2, B, T, H), torch.float32),) if qk_rstd is not None else ()),
     ), contiguous=True)  # fmt: skip
     if g.dtype not in TORCH_TO_DSL or beta.dtype not in TORCH_TO_DSL:
         raise ValueError(f"g and beta must be fp32/bf16/fp16, got {g.dtype}, {beta.dtype}")
@@ -292,7 +298,7 @@ def chunk_kda_intra_sm90(
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
             write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None,
-            any_gate=any_gate,
+            any_gate=any_gate, write_rstd=qk_rstd is not None,
         ),
     )  # fmt: skip
 
@@ -304,6 +310,7 @@ def chunk_kda_intra_sm90(
         dt_bias,
         flat(w), flat(u), flat(qg), flat(kg), None if Aqk is None else flat(Aqk),
         flat(Akk) if Akk is not None else None if given_akk is None else flat(given_akk), flat(g_cum),
+        None if qk_rstd is None else qk_rstd.view(2, B * T, H),
         cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
         chunk_indices if varlen else placeholder(dev, torch.int32, (1, 2)),
         T, num_chunks, num_seqs, float(scale), float(lower_bound if lower_bound is not None else 0.0),

@@ -60,7 +60,8 @@ P0     warp 0: mbarrier + three TMA tile loads (q, k [64 x 128] of head hv // (H
        act_b(beta) row to smem (0 past the sequence end); wait
 P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem (any_gate: and whether a channel
        strays past the bound from a sub-chunk's anchor row, voted per warp into smem).  WG1, one thread per q / k
-       row: rows past the sequence end zeroed, the others normalised in place (l2norm_qk)
+       row: rows past the sequence end zeroed, the others normalised in place (l2norm_qk; with write_rstd the
+       row's 1 / norm to gmem from the first value head of its q / k head's group)
 P1x    any_gate's exact path only: the diagonal blocks' 544 (t, s <= t) score pairs, a thread a pair, to smem
 P2     round r, sub-chunks (0, 1) then (2, 3), all threads, 8 channels per access: their g_cum, qg, kg rows to
        gmem, their score B operands (query factor * q | k, tf32-rounded fp32) to smem, k' = bf16(bf16(beta k)
@@ -164,7 +165,7 @@ class ChunkKDAIntraFwdSm90:
     def __init__(
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
-        scalar_gate: bool = False, given_t: bool = False, any_gate: bool = False,
+        scalar_gate: bool = False, given_t: bool = False, any_gate: bool = False, write_rstd: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
@@ -189,6 +190,12 @@ class ChunkKDAIntraFwdSm90:
         if beta_act not in BETA_ACTS:
             raise ValueError(f"beta_act must be one of {BETA_ACTS}, got {beta_act!r}")
         self.l2norm_qk, self.beta_act = bool(l2norm_qk), beta_act
+        # each q and k row's 1 / norm to global memory as well, from the first value head of each q / k head's group
+        # (one float a row-norm thread): the training backward's stages 6 and 7 normalise the raw rows as they load
+        # them with it, so FLA's two l2norm_fwd launches drop out of the step
+        self.write_rstd = bool(write_rstd)
+        if self.write_rstd and not self.l2norm_qk:
+            raise ValueError("write_rstd writes the L2 norm's 1 / norms: it needs l2norm_qk")
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype, self.g_dtype, self.beta_dtype = dtype, g_dtype, beta_dtype
@@ -230,6 +237,7 @@ class ChunkKDAIntraFwdSm90:
         mAqk: cute.Tensor | None,  # (T_total, HV, BT) dtype, out; None with given_t
         mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype: bf16 (I + Akk)^-1, out (write_akk) or in (given_t)
         mG: cute.Tensor,  # (T_total, HV, K) fp32, out
+        mRstd: cute.Tensor | None,  # (2, T_total, H) fp32, out: q's and k's 1 / norms (write_rstd; else None)
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
         mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
         seqlen: Int32,  # tokens per sequence when not varlen
@@ -285,7 +293,7 @@ class ChunkKDAIntraFwdSm90:
         self.storage = Storage
         self.kernel(
             tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg, tma_w, tw, tma_u, tu,
-            mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mCu, mCi, seqlen, scale, lower_bound,
+            mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mRstd, mCu, mCi, seqlen, scale, lower_bound,
             mma_wu, sX_l, sGin_l, sT_l,
         ).launch(
             grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
@@ -464,8 +472,9 @@ class ChunkKDAIntraFwdSm90:
                 cute.autovec_copy(r, cute.make_tensor(mOut[tok0 + t, hv, None].iterator + c8, vec))
 
     @cute.jit
-    def _l2norm_rows(self, sX0: cute.Tensor, t: Int32):
-        """Normalise token row t of a (K, BT) smem tile in place, one thread per row, 8 channels per access.
+    def _l2norm_rows(self, sX0: cute.Tensor, t: Int32) -> Float32:
+        """Normalise token row t of a (K, BT) smem tile in place, one thread per row, 8 channels per access;
+        returns the row's 1 / norm.
         Threads t..t+7 read the same 16-byte column of 8 consecutive rows, which the 128-byte swizzle spreads
         over all 32 banks; no shuffles, so the 128 rows of q and k are normalised side by side."""
         V8, dt = 8, self.dtype
@@ -497,6 +506,7 @@ class ChunkKDAIntraFwdSm90:
             for e in cutlass.range_constexpr(V8):
                 rx[e] = (xf[e] * r).to(dt)
             cute.autovec_copy(rx, vec_at(sX0, (c * V8, t)))
+        return r
 
     @cute.kernel
     def kernel(
@@ -509,7 +519,7 @@ class ChunkKDAIntraFwdSm90:
         tma_u: cute.CopyAtom, tu: cute.Tensor,
         mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor,
         mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor | None,
-        mAkk: cute.Tensor | None, mG: cute.Tensor, mCu: cute.Tensor, mCi: cute.Tensor,
+        mAkk: cute.Tensor | None, mG: cute.Tensor, mRstd: cute.Tensor | None, mCu: cute.Tensor, mCi: cute.Tensor,
         seqlen: Int32, scale: Float32, lower_bound: Float32,
         mma_wu: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sT_l: cute.ComposedLayout,
     ):  # fmt: skip
@@ -521,7 +531,8 @@ class ChunkKDAIntraFwdSm90:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         tid = tidx % 128
         HV = mW.shape[1]
-        h = hv // (HV // tq.shape[2])
+        group = HV // tq.shape[2]
+        h = hv // group
 
         tok0, valid = chunk_rows(self.varlen, mCu, mCi, bx, bz, seqlen, BT)
 
@@ -564,7 +575,7 @@ class ChunkKDAIntraFwdSm90:
         sFlags = storage.flags.get_tensor(cute.make_layout(4)) if const_expr(self.any_gate) else None
         self._gate_cumsum_and_norms(
             sQ0, sGin0, sG, storage.sG.data_ptr(), base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
-            sFlags, warp_idx,
+            sFlags, warp_idx, mRstd, tok0, h, hv % group == 0,
         )  # fmt: skip
         cute.arch.barrier()
         # the anchor row of each sub-chunk's score factors: its middle row; any_gate's exact path takes its first
@@ -660,13 +671,14 @@ class ChunkKDAIntraFwdSm90:
     @cute.jit
     def _gate_cumsum_and_norms(
         self, sQ0, sGin0, sG, sG_ptr, base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems, sFlags,
-        warp_idx,
+        warp_idx, mRstd, tok0, h, head_first,
     ):  # fmt: skip
         """P1: the gate activation and its chunk cumsum (warpgroup 0, a channel a thread, g_cum into shared
         memory), the q and k rows past the sequence end zeroed and the others L2-normalised (warpgroup 1, a row a
-        thread). With ``any_gate`` warpgroup 0 also records per warp in ``sFlags`` whether a channel's g_cum in some
-        sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from the anchor row's, rows past the sequence end taken
-        as the products read them (the last valid row's g_cum)."""
+        thread; with ``write_rstd`` the first value head of the q / k head's group, ``head_first``, also stores the
+        row's 1 / norm in ``mRstd``). With ``any_gate`` warpgroup 0 also records per warp in ``sFlags`` whether a
+        channel's g_cum in some sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from the anchor row's, rows past
+        the sequence end taken as the products read them (the last valid row's g_cum)."""
         BT, DK, dt = self.bt, self.dk, self.dtype
         if wg == 0:
             # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
@@ -730,7 +742,10 @@ class ChunkKDAIntraFwdSm90:
                     cute.autovec_copy(zero, vec_at(sX0, (8 * c, tid % BT)))
             else:
                 if const_expr(self.l2norm_qk):
-                    self._l2norm_rows(sX0, tid % BT)
+                    r = self._l2norm_rows(sX0, tid % BT)
+                    if const_expr(self.write_rstd):
+                        if head_first:
+                            mRstd[tid // BT, tok0 + tid % BT, h] = r
 
     @cute.jit
     def _store_aqk(self, sAqk, mAqk, tok0, hv, valid, tidx):
@@ -1288,6 +1303,8 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
         tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK),
         None if kernel.given_t else tok(dtype, hv, BT),
         tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t else None, tok(Float32, hv, DK),
+        make_fake_tensor(Float32, (2, tt, h), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+        if kernel.write_rstd else None,
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
         make_fake_tensor(Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),
         Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(-5.0),
