@@ -138,7 +138,7 @@ KERNEL_BYTES = (
     ("forward", "DeltaHFwdOStatesSm90", 2184, 2),
     # the backward's recompute prefix on cula's intra kernel, from the forward's Akk (q, k, v, g, beta, Akk in; w, u,
     # qg, kg and every g_cum row out)
-    ("backward", "ChunkKDAIntraFwdSm90", 2690, 0),
+    ("backward", "ChunkKDAIntraFwdSm90", 2690, 0),  # (+8 B of 1 / norms with bwd_norm_on_load)
     ("both", "l2norm_fwd_kernel", 1038, 0),  # G0: q and k (both launches)
     ("both", "fused_beta_sigmoid_fwd_kernel", 6, 0),
     ("both", "kda_gate_chunk_cumsum_vector_kernel", 768, 0),  # 1
@@ -398,7 +398,7 @@ def _stages_on(stages):
 # KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
 _STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_lanes", (1, 1 << 30))}
 _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
-                "bwd_intra_l2norm", "bwd_recompute_intra", "intra_any_gate")  # fmt: skip
+                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_norm_on_load", "intra_any_gate")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)

@@ -302,6 +302,18 @@ def kda_training_bwd_intra_fused():
 
 
 @case
+def kda_training_norm_on_load():
+    # no l2norm_fwd before the backward (KdaTuning.bwd_norm_on_load): the recompute's intra kernel writing the 1 / norms
+    # (write_rstd), stages 6 and 7 normalising the raw q / k as they read them (raw_qk); fixed and packed (empty,
+    # one-token and partial chunks), both layouts, with the H200 entry's other stages
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(bwd_norm_on_load=True):
+        _kda_chunk(2, 130, 2, 2, grad=True)
+        _kda_chunk(1, [70, 0, 65, 1], 1, 1, grad=True, v_first=True)
+
+
+@case
 def kda_training_graph_mode():
     # a packed training step in FLA's graph mode: the backward's kernels (the recompute on the intra kernel, stages 6
     # and 7) walk FLA's fixed-size chunk list, its sentinel rows as padding rows; without and with GVA
