@@ -153,7 +153,7 @@ def stubbed_kernels(monkeypatch, pretend_sm90):
     seen = []
     monkeypatch.setattr(chunk_mod, "_plans", PlanCache())
     monkeypatch.delenv("CULA_KDA_INTRA", raising=False)
-    monkeypatch.setattr(intra, "compiled_variant", lambda **kw: lambda *a: seen.append(("general", a[15])))
+    monkeypatch.setattr(intra, "compiled_variant", lambda **kw: lambda *a: seen.append(("general", a[16])))
     monkeypatch.setattr(delta_h_fwd_o, "compiled_variant", lambda **kw: lambda *a: None)
     monkeypatch.setattr(segment_chain, "compiled_variant", lambda **kw: lambda *a: None)
     monkeypatch.setattr(
