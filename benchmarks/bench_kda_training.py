@@ -144,6 +144,7 @@ KERNEL_BYTES = (
     ("both", "kda_gate_chunk_cumsum_vector_kernel", 768, 0),  # 1
     ("both", "recompute_w_u_fwd_kda_kernel", 2436, 0),  # 2
     ("both", "chunk_gated_delta_rule_fwd_kernel_h", 1548, 1),  # 3
+    ("backward", "DeltaHStatesSm90", 1544, 1),  # 3 on cula's kernel: w, u, kg and a g row a chunk in; h, v_new out
     ("backward", "chunk_kda_bwd_kernel_dAv", 1152, 0),  # 4
     ("backward", "chunk_gated_delta_rule_bwd_kernel_dhu", 2064, 2),  # 5
     # 4 and 5 in one launch of cula's kernel: qg, kg, w, do, v_new, Aqk and the g rows in, dh, dv2 and dAqk out
@@ -398,7 +399,8 @@ def _stages_on(stages):
 # KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
 _STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_lanes", (1, 1 << 30))}
 _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
-                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_norm_on_load", "intra_any_gate")  # fmt: skip
+                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_norm_on_load", "bwd_recompute_states",
+                "intra_any_gate")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)

@@ -152,7 +152,7 @@ def _kda_training(scope: str) -> None:
     beta reaches them after the glue's sigmoid (fp32) or as given."""
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
-    from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg
+    from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg, delta_h_states
 
     entry = KDA_TUNING.get((9, 0))
     d = _dtypes(scope)
@@ -162,6 +162,9 @@ def _kda_training(scope: str) -> None:
             _kda_intra_variants(d, g_cum_last_only=False, given_t=True, write_rstd=True)
     raw = (False, True) if entry.bwd_norm_on_load else (False,)
     for dt, varlen in itertools.product(d["io"], _B):
+        if entry.bwd_recompute_intra and entry.bwd_recompute_states:  # the recompute's h and v_new (no final state)
+            for h0, svf in itertools.product(_B, _B):
+                delta_h_states.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, state_v_first=svf)
         if entry.bwd_dv_dhu_lanes is not None:
             for dht, dh0, svf in itertools.product(_B, _B, _B):
                 bwd_dhu.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_dht=dht, has_dh0=dh0,

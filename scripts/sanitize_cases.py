@@ -314,6 +314,18 @@ def kda_training_norm_on_load():
 
 
 @case
+def kda_training_recompute_states():
+    # the recompute prefix's h and v_new on cula's states kernel (KdaTuning.bwd_recompute_states): fixed and packed
+    # (empty, one-token and partial chunks), both layouts, GVA; and in FLA's graph mode (its static chunk offsets)
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(bwd_recompute_states=True):
+        _kda_chunk(2, 130, 1, 2, grad=True)
+        _kda_chunk(1, [70, 0, 65, 1], 1, 1, grad=True, v_first=True)
+        _kda_chunk(1, [70, 0, 65, 1, 0], 1, 1, grad=True, graph=True)
+
+
+@case
 def kda_training_graph_mode():
     # a packed training step in FLA's graph mode: the backward's kernels (the recompute on the intra kernel, stages 6
     # and 7) walk FLA's fixed-size chunk list, its sentinel rows as padding rows; without and with GVA

@@ -313,7 +313,7 @@ def _step(fn, leaves, cotangents, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "stage", ["bwd_dv_dhu_lanes", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate", "bwd_intra_l2norm",
-              "bwd_wy_dqkg", "bwd_recompute_intra", "bwd_norm_on_load"],
+              "bwd_wy_dqkg", "bwd_recompute_intra", "bwd_norm_on_load", "bwd_recompute_states"],
 )
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
@@ -322,8 +322,8 @@ def test_training_with_our_stage_gpu(kda_tuning, packed, stage):
     (``bwd_dv_dhu_lanes``: None, then every count), 6 (``bwd_wy_dqkg``) or 7 (``bwd_intra``) on cula's kernel, or
     stage 8, 9 or the L2 norm's backward fused into stage 7's (``bwd_intra_cumsum``, ``bwd_intra_gate``,
     ``bwd_intra_l2norm``), or the recompute prefix on cula's intra kernel (``bwd_recompute_intra``), or no l2norm_fwd
-    (``bwd_norm_on_load``: stages 6 and 7 normalise the raw q / k): every gradient within FLA's tolerances of the
-    other, none NaN."""
+    (``bwd_norm_on_load``: stages 6 and 7 normalise the raw q / k), or the recompute's h and v_new on cula's states
+    kernel (``bwd_recompute_states``): every gradient within FLA's tolerances of the other, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda import chunk_kda

@@ -413,8 +413,9 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     (or the glue's ``chunk_local_cumsum``) and ``recompute_w_u_fwd``. In FLA's graph mode (``p["use_graph"]``)
     ``chunk_indices`` / ``chunk_offsets`` are FLA's static ones: the intra kernel takes them through
     ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``).
-    ``qk_rstd`` (``norm_on_load``): also q's and k's 1 / norms from the same launch, ``[2, B, T, H]`` fp32 under
-    that key."""
+    h and v_new come from cula's states kernel instead where ``KdaTuning.bwd_recompute_states`` says so (the same
+    arguments, FLA's shapes). ``qk_rstd`` (``norm_on_load``): also q's and k's 1 / norms from the same launch,
+    ``[2, B, T, H]`` fp32 under that key."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     from cula.kda.forward import _intra_cute
@@ -427,7 +428,10 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
         full_g_cum=True, given_akk=Akk, qk_rstd=rstd,
     )  # fmt: skip
-    h, v_new, _ = chunk_gated_delta_rule_fwd_h(
+    fwd_h = chunk_gated_delta_rule_fwd_h
+    if _entry(q.device).bwd_recompute_states:
+        from cula.ops.kda.sm90.delta_h_states import chunk_kda_fwd_h_sm90 as fwd_h
+    h, v_new, _ = fwd_h(
         k=kg, w=w, u=u, gk=g_cum, initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens,
         chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, chunk_size=64, state_v_first=p["state_v_first"],
     )  # fmt: skip

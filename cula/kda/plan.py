@@ -92,6 +92,10 @@ class KdaTuning:
     # intra kernel (bwd_recompute_intra), stage 6 on cula's kernel (bwd_wy_dqkg) and stage 7 on cula's with the L2
     # norm's backward (bwd_intra_l2norm: no GVA)
     bwd_norm_on_load: bool = False
+    # training: the recompute prefix's h and v_new (FLA's chunk_gated_delta_rule_fwd_h) on cula's states kernel
+    # (cula.ops.kda.sm90.delta_h_states: the stores through shared memory and TMA, off the chain), where the recompute
+    # runs on the intra kernel (bwd_recompute_intra)
+    bwd_recompute_states: bool = False
     # training: the backward's recompute of w, u, qg, kg and the gate cumsum (FLA's kda_gate_chunk_cumsum and
     # recompute_w_u_fwd) on cula's intra kernel where the forward's ran, then FLA's chunk_kda_bwd without recompute
     bwd_recompute_intra: bool = False
