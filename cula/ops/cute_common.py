@@ -43,7 +43,7 @@ __all__ = [
     "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
     "box_load", "box_partition", "box_store", "bulk_row_copy", "bulk_token_rows", "chunk_rows", "column_decay",
     "cp_async_token_rows", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay",
-    "load_token_scalars", "n_tile_accumulators", "prefetch_token_rows", "recurrence_pipeline",
+    "load_token_scalars", "load_w_kg_u_chunks", "n_tile_accumulators", "prefetch_token_rows", "recurrence_pipeline",
     "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_rows",
     "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major", "vec_at",
 ]  # fmt: skip
@@ -276,6 +276,29 @@ def chunk_tiles(atom: cute.CopyAtom, t: cute.Tensor, s: cute.Tensor, h, bos, til
     g = cute.local_tile(cute.domain_offset(at, t[None, None, h]), tile, tiles)
     one = cute.make_layout(1)
     return cpasync.tma_partition(atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+
+
+@cute.jit
+def load_w_kg_u_chunks(pipe, num_stages: int, tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, sW, sK, sU, sG, h, bos,
+                       seq_len, num_chunks, BT: int = 64, DK: int = 128, DV: int = 128):  # fmt: skip
+    """The producer warp of a recurrence over the chunks of w, kg and u alone (no output): each chunk's three tiles
+    and its decay row (g at the chunk's last valid token) into the next of ``num_stages`` pipeline stages."""
+    tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (BT, DK), tokens_first=True)
+    tKs, tKg = chunk_tiles(tma_k, tk, sK, h, bos, (DK, BT), tokens_first=False)
+    tUs, tUg = chunk_tiles(tma_u, tu, sU, h, bos, (DV, BT), tokens_first=False)
+    tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
+    st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, num_stages)
+    for c in cutlass.range(num_chunks, unroll=1):
+        pipe.producer_acquire(st)
+        bar = pipe.producer_get_barrier(st)
+        cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
+        cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
+        cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
+        last = cutlass.min(c * BT + BT, seq_len) - 1
+        cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
+        pipe.producer_commit(st)
+        st.advance()
+    pipe.producer_tail(st)
 
 
 def state_view(t: cute.Tensor, state_v_first: bool) -> cute.Tensor:

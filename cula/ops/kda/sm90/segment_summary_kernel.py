@@ -30,7 +30,7 @@ Warp roles (384 threads, ``min_blocks_per_mp=1``):
 =========  =========  =====================================================================================
 warps      registers  role
 =========  =========  =====================================================================================
-0          40         ``_load_chunks``, the TMA producer: per chunk w, kg, u and the last valid g row
+0          40         ``load_w_kg_u_chunks``, the TMA producer: per chunk w, kg, u and the last valid g row
 1-3        40         idle
 4-11       232        ``_recurrence``, two consumer warpgroups (64 V rows each): GEMM1, decay, v_new, GEMM4
 =========  =========  =====================================================================================
@@ -48,8 +48,8 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    ChunkRecurrenceResources, acc_as_a_frag, chunk_tiles, column_decay, decay_columns, gate_row_layout,
-    gemm_k_blocks, load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows,
+    ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
+    load_column_decay, load_w_kg_u_chunks, recurrence_pipeline, state_view, token_cols, token_rows,
     token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
@@ -166,38 +166,14 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
-                self._load_chunks(
-                    pipe, tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, sW, sK, sU, sG, h, bos, seg_len, num_chunks
-                )
+                load_w_kg_u_chunks(pipe, S, tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, sW, sK, sU, sG, h, bos, seg_len,
+                                   num_chunks)  # fmt: skip
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
                 pipe, tidx, wg_idx, h, slot, n, transition, seg_len, num_chunks, mma_v, mma_s, sW, sK, sU, sG, ends_v,
                 mids_v,
             )  # fmt: skip
-
-    @cute.jit
-    def _load_chunks(
-        self, pipe, tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, sW, sK, sU, sG, h, bos, seg_len, num_chunks
-    ):
-        """Producer (warp 0): each chunk's w, kg and u tiles and its decay row into the next stage."""
-        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
-        tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (BT, DK), tokens_first=True)
-        tKs, tKg = chunk_tiles(tma_k, tk, sK, h, bos, (DK, BT), tokens_first=False)
-        tUs, tUg = chunk_tiles(tma_u, tu, sU, h, bos, (DV, BT), tokens_first=False)
-        tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
-        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
-        for c in cutlass.range(num_chunks, unroll=1):
-            pipe.producer_acquire(st)
-            bar = pipe.producer_get_barrier(st)
-            cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
-            last = cutlass.min(c * BT + BT, seg_len) - 1  # the decay row: g at the chunk's last valid token
-            cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
-            pipe.producer_commit(st)
-            st.advance()
-        pipe.producer_tail(st)
 
     @cute.jit
     def _recurrence(
