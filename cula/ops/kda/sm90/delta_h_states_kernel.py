@@ -334,9 +334,11 @@ class DeltaHStatesSm90(ChunkRecurrenceResources):
                 if valid == BT:
                     cute.copy(tma_vn, tVs[None, si], tVg[None, c])
                 cute.arch.cp_async_bulk_commit_group()
+            # the stage goes back once this warp's share of GEMM4 has read its kg tile (a warp's wait covers its
+            # own share only); the first warp's waits for the stores too, at the next chunk
+            warpgroup.wait_group(0)
             if not first_warp:
                 pipe.consumer_release(st)
-            warpgroup.wait_group(0)
             st.advance()
 
         if (num_chunks > 0) & first_warp:  # the last chunk's deferred release, once its stores have read
