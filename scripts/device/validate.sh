@@ -6,12 +6,13 @@
 # summing to <= 590 s); the typical times on a warm machine are in brackets:
 #   device run, carry [".device"], timeout 600:  bash scripts/device/run.sh bash scripts/device/validate.sh STEP...
 #     api long reference                [~5.5 + ~1 + ~0.5 min]
-#     intra states                      [~3.5 + ~1.5 min]
+#     intra decode                      [~3.5 + ~2 min]
+#     states lightning                  [~1.5 + ~0.5 min, before the recompute's states kernel's tests]
 #     backward                          [~6.5 min: the stage kernels, a step per stage flag, steps vs float64]
-#     decode lightning split            [~2 + ~0.5 + ~4.5 min]
+#     split                             [~4.5 min]
 #     bench rest                        [~1 + ~4.5 min]
 #     fla matrix                        [not yet timed: FLA's Gated DeltaNet / Simple GLA training autotunes]
-# No STEP: all of them in that order (five calls' worth). `--list`: each step's limit and files and the calls,
+# No STEP: all of them in that order (seven calls' worth). `--list`: each step's limit and files and the calls,
 # nothing run (tests/test_validate_script.py checks them on the CPU).
 # `-j N` (first argument): N steps at once, longest limit first, each with its share of the CPU's threads (the
 # tests are small on the GPU; a step's time is mostly the DSL compiling its variants, one core each), so that
@@ -24,14 +25,14 @@ cd "$(dirname "$0")/../.."
 S=$(date +%s)
 
 STEPS=(api long intra states backward decode lightning reference split bench fla matrix rest)
-CALLS=("api long reference" "intra states" "backward" "decode lightning split" "bench rest" "fla matrix")
+CALLS=("api long reference" "intra decode" "states lightning" "backward" "split" "bench rest" "fla matrix")
 declare -A LIMIT FILES
 LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.py"
 LIMIT[long]=100;      FILES[long]="tests/test_gpu_long.py"
 LIMIT[intra]=340;     FILES[intra]="tests/ops/test_kda_intra_kernel.py"
-LIMIT[states]=240;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py"
+LIMIT[states]=300;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py tests/ops/test_kda_delta_h_states_kernel.py"
 # the backward stages on cula's kernels (5, 6, 7) against FLA's and float64, and a training step with each
-LIMIT[backward]=480;  FILES[backward]="tests/ops/test_kda_bwd_dhu_kernel.py tests/ops/test_kda_bwd_wy_dqkg_kernel.py
+LIMIT[backward]=540;  FILES[backward]="tests/ops/test_kda_bwd_dhu_kernel.py tests/ops/test_kda_bwd_wy_dqkg_kernel.py
                                        tests/ops/test_kda_bwd_intra_kernel.py tests/test_fla_backward.py"
 LIMIT[decode]=150;    FILES[decode]="tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/test_gdn_decode.py
                                      tests/ops/test_kda_decode_kernel.py tests/ops/test_lightning_decode_kernel.py"
