@@ -187,8 +187,11 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
     kda_tuning(bwd_dv_dhu_lanes=None, bwd_wy_dqkg=False, bwd_intra=False, bwd_recompute_intra=False)
     assert not variants.planner_variants("full", ops=("kda.training",))
     kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30), bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True,
-               bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True)  # fmt: skip
+               bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_norm_on_load=True,
+               bwd_recompute_states=True)  # fmt: skip
     listed = set(variants.planner_variants("full", ops=("kda.training",)))
+    from cula.ops.kda.sm90.delta_h_states import chunk_kda_fwd_h_sm90
+
     H, HV, D = 1, 2, 128
     for io, b_dt, svf, packed in itertools.product((BF16, FP16), (FP32, BF16, FP16), (False, True), (False, True)):
         B, T = (1, 130) if packed else (2, 70)
@@ -209,10 +212,16 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
             rstd = (_rnd(B * T, dtype=FP32), _rnd(B * T, dtype=FP32))
             gate1 = (gate[0][:, :, :1].contiguous(), None if gate[1] is None else gate[1][:1],
                      None if gate[2] is None else gate[2][:D], -5.0)  # fmt: skip
-            for g1 in (None, gate1):
+            for g1, raw in itertools.product((None, gate1), (False, True)):  # raw: q / k normalised as they load
                 chunk_kda_bwd_intra_sm90(x, x, f1, beta1, a1, a1, f1, f1, _rnd(B, T, 1, dtype=FP32), f1,
-                                         cu_seqlens=cu, reverse_cumsum_dg=True, qk_rstd=rstd, gate=g1)  # fmt: skip
-        chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf, cu_seqlens=cu)
+                                         cu_seqlens=cu, reverse_cumsum_dg=True, qk_rstd=rstd, gate=g1,
+                                         raw_qk=raw)  # fmt: skip
+        for rstd in (None, (_rnd(B * T * H, dtype=FP32), _rnd(B * T * H, dtype=FP32))):
+            chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf,
+                                       cu_seqlens=cu, qk_rstd=rstd)  # fmt: skip
+        # the recompute's h and v_new (no final state), with and without an initial state
+        for h0 in (None, _rnd(B if cu is None else 2, HV, D, D, dtype=FP32)):
+            chunk_kda_fwd_h_sm90(xv, xv, xv, f, initial_state=h0, state_v_first=svf, cu_seqlens=cu)
         chunk_kda_bwd_dv_dhu_sm90(xv, xv, xv, xv, a.to(io), xv, f, dht=None, state_v_first=svf, cu_seqlens=cu,
                                   h0=_rnd(B if cu is None else 2, HV, D, D, dtype=FP32))  # fmt: skip
     # the recompute prefix on cula's intra kernel: every row of g_cum, T read from the forward's Akk, over the gates
@@ -225,11 +234,14 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
         (None, torch.tensor([0, 30, 70], dtype=torch.int32)),
     ):  # fmt: skip
         ci = None if cu is None else torch.tensor([[0, 0], [1, 0]], dtype=torch.int32)
-        _intra_cute(x, x, xv, _rnd(1, 70, HV, D, dtype=g_dt), beta, 0.1, cu, ci, fused, _rnd(HV, dtype=FP32),
-                    _rnd(HV * D, dtype=FP32), lb, l2, sig, neg, full_g_cum=True,
-                    given_akk=_rnd(1, 70, HV, 64, dtype=BF16))  # fmt: skip
+        # with the L2 norm, also writing the 1 / norms (bwd_norm_on_load)
+        for rstd in (None, torch.empty(2, 1, 70, H)) if l2 else (None,):
+            _intra_cute(x, x, xv, _rnd(1, 70, HV, D, dtype=g_dt), beta, 0.1, cu, ci, fused, _rnd(HV, dtype=FP32),
+                        _rnd(HV * D, dtype=FP32), lb, l2, sig, neg, full_g_cum=True,
+                        given_akk=_rnd(1, 70, HV, 64, dtype=BF16), qk_rstd=rstd)  # fmt: skip
     families = {k[0] for k in requested}
-    assert families == {"kda.bwd_dhu", "kda.bwd_wy_dqkg", "kda.bwd_intra", "kda.intra"}, families
+    assert families == {"kda.bwd_dhu", "kda.bwd_wy_dqkg", "kda.bwd_intra", "kda.intra", "kda.delta_h_states"}, (
+        families)
     missing = [cula.cache.key_text(k) for k in requested if k not in listed]
     assert not missing, missing[:3]
 
