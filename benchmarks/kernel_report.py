@@ -20,6 +20,9 @@ Reports (all by default):
   shape, FLA's intra stage, ``chunk_kda_fwd_sm90`` whole and FLA's ``chunk_kda``.
 * ``kda-bwd-dv-dhu``: the backward's dv and state-gradient recurrence in one launch (``chunk_kda_bwd_dv_dhu_sm90``)
   against FLA's ``chunk_kda_bwd_dAv`` + ``chunk_gated_delta_rule_bwd_dhu`` at the same shape.
+* ``kda-fwd-h``: the backward recompute's states kernel (``chunk_kda_fwd_h_sm90``: every chunk's h and v_new) against
+  FLA's ``chunk_gated_delta_rule_fwd_h`` on FLA's intermediates, at B = 2, T = 16384 and B = 1, T = 4096 (H = 64,
+  [K, V] and [V, K] states), and each side's rate of its bytes.
 
 Kernel times are medians of CUDA-event-timed calls (``common.bench``) with L2 flushed before each decode call
 (the decode inputs fit in L2) and one input set for the prefill shapes (each far above 2x L2). FLA autotunes on its
@@ -271,12 +274,36 @@ def report_kda_bwd_dv_dhu() -> list[dict]:
              "speedup": ms_fla / ms, "cula_tbps": nbytes / ms / 1e9}]  # fmt: skip
 
 
+def report_kda_fwd_h() -> list[dict]:
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    from cula.ops.kda.sm90.delta_h_states import chunk_kda_fwd_h_sm90
+
+    rows = []
+    for B, T in ((2, 16384), (1, 4096)):
+        q, k, v, g, beta = _kda_prefill_inputs(B, T)
+        g_cum, w, u, qg, kg, *_ = _fla_intra(q, k, v, g, beta, K**-0.5)
+        h0 = torch.randn(B, HV, K, V, device="cuda") * 0.1
+        # w, u, kg in, h (a state a chunk) and v_new out, the initial state and a gate row a chunk
+        nbytes = (4 * w.numel() * 2 + B * -(-T // 64) * HV * K * V * 2 + h0.numel() * 4
+                  + B * -(-T // 64) * HV * K * 4)  # fmt: skip
+        for svf in (False, True):
+            args = dict(k=kg, w=w, u=u, gk=g_cum, initial_state=h0, chunk_size=64, state_v_first=svf)
+            ms = kernel_us(lambda: chunk_kda_fwd_h_sm90(**args), flush=False, iters=50) / 1e3
+            ms_fla = kernel_us(lambda: chunk_gated_delta_rule_fwd_h(**args), flush=False, iters=50) / 1e3
+            rows.append({"report": "kda-fwd-h", "B": B, "T": T, "state_v_first": svf, "cula_us": ms * 1e3,
+                         "fla_us": ms_fla * 1e3, "speedup": ms_fla / ms, "cula_tbps": nbytes / ms / 1e9,
+                         "fla_tbps": nbytes / ms_fla / 1e9})  # fmt: skip
+    return rows
+
+
 REPORTS = {
     "kda-decode": report_kda_decode,
     "lightning-decode": report_lightning_decode,
     "kda-intra": report_kda_intra,
     "kda-states": report_kda_states,
     "kda-bwd-dv-dhu": report_kda_bwd_dv_dhu,
+    "kda-fwd-h": report_kda_fwd_h,
 }
 
 
