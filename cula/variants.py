@@ -101,6 +101,7 @@ def _gdn_chunk(scope: str) -> None:
     general path, for inference and (``training_per_head_gate``, writing Akk) training's forward; the state/output
     and time-parallel kernels are KDA's (above)."""
     from cula.gated_delta_rule.plan import GDN_TUNING
+    from cula.kda.plan import KDA_TUNING
     from cula.ops.kda.sm90 import intra
 
     entry = GDN_TUNING.get((9, 0))
@@ -112,6 +113,18 @@ def _gdn_chunk(scope: str) -> None:
         options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True, scalar_gate=True,
                                        write_akk=write_akk)  # fmt: skip
         intra.compiled_variant(varlen=varlen, **options)
+    # the training backward's recompute on the per-head gate (cula.kda.backends._training_backward, where KDA's
+    # entry puts the recompute on the intra kernel): T read, every g_cum row, with the L2 norm's 1 / norms where
+    # the entry's bwd_norm_on_load says so
+    kda = KDA_TUNING.get((9, 0))
+    if entry.training_per_head_gate and kda.bwd_recompute_intra:
+        for dt, g_dt, b_dt, gate, l2, beta_act, varlen in itertools.product(
+            d["io"], d["g"], d["beta"], ("none", "softplus"), _B, intra.BETA_ACTS, _B
+        ):  # fmt: skip
+            for rstd in (False, True) if l2 and kda.bwd_norm_on_load else (False,):
+                options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, scalar_gate=True, given_t=True,
+                                               write_rstd=rstd)  # fmt: skip
+                intra.compiled_variant(varlen=varlen, **options)
 
 
 def _kda_intra_forms(d: dict):

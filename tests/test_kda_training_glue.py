@@ -9,6 +9,8 @@ post-processing of them included) must come out the same. The real pairing is te
 test_gpu_api.py::test_chunk_kda_cuda_backward_matches_fla and test_kda_intra_kernel.py::test_akk_vs_fla.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -329,3 +331,81 @@ def test_backward_without_a_binary_runs_on_fla_stages(monkeypatch, caplog):
     said = [r for r in caplog.records if "FLA's stages alone" in r.getMessage()]
     assert len(said) == 1 and "prebuilt manifest" in said[0].getMessage()
     assert not fla_backward._FLA_STAGES_ONLY.get()
+
+
+@pytest.mark.parametrize("params", ["both", "no-A_log", "no-dt_bias"])
+def test_per_head_gate_backward_is_autograds(params):
+    """``per_head_gate_backward``: Gated DeltaNet's fused gate ``a = -exp(A_log) softplus(g + dt_bias)`` (FLA's:
+    softplus the identity above 20, ``exp(A_log)`` e where A_log is absent) repeated over K, against autograd through
+    it for per-channel gradients ``dg``; and without the fused gate, the channels' sum."""
+    from cula.kda.backends import per_head_gate_backward
+
+    gen = torch.Generator().manual_seed(7)
+    B, T, HV, K = 2, 33, 3, 128
+    g = torch.randn(B, T, HV, generator=gen, dtype=torch.float64) * 8  # some past softplus's threshold
+    A_log = None if params == "no-A_log" else torch.randn(HV, generator=gen, dtype=torch.float64)
+    bias = None if params == "no-dt_bias" else torch.randn(HV, generator=gen, dtype=torch.float64)
+    dg = torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (g, A_log, bias)]
+    x = leaves[0] + (0 if bias is None else leaves[2])
+    coef = torch.exp(leaves[1]) if A_log is not None else math.e
+    a = -coef * torch.where(x > 20.0, x, torch.nn.functional.softplus(x))
+    (a[..., None] * dg).sum().backward()
+    got = per_head_gate_backward(dg.float(), g.float(), None if A_log is None else A_log.float(),
+                                 None if bias is None else bias.float(), True)  # fmt: skip
+    for name, want, have in zip(("dg", "dA_log", "ddt_bias"), (t.grad if t is not None else None for t in leaves), got):
+        assert (want is None) == (have is None), name
+        if want is not None:
+            torch.testing.assert_close(have.double(), want, rtol=1e-4, atol=1e-4, msg=name)
+    plain = per_head_gate_backward(dg.float(), g.float(), None, None, False)
+    torch.testing.assert_close(plain[0].double(), dg.sum(-1), rtol=1e-5, atol=1e-5)
+    assert plain[1:] == (None, None)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])
+def test_per_head_gate_recompute_keeps_the_gate_per_head(monkeypatch, fused):
+    """With the recompute on cula's intra kernel, Gated DeltaNet's gate reaches it per head (no repeat over K), FLA's
+    stages get its g_cum with no fused gate (no g_org, A_log, dt_bias) and the gate's backward runs per head
+    afterwards (``per_head_gate_backward`` on the stages' dg)."""
+    gen = torch.Generator().manual_seed(9)
+    B, T, H, HV, D = 1, 70, 1, 2, 128
+    x = {n: torch.randn(B, T, h, D, generator=gen).bfloat16() for n, h in (("q", H), ("k", H), ("v", HV))}
+    g, beta = torch.randn(B, T, HV, generator=gen), torch.randn(B, T, HV, generator=gen)
+    A_log, bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+    dg_chan = torch.randn(B, T, HV, D, generator=gen)
+    seen = {}
+
+    def prefix(q, k, v, g_, beta_, A_log_, dt_bias_, *args, Akk=None, qk_rstd=False):
+        seen["prefix"] = (g_, A_log_, dt_bias_)
+        made = {n: torch.full((1,), float(i)) for i, n in enumerate(("g", "w", "u", "qg", "kg", "v_new", "h"))}
+        return made
+
+    def bwd(qk_rstd=None, raw_qk=False, **kw):
+        seen["bwd"] = kw
+        return (kw["q"].float(), kw["k"].float(), kw["v"].float(), kw["beta"].float(), dg_chan.clone(), None, None,
+                None)  # fmt: skip
+
+    monkeypatch.setattr(fc, "fused_beta_sigmoid", lambda x, scale: x.float() * scale)
+    monkeypatch.setattr(fc, "fused_beta_sigmoid_bwd", lambda x, dy, scale: dy * scale)
+    monkeypatch.setattr(fc, "l2norm_fwd", lambda t: (t, t.float().pow(2).sum(-1)))
+    monkeypatch.setattr(fla_backward, "recompute_on_cula", lambda q, v, p: True)
+    monkeypatch.setattr(fla_backward, "recompute_prefix", prefix)
+    monkeypatch.setattr(fla_backward, "chunk_kda_bwd", bwd)
+    p = dict(use_gate_in_kernel=fused, allow_neg_eigval=False, use_qk_l2norm_in_kernel=False,
+             use_beta_sigmoid_in_kernel=True, use_graph=False, scale=D**-0.5, state_v_first=False, safe_gate=False,
+             lower_bound=None)  # fmt: skip
+    scores = (torch.zeros(B, T, HV, 64).bfloat16(),) * 2
+    out = kb._training_backward((x["q"], x["k"], x["v"], g, beta, A_log, bias, None, None, None, *scores), p,
+                                torch.randn(B, T, HV, D, generator=gen).bfloat16(), None)  # fmt: skip
+    g_seen, a_seen, b_seen = seen["prefix"]
+    assert g_seen is g  # per head, not repeated over K
+    assert (a_seen is A_log and b_seen is bias) if fused else (a_seen is None and b_seen is None)
+    kw = seen["bwd"]
+    assert kw["use_gate_in_kernel"] is False and kw["g_org"] is None and kw["A_log"] is None
+    assert kw["dt_bias"] is None and kw["g"] is not None
+    want = kb.per_head_gate_backward(dg_chan, g, A_log if fused else None, bias if fused else None, fused)
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+    got = dict(zip(names, out))
+    assert torch.equal(got["dg"], want[0].to(g.dtype))
+    for name, w in (("dA_log", want[1]), ("ddt_bias", want[2])):
+        assert (got[name] is None) == (w is None) and (w is None or torch.equal(got[name], w)), name

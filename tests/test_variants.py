@@ -170,6 +170,16 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
             x["q"].requires_grad_()
         with torch.no_grad() if mode == "inference" else torch.enable_grad():
             chunk_gated_delta_rule(**x, **kw)
+    # the training backward's recompute on the per-head gate (T read, every g_cum row)
+    from cula.kda.forward import _intra_cute
+
+    for g_dt, fused, l2, cu in itertools.product((FP32, BF16), (False, True), (False, True),
+                                                 (None, torch.tensor([0, 30, 70], dtype=torch.int32))):  # fmt: skip
+        x, xv = _rnd(1, 70, 1, 128), _rnd(1, 70, 2, 128)
+        ci = None if cu is None else torch.tensor([[0, 0], [1, 0]], dtype=torch.int32)
+        _intra_cute(x, x, xv, -_rnd(1, 70, 2, dtype=g_dt).abs(), _rnd(1, 70, 2, dtype=FP32), 0.1, cu, ci, fused,
+                    _rnd(2, dtype=FP32), _rnd(2, dtype=FP32), None, l2, True, False, full_g_cum=True,
+                    given_akk=_rnd(1, 70, 2, 64))  # fmt: skip
     intra = [k for k in requested if k[0] == "kda.intra"]
     assert intra and all(("scalar_gate", True) in k for k in intra)
     assert any(("write_akk", True) in k for k in intra)

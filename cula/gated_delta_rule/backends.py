@@ -7,9 +7,9 @@
   gate's ``dt_bias``) repeated over the K channels: the same recurrence, trainable on Hopper through KDA's training
   path (FLA 0.6.0's own gated backward refuses the Triton that PyTorch ships there); the gradient of the repeated
   gate is summed back by autograd. Where ``GdnTuning.training_per_head_gate`` says so, training's forward runs the
-  per-head gate on the intra kernel as inference does and only the backward repeats it
-  (``cula.kda.backends._training_backward``). ``chunk_indices`` (FLA's precomputed chunk list) is not needed: cula
-  builds its own.
+  per-head gate on the intra kernel as inference does, and so does the backward's recompute, its gate's backward per
+  head after FLA's stages (``cula.kda.backends._training_backward``, ``per_head_gate_backward``). ``chunk_indices``
+  (FLA's precomputed chunk list) is not needed: cula builds its own.
 - ``cula-sm90`` (``fused_recurrent_gated_delta_rule``): decode calls (fp32 states, up to
   ``GDN_TUNING``'s ``inference_decode_max_tokens`` tokens a sequence, at most 8) on ``kda_decode``'s kernel, the
   gate repeated over K, the new states written beside the caller's.

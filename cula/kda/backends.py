@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -195,12 +196,21 @@ def _training_backward(saved, p, do, dht, kept=None):
     if not fused_gate:
         A_log = dt_bias = None
     per_head_gate, g_in, bias_in = g.dim() == 3, g, dt_bias
-    if per_head_gate:  # Gated DeltaNet's gate: FLA's stages take it per channel (fp32: dg is summed back below)
-        from cula.kda.plan import gate_over_k
-
-        g_raw, dt_bias = gate_over_k(g_raw.float(), dt_bias, q.shape[-1])
     sig_scale = 2.0 if p["allow_neg_eigval"] else 1.0
+
     def gradients():
+        # Gated DeltaNet's gate (one a token and head): where the recompute runs on cula's intra kernel it takes the
+        # gate per head (its g_cum rows per channel are what FLA's stages read) and the gate's backward runs per
+        # head after them (per_head_gate_backward); elsewhere FLA's stages take it repeated over K (fp32: dg is
+        # summed back below)
+        head = (per_head_gate and kept is None and not (fused_gate and p["lower_bound"] is not None)
+                and fla_backward.recompute_on_cula(q, v, p))  # fmt: skip
+        g_chan, bias_chan = g_raw, dt_bias
+        if per_head_gate and not head:
+            from cula.kda.plan import gate_over_k
+
+            g_chan, bias_chan = gate_over_k(g_raw.float(), dt_bias, q.shape[-1])
+        fla_gate = fused_gate and not head  # FLA's stages take the fused gate (its cumsum and its backward)
         qn, kn, beta_in, q_rstd, k_rstd = q, k, beta, None, None
         # stages 6 and 7 normalise the raw q / k with the recompute's 1 / norms, or FLA's l2norm_fwd does it first
         raw_qk = kept is None and fla_backward.norm_on_load(q, v, do, p)
@@ -217,15 +227,15 @@ def _training_backward(saved, p, do, dht, kept=None):
             g_cum = prefix.pop("g")
         elif fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
             prefix = fla_backward.recompute_prefix(
-                q_raw, k_raw, v, g_raw, beta_raw, A_log, dt_bias, h0, cu, chunk_indices, chunk_offsets, p, Akk=Akk,
-                qk_rstd=raw_qk,
+                q_raw, k_raw, v, g_chan, beta_raw, A_log, bias_chan, h0, cu, chunk_indices, chunk_offsets, p,
+                Akk=Akk, qk_rstd=raw_qk,
             )  # fmt: skip
             g_cum = prefix.pop("g")
             if raw_qk:
                 q_rstd, k_rstd = prefix.pop("qk_rstd").unbind(0)
         elif not fused_gate:  # with the fused gate FLA's backward makes the cumsum from the raw gate itself
             g_cum = ff.chunk_local_cumsum(
-                g=g_raw, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
+                g=g_chan, scale=ff.RCP_LN2, chunk_size=64, cu_seqlens=cu, chunk_indices=chunk_indices,
                 use_graph=graph,
             )  # fmt: skip
         # FLA's chunk_kda_bwd with its heaviest stage at a faster launch configuration (fla_backward)
@@ -235,15 +245,21 @@ def _training_backward(saved, p, do, dht, kept=None):
             q=qn, k=kn, v=v, beta=beta_in, Aqk=Aqk, Akk=Akk, scale=p["scale"], initial_state=h0,
             do=do.contiguous(), dht=None if dht is None else dht.contiguous(),
             # FLA's forward keeps the gate cumsum only when the gate is not fused; the backward redoes it
-            g=g_cum, g_org=g_raw if fused_gate else None,
+            g=g_cum, g_org=g_chan if fla_gate else None,
             state_v_first=p["state_v_first"], cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=64,
-            safe_gate=p["safe_gate"], lower_bound=p["lower_bound"], use_gate_in_kernel=fused_gate, A_log=A_log,
-            dt_bias=dt_bias, disable_recompute=bool(prefix), cp_context=None,
+            safe_gate=p["safe_gate"], lower_bound=p["lower_bound"], use_gate_in_kernel=fla_gate,
+            A_log=A_log if fla_gate else None, dt_bias=bias_chan if fla_gate else None,
+            disable_recompute=bool(prefix), cp_context=None,
             **(prefix or dict(w=None, u=None, qg=None, kg=None, v_new=None, h=None)),
             use_graph=graph, chunk_offsets=chunk_offsets,
         )  # fmt: skip
         if p["use_beta_sigmoid_in_kernel"]:
             db = fc.fused_beta_sigmoid_bwd(x=beta_raw, dy=db, scale=sig_scale)
+        if head:
+            dg, dA, dbias = per_head_gate_backward(dg, g_raw, A_log, dt_bias, fused_gate)
+        elif per_head_gate:  # the repeated gate's (and bias's) gradients summed over the K channels
+            dg = dg.float().sum(-1)
+            dbias = None if dbias is None else dbias.float().view(-1, q.shape[-1]).sum(-1).to(bias_in)
         return dq, dk, dv, db, dg, dh0, dA, dbias
 
     # FLA's Triton launches go to the current device (FLA's input_guard sets it the same way)
@@ -256,10 +272,31 @@ def _training_backward(saved, p, do, dht, kept=None):
             _say_fla_stages(str(err))
             with fla_backward.fla_stages_only():
                 dq, dk, dv, db, dg, dh0, dA, dbias = gradients()
-    if per_head_gate:  # the repeated gate's (and bias's) gradients summed over the K channels
-        dg = dg.float().sum(-1)
-        dbias = None if dbias is None else dbias.float().view(-1, q.shape[-1]).sum(-1).to(bias_in)
     return dq.to(q), dk.to(k), dv.to(v), dg.to(g_in), db.to(beta_raw), dA, dbias, dh0
+
+
+def per_head_gate_backward(dg: torch.Tensor, g: torch.Tensor, A_log: torch.Tensor | None,
+                           dt_bias: torch.Tensor | None, fused: bool) -> tuple:  # fmt: skip
+    """Gated DeltaNet's gate gradients from the per-channel ones FLA's stages return for a log-space gate that is
+    the same in every channel (``dg`` ``[..., HV, K]``, no fused gate in them): ``(dg, dA_log, ddt_bias)`` for the
+    per-head ``g`` ``[..., HV]``. The channels' sum, then with the fused gate ``a = -exp(A_log) softplus(g + dt_bias)``
+    (FLA's: softplus the identity above 20, ``exp(A_log)`` e where A_log is absent) its backward, in fp32; dA_log and
+    ddt_bias are the sums over the tokens, None where the parameter is."""
+    da = dg.float().sum(-1)
+    if not fused:
+        return da, None, None
+    x = g.float() if dt_bias is None else g.float() + dt_bias.float().view(-1)
+    coef = torch.exp(A_log.float().view(-1)) if A_log is not None else math.e
+    # softplus'(x) = sigmoid(x), and 1 past the threshold where FLA's softplus is x itself
+    slope = torch.where(x > 20.0, torch.ones_like(x), torch.sigmoid(x))
+    dx = -da * coef * slope
+    tokens = tuple(range(dx.dim() - 1))
+    dA = None
+    if A_log is not None:
+        a = -coef * torch.where(x > 20.0, x, torch.nn.functional.softplus(x))
+        dA = (da * a).sum(tokens).view_as(A_log).to(A_log.dtype)
+    dbias = None if dt_bias is None else dx.sum(tokens).view_as(dt_bias).to(dt_bias.dtype)
+    return dx, dA, dbias
 
 
 def _backward_chunks(cu, cu_cpu, T: int, graph: bool):
