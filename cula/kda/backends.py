@@ -213,7 +213,8 @@ def _training_backward(saved, p, do, dht, kept=None):
         fla_gate = fused_gate and not head  # FLA's stages take the fused gate (its cumsum and its backward)
         qn, kn, beta_in, q_rstd, k_rstd = q, k, beta, None, None
         # stages 6 and 7 normalise the raw q / k with the recompute's 1 / norms, or FLA's l2norm_fwd does it first
-        raw_qk = kept is None and fla_backward.norm_on_load(q, v, do, p)
+        # (decided on the gate as FLA's stages will see it)
+        raw_qk = kept is None and fla_backward.norm_on_load(q, v, do, dict(p, use_gate_in_kernel=fla_gate))
         if p["use_qk_l2norm_in_kernel"] and not raw_qk:
             qn, q_rstd = fc.l2norm_fwd(q)
             kn, k_rstd = fc.l2norm_fwd(k)

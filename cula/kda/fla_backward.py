@@ -299,7 +299,9 @@ class _BackwardCall:
     raw_qk: bool = False
 
 
-_BACKWARD_CALL: contextvars.ContextVar[_BackwardCall | None] = contextvars.ContextVar("cula_stage7_call", default=None)
+_BACKWARD_CALL: contextvars.ContextVar[_BackwardCall | None] = contextvars.ContextVar(
+    "cula_backward_call", default=None
+)
 
 
 def _bwd_intra(
