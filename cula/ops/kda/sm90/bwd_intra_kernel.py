@@ -72,7 +72,9 @@ Shared rows are padded (q / k 136 bf16, g 132 floats, score gradients 68 floats)
 
 Supported: K = 128, BT = 64, q / k bf16 or fp16, beta fp32 / bf16 / fp16, GVA (HV a multiple of H), varlen
 (``cu_seqlens`` int32 + ``chunk_indices`` int32 ``[NT, 2]``; a padding row (n, c) with ``64 c >=`` the length of
-sequence n writes nothing).
+sequence n writes nothing). ``raw_qk`` (with ``l2norm``): q and k before the L2 norm; in phase L each thread
+rescales the q / k units it copied by the row's rstd once its copies have landed, ``bf16(x rstd)``, before the
+barrier that ends the phase.
 """
 
 from __future__ import annotations

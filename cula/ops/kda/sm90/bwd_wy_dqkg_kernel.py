@@ -44,7 +44,8 @@ E1     dq out; dks and ``q dq - k dks`` kept in the P1 / P2 registers; bf16(-dw)
 Supported: K = V = 128, BT = 64, q / k / v / v_new / do / du / h / dh / T all bf16 or all fp16, beta fp32 / bf16 /
 fp16, GVA (HV a multiple of H), both state layouts, varlen (``cu_seqlens`` int32 + ``chunk_indices`` int32
 ``[NT, 2]``; states numbered by chunk-list row; a padding row (n, c) with ``64 c >=`` the length of sequence n writes
-nothing).
+nothing). ``raw_qk``: q and k before the L2 norm, with each row's 1 / norm; the epilogues (E1, phase 2), their only
+readers, take ``bf16(x rstd)`` (held in shared memory a row, stored in phase 1 as beta is).
 """
 
 from __future__ import annotations
