@@ -399,8 +399,8 @@ def _stages_on(stages):
 # KdaTuning flag names, and bwd_dv_dhu: stages 4 and 5 in one launch at every lane count
 _STAGE_VALUES = {"bwd_dv_dhu": ("bwd_dv_dhu_lanes", (1, 1 << 30))}
 _STAGE_FLAGS = ("bwd_dv_dhu", "bwd_wy_dqkg", "bwd_intra", "bwd_intra_cumsum", "bwd_intra_gate",
-                "bwd_intra_l2norm", "bwd_recompute_intra", "bwd_norm_on_load", "bwd_recompute_states",
-                "intra_any_gate")  # fmt: skip
+                "bwd_intra_l2norm", "bwd_intra_softplus_gate", "bwd_recompute_intra", "bwd_norm_on_load",
+                "bwd_recompute_states", "intra_any_gate")  # fmt: skip
 
 
 # call arguments --also may turn on beside the stage flags (FLA's keep-the-intermediates switch)

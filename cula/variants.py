@@ -202,15 +202,18 @@ def _bwd_intra_fused(entry, d: dict) -> list[dict]:
 
     gates = [{}]
     if entry.bwd_intra_cumsum and entry.bwd_intra_gate:
-        gates += [dict(gate="lower_bound", g_raw_dtype=dsl_name(g), has_a_log=a, has_dt_bias=b)
-                  for g, a, b in itertools.product(d["g"], _B, _B)]  # fmt: skip
+        kinds = ("lower_bound", "softplus") if entry.bwd_intra_softplus_gate else ("lower_bound",)
+        gates += [dict(gate=kind, g_raw_dtype=dsl_name(g), has_a_log=a, has_dt_bias=b)
+                  for kind, g, a, b in itertools.product(kinds, d["g"], _B, _B)]  # fmt: skip
     norms = (False, True) if entry.bwd_intra_l2norm else (False,)
     fused = [dict(gate_options, l2norm=n) for n in norms for gate_options in gates]
     # with the L2 norm's backward, raw q / k normalised as they load where the entry says so (norm_on_load)
     if entry.bwd_norm_on_load:
         fused += [dict(f, raw_qk=True) for f in fused if f["l2norm"]]
-    # gates no bound is known of, where the forward takes them on the intra kernel: the any_gate variants
-    return fused + ([dict(f, any_gate=True) for f in fused] if entry.intra_any_gate else [])
+    # gates no bound is known of, where the forward takes them on the intra kernel: the any_gate variants (the
+    # softplus gate's backward only there: that gate has no bound)
+    bounded = [f for f in fused if f.get("gate") != "softplus"]
+    return bounded + ([dict(f, any_gate=True) for f in fused] if entry.intra_any_gate else [])
 
 
 def _kda_decode(scope: str) -> None:

@@ -65,6 +65,10 @@ def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=T
         g = _r(B, T, HV, 128, dtype=torch.float32)
         kw.update(use_gate_in_kernel=True, lower_bound=-5.0, A_log=torch.randn(HV, device=DEV) * 0.1,
                   dt_bias=torch.randn(HV * 128, device=DEV) * 0.1)  # fmt: skip
+    elif gate == "softplus":  # the fused gate with no lower bound (the intra kernel's any_gate variant)
+        g = _r(B, T, HV, 128, dtype=torch.float32)
+        kw.update(use_gate_in_kernel=True, lower_bound=None, safe_gate=False, A_log=torch.randn(HV, device=DEV) * 0.1,
+                  dt_bias=torch.randn(HV * 128, device=DEV) * 0.1)  # fmt: skip
     elif gate == "none":
         g = -torch.rand(B, T, HV, 128, device=DEV) * 0.5  # log-space, within the safe range
     elif gate == "steep":  # no bound known (no safe_gate), and steps of -80 nats: the any_gate variant's exact path
@@ -299,6 +303,17 @@ def kda_training_bwd_intra_fused():
         _kda_chunk(2, 130, 2, 2, grad=True)
         _kda_chunk(1, [70, 0, 65, 1], 1, 1, grad=True, v_first=True)
         _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
+
+
+@case
+def kda_training_softplus_gate():
+    # the softplus gate's backward in the stage-7 kernel (KdaTuning.bwd_intra_softplus_gate; its any_gate variant):
+    # fixed and packed (empty, one-token and partial chunks), without and with GVA
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(bwd_intra_softplus_gate=True):
+        _kda_chunk(2, 130, 2, 2, grad=True, gate="softplus")
+        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True, gate="softplus")
 
 
 @case

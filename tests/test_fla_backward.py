@@ -203,13 +203,20 @@ def test_stage7_fuses_the_gate_and_the_l2_norm_where_the_tuning_says(monkeypatch
         ((True, True), gate, q.repeat(1, 1, 2, 1), ((True, True, True), True, False)),  # GVA: no L2 norm on chip
         ((True, True), dict(safe_gate=True, use_gate_in_kernel=False, lower_bound=None), q,
          ((True, True, False), False, True)),
+        # the softplus gate (no lower bound): on chip only where bwd_intra_softplus_gate says so (below)
+        ((True, True), dict(gate, lower_bound=None), q, ((True, True, False), False, True)),
     ):  # fmt: skip
-        kda_tuning(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=fuse_gate, bwd_intra_l2norm=fuse_l2)
+        kda_tuning(bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=fuse_gate, bwd_intra_l2norm=fuse_l2,
+                   bwd_intra_softplus_gate=False, intra_any_gate=True)  # fmt: skip
         dq, dk, *_ = fla_backward.chunk_kda_bwd(qk_rstd=rstd, q=q, k=q, v=v, **kw)
         flags, call = seen[-1]
         assert (flags[:3], call.gate is not None, call.qk_rstd is not None) == want, (fuse_gate, fuse_l2, kw.keys())
         assert flags[3] is False  # stage 4 stays FLA's off the GPU
         assert (dq, dk) == (("dq", "dk") if want[2] else (("l2", "dq"), ("l2", "dk")))
+    kda_tuning(bwd_intra_gate=True, bwd_intra_softplus_gate=True)
+    fla_backward.chunk_kda_bwd(qk_rstd=rstd, q=q, k=q, v=q, **dict(gate, lower_bound=None))
+    flags, call = seen[-1]
+    assert flags[:3] == (True, True, True) and call.gate is not None and call.gate[3] is None and call.any_gate
     assert fla_backward._BACKWARD_CALL.get() is None
 
 

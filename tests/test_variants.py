@@ -198,7 +198,7 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
     assert not variants.planner_variants("full", ops=("kda.training",))
     kda_tuning(bwd_dv_dhu_lanes=(1, 1 << 30), bwd_wy_dqkg=True, bwd_intra=True, bwd_intra_cumsum=True,
                bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_norm_on_load=True,
-               bwd_recompute_states=True)  # fmt: skip
+               bwd_recompute_states=True, bwd_intra_softplus_gate=True)  # fmt: skip
     listed = set(variants.planner_variants("full", ops=("kda.training",)))
     from cula.ops.kda.sm90.delta_h_states import chunk_kda_fwd_h_sm90
 
@@ -213,11 +213,12 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
         chunk_kda_bwd_intra_sm90(x, x, f, beta, a, a, f, f, _rnd(B, T, HV, dtype=FP32), f, cu_seqlens=cu,
                                  reverse_cumsum_dg=True)  # fmt: skip
         # stage 7 with the gate's backward (GVA here) and, with one value head a q/k head, the L2 norm's
-        for g_dt, has_a, has_b in itertools.product((FP32, BF16, FP16), (False, True), (False, True)):
+        for g_dt, has_a, has_b, lb in itertools.product((FP32, BF16, FP16), (False, True), (False, True),
+                                                        (-5.0, None)):  # fmt: skip  (None: the softplus gate)
             gate = (_rnd(B, T, HV, D, dtype=g_dt), _rnd(HV, dtype=FP32) if has_a else None,
-                    _rnd(HV * D, dtype=FP32) if has_b else None, -5.0)  # fmt: skip
+                    _rnd(HV * D, dtype=FP32) if has_b else None, lb)  # fmt: skip
             chunk_kda_bwd_intra_sm90(x, x, f, beta, a, a, f, f, _rnd(B, T, HV, dtype=FP32), f, cu_seqlens=cu,
-                                     reverse_cumsum_dg=True, gate=gate)  # fmt: skip
+                                     reverse_cumsum_dg=True, gate=gate, any_gate=lb is None)  # fmt: skip
             f1, a1, beta1 = f[:, :, :1].contiguous(), a[:, :, :1].contiguous(), beta[:, :, :1].contiguous()
             rstd = (_rnd(B * T, dtype=FP32), _rnd(B * T, dtype=FP32))
             gate1 = (gate[0][:, :, :1].contiguous(), None if gate[1] is None else gate[1][:1],
@@ -225,7 +226,7 @@ def test_training_stage_requests_are_listed(requested, kda_tuning):
             for g1, raw in itertools.product((None, gate1), (False, True)):  # raw: q / k normalised as they load
                 chunk_kda_bwd_intra_sm90(x, x, f1, beta1, a1, a1, f1, f1, _rnd(B, T, 1, dtype=FP32), f1,
                                          cu_seqlens=cu, reverse_cumsum_dg=True, qk_rstd=rstd, gate=g1,
-                                         raw_qk=raw)  # fmt: skip
+                                         raw_qk=raw, any_gate=lb is None)  # fmt: skip
         for rstd in (None, (_rnd(B * T * H, dtype=FP32), _rnd(B * T * H, dtype=FP32))):
             chunk_kda_bwd_wy_dqkg_sm90(x, x, xv, xv, f, beta, a.to(io), s, xv, s, xv, state_v_first=svf,
                                        cu_seqlens=cu, qk_rstd=rstd)  # fmt: skip

@@ -445,7 +445,8 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
 
 def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _BackwardCall]:
     """``_fla_chunk_kda_bwd``'s flags for one call and what its stage 7 fuses beyond stage 8: the gate's backward
-    (``KdaTuning.bwd_intra_gate``: the lower-bound gate in the kernel, fp32 or absent parameters) and the L2 norm's
+    (``KdaTuning.bwd_intra_gate``: the lower-bound gate in the kernel, and the softplus gate where
+    ``KdaTuning.bwd_intra_softplus_gate`` says so; fp32 or absent parameters) and the L2 norm's
     (``KdaTuning.bwd_intra_l2norm``: ``qk_rstd`` given, no GVA)."""
     q, v = kwargs["q"], kwargs["v"]
     lower_bound = kwargs.get("lower_bound")
@@ -461,7 +462,8 @@ def _stage7_plan(kwargs: dict, qk_rstd) -> tuple[tuple[bool, bool, bool], _Backw
     call.any_gate = intra_any_gate(kwargs.get("safe_gate", False), kwargs.get("use_gate_in_kernel", False), lower_bound)
     entry = _entry(q.device)
     A_log, dt_bias, g_raw = kwargs.get("A_log"), kwargs.get("dt_bias"), kwargs.get("g_org")
-    if (cumsum and entry.bwd_intra_gate and kwargs.get("use_gate_in_kernel", False) and lower_bound is not None
+    gate_on_chip = lower_bound is not None or entry.bwd_intra_softplus_gate  # (None: the softplus gate)
+    if (cumsum and entry.bwd_intra_gate and kwargs.get("use_gate_in_kernel", False) and gate_on_chip
             and g_raw is not None and all(p is None or p.dtype == torch.float32 for p in (A_log, dt_bias))):
         call.gate = (g_raw, A_log, dt_bias, lower_bound)
     if entry.bwd_intra_l2norm and qk_rstd is not None and q.shape[2] == v.shape[2]:

@@ -85,6 +85,8 @@ class KdaTuning:
     bwd_intra_cumsum: bool = False
     # ... and with it stage 9 (kda_gate_bwd of the lower-bound gate) on chip too
     bwd_intra_gate: bool = False
+    # ... the softplus gate's kda_gate_bwd on chip too (the fused gate without lower_bound)
+    bwd_intra_softplus_gate: bool = False
     # ... with FLA's l2norm_bwd of dq and dk on chip (no GVA: the value heads' dq / dk are summed before it)
     bwd_intra_l2norm: bool = False
     # training: no l2norm_fwd before the backward (FLA's two launches): the recompute's intra kernel writes each q / k

@@ -39,6 +39,9 @@ _VARIANTS = [
     {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": False, "reverse_cumsum": True, "l2norm": True,
      "any_gate": True},
     {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True, "any_gate": True},
+    # the softplus gate's backward (KdaTuning.bwd_intra_softplus_gate), A_log absent
+    {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True, "l2norm": True,
+     "gate": "softplus", "g_raw_dtype": "Float32", "has_a_log": False, "any_gate": True},
     # raw q / k normalised as they load, with the L2 norm's rstd (KdaTuning.bwd_norm_on_load)
     {"dtype": "BFloat16", "beta_dtype": "Float32", "varlen": True, "reverse_cumsum": True, "l2norm": True,
      "gate": "lower_bound", "g_raw_dtype": "BFloat16", "raw_qk": True},
@@ -224,8 +227,6 @@ def test_launcher_validates_the_fused_neighbours():
         run(**x1, qk_rstd=(torch.ones(100), torch.ones(99)))
     with pytest.raises(ValueError, match="reverse_cumsum_dg"):
         run(**x1, gate=(g_raw, None, None, -5.0))
-    with pytest.raises(ValueError, match="lower_bound"):
-        run(**x1, gate=(g_raw, None, None, None), reverse_cumsum_dg=True)
     with pytest.raises(ValueError, match="A_log"):
         run(**x1, gate=(g_raw, torch.zeros(2), None, -5.0), reverse_cumsum_dg=True)
     with pytest.raises(ValueError, match="dt_bias"):
@@ -235,6 +236,7 @@ def test_launcher_validates_the_fused_neighbours():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lb", [-5.0, None], ids=["lower-bound", "softplus"])
 @pytest.mark.parametrize("g_raw_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "B,T,H,HV,lens,params",
@@ -242,10 +244,11 @@ def test_launcher_validates_the_fused_neighbours():
      (1, 200, 1, 2, None, "A_log"), (1, 130, 1, 1, [1, 129], "none")],
     ids=["fixed", "packed", "gva-gate-only", "packed-no-params"],
 )  # fmt: skip
-def test_fused_l2norm_and_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens, params, g_raw_dtype):
-    """Stages 9 (the lower-bound gate's backward) and G1 (the L2 norm's backward of dq and dk, without GVA) in the
-    stage-7 kernel: against FLA's kda_gate_bwd and l2norm_bwd applied to the unfused kernel's outputs, and against
-    the float64 contracts; the other outputs bit for bit the unfused kernel's; no NaN."""
+def test_fused_l2norm_and_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens, params, g_raw_dtype, lb):
+    """Stages 9 (the gate's backward: the lower-bound sigmoid gate, or with ``lb`` None the softplus gate) and G1
+    (the L2 norm's backward of dq and dk, without GVA) in the stage-7 kernel: against FLA's kda_gate_bwd and
+    l2norm_bwd applied to the unfused kernel's outputs, and against the float64 contracts; the other outputs bit for
+    bit the unfused kernel's; no NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
@@ -262,7 +265,6 @@ def test_fused_l2norm_and_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens, params, g_
     g_raw = torch.randn(B, T, HV, 128, generator=gen).to(g_raw_dtype)
     A_log = torch.rand(HV, generator=gen) if params in ("both", "A_log") else None
     dt_bias = torch.randn(HV * 128, generator=gen) if params == "both" else None
-    lb = -5.0
     gpu = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in case.items()}
     gate = tuple(t.cuda() if t is not None else None for t in (g_raw, A_log, dt_bias)) + (lb,)
     l2 = H == HV
@@ -285,7 +287,9 @@ def test_fused_l2norm_and_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens, params, g_
     # float64: the gate's contract on the intra contract's dg
     ref = chunk_kda_bwd_intra_reference(**case)
     r_dg, r_dA, r_dbias = chunk_kda_bwd_gate_reference(
-        ref[3], g_raw, None if A_log is None else A_log.double(), None if dt_bias is None else dt_bias.double(), lb,
+        # (the softplus gate without A_log is FLA's exp(1) coefficient: A_log = 1)
+        ref[3], g_raw, (None if lb is not None else torch.ones(HV, dtype=torch.float64)) if A_log is None
+        else A_log.double(), None if dt_bias is None else dt_bias.double(), lb,
         cu_seqlens=case["cu_seqlens"],
     )  # fmt: skip
     assert_close("dg_raw vs f64", r_dg.float(), fused[3].float().cpu(), 2e-2)

@@ -88,9 +88,10 @@ def chunk_kda_bwd_intra_sm90(
       ``l2norm_fwd`` rounds it, so that no ``l2norm_fwd`` runs before.
     - ``gate = (g_raw, A_log, dt_bias, lower_bound)``: FLA's ``kda_gate_bwd(g_raw, A_log, dt_bias, dyg,
       lower_bound)`` after the reverse cumsum (so it needs ``reverse_cumsum_dg``), the sigmoid gate with a lower
-      bound only; ``g_raw`` ``[B, T, HV, 128]`` fp32 / bf16 / fp16, ``A_log`` ``[HV]`` and ``dt_bias``
-      ``[HV * 128]`` fp32 or None. Returns ``(dq, dk, db, dg_raw, dA_log, ddt_bias)`` then: dg_raw in g_raw's
-      dtype, dA_log / ddt_bias as FLA's (summed over the chunks in a fixed order; None where the parameter is).
+      bound, or with ``lower_bound`` None the softplus gate; ``g_raw`` ``[B, T, HV, 128]`` fp32 / bf16 / fp16,
+      ``A_log`` ``[HV]`` and ``dt_bias`` ``[HV * 128]`` fp32 or None. Returns ``(dq, dk, db, dg_raw, dA_log,
+      ddt_bias)`` then: dg_raw in g_raw's dtype, dA_log / ddt_bias as FLA's (summed over the chunks in a fixed
+      order; None where the parameter is).
 
     Args:
         q, k: ``[B, T, H, 128]`` bf16 / fp16 (after the L2 norm).  g: ``[B, T, HV, 128]`` fp32, the chunk-local log2
@@ -149,7 +150,7 @@ def chunk_kda_bwd_intra_sm90(
     if num_chunks * num_seqs * HV > 0:
         fn = compiled_variant(
             dtype=dsl_name(q.dtype), beta_dtype=dsl_name(beta.dtype), varlen=varlen, reverse_cumsum=reverse_cumsum_dg,
-            l2norm=qk_rstd is not None, gate=None if gate is None else "lower_bound",
+            l2norm=qk_rstd is not None, gate=None if gate is None else fused["gate"],
             g_raw_dtype=dsl_name(fused["g_raw"].dtype), has_a_log=gate is not None and gate[1] is not None,
             has_dt_bias=gate is not None and gate[2] is not None, any_gate=any_gate, raw_qk=raw_qk,
         )  # fmt: skip
@@ -195,12 +196,11 @@ def _fused_inputs(q, g, qk_rstd, gate, reverse_cumsum_dg) -> dict:
         g_raw, A_log, dt_bias, lower_bound = gate
         if not reverse_cumsum_dg:
             raise ValueError("the gate's backward runs after dg's reverse cumsum: gate needs reverse_cumsum_dg=True")
-        if lower_bound is None:
-            raise ValueError("the gate's backward in the kernel is the lower-bound sigmoid gate's: lower_bound is None")
         if g_raw.dtype not in (f32, torch.bfloat16, torch.float16):
             raise ValueError(f"g_raw must be fp32, bf16 or fp16, got {g_raw.dtype}")
         check_tensors((("g_raw", g_raw, (B, T, HV, K), g_raw.dtype),))
-        out["g_raw"], out["lower_bound"] = g_raw.contiguous(), float(lower_bound)
+        out["g_raw"], out["lower_bound"] = g_raw.contiguous(), 0.0 if lower_bound is None else float(lower_bound)
+        out["gate"] = "softplus" if lower_bound is None else "lower_bound"
         for name, p, n in (("A_log", A_log, HV), ("dt_bias", dt_bias, HV * K)):
             if p is None:
                 continue

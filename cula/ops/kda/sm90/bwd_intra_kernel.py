@@ -64,6 +64,8 @@ Fused neighbours (static options), so that their reads and writes of dq / dk / d
   1; with ``reverse_cumsum``): phase D takes each suffix sum ``dy`` through ``dg_raw = dy lb s (1 - s) A`` (s the
   sigmoid) into g_raw's dtype, and leaves the chunk's partial sums of ddt_bias (per channel) and dA_log
   (``sum dg_raw (g_raw + dt_bias)``) in per-(chunk, value head) rows that the host sums in a fixed order.
+  ``gate = "softplus"`` (FLA's ``g = -A softplus(g_raw + dt_bias)``, A = exp(A_log) or e, softplus the identity past
+  20): ``dg_raw = -A dy sigmoid(x)`` and the dA_log partial ``sum dy g``, the rest as the lower-bound gate's.
 
 Row unit i costs i + 1 key blocks, column unit i costs 4 - i: every warp does five block products, the two diagonal
 ones as three tf32 products each (nine in all).
@@ -80,6 +82,7 @@ barrier that ends the phase.
 from __future__ import annotations
 
 import enum
+import math
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -151,8 +154,8 @@ class ChunkKDABwdIntraSm90:
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         if beta_dtype not in (BFloat16, Float16, Float32):
             raise ValueError(f"beta_dtype must be BFloat16, Float16 or Float32, got {beta_dtype}")
-        if gate not in (None, "lower_bound"):
-            raise ValueError(f"gate must be None or 'lower_bound', got {gate!r}")
+        if gate not in (None, "lower_bound", "softplus"):
+            raise ValueError(f"gate must be None, 'lower_bound' or 'softplus', got {gate!r}")
         if gate is not None and not reverse_cumsum:
             raise ValueError("the gate's backward runs after dg's reverse cumsum: gate needs reverse_cumsum")
         if g_raw_dtype not in (BFloat16, Float16, Float32):
@@ -670,6 +673,8 @@ class ChunkKDABwdIntraSm90:
             a = Float32(1.0)
             if const_expr(self.has_a_log):
                 a = cute.math.exp(mALog[hv].to(Float32), fastmath=False)
+            elif const_expr(self.gate == "softplus"):
+                a = Float32(math.e)  # FLA's softplus gate without A_log: exp(1)
             bias = Float32(0.0)
             if const_expr(self.has_dt_bias):
                 bias = mDtBias[hv * self.dk + ch].to(Float32)
@@ -685,11 +690,20 @@ class ChunkKDABwdIntraSm90:
                 r = r0 + 31 - j
                 if r < valid:
                     run = run + sDG[r, ch]
-                    sig = 1.0 / (1.0 + cute.math.exp(-(a * x[j]), fastmath=False))
-                    dgr = run * (lower_bound * (sig * (1.0 - sig))) * a
+                    # softplus: y = -A softplus(x), dx = -A dy sigmoid(x), dA_log = dy y (softplus the identity past 20)
+                    if const_expr(self.gate == "softplus"):
+                        sig = 1.0 / (1.0 + cute.math.exp(-x[j], fastmath=False))
+                        dgr = -a * (run * sig)
+                    else:
+                        sig = 1.0 / (1.0 + cute.math.exp(-(a * x[j]), fastmath=False))
+                        dgr = run * (lower_bound * (sig * (1.0 - sig))) * a
                     mDgRaw[tok0 + r, hv, ch] = dgr.to(self.g_raw_dtype)
                     d_bias = d_bias + dgr
-                    d_a = d_a + dgr * x[j]
+                    if const_expr(self.gate == "softplus"):
+                        sp = cute.math.log(1.0 + cute.math.exp(x[j], fastmath=False), fastmath=False)
+                        d_a = d_a + run * (-a * Float32(cutlass.select_(x[j] > 20.0, x[j], sp)))
+                    else:
+                        d_a = d_a + dgr * x[j]
             sGate[tidx] = d_bias
             # dA_log's sum over the warp's 32 lanes
             for off in cutlass.range_constexpr(5):
