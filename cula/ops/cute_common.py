@@ -43,7 +43,7 @@ __all__ = [
     "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
     "box_load", "box_partition", "box_store", "bulk_row_copy", "bulk_token_rows", "chunk_rows", "column_decay",
     "cp_async_token_rows", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay",
-    "load_token_scalars", "load_w_kg_u_chunks", "n_tile_accumulators", "prefetch_token_rows", "recurrence_pipeline",
+    "load_token_scalars", "load_chunk_tiles", "n_tile_accumulators", "prefetch_token_rows", "recurrence_pipeline",
     "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_rows",
     "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major", "vec_at",
 ]  # fmt: skip
@@ -279,23 +279,24 @@ def chunk_tiles(atom: cute.CopyAtom, t: cute.Tensor, s: cute.Tensor, h, bos, til
 
 
 @cute.jit
-def load_w_kg_u_chunks(pipe, num_stages: int, tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, sW, sK, sU, sG, h, bos,
-                       seq_len, num_chunks, BT: int = 64, DK: int = 128, DV: int = 128):  # fmt: skip
-    """The producer warp of a recurrence over the chunks of w, kg and u alone (no output): each chunk's three tiles
-    and its decay row (g at the chunk's last valid token) into the next of ``num_stages`` pipeline stages."""
-    tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (BT, DK), tokens_first=True)
-    tKs, tKg = chunk_tiles(tma_k, tk, sK, h, bos, (DK, BT), tokens_first=False)
-    tUs, tUg = chunk_tiles(tma_u, tu, sU, h, bos, (DV, BT), tokens_first=False)
-    tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
+def load_chunk_tiles(pipe, num_stages: int, tiles, gate_row, h, bos, seq_len, num_chunks, last_first: bool = False,
+                     BT: int = 64):  # fmt: skip
+    """The TMA producer warp of a chunk recurrence: per chunk (in order, or ``last_first``) each of ``tiles`` and the
+    decay row (g at the chunk's last valid token) into the next of ``num_stages`` pipeline stages. ``tiles``: ``(atom,
+    TMA tensor, shared tiles, tile shape, tokens_first)`` as ``chunk_tiles`` takes them, issued in that order;
+    ``gate_row``: the decay row's ``(atom, TMA tensor, shared rows)`` (``gate_row_layout``)."""
+    parts = [chunk_tiles(atom, t, s, h, bos, tile, tokens_first) for atom, t, s, tile, tokens_first in tiles]
+    g_atom, g_t, g_s = gate_row
+    tGs, tGg = chunk_tiles(g_atom, g_t, g_s, h, bos, (g_s.shape[0], 1), tokens_first=False)
     st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, num_stages)
-    for c in cutlass.range(num_chunks, unroll=1):
+    for i in cutlass.range(num_chunks, unroll=1):
+        c = num_chunks - 1 - i if last_first else i
         pipe.producer_acquire(st)
         bar = pipe.producer_get_barrier(st)
-        cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
-        cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
-        cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
+        for (atom, *_), (ts, tg) in zip(tiles, parts):
+            cute.copy(atom, tg[None, c], ts[None, st.index], tma_bar_ptr=bar)
         last = cutlass.min(c * BT + BT, seq_len) - 1
-        cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
+        cute.copy(g_atom, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
         pipe.producer_commit(st)
         st.advance()
     pipe.producer_tail(st)

@@ -42,7 +42,7 @@ Warp roles (384 threads, ``min_blocks_per_mp=1``):
 =========  =========  =====================================================================================
 warps      registers  role
 =========  =========  =====================================================================================
-0          40         ``_load_chunks``, the TMA producer: per chunk (last first) kg, w, qg, do,
+0          40         ``load_chunk_tiles``, the TMA producer: per chunk (last first) kg, w, qg, do,
                       v_new, Aqk and the chunk's last g row
 1-3        40         idle
 4-11       232        ``_recurrence``, two consumer warpgroups: dh store, GEMM1 (+ GEMM0), GEMM4, dv2, decay,
@@ -65,9 +65,9 @@ from cutlass.tensor_utils import LayoutEnum
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    ChunkRecurrenceResources, acc_as_a_frag, chunk_tiles, column_decay, decay_columns, gate_row_layout,
-    gemm_k_blocks, load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows,
-    token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
+    load_chunk_tiles, load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows, token_tile_a_m_major,
+    token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["ChunkKDABwdDhuSm90"]
@@ -200,7 +200,7 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         sDo_l: cute.ComposedLayout, sDoK_l: cute.ComposedLayout, sVn_l: cute.ComposedLayout, sA_l: cute.ComposedLayout,
         sG_l: cute.Layout,
     ):  # fmt: skip
-        S = self.num_stages
+        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
         h, n, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -234,47 +234,16 @@ class ChunkKDABwdDhuSm90(ChunkRecurrenceResources):
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
-                self._load_chunks(
-                    pipe, tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_x, tx, tma_a, ta, tma_g, tg, sKg, sW,
-                    sQ, sDo, sX, sA, sG, h, bos, seq_len, num_chunks,
-                )  # fmt: skip
+                tiles = ((tma_kg, tkg, sKg, (BT, DK), True), (tma_w, tw, sW, (DK, BT), False),
+                         (tma_q, tq, sQ, (DK, BT), False), (tma_do, tdo, sDo, (DV, BT), False),
+                         (tma_x, tx, sX, (BT, DV), True), (tma_a, ta, sA, (BT, BT), False))  # fmt: skip
+                load_chunk_tiles(pipe, S, tiles, (tma_g, tg, sG), h, bos, seq_len, num_chunks, last_first=True)
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
                 pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, first_chunk, scale, mma_v, mma_s, mma_a, mma_d,
                 sKg, sW, sQ, sDo, sDoK, sX, sA, sG, dv2_v, da_v, dh_v, dht_v, dh0_v,
             )  # fmt: skip
-
-    @cute.jit
-    def _load_chunks(
-        self, pipe, tma_kg, tkg, tma_w, tw, tma_q, tq, tma_do, tdo, tma_x, tx, tma_a, ta, tma_g, tg, sKg, sW, sQ,
-        sDo, sX, sA, sG, h, bos, seq_len, num_chunks,
-    ):  # fmt: skip
-        """Producer (warp 0): the chunks' kg, w, qg, do, v_new and Aqk tiles and decay rows, last chunk first."""
-        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
-        tKgs, tKgg = chunk_tiles(tma_kg, tkg, sKg, h, bos, (BT, DK), tokens_first=True)
-        tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (DK, BT), tokens_first=False)
-        tQs, tQg = chunk_tiles(tma_q, tq, sQ, h, bos, (DK, BT), tokens_first=False)
-        tDos, tDog = chunk_tiles(tma_do, tdo, sDo, h, bos, (DV, BT), tokens_first=False)
-        tXs, tXg = chunk_tiles(tma_x, tx, sX, h, bos, (BT, DV), tokens_first=True)
-        tAs, tAg = chunk_tiles(tma_a, ta, sA, h, bos, (BT, BT), tokens_first=False)
-        tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
-        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
-        for i in cutlass.range(num_chunks, unroll=1):
-            c = num_chunks - 1 - i
-            pipe.producer_acquire(st)
-            bar = pipe.producer_get_barrier(st)
-            cute.copy(tma_kg, tKgg[None, c], tKgs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_do, tDog[None, c], tDos[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_x, tXg[None, c], tXs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
-            last = cutlass.min(c * BT + BT, seq_len) - 1  # the decay row: g at the chunk's last valid token
-            cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
-            pipe.producer_commit(st)
-            st.advance()
-        pipe.producer_tail(st)
 
     @cute.jit
     def _recurrence(

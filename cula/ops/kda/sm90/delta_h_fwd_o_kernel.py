@@ -32,7 +32,7 @@ Warp roles (384 threads, ``min_blocks_per_mp=1``):
 =========  =========  =====================================================================================
 warps      registers  role
 =========  =========  =====================================================================================
-0          40         ``_load_chunks``, the TMA producer: per chunk w, qg, u, kg, Aqk and the last valid g row
+0          40         ``load_chunk_tiles``, the TMA producer: per chunk w, qg, u, kg, Aqk and the last valid g row
 1-3        40         idle
 4-11       232        ``_recurrence``, two consumer warpgroups: mask Aqk, four GEMMs, decay, o, initial/final state
 =========  =========  =====================================================================================
@@ -66,9 +66,9 @@ from cutlass.tensor_utils import LayoutEnum
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, chunk_tiles, column_decay, decay_columns,
-    gate_row_layout, gemm_k_blocks, load_column_decay, recurrence_pipeline, state_view, token_cols,
-    token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout,
+    gemm_k_blocks, load_chunk_tiles, load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows,
+    token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
@@ -233,7 +233,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
         h_v: cute.Tensor, vn_v: cute.Tensor, mChunks: cute.Tensor,
     ):  # fmt: skip
-        BT, S = self.bt, self.num_stages
+        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
         h, n, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -267,45 +267,16 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
-                self._load_chunks(
-                    pipe, tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, sW, sQ, sA, sK, sU, sG, h,
-                    bos, seq_len, num_chunks,
-                )  # fmt: skip
+                tiles = ((tma_w, tw, sW, (BT, DK), True), (tma_q, tq, sQ, (BT, DK), True),
+                         (tma_k, tk, sK, (DK, BT), False), (tma_u, tu, sU, (DV, BT), False),
+                         (tma_a, ta, sA, (BT, BT), True))  # fmt: skip
+                load_chunk_tiles(pipe, S, tiles, (tma_g, tg, sG), h, bos, seq_len, num_chunks)
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
                 pipe, tidx, wg_idx, h, n, bos, seq_len, num_chunks, scale, mma_o, mma_s, sW, sQ, sA, sK, sU, sG,
                 tma_o, to, o_v, h0_v, ht_v, h_v, vn_v, first_chunk,
             )  # fmt: skip
-
-    @cute.jit
-    def _load_chunks(
-        self, pipe, tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, sW, sQ, sA, sK, sU, sG, h, bos,
-        seq_len, num_chunks,
-    ):  # fmt: skip
-        """Producer (warp 0): each chunk's six tiles (w, q, k, u, Aqk and the decay row) into the next stage."""
-        BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
-        tWs, tWg = chunk_tiles(tma_w, tw, sW, h, bos, (BT, DK), tokens_first=True)
-        tQs, tQg = chunk_tiles(tma_q, tq, sQ, h, bos, (BT, DK), tokens_first=True)
-        tAs, tAg = chunk_tiles(tma_a, ta, sA, h, bos, (BT, BT), tokens_first=True)
-        tKs, tKg = chunk_tiles(tma_k, tk, sK, h, bos, (DK, BT), tokens_first=False)
-        tUs, tUg = chunk_tiles(tma_u, tu, sU, h, bos, (DV, BT), tokens_first=False)
-        tGs, tGg = chunk_tiles(tma_g, tg, sG, h, bos, (DK, 1), tokens_first=False)
-        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
-        for c in cutlass.range(num_chunks, unroll=1):
-            pipe.producer_acquire(st)
-            bar = pipe.producer_get_barrier(st)
-            cute.copy(tma_w, tWg[None, c], tWs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_q, tQg[None, c], tQs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_k, tKg[None, c], tKs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_u, tUg[None, c], tUs[None, st.index], tma_bar_ptr=bar)
-            cute.copy(tma_a, tAg[None, c], tAs[None, st.index], tma_bar_ptr=bar)
-            # the decay row: g at the last valid token of the chunk
-            last = cutlass.min(c * BT + BT, seq_len) - 1
-            cute.copy(tma_g, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
-            pipe.producer_commit(st)
-            st.advance()
-        pipe.producer_tail(st)
 
     @cute.jit
     def _recurrence(

@@ -30,7 +30,7 @@ Warp roles (384 threads, ``min_blocks_per_mp=1``):
 =========  =========  =====================================================================================
 warps      registers  role
 =========  =========  =====================================================================================
-0          40         ``load_w_kg_u_chunks``, the TMA producer: per chunk w, kg, u and the last valid g row
+0          40         ``load_chunk_tiles``, the TMA producer: per chunk w, kg, u and the last valid g row
 1-3        40         idle
 4-11       232        ``_recurrence``, two consumer warpgroups (64 V rows each): GEMM1, decay, v_new, GEMM4
 =========  =========  =====================================================================================
@@ -49,7 +49,7 @@ from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
     ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
-    load_column_decay, load_w_kg_u_chunks, recurrence_pipeline, state_view, token_cols, token_rows,
+    load_column_decay, load_chunk_tiles, recurrence_pipeline, state_view, token_cols, token_rows,
     token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
@@ -166,8 +166,11 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
-                load_w_kg_u_chunks(pipe, S, tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, sW, sK, sU, sG, h, bos, seg_len,
-                                   num_chunks)  # fmt: skip
+                load_chunk_tiles(
+                    pipe, S, ((tma_w, tw, sW, (self.bt, self.dk), True), (tma_k, tk, sK, (self.dk, self.bt), False),
+                              (tma_u, tu, sU, (self.dv, self.bt), False)),
+                    (tma_g, tg, sG), h, bos, seg_len, num_chunks,
+                )  # fmt: skip
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
