@@ -203,8 +203,8 @@ def _training_backward(saved, p, do, dht, kept=None):
         # gate per head (its g_cum rows per channel are what FLA's stages read) and the gate's backward runs per
         # head after them (per_head_gate_backward); elsewhere FLA's stages take it repeated over K (fp32: dg is
         # summed back below)
-        head = (per_head_gate and kept is None and not (fused_gate and p["lower_bound"] is not None)
-                and fla_backward.recompute_on_cula(q, v, p))  # fmt: skip
+        recompute = kept is None and fla_backward.recompute_on_cula(q, v, p)  # FLA's prefix on cula's intra kernel
+        head = per_head_gate and recompute and not (fused_gate and p["lower_bound"] is not None)
         g_chan, bias_chan = g_raw, dt_bias
         if per_head_gate and not head:
             from cula.kda.plan import gate_over_k
@@ -226,7 +226,7 @@ def _training_backward(saved, p, do, dht, kept=None):
         if kept is not None:
             prefix = dict(kept)
             g_cum = prefix.pop("g")
-        elif fla_backward.recompute_on_cula(q, v, p):  # FLA's recompute prefix on cula's intra kernel
+        elif recompute:
             prefix = fla_backward.recompute_prefix(
                 q_raw, k_raw, v, g_chan, beta_raw, A_log, bias_chan, h0, cu, chunk_indices, chunk_offsets, p,
                 Akk=Akk, qk_rstd=raw_qk,
