@@ -13,15 +13,16 @@ and keep a product as ``n_tile_accumulators``; ``round_tf32`` rounds tf32 operan
 splits one for 3xTF32 products.
 
 **Chunk recurrences.** The KDA kernels that walk a sequence chunk by chunk with a ``[K, V]`` state (the forward's
-state/output kernel, the time-parallel segment summary, the backward's state-gradient recurrence) keep the state
-transposed, ``[V, K]`` fp32, as the accumulator of two consumer warpgroups (64 V rows each), fed by one TMA producer
-warp through a ``PipelineTmaAsync`` of one chunk's tiles a stage. A token tile ``[BT, D]`` lands in shared memory in
-the layout of the WGMMA operand it is (``token_tile_b_k_major``: B of a product with the state, N = BT;
-``token_tile_b_mn_major``: B of an update of the state, N = K; ``token_tile_a_m_major``: A read M-major, or a tile
-read in the accumulator layout), the chunk's last gate row as ``gate_row_layout``; ``token_rows`` / ``token_cols`` /
-``state_view`` reorder the global tensors for those boxes and for the transposed state. ``ChunkRecurrenceResources``
-holds the warp layout, the register split, the stage check and the two tiled MMAs every such kernel has (products
-with the state, updates of it); ``recurrence_pipeline`` makes the pipeline; ``column_decay`` / ``decay_columns``
+state/output kernel, the time-parallel segment summary, the backward's recompute of the states and its
+state-gradient recurrence) keep the state transposed, ``[V, K]`` fp32, as the accumulator of two consumer warpgroups
+(64 V rows each), fed by one TMA producer warp through a ``PipelineTmaAsync`` of one chunk's tiles a stage. A token
+tile ``[BT, D]`` lands in shared memory in the layout of the WGMMA operand it is (``token_tile_b_k_major``: B of a
+product with the state, N = BT; ``token_tile_b_mn_major``: B of an update of the state, N = K;
+``token_tile_a_m_major``: A read M-major, or a tile read in the accumulator layout), the chunk's last gate row as
+``gate_row_layout``; ``token_rows`` / ``token_cols`` / ``state_view`` reorder the global tensors for those boxes and
+for the transposed state. ``ChunkRecurrenceResources`` holds the warp layout, the register split, the stage check
+and the two tiled MMAs every such kernel has (products with the state, updates of it); ``recurrence_pipeline`` makes
+the pipeline and ``load_chunk_tiles`` is the producer warp's loop over it; ``column_decay`` / ``decay_columns``
 scale the state's K columns by ``exp2`` of the gate row; ``gemm_k_blocks`` issues one product's K-block WGMMAs.
 
 **State boxes.** A decode CTA that works on ``[K, tile_v]`` of one (pool row, head) state moves it with one TMA load
