@@ -36,17 +36,17 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, pipeline
+from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 __all__ = [
-    "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
-    "box_load", "box_partition", "box_store", "bulk_row_copy", "bulk_token_rows", "chunk_rows", "column_decay",
-    "cp_async_token_rows", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay",
+    "FIRST_NAMED_BARRIER", "ROW_FACTORS", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag",
+    "box_barrier_init", "box_load", "box_partition", "box_store", "bulk_row_copy", "bulk_token_rows", "chunk_rows",
+    "column_decay", "cp_async_token_rows", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay",
     "load_token_scalars", "load_chunk_tiles", "n_tile_accumulators", "prefetch_token_rows", "recurrence_pipeline",
-    "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_rows",
-    "token_tile_a_m_major", "token_tile_b_k_major", "token_tile_b_mn_major", "vec_at",
+    "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_rows", "token_tile_a_m_major",
+    "token_tile_b_k_major", "token_tile_b_mn_major", "vec_at",
 ]  # fmt: skip
 
 FIRST_NAMED_BARRIER = 1  # 0 is the CTA-wide barrier
@@ -224,6 +224,10 @@ def gate_row_layout(num_stages: int, D: int = 128):
     return cute.make_layout((D, 1, num_stages), stride=(1, D, D))
 
 
+# Gated DeltaNet's per-token factors, from the intra kernel to the state/output kernel (``row_factors``): f_q = rstd_q
+# exp2(g), f_k = rstd_k exp2(g_last - g), f_g = exp2(g) and an unused float, a 16-byte row (a TMA box's least extent)
+ROW_FACTORS = 4
+
 SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
 
 
@@ -284,11 +288,13 @@ def load_chunk_tiles(pipe, num_stages: int, tiles, gate_row, h, bos, seq_len, nu
                      BT: int = 64):  # fmt: skip
     """The TMA producer warp of a chunk recurrence: per chunk (in order, or ``last_first``) each of ``tiles`` and the
     decay row (g at the chunk's last valid token) into the next of ``num_stages`` pipeline stages. ``tiles``: ``(atom,
-    TMA tensor, shared tiles, tile shape, tokens_first)`` as ``chunk_tiles`` takes them, issued in that order;
-    ``gate_row``: the decay row's ``(atom, TMA tensor, shared rows)`` (``gate_row_layout``)."""
-    parts = [chunk_tiles(atom, t, s, h, bos, tile, tokens_first) for atom, t, s, tile, tokens_first in tiles]
-    g_atom, g_t, g_s = gate_row
-    tGs, tGg = chunk_tiles(g_atom, g_t, g_s, h, bos, (g_s.shape[0], 1), tokens_first=False)
+    TMA tensor, shared tiles, tile shape, tokens_first)`` as ``chunk_tiles`` takes them, issued in that order, of
+    head ``h`` (or of the head a sixth entry gives: a q / k head of a value head's group); ``gate_row``: the decay
+    row's ``(atom, TMA tensor, shared rows)`` (``gate_row_layout``), or None where a tile carries the decay."""
+    parts = [chunk_tiles(e[0], e[1], e[2], e[5] if len(e) > 5 else h, bos, e[3], e[4]) for e in tiles]
+    if const_expr(gate_row is not None):
+        g_atom, g_t, g_s = gate_row
+        tGs, tGg = chunk_tiles(g_atom, g_t, g_s, h, bos, (g_s.shape[0], 1), tokens_first=False)
     st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, num_stages)
     for i in cutlass.range(num_chunks, unroll=1):
         c = num_chunks - 1 - i if last_first else i
@@ -296,8 +302,9 @@ def load_chunk_tiles(pipe, num_stages: int, tiles, gate_row, h, bos, seq_len, nu
         bar = pipe.producer_get_barrier(st)
         for (atom, *_), (ts, tg) in zip(tiles, parts):
             cute.copy(atom, tg[None, c], ts[None, st.index], tma_bar_ptr=bar)
-        last = cutlass.min(c * BT + BT, seq_len) - 1
-        cute.copy(g_atom, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
+        if const_expr(gate_row is not None):
+            last = cutlass.min(c * BT + BT, seq_len) - 1
+            cute.copy(g_atom, tGg[None, last], tGs[None, st.index], tma_bar_ptr=bar)
         pipe.producer_commit(st)
         st.advance()
     pipe.producer_tail(st)

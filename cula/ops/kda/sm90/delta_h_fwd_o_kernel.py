@@ -66,9 +66,9 @@ from cutlass.tensor_utils import LayoutEnum
 from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
-    FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout,
-    gemm_k_blocks, load_chunk_tiles, load_column_decay, recurrence_pipeline, state_view, token_cols, token_rows,
-    token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    FIRST_NAMED_BARRIER, ROW_FACTORS, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns,
+    gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, recurrence_pipeline, state_view, token_cols,
+    token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
@@ -105,6 +105,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         state_v_first: bool = False,
         aqk_causal: bool = False,
         store_states: bool = False,
+        row_factors: bool = False,
     ):
         if head_k != 128 or head_v != 128:
             raise ValueError(f"only K = V = 128 is implemented, got K={head_k}, V={head_v}")
@@ -123,22 +124,29 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         self.aqk_causal = aqk_causal
         # also write what FLA's backward reads of the recurrence (``DeltaHFwdOStatesSm90``)
         self.store_states = store_states
+        # one gate per token and value head (Gated DeltaNet): raw q and k of the value head's q / k head instead of
+        # qg and kg, and per token the factors that make them (see ``_row_factor_columns``)
+        self.row_factors = row_factors
+        if row_factors and (store_states or not aqk_causal):
+            raise ValueError("row_factors reads cula's intra kernel's outputs (aqk_causal) and stores no states")
         # full chunks' o by stmatrix + TMA (see the consumer prologue); the masked variant keeps the direct stores:
         # with the mask's registers the staging spills (20-28 bytes)
         self.o_tma = aqk_causal
         # the consumers hold S^T (64 registers), its bf16 copy (32), two 64x64 accumulators (64), u (16) and the
         # bf16 v_new fragment (16) of their 232
         elt = dtype.width // 8
-        self._set_stages(num_stages, (4 * self.bt * self.dk + self.bt * self.bt) * elt + self.dk * 4)
+        row_bytes = self.bt * ROW_FACTORS * 4 if row_factors else self.dk * 4  # the factor rows, or the decay row
+        self._set_stages(num_stages, (4 * self.bt * self.dk + self.bt * self.bt) * elt + row_bytes)
 
     @cute.jit
     def __call__(
         self,
         mW: cute.Tensor,  # (T_total, HV, K)  dtype
         mU: cute.Tensor,  # (T_total, HV, V)  dtype
-        mKg: cute.Tensor,  # (T_total, HV, K)  dtype
-        mQg: cute.Tensor,  # (T_total, HV, K)  dtype
-        mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate
+        mKg: cute.Tensor,  # (T_total, HV, K)  dtype; row_factors: k (T_total, H, K)
+        mQg: cute.Tensor,  # (T_total, HV, K)  dtype; row_factors: q (T_total, H, K)
+        mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate; row_factors: the factor
+        #                   rows (T_total, HV, ROW_FACTORS) fp32
         mA: cute.Tensor,  # (T_total, HV, BT) dtype, Aqk
         mO: cute.Tensor,  # (T_total, HV, V)  dtype, output
         mH0: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32; unread unless has_initial_state
@@ -164,7 +172,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         a_v = token_rows(mA)  # (T, BT, HV)
         k_v = token_cols(mKg)  # (K, T, HV)
         u_v = token_cols(mU)  # (V, T, HV)
-        g_v = token_cols(mG)  # (K, T, HV)
+        g_v = token_rows(mG) if const_expr(self.row_factors) else token_cols(mG)  # (T, F, HV) or (K, T, HV)
         o_v = token_cols(mO)  # (V, T, HV)
         h0_v = state_view(mH0, self.state_v_first)  # (V, K, HV, N)
         ht_v = state_view(mHt, self.state_v_first)  # (V, K, HV, N)
@@ -180,6 +188,10 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         sW_l, sQ_l = token_tile_b_k_major(dt, S), token_tile_b_k_major(dt, S)
         sA_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S)  # (BT_i, BT_j, S)
         sK_l, sU_l, sG_l = token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S), gate_row_layout(S)
+        g_box = (DK, 1)
+        if const_expr(self.row_factors):  # a chunk's factor rows, token-major
+            sG_l = cute.make_layout((BT, ROW_FACTORS, S), stride=(ROW_FACTORS, 1, ROW_FACTORS * BT))
+            g_box = (BT, ROW_FACTORS)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
@@ -187,7 +199,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         tma_a, ta = cpasync.make_tiled_tma_atom(g2s, a_v, cute.select(sA_l, mode=[0, 1]), (BT, BT))
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sK_l, mode=[0, 1]), (DK, BT))
         tma_u, tu = cpasync.make_tiled_tma_atom(g2s, u_v, cute.select(sU_l, mode=[0, 1]), (DV, BT))
-        tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), (DK, 1))
+        tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), g_box)
         # o^T of one consumer warpgroup: its 64 V rows of the stage's u tile (the half has the tile's swizzle)
         half = DV // self.num_consumer_wg
         sOh_l = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (half, DK, BT), dt, 1)
@@ -207,10 +219,11 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
 
         self.storage = Storage
         HV = mW.shape[1]
+        group = HV // mQg.shape[1] if const_expr(self.row_factors) else None  # value heads per q / k head
         kernel = self.kernel(
             tma_w, tw, tma_q, tq, tma_a, ta, tma_k, tk, tma_u, tu, tma_g, tg, tma_o, to,
             o_v, h0_v, ht_v, mCu, seqlen, scale,
-            mma_o, mma_s, sW_l, sQ_l, sA_l, sK_l, sU_l, sG_l, h_v, vn_v, chunks,
+            mma_o, mma_s, sW_l, sQ_l, sA_l, sK_l, sU_l, sG_l, h_v, vn_v, chunks, group,
         )  # fmt: skip
         kernel.launch(
             grid=(HV, num_seqs, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1
@@ -231,7 +244,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         mma_o: cute.TiledMma, mma_s: cute.TiledMma,
         sW_l: cute.ComposedLayout, sQ_l: cute.ComposedLayout, sA_l: cute.ComposedLayout,
         sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
-        h_v: cute.Tensor, vn_v: cute.Tensor, mChunks: cute.Tensor,
+        h_v: cute.Tensor, vn_v: cute.Tensor, mChunks: cute.Tensor, group: Int32 | None,
     ):  # fmt: skip
         BT, DK, DV, S = self.bt, self.dk, self.dv, self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -267,10 +280,17 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
-                tiles = ((tma_w, tw, sW, (BT, DK), True), (tma_q, tq, sQ, (BT, DK), True),
-                         (tma_k, tk, sK, (DK, BT), False), (tma_u, tu, sU, (DV, BT), False),
-                         (tma_a, ta, sA, (BT, BT), True))  # fmt: skip
-                load_chunk_tiles(pipe, S, tiles, (tma_g, tg, sG), h, bos, seq_len, num_chunks)
+                if const_expr(self.row_factors):  # q, k of the group's q / k head; the factor rows carry the decay
+                    qk = h // group
+                    tiles = ((tma_w, tw, sW, (BT, DK), True), (tma_q, tq, sQ, (BT, DK), True, qk),
+                             (tma_k, tk, sK, (DK, BT), False, qk), (tma_u, tu, sU, (DV, BT), False),
+                             (tma_a, ta, sA, (BT, BT), True), (tma_g, tg, sG, (BT, ROW_FACTORS), True))  # fmt: skip
+                    load_chunk_tiles(pipe, S, tiles, None, h, bos, seq_len, num_chunks)
+                else:
+                    tiles = ((tma_w, tw, sW, (BT, DK), True), (tma_q, tq, sQ, (BT, DK), True),
+                             (tma_k, tk, sK, (DK, BT), False), (tma_u, tu, sU, (DV, BT), False),
+                             (tma_a, ta, sA, (BT, BT), True))  # fmt: skip
+                    load_chunk_tiles(pipe, S, tiles, (tma_g, tg, sG), h, bos, seq_len, num_chunks)
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
@@ -311,7 +331,12 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         accO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), Float32)
         rO = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), self.dtype)
         pV = cute.make_rmem_tensor(wg_o.partition_shape_C((DV, BT)), cutlass.Boolean)
-        rD = column_decay(accS)
+        rD = rQf = rKf = tVrK = None
+        if const_expr(self.row_factors):
+            rQf, rKf = column_decay(accO), column_decay(accO)  # per token column of o^T / v_new^T
+            tVrK = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, BT)))  # bf16(v_new^T) for GEMM4
+        else:
+            rD = column_decay(accS)
 
         tUsU = thr_o.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
         tVcV = thr_o.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
@@ -364,22 +389,36 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
                 cute.arch.fence_view_async_shared()
             # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
             # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
-            load_column_decay(rD, sG, tScS, si)
+            if const_expr(not self.row_factors):
+                load_column_decay(rD, sG, tScS, si)
             rU = tUsU[None, None, None, si].load()
             for i in cutlass.range_constexpr(cute.size(pV)):
                 pV[i] = tVcV[i][1] < valid
 
             warpgroup.wait_group(0)
-            decay_columns(accS, rD)
+            if const_expr(not self.row_factors):
+                decay_columns(accS, rD)
             v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
             tVrV.store(v_new.to(self.dtype))
-            accO.store(accO.load() * scale)
+            if const_expr(self.row_factors):
+                # read here, not while GEMM1 / GEMM2 run: held across the wait they spilled
+                gd = self._row_factor_columns(rQf, rKf, sG, tVcV, si, valid, scale)
+                accS.store(accS.load() * gd)
+                accV.store(v_new)
+                for i in cutlass.range_constexpr(cute.size(accO)):
+                    j = (i % 2) + 2 * (i // 4)
+                    accO[i] = accO[i] * rQf[j]
+                    accV[i] = accV[i] * rKf[j]
+                tVrK.store(accV.load().to(self.dtype))
+            else:
+                accO.store(accO.load() * scale)
             if const_expr(not self.aqk_causal):
                 mask_bar.arrive_and_wait()
             # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment.
             warpgroup.fence()
             gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=si)
-            gemm_k_blocks(mma_s, accS, tVrV, tSrK, accumulate=True, b_stage=si)
+            tVrS = tVrK if const_expr(self.row_factors) else tVrV
+            gemm_k_blocks(mma_s, accS, tVrS, tSrK, accumulate=True, b_stage=si)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -409,6 +448,19 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         if const_expr(self.has_ht):
             tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
             tSgHt.store(accS.load())
+
+    @staticmethod
+    def _row_factor_columns(rQf, rKf, sF, tVcV, si, valid, scale):
+        """``row_factors``: this thread's token columns' factors of stage ``si``'s rows (``[BT, ROW_FACTORS]``, the
+        intra kernel's ``f_q, f_k, f_g``) into ``rQf`` (times ``scale``) and ``rKf`` (0 past the sequence end, so
+        that v_new's zeros there stay zeros whatever the rows hold), and the chunk's decay ``exp2(g_last)``, which
+        is the last valid row's ``f_g``. Plain Python, traced inline; reads shared memory only."""
+        for j in range(cute.size(rQf)):
+            t = tVcV[(j % 2, 0, j // 2), 0, 0][1]
+            live = t < valid
+            rQf[j] = Float32(cutlass.select_(live, sF[t, 0, si] * scale, Float32(0.0)))
+            rKf[j] = Float32(cutlass.select_(live, sF[t, 1, si], Float32(0.0)))
+        return sF[valid - 1, 2, si]
 
     def _o_staging(self, ctid, wg_idx, h, bos, mma_o, sU, tma_o, to):
         """A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (``o_tma``): the
@@ -488,7 +540,7 @@ class DeltaHFwdOStatesSm90(DeltaHFwdOFusedSm90):
 
 
 def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 0), extra_options="",
-             aqk_causal=False, store_states=False):
+             aqk_causal=False, store_states=False, row_factors=False):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.
 
     ``extra_options`` is appended to the cute.compile options (tests use ``--keep-cubin --dump-dir D``).
@@ -502,6 +554,7 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
     kernel = cls(
         dtype=dtype, head_k=DK, head_v=DV, chunk_size=BT, num_stages=num_stages, varlen=varlen,
         has_initial_state=has_h0, has_final_state=has_ht, state_v_first=state_v_first, aqk_causal=aqk_causal,
+        **({"row_factors": True} if row_factors else {}),
     )  # fmt: skip
     # Token and sequence strides are 64-bit so that T_total * HV * D (or N * HV * K * V) may pass 2^31
     # elements; their divisibility keeps TMA's 16-byte stride check provable at compile time.
@@ -525,6 +578,12 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
 
     tensors = (tok(dtype, DK), tok(dtype, DV), tok(dtype, DK), tok(dtype, DK), tok(Float32, DK), tok(dtype, BT),
                tok(dtype, DV), state(), state(), cu())  # fmt: skip
+    if row_factors:  # k and q of H heads (their own sizes), the factor rows
+        h, qk_stride = cute.sym_int32(), cute.sym_int64(divisibility=DK)
+        qk = make_fake_tensor(dtype, (tt, h, DK), (qk_stride, DK, 1), assumed_align=16)
+        rows = make_fake_tensor(Float32, (tt, hv, ROW_FACTORS), (cute.sym_int64(divisibility=ROW_FACTORS),
+                                                                  ROW_FACTORS, 1), assumed_align=16)  # fmt: skip
+        tensors = tensors[:2] + (qk, qk, rows) + tensors[5:]
     if store_states:  # h, v_new, the chunk offsets
         tensors += (state(dtype), tok(dtype, DV), cu())
     args = (*tensors, Int32(1), Int32(1), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))

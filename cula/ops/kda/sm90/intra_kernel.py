@@ -114,7 +114,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import GATES, dsl_type
-from cula.ops.cute_common import FIRST_NAMED_BARRIER, chunk_rows, round_tf32, vec_at
+from cula.ops.cute_common import FIRST_NAMED_BARRIER, ROW_FACTORS, chunk_rows, round_tf32, vec_at
 from cula.ops.kda.sm90.intra import BETA_ACTS
 
 __all__ = ["ChunkKDAIntraFwdSm90"]
@@ -166,6 +166,7 @@ class ChunkKDAIntraFwdSm90:
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
         scalar_gate: bool = False, given_t: bool = False, any_gate: bool = False, write_rstd: bool = False,
+        row_factors: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
@@ -196,6 +197,12 @@ class ChunkKDAIntraFwdSm90:
         self.write_rstd = bool(write_rstd)
         if self.write_rstd and not self.l2norm_qk:
             raise ValueError("write_rstd writes the L2 norm's 1 / norms: it needs l2norm_qk")
+        # scalar_gate only: instead of qg, kg and g_cum, each row's factors f_q = rstd_q exp2(gc), f_k = rstd_k
+        # exp2(gl - gc), f_g = exp2(gc) (and a 0) in mQg (T_total, HV, ROW_FACTORS) fp32, 16 bytes a row where qg
+        # and kg are 512: the state/output kernel's row_factors variant applies them to the raw q and k
+        self.row_factors = bool(row_factors)
+        if self.row_factors and not (self.scalar_gate and not self.given_t and not self.write_akk):
+            raise ValueError("row_factors is for scalar_gate inference calls (no given_t, no write_akk)")
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype, self.g_dtype, self.beta_dtype = dtype, g_dtype, beta_dtype
@@ -232,11 +239,11 @@ class ChunkKDAIntraFwdSm90:
         mBias: cute.Tensor,  # (HV, K) fp32; (HV,) with scalar_gate
         mW: cute.Tensor,  # (T_total, HV, K)  dtype, out
         mU: cute.Tensor,  # (T_total, HV, V)  dtype, out
-        mQg: cute.Tensor,  # (T_total, HV, K) dtype, out
-        mKg: cute.Tensor,  # (T_total, HV, K) dtype, out
+        mQg: cute.Tensor,  # (T_total, HV, K) dtype, out; row_factors: (T_total, HV, ROW_FACTORS) fp32, out
+        mKg: cute.Tensor | None,  # (T_total, HV, K) dtype, out; None with row_factors
         mAqk: cute.Tensor | None,  # (T_total, HV, BT) dtype, out; None with given_t
         mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype: bf16 (I + Akk)^-1, out (write_akk) or in (given_t)
-        mG: cute.Tensor,  # (T_total, HV, K) fp32, out
+        mG: cute.Tensor | None,  # (T_total, HV, K) fp32, out; None with row_factors
         mRstd: cute.Tensor | None,  # (2, T_total, H) fp32, out: q's and k's 1 / norms (write_rstd; else None)
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
         mCi: cute.Tensor,  # (NT, 2) int32 (sequence, chunk), unread unless varlen
@@ -289,6 +296,8 @@ class ChunkKDAIntraFwdSm90:
             # bound in some sub-chunk; the exact path's diagonal-block sums (Aqk's and Akk's, unscaled) by pair
             flags: cute.struct.Align[cute.struct.MemRange[Int32, 4 if self.any_gate else 0], 16]
             diag: cute.struct.Align[cute.struct.MemRange[Float32, 2 * DIAG_PAIRS if self.any_gate else 0], 16]
+            # row_factors with l2norm_qk: the q rows' 1 / norms, then the k rows' (P1 -> P2)
+            sRstd: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BT if self.row_factors else 0], 16]
 
         self.storage = Storage
         self.kernel(
@@ -377,7 +386,7 @@ class ChunkKDAIntraFwdSm90:
 
     @cute.jit
     def _qg_kg_score_operands_vec(
-        self, sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks, anchor_row=8,
+        self, sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, subchunks, anchor_row=8, sRstd=None,
     ):  # fmt: skip
         """P2 of one round: g_cum, qg, kg rows to gmem, k' over the q rows in smem and the score B operands of
         the two sub-chunks j in ``subchunks`` (into B slots 0 and 1 of ``sB``, a flat fp32 tensor, see
@@ -448,14 +457,28 @@ class ChunkKDAIntraFwdSm90:
                     for e in cutlass.range_constexpr(4):
                         part[e] = src[4 * h + e]
                     cute.autovec_copy(part, self._b_unit(sB, slot, r + 16 * which, c4 + h, u8))
-            if const_expr(self.g_cum_last_only):  # noqa: SIM102 - a trace-time condition around a run-time one
+            if const_expr(self.row_factors):
+                # one thread a row (channel 0's unit): its factors, 16 bytes, in place of qg, kg and g_cum
+                if live & (c8 == 0):
+                    nq, nk = Float32(1.0), Float32(1.0)  # the rows' 1 / norms
+                    if const_expr(self.l2norm_qk):
+                        nq, nk = sRstd[t], sRstd[BT + t]
+                    eg = cute.math.exp2(rg[0], fastmath=True)
+                    rf = cute.make_rmem_tensor(ROW_FACTORS, Float32)
+                    rf[0] = nq * eg
+                    rf[1] = nk * cute.math.exp2(rgl[0] - rg[0], fastmath=True)
+                    rf[2] = eg
+                    rf[3] = Float32(0.0)
+                    cute.autovec_copy(rf, mQg[tok0 + t, hv, None])
+            elif const_expr(self.g_cum_last_only):  # noqa: SIM102 - a trace-time condition around a run-time one
                 if t == valid - 1:
                     cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
-            if live:
-                if const_expr(not self.g_cum_last_only):
-                    cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
-                cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
-                cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
+            if const_expr(not self.row_factors):
+                if live:
+                    if const_expr(not self.g_cum_last_only):
+                        cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
+                    cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
+                    cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
 
     @cute.jit
     def _store_rows_vec(self, sX0, mOut, tok0, hv, valid, tid):
@@ -573,9 +596,12 @@ class ChunkKDAIntraFwdSm90:
         )  # fmt: skip
         # ---------------- P1: gate cumsum (WG0) | q, k row norms (WG1) ----------------
         sFlags = storage.flags.get_tensor(cute.make_layout(4)) if const_expr(self.any_gate) else None
+        sRstd = None
+        if const_expr(self.row_factors and self.l2norm_qk):
+            sRstd = storage.sRstd.get_tensor(cute.make_layout(2 * BT))
         self._gate_cumsum_and_norms(
             sQ0, sGin0, sG, storage.sG.data_ptr(), base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
-            sFlags, warp_idx, mRstd, tok0, h, hv % group == 0,
+            sFlags, warp_idx, mRstd, tok0, h, hv % group == 0, sRstd,
         )  # fmt: skip
         cute.arch.barrier()
         # the anchor row of each sub-chunk's score factors: its middle row; any_gate's exact path takes its first
@@ -602,7 +628,7 @@ class ChunkKDAIntraFwdSm90:
         else:
             self._scores(
                 sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
-                warp_idx, anchor_row,
+                warp_idx, anchor_row, sRstd,
             )  # fmt: skip
         cute.arch.barrier()
         if const_expr(self.any_gate):
@@ -671,7 +697,7 @@ class ChunkKDAIntraFwdSm90:
     @cute.jit
     def _gate_cumsum_and_norms(
         self, sQ0, sGin0, sG, sG_ptr, base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems, sFlags,
-        warp_idx, mRstd, tok0, h, head_first,
+        warp_idx, mRstd, tok0, h, head_first, sRstd=None,
     ):  # fmt: skip
         """P1: the gate activation and its chunk cumsum (warpgroup 0, a channel a thread, g_cum into shared
         memory), the q and k rows past the sequence end zeroed and the others L2-normalised (warpgroup 1, a row a
@@ -746,6 +772,8 @@ class ChunkKDAIntraFwdSm90:
                     if const_expr(self.write_rstd):
                         if head_first:
                             mRstd[tid // BT, tok0 + tid % BT, h] = r
+                    if const_expr(self.row_factors):  # for P2's factor rows
+                        sRstd[tid] = r
 
     @cute.jit
     def _store_aqk(self, sAqk, mAqk, tok0, hv, valid, tidx):
@@ -1069,7 +1097,7 @@ class ChunkKDAIntraFwdSm90:
     @cute.jit
     def _scores(
         self, sQ0, sK0, sV, sG, region, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale,
-        tidx, warp_idx, anchor_row=8,
+        tidx, warp_idx, anchor_row=8, sRstd=None,
     ):  # fmt: skip
         """P2 + P3: per round, P2 builds the fp32 B operands of two anchors, then one warp per (key block kb <=
         anchor) pair multiplies it on tf32 mma.sync; after both rounds v's load is issued, the accumulators become
@@ -1089,7 +1117,7 @@ class ChunkKDAIntraFwdSm90:
         for rnd in cutlass.range_constexpr(2):
             a0, a1 = rounds[rnd]
             self._qg_kg_score_operands_vec(
-                sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, rounds[rnd], anchor_row
+                sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, rounds[rnd], anchor_row, sRstd
             )  # fmt: skip
             cute.arch.barrier()
             acc = cute.make_rmem_tensor(tiled_tf.partition_shape_C((16, 32)), Float32)
@@ -1300,9 +1328,12 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4) if kernel.scalar_gate
         else make_fake_tensor(Float32, (hv, DK), (DK, 1), assumed_align=16),
-        tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK), tok(dtype, hv, DK),
+        tok(dtype, hv, DK), tok(dtype, hv, DK),
+        # qg and kg, or the factor rows
+        *((tok(Float32, hv, ROW_FACTORS), None) if kernel.row_factors else (tok(dtype, hv, DK), tok(dtype, hv, DK))),
         None if kernel.given_t else tok(dtype, hv, BT),
-        tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t else None, tok(Float32, hv, DK),
+        tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t else None,
+        None if kernel.row_factors else tok(Float32, hv, DK),
         make_fake_tensor(Float32, (2, tt, h), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
         if kernel.write_rstd else None,
         make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4),
