@@ -11,12 +11,15 @@ logits, q / k L2 norm in the kernel, ``[V, K]`` states. H = HV = 64 on the 28 co
 path on for the cula column.
 
 Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph] [--configs NAMES]
-[--split SEGMENT [--halves]]`` (``--split``: cula's calls cut in time, as in ``bench_kda_prefill.py``).
+[--split SEGMENT [--halves]] [--row-factors]`` (``--split``: cula's calls cut in time, as in
+``bench_kda_prefill.py``; ``--row-factors``: the cula column with ``GdnTuning.inference_row_factors`` on, the
+result named ``..._rowfactors``).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -74,7 +77,10 @@ def suite(quick: bool = False) -> list[kp.Config]:
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     """Run the suite; returns (meta, rows, written paths). FLA's own kernels (no FlashKDA, no cula through FLA's
     dispatch) on the FLA side, as in bench_kda_prefill."""
-    args = kp.parse_args(argv)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    row_factors = "--row-factors" in argv
+    args = kp.parse_args([a for a in argv if a != "--row-factors"])
+    args.row_factors = row_factors
     if args.time_parallel:
         raise SystemExit("--time-parallel is bench_kda_prefill.py's (and bench_lightning_prefill.py's) suite")
     with bc.env_var("FLA_FLASH_KDA", "0"), bc.env_var("FLA_CULA", "0"):
@@ -92,7 +98,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
     t_start = time.perf_counter()
-    with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True), kp.cula_override(args):
+    on_cula = GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=args.row_factors)
+    with torch.inference_mode(), on_cula, kp.cula_override(args):
         run = bc.run_suite(cfgs, lambda cfg: kp.run_config(cfg, fla_fn, cula_fn, args, ceilings, GDN),
                            args.max_seconds or None, t_start, name=NAME,
                            progress=bc.PROGRESS_KEYS + ("backend", "floor_pct"), record_wall=False)  # fmt: skip
@@ -102,10 +109,12 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "call_flags": CALL_FLAGS,
         "anchors_ms": ANCHORS,
         **({"cula_split": {"segment": args.split, "halves": args.halves}} if args.split else {}),
+        "cula_row_factors": args.row_factors,
         **bc.run_meta(args, ceilings, kp.WARN_TOL, kp.FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
-    paths = bc.write_suite(NAME + kp.split_suffix(args), args, meta, run.rows, kp.MD_COLUMNS)
+    suffix = kp.split_suffix(args) + ("_rowfactors" if args.row_factors else "")
+    paths = bc.write_suite(NAME + suffix, args, meta, run.rows, kp.MD_COLUMNS)
     return meta, run.rows, paths
 
 

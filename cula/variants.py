@@ -99,9 +99,12 @@ def _gdn_chunk(scope: str) -> None:
     """``chunk_gated_delta_rule`` on cula-sm90 where ``GDN_TUNING``'s entry runs it there: cula's intra kernel with
     the per-head gate (``scalar_gate``: the log-space gate or the fused softplus one, exact for any gate) in the
     general path, for inference and (``training_per_head_gate``, writing Akk) training's forward; the state/output
-    and time-parallel kernels are KDA's (above)."""
+    and time-parallel kernels are KDA's (above), and with ``inference_row_factors`` the intra kernel's factor rows
+    and the state/output kernel's variant that applies them."""
     from cula.gated_delta_rule.plan import GDN_TUNING
     from cula.kda.plan import KDA_TUNING
+    from cula.ops._host import dsl_name
+    from cula.ops.kda.sm90 import delta_h_fwd_o as dh
     from cula.ops.kda.sm90 import intra
 
     entry = GDN_TUNING.get((9, 0))
@@ -113,6 +116,16 @@ def _gdn_chunk(scope: str) -> None:
         options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, g_cum_last_only=True, scalar_gate=True,
                                        write_akk=write_akk)  # fmt: skip
         intra.compiled_variant(varlen=varlen, **options)
+    if entry.inference_chunk_on_cula and entry.inference_row_factors:
+        # inference uncut: the factor rows in place of qg, kg and g_cum, then the state/output kernel on raw q / k
+        for dt, g_dt, b_dt, gate, l2, beta_act, varlen in itertools.product(
+            d["io"], d["g"], d["beta"], ("none", "softplus"), _B, intra.BETA_ACTS, _B
+        ):  # fmt: skip
+            options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, scalar_gate=True, row_factors=True)
+            intra.compiled_variant(varlen=varlen, **options)
+        for dt, varlen, h0, ht, svf in itertools.product(d["io"], _B, _B, _B, _B):
+            dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
+                                aqk_causal=True, row_factors=True)  # fmt: skip
     # the training backward's recompute on the per-head gate (cula.kda.backends._training_backward, where KDA's
     # entry puts the recompute on the intra kernel): T read, every g_cum row, with the L2 norm's 1 / norms where
     # the entry's bwd_norm_on_load says so

@@ -234,6 +234,29 @@ def gdn_chunk_and_decode():
 
 
 @case
+def gdn_row_factors():
+    # Gated DeltaNet inference with the intra kernel's factor rows and the state/output kernel on the raw q / k
+    # (GdnTuning.inference_row_factors): fixed with a partial last chunk and GVA (4 value heads a q / k head), packed
+    # with empty, one-token and partial chunks and the fused softplus gate, without the L2 norm
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+    from cula.gated_delta_rule.plan import GDN_TUNING
+
+    cu = torch.tensor([0, 70, 70, 71, 100], dtype=torch.int32, device=DEV)
+    with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=True):
+        chunk_gated_delta_rule(
+            _r(2, 100, 1, 128), _r(2, 100, 1, 128), _r(2, 100, 4, 128), -torch.rand(2, 100, 4, device=DEV),
+            torch.rand(2, 100, 4, device=DEV), initial_state=torch.randn(2, 4, 128, 128, device=DEV) * 0.1,
+            output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
+        )  # fmt: skip
+        chunk_gated_delta_rule(
+            _r(1, 100, 1, 128), _r(1, 100, 1, 128), _r(1, 100, 2, 128), torch.randn(1, 100, 2, device=DEV),
+            torch.randn(1, 100, 2, device=DEV), output_final_state=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, A_log=torch.rand(2, device=DEV), dt_bias=torch.rand(2, device=DEV),
+            cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
+        )  # fmt: skip
+
+
+@case
 def gdn_training_per_head_gate():
     # Gated DeltaNet training with the forward on the intra kernel's per-head gate writing Akk
     # (GdnTuning.training_per_head_gate), packed with empty and one-token sequences, the fused softplus gate

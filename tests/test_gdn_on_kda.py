@@ -135,19 +135,21 @@ def test_gdn_training_on_hopper_cuda(fused, per_head, gdn_tuning):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("row_factors", [False, True], ids=["qg-kg", "row-factors"])
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("gates", ["mild", "steep"])
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])
-def test_gdn_inference_per_head_gate_on_hopper_cuda(fused, gates, state_v_first, gdn_tuning):
+def test_gdn_inference_per_head_gate_on_hopper_cuda(fused, gates, state_v_first, row_factors, gdn_tuning):
     """Inference on cula's path: KDA's forward with the intra kernel's per-head gate (``scalar_gate``), nothing
     repeated over K, against the float64 reference: GVA, a ragged pack with empty and one-token sequences and a
     partial last chunk, initial states, and gates steep enough (about 10 to 50 nats a token) that the per-channel
-    kernel's factored scores would not be exact."""
+    kernel's factored scores would not be exact. ``row_factors``: the intra kernel's factor rows and the
+    state/output kernel on the raw q / k (``GdnTuning.inference_row_factors``)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.gated_delta_rule import chunk_gated_delta_rule
 
-    gdn_tuning(inference_chunk_on_cula=True)
+    gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=row_factors)
     lens = [130, 0, 1, 64, 257, 7]
     x = _inputs(1, sum(lens), 2, 4, 128, fused, dtype=torch.bfloat16, device="cuda")
     if gates == "steep":
@@ -169,6 +171,38 @@ def test_gdn_inference_per_head_gate_on_hopper_cuda(fused, gates, state_v_first,
                         flags_cpu, grads=False)  # fmt: skip
     assert_close("o", o_r, o.cpu(), 5e-3)
     assert_close("final state", ht_r, ht.cpu(), 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("l2norm", [False, True], ids=["raw-qk", "l2norm"])
+def test_gdn_row_factors_fixed_length_cuda(l2norm, state_v_first, gdn_tuning):
+    """The factor rows at a fixed length (two sequences of 200 tokens: three full chunks and a partial one), four
+    value heads per q / k head, with and without the fused L2 norm (f_q, f_k carry 1 / norm or 1): against the
+    float64 reference, and within bf16 noise of the qg / kg path it replaces."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    x = _inputs(2, 200, 2, 8, 128, True, seed=3, dtype=torch.bfloat16, device="cuda")
+    if not l2norm:  # unit-norm rows, as a caller that normalises them itself passes them
+        x["q"], x["k"] = (torch.nn.functional.normalize(x[n].float(), dim=-1).to(torch.bfloat16) for n in "qk")
+    h0 = torch.randn(2, 8, 128, 128, device="cuda") * 0.1
+    flags = dict(_flags(True, state_v_first, None, h0), use_qk_l2norm_in_kernel=l2norm)
+    outs = {}
+    for rows in (False, True):
+        gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=rows)
+        with torch.inference_mode():
+            outs[rows] = chunk_gated_delta_rule(**x, **flags)
+    o, ht = outs[True]
+    assert not o.isnan().any() and not ht.isnan().any()
+    cpu = {n: t.cpu() for n, t in x.items()}
+    o_r, ht_r, _ = _run(lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu,
+                        dict(flags, initial_state=h0.cpu()), grads=False)  # fmt: skip
+    assert_close("o", o_r, o.cpu(), 5e-3)
+    assert_close("final state", ht_r, ht.cpu(), 5e-3)
+    assert_close("o against the qg / kg path", outs[False][0].float(), o.float(), 5e-3)
+    assert_close("final state against the qg / kg path", outs[False][1], ht, 5e-3)
 
 
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])

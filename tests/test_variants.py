@@ -145,14 +145,15 @@ def test_chunk_kda_requests_are_listed(requested, full_list):
 
 
 def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
-    """With the GPU's entry running Gated DeltaNet inference on cula (``GdnTuning.inference_chunk_on_cula``) and
-    training's forward on the per-head gate (``training_per_head_gate``), its per-head-gate intra kernels are listed,
-    and only then."""
+    """With the GPU's entry running Gated DeltaNet inference on cula (``GdnTuning.inference_chunk_on_cula``, with
+    the factor rows: ``inference_row_factors``) and training's forward on the per-head gate
+    (``training_per_head_gate``), its per-head-gate intra kernels and the state/output kernel's row-factor variants
+    are listed, and only then."""
     from cula.gated_delta_rule import chunk_gated_delta_rule
 
     gdn_tuning(inference_chunk_on_cula=False)
     assert not [k for k in variants.planner_variants("full", ops=("gdn.chunk",))]
-    gdn_tuning(inference_chunk_on_cula=True, training_per_head_gate=True)
+    gdn_tuning(inference_chunk_on_cula=True, training_per_head_gate=True, inference_row_factors=True)
     listed = set(variants.planner_variants("full", ops=("gdn.chunk",)))
     grid = ((BF16, FP16), (FP32, BF16), (BF16, FP32), (False, True), (False, True), ("fixed", "packed"),
             ("inference", "training"))  # fmt: skip
@@ -183,7 +184,10 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     intra = [k for k in requested if k[0] == "kda.intra"]
     assert intra and all(("scalar_gate", True) in k for k in intra)
     assert any(("write_akk", True) in k for k in intra)
-    missing = [cula.cache.key_text(k) for k in intra if k not in listed]
+    assert any(("row_factors", True) in k for k in intra)
+    factored = [k for k in requested if k[0] == "kda.delta_h_fwd_o" and ("row_factors", True) in k]
+    assert factored
+    missing = [cula.cache.key_text(k) for k in intra + factored if k not in listed]
     assert not missing, missing[:3]
 
 

@@ -3,7 +3,9 @@
 - ``cula-sm90`` (``chunk_gated_delta_rule``; inference calls where ``cula.gated_delta_rule.plan.GDN_TUNING`` says
   cula's path measured faster): Gated DeltaNet is KDA with one gate per head. Inference runs KDA's forward
   (``cula.kda.forward.chunk_kda_fwd_sm90``) with that gate as it is: the intra kernel's ``scalar_gate`` variant
-  applies it to the scores, exact for any gate. Training runs ``cula.kda.chunk_kda`` with the gate (and the fused
+  applies it to the scores, exact for any gate (with ``GdnTuning.inference_row_factors``, per-token factor rows in
+  place of qg, kg and g_cum, applied to the raw q and k by the state/output kernel's ``row_factors`` variant).
+  Training runs ``cula.kda.chunk_kda`` with the gate (and the fused
   gate's ``dt_bias``) repeated over the K channels: the same recurrence, trainable on Hopper through KDA's training
   path (FLA 0.6.0's own gated backward refuses the Triton that PyTorch ships there); the gradient of the repeated
   gate is summed back by autograd. Where ``GdnTuning.training_per_head_gate`` says so, training's forward runs the
@@ -75,6 +77,7 @@ def _chunk_cula_sm90(
             state_v_first, cu_seqlens, cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
             dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            row_factors=GDN_TUNING.for_device(q.device).inference_row_factors,
         )  # fmt: skip
     if GDN_TUNING.for_device(q.device).training_per_head_gate:
         # the forward's intra kernel takes the per-head gate itself; the backward repeats it over K for FLA's stages

@@ -24,6 +24,10 @@ class GdnTuning:
     # training's forward on the intra kernel's per-head-gate variant (exact for any gate; Akk kept for the backward)
     # instead of KDA's with the gate repeated over K; the backward stays FLA's stages with the gate repeated
     training_per_head_gate: bool = False
+    # inference on cula's path: the intra kernel writes per-token factors instead of qg, kg and g_cum and the
+    # state/output kernel applies them to the raw q and k (cula.kda.forward's row_factors; not where the time split
+    # cuts the call)
+    inference_row_factors: bool = False
     # fused_recurrent_gated_delta_rule's decode calls of up to this many tokens a sequence (0: none)
     inference_decode_max_tokens: int = 0
 
@@ -31,7 +35,7 @@ class GdnTuning:
 # The H200: bench_gdn_prefill.py measured cula's path (the intra kernel's per-head gate, then KDA's state/output
 # kernel) at 1.2-4.6x FLA's Gated DeltaNet kernels on its quick suite (GVA rows included); bench_gdn_decode.py
 # measured one token a sequence at 1.18-1.48x FLA's (1 and 64 sequences), 4 tokens (MTP) at 0.70x.
-# training_per_head_gate is off until it has run on the H200.
+# training_per_head_gate and inference_row_factors are off until they have run on the H200.
 GDN_TUNING: TuningTable[GdnTuning] = TuningTable(
     "gated_delta_rule",
     {(9, 0): GdnTuning(inference_chunk_on_cula=True, inference_decode_max_tokens=1)},

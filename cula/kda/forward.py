@@ -29,7 +29,7 @@ import torch
 from cula.kda.plan import (
     KDA_TUNING, gate_over_k, intra_any_gate, parallel_segments, time_segments, use_cula_intra,
 )  # fmt: skip
-from cula.ops._host import dsl_name, gate_kind, placeholder
+from cula.ops._host import ROW_FACTORS, dsl_name, gate_kind, placeholder
 from cula.ops.kda.sm90 import intra
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 from cula.ops.kda.sm90.segment_chain import chunk_kda_segment_chain_sm90
@@ -66,6 +66,7 @@ def chunk_kda_fwd_sm90(
     keep_scores: bool = False,
     keep_prefix: bool = False,
     use_graph: bool = False,
+    row_factors: bool = False,
 ) -> tuple:
     """KDA forward (FLA's ``ChunkKDAFunction.forward``; with ``keep_scores`` also the intra stage's Aqk and Akk
     that FLA's forward saves for its backward).
@@ -96,6 +97,9 @@ def chunk_kda_fwd_sm90(
             ``Akk`` (``(I + beta k k^T o exp(g_t - g_s))^-1``, unit lower-triangular), both ``[B, T, HV, 64]`` in
             q's dtype, as FLA 0.6.0's ``chunk_kda_fwd_intra`` returns them (cula's intra kernel writes Aqk's
             upper triangle as zeros).
+        row_factors: with a per-head g (Gated DeltaNet) and neither ``keep_scores`` nor a time split: the intra
+            kernel writes per-token factors instead of qg, kg and g_cum, and the state/output kernel applies them to
+            the raw q and k (``GdnTuning.inference_row_factors``); ignored elsewhere.
         keep_prefix: with ``keep_scores``, also what FLA's backward would recompute before its first gradient
             stage: ``{"g": g_cum, "w", "u", "qg", "kg", "h", "v_new"}`` (g_cum fp32 with every row written, the rest
             in q's dtype; h and v_new as FLA's ``chunk_gated_delta_rule_fwd_h`` returns them), where cula's intra
@@ -152,6 +156,18 @@ def chunk_kda_fwd_sm90(
     cute_intra = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound, scalar_gate)
     if scalar_gate and not cute_intra:  # FLA's stages take the gate (and its bias) per channel
         g, dt_bias = gate_over_k(g, dt_bias, K)
+    split = None if use_graph or keep_prefix else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
+    # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
+    states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
+    if row_factors and scalar_gate and cute_intra and not keep_scores and split is None:
+        w, u, factors, Aqk = _intra_cute(
+            q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+            use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, row_factors=True,
+        )[:4]  # fmt: skip
+        # the raw q and k of each value head's q / k head, made into qg and kg by the factors
+        chunk_kda_delta_h_fwd_o_sm90(w, u, k, q, factors, Aqk, o, initial_state, final_state, cu32, **states,
+                                     row_factors=True)  # fmt: skip
+        return o, final_state
     if cute_intra:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
@@ -164,9 +180,6 @@ def chunk_kda_fwd_sm90(
             q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, use_gate_in_kernel, A_log, dt_bias,
             lower_bound, safe_gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
         )  # fmt: skip
-    # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
-    states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
-    split = None if use_graph or keep_prefix else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
     # the recurrence in one piece, writing every chunk's state and v_new too
     if cute_intra and keep_prefix:
         kept = _state_outputs(u, cu32, chunk_indices, static_rows=device_list)
@@ -357,7 +370,7 @@ def _intra_fla(
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False, full_g_cum=False, given_akk=None,
-    any_gate=False, qk_rstd=None,
+    any_gate=False, qk_rstd=None, row_factors=False,
 ):  # fmt: skip
     """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
     (Akk None unless ``keep_akk``: the kernel writes it only when asked). ``zero_kg``: kg starts as zeros, for
@@ -367,13 +380,24 @@ def _intra_cute(
     ``given_akk``: the Akk an earlier call on these inputs kept, read instead of computed (no scores: Aqk is
     None). ``any_gate``: the kernel's variant that is exact for any gate (``cula.kda.plan.intra_any_gate``).
     ``qk_rstd``: a ``[2, B, T, H]`` fp32 tensor the kernel also writes q's and k's 1 / norms into (with
-    ``use_qk_l2norm``), or None."""
+    ``use_qk_l2norm``), or None. ``row_factors``: ``(w, u, factors, Aqk)``, the per-token factor rows (``[B, T, HV,
+    ROW_FACTORS]`` fp32) in place of qg, kg and g_cum (a per-head g only; nothing kept)."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
     HV = v.shape[2]
     gate = gate_kind(use_gate_in_kernel, lower_bound)
     w = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
+    if row_factors:
+        u, Aqk = torch.empty_like(v), torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
+        factors = torch.empty(B, T, HV, ROW_FACTORS, dtype=torch.float32, device=q.device)
+        chunk_kda_intra_sm90(
+            q, k, v, g, beta, scale, w, u, None, None, Aqk, None, cu32, chunk_indices, gate=gate, A_log=A_log,
+            dt_bias=dt_bias, lower_bound=lower_bound if gate == "lower_bound" else None,
+            use_qk_l2norm=use_qk_l2norm, beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
+            row_factors=factors,
+        )  # fmt: skip
+        return w, u, factors, Aqk
     qg, kg = torch.empty_like(w), torch.zeros_like(w) if zero_kg else torch.empty_like(w)
     u = torch.empty_like(v)
     Aqk = None if given_akk is not None else torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)

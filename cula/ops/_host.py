@@ -22,6 +22,10 @@ TORCH_TO_DSL = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.floa
 # The gate functions every KDA kernel knows, in FLA's terms: "none" (g is the log decay), "softplus"
 # (-exp(A_log) softplus(g + dt_bias)), "lower_bound" (lower_bound sigmoid(exp(A_log) (g + dt_bias))).
 GATES = ("none", "softplus", "lower_bound")
+# Gated DeltaNet's per-token factors from the intra kernel to the state/output kernel (their row_factors variants):
+# f_q = rstd_q exp2(g), f_k = rstd_k exp2(g_last - g), f_g = exp2(g) and an unused float, a 16-byte row (the least
+# inner extent of a TMA box)
+ROW_FACTORS = 4
 
 
 def gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:

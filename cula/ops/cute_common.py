@@ -41,7 +41,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 __all__ = [
-    "FIRST_NAMED_BARRIER", "ROW_FACTORS", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag",
+    "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag",
     "box_barrier_init", "box_load", "box_partition", "box_store", "bulk_row_copy", "bulk_token_rows", "chunk_rows",
     "column_decay", "cp_async_token_rows", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay",
     "load_token_scalars", "load_chunk_tiles", "n_tile_accumulators", "prefetch_token_rows", "recurrence_pipeline",
@@ -223,10 +223,6 @@ def gate_row_layout(num_stages: int, D: int = 128):
     """``(D, 1, S)`` fp32: one gate row a stage."""
     return cute.make_layout((D, 1, num_stages), stride=(1, D, D))
 
-
-# Gated DeltaNet's per-token factors, from the intra kernel to the state/output kernel (``row_factors``): f_q = rstd_q
-# exp2(g), f_k = rstd_k exp2(g_last - g), f_g = exp2(g) and an unused float, a 16-byte row (a TMA box's least extent)
-ROW_FACTORS = 4
 
 SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
 

@@ -47,12 +47,19 @@ _VARIANTS += [
      "store_states": True}
     for vl in (False, True) for vf in (False, True)
 ]  # fmt: skip
+# Gated DeltaNet's inference after the intra kernel's factor rows: raw q / k of H heads, the factors applied
+_VARIANTS += [
+    {"dtype": "BFloat16", "varlen": vl, "has_h0": vl, "has_ht": True, "state_v_first": not vl, "aqk_causal": True,
+     "row_factors": True}
+    for vl in (False, True)
+]  # fmt: skip
 
 _COMPILE_SCRIPT = dump_script(
     "import cutlass\nfrom cula.ops.kda.sm90 import delta_h_fwd_o as M",
     """
     M._compile(getattr(cutlass, v["dtype"]), 3, v["varlen"], v["has_h0"], v["has_ht"], v["state_v_first"],
-               extra_options=opts, aqk_causal=v.get("aqk_causal", False), store_states=v.get("store_states", False))
+               extra_options=opts, aqk_causal=v.get("aqk_causal", False), store_states=v.get("store_states", False),
+               row_factors=v.get("row_factors", False))
     """,
 )
 
@@ -67,6 +74,7 @@ def _vid(v):
         [v["dtype"], "varlen" if v["varlen"] else "fixed", "h0" if v["has_h0"] else "noh0",
          "ht" if v["has_ht"] else "noht", "vfirst" if v["state_v_first"] else "kfirst"]
         + (["causal"] if v.get("aqk_causal") else []) + (["states"] if v.get("store_states") else [])
+        + (["row_factors"] if v.get("row_factors") else [])
     )  # fmt: skip
 
 
@@ -113,6 +121,15 @@ def test_launcher_validates_shapes():
                                      cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))  # fmt: skip
     with pytest.raises(ValueError, match="initial_state"):
         chunk_kda_delta_h_fwd_o_sm90(w, w, w, w, w.float(), a, w, torch.zeros(1, HV, 128, 64), scale=1.0)
+    # row_factors: raw q / k of H heads, the factor rows in g's place, only after cula's intra kernel
+    qk = torch.zeros(B, T, 1, 128, dtype=bf)
+    with pytest.raises(ValueError, match="g: expected"):
+        chunk_kda_delta_h_fwd_o_sm90(w, w, qk, qk, w.float(), a, w, scale=1.0, aqk_causal=True, row_factors=True)
+    with pytest.raises(ValueError, match="aqk_causal"):
+        chunk_kda_delta_h_fwd_o_sm90(w, w, qk, qk, torch.zeros(B, T, HV, 4), a, w, scale=1.0, row_factors=True)
+    with pytest.raises(ValueError, match="kg: expected"):  # q and k of different head counts
+        chunk_kda_delta_h_fwd_o_sm90(w, w, qk, w, torch.zeros(B, T, HV, 4), a, w, scale=1.0, aqk_causal=True,
+                                     row_factors=True)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -73,6 +73,9 @@ _VARIANTS = [
      "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True},
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False,
      "scalar_gate": True},
+    # ... writing the per-token factor rows in place of qg, kg and g_cum (GdnTuning.inference_row_factors)
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": True, "l2norm": True,
+     "beta_act": "sigmoid", "scalar_gate": True, "row_factors": True},
     # gates no bound is known of (any_gate): a log gate without safe_gate (inference), the softplus gate (training)
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True, "any_gate": True},
@@ -88,7 +91,7 @@ _COMPILE_SCRIPT = dump_script(
                beta_act=v.get("beta_act", "none"), g_cum_last_only=v.get("g_cum_last_only", False),
                write_akk=v.get("write_akk", False), scalar_gate=v.get("scalar_gate", False),
                given_t=v.get("given_t", False), any_gate=v.get("any_gate", False),
-               write_rstd=v.get("write_rstd", False))
+               write_rstd=v.get("write_rstd", False), row_factors=v.get("row_factors", False))
     """,
 )
 
@@ -116,6 +119,8 @@ def _vid(v):
         vid += "-any_gate"
     if v.get("write_rstd"):
         vid += "-write_rstd"
+    if v.get("row_factors"):
+        vid += "-row_factors"
     return vid
 
 
@@ -143,7 +148,9 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     given_t = _VARIANTS[idx].get("given_t", False)
     assert ptx.count("st.shared.v4") == 42 - 16 * given_t + 16 * l2norm, ptx.count("st.shared.v4")
     write_akk = _VARIANTS[idx].get("write_akk", False)
-    assert ptx.count("st.global.v4") == 34 + 2 * write_akk - 2 * given_t, ptx.count("st.global.v4")
+    # row_factors: one 16-byte factor row (a thread a row, 4 rows) in place of g_cum's and qg / kg's 16 stores
+    row_factors = _VARIANTS[idx].get("row_factors", False)
+    assert ptx.count("st.global.v4") == 34 + 2 * write_akk - 2 * given_t - 12 * row_factors, ptx.count("st.global.v4")
     write_rstd = _VARIANTS[idx].get("write_rstd", False)
     assert ptx.count("st.global.f32") + ptx.count("st.global.b32") == write_rstd
     assert "st.global.b16" not in ptx
@@ -194,6 +201,13 @@ def test_launcher_validates():
         o2 = [x.expand(2, *x.shape[1:]).contiguous() for x in outs]
         chunk_kda_intra_sm90(q2, q2, v2, g2, b2, 1.0, *o2, A2, gc2, torch.tensor([0, 16], dtype=torch.int32),
                              gate="none")  # fmt: skip
+    # the factor rows: a per-head g only, in place of qg, kg and g_cum
+    rows = torch.zeros(B, T, HV, 4)
+    w, u = outs[:2]
+    with pytest.raises(ValueError, match="per-head g"):
+        chunk_kda_intra_sm90(q, q, v, g, beta, 1.0, w, u, None, None, A, None, gate="none", row_factors=rows)
+    with pytest.raises(ValueError, match="in their place"):
+        chunk_kda_intra_sm90(q, q, v, g[..., 0], beta, 1.0, *outs, A, gc, gate="none", row_factors=rows)
 
 
 def test_prepare_chunk_indices_matches_fla():

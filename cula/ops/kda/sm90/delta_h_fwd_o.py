@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import check_chunk_operands, check_tensors, dsl_name, kernel_attr, placeholder
+from cula.ops._host import ROW_FACTORS, check_chunk_operands, check_tensors, dsl_name, kernel_attr, placeholder
 
 __all__ = ["chunk_kda_delta_h_fwd_o_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -20,22 +20,23 @@ def __getattr__(name):
 
 
 def variant_key(dtype="BFloat16", num_stages=3, varlen=False, has_h0=False, has_ht=False, state_v_first=False,
-                arch=(9, 0), aqk_causal=False, store_states=False) -> tuple:  # fmt: skip
+                arch=(9, 0), aqk_causal=False, store_states=False, row_factors=False) -> tuple:  # fmt: skip
     """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype. ``store_states``:
-    ``DeltaHFwdOStatesSm90`` (also h and v_new)."""
+    ``DeltaHFwdOStatesSm90`` (also h and v_new); ``row_factors``: raw q / k and the intra kernel's factor rows."""
     name = "DeltaHFwdOStatesSm90" if store_states else "DeltaHFwdOFusedSm90"
     return ("kda.delta_h_fwd_o", name, dsl_name(dtype), 128, 128, 64, num_stages,
-            varlen, has_h0, has_ht, state_v_first, arch, ("aqk_causal", aqk_causal))  # fmt: skip
+            varlen, has_h0, has_ht, state_v_first, arch, ("aqk_causal", aqk_causal),
+            *((("row_factors", True),) if row_factors else ()))  # fmt: skip
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
-    dtype, _K, _V, _BT, num_stages, varlen, has_h0, has_ht, state_v_first, arch, (_, aqk_causal) = key[2:]
+    dtype, _K, _V, _BT, num_stages, varlen, has_h0, has_ht, state_v_first, arch, (_, aqk_causal) = key[2:13]
     return compiled_kernel(
         key,
         lambda: kernel_attr(__name__, "_compile")(
             dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch, aqk_causal=aqk_causal,
-            store_states=key[1] == "DeltaHFwdOStatesSm90",
+            store_states=key[1] == "DeltaHFwdOStatesSm90", **dict(key[13:]),
         ),
     )
 
@@ -63,6 +64,7 @@ def chunk_kda_delta_h_fwd_o_sm90(
     h: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
+    row_factors: bool = False,
 ) -> None:
     """KDA inter-chunk forward on SM90: writes ``o`` (and ``final_state``, ``h``, ``v_new``) in place.
 
@@ -91,14 +93,21 @@ def chunk_kda_delta_h_fwd_o_sm90(
             ``[B, T, HV, V]``, ``u - w h``.
         chunk_offsets: ``[N + 1]`` int32, each packed sequence's first chunk in ``h`` (FLA's
             ``prepare_chunk_offsets``); with ``h`` and ``cu_seqlens``.
+        row_factors: one gate per token and value head (Gated DeltaNet, after cula's intra kernel wrote its
+            ``row_factors``; needs ``aqk_causal``): ``kg`` and ``qg`` are then the raw k and q ``[B, T, H, K]`` (value
+            head ``hv`` reads q / k head ``hv // (HV // H)``) and ``g`` the factor rows ``[B, T, HV, ROW_FACTORS]``
+            fp32 that make qg and kg of them and hold the decay; not with ``h``.
 
     All of w/u/kg/qg/g/Aqk/o must be contiguous. K = V = 128.
     """
     B, T, HV, K, V = check_chunk_operands(w, u, chunk_size, "w/u/kg/qg/Aqk/o")
+    H = qg.shape[2] if row_factors and qg.dim() == 4 else HV
+    if row_factors and (H < 1 or HV % H or not aqk_causal or h is not None):
+        raise ValueError("row_factors needs q / k heads dividing the value heads, aqk_causal and no h")
     check_tensors((
-        ("u", u, (B, T, HV, V), w.dtype), ("kg", kg, (B, T, HV, K), w.dtype), ("qg", qg, (B, T, HV, K), w.dtype),
-        ("g", g, (B, T, HV, K), torch.float32), ("Aqk", Aqk, (B, T, HV, 64), w.dtype),
-        ("o", o, (B, T, HV, V), w.dtype),
+        ("u", u, (B, T, HV, V), w.dtype), ("kg", kg, (B, T, H, K), w.dtype), ("qg", qg, (B, T, H, K), w.dtype),
+        ("g", g, (B, T, HV, ROW_FACTORS if row_factors else K), torch.float32),
+        ("Aqk", Aqk, (B, T, HV, 64), w.dtype), ("o", o, (B, T, HV, V), w.dtype),
     ), contiguous=True)  # fmt: skip
     varlen = cu_seqlens is not None
     if varlen:
@@ -140,11 +149,11 @@ def chunk_kda_delta_h_fwd_o_sm90(
     fn = compiled_variant(
         dtype=dsl_name(w.dtype), varlen=varlen, has_h0=initial_state is not None,
         has_ht=final_state is not None, state_v_first=state_v_first, aqk_causal=aqk_causal,
-        **({"store_states": True} if store else {}),
+        **({"store_states": True} if store else {}), **({"row_factors": True} if row_factors else {}),
     )  # fmt: skip
 
     def flat(t):
-        return t.view(B * T, HV, t.shape[-1])
+        return t.view(B * T, t.shape[2], t.shape[-1])
 
     cu = cu_seqlens if varlen else placeholder(dev, torch.int32, (2,))
     stored = ()

@@ -64,9 +64,9 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
-from cula.ops._host import dsl_type
+from cula.ops._host import ROW_FACTORS, dsl_type
 from cula.ops.cute_common import (
-    FIRST_NAMED_BARRIER, ROW_FACTORS, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns,
+    FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns,
     gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, recurrence_pipeline, state_view, token_cols,
     token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import GATES, TORCH_TO_DSL, check_tensors, dsl_name, kernel_attr, placeholder
+from cula.ops._host import GATES, ROW_FACTORS, TORCH_TO_DSL, check_tensors, dsl_name, kernel_attr, placeholder
 
 __all__ = [
     "BETA_ACTS", "GATES", "chunk_kda_intra_sm90", "chunk_offsets_i32", "compiled", "compiled_variant", "kernel_options",
@@ -96,7 +96,7 @@ def gate_params_binder(
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
     *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False, given_t: bool = False,
-    any_gate: bool = False, write_rstd: bool = False,
+    any_gate: bool = False, write_rstd: bool = False, row_factors: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them). ``any_gate`` is dropped where the kernel
@@ -108,6 +108,7 @@ def kernel_options(
         # absent when off: the compile keys of the other variants stay
         **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
         **({"given_t": True} if given_t else {}), **({"write_rstd": True} if write_rstd else {}),
+        **({"row_factors": True} if row_factors else {}),
         **({"any_gate": True} if any_gate and not (given_t or scalar_gate) else {}),
     )  # fmt: skip
 
@@ -174,10 +175,10 @@ def chunk_kda_intra_sm90(
     scale: float,
     w: torch.Tensor,
     u: torch.Tensor,
-    qg: torch.Tensor,
-    kg: torch.Tensor,
+    qg: torch.Tensor | None,
+    kg: torch.Tensor | None,
     Aqk: torch.Tensor | None,
-    g_cum: torch.Tensor,
+    g_cum: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     *,
@@ -194,6 +195,7 @@ def chunk_kda_intra_sm90(
     given_akk: torch.Tensor | None = None,
     any_gate: bool = False,
     qk_rstd: torch.Tensor | None = None,
+    row_factors: torch.Tensor | None = None,
 ) -> None:
     """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` (and ``Akk``) in place.
 
@@ -236,6 +238,10 @@ def chunk_kda_intra_sm90(
             step. Not with a per-head g (exact anyway) or ``given_akk`` (no scores).
         qk_rstd: ``[2, B, T, H]`` fp32 or None, out, only with ``use_qk_l2norm``: q's (index 0) and k's (index 1)
             ``1 / sqrt(sum x^2 + 1e-6)`` per row, as FLA's ``l2norm_fwd`` returns it (to fp32 summation order).
+        row_factors: ``[B, T, HV, ROW_FACTORS]`` fp32 or None, out, only with a per-head g and neither ``Akk`` nor
+            ``given_akk``: per token and value head ``(rstd_q exp2(g_cum), rstd_k exp2(g_cum[last] - g_cum),
+            exp2(g_cum), 0)`` (rstd 1 without ``use_qk_l2norm``) in place of qg, kg and g_cum, which must then be
+            None: what the state/output kernel's ``row_factors`` variant applies to the raw q and k.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -265,10 +271,16 @@ def chunk_kda_intra_sm90(
         raise ValueError("qk_rstd holds the L2 norm's 1 / norms: it needs use_qk_l2norm")
     scalar_gate = g.dim() == 3
     g_shape = (B, T, HV) if scalar_gate else (B, T, HV, K)
+    factors = row_factors is not None
+    if factors and (not scalar_gate or Akk is not None or given_akk is not None):
+        raise ValueError("row_factors needs a per-head g, and neither Akk nor given_akk")
+    if factors != (qg is None) or qg is None and (kg is not None or g_cum is not None):
+        raise ValueError("pass qg, kg and g_cum, or row_factors in their place")
+    rows = ((("row_factors", row_factors, (B, T, HV, ROW_FACTORS), torch.float32),) if factors else (
+        ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("g_cum", g_cum, (B, T, HV, K), torch.float32)))
     check_tensors((
         ("k", k, (B, T, H, K), dt), ("v", v, (B, T, HV, V), dt), ("g", g, g_shape, None),
-        ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt),
-        ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("g_cum", g_cum, (B, T, HV, K), torch.float32),
+        ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt), *rows,
         *((("Aqk", Aqk, (B, T, HV, 64), dt),) if Aqk is not None else ()),
         *((("Akk", Akk, (B, T, HV, 64), dt),) if Akk is not None else ()),
         *((("given_akk", given_akk, (B, T, HV, 64), dt),) if given_akk is not None else ()),
@@ -298,7 +310,7 @@ def chunk_kda_intra_sm90(
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
             write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None,
-            any_gate=any_gate, write_rstd=qk_rstd is not None,
+            any_gate=any_gate, write_rstd=qk_rstd is not None, row_factors=factors,
         ),
     )  # fmt: skip
 
@@ -308,8 +320,10 @@ def chunk_kda_intra_sm90(
     fn(
         flat(q), flat(k), flat(v), g.view(B * T, HV) if scalar_gate else flat(g), beta.view(B * T, HV), A_log,
         dt_bias,
-        flat(w), flat(u), flat(qg), flat(kg), None if Aqk is None else flat(Aqk),
-        flat(Akk) if Akk is not None else None if given_akk is None else flat(given_akk), flat(g_cum),
+        flat(w), flat(u), *((flat(row_factors), None) if factors else (flat(qg), flat(kg))),
+        None if Aqk is None else flat(Aqk),
+        flat(Akk) if Akk is not None else None if given_akk is None else flat(given_akk),
+        None if factors else flat(g_cum),
         None if qk_rstd is None else qk_rstd.view(2, B * T, H),
         cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),
         chunk_indices if varlen else placeholder(dev, torch.int32, (1, 2)),

@@ -113,8 +113,8 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
-from cula.ops._host import GATES, dsl_type
-from cula.ops.cute_common import FIRST_NAMED_BARRIER, ROW_FACTORS, chunk_rows, round_tf32, vec_at
+from cula.ops._host import GATES, ROW_FACTORS, dsl_type
+from cula.ops.cute_common import FIRST_NAMED_BARRIER, chunk_rows, round_tf32, vec_at
 from cula.ops.kda.sm90.intra import BETA_ACTS
 
 __all__ = ["ChunkKDAIntraFwdSm90"]
