@@ -105,7 +105,7 @@ def _gdn_chunk(scope: str) -> None:
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import intra
+    from cula.ops.kda.sm90 import intra, segment_summary
 
     entry = GDN_TUNING.get((9, 0))
     akk = [False] * entry.inference_chunk_on_cula + [True] * entry.training_per_head_gate
@@ -126,6 +126,11 @@ def _gdn_chunk(scope: str) -> None:
         for dt, varlen, h0, ht, svf in itertools.product(d["io"], _B, _B, _B, _B):
             dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                                 aqk_causal=True, row_factors=True)  # fmt: skip
+        # cut in time: the segment summary on the factor rows (the chain and the packed output pass as above)
+        halves = KDA_TUNING.get((9, 0)).time_split_halves
+        for dt, svf in itertools.product(d["io"], _B):
+            segment_summary.compiled_variant(dtype=dsl_name(dt), state_v_first=svf, mid_states=halves,
+                                             row_factors=True)  # fmt: skip
     # the training backward's recompute on the per-head gate (cula.kda.backends._training_backward, where KDA's
     # entry puts the recompute on the intra kernel): T read, every g_cum row, with the L2 norm's 1 / norms where
     # the entry's bwd_norm_on_load says so

@@ -205,6 +205,42 @@ def test_gdn_row_factors_fixed_length_cuda(l2norm, state_v_first, gdn_tuning):
     assert_close("final state against the qg / kg path", outs[False][1], ht, 5e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("halves", [False, True], ids=["segments", "halves"])
+def test_gdn_row_factors_cut_in_time_cuda(halves, gdn_tuning, kda_tuning):
+    """The factor rows through the exact time-parallel path (the segment summary's and the packed output pass's
+    row_factors variants; every sequence past 128 tokens cut into 128-token segments): a ragged pack with an empty,
+    a one-token and a partial-chunk sequence, initial states, GVA, against the float64 reference and the uncut
+    call."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+    from cula.time_split import SplitThresholds
+
+    lens = [300, 0, 1, 70, 450]
+    x = _inputs(1, sum(lens), 1, 2, 128, True, seed=5, dtype=torch.bfloat16, device="cuda")
+    cu = make_cu_seqlens(lens).cuda()
+    h0 = torch.randn(len(lens), 2, 128, 128, device="cuda") * 0.1
+    flags = dict(_flags(True, True, cu, h0), cu_seqlens_cpu=cu.cpu())
+    gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=True)
+    outs = {}
+    for cut in (False, True):
+        kda_tuning(time_split=SplitThresholds(1e9, 1e9, 128, 0) if cut else None, time_split_halves=halves)
+        with torch.inference_mode():
+            outs[cut] = chunk_gated_delta_rule(**x, **flags)
+    o, ht = outs[True]
+    assert not o.isnan().any() and not ht.isnan().any()
+    cpu = {n: t.cpu() for n, t in x.items()}
+    flags_cpu = dict(flags, initial_state=h0.cpu(), cu_seqlens=cu.cpu())
+    flags_cpu.pop("cu_seqlens_cpu")
+    o_r, ht_r, _ = _run(lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu,
+                        flags_cpu, grads=False)  # fmt: skip
+    assert_close("o", o_r, o.cpu(), 5e-3)
+    assert_close("final state", ht_r, ht.cpu(), 5e-3)
+    assert_close("o against the uncut call", outs[False][0].float(), o.float(), 5e-3)
+    assert_close("final state against the uncut call", outs[False][1], ht, 5e-3)
+
+
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])
 @pytest.mark.parametrize("T", [1, 3])

@@ -25,8 +25,8 @@ class GdnTuning:
     # instead of KDA's with the gate repeated over K; the backward stays FLA's stages with the gate repeated
     training_per_head_gate: bool = False
     # inference on cula's path: the intra kernel writes per-token factors instead of qg, kg and g_cum and the
-    # state/output kernel applies them to the raw q and k (cula.kda.forward's row_factors; not where the time split
-    # cuts the call)
+    # state/output kernel (and a time split's segment summary) applies them to the raw q and k (cula.kda.forward's
+    # row_factors)
     inference_row_factors: bool = False
     # fused_recurrent_gated_delta_rule's decode calls of up to this many tokens a sequence (0: none)
     inference_decode_max_tokens: int = 0

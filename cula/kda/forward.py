@@ -97,9 +97,9 @@ def chunk_kda_fwd_sm90(
             ``Akk`` (``(I + beta k k^T o exp(g_t - g_s))^-1``, unit lower-triangular), both ``[B, T, HV, 64]`` in
             q's dtype, as FLA 0.6.0's ``chunk_kda_fwd_intra`` returns them (cula's intra kernel writes Aqk's
             upper triangle as zeros).
-        row_factors: with a per-head g (Gated DeltaNet) and neither ``keep_scores`` nor a time split: the intra
-            kernel writes per-token factors instead of qg, kg and g_cum, and the state/output kernel applies them to
-            the raw q and k (``GdnTuning.inference_row_factors``); ignored elsewhere.
+        row_factors: with a per-head g (Gated DeltaNet) and no ``keep_scores``: the intra kernel writes per-token
+            factors instead of qg, kg and g_cum, and the state/output kernel (and a time split's segment summary)
+            applies them to the raw q and k (``GdnTuning.inference_row_factors``); ignored elsewhere.
         keep_prefix: with ``keep_scores``, also what FLA's backward would recompute before its first gradient
             stage: ``{"g": g_cum, "w", "u", "qg", "kg", "h", "v_new"}`` (g_cum fp32 with every row written, the rest
             in q's dtype; h and v_new as FLA's ``chunk_gated_delta_rule_fwd_h`` returns them), where cula's intra
@@ -159,14 +159,18 @@ def chunk_kda_fwd_sm90(
     split = None if use_graph or keep_prefix else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
     # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
-    if row_factors and scalar_gate and cute_intra and not keep_scores and split is None:
+    if row_factors and scalar_gate and cute_intra and not keep_scores:
         w, u, factors, Aqk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, row_factors=True,
-        )[:4]  # fmt: skip
+        )  # fmt: skip
         # the raw q and k of each value head's q / k head, made into qg and kg by the factors
-        chunk_kda_delta_h_fwd_o_sm90(w, u, k, q, factors, Aqk, o, initial_state, final_state, cu32, **states,
-                                     row_factors=True)  # fmt: skip
+        if split is None:
+            chunk_kda_delta_h_fwd_o_sm90(w, u, k, q, factors, Aqk, o, initial_state, final_state, cu32, **states,
+                                         row_factors=True)  # fmt: skip
+        else:
+            parallel_segment_states(split, w, u, k, q, factors, Aqk, o, initial_state, final_state, **states,
+                                    halves=KDA_TUNING.for_device(q.device).time_split_halves, row_factors=True)
         return o, final_state
     if cute_intra:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
@@ -218,7 +222,7 @@ def _state_outputs(u, cu32, chunk_indices, static_rows: bool = False) -> dict:
 def parallel_segment_states(
     plan, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, *, scale, state_v_first, aqk_causal,
     halves=False, states_fn=chunk_kda_delta_h_fwd_o_sm90, summary_fn=chunk_kda_segment_summary_sm90,
-    chain_fn=chunk_kda_segment_chain_sm90,
+    chain_fn=chunk_kda_segment_chain_sm90, row_factors=False,
 ):  # fmt: skip
     """The state recurrence and the output of ``plan``'s segments (``cula.time_split``) all at once, exactly.
 
@@ -237,6 +241,9 @@ def parallel_segment_states(
     steps: the summary also gives each segment's first-half E and R (``cula.time_split.half_bounds`` cuts there), a
     one-step chain per segment starts the second half from ``R_mid start + E_mid``, and step 3 runs over the halves.
 
+    With ``row_factors`` (Gated DeltaNet) ``kg`` and ``qg`` are the raw k and q and ``g_cum`` the intra kernel's
+    factor rows, which the summary and the state/output kernel apply (their ``row_factors`` variants).
+
     Each kernel runs segments x value heads CTAs (twice that for 1), where the serial kernel runs sequences x value
     heads, each walking its whole sequence. The intermediates (``w, u, kg, qg, g_cum, Aqk`` of the intra stage) are
     the serial path's: segments start on chunk boundaries of their sequence, so every chunk is the same chunk."""
@@ -247,18 +254,20 @@ def parallel_segment_states(
     seg_cu = on_device(plan.bounds, torch.int32, dev)
     first = on_device(plan.first_segment + (M,), torch.int32, dev)
 
-    W, U, KG, QG, G, A, O = (t.view(1, B * T, HV, t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
+    # (row_factors: kg and qg are the raw k and q of H heads, g_cum the factor rows)
+    W, U, KG, QG, G, A, O = (t.view(1, B * T, t.shape[2], t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
+    rows = {"row_factors": True} if row_factors else {}
     inner = (V, K) if state_v_first else (K, V)
     summary = torch.empty((M, 2 * HV) + inner, dtype=torch.float32, device=dev)
     if not halves:
-        summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first)
+        summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first, **rows)
         starts = torch.empty((M, HV) + inner, dtype=torch.float32, device=dev)
         chain_fn(summary, initial_state, starts, final_state, first, state_v_first=state_v_first)
         states_fn(W, U, KG, QG, G, A, O, starts, None, seg_cu, scale=scale, state_v_first=state_v_first,
-                  aqk_causal=aqk_causal)  # fmt: skip
+                  aqk_causal=aqk_causal, **rows)  # fmt: skip
         return
     mids = torch.empty_like(summary)
-    summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first, mids=mids)
+    summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first, mids=mids, **rows)
     # the halves' start states interleaved, [segment, half]: the chains write straight into the two views
     starts = torch.empty((M, 2, HV) + inner, dtype=torch.float32, device=dev)
     chain_fn(summary, initial_state, starts[:, 0], final_state, first, state_v_first=state_v_first)
@@ -269,7 +278,7 @@ def parallel_segment_states(
              state_v_first=state_v_first)  # fmt: skip
     states_fn(W, U, KG, QG, G, A, O, starts.view((2 * M, HV) + inner), None,
               on_device(half_bounds(plan.bounds), torch.int32, dev), scale=scale, state_v_first=state_v_first,
-              aqk_causal=aqk_causal)  # fmt: skip
+              aqk_causal=aqk_causal, **rows)  # fmt: skip
 
 
 def _launch_buffers(B, T, HV, K, dt, o_dtype, dev, state_shape, output_final_state):

@@ -40,13 +40,16 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from cula.ops._host import ROW_FACTORS
+
 __all__ = [
-    "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag",
-    "box_barrier_init", "box_load", "box_partition", "box_store", "bulk_row_copy", "bulk_token_rows", "chunk_rows",
-    "column_decay", "cp_async_token_rows", "decay_columns", "gate_row_layout", "gemm_k_blocks", "load_column_decay",
-    "load_token_scalars", "load_chunk_tiles", "n_tile_accumulators", "prefetch_token_rows", "recurrence_pipeline",
-    "round_tf32", "state_box_atoms", "state_view", "token_cols", "token_rows", "token_tile_a_m_major",
-    "token_tile_b_k_major", "token_tile_b_mn_major", "vec_at",
+    "FIRST_NAMED_BARRIER", "SMEM_BYTES_SM90", "ChunkRecurrenceResources", "acc_as_a_frag", "box_barrier_init",
+    "box_load", "box_partition", "box_store", "bulk_row_copy", "bulk_token_rows", "chunk_rows", "column_decay",
+    "cp_async_token_rows", "decay_columns", "factor_rows_layout", "gate_row_layout", "gemm_k_blocks",
+    "load_column_decay", "load_row_factors", "load_token_scalars", "load_chunk_tiles", "n_tile_accumulators",
+    "prefetch_token_rows", "recurrence_pipeline", "round_tf32", "scale_token_columns", "state_box_atoms",
+    "state_view", "token_cols", "token_rows", "token_tile_a_m_major", "token_tile_b_k_major",
+    "token_tile_b_mn_major", "vec_at",
 ]  # fmt: skip
 
 FIRST_NAMED_BARRIER = 1  # 0 is the CTA-wide barrier
@@ -224,6 +227,11 @@ def gate_row_layout(num_stages: int, D: int = 128):
     return cute.make_layout((D, 1, num_stages), stride=(1, D, D))
 
 
+def factor_rows_layout(num_stages: int, BT: int = 64):
+    """``(BT, ROW_FACTORS, S)`` fp32: a chunk's factor rows a stage (``row_factors``), token-major as TMA lands them."""
+    return cute.make_layout((BT, ROW_FACTORS, num_stages), stride=(ROW_FACTORS, 1, ROW_FACTORS * BT))
+
+
 SMEM_BYTES_SM90 = 232448  # 227 KB of opt-in dynamic shared memory per CTA on H100/H200
 
 
@@ -345,6 +353,27 @@ def decay_columns(acc: cute.Tensor, rD: cute.Tensor) -> None:
     WGMMAs whose accumulator registers change while they run)."""
     for i in range(cute.size(acc)):
         acc[i] = acc[i] * rD[(i % 2) + 2 * (i // 4)]
+
+
+def load_row_factors(rKf: cute.Tensor, sF: cute.Tensor, tVcV: cute.Tensor, stage, valid, rQf=None, scale=None):
+    """Gated DeltaNet's ``row_factors``: this thread's token columns' factors of ``stage``'s rows (``sF``
+    ``[BT, ROW_FACTORS, S]``, the intra kernel's ``f_q, f_k, f_g``) into ``rKf`` and (times ``scale``) ``rQf``,
+    both 0 past the sequence end (``valid`` rows), so that v_new's zeros there stay zeros whatever the rows hold;
+    returns the chunk's decay ``exp2(g_last)``, the last valid row's ``f_g``. ``tVcV``: the ``(v, t)`` coordinates of
+    a token-column accumulator ``((2, 2, BT/8), 1, 1)``; ``rKf``, ``rQf`` its ``column_decay`` registers."""
+    for j in range(cute.size(rKf)):
+        t = tVcV[(j % 2, 0, j // 2), 0, 0][1]
+        live = t < valid
+        rKf[j] = Float32(cutlass.select_(live, sF[t, 1, stage], Float32(0.0)))
+        if rQf is not None:
+            rQf[j] = Float32(cutlass.select_(live, sF[t, 0, stage] * scale, Float32(0.0)))
+    return sF[valid - 1, 2, stage]
+
+
+def scale_token_columns(acc: cute.Tensor, rF: cute.Tensor) -> None:
+    """Scale a token-column accumulator ``((2, 2, BT/8), 1, 1)``'s columns by ``rF`` (``load_row_factors``)."""
+    for i in range(cute.size(acc)):
+        acc[i] = acc[i] * rF[(i % 2) + 2 * (i // 4)]
 
 
 def gemm_k_blocks(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, accumulate: bool, a_stage=None,

@@ -20,11 +20,15 @@ _VARIANTS = [{"dtype": "BFloat16", "state_v_first": vf} for vf in (False, True)]
     {"dtype": "Float16", "state_v_first": False},
     # the first halves' summaries too (KdaTuning.time_split_halves)
     {"dtype": "BFloat16", "state_v_first": True, "mid_states": True},
+    # Gated DeltaNet's raw k and factor rows (GdnTuning.inference_row_factors)
+    {"dtype": "BFloat16", "state_v_first": False, "row_factors": True},
+    {"dtype": "BFloat16", "state_v_first": True, "mid_states": True, "row_factors": True},
 ]
 
 _COMPILE_SCRIPT = dump_script(
     "from cula.ops.kda.sm90 import segment_summary_kernel as M",
-    'M._compile(v["dtype"], v["state_v_first"], extra_options=opts, mid_states=v.get("mid_states", False))',
+    'M._compile(v["dtype"], v["state_v_first"], extra_options=opts, mid_states=v.get("mid_states", False),'
+    ' row_factors=v.get("row_factors", False))',
 )
 
 
@@ -54,6 +58,13 @@ def test_launcher_validates_shapes():
         run(w, w, w, g, ends, cu.long())
     with pytest.raises(ValueError, match="packed"):
         run(w.view(2, 100, HV, 128), w, w, g, ends, cu)
+    # row_factors: raw k of H heads dividing HV, the factor rows in g's place
+    k = torch.zeros(1, T, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="g:"):
+        run(w, w, k, g, ends, cu, row_factors=True)
+    with pytest.raises(ValueError, match="divide"):
+        run(w, w, torch.zeros(1, T, 3, 128, dtype=torch.bfloat16), torch.zeros(1, T, HV, 4), ends, cu,
+            row_factors=True)  # fmt: skip
 
 
 def _summary_f64(w, u, kg, g, cu, state_v_first):

@@ -66,9 +66,10 @@ from cutlass.tensor_utils import LayoutEnum
 from cula.cache import compile_options
 from cula.ops._host import ROW_FACTORS, dsl_type
 from cula.ops.cute_common import (
-    FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns,
-    gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, recurrence_pipeline, state_view, token_cols,
-    token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout,
+    gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, recurrence_pipeline,
+    scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major, token_tile_b_k_major,
+    token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
@@ -190,8 +191,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         sK_l, sU_l, sG_l = token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S), gate_row_layout(S)
         g_box = (DK, 1)
         if const_expr(self.row_factors):  # a chunk's factor rows, token-major
-            sG_l = cute.make_layout((BT, ROW_FACTORS, S), stride=(ROW_FACTORS, 1, ROW_FACTORS * BT))
-            g_box = (BT, ROW_FACTORS)
+            sG_l, g_box = factor_rows_layout(S), (BT, ROW_FACTORS)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
@@ -402,13 +402,11 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             tVrV.store(v_new.to(self.dtype))
             if const_expr(self.row_factors):
                 # read here, not while GEMM1 / GEMM2 run: held across the wait they spilled
-                gd = self._row_factor_columns(rQf, rKf, sG, tVcV, si, valid, scale)
+                gd = load_row_factors(rKf, sG, tVcV, si, valid, rQf, scale)
                 accS.store(accS.load() * gd)
                 accV.store(v_new)
-                for i in cutlass.range_constexpr(cute.size(accO)):
-                    j = (i % 2) + 2 * (i // 4)
-                    accO[i] = accO[i] * rQf[j]
-                    accV[i] = accV[i] * rKf[j]
+                scale_token_columns(accO, rQf)
+                scale_token_columns(accV, rKf)
                 tVrK.store(accV.load().to(self.dtype))
             else:
                 accO.store(accO.load() * scale)
@@ -448,19 +446,6 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         if const_expr(self.has_ht):
             tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
             tSgHt.store(accS.load())
-
-    @staticmethod
-    def _row_factor_columns(rQf, rKf, sF, tVcV, si, valid, scale):
-        """``row_factors``: this thread's token columns' factors of stage ``si``'s rows (``[BT, ROW_FACTORS]``, the
-        intra kernel's ``f_q, f_k, f_g``) into ``rQf`` (times ``scale``) and ``rKf`` (0 past the sequence end, so
-        that v_new's zeros there stay zeros whatever the rows hold), and the chunk's decay ``exp2(g_last)``, which
-        is the last valid row's ``f_g``. Plain Python, traced inline; reads shared memory only."""
-        for j in range(cute.size(rQf)):
-            t = tVcV[(j % 2, 0, j // 2), 0, 0][1]
-            live = t < valid
-            rQf[j] = Float32(cutlass.select_(live, sF[t, 0, si] * scale, Float32(0.0)))
-            rKf[j] = Float32(cutlass.select_(live, sF[t, 1, si], Float32(0.0)))
-        return sF[valid - 1, 2, si]
 
     def _o_staging(self, ctid, wg_idx, h, bos, mma_o, sU, tma_o, to):
         """A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (``o_tma``): the

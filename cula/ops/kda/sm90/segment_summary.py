@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import dsl_name, kernel_attr
+from cula.ops._host import ROW_FACTORS, dsl_name, kernel_attr
 
 __all__ = ["chunk_kda_segment_summary_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -21,20 +21,18 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def variant_key(dtype="BFloat16", state_v_first=False, arch=(9, 0), mid_states=False) -> tuple:
-    """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype. ``mid_states`` is in the key
-    only when on (the other variants' keys stay)."""
+def variant_key(dtype="BFloat16", state_v_first=False, arch=(9, 0), mid_states=False, row_factors=False) -> tuple:
+    """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype. ``mid_states`` and
+    ``row_factors`` are in the key only when on (the other variants' keys stay)."""
     key = ("kda.segment_summary", "SegmentSummarySm90", dsl_name(dtype), 128, 128, 64, state_v_first, arch)
-    return (*key, "mid_states") if mid_states else key
+    return (*key, *(("mid_states",) if mid_states else ()), *(("row_factors",) if row_factors else ()))
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
     dtype, _K, _V, _BT, state_v_first, arch = key[2:8]
-    mid_states = key[8:] == ("mid_states",)
-    return compiled_kernel(
-        key, lambda: kernel_attr(__name__, "_compile")(dtype, state_v_first, arch, mid_states=mid_states)
-    )
+    flags = {flag: True for flag in key[8:]}  # mid_states, row_factors
+    return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(dtype, state_v_first, arch, **flags))
 
 
 def compiled_variant(**options):
@@ -52,6 +50,7 @@ def chunk_kda_segment_summary_sm90(
     *,
     state_v_first: bool = False,
     mids: torch.Tensor | None = None,
+    row_factors: bool = False,
 ) -> None:
     """Every segment's end state E and transition R (``segment_summary_kernel.py``), written into ``ends``.
 
@@ -64,15 +63,22 @@ def chunk_kda_segment_summary_sm90(
             last of a sequence).
         mids: shaped as ``ends`` or None: also written, E and R of each segment's first ``ceil(len / 64) // 2``
             chunks (E = 0 and R = I for a segment of at most one chunk).
+        row_factors: Gated DeltaNet after the intra kernel's factor rows: ``kg`` is then the raw k ``[1, T, H,
+            128]`` (H dividing HV) and ``g`` the factor rows ``[1, T, HV, ROW_FACTORS]`` fp32.
     """
     B, T, HV, K = w.shape
     if B != 1 or K != 128 or u.shape[-1] != 128:
         raise ValueError(f"expected packed [1, T, HV, 128] operands, got w {tuple(w.shape)}, u {tuple(u.shape)}")
     if w.dtype not in IO_DTYPES:
         raise ValueError(f"w/u/kg must be bf16 or fp16, got {w.dtype}")
+    H = kg.shape[2] if row_factors and kg.dim() == 4 else HV
+    if row_factors and (H < 1 or HV % H):
+        raise ValueError(f"row_factors: k's heads ({H}) must divide the value heads ({HV})")
+    shapes = {"u": w.shape, "kg": (1, T, H, K), "g": (1, T, HV, ROW_FACTORS if row_factors else K)}
     for name, t, dtype in (("u", u, w.dtype), ("kg", kg, w.dtype), ("g", g, torch.float32)):
-        if tuple(t.shape) != tuple(w.shape) or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous {tuple(w.shape)} {dtype}, got {tuple(t.shape)} {t.dtype}")
+        if tuple(t.shape) != tuple(shapes[name]) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous {tuple(shapes[name])} {dtype}, got {tuple(t.shape)} "
+                             f"{t.dtype}")  # fmt: skip
     if segments.dtype != torch.int32:
         raise ValueError(f"segments must be int32, got {segments.dtype}")
     M = segments.numel() - 1
@@ -88,9 +94,10 @@ def chunk_kda_segment_summary_sm90(
             t[:, :HV].zero_()
             t[:, HV:].copy_(torch.eye(K, dtype=torch.float32, device=ends.device).expand(M, HV, K, K))
         return
-    fn = compiled_variant(dtype=dsl_name(w.dtype), state_v_first=state_v_first, mid_states=mids is not None)
+    fn = compiled_variant(dtype=dsl_name(w.dtype), state_v_first=state_v_first, mid_states=mids is not None,
+                          row_factors=row_factors)  # fmt: skip
 
     def flat(t):
-        return t.view(T, HV, K)
+        return t.view(T, t.shape[2], t.shape[3])
 
     fn(flat(w), flat(u), flat(kg), flat(g), ends, mids, segments, M)

@@ -25,6 +25,11 @@ segment's first ``num_chunks // 2`` chunks (E and R where the running state stan
 segment of one chunk or none gives E = 0, R = I): the caller then starts the segment's second half from
 ``R_mid S_start + E_mid`` and runs the output pass over twice the segments, with no more chain steps.
 
+With ``row_factors`` (Gated DeltaNet: one gate per token and value head) the kernel reads the raw k of the value
+head's q / k head and the intra kernel's factor rows in place of kg and the decay row, as the state/output kernel's
+variant does: v_new's token columns times ``f_k`` before GEMM4, one decay ``f_g`` of the last valid row for every
+column.
+
 Warp roles (384 threads, ``min_blocks_per_mp=1``):
 
 =========  =========  =====================================================================================
@@ -46,11 +51,11 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from cula.cache import compile_options
-from cula.ops._host import dsl_type
+from cula.ops._host import ROW_FACTORS, dsl_type
 from cula.ops.cute_common import (
-    ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, gate_row_layout, gemm_k_blocks,
-    load_column_decay, load_chunk_tiles, recurrence_pipeline, state_view, token_cols, token_rows,
-    token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout, gate_row_layout,
+    gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, recurrence_pipeline, scale_token_columns,
+    state_view, token_cols, token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["SegmentSummarySm90"]
@@ -67,7 +72,8 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
 
     arch = 90
 
-    def __init__(self, dtype=BFloat16, num_stages: int = 4, state_v_first: bool = False, mid_states: bool = False):
+    def __init__(self, dtype=BFloat16, num_stages: int = 4, state_v_first: bool = False, mid_states: bool = False,
+                 row_factors: bool = False):  # fmt: skip
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype = dtype
@@ -75,15 +81,20 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         self.dk = self.dv = 128
         self.bt = 64
         self.state_v_first = state_v_first
-        self._set_stages(num_stages, 3 * self.bt * self.dk * (dtype.width // 8) + self.dk * 4)
+        # Gated DeltaNet: raw k of the value head's q / k head and the intra kernel's factor rows instead of kg and
+        # the decay row (the state/output kernel's row_factors, delta_h_fwd_o_kernel.py)
+        self.row_factors = row_factors
+        row_bytes = self.bt * ROW_FACTORS * 4 if row_factors else self.dk * 4
+        self._set_stages(num_stages, 3 * self.bt * self.dk * (dtype.width // 8) + row_bytes)
 
     @cute.jit
     def __call__(
         self,
         mW: cute.Tensor,  # (T_total, HV, K)  dtype
         mU: cute.Tensor,  # (T_total, HV, V)  dtype
-        mKg: cute.Tensor,  # (T_total, HV, K)  dtype
-        mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate
+        mKg: cute.Tensor,  # (T_total, HV, K)  dtype; row_factors: k (T_total, H, K)
+        mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate; row_factors: the factor
+        #                   rows (T_total, HV, ROW_FACTORS) fp32
         mEnds: cute.Tensor,  # (M, 2 HV, K, V) or (M, 2 HV, V, K) fp32: E of head h at h, R at HV + h
         mMids: cute.Tensor | None,  # as mEnds, after each segment's first half (mid_states), else None
         mCu: cute.Tensor,  # (M + 1,) int32 segment bounds
@@ -94,7 +105,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         w_v = token_rows(mW)  # (T, K, HV)
         k_v = token_cols(mKg)  # (K, T, HV)
         u_v = token_cols(mU)  # (V, T, HV)
-        g_v = token_cols(mG)  # (K, T, HV)
+        g_v = token_rows(mG) if const_expr(self.row_factors) else token_cols(mG)  # (T, F, HV) or (K, T, HV)
         ends_v = state_view(mEnds, self.state_v_first)  # (V, K, 2 HV, M)
         mids_v = ends_v  # never touched without mid_states
         if const_expr(self.mid_states):
@@ -104,13 +115,15 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         mma_s = self._state_update_mma(dt, DK)
 
         sW_l, sK_l, sU_l = token_tile_b_k_major(dt, S), token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S)
-        sG_l = gate_row_layout(S)
+        sG_l, g_box = gate_row_layout(S), (DK, 1)
+        if const_expr(self.row_factors):
+            sG_l, g_box = factor_rows_layout(S), (BT, ROW_FACTORS)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sK_l, mode=[0, 1]), (DK, BT))
         tma_u, tu = cpasync.make_tiled_tma_atom(g2s, u_v, cute.select(sU_l, mode=[0, 1]), (DV, BT))
-        tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), (DK, 1))
+        tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), g_box)
 
         @cute.struct
         class Storage:
@@ -122,9 +135,10 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
 
         self.storage = Storage
         HV = mW.shape[1]
+        group = HV // mKg.shape[1] if const_expr(self.row_factors) else None  # value heads per q / k head
         kernel = self.kernel(
             tma_w, tw, tma_k, tk, tma_u, tu, tma_g, tg, ends_v, mids_v, mCu, HV, mma_v, mma_s, sW_l, sK_l, sU_l,
-            sG_l,
+            sG_l, group,
         )  # fmt: skip
         kernel.launch(
             grid=(2 * HV, num_segments, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1
@@ -140,6 +154,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         ends_v: cute.Tensor, mids_v: cute.Tensor, mCu: cute.Tensor, HV: Int32,
         mma_v: cute.TiledMma, mma_s: cute.TiledMma,
         sW_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sU_l: cute.ComposedLayout, sG_l: cute.Layout,
+        group: Int32 | None,
     ):  # fmt: skip
         S = self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -166,11 +181,21 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         if wg_idx == 0:  # ------------------------------ producer ------------------------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
-                load_chunk_tiles(
-                    pipe, S, ((tma_w, tw, sW, (self.bt, self.dk), True), (tma_k, tk, sK, (self.dk, self.bt), False),
-                              (tma_u, tu, sU, (self.dv, self.bt), False)),
-                    (tma_g, tg, sG), h, bos, seg_len, num_chunks,
-                )  # fmt: skip
+                if const_expr(self.row_factors):  # k of the group's q / k head; the factor rows carry the decay
+                    load_chunk_tiles(
+                        pipe, S, ((tma_w, tw, sW, (self.bt, self.dk), True),
+                                  (tma_k, tk, sK, (self.dk, self.bt), False, h // group),
+                                  (tma_u, tu, sU, (self.dv, self.bt), False),
+                                  (tma_g, tg, sG, (self.bt, ROW_FACTORS), True)),
+                        None, h, bos, seg_len, num_chunks,
+                    )  # fmt: skip
+                else:
+                    load_chunk_tiles(
+                        pipe, S, ((tma_w, tw, sW, (self.bt, self.dk), True),
+                                  (tma_k, tk, sK, (self.dk, self.bt), False),
+                                  (tma_u, tu, sU, (self.dv, self.bt), False)),
+                        (tma_g, tg, sG), h, bos, seg_len, num_chunks,
+                    )  # fmt: skip
         else:  # ------------------------------ consumers ------------------------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._recurrence(
@@ -205,7 +230,11 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
         accV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), Float32)
         pV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), cutlass.Boolean)
-        rD = column_decay(accS)
+        rD = rKf = None
+        if const_expr(self.row_factors):
+            rKf = column_decay(accV)  # f_k of this thread's token columns
+        else:
+            rD = column_decay(accS)
         tUsU = thr_v.partition_C(sU)  # (MMA, MMA_M, MMA_N, S) view of u^T in the accumulator layout
         tVcV = thr_v.partition_C(cute.make_identity_tensor((DV, BT)))  # (v, t) of each element
         # R ignores u: v_new = 0 - w S there
@@ -225,14 +254,22 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             gemm_k_blocks(mma_v, accV, tOrS, tOrW, accumulate=False, b_stage=si)
             warpgroup.commit_group()
             # while GEMM1 runs: the decay factors of this thread's columns, u^T, the row mask
-            load_column_decay(rD, sG, tScS, si)
+            if const_expr(not self.row_factors):
+                load_column_decay(rD, sG, tScS, si)
             rU = tUsU[None, None, None, si].load()
             for i in cutlass.range_constexpr(cute.size(pV)):
                 pV[i] = tVcV[i][1] < valid
             warpgroup.wait_group(0)
-            decay_columns(accS, rD)
-            v_new = cute.where(pV.load(), rU.to(Float32) * u_weight - accV.load(), 0.0)
-            tVrV.store(v_new.to(self.dtype))
+            if const_expr(self.row_factors):
+                # one decay for every column, v_new's token columns times f_k (GEMM4 alone reads it here)
+                accS.store(accS.load() * load_row_factors(rKf, sG, tVcV, si, valid))
+                accV.store(cute.where(pV.load(), rU.to(Float32) * u_weight - accV.load(), 0.0))
+                scale_token_columns(accV, rKf)
+                tVrV.store(accV.load().to(self.dtype))
+            else:
+                decay_columns(accS, rD)
+                v_new = cute.where(pV.load(), rU.to(Float32) * u_weight - accV.load(), 0.0)
+                tVrV.store(v_new.to(self.dtype))
             warpgroup.fence()
             gemm_k_blocks(mma_s, accS, tVrV, tSrK, accumulate=True, b_stage=si)
             warpgroup.commit_group()
@@ -246,14 +283,14 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
                 thr_s.partition_C(mids_v[None, None, slot, n]).store(accS.load())
 
 
-def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4, mid_states=False):
+def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4, mid_states=False, row_factors=False):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK = DV = 128
     dtype = dsl_type(dtype)
     kernel = SegmentSummarySm90(dtype=dtype, num_stages=num_stages, state_v_first=state_v_first,
-                                mid_states=mid_states)
+                                mid_states=mid_states, **({"row_factors": True} if row_factors else {}))
     # 64-bit token and segment strides: T_total * HV * D (or M * 2 HV * K * V) may pass 2^31 elements
     tt, hv = cute.sym_int32(), cute.sym_int32()
     tok_stride = cute.sym_int64(divisibility=DK)
@@ -268,6 +305,12 @@ def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4, 
         )  # fmt: skip
 
     cu = make_fake_compact_tensor(Int32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4)
-    args = (tok(dtype), tok(dtype), tok(dtype), tok(Float32), state(), state() if mid_states else None, cu, Int32(1),
+    k, g = tok(dtype), tok(Float32)
+    if row_factors:  # k of H heads (its own sizes), the factor rows
+        k = make_fake_tensor(dtype, (tt, cute.sym_int32(), DK), (cute.sym_int64(divisibility=DK), DK, 1),
+                             assumed_align=16)  # fmt: skip
+        g = make_fake_tensor(Float32, (tt, hv, ROW_FACTORS), (cute.sym_int64(divisibility=ROW_FACTORS), ROW_FACTORS, 1),
+                             assumed_align=16)  # fmt: skip
+    args = (tok(dtype), tok(dtype), k, g, state(), state() if mid_states else None, cu, Int32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))  # fmt: skip
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
