@@ -49,6 +49,18 @@ def _flags(fused, state_v_first, cu, h0):
     )  # fmt: skip
 
 
+def _against_reference(x, flags, o, ht):
+    """A GPU inference call's output and final state against the float64 reference on the same inputs (every
+    element written: NaN fails)."""
+    assert not o.isnan().any() and not ht.isnan().any()
+    cpu = {n: t.cpu() for n, t in x.items()}
+    flags_cpu = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in flags.items() if n != "cu_seqlens_cpu"}
+    o_r, ht_r, _ = _run(lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu,
+                        flags_cpu, grads=False)  # fmt: skip
+    assert_close("o", o_r, o.cpu(), 5e-3)
+    assert_close("final state", ht_r, ht.cpu(), 5e-3)
+
+
 def _backend(**kw):
     kw.setdefault("A_log", None)
     kw.setdefault("dt_bias", None)
@@ -163,14 +175,7 @@ def test_gdn_inference_per_head_gate_on_hopper_cuda(fused, gates, state_v_first,
     flags = dict(_flags(fused, state_v_first, cu, h0), cu_seqlens_cpu=cu.cpu())
     with torch.inference_mode():
         o, ht = chunk_gated_delta_rule(**x, **flags)
-    assert not o.isnan().any() and not ht.isnan().any()
-    cpu = {n: t.cpu() for n, t in x.items()}
-    flags_cpu = dict(flags, initial_state=h0.cpu(), cu_seqlens=cu.cpu())
-    flags_cpu.pop("cu_seqlens_cpu")
-    o_r, ht_r, _ = _run(lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu,
-                        flags_cpu, grads=False)  # fmt: skip
-    assert_close("o", o_r, o.cpu(), 5e-3)
-    assert_close("final state", ht_r, ht.cpu(), 5e-3)
+    _against_reference(x, flags, o, ht)
 
 
 @pytest.mark.gpu
@@ -195,12 +200,7 @@ def test_gdn_row_factors_fixed_length_cuda(l2norm, state_v_first, gdn_tuning):
         with torch.inference_mode():
             outs[rows] = chunk_gated_delta_rule(**x, **flags)
     o, ht = outs[True]
-    assert not o.isnan().any() and not ht.isnan().any()
-    cpu = {n: t.cpu() for n, t in x.items()}
-    o_r, ht_r, _ = _run(lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu,
-                        dict(flags, initial_state=h0.cpu()), grads=False)  # fmt: skip
-    assert_close("o", o_r, o.cpu(), 5e-3)
-    assert_close("final state", ht_r, ht.cpu(), 5e-3)
+    _against_reference(x, flags, o, ht)
     assert_close("o against the qg / kg path", outs[False][0].float(), o.float(), 5e-3)
     assert_close("final state against the qg / kg path", outs[False][1], ht, 5e-3)
 
@@ -229,14 +229,7 @@ def test_gdn_row_factors_cut_in_time_cuda(halves, gdn_tuning, kda_tuning):
         with torch.inference_mode():
             outs[cut] = chunk_gated_delta_rule(**x, **flags)
     o, ht = outs[True]
-    assert not o.isnan().any() and not ht.isnan().any()
-    cpu = {n: t.cpu() for n, t in x.items()}
-    flags_cpu = dict(flags, initial_state=h0.cpu(), cu_seqlens=cu.cpu())
-    flags_cpu.pop("cu_seqlens_cpu")
-    o_r, ht_r, _ = _run(lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu,
-                        flags_cpu, grads=False)  # fmt: skip
-    assert_close("o", o_r, o.cpu(), 5e-3)
-    assert_close("final state", ht_r, ht.cpu(), 5e-3)
+    _against_reference(x, flags, o, ht)
     assert_close("o against the uncut call", outs[False][0].float(), o.float(), 5e-3)
     assert_close("final state against the uncut call", outs[False][1], ht, 5e-3)
 
