@@ -126,7 +126,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         # also write what FLA's backward reads of the recurrence (``DeltaHFwdOStatesSm90``)
         self.store_states = store_states
         # one gate per token and value head (Gated DeltaNet): raw q and k of the value head's q / k head instead of
-        # qg and kg, and per token the factors that make them (see ``_row_factor_columns``)
+        # qg and kg, and per token the factors that make them (``cute_common.load_row_factors``)
         self.row_factors = row_factors
         if row_factors and (store_states or not aqk_causal):
             raise ValueError("row_factors reads cula's intra kernel's outputs (aqk_causal) and stores no states")
@@ -412,7 +412,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
                 accO.store(accO.load() * scale)
             if const_expr(not self.aqk_causal):
                 mask_bar.arrive_and_wait()
-            # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment.
+            # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment (with row_factors GEMM4
+            # takes its f_k-scaled copy).
             warpgroup.fence()
             gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=si)
             tVrS = tVrK if const_expr(self.row_factors) else tVrV
