@@ -126,9 +126,10 @@ def _gdn_chunk(scope: str) -> None:
         for dt, varlen, h0, ht, svf in itertools.product(d["io"], _B, _B, _B, _B):
             dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                                 aqk_causal=True, row_factors=True)  # fmt: skip
-        # cut in time: the segment summary on the factor rows (the chain and the packed output pass as above)
+        # cut in time (GdnTuning.time_split): the segment summary on the factor rows (the chain and the packed
+        # output pass as above)
         halves = KDA_TUNING.get((9, 0)).time_split_halves
-        for dt, svf in itertools.product(d["io"], _B):
+        for dt, svf in itertools.product(d["io"], _B) if entry.time_split is not None else ():
             segment_summary.compiled_variant(dtype=dsl_name(dt), state_v_first=svf, mid_states=halves,
                                              row_factors=True)  # fmt: skip
     # the training backward's recompute on the per-head gate (cula.kda.backends._training_backward, where KDA's

@@ -90,6 +90,20 @@ def test_matches_the_gdn_reference(fused, state_v_first, packed):
         assert_close(f"d{name}", grads_r[name], grads[name], 1e-4)
 
 
+def test_inference_takes_the_gdn_entry(gdn_tuning, pretend_sm90, monkeypatch):
+    """An inference call hands KDA's forward Gated DeltaNet's own time split and row-factor flag (not KDA's)."""
+    import cula.kda.forward
+    from cula.time_split import SplitThresholds
+
+    seen = {}
+    monkeypatch.setattr(cula.kda.forward, "chunk_kda_fwd_sm90", lambda *a, **kw: seen.update(kw) or (None, None))
+    x = _inputs(1, 8, 1, 2, 128, False, dtype=torch.bfloat16)
+    for split, rows in ((None, False), (SplitThresholds(0.5, 0.3, 1024, 8192), True)):
+        gdn_tuning(inference_chunk_on_cula=True, time_split=split, inference_row_factors=rows)
+        _backend(**x, **_flags(False, False, None, None))
+        assert seen["time_split"] == split and seen["row_factors"] is rows
+
+
 def test_declines_what_the_kernels_do_not_take(gdn_tuning, pretend_sm90):
     x = _inputs(1, 8, 1, 1, 128, False, dtype=torch.bfloat16)
     base = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], chunk_size=64)

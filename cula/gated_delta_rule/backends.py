@@ -72,12 +72,14 @@ def _chunk_cula_sm90(
         # nothing is repeated over K
         from cula.kda.forward import chunk_kda_fwd_sm90
 
+        entry = GDN_TUNING.for_device(q.device)
+
         return chunk_kda_fwd_sm90(
             q, k, v, g, beta, check_scale(scale, q.shape[-1]), initial_state, output_final_state,
             state_v_first, cu_seqlens, cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
             dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            row_factors=GDN_TUNING.for_device(q.device).inference_row_factors,
+            row_factors=entry.inference_row_factors, time_split=entry.time_split,
         )  # fmt: skip
     if GDN_TUNING.for_device(q.device).training_per_head_gate:
         # the forward's intra kernel takes the per-head gate itself; the backward repeats it over K for FLA's stages

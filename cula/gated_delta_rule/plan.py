@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from cula.kda.plan import KDA_TUNING
+from cula.time_split import SplitThresholds
 from cula.tuning import TuningTable
 
 __all__ = ["GDN_TUNING", "GdnTuning"]
@@ -28,6 +30,9 @@ class GdnTuning:
     # state/output kernel (and a time split's segment summary) applies them to the raw q and k (cula.kda.forward's
     # row_factors)
     inference_row_factors: bool = False
+    # inference on cula's path: when long sequences with few heads are cut into segments that run at once (exact:
+    # cula.kda.forward's parallel segments); None: never
+    time_split: SplitThresholds | None = None
     # fused_recurrent_gated_delta_rule's decode calls of up to this many tokens a sequence (0: none)
     inference_decode_max_tokens: int = 0
 
@@ -35,9 +40,11 @@ class GdnTuning:
 # The H200: bench_gdn_prefill.py measured cula's path (the intra kernel's per-head gate, then KDA's state/output
 # kernel) at 1.2-4.6x FLA's Gated DeltaNet kernels on its quick suite (GVA rows included); bench_gdn_decode.py
 # measured one token a sequence at 1.18-1.48x FLA's (1 and 64 sequences), 4 tokens (MTP) at 0.70x.
-# training_per_head_gate and inference_row_factors are off until they have run on the H200.
+# training_per_head_gate and inference_row_factors are off until they have run on the H200; time_split is KDA's
+# until Gated DeltaNet's own rows are measured cut and uncut (bench_gdn_prefill.py --split)
 GDN_TUNING: TuningTable[GdnTuning] = TuningTable(
     "gated_delta_rule",
-    {(9, 0): GdnTuning(inference_chunk_on_cula=True, inference_decode_max_tokens=1)},
+    {(9, 0): GdnTuning(inference_chunk_on_cula=True, inference_decode_max_tokens=1,
+                       time_split=KDA_TUNING.get((9, 0)).time_split)},
     fallback=GdnTuning(),
 )

@@ -34,7 +34,7 @@ from cula.ops.kda.sm90 import intra
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 from cula.ops.kda.sm90.segment_chain import chunk_kda_segment_chain_sm90
 from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90
-from cula.time_split import half_bounds, on_device
+from cula.time_split import SplitThresholds, half_bounds, on_device
 
 __all__ = ["chunk_kda_fwd_sm90"]
 
@@ -67,6 +67,7 @@ def chunk_kda_fwd_sm90(
     keep_prefix: bool = False,
     use_graph: bool = False,
     row_factors: bool = False,
+    time_split: SplitThresholds | None | str = "kda",
 ) -> tuple:
     """KDA forward (FLA's ``ChunkKDAFunction.forward``; with ``keep_scores`` also the intra stage's Aqk and Akk
     that FLA's forward saves for its backward).
@@ -100,6 +101,8 @@ def chunk_kda_fwd_sm90(
         row_factors: with a per-head g (Gated DeltaNet) and no ``keep_scores``: the intra kernel writes per-token
             factors instead of qg, kg and g_cum, and the state/output kernel (and a time split's segment summary)
             applies them to the raw q and k (``GdnTuning.inference_row_factors``); ignored elsewhere.
+        time_split: when to cut the call in time (``cula.kda.plan.parallel_segments``): ``"kda"``, the entry's
+            ``KdaTuning.time_split``, or another op's thresholds (Gated DeltaNet's ``GdnTuning.time_split``).
         keep_prefix: with ``keep_scores``, also what FLA's backward would recompute before its first gradient
             stage: ``{"g": g_cum, "w", "u", "qg", "kg", "h", "v_new"}`` (g_cum fp32 with every row written, the rest
             in q's dtype; h and v_new as FLA's ``chunk_gated_delta_rule_fwd_h`` returns them), where cula's intra
@@ -156,7 +159,9 @@ def chunk_kda_fwd_sm90(
     cute_intra = use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound, scalar_gate)
     if scalar_gate and not cute_intra:  # FLA's stages take the gate (and its bias) per channel
         g, dt_bias = gate_over_k(g, dt_bias, K)
-    split = None if use_graph or keep_prefix else parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device)
+    split = None
+    if not (use_graph or keep_prefix):
+        split = parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device, time_split)
     # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
     if row_factors and scalar_gate and cute_intra and not keep_scores:
