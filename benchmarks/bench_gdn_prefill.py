@@ -98,7 +98,13 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
     t_start = time.perf_counter()
-    on_cula = GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=args.row_factors)
+    gdn = dict(inference_chunk_on_cula=True, inference_row_factors=args.row_factors)
+    if args.split:  # Gated DeltaNet's calls cut by its own entry (the halves stay KDA's, set by cula_override)
+        from cula.time_split import SplitThresholds
+
+        gdn["time_split"] = SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=args.split,
+                                            min_seq_len=0)  # fmt: skip
+    on_cula = GDN_TUNING.override(**gdn)
     with torch.inference_mode(), on_cula, kp.cula_override(args):
         run = bc.run_suite(cfgs, lambda cfg: kp.run_config(cfg, fla_fn, cula_fn, args, ceilings, GDN),
                            args.max_seconds or None, t_start, name=NAME,
