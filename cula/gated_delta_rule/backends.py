@@ -67,12 +67,11 @@ def _chunk_cula_sm90(
     from cula.gated_delta_rule.plan import GDN_TUNING
     from cula.kda import chunk_kda
 
+    entry = GDN_TUNING.for_device(q.device)
     if not needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         # inference: the intra kernel takes the one gate per token and head itself (exact for any gate), so
         # nothing is repeated over K
         from cula.kda.forward import chunk_kda_fwd_sm90
-
-        entry = GDN_TUNING.for_device(q.device)
 
         return chunk_kda_fwd_sm90(
             q, k, v, g, beta, check_scale(scale, q.shape[-1]), initial_state, output_final_state,
@@ -81,7 +80,7 @@ def _chunk_cula_sm90(
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             row_factors=entry.inference_row_factors, time_split=entry.time_split,
         )  # fmt: skip
-    if GDN_TUNING.for_device(q.device).training_per_head_gate:
+    if entry.training_per_head_gate:
         # the forward's intra kernel takes the per-head gate itself; the backward repeats it over K for FLA's stages
         # (cula.kda.backends._training_backward)
         from cula.kda.backends import chunk_kda_cula_sm90

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cula.cache import compiled_kernel
-from cula.ops._host import ROW_FACTORS, dsl_name, kernel_attr
+from cula.ops._host import ROW_FACTORS, check_tensors, dsl_name, kernel_attr
 
 __all__ = ["chunk_kda_segment_summary_sm90", "compiled", "compiled_variant", "variant_key"]
 
@@ -74,11 +74,10 @@ def chunk_kda_segment_summary_sm90(
     H = kg.shape[2] if row_factors and kg.dim() == 4 else HV
     if row_factors and (H < 1 or HV % H):
         raise ValueError(f"row_factors: k's heads ({H}) must divide the value heads ({HV})")
-    shapes = {"u": w.shape, "kg": (1, T, H, K), "g": (1, T, HV, ROW_FACTORS if row_factors else K)}
-    for name, t, dtype in (("u", u, w.dtype), ("kg", kg, w.dtype), ("g", g, torch.float32)):
-        if tuple(t.shape) != tuple(shapes[name]) or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous {tuple(shapes[name])} {dtype}, got {tuple(t.shape)} "
-                             f"{t.dtype}")  # fmt: skip
+    check_tensors((
+        ("u", u, (1, T, HV, K), w.dtype), ("kg", kg, (1, T, H, K), w.dtype),
+        ("g", g, (1, T, HV, ROW_FACTORS if row_factors else K), torch.float32),
+    ), contiguous=True)  # fmt: skip
     if segments.dtype != torch.int32:
         raise ValueError(f"segments must be int32, got {segments.dtype}")
     M = segments.numel() - 1
