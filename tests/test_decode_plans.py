@@ -14,6 +14,7 @@ import torch
 
 import cula.kda.decode as kd
 import cula.lightning.decode as ld
+from cula._validate import is_dense
 from cula.backends import PlanCache, tensor_sig
 
 N, H, HV, D, P = 3, 2, 4, 64, 6
@@ -48,6 +49,8 @@ def counted_plans(monkeypatch):
     counts = {"kda": 0, "lightning": 0}
     for name, mod in (("kda", kd), ("lightning", ld)):
         monkeypatch.setattr(mod, "_plans", PlanCache())
+        if hasattr(mod, "_short_plans"):
+            monkeypatch.setattr(mod, "_short_plans", PlanCache())
         real = mod._plan
 
         def counted(*a, _real=real, _name=name, **kw):
@@ -158,7 +161,14 @@ def fake_sm90(monkeypatch, pretend_sm90):
 
     def variant(**kw):
         calls.append(("variant", kw))
-        return lambda *args: calls.append(("launch", args))
+
+        def launch(*args):
+            # as the compiled entry: q, k, v, g, beta with exact row-major strides (size-1 dims included), or refused
+            if not all(is_dense(a) for a in args[:5]):
+                raise TypeError("Mismatched strides")
+            calls.append(("launch", args))
+
+        return launch
 
     monkeypatch.setattr(kops, "compiled_variant", variant)
     monkeypatch.setattr(kplan, "kda_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
@@ -196,6 +206,30 @@ def test_kda_decode_fast_launch_passes_what_the_kernel_takes(counted_plans, fake
         kd.kda_decode(q_odd, k, v, g, beta, pool, idx, A_log=A_log)
     assert [c[0] for c in fake_sm90] == ["general", "general"]
     assert fake_sm90[0][1][0].is_contiguous() and fake_sm90[0][1][0] is not q_odd
+
+
+def test_kda_decode_keys_on_shapes_where_the_kernel_entry_checks_the_rest(counted_plans, fake_sm90, monkeypatch):
+    """A repeated kda_decode call on cula-sm90 reads only its short key (shapes, dtypes, flags), no tensor's full
+    signature; a call with that key the entry refuses is validated in full (cula's error, nothing launched); the
+    per-call checks (indices, scale) still run on the short path."""
+    q, k, v, g, beta, pool, idx = _kda_inputs(torch.bfloat16)
+    pool = pool.transpose(-1, -2).contiguous()
+    A_log = torch.randn(HV)
+    sigs = []
+    real_sig = kd.tensor_sig
+    monkeypatch.setattr(kd, "tensor_sig", lambda t: sigs.append(1) or real_sig(t))
+    for _ in range(3):
+        kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log)
+    assert len(sigs) == 11 and counted_plans["kda"] == 1  # the first call's full key only
+    assert [c[0] for c in fake_sm90].count("launch") == 3
+    fake_sm90.clear()
+    with pytest.raises(ValueError, match="out of range"):
+        kd.kda_decode(q, k, v, g, beta, pool, torch.tensor([0, P, -1], dtype=torch.int32), A_log=A_log)
+    with pytest.raises(ValueError, match="scale"):
+        kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, scale=float("nan"))
+    k_odd = torch.randn(k.shape[0], 2, *k.shape[2:], dtype=k.dtype)[:, :1]  # same short key, refused by the entry
+    kd.kda_decode(q, k_odd, v, g, beta, pool, idx, A_log=A_log)
+    assert [c[0] for c in fake_sm90] == ["general"]
 
 
 def _assert_same_launch(a_args, b_args, out_at):

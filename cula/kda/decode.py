@@ -28,6 +28,10 @@ kda_decode_registry = Registry("kda.kda_decode")
 # Validated launches by call signature: a serving loop repeats a few signatures once per token, and full
 # validation plus dispatch costs several times the N=1 kernel.
 _plans = PlanCache()
+# the same launches by a short key (shapes, dtypes, flags), for those whose compiled entry checks its own arguments
+# (strides, alignment, one device, the sizes the tensors share: cula.backends.StepPlans): eleven tensors' full
+# signatures cost more than the N=1 kernel's launch
+_short_plans = PlanCache()
 
 def kda_decode(
     q: torch.Tensor,
@@ -82,21 +86,47 @@ def kda_decode(
             lower_bound=lower_bound, state_v_first=state_v_first, out=out, step_states=step_states,
             check_indices=check_indices,
         )  # fmt: skip
+    flags = (scale is None or type(scale), lower_bound is None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+             use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, forced_backend())  # fmt: skip
+    try:
+        short = (
+            q.shape, v.shape, q.dtype, q.device, g.dtype, g.dim(), beta.dtype, state_pool.shape,
+            None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape, out is None,
+            None if step_states is None else step_states.shape, *flags,
+        )  # fmt: skip
+    except AttributeError:
+        short = None  # not tensors: validated in full
+    launch = None if short is None else _short_plans.get(short)
+    if launch is not None:
+        try:
+            return _checked_launch(launch, q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale,
+                                   lower_bound, out, step_states, check_indices)  # fmt: skip
+        except Exception:  # noqa: BLE001  (refused before any launch: validated in full below, which says why)
+            pass
     key = (
         tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta), tensor_sig(state_pool),
         tensor_sig(state_indices), tensor_sig(A_log), tensor_sig(dt_bias), tensor_sig(out), tensor_sig(step_states),
-        scale is None or type(scale), lower_bound is None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, forced_backend(),
+        *flags,
     )  # fmt: skip
     launch = _plans.lookup(key, lambda: _plan(
         q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out,
         step_states,
     ))  # fmt: skip
+    out = _checked_launch(launch, q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound,
+                          out, step_states, check_indices)  # fmt: skip
+    if short is not None and getattr(launch, "checks_arguments", False):
+        _short_plans.put(short, launch)
+    return out
+
+
+def _checked_launch(launch, q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out,
+                    step_states, check_indices):  # fmt: skip
+    """A planned call's per-call checks (the values a plan key does not hold), then its launch; returns o."""
     if check_indices:
         check_pool_indices(state_indices, state_pool.shape[0])
     scale = check_scale(scale, q.shape[-1])
-    check_lower_bound(lower_bound)  # the plan key holds only whether it is None
+    check_lower_bound(lower_bound)  # the plan keys hold only whether it is None
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     launch(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out, step_states)
@@ -284,6 +314,7 @@ def _prepare_cula_sm90(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bi
         bound(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, out, step_states, scale, lower_bound)
 
     launch.positional = True
+    launch.checks_arguments = True  # one call of the compiled entry, which checks every tensor before launching
     launch.bind = bound.bind  # kda_decode_step's launch, the kernel called without the positional shuffle
     return launch
 
