@@ -192,9 +192,12 @@ CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
     # the forward's intra kernel (fused norm, gate and beta sigmoid), fixed and packed (empty and partial sequences)
     "intra-B2-T16384": (_INTRA_FWD, lambda: _intra_fwd_inputs(2, 16384, 64, 64)),
     "intra-packed-gva": (_INTRA_FWD, lambda: _intra_fwd_inputs(1, 20000, 4, 8, [1, 8000, 63, 0, 11806, 130])),
-    # the time-parallel chain: 4 heads x 64K in 16 segments (the H200 plan), and 16 heads x two sequences
+    # the time-parallel chain: the H200 plans of 4 heads x 64K (16 segments), 8 x 64K (8), 16 x 64K (4), and 16 heads x
+    # two sequences
     "segment_chain-H4-M16-vk": (_CHAIN, lambda: _chain_inputs(4, [16], True)),
     "segment_chain-H16-N2-kv": (_CHAIN, lambda: _chain_inputs(16, [4, 6], False)),
+    "segment_chain-H8-M8-vk": (_CHAIN, lambda: _chain_inputs(8, [8], True)),
+    "segment_chain-H16-M4-kv": (_CHAIN, lambda: _chain_inputs(16, [4], False)),
     # the forward's state / output kernel (cula's causal Aqk: o by TMA), fixed at the benchmark's shape
     "states-B2-T16384": (_STATES, lambda: _states_inputs(2, 16384, 64)),
     # stages 4 and 5 at the training benchmark's largest shape, and packed (empty, length-1 and partial sequences)
