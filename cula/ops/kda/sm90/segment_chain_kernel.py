@@ -52,6 +52,8 @@ class SegmentChainSm90:
     d = 128  # K = V
     cols = 8  # value columns a CTA
     num_threads = 128  # one thread a key row
+    pad = 1  # word after each staged row of R: thread r's reads of row r hit distinct banks
+    stages, e_stages = 1, 0  # segments of R and of the E block staged at once
 
     def __init__(self, has_h0: bool = False, has_ht: bool = False, state_v_first: bool = False):
         self.has_h0 = has_h0
@@ -69,32 +71,33 @@ class SegmentChainSm90:
         num_seqs: Int32,
         stream: cuda.CUstream,
     ):
-        D, C = self.d, self.cols
         # every state as (V, K, head, index): element (v, k) of the [K, V] state, whatever the layout
         sum_v, h0_v = state_view(mSummary, self.state_v_first), state_view(mH0, self.state_v_first)
         starts_v, ht_v = state_view(mStarts, self.state_v_first), state_view(mHt, self.state_v_first)
+        D, C = self.d, self.cols
 
         @cute.struct
-        class Storage:
-            sR: cute.struct.Align[cute.struct.MemRange[Float32, D * (D + 1)], 128]
+        class Storage:  # (sE: unused by SegmentChainSm90, which reads E straight into registers)
+            sR: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * D * (D + self.pad)], 128]
             sS: cute.struct.Align[cute.struct.MemRange[Float32, D * C], 128]
+            sE: cute.struct.Align[cute.struct.MemRange[Float32, max(1, self.e_stages * D * C)], 128]
 
         self.storage = Storage
         HV = mStarts.shape[1]
-        self.kernel(sum_v, h0_v, starts_v, ht_v, mFirst, HV).launch(
-            grid=(D // C, HV, num_seqs), block=(self.num_threads, 1, 1), stream=stream
+        self.kernel(mSummary, sum_v, h0_v, starts_v, ht_v, mFirst, HV).launch(
+            grid=(self.d // self.cols, HV, num_seqs), block=(self.num_threads, 1, 1), stream=stream
         )
 
     @cute.kernel
-    def kernel(self, sum_v: cute.Tensor, h0_v: cute.Tensor, starts_v: cute.Tensor, ht_v: cute.Tensor,
-               mFirst: cute.Tensor, HV: Int32):  # fmt: skip
+    def kernel(self, mSummary: cute.Tensor, sum_v: cute.Tensor, h0_v: cute.Tensor, starts_v: cute.Tensor,
+               ht_v: cute.Tensor, mFirst: cute.Tensor, HV: Int32):  # fmt: skip
         D, C = self.d, self.cols
         r, _, _ = cute.arch.thread_idx()
         b, h, n = cute.arch.block_idx()
         c0 = b * C
         storage = SmemAllocator().allocate(self.storage)
         # sR[k, j] = R[k, j] (the row a thread reads, padded); sS[j, c] = S[j, c0 + c]
-        sR = storage.sR.get_tensor(cute.make_layout((D, D), stride=(D + 1, 1)))
+        sR = storage.sR.get_tensor(cute.make_layout((D, D), stride=(D + self.pad, 1)))
         sS = storage.sS.get_tensor(cute.make_layout((D, C), stride=(C, 1)))
         acc = cute.make_rmem_tensor(C, Float32)
 
@@ -160,35 +163,7 @@ class SegmentChainStagedSm90(SegmentChainSm90):
     thread_cols = 8  # value columns a thread: two threads a key row
     num_threads = 256
     pad = 4  # words after each staged row of R: rows stay 16-byte aligned, a quarter-warp's row reads conflict-free
-    stages = 2  # segments staged at once: the next one's copies in flight during this one's products
-
-    @cute.jit
-    def __call__(
-        self,
-        mSummary: cute.Tensor,  # (M, 2 HV, K, V) or (M, 2 HV, V, K) fp32: E of head h at h, R at HV + h
-        mH0: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32; unread unless has_h0
-        mStarts: cute.Tensor,  # (M, HV, K, V) or (M, HV, V, K) fp32, output
-        mHt: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32, output; unwritten unless has_ht
-        mFirst: cute.Tensor,  # (N + 1,) int32: sequence n's segments are first[n] .. first[n + 1] - 1
-        num_seqs: Int32,
-        stream: cuda.CUstream,
-    ):
-        D, C, P, S = self.d, self.cols, self.pad, self.stages
-        # every state as (V, K, head, index): element (v, k) of the [K, V] state, whatever the layout
-        sum_v, h0_v = state_view(mSummary, self.state_v_first), state_view(mH0, self.state_v_first)
-        starts_v, ht_v = state_view(mStarts, self.state_v_first), state_view(mHt, self.state_v_first)
-
-        @cute.struct
-        class Storage:
-            sR: cute.struct.Align[cute.struct.MemRange[Float32, S * D * (D + P)], 128]
-            sE: cute.struct.Align[cute.struct.MemRange[Float32, S * D * C], 128]
-            sS: cute.struct.Align[cute.struct.MemRange[Float32, D * C], 128]
-
-        self.storage = Storage
-        HV = mStarts.shape[1]
-        self.kernel(mSummary, sum_v, h0_v, starts_v, ht_v, mFirst, HV).launch(
-            grid=(D // C, HV, num_seqs), block=(self.num_threads, 1, 1), stream=stream
-        )
+    stages = e_stages = 2  # the next segment's copies in flight during this one's products
 
     @cute.kernel
     def kernel(self, mSummary: cute.Tensor, sum_v: cute.Tensor, h0_v: cute.Tensor, starts_v: cute.Tensor,
