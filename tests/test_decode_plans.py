@@ -49,8 +49,7 @@ def counted_plans(monkeypatch):
     counts = {"kda": 0, "lightning": 0}
     for name, mod in (("kda", kd), ("lightning", ld)):
         monkeypatch.setattr(mod, "_plans", PlanCache())
-        if hasattr(mod, "_short_plans"):
-            monkeypatch.setattr(mod, "_short_plans", PlanCache())
+        monkeypatch.setattr(mod, "_short_plans", PlanCache())
         real = mod._plan
 
         def counted(*a, _real=real, _name=name, **kw):
@@ -159,22 +158,25 @@ def fake_sm90(monkeypatch, pretend_sm90):
 
     calls = []
 
-    def variant(**kw):
-        calls.append(("variant", kw))
+    def entry(tokens: int):
+        """A stand-in for a compiled entry: its first ``tokens`` arguments (the token tensors) with exact row-major
+        strides (size-1 dims included), or refused before launching, as TVM-FFI refuses them."""
 
         def launch(*args):
-            # as the compiled entry: q, k, v, g, beta with exact row-major strides (size-1 dims included), or refused
-            if not all(is_dense(a) for a in args[:5]):
+            if not all(is_dense(a) for a in args[:tokens]):
                 raise TypeError("Mismatched strides")
             calls.append(("launch", args))
 
         return launch
 
+    def variant(**kw):
+        calls.append(("variant", kw))
+        return entry(5)  # q, k, v, g, beta
+
     monkeypatch.setattr(kops, "compiled_variant", variant)
     monkeypatch.setattr(kplan, "kda_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
     monkeypatch.setattr(lplan, "lightning_decode_launcher",
-                        lambda q, v, **kw: (calls.append(("variant", kw)),
-                                            lambda *args: calls.append(("launch", args)))[1])  # fmt: skip
+                        lambda q, v, **kw: (calls.append(("variant", kw)), entry(3))[1])  # fmt: skip
     monkeypatch.setattr(lplan, "lightning_decode_sm90", lambda *a, **kw: calls.append(("general", a, kw)))
     return calls
 
@@ -459,9 +461,13 @@ def test_lightning_decode_plans(counted_plans, fake_sm90):
     fake_sm90.clear()
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
     out = torch.empty_like(vb)
-    for _ in range(2):
-        ld.lightning_decode(qb, kb, vb, decay, pool, idx, out=out, scale=0.5, state_v_first=False)
-    assert [c[0] for c in fake_sm90] == ["variant", "launch", "launch"]
+    sigs = []
+    real_sig = ld.tensor_sig
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ld, "tensor_sig", lambda t: sigs.append(1) or real_sig(t))
+        for _ in range(3):  # repeats key on shapes, dtypes and flags (the entry checks the rest)
+            ld.lightning_decode(qb, kb, vb, decay, pool, idx, out=out, scale=0.5, state_v_first=False)
+    assert len(sigs) == 7 and [c[0] for c in fake_sm90] == ["variant", "launch", "launch", "launch"]
     assert fake_sm90[0][1]["state_v_first"] is False
     args = fake_sm90[-1][1]
     assert args[0] is qb and args[4] is pool and args[5] is idx and args[6] is out and args[7] == 0.5

@@ -21,6 +21,9 @@ from cula.backends import PlanCache, Registry, StepPlans, always, cula_kernels_o
 
 lightning_decode_registry = Registry("lightning.lightning_decode")
 _plans = PlanCache()  # validated launches by call signature (see cula.backends.PlanCache)
+# the same launches by a short key (shapes, dtypes, flags), for those whose compiled entry checks its own arguments
+# (cula.backends.StepPlans; as cula.kda.decode's)
+_short_plans = PlanCache()
 
 def lightning_decode(
     q: torch.Tensor,
@@ -64,11 +67,30 @@ def lightning_decode(
             q, k, v, decay, state_pool, state_indices, scale=scale, state_v_first=state_v_first, out=out,
             check_indices=check_indices,
         )  # fmt: skip
+    flags = (scale is None or type(scale), state_v_first, forced_backend())
+    try:
+        short = (q.shape, v.shape, q.dtype, q.device, decay.shape, state_pool.shape, out is None, *flags)
+    except AttributeError:
+        short = None  # not tensors: validated in full
+    launch = None if short is None else _short_plans.get(short)
+    if launch is not None:
+        try:
+            return _checked_launch(launch, q, k, v, decay, state_pool, state_indices, scale, out, check_indices)
+        except Exception:  # noqa: BLE001  (refused before any launch: validated in full below, which says why)
+            pass
     key = (
         tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(decay), tensor_sig(state_pool),
-        tensor_sig(state_indices), tensor_sig(out), scale is None or type(scale), state_v_first, forced_backend(),
+        tensor_sig(state_indices), tensor_sig(out), *flags,
     )  # fmt: skip
     launch = _plans.lookup(key, lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out))
+    out = _checked_launch(launch, q, k, v, decay, state_pool, state_indices, scale, out, check_indices)
+    if short is not None and getattr(launch, "checks_arguments", False):
+        _short_plans.put(short, launch)
+    return out
+
+
+def _checked_launch(launch, q, k, v, decay, state_pool, state_indices, scale, out, check_indices):
+    """A planned call's per-call checks (the values a plan key does not hold), then its launch; returns o."""
     if check_indices:
         check_pool_indices(state_indices, state_pool.shape[0])
     if out is None:
@@ -200,6 +222,7 @@ def _prepare_cula_sm90(q, k, v, decay, state_pool, state_indices, state_v_first,
         bound(q, k, v, decay, state_pool, state_indices, out, scale)
 
     launch.positional = True
+    launch.checks_arguments = True  # one call of the compiled entry, which checks every tensor before launching
     launch.bind = getattr(bound, "bind", None)  # lightning_decode_step's launch (None: a launcher without one)
     return launch
 
