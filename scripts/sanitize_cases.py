@@ -276,8 +276,9 @@ def gdn_row_factors():
     x = (_r(1, 370, 1, 128), _r(1, 370, 1, 128), _r(1, 370, 2, 128), -torch.rand(1, 370, 2, device=DEV),
          torch.rand(1, 370, 2, device=DEV))  # fmt: skip
     for halves in (False, True):
-        with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=True), \
-                KDA_TUNING.override(time_split=SplitThresholds(1e9, 1e9, 128, 0), time_split_halves=halves):
+        with torch.inference_mode(), KDA_TUNING.override(time_split_halves=halves), \
+                GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=True,
+                                    time_split=SplitThresholds(1e9, 1e9, 128, 0)):  # (Gated DeltaNet's own cut)
             chunk_gated_delta_rule(*x, initial_state=torch.randn(4, 2, 128, 128, device=DEV) * 0.1,
                                    output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                                    cu_seqlens_cpu=cu.cpu())  # fmt: skip

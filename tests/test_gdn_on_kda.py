@@ -221,7 +221,7 @@ def test_gdn_row_factors_fixed_length_cuda(l2norm, state_v_first, gdn_tuning):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("halves", [False, True], ids=["segments", "halves"])
-def test_gdn_row_factors_cut_in_time_cuda(halves, gdn_tuning, kda_tuning):
+def test_gdn_row_factors_cut_in_time_cuda(halves, gdn_tuning, kda_tuning, monkeypatch):
     """The factor rows through the exact time-parallel path (the segment summary's and the packed output pass's
     row_factors variants; every sequence past 128 tokens cut into 128-token segments): a ragged pack with an empty,
     a one-token and a partial-chunk sequence, initial states, GVA, against the float64 reference and the uncut
@@ -236,12 +236,24 @@ def test_gdn_row_factors_cut_in_time_cuda(halves, gdn_tuning, kda_tuning):
     cu = make_cu_seqlens(lens).cuda()
     h0 = torch.randn(len(lens), 2, 128, 128, device="cuda") * 0.1
     flags = dict(_flags(True, True, cu, h0), cu_seqlens_cpu=cu.cpu())
-    gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=True)
+    import cula.kda.forward as forward
+
+    cuts = []
+    real = forward.parallel_segment_states
+
+    def spy(plan, *a, **kw):
+        cuts.append((plan.num_segments, kw.get("halves")))
+        return real(plan, *a, **kw)
+
+    monkeypatch.setattr(forward, "parallel_segment_states", spy)
+    kda_tuning(time_split_halves=halves)  # (the halves are KDA's flag; the cut is Gated DeltaNet's own entry's)
     outs = {}
     for cut in (False, True):
-        kda_tuning(time_split=SplitThresholds(1e9, 1e9, 128, 0) if cut else None, time_split_halves=halves)
+        gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=True,
+                   time_split=SplitThresholds(1e9, 1e9, 128, 0) if cut else None)  # fmt: skip
         with torch.inference_mode():
             outs[cut] = chunk_gated_delta_rule(**x, **flags)
+    assert cuts == [(10, halves)]  # only the second call cut: 300 and 450 tokens into 3 and 4 segments, 3 left whole
     o, ht = outs[True]
     _against_reference(x, flags, o, ht)
     assert_close("o against the uncut call", outs[False][0].float(), o.float(), 5e-3)

@@ -157,7 +157,9 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     listed = set(variants.planner_variants("full", ops=("gdn.chunk",)))
     grid = ((BF16, FP16), (FP32, BF16), (BF16, FP32), (False, True), (False, True), ("fixed", "packed"),
             ("inference", "training"))  # fmt: skip
-    for io, g_dt, b_dt, fused, l2, form, mode in _sampled(grid, 3):
+    # (the sample, and fp16 inference with the L2 norm, which must not take the factor rows)
+    for io, g_dt, b_dt, fused, l2, form, mode in [*_sampled(grid, 3), (FP16, FP32, BF16, True, True, "fixed",
+                                                                       "inference")]:  # fmt: skip
         B, T, H, HV, K = (1, 130, 1, 2, 128) if form == "packed" else (2, 70, 1, 2, 128)
         x = dict(q=_rnd(B, T, H, K, dtype=io), k=_rnd(B, T, H, K, dtype=io), v=_rnd(B, T, HV, K, dtype=io),
                  g=-_rnd(B, T, HV, dtype=g_dt).abs(), beta=_rnd(B, T, HV, dtype=b_dt))  # fmt: skip
@@ -185,6 +187,8 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     assert intra and all(("scalar_gate", True) in k for k in intra)
     assert any(("write_akk", True) in k for k in intra)
     assert any(("row_factors", True) in k for k in intra)
+    # fp16 with the L2 norm keeps qg / kg (its factor rows would carry the 1 / norm past fp16's range)
+    assert not [k for k in intra if ("row_factors", True) in k and k[2] == "Float16" and ("l2norm_qk", True) in k]
     factored = [k for k in requested if k[0] == "kda.delta_h_fwd_o" and ("row_factors", True) in k]
     assert factored
     missing = [cula.cache.key_text(k) for k in intra + factored if k not in listed]

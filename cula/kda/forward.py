@@ -100,7 +100,9 @@ def chunk_kda_fwd_sm90(
             upper triangle as zeros).
         row_factors: with a per-head g (Gated DeltaNet) and no ``keep_scores``: the intra kernel writes per-token
             factors instead of qg, kg and g_cum, and the state/output kernel (and a time split's segment summary)
-            applies them to the raw q and k (``GdnTuning.inference_row_factors``); ignored elsewhere.
+            applies them to the raw q and k (``GdnTuning.inference_row_factors``); ignored elsewhere, and for fp16
+            with the L2 norm (GEMM4's operand ``v_new f_k`` carries the 1 / norm, up to 1000, past fp16's range
+            where kg, at most 1 in size, stays inside it).
         time_split: when to cut the call in time (``cula.kda.plan.parallel_segments``): ``"kda"``, the entry's
             ``KdaTuning.time_split``, or another op's thresholds (Gated DeltaNet's ``GdnTuning.time_split``).
         keep_prefix: with ``keep_scores``, also what FLA's backward would recompute before its first gradient
@@ -164,7 +166,8 @@ def chunk_kda_fwd_sm90(
         split = parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device, time_split)
     # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
-    if row_factors and scalar_gate and cute_intra and not keep_scores:
+    if (row_factors and scalar_gate and cute_intra and not keep_scores
+            and not (q.dtype == torch.float16 and use_qk_l2norm_in_kernel)):  # fmt: skip
         w, u, factors, Aqk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, row_factors=True,
