@@ -401,6 +401,23 @@ def test_norm_on_load_follows_the_tuning(monkeypatch, kda_tuning):
             assert not fla_backward.norm_on_load(q, q, q, p), flag
 
 
+def test_another_flas_backward_gets_normalised_qk(monkeypatch):
+    """Where FLA's backward does not name the stages cula rebinds (another FLA version), it runs as it is: stage 7's
+    L2-norm backward is FLA's l2norm_bwd here, and raw q / k (norm_on_load) are refused rather than handed to it."""
+    import fla.ops.kda.chunk as fla_chunk
+    from fla.ops.kda import chunk_bwd
+
+    monkeypatch.setattr(fla_backward, "_fla_chunk_kda_bwd", lambda *flags: chunk_bwd.chunk_kda_bwd)
+    monkeypatch.setattr(chunk_bwd, "chunk_kda_bwd", lambda **kw: ("dq", "dk", *(None,) * 6))
+    monkeypatch.setattr(fla_chunk, "l2norm_bwd", lambda y, rstd, dy: ("l2", dy))
+    monkeypatch.setattr(fla_backward, "_stage7_plan", lambda kw, rstd: ((True,) * 3, fla_backward._BackwardCall(
+        qk_rstd=rstd)))  # fmt: skip
+    q, rstd = torch.zeros(1, 64, 2, 128), (torch.ones(64), torch.ones(64))
+    assert fla_backward.chunk_kda_bwd(qk_rstd=rstd, q=q, k=q, v=q)[:2] == (("l2", "dq"), ("l2", "dk"))
+    with pytest.raises(ValueError, match="raw_qk"):
+        fla_backward.chunk_kda_bwd(qk_rstd=rstd, raw_qk=True, q=q, k=q, v=q)
+
+
 def test_norm_on_load_hands_the_stages_raw_qk(monkeypatch):
     """Where norm_on_load says so, no l2norm_fwd runs: the recompute prefix writes the 1 / norms, and chunk_kda_bwd
     gets the raw q and k, those norms as qk_rstd and raw_qk=True; stage 6 and 7 then hand both to cula's kernels."""

@@ -517,13 +517,18 @@ def chunk_kda_bwd(qk_rstd: tuple | None = None, raw_qk: bool = False, **kwargs):
     tuning says so). ``raw_qk`` (where ``norm_on_load`` says so): q and k are the raw ones, normalised with
     ``qk_rstd`` by stages 6 and 7."""
     flags, call = _stage7_plan(kwargs, qk_rstd)
+    backward = _fla_chunk_kda_bwd(*flags, _stage4_fused(kwargs))
+    from fla.ops.kda import chunk_bwd
+
+    if backward is chunk_bwd.chunk_kda_bwd:  # another FLA, its backward as it is: none of our stages run
+        call.qk_rstd = None
     if raw_qk:
         if call.qk_rstd is None:
             raise ValueError("raw_qk needs stage 7 on cula's kernel with the L2 norm's backward (norm_on_load)")
         call.raw_qk = True
     token = _BACKWARD_CALL.set(call)
     try:
-        dq, dk, *rest = _fla_chunk_kda_bwd(*flags, _stage4_fused(kwargs))(**kwargs)
+        dq, dk, *rest = backward(**kwargs)
     finally:
         _BACKWARD_CALL.reset(token)
     if qk_rstd is not None and call.qk_rstd is None:
