@@ -97,6 +97,8 @@ class DeltaHStatesSm90(ChunkRecurrenceResources):
             raise ValueError(f"only chunk_size 64 is implemented, got {chunk_size}")
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
+        if num_stages < 2:  # a stage is released a chunk late (after its v_new store has read it)
+            raise ValueError(f"num_stages must be at least 2, got {num_stages}")
         self.dtype = dtype
         self.dk, self.dv, self.bt = head_k, head_v, chunk_size
         self.varlen, self.has_h0, self.has_ht = varlen, has_initial_state, has_final_state
