@@ -81,8 +81,9 @@ def _chunk_cula_sm90(
             row_factors=entry.inference_row_factors, time_split=entry.time_split,
         )  # fmt: skip
     if entry.training_per_head_gate:
-        # the forward's intra kernel takes the per-head gate itself; the backward repeats it over K for FLA's stages
-        # (cula.kda.backends._training_backward)
+        # the forward's intra kernel takes the per-head gate itself, and so does the backward's recompute where it
+        # runs on the intra kernel (else the gate is repeated over K for FLA's stages: cula.kda.backends'
+        # _training_backward)
         from cula.kda.backends import chunk_kda_cula_sm90
 
         return chunk_kda_cula_sm90(

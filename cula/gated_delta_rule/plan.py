@@ -24,7 +24,8 @@ class GdnTuning:
 
     inference_chunk_on_cula: bool = False  # chunk_gated_delta_rule without autograd
     # training's forward on the intra kernel's per-head-gate variant (exact for any gate; Akk kept for the backward)
-    # instead of KDA's with the gate repeated over K; the backward stays FLA's stages with the gate repeated
+    # instead of KDA's with the gate repeated over K; so does the backward's recompute where it runs on the intra
+    # kernel, FLA's stages then taking the per-channel cumsum and the gate's backward running per head after them
     training_per_head_gate: bool = False
     # inference on cula's path: the intra kernel writes per-token factors instead of qg, kg and g_cum and the
     # state/output kernel (and a time split's segment summary) applies them to the raw q and k (cula.kda.forward's

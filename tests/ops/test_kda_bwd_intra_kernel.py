@@ -268,9 +268,11 @@ def test_fused_l2norm_and_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens, params, g_
     gpu = {n: (t.cuda() if torch.is_tensor(t) else t) for n, t in case.items()}
     gate = tuple(t.cuda() if t is not None else None for t in (g_raw, A_log, dt_bias)) + (lb,)
     l2 = H == HV
-    plain = chunk_kda_bwd_intra_sm90(**gpu, reverse_cumsum_dg=True)
+    # the softplus gate as training runs it: the any_gate variant (no bound known), both calls alike
+    ag = lb is None
+    plain = chunk_kda_bwd_intra_sm90(**gpu, reverse_cumsum_dg=True, any_gate=ag)
     fused = chunk_kda_bwd_intra_sm90(**gpu, reverse_cumsum_dg=True, gate=gate,
-                                     qk_rstd=(q_rstd, k_rstd) if l2 else None)  # fmt: skip
+                                     qk_rstd=(q_rstd, k_rstd) if l2 else None, any_gate=ag)  # fmt: skip
     dg_f, dA_f, dbias_f = kda_gate_bwd(g=gate[0], A_log=gate[1], dt_bias=gate[2], dyg=plain[3], lower_bound=lb)
     torch.cuda.synchronize()
     assert len(fused) == 6
@@ -298,7 +300,8 @@ def test_fused_l2norm_and_gate_vs_fla_and_f64_cuda(B, T, H, HV, lens, params, g_
             assert_close(f"{name} vs f64", r.float(), o.cpu(), 2e-2)
     acc = {n: gpu[n].clone() for n in ("dq", "dk", "db", "dg")}
     in_place = chunk_kda_bwd_intra_sm90(**{**gpu, **acc}, reverse_cumsum_dg=True, gate=gate,
-                                        qk_rstd=(q_rstd, k_rstd) if l2 else None, in_place=True)  # fmt: skip
+                                        qk_rstd=(q_rstd, k_rstd) if l2 else None, in_place=True,
+                                        any_gate=ag)  # fmt: skip
     assert in_place[2].data_ptr() == acc["db"].data_ptr()
     for i, (a, b) in enumerate(zip(fused, in_place)):
         assert (a is None and b is None) or torch.equal(a, b), i

@@ -700,8 +700,9 @@ class ChunkKDABwdIntraSm90:
                     mDgRaw[tok0 + r, hv, ch] = dgr.to(self.g_raw_dtype)
                     d_bias = d_bias + dgr
                     if const_expr(self.gate == "softplus"):
-                        sp = cute.math.log(1.0 + cute.math.exp(x[j], fastmath=False), fastmath=False)
-                        d_a = d_a + run * (-a * Float32(cutlass.select_(x[j] > 20.0, x[j], sp)))
+                        if const_expr(self.has_a_log):  # (no A_log: no dA_log, and no exp / log for it)
+                            sp = cute.math.log(1.0 + cute.math.exp(x[j], fastmath=False), fastmath=False)
+                            d_a = d_a + run * (-a * Float32(cutlass.select_(x[j] > 20.0, x[j], sp)))
                     else:
                         d_a = d_a + dgr * x[j]
             sGate[tidx] = d_bias
