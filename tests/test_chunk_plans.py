@@ -42,9 +42,11 @@ FLAGS = {"output_final_state": True, "use_gate_in_kernel": True, "use_qk_l2norm_
 
 @pytest.fixture
 def counted(monkeypatch):
-    """A fresh chunk_kda plan cache and a count of full validations."""
+    """Fresh chunk_kda plan caches (the short keys' too: an earlier test's plan would skip validation) and a count
+    of full validations."""
     count = [0]
     monkeypatch.setattr(chunk_mod, "_plans", PlanCache())
+    monkeypatch.setattr(chunk_mod, "_short_plans", PlanCache())
     real = chunk_mod._checked
 
     def checked(call):
