@@ -11,9 +11,10 @@ logits, q / k L2 norm in the kernel, ``[V, K]`` states. H = HV = 64 on the 28 co
 path on for the cula column.
 
 Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph] [--configs NAMES]
-[--split SEGMENT [--halves]] [--row-factors]`` (``--split``: cula's calls cut in time, as in
-``bench_kda_prefill.py``; ``--row-factors``: the cula column with ``GdnTuning.inference_row_factors`` on, the
-result named ``..._rowfactors``).
+[--split SEGMENT [--halves]] [--row-factors | --no-row-factors]`` (``--split``: cula's calls cut in time, as in
+``bench_kda_prefill.py``; ``--row-factors`` / ``--no-row-factors``: the cula column with
+``GdnTuning.inference_row_factors`` on / off whatever the entry says, the result named ``..._rowfactors`` /
+``..._norowfactors``).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     """Run the suite; returns (meta, rows, written paths). FLA's own kernels (no FlashKDA, no cula through FLA's
     dispatch) on the FLA side, as in bench_kda_prefill."""
     argv = list(argv if argv is not None else sys.argv[1:])
-    row_factors = "--row-factors" in argv
-    args = kp.parse_args([a for a in argv if a != "--row-factors"])
+    # None: the tuning entry's GdnTuning.inference_row_factors; --row-factors / --no-row-factors force it
+    row_factors = True if "--row-factors" in argv else False if "--no-row-factors" in argv else None
+    args = kp.parse_args([a for a in argv if a not in ("--row-factors", "--no-row-factors")])
     args.row_factors = row_factors
     if args.time_parallel:
         raise SystemExit("--time-parallel is bench_kda_prefill.py's (and bench_lightning_prefill.py's) suite")
@@ -98,7 +100,9 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     cfgs = bc.select_configs(suite, args)
     ceilings = bc.reported_ceilings(NAME)
     t_start = time.perf_counter()
-    gdn = dict(inference_chunk_on_cula=True, inference_row_factors=args.row_factors)
+    gdn = dict(inference_chunk_on_cula=True)
+    if args.row_factors is not None:
+        gdn["inference_row_factors"] = args.row_factors
     if args.split:  # Gated DeltaNet's calls cut by its own entry (the halves stay KDA's, set by cula_override)
         from cula.time_split import SplitThresholds
 
@@ -115,11 +119,12 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         "call_flags": CALL_FLAGS,
         "anchors_ms": ANCHORS,
         **({"cula_split": {"segment": args.split, "halves": args.halves}} if args.split else {}),
-        "cula_row_factors": args.row_factors,
+        "cula_row_factors": GDN_TUNING.get((9, 0)).inference_row_factors if args.row_factors is None
+        else args.row_factors,
         **bc.run_meta(args, ceilings, kp.WARN_TOL, kp.FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
-    suffix = kp.split_suffix(args) + ("_rowfactors" if args.row_factors else "")
+    suffix = kp.split_suffix(args) + {None: "", True: "_rowfactors", False: "_norowfactors"}[args.row_factors]
     paths = bc.write_suite(NAME + suffix, args, meta, run.rows, kp.MD_COLUMNS)
     return meta, run.rows, paths
 

@@ -39,13 +39,16 @@ class GdnTuning:
 
 
 # The H200: bench_gdn_prefill.py measured cula's path (the intra kernel's per-head gate, then KDA's state/output
-# kernel) at 1.2-4.6x FLA's Gated DeltaNet kernels on its quick suite (GVA rows included); bench_gdn_decode.py
-# measured one token a sequence at 1.18-1.48x FLA's (1 and 64 sequences), 4 tokens (MTP) at 0.70x.
-# training_per_head_gate and inference_row_factors are off until they have run on the H200; time_split is KDA's
-# until Gated DeltaNet's own rows are measured cut and uncut (bench_gdn_prefill.py --split)
+# kernel) at 1.2-4.6x FLA's Gated DeltaNet kernels on its quick suite (GVA rows included); with the factor rows
+# (gdn_prefill_rowfactors_subset.md against gdn_prefill_subset.md of the same run) 4 x 8K with 64 value heads
+# 2.43 -> 2.06 ms, 2 x 8K with 64 heads 1.22 -> 1.14, one 32K sequence with 32 value heads 1.745 -> 1.733.
+# bench_gdn_decode.py measured one token a sequence at 1.35-4.4x FLA's (1 to 64 sequences), 0.95-0.96x from 128 on
+# (FLA's states gathered contiguous beforehand, outside its time), 4 tokens (MTP) at 0.77x.
+# training_per_head_gate is off until it has run on the H200; time_split is KDA's until Gated DeltaNet's own rows
+# are measured cut and uncut (bench_gdn_prefill.py --split)
 GDN_TUNING: TuningTable[GdnTuning] = TuningTable(
     "gated_delta_rule",
-    {(9, 0): GdnTuning(inference_chunk_on_cula=True, inference_decode_max_tokens=1,
+    {(9, 0): GdnTuning(inference_chunk_on_cula=True, inference_decode_max_tokens=1, inference_row_factors=True,
                        time_split=KDA_TUNING.get((9, 0)).time_split)},
     fallback=GdnTuning(),
 )
