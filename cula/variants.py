@@ -83,7 +83,7 @@ def _kda_chunk(scope: str) -> None:
     for dt, svf in itertools.product(d["io"], _B):  # (halves: the output pass over each segment's halves)
         segment_summary.compiled_variant(dtype=dsl_name(dt), state_v_first=svf, mid_states=entry.time_split_halves)
     for h0, ht, svf in itertools.product(_B, _B, _B):
-        segment_chain.compiled_variant(has_h0=h0, has_ht=ht, state_v_first=svf, staged=entry.chain_staged)
+        segment_chain.compiled_variant(has_h0=h0, has_ht=ht, state_v_first=svf)
 
 
 def _causal_forms() -> tuple[bool, ...]:
@@ -336,7 +336,7 @@ def _smoke() -> None:
     # packed state/output kernel
     segment_summary.compiled_variant(dtype="BFloat16", mid_states=entry.time_split_halves)
     intra.compiled_variant(varlen=True, **options)
-    segment_chain.compiled_variant(has_h0=True, has_ht=True, staged=entry.chain_staged)
+    segment_chain.compiled_variant(has_h0=True, has_ht=True)
     dh.compiled_variant(dtype="BFloat16", varlen=True, has_h0=True, has_ht=False, aqk_causal=True)
     # kda_decode's defaults (softplus gate with A_log and dt_bias, L2 norm, beta sigmoid, [V, K] pool), T = 1 and 4
     for tokens in (1, 4):

@@ -194,20 +194,6 @@ def kda_parallel_segment_halves():
 
 
 @case
-def kda_parallel_segments_staged_chain():
-    # the cut calls above with the chain on SegmentChainStagedSm90 (KdaTuning.chain_staged: each segment's R and E
-    # copied in one segment ahead by cp.async), with and without halves (its one-step second chain included)
-    from cula.kda.plan import KDA_TUNING
-    from cula.time_split import SplitThresholds
-
-    for halves in (False, True):
-        with KDA_TUNING.override(time_split=SplitThresholds(1e9, 1e9, 128, 0), time_split_halves=halves,
-                                 chain_staged=True):  # fmt: skip
-            _kda_chunk(1, [300, 0, 70], 1, 2, v_first=True)
-            _kda_chunk(1, [70, 300], 1, 2, h0=False)
-
-
-@case
 def gdn_chunk_and_decode():
     # Gated DeltaNet on the KDA kernels: the chunk path (the intra kernel's per-head gate, fixed and packed) and the
     # decode path (states into step states)

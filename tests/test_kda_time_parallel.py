@@ -134,29 +134,6 @@ def test_split_matches_serial(lengths, segment_len, state_v_first, with_h0, with
         assert_close("final state", ht_ref, ht, 1e-5)
 
 
-def test_chain_staged_follows_the_tuning(kda_tuning, pretend_sm90):
-    """``KdaTuning.chain_staged`` hands every chain launch of a cut call (both halves' chains too) ``staged=True``,
-    and nothing when off (the chain models take no such argument)."""
-    from cula.kda.forward import _split_options
-
-    seen = []
-
-    def chain(*a, **kw):
-        seen.append(kw.get("staged"))
-        return chain_model(*a, **{k: v for k, v in kw.items() if k != "staged"})
-
-    w, u, kg, qg, g, Aqk = _intermediates(1000, 4)
-    kw = dict(scale=0.25, state_v_first=False, aqk_causal=True, states_fn=_states_model, summary_fn=_summary_model,
-              chain_fn=chain)  # fmt: skip
-    for staged in (False, True):
-        kda_tuning(chain_staged=staged, time_split_halves=True)
-        seen.clear()
-        o = torch.empty(1, 1000, HV, V)
-        parallel_segment_states(split_plan([1000], 256), w, u, kg, qg, g, Aqk, o, None, None, **kw,
-                                **_split_options(torch.device("cpu")))  # fmt: skip
-        assert seen == [True, True] if staged else seen == [None, None]
-
-
 def test_half_bounds():
     """Each segment cut after the first half of its chunks (rounded down), at a chunk boundary: a segment of at most
     one chunk (or none) gets an empty first half."""

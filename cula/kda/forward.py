@@ -229,14 +229,13 @@ def _state_outputs(u, cu32, chunk_indices, static_rows: bool = False) -> dict:
 
 def _split_options(device: torch.device) -> dict:
     """``parallel_segment_states``' options from the device's tuning entry."""
-    tuning = KDA_TUNING.for_device(device)
-    return dict(halves=tuning.time_split_halves, chain_staged=tuning.chain_staged)
+    return dict(halves=KDA_TUNING.for_device(device).time_split_halves)
 
 
 def parallel_segment_states(
     plan, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, *, scale, state_v_first, aqk_causal,
     halves=False, states_fn=chunk_kda_delta_h_fwd_o_sm90, summary_fn=chunk_kda_segment_summary_sm90,
-    chain_fn=chunk_kda_segment_chain_sm90, row_factors=False, chain_staged=False,
+    chain_fn=chunk_kda_segment_chain_sm90, row_factors=False,
 ):  # fmt: skip
     """The state recurrence and the output of ``plan``'s segments (``cula.time_split``) all at once, exactly.
 
@@ -255,9 +254,6 @@ def parallel_segment_states(
     steps: the summary also gives each segment's first-half E and R (``cula.time_split.half_bounds`` cuts there), a
     one-step chain per segment starts the second half from ``R_mid start + E_mid``, and step 3 runs over the halves.
 
-    ``chain_staged`` (``KdaTuning.chain_staged``): step 2 on the chain kernel that copies each segment's summary in
-    one segment ahead.
-
     With ``row_factors`` (Gated DeltaNet) ``kg`` and ``qg`` are the raw k and q and ``g_cum`` the intra kernel's
     factor rows, which the summary and the state/output kernel apply (their ``row_factors`` variants).
 
@@ -274,13 +270,12 @@ def parallel_segment_states(
     # (row_factors: kg and qg are the raw k and q of H heads, g_cum the factor rows)
     W, U, KG, QG, G, A, O = (t.view(1, B * T, t.shape[2], t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
     rows = {"row_factors": True} if row_factors else {}
-    chain = {"staged": True} if chain_staged else {}
     inner = (V, K) if state_v_first else (K, V)
     summary = torch.empty((M, 2 * HV) + inner, dtype=torch.float32, device=dev)
     if not halves:
         summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first, **rows)
         starts = torch.empty((M, HV) + inner, dtype=torch.float32, device=dev)
-        chain_fn(summary, initial_state, starts, final_state, first, state_v_first=state_v_first, **chain)
+        chain_fn(summary, initial_state, starts, final_state, first, state_v_first=state_v_first)
         states_fn(W, U, KG, QG, G, A, O, starts, None, seg_cu, scale=scale, state_v_first=state_v_first,
                   aqk_causal=aqk_causal, **rows)  # fmt: skip
         return
@@ -288,12 +283,12 @@ def parallel_segment_states(
     summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first, mids=mids, **rows)
     # the halves' start states interleaved, [segment, half]: the chains write straight into the two views
     starts = torch.empty((M, 2, HV) + inner, dtype=torch.float32, device=dev)
-    chain_fn(summary, initial_state, starts[:, 0], final_state, first, state_v_first=state_v_first, **chain)
+    chain_fn(summary, initial_state, starts[:, 0], final_state, first, state_v_first=state_v_first)
     # every segment a sequence of one step from its true start: its second half's start (its record of that
     # first start goes to a buffer nothing reads)
     once = on_device(tuple(range(M + 1)), torch.int32, dev)
     chain_fn(mids, starts[:, 0], torch.empty((M, HV) + inner, dtype=torch.float32, device=dev), starts[:, 1], once,
-             state_v_first=state_v_first, **chain)  # fmt: skip
+             state_v_first=state_v_first)  # fmt: skip
     states_fn(W, U, KG, QG, G, A, O, starts.view((2 * M, HV) + inner), None,
               on_device(half_bounds(plan.bounds), torch.int32, dev), scale=scale, state_v_first=state_v_first,
               aqk_causal=aqk_causal, **rows)  # fmt: skip

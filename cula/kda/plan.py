@@ -117,9 +117,6 @@ class KdaTuning:
     # ... and the output pass of a cut call over each segment's two halves (cula.kda.forward's parallel segments):
     # twice its CTAs, the second half started from the summary's mid-segment E and R, no more chain steps
     time_split_halves: bool = False
-    # ... and the chain of a cut call on SegmentChainStagedSm90 (each segment's R and E copied in one segment ahead,
-    # two threads a key row) instead of SegmentChainSm90 (R read when it is needed): bit-equal starts
-    chain_staged: bool = False
 
 
 # H100 and H200 share sm_90; the numbers were measured on the H200. Other GPUs run no cula kernel yet.

@@ -19,19 +19,15 @@ def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def variant_key(has_h0=False, has_ht=False, state_v_first=False, arch=(9, 0), staged=False) -> tuple:
-    """The compile key of a variant (``staged``: ``SegmentChainStagedSm90``)."""
-    kernel = "SegmentChainStagedSm90" if staged else "SegmentChainSm90"
-    return ("kda.segment_chain", kernel, 128, has_h0, has_ht, state_v_first, arch)
+def variant_key(has_h0=False, has_ht=False, state_v_first=False, arch=(9, 0)) -> tuple:
+    """The compile key of a variant."""
+    return ("kda.segment_chain", "SegmentChainSm90", 128, has_h0, has_ht, state_v_first, arch)
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
-    kernel, _D, has_h0, has_ht, state_v_first, arch = key[1:]
-    staged = kernel == "SegmentChainStagedSm90"
-    return compiled_kernel(
-        key, lambda: kernel_attr(__name__, "_compile")(has_h0, has_ht, state_v_first, arch, staged=staged)
-    )
+    _D, has_h0, has_ht, state_v_first, arch = key[2:]
+    return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(has_h0, has_ht, state_v_first, arch))
 
 
 def compiled_variant(**options):
@@ -47,10 +43,8 @@ def chunk_kda_segment_chain_sm90(
     first_segment: torch.Tensor,
     *,
     state_v_first: bool = False,
-    staged: bool = False,
 ) -> None:
-    """Every segment's start state and every sequence's final state (``segment_chain_kernel.py``; ``staged``: its
-    ``SegmentChainStagedSm90``, which copies each segment's summary in one segment ahead).
+    """Every segment's start state and every sequence's final state (``segment_chain_kernel.py``).
 
     Args:
         summary: ``[M, 2 HV, K, V]`` fp32 (``[M, 2 HV, V, K]`` if ``state_v_first``), the segment summary's output:
@@ -83,7 +77,7 @@ def chunk_kda_segment_chain_sm90(
     if N == 0 or HV == 0:
         return
     fn = compiled_variant(has_h0=initial_state is not None, has_ht=final_state is not None,
-                          state_v_first=state_v_first, staged=staged)  # fmt: skip
+                          state_v_first=state_v_first)  # fmt: skip
     dummy = placeholder(summary.device, torch.float32, (1, 1, D, D))
     fn(
         summary, initial_state if initial_state is not None else dummy, starts,

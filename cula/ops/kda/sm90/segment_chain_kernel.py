@@ -11,9 +11,22 @@ value head, column block) at once, in fp32 (finer than the state kernels' bf16 c
     for each segment m of sequence n:   starts[m] = S;   S = R[m] S + E[m]
     final[n] = S
 
-Two kernels walk it, alike in their arithmetic (every product in the same order: bit-equal outputs):
-``SegmentChainSm90`` reads each segment's R once it needs it, ``SegmentChainStagedSm90`` copies it one segment
-ahead (``KdaTuning.chain_staged`` picks; off until timed on the H200).
+CTA ``(b, h, n)`` owns columns ``16 b .. 16 b + 15`` (value channels) of head h's state of sequence n; thread t
+owns state row ``t % 128`` (key channel) of columns ``8 (t // 128) ..`` of them. The column block stays in shared
+memory (every thread reads every row of its half: a warp's reads broadcast). R (64 KB) and the CTA's block of E are
+staged in shared memory by 16-byte ``cp.async``, two segments deep: segment m + 1's copies are issued before
+segment m's products, so the chain waits on a copy only where a segment's 1,024 FMAs a thread take less time than
+its 64 KB take to arrive. R is copied as it lies in memory (a warp instruction reads one 512-byte row); in the
+[K, V] layout a thread then reads its row of R four words at a time (rows padded to 132 words: a quarter-warp's
+16-byte reads hit distinct banks), in the [V, K] layout (R^T in memory) its column a word at a time (a warp's reads
+are 32 consecutive words). Two threads a row halve the CTAs that each read R against one thread a row.
+
+Thread roles (256 threads, two warpgroups, all alike), per segment: issue the next segment's copies, write the
+start, wait for this segment's copies, 128 x 8 FMAs, write the end.
+
+Resources: (2 x 128 x 132 + 2 x 128 x 16 + 128 x 16) fp32 = 156 KB of shared memory (one CTA an SM); grid
+8 x HV x N. The chain is the only sequential part of the time-parallel forward: a sequence of m segments costs m
+steps of 1,024 FMAs a thread, each behind the previous one's end state.
 """
 from __future__ import annotations
 
@@ -26,23 +39,12 @@ from cutlass.memory import SmemAllocator
 from cula.cache import compile_options
 from cula.ops.cute_common import state_view, vec_at
 
-__all__ = ["SegmentChainSm90", "SegmentChainStagedSm90"]
+__all__ = ["SegmentChainSm90"]
 
 
 class SegmentChainSm90:
-    """True start states (and final states) of every time segment from their summaries, sm_90a, each segment's R
-    read when it is needed.
-
-    CTA ``(b, h, n)`` owns columns ``8 b .. 8 b + 7`` (value channels) of head h's state of sequence n; thread r owns
-    state row r (key channel). Per segment the CTA stages R (64 KB) in shared memory, read coalesced in either layout
-    and padded a word a row (thread r reads row r: no bank conflicts), and the column block stays in shared memory
-    (every thread reads every row of it: broadcasts).
-
-    Thread roles (128 threads, one warpgroup, all alike): stage R, write the start, 128 x 8 FMAs, write the end.
-
-    Resources: (128 x 129 + 128 x 8) fp32 = 70.1 KB of shared memory; grid 16 x HV x N. The chain is the only
-    sequential part of the time-parallel forward: a sequence of m segments costs m steps of one 64 KB read and 1,024
-    FMAs a thread.
+    """True start states (and final states) of every time segment from their summaries, sm_90a (see the module
+    docstring).
 
     Static configuration: whether there are initial states to start from, whether final states are written, and the
     state layout. K = V = 128; the numbers of segments, sequences and heads are runtime values.
@@ -50,10 +52,11 @@ class SegmentChainSm90:
 
     arch = 90
     d = 128  # K = V
-    cols = 8  # value columns a CTA
-    num_threads = 128  # one thread a key row
-    pad = 1  # word after each staged row of R: thread r's reads of row r hit distinct banks
-    stages, e_stages = 1, 0  # segments of R and of the E block staged at once
+    cols = 16  # value columns a CTA
+    thread_cols = 8  # value columns a thread: two threads a key row
+    num_threads = 256
+    pad = 4  # words after each staged row of R: rows stay 16-byte aligned, a quarter-warp's row reads conflict-free
+    stages = 2  # segments staged at once: the next one's copies in flight during this one's products
 
     def __init__(self, has_h0: bool = False, has_ht: bool = False, state_v_first: bool = False):
         self.has_h0 = has_h0
@@ -77,93 +80,16 @@ class SegmentChainSm90:
         D, C = self.d, self.cols
 
         @cute.struct
-        class Storage:  # (sE: unused by SegmentChainSm90, which reads E straight into registers)
+        class Storage:
             sR: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * D * (D + self.pad)], 128]
             sS: cute.struct.Align[cute.struct.MemRange[Float32, D * C], 128]
-            sE: cute.struct.Align[cute.struct.MemRange[Float32, max(1, self.e_stages * D * C)], 128]
+            sE: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * D * C], 128]
 
         self.storage = Storage
         HV = mStarts.shape[1]
         self.kernel(mSummary, sum_v, h0_v, starts_v, ht_v, mFirst, HV).launch(
             grid=(self.d // self.cols, HV, num_seqs), block=(self.num_threads, 1, 1), stream=stream
         )
-
-    @cute.kernel
-    def kernel(self, mSummary: cute.Tensor, sum_v: cute.Tensor, h0_v: cute.Tensor, starts_v: cute.Tensor,
-               ht_v: cute.Tensor, mFirst: cute.Tensor, HV: Int32):  # fmt: skip
-        D, C = self.d, self.cols
-        r, _, _ = cute.arch.thread_idx()
-        b, h, n = cute.arch.block_idx()
-        c0 = b * C
-        storage = SmemAllocator().allocate(self.storage)
-        # sR[k, j] = R[k, j] (the row a thread reads, padded); sS[j, c] = S[j, c0 + c]
-        sR = storage.sR.get_tensor(cute.make_layout((D, D), stride=(D + self.pad, 1)))
-        sS = storage.sS.get_tensor(cute.make_layout((D, C), stride=(C, 1)))
-        acc = cute.make_rmem_tensor(C, Float32)
-
-        for c in cutlass.range_constexpr(C):
-            if const_expr(self.has_h0):
-                sS[r, c] = h0_v[c0 + c, r, h, n]
-            else:
-                sS[r, c] = Float32(0.0)
-        for m in cutlass.range(mFirst[n], mFirst[n + 1], unroll=1):
-            self._stage_transition(sR, sum_v, r, HV + h, m)
-            for c in cutlass.range_constexpr(C):
-                starts_v[c0 + c, r, h, m] = sS[r, c]
-                acc[c] = sum_v[c0 + c, r, h, m]  # E
-            cute.arch.barrier()  # R staged, every row of S written
-            for j in cutlass.range(D, unroll=8):
-                rj = sR[r, j]
-                for c in cutlass.range_constexpr(C):
-                    acc[c] = acc[c] + rj * sS[j, c]
-            cute.arch.barrier()  # every read of R and S done
-            for c in cutlass.range_constexpr(C):
-                sS[r, c] = acc[c]
-        if const_expr(self.has_ht):
-            for c in cutlass.range_constexpr(C):
-                ht_v[c0 + c, r, h, n] = sS[r, c]
-
-    @cute.jit
-    def _stage_transition(self, sR: cute.Tensor, sum_v: cute.Tensor, t: Int32, slot: Int32, m: Int32):
-        """R of segment ``m`` (summary head ``slot``) into ``sR``, each load instruction reading one contiguous row
-        of its memory: element (v, k) of the view is R[k, v], and V is contiguous in the [K, V] layout, K in the
-        [V, K] one."""
-        for i in cutlass.range_constexpr(self.d):
-            if const_expr(self.state_v_first):
-                sR[t, i] = sum_v[i, t, slot, m]
-            else:
-                sR[i, t] = sum_v[t, i, slot, m]
-
-
-class SegmentChainStagedSm90(SegmentChainSm90):
-    """True start states (and final states) of every time segment from their summaries, sm_90a, each segment's R
-    and E copied in one segment ahead.
-
-    CTA ``(b, h, n)`` owns columns ``16 b .. 16 b + 15`` (value channels) of head h's state of sequence n; thread t
-    owns state row ``t % 128`` (key channel) of columns ``8 (t // 128) ..`` of them. The column block stays in shared
-    memory (every thread reads every row of its half: a warp's reads broadcast). R (64 KB) and the CTA's block of E are
-    staged in shared memory by 16-byte ``cp.async``, two segments deep: segment m + 1's copies are issued before
-    segment m's products, so the chain waits on a copy only where a segment's 1,024 FMAs a thread take less time than
-    its 64 KB take to arrive. R is copied as it lies in memory (a warp instruction reads one 512-byte row); in the
-    [K, V] layout a thread then reads its row of R four words at a time (rows padded to 132 words: a quarter-warp's
-    16-byte reads hit distinct banks), in the [V, K] layout (R^T in memory) its column a word at a time (a warp's reads
-    are 32 consecutive words). Two threads a row halve the CTAs that each read R against one thread a row.
-
-    Thread roles (256 threads, two warpgroups, all alike), per segment: issue the next segment's copies, write the
-    start, wait for this segment's copies, 128 x 8 FMAs, write the end.
-
-    Resources: (2 x 128 x 132 + 2 x 128 x 16 + 128 x 16) fp32 = 156 KB of shared memory (one CTA an SM); grid
-    8 x HV x N. The chain is the only sequential part of the time-parallel forward: a sequence of m segments costs m
-    steps of 1,024 FMAs a thread, each behind the previous one's end state.
-
-    Static configuration as ``SegmentChainSm90``'s.
-    """
-
-    cols = 16  # value columns a CTA
-    thread_cols = 8  # value columns a thread: two threads a key row
-    num_threads = 256
-    pad = 4  # words after each staged row of R: rows stay 16-byte aligned, a quarter-warp's row reads conflict-free
-    stages = e_stages = 2  # the next segment's copies in flight during this one's products
 
     @cute.kernel
     def kernel(self, mSummary: cute.Tensor, sum_v: cute.Tensor, h0_v: cute.Tensor, starts_v: cute.Tensor,
@@ -253,13 +179,12 @@ class SegmentChainStagedSm90(SegmentChainSm90):
                     acc[c] = acc[c] + rR[e] * rS[c]
 
 
-def _compile(has_h0, has_ht, state_v_first, arch=(9, 0), extra_options="", staged=False):
+def _compile(has_h0, has_ht, state_v_first, arch=(9, 0), extra_options=""):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     D = SegmentChainSm90.d
-    cls = SegmentChainStagedSm90 if staged else SegmentChainSm90
-    kernel = cls(has_h0=has_h0, has_ht=has_ht, state_v_first=state_v_first)
+    kernel = SegmentChainSm90(has_h0=has_h0, has_ht=has_ht, state_v_first=state_v_first)
 
     def state():  # 64-bit outer stride: M * 2 HV * K * V may pass 2^31 elements
         return make_fake_tensor(
