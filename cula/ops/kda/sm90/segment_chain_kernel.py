@@ -88,7 +88,7 @@ class SegmentChainSm90:
         self.storage = Storage
         HV = mStarts.shape[1]
         self.kernel(mSummary, sum_v, h0_v, starts_v, ht_v, mFirst, HV).launch(
-            grid=(self.d // self.cols, HV, num_seqs), block=(self.num_threads, 1, 1), stream=stream
+            grid=(D // C, HV, num_seqs), block=(self.num_threads, 1, 1), stream=stream
         )
 
     @cute.kernel
