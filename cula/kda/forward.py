@@ -178,7 +178,7 @@ def chunk_kda_fwd_sm90(
                                          row_factors=True)  # fmt: skip
         else:
             parallel_segment_states(split, w, u, k, q, factors, Aqk, o, initial_state, final_state, **states,
-                                    **_split_options(q.device), row_factors=True)
+                                    halves=KDA_TUNING.for_device(q.device).time_split_halves, row_factors=True)
         return o, final_state
     if cute_intra:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
@@ -203,7 +203,7 @@ def chunk_kda_fwd_sm90(
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states)
     else:
         parallel_segment_states(split, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, **states,
-                                **_split_options(q.device))  # fmt: skip
+                                halves=KDA_TUNING.for_device(q.device).time_split_halves)  # fmt: skip
     if keep_prefix:
         return o, final_state, Aqk, Akk, None
     if keep_scores:
@@ -225,11 +225,6 @@ def _state_outputs(u, cu32, chunk_indices, static_rows: bool = False) -> dict:
             NT = max(NT, -(-T // 64) + cu32.shape[0] - 2)
     h = u.new_empty((B, NT, HV, V, V))  # K = V = 128: either state layout
     return dict(h=h, v_new=torch.empty_like(u), offsets=offsets)
-
-
-def _split_options(device: torch.device) -> dict:
-    """``parallel_segment_states``' options from the device's tuning entry."""
-    return dict(halves=KDA_TUNING.for_device(device).time_split_halves)
 
 
 def parallel_segment_states(
