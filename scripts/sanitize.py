@@ -72,7 +72,9 @@ def _parse(text: str) -> dict:
             if OURS not in named:
                 foreign += 1  # FLA's Triton or PyTorch's kernels (initcheck instruments every kernel)
                 continue
-            findings.setdefault(current or "(outside a case)", []).append(line[len("========= ") :].strip())
+            findings.setdefault(current or "(outside a case)", []).append(
+                line[len("========= ") :].strip() + _where(lines[i + 1 : i + 4])
+            )
     errors = [int(m) for m in re.findall(r"ERROR SUMMARY: (\d+) errors?\s*$", text, flags=re.M)]
     hazards = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
     done = len(re.findall(r"^@@done ", text, flags=re.M))
@@ -83,6 +85,17 @@ def _parse(text: str) -> dict:
         "hazards": sum(int(h[0]) for h in hazards), "race_errors": sum(int(h[1]) for h in hazards),
         "race_warnings": sum(int(h[2]) for h in hazards),
     }  # fmt: skip
+
+
+def _where(block: list[str]) -> str:
+    """`` at FILE:LINE (KERNEL)`` from a report's next lines (line info on: the kernel's source line), so that the
+    report names the place even when the tools' logs stay on the device."""
+    for line in block:
+        m = re.search(r"\bat (\S+?)(?:\+0x[0-9a-f]+)? in (\S+:\d+)", line)
+        if m:
+            kernel = re.sub(r"^kernel_cutlass_", "", m.group(1))[:60]
+            return f" at {os.path.basename(m.group(2))} ({kernel})"
+    return ""
 
 
 def _commit() -> str:

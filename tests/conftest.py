@@ -136,3 +136,12 @@ def _gdn_table():
 
 
 gdn_tuning = _tuning_fixture(_gdn_table)
+
+
+def pytest_runtest_logreport(report):
+    # A step of scripts/device/validate.sh killed at its time limit prints no failure summary: each failure goes to
+    # CULA_FAILURE_LOG as it happens, so the device run brings back what failed even when the step did not finish.
+    path = os.environ.get("CULA_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")

@@ -5,27 +5,30 @@
 # The steps' limits are sized for the groups in CALLS, each of which fits one 10-minute device call (limits
 # summing to <= 590 s); the typical times on a warm machine are in brackets:
 #   device run, carry [".device"], timeout 600:  bash scripts/device/run.sh bash scripts/device/validate.sh STEP...
-#     api long reference                [~5.5 + ~1 + ~0.5 min]
-#     intra decode                      [~3.5 + ~2 min]
-#     states lightning                  [~1.5 + ~0.5 min, before the recompute's states kernel's tests]
+#     api reference                     [~5.5 + ~0.5 min]
+#     intra decode lightning            [~3.5 + ~2 + ~0.5 min]
+#     states long                       [~1.5 (before the recompute's states kernel's tests) + ~1 min]
 #     backward                          [~6.5 min: the stage kernels, a step per stage flag, steps vs float64]
-#     split                             [~4.5 min]
-#     bench rest                        [~1 + ~4.5 min]
-#     fla matrix                        [not yet timed: FLA's Gated DeltaNet / Simple GLA training autotunes]
-# No STEP: all of them in that order (seven calls' worth). `--list`: each step's limit and files and the calls,
+#     split                             [> 5.5 min on an H100: 40 of its tests in 315 s alone]
+#     gdn                               [not yet timed alone]
+#     bench fla                         [~1 + ~1 min]
+#     rest                              [> 4.5 min: 78 of its tests in 280 s beside two other steps]
+#     matrix                            [> 3 min: 7 of its 16 tests in 180 s beside two other steps]
+# No STEP: all of them in that order (nine calls' worth). `--list`: each step's limit and files and the calls,
 # nothing run (tests/test_validate_script.py checks them on the CPU).
 # `-j N` (first argument): N steps at once, longest limit first, each with its share of the CPU's threads (the
 # tests are small on the GPU; a step's time is mostly the DSL compiling its variants, one core each), so that
-# all of them can run in one call: `validate.sh -j 8` with DEADLINE=570 (seconds from the start: no step runs past
-# it; a step cut short says TIMED OUT). The summary follows the steps' order whatever order they ended in. FLA's
+# two calls run them all: `validate.sh -j 8 api long intra states backward decode lightning reference bench fla`,
+# then `validate.sh -j 4 split gdn matrix rest`, each with DEADLINE=570 (seconds from the start: no step runs past
+# it; a step cut short says TIMED OUT and lists the failures its tests logged before the cut). The summary follows the steps' order whatever order they ended in. FLA's
 # autotuning under -j works on a private copy of Triton's cache (its winners are not saved).
 # Logs land in $OUT (one file per step); FLA's autotune results are restored and saved by run.sh.
 set -u
 cd "$(dirname "$0")/../.."
 S=$(date +%s)
 
-STEPS=(api long intra states backward decode lightning reference split bench fla matrix rest)
-CALLS=("api long reference" "intra decode" "states lightning" "backward" "split" "bench rest" "fla matrix")
+STEPS=(api long intra states backward decode lightning reference split gdn bench fla matrix rest)
+CALLS=("api reference" "intra decode lightning" "states long" "backward" "split" "gdn" "bench fla" "rest" "matrix")
 declare -A LIMIT FILES
 LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.py"
 LIMIT[long]=100;      FILES[long]="tests/test_gpu_long.py"
@@ -39,15 +42,15 @@ LIMIT[decode]=150;    FILES[decode]="tests/test_decode_plans.py tests/test_light
 LIMIT[lightning]=90;  FILES[lightning]="tests/ops/test_lightning_kernel.py"
 LIMIT[reference]=90;  FILES[reference]="tests/test_reference.py"
 # the time-parallel paths and Gated DeltaNet on the KDA kernels (float64 references of long sequences on the host)
-LIMIT[split]=330;     FILES[split]="tests/ops/test_kda_segment_summary_kernel.py tests/ops/test_kda_segment_chain_kernel.py
-                                    tests/test_kda_time_parallel.py tests/test_lightning_time_parallel.py
-                                    tests/test_gdn_on_kda.py"
+LIMIT[split]=580;     FILES[split]="tests/ops/test_kda_segment_summary_kernel.py tests/ops/test_kda_segment_chain_kernel.py
+                                    tests/test_kda_time_parallel.py tests/test_lightning_time_parallel.py"
+LIMIT[gdn]=580;       FILES[gdn]="tests/test_gdn_on_kda.py"
 LIMIT[bench]=300;     FILES[bench]="tests/test_bench_scripts.py tests/test_bench_common.py"
 # FLA's own training backwards with cula's gated chunk_bwd_dqkwg (FLA autotunes its Triton stages on first calls)
-LIMIT[fla]=400;       FILES[fla]="tests/test_common_chunk_o.py"
+LIMIT[fla]=280;       FILES[fla]="tests/test_common_chunk_o.py"
 # cula's training step on the inputs FLA's own KDA tests draw (positive keys), against FLA and float64
-LIMIT[matrix]=180;    FILES[matrix]="tests/test_fla_matrix.py"
-LIMIT[rest]=280
+LIMIT[matrix]=580;    FILES[matrix]="tests/test_fla_matrix.py"
+LIMIT[rest]=580
 named=" $(echo ${FILES[*]}) "
 FILES[rest]=$(find tests -name 'test_*.py' | sort | while read -r f; do [[ "$named" == *" $f "* ]] || echo "$f"; done)
 
@@ -81,7 +84,8 @@ run_step() {  # name: the step's tests into $OUT/name.log, pytest's exit status 
     (( left < limit )) && limit=$left
     (( limit < 1 )) && { echo 124 > "$OUT/$name.rc"; echo "not started: DEADLINE reached" > "$OUT/$name.log"; return; }
   fi
-  timeout "$limit" $P -o faulthandler_timeout="${STUCK[$name]:-150}" ${FILES[$name]} > "$OUT/$name.log" 2>&1
+  rm -f "$OUT/$name.failures"
+  CULA_FAILURE_LOG="$OUT/$name.failures" timeout "$limit" $P -o faulthandler_timeout="${STUCK[$name]:-150}" ${FILES[$name]} > "$OUT/$name.log" 2>&1
   echo $? > "$OUT/$name.rc"
 }
 
@@ -94,6 +98,8 @@ report_step() {  # failures and skips (a skip on the H200 means a test did not r
     124) echo "   TIMED OUT (limit ${LIMIT[$name]}s or DEADLINE)" ;;
   esac
   echo "   rc=$rc"; grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/$name.log" | head -20; tail -1 "$OUT/$name.log"
+  # a step cut short prints no summary: the failures its tests logged as they happened (tests/conftest.py)
+  [[ "$rc" == 124 && -s "$OUT/$name.failures" ]] && grep -E "^== " "$OUT/$name.failures" | head -20
 }
 
 ORDER=()
