@@ -412,6 +412,15 @@ class StepPlans:
             self.last_key, self.last_launch = key, launch
         return result
 
+    def clear(self) -> None:
+        self.full.clear()
+        self.short.clear()
+        self.last_key = self.last_launch = None
+
+    def __len__(self) -> int:
+        """The validated signatures (the full cache)."""
+        return len(self.full)
+
 
 class DerivedTensors:
     """Small tensors computed from a parameter tensor (a decay's negation, a split's combine weights), made once per

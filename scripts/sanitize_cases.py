@@ -342,39 +342,73 @@ def kda_training_bwd_intra_fused():
         _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True)
 
 
-@case
-def kda_training_softplus_gate():
-    # the softplus gate's backward in the stage-7 kernel (KdaTuning.bwd_intra_softplus_gate; its any_gate variant):
-    # fixed and packed (empty, one-token and partial chunks), without and with GVA
+# The flags' training cases come one call each: under initcheck (which instruments FLA's and PyTorch's kernels too)
+# one training call takes minutes, and a case is what the tools' processes share out.
+
+
+def _softplus_gate(*args, **kwargs):
+    # the softplus gate's backward in the stage-7 kernel (KdaTuning.bwd_intra_softplus_gate; its any_gate variant)
     from cula.kda.plan import KDA_TUNING
 
     with KDA_TUNING.override(bwd_intra_softplus_gate=True):
-        _kda_chunk(2, 130, 2, 2, grad=True, gate="softplus")
-        _kda_chunk(1, [70, 0, 65, 1], 1, 2, grad=True, v_first=True, gate="softplus")
+        _kda_chunk(*args, grad=True, gate="softplus", **kwargs)
+
+
+@case
+def kda_training_softplus_gate():
+    _softplus_gate(2, 130, 2, 2)
+
+
+@case
+def kda_training_softplus_gate_packed():
+    # empty, one-token and partial chunks, GVA
+    _softplus_gate(1, [70, 0, 65, 1], 1, 2, v_first=True)
+
+
+def _norm_on_load(*args, **kwargs):
+    # no l2norm_fwd before the backward (KdaTuning.bwd_norm_on_load): the recompute's intra kernel writing the
+    # 1 / norms (write_rstd), stages 6 and 7 normalising the raw q / k as they read them (raw_qk), with the H200
+    # entry's other stages
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(bwd_norm_on_load=True):
+        _kda_chunk(*args, grad=True, **kwargs)
 
 
 @case
 def kda_training_norm_on_load():
-    # no l2norm_fwd before the backward (KdaTuning.bwd_norm_on_load): the recompute's intra kernel writing the 1 / norms
-    # (write_rstd), stages 6 and 7 normalising the raw q / k as they read them (raw_qk); fixed and packed (empty,
-    # one-token and partial chunks), both layouts, with the H200 entry's other stages
+    _norm_on_load(2, 130, 2, 2)
+
+
+@case
+def kda_training_norm_on_load_packed():
+    # empty, one-token and partial chunks, the [V, K] layout
+    _norm_on_load(1, [70, 0, 65, 1], 1, 1, v_first=True)
+
+
+def _recompute_states(*args, **kwargs):
+    # the recompute prefix's h and v_new on cula's states kernel (KdaTuning.bwd_recompute_states)
     from cula.kda.plan import KDA_TUNING
 
-    with KDA_TUNING.override(bwd_norm_on_load=True):
-        _kda_chunk(2, 130, 2, 2, grad=True)
-        _kda_chunk(1, [70, 0, 65, 1], 1, 1, grad=True, v_first=True)
+    with KDA_TUNING.override(bwd_recompute_states=True):
+        _kda_chunk(*args, grad=True, **kwargs)
 
 
 @case
 def kda_training_recompute_states():
-    # the recompute prefix's h and v_new on cula's states kernel (KdaTuning.bwd_recompute_states): fixed and packed
-    # (empty, one-token and partial chunks), both layouts, GVA; and in FLA's graph mode (its static chunk offsets)
-    from cula.kda.plan import KDA_TUNING
+    _recompute_states(2, 130, 1, 2)  # GVA
 
-    with KDA_TUNING.override(bwd_recompute_states=True):
-        _kda_chunk(2, 130, 1, 2, grad=True)
-        _kda_chunk(1, [70, 0, 65, 1], 1, 1, grad=True, v_first=True)
-        _kda_chunk(1, [70, 0, 65, 1, 0], 1, 1, grad=True, graph=True)
+
+@case
+def kda_training_recompute_states_packed():
+    # empty, one-token and partial chunks, the [V, K] layout
+    _recompute_states(1, [70, 0, 65, 1], 1, 1, v_first=True)
+
+
+@case
+def kda_training_recompute_states_graph():
+    # FLA's graph mode: its static chunk list and offsets
+    _recompute_states(1, [70, 0, 65, 1, 0], 1, 1, graph=True)
 
 
 @case

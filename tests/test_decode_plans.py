@@ -15,7 +15,7 @@ import torch
 import cula.kda.decode as kd
 import cula.lightning.decode as ld
 from cula._validate import is_dense
-from cula.backends import PlanCache, tensor_sig
+from cula.backends import PlanCache, StepPlans, tensor_sig
 
 N, H, HV, D, P = 3, 2, 4, 64, 6
 
@@ -48,8 +48,7 @@ def counted_plans(monkeypatch):
     """Fresh plan caches and a count of full validations per module."""
     counts = {"kda": 0, "lightning": 0}
     for name, mod in (("kda", kd), ("lightning", ld)):
-        monkeypatch.setattr(mod, "_plans", PlanCache())
-        monkeypatch.setattr(mod, "_short_plans", PlanCache())
+        monkeypatch.setattr(mod, "_plans", StepPlans())
         real = mod._plan
 
         def counted(*a, _real=real, _name=name, **kw):

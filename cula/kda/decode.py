@@ -20,18 +20,16 @@ from cula._validate import (
     pool_layout_verdict,
 )
 from cula.backends import (
-    PlanCache, Registry, StepPlans, always, cula_kernels_on, forced_backend, tensor_sig, token_sigs,
+    Registry, StepPlans, always, cula_kernels_on, forced_backend, tensor_sig, token_sigs,
 )  # fmt: skip
 from cula.ops._host import gate_kind
 
 kda_decode_registry = Registry("kda.kda_decode")
-# Validated launches by call signature: a serving loop repeats a few signatures once per token, and full
-# validation plus dispatch costs several times the N=1 kernel.
-_plans = PlanCache()
-# the same launches by a short key (shapes, dtypes, flags), for those whose compiled entry checks its own arguments
-# (strides, alignment, one device, the sizes the tensors share: cula.backends.StepPlans): eleven tensors' full
-# signatures cost more than the N=1 kernel's launch
-_short_plans = PlanCache()
+# Validated launches by call signature, and by a short key (shapes, dtypes, flags) for those whose compiled entry
+# checks its own arguments (cula.backends.StepPlans): a serving loop repeats a few signatures once per token, and
+# full validation plus dispatch, or eleven tensors' full signatures, cost more than the N=1 kernel's launch.
+_plans = StepPlans()
+
 
 def kda_decode(
     q: torch.Tensor,
@@ -96,28 +94,21 @@ def kda_decode(
         )  # fmt: skip
     except AttributeError:
         short = None  # not tensors: validated in full
-    launch = None if short is None else _short_plans.get(short)
-    if launch is not None:
-        try:
-            return _checked_launch(launch, q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale,
-                                   lower_bound, out, step_states, check_indices)  # fmt: skip
-        except Exception:  # noqa: BLE001  (refused before any launch: validated in full below, which says why)
-            pass
-    key = (
-        tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta), tensor_sig(state_pool),
-        tensor_sig(state_indices), tensor_sig(A_log), tensor_sig(dt_bias), tensor_sig(out), tensor_sig(step_states),
-        *flags,
+    return _plans.run(
+        short,
+        lambda launch: _checked_launch(launch, q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale,
+                                       lower_bound, out, step_states, check_indices),
+        lambda: (
+            tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta), tensor_sig(state_pool),
+            tensor_sig(state_indices), tensor_sig(A_log), tensor_sig(dt_bias), tensor_sig(out),
+            tensor_sig(step_states), *flags,
+        ),
+        lambda: _plan(
+            q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out,
+            step_states,
+        ),
     )  # fmt: skip
-    launch = _plans.lookup(key, lambda: _plan(
-        q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
-        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out,
-        step_states,
-    ))  # fmt: skip
-    out = _checked_launch(launch, q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound,
-                          out, step_states, check_indices)  # fmt: skip
-    if short is not None and getattr(launch, "checks_arguments", False):
-        _short_plans.put(short, launch)
-    return out
 
 
 def _checked_launch(launch, q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, scale, lower_bound, out,

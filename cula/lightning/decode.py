@@ -17,13 +17,12 @@ from cula._validate import (
     is_dense,
     pool_layout_verdict,
 )
-from cula.backends import PlanCache, Registry, StepPlans, always, cula_kernels_on, forced_backend, tensor_sig
+from cula.backends import Registry, StepPlans, always, cula_kernels_on, forced_backend, tensor_sig
 
 lightning_decode_registry = Registry("lightning.lightning_decode")
-_plans = PlanCache()  # validated launches by call signature (see cula.backends.PlanCache)
-# the same launches by a short key (shapes, dtypes, flags), for those whose compiled entry checks its own arguments
+# validated launches by call signature, and by a short key for those whose compiled entry checks its own arguments
 # (cula.backends.StepPlans; as cula.kda.decode's)
-_short_plans = PlanCache()
+_plans = StepPlans()
 
 def lightning_decode(
     q: torch.Tensor,
@@ -72,21 +71,15 @@ def lightning_decode(
         short = (q.shape, v.shape, q.dtype, q.device, decay.shape, state_pool.shape, out is None, *flags)
     except AttributeError:
         short = None  # not tensors: validated in full
-    launch = None if short is None else _short_plans.get(short)
-    if launch is not None:
-        try:
-            return _checked_launch(launch, q, k, v, decay, state_pool, state_indices, scale, out, check_indices)
-        except Exception:  # noqa: BLE001  (refused before any launch: validated in full below, which says why)
-            pass
-    key = (
-        tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(decay), tensor_sig(state_pool),
-        tensor_sig(state_indices), tensor_sig(out), *flags,
+    return _plans.run(
+        short,
+        lambda launch: _checked_launch(launch, q, k, v, decay, state_pool, state_indices, scale, out, check_indices),
+        lambda: (
+            tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(decay), tensor_sig(state_pool),
+            tensor_sig(state_indices), tensor_sig(out), *flags,
+        ),
+        lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out),
     )  # fmt: skip
-    launch = _plans.lookup(key, lambda: _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out))
-    out = _checked_launch(launch, q, k, v, decay, state_pool, state_indices, scale, out, check_indices)
-    if short is not None and getattr(launch, "checks_arguments", False):
-        _short_plans.put(short, launch)
-    return out
 
 
 def _checked_launch(launch, q, k, v, decay, state_pool, state_indices, scale, out, check_indices):
