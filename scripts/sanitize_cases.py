@@ -346,69 +346,60 @@ def kda_training_bwd_intra_fused():
 # one training call takes minutes, and a case is what the tools' processes share out.
 
 
-def _softplus_gate(*args, **kwargs):
-    # the softplus gate's backward in the stage-7 kernel (KdaTuning.bwd_intra_softplus_gate; its any_gate variant)
+def _training_with(tuning: dict, *args, **kwargs):
+    """One ``_kda_chunk`` training call under a KDA tuning override."""
     from cula.kda.plan import KDA_TUNING
 
-    with KDA_TUNING.override(bwd_intra_softplus_gate=True):
-        _kda_chunk(*args, grad=True, gate="softplus", **kwargs)
+    with KDA_TUNING.override(**tuning):
+        _kda_chunk(*args, grad=True, **kwargs)
+
+
+# the softplus gate's backward in the stage-7 kernel (KdaTuning.bwd_intra_softplus_gate; its any_gate variant)
+_SOFTPLUS = dict(bwd_intra_softplus_gate=True)
+# no l2norm_fwd before the backward (KdaTuning.bwd_norm_on_load): the recompute's intra kernel writing the 1 / norms
+# (write_rstd), stages 6 and 7 normalising the raw q / k as they read them (raw_qk), with the H200 entry's others
+_NORM_ON_LOAD = dict(bwd_norm_on_load=True)
+# the recompute prefix's h and v_new on cula's states kernel (KdaTuning.bwd_recompute_states)
+_RECOMPUTE_STATES = dict(bwd_recompute_states=True)
 
 
 @case
 def kda_training_softplus_gate():
-    _softplus_gate(2, 130, 2, 2)
+    _training_with(_SOFTPLUS, 2, 130, 2, 2, gate="softplus")
 
 
 @case
 def kda_training_softplus_gate_packed():
     # empty, one-token and partial chunks, GVA
-    _softplus_gate(1, [70, 0, 65, 1], 1, 2, v_first=True)
-
-
-def _norm_on_load(*args, **kwargs):
-    # no l2norm_fwd before the backward (KdaTuning.bwd_norm_on_load): the recompute's intra kernel writing the
-    # 1 / norms (write_rstd), stages 6 and 7 normalising the raw q / k as they read them (raw_qk), with the H200
-    # entry's other stages
-    from cula.kda.plan import KDA_TUNING
-
-    with KDA_TUNING.override(bwd_norm_on_load=True):
-        _kda_chunk(*args, grad=True, **kwargs)
+    _training_with(_SOFTPLUS, 1, [70, 0, 65, 1], 1, 2, v_first=True, gate="softplus")
 
 
 @case
 def kda_training_norm_on_load():
-    _norm_on_load(2, 130, 2, 2)
+    _training_with(_NORM_ON_LOAD, 2, 130, 2, 2)
 
 
 @case
 def kda_training_norm_on_load_packed():
     # empty, one-token and partial chunks, the [V, K] layout
-    _norm_on_load(1, [70, 0, 65, 1], 1, 1, v_first=True)
-
-
-def _recompute_states(*args, **kwargs):
-    # the recompute prefix's h and v_new on cula's states kernel (KdaTuning.bwd_recompute_states)
-    from cula.kda.plan import KDA_TUNING
-
-    with KDA_TUNING.override(bwd_recompute_states=True):
-        _kda_chunk(*args, grad=True, **kwargs)
+    _training_with(_NORM_ON_LOAD, 1, [70, 0, 65, 1], 1, 1, v_first=True)
 
 
 @case
 def kda_training_recompute_states():
-    _recompute_states(2, 130, 1, 2)  # GVA
+    _training_with(_RECOMPUTE_STATES, 2, 130, 1, 2)  # GVA
 
 
 @case
 def kda_training_recompute_states_packed():
     # empty, one-token and partial chunks, the [V, K] layout
-    _recompute_states(1, [70, 0, 65, 1], 1, 1, v_first=True)
+    _training_with(_RECOMPUTE_STATES, 1, [70, 0, 65, 1], 1, 1, v_first=True)
 
 
 @case
 def kda_training_recompute_states_graph():
     # FLA's graph mode: its static chunk list and offsets
-    _recompute_states(1, [70, 0, 65, 1, 0], 1, 1, graph=True)
+    _training_with(_RECOMPUTE_STATES, 1, [70, 0, 65, 1, 0], 1, 1, graph=True)
 
 
 @case
