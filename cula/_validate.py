@@ -240,8 +240,9 @@ def check_pool_indices(state_indices: torch.Tensor, pool_rows: int) -> None:
 def is_row_major(t: torch.Tensor) -> bool:
     """Strides exactly row-major, size-1 dims included.
 
-    ``is_contiguous()`` ignores the strides of size-1 dims (e.g. ``q[:, t:t+1]`` of a longer window); the
-    kernels' compact fake tensors, which TVM-FFI checks the arguments against, do not.
+    ``is_contiguous()`` ignores the strides of size-1 dims (e.g. ``x.transpose(0, 1)`` of a ``[1, B, ...]``
+    tensor), and so does TVM-FFI's check of an argument against its fake tensor; but a kernel that flattens
+    ``(B, T, ...)`` into tokens steps them by dim 1's stride whatever T is, so such a stride would be misread.
     """
     expect = 1
     for size, stride in zip(reversed(t.shape), reversed(t.stride())):

@@ -914,6 +914,12 @@ _CUTE_DTYPES = {"BFloat16": torch.bfloat16, "Float16": torch.float16, "Float32":
                 "Int32": torch.int32, "Int64": torch.int64}  # fmt: skip
 
 
+# launches that flatten (B, T, ...) token tensors with dim 1's stride (their argument positions): their entries take
+# the batch and token strides as free sizes, so a layout they misread passes TVM-FFI's checks
+_FLAT_TOKENS = {"ChunkKDAFwdSm90": (0, 1, 2, 3, 4, 8)}
+_MISREADS: list[str] = []  # launches the entry would take and the kernel misread (fake_kernels fails on any)
+
+
 def _check_launch(kernel: str, fakes: tuple, args: tuple) -> None:
     """The checks TVM-FFI makes of a launch's arguments against the compile-time fakes, and a few more: row-major
     tensors where the kernel was compiled for compact ones, finite scalars."""
@@ -921,7 +927,7 @@ def _check_launch(kernel: str, fakes: tuple, args: tuple) -> None:
 
     params = [f for f in fakes if type(f).__name__ != "_FakeStream"]
     assert len(args) == len(params), f"{kernel}: {len(args)} arguments for {len(params)} parameters"
-    sizes, device = {}, None
+    sizes, device, misread = {}, None, []
     for i, (fake, arg) in enumerate(zip(params, args)):
         where = f"{kernel} argument {i}"
         if fake is None:
@@ -939,12 +945,20 @@ def _check_launch(kernel: str, fakes: tuple, args: tuple) -> None:
                     seen = sizes.setdefault(id(size), n)
                     assert seen == n, f"{where}: dim {d} is {n}, another argument's {seen}"
                     assert n % size.divisibility == 0, f"{where}: dim {d} = {n}, not a multiple of {size.divisibility}"
-                if isinstance(stride, int):
+                if n == 1:
+                    pass  # TVM-FFI checks no stride of a size-1 dim (PyTorch gives those any value)
+                elif isinstance(stride, int):
                     assert arg.stride(d) == stride, f"{where}: stride {arg.stride()}, compiled for {fake.stride}"
                 else:
                     assert arg.stride(d) % stride.divisibility == 0, f"{where}: {arg.stride()} vs {fake.stride}"
             if getattr(fake, "_cula_compact", False):
                 assert is_row_major(arg), f"{where}: strides {arg.stride()} of {list(arg.shape)} not row-major"
+            if kernel in _FLAT_TOKENS and i in _FLAT_TOKENS[kernel]:
+                # what the entry does not check but the kernel assumes: token b T + t at (b T + t) dim-1 strides
+                # (recorded, not raised: a launch that raises is taken for the entry refusing, and validated in full)
+                B, T = arg.shape[:2]
+                if B != 1 and arg.stride(0) != T * arg.stride(1):
+                    misread.append(f"{where}: strides {arg.stride()} of {list(arg.shape)}")
             assert arg.data_ptr() % fake._assumed_align == 0, f"{where}: not {fake._assumed_align}-byte aligned"
             assert device in (None, arg.device), f"{where}: on {arg.device}, another argument on {device}"
             device = arg.device
@@ -952,6 +966,7 @@ def _check_launch(kernel: str, fakes: tuple, args: tuple) -> None:
             assert type(arg) in (int, float), f"{where}: {type(arg).__name__}, a {type(fake).__name__} scalar"
             if "Float" in type(fake).__name__:
                 assert math.isfinite(arg), f"{where}: scalar {arg}"
+    _MISREADS.extend(misread)  # every check above passed: the entry would launch
 
 
 @pytest.fixture
@@ -991,7 +1006,9 @@ def fake_kernels(monkeypatch, pretend_sm90, recorded):
         return launch
 
     monkeypatch.setattr(cutlass.cute, "compile", compile)
-    return events
+    _MISREADS.clear()
+    yield events
+    assert not _MISREADS, "launched with token layouts the kernel misreads:\n" + "\n".join(_MISREADS)
 
 
 # --------------------------------------------------------------------------------------------------------- tests
@@ -1156,6 +1173,30 @@ def test_gpu(spec, recorded, monkeypatch):
     _, outcomes = _fuzz(spec, "cuda", events, monkeypatch, _gpu_cases(spec), ratio=1e-2)
     torch.cuda.synchronize()  # a kernel fault would surface here, if not at one of the checks' reads
     assert not [o.label for o in outcomes if o.kind == "unavailable"]
+
+
+def test_token_layouts_a_repeated_chunk_kda_call_would_misread(fake_kernels):
+    """After a row-major call has cached its launch, the same shapes in layouts the fixed-length entry takes but
+    its flat token layout misreads (a slice in time, batch and time swapped in memory, one token whose dim-1 stride
+    is not the batch stride) go the general way, which copies them: ``fake_kernels`` fails on a misread launch."""
+
+    def relaid(tokens):  # batch and time swapped in memory (fresh strides, size-1 dims' too), same values
+        return {n: t.transpose(0, 1).clone(memory_format=torch.contiguous_format).transpose(0, 1)
+                for n, t in tokens.items()}  # fmt: skip
+
+    base = _chunk_kda_base("cpu")
+    one = dict(base, **_kda_tokens("cpu", T=1))
+    sliced = {n: t[:, :KT] for n, t in _kda_tokens("cpu", T=2 * KT).items()}
+    one_relaid = relaid(_kda_tokens("cpu", T=1))
+    # is_contiguous() and TVM-FFI alike ignore the stride of a size-1 dim, which the flat layout steps tokens by
+    assert one_relaid["q"].is_contiguous() and one_relaid["q"].stride(1) != one_relaid["q"].stride(0)
+    for call, layouts in ((base, (sliced, relaid(_kda_tokens("cpu")))), (one, (one_relaid,))):
+        for tokens in ({}, *layouts):  # the row-major call first: it caches the launch the others would find
+            try:
+                with torch.no_grad():
+                    _fn("cula.kda", "chunk_kda")(dict(call, **tokens))
+            except Routed:
+                pass  # FLA's kernels take it: no misread either
 
 
 def test_float64_gates_run_where_they_are_supported(fake_kernels, caplog):

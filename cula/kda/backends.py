@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from cula._validate import is_row_major
 from cula.backends import (
     BackendUnavailableError, Registry, always, cula_kernels_on, logger, needs_grad, package_on_cuda,
 )  # fmt: skip
@@ -99,7 +100,8 @@ _KERNEL_ALIGN = {"beta": 1, "A_log": 4}
 
 
 def _kernel_ready(name: str, t: torch.Tensor | None) -> bool:
-    return t is None or (t.is_contiguous() and t.data_ptr() % _KERNEL_ALIGN.get(name, 16) == 0)
+    # row-major strictly: the kernels step tokens by dim 1's stride, which is_contiguous() ignores with one token
+    return t is None or (is_row_major(t) and t.data_ptr() % _KERNEL_ALIGN.get(name, 16) == 0)
 
 
 def _ready_inputs(args: dict) -> dict:

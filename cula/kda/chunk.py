@@ -10,6 +10,7 @@ from cula._validate import (
     check_cu_seqlens_values,
     check_lower_bound,
     check_scale,
+    is_row_major,
     resolve_state_layout,
     take_extra_kwargs,
 )
@@ -246,6 +247,15 @@ def _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_s
             None if dt_bias is None else (dt_bias.shape, dt_bias.dtype),
         )  # fmt: skip
         if cu_seqlens is None:
+            # the fixed-length entry takes the batch and token strides as free sizes but addresses token b T + t
+            # at (b T + t) times the token stride (the bound launch's condition, row-major inputs): a batch stride
+            # other than T token strides (a slice in time, swapped dims) would be accepted and misread. With one
+            # token the token stride is any number to is_contiguous() and to TVM-FFI alike: checked in full then.
+            if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
+                    and beta.is_contiguous()):  # fmt: skip
+                return None
+            if q.shape[1] == 1 and not all(map(is_row_major, (q, k, v, g, beta))):
+                return None
             return (q.shape, v.shape, q.dtype, g.dtype, beta.dtype, *states, flags, forced_backend(),
                     _read_intra_mode(), grad, inference)  # fmt: skip
         qs, T = q.shape, q.shape[1]

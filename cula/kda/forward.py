@@ -26,6 +26,7 @@ import collections
 
 import torch
 
+from cula._validate import is_row_major
 from cula.kda.plan import (
     KDA_TUNING, gate_over_k, intra_any_gate, parallel_segments, time_segments, use_cula_intra,
 )  # fmt: skip
@@ -474,7 +475,7 @@ def prepare_chunk_kda_fwd_sm90(
         return None
     if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
         return None
-    if not all(t.is_contiguous() for t in (q, k, v, g, beta)):
+    if not all(is_row_major(t) for t in (q, k, v, g, beta)):  # the launches' flat token layout (strict: one token)
         return None
     if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         return None
