@@ -416,7 +416,8 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     ``chunk_indices`` / ``chunk_offsets`` are FLA's static ones: the intra kernel takes them through
     ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``).
     h and v_new come from cula's states kernel instead where ``KdaTuning.bwd_recompute_states`` says so (the same
-    arguments, FLA's shapes). ``qk_rstd`` (``norm_on_load``): also q's and k's 1 / norms from the same launch,
+    arguments, FLA's shapes); in graph mode kg starts as zeros, as in the forward (the sequences may end before the
+    last token, and that kernel's last box of a sequence reads the rows past it). ``qk_rstd`` (``norm_on_load``): also q's and k's 1 / norms from the same launch,
     ``[2, B, T, H]`` fp32 under that key."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
@@ -428,7 +429,7 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     w, u, qg, kg, _, g_cum, _ = _intra_cute(
         q, k, v, g, beta, p["scale"], cu32, rows, p["use_gate_in_kernel"], A_log, dt_bias,
         p["lower_bound"], p["use_qk_l2norm_in_kernel"], p["use_beta_sigmoid_in_kernel"], p["allow_neg_eigval"],
-        full_g_cum=True, given_akk=Akk, qk_rstd=rstd,
+        full_g_cum=True, given_akk=Akk, qk_rstd=rstd, zero_kg=bool(p.get("use_graph")),
     )  # fmt: skip
     fwd_h = chunk_gated_delta_rule_fwd_h
     if _entry(q.device).bwd_recompute_states:
