@@ -133,7 +133,7 @@ def test_no_binary_and_no_dsl_declines(monkeypatch, pretend_sm90, caplog):
     monkeypatch.setattr(cula.backends, "_has_prebuilt", lambda arch: True)  # a wheel, lacking this variant
     monkeypatch.setattr(cache, "dsl_installed", lambda: False)
     monkeypatch.setattr(cache, "_CACHE", {})
-    monkeypatch.setattr(ldec, "_plans", cula.backends.PlanCache())
+    monkeypatch.setattr(ldec, "_plans", cula.backends.StepPlans())
     caplog.set_level(logging.INFO, logger="cula")
     N, HV, D = 2, 2, 64
     q, k, v = torch.randn(N, 1, 1, D), torch.randn(N, 1, 1, D), torch.randn(N, 1, HV, D)
