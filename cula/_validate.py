@@ -253,7 +253,8 @@ def is_row_major(t: torch.Tensor) -> bool:
 
 
 def is_dense(t: torch.Tensor) -> bool:
-    """Exactly row-major and 16-byte aligned: what the kernels' compact fake tensors accept as is."""
+    """Exactly row-major and 16-byte aligned: the layout the kernels' compact fake tensors describe (TVM-FFI itself
+    checks only their static strides, each symbolic one's divisibility and the alignment)."""
     return is_row_major(t) and t.data_ptr() % 16 == 0
 
 

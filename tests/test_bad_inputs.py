@@ -921,10 +921,9 @@ _MISREADS: list[str] = []  # launches the entry would take and the kernel misrea
 
 
 def _check_launch(kernel: str, fakes: tuple, args: tuple) -> None:
-    """The checks TVM-FFI makes of a launch's arguments against the compile-time fakes, and a few more: row-major
-    tensors where the kernel was compiled for compact ones, finite scalars."""
-    from cula._validate import is_row_major
-
+    """The checks TVM-FFI makes of a launch's arguments against the compile-time fakes (a compact fake's strides
+    that depend on symbolic sizes are free symbols there, checked for divisibility only), and a few more: finite
+    scalars, and the token layouts a flattening kernel misreads (``_FLAT_TOKENS``)."""
     params = [f for f in fakes if type(f).__name__ != "_FakeStream"]
     assert len(args) == len(params), f"{kernel}: {len(args)} arguments for {len(params)} parameters"
     sizes, device, misread = {}, None, []
@@ -951,8 +950,6 @@ def _check_launch(kernel: str, fakes: tuple, args: tuple) -> None:
                     assert arg.stride(d) == stride, f"{where}: stride {arg.stride()}, compiled for {fake.stride}"
                 else:
                     assert arg.stride(d) % stride.divisibility == 0, f"{where}: {arg.stride()} vs {fake.stride}"
-            if getattr(fake, "_cula_compact", False):
-                assert is_row_major(arg), f"{where}: strides {arg.stride()} of {list(arg.shape)} not row-major"
             if kernel in _FLAT_TOKENS and i in _FLAT_TOKENS[kernel]:
                 # what the entry does not check but the kernel assumes: token b T + t at (b T + t) dim-1 strides
                 # (recorded, not raised: a launch that raises is taken for the entry refusing, and validated in full)
@@ -984,18 +981,6 @@ def fake_kernels(monkeypatch, pretend_sm90, recorded):
     events, state = recorded
     state["routed_fla"] = True
     monkeypatch.setattr(cula.cache, "_CACHE", {})  # no real kernel compiled by an earlier test, no stub kept after
-    real_compact = cutlass.cute.runtime.make_fake_compact_tensor
-
-    def compact(*args, **kwargs):
-        fake = real_compact(*args, **kwargs)
-        fake._cula_compact = True
-        return fake
-
-    for mod in (cutlass.cute.runtime, cula.ops.kda.sm90.decode_kernel, cula.ops.lightning.sm90.decode_kernel,
-                cula.ops.lightning.sm90.chunk_fwd_kernel):  # fmt: skip
-        if hasattr(mod, "make_fake_compact_tensor"):
-            monkeypatch.setattr(mod, "make_fake_compact_tensor", compact)
-
     def compile(kernel, *fakes, options=None):
         name = type(kernel).__name__
 

@@ -336,8 +336,8 @@ def _decode_cula_sm90(
     from cula.kda.plan import kda_decode_sm90
 
     gate = gate_kind(use_gate_in_kernel, lower_bound)
-    # The kernel's compact fake tensors want exact row-major strides (size-1 dims included); decode inputs
-    # are a few KB per sequence, so a copy of an odd-strided one costs less than leaving the kernel.
+    # The kernel was compiled for row-major tensors (compact fakes); decode inputs are a few KB per sequence, so a
+    # copy of an odd-strided one costs little and keeps the first call of a signature on the layout it was built for.
     q, k, v, g, beta, state_indices = (dense(t) for t in (q, k, v, g, beta, state_indices))
     A_log, dt_bias = (None if t is None else dense(t) for t in (A_log, dt_bias))
     o = out if is_dense(out) else torch.empty_like(out, memory_format=torch.contiguous_format)  # row-major

@@ -417,8 +417,8 @@ def recompute_prefix(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     ``cula_chunk_rows``, FLA's recurrence as they are (it walks each sequence's chunks from ``chunk_offsets``).
     h and v_new come from cula's states kernel instead where ``KdaTuning.bwd_recompute_states`` says so (the same
     arguments, FLA's shapes); in graph mode kg starts as zeros, as in the forward (the sequences may end before the
-    last token, and that kernel's last box of a sequence reads the rows past it). ``qk_rstd`` (``norm_on_load``): also q's and k's 1 / norms from the same launch,
-    ``[2, B, T, H]`` fp32 under that key."""
+    last token, and that kernel's last box of a sequence reads the rows past it). ``qk_rstd`` (``norm_on_load``):
+    also q's and k's 1 / norms from the same launch, ``[2, B, T, H]`` fp32 under that key."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
     from cula.kda.forward import _intra_cute

@@ -63,7 +63,8 @@ def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_stat
         lightning_states_sm90(dense(k), dense(v), decay, initial_state, final, cu_seqlens,
                               state_v_first=state_v_first)  # fmt: skip
         return None, final
-    # the kernel's compiled signature takes row-major, 16-byte aligned tensors (TVM-FFI refuses the rest)
+    # the kernel's compiled signature describes row-major, 16-byte aligned tensors (TVM-FFI checks the inner strides
+    # and the alignment)
     lightning_fwd_sm90(
         dense(q),
         dense(k),
