@@ -261,6 +261,8 @@ def _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_s
         qs, T = q.shape, q.shape[1]
         if k.shape[1] != T or v.shape[1] != T or g.shape[1] != T or beta.shape[1] != T:
             return None
+        if T == 1 and not all(map(is_row_major, (q, k, v, g, beta))):
+            return None  # one token: a free token stride TVM-FFI checks no divisibility of (a TMA stride)
         return (
             "packed", qs[0], qs[2:], k.shape[2:], v.shape[2:], g.shape[2:], beta.shape[2:], q.dtype, k.dtype,
             v.dtype, g.dtype, beta.dtype, q.device, cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device,
