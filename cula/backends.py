@@ -388,6 +388,7 @@ class StepPlans:
     def __init__(self, maxsize: int = 64):
         self.full = PlanCache(maxsize)
         self.short = PlanCache(maxsize)
+        _STEP_PLANS.add(self)  # clear_plan_caches forgets the last launch too
         # the last short key run and its launch: a serving loop repeats one signature, and a step that compares
         # its key with this one skips the closures and lookups of ``run`` (the decode steps' fast path)
         self.last_key: tuple | None = None
@@ -427,7 +428,9 @@ class DerivedTensors:
     (parameter, tag) while the parameter is the same, unmodified tensor: a repeated call launches nothing for them.
 
     An entry holds its parameter, so the object (and its address) cannot be reused by another tensor while cached;
-    an in-place change bumps the parameter's ``_version`` and remakes the entry. While a CUDA graph is captured the
+    an in-place change bumps the parameter's ``_version`` and remakes the entry. An inference tensor (made under
+    ``torch.inference_mode``) keeps no version counter: changed in place, its entry is not remade, so such a
+    parameter must be replaced by a new tensor instead (USAGE.md says so). While a CUDA graph is captured the
     tensors are made inside the capture and never cached: the graph owns them and recomputes them at each replay,
     so no later eviction can free memory a graph reads. ``maxsize`` covers a model's layers (one parameter each)
     times a few call layouts."""
@@ -458,6 +461,7 @@ class DerivedTensors:
 
 
 _PLAN_CACHES: weakref.WeakSet[PlanCache] = weakref.WeakSet()
+_STEP_PLANS: weakref.WeakSet[StepPlans] = weakref.WeakSet()
 
 
 def clear_plan_caches() -> None:
@@ -465,3 +469,5 @@ def clear_plan_caches() -> None:
     (what a caller that records the chosen backend, e.g. the benchmarks, needs)."""
     for cache in list(_PLAN_CACHES):
         cache.clear()
+    for plans in list(_STEP_PLANS):
+        plans.last_key = plans.last_launch = None

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cula.ops._host import sm_count
+from cula.ops._host import GRID_YZ_MAX, sm_count
 
 SEGMENT_ALIGN = 64  # the kernel's chunk: a segment of whole chunks adds no partial chunk but the last
 
@@ -135,13 +135,22 @@ def plan_call(thresholds: SplitThresholds | None, B: int, T: int, num_value_head
               device: torch.device) -> SplitPlan | None:
     """``plan_time_split`` for one call of an op whose GPU tuning entry has ``thresholds``: its lengths from the
     shapes or ``cu_seqlens_cpu`` only (never a read of ``cu_seqlens``: no sync, so the same call is always cut the
-    same way and can be captured in a CUDA graph), the SM count of its device. None: run it whole."""
+    same way and can be captured in a CUDA graph), the SM count of its device. None: run it whole (also a packed
+    call while a CUDA graph captures, and a cut into more segments than the kernels' grid holds)."""
     if thresholds is None:
+        return None
+    if cu_seqlens is not None and cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        # a captured packed call replays on whatever boundaries the buffer then holds (its chunk list is built on
+        # the device), while a cut would fix the capture's segments: run it whole
         return None
     lengths = call_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
     if lengths is None:
         return None
-    return plan_time_split(lengths, num_value_heads, sm_count(device.index or 0), thresholds)
+    plan = plan_time_split(lengths, num_value_heads, sm_count(device.index or 0), thresholds)
+    # the cut call's kernels put its segments (twice as many with the state kernel's halves) in grid y / z
+    if plan is not None and 2 * plan.num_segments > GRID_YZ_MAX:
+        return None
+    return plan
 
 
 def call_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...] | None:

@@ -626,3 +626,16 @@ def test_unbounded_gates_take_the_any_gate_variant(counted, fake_sm90, kda_tunin
     for calls in (general, fake_sm90):
         intra_kw = [kw for name, kw, _ in calls if name == "intra"]
         assert intra_kw and all(kw.get("any_gate", False) == (not bounded) for kw in intra_kw)
+
+
+def test_fixed_length_short_key_holds_the_device():
+    """The fixed-length launch allocates its outputs on the device it was planned for: the same shapes on another
+    device must not find it (it would be refused by the entry and re-planned on every call, its buffers made on the
+    other GPU)."""
+    keys = []
+    for device in ("cpu", "meta"):
+        q = torch.zeros(2, 64, 1, 128, device=device, dtype=torch.bfloat16)
+        g = torch.zeros(2, 64, 1, 128, device=device)
+        beta = torch.zeros(2, 64, 1, device=device)
+        keys.append(chunk_mod._short_key(q, q, q, g, beta, None, None, None, None, None, (), False, True))
+    assert None not in keys and keys[0] != keys[1]

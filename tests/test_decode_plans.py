@@ -594,3 +594,20 @@ def test_fused_recurrent_kda_fwd_repeats_skip_validation(monkeypatch):
         fused_recurrent_kda_fwd(q, k, v, g[..., :2], beta, **kw)
     with pytest.raises(ValueError, match="A_log"):
         fused_recurrent_kda_fwd(q, k, v, g, beta, **dict(kw, A_log=None))
+
+
+def test_clear_plan_caches_forgets_a_steps_last_launch():
+    """A decode step's last-launch fast path is part of the plan caches: a tuning override or a benchmark's
+    clear_plan_caches must reach it, or the step keeps running the launch planned under the old numbers."""
+    from cula.backends import clear_plan_caches
+
+    plans = StepPlans()
+    plans.run(("k",), lambda launch: launch(), lambda: ("full",), lambda: _checking(lambda: 1))
+    assert plans.last_key == ("k",) and plans.last_launch is not None
+    clear_plan_caches()
+    assert plans.last_key is None and plans.last_launch is None and len(plans) == 0
+
+
+def _checking(fn):
+    fn.checks_arguments = True
+    return fn

@@ -75,3 +75,29 @@ def test_training_glue_matches_reference_autograd(monkeypatch, gva, varlen, stat
     (o_r.pow(2).sum() + ht_r.pow(2).sum()).backward()
     for name, a, b in zip(("dq", "dk", "dv", "dh0"), ref, ours):
         assert_close(name, a.grad, b.grad, 1e-6)
+
+
+def test_backward_hands_fla_a_fresh_boundaries_alias(monkeypatch):
+    """FLA's index helpers memoise on a tensor's identity: a training loop that rewrites its cu_seqlens buffer in
+    place between steps must not get the previous step's chunks, so each backward hands FLA a fresh alias."""
+    import fla.ops.simple_gla.chunk as fla_chunk
+    import fla.ops.utils as fla_utils
+
+    seen = []
+
+    def indices(cu, chunk_size, cu_seqlens_cpu=None):
+        seen.append(cu)
+        return torch.zeros(0, 2, dtype=torch.int32)
+
+    def bwd(q, k, v, **kw):
+        seen.append(kw["cu_seqlens"])
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
+
+    monkeypatch.setattr(fla_utils, "prepare_chunk_indices", indices)
+    monkeypatch.setattr(fla_chunk, "chunk_simple_gla_bwd", bwd)
+    q = torch.zeros(1, 8, 1, 64)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    for _ in range(2):
+        sb.lightning_backward(q, q, q, None, None, cu, cu.clone(), 0.125, False, q, None)
+    assert len(seen) == 4 and all(t is not cu and torch.equal(t, cu) for t in seen)
+    assert seen[0] is seen[1] and seen[2] is not seen[0]  # one alias a backward, a new one the next

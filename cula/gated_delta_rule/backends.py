@@ -26,6 +26,7 @@ import torch
 from cula._validate import check_scale
 from cula.backends import DerivedTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 from cula.kda.plan import gate_over_k
+from cula.ops._host import sequences_verdict
 
 chunk_gdn_registry = Registry("gated_delta_rule.chunk_gated_delta_rule")
 fused_recurrent_gdn_registry = Registry("gated_delta_rule.fused_recurrent_gated_delta_rule")
@@ -36,7 +37,8 @@ REFERENCE_PRIORITY = 90
 
 
 def _cula_chunk_supports(
-    q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, chunk_size=64, cp_context=None, **_
+    q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, chunk_size=64, cp_context=None, cu_seqlens=None,
+    **_,
 ) -> tuple:  # fmt: skip
     from cula.gated_delta_rule.plan import GDN_TUNING
 
@@ -54,7 +56,7 @@ def _cula_chunk_supports(
     kernel_floats = (torch.bfloat16, torch.float16, torch.float32)
     if g.dtype not in kernel_floats or beta.dtype not in kernel_floats:
         return False, f"g dtype {g.dtype} / beta dtype {beta.dtype} (kernels take bf16 / fp16 / fp32)"
-    return True, None
+    return sequences_verdict(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
 
 
 @chunk_gdn_registry.register(

@@ -20,6 +20,7 @@ from cula.backends import (
     BackendUnavailableError, Registry, always, cula_kernels_on, logger, needs_grad, package_on_cuda,
 )  # fmt: skip
 from cula.cache import VariantUnavailableError
+from cula.ops._host import sequences_verdict
 
 chunk_kda_registry = Registry("kda.chunk_kda")
 fused_recurrent_kda_registry = Registry("kda.fused_recurrent_kda")
@@ -63,6 +64,9 @@ def _cula_chunk_supports(
         return False, f"chunk_size={chunk_size} (kernel takes 64)"
     if cp_context is not None or return_intermediate_states:
         return False, "cp_context / return_intermediate_states run on fla"
+    fits, why = sequences_verdict(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+    if not fits:
+        return False, why
     if use_graph and cu_seqlens is not None:
         from cula.kda.plan import use_cula_intra
 
@@ -191,6 +195,11 @@ def _training_backward(saved, p, do, dht, kept=None):
     from cula.kda import fla_backward
 
     q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, Aqk, Akk = saved
+    if cu is not None:
+        # FLA's helpers memoise on a tensor's identity (fla.utils.tensor_cache: its stages fill in chunk offsets
+        # from cu_seqlens that way): a fresh alias each backward, so a boundaries buffer rewritten in place between
+        # steps never meets the previous boundaries' offsets
+        cu = cu.view(-1)
     fused_gate = p["use_gate_in_kernel"]
     # what FLA's chunk_kda hands ChunkKDAFunction: contiguous tensors, the gate parameters only with the fused gate
     q, k, v, g_raw, beta_raw = (t.contiguous() for t in (q, k, v, g, beta))

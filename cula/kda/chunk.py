@@ -256,7 +256,8 @@ def _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_s
                 return None
             if q.shape[1] == 1 and not all(map(is_row_major, (q, k, v, g, beta))):
                 return None
-            return (q.shape, v.shape, q.dtype, g.dtype, beta.dtype, *states, flags, forced_backend(),
+            # (the device too: the launch allocates its outputs there)
+            return (q.shape, v.shape, q.dtype, q.device, g.dtype, beta.dtype, *states, flags, forced_backend(),
                     _read_intra_mode(), grad, inference)  # fmt: skip
         qs, T = q.shape, q.shape[1]
         if k.shape[1] != T or v.shape[1] != T or g.shape[1] != T or beta.shape[1] != T:

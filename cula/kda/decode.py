@@ -22,7 +22,7 @@ from cula._validate import (
 from cula.backends import (
     Registry, StepPlans, always, cula_kernels_on, forced_backend, tensor_sig, token_sigs,
 )  # fmt: skip
-from cula.ops._host import gate_kind
+from cula.ops._host import gate_kind, int32_offsets_verdict
 
 kda_decode_registry = Registry("kda.kda_decode")
 # Validated launches by call signature, and by a short key (shapes, dtypes, flags) for those whose compiled entry
@@ -278,6 +278,9 @@ def _cula_supports(q, k, v, g, state_pool, state_v_first, step_states=None, **_)
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
     if step_states is not None and not is_dense(step_states):
         return False, "step_states is not row-major and 16-byte aligned"
+    fits, why = int32_offsets_verdict(q.shape, v.shape, g.shape)
+    if not fits:
+        return False, why
     return pool_layout_verdict(state_pool, q.shape[-1], v.shape[-1], state_v_first)
 
 

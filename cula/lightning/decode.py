@@ -18,6 +18,7 @@ from cula._validate import (
     pool_layout_verdict,
 )
 from cula.backends import Registry, StepPlans, always, cula_kernels_on, forced_backend, tensor_sig
+from cula.ops._host import int32_offsets_verdict
 
 lightning_decode_registry = Registry("lightning.lightning_decode")
 # validated launches by call signature, and by a short key for those whose compiled entry checks its own arguments
@@ -197,6 +198,9 @@ def _cula_supports(q, v, state_pool, state_v_first, **_) -> tuple:
     K, V = q.shape[-1], v.shape[-1]
     if (K, V) not in ((64, 64), (128, 128)):
         return False, f"head sizes K={K} V={V} (kernel takes K = V in {{64, 128}})"
+    fits, why = int32_offsets_verdict(q.shape, v.shape)
+    if not fits:
+        return False, why
     return pool_layout_verdict(state_pool, K, V, state_v_first)
 
 

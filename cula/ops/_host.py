@@ -28,6 +28,30 @@ GATES = ("none", "softplus", "lower_bound")
 ROW_FACTORS = 4
 
 
+# CUDA's limit on gridDim.y and .z, where the chunk kernels put sequences (or time segments): a call with more is
+# declined by the backends' verdicts (FLA's kernels, which put sequences in grid x, take it)
+GRID_YZ_MAX = 65535
+
+
+def sequences_verdict(num_seqs: int, what: str = "sequences") -> tuple[bool, str | None]:
+    """Whether ``num_seqs`` sequences fit one launch of the chunk kernels (``GRID_YZ_MAX``), with the reason."""
+    if num_seqs > GRID_YZ_MAX:
+        return False, f"{num_seqs} {what} in one call (the kernels' grid holds at most {GRID_YZ_MAX})"
+    return True, None
+
+
+def int32_offsets_verdict(*shapes: tuple[int, ...]) -> tuple[bool, str | None]:
+    """Whether every tensor of ``shapes`` has fewer than 2^31 elements: the decode kernels' activations are compiled
+    with 32-bit strides (their offsets are 32-bit products)."""
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        if n >= 2**31:
+            return False, f"{n} elements in one activation tensor (the decode kernels index them with 32-bit offsets)"
+    return True, None
+
+
 def gate_kind(use_gate_in_kernel: bool, lower_bound: float | None) -> str:
     """The kernels' gate for FLA's flags (FLA applies ``lower_bound`` only through the fused gate)."""
     if not use_gate_in_kernel:

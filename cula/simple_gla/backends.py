@@ -12,6 +12,7 @@ import torch
 
 from cula._validate import dense
 from cula.backends import DerivedTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.ops._host import sequences_verdict
 
 chunk_simple_gla_registry = Registry("simple_gla.chunk_simple_gla")
 fused_recurrent_simple_gla_registry = Registry("simple_gla.fused_recurrent_simple_gla")
@@ -23,14 +24,14 @@ RCP_LN2 = 1.4426950408889634  # FLA's backward kernels take the log decay in bas
 
 
 
-def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, **_) -> tuple:
+def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, cu_seqlens=None, **_) -> tuple:
     if g is not None:
         return False, "data-dependent g (the kernel takes a constant per-head decay, g_gamma)"
     if q.dtype != torch.bfloat16:
         return False, f"q dtype {q.dtype} (kernel takes bf16)"
     if q.shape[-1] != v.shape[-1] or q.shape[-1] not in (64, 128):
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
-    return True, None
+    return sequences_verdict(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
 
 
 # the kernel's decay (-g_gamma in fp32) by g_gamma tensor: a repeated call launches nothing for it
@@ -113,6 +114,9 @@ def lightning_backward(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_c
         qx, kx = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     chunk_indices = None
     if cu_seqlens is not None:
+        # a fresh alias: FLA's helpers memoise on a tensor's identity, and a boundaries buffer rewritten in place
+        # between steps would otherwise get the previous boundaries' chunks
+        cu_seqlens = cu_seqlens.view(-1)
         chunk_indices = prepare_chunk_indices(cu_seqlens, 64, cu_seqlens_cpu=cu_seqlens_cpu)
     dq, dk, dv, _, dh0 = chunk_simple_gla_bwd(
         q=qx, k=kx, v=v, g=None, g_gamma=None if g_gamma is None else g_gamma.float() * RCP_LN2,
