@@ -14,6 +14,8 @@ from typing import Any, Iterable
 
 import torch
 
+from cula.backends import DerivedTensors
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -235,6 +237,44 @@ def check_pool_indices(state_indices: torch.Tensor, pool_rows: int) -> None:
         top = int(state_indices.max())
         if top >= pool_rows:
             raise ValueError(f"`state_indices` has {top}, out of range for a pool of {pool_rows} rows")
+
+
+_HALF_FLOATS = (torch.bfloat16, torch.float16)
+
+
+def gate_params_fp32(A_log, dt_bias):
+    """``(A_log, dt_bias)`` in fp32 where they come as bf16 / fp16 (anything else as given, for validation to
+    judge). FLA's kernels read both as fp32 whatever their dtype, and FLA's layers hand their parameters straight
+    in, bf16 once a model is cast to it. A parameter autograd tracks gets a differentiable cast each call; any other
+    its fp32 copy once (``cula.backends.DerivedTensors``: a repeated call then launches no cast, and the copy keeps
+    the identity the plans' derived tensors are keyed on)."""
+    if isinstance(A_log, torch.Tensor) and A_log.dtype in _HALF_FLOATS:
+        A_log = _fp32(A_log)
+    if isinstance(dt_bias, torch.Tensor) and dt_bias.dtype in _HALF_FLOATS:
+        dt_bias = _fp32(dt_bias)
+    return A_log, dt_bias
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    if t.requires_grad and torch.is_grad_enabled():
+        return t.float()
+    return _FP32_COPIES.get(t, t.device, ("fp32",), t.float)
+
+
+_FP32_COPIES = DerivedTensors()  # the fp32 copies of half-precision gate parameters
+
+
+def gate_kwargs_fp32(kwargs: dict) -> dict:
+    """``kwargs`` with ``gate_params_fp32`` applied to its ``A_log`` / ``dt_bias`` (a copy only where one is cast)."""
+    A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+    cast = gate_params_fp32(A_log, dt_bias)
+    if cast[0] is A_log and cast[1] is dt_bias:
+        return kwargs
+    out = dict(kwargs)
+    for name, t in zip(("A_log", "dt_bias"), cast):
+        if name in kwargs:
+            out[name] = t
+    return out
 
 
 def is_row_major(t: torch.Tensor) -> bool:

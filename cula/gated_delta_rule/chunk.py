@@ -10,6 +10,7 @@ from cula._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_cu_seqlens,
+    gate_kwargs_fp32,
     check_qkv,
     check_scale,
     check_state,
@@ -100,6 +101,8 @@ def chunk_gated_delta_rule(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
     """
+    if kwargs:  # FLA's kernels take bf16 / fp16 A_log and dt_bias (a model cast to bf16): fp32 from here on
+        kwargs = gate_kwargs_fp32(kwargs)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::chunk_gated_delta_rule op instead
         return _custom_ops.chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -6,7 +6,9 @@ import torch
 from torch.compiler import is_compiling
 
 from cula import _custom_ops
-from cula._validate import FLOAT_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
+from cula._validate import (
+    FLOAT_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, take_extra_kwargs,
+)  # fmt: skip
 from cula.gated_delta_rule.backends import fused_recurrent_gdn_registry
 from cula.gated_delta_rule.chunk import check_gdn_activations, check_gdn_inputs
 
@@ -48,6 +50,7 @@ def fused_recurrent_gated_delta_rule(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
     """
+    A_log, dt_bias = gate_params_fp32(A_log, dt_bias)  # bf16 / fp16 parameters as FLA's kernels take them
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::fused_recurrent_gated_delta_rule op
         return _custom_ops.fused_recurrent_gated_delta_rule(
             q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -10,6 +10,7 @@ from cula._validate import (
     check_cu_seqlens_values,
     check_lower_bound,
     check_scale,
+    gate_kwargs_fp32,
     is_row_major,
     resolve_state_layout,
     take_extra_kwargs,
@@ -104,6 +105,8 @@ def chunk_kda(
     Backends (first that supports the call): ``cula-sm90`` CuTe DSL kernels on Hopper, ``fla`` (FLA's
     Triton), ``reference`` (float32 PyTorch, the CPU path). ``CULA_BACKEND=<name>`` forces one.
     """
+    if kwargs:  # FLA's kernels take bf16 / fp16 A_log and dt_bias (a model cast to bf16): fp32 from here on
+        kwargs = gate_kwargs_fp32(kwargs)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::chunk_kda op instead
         return _custom_ops.chunk_kda(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,

@@ -6,7 +6,9 @@ import torch
 from torch.compiler import is_compiling
 
 from cula import _custom_ops
-from cula._validate import INDEX_DTYPES, check_scale, check_tensor, resolve_state_layout, take_extra_kwargs
+from cula._validate import (
+    INDEX_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, take_extra_kwargs,
+)  # fmt: skip
 from cula.backends import PlanCache, call_signature
 from cula.kda._args import check_kda_inputs, dispatch_kda_call
 from cula.kda.backends import fused_recurrent_kda_registry
@@ -59,6 +61,7 @@ def fused_recurrent_kda(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
     """
+    A_log, dt_bias = gate_params_fp32(A_log, dt_bias)  # bf16 / fp16 parameters as FLA's kernels take them
     if is_compiling() and _custom_ops.routes():  # torch.compile traces cula's ops instead
         return _custom_ops.fused_recurrent_kda(
             q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -124,6 +127,7 @@ def fused_recurrent_kda_fwd(
     ``out`` (``[B, T, HV, V]``) receives the output when given. Other arguments as
     :func:`fused_recurrent_kda`.
     """
+    A_log, dt_bias = gate_params_fp32(A_log, dt_bias)  # bf16 / fp16 parameters as FLA's kernels take them
     if is_compiling() and _custom_ops.routes():  # torch.compile traces cula's ops instead
         return _custom_ops.fused_recurrent_kda_fwd(
             q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
