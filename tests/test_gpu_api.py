@@ -296,7 +296,7 @@ def test_gated_delta_rule_cuda(case):
     assert_close("ht vs fla", ht_f, ht, TOL)
     qn = torch.nn.functional.normalize(q.double(), dim=-1)
     kn = torch.nn.functional.normalize(k.double(), dim=-1)
-    ro, rt = naive_recurrent_gated_delta_rule(qn, kn, v.double(), g.double(), beta.double(),
+    ro, rt = naive_recurrent_gated_delta_rule(qn, kn, v.double(), g=g.double(), beta=beta.double(),
                                               initial_state=h0.double(), output_final_state=True, cu_seqlens=cu)
     assert_close("o vs ref", ro, o, TOL)
     assert_close("ht vs ref", rt, ht, TOL)

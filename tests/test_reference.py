@@ -425,7 +425,7 @@ def test_gdn_chunk_matches_recurrent(case):
         "state_v_first": vf,
         "cu_seqlens": make_cu_seqlens(lens) if lens else None,
     }
-    o_r, s_r = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+    o_r, s_r = naive_recurrent_gated_delta_rule(q, k, v, beta, g, **kw)
     o_c, s_c = naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=C, **kw)
     _close(o_r, o_c, TIGHT)
     _close(s_r, s_c, TIGHT, "state")
@@ -433,7 +433,7 @@ def test_gdn_chunk_matches_recurrent(case):
 
 def test_gdn_recurrent_matches_oracle():
     q, k, v, g, beta, h0 = _inputs(2, 20, 2, 4, 8, 4, seed=12, scalar_gate=True)
-    o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=h0, output_final_state=True)
     o_ref, s_ref = _oracle(q, k, v, gk=g[..., None].expand(-1, -1, -1, 8), beta=beta, h0=h0)
     _close(o_ref, o, TIGHT)
     _close(s_ref, s, TIGHT, "state")
@@ -444,9 +444,9 @@ def test_gdn_vs_fla_naive():
     from fla.ops.gated_delta_rule import naive as fla_gdn
 
     q, k, v, g, beta, h0 = _inputs(2, 100, 2, 2, 16, 16, seed=13, scalar_gate=True)
-    o, s = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = naive_recurrent_gated_delta_rule(q, k, v, beta, g, initial_state=h0, output_final_state=True)
     f32 = [x.float() for x in (q, k, v, g, beta)]
-    # FLA's naive recurrent takes beta before g; its naive chunk takes chunk_size sixth
+    # the same positional call as FLA's (beta before g in the recurrent form; chunk_size sixth in the chunk form)
     o_f, s_f = fla_gdn.naive_recurrent_gated_delta_rule(
         f32[0], f32[1], f32[2], f32[4], f32[3], initial_state=h0.float(), output_final_state=True
     )
@@ -501,7 +501,7 @@ def test_reference_chunk_gdn_preprocessing(form):
     )
     ge = -A_log.exp() * F.softplus(g_raw + dt_bias)
     o_e, s_e = naive_recurrent_gated_delta_rule(
-        _l2(q), _l2(k), v, ge, 2 * b_raw.sigmoid(), cu_seqlens=cu, output_final_state=True
+        _l2(q), _l2(k), v, g=ge, beta=2 * b_raw.sigmoid(), cu_seqlens=cu, output_final_state=True
     )
     _close(o_e, o, TIGHT)
     _close(s_e, s, 1e-7, "state")
@@ -551,7 +551,7 @@ def test_reference_fused_recurrent_gdn_gate_in_kernel():
         dt_bias=dt_bias,
         use_qk_l2norm_in_kernel=True,
     )
-    o_e, _ = naive_recurrent_gated_delta_rule(_l2(q), _l2(k), v, gdn_gate(g_raw, A_log, dt_bias), beta)
+    o_e, _ = naive_recurrent_gated_delta_rule(_l2(q), _l2(k), v, g=gdn_gate(g_raw, A_log, dt_bias), beta=beta)
     _close(o_e, o, TIGHT)
 
 
@@ -595,8 +595,8 @@ def test_simple_gla_chunk_matches_recurrent(case, reverse):
         "cu_seqlens": make_cu_seqlens(lens) if lens else None,
         "reverse": reverse,
     }
-    o_r, s_r = naive_recurrent_simple_gla(q, k, v, g, g_gamma, **kw)
-    o_c, s_c = naive_chunk_simple_gla(q, k, v, g, g_gamma, chunk_size=C, **kw)
+    o_r, s_r = naive_recurrent_simple_gla(q, k, v, g, g_gamma=g_gamma, **kw)
+    o_c, s_c = naive_chunk_simple_gla(q, k, v, g, g_gamma=g_gamma, chunk_size=C, **kw)
     _close(o_r, o_c, TIGHT)
     _close(s_r, s_c, TIGHT, "state")
     if lens is None:
@@ -906,3 +906,32 @@ def test_gpu_reference_simple_gla_vs_fla(reverse):
         o_f, s_f = chunk_simple_gla(q, k, v, None, g_gamma, **kw)
         _close(o_r, o_f, GPU_TOL, "o(g_gamma)")
         _close(s_r, s_f, GPU_TOL, "state(g_gamma)")
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("kda", "naive_recurrent_kda"),
+        ("kda", "naive_chunk_kda"),
+        ("gated_delta_rule", "naive_recurrent_gated_delta_rule"),
+        ("gated_delta_rule", "naive_chunk_gated_delta_rule"),
+        ("simple_gla", "naive_recurrent_simple_gla"),
+        ("simple_gla", "naive_chunk_simple_gla"),
+    ],
+)
+def test_naive_functions_take_flas_positional_arguments(module, name):
+    """``cula.<op>.naive`` mirrors ``fla.ops.<op>.naive``: a function of the same name takes FLA 0.6.0's
+    parameters in FLA's order with FLA's defaults (the same positional call means the same thing in both), and
+    cula's extras only by keyword."""
+    import importlib
+    import inspect
+
+    pytest.importorskip("fla")
+    ours = inspect.signature(getattr(importlib.import_module(f"cula.{module}.naive"), name)).parameters
+    theirs = inspect.signature(getattr(importlib.import_module(f"fla.ops.{module}.naive"), name)).parameters
+    positional = [p for p in ours.values() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert [p.name for p in positional] == list(theirs), (name, [p.name for p in positional], list(theirs))
+    for p in positional:
+        if theirs[p.name].default is not inspect.Parameter.empty:
+            assert p.default == theirs[p.name].default, (name, p.name, p.default, theirs[p.name].default)
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours.values() if p.name not in theirs)

@@ -6,9 +6,10 @@ math)::
 
     S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T (scale q_t)
 
-Conventions (shapes, varlen, GVA, state layouts, dtypes) are those of ``cula/kda/naive.py``. Unlike FLA's
-``naive_recurrent_gated_delta_rule(q, k, v, beta, g)``, every function here takes ``g`` before ``beta``,
-like FLA's public ``chunk_gated_delta_rule``.
+Conventions (shapes, varlen, GVA, state layouts, dtypes) are those of ``cula/kda/naive.py``. The ``naive_*``
+functions take FLA 0.6.0's positional arguments in FLA's order (``naive_recurrent_gated_delta_rule(q, k, v, beta,
+g, ...)``, ``naive_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, ...)``), so the same call means the same
+thing here and in ``fla.ops.gated_delta_rule.naive``; cula's extras are keyword-only.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def naive_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
     beta: torch.Tensor,
+    g: torch.Tensor,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    *,
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
@@ -95,18 +97,17 @@ def naive_chunk_gated_delta_rule(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    chunk_size: int = 64,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    *,
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunkwise GDN, any T; head-wise beta only. Arguments as :func:`naive_recurrent_gated_delta_rule`.
-
-    Note the argument order differs from FLA's ``naive_chunk_gated_delta_rule``, whose sixth positional
-    argument is ``chunk_size``.
+    """Chunkwise GDN, any T; head-wise beta only. Arguments as :func:`naive_recurrent_gated_delta_rule`, in FLA's
+    order for this form (``g`` before ``beta``, ``chunk_size`` sixth).
     """
     return naive_chunk_kda(**dict(locals(), g=_per_key(g, q.shape[-1])))
 
@@ -170,9 +171,9 @@ def reference_chunk_gated_delta_rule(
         "compute_dtype": dtype,
     }
     if form == "chunk":
-        o, S = naive_chunk_gated_delta_rule(q2, k2, v, g2, beta2, chunk_size=chunk_size, **common)
+        o, S = naive_chunk_gated_delta_rule(q2, k2, v, g=g2, beta=beta2, chunk_size=chunk_size, **common)
     else:
-        o, S = naive_recurrent_gated_delta_rule(q2, k2, v, g2, beta2, **common)
+        o, S = naive_recurrent_gated_delta_rule(q2, k2, v, g=g2, beta=beta2, **common)
     return _finish(o, S, q.dtype)
 
 

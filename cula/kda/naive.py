@@ -462,6 +462,7 @@ def naive_recurrent_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    *,
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
@@ -493,9 +494,10 @@ def naive_chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    chunk_size: int = 64,
+    *,
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise KDA (WY / UT transform), any T, varlen, GVA; head-wise beta ``[B, T, HV]`` only.
