@@ -256,7 +256,8 @@ def gate_params_fp32(A_log, dt_bias):
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
-    if t.requires_grad and torch.is_grad_enabled():
+    # (a cast Dynamo can trace where torch.compile does: the cache's identity lookups would break the graph)
+    if (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return t.float()
     return _FP32_COPIES.get(t, t.device, ("fp32",), t.float)
 

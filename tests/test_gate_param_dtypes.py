@@ -57,3 +57,24 @@ def test_float64_gate_params_are_still_judged_by_validation():
 
     with pytest.raises(TypeError, match="A_log"):
         chunk_kda(**_x(), g=torch.randn(B, T, H, D), A_log=torch.randn(H).double(), use_gate_in_kernel=True)
+
+
+def test_bf16_gate_params_compile_without_a_graph_break():
+    """Under torch.compile the cast is traced (the fp32-copy cache's identity lookups would break the graph)."""
+    import torch._dynamo
+
+    from cula.kda import chunk_kda
+
+    torch._dynamo.reset()
+    x = _x()
+    g, A_log, dt_bias = torch.randn(B, T, H, D), torch.randn(H).bfloat16(), torch.randn(H * D).bfloat16()
+
+    def f(q, k, v, beta, g, A_log, dt_bias):
+        return chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                         output_final_state=True)  # fmt: skip
+
+    with torch.no_grad():
+        eager = f(**x, g=g, A_log=A_log, dt_bias=dt_bias)
+        compiled = torch.compile(f, fullgraph=True, backend="eager")(**x, g=g, A_log=A_log, dt_bias=dt_bias)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b)

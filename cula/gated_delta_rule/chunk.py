@@ -10,11 +10,11 @@ from cula._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_cu_seqlens,
-    gate_kwargs_fp32,
     check_qkv,
     check_scale,
     check_state,
     check_tensor,
+    gate_kwargs_fp32,
     resolve_state_layout,
     take_extra_kwargs,
 )
