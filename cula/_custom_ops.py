@@ -157,6 +157,14 @@ def _fresh(t: Tensor, *inputs) -> Tensor:
     return t
 
 
+def _gate_needs(needs: list, grad_names: tuple, use_gate_in_kernel: bool) -> list:
+    """``needs`` without A_log and dt_bias where the call has no fused gate: eager autograd leaves their gradients
+    None then (the call never reads them), and zeros would, e.g., let AdamW decay a parameter eager leaves alone."""
+    if use_gate_in_kernel:
+        return needs
+    return [need and name not in ("A_log", "dt_bias") for need, name in zip(needs, grad_names)]
+
+
 def _grads_out(grads, inputs, needs, like: Tensor, *args) -> tuple:
     """A backward op's outputs: each needed input's gradient in its shape, dtype and contiguous (zeros where the
     backend gives none; a copy where it is one of the op's tensor ``args``, e.g. an incoming gradient passed
@@ -343,7 +351,7 @@ def _chunk_kda_backward(ctx, do, dht, _dAqk, _dAkk):
     *tensors, Aqk, Akk = ctx.saved_tensors
     q, v = tensors[0], tensors[2]
     output_final_state = ctx.scalars[1]
-    needs = list(ctx.needs_input_grad[: len(_KDA_GRADS)])
+    needs = _gate_needs(list(ctx.needs_input_grad[: len(_KDA_GRADS)]), _KDA_GRADS, ctx.scalars[3])
     # what autograd materialises for an unused output: zeros, which _ChunkKDATraining's backward then reads
     if do is None:
         do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
@@ -767,6 +775,8 @@ def _recomputed_op(name: str, params: str, grads: tuple):
         if do is None:
             do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
         needs = [ctx.needs_input_grad[i] for i in grad_at]
+        if "use_gate_in_kernel" in names:
+            needs = _gate_needs(needs, grads, inputs[names.index("use_gate_in_kernel")])
         found = getattr(torch.ops.cula, f"{name}_bwd")(do, dht, needs, *inputs)
         out = [None] * len(inputs)
         for i, gr, need in zip(grad_at, found, needs):

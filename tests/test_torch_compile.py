@@ -598,3 +598,24 @@ def test_lightning_training_and_gdn_inference_cuda(backend):
 
     ops = ["chunk_simple_gla", "chunk_gated_delta_rule"]
     _check_training(step, [q, k, v, h0, q.clone(), k.clone(), v.clone(), g, beta], backend, ops)
+
+
+def test_compiled_backward_leaves_unused_gate_parameters_without_gradients():
+    """A_log / dt_bias handed to a call without the fused gate: eager autograd leaves their .grad None (the call
+    never reads them), and so must the compiled op (zeros would let AdamW decay a parameter eager leaves alone)."""
+    from cula.kda import chunk_kda
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K = 1, 11, 2, 64
+    x = [torch.randn(B, T, H, K, generator=gen) for _ in range(3)]
+    g, beta = -torch.rand(B, T, H, K, generator=gen), torch.rand(B, T, H, generator=gen)
+    A_log, dt_bias = torch.nn.Parameter(torch.randn(H)), torch.nn.Parameter(torch.randn(H * K))
+
+    def step(q, k, v, g, beta):
+        o, _ = chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=False)
+        return o.sum()
+
+    torch._dynamo.reset()
+    q = x[0].clone().requires_grad_()
+    torch.compile(step, backend="aot_eager", fullgraph=True)(q, x[1], x[2], g, beta).backward()
+    assert q.grad is not None and A_log.grad is None and dt_bias.grad is None
