@@ -9,7 +9,7 @@ import torch
 B, T, H, D = 1, 20, 2, 16
 
 
-def _x(grad=False):
+def _x():
     gen = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     return dict(q=r(B, T, H, D), k=r(B, T, H, D), v=r(B, T, H, D), beta=r(B, T, H))

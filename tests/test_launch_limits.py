@@ -19,7 +19,7 @@ def test_sequences_past_the_grid_are_declined_by_every_chunk_backend():
     from cula.kda.backends import _cula_chunk_supports as kda_supports
     from cula.simple_gla.backends import _cula_chunk_supports as gla_supports
 
-    assert sequences_verdict(GRID_YZ_MAX) == (True, None)
+    assert sequences_verdict(GRID_YZ_MAX, None) == (True, None)
     for n in (GRID_YZ_MAX, GRID_YZ_MAX + 1):
         q, v = _meta(1, 2 * n, 1, 128), _meta(1, 2 * n, 1, 128)
         g, beta = _meta(1, 2 * n, 1, 128, dtype=torch.float32), _meta(1, 2 * n, 1, dtype=torch.float32)

@@ -56,7 +56,7 @@ def _cula_chunk_supports(
     kernel_floats = (torch.bfloat16, torch.float16, torch.float32)
     if g.dtype not in kernel_floats or beta.dtype not in kernel_floats:
         return False, f"g dtype {g.dtype} / beta dtype {beta.dtype} (kernels take bf16 / fp16 / fp32)"
-    return sequences_verdict(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+    return sequences_verdict(q.shape[0], cu_seqlens)
 
 
 @chunk_gdn_registry.register(

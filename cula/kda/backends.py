@@ -64,7 +64,7 @@ def _cula_chunk_supports(
         return False, f"chunk_size={chunk_size} (kernel takes 64)"
     if cp_context is not None or return_intermediate_states:
         return False, "cp_context / return_intermediate_states run on fla"
-    fits, why = sequences_verdict(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+    fits, why = sequences_verdict(q.shape[0], cu_seqlens)
     if not fits:
         return False, why
     if use_graph and cu_seqlens is not None:

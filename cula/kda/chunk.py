@@ -249,24 +249,23 @@ def _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_s
             None if A_log is None else (A_log.shape, A_log.dtype),
             None if dt_bias is None else (dt_bias.shape, dt_bias.dtype),
         )  # fmt: skip
+        qs, T = q.shape, q.shape[1]
+        # With one token the token stride is any number to is_contiguous() and to TVM-FFI alike (which checks no
+        # stride of a size-1 dim, not even its divisibility, which the TMA descriptors need): checked in full then.
+        if T == 1 and not all(map(is_row_major, (q, k, v, g, beta))):
+            return None
         if cu_seqlens is None:
             # the fixed-length entry takes the batch and token strides as free sizes but addresses token b T + t
             # at (b T + t) times the token stride (the bound launch's condition, row-major inputs): a batch stride
-            # other than T token strides (a slice in time, swapped dims) would be accepted and misread. With one
-            # token the token stride is any number to is_contiguous() and to TVM-FFI alike: checked in full then.
+            # other than T token strides (a slice in time, swapped dims) would be accepted and misread
             if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
                     and beta.is_contiguous()):  # fmt: skip
                 return None
-            if q.shape[1] == 1 and not all(map(is_row_major, (q, k, v, g, beta))):
-                return None
             # (the device too: the launch allocates its outputs there)
-            return (q.shape, v.shape, q.dtype, q.device, g.dtype, beta.dtype, *states, flags, forced_backend(),
+            return (qs, v.shape, q.dtype, q.device, g.dtype, beta.dtype, *states, flags, forced_backend(),
                     _read_intra_mode(), grad, inference)  # fmt: skip
-        qs, T = q.shape, q.shape[1]
         if k.shape[1] != T or v.shape[1] != T or g.shape[1] != T or beta.shape[1] != T:
             return None
-        if T == 1 and not all(map(is_row_major, (q, k, v, g, beta))):
-            return None  # one token: a free token stride TVM-FFI checks no divisibility of (a TMA stride)
         return (
             "packed", qs[0], qs[2:], k.shape[2:], v.shape[2:], g.shape[2:], beta.shape[2:], q.dtype, k.dtype,
             v.dtype, g.dtype, beta.dtype, q.device, cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device,

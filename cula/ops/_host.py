@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from typing import Any
 
 import torch
@@ -33,10 +34,12 @@ ROW_FACTORS = 4
 GRID_YZ_MAX = 65535
 
 
-def sequences_verdict(num_seqs: int, what: str = "sequences") -> tuple[bool, str | None]:
-    """Whether ``num_seqs`` sequences fit one launch of the chunk kernels (``GRID_YZ_MAX``), with the reason."""
+def sequences_verdict(batch: int, cu_seqlens) -> tuple[bool, str | None]:
+    """Whether a chunk call's sequences (``batch`` of them, or ``cu_seqlens``' count when packed) fit one launch of
+    the chunk kernels (``GRID_YZ_MAX``), with the reason."""
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if num_seqs > GRID_YZ_MAX:
-        return False, f"{num_seqs} {what} in one call (the kernels' grid holds at most {GRID_YZ_MAX})"
+        return False, f"{num_seqs} sequences in one call (the kernels' grid holds at most {GRID_YZ_MAX})"
     return True, None
 
 
@@ -44,9 +47,7 @@ def int32_offsets_verdict(*shapes: tuple[int, ...]) -> tuple[bool, str | None]:
     """Whether every tensor of ``shapes`` has fewer than 2^31 elements: the decode kernels' activations are compiled
     with 32-bit strides (their offsets are 32-bit products)."""
     for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         if n >= 2**31:
             return False, f"{n} elements in one activation tensor (the decode kernels index them with 32-bit offsets)"
     return True, None

@@ -31,7 +31,7 @@ def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, cu_seqlens=None, **
         return False, f"q dtype {q.dtype} (kernel takes bf16)"
     if q.shape[-1] != v.shape[-1] or q.shape[-1] not in (64, 128):
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
-    return sequences_verdict(q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+    return sequences_verdict(q.shape[0], cu_seqlens)
 
 
 # the kernel's decay (-g_gamma in fp32) by g_gamma tensor: a repeated call launches nothing for it
