@@ -31,11 +31,13 @@ Conventions shared by every function (they follow FLA 0.6.0):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 __all__ = [
     "beta_activation",
@@ -215,6 +217,29 @@ def _recurrent_core(q, k, v, gk, gv, beta, scale, h0, delta_rule):
     return o, S
 
 
+def _chunk_step(q_n, k_n, v_n, G_n, b_n, S):
+    """One chunk of :func:`_chunk_core` (``b_n`` None without the delta rule): its outputs and the next state."""
+    C = q_n.shape[-2]
+    incl = torch.ones(C, C, dtype=torch.bool, device=q_n.device).tril()
+    diff = (G_n[..., :, None, :] - G_n[..., None, :, :]).masked_fill(~incl[..., None], 0.0)
+    # DK[i, j, :] = exp(Gam_i - Gam_j) * k_j, contracted with q_i / k_i (no 5-D product temporaries)
+    DK = _exp(diff) * k_n[..., None, :, :]  # [B, HV, C(i), C(j), K]
+    Aqk = torch.einsum("bhijd,bhid->bhij", DK, q_n).masked_fill(~incl, 0.0)
+    if b_n is not None:
+        b_n = b_n[..., None]  # [B, HV, C, 1]
+        Akk = torch.einsum("bhijd,bhid->bhij", DK, k_n).masked_fill(~incl.tril(-1), 0.0)
+        eye = torch.eye(C, dtype=q_n.dtype, device=q_n.device)
+        rhs = torch.cat([k_n * _exp(G_n), v_n], dim=-1) * b_n
+        wu = torch.linalg.solve_triangular(eye + b_n * Akk, rhs, upper=False, unitriangular=True)
+        w, u = wu.split([k_n.shape[-1], v_n.shape[-1]], dim=-1)
+        v_new = u - w @ S
+    else:
+        v_new = v_n
+    o_n = (q_n * _exp(G_n)) @ S + Aqk @ v_new
+    G_C = G_n[..., -1:, :]  # [B, HV, 1, K]
+    return o_n, S * _exp(G_C).transpose(-1, -2) + (k_n * _exp(G_C - G_n)).transpose(-1, -2) @ v_new
+
+
 def _chunk_core(q, k, v, gk, beta, scale, h0, delta_rule, chunk_size):
     """Chunkwise (WY / UT-transform) form; equal to ``_recurrent_core`` up to rounding.
 
@@ -245,29 +270,16 @@ def _chunk_core(q, k, v, gk, beta, scale, h0, delta_rule, chunk_size):
     bc = chunked(beta) if delta_rule else None  # [B, HV, NT, C]
     Gam = gc.cumsum(-2)
 
-    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    strict = incl.tril(-1)
+    # under autograd each chunk's step is recomputed in the backward instead of saving its [C, C, K] temporaries:
+    # float64 references of long many-head calls (FLA's 8192-token, 96-head test) would otherwise keep hundreds of GB
+    step = _chunk_step
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gk, beta, h0)):
+        step = functools.partial(torch.utils.checkpoint.checkpoint, _chunk_step, use_reentrant=False)
     S = h0 if h0 is not None else q.new_zeros(B, HV, K, V)
     outs = []
     for n in range(NT):
-        q_n, k_n, v_n, G_n = qc[:, :, n], kc[:, :, n], vc[:, :, n], Gam[:, :, n]
-        diff = (G_n[..., :, None, :] - G_n[..., None, :, :]).masked_fill(~incl[..., None], 0.0)
-        # DK[i, j, :] = exp(Gam_i - Gam_j) * k_j, contracted with q_i / k_i (no 5-D product temporaries)
-        DK = _exp(diff) * k_n[..., None, :, :]  # [B, HV, C(i), C(j), K]
-        Aqk = torch.einsum("bhijd,bhid->bhij", DK, q_n).masked_fill(~incl, 0.0)
-        if delta_rule:
-            b_n = bc[:, :, n][..., None]  # [B, HV, C, 1]
-            Akk = torch.einsum("bhijd,bhid->bhij", DK, k_n).masked_fill(~strict, 0.0)
-            eye = torch.eye(C, dtype=q.dtype, device=q.device)
-            rhs = torch.cat([k_n * _exp(G_n), v_n], dim=-1) * b_n
-            wu = torch.linalg.solve_triangular(eye + b_n * Akk, rhs, upper=False, unitriangular=True)
-            w, u = wu.split([K, V], dim=-1)
-            v_new = u - w @ S
-        else:
-            v_new = v_n
-        outs.append((q_n * _exp(G_n)) @ S + Aqk @ v_new)
-        G_C = G_n[..., -1:, :]  # [B, HV, 1, K]
-        S = S * _exp(G_C).transpose(-1, -2) + (k_n * _exp(G_C - G_n)).transpose(-1, -2) @ v_new
+        o_n, S = step(qc[:, :, n], kc[:, :, n], vc[:, :, n], Gam[:, :, n], bc[:, :, n] if delta_rule else None, S)
+        outs.append(o_n)
     if outs:
         o = torch.stack(outs, dim=2).reshape(B, HV, NT * C, V)[:, :, :T].transpose(1, 2)
     else:
