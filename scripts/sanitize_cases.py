@@ -403,6 +403,27 @@ def kda_training_recompute_states_graph():
 
 
 @case
+def kda_training_recompute_states_copied():
+    # kda_training_recompute_states with h and v_new copied by PyTorch (ordinary stores) before stage 6 reads them:
+    # the states kernel writes them by TMA tensor stores, and initcheck reports stage 6's bulk reads of those bytes
+    # (the states kernel's test finds every element written). Clean here and not there = initcheck not counting TMA
+    # stores as writes; the same finding here = stage 6 reads bytes no kernel writes.
+    import cula.ops.kda.sm90.delta_h_states as states
+
+    original = states.chunk_kda_fwd_h_sm90
+
+    def copied(*args, **kwargs):
+        h, v_new, ht = original(*args, **kwargs)
+        return h.clone(), v_new.clone(), ht
+
+    states.chunk_kda_fwd_h_sm90 = copied
+    try:
+        _training_with(_RECOMPUTE_STATES, 2, 130, 1, 2)
+    finally:
+        states.chunk_kda_fwd_h_sm90 = original
+
+
+@case
 def kda_training_graph_mode():
     # a packed training step in FLA's graph mode: the backward's kernels (the recompute on the intra kernel, stages 6
     # and 7) walk FLA's fixed-size chunk list, its sentinel rows as padding rows; without and with GVA
