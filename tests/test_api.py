@@ -276,6 +276,21 @@ def test_gdn_cpu_is_kda_with_broadcast_gate():
     assert_close("o recurrent", o, o3, 1e-5)
 
 
+def test_gdn_recurrent_per_value_beta_cpu():
+    """A beta per value channel (FLA's recurrent form takes [B, T, HV, V]): KDA's recurrent form with the gate
+    broadcast over K, which takes it too."""
+    x = kda_inputs(T=9)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, 9, HV))
+    beta = torch.rand(B, 9, HV, x["v"].shape[-1])
+    o, ht = cg.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=g, beta=beta, output_final_state=True)
+    o2, ht2 = ck.fused_recurrent_kda(**dict(x, g=g[..., None].expand(-1, -1, -1, K).contiguous(), beta=beta),
+                                     output_final_state=True)  # fmt: skip
+    assert_close("o", o2, o, 1e-5)
+    assert_close("ht", ht2, ht, 1e-5)
+    o3, _ = cg.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=g, beta=beta[..., 0])
+    assert (o3 - o).abs().max() > 1e-3, "the per-value beta was read as one a head"
+
+
 def test_lightning_wrappers_cpu():
     x = kda_inputs(T=21, HV=H)
     q, k, v = x["q"], x["k"], x["v"]

@@ -513,6 +513,7 @@ SPECS = [
          _gdn_recurrent_base, gates=("g", "gk", "gv", "beta"), extra=SCALE_CASES + UNKNOWN_KW + (
              ("fused gate without g", {"g": None, "use_gate_in_kernel": True, "A_log": torch.zeros(GHV)}, ("g",),
               True),
+             ("per-value beta", {"_beta_per_value": True}, (), False),
          ), fla_on_gpu=True),  # fmt: skip
     Spec("chunk_simple_gla", _fn("cula.simple_gla", "chunk_simple_gla"), _gla_base, gates=("g_gamma",),
          extra=SCALE_CASES + UNKNOWN_KW + NO_VARLEN_CPU + (

@@ -189,6 +189,8 @@ def _cula_recurrent_supports(q, v, g, gk, gv, beta, initial_state, state_v_first
         return False, f"g dtype {g.dtype} (the kernel takes bf16 / fp16 / fp32)"
     if beta is not None and beta.dtype not in (torch.float32, torch.bfloat16):
         return False, f"beta dtype {beta.dtype} (the kernel takes fp32 / bf16)"
+    if beta is not None and beta.dim() == 4:
+        return False, "a per-value beta [B, T, HV, V] (the kernel takes one beta a head and token)"
     if initial_state is None or initial_state.dtype != torch.float32:
         return False, "an fp32 initial_state is needed (the kernel reads the states in place)"
     return pool_layout_verdict(initial_state, q.shape[-1], v.shape[-1], state_v_first)

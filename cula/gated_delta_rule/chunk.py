@@ -30,16 +30,20 @@ _EXTRA_KWARGS = (
 )
 
 
-def check_gdn_inputs(q, k, v, g, beta, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu) -> int:
-    """Shapes of the scalar-gate delta rule: g ``[B, T, HV]`` (or None), beta ``[B, T, HV]`` (or None)."""
+def check_gdn_inputs(q, k, v, g, beta, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                     beta_per_value: bool = False) -> int:  # fmt: skip
+    """Shapes of the scalar-gate delta rule: g ``[B, T, HV]`` (or None), beta ``[B, T, HV]`` (or None; also
+    ``[B, T, HV, V]`` with ``beta_per_value``, as FLA's recurrent form takes it)."""
     B, T, H, K, HV, V = check_qkv(q, k, v)
     device = q.device
     if g is not None:
         check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False)
     if beta is not None:
+        per_value = beta_per_value and isinstance(beta, torch.Tensor) and beta.dim() == 4
         check_tensor(
-            "beta", beta, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False
-        )
+            "beta", beta, shape=(B, T, HV, V) if per_value else (B, T, HV), dtypes=FLOAT_DTYPES, device=device,
+            contiguous_last=False,
+        )  # fmt: skip
     n = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device)
     check_state(
         "initial_state", initial_state, n=n, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device

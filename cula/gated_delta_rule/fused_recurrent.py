@@ -43,7 +43,8 @@ def fused_recurrent_gated_delta_rule(
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``.
         g: ``[B, T, HV]`` scalar log decay (raw with ``use_gate_in_kernel``: ``-exp(A_log) * softplus(g + dt_bias)``).
         gk: ``[B, T, HV, K]`` per-key log decay; gv: ``[B, T, HV, V]`` per-value log decay.
-        beta: ``[B, T, HV]``; None means ones.
+        beta: ``[B, T, HV]``, or ``[B, T, HV, V]`` (a beta per value channel; FLA's kernel runs it); None means
+            ones.
         initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
         **kwargs: only the deprecated ``transpose_state_layout``.
 
@@ -69,6 +70,7 @@ def fused_recurrent_gated_delta_rule(
         state_v_first=state_v_first,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=None,
+        beta_per_value=True,
     )
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
