@@ -265,6 +265,15 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 _FP32_COPIES = DerivedTensors()  # the fp32 copies of half-precision gate parameters
 
 
+def state_fp32(state):
+    """A bf16 / fp16 ``initial_state`` as fp32 (anything else as given, for validation to judge): FLA 0.6.0's Gated
+    DeltaNet, Simple GLA and Lightning forms read the state as fp32 whatever its dtype (its chunked KDA alone asserts
+    fp32). A differentiable cast, so its gradient comes back in the state's dtype, as FLA's does."""
+    if isinstance(state, torch.Tensor) and state.dtype in _HALF_FLOATS:
+        return state.float()
+    return state
+
+
 def gate_kwargs_fp32(kwargs: dict) -> dict:
     """``kwargs`` with ``gate_params_fp32`` applied to its ``A_log`` / ``dt_bias`` (a copy only where one is cast)."""
     A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")

@@ -291,6 +291,38 @@ def test_gdn_recurrent_per_value_beta_cpu():
     assert (o3 - o).abs().max() > 1e-3, "the per-value beta was read as one a head"
 
 
+@pytest.mark.parametrize("form", ["gdn_chunk", "gdn_recurrent", "sgla_chunk", "sgla_recurrent", "lightning"])
+def test_half_precision_initial_state_read_as_fp32(form):
+    """FLA 0.6.0's GDN, Simple GLA and Lightning forms read a bf16 initial state as fp32 (its chunked KDA alone
+    asserts fp32): the same outputs as the state cast to fp32, its gradient in bf16."""
+    heads = H if form == "lightning" else HV  # (FLA's Lightning wrappers: as many value heads as q / k heads)
+    x = kda_inputs(T=9, HV=heads)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, 9, heads))
+    h0 = torch.randn(B, heads, K, V).bfloat16()
+
+    def run(state):
+        kw = dict(initial_state=state, output_final_state=True)
+        if form == "gdn_chunk":
+            return cg.chunk_gated_delta_rule(x["q"], x["k"], x["v"], g, x["beta"], **kw)
+        if form == "gdn_recurrent":
+            return cg.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=g, beta=x["beta"], **kw)
+        if form == "sgla_chunk":
+            return cs.chunk_simple_gla(x["q"], x["k"], x["v"], g=g, **kw)
+        if form == "sgla_recurrent":
+            return cs.fused_recurrent_simple_gla(x["q"], x["k"], x["v"], g=g, **kw)
+        return cl.chunk_lightning_attn(x["q"], x["k"], x["v"], layer_idx=1, num_layers=4, **kw)
+
+    o, ht = run(h0.float())
+    half = h0.clone().requires_grad_(form != "gdn_recurrent")  # (FLA's recurrent GDN is forward-only)
+    o2, ht2 = run(half)
+    assert ht2.dtype == torch.float32
+    assert_close("o", o, o2, 1e-6)
+    assert_close("ht", ht, ht2, 1e-6)
+    if half.requires_grad:
+        o2.sum().backward()
+        assert half.grad is not None and half.grad.dtype == torch.bfloat16
+
+
 def test_lightning_wrappers_cpu():
     x = kda_inputs(T=21, HV=H)
     q, k, v = x["q"], x["k"], x["v"]

@@ -16,6 +16,7 @@ from cula._validate import (
     check_tensor,
     gate_kwargs_fp32,
     resolve_state_layout,
+    state_fp32,
     take_extra_kwargs,
 )
 from cula.gated_delta_rule.backends import chunk_gdn_registry
@@ -97,7 +98,7 @@ def chunk_gated_delta_rule(
         g: ``[B, T, HV]`` log-space decay (raw logits with ``use_gate_in_kernel=True``:
             ``-exp(A_log) * softplus(g + dt_bias)``, ``A_log`` and ``dt_bias`` fp32 ``[HV]``).
         beta: ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``; ``2 * sigmoid`` with ``allow_neg_eigval``).
-        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); bf16 / fp16 read as fp32.
         cu_seqlens / cu_seqlens_cpu / chunk_indices: packed varlen boundaries (B must be 1).
         **kwargs: ``use_gate_in_kernel``, ``A_log``, ``dt_bias``, ``chunk_size`` (16, 32 or 64) and the
             deprecated ``transpose_state_layout``; anything else raises ``TypeError``.
@@ -107,6 +108,7 @@ def chunk_gated_delta_rule(
     """
     if kwargs:  # FLA's kernels take bf16 / fp16 A_log and dt_bias (a model cast to bf16): fp32 from here on
         kwargs = gate_kwargs_fp32(kwargs)
+    initial_state = state_fp32(initial_state)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::chunk_gated_delta_rule op instead
         return _custom_ops.chunk_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

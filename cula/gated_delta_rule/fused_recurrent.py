@@ -7,7 +7,7 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    FLOAT_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, take_extra_kwargs,
+    FLOAT_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, state_fp32, take_extra_kwargs,
 )  # fmt: skip
 from cula.gated_delta_rule.backends import fused_recurrent_gdn_registry
 from cula.gated_delta_rule.chunk import check_gdn_activations, check_gdn_inputs
@@ -45,13 +45,14 @@ def fused_recurrent_gated_delta_rule(
         gk: ``[B, T, HV, K]`` per-key log decay; gv: ``[B, T, HV, V]`` per-value log decay.
         beta: ``[B, T, HV]``, or ``[B, T, HV, V]`` (a beta per value channel; FLA's kernel runs it); None means
             ones.
-        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); bf16 / fp16 read as fp32.
         **kwargs: only the deprecated ``transpose_state_layout``.
 
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
     """
     A_log, dt_bias = gate_params_fp32(A_log, dt_bias)  # bf16 / fp16 parameters as FLA's kernels take them
+    initial_state = state_fp32(initial_state)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::fused_recurrent_gated_delta_rule op
         return _custom_ops.fused_recurrent_gated_delta_rule(
             q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -14,6 +14,7 @@ from cula._validate import (
     check_state,
     check_tensor,
     resolve_state_layout,
+    state_fp32,
     take_extra_kwargs,
 )
 from cula.simple_gla.backends import chunk_simple_gla_registry, fused_recurrent_simple_gla_registry
@@ -89,13 +90,14 @@ def chunk_simple_gla(
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (GVA when ``HV > H``).
         g: ``[B, T, HV]`` log decay, or g_gamma: ``[HV]`` log decay (<= 0); neither means no decay.
-        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); bf16 / fp16 read as fp32.
         cu_seqlens / cu_seqlens_cpu: packed varlen boundaries ``[N+1]`` (B must be 1).
         **kwargs: ``chunk_size`` (a power of 2) and the deprecated ``transpose_state_layout``.
 
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable (q, k, v, g, h0).
     """
+    initial_state = state_fp32(initial_state)  # FLA reads a bf16 / fp16 state as fp32
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::chunk_simple_gla op instead
         return _custom_ops.chunk_simple_gla(
             q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
@@ -138,6 +140,7 @@ def fused_recurrent_simple_gla(
     Same arguments as :func:`chunk_simple_gla`, plus ``reverse`` (run each sequence from its end).
     **kwargs: only the deprecated ``transpose_state_layout``.
     """
+    initial_state = state_fp32(initial_state)  # FLA reads a bf16 / fp16 state as fp32
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::fused_recurrent_simple_gla op
         return _custom_ops.fused_recurrent_simple_gla(
             q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens,
