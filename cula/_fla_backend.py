@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from cula.backends import PlanCache, call_signature
+from cula.backends import PlanCache, call_signature, capturing
 from cula.fla_dispatch import BACKEND_TYPE, CULA_BACKEND, ENV_VAR, PRIORITY
 
 logger = logging.getLogger("cula")
@@ -119,7 +119,7 @@ def _chunk_decision(args: tuple, kwargs: dict):
     cu = call["cu_seqlens"]
     # not in FLA's graph mode, whose chunk list cula builds on the device from cu_seqlens alone
     made = (isinstance(cu, torch.Tensor) and call["cu_seqlens_cpu"] is None and not call["use_graph"]
-            and not (cu.is_cuda and torch.cuda.is_current_stream_capturing()))  # fmt: skip
+            and not capturing(cu))  # fmt: skip
     if made:
         call["cu_seqlens_cpu"] = cu.detach().to("cpu")
     call = impl._checked(call)

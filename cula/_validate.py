@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
-from cula.backends import DerivedTensors
+from cula.backends import DerivedTensors, capturing
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -143,7 +143,7 @@ def check_cu_seqlens(
                 f"{cu_seqlens_cpu.device}"
             )
         values = cu_seqlens_cpu
-    elif cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+    elif capturing(cu_seqlens):
         values = None
     else:
         values = cu_seqlens.detach().to("cpu")
@@ -233,7 +233,7 @@ def check_state_pool(
 
 def check_pool_indices(state_indices: torch.Tensor, pool_rows: int) -> None:
     """``state_indices < pool_rows``: reads the indices on the host (skipped while a CUDA graph captures)."""
-    if state_indices.numel() and not (state_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if state_indices.numel() and not capturing(state_indices):
         top = int(state_indices.max())
         if top >= pool_rows:
             raise ValueError(f"`state_indices` has {top}, out of range for a pool of {pool_rows} rows")

@@ -423,6 +423,12 @@ class StepPlans:
         return len(self.full)
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CUDA tensor and the current stream is capturing a CUDA graph (False on the CPU, where
+    torch's query would raise)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class DerivedTensors:
     """Small tensors computed from a parameter tensor (a decay's negation, a split's combine weights), made once per
     (parameter, tag) while the parameter is the same, unmodified tensor: a repeated call launches nothing for them.

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cula.backends import capturing
 from cula.ops._host import GRID_YZ_MAX, sm_count
 
 SEGMENT_ALIGN = 64  # the kernel's chunk: a segment of whole chunks adds no partial chunk but the last
@@ -139,7 +140,7 @@ def plan_call(thresholds: SplitThresholds | None, B: int, T: int, num_value_head
     call while a CUDA graph captures, and a cut into more segments than the kernels' grid holds)."""
     if thresholds is None:
         return None
-    if cu_seqlens is not None and cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+    if cu_seqlens is not None and capturing(cu_seqlens):
         # a captured packed call replays on whatever boundaries the buffer then holds (its chunk list is built on
         # the device), while a cut would fix the capture's segments: run it whole
         return None
@@ -174,12 +175,12 @@ def on_device(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.
     so it never enters the eager cache. A cached tensor a capture uses is kept alive for good too."""
     key = (values, dtype, device)
     out = _ON_DEVICE.get(key)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    in_capture = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if out is not None:
-        if capturing:  # the graph reads it at every replay: never evicted from the cache
+        if in_capture:  # the graph reads it at every replay: never evicted from the cache
             _KEPT.add(key)
         return out
-    if capturing:
+    if in_capture:
         host = torch.tensor(values, dtype=dtype).pin_memory()
         out = host.to(device, non_blocking=True)
         _CAPTURED.append((host, out))

@@ -17,7 +17,7 @@ import torch
 
 from cula._validate import is_row_major
 from cula.backends import (
-    BackendUnavailableError, Registry, always, cula_kernels_on, logger, needs_grad, package_on_cuda,
+    BackendUnavailableError, Registry, always, capturing, cula_kernels_on, logger, needs_grad, package_on_cuda,
 )  # fmt: skip
 from cula.cache import VariantUnavailableError
 from cula.ops._host import sequences_verdict
@@ -325,7 +325,7 @@ def _backward_chunks(cu, cu_cpu, T: int, graph: bool):
         from fla.ops.utils.index import prepare_chunk_indices_static
 
         return prepare_chunk_indices_static(cu_seqlens=cu, chunk_size=64, nt_max=-(-T // 64) + cu.shape[0] - 2)
-    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(cu):
         raise RuntimeError(
             "capturing the backward of a packed chunk_kda call in a CUDA graph needs use_graph=True (FLA's graph "
             "mode: a chunk list of fixed size built on the device)"

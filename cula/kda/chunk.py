@@ -15,7 +15,7 @@ from cula._validate import (
     resolve_state_layout,
     take_extra_kwargs,
 )
-from cula.backends import PlanCache, env_reader, forced_backend, tensor_sig, token_sigs
+from cula.backends import PlanCache, capturing, env_reader, forced_backend, tensor_sig, token_sigs
 from cula.kda._args import check_kda_inputs
 from cula.kda.backends import chunk_kda_registry
 
@@ -169,7 +169,7 @@ def chunk_kda(
                     # A plan made while a CUDA graph captures serves that call only: the placeholders it binds for
                     # absent gate parameters were filled by the graph (cula.ops._host.placeholder), so an
                     # eager call before the first replay would read them unset.
-                    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    if not capturing(q):
                         _plans.put(key, plan)
                 launch, scale = plan
                 if cu_seqlens is None:

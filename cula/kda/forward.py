@@ -27,6 +27,7 @@ import collections
 import torch
 
 from cula._validate import is_row_major
+from cula.backends import capturing
 from cula.kda.plan import (
     KDA_TUNING, gate_over_k, intra_any_gate, parallel_segments, time_segments, use_cula_intra,
 )  # fmt: skip
@@ -655,12 +656,6 @@ def host_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
 
 _CHUNK_INDICES: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 CHUNK_INDICES_KEPT = 32
-
-
-def capturing(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a CUDA tensor and the current stream is capturing a CUDA graph (False on the CPU, where
-    torch's query would raise)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def chunk_rows_bound(total: int, num_seqs: int, chunk_size: int = 64) -> int:
