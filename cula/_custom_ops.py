@@ -187,13 +187,13 @@ def _fake_grads(inputs, needs, like: Tensor) -> tuple:
     )
 
 
-def _check_tokens(q, k, v) -> None:
+def _check_tokens(q, k, v, head_limit: int | None = 256) -> None:
     """The token tensors' shapes and dtypes, checked when the graph is traced (on their metadata, eager's rules and
     errors), so that a bad call fails to compile instead of failing when the graph runs; the rest of the validation
-    reads values or is the op's eager call's."""
+    reads values or is the op's eager call's. ``head_limit``: the op's eager one (Simple GLA's: None)."""
     from cula._validate import check_qkv
 
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, head_limit)
 
 
 def _param_names(params: str) -> list[str]:
@@ -637,7 +637,7 @@ def _simple_gla_call(args: tuple) -> dict:
 
 @_chunk_simple_gla_op.register_fake
 def _(q, k, v, g, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, state_v_first, *_):
-    _check_tokens(q, k, v)
+    _check_tokens(q, k, v, None)
     o = q.new_empty(*v.shape)
     if not output_final_state:
         return o, _empty(q)
@@ -745,7 +745,7 @@ def _recomputed_op(name: str, params: str, grads: tuple):
     def fake(*args):
         call = dict(zip(names, args))
         q, v = call["q"], call["v"]
-        _check_tokens(q, call["k"], v)
+        _check_tokens(q, call["k"], v, None if name == "fused_recurrent_simple_gla" else 256)
         if not call["output_final_state"]:
             return q.new_empty(*v.shape), _empty(q)
         final = q.new_empty(_final_shape(q, v, call["cu_seqlens"], call["state_v_first"]), dtype=torch.float32)

@@ -186,13 +186,14 @@ def check_state(
     check_tensor(name, state, dtypes=(torch.float32,), device=device)
 
 
-def check_head_dim(name: str, size: int, limit: int = 256, arg: str = "q") -> None:
-    if size < 1 or size > limit:
-        raise ValueError(f"unsupported head size of `{arg}`: {name}={size} (supported: 1..{limit})")
+def check_head_dim(name: str, size: int, limit: int | None = 256, arg: str = "q") -> None:
+    if size < 1 or (limit is not None and size > limit):
+        raise ValueError(f"unsupported head size of `{arg}`: {name}={size} (supported: 1..{limit or 'any'})")
 
 
-def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
-    """q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` of one dtype and device; return (B, T, H, K, HV, V)."""
+def check_qkv(q, k, v, head_limit: int | None = 256) -> tuple[int, int, int, int, int, int]:
+    """q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` of one dtype and device, head sizes up to ``head_limit`` (FLA's
+    delta-rule kernels' 256; None: any); return (B, T, H, K, HV, V)."""
     check_tensor("q", q, ndim=4, dtypes=QKV_DTYPES)
     B, T, H, K = q.shape
     check_tensor("k", k, shape=(B, T, H, K), dtypes=(q.dtype,), device=q.device)
@@ -200,8 +201,8 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
     if tuple(v.shape[:2]) != (B, T):
         raise ValueError(f"`v` must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
-    check_head_dim("K", K)
-    check_head_dim("V", V, arg="v")
+    check_head_dim("K", K, limit=head_limit)
+    check_head_dim("V", V, limit=head_limit, arg="v")
     if H == 0 or HV % H != 0:
         raise ValueError(f"GVA needs the value heads of `v` (HV={HV}) to be a multiple of the q/k heads (H={H})")
     return B, T, H, K, HV, V

@@ -150,7 +150,7 @@ def test_other_ops_reject_bad_input():
     with pytest.raises(TypeError, match="`decay` must have dtype"):
         cl.lightning_attn_fwd(q, k, v, torch.zeros(HV, dtype=torch.float64))
     with pytest.raises(ValueError, match="layer_idx"):
-        cl.chunk_lightning_attn(q, k, v[:, :, :H], layer_idx=3, num_layers=3)
+        cl.chunk_lightning_attn(q, k, v[:, :, :H], layer_idx=4, num_layers=3)
     with pytest.raises(ValueError, match="must start at 0"):
         cs.fused_recurrent_simple_gla(q, k, v, g=g, cu_seqlens=torch.tensor([2, 20]))
 
@@ -321,6 +321,29 @@ def test_half_precision_initial_state_read_as_fp32(form):
     if half.requires_grad:
         o2.sum().backward()
         assert half.grad is not None and half.grad.dtype == torch.bfloat16
+
+
+def test_simple_gla_as_fla_takes_it():
+    """Simple GLA and Lightning as FLA 0.6.0 takes them: any head size (its kernels tile it); g_gamma gets no
+    gradient on any backend (FLA's backward returns None there); Lightning's layer arguments as any integer, and
+    chunk_lightning_attn's state_v_first / cu_seqlens_cpu handed on."""
+    import numpy as np
+
+    q, k, v = (torch.randn(1, 5, 2, 320, requires_grad=True) for _ in range(3))
+    g_gamma = torch.tensor([-0.1, -0.5], requires_grad=True)
+    o, _ = cs.chunk_simple_gla(q, k, v, g_gamma=g_gamma)
+    o.sum().backward()
+    assert o.shape == v.shape and g_gamma.grad is None
+    x = kda_inputs(T=7, HV=H)
+    h0 = torch.randn(B, H, V, K)
+    o1, ht1 = cl.chunk_lightning_attn(x["q"], x["k"], x["v"], np.int64(1), torch.tensor(4), initial_state=h0,
+                                      output_final_state=True, state_v_first=True)  # fmt: skip
+    o2, ht2 = cs.chunk_simple_gla(x["q"], x["k"], x["v"], g_gamma=cl.lightning_g_gamma(H, 1, 4), initial_state=h0,
+                                  output_final_state=True, state_v_first=True)  # fmt: skip
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+    o3, _ = cl.fused_recurrent_lightning_attn(x["q"], x["k"], x["v"], 4, 4)  # the last layer: no decay
+    o4, _ = cs.fused_recurrent_simple_gla(x["q"], x["k"], x["v"])
+    assert_close("no decay", o4, o3, 1e-6)
 
 
 def test_lightning_wrappers_cpu():

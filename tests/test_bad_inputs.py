@@ -532,7 +532,7 @@ SPECS = [
          required=("q", "k", "v", "decay"), gates=("decay",), extra=SCALE_CASES + UNKNOWN_KW + NO_VARLEN_CPU),
     Spec("chunk_lightning_attn", _fn("cula.lightning", "chunk_lightning_attn"), _lightning_layer_base,
          extra=SCALE_CASES + UNKNOWN_KW + (
-             ("layer_idx = num_layers", {"layer_idx": 4}, ("layer_idx",), True),
+             ("layer_idx past num_layers", {"layer_idx": 5}, ("layer_idx",), True),
              ("layer_idx < 0", {"layer_idx": -1}, ("layer_idx",), True),
              ("layer_idx float", {"layer_idx": 1.0}, ("layer_idx",), True),
              ("num_layers = 0", {"num_layers": 0}, ("num_layers",), True),
@@ -540,7 +540,7 @@ SPECS = [
          )),  # fmt: skip
     Spec("fused_recurrent_lightning_attn", _fn("cula.lightning", "fused_recurrent_lightning_attn"),
          _lightning_layer_base, extra=SCALE_CASES + UNKNOWN_KW + (
-             ("layer_idx = num_layers", {"layer_idx": 4}, ("layer_idx",), True),
+             ("layer_idx past num_layers", {"layer_idx": 5}, ("layer_idx",), True),
              ("num_layers str", {"num_layers": "4"}, ("num_layers",), True),
          ), fla_on_gpu=True),  # fmt: skip
     Spec("lightning_decode", _fn("cula.lightning", "lightning_decode"), _lightning_decode_base,
@@ -561,7 +561,7 @@ SPECS = [
              ("num_heads = 0", {"num_heads": 0}, ("num_heads",), True),
              ("num_heads float", {"num_heads": 4.0}, ("num_heads",), True),
              ("num_heads tensor", {"num_heads": torch.tensor(4)}, ("num_heads",), True),
-             ("layer_idx = num_layers", {"layer_idx": 4}, ("layer_idx",), True),
+             ("layer_idx past num_layers", {"layer_idx": 5}, ("layer_idx",), True),
              ("num_layers = 0", {"num_layers": 0}, ("num_layers",), True),
              ("num_layers None", {"num_layers": None}, ("num_layers",), True),
          )),  # fmt: skip

@@ -7,6 +7,8 @@ decay rate ``s >= 0`` directly (per-step factor ``exp(-s)``); ``chunk_lightning_
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from cula._validate import check_qkv, check_tensor, take_extra_kwargs
@@ -24,7 +26,7 @@ def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=No
     """
     if type(num_heads) is not int or num_heads < 1:
         raise ValueError(f"`num_heads` must be a positive int, got {num_heads!r}")
-    _check_layer(layer_idx, num_layers)
+    layer_idx, num_layers = _check_layer(layer_idx, num_layers)
     return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(
         num_heads, dtype=torch.float32, device=device
     )
@@ -54,7 +56,7 @@ def lightning_attn_fwd(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable in q, k, v, initial_state.
     """
-    *_, HV, _V = check_qkv(q, k, v)  # first: the decay's shape and device are q's and v's
+    *_, HV, _V = check_qkv(q, k, v, head_limit=None)  # first: the decay's shape and device are q's and v's
     check_tensor("decay", decay, shape=(HV,), dtypes=(torch.float32,), device=q.device)
     return chunk_simple_gla(
         q,
@@ -82,11 +84,27 @@ def _check_heads(q, v) -> int:
     return q.shape[2]
 
 
-def _check_layer(layer_idx: int, num_layers: int) -> None:
-    if type(num_layers) is not int or num_layers < 1:
-        raise ValueError(f"`num_layers` must be a positive int, got {num_layers!r}")
-    if type(layer_idx) is not int or not 0 <= layer_idx < num_layers:
-        raise ValueError(f"`layer_idx` must be an int in [0, num_layers={num_layers}), got {layer_idx!r}")
+def _as_int(name: str, x) -> int:
+    """``x`` as a Python int: any integer FLA's arithmetic takes (a NumPy integer, a one-element integer tensor), not
+    a float or a bool."""
+    try:
+        if isinstance(x, bool):
+            raise TypeError
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(f"`{name}` must be an integer, got {x!r}") from None
+
+
+def _check_layer(layer_idx, num_layers) -> tuple[int, int]:
+    """``(layer_idx, num_layers)`` as ints, ``0 <= layer_idx <= num_layers`` (the last: no decay, as FLA's schedule
+    gives; past it the schedule would make the states grow)."""
+    num_layers = _as_int("num_layers", num_layers)
+    if num_layers < 1:
+        raise ValueError(f"`num_layers` must be positive, got {num_layers}")
+    layer_idx = _as_int("layer_idx", layer_idx)
+    if not 0 <= layer_idx <= num_layers:
+        raise ValueError(f"`layer_idx` must be in [0, num_layers={num_layers}], got {layer_idx}")
+    return layer_idx, num_layers
 
 
 def chunk_lightning_attn(
@@ -104,12 +122,16 @@ def chunk_lightning_attn(
     r"""Chunked Lightning attention, keyword-compatible with ``fla.ops.lightning_attn.chunk_lightning_attn``.
 
     q, k, v ``[B, T, H, D]``; the decay of head ``h`` is FLA's ``(8 / H) * (1 - layer_idx / num_layers) * h``
-    (see :func:`lightning_g_gamma`). State fp32 ``[N, H, K, V]``. ``**kwargs``: only ``chunk_size``.
+    (see :func:`lightning_g_gamma`). State fp32 ``[N, H, K, V]``. ``**kwargs``: ``chunk_size``, and cula's
+    ``state_v_first`` (or FLA's deprecated alias ``transpose_state_layout``) and ``cu_seqlens_cpu``, handed to
+    :func:`cula.simple_gla.chunk_simple_gla` (FLA 0.6.0's wrapper drops those three unread).
     """
-    extra = take_extra_kwargs("chunk_lightning_attn", kwargs, ("chunk_size", "head_first"))
+    extra = take_extra_kwargs(
+        "chunk_lightning_attn", kwargs,
+        ("chunk_size", "head_first", "state_v_first", "transpose_state_layout", "cu_seqlens_cpu"),
+    )  # fmt: skip
     if "head_first" in extra:
         raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
-    _check_layer(layer_idx, num_layers)
     g_gamma = lightning_g_gamma(_check_heads(q, v), layer_idx, num_layers, device=q.device)
     return chunk_simple_gla(
         q,
@@ -140,7 +162,6 @@ def fused_recurrent_lightning_attn(
 
     Same decay schedule as :func:`chunk_lightning_attn`; ``reverse`` runs each sequence from its end.
     """
-    _check_layer(layer_idx, num_layers)
     g_gamma = lightning_g_gamma(_check_heads(q, v), layer_idx, num_layers, device=q.device)
     return fused_recurrent_simple_gla(
         q,

@@ -22,7 +22,7 @@ from cula.simple_gla.backends import chunk_simple_gla_registry, fused_recurrent_
 
 def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu):
     """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV]`` or g_gamma ``[HV]`` (at most one)."""
-    B, T, H, K, HV, V = check_qkv(q, k, v)
+    B, T, H, K, HV, V = check_qkv(q, k, v, head_limit=None)  # FLA's kernels tile any head size
     device = q.device
     if g is not None and g_gamma is not None:
         raise ValueError("pass either `g` (data-dependent decay) or `g_gamma` (constant decay), not both")
@@ -34,6 +34,12 @@ def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first
     check_state(
         "initial_state", initial_state, n=n, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device
     )
+
+
+def _constant(g_gamma):
+    """``g_gamma`` as a constant: FLA 0.6.0 gives it no gradient (its backward returns None there), so neither does
+    any of cula's backends, the CPU reference included."""
+    return g_gamma.detach() if isinstance(g_gamma, torch.Tensor) else g_gamma
 
 
 def _checked_args(
@@ -98,6 +104,7 @@ def chunk_simple_gla(
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable (q, k, v, g, h0).
     """
     initial_state = state_fp32(initial_state)  # FLA reads a bf16 / fp16 state as fp32
+    g_gamma = _constant(g_gamma)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::chunk_simple_gla op instead
         return _custom_ops.chunk_simple_gla(
             q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
@@ -141,6 +148,7 @@ def fused_recurrent_simple_gla(
     **kwargs: only the deprecated ``transpose_state_layout``.
     """
     initial_state = state_fp32(initial_state)  # FLA reads a bf16 / fp16 state as fp32
+    g_gamma = _constant(g_gamma)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::fused_recurrent_simple_gla op
         return _custom_ops.fused_recurrent_simple_gla(
             q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens,
