@@ -456,6 +456,13 @@ SPECS = [
              ("index int64", {"ssm_state_indices": torch.tensor([4, 2, 0])}, (), False),
              ("indices without a pool", {"initial_state": None, "inplace_final_state": False}, ("initial_state",
               "ssm_state_indices"), True),
+             # FLA's kernel trusts these shapes: each would read or write rows past a tensor or of other sequences
+             ("a pool of other rows", {"initial_state": torch.zeros(DP, 1, HEAD_DIMS["decode"], HEAD_DIMS["decode"])},
+              ("initial_state",), True),
+             ("[N] indices with two tokens", {"_tokens": 2, "out": None}, ("ssm_state_indices",), True),
+             ("num_accepted_tokens with [N] indices", {"num_accepted_tokens": torch.ones(DN, dtype=torch.int32)},
+              ("num_accepted_tokens",), True),
+             ("new states nowhere", {"inplace_final_state": False}, ("output_final_state",), True),
          ), modes=("cuda_path", "gpu"), gpu_skip=("index int64", "initial_state:")),  # fmt: skip
     Spec("kda_decode", _fn("cula.kda", "kda_decode"), _kda_decode_base, inplace=("state_pool", "out"),
          pool="state_pool", index="state_indices", fixed_dim0=("state_pool",), required=("q", "k", "v", "g", "beta",
@@ -843,7 +850,8 @@ def _run_case(spec: Spec, case: Case, device: str, events: list, expected: dict 
     try:
         with torch.no_grad():
             result = spec.call(call)
-    except Routed:
+    except Routed:  # validation comes before any backend, FLA's included
+        assert not case.must_raise, f"{case.label}: accepted and sent on (ran {events})"
         snap.check(case.label, wrote=False)
         return Outcome(case.label, "routed", tuple(events))
     except (TypeError, ValueError, BackendUnavailableError) as err:

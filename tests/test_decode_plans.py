@@ -530,7 +530,7 @@ def test_fused_recurrent_kda_pool_form_runs_the_decode_kernel(counted_plans, fak
     assert fake_sm90[0][1]["gate"] == "lower_bound" and fake_sm90[0][1]["state_v_first"] is False
     args = fake_sm90[2][1]
     assert args[0] is q and args[7] is pool and args[8] is idx and args[11] == D**-0.5
-    with pytest.raises(ValueError, match="state_pool"):  # the pool's shape, checked when the call is bound
+    with pytest.raises(ValueError, match="the state pool"):  # the pool's shape, checked before any plan
         ck.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool[:, :1].clone(), **kw)
     # what the kernel does not cover goes to FLA, with the reason
     base = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=None, initial_state=pool,
@@ -611,3 +611,35 @@ def test_clear_plan_caches_forgets_a_steps_last_launch():
 def _checking(fn):
     fn.checks_arguments = True
     return fn
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fla_serving_form_gets_row_major_tensors(monkeypatch, inplace):
+    """FLA's low-level fused_recurrent_kda_fwd (which, unlike its public form, copies nothing) gets row-major token
+    tensors and state rows; a strided out or in-place state is written through a copy and holds the result."""
+    import fla.ops.kda.fused_recurrent as fla_recurrent
+
+    from cula.kda import backends
+
+    def fla_kernel(**args):  # FLA's kernel addresses these as row-major: the reference stands in for it
+        for name, t in args.items():
+            if isinstance(t, torch.Tensor):
+                assert (t[0] if name == "initial_state" else t).is_contiguous(), name
+        return backends._fused_recurrent_kda_reference(**args)
+
+    monkeypatch.setattr(fla_recurrent, "fused_recurrent_kda_fwd", fla_kernel)
+    q, k, v, g, beta, _, _ = _kda_inputs()
+    wide = lambda t: torch.cat([t, t], -1)[..., : t.shape[-1]]  # noqa: E731  (a view every other row of)
+    state = torch.randn(N, HV, D, D) * 0.1
+    call = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=None, dt_bias=None, scale=D**-0.5, output_final_state=True,
+                inplace_final_state=inplace, state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
+                num_accepted_tokens=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
+                use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False, lower_bound=None)  # fmt: skip
+    want_o, want_state = backends._fused_recurrent_kda_reference(**dict(call, initial_state=state.clone(), out=None))
+    strided = dict(call, q=wide(q), k=wide(k), v=wide(v), g=wide(g), initial_state=state.clone().transpose(-1, -2)
+                   .contiguous().transpose(-1, -2), out=wide(torch.zeros_like(v)))  # fmt: skip
+    o, final = backends._fused_recurrent_kda_fla(**strided)
+    assert o is strided["out"] and torch.allclose(o, want_o, atol=1e-6)
+    assert torch.allclose(final, want_state, atol=1e-6)
+    if inplace:
+        assert final is strided["initial_state"]

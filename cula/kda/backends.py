@@ -561,9 +561,24 @@ def _fused_recurrent_kda_cula_sm90(
 
 @fused_recurrent_kda_registry.register("fla", FLA_PRIORITY, available=package_on_cuda("fla"))
 def _fused_recurrent_kda_fla(**args):
+    """FLA's low-level form, which (unlike its public one) makes nothing contiguous: its kernel addresses the token
+    tensors, the gate parameters and ``out`` as row-major and a state by its dim-0 stride with the rest row-major.
+    Others are copied first; a strided ``out`` or in-place state is written through a row-major copy."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    return fused_recurrent_kda_fwd(**args)
+    call = {n: t.contiguous() if isinstance(t, torch.Tensor) and n not in ("initial_state", "out") else t
+            for n, t in args.items()}  # fmt: skip
+    state, out = args["initial_state"], args["out"]
+    if state is not None and state.numel() and not state[0].is_contiguous():
+        call["initial_state"] = state.contiguous()
+    if out is not None and not out.is_contiguous():
+        call["out"] = out.contiguous()
+    o, final = fused_recurrent_kda_fwd(**call)
+    if call["out"] is not out:
+        o = out.copy_(o)
+    if call["initial_state"] is not state and args["inplace_final_state"]:
+        final = state.copy_(final)
+    return o, final
 
 
 @fused_recurrent_kda_registry.register(

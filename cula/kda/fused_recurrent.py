@@ -9,7 +9,7 @@ from cula import _custom_ops
 from cula._validate import (
     INDEX_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, take_extra_kwargs,
 )  # fmt: skip
-from cula.backends import PlanCache, call_signature
+from cula.backends import PlanCache, call_signature, capturing
 from cula.kda._args import check_kda_inputs, dispatch_kda_call
 from cula.kda.backends import fused_recurrent_kda_registry
 
@@ -150,6 +150,49 @@ def fused_recurrent_kda_fwd(
     return dispatch_kda_call(fused_recurrent_kda_registry, _plans, key, call, _checked)
 
 
+def _check_pool_call(call: dict, N: int) -> None:
+    """The serving form's pool and indices, by their shapes (FLA's kernel trusts them): a pool of ``[P, HV, K, V]``
+    rows (``[P, HV, V, K]`` with ``state_v_first``); ``[N]`` indices (a row a sequence) or ``[N, T']`` (a row a
+    token, its state after that token); with more than one token a sequence, a row for each (``T'`` at least the
+    longest sequence) and the states written to the pool; new states out of the pool only one a sequence, and only
+    where the call asks for them."""
+    q, v, indices, pool = call["q"], call["v"], call["ssm_state_indices"], call["initial_state"]
+    check_tensor("ssm_state_indices", indices, dtypes=INDEX_DTYPES, device=q.device)
+    if indices.dim() not in (1, 2) or indices.shape[0] != N:
+        raise ValueError(f"`ssm_state_indices` must have shape [N] or [N, T] with N={N}, got {list(indices.shape)}")
+    if pool is None:
+        raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool)")
+    check_tensor("initial_state", pool, ndim=4, dtypes=(torch.float32,), device=q.device)
+    HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+    row = (HV, V, K) if call["state_v_first"] else (HV, K, V)
+    if tuple(pool.shape[1:]) != row:
+        layout = "[P, HV, V, K] (state_v_first=True)" if call["state_v_first"] else "[P, HV, K, V]"
+        raise ValueError(f"`initial_state` (the state pool) must be {layout} = [P, {', '.join(map(str, row))}], "
+                         f"got {list(pool.shape)}")  # fmt: skip
+    most = _longest_sequence(q, call["cu_seqlens"])
+    if most is not None and most > 1:
+        if indices.dim() != 2 or indices.shape[1] < most:
+            raise ValueError(f"`ssm_state_indices` must be [N, T] with a pool row for each of a sequence's tokens "
+                             f"(T >= {most}) when a sequence has more than one, got {list(indices.shape)}")  # fmt: skip
+        if not call["inplace_final_state"]:
+            raise ValueError("`ssm_state_indices` with more than one token a sequence needs "
+                             "`inplace_final_state=True`: each token's state goes to its pool row")  # fmt: skip
+    if not call["inplace_final_state"] and not call["output_final_state"]:
+        raise ValueError("`ssm_state_indices` with `inplace_final_state=False` needs `output_final_state=True` "
+                         "(the new states go to a final_state of their own)")  # fmt: skip
+
+
+def _longest_sequence(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int | None:
+    """The tokens of the call's longest sequence; None when a CUDA graph captures (a packed call's lengths are
+    then not read)."""
+    if cu_seqlens is None:
+        return q.shape[1]
+    if capturing(cu_seqlens):
+        return None
+    bounds = cu_seqlens.detach().to("cpu")
+    return int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
+
+
 def _checked(call: dict) -> dict:
     """Validate a call in full; returns the dispatch arguments."""
     q, initial_state = call["q"], call["initial_state"]
@@ -175,16 +218,13 @@ def _checked(call: dict) -> dict:
         beta_per_value=True,
     )
     if pooled:
-        indices = call["ssm_state_indices"]
-        check_tensor("ssm_state_indices", indices, dtypes=INDEX_DTYPES, device=q.device)
-        if indices.dim() not in (1, 2) or indices.shape[0] != N:  # a row a sequence, or one a token (MTP)
-            raise ValueError(f"`ssm_state_indices` must have shape [N] or [N, T] with N={N}, got {list(indices.shape)}")
-        if initial_state is None:
-            raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool)")
-        check_tensor("initial_state", initial_state, ndim=4, dtypes=(torch.float32,), device=q.device)
+        _check_pool_call(call, N)
     if call["num_accepted_tokens"] is not None:
+        if not pooled or call["ssm_state_indices"].dim() != 2:
+            raise ValueError("`num_accepted_tokens` needs `ssm_state_indices` of a pool row a token ([N, T]): it "
+                             "picks the row each sequence's state is read from")  # fmt: skip
         check_tensor(
-            "num_accepted_tokens", call["num_accepted_tokens"], ndim=1, dtypes=INDEX_DTYPES, device=q.device
+            "num_accepted_tokens", call["num_accepted_tokens"], shape=(N,), dtypes=INDEX_DTYPES, device=q.device
         )
     if call["out"] is not None:
         check_tensor("out", call["out"], shape=tuple(call["v"].shape), dtypes=(q.dtype,), device=q.device)
