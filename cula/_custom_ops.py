@@ -226,6 +226,8 @@ def _alias_ok(state_v_first, kwargs, allowed) -> bool:
 
 
 _LAYOUT_ONLY = frozenset(("transpose_state_layout",))
+# fused_recurrent_kda's serving keywords (fused_recurrent_kda_fwd's own arguments)
+_DECODE_KWARG_NAMES = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "out")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -448,14 +450,14 @@ def fused_recurrent_kda_fwd(
     their own below)."""
     pooled = inplace_final_state and initial_state is not None
     functional = not inplace_final_state and ssm_state_indices is None and num_accepted_tokens is None and out is None
-    if not (pooled or functional) or not _alias_ok(state_v_first, kwargs, _LAYOUT_ONLY):
+    # (FLA's form ignores transpose_state_layout, and eager warns that it does: Dynamo cannot trace the warning)
+    if not (pooled or functional) or kwargs:
         return _eager(
             "fused_recurrent_kda_fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
             inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
             out, **kwargs,
         )  # fmt: skip
-    state_v_first = _layout(state_v_first, kwargs)
     flags = (
         bool(state_v_first), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
         bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), lower_bound,
@@ -480,7 +482,16 @@ def fused_recurrent_kda(
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
     lower_bound=None, state_v_first=False, cu_seqlens=None, **kwargs,
 ):  # fmt: skip
-    """``cula.kda.fused_recurrent_kda`` under ``torch.compile`` (``fused_recurrent_kda_fwd``'s ops)."""
+    """``cula.kda.fused_recurrent_kda`` under ``torch.compile`` (``fused_recurrent_kda_fwd``'s ops, the layout
+    alias resolved here: this form honours it, FLA's low-level one does not)."""
+    if not _alias_ok(state_v_first, kwargs, _LAYOUT_ONLY | frozenset(_DECODE_KWARG_NAMES)):
+        return _eager(
+            "fused_recurrent_kda", q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+            state_v_first, cu_seqlens, **kwargs,
+        )  # fmt: skip
+    state_v_first = _layout(state_v_first, kwargs)
+    kwargs.pop("transpose_state_layout", None)
     kwargs.setdefault("inplace_final_state", False)
     return fused_recurrent_kda_fwd(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,

@@ -346,6 +346,24 @@ def test_simple_gla_as_fla_takes_it():
     assert_close("no decay", o4, o3, 1e-6)
 
 
+def test_recurrent_kda_softplus_gate_without_A_log():
+    """FLA's recurrent kernel reads an absent A_log as a log coefficient of 1 a head (its chunk form refuses the
+    call, as cula's chunk_kda does); fused_recurrent_kda_fwd ignores transpose_state_layout, as FLA's does."""
+    x = kda_inputs(T=6)
+    kw = dict(use_gate_in_kernel=True, output_final_state=True)
+    o, ht = ck.fused_recurrent_kda(**x, **kw)
+    o2, ht2 = ck.fused_recurrent_kda(**x, A_log=torch.ones(HV), **kw)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    with pytest.raises(ValueError, match="A_log"):
+        ck.chunk_kda(**x, **kw)
+    h0 = torch.randn(B, HV, K, V)
+    with pytest.warns(UserWarning, match="ignores `transpose_state_layout`"):
+        o3, _ = ck.fused_recurrent_kda_fwd(**x, initial_state=h0, inplace_final_state=False, output_final_state=True,
+                                           transpose_state_layout=True)  # fmt: skip
+    o4, _ = ck.fused_recurrent_kda_fwd(**x, initial_state=h0, inplace_final_state=False, output_final_state=True)
+    assert torch.equal(o3, o4)
+
+
 def test_lightning_wrappers_cpu():
     x = kda_inputs(T=21, HV=H)
     q, k, v = x["q"], x["k"], x["v"]

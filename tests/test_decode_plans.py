@@ -544,7 +544,6 @@ def test_fused_recurrent_kda_pool_form_runs_the_decode_kernel(counted_plans, fak
         ({"inplace_final_state": False}, "state-pool"),
         ({"ssm_state_indices": idx.long()}, "int32"),
         ({"beta": torch.randn(N, 1, HV, D)}, "per-channel beta"),
-        ({"A_log": None, "lower_bound": None}, "softplus"),
         ({"initial_state": pool.to(torch.bfloat16)}, "fp32"),
     ):
         ok, reason = _cula_recurrent_supports(**dict(base, **over))
@@ -593,7 +592,7 @@ def test_fused_recurrent_kda_fwd_repeats_skip_validation(monkeypatch):
     with pytest.raises(ValueError):  # a new signature: validated
         fused_recurrent_kda_fwd(q, k, v, g[..., :2], beta, **kw)
     with pytest.raises(ValueError, match="A_log"):
-        fused_recurrent_kda_fwd(q, k, v, g, beta, **dict(kw, A_log=None))
+        fused_recurrent_kda_fwd(q, k, v, g, beta, **dict(kw, A_log=torch.zeros(HV + 1)))
 
 
 def test_clear_plan_caches_forgets_a_steps_last_launch():

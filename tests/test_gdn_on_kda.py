@@ -291,7 +291,7 @@ def test_recurrent_declines_what_the_kernel_does_not_take(gdn_tuning, pretend_sm
 
     x = _inputs(2, 1, 1, 1, 128, False, dtype=torch.bfloat16)
     h0 = torch.zeros(2, 1, 128, 128)
-    base = dict(q=x["q"], v=x["v"], g=x["g"], gk=None, gv=None, beta=x["beta"], initial_state=h0,
+    base = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], gk=None, gv=None, beta=x["beta"], initial_state=h0,
                 state_v_first=False, cu_seqlens=None, A_log=None, dt_bias=None)  # fmt: skip
     # the H200's entry: one token a sequence (measured faster than FLA's), MTP-sized calls on FLA's kernel
     assert _cula_recurrent_supports(**base) == (True, None)
@@ -309,6 +309,7 @@ def test_recurrent_declines_what_the_kernel_does_not_take(gdn_tuning, pretend_sm
         ({"q": x["q"].float()}, "q dtype"),
         ({"beta": x["beta"].half()}, "beta dtype"),
         ({"q": x["q"].detach().requires_grad_()}, "autograd"),
+        ({"k": x["k"].detach().requires_grad_()}, "autograd"),
     ):
         ok, reason = _cula_recurrent_supports(**dict(base, **over))
         assert not ok and why in reason, (over, reason)

@@ -198,7 +198,12 @@ def test_fused_recurrent_kda(backend):
         )  # fmt: skip
         # FLA's serving form: the pool updated in place and returned
         o2, pool_out = kda.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True)
-        return o1, ht, o2, pool_out
+        # FLA's deprecated layout alias, honoured by this form (FLA's low-level one ignores it)
+        o3, ht3 = kda.fused_recurrent_kda(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0.transpose(-1, -2).contiguous(),
+            output_final_state=True, use_gate_in_kernel=True, transpose_state_layout=True,
+        )  # fmt: skip
+        return o1, ht, o2, pool_out, o3, ht3.transpose(-1, -2)
 
     pool_e, pool_c = h0.clone() * 0.5, h0.clone() * 0.5
     with torch.no_grad():

@@ -163,13 +163,13 @@ def _chunk_reference(
     )
 
 
-def _cula_recurrent_supports(q, v, g, gk, gv, beta, initial_state, state_v_first, cu_seqlens, A_log, dt_bias,
+def _cula_recurrent_supports(q, k, v, g, gk, gv, beta, initial_state, state_v_first, cu_seqlens, A_log, dt_bias,
                              **_) -> tuple:  # fmt: skip
     from cula._validate import DECODE_MAX_TOKENS, pool_layout_verdict
 
     from cula.gated_delta_rule.plan import GDN_TUNING
 
-    if needs_grad(q, v, g, beta, initial_state, A_log, dt_bias):
+    if needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return False, "autograd (cula's decode kernel is forward-only)"
     if cu_seqlens is not None:
         return False, "cu_seqlens (the packed form) runs on fla; pass q as [N, T, H, K] for cula's kernel"

@@ -492,8 +492,6 @@ def _cula_recurrent_supports(
         return False, f"q dtype {q.dtype} / g dtype {g.dtype} (kernel takes bf16/fp16 q, bf16/fp16/fp32 g)"
     if beta.ndim == v.ndim or beta.dtype not in (torch.float32, torch.bfloat16):
         return False, "per-channel beta, or beta not fp32/bf16, runs on fla"
-    if use_gate_in_kernel and A_log is None and lower_bound is None:
-        return False, "the softplus gate without A_log (FLA's default coefficient) runs on fla"
     if any(t is not None and t.dtype != torch.float32 for t in (A_log, dt_bias)):
         return False, "A_log / dt_bias not fp32 run on fla"
     if initial_state.dtype != torch.float32 or initial_state.ndim != 4:

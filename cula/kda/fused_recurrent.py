@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.compiler import is_compiling
 
@@ -23,6 +25,16 @@ _SCALAR_ARGS = (
     "scale", "output_final_state", "inplace_final_state", "state_v_first", "use_qk_l2norm_in_kernel",
     "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound",
 )  # fmt: skip
+
+
+def _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound):
+    """``A_log`` / ``dt_bias`` as the recurrent kernels take them: fp32 (``gate_params_fp32``), and for the
+    softplus gate without ``A_log`` FLA's recurrent kernel's reading of it, a log coefficient of 1 a head (the gate
+    ``-e softplus(g + dt_bias)``; FLA's chunk form refuses that call, and so does :func:`cula.kda.chunk_kda`)."""
+    A_log, dt_bias = gate_params_fp32(A_log, dt_bias)
+    if use_gate_in_kernel and A_log is None and lower_bound is None and isinstance(v, torch.Tensor) and v.dim() == 4:
+        A_log = torch.ones(v.shape[2], device=v.device)
+    return A_log, dt_bias
 
 
 def fused_recurrent_kda(
@@ -61,7 +73,7 @@ def fused_recurrent_kda(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
     """
-    A_log, dt_bias = gate_params_fp32(A_log, dt_bias)  # bf16 / fp16 parameters as FLA's kernels take them
+    A_log, dt_bias = _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces cula's ops instead
         return _custom_ops.fused_recurrent_kda(
             q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -127,7 +139,7 @@ def fused_recurrent_kda_fwd(
     ``out`` (``[B, T, HV, V]``) receives the output when given. Other arguments as
     :func:`fused_recurrent_kda`.
     """
-    A_log, dt_bias = gate_params_fp32(A_log, dt_bias)  # bf16 / fp16 parameters as FLA's kernels take them
+    A_log, dt_bias = _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces cula's ops instead
         return _custom_ops.fused_recurrent_kda_fwd(
             q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
@@ -135,7 +147,9 @@ def fused_recurrent_kda_fwd(
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs,
         )  # fmt: skip
     extra = take_extra_kwargs("fused_recurrent_kda_fwd", kwargs, ("transpose_state_layout",))
-    state_v_first = resolve_state_layout("fused_recurrent_kda_fwd", state_v_first, extra)
+    if "transpose_state_layout" in extra:  # (FLA's public fused_recurrent_kda honours it; this form never did)
+        warnings.warn("fused_recurrent_kda_fwd ignores `transpose_state_layout`, as FLA 0.6.0's does: pass "
+                      "`state_v_first`", stacklevel=2)  # fmt: skip
     call = dict(
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
         output_final_state=bool(output_final_state), inplace_final_state=bool(inplace_final_state),
