@@ -33,12 +33,12 @@ class BuildPyWithKernels(build_py):
         if not SCOPE:
             return
         prebuilt = Path(os.environ.get("CULA_WHEEL_PREBUILT_DIR") or HERE / "build" / f"prebuilt-{SCOPE}")
-        if not (prebuilt / "manifest.json").is_file():
-            python = os.environ.get("CULA_WHEEL_PYTHON", sys.executable)
-            subprocess.run(
-                [python, str(HERE / "scripts" / "build_wheel.py"), "compile", "--scope", SCOPE, "--out", str(prebuilt)],
-                check=True, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
-            )  # fmt: skip
+        # (a no-op when the directory holds this build already; else it compiles what is missing and relinks)
+        python = os.environ.get("CULA_WHEEL_PYTHON", sys.executable)
+        subprocess.run(
+            [python, str(HERE / "scripts" / "build_wheel.py"), "compile", "--scope", SCOPE, "--out", str(prebuilt)],
+            check=True, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
+        )  # fmt: skip
         target = Path(self.build_lib) / "cula" / "_prebuilt"
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)

@@ -82,14 +82,17 @@ def export_object(fn: Any, key: tuple, path: Path) -> str:
 
 
 def link(objects: Iterable[Path], out: Path, workdir: Path | None = None) -> None:
-    """Link exported objects into the shared object ``out``, written under a temporary name and renamed into place
-    (a reader never sees half a file; two processes linking the same file both produce whole ones)."""
+    """Link exported objects into the shared object ``out``, written under a temporary name of its own, flushed to
+    the disk and renamed into place (a reader never sees half a file, even after a crash; two processes linking
+    the same file both produce whole ones)."""
     out = Path(out)
     cc = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         shim = Path(tmp) / "cula_shim.c"
         shim.write_text(_SHIM_C)
-        partial = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+        partial = Path(name)
         cmd = [
             cc, "-shared", "-fPIC", "-O2", "-o", str(partial), *map(str, objects), str(shim),
             str(runtime_static_library()), f"-L{tvm_ffi_library_dir()}", "-ltvm_ffi",
@@ -100,6 +103,9 @@ def link(objects: Iterable[Path], out: Path, workdir: Path | None = None) -> Non
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
             raise RuntimeError(f"linking {out.name} failed: {result.stderr.strip()[-2000:]}")
+        with open(partial, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(partial, 0o755)  # (mkstemp makes it private)
         os.replace(partial, out)
 
 

@@ -25,6 +25,7 @@ that its stubbed compiles never meet a real binary).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -51,10 +52,11 @@ _LOCK = threading.RLock()
 _PACKAGE = Path(__file__).resolve().parent
 PREBUILT_DIR = _PACKAGE / "_prebuilt"
 MANIFEST_NAME = "manifest.json"
-# ``key_text`` of every variant compiled, loaded or looked up while recording (see ``recording``)
-_recorder: dict[tuple, Callable[[], Any]] | None = None
-# while recording with a launch callback: called with each launch of a recorded stub as ``(key, args)``
-_on_launch: Callable[[tuple, tuple], None] | None = None
+# while recording (see ``recording``), in this thread or task only: the build function of every variant looked up,
+# by key, and the launch callback (None: none), called with each launch of a recorded stub as ``(key, args)``
+_RECORDING: contextvars.ContextVar[tuple[dict[tuple, Callable[[], Any]], Callable | None] | None] = (
+    contextvars.ContextVar("cula_cache_recording", default=None)
+)
 
 
 class VariantUnavailableError(RuntimeError):
@@ -84,10 +86,10 @@ def symbol_name(key: tuple) -> str:
 def compiled_kernel(key: tuple, build: Callable[[], Any]) -> Any:
     """Return the compiled kernel for ``key``: from memory, the prebuilt manifest, the disk cache, or ``build()``
     (which runs cute.compile) once per process."""
-    if _recorder is not None:
-        with _LOCK:
-            _recorder.setdefault(key, build)
-        return functools.partial(_recorded_stub, key)
+    rec = _RECORDING.get()
+    if rec is not None:
+        rec[0].setdefault(key, build)
+        return functools.partial(_recorded_stub, key, rec[1])
     fn = _CACHE.get(key)
     if fn is not None:
         return fn
@@ -102,10 +104,10 @@ def compiled_kernel(key: tuple, build: Callable[[], Any]) -> Any:
     return fn
 
 
-def _recorded_stub(key: tuple, *args, **kwargs) -> None:
+def _recorded_stub(key: tuple, on_launch: Callable | None, *args, **kwargs) -> None:
     """What a launcher gets while recording: a kernel that does nothing (and notes its arguments when asked to)."""
-    if _on_launch is not None:
-        _on_launch(key, args)
+    if on_launch is not None:
+        on_launch(key, args)
 
 
 @contextlib.contextmanager
@@ -113,15 +115,22 @@ def recording(on_launch: Callable[[tuple, tuple], None] | None = None) -> Iterat
     """Within the block, ``compiled_kernel`` compiles and loads nothing: it records each key with its build
     function and hands back a no-op kernel. ``cula.variants`` drives the launchers this way to list the variants
     they select. With ``on_launch``, each call of such a kernel calls ``on_launch(key, args)``, for checking the
-    arguments against the variant's compiled signature (``cula.testing.check_launch``) without a GPU."""
-    global _recorder, _on_launch
-    with _LOCK:
-        outer, _recorder = _recorder, {}
-        outer_launch, _on_launch = _on_launch, on_launch
-        try:
-            yield _recorder
-        finally:
-            _recorder, _on_launch = outer, outer_launch
+    arguments against the variant's compiled signature (``cula.testing.check_launch``) without a GPU. Other
+    threads look their kernels up as usual meanwhile."""
+    seen: dict[tuple, Callable[[], Any]] = {}
+    token = _RECORDING.set((seen, on_launch))
+    try:
+        yield seen
+    finally:
+        _RECORDING.reset(token)
+
+
+def recorded_build(key: tuple) -> Callable[[], Any]:
+    """Within ``recording``: the build function recorded for ``key``."""
+    rec = _RECORDING.get()
+    if rec is None:
+        raise RuntimeError("recorded_build is only meaningful inside cula.cache.recording()")
+    return rec[0][key]
 
 
 def _obtain(key: tuple, build: Callable[[], Any]) -> tuple[Any, str]:
@@ -138,7 +147,10 @@ def _obtain(key: tuple, build: Callable[[], Any]) -> tuple[Any, str]:
             f"kernel variant {key_text(key)} is not in cula's prebuilt manifest "
             f"({prebuilt_status()}) and nvidia-cutlass-dsl is not installed to compile it (pip install 'cula[jit]')"
         )
-    fn = build()
+    try:
+        fn = build()
+    except ImportError as err:  # a DSL installed but broken, or shadowed: the next backend runs the call
+        raise VariantUnavailableError(f"kernel variant {key_text(key)} could not be compiled: {err}") from err
     if disk is not None:
         _store_on_disk(disk, key, fn)
     return fn, "jit"
@@ -163,7 +175,9 @@ def clear() -> None:
 
 @functools.cache
 def dsl_installed() -> bool:
-    return importlib.util.find_spec("cutlass") is not None
+    """Whether the CuTe DSL's distribution is installed (not merely some top-level ``cutlass`` module: other
+    packages have taken that name). Read from the metadata: finding ``cutlass.cute`` would import the DSL."""
+    return _version("nvidia-cutlass-dsl") is not None
 
 
 def _switch_on(name: str) -> bool:
@@ -203,6 +217,14 @@ def _dsl_cuda_flavours() -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
+# the CuTe DSL's environment variables that change the code it makes (of those base_dsl/env_manager.py marks as
+# affecting compilation; not ARCH, which cula's explicit --gpu-arch overrides, nor those that only stop, cache or warn)
+_DSL_COMPILE_ENV = tuple(f"CUTE_DSL_{name}" for name in (
+    "COMPILER_BACKEND", "COMPILER_OPT", "DEBUG", "ENABLE_ASSERTIONS", "ENABLE_PYIR", "ENABLE_TVM_FFI", "LINEINFO",
+    "LOC_TRACEBACKS",
+))  # fmt: skip
+
+
 @functools.cache
 def build_tag() -> str:
     """The disk cache's directory name: a variant stored under it loads correctly in any process whose tag is the
@@ -213,6 +235,8 @@ def build_tag() -> str:
         "dsl_cuda": _dsl_cuda_flavours(),
         "tvm_ffi": _version("apache-tvm-ffi"),
         "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        # the DSL's switches that change what it compiles (line info, assertions, debug, optimisation level, ...)
+        "dsl_env": {name: os.environ[name] for name in _DSL_COMPILE_ENV if name in os.environ},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -239,6 +263,34 @@ def _expose_cudart() -> None:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
+def _check_whole(library: Path) -> None:
+    """Raise unless ``library`` is an ELF64 file holding every segment and section its headers name: the loader
+    maps a truncated one and the process dies of SIGBUS on the first page past its end (an interrupted copy or
+    write leaves such files)."""
+    import struct
+
+    size = library.stat().st_size
+    with open(library, "rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:5] != b"\x7fELF\x02" or head[5] != 1:
+            raise ValueError("not a little-endian ELF64 file")
+        phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+        ends = [phoff + phentsize * phnum, shoff + shentsize * shnum]
+        if max(ends) > size:
+            raise ValueError(f"truncated: its headers end at byte {max(ends)}, the file has {size}")
+        f.seek(phoff)
+        for _ in range(phnum):  # (p_type, p_flags, p_offset, p_vaddr, p_paddr, p_filesz, ...)
+            _, _, offset, _, _, filesz = struct.unpack("<IIQQQQ", f.read(phentsize)[:40])
+            ends.append(offset + filesz)
+        f.seek(shoff)
+        for _ in range(shnum):  # (sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, ...); type 8: no bits
+            _, kind, _, _, offset, length = struct.unpack("<IIQQQQ", f.read(shentsize)[:40])
+            ends.append(offset + (0 if kind == 8 else length))
+    if max(ends) > size:
+        raise ValueError(f"truncated: its contents end at byte {max(ends)}, the file has {size}")
+
+
 def _load_function(library: Path, symbol: str) -> Any:
     import tvm_ffi
 
@@ -257,7 +309,14 @@ def _manifest() -> tuple[dict | None, str]:
     path = prebuilt_dir() / MANIFEST_NAME
     if not path.is_file():
         return None, "no prebuilt kernels in this installation"
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # a damaged installation: the disk cache or a compile serves instead
+        logger.warning("cula: prebuilt kernels ignored: %s is unreadable (%s)", path, err)
+        return None, f"unreadable prebuilt manifest ({err})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("variants"), dict):
+        logger.warning("cula: prebuilt kernels ignored: %s holds no variant table", path)
+        return None, "prebuilt manifest without a variant table"
     if manifest.get("sources") != source_digest():
         # an edited checkout, or a manifest from other sources: its binaries are not these kernels
         logger.warning("cula: prebuilt kernels ignored: built from other kernel sources than these")
@@ -310,7 +369,13 @@ def _prebuilt_function(key: tuple) -> Any:
     entry = manifest["variants"].get(key_text(key))
     if entry is None:
         return None
-    return _load_function(prebuilt_dir() / entry["library"], entry["symbol"])
+    try:
+        library = prebuilt_dir() / entry["library"]
+        _check_whole(library)
+        return _load_function(library, entry["symbol"])
+    except Exception as err:  # a damaged installation: the disk cache or a compile serves instead
+        logger.warning("cula: prebuilt kernel %s did not load (%s)", key_text(key), err)
+        return None
 
 
 # ------------------------------------------------------------------------------------------------ disk cache
@@ -327,6 +392,7 @@ def _load_from_disk(directory: Path, key: tuple) -> Any:
     if not library.is_file():
         return None
     try:
+        _check_whole(library)
         return _load_function(library, symbol_name(key))
     except Exception as err:  # a truncated or foreign file: compile instead, and replace it
         logger.warning("cula: cached kernel %s did not load (%s); compiling it again", library, err)

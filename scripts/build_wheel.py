@@ -7,8 +7,11 @@
 
 ``compile`` works on a CPU-only machine: each of ``--jobs`` worker processes lists the variants
 (``cula.variants.planner_variants``), takes every N-th, compiles it for its target with ``cute.compile`` and
-exports it (``cula.aot``) to ``<out>/objects/<digest>.o``; an object already there is kept, so an interrupted
-build resumes. Then the objects of each kernel family are linked into a few shared objects, and
+exports it (``cula.aot``) to ``<out>/objects/<stamp>/<digest>.o``; an object already there is kept, so an
+interrupted build resumes (the stamp names what built it: the kernel sources, the DSL and its CUDA, TVM-FFI,
+Python, the DSL's compile switches; a build of other sources or tools starts afresh beside it). A manifest of the
+same stamp and scope that names every listed variant is up to date: nothing is done. Otherwise the objects of
+each kernel family are linked into a few shared objects, and
 ``manifest.json`` maps every variant's key text to its library and symbol, with the kernel sources' digest and
 the TVM-FFI version it was built for (``cula.cache`` checks both before it trusts the manifest).
 """
@@ -51,12 +54,26 @@ def _listed(scope: str, per_family: int = 0) -> list[tuple[tuple, object]]:
     return [x for group in families.values() for x in group[:: max(1, len(group) // per_family)][:per_family]]
 
 
+def _stamp() -> str:
+    """What built an object: the disk cache's build tag (kernel sources, DSL, its CUDA flavours, TVM-FFI, Python,
+    the DSL's compile switches) and the CUDA version the DSL compiles for."""
+    from cutlass.base_dsl.version_info import CUDA_VERSION
+
+    from cula import cache
+
+    return f"{cache.build_tag()}-cuda{CUDA_VERSION.major}.{CUDA_VERSION.minor}"
+
+
+def _objects(out: Path) -> Path:
+    return out / "objects" / _stamp()
+
+
 def _worker(scope: str, out: Path, index: int, jobs: int, per_family: int = 0) -> int:
     """Compile and export this worker's share of the variants; prints one line per variant."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from cula import aot, cache
 
-    objects = out / "objects"
+    objects = _objects(out)
     failures = 0
     for i, (key, build) in enumerate(_listed(scope, per_family)):
         if i % jobs != index:
@@ -82,7 +99,7 @@ def _run_workers(scope: str, out: Path, jobs: int, per_family: int = 0, capture:
     """Compile the scope (or its sample) into ``out/objects`` over ``jobs`` processes: failed workers, and with
     ``capture`` the workers' printed lines (each worker's into its own ``out/worker-I.log``, never a pipe, which a
     reader drains one worker at a time while the others stall on it full); without, they print as they go."""
-    (out / "objects").mkdir(parents=True, exist_ok=True)
+    _objects(out).mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, CULA_DISK_CACHE="0", CULA_PREBUILT="0", PYTHONPATH=str(REPO))
     cmd = [sys.executable, __file__, "_worker", scope, str(out)]
     logs = [out / f"worker-{i}.log" for i in range(jobs)] if capture else [None] * jobs
@@ -98,20 +115,27 @@ def compile_all(scope: str, out: Path, jobs: int) -> None:
     from cula import aot, cache
 
     listed = _variants(scope)
+    stamp, objects = _stamp(), _objects(out)
+    if _up_to_date(out, scope, stamp, {cache.key_text(k) for k in listed}):
+        print(f"{out / 'manifest.json'}: up to date ({len(listed)} variants of scope {scope!r})", flush=True)
+        return
     print(f"{len(listed)} variants in scope {scope!r}, {jobs} workers", flush=True)
     start = time.perf_counter()
     failed, _ = _run_workers(scope, out, jobs)
     compiled = time.perf_counter() - start
     families: dict[str, list[tuple]] = {}
     for key in sorted(listed, key=cache.key_text):
-        if (out / "objects" / f"{cache.key_digest(key)}.o").is_file():
+        if (objects / f"{cache.key_digest(key)}.o").is_file():
             families.setdefault(str(key[0]).replace(".", "_"), []).append(key)
+    (out / "manifest.json").unlink(missing_ok=True)
+    for old in out.glob("libcula_*.so"):  # another build's libraries: the wheel takes every one it finds
+        old.unlink()
     entries, start = {}, time.perf_counter()
     for family, keys in families.items():
         for part in range(0, len(keys), OBJECTS_PER_LIBRARY):
             chunk = keys[part : part + OBJECTS_PER_LIBRARY]
             library = f"libcula_{family}_{part // OBJECTS_PER_LIBRARY}.so"
-            aot.link([out / "objects" / f"{cache.key_digest(k)}.o" for k in chunk], out / library)
+            aot.link([objects / f"{cache.key_digest(k)}.o" for k in chunk], out / library)
             for k in chunk:
                 entries[cache.key_text(k)] = {"library": library, "symbol": cache.symbol_name(k)}
     linked = time.perf_counter() - start
@@ -124,6 +148,7 @@ def compile_all(scope: str, out: Path, jobs: int) -> None:
         "cuda": f"{CUDA_VERSION.major}.{CUDA_VERSION.minor}",
         "targets": ["sm_90a"],
         "scope": scope,
+        "stamp": stamp,
         "variants": entries,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=0, sort_keys=True))
@@ -132,6 +157,18 @@ def compile_all(scope: str, out: Path, jobs: int) -> None:
           f"{linked:.1f} s: {size / 2**20:.1f} MiB in {len(list(out.glob('*.so')))} libraries", flush=True)  # fmt: skip
     if failed or len(entries) != len(listed):
         sys.exit(f"{len(listed) - len(entries)} variants missing ({failed} workers failed)")
+
+
+def _up_to_date(out: Path, scope: str, stamp: str, listed: set[str]) -> bool:
+    """Whether ``out`` holds this build already: a manifest of this stamp and scope naming every listed variant,
+    and its libraries."""
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("stamp") != stamp or manifest.get("scope") != scope or set(manifest.get("variants", ())) != listed:
+        return False
+    return all((out / e["library"]).is_file() for e in manifest["variants"].values())
 
 
 def check(path: Path, scope: str) -> None:
@@ -156,6 +193,8 @@ def check(path: Path, scope: str) -> None:
         problems.append(f"libraries named in the manifest but not shipped: {sorted(absent)}")
     if manifest["sources"] != cache.source_digest():
         problems.append("the manifest was built from other kernel sources than this checkout's")
+    if manifest.get("stamp") != _stamp():
+        problems.append(f"the manifest was built by other tools (stamp {manifest.get('stamp')}, here {_stamp()})")
     if problems:
         sys.exit("manifest check failed: " + "; ".join(problems))
     print(f"manifest covers all {len(listed)} variants of scope {scope!r} ({len(manifest['variants'])} entries)")
@@ -175,7 +214,7 @@ def estimate(scope: str, per_family: int, jobs: int) -> None:
         seconds = {key: float(secs[:-1]) for _, secs, key in done}
         sizes: dict[str, list[tuple[int, int, float]]] = {}
         for key, _build in _listed(scope, per_family):
-            path = Path(tmp) / "objects" / f"{cache.key_digest(key)}.o"
+            path = _objects(Path(tmp)) / f"{cache.key_digest(key)}.o"
             if path.is_file():
                 data = path.read_bytes()
                 sample = (len(data), len(zlib.compress(data, 6)), seconds.get(cache.key_text(key), 0.0))

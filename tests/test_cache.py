@@ -80,6 +80,23 @@ def test_disk_cache_dir_changes_with_the_sources(tmp_path, monkeypatch):
     assert cache.disk_cache_dir() is None
 
 
+def test_damaged_disk_entries_are_compiled_again(tmp_path):
+    """A truncated entry (an interrupted copy; the loader would map it and die of SIGBUS past its end) or a garbage
+    one is compiled again and replaced, as is one made with other DSL compile switches (line info: its own
+    directory)."""
+    env = {"CULA_DISK_CACHE": "1", "CULA_CACHE_DIR": str(tmp_path), "CULA_PREBUILT": "0"}
+    assert _run(env)["origins"] == ["jit"]
+    (stored,) = tmp_path.rglob("*.so")
+    whole = stored.read_bytes()
+    for damaged in (whole[: len(whole) // 2], whole[:4096], b"not an ELF file"):
+        stored.write_bytes(damaged)
+        assert _run(env)["origins"] == ["jit"]
+        assert stored.read_bytes() == whole
+    assert _run(env)["origins"] == ["disk"]
+    assert _run(dict(env, CUTE_DSL_LINEINFO="1"))["origins"] == ["jit"]
+    assert len(list(tmp_path.rglob("*.so"))) == 2
+
+
 @pytest.fixture
 def prebuilt(tmp_path):
     """A one-variant prebuilt directory, made as scripts/build_wheel.py makes one (compiled in a subprocess)."""
@@ -120,6 +137,38 @@ def test_stale_manifest_is_ignored(prebuilt):
     (prebuilt / "manifest.json").write_text(json.dumps(manifest))
     got = _run({"CULA_PREBUILT": "1", "CULA_PREBUILT_DIR": str(prebuilt), "CULA_DISK_CACHE": "0"})
     assert got["origins"] == ["jit"]
+
+
+def test_damaged_prebuilt_installation_falls_back(prebuilt):
+    """An unreadable manifest, or a library it names missing or truncated: the variant is compiled instead (a
+    process without the DSL then declines), never an error out of the call."""
+    env = {"CULA_PREBUILT": "1", "CULA_PREBUILT_DIR": str(prebuilt), "CULA_DISK_CACHE": "0"}
+    library = prebuilt / "libcula_test.so"
+    whole = library.read_bytes()
+    library.write_bytes(whole[: len(whole) // 3])
+    assert _run(env)["origins"] == ["jit"]
+    library.unlink()
+    assert _run(env)["origins"] == ["jit"]
+    library.write_bytes(whole)
+    assert _run(env)["origins"] == ["prebuilt"]
+    text = (prebuilt / "manifest.json").read_text()
+    for broken in (text[: len(text) // 2], "", "[]"):
+        (prebuilt / "manifest.json").write_text(broken)
+        assert _run(env)["origins"] == ["jit"]
+
+
+def test_recording_is_this_threads_own():
+    """While one thread records (cula.variants lists the variants this way), another's lookups are untouched."""
+    import threading
+
+    seen_elsewhere = []
+    with cache.recording() as seen:
+        worker = threading.Thread(target=lambda: seen_elsewhere.append(cache._RECORDING.get()))
+        worker.start()
+        worker.join()
+        cache.compiled_kernel(("test-key",), lambda: None)
+    assert seen_elsewhere == [None] and list(seen) == [("test-key",)]
+    assert cache._RECORDING.get() is None
 
 
 def test_no_binary_and_no_dsl_declines(monkeypatch, pretend_sm90, caplog):

@@ -935,3 +935,20 @@ def test_naive_functions_take_flas_positional_arguments(module, name):
         if theirs[p.name].default is not inspect.Parameter.empty:
             assert p.default == theirs[p.name].default, (name, p.name, p.default, theirs[p.name].default)
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours.values() if p.name not in theirs)
+
+
+@pytest.mark.parametrize("gate", [-1e8, float("-inf")])
+def test_chunk_form_with_a_hard_reset(gate):
+    """A step whose decay wipes the state (-inf, or one far past the flush point) inside a chunk: the chunked
+    reference equals the recurrent one (no NaN from -inf - -inf, no digits lost to cancellation)."""
+    import cula.simple_gla as cs
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 70, 2, 8) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 70, 2))
+    g[0, 10], g[0, 40, 0] = gate, gate
+    o1, h1 = cs.chunk_simple_gla(q, k, v, g=g, output_final_state=True)
+    o2, h2 = cs.fused_recurrent_simple_gla(q, k, v, g=g, output_final_state=True)
+    assert not torch.isnan(o1).any()
+    torch.testing.assert_close(o1, o2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h1, h2, rtol=1e-4, atol=1e-4)

@@ -78,7 +78,7 @@ def _check_launch(key: tuple, args: tuple) -> None:
 
     fake = _FAKES.get(key)
     if fake is None:
-        fake = _FAKES[key] = fake_arguments(cula.cache._recorder[key])
+        fake = _FAKES[key] = fake_arguments(cula.cache.recorded_build(key))
     check_launch(fake, args, cula.cache.key_text(key))
 
 

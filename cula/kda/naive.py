@@ -268,7 +268,10 @@ def _chunk_core(q, k, v, gk, beta, scale, h0, delta_rule, chunk_size):
 
     qc, kc, vc, gc = (chunked(x) for x in (q, k, v, gk))
     bc = chunked(beta) if delta_rule else None  # [B, HV, NT, C]
-    Gam = gc.cumsum(-2)
+    # A step's log decay below _exp's flush point decays everything before it to 0 all the same; clamped there,
+    # a hard reset (-inf) or a huge decay in a chunk no longer cancels in Gam_i - Gam_j (NaN from -inf - -inf,
+    # lost digits from -1e8 + 1e8). NaN stays NaN.
+    Gam = gc.clamp_min(0.5 * math.log(torch.finfo(gc.dtype).tiny)).cumsum(-2)
 
     # under autograd each chunk's step is recomputed in the backward instead of saving its [C, C, K] temporaries:
     # float64 references of long many-head calls (FLA's 8192-token, 96-head test) would otherwise keep hundreds of GB
