@@ -164,12 +164,12 @@ def fused_recurrent_kda_fwd(
     return dispatch_kda_call(fused_recurrent_kda_registry, _plans, key, call, _checked)
 
 
-def _check_pool_call(call: dict, N: int) -> None:
+def _check_pool_call(call: dict, N: int, bounds: torch.Tensor | None) -> None:
     """The serving form's pool and indices, by their shapes (FLA's kernel trusts them): a pool of ``[P, HV, K, V]``
     rows (``[P, HV, V, K]`` with ``state_v_first``); ``[N]`` indices (a row a sequence) or ``[N, T']`` (a row a
     token, its state after that token); with more than one token a sequence, a row for each (``T'`` at least the
     longest sequence) and the states written to the pool; new states out of the pool only one a sequence, and only
-    where the call asks for them."""
+    where the call asks for them. ``bounds``: ``cu_seqlens`` on the host (None: not read, a CUDA graph captures)."""
     q, v, indices, pool = call["q"], call["v"], call["ssm_state_indices"], call["initial_state"]
     check_tensor("ssm_state_indices", indices, dtypes=INDEX_DTYPES, device=q.device)
     if indices.dim() not in (1, 2) or indices.shape[0] != N:
@@ -183,7 +183,10 @@ def _check_pool_call(call: dict, N: int) -> None:
         layout = "[P, HV, V, K] (state_v_first=True)" if call["state_v_first"] else "[P, HV, K, V]"
         raise ValueError(f"`initial_state` (the state pool) must be {layout} = [P, {', '.join(map(str, row))}], "
                          f"got {list(pool.shape)}")  # fmt: skip
-    most = _longest_sequence(q, call["cu_seqlens"])
+    if call["cu_seqlens"] is None:
+        most = q.shape[1]
+    else:
+        most = None if bounds is None else int((bounds[1:] - bounds[:-1]).max())  # (validated: 2+ entries)
     if most is not None and most > 1:
         if indices.dim() != 2 or indices.shape[1] < most:
             raise ValueError(f"`ssm_state_indices` must be [N, T] with a pool row for each of a sequence's tokens "
@@ -196,23 +199,18 @@ def _check_pool_call(call: dict, N: int) -> None:
                          "(the new states go to a final_state of their own)")  # fmt: skip
 
 
-def _longest_sequence(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int | None:
-    """The tokens of the call's longest sequence; None when a CUDA graph captures (a packed call's lengths are
-    then not read)."""
-    if cu_seqlens is None:
-        return q.shape[1]
-    if capturing(cu_seqlens):
-        return None
-    bounds = cu_seqlens.detach().to("cpu")
-    return int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0
-
-
 def _checked(call: dict) -> dict:
     """Validate a call in full; returns the dispatch arguments."""
     q, initial_state = call["q"], call["initial_state"]
     pooled = call["ssm_state_indices"] is not None
     if call["inplace_final_state"] and initial_state is None:
         raise ValueError("`inplace_final_state=True` needs `initial_state` (the state pool to update)")
+    cu = call["cu_seqlens"]
+    # the boundaries read once, for their checks and the pool's (not while a CUDA graph captures)
+    bounds = None
+    if (isinstance(cu, torch.Tensor) and isinstance(q, torch.Tensor) and cu.dim() == 1 and cu.dtype in INDEX_DTYPES
+            and cu.device == q.device and not capturing(cu)):  # (else check_kda_inputs names what is wrong)
+        bounds = cu.detach().to("cpu")
     N = check_kda_inputs(
         q,
         call["k"],
@@ -221,8 +219,8 @@ def _checked(call: dict) -> dict:
         call["beta"],
         initial_state=None if pooled else initial_state,
         state_v_first=call["state_v_first"],
-        cu_seqlens=call["cu_seqlens"],
-        cu_seqlens_cpu=None,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=bounds,
         A_log=call["A_log"],
         dt_bias=call["dt_bias"],
         use_gate_in_kernel=call["use_gate_in_kernel"],
@@ -232,7 +230,7 @@ def _checked(call: dict) -> dict:
         beta_per_value=True,
     )
     if pooled:
-        _check_pool_call(call, N)
+        _check_pool_call(call, N, bounds)
     if call["num_accepted_tokens"] is not None:
         if not pooled or call["ssm_state_indices"].dim() != 2:
             raise ValueError("`num_accepted_tokens` needs `ssm_state_indices` of a pool row a token ([N, T]): it "
