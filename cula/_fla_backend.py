@@ -111,11 +111,19 @@ def _chunk_decision(args: tuple, kwargs: dict):
     boundaries copied to the host here, once: validation reads them, and the call FLA then hands cula gets the copy
     (``_chunk_kda``), which saves cula's own validation a second device-to-host copy and lets the call take cula's
     packed-call plans."""
+    from cula._validate import gate_params_fp32
     from cula.kda import chunk as impl
     from cula.kda.backends import chunk_kda_registry
 
     _host_bounds.set(None)
     call = impl._full_call(_bind(impl.chunk_kda, args, kwargs))
+    # what chunk_kda does first: bf16 / fp16 gate parameters (a model cast to bf16) read as fp32
+    call["A_log"], call["dt_bias"] = gate_params_fp32(call["A_log"], call["dt_bias"])
+    q = call["q"]
+    if isinstance(q, torch.Tensor):  # (no host read for a call cula cannot run here at all)
+        ok, why = chunk_kda_registry.availability(CULA_BACKEND, q.device)
+        if not ok:
+            return ok, why
     cu = call["cu_seqlens"]
     # not in FLA's graph mode, whose chunk list cula builds on the device from cu_seqlens alone
     made = (isinstance(cu, torch.Tensor) and call["cu_seqlens_cpu"] is None and not call["use_graph"]
@@ -140,15 +148,18 @@ def _recurrent_decision(args: tuple, kwargs: dict):
     """As ``cula.kda.fused_recurrent_kda_fwd`` builds, validates and selects its call; serving engines call FLA's
     function once per token, so a fixed-length call's verdict is kept under cula's own plan key for that function
     (``call_signature``: everything its validation and selection read)."""
-    from cula._validate import resolve_state_layout, take_extra_kwargs
+    from cula._validate import take_extra_kwargs
     from cula.kda import fused_recurrent as impl
-    from cula.kda.backends import fused_recurrent_kda_registry
+    from cula.kda.backends import fused_recurrent_kda_registry, serving_form_verdict
 
     call = _bind(impl.fused_recurrent_kda_fwd, args, kwargs)
-    extra = take_extra_kwargs("fused_recurrent_kda_fwd", call.pop("kwargs"), ("transpose_state_layout",))
-    call["state_v_first"] = resolve_state_layout("fused_recurrent_kda_fwd", call["state_v_first"], extra)
+    # (transpose_state_layout: ignored, as by FLA's function and cula's)
+    take_extra_kwargs("fused_recurrent_kda_fwd", call.pop("kwargs"), ("transpose_state_layout",))
     for name in _RECURRENT_FLAGS:
         call[name] = bool(call[name])
+    call["A_log"], call["dt_bias"] = impl._gate_params(
+        call["A_log"], call["dt_bias"], call["v"], call["use_gate_in_kernel"], call["lower_bound"]
+    )
     key = (
         None if call["cu_seqlens"] is not None else call_signature(call, impl._TENSOR_ARGS, impl._SCALAR_ARGS)
     )
@@ -156,6 +167,14 @@ def _recurrent_decision(args: tuple, kwargs: dict):
         verdict = _recurrent_verdicts.get(key)
         if verdict is not None:
             return verdict
+    q = call["q"]
+    if isinstance(q, torch.Tensor):  # what declines without validation (no host read for a packed call)
+        ok, why = fused_recurrent_kda_registry.availability(CULA_BACKEND, q.device)
+        if ok:
+            ok, why = serving_form_verdict(q, call["cu_seqlens"], call["ssm_state_indices"],
+                                           call["inplace_final_state"], call["num_accepted_tokens"])  # fmt: skip
+        if not ok:
+            return ok, why
     try:
         checked = impl._checked(call)
     except Exception as error:
@@ -168,13 +187,17 @@ def _recurrent_decision(args: tuple, kwargs: dict):
 
 
 def _wy_dqkg_decision(args: tuple, kwargs: dict):
+    from cula.backends import cula_kernels_on
     from cula.kda import fla_backward
 
     call = _bind(_wy_dqkg_params, args, kwargs)
     if call["kwargs"]:
         return False, f"arguments FLA 0.6.0's stage does not take: {', '.join(call['kwargs'])}"
-    return fla_backward.wy_dqkg_verdict(*(call[n] for n in ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv")),
-                                        call["chunk_size"])  # fmt: skip
+    ok, why = fla_backward.wy_dqkg_verdict(*(call[n] for n in ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv")),
+                                           call["chunk_size"])  # fmt: skip
+    if ok:  # (the DSL, or the wheel's binaries, to run cula's kernel with)
+        ok, why = cula_kernels_on((9, 0))(call["q"].device)
+    return ok, why
 
 
 def _wy_dqkg_params(
@@ -185,13 +208,20 @@ def _wy_dqkg_params(
 
 
 def _wy_dqkg(*args, **kwargs):
+    from cula.cache import VariantUnavailableError
     from cula.kda import fla_backward
 
     c = _bind(_wy_dqkg_params, args, kwargs)
-    return fla_backward.wy_dqkg_ours(
+    call = (
         c["q"], c["k"], c["v"], c["v_new"], c["g"], c["beta"], c["A"], c["h"], c["do"], c["dh"], c["dv"],
         c["scale"], c["state_v_first"], c["cu_seqlens"], c["chunk_size"], c["chunk_indices"], c["use_graph"],
     )  # fmt: skip
+    try:
+        return fla_backward.wy_dqkg_ours(*call)
+    except VariantUnavailableError as err:  # raised before any launch: FLA's Triton kernel at cula's launch
+        _note("chunk_kda_bwd_wy_dqkg_fused", f"{err}; FLA's kernel runs it")
+        with fla_backward.fla_stages_only():
+            return fla_backward.wy_dqkg_ours(*call)
 
 
 def _dqkwg_decision(args: tuple, kwargs: dict):
@@ -208,15 +238,21 @@ def _dqkwg_decision(args: tuple, kwargs: dict):
         return False, "ungated (no g): FLA's Triton kernel is correct there"
     if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
         return False, "FLA's Triton kernel is correct on this GPU and Triton"
-    if _tilelang_usable():
-        return False, "TileLang is installed: FLA's TileLang kernel runs the gated stage"
+    if _tilelang_takes(args, kwargs):
+        return False, "FLA's TileLang backend runs this call of the gated stage"
     return True, None
 
 
-def _tilelang_usable() -> bool:
-    from fla.backends import TileLangBackend
+def _tilelang_takes(args: tuple, kwargs: dict) -> bool:
+    """Whether FLA's registered TileLang backend of its common stages would run this ``chunk_bwd_dqkwg`` call (its
+    verifier refuses some: Simple GLA's fp32 states with 16-bit q, for one)."""
+    import fla.backends
 
-    return TileLangBackend.is_available() and TileLangBackend().is_enabled()
+    registry = getattr(fla.backends, "_operation_registries", {}).get("common")
+    tilelang = None if registry is None else getattr(registry, "_backends", {}).get("tilelang")
+    if tilelang is None or not (tilelang.is_available() and tilelang.is_enabled()):
+        return False
+    return bool(tilelang.verify("chunk_bwd_dqkwg", *args, **kwargs)[0])
 
 
 def _chunk_bwd_dqkwg(*args, **kwargs):

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from cula.cache import VariantUnavailableError
+from cula.cache import VariantUnavailableError, dsl_installed
 
 logger = logging.getLogger("cula")
 
@@ -133,6 +133,13 @@ class Registry:
         if ok:
             ok, why = backend.supports(**args)
         return ok, why
+
+    def availability(self, name: str, device: torch.device) -> Verdict:
+        """Whether backend ``name`` can run anything on ``device`` (its availability probe alone)."""
+        for backend in self._backends:
+            if backend.name == name:
+                return backend.available(device)
+        return False, f"{self.op} has no backend {name!r}"
 
     def verdict(self, name: str, device: torch.device, args: dict[str, Any]) -> Verdict:
         """Whether backend ``name`` can run ``args`` (validated arguments) on ``device``, with the reason if not."""
@@ -271,7 +278,7 @@ def cula_kernels_on(arch: tuple[int, int], needs: tuple[str, ...] = ()) -> Calla
         for package in ("tvm_ffi", *needs):
             if not has_package(package):
                 return False, f"package {package!r} is not installed"
-        if not has_package("cutlass") and not _has_prebuilt(arch):
+        if not dsl_installed() and not _has_prebuilt(arch):
             return False, f"no prebuilt kernels for sm_{arch[0]}{arch[1]}a and nvidia-cutlass-dsl is not installed"
         return True, None
 

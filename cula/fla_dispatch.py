@@ -49,8 +49,8 @@ _state = {"registered": False, "why": "FLA's KDA ops are not imported yet"}
 
 
 def registered() -> bool:
-    """Whether cula's backend is registered with FLA's dispatch in this process."""
-    return _state["registered"]
+    """Whether cula's backend is registered with FLA's dispatch in this process (with FLA's current ``chunk_kda``)."""
+    return _state["registered"] and _in_chunk_registry()
 
 
 def status() -> str:
@@ -71,7 +71,7 @@ def register() -> bool:
     """Register cula's backend with FLA's dispatch (idempotent; imports FLA's KDA ops if they are not yet). False, with
     ``status()`` saying why, where FLA's dispatch is off or not the one cula knows. Never raises: it runs inside the
     import of FLA's module."""
-    if _state["registered"]:
+    if _state["registered"] and _in_chunk_registry():
         return True
     _remove_finder()
     try:
@@ -97,6 +97,21 @@ def register() -> bool:
         return False
     _state.update(registered=True, why=f"registered as FLA backend {BACKEND_TYPE!r} at priority {PRIORITY}")
     return True
+
+
+def _in_chunk_registry() -> bool:
+    """Whether FLA's current ``chunk_kda`` still has cula among its backends (a reload of FLA's chunk module makes a
+    new function with an empty registry; True where that cannot be told)."""
+    chunk_module, fla_backends = sys.modules.get(_FLA_CHUNK_MODULE), sys.modules.get("fla.backends")
+    if chunk_module is None or fla_backends is None or not hasattr(chunk_module, "chunk_kda"):
+        return True
+    try:
+        import inspect
+
+        registry = getattr(fla_backends, "_function_registries", {}).get(inspect.unwrap(chunk_module.chunk_kda))
+    except Exception:
+        return True
+    return registry is None or BACKEND_TYPE in getattr(registry, "_backends", {BACKEND_TYPE: None})
 
 
 class _RegisterAfterImport:
@@ -129,7 +144,8 @@ class _ThenRegister:
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        # a reload makes a new chunk_kda with a new registry: register again
+        # (the hook goes once cula is registered: after a reload of FLA's module, registered() says False and
+        # install() registers again)
         _state["registered"] = False
         register()
 

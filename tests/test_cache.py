@@ -204,7 +204,7 @@ def test_no_binary_and_no_dsl_declines(monkeypatch, pretend_sm90, caplog):
 def test_no_dsl_no_wheel_is_unavailable(monkeypatch, pretend_sm90):
     import cula.backends
 
-    monkeypatch.setattr(cula.backends, "has_package", lambda name: name != "cutlass")
+    monkeypatch.setattr(cula.backends, "dsl_installed", lambda: False)
     monkeypatch.setattr(cula.backends, "_has_prebuilt", lambda arch: False)
     ok, why = cula.backends.cula_kernels_on((9, 0))(torch.device("cuda"))
     assert not ok and "nvidia-cutlass-dsl" in why

@@ -93,7 +93,7 @@ def hopper_with_refused_triton(monkeypatch):
     monkeypatch.setattr(fla.utils, "IS_NVIDIA_HOPPER", True)
     monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_4_0", True)
     monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_7_1", False)
-    monkeypatch.setattr(_fla_backend, "_tilelang_usable", lambda: False)
+    monkeypatch.setattr(_fla_backend, "_tilelang_takes", lambda args, kwargs: False)
     monkeypatch.setenv("FLA_CULA", "1")
 
 
@@ -112,9 +112,28 @@ def test_fla_dispatch_hands_cula_the_refused_calls(hopper_with_refused_triton, m
     assert not ok and "ungated" in why
     ok, why = backend.verify("chunk_bwd_dqkwg", **case, bogus=1)
     assert not ok and "bogus" in why
-    monkeypatch.setattr(_fla_backend, "_tilelang_usable", lambda: True)
+    monkeypatch.setattr(_fla_backend, "_tilelang_takes", lambda args, kwargs: True)
     ok, why = backend.verify("chunk_bwd_dqkwg", **case)
     assert not ok and "TileLang" in why
+
+
+def test_tilelang_is_asked_about_the_call(monkeypatch):
+    """cula steps aside only for calls FLA's registered TileLang backend takes: its verifier refuses Simple GLA's
+    fp32 states with 16-bit q, which cula's stage then runs (FLA would raise its #640 error)."""
+    from cula import _fla_backend
+
+    class TileLang:
+        is_available = staticmethod(lambda: True)
+        is_enabled = staticmethod(lambda: True)
+
+        @staticmethod
+        def verify(name, *args, h=None, q=None, **kwargs):
+            return (h.dtype == q.dtype, None)
+
+    monkeypatch.setitem(fla_backends._operation_registries["common"]._backends, "tilelang", TileLang())
+    case = _case("gated-dw-gva-odd", dtype=torch.bfloat16)
+    assert _fla_backend._tilelang_takes((), case)
+    assert not _fla_backend._tilelang_takes((), dict(case, h=case["h"].float()))
 
 
 def test_fla_keeps_the_calls_its_triton_runs(monkeypatch):

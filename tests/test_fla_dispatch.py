@@ -247,7 +247,7 @@ def test_packed_call_gets_the_host_bounds(registered, cula_kernels, sink):
         ({"chunk_size": 32}, "chunk_size=32"),
         ({"return_intermediate_states": True}, "return_intermediate_states"),
         ({"cp_context": object()}, "cp_context"),
-        ({"A_log": torch.zeros(H, dtype=torch.bfloat16)}, "A_log"),
+        ({"A_log": torch.zeros(H + 1)}, "A_log"),
         ({"bogus": 1}, "bogus"),
     ],
 )
@@ -351,6 +351,38 @@ def test_uncovered_decode_calls_go_on_to_fla(registered, cula_kernels, sink, cha
     ok, why = _kda_registry()._backends["cula"].verify("fused_recurrent_kda_fwd", **call)
     assert not ok and reason in why, why
     assert fla_fused_recurrent_kda_fwd(**call) == "sink" and cula_kernels == []
+
+
+def test_decode_verifier_reads_like_the_function(registered, cula_kernels, sink, monkeypatch):
+    """The serving verifier prepares a call as cula's function does: bf16 gate parameters read as fp32 (FLA's layers
+    hand a bf16 model's in), transpose_state_layout ignored (as both functions do); and a packed [1, N] call is
+    declined before any validation (no device-to-host read of its boundaries, a step and a layer at a time)."""
+    from cula.kda import fused_recurrent as impl
+
+    ours = _kda_registry()._backends["cula"]
+    call = _pool_call(A_log=torch.zeros(H, dtype=torch.bfloat16), dt_bias=torch.zeros(H * D, dtype=torch.bfloat16))
+    assert ours.verify("fused_recurrent_kda_fwd", **call) == (True, None)
+    assert ours.verify("fused_recurrent_kda_fwd", **_pool_call(transpose_state_layout=True)) == (True, None)
+    monkeypatch.setattr(impl, "_checked", lambda call: pytest.fail("validated a call cula declines anyway"))
+    packed = {n: (t.transpose(0, 1) if n in ("q", "k", "v", "g", "beta") else t) for n, t in _pool_call().items()}
+    ok, why = ours.verify("fused_recurrent_kda_fwd", **packed, cu_seqlens=torch.arange(4, dtype=torch.int32))
+    assert not ok and "cu_seqlens" in why
+
+
+def test_wy_dqkg_stage_without_a_binary_runs_flas_kernel(monkeypatch):
+    """A stage-6 variant with no binary (a wheel without the DSL; the variant outside its manifest) is met when the
+    stage runs, after the verifier said yes: FLA's kernel runs it at cula's launch instead of FLA's dispatch raising."""
+    from cula.cache import VariantUnavailableError
+    from cula.kda import fla_backward
+
+    def stage(*args):
+        if not fla_backward._FLA_STAGES_ONLY.get():
+            raise VariantUnavailableError("no binary of this variant")
+        return "fla's kernel"
+
+    monkeypatch.setattr(fla_backward, "wy_dqkg_ours", stage)
+    t = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+    assert _fla_backend._wy_dqkg(t, t, t, t, t.float(), t[..., 0], t[..., :64], t, t, t, t) == "fla's kernel"
 
 
 def test_wy_dqkg_stage_verifier_reasons(registered):

@@ -470,13 +470,9 @@ def _reference_recurrent_supports(ssm_state_indices=None, num_accepted_tokens=No
     return True, None
 
 
-def _cula_recurrent_supports(
-    q, k, v, g, beta, A_log, dt_bias, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
-    num_accepted_tokens, use_gate_in_kernel, lower_bound, state_v_first, **_,
-) -> tuple:  # fmt: skip
-    """FLA's serving call that is exactly one ``kda_decode`` step: [N, 1] tokens, an fp32 pool, int32 [N] rows."""
-    from cula._validate import pool_layout_verdict
-
+def serving_form_verdict(q, cu_seqlens, ssm_state_indices, inplace_final_state, num_accepted_tokens) -> tuple:
+    """The part of ``_cula_recurrent_supports`` that needs no validation first (so FLA's dispatch can decline a
+    packed call without reading its boundaries): the in-place pool form, one token a sequence, unpacked."""
     if ssm_state_indices is None or not inplace_final_state:
         return False, "only the in-place state-pool form (ssm_state_indices, inplace_final_state=True) runs on cula"
     if cu_seqlens is not None:
@@ -484,8 +480,21 @@ def _cula_recurrent_supports(
         return False, "cu_seqlens (the packed [1, N] form) runs on fla; pass q as [N, 1, H, K] for cula's kernel"
     if num_accepted_tokens is not None:
         return False, "num_accepted_tokens (speculative verify) runs on fla; cula's is kda_decode(step_states=...)"
-    if q.shape[1] != 1:
-        return False, f"{q.shape[1]} tokens per sequence with a state pool run on fla (cula's kernel: one)"
+    if q.dim() != 4 or q.shape[1] != 1:
+        return False, f"q of shape {list(q.shape)}: a state pool with more than one token a sequence runs on fla"
+    return True, None
+
+
+def _cula_recurrent_supports(
+    q, k, v, g, beta, A_log, dt_bias, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
+    num_accepted_tokens, use_gate_in_kernel, lower_bound, state_v_first, **_,
+) -> tuple:  # fmt: skip
+    """FLA's serving call that is exactly one ``kda_decode`` step: [N, 1] tokens, an fp32 pool, int32 [N] rows."""
+    from cula._validate import pool_layout_verdict
+
+    ok, why = serving_form_verdict(q, cu_seqlens, ssm_state_indices, inplace_final_state, num_accepted_tokens)
+    if not ok:
+        return ok, why
     if ssm_state_indices.ndim != 1 or ssm_state_indices.dtype != torch.int32:
         return False, "ssm_state_indices must be int32 [N] for cula's kernel"
     if q.dtype not in (torch.bfloat16, torch.float16) or g.dtype not in _KERNEL_FLOATS:
