@@ -11,7 +11,7 @@ from cula import fla_dispatch as _fla_dispatch
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("kda", "gated_delta_rule", "lightning", "simple_gla")
+_SUBPACKAGES = ("kda", "gated_delta_rule", "lightning", "simple_gla", "common")
 
 
 def __getattr__(name):

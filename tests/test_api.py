@@ -364,6 +364,22 @@ def test_recurrent_kda_softplus_gate_without_A_log():
     assert torch.equal(o3, o4)
 
 
+def test_recurrent_kda_half_state_and_out_on_the_cpu():
+    """fused_recurrent_kda reads a bf16 initial_state as fp32, as FLA's recurrent kernel does (its chunk form alone
+    asserts fp32); the reference writes a given `out`, as the kernels do."""
+    x = kda_inputs(T=5)
+    h0 = torch.randn(B, HV, K, V).bfloat16()
+    o, ht = ck.fused_recurrent_kda(**x, initial_state=h0.float(), output_final_state=True)
+    o2, ht2 = ck.fused_recurrent_kda(**x, initial_state=h0, output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2) and ht2.dtype == torch.float32
+    out = torch.full_like(x["v"], float("nan"))
+    o3, _ = ck.fused_recurrent_kda_fwd(**x, initial_state=h0.float(), inplace_final_state=False,
+                                       output_final_state=True, out=out)  # fmt: skip
+    assert o3 is out and torch.equal(out, o)
+    with pytest.raises(TypeError, match="initial_state"):  # (FLA's chunk_kda asserts fp32)
+        ck.chunk_kda(**x, initial_state=h0)
+
+
 def test_lightning_wrappers_cpu():
     x = kda_inputs(T=21, HV=H)
     q, k, v = x["q"], x["k"], x["v"]

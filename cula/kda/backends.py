@@ -462,11 +462,9 @@ def _chunk_kda_reference(**args):
     return _reference("chunk", args, args["output_final_state"])
 
 
-def _reference_recurrent_supports(ssm_state_indices=None, num_accepted_tokens=None, out=None, **_) -> tuple:
+def _reference_recurrent_supports(ssm_state_indices=None, num_accepted_tokens=None, **_) -> tuple:
     if ssm_state_indices is not None or num_accepted_tokens is not None:
         return False, "state-pool decode (ssm_state_indices / num_accepted_tokens) needs a CUDA backend"
-    if out is not None:
-        return False, "a preallocated `out` needs a CUDA backend"
     return True, None
 
 
@@ -598,4 +596,7 @@ def _fused_recurrent_kda_reference(**args):
         with torch.no_grad():
             initial_state.copy_(final)
         final = initial_state
+    if args.get("out") is not None:
+        with torch.no_grad():
+            o = args["out"].copy_(o)
     return o, final

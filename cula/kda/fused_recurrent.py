@@ -9,7 +9,7 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    INDEX_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, take_extra_kwargs,
+    INDEX_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, state_fp32, take_extra_kwargs,
 )  # fmt: skip
 from cula.backends import PlanCache, call_signature, capturing
 from cula.kda._args import check_kda_inputs, dispatch_kda_call
@@ -140,6 +140,8 @@ def fused_recurrent_kda_fwd(
     :func:`fused_recurrent_kda`.
     """
     A_log, dt_bias = _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound)
+    if not inplace_final_state and ssm_state_indices is None:  # FLA's kernel reads any float state as fp32
+        initial_state = state_fp32(initial_state)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces cula's ops instead
         return _custom_ops.fused_recurrent_kda_fwd(
             q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
