@@ -3,9 +3,10 @@
 A plain build makes the pure-Python wheel (kernels JIT-compiled at run time by ``cula[jit]``). With
 ``CULA_WHEEL_KERNELS=<scope>`` (``wheel``, ``full`` or ``smoke``, see ``cula.variants``) the wheel also carries every
 variant of that scope compiled ahead of time (``cula/_prebuilt``: shared objects and their manifest) and is tagged
-for manylinux x86_64: from ``CULA_WHEEL_PREBUILT_DIR`` when it holds a finished build, else compiled now by
-``scripts/build_wheel.py`` with ``CULA_WHEEL_PYTHON`` (a Python with torch and nvidia-cutlass-dsl; default: this
-one). ``scripts/build_wheel.sh`` drives it.
+for manylinux x86_64: from ``CULA_WHEEL_PREBUILT_DIR`` as it is when given with a manifest (a finished build, as
+``scripts/build_wheel.sh`` hands it over right after compiling), else from ``build/prebuilt-<scope>`` brought up to
+date by ``scripts/build_wheel.py compile`` with ``CULA_WHEEL_PYTHON`` (a Python with torch and nvidia-cutlass-dsl;
+default: this one), which compiles only what this checkout's sources and tools have not built yet.
 """
 
 import os
@@ -32,13 +33,15 @@ class BuildPyWithKernels(build_py):
         super().run()
         if not SCOPE:
             return
-        prebuilt = Path(os.environ.get("CULA_WHEEL_PREBUILT_DIR") or HERE / "build" / f"prebuilt-{SCOPE}")
-        # (a no-op when the directory holds this build already; else it compiles what is missing and relinks)
-        python = os.environ.get("CULA_WHEEL_PYTHON", sys.executable)
-        subprocess.run(
-            [python, str(HERE / "scripts" / "build_wheel.py"), "compile", "--scope", SCOPE, "--out", str(prebuilt)],
-            check=True, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
-        )  # fmt: skip
+        given = os.environ.get("CULA_WHEEL_PREBUILT_DIR")
+        prebuilt = Path(given or HERE / "build" / f"prebuilt-{SCOPE}")
+        if not (given and (prebuilt / "manifest.json").is_file()):
+            python = os.environ.get("CULA_WHEEL_PYTHON", sys.executable)
+            subprocess.run(
+                [python, str(HERE / "scripts" / "build_wheel.py"), "compile", "--scope", SCOPE, "--out",
+                 str(prebuilt)],
+                check=True, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
+            )  # fmt: skip
         target = Path(self.build_lib) / "cula" / "_prebuilt"
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)

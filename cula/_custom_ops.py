@@ -450,7 +450,7 @@ def fused_recurrent_kda_fwd(
     their own below)."""
     pooled = inplace_final_state and initial_state is not None
     functional = not inplace_final_state and ssm_state_indices is None and num_accepted_tokens is None and out is None
-    # (FLA's form ignores transpose_state_layout, and eager warns that it does: Dynamo cannot trace the warning)
+    kwargs.pop("transpose_state_layout", None)  # FLA's form ignores it, and so does eager (with a warning)
     if not (pooled or functional) or kwargs:
         return _eager(
             "fused_recurrent_kda_fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,

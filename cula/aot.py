@@ -84,7 +84,7 @@ def export_object(fn: Any, key: tuple, path: Path) -> str:
 def link(objects: Iterable[Path], out: Path, workdir: Path | None = None) -> None:
     """Link exported objects into the shared object ``out``, written under a temporary name of its own, flushed to
     the disk and renamed into place (a reader never sees half a file, even after a crash; two processes linking
-    the same file both produce whole ones)."""
+    the same file both produce whole ones; a failed link leaves nothing behind)."""
     out = Path(out)
     cc = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
@@ -93,20 +93,22 @@ def link(objects: Iterable[Path], out: Path, workdir: Path | None = None) -> Non
         fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
         os.close(fd)
         partial = Path(name)
-        cmd = [
-            cc, "-shared", "-fPIC", "-O2", "-o", str(partial), *map(str, objects), str(shim),
-            str(runtime_static_library()), f"-L{tvm_ffi_library_dir()}", "-ltvm_ffi",
-            # the static runtime stays private to each object: several of them, and the DSL itself, may be loaded
-            "-Wl,--exclude-libs,ALL", "-Wl,-Bsymbolic",
-        ]  # fmt: skip
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise RuntimeError(f"linking {out.name} failed: {result.stderr.strip()[-2000:]}")
-        with open(partial, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(partial, 0o755)  # (mkstemp makes it private)
-        os.replace(partial, out)
+        try:
+            cmd = [
+                cc, "-shared", "-fPIC", "-O2", "-o", str(partial), *map(str, objects), str(shim),
+                str(runtime_static_library()), f"-L{tvm_ffi_library_dir()}", "-ltvm_ffi",
+                # the static runtime stays private to each object: several of them, and the DSL itself, may be loaded
+                "-Wl,--exclude-libs,ALL", "-Wl,-Bsymbolic",
+            ]  # fmt: skip
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"linking {out.name} failed: {result.stderr.strip()[-2000:]}")
+            with open(partial, "rb+") as f:
+                os.fsync(f.fileno())
+            os.chmod(partial, 0o755)  # (mkstemp makes it private)
+            os.replace(partial, out)
+        finally:
+            partial.unlink(missing_ok=True)  # (gone already once renamed into place)
 
 
 def link_variants(out: Path, variants: list[tuple[tuple, Any]], workdir: Path | None = None) -> dict[str, str]:

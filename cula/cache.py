@@ -175,9 +175,10 @@ def clear() -> None:
 
 @functools.cache
 def dsl_installed() -> bool:
-    """Whether the CuTe DSL's distribution is installed (not merely some top-level ``cutlass`` module: other
-    packages have taken that name). Read from the metadata: finding ``cutlass.cute`` would import the DSL."""
-    return _version("nvidia-cutlass-dsl") is not None
+    """Whether the CuTe DSL is installed (its distribution, or the libraries' one that holds its code; not merely some
+    top-level ``cutlass`` module: other packages have taken that name). Read from the metadata: finding
+    ``cutlass.cute`` would import the DSL."""
+    return _version("nvidia-cutlass-dsl") is not None or _version("nvidia-cutlass-dsl-libs-base") is not None
 
 
 def _switch_on(name: str) -> bool:

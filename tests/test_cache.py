@@ -255,3 +255,13 @@ def test_prepared_plan_falls_back_per_call():
     assert launch.checks_arguments
     assert [launch(1), launch(-2), launch(3)] == ["cula", "other", "cula"]
     assert seen == [("cula", 1), ("other", -2), ("cula", 3)]
+
+
+def test_failed_link_leaves_nothing(tmp_path, monkeypatch):
+    """A link that fails (no compiler here) leaves no temporary file in the cache directory."""
+    from cula import aot
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(OSError):
+        aot.link([], tmp_path / "libcula_x.so")
+    assert list(tmp_path.iterdir()) == []

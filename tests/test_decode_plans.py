@@ -620,10 +620,11 @@ def test_fla_serving_form_gets_row_major_tensors(monkeypatch, inplace):
 
     from cula.kda import backends
 
-    def fla_kernel(**args):  # FLA's kernel addresses these as row-major: the reference stands in for it
+    def fla_kernel(**args):  # FLA's kernel addresses these as row-major (a state of its own too, whatever its
+        # dim-0 stride): the reference stands in for it
         for name, t in args.items():
             if isinstance(t, torch.Tensor):
-                assert (t[0] if name == "initial_state" else t).is_contiguous(), name
+                assert t.is_contiguous(), name
         return backends._fused_recurrent_kda_reference(**args)
 
     monkeypatch.setattr(fla_recurrent, "fused_recurrent_kda_fwd", fla_kernel)
@@ -635,10 +636,14 @@ def test_fla_serving_form_gets_row_major_tensors(monkeypatch, inplace):
                 num_accepted_tokens=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
                 use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False, lower_bound=None)  # fmt: skip
     want_o, want_state = backends._fused_recurrent_kda_reference(**dict(call, initial_state=state.clone(), out=None))
-    strided = dict(call, q=wide(q), k=wide(k), v=wide(v), g=wide(g), initial_state=state.clone().transpose(-1, -2)
-                   .contiguous().transpose(-1, -2), out=wide(torch.zeros_like(v)))  # fmt: skip
-    o, final = backends._fused_recurrent_kda_fla(**strided)
-    assert o is strided["out"] and torch.allclose(o, want_o, atol=1e-6)
-    assert torch.allclose(final, want_state, atol=1e-6)
-    if inplace:
-        assert final is strided["initial_state"]
+    transposed = lambda: state.clone().transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731
+    every_other_row = lambda: torch.stack([state, torch.zeros_like(state)], 1).flatten(0, 1)[::2]  # noqa: E731
+    for make_state in (transposed, every_other_row):
+        strided = dict(call, q=wide(q), k=wide(k), v=wide(v), g=wide(g), initial_state=make_state(),
+                       out=wide(torch.zeros_like(v)))  # fmt: skip
+        assert not strided["initial_state"].is_contiguous()
+        o, final = backends._fused_recurrent_kda_fla(**strided)
+        assert o is strided["out"] and torch.allclose(o, want_o, atol=1e-6)
+        assert torch.allclose(final, want_state, atol=1e-6)
+        if inplace:
+            assert final is strided["initial_state"]

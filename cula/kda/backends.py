@@ -479,7 +479,7 @@ def serving_form_verdict(q, cu_seqlens, ssm_state_indices, inplace_final_state, 
     if num_accepted_tokens is not None:
         return False, "num_accepted_tokens (speculative verify) runs on fla; cula's is kda_decode(step_states=...)"
     if q.dim() != 4 or q.shape[1] != 1:
-        return False, f"q of shape {list(q.shape)}: a state pool with more than one token a sequence runs on fla"
+        return False, f"q of shape {list(q.shape)} (cula's kernel takes [N, 1, H, K]: one token a sequence)"
     return True, None
 
 
@@ -567,14 +567,20 @@ def _fused_recurrent_kda_cula_sm90(
 @fused_recurrent_kda_registry.register("fla", FLA_PRIORITY, available=package_on_cuda("fla"))
 def _fused_recurrent_kda_fla(**args):
     """FLA's low-level form, which (unlike its public one) makes nothing contiguous: its kernel addresses the token
-    tensors, the gate parameters and ``out`` as row-major and a state by its dim-0 stride with the rest row-major.
-    Others are copied first; a strided ``out`` or in-place state is written through a row-major copy."""
+    tensors, the gate parameters and ``out`` as row-major, a pool by its dim-0 stride with each row row-major, and
+    a state of its own (no ``ssm_state_indices``) as row-major. Others are copied first; a strided ``out`` or
+    in-place state is written through a row-major copy."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
+    state, out = args["initial_state"], args["out"]
+    pooled = args["ssm_state_indices"] is not None
+    state_ok = state is None or not state.numel() or (state[0] if pooled else state).is_contiguous()
+    tensors = (t for n, t in args.items() if isinstance(t, torch.Tensor) and n != "initial_state")
+    if state_ok and all(t.is_contiguous() for t in tensors):
+        return fused_recurrent_kda_fwd(**args)  # (the common call: no copies, no views)
     call = {n: t.contiguous() if isinstance(t, torch.Tensor) and n not in ("initial_state", "out") else t
             for n, t in args.items()}  # fmt: skip
-    state, out = args["initial_state"], args["out"]
-    if state is not None and state.numel() and not state[0].is_contiguous():
+    if not state_ok:
         call["initial_state"] = state.contiguous()
     if out is not None and not out.is_contiguous():
         call["out"] = out.contiguous()

@@ -11,7 +11,7 @@ from cula import _custom_ops
 from cula._validate import (
     INDEX_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, state_fp32, take_extra_kwargs,
 )  # fmt: skip
-from cula.backends import PlanCache, call_signature, capturing
+from cula.backends import DerivedTensors, PlanCache, call_signature, capturing
 from cula.kda._args import check_kda_inputs, dispatch_kda_call
 from cula.kda.backends import fused_recurrent_kda_registry
 
@@ -33,8 +33,14 @@ def _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound):
     ``-e softplus(g + dt_bias)``; FLA's chunk form refuses that call, and so does :func:`cula.kda.chunk_kda`)."""
     A_log, dt_bias = gate_params_fp32(A_log, dt_bias)
     if use_gate_in_kernel and A_log is None and lower_bound is None and isinstance(v, torch.Tensor) and v.dim() == 4:
-        A_log = torch.ones(v.shape[2], device=v.device)
+        HV, device = v.shape[2], v.device
+        A_log = _UNIT_LOG_COEFFICIENTS.get(
+            None, device, ("ones", HV), lambda: torch.ones(HV, dtype=torch.float32, device=device)
+        )
     return A_log, dt_bias
+
+
+_UNIT_LOG_COEFFICIENTS = DerivedTensors()  # one fp32 [HV] of ones a head count and device (a call allocates none)
 
 
 def fused_recurrent_kda(
