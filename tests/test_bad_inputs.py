@@ -567,7 +567,7 @@ SPECS = [
          extra=UNKNOWN_KW + (
              ("num_heads = 0", {"num_heads": 0}, ("num_heads",), True),
              ("num_heads float", {"num_heads": 4.0}, ("num_heads",), True),
-             ("num_heads tensor", {"num_heads": torch.tensor(4)}, ("num_heads",), True),
+             ("num_heads float tensor", {"num_heads": torch.tensor(4.0)}, ("num_heads",), True),
              ("layer_idx past num_layers", {"layer_idx": 5}, ("layer_idx",), True),
              ("num_layers = 0", {"num_layers": 0}, ("num_layers",), True),
              ("num_layers None", {"num_layers": None}, ("num_layers",), True),

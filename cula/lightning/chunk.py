@@ -24,8 +24,9 @@ def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=No
     Returns:
         ``[num_heads]`` float32 log decay (<= 0); ``decay = -g_gamma``.
     """
-    if type(num_heads) is not int or num_heads < 1:
-        raise ValueError(f"`num_heads` must be a positive int, got {num_heads!r}")
+    num_heads = _as_int("num_heads", num_heads)
+    if num_heads < 1:
+        raise ValueError(f"`num_heads` must be positive, got {num_heads}")
     layer_idx, num_layers = _check_layer(layer_idx, num_layers)
     return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(
         num_heads, dtype=torch.float32, device=device
