@@ -221,15 +221,20 @@ def check_state_pool(
 ) -> None:
     """A serving state pool: fp32 ``[P, HV, V, K]`` (``state_v_first``) or ``[P, HV, K, V]``, and int32
     ``[N]`` row indices (negative: padded slot). Their range is ``check_pool_indices``' (a host read)."""
-    state_shape = (heads, v, k) if state_v_first else (heads, k, v)
-    check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=device)
-    if tuple(state_pool.shape[1:]) != state_shape:
-        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
-        raise ValueError(
-            f"`state_pool` must have shape {layout} = [P, {', '.join(map(str, state_shape))}], "
-            f"got {list(state_pool.shape)}"
-        )
+    check_pool_rows("state_pool", state_pool, heads=heads, k=k, v=v, state_v_first=state_v_first, device=device)
     check_tensor("state_indices", state_indices, shape=(n,), dtypes=(torch.int32,), device=device)
+
+
+def check_pool_rows(name: str, pool: Any, *, heads: int, k: int, v: int, state_v_first: bool, device: torch.device,
+                    what: str = "") -> None:  # fmt: skip
+    """A state pool ``name`` (``what``: how a message names it beyond that): fp32 ``[P, HV, V, K]`` rows
+    (``state_v_first``) or ``[P, HV, K, V]``."""
+    row = (heads, v, k) if state_v_first else (heads, k, v)
+    check_tensor(name, pool, ndim=4, dtypes=(torch.float32,), device=device)
+    if tuple(pool.shape[1:]) != row:
+        layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
+        raise ValueError(f"`{name}`{what} must have shape {layout} = [P, {', '.join(map(str, row))}], "
+                         f"got {list(pool.shape)}")  # fmt: skip
 
 
 def check_pool_indices(state_indices: torch.Tensor, pool_rows: int) -> None:

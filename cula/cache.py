@@ -295,6 +295,7 @@ def _check_whole(library: Path) -> None:
 def _load_function(library: Path, symbol: str) -> Any:
     import tvm_ffi
 
+    _check_whole(library)  # (before the loader maps it)
     _expose_cudart()
     module = tvm_ffi.load_module(str(library))
     _MODULES.append(module)
@@ -371,9 +372,7 @@ def _prebuilt_function(key: tuple) -> Any:
     if entry is None:
         return None
     try:
-        library = prebuilt_dir() / entry["library"]
-        _check_whole(library)
-        return _load_function(library, entry["symbol"])
+        return _load_function(prebuilt_dir() / entry["library"], entry["symbol"])
     except Exception as err:  # a damaged installation: the disk cache or a compile serves instead
         logger.warning("cula: prebuilt kernel %s did not load (%s)", key_text(key), err)
         return None
@@ -393,7 +392,6 @@ def _load_from_disk(directory: Path, key: tuple) -> Any:
     if not library.is_file():
         return None
     try:
-        _check_whole(library)
         return _load_function(library, symbol_name(key))
     except Exception as err:  # a truncated or foreign file: compile instead, and replace it
         logger.warning("cula: cached kernel %s did not load (%s); compiling it again", library, err)

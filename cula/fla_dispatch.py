@@ -144,9 +144,6 @@ class _ThenRegister:
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        # (the hook goes once cula is registered: after a reload of FLA's module, registered() says False and
-        # install() registers again)
-        _state["registered"] = False
         register()
 
     def __getattr__(self, name):

@@ -9,7 +9,8 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    INDEX_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, state_fp32, take_extra_kwargs,
+    INDEX_DTYPES, check_pool_rows, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, state_fp32,
+    take_extra_kwargs,
 )  # fmt: skip
 from cula.backends import DerivedTensors, PlanCache, call_signature, capturing
 from cula.kda._args import check_kda_inputs, dispatch_kda_call
@@ -184,13 +185,8 @@ def _check_pool_call(call: dict, N: int, bounds: torch.Tensor | None) -> None:
         raise ValueError(f"`ssm_state_indices` must have shape [N] or [N, T] with N={N}, got {list(indices.shape)}")
     if pool is None:
         raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool)")
-    check_tensor("initial_state", pool, ndim=4, dtypes=(torch.float32,), device=q.device)
-    HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
-    row = (HV, V, K) if call["state_v_first"] else (HV, K, V)
-    if tuple(pool.shape[1:]) != row:
-        layout = "[P, HV, V, K] (state_v_first=True)" if call["state_v_first"] else "[P, HV, K, V]"
-        raise ValueError(f"`initial_state` (the state pool) must be {layout} = [P, {', '.join(map(str, row))}], "
-                         f"got {list(pool.shape)}")  # fmt: skip
+    check_pool_rows("initial_state", pool, heads=v.shape[2], k=q.shape[-1], v=v.shape[-1],
+                    state_v_first=call["state_v_first"], device=q.device, what=" (the state pool)")  # fmt: skip
     if call["cu_seqlens"] is None:
         most = q.shape[1]
     else:
