@@ -13,8 +13,8 @@
   head after FLA's stages (``cula.kda.backends._training_backward``, ``per_head_gate_backward``). ``chunk_indices``
   (FLA's precomputed chunk list) is not needed: cula builds its own.
 - ``cula-sm90`` (``fused_recurrent_gated_delta_rule``): decode calls (fp32 states, up to
-  ``GDN_TUNING``'s ``inference_decode_max_tokens`` tokens a sequence, at most 8) on ``kda_decode``'s kernel, the
-  gate repeated over K, the new states written beside the caller's.
+  ``GDN_TUNING``'s ``inference_decode_max_tokens`` tokens a sequence, at most 8) on ``kda_decode``'s kernel with its
+  per-head gate (g ``[N, T, HV]``, nothing repeated over K), the new states written beside the caller's.
 - ``fla``: FLA 0.6.0's Triton kernels, for what cula does not cover.
 - ``reference``: float32 PyTorch, the CPU path.
 """

@@ -1,4 +1,5 @@
-"""Gated DeltaNet's planner table: where cula's path (the KDA kernels, the scalar gate repeated over K) runs a call.
+"""Gated DeltaNet's planner table: where cula's path (the KDA kernels; the gate per head, or
+repeated over K in training) runs a call.
 
 Training always takes cula's path on SM90 (FLA 0.6.0's own gated backward refuses the Triton that PyTorch ships on
 Hopper). For inference FLA's Gated DeltaNet kernels (cheaper than KDA's: one gate per head, no per-channel
@@ -40,8 +41,8 @@ class GdnTuning:
 
 # The H200: bench_gdn_prefill.py measured cula's path (the intra kernel's per-head gate, then KDA's state/output
 # kernel) at 1.2-4.6x FLA's Gated DeltaNet kernels on its quick suite (GVA rows included); with the factor rows
-# (gdn_prefill_rowfactors_subset.md against gdn_prefill_subset.md of the same run) 4 x 8K with 64 value heads
-# 2.43 -> 2.06 ms, 2 x 8K with 64 heads 1.22 -> 1.14, one 32K sequence with 32 value heads 1.745 -> 1.733.
+# (gdn_prefill_subset.md, then gdn_prefill_rowfactors_subset.md: two runs) 4 x 8K with 64 value heads
+# 2.42 -> 2.06 ms, 2 x 8K with 64 heads 1.23 -> 1.14, one 32K sequence with 32 value heads 1.734 -> 1.733.
 # bench_gdn_decode.py measured one token a sequence at 1.35-4.4x FLA's (1 to 64 sequences), 0.95-0.96x from 128 on
 # (FLA's states gathered contiguous beforehand, outside its time), 4 tokens (MTP) at 0.77x.
 # training_per_head_gate is off until it has run on the H200; time_split is KDA's until Gated DeltaNet's own rows
