@@ -365,6 +365,8 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
                         args.max_seconds, t_start, progress=bc.PROGRESS_KEYS + ("bw_fraction",))
     rows = run.rows
 
+    from cula.kda.plan import KDA_TUNING
+
     host = {r["config"]: r["host_overhead_us"] for r in rows if r.get("host_overhead_us")}
     meta: dict[str, Any] = {
         "FLA_FLASH_KDA": os.environ.get("FLA_FLASH_KDA"),
@@ -385,6 +387,7 @@ def _run(args: argparse.Namespace, t_start: float) -> tuple[dict, list[dict], di
         "host_overhead_us": host,
         "host_overhead_cula_step": ("cula.kda.kda_decode_step(pool, indices, A_log=, dt_bias=, flags, "
                                     "check_indices=False) bound once, then step(q, k, v, g, beta) per call"),
+        "cula_tuning": dataclasses.asdict(KDA_TUNING.get((9, 0))),
         **bc.budget_meta(run, args.max_seconds, t_start),
     }
     paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)

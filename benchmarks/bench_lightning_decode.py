@@ -314,6 +314,8 @@ def run_benchmark(cfgs: list[Config], args: argparse.Namespace, t_start: float, 
         run = run_suite(cfgs, lambda cfg: run_config(cfg, fla_fn, cula_fn, args, ceilings, step_call), args.max_seconds,
                         t_start, progress=bc.PROGRESS_KEYS + ("backend", "bw_fraction"))
     rows = run.rows
+    from cula.lightning.plan import LIGHTNING_TUNING
+
     host = {r["config"]: r["host_overhead_us"] for r in rows if r.get("host_overhead_us")}
     meta: dict[str, Any] = {
         "shape": {"H": H, "HV": HV, "D": D, "T": 1, "dtype": "bfloat16",
@@ -336,6 +338,7 @@ def run_benchmark(cfgs: list[Config], args: argparse.Namespace, t_start: float, 
         "host_overhead_us": host,
         "host_overhead_cula_step": ("cula.lightning.lightning_decode_step(decay, pool, indices, state_v_first=..., "
                                     "check_indices=False) bound once, then step(q, k, v) per call"),
+        "cula_tuning": dataclasses.asdict(LIGHTNING_TUNING.get((9, 0))),
         **bc.budget_meta(run, args.max_seconds, t_start),
     }
     paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)

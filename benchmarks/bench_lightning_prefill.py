@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -337,6 +338,7 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     rows = run.rows
     # the first config's wall time includes FLA autotuning and cula's first compilation
     first_call = {rows[0]["config"]: rows[0]["wall_s"]} if rows else {}
+    from cula.lightning.plan import LIGHTNING_TUNING
 
     meta: dict[str, Any] = {
         "CULA_BACKEND": os.environ.get("CULA_BACKEND", "unset"),
@@ -348,6 +350,7 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
         **bc.run_meta(args, ceilings, WARN_TOL, FAIL_TOL),
         "first_config_wall_s": first_call,
         "fla_nonfinite_configs": [r["config"] for r in rows if r.get("checked_vs") == "ref64"],
+        "cula_tuning": dataclasses.asdict(LIGHTNING_TUNING.get((9, 0))),
         **bc.budget_meta(run, args.max_seconds, t_start),
     }
     paths = bc.write_suite(NAME, args, meta, rows, MD_COLUMNS)
