@@ -11,6 +11,9 @@ signature onto a flat op schema (tensors, optional tensors, plain scalars) and c
 - its fake implementation gives the outputs' shapes and dtypes from the inputs' metadata alone, symbolic lengths and
   sequence counts (``cu_seqlens.shape[0] - 1``) included, so a new length does not recompile; it also checks q, k
   and v with eager's rules, so that a malformed call fails to compile;
+- the twins copy the inputs an op only reads where they are strided in their last dimension, as the eager calls do
+  (``cula._validate.contiguous_reads``; the copies are nodes of the graph, so gradients reach the caller's tensors),
+  and hand the ops row-major tensors;
 - state pools updated in place (``kda_decode``, ``lightning_decode``, ``kda_commit_accepted``, the in-place
   ``fused_recurrent_kda_fwd``) and ``out`` / ``step_states`` buffers are the ops' declared mutations; such an op
   cannot have an autograd formula, and these have no backward in FLA or cula either;
@@ -33,6 +36,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from cula._validate import contiguous_reads
 
 _depth = 0  # > 0 while an op's implementation runs an eager public function
 
@@ -388,7 +393,9 @@ def chunk_kda(
             use_graph, max_num_seqs, **kwargs,
         )  # fmt: skip
     state_v_first = _layout(state_v_first, kwargs)
-    A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = contiguous_reads(
+        q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"), initial_state, cu_seqlens
+    )
     o, final, _, _ = torch.ops.cula.chunk_kda(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, bool(output_final_state),
         bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
@@ -462,6 +469,9 @@ def fused_recurrent_kda_fwd(
         bool(state_v_first), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
         bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), lower_bound,
     )  # fmt: skip
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ssm_state_indices, num_accepted_tokens = contiguous_reads(
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ssm_state_indices, num_accepted_tokens
+    )
     if pooled:
         # detached: no autograd would reach a mutating op's output anyway, and AOT would trace a backward for it
         tokens = (q, k, v, g, beta, A_log, dt_bias)
@@ -471,6 +481,7 @@ def fused_recurrent_kda_fwd(
             out, scale, bool(output_final_state), *flags,
         )  # fmt: skip
         return (o if out is None else out), initial_state
+    (initial_state,) = contiguous_reads(initial_state)  # read only here
     o, final = torch.ops.cula.fused_recurrent_kda(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, bool(output_final_state), *flags
     )
@@ -543,6 +554,7 @@ def kda_decode(
     state_v_first=True, out=None, step_states=None, check_indices=True,
 ):  # fmt: skip
     """``cula.kda.kda_decode`` under ``torch.compile``: the ``cula::kda_decode`` op."""
+    q, k, v, g, beta, state_indices, A_log, dt_bias = contiguous_reads(q, k, v, g, beta, state_indices, A_log, dt_bias)
     if out is None:  # the buffer the eager call would allocate
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     torch.ops.cula.kda_decode(
@@ -601,6 +613,7 @@ def _(q, k, v, *_):
 def lightning_decode(q, k, v, decay, state_pool, state_indices, *, scale=None, state_v_first=True, out=None,
                      check_indices=True):  # fmt: skip
     """``cula.lightning.lightning_decode`` under ``torch.compile``: the ``cula::lightning_decode`` op."""
+    q, k, v, decay, state_indices = contiguous_reads(q, k, v, decay, state_indices)
     if out is None:  # the buffer the eager call would allocate
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     torch.ops.cula.lightning_decode(
@@ -724,6 +737,7 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
             "chunk_simple_gla", q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first,
             cu_seqlens, cu_seqlens_cpu, **kwargs,
         )  # fmt: skip
+    q, k, v, g, g_gamma, initial_state, cu_seqlens = contiguous_reads(q, k, v, g, g_gamma, initial_state, cu_seqlens)
     o, final = torch.ops.cula.chunk_simple_gla(
         q, k, v, g, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu, scale, bool(output_final_state),
         _layout(state_v_first, kwargs), kwargs.get("chunk_size"),
@@ -849,8 +863,11 @@ def chunk_gated_delta_rule(
             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
             cu_seqlens_cpu, chunk_indices, cp_context, **kwargs,
         )  # fmt: skip
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices = contiguous_reads(
+        q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"), initial_state, cu_seqlens, chunk_indices
+    )
     o, final = torch.ops.cula.chunk_gated_delta_rule(
-        q, k, v, g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"), initial_state, cu_seqlens, cu_seqlens_cpu,
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
         chunk_indices, scale, bool(output_final_state), bool(use_qk_l2norm_in_kernel),
         bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), _layout(state_v_first, kwargs),
         bool(kwargs.get("use_gate_in_kernel", False)), kwargs.get("chunk_size", 64),
@@ -871,6 +888,9 @@ def fused_recurrent_gated_delta_rule(
             use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval,
             state_v_first, cu_seqlens, **kwargs,
         )  # fmt: skip
+    q, k, v, g, gk, gv, beta, A_log, dt_bias, initial_state, cu_seqlens = contiguous_reads(
+        q, k, v, g, gk, gv, beta, A_log, dt_bias, initial_state, cu_seqlens
+    )
     o, final = torch.ops.cula.fused_recurrent_gated_delta_rule(
         q, k, v, g, gk, gv, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, bool(output_final_state),
         bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
@@ -888,6 +908,7 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
             "fused_recurrent_simple_gla", q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse,
             state_v_first, cu_seqlens, **kwargs,
         )  # fmt: skip
+    q, k, v, g, g_gamma, initial_state, cu_seqlens = contiguous_reads(q, k, v, g, g_gamma, initial_state, cu_seqlens)
     o, final = torch.ops.cula.fused_recurrent_simple_gla(
         q, k, v, g, g_gamma, initial_state, cu_seqlens, scale, bool(output_final_state), bool(reverse),
         _layout(state_v_first, kwargs),

@@ -19,6 +19,10 @@ from cula.backends import DerivedTensors, capturing
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the states FLA 0.6.0's serving form (fused_recurrent_kda_fwd) updates in place: a pool (or a state of its own) in
+# fp32, or bf16 / fp16 as serving engines keep their caches; its kernel reads a state as fp32, computes in fp32 and
+# stores the new one in the state's dtype (cula's own decode kernels take fp32 pools)
+INPLACE_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
@@ -87,8 +91,29 @@ def check_tensor(
     if device is not None and t.device != device:
         raise ValueError(f"`{name}` is on {t.device} but the inputs are on {device}")
     if contiguous_last and size and size[-1] > 1 and t.stride(-1) != 1:
+        # (the entry points copy such an input where the call only reads it: contiguous_reads)
         raise ValueError(f"`{name}` must be contiguous in its last dimension (stride {t.stride(-1)})")
     return t
+
+
+def contiguous_reads(*tensors: Any) -> tuple:
+    """``tensors``, arguments a call only reads, with a row-major copy in place of each one strided in its last
+    dimension; anything else (None, a non-tensor, which validation then names) as given.
+
+    FLA 0.6.0's public functions make every tensor argument contiguous (``input_guard``), so such a view (heads split
+    off the ``[B, D, T]`` output of a causal conv1d, a transposed projection) is valid input there, while cula's
+    kernels and ``check_tensor`` take unit stride along the last dimension. The copy is autograd's, so gradients reach
+    the caller's tensor. Never for a tensor the call writes (a pool, ``out``): a write into a copy would be lost, so
+    ``check_tensor`` refuses those. Entry points call this on their validated path only, so the common row-major call
+    pays nothing: their plans are keyed on strides (or refuse other strides at launch, a short key's), so a strided
+    call never meets a plan made for row-major tensors, and one made from the copies copies again at each call.
+    """
+    return tuple(
+        t.clone(memory_format=torch.contiguous_format)
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1
+        else t
+        for t in tensors
+    )
 
 
 def check_scale(scale: Any, head_dim: int) -> float:
@@ -136,7 +161,9 @@ def check_cu_seqlens(
             "flatten variable-length inputs to [1, sum(T), ...] first"
         )
     if cu_seqlens_cpu is not None:
-        check_tensor("cu_seqlens_cpu", cu_seqlens_cpu, shape=tuple(cu_seqlens.shape), dtypes=INDEX_DTYPES)
+        # (any strides: every reader takes its values on the host)
+        check_tensor("cu_seqlens_cpu", cu_seqlens_cpu, shape=tuple(cu_seqlens.shape), dtypes=INDEX_DTYPES,
+                     contiguous_last=False)
         if cu_seqlens_cpu.device.type != "cpu" and cu_seqlens_cpu.device != device:  # its values are read here
             raise ValueError(
                 "`cu_seqlens_cpu` must be the host copy of `cu_seqlens`, a CPU tensor; got one on "
@@ -173,8 +200,9 @@ def check_state(
     v: int,
     state_v_first: bool,
     device: torch.device,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> None:
-    """States are fp32 ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with ``state_v_first``."""
+    """States are fp32 ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with ``state_v_first`` (``dtypes``: those taken)."""
     if state is None:
         return
     expect = (n, heads, v, k) if state_v_first else (n, heads, k, v)
@@ -183,7 +211,7 @@ def check_state(
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(state).__name__}")
     if tuple(state.shape) != expect:
         raise ValueError(f"`{name}` must have shape {list(expect)} {layout}, got {list(state.shape)}")
-    check_tensor(name, state, dtypes=(torch.float32,), device=device)
+    check_tensor(name, state, dtypes=dtypes, device=device)
 
 
 def check_head_dim(name: str, size: int, limit: int | None = 256, arg: str = "q") -> None:
@@ -226,11 +254,11 @@ def check_state_pool(
 
 
 def check_pool_rows(name: str, pool: Any, *, heads: int, k: int, v: int, state_v_first: bool, device: torch.device,
-                    what: str = "") -> None:  # fmt: skip
+                    what: str = "", dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:  # fmt: skip
     """A state pool ``name`` (``what``: how a message names it beyond that): fp32 ``[P, HV, V, K]`` rows
-    (``state_v_first``) or ``[P, HV, K, V]``."""
+    (``state_v_first``) or ``[P, HV, K, V]`` (``dtypes``: the dtypes taken, fp32 for cula's decode kernels)."""
     row = (heads, v, k) if state_v_first else (heads, k, v)
-    check_tensor(name, pool, ndim=4, dtypes=(torch.float32,), device=device)
+    check_tensor(name, pool, ndim=4, dtypes=dtypes, device=device)
     if tuple(pool.shape[1:]) != row:
         layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
         raise ValueError(f"`{name}`{what} must have shape {layout} = [P, {', '.join(map(str, row))}], "

@@ -81,8 +81,6 @@ def _bad_cases():
     yield "g shape", dict(x, g=x["g"][..., :-1]), ValueError, "`g` must have shape"
     yield "beta shape", dict(x, beta=x["beta"][..., None]), ValueError, "`beta` must have"
     yield "device", dict(x, k=x["k"].to("meta")), ValueError, "`k` is on meta"
-    yield "last dim stride", dict(x, q=x["q"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError, \
-        "contiguous in its last dimension"
     yield "head size", dict(x, q=torch.randn(B, T, H, 300), k=torch.randn(B, T, H, 300),
                             g=torch.randn(B, T, HV, 300)), ValueError, "unsupported head size"
     yield "cu float", dict(x, cu_seqlens=cu.float()), TypeError, "`cu_seqlens` must have dtype"
@@ -153,6 +151,160 @@ def test_other_ops_reject_bad_input():
         cl.chunk_lightning_attn(q, k, v[:, :, :H], layer_idx=4, num_layers=3)
     with pytest.raises(ValueError, match="must start at 0"):
         cs.fused_recurrent_simple_gla(q, k, v, g=g, cu_seqlens=torch.tensor([2, 20]))
+
+
+# ---------------------------------------------------------------- inputs strided in their last dimension
+
+
+def _strided_last(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view whose last dimension has stride 2."""
+    buf = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    view = buf[..., ::2]
+    view.copy_(t)
+    return view
+
+
+def _kda_step(state_pool, state_indices, q, k, v, g, beta, **bound):
+    step = ck.kda_decode_step(state_pool, state_indices, **bound)
+    step(q, k, v, g, beta)  # the second step runs the closure's plan
+    return step(q, k, v, g, beta)
+
+
+def _gdn_step(state_pool, state_indices, q, k, v, g, beta, **bound):
+    step = cg.gdn_decode_step(state_pool, state_indices, **bound)
+    step(q, k, v, g, beta)
+    return step(q, k, v, g, beta)
+
+
+def _lightning_step(decay, state_pool, state_indices, q, k, v, **bound):
+    step = cl.lightning_decode_step(decay, state_pool, state_indices, **bound)
+    step(q, k, v)
+    return step(q, k, v)
+
+
+def _strided_cases():
+    """(label, function, keyword arguments, the tensors it writes, differentiable): every public function of the
+    four packages; every other tensor argument is only read."""
+    torch.manual_seed(0)
+    x = kda_inputs()
+    h0 = torch.randn(B, HV, K, V)
+    gate = dict(A_log=torch.randn(HV), dt_bias=torch.randn(HV * K), use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)  # fmt: skip
+    cu = make_cu_seqlens([5, 15])
+    packed = dict(x, cu_seqlens=cu, initial_state=torch.randn(2, HV, K, V), output_final_state=True)
+    gs = torch.nn.functional.logsigmoid(torch.randn(B, T, HV))
+    gdn = dict(q=x["q"], k=x["k"], v=x["v"], g=gs, beta=x["beta"], initial_state=h0, output_final_state=True)
+    qkv = {n: x[n] for n in ("q", "k", "v")}
+    gla = dict(qkv, g_gamma=-torch.rand(HV), initial_state=h0, output_final_state=True)
+    mh = dict(qkv, v=x["v"][:, :, :H].contiguous(), initial_state=h0[:, :H].contiguous(), output_final_state=True)
+    N, P = 3, 5
+    tok = {n: t[:N, :2] for n, t in kda_inputs(B=N).items()}
+    pool, idx = torch.randn(P, HV, V, K) * 0.1, torch.tensor([4, -1, 0], dtype=torch.int32)
+    dec = dict(tok, state_pool=pool, state_indices=idx, A_log=torch.randn(HV), dt_bias=torch.randn(HV * K))
+    gdn_dec = dict(dec, g=torch.randn(N, 2, HV), dt_bias=torch.randn(HV))
+    steps = torch.randn(N, 2, HV, V, K)
+
+    yield "chunk_kda", ck.chunk_kda, dict(x, initial_state=h0, output_final_state=True, **gate), (), True
+    yield "chunk_kda[varlen]", ck.chunk_kda, dict(packed, cu_seqlens_cpu=cu), (), True
+    yield "fused_recurrent_kda", ck.fused_recurrent_kda, dict(x, initial_state=h0, output_final_state=True, **gate), \
+        (), True
+    yield "fused_recurrent_kda_fwd[varlen]", ck.fused_recurrent_kda_fwd, dict(packed, inplace_final_state=False), \
+        (), True
+    yield "fused_recurrent_kda_fwd[in place]", ck.fused_recurrent_kda_fwd, dict(x, initial_state=h0.clone()), \
+        ("initial_state",), False
+    yield "kda_decode", ck.kda_decode, dict(dec, out=torch.zeros_like(tok["v"])), ("state_pool", "out"), False
+    yield "kda_decode[step_states]", ck.kda_decode, dict(dec, step_states=steps), ("state_pool", "step_states"), \
+        False
+    yield "kda_decode_step", _kda_step, dec, ("state_pool",), False
+    yield "kda_commit_accepted", ck.kda_commit_accepted, dict(
+        step_states=steps, state_pool=pool, state_indices=idx, num_accepted_tokens=torch.tensor([2, 1, 0])
+    ), ("state_pool",), False  # fmt: skip
+    yield "gdn_decode", cg.gdn_decode, gdn_dec, ("state_pool",), False
+    yield "gdn_decode_step", _gdn_step, gdn_dec, ("state_pool",), False
+    yield "chunk_gated_delta_rule", cg.chunk_gated_delta_rule, dict(
+        gdn, use_gate_in_kernel=True, A_log=torch.randn(HV), dt_bias=torch.randn(HV)
+    ), (), True  # fmt: skip
+    yield "chunk_gated_delta_rule[varlen]", cg.chunk_gated_delta_rule, dict(
+        gdn, initial_state=torch.randn(2, HV, K, V), cu_seqlens=cu, cu_seqlens_cpu=cu
+    ), (), True  # fmt: skip
+    yield "fused_recurrent_gated_delta_rule", cg.fused_recurrent_gated_delta_rule, dict(
+        gdn, gk=x["g"], gv=torch.nn.functional.logsigmoid(torch.randn(B, T, HV, V))
+    ), (), True  # fmt: skip
+    yield "chunk_simple_gla", cs.chunk_simple_gla, gla, (), True
+    yield "chunk_simple_gla[g, varlen]", cs.chunk_simple_gla, dict(
+        qkv, g=gs, initial_state=torch.randn(2, HV, K, V), output_final_state=True, cu_seqlens=cu
+    ), (), True  # fmt: skip
+    yield "fused_recurrent_simple_gla", cs.fused_recurrent_simple_gla, dict(gla, reverse=True), (), True
+    yield "lightning_attn_fwd", cl.lightning_attn_fwd, dict(gla, decay=-gla.pop("g_gamma")), (), True
+    yield "chunk_lightning_attn", cl.chunk_lightning_attn, dict(mh, layer_idx=1, num_layers=4), (), True
+    yield "fused_recurrent_lightning_attn", cl.fused_recurrent_lightning_attn, dict(mh, layer_idx=1, num_layers=4), \
+        (), True
+    light = {n: dec[n] for n in ("q", "k", "v", "state_pool", "state_indices")}
+    yield "lightning_decode", cl.lightning_decode, dict(light, decay=torch.rand(HV)), ("state_pool",), False
+    yield "lightning_decode_step", _lightning_step, dict(light, decay=torch.rand(HV)), ("state_pool",), False
+
+
+def _run_with(fn, kwargs, writes, strided, grads):
+    """``fn`` on fresh copies of ``kwargs``' tensors (those it only reads strided in their last dimension when
+    ``strided``): its outputs, the tensors it wrote, and with ``grads`` the gradients of the floating inputs."""
+    call, leaves = {}, {}
+    for n, t in kwargs.items():
+        if isinstance(t, torch.Tensor):
+            t = t.clone()
+            if strided and n not in writes and t.shape[-1] > 1 and n != "cu_seqlens_cpu":
+                t = _strided_last(t)
+                assert t.stride(-1) == 2
+            if grads and t.is_floating_point() and n not in writes:
+                leaves[n] = t.requires_grad_()
+        call[n] = t
+    out = fn(**call)
+    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor)]
+    found = []
+    if grads:
+        gen = torch.Generator().manual_seed(1)
+        loss = sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+        found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return [o.detach() for o in outs], [call[n] for n in writes], found
+
+
+@pytest.mark.parametrize("case", list(_strided_cases()), ids=lambda c: c[0])
+def test_inputs_strided_in_their_last_dimension_are_copied(case):
+    """FLA's wrappers make every tensor argument contiguous (``input_guard``): such a view (e.g. the heads of a
+    ``[B, D, T]`` conv1d output) is valid input, and cula copies the tensors a call only reads, with the contiguous
+    call's outputs, writes and gradients (twice: the plan caches keep the strided signature's own plan)."""
+    _, fn, kwargs, writes, grads = case
+    for _ in range(2):
+        want = _run_with(fn, kwargs, writes, strided=False, grads=grads)
+        got = _run_with(fn, kwargs, writes, strided=True, grads=grads)
+        for a, b in zip(want, got, strict=True):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                assert (x is None and y is None) or torch.equal(x, y)
+    if grads:  # the gradients are the strided inputs' own (a copy autograd records)
+        assert any(t is not None for t in got[2])
+
+
+def test_written_tensors_strided_in_their_last_dimension_are_refused():
+    """A tensor a call writes is never copied (the write would be lost): one strided in its last dimension is
+    refused by name, before anything runs."""
+    x = kda_inputs(B=3, T=1)
+    pool, idx = torch.randn(5, HV, V, K), torch.tensor([4, -1, 0], dtype=torch.int32)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="`out` must be contiguous in its last dimension"):
+        ck.kda_decode(**x, state_pool=pool, state_indices=idx, A_log=torch.randn(HV),
+                      out=_strided_last(torch.zeros_like(x["v"])))  # fmt: skip
+    with pytest.raises(ValueError, match="`state_pool` must be contiguous in its last dimension"):
+        ck.kda_decode(**x, state_pool=_strided_last(pool), state_indices=idx, A_log=torch.randn(HV))
+    with pytest.raises(ValueError, match="`step_states` must be contiguous in its last dimension"):
+        ck.kda_decode(**x, state_pool=pool, state_indices=idx, A_log=torch.randn(HV),
+                      step_states=_strided_last(torch.zeros(3, 1, HV, V, K)))  # fmt: skip
+    with pytest.raises(ValueError, match="`state_pool` must be contiguous in its last dimension"):
+        cl.lightning_decode(x["q"], x["k"], x["v"], torch.rand(HV), _strided_last(pool), idx)
+    with pytest.raises(ValueError, match="`initial_state` must be contiguous in its last dimension"):
+        ck.fused_recurrent_kda_fwd(**x, initial_state=_strided_last(torch.randn(3, HV, K, V)))
+    with pytest.raises(ValueError, match="`state_pool` must be contiguous in its last dimension"):
+        ck.kda_commit_accepted(torch.randn(3, 1, HV, V, K), _strided_last(pool), idx, torch.ones(3, dtype=torch.int32))
+    assert torch.equal(pool, before)
 
 
 # ---------------------------------------------------------------- backend selection

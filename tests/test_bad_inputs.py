@@ -9,7 +9,8 @@ indices, non-finite gates, unknown keywords and bad scalars. Each variant must
 - raise ``TypeError`` / ``ValueError`` naming the offending argument (or ``BackendUnavailableError``, the documented
   refusal) before anything runs: no backend ran, no kernel launched, no input written; or
 - be accepted and give the base call's result (a legitimately supported variant: a copy is made where a kernel needs
-  one, or a backend that supports it runs the call and the registry logs why the others declined).
+  one, or a backend that supports it runs the call and the registry logs why the others declined). A tensor the call
+  only reads, strided in its last dimension, must be accepted: FLA's wrappers copy it, and so does cula.
 
 Non-finite gate values are not checked (that would cost a device sync a call, as FLA does not either): such a call
 must not fail or write outside its outputs; its numbers are whatever the math gives.
@@ -68,6 +69,9 @@ class Spec:
     gates: tuple[str, ...] = ()  # tensors whose values are not checked (non-finite cases)
     fixed_dim0: tuple[str, ...] = ()  # tensors whose first dim may take any size (pool rows)
     flexible_rank: tuple[str, ...] = ()  # tensors whose rank may change as long as the element count does not
+    # what else an error about a tensor of one rank less may name (kda_decode's g [N, T, HV], the per-head gate form,
+    # takes a dt_bias [HV])
+    lower_rank_names: tuple[str, ...] = ()
     # (label, updates, names, must_raise): scalar, keyword and value cases; must_raise None: either, not compared
     extra: tuple = ()
     modes: tuple[str, ...] = ("cpu", "cuda_path", "gpu")
@@ -463,8 +467,9 @@ SPECS = [
              ("num_accepted_tokens with [N] indices", {"num_accepted_tokens": torch.ones(DN, dtype=torch.int32)},
               ("num_accepted_tokens",), True),
              ("new states nowhere", {"inplace_final_state": False}, ("output_final_state",), True),
-         ), modes=("cuda_path", "gpu"), gpu_skip=("index int64", "initial_state:")),  # fmt: skip
+         ), gpu_skip=("index int64", "initial_state:")),  # fmt: skip
     Spec("kda_decode", _fn("cula.kda", "kda_decode"), _kda_decode_base, inplace=("state_pool", "out"),
+         lower_rank_names=("dt_bias",),
          pool="state_pool", index="state_indices", fixed_dim0=("state_pool",), required=("q", "k", "v", "g", "beta",
          "state_pool", "state_indices"), gates=("g", "beta", "A_log", "dt_bias"),
          extra=SCALE_CASES + UNKNOWN_KW + LOWER_BOUND_CASES + DECODE_CASES + (
@@ -473,10 +478,11 @@ SPECS = [
              ("softplus gate without A_log", {"A_log": None, "lower_bound": None}, ("A_log",), True),
          )),  # fmt: skip
     Spec("kda_decode[mtp, step_states]", _fn("cula.kda", "kda_decode"), _kda_decode_mtp_base,
-         inplace=("state_pool", "step_states"), pool="state_pool", index="state_indices",
+         inplace=("state_pool", "step_states"), lower_rank_names=("dt_bias",), pool="state_pool", index="state_indices",
          fixed_dim0=("state_pool",),
          required=("q", "k", "v", "g", "beta", "state_pool", "state_indices"), gates=("g",), extra=DECODE_CASES),
     Spec("kda_decode_step", _kda_decode_step_call, _kda_decode_base, inplace=("state_pool", "out"),
+         lower_rank_names=("dt_bias",),
          pool="state_pool", index="state_indices", fixed_dim0=("state_pool",), required=("q", "k", "v", "g", "beta",
          "state_pool", "state_indices"), gates=("g", "beta", "A_log"), extra=SCALE_CASES + UNKNOWN_KW +
          LOWER_BOUND_CASES + DECODE_CASES),  # fmt: skip
@@ -622,6 +628,7 @@ class Case:
     names: tuple[str, ...]  # an error must name one of these (empty: any message)
     must_raise: bool
     compare: bool = True  # when accepted: the base call's result
+    must_accept: bool = False  # refusing it fails the case (an input FLA's wrappers copy, and so does cula)
 
     def build(self, spec: Spec, device: str) -> dict:
         return self.mutate(spec.base(device), device)
@@ -719,7 +726,8 @@ def _cases(spec: Spec) -> list[Case]:
         flexible = name in spec.flexible_rank or either
         cases.append(Case(f"{name}: rank + 1", _with(name, lambda t, d: t.unsqueeze(0)), names, not flexible))
         if x.dim():
-            cases.append(Case(f"{name}: rank - 1", _with(name, lambda t, d: t[..., 0]), names, not either))
+            cases.append(Case(f"{name}: rank - 1", _with(name, lambda t, d: t[..., 0]), names + spec.lower_rank_names,
+                              not either))  # fmt: skip
             first = 1 if name in spec.fixed_dim0 else 0
             if first < x.dim():
                 dim = rng.randrange(first, x.dim())
@@ -738,9 +746,10 @@ def _cases(spec: Spec) -> list[Case]:
 
                 label = f"{name}: dims {a} and {b} swapped in memory"
                 cases.append(Case(label, _with(name, permuted), names, False))
-            if x.shape[-1] > 1:
+            if x.shape[-1] > 1:  # copied where the call only reads it, as FLA's wrappers do; a written one refused
                 last = _with(name, lambda t, d: _strided(t, -1))
-                cases.append(Case(f"{name}: strided last dim", last, names, False))
+                cases.append(Case(f"{name}: strided last dim", last, names, False,
+                                  must_accept=name not in spec.inplace))  # fmt: skip
             if x.numel():
                 cases.append(Case(f"{name}: misaligned", _with(name, lambda t, d: _misaligned(t)), names, False))
         cases.append(Case(f"{name}: other device", _with(name, lambda t, d: t.to(_other_device(d))), names, True))
@@ -855,6 +864,7 @@ def _run_case(spec: Spec, case: Case, device: str, events: list, expected: dict 
         snap.check(case.label, wrote=False)
         return Outcome(case.label, "routed", tuple(events))
     except (TypeError, ValueError, BackendUnavailableError) as err:
+        assert not case.must_accept, f"{case.label}: refused ({err})"
         assert not events, f"{case.label}: raised {err!r} after running {events}"
         snap.check(case.label, wrote=False)
         if not isinstance(err, BackendUnavailableError):
@@ -1020,7 +1030,7 @@ def _fuzz(spec: Spec, device: str, events: list, monkeypatch, cases: list[Case],
         base_events = tuple(events)
         expected = _expected(spec, device, monkeypatch)
     if expected is None and device != "cpu" and base_events and not any(e[0] == "kernel" for e in base_events):
-        with torch.no_grad():  # no reference for this form (FLA's state-pool form): the base call's own result
+        with torch.no_grad():  # no reference for this form: the base call's own result
             call = spec.base(device)
             expected = _clone_outputs(_outputs(spec, call, spec.call(call)))
     outcomes, failures = [], []

@@ -578,7 +578,7 @@ def test_fused_recurrent_kda_fwd_repeats_skip_validation(monkeypatch):
     monkeypatch.delenv("CULA_BACKEND", raising=False)
     q, k, v, g, beta, _pool, _idx = _kda_inputs()
     A_log = torch.randn(HV)
-    h0 = torch.randn(N, HV, D, D) * 0.1  # the CPU reference has no pool form: a plain initial state
+    h0 = torch.randn(N, HV, D, D) * 0.1  # a plain initial state (no pool)
     kw = {"A_log": A_log, "initial_state": h0, "inplace_final_state": False, "output_final_state": True,
           "use_gate_in_kernel": True}  # fmt: skip
     outs = [fused_recurrent_kda_fwd(q, k, v, g, beta, **kw) for _ in range(3)]

@@ -341,11 +341,17 @@ def test_fla_decode_step_runs_on_cula(registered, cula_kernels, sink, monkeypatc
         ({"ssm_state_indices": None, "inplace_final_state": False, "output_final_state": True}, "in-place"),
         ({"dtype": torch.float32}, "dtype"),
         ({"ssm_state_indices": torch.tensor([4, 0, 2], dtype=torch.int64)}, "int32"),
+        # a serving engine's bf16 / fp16 cache: FLA's kernel takes it (cula's validation too), cula's kernel does not
+        ({"pool_dtype": torch.bfloat16}, "bfloat16 state pool"),
+        ({"pool_dtype": torch.float16}, "float16 state pool"),
     ],
 )
 def test_uncovered_decode_calls_go_on_to_fla(registered, cula_kernels, sink, change, reason):
     change = dict(change)
+    pool_dtype = change.pop("pool_dtype", None)
     call = _pool_call(dtype=change.pop("dtype", torch.bfloat16), **change)
+    if pool_dtype is not None:
+        call["initial_state"] = call["initial_state"].to(pool_dtype)
     if call["ssm_state_indices"] is None:  # FLA's public fused_recurrent_kda: a state a sequence
         call["initial_state"] = call["initial_state"][:3].clone()
     ok, why = _kda_registry()._backends["cula"].verify("fused_recurrent_kda_fwd", **call)

@@ -417,6 +417,63 @@ def test_recurrent_forms_training():
     _check_training(step, inputs, "aot_eager", ops)
 
 
+# -------------------------------------------------------------------------- inputs strided in their last dimension
+
+
+def _strided_last(t):
+    """``t``'s values in a view whose last dimension has stride 2 (e.g. heads split off a ``[B, D, T]`` conv1d
+    output), which FLA's wrappers copy."""
+    view = t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])[..., ::2]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_inputs_strided_in_their_last_dimension(backend):
+    """The compiled calls copy what an op only reads where it is strided in its last dimension, as eager does (the
+    copies are graph nodes: the ops take row-major tensors, and gradients reach the strided leaves); a chunked and a
+    recurrent form in training, and the decode forms with their pools updated in place."""
+
+    def step(q, k, v, g, beta, h0, A_log, dt_bias, q2, k2, v2, g2, beta2):
+        o1, s1 = kda.chunk_kda(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+        )  # fmt: skip
+        o2, s2 = gated_delta_rule.fused_recurrent_gated_delta_rule(q2, k2, v2, g=g2, beta=beta2,
+                                                                   output_final_state=True)  # fmt: skip
+        return o1, s1, o2, s2
+
+    q, k, v, g, beta, h0, A_log, dt_bias = _kda_inputs(gate=True)
+    q2, k2, v2, _, _, g2 = _gla_inputs(T=9)
+    inputs = [q, k, v, g, beta, h0, A_log, dt_bias, q2, k2, v2, g2, torch.rand(g2.shape)]
+    contiguous = _leaves(*inputs)
+    strided = [_strided_last(t).requires_grad_() for t in inputs]  # (not _leaves: a clone would be row-major)
+    out_e = step(*contiguous)
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(o.shape, generator=gen) for o in out_e]
+    cfn, counter = _compile(step, backend)
+    out_c = cfn(*strided)
+    _assert_same("outputs and grads", [*out_e, *_grads(out_e, weights, contiguous)],
+                 [*out_c, *_grads(out_c, weights, strided)])  # fmt: skip
+    assert counter.frame_count == 1 and _cula_ops(counter) == {"chunk_kda", "fused_recurrent_gated_delta_rule"}
+
+    q, k, v, g, beta, pool, idx, A_log, dt_bias = _decode_inputs()
+    decay = torch.rand(v.shape[2])
+
+    def run(q, k, v, g, beta, idx, A_log, dt_bias, decay, pool, pool2):
+        o1 = kda.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, state_v_first=False)
+        o2 = lightning.lightning_decode(q, k, v, decay, pool2, idx, state_v_first=False)
+        return o1, o2
+
+    reads = (q, k, v, g, beta, idx, A_log, dt_bias, decay)
+    bufs_e, bufs_c = (pool.clone(), pool.clone()), (pool.clone(), pool.clone())
+    out_e = run(*reads, *bufs_e)  # the contiguous call
+    cfn, counter = _compile(run, backend)
+    out_c = cfn(*(_strided_last(t) for t in reads), *bufs_c)
+    _assert_same("decode", [*out_e, *bufs_e], [*out_c, *bufs_c])
+    assert counter.frame_count == 1 and _cula_ops(counter) == {"kda_decode", "lightning_decode"}
+
+
 # ----------------------------------------------------------------------------------------------------- opcheck
 
 

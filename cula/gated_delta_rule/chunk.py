@@ -14,6 +14,7 @@ from cula._validate import (
     check_scale,
     check_state,
     check_tensor,
+    contiguous_reads,
     gate_kwargs_fp32,
     resolve_state_layout,
     state_fp32,
@@ -38,13 +39,12 @@ def check_gdn_inputs(q, k, v, g, beta, *, initial_state, state_v_first, cu_seqle
     B, T, H, K, HV, V = check_qkv(q, k, v)
     device = q.device
     if g is not None:
-        check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False)
+        check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device)
     if beta is not None:
         per_value = beta_per_value and isinstance(beta, torch.Tensor) and beta.dim() == 4
         check_tensor(
-            "beta", beta, shape=(B, T, HV, V) if per_value else (B, T, HV), dtypes=FLOAT_DTYPES, device=device,
-            contiguous_last=False,
-        )  # fmt: skip
+            "beta", beta, shape=(B, T, HV, V) if per_value else (B, T, HV), dtypes=FLOAT_DTYPES, device=device
+        )
     n = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device)
     check_state(
         "initial_state", initial_state, n=n, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device
@@ -124,6 +124,9 @@ def chunk_gated_delta_rule(
         raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}")
     use_gate_in_kernel = bool(extra.get("use_gate_in_kernel", False))
     A_log, dt_bias = extra.get("A_log"), extra.get("dt_bias")
+    q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, chunk_indices = contiguous_reads(
+        q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, chunk_indices
+    )
     check_gdn_inputs(
         q,
         k,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cula._validate import FLOAT_DTYPES, check_tensor
+from cula._validate import FLOAT_DTYPES, check_tensor, contiguous_reads
 from cula.gated_delta_rule.chunk import check_gdn_activations
 from cula.kda.decode import kda_commit_accepted, kda_decode, kda_decode_step
 
@@ -116,8 +116,10 @@ def gdn_decode_step(
             K = q.shape[-1]
             inner = steps.get(K)
         if inner is None:
-            check_gdn_activations(q, v, g, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                                  allow_neg_eigval)  # fmt: skip
+            # (on copies of the bound parameters where strided: kda_decode_step's plans copy them each step, as the
+            # values may change in place between steps)
+            check_gdn_activations(q, v, g, *contiguous_reads(A_log, dt_bias), use_gate_in_kernel,
+                                  use_beta_sigmoid_in_kernel, allow_neg_eigval)  # fmt: skip
             a_log, bias = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
             inner = steps[K] = kda_decode_step(
                 state_pool, state_indices, A_log=a_log, dt_bias=bias, scale=scale,
@@ -131,10 +133,12 @@ def gdn_decode_step(
 
 
 def _check_tokens(q, v, g) -> None:
-    """GDN's own checks of a call's tokens before its gate is repeated over K: q and v 4-D, g ``[N, T, HV]``."""
-    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
-    check_tensor("g", g, shape=(q.shape[0], q.shape[1], v.shape[2]), dtypes=FLOAT_DTYPES, device=q.device)
+    """GDN's own checks of a call's tokens before kda_decode's: q and v 4-D, g ``[N, T, HV]`` (their
+    strides are kda_decode's, which copies inputs strided in their last dimension)."""
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES, contiguous_last=False)
+    check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device, contiguous_last=False)
+    check_tensor("g", g, shape=(q.shape[0], q.shape[1], v.shape[2]), dtypes=FLOAT_DTYPES, device=q.device,
+                 contiguous_last=False)
 
 
 # The pool commit after a verify call does not depend on the gate: KDA's, under GDN's name.

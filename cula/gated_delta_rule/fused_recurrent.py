@@ -7,7 +7,8 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    FLOAT_DTYPES, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, state_fp32, take_extra_kwargs,
+    FLOAT_DTYPES, check_scale, check_tensor, contiguous_reads, gate_params_fp32, resolve_state_layout, state_fp32,
+    take_extra_kwargs,
 )  # fmt: skip
 from cula.gated_delta_rule.backends import fused_recurrent_gdn_registry
 from cula.gated_delta_rule.chunk import check_gdn_activations, check_gdn_inputs
@@ -61,6 +62,9 @@ def fused_recurrent_gated_delta_rule(
         )  # fmt: skip
     extra = take_extra_kwargs("fused_recurrent_gated_delta_rule", kwargs, ("transpose_state_layout",))
     state_v_first = resolve_state_layout("fused_recurrent_gated_delta_rule", state_v_first, extra)
+    q, k, v, g, gk, gv, beta, initial_state, A_log, dt_bias, cu_seqlens = contiguous_reads(
+        q, k, v, g, gk, gv, beta, initial_state, A_log, dt_bias, cu_seqlens
+    )
     check_gdn_inputs(
         q,
         k,

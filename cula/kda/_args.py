@@ -15,6 +15,7 @@ from cula._validate import (
     check_scale,
     check_state,
     check_tensor,
+    contiguous_reads,
 )
 
 
@@ -37,9 +38,11 @@ def check_kda_inputs(
     allow_neg_eigval,
     beta_per_value=False,
     partial_cu_seqlens=False,
+    state_dtypes=(torch.float32,),
 ) -> int:
     """Check KDA arguments (FLA 0.6.0 rules plus dtype/device/layout checks); return N sequences.
-    ``partial_cu_seqlens``: the packed sequences may end before the last token (FLA's graph mode)."""
+    ``partial_cu_seqlens``: the packed sequences may end before the last token (FLA's graph mode). ``state_dtypes``:
+    the dtypes ``initial_state`` may have (fp32; the recurrent form's in-place state also bf16 / fp16)."""
     B, T, H, K, HV, V = check_qkv(q, k, v)
     device = q.device
     check_tensor("g", g, shape=(B, T, HV, K), dtypes=FLOAT_DTYPES, device=device)
@@ -49,7 +52,8 @@ def check_kda_inputs(
         check_tensor("beta", beta, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device)
     N = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device, partial=partial_cu_seqlens)
     check_state(
-        "initial_state", initial_state, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device
+        "initial_state", initial_state, n=N, heads=HV, k=K, v=V, state_v_first=state_v_first, device=device,
+        dtypes=state_dtypes,
     )
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
@@ -83,7 +87,16 @@ def dispatch_kda_call(registry, plans, key: tuple | None, call: dict[str, Any], 
 
     def plan():
         args = checked(dict(call))
-        return registry.plan(args["q"].device, args)
+        launch = registry.plan(args["q"].device, args)
+        copied = [n for n, t in call.items() if isinstance(t, torch.Tensor) and args[n] is not t]
+        if not copied:
+            return launch
+
+        def copying(**c):  # the plan of the row-major copies validation made: each call copies its inputs alike
+            c.update(zip(copied, contiguous_reads(*(c[n] for n in copied))))
+            return launch(**c)
+
+        return copying
 
     launch = plans.lookup(key, plan)
     call["scale"] = check_scale(call["scale"], call["q"].shape[-1])

@@ -462,12 +462,6 @@ def _chunk_kda_reference(**args):
     return _reference("chunk", args, args["output_final_state"])
 
 
-def _reference_recurrent_supports(ssm_state_indices=None, num_accepted_tokens=None, **_) -> tuple:
-    if ssm_state_indices is not None or num_accepted_tokens is not None:
-        return False, "state-pool decode (ssm_state_indices / num_accepted_tokens) needs a CUDA backend"
-    return True, None
-
-
 def serving_form_verdict(q, cu_seqlens, ssm_state_indices, inplace_final_state, num_accepted_tokens) -> tuple:
     """The part of ``_cula_recurrent_supports`` that needs no validation first (so FLA's dispatch can decline a
     packed call without reading its boundaries): the in-place pool form, one token a sequence, unpacked."""
@@ -487,12 +481,17 @@ def _cula_recurrent_supports(
     q, k, v, g, beta, A_log, dt_bias, initial_state, inplace_final_state, cu_seqlens, ssm_state_indices,
     num_accepted_tokens, use_gate_in_kernel, lower_bound, state_v_first, **_,
 ) -> tuple:  # fmt: skip
-    """FLA's serving call that is exactly one ``kda_decode`` step: [N, 1] tokens, an fp32 pool, int32 [N] rows."""
+    """FLA's serving call that is exactly one ``kda_decode`` step: [N, 1] tokens, an fp32 pool, int32 [N] rows (a
+    bf16 / fp16 pool goes on to FLA's kernel, the reason logged by the registry)."""
     from cula._validate import pool_layout_verdict
 
     ok, why = serving_form_verdict(q, cu_seqlens, ssm_state_indices, inplace_final_state, num_accepted_tokens)
     if not ok:
         return ok, why
+    if initial_state.dtype != torch.float32 or initial_state.ndim != 4:
+        # (FLA's kernel takes bf16 / fp16 pools: its fp32 recurrence, each new state stored in the pool's dtype)
+        pool = f"a {initial_state.dtype} state pool of rank {initial_state.ndim}"
+        return False, f"{pool} (cula's kernel takes an fp32 pool [P, HV, ...])"
     if ssm_state_indices.ndim != 1 or ssm_state_indices.dtype != torch.int32:
         return False, "ssm_state_indices must be int32 [N] for cula's kernel"
     if q.dtype not in (torch.bfloat16, torch.float16) or g.dtype not in _KERNEL_FLOATS:
@@ -501,8 +500,6 @@ def _cula_recurrent_supports(
         return False, "per-channel beta, or beta not fp32/bf16, runs on fla"
     if any(t is not None and t.dtype != torch.float32 for t in (A_log, dt_bias)):
         return False, "A_log / dt_bias not fp32 run on fla"
-    if initial_state.dtype != torch.float32 or initial_state.ndim != 4:
-        return False, "the state pool must be fp32 [P, HV, ...] for cula's kernel"
     if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
     return pool_layout_verdict(initial_state, q.shape[-1], v.shape[-1], state_v_first)
@@ -592,13 +589,13 @@ def _fused_recurrent_kda_fla(**args):
     return o, final
 
 
-@fused_recurrent_kda_registry.register(
-    "reference", REFERENCE_PRIORITY, available=always, supports=_reference_recurrent_supports
-)
+@fused_recurrent_kda_registry.register("reference", REFERENCE_PRIORITY, available=always)
 def _fused_recurrent_kda_reference(**args):
+    if args["ssm_state_indices"] is not None:
+        return _recurrent_pool_reference(args)
     initial_state, inplace_final_state = args["initial_state"], args["inplace_final_state"]
     o, final = _reference("recurrent", args, args["output_final_state"] or inplace_final_state)
-    if inplace_final_state:
+    if inplace_final_state:  # (stored in the state's dtype, rounded to nearest even as FLA's kernel stores it)
         with torch.no_grad():
             initial_state.copy_(final)
         final = initial_state
@@ -606,3 +603,60 @@ def _fused_recurrent_kda_reference(**args):
         with torch.no_grad():
             o = args["out"].copy_(o)
     return o, final
+
+
+def _recurrent_pool_reference(args: dict):
+    """FLA 0.6.0's state-pool form of ``fused_recurrent_kda_fwd`` (``ssm_state_indices``) in PyTorch, on validated
+    dispatch arguments, as FLA's kernel runs it: sequence ``n`` starts from pool row ``indices[n, a - 1]`` (``a``:
+    its ``num_accepted_tokens``, else 1; ``[N]`` indices are one column) read as fp32, runs its tokens in fp32 with
+    the state carried in fp32 from token to token, and stores the state after its token ``t`` in place at row
+    ``indices[n, t]`` in the pool's dtype (rounded to nearest even, as the kernel's store does: a bf16 / fp16 pool
+    takes each new state rounded once), or with ``inplace_final_state=False`` at row ``bos + t`` of an fp32
+    ``[N, HV, ...]`` final state (FLA's: a sequence's first token's position; validation allows one token a sequence
+    there). Empty sequences write nothing. A negative index, which FLA's kernel would follow out of the pool, marks a
+    padded slot, as for cula's decode kernel: read there, the sequence is skipped (its outputs zero, nothing stored);
+    written there, that token's state is not stored. Index values past the pool, and ``num_accepted_tokens`` outside
+    ``1..T'`` for a sequence with tokens, raise ``ValueError`` (the values are read on the host)."""
+    q, v, pool, indices = args["q"], args["v"], args["initial_state"], args["ssm_state_indices"]
+    cu, accepted, inplace = args["cu_seqlens"], args["num_accepted_tokens"], args["inplace_final_state"]
+    B, T = q.shape[:2]
+    bounds = [n * T for n in range(B + 1)] if cu is None else cu.tolist()
+    N = len(bounds) - 1
+    rows = indices.reshape(N, -1).tolist()  # [N] indices: a column of one
+    lengths = [bounds[n + 1] - bounds[n] for n in range(N)]
+    first = [0] * N if accepted is None else [int(a) - 1 for a in accepted.tolist()]
+    for n in range(N):
+        if lengths[n] and not 0 <= first[n] < len(rows[n]):
+            raise ValueError(f"`num_accepted_tokens` must lie in 1..{len(rows[n])} (the columns of "
+                             f"`ssm_state_indices`) for a sequence with tokens, got {first[n] + 1} for sequence {n}")
+    read = [rows[n][first[n]] if lengths[n] else -1 for n in range(N)]
+    used = [r for r in read if r >= 0]
+    if inplace:
+        used += [rows[n][t] for n in range(N) if read[n] >= 0 for t in range(lengths[n])]
+    if used and max(used) >= pool.shape[0]:
+        raise ValueError(f"`ssm_state_indices` has {max(used)}, out of range for a pool of {pool.shape[0]} rows")
+    tokens = {n: args[n].reshape(B * T, *args[n].shape[2:]) for n in ("q", "k", "v", "g", "beta")}
+    o = torch.zeros(B * T, *v.shape[2:], dtype=v.dtype, device=v.device)
+    final = None if inplace else torch.zeros(N, *pool.shape[1:], dtype=torch.float32, device=q.device)
+    live = [n for n in range(N) if read[n] >= 0]
+    with torch.no_grad():
+        states = pool[torch.tensor([read[n] for n in live], dtype=torch.long, device=pool.device)].float()
+        for t in range(max((lengths[n] for n in live), default=0)):  # a token of every live sequence at a time
+            step = [i for i, n in enumerate(live) if lengths[n] > t]
+            at = torch.tensor([bounds[live[i]] + t for i in step], dtype=torch.long, device=q.device)
+            sub = torch.tensor(step, dtype=torch.long, device=q.device)
+            call = dict(args, cu_seqlens=None, initial_state=states[sub],
+                        **{name: x[at].unsqueeze(1) for name, x in tokens.items()})  # fmt: skip
+            o_t, new = _reference("recurrent", call, True)
+            o[at] = o_t[:, 0]
+            states[sub] = new  # carried in fp32 to the sequence's next token
+            for j, i in enumerate(step):
+                row = rows[live[i]][t] if inplace else bounds[live[i]] + t
+                if not inplace:
+                    final[row] = new[j]
+                elif row >= 0:
+                    pool[row] = new[j].to(pool.dtype)
+        o = o.view(v.shape)
+        if args.get("out") is not None:
+            o = args["out"].copy_(o)
+    return o, (pool if inplace else final)

@@ -10,6 +10,7 @@ from cula._validate import (
     check_cu_seqlens_values,
     check_lower_bound,
     check_scale,
+    contiguous_reads,
     gate_kwargs_fp32,
     is_row_major,
     resolve_state_layout,
@@ -33,6 +34,7 @@ _plans = PlanCache()
 _short_plans = PlanCache()
 _TENSOR_ARGS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 _VARLEN_ARGS = (*_TENSOR_ARGS, "scale", "cu_seqlens", "cu_seqlens_cpu")
+_READ_ARGS = (*_TENSOR_ARGS, "cu_seqlens")  # chunk_kda writes no tensor argument (cu_seqlens_cpu: read on the host)
 # Packed sequences (cu_seqlens with its host copy cu_seqlens_cpu, contiguous inputs) go through plans keyed on
 # everything but the total length, the boundaries' values checked on the host every call: what a serving engine's
 # prefill needs (a third of the general path's host time).
@@ -215,8 +217,16 @@ def _plan(call: dict, positional: tuple[str, ...]) -> tuple:
     """Validate the first call of a signature in full (raises on bad input before anything is cached) and choose
     its backend: ``(launch, scale)``, launch taking ``positional`` (the tensors, the resolved scale and, for packed
     sequences, the two ``cu_seqlens``) in that order."""
+    given = [call[n] for n in positional]
     args = _checked(call)
-    return chunk_kda_registry.plan(args["q"].device, args, positional=positional), args["scale"]
+    launch = chunk_kda_registry.plan(args["q"].device, args, positional=positional)
+    if any(isinstance(t, torch.Tensor) and args[n] is not t for n, t in zip(positional, given)):
+        planned = launch  # the plan of the row-major copies validation made: each call copies its tensors alike
+
+        def launch(*values):
+            return planned(*contiguous_reads(*values))
+
+    return launch, args["scale"]
 
 
 def _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | None:
@@ -277,7 +287,9 @@ def _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_s
 
 
 def _checked(call: dict) -> dict:
-    """Validate a call in full (FLA's rules plus dtype/device/layout checks); returns the dispatch arguments."""
+    """Validate a call in full (FLA's rules plus dtype/device/layout checks); returns the dispatch arguments, a
+    tensor strided in its last dimension replaced by its row-major copy."""
+    call.update(zip(_READ_ARGS, contiguous_reads(*(call[n] for n in _READ_ARGS))))
     q, lower_bound = call["q"], call["lower_bound"]
     if call["chunk_size"] not in (32, 64):
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {call['chunk_size']}")

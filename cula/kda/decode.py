@@ -15,6 +15,7 @@ from cula._validate import (
     check_scale,
     check_state_pool,
     check_tensor,
+    contiguous_reads,
     dense,
     is_dense,
     pool_layout_verdict,
@@ -215,6 +216,22 @@ def _plan(
     use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out, step_states,
 ):  # fmt: skip
     """Validate a call with a new signature in full and choose its launch (raises on bad input)."""
+    given = (q, k, v, g, beta, state_indices, A_log, dt_bias)
+    rows = contiguous_reads(*given)
+    if any(r is not t for r, t in zip(rows, given)):
+        # an input strided in its last dimension: validated and planned as its row-major copy, which this launch makes
+        # at each call (the plan keys hold strides: no row-major call gets it)
+        planned = _plan(*rows[:5], state_pool, *rows[5:], scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out, step_states)
+
+        def copying(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, *rest):
+            # (not the tensors the call writes: the pool and outputs)
+            q, k, v, g, beta, state_indices, A_log, dt_bias = contiguous_reads(
+                q, k, v, g, beta, state_indices, A_log, dt_bias
+            )
+            planned(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, *rest)
+
+        return copying
     N, T, _H, K, HV, V = check_qkv(q, k, v)
     check_decode_tokens("kda_decode", T)
     dev = q.device
@@ -278,6 +295,8 @@ def _cula_supports(q, k, v, g, state_pool, state_v_first, step_states=None, **_)
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
     if step_states is not None and not is_dense(step_states):
         return False, "step_states is not row-major and 16-byte aligned"
+    if state_pool.dtype != torch.float32:  # (validation refuses other pools: a guard for the kernel's fp32 reads)
+        return False, f"state_pool dtype {state_pool.dtype} (the kernel takes an fp32 pool)"
     fits, why = int32_offsets_verdict(q.shape, v.shape, g.shape)
     if not fits:
         return False, why
@@ -453,6 +472,7 @@ def kda_commit_accepted(
     """
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::kda_commit_accepted op instead
         return _custom_ops.kda_commit_accepted(step_states, state_pool, state_indices, num_accepted_tokens)
+    step_states, state_indices, num_accepted_tokens = contiguous_reads(step_states, state_indices, num_accepted_tokens)
     check_tensor("step_states", step_states, ndim=5, dtypes=(torch.float32,))
     dev = step_states.device
     check_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32,), device=dev)

@@ -9,8 +9,8 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    INDEX_DTYPES, check_pool_rows, check_scale, check_tensor, gate_params_fp32, resolve_state_layout, state_fp32,
-    take_extra_kwargs,
+    INDEX_DTYPES, INPLACE_STATE_DTYPES, check_pool_rows, check_scale, check_tensor, contiguous_reads,
+    gate_params_fp32, resolve_state_layout, state_fp32, take_extra_kwargs,
 )  # fmt: skip
 from cula.backends import DerivedTensors, PlanCache, call_signature, capturing
 from cula.kda._args import check_kda_inputs, dispatch_kda_call
@@ -22,6 +22,8 @@ _plans = PlanCache()
 _TENSOR_ARGS = (
     "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "ssm_state_indices", "num_accepted_tokens", "out"
 )  # fmt: skip
+# the tensors a call only reads (initial_state too unless updated in place)
+_READ_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "ssm_state_indices", "num_accepted_tokens")
 _SCALAR_ARGS = (
     "scale", "output_final_state", "inplace_final_state", "state_v_first", "use_qk_l2norm_in_kernel",
     "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound",
@@ -71,14 +73,15 @@ def fused_recurrent_kda(
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]`` or ``[B, T, HV, V]``.
-        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``).
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); bf16 / fp16 read as fp32
+            (a pool of the serving keywords, updated in place, keeps its dtype: see ``fused_recurrent_kda_fwd``).
         cu_seqlens: ``[N+1]`` int32/int64 boundaries of packed sequences (B must be 1).
         **kwargs: ``transpose_state_layout`` (deprecated alias of ``state_v_first``) and the serving
             arguments of FLA's ``fused_recurrent_kda_fwd``: ``ssm_state_indices``, ``num_accepted_tokens``,
             ``inplace_final_state``, ``out``. Anything else raises ``TypeError``.
 
     Returns:
-        ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
+        ``(o [B, T, HV, V] in q.dtype, final_state fp32 (the pool itself in place) or None)``.
     """
     A_log, dt_bias = _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces cula's ops instead
@@ -145,6 +148,12 @@ def fused_recurrent_kda_fwd(
     picks each sequence's pool row, and ``num_accepted_tokens`` (``[N]``) serves speculative decoding.
     ``out`` (``[B, T, HV, V]``) receives the output when given. Other arguments as
     :func:`fused_recurrent_kda`.
+
+    State dtypes, as FLA 0.6.0's kernel takes them: a state updated in place (the pool, or with no indices a state
+    of its own) may be fp32, bf16 or fp16 (serving engines keep bf16 caches); it is read as fp32, the recurrence
+    runs in fp32 and each new state is stored rounded (to nearest even) to the state's dtype, the carried state
+    staying fp32 between a sequence's tokens. A new state out of place (``inplace_final_state=False``) is fp32 and the
+    state is only read. On CUDA, bf16 / fp16 pools run on FLA's kernel (cula's decode kernel takes fp32 pools).
     """
     A_log, dt_bias = _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound)
     if not inplace_final_state and ssm_state_indices is None:  # FLA's kernel reads any float state as fp32
@@ -185,8 +194,10 @@ def _check_pool_call(call: dict, N: int, bounds: torch.Tensor | None) -> None:
         raise ValueError(f"`ssm_state_indices` must have shape [N] or [N, T] with N={N}, got {list(indices.shape)}")
     if pool is None:
         raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool)")
+    # fp32, bf16 or fp16, as FLA's kernel takes a pool (read as fp32, each new state stored in the pool's dtype)
     check_pool_rows("initial_state", pool, heads=v.shape[2], k=q.shape[-1], v=v.shape[-1],
-                    state_v_first=call["state_v_first"], device=q.device, what=" (the state pool)")  # fmt: skip
+                    state_v_first=call["state_v_first"], device=q.device, what=" (the state pool)",
+                    dtypes=INPLACE_STATE_DTYPES)  # fmt: skip
     if call["cu_seqlens"] is None:
         most = q.shape[1]
     else:
@@ -204,7 +215,10 @@ def _check_pool_call(call: dict, N: int, bounds: torch.Tensor | None) -> None:
 
 
 def _checked(call: dict) -> dict:
-    """Validate a call in full; returns the dispatch arguments."""
+    """Validate a call in full; returns the dispatch arguments, an input strided in its last dimension replaced by
+    its row-major copy."""
+    reads = _READ_ARGS if call["inplace_final_state"] else (*_READ_ARGS, "initial_state")
+    call.update(zip(reads, contiguous_reads(*(call[n] for n in reads))))
     q, initial_state = call["q"], call["initial_state"]
     pooled = call["ssm_state_indices"] is not None
     if call["inplace_final_state"] and initial_state is None:
@@ -232,6 +246,8 @@ def _checked(call: dict) -> dict:
         use_beta_sigmoid_in_kernel=call["use_beta_sigmoid_in_kernel"],
         allow_neg_eigval=call["allow_neg_eigval"],
         beta_per_value=True,
+        # a state updated in place keeps its dtype (FLA stores it back so); one read only was made fp32 already
+        state_dtypes=INPLACE_STATE_DTYPES if call["inplace_final_state"] else (torch.float32,),
     )
     if pooled:
         _check_pool_call(call, N, bounds)

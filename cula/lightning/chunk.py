@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from cula._validate import check_qkv, check_tensor, take_extra_kwargs
+from cula._validate import check_qkv, check_tensor, contiguous_reads, take_extra_kwargs
 from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
 
@@ -57,6 +57,7 @@ def lightning_attn_fwd(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable in q, k, v, initial_state.
     """
+    q, k, v, decay = contiguous_reads(q, k, v, decay)  # (the state and boundaries: chunk_simple_gla's)
     *_, HV, _V = check_qkv(q, k, v, head_limit=None)  # first: the decay's shape and device are q's and v's
     check_tensor("decay", decay, shape=(HV,), dtypes=(torch.float32,), device=q.device)
     return chunk_simple_gla(
@@ -74,9 +75,10 @@ def lightning_attn_fwd(
 
 
 def _check_heads(q, v) -> int:
-    """FLA's Lightning wrappers are multi-head (the decay schedule runs over q's H heads): v has H heads too."""
-    check_tensor("q", q, ndim=4)
-    check_tensor("v", v, ndim=4)
+    """FLA's Lightning wrappers are multi-head (the decay schedule runs over q's H heads): v has H heads too. (Their
+    strides are the Simple GLA call's to check, which copies a view strided in its last dimension.)"""
+    check_tensor("q", q, ndim=4, contiguous_last=False)
+    check_tensor("v", v, ndim=4, contiguous_last=False)
     if v.shape[2] != q.shape[2]:
         raise ValueError(
             f"`v` must have the H={q.shape[2]} heads of `q` (one decay a head), got {list(v.shape)}; "

@@ -13,6 +13,7 @@ from cula._validate import (
     check_scale,
     check_state,
     check_tensor,
+    contiguous_reads,
     resolve_state_layout,
     state_fp32,
     take_extra_kwargs,
@@ -27,7 +28,7 @@ def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first
     if g is not None and g_gamma is not None:
         raise ValueError("pass either `g` (data-dependent decay) or `g_gamma` (constant decay), not both")
     if g is not None:
-        check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device, contiguous_last=False)
+        check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device)
     if g_gamma is not None:
         check_tensor("g_gamma", g_gamma, shape=(HV,), dtypes=FLOAT_DTYPES, device=device)
     n = check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch=B, total=T, device=device)
@@ -46,8 +47,9 @@ def _checked_args(
     q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, **own
 ) -> dict:
     """The call both entry points hand their registry, after the checks they share: ``scale`` resolved,
-    ``output_final_state`` a bool, then the entry point's ``own`` arguments (a ``cu_seqlens_cpu`` among them
-    is checked with ``cu_seqlens``)."""
+    ``output_final_state`` a bool, tensors strided in their last dimension copied, then the entry point's ``own``
+    arguments (a ``cu_seqlens_cpu`` among them is checked with ``cu_seqlens``)."""
+    q, k, v, g, g_gamma, initial_state, cu_seqlens = contiguous_reads(q, k, v, g, g_gamma, initial_state, cu_seqlens)
     check_simple_gla_inputs(
         q,
         k,
