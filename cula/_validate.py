@@ -277,26 +277,31 @@ _HALF_FLOATS = (torch.bfloat16, torch.float16)
 
 
 def gate_params_fp32(A_log, dt_bias):
-    """``(A_log, dt_bias)`` in fp32 where they come as bf16 / fp16 (anything else as given, for validation to
-    judge). FLA's kernels read both as fp32 whatever their dtype, and FLA's layers hand their parameters straight
-    in, bf16 once a model is cast to it. A parameter autograd tracks gets a differentiable cast each call; any other
-    its fp32 copy once (``cula.backends.DerivedTensors``: a repeated call then launches no cast, and the copy keeps
-    the identity the plans' derived tensors are keyed on)."""
-    if isinstance(A_log, torch.Tensor) and A_log.dtype in _HALF_FLOATS:
-        A_log = _fp32(A_log)
-    if isinstance(dt_bias, torch.Tensor) and dt_bias.dtype in _HALF_FLOATS:
-        dt_bias = _fp32(dt_bias)
+    """``(A_log, dt_bias)`` as flat fp32 vectors where they come as bf16 / fp16 or with more dimensions (anything
+    else as given, for validation to judge). FLA's kernels read both as fp32 whatever their dtype, and FLA's layers
+    hand their parameters straight in, bf16 once a model is cast to it; they index both as flat vectors, so any
+    shape of the right size passes there (FLA's own tests make A_log ``[1, 1, H, 1]``). A parameter autograd tracks
+    gets a differentiable cast and view each call (its gradient comes back in its own shape and dtype); any other
+    its flat fp32 copy once (``cula.backends.DerivedTensors``: a repeated call then launches no cast, and the copy
+    keeps the identity the plans' derived tensors are keyed on)."""
+    if isinstance(A_log, torch.Tensor) and (A_log.dtype in _HALF_FLOATS or A_log.dim() != 1):
+        A_log = _flat_fp32(A_log)
+    if isinstance(dt_bias, torch.Tensor) and (dt_bias.dtype in _HALF_FLOATS or dt_bias.dim() != 1):
+        dt_bias = _flat_fp32(dt_bias)
     return A_log, dt_bias
 
 
-def _fp32(t: torch.Tensor) -> torch.Tensor:
+def _flat_fp32(t: torch.Tensor) -> torch.Tensor:
+    def make():  # (another dtype than bf16 / fp16 / fp32 kept: validation names it)
+        return (t.float() if t.dtype in _HALF_FLOATS else t).reshape(-1)
+
     # (a cast Dynamo can trace where torch.compile does: the cache's identity lookups would break the graph)
     if (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return t.float()
-    return _FP32_COPIES.get(t, t.device, ("fp32",), t.float)
+        return make()
+    return _FP32_COPIES.get(t, t.device, ("flat_fp32",), make)
 
 
-_FP32_COPIES = DerivedTensors()  # the fp32 copies of half-precision gate parameters
+_FP32_COPIES = DerivedTensors()  # the flat fp32 copies of gate parameters
 
 
 def state_fp32(state):

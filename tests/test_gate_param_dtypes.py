@@ -1,5 +1,6 @@
 """A_log and dt_bias in bf16 / fp16, as FLA's layers hand them in once a model is cast to bf16: FLA's kernels read
-them as fp32, and so does cula (a differentiable cast where they come in). CPU: the reference backends."""
+them as fp32, and so does cula (a differentiable cast where they come in); and in any shape of their size, as FLA's
+kernels index them flat (FLA's own KDA tests make A_log ``[1, 1, H, 1]``). CPU: the reference backends."""
 
 from __future__ import annotations
 
@@ -50,6 +51,35 @@ def test_gdn_gate_params_in_bf16():
         o, ht = fn(**x, g=g, A_log=A_log, dt_bias=dt_bias, **kw)
         o32, ht32 = fn(**x, g=g, A_log=A_log.float(), dt_bias=dt_bias.float(), **kw)
         assert torch.equal(o, o32) and torch.equal(ht, ht32)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gate_params_of_any_shape_of_their_size(varlen):
+    from cula.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from cula.kda import chunk_kda, fused_recurrent_kda
+
+    x = _x()
+    cu = torch.tensor([0, 7, T]) if varlen else None
+    kw = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, output_final_state=True, cu_seqlens=cu)
+    A4 = torch.randn(1, 1, H, 1, requires_grad=True)
+    A1 = A4.detach().flatten().requires_grad_()
+    g = torch.randn(B, T, H, D)
+    for fn in (chunk_kda, fused_recurrent_kda):
+        dt = torch.randn(H, D)  # FLA takes dt_bias of H * D elements in any shape too
+        o4, ht4 = fn(**x, g=g, A_log=A4, dt_bias=dt, **kw)
+        o1, ht1 = fn(**x, g=g, A_log=A1, dt_bias=dt.flatten(), **kw)
+        assert torch.equal(o4, o1) and torch.equal(ht4, ht1)
+        o4.sum().backward()
+        o1.sum().backward()
+        assert A4.grad.shape == A4.shape  # the gradient in the parameter's own shape, as autograd gives FLA's
+        torch.testing.assert_close(A4.grad.flatten(), A1.grad)
+        A4.grad = A1.grad = None
+    gh = torch.randn(B, T, H)
+    for fn in (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule):
+        o4, ht4 = fn(**x, g=gh, A_log=A4.detach(), dt_bias=torch.randn(1, H), **kw)
+        assert o4.shape == (B, T, H, D) and ht4.shape == (len(cu) - 1 if varlen else B, H, D, D)
+    with pytest.raises(ValueError, match="A_log"):  # the size is still checked
+        chunk_kda(**x, g=g, A_log=torch.randn(1, H + 1), use_gate_in_kernel=True)
 
 
 def test_float64_gate_params_are_still_judged_by_validation():

@@ -249,8 +249,11 @@ def _plan(
         if A_log is not None:
             check_tensor("A_log", A_log, shape=(HV,), dtypes=(torch.float32,), device=dev)
         if dt_bias is not None:
-            check_tensor("dt_bias", dt_bias, shape=(HV,) if per_head else (HV * K,), dtypes=(torch.float32,),
-                         device=dev)  # fmt: skip
+            want = (HV,) if per_head else (HV * K,)
+            if isinstance(dt_bias, torch.Tensor) and tuple(dt_bias.shape) != want:
+                gate = f"a per-head gate g {list(g.shape)}" if per_head else f"a per-channel gate g {list(g.shape)}"
+                raise ValueError(f"`dt_bias` must have shape {list(want)} with {gate}, got {list(dt_bias.shape)}")
+            check_tensor("dt_bias", dt_bias, shape=want, dtypes=(torch.float32,), device=dev)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
     check_lower_bound(lower_bound)
