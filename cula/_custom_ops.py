@@ -192,13 +192,14 @@ def _fake_grads(inputs, needs, like: Tensor) -> tuple:
     )
 
 
-def _check_tokens(q, k, v, head_limit: int | None = 256) -> None:
+def _check_tokens(q, k, v, head_limit: int | None = 256, mixed: bool = False) -> None:
     """The token tensors' shapes and dtypes, checked when the graph is traced (on their metadata, eager's rules and
     errors), so that a bad call fails to compile instead of failing when the graph runs; the rest of the validation
-    reads values or is the op's eager call's. ``head_limit``: the op's eager one (Simple GLA's: None)."""
+    reads values or is the op's eager call's. ``head_limit``: the op's eager one (Simple GLA's: None); ``mixed``: q,
+    k, v of any float dtypes, as the recurrent forms take them."""
     from cula._validate import check_qkv
 
-    check_qkv(q, k, v, head_limit)
+    check_qkv(q, k, v, head_limit, mixed)
 
 
 def _param_names(params: str) -> list[str]:
@@ -442,8 +443,8 @@ def _fused_recurrent_kda_pool_op(
 
 @_fused_recurrent_kda_pool_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, out, *_):
-    _check_tokens(q, k, v)
-    return _empty(q) if out is not None else q.new_empty(*v.shape)
+    _check_tokens(q, k, v, mixed=True)
+    return _empty(q) if out is not None else v.new_empty(v.shape)  # o in v's dtype, as FLA's
 
 
 def fused_recurrent_kda_fwd(
@@ -752,11 +753,13 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
 # (and through it fused_recurrent_lightning_attn).
 
 
-def _recomputed_op(name: str, params: str, grads: tuple):
-    """Define ``cula::<name>``, the eager public function ``name`` returning ``(o [B, T, HV, V] in q's dtype,
-    final_state [N, HV, K, V] fp32 or empty)``, with ``params`` its flat schema's arguments (which include
-    ``q``, ``v``, ``output_final_state``, ``state_v_first`` and ``cu_seqlens``), and ``cula::<name>_bwd``, the
-    gradients of ``grads`` (a subset of the tensor arguments), joined as its autograd."""
+def _recomputed_op(name: str, params: str, grads: tuple, recurrent: bool = False, o_like: str = "q",
+                   head_limit: int | None = 256):  # fmt: skip
+    """Define ``cula::<name>``, the eager public function ``name`` returning ``(o [B, T, HV, V] in the dtype of
+    ``o_like`` (q or v), final_state [N, HV, K, V] fp32 or empty)``, with ``params`` its flat schema's arguments
+    (which include ``q``, ``v``, ``output_final_state``, ``state_v_first`` and ``cu_seqlens``), and
+    ``cula::<name>_bwd``, the gradients of ``grads`` (a subset of the tensor arguments), joined as its autograd.
+    ``recurrent``: q, k, v of any float dtypes (FLA's recurrent forms); ``head_limit``: the eager one."""
     names = _param_names(params)
     tensor_at = [i for i, p in enumerate(params.split(", ")) if p.startswith("Tensor")]
     grad_at = [names.index(n) for n in grads]
@@ -770,11 +773,12 @@ def _recomputed_op(name: str, params: str, grads: tuple):
     def fake(*args):
         call = dict(zip(names, args))
         q, v = call["q"], call["v"]
-        _check_tokens(q, call["k"], v, None if name == "fused_recurrent_simple_gla" else 256)
+        _check_tokens(q, call["k"], v, head_limit, recurrent)
+        o = q.new_empty(v.shape, dtype=call[o_like].dtype)
         if not call["output_final_state"]:
-            return q.new_empty(*v.shape), _empty(q)
+            return o, _empty(q)
         final = q.new_empty(_final_shape(q, v, call["cu_seqlens"], call["state_v_first"]), dtype=torch.float32)
-        return q.new_empty(*v.shape), final
+        return o, final
 
     def bwd_impl(do, dht, needs, *args):
         call = dict(zip(names, args))
@@ -798,7 +802,7 @@ def _recomputed_op(name: str, params: str, grads: tuple):
             inputs[i] = t
         q, v = inputs[names.index("q")], inputs[names.index("v")]
         if do is None:
-            do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+            do = torch.zeros(v.shape, dtype=inputs[names.index(o_like)].dtype, device=q.device)
         needs = [ctx.needs_input_grad[i] for i in grad_at]
         if "use_gate_in_kernel" in names:
             needs = _gate_needs(needs, grads, inputs[names.index("use_gate_in_kernel")])
@@ -830,6 +834,7 @@ _fused_recurrent_gdn_op = _recomputed_op(
     "Tensor? initial_state, Tensor? cu_seqlens, float? scale, bool output_final_state, bool use_qk_l2norm_in_kernel, "
     "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, bool state_v_first",
     ("q", "k", "v", "g", "gk", "gv", "beta", "A_log", "dt_bias", "initial_state"),
+    recurrent=True, o_like="v",
 )
 _fused_recurrent_kda_op = _recomputed_op(
     "fused_recurrent_kda",
@@ -837,12 +842,14 @@ _fused_recurrent_kda_op = _recomputed_op(
     "Tensor? cu_seqlens, float? scale, bool output_final_state, bool state_v_first, bool use_qk_l2norm_in_kernel, "
     "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, float? lower_bound",
     ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"),
+    recurrent=True, o_like="v",
 )
 _fused_recurrent_simple_gla_op = _recomputed_op(
     "fused_recurrent_simple_gla",
     "Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? g_gamma, Tensor? initial_state, Tensor? cu_seqlens, "
     "float? scale, bool output_final_state, bool reverse, bool state_v_first",
     ("q", "k", "v", "g", "g_gamma", "initial_state"),
+    recurrent=True, head_limit=None,
 )
 
 

@@ -19,6 +19,11 @@ from cula.backends import DerivedTensors, capturing
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# q, k, v of the recurrent forms (fused_recurrent_kda / _fwd, fused_recurrent_gated_delta_rule,
+# fused_recurrent_simple_gla): FLA 0.6.0's kernels load each with `.to(tl.float32)`, so any float dtype, one apiece
+# (its GDN tests pass fp32 q / k with an fp16 v, its KDA tests a float64 gold call); cula's own kernels decline such
+# calls (one 16-bit dtype for all three) and FLA's kernel or the reference runs them
+MIXED_QKV_DTYPES = FLOAT_DTYPES
 # the states FLA 0.6.0's serving form (fused_recurrent_kda_fwd) updates in place: a pool (or a state of its own) in
 # fp32, or bf16 / fp16 as serving engines keep their caches; its kernel reads a state as fp32, computes in fp32 and
 # stores the new one in the state's dtype (cula's own decode kernels take fp32 pools)
@@ -219,13 +224,15 @@ def check_head_dim(name: str, size: int, limit: int | None = 256, arg: str = "q"
         raise ValueError(f"unsupported head size of `{arg}`: {name}={size} (supported: 1..{limit or 'any'})")
 
 
-def check_qkv(q, k, v, head_limit: int | None = 256) -> tuple[int, int, int, int, int, int]:
+def check_qkv(q, k, v, head_limit: int | None = 256, mixed: bool = False) -> tuple[int, int, int, int, int, int]:
     """q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` of one dtype and device, head sizes up to ``head_limit`` (FLA's
-    delta-rule kernels' 256; None: any); return (B, T, H, K, HV, V)."""
-    check_tensor("q", q, ndim=4, dtypes=QKV_DTYPES)
+    delta-rule kernels' 256; None: any); return (B, T, H, K, HV, V). ``mixed``: each of q, k, v any float dtype,
+    float64 included (``MIXED_QKV_DTYPES``), as FLA 0.6.0's recurrent kernels take them (each read as fp32)."""
+    dtypes = MIXED_QKV_DTYPES if mixed else QKV_DTYPES
+    check_tensor("q", q, ndim=4, dtypes=dtypes)
     B, T, H, K = q.shape
-    check_tensor("k", k, shape=(B, T, H, K), dtypes=(q.dtype,), device=q.device)
-    check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
+    check_tensor("k", k, shape=(B, T, H, K), dtypes=dtypes if mixed else (q.dtype,), device=q.device)
+    check_tensor("v", v, ndim=4, dtypes=dtypes if mixed else (q.dtype,), device=q.device)
     if tuple(v.shape[:2]) != (B, T):
         raise ValueError(f"`v` must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
@@ -305,12 +312,25 @@ _FP32_COPIES = DerivedTensors()  # the flat fp32 copies of gate parameters
 
 
 def state_fp32(state):
-    """A bf16 / fp16 ``initial_state`` as fp32 (anything else as given, for validation to judge): FLA 0.6.0's Gated
-    DeltaNet, Simple GLA and Lightning forms read the state as fp32 whatever its dtype (its chunked KDA alone asserts
-    fp32). A differentiable cast, so its gradient comes back in the state's dtype, as FLA's does."""
-    if isinstance(state, torch.Tensor) and state.dtype in _HALF_FLOATS:
+    """A bf16 / fp16 / float64 ``initial_state`` as fp32 (anything else as given, for validation to judge): FLA
+    0.6.0's Gated DeltaNet, Simple GLA and Lightning forms and KDA's recurrent one read the state as fp32 whatever its
+    dtype (its chunked KDA alone asserts fp32). A differentiable cast, so its gradient comes back in the state's
+    dtype, as FLA's does."""
+    if isinstance(state, torch.Tensor) and state.dtype in _READ_AS_FP32:
         return state.float()
     return state
+
+
+_READ_AS_FP32 = (torch.bfloat16, torch.float16, torch.float64)
+
+
+def float64_fp32(t):
+    """A float64 tensor as fp32 (a differentiable cast, its gradient back in float64), anything else as given: the
+    recurrent forms' ``A_log`` / ``dt_bias``, which FLA 0.6.0's recurrent kernels read as fp32 whatever their dtype
+    (``gate_params_fp32`` then takes them, and the 16-bit ones)."""
+    if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+        return t.float()
+    return t
 
 
 def gate_kwargs_fp32(kwargs: dict) -> dict:

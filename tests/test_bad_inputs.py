@@ -424,7 +424,7 @@ NO_VARLEN_CPU = (("cu_seqlens_cpu without cu_seqlens", {"cu_seqlens_cpu": torch.
 
 SPECS = [
     Spec("chunk_kda", _fn("cula.kda", "chunk_kda"), _chunk_kda_base, required=("q", "k", "v", "g", "beta"),
-         gates=("g", "beta", "A_log", "dt_bias"), flexible_rank=("dt_bias",),
+         gates=("g", "beta", "A_log", "dt_bias"), flexible_rank=("A_log", "dt_bias"),
          extra=SCALE_CASES + UNKNOWN_KW + LOWER_BOUND_CASES + KDA_FLAG_CASES + NO_VARLEN_CPU + (
              ("use_gate_in_kernel without A_log or lower_bound", {"lower_bound": None, "A_log": None,
               "safe_gate": False}, ("A_log",), True),
@@ -436,26 +436,26 @@ SPECS = [
     Spec("chunk_kda[log-space gate]", _fn("cula.kda", "chunk_kda"), _chunk_kda_logspace_base,
          required=("q", "k", "v", "g", "beta"), gates=("g", "beta"), extra=SCALE_CASES, gpu_layouts=False),
     Spec("chunk_kda[varlen]", _fn("cula.kda", "chunk_kda"), _chunk_kda_varlen_base,
-         required=("q", "k", "v", "g", "beta"), gates=("g", "beta"), flexible_rank=("dt_bias",),
+         required=("q", "k", "v", "g", "beta"), gates=("g", "beta"), flexible_rank=("A_log", "dt_bias"),
          extra=_cu_cases(True) + (
              ("batch of 2 with cu_seqlens", {"_batch2": True}, ("cu_seqlens", "batch"), True),
          ),
          gpu_layouts=False),
     Spec("fused_recurrent_kda", _fn("cula.kda", "fused_recurrent_kda"), _fused_recurrent_kda_base,
-         required=("q", "k", "v", "g", "beta"), gates=("g", "beta", "A_log", "dt_bias"), flexible_rank=("dt_bias",),
-         extra=SCALE_CASES + UNKNOWN_KW + LOWER_BOUND_CASES + (
+         required=("q", "k", "v", "g", "beta"), gates=("g", "beta", "A_log", "dt_bias"),
+         flexible_rank=("A_log", "dt_bias"), extra=SCALE_CASES + UNKNOWN_KW + LOWER_BOUND_CASES + (
              ("per-value beta", {"_beta_per_value": True}, (), False),
          ), fla_on_gpu=True),  # fmt: skip
     Spec("fused_recurrent_kda_fwd[varlen]", _fn("cula.kda", "fused_recurrent_kda_fwd"),
          _fused_recurrent_kda_varlen_base, required=("q", "k", "v", "g", "beta"), gates=("g",),
-         flexible_rank=("dt_bias",), extra=_cu_cases(False) + (
+         flexible_rank=("A_log", "dt_bias"), extra=_cu_cases(False) + (
              ("inplace_final_state without a state", {"initial_state": None, "inplace_final_state": True},
               ("initial_state",), True),
          ), fla_on_gpu=True),  # fmt: skip
     Spec("fused_recurrent_kda_fwd[pool]", _fn("cula.kda", "fused_recurrent_kda_fwd"), _kda_pool_fwd_base,
          inplace=("initial_state", "out"), pool="initial_state", index="ssm_state_indices",
          fixed_dim0=("initial_state",),
-         required=("q", "k", "v", "g", "beta"), gates=("g", "beta"), flexible_rank=("dt_bias",),
+         required=("q", "k", "v", "g", "beta"), gates=("g", "beta"), flexible_rank=("A_log", "dt_bias"),
          extra=SCALE_CASES + (
              ("index int64", {"ssm_state_indices": torch.tensor([4, 2, 0])}, (), False),
              ("indices without a pool", {"initial_state": None, "inplace_final_state": False}, ("initial_state",
@@ -520,7 +520,7 @@ SPECS = [
              ("no heads", {"_no_heads": True}, ("q", "v"), True),
          ), fla_on_gpu=True),  # fmt: skip
     Spec("chunk_gdn[fused gate]", _fn("cula.gated_delta_rule", "chunk_gdn"), _gdn_fused_gate_base,
-         required=("q", "k", "v", "g", "beta"), gates=("g", "A_log", "dt_bias"),
+         required=("q", "k", "v", "g", "beta"), gates=("g", "A_log", "dt_bias"), flexible_rank=("A_log", "dt_bias"),
          extra=(("fused gate without A_log", {"A_log": None}, ("A_log",), True),), fla_on_gpu=True),
     Spec("fused_recurrent_gated_delta_rule", _fn("cula.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
          _gdn_recurrent_base, gates=("g", "gk", "gv", "beta"), extra=SCALE_CASES + UNKNOWN_KW + (

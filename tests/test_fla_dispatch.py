@@ -249,11 +249,18 @@ def test_packed_call_gets_the_host_bounds(registered, cula_kernels, sink):
         ({"cp_context": object()}, "cp_context"),
         ({"A_log": torch.zeros(H + 1)}, "A_log"),
         ({"bogus": 1}, "bogus"),
+        # the chunked form keeps one dtype for q, k, v and no float64 (FLA's chunked kernels compute in theirs):
+        # declined with cula's validation error as the reason, not raised
+        ({"dtype": torch.float64}, "`q` must have dtype"),
+        ({"v_dtype": torch.float32}, "`v` must have dtype bfloat16"),
     ],
 )
 def test_uncovered_calls_go_on_to_fla_with_a_reason(registered, cula_kernels, sink, caplog, change, reason):
     change = dict(change)
+    v_dtype = change.pop("v_dtype", None)
     x = _inputs(dtype=change.pop("dtype", torch.bfloat16), K=change.pop("K", D))
+    if v_dtype is not None:
+        x["v"] = x["v"].to(v_dtype)
     call = {**x, **LAYER_FLAGS, **change}
     ok, why = registered.verify("chunk_kda", **call)
     assert not ok and reason in why, why
@@ -344,12 +351,19 @@ def test_fla_decode_step_runs_on_cula(registered, cula_kernels, sink, monkeypatc
         # a serving engine's bf16 / fp16 cache: FLA's kernel takes it (cula's validation too), cula's kernel does not
         ({"pool_dtype": torch.bfloat16}, "bfloat16 state pool"),
         ({"pool_dtype": torch.float16}, "float16 state pool"),
+        # q, k, v of their own dtypes, or float64 (FLA's kernel reads each as fp32; its tests make such calls): cula's
+        # validation takes them, its kernel does not (a reason of the backend's, not a validation error)
+        ({"v_dtype": torch.float32}, "q / k / v dtypes torch.bfloat16 / torch.bfloat16 / torch.float32"),
+        ({"k_dtype": torch.float16}, "q / k / v dtypes torch.bfloat16 / torch.float16 / torch.bfloat16"),
+        ({"dtype": torch.float64, "A_log": torch.zeros(H, dtype=torch.float64)}, "q dtype torch.float64"),
     ],
 )
 def test_uncovered_decode_calls_go_on_to_fla(registered, cula_kernels, sink, change, reason):
     change = dict(change)
     pool_dtype = change.pop("pool_dtype", None)
+    token_dtypes = {n: change.pop(f"{n}_dtype") for n in ("k", "v") if f"{n}_dtype" in change}
     call = _pool_call(dtype=change.pop("dtype", torch.bfloat16), **change)
+    call.update({n: call[n].to(dt) for n, dt in token_dtypes.items()})
     if pool_dtype is not None:
         call["initial_state"] = call["initial_state"].to(pool_dtype)
     if call["ssm_state_indices"] is None:  # FLA's public fused_recurrent_kda: a state a sequence

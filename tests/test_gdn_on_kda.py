@@ -307,6 +307,8 @@ def test_recurrent_declines_what_the_kernel_does_not_take(gdn_tuning, pretend_sm
         ({"initial_state": None}, "initial_state"),
         ({"initial_state": h0.double()}, "initial_state"),
         ({"q": x["q"].float()}, "q dtype"),
+        ({"k": x["k"].half()}, "q / k / v dtypes"),  # (validation takes them apiece, as FLA's kernel does)
+        ({"v": x["v"].float()}, "q / k / v dtypes"),
         ({"beta": x["beta"].half()}, "beta dtype"),
         ({"q": x["q"].detach().requires_grad_()}, "autograd"),
         ({"k": x["k"].detach().requires_grad_()}, "autograd"),

@@ -166,7 +166,7 @@ def test_public_form_takes_a_half_pool_through_its_serving_keywords():
 def test_what_is_still_refused():
     x = _tokens(3, 1)
     idx = torch.tensor([4, 0, 2], dtype=torch.int32)
-    with pytest.raises(TypeError, match="initial_state"):  # FLA's kernel would, but cula takes no float64 state
+    with pytest.raises(TypeError, match="initial_state"):  # FLA's kernel would, but cula takes no float64 pool
         fused_recurrent_kda_fwd(**x, initial_state=_pool(torch.float64), ssm_state_indices=idx)
     with pytest.raises(ValueError, match="ssm_state_indices"):  # read on the host by the reference
         fused_recurrent_kda_fwd(**x, initial_state=_pool(torch.bfloat16), ssm_state_indices=idx + P)

@@ -417,6 +417,45 @@ def test_recurrent_forms_training():
     _check_training(step, inputs, "aot_eager", ops)
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_recurrent_forms_mixed_dtypes(backend):
+    """q, k and v of their own dtypes, float64 included, as FLA's recurrent kernels take them (each read as fp32):
+    the compiled calls give eager's outputs in eager's dtypes (o in v's dtype for KDA and Gated DeltaNet, q's for
+    Simple GLA; the final states fp32) and eager's gradients, each in its input's dtype; the in-place serving form
+    too (the ops' fake implementations follow eager's dtypes)."""
+    q, k, v, _, h0, g = _gla_inputs(T=9)
+    beta = torch.rand(g.shape)
+    kq, kk, kv, kg, kbeta, kh0, A_log, dt_bias = _kda_inputs(T=9, HV=2)
+
+    def step(q, k, v, g, h0, q2, k2, v2, g2, beta, h02, kq, kk, kv, kg, kbeta, kh0):
+        o1, s1 = simple_gla.fused_recurrent_simple_gla(q, k, v, g=g, initial_state=h0, output_final_state=True)
+        o2, s2 = gated_delta_rule.fused_recurrent_gated_delta_rule(
+            q2, k2, v2, g=g2, beta=beta, initial_state=h02, output_final_state=True
+        )
+        o3, s3 = kda.fused_recurrent_kda(kq, kk, kv, kg, kbeta, initial_state=kh0, output_final_state=True)
+        return o1, s1, o2, s2, o3, s3
+
+    ops = ["fused_recurrent_simple_gla", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda"]
+    inputs = [q.bfloat16(), k.half(), v, g, h0.double(), q * 2, k * 2, v.half() * 2, g * 2, beta.half(), h0 * 2,
+              *(t.double() for t in (kq, kk, kv, kg, kbeta, kh0))]  # fmt: skip
+    _check_training(step, inputs, backend, ops)
+
+    def serve(q, k, v, g, beta, pool):
+        o, _ = kda.fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=A_log.double(), dt_bias=dt_bias.double(),
+                                           initial_state=pool, use_gate_in_kernel=True)  # fmt: skip
+        return o
+
+    tokens = [kq[:, :1].float(), kk[:, :1].half(), kv[:, :1].bfloat16(), kg[:, :1], kbeta[:, :1]]
+    pool_e, pool_c = kh0.clone(), kh0.clone()
+    with torch.no_grad():
+        out_e = serve(*tokens, pool_e)
+        cfn, counter = _compile(serve, backend)
+        out_c = cfn(*tokens, pool_c)
+    assert out_e.dtype == torch.bfloat16
+    _assert_same("pool", [out_e, pool_e], [out_c, pool_c])
+    assert counter.frame_count == 1 and _cula_ops(counter) == {"fused_recurrent_kda_pool"}
+
+
 # -------------------------------------------------------------------------- inputs strided in their last dimension
 
 
@@ -535,6 +574,24 @@ def _opcheck_samples():
     yield "fused_recurrent_simple_gla", (*rg(q, k, v), None, *rg(g_gamma, h0), None), flags
     grads_in = (torch.randn(v.shape), None, [True, True, True, False, True, True])
     yield "fused_recurrent_simple_gla_bwd", (*grads_in, q, k, v, None, g_gamma, h0, None), flags
+    # the recurrent ops with q, k, v of their own dtypes (o in v's dtype, or q's for Simple GLA)
+    yield "fused_recurrent_simple_gla", (*rg(q.bfloat16(), k.double(), v), None, *rg(g_gamma, h0), None), flags
+    flags = dict(
+        scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+    )  # fmt: skip
+    yield "fused_recurrent_gated_delta_rule", (*rg(q.double(), k, v.half(), g), None, None, *rg(beta), None, None,
+                                               *rg(h0), None), flags  # fmt: skip
+    q, k, v, g, beta, h0, A_log, dt_bias = _kda_inputs(T=7)
+    flags = dict(
+        scale=None, output_final_state=True, state_v_first=False, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+    )  # fmt: skip
+    mixed = (q.bfloat16(), k.half(), v.double())
+    yield "fused_recurrent_kda", (*rg(*mixed, g, beta, A_log, dt_bias, h0), None), flags
+    grads_in = (torch.randn(v.shape, dtype=torch.float64), torch.randn(h0.shape), [True] * 8)
+    yield "fused_recurrent_kda_bwd", (*grads_in, *mixed, g, beta, A_log, dt_bias, h0, None), flags
+    yield "fused_recurrent_kda_pool", (*mixed, g, beta, A_log, dt_bias, h0.clone(), None, None, None, None), flags
 
 
 def test_every_op_has_a_sample():

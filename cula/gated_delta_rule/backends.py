@@ -183,6 +183,8 @@ def _cula_recurrent_supports(q, k, v, g, gk, gv, beta, initial_state, state_v_fi
                        f"GdnTuning.inference_decode_max_tokens={most}")
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q dtype {q.dtype} (the kernel takes bf16 / fp16)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:  # (validation takes any float dtype apiece, as FLA's kernel does)
+        return False, f"q / k / v dtypes {q.dtype} / {k.dtype} / {v.dtype} (the kernel takes one bf16 / fp16 dtype)"
     if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (the kernel takes K = V in {{64, 128}})"
     if g.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -236,4 +238,5 @@ def _recurrent_fla(**args):
 def _recurrent_reference(**args):
     from cula.gated_delta_rule.naive import reference_fused_recurrent_gated_delta_rule
 
-    return reference_fused_recurrent_gated_delta_rule(**args)
+    # in fp32 as FLA's kernel computes (float64 inputs too), o in v's dtype
+    return reference_fused_recurrent_gated_delta_rule(**args, compute_dtype=torch.float32)

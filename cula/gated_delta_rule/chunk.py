@@ -33,10 +33,11 @@ _EXTRA_KWARGS = (
 
 
 def check_gdn_inputs(q, k, v, g, beta, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
-                     beta_per_value: bool = False) -> int:  # fmt: skip
+                     beta_per_value: bool = False, mixed_qkv: bool = False) -> int:  # fmt: skip
     """Shapes of the scalar-gate delta rule: g ``[B, T, HV]`` (or None), beta ``[B, T, HV]`` (or None; also
-    ``[B, T, HV, V]`` with ``beta_per_value``, as FLA's recurrent form takes it)."""
-    B, T, H, K, HV, V = check_qkv(q, k, v)
+    ``[B, T, HV, V]`` with ``beta_per_value``, as FLA's recurrent form takes it); ``mixed_qkv``: q, k, v of any float
+    dtypes (the recurrent form: ``check_qkv``'s ``mixed``)."""
+    B, T, H, K, HV, V = check_qkv(q, k, v, mixed=mixed_qkv)
     device = q.device
     if g is not None:
         check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device)

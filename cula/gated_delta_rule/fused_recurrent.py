@@ -7,8 +7,8 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    FLOAT_DTYPES, check_scale, check_tensor, contiguous_reads, gate_params_fp32, resolve_state_layout, state_fp32,
-    take_extra_kwargs,
+    FLOAT_DTYPES, check_scale, check_tensor, contiguous_reads, float64_fp32, gate_params_fp32, resolve_state_layout,
+    state_fp32, take_extra_kwargs,
 )  # fmt: skip
 from cula.gated_delta_rule.backends import fused_recurrent_gdn_registry
 from cula.gated_delta_rule.chunk import check_gdn_activations, check_gdn_inputs
@@ -41,18 +41,22 @@ def fused_recurrent_gated_delta_rule(
     not ``beta``; pass ``beta=`` by keyword.
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``.
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``. As FLA's kernel reads each of them as fp32, each may have its
+            own float dtype, float64 included (cula's kernel takes one 16-bit dtype for all three: other calls run
+            on FLA's kernel or the reference).
         g: ``[B, T, HV]`` scalar log decay (raw with ``use_gate_in_kernel``: ``-exp(A_log) * softplus(g + dt_bias)``).
         gk: ``[B, T, HV, K]`` per-key log decay; gv: ``[B, T, HV, V]`` per-value log decay.
         beta: ``[B, T, HV]``, or ``[B, T, HV, V]`` (a beta per value channel; FLA's kernel runs it); None means
             ones.
-        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); bf16 / fp16 read as fp32.
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); bf16 / fp16 / float64
+            read as fp32 (and ``A_log`` / ``dt_bias``).
         **kwargs: only the deprecated ``transpose_state_layout``.
 
     Returns:
-        ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``.
+        ``(o [B, T, HV, V] in v.dtype (as FLA's, which allocates it like v), final_state fp32 or None)``.
     """
-    A_log, dt_bias = gate_params_fp32(A_log, dt_bias)  # bf16 / fp16 parameters as FLA's kernels take them
+    # bf16 / fp16 / float64 parameters as FLA's kernel takes them
+    A_log, dt_bias = gate_params_fp32(float64_fp32(A_log), float64_fp32(dt_bias))
     initial_state = state_fp32(initial_state)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::fused_recurrent_gated_delta_rule op
         return _custom_ops.fused_recurrent_gated_delta_rule(
@@ -76,6 +80,7 @@ def fused_recurrent_gated_delta_rule(
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=None,
         beta_per_value=True,
+        mixed_qkv=True,
     )
     B, T, H, K = q.shape
     HV, V = v.shape[2:]

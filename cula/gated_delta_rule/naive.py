@@ -200,7 +200,8 @@ def reference_fused_recurrent_gated_delta_rule(
         A_log, dt_bias: ``[HV]`` each (``use_gate_in_kernel`` only; ignored otherwise, as in FLA).
 
     Returns:
-        ``(o [B, T, HV, V] in q.dtype, final_state float32 or None)``.
+        ``(o [B, T, HV, V] in v.dtype (as FLA's, which allocates it like v: q, k, v may differ), final_state float32
+        or None)``.
     """
     dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
     if beta is None:
@@ -233,4 +234,4 @@ def reference_fused_recurrent_gated_delta_rule(
         cu_seqlens=cu_seqlens,
         compute_dtype=dtype,
     )
-    return _finish(o, S, q.dtype)
+    return _finish(o, S, v.dtype)

@@ -39,11 +39,13 @@ def check_kda_inputs(
     beta_per_value=False,
     partial_cu_seqlens=False,
     state_dtypes=(torch.float32,),
+    mixed_qkv=False,
 ) -> int:
     """Check KDA arguments (FLA 0.6.0 rules plus dtype/device/layout checks); return N sequences.
     ``partial_cu_seqlens``: the packed sequences may end before the last token (FLA's graph mode). ``state_dtypes``:
-    the dtypes ``initial_state`` may have (fp32; the recurrent form's in-place state also bf16 / fp16)."""
-    B, T, H, K, HV, V = check_qkv(q, k, v)
+    the dtypes ``initial_state`` may have (fp32; the recurrent form's in-place state also bf16 / fp16).
+    ``mixed_qkv``: q, k, v of any float dtypes (the recurrent forms: ``check_qkv``'s ``mixed``)."""
+    B, T, H, K, HV, V = check_qkv(q, k, v, mixed=mixed_qkv)
     device = q.device
     check_tensor("g", g, shape=(B, T, HV, K), dtypes=FLOAT_DTYPES, device=device)
     if beta_per_value and isinstance(beta, torch.Tensor) and beta.dim() == 4:

@@ -444,10 +444,13 @@ _REFERENCE_ARGS = (
 
 
 def _reference(form: str, args: dict, output_final_state: bool):
+    """The reference on dispatch arguments: in fp32, as FLA's kernels compute (the recurrent form's float64 inputs
+    too), o in q's dtype (the chunk form) or v's (the recurrent form, whose q, k, v may differ: FLA's allocates o
+    like v)."""
     from cula.kda.naive import reference_chunk_kda
 
     return reference_chunk_kda(
-        args["q"], args["k"], args["v"], args["g"], args["beta"], form=form,
+        args["q"], args["k"], args["v"], args["g"], args["beta"], form=form, compute_dtype=torch.float32,
         output_final_state=output_final_state,
         # FLA applies lower_bound only through the fused gate
         lower_bound=args["lower_bound"] if args["use_gate_in_kernel"] else None,
@@ -496,6 +499,8 @@ def _cula_recurrent_supports(
         return False, "ssm_state_indices must be int32 [N] for cula's kernel"
     if q.dtype not in (torch.bfloat16, torch.float16) or g.dtype not in _KERNEL_FLOATS:
         return False, f"q dtype {q.dtype} / g dtype {g.dtype} (kernel takes bf16/fp16 q, bf16/fp16/fp32 g)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:  # (validation takes any float dtype apiece, as FLA's kernel does)
+        return False, f"q / k / v dtypes {q.dtype} / {k.dtype} / {v.dtype} (kernel takes one bf16 / fp16 dtype)"
     if beta.ndim == v.ndim or beta.dtype not in (torch.float32, torch.bfloat16):
         return False, "per-channel beta, or beta not fp32/bf16, runs on fla"
     if any(t is not None and t.dtype != torch.float32 for t in (A_log, dt_bias)):

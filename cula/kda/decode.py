@@ -292,6 +292,8 @@ def _plan(
 def _cula_supports(q, k, v, g, state_pool, state_v_first, step_states=None, **_) -> tuple:
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q dtype {q.dtype} (kernel takes bf16/fp16)"
+    if k.dtype != q.dtype or v.dtype != q.dtype:  # (kda_decode's validation refuses these: a guard for the kernel)
+        return False, f"q / k / v dtypes {q.dtype} / {k.dtype} / {v.dtype} (kernel takes one bf16/fp16 dtype)"
     if g.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False, f"g dtype {g.dtype} (kernel takes bf16/fp16/fp32)"
     if (q.shape[-1], v.shape[-1]) not in ((64, 64), (128, 128)):

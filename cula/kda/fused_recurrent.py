@@ -9,7 +9,7 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    INDEX_DTYPES, INPLACE_STATE_DTYPES, check_pool_rows, check_scale, check_tensor, contiguous_reads,
+    INDEX_DTYPES, INPLACE_STATE_DTYPES, check_pool_rows, check_scale, check_tensor, contiguous_reads, float64_fp32,
     gate_params_fp32, resolve_state_layout, state_fp32, take_extra_kwargs,
 )  # fmt: skip
 from cula.backends import DerivedTensors, PlanCache, call_signature, capturing
@@ -33,8 +33,9 @@ _SCALAR_ARGS = (
 def _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound):
     """``A_log`` / ``dt_bias`` as the recurrent kernels take them: fp32 (``gate_params_fp32``), and for the
     softplus gate without ``A_log`` FLA's recurrent kernel's reading of it, a log coefficient of 1 a head (the gate
-    ``-e softplus(g + dt_bias)``; FLA's chunk form refuses that call, and so does :func:`cula.kda.chunk_kda`)."""
-    A_log, dt_bias = gate_params_fp32(A_log, dt_bias)
+    ``-e softplus(g + dt_bias)``; FLA's chunk form refuses that call, and so does :func:`cula.kda.chunk_kda`). Float64
+    ones too, as FLA's recurrent kernel reads them (FLA's KDA tests make a float64 gold call)."""
+    A_log, dt_bias = gate_params_fp32(float64_fp32(A_log), float64_fp32(dt_bias))
     if use_gate_in_kernel and A_log is None and lower_bound is None and isinstance(v, torch.Tensor) and v.dim() == 4:
         HV, device = v.shape[2], v.device
         A_log = _UNIT_LOG_COEFFICIENTS.get(
@@ -73,15 +74,19 @@ def fused_recurrent_kda(
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]`` or ``[B, T, HV, V]``.
-        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); bf16 / fp16 read as fp32
-            (a pool of the serving keywords, updated in place, keeps its dtype: see ``fused_recurrent_kda_fwd``).
+            As FLA's kernel reads each of q, k, v as fp32, each may have its own float dtype, float64 included
+            (cula's kernels take one 16-bit dtype for all three: other calls run on FLA's kernel or the reference).
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); bf16 / fp16 / float64 read
+            as fp32 (a pool of the serving keywords, updated in place, keeps its dtype: see
+            ``fused_recurrent_kda_fwd``). ``A_log`` / ``dt_bias`` may be float64 too.
         cu_seqlens: ``[N+1]`` int32/int64 boundaries of packed sequences (B must be 1).
         **kwargs: ``transpose_state_layout`` (deprecated alias of ``state_v_first``) and the serving
             arguments of FLA's ``fused_recurrent_kda_fwd``: ``ssm_state_indices``, ``num_accepted_tokens``,
             ``inplace_final_state``, ``out``. Anything else raises ``TypeError``.
 
     Returns:
-        ``(o [B, T, HV, V] in q.dtype, final_state fp32 (the pool itself in place) or None)``.
+        ``(o [B, T, HV, V] in v.dtype (as FLA's, which allocates it like v), final_state fp32 (the pool itself in
+        place) or None)``.
     """
     A_log, dt_bias = _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces cula's ops instead
@@ -146,8 +151,8 @@ def fused_recurrent_kda_fwd(
     With ``inplace_final_state=True`` (the default, as in FLA) ``initial_state`` is a state pool that is
     updated in place and returned as the final state; ``ssm_state_indices`` (``[N]`` or ``[N, T]`` int)
     picks each sequence's pool row, and ``num_accepted_tokens`` (``[N]``) serves speculative decoding.
-    ``out`` (``[B, T, HV, V]``) receives the output when given. Other arguments as
-    :func:`fused_recurrent_kda`.
+    ``out`` (``[B, T, HV, V]``, v's dtype) receives the output when given. Other arguments (q, k, v of any float
+    dtypes, o in v's) as :func:`fused_recurrent_kda`.
 
     State dtypes, as FLA 0.6.0's kernel takes them: a state updated in place (the pool, or with no indices a state
     of its own) may be fp32, bf16 or fp16 (serving engines keep bf16 caches); it is read as fp32, the recurrence
@@ -248,6 +253,7 @@ def _checked(call: dict) -> dict:
         beta_per_value=True,
         # a state updated in place keeps its dtype (FLA stores it back so); one read only was made fp32 already
         state_dtypes=INPLACE_STATE_DTYPES if call["inplace_final_state"] else (torch.float32,),
+        mixed_qkv=True,  # FLA's kernel reads each of q, k, v as fp32; o comes in v's dtype
     )
     if pooled:
         _check_pool_call(call, N, bounds)
@@ -259,6 +265,6 @@ def _checked(call: dict) -> dict:
             "num_accepted_tokens", call["num_accepted_tokens"], shape=(N,), dtypes=INDEX_DTYPES, device=q.device
         )
     if call["out"] is not None:
-        check_tensor("out", call["out"], shape=tuple(call["v"].shape), dtypes=(q.dtype,), device=q.device)
+        check_tensor("out", call["out"], shape=tuple(call["v"].shape), dtypes=(call["v"].dtype,), device=q.device)
     call["scale"] = check_scale(call["scale"], q.shape[-1])
     return call

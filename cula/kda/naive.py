@@ -585,7 +585,8 @@ def reference_chunk_kda(
         form: ``"chunk"`` or ``"recurrent"``.
 
     Returns:
-        ``(o [B, T, HV, V] in q.dtype, final_state float32 or None)``.
+        ``(o [B, T, HV, V] in q.dtype (``form="recurrent"``: in v.dtype, as FLA's recurrent form allocates it, where
+        q, k and v may differ), final_state float32 or None)``.
     """
     del safe_gate
     dtype = compute_dtype if compute_dtype is not None else _float_dtype(q)
@@ -617,4 +618,4 @@ def reference_chunk_kda(
         compute_dtype=dtype,
         **kwargs,
     )
-    return _finish(o, S, q.dtype)
+    return _finish(o, S, v.dtype if form == "recurrent" else q.dtype)

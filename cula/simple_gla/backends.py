@@ -231,5 +231,6 @@ def _recurrent_reference(
         state_v_first=state_v_first,
         cu_seqlens=cu_seqlens,
         reverse=reverse,
+        compute_dtype=torch.float32,  # as FLA's kernel computes (float64 inputs too); o in q's dtype, as FLA's
         form="recurrent",
     )

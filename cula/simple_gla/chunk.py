@@ -21,9 +21,12 @@ from cula._validate import (
 from cula.simple_gla.backends import chunk_simple_gla_registry, fused_recurrent_simple_gla_registry
 
 
-def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu):
-    """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV]`` or g_gamma ``[HV]`` (at most one)."""
-    B, T, H, K, HV, V = check_qkv(q, k, v, head_limit=None)  # FLA's kernels tile any head size
+def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                            mixed_qkv=False):  # fmt: skip
+    """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV]`` or g_gamma ``[HV]`` (at most one); ``mixed_qkv``:
+    q, k, v of any float dtypes (the recurrent form: ``check_qkv``'s ``mixed``)."""
+    # FLA's kernels tile any head size
+    B, T, H, K, HV, V = check_qkv(q, k, v, head_limit=None, mixed=mixed_qkv)
     device = q.device
     if g is not None and g_gamma is not None:
         raise ValueError("pass either `g` (data-dependent decay) or `g_gamma` (constant decay), not both")
@@ -44,11 +47,12 @@ def _constant(g_gamma):
 
 
 def _checked_args(
-    q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, **own
+    q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, mixed_qkv=False, **own
 ) -> dict:
     """The call both entry points hand their registry, after the checks they share: ``scale`` resolved,
     ``output_final_state`` a bool, tensors strided in their last dimension copied, then the entry point's ``own``
-    arguments (a ``cu_seqlens_cpu`` among them is checked with ``cu_seqlens``)."""
+    arguments (a ``cu_seqlens_cpu`` among them is checked with ``cu_seqlens``); ``mixed_qkv`` as
+    ``check_simple_gla_inputs``'."""
     q, k, v, g, g_gamma, initial_state, cu_seqlens = contiguous_reads(q, k, v, g, g_gamma, initial_state, cu_seqlens)
     check_simple_gla_inputs(
         q,
@@ -60,6 +64,7 @@ def _checked_args(
         state_v_first=state_v_first,
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=own.get("cu_seqlens_cpu"),
+        mixed_qkv=mixed_qkv,
     )
     return dict(
         q=q,
@@ -146,10 +151,12 @@ def fused_recurrent_simple_gla(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Recurrent Simple GLA, keyword-compatible with FLA 0.6.0 ``fused_recurrent_simple_gla``.
 
-    Same arguments as :func:`chunk_simple_gla`, plus ``reverse`` (run each sequence from its end).
-    **kwargs: only the deprecated ``transpose_state_layout``.
+    Same arguments as :func:`chunk_simple_gla`, plus ``reverse`` (run each sequence from its end), except that q, k,
+    v may each have their own float dtype, float64 included, as FLA's kernel reads each as fp32 (o comes in q's
+    dtype, as FLA's; there is no cula kernel of this form: FLA's runs on CUDA, the reference elsewhere), and so may
+    ``initial_state``. **kwargs: only the deprecated ``transpose_state_layout``.
     """
-    initial_state = state_fp32(initial_state)  # FLA reads a bf16 / fp16 state as fp32
+    initial_state = state_fp32(initial_state)  # FLA reads a bf16 / fp16 / float64 state as fp32
     g_gamma = _constant(g_gamma)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::fused_recurrent_simple_gla op
         return _custom_ops.fused_recurrent_simple_gla(
@@ -159,7 +166,7 @@ def fused_recurrent_simple_gla(
     extra = take_extra_kwargs("fused_recurrent_simple_gla", kwargs, ("transpose_state_layout",))
     state_v_first = resolve_state_layout("fused_recurrent_simple_gla", state_v_first, extra)
     args = _checked_args(
-        q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+        q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, mixed_qkv=True,
         reverse=bool(reverse),
     )  # fmt: skip
     return fused_recurrent_simple_gla_registry.dispatch(q.device, args)
