@@ -113,12 +113,14 @@ def contiguous_reads(*tensors: Any) -> tuple:
     pays nothing: their plans are keyed on strides (or refuse other strides at launch, a short key's), so a strided
     call never meets a plan made for row-major tensors, and one made from the copies copies again at each call.
     """
-    return tuple(
-        t.clone(memory_format=torch.contiguous_format)
-        if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1
-        else t
-        for t in tensors
-    )
+    out = None  # (paths validated every call run this: is_contiguous() first, one C call a tensor, and no list
+    # made unless something is copied)
+    for i, t in enumerate(tensors):
+        if (isinstance(t, torch.Tensor) and not t.is_contiguous() and t.dim() and t.shape[-1] > 1
+                and t.stride(-1) != 1):  # fmt: skip
+            out = out or list(tensors)
+            out[i] = t.clone(memory_format=torch.contiguous_format)
+    return tensors if out is None else tuple(out)
 
 
 def check_scale(scale: Any, head_dim: int) -> float:
@@ -283,29 +285,33 @@ def check_pool_indices(state_indices: torch.Tensor, pool_rows: int) -> None:
 _HALF_FLOATS = (torch.bfloat16, torch.float16)
 
 
-def gate_params_fp32(A_log, dt_bias):
-    """``(A_log, dt_bias)`` as flat fp32 vectors where they come as bf16 / fp16 or with more dimensions (anything
-    else as given, for validation to judge). FLA's kernels read both as fp32 whatever their dtype, and FLA's layers
+def gate_params_fp32(A_log, dt_bias, cast: tuple[torch.dtype, ...] = _HALF_FLOATS):
+    """``(A_log, dt_bias)`` as flat fp32 vectors where they come in a dtype of ``cast`` (bf16 / fp16; the recurrent
+    forms' also float64, ``READ_AS_FP32``) or with more dimensions (anything else as given, for validation to
+    judge). FLA's kernels read both as fp32 whatever their dtype, and FLA's layers
     hand their parameters straight in, bf16 once a model is cast to it; they index both as flat vectors, so any
     shape of the right size passes there (FLA's own tests make A_log ``[1, 1, H, 1]``). A parameter autograd tracks
     gets a differentiable cast and view each call (its gradient comes back in its own shape and dtype); any other
     its flat fp32 copy once (``cula.backends.DerivedTensors``: a repeated call then launches no cast, and the copy
     keeps the identity the plans' derived tensors are keyed on)."""
-    if isinstance(A_log, torch.Tensor) and (A_log.dtype in _HALF_FLOATS or A_log.dim() != 1):
-        A_log = _flat_fp32(A_log)
-    if isinstance(dt_bias, torch.Tensor) and (dt_bias.dtype in _HALF_FLOATS or dt_bias.dim() != 1):
-        dt_bias = _flat_fp32(dt_bias)
+    if isinstance(A_log, torch.Tensor) and (A_log.dtype in cast or A_log.dim() != 1):
+        A_log = _flat_fp32(A_log, cast)
+    if isinstance(dt_bias, torch.Tensor) and (dt_bias.dtype in cast or dt_bias.dim() != 1):
+        dt_bias = _flat_fp32(dt_bias, cast)
     return A_log, dt_bias
 
 
-def _flat_fp32(t: torch.Tensor) -> torch.Tensor:
-    def make():  # (another dtype than bf16 / fp16 / fp32 kept: validation names it)
-        return (t.float() if t.dtype in _HALF_FLOATS else t).reshape(-1)
+def _flat_fp32(t: torch.Tensor, cast: tuple[torch.dtype, ...]) -> torch.Tensor:
+    def make():  # (a dtype outside ``cast`` kept: validation names it)
+        return (t.float() if t.dtype in cast else t).reshape(-1)
 
     # (a cast Dynamo can trace where torch.compile does: the cache's identity lookups would break the graph)
     if (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return make()
-    return _FP32_COPIES.get(t, t.device, ("flat_fp32",), make)
+    # made outside inference mode: a copy made under it would be an inference tensor, which a later training call
+    # could not save for its backward
+    with torch.inference_mode(False):
+        return _FP32_COPIES.get(t, t.device, ("flat_fp32", cast), make)
 
 
 _FP32_COPIES = DerivedTensors()  # the flat fp32 copies of gate parameters
@@ -316,21 +322,13 @@ def state_fp32(state):
     0.6.0's Gated DeltaNet, Simple GLA and Lightning forms and KDA's recurrent one read the state as fp32 whatever its
     dtype (its chunked KDA alone asserts fp32). A differentiable cast, so its gradient comes back in the state's
     dtype, as FLA's does."""
-    if isinstance(state, torch.Tensor) and state.dtype in _READ_AS_FP32:
+    if isinstance(state, torch.Tensor) and state.dtype in READ_AS_FP32:
         return state.float()
     return state
 
 
-_READ_AS_FP32 = (torch.bfloat16, torch.float16, torch.float64)
-
-
-def float64_fp32(t):
-    """A float64 tensor as fp32 (a differentiable cast, its gradient back in float64), anything else as given: the
-    recurrent forms' ``A_log`` / ``dt_bias``, which FLA 0.6.0's recurrent kernels read as fp32 whatever their dtype
-    (``gate_params_fp32`` then takes them, and the 16-bit ones)."""
-    if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
-        return t.float()
-    return t
+# what FLA 0.6.0's recurrent kernels read as fp32 besides fp32 (states; the recurrent forms' A_log / dt_bias)
+READ_AS_FP32 = (torch.bfloat16, torch.float16, torch.float64)
 
 
 def gate_kwargs_fp32(kwargs: dict) -> dict:

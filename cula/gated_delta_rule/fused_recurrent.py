@@ -7,7 +7,7 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    FLOAT_DTYPES, check_scale, check_tensor, contiguous_reads, float64_fp32, gate_params_fp32, resolve_state_layout,
+    FLOAT_DTYPES, READ_AS_FP32, check_scale, check_tensor, contiguous_reads, gate_params_fp32, resolve_state_layout,
     state_fp32, take_extra_kwargs,
 )  # fmt: skip
 from cula.gated_delta_rule.backends import fused_recurrent_gdn_registry
@@ -56,7 +56,7 @@ def fused_recurrent_gated_delta_rule(
         ``(o [B, T, HV, V] in v.dtype (as FLA's, which allocates it like v), final_state fp32 or None)``.
     """
     # bf16 / fp16 / float64 parameters as FLA's kernel takes them
-    A_log, dt_bias = gate_params_fp32(float64_fp32(A_log), float64_fp32(dt_bias))
+    A_log, dt_bias = gate_params_fp32(A_log, dt_bias, READ_AS_FP32)
     initial_state = state_fp32(initial_state)
     if is_compiling() and _custom_ops.routes():  # torch.compile traces the cula::fused_recurrent_gated_delta_rule op
         return _custom_ops.fused_recurrent_gated_delta_rule(

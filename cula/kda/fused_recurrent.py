@@ -9,7 +9,7 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    INDEX_DTYPES, INPLACE_STATE_DTYPES, check_pool_rows, check_scale, check_tensor, contiguous_reads, float64_fp32,
+    INDEX_DTYPES, INPLACE_STATE_DTYPES, READ_AS_FP32, check_pool_rows, check_scale, check_tensor, contiguous_reads,
     gate_params_fp32, resolve_state_layout, state_fp32, take_extra_kwargs,
 )  # fmt: skip
 from cula.backends import DerivedTensors, PlanCache, call_signature, capturing
@@ -35,7 +35,7 @@ def _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound):
     softplus gate without ``A_log`` FLA's recurrent kernel's reading of it, a log coefficient of 1 a head (the gate
     ``-e softplus(g + dt_bias)``; FLA's chunk form refuses that call, and so does :func:`cula.kda.chunk_kda`). Float64
     ones too, as FLA's recurrent kernel reads them (FLA's KDA tests make a float64 gold call)."""
-    A_log, dt_bias = gate_params_fp32(float64_fp32(A_log), float64_fp32(dt_bias))
+    A_log, dt_bias = gate_params_fp32(A_log, dt_bias, READ_AS_FP32)
     if use_gate_in_kernel and A_log is None and lower_bound is None and isinstance(v, torch.Tensor) and v.dim() == 4:
         HV, device = v.shape[2], v.device
         A_log = _UNIT_LOG_COEFFICIENTS.get(
