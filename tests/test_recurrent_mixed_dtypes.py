@@ -21,11 +21,7 @@ float64. cula's ``fused_recurrent_kda`` / ``fused_recurrent_kda_fwd``, ``fused_r
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -37,8 +33,8 @@ from cula.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd
 from cula.lightning import fused_recurrent_lightning_attn
 from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 from cula.testing import make_cu_seqlens
+from fla_interpreter import fla_interpreter_results
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H, HV, D = 1, 2, 16
 LENS = [5, 0, 9]  # packed sequences, an empty one among them
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -349,14 +345,7 @@ def test_flas_kernels_under_the_interpreter_agree():
     interpreter truncates an fp32 -> 16-bit store where the GPU rounds to nearest even), fp32 / float64 outputs and
     the final states within fp32 rounding (the two sum in different orders)."""
     pytest.importorskip("fla")
-    env = dict(os.environ, TRITON_INTERPRET="1", FLA_CULA="0", FLA_FLASH_KDA="0", CULA_BACKEND="reference",
-               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
-    script = "import json, test_recurrent_mixed_dtypes as t; print('@@' + json.dumps(t._compare_with_fla()))"
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900, check=False)  # fmt: skip
-    line = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
-    assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-3000:]
-    results = json.loads(line[0][2:])
+    results = fla_interpreter_results("test_recurrent_mixed_dtypes")
     assert len(results) == 4 * len(SCHEMES) * 2
     # relative to each value (at least 1e-2): a unit in the last place of a 16-bit output, fp32 rounding otherwise
     ulp = {"torch.float32": 1e-4, "torch.float64": 1e-4, "torch.bfloat16": 2.0**-7, "torch.float16": 2.0**-10}

@@ -10,19 +10,15 @@ nearest even): the same rows, within a unit in the last place of the pool's dtyp
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from cula.backends import clear_plan_caches
 from cula.kda import fused_recurrent_kda, fused_recurrent_kda_fwd, kda_decode
+from fla_interpreter import fla_interpreter_results
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H, HV, D, P = 1, 2, 16, 7
 HALF = (torch.bfloat16, torch.float16)
 GATE = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
@@ -279,14 +275,7 @@ def test_flas_kernel_under_the_interpreter_agrees():
     the rows no sequence writes untouched, ``final_state`` the pool itself in place and an fp32 tensor of its own out
     of place, for both."""
     pytest.importorskip("fla")
-    env = dict(os.environ, TRITON_INTERPRET="1", FLA_CULA="0", FLA_FLASH_KDA="0", CULA_BACKEND="reference",
-               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
-    script = "import json, test_state_pool_dtypes as t; print('@@' + json.dumps(t._compare_with_fla()))"
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900, check=False)  # fmt: skip
-    line = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
-    assert proc.returncode == 0 and line, (proc.stdout + proc.stderr)[-3000:]
-    results = json.loads(line[0][2:])
+    results = fla_interpreter_results("test_state_pool_dtypes")
     assert len(results) == 3 * len(CASES)
     ulp = {"torch.float32": 1e-5, "torch.bfloat16": 2.0**-7, "torch.float16": 2.0**-10}
     for key, r in results.items():
