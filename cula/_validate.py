@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -121,6 +121,18 @@ def contiguous_reads(*tensors: Any) -> tuple:
             out = out or list(tensors)
             out[i] = t.clone(memory_format=torch.contiguous_format)
     return tensors if out is None else tuple(out)
+
+
+def copying_reads(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """``launch``, a plan made from the row-major copies ``contiguous_reads`` gave validation, behind the same copies
+    at each call. Every argument goes through them: the plan's key holds the strides, so the calls that reach it are
+    laid out as the first, whose written tensors (a pool, ``out``) validation refused if strided in their last
+    dimension; only the read ones are copied."""
+
+    def run(*args, **kwargs):
+        return launch(*contiguous_reads(*args), **dict(zip(kwargs, contiguous_reads(*kwargs.values()))))
+
+    return run
 
 
 def check_scale(scale: Any, head_dim: int) -> float:

@@ -15,7 +15,7 @@ from cula._validate import (
     check_scale,
     check_state,
     check_tensor,
-    contiguous_reads,
+    copying_reads,
 )
 
 
@@ -90,15 +90,8 @@ def dispatch_kda_call(registry, plans, key: tuple | None, call: dict[str, Any], 
     def plan():
         args = checked(dict(call))
         launch = registry.plan(args["q"].device, args)
-        copied = [n for n, t in call.items() if isinstance(t, torch.Tensor) and args[n] is not t]
-        if not copied:
-            return launch
-
-        def copying(**c):  # the plan of the row-major copies validation made: each call copies its inputs alike
-            c.update(zip(copied, contiguous_reads(*(c[n] for n in copied))))
-            return launch(**c)
-
-        return copying
+        copied = any(isinstance(t, torch.Tensor) and args[n] is not t for n, t in call.items())
+        return copying_reads(launch) if copied else launch
 
     launch = plans.lookup(key, plan)
     call["scale"] = check_scale(call["scale"], call["q"].shape[-1])

@@ -11,6 +11,7 @@ from cula._validate import (
     check_lower_bound,
     check_scale,
     contiguous_reads,
+    copying_reads,
     gate_kwargs_fp32,
     is_row_major,
     resolve_state_layout,
@@ -221,11 +222,7 @@ def _plan(call: dict, positional: tuple[str, ...]) -> tuple:
     args = _checked(call)
     launch = chunk_kda_registry.plan(args["q"].device, args, positional=positional)
     if any(isinstance(t, torch.Tensor) and args[n] is not t for n, t in zip(positional, given)):
-        planned = launch  # the plan of the row-major copies validation made: each call copies its tensors alike
-
-        def launch(*values):
-            return planned(*contiguous_reads(*values))
-
+        launch = copying_reads(launch)
     return launch, args["scale"]
 
 

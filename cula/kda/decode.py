@@ -16,6 +16,7 @@ from cula._validate import (
     check_state_pool,
     check_tensor,
     contiguous_reads,
+    copying_reads,
     dense,
     is_dense,
     pool_layout_verdict,
@@ -218,20 +219,11 @@ def _plan(
     """Validate a call with a new signature in full and choose its launch (raises on bad input)."""
     given = (q, k, v, g, beta, state_indices, A_log, dt_bias)
     rows = contiguous_reads(*given)
+    # an input strided in its last dimension: planned as its row-major copy
     if any(r is not t for r, t in zip(rows, given)):
-        # an input strided in its last dimension: validated and planned as its row-major copy, which this launch makes
-        # at each call (the plan keys hold strides: no row-major call gets it)
-        planned = _plan(*rows[:5], state_pool, *rows[5:], scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, out, step_states)
-
-        def copying(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, *rest):
-            # (not the tensors the call writes: the pool and outputs)
-            q, k, v, g, beta, state_indices, A_log, dt_bias = contiguous_reads(
-                q, k, v, g, beta, state_indices, A_log, dt_bias
-            )
-            planned(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, *rest)
-
-        return copying
+        return copying_reads(_plan(*rows[:5], state_pool, *rows[5:], scale, use_qk_l2norm_in_kernel,
+                                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+                                   state_v_first, out, step_states))  # fmt: skip
     N, T, _H, K, HV, V = check_qkv(q, k, v)
     check_decode_tokens("kda_decode", T)
     dev = q.device

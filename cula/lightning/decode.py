@@ -14,6 +14,7 @@ from cula._validate import (
     check_state_pool,
     check_tensor,
     contiguous_reads,
+    copying_reads,
     dense,
     is_dense,
     pool_layout_verdict,
@@ -168,17 +169,9 @@ def _plan(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
     """Validate a call with a new signature in full and choose its launch (raises on bad input)."""
     given = (q, k, v, decay, state_indices)
     rows = contiguous_reads(*given)
+    # an input strided in its last dimension: planned as its row-major copy
     if any(r is not t for r, t in zip(rows, given)):
-        # an input strided in its last dimension: validated and planned as its row-major copy, which this launch makes
-        # at each call (the plan keys hold strides: no row-major call gets it)
-        planned = _plan(*rows[:4], state_pool, rows[4], scale, state_v_first, out)
-
-        def copying(q, k, v, decay, state_pool, state_indices, scale, out):
-            # (not the tensors the call writes: the pool and out)
-            q, k, v, decay, state_indices = contiguous_reads(q, k, v, decay, state_indices)
-            planned(q, k, v, decay, state_pool, state_indices, scale, out)
-
-        return copying
+        return copying_reads(_plan(*rows[:4], state_pool, rows[4], scale, state_v_first, out))
     N, T, _H, K, HV, V = check_qkv(q, k, v)
     check_decode_tokens("lightning_decode", T)
     dev = q.device
