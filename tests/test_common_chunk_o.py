@@ -78,8 +78,30 @@ def test_takes_fla_chunk_list_and_refuses_mismatched_states():
     listed = chunk_bwd_dqkwg(**case, chunk_indices=prepare_chunk_indices(case["cu_seqlens"], 64))
     for a, b in zip(listed, chunk_bwd_dqkwg(**case)):
         assert torch.equal(a, b)
-    case["h"] = case["h"][:, :-1]
+    case["h"], case["dh"] = case["h"][:, :-1], case["dh"][:, :-1]
     with pytest.raises(ValueError, match="chunk states"):
+        chunk_bwd_dqkwg(**case)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda c: c.update(dh=c["dh"][:, :-1]), ValueError, "`dh` must have shape"),
+        (lambda c: c.update(h=c["h"].transpose(-1, -2)[..., :8, :]), ValueError, "`h` must have shape"),
+        (lambda c: c.update(do=c["do"][..., :8]), ValueError, "`do` must have shape"),
+        (lambda c: c.update(g=c["g"][..., :1]), ValueError, "`g` must have shape"),
+        (lambda c: c.update(dv=None), ValueError, "`w` needs `dv`"),
+        (lambda c: c.update(dv=c["dv"].int()), TypeError, "`dv` must have dtype"),
+        (lambda c: c.update(k=c["k"][..., :8]), ValueError, "`k` must have shape"),
+        (lambda c: c.update(cu_seqlens=c["cu_seqlens"].float()), TypeError, "`cu_seqlens` must have dtype"),
+        (lambda c: c.update(chunk_size=0), ValueError, "`chunk_size`"),
+        (lambda c: c.update(scale=float("nan")), ValueError, "`scale` must be finite"),
+    ],
+)
+def test_refuses_bad_arguments_by_name(change, error, match):
+    case = _case("gated-packed-empty-len1")
+    change(case)
+    with pytest.raises(error, match=match):
         chunk_bwd_dqkwg(**case)
 
 

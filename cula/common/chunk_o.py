@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from cula._validate import INDEX_DTYPES, check_qkv, check_scale, check_tensor
+
 __all__ = ["chunk_bwd_dqkwg"]
 
 # (chunk, value head) pairs a slice works on: its fp32 temporaries are a few [pairs, BT, 128] and
@@ -67,13 +69,9 @@ def chunk_bwd_dqkwg(
         dq, dk ``[B, T, H, K]`` in q's / k's dtype (a GVA group's value heads summed); dw ``[B, T, HV, K]`` or
         None; dg ``[B, T, HV]`` fp32 (per token, before FLA's reverse cumsum) or None without ``g``.
     """
-    B, T, H, K = k.shape
-    HV = v.shape[2]
-    if HV % H:
-        raise ValueError(f"the value heads (HV={HV}) must be a multiple of the q/k heads (H={H})")
-    if dv is None and w is not None:
-        raise ValueError("`w` needs `dv` (dw = -dv h^T)")
-    scale = K**-0.5 if scale is None else float(scale)
+    B, T, H, K, HV, V = _check_args(q, k, v, do, h, dh, w, g, g_gamma, dv, state_v_first, cu_seqlens, chunk_size,
+                                    chunk_indices)
+    scale = check_scale(scale, K)
     dev, BT, group = q.device, chunk_size, HV // H
     pos, valid, last = _chunk_rows(B, T, BT, cu_seqlens, chunk_indices, dev)
     states = h.reshape(-1, HV, *h.shape[-2:])
@@ -143,6 +141,44 @@ def chunk_bwd_dqkwg(
         dq.to(q.dtype), dk.to(k.dtype), None if dw is None else dw.view(B, T, HV, K),
         None if dg is None else dg.view(B, T, HV),
     )  # fmt: skip
+
+
+def _check_args(q, k, v, do, h, dh, w, g, g_gamma, dv, state_v_first, cu_seqlens, chunk_size, chunk_indices):
+    """Shapes, dtypes and devices of the arguments, named, before any work (FLA's kernel trusts its callers; this
+    stage is also public). Boundary values are FLA's chunk list's to be right: reading them would cost a host
+    sync a call."""
+    B, T, H, K, HV, V = check_qkv(q, k, v, head_limit=None, mixed=True)
+    dev = q.device
+    check_tensor("do", do, shape=(B, T, HV, V), device=dev)
+    if w is not None:
+        if dv is None:
+            raise ValueError("`w` needs `dv` (dw = -dv h^T)")
+        check_tensor("w", w, shape=(B, T, HV, K), device=dev)
+    if dv is not None:
+        check_tensor("dv", dv, shape=(B, T, HV, V), device=dev)
+    if g is not None:
+        check_tensor("g", g, shape=(B, T, HV), device=dev)
+    if g_gamma is not None:
+        check_tensor("g_gamma", g_gamma, shape=(HV,))
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
+    box = (V, K) if state_v_first else (K, V)
+    check_tensor("h", h, ndim=5, device=dev, contiguous_last=False)
+    if tuple(h.shape[2:]) != (HV, *box) or (cu_seqlens is None and h.shape[0] != B):
+        layout = "[B, NT, HV, V, K] (state_v_first=True)" if state_v_first else "[B, NT, HV, K, V]"
+        raise ValueError(f"`h` must have shape {layout} with B={B}, HV={HV}, K={K}, V={V}, got {list(h.shape)}")
+    check_tensor("dh", dh, shape=tuple(h.shape), device=dev, contiguous_last=False)
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+        if B != 1:
+            raise ValueError(f"packed sequences (`cu_seqlens`) need B = 1, got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"`cu_seqlens` needs at least 2 entries ([0, T]), got {cu_seqlens.numel()}")
+    if chunk_indices is not None:
+        if cu_seqlens is None:
+            raise ValueError("`chunk_indices` was given without `cu_seqlens`")
+        check_tensor("chunk_indices", chunk_indices, shape=(None, 2), dtypes=INDEX_DTYPES, contiguous_last=False)
+    return B, T, H, K, HV, V
 
 
 def _chunk_rows(B, T, BT, cu_seqlens, chunk_indices, dev):
