@@ -116,7 +116,8 @@ def contiguous_reads(*tensors: Any) -> tuple:
     out = None  # (paths validated every call run this: is_contiguous() first, one C call a tensor, and no list
     # made unless something is copied)
     for i, t in enumerate(tensors):
-        if (isinstance(t, torch.Tensor) and not t.is_contiguous() and t.dim() and t.shape[-1] > 1
+        # (an empty tensor is contiguous to torch whatever its strides, but not to check_tensor: copied too)
+        if (isinstance(t, torch.Tensor) and (not t.is_contiguous() or not t.numel()) and t.dim() and t.shape[-1] > 1
                 and t.stride(-1) != 1):  # fmt: skip
             out = out or list(tensors)
             out[i] = t.clone(memory_format=torch.contiguous_format)
