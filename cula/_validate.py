@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from cula.backends import DerivedTensors, capturing
+from cula.backends import capturing
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -303,10 +303,9 @@ def gate_params_fp32(A_log, dt_bias, cast: tuple[torch.dtype, ...] = _HALF_FLOAT
     forms' also float64, ``READ_AS_FP32``) or with more dimensions (anything else as given, for validation to
     judge). FLA's kernels read both as fp32 whatever their dtype, and FLA's layers
     hand their parameters straight in, bf16 once a model is cast to it; they index both as flat vectors, so any
-    shape of the right size passes there (FLA's own tests make A_log ``[1, 1, H, 1]``). A parameter autograd tracks
-    gets a differentiable cast and view each call (its gradient comes back in its own shape and dtype); any other
-    its flat fp32 copy once (``cula.backends.DerivedTensors``: a repeated call then launches no cast, and the copy
-    keeps the identity the plans' derived tensors are keyed on)."""
+    shape of the right size passes there (FLA's own tests make A_log ``[1, 1, H, 1]``). The cast and view are made
+    at each call (differentiable where autograd tracks the parameter: its gradient comes back in its own shape and
+    dtype), never cached: a weight update written through ``param.data`` leaves no trace a cache could check."""
     if isinstance(A_log, torch.Tensor) and (A_log.dtype in cast or A_log.dim() != 1):
         A_log = _flat_fp32(A_log, cast)
     if isinstance(dt_bias, torch.Tensor) and (dt_bias.dtype in cast or dt_bias.dim() != 1):
@@ -315,19 +314,8 @@ def gate_params_fp32(A_log, dt_bias, cast: tuple[torch.dtype, ...] = _HALF_FLOAT
 
 
 def _flat_fp32(t: torch.Tensor, cast: tuple[torch.dtype, ...]) -> torch.Tensor:
-    def make():  # (a dtype outside ``cast`` kept: validation names it)
-        return (t.float() if t.dtype in cast else t).reshape(-1)
-
-    # (a cast Dynamo can trace where torch.compile does: the cache's identity lookups would break the graph)
-    if (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return make()
-    # made outside inference mode: a copy made under it would be an inference tensor, which a later training call
-    # could not save for its backward
-    with torch.inference_mode(False):
-        return _FP32_COPIES.get(t, t.device, ("flat_fp32", cast), make)
-
-
-_FP32_COPIES = DerivedTensors()  # the flat fp32 copies of gate parameters
+    # (a dtype outside ``cast`` kept: validation names it)
+    return (t.float() if t.dtype in cast else t).reshape(-1)
 
 
 def state_fp32(state):

@@ -436,37 +436,30 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-class DerivedTensors:
-    """Small tensors computed from a parameter tensor (a decay's negation, a split's combine weights), made once per
-    (parameter, tag) while the parameter is the same, unmodified tensor: a repeated call launches nothing for them.
-
-    An entry holds its parameter, so the object (and its address) cannot be reused by another tensor while cached;
-    an in-place change bumps the parameter's ``_version`` and remakes the entry. An inference tensor (made under
-    ``torch.inference_mode``) keeps no version counter: changed in place, its entry is not remade, so such a
-    parameter must be replaced by a new tensor instead (USAGE.md says so). While a CUDA graph is captured the
-    tensors are made inside the capture and never cached: the graph owns them and recomputes them at each replay,
-    so no later eviction can free memory a graph reads. ``maxsize`` covers a model's layers (one parameter each)
-    times a few call layouts."""
+class ConstantTensors:
+    """Small tensors that depend on nothing but a device and a tag (identity slots, a row of ones, a time split's
+    combine weights without a decay), made once: a repeated call launches nothing for them. Never a value computed
+    from a caller's tensor: a write through ``param.data`` changes a parameter without bumping its version counter,
+    so no cache keyed on the tensor can see it (model loaders and RL weight syncs write so), and such values are made
+    at each call. While a CUDA graph is captured the tensors are made inside the capture and never cached: the graph
+    owns them, so no later eviction can free memory a graph reads."""
 
     def __init__(self, maxsize: int = 512):
         self.maxsize = maxsize
-        self._entries: dict[tuple, tuple[torch.Tensor | None, int, Any]] = {}
+        self._entries: dict[tuple, Any] = {}
 
-    def get(self, param: torch.Tensor | None, device: torch.device, tag: tuple, make: Callable[[], Any]) -> Any:
-        """``make()``'s value for (``param``, ``device``, ``tag``); ``param`` None is a parameter too (the value
-        then depends on the tag and device alone)."""
+    def get(self, device: torch.device, tag: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``'s value for (``device``, ``tag``)."""
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return make()
-        key = (None if param is None else id(param), device, tag)
-        # inference tensors keep no version counter (and cannot change outside inference mode): identity alone
-        version = -1 if param is None or param.is_inference() else param._version
+        key = (device, tag)
         hit = self._entries.get(key)
-        if hit is not None and hit[0] is param and hit[1] == version:
-            return hit[2]
+        if hit is not None:
+            return hit
         value = make()
         if len(self._entries) >= self.maxsize:
             del self._entries[next(iter(self._entries))]
-        self._entries[key] = (param, version, value)
+        self._entries[key] = value
         return value
 
     def clear(self) -> None:

@@ -59,30 +59,57 @@ def counted(monkeypatch):
     return count
 
 
-def test_derived_tensors_follow_their_parameter():
-    """``cula.backends.DerivedTensors``: one value per (parameter, device, tag) while the parameter is the same,
-    unmodified tensor; an in-place change or another tensor remakes it; inference tensors (no version counter) by
-    identity; a full cache drops its oldest entry."""
-    from cula.backends import DerivedTensors
+def test_constant_tensors_are_made_once_per_device_and_tag():
+    """``cula.backends.ConstantTensors``: one value per (device, tag); a full cache drops its oldest entry."""
+    from cula.backends import ConstantTensors
 
     made = []
-    cache = DerivedTensors(maxsize=2)
+    cache = ConstantTensors(maxsize=2)
     cpu = torch.device("cpu")
 
-    def get(p, tag=("t",)):
-        return cache.get(p, cpu, tag, lambda: made.append(1) or (-p if p is not None else torch.zeros(1)))
+    def get(tag):
+        return cache.get(cpu, tag, lambda: made.append(1) or torch.zeros(1))
 
-    a = torch.ones(3)
-    assert get(a) is get(a) and len(made) == 1
-    a.mul_(2)
-    assert torch.equal(get(a), -a) and len(made) == 2
-    assert get(None) is get(None) and len(made) == 3
-    with torch.inference_mode():
-        b = torch.ones(3)
-        assert get(b) is get(b)
-    assert get(b) is get(b) and len(made) == 4
-    get(a)  # evicted by the two newer entries
-    assert len(made) == 5
+    assert get(("a",)) is get(("a",)) and len(made) == 1
+    get(("b",)), get(("c",))
+    get(("a",))  # evicted by the two newer entries
+    assert len(made) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gate_parameters_written_through_data_are_read_anew(dtype):
+    """A bf16 / fp16 A_log or dt_bias (cast to fp32) or one of another shape (read flat) is read from its current
+    values at every call: ``param.data.copy_`` (weight loaders, RL weight syncs) bumps no version counter, and
+    ``param.data = new`` keeps the object, so a cache keyed on either would keep the old values."""
+    import cula.gated_delta_rule as cg
+    import cula.kda as ck
+
+    torch.manual_seed(0)
+    B, T, H, K = 1, 20, 2, 16
+    q, k, v = (torch.randn(B, T, H, K) for _ in range(3))
+    g, beta = torch.randn(B, T, H, K), torch.rand(B, T, H)
+    A_log = torch.nn.Parameter(torch.randn(1, 1, H, 1).to(dtype))
+    dt_bias = torch.nn.Parameter(torch.randn(H * K).to(dtype))
+    calls = {
+        "chunk_kda": lambda a, d: ck.chunk_kda(q, k, v, g, beta, A_log=a, dt_bias=d, use_gate_in_kernel=True)[0],
+        "fused_recurrent_kda": lambda a, d: ck.fused_recurrent_kda(
+            q, k, v, g, beta, A_log=a, dt_bias=d, use_gate_in_kernel=True
+        )[0],
+        "chunk_gated_delta_rule": lambda a, d: cg.chunk_gated_delta_rule(
+            q, k, v, g[..., 0], beta, use_gate_in_kernel=True, A_log=a, dt_bias=d[:H]
+        )[0],
+    }  # fmt: skip
+    with torch.no_grad():
+        for name, call in calls.items():
+            first = call(A_log, dt_bias)
+            A_log.data.copy_(A_log.data * 0.5 - 1)
+            dt_bias.data.copy_(dt_bias.data + 1)
+            second = call(A_log, dt_bias)
+            assert not torch.equal(first, second), name
+            assert torch.equal(second, call(A_log.clone(), dt_bias.clone())), name  # tensors never seen before
+            A_log.data = A_log.data + 1
+            third = call(A_log, dt_bias)
+            assert torch.equal(third, call(A_log.clone(), dt_bias.clone())), name
 
 
 def test_public_args_are_the_signature():

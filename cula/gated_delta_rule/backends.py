@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from cula._validate import check_scale
-from cula.backends import DerivedTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.backends import ConstantTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 from cula.kda.plan import gate_over_k
 from cula.ops._host import sequences_verdict
 
@@ -198,7 +198,7 @@ def _cula_recurrent_supports(q, k, v, g, gk, gv, beta, initial_state, state_v_fi
     return pool_layout_verdict(initial_state, q.shape[-1], v.shape[-1], state_v_first)
 
 
-_SLOTS = DerivedTensors()
+_SLOTS = ConstantTensors()
 
 
 @fused_recurrent_gdn_registry.register(
@@ -216,7 +216,7 @@ def _recurrent_cula_sm90(
     N, T = q.shape[:2]
     steps = torch.empty((N, T) + tuple(initial_state.shape[1:]), dtype=torch.float32, device=q.device)
     # sequence n's state is initial_state[n]: the identity slots, made once per N and device (an arange kernel a call)
-    slots = _SLOTS.get(None, q.device, ("slots", N), lambda: torch.arange(N, dtype=torch.int32, device=q.device))
+    slots = _SLOTS.get(q.device, ("slots", N), lambda: torch.arange(N, dtype=torch.int32, device=q.device))
     o = kda_decode(
         q, k, v, g, torch.ones(N, T, v.shape[2], device=q.device) if beta is None else beta,
         initial_state, slots, A_log=A_log, dt_bias=dt_bias, scale=scale,

@@ -12,7 +12,7 @@ from cula._validate import (
     INDEX_DTYPES, INPLACE_STATE_DTYPES, READ_AS_FP32, check_pool_rows, check_scale, check_tensor, contiguous_reads,
     gate_params_fp32, resolve_state_layout, state_fp32, take_extra_kwargs,
 )  # fmt: skip
-from cula.backends import DerivedTensors, PlanCache, call_signature, capturing
+from cula.backends import ConstantTensors, PlanCache, call_signature, capturing
 from cula.kda._args import check_kda_inputs, dispatch_kda_call
 from cula.kda.backends import fused_recurrent_kda_registry
 
@@ -39,12 +39,12 @@ def _gate_params(A_log, dt_bias, v, use_gate_in_kernel, lower_bound):
     if use_gate_in_kernel and A_log is None and lower_bound is None and isinstance(v, torch.Tensor) and v.dim() == 4:
         HV, device = v.shape[2], v.device
         A_log = _UNIT_LOG_COEFFICIENTS.get(
-            None, device, ("ones", HV), lambda: torch.ones(HV, dtype=torch.float32, device=device)
+            device, ("ones", HV), lambda: torch.ones(HV, dtype=torch.float32, device=device)
         )
     return A_log, dt_bias
 
 
-_UNIT_LOG_COEFFICIENTS = DerivedTensors()  # one fp32 [HV] of ones a head count and device (a call allocates none)
+_UNIT_LOG_COEFFICIENTS = ConstantTensors()  # one fp32 [HV] of ones a head count and device (a call allocates none)
 
 
 def fused_recurrent_kda(

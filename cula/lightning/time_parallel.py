@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from cula.backends import DerivedTensors
+from cula.backends import ConstantTensors
 from cula.time_split import (  # noqa: F401  (the split's planning, shared with KDA; re-exported for callers)
     SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, split_plan,
 )
@@ -70,8 +70,9 @@ def _combine_layout(plan: SplitPlan) -> _Combine:
     )  # fmt: skip
 
 
-# the combine's weights by (decay tensor, plan, device): a repeated call computes none of them
-_WEIGHTS = DerivedTensors()
+# the combine's weights without a decay by (plan, device): a repeated call computes none of them (with g_gamma they
+# are made at each call, from its current values)
+_WEIGHTS = ConstantTensors()
 
 
 def _weights(layout: _Combine, g_gamma: torch.Tensor | None, HV: int, dtype: torch.dtype, dev: torch.device
@@ -104,8 +105,10 @@ def _starts(layout: _Combine, E: torch.Tensor, h0: torch.Tensor | None, g_gamma:
     """Every segment's true start ``[M, HV, K, V]`` from the zero-start ends ``E`` and the initial states."""
     dev, HV = E.device, E.shape[1]
     cd = torch.promote_types(E.dtype, torch.float32)
-    we, wh = _WEIGHTS.get(g_gamma, dev, ("lightning_starts", plan, HV, cd),
-                          lambda: _weights(layout, g_gamma, HV, cd, dev))  # fmt: skip
+    if g_gamma is None:
+        we, wh = _WEIGHTS.get(dev, ("lightning_starts", plan, HV, cd), lambda: _weights(layout, None, HV, cd, dev))
+    else:
+        we, wh = _weights(layout, g_gamma, HV, cd, dev)
     E = E.to(cd)
     h0 = None if h0 is None else h0.to(cd)
     if layout.segs is None:  # every sequence cut: rows and columns are all segments

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from cula._validate import dense
-from cula.backends import DerivedTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.backends import ConstantTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 from cula.ops._host import sequences_verdict
 
 chunk_simple_gla_registry = Registry("simple_gla.chunk_simple_gla")
@@ -34,12 +34,14 @@ def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, cu_seqlens=None, **
     return sequences_verdict(q.shape[0], cu_seqlens)
 
 
-# the kernel's decay (-g_gamma in fp32) by g_gamma tensor: a repeated call launches nothing for it
-_DECAYS = DerivedTensors()
+# the kernel's decay without g_gamma (zeros) a head count and device; with g_gamma it is made at each call
+_NO_DECAYS = ConstantTensors()
 
 
 def _decay(g_gamma: torch.Tensor | None, HV: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(HV, device=device) if g_gamma is None else (-g_gamma.detach()).float().contiguous()
+    if g_gamma is None:
+        return _NO_DECAYS.get(device, ("no_decay", HV), lambda: torch.zeros(HV, device=device))
+    return (-g_gamma.detach()).float().contiguous()
 
 
 def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
@@ -49,7 +51,7 @@ def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_stat
 
     B, T, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    decay = _DECAYS.get(g_gamma, v.device, ("lightning_decay", HV), lambda: _decay(g_gamma, HV, v.device))
+    decay = _decay(g_gamma, HV, v.device)
     o = None if q is None else torch.empty_like(v, memory_format=torch.contiguous_format)  # row-major
     final = torch.empty(N, HV, V, V, device=v.device, dtype=torch.float32) if output_final_state else None
     if T == 0:  # nothing to read (the kernel is not launched on empty tensors); the state passes through
