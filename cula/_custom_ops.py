@@ -443,7 +443,7 @@ def _fused_recurrent_kda_pool_op(
 
 @_fused_recurrent_kda_pool_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, out, *_):
-    _check_tokens(q, k, v, mixed=True)
+    _check_tokens(q, k, v, None, mixed=True)
     return _empty(q) if out is not None else v.new_empty(v.shape)  # o in v's dtype, as FLA's
 
 
@@ -834,7 +834,7 @@ _fused_recurrent_gdn_op = _recomputed_op(
     "Tensor? initial_state, Tensor? cu_seqlens, float? scale, bool output_final_state, bool use_qk_l2norm_in_kernel, "
     "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, bool state_v_first",
     ("q", "k", "v", "g", "gk", "gv", "beta", "A_log", "dt_bias", "initial_state"),
-    recurrent=True, o_like="v",
+    recurrent=True, o_like="v", head_limit=None,
 )
 _fused_recurrent_kda_op = _recomputed_op(
     "fused_recurrent_kda",
@@ -842,7 +842,7 @@ _fused_recurrent_kda_op = _recomputed_op(
     "Tensor? cu_seqlens, float? scale, bool output_final_state, bool state_v_first, bool use_qk_l2norm_in_kernel, "
     "bool use_gate_in_kernel, bool use_beta_sigmoid_in_kernel, bool allow_neg_eigval, float? lower_bound",
     ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"),
-    recurrent=True, o_like="v",
+    recurrent=True, o_like="v", head_limit=None,
 )
 _fused_recurrent_simple_gla_op = _recomputed_op(
     "fused_recurrent_simple_gla",

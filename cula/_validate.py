@@ -240,8 +240,9 @@ def check_head_dim(name: str, size: int, limit: int | None = 256, arg: str = "q"
 
 
 def check_qkv(q, k, v, head_limit: int | None = 256, mixed: bool = False) -> tuple[int, int, int, int, int, int]:
-    """q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` of one dtype and device, head sizes up to ``head_limit`` (FLA's
-    delta-rule kernels' 256; None: any); return (B, T, H, K, HV, V). ``mixed``: each of q, k, v any float dtype,
+    """q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` of one dtype and device, the key head size up to ``head_limit``
+    (FLA's chunked delta-rule kernels assert K <= 256; None: any, as its recurrent kernels), any value head size (FLA
+    blocks V; its default Gated DeltaNet layer has K = 256, V = 512); return (B, T, H, K, HV, V). ``mixed``: each of q, k, v any float dtype,
     float64 included (``MIXED_QKV_DTYPES``), as FLA 0.6.0's recurrent kernels take them (each read as fp32)."""
     dtypes = MIXED_QKV_DTYPES if mixed else QKV_DTYPES
     check_tensor("q", q, ndim=4, dtypes=dtypes)
@@ -252,7 +253,7 @@ def check_qkv(q, k, v, head_limit: int | None = 256, mixed: bool = False) -> tup
         raise ValueError(f"`v` must have shape [B, T, HV, V] with B={B}, T={T}, got {list(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
     check_head_dim("K", K, limit=head_limit)
-    check_head_dim("V", V, limit=head_limit, arg="v")
+    check_head_dim("V", V, limit=None, arg="v")
     if H == 0 or HV % H != 0:
         raise ValueError(f"GVA needs the value heads of `v` (HV={HV}) to be a multiple of the q/k heads (H={H})")
     return B, T, H, K, HV, V

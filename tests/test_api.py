@@ -647,3 +647,24 @@ def test_cula_kernel_verifiers_decline_what_the_kernels_do_not_take(monkeypatch)
     assert lightning_supports(**base) == (True, None)
     assert "data-dependent" in lightning_supports(**dict(base, g=torch.zeros(1, 4, 2)))[1]
     assert "dtype" in lightning_supports(**dict(base, q=q.float(), k=q.float(), v=q.float()))[1]
+
+
+@pytest.mark.parametrize("K, V", [(256, 512), (64, 1024), (300, 300)], ids=["fla-gdn-layer", "wide-v", "k-300"])
+def test_head_sizes_fla_takes(K, V):
+    """FLA's chunked delta-rule kernels assert K <= 256 and block any V (its default GatedDeltaNet layer has K = 256,
+    V = 512); its recurrent kernels take any K. The chunked and recurrent forms agree where both run."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, 9, 1, K) for _ in range(2))
+    v, beta = torch.randn(1, 9, 1, V), torch.rand(1, 9, 1)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 9, 1, K))
+    for chunk, recurrent, gate in ((ck.chunk_kda, ck.fused_recurrent_kda, g),
+                                   (cg.chunk_gated_delta_rule, cg.fused_recurrent_gated_delta_rule, g[..., 0])):  # fmt: skip
+        o, ht = recurrent(q, k, v, gate, beta=beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
+        assert o.shape == v.shape and ht.shape == (1, 1, K, V)
+        if K > 256:
+            with pytest.raises(ValueError, match="K=300"):
+                chunk(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True)
+            continue
+        oc, htc = chunk(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
+        assert_close("o", o, oc, 1e-5)
+        assert_close("ht", ht, htc, 1e-5)

@@ -37,7 +37,8 @@ def check_gdn_inputs(q, k, v, g, beta, *, initial_state, state_v_first, cu_seqle
     """Shapes of the scalar-gate delta rule: g ``[B, T, HV]`` (or None), beta ``[B, T, HV]`` (or None; also
     ``[B, T, HV, V]`` with ``beta_per_value``, as FLA's recurrent form takes it); ``mixed_qkv``: q, k, v of any float
     dtypes (the recurrent form: ``check_qkv``'s ``mixed``)."""
-    B, T, H, K, HV, V = check_qkv(q, k, v, mixed=mixed_qkv)
+    # (the recurrent form, mixed_qkv, takes any K as FLA's recurrent kernel does; its chunk form asserts K <= 256)
+    B, T, H, K, HV, V = check_qkv(q, k, v, head_limit=None if mixed_qkv else 256, mixed=mixed_qkv)
     device = q.device
     if g is not None:
         check_tensor("g", g, shape=(B, T, HV), dtypes=FLOAT_DTYPES, device=device)

@@ -45,7 +45,8 @@ def check_kda_inputs(
     ``partial_cu_seqlens``: the packed sequences may end before the last token (FLA's graph mode). ``state_dtypes``:
     the dtypes ``initial_state`` may have (fp32; the recurrent form's in-place state also bf16 / fp16).
     ``mixed_qkv``: q, k, v of any float dtypes (the recurrent forms: ``check_qkv``'s ``mixed``)."""
-    B, T, H, K, HV, V = check_qkv(q, k, v, mixed=mixed_qkv)
+    # (the recurrent forms, mixed_qkv, take any K as FLA's recurrent kernel does; its chunk form asserts K <= 256)
+    B, T, H, K, HV, V = check_qkv(q, k, v, head_limit=None if mixed_qkv else 256, mixed=mixed_qkv)
     device = q.device
     check_tensor("g", g, shape=(B, T, HV, K), dtypes=FLOAT_DTYPES, device=device)
     if beta_per_value and isinstance(beta, torch.Tensor) and beta.dim() == 4:

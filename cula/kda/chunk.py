@@ -73,7 +73,7 @@ def chunk_kda(
         S <- Diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T q_t
 
     Args:
-        q, k: ``[B, T, H, K]`` bf16/fp16/fp32 (``K <= 256``).
+        q, k: ``[B, T, H, K]`` bf16/fp16/fp32 (``K <= 256``, as FLA's kernels; V any).
         v: ``[B, T, HV, V]``, same dtype; GVA when ``HV > H`` (``HV % H == 0``), value head ``hv`` reads
             q/k head ``hv // (HV // H)``.
         g: ``[B, T, HV, K]`` log-space decay, or raw logits with ``use_gate_in_kernel=True``; the gate is
