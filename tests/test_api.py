@@ -668,3 +668,26 @@ def test_head_sizes_fla_takes(K, V):
         oc, htc = chunk(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
         assert_close("o", o, oc, 1e-5)
         assert_close("ht", ht, htc, 1e-5)
+
+
+@pytest.mark.parametrize("T_", [0, 70], ids=["no-tokens", "T70"])
+def test_outputs_are_row_major_and_recorded(T_):
+    """o is row-major as FLA's (``o.view(B, T, -1)`` works), and with no tokens still recorded by autograd on the
+    token inputs, as FLA's is (``o.sum().backward()`` works; the gradients are empty)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, T_, 2, 16, requires_grad=True) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, T_, 2, 16)).requires_grad_()
+    beta = torch.rand(2, T_, 2).requires_grad_()
+    calls = {
+        "chunk_kda": lambda: ck.chunk_kda(q, k, v, g, beta),
+        "fused_recurrent_kda": lambda: ck.fused_recurrent_kda(q, k, v, g, beta),
+        "chunk_gated_delta_rule": lambda: cg.chunk_gated_delta_rule(q, k, v, g[..., 0], beta),
+        "chunk_simple_gla": lambda: cs.chunk_simple_gla(q, k, v, g[..., 0]),
+        "chunk_lightning_attn": lambda: cl.chunk_lightning_attn(q, k, v, layer_idx=1, num_layers=4),
+    }
+    for name, call in calls.items():
+        o = call()[0]
+        assert o.is_contiguous() and o.shape == v.shape, name
+        q.grad = None
+        o.sum().backward()
+        assert q.grad is not None and q.grad.shape == q.shape, name

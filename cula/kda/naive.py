@@ -213,7 +213,7 @@ def _recurrent_core(q, k, v, gk, gv, beta, scale, h0, delta_rule):
             u = v[:, t]
         S = S + k_t[..., :, None] * u[..., None, :]
         outs.append((S.transpose(-1, -2) @ q[:, t][..., None])[..., 0])
-    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, HV, V)
+    o = torch.stack(outs, dim=1) if outs else _no_tokens(v, q, k, gk, gv, beta)
     return o, S
 
 
@@ -283,11 +283,21 @@ def _chunk_core(q, k, v, gk, beta, scale, h0, delta_rule, chunk_size):
     for n in range(NT):
         o_n, S = step(qc[:, :, n], kc[:, :, n], vc[:, :, n], Gam[:, :, n], bc[:, :, n] if delta_rule else None, S)
         outs.append(o_n)
-    if outs:
-        o = torch.stack(outs, dim=2).reshape(B, HV, NT * C, V)[:, :, :T].transpose(1, 2)
+    if outs:  # (row-major, as FLA's o: a transposed view would also keep the padded rows alive)
+        o = torch.stack(outs, dim=2).reshape(B, HV, NT * C, V)[:, :, :T].transpose(1, 2).contiguous()
     else:
-        o = v.new_zeros(B, 0, HV, V)
+        o = _no_tokens(v, q, k, gk, beta)
     return o, S
+
+
+def _no_tokens(v: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """The empty output of a call with no tokens, recorded by autograd on the token inputs as FLA's is (its gradients
+    are empty tensors, and ``o.sum().backward()`` works)."""
+    o = v * 0
+    for t in inputs:
+        if t is not None:
+            o = o + t.sum() * 0
+    return o
 
 
 # ----------------------------------------------------------------------------------------------------
