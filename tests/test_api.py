@@ -691,3 +691,13 @@ def test_outputs_are_row_major_and_recorded(T_):
         q.grad = None
         o.sum().backward()
         assert q.grad is not None and q.grad.shape == q.shape, name
+
+
+def test_g_gamma_of_any_shape_of_its_size():
+    """FLA's Simple GLA kernels index g_gamma flat, so [1, HV] passes there, as A_log of any shape does."""
+    q = torch.randn(1, 9, 2, 16)
+    g_gamma = -torch.rand(2)
+    for fn in (cs.chunk_simple_gla, cs.fused_recurrent_simple_gla):
+        assert torch.equal(fn(q, q, q, g_gamma=g_gamma)[0], fn(q, q, q, g_gamma=g_gamma[None])[0])
+    with pytest.raises(ValueError, match="`g_gamma` must have shape"):
+        cs.chunk_simple_gla(q, q, q, g_gamma=g_gamma[None].expand(3, 2))
