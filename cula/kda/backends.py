@@ -416,13 +416,11 @@ def chunk_kda_training_backward(args: dict, Aqk, Akk, do, dht) -> tuple:
     return _training_backward((*tensors, args["cu_seqlens_cpu"], Aqk, Akk), opts, do, dht)
 
 
-def _reference_chunk_supports(
-    cp_context=None, use_graph=False, return_intermediate_states=False, **_
-) -> tuple:
+def _reference_chunk_supports(cp_context=None, return_intermediate_states=False, **_) -> tuple:
+    # (use_graph is taken: it changes how FLA builds its chunk list for a captured call, not the result, and its
+    # arguments were validated with FLA's rules)
     if cp_context is not None:
         return False, "cp_context (context parallel) is only run by the fla backend"
-    if use_graph:
-        return False, "use_graph runs on the cula-sm90 and fla backends"
     if return_intermediate_states:
         return False, "return_intermediate_states is only run by the fla backend"
     return True, None
@@ -462,7 +460,16 @@ def _reference(form: str, args: dict, output_final_state: bool):
     "reference", REFERENCE_PRIORITY, available=always, supports=_reference_chunk_supports
 )
 def _chunk_kda_reference(**args):
-    return _reference("chunk", args, args["output_final_state"])
+    cu = args["cu_seqlens"]
+    T = args["q"].shape[1]
+    end = T if cu is None or not args["use_graph"] else int(cu[-1])
+    if end == T:
+        return _reference("chunk", args, args["output_final_state"])
+    # FLA's graph mode: the sequences may end before the last token (static buffers filled in part); the rows past
+    # them read nothing and are written as zeros
+    part = {**args, **{n: args[n][:, :end] for n in ("q", "k", "v", "g", "beta")}}
+    o, final = _reference("chunk", part, args["output_final_state"])
+    return torch.cat([o, o.new_zeros(o.shape[0], T - end, *o.shape[2:])], dim=1), final
 
 
 def serving_form_verdict(q, cu_seqlens, ssm_state_indices, inplace_final_state, num_accepted_tokens) -> tuple:
