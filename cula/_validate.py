@@ -196,6 +196,13 @@ def check_cu_seqlens(
         values = cu_seqlens.detach().to("cpu")
     if values is not None:
         check_cu_seqlens_values(values.tolist(), total, partial)
+    if (cu_seqlens_cpu is not None and cu_seqlens.device.type == "cpu"
+            and not torch.equal(cu_seqlens, cu_seqlens_cpu.to(cu_seqlens.dtype))):  # fmt: skip
+        # (free to check where both are on the host; on a GPU it would cost the sync the host copy saves)
+        raise ValueError(
+            f"`cu_seqlens_cpu` must equal `cu_seqlens`, got {cu_seqlens_cpu.tolist()[:16]} and "
+            f"{cu_seqlens.tolist()[:16]}"
+        )
     return cu_seqlens.numel() - 1
 
 

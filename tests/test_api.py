@@ -701,3 +701,12 @@ def test_g_gamma_of_any_shape_of_its_size():
         assert torch.equal(fn(q, q, q, g_gamma=g_gamma)[0], fn(q, q, q, g_gamma=g_gamma[None])[0])
     with pytest.raises(ValueError, match="`g_gamma` must have shape"):
         cs.chunk_simple_gla(q, q, q, g_gamma=g_gamma[None].expand(3, 2))
+
+
+def test_host_copy_of_cu_seqlens_must_match_on_the_cpu():
+    """Where cu_seqlens itself is on the host, a cu_seqlens_cpu that differs is refused (free to compare there)."""
+    q, g, beta = torch.randn(1, 30, 2, 16), -torch.rand(1, 30, 2, 16), torch.rand(1, 30, 2)
+    cu = torch.tensor([0, 10, 30])
+    ck.chunk_kda(q, q, q, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cu.int())
+    with pytest.raises(ValueError, match="`cu_seqlens_cpu` must equal `cu_seqlens`"):
+        ck.chunk_kda(q, q, q, g, beta, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 20, 30]))

@@ -529,7 +529,7 @@ SPECS = [
              ("per-value beta", {"_beta_per_value": True}, (), False),
          ), fla_on_gpu=True),  # fmt: skip
     Spec("chunk_simple_gla", _fn("cula.simple_gla", "chunk_simple_gla"), _gla_base, gates=("g_gamma",),
-         extra=SCALE_CASES + UNKNOWN_KW + NO_VARLEN_CPU + (
+         flexible_rank=("g_gamma",), extra=SCALE_CASES + UNKNOWN_KW + NO_VARLEN_CPU + (
              ("both g and g_gamma", {"g": torch.zeros(GB, GT, GHV)}, ("g", "g_gamma"), True),
              ("chunk_size=3", {"chunk_size": 3}, ("chunk_size",), True),
              ("no tokens", {"_tokens": 0}, (), None),
@@ -538,7 +538,7 @@ SPECS = [
     Spec("chunk_simple_gla[g]", _fn("cula.simple_gla", "chunk_simple_gla"), lambda d: _gla_base(d, g_gamma=False),
          gates=("g",), fla_on_gpu=True),
     Spec("chunk_simple_gla[varlen]", _fn("cula.simple_gla", "chunk_simple_gla"), _gla_varlen_base,
-         gates=("g_gamma",), extra=_cu_cases(True)),
+         gates=("g_gamma",), flexible_rank=("g_gamma",), extra=_cu_cases(True)),
     Spec("fused_recurrent_simple_gla", _fn("cula.simple_gla", "fused_recurrent_simple_gla"),
          lambda d: _gla_base(d, g_gamma=False), gates=("g",), extra=SCALE_CASES + UNKNOWN_KW, fla_on_gpu=True),
     Spec("lightning_attn_fwd", _fn("cula.lightning", "lightning_attn_fwd"), _lightning_base,
