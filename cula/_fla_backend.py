@@ -157,9 +157,7 @@ def _recurrent_decision(args: tuple, kwargs: dict):
     take_extra_kwargs("fused_recurrent_kda_fwd", call.pop("kwargs"), ("transpose_state_layout",))
     for name in _RECURRENT_FLAGS:
         call[name] = bool(call[name])
-    call["A_log"], call["dt_bias"] = impl._gate_params(
-        call["A_log"], call["dt_bias"], call["v"], call["use_gate_in_kernel"], call["lower_bound"]
-    )
+    # (keyed on the gate parameters as given: a decode step's verdict then costs no cast of bf16 ones)
     key = (
         None if call["cu_seqlens"] is not None else call_signature(call, impl._TENSOR_ARGS, impl._SCALAR_ARGS)
     )
@@ -167,6 +165,9 @@ def _recurrent_decision(args: tuple, kwargs: dict):
         verdict = _recurrent_verdicts.get(key)
         if verdict is not None:
             return verdict
+    call["A_log"], call["dt_bias"] = impl._gate_params(
+        call["A_log"], call["dt_bias"], call["v"], call["use_gate_in_kernel"], call["lower_bound"]
+    )
     q = call["q"]
     if isinstance(q, torch.Tensor):  # what declines without validation (no host read for a packed call)
         ok, why = fused_recurrent_kda_registry.availability(CULA_BACKEND, q.device)

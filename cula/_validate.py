@@ -196,14 +196,19 @@ def check_cu_seqlens(
         values = cu_seqlens.detach().to("cpu")
     if values is not None:
         check_cu_seqlens_values(values.tolist(), total, partial)
-    if (cu_seqlens_cpu is not None and cu_seqlens.device.type == "cpu"
-            and not torch.equal(cu_seqlens, cu_seqlens_cpu.to(cu_seqlens.dtype))):  # fmt: skip
-        # (free to check where both are on the host; on a GPU it would cost the sync the host copy saves)
+    if cu_seqlens_cpu is not None:
+        check_host_copy(cu_seqlens, cu_seqlens_cpu)
+    return cu_seqlens.numel() - 1
+
+
+def check_host_copy(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -> None:
+    """Where ``cu_seqlens`` is itself on the host, its host copy must hold the same values (free to compare there;
+    on a GPU it would cost the sync the copy saves, and the copy is the caller's word)."""
+    if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens, cu_seqlens_cpu.to(cu_seqlens.dtype)):
         raise ValueError(
             f"`cu_seqlens_cpu` must equal `cu_seqlens`, got {cu_seqlens_cpu.tolist()[:16]} and "
             f"{cu_seqlens.tolist()[:16]}"
         )
-    return cu_seqlens.numel() - 1
 
 
 def check_cu_seqlens_values(bounds: list[int], total: int, partial: bool = False) -> None:
@@ -249,8 +254,9 @@ def check_head_dim(name: str, size: int, limit: int | None = 256, arg: str = "q"
 def check_qkv(q, k, v, head_limit: int | None = 256, mixed: bool = False) -> tuple[int, int, int, int, int, int]:
     """q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` of one dtype and device, the key head size up to ``head_limit``
     (FLA's chunked delta-rule kernels assert K <= 256; None: any, as its recurrent kernels), any value head size (FLA
-    blocks V; its default Gated DeltaNet layer has K = 256, V = 512); return (B, T, H, K, HV, V). ``mixed``: each of q, k, v any float dtype,
-    float64 included (``MIXED_QKV_DTYPES``), as FLA 0.6.0's recurrent kernels take them (each read as fp32)."""
+    blocks V; its default Gated DeltaNet layer has K = 256, V = 512); return (B, T, H, K, HV, V). ``mixed``: each of
+    q, k, v any float dtype, float64 included (``MIXED_QKV_DTYPES``), as FLA 0.6.0's recurrent kernels take them
+    (each read as fp32)."""
     dtypes = MIXED_QKV_DTYPES if mixed else QKV_DTYPES
     check_tensor("q", q, ndim=4, dtypes=dtypes)
     B, T, H, K = q.shape

@@ -657,8 +657,9 @@ def test_head_sizes_fla_takes(K, V):
     q, k = (torch.randn(1, 9, 1, K) for _ in range(2))
     v, beta = torch.randn(1, 9, 1, V), torch.rand(1, 9, 1)
     g = torch.nn.functional.logsigmoid(torch.randn(1, 9, 1, K))
-    for chunk, recurrent, gate in ((ck.chunk_kda, ck.fused_recurrent_kda, g),
-                                   (cg.chunk_gated_delta_rule, cg.fused_recurrent_gated_delta_rule, g[..., 0])):  # fmt: skip
+    forms = ((ck.chunk_kda, ck.fused_recurrent_kda, g),
+             (cg.chunk_gated_delta_rule, cg.fused_recurrent_gated_delta_rule, g[..., 0]))
+    for chunk, recurrent, gate in forms:
         o, ht = recurrent(q, k, v, gate, beta=beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
         assert o.shape == v.shape and ht.shape == (1, 1, K, V)
         if K > 256:
@@ -707,6 +708,52 @@ def test_host_copy_of_cu_seqlens_must_match_on_the_cpu():
     """Where cu_seqlens itself is on the host, a cu_seqlens_cpu that differs is refused (free to compare there)."""
     q, g, beta = torch.randn(1, 30, 2, 16), -torch.rand(1, 30, 2, 16), torch.rand(1, 30, 2)
     cu = torch.tensor([0, 10, 30])
-    ck.chunk_kda(q, q, q, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cu.int())
-    with pytest.raises(ValueError, match="`cu_seqlens_cpu` must equal `cu_seqlens`"):
-        ck.chunk_kda(q, q, q, g, beta, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 20, 30]))
+    for _ in range(2):  # the second call of each goes through the first's plan
+        ck.chunk_kda(q, q, q, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+        with pytest.raises(ValueError, match="`cu_seqlens_cpu` must equal `cu_seqlens`"):
+            ck.chunk_kda(q, q, q, g, beta, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 20, 30]))
+
+
+def test_cula_kernels_decline_head_sizes_only_validation_now_allows(monkeypatch):
+    """Validation takes any V (and any K in the recurrent forms), as FLA does: every cula-sm90 verifier must then
+    decline such a call (so FLA's kernel or the reference runs it), whatever else about it would suit the kernels."""
+    from cula.backends import Registry
+
+    seen = []
+    select = Registry.select
+
+    def spy(self, device, args, skip=()):
+        seen.append((self, dict(args)))
+        return select(self, device, args, skip)
+
+    monkeypatch.setattr(Registry, "select", spy)
+    bf = torch.bfloat16
+    for K, V in ((128, 512), (128, 256), (300, 128)):
+        x = {n: t.to(bf) if t.is_floating_point() else t for n, t in kda_inputs(K=K, V=V).items()}
+        x["beta"] = x["beta"].float()
+        pool, idx = torch.zeros(3, HV, V, K), torch.tensor([0, 2], dtype=torch.int32)
+        one = {n: t[:1, :1].expand(2, 1, *t.shape[2:]).contiguous() for n, t in x.items()}
+        calls = [
+            lambda: ck.fused_recurrent_kda(**x),
+            lambda: ck.fused_recurrent_kda_fwd(**one, initial_state=pool.clone(), ssm_state_indices=idx,
+                                               inplace_final_state=True, state_v_first=True),  # fmt: skip
+            lambda: cg.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"][..., 0].float(), beta=x["beta"]),
+            lambda: cs.chunk_simple_gla(x["q"], x["k"], x["v"], g_gamma=-torch.rand(HV)),
+        ]
+        if K <= 256:  # (the chunked forms' limit, FLA's; kda_decode and lightning_decode keep it too)
+            calls += [
+                lambda: ck.kda_decode(*(one[n] for n in ("q", "k", "v", "g", "beta")), pool.clone(), idx,
+                                      A_log=torch.randn(HV), dt_bias=torch.randn(HV * K)),  # fmt: skip
+                lambda: cl.lightning_decode(one["q"], one["k"], one["v"], torch.rand(HV), pool.clone(), idx),
+                lambda: ck.chunk_kda(**x),
+                lambda: cg.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"][..., 0].float(), x["beta"]),
+            ]
+        for call in calls:
+            seen.clear()
+            call()
+            assert seen, "no registry selected a backend"
+            for registry, args in seen:
+                for backend in registry._backends:
+                    if backend.name == "cula-sm90":
+                        ok, why = backend.supports(**args)
+                        assert not ok and why, (registry.op, K, V)

@@ -26,6 +26,8 @@ the fp32 temporaries to about a gigabyte.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from cula._validate import INDEX_DTYPES, check_qkv, check_scale, check_tensor
@@ -71,7 +73,8 @@ def chunk_bwd_dqkwg(
     """
     B, T, H, K, HV, V = _check_args(q, k, v, do, h, dh, w, g, g_gamma, dv, state_v_first, cu_seqlens, chunk_size,
                                     chunk_indices)
-    scale = check_scale(scale, K)
+    # (FLA's backwards hand a Python float; a NumPy scalar as FLA's float() took it)
+    scale = check_scale(float(scale) if isinstance(scale, numbers.Real) else scale, K)
     dev, BT, group = q.device, chunk_size, HV // H
     pos, valid, last = _chunk_rows(B, T, BT, cu_seqlens, chunk_indices, dev)
     states = h.reshape(-1, HV, *h.shape[-2:])

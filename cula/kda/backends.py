@@ -416,9 +416,13 @@ def chunk_kda_training_backward(args: dict, Aqk, Akk, do, dht) -> tuple:
     return _training_backward((*tensors, args["cu_seqlens_cpu"], Aqk, Akk), opts, do, dht)
 
 
-def _reference_chunk_supports(cp_context=None, return_intermediate_states=False, **_) -> tuple:
-    # (use_graph is taken: it changes how FLA builds its chunk list for a captured call, not the result, and its
-    # arguments were validated with FLA's rules)
+def _reference_chunk_supports(q=None, cp_context=None, use_graph=False, return_intermediate_states=False, **_
+                               ) -> tuple:  # fmt: skip
+    # (use_graph on the CPU: it changes how FLA builds its chunk list for a captured call, not the result, and its
+    # arguments were validated with FLA's rules; on a GPU the reference reads the boundaries on the host, which a
+    # captured call cannot)
+    if use_graph and isinstance(q, torch.Tensor) and q.device.type != "cpu":
+        return False, "use_graph on a GPU runs on the cula-sm90 and fla backends (the reference reads cu_seqlens)"
     if cp_context is not None:
         return False, "cp_context (context parallel) is only run by the fla backend"
     if return_intermediate_states:

@@ -8,6 +8,7 @@ from torch.compiler import is_compiling
 from cula import _custom_ops
 from cula._validate import (
     check_cu_seqlens_values,
+    check_host_copy,
     check_lower_bound,
     check_scale,
     contiguous_reads,
@@ -154,6 +155,7 @@ def chunk_kda(
                     if cu_seqlens is None:
                         return plan[0](q, k, v, g, beta, initial_state, A_log, dt_bias, plan[1])
                     check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])
+                    check_host_copy(cu_seqlens, cu_seqlens_cpu)
                     return plan[0](q, k, v, g, beta, initial_state, A_log, dt_bias, plan[1], cu_seqlens, cu_seqlens_cpu)
                 except Exception:  # noqa: BLE001  (refused, or bad boundaries: validate in full below, which says why)
                     pass
@@ -179,6 +181,7 @@ def chunk_kda(
                     out = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
                 else:
                     check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])  # before any launch
+                    check_host_copy(cu_seqlens, cu_seqlens_cpu)
                     out = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
                 if short is not None and getattr(launch, "checks_arguments", False) and _plans.get(key) is plan:
                     _short_plans.put(short, plan)

@@ -46,7 +46,7 @@ def _constant(g_gamma):
     there), as ``A_log`` is; validation then holds it to ``[HV]``."""
     if not isinstance(g_gamma, torch.Tensor):
         return g_gamma
-    return g_gamma.detach().reshape(-1) if g_gamma.dim() > 1 else g_gamma.detach()
+    return g_gamma.detach().reshape(-1) if g_gamma.dim() != 1 else g_gamma.detach()
 
 
 def _checked_args(
@@ -105,7 +105,8 @@ def chunk_simple_gla(
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (GVA when ``HV > H``).
-        g: ``[B, T, HV]`` log decay, or g_gamma: ``[HV]`` log decay (<= 0); neither means no decay.
+        g: ``[B, T, HV]`` log decay, or g_gamma: ``[HV]`` log decay (<= 0; any shape of HV elements, read flat);
+            neither means no decay.
         initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); bf16 / fp16 read as fp32.
         cu_seqlens / cu_seqlens_cpu: packed varlen boundaries ``[N+1]`` (B must be 1).
         **kwargs: ``chunk_size`` (a power of 2) and the deprecated ``transpose_state_layout``.
