@@ -16,6 +16,7 @@ validation and selection. A signature holds everything validation and selection 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -428,6 +429,17 @@ class StepPlans:
     def __len__(self) -> int:
         """The validated signatures (the full cache)."""
         return len(self.full)
+
+
+def without_autocast(device: torch.device):
+    """A context in which torch.autocast leaves ``device``'s matrix products in their inputs' dtype: cula's PyTorch
+    maths (the reference backend, the torch stages FLA's dispatch hands cula) computes in the dtype it chose, as
+    FLA's Triton kernels do whatever autocast says, and eager then agrees with a compiled call (whose op runs below
+    autocast's dispatch key). Autocast's backward replays the forward's state, so one inside a training step's
+    backward is switched off here too."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def capturing(t: torch.Tensor) -> bool:

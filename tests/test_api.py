@@ -616,6 +616,10 @@ def test_kda_commit_accepted_prefix():
     ref = pool.clone()
     ck.kda_decode(q[:1, :2], k[:1, :2], v[:1, :2], g[:1, :2], beta[:1, :2], ref, idx[:1], A_log=A_log)
     assert_close("prefix", ref[5], new[5], 1e-6)
+    # no verified token: nothing accepted, every row kept
+    ck.kda_commit_accepted(steps[:, :0], new, idx, torch.zeros(N, dtype=torch.int32))
+    with pytest.raises(ValueError, match="num_accepted_tokens"):
+        ck.kda_commit_accepted(steps[:, :0], new, idx, accepted)
 
 
 def test_cula_kernel_verifiers_decline_what_the_kernels_do_not_take(monkeypatch):
@@ -757,3 +761,35 @@ def test_cula_kernels_decline_head_sizes_only_validation_now_allows(monkeypatch)
                     if backend.name == "cula-sm90":
                         ok, why = backend.supports(**args)
                         assert not ok and why, (registry.op, K, V)
+
+
+def test_autocast_leaves_cula_maths_in_its_own_dtype():
+    """FLA's Triton kernels ignore torch.autocast; so do cula's PyTorch maths (the reference, and the gated
+    chunk_bwd_dqkwg stage FLA's dispatch hands cula inside FLA's backwards, which re-enter the forward's autocast
+    state): the same bits with and without it, as a compiled call gives."""
+    from cula.common.chunk_o import chunk_bwd_dqkwg
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 70, 2, 32) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 70, 2, 32))
+    beta = torch.rand(1, 70, 2)
+    pool, idx = torch.randn(3, 2, 32, 32), torch.tensor([2, 0], dtype=torch.int32)
+    one = [t[:, :1].expand(2, 1, *t.shape[2:]).contiguous() for t in (q, k, v, g, beta)]
+    h, dh = torch.randn(1, 2, 2, 32, 32), torch.randn(1, 2, 2, 32, 32)
+    calls = {
+        "chunk_kda": lambda: ck.chunk_kda(q, k, v, g, beta, output_final_state=True),
+        "chunk_gated_delta_rule": lambda: cg.chunk_gated_delta_rule(q, k, v, g[..., 0], beta, output_final_state=True),
+        "chunk_simple_gla": lambda: cs.chunk_simple_gla(q, k, v, g[..., 0], output_final_state=True),
+        "fused_recurrent_kda": lambda: ck.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True),
+        "kda_decode": lambda: (ck.kda_decode(*one, pool.clone(), idx, A_log=torch.randn(2)),),
+        "chunk_bwd_dqkwg": lambda: chunk_bwd_dqkwg(q, k, v, v, h, dh, g=g[..., 0].cumsum(1)),
+    }
+    torch.manual_seed(1)
+    for name, call in calls.items():
+        torch.manual_seed(1)
+        want = call()
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = call()
+        for a, b in zip(want, got):
+            assert (a is None and b is None) or torch.equal(a, b), name

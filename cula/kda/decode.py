@@ -489,6 +489,8 @@ def kda_commit_accepted(
         raise ValueError(
             f"`num_accepted_tokens` must lie in 0..T={T}, got {num_accepted_tokens.tolist()[:16]}"
         )
+    if T == 0:  # no token was verified, so none accepted: every row kept
+        return
     keep = (state_indices >= 0) & (num_accepted_tokens > 0)
     last = (num_accepted_tokens.long() - 1).clamp(0, T - 1)
     picked = step_states[torch.arange(N, device=step_states.device), last]

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from cula.backends import without_autocast
+
 __all__ = [
     "beta_activation",
     "chunk_linear_attention",
@@ -343,6 +345,13 @@ def _run(
     delta_rule,
     chunk_size,
 ):
+    with without_autocast(q.device):
+        return _run_exact(form, q, k, v, gk, gv, beta, scale, initial_state, output_final_state, state_v_first,
+                          cu_seqlens, reverse, compute_dtype, delta_rule, chunk_size)  # fmt: skip
+
+
+def _run_exact(form, q, k, v, gk, gv, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+               reverse, compute_dtype, delta_rule, chunk_size):  # fmt: skip
     B, T = q.shape[:2]
     seqs = _Sequences(B, T, cu_seqlens, reverse, q.device)
     _check_shapes(q, k, v, gk, gv, beta, initial_state, seqs.N, state_v_first)
