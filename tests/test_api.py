@@ -622,7 +622,7 @@ def test_kda_commit_accepted_prefix():
         ck.kda_commit_accepted(steps[:, :0], new, idx, accepted)
 
 
-def test_cula_kernel_verifiers_decline_what_the_kernels_do_not_take(monkeypatch):
+def test_cula_kernel_verifiers_decline_what_the_kernels_do_not_take(pretend_sm90, kda_tuning):
     """On the GPU these decide between our kernels and FLA; the reasons end up in the `cula` log."""
     from cula.kda.backends import _cula_chunk_supports
     from cula.simple_gla.backends import _cula_chunk_supports as lightning_supports
@@ -639,6 +639,16 @@ def test_cula_kernel_verifiers_decline_what_the_kernels_do_not_take(monkeypatch)
     assert "head sizes" in _cula_chunk_supports(**kda_args(v=torch.zeros(B, T, HV, 64)))[1]
     assert "chunk_size" in _cula_chunk_supports(**kda_args(chunk_size=32))[1]
     assert not _cula_chunk_supports(**kda_args(cp_context=object()))[0]
+    # FLA's intermediate states: on cula's kernels only where the tuning entry says so, its intra kernel runs (a
+    # safe gate) and the chunk list comes from the host
+    states = kda_args(return_intermediate_states=True, safe_gate=True, use_gate_in_kernel=True, lower_bound=-5.0)
+    kda_tuning(intermediate_states=False)
+    assert "intermediate_states off" in _cula_chunk_supports(**states)[1]
+    kda_tuning(intermediate_states=True)
+    assert _cula_chunk_supports(**states) == (True, None)
+    assert "graph mode" in _cula_chunk_supports(**dict(states, use_graph=True))[1]
+    kda_tuning(intermediate_states=True, intra_any_gate=False)
+    assert "unbounded gates" in _cula_chunk_supports(**dict(states, safe_gate=False, lower_bound=None))[1]
 
     # varlen, odd T, GVA and both state layouts all go to the kernels (confirmed on the H200)
     x = kda_inputs(T=100, HV=2 * H, K=128, V=128, dtype=torch.bfloat16)

@@ -18,6 +18,7 @@ import torch
 import cula.kda.chunk as chunk_mod
 from cula.backends import PlanCache
 from cula.kda import chunk_kda
+from cula.testing import make_cu_seqlens
 
 HAS_CUDA = torch.cuda.is_available()
 B, T, H, HV, D = 2, 100, 2, 4, 128  # T not a multiple of the chunk
@@ -666,3 +667,26 @@ def test_fixed_length_short_key_holds_the_device():
         beta = torch.zeros(2, 64, 1, device=device)
         keys.append(chunk_mod._short_key(q, q, q, g, beta, None, None, None, None, None, (), False, True))
     assert None not in keys and keys[0] != keys[1]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+def test_intermediate_states_plumbing(counted, fake_sm90, kda_tuning, packed):
+    """return_intermediate_states on cula's kernels (KdaTuning.intermediate_states): the intra kernel, then the
+    state kernel's storing variant with h in FLA's shape ([B, NT, HV, K, V]; packed, a row per chunk of each
+    sequence) and dtype (v's), returned third; every call validated (no plan)."""
+    kda_tuning(intermediate_states=True)
+    x = _inputs()
+    lens = [37, 0, 130, 33] if packed else None
+    if packed:
+        x = {n: (t.reshape(1, B * T, *t.shape[2:]) if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
+        x["initial_state"] = torch.randn(len(lens), HV, D, D) * 0.1
+    cu = make_cu_seqlens(lens) if packed else None
+    with torch.inference_mode():
+        for _ in range(2):
+            o, s, h = chunk_kda(**x, **FLAGS, cu_seqlens=cu, return_intermediate_states=True)
+    assert counted[0] == 2
+    assert [c[0] for c in fake_sm90] == ["intra", "state"] * 2
+    assert fake_sm90[1][1].get("store_states") is True
+    NT = 1 + 0 + 3 + 1 if packed else -(-T // 64)
+    assert h.shape == ((1 if packed else B), NT, HV, D, D) and h.dtype == x["v"].dtype
+    assert o.shape == x["v"].shape and s.shape == x["initial_state"].shape

@@ -251,6 +251,39 @@ def test_chunk_kda_any_gate_cuda(lens, kda_tuning):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_chunk_kda_intermediate_states_cuda(case, state_v_first, kda_tuning):
+    """return_intermediate_states on cula's kernels (KdaTuning.intermediate_states): every chunk's start state h,
+    in FLA's shape, dtype and layout, against FLA's (every allocation poisoned: the kernel writes every row), with
+    the plain call's o and final state bit for bit (so the call ran on cula's kernels, not FLA's)."""
+    import fla.ops.kda as fk
+
+    import cula.kda as ck
+    from cula.backends import clear_plan_caches
+
+    kda_tuning(intermediate_states=True)
+    clear_plan_caches()
+    q, k, v, cu, N = _inputs(*case)
+    B, T, _H, D = q.shape
+    HV = v.shape[2]
+    kw = dict(g=torch.randn(B, T, HV, D, device=DEV, dtype=torch.bfloat16),
+              beta=torch.randn(B, T, HV, device=DEV), initial_state=torch.randn(N, HV, D, D, device=DEV) * 0.1,
+              output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=state_v_first,
+              cu_seqlens=cu, A_log=torch.randn(HV, device=DEV) * 0.5, dt_bias=torch.randn(HV * D, device=DEV) * 0.5)
+    with torch.inference_mode():
+        o, ht, h = ck.chunk_kda(q, k, v, return_intermediate_states=True, **kw)
+        o_plain, ht_plain = ck.chunk_kda(q, k, v, **kw)
+        o_f, ht_f, h_f = fk.chunk_kda(q, k, v, return_intermediate_states=True, **kw)
+    assert h.shape == h_f.shape and h.dtype == h_f.dtype
+    assert not h.isnan().any()
+    assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
+    assert_close("h vs fla", h_f.float(), h.float(), TOL)
+    assert_close("o vs fla", o_f, o, TOL)
+    clear_plan_caches()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_fused_recurrent_kda_cuda(case):
     import fla.ops.kda as fk
 

@@ -62,8 +62,17 @@ def _cula_chunk_supports(
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K=V=128)"
     if chunk_size != 64:
         return False, f"chunk_size={chunk_size} (kernel takes 64)"
-    if cp_context is not None or return_intermediate_states:
-        return False, "cp_context / return_intermediate_states run on fla"
+    if cp_context is not None:
+        return False, "cp_context runs on fla"
+    if return_intermediate_states:
+        from cula.kda.plan import KDA_TUNING, use_cula_intra
+
+        if not KDA_TUNING.for_device(q.device).intermediate_states:
+            return False, "return_intermediate_states runs on fla (KdaTuning.intermediate_states off)"
+        if use_graph or capturing(q):  # (a chunk list built on the device holds a bound of the rows, not the rows)
+            return False, "return_intermediate_states in FLA's graph mode or a capture runs on fla"
+        if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
+            return False, "return_intermediate_states with FLA's intra stage (unbounded gates) runs on fla"
     fits, why = sequences_verdict(q.shape[0], cu_seqlens)
     if not fits:
         return False, why
@@ -124,6 +133,8 @@ def _prepare_chunk_kda_cula_sm90(**args):
 
     if needs_grad(*(args[n] for n in _GRAD_TENSORS)) or args.get("use_graph"):
         return None  # graph mode is validated and built each call (it is captured once)
+    if args.get("return_intermediate_states"):
+        return None  # (chunk_kda validates such calls every time)
     if not all(_kernel_ready(n, args[n]) for n in _GRAD_TENSORS):
         return None  # the general path, which copies them (_ready_inputs) on every call
     return prepare_chunk_kda_fwd_sm90(**_cula_chunk_args(**args))
@@ -375,6 +386,8 @@ def chunk_kda_cula_sm90(cu_seqlens_cpu=None, **args):
         if args.get("disable_recompute"):
             opts["disable_recompute"] = True
         return _ChunkKDATraining.apply(*tensors, cu_seqlens_cpu, opts)
+    if args.get("return_intermediate_states"):  # (validation: inference mode, no disable_recompute)
+        return chunk_kda_fwd_sm90(cu_seqlens_cpu=cu_seqlens_cpu, keep_states=True, **opts)
     return chunk_kda_fwd_sm90(cu_seqlens_cpu=cu_seqlens_cpu, **opts)
 
 

@@ -67,6 +67,7 @@ def chunk_kda_fwd_sm90(
     allow_neg_eigval: bool = False,
     keep_scores: bool = False,
     keep_prefix: bool = False,
+    keep_states: bool = False,
     use_graph: bool = False,
     row_factors: bool = False,
     time_split: SplitThresholds | None | str = "kda",
@@ -113,14 +114,20 @@ def chunk_kda_fwd_sm90(
             kernel runs (the recurrence then in one piece, not cut in time); None where FLA's intra stage does.
             With a chunk list built on the device (FLA's graph mode, a capture) ``h`` has the rows of FLA's
             fixed-size list (``prepare_chunk_indices_static``), whose real rows come first in the same order.
+        keep_states: FLA's ``return_intermediate_states``: also every chunk's start state ``h`` (``[B, NT, HV, K,
+            V]``, ``[..., V, K]`` with ``state_v_first``; packed ``[1, chunks, ...]`` in sequence order) in v's dtype,
+            as FLA's ``chunk_gated_delta_rule_fwd_h`` writes it; the recurrence in one piece (not cut in time), the
+            chunk list from the host (not FLA's graph mode).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype, final_state fp32 or None;
         ``(o, final_state, Aqk, Akk)`` with ``keep_scores``, ``(o, final_state, Aqk, Akk, prefix)`` with
-        ``keep_prefix`` too.
+        ``keep_prefix`` too; ``(o, final_state, h)`` with ``keep_states``.
     """
     if keep_prefix and not keep_scores:
         raise ValueError("keep_prefix needs keep_scores")
+    if keep_states and (keep_scores or use_graph):
+        raise ValueError("keep_states is an inference call's (no keep_scores) with a host chunk list (no use_graph)")
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
     B, T, H, K = q.shape
@@ -145,6 +152,8 @@ def chunk_kda_fwd_sm90(
     if T == 0:  # nothing to read; the state passes through
         if final_state is not None:
             final_state.copy_(initial_state if initial_state is not None else torch.zeros_like(final_state))
+        if keep_states:  # no chunk, no state row
+            return o, final_state, v.new_empty(B, 0, HV, V, K) if state_v_first else v.new_empty(B, 0, HV, K, V)
         if keep_scores:
             scores = (o, final_state, q.new_empty(B, 0, HV, 64), q.new_empty(B, 0, HV, 64))
             return (*scores, None) if keep_prefix else scores
@@ -164,11 +173,11 @@ def chunk_kda_fwd_sm90(
     if scalar_gate and not cute_intra:  # FLA's stages take the gate (and its bias) per channel
         g, dt_bias = gate_over_k(g, dt_bias, K)
     split = None
-    if not (use_graph or keep_prefix):
+    if not (use_graph or keep_prefix or keep_states):
         split = parallel_segments(B, T, HV, cu_seqlens, cu_seqlens_cpu, q.device, time_split)
     # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
-    if (row_factors and scalar_gate and cute_intra and not keep_scores
+    if (row_factors and scalar_gate and cute_intra and not keep_scores and not keep_states
             and not (q.dtype == torch.float16 and use_qk_l2norm_in_kernel)):  # fmt: skip
         w, u, factors, Aqk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
@@ -194,7 +203,12 @@ def chunk_kda_fwd_sm90(
             q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, use_gate_in_kernel, A_log, dt_bias,
             lower_bound, safe_gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
         )  # fmt: skip
-    # the recurrence in one piece, writing every chunk's state and v_new too
+    # the recurrence in one piece, writing every chunk's state (and v_new, which the kernel writes beside it)
+    if keep_states:
+        kept = _state_outputs(u, cu32, chunk_indices)
+        chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states,
+                                     h=kept["h"], v_new=kept["v_new"], chunk_offsets=kept["offsets"])
+        return o, final_state, kept["h"]
     if cute_intra and keep_prefix:
         kept = _state_outputs(u, cu32, chunk_indices, static_rows=device_list)
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states,

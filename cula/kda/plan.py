@@ -118,6 +118,11 @@ class KdaTuning:
     # twice its CTAs, the second half started from the summary's mid-segment E and R, no more chain steps
     time_split_halves: bool = False
 
+    # chunk_kda's return_intermediate_states (FLA's every-chunk start states h, for an inference engine's prefix
+    # cache) on cula's kernels where its intra kernel runs: the state/output kernel writes h beside o, the recurrence
+    # in one piece; else FLA's kernels
+    intermediate_states: bool = False
+
 
 # H100 and H200 share sm_90; the numbers were measured on the H200. Other GPUs run no cula kernel yet.
 # time_split from benchmarks/results/nvidia-h200/kda_prefill_time_parallel.md: every measured call with fewer than
