@@ -431,15 +431,23 @@ class StepPlans:
         return len(self.full)
 
 
-def without_autocast(device: torch.device):
-    """A context in which torch.autocast leaves ``device``'s matrix products in their inputs' dtype: cula's PyTorch
-    maths (the reference backend, the torch stages FLA's dispatch hands cula) computes in the dtype it chose, as
-    FLA's Triton kernels do whatever autocast says, and eager then agrees with a compiled call (whose op runs below
-    autocast's dispatch key). Autocast's backward replays the forward's state, so one inside a training step's
-    backward is switched off here too."""
-    if device.type in ("cpu", "cuda"):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+def without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with torch.autocast off for the device of its first tensor argument (positional or keyword: FLA
+    passes keywords), so that its matrix products stay in their inputs' dtype: cula's PyTorch maths (the reference
+    backend, the torch stages FLA's dispatch hands cula) computes in the dtype it chose, as FLA's Triton kernels do
+    whatever autocast says, and eager then agrees with a compiled call (whose op runs below autocast's dispatch key).
+    Autocast's backward replays the forward's state, so one inside a training step's backward is switched off here
+    too."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        off = (torch.autocast(device.type, enabled=False) if device is not None and device.type in ("cpu", "cuda")
+               else contextlib.nullcontext())  # fmt: skip
+        with off:
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def capturing(t: torch.Tensor) -> bool:

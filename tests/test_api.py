@@ -792,7 +792,8 @@ def test_autocast_leaves_cula_maths_in_its_own_dtype():
         "chunk_simple_gla": lambda: cs.chunk_simple_gla(q, k, v, g[..., 0], output_final_state=True),
         "fused_recurrent_kda": lambda: ck.fused_recurrent_kda(q, k, v, g, beta, output_final_state=True),
         "kda_decode": lambda: (ck.kda_decode(*one, pool.clone(), idx, A_log=torch.randn(2)),),
-        "chunk_bwd_dqkwg": lambda: chunk_bwd_dqkwg(q, k, v, v, h, dh, g=g[..., 0].cumsum(1)),
+        # (by keyword, as FLA's backwards call it)
+        "chunk_bwd_dqkwg": lambda: chunk_bwd_dqkwg(q=q, k=k, v=v, do=v, h=h, dh=dh, g=g[..., 0].cumsum(1)),
     }
     torch.manual_seed(1)
     for name, call in calls.items():

@@ -40,6 +40,8 @@ __all__ = ["chunk_bwd_dqkwg"]
 _PAIRS_PER_SLICE = 4096
 
 
+# (fp32 products whatever autocast says: FLA's backwards re-enter the forward's autocast state)
+@without_autocast
 def chunk_bwd_dqkwg(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -76,14 +78,6 @@ def chunk_bwd_dqkwg(
                                     chunk_indices)
     # (FLA's backwards hand a Python float; a NumPy scalar as FLA's float() took it)
     scale = check_scale(float(scale) if isinstance(scale, numbers.Real) else scale, K)
-    # (fp32 products whatever autocast says: FLA's backwards re-enter the forward's autocast state)
-    with without_autocast(q.device):
-        return _dqkwg(q, k, v, do, h, dh, w, g, g_gamma, dv, scale, state_v_first, cu_seqlens, chunk_size,
-                      chunk_indices, B, T, H, K, HV)  # fmt: skip
-
-
-def _dqkwg(q, k, v, do, h, dh, w, g, g_gamma, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices, B, T,
-           H, K, HV):  # fmt: skip
     dev, BT, group = q.device, chunk_size, HV // H
     pos, valid, last = _chunk_rows(B, T, BT, cu_seqlens, chunk_indices, dev)
     states = h.reshape(-1, HV, *h.shape[-2:])

@@ -327,6 +327,7 @@ def _check_shapes(q, k, v, gk, gv, beta, initial_state, N, state_v_first):
             raise ValueError(f"initial_state must be {layout}={list(want)}, got {list(initial_state.shape)}")
 
 
+@without_autocast
 def _run(
     form,
     q,
@@ -345,13 +346,6 @@ def _run(
     delta_rule,
     chunk_size,
 ):
-    with without_autocast(q.device):
-        return _run_exact(form, q, k, v, gk, gv, beta, scale, initial_state, output_final_state, state_v_first,
-                          cu_seqlens, reverse, compute_dtype, delta_rule, chunk_size)  # fmt: skip
-
-
-def _run_exact(form, q, k, v, gk, gv, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-               reverse, compute_dtype, delta_rule, chunk_size):  # fmt: skip
     B, T = q.shape[:2]
     seqs = _Sequences(B, T, cu_seqlens, reverse, q.device)
     _check_shapes(q, k, v, gk, gv, beta, initial_state, seqs.N, state_v_first)

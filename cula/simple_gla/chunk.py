@@ -44,9 +44,7 @@ def _constant(g_gamma):
     """``g_gamma`` as a constant: FLA 0.6.0 gives it no gradient (its backward returns None there), so neither does
     any of cula's backends, the CPU reference included. Read flat as FLA's kernels index it (``[1, HV]`` passes
     there), as ``A_log`` is; validation then holds it to ``[HV]``."""
-    if not isinstance(g_gamma, torch.Tensor):
-        return g_gamma
-    return g_gamma.detach().reshape(-1) if g_gamma.dim() != 1 else g_gamma.detach()
+    return g_gamma.detach().reshape(-1) if isinstance(g_gamma, torch.Tensor) else g_gamma
 
 
 def _checked_args(
