@@ -47,7 +47,7 @@ logger = logging.getLogger("cula")
 _CACHE: dict[tuple, Any] = {}
 _COMPILE_SECONDS: dict[tuple, float] = {}
 _ORIGINS: dict[tuple, str] = {}
-_MODULES: list[Any] = []  # loaded shared objects, kept alive with the functions they hold
+_MODULES: list[Any] = []  # loaded shared objects and compiled wrappers, kept alive with the functions they hold
 _LOCK = threading.RLock()
 _PACKAGE = Path(__file__).resolve().parent
 PREBUILT_DIR = _PACKAGE / "_prebuilt"
@@ -105,7 +105,10 @@ def compiled_kernel(key: tuple, build: Callable[[], Any]) -> Any:
 
 
 def _recorded_stub(key: tuple, on_launch: Callable | None, *args, **kwargs) -> None:
-    """What a launcher gets while recording: a kernel that does nothing (and notes its arguments when asked to)."""
+    """What a launcher gets while recording: a kernel that does nothing (and notes its arguments when asked to).
+    Like the bare TVM-FFI entry a launcher calls (``positional_entry``), it takes no keyword arguments."""
+    if kwargs:
+        raise TypeError(f"compiled kernel {key_text(key)} called with keyword arguments {sorted(kwargs)}")
     if on_launch is not None:
         on_launch(key, args)
 
@@ -153,7 +156,24 @@ def _obtain(key: tuple, build: Callable[[], Any]) -> tuple[Any, str]:
         raise VariantUnavailableError(f"kernel variant {key_text(key)} could not be compiled: {err}") from err
     if disk is not None:
         _store_on_disk(disk, key, fn)
-    return fn, "jit"
+    return positional_entry(fn), "jit"
+
+
+def positional_entry(fn: Any) -> Any:
+    """The bare TVM-FFI function under a freshly compiled ``fn``: what a prebuilt or disk-cached variant already is.
+    The DSL wraps every compiled entry with positional parameters in a Python keyword-argument layer (a method call
+    and a generated forwarding function, ~0.3 us a launch on the CI machine's CPU); cula's launchers pass every
+    argument positionally and no pointer-address argument, so they call the function beneath, and a variant runs
+    the same way whichever of the three places it came from. Anything else (a test's stub, a DSL without the
+    accessor, a function compiled where no GPU is present, which has no loaded entry) is returned as it is."""
+    unwrap = getattr(fn, "__tvm_ffi_object__", None)
+    if unwrap is None or getattr(getattr(fn, "execution_args", None), "has_pointer_address_arg_specs", True):
+        return fn
+    bare = unwrap()
+    if bare is None:
+        return fn
+    _MODULES.append(fn)  # its CUDA libraries are unloaded when it is collected
+    return bare
 
 
 def compile_seconds() -> dict[tuple, float]:

@@ -265,3 +265,30 @@ def test_failed_link_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         aot.link([], tmp_path / "libcula_x.so")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compiled_entry_is_the_bare_function(monkeypatch):
+    """A fresh compile is served as the TVM-FFI function beneath the DSL's keyword wrapper (as a prebuilt or cached
+    variant is), the wrapper kept alive; a wrapper with pointer-address arguments, one with no loaded entry (no
+    GPU) and anything without the accessor are served as they are."""
+
+    class Args:
+        def __init__(self, pointers):
+            self.has_pointer_address_arg_specs = pointers
+
+    class Wrapper:
+        def __init__(self, bare, pointers=False):
+            self.bare, self.execution_args = bare, Args(pointers)
+
+        def __tvm_ffi_object__(self):
+            return self.bare
+
+    bare = object()
+    wrapped = Wrapper(bare)
+    monkeypatch.setattr(cache, "_MODULES", [])
+    monkeypatch.setattr(cache, "disk_cache_dir", lambda: None)
+    monkeypatch.setattr(cache, "_prebuilt_function", lambda key: None)
+    monkeypatch.setattr(cache, "dsl_installed", lambda: True)
+    assert cache._obtain(("k",), lambda: wrapped) == (bare, "jit") and cache._MODULES == [wrapped]
+    for kept in (Wrapper(bare, pointers=True), Wrapper(None), bare):
+        assert cache.positional_entry(kept) is kept
