@@ -44,6 +44,17 @@ def take_extra_kwargs(fn: str, kwargs: dict[str, Any], allowed: Iterable[str]) -
     return dict(kwargs)
 
 
+class HeadFirstRemovedError(DeprecationWarning, ValueError):
+    """``head_first`` passed to a chunked form that no longer takes it. FLA 0.6.0 raises ``DeprecationWarning`` as an
+    exception there; this is one too, and a ``ValueError`` as cula's other argument errors are."""
+
+
+def check_head_first(extra: dict[str, Any]) -> None:
+    """FLA's refusal of its removed ``head_first`` keyword (``extra``: the call's accepted ``**kwargs``)."""
+    if "head_first" in extra:
+        raise HeadFirstRemovedError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
+
+
 def resolve_state_layout(fn: str, state_v_first: bool, extra: dict[str, Any]) -> bool:
     """Accept FLA's deprecated ``transpose_state_layout`` as an alias of ``state_v_first``."""
     if "transpose_state_layout" not in extra:

@@ -141,8 +141,15 @@ def test_other_ops_reject_bad_input():
         cg.chunk_gated_delta_rule(q, k, v, g, x["beta"], chunk_szie=64)
     with pytest.raises(ValueError, match="chunk_size"):
         cg.chunk_gated_delta_rule(q, k, v, g, x["beta"], chunk_size=128)
-    with pytest.raises(ValueError, match="head_first"):
-        cs.chunk_simple_gla(q, k, v, g=g, head_first=False)
+    # FLA raises DeprecationWarning for head_first; cula's error is one, and a ValueError
+    for call in (
+        lambda: cs.chunk_simple_gla(q, k, v, g=g, head_first=False),
+        lambda: cg.chunk_gated_delta_rule(q, k, v, g, x["beta"], head_first=False),
+        lambda: cl.chunk_lightning_attn(q, k, v, layer_idx=0, num_layers=2, head_first=False),
+    ):
+        for kind in (DeprecationWarning, ValueError):
+            with pytest.raises(kind, match="head_first"):
+                call()
     with pytest.raises(ValueError, match="not both"):
         cs.chunk_simple_gla(q, k, v, g=g, g_gamma=torch.zeros(HV))
     with pytest.raises(TypeError, match="`decay` must have dtype"):

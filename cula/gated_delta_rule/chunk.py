@@ -10,6 +10,7 @@ from cula._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_cu_seqlens,
+    check_head_first,
     check_qkv,
     check_scale,
     check_state,
@@ -118,8 +119,7 @@ def chunk_gated_delta_rule(
             cp_context, **kwargs,
         )  # fmt: skip
     extra = take_extra_kwargs("chunk_gated_delta_rule", kwargs, _EXTRA_KWARGS)
-    if "head_first" in extra:
-        raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
+    check_head_first(extra)
     state_v_first = resolve_state_layout("chunk_gated_delta_rule", state_v_first, extra)
     chunk_size = extra.get("chunk_size", 64)
     if chunk_size not in (16, 32, 64):

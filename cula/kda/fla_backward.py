@@ -510,13 +510,13 @@ def norm_on_load(q, v, do, p: dict) -> bool:
     )[0]
 
 
-def chunk_kda_bwd(qk_rstd: tuple | None = None, raw_qk: bool = False, **kwargs):
-    """FLA 0.6.0's ``chunk_kda_bwd`` (same keywords and returns: ``(dq, dk, dv, db, dg, dh0, dA_log, ddt_bias)``),
-    its stage 6 launched at ``wy_dqkg_launch``, stages 5, 6 and 7 on cula's kernels where the tuning says so (module
-    docstring). ``qk_rstd = (q_rstd, k_rstd)`` (``l2norm_fwd``'s, q and k then the normalised ones): dq and dk come
-    back as the raw q's and k's gradients (FLA's ``l2norm_bwd`` applied here, or in the stage-7 kernel where the
-    tuning says so). ``raw_qk`` (where ``norm_on_load`` says so): q and k are the raw ones, normalised with
-    ``qk_rstd`` by stages 6 and 7."""
+def chunk_kda_bwd(*, qk_rstd: tuple | None = None, raw_qk: bool = False, **kwargs):
+    """FLA 0.6.0's ``chunk_kda_bwd``, called by keyword (same keywords and returns: ``(dq, dk, dv, db, dg, dh0,
+    dA_log, ddt_bias)``), its stage 6 launched at ``wy_dqkg_launch``, stages 5, 6 and 7 on cula's kernels where the
+    tuning says so (module docstring). ``qk_rstd = (q_rstd, k_rstd)`` (``l2norm_fwd``'s, q and k then the
+    normalised ones): dq and dk come back as the raw q's and k's gradients (FLA's ``l2norm_bwd`` applied here, or in
+    the stage-7 kernel where the tuning says so). ``raw_qk`` (where ``norm_on_load`` says so): q and k are the raw
+    ones, normalised with ``qk_rstd`` by stages 6 and 7."""
     flags, call = _stage7_plan(kwargs, qk_rstd)
     backward = _fla_chunk_kda_bwd(*flags, _stage4_fused(kwargs))
     from fla.ops.kda import chunk_bwd

@@ -210,7 +210,11 @@ def chunk_kda_bwd_intra_reference(
     db: torch.Tensor,
     dg: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
     chunk_size: int = 64,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    use_graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""FLA's ``chunk_kda_bwd_intra`` (stage 7 of ``chunk_kda_bwd``): the gradients through the intra-chunk scores.
 
@@ -230,6 +234,8 @@ def chunk_kda_bwd_intra_reference(
             tokens ``s`` of its chunk, by their offset in it.
         dq, dk, dg: ``[B, T, HV, K]``; db: ``[B, T, HV]``: the accumulations to add to (not modified).
         cu_seqlens: ``[N + 1]`` sequence boundaries of a packed batch (``B == 1``), or None.
+        chunk_indices, safe_gate, lower_bound, use_graph: FLA's, taken in its order and not read: the chunks come
+            from ``cu_seqlens``, and the other three choose how FLA's kernel computes the same numbers.
         chunk_size: FLA's ``BT`` (64).
 
     Returns:

@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from cula._validate import check_qkv, check_tensor, contiguous_reads, take_extra_kwargs
+from cula._validate import check_head_first, check_qkv, check_tensor, contiguous_reads, take_extra_kwargs
 from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
 
@@ -133,8 +133,7 @@ def chunk_lightning_attn(
         "chunk_lightning_attn", kwargs,
         ("chunk_size", "head_first", "state_v_first", "transpose_state_layout", "cu_seqlens_cpu"),
     )  # fmt: skip
-    if "head_first" in extra:
-        raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
+    check_head_first(extra)
     g_gamma = lightning_g_gamma(_check_heads(q, v), layer_idx, num_layers, device=q.device)
     return chunk_simple_gla(
         q,

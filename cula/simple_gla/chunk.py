@@ -9,6 +9,7 @@ from cula import _custom_ops
 from cula._validate import (
     FLOAT_DTYPES,
     check_cu_seqlens,
+    check_head_first,
     check_qkv,
     check_scale,
     check_state,
@@ -122,8 +123,7 @@ def chunk_simple_gla(
     extra = take_extra_kwargs(
         "chunk_simple_gla", kwargs, ("chunk_size", "transpose_state_layout", "head_first")
     )
-    if "head_first" in extra:
-        raise ValueError("`head_first` has been removed (as in FLA): pass inputs as [B, T, H, ...]")
+    check_head_first(extra)
     state_v_first = resolve_state_layout("chunk_simple_gla", state_v_first, extra)
     chunk_size = extra.get("chunk_size")
     if chunk_size is not None and (
