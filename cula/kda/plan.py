@@ -148,6 +148,7 @@ class KdaTuning:
 # gate takes the same variant, unmeasured apart: its strong heads' tiles run the exact path
 _H200 = KdaTuning(bwd_dv_dhu_lanes=(128, 512), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
                   bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_wy_dqkg=True, intra_any_gate=True,
+                  intermediate_states=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
                                              min_seq_len=16384, wave_ctas=2))
 KDA_TUNING: TuningTable[KdaTuning] = TuningTable("kda", {(9, 0): _H200}, fallback=KdaTuning())
