@@ -6,7 +6,7 @@
 # summing to <= 590 s); the typical times on a warm machine are in brackets:
 #   device run, carry [".device"], timeout 600:  bash scripts/device/run.sh bash scripts/device/validate.sh STEP...
 #     api reference                     [~5.5 + ~0.5 min]
-#     intra decode lightning            [~3.5 + ~2 + ~0.5 min]
+#     intra decode lightning            [~3.5 + ~2.5 + ~0.5 min]
 #     states long                       [~1.5 (before the recompute's states kernel's tests) + ~1 min]
 #     backward                          [~6.5 min: the stage kernels, a step per stage flag, steps vs float64]
 #     split                             [> 5.5 min on an H100: 40 of its tests in 315 s alone]
@@ -32,12 +32,12 @@ CALLS=("api reference" "intra decode lightning" "states long" "backward" "split"
 declare -A LIMIT FILES
 LIMIT[api]=400;       FILES[api]="tests/test_gpu_api.py tests/test_chunk_plans.py"
 LIMIT[long]=100;      FILES[long]="tests/test_gpu_long.py"
-LIMIT[intra]=340;     FILES[intra]="tests/ops/test_kda_intra_kernel.py"
+LIMIT[intra]=320;     FILES[intra]="tests/ops/test_kda_intra_kernel.py"
 LIMIT[states]=300;    FILES[states]="tests/ops/test_kda_delta_h_kernel.py tests/ops/test_kda_delta_h_states_kernel.py"
 # the backward stages on cula's kernels (5, 6, 7) against FLA's and float64, and a training step with each
 LIMIT[backward]=540;  FILES[backward]="tests/ops/test_kda_bwd_dhu_kernel.py tests/ops/test_kda_bwd_wy_dqkg_kernel.py
                                        tests/ops/test_kda_bwd_intra_kernel.py tests/test_fla_backward.py"
-LIMIT[decode]=150;    FILES[decode]="tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/test_gdn_decode.py
+LIMIT[decode]=170;    FILES[decode]="tests/test_decode_plans.py tests/test_lightning_decode_api.py tests/test_gdn_decode.py
                                      tests/ops/test_kda_decode_kernel.py tests/ops/test_lightning_decode_kernel.py"
 LIMIT[lightning]=90;  FILES[lightning]="tests/ops/test_lightning_kernel.py"
 LIMIT[reference]=90;  FILES[reference]="tests/test_reference.py"
