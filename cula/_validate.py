@@ -313,11 +313,22 @@ def check_pool_rows(name: str, pool: Any, *, heads: int, k: int, v: int, state_v
 
 
 def check_pool_indices(state_indices: torch.Tensor, pool_rows: int) -> None:
-    """``state_indices < pool_rows``: reads the indices on the host (skipped while a CUDA graph captures)."""
+    """``state_indices < pool_rows``, and no pool row named twice (two sequences on one row would race, each reading
+    the old state, the last write kept; negative indices, padded slots, may repeat): one copy of the indices to the
+    host (skipped while a CUDA graph captures)."""
     if state_indices.numel() and not capturing(state_indices):
-        top = int(state_indices.max())
+        rows = state_indices.detach().reshape(-1).cpu()
+        top = int(rows.max())
         if top >= pool_rows:
             raise ValueError(f"`state_indices` has {top}, out of range for a pool of {pool_rows} rows")
+        live = rows[rows >= 0]
+        if live.numel() > 1:
+            values, counts = torch.unique(live, return_counts=True)
+            if values.numel() != live.numel():
+                raise ValueError(
+                    f"`state_indices` names pool row {int(values[counts > 1][0])} more than once: two sequences "
+                    "would update one state at once (pad unused slots with negative indices)"
+                )
 
 
 _HALF_FLOATS = (torch.bfloat16, torch.float16)

@@ -53,7 +53,8 @@ def gdn_decode(
             ``use_gate_in_kernel``).
         beta: ``[N, T, HV]`` fp32/bf16 (logits with ``use_beta_sigmoid_in_kernel``).
         state_pool: fp32 ``[P, HV, V, K]`` (``state_v_first=True``, the default here) or ``[P, HV, K, V]``.
-        state_indices: int32 ``[N]`` pool rows; checked to be ``< P`` unless ``check_indices=False``.
+        state_indices: int32 ``[N]`` pool rows (negative: padded), checked to be ``< P`` and distinct unless
+            ``check_indices=False``.
         A_log, dt_bias: fp32 ``[HV]`` each (``use_gate_in_kernel`` only; ``dt_bias`` optional).
         out: optional ``[N, T, HV, V]`` output buffer in q's dtype.
         step_states: optional fp32 ``[N, T, HV, ...]``: receives the state after every token and leaves the

@@ -67,8 +67,9 @@ def kda_decode(
             ``[N, T, HV]``: one gate per token and value head (Gated DeltaNet's), with ``dt_bias`` ``[HV]``.
         beta: ``[N, T, HV]`` fp32/bf16 (logits with ``use_beta_sigmoid_in_kernel``).
         state_pool: fp32 ``[P, HV, V, K]`` (``state_v_first=True``, the default here) or ``[P, HV, K, V]``.
-        state_indices: int32 ``[N]`` pool rows; checked to be ``< P`` unless ``check_indices=False``
-            (the check reads the indices on the host; serving loops that guarantee them can skip it).
+        state_indices: int32 ``[N]`` pool rows (negative: padded), checked to be ``< P`` and distinct unless
+            ``check_indices=False`` (the check reads the indices on the host; serving loops that guarantee them can
+            skip it).
         A_log, dt_bias: fp32 ``[HV]`` and ``[HV * K]`` (``[HV]`` with a per-head g).
         out: optional ``[N, T, HV, V]`` output buffer in q's dtype.
         step_states: optional fp32 ``[N, T, HV, V, K]`` (or ``[N, T, HV, K, V]``): receives the state after

@@ -53,8 +53,9 @@ def lightning_decode(
             ``hv // (HV // H)``).
         decay: fp32 ``[HV]``, the per-head decay rate (``>= 0``; not checked, it would need a host sync).
         state_pool: fp32 ``[P, HV, V, K]`` (``state_v_first=True``, the default here) or ``[P, HV, K, V]``.
-        state_indices: int32 ``[N]`` pool rows; checked to be ``< P`` unless ``check_indices=False``
-            (the check reads the indices on the host; serving loops that guarantee them can skip it).
+        state_indices: int32 ``[N]`` pool rows (negative: padded), checked to be ``< P`` and distinct unless
+            ``check_indices=False`` (the check reads the indices on the host; serving loops that guarantee them can
+            skip it).
         scale: multiplies ``S^T q``; defaults to ``K ** -0.5``.
         out: optional ``[N, T, HV, V]`` output buffer in q's dtype.
 
