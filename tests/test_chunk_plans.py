@@ -669,6 +669,23 @@ def test_fixed_length_short_key_holds_the_device():
     assert None not in keys and keys[0] != keys[1]
 
 
+def test_short_keys_need_what_the_bound_launches_take():
+    """The bound launches take contiguous token tensors and a contiguous initial state (prepare_chunk_kda_fwd_sm90):
+    a call strided in time (packed too) or with a state strided in dim 0 has no short key, so it never reaches a
+    launch a contiguous call planned (validation decides where it runs)."""
+    bf = torch.bfloat16
+    q = torch.zeros(1, 64, 2, 128, dtype=bf)
+    g, beta = torch.zeros(1, 64, 2, 128), torch.zeros(1, 64, 2)
+    h0 = torch.zeros(2, 2, 128, 128)
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+    in_time = torch.zeros(1, 128, 2, 128, dtype=bf)[:, ::2]
+    odd_h0 = torch.zeros(4, 2, 128, 128)[::2]
+    for cus in ((None, None), (cu, cu.clone())):
+        key = lambda q_, h0_: chunk_mod._short_key(q_, q, q, g, beta, h0_, None, None, *cus, (), False, True)  # noqa: E731
+        assert key(q, h0) is not None
+        assert key(in_time, h0) is None and key(q, odd_h0) is None
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
 def test_intermediate_states_plumbing(counted, fake_sm90, kda_tuning, packed):
     """return_intermediate_states on cula's kernels (KdaTuning.intermediate_states): the intra kernel, then the

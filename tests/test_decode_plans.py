@@ -233,6 +233,26 @@ def test_kda_decode_keys_on_shapes_where_the_kernel_entry_checks_the_rest(counte
     assert [c[0] for c in fake_sm90] == ["general"]
 
 
+def test_decode_short_keys_hold_the_pool_strides(counted_plans, fake_sm90):
+    """The compiled entries check no stride of a size-1 dim, so a one-row pool whose row stride changes (one a TMA
+    descriptor could not take, 12 bytes) must not reuse the launch a contiguous one-row pool planned: kda_decode and
+    lightning_decode plan it anew (and validation decides where it runs)."""
+    q, k, v, g, beta, pool, _ = _kda_inputs(torch.bfloat16)
+    pool = pool[:1].transpose(-1, -2).contiguous()  # one row, [1, HV, V, K]
+    one = torch.tensor([0, -1, -1], dtype=torch.int32)
+    odd = torch.empty(3 + pool.numel(), dtype=pool.dtype).as_strided(pool.shape, (3, *pool.stride()[1:]))
+    A_log = torch.randn(HV)
+    for p_ in (pool, pool, odd):
+        kd.kda_decode(q, k, v, g, beta, p_, one, A_log=A_log)
+    assert counted_plans["kda"] == 2
+    lq, lk, lv, decay, lpool, _ = _lightning_inputs(torch.bfloat16)
+    lpool = lpool[:1].contiguous()
+    lodd = torch.empty(3 + lpool.numel(), dtype=lpool.dtype).as_strided(lpool.shape, (3, *lpool.stride()[1:]))
+    for p_ in (lpool, lpool, lodd):
+        ld.lightning_decode(lq, lk, lv, decay, p_, one)
+    assert counted_plans["lightning"] == 2
+
+
 def _assert_same_launch(a_args, b_args, out_at):
     """Two kernel launches got the same arguments: the same tensors, equal scalars, and at ``out_at`` a fresh output
     of the same shape each."""

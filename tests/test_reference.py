@@ -164,6 +164,21 @@ def test_kda_state_v_first_is_transpose(form):
     torch.testing.assert_close(s_a, s_b.transpose(-1, -2), rtol=0, atol=1e-13)
 
 
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_reference_entry_points_return_row_major_states(state_v_first):
+    """The reference_* entry points return the final state row-major in either layout, as FLA's kernels write it,
+    with or without an initial state (its cores keep [K, V]; the V-first state is a transpose of it)."""
+    q, k, v, g, beta, h0 = _inputs(1, 20, 1, 2, 16, 16, seed=3)
+    h0 = h0.to(torch.float32)
+    for state in (None, h0):
+        _, ht = reference_chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                    state_v_first=state_v_first)  # fmt: skip
+        assert ht.dtype == torch.float32 and ht.is_contiguous()
+        _, ht = reference_chunk_gated_delta_rule(q, k, v, g[..., 0], beta, initial_state=state, output_final_state=True,
+                                                 state_v_first=state_v_first)  # fmt: skip
+        assert ht.is_contiguous()
+
+
 VARLEN_CASES = [
     # lengths, H, HV, chunk, state_v_first
     ([0, 1, 37, 64, 5, 0], 2, 4, 16, False),

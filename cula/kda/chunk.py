@@ -264,13 +264,15 @@ def _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_s
         # stride of a size-1 dim, not even its divisibility, which the TMA descriptors need): checked in full then.
         if T == 1 and not all(map(is_row_major, (q, k, v, g, beta))):
             return None
+        # The bound launches take contiguous inputs and a contiguous initial state (their condition in
+        # prepare_chunk_kda_fwd_sm90): the fixed-length entry takes the batch and token strides as free sizes but
+        # addresses token b T + t at (b T + t) times the token stride, so a batch stride other than T token strides
+        # (a slice in time, swapped dims) would be accepted and misread; a packed call strided in time or a state
+        # strided in dim 0 would run where a fresh plan would not
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
+                and beta.is_contiguous() and (initial_state is None or initial_state.is_contiguous())):  # fmt: skip
+            return None
         if cu_seqlens is None:
-            # the fixed-length entry takes the batch and token strides as free sizes but addresses token b T + t
-            # at (b T + t) times the token stride (the bound launch's condition, row-major inputs): a batch stride
-            # other than T token strides (a slice in time, swapped dims) would be accepted and misread
-            if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
-                    and beta.is_contiguous()):  # fmt: skip
-                return None
             # (the device too: the launch allocates its outputs there)
             return (qs, v.shape, q.dtype, q.device, g.dtype, beta.dtype, *states, flags, forced_backend(),
                     _read_intra_mode(), grad, inference)  # fmt: skip

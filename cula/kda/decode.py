@@ -92,8 +92,10 @@ def kda_decode(
     try:
         short = (
             q.shape, v.shape, q.dtype, q.device, g.dtype, g.dim(), beta.dtype, state_pool.shape,
-            None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape, out is None,
-            None if step_states is None else step_states.shape, *flags,
+            # (the pool's strides too: the variant chosen may load it by TMA, which needs 16-byte row strides, and
+            # the entry checks no stride of a size-1 dim, a one-row pool's)
+            state_pool.stride(), None if A_log is None else A_log.shape, None if dt_bias is None else dt_bias.shape,
+            out is None, None if step_states is None else step_states.shape, *flags,
         )  # fmt: skip
     except AttributeError:
         short = None  # not tensors: validated in full

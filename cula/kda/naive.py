@@ -537,7 +537,8 @@ def naive_chunk_kda(
 
 
 def _finish(o: torch.Tensor, S: torch.Tensor | None, out_dtype: torch.dtype):
-    return o.to(out_dtype), (None if S is None else S.to(torch.float32))
+    # the state row-major as FLA's kernels write it (the cores keep it [K, V] and a V-first one is its transpose)
+    return o.to(out_dtype), (None if S is None else S.to(torch.float32).contiguous())
 
 
 def _preprocess_qk_beta(

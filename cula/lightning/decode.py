@@ -72,7 +72,9 @@ def lightning_decode(
         )  # fmt: skip
     flags = (scale is None or type(scale), state_v_first, forced_backend())
     try:
-        short = (q.shape, v.shape, q.dtype, q.device, decay.shape, state_pool.shape, out is None, *flags)
+        # (the pool's strides too, as kda_decode's: the entry checks no stride of a size-1 dim)
+        short = (q.shape, v.shape, q.dtype, q.device, decay.shape, state_pool.shape, state_pool.stride(), out is None,
+                 *flags)  # fmt: skip
     except AttributeError:
         short = None  # not tensors: validated in full
     return _plans.run(
