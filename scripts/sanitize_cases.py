@@ -47,9 +47,10 @@ def _cu(lens):
 
 
 def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=True, v_first=False, cpu_copy=True,
-               grad=False, neg=False, keep=False, graph=False):  # fmt: skip
+               grad=False, neg=False, keep=False, graph=False, states=False):  # fmt: skip
     """One chunk_kda call: fixed (lens an int T, B sequences) or packed (lens a list, B = 1); ``graph``: packed in
-    FLA's graph mode (``use_graph``, ``max_num_seqs`` the sequence count)."""
+    FLA's graph mode (``use_graph``, ``max_num_seqs`` the sequence count); ``states``: inference with
+    ``return_intermediate_states``."""
     from cula.kda import chunk_kda
     from cula.kda.plan import INTRA_ENV
 
@@ -95,12 +96,25 @@ def _kda_chunk(B, lens, H, HV, *, dtype=torch.bfloat16, gate="lower_bound", h0=T
             (o.float().sum() + ht.sum()).backward()
         return o
     with torch.inference_mode(), mock.patch.dict(os.environ, intra_env):
-        return chunk_kda(q, k, v, g, beta, **kw)
+        return chunk_kda(q, k, v, g, beta, return_intermediate_states=states, **kw)
 
 
 @case
 def kda_fixed_sigmoid_kv():
     _kda_chunk(2, 130, 2, 2)
+
+
+@case
+def kda_intermediate_states():
+    # return_intermediate_states on cula's kernels (KdaTuning.intermediate_states): the state/output kernel's storing
+    # variant writing every chunk's start state beside o; GVA, a partial last chunk
+    _kda_chunk(2, 130, 1, 2, states=True)
+
+
+@case
+def kda_intermediate_states_packed():
+    # empty, one-token and partial chunks, the [V, K] layout, no initial state
+    _kda_chunk(1, [70, 0, 65, 1], 1, 1, v_first=True, h0=False, states=True)
 
 
 @case
