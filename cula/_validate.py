@@ -312,23 +312,33 @@ def check_pool_rows(name: str, pool: Any, *, heads: int, k: int, v: int, state_v
                          f"got {list(pool.shape)}")  # fmt: skip
 
 
-def check_pool_indices(state_indices: torch.Tensor, pool_rows: int) -> None:
-    """``state_indices < pool_rows``, and no pool row named twice (two sequences on one row would race, each reading
-    the old state, the last write kept; negative indices, padded slots, may repeat): one copy of the indices to the
-    host (skipped while a CUDA graph captures)."""
-    if state_indices.numel() and not capturing(state_indices):
-        rows = state_indices.detach().reshape(-1).cpu()
-        top = int(rows.max())
-        if top >= pool_rows:
-            raise ValueError(f"`state_indices` has {top}, out of range for a pool of {pool_rows} rows")
-        live = rows[rows >= 0]
-        if live.numel() > 1:
-            values, counts = torch.unique(live, return_counts=True)
-            if values.numel() != live.numel():
+def check_pool_indices(state_indices: torch.Tensor, pool_rows: int, *, distinct: bool = True) -> list[int] | None:
+    """``state_indices < pool_rows`` and, with ``distinct``, no pool row named twice (two sequences on one row would
+    race, each reading the old state, the last write kept; negative indices, padded slots, may repeat): one copy of
+    the indices to the host, checked in Python (a few torch ops on the host would cost more than the copy). Returns
+    the indices as a list, or None where nothing was read (no index, or a CUDA graph capturing)."""
+    if not state_indices.numel() or capturing(state_indices):
+        return None
+    rows = state_indices.detach().reshape(-1).tolist()
+    top = max(rows)
+    if top >= pool_rows:
+        raise ValueError(f"`state_indices` has {top}, out of range for a pool of {pool_rows} rows")
+    if distinct:
+        refuse_repeated_rows(rows)
+    return rows
+
+
+def refuse_repeated_rows(rows: Iterable[int]) -> None:
+    """Raise if a non-negative pool row comes twice in ``rows`` (see ``check_pool_indices``)."""
+    seen: set[int] = set()
+    for row in rows:
+        if row >= 0:
+            if row in seen:
                 raise ValueError(
-                    f"`state_indices` names pool row {int(values[counts > 1][0])} more than once: two sequences "
-                    "would update one state at once (pad unused slots with negative indices)"
+                    f"`state_indices` names pool row {row} more than once: two sequences would update one state at "
+                    "once (pad unused slots with negative indices)"
                 )
+            seen.add(row)
 
 
 _HALF_FLOATS = (torch.bfloat16, torch.float16)

@@ -169,6 +169,10 @@ def positional_entry(fn: Any) -> Any:
     unwrap = getattr(fn, "__tvm_ffi_object__", None)
     if unwrap is None or getattr(getattr(fn, "execution_args", None), "has_pointer_address_arg_specs", True):
         return fn
+    # (an entry with defaults or keyword-only parameters needs the wrapper to fill them: none of cula's has any)
+    forward = getattr(fn, "_kwargs_wrapper", None)
+    if getattr(forward, "__defaults__", None) or getattr(forward, "__kwdefaults__", None):
+        return fn
     bare = unwrap()
     if bare is None:
         return fn

@@ -269,8 +269,8 @@ def test_failed_link_leaves_nothing(tmp_path, monkeypatch):
 
 def test_compiled_entry_is_the_bare_function(monkeypatch):
     """A fresh compile is served as the TVM-FFI function beneath the DSL's keyword wrapper (as a prebuilt or cached
-    variant is), the wrapper kept alive; a wrapper with pointer-address arguments, one with no loaded entry (no
-    GPU) and anything without the accessor are served as they are."""
+    variant is), the wrapper kept alive; a wrapper with pointer-address arguments or defaults to fill, one with no
+    loaded entry (no GPU) and anything without the accessor are served as they are."""
 
     class Args:
         def __init__(self, pointers):
@@ -290,5 +290,7 @@ def test_compiled_entry_is_the_bare_function(monkeypatch):
     monkeypatch.setattr(cache, "_prebuilt_function", lambda key: None)
     monkeypatch.setattr(cache, "dsl_installed", lambda: True)
     assert cache._obtain(("k",), lambda: wrapped) == (bare, "jit") and cache._MODULES == [wrapped]
-    for kept in (Wrapper(bare, pointers=True), Wrapper(None), bare):
+    with_defaults = Wrapper(bare)
+    with_defaults._kwargs_wrapper = lambda a, b=1: None
+    for kept in (Wrapper(bare, pointers=True), Wrapper(None), with_defaults, bare):
         assert cache.positional_entry(kept) is kept

@@ -253,6 +253,61 @@ def test_decode_short_keys_hold_the_pool_strides(counted_plans, fake_sm90):
     assert counted_plans["lightning"] == 2
 
 
+def test_a_pool_row_named_twice_is_refused_where_checked(counted_plans, fake_sm90):
+    """Two sequences on one pool row would race (each reads the old state, the last write is kept): on cula's path,
+    with the indices checked (the default), a call whose indices name a row twice raises naming it before any launch,
+    on a cached plan and on a bound step's fast path too (an engine rewrites the bound indices in place);
+    check_indices=False leaves it to the caller (it launches); negative indices (padded slots) may repeat."""
+    from cula.gated_delta_rule import gdn_decode, gdn_decode_step
+    from cula.lightning import lightning_decode_step
+
+    q, k, v, g, beta, pool, _ = _kda_inputs(torch.bfloat16)
+    pool = pool.transpose(-1, -2).contiguous()
+    lq, lk, lv, decay, lpool, _ = _lightning_inputs(torch.bfloat16)
+    twice, padded = (torch.tensor(x, dtype=torch.int32) for x in ([3, -1, 3], [3, -1, -1]))
+    A_log = torch.randn(HV)
+
+    def bound(step, *tokens):
+        return lambda: step(*tokens)
+
+    makers = {  # each makes a call with the given indices (a step binds them once)
+        "kda_decode": lambda idx, **kw: lambda: kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, **kw),
+        "kda_decode_step": lambda idx, **kw: bound(kd.kda_decode_step(pool, idx, A_log=A_log, **kw), q, k, v, g, beta),
+        "gdn_decode": lambda idx, **kw: lambda: gdn_decode(q, k, v, g[..., 0], beta, pool, idx, A_log=A_log, **kw),
+        "gdn_decode_step": lambda idx, **kw: bound(gdn_decode_step(pool, idx, A_log=A_log, **kw), q, k, v,
+                                                   g[..., 0], beta),  # fmt: skip
+        "lightning_decode": lambda idx, **kw: lambda: ld.lightning_decode(lq, lk, lv, decay, lpool, idx, **kw),
+        "lightning_decode_step": lambda idx, **kw: bound(lightning_decode_step(decay, lpool, idx, **kw), lq, lk, lv),
+    }
+    for name, make in makers.items():
+        idx = padded.clone()
+        call = make(idx)
+        call()
+        call()  # the plan (or the step's last launch) in place
+        idx.copy_(twice)
+        fake_sm90.clear()
+        with pytest.raises(ValueError, match="pool row 3 more than once"):
+            call()
+        assert "launch" not in [c[0] for c in fake_sm90], name
+        unchecked = make(twice.clone(), check_indices=False)
+        for _ in range(2):
+            fake_sm90.clear()
+            unchecked()
+            assert [c[0] for c in fake_sm90][-1:] == ["launch"], name
+
+
+def test_commit_refuses_two_writes_to_one_row():
+    """kda_commit_accepted writes each sequence with accepted tokens to its row: two writers of one row raise, a
+    repeated row with one writer (or none) does not."""
+    steps = torch.randn(3, 2, HV, D, D)
+    pool = torch.zeros(P, HV, D, D)
+    idx = torch.tensor([3, 3, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="pool row 3 more than once"):
+        kd.kda_commit_accepted(steps, pool, idx, torch.tensor([1, 2, 0], dtype=torch.int32))
+    kd.kda_commit_accepted(steps, pool, idx, torch.tensor([0, 2, 1], dtype=torch.int32))
+    assert torch.equal(pool[3], steps[1, 1])
+
+
 def _assert_same_launch(a_args, b_args, out_at):
     """Two kernel launches got the same arguments: the same tensors, equal scalars, and at ``out_at`` a fresh output
     of the same shape each."""

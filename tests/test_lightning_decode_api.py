@@ -108,35 +108,6 @@ def test_check_indices_false_skips_the_range_check():
         lightning_decode(q, k, v, decay, pool, idx, check_indices=False)
 
 
-def test_a_pool_row_named_twice_is_refused():
-    """Two sequences on one pool row would race (each reads the old state, the last write is kept): with the
-    indices checked (the default) such a call raises naming the row; negative indices (padded slots) may repeat."""
-    from cula.gated_delta_rule import gdn_decode
-    from cula.kda import kda_commit_accepted, kda_decode, kda_decode_step
-
-    q, k, v, decay, pool, idx = _inputs(N=5)
-    idx = torch.tensor([3, -1, 3, -1, 5], dtype=torch.int32)
-    with pytest.raises(ValueError, match="pool row 3 more than once"):
-        lightning_decode(q, k, v, decay, pool, idx)
-    padded = torch.tensor([3, -1, 4, -1, 5], dtype=torch.int32)
-    lightning_decode(q, k, v, decay, pool, padded)  # repeated padding is fine
-    N, HV, K = 5, 4, 64
-    kq = torch.randn(N, 1, 2, K).to(torch.bfloat16)
-    kv = torch.randn(N, 1, HV, K).to(torch.bfloat16)
-    g, beta = -torch.rand(N, 1, HV, K), torch.rand(N, 1, HV)
-    kpool = torch.zeros(9, HV, K, K)
-    plain = dict(use_gate_in_kernel=False, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False)
-    with pytest.raises(ValueError, match="pool row 3 more than once"):
-        kda_decode(kq, kq, kv, g, beta, kpool, idx, **plain)
-    with pytest.raises(ValueError, match="pool row 3 more than once"):
-        kda_decode_step(kpool, idx, **plain)(kq, kq, kv, g, beta)
-    with pytest.raises(ValueError, match="pool row 3 more than once"):
-        gdn_decode(kq, kq, kv, g[..., 0], beta, kpool, idx, **plain)
-    steps = torch.zeros(N, 1, HV, K, K)
-    with pytest.raises(ValueError, match="pool row 3 more than once"):
-        kda_commit_accepted(steps, kpool, idx, torch.ones(N, dtype=torch.int32))
-
-
 # ------------------------------------------------------------------------------------------- validation
 
 

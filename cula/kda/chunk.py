@@ -144,9 +144,9 @@ def chunk_kda(
             except AttributeError:  # not tensors: validated in full below
                 grad = None
             inference = torch.is_inference_mode_enabled()
-            # the short key (as cula.backends.StepPlans'): shapes and dtypes, for launches whose compiled entry checks
-            # the rest (strides, alignment, one device, the sizes shared with q); a packed call's without its total
-            # length, its boundaries' values checked here every call
+            # the short key (as cula.backends.StepPlans'): shapes and dtypes of contiguous inputs, for launches whose
+            # compiled entry checks the rest (strides, alignment, one device, the sizes shared with q); a packed
+            # call's without its total length, its boundaries' values checked here every call
             short = _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, flags,
                                grad, inference)  # fmt: skip
             plan = None if short is None else _short_plans.get(short)

@@ -11,6 +11,7 @@ from cula._validate import (
     check_decode_tokens,
     check_lower_bound,
     check_pool_indices,
+    refuse_repeated_rows,
     check_qkv,
     check_scale,
     check_state_pool,
@@ -413,8 +414,9 @@ def _decode_reference(
 
     if g.dim() == 3:  # one gate per token and value head: the same recurrence with it on every K channel
         g, dt_bias = gate_over_k(g, dt_bias, q.shape[-1])
-    # with check_indices=False too: torch's indexing below would fail inside a kernel (on CUDA, a device assert)
-    check_pool_indices(state_indices, state_pool.shape[0])
+    # the range with check_indices=False too: torch's indexing below would fail inside a kernel (on CUDA, a device
+    # assert); a repeated row indexes fine (last write kept, as the kernels' race), refused only where checked
+    check_pool_indices(state_indices, state_pool.shape[0], distinct=False)
     live = state_indices >= 0
     rows = state_indices.long().clamp(min=0)
     flags = dict(
@@ -462,7 +464,8 @@ def kda_commit_accepted(
 
     After a verify call ``kda_decode(..., step_states=buf)``, ``num_accepted_tokens[n]`` (int, 0..T) says how
     many of sequence ``n``'s T tokens were accepted; this copies ``buf[n, num_accepted_tokens[n] - 1]`` into
-    ``state_pool[state_indices[n]]``. Sequences with 0 accepted tokens or a negative index keep their pool row.
+    ``state_pool[state_indices[n]]``. Sequences with 0 accepted tokens or a negative index keep their pool row; two
+    sequences that both write one row are refused (``ValueError``), as are rows past the pool and counts outside 0..T.
 
     Args:
         step_states: fp32 ``[N, T, HV, ...]`` from :func:`kda_decode`.
@@ -485,13 +488,14 @@ def kda_commit_accepted(
     check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=dev)
     check_tensor("num_accepted_tokens", num_accepted_tokens, shape=(N,), dtypes=(torch.int32, torch.int64), device=dev)
     # The indexing below syncs with the host anyway (once per verify step, not per token): check the values first,
-    # an out-of-range row would fail inside torch's indexing kernel (on CUDA, a device assert).
-    check_pool_indices(state_indices, state_pool.shape[0])
-    lo, hi = torch.stack(torch.aminmax(num_accepted_tokens)).tolist() if N else (0, 0)
-    if not 0 <= lo <= hi <= T:
-        raise ValueError(
-            f"`num_accepted_tokens` must lie in 0..T={T}, got {num_accepted_tokens.tolist()[:16]}"
-        )
+    # an out-of-range row would fail inside torch's indexing kernel (on CUDA, a device assert), and two sequences
+    # written to one row would leave either state there.
+    rows = check_pool_indices(state_indices, state_pool.shape[0], distinct=False)
+    accepted = num_accepted_tokens.tolist()
+    if accepted and not 0 <= min(accepted) <= max(accepted) <= T:
+        raise ValueError(f"`num_accepted_tokens` must lie in 0..T={T}, got {accepted[:16]}")
+    if rows is not None:
+        refuse_repeated_rows(row for row, n in zip(rows, accepted) if n > 0)
     if T == 0:  # no token was verified, so none accepted: every row kept
         return
     keep = (state_indices >= 0) & (num_accepted_tokens > 0)

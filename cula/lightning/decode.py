@@ -267,8 +267,9 @@ def _decode_cula_sm90(q, k, v, decay, state_pool, state_indices, scale, state_v_
 def _decode_reference(q, k, v, decay, state_pool, state_indices, scale, state_v_first, out):
     from cula.simple_gla.naive import reference_chunk_simple_gla
 
-    # with check_indices=False too: torch's indexing below would fail inside a kernel (on CUDA, a device assert)
-    check_pool_indices(state_indices, state_pool.shape[0])
+    # the range with check_indices=False too: torch's indexing below would fail inside a kernel (on CUDA, a device
+    # assert); a repeated row indexes fine (last write kept, as the kernels' race), refused only where checked
+    check_pool_indices(state_indices, state_pool.shape[0], distinct=False)
     live = state_indices >= 0
     rows = state_indices.long().clamp(min=0)
     with torch.no_grad():
