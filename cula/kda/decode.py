@@ -11,7 +11,6 @@ from cula._validate import (
     check_decode_tokens,
     check_lower_bound,
     check_pool_indices,
-    refuse_repeated_rows,
     check_qkv,
     check_scale,
     check_state_pool,
@@ -21,6 +20,7 @@ from cula._validate import (
     dense,
     is_dense,
     pool_layout_verdict,
+    refuse_repeated_rows,
 )
 from cula.backends import (
     Registry, StepPlans, always, cula_kernels_on, forced_backend, tensor_sig, token_sigs,
