@@ -487,19 +487,16 @@ def kda_commit_accepted(
         )
     check_tensor("state_indices", state_indices, shape=(N,), dtypes=(torch.int32,), device=dev)
     check_tensor("num_accepted_tokens", num_accepted_tokens, shape=(N,), dtypes=(torch.int32, torch.int64), device=dev)
-    # The indexing below syncs with the host anyway (once per verify step, not per token): check the values first,
-    # an out-of-range row would fail inside torch's indexing kernel (on CUDA, a device assert), and two sequences
-    # written to one row would leave either state there.
+    # The values are read on the host (once per verify step, not per token): an out-of-range row would fail inside
+    # torch's indexing kernel (on CUDA, a device assert), and two sequences written to one row would leave either
+    # state there. The rows to write are then picked on the host too, so that only the kept states are gathered.
     rows = check_pool_indices(state_indices, state_pool.shape[0], distinct=False)
     accepted = num_accepted_tokens.tolist()
     if accepted and not 0 <= min(accepted) <= max(accepted) <= T:
         raise ValueError(f"`num_accepted_tokens` must lie in 0..T={T}, got {accepted[:16]}")
-    if rows is not None:
-        refuse_repeated_rows(row for row, n in zip(rows, accepted) if n > 0)
-    if T == 0:  # no token was verified, so none accepted: every row kept
+    writes = [(n, a - 1, row) for n, (row, a) in enumerate(zip(rows or (), accepted)) if row >= 0 and a > 0]
+    refuse_repeated_rows(row for _, _, row in writes)
+    if not writes:  # no token accepted (or none verified, T = 0): every row kept
         return
-    keep = (state_indices >= 0) & (num_accepted_tokens > 0)
-    last = (num_accepted_tokens.long() - 1).clamp(0, T - 1)
-    picked = step_states[torch.arange(N, device=step_states.device), last]
-    # Boolean indexing costs one host sync; a commit runs once per verify step, not per token.
-    state_pool[state_indices.long()[keep]] = picked[keep]
+    seq, pos, dst = torch.tensor(writes, dtype=torch.long, device=dev).unbind(1)
+    state_pool[dst] = step_states[seq, pos]
