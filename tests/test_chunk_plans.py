@@ -289,6 +289,7 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
             assert not torch.isnan(o).any()
             assert torch.equal(o.view(torch.int16), ref_o.view(torch.int16))
             if with_state:
+                assert not torch.isnan(s).any()  # equal bits of a state left poisoned by both paths would pass
                 assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
             else:
                 assert s is None and ref_s is None
@@ -311,6 +312,7 @@ def test_bound_launch_in_cuda_graph(counted):
         graph.replay()
         torch.cuda.synchronize()
     assert counted[0] == 1
+    assert not o_eager.isnan().any() and not s_eager.isnan().any()  # else poisoned bits in both would match
     assert torch.equal(o_graph.view(torch.int16), o_eager.view(torch.int16))
     assert torch.equal(s_graph.view(torch.int32), s_eager.view(torch.int32))
 
@@ -568,6 +570,7 @@ def test_segmented_launch_bit_identical_cuda(counted, T_, with_h0, with_ht):
     assert not torch.isnan(o1).any()
     assert torch.equal(o0.view(torch.int16), o1.view(torch.int16))
     if with_ht:
+        assert not torch.isnan(s1).any()  # equal bits of a state left poisoned by both launches would pass
         assert torch.equal(s0.view(torch.int32), s1.view(torch.int32))
     else:
         assert s0 is None and s1 is None
@@ -589,6 +592,7 @@ def test_segmented_launch_in_cuda_graph(counted, kda_tuning):
             o_graph, s_graph = chunk_kda(**x, **FLAGS)
         graph.replay()
         torch.cuda.synchronize()
+    assert not o_eager.isnan().any() and not s_eager.isnan().any()  # else poisoned bits in both would match
     assert torch.equal(o_graph.view(torch.int16), o_eager.view(torch.int16))
     assert torch.equal(s_graph.view(torch.int32), s_eager.view(torch.int32))
 

@@ -10,6 +10,8 @@ cut against the serial path and the float64 reference (``-m gpu``).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -253,7 +255,9 @@ def test_chunk_kda_cut_matches_serial_cuda(lengths, state_v_first, gate, halves,
     o_ref, ht_ref = reference_chunk_kda(*(t.cpu() for t in x), compute_dtype=torch.float64, **ref_kw)
     for name, ref, ours, fla in (("o", o_ref, o, o_fla), ("ht", ht_ref, ht, ht_fla)):
         fla_err = rel_rmse(ref.float(), fla.float().cpu())
-        assert_close(f"{name} vs f64 (FLA's error {fla_err:.2e})", ref, ours.cpu(), max(5e-3, 1.1 * fla_err))
+        # FLA's error only where finite: an overflow in FLA's output must not lift the bound to infinity
+        slack = 1.1 * fla_err if math.isfinite(fla_err) else 0.0
+        assert_close(f"{name} vs f64 (FLA's error {fla_err:.2e})", ref, ours.cpu(), max(5e-3, slack))
 
 
 @pytest.mark.gpu

@@ -679,6 +679,7 @@ def test_single_token_occupancy_matches(N, state_v_first, cta):
     settings = [{"wide_kv": False, "kv_tma": False, "kv_cols": None, "single_token_cta": c} for c in (None, cta)]
     _pool0, _indices, results = _t1_runs(settings, N, 16, 128, state_v_first)
     (o0, p0), (o1, p1) = results
-    assert not torch.isnan(o1).any()
+    # the bit comparisons below would match a NaN / Inf that both variants wrote
+    assert torch.isfinite(o1).all() and torch.isfinite(p1).all()
     assert torch.equal(o0.view(torch.int16), o1.view(torch.int16))
     assert torch.equal(p0.view(torch.int32), p1.view(torch.int32))
