@@ -2,7 +2,8 @@
 
 ``assert_close`` follows FLA's rule (relative RMSE of the difference over the RMS of the reference,
 passing outright when the largest absolute difference is tiny) but never lets NaN or Inf through:
-a poisoned output element that a kernel forgot to write fails the check.
+a poisoned output element that a kernel forgot to write fails the check. A state pool that a decode updates in
+place cannot be poisoned: ``assert_rows_rewritten`` checks that every element of the rows it owns moved instead.
 """
 
 from __future__ import annotations
@@ -40,6 +41,52 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float, 
     err = rel_rmse(ref, out)
     if not err < ratio:
         raise AssertionError(f"{name}: relative RMSE {err:.3e} >= {ratio:.1e} (max abs diff {max_abs:.3e})")
+
+
+def assert_rows_rewritten(
+    name: str,
+    after: torch.Tensor,
+    before: torch.Tensor,
+    rows,
+    ref: torch.Tensor | None = None,
+    rtol: float = 1e-4,
+) -> None:
+    """Fail unless every element of the state-pool rows ``rows`` (distinct, non-negative indices into dim 0) is
+    finite in ``after`` and differs from ``before``.
+
+    An in-place decode reads the pool, so it cannot be poisoned, and ``assert_close`` over the pool (or a bit-for-bit
+    match of two runs) passes a few elements a kernel left at their old values. With random inputs every element
+    of a row a sequence owns moves (the state decays by a factor below 1 and takes a random rank-one update), so
+    an unchanged one is an unwritten one, with one exception: fp32 rounding gives the old value back where the
+    true change is below half an ulp: in random fp32 states, about one element in 10^8, one in 10^5 with no decay.
+    ``ref`` (the expected ``after[rows]``, any precision and device) excuses those: an element may keep its value
+    where the reference moves it by at most ``rtol`` times the reference's RMS, far above any rounding of an fp32
+    pool and far below a random update. Without ``ref`` no element is excused: only for inputs and sizes where
+    none can round back.
+    """
+    rows = torch.as_tensor(rows, device=after.device).long().flatten()
+    if (rows < 0).any():
+        raise ValueError(f"{name}: rows must be non-negative pool rows (a padded slot's -1 selects the last row)")
+    new, old = after[rows], before[rows].to(after.device)
+    if not new.numel():
+        return
+    bad = (~torch.isfinite(new)).sum().item()
+    if bad:
+        raise AssertionError(f"{name}: {bad} non-finite elements (NaN/Inf) of {new.numel()} in the updated rows")
+    kept = new == old
+    if ref is not None:
+        ref64 = ref.detach().to(after.device, torch.float64)
+        if ref64.shape != new.shape:
+            raise AssertionError(f"{name}: reference shape {tuple(ref64.shape)} != the rows' {tuple(new.shape)}")
+        if not torch.isfinite(ref64).all():
+            raise AssertionError(f"{name}: the reference itself has non-finite elements")
+        kept &= (ref64 - old.double()).abs() > rtol * ref64.pow(2).mean().sqrt()
+    count = kept.sum().item()
+    if count:
+        first = kept.nonzero()[:4].tolist()
+        where = ", ".join(str((rows[i[0]].item(), *i[1:])) for i in first)
+        raise AssertionError(f"{name}: {count} of {new.numel()} elements of the updated rows kept their old value "
+                             f"(never written?), first at {where}")  # fmt: skip
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from cula.testing import assert_close, poison_
+from cula.testing import assert_close, assert_rows_rewritten, poison_
 
 STEPS = 10_000
 CHECK_EVERY = 1_000
@@ -60,6 +60,14 @@ def _check(name, ref_outs, outs, ref_states, pool, slots, state_v_first, step, u
         assert torch.equal(pool[r], before), f"{name}: pool row {r} owned by no sequence changed"
 
 
+def _check_first_step(name, pool, before, ref_states, slots, state_v_first):
+    """Every element of the live rows moved on the first step: the one where the float64 twin still starts from the
+    pool's own values (later it has drifted from them by more than the rounding the check excuses)."""
+    live = slots >= 0
+    ref = ref_states[live].transpose(-1, -2) if state_v_first else ref_states[live]
+    assert_rows_rewritten(f"{name} pool rows, step 0", pool, before, slots[live].long(), ref=ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
 def test_kda_decode_10k_steps(state_v_first):
@@ -85,6 +93,7 @@ def test_kda_decode_10k_steps(state_v_first):
     bias64 = dt_bias.double().view(HV, D)
     group = HV // H
     with torch.no_grad():
+        before = pool.clone()
         for t in range(STEPS):
             kda_decode(q[t], k[t], v[t], g[t], beta[t], pool, slots, A_log=A_log, dt_bias=dt_bias,
                        state_v_first=state_v_first, out=outs[t], check_indices=False)  # fmt: skip
@@ -99,6 +108,8 @@ def test_kda_decode_10k_steps(state_v_first):
             err = v[t, :, 0].double() - torch.einsum("nhk,nhkv->nhv", kt, S)
             S.add_((b[..., None] * kt)[..., None] * err[:, :, None, :])
             ref_outs[t] = scale * torch.einsum("nhk,nhkv->nhv", qt, S)
+            if t == 0:
+                _check_first_step("kda_decode", pool, before, S, slots, state_v_first)
             if (t + 1) % CHECK_EVERY == 0:
                 _check("kda_decode", ref_outs, outs, S, pool, slots, state_v_first, t + 1, untouched)
 
@@ -122,6 +133,7 @@ def test_lightning_decode_10k_steps(state_v_first):
     keep = torch.exp(-decay.double())[None, :, None, None]
     group = HV // H
     with torch.no_grad():
+        before = pool.clone()
         for t in range(STEPS):
             lightning_decode(q[t], k[t], v[t], decay, pool, slots, state_v_first=state_v_first, out=outs[t],
                              check_indices=False)  # fmt: skip
@@ -129,5 +141,7 @@ def test_lightning_decode_10k_steps(state_v_first):
             kt = k[t, :, 0].double().repeat_interleave(group, 1)
             S.mul_(keep).add_(kt[..., None] * v[t, :, 0].double()[:, :, None, :])
             ref_outs[t] = scale * torch.einsum("nhk,nhkv->nhv", qt, S)
+            if t == 0:
+                _check_first_step("lightning_decode", pool, before, S, slots, state_v_first)
             if (t + 1) % CHECK_EVERY == 0:
                 _check("lightning_decode", ref_outs, outs, S, pool, slots, state_v_first, t + 1, untouched)

@@ -549,12 +549,14 @@ def test_lightning_decode_plans(counted_plans, fake_sm90):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["kda", "lightning"])
-def test_fast_launch_matches_the_general_path_on_sm90(op):
-    """On the H200: repeated public calls (the bound launch) give bit-identical results to the launcher."""
+def test_fast_launch_matches_the_general_path_on_sm90(op, monkeypatch):
+    """On the H200: repeated public calls (the bound launch) give bit-identical results to the launcher, and the
+    first call rewrites every element of the pool rows it owns (both paths could leave the same one unwritten)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.kda.plan import kda_decode_sm90
     from cula.lightning.plan import lightning_decode_sm90
+    from cula.testing import assert_rows_rewritten
 
     torch.manual_seed(2)
     n, h, hv, d, p = 16, 4, 8, 128, 40
@@ -563,26 +565,38 @@ def test_fast_launch_matches_the_general_path_on_sm90(op):
     pool = torch.randn(p, hv, d, d, device="cuda") * 0.1
     idx = torch.randperm(p, device="cuda")[:n].to(torch.int32)
     idx[3] = -1
-    ref_pool = pool.clone()
+    before, ref_pool = pool.clone(), pool.clone()
     if op == "kda":
         g = torch.randn(n, 1, hv, d, device="cuda")
         beta = torch.randn(n, 1, hv, device="cuda")
         A_log = torch.randn(hv, device="cuda")
-        outs = [kd.kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log, lower_bound=-5.0) for _ in range(3)]
-        for step in range(3):
-            o = torch.empty_like(v)
-            kda_decode_sm90(q, k, v, g, beta, A_log, None, ref_pool, idx, o, scale=d**-0.5, gate="lower_bound",
+        public = lambda state: kd.kda_decode(q, k, v, g, beta, state, idx, A_log=A_log, lower_bound=-5.0)
+
+        def launcher(state, o):
+            kda_decode_sm90(q, k, v, g, beta, A_log, None, state, idx, o, scale=d**-0.5, gate="lower_bound",
                             lower_bound=-5.0, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False,
                             state_v_first=True)  # fmt: skip
-            assert torch.equal(o, outs[step])
     else:
         decay = torch.rand(hv, device="cuda")
-        outs = [ld.lightning_decode(q, k, v, decay, pool, idx) for _ in range(3)]
-        for step in range(3):
-            o = torch.empty_like(v)
-            lightning_decode_sm90(q, k, v, decay, ref_pool, idx, o, scale=d**-0.5, state_v_first=True)
-            assert torch.equal(o, outs[step])
+        public = lambda state: ld.lightning_decode(q, k, v, decay, state, idx)
+
+        def launcher(state, o):
+            lightning_decode_sm90(q, k, v, decay, state, idx, o, scale=d**-0.5, state_v_first=True)
+
+    outs = [public(pool)]
+    first = pool.clone()
+    outs += [public(pool) for _ in range(2)]
+    for step in range(3):
+        o = torch.empty_like(v)
+        launcher(ref_pool, o)
+        assert torch.equal(o, outs[step])
     assert torch.equal(pool, ref_pool)
+    # the reference backend's first step (fp32 torch) tells which elements may round back to their old values
+    monkeypatch.setenv("CULA_BACKEND", "reference")
+    expected = before.clone()
+    public(expected)
+    rows = idx[idx >= 0].long()
+    assert_rows_rewritten("pool rows after the first call", first, before, rows, ref=expected[rows])
 
 
 def test_fused_recurrent_kda_pool_form_runs_the_decode_kernel(counted_plans, fake_sm90):

@@ -16,7 +16,7 @@ import torch
 
 from cula.gated_delta_rule import gdn_commit_accepted, gdn_decode, gdn_decode_step
 from cula.gated_delta_rule.naive import reference_fused_recurrent_gated_delta_rule
-from cula.testing import assert_close
+from cula.testing import assert_close, assert_rows_rewritten
 
 INDICES = [3, -1, 0]  # the second sequence is a padded slot
 P = 5
@@ -66,6 +66,7 @@ def _check(device, T, H, HV, K, fused, state_v_first):
         o_ref, s_ref = _reference(x, flags, before, n, T)
         assert_close(f"o[{n}]", o_ref[0].float(), o[n].float().cpu(), 5e-3)
         assert_close(f"pool[{row}]", s_ref[0].float(), pool[row].cpu(), 5e-3)
+        assert_rows_rewritten(f"pool[{row}]", pool, before, [row], ref=s_ref)
 
     # speculative decoding: every token's state into step_states, the pool untouched; then commit a prefix
     pool = before.clone()
@@ -148,6 +149,10 @@ def test_per_head_gate_is_the_repeated_gate_cuda(T, HV, fused, state_v_first, st
         runs.append((o, p, st))
     (o1, p1, s1), (o2, p2, s2) = runs
     assert not o1.isnan().any() and torch.equal(o1, o2) and torch.equal(p1, p2)
+    for n, row in enumerate(INDICES):  # both runs could leave the same element of a row unwritten
+        if row >= 0 and not steps:
+            _, s_ref = _reference(x, flags, pool, n, T)
+            assert_rows_rewritten(f"pool[{row}]", p1, pool, [row], ref=s_ref)
     live = [n for n, row in enumerate(INDICES) if row >= 0]  # the padded slot's step states are left NaN
     assert not steps or torch.equal(s1[live], s2[live])
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from cula.testing import assert_close, make_cu_seqlens
+from cula.testing import assert_close, assert_rows_rewritten, make_cu_seqlens
 
 pytestmark = pytest.mark.gpu
 os.environ.setdefault("FLA_FLASH_KDA", "0")
@@ -447,8 +447,10 @@ def test_kda_decode_pool_cuda():
     assert_close("pool vs fla", pool_f, pool_c, TOL)
     assert_close("fla o vs ref", o_r.transpose(0, 1), o_f, TOL)
     assert_close("fla pool vs ref", pool_r, pool_f, TOL)
+    rows = idx.long()
+    assert_rows_rewritten("pool rows", pool_c, pool, rows, ref=pool_r[rows])
     untouched = torch.ones(P, dtype=torch.bool, device=DEV)
-    untouched[idx.long()] = False
+    untouched[rows] = False
     assert torch.equal(pool_c[untouched], pool[untouched])
     # the [N, 1] form (no cu_seqlens) runs on cula's decode kernel: same numbers
     from cula.kda.backends import fused_recurrent_kda_registry
@@ -466,6 +468,7 @@ def test_kda_decode_pool_cuda():
     assert_close("pool ([N, 1] form) vs ref", pool_r, pool_c2, TOL)
     assert_close("o ([N, 1] form) vs fla", o2_f, o2, TOL)
     assert_close("pool ([N, 1] form) vs fla", pool_f2, pool_c2, TOL)
+    assert_rows_rewritten("pool rows ([N, 1] form)", pool_c2, pool, rows, ref=pool_r[rows])
     assert torch.equal(pool_c2[untouched], pool[untouched])
 
 
@@ -496,6 +499,8 @@ def test_kda_decode_public_cuda(T, state_v_first, monkeypatch):
     assert_close("pool vs float64", pool64, pool_c, TOL)
     assert_close("o vs reference backend", o_r, o, TOL)
     assert_close("pool vs reference backend", pool_r, pool_c, TOL)
+    rows = idx[idx >= 0].long()
+    assert_rows_rewritten("pool rows", pool_c, pool, rows, ref=pool64[rows])
     assert torch.equal(pool_c[[1, 2, 4, 6, 8]], pool[[1, 2, 4, 6, 8]])
     assert torch.equal(o[1], torch.zeros_like(o[1]))
 

@@ -15,7 +15,7 @@ import torch
 from cula.lightning import lightning_decode
 from cula.lightning.decode import lightning_decode_registry
 from cula.simple_gla import fused_recurrent_simple_gla
-from cula.testing import assert_close
+from cula.testing import assert_close, assert_rows_rewritten
 
 
 def _inputs(N=5, T=2, H=2, HV=4, D=64, P=9, *, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -218,7 +218,7 @@ def _requires_sm90():
 def test_cula_backend_matches_reference(monkeypatch, state_v_first, D, T):
     _requires_sm90()
     q, k, v, decay, pool, idx = _inputs(N=11, T=T, H=2, HV=8, D=D, P=20, device="cuda", seed=3)
-    pool_ref = pool.clone()
+    before, pool_ref = pool.clone(), pool.clone()
     selected = lightning_decode_registry.select(q.device, {
         "q": q, "k": k, "v": v, "decay": decay, "state_pool": pool, "state_indices": idx, "scale": 0.1,
         "state_v_first": state_v_first, "out": torch.empty_like(v),
@@ -235,6 +235,11 @@ def test_cula_backend_matches_reference(monkeypatch, state_v_first, D, T):
     assert_close("pool vs reference backend", pool_ref, pool, 5e-3)
     live = idx >= 0
     assert torch.equal(o[~live], torch.zeros_like(o[~live]))
+    rows = idx[live].long()
+    assert_rows_rewritten("pool rows", pool, before, rows, ref=pool64[rows])
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    assert torch.equal(pool[untouched], before[untouched])
 
 
 @pytest.mark.gpu
@@ -244,7 +249,7 @@ def test_cula_backend_odd_strides(monkeypatch):
     q, k, v, decay, pool, idx = _inputs(N=6, T=3, H=2, HV=4, D=128, P=10, device="cuda", seed=4)
     big = torch.randn(10, 2, 4, 128, 128, device="cuda")
     pool = big[:, 1]
-    pool_ref = pool.clone()
+    before, pool_ref = pool.clone(), pool.clone()
     other = big[:, 0].clone()
     out = torch.full((6, 2, 4, 128), float("nan"), device="cuda", dtype=torch.bfloat16)[:, 1:]
     selected = lightning_decode_registry.select(q.device, {
@@ -263,9 +268,14 @@ def test_cula_backend_odd_strides(monkeypatch):
     assert_close("o vs reference backend", o_ref.float(), o.float(), 5e-3)
     assert_close("pool vs reference backend", pool_ref, pool, 5e-3)
     assert torch.equal(big[:, 0], other), "the rows between pool rows changed"
+    rows = idx[idx >= 0].long()
+    assert_rows_rewritten("pool rows", pool, before, rows, ref=pool64[rows])
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    assert torch.equal(pool[untouched], before[untouched])
     # N = 1: q[:, 1:2] is is_contiguous() yet its size-1 dims carry foreign strides
     q1, k1, v1 = (x[:1, 1:2] for x in (q, k, v))
-    pool1, pool1_ref = pool.clone(), pool.clone()
+    pool1, pool1_ref, before1 = pool.clone(), pool.clone(), pool.clone()
     idx1 = idx[:1].clone().fill_(2)
     o1_64, pool1_64 = _float64(q1, k1, v1, decay, pool1, idx1)
     monkeypatch.delenv("CULA_BACKEND")
@@ -276,3 +286,4 @@ def test_cula_backend_odd_strides(monkeypatch):
     assert_close("pool (N=1) vs float64", pool1_64, pool1, 5e-3)
     assert_close("o (N=1) vs reference backend", o1_ref.float(), o1.float(), 5e-3)
     assert_close("pool (N=1) vs reference backend", pool1_ref, pool1, 5e-3)
+    assert_rows_rewritten("pool row (N=1)", pool1, before1, [2], ref=pool1_64[2:3])

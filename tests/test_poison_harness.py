@@ -2,9 +2,11 @@
 wrote, whatever the allocation's size.
 
 CPU: under the fixture every kind of uninitialised allocation starts as NaN (integers: their largest value), and
-``assert_close`` fails on a single element left unwritten. GPU: the same for CUDA allocations on both sides of the
-caching allocator's 1 MiB small-block pool (which the old 1 GiB NaN block never reached), and a deliberately short
-launch of one of our kernels, one token short of its output, fails the comparison with the float64 reference.
+``assert_close`` fails on a single element left unwritten; a state pool updated in place (which cannot be poisoned)
+fails ``assert_rows_rewritten`` on one element of an owned row left at its old value. GPU: the same for CUDA
+allocations on both sides of the caching allocator's 1 MiB small-block pool (which the old 1 GiB NaN block never
+reached), and a deliberately short launch of one of our kernels, one token short of its output, fails the comparison
+with the float64 reference.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cula.testing import assert_close, make_cu_seqlens
+from cula.testing import assert_close, assert_rows_rewritten, make_cu_seqlens
 
 
 def _allocations(device):
@@ -44,6 +46,33 @@ def test_one_unwritten_element_fails_the_comparison(poisoned):
         assert_close("o", ref, out, 5e-3)
     out.view(-1)[-1] = ref.view(-1)[-1]
     assert_close("o", ref, out, 5e-3)
+
+
+def test_a_pool_row_element_left_unwritten_fails():
+    """``assert_rows_rewritten``: an in-place pool update whose rows all move passes; one element of an updated row
+    left at its old value fails, so does a NaN, while the rows no sequence owns are not its business."""
+    before = torch.randn(5, 2, 8, 8)
+    rows = torch.tensor([3, 0], dtype=torch.int32)
+    after = before.clone()
+    after[rows.long()] = 0.9 * before[rows.long()] + 0.1 * torch.randn(2, 2, 8, 8)
+    ref = after[rows.long()].double()
+    assert_rows_rewritten("pool", after, before, rows)
+    assert_rows_rewritten("pool", after, before, rows, ref=ref)
+    stale = after.clone()
+    stale[0, 1, 2, 5] = before[0, 1, 2, 5]
+    with pytest.raises(AssertionError, match=r"1 of 256 elements .* kept their old value .* first at \(0, 1, 2, 5\)"):
+        assert_rows_rewritten("pool", stale, before, rows)
+    with pytest.raises(AssertionError, match="1 of 256 elements"):
+        assert_rows_rewritten("pool", stale, before, rows, ref=ref)
+    nan = after.clone()
+    nan[3, 0, 7, 7] = float("nan")
+    with pytest.raises(AssertionError, match=r"1 non-finite elements \(NaN/Inf\) of 256"):
+        assert_rows_rewritten("pool", nan, before, rows, ref=ref)
+    # an element whose reference moves it by less than rtol x RMS may round back to its old value
+    ref[1, 1, 2, 5] = before[0, 1, 2, 5] + 1e-9
+    assert_rows_rewritten("pool", stale, before, rows, ref=ref)
+    with pytest.raises(ValueError, match="non-negative"):
+        assert_rows_rewritten("pool", after, before, torch.tensor([3, -1]))
 
 
 def test_cpu_tests_are_not_poisoned():

@@ -4,9 +4,10 @@ CPU: every variant (gate kind x state layout x K x step_states, plus dtype/flag 
 for sm_90a in one subprocess with ptxas remarks on, and ptxas reports no spills and at most 128 registers
 (the kernel asks for 4 CTAs of 128 threads per SM). T, N, H, HV and the pool size are run-time values, so one
 compiled variant serves T = 1 and T = 4 alike. GPU (``-m gpu`` on an H100/H200): outputs and states against a
-float64 recurrence (relative RMSE < 5e-3), NaN-poisoned outputs, padded slots and unreferenced pool rows
-untouched bit for bit, step_states mode leaving the pool alone, GVA, both layouts, and 10,000 consecutive
-decode steps tracking the float64 recurrence. Kernel times: ``benchmarks/kernel_report.py kda-decode``.
+float64 recurrence (relative RMSE < 5e-3), NaN-poisoned outputs, every element of the pool rows a sequence owns
+rewritten (``assert_rows_rewritten``), padded slots and unreferenced pool rows untouched bit for bit, step_states
+mode leaving the pool alone, GVA, both layouts, and 10,000 consecutive decode steps tracking the float64 recurrence.
+Kernel times: ``benchmarks/kernel_report.py kda-decode``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from cute_compile import compile_variants
 
-from cula.testing import assert_close
+from cula.testing import assert_close, assert_rows_rewritten
 
 HAS_CUDA = torch.cuda.is_available()
 RATIO = 5e-3
@@ -397,6 +398,7 @@ def _run_case(
         assert torch.equal(pool, pool_before), "step_states mode must not write the pool"
     else:
         assert_close("final state", ref_states[:, -1], pool[rows], RATIO)
+        assert_rows_rewritten("final state", pool, pool_before, rows, ref=ref_states[:, -1])
         untouched[rows] = False
         assert torch.equal(pool[untouched], pool_before[untouched]), "unreferenced pool rows changed"
     if pool_slice:
@@ -470,6 +472,8 @@ def test_long_decode_tracks_float64(state_v_first):
     pool = torch.zeros(3, HV, *inner, device="cuda")
     indices = torch.tensor([1], dtype=torch.int32, device="cuda")
     outs = torch.full((steps, 1, HV, V), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flags = dict(gate="softplus", lower_bound=None, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False)
+    before = pool.clone()
     for i in range(steps):
         kda_decode_sm90(
             q[i : i + 1],
@@ -483,13 +487,15 @@ def test_long_decode_tracks_float64(state_v_first):
             indices,
             outs[i : i + 1],
             scale=K**-0.5,
-            gate="softplus",
-            lower_bound=None,
-            use_qk_l2norm=True,
-            beta_sigmoid=True,
-            allow_neg_eigval=False,
             state_v_first=state_v_first,
+            **flags,
         )
+        if i == 0:  # every element of the row moved (the later steps are checked through o and the last state)
+            _, first = _reference(*(x[:1] for x in (q, k, v, g, beta)), A_log, dt_bias,
+                                  torch.zeros(1, HV, K, V, device="cuda"), scale=K**-0.5, all_states=False,
+                                  **flags)  # fmt: skip
+            first = first[:, 0].transpose(-1, -2) if state_v_first else first[:, 0]
+            assert_rows_rewritten("state after the first step", pool, before, [1], ref=first)
     torch.cuda.synchronize()
     # the whole run as one sequence of 10,000 tokens through the float64 recurrence
     seq = lambda x: x.transpose(0, 1)
@@ -540,10 +546,25 @@ def _padded_pool_case(N, T, H, HV, K):
     return tensors, pool0, indices
 
 
+def _live_final_states(tensors, pool0, indices, state_v_first):
+    """The live slots' pool rows and their float64 final states in the pool's layout, for a lower_bound-gate call
+    on ``_padded_pool_case``'s inputs: the reference ``assert_rows_rewritten`` excuses rounding against (the runs
+    these tests compare with each other could leave the same element unwritten)."""
+    q, k, v, g, beta, A_log, dt_bias = tensors
+    live = indices >= 0
+    rows = indices[live].long()
+    S0 = pool0[rows].transpose(-1, -2) if state_v_first else pool0[rows]
+    _, states = _reference(
+        *(x[live] for x in (q, k, v, g, beta)), A_log, dt_bias, S0, scale=q.shape[-1] ** -0.5, gate="lower_bound",
+        lower_bound=-5.0, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, all_states=False,
+    )  # fmt: skip
+    return rows, (states[:, 0].transpose(-1, -2) if state_v_first else states[:, 0])
+
+
 def _t1_runs(settings, N, HV, V, state_v_first):
     """``_padded_pool_case`` at T=1 (H=4, K=128, the pool and v cut to V columns) run through ``kda_decode_sm90``
-    once under each dict of ``KdaTuning`` fields in ``settings``, outputs NaN-poisoned first; returns (pool0,
-    indices, [(out, pool) per setting])."""
+    once under each dict of ``KdaTuning`` fields in ``settings``, outputs NaN-poisoned first, and checks that each
+    run rewrote every element of the live rows; returns (pool0, indices, [(out, pool) per setting])."""
     from cula.kda.plan import KDA_TUNING, kda_decode_sm90
 
     H, K = 4, 128
@@ -562,6 +583,9 @@ def _t1_runs(settings, N, HV, V, state_v_first):
             )  # fmt: skip
         torch.cuda.synchronize()
         results.append((out, pool))
+    rows, ref = _live_final_states((q, k, v, g, beta, A_log, dt_bias), pool0, indices, state_v_first)
+    for tuning, (_, pool) in zip(settings, results):
+        assert_rows_rewritten(f"pool under {tuning}", pool, pool0, rows, ref=ref)
     return pool0, indices, results
 
 
@@ -603,6 +627,10 @@ def test_wide_kv_matches(N, T, K, steps):
         torch.cuda.synchronize()
         results.append((out, pool, step))
     (o0, p0, s0), (o1, p1, s1) = results
+    if not steps:  # (with step states the pool is left alone)
+        rows, ref = _live_final_states((q, k, v, g, beta, A_log, dt_bias), pool0, indices, False)
+        assert_rows_rewritten("pool (default tile)", p0, pool0, rows, ref=ref)
+        assert_rows_rewritten("pool (wide tile)", p1, pool0, rows, ref=ref)
     live, padded = _assert_pool_rows_and_padding(pool0, p1, o1, indices)
     assert_close("out", o0[~padded], o1[~padded], 2e-3)
     assert_close("pool", p0[live], p1[live], 1e-5)
@@ -665,6 +693,9 @@ def test_kv_cols_tokens_match(N, T, K, warps, slots):
         )
         torch.cuda.synchronize()
         results.append((out, pool))
+    rows, ref = _live_final_states((q, k, v, g, beta, A_log, dt_bias), pool0, indices, False)
+    for name, (_, pool) in zip(("narrow tile", "kv_cols"), results):
+        assert_rows_rewritten(f"pool ({name})", pool, pool0, rows, ref=ref)
     _assert_t1_runs_match(pool0, indices, results)
 
 

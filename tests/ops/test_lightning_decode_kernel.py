@@ -4,8 +4,9 @@ CPU: every variant (state layout x head size, plus io dtype and cache-hint extra
 sm_90a in one subprocess with ptxas remarks on; ptxas reports no spills and no more registers than the variant's
 resident warps per SM leave (128 at the default 16). The lane maps of every configuration cover each state element
 exactly once. GPU (``-m gpu`` on an H100/H200): outputs and states against a float64 recurrence (relative RMSE <
-5e-3), NaN-poisoned outputs, padded slots and unreferenced pool rows untouched bit for bit, GVA, both layouts,
-D = 64 and 128, decay 0 and 5, the persistent grid walking many units per warp, and 2,000 consecutive steps.
+5e-3), NaN-poisoned outputs, every element of the pool rows a sequence owns rewritten, padded slots and unreferenced
+pool rows untouched bit for bit, GVA, both layouts, D = 64 and 128, decay 0 and 5, the persistent grid walking many
+units per warp, and 2,000 consecutive steps.
 Kernel times: ``benchmarks/kernel_report.py lightning-decode``.
 """
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from cute_compile import compile_variants
 
-from cula.testing import assert_close
+from cula.testing import assert_close, assert_rows_rewritten
 
 HAS_CUDA = torch.cuda.is_available()
 RATIO = 5e-3
@@ -306,6 +307,7 @@ def _run_case(
             ref_S = ref_S.transpose(-1, -2)
         assert_close("o", ref_o, out[active], RATIO)
         assert_close("final state", ref_S, pool[rows], RATIO)
+        assert_rows_rewritten("final state", pool, pool_before, rows, ref=ref_S)
     if (~active).any():
         assert torch.equal(out[~active], torch.zeros_like(out[~active])), "padded output rows must be zero"
     assert torch.equal(pool[untouched], pool_before[untouched]), "padded or unreferenced pool rows changed"
@@ -400,9 +402,14 @@ def test_long_decode_tracks_float64(state_v_first):
     pool = torch.zeros(3, HV, D, D, device="cuda")
     indices = torch.tensor([1], dtype=torch.int32, device="cuda")
     outs = torch.full((steps, 1, HV, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    before = pool.clone()
     for i in range(steps):
         lightning_decode_sm90(q[i : i + 1], k[i : i + 1], v[i : i + 1], dec, pool, indices, outs[i : i + 1],
                               scale=D**-0.5, state_v_first=state_v_first)
+        if i == 0:  # every element of the row moved (the later steps are checked through o and the last state)
+            _, first = _reference(q[:1], k[:1], v[:1], dec, torch.zeros(1, HV, D, D, device="cuda"), D**-0.5)
+            first = first.transpose(-1, -2) if state_v_first else first
+            assert_rows_rewritten("state after the first step", pool, before, [1], ref=first)
     torch.cuda.synchronize()
     seq = lambda x: x.transpose(0, 1)  # the whole run as one sequence of 2,000 tokens
     ref_o, ref_S = _reference(seq(q), seq(k), seq(v), dec,
