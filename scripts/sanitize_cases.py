@@ -548,6 +548,16 @@ def kda_decode_mtp_steps_kv_wide():
 
 
 @case
+def kda_decode_mtp_vk_wide():
+    # the wide lane tile on [V, K] pools (KdaTuning.wide_vk_min_tokens), with and without step states
+    from cula.kda.plan import KDA_TUNING
+
+    with KDA_TUNING.override(wide_vk_min_tokens=2):
+        _kda_decode_call(3, 3, 1, 2, gate="softplus", beta_dtype=torch.bfloat16)
+        _kda_decode_call(3, 4, 2, 2, steps=True)
+
+
+@case
 def kda_decode_t8_kv_wide():
     _kda_decode_call(2, 8, 1, 2, v_first=False, dtype=torch.float16)
 

@@ -518,6 +518,20 @@ def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, kda_tuning):
     assert single.get("kv_tma") and not single.get("kv_cols")  # 12 states: below kv_cols_min_states
 
 
+def test_wide_vk_switch(counted_plans, fake_sm90, kda_tuning):
+    """wide_vk_min_tokens takes [V, K] pools with K=128 to the wide lane tile from that many tokens a call (step
+    states too); fewer tokens keep the narrow tile, and [K, V] pools their own choices (kv_cols, the wide tile)."""
+    kda_tuning(wide_vk_min_tokens=2, multi_token_kv_cols=None)
+    two, stepped, three, single = _mtp_switch_variants(fake_sm90, state_v_first=True)
+    for wide in (two, stepped, three):
+        assert wide["wide_kv"] and wide["state_v_first"]
+    assert not single["wide_kv"]
+    fake_sm90.clear()
+    kda_tuning(wide_vk_min_tokens=None, multi_token_kv_cols=None)
+    narrow = _mtp_switch_variants(fake_sm90, state_v_first=True)
+    assert len(narrow) == 4 and not any(v["wide_kv"] for v in narrow)
+
+
 def test_lightning_decode_plans(counted_plans, fake_sm90):
     q, k, v, decay, pool, idx = _lightning_inputs()
     kd_pool = pool.clone()

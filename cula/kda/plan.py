@@ -68,6 +68,10 @@ class KdaTuning:
     # passes grow with T, the wide tile's shuffles less, hence the cap). None: off.
     multi_token_kv_cols: tuple[int, int, int] | None = (2, 1, 6)
     multi_token_kv_cols_max_tokens: int = 5
+    # [V, K] pools with K=128 (Gated DeltaNet's serving layout) take the wide lane tile for calls of at least this
+    # many tokens a sequence: 16 V rows a warp instead of 8, so each token's preparation (q / k norms, the gate)
+    # is made by half as many warps a head, which an MTP verify of several tokens pays once per token; None: never
+    wide_vk_min_tokens: int | None = None
 
     # training: (BK, BV, warps, stages) of FLA's stage-6 backward kernel (chunk_kda_bwd_wy_dqkg_fused) for
     # K = V = 128; None: FLA's autotuned choice, which on Hopper stops at 4 warps and spills
@@ -288,7 +292,9 @@ def decode_variant(
         wide_kv = False
         flags.update(kv_tma=True, tokens_per_round=1, min_blocks_per_sm=t.kv_tma_min_blocks)
     if wide_kv is None:
-        wide_kv = t.wide_kv and kv_pool_128
+        vk_wide = (flags["state_v_first"] and flags["K"] == 128 and t.wide_vk_min_tokens is not None
+                   and tokens is not None and tokens >= t.wide_vk_min_tokens)  # fmt: skip
+        wide_kv = (t.wide_kv and kv_pool_128) or vk_wide
     if tokens == 1 and t.single_token_cta and not wide_kv and "min_blocks_per_sm" not in flags:
         warps, ctas = t.single_token_cta
         flags.update(tokens_per_round=1, warps_per_cta=warps, min_blocks_per_sm=ctas)

@@ -63,9 +63,11 @@ _VARIANTS = [
     _variant(use_qk_l2norm=False, beta_sigmoid=False),
     _variant(allow_neg_eigval=True, beta_dtype="float16", state_v_first=True),
     _variant(gate="none", g_dtype="bfloat16", has_step_states=True, state_v_first=True),
-    # the wide lane tile for [K, V] pools
+    # the wide lane tile, [K, V] pools and [V, K] ones (Gated DeltaNet's serving layout and gate)
     _variant(gate="lower_bound", wide_kv=True),
     _variant(gate="softplus", has_step_states=True, wide_kv=True),
+    _variant(gate="softplus", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, per_head_gate=True,
+             wide_kv=True),
     # single_token_cta: one token slot per warp, 20 or 24 warps per SM in CTAs of 4 or 1
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
              min_blocks_per_sm=5),
@@ -160,8 +162,6 @@ def test_config_rejects_unsupported():
         KdaDecodeSm90(K=96, **kw)
     with pytest.raises(ValueError, match="wide_kv is for"):
         KdaDecodeSm90(K=64, wide_kv=True, **kw)
-    with pytest.raises(ValueError, match="wide_kv is for"):
-        KdaDecodeSm90(K=128, wide_kv=True, **dict(kw, state_v_first=True))
     with pytest.raises(ValueError, match="softplus gate needs A_log"):
         KdaDecodeSm90(K=128, **dict(kw, has_a_log=False))
     with pytest.raises(ValueError, match="gate must be"):
@@ -601,12 +601,14 @@ def _assert_t1_runs_match(pool0, indices, results):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "N,T,K,steps", [(1, 1, 128, False), (64, 1, 128, False), (300, 1, 128, False), (64, 4, 128, True),
-                    (33, 3, 128, False), (2000, 1, 128, False)],
+    "N,T,K,steps,vf", [(1, 1, 128, False, False), (64, 1, 128, False, False), (300, 1, 128, False, False),
+                       (64, 4, 128, True, False), (33, 3, 128, False, False), (2000, 1, 128, False, False),
+                       (64, 1, 128, False, True), (64, 4, 128, False, True), (33, 3, 128, True, True)],
 )  # fmt: skip
-def test_wide_kv_matches(N, T, K, steps):
-    """The wide lane tile on a [K, V] pool against the default tile: the same results up to fp32 summation order
-    (outputs, pool, step states), padded slots and rows of other sequences untouched bit for bit."""
+def test_wide_kv_matches(N, T, K, steps, vf):
+    """The wide lane tile against the default tile on a [K, V] pool, or a [V, K] one (``vf``): the same results up
+    to fp32 summation order (outputs, pool, step states), padded slots and rows of other sequences untouched bit for
+    bit."""
     from cula.kda.plan import KDA_TUNING, kda_decode_sm90
 
     _requires_sm90()
@@ -618,17 +620,18 @@ def test_wide_kv_matches(N, T, K, steps):
         out = torch.full((N, T, HV, K), float("nan"), device="cuda", dtype=torch.bfloat16)
         step = torch.full((N, T, HV, K, K), float("nan"), device="cuda") if steps else None
         # no TMA or column box: T=1 would take one either way, and MTP calls the column box
-        with KDA_TUNING.override(kv_tma=False, kv_cols=None, multi_token_kv_cols=None, wide_kv=wide):
+        with KDA_TUNING.override(kv_tma=False, kv_cols=None, multi_token_kv_cols=None, wide_kv=wide,
+                                 wide_vk_min_tokens=1 if wide else None):  # fmt: skip
             kda_decode_sm90(
                 q, k, v, g, beta, A_log, dt_bias, pool, indices, out, scale=K**-0.5, gate="lower_bound",
-                lower_bound=-5.0, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=False,
+                lower_bound=-5.0, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=vf,
                 step_states=step,
             )  # fmt: skip
         torch.cuda.synchronize()
         results.append((out, pool, step))
     (o0, p0, s0), (o1, p1, s1) = results
     if not steps:  # (with step states the pool is left alone)
-        rows, ref = _live_final_states((q, k, v, g, beta, A_log, dt_bias), pool0, indices, False)
+        rows, ref = _live_final_states((q, k, v, g, beta, A_log, dt_bias), pool0, indices, vf)
         assert_rows_rewritten("pool (default tile)", p0, pool0, rows, ref=ref)
         assert_rows_rewritten("pool (wide tile)", p1, pool0, rows, ref=ref)
     live, padded = _assert_pool_rows_and_padding(pool0, p1, o1, indices)

@@ -32,9 +32,10 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   spills): 16 warps and 64 KB of state loads in flight per SM. T=1 calls (``KdaTuning.single_token_cta``) keep one token
   slot per warp and run 20 one-warp CTAs per SM at 96 registers: each warp's registers come back the moment it
   ends, not when the slowest of four does.
-* **wide_kv** (for ``[K, V]`` pools with K=128 with step states, or T > 1 calls kv_cols does not take): ``LK = 8``
-  and 64 state registers per lane (``j`` < 4), so a warp's V slice and each row it reads are twice as wide
-  (64 B); 3 CTAs per SM.
+* **wide_kv** (for ``[K, V]`` pools with K=128 with step states, or T > 1 calls kv_cols does not take; for ``[V, K]``
+  pools with K=128 from ``KdaTuning.wide_vk_min_tokens`` tokens a call): ``LK = 8`` and 64 state registers per lane
+  (``j`` < 4), so a warp's V slice is twice as wide (on ``[K, V]`` pools each row it reads too, 64 B): half the
+  warps a head, each preparing the call's tokens; 3 CTAs per SM.
 * **kv_tma** (``[K, V]`` pools with K=128 at T=1, fewer than ``KdaTuning.kv_cols_min_states`` states): the four warps of
   a CTA take four adjacent V slices of one (sequence, head); one TMA load brings their ``[128 K, 32 V]`` box (whole
   128-byte row pieces) into shared memory with the 128-byte swizzle, each lane reads its fragment (rows ``lk + 16 i``,
@@ -129,12 +130,13 @@ class KdaDecodeSm90:
         # broadcast over the K channels of the token's slot
         self.per_head_gate = bool(per_head_gate)
         # K spread over K/8 lanes (16 for K=128, 8 for K=64): 32 fp32 state registers per lane, which
-        # leaves room for 4+ CTAs of 4 warps per SM without spills. wide_kv ([K, V] pools only): K over K/16
-        # lanes, 64 state registers, so a warp's V slice is twice as wide: rows of 64 B (K=128) instead of
-        # 32 B, whole DRAM bursts rather than single 32-byte sectors 512 B apart
-        if wide_kv and (state_v_first or K != 128):
-            # K=64 [K, V] rows are already 64 B wide with the default tile
-            raise ValueError("wide_kv is for [K, V] pools (state_v_first=False) with K=128")
+        # leaves room for 4+ CTAs of 4 warps per SM without spills. wide_kv (K=128): K over K/16
+        # lanes, 64 state registers, so a warp's V slice is twice as wide: on [K, V] pools rows of 64 B instead of
+        # 32 B, whole DRAM bursts rather than single 32-byte sectors 512 B apart; on either layout half the warps
+        # a head, each preparing every token once
+        if wide_kv and K != 128:
+            # K=64 rows are already 64 B wide with the default tile
+            raise ValueError("wide_kv is for K=128")
         self.wide_kv = wide_kv
         self.k_per_lane = 16 if wide_kv else 8  # 4 x 4 blocks of (k, v): 2 or 4
         self.lanes_k = K // self.k_per_lane
