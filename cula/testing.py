@@ -90,10 +90,13 @@ def assert_rows_rewritten(
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill with NaN (floating) or a sentinel (integer) so an unwritten element fails a check."""
-    if t.is_floating_point():
+    """Fill with NaN (floating, complex) or the dtype's largest value (integer; True for bool), as
+    ``poisoned_allocations`` fills fresh memory, so an unwritten element fails a check."""
+    if t.is_floating_point() or t.is_complex():
         return t.fill_(float("nan"))
-    return t.fill_(-(2**30))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(torch.iinfo(t.dtype).max)
 
 
 def make_cu_seqlens(lengths: list[int], device="cpu", dtype=torch.int32) -> torch.Tensor:

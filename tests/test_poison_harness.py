@@ -38,6 +38,15 @@ def test_uninitialised_allocations_start_as_nan(poisoned):
     assert (torch.empty(5, dtype=torch.int32) == torch.iinfo(torch.int32).max).all()
 
 
+def test_poison_fills_as_fresh_allocations_start(poisoned):
+    """poison_ (for buffers reused across calls) fills every dtype as the fixture fills fresh memory."""
+    from cula.testing import poison_
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        fresh, reused = torch.empty(3, dtype=dtype), poison_(torch.zeros(3, dtype=dtype))
+        assert torch.equal(fresh, reused) or (torch.isnan(fresh).all() and torch.isnan(reused).all()), dtype
+
+
 def test_one_unwritten_element_fails_the_comparison(poisoned):
     ref = torch.randn(4, 3, 64, dtype=torch.float64)
     out = torch.empty(4, 3, 64, dtype=torch.bfloat16)
