@@ -580,8 +580,8 @@ def _(*_):
 
 
 def kda_commit_accepted(step_states, state_pool, state_indices, num_accepted_tokens):
-    """``cula.kda.kda_commit_accepted`` under ``torch.compile``: its boolean indexing reads the device, which a graph
-    cannot hold; the op runs it whole."""
+    """``cula.kda.kda_commit_accepted`` under ``torch.compile``: it reads the indices and accepted counts on the
+    host, which a graph cannot hold; the op runs it whole."""
     torch.ops.cula.kda_commit_accepted(step_states, state_pool, state_indices, num_accepted_tokens)
 
 

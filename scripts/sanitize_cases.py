@@ -552,9 +552,16 @@ def kda_decode_mtp_vk_wide():
     # the wide lane tile on [V, K] pools (KdaTuning.wide_vk_min_tokens), with and without step states
     from cula.kda.plan import KDA_TUNING
 
+    from cula.gated_delta_rule import gdn_decode
+
     with KDA_TUNING.override(wide_vk_min_tokens=2):
         _kda_decode_call(3, 3, 1, 2, gate="softplus", beta_dtype=torch.bfloat16)
         _kda_decode_call(3, 4, 2, 2, steps=True)
+        # Gated DeltaNet's MTP verify: one gate per token and head, bf16 gate and beta, a padded slot
+        pool = torch.randn(5, 2, 128, 128, device=DEV) * 0.1
+        slots = torch.tensor([4, -1, 0], dtype=torch.int32, device=DEV)
+        gdn_decode(_r(3, 4, 1, 128), _r(3, 4, 1, 128), _r(3, 4, 2, 128), _r(3, 4, 2), _r(3, 4, 2), pool, slots,
+                   A_log=torch.randn(2, device=DEV) * 0.1, dt_bias=torch.randn(2, device=DEV) * 0.1)  # fmt: skip
 
 
 @case

@@ -520,7 +520,7 @@ def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, kda_tuning):
 
 def test_wide_vk_switch(counted_plans, fake_sm90, kda_tuning):
     """wide_vk_min_tokens takes [V, K] pools with K=128 to the wide lane tile from that many tokens a call (step
-    states too); fewer tokens keep the narrow tile, and [K, V] pools their own choices (kv_cols, the wide tile)."""
+    states too); fewer tokens keep the narrow tile; None never takes it."""
     kda_tuning(wide_vk_min_tokens=2, multi_token_kv_cols=None)
     two, stepped, three, single = _mtp_switch_variants(fake_sm90, state_v_first=True)
     for wide in (two, stepped, three):

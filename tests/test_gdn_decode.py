@@ -122,6 +122,19 @@ def test_gdn_decode_matches_the_recurrence_cuda(T, H, HV, K, fused, state_v_firs
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_gate", "log_gate"])
+@pytest.mark.parametrize("T,H,HV", [(4, 1, 2), (2, 2, 4)], ids=["T4-gva", "T2"])
+def test_gdn_decode_wide_vk_tile_cuda(T, H, HV, fused, kda_tuning):
+    """The decode kernel's wide lane tile on [V, K] pools (KdaTuning.wide_vk_min_tokens) for Gated DeltaNet's MTP
+    verify: outputs, pool and step states against the float64 recurrence, the padded slot untouched."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    kda_tuning(wide_vk_min_tokens=2)
+    _check("cuda", T, H, HV, 128, fused, True)
+    _check_step("cuda", T, H, HV, 128, fused, True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("steps", [False, True], ids=["pool", "step_states"])
 @pytest.mark.parametrize("state_v_first", [True, False], ids=["vk", "kv"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_gate", "log_gate"])

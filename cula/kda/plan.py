@@ -270,9 +270,9 @@ def decode_variant(
 
     ``flags`` are that function's other keywords (dtypes, K, V, the math flags; a sweep may fix
     ``warps_per_cta`` / ``tokens_per_round`` / ``min_blocks_per_sm`` itself). ``wide_kv`` None: the tuning's
-    choice for [K, V] pools with K=128. ``tokens`` (the calls' T) and ``states`` (N x HV), when known, pick the
-    T=1 variants (``kv_cols``, then ``kv_tma``, then ``single_token_cta``) and the MTP box
-    (``multi_token_kv_cols``)."""
+    choice (``wide_kv`` for [K, V] pools with K=128, ``wide_vk_min_tokens`` for [V, K] ones). ``tokens`` (the
+    calls' T) and ``states`` (N x HV), when known, pick the T=1 variants (``kv_cols``, then ``kv_tma``, then
+    ``single_token_cta``) and the MTP box (``multi_token_kv_cols``)."""
     t = tuning or KDA_TUNING.get((9, 0))
     swept = _SWEEP_FLAGS & set(flags)
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
@@ -294,7 +294,8 @@ def decode_variant(
     if wide_kv is None:
         vk_wide = (flags["state_v_first"] and flags["K"] == 128 and t.wide_vk_min_tokens is not None
                    and tokens is not None and tokens >= t.wide_vk_min_tokens)  # fmt: skip
-        wide_kv = (t.wide_kv and kv_pool_128) or vk_wide
+        # (the wide tile takes V in slices of 16)
+        wide_kv = ((t.wide_kv and kv_pool_128) or vk_wide) and flags["V"] % 16 == 0
     if tokens == 1 and t.single_token_cta and not wide_kv and "min_blocks_per_sm" not in flags:
         warps, ctas = t.single_token_cta
         flags.update(tokens_per_round=1, warps_per_cta=warps, min_blocks_per_sm=ctas)

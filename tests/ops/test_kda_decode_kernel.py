@@ -68,6 +68,7 @@ _VARIANTS = [
     _variant(gate="softplus", has_step_states=True, wide_kv=True),
     _variant(gate="softplus", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, per_head_gate=True,
              wide_kv=True),
+    _variant(state_v_first=True, has_step_states=True, wide_kv=True),
     # single_token_cta: one token slot per warp, 20 or 24 warps per SM in CTAs of 4 or 1
     _variant(gate="lower_bound", g_dtype="bfloat16", beta_dtype="bfloat16", state_v_first=True, tokens_per_round=1,
              min_blocks_per_sm=5),
