@@ -1176,7 +1176,7 @@ def test_gpu(spec, recorded, monkeypatch):
     """CUDA tensors on an SM90 GPU, for real: refused before anything runs, or the reference's result; nothing
     written outside the outputs (guard bands around them, the pool rows not indexed), no device error."""
     events, _ = recorded
-    _, outcomes = _fuzz(spec, "cuda", events, monkeypatch, _gpu_cases(spec), ratio=1e-2)
+    _, outcomes = _fuzz(spec, "cuda", events, monkeypatch, _gpu_cases(spec), ratio=5e-3)
     torch.cuda.synchronize()  # a kernel fault would surface here, if not at one of the checks' reads
     assert not [o.label for o in outcomes if o.kind == "unavailable"]
 
