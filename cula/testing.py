@@ -50,6 +50,7 @@ def assert_rows_rewritten(
     rows,
     ref: torch.Tensor | None = None,
     rtol: float = 1e-4,
+    others_untouched: bool = False,
 ) -> None:
     """Fail unless every element of the state-pool rows ``rows`` (distinct, non-negative indices into dim 0) is
     finite in ``after`` and differs from ``before``.
@@ -62,12 +63,17 @@ def assert_rows_rewritten(
     ``ref`` (the expected ``after[rows]``, any precision and device) excuses those: an element may keep its value
     where the reference moves it by at most ``rtol`` times the reference's RMS, far above any rounding of an fp32
     pool and far below a random update. Without ``ref`` no element is excused: only for inputs and sizes where
-    none can round back.
+    none can round back. ``others_untouched``: every other row (no sequence's, or a padded slot's) must also keep
+    its bits.
     """
     rows = torch.as_tensor(rows, device=after.device).long().flatten()
     if (rows < 0).any():
         raise ValueError(f"{name}: rows must be non-negative pool rows (a padded slot's -1 selects the last row)")
     new, old = after[rows], before[rows].to(after.device)
+    if others_untouched:
+        others = torch.ones(after.shape[0], dtype=torch.bool, device=after.device)
+        others[rows] = False
+        assert torch.equal(after[others], before[others].to(after.device)), f"{name}: a row no sequence owns changed"
     if not new.numel():
         return
     bad = (~torch.isfinite(new)).sum().item()

@@ -82,6 +82,11 @@ def test_a_pool_row_element_left_unwritten_fails():
     assert_rows_rewritten("pool", stale, before, rows, ref=ref)
     with pytest.raises(ValueError, match="non-negative"):
         assert_rows_rewritten("pool", after, before, torch.tensor([3, -1]))
+    assert_rows_rewritten("pool", after, before, rows, others_untouched=True)
+    moved = after.clone()
+    moved[4, 0, 0, 0] += 1.0
+    with pytest.raises(AssertionError, match="a row no sequence owns changed"):
+        assert_rows_rewritten("pool", moved, before, rows, others_untouched=True)
 
 
 def test_cpu_tests_are_not_poisoned():
