@@ -717,7 +717,7 @@ def check_outputs(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | None
 
     Args:
         pairs: ``(fla, cula)`` tensor pairs of any shape and float dtype, checked in order (e.g. ``o`` then
-            the final state); the relative RMSE is ``cula.testing.rel_rmse`` on fp32 copies.
+            the final state); the relative RMSE is ``cula.testing.rel_rmse`` (float64, in chunks).
         warn_tol: above this error the status is ``"warn"``.
         fail_tol: above this error, or NaN, the status is ``"FAIL"`` (the caller then does not time cula).
 
@@ -734,7 +734,7 @@ def check_outputs(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | None
             return float("nan"), "FAIL"
         if not torch.isfinite(out).all():
             return float("inf"), "FAIL"
-        errs.append(rel_rmse(ref.float(), out.float()))
+        errs.append(rel_rmse(ref, out))
     err = max(errs)
     if not err <= fail_tol:
         return err, "FAIL"

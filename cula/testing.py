@@ -18,12 +18,37 @@ from collections.abc import Iterator
 import torch
 
 
+# elements a float64 comparison pass converts at once: a comparison of outputs of any size needs ~0.5 GiB beside
+# them (whole-tensor float64 copies of a 4 GiB bf16 output took 60 GiB and ran a benchmark out of memory)
+_COMPARE_CHUNK = 1 << 25
+
+
+def _float64_chunks(ref: torch.Tensor, out: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    if ref.shape != out.shape:  # (as the whole-tensor difference broadcast them)
+        ref, out = torch.broadcast_tensors(ref, out)
+    r, o = ref.detach().reshape(-1), out.detach().reshape(-1)
+    for i in range(0, r.numel(), _COMPARE_CHUNK):
+        yield r[i : i + _COMPARE_CHUNK].double(), o[i : i + _COMPARE_CHUNK].double()
+
+
 def rel_rmse(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """sqrt(mean((out - ref)^2)) / sqrt(mean(ref^2)), computed in float64."""
-    ref64, out64 = ref.detach().double(), out.detach().double()
-    diff = (out64 - ref64).pow(2).mean().sqrt()
-    base = ref64.pow(2).mean().sqrt()
-    return (diff / base.clamp_min(1e-30)).item()
+    """sqrt(mean((out - ref)^2)) / sqrt(mean(ref^2)), computed in float64 (NaN for empty tensors)."""
+    if ref.numel() == 0 or out.numel() == 0:
+        return float("nan")
+    diff2 = torch.zeros((), dtype=torch.float64, device=ref.device)
+    ref2 = torch.zeros((), dtype=torch.float64, device=ref.device)
+    for r, o in _float64_chunks(ref, out):
+        diff2 += (o - r).pow(2).sum()
+        ref2 += r.pow(2).sum()
+    return (diff2.sqrt() / ref2.sqrt().clamp_min(1e-30)).item()
+
+
+def max_abs_diff(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """The largest ``|out - ref|``, in float64 (0 for empty tensors)."""
+    worst = torch.zeros((), dtype=torch.float64, device=ref.device)
+    for r, o in _float64_chunks(ref, out):
+        worst = torch.maximum(worst, (o - r).abs().max())
+    return worst.item()
 
 
 def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float, atol: float = 1e-6) -> None:
@@ -35,7 +60,7 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float, 
         raise AssertionError(f"{name}: {bad} non-finite elements (NaN/Inf) of {out.numel()}")
     if not torch.isfinite(ref).all():
         raise AssertionError(f"{name}: the reference itself has non-finite elements")
-    max_abs = (out.detach().double() - ref.detach().double()).abs().max().item() if out.numel() else 0.0
+    max_abs = max_abs_diff(ref, out)
     if max_abs <= atol:
         return
     err = rel_rmse(ref, out)
