@@ -492,3 +492,23 @@ def test_meta_helpers_and_env_var(monkeypatch):
     with pytest.raises(RuntimeError), bc.env_var("BENCH_TEST_VAR", "0"):
         raise RuntimeError
     assert os.environ["BENCH_TEST_VAR"] == "1"
+
+
+def test_compare_two_runs(tmp_path, capsys):
+    """benchmarks/compare.py: cula's and FLA's after / before on the configs both runs timed."""
+    compare = importlib.import_module("compare")
+    rows = fake_rows()
+    later = [dict(r) for r in rows]
+    later[0]["cula_ms"], later[0]["fla_ms"] = 1.0, 2.0  # both twice as slow: the host, by FLA's column
+    later[1]["cula_ms"] = 2.0
+    for side, rs in (("b", rows), ("a", later[:3])):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "kda_prefill.json").write_text(json.dumps({"meta": {}, "rows": rs}))
+    summaries = compare.main([str(tmp_path / "b"), str(tmp_path / "a"), "--out", str(tmp_path / "ab.md")])
+    s = summaries["kda_prefill"]
+    assert s["configs"] == 3  # "failed" is in one run only; B1, B2 and the varlen row in both
+    assert s["cula_geomean"] == pytest.approx((2.0 * 0.5 * 1.0) ** (1 / 3))
+    assert s["cula_range"] == (0.5, 2.0)
+    assert s["fla_geomean"] == pytest.approx(2.0 ** (1 / 3))
+    text = (tmp_path / "ab.md").read_text()
+    assert "| B1-T512 | 0.5000 | 1.0000 | 2.000 | 2.000 |" in text and "### kda_prefill" in capsys.readouterr().out
