@@ -12,6 +12,11 @@ Reports (all by default):
   (T = 1), N = 64 (T = 4, with and without step states), H = HV = 64, K = V = 128, on both pool layouts ([K, V]
   also with the wide lane tile); then the launcher's variants at T = 1: CTA size at 16 warps per SM, one token slot
   per warp at 5 and 6 CTAs per SM, and [K, V] boxes by TMA at 4 and 5 CTAs per SM.
+* ``gdn-decode``: Gated DeltaNet's decode on the KDA decode kernel (per-head gate, [V, K] pools) for MTP verify
+  N = 64, T = 4 and decode N = 128 / 512 (H = 16, HV = 32), and KDA's MTP shape (H = HV = 64): every variant of
+  ``GDN_DECODE_VARIANTS`` (the wide lane tile, CTA size, token slots, CTAs per SM), each checked against the
+  default's output and pool first (``vs_default``: relative RMSE), then timed; what sets
+  ``KdaTuning.wide_vk_min_tokens`` and the decode knobs of the tuning entry.
 * ``lightning-decode``: ``lightning_decode_sm90`` for N = 1 / 64 / 256 (T = 1) and N = 64 (T = 4) on both layouts,
   each cache-hint pair at N = 64, 20 resident warps per SM, and the persistent grid against one CTA per unit group.
 * ``kda-intra``: the intra-chunk kernel (``chunk_kda_intra_sm90``, log-space gate) at B = 2, T = 16384, H = HV = 64
@@ -129,6 +134,89 @@ def report_kda_decode() -> list[dict]:
     # [K, V] pools by TMA: whole 128-byte row pieces through shared memory
     for ctas, N in itertools.product((4, 5), (64, 256)):
         add(f"tma 1 slot, {ctas} CTAs/SM", N, False, kv_tma=True, tokens_per_round=1, min_blocks_per_sm=ctas)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ GDN decode
+
+GDN_H, GDN_HV = 16, 32  # Qwen3-Next's heads (bench_gdn_decode.py's suite)
+# the decode kernel's knobs a GDN call could take (cula.kda.plan.decode_variant's sweep flags, and the wide lane
+# tile on [V, K] pools, KdaTuning.wide_vk_min_tokens): name -> explicit variant keywords
+GDN_DECODE_VARIANTS = {
+    "default": {},
+    "wide": {"wide_kv": True},
+    "wide, 4 slots": {"wide_kv": True, "tokens_per_round": 4},
+    "2 warps/CTA": {"warps_per_cta": 2},
+    "8 warps/CTA": {"warps_per_cta": 8},
+    "4 slots": {"tokens_per_round": 4},
+    "4 slots, 5 CTAs/SM": {"tokens_per_round": 4, "min_blocks_per_sm": 5},
+    "1 slot, 6 CTAs/SM": {"tokens_per_round": 1, "min_blocks_per_sm": 6},
+}
+GDN_DECODE_KNOBS = ("wide_kv", "warps_per_cta", "tokens_per_round", "min_blocks_per_sm", "kv_cols", "kv_tma")
+# (N, T, q/k heads, value heads, per-head gate): GDN's MTP verify (0.77x FLA on the H200) and two decode sizes, then
+# KDA's MTP shape (per-channel gate)
+GDN_DECODE_SHAPES = ((64, 4, GDN_H, GDN_HV, True), (128, 1, GDN_H, GDN_HV, True), (512, 1, GDN_H, GDN_HV, True),
+                     (64, 4, H, HV, False))
+
+
+def gdn_decode_flags(T: int, states: int, per_head_gate: bool = True, **variant) -> dict:
+    """``kda_decode_launcher``'s keywords for a call of T tokens on ``states`` (N x HV) [V, K] states with the
+    softplus gate and a variant's explicit knobs: GDN's (per-head gate, all bf16) or KDA's (fp32 g and beta)."""
+    low = torch.bfloat16 if per_head_gate else torch.float32
+    return dict(
+        io_dtype=torch.bfloat16, g_dtype=low, beta_dtype=low, K=K, V=V, gate="softplus", has_a_log=True,
+        has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
+        has_step_states=False, per_head_gate=per_head_gate, tokens=T, states=states, **variant,
+    )  # fmt: skip
+
+
+def report_gdn_decode() -> list[dict]:
+    """Each of ``GDN_DECODE_VARIANTS`` on each of ``GDN_DECODE_SHAPES``: its output and pool against the default's
+    (relative RMSE, from the same pool), then its kernel time; a variant the planner resolves to an earlier one's
+    kernel says which (``same_as``)."""
+    from cula.kda.plan import decode_variant, kda_decode_launcher
+    from cula.testing import rel_rmse
+
+    rows, dev = [], "cuda"
+    for N, T, h, hv, per_head in GDN_DECODE_SHAPES:
+        torch.manual_seed(N * 10 + T)
+        q, k = (torch.randn(N, T, h, K, device=dev).to(torch.bfloat16) for _ in range(2))
+        v = torch.randn(N, T, hv, V, device=dev).to(torch.bfloat16)
+        gate_shape, low = ((N, T, hv), torch.bfloat16) if per_head else ((N, T, hv, K), torch.float32)
+        g, beta = torch.randn(gate_shape, device=dev).to(low), torch.randn(N, T, hv, device=dev).to(low)
+        A_log = torch.rand(hv, device=dev) - 0.5
+        dt_bias = torch.randn(hv if per_head else hv * K, device=dev) * 0.5
+        pool0 = torch.randn(N, hv, V, K, device=dev) * 0.1
+        indices = torch.arange(N, dtype=torch.int32, device=dev)
+        base, keys = None, {}
+        for name, variant in GDN_DECODE_VARIANTS.items():
+            flags = gdn_decode_flags(T, N * hv, per_head, **variant)
+            # what runs: the planner may overrule a knob (T = 1 calls take the tuning's single-token CTA shape)
+            chosen = decode_variant(**flags)
+            key = tuple(sorted(chosen.items()))
+            row = {"report": "gdn-decode", "variant": name, "gate": "per-head" if per_head else "per-channel", "N": N,
+                   "T": T, "H": h, "HV": hv, **{n: chosen.get(n) for n in GDN_DECODE_KNOBS}}  # fmt: skip
+            if key in keys:
+                rows.append({**row, "same_as": keys[key]})
+                continue
+            keys[key] = name
+            try:
+                launch = kda_decode_launcher(**flags)
+            except ValueError as error:  # a knob this shape's kernel does not take
+                rows.append({**row, "error": str(error)[:120]})
+                continue
+            pool, out = pool0.clone(), torch.empty(N, T, hv, V, device=dev, dtype=torch.bfloat16)
+            call = functools.partial(launch, q, k, v, g, beta, A_log, dt_bias, pool, indices, out, None, K**-0.5,
+                                     None)  # fmt: skip
+            call()
+            torch.cuda.synchronize()
+            if base is None:
+                base = (out.clone(), pool.clone())
+            finite = bool(torch.isfinite(out).all() and torch.isfinite(pool).all())
+            row["vs_default"] = max(rel_rmse(base[0], out), rel_rmse(base[1], pool)) if finite else float("inf")
+            us = kernel_us(call)
+            row.update(kernel_us=us, state_tbps=N * hv * K * V * 8 / us / 1e6)
+            rows.append(row)
     return rows
 
 
@@ -299,6 +387,7 @@ def report_kda_fwd_h() -> list[dict]:
 
 REPORTS = {
     "kda-decode": report_kda_decode,
+    "gdn-decode": report_gdn_decode,
     "lightning-decode": report_lightning_decode,
     "kda-intra": report_kda_intra,
     "kda-states": report_kda_states,
