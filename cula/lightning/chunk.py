@@ -10,9 +10,13 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch.compiler import is_compiling
 
-from cula._validate import check_head_first, check_qkv, check_tensor, contiguous_reads, take_extra_kwargs
+from cula._validate import (
+    check_head_first, check_qkv, check_tensor, contiguous_reads, state_fp32, take_extra_kwargs,
+)  # fmt: skip
 from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+from cula.simple_gla.chunk import planned_launch
 
 
 def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=None) -> torch.Tensor:
@@ -57,6 +61,20 @@ def lightning_attn_fwd(
     Returns:
         ``(o [B, T, HV, V] in q.dtype, final_state fp32 or None)``. Differentiable in q, k, v, initial_state.
     """
+    # (is_compiling first: Dynamo cannot trace data_ptr; torch.compile traces chunk_simple_gla's custom op instead)
+    if (not is_compiling() and cu_seqlens is None and cu_seqlens_cpu is None and isinstance(decay, torch.Tensor)
+            and decay.ndim == 1 and decay.dtype is torch.float32 and decay.is_contiguous()
+            and not decay.data_ptr() & 15):  # fmt: skip
+        # A signature chunk_simple_gla has planned needs none of the checks below: g_gamma = -decay would have
+        # decay's signature (shape, strides, dtype, device, alignment), which the plan's key holds. A launch bound
+        # to cula's kernel takes the decay as it is (the kernel's own form), without negating it twice.
+        initial_state = state_fp32(initial_state)
+        launch = planned_launch(q, k, v, decay, scale, initial_state, output_final_state, state_v_first)
+        if launch is not None:
+            from_decay = getattr(launch, "from_decay", None)
+            if from_decay is not None:
+                return from_decay(q, k, v, decay, initial_state)
+            return launch(q, k, v, -decay.detach(), initial_state)  # (a constant, as chunk_simple_gla takes g_gamma)
     q, k, v, decay = contiguous_reads(q, k, v, decay)  # (the state and boundaries: chunk_simple_gla's)
     *_, HV, _V = check_qkv(q, k, v, head_limit=None)  # first: the decay's shape and device are q's and v's
     check_tensor("decay", decay, shape=(HV,), dtypes=(torch.float32,), device=q.device)

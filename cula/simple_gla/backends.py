@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cula._validate import dense
+from cula._validate import dense, is_dense
 from cula.backends import ConstantTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
 from cula.ops._host import sequences_verdict
 
@@ -130,9 +130,45 @@ def lightning_backward(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_c
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dh0
 
 
+def _prepare_chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                             **_):  # fmt: skip
+    """The bound launch of a repeated fixed-length inference call (``chunk_simple_gla``'s plan cache):
+    ``launch(q, k, v, g_gamma, initial_state)`` with the compiled variant and the outputs' shapes found once, or None
+    where the general path runs each time (training and packed calls, calls the time split cuts, inputs that are not
+    row-major and 16-byte aligned, no tokens)."""
+    from cula.lightning.plan import parallel_segments
+    from cula.ops.lightning.sm90.chunk_fwd import compiled_variant
+
+    B, T, HV, V = v.shape
+    if cu_seqlens is not None or B * T * HV == 0 or needs_grad(q, k, v, initial_state):
+        return None
+    if not (is_dense(q) and is_dense(k) and is_dense(v) and (initial_state is None or is_dense(initial_state))):
+        return None  # (the general path copies them: dense; the plan key holds the strides and the alignment)
+    if parallel_segments(B, T, HV, None, None, q.device) is not None:
+        return None
+    fn = compiled_variant(q.shape[-1], initial_state is not None, bool(output_final_state), False, state_v_first)
+    device = v.device
+
+    scale = float(scale)
+
+    def from_decay(q, k, v, decay, initial_state):
+        o = torch.empty_like(v)  # (row-major, as v)
+        final = torch.empty(B, HV, V, V, device=device, dtype=torch.float32) if output_final_state else None
+        fn(q, k, v, o, decay, initial_state, final, None, scale)
+        return o, final
+
+    def launch(q, k, v, g_gamma, initial_state):
+        return from_decay(q, k, v, _decay(g_gamma, HV, device), initial_state)
+
+    # lightning_attn_fwd's: the kernel's decay (-g_gamma, fp32, contiguous) as the caller has it
+    launch.from_decay = from_decay
+    return launch
+
+
 @chunk_simple_gla_registry.register(
-    "cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)), supports=_cula_chunk_supports
-)
+    "cula-sm90", CULA_PRIORITY, available=cula_kernels_on((9, 0)), supports=_cula_chunk_supports,
+    prepare=_prepare_chunk_cula_sm90,
+)  # fmt: skip
 def _chunk_cula_sm90(
     q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
     **_unused,

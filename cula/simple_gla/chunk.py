@@ -19,7 +19,15 @@ from cula._validate import (
     state_fp32,
     take_extra_kwargs,
 )
+from cula.backends import PlanCache, capturing, forced_backend, tensor_sig
 from cula.simple_gla.backends import chunk_simple_gla_registry, fused_recurrent_simple_gla_registry
+
+# Fixed-length calls with a constant decay (Lightning's) skip validation and backend selection when their signature
+# repeats: the first call of a signature is validated in full and planned (chunk_simple_gla_registry.plan, which on
+# cula's kernels binds the compiled variant); later ones go straight to that launch.
+_plans = PlanCache()
+_PLANNED = ("q", "k", "v", "g_gamma", "initial_state")
+_PLAIN_SCALARS = frozenset((type(None), bool, int, float))
 
 
 def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
@@ -120,6 +128,20 @@ def chunk_simple_gla(
             q, k, v, g, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
             **kwargs,
         )  # fmt: skip
+    if g is None and cu_seqlens is None and cu_seqlens_cpu is None and not kwargs and not is_compiling():
+        key = _plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first)
+        if key is not None:
+            launch = _plans.get(key)
+            if launch is None:
+                args = _checked_args(q, k, v, None, g_gamma, scale, initial_state, output_final_state,
+                                     bool(state_v_first), None, cu_seqlens_cpu=None, chunk_size=None)  # fmt: skip
+                if any(args[n] is not x for n, x in zip(_PLANNED, (q, k, v, g_gamma, initial_state))):
+                    # a tensor strided in its last dimension was copied: such calls take the general path each time
+                    return chunk_simple_gla_registry.dispatch(q.device, args)
+                launch = chunk_simple_gla_registry.plan(q.device, args, positional=_PLANNED)
+                if not capturing(q):  # (as chunk_kda's: a plan made under capture serves that call only)
+                    _plans.put(key, launch)
+            return launch(q, k, v, g_gamma, initial_state)
     extra = take_extra_kwargs(
         "chunk_simple_gla", kwargs, ("chunk_size", "transpose_state_layout", "head_first")
     )
@@ -135,6 +157,35 @@ def chunk_simple_gla(
         cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
     )  # fmt: skip
     return chunk_simple_gla_registry.dispatch(q.device, args)
+
+
+def planned_launch(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first):
+    """The launch ``chunk_simple_gla`` planned for a fixed-length call of this signature (``g_gamma`` flat,
+    ``initial_state`` fp32, as ``chunk_simple_gla`` makes them), taking ``(q, k, v, g_gamma, initial_state)``; None
+    when there is none yet (``lightning_attn_fwd``'s fast path: a planned signature needs none of its checks)."""
+    key = _plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first)
+    return None if key is None else _plans.get(key)
+
+
+def _plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first) -> tuple | None:
+    """The plan-cache key of a fixed-length call with a constant (or no) decay: everything validation and backend
+    selection read (each tensor's ``tensor_sig``, the flags, whether autograd records the call, inference mode,
+    ``CULA_BACKEND``), or None where the call is validated in full every time (scalars of other types)."""
+    if not _PLAIN_SCALARS.issuperset((type(scale), type(output_final_state), type(state_v_first))):
+        return None
+    try:  # written out: this runs for every call
+        grad = torch.is_grad_enabled() and bool(
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or (initial_state is not None and initial_state.requires_grad)
+        )  # fmt: skip
+    except AttributeError:  # not tensors: validation says what is wrong
+        return None
+    # (the scalars' types too: 1, 1.0 and True are one dict key)
+    return (
+        tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g_gamma), tensor_sig(initial_state), type(scale), scale,
+        type(output_final_state), output_final_state, type(state_v_first), state_v_first, grad,
+        torch.is_inference_mode_enabled(), forced_backend(),
+    )  # fmt: skip
 
 
 def fused_recurrent_simple_gla(
