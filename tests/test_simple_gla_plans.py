@@ -42,20 +42,23 @@ def counted(monkeypatch):
     return count
 
 
-def _general(q, k, v, g_gamma, **kw):
-    """The general path's result (the plan cache bypassed by an empty dict of extra keywords)."""
-    return chunk_simple_gla(q, k, v, g_gamma=g_gamma, **kw, **{})
+def _general(*args, **kw):
+    """``chunk_simple_gla`` off the plan cache (an extra keyword sends a call down the general path)."""
+    return chunk_simple_gla(*args, **kw, chunk_size=None)
 
 
 def test_repeated_signature_is_validated_once(counted):
-    q, k, v, decay, h0 = _inputs()
-    outs = [chunk_simple_gla(q, k, v, g_gamma=-decay, initial_state=h0, output_final_state=True) for _ in range(3)]
-    assert counted[0] == 1 and len(chunk_mod._plans) == 1
-    for o, s in outs[1:]:
-        assert torch.equal(o, outs[0][0]) and torch.equal(s, outs[0][1])
-    # lightning_attn_fwd's call of the same signature takes the plan (no validation of its own either)
-    o, s = lightning_attn_fwd(q, k, v, decay, initial_state=h0, output_final_state=True)
-    assert counted[0] == 1 and torch.equal(o, outs[0][0]) and torch.equal(s, outs[0][1])
+    """Each repeated call (fresh tensors of the same signature) runs on its own inputs: the general path's numbers."""
+    outs, wants = [], []
+    for seed in range(3):
+        q, k, v, decay, h0 = _inputs(seed)
+        outs.append(chunk_simple_gla(q, k, v, g_gamma=-decay, initial_state=h0, output_final_state=True))
+        outs.append(lightning_attn_fwd(q, k, v, decay, initial_state=h0, output_final_state=True))
+        wants += [_general(q, k, v, g_gamma=-decay, initial_state=h0, output_final_state=True)] * 2
+    assert counted[0] == 1 + 3 and len(chunk_mod._plans) == 1  # (one plan; the general path validates each call)
+    for (o, s), (o_want, s_want) in zip(outs, wants):
+        assert torch.equal(o, o_want) and torch.equal(s, s_want)
+    assert not torch.equal(outs[0][0], outs[2][0])
 
 
 def test_what_validation_reads_starts_a_new_plan(counted):
@@ -76,11 +79,35 @@ def test_what_validation_reads_starts_a_new_plan(counted):
     chunk_simple_gla(q, k, v, g_gamma=None)  # no decay
     chunk_simple_gla(q, k, v, g_gamma=g.double())
     assert counted[0] == len(variants) + 4
+    chunk_simple_gla(q, k, v, g_gamma=g, scale=-0.0)  # (0.0 == -0.0: one dict key without the sign)
+    chunk_simple_gla(q, k, v, g_gamma=g, scale=0.0)
+    with torch.inference_mode():
+        chunk_simple_gla(q, k, v, g_gamma=g)
     with torch.no_grad():  # nothing recorded: the first variant's plan
         chunk_simple_gla(q.requires_grad_(), k, v, g_gamma=g)
-    assert counted[0] == len(variants) + 4
+    assert counted[0] == len(variants) + 7
     chunk_simple_gla(q, k, v, g_gamma=g)  # recorded: another plan
-    assert counted[0] == len(variants) + 5
+    assert counted[0] == len(variants) + 8
+
+
+def test_backend_choice_is_part_of_the_signature(counted, monkeypatch):
+    q, k, v, decay, _ = _inputs()
+    chunk_simple_gla(q, k, v, g_gamma=-decay)
+    monkeypatch.setenv("CULA_BACKEND", "no-such-backend")
+    with pytest.raises(Exception, match="no-such-backend"):
+        chunk_simple_gla(q, k, v, g_gamma=-decay)
+    with pytest.raises(Exception, match="no-such-backend"):
+        lightning_attn_fwd(q, k, v, decay)
+
+
+def test_tensors_without_storage_take_the_general_path(counted):
+    """torch.func transforms hand over tensors with no address to key on: validated in full, each call."""
+    q, k, v, decay, _ = _inputs(dtype=torch.float32)
+    x = torch.stack([q, q + 1])
+    for fn in (lambda t: chunk_simple_gla(t, k, v, g_gamma=-decay)[0], lambda t: lightning_attn_fwd(t, k, v, decay)[0]):
+        got = torch.func.vmap(fn)(x)
+        assert torch.equal(got[1], _general(q + 1, k, v, g_gamma=-decay)[0])
+    assert len(chunk_mod._plans) == 0
 
 
 def test_bad_input_after_a_good_call_still_raises(counted):
@@ -101,12 +128,14 @@ def test_bad_input_after_a_good_call_still_raises(counted):
 
 def test_decay_gets_no_gradient_and_strided_inputs_are_copied(counted):
     q, k, v, decay, h0 = _inputs(dtype=torch.float32)
-    want = lightning_attn_fwd(q, k, v, decay, initial_state=h0, output_final_state=True)
+    want = _general(q, k, v, g_gamma=-decay, initial_state=h0, output_final_state=True)
     for _ in range(2):
         d = decay.clone().requires_grad_()
-        qs = torch.empty(B, T, H, 2 * D)[..., ::2].copy_(q)  # strided in its last dimension: copied every call
+        qs = torch.empty(B, T, H, 2 * D)[..., ::2].copy_(q).requires_grad_()  # strided: copied every call
         o, s = lightning_attn_fwd(qs, k, v, d, initial_state=h0, output_final_state=True)
-        assert torch.equal(o, want[0]) and torch.equal(s, want[1]) and not o.requires_grad
+        assert torch.equal(o, want[0]) and torch.equal(s, want[1])
+        o.sum().backward()
+        assert d.grad is None and qs.grad is not None  # (FLA gives g_gamma no gradient either)
         ds = torch.empty(2 * HV)[::2].copy_(decay)  # a strided decay: the general path
         o, _ = lightning_attn_fwd(q, k, v, ds, initial_state=h0, output_final_state=True)
         assert torch.equal(o, want[0])
@@ -125,31 +154,33 @@ def fake_lightning(monkeypatch, pretend_sm90):
 @pytest.mark.parametrize("state_v_first", [False, True])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_bound_launch_passes_what_the_general_path_passes(counted, fake_lightning, state_v_first, with_state):
+    """Three calls of one signature on fresh inputs (chunk_simple_gla twice, then lightning_attn_fwd): the kernel gets
+    each call's own tensors, every argument equal to what the general path hands it for those inputs."""
     from cula.simple_gla.backends import _lightning_forward
 
-    q, k, v, decay, h0 = _inputs()
-    h0 = h0 if with_state else None
+    kw = dict(scale=0.125, output_final_state=with_state, state_v_first=state_v_first)
     with torch.no_grad():
-        _lightning_forward(q, k, v, -decay, 0.125, h0, with_state, state_v_first, None)
-        general = list(fake_lightning)
-        fake_lightning.clear()
-        for _ in range(2):
-            chunk_simple_gla(q, k, v, g_gamma=-decay, scale=0.125, initial_state=h0, output_final_state=with_state,
-                             state_v_first=state_v_first)  # fmt: skip
-        lightning_attn_fwd(q, k, v, decay, scale=0.125, initial_state=h0, output_final_state=with_state,
-                           state_v_first=state_v_first)  # fmt: skip
-    assert counted[0] == 1 and len(fake_lightning) == 3
-    (key, kw, args), = general
-    for got_key, got_kw, got in fake_lightning:
-        assert (got_key, got_kw) == (key, kw) and len(got) == len(args)
-        for a, b in zip(args, got):
-            if isinstance(a, torch.Tensor):
-                assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
-                if a.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) or a.numel() <= HV:
-                    assert a.data_ptr() == b.data_ptr() or torch.equal(a, b)
+        for seed, lightning in ((0, False), (1, False), (2, True)):
+            q, k, v, decay, h0 = _inputs(seed)
+            h0 = h0 if with_state else None
+            _lightning_forward(q, k, v, -decay, 0.125, h0, with_state, state_v_first, None)
+            if lightning:
+                lightning_attn_fwd(q, k, v, decay, initial_state=h0, **kw)
             else:
-                assert a == b
-    assert fake_lightning[2][2][4] is decay  # lightning_attn_fwd's decay reaches the kernel as it is
+                chunk_simple_gla(q, k, v, g_gamma=-decay, initial_state=h0, **kw)
+            (key, vkw, want), (got_key, got_kw, got) = fake_lightning[-2:]
+            assert (got_key, got_kw) == (key, vkw) and len(got) == len(want)
+            # fn(q, k, v, o, decay, h0, ht, cu_seqlens, scale): the inputs themselves, fresh outputs of the same layout
+            for i in (0, 1, 2, 5, 7):
+                assert got[i] is want[i] or (got[i] is (q, k, v)[i] if i < 3 else False), i
+            for i in (3, 6):
+                a, b = want[i], got[i]
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+            assert got[8] == want[8]
+            assert torch.equal(got[4], want[4]) and torch.equal(got[4], decay) and (got[4] is decay) == lightning
+    assert counted[0] == 1
 
 
 def test_calls_the_time_split_cuts_stay_on_the_general_path(counted, fake_lightning):
@@ -173,14 +204,15 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first):
     from cula.simple_gla.backends import _lightning_forward
     from cula.testing import poisoned_allocations
 
-    q, k, v, decay, h0 = (t.cuda() for t in _inputs())
-    want = _lightning_forward(q, k, v, -decay, D**-0.5, h0, True, state_v_first, None)
-    with torch.no_grad(), poisoned_allocations():
-        got = [chunk_simple_gla(q, k, v, g_gamma=-decay, initial_state=h0, output_final_state=True,
-                                state_v_first=state_v_first) for _ in range(2)]  # fmt: skip
-        got.append(lightning_attn_fwd(q, k, v, decay, initial_state=h0, output_final_state=True,
-                                      state_v_first=state_v_first))  # fmt: skip
-    assert counted[0] == 1
-    for o, s in got:
+    for seed, lightning in ((0, False), (1, False), (2, True)):  # fresh inputs of one signature
+        q, k, v, decay, h0 = (t.cuda() for t in _inputs(seed))
+        want = _lightning_forward(q, k, v, -decay, D**-0.5, h0, True, state_v_first, None)
+        with torch.no_grad(), poisoned_allocations():
+            kw = dict(initial_state=h0, output_final_state=True, state_v_first=state_v_first)
+            if lightning:
+                o, s = lightning_attn_fwd(q, k, v, decay, **kw)
+            else:
+                o, s = chunk_simple_gla(q, k, v, g_gamma=-decay, **kw)
         assert torch.isfinite(o).all() and torch.isfinite(s).all()
         assert torch.equal(o, want[0]) and torch.equal(s, want[1])
+    assert counted[0] == 1

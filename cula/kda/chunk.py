@@ -160,13 +160,18 @@ def chunk_kda(
                 except Exception:  # noqa: BLE001  (refused, or bad boundaries: validate in full below, which says why)
                     pass
             tokens = None if cu_seqlens is None else _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
+            key = None
             if cu_seqlens is None or tokens is not None:
-                key = (
-                    *(tokens or token_sigs(q, k, v, g, beta)),
-                    None if initial_state is None else tensor_sig(initial_state),
-                    None if A_log is None else tensor_sig(A_log), None if dt_bias is None else tensor_sig(dt_bias),
-                    flags, forced_backend(), _read_intra_mode(), grad, inference,
-                )  # fmt: skip
+                try:
+                    key = (
+                        *(tokens or token_sigs(q, k, v, g, beta)),
+                        None if initial_state is None else tensor_sig(initial_state),
+                        None if A_log is None else tensor_sig(A_log), None if dt_bias is None else tensor_sig(dt_bias),
+                        flags, forced_backend(), _read_intra_mode(), grad, inference,
+                    )  # fmt: skip
+                except RuntimeError:  # tensors without storage (torch.func transforms): no address to key on
+                    pass
+            if key is not None:
                 plan = _plans.get(key)
                 if plan is None:
                     positional = _TENSOR_ARGS + ("scale",) if cu_seqlens is None else _VARLEN_ARGS
@@ -246,6 +251,8 @@ def _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | 
         )  # fmt: skip
     except (AttributeError, IndexError, TypeError):
         return None  # not tensors of at least two dimensions: validation will say so
+    except RuntimeError:
+        return None  # tensors without storage (torch.func transforms): validated in full
 
 
 def _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, flags, grad,

@@ -64,7 +64,7 @@ def lightning_attn_fwd(
     # (is_compiling first: Dynamo cannot trace data_ptr; torch.compile traces chunk_simple_gla's custom op instead)
     if (not is_compiling() and cu_seqlens is None and cu_seqlens_cpu is None and isinstance(decay, torch.Tensor)
             and decay.ndim == 1 and decay.dtype is torch.float32 and decay.is_contiguous()
-            and not decay.data_ptr() & 15):  # fmt: skip
+            and _aligned(decay)):  # fmt: skip
         # A signature chunk_simple_gla has planned needs none of the checks below: g_gamma = -decay would have
         # decay's signature (shape, strides, dtype, device, alignment), which the plan's key holds. A launch bound
         # to cula's kernel takes the decay as it is (the kernel's own form), without negating it twice.
@@ -90,6 +90,14 @@ def lightning_attn_fwd(
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """16-byte aligned; False for a tensor without storage (torch.func transforms), which takes the general path."""
+    try:
+        return not t.data_ptr() & 15
+    except RuntimeError:
+        return False
 
 
 def _check_heads(q, v) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.compiler import is_compiling
 
@@ -178,11 +180,14 @@ def _plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_
             q.requires_grad or k.requires_grad or v.requires_grad
             or (initial_state is not None and initial_state.requires_grad)
         )  # fmt: skip
+        sigs = (tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g_gamma), tensor_sig(initial_state))
     except AttributeError:  # not tensors: validation says what is wrong
         return None
-    # (the scalars' types too: 1, 1.0 and True are one dict key)
+    except RuntimeError:  # tensors without storage (torch.func transforms): no address to key on
+        return None
+    # (the scalars' types too: 1, 1.0 and True are one dict key, and so are 0.0 and -0.0)
     return (
-        tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g_gamma), tensor_sig(initial_state), type(scale), scale,
+        *sigs, type(scale), scale, math.copysign(1.0, scale) if type(scale) is float else None,
         type(output_final_state), output_final_state, type(state_v_first), state_v_first, grad,
         torch.is_inference_mode_enabled(), forced_backend(),
     )  # fmt: skip
