@@ -49,11 +49,13 @@ class LightningTuning:
 # The H200's numbers (H100 shares sm_90). time_split from bench_lightning_prefill.py --time-parallel: about one
 # (segment, head) item per SM was best or within 5% of it from 4 to 16 heads and 16K to 1M tokens (longer segments
 # as the call grows, so the two passes' extra state traffic stays small); a call of 32 (sequence, head) items
-# already gained 1.6x from cutting (16 heads x 2 x 64K).
+# already gained 1.6x from cutting (16 heads x 2 x 64K). Whole waves (wave_ctas=1: an item's two V-slice CTAs share
+# one SM): one item more than the SMs costs a second wave, as in 8 heads x 64K (16 segments 0.271 ms in that sweep,
+# the 17 the unrounded count gives 0.314 in long_context.md) and 16 heads x 64K (8 segments 0.495, 9 0.604).
 LIGHTNING_TUNING: TuningTable[LightningTuning] = TuningTable(
     "lightning",
     {(9, 0): LightningTuning(time_split=SplitThresholds(items_per_sm=1.0, busy_items_per_sm=0.3, min_segment=2048,
-                                                        min_seq_len=16384))},
+                                                        min_seq_len=16384, wave_ctas=1))},
     fallback=LightningTuning(),
 )
 _ARCH = (9, 0)
