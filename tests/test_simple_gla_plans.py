@@ -141,6 +141,25 @@ def test_decay_gets_no_gradient_and_strided_inputs_are_copied(counted):
         assert torch.equal(o, want[0])
 
 
+def test_chunk_lightning_attn_takes_the_plan_with_its_schedule_made_once(counted):
+    from cula.lightning import chunk_lightning_attn, lightning_g_gamma
+
+    q, k, v, _, h0 = _inputs()
+    v = v[:, :, :H]  # (FLA's Lightning wrappers are multi-head: v has q's heads)
+    h0 = h0[:, :H]
+    want = _general(q, k, v, g_gamma=lightning_g_gamma(H, 3, 8), initial_state=h0, output_final_state=True)
+    outs = [chunk_lightning_attn(q, k, v, 3, 8, initial_state=h0, output_final_state=True) for _ in range(2)]
+    assert counted[0] == 1 + 1  # (the general path's call, then one plan)
+    for o, s in outs:
+        assert torch.equal(o, want[0]) and torch.equal(s, want[1])
+    import cula.lightning.chunk as lc
+
+    made = lc._LAYER_DECAYS.get(q.device, ("lightning_decay", H, 3, 8), lambda: None)
+    assert made is not None and torch.equal(made, -lightning_g_gamma(H, 3, 8))
+    with pytest.raises(ValueError, match="layer_idx"):
+        chunk_lightning_attn(q, k, v, 9, 8)
+
+
 @pytest.fixture
 def fake_lightning(monkeypatch, pretend_sm90):
     """CPU tensors on a pretend SM90; the Lightning kernel records its variant and arguments."""

@@ -15,6 +15,7 @@ from torch.compiler import is_compiling
 from cula._validate import (
     check_head_first, check_qkv, check_tensor, contiguous_reads, state_fp32, take_extra_kwargs,
 )  # fmt: skip
+from cula.backends import ConstantTensors
 from cula.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 from cula.simple_gla.chunk import planned_launch
 
@@ -124,6 +125,19 @@ def _as_int(name: str, x) -> int:
         raise ValueError(f"`{name}` must be an integer, got {x!r}") from None
 
 
+# FLA's schedule as the kernel's decay, per (heads, layer_idx, num_layers) and device: it depends on those ints alone
+_LAYER_DECAYS = ConstantTensors()
+
+
+def _layer_decay(num_heads: int, layer_idx, num_layers, device: torch.device) -> torch.Tensor:
+    """``-lightning_g_gamma(...)`` (same checks), made once: a repeated call launches nothing for it."""
+    layer_idx, num_layers = _check_layer(layer_idx, num_layers)
+    return _LAYER_DECAYS.get(
+        device, ("lightning_decay", num_heads, layer_idx, num_layers),
+        lambda: -lightning_g_gamma(num_heads, layer_idx, num_layers, device=device),
+    )  # fmt: skip
+
+
 def _check_layer(layer_idx, num_layers) -> tuple[int, int]:
     """``(layer_idx, num_layers)`` as ints, ``0 <= layer_idx <= num_layers`` (the last: no decay, as FLA's schedule
     gives; past it the schedule would make the states grow)."""
@@ -160,12 +174,19 @@ def chunk_lightning_attn(
         ("chunk_size", "head_first", "state_v_first", "transpose_state_layout", "cu_seqlens_cpu"),
     )  # fmt: skip
     check_head_first(extra)
-    g_gamma = lightning_g_gamma(_check_heads(q, v), layer_idx, num_layers, device=q.device)
+    decay = _layer_decay(_check_heads(q, v), layer_idx, num_layers, q.device)
+    if extra.keys() <= {"state_v_first", "cu_seqlens_cpu"}:
+        # lightning_attn_fwd is chunk_simple_gla(g_gamma=-decay), bit for bit, and its repeated calls hand the
+        # kernel this decay as it is
+        return lightning_attn_fwd(
+            q, k, v, decay, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, **extra,
+        )  # fmt: skip
     return chunk_simple_gla(
         q,
         k,
         v,
-        g_gamma=g_gamma,
+        g_gamma=-decay,
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
