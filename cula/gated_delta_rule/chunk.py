@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.compiler import is_compiling
 
@@ -21,7 +23,15 @@ from cula._validate import (
     state_fp32,
     take_extra_kwargs,
 )
+from cula.backends import PlanCache, capturing, forced_backend, tensor_sig, token_sigs
 from cula.gated_delta_rule.backends import chunk_gdn_registry
+
+# Fixed-length calls skip validation and backend selection when their signature repeats: the first call of a
+# signature is validated in full and planned (chunk_gdn_registry.plan); later ones go straight to that launch.
+_plans = PlanCache()
+_PLANNED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+_PLANNED_KWARGS = frozenset(("use_gate_in_kernel", "A_log", "dt_bias"))
+_PLAIN_SCALARS = frozenset((type(None), bool, int, float))
 
 _EXTRA_KWARGS = (
     "use_gate_in_kernel",
@@ -118,6 +128,36 @@ def chunk_gated_delta_rule(
             use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
             cp_context, **kwargs,
         )  # fmt: skip
+    if (cu_seqlens is None and cu_seqlens_cpu is None and chunk_indices is None and cp_context is None
+            and kwargs.keys() <= _PLANNED_KWARGS and not is_compiling()):  # fmt: skip
+        A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+        flags = (scale, output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                 state_v_first, kwargs.get("use_gate_in_kernel", False))  # fmt: skip
+        key = _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, flags)
+        if key is not None:
+            launch = _plans.get(key)
+            if launch is None:
+                args = _checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, None, None, None, None,
+                                dict(kwargs))  # fmt: skip
+                if any(args[n] is not x for n, x in zip(_PLANNED, (q, k, v, g, beta, initial_state, A_log, dt_bias))):
+                    # a tensor strided in its last dimension was copied: such calls take the general path each time
+                    return chunk_gdn_registry.dispatch(q.device, args)
+                launch = chunk_gdn_registry.plan(q.device, args, positional=_PLANNED)
+                if not capturing(q):  # (as chunk_kda's: a plan made under capture serves that call only)
+                    _plans.put(key, launch)
+            return launch(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    args = _checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                    use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                    chunk_indices, cp_context, kwargs)  # fmt: skip
+    return chunk_gdn_registry.dispatch(q.device, args)
+
+
+def _checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+             use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+             cp_context, kwargs: dict) -> dict:  # fmt: skip
+    """Validate a call in full (FLA's rules plus dtype / device / layout checks); returns the dispatch arguments, a
+    tensor strided in its last dimension replaced by its row-major copy."""
     extra = take_extra_kwargs("chunk_gated_delta_rule", kwargs, _EXTRA_KWARGS)
     check_head_first(extra)
     state_v_first = resolve_state_layout("chunk_gated_delta_rule", state_v_first, extra)
@@ -171,4 +211,28 @@ def chunk_gated_delta_rule(
         dt_bias=dt_bias,
         chunk_size=chunk_size,
     )
-    return chunk_gdn_registry.dispatch(q.device, args)
+    return args
+
+
+def _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, flags: tuple) -> tuple | None:
+    """The plan-cache key of a fixed-length call: everything validation and backend selection read (each tensor's
+    ``tensor_sig``, the flags with their types, whether autograd records the call, inference mode,
+    ``CULA_BACKEND``), or None where the call is validated in full every time (scalars of other types, not tensors,
+    tensors without storage)."""
+    if not _PLAIN_SCALARS.issuperset(map(type, flags)):
+        return None
+    try:  # written out: this runs for every call
+        grad = torch.is_grad_enabled() and bool(
+            q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or beta.requires_grad
+            or (initial_state is not None and initial_state.requires_grad)
+            or (A_log is not None and A_log.requires_grad) or (dt_bias is not None and dt_bias.requires_grad)
+        )  # fmt: skip
+        sigs = (*token_sigs(q, k, v, g, beta), tensor_sig(initial_state), tensor_sig(A_log), tensor_sig(dt_bias))
+    except (AttributeError, RuntimeError):  # not tensors, or without storage (torch.func transforms)
+        return None
+    scale = flags[0]
+    # (the scalars' types too: 1, 1.0 and True are one dict key, and so are 0.0 and -0.0)
+    return (
+        *sigs, *map(type, flags), *flags, math.copysign(1.0, scale) if type(scale) is float else None, grad,
+        torch.is_inference_mode_enabled(), forced_backend(),
+    )  # fmt: skip
