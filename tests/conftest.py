@@ -97,6 +97,29 @@ def pretend_sm90(monkeypatch):
     monkeypatch.setattr("cula.time_split.sm_count", lambda index: 132)
 
 
+@pytest.fixture
+def plan_counter(monkeypatch):
+    """``count(module, checked="_checked")``: a fresh plan cache ``module._plans`` and a list whose one element counts
+    the calls of ``module.<checked>`` (full validations), ``CULA_BACKEND`` unset."""
+    from cula.backends import PlanCache
+
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+
+    def count(module, checked: str = "_checked"):
+        calls = [0]
+        monkeypatch.setattr(module, "_plans", PlanCache())
+        real = getattr(module, checked)
+
+        def counting(*a, **kw):
+            calls[0] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(module, checked, counting)
+        return calls
+
+    return count
+
+
 def _tuning_fixture(table):
     """A fixture function: ``set(**changes)`` overrides the sm_90 entry of ``table`` until the test ends (plans made
     under other numbers dropped on the way in and out)."""

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import cula.gated_delta_rule.chunk as chunk_mod
-from cula.backends import PlanCache
 from cula.gated_delta_rule import chunk_gated_delta_rule
 
 B, T, H, HV, D = 2, 70, 2, 4, 32
@@ -29,18 +28,8 @@ FLAGS = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_
 
 
 @pytest.fixture
-def counted(monkeypatch):
-    count = [0]
-    monkeypatch.setattr(chunk_mod, "_plans", PlanCache())
-    real = chunk_mod._checked
-
-    def checked(*a, **kw):
-        count[0] += 1
-        return real(*a, **kw)
-
-    monkeypatch.setattr(chunk_mod, "_checked", checked)
-    monkeypatch.delenv("CULA_BACKEND", raising=False)
-    return count
+def counted(plan_counter):
+    return plan_counter(chunk_mod)
 
 
 def test_repeated_signature_is_validated_once(counted):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import cula.simple_gla.chunk as chunk_mod
-from cula.backends import PlanCache
 from cula.lightning import lightning_attn_fwd
 from cula.simple_gla import chunk_simple_gla
 
@@ -27,19 +26,9 @@ def _inputs(seed=0, dtype=torch.bfloat16):
 
 
 @pytest.fixture
-def counted(monkeypatch):
+def counted(plan_counter):
     """A fresh plan cache and a count of full validations."""
-    count = [0]
-    monkeypatch.setattr(chunk_mod, "_plans", PlanCache())
-    real = chunk_mod._checked_args
-
-    def checked(*a, **kw):
-        count[0] += 1
-        return real(*a, **kw)
-
-    monkeypatch.setattr(chunk_mod, "_checked_args", checked)
-    monkeypatch.delenv("CULA_BACKEND", raising=False)
-    return count
+    return plan_counter(chunk_mod, "_checked_args")
 
 
 def _general(*args, **kw):
