@@ -147,9 +147,7 @@ def _prepare_chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_fina
     if parallel_segments(B, T, HV, None, None, q.device) is not None:
         return None
     fn = compiled_variant(q.shape[-1], initial_state is not None, bool(output_final_state), False, state_v_first)
-    device = v.device
-
-    scale = float(scale)
+    device, scale = v.device, float(scale)
 
     def from_decay(q, k, v, decay, initial_state):
         o = torch.empty_like(v)  # (row-major, as v)
