@@ -37,37 +37,50 @@ def compare_suite(name: str, before: dict[str, dict], after: dict[str, dict]) ->
         "| config | cula before ms | cula after ms | cula after/before | FLA after/before |",
         "|---|---|---|---|---|",
     ]  # fmt: skip
-    cula_ratios, fla_ratios = [], []
+    cula_ratios, fla_ratios, untimed = [], [], []
     for config, b in before.items():
         a = after.get(config)
         if a is None:
+            untimed.append(f"{config} (after: no row)")
             continue
         cb, ca = _ms(b, "cula_ms"), _ms(a, "cula_ms")
         fb, fa = _ms(b, "fla_ms"), _ms(a, "fla_ms")
         fla = f"{fa / fb:.3f}" if fb and fa else "-"
-        if fb and fa:
-            fla_ratios.append(fa / fb)
         if cb and ca:
             cula_ratios.append(ca / cb)
+            if fb and fa:  # the control over the same configs as cula's ratios
+                fla_ratios.append(fa / fb)
             lines.append(f"| {config} | {cb:.4f} | {ca:.4f} | {ca / cb:.3f} | {fla} |")
         else:
+            untimed.append(f"{config} (cula {'before' if not cb else 'after'}: not timed)")
             lines.append(f"| {config} | {cb or '-'} | {ca or '-'} | - | {fla} |")
+    untimed += [f"{config} (before: no row)" for config in after if config not in before]
     summary = {
         "configs": len(cula_ratios),
         "cula_geomean": _geomean(cula_ratios),
         "cula_range": (min(cula_ratios), max(cula_ratios)) if cula_ratios else None,
         "fla_geomean": _geomean(fla_ratios),
+        "missing": untimed,
     }
     rng = summary["cula_range"]
     lines += ["", f"cula after / before: geomean {summary['cula_geomean']:.3f} over {summary['configs']} configs"
               + (f" ({rng[0]:.3f} .. {rng[1]:.3f})" if rng else "")
-              + f"; FLA's: geomean {summary['fla_geomean']:.3f}", ""]  # fmt: skip
-    return lines, summary
+              + f"; FLA's over the same configs: geomean {summary['fla_geomean']:.3f}"]  # fmt: skip
+    if untimed:
+        lines.append(f"missing from the comparison: {', '.join(untimed)}")
+    return lines + [""], summary
 
 
 def compare(before: Path, after: Path, suites: list[str] | None = None) -> tuple[str, dict[str, dict]]:
+    """The markdown of every suite in ``suites`` (default: each in both folders) and their summaries. Raises
+    ``SystemExit`` when there is nothing to compare (a folder without results, no suite in both)."""
+    one_sided = sorted({p.name for p in before.glob("*.json")} ^ {p.name for p in after.glob("*.json")})
     names = suites or sorted(p.stem for p in before.glob("*.json") if (after / p.name).exists())
+    if not names:
+        raise SystemExit(f"no suite in both {before} and {after}")
     lines = [f"# {before} -> {after}", ""]
+    if one_sided and not suites:
+        lines += [f"in one folder only (not compared): {', '.join(one_sided)}", ""]
     summaries = {}
     for name in names:
         b, a = before / f"{name}.json", after / f"{name}.json"

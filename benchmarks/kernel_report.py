@@ -12,7 +12,8 @@ Reports (all by default):
   (T = 1), N = 64 (T = 4, with and without step states), H = HV = 64, K = V = 128, on both pool layouts ([K, V]
   also with the wide lane tile); then the launcher's variants at T = 1: CTA size at 16 warps per SM, one token slot
   per warp at 5 and 6 CTAs per SM, and [K, V] boxes by TMA at 4 and 5 CTAs per SM.
-* ``gdn-decode``: Gated DeltaNet's decode on the KDA decode kernel (per-head gate, [V, K] pools) for MTP verify
+* ``gdn-decode``: Gated DeltaNet's decode on the KDA decode kernel as ``gdn_decode`` runs it in
+  ``bench_gdn_decode.py`` (per-head gate, [V, K] pool updated in place, no step states) for MTP verify
   N = 64, T = 4 and decode N = 128 / 512 (H = 16, HV = 32), and KDA's MTP shape (H = HV = 64): every variant of
   ``GDN_DECODE_VARIANTS`` (the wide lane tile, CTA size, token slots, CTAs per SM), each checked against the
   default's output and pool first (``vs_default``: relative RMSE), then timed; what sets

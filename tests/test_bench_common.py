@@ -509,6 +509,9 @@ def test_compare_two_runs(tmp_path, capsys):
     assert s["configs"] == 3  # "failed" is in one run only; B1, B2 and the varlen row in both
     assert s["cula_geomean"] == pytest.approx((2.0 * 0.5 * 1.0) ** (1 / 3))
     assert s["cula_range"] == (0.5, 2.0)
-    assert s["fla_geomean"] == pytest.approx(2.0 ** (1 / 3))
+    assert s["fla_geomean"] == pytest.approx(2.0 ** (1 / 3))  # (over the configs cula's ratios cover)
+    assert s["missing"] == ["failed (after: no row)"]
+    with pytest.raises(SystemExit):
+        compare.main([str(tmp_path / "b"), str(tmp_path / "nothing-here")])
     text = (tmp_path / "ab.md").read_text()
     assert "| B1-T512 | 0.5000 | 1.0000 | 2.000 | 2.000 |" in text and "### kda_prefill" in capsys.readouterr().out

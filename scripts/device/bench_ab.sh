@@ -10,12 +10,14 @@
 set -u
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = "--pack" ]; then
-  rev=${2:?--pack needs a revision}
-  rm -rf /tmp/cula-before && mkdir -p /tmp/cula-before/before
+  set -euo pipefail
+  rev=$(git rev-parse --verify "${2:?--pack needs a revision}^{commit}")
+  rm -rf /tmp/cula-before && mkdir -p /tmp/cula-before/before .device
   git archive "$rev" cula benchmarks | tar x -C /tmp/cula-before/before
   rm -rf /tmp/cula-before/before/benchmarks/results
-  git rev-parse "$rev" > /tmp/cula-before/before/REVISION
-  tar cJf .device/before.tar.xz -C /tmp/cula-before before && du -b .device/before.tar.xz
+  echo "$rev" > /tmp/cula-before/before/REVISION
+  tar cJf .device/before.tar.xz.new -C /tmp/cula-before before
+  mv .device/before.tar.xz.new .device/before.tar.xz && du -b .device/before.tar.xz
   exit
 fi
 [ -f .device/before.tar.xz ] || { echo "no .device/before.tar.xz: run bash scripts/device/bench_ab.sh --pack REV here" >&2; exit 2; }
@@ -27,6 +29,7 @@ echo "before: $(cat /tmp/cula-before/before/REVISION)"
   "kda_decode:30:--max-seconds 22" "lightning_decode:30:--max-seconds 22"
 sides="before after"
 [ "${ORDER:-}" = "after-first" ] && sides="after before"
+rm -rf "$OUT/before" "$OUT/after" "$OUT/logs"  # (a local rerun must not compare an earlier run's results)
 mkdir -p "$OUT/before" "$OUT/after" "$OUT/logs"
 for spec in "$@"; do
   IFS=: read -r name secs args <<< "$spec"
@@ -40,6 +43,13 @@ for spec in "$@"; do
     echo "   rc=$?"; grep -E "geomean|partial|interrupted|FAIL" "$OUT/logs/${side}_$name.log" | tail -3
   done
 done
-python benchmarks/compare.py "$OUT"/before/* "$OUT"/after/* --out "$OUT/compare.md" | grep -E "^###|geomean"
+# each side's results sit in one folder named after the GPU; a side that wrote none leaves nothing to compare
+sides_ok=1
+for side in before after; do
+  n=$(find "$OUT/$side" -mindepth 1 -maxdepth 1 -type d | wc -l)
+  [ "$n" -eq 1 ] || { echo "$side: $n results folders (want 1): see $OUT/logs" >&2; sides_ok=0; }
+done
+[ "$sides_ok" -eq 1 ] && python benchmarks/compare.py "$OUT"/before/* "$OUT"/after/* --out "$OUT/compare.md" \
+  | grep -E "^###|geomean|missing"
 tar czf "$OUT/ab.tgz" -C "$OUT" before after logs && rm -rf "$OUT/before" "$OUT/after" "$OUT/logs"
 echo "== done at +$(( $(date +%s) - S ))s"
