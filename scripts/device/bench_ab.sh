@@ -31,16 +31,18 @@ sides="before after"
 [ "${ORDER:-}" = "after-first" ] && sides="after before"
 rm -rf "$OUT/before" "$OUT/after" "$OUT/logs"  # (a local rerun must not compare an earlier run's results)
 mkdir -p "$OUT/before" "$OUT/after" "$OUT/logs"
+i=0
 for spec in "$@"; do
   IFS=: read -r name secs args <<< "$spec"
+  i=$((i + 1))  # (a NAME may come twice, e.g. eager and --cuda-graph: a log each)
   for side in $sides; do
     dir=$PWD
     [ "$side" = before ] && dir=/tmp/cula-before/before
     echo "== $side $name at +$(( $(date +%s) - S ))s"
     # shellcheck disable=SC2086  # ARGS is a list of options
     (cd "$dir" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" timeout "$secs" python "benchmarks/bench_$name.py" \
-      --out "$OUT/$side" $args > "$OUT/logs/${side}_$name.log" 2>&1)
-    echo "   rc=$?"; grep -E "geomean|partial|interrupted|FAIL" "$OUT/logs/${side}_$name.log" | tail -3
+      --out "$OUT/$side" $args > "$OUT/logs/${side}_${i}_$name.log" 2>&1)
+    echo "   rc=$?"; grep -E "geomean|partial|interrupted|FAIL" "$OUT/logs/${side}_${i}_$name.log" | tail -3
   done
 done
 # each side's results sit in one folder named after the GPU; a side that wrote none leaves nothing to compare
