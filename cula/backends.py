@@ -21,6 +21,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -338,6 +339,15 @@ def token_sigs(q, k, v, g, beta) -> tuple:
 
 
 _PLAIN_SCALARS = (type(None), bool, int, float, str)
+
+
+def scalars_key(values: tuple) -> tuple | None:
+    """A plan key's part for a call's scalar arguments: their types, their values and each float's sign (1, 1.0 and
+    True are one dict key, and so are 0.0 and -0.0); None (validate the call in full) when one is not a plain Python
+    value."""
+    if any(type(x) not in _PLAIN_SCALARS for x in values):
+        return None
+    return (*map(type, values), *values, *(math.copysign(1.0, x) for x in values if type(x) is float))
 
 
 def call_signature(call: dict[str, Any], tensors: tuple[str, ...], scalars: tuple[str, ...], *extra) -> tuple | None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.compiler import is_compiling
 
@@ -23,7 +21,7 @@ from cula._validate import (
     state_fp32,
     take_extra_kwargs,
 )
-from cula.backends import PlanCache, capturing, forced_backend, tensor_sig, token_sigs
+from cula.backends import PlanCache, capturing, forced_backend, scalars_key, tensor_sig, token_sigs
 from cula.gated_delta_rule.backends import chunk_gdn_registry
 
 # Fixed-length calls skip validation and backend selection when their signature repeats: the first call of a
@@ -31,7 +29,6 @@ from cula.gated_delta_rule.backends import chunk_gdn_registry
 _plans = PlanCache()
 _PLANNED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 _PLANNED_KWARGS = frozenset(("use_gate_in_kernel", "A_log", "dt_bias"))
-_PLAIN_SCALARS = frozenset((type(None), bool, int, float))
 
 _EXTRA_KWARGS = (
     "use_gate_in_kernel",
@@ -219,7 +216,8 @@ def _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, flags: tuple) -> 
     ``tensor_sig``, the flags with their types, whether autograd records the call, inference mode,
     ``CULA_BACKEND``), or None where the call is validated in full every time (scalars of other types, not tensors,
     tensors without storage)."""
-    if not _PLAIN_SCALARS.issuperset(map(type, flags)):
+    scalars = scalars_key(flags)
+    if scalars is None:
         return None
     try:  # written out: this runs for every call
         grad = torch.is_grad_enabled() and bool(
@@ -230,9 +228,4 @@ def _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, flags: tuple) -> 
         sigs = (*token_sigs(q, k, v, g, beta), tensor_sig(initial_state), tensor_sig(A_log), tensor_sig(dt_bias))
     except (AttributeError, RuntimeError):  # not tensors, or without storage (torch.func transforms)
         return None
-    scale = flags[0]
-    # (the scalars' types too: 1, 1.0 and True are one dict key, and so are 0.0 and -0.0)
-    return (
-        *sigs, *map(type, flags), *flags, math.copysign(1.0, scale) if type(scale) is float else None, grad,
-        torch.is_inference_mode_enabled(), forced_backend(),
-    )  # fmt: skip
+    return (*sigs, *scalars, grad, torch.is_inference_mode_enabled(), forced_backend())

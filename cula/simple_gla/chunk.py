@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.compiler import is_compiling
 
@@ -21,7 +19,7 @@ from cula._validate import (
     state_fp32,
     take_extra_kwargs,
 )
-from cula.backends import PlanCache, capturing, forced_backend, tensor_sig
+from cula.backends import PlanCache, capturing, forced_backend, scalars_key, tensor_sig
 from cula.simple_gla.backends import chunk_simple_gla_registry, fused_recurrent_simple_gla_registry
 
 # Fixed-length calls with a constant decay (Lightning's) skip validation and backend selection when their signature
@@ -29,7 +27,6 @@ from cula.simple_gla.backends import chunk_simple_gla_registry, fused_recurrent_
 # cula's kernels binds the compiled variant); later ones go straight to that launch.
 _plans = PlanCache()
 _PLANNED = ("q", "k", "v", "g_gamma", "initial_state")
-_PLAIN_SCALARS = frozenset((type(None), bool, int, float))
 
 
 def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
@@ -173,7 +170,8 @@ def _plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_
     """The plan-cache key of a fixed-length call with a constant (or no) decay: everything validation and backend
     selection read (each tensor's ``tensor_sig``, the flags, whether autograd records the call, inference mode,
     ``CULA_BACKEND``), or None where the call is validated in full every time (scalars of other types)."""
-    if not _PLAIN_SCALARS.issuperset((type(scale), type(output_final_state), type(state_v_first))):
+    scalars = scalars_key((scale, output_final_state, state_v_first))
+    if scalars is None:
         return None
     try:  # written out: this runs for every call
         grad = torch.is_grad_enabled() and bool(
@@ -185,12 +183,7 @@ def _plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_
         return None
     except RuntimeError:  # tensors without storage (torch.func transforms): no address to key on
         return None
-    # (the scalars' types too: 1, 1.0 and True are one dict key, and so are 0.0 and -0.0)
-    return (
-        *sigs, type(scale), scale, math.copysign(1.0, scale) if type(scale) is float else None,
-        type(output_final_state), output_final_state, type(state_v_first), state_v_first, grad,
-        torch.is_inference_mode_enabled(), forced_backend(),
-    )  # fmt: skip
+    return (*sigs, *scalars, grad, torch.is_inference_mode_enabled(), forced_backend())
 
 
 def fused_recurrent_simple_gla(
