@@ -147,6 +147,7 @@ def bench(
     runners: list[Callable[[], Any]]
     graphs: list[torch.cuda.CUDAGraph] = []
     if cuda_graph:
+        refuse_host_waits(fns, side)
         for fn in fns:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -179,6 +180,31 @@ def bench(
     samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     del graphs
     return Timing.from_samples(samples)
+
+
+class NotCapturable(RuntimeError):
+    """A call waits on the host (a device-to-host copy, ``.item()``, ``.tolist()``), so no CUDA graph can hold it."""
+
+
+def refuse_host_waits(fns: Sequence[Callable[[], Any]], stream: torch.cuda.Stream) -> None:
+    """Raise ``NotCapturable`` when a warmed call still synchronises with the host.
+
+    A capture that fails part-way cannot be undone in-process: PyTorch 2.11 leaves its caching allocator
+    routing the stream's allocations to the dead graph's pool and its RNG in capture mode, so every later row
+    of the run fails (out of memory, "Offset increment outside graph capture"). One more call per set under
+    ``torch.cuda.set_sync_debug_mode("error")`` finds the synchronising calls without capturing anything.
+    """
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            for fn in fns:
+                fn()
+    except RuntimeError as exc:
+        raise NotCapturable(f"not capturable, the call waits on the host: {exc}") from exc
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize()
 
 
 def measure_copy_bandwidth(nbytes: int = 1 << 30, iters: int = 30) -> float:

@@ -259,6 +259,24 @@ def test_kda_prefill_quick_on_gpu(tmp_path):
     assert data["meta"]["FLA_FLASH_KDA"] == "0" and len(data["rows"]) == len(rows)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_timing_refuses_host_waits_and_leaves_the_process_usable():
+    x = torch.randn(1 << 20, device="cuda")
+    lens = torch.tensor([3, 5], device="cuda")
+    with pytest.raises(bc.NotCapturable, match="waits on the host"):
+        bc.bench(lambda: x[: int(lens.sum().item())].mul_(1.0), iters=3, warmup=1, cuda_graph=True)
+    assert torch.cuda.get_sync_debug_mode() == 0
+    # a failed capture would leave the allocator and the RNG in capture mode: both must still work after
+    free_before = torch.cuda.mem_get_info()[0]
+    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    del big
+    torch.randn(8, device="cuda")
+    t = bc.bench(lambda: x.mul_(1.0), iters=3, warmup=1, cuda_graph=True)
+    assert t.median_ms > 0
+    assert torch.cuda.mem_get_info()[0] >= free_before - (64 << 20)
+
+
 # ---------------------------------------------------------------------------------- shared suite machinery
 
 
