@@ -17,7 +17,7 @@ Reports (all by default):
   N = 64, T = 4 and decode N = 128 / 512 (H = 16, HV = 32), and KDA's MTP shape (H = HV = 64): every variant of
   ``GDN_DECODE_VARIANTS`` (the wide lane tile, CTA size, token slots, CTAs per SM), each checked against the
   default's output and pool first (``vs_default``: relative RMSE), then timed; what sets
-  ``KdaTuning.wide_vk_min_tokens`` and the decode knobs of the tuning entry.
+  ``KdaTuning.multi_token_vk`` / ``wide_vk_min_tokens`` and the decode knobs of the tuning entry.
 * ``lightning-decode``: ``lightning_decode_sm90`` for N = 1 / 64 / 256 (T = 1) and N = 64 (T = 4) on both layouts,
   each cache-hint pair at N = 64, 20 resident warps per SM, and the persistent grid against one CTA per unit group.
 * ``kda-intra``: the intra-chunk kernel (``chunk_kda_intra_sm90``, log-space gate) at B = 2, T = 16384, H = HV = 64
@@ -151,7 +151,9 @@ GDN_DECODE_VARIANTS = {
     "8 warps/CTA": {"warps_per_cta": 8},
     "4 slots": {"tokens_per_round": 4},
     "4 slots, 5 CTAs/SM": {"tokens_per_round": 4, "min_blocks_per_sm": 5},
-    "1 slot, 6 CTAs/SM": {"tokens_per_round": 1, "min_blocks_per_sm": 6},
+    "8 slots": {"tokens_per_round": 8},  # the narrow tile's own shape, which MTP calls ran before multi_token_vk
+    "1 slot, 5 CTAs/SM": {"tokens_per_round": 1, "min_blocks_per_sm": 5},
+    "1 slot, 8 CTAs/SM": {"tokens_per_round": 1, "min_blocks_per_sm": 8},
 }
 GDN_DECODE_KNOBS = ("wide_kv", "warps_per_cta", "tokens_per_round", "min_blocks_per_sm", "kv_cols", "kv_tma")
 # (N, T, q/k heads, value heads, per-head gate): GDN's MTP verify (0.77x FLA on the H200) and two decode sizes, then

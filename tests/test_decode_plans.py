@@ -506,10 +506,10 @@ def _mtp_switch_variants(fake_sm90, state_v_first):
 
 
 def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, kda_tuning):
-    """multi_token_kv_cols takes calls of 2 to multi_token_kv_cols_max_tokens tokens on [K, V] pools with K=128 and
+    """multi_token_kv_cols takes calls of 2 to multi_token_max_tokens tokens on [K, V] pools with K=128 and
     no step states, with its warps, token slots and CTAs per SM; longer calls and step states keep the wide tile, T=1
     calls kv_cols / kv_tma."""
-    kda_tuning(multi_token_kv_cols=(2, 4, 5), multi_token_kv_cols_max_tokens=2)
+    kda_tuning(multi_token_kv_cols=(2, 4, 5), multi_token_max_tokens=2)
     multi, stepped, longer, single = _mtp_switch_variants(fake_sm90, state_v_first=False)
     assert multi["kv_cols"] and not multi["wide_kv"]
     assert (multi["warps_per_cta"], multi["tokens_per_round"], multi["min_blocks_per_sm"]) == (2, 4, 5)
@@ -518,10 +518,27 @@ def test_multi_token_kv_cols_switch(counted_plans, fake_sm90, kda_tuning):
     assert single.get("kv_tma") and not single.get("kv_cols")  # 12 states: below kv_cols_min_states
 
 
+def test_multi_token_vk_switch(counted_plans, fake_sm90, kda_tuning):
+    """multi_token_vk takes calls of 2 to multi_token_max_tokens tokens on [V, K] pools with K=128 and no step
+    states to its token slots and CTAs per SM on the narrow tile, ahead of wide_vk_min_tokens; longer calls and step
+    states keep what they had, T=1 calls single_token_cta."""
+    kda_tuning(multi_token_vk=(2, 7), multi_token_max_tokens=2, wide_vk_min_tokens=2)
+    two, stepped, three, single = _mtp_switch_variants(fake_sm90, state_v_first=True)
+    assert not two["wide_kv"] and (two["tokens_per_round"], two["min_blocks_per_sm"]) == (2, 7)
+    assert "warps_per_cta" not in two and not two.get("kv_cols")
+    for wide in (stepped, three):
+        assert wide["wide_kv"] and wide.get("min_blocks_per_sm") != 7
+    assert single["tokens_per_round"] == 1 and single.get("min_blocks_per_sm") != 7
+    fake_sm90.clear()
+    kda_tuning(multi_token_vk=(2, 7), multi_token_max_tokens=2, wide_vk_min_tokens=None)
+    kv = _mtp_switch_variants(fake_sm90, state_v_first=False)  # [K, V] pools: multi_token_kv_cols, not this
+    assert not any(v.get("min_blocks_per_sm") == 7 for v in kv)
+
+
 def test_wide_vk_switch(counted_plans, fake_sm90, kda_tuning):
     """wide_vk_min_tokens takes [V, K] pools with K=128 to the wide lane tile from that many tokens a call (step
     states too); fewer tokens keep the narrow tile; None never takes it."""
-    kda_tuning(wide_vk_min_tokens=2, multi_token_kv_cols=None)
+    kda_tuning(wide_vk_min_tokens=2, multi_token_kv_cols=None, multi_token_vk=None)
     two, stepped, three, single = _mtp_switch_variants(fake_sm90, state_v_first=True)
     for wide in (two, stepped, three):
         assert wide["wide_kv"] and wide["state_v_first"]

@@ -63,11 +63,15 @@ class KdaTuning:
     # the column loops' serial K rows as the latency). None: off.
     kv_cols: tuple[int, int] | None = (2, 6)
     kv_cols_min_states: int = 1024
-    # MTP verify calls of 2 .. multi_token_kv_cols_max_tokens tokens on [K, V] pools with K=128 and no step states:
+    # MTP verify calls of 2 .. multi_token_max_tokens tokens on [K, V] pools with K=128 and no step states:
     # kv_cols with (warps per CTA, token slots a warp, CTAs per SM) instead of the wide tile (its shared-memory
     # passes grow with T, the wide tile's shuffles less, hence the cap). None: off.
     multi_token_kv_cols: tuple[int, int, int] | None = (2, 1, 6)
-    multi_token_kv_cols_max_tokens: int = 5
+    multi_token_max_tokens: int = 5
+    # ... and on [V, K] pools with K=128 (the narrow tile): (token slots a warp, CTAs per SM) instead of 8 slots at
+    # the default occupancy: a warp's one slot walks the tokens in order, and the freed shared memory holds more CTAs
+    # whose loads overlap. None: off.
+    multi_token_vk: tuple[int, int] | None = None
     # [V, K] pools with K=128 (Gated DeltaNet's serving layout) take the wide lane tile for calls of at least this
     # many tokens a sequence: 16 V rows a warp instead of 8, so each token's preparation (q / k norms, the gate)
     # is made by half as many warps a head, which an MTP verify of several tokens pays once per token; None: never
@@ -150,9 +154,12 @@ class KdaTuning:
 # kda_prefill_log_subset.md: 4.48x FLA instead of 1.15x), and the training step's graph replay 2.22 against 4.54 ms
 # at B1-T4096 (kda_training_log_also_any_subset.md, FLA 5.43), its peak memory 1,676 against 1,937 MiB. The softplus
 # gate takes the same variant, unmeasured apart: its strong heads' tiles run the exact path
-_H200 = KdaTuning(bwd_dv_dhu_lanes=(128, 512), bwd_intra=True, bwd_intra_cumsum=True, bwd_intra_gate=True,
-                  bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_wy_dqkg=True, intra_any_gate=True,
-                  intermediate_states=True,
+# multi_token_vk, measured on an H100 (kernel_report.py gdn-decode, T = 4 MTP verify on [V, K] pools, N = 64): Gated
+# DeltaNet's 16 / 32 heads 131 against 159 us (the wide tile 140), KDA's 64 heads 274 against 324 (wide 280); T = 1
+# calls keep single_token_cta (the 1-slot, 6-CTA shape took 197 against 187 us at N = 128)
+_H200 = KdaTuning(multi_token_vk=(1, 6), bwd_dv_dhu_lanes=(128, 512), bwd_intra=True, bwd_intra_cumsum=True,
+                  bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_wy_dqkg=True,
+                  intra_any_gate=True, intermediate_states=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
                                              min_seq_len=16384, wave_ctas=2))
 KDA_TUNING: TuningTable[KdaTuning] = TuningTable("kda", {(9, 0): _H200}, fallback=KdaTuning())
@@ -272,7 +279,7 @@ def decode_variant(
     ``warps_per_cta`` / ``tokens_per_round`` / ``min_blocks_per_sm`` itself). ``wide_kv`` None: the tuning's
     choice (``wide_kv`` for [K, V] pools with K=128, ``wide_vk_min_tokens`` for [V, K] ones). ``tokens`` (the
     calls' T) and ``states`` (N x HV), when known, pick the T=1 variants (``kv_cols``, then ``kv_tma``, then
-    ``single_token_cta``) and the MTP box (``multi_token_kv_cols``)."""
+    ``single_token_cta``) and the MTP shapes (``multi_token_kv_cols``, ``multi_token_vk``)."""
     t = tuning or KDA_TUNING.get((9, 0))
     swept = _SWEEP_FLAGS & set(flags)
     kv_pool_128 = not flags["state_v_first"] and flags["K"] == 128
@@ -281,11 +288,16 @@ def decode_variant(
         if (tokens == 1 and t.kv_cols and (states is None or states >= t.kv_cols_min_states)
                 and not swept - {"tokens_per_round"}):  # fmt: skip
             box = (t.kv_cols[0], 1, t.kv_cols[1])
-        elif 1 < tokens <= t.multi_token_kv_cols_max_tokens and t.multi_token_kv_cols and not swept:
+        elif 1 < tokens <= t.multi_token_max_tokens and t.multi_token_kv_cols and not swept:
             box = t.multi_token_kv_cols
     if box and flags["V"] % (32 * box[0]) == 0:
         wide_kv = False
         flags.update(kv_cols=True, warps_per_cta=box[0], tokens_per_round=box[1], min_blocks_per_sm=box[2])
+    if (t.multi_token_vk and flags["state_v_first"] and flags["K"] == 128 and not flags["has_step_states"]
+            and tokens is not None and 1 < tokens <= t.multi_token_max_tokens and wide_kv is None
+            and not swept):  # fmt: skip
+        wide_kv = False
+        flags.update(tokens_per_round=t.multi_token_vk[0], min_blocks_per_sm=t.multi_token_vk[1])
     if (t.kv_tma and kv_pool_128 and tokens == 1 and wide_kv is None and flags["V"] % 32 == 0
             and not flags["has_step_states"] and "min_blocks_per_sm" not in flags
             and flags.get("warps_per_cta", 4) == 4):  # fmt: skip

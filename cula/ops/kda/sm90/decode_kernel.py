@@ -42,7 +42,7 @@ kernel is plain SIMT fp32 work (no tensor cores) organised to keep enough bytes 
   conflict-free under the swizzle), runs the same token math and writes it back, and one TMA store returns the box.
 * **kv_cols** (T=1 calls on ``[K, V]`` pools with K=128 without step states, from ``KdaTuning.kv_cols_min_states``
   states up, below that kv_tma, whose smaller boxes fill more SMs; MTP calls of 2 to
-  ``KdaTuning.multi_token_kv_cols_max_tokens`` tokens there without step states, of any size): a CTA of W warps takes a
+  ``KdaTuning.multi_token_max_tokens`` tokens there without step states, of any size): a CTA of W warps takes a
   ``[K, 32 W]`` box by one TMA load (W = 4 with V = 128: the whole state, contiguous in the pool) and keeps it in shared
   memory; lane j of warp w owns column ``32 w + j`` with all K rows, so ``S^T k`` and ``S^T q`` are in-lane sums over
   the column (two passes a token, its q / k / exp(g) broadcast from the warp's slot) and no shuffle runs; one TMA
