@@ -40,8 +40,11 @@ _FINDING = re.compile(r"^========= (Error|Warning|Invalid|Uninitialized|Race|Bar
 
 def _run(tool: str, group: str, names: list[str], out: str, limit: int, print_limit: int) -> subprocess.Popen:
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", CUTE_DSL_LINEINFO="1", PYTHONUNBUFFERED="1")
+    # no host backtraces: a report names its kernel and source line without one, the case markers say which call,
+    # and unwinding the Python stack for each of initcheck's ~2,000 reports about FLA's Triton kernels in one
+    # packed FLA-intra case took longer than a device call may run
     cmd = ["timeout", str(limit), "compute-sanitizer", f"--tool={tool}", "--target-processes", "all",
-           "--print-limit", str(print_limit)]
+           "--print-limit", str(print_limit), "--show-backtrace", "device"]
     if tool != "initcheck":
         # initcheck must see every kernel's writes: with the filter, memory that PyTorch's kernels wrote counts as
         # never written and every read of an input is reported
