@@ -7,14 +7,21 @@ The launchers, ``ChunkKDAFwdSm90`` / ``ChunkKDAVarlenFwdSm90``, and the workspac
 from __future__ import annotations
 
 from cula.cache import compiled_kernel
-from cula.ops._host import kernel_attr
+from cula.ops._host import ROW_FACTORS, kernel_attr
 
-__all__ = ["WORK_COLS", "compiled", "compiled_variant", "variant_key"]
+__all__ = ["ROW_WORK_COLS", "WORK_COLS", "compiled", "compiled_variant", "variant_key", "work_cols"]
 
 DK = DV = 128
 BT = 64
 # w, u, qg, kg, Aqk in elements of q's dtype, then g_cum's 128 fp32 (256 two-byte elements)
 WORK_COLS = 4 * DK + BT + 2 * DK
+# Gated DeltaNet's row_factors variant: w, u, Aqk, then the ROW_FACTORS fp32 factors of each token and value head
+ROW_WORK_COLS = 2 * DK + BT + 2 * ROW_FACTORS
+
+
+def work_cols(intra_options: dict) -> int:
+    """The workspace's columns (two-byte elements a token and value head) of a variant."""
+    return ROW_WORK_COLS if intra_options.get("row_factors") else WORK_COLS
 
 
 def __getattr__(name):

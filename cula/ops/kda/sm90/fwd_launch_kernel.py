@@ -10,7 +10,12 @@ so their code, and the results, are the same bits.
 
 Workspace: allocated as ``[B T HV, WORK_COLS]`` of q's dtype (its size: 1,664 bytes per token and value head),
 used as consecutive row-major regions of ``B T HV`` rows each: w, u, qg, kg (128 elements a row), Aqk (64),
-then g_cum (128 fp32). Every region starts at a multiple of 256 bytes; the TMA descriptors need 16.
+then g_cum (128 fp32). Every region starts at a multiple of 16 bytes, as the TMA descriptors need.
+
+Gated DeltaNet (one gate per token and value head, the intra kernel's ``row_factors``): g ``(B, T, HV)`` and
+dt_bias ``(HV,)``; the intra kernel writes per-token factor rows instead of qg, kg and g_cum, and the state/output
+kernel applies them to the raw q and k (docs/kernels/kda-state-output.md). Its workspace is ``[B T HV,
+ROW_WORK_COLS]``: w, u (128), Aqk (64), then the factors (``ROW_FACTORS`` fp32), 656 bytes per token and head.
 """
 from __future__ import annotations
 
@@ -18,9 +23,9 @@ import cuda.bindings.driver as cuda
 from cutlass import Float32, Int32, Int64, const_expr, cute
 
 from cula.cache import compile_options
-from cula.ops._host import dsl_type
+from cula.ops._host import ROW_FACTORS, dsl_type
 from cula.ops.kda.sm90.delta_h_fwd_o_kernel import DeltaHFwdOFusedSm90
-from cula.ops.kda.sm90.fwd_launch import BT, DK, DV, WORK_COLS
+from cula.ops.kda.sm90.fwd_launch import BT, DK, DV, ROW_WORK_COLS, WORK_COLS
 from cula.ops.kda.sm90.intra_kernel import ChunkKDAIntraFwdSm90
 
 __all__ = ["ChunkKDAFwdSm90", "ChunkKDAVarlenFwdSm90"]
@@ -30,6 +35,8 @@ class ChunkKDAFwdSm90:
     """``chunk_kda``'s forward for fixed-length inputs, both stages in one host function (sm_90a)."""
 
     def __init__(self, intra: ChunkKDAIntraFwdSm90, states: DeltaHFwdOFusedSm90):
+        if intra.row_factors != states.row_factors:
+            raise ValueError("the intra and state/output kernels take row factors together or not at all")
         self.intra, self.states = intra, states
         self.dtype = intra.dtype
 
@@ -39,11 +46,11 @@ class ChunkKDAFwdSm90:
         mQ: cute.Tensor,  # (B, T, H, K)  dtype
         mK: cute.Tensor,  # (B, T, H, K)  dtype
         mV: cute.Tensor,  # (B, T, HV, V) dtype
-        mGin: cute.Tensor,  # (B, T, HV, K) raw gate
+        mGin: cute.Tensor,  # (B, T, HV, K) raw gate; (B, T, HV) with row factors
         mBeta: cute.Tensor,  # (B, T, HV)
         mAlog: cute.Tensor,  # (HV,) fp32
-        mBias: cute.Tensor,  # (HV * K,) fp32
-        mWork: cute.Tensor,  # (B T HV, WORK_COLS) dtype, scratch
+        mBias: cute.Tensor,  # (HV * K,) fp32; (HV,) with row factors
+        mWork: cute.Tensor,  # (B T HV, WORK_COLS or ROW_WORK_COLS) dtype, scratch
         mO: cute.Tensor,  # (B, T, HV, V) dtype, out
         mH0: cute.Tensor,  # (B, HV, K, V) or (B, HV, V, K) fp32; unread unless has_initial_state
         mHt: cute.Tensor,  # same layout; unwritten unless has_final_state
@@ -63,19 +70,13 @@ class ChunkKDAFwdSm90:
         num_seqs, seqlen, hv = mQ.shape[0], mQ.shape[1], mV.shape[2]
         tokens = num_seqs * seqlen
         # contiguous inputs (the bound launch's condition): token b*T + t sits at b*T*stride_t + t*stride_t
-        q, k, v, g, o = (self._flat(x, tokens) for x in (mQ, mK, mV, mGin, mO))
-        beta = cute.make_tensor(mBeta.iterator, cute.make_layout((tokens, hv), stride=(mBeta.stride[1], 1)))
-        bias = cute.make_tensor(mBias.iterator, cute.make_layout((hv, DK), stride=(DK, 1)))
+        q, k, v, o = (self._flat(x, tokens) for x in (mQ, mK, mV, mO))
+        beta = self._per_head(mBeta, tokens)
         if const_expr(mCi is None):  # the kernels' unread chunk indices
             mCi = cute.make_tensor(mCu.iterator, cute.make_layout((1, 2), stride=(2, 1)))
-
         rows = Int64(tokens) * Int64(hv)
         w = self._region(mWork, rows, 0, tokens, hv, DK, self.dtype)
         u = self._region(mWork, rows, DK, tokens, hv, DV, self.dtype)
-        qg = self._region(mWork, rows, 2 * DK, tokens, hv, DK, self.dtype)
-        kg = self._region(mWork, rows, 3 * DK, tokens, hv, DK, self.dtype)
-        aqk = self._region(mWork, rows, 4 * DK, tokens, hv, BT, self.dtype)
-        g_cum = self._region(mWork, rows, 4 * DK + BT, tokens, hv, DK, Float32)
 
         # fixed length: a grid of chunks x HV x B for intra, HV x B for the state kernel; packed sequences: one
         # intra CTA per chunk index row (x HV), HV x N state CTAs
@@ -83,11 +84,26 @@ class ChunkKDAFwdSm90:
             num_chunks, intra_seqs, state_seqs = mCi.shape[0], 1, mCu.shape[0] - 1
         else:
             num_chunks, intra_seqs, state_seqs = (seqlen + (BT - 1)) // BT, num_seqs, num_seqs
-        self.intra(
-            q, k, v, g, beta, mAlog, bias, w, u, qg, kg, aqk, None, g_cum, None, mCu, mCi, seqlen, num_chunks,
-            intra_seqs, scale, lower_bound, stream,
-        )  # fmt: skip
-        self.states(w, u, kg, qg, g_cum, aqk, o, mH0, mHt, mCu, seqlen, state_seqs, scale, stream)
+        if const_expr(self.intra.row_factors):
+            # the state/output kernel reads the raw q and k (H heads) with the factor rows in place of qg, kg, g_cum
+            aqk = self._region(mWork, rows, 2 * DK, tokens, hv, BT, self.dtype)
+            factors = self._region(mWork, rows, 2 * DK + BT, tokens, hv, ROW_FACTORS, Float32)
+            self.intra(
+                q, k, v, self._per_head(mGin, tokens), beta, mAlog, mBias, w, u, factors, None, aqk, None, None,
+                None, mCu, mCi, seqlen, num_chunks, intra_seqs, scale, lower_bound, stream,
+            )  # fmt: skip
+            self.states(w, u, k, q, factors, aqk, o, mH0, mHt, mCu, seqlen, state_seqs, scale, stream)
+        else:
+            qg = self._region(mWork, rows, 2 * DK, tokens, hv, DK, self.dtype)
+            kg = self._region(mWork, rows, 3 * DK, tokens, hv, DK, self.dtype)
+            aqk = self._region(mWork, rows, 4 * DK, tokens, hv, BT, self.dtype)
+            g_cum = self._region(mWork, rows, 4 * DK + BT, tokens, hv, DK, Float32)
+            bias = cute.make_tensor(mBias.iterator, cute.make_layout((hv, DK), stride=(DK, 1)))
+            self.intra(
+                q, k, v, self._flat(mGin, tokens), beta, mAlog, bias, w, u, qg, kg, aqk, None, g_cum, None, mCu,
+                mCi, seqlen, num_chunks, intra_seqs, scale, lower_bound, stream,
+            )  # fmt: skip
+            self.states(w, u, kg, qg, g_cum, aqk, o, mH0, mHt, mCu, seqlen, state_seqs, scale, stream)
 
     @cute.jit
     def _flat(self, x: cute.Tensor, tokens: Int32) -> cute.Tensor:
@@ -95,6 +111,11 @@ class ChunkKDAFwdSm90:
         return cute.make_tensor(
             x.iterator, cute.make_layout((tokens, x.shape[2], x.shape[3]), stride=(x.stride[1], x.stride[2], 1))
         )
+
+    @cute.jit
+    def _per_head(self, x: cute.Tensor, tokens: Int32) -> cute.Tensor:
+        """(B, T, HV) -> (B T, HV): beta, and Gated DeltaNet's gate."""
+        return cute.make_tensor(x.iterator, cute.make_layout((tokens, x.shape[2]), stride=(x.stride[1], 1)))
 
     @cute.jit
     def _region(self, mWork: cute.Tensor, rows: Int64, col: int, tokens: Int32, hv: Int32, d: int, dtype):
@@ -116,11 +137,11 @@ class ChunkKDAVarlenFwdSm90(ChunkKDAFwdSm90):
         mQ: cute.Tensor,  # (1, T, H, K)  dtype
         mK: cute.Tensor,  # (1, T, H, K)  dtype
         mV: cute.Tensor,  # (1, T, HV, V) dtype
-        mGin: cute.Tensor,  # (1, T, HV, K) raw gate
+        mGin: cute.Tensor,  # (1, T, HV, K) raw gate; (1, T, HV) with row factors
         mBeta: cute.Tensor,  # (1, T, HV)
         mAlog: cute.Tensor,  # (HV,) fp32
-        mBias: cute.Tensor,  # (HV * K,) fp32
-        mWork: cute.Tensor,  # (T HV, WORK_COLS) dtype, scratch
+        mBias: cute.Tensor,  # (HV * K,) fp32; (HV,) with row factors
+        mWork: cute.Tensor,  # (T HV, WORK_COLS or ROW_WORK_COLS) dtype, scratch
         mO: cute.Tensor,  # (1, T, HV, V) dtype, out
         mH0: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32; unread unless has_initial_state
         mHt: cute.Tensor,  # same layout; unwritten unless has_final_state
@@ -136,8 +157,8 @@ def _compile(intra_options: dict, state_options: dict, arch=(9, 0), extra_option
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.
 
     ``intra_options`` / ``state_options``: the keyword arguments of ``ChunkKDAIntraFwdSm90`` and
-    ``DeltaHFwdOFusedSm90`` (dtype, has_initial_state, has_final_state, state_v_first, aqk_causal) but varlen,
-    which ``varlen`` sets for both (``ChunkKDAVarlenFwdSm90``)."""
+    ``DeltaHFwdOFusedSm90`` (dtype, has_initial_state, has_final_state, state_v_first, aqk_causal, row_factors) but
+    varlen, which ``varlen`` sets for both (``ChunkKDAVarlenFwdSm90``)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     def typed(options):  # dtypes may come as names (the host side's spelling)
@@ -166,13 +187,17 @@ def _compile(intra_options: dict, state_options: dict, arch=(9, 0), extra_option
             (cute.sym_int64(divisibility=DK * DV), DK * DV, inner[1], 1), assumed_align=16,
         )  # fmt: skip
 
+    def per_head(dtype):
+        return make_fake_tensor(dtype, (b, t, hv), (cute.sym_int64(), cute.sym_int64(), 1),
+                                assumed_align=dtype.width // 8)
+
+    cols = ROW_WORK_COLS if intra.row_factors else WORK_COLS
     args = (
-        tok(dt, h, DK), tok(dt, h, DK), tok(dt, hv, DV), tok(g_dt, hv, DK),
-        make_fake_tensor(beta_dt, (b, t, hv), (cute.sym_int64(), cute.sym_int64(), 1),
-                         assumed_align=beta_dt.width // 8),
-        make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
-        make_fake_compact_tensor(Float32, (cute.sym_int32(),), stride_order=(0,), assumed_align=16),
-        make_fake_tensor(dt, (cute.sym_int32(), WORK_COLS), (WORK_COLS, 1), assumed_align=16),
+        tok(dt, h, DK), tok(dt, h, DK), tok(dt, hv, DV), per_head(g_dt) if intra.row_factors else tok(g_dt, hv, DK),
+        per_head(beta_dt), make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
+        make_fake_compact_tensor(Float32, (cute.sym_int32(),), stride_order=(0,), assumed_align=4 if intra.row_factors
+                                 else 16),
+        make_fake_tensor(dt, (cute.sym_int32(), cols), (cols, 1), assumed_align=16),
         tok(dt, hv, DV), state(), state(),
         make_fake_compact_tensor(Int32, (cute.sym_int32() if varlen else 2,), stride_order=(0,), assumed_align=4),
     )  # fmt: skip
