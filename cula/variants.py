@@ -100,12 +100,12 @@ def _gdn_chunk(scope: str) -> None:
     the per-head gate (``scalar_gate``: the log-space gate or the fused softplus one, exact for any gate) in the
     general path, for inference and (``training_per_head_gate``, writing Akk) training's forward; the state/output
     and time-parallel kernels are KDA's (above), and with ``inference_row_factors`` the intra kernel's factor rows
-    and the state/output kernel's variant that applies them."""
+    and the state/output kernel's variant that applies them (a repeated fixed-length call: both in one launch)."""
     from cula.gated_delta_rule.plan import GDN_TUNING
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
-    from cula.ops.kda.sm90 import intra, segment_summary
+    from cula.ops.kda.sm90 import fwd_launch, intra, segment_summary
 
     entry = GDN_TUNING.get((9, 0))
     akk = [False] * entry.inference_chunk_on_cula + [True] * entry.training_per_head_gate
@@ -125,6 +125,10 @@ def _gdn_chunk(scope: str) -> None:
                 continue
             options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, scalar_gate=True, row_factors=True)
             intra.compiled_variant(varlen=varlen, **options)
+            for h0, ht, svf in itertools.product(_B, _B, _B) if not varlen else ():  # (packed calls: no plan)
+                state = dict(dtype=dsl_name(dt), has_initial_state=h0, has_final_state=ht, state_v_first=svf,
+                             aqk_causal=True, row_factors=True)  # fmt: skip
+                fwd_launch.compiled_variant(options, state)
         for dt, varlen, h0, ht, svf in itertools.product(d["io"], _B, _B, _B, _B):
             dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                                 aqk_causal=True, row_factors=True)  # fmt: skip

@@ -9,7 +9,6 @@ at the end compares the outputs bit for bit).
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import pytest
@@ -19,6 +18,7 @@ import cula.kda.chunk as chunk_mod
 from cula.backends import PlanCache
 from cula.kda import chunk_kda
 from cula.testing import make_cu_seqlens
+from kda_launch_stubs import same_argument, stub_kernels
 
 HAS_CUDA = torch.cuda.is_available()
 B, T, H, HV, D = 2, 100, 2, 4, 128  # T not a multiple of the chunk
@@ -187,48 +187,7 @@ def test_new_signatures_and_bad_input_are_validated(counted, monkeypatch):
 def fake_sm90(monkeypatch, pretend_sm90):
     """CPU tensors that look like an SM90 device with the DSL installed; the two kernels record their arguments
     (the bound launch's one host call for both, ``fwd_launch``, as the two calls it makes)."""
-    from cula.ops.kda.sm90 import delta_h_fwd_o, fwd_launch, intra
-
-    calls = []
-    monkeypatch.setattr(intra, "compiled_variant", lambda **kw: lambda *a: calls.append(("intra", kw, a)))
-    monkeypatch.setattr(delta_h_fwd_o, "compiled_variant", lambda **kw: lambda *a: calls.append(("state", kw, a)))
-    monkeypatch.setattr(fwd_launch, "compiled_variant", lambda io, so, varlen=False: functools.partial(
-        _both_stages, calls, io, so, varlen))  # fmt: skip
-    return calls
-
-
-def _both_stages(calls, io, so, varlen, q, k, v, g, beta, a_log, bias, work, o, h0, ht, cu, *rest):
-    """What ``fwd_launch.ChunkKDAFwdSm90`` (``ChunkKDAVarlenFwdSm90``) hands its two kernels, in torch: flat views of
-    the inputs, and the workspace's regions (w, u, qg, kg, Aqk, then g_cum's fp32) of B T HV rows each."""
-    from cula.ops.kda.sm90.fwd_launch import WORK_COLS
-
-    ci, scale, lb = rest if varlen else (cu.view(1, 2), *rest)
-    B_, T_, H_, K_ = q.shape
-    HV_ = v.shape[2]
-    rows = B_ * T_ * HV_
-    assert work.shape == (rows, WORK_COLS) and work.dtype == q.dtype and bias.shape == (HV_ * K_,)
-    flat = work.view(-1)
-    w, u, qg, kg = (flat[rows * 128 * i : rows * 128 * (i + 1)].view(B_ * T_, HV_, 128) for i in range(4))
-    aqk = flat[rows * 512 : rows * 576].view(B_ * T_, HV_, 64)
-    g_cum = flat[rows * 576 :].view(torch.float32).view(B_ * T_, HV_, 128)
-    q3, k3, v3, g3, o3 = (x.view(B_ * T_, *x.shape[2:]) for x in (q, k, v, g, o))
-    intra_kw = dict(io, varlen=varlen)
-    state_kw = dict(dtype=so["dtype"], varlen=varlen, has_h0=so["has_initial_state"], has_ht=so["has_final_state"],
-                    state_v_first=so["state_v_first"], aqk_causal=so["aqk_causal"])  # fmt: skip
-    grid = (ci.shape[0], 1, cu.numel() - 1) if varlen else ((T_ + 63) // 64, B_, B_)
-    calls.append(("intra", intra_kw, (
-        q3, k3, v3, g3, beta.view(B_ * T_, HV_), a_log, bias.view(HV_, K_), w, u, qg, kg, aqk, None, g_cum, None, cu,
-        ci, T_, grid[0], grid[1], scale, lb)))  # fmt: skip
-    calls.append(("state", state_kw, (w, u, kg, qg, g_cum, aqk, o3, h0, ht, cu, T_, grid[2], scale)))
-
-
-def _same(a, b, inputs):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
-        if any(a.data_ptr() == t.data_ptr() for t in inputs) or a.numel() <= 8:
-            assert a.data_ptr() == b.data_ptr() or torch.equal(a, b)
-    else:
-        assert a == b, (a, b)
+    return stub_kernels(monkeypatch)
 
 
 @pytest.mark.parametrize("state_v_first", [False, True])
@@ -260,7 +219,7 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, fake_sm90, st
             assert kw_g == kw_p, name
             assert len(args_g) == len(args_p), name
             for a, b in zip(args_g, args_p):
-                _same(a, b, inputs)
+                same_argument(a, b, inputs)
     assert len(chunk_mod._plans) == 1
 
 
@@ -351,7 +310,7 @@ def test_varlen_plan_passes_what_the_general_path_passes(counted, fake_sm90, mon
             assert kw_g == kw_p, name
             assert len(args_g) == len(args_p), name
             for a, b in zip(args_g, args_p):
-                _same(a, b, inputs)
+                same_argument(a, b, inputs)
         chunk_indices = (general[0][2][15], fake_sm90[0][2][15])
         assert chunk_indices[1].dtype == torch.int32 and torch.equal(*chunk_indices)
         assert torch.equal(general[1][2][9], fake_sm90[1][2][9])  # cu_seqlens as int32
@@ -603,7 +562,6 @@ def test_forward_keeps_the_prefix_states(fake_sm90, monkeypatch, packed):
     variant gets room for h (FLA's layout: one row a chunk, or with FLA's graph mode the rows of its fixed-size
     list) and v_new, and the prefix returns them beside the intra kernel's tensors."""
     from cula.kda.forward import chunk_kda_fwd_sm90
-    from cula.testing import make_cu_seqlens
 
     x = _inputs()
     lens = [37, 0, 130, 1]

@@ -72,3 +72,104 @@ def test_gradients_through_a_planned_signature(counted):
     assert counted[0] == 1
     for a, b in zip(*grads):
         assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+# ------------------------------------------------------------------ the cula-sm90 bound launch (KDA's fwd_launch)
+
+HAS_CUDA = torch.cuda.is_available()
+KB, KT, KH, KHV, KD = 2, 100, 2, 4, 128  # the kernels' head size; T not a multiple of the chunk
+
+
+def _kernel_inputs(device="cpu", dtype=torch.bfloat16, seed=0, state_v_first=False, with_state=True):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape, dt=dtype, s=1.0):
+        return (s * torch.randn(*shape, generator=gen, device=device)).to(dt)
+
+    h0 = rnd(KB, KHV, KD, KD, dt=torch.float32, s=0.1) if with_state else None
+    return dict(q=rnd(KB, KT, KH, KD), k=rnd(KB, KT, KH, KD), v=rnd(KB, KT, KHV, KD), g=rnd(KB, KT, KHV),
+                beta=rnd(KB, KT, KHV), initial_state=h0, A_log=rnd(KHV, dt=torch.float32, s=0.5),
+                dt_bias=rnd(KHV, dt=torch.float32, s=0.5))  # fmt: skip
+
+
+def _general_path(x, scale, flags):
+    """What the cula-sm90 backend runs for an inference call without a plan (its general path)."""
+    from cula.gated_delta_rule.plan import GDN_TUNING
+    from cula.kda.forward import chunk_kda_fwd_sm90
+
+    return chunk_kda_fwd_sm90(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], flags["output_final_state"],
+        flags.get("state_v_first", False), use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, row_factors=True,
+        time_split=GDN_TUNING.for_device(x["q"].device).time_split,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("state_v_first,with_state", [(False, True), (True, True), (True, False)])
+def test_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, pretend_sm90, state_v_first,
+                                                          with_state):  # fmt: skip
+    """A repeated inference call runs KDA's one host call for both kernels with the factor rows: each kernel gets
+    what the general path hands it (the kernels stubbed, fwd_launch emulated: tests/kda_launch_stubs.py)."""
+    from kda_launch_stubs import same_argument, stub_kernels
+
+    calls = stub_kernels(monkeypatch)
+    x = _kernel_inputs(state_v_first=state_v_first, with_state=with_state)
+    flags = dict(FLAGS, state_v_first=state_v_first, output_final_state=with_state)
+    with torch.no_grad():
+        _general_path(x, 0.125, flags)
+        general = list(calls)
+        calls.clear()
+        for _ in range(2):
+            o, s = chunk_gated_delta_rule(**x, **flags, scale=0.125)
+    assert counted[0] == 1 and len(chunk_mod._plans) == 1
+    assert [c[0] for c in general] == ["intra", "state"] and [c[0] for c in calls] == ["intra", "state"] * 2
+    assert general[0][1]["row_factors"] and general[1][1]["row_factors"]
+    assert o.shape == (KB, KT, KHV, KD) and (s is not None) == with_state
+    inputs = [t for t in x.values() if t is not None]
+    for got in (calls[:2], calls[2:]):
+        for (name, kw_g, args_g), (_, kw_p, args_p) in zip(general, got):
+            assert kw_g == kw_p, name
+            assert len(args_g) == len(args_p), name
+            for a, b in zip(args_g, args_p):
+                same_argument(a, b, inputs)
+
+
+def test_bound_launch_declines_what_the_general_path_runs_otherwise(counted, monkeypatch, pretend_sm90):
+    """fp16 with the L2 norm (no factor rows there), training calls and inputs strided in time run the general
+    path on every call."""
+    from cula.ops.kda.sm90 import fwd_launch
+    from kda_launch_stubs import stub_kernels
+
+    calls = stub_kernels(monkeypatch)
+    monkeypatch.setattr(fwd_launch, "compiled_variant", lambda *a, **kw: pytest.fail("bound launch taken"))
+    half = _kernel_inputs(dtype=torch.float16)
+    strided = _kernel_inputs()
+    strided["q"] = torch.cat([strided["q"]] * 2, dim=1)[:, ::2]
+    for x in (half, strided):
+        for _ in range(2):
+            with torch.no_grad():
+                chunk_gated_delta_rule(**x, **FLAGS)
+    assert [c[0] for c in calls] == ["intra", "state"] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("state_v_first,with_state", [(False, True), (True, True), (True, False)])
+def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
+    """The bound launch (both kernels from one host call with the factor rows) against the general path, bit for
+    bit (every allocation poisoned, as in every GPU test)."""
+    x = _kernel_inputs("cuda", state_v_first=state_v_first, with_state=with_state)
+    flags = dict(FLAGS, state_v_first=state_v_first, output_final_state=with_state)
+    with torch.inference_mode():
+        ref_o, ref_s = _general_path(x, KD**-0.5, flags)
+        for _ in range(3):
+            o, s = chunk_gated_delta_rule(**x, **flags)
+            torch.cuda.synchronize()
+            assert torch.isfinite(o).all()
+            assert torch.equal(o.view(torch.int16), ref_o.view(torch.int16))
+            if with_state:
+                assert torch.isfinite(s).all()  # equal bits of a state left poisoned by both paths would pass
+                assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
+            else:
+                assert s is None and ref_s is None
+    assert counted[0] == 1

@@ -157,9 +157,10 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     listed = set(variants.planner_variants("full", ops=("gdn.chunk",)))
     grid = ((BF16, FP16), (FP32, BF16), (BF16, FP32), (False, True), (False, True), ("fixed", "packed"),
             ("inference", "training"))  # fmt: skip
-    # (the sample, and fp16 inference with the L2 norm, which must not take the factor rows)
+    # (the sample, fp16 inference with the L2 norm, which must not take the factor rows, and bf16 inference)
     for io, g_dt, b_dt, fused, l2, form, mode in [*_sampled(grid, 3), (FP16, FP32, BF16, True, True, "fixed",
-                                                                       "inference")]:  # fmt: skip
+                                                                       "inference"),
+                                                  (BF16, BF16, BF16, True, True, "fixed", "inference")]:  # fmt: skip
         B, T, H, HV, K = (1, 130, 1, 2, 128) if form == "packed" else (2, 70, 1, 2, 128)
         x = dict(q=_rnd(B, T, H, K, dtype=io), k=_rnd(B, T, H, K, dtype=io), v=_rnd(B, T, HV, K, dtype=io),
                  g=-_rnd(B, T, HV, dtype=g_dt).abs(), beta=_rnd(B, T, HV, dtype=b_dt))  # fmt: skip
@@ -171,8 +172,10 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
             kw["cu_seqlens_cpu"] = kw["cu_seqlens"]
         if mode == "training":  # the forward only (training_per_head_gate: the per-head gate, writing Akk)
             x["q"].requires_grad_()
-        with torch.no_grad() if mode == "inference" else torch.enable_grad():
-            chunk_gated_delta_rule(**x, **kw)
+        # (a repeated fixed-length inference call takes its plan: both kernels in one launch)
+        for _ in range(2 if (form, mode) == ("fixed", "inference") else 1):
+            with torch.no_grad() if mode == "inference" else torch.enable_grad():
+                chunk_gated_delta_rule(**x, **kw)
     # the training backward's recompute on the per-head gate (T read, every g_cum row)
     from cula.kda.forward import _intra_cute
 
@@ -189,8 +192,8 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     assert any(("row_factors", True) in k for k in intra)
     # fp16 with the L2 norm keeps qg / kg (its factor rows would carry the 1 / norm past fp16's range)
     assert not [k for k in intra if ("row_factors", True) in k and k[2] == "Float16" and ("l2norm_qk", True) in k]
-    factored = [k for k in requested if k[0] == "kda.delta_h_fwd_o" and ("row_factors", True) in k]
-    assert factored
+    factored = [k for k in requested if k[0] in ("kda.delta_h_fwd_o", "kda.fwd_launch") and "row_factors" in str(k)]
+    assert {k[0] for k in factored} == {"kda.delta_h_fwd_o", "kda.fwd_launch"}
     missing = [cula.cache.key_text(k) for k in intra + factored if k not in listed]
     assert not missing, missing[:3]
 

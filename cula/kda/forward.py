@@ -466,11 +466,15 @@ def prepare_chunk_kda_fwd_sm90(
     use_qk_l2norm_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    row_factors: bool = False,
+    time_split: SplitThresholds | None | str = "kda",
 ):
     """``chunk_kda_fwd_sm90`` bound once for every later call with this call's signature (same shapes, strides,
     dtypes, device, flags; with ``cu_seqlens`` everything but the total length), or None where the general path
     must run each time (FLA's intra stage, non-contiguous inputs, no tokens). A call the time split cuts
-    (``cula.kda.plan.parallel_segments``) is bound to the general path, which cuts it, without the public validation.
+    (``cula.kda.plan.parallel_segments`` with ``time_split``) is bound to the general path, which cuts it, without
+    the public validation. A per-head g (Gated DeltaNet) is bound only where the general path takes the factor rows
+    (``row_factors``, see ``chunk_kda_fwd_sm90``), to their variant of the one host call.
 
     The returned ``launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_)`` (with ``cu_seqlens``:
     ``..., scale, cu_seqlens, cu_seqlens_cpu)``, see ``_varlen_launch``) allocates the outputs and one workspace for
@@ -488,7 +492,10 @@ def prepare_chunk_kda_fwd_sm90(
     varlen = cu_seqlens is not None
     if chunk_size != 64 or B == 0 or HV == 0 or (K, V) != (128, 128) or (T == 0 and not varlen):
         return None
-    if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound):
+    scalar_gate = g.dim() == 3
+    if scalar_gate and not (row_factors and not (q.dtype == torch.float16 and use_qk_l2norm_in_kernel)):
+        return None
+    if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound, scalar_gate):
         return None
     if not all(is_row_major(t) for t in (q, k, v, g, beta)):  # the launches' flat token layout (strict: one token)
         return None
@@ -504,10 +511,10 @@ def prepare_chunk_kda_fwd_sm90(
         # a call cut in time: the general path, without the public validation this signature has passed
         return chunk_kda_fwd_sm90(
             q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
-            A_log=A_log, dt_bias=dt_bias, **flags,
+            A_log=A_log, dt_bias=dt_bias, row_factors=row_factors, time_split=time_split, **flags,
         )  # fmt: skip
 
-    if not varlen and parallel_segments(B, T, HV, None, None, q.device) is not None:
+    if not varlen and parallel_segments(B, T, HV, None, None, q.device, time_split) is not None:
         return cut
     gate = gate_kind(use_gate_in_kernel, lower_bound)
     beta_act = intra.beta_act_for(use_beta_sigmoid_in_kernel, allow_neg_eigval)
@@ -519,25 +526,29 @@ def prepare_chunk_kda_fwd_sm90(
     lb = float(lower_bound) if gate == "lower_bound" else 0.0
     if gate == "none":  # the kernels read no A_log / dt_bias then: bind the placeholders, whatever is passed
         A_log = dt_bias = None
+    # (with the factor rows, the intra kernel's variant the general path runs: it writes no g_cum)
     intra_options = intra.kernel_options(
-        q.dtype, g.dtype, beta.dtype, gate, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=True,
-        any_gate=intra_any_gate(safe_gate, use_gate_in_kernel, lower_bound),
-    )
-    state_options = _launch_state_options(q, has_h0, output_final_state, state_v_first)
+        q.dtype, g.dtype, beta.dtype, gate, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=not scalar_gate,
+        any_gate=intra_any_gate(safe_gate, use_gate_in_kernel, lower_bound), scalar_gate=scalar_gate,
+        row_factors=scalar_gate,
+    )  # fmt: skip
+    state_options = _launch_state_options(q, has_h0, output_final_state, state_v_first, scalar_gate)
+    gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True, per_head=scalar_gate)
+    cols = fwd_launch.work_cols(intra_options)
 
     if varlen:
         fn = fwd_launch.compiled_variant(intra_options, state_options, varlen=True)
-        gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
         launch = _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state,
-                                lb)  # fmt: skip
-        thresholds = KDA_TUNING.for_device(dev).time_split
+                                lb, cols)  # fmt: skip
+        thresholds = KDA_TUNING.for_device(dev).time_split if time_split == "kda" else time_split
         if thresholds is None:
             return launch
 
         def launch_or_cut(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu, **_):
             # whether to cut depends on each call's lengths; only a pack holding a long sequence can be cut
             T = q.shape[1]
-            if T >= thresholds.min_seq_len and parallel_segments(1, T, HV, cu_seqlens, cu_seqlens_cpu, dev):
+            if T >= thresholds.min_seq_len and parallel_segments(1, T, HV, cu_seqlens, cu_seqlens_cpu, dev,
+                                                                 thresholds):  # fmt: skip
                 return cut(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
             return launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
 
@@ -546,7 +557,8 @@ def prepare_chunk_kda_fwd_sm90(
         return launch_or_cut
 
     no_cu = placeholder(dev, torch.int32, (2,))  # the fixed-length kernels' unread cu_seqlens
-    bounds = time_segments(B, T, HV, dev)
+    # (the general path runs the factor rows' two kernels in one piece)
+    bounds = None if scalar_gate else time_segments(B, T, HV, dev)
     if bounds is not None:
         fn_intra = intra.compiled_variant(varlen=False, **intra_options)
         dtype = dsl_name(q.dtype)
@@ -565,12 +577,11 @@ def prepare_chunk_kda_fwd_sm90(
 
     # both kernels in one host call (fwd_launch): one TVM-FFI call, no views, the intermediates in one buffer
     fn = fwd_launch.compiled_variant(intra_options, state_options)
-    gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True)
     rows = B * T * HV
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
         a_log, bias = gate_args(A_log, dt_bias)
-        work = torch.empty(rows, fwd_launch.WORK_COLS, dtype=dt, device=dev)
+        work = torch.empty(rows, cols, dtype=dt, device=dev)
         o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
         final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
         fn(
@@ -585,20 +596,20 @@ def prepare_chunk_kda_fwd_sm90(
     return launch
 
 
-def _launch_state_options(q, has_h0, output_final_state, state_v_first) -> dict:
+def _launch_state_options(q, has_h0, output_final_state, state_v_first, row_factors=False) -> dict:
     """``fwd_launch``'s options of the state/output kernel."""
     return dict(
         dtype=dsl_name(q.dtype), has_initial_state=has_h0, has_final_state=bool(output_final_state),
-        state_v_first=bool(state_v_first), aqk_causal=True,
+        state_v_first=bool(state_v_first), aqk_causal=True, **({"row_factors": True} if row_factors else {}),
     )  # fmt: skip
 
 
-def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb):
+def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_final_state, dummy_state, lb,
+                   cols):  # fmt: skip
     """The bound launch of packed sequences (B = 1, ``cu_seqlens``): the total length and the boundaries may change
     from call to call (``cula.kda.chunk`` checks the boundaries' values every time), the chunk indices are built
     from ``cu_seqlens_cpu`` (on the device from ``cu_seqlens`` while a CUDA graph captures, see
     ``device_chunk_indices``), and both kernels run from one host call."""
-    from cula.ops.kda.sm90 import fwd_launch
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu, **_):
         T = q.shape[1]
@@ -616,7 +627,7 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
             chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, cu_seqlens.numel() - 1))
         else:
             cu32, chunk_indices = host_boundaries(cu_seqlens, cu_seqlens_cpu)
-        work = torch.empty(T * HV, fwd_launch.WORK_COLS, dtype=dt, device=dev)
+        work = torch.empty(T * HV, cols, dtype=dt, device=dev)
         fn(
             q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
             final_state if final_state is not None else dummy_state, cu32, chunk_indices, float(scale), lb,

@@ -69,22 +69,24 @@ def gate_params(
 
 def gate_params_binder(
     A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, gate: str, HV: int, K: int, device: torch.device,
-    *, flat_bias: bool = False,
+    *, flat_bias: bool = False, per_head: bool = False,
 ):
     """``gate_params`` for every later call whose A_log / dt_bias have these shapes, strides and dtypes, as a
     function ``(A_log, dt_bias) -> (A_log [HV], dt_bias [HV, K])`` (``[HV * K]`` with ``flat_bias``, as
-    ``fwd_launch`` takes it): absent ones are bound to their placeholders once, contiguous fp32 ones pass through
-    (as they are where their shape is already the kernel's, else as one view) instead of three conversions each."""
-    bias_shape = (HV * K,) if flat_bias else (HV, K)
+    ``fwd_launch`` takes it; ``[HV]`` with ``per_head``): absent ones are bound to their placeholders once,
+    contiguous fp32 ones pass through (as they are where their shape is already the kernel's, else as one view)
+    instead of three conversions each."""
+    bias_shape = (HV,) if per_head else (HV * K,) if flat_bias else (HV, K)
     fp32_dense = lambda t: t.dtype == torch.float32 and t.is_contiguous()  # noqa: E731
     if (A_log is not None and not fp32_dense(A_log)) or (dt_bias is not None and not fp32_dense(dt_bias)):
 
         def converted(a, b):
-            a, b = gate_params(a, b, gate, HV, K, device)
+            a, b = gate_params(a, b, gate, HV, K, device, per_head=per_head)
             return a, b.view(bias_shape)
 
         return converted
-    a_fixed, b_fixed = gate_params(A_log, dt_bias, gate, HV, K, device)  # the placeholders where absent
+    # the placeholders where absent
+    a_fixed, b_fixed = gate_params(A_log, dt_bias, gate, HV, K, device, per_head=per_head)
     b_fixed = b_fixed.view(bias_shape)
     a_as_is = A_log is None or tuple(A_log.shape) == (HV,)
     b_as_is = dt_bias is None or tuple(dt_bias.shape) == bias_shape
