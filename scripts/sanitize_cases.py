@@ -220,8 +220,9 @@ def gdn_chunk_and_decode():
     on_cula = GDN_TUNING.override(inference_chunk_on_cula=True, inference_decode_max_tokens=8)
     cu = torch.tensor([0, 70, 70, 71, 100], dtype=torch.int32, device=DEV)  # empty, one-token, partial chunks
     with torch.inference_mode(), on_cula:
-        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                               use_qk_l2norm_in_kernel=True)  # fmt: skip
+        for _ in range(2):  # the second call of the signature: both kernels from one host call (its plan)
+            chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)  # fmt: skip
         # the intra kernel's per-head gate, packed, with the fused softplus gate
         chunk_gated_delta_rule(
             q, k, v, torch.randn(1, 100, 2, device=DEV), beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
