@@ -173,3 +173,28 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
             else:
                 assert s is None and ref_s is None
     assert counted[0] == 1
+
+
+def test_intra_switch_starts_a_new_plan(counted, monkeypatch, pretend_sm90):
+    """CULA_KDA_INTRA=0 (FLA's intra stages) reaches a signature planned before it was set: the plan key holds it,
+    and back at its old value the old plan (cula's intra kernel, bound) serves again."""
+    import cula.kda.forward as forward
+    from kda_launch_stubs import stub_kernels
+
+    calls = stub_kernels(monkeypatch)
+
+    def fla_intra(*a, **kw):
+        calls.append(("fla_intra",))
+        raise RuntimeError("FLA's intra stage")
+
+    monkeypatch.setattr(forward, "_intra_fla", fla_intra)
+    x = _kernel_inputs()
+    with torch.no_grad():
+        chunk_gated_delta_rule(**x, **FLAGS)
+        monkeypatch.setenv("CULA_KDA_INTRA", "0")
+        with pytest.raises(RuntimeError, match="FLA's intra stage"):
+            chunk_gated_delta_rule(**x, **FLAGS)
+        monkeypatch.delenv("CULA_KDA_INTRA")
+        chunk_gated_delta_rule(**x, **FLAGS)
+    assert counted[0] == 2 and len(chunk_mod._plans) == 2
+    assert [c[0] for c in calls] == ["intra", "state", "fla_intra", "intra", "state"]

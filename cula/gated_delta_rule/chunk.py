@@ -21,7 +21,7 @@ from cula._validate import (
     state_fp32,
     take_extra_kwargs,
 )
-from cula.backends import PlanCache, capturing, forced_backend, scalars_key, tensor_sig, token_sigs
+from cula.backends import PlanCache, capturing, env_reader, forced_backend, scalars_key, tensor_sig, token_sigs
 from cula.gated_delta_rule.backends import chunk_gdn_registry
 
 # Fixed-length calls skip validation and backend selection when their signature repeats: the first call of a
@@ -29,6 +29,8 @@ from cula.gated_delta_rule.backends import chunk_gdn_registry
 _plans = PlanCache()
 _PLANNED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 _PLANNED_KWARGS = frozenset(("use_gate_in_kernel", "A_log", "dt_bias"))
+# a plan binds the intra kernel's launch, which CULA_KDA_INTRA=0 turns off (read per call by the general path)
+_read_intra_mode = env_reader("CULA_KDA_INTRA")
 
 _EXTRA_KWARGS = (
     "use_gate_in_kernel",
@@ -214,8 +216,8 @@ def _checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_
 def _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, flags: tuple) -> tuple | None:
     """The plan-cache key of a fixed-length call: everything validation and backend selection read (each tensor's
     ``tensor_sig``, the flags with their types, whether autograd records the call, inference mode,
-    ``CULA_BACKEND``), or None where the call is validated in full every time (scalars of other types, not tensors,
-    tensors without storage)."""
+    ``CULA_BACKEND``, ``CULA_KDA_INTRA``), or None where the call is validated in full every time (scalars of other
+    types, not tensors, tensors without storage)."""
     scalars = scalars_key(flags)
     if scalars is None:
         return None
@@ -228,4 +230,4 @@ def _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, flags: tuple) -> 
         sigs = (*token_sigs(q, k, v, g, beta), tensor_sig(initial_state), tensor_sig(A_log), tensor_sig(dt_bias))
     except (AttributeError, RuntimeError):  # not tensors, or without storage (torch.func transforms)
         return None
-    return (*sigs, *scalars, grad, torch.is_inference_mode_enabled(), forced_backend())
+    return (*sigs, *scalars, grad, torch.is_inference_mode_enabled(), forced_backend(), _read_intra_mode())
