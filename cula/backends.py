@@ -338,6 +338,27 @@ def token_sigs(q, k, v, g, beta) -> tuple:
         return (tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(g), tensor_sig(beta))
 
 
+def varlen_token_sigs(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | None:
+    """The plan-key part of a packed-sequence call's token tensors without their common length (which changes
+    from call to call), or None (validate in full) unless all five are contiguous tensors of one length."""
+    try:  # written out, no generator: this runs for every packed call
+        qs, ks, vs, gs, bs = q.shape, k.shape, v.shape, g.shape, beta.shape
+        T = qs[1]
+        if (ks[1] != T or vs[1] != T or gs[1] != T or bs[1] != T or not q.is_contiguous() or not k.is_contiguous()
+                or not v.is_contiguous() or not g.is_contiguous() or not beta.is_contiguous()):  # fmt: skip
+            return None
+        return (
+            qs[0], qs[2:], q.dtype, q.device, q.data_ptr() & 15, ks[0], ks[2:], k.dtype, k.device, k.data_ptr() & 15,
+            vs[0], vs[2:], v.dtype, v.device, v.data_ptr() & 15, gs[0], gs[2:], g.dtype, g.device, g.data_ptr() & 15,
+            bs[0], bs[2:], beta.dtype, beta.device, beta.data_ptr() & 15,
+            tensor_sig(cu_seqlens), cu_seqlens_cpu.shape, cu_seqlens_cpu.dtype, cu_seqlens_cpu.device,
+        )  # fmt: skip
+    except (AttributeError, IndexError, TypeError):
+        return None  # not tensors of at least two dimensions: validation will say so
+    except RuntimeError:
+        return None  # tensors without storage (torch.func transforms): validated in full
+
+
 _PLAIN_SCALARS = (type(None), bool, int, float, str)
 
 

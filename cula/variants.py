@@ -125,10 +125,10 @@ def _gdn_chunk(scope: str) -> None:
                 continue
             options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, scalar_gate=True, row_factors=True)
             intra.compiled_variant(varlen=varlen, **options)
-            for h0, ht, svf in itertools.product(_B, _B, _B) if not varlen else ():  # (packed calls: no plan)
+            for h0, ht, svf in itertools.product(_B, _B, _B):  # (a repeated call's plan: both in one launch)
                 state = dict(dtype=dsl_name(dt), has_initial_state=h0, has_final_state=ht, state_v_first=svf,
                              aqk_causal=True, row_factors=True)  # fmt: skip
-                fwd_launch.compiled_variant(options, state)
+                fwd_launch.compiled_variant(options, state, varlen=varlen)
         for dt, varlen, h0, ht, svf in itertools.product(d["io"], _B, _B, _B, _B):
             dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
                                 aqk_causal=True, row_factors=True)  # fmt: skip

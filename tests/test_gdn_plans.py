@@ -4,6 +4,8 @@ call still raises."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -99,7 +101,8 @@ def _general_path(x, scale, flags):
 
     return chunk_kda_fwd_sm90(
         x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], flags["output_final_state"],
-        flags.get("state_v_first", False), use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+        flags.get("state_v_first", False), flags.get("cu_seqlens"), flags.get("cu_seqlens_cpu"),
+        use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, row_factors=True,
         time_split=GDN_TUNING.for_device(x["q"].device).time_split,
     )  # fmt: skip
@@ -198,3 +201,95 @@ def test_intra_switch_starts_a_new_plan(counted, monkeypatch, pretend_sm90):
         chunk_gated_delta_rule(**x, **FLAGS)
     assert counted[0] == 2 and len(chunk_mod._plans) == 2
     assert [c[0] for c in calls] == ["intra", "state", "fla_intra", "intra", "state"]
+
+
+# ------------------------------------------------------------------------------------- packed calls through plans
+
+
+def _packed_inputs(lens, seed=0, cu_dtype=torch.int32, device="cpu", dtype=torch.bfloat16, D=KD):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T_, N = sum(lens), len(lens)
+
+    def rnd(*shape, dt=dtype, s=1.0):
+        return (s * torch.randn(*shape, generator=gen, device=device)).to(dt)
+
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=cu_dtype)
+    x = dict(q=rnd(1, T_, KH, D), k=rnd(1, T_, KH, D), v=rnd(1, T_, KHV, D), g=rnd(1, T_, KHV), beta=rnd(1, T_, KHV),
+             initial_state=rnd(N, KHV, D, D, dt=torch.float32, s=0.1), A_log=rnd(KHV, dt=torch.float32, s=0.5),
+             dt_bias=rnd(KHV, dt=torch.float32, s=0.5))  # fmt: skip
+    return x, dict(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+
+
+def test_packed_signature_is_validated_once(counted):
+    """Packed calls of new total lengths (an empty and a one-token sequence among them) reuse one plan and give the
+    general path's numbers; a rewritten boundary buffer is read again each call."""
+    for i, lens in enumerate(([40, 0, 33, 1], [3, 64, 20, 1], [0, 0, 0, 7])):
+        x, cus = _packed_inputs(lens, seed=i, D=32)
+        o, s = chunk_gated_delta_rule(**x, **FLAGS, **cus)
+        o_want, s_want = chunk_gated_delta_rule(**x, **FLAGS, **cus, chunk_size=64)  # (off the plan cache)
+        assert torch.equal(o, o_want) and torch.equal(s, s_want)
+    assert counted[0] == 1 + 3 and len(chunk_mod._plans) == 1
+    x, cus = _packed_inputs([10, 20, 30, 4], D=32)
+    o = chunk_gated_delta_rule(**x, **FLAGS, **cus)[0]
+    cus["cu_seqlens"][1:3] = torch.tensor([30, 40])  # an engine's static buffer, rewritten in place
+    cus["cu_seqlens_cpu"] = cus["cu_seqlens"].clone()
+    o2 = chunk_gated_delta_rule(**x, **FLAGS, **cus)[0]
+    assert not torch.equal(o, o2)
+    assert torch.equal(o2, chunk_gated_delta_rule(**x, **FLAGS, **cus, chunk_size=64)[0])
+
+
+def test_packed_plan_checks_every_call(counted):
+    """A planned packed signature still refuses bad boundaries (and a host copy that disagrees) before any launch."""
+    x, cus = _packed_inputs([40, 0, 33, 1], D=32)
+    chunk_gated_delta_rule(**x, **FLAGS, **cus)
+    for bad in ([0, 40, 30, 73, 74], [1, 40, 40, 73, 74], [0, 40, 40, 73, 73]):
+        cu = torch.tensor(bad, dtype=torch.int32)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            chunk_gated_delta_rule(**x, **FLAGS, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+    host = torch.tensor([0, 40, 41, 73, 74], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+        chunk_gated_delta_rule(**x, **FLAGS, cu_seqlens=cus["cu_seqlens"], cu_seqlens_cpu=host)
+    assert counted[0] == 1
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_packed_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, pretend_sm90, cu_dtype):
+    """Packed inference calls of new total lengths through one plan: each kernel gets what the general path hands it,
+    the chunk indices included."""
+    from kda_launch_stubs import same_argument, stub_kernels
+
+    calls = stub_kernels(monkeypatch)
+    for i, lens in enumerate(([40, 0, 130, 64], [3, 64, 200, 1], [0, 0, 0, 65])):
+        x, cus = _packed_inputs(lens, seed=i, cu_dtype=cu_dtype)
+        with torch.no_grad():
+            calls.clear()
+            _general_path(dict(x), 0.125, dict(FLAGS, **cus))
+            general = list(calls)
+            calls.clear()
+            chunk_gated_delta_rule(**x, **FLAGS, **cus, scale=0.125)
+        assert [c[0] for c in general] == [c[0] for c in calls] == ["intra", "state"]
+        inputs = [t for t in x.values() if t is not None]
+        for (name, kw_g, args_g), (_, kw_p, args_p) in zip(general, calls):
+            assert kw_g == kw_p, name
+            assert len(args_g) == len(args_p), name
+            for a, b in zip(args_g, args_p):
+                same_argument(a, b, inputs)
+    assert counted[0] == 1 and len(chunk_mod._plans) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_packed_bound_launch_bit_identical_cuda(counted, cu_dtype):
+    """Packed calls of three total lengths through one plan against the general path, bit for bit (empty and
+    one-token sequences among them)."""
+    with torch.inference_mode():
+        for i, lens in enumerate(([40, 0, 130, 64], [3, 64, 200, 1], [0, 0, 0, 65])):
+            x, cus = _packed_inputs(lens, seed=i, cu_dtype=cu_dtype, device="cuda")
+            ref_o, ref_s = _general_path(x, KD**-0.5, dict(FLAGS, **cus))
+            o, s = chunk_gated_delta_rule(**x, **FLAGS, **cus)
+            torch.cuda.synchronize()
+            assert torch.isfinite(o).all() and torch.isfinite(s).all()
+            assert torch.equal(o.view(torch.int16), ref_o.view(torch.int16))
+            assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
+    assert counted[0] == 1

@@ -157,10 +157,12 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     listed = set(variants.planner_variants("full", ops=("gdn.chunk",)))
     grid = ((BF16, FP16), (FP32, BF16), (BF16, FP32), (False, True), (False, True), ("fixed", "packed"),
             ("inference", "training"))  # fmt: skip
-    # (the sample, fp16 inference with the L2 norm, which must not take the factor rows, and bf16 inference)
+    # (the sample, fp16 inference with the L2 norm, which must not take the factor rows, and bf16 inference, fixed
+    # and packed)
     for io, g_dt, b_dt, fused, l2, form, mode in [*_sampled(grid, 3), (FP16, FP32, BF16, True, True, "fixed",
                                                                        "inference"),
-                                                  (BF16, BF16, BF16, True, True, "fixed", "inference")]:  # fmt: skip
+                                                  (BF16, BF16, BF16, True, True, "fixed", "inference"),
+                                                  (BF16, FP32, FP32, False, True, "packed", "inference")]:  # fmt: skip
         B, T, H, HV, K = (1, 130, 1, 2, 128) if form == "packed" else (2, 70, 1, 2, 128)
         x = dict(q=_rnd(B, T, H, K, dtype=io), k=_rnd(B, T, H, K, dtype=io), v=_rnd(B, T, HV, K, dtype=io),
                  g=-_rnd(B, T, HV, dtype=g_dt).abs(), beta=_rnd(B, T, HV, dtype=b_dt))  # fmt: skip
@@ -172,8 +174,8 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
             kw["cu_seqlens_cpu"] = kw["cu_seqlens"]
         if mode == "training":  # the forward only (training_per_head_gate: the per-head gate, writing Akk)
             x["q"].requires_grad_()
-        # (a repeated fixed-length inference call takes its plan: both kernels in one launch)
-        for _ in range(2 if (form, mode) == ("fixed", "inference") else 1):
+        # (a repeated inference call takes its plan: both kernels in one launch)
+        for _ in range(2 if mode == "inference" else 1):
             with torch.no_grad() if mode == "inference" else torch.enable_grad():
                 chunk_gated_delta_rule(**x, **kw)
     # the training backward's recompute on the per-head gate (T read, every g_cum row)
@@ -189,12 +191,15 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     intra = [k for k in requested if k[0] == "kda.intra"]
     assert intra and all(("scalar_gate", True) in k for k in intra)
     assert any(("write_akk", True) in k for k in intra)
-    assert any(("row_factors", True) in k for k in intra)
+    # inference with the factor rows: both kernels from one host call (a repeated call's plan, and the first call of
+    # a signature, which makes the plan), both in their row_factors variants
+    launched = [k for k in requested if k[0] == "kda.fwd_launch"]
+    assert launched and all(("row_factors", True) in k[2] and ("row_factors", True) in k[3] for k in launched)
+    assert {k[1] for k in launched} == {"ChunkKDAFwdSm90", "ChunkKDAVarlenFwdSm90"}
     # fp16 with the L2 norm keeps qg / kg (its factor rows would carry the 1 / norm past fp16's range)
     assert not [k for k in intra if ("row_factors", True) in k and k[2] == "Float16" and ("l2norm_qk", True) in k]
-    factored = [k for k in requested if k[0] in ("kda.delta_h_fwd_o", "kda.fwd_launch") and "row_factors" in str(k)]
-    assert {k[0] for k in factored} == {"kda.delta_h_fwd_o", "kda.fwd_launch"}
-    missing = [cula.cache.key_text(k) for k in intra + factored if k not in listed]
+    assert not [k for k in launched if ("dtype", "Float16") in k[2] and ("l2norm_qk", True) in k[2]]
+    missing = [cula.cache.key_text(k) for k in intra + launched if k not in listed]
     assert not missing, missing[:3]
 
 

@@ -63,27 +63,34 @@ def _prepare_chunk_cula_sm90(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
     allow_neg_eigval, state_v_first, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, **_,
 ):  # fmt: skip
-    """The bound launch of a repeated fixed-length inference call (``chunk_gated_delta_rule``'s plan cache):
-    ``launch(q, k, v, g, beta, initial_state, A_log, dt_bias)``, KDA's one host call for both kernels with the
-    factor rows (``cula.kda.forward.prepare_chunk_kda_fwd_sm90``), or None where the general path runs each time
-    (training, packed calls, the gate repeated over K, inputs that are not row-major)."""
+    """The bound launch of a repeated inference call (``chunk_gated_delta_rule``'s plan cache): ``launch(q, k, v,
+    g, beta, initial_state, A_log, dt_bias)`` (packed: ``..., cu_seqlens, cu_seqlens_cpu)``), KDA's one host call
+    for both kernels with the factor rows (``cula.kda.forward.prepare_chunk_kda_fwd_sm90``), or None where the
+    general path runs each time (training, the gate repeated over K, inputs that are not row-major)."""
     from cula.gated_delta_rule.plan import GDN_TUNING
     from cula.kda.forward import prepare_chunk_kda_fwd_sm90
 
     entry = GDN_TUNING.for_device(q.device)
-    if cu_seqlens is not None or not entry.inference_row_factors:
+    if not entry.inference_row_factors:
         return None
     if needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return None
     scale = check_scale(scale, q.shape[-1])
     bound = prepare_chunk_kda_fwd_sm90(
-        q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first,
+        q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, row_factors=True, time_split=entry.time_split,
     )  # fmt: skip
     if bound is None:
         return None
+
+    if cu_seqlens is not None:
+
+        def packed(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu):
+            return bound(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
+
+        return packed
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return bound(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)

@@ -10,7 +10,9 @@ from cula._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_cu_seqlens,
+    check_cu_seqlens_values,
     check_head_first,
+    check_host_copy,
     check_qkv,
     check_scale,
     check_state,
@@ -21,13 +23,16 @@ from cula._validate import (
     state_fp32,
     take_extra_kwargs,
 )
-from cula.backends import PlanCache, capturing, env_reader, forced_backend, scalars_key, tensor_sig, token_sigs
+from cula.backends import (
+    PlanCache, capturing, env_reader, forced_backend, scalars_key, tensor_sig, token_sigs, varlen_token_sigs,
+)  # fmt: skip
 from cula.gated_delta_rule.backends import chunk_gdn_registry
 
-# Fixed-length calls skip validation and backend selection when their signature repeats: the first call of a
-# signature is validated in full and planned (chunk_gdn_registry.plan); later ones go straight to that launch.
+# Fixed-length and packed calls skip validation and backend selection when their signature repeats: the first call of
+# a signature is validated in full and planned (chunk_gdn_registry.plan); later ones go straight to that launch.
 _plans = PlanCache()
 _PLANNED = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+_PACKED = ("cu_seqlens", "cu_seqlens_cpu")  # a packed call's plan takes them after _PLANNED
 _PLANNED_KWARGS = frozenset(("use_gate_in_kernel", "A_log", "dt_bias"))
 # a plan binds the intra kernel's launch, which CULA_KDA_INTRA=0 turns off (read per call by the general path)
 _read_intra_mode = env_reader("CULA_KDA_INTRA")
@@ -127,25 +132,33 @@ def chunk_gated_delta_rule(
             use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
             cp_context, **kwargs,
         )  # fmt: skip
-    if (cu_seqlens is None and cu_seqlens_cpu is None and chunk_indices is None and cp_context is None
+    # a repeated signature (fixed length, or packed with the boundaries' host copy) skips validation and selection
+    if ((cu_seqlens is None) == (cu_seqlens_cpu is None) and chunk_indices is None and cp_context is None
             and kwargs.keys() <= _PLANNED_KWARGS and not is_compiling()):  # fmt: skip
         A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
         flags = (scale, output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                  state_v_first, kwargs.get("use_gate_in_kernel", False))  # fmt: skip
-        key = _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, flags)
+        key = _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, flags)
         if key is not None:
+            planned = (q, k, v, g, beta, initial_state, A_log, dt_bias)
             launch = _plans.get(key)
             if launch is None:
                 args = _checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, None, None, None, None,
-                                dict(kwargs))  # fmt: skip
-                if any(args[n] is not x for n, x in zip(_PLANNED, (q, k, v, g, beta, initial_state, A_log, dt_bias))):
+                                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
+                                cu_seqlens_cpu, None, None, dict(kwargs))  # fmt: skip
+                if any(args[n] is not x for n, x in zip(_PLANNED + _PACKED, planned + (cu_seqlens, cu_seqlens_cpu))):
                     # a tensor strided in its last dimension was copied: such calls take the general path each time
                     return chunk_gdn_registry.dispatch(q.device, args)
-                launch = chunk_gdn_registry.plan(q.device, args, positional=_PLANNED)
+                launch = chunk_gdn_registry.plan(q.device, args, positional=_PLANNED + _PACKED * (cu_seqlens
+                                                                                                  is not None))
                 if not capturing(q):  # (as chunk_kda's: a plan made under capture serves that call only)
                     _plans.put(key, launch)
-            return launch(q, k, v, g, beta, initial_state, A_log, dt_bias)
+            elif cu_seqlens is not None:  # the boundaries' values, which the key does not hold (before any launch)
+                check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])
+                check_host_copy(cu_seqlens, cu_seqlens_cpu)
+            if cu_seqlens is None:
+                return launch(*planned)
+            return launch(*planned, cu_seqlens, cu_seqlens_cpu)
     args = _checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
                     chunk_indices, cp_context, kwargs)  # fmt: skip
@@ -213,21 +226,29 @@ def _checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_
     return args
 
 
-def _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, flags: tuple) -> tuple | None:
-    """The plan-cache key of a fixed-length call: everything validation and backend selection read (each tensor's
+def _plan_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu,
+              flags: tuple) -> tuple | None:  # fmt: skip
+    """The plan-cache key of a call: everything validation and backend selection read (each tensor's
     ``tensor_sig``, the flags with their types, whether autograd records the call, inference mode,
     ``CULA_BACKEND``, ``CULA_KDA_INTRA``), or None where the call is validated in full every time (scalars of other
-    types, not tensors, tensors without storage)."""
+    types, not tensors, tensors without storage). A packed call's leaves out its total length (and its boundaries'
+    values, checked every call), as chunk_kda's does; it needs contiguous token tensors."""
     scalars = scalars_key(flags)
     if scalars is None:
         return None
+    tokens = None
+    if cu_seqlens is not None:
+        tokens = varlen_token_sigs(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
+        if tokens is None:
+            return None
     try:  # written out: this runs for every call
         grad = torch.is_grad_enabled() and bool(
             q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or beta.requires_grad
             or (initial_state is not None and initial_state.requires_grad)
             or (A_log is not None and A_log.requires_grad) or (dt_bias is not None and dt_bias.requires_grad)
         )  # fmt: skip
-        sigs = (*token_sigs(q, k, v, g, beta), tensor_sig(initial_state), tensor_sig(A_log), tensor_sig(dt_bias))
+        sigs = (*(tokens or token_sigs(q, k, v, g, beta)), tensor_sig(initial_state), tensor_sig(A_log),
+                tensor_sig(dt_bias))  # fmt: skip
     except (AttributeError, RuntimeError):  # not tensors, or without storage (torch.func transforms)
         return None
     return (*sigs, *scalars, grad, torch.is_inference_mode_enabled(), forced_backend(), _read_intra_mode())

@@ -18,7 +18,9 @@ from cula._validate import (
     resolve_state_layout,
     take_extra_kwargs,
 )
-from cula.backends import PlanCache, capturing, env_reader, forced_backend, tensor_sig, token_sigs
+from cula.backends import (
+    PlanCache, capturing, env_reader, forced_backend, tensor_sig, token_sigs, varlen_token_sigs,
+)  # fmt: skip
 from cula.kda._args import check_kda_inputs
 from cula.kda.backends import chunk_kda_registry
 
@@ -159,7 +161,7 @@ def chunk_kda(
                     return plan[0](q, k, v, g, beta, initial_state, A_log, dt_bias, plan[1], cu_seqlens, cu_seqlens_cpu)
                 except Exception:  # noqa: BLE001  (refused, or bad boundaries: validate in full below, which says why)
                     pass
-            tokens = None if cu_seqlens is None else _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
+            tokens = None if cu_seqlens is None else varlen_token_sigs(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
             key = None
             if cu_seqlens is None or tokens is not None:
                 try:
@@ -232,27 +234,6 @@ def _plan(call: dict, positional: tuple[str, ...]) -> tuple:
     if any(isinstance(t, torch.Tensor) and args[n] is not t for n, t in zip(positional, given)):
         launch = copying_reads(launch)
     return launch, args["scale"]
-
-
-def _varlen_tokens_sig(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | None:
-    """The plan-key part of a packed-sequence call's token tensors without their common length (which changes
-    from call to call), or None (validate in full) unless all five are contiguous tensors of one length."""
-    try:  # written out, no generator: this runs for every packed call
-        qs, ks, vs, gs, bs = q.shape, k.shape, v.shape, g.shape, beta.shape
-        T = qs[1]
-        if (ks[1] != T or vs[1] != T or gs[1] != T or bs[1] != T or not q.is_contiguous() or not k.is_contiguous()
-                or not v.is_contiguous() or not g.is_contiguous() or not beta.is_contiguous()):  # fmt: skip
-            return None
-        return (
-            qs[0], qs[2:], q.dtype, q.device, q.data_ptr() & 15, ks[0], ks[2:], k.dtype, k.device, k.data_ptr() & 15,
-            vs[0], vs[2:], v.dtype, v.device, v.data_ptr() & 15, gs[0], gs[2:], g.dtype, g.device, g.data_ptr() & 15,
-            bs[0], bs[2:], beta.dtype, beta.device, beta.data_ptr() & 15,
-            tensor_sig(cu_seqlens), cu_seqlens_cpu.shape, cu_seqlens_cpu.dtype, cu_seqlens_cpu.device,
-        )  # fmt: skip
-    except (AttributeError, IndexError, TypeError):
-        return None  # not tensors of at least two dimensions: validation will say so
-    except RuntimeError:
-        return None  # tensors without storage (torch.func transforms): validated in full
 
 
 def _short_key(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu, flags, grad,
