@@ -347,6 +347,13 @@ def varlen_token_sigs(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | N
         if (ks[1] != T or vs[1] != T or gs[1] != T or bs[1] != T or not q.is_contiguous() or not k.is_contiguous()
                 or not v.is_contiguous() or not g.is_contiguous() or not beta.is_contiguous()):  # fmt: skip
             return None
+        # one token: is_contiguous ignores the size-1 time dimension's stride, which the key then leaves out, while a
+        # bound launch takes it as the token stride its TMA descriptors need aligned
+        if T == 1:
+            from cula._validate import is_row_major  # (cula._validate imports this module)
+
+            if not all(map(is_row_major, (q, k, v, g, beta))):
+                return None
         return (
             qs[0], qs[2:], q.dtype, q.device, q.data_ptr() & 15, ks[0], ks[2:], k.dtype, k.device, k.data_ptr() & 15,
             vs[0], vs[2:], v.dtype, v.device, v.data_ptr() & 15, gs[0], gs[2:], g.dtype, g.device, g.data_ptr() & 15,

@@ -220,9 +220,8 @@ def gdn_chunk_and_decode():
     on_cula = GDN_TUNING.override(inference_chunk_on_cula=True, inference_decode_max_tokens=8)
     cu = torch.tensor([0, 70, 70, 71, 100], dtype=torch.int32, device=DEV)  # empty, one-token, partial chunks
     with torch.inference_mode(), on_cula:
-        for _ in range(2):  # the second call of the signature: both kernels from one host call (its plan)
-            chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                   use_qk_l2norm_in_kernel=True)  # fmt: skip
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)  # fmt: skip
         # the intra kernel's per-head gate, packed, with the fused softplus gate
         chunk_gated_delta_rule(
             q, k, v, torch.randn(1, 100, 2, device=DEV), beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -257,18 +256,21 @@ def gdn_row_factors():
     from cula.gated_delta_rule.plan import GDN_TUNING
 
     cu = torch.tensor([0, 70, 70, 71, 100], dtype=torch.int32, device=DEV)
+    # each form twice: through its plan (both kernels from one host call), and with a keyword the plan cache does not
+    # take (chunk_size) through the general path's two launches
     with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=True):
-        chunk_gated_delta_rule(
-            _r(2, 100, 1, 128), _r(2, 100, 1, 128), _r(2, 100, 4, 128), -torch.rand(2, 100, 4, device=DEV),
-            torch.rand(2, 100, 4, device=DEV), initial_state=torch.randn(2, 4, 128, 128, device=DEV) * 0.1,
-            output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
-        )  # fmt: skip
-        chunk_gated_delta_rule(
-            _r(1, 100, 1, 128), _r(1, 100, 1, 128), _r(1, 100, 2, 128), torch.randn(1, 100, 2, device=DEV),
-            torch.randn(1, 100, 2, device=DEV), output_final_state=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, A_log=torch.rand(2, device=DEV), dt_bias=torch.rand(2, device=DEV),
-            cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
-        )  # fmt: skip
+        for general in ({}, {"chunk_size": 64}):
+            chunk_gated_delta_rule(
+                _r(2, 100, 1, 128), _r(2, 100, 1, 128), _r(2, 100, 4, 128), -torch.rand(2, 100, 4, device=DEV),
+                torch.rand(2, 100, 4, device=DEV), initial_state=torch.randn(2, 4, 128, 128, device=DEV) * 0.1,
+                output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True, **general,
+            )  # fmt: skip
+            chunk_gated_delta_rule(
+                _r(1, 100, 1, 128), _r(1, 100, 1, 128), _r(1, 100, 2, 128), torch.randn(1, 100, 2, device=DEV),
+                torch.randn(1, 100, 2, device=DEV), output_final_state=True, use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True, A_log=torch.rand(2, device=DEV), dt_bias=torch.rand(2, device=DEV),
+                cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), **general,
+            )  # fmt: skip
     # cut in time (every sequence past 128 tokens), with and without the halves: the summary's row-factor variant
     from cula.kda.plan import KDA_TUNING
     from cula.time_split import SplitThresholds

@@ -293,3 +293,18 @@ def test_packed_bound_launch_bit_identical_cuda(counted, cu_dtype):
             assert torch.equal(o.view(torch.int16), ref_o.view(torch.int16))
             assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
     assert counted[0] == 1
+
+
+def test_one_token_packed_call_with_odd_strides_is_validated(counted):
+    """A one-token packed call whose size-1 time dimension has an odd stride (is_contiguous ignores it) is validated
+    in full each time, not handed to a plan whose launch reads that stride (as chunk_kda's short key refuses it)."""
+    x, cus = _packed_inputs([40, 33], D=32)
+    chunk_gated_delta_rule(**x, **FLAGS, **cus)
+    one, cu1 = _packed_inputs([1, 0], seed=1, D=32)
+    q = torch.empty_strided((1, 1, KH, 32), (999 * KH * 32, 999 * KH * 32, 32, 1), dtype=one["q"].dtype)
+    q.copy_(one["q"])
+    assert q.is_contiguous()
+    for _ in range(2):
+        o = chunk_gated_delta_rule(**dict(one, q=q), **FLAGS, **cu1)[0]
+    assert counted[0] == 1 + 2
+    assert torch.equal(o, chunk_gated_delta_rule(**one, **FLAGS, **cu1)[0])
