@@ -72,3 +72,14 @@ def same_argument(a, b, inputs) -> None:
             assert a.data_ptr() == b.data_ptr() or torch.equal(a, b)
     else:
         assert a == b, (a, b)
+
+
+def assert_same_calls(general: list, got: list, inputs: list) -> None:
+    """The kernels ``got`` (a bound launch's recorded calls) are the ``general`` path's, with the same compile
+    keywords and the same arguments (``same_argument``)."""
+    assert [c[0] for c in general] == [c[0] for c in got]
+    for (name, kw_g, args_g), (_, kw_p, args_p) in zip(general, got):
+        assert kw_g == kw_p, name
+        assert len(args_g) == len(args_p), name
+        for a, b in zip(args_g, args_p):
+            same_argument(a, b, inputs)

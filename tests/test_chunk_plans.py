@@ -18,7 +18,7 @@ import cula.kda.chunk as chunk_mod
 from cula.backends import PlanCache
 from cula.kda import chunk_kda
 from cula.testing import make_cu_seqlens
-from kda_launch_stubs import same_argument, stub_kernels
+from kda_launch_stubs import assert_same_calls, stub_kernels
 
 HAS_CUDA = torch.cuda.is_available()
 B, T, H, HV, D = 2, 100, 2, 4, 128  # T not a multiple of the chunk
@@ -215,11 +215,7 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, fake_sm90, st
     assert o.shape == (B, T, HV, D) and (s is not None) == with_state
     inputs = [t for t in x.values() if t is not None]
     for got in (fake_sm90[:2], fake_sm90[2:]):
-        for (name, kw_g, args_g), (_, kw_p, args_p) in zip(general, got):
-            assert kw_g == kw_p, name
-            assert len(args_g) == len(args_p), name
-            for a, b in zip(args_g, args_p):
-                same_argument(a, b, inputs)
+        assert_same_calls(general, got, inputs)
     assert len(chunk_mod._plans) == 1
 
 
@@ -306,11 +302,7 @@ def test_varlen_plan_passes_what_the_general_path_passes(counted, fake_sm90, mon
             chunk_kda(**x, **FLAGS, **cus, scale=0.125)
         assert [c[0] for c in general] == [c[0] for c in fake_sm90] == ["intra", "state"]
         inputs = [t for t in x.values() if t is not None]
-        for (name, kw_g, args_g), (_, kw_p, args_p) in zip(general, fake_sm90):
-            assert kw_g == kw_p, name
-            assert len(args_g) == len(args_p), name
-            for a, b in zip(args_g, args_p):
-                same_argument(a, b, inputs)
+        assert_same_calls(general, fake_sm90, inputs)
         chunk_indices = (general[0][2][15], fake_sm90[0][2][15])
         assert chunk_indices[1].dtype == torch.int32 and torch.equal(*chunk_indices)
         assert torch.equal(general[1][2][9], fake_sm90[1][2][9])  # cu_seqlens as int32

@@ -113,7 +113,7 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, 
                                                           with_state):  # fmt: skip
     """A repeated inference call runs KDA's one host call for both kernels with the factor rows: each kernel gets
     what the general path hands it (the kernels stubbed, fwd_launch emulated: tests/kda_launch_stubs.py)."""
-    from kda_launch_stubs import same_argument, stub_kernels
+    from kda_launch_stubs import assert_same_calls, stub_kernels
 
     calls = stub_kernels(monkeypatch)
     x = _kernel_inputs(state_v_first=state_v_first, with_state=with_state)
@@ -130,11 +130,7 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, 
     assert o.shape == (KB, KT, KHV, KD) and (s is not None) == with_state
     inputs = [t for t in x.values() if t is not None]
     for got in (calls[:2], calls[2:]):
-        for (name, kw_g, args_g), (_, kw_p, args_p) in zip(general, got):
-            assert kw_g == kw_p, name
-            assert len(args_g) == len(args_p), name
-            for a, b in zip(args_g, args_p):
-                same_argument(a, b, inputs)
+        assert_same_calls(general, got, inputs)
 
 
 def test_bound_launch_declines_what_the_general_path_runs_otherwise(counted, monkeypatch, pretend_sm90):
@@ -256,7 +252,7 @@ def test_packed_plan_checks_every_call(counted):
 def test_packed_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, pretend_sm90, cu_dtype):
     """Packed inference calls of new total lengths through one plan: each kernel gets what the general path hands it,
     the chunk indices included."""
-    from kda_launch_stubs import same_argument, stub_kernels
+    from kda_launch_stubs import assert_same_calls, stub_kernels
 
     calls = stub_kernels(monkeypatch)
     for i, lens in enumerate(([40, 0, 130, 64], [3, 64, 200, 1], [0, 0, 0, 65])):
@@ -269,11 +265,7 @@ def test_packed_bound_launch_passes_what_the_general_path_passes(counted, monkey
             chunk_gated_delta_rule(**x, **FLAGS, **cus, scale=0.125)
         assert [c[0] for c in general] == [c[0] for c in calls] == ["intra", "state"]
         inputs = [t for t in x.values() if t is not None]
-        for (name, kw_g, args_g), (_, kw_p, args_p) in zip(general, calls):
-            assert kw_g == kw_p, name
-            assert len(args_g) == len(args_p), name
-            for a, b in zip(args_g, args_p):
-                same_argument(a, b, inputs)
+        assert_same_calls(general, calls, inputs)
     assert counted[0] == 1 and len(chunk_mod._plans) == 1
 
 
