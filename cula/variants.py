@@ -102,6 +102,7 @@ def _gdn_chunk(scope: str) -> None:
     and time-parallel kernels are KDA's (above), and with ``inference_row_factors`` the intra kernel's factor rows
     and the state/output kernel's variant that applies them (a repeated fixed-length call: both in one launch)."""
     from cula.gated_delta_rule.plan import GDN_TUNING
+    from cula.kda.forward import factor_rows_fit
     from cula.kda.plan import KDA_TUNING
     from cula.ops._host import dsl_name
     from cula.ops.kda.sm90 import delta_h_fwd_o as dh
@@ -121,7 +122,7 @@ def _gdn_chunk(scope: str) -> None:
         for dt, g_dt, b_dt, gate, l2, beta_act, varlen in itertools.product(
             d["io"], d["g"], d["beta"], ("none", "softplus"), _B, intra.BETA_ACTS, _B
         ):  # fmt: skip
-            if dt == torch.float16 and l2:  # (fp16 with the L2 norm keeps qg / kg: cula.kda.forward)
+            if not factor_rows_fit(dt, l2):  # (qg / kg instead)
                 continue
             options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, scalar_gate=True, row_factors=True)
             intra.compiled_variant(varlen=varlen, **options)

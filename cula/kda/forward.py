@@ -178,7 +178,7 @@ def chunk_kda_fwd_sm90(
     # cula's intra kernel writes Aqk's upper triangle as zeros, FLA's leaves it
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
     if (row_factors and scalar_gate and cute_intra and not keep_scores and not keep_states
-            and not (q.dtype == torch.float16 and use_qk_l2norm_in_kernel)):  # fmt: skip
+            and factor_rows_fit(q.dtype, use_qk_l2norm_in_kernel)):  # fmt: skip
         w, u, factors, Aqk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, row_factors=True,
@@ -225,6 +225,13 @@ def chunk_kda_fwd_sm90(
     if keep_scores:
         return o, final_state, Aqk, Akk
     return o, final_state
+
+
+def factor_rows_fit(dtype: torch.dtype, use_qk_l2norm: bool) -> bool:
+    """Whether a per-head-gate call may take the factor rows (``row_factors``): not fp16 with the L2 norm, where
+    GEMM4's operand ``v_new f_k`` carries the 1 / norm (up to 1000) past fp16's range that kg, at most 1 in size,
+    stays inside."""
+    return not (dtype == torch.float16 and use_qk_l2norm)
 
 
 def _state_outputs(u, cu32, chunk_indices, static_rows: bool = False) -> dict:
@@ -493,7 +500,7 @@ def prepare_chunk_kda_fwd_sm90(
     if chunk_size != 64 or B == 0 or HV == 0 or (K, V) != (128, 128) or (T == 0 and not varlen):
         return None
     scalar_gate = g.dim() == 3
-    if scalar_gate and not (row_factors and not (q.dtype == torch.float16 and use_qk_l2norm_in_kernel)):
+    if scalar_gate and not (row_factors and factor_rows_fit(q.dtype, use_qk_l2norm_in_kernel)):
         return None
     if not use_cula_intra(q, v, safe_gate, use_gate_in_kernel, lower_bound, scalar_gate):
         return None

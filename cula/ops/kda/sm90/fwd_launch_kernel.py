@@ -25,7 +25,7 @@ from cutlass import Float32, Int32, Int64, const_expr, cute
 from cula.cache import compile_options
 from cula.ops._host import ROW_FACTORS, dsl_type
 from cula.ops.kda.sm90.delta_h_fwd_o_kernel import DeltaHFwdOFusedSm90
-from cula.ops.kda.sm90.fwd_launch import BT, DK, DV, ROW_WORK_COLS, WORK_COLS
+from cula.ops.kda.sm90.fwd_launch import BT, DK, DV, work_cols
 from cula.ops.kda.sm90.intra_kernel import ChunkKDAIntraFwdSm90
 
 __all__ = ["ChunkKDAFwdSm90", "ChunkKDAVarlenFwdSm90"]
@@ -191,7 +191,7 @@ def _compile(intra_options: dict, state_options: dict, arch=(9, 0), extra_option
         return make_fake_tensor(dtype, (b, t, hv), (cute.sym_int64(), cute.sym_int64(), 1),
                                 assumed_align=dtype.width // 8)
 
-    cols = ROW_WORK_COLS if intra.row_factors else WORK_COLS
+    cols = work_cols(intra_options)
     args = (
         tok(dt, h, DK), tok(dt, h, DK), tok(dt, hv, DV), per_head(g_dt) if intra.row_factors else tok(g_dt, hv, DK),
         per_head(beta_dt), make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
