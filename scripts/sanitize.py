@@ -2,8 +2,11 @@
 
     python scripts/sanitize.py [--out DIR] [--report PATH] [--tools memcheck,racecheck,...] [CASE_SUBSTRING ...]
 
-On the H200 through the device tool (the payload carried):
-    bash scripts/device/run.sh python scripts/sanitize.py --out $OUT --report $OUT/sanitizer.md
+On the H200 through the device tool (the payload carried), as two calls (all four tools no longer fit one):
+    bash scripts/device/run.sh timeout 590 python scripts/sanitize.py --deadline 530 --out /tmp/san \
+        --tools memcheck,racecheck,synccheck --report $OUT/sanitizer.md
+    bash scripts/device/run.sh timeout 590 python scripts/sanitize.py --deadline 530 --out /tmp/san \
+        --tools initcheck --report $OUT/sanitizer_initcheck.md
 
 The cases are ``scripts/sanitize_cases.py`` (small calls through the public API). Each tool runs them in its own
 process, all tools at once (racecheck, the slowest, split over several processes), with only cula's CuTe DSL kernels
@@ -32,8 +35,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # processes per tool, each running every N-th case: on the H200 one memcheck or synccheck process did 15 of 16 cases
 # in 360 s (the training cases are the slow ones), three initcheck processes (it instruments PyTorch's and FLA's
-# kernels too) 12 of 15
-SPLIT = {"memcheck": 3, "racecheck": 3, "synccheck": 3, "initcheck": 5}
+# kernels too) 12 of 15; over the 52 cases of 2026-12 (an H100) memcheck + racecheck + synccheck at 3 each took 443 s
+# of one device call, and initcheck at 5 did not finish in 400 s after the warm run: it gets a call of its own, with
+# the 16 cores shared by 12 processes
+SPLIT = {"memcheck": 3, "racecheck": 3, "synccheck": 3, "initcheck": 12}
 OURS = "kernel_cutlass"  # CuTe DSL kernel names start with it
 _FINDING = re.compile(r"^========= (Error|Warning|Invalid|Uninitialized|Race|Barrier|Potential|Program hit)")
 
