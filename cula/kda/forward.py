@@ -585,12 +585,15 @@ def prepare_chunk_kda_fwd_sm90(
     # both kernels in one host call (fwd_launch): one TVM-FFI call, no views, the intermediates in one buffer
     fn = fwd_launch.compiled_variant(intra_options, state_options)
     rows = B * T * HV
+    state_pad = dummy_state  # an fp32 tensor on the device, the final state's allocator
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
         a_log, bias = gate_args(A_log, dt_bias)
-        work = torch.empty(rows, cols, dtype=dt, device=dev)
-        o = torch.empty(B, T, HV, V, dtype=dt, device=dev)
-        final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
+        # q.new_empty with the sizes as arguments: q's dtype and device are the plan's (its key holds them), and a
+        # torch.empty with dtype and device keywords costs ~0.5 us more each to parse
+        work = q.new_empty(rows, cols)
+        o = q.new_empty(B, T, HV, V)
+        final_state = state_pad.new_empty(state_shape) if output_final_state else None
         fn(
             q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
             final_state if final_state is not None else dummy_state, no_cu, float(scale), lb,
@@ -620,8 +623,8 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu, **_):
         T = q.shape[1]
-        o = torch.empty(1, T, HV, V, dtype=dt, device=dev)
-        final_state = torch.empty(state_shape, dtype=torch.float32, device=dev) if output_final_state else None
+        o = q.new_empty(1, T, HV, V)  # (as the fixed-length launch allocates)
+        final_state = dummy_state.new_empty(state_shape) if output_final_state else None
         if T == 0:  # nothing to read; the state passes through
             if final_state is not None and has_h0:
                 final_state.copy_(initial_state)
@@ -634,7 +637,7 @@ def _varlen_launch(fn, gate_args, HV, V, dt, dev, state_shape, has_h0, output_fi
             chunk_indices = device_chunk_indices(cu_seqlens, chunk_rows_bound(T, cu_seqlens.numel() - 1))
         else:
             cu32, chunk_indices = host_boundaries(cu_seqlens, cu_seqlens_cpu)
-        work = torch.empty(T * HV, cols, dtype=dt, device=dev)
+        work = q.new_empty(T * HV, cols)
         fn(
             q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
             final_state if final_state is not None else dummy_state, cu32, chunk_indices, float(scale), lb,
