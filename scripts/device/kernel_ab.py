@@ -145,6 +145,31 @@ def _states_inputs(B: int, T: int, HV: int):
                 state_v_first=True, aqk_causal=True, OUT=("o", "final_state"))  # fmt: skip
 
 
+def _states_packed_inputs(HV: int, lens: list[int]):
+    """``_states_inputs`` of packed sequences (an empty one, partial last chunks); Aqk zero above the diagonal of
+    each 64 tokens of the pack, not of each sequence's chunks: any operands will do for a bit-for-bit comparison."""
+    T = sum(lens)
+    x = _states_inputs(1, T, HV)
+    wy = _wy_inputs(1, T, HV, True, lens)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h0 = 0.1 * torch.randn(len(lens), HV, 128, 128, device="cuda", generator=gen)
+    return dict(x, initial_state=h0, final_state=torch.empty_like(h0), cu_seqlens=wy["cu_seqlens"])
+
+
+def _states_rows_inputs(B: int, T: int, H: int, HV: int):
+    """The state kernel's Gated DeltaNet variant (``row_factors``): raw q / k of H heads and per-token factor rows
+    (f_q, f_k, f_g, unused), the decay f_g = exp2 of a chunk-local cumsum."""
+    x = _states_inputs(B, T, HV)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k = (_randn(gen, B, T, H, 128) for _ in range(2))
+    Tp = -(-T // 64) * 64
+    g = (-0.1 * torch.rand(B, Tp // 64, 64, HV, device="cuda", generator=gen)).cumsum(2).view(B, Tp, HV)[:, :T]
+    rows = torch.stack([0.088 * torch.rand(B, T, HV, device="cuda", generator=gen),
+                        0.02 * torch.rand(B, T, HV, device="cuda", generator=gen), torch.exp2(g),
+                        torch.zeros(B, T, HV, device="cuda")], dim=-1).contiguous()  # fmt: skip
+    return dict(x, kg=k, qg=q, g=rows, row_factors=True)
+
+
 def _intra_fwd_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = None):
     """The forward intra kernel's inputs (``chunk_kda_intra_sm90``: raw q / k normalised in the kernel, the
     lower-bound gate and the beta sigmoid fused, as the benchmarks' flags), its outputs written in place (``OUT``:
@@ -200,6 +225,11 @@ CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
     "segment_chain-H16-M4-kv": (_CHAIN, lambda: _chain_inputs(16, [4], False)),
     # the forward's state / output kernel (cula's causal Aqk: o by TMA), fixed at the benchmark's shape
     "states-B2-T16384": (_STATES, lambda: _states_inputs(2, 16384, 64)),
+    # few lanes (4 CTAs walking 512 chunks: the chain-bound case), packed (an empty sequence, partial last chunks),
+    # and Gated DeltaNet's row-factor variant at its H200 anchor's shape (one 32K sequence, 32 value heads)
+    "states-B1-T32768-H4": (_STATES, lambda: _states_inputs(1, 32768, 4)),
+    "states-packed": (_STATES, lambda: _states_packed_inputs(8, [1, 8000, 63, 0, 11806, 130])),
+    "states-rows-T32768-H16-HV32": (_STATES, lambda: _states_rows_inputs(1, 32768, 16, 32)),
     # stages 4 and 5 at the training benchmark's largest shape, and packed (empty, length-1 and partial sequences)
     "bwd_dhu-B2-T16384-vk": (_DHU, lambda: _dhu_inputs(2, 16384, 64, True)),
     "bwd_dhu-packed-kv": (_DHU, lambda: _dhu_inputs(1, 20000, 8, False, [1, 8000, 63, 0, 11806, 130])),
