@@ -91,7 +91,10 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     sass = subprocess.run(
         [nvdisasm, "-c", res["cubins"][0]], capture_output=True, text=True, check=True
     ).stdout
-    assert sass.count("HGMMA.64x64x16.F32") == 20  # GEMM1, GEMM2 (8 k-steps each), GEMM3 (4)
+    # GEMM1, GEMM2 (8 k-steps each), GEMM3 (4; twice in the loop that issues it behind the next chunk's top, and in
+    # that loop's drain: the o_tma variants without store_states)
+    o_behind = _VARIANTS[idx].get("aqk_causal") and not states
+    assert sass.count("HGMMA.64x64x16.F32") == (24 if o_behind else 20)
     assert sass.count("HGMMA.64x128x16.F32") == 4  # GEMM4, kg read MN-major
     assert ".tnspB" in sass
     assert "UTMALDG" in sass and "USETMAXREG" in sass
