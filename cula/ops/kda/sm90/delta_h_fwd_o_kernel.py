@@ -463,10 +463,12 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         tVrK, tOrW, tOrQ, tOrA, tSrK, tUsU, tVcV, tScS, sG, tOgO, issuer, first_warp, st_o, thr_sto, tOsU, wg_bar,
         tma_o, tOs, tOg,
     ):  # fmt: skip
-        """The chunk loop of the ``o_tma`` variants without ``store_states``, ordered so that the output's work
-        leaves the state's chain: chunk c's GEMM3 is issued at the top of chunk c + 1, ahead of its GEMM1, so that it
-        runs while the bf16 S^T is built; chunk c's o is converted and stored once GEMM3 is done, while GEMM1 runs and
-        before GEMM2 (which overwrites accO) is issued. Each iteration still ends with nothing in flight (a WGMMA
+        """The chunk loop of the ``o_tma`` variants without ``store_states``, ordered so that the tensor pipe is fed
+        while the epilogues run: chunk c's GEMM3 is issued at the top of chunk c + 1, ahead of its GEMM1; chunk c's o
+        is converted and stored once GEMM3 is done, while GEMM1 runs; GEMM2 (which overwrites accO) is issued once
+        GEMM1 is done, and v_new and the decay factors are built while it runs. The other loop waits for GEMM1 and
+        GEMM2 together, builds v_new, then GEMM3 and GEMM4 together, then stores o, each step with the pipe idle
+        for its warpgroup. Each iteration still ends with nothing in flight (a WGMMA
         pending across the loop's back edge made ptxas serialise every WGMMA, remark C7514). A stage is released a
         chunk later than in the other loop: its Aqk tile is read and its o staged during the next chunk (the first
         warp of each warpgroup releases it one chunk after that, once the o store has read it). Same products on the
@@ -507,30 +509,31 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
                     pipeline.PipelineState(S, st.count, prev, st.phase), prev, c - 1, issuer, first_warp, st_o, thr_sto,
                     tOsU, wg_bar, tma_o, tOs, tOg,
                 )  # fmt: skip
-            warpgroup.fence()
-            gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
-            warpgroup.commit_group()
-
-            # While GEMM1/2 run: the decay factors, u^T, the rows past the sequence end.
-            if const_expr(not self.row_factors):
-                load_column_decay(rD, sG, tScS, si)
+            # While GEMM1 runs: u^T, the rows past the sequence end. GEMM2 once GEMM1 is done, so that v_new is built
+            # while GEMM2 runs.
             rU = tUsU[None, None, None, si].load()
             for i in cutlass.range_constexpr(cute.size(pV)):
                 pV[i] = tVcV[i][1] < valid
-
             warpgroup.wait_group(0)
-            if const_expr(not self.row_factors):
-                decay_columns(accS, rD)
+            warpgroup.fence()
+            gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
+            warpgroup.commit_group()
             v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
             tVrV.store(v_new.to(self.dtype))
             if const_expr(self.row_factors):
+                accV.store(v_new)
+            else:
+                load_column_decay(rD, sG, tScS, si)  # the decay factors exp2(g_last[k])
+
+            warpgroup.wait_group(0)
+            if const_expr(self.row_factors):
                 gd = load_row_factors(rKf, sG, tVcV, si, valid, rQf, scale)
                 accS.store(accS.load() * gd)
-                accV.store(v_new)
                 scale_token_columns(accO, rQf)
                 scale_token_columns(accV, rKf)
                 tVrK.store(accV.load().to(self.dtype))
             else:
+                decay_columns(accS, rD)
                 accO.store(accO.load() * scale)
             # GEMM4, the state update; GEMM3 waits for the next chunk's top (or the drain below)
             warpgroup.fence()
