@@ -349,7 +349,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         # A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (u is dead once v_new
         # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
         # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
-        # 64 CTAs at B1-T8192). That thread's warp releases the stage one chunk late, after the store's read.
+        # 64 CTAs at B1-T8192). That thread's warp releases the stage late, after the store's read.
         issuer = first_warp = st_o = thr_sto = tOsU = wg_bar = tOs = tOg = None
         if const_expr(self.o_tma):
             issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tOs, tOg = self._o_staging(
@@ -469,10 +469,11 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         GEMM1 is done, and v_new and the decay factors are built while it runs. The other loop waits for GEMM1 and
         GEMM2 together, builds v_new, then GEMM3 and GEMM4 together, then stores o, each step with the pipe idle
         for its warpgroup. Each iteration still ends with nothing in flight (a WGMMA
-        pending across the loop's back edge made ptxas serialise every WGMMA, remark C7514). A stage is released a
-        chunk later than in the other loop: its Aqk tile is read and its o staged during the next chunk (the first
-        warp of each warpgroup releases it one chunk after that, once the o store has read it). Same products on the
-        same operands, in the same order per accumulator: the outputs are bit for bit the other loop's."""
+        pending across the loop's back edge made ptxas serialise every WGMMA, remark C7514). A stage is held into the
+        next chunk (its Aqk tile read and its o staged there) and released by the end of it, the first warp of each
+        warpgroup last, once the o store has read it: at a chunk's top only the previous chunk's stage is held, so any
+        number of stages from 2 works and the producer runs one to two chunks ahead. Same products on the same
+        operands, in the same order per accumulator: the outputs are bit for bit the other loop's."""
         BT, S = self.bt, self.num_stages
         # the first chunk's GEMM3 has no previous chunk: it adds 0 (a WGMMA issued under a branch made ptxas
         # serialise them all, remark C7515), to this chunk's Aqk tile, the one stage surely loaded
@@ -498,12 +499,6 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             warpgroup.wait_group(1)
             rO.store(accO.load().to(self.dtype))
             if c > 0:
-                if (c > 1) & first_warp:
-                    # the stage of chunk c - 2, once its o store has read it
-                    if issuer:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    older = cutlass.select_(prev == 0, S - 1, prev - 1)
-                    pipe.consumer_release(pipeline.PipelineState(S, st.count, older, st.phase))
                 self._store_o(
                     rO, tOgO[None, None, None, c - 1], tVcV, BT, pipe,
                     pipeline.PipelineState(S, st.count, prev, st.phase), prev, c - 1, issuer, first_warp, st_o, thr_sto,
@@ -541,6 +536,12 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
                           b_stage=si)  # fmt: skip
             warpgroup.commit_group()
             warpgroup.wait_group(0)
+            if (c > 0) & first_warp:
+                # the previous chunk's stage, once its o store (issued while GEMM1 ran) has read it: long done by
+                # now, and the stage is free before the next chunk's top (the producer keeps two chunks ahead)
+                if issuer:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
             st.advance()
 
         if num_chunks > 0:
@@ -553,11 +554,6 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             rO.store(accO.load().to(self.dtype))
             cl = num_chunks - 1
             vl = cutlass.min(seq_len - cl * BT, BT)
-            if (cl > 0) & first_warp:
-                if issuer:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                older = cutlass.select_(last == 0, S - 1, last - 1)
-                pipe.consumer_release(pipeline.PipelineState(S, st.count, older, st.phase))
             self._store_o(
                 rO, tOgO[None, None, None, cl], tVcV, vl, pipe, pipeline.PipelineState(S, st.count, last, st.phase),
                 last, cl, issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tma_o, tOs, tOg,
@@ -570,7 +566,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
     def _o_staging(self, ctid, wg_idx, h, bos, mma_o, sU, tma_o, to):
         """A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (``o_tma``): the
         transposed stmatrix into it and the TMA partitions of the store, issued by the warpgroup's first thread
-        (lane 0 of its first warp, which also releases the stage one chunk late, after the store has read it).
+        (lane 0 of its first warp, which also releases the stage late, once the store has read it).
         Plain Python, traced inline: ``(issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tOs, tOg)``."""
         BT, DV = self.bt, self.dv
         issuer = ctid % 128 == 0
