@@ -85,9 +85,10 @@ def _parse(text: str) -> dict:
             )
     errors = [int(m) for m in re.findall(r"ERROR SUMMARY: (\d+) errors?\s*$", text, flags=re.M)]
     hazards = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
-    done = len(re.findall(r"^@@done ", text, flags=re.M))
+    seconds = {m[0]: float(m[1]) for m in re.findall(r"^@@done (\S+) ([\d.]+)s", text, flags=re.M)}
     return {
-        "cases": cases, "done": done, "failed": failed, "findings": findings, "variants": variants,
+        "cases": cases, "done": len(seconds), "seconds": seconds, "failed": failed, "findings": findings,
+        "variants": variants,
         "errors": sum(errors) if errors else None, "summary_seen": bool(errors or hazards), "foreign": foreign,
         "ours": sum(len(v) for v in findings.values()),
         "hazards": sum(int(h[0]) for h in hazards), "race_errors": sum(int(h[1]) for h in hazards),
@@ -192,7 +193,7 @@ def main() -> int:
         p.wait()
     wall = time.time() - t0
 
-    rows, details, clean, variants, all_cases = [], [], True, set(), set()
+    rows, details, clean, variants, all_cases, slowest = [], [], True, set(), set(), []
     for tool in tools:
         parts = [
             _parse(open(os.path.join(a.out, f"{tool}-{g.replace('/', 'of')}.log")).read())
@@ -220,6 +221,10 @@ def main() -> int:
                f"{sum(p['race_warnings'] for p in parts)} warnings)" if tool == "racecheck" else "-"  # fmt: skip
         verdict = "clean" if ok else "FINDINGS" if errors or hazards or failed else "incomplete"
         rows.append(f"| {tool} | {done}/{len(cases)} | {errors} | {race} | {verdict} |")
+        # where a tool's time goes (its processes take every N-th case: a slow one sets the wall time)
+        seconds = sorted(((t, c) for p in parts for c, t in p["seconds"].items()), reverse=True)
+        if seconds:
+            slowest.append(f"- {tool}: " + ", ".join(f"`{c}` {t:.0f} s" for t, c in seconds[:6]))
         for p in parts:
             for name, lines in p["findings"].items():
                 uniq = sorted(set(lines))
@@ -246,6 +251,10 @@ def main() -> int:
         *rows,
         "",
         f"Cases ({len(all_cases)}): " + ", ".join(f"`{c}`" for c in sorted(all_cases)),
+        "",
+        "Slowest cases under each tool (seconds in its process):",
+        "",
+        *(slowest or ["- none finished"]),
         "",
         f"Compiled variants exercised ({len(variants)}):",
         "",

@@ -585,7 +585,6 @@ def prepare_chunk_kda_fwd_sm90(
     # both kernels in one host call (fwd_launch): one TVM-FFI call, no views, the intermediates in one buffer
     fn = fwd_launch.compiled_variant(intra_options, state_options)
     rows = B * T * HV
-    state_pad = dummy_state  # an fp32 tensor on the device, the final state's allocator
 
     def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
         a_log, bias = gate_args(A_log, dt_bias)
@@ -593,7 +592,7 @@ def prepare_chunk_kda_fwd_sm90(
         # torch.empty with dtype and device keywords costs ~0.5 us more each to parse
         work = q.new_empty(rows, cols)
         o = q.new_empty(B, T, HV, V)
-        final_state = state_pad.new_empty(state_shape) if output_final_state else None
+        final_state = dummy_state.new_empty(state_shape) if output_final_state else None  # (fp32, on the device)
         fn(
             q, k, v, g, beta, a_log, bias, work, o, initial_state if has_h0 else dummy_state,
             final_state if final_state is not None else dummy_state, no_cu, float(scale), lb,
