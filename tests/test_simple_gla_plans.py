@@ -352,3 +352,27 @@ def test_packed_bound_launch_bit_identical_cuda(counted):
         assert torch.isfinite(o).all() and torch.isfinite(s).all()
         assert torch.equal(o, want[0]) and torch.equal(s, want[1])
     assert counted[0] == 1
+
+
+def test_packed_views_and_empty_packs_are_not_planned(counted, fake_lightning):
+    """A review's cases: a slice of a larger static buffer (``buf[:, :T]``: is_contiguous, but its size-1 batch stride
+    is the buffer's) after a planned call is validated in full and handed to the kernel as the general path hands it
+    (row-major copies, a row-major o); an empty first pack plans nothing for its signature."""
+    q, k, v, decay, h0, cu, cu_cpu = _packed(PACKINGS[0])
+    kw = dict(g_gamma=-decay, initial_state=h0, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    with torch.no_grad():
+        chunk_simple_gla(q, k, v, **kw)
+        bufs = [torch.zeros(1, 4096, *t.shape[2:], dtype=t.dtype) for t in (q, k, v)]
+        for buf, t in zip(bufs, (q, k, v)):
+            buf[:, : t.shape[1]] = t
+        qs, ks, vs = (buf[:, : q.shape[1]] for buf in bufs)
+        assert qs.is_contiguous() and qs.stride(0) != q.numel()
+        o, s = chunk_simple_gla(qs, ks, vs, **kw)
+        got = fake_lightning[-1][2]
+        assert counted[0] == 2 and all(g.stride() == t.stride() for g, t in zip(got[:4], (q, k, v, v)))
+        assert o.stride() == v.stride()
+        empty = [t[:, :0] for t in (q, k, v)]
+        z = torch.zeros(h0.shape[0] + 1, dtype=torch.int32)
+        chunk_simple_gla(*empty, g_gamma=-decay, initial_state=h0, output_final_state=True, cu_seqlens=z,
+                         cu_seqlens_cpu=z.clone())  # fmt: skip
+    assert len(chunk_mod._plans) == 1

@@ -162,7 +162,7 @@ def chunk_simple_gla(
             if any(args[n] is not x for n, x in zip(_PLANNED_PACKED, given)):
                 return chunk_simple_gla_registry.dispatch(q.device, args)  # a copied input: the general path each time
             launch = chunk_simple_gla_registry.plan(q.device, args, positional=_PLANNED_PACKED)
-            if not capturing(q):
+            if not capturing(q) and q.shape[1] > 0:  # (an empty pack plans the general launch: not for its signature)
                 _plans.put(key, launch)
             return launch(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu)
     extra = take_extra_kwargs(
@@ -213,17 +213,16 @@ def _plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_
 def _packed_plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
                      cu_seqlens_cpu) -> tuple | None:  # fmt: skip
     """``_plan_key`` of a packed call without its total length (which changes from call to call), or None (validated
-    in full) unless q, k and v are contiguous tensors of one length, row-major where that length is 1 (is_contiguous
-    ignores a size-1 dimension's stride, which the key then leaves out)."""
+    in full) unless q, k and v are row-major tensors of one length."""
     scalars = scalars_key((scale, output_final_state, state_v_first))
     if scalars is None:
         return None
     try:  # written out: this runs for every packed call
         qs, ks, vs = q.shape, k.shape, v.shape
         T = qs[1]
-        if ks[1] != T or vs[1] != T or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-            return None
-        if T == 1 and not (is_row_major(q) and is_row_major(k) and is_row_major(v)):
+        # row-major exactly, size-1 dims included (B is 1; is_contiguous would let any stride of theirs through, and the
+        # key holds no strides): the layout the first call's bound launch was made for and the general path copies to
+        if ks[1] != T or vs[1] != T or not (is_row_major(q) and is_row_major(k) and is_row_major(v)):
             return None
         grad = torch.is_grad_enabled() and bool(
             q.requires_grad or k.requires_grad or v.requires_grad
