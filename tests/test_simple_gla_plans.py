@@ -224,3 +224,155 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first):
         assert torch.isfinite(o).all() and torch.isfinite(s).all()
         assert torch.equal(o, want[0]) and torch.equal(s, want[1])
     assert counted[0] == 1
+
+
+def _packed(lens, seed=0, dtype=torch.bfloat16, device="cpu", cu_dtype=torch.int32):
+    """One packed batch of ``lens`` (B = 1): q, k, v, decay, h0 (one a sequence), cu_seqlens and its host copy."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    q, k = (torch.randn(1, total, H, D, generator=gen).to(dtype).to(device) for _ in range(2))
+    v = torch.randn(1, total, HV, D, generator=gen).to(dtype).to(device)
+    decay = torch.rand(HV, generator=gen).to(device)
+    h0 = (0.1 * torch.randn(len(lens), HV, D, D, generator=gen)).to(device)
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    cu_cpu = torch.tensor(bounds, dtype=cu_dtype)
+    return q, k, v, decay, h0, cu_cpu.to(device), cu_cpu
+
+
+PACKINGS = ([40, 0, 130, 64], [3, 64, 200, 1], [0, 0, 0, 65])  # one sequence count, three totals
+
+
+def test_packed_calls_are_planned_without_their_total_length(counted):
+    """Packed calls with the boundaries' host copy: one plan for every total length, each call the general path's
+    numbers (empty sequences included)."""
+    for seed, lens in enumerate(PACKINGS):
+        q, k, v, decay, h0, cu, cu_cpu = _packed(lens, seed)
+        kw = dict(g_gamma=-decay, initial_state=h0, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        o, s = chunk_simple_gla(q, k, v, **kw)
+        o_want, s_want = _general(q, k, v, **kw)
+        assert torch.equal(o, o_want) and torch.equal(s, s_want)
+    assert counted[0] == 1 + len(PACKINGS) and len(chunk_mod._plans) == 1
+    # without the host copy a packed call is validated every time (its boundaries would be read from the device)
+    chunk_simple_gla(q, k, v, g_gamma=-decay, initial_state=h0, cu_seqlens=cu)
+    assert counted[0] == 2 + len(PACKINGS) and len(chunk_mod._plans) == 1
+
+
+def test_packed_boundaries_are_checked_every_call(counted):
+    q, k, v, decay, h0, cu, cu_cpu = _packed(PACKINGS[0])
+    kw = dict(g_gamma=-decay, initial_state=h0)
+    chunk_simple_gla(q, k, v, **kw, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    bad = {
+        "end at the total": torch.tensor([0, 40, 40, 170, 233], dtype=torch.int32),
+        "non-decreasing": torch.tensor([0, 40, 30, 170, 234], dtype=torch.int32),
+        "start at 0": torch.tensor([1, 40, 40, 170, 234], dtype=torch.int32),
+    }
+    for why, b in bad.items():
+        with pytest.raises(ValueError, match=why):
+            chunk_simple_gla(q, k, v, **kw, cu_seqlens=b, cu_seqlens_cpu=b.clone())
+    other = torch.tensor([0, 41, 41, 170, 234], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):  # a host copy that is not the boundaries'
+        chunk_simple_gla(q, k, v, **kw, cu_seqlens=cu, cu_seqlens_cpu=other)
+    with pytest.raises(ValueError):  # a state per sequence
+        chunk_simple_gla(q, k, v, g_gamma=-decay, initial_state=h0[:3], cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    assert len(chunk_mod._plans) == 1
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_packed_bound_launch_passes_what_the_general_path_passes(counted, fake_lightning, with_state):
+    """On a pretend SM90, packed calls of new total lengths reuse one bound launch, which hands the kernel each call's
+    own tensors and boundaries, every argument equal to what the general path hands it."""
+    from cula.simple_gla.backends import _lightning_forward
+
+    with torch.no_grad():
+        for seed, lens in enumerate(PACKINGS):
+            q, k, v, decay, h0, cu, cu_cpu = _packed(lens, seed)
+            h0 = h0 if with_state else None
+            _lightning_forward(q, k, v, -decay, 0.125, h0, with_state, True, cu)
+            chunk_simple_gla(q, k, v, g_gamma=-decay, scale=0.125, initial_state=h0, output_final_state=with_state,
+                             state_v_first=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # fmt: skip
+            (key, vkw, want), (got_key, got_kw, got) = fake_lightning[-2:]
+            assert (got_key, got_kw) == (key, vkw) and len(got) == len(want)
+            # fn(q, k, v, o, decay, h0, ht, cu_seqlens, scale)
+            for i in (0, 1, 2, 7):
+                assert got[i] is (q, k, v, cu)[min(i, 3)] and want[i] is got[i], i
+            assert got[5] is want[5] is h0
+            for i in (3, 6):
+                a, b = want[i], got[i]
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+            assert got[8] == want[8] and torch.equal(got[4], want[4]) and torch.equal(got[4], decay)
+    assert counted[0] == 1
+
+
+def test_packed_int64_boundaries_and_cut_calls_take_the_general_launch(counted, fake_lightning):
+    """int64 boundaries (cast each call) and calls the time split cuts keep the backend's general path under the
+    plan: the same kernel arguments as without one."""
+    from cula.simple_gla.backends import _packed_launch
+
+    q, k, v, decay, h0, cu, cu_cpu = _packed(PACKINGS[0], cu_dtype=torch.int64)
+    assert _packed_launch(q, k, v, 0.125, h0, True, False, cu) is None
+    with torch.no_grad():
+        for _ in range(2):
+            o, s = chunk_simple_gla(q, k, v, g_gamma=-decay, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                    cu_seqlens_cpu=cu_cpu)  # fmt: skip
+            assert fake_lightning[-1][2][7].dtype == torch.int32
+    assert counted[0] == 1
+    long = torch.zeros(1, 32768, 1, 64, dtype=torch.bfloat16)
+    cu_long = torch.tensor([0, 32768], dtype=torch.int32)
+    launch = _packed_launch(long, long, long, 0.125, None, True, False, cu_long)
+    import cula.simple_gla.backends as sb
+
+    seen = []
+    real = sb._chunk_cula_sm90
+    try:
+        sb._chunk_cula_sm90 = lambda *a: seen.append(a) or (None, None)
+        launch(long, long, long, -torch.ones(1), None, cu_long, cu_long.clone())
+    finally:
+        sb._chunk_cula_sm90 = real
+    assert len(seen) == 1 and seen[0][8] is cu_long  # (cut in time: the general path's time-parallel forward)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_90)")
+def test_packed_bound_launch_bit_identical_cuda(counted):
+    """Packed calls of three total lengths through one plan against the kernel's general path, bit for bit, outputs
+    poisoned first."""
+    from cula.simple_gla.backends import _lightning_forward
+    from cula.testing import poisoned_allocations
+
+    for seed, lens in enumerate(PACKINGS):
+        q, k, v, decay, h0, cu, cu_cpu = _packed(lens, seed, device="cuda")
+        want = _lightning_forward(q, k, v, -decay, D**-0.5, h0, True, False, cu)
+        with torch.no_grad(), poisoned_allocations():
+            o, s = chunk_simple_gla(q, k, v, g_gamma=-decay, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                    cu_seqlens_cpu=cu_cpu)  # fmt: skip
+        assert torch.isfinite(o).all() and torch.isfinite(s).all()
+        assert torch.equal(o, want[0]) and torch.equal(s, want[1])
+    assert counted[0] == 1
+
+
+def test_packed_views_and_empty_packs_are_not_planned(counted, fake_lightning):
+    """A review's cases: a slice of a larger static buffer (``buf[:, :T]``: is_contiguous, but its size-1 batch stride
+    is the buffer's) after a planned call is validated in full and handed to the kernel as the general path hands it
+    (row-major copies, a row-major o); an empty first pack plans nothing for its signature."""
+    q, k, v, decay, h0, cu, cu_cpu = _packed(PACKINGS[0])
+    kw = dict(g_gamma=-decay, initial_state=h0, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    with torch.no_grad():
+        chunk_simple_gla(q, k, v, **kw)
+        bufs = [torch.zeros(1, 4096, *t.shape[2:], dtype=t.dtype) for t in (q, k, v)]
+        for buf, t in zip(bufs, (q, k, v)):
+            buf[:, : t.shape[1]] = t
+        qs, ks, vs = (buf[:, : q.shape[1]] for buf in bufs)
+        assert qs.is_contiguous() and qs.stride(0) != q.numel()
+        o, s = chunk_simple_gla(qs, ks, vs, **kw)
+        got = fake_lightning[-1][2]
+        assert counted[0] == 2 and all(g.stride() == t.stride() for g, t in zip(got[:4], (q, k, v, v)))
+        assert o.stride() == v.stride()
+        empty = [t[:, :0] for t in (q, k, v)]
+        z = torch.zeros(h0.shape[0] + 1, dtype=torch.int32)
+        chunk_simple_gla(*empty, g_gamma=-decay, initial_state=h0, output_final_state=True, cu_seqlens=z,
+                         cu_seqlens_cpu=z.clone())  # fmt: skip
+    assert len(chunk_mod._plans) == 1

@@ -134,13 +134,16 @@ def _prepare_chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_fina
                              **_):  # fmt: skip
     """The bound launch of a repeated fixed-length inference call (``chunk_simple_gla``'s plan cache):
     ``launch(q, k, v, g_gamma, initial_state)`` with the compiled variant and the outputs' shapes found once, or None
-    where the general path runs each time (training and packed calls, calls the time split cuts, inputs that are not
-    row-major and 16-byte aligned, no tokens)."""
+    where the general path runs each time (training calls, calls the time split cuts, inputs that are not row-major
+    and 16-byte aligned, no tokens). A packed call's (int32 ``cu_seqlens``; ``_packed_launch``) also takes
+    ``cu_seqlens, cu_seqlens_cpu``."""
     from cula.lightning.plan import parallel_segments
     from cula.ops.lightning.sm90.chunk_fwd import compiled_variant
 
     B, T, HV, V = v.shape
-    if cu_seqlens is not None or B * T * HV == 0 or needs_grad(q, k, v, initial_state):
+    if cu_seqlens is not None:
+        return _packed_launch(q, k, v, scale, initial_state, output_final_state, state_v_first, cu_seqlens)
+    if B * T * HV == 0 or needs_grad(q, k, v, initial_state):
         return None
     if not (is_dense(q) and is_dense(k) and is_dense(v) and (initial_state is None or is_dense(initial_state))):
         return None  # (the general path copies them: dense; the plan key holds the strides and the alignment)
@@ -160,6 +163,37 @@ def _prepare_chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_fina
 
     # lightning_attn_fwd's: the kernel's decay (-g_gamma, fp32, contiguous) as the caller has it
     launch.from_decay = from_decay
+    return launch
+
+
+def _packed_launch(q, k, v, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
+    """``_prepare_chunk_cula_sm90``'s launch of packed inference calls, ``launch(q, k, v, g_gamma, initial_state,
+    cu_seqlens, cu_seqlens_cpu)``: the kernel straight on the call's tensors (the plan key holds their layout and
+    alignment but the total length, ``chunk_simple_gla`` checks the boundaries every call); a call the time split
+    cuts, or one without tokens, runs the backend's general path. None (the general path every call) for training,
+    int64 boundaries (cast each call there) and inputs that are not row-major and 16-byte aligned."""
+    from cula.lightning.plan import parallel_segments
+    from cula.ops.lightning.sm90.chunk_fwd import compiled_variant
+
+    if needs_grad(q, k, v, initial_state) or cu_seqlens.dtype != torch.int32:
+        return None
+    if not (is_dense(q) and is_dense(k) and is_dense(v) and (initial_state is None or is_dense(initial_state))):
+        return None
+    HV, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.numel() - 1
+    fn = compiled_variant(q.shape[-1], initial_state is not None, bool(output_final_state), True, state_v_first)
+    device, scale = v.device, float(scale)
+
+    def launch(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu):
+        T = q.shape[1]
+        if T == 0 or parallel_segments(1, T, HV, cu_seqlens, cu_seqlens_cpu, device) is not None:
+            return _chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first,
+                                    cu_seqlens, cu_seqlens_cpu)  # fmt: skip
+        o = torch.empty_like(v)  # (row-major, as v)
+        final = torch.empty(N, HV, V, V, device=device, dtype=torch.float32) if output_final_state else None
+        fn(q, k, v, o, _decay(g_gamma, HV, device), initial_state, final, cu_seqlens, scale)
+        return o, final
+
     return launch
 
 

@@ -9,12 +9,15 @@ from cula import _custom_ops
 from cula._validate import (
     FLOAT_DTYPES,
     check_cu_seqlens,
+    check_cu_seqlens_values,
     check_head_first,
+    check_host_copy,
     check_qkv,
     check_scale,
     check_state,
     check_tensor,
     contiguous_reads,
+    is_row_major,
     resolve_state_layout,
     state_fp32,
     take_extra_kwargs,
@@ -27,6 +30,9 @@ from cula.simple_gla.backends import chunk_simple_gla_registry, fused_recurrent_
 # cula's kernels binds the compiled variant); later ones go straight to that launch.
 _plans = PlanCache()
 _PLANNED = ("q", "k", "v", "g_gamma", "initial_state")
+# Packed calls with the boundaries' host copy (a serving engine's prefill) are planned too, keyed on everything but
+# the total length; the boundaries' values are checked on the host at every call
+_PLANNED_PACKED = (*_PLANNED, "cu_seqlens", "cu_seqlens_cpu")
 
 
 def check_simple_gla_inputs(q, k, v, g, g_gamma, *, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
@@ -141,6 +147,24 @@ def chunk_simple_gla(
                 if not capturing(q):  # (as chunk_kda's: a plan made under capture serves that call only)
                     _plans.put(key, launch)
             return launch(q, k, v, g_gamma, initial_state)
+    if g is None and cu_seqlens is not None and cu_seqlens_cpu is not None and not kwargs and not is_compiling():
+        key = _packed_plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                               cu_seqlens_cpu)  # fmt: skip
+        if key is not None:
+            launch = _plans.get(key)
+            if launch is not None:
+                check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])  # before any launch
+                check_host_copy(cu_seqlens, cu_seqlens_cpu)
+                return launch(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu)
+            args = _checked_args(q, k, v, None, g_gamma, scale, initial_state, output_final_state, bool(state_v_first),
+                                 cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=None)  # fmt: skip
+            given = (q, k, v, g_gamma, initial_state, cu_seqlens)
+            if any(args[n] is not x for n, x in zip(_PLANNED_PACKED, given)):
+                return chunk_simple_gla_registry.dispatch(q.device, args)  # a copied input: the general path each time
+            launch = chunk_simple_gla_registry.plan(q.device, args, positional=_PLANNED_PACKED)
+            if not capturing(q) and q.shape[1] > 0:  # (an empty pack plans the general launch: not for its signature)
+                _plans.put(key, launch)
+            return launch(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu)
     extra = take_extra_kwargs(
         "chunk_simple_gla", kwargs, ("chunk_size", "transpose_state_layout", "head_first")
     )
@@ -184,6 +208,36 @@ def _plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_
     except RuntimeError:  # tensors without storage (torch.func transforms): no address to key on
         return None
     return (*sigs, *scalars, grad, torch.is_inference_mode_enabled(), forced_backend())
+
+
+def _packed_plan_key(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                     cu_seqlens_cpu) -> tuple | None:  # fmt: skip
+    """``_plan_key`` of a packed call without its total length (which changes from call to call), or None (validated
+    in full) unless q, k and v are row-major tensors of one length."""
+    scalars = scalars_key((scale, output_final_state, state_v_first))
+    if scalars is None:
+        return None
+    try:  # written out: this runs for every packed call
+        qs, ks, vs = q.shape, k.shape, v.shape
+        T = qs[1]
+        # row-major exactly, size-1 dims included (B is 1; is_contiguous would let any stride of theirs through, and the
+        # key holds no strides): the layout the first call's bound launch was made for and the general path copies to
+        if ks[1] != T or vs[1] != T or not (is_row_major(q) and is_row_major(k) and is_row_major(v)):
+            return None
+        grad = torch.is_grad_enabled() and bool(
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or (initial_state is not None and initial_state.requires_grad)
+        )  # fmt: skip
+        return (
+            qs[0], qs[2:], q.dtype, q.device, q.data_ptr() & 15, ks[0], ks[2:], k.dtype, k.device, k.data_ptr() & 15,
+            vs[0], vs[2:], v.dtype, v.device, v.data_ptr() & 15, tensor_sig(g_gamma), tensor_sig(initial_state),
+            tensor_sig(cu_seqlens), cu_seqlens_cpu.shape, cu_seqlens_cpu.dtype, cu_seqlens_cpu.device, *scalars, grad,
+            torch.is_inference_mode_enabled(), forced_backend(),
+        )  # fmt: skip
+    except (AttributeError, IndexError, TypeError):
+        return None  # not tensors of at least two dimensions: validation says what is wrong
+    except RuntimeError:
+        return None  # tensors without storage (torch.func transforms)
 
 
 def fused_recurrent_simple_gla(
