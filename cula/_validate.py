@@ -222,6 +222,14 @@ def check_host_copy(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -> N
         )
 
 
+def check_planned_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, total: int) -> None:
+    """What a planned packed call checks every time, before any launch (its plan key holds neither the boundaries'
+    values nor the total length): the host copy's values (``check_cu_seqlens_values``) and, where ``cu_seqlens`` is
+    itself on the host, that the copy holds them (``check_host_copy``)."""
+    check_cu_seqlens_values(cu_seqlens_cpu.tolist(), total)
+    check_host_copy(cu_seqlens, cu_seqlens_cpu)
+
+
 def check_cu_seqlens_values(bounds: list[int], total: int, partial: bool = False) -> None:
     """The values of packed varlen boundaries (``cu_seqlens`` as a host list): 0 first, non-decreasing, ``total``
     last (at most ``total`` when ``partial``)."""

@@ -23,7 +23,9 @@ DECAYS = (0.0, 0.01, 1.0, 4.0)
 
 
 def _reference_fn(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
-    if q is None:  # the kernel's states-only form: the final states alone
+    if q is None:  # the kernel's states-only form: the final states alone, of tokens up to cu_seqlens[-1]
+        end = int(cu_seqlens[-1])
+        k, v = k[:, :end], v[:, :end]
         return None, _reference_fn(torch.zeros_like(k), k, v, g_gamma, scale, initial_state, True, state_v_first,
                                    cu_seqlens)[1]  # fmt: skip
     return reference_chunk_simple_gla(
@@ -140,6 +142,30 @@ def test_plan_mismatch_raises():
     q, k, v, g, _, _ = _inputs((300,), False, torch.float64, False, False)
     with pytest.raises(ValueError, match="does not match"):
         tp.time_parallel_forward(_reference_fn, tp.split_plan((400,), 64), q, k, v, g, 1.0, None, True, False, None)
+
+
+def test_first_pass_reads_only_feeding_segments():
+    """A sequence's last segment and an uncut sequence feed no start: the first pass runs them empty, up to the
+    end of the last segment that feeds one (its bounds keep one entry a segment, so E keeps the plan's rows)."""
+    # lengths (0, 300, 64, 129) cut at 64: segments [0,0) | [0,64) .. [256,300) | [300,364) | [364,428) .. [492,493)
+    plan = tp.split_plan((0, 300, 64, 129), 64)
+    assert tp._combine_layout(plan).feeding_bounds == (0, 0, 64, 128, 192, 256, 300, 364, 428, 492, 492)
+    assert tp._combine_layout(tp.split_plan((300,), 64)).feeding_bounds == (0, 64, 128, 192, 256, 256)
+    # a long sequence first, short uncut ones after it: the pass ends with the long one's next-to-last segment
+    assert tp._combine_layout(tp.split_plan((200, 10, 20), 64)).feeding_bounds == (0, 64, 128, 192, 192, 192, 192)
+
+    q, k, v, g, state, cu = _inputs((200, 10, 20), True, torch.float64, True, False)
+    seen = []
+
+    def spy(q, k, v, *args):
+        seen.append((q is None, args[-1].tolist()))
+        return _reference_fn(q, k, v, *args)
+
+    plan = tp.split_plan((200, 10, 20), 64)
+    o, ht = tp.time_parallel_forward(spy, plan, q, k, v, g, 0.25, state, True, False, cu)
+    assert seen == [(True, [0, 64, 128, 192, 192, 192, 192]), (False, [0, 64, 128, 192, 200, 210, 230])]
+    o_ref, ht_ref = _reference_fn(q, k, v, g, 0.25, state, True, False, cu)
+    assert rel_rmse(o_ref, o) < 1e-6 and rel_rmse(ht_ref, ht) < 1e-6  # (the starts are fp32, as the kernel's)
 
 
 # ------------------------------------------------------------------------------------------------ planner

@@ -10,9 +10,8 @@ from cula._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_cu_seqlens,
-    check_cu_seqlens_values,
     check_head_first,
-    check_host_copy,
+    check_planned_boundaries,
     check_qkv,
     check_scale,
     check_state,
@@ -154,8 +153,7 @@ def chunk_gated_delta_rule(
                 if not capturing(q):  # (as chunk_kda's: a plan made under capture serves that call only)
                     _plans.put(key, launch)
             elif cu_seqlens is not None:  # the boundaries' values, which the key does not hold (before any launch)
-                check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])
-                check_host_copy(cu_seqlens, cu_seqlens_cpu)
+                check_planned_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])
             if cu_seqlens is None:
                 return launch(*planned)
             return launch(*planned, cu_seqlens, cu_seqlens_cpu)

@@ -7,9 +7,8 @@ from torch.compiler import is_compiling
 
 from cula import _custom_ops
 from cula._validate import (
-    check_cu_seqlens_values,
-    check_host_copy,
     check_lower_bound,
+    check_planned_boundaries,
     check_scale,
     contiguous_reads,
     copying_reads,
@@ -156,8 +155,7 @@ def chunk_kda(
                 try:
                     if cu_seqlens is None:
                         return plan[0](q, k, v, g, beta, initial_state, A_log, dt_bias, plan[1])
-                    check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])
-                    check_host_copy(cu_seqlens, cu_seqlens_cpu)
+                    check_planned_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])
                     return plan[0](q, k, v, g, beta, initial_state, A_log, dt_bias, plan[1], cu_seqlens, cu_seqlens_cpu)
                 except Exception:  # noqa: BLE001  (refused, or bad boundaries: validate in full below, which says why)
                     pass
@@ -187,8 +185,7 @@ def chunk_kda(
                 if cu_seqlens is None:
                     out = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale)
                 else:
-                    check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])  # before any launch
-                    check_host_copy(cu_seqlens, cu_seqlens_cpu)
+                    check_planned_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])  # before any launch
                     out = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, cu_seqlens, cu_seqlens_cpu)
                 if short is not None and getattr(launch, "checks_arguments", False) and _plans.get(key) is plan:
                     _short_plans.put(short, plan)

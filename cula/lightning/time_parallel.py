@@ -41,7 +41,9 @@ class _Combine(NamedTuple):
     segments, no gather); ``e_dist`` ``[R, R]`` is the distance in tokens from column c's end to row r's start, -1
     where c does not feed r; ``h_dist`` ``[R, Nc]`` from each cut sequence's start (its initial state, columns
     ``seqs``) to row r's start, -1 for another sequence. ``seq_of`` ``[M]`` is every segment's sequence (an uncut
-    sequence starts from its initial state as it is) and ``last`` ``[N]`` each sequence's last segment."""
+    sequence starts from its initial state as it is) and ``last`` ``[N]`` each sequence's last segment.
+    ``feeding_bounds`` ``[M + 1]`` are the first pass's: the plan's up to the end of the last segment whose end
+    state feeds a start, every later segment empty (a sequence's last segment and an uncut sequence feed none)."""
 
     segs: tuple[int, ...] | None
     seqs: tuple[int, ...] | None
@@ -49,6 +51,7 @@ class _Combine(NamedTuple):
     h_dist: tuple[tuple[int, ...], ...]
     seq_of: tuple[int, ...]
     last: tuple[int, ...]
+    feeding_bounds: tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=64)
@@ -64,9 +67,13 @@ def _combine_layout(plan: SplitPlan) -> _Combine:
         e_dist.append(tuple(a - plan.bounds[j + 1] if seq_of[j] == seq_of[i] and j < i else -1 for j in rows))
         h_dist.append(tuple(a - start[s] if s == seq_of[i] else -1 for s in cut))
     every = len(cut) == N
+    last = tuple(plan.segments_of(s)[-1] for s in range(N))
+    feeding = [j for s in cut for j in plan.segments_of(s)[:-1]]
+    end = plan.bounds[max(feeding) + 1] if feeding else 0
+    feeding_bounds = tuple(min(b, end) for b in plan.bounds)
     return _Combine(
-        None if every else tuple(rows), None if every else tuple(cut), tuple(e_dist), tuple(h_dist), seq_of,
-        tuple(plan.segments_of(s)[-1] for s in range(N)),
+        None if every else tuple(rows), None if every else tuple(cut), tuple(e_dist), tuple(h_dist), seq_of, last,
+        feeding_bounds,
     )  # fmt: skip
 
 
@@ -152,7 +159,7 @@ def time_parallel_forward(
         chunk_fn: ``chunk_fn(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first,
             cu_seqlens) -> (o, final_state)`` on packed sequences (the cula kernel, or the reference in
             tests); with ``q`` None it reads no q and returns ``(None, final_state)`` (the kernel's
-            states-only variant).
+            states-only variant), and ``cu_seqlens`` may end before the last token (no later token is read).
         plan: from :func:`plan_time_split` / :func:`split_plan` over the call's sequence lengths (B copies of
             T without ``cu_seqlens``).
         Others: as ``chunk_simple_gla`` (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, states fp32).
@@ -171,10 +178,12 @@ def time_parallel_forward(
     dev = q.device
     bounds = on_device(plan.bounds, torch.int32, dev)
     qf, kf, vf = q.reshape(1, B * T, H, K), k.reshape(1, B * T, H, K), v.reshape(1, B * T, HV, V)
-    # 1. every segment's end state from a zero start
-    _, E = chunk_fn(None, kf, vf, g_gamma, scale, None, True, state_v_first, bounds)
-    # 2. every segment's true start: its sequence's initial state and the earlier segments' ends, decayed
     layout = _combine_layout(plan)
+    # 1. the end states from a zero start of the segments that feed a later start; the rest run empty (zero ends,
+    # which nothing reads), so the pass reads no k or v past the last of those
+    feeding = on_device(layout.feeding_bounds, torch.int32, dev)
+    _, E = chunk_fn(None, kf, vf, g_gamma, scale, None, True, state_v_first, feeding)
+    # 2. every segment's true start: its sequence's initial state and the earlier segments' ends, decayed
     starts = _starts(layout, E, initial_state, g_gamma, plan).to(E.dtype)
     # 3. the outputs from the true starts; each sequence's last segment ends in its final state
     o, ends = chunk_fn(qf, kf, vf, g_gamma, scale, starts, output_final_state, state_v_first, bounds)

@@ -141,13 +141,13 @@ def _prepare_chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_fina
     from cula.ops.lightning.sm90.chunk_fwd import compiled_variant
 
     B, T, HV, V = v.shape
-    if cu_seqlens is not None:
-        return _packed_launch(q, k, v, scale, initial_state, output_final_state, state_v_first, cu_seqlens)
-    if B * T * HV == 0 or needs_grad(q, k, v, initial_state):
+    if needs_grad(q, k, v, initial_state):
         return None
     if not (is_dense(q) and is_dense(k) and is_dense(v) and (initial_state is None or is_dense(initial_state))):
         return None  # (the general path copies them: dense; the plan key holds the strides and the alignment)
-    if parallel_segments(B, T, HV, None, None, q.device) is not None:
+    if cu_seqlens is not None:
+        return _packed_launch(q, k, v, scale, initial_state, output_final_state, state_v_first, cu_seqlens)
+    if B * T * HV == 0 or parallel_segments(B, T, HV, None, None, q.device) is not None:
         return None
     fn = compiled_variant(q.shape[-1], initial_state is not None, bool(output_final_state), False, state_v_first)
     device, scale = v.device, float(scale)
@@ -170,14 +170,13 @@ def _packed_launch(q, k, v, scale, initial_state, output_final_state, state_v_fi
     """``_prepare_chunk_cula_sm90``'s launch of packed inference calls, ``launch(q, k, v, g_gamma, initial_state,
     cu_seqlens, cu_seqlens_cpu)``: the kernel straight on the call's tensors (the plan key holds their layout and
     alignment but the total length, ``chunk_simple_gla`` checks the boundaries every call); a call the time split
-    cuts, or one without tokens, runs the backend's general path. None (the general path every call) for training,
-    int64 boundaries (cast each call there) and inputs that are not row-major and 16-byte aligned."""
+    cuts, or one without tokens, runs the backend's general path. None (the general path every call) for int64
+    boundaries (cast each call there); the caller has left out training calls and inputs that are not row-major and
+    16-byte aligned."""
     from cula.lightning.plan import parallel_segments
     from cula.ops.lightning.sm90.chunk_fwd import compiled_variant
 
-    if needs_grad(q, k, v, initial_state) or cu_seqlens.dtype != torch.int32:
-        return None
-    if not (is_dense(q) and is_dense(k) and is_dense(v) and (initial_state is None or is_dense(initial_state))):
+    if cu_seqlens.dtype != torch.int32:
         return None
     HV, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1

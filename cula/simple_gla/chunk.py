@@ -9,9 +9,8 @@ from cula import _custom_ops
 from cula._validate import (
     FLOAT_DTYPES,
     check_cu_seqlens,
-    check_cu_seqlens_values,
     check_head_first,
-    check_host_copy,
+    check_planned_boundaries,
     check_qkv,
     check_scale,
     check_state,
@@ -153,8 +152,7 @@ def chunk_simple_gla(
         if key is not None:
             launch = _plans.get(key)
             if launch is not None:
-                check_cu_seqlens_values(cu_seqlens_cpu.tolist(), q.shape[1])  # before any launch
-                check_host_copy(cu_seqlens, cu_seqlens_cpu)
+                check_planned_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])  # before any launch
                 return launch(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu)
             args = _checked_args(q, k, v, None, g_gamma, scale, initial_state, output_final_state, bool(state_v_first),
                                  cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=None)  # fmt: skip
