@@ -210,7 +210,23 @@ def _chain_inputs(HV: int, segments: list[int], state_v_first: bool):
                 OUT=("starts", "final_state"))  # fmt: skip
 
 
+def _summary_inputs(HV: int, T: int, segments: int, mids: bool = False, row_factors: bool = False):
+    """The time-parallel first pass's inputs (``chunk_kda_segment_summary_sm90``): one sequence of T tokens cut into
+    ``segments`` equal segments (the H200 plan of 4 heads x 64K: 16), the state kernel's operands; E and R (and with
+    ``mids`` the first halves') written in place (``OUT``: fresh ones for each side)."""
+    x = _states_rows_inputs(1, T, HV, HV) if row_factors else _states_inputs(1, T, HV)
+    bounds = torch.linspace(0, T, segments + 1, dtype=torch.int64).div(64, rounding_mode="floor") * 64
+    bounds[-1] = T
+    ends = torch.empty(segments, 2 * HV, 128, 128, device="cuda")
+    out = dict(w=x["w"], u=x["u"], kg=x["kg"], g=x["g"], ends=ends, segments=bounds.to("cuda", torch.int32),
+               state_v_first=True, row_factors=row_factors, OUT=("ends", "mids") if mids else ("ends",))  # fmt: skip
+    if mids:
+        out["mids"] = torch.empty_like(ends)
+    return out
+
+
 _CHAIN = ("cula.ops.kda.sm90.segment_chain", "chunk_kda_segment_chain_sm90")
+_SUMMARY = ("cula.ops.kda.sm90.segment_summary", "chunk_kda_segment_summary_sm90")
 _INTRA_FWD = ("cula.ops.kda.sm90.intra", "chunk_kda_intra_sm90")
 _STATES = ("cula.ops.kda.sm90.delta_h_fwd_o", "chunk_kda_delta_h_fwd_o_sm90")
 _DHU = ("cula.ops.kda.sm90.bwd_dhu", "chunk_kda_bwd_dv_dhu_sm90")
@@ -226,6 +242,11 @@ CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
     "segment_chain-H16-N2-kv": (_CHAIN, lambda: _chain_inputs(16, [4, 6], False)),
     "segment_chain-H8-M8-vk": (_CHAIN, lambda: _chain_inputs(8, [8], True)),
     "segment_chain-H16-M4-kv": (_CHAIN, lambda: _chain_inputs(16, [4], False)),
+    # the time-parallel first pass: E and R of 4 heads x 64K in 16 segments (as planned on the H200), with the first
+    # halves' too, and Gated DeltaNet's row factors at 32 value heads x 32K in 4 segments
+    "summary-H4-T65536-M16": (_SUMMARY, lambda: _summary_inputs(4, 65536, 16)),
+    "summary-mids-H4-T65536-M16": (_SUMMARY, lambda: _summary_inputs(4, 65536, 16, mids=True)),
+    "summary-rows-HV32-T32768-M4": (_SUMMARY, lambda: _summary_inputs(32, 32768, 4, row_factors=True)),
     # the forward's state / output kernel (cula's causal Aqk: o by TMA), fixed at the benchmark's shape
     "states-B2-T16384": (_STATES, lambda: _states_inputs(2, 16384, 64)),
     # few lanes (4 CTAs walking 512 chunks: the chain-bound case), packed (an empty sequence, partial last chunks),
