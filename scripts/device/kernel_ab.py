@@ -11,8 +11,7 @@ untracked so that they travel with the tree) are loaded beside it under other na
 caches (same compile key, other code), and called with the same arguments. Each case prints, per side, the
 median of ``--iters`` timed calls (CUDA events; the inputs are far larger than L2) and whether every output equals
 the working tree's bit for bit (where not, the largest relative RMSE between the two sides' outputs) and is free of
-NaN. No CASE: all of them (``--list``). Exit status 1 when any output
-differs.
+NaN. No CASE: all of them (``--list``). Exit status 1 when any output differs.
 """
 
 from __future__ import annotations
