@@ -366,14 +366,15 @@ def varlen_token_sigs(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu) -> tuple | N
         return None  # tensors without storage (torch.func transforms): validated in full
 
 
-_PLAIN_SCALARS = (type(None), bool, int, float, str)
+# the argument types a plan key holds as they are (anything else is validated in full every call)
+PLAIN_SCALARS = frozenset((type(None), bool, int, float, str))
 
 
 def scalars_key(values: tuple) -> tuple | None:
     """A plan key's part for a call's scalar arguments: their types, their values and each float's sign (1, 1.0 and
     True are one dict key, and so are 0.0 and -0.0); None (validate the call in full) when one is not a plain Python
     value."""
-    if any(type(x) not in _PLAIN_SCALARS for x in values):
+    if any(type(x) not in PLAIN_SCALARS for x in values):
         return None
     return (*map(type, values), *values, *(math.copysign(1.0, x) for x in values if type(x) is float))
 
@@ -382,7 +383,7 @@ def call_signature(call: dict[str, Any], tensors: tuple[str, ...], scalars: tupl
     """A PlanCache key for ``call``: ``tensor_sig`` of the named tensors, the named scalars' values, ``CULA_BACKEND``
     and ``extra``; None (validate this call in full) when a scalar is not a plain Python value."""
     values = tuple(call[n] for n in scalars)
-    if any(type(x) not in _PLAIN_SCALARS for x in values):
+    if any(type(x) not in PLAIN_SCALARS for x in values):
         return None
     return (*(tensor_sig(call[n]) for n in tensors), *values, forced_backend(), *extra)
 

@@ -18,7 +18,7 @@ from cula._validate import (
     take_extra_kwargs,
 )
 from cula.backends import (
-    PlanCache, capturing, env_reader, forced_backend, tensor_sig, token_sigs, varlen_token_sigs,
+    PLAIN_SCALARS, PlanCache, capturing, env_reader, forced_backend, tensor_sig, token_sigs, varlen_token_sigs,
 )  # fmt: skip
 from cula.kda._args import check_kda_inputs
 from cula.kda.backends import chunk_kda_registry
@@ -26,7 +26,6 @@ from cula.kda.backends import chunk_kda_registry
 # FLA reads these from **kwargs; every other unknown keyword is an error here.
 _EXTRA_KWARGS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout")
 _PLANNED_KWARGS = frozenset(("A_log", "dt_bias", "chunk_size"))
-_PLAIN_SCALARS = frozenset((type(None), bool, int, float, str))
 _read_intra_mode = env_reader("CULA_KDA_INTRA")
 
 # Fixed-length calls skip validation and backend selection when their signature repeats (see the fast path at
@@ -133,7 +132,7 @@ def chunk_kda(
             scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
             allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, chunk_size, max_num_seqs,
         )  # fmt: skip
-        if _PLAIN_SCALARS.issuperset(map(type, flags)):
+        if PLAIN_SCALARS.issuperset(map(type, flags)):
             # whether autograd records the call (every backend decides on that alone); spelled out, as a generator
             # over the eight costs ~1 us a call
             try:
