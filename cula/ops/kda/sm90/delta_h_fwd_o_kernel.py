@@ -349,7 +349,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         # A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (u is dead once v_new
         # is built): transposed stmatrix, then one TMA store by the warpgroup's first thread, where 32
         # scattered 2-byte stores a thread were ~20% of the stall samples (H200: -4% at B2-T16384, -22% with
-        # 64 CTAs at B1-T8192). That thread's warp releases the stage one chunk late, after the store's read.
+        # 64 CTAs at B1-T8192). That thread's warp releases the stage late, after the store's read.
         issuer = first_warp = st_o = thr_sto = tOsU = wg_bar = tOs = tOg = None
         if const_expr(self.o_tma):
             issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tOs, tOg = self._o_staging(
@@ -361,97 +361,212 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         mrow = ctid // 4
         mcol0 = (ctid % 4) * 16
 
+        if const_expr(self.o_tma and not self.store_states):
+            self._chunks_o_behind(
+                pipe, num_chunks, seq_len, scale, mma_o, mma_s, accS, accV, accO, rO, pV, rD, rQf, rKf, tOrS, tVrV,
+                tVrK, tOrW, tOrQ, tOrA, tSrK, tUsU, tVcV, tScS, sG, tOgO, issuer, first_warp, st_o, thr_sto, tOsU,
+                wg_bar, tma_o, tOs, tOg,
+            )  # fmt: skip
+            if const_expr(self.has_ht):
+                thr_s.partition_C(ht_v[None, None, h, n]).store(accS.load())
+        else:
+            st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
+            for c in cutlass.range(num_chunks, unroll=1):
+                valid = cutlass.min(seq_len - c * BT, BT)
+                si = st.index
+                pipe.consumer_wait(st)
+                # GEMM1 + GEMM2 on the state before this chunk.
+                tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
+                warpgroup.fence()
+                gemm_k_blocks(mma_o, accV, tOrS, tOrW, accumulate=False, b_stage=si)
+                gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
+                warpgroup.commit_group()
+                if const_expr(self.o_tma):
+                    if (c > 0) & first_warp:
+                        # the previous chunk's stage, once its o store has read it (see the end of the loop)
+                        if issuer:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        prev = cutlass.select_(si == 0, S - 1, si - 1)
+                        pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
+
+                # While GEMM1/2 run: mask Aqk, compute the decay factors, fetch u^T.
+                if const_expr(not self.aqk_causal):
+                    sAc = sA[None, None, si]
+                    for jj in cutlass.range_constexpr(16):
+                        if mcol0 + jj > mrow:
+                            sAc[mrow, mcol0 + jj] = self.dtype(0.0)
+                    cute.arch.fence_view_async_shared()
+                # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
+                # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
+                if const_expr(not self.row_factors):
+                    load_column_decay(rD, sG, tScS, si)
+                rU = tUsU[None, None, None, si].load()
+                for i in cutlass.range_constexpr(cute.size(pV)):
+                    pV[i] = tVcV[i][1] < valid
+
+                warpgroup.wait_group(0)
+                if const_expr(not self.row_factors):
+                    decay_columns(accS, rD)
+                v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
+                tVrV.store(v_new.to(self.dtype))
+                if const_expr(self.row_factors):
+                    # read here, not while GEMM1 / GEMM2 run: held across the wait they spilled
+                    gd = load_row_factors(rKf, sG, tVcV, si, valid, rQf, scale)
+                    accS.store(accS.load() * gd)
+                    accV.store(v_new)
+                    scale_token_columns(accO, rQf)
+                    scale_token_columns(accV, rKf)
+                    tVrK.store(accV.load().to(self.dtype))
+                else:
+                    accO.store(accO.load() * scale)
+                if const_expr(not self.aqk_causal):
+                    mask_bar.arrive_and_wait()
+                # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment (with row_factors GEMM4
+                # takes its f_k-scaled copy).
+                warpgroup.fence()
+                gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=si)
+                tVrS = tVrK if const_expr(self.row_factors) else tVrV
+                gemm_k_blocks(mma_s, accS, tVrS, tSrK, accumulate=True, b_stage=si)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                rO.store(accO.load().to(self.dtype))
+                self._store_o(
+                    rO, tOgO[None, None, None, c], tVcV, valid, pipe, st, si, c, issuer, first_warp, st_o, thr_sto,
+                    tOsU, wg_bar, tma_o, tOs, tOg,
+                )  # fmt: skip
+                if const_expr(self.store_states):
+                    # from the bf16 operand fragments, once their products are done and o is out (fewest live
+                    # registers): FLA's h[c] (the state the chunk's products read) and v_new (the fragment's order is
+                    # o's; rows past the sequence end belong to the next one and are not written)
+                    acc_as_a_frag(thr_s.partition_C(h_v[None, None, h, first_chunk + c])).store(tOrS.load())
+                    tVgVnc = tVgVn[None, None, None, c]
+                    for i in cutlass.range_constexpr(cute.size(tVrV)):
+                        if tVcV[i][1] < valid:
+                            tVgVnc[i] = tVrV[i]
+                st.advance()
+
+            if const_expr(self.o_tma):
+                if (num_chunks > 0) & (seq_len % BT == 0) & first_warp:  # the last chunk's deferred release
+                    if issuer:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    prev = cutlass.select_(st.index == 0, S - 1, st.index - 1)
+                    pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
+
+            if const_expr(self.has_ht):
+                tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
+                tSgHt.store(accS.load())
+
+    @cute.jit
+    def _chunks_o_behind(
+        self, pipe, num_chunks, seq_len, scale, mma_o, mma_s, accS, accV, accO, rO, pV, rD, rQf, rKf, tOrS, tVrV,
+        tVrK, tOrW, tOrQ, tOrA, tSrK, tUsU, tVcV, tScS, sG, tOgO, issuer, first_warp, st_o, thr_sto, tOsU, wg_bar,
+        tma_o, tOs, tOg,
+    ):  # fmt: skip
+        """The chunk loop of the ``o_tma`` variants without ``store_states``, ordered so that the tensor pipe is fed
+        while the epilogues run: chunk c's GEMM3 is issued at the top of chunk c + 1, ahead of its GEMM1; chunk c's o
+        is converted and stored once GEMM3 is done, while GEMM1 runs; GEMM2 (which overwrites accO) is issued once
+        GEMM1 is done, and v_new and the decay factors are built while it runs. The other loop waits for GEMM1 and
+        GEMM2 together, builds v_new, then GEMM3 and GEMM4 together, then stores o, each step with the pipe idle
+        for its warpgroup. Each iteration still ends with nothing in flight (a WGMMA
+        pending across the loop's back edge made ptxas serialise every WGMMA, remark C7514). A stage is held into the
+        next chunk (its Aqk tile read and its o staged there) and released by the end of it, the first warp of each
+        warpgroup last, once the o store has read it: at a chunk's top only the previous chunk's stage is held, so any
+        number of stages from 2 works and the producer runs one to two chunks ahead. Same products on the same
+        operands, in the same order per accumulator: the outputs are bit for bit the other loop's."""
+        BT, S = self.bt, self.num_stages
+        # the first chunk's GEMM3 has no previous chunk: it adds 0 (a WGMMA issued under a branch made ptxas
+        # serialise them all, remark C7515), to this chunk's Aqk tile, the one stage surely loaded
+        tVrV.fill(0.0)
+        accO.fill(0.0)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
         for c in cutlass.range(num_chunks, unroll=1):
             valid = cutlass.min(seq_len - c * BT, BT)
             si = st.index
+            prev = cutlass.select_(si == 0, S - 1, si - 1)
             pipe.consumer_wait(st)
-            # GEMM1 + GEMM2 on the state before this chunk.
+            # (S^T read before any WGMMA is issued: ptxas serialises a read of registers a WGMMA once wrote while
+            # another one runs, remark C7517)
             tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
             warpgroup.fence()
-            gemm_k_blocks(mma_o, accV, tOrS, tOrW, accumulate=False, b_stage=si)
-            gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
+            # the previous chunk's GEMM3 (its o^T's intra-chunk part), then this chunk's GEMM1
+            gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=cutlass.select_(c == 0, si, prev))
             warpgroup.commit_group()
-            if const_expr(self.o_tma):
-                if (c > 0) & first_warp:
-                    # the previous chunk's stage, once its o store has read it (see the end of the loop)
-                    if issuer:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    prev = cutlass.select_(si == 0, S - 1, si - 1)
-                    pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
-
-            # While GEMM1/2 run: mask Aqk, compute the decay factors, fetch u^T.
-            if const_expr(not self.aqk_causal):
-                sAc = sA[None, None, si]
-                for jj in cutlass.range_constexpr(16):
-                    if mcol0 + jj > mrow:
-                        sAc[mrow, mcol0 + jj] = self.dtype(0.0)
-                cute.arch.fence_view_async_shared()
-            # Decay factors exp2(g_last[k]) of this thread's 32 distinct K columns; applied after the wait
-            # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
-            if const_expr(not self.row_factors):
-                load_column_decay(rD, sG, tScS, si)
+            gemm_k_blocks(mma_o, accV, tOrS, tOrW, accumulate=False, b_stage=si)
+            warpgroup.commit_group()
+            # the previous chunk's o out through its stage's u tile, while GEMM1 runs (the wait and the read outside
+            # the branch, for ptxas as above)
+            warpgroup.wait_group(1)
+            rO.store(accO.load().to(self.dtype))
+            if c > 0:
+                self._store_o(
+                    rO, tOgO[None, None, None, c - 1], tVcV, BT, pipe,
+                    pipeline.PipelineState(S, st.count, prev, st.phase), prev, c - 1, issuer, first_warp, st_o, thr_sto,
+                    tOsU, wg_bar, tma_o, tOs, tOg,
+                )  # fmt: skip
+            # While GEMM1 runs: u^T, the rows past the sequence end. GEMM2 once GEMM1 is done, so that v_new is built
+            # while GEMM2 runs.
             rU = tUsU[None, None, None, si].load()
             for i in cutlass.range_constexpr(cute.size(pV)):
                 pV[i] = tVcV[i][1] < valid
-
             warpgroup.wait_group(0)
-            if const_expr(not self.row_factors):
-                decay_columns(accS, rD)
+            warpgroup.fence()
+            gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
+            warpgroup.commit_group()
             v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
             tVrV.store(v_new.to(self.dtype))
             if const_expr(self.row_factors):
-                # read here, not while GEMM1 / GEMM2 run: held across the wait they spilled
+                accV.store(v_new)
+            else:
+                load_column_decay(rD, sG, tScS, si)  # the decay factors exp2(g_last[k])
+
+            warpgroup.wait_group(0)
+            if const_expr(self.row_factors):
                 gd = load_row_factors(rKf, sG, tVcV, si, valid, rQf, scale)
                 accS.store(accS.load() * gd)
-                accV.store(v_new)
                 scale_token_columns(accO, rQf)
                 scale_token_columns(accV, rKf)
                 tVrK.store(accV.load().to(self.dtype))
             else:
+                decay_columns(accS, rD)
                 accO.store(accO.load() * scale)
-            if const_expr(not self.aqk_causal):
-                mask_bar.arrive_and_wait()
-            # GEMM3 (intra-chunk output) + GEMM4 (state update) share the v_new fragment (with row_factors GEMM4
-            # takes its f_k-scaled copy).
+            # GEMM4, the state update; GEMM3 waits for the next chunk's top (or the drain below)
             warpgroup.fence()
-            gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=si)
-            tVrS = tVrK if const_expr(self.row_factors) else tVrV
-            gemm_k_blocks(mma_s, accS, tVrS, tSrK, accumulate=True, b_stage=si)
+            gemm_k_blocks(mma_s, accS, tVrK if const_expr(self.row_factors) else tVrV, tSrK, accumulate=True,
+                          b_stage=si)  # fmt: skip
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-
-            rO.store(accO.load().to(self.dtype))
-            self._store_o(
-                rO, tOgO[None, None, None, c], tVcV, valid, pipe, st, si, c, issuer, first_warp, st_o, thr_sto, tOsU,
-                wg_bar, tma_o, tOs, tOg,
-            )  # fmt: skip
-            if const_expr(self.store_states):
-                # from the bf16 operand fragments, once their products are done and o is out (fewest live
-                # registers): FLA's h[c] (the state the chunk's products read) and v_new (the fragment's order is
-                # o's; rows past the sequence end belong to the next one and are not written)
-                acc_as_a_frag(thr_s.partition_C(h_v[None, None, h, first_chunk + c])).store(tOrS.load())
-                tVgVnc = tVgVn[None, None, None, c]
-                for i in cutlass.range_constexpr(cute.size(tVrV)):
-                    if tVcV[i][1] < valid:
-                        tVgVnc[i] = tVrV[i]
-            st.advance()
-
-        if const_expr(self.o_tma):
-            if (num_chunks > 0) & (seq_len % BT == 0) & first_warp:  # the last chunk's deferred release
+            if (c > 0) & first_warp:
+                # the previous chunk's stage, once its o store (issued while GEMM1 ran) has read it: long done by
+                # now, and the stage is free before the next chunk's top (the producer keeps two chunks ahead)
                 if issuer:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                prev = cutlass.select_(st.index == 0, S - 1, st.index - 1)
                 pipe.consumer_release(pipeline.PipelineState(S, st.count, prev, st.phase))
+            st.advance()
 
-        if const_expr(self.has_ht):
-            tSgHt = thr_s.partition_C(ht_v[None, None, h, n])
-            tSgHt.store(accS.load())
+        if num_chunks > 0:
+            # the last chunk's GEMM3 and o (partial or full), and the deferred releases
+            last = cutlass.select_(st.index == 0, S - 1, st.index - 1)
+            warpgroup.fence()
+            gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=last)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            rO.store(accO.load().to(self.dtype))
+            cl = num_chunks - 1
+            vl = cutlass.min(seq_len - cl * BT, BT)
+            self._store_o(
+                rO, tOgO[None, None, None, cl], tVcV, vl, pipe, pipeline.PipelineState(S, st.count, last, st.phase),
+                last, cl, issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tma_o, tOs, tOg,
+            )  # fmt: skip
+            if (vl == BT) & first_warp:
+                if issuer:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                pipe.consumer_release(pipeline.PipelineState(S, st.count, last, st.phase))
 
     def _o_staging(self, ctid, wg_idx, h, bos, mma_o, sU, tma_o, to):
         """A full chunk's o^T leaves through this warpgroup's half of the stage's u tile (``o_tma``): the
         transposed stmatrix into it and the TMA partitions of the store, issued by the warpgroup's first thread
-        (lane 0 of its first warp, which also releases the stage one chunk late, after the store has read it).
+        (lane 0 of its first warp, which also releases the stage late, once the store has read it).
         Plain Python, traced inline: ``(issuer, first_warp, st_o, thr_sto, tOsU, wg_bar, tOs, tOg)``."""
         BT, DV = self.bt, self.dv
         issuer = ctid % 128 == 0
