@@ -348,6 +348,16 @@ def load_column_decay(rD: cute.Tensor, sG: cute.Tensor, tScS: cute.Tensor, stage
         rD[j] = cute.math.exp2(sG[tScS[(j % 2, 0, j // 2), 0, 0][1], 0, stage], fastmath=True)
 
 
+def load_u_and_row_mask(tUsU: cute.Tensor, stage, pV: cute.Tensor, tVcV: cute.Tensor, valid):
+    """``u^T`` of ``stage`` (this thread's part, from shared memory) into registers, and ``pV``: which of this
+    thread's v_new elements lie on token rows before ``valid`` (``tVcV``: their (v, token) coordinates; v_new is
+    forced to 0 past a chunk's end)."""
+    rU = tUsU[None, None, None, stage].load()
+    for i in range(cute.size(pV)):
+        pV[i] = tVcV[i][1] < valid
+    return rU
+
+
 def decay_columns(acc: cute.Tensor, rD: cute.Tensor) -> None:
     """Scale the accumulator's K columns by ``rD`` (after the WGMMAs reading it have retired: ptxas serialises
     WGMMAs whose accumulator registers change while they run)."""

@@ -67,9 +67,9 @@ from cula.cache import compile_options
 from cula.ops._host import ROW_FACTORS, dsl_type
 from cula.ops.cute_common import (
     FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout,
-    gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, recurrence_pipeline,
-    scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major, token_tile_b_k_major,
-    token_tile_b_mn_major,
+    gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_u_and_row_mask,
+    recurrence_pipeline, scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major,
+    token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
@@ -400,9 +400,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
                 # because ptxas serialises the WGMMAs (C7517) if S^T registers change while GEMM1/2 run.
                 if const_expr(not self.row_factors):
                     load_column_decay(rD, sG, tScS, si)
-                rU = tUsU[None, None, None, si].load()
-                for i in cutlass.range_constexpr(cute.size(pV)):
-                    pV[i] = tVcV[i][1] < valid
+                rU = load_u_and_row_mask(tUsU, si, pV, tVcV, valid)
 
                 warpgroup.wait_group(0)
                 if const_expr(not self.row_factors):
@@ -506,9 +504,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
                 )  # fmt: skip
             # While GEMM1 runs: u^T, the rows past the sequence end. GEMM2 once GEMM1 is done, so that v_new is built
             # while GEMM2 runs.
-            rU = tUsU[None, None, None, si].load()
-            for i in cutlass.range_constexpr(cute.size(pV)):
-                pV[i] = tVcV[i][1] < valid
+            rU = load_u_and_row_mask(tUsU, si, pV, tVcV, valid)
             warpgroup.wait_group(0)
             warpgroup.fence()
             gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)

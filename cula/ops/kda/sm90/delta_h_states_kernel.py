@@ -64,8 +64,8 @@ from cula.cache import compile_options
 from cula.ops._host import dsl_type
 from cula.ops.cute_common import (
     FIRST_NAMED_BARRIER, SMEM_BYTES_SM90, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns,
-    gate_row_layout, gemm_k_blocks, load_column_decay, load_chunk_tiles, recurrence_pipeline, state_view, token_cols,
-    token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, load_u_and_row_mask, recurrence_pipeline,
+    state_view, token_cols, token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["DeltaHStatesSm90"]
@@ -309,9 +309,7 @@ class DeltaHStatesSm90(ChunkRecurrenceResources):
             # h[c] while GEMM1 runs (its registers are only read)
             cute.copy(st_h, thr_sth.retile(rS), tHsH[None, None, None, c % 2])
             load_column_decay(rD, sG, tScS, si)
-            rU = tUsU[None, None, None, si].load()
-            for i in cutlass.range_constexpr(cute.size(pV)):
-                pV[i] = tVcV[i][1] < valid
+            rU = load_u_and_row_mask(tUsU, si, pV, tVcV, valid)
             warpgroup.wait_group(0)
             # decay after the wait: ptxas serialises WGMMAs whose accumulator changes while they run (C7517)
             decay_columns(accS, rD)

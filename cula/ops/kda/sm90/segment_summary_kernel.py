@@ -54,8 +54,9 @@ from cula.cache import compile_options
 from cula.ops._host import ROW_FACTORS, dsl_type
 from cula.ops.cute_common import (
     ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout, gate_row_layout,
-    gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, recurrence_pipeline, scale_token_columns,
-    state_view, token_cols, token_rows, token_tile_a_m_major, token_tile_b_k_major, token_tile_b_mn_major,
+    gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_u_and_row_mask, recurrence_pipeline,
+    scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major, token_tile_b_k_major,
+    token_tile_b_mn_major,
 )  # fmt: skip
 
 __all__ = ["SegmentSummarySm90"]
@@ -256,9 +257,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             # while GEMM1 runs: the decay factors of this thread's columns, u^T, the row mask
             if const_expr(not self.row_factors):
                 load_column_decay(rD, sG, tScS, si)
-            rU = tUsU[None, None, None, si].load()
-            for i in cutlass.range_constexpr(cute.size(pV)):
-                pV[i] = tVcV[i][1] < valid
+            rU = load_u_and_row_mask(tUsU, si, pV, tVcV, valid)
             warpgroup.wait_group(0)
             if const_expr(self.row_factors):
                 # one decay for every column, v_new's token columns times f_k (GEMM4 alone reads it here)
