@@ -121,7 +121,7 @@ def test_combine_weights_follow_the_decay_written_through_data(monkeypatch):
     made = []
     real = tp._weights
     monkeypatch.setattr(tp, "_weights", lambda *a: made.append(1) or real(*a))
-    tp._WEIGHTS.clear()
+    tp._TABLES.clear()
     lengths = (2000, 100, 100)
     q, k, v, g_gamma, state, cu = _inputs(lengths, True, torch.float64, True, False)
     plan = tp.split_plan(lengths, 256)

@@ -77,22 +77,33 @@ def _combine_layout(plan: SplitPlan) -> _Combine:
     )  # fmt: skip
 
 
-# the combine's weights without a decay by (plan, device): a repeated call computes none of them (with g_gamma they
-# are made at each call, from its current values)
-_WEIGHTS = ConstantTensors()
+# per (plan, dtype, device): the combine's distances, one [R, R + Nc] table (segment ends' columns, then the initial
+# states'), clamped at 0, and where a column feeds a row (1) or not (0); and its weights without a decay. A repeated
+# call then makes its weights in three launches (with g_gamma, from its current values) and none without.
+_TABLES = ConstantTensors()
 
 
-def _weights(layout: _Combine, g_gamma: torch.Tensor | None, HV: int, dtype: torch.dtype, dev: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _distance_tables(layout: _Combine, plan: SplitPlan, dtype: torch.dtype, dev: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def make():
+        d = on_device(tuple(e + h for e, h in zip(layout.e_dist, layout.h_dist)), dtype, dev)
+        return d.clamp_min(0), (d >= 0).to(dtype)
+
+    return _TABLES.get(dev, ("lightning_dist", plan, dtype), make)
+
+
+def _weights(layout: _Combine, plan: SplitPlan, g_gamma: torch.Tensor | None, HV: int, dtype: torch.dtype,
+             dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``[HV, R, R]`` and ``[HV, R, Nc]`` weights ``exp(g_gamma * distance)``, 0 where a column does not feed
-    a row: in (0, 1] for distances >= 0, so neither under- nor overflow compounds."""
-    g = torch.zeros(HV, dtype=dtype, device=dev) if g_gamma is None else g_gamma.detach().to(dtype)
-
-    def weigh(dist):
-        d = on_device(dist, dtype, dev)
-        return torch.where(d >= 0, torch.exp(g[:, None, None] * d.clamp_min(0)), 0.0)
-
-    return weigh(layout.e_dist), weigh(layout.h_dist)
+    a row: in (0, 1] for distances >= 0, so neither under- nor overflow compounds. Views of one ``[HV, R, R + Nc]``
+    table."""
+    dist, feeds = _distance_tables(layout, plan, dtype, dev)
+    if g_gamma is None:
+        w = feeds.expand(HV, *feeds.shape).contiguous()
+    else:
+        w = torch.mul(g_gamma.detach().to(dtype)[:, None, None], dist).exp_().mul_(feeds)
+    R = len(layout.e_dist)
+    return w[:, :, :R], w[:, :, R:]
 
 
 def _per_head_mm(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
@@ -113,9 +124,9 @@ def _starts(layout: _Combine, E: torch.Tensor, h0: torch.Tensor | None, g_gamma:
     dev, HV = E.device, E.shape[1]
     cd = torch.promote_types(E.dtype, torch.float32)
     if g_gamma is None:
-        we, wh = _WEIGHTS.get(dev, ("lightning_starts", plan, HV, cd), lambda: _weights(layout, None, HV, cd, dev))
+        we, wh = _TABLES.get(dev, ("lightning_starts", plan, HV, cd), lambda: _weights(layout, plan, None, HV, cd, dev))
     else:
-        we, wh = _weights(layout, g_gamma, HV, cd, dev)
+        we, wh = _weights(layout, plan, g_gamma, HV, cd, dev)
     E = E.to(cd)
     h0 = None if h0 is None else h0.to(cd)
     if layout.segs is None:  # every sequence cut: rows and columns are all segments
