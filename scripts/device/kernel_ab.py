@@ -224,6 +224,23 @@ def _summary_inputs(HV: int, T: int, segments: int, mids: bool = False, row_fact
     return out
 
 
+def _lightning_inputs(B: int, T: int, HV: int, lens: list[int] | None = None):
+    """The Lightning prefill kernel's inputs (``lightning_fwd_sm90``: q / k / v bf16, a decay per head from none to
+    strong, initial states in the [V, K] layout), o and the final states written in place (``OUT``: fresh ones for
+    each side)."""
+    from cula.testing import make_cu_seqlens
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    rnd = functools.partial(_randn, gen)
+    N = B if lens is None else len(lens)
+    h0 = 0.1 * torch.randn(N, HV, 128, 128, device="cuda", generator=gen)
+    decay = torch.linspace(0.0, 2.0, HV, device="cuda")
+    return dict(q=rnd(B, T, HV, 128), k=rnd(B, T, HV, 128), v=rnd(B, T, HV, 128), decay=decay,
+                o=torch.empty(B, T, HV, 128, dtype=torch.bfloat16, device="cuda"), initial_state=h0,
+                final_state=torch.empty_like(h0), cu_seqlens=None if lens is None else make_cu_seqlens(lens, "cuda"),
+                scale=0.088, state_v_first=True, OUT=("o", "final_state"))  # fmt: skip
+
+
 _CHAIN = ("cula.ops.kda.sm90.segment_chain", "chunk_kda_segment_chain_sm90")
 _SUMMARY = ("cula.ops.kda.sm90.segment_summary", "chunk_kda_segment_summary_sm90")
 _INTRA_FWD = ("cula.ops.kda.sm90.intra", "chunk_kda_intra_sm90")
@@ -231,7 +248,13 @@ _STATES = ("cula.ops.kda.sm90.delta_h_fwd_o", "chunk_kda_delta_h_fwd_o_sm90")
 _DHU = ("cula.ops.kda.sm90.bwd_dhu", "chunk_kda_bwd_dv_dhu_sm90")
 _WY = ("cula.ops.kda.sm90.bwd_wy_dqkg", "chunk_kda_bwd_wy_dqkg_sm90")
 _INTRA = ("cula.ops.kda.sm90.bwd_intra", "chunk_kda_bwd_intra_sm90")
+_LIGHTNING = ("cula.ops.lightning.sm90.chunk_fwd", "lightning_fwd_sm90")
 CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
+    # the Lightning prefill kernel: the benchmark's largest fixed shape (byte-bound), few lanes (8 heads x 2 V slices
+    # walking 512 chunks: chain-bound, as a time split's segments), and packed (an empty sequence, partial chunks)
+    "lightning-B2-T16384-H64": (_LIGHTNING, lambda: _lightning_inputs(2, 16384, 64)),
+    "lightning-B1-T32768-H8": (_LIGHTNING, lambda: _lightning_inputs(1, 32768, 8)),
+    "lightning-packed": (_LIGHTNING, lambda: _lightning_inputs(1, 20000, 8, [1, 8000, 63, 0, 11806, 130])),
     # the forward's intra kernel (fused norm, gate and beta sigmoid), fixed and packed (empty and partial sequences)
     "intra-B2-T16384": (_INTRA_FWD, lambda: _intra_fwd_inputs(2, 16384, 64, 64)),
     "intra-packed-gva": (_INTRA_FWD, lambda: _intra_fwd_inputs(1, 20000, 4, 8, [1, 8000, 63, 0, 11806, 130])),
