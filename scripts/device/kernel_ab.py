@@ -241,6 +241,14 @@ def _lightning_inputs(B: int, T: int, HV: int, lens: list[int] | None = None):
                 scale=0.088, state_v_first=True, OUT=("o", "final_state"))  # fmt: skip
 
 
+def _lightning_states_inputs(B: int, T: int, HV: int):
+    """The Lightning kernel's states-only variant (``lightning_states_sm90``, the time split's first pass): k / v
+    and decays as ``_lightning_inputs``, the final states written in place."""
+    x = _lightning_inputs(B, T, HV)
+    return dict(k=x["k"], v=x["v"], decay=x["decay"], initial_state=x["initial_state"], final_state=x["final_state"],
+                cu_seqlens=None, state_v_first=True, OUT=("final_state",))  # fmt: skip
+
+
 _CHAIN = ("cula.ops.kda.sm90.segment_chain", "chunk_kda_segment_chain_sm90")
 _SUMMARY = ("cula.ops.kda.sm90.segment_summary", "chunk_kda_segment_summary_sm90")
 _INTRA_FWD = ("cula.ops.kda.sm90.intra", "chunk_kda_intra_sm90")
@@ -249,12 +257,15 @@ _DHU = ("cula.ops.kda.sm90.bwd_dhu", "chunk_kda_bwd_dv_dhu_sm90")
 _WY = ("cula.ops.kda.sm90.bwd_wy_dqkg", "chunk_kda_bwd_wy_dqkg_sm90")
 _INTRA = ("cula.ops.kda.sm90.bwd_intra", "chunk_kda_bwd_intra_sm90")
 _LIGHTNING = ("cula.ops.lightning.sm90.chunk_fwd", "lightning_fwd_sm90")
+_LIGHTNING_STATES = ("cula.ops.lightning.sm90.chunk_fwd", "lightning_states_sm90")
 CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
     # the Lightning prefill kernel: the benchmark's largest fixed shape (byte-bound), few lanes (8 heads x 2 V slices
     # walking 512 chunks: chain-bound, as a time split's segments), and packed (an empty sequence, partial chunks)
     "lightning-B2-T16384-H64": (_LIGHTNING, lambda: _lightning_inputs(2, 16384, 64)),
     "lightning-B1-T32768-H8": (_LIGHTNING, lambda: _lightning_inputs(1, 32768, 8)),
     "lightning-packed": (_LIGHTNING, lambda: _lightning_inputs(1, 20000, 8, [1, 8000, 63, 0, 11806, 130])),
+    # its states-only variant (the time split's first pass), chain-bound as there
+    "lightning-states-B1-T32768-H8": (_LIGHTNING_STATES, lambda: _lightning_states_inputs(1, 32768, 8)),
     # the forward's intra kernel (fused norm, gate and beta sigmoid), fixed and packed (empty and partial sequences)
     "intra-B2-T16384": (_INTRA_FWD, lambda: _intra_fwd_inputs(2, 16384, 64, 64)),
     "intra-packed-gva": (_INTRA_FWD, lambda: _intra_fwd_inputs(1, 20000, 4, 8, [1, 8000, 63, 0, 11806, 130])),
