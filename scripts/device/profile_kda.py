@@ -25,10 +25,11 @@ allocator history (default B1-T4096): the step's peak beyond what was live befor
 that made them (size, count, and whether the forward or the backward made them), into $OUT/profile_kda_memory.json:
 where a side's peak comes from.
 ``--time-split [H:T:SEGMENT ...]`` profiles chunk_kda cut in time (default 4:16384:8192, 4:65536:4096,
-4:65536:2048, 8:65536:8192): per shape, serial and cut, each kernel's device time and launches, the benchmarks'
-host overhead (``measure_host_overhead``: event time, host time per call with the GPU idle, back-to-back time; a
-host time near the event time means host-bound or a sync), and the cut call's heaviest Python frames (cProfile),
-into $OUT/profile_kda_time_split.json.
+4:65536:2048, 8:65536:8192; ``gdn:H:HV:T:SEGMENT`` profiles chunk_gated_delta_rule instead, one sequence with
+``bench_gdn_prefill``'s inputs and flags, e.g. its anchor ``gdn:16:32:32768:8192``): per shape, serial and cut,
+each kernel's device time and launches, the benchmarks' host overhead (``measure_host_overhead``: event time, host
+time per call with the GPU idle, back-to-back time; a host time near the event time means host-bound or a sync),
+and the cut call's heaviest Python frames (cProfile), into $OUT/profile_kda_time_split.json.
 ``--host`` splits the host time of the benchmarks' two host-bound calls (``bench_kda_prefill``'s repeated B1-T256
 ``chunk_kda`` and ``bench_kda_decode``'s N=1 ``kda_decode_step``) into a ladder, each rung the one before plus one
 layer, timed in interleaved rounds (``measure_host_overheads``): ``torch.empty(1)`` on the device (the host's own
@@ -274,14 +275,26 @@ def profile_time_split(specs: list[str]) -> None:
 
     report = {}
     for spec in specs or ["4:16384:8192", "4:65536:4096", "4:65536:2048", "8:65536:8192"]:
-        h, t, seg = (int(x) for x in spec.split(":"))
-        cfg = kp.bc.TimeSplitConfig(h, (t,), False)
-        x = {**kp.tp_inputs(cfg, 0), **kp.tp_shared(cfg)}
+        if spec.startswith("gdn:"):  # chunk_gated_delta_rule, bench_gdn_prefill's inputs and flags
+            import bench_gdn_prefill as gp
+
+            from cula.gated_delta_rule import chunk_gated_delta_rule
+            from cula.gated_delta_rule.plan import GDN_TUNING
+
+            h, hv, t, seg = (int(x) for x in spec[4:].split(":"))
+            cfg = kp.Config("fixed", 1, t, (t,), heads=(h, hv))
+            x = {**gp.make_set(cfg, 0), **gp.make_shared(cfg)}
+            fn, flags, table = chunk_gated_delta_rule, gp.CALL_FLAGS, GDN_TUNING
+        else:
+            h, t, seg = (int(x) for x in spec.split(":"))
+            cfg = kp.bc.TimeSplitConfig(h, (t,), False)
+            x = {**kp.tp_inputs(cfg, 0), **kp.tp_shared(cfg)}
+            fn, flags, table = chunk_kda, kp.CALL_FLAGS, KDA_TUNING
         exact = SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=seg, min_seq_len=0)
         for path, split in (("serial", None), ("cut", exact)):
-            with torch.inference_mode(), KDA_TUNING.override(time_split=split):
-                def call(x=x):
-                    return chunk_kda(**x, **kp.CALL_FLAGS)
+            with torch.inference_mode(), table.override(time_split=split):
+                def call(x=x, fn=fn, flags=flags):
+                    return fn(**x, **flags)
 
                 stats = kernel_stats(call)
                 key = f"{spec} {path}"
