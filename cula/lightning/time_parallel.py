@@ -38,17 +38,16 @@ class _Combine(NamedTuple):
     """Which rows the start combination touches, and the distances that weigh it (host ints, per plan).
 
     Rows and E columns are the segments of the cut sequences (``segs``; None when every sequence is cut: all
-    segments, no gather); ``e_dist`` ``[R, R]`` is the distance in tokens from column c's end to row r's start, -1
-    where c does not feed r; ``h_dist`` ``[R, Nc]`` from each cut sequence's start (its initial state, columns
-    ``seqs``) to row r's start, -1 for another sequence. ``seq_of`` ``[M]`` is every segment's sequence (an uncut
+    segments, no gather); ``dist`` ``[R, R + Nc]`` holds, per row r, the distance in tokens from column c's end to
+    r's start (-1 where c does not feed r), then from each cut sequence's start (its initial state, columns
+    ``seqs``) to r's start (-1 for another sequence). ``seq_of`` ``[M]`` is every segment's sequence (an uncut
     sequence starts from its initial state as it is) and ``last`` ``[N]`` each sequence's last segment.
     ``feeding_bounds`` ``[M + 1]`` are the first pass's: the plan's up to the end of the last segment whose end
     state feeds a start, every later segment empty (a sequence's last segment and an uncut sequence feed none)."""
 
     segs: tuple[int, ...] | None
     seqs: tuple[int, ...] | None
-    e_dist: tuple[tuple[int, ...], ...]
-    h_dist: tuple[tuple[int, ...], ...]
+    dist: tuple[tuple[int, ...], ...]
     seq_of: tuple[int, ...]
     last: tuple[int, ...]
     feeding_bounds: tuple[int, ...]
@@ -61,32 +60,31 @@ def _combine_layout(plan: SplitPlan) -> _Combine:
     cut = [s for s in range(N) if plan.split[s]]
     rows = [i for s in cut for i in plan.segments_of(s)]
     start = {s: plan.bounds[plan.first_segment[s]] for s in cut}
-    e_dist, h_dist = [], []
+    dist = []
     for i in rows:
         a = plan.bounds[i]
-        e_dist.append(tuple(a - plan.bounds[j + 1] if seq_of[j] == seq_of[i] and j < i else -1 for j in rows))
-        h_dist.append(tuple(a - start[s] if s == seq_of[i] else -1 for s in cut))
+        dist.append((*(a - plan.bounds[j + 1] if seq_of[j] == seq_of[i] and j < i else -1 for j in rows),
+                     *(a - start[s] if s == seq_of[i] else -1 for s in cut)))  # fmt: skip
     every = len(cut) == N
     last = tuple(plan.segments_of(s)[-1] for s in range(N))
     feeding = [j for s in cut for j in plan.segments_of(s)[:-1]]
     end = plan.bounds[max(feeding) + 1] if feeding else 0
     feeding_bounds = tuple(min(b, end) for b in plan.bounds)
     return _Combine(
-        None if every else tuple(rows), None if every else tuple(cut), tuple(e_dist), tuple(h_dist), seq_of, last,
-        feeding_bounds,
+        None if every else tuple(rows), None if every else tuple(cut), tuple(dist), seq_of, last, feeding_bounds,
     )  # fmt: skip
 
 
-# per (plan, dtype, device): the combine's distances, one [R, R + Nc] table (segment ends' columns, then the initial
-# states'), clamped at 0, and where a column feeds a row (1) or not (0); and its weights without a decay. A repeated
-# call then makes its weights in three launches (with g_gamma, from its current values) and none without.
+# per (plan, dtype, device): the combine's distances (_Combine.dist) clamped at 0, and where a column feeds a row (1)
+# or not (0); and its weights without a decay. A repeated call then makes its weights in three launches (with
+# g_gamma, from its current values) and none without.
 _TABLES = ConstantTensors()
 
 
 def _distance_tables(layout: _Combine, plan: SplitPlan, dtype: torch.dtype, dev: torch.device
                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     def make():
-        d = on_device(tuple(e + h for e, h in zip(layout.e_dist, layout.h_dist)), dtype, dev)
+        d = on_device(layout.dist, dtype, dev)
         return d.clamp_min(0), (d >= 0).to(dtype)
 
     return _TABLES.get(dev, ("lightning_dist", plan, dtype), make)
@@ -102,7 +100,7 @@ def _weights(layout: _Combine, plan: SplitPlan, g_gamma: torch.Tensor | None, HV
         w = feeds.expand(HV, *feeds.shape).contiguous()
     else:
         w = torch.mul(g_gamma.detach().to(dtype)[:, None, None], dist).exp_().mul_(feeds)
-    R = len(layout.e_dist)
+    R = len(layout.dist)
     return w[:, :, :R], w[:, :, R:]
 
 
