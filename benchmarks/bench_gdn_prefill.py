@@ -20,7 +20,6 @@ Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
@@ -78,11 +77,11 @@ def suite(quick: bool = False) -> list[kp.Config]:
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     """Run the suite; returns (meta, rows, written paths). FLA's own kernels (no FlashKDA, no cula through FLA's
     dispatch) on the FLA side, as in bench_kda_prefill."""
-    argv = list(argv if argv is not None else sys.argv[1:])
-    # None: the tuning entry's GdnTuning.inference_row_factors; --row-factors / --no-row-factors force it
-    row_factors = True if "--row-factors" in argv else False if "--no-row-factors" in argv else None
-    args = kp.parse_args([a for a in argv if a not in ("--row-factors", "--no-row-factors")])
-    args.row_factors = row_factors
+    p = kp.arg_parser(__doc__.splitlines()[0], kp.QUICK + tuple(ANCHORS))
+    p.add_argument("--row-factors", action=argparse.BooleanOptionalAction, default=None,
+                   help="the cula column with GdnTuning.inference_row_factors on / off, whatever the tuning entry "
+                        "says (default: the entry's); results named ..._rowfactors / ..._norowfactors")
+    args = p.parse_args(argv)
     if args.time_parallel:
         raise SystemExit("--time-parallel is bench_kda_prefill.py's (and bench_lightning_prefill.py's) suite")
     with bc.env_var("FLA_FLASH_KDA", "0"), bc.env_var("FLA_CULA", "0"):

@@ -346,9 +346,10 @@ def host_overhead(fla_fn: Callable, cula_fn: Callable) -> dict[str, Any]:
     return {"config": cfg.name, **host}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def arg_parser(description: str = __doc__.splitlines()[0], quick: tuple[str, ...] = QUICK) -> argparse.ArgumentParser:
+    """This suite's options; bench_gdn_prefill builds on them with its own description and quick configs."""
     p = bc.arg_parser(
-        __doc__.splitlines()[0], QUICK, iters=100, warmup=10, max_seconds=0.0,
+        description, quick, iters=100, warmup=10, max_seconds=0.0,
         max_seconds_help="start no new config after this many seconds (0: no limit); the results say partial",
         host_overhead_help="skip the host-overhead measurement",
     )
@@ -365,7 +366,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--any-gate", action="store_true",
                    help="cula's calls with KdaTuning.intra_any_gate on: unbounded gates on the intra kernel's "
                         "any_gate variant")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
