@@ -140,13 +140,14 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
         # the fused row norms, a thread per row: no shuffles, a correctly rounded sqrt (FLA's 1 / sqrt(sum + eps))
         assert "shfl.sync.bfly" not in ptx and "sqrt.rn.f32" in ptx
     # 16-byte shared stores: P2's score operands (two fp32 units of a q and a k row, 2 sub-chunks, 2 rounds; not
-    # with given_t) and k' (4 rows), beta v (4 rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end
-    # (16), the row norms (16);
+    # with given_t, nor with scalar_gate, whose scores are WGMMAs of the q / k tiles) and k' (4 rows), beta v (4
+    # rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end (16), the row norms (16);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
     # thread; not with given_t), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores but
     # write_rstd's 1 / norm (one a row-norm thread)
     given_t = _VARIANTS[idx].get("given_t", False)
-    assert ptx.count("st.shared.v4") == 42 - 16 * given_t + 16 * l2norm, ptx.count("st.shared.v4")
+    plain_scores = given_t or _VARIANTS[idx].get("scalar_gate", False)
+    assert ptx.count("st.shared.v4") == 42 - 16 * plain_scores + 16 * l2norm, ptx.count("st.shared.v4")
     write_akk = _VARIANTS[idx].get("write_akk", False)
     # row_factors: one 16-byte factor row (a thread a row, 4 rows) in place of g_cum's and qg / kg's 16 stores
     row_factors = _VARIANTS[idx].get("row_factors", False)
@@ -162,9 +163,12 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     sass = subprocess.run(
         [nvdisasm, "-c", res["cubins"][0]], capture_output=True, text=True, check=True
     ).stdout
-    # scores: one (key block, anchor) pair per warp and round, 16 k-steps x 4 n-tiles of tf32 mma.sync; the
-    # inverse's off-diagonal blocks: 16 products of 16x16 blocks (2 k-steps x 2 n-tiles each); neither with given_t
-    assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == (0 if given_t else 128 + 64)
+    # scores: one (key block, anchor) pair per warp and round, 16 k-steps x 4 n-tiles of tf32 mma.sync (scalar_gate:
+    # q k^T on warpgroup 0 and k k^T on warpgroup 1, 8 k-steps of 64x64x16 WGMMA each); the inverse's off-diagonal
+    # blocks: 16 products of 16x16 blocks (2 k-steps x 2 n-tiles each); neither with given_t
+    scalar = _VARIANTS[idx].get("scalar_gate", False)
+    assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == (0 if given_t else 128 * (not scalar) + 64)
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]", sass)) == 16 * scalar
     # w (warpgroup 0) and u (warpgroup 1): 4 k-steps each, k'/v' read MN-major
     assert len(re.findall(r"HGMMA\.64x128x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
     assert "UTMALDG" in sass

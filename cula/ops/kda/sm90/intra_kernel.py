@@ -41,9 +41,11 @@ operands rounded to nearest first, like FLA's tf32 dots (the DSL has no tf32 WGM
 lets each warp take one (key block, anchor) pair, so the blocks above the diagonal cost nothing.
 
 ``scalar_gate`` (Gated DeltaNet: one gate per token and value head, g ``(T, HV)``, dt_bias ``(HV,)``): the
-gate is the same on every channel, so it factors out of the dot products. The score operands are the plain q
-and k (bf16 and fp16 values are exact in tf32, so the products are exact in fp32), and the epilogue multiplies
-each score by ``exp2(gc_t - gc_s)``, at most 1 where it is kept: exact for any gate, however steep. P0's first
+gate is the same on every channel, so it factors out of the dot products. The scores are the plain ``q k^T`` and
+``k k^T``, two SS WGMMAs straight from the q / k tiles after P1 (the tiles' MN-major B layout read as (token,
+feature) is the K-major operand layout; bf16 and fp16 products are exact in fp32), and their epilogue multiplies
+each score by ``exp2(gc_t - gc_s)``, at most 1 where it is kept: exact for any gate, however steep. P2 then
+builds no score operands. P0's first
 64 threads copy the chunk's 64 raw gates to shared memory (arriving on the gate's mbarrier in place of the TMA
 tile), and P1 writes g_cum broadcast over the channels as above, so the outputs and the state/output kernel are
 KDA's.
@@ -66,7 +68,8 @@ P1x    any_gate's exact path only: the diagonal blocks' 544 (t, s <= t) score pa
 P2     round r, sub-chunks (0, 1) then (2, 3), all threads, 8 channels per access: their g_cum, qg, kg rows to
        gmem, their score B operands (query factor * q | k, tf32-rounded fp32) to smem, k' = bf16(bf16(beta k)
        exp2(gc)) over the q row just read
-P3     round r: warps 0-2, then 0-6, each take one (key block kb <= anchor) pair of the round's two anchors
+P3     (scalar_gate: before P2, WG0 q k^T and WG1 k k^T on WGMMA, each into Aqk / Akk whole.) Otherwise
+       round r: warps 0-2, then 0-6, each take one (key block kb <= anchor) pair of the round's two anchors
        (1 + 2, then 3 + 4 blocks): A operand (key factor * k) built in registers per k-step, 16x32x128 tf32
        mma.sync.  After both rounds: TMA of v into k's tile; Aqk rows to gmem (staged), Akk rows to smem (fp32);
        warps 5-7 zero the blocks above the diagonal (any_gate's exact path: then P1x's pairs over the diagonal
@@ -267,6 +270,11 @@ class ChunkKDAIntraFwdSm90:
         mma_wu = sm90_utils.make_trivial_tiled_mma(
             dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), tiler_mn=(BT, DK)
         )
+        # scalar_gate's scores q k^T and k k^T (64 x 64 x 128): both operands the (token, feature) view of the q / k
+        # tiles, K-major (the tiles' MN-major B layout read transposed is the K-major one, byte for byte)
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(BT, BT)
+        )
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
@@ -303,7 +311,7 @@ class ChunkKDAIntraFwdSm90:
         self.kernel(
             tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg, tma_w, tw, tma_u, tu,
             mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mRstd, mCu, mCi, seqlen, scale, lower_bound,
-            mma_wu, sX_l, sGin_l, sT_l,
+            mma_wu, mma_s, sX_l, sGin_l, sT_l,
         ).launch(
             grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
             # two CTAs per SM: ptxas keeps to 128 registers; the carveout is the most shared memory (%)
@@ -437,12 +445,7 @@ class ChunkKDAIntraFwdSm90:
                 rkp[e] = ((kv * b).to(dt).to(Float32) * eg).to(dt)
                 rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
                 # rows past the sequence end have q = k = 0 (P1), so their operands are 0 as well
-                if const_expr(self.given_t):
-                    pass
-                elif const_expr(self.scalar_gate):  # plain products, the gate applied to the scores (P3)
-                    bq[e] = round_tf32(qv)
-                    bk[e] = round_tf32(kv)
-                else:
+                if const_expr(not (self.given_t or self.scalar_gate)):
                     f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
                     bq[e] = round_tf32(qv * f)
                     bk[e] = round_tf32(kv * f)
@@ -451,7 +454,7 @@ class ChunkKDAIntraFwdSm90:
             # two 16-byte units per row, units c4 and c4 + 1 (unit bit 3 = (tidx >> 2) & 1, see _b_unit)
             c4 = cute.assume((tidx % 16) * 2, divby=2)
             u8 = (tidx >> 2) & 1
-            for h in cutlass.range_constexpr(0 if self.given_t else 2):
+            for h in cutlass.range_constexpr(0 if self.given_t or self.scalar_gate else 2):
                 for which, src in ((0, bq), (1, bk)):
                     part = cute.make_rmem_tensor(4, Float32)
                     for e in cutlass.range_constexpr(4):
@@ -544,7 +547,8 @@ class ChunkKDAIntraFwdSm90:
         mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor | None,
         mAkk: cute.Tensor | None, mG: cute.Tensor, mRstd: cute.Tensor | None, mCu: cute.Tensor, mCi: cute.Tensor,
         seqlen: Int32, scale: Float32, lower_bound: Float32,
-        mma_wu: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sT_l: cute.ComposedLayout,
+        mma_wu: cute.TiledMma, mma_s: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout,
+        sT_l: cute.ComposedLayout,
     ):  # fmt: skip
         BT, DK = self.bt, self.dk
         dt = self.dtype
@@ -603,6 +607,8 @@ class ChunkKDAIntraFwdSm90:
             sQ0, sGin0, sG, storage.sG.data_ptr(), base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
             sFlags, warp_idx, mRstd, tok0, h, hv % group == 0, sRstd,
         )  # fmt: skip
+        if const_expr(self.scalar_gate):
+            cute.arch.fence_view_async_shared()  # P1's normalised rows, read next by WGMMA (the async proxy)
         cute.arch.barrier()
         # the anchor row of each sub-chunk's score factors: its middle row; any_gate's exact path takes its first
         # row (every factor of an off-diagonal block then <= 1) and makes the diagonal blocks element by element
@@ -617,11 +623,16 @@ class ChunkKDAIntraFwdSm90:
                 cute.arch.barrier()  # q's rows are read: P2 writes k' over them
 
         # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
-        if const_expr(self.given_t):  # P2's rows alone (no score operands, no scores), then v into k's tile
+        if const_expr(self.given_t or self.scalar_gate):
+            # P2's rows alone (no score operands), then v into k's tile; scalar_gate's scores first, on WGMMA from
+            # the q / k tiles P1 left (P2 then writes k' over q)
+            if const_expr(self.scalar_gate):
+                self._scalar_scores(mma_s, sQ, sK, sG, sA, sAqk, sBeta, scale, wg, tid)
+                cute.arch.barrier()
             sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
             for rnd in cutlass.range_constexpr(2):
                 self._qg_kg_score_operands_vec(
-                    sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd]
+                    sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd], 8, sRstd
                 )  # fmt: skip
             cute.arch.barrier()
             self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
@@ -1093,6 +1104,43 @@ class ChunkKDAIntraFwdSm90:
                 cute.arch.fence_view_async_shared()
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, self.x_bytes)
             self._load_tile(tma_v, tv, hv, sV, tok0, bar)
+
+    @cute.jit
+    def _scalar_scores(self, mma_s, sQ, sK, sG, sA, sAqk, sBeta, scale, wg, tid):
+        """scalar_gate's P3, before P2: warpgroup 0 makes ``q k^T``, warpgroup 1 ``k k^T`` (SS WGMMA 64 x 64 x 128,
+        the bf16 / fp16 products exact, fp32 sums, as the tf32 ``mma.sync`` path's), and each score is multiplied
+        by ``exp2(gc_t - gc_s)`` (at most 1 where kept) into Aqk (staged, scaled, zero for s > t) or Akk (times
+        beta_t, zero for s >= t). Every (t, s) is written, so no block needs zeroing apart."""
+        BT = self.bt
+        # (token, feature) views of the (feature, token) tiles: WG w's A operand is tile w (q, then k, x_elems on)
+        sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))
+        sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))
+        wg_s = mma_s.get_slice(0)
+        tAq = wg_s.make_fragment_A(wg_s.partition_A(sQt))
+        tAk = wg_s.make_fragment_A(wg_s.partition_A(sKt))
+        tBk = wg_s.make_fragment_B(wg_s.partition_B(sKt))
+        acc = cute.make_rmem_tensor(wg_s.partition_shape_C((BT, BT)), Float32)
+        tSc = mma_s.get_slice(tid).partition_C(cute.make_identity_tensor((BT, BT)))
+        for which in cutlass.range_constexpr(2):
+            if wg == which:
+                tA = tAq if which == 0 else tAk
+                warpgroup.fence()
+                atom = cute.make_mma_atom(mma_s.op)
+                atom.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+                    cute.gemm(atom, acc, tA[None, None, kb, 0], tBk[None, None, kb, 0], acc)
+                    atom.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    t, s_ = tSc[e]
+                    # one g_cum per row: channel 0 of the broadcast tile; the masked entries' factors are unused
+                    d = sG[0, t] - sG[0, s_]
+                    x = acc[e] * cute.math.exp2(cute.arch.fmin(d, _ANCHOR_CLAMP), fastmath=True)
+                    if const_expr(which == 0):
+                        sAqk[t, s_] = Float32(cutlass.select_(s_ <= t, x * scale, Float32(0.0))).to(self.dtype)
+                    else:
+                        sA[t, s_] = Float32(cutlass.select_(s_ < t, x * sBeta[t], Float32(0.0)))
 
     @cute.jit
     def _scores(
