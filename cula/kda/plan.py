@@ -149,6 +149,9 @@ class KdaTuning:
 # against 2.32 ms in graph replay); from 128 on the one launch wins or ties (B16-T2048 H32, 512 lanes: 8.27 against
 # 8.45). Packed calls of 640-2,048 lanes gained 1-3% eager, inside the spread of host-bound eager steps, and their
 # graph replays run FLA's graph mode (FLA's two stages): left to FLA until measured steadily
+# bwd_norm_on_load: the B=2 T=16K step's graph replay 18.84 against 18.91 ms and its peak 12,860 against 13,890 MiB
+# (H100, bench_kda_training --also, one run; the H200's B1-T4096 / varlen-N20 replays 1-3.5% faster).
+# bwd_recompute_states stays off: under 1% in the same run and an unexplained initcheck finding
 # intra_any_gate: with a log-space gate and no safe_gate (FLA's default call) the forward took 0.109 / 1.270 / 0.390 /
 # 1.350 ms against 0.727 / 3.969 / 0.950 / 3.429 on FLA's intra stages (kda_prefill_log_anygate_subset.md against
 # kda_prefill_log_subset.md: 4.48x FLA instead of 1.15x), and the training step's graph replay 2.22 against 4.54 ms
@@ -158,8 +161,8 @@ class KdaTuning:
 # DeltaNet's 16 / 32 heads 131 against 159 us (the wide tile 140), KDA's 64 heads 274 against 324 (wide 280); T = 1
 # calls keep single_token_cta (the 1-slot, 6-CTA shape took 197 against 187 us at N = 128)
 _H200 = KdaTuning(multi_token_vk=(1, 6), bwd_dv_dhu_lanes=(128, 512), bwd_intra=True, bwd_intra_cumsum=True,
-                  bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_recompute_intra=True, bwd_wy_dqkg=True,
-                  intra_any_gate=True, intermediate_states=True,
+                  bwd_intra_gate=True, bwd_intra_l2norm=True, bwd_norm_on_load=True, bwd_recompute_intra=True,
+                  bwd_wy_dqkg=True, intra_any_gate=True, intermediate_states=True,
                   time_split=SplitThresholds(items_per_sm=0.5, busy_items_per_sm=0.2, min_segment=2048,
                                              min_seq_len=16384, wave_ctas=2))
 KDA_TUNING: TuningTable[KdaTuning] = TuningTable("kda", {(9, 0): _H200}, fallback=KdaTuning())
