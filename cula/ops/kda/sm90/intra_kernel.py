@@ -45,10 +45,10 @@ gate is the same on every channel, so it factors out of the dot products. The sc
 ``k k^T``, two SS WGMMAs straight from the q / k tiles after P1 (the tiles' MN-major B layout read as (token,
 feature) is the K-major operand layout; bf16 and fp16 products are exact in fp32), and their epilogue multiplies
 each score by ``exp2(gc_t - gc_s)``, at most 1 where it is kept: exact for any gate, however steep. P2 then
-builds no score operands. P0's first
-64 threads copy the chunk's 64 raw gates to shared memory (arriving on the gate's mbarrier in place of the TMA
-tile), and P1 writes g_cum broadcast over the channels as above, so the outputs and the state/output kernel are
-KDA's.
+builds no score operands. P0's first 64 threads copy the chunk's 64 raw gates to shared memory (arriving on the
+gate's mbarrier in place of the TMA tile); P1's warp 0 activates them and sums them by two 32-lane scans into
+channel 0 of g_cum (the only channel read after it), and P2 writes each row's g_cum broadcast over the channels,
+so the outputs and the state/output kernel are KDA's.
 
 Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthreads`` between phases). Each
 phase is short and latency-bound, so the kernel is laid out for two CTAs per SM, whose phases interleave: ~97 KB
@@ -60,8 +60,9 @@ phase  work
 =====  ==========================================================================================================
 P0     warp 0: mbarrier + three TMA tile loads (q, k [64 x 128] of head hv // (HV/H); raw g of head hv);
        act_b(beta) row to smem (0 past the sequence end); wait
-P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem (any_gate: and whether a channel
-       strays past the bound from a sub-chunk's anchor row, voted per warp into smem).  WG1, one thread per q / k
+P1     WG0: gate activation + cumsum, one channel per thread (scalar_gate: warp 0's two scans, channel 0 only),
+       g_cum to smem (any_gate: and whether a channel strays past the bound from a sub-chunk's anchor row, voted
+       per warp into smem).  WG1, one thread per q / k
        row: rows past the sequence end zeroed, the others normalised in place (l2norm_qk; with write_rstd the
        row's 1 / norm to gmem from the first value head of its q / k head's group)
 P1x    any_gate's exact path only: the diagonal blocks' 544 (t, s <= t) score pairs, a thread a pair, to smem
@@ -407,7 +408,10 @@ class ChunkKDAIntraFwdSm90:
         at = vec_at
 
         rgl = cute.make_rmem_tensor(V8, Float32)
-        cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG's 8-float units stay whole under its swizzle
+        if const_expr(self.scalar_gate):  # one g_cum a row, in channel 0 (_scalar_gate_scan)
+            rgl.fill(sG[0, BT - 1])
+        else:
+            cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG's 8-float units stay whole under its swizzle
 
         def load(slot):
             j = subchunks[slot]
@@ -417,7 +421,10 @@ class ChunkKDAIntraFwdSm90:
             rga = cute.make_rmem_tensor(V8, Float32)
             cute.autovec_copy(at(sQ0, (c8, 16 * j + r)), rq)
             cute.autovec_copy(at(sK0, (c8, 16 * j + r)), rk)
-            cute.autovec_copy(at(sG, (c8, 16 * j + r), 4), rg)
+            if const_expr(self.scalar_gate):
+                rg.fill(sG[0, 16 * j + r])
+            else:
+                cute.autovec_copy(at(sG, (c8, 16 * j + r), 4), rg)
             if const_expr(not self.scalar_gate and not self.given_t):  # the anchor's g_cum, for the score operands
                 cute.autovec_copy(at(sG, (c8, 16 * j + anchor_row), 4), rga)
             return rq, rk, rg, rga
@@ -718,52 +725,11 @@ class ChunkKDAIntraFwdSm90:
         the sequence end taken as the products read them (the last valid row's g_cum)."""
         BT, DK, dt = self.bt, self.dk, self.dtype
         if wg == 0:
-            # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
-            acc = Float32(0.0)
-            cute.arch.mbarrier_wait(bar_g, 0)
-            # blocks of 8 steps, the next block's raw gates loaded before this block's g_cum stores
-            GB = 8
-            # sG's swizzle moves channel tid of row t to tid ^ 8 (t % 8): the 8 column offsets are computed once
-            # (the layout's own arithmetic cannot know tid < 128 and redid it for each of the 64 stores)
-            sG_flat = cute.make_tensor(sG_ptr, cute.make_layout(BT * DK))
-            cols = [Int32(tid) ^ Int32(8 * j) for j in range(GB)]
-            nxt = [self._raw_gate(sGin0, base, tid, e) for e in range(GB)]
-            far = Int32(0)  # any_gate: a sub-chunk's g_cum strays too far from its anchor row's
-            hi, lo, mid, lastv = acc, acc, acc, acc
-            for blk in cutlass.range_constexpr(BT // GB):
-                cur = nxt
-                if const_expr(blk + 1 < BT // GB):
-                    nxt = [self._raw_gate(sGin0, base, tid, GB * (blk + 1) + e) for e in range(GB)]
-                for e in cutlass.range_constexpr(GB):
-                    t = GB * blk + e
-                    acc = acc + self._act(cur[e], coef, bias, lower_bound)
-                    gc = acc * RCP_LN2
-                    sG_flat[t * DK + cols[e]] = gc
-                    if const_expr(self.any_gate):
-                        # the row's g_cum as the products read it: past the sequence end the last valid row's
-                        # (overwritten below)
-                        gv = Float32(cutlass.select_(t < valid, gc, lastv))
-                        lastv = gv
-                        if const_expr(t % 16 == 0):
-                            hi, lo = gv, gv
-                        else:
-                            hi, lo = cute.arch.fmax(hi, gv), cute.arch.fmin(lo, gv)
-                        if const_expr(t % 16 == 8):
-                            mid = gv
-                        if const_expr(t % 16 == 15):
-                            span = cute.arch.fmax(hi - mid, mid - lo)
-                            far = Int32(cutlass.select_(span > _ANCHOR_SPAN, 1, far))
-            if const_expr(self.any_gate):
-                anyfar = cute.arch.vote_any_sync(far != 0)
-                if tid % 32 == 0:
-                    sFlags[warp_idx] = Int32(cutlass.select_(anyfar, 1, 0))
-            # rows past the sequence end hold the last valid row's g_cum (so gc[63] is that row's, which kg uses),
-            # overwriting whatever the raw gate there summed to
-            # valid <= 0: a padding row of chunk indices built on the device (a no-op CTA that writes nothing)
-            if (valid < BT) & (valid > 0):
-                last = sG[tid, valid - 1]
-                for t in cutlass.range(valid, BT, unroll=1):
-                    sG[tid, t] = last
+            if const_expr(self.scalar_gate):
+                self._scalar_gate_scan(sGin0, sG, base, bar_g, coef, bias, lower_bound, valid, tid)
+            else:
+                self._channel_gate_cumsum(sGin0, sG, sG_ptr, base, bar_g, coef, bias, lower_bound, valid, tid,
+                                          sFlags, warp_idx)  # fmt: skip
             cute.arch.mbarrier_wait(bar, 0)  # q and k, read by everyone from P2 on
         else:
             cute.arch.mbarrier_wait(bar, 0)
@@ -785,6 +751,81 @@ class ChunkKDAIntraFwdSm90:
                             mRstd[tid // BT, tok0 + tid % BT, h] = r
                     if const_expr(self.row_factors):  # for P2's factor rows
                         sRstd[tid] = r
+
+    @cute.jit
+    def _channel_gate_cumsum(self, sGin0, sG, sG_ptr, base, bar_g, coef, bias, lower_bound, valid, tid, sFlags,
+                             warp_idx):  # fmt: skip
+        """P1's gate with one gate a channel: thread ``tid`` of warpgroup 0 activates and sums channel ``tid`` down
+        the chunk into g_cum (and, with ``any_gate``, votes whether it strays from an anchor row)."""
+        BT, DK = self.bt, self.dk
+        # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
+        acc = Float32(0.0)
+        cute.arch.mbarrier_wait(bar_g, 0)
+        # blocks of 8 steps, the next block's raw gates loaded before this block's g_cum stores
+        GB = 8
+        # sG's swizzle moves channel tid of row t to tid ^ 8 (t % 8): the 8 column offsets are computed once
+        # (the layout's own arithmetic cannot know tid < 128 and redid it for each of the 64 stores)
+        sG_flat = cute.make_tensor(sG_ptr, cute.make_layout(BT * DK))
+        cols = [Int32(tid) ^ Int32(8 * j) for j in range(GB)]
+        nxt = [self._raw_gate(sGin0, base, tid, e) for e in range(GB)]
+        far = Int32(0)  # any_gate: a sub-chunk's g_cum strays too far from its anchor row's
+        hi, lo, mid, lastv = acc, acc, acc, acc
+        for blk in cutlass.range_constexpr(BT // GB):
+            cur = nxt
+            if const_expr(blk + 1 < BT // GB):
+                nxt = [self._raw_gate(sGin0, base, tid, GB * (blk + 1) + e) for e in range(GB)]
+            for e in cutlass.range_constexpr(GB):
+                t = GB * blk + e
+                acc = acc + self._act(cur[e], coef, bias, lower_bound)
+                gc = acc * RCP_LN2
+                sG_flat[t * DK + cols[e]] = gc
+                if const_expr(self.any_gate):
+                    # the row's g_cum as the products read it: past the sequence end the last valid row's
+                    # (overwritten below)
+                    gv = Float32(cutlass.select_(t < valid, gc, lastv))
+                    lastv = gv
+                    if const_expr(t % 16 == 0):
+                        hi, lo = gv, gv
+                    else:
+                        hi, lo = cute.arch.fmax(hi, gv), cute.arch.fmin(lo, gv)
+                    if const_expr(t % 16 == 8):
+                        mid = gv
+                    if const_expr(t % 16 == 15):
+                        span = cute.arch.fmax(hi - mid, mid - lo)
+                        far = Int32(cutlass.select_(span > _ANCHOR_SPAN, 1, far))
+        if const_expr(self.any_gate):
+            anyfar = cute.arch.vote_any_sync(far != 0)
+            if tid % 32 == 0:
+                sFlags[warp_idx] = Int32(cutlass.select_(anyfar, 1, 0))
+        # rows past the sequence end hold the last valid row's g_cum (so gc[63] is that row's, which kg uses),
+        # overwriting whatever the raw gate there summed to
+        # valid <= 0: a padding row of chunk indices built on the device (a no-op CTA that writes nothing)
+        if (valid < BT) & (valid > 0):
+            last = sG[tid, valid - 1]
+            for t in cutlass.range(valid, BT, unroll=1):
+                sG[tid, t] = last
+
+    @cute.jit
+    def _scalar_gate_scan(self, sGin0, sG, base, bar_g, coef, bias, lower_bound, valid, tid):
+        """scalar_gate's P1 gate: one gate a row, so warp 0 activates the chunk's 64 gates (rows lane and lane + 32)
+        and sums them by two 32-lane inclusive scans, the second offset by the first's total, into channel 0 of
+        g_cum (the only channel P2 and the scores read with a scalar gate), where the per-channel kernel's 128
+        threads each walk the 64-step chain. Rows past the sequence end add 0, so they hold the last valid row's
+        g_cum, as the state/output kernel reads it."""
+        if tid < 32:
+            cute.arch.mbarrier_wait(bar_g, 0)
+            sums = []
+            for half in cutlass.range_constexpr(2):
+                t = tid + 32 * half
+                a = self._act(self._raw_gate(sGin0, base, 0, t), coef, bias, lower_bound)
+                a = Float32(cutlass.select_(t < valid, a, Float32(0.0)))
+                for d in cutlass.range_constexpr(5):
+                    up = cute.arch.shuffle_sync_up(a, 1 << d)
+                    a = Float32(cutlass.select_(tid >= (1 << d), a + up, a))
+                sums.append(a)
+            first_total = cute.arch.shuffle_sync(sums[0], 31)
+            sG[0, tid] = sums[0] * RCP_LN2
+            sG[0, tid + 32] = (sums[1] + first_total) * RCP_LN2
 
     @cute.jit
     def _store_aqk(self, sAqk, mAqk, tok0, hv, valid, tidx):
