@@ -614,7 +614,7 @@ class ChunkKDAIntraFwdSm90:
             sQ0, sGin0, sG, storage.sG.data_ptr(), base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
             sFlags, warp_idx, mRstd, tok0, h, hv % group == 0, sRstd,
         )  # fmt: skip
-        if const_expr(self.scalar_gate):
+        if const_expr(self.scalar_gate and not self.given_t):
             cute.arch.fence_view_async_shared()  # P1's normalised rows, read next by WGMMA (the async proxy)
         cute.arch.barrier()
         # the anchor row of each sub-chunk's score factors: its middle row; any_gate's exact path takes its first
@@ -633,7 +633,7 @@ class ChunkKDAIntraFwdSm90:
         if const_expr(self.given_t or self.scalar_gate):
             # P2's rows alone (no score operands), then v into k's tile; scalar_gate's scores first, on WGMMA from
             # the q / k tiles P1 left (P2 then writes k' over q)
-            if const_expr(self.scalar_gate):
+            if const_expr(self.scalar_gate and not self.given_t):
                 self._scalar_scores(mma_s, sQ, sK, sG, sA, sAqk, sBeta, scale, wg, tid)
                 cute.arch.barrier()
             sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
