@@ -166,7 +166,7 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     # scores: one (key block, anchor) pair per warp and round, 16 k-steps x 4 n-tiles of tf32 mma.sync (scalar_gate:
     # q k^T on warpgroup 0 and k k^T on warpgroup 1, 8 k-steps of 64x64x16 WGMMA each); the inverse's off-diagonal
     # blocks: 16 products of 16x16 blocks (2 k-steps x 2 n-tiles each); neither with given_t
-    scalar = _VARIANTS[idx].get("scalar_gate", False)
+    scalar = _VARIANTS[idx].get("scalar_gate", False) and not given_t
     assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == (0 if given_t else 128 * (not scalar) + 64)
     assert len(re.findall(r"HGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]", sass)) == 16 * scalar
     # w (warpgroup 0) and u (warpgroup 1): 4 k-steps each, k'/v' read MN-major
