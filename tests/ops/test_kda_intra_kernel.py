@@ -73,6 +73,9 @@ _VARIANTS = [
      "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True},
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False,
      "scalar_gate": True},
+    # ... the training forward's (GdnTuning.training_per_head_gate: T to global memory too)
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": False, "l2norm": True,
+     "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True, "write_akk": True},
     # ... writing the per-token factor rows in place of qg, kg and g_cum (GdnTuning.inference_row_factors)
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "scalar_gate": True, "row_factors": True},

@@ -225,7 +225,8 @@ class ChunkKDAIntraFwdSm90:
         # Akk / T rows of 68 floats: 16-byte rows for P6's vector reads, and the P3 epilogue's column writes and
         # P5's fragment reads free of bank conflicts
         self.a_ld = self.bt + 4
-        self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_y + 16 * 20 * 4)
+        operands = 0 if self.scalar_gate else self.sb_bytes  # (its scores are WGMMAs of the q / k tiles)
+        self.region_bytes = max(operands, self.gin_bytes, self.off_y + 16 * 20 * 4)
         assert self.off_akk + self.bt * self.a_ld * 4 <= min(self.off_aqk, self.off_t)
         assert self.off_aqk + self.bt * self.aqk_ld * 2 <= self.off_y
         assert self.off_t + self.bt * self.bt * 2 <= self.off_y
@@ -810,8 +811,8 @@ class ChunkKDAIntraFwdSm90:
         """scalar_gate's P1 gate: one gate a row, so warp 0 activates the chunk's 64 gates (rows lane and lane + 32)
         and sums them by two 32-lane inclusive scans, the second offset by the first's total, into channel 0 of
         g_cum (the only channel P2 and the scores read with a scalar gate), where the per-channel kernel's 128
-        threads each walk the 64-step chain. Rows past the sequence end add 0, so they hold the last valid row's
-        g_cum, as the state/output kernel reads it."""
+        threads each walk the 64-step chain. Rows past the sequence end hold the last valid row's g_cum, as the
+        state/output kernel reads it."""
         if tid < 32:
             cute.arch.mbarrier_wait(bar_g, 0)
             sums = []
@@ -823,9 +824,13 @@ class ChunkKDAIntraFwdSm90:
                     up = cute.arch.shuffle_sync_up(a, 1 << d)
                     a = Float32(cutlass.select_(tid >= (1 << d), a + up, a))
                 sums.append(a)
-            first_total = cute.arch.shuffle_sync(sums[0], 31)
-            sG[0, tid] = sums[0] * RCP_LN2
-            sG[0, tid + 32] = (sums[1] + first_total) * RCP_LN2
+            lo, hi = sums[0], sums[1] + cute.arch.shuffle_sync(sums[0], 31)
+            # a scan's zeros regroup its additions, so the rows past the end take the last valid row's sum itself
+            # (kg's and the state kernel's decay row then agree with g_cum's bit for bit)
+            lastrow = cutlass.max(valid - 1, 0)
+            last = cute.arch.shuffle_sync(Float32(cutlass.select_(lastrow < 32, lo, hi)), lastrow % 32)
+            sG[0, tid] = Float32(cutlass.select_(tid < valid, lo, last)) * RCP_LN2
+            sG[0, tid + 32] = Float32(cutlass.select_(tid + 32 < valid, hi, last)) * RCP_LN2
 
     @cute.jit
     def _store_aqk(self, sAqk, mAqk, tok0, hv, valid, tidx):
@@ -1173,15 +1178,22 @@ class ChunkKDAIntraFwdSm90:
                     atom.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                # every value before any store: ptxas cannot tell the Akk stores from beta's row and would reload it
                 for e in cutlass.range_constexpr(cute.size(acc)):
                     t, s_ = tSc[e]
-                    # one g_cum per row: channel 0 of the broadcast tile; the masked entries' factors are unused
+                    # one g_cum a row (channel 0); the masked entries' factors are unused
                     d = sG[0, t] - sG[0, s_]
                     x = acc[e] * cute.math.exp2(cute.arch.fmin(d, _ANCHOR_CLAMP), fastmath=True)
                     if const_expr(which == 0):
-                        sAqk[t, s_] = Float32(cutlass.select_(s_ <= t, x * scale, Float32(0.0))).to(self.dtype)
+                        acc[e] = Float32(cutlass.select_(s_ <= t, x * scale, Float32(0.0)))
                     else:
-                        sA[t, s_] = Float32(cutlass.select_(s_ < t, x * sBeta[t], Float32(0.0)))
+                        acc[e] = Float32(cutlass.select_(s_ < t, x * sBeta[t], Float32(0.0)))
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    t, s_ = tSc[e]
+                    if const_expr(which == 0):
+                        sAqk[t, s_] = acc[e].to(self.dtype)
+                    else:
+                        sA[t, s_] = acc[e]
 
     @cute.jit
     def _scores(
@@ -1231,11 +1243,6 @@ class ChunkKDAIntraFwdSm90:
                         s = 16 * kb + _tf32_row(g_) + 8 * (v // 2)
                         t = 16 * anc + (8 * nt + 2 * c + v % 2) % 16
                         x = acc[v + 4 * nt]
-                        if const_expr(self.scalar_gate):
-                            # exp2(gc_t - gc_s) for s <= t is at most 1: exact for any gate (the masked entries
-                            # are not used); one g_cum per row, channel 0 of the broadcast tile
-                            d = sG[0, t] - sG[0, s]
-                            x = x * cute.math.exp2(cute.arch.fmin(d, _ANCHOR_CLAMP), fastmath=True)
                         if const_expr(nt < 2):  # Aqk, staged; stored as 16-byte rows by the caller
                             sAqk[t, s] = Float32(cutlass.select_(s <= t, x * scale, Float32(0.0))).to(dt)
                         else:  # Akk: every (t, s) is written, zero for s >= t
@@ -1337,26 +1344,18 @@ class ChunkKDAIntraFwdSm90:
         for m in cutlass.range_constexpr(self.dk // 16):
             kk = 16 * m + c4
             x = cute.make_rmem_tensor(8, Float32)  # (row i, k 4 m + e) at 4 i + e
-            if const_expr(self.scalar_gate):  # plain k: the gate multiplies the scores in the epilogue
-                for i in cutlass.range_constexpr(2):
-                    rk = cute.make_rmem_tensor(4, self.dtype)
-                    cute.autovec_copy(vec_at(sK0, (kk, rows[i]), 4, 4), rk)
-                    kf = self._widen(rk)
-                    for e in cutlass.range_constexpr(4):
-                        x[4 * i + e] = round_tf32(kf[e])
-            else:
-                rga = cute.make_rmem_tensor(4, Float32)
-                cute.autovec_copy(vec_at(sG, (kk, 16 * anc + anchor_row), 4, 4), rga)
-                for i in cutlass.range_constexpr(2):
-                    s = rows[i]
-                    rk = cute.make_rmem_tensor(4, self.dtype)
-                    rgs = cute.make_rmem_tensor(4, Float32)
-                    cute.autovec_copy(vec_at(sK0, (kk, s), 4, 4), rk)
-                    cute.autovec_copy(vec_at(sG, (kk, s), 4, 4), rgs)
-                    kf = self._widen(rk)
-                    for e in cutlass.range_constexpr(4):
-                        f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
-                        x[4 * i + e] = round_tf32(kf[e] * f)  # k = 0 past the sequence end (P1)
+            rga = cute.make_rmem_tensor(4, Float32)
+            cute.autovec_copy(vec_at(sG, (kk, 16 * anc + anchor_row), 4, 4), rga)
+            for i in cutlass.range_constexpr(2):
+                s = rows[i]
+                rk = cute.make_rmem_tensor(4, self.dtype)
+                rgs = cute.make_rmem_tensor(4, Float32)
+                cute.autovec_copy(vec_at(sK0, (kk, s), 4, 4), rk)
+                cute.autovec_copy(vec_at(sG, (kk, s), 4, 4), rgs)
+                kf = self._widen(rk)
+                for e in cutlass.range_constexpr(4):
+                    f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
+                    x[4 * i + e] = round_tf32(kf[e] * f)  # k = 0 past the sequence end (P1)
             rb = []  # n-tile nt's 4 k values
             for nt in cutlass.range_constexpr(4):
                 rb.append(cute.make_rmem_tensor(4, Float32))
