@@ -118,7 +118,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import GATES, ROW_FACTORS, dsl_type
-from cula.ops.cute_common import FIRST_NAMED_BARRIER, chunk_rows, round_tf32, vec_at
+from cula.ops.cute_common import FIRST_NAMED_BARRIER, chunk_rows, gemm_k_blocks, round_tf32, vec_at
 from cula.ops.kda.sm90.intra import BETA_ACTS
 
 __all__ = ["ChunkKDAIntraFwdSm90"]
@@ -920,11 +920,7 @@ class ChunkKDAIntraFwdSm90:
                 tBx = tKr if which == 0 else tVr
                 mOut = mW if which == 0 else mU
                 warpgroup.fence()
-                atom_wu = cute.make_mma_atom(mma_wu.op)
-                atom_wu.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tTr, mode=[2])):
-                    cute.gemm(atom_wu, accW, tTr[None, None, kb, 0], tBx[None, None, kb, 0], accW)
-                    atom_wu.set(warpgroup.Field.ACCUMULATE, True)
+                gemm_k_blocks(mma_wu, accW, tTr, tBx, False, 0, 0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 # a warp's wait covers its own share of the product; the B tile is rewritten below, so every warp
@@ -1171,11 +1167,7 @@ class ChunkKDAIntraFwdSm90:
             if wg == which:
                 tA = tAq if which == 0 else tAk
                 warpgroup.fence()
-                atom = cute.make_mma_atom(mma_s.op)
-                atom.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-                    cute.gemm(atom, acc, tA[None, None, kb, 0], tBk[None, None, kb, 0], acc)
-                    atom.set(warpgroup.Field.ACCUMULATE, True)
+                gemm_k_blocks(mma_s, acc, tA, tBk, False, 0, 0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 # every value before any store: ptxas cannot tell the Akk stores from beta's row and would reload it
