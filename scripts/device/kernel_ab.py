@@ -194,6 +194,29 @@ def _intra_fwd_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = 
     )  # fmt: skip
 
 
+def _intra_gdn_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = None):
+    """The intra kernel as Gated DeltaNet's inference calls it (``scalar_gate``: g ``[B, T, HV]``, the fused
+    softplus gate, the L2 norm and beta sigmoid in the kernel, the per-token factor rows in place of qg, kg and
+    g_cum), its outputs written in place (``OUT``)."""
+    from cula.ops._host import ROW_FACTORS
+    from cula.testing import make_cu_seqlens
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    rnd = functools.partial(_randn, gen)
+    extra = {} if lens is None else dict(cu_seqlens=make_cu_seqlens(lens, device="cuda"))
+
+    def out(width, dtype=torch.bfloat16):
+        return torch.empty(B, T, HV, width, dtype=dtype, device="cuda")
+
+    return dict(
+        q=rnd(B, T, H, 128), k=rnd(B, T, H, 128), v=rnd(B, T, HV, 128), g=rnd(B, T, HV), beta=rnd(B, T, HV),
+        scale=0.088, w=out(128), u=out(128), qg=None, kg=None, Aqk=out(64), g_cum=None, gate="softplus",
+        A_log=rnd(HV, dtype=torch.float32), dt_bias=rnd(HV, dtype=torch.float32), use_qk_l2norm=True,
+        beta_sigmoid=True, row_factors=out(ROW_FACTORS, torch.float32), OUT=("w", "u", "Aqk", "row_factors"),
+        **extra,
+    )  # fmt: skip
+
+
 def _chain_inputs(HV: int, segments: list[int], state_v_first: bool):
     """The time-parallel chain's inputs (``chunk_kda_segment_chain_sm90``): ``segments[n]`` segments for sequence n,
     random summaries whose transitions keep the chain bounded, initial states; the starts and final states written
@@ -269,6 +292,10 @@ CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
     # the forward's intra kernel (fused norm, gate and beta sigmoid), fixed and packed (empty and partial sequences)
     "intra-B2-T16384": (_INTRA_FWD, lambda: _intra_fwd_inputs(2, 16384, 64, 64)),
     "intra-packed-gva": (_INTRA_FWD, lambda: _intra_fwd_inputs(1, 20000, 4, 8, [1, 8000, 63, 0, 11806, 130])),
+    # ... as Gated DeltaNet's inference runs it (scalar gate, factor rows) at its H200 anchors' shapes, and packed
+    "intra-gdn-T32768-H16-HV32": (_INTRA_FWD, lambda: _intra_gdn_inputs(1, 32768, 16, 32)),
+    "intra-gdn-B4-T8192-H16-HV64": (_INTRA_FWD, lambda: _intra_gdn_inputs(4, 8192, 16, 64)),
+    "intra-gdn-packed": (_INTRA_FWD, lambda: _intra_gdn_inputs(1, 20000, 4, 8, [1, 8000, 63, 0, 11806, 130])),
     # the time-parallel chain: the H200 plans of 4 heads x 64K (16 segments), 8 x 64K (8), 16 x 64K (4), and 16 heads x
     # two sequences
     "segment_chain-H4-M16-vk": (_CHAIN, lambda: _chain_inputs(4, [16], True)),
