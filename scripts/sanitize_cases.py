@@ -440,6 +440,37 @@ def kda_training_recompute_states_copied():
         states.chunk_kda_fwd_h_sm90 = original
 
 
+def _states_then_stage6(copied: bool):
+    """The states kernel (``DeltaHStatesSm90``: h and v_new by TMA tensor stores) and stage 6's kernel on its h and
+    v_new (read by bulk row copies), nothing of FLA's or of a training step between: initcheck's view of those bytes
+    in seconds, where kda_training_recompute_states_copied (a whole step, FLA's kernels instrumented too) has never
+    finished in a device call. ``copied``: h and v_new copied by PyTorch first (ordinary stores)."""
+    from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
+    from cula.ops.kda.sm90.delta_h_states import chunk_kda_fwd_h_sm90
+
+    B, T, HV = 1, 130, 2  # a partial last chunk
+    Tp = -(-T // 64) * 64
+    g = (-0.1 * torch.rand(B, Tp // 64, 64, HV, 128, device=DEV)).cumsum(2).view(B, Tp, HV, 128)[:, :T].contiguous()
+    k, w, u = (_r(B, T, HV, 128, scale=0.1) for _ in range(3))
+    h, v_new, _ = chunk_kda_fwd_h_sm90(k, w, u, g)
+    if copied:
+        h, v_new = h.clone(), v_new.clone()
+    chunk_kda_bwd_wy_dqkg_sm90(
+        _r(B, T, HV, 128), k, _r(B, T, HV, 128), v_new, g, torch.rand(B, T, HV, device=DEV),
+        _r(B, T, HV, 64, scale=0.1), h, _r(B, T, HV, 128), _r(*h.shape, scale=0.1), _r(B, T, HV, 128),
+    )  # fmt: skip
+
+
+@case
+def kda_states_then_stage6():
+    _states_then_stage6(copied=False)
+
+
+@case
+def kda_states_then_stage6_copied():
+    _states_then_stage6(copied=True)
+
+
 @case
 def kda_training_graph_mode():
     # a packed training step in FLA's graph mode: the backward's kernels (the recompute on the intra kernel, stages 6
