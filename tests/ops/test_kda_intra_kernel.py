@@ -139,18 +139,22 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     assert res["cubins"]
     nvdisasm = find_nvdisasm()
     l2norm = _VARIANTS[idx].get("l2norm", False)
+    scalar_gate = _VARIANTS[idx].get("scalar_gate", False)
     if l2norm:
-        # the fused row norms, a thread per row: no shuffles, a correctly rounded sqrt (FLA's 1 / sqrt(sum + eps))
-        assert "shfl.sync.bfly" not in ptx and "sqrt.rn.f32" in ptx
+        # the fused row norms, a thread per row (scalar_gate: two lanes a row, one shuffle), a correctly rounded
+        # sqrt (FLA's 1 / sqrt(sum + eps))
+        assert ("shfl.sync.bfly" in ptx) == scalar_gate and "sqrt.rn.f32" in ptx
     # 16-byte shared stores: P2's score operands (two fp32 units of a q and a k row, 2 sub-chunks, 2 rounds; not
     # with given_t, nor with scalar_gate, whose scores are WGMMAs of the q / k tiles) and k' (4 rows), beta v (4
-    # rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end (16), the row norms (16);
+    # rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end (16) and the row norms (16) (scalar_gate:
+    # 8 for a half row, zeros or normalised);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
     # thread; not with given_t), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores but
     # write_rstd's 1 / norm (one a row-norm thread)
     given_t = _VARIANTS[idx].get("given_t", False)
-    plain_scores = given_t or _VARIANTS[idx].get("scalar_gate", False)
-    assert ptx.count("st.shared.v4") == 42 - 16 * plain_scores + 16 * l2norm, ptx.count("st.shared.v4")
+    plain_scores = given_t or scalar_gate
+    p1_rows = 8 if scalar_gate else 16 + 16 * l2norm
+    assert ptx.count("st.shared.v4") == 26 - 16 * plain_scores + p1_rows, ptx.count("st.shared.v4")
     write_akk = _VARIANTS[idx].get("write_akk", False)
     # row_factors: one 16-byte factor row (a thread a row, 4 rows) in place of g_cum's and qg / kg's 16 stores
     row_factors = _VARIANTS[idx].get("row_factors", False)

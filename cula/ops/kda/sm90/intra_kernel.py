@@ -62,7 +62,7 @@ P0     warp 0: mbarrier + three TMA tile loads (q, k [64 x 128] of head hv // (H
        act_b(beta) row to smem (0 past the sequence end); wait
 P1     WG0: gate activation + cumsum, one channel per thread (scalar_gate: warp 0's two scans, channel 0 only),
        g_cum to smem (any_gate: and whether a channel strays past the bound from a sub-chunk's anchor row, voted
-       per warp into smem).  WG1, one thread per q / k
+       per warp into smem).  WG1 (scalar_gate: both warpgroups, two lanes a row), one thread per q / k
        row: rows past the sequence end zeroed, the others normalised in place (l2norm_qk; with write_rstd the
        row's 1 / norm to gmem from the first value head of its q / k head's group)
 P1x    any_gate's exact path only: the diagonal blocks' 544 (t, s <= t) score pairs, a thread a pair, to smem
@@ -725,12 +725,14 @@ class ChunkKDAIntraFwdSm90:
         channel's g_cum in some sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from the anchor row's, rows past
         the sequence end taken as the products read them (the last valid row's g_cum)."""
         BT, DK, dt = self.bt, self.dk, self.dtype
-        if wg == 0:
-            if const_expr(self.scalar_gate):
+        if const_expr(self.scalar_gate):  # warp 0 scans the gates, then all 256 threads take the rows, two a row
+            if wg == 0:
                 self._scalar_gate_scan(sGin0, sG, base, bar_g, coef, bias, lower_bound, valid, tid)
-            else:
-                self._channel_gate_cumsum(sGin0, sG, sG_ptr, base, bar_g, coef, bias, lower_bound, valid, tid,
-                                          sFlags, warp_idx)  # fmt: skip
+            cute.arch.mbarrier_wait(bar, 0)
+            self._row_norms_paired(sQ0, valid, wg * 128 + tid, x_elems, mRstd, tok0, h, head_first, sRstd)
+        elif wg == 0:
+            self._channel_gate_cumsum(sGin0, sG, sG_ptr, base, bar_g, coef, bias, lower_bound, valid, tid, sFlags,
+                                      warp_idx)  # fmt: skip
             cute.arch.mbarrier_wait(bar, 0)  # q and k, read by everyone from P2 on
         else:
             cute.arch.mbarrier_wait(bar, 0)
@@ -805,6 +807,55 @@ class ChunkKDAIntraFwdSm90:
             last = sG[tid, valid - 1]
             for t in cutlass.range(valid, BT, unroll=1):
                 sG[tid, t] = last
+
+    @cute.jit
+    def _row_norms_paired(self, sQ0, valid, tidx, x_elems, mRstd, tok0, h, head_first, sRstd):
+        """scalar_gate's P1 rows, where warpgroup 0 has no 64-step gate chain to walk: the 128 q / k rows over all
+        256 threads, lanes 2 r and 2 r + 1 taking row r's two channel halves (one 128-byte swizzle row each) and
+        meeting their sums of squares by a shuffle, half the per-thread chain of a row a thread. Rows past the
+        sequence end become zeros, as ``_gate_cumsum_and_norms``'s."""
+        BT, DK, dt, V8 = self.bt, self.dk, self.dtype, 8
+        row = tidx // 2  # q's rows, then k's
+        t = row % BT
+        c0 = (tidx % 2) * (DK // 2)
+        off = cute.assume(Int32(cutlass.select_(row < BT, 0, x_elems)), divby=x_elems)
+        sX0 = cute.make_tensor(sQ0.iterator + off, sQ0.layout)
+        units = DK // 2 // V8
+        live = t < valid
+        if const_expr(not self.l2norm_qk):
+            if not live:
+                zero = cute.make_rmem_tensor(V8, dt)
+                zero.fill(0.0)
+                for c in cutlass.range_constexpr(units):
+                    cute.autovec_copy(zero, vec_at(sX0, (c0 + V8 * c, t)))
+        else:
+            rx = []  # the half row stays in registers between the sum and the scaling
+            for c in cutlass.range_constexpr(units):
+                rx.append(cute.make_rmem_tensor(V8, dt))
+                cute.autovec_copy(vec_at(sX0, (c0 + V8 * c, t)), rx[c])
+            ss = cute.make_rmem_tensor(V8, Float32)  # 8 partial sums: short dependent chains
+            ss.fill(0.0)
+            for c in cutlass.range_constexpr(units):
+                xf = self._widen(rx[c])
+                for e in cutlass.range_constexpr(V8):
+                    ss[e] = ss[e] + xf[e] * xf[e]
+            part = ((ss[0] + ss[1]) + (ss[2] + ss[3])) + ((ss[4] + ss[5]) + (ss[6] + ss[7]))
+            # every lane shuffles (rows past the end too: the pair's lanes always share a row, so a row's branch
+            # below is the pair's)
+            tot = part + cute.arch.shuffle_sync_bfly(part, 1)
+            r = Float32(1.0) / cute.math.sqrt(tot + L2NORM_EPS)  # FLA's 1 / sqrt(sum + eps), correctly rounded
+            for c in cutlass.range_constexpr(units):
+                xf = self._widen(rx[c])
+                for e in cutlass.range_constexpr(V8):
+                    # rows past the end: zeros, not x * 0 (the next sequence's tokens may hold anything)
+                    rx[c][e] = Float32(cutlass.select_(live, xf[e] * r, Float32(0.0))).to(dt)
+                cute.autovec_copy(rx[c], vec_at(sX0, (c0 + V8 * c, t)))
+            if live & (tidx % 2 == 0):
+                if const_expr(self.write_rstd):
+                    if head_first:
+                        mRstd[row // BT, tok0 + t, h] = r
+                if const_expr(self.row_factors):  # for P2's factor rows
+                    sRstd[row] = r
 
     @cute.jit
     def _scalar_gate_scan(self, sGin0, sG, base, bar_g, coef, bias, lower_bound, valid, tid):
