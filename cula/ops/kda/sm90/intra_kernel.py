@@ -62,9 +62,9 @@ P0     warp 0: mbarrier + three TMA tile loads (q, k [64 x 128] of head hv // (H
        act_b(beta) row to smem (0 past the sequence end); wait
 P1     WG0: gate activation + cumsum, one channel per thread (scalar_gate: warp 0's two scans, channel 0 only),
        g_cum to smem (any_gate: and whether a channel strays past the bound from a sub-chunk's anchor row, voted
-       per warp into smem).  WG1 (scalar_gate: both warpgroups, two lanes a row), one thread per q / k
-       row: rows past the sequence end zeroed, the others normalised in place (l2norm_qk; with write_rstd the
-       row's 1 / norm to gmem from the first value head of its q / k head's group)
+       per warp into smem).  WG1, one thread per q / k row (scalar_gate: both warpgroups, two lanes a row):
+       rows past the sequence end zeroed, the others normalised in place (l2norm_qk; with write_rstd the row's
+       1 / norm to gmem from the first value head of its q / k head's group)
 P1x    any_gate's exact path only: the diagonal blocks' 544 (t, s <= t) score pairs, a thread a pair, to smem
 P2     round r, sub-chunks (0, 1) then (2, 3), all threads, 8 channels per access: their g_cum, qg, kg rows to
        gmem, their score B operands (query factor * q | k, tf32-rounded fp32) to smem, k' = bf16(bf16(beta k)
@@ -720,10 +720,11 @@ class ChunkKDAIntraFwdSm90:
     ):  # fmt: skip
         """P1: the gate activation and its chunk cumsum (warpgroup 0, a channel a thread, g_cum into shared
         memory), the q and k rows past the sequence end zeroed and the others L2-normalised (warpgroup 1, a row a
-        thread; with ``write_rstd`` the first value head of the q / k head's group, ``head_first``, also stores the
-        row's 1 / norm in ``mRstd``). With ``any_gate`` warpgroup 0 also records per warp in ``sFlags`` whether a
-        channel's g_cum in some sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from the anchor row's, rows past
-        the sequence end taken as the products read them (the last valid row's g_cum)."""
+        thread; with a scalar gate both warpgroups, ``_row_norms_paired``; with ``write_rstd`` the first value head
+        of the q / k head's group, ``head_first``, also stores the row's 1 / norm in ``mRstd``). With ``any_gate``
+        warpgroup 0 also records per warp in ``sFlags`` whether a channel's g_cum in some sub-chunk lies more than
+        ``_ANCHOR_SPAN`` (base 2) from the anchor row's, rows past the sequence end taken as the products read them
+        (the last valid row's g_cum)."""
         BT, DK, dt = self.bt, self.dk, self.dtype
         if const_expr(self.scalar_gate):  # warp 0 scans the gates, then all 256 threads take the rows, two a row
             if wg == 0:
@@ -821,18 +822,22 @@ class ChunkKDAIntraFwdSm90:
         off = cute.assume(Int32(cutlass.select_(row < BT, 0, x_elems)), divby=x_elems)
         sX0 = cute.make_tensor(sQ0.iterator + off, sQ0.layout)
         units = DK // 2 // V8
+        # the odd lane walks its units in another order (XOR 4): a quarter warp's 16-byte accesses (4 rows x 2
+        # halves, the halves 8 KB apart under one swizzle key) then fall on 8 distinct units, all 32 banks
+        flip = (tidx % 2) * 4
+        cols = [c0 + V8 * (Int32(c) ^ flip) for c in range(units)]
         live = t < valid
         if const_expr(not self.l2norm_qk):
             if not live:
                 zero = cute.make_rmem_tensor(V8, dt)
                 zero.fill(0.0)
                 for c in cutlass.range_constexpr(units):
-                    cute.autovec_copy(zero, vec_at(sX0, (c0 + V8 * c, t)))
+                    cute.autovec_copy(zero, vec_at(sX0, (cols[c], t)))
         else:
             rx = []  # the half row stays in registers between the sum and the scaling
             for c in cutlass.range_constexpr(units):
                 rx.append(cute.make_rmem_tensor(V8, dt))
-                cute.autovec_copy(vec_at(sX0, (c0 + V8 * c, t)), rx[c])
+                cute.autovec_copy(vec_at(sX0, (cols[c], t)), rx[c])
             ss = cute.make_rmem_tensor(V8, Float32)  # 8 partial sums: short dependent chains
             ss.fill(0.0)
             for c in cutlass.range_constexpr(units):
@@ -849,7 +854,7 @@ class ChunkKDAIntraFwdSm90:
                 for e in cutlass.range_constexpr(V8):
                     # rows past the end: zeros, not x * 0 (the next sequence's tokens may hold anything)
                     rx[c][e] = Float32(cutlass.select_(live, xf[e] * r, Float32(0.0))).to(dt)
-                cute.autovec_copy(rx[c], vec_at(sX0, (c0 + V8 * c, t)))
+                cute.autovec_copy(rx[c], vec_at(sX0, (cols[c], t)))
             if live & (tidx % 2 == 0):
                 if const_expr(self.write_rstd):
                     if head_first:
