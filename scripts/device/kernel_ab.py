@@ -197,24 +197,14 @@ def _intra_fwd_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = 
 def _intra_gdn_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = None):
     """The intra kernel as Gated DeltaNet's inference calls it (``scalar_gate``: g ``[B, T, HV]``, the fused
     softplus gate, the L2 norm and beta sigmoid in the kernel, the per-token factor rows in place of qg, kg and
-    g_cum), its outputs written in place (``OUT``)."""
+    g_cum): ``_intra_fwd_inputs`` with one gate a head, its outputs written in place (``OUT``)."""
     from cula.ops._host import ROW_FACTORS
-    from cula.testing import make_cu_seqlens
 
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    rnd = functools.partial(_randn, gen)
-    extra = {} if lens is None else dict(cu_seqlens=make_cu_seqlens(lens, device="cuda"))
-
-    def out(width, dtype=torch.bfloat16):
-        return torch.empty(B, T, HV, width, dtype=dtype, device="cuda")
-
-    return dict(
-        q=rnd(B, T, H, 128), k=rnd(B, T, H, 128), v=rnd(B, T, HV, 128), g=rnd(B, T, HV), beta=rnd(B, T, HV),
-        scale=0.088, w=out(128), u=out(128), qg=None, kg=None, Aqk=out(64), g_cum=None, gate="softplus",
-        A_log=rnd(HV, dtype=torch.float32), dt_bias=rnd(HV, dtype=torch.float32), use_qk_l2norm=True,
-        beta_sigmoid=True, row_factors=out(ROW_FACTORS, torch.float32), OUT=("w", "u", "Aqk", "row_factors"),
-        **extra,
-    )  # fmt: skip
+    x = _intra_fwd_inputs(B, T, H, HV, lens)
+    del x["lower_bound"]
+    return {**x, "g": x["g"][..., 0].contiguous(), "dt_bias": x["dt_bias"][:HV].contiguous(), "gate": "softplus",
+            "qg": None, "kg": None, "g_cum": None, "OUT": ("w", "u", "Aqk", "row_factors"),
+            "row_factors": torch.empty(B, T, HV, ROW_FACTORS, dtype=torch.float32, device="cuda")}  # fmt: skip
 
 
 def _chain_inputs(HV: int, segments: list[int], state_v_first: bool):
