@@ -371,13 +371,19 @@ def load_row_factors(rKf: cute.Tensor, sF: cute.Tensor, tVcV: cute.Tensor, stage
     both 0 past the sequence end (``valid`` rows), so that v_new's zeros there stay zeros whatever the rows hold;
     returns the chunk's decay ``exp2(g_last)``, the last valid row's ``f_g``. ``tVcV``: the ``(v, t)`` coordinates of
     a token-column accumulator ``((2, 2, BT/8), 1, 1)``; ``rKf``, ``rQf`` its ``column_decay`` registers."""
-    for j in range(cute.size(rKf)):
-        t = tVcV[(j % 2, 0, j // 2), 0, 0][1]
-        live = t < valid
-        rKf[j] = Float32(cutlass.select_(live, sF[t, 1, stage], Float32(0.0)))
-        if rQf is not None:
-            rQf[j] = Float32(cutlass.select_(live, sF[t, 0, stage] * scale, Float32(0.0)))
+    load_token_factors(rKf, sF, tVcV, stage, valid, 1)
+    if rQf is not None:
+        load_token_factors(rQf, sF, tVcV, stage, valid, 0, scale)
     return sF[valid - 1, 2, stage]
+
+
+def load_token_factors(rF: cute.Tensor, sF: cute.Tensor, tVcV: cute.Tensor, stage, valid, slot: int, scale=None):
+    """Entry ``slot`` of this thread's token columns' factor rows (times ``scale``) into ``rF``, 0 past the
+    sequence end (see ``load_row_factors``)."""
+    for j in range(cute.size(rF)):
+        t = tVcV[(j % 2, 0, j // 2), 0, 0][1]
+        f = sF[t, slot, stage] if scale is None else sF[t, slot, stage] * scale
+        rF[j] = Float32(cutlass.select_(t < valid, f, Float32(0.0)))
 
 
 def scale_token_columns(acc: cute.Tensor, rF: cute.Tensor) -> None:

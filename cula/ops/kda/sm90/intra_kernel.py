@@ -170,7 +170,7 @@ class ChunkKDAIntraFwdSm90:
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
         scalar_gate: bool = False, given_t: bool = False, any_gate: bool = False, write_rstd: bool = False,
-        row_factors: bool = False,
+        row_factors: bool = False, wy_in_recurrence: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
@@ -202,11 +202,18 @@ class ChunkKDAIntraFwdSm90:
         if self.write_rstd and not self.l2norm_qk:
             raise ValueError("write_rstd writes the L2 norm's 1 / norms: it needs l2norm_qk")
         # scalar_gate only: instead of qg, kg and g_cum, each row's factors f_q = rstd_q exp2(gc), f_k = rstd_k
-        # exp2(gl - gc), f_g = exp2(gc) (and a 0) in mQg (T_total, HV, ROW_FACTORS) fp32, 16 bytes a row where qg
-        # and kg are 512: the state/output kernel's row_factors variant applies them to the raw q and k
+        # exp2(gl - gc), f_g = exp2(gc), f_x = rstd_k exp2(gc) in mQg (T_total, HV, ROW_FACTORS) fp32, 16 bytes a
+        # row where qg and kg are 512: the state/output kernel's row_factors variant applies them to the raw q and k
         self.row_factors = bool(row_factors)
         if self.row_factors and not (self.scalar_gate and not self.given_t and not self.write_akk):
             raise ValueError("row_factors is for scalar_gate inference calls (no given_t, no write_akk)")
+        # row_factors only: neither w nor u, and no v read; bf16 T diag(beta) to mAkk instead (128 bytes a row where
+        # w and u are 512), from which the state/output kernel's wy_in_recurrence variant makes v_new itself, with
+        # the raw v and k (the factor rows' fourth entry, f_x = rstd_k exp2(gc), scales its k S)
+        self.wy_in_recurrence = bool(wy_in_recurrence)
+        if self.wy_in_recurrence and not self.row_factors:
+            raise ValueError("wy_in_recurrence writes the factor rows' T diag(beta) for the recurrence: it needs "
+                             "row_factors")
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype, self.g_dtype, self.beta_dtype = dtype, g_dtype, beta_dtype
@@ -242,12 +249,13 @@ class ChunkKDAIntraFwdSm90:
         mBeta: cute.Tensor,  # (T_total, HV) beta_dtype
         mAlog: cute.Tensor,  # (HV,) fp32
         mBias: cute.Tensor,  # (HV, K) fp32; (HV,) with scalar_gate
-        mW: cute.Tensor,  # (T_total, HV, K)  dtype, out
-        mU: cute.Tensor,  # (T_total, HV, V)  dtype, out
+        mW: cute.Tensor | None,  # (T_total, HV, K)  dtype, out; None with wy_in_recurrence
+        mU: cute.Tensor | None,  # (T_total, HV, V)  dtype, out; None with wy_in_recurrence
         mQg: cute.Tensor,  # (T_total, HV, K) dtype, out; row_factors: (T_total, HV, ROW_FACTORS) fp32, out
         mKg: cute.Tensor | None,  # (T_total, HV, K) dtype, out; None with row_factors
         mAqk: cute.Tensor | None,  # (T_total, HV, BT) dtype, out; None with given_t
-        mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype: bf16 (I + Akk)^-1, out (write_akk) or in (given_t)
+        mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype: bf16 (I + Akk)^-1, out (write_akk) or in (given_t);
+        #                            wy_in_recurrence: bf16 T diag(beta), out
         mG: cute.Tensor | None,  # (T_total, HV, K) fp32, out; None with row_factors
         mRstd: cute.Tensor | None,  # (2, T_total, H) fp32, out: q's and k's 1 / norms (write_rstd; else None)
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
@@ -281,17 +289,21 @@ class ChunkKDAIntraFwdSm90:
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
-        tma_v, tv = cpasync.make_tiled_tma_atom(g2s, v_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+        tma_v = tv = None  # wy_in_recurrence: v is the recurrence's to read
+        if const_expr(not self.wy_in_recurrence):
+            tma_v, tv = cpasync.make_tiled_tma_atom(g2s, v_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
         tma_g, tg = None, mGin  # scalar_gate: P0 copies the chunk's 64 gates from global memory
         if const_expr(not self.scalar_gate):
             g_v = cute.make_tensor(mGin.iterator, cute.select(mGin.layout, mode=[2, 0, 1]))  # (K, T, HV)
             tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sGin_l, mode=[0, 1]), (DK, BT))
         # w / u leave from the k / v tiles they are staged in, whose layout is the loads' (feature, token) one
-        s2g = cpasync.CopyBulkTensorTileS2GOp()
-        w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 0, 1]))  # (K, T, HV)
-        u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
-        tma_w, tw = cpasync.make_tiled_tma_atom(s2g, w_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
-        tma_u, tu = cpasync.make_tiled_tma_atom(s2g, u_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+        tma_w = tw = tma_u = tu = None  # (wy_in_recurrence: no w, u; mW and mU are None)
+        if const_expr(not self.wy_in_recurrence):
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 0, 1]))  # (K, T, HV)
+            u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
+            tma_w, tw = cpasync.make_tiled_tma_atom(s2g, w_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+            tma_u, tu = cpasync.make_tiled_tma_atom(s2g, u_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
 
         # ~97 KB, so that two CTAs share an SM (see the module docstring)
         @cute.struct
@@ -315,7 +327,7 @@ class ChunkKDAIntraFwdSm90:
             mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mRstd, mCu, mCi, seqlen, scale, lower_bound,
             mma_wu, mma_s, sX_l, sGin_l, sT_l,
         ).launch(
-            grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
+            grid=(num_chunks, mBeta.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
             # two CTAs per SM: ptxas keeps to 128 registers; the carveout is the most shared memory (%)
             min_blocks_per_mp=2, max_number_threads=[self.num_threads, 1, 1], preferred_smem_carveout=100,
         )  # fmt: skip
@@ -471,16 +483,7 @@ class ChunkKDAIntraFwdSm90:
             if const_expr(self.row_factors):
                 # one thread a row (channel 0's unit): its factors, 16 bytes, in place of qg, kg and g_cum
                 if live & (c8 == 0):
-                    nq, nk = Float32(1.0), Float32(1.0)  # the rows' 1 / norms
-                    if const_expr(self.l2norm_qk):
-                        nq, nk = sRstd[t], sRstd[BT + t]
-                    eg = cute.math.exp2(rg[0], fastmath=True)
-                    rf = cute.make_rmem_tensor(ROW_FACTORS, Float32)
-                    rf[0] = nq * eg
-                    rf[1] = nk * cute.math.exp2(rgl[0] - rg[0], fastmath=True)
-                    rf[2] = eg
-                    rf[3] = Float32(0.0)
-                    cute.autovec_copy(rf, mQg[tok0 + t, hv, None])
+                    self._store_factor_row(sG, sRstd, mQg, tok0, hv, t, rg[0], rgl[0])
             elif const_expr(self.g_cum_last_only):  # noqa: SIM102 - a trace-time condition around a run-time one
                 if t == valid - 1:
                     cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
@@ -490,6 +493,39 @@ class ChunkKDAIntraFwdSm90:
                         cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
                     cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
                     cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
+
+    @cute.jit
+    def _store_factor_row(self, sG, sRstd, mF, tok0, hv, t, gc: Float32, gl: Float32):
+        """Row t's factors (``row_factors``), 16 bytes: f_q = rstd_q exp2(gc), f_k = rstd_k exp2(gl - gc), f_g =
+        exp2(gc), f_x = rstd_k exp2(gc) (the 1 / norms 1 without l2norm_qk; f_x is read by the wy_in_recurrence
+        variants only)."""
+        nq, nk = Float32(1.0), Float32(1.0)
+        if const_expr(self.l2norm_qk):
+            nq, nk = sRstd[t], sRstd[self.bt + t]
+        eg = cute.math.exp2(gc, fastmath=True)
+        rf = cute.make_rmem_tensor(ROW_FACTORS, Float32)
+        rf[0] = nq * eg
+        rf[1] = nk * cute.math.exp2(gl - gc, fastmath=True)
+        rf[2] = eg
+        rf[3] = nk * eg
+        cute.autovec_copy(rf, mF[tok0 + t, hv, None])
+
+    @cute.jit
+    def _store_t_beta(self, sA, sBeta, mTb, tok0, hv, valid, tidx):
+        """wy_in_recurrence's P6: the valid rows of bf16(T diag(beta)) (T in ``sA``, fp32, zeros above the diagonal;
+        beta 0 past the sequence end) to ``mTb``, 8 columns a store."""
+        BT, dt = self.bt, self.dtype
+        for j in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
+            item = tidx + j * self.num_threads
+            t = item // 8
+            s0 = cute.assume((item % 8) * 8, divby=8)
+            if t < valid:
+                rt = cute.make_rmem_tensor(8, dt)
+                for h4 in cutlass.range_constexpr(2):
+                    ra = self._a_row4(sA, t, s0 + 4 * h4)
+                    for e in cutlass.range_constexpr(4):
+                        rt[4 * h4 + e] = (ra[e] * sBeta[s0 + 4 * h4 + e]).to(dt)
+                cute.autovec_copy(rt, cute.make_tensor(mTb[tok0 + t, hv, None].iterator + s0, cute.make_layout(8)))
 
     @cute.jit
     def _store_rows_vec(self, sX0, mOut, tok0, hv, valid, tid):
@@ -565,7 +601,7 @@ class ChunkKDAIntraFwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         tid = tidx % 128
-        HV = mW.shape[1]
+        HV = mBeta.shape[1]
         group = HV // tq.shape[2]
         h = hv // group
 
@@ -637,13 +673,18 @@ class ChunkKDAIntraFwdSm90:
             if const_expr(self.scalar_gate and not self.given_t):
                 self._scalar_scores(mma_s, sQ, sK, sG, sA, sAqk, sBeta, scale, wg, tid)
                 cute.arch.barrier()
-            sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
-            for rnd in cutlass.range_constexpr(2):
-                self._qg_kg_score_operands_vec(
-                    sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd], 8, sRstd
-                )  # fmt: skip
-            cute.arch.barrier()
-            self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
+            if const_expr(self.wy_in_recurrence):  # the factor rows alone: no k', no v
+                if tidx < BT:
+                    if tidx < valid:
+                        self._store_factor_row(sG, sRstd, mQg, tok0, hv, tidx, sG[0, tidx], sG[0, BT - 1])
+            else:
+                sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
+                for rnd in cutlass.range_constexpr(2):
+                    self._qg_kg_score_operands_vec(
+                        sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd], 8, sRstd
+                    )  # fmt: skip
+                cute.arch.barrier()
+                self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
         else:
             self._scores(
                 sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
@@ -658,11 +699,15 @@ class ChunkKDAIntraFwdSm90:
             self._store_aqk(sAqk, mAqk, tok0, hv, valid, tidx)
             self._solve(sA, base, tidx, warp_idx)
 
-        # ---------------- P6: bf16(T) and v' = bf16(beta v) as WGMMA operands (k' is P2's) ----------------
-        self._wy_operands(sT, sA, sV0, sBeta, mAkk, bar, tok0, hv, valid, tidx)
+        if const_expr(self.wy_in_recurrence):
+            # ---------------- P6 alone: bf16(T diag(beta)) to global memory ----------------
+            self._store_t_beta(sA, sBeta, mAkk, tok0, hv, valid, tidx)
+        else:
+            # ---------------- P6: bf16(T) and v' = bf16(beta v) as WGMMA operands (k' is P2's) ----------------
+            self._wy_operands(sT, sA, sV0, sBeta, mAkk, bar, tok0, hv, valid, tidx)
 
-        # ---------------- P7: w = T k' (WG0), u = T v' (WG1) ----------------
-        self._wy_products(mma_wu, sT, sKp, sV, sV0, tma_w, tw, tma_u, tu, mW, mU, tok0, hv, valid, wg, tid)
+            # ---------------- P7: w = T k' (WG0), u = T v' (WG1) ----------------
+            self._wy_products(mma_wu, sT, sKp, sV, sV0, tma_w, tw, tma_u, tu, mW, mU, tok0, hv, valid, wg, tid)
 
     @cute.jit
     def _load_chunk(
@@ -1464,11 +1509,11 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4) if kernel.scalar_gate
         else make_fake_tensor(Float32, (hv, DK), (DK, 1), assumed_align=16),
-        tok(dtype, hv, DK), tok(dtype, hv, DK),
+        *((None, None) if kernel.wy_in_recurrence else (tok(dtype, hv, DK), tok(dtype, hv, DK))),
         # qg and kg, or the factor rows
         *((tok(Float32, hv, ROW_FACTORS), None) if kernel.row_factors else (tok(dtype, hv, DK), tok(dtype, hv, DK))),
         None if kernel.given_t else tok(dtype, hv, BT),
-        tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t else None,
+        tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t or kernel.wy_in_recurrence else None,
         None if kernel.row_factors else tok(Float32, hv, DK),
         make_fake_tensor(Float32, (2, tt, h), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
         if kernel.write_rstd else None,
