@@ -274,16 +274,18 @@ def gdn_row_factors():
                 use_beta_sigmoid_in_kernel=True, A_log=torch.rand(2, device=DEV), dt_bias=torch.rand(2, device=DEV),
                 cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), **general,
             )  # fmt: skip
-    # cut in time (every sequence past 128 tokens), with and without the halves: the summary's row-factor variant
+    # cut in time (every sequence past 128 tokens), with and without the halves: the summary's row-factor variants
+    # (with v_new made in the recurrence too)
     from cula.kda.plan import KDA_TUNING
     from cula.time_split import SplitThresholds
 
     cu = torch.tensor([0, 300, 300, 301, 370], dtype=torch.int32, device=DEV)
     x = (_r(1, 370, 1, 128), _r(1, 370, 1, 128), _r(1, 370, 2, 128), -torch.rand(1, 370, 2, device=DEV),
          torch.rand(1, 370, 2, device=DEV))  # fmt: skip
-    for halves in (False, True):
+    for halves, wy in itertools.product((False, True), (False, True)):
         with torch.inference_mode(), KDA_TUNING.override(time_split_halves=halves), \
                 GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=True,
+                                    inference_wy_in_recurrence=wy,
                                     time_split=SplitThresholds(1e9, 1e9, 128, 0)):  # (Gated DeltaNet's own cut)
             chunk_gated_delta_rule(*x, initial_state=torch.randn(4, 2, 128, 128, device=DEV) * 0.1,
                                    output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,

@@ -231,7 +231,7 @@ def test_gdn_row_factors_cut_in_time_cuda(halves, wy, gdn_tuning, kda_tuning, mo
     """The factor rows through the exact time-parallel path (the segment summary's and the packed output pass's
     row_factors variants; every sequence past 128 tokens cut into 128-token segments): a ragged pack with an empty,
     a one-token and a partial-chunk sequence, initial states, GVA, against the float64 reference and the uncut
-    call (``wy``: with ``inference_wy_in_recurrence``, which the uncut call takes and the cut one leaves)."""
+    call (``wy``: both with ``inference_wy_in_recurrence``, the summary's variant too)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.gated_delta_rule import chunk_gated_delta_rule

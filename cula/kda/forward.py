@@ -107,8 +107,8 @@ def chunk_kda_fwd_sm90(
             applies them to the raw q and k (``GdnTuning.inference_row_factors``); ignored elsewhere, and for fp16
             with the L2 norm (GEMM4's operand ``v_new f_k`` carries the 1 / norm, up to 1000, past fp16's range
             where kg, at most 1 in size, stays inside it).
-        wy_in_recurrence: with the factor rows, a call not cut in time: the intra kernel writes T diag(beta)
-            instead of w and u, and the state/output kernel makes v_new of it and the raw v and k
+        wy_in_recurrence: with the factor rows: the intra kernel writes T diag(beta) instead of w and u, and the
+            state/output kernel (and a time split's segment summary) makes v_new of it and the raw v and k
             (``GdnTuning.inference_wy_in_recurrence``).
         time_split: when to cut the call in time (``cula.kda.plan.parallel_segments``): ``"kda"``, the entry's
             ``KdaTuning.time_split``, or another op's thresholds (Gated DeltaNet's ``GdnTuning.time_split``).
@@ -183,8 +183,7 @@ def chunk_kda_fwd_sm90(
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
     if (row_factors and scalar_gate and cute_intra and not keep_scores and not keep_states
             and factor_rows_fit(q.dtype, use_qk_l2norm_in_kernel)):  # fmt: skip
-        # (the segment summary of a time split reads w and u)
-        wy = {"wy_in_recurrence": True} if wy_in_recurrence and split is None else {}
+        wy = {"wy_in_recurrence": True} if wy_in_recurrence else {}
         w, u, factors, Aqk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
             use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, row_factors=True, **wy,
@@ -195,7 +194,8 @@ def chunk_kda_fwd_sm90(
                                          row_factors=True, **wy)  # fmt: skip
         else:
             parallel_segment_states(split, w, u, k, q, factors, Aqk, o, initial_state, final_state, **states,
-                                    halves=KDA_TUNING.for_device(q.device).time_split_halves, row_factors=True)
+                                    halves=KDA_TUNING.for_device(q.device).time_split_halves, row_factors=True,
+                                    **wy)  # fmt: skip
         return o, final_state
     if cute_intra:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
@@ -259,7 +259,7 @@ def _state_outputs(u, cu32, chunk_indices, static_rows: bool = False) -> dict:
 def parallel_segment_states(
     plan, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, *, scale, state_v_first, aqk_causal,
     halves=False, states_fn=chunk_kda_delta_h_fwd_o_sm90, summary_fn=chunk_kda_segment_summary_sm90,
-    chain_fn=chunk_kda_segment_chain_sm90, row_factors=False,
+    chain_fn=chunk_kda_segment_chain_sm90, row_factors=False, wy_in_recurrence=False,
 ):  # fmt: skip
     """The state recurrence and the output of ``plan``'s segments (``cula.time_split``) all at once, exactly.
 
@@ -279,13 +279,15 @@ def parallel_segment_states(
     one-step chain per segment starts the second half from ``R_mid start + E_mid``, and step 3 runs over the halves.
 
     With ``row_factors`` (Gated DeltaNet) ``kg`` and ``qg`` are the raw k and q and ``g_cum`` the intra kernel's
-    factor rows, which the summary and the state/output kernel apply (their ``row_factors`` variants).
+    factor rows, which the summary and the state/output kernel apply (their ``row_factors`` variants); with
+    ``wy_in_recurrence`` as well ``w`` and ``u`` are T diag(beta) and the raw v (their ``wy_in_recurrence``
+    variants).
 
     Each kernel runs segments x value heads CTAs (twice that for 1), where the serial kernel runs sequences x value
     heads, each walking its whole sequence. The intermediates (``w, u, kg, qg, g_cum, Aqk`` of the intra stage) are
     the serial path's: segments start on chunk boundaries of their sequence, so every chunk is the same chunk."""
-    B, T, HV, K = w.shape
-    V = u.shape[-1]
+    B, T, HV, V = u.shape
+    K = kg.shape[-1]
     M = plan.num_segments
     dev = w.device
     seg_cu = on_device(plan.bounds, torch.int32, dev)
@@ -294,6 +296,8 @@ def parallel_segment_states(
     # (row_factors: kg and qg are the raw k and q of H heads, g_cum the factor rows)
     W, U, KG, QG, G, A, O = (t.view(1, B * T, t.shape[2], t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
     rows = {"row_factors": True} if row_factors else {}
+    if wy_in_recurrence:
+        rows["wy_in_recurrence"] = True
     inner = (V, K) if state_v_first else (K, V)
     summary = torch.empty((M, 2 * HV) + inner, dtype=torch.float32, device=dev)
     if not halves:

@@ -67,10 +67,9 @@ from cula.cache import compile_options
 from cula.ops._host import ROW_FACTORS, dsl_type
 from cula.ops.cute_common import (
     FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout,
-    gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_token_factors,
-    load_u_and_row_mask,
+    gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_u_and_row_mask,
     recurrence_pipeline, scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major,
-    token_tile_b_k_major, token_tile_b_mn_major,
+    token_tile_b_k_major, token_tile_b_mn_major, wy_v_new,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
@@ -529,17 +528,9 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
             warpgroup.commit_group()
             if const_expr(self.wy_in_recurrence):
-                # x = v - f_x o (k S) (0 past the end), then v_new^T = bf16(x^T) (T diag(beta))^T while GEMM2 runs;
-                # f_x in rKf's registers, which load_row_factors refills below
-                load_token_factors(rKf, sG, tVcV, si, valid, 3)
-                scale_token_columns(accV, rKf)
-                tVrV.store(cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0).to(self.dtype))
-                warpgroup.fence()
-                gemm_k_blocks(mma_o, accV, tVrV, tOrW, accumulate=False, b_stage=si)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                # (T diag(beta)'s rows past the end may be anything, even unwritten: a select, not a product)
-                v_new = cute.where(pV.load(), accV.load(), 0.0)
+                # v_new from T diag(beta) while GEMM2 runs (f_x through rKf's registers: load_row_factors refills them)
+                wy_v_new(mma_o, accV, tVrV, tOrW, rU, pV, rKf, sG, tVcV, si, valid, self.dtype)
+                v_new = accV.load()
             else:
                 v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
             tVrV.store(v_new.to(self.dtype))
