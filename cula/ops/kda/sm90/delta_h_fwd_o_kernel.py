@@ -27,6 +27,17 @@ bf16 copy of ``S^T`` as the register A operand::
 
 The accumulator of GEMM1 becomes the A fragment of GEMM3/GEMM4 without leaving registers.
 
+Gated DeltaNet (``row_factors``): the raw q and k of the value head's q / k head and per token the intra kernel's
+factor rows (f_q, f_k, the decay f_g, f_x) make qg and kg: o^T's token columns times f_q (scale included), v_new^T's
+times f_k before GEMM4, one decay for every column. With ``wy_in_recurrence`` as well, w and u are never written:
+the stage's w tile holds the intra kernel's ``T diag(beta)`` ``[BT, BT]`` and its u tile the raw v, and::
+
+    GEMM1  (k S)^T = bf16(S^T) . k^T     M=V  N=BT K=K   B = k   the MN-major k tile read K-major (same bytes)
+    GEMM1b v_new^T = bf16(v - f_x o k S)^T . (T diag(beta))^T     M=V N=BT K=BT  (cute_common.wy_v_new)
+
+one 64 x 128 x 64 product more a chunk on the state's chain, 128 bytes a token and value head read where w and u
+were 512.
+
 Warp roles (384 threads, ``min_blocks_per_mp=1``):
 
 =========  =========  =====================================================================================

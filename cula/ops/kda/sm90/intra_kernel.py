@@ -48,7 +48,11 @@ each score by ``exp2(gc_t - gc_s)``, at most 1 where it is kept: exact for any g
 builds no score operands. P0's first 64 threads copy the chunk's 64 raw gates to shared memory (arriving on the
 gate's mbarrier in place of the TMA tile); P1's warp 0 activates them and sums them by two 32-lane scans into
 channel 0 of g_cum (the only channel read after it), and P2 writes each row's g_cum broadcast over the channels,
-so the outputs and the state/output kernel are KDA's.
+so the outputs and the state/output kernel are KDA's. With ``row_factors`` P2 writes a 16-byte row of factors per
+token instead of qg, kg and g_cum. With ``wy_in_recurrence`` as well the kernel stops after the solve: neither w nor
+u, no v load, no k'; P2 is one thread a row writing its factors, and P6 writes ``bf16(T diag(beta))`` (the
+identity ``u - w S = T diag(beta) (v - diag(exp2 gc) k S)``, which the state/output kernel's ``wy_in_recurrence``
+variant evaluates per chunk), 128 bytes a token and value head where w and u are 512.
 
 Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthreads`` between phases). Each
 phase is short and latency-bound, so the kernel is laid out for two CTAs per SM, whose phases interleave: ~97 KB
