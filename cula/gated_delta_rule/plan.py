@@ -32,8 +32,8 @@ class GdnTuning:
     # state/output kernel (and a time split's segment summary) applies them to the raw q and k (cula.kda.forward's
     # row_factors)
     inference_row_factors: bool = False
-    # with the factor rows, a call not cut in time: the intra kernel writes T diag(beta) instead of w and u, and the
-    # state/output kernel makes v_new of it and the raw v and k (cula.kda.forward's wy_in_recurrence)
+    # with the factor rows: the intra kernel writes T diag(beta) instead of w and u, and the state/output kernel (and
+    # a time split's segment summary) makes v_new of it and the raw v and k (cula.kda.forward's wy_in_recurrence)
     inference_wy_in_recurrence: bool = False
     # inference on cula's path: when long sequences with few heads are cut into segments that run at once (exact:
     # cula.kda.forward's parallel segments); None: never

@@ -149,6 +149,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         self.wy_in_recurrence = wy_in_recurrence
         if wy_in_recurrence and not row_factors:
             raise ValueError("wy_in_recurrence scales k S by the factor rows' f_x: it needs row_factors")
+        # (only _chunks_o_behind makes v_new from T diag(beta), and row_factors always takes that loop)
+        assert not wy_in_recurrence or (aqk_causal and not store_states)
         # full chunks' o by stmatrix + TMA (see the consumer prologue); the masked variant keeps the direct stores:
         # with the mask's registers the staging spills (20-28 bytes)
         self.o_tma = aqk_causal
