@@ -377,12 +377,12 @@ def load_row_factors(rKf: cute.Tensor, sF: cute.Tensor, tVcV: cute.Tensor, stage
     return sF[valid - 1, 2, stage]
 
 
-def wy_v_new(mma, accV, tVrV, tTb, rU, pV, rF, sF, tVcV, stage, valid, dtype, u_weight=None) -> None:
+def wy_v_new_product(mma, accV, tVrV, tTb, rU, pV, rF, sF, tVcV, stage, valid, dtype, u_weight=None) -> None:
     """``wy_in_recurrence``'s v_new (Gated DeltaNet): with ``accV`` = ``(k S)^T`` (a product on the raw k, retired),
-    ``v_new^T = bf16(x^T) (T diag(beta))^T`` for ``x = u_weight v - f_x o k S`` (the factor rows' ``f_x`` through
-    ``rF``'s registers; 0 past the end) into ``accV``, 0 on token columns past ``valid`` whatever ``tTb`` (the stage's
-    T diag(beta) tile, B K-major) holds in its rows there. ``tVrV`` takes bf16(x^T) as the A operand; the product is
-    issued, committed and waited for (with any other group in flight)."""
+    issues and commits ``v_new^T = bf16(x^T) (T diag(beta))^T`` into ``accV`` for ``x = u_weight v - f_x o k S``
+    (the factor rows' ``f_x`` through ``rF``'s registers; 0 past the end), ``tVrV`` taking bf16(x^T) as the A
+    operand. Once it is waited for, the caller clears the token columns past ``valid`` with a select, not a product:
+    the stage's T diag(beta) tile ``tTb`` (B, K-major) may hold anything in its rows there, even never written."""
     load_token_factors(rF, sF, tVcV, stage, valid, 3)
     scale_token_columns(accV, rF)
     v = rU.to(Float32) if u_weight is None else rU.to(Float32) * u_weight
@@ -390,9 +390,6 @@ def wy_v_new(mma, accV, tVrV, tTb, rU, pV, rF, sF, tVcV, stage, valid, dtype, u_
     warpgroup.fence()
     gemm_k_blocks(mma, accV, tVrV, tTb, accumulate=False, b_stage=stage)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
-    # (a select, not a product: T diag(beta)'s rows past the end may be anything, even never written)
-    accV.store(cute.where(pV.load(), accV.load(), 0.0))
 
 
 def load_token_factors(rF: cute.Tensor, sF: cute.Tensor, tVcV: cute.Tensor, stage, valid, slot: int, scale=None):

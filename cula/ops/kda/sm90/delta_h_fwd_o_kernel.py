@@ -33,10 +33,10 @@ times f_k before GEMM4, one decay for every column. With ``wy_in_recurrence`` as
 the stage's w tile holds the intra kernel's ``T diag(beta)`` ``[BT, BT]`` and its u tile the raw v, and::
 
     GEMM1  (k S)^T = bf16(S^T) . k^T     M=V  N=BT K=K   B = k   the MN-major k tile read K-major (same bytes)
-    GEMM1b v_new^T = bf16(v - f_x o k S)^T . (T diag(beta))^T     M=V N=BT K=BT  (cute_common.wy_v_new)
+    GEMM1b v_new^T = bf16(v - f_x o k S)^T . (T diag(beta))^T     M=V N=BT K=BT  (cute_common.wy_v_new_product)
 
-one 64 x 128 x 64 product more a chunk on the state's chain, 128 bytes a token and value head read where w and u
-were 512.
+one 64 x 128 x 64 product more a chunk on the state's chain (issued ahead of GEMM2, which is off the chain), 128
+bytes a token and value head read where w and u were 512.
 
 Warp roles (384 threads, ``min_blocks_per_mp=1``):
 
@@ -80,7 +80,7 @@ from cula.ops.cute_common import (
     FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout,
     gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_u_and_row_mask,
     recurrence_pipeline, scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major,
-    token_tile_b_k_major, token_tile_b_mn_major, wy_v_new,
+    token_tile_b_k_major, token_tile_b_mn_major, wy_v_new_product,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
@@ -537,14 +537,18 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             # while GEMM2 runs.
             rU = load_u_and_row_mask(tUsU, si, pV, tVcV, valid)
             warpgroup.wait_group(0)
-            warpgroup.fence()
-            gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
-            warpgroup.commit_group()
             if const_expr(self.wy_in_recurrence):
-                # v_new from T diag(beta) while GEMM2 runs (f_x through rKf's registers: load_row_factors refills them)
-                wy_v_new(mma_o, accV, tVrV, tOrW, rU, pV, rKf, sG, tVcV, si, valid, self.dtype)
-                v_new = accV.load()
+                # v_new's product from T diag(beta) ahead of GEMM2 (v_new is on the state's chain, o is not), then the
+                # rest of v_new while GEMM2 runs (f_x through rKf's registers: load_row_factors refills them)
+                wy_v_new_product(mma_o, accV, tVrV, tOrW, rU, pV, rKf, sG, tVcV, si, valid, self.dtype)
+                gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                v_new = cute.where(pV.load(), accV.load(), 0.0)
             else:
+                warpgroup.fence()
+                gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
+                warpgroup.commit_group()
                 v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
             tVrV.store(v_new.to(self.dtype))
             if const_expr(self.row_factors):

@@ -30,7 +30,7 @@ head's q / k head and the intra kernel's factor rows in place of kg and the deca
 variant does: v_new's token columns times ``f_k`` before GEMM4, one decay ``f_g`` of the last valid row for every
 column. With ``wy_in_recurrence`` as well it reads the intra kernel's T diag(beta) in w's place and the raw v in
 u's, and makes v_new as the state/output kernel's variant does: GEMM1 on the raw k (its tile read K-major), then
-``v_new^T = bf16(u_weight v - f_x o k S)^T (T diag(beta))^T`` (``cute_common.wy_v_new``).
+``v_new^T = bf16(u_weight v - f_x o k S)^T (T diag(beta))^T`` (``cute_common.wy_v_new_product``).
 
 Warp roles (384 threads, ``min_blocks_per_mp=1``):
 
@@ -60,7 +60,7 @@ from cula.ops.cute_common import (
     ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout, gate_row_layout,
     gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_u_and_row_mask, recurrence_pipeline,
     scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major, token_tile_b_k_major,
-    token_tile_b_mn_major, wy_v_new,
+    token_tile_b_mn_major, wy_v_new_product,
 )  # fmt: skip
 
 __all__ = ["SegmentSummarySm90"]
@@ -279,7 +279,9 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             warpgroup.wait_group(0)
             if const_expr(self.wy_in_recurrence):
                 # v_new from T diag(beta) (f_x through rKf's registers, refilled with f_k below)
-                wy_v_new(mma_v, accV, tVrV, tOrW, rU, pV, rKf, sG, tVcV, si, valid, self.dtype, u_weight)
+                wy_v_new_product(mma_v, accV, tVrV, tOrW, rU, pV, rKf, sG, tVcV, si, valid, self.dtype, u_weight)
+                warpgroup.wait_group(0)
+                accV.store(cute.where(pV.load(), accV.load(), 0.0))
                 accS.store(accS.load() * load_row_factors(rKf, sG, tVcV, si, valid))
                 scale_token_columns(accV, rKf)
                 tVrV.store(accV.load().to(self.dtype))
