@@ -514,15 +514,19 @@ class ChunkKDAIntraFwdSm90:
         rf[3] = nk * eg
         cute.autovec_copy(rf, mF[tok0 + t, hv, None])
 
+    def _row_units(self, tidx):
+        """This thread's 8-column units of a [BT, BT] tile, all threads in turn: ``(row, first column)`` pairs (plain
+        Python, traced inline)."""
+        for j in range(self.bt * self.bt // 8 // self.num_threads):
+            item = tidx + j * self.num_threads
+            yield item // 8, cute.assume((item % 8) * 8, divby=8)
+
     @cute.jit
     def _store_t_beta(self, sA, sBeta, mTb, tok0, hv, valid, tidx):
         """wy_in_recurrence's P6: the valid rows of bf16(T diag(beta)) (T in ``sA``, fp32, zeros above the diagonal;
         beta 0 past the sequence end) to ``mTb``, 8 columns a store."""
-        BT, dt = self.bt, self.dtype
-        for j in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
-            item = tidx + j * self.num_threads
-            t = item // 8
-            s0 = cute.assume((item % 8) * 8, divby=8)
+        dt = self.dtype
+        for t, s0 in self._row_units(tidx):
             if t < valid:
                 rt = cute.make_rmem_tensor(8, dt)
                 for h4 in cutlass.range_constexpr(2):
@@ -940,11 +944,8 @@ class ChunkKDAIntraFwdSm90:
     @cute.jit
     def _store_aqk(self, sAqk, mAqk, tok0, hv, valid, tidx):
         """The scores' Aqk rows staged in shared memory to global memory, 16 bytes a store (valid rows only)."""
-        BT, dt = self.bt, self.dtype
-        for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
-            item = tidx + m * self.num_threads
-            t = item // 8
-            s0 = cute.assume((item % 8) * 8, divby=8)
+        dt = self.dtype
+        for t, s0 in self._row_units(tidx):
             if t < valid:
                 ra = cute.make_rmem_tensor(8, dt)
                 cute.autovec_copy(vec_at(sAqk, (t, s0)), ra)
@@ -982,13 +983,10 @@ class ChunkKDAIntraFwdSm90:
     def _wy_operands(self, sT, sA, sV0, sBeta, mAkk, bar, tok0, hv, valid, tidx):
         """P6: bf16(T) (rounded from the solve, or with ``given_t`` the stored rows) into the WGMMA A tile, with
         ``write_akk`` to global memory too; v' = bf16(beta v) in v's tile once v has landed."""
-        BT, dt = self.bt, self.dtype
+        dt = self.dtype
         sT0 = sT[None, None, 0]
         # 8 columns of a row per item: two 16-byte reads, one 16-byte store into the swizzled T tile
-        for j in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
-            item = tidx + j * self.num_threads
-            t = item // 8
-            s0 = cute.assume((item % 8) * 8, divby=8)
+        for t, s0 in self._row_units(tidx):
             rt = cute.make_rmem_tensor(8, dt)
             if const_expr(self.given_t):
                 # the stored T's rows; zeros past the sequence end (those rows of w and u are never stored)
