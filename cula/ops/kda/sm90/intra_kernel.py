@@ -487,7 +487,7 @@ class ChunkKDAIntraFwdSm90:
             if const_expr(self.row_factors):
                 # one thread a row (channel 0's unit): its factors, 16 bytes, in place of qg, kg and g_cum
                 if live & (c8 == 0):
-                    self._store_factor_row(sG, sRstd, mQg, tok0, hv, t, rg[0], rgl[0])
+                    self._store_factor_row(sRstd, mQg, tok0, hv, t, rg[0], rgl[0])
             elif const_expr(self.g_cum_last_only):  # noqa: SIM102 - a trace-time condition around a run-time one
                 if t == valid - 1:
                     cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
@@ -499,7 +499,7 @@ class ChunkKDAIntraFwdSm90:
                     cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
 
     @cute.jit
-    def _store_factor_row(self, sG, sRstd, mF, tok0, hv, t, gc: Float32, gl: Float32):
+    def _store_factor_row(self, sRstd, mF, tok0, hv, t, gc: Float32, gl: Float32):
         """Row t's factors (``row_factors``), 16 bytes: f_q = rstd_q exp2(gc), f_k = rstd_k exp2(gl - gc), f_g =
         exp2(gc), f_x = rstd_k exp2(gc) (the 1 / norms 1 without l2norm_qk; f_x is read by the wy_in_recurrence
         variants only)."""
@@ -684,7 +684,7 @@ class ChunkKDAIntraFwdSm90:
             if const_expr(self.wy_in_recurrence):  # the factor rows alone: no k', no v
                 if tidx < BT:
                     if tidx < valid:
-                        self._store_factor_row(sG, sRstd, mQg, tok0, hv, tidx, sG[0, tidx], sG[0, BT - 1])
+                        self._store_factor_row(sRstd, mQg, tok0, hv, tidx, sG[0, tidx], sG[0, BT - 1])
             else:
                 sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
                 for rnd in cutlass.range_constexpr(2):
