@@ -137,6 +137,15 @@ def make_cu_seqlens(lengths: list[int], device="cpu", dtype=torch.int32) -> torc
     return out.to(device)
 
 
+def chunk_local_gate(B: int, T: int, *heads: int, device="cuda", generator=None, step: float = 0.1) -> torch.Tensor:
+    """A random log2 gate cumsum ``[B, T, *heads]`` fp32, local to each 64 tokens (steps in ``(-step, 0]``): the
+    chunk-local g_cum the chunk kernels read, for test and device-script inputs (packed calls take the 64-token blocks
+    of the whole call, not each sequence's chunks: any finite cumsum will do)."""
+    Tp = -(-T // 64) * 64
+    steps = -step * torch.rand(B, Tp // 64, 64, *heads, device=device, generator=generator)
+    return steps.cumsum(2).view(B, Tp, *heads)[:, :T].contiguous()
+
+
 def small_batch(varlen: bool, fixed_t: int, lens: tuple[int, ...] = (5, 0, 9)):
     """The token layout of a small test call: ``(B, T, N, cu_seqlens)``, either B = 2 sequences of ``fixed_t``
     tokens or ``lens`` packed into B = 1 (a zero-length sequence among them)."""

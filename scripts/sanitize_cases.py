@@ -453,9 +453,10 @@ def _states_then_stage6(copied: bool):
     from cula.ops.kda.sm90.bwd_wy_dqkg import chunk_kda_bwd_wy_dqkg_sm90
     from cula.ops.kda.sm90.delta_h_states import chunk_kda_fwd_h_sm90
 
+    from cula.testing import chunk_local_gate
+
     B, T, HV = 1, 130, 2  # a partial last chunk
-    Tp = -(-T // 64) * 64
-    g = (-0.1 * torch.rand(B, Tp // 64, 64, HV, 128, device=DEV)).cumsum(2).view(B, Tp, HV, 128)[:, :T].contiguous()
+    g = chunk_local_gate(B, T, HV, 128, device=DEV)
     k, w, u = (_r(B, T, HV, 128, scale=0.1) for _ in range(3))
     h, v_new, _ = chunk_kda_fwd_h_sm90(k, w, u, g)
     if copied:

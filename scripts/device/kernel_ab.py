@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import bench  # noqa: E402  (the benchmarks' timing: CUDA events, the median)
 
-from cula.testing import rel_rmse  # noqa: E402
+from cula.testing import chunk_local_gate, rel_rmse  # noqa: E402
 
 
 def load_rev(rev: str, host: str) -> types.ModuleType:
@@ -82,10 +82,7 @@ def _wy_inputs(B: int, T: int, HV: int, state_v_first: bool, lens: list[int] | N
         ci = prepare_chunk_indices_i32(cu)
         ci = torch.cat([ci, torch.tensor([[len(lens) - 1, 10**6]] * pad_rows, dtype=torch.int32, device="cuda")])
         extra, states = dict(cu_seqlens=cu, chunk_indices=ci), (1, ci.shape[0], HV, 128, 128)
-    # a log2 gate cumsum local to each 64 tokens (not each sequence's chunks when packed: any finite g will do)
-    Tp = -(-T // 64) * 64
-    steps = -0.1 * torch.rand(B, Tp // 64, 64, HV, 128, device="cuda", generator=gen)
-    g = steps.cumsum(2).view(B, Tp, HV, 128)[:, :T].contiguous()
+    g = chunk_local_gate(B, T, HV, 128, generator=gen)
     return dict(
         q=rnd(B, T, HV, 128), k=rnd(B, T, HV, 128), v=rnd(B, T, HV, 128), v_new=rnd(B, T, HV, 128), g=g,
         beta=torch.rand(B, T, HV, device="cuda", generator=gen), A=rnd(B, T, HV, 64, scale=0.1),
@@ -164,8 +161,7 @@ def _states_rows_inputs(B: int, T: int, H: int, HV: int):
     x = _states_inputs(B, T, HV)
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, k = (_randn(gen, B, T, H, 128) for _ in range(2))
-    Tp = -(-T // 64) * 64
-    g = (-0.1 * torch.rand(B, Tp // 64, 64, HV, device="cuda", generator=gen)).cumsum(2).view(B, Tp, HV)[:, :T]
+    g = chunk_local_gate(B, T, HV, generator=gen)
     rows = torch.stack([0.088 * torch.rand(B, T, HV, device="cuda", generator=gen),
                         0.02 * torch.rand(B, T, HV, device="cuda", generator=gen), torch.exp2(g),
                         torch.zeros(B, T, HV, device="cuda")], dim=-1).contiguous()  # fmt: skip
