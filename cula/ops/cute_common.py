@@ -217,6 +217,13 @@ def token_tile_b_mn_major(dtype, num_stages: int, D: int = 128, BT: int = 64):
     return sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (D, D, BT), dtype, num_stages)
 
 
+def token_major(tile: cute.Tensor) -> cute.Tensor:
+    """The ``(token, feature, ...)`` view of a ``token_tile_b_mn_major`` tile ``(feature, token, ...)``: byte for byte
+    the K-major operand layout (``S<3,4,3> o ((8,8),(64,2)):((64,512),(1,4096))`` is the MN-major one transposed), so
+    one tile serves a product over its features as well (``tile``: the swizzle in its pointer)."""
+    return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0, *range(2, cute.rank(tile))]))
+
+
 def token_tile_a_m_major(dtype, num_stages: int, D: int = 128, BT: int = 64):
     """``(D, BT, S)``: a token tile transposed, as an A operand read M-major or read in the accumulator layout."""
     return sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, D, BT), dtype, num_stages)

@@ -80,7 +80,7 @@ from cula.ops.cute_common import (
     FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout,
     gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_u_and_row_mask,
     recurrence_pipeline, scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major,
-    token_tile_b_k_major, token_tile_b_mn_major, wy_v_new_product,
+    token_major, token_tile_b_k_major, token_tile_b_mn_major, wy_v_new_product,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
@@ -212,7 +212,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         sA_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S)  # (BT_i, BT_j, S)
         w_box = (BT, DK)
         if const_expr(self.wy_in_recurrence):  # T diag(beta) in w's place: B of v_new^T = x^T (T diag(beta))^T
-            sW_l, w_box = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S), (BT, BT)
+            sW_l, w_box = token_tile_b_k_major(dt, S, D=BT), (BT, BT)
         sK_l, sU_l, sG_l = token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S), gate_row_layout(S)
         g_box = (DK, 1)
         if const_expr(self.row_factors):  # a chunk's factor rows, token-major
@@ -352,8 +352,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         tOrW = wg_o.make_fragment_B(wg_o.partition_B(sW))  # w, or wy_in_recurrence's T diag(beta)
         tOrKk = None
         if const_expr(self.wy_in_recurrence):  # k S: the k tile (MN-major B of GEMM4) read K-major, byte for byte
-            tOrKk = wg_o.make_fragment_B(wg_o.partition_B(
-                cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))))  # fmt: skip
+            tOrKk = wg_o.make_fragment_B(wg_o.partition_B(token_major(sK)))
         tOrQ = wg_o.make_fragment_B(wg_o.partition_B(sQ))
         tOrA = wg_o.make_fragment_B(wg_o.partition_B(sA))
         tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))

@@ -122,7 +122,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import GATES, ROW_FACTORS, dsl_type
-from cula.ops.cute_common import FIRST_NAMED_BARRIER, chunk_rows, gemm_k_blocks, round_tf32, vec_at
+from cula.ops.cute_common import FIRST_NAMED_BARRIER, chunk_rows, gemm_k_blocks, round_tf32, token_major, vec_at
 from cula.ops.kda.sm90.intra import BETA_ACTS
 
 __all__ = ["ChunkKDAIntraFwdSm90"]
@@ -1258,8 +1258,7 @@ class ChunkKDAIntraFwdSm90:
         beta_t, zero for s >= t). Every (t, s) is written, so no block needs zeroing apart."""
         BT = self.bt
         # (token, feature) views of the (feature, token) tiles: WG w's A operand is tile w (q, then k, x_elems on)
-        sQt = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[1, 0, 2]))
-        sKt = cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))
+        sQt, sKt = token_major(sQ), token_major(sK)
         wg_s = mma_s.get_slice(0)
         tAq = wg_s.make_fragment_A(wg_s.partition_A(sQt))
         tAk = wg_s.make_fragment_A(wg_s.partition_A(sKt))

@@ -48,11 +48,9 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32, const_expr, cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import ROW_FACTORS, dsl_type
@@ -60,7 +58,7 @@ from cula.ops.cute_common import (
     ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout, gate_row_layout,
     gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_u_and_row_mask, recurrence_pipeline,
     scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major, token_tile_b_k_major,
-    token_tile_b_mn_major, wy_v_new_product,
+    token_major, token_tile_b_mn_major, wy_v_new_product,
 )  # fmt: skip
 
 __all__ = ["SegmentSummarySm90"]
@@ -127,7 +125,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         sW_l, sK_l, sU_l = token_tile_b_k_major(dt, S), token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S)
         w_box = (BT, DK)
         if const_expr(self.wy_in_recurrence):  # T diag(beta): B of v_new^T = x^T (T diag(beta))^T
-            sW_l, w_box = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S), (BT, BT)
+            sW_l, w_box = token_tile_b_k_major(dt, S, D=BT), (BT, BT)
         sG_l, g_box = gate_row_layout(S), (DK, 1)
         if const_expr(self.row_factors):
             sG_l, g_box = factor_rows_layout(S), (BT, ROW_FACTORS)
@@ -244,8 +242,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
         tOrKk = None
         if const_expr(self.wy_in_recurrence):  # k S: the k tile (MN-major B of GEMM4) read K-major, byte for byte
-            tOrKk = wg_v.make_fragment_B(wg_v.partition_B(
-                cute.make_tensor(sK.iterator, cute.select(sK.layout, mode=[1, 0, 2]))))  # fmt: skip
+            tOrKk = wg_v.make_fragment_B(wg_v.partition_B(token_major(sK)))
         accV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), Float32)
         pV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), cutlass.Boolean)
         rD = rKf = None
