@@ -274,18 +274,17 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
                 load_column_decay(rD, sG, tScS, si)
             rU = load_u_and_row_mask(tUsU, si, pV, tVcV, valid)
             warpgroup.wait_group(0)
-            if const_expr(self.wy_in_recurrence):
-                # v_new from T diag(beta) (f_x through rKf's registers, refilled with f_k below)
-                wy_v_new_product(mma_v, accV, tVrV, tOrW, rU, pV, rKf, sG, tVcV, si, valid, self.dtype, u_weight)
-                warpgroup.wait_group(0)
-                accV.store(cute.where(pV.load(), accV.load(), 0.0))
-                accS.store(accS.load() * load_row_factors(rKf, sG, tVcV, si, valid))
-                scale_token_columns(accV, rKf)
-                tVrV.store(accV.load().to(self.dtype))
-            elif const_expr(self.row_factors):
+            if const_expr(self.row_factors):
+                if const_expr(self.wy_in_recurrence):
+                    # v_new from T diag(beta) (f_x through rKf's registers, refilled with f_k below)
+                    wy_v_new_product(mma_v, accV, tVrV, tOrW, rU, pV, rKf, sG, tVcV, si, valid, self.dtype, u_weight)
+                    warpgroup.wait_group(0)
+                    v_new = cute.where(pV.load(), accV.load(), 0.0)
+                else:
+                    v_new = cute.where(pV.load(), rU.to(Float32) * u_weight - accV.load(), 0.0)
                 # one decay for every column, v_new's token columns times f_k (GEMM4 alone reads it here)
                 accS.store(accS.load() * load_row_factors(rKf, sG, tVcV, si, valid))
-                accV.store(cute.where(pV.load(), rU.to(Float32) * u_weight - accV.load(), 0.0))
+                accV.store(v_new)
                 scale_token_columns(accV, rKf)
                 tVrV.store(accV.load().to(self.dtype))
             else:
