@@ -85,26 +85,23 @@ class ChunkKDAFwdSm90:
             num_chunks, intra_seqs, state_seqs = mCi.shape[0], 1, mCu.shape[0] - 1
         else:
             num_chunks, intra_seqs, state_seqs = (seqlen + (BT - 1)) // BT, num_seqs, num_seqs
-        if const_expr(self.intra.wy_in_recurrence):
-            # T diag(beta) in place of w and u: the state/output kernel reads it with the raw v, q and k
-            t_beta = self._region(mWork, rows, 0, tokens, hv, BT, self.dtype)
-            aqk = self._region(mWork, rows, BT, tokens, hv, BT, self.dtype)
-            factors = self._region(mWork, rows, 2 * BT, tokens, hv, ROW_FACTORS, Float32)
+        if const_expr(self.intra.row_factors):
+            # the state/output kernel reads the raw q and k (H heads) with the factor rows in place of qg, kg, g_cum;
+            # with wy_in_recurrence T diag(beta) in place of w and u, which it reads with the raw v
+            w = u = t_beta = None
+            if const_expr(self.intra.wy_in_recurrence):
+                t_beta, col = self._region(mWork, rows, 0, tokens, hv, BT, self.dtype), BT
+            else:
+                w, col = self._region(mWork, rows, 0, tokens, hv, DK, self.dtype), 2 * DK
+                u = self._region(mWork, rows, DK, tokens, hv, DV, self.dtype)
+            aqk = self._region(mWork, rows, col, tokens, hv, BT, self.dtype)
+            factors = self._region(mWork, rows, col + BT, tokens, hv, ROW_FACTORS, Float32)
             self.intra(
-                q, k, v, self._per_head(mGin, tokens), beta, mAlog, mBias, None, None, factors, None, aqk, t_beta,
-                None, None, mCu, mCi, seqlen, num_chunks, intra_seqs, scale, lower_bound, stream,
-            )  # fmt: skip
-            self.states(t_beta, v, k, q, factors, aqk, o, mH0, mHt, mCu, seqlen, state_seqs, scale, stream)
-        elif const_expr(self.intra.row_factors):
-            # the state/output kernel reads the raw q and k (H heads) with the factor rows in place of qg, kg, g_cum
-            w = self._region(mWork, rows, 0, tokens, hv, DK, self.dtype)
-            u = self._region(mWork, rows, DK, tokens, hv, DV, self.dtype)
-            aqk = self._region(mWork, rows, 2 * DK, tokens, hv, BT, self.dtype)
-            factors = self._region(mWork, rows, 2 * DK + BT, tokens, hv, ROW_FACTORS, Float32)
-            self.intra(
-                q, k, v, self._per_head(mGin, tokens), beta, mAlog, mBias, w, u, factors, None, aqk, None, None,
+                q, k, v, self._per_head(mGin, tokens), beta, mAlog, mBias, w, u, factors, None, aqk, t_beta, None,
                 None, mCu, mCi, seqlen, num_chunks, intra_seqs, scale, lower_bound, stream,
             )  # fmt: skip
+            if const_expr(self.intra.wy_in_recurrence):
+                w, u = t_beta, v
             self.states(w, u, k, q, factors, aqk, o, mH0, mHt, mCu, seqlen, state_seqs, scale, stream)
         else:
             w = self._region(mWork, rows, 0, tokens, hv, DK, self.dtype)
