@@ -439,27 +439,19 @@ def _intra_cute(
     B, T, _H, K = q.shape
     HV = v.shape[2]
     gate = gate_kind(use_gate_in_kernel, lower_bound)
-    if wy_in_recurrence:
-        t_beta, Aqk = (torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device) for _ in range(2))
+    w = None if wy_in_recurrence else torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
+    if row_factors or wy_in_recurrence:
+        Aqk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
         factors = torch.empty(B, T, HV, ROW_FACTORS, dtype=torch.float32, device=q.device)
-        chunk_kda_intra_sm90(
-            q, k, v, g, beta, scale, None, None, None, None, Aqk, None, cu32, chunk_indices, gate=gate, A_log=A_log,
-            dt_bias=dt_bias, lower_bound=lower_bound if gate == "lower_bound" else None,
-            use_qk_l2norm=use_qk_l2norm, beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
-            row_factors=factors, t_beta=t_beta,
-        )  # fmt: skip
-        return t_beta, v, factors, Aqk
-    w = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
-    if row_factors:
-        u, Aqk = torch.empty_like(v), torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
-        factors = torch.empty(B, T, HV, ROW_FACTORS, dtype=torch.float32, device=q.device)
+        u = None if wy_in_recurrence else torch.empty_like(v)
+        t_beta = torch.empty_like(Aqk) if wy_in_recurrence else None
         chunk_kda_intra_sm90(
             q, k, v, g, beta, scale, w, u, None, None, Aqk, None, cu32, chunk_indices, gate=gate, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound if gate == "lower_bound" else None,
             use_qk_l2norm=use_qk_l2norm, beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
-            row_factors=factors,
+            row_factors=factors, t_beta=t_beta,
         )  # fmt: skip
-        return w, u, factors, Aqk
+        return (t_beta, v, factors, Aqk) if wy_in_recurrence else (w, u, factors, Aqk)
     qg, kg = torch.empty_like(w), torch.zeros_like(w) if zero_kg else torch.empty_like(w)
     u = torch.empty_like(v)
     Aqk = None if given_akk is not None else torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
