@@ -3,10 +3,9 @@ of Lightning / ``chunk_simple_gla(g_gamma=...)`` (``cula.lightning.time_parallel
 (``cula.kda.forward``). Plans are host ints, decided from shapes or ``cu_seqlens_cpu``; ``on_device`` caches their
 device copies, so a repeated call copies nothing from the host and can be captured in a CUDA graph.
 
-A packed call captured in a CUDA graph replays on whatever boundaries its ``cu_seqlens`` buffer then holds. KDA's
-cut (``segment_tables``) then builds its segment tables on the device from those boundaries by the capture's rule
-(its segment length and ``min_seq_len``), for a segment count fixed by the shapes (``replay_segments``); Lightning's
-combine, whose weights are laid out on the host, runs such a call whole.
+A packed call captured in a CUDA graph replays on whatever boundaries its ``cu_seqlens`` buffer then holds: its
+segment tables are then made on the device from those boundaries by the capture's rule (its segment length and
+``min_seq_len``; ``segment_tables``), for a segment count fixed by the shapes (``replay_segments``).
 """
 
 from __future__ import annotations
@@ -141,20 +140,18 @@ def plan_time_split(lengths: tuple[int, ...], num_value_heads: int, sm_count: in
 
 
 def plan_call(thresholds: SplitThresholds | None, B: int, T: int, num_value_heads: int, cu_seqlens, cu_seqlens_cpu,
-              device: torch.device, replayable: bool = False) -> SplitPlan | None:
+              device: torch.device) -> SplitPlan | None:
     """``plan_time_split`` for one call of an op whose GPU tuning entry has ``thresholds``: its lengths from the
     shapes or ``cu_seqlens_cpu`` only (never a read of ``cu_seqlens``: no sync, so the same call is always cut the
     same way and can be captured in a CUDA graph), the SM count of its device. None: run it whole (also a cut into
     more segments than the kernels' grid holds).
 
     A packed call while a CUDA graph captures replays on whatever boundaries the buffer then holds (its chunk list
-    is built on the device): it is cut only where the op builds its segment tables on the device too
-    (``replayable``, ``segment_tables``), with the capture's lengths choosing the rule; else it runs whole."""
+    is built on the device): its capture's lengths choose the rule, which each replay applies to the boundaries it
+    reads (``segment_tables``), so the grid must hold the segments any boundaries of its shapes can need."""
     if thresholds is None:
         return None
     captured = cu_seqlens is not None and capturing(cu_seqlens)
-    if captured and not replayable:
-        return None
     lengths = call_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
     if lengths is None:
         return None

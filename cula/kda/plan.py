@@ -244,7 +244,7 @@ def parallel_segments(B: int, T: int, HV: int, cu_seqlens, cu_seqlens_cpu, devic
     ``cula.kda.forward.parallel_segment_states``)."""
     if thresholds == "kda":
         thresholds = KDA_TUNING.for_device(device).time_split
-    return time_split.plan_call(thresholds, B, T, HV, cu_seqlens, cu_seqlens_cpu, device, replayable=True)
+    return time_split.plan_call(thresholds, B, T, HV, cu_seqlens, cu_seqlens_cpu, device)
 
 
 def segment_bounds(T: int, tuning: KdaTuning) -> list[tuple[int, int]]:
