@@ -1,7 +1,11 @@
 """Cutting long sequences into segments that run at once: the planning shared by the exact time-parallel forwards
 of Lightning / ``chunk_simple_gla(g_gamma=...)`` (``cula.lightning.time_parallel``) and KDA
-(``cula.kda.forward``). Everything here is host ints, decided from shapes or ``cu_seqlens_cpu``; ``on_device``
-caches their device copies, so a repeated call copies nothing from the host and can be captured in a CUDA graph.
+(``cula.kda.forward``). Plans are host ints, decided from shapes or ``cu_seqlens_cpu``; ``on_device`` caches their
+device copies, so a repeated call copies nothing from the host and can be captured in a CUDA graph.
+
+A packed call captured in a CUDA graph replays on whatever boundaries its ``cu_seqlens`` buffer then holds: its
+segment tables are then made on the device from those boundaries by the capture's rule (its segment length and
+``min_seq_len``; ``segment_tables``), for a segment count fixed by the shapes (``replay_segments``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class SplitPlan:
         split: per sequence, whether it is cut.
         bounds: cumulative boundaries of all segments, packed in sequence order ``[M + 1]``.
         first_segment: per sequence, the index of its first segment (where the initial state goes).
+        min_seq_len: the rule's shortest cut sequence (with ``segment_len``: which sequences of other boundaries
+            are cut, ``segment_tables`` under capture).
     """
 
     lengths: tuple[int, ...]
@@ -63,6 +69,7 @@ class SplitPlan:
     split: tuple[bool, ...]
     bounds: tuple[int, ...]
     first_segment: tuple[int, ...]
+    min_seq_len: int = 0
 
     @property
     def num_segments(self) -> int:
@@ -91,7 +98,7 @@ def split_plan(lengths: Sequence[int], segment_len: int, min_seq_len: int = 0) -
         if cut:
             bounds += [start + a for a in range(segment_len, n, segment_len)]
         bounds.append(start + n)
-    return SplitPlan(lengths, segment_len, split, tuple(bounds), tuple(first))
+    return SplitPlan(lengths, segment_len, split, tuple(bounds), tuple(first), min_seq_len)
 
 
 def half_bounds(bounds: Sequence[int]) -> tuple[int, ...]:
@@ -136,22 +143,94 @@ def plan_call(thresholds: SplitThresholds | None, B: int, T: int, num_value_head
               device: torch.device) -> SplitPlan | None:
     """``plan_time_split`` for one call of an op whose GPU tuning entry has ``thresholds``: its lengths from the
     shapes or ``cu_seqlens_cpu`` only (never a read of ``cu_seqlens``: no sync, so the same call is always cut the
-    same way and can be captured in a CUDA graph), the SM count of its device. None: run it whole (also a packed
-    call while a CUDA graph captures, and a cut into more segments than the kernels' grid holds)."""
+    same way and can be captured in a CUDA graph), the SM count of its device. None: run it whole (also a cut into
+    more segments than the kernels' grid holds).
+
+    A packed call while a CUDA graph captures replays on whatever boundaries the buffer then holds (its chunk list
+    is built on the device): its capture's lengths choose the rule, which each replay applies to the boundaries it
+    reads (``segment_tables``), so the grid must hold the segments any boundaries of its shapes can need."""
     if thresholds is None:
         return None
-    if cu_seqlens is not None and capturing(cu_seqlens):
-        # a captured packed call replays on whatever boundaries the buffer then holds (its chunk list is built on
-        # the device), while a cut would fix the capture's segments: run it whole
-        return None
+    captured = cu_seqlens is not None and capturing(cu_seqlens)
     lengths = call_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
     if lengths is None:
         return None
     plan = plan_time_split(lengths, num_value_heads, sm_count(device.index or 0), thresholds)
-    # the cut call's kernels put its segments (twice as many with the state kernel's halves) in grid y / z
-    if plan is not None and 2 * plan.num_segments > GRID_YZ_MAX:
+    if plan is None:
         return None
-    return plan
+    # the cut call's kernels put its segments (twice as many with the state kernel's halves) in grid y / z
+    segments = replay_segments(plan, sum(lengths)) if captured else plan.num_segments
+    return None if 2 * segments > GRID_YZ_MAX else plan
+
+
+def replay_segments(plan: SplitPlan, total: int) -> int:
+    """The segments of a captured cut call: at least as many as ``plan``'s rule makes of any boundaries of its
+    sequence count and ``total`` tokens (each sequence ``ceil(len / segment_len)`` or one)."""
+    return -(-total // plan.segment_len) + len(plan.lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentTables:
+    """A cut's segments as the time-parallel kernels read them (int32 device tensors).
+
+    Attributes:
+        num_segments: M.
+        bounds: ``[M + 1]`` token offsets of the segments in the packed call (segment m is ``[bounds[m],
+            bounds[m + 1])``).
+        first: ``[N + 1]`` each sequence's first segment, then M.
+        halves: ``[2 M + 1]`` the bounds with every segment cut after its first half (``half_bounds``), or None.
+    """
+
+    num_segments: int
+    bounds: torch.Tensor
+    first: torch.Tensor
+    halves: torch.Tensor | None
+
+
+def segment_tables(plan: SplitPlan, total: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+                   halves: bool = False) -> SegmentTables:  # fmt: skip
+    """``plan``'s segment tables on ``device``: its host tables' cached copies, or, for a packed call while a CUDA
+    graph captures, ``device_segment_tables`` of ``cu_seqlens`` (a replay cuts the boundaries it then holds)."""
+    if cu_seqlens is not None and capturing(cu_seqlens):
+        return device_segment_tables(plan, cu_seqlens, replay_segments(plan, total), halves)
+    M = plan.num_segments
+    return SegmentTables(
+        M, on_device(plan.bounds, torch.int32, device), on_device(plan.first_segment + (M,), torch.int32, device),
+        on_device(half_bounds(plan.bounds), torch.int32, device) if halves else None,
+    )  # fmt: skip
+
+
+def device_segment_tables(plan: SplitPlan, cu_seqlens: torch.Tensor, num_segments: int,
+                          halves: bool = False) -> SegmentTables:  # fmt: skip
+    """``plan``'s rule (a sequence longer than ``segment_len`` and at least ``min_seq_len`` long is cut into pieces
+    of ``segment_len``, any other is one segment) applied to the boundaries ``cu_seqlens`` holds, by torch ops on
+    its device: no host read, so a captured call cuts the boundaries of each replay.
+
+    ``num_segments`` is fixed at capture (``replay_segments``); the ones the boundaries do not need are empty
+    segments at the end of the sequence with the fewest, whose summaries are the identity transition and a zero
+    state, so its chain carries its state through them unchanged. As ``cula.kda.forward.device_chunk_indices``,
+    values are not checked: boundaries that are not non-decreasing or end past ``num_segments``' total give
+    meaningless segments."""
+    cu = cu_seqlens.long()
+    seg, M, N = plan.segment_len, num_segments, cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    pieces = torch.where((lens > seg) & (lens >= plan.min_seq_len), (lens + seg - 1) // seg, torch.ones_like(lens))
+    counts = pieces.clone()
+    counts.scatter_add_(0, pieces.argmin().view(1), (M - pieces.sum()).view(1))
+    ends = counts.cumsum(0)
+    m = torch.arange(M, dtype=torch.int64, device=cu.device)
+    seq = torch.searchsorted(ends, m, right=True).clamp_(max=N - 1)
+    piece = m - (ends - counts)[seq]
+    # a sequence's pieces from its start, segment_len apart; the spare ones empty, at its end
+    starts = cu[seq] + torch.where(piece < pieces[seq], piece * seg, lens[seq])
+    bounds = torch.cat((starts, cu[-1:]))
+    half = None
+    if halves:  # as half_bounds: each segment's first ceil(len / 64) // 2 chunks, then the rest
+        a, b = bounds[:-1], bounds[1:]
+        mid = a + (b - a + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN // 2 * SEGMENT_ALIGN
+        half = torch.cat((torch.stack((a, mid), 1).flatten(), bounds[-1:])).to(torch.int32)
+    first = torch.cat((ends.new_zeros(1), ends)).to(torch.int32)
+    return SegmentTables(M, bounds.to(torch.int32), first, half)
 
 
 def call_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...] | None:

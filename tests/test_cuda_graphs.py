@@ -224,6 +224,35 @@ def test_packed_plan_cuts_only_long_packs(stubbed_kernels, monkeypatch, kda_tuni
     assert [path for path, _ in stubbed_kernels] == ["general", "general"] and summaries == [5, 5]
 
 
+def test_a_captured_long_pack_is_cut_on_segment_tables_made_on_the_device(stubbed_kernels, monkeypatch, kda_tuning):
+    """While capturing (simulated), a packed call with ``cu_seqlens_cpu`` that the time split cuts still runs cut:
+    its segment tables are made on the device from ``cu_seqlens`` by the capture's rule, as many segments as any
+    boundaries of its shapes need (``cula.time_split.replay_segments``), never copied from the host, so a replay on
+    new boundaries is cut right."""
+    import cula.kda.forward as cf
+    import cula.time_split as ts
+    from cula.ops.kda.sm90 import segment_summary
+    from cula.time_split import SplitThresholds
+
+    bounds = []
+    monkeypatch.setattr(segment_summary, "compiled_variant", lambda **kw: lambda *a: bounds.append(a[-2].tolist()))
+    kda_tuning(time_split=SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=64, min_seq_len=256))
+    lens = [300, 10]
+    x = _kda_inputs(1, sum(lens), 2, 4, len(lens), torch.Generator().manual_seed(0), device="cpu")
+    cu = make_cu_seqlens(lens)
+    with torch.no_grad():
+        chunk_kda(**x, **SAFE_GATE, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())  # eager: the host's tables
+        for mod in (cf, ts):
+            monkeypatch.setattr(mod, "capturing", lambda t: True)
+        monkeypatch.setattr(ts, "on_device", lambda *a: pytest.fail("host-built segment tables"))
+        chunk_kda(**x, **SAFE_GATE, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+    assert [path for path, _ in stubbed_kernels] == ["general", "general"]
+    eager, captured = bounds
+    assert eager == [0, 64, 128, 192, 256, 300, 310]
+    # ceil(310 / 64) + 2 = 7 segments: the spare one empty, at the end of the short sequence
+    assert captured == [0, 64, 128, 192, 256, 300, 310, 310]
+
+
 @pytest.mark.parametrize("host_copy", [True, False], ids=["cu_seqlens_cpu", "device_only"])
 def test_capture_takes_the_device_chunk_indices(stubbed_kernels, monkeypatch, host_copy):
     """While capturing (simulated), the plan (with ``cu_seqlens_cpu``) and the general path (without) make their chunk

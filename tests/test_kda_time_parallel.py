@@ -144,6 +144,73 @@ def test_half_bounds():
     assert half_bounds((5,)) == (5,)
 
 
+# the capture's lengths (which choose the rule), then the boundaries of a replay: same count and total
+REPLAYS = [
+    ([1000], [1000], 192, 0),
+    ([640, 0, 129, 3 * BT + 7, 1], [1, 3 * BT + 7, 129, 0, 640], 128, 0),  # the long one last: spares elsewhere
+    ([640, 0, 129, 3 * BT + 7, 1], [0, 0, 0, 0, 969], 128, 0),
+    ([640, 0, 129, 3 * BT + 7, 1], [193, 194, 194, 194, 194], 128, 0),  # nothing long enough to cut
+    ([900, 100], [100, 900], 64, 300),  # min_seq_len: the short one whole whichever comes first
+    ([700, 0, 0], [0, 0, 700], 256, 0),
+]
+
+
+@pytest.mark.parametrize("capture,replay,segment_len,min_seq_len", REPLAYS)
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_device_segment_tables_cut_each_replays_boundaries(capture, replay, segment_len, min_seq_len, cu_dtype):
+    """``cula.time_split.device_segment_tables``: the capture's rule applied to the boundaries ``cu_seqlens``
+    holds, on its device: each sequence's nonempty segments are those ``split_plan`` cuts its length into (one
+    whole where it cuts nothing), each starts on a chunk of its sequence, the spare segments are empty, and the
+    half bounds are ``half_bounds`` of the bounds."""
+    from cula.time_split import device_segment_tables, replay_segments
+
+    plan = split_plan(capture, segment_len, min_seq_len)
+    M = replay_segments(plan, sum(capture))
+    cu = make_cu_seqlens(replay, dtype=cu_dtype)
+    tables = device_segment_tables(plan, cu, M, halves=True)
+    bounds, first = tables.bounds.tolist(), tables.first.tolist()
+    assert tables.num_segments == M and tables.bounds.dtype == tables.first.dtype == torch.int32
+    assert len(bounds) == M + 1 and first[0] == 0 and first[-1] == M and len(first) == len(replay) + 1
+    expect = split_plan(replay, segment_len, min_seq_len)
+    starts = cu.tolist()
+    for n in range(len(replay)):
+        segs = [(bounds[m], bounds[m + 1]) for m in range(first[n], first[n + 1])]
+        assert segs[0][0] == starts[n] and segs[-1][1] == starts[n + 1] and all(a <= b for a, b in segs)
+        want = [(starts[n], starts[n + 1])] if expect is None else [
+            (expect.bounds[m], expect.bounds[m + 1]) for m in expect.segments_of(n)]  # fmt: skip
+        assert [x for x in segs if x[0] < x[1]] == [x for x in want if x[0] < x[1]], n
+        assert all((a - starts[n]) % BT == 0 for a, b in segs if a < b)
+    assert tables.halves.tolist() == list(half_bounds(bounds))
+
+
+@pytest.mark.parametrize("capture,replay,segment_len,min_seq_len", REPLAYS)
+@pytest.mark.parametrize("halves", [False, True], ids=["segments", "halves"])
+def test_captured_cut_replays_on_new_boundaries(monkeypatch, capture, replay, segment_len, min_seq_len, halves):
+    """A packed call captured while cut (capture simulated): the segment tables come from ``cu_seqlens`` on the
+    device (never the plan's host bounds), so the cut is exact for the boundaries of the replay, spare empty
+    segments included."""
+    import cula.time_split as ts
+
+    monkeypatch.setattr(ts, "capturing", lambda t: True)
+    monkeypatch.setattr(ts, "on_device", lambda *a: pytest.fail("host-built segment tables"))
+    total, N = sum(replay), len(replay)
+    assert total == sum(capture)
+    w, u, kg, qg, g, Aqk = _intermediates(total, 5)
+    shape = (N, HV, K, V)
+    h0 = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+    kw = dict(scale=0.25, state_v_first=False, aqk_causal=True)
+    cu = make_cu_seqlens(replay)
+    o_ref, ht_ref = torch.full((1, total, HV, V), float("nan")), torch.full(shape, float("nan"))
+    _states_model(w, u, kg, qg, g, Aqk, o_ref, h0, ht_ref, cu, **kw)
+    o, ht = torch.full_like(o_ref, float("nan")), torch.full_like(ht_ref, float("nan"))
+    parallel_segment_states(split_plan(capture, segment_len, min_seq_len), w, u, kg, qg, g, Aqk, o, h0, ht,
+                            states_fn=_states_model, summary_fn=_summary_model, chain_fn=chain_model, halves=halves,
+                            cu_seqlens=cu, **kw)  # fmt: skip
+    assert not o.isnan().any() and not ht.isnan().any()
+    assert_close("o", o_ref, o, 1e-5)
+    assert_close("final state", ht_ref, ht, 1e-5)
+
+
 def test_strong_and_no_decay():
     """Gates near 0 (no decay over thousands of tokens) and strong ones: the carry is exact either way."""
     for scale_g in (0.0, 8.0):
@@ -323,3 +390,53 @@ def test_chunk_kda_cut_captured_first_cuda(kda_tuning):
     assert torch.equal(o_e2, o_e) and torch.equal(ht_e2, ht_e)
     assert_close("o vs serial", o_s, o_e, 5e-3)
     assert_close("ht vs serial", ht_s, ht_e, 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("halves", [False, True], ids=["segments", "halves"])
+def test_chunk_kda_packed_cut_captured_replays_new_boundaries_cuda(halves, kda_tuning):
+    """A packed call cut in time, captured in a CUDA graph with ``cu_seqlens_cpu``, then replayed on other boundaries
+    of the same sequence count and total length written into its ``cu_seqlens``: each replay is cut by the
+    capture's rule on the boundaries it reads (``cula.time_split.device_segment_tables``): it matches the eager call
+    on those boundaries where that is cut too (fp32 noise: the chain's products; the same segments but for empty
+    spares), and the serial path; NaN-poisoned outputs."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    import cula.kda.plan as kp
+    from cula.kda import chunk_kda
+
+    capture = [8192 + 7, 1024, 0, 3000]
+    # the long one last, none long enough to cut, all in one, the capture's own
+    replays = [[1024, 0, 3000, 8192 + 7], [3000, 3000, 3000, 3223], [0, 12223, 0, 0], capture]
+    x, kw = _gpu_case(capture, 2, "weak", True, seed=3)
+    cu, cu_cpu = kw.pop("cu_seqlens"), kw.pop("cu_seqlens_cpu")
+    kda_tuning(time_split=SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024,
+                                          min_seq_len=4096), time_split_halves=halves)  # fmt: skip
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chunk_kda(*x, **kw, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # warm-up: compiles, plans
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                o_g, ht_g = chunk_kda(*x, **kw, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        torch.cuda.current_stream().wait_stream(stream)
+        for lengths in replays:
+            new = make_cu_seqlens(lengths)
+            cu.copy_(new)
+            o_g.fill_(float("nan"))
+            ht_g.fill_(float("nan"))
+            graph.replay()
+            o_e, ht_e = chunk_kda(*x, **kw, cu_seqlens=new.cuda(), cu_seqlens_cpu=new)
+            eager_cut = kp.parallel_segments(1, sum(lengths), 2, new, new, cu.device) is not None
+            kda_tuning(time_split=None)
+            o_s, ht_s = chunk_kda(*x, **kw, cu_seqlens=new.cuda(), cu_seqlens_cpu=new)
+            kda_tuning(time_split=SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024,
+                                                  min_seq_len=4096), time_split_halves=halves)  # fmt: skip
+            torch.cuda.synchronize()
+            assert not o_g.isnan().any() and not ht_g.isnan().any(), lengths
+            if eager_cut:
+                assert_close(f"o replayed vs eager {lengths}", o_e, o_g, 1e-5)
+                assert_close(f"ht replayed vs eager {lengths}", ht_e, ht_g, 1e-5)
+            assert_close(f"o replayed vs serial {lengths}", o_s, o_g, 5e-3)
+            assert_close(f"ht replayed vs serial {lengths}", ht_s, ht_g, 5e-3)

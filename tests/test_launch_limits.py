@@ -73,20 +73,27 @@ def test_a_time_split_past_the_grid_runs_whole(monkeypatch):
         assert (plan is not None) == cut, m
 
 
-def test_a_packed_call_is_not_cut_while_a_graph_captures(monkeypatch):
-    """A captured packed call replays on whatever boundaries its buffer then holds: a cut planned from the
-    capture's host boundaries would fix the capture's segments, so it runs whole. Fixed lengths still cut."""
+def test_a_packed_call_captured_in_a_graph_is_cut_for_any_boundaries(monkeypatch):
+    """A captured packed call replays on whatever boundaries its buffer then holds, cut by the capture's rule on the
+    device (``segment_tables``): the grid must hold the segments any boundaries of the call's shapes can need
+    (``replay_segments``), not only the capture's."""
     import types
 
     from cula import time_split
 
-    cut = types.SimpleNamespace(num_segments=16)
+    cut = types.SimpleNamespace(num_segments=16, segment_len=1 << 16, lengths=(1 << 20,))
     monkeypatch.setattr(time_split, "sm_count", lambda index: 132)
     monkeypatch.setattr(time_split, "plan_time_split", lambda *a: cut)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     cu = types.SimpleNamespace(is_cuda=True)
     cu_cpu = torch.tensor([0, 1 << 20], dtype=torch.int32)
-    assert time_split.plan_call(object(), 1, 1 << 20, 4, cu, cu_cpu, torch.device("cpu")) is None
-    assert time_split.plan_call(object(), 1, 1 << 20, 4, None, None, torch.device("cpu")) is cut
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert time_split.plan_call(object(), 1, 1 << 20, 4, cu, cu_cpu, torch.device("cpu")) is cut
+    assert time_split.plan_call(object(), 1, 1 << 20, 4, None, None, torch.device("cpu")) is cut
+    # 17 segments for the capture's one sequence, but 1 + GRID_YZ_MAX // 2 for any of its boundaries
+    T = 64 * (GRID_YZ_MAX // 2)
+    many = types.SimpleNamespace(num_segments=17, segment_len=64, lengths=(T,))
+    monkeypatch.setattr(time_split, "plan_time_split", lambda *a: many)
+    cu_cpu = torch.tensor([0, T], dtype=torch.int32)
+    assert time_split.plan_call(object(), 1, T, 4, cu, cu_cpu, torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert time_split.plan_call(object(), 1, T, 4, cu, cu_cpu, torch.device("cpu")) is many

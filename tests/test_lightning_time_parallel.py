@@ -168,6 +168,39 @@ def test_first_pass_reads_only_feeding_segments():
     assert rel_rmse(o_ref, o) < 1e-6 and rel_rmse(ht_ref, ht) < 1e-6  # (the starts are fp32, as the kernel's)
 
 
+# a packed call captured in a CUDA graph (simulated): the capture's lengths, then the boundaries of a replay
+REPLAYS = [
+    ((2000, 100, 100), (100, 100, 2000), 256, 0),  # the long one last: spares elsewhere
+    ((2000, 100, 100), (0, 2200, 0), 256, 0),
+    ((0, 300, 64, 129), (129, 64, 0, 300), 64, 0),
+    ((700, 300), (500, 500), 128, 600),  # min_seq_len: nothing cut on the replay's boundaries
+    ((700, 300), (700, 300), 128, 0),
+]
+
+
+@pytest.mark.parametrize("capture,replay,segment_len,min_seq_len", REPLAYS)
+@pytest.mark.parametrize("h0", [False, True])
+@pytest.mark.parametrize("decay", ["g_gamma", "none"])
+def test_captured_pack_cut_on_the_replays_boundaries(monkeypatch, capture, replay, segment_len, min_seq_len, h0,
+                                                     decay):  # fmt: skip
+    """A packed call cut while a CUDA graph captures: its segments (``cula.time_split.device_segment_tables``), the
+    first pass's feeding bounds and the combine (``_device_combine``) come from ``cu_seqlens`` on the device, never
+    from the plan's host tables, so the cut is exact for the boundaries a replay holds; float64."""
+    import cula.time_split as ts
+
+    for mod in (tp, ts):
+        monkeypatch.setattr(mod, "capturing", lambda t: True)
+    monkeypatch.setattr(ts, "on_device", lambda *a: pytest.fail("host-built segment tables"))
+    monkeypatch.setattr(tp, "on_device", lambda *a: pytest.fail("host-built segment tables"))
+    assert sum(capture) == sum(replay) and len(capture) == len(replay)
+    q, k, v, g_gamma, state, cu = _inputs(replay, True, torch.float64, h0, False, seed=4)
+    g_gamma = g_gamma if decay == "g_gamma" else None
+    plan = tp.split_plan(capture, segment_len, min_seq_len)
+    o, ht = tp.time_parallel_forward(_reference_fn, plan, q, k, v, g_gamma, 0.25, state, True, False, cu)
+    o_ref, ht_ref = _reference_fn(q, k, v, g_gamma, 0.25, state, True, False, cu)
+    assert rel_rmse(o_ref, o) < 1e-6 and rel_rmse(ht_ref, ht) < 1e-6  # (the starts are fp32, as the kernel's)
+
+
 # ------------------------------------------------------------------------------------------------ planner
 
 TABLE = tp.SplitThresholds(items_per_sm=2.0, busy_items_per_sm=1.0, min_segment=1024, min_seq_len=4096)
@@ -338,3 +371,39 @@ def test_gpu_dispatch_and_graph_capture(lightning_tuning):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(o_g, o) and torch.equal(ht_g, ht)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_capture_replays_new_boundaries(lightning_tuning):
+    """``chunk_simple_gla(g_gamma)`` packed with ``cu_seqlens_cpu`` and cut, captured in a CUDA graph, then replayed
+    on other boundaries (same count and total) written into its ``cu_seqlens``: each replay is cut on the boundaries
+    it reads and matches the serial kernel on them; NaN-poisoned outputs."""
+    from cula.simple_gla import chunk_simple_gla
+
+    lightning_tuning(time_split=tp.SplitThresholds(2.0, 1.0, 1024, 4096))
+    capture = (65536, 1024, 0, 1024, 1023)
+    replays = [(1024, 1023, 1024, 0, 65536), (13721, 13721, 13721, 13722, 13722), (0, 68607, 0, 0, 0), capture]
+    q, k, v, g, h0, cu = _gpu_inputs(capture, True)
+    cu_cpu = cu.cpu()
+    scale = q.shape[-1] ** -0.5
+    kw = dict(g_gamma=g, scale=scale, initial_state=h0, output_final_state=True)
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chunk_simple_gla(q, k, v, **kw, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # warm-up: compiles, plans
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                o_g, ht_g = chunk_simple_gla(q, k, v, **kw, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        torch.cuda.current_stream().wait_stream(stream)
+        for lengths in replays:
+            assert sum(lengths) == sum(capture)
+            new = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+            cu.copy_(new)
+            o_g.fill_(float("nan"))
+            ht_g.fill_(float("nan"))
+            graph.replay()
+            o_s, ht_s = sb._lightning_forward(q, k, v, g, scale, h0, True, False, new.cuda())
+            torch.cuda.synchronize()
+            assert not o_g.isnan().any() and not ht_g.isnan().any(), lengths
+            assert rel_rmse(o_s, o_g) < BF16_TOL and rel_rmse(ht_s, ht_g) < BF16_TOL, lengths

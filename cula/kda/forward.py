@@ -36,7 +36,7 @@ from cula.ops.kda.sm90 import intra
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
 from cula.ops.kda.sm90.segment_chain import chunk_kda_segment_chain_sm90
 from cula.ops.kda.sm90.segment_summary import chunk_kda_segment_summary_sm90
-from cula.time_split import SplitThresholds, half_bounds, on_device
+from cula.time_split import SplitThresholds, on_device, segment_tables
 
 __all__ = ["chunk_kda_fwd_sm90"]
 
@@ -195,7 +195,7 @@ def chunk_kda_fwd_sm90(
         else:
             parallel_segment_states(split, w, u, k, q, factors, Aqk, o, initial_state, final_state, **states,
                                     halves=KDA_TUNING.for_device(q.device).time_split_halves, row_factors=True,
-                                    **wy)  # fmt: skip
+                                    cu_seqlens=cu32, **wy)  # fmt: skip
         return o, final_state
     if cute_intra:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
@@ -225,7 +225,7 @@ def chunk_kda_fwd_sm90(
         chunk_kda_delta_h_fwd_o_sm90(w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, cu32, **states)
     else:
         parallel_segment_states(split, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, **states,
-                                halves=KDA_TUNING.for_device(q.device).time_split_halves)  # fmt: skip
+                                halves=KDA_TUNING.for_device(q.device).time_split_halves, cu_seqlens=cu32)  # fmt: skip
     if keep_prefix:
         return o, final_state, Aqk, Akk, None
     if keep_scores:
@@ -259,7 +259,7 @@ def _state_outputs(u, cu32, chunk_indices, static_rows: bool = False) -> dict:
 def parallel_segment_states(
     plan, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, *, scale, state_v_first, aqk_causal,
     halves=False, states_fn=chunk_kda_delta_h_fwd_o_sm90, summary_fn=chunk_kda_segment_summary_sm90,
-    chain_fn=chunk_kda_segment_chain_sm90, row_factors=False, wy_in_recurrence=False,
+    chain_fn=chunk_kda_segment_chain_sm90, row_factors=False, wy_in_recurrence=False, cu_seqlens=None,
 ):  # fmt: skip
     """The state recurrence and the output of ``plan``'s segments (``cula.time_split``) all at once, exactly.
 
@@ -285,13 +285,15 @@ def parallel_segment_states(
 
     Each kernel runs segments x value heads CTAs (twice that for 1), where the serial kernel runs sequences x value
     heads, each walking its whole sequence. The intermediates (``w, u, kg, qg, g_cum, Aqk`` of the intra stage) are
-    the serial path's: segments start on chunk boundaries of their sequence, so every chunk is the same chunk."""
+    the serial path's: segments start on chunk boundaries of their sequence, so every chunk is the same chunk.
+
+    A packed call (``cu_seqlens``) captured in a CUDA graph cuts, at each replay, the boundaries ``cu_seqlens`` then
+    holds by ``plan``'s rule (``cula.time_split.segment_tables``)."""
     B, T, HV, V = u.shape
     K = kg.shape[-1]
-    M = plan.num_segments
     dev = w.device
-    seg_cu = on_device(plan.bounds, torch.int32, dev)
-    first = on_device(plan.first_segment + (M,), torch.int32, dev)
+    tables = segment_tables(plan, B * T, cu_seqlens, dev, halves=halves)
+    M, seg_cu, first = tables.num_segments, tables.bounds, tables.first
 
     # (row_factors: kg and qg are the raw k and q of H heads, g_cum the factor rows)
     W, U, KG, QG, G, A, O = (t.view(1, B * T, t.shape[2], t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
@@ -317,9 +319,8 @@ def parallel_segment_states(
     once = on_device(tuple(range(M + 1)), torch.int32, dev)
     chain_fn(mids, starts[:, 0], torch.empty((M, HV) + inner, dtype=torch.float32, device=dev), starts[:, 1], once,
              state_v_first=state_v_first)  # fmt: skip
-    states_fn(W, U, KG, QG, G, A, O, starts.view((2 * M, HV) + inner), None,
-              on_device(half_bounds(plan.bounds), torch.int32, dev), scale=scale, state_v_first=state_v_first,
-              aqk_causal=aqk_causal, **rows)  # fmt: skip
+    states_fn(W, U, KG, QG, G, A, O, starts.view((2 * M, HV) + inner), None, tables.halves, scale=scale,
+              state_v_first=state_v_first, aqk_causal=aqk_causal, **rows)  # fmt: skip
 
 
 def _launch_buffers(B, T, HV, K, dt, o_dtype, dev, state_shape, output_final_state):

@@ -240,7 +240,8 @@ def parallel_segments(B: int, T: int, HV: int, cu_seqlens, cu_seqlens_cpu, devic
     """How a call's sequences are cut for the exact time-parallel recurrence (``KdaTuning.time_split``, or the
     ``thresholds`` another op's entry gives: Gated DeltaNet's), or None to run them whole. From the shapes or
     ``cu_seqlens_cpu`` only (never a read of ``cu_seqlens``: no sync), so the same call is always cut the same way
-    and can be captured in a CUDA graph."""
+    and can be captured in a CUDA graph (a packed call's segments then made on the device at each replay:
+    ``cula.kda.forward.parallel_segment_states``)."""
     if thresholds == "kda":
         thresholds = KDA_TUNING.for_device(device).time_split
     return time_split.plan_call(thresholds, B, T, HV, cu_seqlens, cu_seqlens_cpu, device)

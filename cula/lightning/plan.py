@@ -201,7 +201,8 @@ def lightning_decode_sm90(
 def parallel_segments(B: int, T: int, HV: int, cu_seqlens, cu_seqlens_cpu, device: torch.device) -> SplitPlan | None:
     """How a Lightning / ``chunk_simple_gla(g_gamma)`` inference call's sequences are cut for the exact
     time-parallel forward (``LightningTuning.time_split``, ``cula.lightning.time_parallel``), or None to run them
-    whole; as ``cula.kda.plan.parallel_segments``."""
+    whole; as ``cula.kda.plan.parallel_segments`` (a captured packed call's segments and combine made on the device
+    at each replay)."""
     return time_split.plan_call(
         LIGHTNING_TUNING.for_device(device).time_split, B, T, HV, cu_seqlens, cu_seqlens_cpu, device
     )

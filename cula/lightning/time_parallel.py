@@ -17,7 +17,10 @@ decay) are exact too.
 
 Everything about the cut (segment boundaries, which end states feed which start) is decided on the host from
 shapes or ``cu_seqlens_cpu``; the device tensors holding it are cached per layout, so a call after the first
-one needs no host-to-device copy and can be captured in a CUDA graph.
+one needs no host-to-device copy and can be captured in a CUDA graph. A packed call captured in a graph replays on
+whatever boundaries its ``cu_seqlens`` then holds: its segments are made on the device from them
+(``cula.time_split.device_segment_tables``, the capture's rule) and so is the combine's layout (``_device_combine``:
+every segment a row, its distances by broadcast), at every replay.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from typing import NamedTuple
 
 import torch
 
-from cula.backends import ConstantTensors
+from cula.backends import ConstantTensors, capturing
 from cula.time_split import (  # noqa: F401  (the split's planning, shared with KDA; re-exported for callers)
-    SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, split_plan,
+    SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, segment_tables, split_plan,
 )
 
 
@@ -146,6 +149,39 @@ def _starts(layout: _Combine, E: torch.Tensor, h0: torch.Tensor | None, g_gamma:
     return starts.index_copy_(0, rows, part)
 
 
+def _device_combine(bounds: torch.Tensor, first: torch.Tensor, cu_seqlens: torch.Tensor, E: torch.Tensor,
+                    h0: torch.Tensor | None, g_gamma: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``_starts`` for segment tables made on the device (a captured packed call): every segment a row, fed by the
+    earlier segments of its sequence and its sequence's initial state, the distances by broadcast over the ``[M]``
+    bounds (nothing read on the host)."""
+    M, HV = E.shape[0], E.shape[1]
+    cd = torch.promote_types(E.dtype, torch.float32)
+    b = bounds.long()
+    a, end = b[:-1], b[1:]
+    seq_of = _segment_sequences(first, M)
+    idx = torch.arange(M, device=E.device)
+    feeds = (seq_of[:, None] == seq_of[None, :]) & (idx[None, :] < idx[:, None])
+    dist = (a[:, None] - end[None, :]).clamp_min(0).to(cd)
+    if g_gamma is None:
+        we = feeds.to(cd).expand(HV, M, M)
+    else:
+        we = torch.mul(g_gamma.detach().to(cd)[:, None, None], dist).exp_().mul_(feeds)
+    starts = E.new_empty(E.shape, dtype=cd)
+    _per_head_mm(we.contiguous(), E.to(cd), starts)
+    if h0 is not None:  # the initial state, decayed over the tokens before the segment in its sequence
+        since = (a - cu_seqlens.long()[seq_of]).to(cd)
+        wh = torch.ones(HV, M, dtype=cd, device=E.device) if g_gamma is None else torch.mul(
+            g_gamma.detach().to(cd)[:, None], since).exp_()  # fmt: skip
+        starts.add_(h0.to(cd).index_select(0, seq_of) * wh.t()[:, :, None, None])
+    return starts
+
+
+def _segment_sequences(first: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Each segment's sequence (int64 ``[M]``) from the sequences' first segments ``[N + 1]``."""
+    m = torch.arange(num_segments, device=first.device)
+    return torch.searchsorted(first[1:].long(), m, right=True).clamp_(max=first.numel() - 2)
+
+
 ChunkFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
@@ -185,8 +221,11 @@ def time_parallel_forward(
             f"plan for lengths {plan.lengths} does not match q {list(q.shape)} ({expect_n} sequences)"
         )
     dev = q.device
-    bounds = on_device(plan.bounds, torch.int32, dev)
     qf, kf, vf = q.reshape(1, B * T, H, K), k.reshape(1, B * T, H, K), v.reshape(1, B * T, HV, V)
+    if cu_seqlens is not None and capturing(cu_seqlens):
+        return _captured_forward(chunk_fn, plan, qf, kf, vf, g_gamma, scale, initial_state, output_final_state,
+                                 state_v_first, cu_seqlens)  # fmt: skip
+    bounds = on_device(plan.bounds, torch.int32, dev)
     layout = _combine_layout(plan)
     # 1. the end states from a zero start of the segments that feed a later start; the rest run empty (zero ends,
     # which nothing reads), so the pass reads no k or v past the last of those
@@ -200,3 +239,20 @@ def time_parallel_forward(
     if output_final_state:
         final = ends.index_select(0, on_device(layout.last, torch.long, dev))
     return o.view(B, T, HV, V), final
+
+
+def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first,
+                      cu_seqlens):  # fmt: skip
+    """``time_parallel_forward`` of a packed call while a CUDA graph captures: the segments, the first pass's
+    feeding bounds and the combine made on the device from ``cu_seqlens`` at every replay."""
+    tables = segment_tables(plan, q.shape[1], cu_seqlens, q.device)
+    bounds, first = tables.bounds, tables.first
+    # the first pass stops at the end of the last segment that feeds a start (one that is not its sequence's last)
+    last = first[1:].long() - 1
+    feeding = torch.ones(tables.num_segments, dtype=torch.bool, device=q.device)
+    feeding[last] = False
+    end = torch.where(feeding, bounds[1:], 0).max()
+    _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, bounds.clamp(max=end))
+    starts = _device_combine(bounds, first, cu_seqlens, E, initial_state, g_gamma).to(E.dtype)
+    o, ends = chunk_fn(q, k, v, g_gamma, scale, starts, output_final_state, state_v_first, bounds)
+    return o.view(v.shape), ends.index_select(0, last) if output_final_state else None
