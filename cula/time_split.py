@@ -179,12 +179,15 @@ class SegmentTables:
             bounds[m + 1])``).
         first: ``[N + 1]`` each sequence's first segment, then M.
         halves: ``[2 M + 1]`` the bounds with every segment cut after its first half (``half_bounds``), or None.
+        spare: whether segments past ``first[N]`` may be left over, empty and of no sequence (made on the device:
+            no chain writes their start states, which the output pass reads all the same, so they must be zeroed).
     """
 
     num_segments: int
     bounds: torch.Tensor
     first: torch.Tensor
     halves: torch.Tensor | None
+    spare: bool = False
 
 
 def segment_tables(plan: SplitPlan, total: int, cu_seqlens: torch.Tensor | None, device: torch.device,
@@ -206,22 +209,19 @@ def device_segment_tables(plan: SplitPlan, cu_seqlens: torch.Tensor, num_segment
     of ``segment_len``, any other is one segment) applied to the boundaries ``cu_seqlens`` holds, by torch ops on
     its device: no host read, so a captured call cuts the boundaries of each replay.
 
-    ``num_segments`` is fixed at capture (``replay_segments``); the ones the boundaries do not need are empty
-    segments at the end of the sequence with the fewest, whose summaries are the identity transition and a zero
-    state, so its chain carries its state through them unchanged. As ``cula.kda.forward.device_chunk_indices``,
-    values are not checked: boundaries that are not non-decreasing or end past ``num_segments``' total give
-    meaningless segments."""
+    ``num_segments`` is fixed at capture (``replay_segments``); the ones the boundaries do not need are spare:
+    empty segments at the end of the call, past ``first[N]``, in no sequence's chain (so no chain grows longer
+    for them), whose start states the caller zeroes. As ``cula.kda.forward.device_chunk_indices``, values are not
+    checked: boundaries that are not non-decreasing or end past ``num_segments``' total give meaningless segments."""
     cu = cu_seqlens.long()
     seg, M, N = plan.segment_len, num_segments, cu.numel() - 1
     lens = cu[1:] - cu[:-1]
     pieces = torch.where((lens > seg) & (lens >= plan.min_seq_len), (lens + seg - 1) // seg, torch.ones_like(lens))
-    counts = pieces.clone()
-    counts.scatter_add_(0, pieces.argmin().view(1), (M - pieces.sum()).view(1))
-    ends = counts.cumsum(0)
+    ends = pieces.cumsum(0)
     m = torch.arange(M, dtype=torch.int64, device=cu.device)
     seq = torch.searchsorted(ends, m, right=True).clamp_(max=N - 1)
-    piece = m - (ends - counts)[seq]
-    # a sequence's pieces from its start, segment_len apart; the spare ones empty, at its end
+    piece = m - (ends - pieces)[seq]
+    # a sequence's pieces from its start, segment_len apart; the spare ones (past the last sequence's) at the end
     starts = cu[seq] + torch.where(piece < pieces[seq], piece * seg, lens[seq])
     bounds = torch.cat((starts, cu[-1:]))
     half = None
@@ -230,7 +230,7 @@ def device_segment_tables(plan: SplitPlan, cu_seqlens: torch.Tensor, num_segment
         mid = a + (b - a + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN // 2 * SEGMENT_ALIGN
         half = torch.cat((torch.stack((a, mid), 1).flatten(), bounds[-1:])).to(torch.int32)
     first = torch.cat((ends.new_zeros(1), ends)).to(torch.int32)
-    return SegmentTables(M, bounds.to(torch.int32), first, half)
+    return SegmentTables(M, bounds.to(torch.int32), first, half, spare=True)
 
 
 def call_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...] | None:

@@ -249,7 +249,7 @@ def test_a_captured_long_pack_is_cut_on_segment_tables_made_on_the_device(stubbe
     assert [path for path, _ in stubbed_kernels] == ["general", "general"]
     eager, captured = bounds
     assert eager == [0, 64, 128, 192, 256, 300, 310]
-    # ceil(310 / 64) + 2 = 7 segments: the spare one empty, at the end of the short sequence
+    # ceil(310 / 64) + 2 = 7 segments: the spare one empty, at the end
     assert captured == [0, 64, 128, 192, 256, 300, 310, 310]
 
 

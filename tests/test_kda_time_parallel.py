@@ -147,7 +147,7 @@ def test_half_bounds():
 # the capture's lengths (which choose the rule), then the boundaries of a replay: same count and total
 REPLAYS = [
     ([1000], [1000], 192, 0),
-    ([640, 0, 129, 3 * BT + 7, 1], [1, 3 * BT + 7, 129, 0, 640], 128, 0),  # the long one last: spares elsewhere
+    ([640, 0, 129, 3 * BT + 7, 1], [1, 3 * BT + 7, 129, 0, 640], 128, 0),  # the long one last
     ([640, 0, 129, 3 * BT + 7, 1], [0, 0, 0, 0, 969], 128, 0),
     ([640, 0, 129, 3 * BT + 7, 1], [193, 194, 194, 194, 194], 128, 0),  # nothing long enough to cut
     ([900, 100], [100, 900], 64, 300),  # min_seq_len: the short one whole whichever comes first
@@ -160,8 +160,8 @@ REPLAYS = [
 def test_device_segment_tables_cut_each_replays_boundaries(capture, replay, segment_len, min_seq_len, cu_dtype):
     """``cula.time_split.device_segment_tables``: the capture's rule applied to the boundaries ``cu_seqlens``
     holds, on its device: each sequence's nonempty segments are those ``split_plan`` cuts its length into (one
-    whole where it cuts nothing), each starts on a chunk of its sequence, the spare segments are empty, and the
-    half bounds are ``half_bounds`` of the bounds."""
+    whole where it cuts nothing), each starts on a chunk of its sequence, the spare segments past the last
+    sequence's are empty, at the end, and the half bounds are ``half_bounds`` of the bounds."""
     from cula.time_split import device_segment_tables, replay_segments
 
     plan = split_plan(capture, segment_len, min_seq_len)
@@ -170,7 +170,8 @@ def test_device_segment_tables_cut_each_replays_boundaries(capture, replay, segm
     tables = device_segment_tables(plan, cu, M, halves=True)
     bounds, first = tables.bounds.tolist(), tables.first.tolist()
     assert tables.num_segments == M and tables.bounds.dtype == tables.first.dtype == torch.int32
-    assert len(bounds) == M + 1 and first[0] == 0 and first[-1] == M and len(first) == len(replay) + 1
+    assert len(bounds) == M + 1 and first[0] == 0 and len(first) == len(replay) + 1 and tables.spare
+    assert bounds[first[-1]:] == [sum(replay)] * (M + 1 - first[-1])
     expect = split_plan(replay, segment_len, min_seq_len)
     starts = cu.tolist()
     for n in range(len(replay)):
@@ -187,8 +188,8 @@ def test_device_segment_tables_cut_each_replays_boundaries(capture, replay, segm
 @pytest.mark.parametrize("halves", [False, True], ids=["segments", "halves"])
 def test_captured_cut_replays_on_new_boundaries(monkeypatch, capture, replay, segment_len, min_seq_len, halves):
     """A packed call captured while cut (capture simulated): the segment tables come from ``cu_seqlens`` on the
-    device (never the plan's host bounds), so the cut is exact for the boundaries of the replay, spare empty
-    segments included."""
+    device (never the plan's host bounds), so the cut is exact for the boundaries of the replay, spare segments
+    (empty, in no sequence) included."""
     import cula.time_split as ts
 
     monkeypatch.setattr(ts, "capturing", lambda t: True)
@@ -398,7 +399,7 @@ def test_chunk_kda_packed_cut_captured_replays_new_boundaries_cuda(halves, kda_t
     """A packed call cut in time, captured in a CUDA graph with ``cu_seqlens_cpu``, then replayed on other boundaries
     of the same sequence count and total length written into its ``cu_seqlens``: each replay is cut by the
     capture's rule on the boundaries it reads (``cula.time_split.device_segment_tables``): it matches the eager call
-    on those boundaries where that is cut too (fp32 noise: the chain's products; the same segments but for empty
+    on those boundaries where that is cut too (fp32 noise: the chain's products; the same segments and empty
     spares), and the serial path; NaN-poisoned outputs."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")

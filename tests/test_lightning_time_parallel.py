@@ -170,7 +170,7 @@ def test_first_pass_reads_only_feeding_segments():
 
 # a packed call captured in a CUDA graph (simulated): the capture's lengths, then the boundaries of a replay
 REPLAYS = [
-    ((2000, 100, 100), (100, 100, 2000), 256, 0),  # the long one last: spares elsewhere
+    ((2000, 100, 100), (100, 100, 2000), 256, 0),  # the long one last
     ((2000, 100, 100), (0, 2200, 0), 256, 0),
     ((0, 300, 64, 129), (129, 64, 0, 300), 64, 0),
     ((700, 300), (500, 500), 128, 600),  # min_seq_len: nothing cut on the replay's boundaries
@@ -196,9 +196,18 @@ def test_captured_pack_cut_on_the_replays_boundaries(monkeypatch, capture, repla
     q, k, v, g_gamma, state, cu = _inputs(replay, True, torch.float64, h0, False, seed=4)
     g_gamma = g_gamma if decay == "g_gamma" else None
     plan = tp.split_plan(capture, segment_len, min_seq_len)
-    o, ht = tp.time_parallel_forward(_reference_fn, plan, q, k, v, g_gamma, 0.25, state, True, False, cu)
+    passes = []
+
+    def spy(q, *args):
+        passes.append(args[-1].tolist())
+        return _reference_fn(q, *args)
+
+    o, ht = tp.time_parallel_forward(spy, plan, q, k, v, g_gamma, 0.25, state, True, False, cu)
     o_ref, ht_ref = _reference_fn(q, k, v, g_gamma, 0.25, state, True, False, cu)
     assert rel_rmse(o_ref, o) < 1e-6 and rel_rmse(ht_ref, ht) < 1e-6  # (the starts are fp32, as the kernel's)
+    # the first pass reads no further than the host layout's of the replay's own cut would
+    own = tp.split_plan(replay, segment_len, min_seq_len)
+    assert passes[0][-1] == (tp._combine_layout(own).feeding_bounds[-1] if own else 0)
 
 
 # ------------------------------------------------------------------------------------------------ planner

@@ -294,6 +294,8 @@ def parallel_segment_states(
     dev = w.device
     tables = segment_tables(plan, B * T, cu_seqlens, dev, halves=halves)
     M, seg_cu, first = tables.num_segments, tables.bounds, tables.first
+    # (spare segments, in no chain, start from zero: the output pass reads every segment's start)
+    new_starts = torch.zeros if tables.spare else torch.empty
 
     # (row_factors: kg and qg are the raw k and q of H heads, g_cum the factor rows)
     W, U, KG, QG, G, A, O = (t.view(1, B * T, t.shape[2], t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
@@ -304,7 +306,7 @@ def parallel_segment_states(
     summary = torch.empty((M, 2 * HV) + inner, dtype=torch.float32, device=dev)
     if not halves:
         summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first, **rows)
-        starts = torch.empty((M, HV) + inner, dtype=torch.float32, device=dev)
+        starts = new_starts((M, HV) + inner, dtype=torch.float32, device=dev)
         chain_fn(summary, initial_state, starts, final_state, first, state_v_first=state_v_first)
         states_fn(W, U, KG, QG, G, A, O, starts, None, seg_cu, scale=scale, state_v_first=state_v_first,
                   aqk_causal=aqk_causal, **rows)  # fmt: skip
@@ -312,7 +314,7 @@ def parallel_segment_states(
     mids = torch.empty_like(summary)
     summary_fn(W, U, KG, G, summary, seg_cu, state_v_first=state_v_first, mids=mids, **rows)
     # the halves' start states interleaved, [segment, half]: the chains write straight into the two views
-    starts = torch.empty((M, 2, HV) + inner, dtype=torch.float32, device=dev)
+    starts = new_starts((M, 2, HV) + inner, dtype=torch.float32, device=dev)
     chain_fn(summary, initial_state, starts[:, 0], final_state, first, state_v_first=state_v_first)
     # every segment a sequence of one step from its true start: its second half's start (its record of that
     # first start goes to a buffer nothing reads)

@@ -247,9 +247,9 @@ def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, ou
     feeding bounds and the combine made on the device from ``cu_seqlens`` at every replay."""
     tables = segment_tables(plan, q.shape[1], cu_seqlens, q.device)
     bounds, first = tables.bounds, tables.first
-    # the first pass stops at the end of the last segment that feeds a start (one that is not its sequence's last)
+    # the first pass stops at the end of the last segment that feeds a start (one of a sequence, not its last)
     last = first[1:].long() - 1
-    feeding = torch.ones(tables.num_segments, dtype=torch.bool, device=q.device)
+    feeding = torch.arange(tables.num_segments, device=q.device) < first[-1]
     feeding[last] = False
     end = torch.where(feeding, bounds[1:], 0).max()
     _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, bounds.clamp(max=end))
