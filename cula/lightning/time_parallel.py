@@ -250,7 +250,7 @@ def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, ou
     # the first pass stops at the end of the last segment that feeds a start (one of a sequence, not its last)
     last = first[1:].long() - 1
     feeding = torch.arange(tables.num_segments, device=q.device) < first[-1]
-    feeding[last] = False
+    feeding.index_fill_(0, last, False)  # (not an index_put of a host scalar: a copy, which capture refuses)
     end = torch.where(feeding, bounds[1:], 0).max()
     _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, bounds.clamp(max=end))
     starts = _device_combine(bounds, first, cu_seqlens, E, initial_state, g_gamma).to(E.dtype)
