@@ -181,6 +181,7 @@ class SegmentTables:
         halves: ``[2 M + 1]`` the bounds with every segment cut after its first half (``half_bounds``), or None.
         spare: whether segments past ``first[N]`` may be left over, empty and of no sequence (made on the device:
             no chain writes their start states, which the output pass reads all the same, so they must be zeroed).
+        sequence: made on the device, each segment's sequence (int64 ``[M]``, the spare ones the last's); else None.
     """
 
     num_segments: int
@@ -188,6 +189,7 @@ class SegmentTables:
     first: torch.Tensor
     halves: torch.Tensor | None
     spare: bool = False
+    sequence: torch.Tensor | None = None
 
 
 def segment_tables(plan: SplitPlan, total: int, cu_seqlens: torch.Tensor | None, device: torch.device,
@@ -230,7 +232,7 @@ def device_segment_tables(plan: SplitPlan, cu_seqlens: torch.Tensor, num_segment
         mid = a + (b - a + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN // 2 * SEGMENT_ALIGN
         half = torch.cat((torch.stack((a, mid), 1).flatten(), bounds[-1:])).to(torch.int32)
     first = torch.cat((ends.new_zeros(1), ends)).to(torch.int32)
-    return SegmentTables(M, bounds.to(torch.int32), first, half, spare=True)
+    return SegmentTables(M, bounds.to(torch.int32), first, half, spare=True, sequence=seq)
 
 
 def call_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...] | None:

@@ -149,7 +149,7 @@ def _starts(layout: _Combine, E: torch.Tensor, h0: torch.Tensor | None, g_gamma:
     return starts.index_copy_(0, rows, part)
 
 
-def _device_combine(bounds: torch.Tensor, first: torch.Tensor, cu_seqlens: torch.Tensor, E: torch.Tensor,
+def _device_combine(bounds: torch.Tensor, seq_of: torch.Tensor, cu_seqlens: torch.Tensor, E: torch.Tensor,
                     h0: torch.Tensor | None, g_gamma: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """``_starts`` for segment tables made on the device (a captured packed call): every segment a row, fed by the
     earlier segments of its sequence and its sequence's initial state, the distances by broadcast over the ``[M]``
@@ -158,7 +158,6 @@ def _device_combine(bounds: torch.Tensor, first: torch.Tensor, cu_seqlens: torch
     cd = torch.promote_types(E.dtype, torch.float32)
     b = bounds.long()
     a, end = b[:-1], b[1:]
-    seq_of = _segment_sequences(first, M)
     idx = torch.arange(M, device=E.device)
     feeds = (seq_of[:, None] == seq_of[None, :]) & (idx[None, :] < idx[:, None])
     dist = (a[:, None] - end[None, :]).clamp_min(0).to(cd)
@@ -174,12 +173,6 @@ def _device_combine(bounds: torch.Tensor, first: torch.Tensor, cu_seqlens: torch
             g_gamma.detach().to(cd)[:, None], since).exp_()  # fmt: skip
         starts.add_(h0.to(cd).index_select(0, seq_of) * wh.t()[:, :, None, None])
     return starts
-
-
-def _segment_sequences(first: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """Each segment's sequence (int64 ``[M]``) from the sequences' first segments ``[N + 1]``."""
-    m = torch.arange(num_segments, device=first.device)
-    return torch.searchsorted(first[1:].long(), m, right=True).clamp_(max=first.numel() - 2)
 
 
 ChunkFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]
@@ -253,6 +246,6 @@ def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, ou
     feeding.index_fill_(0, last, False)  # (not an index_put of a host scalar: a copy, which capture refuses)
     end = torch.where(feeding, bounds[1:], 0).max()
     _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, bounds.clamp(max=end))
-    starts = _device_combine(bounds, first, cu_seqlens, E, initial_state, g_gamma).to(E.dtype)
+    starts = _device_combine(bounds, tables.sequence, cu_seqlens, E, initial_state, g_gamma).to(E.dtype)
     o, ends = chunk_fn(q, k, v, g_gamma, scale, starts, output_final_state, state_v_first, bounds)
     return o.view(v.shape), ends.index_select(0, last) if output_final_state else None
