@@ -11,10 +11,11 @@ logits, q / k L2 norm in the kernel, ``[V, K]`` states. H = HV = 64 on the 28 co
 path on for the cula column.
 
 Usage: ``python benchmarks/bench_gdn_prefill.py [--quick] [--iters N] [--out DIR] [--cuda-graph] [--configs NAMES]
-[--split SEGMENT [--halves]] [--row-factors | --no-row-factors]`` (``--split``: cula's calls cut in time, as in
-``bench_kda_prefill.py``; ``--row-factors`` / ``--no-row-factors``: the cula column with
-``GdnTuning.inference_row_factors`` on / off whatever the entry says, the result named ``..._rowfactors`` /
-``..._norowfactors``).
+[--split SEGMENT [--halves]] [--row-factors | --no-row-factors] [--wy-in-recurrence | --no-wy-in-recurrence]``
+(``--split``: cula's calls cut in time, as in ``bench_kda_prefill.py``; ``--row-factors`` / ``--no-row-factors``:
+the cula column with ``GdnTuning.inference_row_factors`` on / off whatever the entry says, the result named
+``..._rowfactors`` / ``..._norowfactors``; ``--[no-]wy-in-recurrence`` the same for
+``GdnTuning.inference_wy_in_recurrence``, ``..._wy`` / ``..._nowy``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     p.add_argument("--row-factors", action=argparse.BooleanOptionalAction, default=None,
                    help="the cula column with GdnTuning.inference_row_factors on / off, whatever the tuning entry "
                         "says (default: the entry's); results named ..._rowfactors / ..._norowfactors")
+    p.add_argument("--wy-in-recurrence", action=argparse.BooleanOptionalAction, default=None,
+                   help="the cula column with GdnTuning.inference_wy_in_recurrence on / off, whatever the tuning "
+                        "entry says (default: the entry's); results named ..._wy / ..._nowy")
     args = p.parse_args(argv)
     if args.time_parallel:
         raise SystemExit("--time-parallel is bench_kda_prefill.py's (and bench_lightning_prefill.py's) suite")
@@ -102,6 +106,8 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     gdn = dict(inference_chunk_on_cula=True)
     if args.row_factors is not None:
         gdn["inference_row_factors"] = args.row_factors
+    if args.wy_in_recurrence is not None:
+        gdn["inference_wy_in_recurrence"] = args.wy_in_recurrence
     if args.split:  # Gated DeltaNet's calls cut by its own entry (the halves stay KDA's, set by cula_override)
         from cula.time_split import SplitThresholds
 
@@ -120,10 +126,13 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         **({"cula_split": {"segment": args.split, "halves": args.halves}} if args.split else {}),
         "cula_row_factors": GDN_TUNING.get((9, 0)).inference_row_factors if args.row_factors is None
         else args.row_factors,
+        "cula_wy_in_recurrence": GDN_TUNING.get((9, 0)).inference_wy_in_recurrence if args.wy_in_recurrence is None
+        else args.wy_in_recurrence,
         **bc.run_meta(args, ceilings, kp.WARN_TOL, kp.FAIL_TOL),
         **run.partial_note(len(cfgs), args.max_seconds),
     }
-    suffix = kp.split_suffix(args) + {None: "", True: "_rowfactors", False: "_norowfactors"}[args.row_factors]
+    suffix = (kp.split_suffix(args) + {None: "", True: "_rowfactors", False: "_norowfactors"}[args.row_factors]
+              + {None: "", True: "_wy", False: "_nowy"}[args.wy_in_recurrence])
     paths = bc.write_suite(NAME + suffix, args, meta, run.rows, kp.MD_COLUMNS)
     return meta, run.rows, paths
 

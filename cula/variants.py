@@ -100,7 +100,8 @@ def _gdn_chunk(scope: str) -> None:
     the per-head gate (``scalar_gate``: the log-space gate or the fused softplus one, exact for any gate) in the
     general path, for inference and (``training_per_head_gate``, writing Akk) training's forward; the state/output
     and time-parallel kernels are KDA's (above), and with ``inference_row_factors`` the intra kernel's factor rows
-    and the state/output kernel's variant that applies them (a repeated fixed-length call: both in one launch)."""
+    and the state/output kernel's variant that applies them (a repeated fixed-length call: both in one launch); with
+    ``inference_wy_in_recurrence`` as well, their ``wy_in_recurrence`` variants (and the segment summary's)."""
     from cula.gated_delta_rule.plan import GDN_TUNING
     from cula.kda.forward import factor_rows_fit
     from cula.kda.plan import KDA_TUNING
@@ -118,27 +119,30 @@ def _gdn_chunk(scope: str) -> None:
                                        write_akk=write_akk)  # fmt: skip
         intra.compiled_variant(varlen=varlen, **options)
     if entry.inference_chunk_on_cula and entry.inference_row_factors:
+        wys = ({}, {"wy_in_recurrence": True}) if entry.inference_wy_in_recurrence else ({},)
         # inference uncut: the factor rows in place of qg, kg and g_cum, then the state/output kernel on raw q / k
         for dt, g_dt, b_dt, gate, l2, beta_act, varlen in itertools.product(
             d["io"], d["g"], d["beta"], ("none", "softplus"), _B, intra.BETA_ACTS, _B
         ):  # fmt: skip
             if not factor_rows_fit(dt, l2):  # (qg / kg instead)
                 continue
-            options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, scalar_gate=True, row_factors=True)
-            intra.compiled_variant(varlen=varlen, **options)
-            for h0, ht, svf in itertools.product(_B, _B, _B):  # (a repeated call's plan: both in one launch)
-                state = dict(dtype=dsl_name(dt), has_initial_state=h0, has_final_state=ht, state_v_first=svf,
-                             aqk_causal=True, row_factors=True)  # fmt: skip
-                fwd_launch.compiled_variant(options, state, varlen=varlen)
-        for dt, varlen, h0, ht, svf in itertools.product(d["io"], _B, _B, _B, _B):
+            for wy in wys:
+                options = intra.kernel_options(dt, g_dt, b_dt, gate, l2, beta_act, scalar_gate=True, row_factors=True,
+                                               **wy)  # fmt: skip
+                intra.compiled_variant(varlen=varlen, **options)
+                for h0, ht, svf in itertools.product(_B, _B, _B):  # (a repeated call's plan: both in one launch)
+                    state = dict(dtype=dsl_name(dt), has_initial_state=h0, has_final_state=ht, state_v_first=svf,
+                                 aqk_causal=True, row_factors=True, **wy)  # fmt: skip
+                    fwd_launch.compiled_variant(options, state, varlen=varlen)
+        for dt, varlen, h0, ht, svf, wy in itertools.product(d["io"], _B, _B, _B, _B, wys):
             dh.compiled_variant(dtype=dsl_name(dt), varlen=varlen, has_h0=h0, has_ht=ht, state_v_first=svf,
-                                aqk_causal=True, row_factors=True)  # fmt: skip
+                                aqk_causal=True, row_factors=True, **wy)  # fmt: skip
         # cut in time (GdnTuning.time_split): the segment summary on the factor rows (the chain and the packed
         # output pass as above)
         halves = KDA_TUNING.get((9, 0)).time_split_halves
-        for dt, svf in itertools.product(d["io"], _B) if entry.time_split is not None else ():
+        for dt, svf, wy in itertools.product(d["io"], _B, wys) if entry.time_split is not None else ():
             segment_summary.compiled_variant(dtype=dsl_name(dt), state_v_first=svf, mid_states=halves,
-                                             row_factors=True)  # fmt: skip
+                                             row_factors=True, **wy)  # fmt: skip
     # the training backward's recompute on the per-head gate (cula.kda.backends._training_backward, where KDA's
     # entry puts the recompute on the intra kernel): T read, every g_cum row, with the L2 norm's 1 / norms where
     # the entry's bwd_norm_on_load says so

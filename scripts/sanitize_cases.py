@@ -15,6 +15,7 @@ allocated, instead of the caching allocator's recycled blocks.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -251,15 +252,17 @@ def gdn_chunk_and_decode():
 def gdn_row_factors():
     # Gated DeltaNet inference with the intra kernel's factor rows and the state/output kernel on the raw q / k
     # (GdnTuning.inference_row_factors): fixed with a partial last chunk and GVA (4 value heads a q / k head), packed
-    # with empty, one-token and partial chunks and the fused softplus gate, without the L2 norm
+    # with empty, one-token and partial chunks and the fused softplus gate, without the L2 norm; each with v_new made
+    # in the recurrence too (GdnTuning.inference_wy_in_recurrence)
     from cula.gated_delta_rule import chunk_gated_delta_rule
     from cula.gated_delta_rule.plan import GDN_TUNING
 
     cu = torch.tensor([0, 70, 70, 71, 100], dtype=torch.int32, device=DEV)
     # each form twice: through its plan (both kernels from one host call), and with a keyword the plan cache does not
     # take (chunk_size) through the general path's two launches
-    with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=True):
-        for general in ({}, {"chunk_size": 64}):
+    for wy, general in itertools.product((False, True), ({}, {"chunk_size": 64})):
+        with torch.inference_mode(), GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=True,
+                                                         inference_wy_in_recurrence=wy):  # fmt: skip
             chunk_gated_delta_rule(
                 _r(2, 100, 1, 128), _r(2, 100, 1, 128), _r(2, 100, 4, 128), -torch.rand(2, 100, 4, device=DEV),
                 torch.rand(2, 100, 4, device=DEV), initial_state=torch.randn(2, 4, 128, 128, device=DEV) * 0.1,
@@ -271,16 +274,18 @@ def gdn_row_factors():
                 use_beta_sigmoid_in_kernel=True, A_log=torch.rand(2, device=DEV), dt_bias=torch.rand(2, device=DEV),
                 cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), **general,
             )  # fmt: skip
-    # cut in time (every sequence past 128 tokens), with and without the halves: the summary's row-factor variant
+    # cut in time (every sequence past 128 tokens), with and without the halves: the summary's row-factor variants
+    # (with v_new made in the recurrence too)
     from cula.kda.plan import KDA_TUNING
     from cula.time_split import SplitThresholds
 
     cu = torch.tensor([0, 300, 300, 301, 370], dtype=torch.int32, device=DEV)
     x = (_r(1, 370, 1, 128), _r(1, 370, 1, 128), _r(1, 370, 2, 128), -torch.rand(1, 370, 2, device=DEV),
          torch.rand(1, 370, 2, device=DEV))  # fmt: skip
-    for halves in (False, True):
+    for halves, wy in itertools.product((False, True), (False, True)):
         with torch.inference_mode(), KDA_TUNING.override(time_split_halves=halves), \
                 GDN_TUNING.override(inference_chunk_on_cula=True, inference_row_factors=True,
+                                    inference_wy_in_recurrence=wy,
                                     time_split=SplitThresholds(1e9, 1e9, 128, 0)):  # (Gated DeltaNet's own cut)
             chunk_gated_delta_rule(*x, initial_state=torch.randn(4, 2, 128, 128, device=DEV) * 0.1,
                                    output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,

@@ -27,29 +27,39 @@ def stub_kernels(monkeypatch) -> list:
 def both_stages(calls, io, so, varlen, q, k, v, g, beta, a_log, bias, work, o, h0, ht, cu, *rest):
     """What ``fwd_launch.ChunkKDAFwdSm90`` (``ChunkKDAVarlenFwdSm90``) hands its two kernels, in torch: flat views of
     the inputs, and the workspace's regions of B T HV rows each (w, u, qg, kg, Aqk, then g_cum's fp32; with row
-    factors w, u, Aqk, then the factors' fp32)."""
+    factors w, u, Aqk, then the factors' fp32; with wy_in_recurrence T diag(beta), Aqk, the factors)."""
     from cula.ops.kda.sm90.fwd_launch import work_cols
 
     ci, scale, lb = rest if varlen else (cu.view(1, 2), *rest)
     B_, T_, H_, K_ = q.shape
     HV_ = v.shape[2]
-    rows_factors = bool(io.get("row_factors"))
+    rows_factors, wy = bool(io.get("row_factors")), bool(io.get("wy_in_recurrence"))
     rows = B_ * T_ * HV_
     assert work.shape == (rows, work_cols(io)) and work.dtype == q.dtype
     assert bias.shape == ((HV_,) if rows_factors else (HV_ * K_,))
+    assert wy == bool(so.get("wy_in_recurrence"))
+    q3, k3, v3, o3 = (x.view(B_ * T_, *x.shape[2:]) for x in (q, k, v, o))
+    intra_kw = dict(io, varlen=varlen)
+    state_kw = dict(dtype=so["dtype"], varlen=varlen, has_h0=so["has_initial_state"], has_ht=so["has_final_state"],
+                    state_v_first=so["state_v_first"], aqk_causal=so["aqk_causal"],
+                    **({"row_factors": True} if so.get("row_factors") else {}),
+                    **({"wy_in_recurrence": True} if wy else {}))  # fmt: skip
+    grid = (ci.shape[0], 1, cu.numel() - 1) if varlen else ((T_ + 63) // 64, B_, B_)
+    beta2 = beta.view(B_ * T_, HV_)
     flat = work.view(-1)
+    if wy:
+        t_beta, aqk = (flat[rows * 64 * i : rows * 64 * (i + 1)].view(B_ * T_, HV_, 64) for i in range(2))
+        tail = flat[rows * 128 :].view(torch.float32).view(B_ * T_, HV_, ROW_FACTORS)
+        calls.append(("intra", intra_kw, (
+            q3, k3, v3, g.view(B_ * T_, HV_), beta2, a_log, bias, None, None, tail, None, aqk, t_beta, None, None,
+            cu, ci, T_, grid[0], grid[1], scale, lb)))  # fmt: skip
+        calls.append(("state", state_kw, (t_beta, v3, k3, q3, tail, aqk, o3, h0, ht, cu, T_, grid[2], scale)))
+        return
     w, u, *gk = (flat[rows * 128 * i : rows * 128 * (i + 1)].view(B_ * T_, HV_, 128) for i in range(2 if rows_factors
                                                                                                   else 4))  # fmt: skip
     at = rows * 128 * (2 + len(gk))
     aqk = flat[at : at + rows * 64].view(B_ * T_, HV_, 64)
     tail = flat[at + rows * 64 :].view(torch.float32).view(B_ * T_, HV_, ROW_FACTORS if rows_factors else 128)
-    q3, k3, v3, o3 = (x.view(B_ * T_, *x.shape[2:]) for x in (q, k, v, o))
-    intra_kw = dict(io, varlen=varlen)
-    state_kw = dict(dtype=so["dtype"], varlen=varlen, has_h0=so["has_initial_state"], has_ht=so["has_final_state"],
-                    state_v_first=so["state_v_first"], aqk_causal=so["aqk_causal"],
-                    **({"row_factors": True} if so.get("row_factors") else {}))  # fmt: skip
-    grid = (ci.shape[0], 1, cu.numel() - 1) if varlen else ((T_ + 63) // 64, B_, B_)
-    beta2 = beta.view(B_ * T_, HV_)
     if rows_factors:
         calls.append(("intra", intra_kw, (
             q3, k3, v3, g.view(B_ * T_, HV_), beta2, a_log, bias, w, u, tail, None, aqk, None, None, None, cu, ci, T_,

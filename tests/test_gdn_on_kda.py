@@ -161,7 +161,7 @@ def test_gdn_training_on_hopper_cuda(fused, per_head, gdn_tuning):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_factors", [False, True], ids=["qg-kg", "row-factors"])
+@pytest.mark.parametrize("row_factors", [False, True, "wy"], ids=["qg-kg", "row-factors", "wy-in-recurrence"])
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("gates", ["mild", "steep"])
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate"])
@@ -170,12 +170,14 @@ def test_gdn_inference_per_head_gate_on_hopper_cuda(fused, gates, state_v_first,
     repeated over K, against the float64 reference: GVA, a ragged pack with empty and one-token sequences and a
     partial last chunk, initial states, and gates steep enough (about 10 to 50 nats a token) that the per-channel
     kernel's factored scores would not be exact. ``row_factors``: the intra kernel's factor rows and the
-    state/output kernel on the raw q / k (``GdnTuning.inference_row_factors``)."""
+    state/output kernel on the raw q / k (``GdnTuning.inference_row_factors``); ``"wy"``: with v_new made in the
+    recurrence from T diag(beta) and the raw v (``inference_wy_in_recurrence``)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.gated_delta_rule import chunk_gated_delta_rule
 
-    gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=row_factors)
+    gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=bool(row_factors),
+               inference_wy_in_recurrence=row_factors == "wy")  # fmt: skip
     lens = [130, 0, 1, 64, 257, 7]
     x = _inputs(1, sum(lens), 2, 4, 128, fused, dtype=torch.bfloat16, device="cuda")
     if gates == "steep":
@@ -197,8 +199,9 @@ def test_gdn_inference_per_head_gate_on_hopper_cuda(fused, gates, state_v_first,
 @pytest.mark.parametrize("l2norm", [False, True], ids=["raw-qk", "l2norm"])
 def test_gdn_row_factors_fixed_length_cuda(l2norm, state_v_first, gdn_tuning):
     """The factor rows at a fixed length (two sequences of 200 tokens: three full chunks and a partial one), four
-    value heads per q / k head, with and without the fused L2 norm (f_q, f_k carry 1 / norm or 1): against the
-    float64 reference, and within bf16 noise of the qg / kg path it replaces."""
+    value heads per q / k head, with and without the fused L2 norm (f_q, f_k, f_x carry 1 / norm or 1), and with
+    v_new made in the recurrence (``inference_wy_in_recurrence``): against the float64 reference, and within bf16
+    noise of the qg / kg path they replace."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.gated_delta_rule import chunk_gated_delta_rule
@@ -209,23 +212,26 @@ def test_gdn_row_factors_fixed_length_cuda(l2norm, state_v_first, gdn_tuning):
     h0 = torch.randn(2, 8, 128, 128, device="cuda") * 0.1
     flags = dict(_flags(True, state_v_first, None, h0), use_qk_l2norm_in_kernel=l2norm)
     outs = {}
-    for rows in (False, True):
-        gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=rows)
+    for rows in (False, True, "wy"):
+        gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=bool(rows),
+                   inference_wy_in_recurrence=rows == "wy")  # fmt: skip
         with torch.inference_mode():
             outs[rows] = chunk_gated_delta_rule(**x, **flags)
-    o, ht = outs[True]
-    _against_reference(x, flags, o, ht)
-    assert_close("o against the qg / kg path", outs[False][0].float(), o.float(), 5e-3)
-    assert_close("final state against the qg / kg path", outs[False][1], ht, 5e-3)
+    for rows in (True, "wy"):
+        o, ht = outs[rows]
+        _against_reference(x, flags, o, ht)
+        assert_close(f"o ({rows}) against the qg / kg path", outs[False][0].float(), o.float(), 5e-3)
+        assert_close(f"final state ({rows}) against the qg / kg path", outs[False][1], ht, 5e-3)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wy", [False, True], ids=["w-u", "wy-in-recurrence"])
 @pytest.mark.parametrize("halves", [False, True], ids=["segments", "halves"])
-def test_gdn_row_factors_cut_in_time_cuda(halves, gdn_tuning, kda_tuning, monkeypatch):
+def test_gdn_row_factors_cut_in_time_cuda(halves, wy, gdn_tuning, kda_tuning, monkeypatch):
     """The factor rows through the exact time-parallel path (the segment summary's and the packed output pass's
     row_factors variants; every sequence past 128 tokens cut into 128-token segments): a ragged pack with an empty,
     a one-token and a partial-chunk sequence, initial states, GVA, against the float64 reference and the uncut
-    call."""
+    call (``wy``: both with ``inference_wy_in_recurrence``, the summary's variant too)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.gated_delta_rule import chunk_gated_delta_rule
@@ -249,7 +255,7 @@ def test_gdn_row_factors_cut_in_time_cuda(halves, gdn_tuning, kda_tuning, monkey
     kda_tuning(time_split_halves=halves)  # (the halves are KDA's flag; the cut is Gated DeltaNet's own entry's)
     outs = {}
     for cut in (False, True):
-        gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=True,
+        gdn_tuning(inference_chunk_on_cula=True, inference_row_factors=True, inference_wy_in_recurrence=wy,
                    time_split=SplitThresholds(1e9, 1e9, 128, 0) if cut else None)  # fmt: skip
         with torch.inference_mode():
             outs[cut] = chunk_gated_delta_rule(**x, **flags)

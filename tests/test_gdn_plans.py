@@ -104,17 +104,21 @@ def _general_path(x, scale, flags):
         flags.get("state_v_first", False), flags.get("cu_seqlens"), flags.get("cu_seqlens_cpu"),
         use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, row_factors=True,
+        wy_in_recurrence=GDN_TUNING.for_device(x["q"].device).inference_wy_in_recurrence,
         time_split=GDN_TUNING.for_device(x["q"].device).time_split,
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("wy", [False, True], ids=["w-u", "wy-in-recurrence"])
 @pytest.mark.parametrize("state_v_first,with_state", [(False, True), (True, True), (True, False)])
-def test_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, pretend_sm90, state_v_first,
-                                                          with_state):  # fmt: skip
-    """A repeated inference call runs KDA's one host call for both kernels with the factor rows: each kernel gets
-    what the general path hands it (the kernels stubbed, fwd_launch emulated: tests/kda_launch_stubs.py)."""
+def test_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, pretend_sm90, gdn_tuning,
+                                                          state_v_first, with_state, wy):  # fmt: skip
+    """A repeated inference call runs KDA's one host call for both kernels with the factor rows (and ``wy``:
+    ``GdnTuning.inference_wy_in_recurrence``): each kernel gets what the general path hands it (the kernels stubbed,
+    fwd_launch emulated: tests/kda_launch_stubs.py)."""
     from kda_launch_stubs import assert_same_calls, stub_kernels
 
+    gdn_tuning(inference_wy_in_recurrence=wy)
     calls = stub_kernels(monkeypatch)
     x = _kernel_inputs(state_v_first=state_v_first, with_state=with_state)
     flags = dict(FLAGS, state_v_first=state_v_first, output_final_state=with_state)
@@ -127,6 +131,7 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, 
     assert counted[0] == 1 and len(chunk_mod._plans) == 1
     assert [c[0] for c in general] == ["intra", "state"] and [c[0] for c in calls] == ["intra", "state"] * 2
     assert general[0][1]["row_factors"] and general[1][1]["row_factors"]
+    assert general[0][1].get("wy_in_recurrence", False) == general[1][1].get("wy_in_recurrence", False) == wy
     assert o.shape == (KB, KT, KHV, KD) and (s is not None) == with_state
     inputs = [t for t in x.values() if t is not None]
     for got in (calls[:2], calls[2:]):
@@ -153,10 +158,13 @@ def test_bound_launch_declines_what_the_general_path_runs_otherwise(counted, mon
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("wy", [False, True], ids=["w-u", "wy-in-recurrence"])
 @pytest.mark.parametrize("state_v_first,with_state", [(False, True), (True, True), (True, False)])
-def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
-    """The bound launch (both kernels from one host call with the factor rows) against the general path, bit for
-    bit (every allocation poisoned, as in every GPU test)."""
+def test_bound_launch_bit_identical_cuda(counted, gdn_tuning, state_v_first, with_state, wy):
+    """The bound launch (both kernels from one host call with the factor rows; ``wy``:
+    ``GdnTuning.inference_wy_in_recurrence``) against the general path, bit for bit (every allocation poisoned, as
+    in every GPU test)."""
+    gdn_tuning(inference_wy_in_recurrence=wy)
     x = _kernel_inputs("cuda", state_v_first=state_v_first, with_state=with_state)
     flags = dict(FLAGS, state_v_first=state_v_first, output_final_state=with_state)
     with torch.inference_mode():
@@ -248,12 +256,15 @@ def test_packed_plan_checks_every_call(counted):
     assert counted[0] == 1
 
 
+@pytest.mark.parametrize("wy", [False, True], ids=["w-u", "wy-in-recurrence"])
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
-def test_packed_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, pretend_sm90, cu_dtype):
+def test_packed_bound_launch_passes_what_the_general_path_passes(counted, monkeypatch, pretend_sm90, gdn_tuning,
+                                                                 cu_dtype, wy):  # fmt: skip
     """Packed inference calls of new total lengths through one plan: each kernel gets what the general path hands it,
-    the chunk indices included."""
+    the chunk indices included (``wy``: ``GdnTuning.inference_wy_in_recurrence``)."""
     from kda_launch_stubs import assert_same_calls, stub_kernels
 
+    gdn_tuning(inference_wy_in_recurrence=wy)
     calls = stub_kernels(monkeypatch)
     for i, lens in enumerate(([40, 0, 130, 64], [3, 64, 200, 1], [0, 0, 0, 65])):
         x, cus = _packed_inputs(lens, seed=i, cu_dtype=cu_dtype)
@@ -271,10 +282,12 @@ def test_packed_bound_launch_passes_what_the_general_path_passes(counted, monkey
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("wy", [False, True], ids=["w-u", "wy-in-recurrence"])
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
-def test_packed_bound_launch_bit_identical_cuda(counted, cu_dtype):
+def test_packed_bound_launch_bit_identical_cuda(counted, gdn_tuning, cu_dtype, wy):
     """Packed calls of three total lengths through one plan against the general path, bit for bit (empty and
-    one-token sequences among them)."""
+    one-token sequences among them; ``wy``: ``GdnTuning.inference_wy_in_recurrence``)."""
+    gdn_tuning(inference_wy_in_recurrence=wy)
     with torch.inference_mode():
         for i, lens in enumerate(([40, 0, 130, 64], [3, 64, 200, 1], [0, 0, 0, 65])):
             x, cus = _packed_inputs(lens, seed=i, cu_dtype=cu_dtype, device="cuda")

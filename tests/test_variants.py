@@ -144,16 +144,18 @@ def test_chunk_kda_requests_are_listed(requested, full_list):
     assert calls > 100
 
 
-def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
+@pytest.mark.parametrize("wy", [False, True], ids=["w-u", "wy-in-recurrence"])
+def test_gdn_inference_requests_are_listed(requested, gdn_tuning, wy):
     """With the GPU's entry running Gated DeltaNet inference on cula (``GdnTuning.inference_chunk_on_cula``, with
-    the factor rows: ``inference_row_factors``) and training's forward on the per-head gate
-    (``training_per_head_gate``), its per-head-gate intra kernels and the state/output kernel's row-factor variants
-    are listed, and only then."""
+    the factor rows: ``inference_row_factors``, and ``wy``: ``inference_wy_in_recurrence``) and training's forward on
+    the per-head gate (``training_per_head_gate``), its per-head-gate intra kernels and the state/output kernel's
+    row-factor variants are listed, and only then."""
     from cula.gated_delta_rule import chunk_gated_delta_rule
 
     gdn_tuning(inference_chunk_on_cula=False)
     assert not [k for k in variants.planner_variants("full", ops=("gdn.chunk",))]
-    gdn_tuning(inference_chunk_on_cula=True, training_per_head_gate=True, inference_row_factors=True)
+    gdn_tuning(inference_chunk_on_cula=True, training_per_head_gate=True, inference_row_factors=True,
+               inference_wy_in_recurrence=wy)
     listed = set(variants.planner_variants("full", ops=("gdn.chunk",)))
     grid = ((BF16, FP16), (FP32, BF16), (BF16, FP32), (False, True), (False, True), ("fixed", "packed"),
             ("inference", "training"))  # fmt: skip
@@ -195,6 +197,7 @@ def test_gdn_inference_requests_are_listed(requested, gdn_tuning):
     # a signature, which makes the plan), both in their row_factors variants
     launched = [k for k in requested if k[0] == "kda.fwd_launch"]
     assert launched and all(("row_factors", True) in k[2] and ("row_factors", True) in k[3] for k in launched)
+    assert all((("wy_in_recurrence", True) in k[2]) == (("wy_in_recurrence", True) in k[3]) == wy for k in launched)
     assert {k[1] for k in launched} == {"ChunkKDAFwdSm90", "ChunkKDAVarlenFwdSm90"}
     # fp16 with the L2 norm keeps qg / kg (its factor rows would carry the 1 / norm past fp16's range)
     assert not [k for k in intra if ("row_factors", True) in k and k[2] == "Float16" and ("l2norm_qk", True) in k]

@@ -80,7 +80,8 @@ def _prepare_chunk_cula_sm90(
         q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, row_factors=True, time_split=entry.time_split,
+        allow_neg_eigval=allow_neg_eigval, row_factors=True, wy_in_recurrence=entry.inference_wy_in_recurrence,
+        time_split=entry.time_split,
     )  # fmt: skip
     if bound is None:
         return None
@@ -120,7 +121,8 @@ def _chunk_cula_sm90(
             state_v_first, cu_seqlens, cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
             dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            row_factors=entry.inference_row_factors, time_split=entry.time_split,
+            row_factors=entry.inference_row_factors, wy_in_recurrence=entry.inference_wy_in_recurrence,
+            time_split=entry.time_split,
         )  # fmt: skip
     if entry.training_per_head_gate:
         # the forward's intra kernel takes the per-head gate itself, and so does the backward's recompute where it

@@ -32,6 +32,9 @@ class GdnTuning:
     # state/output kernel (and a time split's segment summary) applies them to the raw q and k (cula.kda.forward's
     # row_factors)
     inference_row_factors: bool = False
+    # with the factor rows: the intra kernel writes T diag(beta) instead of w and u, and the state/output kernel (and
+    # a time split's segment summary) makes v_new of it and the raw v and k (cula.kda.forward's wy_in_recurrence)
+    inference_wy_in_recurrence: bool = False
     # inference on cula's path: when long sequences with few heads are cut into segments that run at once (exact:
     # cula.kda.forward's parallel segments); None: never
     time_split: SplitThresholds | None = None
@@ -45,11 +48,13 @@ class GdnTuning:
 # 2.42 -> 2.06 ms, 2 x 8K with 64 heads 1.23 -> 1.14, one 32K sequence with 32 value heads 1.734 -> 1.733.
 # bench_gdn_decode.py measured one token a sequence at 1.35-4.4x FLA's (1 to 64 sequences), 0.95-0.96x from 128 on
 # (FLA's states gathered contiguous beforehand, outside its time), 4 tokens (MTP) at 0.77x.
-# training_per_head_gate is off until it has run on the H200; time_split is KDA's until Gated DeltaNet's own rows
-# are measured cut and uncut (bench_gdn_prefill.py --split)
+# inference_wy_in_recurrence: bench_gdn_prefill.py --cuda-graph on an H100, wy against the factor rows' w and u in
+# one session: one 32K sequence with 32 value heads 1.517 against 1.561 ms, 4 x 8K with 64 value heads 1.422 against
+# 1.931 ms. training_per_head_gate is off until it has run on the H200; time_split is KDA's until Gated DeltaNet's
+# own rows are measured cut and uncut (bench_gdn_prefill.py --split)
 GDN_TUNING: TuningTable[GdnTuning] = TuningTable(
     "gated_delta_rule",
     {(9, 0): GdnTuning(inference_chunk_on_cula=True, inference_decode_max_tokens=1, inference_row_factors=True,
-                       time_split=KDA_TUNING.get((9, 0)).time_split)},
+                       inference_wy_in_recurrence=True, time_split=KDA_TUNING.get((9, 0)).time_split)},
     fallback=GdnTuning(),
 )

@@ -70,6 +70,7 @@ def chunk_kda_fwd_sm90(
     keep_states: bool = False,
     use_graph: bool = False,
     row_factors: bool = False,
+    wy_in_recurrence: bool = False,
     time_split: SplitThresholds | None | str = "kda",
 ) -> tuple:
     """KDA forward (FLA's ``ChunkKDAFunction.forward``; with ``keep_scores`` also the intra stage's Aqk and Akk
@@ -106,6 +107,9 @@ def chunk_kda_fwd_sm90(
             applies them to the raw q and k (``GdnTuning.inference_row_factors``); ignored elsewhere, and for fp16
             with the L2 norm (GEMM4's operand ``v_new f_k`` carries the 1 / norm, up to 1000, past fp16's range
             where kg, at most 1 in size, stays inside it).
+        wy_in_recurrence: with the factor rows: the intra kernel writes T diag(beta) instead of w and u, and the
+            state/output kernel (and a time split's segment summary) makes v_new of it and the raw v and k
+            (``GdnTuning.inference_wy_in_recurrence``).
         time_split: when to cut the call in time (``cula.kda.plan.parallel_segments``): ``"kda"``, the entry's
             ``KdaTuning.time_split``, or another op's thresholds (Gated DeltaNet's ``GdnTuning.time_split``).
         keep_prefix: with ``keep_scores``, also what FLA's backward would recompute before its first gradient
@@ -179,18 +183,19 @@ def chunk_kda_fwd_sm90(
     states = dict(scale=scale, state_v_first=state_v_first, aqk_causal=cute_intra)
     if (row_factors and scalar_gate and cute_intra and not keep_scores and not keep_states
             and factor_rows_fit(q.dtype, use_qk_l2norm_in_kernel)):  # fmt: skip
+        wy = {"wy_in_recurrence": True} if wy_in_recurrence else {}
         w, u, factors, Aqk = _intra_cute(
             q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-            use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, row_factors=True,
+            use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, row_factors=True, **wy,
         )  # fmt: skip
         # the raw q and k of each value head's q / k head, made into qg and kg by the factors
         if split is None:
             chunk_kda_delta_h_fwd_o_sm90(w, u, k, q, factors, Aqk, o, initial_state, final_state, cu32, **states,
-                                         row_factors=True)  # fmt: skip
+                                         row_factors=True, **wy)  # fmt: skip
         else:
             parallel_segment_states(split, w, u, k, q, factors, Aqk, o, initial_state, final_state, **states,
                                     halves=KDA_TUNING.for_device(q.device).time_split_halves, row_factors=True,
-                                    cu_seqlens=cu32)
+                                    cu_seqlens=cu32, **wy)  # fmt: skip
         return o, final_state
     if cute_intra:
         w, u, qg, kg, Aqk, g_cum, Akk = _intra_cute(
@@ -254,7 +259,7 @@ def _state_outputs(u, cu32, chunk_indices, static_rows: bool = False) -> dict:
 def parallel_segment_states(
     plan, w, u, kg, qg, g_cum, Aqk, o, initial_state, final_state, *, scale, state_v_first, aqk_causal,
     halves=False, states_fn=chunk_kda_delta_h_fwd_o_sm90, summary_fn=chunk_kda_segment_summary_sm90,
-    chain_fn=chunk_kda_segment_chain_sm90, row_factors=False, cu_seqlens=None,
+    chain_fn=chunk_kda_segment_chain_sm90, row_factors=False, wy_in_recurrence=False, cu_seqlens=None,
 ):  # fmt: skip
     """The state recurrence and the output of ``plan``'s segments (``cula.time_split``) all at once, exactly.
 
@@ -274,7 +279,9 @@ def parallel_segment_states(
     one-step chain per segment starts the second half from ``R_mid start + E_mid``, and step 3 runs over the halves.
 
     With ``row_factors`` (Gated DeltaNet) ``kg`` and ``qg`` are the raw k and q and ``g_cum`` the intra kernel's
-    factor rows, which the summary and the state/output kernel apply (their ``row_factors`` variants).
+    factor rows, which the summary and the state/output kernel apply (their ``row_factors`` variants); with
+    ``wy_in_recurrence`` as well ``w`` and ``u`` are T diag(beta) and the raw v (their ``wy_in_recurrence``
+    variants).
 
     Each kernel runs segments x value heads CTAs (twice that for 1), where the serial kernel runs sequences x value
     heads, each walking its whole sequence. The intermediates (``w, u, kg, qg, g_cum, Aqk`` of the intra stage) are
@@ -282,8 +289,8 @@ def parallel_segment_states(
 
     A packed call (``cu_seqlens``) captured in a CUDA graph cuts, at each replay, the boundaries ``cu_seqlens`` then
     holds by ``plan``'s rule (``cula.time_split.segment_tables``)."""
-    B, T, HV, K = w.shape
-    V = u.shape[-1]
+    B, T, HV, V = u.shape
+    K = kg.shape[-1]
     dev = w.device
     tables = segment_tables(plan, B * T, cu_seqlens, dev, halves=halves)
     M, seg_cu, first = tables.num_segments, tables.bounds, tables.first
@@ -293,6 +300,8 @@ def parallel_segment_states(
     # (row_factors: kg and qg are the raw k and q of H heads, g_cum the factor rows)
     W, U, KG, QG, G, A, O = (t.view(1, B * T, t.shape[2], t.shape[-1]) for t in (w, u, kg, qg, g_cum, Aqk, o))
     rows = {"row_factors": True} if row_factors else {}
+    if wy_in_recurrence:
+        rows["wy_in_recurrence"] = True
     inner = (V, K) if state_v_first else (K, V)
     summary = torch.empty((M, 2 * HV) + inner, dtype=torch.float32, device=dev)
     if not halves:
@@ -414,7 +423,7 @@ def _intra_fla(
 def _intra_cute(
     q, k, v, g, beta, scale, cu32, chunk_indices, use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_qk_l2norm, beta_sigmoid, allow_neg_eigval, keep_akk=False, zero_kg=False, full_g_cum=False, given_akk=None,
-    any_gate=False, qk_rstd=None, row_factors=False,
+    any_gate=False, qk_rstd=None, row_factors=False, wy_in_recurrence=False,
 ):  # fmt: skip
     """cula's fused intra kernel (l2norm, beta sigmoid, gate, cumsum, intra); same return as ``_intra_fla``
     (Akk None unless ``keep_akk``: the kernel writes it only when asked). ``zero_kg``: kg starts as zeros, for
@@ -425,23 +434,27 @@ def _intra_cute(
     None). ``any_gate``: the kernel's variant that is exact for any gate (``cula.kda.plan.intra_any_gate``).
     ``qk_rstd``: a ``[2, B, T, H]`` fp32 tensor the kernel also writes q's and k's 1 / norms into (with
     ``use_qk_l2norm``), or None. ``row_factors``: ``(w, u, factors, Aqk)``, the per-token factor rows (``[B, T, HV,
-    ROW_FACTORS]`` fp32) in place of qg, kg and g_cum (a per-head g only; nothing kept)."""
+    ROW_FACTORS]`` fp32) in place of qg, kg and g_cum (a per-head g only; nothing kept); with ``wy_in_recurrence``
+    ``(T diag(beta), v, factors, Aqk)``, what the state/output kernel's ``wy_in_recurrence`` variant takes in w's and
+    u's places."""
     from cula.ops.kda.sm90.intra import chunk_kda_intra_sm90
 
     B, T, _H, K = q.shape
     HV = v.shape[2]
     gate = gate_kind(use_gate_in_kernel, lower_bound)
-    w = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
-    if row_factors:
-        u, Aqk = torch.empty_like(v), torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
+    w = None if wy_in_recurrence else torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
+    if row_factors or wy_in_recurrence:
+        Aqk = torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
         factors = torch.empty(B, T, HV, ROW_FACTORS, dtype=torch.float32, device=q.device)
+        u = None if wy_in_recurrence else torch.empty_like(v)
+        t_beta = torch.empty_like(Aqk) if wy_in_recurrence else None
         chunk_kda_intra_sm90(
             q, k, v, g, beta, scale, w, u, None, None, Aqk, None, cu32, chunk_indices, gate=gate, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound if gate == "lower_bound" else None,
             use_qk_l2norm=use_qk_l2norm, beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval,
-            row_factors=factors,
+            row_factors=factors, t_beta=t_beta,
         )  # fmt: skip
-        return w, u, factors, Aqk
+        return (t_beta, v, factors, Aqk) if wy_in_recurrence else (w, u, factors, Aqk)
     qg, kg = torch.empty_like(w), torch.zeros_like(w) if zero_kg else torch.empty_like(w)
     u = torch.empty_like(v)
     Aqk = None if given_akk is not None else torch.empty(B, T, HV, 64, dtype=q.dtype, device=q.device)
@@ -478,6 +491,7 @@ def prepare_chunk_kda_fwd_sm90(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     row_factors: bool = False,
+    wy_in_recurrence: bool = False,
     time_split: SplitThresholds | None | str = "kda",
 ):
     """``chunk_kda_fwd_sm90`` bound once for every later call with this call's signature (same shapes, strides,
@@ -522,7 +536,8 @@ def prepare_chunk_kda_fwd_sm90(
         # a call cut in time: the general path, without the public validation this signature has passed
         return chunk_kda_fwd_sm90(
             q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
-            A_log=A_log, dt_bias=dt_bias, row_factors=row_factors, time_split=time_split, **flags,
+            A_log=A_log, dt_bias=dt_bias, row_factors=row_factors, wy_in_recurrence=wy_in_recurrence,
+            time_split=time_split, **flags,
         )  # fmt: skip
 
     if not varlen and parallel_segments(B, T, HV, None, None, q.device, time_split) is not None:
@@ -541,9 +556,10 @@ def prepare_chunk_kda_fwd_sm90(
     intra_options = intra.kernel_options(
         q.dtype, g.dtype, beta.dtype, gate, use_qk_l2norm_in_kernel, beta_act, g_cum_last_only=not scalar_gate,
         any_gate=intra_any_gate(safe_gate, use_gate_in_kernel, lower_bound), scalar_gate=scalar_gate,
-        row_factors=scalar_gate,
+        row_factors=scalar_gate, wy_in_recurrence=scalar_gate and wy_in_recurrence,
     )  # fmt: skip
-    state_options = _launch_state_options(q, has_h0, output_final_state, state_v_first, scalar_gate)
+    state_options = _launch_state_options(q, has_h0, output_final_state, state_v_first, scalar_gate,
+                                          scalar_gate and wy_in_recurrence)  # fmt: skip
     gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True, per_head=scalar_gate)
     cols = fwd_launch.work_cols(intra_options)
 
@@ -609,11 +625,13 @@ def prepare_chunk_kda_fwd_sm90(
     return launch
 
 
-def _launch_state_options(q, has_h0, output_final_state, state_v_first, row_factors=False) -> dict:
+def _launch_state_options(q, has_h0, output_final_state, state_v_first, row_factors=False,
+                          wy_in_recurrence=False) -> dict:  # fmt: skip
     """``fwd_launch``'s options of the state/output kernel."""
     return dict(
         dtype=dsl_name(q.dtype), has_initial_state=has_h0, has_final_state=bool(output_final_state),
         state_v_first=bool(state_v_first), aqk_causal=True, **({"row_factors": True} if row_factors else {}),
+        **({"wy_in_recurrence": True} if wy_in_recurrence else {}),
     )  # fmt: skip
 
 

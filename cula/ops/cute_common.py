@@ -217,6 +217,13 @@ def token_tile_b_mn_major(dtype, num_stages: int, D: int = 128, BT: int = 64):
     return sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (D, D, BT), dtype, num_stages)
 
 
+def token_major(tile: cute.Tensor) -> cute.Tensor:
+    """The ``(token, feature, ...)`` view of a ``token_tile_b_mn_major`` tile ``(feature, token, ...)``: byte for byte
+    the K-major operand layout (``S<3,4,3> o ((8,8),(64,2)):((64,512),(1,4096))`` is the MN-major one transposed), so
+    one tile serves a product over its features as well (``tile``: the swizzle in its pointer)."""
+    return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0, *range(2, cute.rank(tile))]))
+
+
 def token_tile_a_m_major(dtype, num_stages: int, D: int = 128, BT: int = 64):
     """``(D, BT, S)``: a token tile transposed, as an A operand read M-major or read in the accumulator layout."""
     return sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (D, D, BT), dtype, num_stages)
@@ -371,13 +378,34 @@ def load_row_factors(rKf: cute.Tensor, sF: cute.Tensor, tVcV: cute.Tensor, stage
     both 0 past the sequence end (``valid`` rows), so that v_new's zeros there stay zeros whatever the rows hold;
     returns the chunk's decay ``exp2(g_last)``, the last valid row's ``f_g``. ``tVcV``: the ``(v, t)`` coordinates of
     a token-column accumulator ``((2, 2, BT/8), 1, 1)``; ``rKf``, ``rQf`` its ``column_decay`` registers."""
-    for j in range(cute.size(rKf)):
-        t = tVcV[(j % 2, 0, j // 2), 0, 0][1]
-        live = t < valid
-        rKf[j] = Float32(cutlass.select_(live, sF[t, 1, stage], Float32(0.0)))
-        if rQf is not None:
-            rQf[j] = Float32(cutlass.select_(live, sF[t, 0, stage] * scale, Float32(0.0)))
+    load_token_factors(rKf, sF, tVcV, stage, valid, 1)
+    if rQf is not None:
+        load_token_factors(rQf, sF, tVcV, stage, valid, 0, scale)
     return sF[valid - 1, 2, stage]
+
+
+def wy_v_new_product(mma, accV, tVrV, tTb, rU, pV, rF, sF, tVcV, stage, valid, dtype, u_weight=None) -> None:
+    """``wy_in_recurrence``'s v_new (Gated DeltaNet): with ``accV`` = ``(k S)^T`` (a product on the raw k, retired),
+    issues and commits ``v_new^T = bf16(x^T) (T diag(beta))^T`` into ``accV`` for ``x = u_weight v - f_x o k S``
+    (the factor rows' ``f_x`` through ``rF``'s registers; 0 past the end), ``tVrV`` taking bf16(x^T) as the A
+    operand. Once it is waited for, the caller clears the token columns past ``valid`` with a select, not a product:
+    the stage's T diag(beta) tile ``tTb`` (B, K-major) may hold anything in its rows there, even never written."""
+    load_token_factors(rF, sF, tVcV, stage, valid, 3)
+    scale_token_columns(accV, rF)
+    v = rU.to(Float32) if u_weight is None else rU.to(Float32) * u_weight
+    tVrV.store(cute.where(pV.load(), v - accV.load(), 0.0).to(dtype))
+    warpgroup.fence()
+    gemm_k_blocks(mma, accV, tVrV, tTb, accumulate=False, b_stage=stage)
+    warpgroup.commit_group()
+
+
+def load_token_factors(rF: cute.Tensor, sF: cute.Tensor, tVcV: cute.Tensor, stage, valid, slot: int, scale=None):
+    """Entry ``slot`` of this thread's token columns' factor rows (times ``scale``) into ``rF``, 0 past the
+    sequence end (see ``load_row_factors``)."""
+    for j in range(cute.size(rF)):
+        t = tVcV[(j % 2, 0, j // 2), 0, 0][1]
+        f = sF[t, slot, stage] if scale is None else sF[t, slot, stage] * scale
+        rF[j] = Float32(cutlass.select_(t < valid, f, Float32(0.0)))
 
 
 def scale_token_columns(acc: cute.Tensor, rF: cute.Tensor) -> None:

@@ -203,6 +203,13 @@ def _intra_gdn_inputs(B: int, T: int, H: int, HV: int, lens: list[int] | None = 
             "row_factors": torch.empty(B, T, HV, ROW_FACTORS, dtype=torch.float32, device="cuda")}  # fmt: skip
 
 
+def _intra_gdn_wy_inputs(B: int, T: int, H: int, HV: int):
+    """``_intra_gdn_inputs`` for the ``wy_in_recurrence`` variant: T diag(beta) in place of w and u."""
+    x = _intra_gdn_inputs(B, T, H, HV)
+    return {**x, "w": None, "u": None, "OUT": ("Aqk", "row_factors", "t_beta"),
+            "t_beta": torch.empty(B, T, HV, 64, dtype=torch.bfloat16, device="cuda")}  # fmt: skip
+
+
 def _chain_inputs(HV: int, segments: list[int], state_v_first: bool):
     """The time-parallel chain's inputs (``chunk_kda_segment_chain_sm90``): ``segments[n]`` segments for sequence n,
     random summaries whose transitions keep the chain bounded, initial states; the starts and final states written
@@ -282,6 +289,9 @@ CASES: dict[str, tuple[tuple[str, str], Callable[[], dict]]] = {
     "intra-gdn-T32768-H16-HV32": (_INTRA_FWD, lambda: _intra_gdn_inputs(1, 32768, 16, 32)),
     "intra-gdn-B4-T8192-H16-HV64": (_INTRA_FWD, lambda: _intra_gdn_inputs(4, 8192, 16, 64)),
     "intra-gdn-packed": (_INTRA_FWD, lambda: _intra_gdn_inputs(1, 20000, 4, 8, [1, 8000, 63, 0, 11806, 130])),
+    # ... writing T diag(beta) for the recurrence instead of w and u (GdnTuning.inference_wy_in_recurrence)
+    "intra-gdn-wy-T32768-H16-HV32": (_INTRA_FWD, lambda: _intra_gdn_wy_inputs(1, 32768, 16, 32)),
+    "intra-gdn-wy-B4-T8192-H16-HV64": (_INTRA_FWD, lambda: _intra_gdn_wy_inputs(4, 8192, 16, 64)),
     # the time-parallel chain: the H200 plans of 4 heads x 64K (16 segments), 8 x 64K (8), 16 x 64K (4), and 16 heads x
     # two sequences
     "segment_chain-H4-M16-vk": (_CHAIN, lambda: _chain_inputs(4, [16], True)),

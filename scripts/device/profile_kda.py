@@ -9,6 +9,10 @@ Firecracker runtime (device KINDS.md) and is skipped with a message where it can
 ``--ncu-source`` records the intra kernel alone with line info and source counters, and writes its per-SASS-
 instruction stall samples to $OUT/ncu_intra_source.csv (which instructions, hence which phase, the time goes to).
 ``--ncu-decode`` profiles the KDA and Lightning decode kernels at N=64 instead ($OUT/ncu_decode.txt).
+``--ncu-gdn`` profiles chunk_gated_delta_rule's two kernels at one 8K sequence, 16 q / k and 32 value heads
+(``bench_gdn_prefill``'s inputs and flags), once with ``GdnTuning.inference_wy_in_recurrence`` off and once on: speed
+of light, occupancy, stall reasons ($OUT/ncu_gdn.txt) and the intra kernel's per-instruction stall samples
+($OUT/ncu_gdn_intra_source.csv, the wy variant's).
 ``--ncu-backward`` profiles FLA's two heaviest backward kernels (``chunk_kda_bwd_kernel_wy_dqkg_fused``, stage 6, and
 ``chunk_kda_bwd_kernel_intra``, stage 7 of docs/kernels/kda-backward.md) and the dh recurrence beside them in one FLA
 training step at B=1, T=4096 ($OUT/ncu_backward.txt), and prints the registers and spills Triton compiled them with.
@@ -427,6 +431,25 @@ def ncu_target() -> None:
     torch.cuda.synchronize()
 
 
+def ncu_gdn_target() -> None:
+    """Two chunk_gated_delta_rule calls at T=8192, 16 q / k heads, 32 value heads (the second is the one ncu keeps),
+    with the wy_in_recurrence variants where ``CULA_PROFILE_WY=1``."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import bench_gdn_prefill as gp
+    import bench_kda_prefill as kp
+
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+    from cula.gated_delta_rule.plan import GDN_TUNING
+
+    cfg = kp.Config("fixed", 1, 8192, (8192,), heads=(16, 32))
+    x = {**gp.make_set(cfg, 0), **gp.make_shared(cfg)}
+    wy = os.environ.get("CULA_PROFILE_WY") == "1"
+    with torch.inference_mode(), GDN_TUNING.override(time_split=None, inference_wy_in_recurrence=wy):
+        for _ in range(2):
+            chunk_gated_delta_rule(**x, **gp.CALL_FLAGS)
+    torch.cuda.synchronize()
+
+
 def decode_inputs(N: int = 64, P: int = 128) -> dict:
     """One T=1 decode step's inputs at HV=64, K=V=128: q, k, v, g, beta, a fp32 pool of P states, N random pool
     rows, A_log and Lightning's decay."""
@@ -545,6 +568,33 @@ def run_ncu_decode() -> None:
     print(text[-6000:])
 
 
+def run_ncu_gdn() -> None:
+    """Gated DeltaNet's intra and state/output kernels with wy_in_recurrence off, then on (the second call's)."""
+    out = os.environ.get("OUT", ".")
+    sections = ["--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats", "--section",
+                "WarpStateStats", "--section", "SchedulerStats", "--section", "MemoryWorkloadAnalysis"]
+    text = ""
+    for wy in ("0", "1"):
+        env = dict(os.environ, CULA_PROFILE_WY=wy, CUTE_DSL_LINEINFO="1")
+        rep = os.path.join(out, f"ncu_gdn_{wy}")
+        text += f"##### wy_in_recurrence={wy}\n" + _ncu(
+            ["ncu", "--clock-control", "none", "-k", "regex:ChunkKDAIntra|DeltaHFwdO", "--launch-skip", "2",
+             "--launch-count", "2", "--import-source", "yes", *sections, "--section", "SourceCounters", "-f", "-o",
+             rep, sys.executable, __file__, "--ncu-gdn-target"], env=env)  # fmt: skip
+        text += _ncu(["ncu", "-i", rep + ".ncu-rep", "--print-details", "all"])
+    with open(os.path.join(out, "ncu_gdn.txt"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "ncu_gdn_intra_source.csv"), "w") as f:
+        f.write(_ncu(["ncu", "-i", os.path.join(out, "ncu_gdn_1.ncu-rep"), "--page", "source", "--csv",
+                      "--print-source", "sass", "-k", "regex:ChunkKDAIntra"]))  # fmt: skip
+    for wy in ("0", "1"):
+        try:
+            os.remove(os.path.join(out, f"ncu_gdn_{wy}.ncu-rep"))
+        except OSError:
+            pass
+    print(text[-9000:])
+
+
 def _ncu(cmd: list[str], timeout: float = 240, env: dict | None = None) -> str:
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -582,6 +632,10 @@ def run_ncu_source() -> None:
 if __name__ == "__main__":
     if "--ncu-target" in sys.argv:
         ncu_target()
+    elif "--ncu-gdn-target" in sys.argv:
+        ncu_gdn_target()
+    elif "--ncu-gdn" in sys.argv:
+        run_ncu_gdn()
     elif "--ncu-decode-target" in sys.argv:
         ncu_decode_target()
     elif "--ncu-backward-target" in sys.argv:

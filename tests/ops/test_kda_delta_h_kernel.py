@@ -53,13 +53,19 @@ _VARIANTS += [
      "row_factors": True}
     for vl in (False, True)
 ]  # fmt: skip
+# ... with v_new made of the intra kernel's T diag(beta) and the raw v (GdnTuning.inference_wy_in_recurrence)
+_VARIANTS += [
+    {"dtype": "BFloat16", "varlen": vl, "has_h0": True, "has_ht": vl, "state_v_first": vl, "aqk_causal": True,
+     "row_factors": True, "wy_in_recurrence": True}
+    for vl in (False, True)
+]  # fmt: skip
 
 _COMPILE_SCRIPT = dump_script(
     "import cutlass\nfrom cula.ops.kda.sm90 import delta_h_fwd_o as M",
     """
     M._compile(getattr(cutlass, v["dtype"]), 3, v["varlen"], v["has_h0"], v["has_ht"], v["state_v_first"],
                extra_options=opts, aqk_causal=v.get("aqk_causal", False), store_states=v.get("store_states", False),
-               row_factors=v.get("row_factors", False))
+               row_factors=v.get("row_factors", False), wy_in_recurrence=v.get("wy_in_recurrence", False))
     """,
 )
 
@@ -74,7 +80,7 @@ def _vid(v):
         [v["dtype"], "varlen" if v["varlen"] else "fixed", "h0" if v["has_h0"] else "noh0",
          "ht" if v["has_ht"] else "noht", "vfirst" if v["state_v_first"] else "kfirst"]
         + (["causal"] if v.get("aqk_causal") else []) + (["states"] if v.get("store_states") else [])
-        + (["row_factors"] if v.get("row_factors") else [])
+        + (["row_factors"] if v.get("row_factors") else []) + (["wy"] if v.get("wy_in_recurrence") else [])
     )  # fmt: skip
 
 
@@ -92,9 +98,10 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
         [nvdisasm, "-c", res["cubins"][0]], capture_output=True, text=True, check=True
     ).stdout
     # GEMM1, GEMM2 (8 k-steps each), GEMM3 (4; twice in the loop that issues it behind the next chunk's top, and in
-    # that loop's drain: the o_tma variants without store_states)
+    # that loop's drain: the o_tma variants without store_states), wy_in_recurrence's T diag(beta) product (4)
     o_behind = _VARIANTS[idx].get("aqk_causal") and not states
-    assert sass.count("HGMMA.64x64x16.F32") == (24 if o_behind else 20)
+    wy = _VARIANTS[idx].get("wy_in_recurrence", False)
+    assert sass.count("HGMMA.64x64x16.F32") == (24 if o_behind else 20) + 4 * wy
     assert sass.count("HGMMA.64x128x16.F32") == 4  # GEMM4, kg read MN-major
     assert ".tnspB" in sass
     assert "UTMALDG" in sass and "USETMAXREG" in sass

@@ -32,6 +32,12 @@ _VARIANTS = [
      "beta_act": "sigmoid", "h0": True, "ht": True, "state_v_first": True, "row_factors": True},
     {"dtype": "BFloat16", "g_dtype": "Float32", "beta_dtype": "Float32", "gate": "none", "l2norm_qk": False,
      "beta_act": "none", "h0": False, "ht": True, "state_v_first": False, "row_factors": True, "varlen": True},
+    # ... with T diag(beta) in place of w and u (GdnTuning.inference_wy_in_recurrence)
+    {"dtype": "BFloat16", "g_dtype": "Float32", "beta_dtype": "BFloat16", "gate": "softplus", "l2norm_qk": True,
+     "beta_act": "sigmoid", "h0": True, "ht": True, "state_v_first": True, "row_factors": True, "wy": True},
+    {"dtype": "BFloat16", "g_dtype": "BFloat16", "beta_dtype": "Float32", "gate": "none", "l2norm_qk": False,
+     "beta_act": "none", "h0": True, "ht": False, "state_v_first": False, "row_factors": True, "wy": True,
+     "varlen": True},
 ]  # fmt: skip
 
 _COMPILE_SCRIPT = dump_script(
@@ -39,11 +45,12 @@ _COMPILE_SCRIPT = dump_script(
     """
     dt, g_dt, b_dt = (getattr(cutlass, v[n]) for n in ("dtype", "g_dtype", "beta_dtype"))
     rows = {"scalar_gate": True, "row_factors": True} if v.get("row_factors") else {}
+    wy = {"wy_in_recurrence": True} if v.get("wy") else {}
     # (as the general path compiles each: with row factors the intra kernel writes no g_cum)
     io = dict(dtype=dt, g_dtype=g_dt, beta_dtype=b_dt, gate=v["gate"], l2norm_qk=v["l2norm_qk"],
-              beta_act=v["beta_act"], g_cum_last_only=not rows, **rows)
+              beta_act=v["beta_act"], g_cum_last_only=not rows, **rows, **wy)
     so = dict(dtype=dt, has_initial_state=v["h0"], has_final_state=v["ht"], state_v_first=v["state_v_first"],
-              aqk_causal=True, **({"row_factors": True} if rows else {}))
+              aqk_causal=True, **({"row_factors": True} if rows else {}), **wy)
     for part in ("both", "intra", "state"):  # each in a directory of its own
         os.makedirs(os.path.join(d, part), exist_ok=True)
         opts = f"--keep-ptx --keep-cubin --dump-dir {os.path.join(d, part)}"
@@ -52,10 +59,10 @@ _COMPILE_SCRIPT = dump_script(
             fwd_launch._compile(io, so, extra_options=opts, varlen=vl)
         elif part == "intra":
             intra._compile(dt, g_dt, b_dt, v["gate"], vl, extra_options=opts, l2norm_qk=v["l2norm_qk"],
-                           beta_act=v["beta_act"], g_cum_last_only=not rows, **rows)
+                           beta_act=v["beta_act"], g_cum_last_only=not rows, **rows, **wy)
         else:
             delta_h_fwd_o._compile(dt, 3, vl, v["h0"], v["ht"], v["state_v_first"], extra_options=opts,
-                                   aqk_causal=True, row_factors=bool(rows))
+                                   aqk_causal=True, row_factors=bool(rows), **wy)
     """,
 )
 
@@ -90,6 +97,7 @@ def _kernels(nvdisasm: str, cubin: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize(
     "idx", range(len(_VARIANTS)),
     ids=lambda i: _VARIANTS[i]["gate"] + ("-rows" if _VARIANTS[i].get("row_factors") else "")
+    + ("-wy" if _VARIANTS[i].get("wy") else "")
     + ("-varlen" if _VARIANTS[i].get("varlen") else ""),
 )  # fmt: skip
 def test_both_stages_compile_to_the_kernels_alone(dumps, idx):

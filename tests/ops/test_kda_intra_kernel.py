@@ -73,9 +73,15 @@ _VARIANTS = [
      "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True},
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False,
      "scalar_gate": True},
+    # ... the training forward's (GdnTuning.training_per_head_gate: T to global memory too)
+    {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": False, "l2norm": True,
+     "beta_act": "sigmoid", "g_cum_last_only": True, "scalar_gate": True, "write_akk": True},
     # ... writing the per-token factor rows in place of qg, kg and g_cum (GdnTuning.inference_row_factors)
     {"dtype": "BFloat16", "g": "BFloat16", "beta": "BFloat16", "gate": "softplus", "varlen": True, "l2norm": True,
      "beta_act": "sigmoid", "scalar_gate": True, "row_factors": True},
+    # ... and T diag(beta) in place of w and u, v not read (GdnTuning.inference_wy_in_recurrence)
+    {"dtype": "BFloat16", "g": "Float32", "beta": "Float32", "gate": "none", "varlen": False, "l2norm": True,
+     "beta_act": "sigmoid", "scalar_gate": True, "row_factors": True, "wy_in_recurrence": True},
     # gates no bound is known of (any_gate): a log gate without safe_gate (inference), the softplus gate (training)
     {"dtype": "BFloat16", "g": "Float32", "beta": "BFloat16", "gate": "none", "varlen": False, "l2norm": True,
      "beta_act": "sigmoid", "g_cum_last_only": True, "any_gate": True},
@@ -91,7 +97,8 @@ _COMPILE_SCRIPT = dump_script(
                beta_act=v.get("beta_act", "none"), g_cum_last_only=v.get("g_cum_last_only", False),
                write_akk=v.get("write_akk", False), scalar_gate=v.get("scalar_gate", False),
                given_t=v.get("given_t", False), any_gate=v.get("any_gate", False),
-               write_rstd=v.get("write_rstd", False), row_factors=v.get("row_factors", False))
+               write_rstd=v.get("write_rstd", False), row_factors=v.get("row_factors", False),
+               wy_in_recurrence=v.get("wy_in_recurrence", False))
     """,
 )
 
@@ -121,6 +128,8 @@ def _vid(v):
         vid += "-write_rstd"
     if v.get("row_factors"):
         vid += "-row_factors"
+    if v.get("wy_in_recurrence"):
+        vid += "-wy_in_recurrence"
     return vid
 
 
@@ -136,37 +145,48 @@ def test_variant_compiles_sm90a(compiled_variants, idx):
     assert res["cubins"]
     nvdisasm = find_nvdisasm()
     l2norm = _VARIANTS[idx].get("l2norm", False)
+    scalar_gate = _VARIANTS[idx].get("scalar_gate", False)
     if l2norm:
-        # the fused row norms, a thread per row: no shuffles, a correctly rounded sqrt (FLA's 1 / sqrt(sum + eps))
-        assert "shfl.sync.bfly" not in ptx and "sqrt.rn.f32" in ptx
+        # the fused row norms, a thread per row (scalar_gate: two lanes a row, one shuffle), a correctly rounded
+        # sqrt (FLA's 1 / sqrt(sum + eps))
+        assert ("shfl.sync.bfly" in ptx) == scalar_gate and "sqrt.rn.f32" in ptx
     # 16-byte shared stores: P2's score operands (two fp32 units of a q and a k row, 2 sub-chunks, 2 rounds; not
-    # with given_t) and k' (4 rows), beta v (4 rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end
-    # (16), the row norms (16);
+    # with given_t, nor with scalar_gate, whose scores are WGMMAs of the q / k tiles) and k' (4 rows), beta v (4
+    # rows), bf16(T) (2), P1's zeros for a q / k row past the sequence end (16) and the row norms (16) (scalar_gate:
+    # 8 for a half row, zeros or normalised);
     # 16-byte global stores: g_cum (4 rows x 2), qg / kg (4 rows x 2), w / u (8 rows x 2 warpgroups), Aqk (2 per
     # thread; not with given_t), bf16 T with write_akk (2 per thread); no 2- or 4-byte global stores but
-    # write_rstd's 1 / norm (one a row-norm thread)
+    # write_rstd's 1 / norm (one a row-norm thread). wy_in_recurrence: no k', beta v, bf16(T) in shared memory and
+    # no w / u stores; T diag(beta) (2 per thread) and one factor row (a thread, P2 alone) instead
     given_t = _VARIANTS[idx].get("given_t", False)
-    assert ptx.count("st.shared.v4") == 42 - 16 * given_t + 16 * l2norm, ptx.count("st.shared.v4")
+    wy = _VARIANTS[idx].get("wy_in_recurrence", False)
+    plain_scores = given_t or scalar_gate
+    p1_rows = 8 if scalar_gate else 16 + 16 * l2norm
+    assert ptx.count("st.shared.v4") == 26 - 16 * plain_scores + p1_rows - 10 * wy, ptx.count("st.shared.v4")
     write_akk = _VARIANTS[idx].get("write_akk", False)
     # row_factors: one 16-byte factor row (a thread a row, 4 rows) in place of g_cum's and qg / kg's 16 stores
     row_factors = _VARIANTS[idx].get("row_factors", False)
-    assert ptx.count("st.global.v4") == 34 + 2 * write_akk - 2 * given_t - 12 * row_factors, ptx.count("st.global.v4")
+    stores = 34 + 2 * write_akk - 2 * given_t - 12 * row_factors + (2 - 3 - 16) * wy
+    assert ptx.count("st.global.v4") == stores, ptx.count("st.global.v4")
     write_rstd = _VARIANTS[idx].get("write_rstd", False)
     assert ptx.count("st.global.f32") + ptx.count("st.global.b32") == write_rstd
     assert "st.global.b16" not in ptx
     # full chunks: w / u by stmatrix (64 x 128 bf16 per warpgroup = 8 x4 stores a thread) and TMA stores
-    assert ptx.count("stmatrix.sync.aligned") == 16, ptx.count("stmatrix.sync.aligned")
-    assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == 4  # w and u, two 128-byte-wide boxes each
+    assert ptx.count("stmatrix.sync.aligned") == 16 * (not wy), ptx.count("stmatrix.sync.aligned")
+    assert ptx.count("cp.async.bulk.tensor.3d.global.shared") == 4 * (not wy)  # w and u, two 128-byte-wide boxes each
     if nvdisasm is None:
         pytest.skip("nvdisasm not found: PTX checked, SASS not")
     sass = subprocess.run(
         [nvdisasm, "-c", res["cubins"][0]], capture_output=True, text=True, check=True
     ).stdout
-    # scores: one (key block, anchor) pair per warp and round, 16 k-steps x 4 n-tiles of tf32 mma.sync; the
-    # inverse's off-diagonal blocks: 16 products of 16x16 blocks (2 k-steps x 2 n-tiles each); neither with given_t
-    assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == (0 if given_t else 128 + 64)
+    # scores: one (key block, anchor) pair per warp and round, 16 k-steps x 4 n-tiles of tf32 mma.sync (scalar_gate:
+    # q k^T on warpgroup 0 and k k^T on warpgroup 1, 8 k-steps of 64x64x16 WGMMA each); the inverse's off-diagonal
+    # blocks: 16 products of 16x16 blocks (2 k-steps x 2 n-tiles each); neither with given_t
+    scalar = _VARIANTS[idx].get("scalar_gate", False) and not given_t
+    assert len(re.findall(r"HMMA\.1688\.F32\.TF32", sass)) == (0 if given_t else 128 * (not scalar) + 64)
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]", sass)) == 16 * scalar
     # w (warpgroup 0) and u (warpgroup 1): 4 k-steps each, k'/v' read MN-major
-    assert len(re.findall(r"HGMMA\.64x128x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32(?:\.BF16)? R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8 * (not wy)
     assert "UTMALDG" in sass
     # the few spilled scalars (above): a bounded number of local-memory instructions
     assert len(re.findall(r"\b(?:LDL|STL)\b", sass)) <= (240 if limit > 256 else 96), "local-memory traffic"

@@ -23,12 +23,14 @@ _VARIANTS = [{"dtype": "BFloat16", "state_v_first": vf} for vf in (False, True)]
     # Gated DeltaNet's raw k and factor rows (GdnTuning.inference_row_factors)
     {"dtype": "BFloat16", "state_v_first": False, "row_factors": True},
     {"dtype": "BFloat16", "state_v_first": True, "mid_states": True, "row_factors": True},
+    # ... with T diag(beta) and the raw v (GdnTuning.inference_wy_in_recurrence)
+    {"dtype": "BFloat16", "state_v_first": True, "mid_states": True, "row_factors": True, "wy_in_recurrence": True},
 ]
 
 _COMPILE_SCRIPT = dump_script(
     "from cula.ops.kda.sm90 import segment_summary_kernel as M",
     'M._compile(v["dtype"], v["state_v_first"], extra_options=opts, mid_states=v.get("mid_states", False),'
-    ' row_factors=v.get("row_factors", False))',
+    ' row_factors=v.get("row_factors", False), wy_in_recurrence=v.get("wy_in_recurrence", False))',
 )
 
 
@@ -65,6 +67,11 @@ def test_launcher_validates_shapes():
     with pytest.raises(ValueError, match="divide"):
         run(w, w, torch.zeros(1, T, 3, 128, dtype=torch.bfloat16), torch.zeros(1, T, HV, 4), ends, cu,
             row_factors=True)  # fmt: skip
+    # wy_in_recurrence: T diag(beta) [1, T, HV, 64] in w's place, with the factor rows only
+    with pytest.raises(ValueError, match="w:"):
+        run(w, w, k, torch.zeros(1, T, HV, 4), ends, cu, row_factors=True, wy_in_recurrence=True)
+    with pytest.raises(ValueError, match="row_factors"):
+        run(w[..., :64].contiguous(), w, w, g, ends, cu, wy_in_recurrence=True)
 
 
 def _summary_f64(w, u, kg, g, cu, state_v_first):

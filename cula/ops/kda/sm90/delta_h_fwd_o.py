@@ -20,13 +20,16 @@ def __getattr__(name):
 
 
 def variant_key(dtype="BFloat16", num_stages=3, varlen=False, has_h0=False, has_ht=False, state_v_first=False,
-                arch=(9, 0), aqk_causal=False, store_states=False, row_factors=False) -> tuple:  # fmt: skip
+                arch=(9, 0), aqk_causal=False, store_states=False, row_factors=False,
+                wy_in_recurrence=False) -> tuple:  # fmt: skip
     """The compile key of a variant; ``dtype`` a DSL type, its name or a torch dtype. ``store_states``:
-    ``DeltaHFwdOStatesSm90`` (also h and v_new); ``row_factors``: raw q / k and the intra kernel's factor rows."""
+    ``DeltaHFwdOStatesSm90`` (also h and v_new); ``row_factors``: raw q / k and the intra kernel's factor rows;
+    ``wy_in_recurrence``: v_new from T diag(beta) and the raw v."""
     name = "DeltaHFwdOStatesSm90" if store_states else "DeltaHFwdOFusedSm90"
     return ("kda.delta_h_fwd_o", name, dsl_name(dtype), 128, 128, 64, num_stages,
             varlen, has_h0, has_ht, state_v_first, arch, ("aqk_causal", aqk_causal),
-            *((("row_factors", True),) if row_factors else ()))  # fmt: skip
+            *((("row_factors", True),) if row_factors else ()),
+            *((("wy_in_recurrence", True),) if wy_in_recurrence else ()))  # fmt: skip
 
 
 def compiled(key: tuple):
@@ -65,6 +68,7 @@ def chunk_kda_delta_h_fwd_o_sm90(
     v_new: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     row_factors: bool = False,
+    wy_in_recurrence: bool = False,
 ) -> None:
     """KDA inter-chunk forward on SM90: writes ``o`` (and ``final_state``, ``h``, ``v_new``) in place.
 
@@ -97,14 +101,20 @@ def chunk_kda_delta_h_fwd_o_sm90(
             ``row_factors``; needs ``aqk_causal``): ``kg`` and ``qg`` are then the raw k and q ``[B, T, H, K]`` (value
             head ``hv`` reads q / k head ``hv // (HV // H)``) and ``g`` the factor rows ``[B, T, HV, ROW_FACTORS]``
             fp32 that make qg and kg of them and hold the decay; not with ``h``.
+        wy_in_recurrence: with ``row_factors``, ``w`` is the intra kernel's ``T diag(beta)`` ``[B, T, HV, 64]`` (its
+            ``wy_in_recurrence`` output) and ``u`` the raw v: the kernel makes ``v_new = T diag(beta) (v - f_x k S)``
+            itself.
 
     All of w/u/kg/qg/g/Aqk/o must be contiguous. K = V = 128.
     """
-    B, T, HV, K, V = check_chunk_operands(w, u, chunk_size, "w/u/kg/qg/Aqk/o")
+    B, T, HV, K, V = check_chunk_operands(u if wy_in_recurrence else w, u, chunk_size, "w/u/kg/qg/Aqk/o")
     H = qg.shape[2] if row_factors and qg.dim() == 4 else HV
     if row_factors and (H < 1 or HV % H or not aqk_causal or h is not None):
         raise ValueError("row_factors needs q / k heads dividing the value heads, aqk_causal and no h")
+    if wy_in_recurrence and not row_factors:
+        raise ValueError("wy_in_recurrence needs row_factors (the factor rows' f_x)")
     check_tensors((
+        ("w", w, (B, T, HV, 64 if wy_in_recurrence else K), u.dtype),
         ("u", u, (B, T, HV, V), w.dtype), ("kg", kg, (B, T, H, K), w.dtype), ("qg", qg, (B, T, H, K), w.dtype),
         ("g", g, (B, T, HV, ROW_FACTORS if row_factors else K), torch.float32),
         ("Aqk", Aqk, (B, T, HV, 64), w.dtype), ("o", o, (B, T, HV, V), w.dtype),
@@ -150,6 +160,7 @@ def chunk_kda_delta_h_fwd_o_sm90(
         dtype=dsl_name(w.dtype), varlen=varlen, has_h0=initial_state is not None,
         has_ht=final_state is not None, state_v_first=state_v_first, aqk_causal=aqk_causal,
         **({"store_states": True} if store else {}), **({"row_factors": True} if row_factors else {}),
+        **({"wy_in_recurrence": True} if wy_in_recurrence else {}),
     )  # fmt: skip
 
     def flat(t):

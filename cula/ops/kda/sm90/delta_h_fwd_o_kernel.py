@@ -27,6 +27,17 @@ bf16 copy of ``S^T`` as the register A operand::
 
 The accumulator of GEMM1 becomes the A fragment of GEMM3/GEMM4 without leaving registers.
 
+Gated DeltaNet (``row_factors``): the raw q and k of the value head's q / k head and per token the intra kernel's
+factor rows (f_q, f_k, the decay f_g, f_x) make qg and kg: o^T's token columns times f_q (scale included), v_new^T's
+times f_k before GEMM4, one decay for every column. With ``wy_in_recurrence`` as well, w and u are never written:
+the stage's w tile holds the intra kernel's ``T diag(beta)`` ``[BT, BT]`` and its u tile the raw v, and::
+
+    GEMM1  (k S)^T = bf16(S^T) . k^T     M=V  N=BT K=K   B = k   the MN-major k tile read K-major (same bytes)
+    GEMM1b v_new^T = bf16(v - f_x o k S)^T . (T diag(beta))^T     M=V N=BT K=BT  (cute_common.wy_v_new_product)
+
+one 64 x 128 x 64 product more a chunk on the state's chain (issued ahead of GEMM2, which is off the chain), 128
+bytes a token and value head read where w and u were 512.
+
 Warp roles (384 threads, ``min_blocks_per_mp=1``):
 
 =========  =========  =====================================================================================
@@ -69,7 +80,7 @@ from cula.ops.cute_common import (
     FIRST_NAMED_BARRIER, ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout,
     gate_row_layout, gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_u_and_row_mask,
     recurrence_pipeline, scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major,
-    token_tile_b_k_major, token_tile_b_mn_major,
+    token_major, token_tile_b_k_major, token_tile_b_mn_major, wy_v_new_product,
 )  # fmt: skip
 
 __all__ = ["DeltaHFwdOFusedSm90", "DeltaHFwdOStatesSm90"]
@@ -107,6 +118,7 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         aqk_causal: bool = False,
         store_states: bool = False,
         row_factors: bool = False,
+        wy_in_recurrence: bool = False,
     ):
         if head_k != 128 or head_v != 128:
             raise ValueError(f"only K = V = 128 is implemented, got K={head_k}, V={head_v}")
@@ -130,6 +142,15 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         self.row_factors = row_factors
         if row_factors and (store_states or not aqk_causal):
             raise ValueError("row_factors reads cula's intra kernel's outputs (aqk_causal) and stores no states")
+        # row_factors only: v_new = (T diag(beta)) bf16(v - f_x o (k S)) from the intra kernel's T diag(beta) (its
+        # wy_in_recurrence variant; in mW's place, [T_total, HV, BT]) and the raw v (in mU's), where w and u were
+        # read: one more product a chunk (64 x 128 x 64, the raw k tile read K-major for k S), 128 bytes a token
+        # and value head read where w and u were 512 (and no w, u written before)
+        self.wy_in_recurrence = wy_in_recurrence
+        if wy_in_recurrence and not row_factors:
+            raise ValueError("wy_in_recurrence scales k S by the factor rows' f_x: it needs row_factors")
+        # (only _chunks_o_behind makes v_new from T diag(beta), and row_factors always takes that loop)
+        assert not wy_in_recurrence or (aqk_causal and not store_states)
         # full chunks' o by stmatrix + TMA (see the consumer prologue); the masked variant keeps the direct stores:
         # with the mask's registers the staging spills (20-28 bytes)
         self.o_tma = aqk_causal
@@ -137,7 +158,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         # bf16 v_new fragment (16) of their 232
         elt = dtype.width // 8
         row_bytes = self.bt * ROW_FACTORS * 4 if row_factors else self.dk * 4  # the factor rows, or the decay row
-        self._set_stages(num_stages, (4 * self.bt * self.dk + self.bt * self.bt) * elt + row_bytes)
+        w_elems = self.bt * self.bt if wy_in_recurrence else self.bt * self.dk  # w, or T diag(beta)
+        self._set_stages(num_stages, (3 * self.bt * self.dk + w_elems + self.bt * self.bt) * elt + row_bytes)
 
     @cute.jit
     def __call__(
@@ -188,13 +210,16 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
 
         sW_l, sQ_l = token_tile_b_k_major(dt, S), token_tile_b_k_major(dt, S)
         sA_l = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (DV, BT, BT), dt, S)  # (BT_i, BT_j, S)
+        w_box = (BT, DK)
+        if const_expr(self.wy_in_recurrence):  # T diag(beta) in w's place: B of v_new^T = x^T (T diag(beta))^T
+            sW_l, w_box = token_tile_b_k_major(dt, S, D=BT), (BT, BT)
         sK_l, sU_l, sG_l = token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S), gate_row_layout(S)
         g_box = (DK, 1)
         if const_expr(self.row_factors):  # a chunk's factor rows, token-major
             sG_l, g_box = factor_rows_layout(S), (BT, ROW_FACTORS)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
+        tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), w_box)
         tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sQ_l, mode=[0, 1]), (BT, DK))
         tma_a, ta = cpasync.make_tiled_tma_atom(g2s, a_v, cute.select(sA_l, mode=[0, 1]), (BT, BT))
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sK_l, mode=[0, 1]), (DK, BT))
@@ -282,7 +307,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
                 if const_expr(self.row_factors):  # q, k of the group's q / k head; the factor rows carry the decay
                     qk = h // group
-                    tiles = ((tma_w, tw, sW, (BT, DK), True), (tma_q, tq, sQ, (BT, DK), True, qk),
+                    tiles = ((tma_w, tw, sW, (BT, BT if const_expr(self.wy_in_recurrence) else DK), True),
+                             (tma_q, tq, sQ, (BT, DK), True, qk),
                              (tma_k, tk, sK, (DK, BT), False, qk), (tma_u, tu, sU, (DV, BT), False),
                              (tma_a, ta, sA, (BT, BT), True), (tma_g, tg, sG, (BT, ROW_FACTORS), True))  # fmt: skip
                     load_chunk_tiles(pipe, S, tiles, None, h, bos, seq_len, num_chunks)
@@ -323,7 +349,10 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         # 64x16 atom does not depend on N, so one v_new fragment serves both tiled MMAs).
         tOrS = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, DK)))
         tVrV = wg_o.make_fragment_A(wg_o.partition_shape_A((DV, BT)))
-        tOrW = wg_o.make_fragment_B(wg_o.partition_B(sW))
+        tOrW = wg_o.make_fragment_B(wg_o.partition_B(sW))  # w, or wy_in_recurrence's T diag(beta)
+        tOrKk = None
+        if const_expr(self.wy_in_recurrence):  # k S: the k tile (MN-major B of GEMM4) read K-major, byte for byte
+            tOrKk = wg_o.make_fragment_B(wg_o.partition_B(token_major(sK)))
         tOrQ = wg_o.make_fragment_B(wg_o.partition_B(sQ))
         tOrA = wg_o.make_fragment_B(wg_o.partition_B(sA))
         tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
@@ -364,8 +393,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
         if const_expr(self.o_tma and not self.store_states):
             self._chunks_o_behind(
                 pipe, num_chunks, seq_len, scale, mma_o, mma_s, accS, accV, accO, rO, pV, rD, rQf, rKf, tOrS, tVrV,
-                tVrK, tOrW, tOrQ, tOrA, tSrK, tUsU, tVcV, tScS, sG, tOgO, issuer, first_warp, st_o, thr_sto, tOsU,
-                wg_bar, tma_o, tOs, tOg,
+                tVrK, tOrW, tOrKk, tOrQ, tOrA, tSrK, tUsU, tVcV, tScS, sG, tOgO, issuer, first_warp, st_o, thr_sto,
+                tOsU, wg_bar, tma_o, tOs, tOg,
             )  # fmt: skip
             if const_expr(self.has_ht):
                 thr_s.partition_C(ht_v[None, None, h, n]).store(accS.load())
@@ -458,8 +487,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
     @cute.jit
     def _chunks_o_behind(
         self, pipe, num_chunks, seq_len, scale, mma_o, mma_s, accS, accV, accO, rO, pV, rD, rQf, rKf, tOrS, tVrV,
-        tVrK, tOrW, tOrQ, tOrA, tSrK, tUsU, tVcV, tScS, sG, tOgO, issuer, first_warp, st_o, thr_sto, tOsU, wg_bar,
-        tma_o, tOs, tOg,
+        tVrK, tOrW, tOrKk, tOrQ, tOrA, tSrK, tUsU, tVcV, tScS, sG, tOgO, issuer, first_warp, st_o, thr_sto, tOsU,
+        wg_bar, tma_o, tOs, tOg,
     ):  # fmt: skip
         """The chunk loop of the ``o_tma`` variants without ``store_states``, ordered so that the tensor pipe is fed
         while the epilogues run: chunk c's GEMM3 is issued at the top of chunk c + 1, ahead of its GEMM1; chunk c's o
@@ -490,7 +519,8 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             # the previous chunk's GEMM3 (its o^T's intra-chunk part), then this chunk's GEMM1
             gemm_k_blocks(mma_o, accO, tVrV, tOrA, accumulate=True, b_stage=cutlass.select_(c == 0, si, prev))
             warpgroup.commit_group()
-            gemm_k_blocks(mma_o, accV, tOrS, tOrW, accumulate=False, b_stage=si)
+            gemm_k_blocks(mma_o, accV, tOrS, tOrKk if const_expr(self.wy_in_recurrence) else tOrW, accumulate=False,
+                          b_stage=si)  # fmt: skip
             warpgroup.commit_group()
             # the previous chunk's o out through its stage's u tile, while GEMM1 runs (the wait and the read outside
             # the branch, for ptxas as above)
@@ -506,10 +536,19 @@ class DeltaHFwdOFusedSm90(ChunkRecurrenceResources):
             # while GEMM2 runs.
             rU = load_u_and_row_mask(tUsU, si, pV, tVcV, valid)
             warpgroup.wait_group(0)
-            warpgroup.fence()
-            gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
-            warpgroup.commit_group()
-            v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
+            if const_expr(self.wy_in_recurrence):
+                # v_new's product from T diag(beta) ahead of GEMM2 (v_new is on the state's chain, o is not), then the
+                # rest of v_new while GEMM2 runs (f_x through rKf's registers: load_row_factors refills them)
+                wy_v_new_product(mma_o, accV, tVrV, tOrW, rU, pV, rKf, sG, tVcV, si, valid, self.dtype)
+                gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                v_new = cute.where(pV.load(), accV.load(), 0.0)
+            else:
+                warpgroup.fence()
+                gemm_k_blocks(mma_o, accO, tOrS, tOrQ, accumulate=False, b_stage=si)
+                warpgroup.commit_group()
+                v_new = cute.where(pV.load(), rU.to(Float32) - accV.load(), 0.0)
             tVrV.store(v_new.to(self.dtype))
             if const_expr(self.row_factors):
                 accV.store(v_new)
@@ -637,7 +676,7 @@ class DeltaHFwdOStatesSm90(DeltaHFwdOFusedSm90):
 
 
 def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 0), extra_options="",
-             aqk_causal=False, store_states=False, row_factors=False):
+             aqk_causal=False, store_states=False, row_factors=False, wy_in_recurrence=False):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable.
 
     ``extra_options`` is appended to the cute.compile options (tests use ``--keep-cubin --dump-dir D``).
@@ -651,7 +690,7 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
     kernel = cls(
         dtype=dtype, head_k=DK, head_v=DV, chunk_size=BT, num_stages=num_stages, varlen=varlen,
         has_initial_state=has_h0, has_final_state=has_ht, state_v_first=state_v_first, aqk_causal=aqk_causal,
-        **({"row_factors": True} if row_factors else {}),
+        **({"row_factors": True} if row_factors else {}), **({"wy_in_recurrence": True} if wy_in_recurrence else {}),
     )  # fmt: skip
     # Token and sequence strides are 64-bit so that T_total * HV * D (or N * HV * K * V) may pass 2^31
     # elements; their divisibility keeps TMA's 16-byte stride check provable at compile time.
@@ -681,6 +720,8 @@ def _compile(dtype, num_stages, varlen, has_h0, has_ht, state_v_first, arch=(9, 
         rows = make_fake_tensor(Float32, (tt, hv, ROW_FACTORS), (cute.sym_int64(divisibility=ROW_FACTORS),
                                                                   ROW_FACTORS, 1), assumed_align=16)  # fmt: skip
         tensors = tensors[:2] + (qk, qk, rows) + tensors[5:]
+        if wy_in_recurrence:  # T diag(beta) in w's place
+            tensors = (tok(dtype, BT),) + tensors[1:]
     if store_states:  # h, v_new, the chunk offsets
         tensors += (state(dtype), tok(dtype, DV), cu())
     args = (*tensors, Int32(1), Int32(1), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))

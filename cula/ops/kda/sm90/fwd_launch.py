@@ -9,7 +9,7 @@ from __future__ import annotations
 from cula.cache import compiled_kernel
 from cula.ops._host import ROW_FACTORS, kernel_attr
 
-__all__ = ["ROW_WORK_COLS", "WORK_COLS", "compiled", "compiled_variant", "variant_key", "work_cols"]
+__all__ = ["ROW_WORK_COLS", "WORK_COLS", "WY_WORK_COLS", "compiled", "compiled_variant", "variant_key", "work_cols"]
 
 DK = DV = 128
 BT = 64
@@ -17,10 +17,14 @@ BT = 64
 WORK_COLS = 4 * DK + BT + 2 * DK
 # Gated DeltaNet's row_factors variant: w, u, Aqk, then the ROW_FACTORS fp32 factors of each token and value head
 ROW_WORK_COLS = 2 * DK + BT + 2 * ROW_FACTORS
+# with wy_in_recurrence: T diag(beta), Aqk, then the factors
+WY_WORK_COLS = 2 * BT + 2 * ROW_FACTORS
 
 
 def work_cols(intra_options: dict) -> int:
     """The workspace's columns (two-byte elements a token and value head) of a variant."""
+    if intra_options.get("wy_in_recurrence"):
+        return WY_WORK_COLS
     return ROW_WORK_COLS if intra_options.get("row_factors") else WORK_COLS
 
 

@@ -16,6 +16,8 @@ Gated DeltaNet (one gate per token and value head, the intra kernel's ``row_fact
 dt_bias ``(HV,)``; the intra kernel writes per-token factor rows instead of qg, kg and g_cum, and the state/output
 kernel applies them to the raw q and k (docs/kernels/kda-state-output.md). Its workspace is ``[B T HV,
 ROW_WORK_COLS]``: w, u (128), Aqk (64), then the factors (``ROW_FACTORS`` fp32), 656 bytes per token and head.
+With ``wy_in_recurrence`` as well (the intra kernel writes T diag(beta), the state/output kernel makes v_new from it
+and the raw v), ``[B T HV, WY_WORK_COLS]``: T diag(beta) (64), Aqk (64), then the factors, 272 bytes.
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ class ChunkKDAFwdSm90:
     """``chunk_kda``'s forward for fixed-length inputs, both stages in one host function (sm_90a)."""
 
     def __init__(self, intra: ChunkKDAIntraFwdSm90, states: DeltaHFwdOFusedSm90):
-        if intra.row_factors != states.row_factors:
-            raise ValueError("the intra and state/output kernels take row factors together or not at all")
+        if intra.row_factors != states.row_factors or intra.wy_in_recurrence != states.wy_in_recurrence:
+            raise ValueError("the intra and state/output kernels take row factors (and wy_in_recurrence) together "
+                             "or not at all")
         self.intra, self.states = intra, states
         self.dtype = intra.dtype
 
@@ -50,7 +53,7 @@ class ChunkKDAFwdSm90:
         mBeta: cute.Tensor,  # (B, T, HV)
         mAlog: cute.Tensor,  # (HV,) fp32
         mBias: cute.Tensor,  # (HV * K,) fp32; (HV,) with row factors
-        mWork: cute.Tensor,  # (B T HV, WORK_COLS or ROW_WORK_COLS) dtype, scratch
+        mWork: cute.Tensor,  # (B T HV, work_cols(intra options)) dtype, scratch
         mO: cute.Tensor,  # (B, T, HV, V) dtype, out
         mH0: cute.Tensor,  # (B, HV, K, V) or (B, HV, V, K) fp32; unread unless has_initial_state
         mHt: cute.Tensor,  # same layout; unwritten unless has_final_state
@@ -75,8 +78,6 @@ class ChunkKDAFwdSm90:
         if const_expr(mCi is None):  # the kernels' unread chunk indices
             mCi = cute.make_tensor(mCu.iterator, cute.make_layout((1, 2), stride=(2, 1)))
         rows = Int64(tokens) * Int64(hv)
-        w = self._region(mWork, rows, 0, tokens, hv, DK, self.dtype)
-        u = self._region(mWork, rows, DK, tokens, hv, DV, self.dtype)
 
         # fixed length: a grid of chunks x HV x B for intra, HV x B for the state kernel; packed sequences: one
         # intra CTA per chunk index row (x HV), HV x N state CTAs
@@ -85,15 +86,26 @@ class ChunkKDAFwdSm90:
         else:
             num_chunks, intra_seqs, state_seqs = (seqlen + (BT - 1)) // BT, num_seqs, num_seqs
         if const_expr(self.intra.row_factors):
-            # the state/output kernel reads the raw q and k (H heads) with the factor rows in place of qg, kg, g_cum
-            aqk = self._region(mWork, rows, 2 * DK, tokens, hv, BT, self.dtype)
-            factors = self._region(mWork, rows, 2 * DK + BT, tokens, hv, ROW_FACTORS, Float32)
+            # the state/output kernel reads the raw q and k (H heads) with the factor rows in place of qg, kg, g_cum;
+            # with wy_in_recurrence T diag(beta) in place of w and u, which it reads with the raw v
+            w = u = t_beta = None
+            if const_expr(self.intra.wy_in_recurrence):
+                t_beta, col = self._region(mWork, rows, 0, tokens, hv, BT, self.dtype), BT
+            else:
+                w, col = self._region(mWork, rows, 0, tokens, hv, DK, self.dtype), 2 * DK
+                u = self._region(mWork, rows, DK, tokens, hv, DV, self.dtype)
+            aqk = self._region(mWork, rows, col, tokens, hv, BT, self.dtype)
+            factors = self._region(mWork, rows, col + BT, tokens, hv, ROW_FACTORS, Float32)
             self.intra(
-                q, k, v, self._per_head(mGin, tokens), beta, mAlog, mBias, w, u, factors, None, aqk, None, None,
+                q, k, v, self._per_head(mGin, tokens), beta, mAlog, mBias, w, u, factors, None, aqk, t_beta, None,
                 None, mCu, mCi, seqlen, num_chunks, intra_seqs, scale, lower_bound, stream,
             )  # fmt: skip
+            if const_expr(self.intra.wy_in_recurrence):
+                w, u = t_beta, v
             self.states(w, u, k, q, factors, aqk, o, mH0, mHt, mCu, seqlen, state_seqs, scale, stream)
         else:
+            w = self._region(mWork, rows, 0, tokens, hv, DK, self.dtype)
+            u = self._region(mWork, rows, DK, tokens, hv, DV, self.dtype)
             qg = self._region(mWork, rows, 2 * DK, tokens, hv, DK, self.dtype)
             kg = self._region(mWork, rows, 3 * DK, tokens, hv, DK, self.dtype)
             aqk = self._region(mWork, rows, 4 * DK, tokens, hv, BT, self.dtype)
@@ -141,7 +153,7 @@ class ChunkKDAVarlenFwdSm90(ChunkKDAFwdSm90):
         mBeta: cute.Tensor,  # (1, T, HV)
         mAlog: cute.Tensor,  # (HV,) fp32
         mBias: cute.Tensor,  # (HV * K,) fp32; (HV,) with row factors
-        mWork: cute.Tensor,  # (T HV, WORK_COLS or ROW_WORK_COLS) dtype, scratch
+        mWork: cute.Tensor,  # (T HV, work_cols(intra options)) dtype, scratch
         mO: cute.Tensor,  # (1, T, HV, V) dtype, out
         mH0: cute.Tensor,  # (N, HV, K, V) or (N, HV, V, K) fp32; unread unless has_initial_state
         mHt: cute.Tensor,  # same layout; unwritten unless has_final_state

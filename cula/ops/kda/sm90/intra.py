@@ -98,7 +98,7 @@ def gate_params_binder(
 def kernel_options(
     dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, gate: str, use_qk_l2norm: bool, beta_act: str,
     *, g_cum_last_only: bool = False, write_akk: bool = False, scalar_gate: bool = False, given_t: bool = False,
-    any_gate: bool = False, write_rstd: bool = False, row_factors: bool = False,
+    any_gate: bool = False, write_rstd: bool = False, row_factors: bool = False, wy_in_recurrence: bool = False,
 ) -> dict:  # fmt: skip
     """``ChunkKDAIntraFwdSm90``'s options but varlen for torch dtypes and the launch flags (``compiled_variant``,
     ``fwd_launch`` and ``chunk_fwd``'s time-segmented launch take them). ``any_gate`` is dropped where the kernel
@@ -111,6 +111,7 @@ def kernel_options(
         **({"write_akk": True} if write_akk else {}), **({"scalar_gate": True} if scalar_gate else {}),
         **({"given_t": True} if given_t else {}), **({"write_rstd": True} if write_rstd else {}),
         **({"row_factors": True} if row_factors else {}),
+        **({"wy_in_recurrence": True} if wy_in_recurrence else {}),
         **({"any_gate": True} if any_gate and not (given_t or scalar_gate) else {}),
     )  # fmt: skip
 
@@ -198,8 +199,9 @@ def chunk_kda_intra_sm90(
     any_gate: bool = False,
     qk_rstd: torch.Tensor | None = None,
     row_factors: torch.Tensor | None = None,
+    t_beta: torch.Tensor | None = None,
 ) -> None:
-    """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` (and ``Akk``) in place.
+    """KDA intra-chunk forward on SM90; writes ``w, u, qg, kg, Aqk, g_cum`` (and ``Akk``; or ``t_beta``) in place.
 
     Args:
         q, k: ``[B, T, H, K]`` bf16/fp16, L2-normalised, or raw with ``use_qk_l2norm``.
@@ -242,8 +244,12 @@ def chunk_kda_intra_sm90(
             ``1 / sqrt(sum x^2 + 1e-6)`` per row, as FLA's ``l2norm_fwd`` returns it (to fp32 summation order).
         row_factors: ``[B, T, HV, ROW_FACTORS]`` fp32 or None, out, only with a per-head g and neither ``Akk`` nor
             ``given_akk``: per token and value head ``(rstd_q exp2(g_cum), rstd_k exp2(g_cum[last] - g_cum),
-            exp2(g_cum), 0)`` (rstd 1 without ``use_qk_l2norm``) in place of qg, kg and g_cum, which must then be
-            None: what the state/output kernel's ``row_factors`` variant applies to the raw q and k.
+            exp2(g_cum), rstd_k exp2(g_cum))`` (rstd 1 without ``use_qk_l2norm``) in place of qg, kg and g_cum,
+            which must then be None: what the state/output kernel's ``row_factors`` variant applies to the raw q and k.
+        t_beta: ``[B, T, HV, 64]`` q's dtype or None, out, only with ``row_factors``: ``bf16((I + Akk)^-1
+            diag(beta))`` of the token's chunk (zeros above the diagonal) in place of w and u, which must then be
+            None (the kernel's ``wy_in_recurrence``: v is not read); what the state/output kernel's
+            ``wy_in_recurrence`` variant makes v_new of, with the raw v and k and the factor rows.
 
     K = V = 128, chunk size 64. All tensors contiguous. Rows past each sequence end are not written.
     """
@@ -278,11 +284,16 @@ def chunk_kda_intra_sm90(
         raise ValueError("row_factors needs a per-head g, and neither Akk nor given_akk")
     if factors != (qg is None) or qg is None and (kg is not None or g_cum is not None):
         raise ValueError("pass qg, kg and g_cum, or row_factors in their place")
+    wy = t_beta is not None
+    if wy and not factors or wy != (w is None) or wy != (u is None):
+        raise ValueError("t_beta comes with row_factors, in place of w and u (then both None)")
     rows = ((("row_factors", row_factors, (B, T, HV, ROW_FACTORS), torch.float32),) if factors else (
         ("qg", qg, (B, T, HV, K), dt), ("kg", kg, (B, T, HV, K), dt), ("g_cum", g_cum, (B, T, HV, K), torch.float32)))
+    rows += (("t_beta", t_beta, (B, T, HV, 64), dt),) if wy else (
+        ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt))
     check_tensors((
         ("k", k, (B, T, H, K), dt), ("v", v, (B, T, HV, V), dt), ("g", g, g_shape, None),
-        ("beta", beta, (B, T, HV), None), ("w", w, (B, T, HV, K), dt), ("u", u, (B, T, HV, V), dt), *rows,
+        ("beta", beta, (B, T, HV), None), *rows,
         *((("Aqk", Aqk, (B, T, HV, 64), dt),) if Aqk is not None else ()),
         *((("Akk", Akk, (B, T, HV, 64), dt),) if Akk is not None else ()),
         *((("given_akk", given_akk, (B, T, HV, 64), dt),) if given_akk is not None else ()),
@@ -312,7 +323,7 @@ def chunk_kda_intra_sm90(
         **kernel_options(
             dt, g.dtype, beta.dtype, gate, use_qk_l2norm, beta_act, g_cum_last_only=g_cum_last_only,
             write_akk=Akk is not None, scalar_gate=scalar_gate, given_t=given_akk is not None,
-            any_gate=any_gate, write_rstd=qk_rstd is not None, row_factors=factors,
+            any_gate=any_gate, write_rstd=qk_rstd is not None, row_factors=factors, wy_in_recurrence=wy,
         ),
     )  # fmt: skip
 
@@ -322,9 +333,10 @@ def chunk_kda_intra_sm90(
     fn(
         flat(q), flat(k), flat(v), g.view(B * T, HV) if scalar_gate else flat(g), beta.view(B * T, HV), A_log,
         dt_bias,
-        flat(w), flat(u), *((flat(row_factors), None) if factors else (flat(qg), flat(kg))),
+        *((None, None) if wy else (flat(w), flat(u))),
+        *((flat(row_factors), None) if factors else (flat(qg), flat(kg))),
         None if Aqk is None else flat(Aqk),
-        flat(Akk) if Akk is not None else None if given_akk is None else flat(given_akk),
+        flat(Akk) if Akk is not None else flat(given_akk) if given_akk is not None else flat(t_beta) if wy else None,
         None if factors else flat(g_cum),
         None if qk_rstd is None else qk_rstd.view(2, B * T, H),
         cu_seqlens if varlen else placeholder(dev, torch.int32, (2,)),

@@ -41,12 +41,18 @@ operands rounded to nearest first, like FLA's tf32 dots (the DSL has no tf32 WGM
 lets each warp take one (key block, anchor) pair, so the blocks above the diagonal cost nothing.
 
 ``scalar_gate`` (Gated DeltaNet: one gate per token and value head, g ``(T, HV)``, dt_bias ``(HV,)``): the
-gate is the same on every channel, so it factors out of the dot products. The score operands are the plain q
-and k (bf16 and fp16 values are exact in tf32, so the products are exact in fp32), and the epilogue multiplies
-each score by ``exp2(gc_t - gc_s)``, at most 1 where it is kept: exact for any gate, however steep. P0's first
-64 threads copy the chunk's 64 raw gates to shared memory (arriving on the gate's mbarrier in place of the TMA
-tile), and P1 writes g_cum broadcast over the channels as above, so the outputs and the state/output kernel are
-KDA's.
+gate is the same on every channel, so it factors out of the dot products. The scores are the plain ``q k^T`` and
+``k k^T``, two SS WGMMAs straight from the q / k tiles after P1 (the tiles' MN-major B layout read as (token,
+feature) is the K-major operand layout; bf16 and fp16 products are exact in fp32), and their epilogue multiplies
+each score by ``exp2(gc_t - gc_s)``, at most 1 where it is kept: exact for any gate, however steep. P2 then
+builds no score operands. P0's first 64 threads copy the chunk's 64 raw gates to shared memory (arriving on the
+gate's mbarrier in place of the TMA tile); P1's warp 0 activates them and sums them by two 32-lane scans into
+channel 0 of g_cum (the only channel read after it), and P2 writes each row's g_cum broadcast over the channels,
+so the outputs and the state/output kernel are KDA's. With ``row_factors`` P2 writes a 16-byte row of factors per
+token instead of qg, kg and g_cum. With ``wy_in_recurrence`` as well the kernel stops after the solve: neither w nor
+u, no v load, no k'; P2 is one thread a row writing its factors, and P6 writes ``bf16(T diag(beta))`` (the
+identity ``u - w S = T diag(beta) (v - diag(exp2 gc) k S)``, which the state/output kernel's ``wy_in_recurrence``
+variant evaluates per chunk), 128 bytes a token and value head where w and u are 512.
 
 Phases (256 threads = 2 warpgroups, one CTA per (chunk, value head), ``__syncthreads`` between phases). Each
 phase is short and latency-bound, so the kernel is laid out for two CTAs per SM, whose phases interleave: ~97 KB
@@ -58,15 +64,17 @@ phase  work
 =====  ==========================================================================================================
 P0     warp 0: mbarrier + three TMA tile loads (q, k [64 x 128] of head hv // (HV/H); raw g of head hv);
        act_b(beta) row to smem (0 past the sequence end); wait
-P1     WG0: gate activation + cumsum, one channel per thread, g_cum to smem (any_gate: and whether a channel
-       strays past the bound from a sub-chunk's anchor row, voted per warp into smem).  WG1, one thread per q / k
-       row: rows past the sequence end zeroed, the others normalised in place (l2norm_qk; with write_rstd the
-       row's 1 / norm to gmem from the first value head of its q / k head's group)
+P1     WG0: gate activation + cumsum, one channel per thread (scalar_gate: warp 0's two scans, channel 0 only),
+       g_cum to smem (any_gate: and whether a channel strays past the bound from a sub-chunk's anchor row, voted
+       per warp into smem).  WG1, one thread per q / k row (scalar_gate: both warpgroups, two lanes a row):
+       rows past the sequence end zeroed, the others normalised in place (l2norm_qk; with write_rstd the row's
+       1 / norm to gmem from the first value head of its q / k head's group)
 P1x    any_gate's exact path only: the diagonal blocks' 544 (t, s <= t) score pairs, a thread a pair, to smem
 P2     round r, sub-chunks (0, 1) then (2, 3), all threads, 8 channels per access: their g_cum, qg, kg rows to
        gmem, their score B operands (query factor * q | k, tf32-rounded fp32) to smem, k' = bf16(bf16(beta k)
        exp2(gc)) over the q row just read
-P3     round r: warps 0-2, then 0-6, each take one (key block kb <= anchor) pair of the round's two anchors
+P3     (scalar_gate: before P2, WG0 q k^T and WG1 k k^T on WGMMA, each into Aqk / Akk whole.) Otherwise
+       round r: warps 0-2, then 0-6, each take one (key block kb <= anchor) pair of the round's two anchors
        (1 + 2, then 3 + 4 blocks): A operand (key factor * k) built in registers per k-step, 16x32x128 tf32
        mma.sync.  After both rounds: TMA of v into k's tile; Aqk rows to gmem (staged), Akk rows to smem (fp32);
        warps 5-7 zero the blocks above the diagonal (any_gate's exact path: then P1x's pairs over the diagonal
@@ -114,7 +122,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from cula.cache import compile_options
 from cula.ops._host import GATES, ROW_FACTORS, dsl_type
-from cula.ops.cute_common import FIRST_NAMED_BARRIER, chunk_rows, round_tf32, vec_at
+from cula.ops.cute_common import FIRST_NAMED_BARRIER, chunk_rows, gemm_k_blocks, round_tf32, token_major, vec_at
 from cula.ops.kda.sm90.intra import BETA_ACTS
 
 __all__ = ["ChunkKDAIntraFwdSm90"]
@@ -166,7 +174,7 @@ class ChunkKDAIntraFwdSm90:
         self, dtype=BFloat16, g_dtype=Float32, beta_dtype=BFloat16, gate: str = "none", varlen=False,
         l2norm_qk: bool = False, beta_act: str = "none", g_cum_last_only: bool = False, write_akk: bool = False,
         scalar_gate: bool = False, given_t: bool = False, any_gate: bool = False, write_rstd: bool = False,
-        row_factors: bool = False,
+        row_factors: bool = False, wy_in_recurrence: bool = False,
     ):  # fmt: skip
         # g_cum only at each chunk's last valid row: all the state/output kernel reads of it
         self.g_cum_last_only = bool(g_cum_last_only)
@@ -198,11 +206,18 @@ class ChunkKDAIntraFwdSm90:
         if self.write_rstd and not self.l2norm_qk:
             raise ValueError("write_rstd writes the L2 norm's 1 / norms: it needs l2norm_qk")
         # scalar_gate only: instead of qg, kg and g_cum, each row's factors f_q = rstd_q exp2(gc), f_k = rstd_k
-        # exp2(gl - gc), f_g = exp2(gc) (and a 0) in mQg (T_total, HV, ROW_FACTORS) fp32, 16 bytes a row where qg
-        # and kg are 512: the state/output kernel's row_factors variant applies them to the raw q and k
+        # exp2(gl - gc), f_g = exp2(gc), f_x = rstd_k exp2(gc) in mQg (T_total, HV, ROW_FACTORS) fp32, 16 bytes a
+        # row where qg and kg are 512: the state/output kernel's row_factors variant applies them to the raw q and k
         self.row_factors = bool(row_factors)
         if self.row_factors and not (self.scalar_gate and not self.given_t and not self.write_akk):
             raise ValueError("row_factors is for scalar_gate inference calls (no given_t, no write_akk)")
+        # row_factors only: neither w nor u, and no v read; bf16 T diag(beta) to mAkk instead (128 bytes a row where
+        # w and u are 512), from which the state/output kernel's wy_in_recurrence variant makes v_new itself, with
+        # the raw v and k (the factor rows' fourth entry, f_x = rstd_k exp2(gc), scales its k S)
+        self.wy_in_recurrence = bool(wy_in_recurrence)
+        if self.wy_in_recurrence and not self.row_factors:
+            raise ValueError("wy_in_recurrence writes the factor rows' T diag(beta) for the recurrence: it needs "
+                             "row_factors")
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype, self.g_dtype, self.beta_dtype = dtype, g_dtype, beta_dtype
@@ -221,7 +236,8 @@ class ChunkKDAIntraFwdSm90:
         # Akk / T rows of 68 floats: 16-byte rows for P6's vector reads, and the P3 epilogue's column writes and
         # P5's fragment reads free of bank conflicts
         self.a_ld = self.bt + 4
-        self.region_bytes = max(self.sb_bytes, self.gin_bytes, self.off_y + 16 * 20 * 4)
+        operands = 0 if self.scalar_gate else self.sb_bytes  # (its scores are WGMMAs of the q / k tiles)
+        self.region_bytes = max(operands, self.gin_bytes, self.off_y + 16 * 20 * 4)
         assert self.off_akk + self.bt * self.a_ld * 4 <= min(self.off_aqk, self.off_t)
         assert self.off_aqk + self.bt * self.aqk_ld * 2 <= self.off_y
         assert self.off_t + self.bt * self.bt * 2 <= self.off_y
@@ -237,12 +253,13 @@ class ChunkKDAIntraFwdSm90:
         mBeta: cute.Tensor,  # (T_total, HV) beta_dtype
         mAlog: cute.Tensor,  # (HV,) fp32
         mBias: cute.Tensor,  # (HV, K) fp32; (HV,) with scalar_gate
-        mW: cute.Tensor,  # (T_total, HV, K)  dtype, out
-        mU: cute.Tensor,  # (T_total, HV, V)  dtype, out
+        mW: cute.Tensor | None,  # (T_total, HV, K)  dtype, out; None with wy_in_recurrence
+        mU: cute.Tensor | None,  # (T_total, HV, V)  dtype, out; None with wy_in_recurrence
         mQg: cute.Tensor,  # (T_total, HV, K) dtype, out; row_factors: (T_total, HV, ROW_FACTORS) fp32, out
         mKg: cute.Tensor | None,  # (T_total, HV, K) dtype, out; None with row_factors
         mAqk: cute.Tensor | None,  # (T_total, HV, BT) dtype, out; None with given_t
-        mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype: bf16 (I + Akk)^-1, out (write_akk) or in (given_t)
+        mAkk: cute.Tensor | None,  # (T_total, HV, BT) dtype: bf16 (I + Akk)^-1, out (write_akk) or in (given_t);
+        #                            wy_in_recurrence: bf16 T diag(beta), out
         mG: cute.Tensor | None,  # (T_total, HV, K) fp32, out; None with row_factors
         mRstd: cute.Tensor | None,  # (2, T_total, H) fp32, out: q's and k's 1 / norms (write_rstd; else None)
         mCu: cute.Tensor,  # (N + 1,) int32, unread unless varlen
@@ -267,21 +284,30 @@ class ChunkKDAIntraFwdSm90:
         mma_wu = sm90_utils.make_trivial_tiled_mma(
             dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), tiler_mn=(BT, DK)
         )
+        # scalar_gate's scores q k^T and k k^T (64 x 64 x 128): both operands the (token, feature) view of the q / k
+        # tiles, K-major (the tiles' MN-major B layout read transposed is the K-major one, byte for byte)
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(BT, BT)
+        )
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tq = cpasync.make_tiled_tma_atom(g2s, q_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
-        tma_v, tv = cpasync.make_tiled_tma_atom(g2s, v_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+        tma_v = tv = None  # wy_in_recurrence: v is the recurrence's to read
+        if const_expr(not self.wy_in_recurrence):
+            tma_v, tv = cpasync.make_tiled_tma_atom(g2s, v_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
         tma_g, tg = None, mGin  # scalar_gate: P0 copies the chunk's 64 gates from global memory
         if const_expr(not self.scalar_gate):
             g_v = cute.make_tensor(mGin.iterator, cute.select(mGin.layout, mode=[2, 0, 1]))  # (K, T, HV)
             tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sGin_l, mode=[0, 1]), (DK, BT))
         # w / u leave from the k / v tiles they are staged in, whose layout is the loads' (feature, token) one
-        s2g = cpasync.CopyBulkTensorTileS2GOp()
-        w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 0, 1]))  # (K, T, HV)
-        u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
-        tma_w, tw = cpasync.make_tiled_tma_atom(s2g, w_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
-        tma_u, tu = cpasync.make_tiled_tma_atom(s2g, u_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+        tma_w = tw = tma_u = tu = None  # (wy_in_recurrence: no w, u; mW and mU are None)
+        if const_expr(not self.wy_in_recurrence):
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            w_v = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 0, 1]))  # (K, T, HV)
+            u_v = cute.make_tensor(mU.iterator, cute.select(mU.layout, mode=[2, 0, 1]))  # (V, T, HV)
+            tma_w, tw = cpasync.make_tiled_tma_atom(s2g, w_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
+            tma_u, tu = cpasync.make_tiled_tma_atom(s2g, u_v, cute.select(sX_l, mode=[0, 1]), (DK, BT))
 
         # ~97 KB, so that two CTAs share an SM (see the module docstring)
         @cute.struct
@@ -303,9 +329,9 @@ class ChunkKDAIntraFwdSm90:
         self.kernel(
             tma_q, tq, tma_k, tk, tma_v, tv, tma_g, tg, tma_w, tw, tma_u, tu,
             mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mG, mRstd, mCu, mCi, seqlen, scale, lower_bound,
-            mma_wu, sX_l, sGin_l, sT_l,
+            mma_wu, mma_s, sX_l, sGin_l, sT_l,
         ).launch(
-            grid=(num_chunks, mW.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
+            grid=(num_chunks, mBeta.shape[1], num_seqs), block=(self.num_threads, 1, 1), stream=stream,
             # two CTAs per SM: ptxas keeps to 128 registers; the carveout is the most shared memory (%)
             min_blocks_per_mp=2, max_number_threads=[self.num_threads, 1, 1], preferred_smem_carveout=100,
         )  # fmt: skip
@@ -399,7 +425,10 @@ class ChunkKDAIntraFwdSm90:
         at = vec_at
 
         rgl = cute.make_rmem_tensor(V8, Float32)
-        cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG's 8-float units stay whole under its swizzle
+        if const_expr(self.scalar_gate):  # one g_cum a row, in channel 0 (_scalar_gate_scan)
+            rgl.fill(sG[0, BT - 1])
+        else:
+            cute.autovec_copy(at(sG, (c8, BT - 1), 4), rgl)  # sG's 8-float units stay whole under its swizzle
 
         def load(slot):
             j = subchunks[slot]
@@ -409,7 +438,10 @@ class ChunkKDAIntraFwdSm90:
             rga = cute.make_rmem_tensor(V8, Float32)
             cute.autovec_copy(at(sQ0, (c8, 16 * j + r)), rq)
             cute.autovec_copy(at(sK0, (c8, 16 * j + r)), rk)
-            cute.autovec_copy(at(sG, (c8, 16 * j + r), 4), rg)
+            if const_expr(self.scalar_gate):
+                rg.fill(sG[0, 16 * j + r])
+            else:
+                cute.autovec_copy(at(sG, (c8, 16 * j + r), 4), rg)
             if const_expr(not self.scalar_gate and not self.given_t):  # the anchor's g_cum, for the score operands
                 cute.autovec_copy(at(sG, (c8, 16 * j + anchor_row), 4), rga)
             return rq, rk, rg, rga
@@ -437,12 +469,7 @@ class ChunkKDAIntraFwdSm90:
                 rkp[e] = ((kv * b).to(dt).to(Float32) * eg).to(dt)
                 rkg[e] = (kv * cute.math.exp2(rgl[e] - gc, fastmath=True)).to(dt)
                 # rows past the sequence end have q = k = 0 (P1), so their operands are 0 as well
-                if const_expr(self.given_t):
-                    pass
-                elif const_expr(self.scalar_gate):  # plain products, the gate applied to the scores (P3)
-                    bq[e] = round_tf32(qv)
-                    bk[e] = round_tf32(kv)
-                else:
+                if const_expr(not (self.given_t or self.scalar_gate)):
                     f = cute.math.exp2(cute.arch.fmin(gc - rga[e], _ANCHOR_CLAMP), fastmath=True)
                     bq[e] = round_tf32(qv * f)
                     bk[e] = round_tf32(kv * f)
@@ -451,7 +478,7 @@ class ChunkKDAIntraFwdSm90:
             # two 16-byte units per row, units c4 and c4 + 1 (unit bit 3 = (tidx >> 2) & 1, see _b_unit)
             c4 = cute.assume((tidx % 16) * 2, divby=2)
             u8 = (tidx >> 2) & 1
-            for h in cutlass.range_constexpr(0 if self.given_t else 2):
+            for h in cutlass.range_constexpr(0 if self.given_t or self.scalar_gate else 2):
                 for which, src in ((0, bq), (1, bk)):
                     part = cute.make_rmem_tensor(4, Float32)
                     for e in cutlass.range_constexpr(4):
@@ -460,16 +487,7 @@ class ChunkKDAIntraFwdSm90:
             if const_expr(self.row_factors):
                 # one thread a row (channel 0's unit): its factors, 16 bytes, in place of qg, kg and g_cum
                 if live & (c8 == 0):
-                    nq, nk = Float32(1.0), Float32(1.0)  # the rows' 1 / norms
-                    if const_expr(self.l2norm_qk):
-                        nq, nk = sRstd[t], sRstd[BT + t]
-                    eg = cute.math.exp2(rg[0], fastmath=True)
-                    rf = cute.make_rmem_tensor(ROW_FACTORS, Float32)
-                    rf[0] = nq * eg
-                    rf[1] = nk * cute.math.exp2(rgl[0] - rg[0], fastmath=True)
-                    rf[2] = eg
-                    rf[3] = Float32(0.0)
-                    cute.autovec_copy(rf, mQg[tok0 + t, hv, None])
+                    self._store_factor_row(sRstd, mQg, tok0, hv, t, rg[0], rgl[0])
             elif const_expr(self.g_cum_last_only):  # noqa: SIM102 - a trace-time condition around a run-time one
                 if t == valid - 1:
                     cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
@@ -479,6 +497,43 @@ class ChunkKDAIntraFwdSm90:
                         cute.autovec_copy(rg, cute.make_tensor(mG[tok0 + t, hv, None].iterator + c8, vec))
                     cute.autovec_copy(rqg, cute.make_tensor(mQg[tok0 + t, hv, None].iterator + c8, vec))
                     cute.autovec_copy(rkg, cute.make_tensor(mKg[tok0 + t, hv, None].iterator + c8, vec))
+
+    @cute.jit
+    def _store_factor_row(self, sRstd, mF, tok0, hv, t, gc: Float32, gl: Float32):
+        """Row t's factors (``row_factors``), 16 bytes: f_q = rstd_q exp2(gc), f_k = rstd_k exp2(gl - gc), f_g =
+        exp2(gc), f_x = rstd_k exp2(gc) (the 1 / norms 1 without l2norm_qk; f_x is read by the wy_in_recurrence
+        variants only)."""
+        nq, nk = Float32(1.0), Float32(1.0)
+        if const_expr(self.l2norm_qk):
+            nq, nk = sRstd[t], sRstd[self.bt + t]
+        eg = cute.math.exp2(gc, fastmath=True)
+        rf = cute.make_rmem_tensor(ROW_FACTORS, Float32)
+        rf[0] = nq * eg
+        rf[1] = nk * cute.math.exp2(gl - gc, fastmath=True)
+        rf[2] = eg
+        rf[3] = nk * eg
+        cute.autovec_copy(rf, mF[tok0 + t, hv, None])
+
+    def _row_units(self, tidx):
+        """This thread's 8-column units of a [BT, BT] tile, all threads in turn: ``(row, first column)`` pairs (plain
+        Python, traced inline)."""
+        for j in range(self.bt * self.bt // 8 // self.num_threads):
+            item = tidx + j * self.num_threads
+            yield item // 8, cute.assume((item % 8) * 8, divby=8)
+
+    @cute.jit
+    def _store_t_beta(self, sA, sBeta, mTb, tok0, hv, valid, tidx):
+        """wy_in_recurrence's P6: the valid rows of bf16(T diag(beta)) (T in ``sA``, fp32, zeros above the diagonal;
+        beta 0 past the sequence end) to ``mTb``, 8 columns a store."""
+        dt = self.dtype
+        for t, s0 in self._row_units(tidx):
+            if t < valid:
+                rt = cute.make_rmem_tensor(8, dt)
+                for h4 in cutlass.range_constexpr(2):
+                    ra = self._a_row4(sA, t, s0 + 4 * h4)
+                    for e in cutlass.range_constexpr(4):
+                        rt[4 * h4 + e] = (ra[e] * sBeta[s0 + 4 * h4 + e]).to(dt)
+                cute.autovec_copy(rt, cute.make_tensor(mTb[tok0 + t, hv, None].iterator + s0, cute.make_layout(8)))
 
     @cute.jit
     def _store_rows_vec(self, sX0, mOut, tok0, hv, valid, tid):
@@ -544,7 +599,8 @@ class ChunkKDAIntraFwdSm90:
         mW: cute.Tensor, mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor | None,
         mAkk: cute.Tensor | None, mG: cute.Tensor, mRstd: cute.Tensor | None, mCu: cute.Tensor, mCi: cute.Tensor,
         seqlen: Int32, scale: Float32, lower_bound: Float32,
-        mma_wu: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout, sT_l: cute.ComposedLayout,
+        mma_wu: cute.TiledMma, mma_s: cute.TiledMma, sX_l: cute.ComposedLayout, sGin_l: cute.Layout,
+        sT_l: cute.ComposedLayout,
     ):  # fmt: skip
         BT, DK = self.bt, self.dk
         dt = self.dtype
@@ -553,7 +609,7 @@ class ChunkKDAIntraFwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
         tid = tidx % 128
-        HV = mW.shape[1]
+        HV = mBeta.shape[1]
         group = HV // tq.shape[2]
         h = hv // group
 
@@ -603,6 +659,8 @@ class ChunkKDAIntraFwdSm90:
             sQ0, sGin0, sG, storage.sG.data_ptr(), base, bar, bar_g, coef, bias, lower_bound, valid, wg, tid, x_elems,
             sFlags, warp_idx, mRstd, tok0, h, hv % group == 0, sRstd,
         )  # fmt: skip
+        if const_expr(self.scalar_gate and not self.given_t):
+            cute.arch.fence_view_async_shared()  # P1's normalised rows, read next by WGMMA (the async proxy)
         cute.arch.barrier()
         # the anchor row of each sub-chunk's score factors: its middle row; any_gate's exact path takes its first
         # row (every factor of an off-diagonal block then <= 1) and makes the diagonal blocks element by element
@@ -617,14 +675,24 @@ class ChunkKDAIntraFwdSm90:
                 cute.arch.barrier()  # q's rows are read: P2 writes k' over them
 
         # ---------------- P2 + P3, two rounds: score operands of two sub-chunks, then their scores ----------------
-        if const_expr(self.given_t):  # P2's rows alone (no score operands, no scores), then v into k's tile
-            sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
-            for rnd in cutlass.range_constexpr(2):
-                self._qg_kg_score_operands_vec(
-                    sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd]
-                )  # fmt: skip
-            cute.arch.barrier()
-            self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
+        if const_expr(self.given_t or self.scalar_gate):
+            # P2's rows alone (no score operands), then v into k's tile; scalar_gate's scores first, on WGMMA from
+            # the q / k tiles P1 left (P2 then writes k' over q)
+            if const_expr(self.scalar_gate and not self.given_t):
+                self._scalar_scores(mma_s, sQ, sK, sG, sA, sAqk, sBeta, scale, wg, tid)
+                cute.arch.barrier()
+            if const_expr(self.wy_in_recurrence):  # the factor rows alone: no k', no v
+                if tidx < BT:
+                    if tidx < valid:
+                        self._store_factor_row(sRstd, mQg, tok0, hv, tidx, sG[0, tidx], sG[0, BT - 1])
+            else:
+                sB = cute.make_tensor(cute.recast_ptr(base, dtype=Float32), cute.make_layout(2 * 32 * DK))
+                for rnd in cutlass.range_constexpr(2):
+                    self._qg_kg_score_operands_vec(
+                        sQ0, sK0, sG, sB, sBeta, mQg, mKg, mG, tok0, hv, valid, tidx, ((0, 1), (2, 3))[rnd], 8, sRstd
+                    )  # fmt: skip
+                cute.arch.barrier()
+                self._load_v_after_scores(tma_v, tv, hv, sV, tok0, bar, tidx, warp_idx)
         else:
             self._scores(
                 sQ0, sK0, sV, sG, base, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale, tidx,
@@ -639,11 +707,15 @@ class ChunkKDAIntraFwdSm90:
             self._store_aqk(sAqk, mAqk, tok0, hv, valid, tidx)
             self._solve(sA, base, tidx, warp_idx)
 
-        # ---------------- P6: bf16(T) and v' = bf16(beta v) as WGMMA operands (k' is P2's) ----------------
-        self._wy_operands(sT, sA, sV0, sBeta, mAkk, bar, tok0, hv, valid, tidx)
+        if const_expr(self.wy_in_recurrence):
+            # ---------------- P6 alone: bf16(T diag(beta)) to global memory ----------------
+            self._store_t_beta(sA, sBeta, mAkk, tok0, hv, valid, tidx)
+        else:
+            # ---------------- P6: bf16(T) and v' = bf16(beta v) as WGMMA operands (k' is P2's) ----------------
+            self._wy_operands(sT, sA, sV0, sBeta, mAkk, bar, tok0, hv, valid, tidx)
 
-        # ---------------- P7: w = T k' (WG0), u = T v' (WG1) ----------------
-        self._wy_products(mma_wu, sT, sKp, sV, sV0, tma_w, tw, tma_u, tu, mW, mU, tok0, hv, valid, wg, tid)
+            # ---------------- P7: w = T k' (WG0), u = T v' (WG1) ----------------
+            self._wy_products(mma_wu, sT, sKp, sV, sV0, tma_w, tw, tma_u, tu, mW, mU, tok0, hv, valid, wg, tid)
 
     @cute.jit
     def _load_chunk(
@@ -701,58 +773,20 @@ class ChunkKDAIntraFwdSm90:
     ):  # fmt: skip
         """P1: the gate activation and its chunk cumsum (warpgroup 0, a channel a thread, g_cum into shared
         memory), the q and k rows past the sequence end zeroed and the others L2-normalised (warpgroup 1, a row a
-        thread; with ``write_rstd`` the first value head of the q / k head's group, ``head_first``, also stores the
-        row's 1 / norm in ``mRstd``). With ``any_gate`` warpgroup 0 also records per warp in ``sFlags`` whether a
-        channel's g_cum in some sub-chunk lies more than ``_ANCHOR_SPAN`` (base 2) from the anchor row's, rows past
-        the sequence end taken as the products read them (the last valid row's g_cum)."""
+        thread; with a scalar gate both warpgroups, ``_row_norms_paired``; with ``write_rstd`` the first value head
+        of the q / k head's group, ``head_first``, also stores the row's 1 / norm in ``mRstd``). With ``any_gate``
+        warpgroup 0 also records per warp in ``sFlags`` whether a channel's g_cum in some sub-chunk lies more than
+        ``_ANCHOR_SPAN`` (base 2) from the anchor row's, rows past the sequence end taken as the products read them
+        (the last valid row's g_cum)."""
         BT, DK, dt = self.bt, self.dk, self.dtype
-        if wg == 0:
-            # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
-            acc = Float32(0.0)
-            cute.arch.mbarrier_wait(bar_g, 0)
-            # blocks of 8 steps, the next block's raw gates loaded before this block's g_cum stores
-            GB = 8
-            # sG's swizzle moves channel tid of row t to tid ^ 8 (t % 8): the 8 column offsets are computed once
-            # (the layout's own arithmetic cannot know tid < 128 and redid it for each of the 64 stores)
-            sG_flat = cute.make_tensor(sG_ptr, cute.make_layout(BT * DK))
-            cols = [Int32(tid) ^ Int32(8 * j) for j in range(GB)]
-            nxt = [self._raw_gate(sGin0, base, tid, e) for e in range(GB)]
-            far = Int32(0)  # any_gate: a sub-chunk's g_cum strays too far from its anchor row's
-            hi, lo, mid, lastv = acc, acc, acc, acc
-            for blk in cutlass.range_constexpr(BT // GB):
-                cur = nxt
-                if const_expr(blk + 1 < BT // GB):
-                    nxt = [self._raw_gate(sGin0, base, tid, GB * (blk + 1) + e) for e in range(GB)]
-                for e in cutlass.range_constexpr(GB):
-                    t = GB * blk + e
-                    acc = acc + self._act(cur[e], coef, bias, lower_bound)
-                    gc = acc * RCP_LN2
-                    sG_flat[t * DK + cols[e]] = gc
-                    if const_expr(self.any_gate):
-                        # the row's g_cum as the products read it: past the sequence end the last valid row's
-                        # (overwritten below)
-                        gv = Float32(cutlass.select_(t < valid, gc, lastv))
-                        lastv = gv
-                        if const_expr(t % 16 == 0):
-                            hi, lo = gv, gv
-                        else:
-                            hi, lo = cute.arch.fmax(hi, gv), cute.arch.fmin(lo, gv)
-                        if const_expr(t % 16 == 8):
-                            mid = gv
-                        if const_expr(t % 16 == 15):
-                            span = cute.arch.fmax(hi - mid, mid - lo)
-                            far = Int32(cutlass.select_(span > _ANCHOR_SPAN, 1, far))
-            if const_expr(self.any_gate):
-                anyfar = cute.arch.vote_any_sync(far != 0)
-                if tid % 32 == 0:
-                    sFlags[warp_idx] = Int32(cutlass.select_(anyfar, 1, 0))
-            # rows past the sequence end hold the last valid row's g_cum (so gc[63] is that row's, which kg uses),
-            # overwriting whatever the raw gate there summed to
-            # valid <= 0: a padding row of chunk indices built on the device (a no-op CTA that writes nothing)
-            if (valid < BT) & (valid > 0):
-                last = sG[tid, valid - 1]
-                for t in cutlass.range(valid, BT, unroll=1):
-                    sG[tid, t] = last
+        if const_expr(self.scalar_gate):  # warp 0 scans the gates, then all 256 threads take the rows, two a row
+            if wg == 0:
+                self._scalar_gate_scan(sGin0, sG, base, bar_g, coef, bias, lower_bound, valid, tid)
+            cute.arch.mbarrier_wait(bar, 0)
+            self._row_norms_paired(sQ0, valid, wg * 128 + tid, x_elems, mRstd, tok0, h, head_first, sRstd)
+        elif wg == 0:
+            self._channel_gate_cumsum(sGin0, sG, sG_ptr, base, bar_g, coef, bias, lower_bound, valid, tid, sFlags,
+                                      warp_idx)  # fmt: skip
             cute.arch.mbarrier_wait(bar, 0)  # q and k, read by everyone from P2 on
         else:
             cute.arch.mbarrier_wait(bar, 0)
@@ -776,13 +810,142 @@ class ChunkKDAIntraFwdSm90:
                         sRstd[tid] = r
 
     @cute.jit
+    def _channel_gate_cumsum(self, sGin0, sG, sG_ptr, base, bar_g, coef, bias, lower_bound, valid, tid, sFlags,
+                             warp_idx):  # fmt: skip
+        """P1's gate with one gate a channel: thread ``tid`` of warpgroup 0 activates and sums channel ``tid`` down
+        the chunk into g_cum (and, with ``any_gate``, votes whether it strays from an anchor row)."""
+        BT, DK = self.bt, self.dk
+        # g_cum reaches global memory in P2, 8 channels per store, not from this dependent chain
+        acc = Float32(0.0)
+        cute.arch.mbarrier_wait(bar_g, 0)
+        # blocks of 8 steps, the next block's raw gates loaded before this block's g_cum stores
+        GB = 8
+        # sG's swizzle moves channel tid of row t to tid ^ 8 (t % 8): the 8 column offsets are computed once
+        # (the layout's own arithmetic cannot know tid < 128 and redid it for each of the 64 stores)
+        sG_flat = cute.make_tensor(sG_ptr, cute.make_layout(BT * DK))
+        cols = [Int32(tid) ^ Int32(8 * j) for j in range(GB)]
+        nxt = [self._raw_gate(sGin0, base, tid, e) for e in range(GB)]
+        far = Int32(0)  # any_gate: a sub-chunk's g_cum strays too far from its anchor row's
+        hi, lo, mid, lastv = acc, acc, acc, acc
+        for blk in cutlass.range_constexpr(BT // GB):
+            cur = nxt
+            if const_expr(blk + 1 < BT // GB):
+                nxt = [self._raw_gate(sGin0, base, tid, GB * (blk + 1) + e) for e in range(GB)]
+            for e in cutlass.range_constexpr(GB):
+                t = GB * blk + e
+                acc = acc + self._act(cur[e], coef, bias, lower_bound)
+                gc = acc * RCP_LN2
+                sG_flat[t * DK + cols[e]] = gc
+                if const_expr(self.any_gate):
+                    # the row's g_cum as the products read it: past the sequence end the last valid row's
+                    # (overwritten below)
+                    gv = Float32(cutlass.select_(t < valid, gc, lastv))
+                    lastv = gv
+                    if const_expr(t % 16 == 0):
+                        hi, lo = gv, gv
+                    else:
+                        hi, lo = cute.arch.fmax(hi, gv), cute.arch.fmin(lo, gv)
+                    if const_expr(t % 16 == 8):
+                        mid = gv
+                    if const_expr(t % 16 == 15):
+                        span = cute.arch.fmax(hi - mid, mid - lo)
+                        far = Int32(cutlass.select_(span > _ANCHOR_SPAN, 1, far))
+        if const_expr(self.any_gate):
+            anyfar = cute.arch.vote_any_sync(far != 0)
+            if tid % 32 == 0:
+                sFlags[warp_idx] = Int32(cutlass.select_(anyfar, 1, 0))
+        # rows past the sequence end hold the last valid row's g_cum (so gc[63] is that row's, which kg uses),
+        # overwriting whatever the raw gate there summed to
+        # valid <= 0: a padding row of chunk indices built on the device (a no-op CTA that writes nothing)
+        if (valid < BT) & (valid > 0):
+            last = sG[tid, valid - 1]
+            for t in cutlass.range(valid, BT, unroll=1):
+                sG[tid, t] = last
+
+    @cute.jit
+    def _row_norms_paired(self, sQ0, valid, tidx, x_elems, mRstd, tok0, h, head_first, sRstd):
+        """scalar_gate's P1 rows, where warpgroup 0 has no 64-step gate chain to walk: the 128 q / k rows over all
+        256 threads, lanes 2 r and 2 r + 1 taking row r's two channel halves (one 128-byte swizzle row each) and
+        meeting their sums of squares by a shuffle, half the per-thread chain of a row a thread. Rows past the
+        sequence end become zeros, as ``_gate_cumsum_and_norms``'s."""
+        BT, DK, dt, V8 = self.bt, self.dk, self.dtype, 8
+        row = tidx // 2  # q's rows, then k's
+        t = row % BT
+        c0 = (tidx % 2) * (DK // 2)
+        off = cute.assume(Int32(cutlass.select_(row < BT, 0, x_elems)), divby=x_elems)
+        sX0 = cute.make_tensor(sQ0.iterator + off, sQ0.layout)
+        units = DK // 2 // V8
+        # the odd lane walks its units in another order (XOR 4): a quarter warp's 16-byte accesses (4 rows x 2
+        # halves, the halves 8 KB apart under one swizzle key) then fall on 8 distinct units, all 32 banks
+        flip = (tidx % 2) * 4
+        cols = [c0 + V8 * (Int32(c) ^ flip) for c in range(units)]
+        live = t < valid
+        if const_expr(not self.l2norm_qk):
+            if not live:
+                zero = cute.make_rmem_tensor(V8, dt)
+                zero.fill(0.0)
+                for c in cutlass.range_constexpr(units):
+                    cute.autovec_copy(zero, vec_at(sX0, (cols[c], t)))
+        else:
+            rx = []  # the half row stays in registers between the sum and the scaling
+            for c in cutlass.range_constexpr(units):
+                rx.append(cute.make_rmem_tensor(V8, dt))
+                cute.autovec_copy(vec_at(sX0, (cols[c], t)), rx[c])
+            ss = cute.make_rmem_tensor(V8, Float32)  # 8 partial sums: short dependent chains
+            ss.fill(0.0)
+            for c in cutlass.range_constexpr(units):
+                xf = self._widen(rx[c])
+                for e in cutlass.range_constexpr(V8):
+                    ss[e] = ss[e] + xf[e] * xf[e]
+            part = ((ss[0] + ss[1]) + (ss[2] + ss[3])) + ((ss[4] + ss[5]) + (ss[6] + ss[7]))
+            # every lane shuffles (rows past the end too: the pair's lanes always share a row, so a row's branch
+            # below is the pair's)
+            tot = part + cute.arch.shuffle_sync_bfly(part, 1)
+            r = Float32(1.0) / cute.math.sqrt(tot + L2NORM_EPS)  # FLA's 1 / sqrt(sum + eps), correctly rounded
+            for c in cutlass.range_constexpr(units):
+                xf = self._widen(rx[c])
+                for e in cutlass.range_constexpr(V8):
+                    # rows past the end: zeros, not x * 0 (the next sequence's tokens may hold anything)
+                    rx[c][e] = Float32(cutlass.select_(live, xf[e] * r, Float32(0.0))).to(dt)
+                cute.autovec_copy(rx[c], vec_at(sX0, (cols[c], t)))
+            if live & (tidx % 2 == 0):
+                if const_expr(self.write_rstd):
+                    if head_first:
+                        mRstd[row // BT, tok0 + t, h] = r
+                if const_expr(self.row_factors):  # for P2's factor rows
+                    sRstd[row] = r
+
+    @cute.jit
+    def _scalar_gate_scan(self, sGin0, sG, base, bar_g, coef, bias, lower_bound, valid, tid):
+        """scalar_gate's P1 gate: one gate a row, so warp 0 activates the chunk's 64 gates (rows lane and lane + 32)
+        and sums them by two 32-lane inclusive scans, the second offset by the first's total, into channel 0 of
+        g_cum (the only channel P2 and the scores read with a scalar gate), where the per-channel kernel's 128
+        threads each walk the 64-step chain. Rows past the sequence end hold the last valid row's g_cum, as the
+        state/output kernel reads it."""
+        if tid < 32:
+            cute.arch.mbarrier_wait(bar_g, 0)
+            sums = []
+            for half in cutlass.range_constexpr(2):
+                t = tid + 32 * half
+                a = self._act(self._raw_gate(sGin0, base, 0, t), coef, bias, lower_bound)
+                a = Float32(cutlass.select_(t < valid, a, Float32(0.0)))
+                for d in cutlass.range_constexpr(5):
+                    up = cute.arch.shuffle_sync_up(a, 1 << d)
+                    a = Float32(cutlass.select_(tid >= (1 << d), a + up, a))
+                sums.append(a)
+            lo, hi = sums[0], sums[1] + cute.arch.shuffle_sync(sums[0], 31)
+            # a scan's zeros regroup its additions, so the rows past the end take the last valid row's sum itself
+            # (kg's and the state kernel's decay row then agree with g_cum's bit for bit)
+            lastrow = cutlass.max(valid - 1, 0)
+            last = cute.arch.shuffle_sync(Float32(cutlass.select_(lastrow < 32, lo, hi)), lastrow % 32)
+            sG[0, tid] = Float32(cutlass.select_(tid < valid, lo, last)) * RCP_LN2
+            sG[0, tid + 32] = Float32(cutlass.select_(tid + 32 < valid, hi, last)) * RCP_LN2
+
+    @cute.jit
     def _store_aqk(self, sAqk, mAqk, tok0, hv, valid, tidx):
         """The scores' Aqk rows staged in shared memory to global memory, 16 bytes a store (valid rows only)."""
-        BT, dt = self.bt, self.dtype
-        for m in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
-            item = tidx + m * self.num_threads
-            t = item // 8
-            s0 = cute.assume((item % 8) * 8, divby=8)
+        dt = self.dtype
+        for t, s0 in self._row_units(tidx):
             if t < valid:
                 ra = cute.make_rmem_tensor(8, dt)
                 cute.autovec_copy(vec_at(sAqk, (t, s0)), ra)
@@ -820,13 +983,10 @@ class ChunkKDAIntraFwdSm90:
     def _wy_operands(self, sT, sA, sV0, sBeta, mAkk, bar, tok0, hv, valid, tidx):
         """P6: bf16(T) (rounded from the solve, or with ``given_t`` the stored rows) into the WGMMA A tile, with
         ``write_akk`` to global memory too; v' = bf16(beta v) in v's tile once v has landed."""
-        BT, dt = self.bt, self.dtype
+        dt = self.dtype
         sT0 = sT[None, None, 0]
         # 8 columns of a row per item: two 16-byte reads, one 16-byte store into the swizzled T tile
-        for j in cutlass.range_constexpr(BT * BT // 8 // self.num_threads):
-            item = tidx + j * self.num_threads
-            t = item // 8
-            s0 = cute.assume((item % 8) * 8, divby=8)
+        for t, s0 in self._row_units(tidx):
             rt = cute.make_rmem_tensor(8, dt)
             if const_expr(self.given_t):
                 # the stored T's rows; zeros past the sequence end (those rows of w and u are never stored)
@@ -863,11 +1023,7 @@ class ChunkKDAIntraFwdSm90:
                 tBx = tKr if which == 0 else tVr
                 mOut = mW if which == 0 else mU
                 warpgroup.fence()
-                atom_wu = cute.make_mma_atom(mma_wu.op)
-                atom_wu.set(warpgroup.Field.ACCUMULATE, False)
-                for kb in cutlass.range_constexpr(cute.size(tTr, mode=[2])):
-                    cute.gemm(atom_wu, accW, tTr[None, None, kb, 0], tBx[None, None, kb, 0], accW)
-                    atom_wu.set(warpgroup.Field.ACCUMULATE, True)
+                gemm_k_blocks(mma_wu, accW, tTr, tBx, False, 0, 0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 # a warp's wait covers its own share of the product; the B tile is rewritten below, so every warp
@@ -1095,6 +1251,45 @@ class ChunkKDAIntraFwdSm90:
             self._load_tile(tma_v, tv, hv, sV, tok0, bar)
 
     @cute.jit
+    def _scalar_scores(self, mma_s, sQ, sK, sG, sA, sAqk, sBeta, scale, wg, tid):
+        """scalar_gate's P3, before P2: warpgroup 0 makes ``q k^T``, warpgroup 1 ``k k^T`` (SS WGMMA 64 x 64 x 128,
+        the bf16 / fp16 products exact, fp32 sums, as the tf32 ``mma.sync`` path's), and each score is multiplied
+        by ``exp2(gc_t - gc_s)`` (at most 1 where kept) into Aqk (staged, scaled, zero for s > t) or Akk (times
+        beta_t, zero for s >= t). Every (t, s) is written, so no block needs zeroing apart."""
+        BT = self.bt
+        # (token, feature) views of the (feature, token) tiles: WG w's A operand is tile w (q, then k, x_elems on)
+        sQt, sKt = token_major(sQ), token_major(sK)
+        wg_s = mma_s.get_slice(0)
+        tAq = wg_s.make_fragment_A(wg_s.partition_A(sQt))
+        tAk = wg_s.make_fragment_A(wg_s.partition_A(sKt))
+        tBk = wg_s.make_fragment_B(wg_s.partition_B(sKt))
+        acc = cute.make_rmem_tensor(wg_s.partition_shape_C((BT, BT)), Float32)
+        tSc = mma_s.get_slice(tid).partition_C(cute.make_identity_tensor((BT, BT)))
+        for which in cutlass.range_constexpr(2):
+            if wg == which:
+                tA = tAq if which == 0 else tAk
+                warpgroup.fence()
+                gemm_k_blocks(mma_s, acc, tA, tBk, False, 0, 0)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                # every value before any store: ptxas cannot tell the Akk stores from beta's row and would reload it
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    t, s_ = tSc[e]
+                    # one g_cum a row (channel 0); the masked entries' factors are unused
+                    d = sG[0, t] - sG[0, s_]
+                    x = acc[e] * cute.math.exp2(cute.arch.fmin(d, _ANCHOR_CLAMP), fastmath=True)
+                    if const_expr(which == 0):
+                        acc[e] = Float32(cutlass.select_(s_ <= t, x * scale, Float32(0.0)))
+                    else:
+                        acc[e] = Float32(cutlass.select_(s_ < t, x * sBeta[t], Float32(0.0)))
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    t, s_ = tSc[e]
+                    if const_expr(which == 0):
+                        sAqk[t, s_] = acc[e].to(self.dtype)
+                    else:
+                        sA[t, s_] = acc[e]
+
+    @cute.jit
     def _scores(
         self, sQ0, sK0, sV, sG, region, sA, sAqk, sBeta, mQg, mKg, mG, tma_v, tv, bar, tok0, hv, valid, scale,
         tidx, warp_idx, anchor_row=8, sRstd=None,
@@ -1142,11 +1337,6 @@ class ChunkKDAIntraFwdSm90:
                         s = 16 * kb + _tf32_row(g_) + 8 * (v // 2)
                         t = 16 * anc + (8 * nt + 2 * c + v % 2) % 16
                         x = acc[v + 4 * nt]
-                        if const_expr(self.scalar_gate):
-                            # exp2(gc_t - gc_s) for s <= t is at most 1: exact for any gate (the masked entries
-                            # are not used); one g_cum per row, channel 0 of the broadcast tile
-                            d = sG[0, t] - sG[0, s]
-                            x = x * cute.math.exp2(cute.arch.fmin(d, _ANCHOR_CLAMP), fastmath=True)
                         if const_expr(nt < 2):  # Aqk, staged; stored as 16-byte rows by the caller
                             sAqk[t, s] = Float32(cutlass.select_(s <= t, x * scale, Float32(0.0))).to(dt)
                         else:  # Akk: every (t, s) is written, zero for s >= t
@@ -1248,26 +1438,18 @@ class ChunkKDAIntraFwdSm90:
         for m in cutlass.range_constexpr(self.dk // 16):
             kk = 16 * m + c4
             x = cute.make_rmem_tensor(8, Float32)  # (row i, k 4 m + e) at 4 i + e
-            if const_expr(self.scalar_gate):  # plain k: the gate multiplies the scores in the epilogue
-                for i in cutlass.range_constexpr(2):
-                    rk = cute.make_rmem_tensor(4, self.dtype)
-                    cute.autovec_copy(vec_at(sK0, (kk, rows[i]), 4, 4), rk)
-                    kf = self._widen(rk)
-                    for e in cutlass.range_constexpr(4):
-                        x[4 * i + e] = round_tf32(kf[e])
-            else:
-                rga = cute.make_rmem_tensor(4, Float32)
-                cute.autovec_copy(vec_at(sG, (kk, 16 * anc + anchor_row), 4, 4), rga)
-                for i in cutlass.range_constexpr(2):
-                    s = rows[i]
-                    rk = cute.make_rmem_tensor(4, self.dtype)
-                    rgs = cute.make_rmem_tensor(4, Float32)
-                    cute.autovec_copy(vec_at(sK0, (kk, s), 4, 4), rk)
-                    cute.autovec_copy(vec_at(sG, (kk, s), 4, 4), rgs)
-                    kf = self._widen(rk)
-                    for e in cutlass.range_constexpr(4):
-                        f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
-                        x[4 * i + e] = round_tf32(kf[e] * f)  # k = 0 past the sequence end (P1)
+            rga = cute.make_rmem_tensor(4, Float32)
+            cute.autovec_copy(vec_at(sG, (kk, 16 * anc + anchor_row), 4, 4), rga)
+            for i in cutlass.range_constexpr(2):
+                s = rows[i]
+                rk = cute.make_rmem_tensor(4, self.dtype)
+                rgs = cute.make_rmem_tensor(4, Float32)
+                cute.autovec_copy(vec_at(sK0, (kk, s), 4, 4), rk)
+                cute.autovec_copy(vec_at(sG, (kk, s), 4, 4), rgs)
+                kf = self._widen(rk)
+                for e in cutlass.range_constexpr(4):
+                    f = cute.math.exp2(cute.arch.fmin(rga[e] - rgs[e], _ANCHOR_CLAMP), fastmath=True)
+                    x[4 * i + e] = round_tf32(kf[e] * f)  # k = 0 past the sequence end (P1)
             rb = []  # n-tile nt's 4 k values
             for nt in cutlass.range_constexpr(4):
                 rb.append(cute.make_rmem_tensor(4, Float32))
@@ -1328,11 +1510,11 @@ def _compile(dtype, g_dtype, beta_dtype, gate, varlen, arch=(9, 0), extra_option
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4),
         make_fake_compact_tensor(Float32, (hv,), stride_order=(0,), assumed_align=4) if kernel.scalar_gate
         else make_fake_tensor(Float32, (hv, DK), (DK, 1), assumed_align=16),
-        tok(dtype, hv, DK), tok(dtype, hv, DK),
+        *((None, None) if kernel.wy_in_recurrence else (tok(dtype, hv, DK), tok(dtype, hv, DK))),
         # qg and kg, or the factor rows
         *((tok(Float32, hv, ROW_FACTORS), None) if kernel.row_factors else (tok(dtype, hv, DK), tok(dtype, hv, DK))),
         None if kernel.given_t else tok(dtype, hv, BT),
-        tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t else None,
+        tok(dtype, hv, BT) if kernel.write_akk or kernel.given_t or kernel.wy_in_recurrence else None,
         None if kernel.row_factors else tok(Float32, hv, DK),
         make_fake_tensor(Float32, (2, tt, h), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
         if kernel.write_rstd else None,

@@ -28,7 +28,9 @@ segment of one chunk or none gives E = 0, R = I): the caller then starts the seg
 With ``row_factors`` (Gated DeltaNet: one gate per token and value head) the kernel reads the raw k of the value
 head's q / k head and the intra kernel's factor rows in place of kg and the decay row, as the state/output kernel's
 variant does: v_new's token columns times ``f_k`` before GEMM4, one decay ``f_g`` of the last valid row for every
-column.
+column. With ``wy_in_recurrence`` as well it reads the intra kernel's T diag(beta) in w's place and the raw v in
+u's, and makes v_new as the state/output kernel's variant does: GEMM1 on the raw k (its tile read K-major), then
+``v_new^T = bf16(u_weight v - f_x o k S)^T (T diag(beta))^T`` (``cute_common.wy_v_new_product``).
 
 Warp roles (384 threads, ``min_blocks_per_mp=1``):
 
@@ -56,7 +58,7 @@ from cula.ops.cute_common import (
     ChunkRecurrenceResources, acc_as_a_frag, column_decay, decay_columns, factor_rows_layout, gate_row_layout,
     gemm_k_blocks, load_chunk_tiles, load_column_decay, load_row_factors, load_u_and_row_mask, recurrence_pipeline,
     scale_token_columns, state_view, token_cols, token_rows, token_tile_a_m_major, token_tile_b_k_major,
-    token_tile_b_mn_major,
+    token_major, token_tile_b_mn_major, wy_v_new_product,
 )  # fmt: skip
 
 __all__ = ["SegmentSummarySm90"]
@@ -74,7 +76,7 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
     arch = 90
 
     def __init__(self, dtype=BFloat16, num_stages: int = 4, state_v_first: bool = False, mid_states: bool = False,
-                 row_factors: bool = False):  # fmt: skip
+                 row_factors: bool = False, wy_in_recurrence: bool = False):  # fmt: skip
         if dtype not in (BFloat16, Float16):
             raise ValueError(f"dtype must be BFloat16 or Float16, got {dtype}")
         self.dtype = dtype
@@ -85,14 +87,19 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         # Gated DeltaNet: raw k of the value head's q / k head and the intra kernel's factor rows instead of kg and
         # the decay row (the state/output kernel's row_factors, delta_h_fwd_o_kernel.py)
         self.row_factors = row_factors
+        # ... and T diag(beta) in w's place, the raw v in u's (the state/output kernel's wy_in_recurrence)
+        self.wy_in_recurrence = wy_in_recurrence
+        if wy_in_recurrence and not row_factors:
+            raise ValueError("wy_in_recurrence scales k S by the factor rows' f_x: it needs row_factors")
         row_bytes = self.bt * ROW_FACTORS * 4 if row_factors else self.dk * 4
-        self._set_stages(num_stages, 3 * self.bt * self.dk * (dtype.width // 8) + row_bytes)
+        w_elems = self.bt * self.bt if wy_in_recurrence else self.bt * self.dk
+        self._set_stages(num_stages, (2 * self.bt * self.dk + w_elems) * (dtype.width // 8) + row_bytes)
 
     @cute.jit
     def __call__(
         self,
-        mW: cute.Tensor,  # (T_total, HV, K)  dtype
-        mU: cute.Tensor,  # (T_total, HV, V)  dtype
+        mW: cute.Tensor,  # (T_total, HV, K)  dtype; wy_in_recurrence: T diag(beta) (T_total, HV, BT)
+        mU: cute.Tensor,  # (T_total, HV, V)  dtype; wy_in_recurrence: v
         mKg: cute.Tensor,  # (T_total, HV, K)  dtype; row_factors: k (T_total, H, K)
         mG: cute.Tensor,  # (T_total, HV, K)  fp32, chunk-local cumsum of the log2 gate; row_factors: the factor
         #                   rows (T_total, HV, ROW_FACTORS) fp32
@@ -116,12 +123,15 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
         mma_s = self._state_update_mma(dt, DK)
 
         sW_l, sK_l, sU_l = token_tile_b_k_major(dt, S), token_tile_b_mn_major(dt, S), token_tile_a_m_major(dt, S)
+        w_box = (BT, DK)
+        if const_expr(self.wy_in_recurrence):  # T diag(beta): B of v_new^T = x^T (T diag(beta))^T
+            sW_l, w_box = token_tile_b_k_major(dt, S, D=BT), (BT, BT)
         sG_l, g_box = gate_row_layout(S), (DK, 1)
         if const_expr(self.row_factors):
             sG_l, g_box = factor_rows_layout(S), (BT, ROW_FACTORS)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), (BT, DK))
+        tma_w, tw = cpasync.make_tiled_tma_atom(g2s, w_v, cute.select(sW_l, mode=[0, 1]), w_box)
         tma_k, tk = cpasync.make_tiled_tma_atom(g2s, k_v, cute.select(sK_l, mode=[0, 1]), (DK, BT))
         tma_u, tu = cpasync.make_tiled_tma_atom(g2s, u_v, cute.select(sU_l, mode=[0, 1]), (DV, BT))
         tma_g, tg = cpasync.make_tiled_tma_atom(g2s, g_v, cute.select(sG_l, mode=[0, 1]), g_box)
@@ -184,7 +194,8 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             if warp_idx == 0:  # whole warp: TMA issue and expect_tx are elect_one'd inside
                 if const_expr(self.row_factors):  # k of the group's q / k head; the factor rows carry the decay
                     load_chunk_tiles(
-                        pipe, S, ((tma_w, tw, sW, (self.bt, self.dk), True),
+                        pipe, S, ((tma_w, tw, sW, (self.bt, self.bt if const_expr(self.wy_in_recurrence) else self.dk),
+                                   True),
                                   (tma_k, tk, sK, (self.dk, self.bt), False, h // group),
                                   (tma_u, tu, sU, (self.dv, self.bt), False),
                                   (tma_g, tg, sG, (self.bt, ROW_FACTORS), True)),
@@ -227,8 +238,11 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             accS.fill(0.0)
         tOrS = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, DK)))
         tVrV = wg_v.make_fragment_A(wg_v.partition_shape_A((DV, BT)))
-        tOrW = wg_v.make_fragment_B(wg_v.partition_B(sW))
+        tOrW = wg_v.make_fragment_B(wg_v.partition_B(sW))  # w, or wy_in_recurrence's T diag(beta)
         tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
+        tOrKk = None
+        if const_expr(self.wy_in_recurrence):  # k S: the k tile (MN-major B of GEMM4) read K-major, byte for byte
+            tOrKk = wg_v.make_fragment_B(wg_v.partition_B(token_major(sK)))
         accV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), Float32)
         pV = cute.make_rmem_tensor(wg_v.partition_shape_C((DV, BT)), cutlass.Boolean)
         rD = rKf = None
@@ -252,7 +266,8 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             pipe.consumer_wait(st)
             tOrS.store(acc_as_a_frag(accS).load().to(self.dtype))
             warpgroup.fence()
-            gemm_k_blocks(mma_v, accV, tOrS, tOrW, accumulate=False, b_stage=si)
+            gemm_k_blocks(mma_v, accV, tOrS, tOrKk if const_expr(self.wy_in_recurrence) else tOrW, accumulate=False,
+                          b_stage=si)  # fmt: skip
             warpgroup.commit_group()
             # while GEMM1 runs: the decay factors of this thread's columns, u^T, the row mask
             if const_expr(not self.row_factors):
@@ -260,9 +275,16 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
             rU = load_u_and_row_mask(tUsU, si, pV, tVcV, valid)
             warpgroup.wait_group(0)
             if const_expr(self.row_factors):
+                if const_expr(self.wy_in_recurrence):
+                    # v_new from T diag(beta) (f_x through rKf's registers, refilled with f_k below)
+                    wy_v_new_product(mma_v, accV, tVrV, tOrW, rU, pV, rKf, sG, tVcV, si, valid, self.dtype, u_weight)
+                    warpgroup.wait_group(0)
+                    v_new = cute.where(pV.load(), accV.load(), 0.0)
+                else:
+                    v_new = cute.where(pV.load(), rU.to(Float32) * u_weight - accV.load(), 0.0)
                 # one decay for every column, v_new's token columns times f_k (GEMM4 alone reads it here)
                 accS.store(accS.load() * load_row_factors(rKf, sG, tVcV, si, valid))
-                accV.store(cute.where(pV.load(), rU.to(Float32) * u_weight - accV.load(), 0.0))
+                accV.store(v_new)
                 scale_token_columns(accV, rKf)
                 tVrV.store(accV.load().to(self.dtype))
             else:
@@ -282,14 +304,16 @@ class SegmentSummarySm90(ChunkRecurrenceResources):
                 thr_s.partition_C(mids_v[None, None, slot, n]).store(accS.load())
 
 
-def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4, mid_states=False, row_factors=False):
+def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4, mid_states=False, row_factors=False,
+             wy_in_recurrence=False):  # fmt: skip
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     DK = DV = 128
     dtype = dsl_type(dtype)
     kernel = SegmentSummarySm90(dtype=dtype, num_stages=num_stages, state_v_first=state_v_first,
-                                mid_states=mid_states, **({"row_factors": True} if row_factors else {}))
+                                mid_states=mid_states, **({"row_factors": True} if row_factors else {}),
+                                **({"wy_in_recurrence": True} if wy_in_recurrence else {}))  # fmt: skip
     # 64-bit token and segment strides: T_total * HV * D (or M * 2 HV * K * V) may pass 2^31 elements
     tt, hv = cute.sym_int32(), cute.sym_int32()
     tok_stride = cute.sym_int64(divisibility=DK)
@@ -310,6 +334,9 @@ def _compile(dtype, state_v_first, arch=(9, 0), extra_options="", num_stages=4, 
                              assumed_align=16)  # fmt: skip
         g = make_fake_tensor(Float32, (tt, hv, ROW_FACTORS), (cute.sym_int64(divisibility=ROW_FACTORS), ROW_FACTORS, 1),
                              assumed_align=16)  # fmt: skip
-    args = (tok(dtype), tok(dtype), k, g, state(), state() if mid_states else None, cu, Int32(1),
+    w = tok(dtype)
+    if wy_in_recurrence:  # T diag(beta) in w's place
+        w = make_fake_tensor(dtype, (tt, hv, 64), (cute.sym_int64(divisibility=64), 64, 1), assumed_align=16)
+    args = (w, tok(dtype), k, g, state(), state() if mid_states else None, cu, Int32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))  # fmt: skip
     return cute.compile(kernel, *args, options=compile_options(arch, extra_options))
