@@ -36,6 +36,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -472,6 +473,25 @@ def _git_revision() -> str:
         return "unknown"
 
 
+def _code_tree() -> str:
+    """Git tree id of cula/ as the working tree holds it, tracked or not (ignored files aside): ``git rev-parse
+    REV:cula`` prints the same id for the commit whose kernels ran, so it names the code where ``cula_git`` cannot
+    (the device's copy of .git can lag the checkout it travels with: its HEAD is then an older commit, "+dirty")."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+            added = subprocess.run(["git", "add", "-A", "cula"], check=False, cwd=root, env=env,
+                                   capture_output=True, text=True, timeout=30)
+            tree = subprocess.run(["git", "write-tree", "--prefix=cula/"], check=False, cwd=root, env=env,
+                                  capture_output=True, text=True, timeout=30)
+        if added.returncode or tree.returncode:
+            return "unknown"
+        return tree.stdout.strip()[:12]
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def gpu_slug(gpu_name: str) -> str:
     """Directory name for a GPU: "NVIDIA H200" -> "nvidia-h200"."""
     slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
@@ -496,6 +516,7 @@ def environment_meta() -> dict[str, Any]:
     meta["cuda_version"] = torch.version.cuda or "n/a"
     meta["versions"] = package_versions()
     meta["cula_git"] = _git_revision()
+    meta["cula_tree"] = _code_tree()
     meta["python"] = platform.python_version()
     meta["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return meta

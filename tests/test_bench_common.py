@@ -211,6 +211,33 @@ def test_merge_runs_in_parts(tmp_path):
     assert m["merged_runs"][1]["configs"] == [rows[2]["config"], rows[1]["config"]]
 
 
+def test_code_tree_names_the_commit_whose_cula_ran(tmp_path):
+    """cula_tree is cula/'s git tree as the working tree holds it: a commit's own (``git rev-parse REV:cula``) where
+    cula/ matches it, whatever HEAD says, and another id once a file under cula/ differs."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    root = BENCH_DIR.parent
+    work = tmp_path / "work"
+    clone = subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(root), str(work)], capture_output=True)
+    if clone.returncode:
+        pytest.skip("the checkout cannot be cloned here")
+    (work / "benchmarks").mkdir(exist_ok=True)
+    shutil.copy(BENCH_DIR / "common.py", work / "benchmarks" / "common.py")
+    probe = "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common._code_tree())"
+
+    def tree() -> str:
+        out = subprocess.run([sys.executable, "-c", probe], cwd=work, capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    head = subprocess.run(["git", "rev-parse", "HEAD:cula"], cwd=work, capture_output=True, text=True, check=True)
+    assert tree() == head.stdout.strip()[:12]
+    (work / "cula" / "__init__.py").write_text((work / "cula" / "__init__.py").read_text() + "\n# edited\n")
+    assert tree() not in (head.stdout.strip()[:12], "unknown")
+
+
 def test_write_results_fills_missing_ceilings(tmp_path):
     paths = bc.write_results("bare", {}, fake_rows()[:1], out_dir=tmp_path, md_columns=["config", "speedup"])
     m = json.loads(paths["json"].read_text())["meta"]
