@@ -1099,8 +1099,8 @@ def merge_results(path: Path, meta: dict, rows: Sequence[dict], suite_names: Seq
                   ) -> tuple[dict, list[dict]]:  # fmt: skip
     """An earlier result (``path``, JSON) with this run's ``rows`` merged in: a config run again replaces its row;
     every row carries the ``cula_git`` of the run that measured it, and ``meta["merged_runs"]`` lists each run's
-    commit, date and configs. With ``suite_names`` the rows follow the suite's order and ``partial`` /
-    ``missing_configs`` say what no run has measured yet."""
+    commit, code tree (``cula_tree``), date and configs. With ``suite_names`` the rows follow the suite's order and
+    ``partial`` / ``missing_configs`` say what no run has measured yet."""
     old = json.loads(Path(path).read_text())
     env = environment_meta()
     git, date = meta.get("cula_git", env.get("cula_git")), meta.get("date", env.get("date"))
@@ -1114,7 +1114,8 @@ def merge_results(path: Path, meta: dict, rows: Sequence[dict], suite_names: Seq
          "configs": [r["config"] for r in old["rows"]]}
     ]  # fmt: skip
     meta = {k: v for k, v in meta.items() if k not in ("skipped_configs", "max_seconds", "partial")}
-    meta["merged_runs"] = runs + [{"cula_git": git, "date": date, "configs": [r["config"] for r in rows]}]
+    meta["merged_runs"] = runs + [{"cula_git": git, "cula_tree": meta.get("cula_tree", env.get("cula_tree")),
+                                   "date": date, "configs": [r["config"] for r in rows]}]  # fmt: skip
     if suite_names is not None:
         missing = [n for n in suite_names if n not in merged]
         meta["partial"] = bool(missing)
