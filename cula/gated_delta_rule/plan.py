@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from cula.kda.plan import KDA_TUNING
 from cula.time_split import SplitThresholds
 from cula.tuning import TuningTable
 
@@ -50,11 +49,19 @@ class GdnTuning:
 # (FLA's states gathered contiguous beforehand, outside its time), 4 tokens (MTP) at 0.77x.
 # inference_wy_in_recurrence: bench_gdn_prefill.py --cuda-graph on an H100, wy against the factor rows' w and u in
 # one session: one 32K sequence with 32 value heads 1.517 against 1.561 ms, 4 x 8K with 64 value heads 1.422 against
-# 1.931 ms. training_per_head_gate is off until it has run on the H200; time_split is KDA's until Gated DeltaNet's
-# own rows are measured cut and uncut (bench_gdn_prefill.py --split)
+# 1.931 ms. training_per_head_gate is off until it has run on the H200.
+# time_split: bench_gdn_prefill.py --cuda-graph --split on an H100 (132 SMs, as the H200), wy on, serial against cut
+# in one session: one 32K sequence with 32 value heads 1.460 ms serial, 1.292 cut at 16K, 1.164 at 8K, 1.211 at 4K;
+# one 8K sequence with 32 value heads 0.363 serial, 0.345 at 4K, 0.331 at 2K; with 64 value heads every cut lost
+# (32K: 1.931 serial, 2.267 at 16K, 2.317 at 8K; 8K: 0.446 serial, 0.575 at 4K; H = HV = 64 at 8K: 0.464, 0.649
+# at 4K; 4 x 8K: 1.309, 2.196 at 4K). So: cut below 0.4 lanes an SM (32 value heads, not 64), into about one
+# (segment, value head) item an SM in whole waves (four segments at 32 value heads), 2K tokens at the least. KDA's
+# entry cuts less (its intra kernel is the larger share and already fills the GPU).
 GDN_TUNING: TuningTable[GdnTuning] = TuningTable(
     "gated_delta_rule",
     {(9, 0): GdnTuning(inference_chunk_on_cula=True, inference_decode_max_tokens=1, inference_row_factors=True,
-                       inference_wy_in_recurrence=True, time_split=KDA_TUNING.get((9, 0)).time_split)},
+                       inference_wy_in_recurrence=True,
+                       time_split=SplitThresholds(items_per_sm=1.0, busy_items_per_sm=0.4, min_segment=2048,
+                                                  min_seq_len=8192, wave_ctas=2))},
     fallback=GdnTuning(),
 )
