@@ -313,3 +313,22 @@ def test_one_token_packed_call_with_odd_strides_is_validated(counted):
         o = chunk_gated_delta_rule(**dict(one, q=q), **FLAGS, **cu1)[0]
     assert counted[0] == 1 + 2
     assert torch.equal(o, chunk_gated_delta_rule(**one, **FLAGS, **cu1)[0])
+
+
+@pytest.mark.parametrize("lengths, value_heads, cut", [
+    ((32768,), 32, (8192, 4)),  # the anchor: four 8K segments (bench_gdn_prefill --split, 1.46 -> 1.16 ms)
+    ((8192,), 32, (2048, 4)),
+    ((32768,), 16, (4096, 8)),
+    ((8192,) * 4, 32, None),  # 128 lanes fill the GPU
+    ((32768,), 64, None),  # every cut measured slower at 64 value heads
+    ((8192,), 64, None),
+    ((4096,), 32, None),  # below min_seq_len
+])  # fmt: skip
+def test_time_split_entry_cuts_what_was_measured_faster(lengths, value_heads, cut):
+    """The sm_90 entry's cut of Gated DeltaNet calls on 132 SMs (the H100 / H200): cut at 32 value heads a sequence,
+    not at 64, segments in whole waves (``cula/gated_delta_rule/plan.py`` has the measurements)."""
+    from cula.gated_delta_rule.plan import GDN_TUNING
+    from cula.time_split import plan_time_split
+
+    plan = plan_time_split(lengths, value_heads, 132, GDN_TUNING.get((9, 0)).time_split)
+    assert (None if plan is None else (plan.segment_len, plan.num_segments)) == cut
