@@ -6,7 +6,7 @@
 #   bash scripts/device/hold_tree.sh restore   # after them (before any commit: the held files read as deleted)
 #
 # Held: docs/, benchmarks/results/ (write new results under $OUT and unpack them after restoring), USAGE.md and the
-# test files with no GPU test in them. They wait in $HOLD (default /tmp/cula-hold), which must be empty to hold.
+# test files with no GPU test in them that no other test imports. They wait in $HOLD (default /tmp/cula-hold), which must be empty to hold.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HOLD=${HOLD:-/tmp/cula-hold}
@@ -34,8 +34,11 @@ case "${1:-}" in
       mkdir -p "$HOLD/$(dirname "$p")"
       mv "$p" "$HOLD/$p"
     done
+    # test modules that other tests import (their helpers) stay, GPU tests or not
+    imported=$(grep -ho "from test_[a-z0-9_]* import" tests/*.py tests/ops/*.py | cut -d' ' -f2 | sort -u)
     for f in tests/test_*.py; do
-      grep -q "mark.gpu" "$f" || mv "$f" "$HOLD/tests/"
+      name=$(basename "$f" .py)
+      grep -q "mark.gpu" "$f" || grep -qx "$name" <<< "$imported" || mv "$f" "$HOLD/tests/"
     done
     room
     ;;
