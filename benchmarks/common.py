@@ -1102,8 +1102,18 @@ def merge_results(path: Path, meta: dict, rows: Sequence[dict], suite_names: Seq
     commit, code tree (``cula_tree``), date and configs. With ``suite_names`` the rows follow the suite's order and
     ``partial`` / ``missing_configs`` say what no run has measured yet."""
     old = json.loads(Path(path).read_text())
-    env = environment_meta()
-    git, date = meta.get("cula_git", env.get("cula_git")), meta.get("date", env.get("date"))
+    env: dict[str, Any] = {}
+
+    def from_run(key: str) -> Any:
+        # the run's own meta holds these (run_meta takes them from environment_meta); this machine's only where it
+        # does not, and read once (environment_meta queries the GPU, the packages and git)
+        if key in meta:
+            return meta[key]
+        if not env:
+            env.update(environment_meta())
+        return env.get(key)
+
+    git, date, tree = from_run("cula_git"), from_run("date"), from_run("cula_tree")
     merged = {r["config"]: {**r, "cula_git": r.get("cula_git", old["meta"].get("cula_git"))} for r in old["rows"]}
     for r in rows:
         merged[r["config"]] = {**r, "cula_git": git}
@@ -1114,8 +1124,8 @@ def merge_results(path: Path, meta: dict, rows: Sequence[dict], suite_names: Seq
          "configs": [r["config"] for r in old["rows"]]}
     ]  # fmt: skip
     meta = {k: v for k, v in meta.items() if k not in ("skipped_configs", "max_seconds", "partial")}
-    meta["merged_runs"] = runs + [{"cula_git": git, "cula_tree": meta.get("cula_tree", env.get("cula_tree")),
-                                   "date": date, "configs": [r["config"] for r in rows]}]  # fmt: skip
+    meta["merged_runs"] = runs + [{"cula_git": git, "cula_tree": tree, "date": date,
+                                   "configs": [r["config"] for r in rows]}]  # fmt: skip
     if suite_names is not None:
         missing = [n for n in suite_names if n not in merged]
         meta["partial"] = bool(missing)
