@@ -6,7 +6,8 @@
 #   bash scripts/device/hold_tree.sh restore   # after them (before any commit: the held files read as deleted)
 #
 # Held: docs/, benchmarks/results/ (write new results under $OUT and unpack them after restoring), USAGE.md and the
-# test files with no GPU test in them that no other test imports. They wait in $HOLD (default /tmp/cula-hold), which must be empty to hold.
+# test files with no GPU test in them that no other test imports. They wait in $HOLD (default /tmp/cula-hold),
+# which must be empty to hold.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HOLD=${HOLD:-/tmp/cula-hold}
