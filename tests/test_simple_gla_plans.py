@@ -191,16 +191,85 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, fake_lightnin
     assert counted[0] == 1
 
 
-def test_calls_the_time_split_cuts_stay_on_the_general_path(counted, fake_lightning):
-    """A long sequence with few heads is cut in time (cula.lightning.time_parallel): no bound launch for it."""
-    from cula.simple_gla.backends import _prepare_chunk_cula_sm90
+@pytest.fixture
+def writing_lightning(monkeypatch, pretend_sm90):
+    """CPU tensors on a pretend SM90; the Lightning kernel records its variant and arguments and writes outputs that
+    are a function of its inputs (the states-only pass's ends from k and v, the output pass's o and ends from q and
+    its starts), so that what a cut call computes between and after its passes can be compared."""
+    from cula.ops.lightning.sm90 import chunk_fwd
 
-    q = torch.zeros(1, 32768, 1, 64, dtype=torch.bfloat16)
-    args = dict(q=q, k=q, v=q, g_gamma=-torch.ones(1), scale=0.125, initial_state=None, output_final_state=True,
+    calls = []
+
+    def variant(*key, **kw):
+        def run(q, k, v, o, decay, h0, ht, cu, scale):
+            calls.append((key, kw, (q, k, v, o, decay, h0, ht, cu, scale)))
+            segs = cu.numel() - 1
+            if ht is not None:  # per segment: sums of its rows, the decay and the start
+                for m in range(segs):
+                    a, b = int(cu[m]), int(cu[m + 1])
+                    x = (k if q is None else q)[0, a:b].float().sum(0)[:, :, None] + v[0, a:b].float().sum(0)[:, None]
+                    ht[m] = x.expand(ht.shape[1:]) * (1 + decay[:, None, None]) + (0 if h0 is None else h0[m])
+            if o is not None:
+                o.copy_((q.float().mean(-1, keepdim=True) + v.float()).to(o.dtype))
+
+        return run
+
+    monkeypatch.setattr(chunk_fwd, "compiled_variant", variant)
+    return calls
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("decayed", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cut_launch_runs_what_the_general_path_runs(counted, writing_lightning, monkeypatch, state_v_first,
+                                                    with_state, decayed, packed):  # fmt: skip
+    """A long sequence with few heads is cut in time (cula.lightning.time_parallel): repeated calls of its signature
+    (packed: with the same boundaries, one long sequence among short ones, which run whole) take the bound cut
+    launch, which hands the kernel's two passes what the general path hands them (the segment tables, the decay,
+    the combined starts) and returns the same outputs; a short call takes the unsplit launch."""
+    import cula.lightning.time_parallel as tp
+    from cula.simple_gla.backends import _chunk_cula_sm90, _prepare_chunk_cula_sm90
+
+    general_cuts = []
+    real_forward = tp.time_parallel_forward
+    monkeypatch.setattr(tp, "time_parallel_forward", lambda *a: general_cuts.append(1) or real_forward(*a))
+    lens = (1000, 32768, 64) if packed else (32768, 32768)
+    Bc, Tc, Hc, Dc = (1, sum(lens), 1, 64) if packed else (len(lens), lens[0], 1, 64)
+    cu = bounds = None
+    if packed:
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        bounds = dict(cu_seqlens=cu, cu_seqlens_cpu=cu)
+    kw = dict(scale=0.125, output_final_state=with_state, state_v_first=state_v_first, **(bounds or {}))
+    with torch.no_grad():
+        for seed in range(2):  # fresh inputs of one signature: the first call plans, the second runs the plan
+            gen = torch.Generator().manual_seed(seed)
+            q, k, v = (torch.randn(Bc, Tc, Hc, Dc, generator=gen).to(torch.bfloat16) for _ in range(3))
+            g_gamma = -torch.rand(Hc, generator=gen) if decayed else None
+            h0 = torch.randn(len(lens), Hc, Dc, Dc, generator=gen) if with_state else None
+            want = _chunk_cula_sm90(q, k, v, g_gamma, 0.125, h0, with_state, state_v_first, cu, cu)
+            general = writing_lightning[-2:]
+            got = chunk_simple_gla(q, k, v, g_gamma=g_gamma, initial_state=h0, **kw)
+            bound = writing_lightning[-2:]
+            assert len(general_cuts) == seed + 1  # (the reference's alone)
+            for (key, vkw, a), (got_key, got_kw, b) in zip(general, bound):
+                assert (got_key, got_kw) == (key, vkw)
+                for x, y in zip(a, b):
+                    if isinstance(x, torch.Tensor):
+                        assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
+                        if x.data_ptr() != y.data_ptr():  # a view of the same input, or the same values
+                            assert torch.equal(x, y)
+                    else:
+                        assert x == y
+            assert bound[0][2][0] is None and bound[1][2][0] is not None  # the states-only pass, then the outputs
+            assert torch.equal(got[0], want[0])
+            assert (got[1] is None) == (not with_state) and (got[1] is None or torch.equal(got[1], want[1]))
+    assert counted[0] == 1
+    args = dict(q=q, k=k, v=v, g_gamma=g_gamma, scale=0.125, initial_state=None, output_final_state=True,
                 state_v_first=False, cu_seqlens=None)  # fmt: skip
-    assert _prepare_chunk_cula_sm90(**args) is None
     short = torch.zeros(1, 64, 1, 64, dtype=torch.bfloat16)
-    assert _prepare_chunk_cula_sm90(**dict(args, q=short, k=short, v=short)) is not None
+    launch = _prepare_chunk_cula_sm90(**dict(args, q=short, k=short, v=short))
+    assert launch is not None and hasattr(launch, "from_decay")  # (the unsplit launch)
 
 
 @pytest.mark.gpu
@@ -224,6 +293,42 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first):
         assert torch.isfinite(o).all() and torch.isfinite(s).all()
         assert torch.equal(o, want[0]) and torch.equal(s, want[1])
     assert counted[0] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_cut_launch_bit_identical_cuda(counted, state_v_first):
+    """Repeated calls the time split cuts (the bound cut launch) against the general path's cut, bit for bit, outputs
+    poisoned first: one sequence with and without a decay and an initial state, and a pack of one long sequence
+    among short ones."""
+    from cula.lightning.plan import parallel_segments
+    from cula.simple_gla.backends import _chunk_cula_sm90
+    from cula.testing import poisoned_allocations
+
+    Hc, HVc, Dc = 2, 4, 128
+    dev = torch.device("cuda")
+    lens = (1000, 40000, 63)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    for decayed, with_state, packed in ((True, True, False), (False, False, False), (True, True, True)):
+        Bc, Tc = (1, sum(lens)) if packed else (1, 40000)
+        bounds = dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu) if packed else {}
+        assert parallel_segments(Bc, Tc, HVc, bounds.get("cu_seqlens"), bounds.get("cu_seqlens_cpu"), dev)
+        for seed in range(2):
+            gen = torch.Generator().manual_seed(seed)
+            q, k = (torch.randn(Bc, Tc, Hc, Dc, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+            v = torch.randn(Bc, Tc, HVc, Dc, generator=gen).to(torch.bfloat16).cuda()
+            g_gamma = -0.01 * torch.rand(HVc, generator=gen).cuda() if decayed else None
+            h0 = torch.randn(len(lens) if packed else Bc, HVc, Dc, Dc, generator=gen).cuda() if with_state else None
+            with torch.no_grad():
+                want = _chunk_cula_sm90(q, k, v, g_gamma, Dc**-0.5, h0, True, state_v_first,
+                                        bounds.get("cu_seqlens"), bounds.get("cu_seqlens_cpu"))  # fmt: skip
+                with poisoned_allocations():
+                    o, s = chunk_simple_gla(q, k, v, g_gamma=g_gamma, initial_state=h0, output_final_state=True,
+                                            state_v_first=state_v_first, **bounds)  # fmt: skip
+            assert torch.isfinite(o).all() and torch.isfinite(s).all()
+            assert torch.equal(o, want[0]) and torch.equal(s, want[1])
+    assert counted[0] == 3  # one plan per signature
 
 
 def _packed(lens, seed=0, dtype=torch.bfloat16, device="cpu", cu_dtype=torch.int32):
@@ -307,9 +412,10 @@ def test_packed_bound_launch_passes_what_the_general_path_passes(counted, fake_l
     assert counted[0] == 1
 
 
-def test_packed_int64_boundaries_and_cut_calls_take_the_general_launch(counted, fake_lightning):
-    """int64 boundaries (cast each call) and calls the time split cuts keep the backend's general path under the
-    plan: the same kernel arguments as without one."""
+def test_packed_int64_boundaries_take_the_general_launch(counted, fake_lightning):
+    """int64 boundaries (cast each call) keep the backend's general path under the plan: the same kernel arguments
+    as without one. A packed call the time split cuts runs its cut's bound launch (the states-only pass, then the
+    outputs over the segments), and the general path while a CUDA graph captures (not on the CPU)."""
     from cula.simple_gla.backends import _packed_launch
 
     q, k, v, decay, h0, cu, cu_cpu = _packed(PACKINGS[0], cu_dtype=torch.int64)
@@ -332,7 +438,9 @@ def test_packed_int64_boundaries_and_cut_calls_take_the_general_launch(counted, 
         launch(long, long, long, -torch.ones(1), None, cu_long, cu_long.clone())
     finally:
         sb._chunk_cula_sm90 = real
-    assert len(seen) == 1 and seen[0][8] is cu_long  # (cut in time: the general path's time-parallel forward)
+    (_, _, first), (_, _, second) = fake_lightning[-2:]
+    assert not seen and first[0] is None and second[0] is not None  # (cut in time: the bound cut's two passes)
+    assert second[7].numel() > 2 and int(second[7][-1]) == 32768  # (its segments' bounds)
 
 
 @pytest.mark.gpu

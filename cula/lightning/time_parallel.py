@@ -119,34 +119,59 @@ def _per_head_mm(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, add: bool 
         torch.bmm(w, xv, out=ov)
 
 
+class _CombineIndex(NamedTuple):
+    """A combine's gathers on the device, where some sequences run whole (``_Combine.segs`` not None): the cut
+    sequences' segments (rows), their sequences (``seqs``) and every segment's sequence (``seq_of``), int64."""
+
+    rows: torch.Tensor
+    seqs: torch.Tensor
+    seq_of: torch.Tensor
+
+
+def _combine_index(layout: _Combine, dev: torch.device) -> _CombineIndex | None:
+    if layout.segs is None:
+        return None
+    return _CombineIndex(*(on_device(x, torch.long, dev) for x in (layout.segs, layout.seqs, layout.seq_of)))
+
+
+def _start_weights(layout: _Combine, plan: SplitPlan, g_gamma: torch.Tensor | None, HV: int, dtype: torch.dtype,
+                   dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``_weights``, made once per plan and dtype without a decay."""
+    if g_gamma is None:
+        key = ("lightning_starts", plan, HV, dtype)
+        return _TABLES.get(dev, key, lambda: _weights(layout, plan, None, HV, dtype, dev))
+    return _weights(layout, plan, g_gamma, HV, dtype, dev)
+
+
 def _starts(layout: _Combine, E: torch.Tensor, h0: torch.Tensor | None, g_gamma: torch.Tensor | None,
             plan: SplitPlan) -> torch.Tensor:  # fmt: skip
     """Every segment's true start ``[M, HV, K, V]`` from the zero-start ends ``E`` and the initial states."""
-    dev, HV = E.device, E.shape[1]
     cd = torch.promote_types(E.dtype, torch.float32)
-    if g_gamma is None:
-        we, wh = _TABLES.get(dev, ("lightning_starts", plan, HV, cd), lambda: _weights(layout, plan, None, HV, cd, dev))
-    else:
-        we, wh = _weights(layout, plan, g_gamma, HV, cd, dev)
-    E = E.to(cd)
-    h0 = None if h0 is None else h0.to(cd)
-    if layout.segs is None:  # every sequence cut: rows and columns are all segments
+    we, wh = _start_weights(layout, plan, g_gamma, E.shape[1], cd, E.device)
+    return _combine(we, wh, E, h0, _combine_index(layout, E.device))
+
+
+def _combine(we: torch.Tensor, wh: torch.Tensor, E: torch.Tensor, h0: torch.Tensor | None,
+             index: _CombineIndex | None) -> torch.Tensor:  # fmt: skip
+    """``_starts`` with its weights and gathers made: in the weights' dtype."""
+    E = E.to(we.dtype)
+    h0 = None if h0 is None else h0.to(we.dtype)
+    if index is None:  # every sequence cut: rows and columns are all segments
         starts = E.new_empty(E.shape)
         _per_head_mm(we, E, starts)
         if h0 is not None:
             _per_head_mm(wh, h0, starts, add=True)
         return starts
     # some sequences run whole: they start from their initial state; only the cut ones' rows are combined
-    rows = on_device(layout.segs, torch.long, dev)
-    cols = E.index_select(0, rows)
+    cols = E.index_select(0, index.rows)
     part = cols.new_empty(cols.shape)
     _per_head_mm(we, cols, part)
     if h0 is None:
         starts = E.new_zeros(E.shape)
     else:
-        _per_head_mm(wh, h0.index_select(0, on_device(layout.seqs, torch.long, dev)), part, add=True)
-        starts = h0.index_select(0, on_device(layout.seq_of, torch.long, dev))
-    return starts.index_copy_(0, rows, part)
+        _per_head_mm(wh, h0.index_select(0, index.seqs), part, add=True)
+        starts = h0.index_select(0, index.seq_of)
+    return starts.index_copy_(0, index.rows, part)
 
 
 def _device_combine(bounds: torch.Tensor, seq_of: torch.Tensor, cu_seqlens: torch.Tensor, E: torch.Tensor,
@@ -232,6 +257,40 @@ def time_parallel_forward(
     if output_final_state:
         final = ends.index_select(0, on_device(layout.last, torch.long, dev))
     return o.view(B, T, HV, V), final
+
+
+def bind_time_parallel(plan: SplitPlan, HV: int, D: int, dev: torch.device, states_pass: Callable[..., None],
+                       output_pass: Callable[..., None], output_final_state: bool) -> Callable[..., tuple]:
+    """``time_parallel_forward`` of a fixed-length inference call on the kernel, bound once for every later call of
+    its signature (``chunk_simple_gla``'s plan cache): the segment tables, the combine's layout and its gathers are
+    the plan's, and the host work between the kernel's two passes is the combine alone (its weights, from the decay
+    of each call, are made before the first pass).
+
+    ``states_pass(k, v, decay, ends, bounds)`` writes the segments' end states from a zero start (the kernel's
+    states-only form; ``bounds`` may end before the last token) and ``output_pass(q, k, v, o, decay, starts, ends,
+    bounds)`` the outputs from the true starts and, when ``ends`` is not None, the segments' ends; q / k / v / o
+    flat ``[1, B T, heads, D]``, decay fp32 ``[HV]`` (``-g_gamma``), states fp32 ``[M, HV, D, D]``. Returns
+    ``launch(q, k, v, decay, g_gamma, initial_state) -> (o, final_state)``, ``g_gamma`` None for no decay."""
+    layout = _combine_layout(plan)
+    M = plan.num_segments
+    bounds = on_device(plan.bounds, torch.int32, dev)
+    feeding = on_device(layout.feeding_bounds, torch.int32, dev)
+    last = on_device(layout.last, torch.long, dev)
+    index = _combine_index(layout, dev)
+
+    def launch(q, k, v, decay, g_gamma, initial_state):
+        B, T = v.shape[:2]
+        qf, kf, vf = (x.view(1, B * T, *x.shape[2:]) for x in (q, k, v))
+        we, wh = _start_weights(layout, plan, g_gamma, HV, torch.float32, dev)
+        E = torch.empty(M, HV, D, D, dtype=torch.float32, device=dev)
+        states_pass(kf, vf, decay, E, feeding)
+        starts = _combine(we, wh, E, initial_state, index)
+        o = torch.empty_like(v)
+        ends = torch.empty_like(E) if output_final_state else None
+        output_pass(qf, kf, vf, o.view(vf.shape), decay, starts, ends, bounds)
+        return o, None if ends is None else ends.index_select(0, last)
+
+    return launch
 
 
 def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first,

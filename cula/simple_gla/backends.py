@@ -8,10 +8,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cula._validate import dense, is_dense
-from cula.backends import ConstantTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.backends import (
+    ConstantTensors, Registry, always, capturing, cula_kernels_on, needs_grad, package_on_cuda,
+)  # fmt: skip
 from cula.ops._host import sequences_verdict
 
 chunk_simple_gla_registry = Registry("simple_gla.chunk_simple_gla")
@@ -133,10 +137,10 @@ def lightning_backward(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_c
 def _prepare_chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
                              **_):  # fmt: skip
     """The bound launch of a repeated fixed-length inference call (``chunk_simple_gla``'s plan cache):
-    ``launch(q, k, v, g_gamma, initial_state)`` with the compiled variant and the outputs' shapes found once, or None
-    where the general path runs each time (training calls, calls the time split cuts, inputs that are not row-major
-    and 16-byte aligned, no tokens). A packed call's (int32 ``cu_seqlens``; ``_packed_launch``) also takes
-    ``cu_seqlens, cu_seqlens_cpu``."""
+    ``launch(q, k, v, g_gamma, initial_state)`` with the compiled variant and the outputs' shapes found once (for a
+    call the time split cuts, its two passes and combine: ``_cut_launch``), or None where the general path runs each
+    time (training calls, inputs that are not row-major and 16-byte aligned, no tokens). A packed call's (int32
+    ``cu_seqlens``; ``_packed_launch``) also takes ``cu_seqlens, cu_seqlens_cpu``."""
     from cula.lightning.plan import parallel_segments
     from cula.ops.lightning.sm90.chunk_fwd import compiled_variant
 
@@ -147,8 +151,11 @@ def _prepare_chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_fina
         return None  # (the general path copies them: dense; the plan key holds the strides and the alignment)
     if cu_seqlens is not None:
         return _packed_launch(q, k, v, scale, initial_state, output_final_state, state_v_first, cu_seqlens)
-    if B * T * HV == 0 or parallel_segments(B, T, HV, None, None, q.device) is not None:
+    if B * T * HV == 0:
         return None
+    plan = parallel_segments(B, T, HV, None, None, q.device)
+    if plan is not None:
+        return _cut_launch(plan, q.shape[-1], HV, v.device, float(scale), bool(output_final_state), state_v_first)
     fn = compiled_variant(q.shape[-1], initial_state is not None, bool(output_final_state), False, state_v_first)
     device, scale = v.device, float(scale)
 
@@ -166,13 +173,40 @@ def _prepare_chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_fina
     return launch
 
 
+def _cut_launch(plan, D, HV, device, scale, output_final_state, state_v_first):
+    """The launch of a call the time split cuts by ``plan`` (a fixed-length signature's, or a packed one's for one
+    boundary list): the kernel's states-only pass, the combine and the output pass
+    (``cula.lightning.time_parallel.bind_time_parallel``), each compiled variant found once, as ``_chunk_cula_sm90``
+    runs them through ``time_parallel_forward``: ``launch(q, k, v, g_gamma, initial_state)``."""
+    from cula.lightning.time_parallel import bind_time_parallel
+    from cula.ops.lightning.sm90.chunk_fwd import compiled_variant
+
+    states_fn = compiled_variant(D, False, True, True, state_v_first, states_only=True)
+    output_fn = compiled_variant(D, True, output_final_state, True, state_v_first)
+
+    def states_pass(k, v, decay, ends, bounds):
+        states_fn(None, k, v, None, decay, None, ends, bounds, 1.0)
+
+    def output_pass(q, k, v, o, decay, starts, ends, bounds):
+        output_fn(q, k, v, o, decay, starts, ends, bounds, scale)
+
+    cut = bind_time_parallel(plan, HV, D, device, states_pass, output_pass, output_final_state)
+
+    def launch(q, k, v, g_gamma, initial_state):
+        return cut(q, k, v, _decay(g_gamma, HV, device), g_gamma, initial_state)
+
+    return launch
+
+
 def _packed_launch(q, k, v, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
     """``_prepare_chunk_cula_sm90``'s launch of packed inference calls, ``launch(q, k, v, g_gamma, initial_state,
     cu_seqlens, cu_seqlens_cpu)``: the kernel straight on the call's tensors (the plan key holds their layout and
     alignment but the total length, ``chunk_simple_gla`` checks the boundaries every call); a call the time split
-    cuts, or one without tokens, runs the backend's general path. None (the general path every call) for int64
-    boundaries (cast each call there); the caller has left out training calls and inputs that are not row-major and
-    16-byte aligned."""
+    cuts runs its cut's bound launch (``_cut_launch``, one per cut of the last few boundary lists: every layer of a
+    model gets the same batch), or while a CUDA graph captures the backend's general path (the cut made on the
+    device at each replay), as does a call without tokens. None (the general path every call) for int64 boundaries
+    (cast each call there); the caller has left out training calls and inputs that are not row-major and 16-byte
+    aligned."""
     from cula.lightning.plan import parallel_segments
     from cula.ops.lightning.sm90.chunk_fwd import compiled_variant
 
@@ -182,10 +216,16 @@ def _packed_launch(q, k, v, scale, initial_state, output_final_state, state_v_fi
     N = cu_seqlens.numel() - 1
     fn = compiled_variant(q.shape[-1], initial_state is not None, bool(output_final_state), True, state_v_first)
     device, scale = v.device, float(scale)
+    cuts = functools.lru_cache(maxsize=8)(
+        lambda plan: _cut_launch(plan, q.shape[-1], HV, device, scale, bool(output_final_state), state_v_first)
+    )
 
     def launch(q, k, v, g_gamma, initial_state, cu_seqlens, cu_seqlens_cpu):
         T = q.shape[1]
-        if T == 0 or parallel_segments(1, T, HV, cu_seqlens, cu_seqlens_cpu, device) is not None:
+        plan = parallel_segments(1, T, HV, cu_seqlens, cu_seqlens_cpu, device) if T else None
+        if plan is not None and not capturing(cu_seqlens):
+            return cuts(plan)(q, k, v, g_gamma, initial_state)
+        if T == 0 or plan is not None:
             return _chunk_cula_sm90(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first,
                                     cu_seqlens, cu_seqlens_cpu)  # fmt: skip
         o = torch.empty_like(v)  # (row-major, as v)
