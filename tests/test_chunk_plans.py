@@ -219,6 +219,50 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, fake_sm90, st
     assert len(chunk_mod._plans) == 1
 
 
+@pytest.mark.parametrize("variant", ["kda", "gdn", "gdn_wy"])
+@pytest.mark.parametrize("halves", [False, True])
+@pytest.mark.parametrize("state_v_first,with_state", [(False, True), (True, False)])
+def test_cut_launch_passes_what_the_general_path_passes(fake_sm90, monkeypatch, kda_tuning, variant, halves,
+                                                        state_v_first, with_state):  # fmt: skip
+    """A fixed-length call the time split cuts: the bound cut launch hands the intra, segment summary, chain and
+    state/output kernels what the general path hands them (KDA, and Gated DeltaNet's factor rows with and without
+    T diag(beta) in the recurrence; with the output pass over the segments' halves too), the segment tables by
+    value."""
+    from cula.kda.forward import chunk_kda_fwd_sm90, prepare_chunk_kda_fwd_sm90
+    from cula.ops.kda.sm90 import segment_chain, segment_summary
+    from cula.time_split import SplitThresholds
+
+    for name, module in (("summary", segment_summary), ("chain", segment_chain)):
+        monkeypatch.setattr(module, "compiled_variant",
+                            lambda name=name, **kw: lambda *a: fake_sm90.append((name, kw, a)))  # fmt: skip
+    # every sequence cut into 64-token segments (B = 2, T = 100: two segments each, the second partial)
+    kda_tuning(time_split=SplitThresholds(items_per_sm=1e9, busy_items_per_sm=1e9, min_segment=64, min_seq_len=0),
+               time_split_halves=halves)  # fmt: skip
+    x = _inputs()
+    if variant != "kda":  # one gate per token and value head, dt_bias per head
+        x["g"], x["dt_bias"] = x["g"][..., 0].contiguous(), x["dt_bias"][:HV].contiguous()
+    if not with_state:
+        x["initial_state"] = None
+    flags = {n: FLAGS[n] for n in ("use_gate_in_kernel", "lower_bound", "safe_gate", "use_qk_l2norm_in_kernel",
+                                   "use_beta_sigmoid_in_kernel")}  # fmt: skip
+    rows = dict(row_factors=variant != "kda", wy_in_recurrence=variant == "gdn_wy")
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.125, x["initial_state"], with_state, state_v_first)
+    with torch.no_grad():
+        o_want, s_want = chunk_kda_fwd_sm90(*args, **flags, **rows, A_log=x["A_log"], dt_bias=x["dt_bias"])
+        general = list(fake_sm90)
+        fake_sm90.clear()
+        launch = prepare_chunk_kda_fwd_sm90(*args, **flags, **rows, A_log=x["A_log"], dt_bias=x["dt_bias"])
+        o, s = launch(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["A_log"], x["dt_bias"], 0.125)
+    kinds = ["intra", "summary", "chain", "chain", "state"] if halves else ["intra", "summary", "chain", "state"]
+    assert [c[0] for c in general] == kinds
+    assert_same_calls(general, list(fake_sm90), [t for t in x.values() if t is not None])
+    for (_, _, a), (_, _, b) in zip(general, fake_sm90):  # the segment tables by value
+        for t, u in zip(a, b):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.int32:
+                assert torch.equal(t, u)
+    assert (o.shape, o.dtype) == (o_want.shape, o_want.dtype) and (s is None) == (s_want is None) == (not with_state)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 @pytest.mark.parametrize("state_v_first,with_state", [(False, True), (True, True), (True, False)])
@@ -248,6 +292,40 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
                 assert torch.equal(s.view(torch.int32), ref_s.view(torch.int32))
             else:
                 assert s is None and ref_s is None
+    assert counted[0] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
+@pytest.mark.parametrize("halves", [False, True])
+def test_cut_launch_bit_identical_cuda(counted, kda_tuning, halves):
+    """Repeated calls the time split cuts (the bound cut launch: intra, summary, chain and output kernels) against
+    the general path's cut, bit for bit, outputs poisoned first."""
+    from cula.kda.forward import chunk_kda_fwd_sm90
+    from cula.kda.plan import parallel_segments
+    from cula.testing import poisoned_allocations
+
+    kda_tuning(time_split_halves=halves)
+    Bc, Tc, Hc = 1, 40000, 4
+    assert parallel_segments(Bc, Tc, Hc, None, None, torch.device("cuda")) is not None
+    for seed in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = {n: torch.randn(*shape, generator=gen, device="cuda").to(dt) for n, shape, dt in (
+            ("q", (Bc, Tc, Hc, D), torch.bfloat16), ("k", (Bc, Tc, Hc, D), torch.bfloat16),
+            ("v", (Bc, Tc, Hc, D), torch.bfloat16), ("g", (Bc, Tc, Hc, D), torch.bfloat16),
+            ("beta", (Bc, Tc, Hc), torch.bfloat16), ("initial_state", (Bc, Hc, D, D), torch.float32))}  # fmt: skip
+        x["g"] -= 8  # slow gates: the start states carry across the segments
+        x["A_log"], x["dt_bias"] = torch.zeros(Hc, device="cuda"), torch.zeros(Hc * D, device="cuda")
+        with torch.inference_mode():
+            ref_o, ref_s = chunk_kda_fwd_sm90(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["initial_state"], True, True,
+                use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, use_qk_l2norm_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+            )  # fmt: skip
+            with poisoned_allocations():
+                o, s = chunk_kda(**x, **FLAGS)
+        assert not torch.isnan(o).any() and not torch.isnan(s).any()
+        assert torch.equal(o, ref_o) and torch.equal(s, ref_s)
     assert counted[0] == 1
 
 

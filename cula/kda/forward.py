@@ -496,10 +496,11 @@ def prepare_chunk_kda_fwd_sm90(
 ):
     """``chunk_kda_fwd_sm90`` bound once for every later call with this call's signature (same shapes, strides,
     dtypes, device, flags; with ``cu_seqlens`` everything but the total length), or None where the general path
-    must run each time (FLA's intra stage, non-contiguous inputs, no tokens). A call the time split cuts
-    (``cula.kda.plan.parallel_segments`` with ``time_split``) is bound to the general path, which cuts it, without
-    the public validation. A per-head g (Gated DeltaNet) is bound only where the general path takes the factor rows
-    (``row_factors``, see ``chunk_kda_fwd_sm90``), to their variant of the one host call.
+    must run each time (FLA's intra stage, non-contiguous inputs, no tokens). A fixed-length call the time split
+    cuts (``cula.kda.plan.parallel_segments`` with ``time_split``) gets the cut's kernels bound once
+    (``_cut_launch``); a packed one, whose lengths each call decides the cut of, the general path without the public
+    validation. A per-head g (Gated DeltaNet) is bound only where the general path takes the factor rows
+    (``row_factors``, see ``chunk_kda_fwd_sm90``), to their variant of the one host call (or of the cut).
 
     The returned ``launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_)`` (with ``cu_seqlens``:
     ``..., scale, cu_seqlens, cu_seqlens_cpu)``, see ``_varlen_launch``) allocates the outputs and one workspace for
@@ -540,8 +541,6 @@ def prepare_chunk_kda_fwd_sm90(
             time_split=time_split, **flags,
         )  # fmt: skip
 
-    if not varlen and parallel_segments(B, T, HV, None, None, q.device, time_split) is not None:
-        return cut
     gate = gate_kind(use_gate_in_kernel, lower_bound)
     beta_act = intra.beta_act_for(use_beta_sigmoid_in_kernel, allow_neg_eigval)
     has_h0 = initial_state is not None
@@ -558,6 +557,14 @@ def prepare_chunk_kda_fwd_sm90(
         any_gate=intra_any_gate(safe_gate, use_gate_in_kernel, lower_bound), scalar_gate=scalar_gate,
         row_factors=scalar_gate, wy_in_recurrence=scalar_gate and wy_in_recurrence,
     )  # fmt: skip
+    split = None if varlen else parallel_segments(B, T, HV, None, None, q.device, time_split)
+    if split is not None:
+        return _cut_launch(
+            split, intra.compiled_variant(varlen=False, **intra_options),
+            intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, per_head=scalar_gate), B, T, HV, K, V, dt, dev,
+            state_shape, has_h0, bool(output_final_state), state_v_first, dummy_state, lb,
+            row_factors=scalar_gate, wy_in_recurrence=scalar_gate and wy_in_recurrence,
+        )  # fmt: skip
     state_options = _launch_state_options(q, has_h0, output_final_state, state_v_first, scalar_gate,
                                           scalar_gate and wy_in_recurrence)  # fmt: skip
     gate_args = intra.gate_params_binder(A_log, dt_bias, gate, HV, K, dev, flat_bias=True, per_head=scalar_gate)
@@ -622,6 +629,81 @@ def prepare_chunk_kda_fwd_sm90(
     # its one TVM-FFI call checks the tensors before launching (chunk_kda then keys it on shapes alone); the
     # initial state's and dt_bias' sizes are their own symbols there, so the key holds their shapes
     launch.checks_arguments = True
+    return launch
+
+
+def _cut_launch(
+    plan, fn_intra, gate_args, B, T, HV, K, V, dt, dev, state_shape, has_h0, output_final_state, state_v_first,
+    dummy_state, lb, row_factors=False, wy_in_recurrence=False,
+):  # fmt: skip
+    """``prepare_chunk_kda_fwd_sm90``'s launch of a fixed-length call the time split cuts by ``plan``: what
+    ``chunk_kda_fwd_sm90`` runs for it (the intra kernel, then ``parallel_segment_states``' summary, chain and
+    state/output kernels), each compiled variant and the segment tables found once, the intra kernel's
+    intermediates in two allocations, none of the kernels' host wrappers (their checks hold for every call of the
+    signature, which the first call's full validation stands for). ``row_factors`` / ``wy_in_recurrence``: Gated
+    DeltaNet's variants, as the general path takes them."""
+    from cula.ops.kda.sm90 import delta_h_fwd_o, segment_chain, segment_summary
+
+    halves = KDA_TUNING.for_device(dev).time_split_halves
+    BT, N = B * T, B
+    tables = segment_tables(plan, BT, None, dev, halves=halves)
+    M, inner = tables.num_segments, tuple(state_shape[2:])
+    rows = {"row_factors": True} if row_factors else {}
+    if wy_in_recurrence:
+        rows["wy_in_recurrence"] = True
+    dtype = dsl_name(dt)
+    fn_summary = segment_summary.compiled_variant(dtype=dtype, state_v_first=state_v_first, mid_states=halves,
+                                                  row_factors=row_factors, wy_in_recurrence=wy_in_recurrence)
+    fn_chain = segment_chain.compiled_variant(has_h0=has_h0, has_ht=output_final_state, state_v_first=state_v_first)
+    fn_states = delta_h_fwd_o.compiled_variant(
+        dtype=dtype, varlen=True, has_h0=True, has_ht=False, state_v_first=state_v_first, aqk_causal=True, **rows
+    )  # fmt: skip
+    if halves:  # every segment a sequence of one step from its true start: its second half's start
+        fn_mids = segment_chain.compiled_variant(has_h0=True, has_ht=True, state_v_first=state_v_first)
+        once = on_device(tuple(range(M + 1)), torch.int32, dev)
+    no_cu, no_ci = placeholder(dev, torch.int32, (2,)), placeholder(dev, torch.int32, (1, 2))
+    num_chunks = (T + 63) // 64
+
+    def launch(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, **_):
+        a_log, bias = gate_args(A_log, dt_bias)
+        s = float(scale)
+        q3, k3, v3 = (x.view(BT, *x.shape[2:]) for x in (q, k, v))
+        head = (q3, k3, v3, g.view(BT, *g.shape[2:]), beta.view(BT, HV), a_log, bias)
+        tail = (no_cu, no_ci, T, num_chunks, B, s, lb)
+        Aqk = q.new_empty(BT, HV, 64)
+        if row_factors:  # qg and kg made from the raw q and k by the factor rows
+            g_rows = dummy_state.new_empty(BT, HV, ROW_FACTORS)
+            qg, kg = q3, k3
+            if wy_in_recurrence:  # T diag(beta) in w's place, the raw v in u's
+                w, u = q.new_empty(BT, HV, 64), v3
+                fn_intra(*head, None, None, g_rows, None, Aqk, w, None, None, *tail)
+            else:
+                w, u = q.new_empty(2, BT, HV, K).unbind(0)
+                fn_intra(*head, w, u, g_rows, None, Aqk, None, None, None, *tail)
+        else:
+            w, u, qg, kg = q.new_empty(4, BT, HV, K).unbind(0)
+            g_rows = dummy_state.new_empty(BT, HV, K)
+            fn_intra(*head, w, u, qg, kg, Aqk, None, g_rows, None, *tail)
+        o = v.new_empty(B, T, HV, V)
+        final_state = dummy_state.new_empty(state_shape) if output_final_state else None
+        h0 = initial_state if has_h0 else dummy_state
+        ht = final_state if final_state is not None else dummy_state
+        summary = dummy_state.new_empty((M, 2 * HV) + inner)
+        operands = (w, u, kg, qg, g_rows, Aqk, o.view(BT, HV, V))
+        if not halves:
+            fn_summary(w, u, kg, g_rows, summary, None, tables.bounds, M)
+            starts = dummy_state.new_empty((M, HV) + inner)
+            fn_chain(summary, h0, starts, ht, tables.first, N)
+            fn_states(*operands, starts, dummy_state, tables.bounds, BT, M, s)
+            return o, final_state
+        mids = torch.empty_like(summary)
+        fn_summary(w, u, kg, g_rows, summary, mids, tables.bounds, M)
+        starts = dummy_state.new_empty((M, 2, HV) + inner)  # [segment, half], as parallel_segment_states
+        fn_chain(summary, h0, starts[:, 0], ht, tables.first, N)
+        fn_mids(mids, starts[:, 0], dummy_state.new_empty((M, HV) + inner), starts[:, 1], once, M)
+        fn_states(*operands, starts.view((2 * M, HV) + inner), dummy_state, tables.halves, BT, 2 * M, s)
+        return o, final_state
+
     return launch
 
 
