@@ -263,13 +263,22 @@ def test_cut_launch_passes_what_the_general_path_passes(fake_sm90, monkeypatch, 
     assert (o.shape, o.dtype) == (o_want.shape, o_want.dtype) and (s is None) == (s_want is None) == (not with_state)
 
 
+def _general_path(x: dict, output_final_state: bool, state_v_first: bool) -> tuple:
+    """``chunk_kda_fwd_sm90`` on ``x`` with FLAGS' gate, norm and beta flags: the general path a plan is held to."""
+    from cula.kda.forward import chunk_kda_fwd_sm90
+
+    return chunk_kda_fwd_sm90(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["initial_state"], output_final_state, state_v_first,
+        use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (sm_90)")
 @pytest.mark.parametrize("state_v_first,with_state", [(False, True), (True, True), (True, False)])
 def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
     """The bound launch (both kernels from one host call, fwd_launch) against the general path, bit for bit."""
-    from cula.kda.forward import chunk_kda_fwd_sm90
-
     x = _inputs("cuda")
     if not with_state:
         x["initial_state"] = None
@@ -277,11 +286,7 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
         x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
     flags = dict(FLAGS, state_v_first=state_v_first, output_final_state=with_state)
     with torch.inference_mode():
-        ref_o, ref_s = chunk_kda_fwd_sm90(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["initial_state"], with_state, state_v_first,
-            use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, use_qk_l2norm_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
-        )  # fmt: skip
+        ref_o, ref_s = _general_path(x, with_state, state_v_first)
         for _ in range(3):
             o, s = chunk_kda(**x, **flags)
             torch.cuda.synchronize()
@@ -301,7 +306,6 @@ def test_bound_launch_bit_identical_cuda(counted, state_v_first, with_state):
 def test_cut_launch_bit_identical_cuda(counted, kda_tuning, halves):
     """Repeated calls the time split cuts (the bound cut launch: intra, summary, chain and output kernels) against
     the general path's cut, bit for bit, outputs poisoned first."""
-    from cula.kda.forward import chunk_kda_fwd_sm90
     from cula.kda.plan import parallel_segments
     from cula.testing import poisoned_allocations
 
@@ -317,11 +321,7 @@ def test_cut_launch_bit_identical_cuda(counted, kda_tuning, halves):
         x["g"] -= 8  # slow gates: the start states carry across the segments
         x["A_log"], x["dt_bias"] = torch.zeros(Hc, device="cuda"), torch.zeros(Hc * D, device="cuda")
         with torch.inference_mode():
-            ref_o, ref_s = chunk_kda_fwd_sm90(
-                x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, x["initial_state"], True, True,
-                use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, use_qk_l2norm_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
-            )  # fmt: skip
+            ref_o, ref_s = _general_path(x, True, True)
             with poisoned_allocations():
                 o, s = chunk_kda(**x, **FLAGS)
         assert not torch.isnan(o).any() and not torch.isnan(s).any()
