@@ -261,10 +261,10 @@ def time_parallel_forward(
 
 def bind_time_parallel(plan: SplitPlan, HV: int, D: int, dev: torch.device, states_pass: Callable[..., None],
                        output_pass: Callable[..., None], output_final_state: bool) -> Callable[..., tuple]:
-    """``time_parallel_forward`` of a fixed-length inference call on the kernel, bound once for every later call of
-    its signature (``chunk_simple_gla``'s plan cache): the segment tables, the combine's layout and its gathers are
-    the plan's, and the host work between the kernel's two passes is the combine alone (its weights, from the decay
-    of each call, are made before the first pass).
+    """``time_parallel_forward`` of an inference call on the kernel, bound once for every later call of its signature
+    (``chunk_simple_gla``'s plan cache; a packed one's for one boundary list, not while a CUDA graph captures): the
+    segment tables, the combine's layout and its gathers are the plan's, and the host work between the kernel's two
+    passes is the combine alone (its weights, from the decay of each call, are made before the first pass).
 
     ``states_pass(k, v, decay, ends, bounds)`` writes the segments' end states from a zero start (the kernel's
     states-only form; ``bounds`` may end before the last token) and ``output_pass(q, k, v, o, decay, starts, ends,
