@@ -34,10 +34,6 @@ where a side's peak comes from.
 each kernel's device time and launches, the benchmarks' host overhead (``measure_host_overhead``: event time, host
 time per call with the GPU idle, back-to-back time; a host time near the event time means host-bound or a sync),
 and the cut call's heaviest Python frames (cProfile), into $OUT/profile_kda_time_split.json.
-``--long-context [CONFIG ...]`` profiles cula's calls of ``bench_long_context`` rows as the suite makes them (the
-default planner; default: the rows whose eager and CUDA-graph times disagree, ``LONG_CONTEXT_ROWS``): each
-kernel's device time and launches eager and replayed from a CUDA graph, the host overhead and the heaviest Python
-frames, into $OUT/profile_long_context.json.
 ``--host`` splits the host time of the benchmarks' two host-bound calls (``bench_kda_prefill``'s repeated B1-T256
 ``chunk_kda`` and ``bench_kda_decode``'s N=1 ``kda_decode_step``) into a ladder, each rung the one before plus one
 layer, timed in interleaved rounds (``measure_host_overheads``): ``torch.empty(1)`` on the device (the host's own
@@ -320,59 +316,6 @@ def profile_time_split(specs: list[str]) -> None:
         del x
     with open(os.path.join(os.environ.get("OUT", "."), "profile_kda_time_split.json"), "w") as f:
         json.dump(report, f, indent=1)
-
-
-def profile_long_context(names: list[str]) -> None:
-    """cula's calls of ``bench_long_context`` rows as the suite makes them (default planner), eager and replayed
-    from a CUDA graph (see the module docstring)."""
-    import bench_long_context as lc
-
-    from cula.kda import chunk_kda
-    from cula.simple_gla import chunk_simple_gla
-
-    by_name = {c.name: c for c in lc.suite()}
-    fns = {"kda": chunk_kda, "lightning": chunk_simple_gla}
-    report = {}
-    for name in names or list(LONG_CONTEXT_ROWS):
-        cfg = by_name[name]
-        shared = lc.make_shared(cfg)
-        x = lc.make_set(cfg, 0)
-        with torch.inference_mode():
-            call = lc.bind(fns[cfg.op], cfg, x, shared)
-            eager = kernel_stats(call)
-            host = {k: round(v, 1) for k, v in measure_host_overhead(call, n=20, warmup=3, batches=5).items()}
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                call()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                call()
-            replayed = kernel_stats(graph.replay)
-            r = report[name] = {
-                "segments": lc.segments(cfg), "eager_kernels_us": round(sum(v[0] for v in eager.values()), 1),
-                "graph_kernels_us": round(sum(v[0] for v in replayed.values()), 1), **host, "eager": eager,
-                "graph": replayed, "python": python_frames(call),
-            }  # fmt: skip
-            del graph
-        print(f"== {name} ({r['segments']} segments): eager {r['eager_kernels_us']} us of kernels, {r['gpu_us']} us "
-              f"event time, {r['host_us']} us host (GPU idle), {r['back_to_back_us']} us back to back; graph "
-              f"replay {r['graph_kernels_us']} us of kernels", flush=True)
-        for label in ("eager", "graph"):
-            for kernel, (us, launches) in r[label].items():
-                print(f"   {label} {us:10.1f} us  x{launches:<5}  {kernel}", flush=True)
-        for line in r["python"]:
-            print(f"   {line}", flush=True)
-        del x, shared
-    with open(os.path.join(os.environ.get("OUT", "."), "profile_long_context.json"), "w") as f:
-        json.dump(report, f, indent=1)
-
-
-# rows of the committed long_context table whose eager and graph times disagree
-LONG_CONTEXT_ROWS = ("lightning-H32-B1-T16384", "lightning-H16-B1-T32768", "lightning-H8-ragged",
-                     "kda-H4-pack2-T32768", "kda-H8-pack2-T32768")
 
 
 def _first_call_entry(module, call):
@@ -717,8 +660,6 @@ if __name__ == "__main__":
         os.environ.setdefault("FLA_FLASH_KDA", "0")
         os.environ.setdefault("FLA_CULA", "0")
         profile_time_split(sys.argv[sys.argv.index("--time-split") + 1:])
-    elif "--long-context" in sys.argv:
-        profile_long_context(sys.argv[sys.argv.index("--long-context") + 1:])
     elif "--memory" in sys.argv:
         os.environ.setdefault("FLA_FLASH_KDA", "0")
         os.environ.setdefault("FLA_CULA", "0")
