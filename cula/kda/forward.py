@@ -639,9 +639,11 @@ def _cut_launch(
     """``prepare_chunk_kda_fwd_sm90``'s launch of a fixed-length call the time split cuts by ``plan``: what
     ``chunk_kda_fwd_sm90`` runs for it (the intra kernel, then ``parallel_segment_states``' summary, chain and
     state/output kernels), each compiled variant and the segment tables found once, the intra kernel's
-    intermediates in two allocations, none of the kernels' host wrappers (their checks hold for every call of the
-    signature, which the first call's full validation stands for). ``row_factors`` / ``wy_in_recurrence``: Gated
-    DeltaNet's variants, as the general path takes them."""
+    intermediates in three allocations (w, u, qg and kg in one), none of the kernels' host wrappers (their checks
+    hold for every call of the signature, which the first call's full validation stands for). ``row_factors`` /
+    ``wy_in_recurrence``: Gated DeltaNet's variants, as the general path takes them. Its segment steps repeat
+    ``parallel_segment_states``' on the compiled entries: a change to one is a change to both (the CPU test
+    ``test_cut_launch_passes_what_the_general_path_passes`` holds them together)."""
     from cula.ops.kda.sm90 import delta_h_fwd_o, segment_chain, segment_summary
 
     halves = KDA_TUNING.for_device(dev).time_split_halves
