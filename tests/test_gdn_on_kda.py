@@ -125,6 +125,27 @@ def test_declines_what_the_kernels_do_not_take(gdn_tuning, pretend_sm90):
         assert not ok and why in reason, (over, reason)
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["repeated-gate", "per-head-forward"])
+def test_packed_training_takes_fla_graph_mode(per_head, gdn_tuning, monkeypatch):
+    """Every packed training call runs KDA's training in FLA's graph mode (``use_graph``, ``max_num_seqs`` the
+    call's sequence count), eager or captured alike, so that an eager warm-up readies what a capture records;
+    fixed lengths do not."""
+    import cula.kda
+    import cula.kda.backends as kb
+
+    gdn_tuning(training_per_head_gate=per_head)
+    seen = []
+    record = lambda *a, **kw: seen.append(kw) or (None, None)  # noqa: E731
+    monkeypatch.setattr(cula.kda, "chunk_kda", record)
+    monkeypatch.setattr(kb, "chunk_kda_cula_sm90", record)
+    x = _inputs(1, 100, 2, 2, 16, True)
+    for cut in (make_cu_seqlens([40, 0, 60]), None):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        _chunk_cula_sm90(**leaves, **dict(_flags(True, True, cut, None), scale=0.25), cu_seqlens_cpu=None)
+        graph = {n: seen[-1][n] for n in ("use_graph", "max_num_seqs") if n in seen[-1]}
+        assert graph == ({"use_graph": True, "max_num_seqs": 3} if cut is not None else {})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_head", [False, True], ids=["repeated-gate", "per-head-forward"])
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate-gva"])
@@ -158,6 +179,57 @@ def test_gdn_training_on_hopper_cuda(fused, per_head, gdn_tuning):
     for name in grads_r:
         assert not grads[name].isnan().any(), name
         assert_close(f"d{name}", grads_r[name], grads[name].cpu(), tol[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_head", [False, True], ids=["repeated-gate", "per-head-forward"])
+def test_gdn_packed_training_step_captured_cuda(per_head, gdn_tuning):
+    """A packed ``chunk_gated_delta_rule`` training step (forward and backward) captured in a CUDA graph and replayed
+    on new inputs after an eager warm-up: o, the final states and every gradient against the same step run eagerly,
+    within FLA's tolerances, none NaN."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    gdn_tuning(training_per_head_gate=per_head)
+    lens = [37, 0, 130, 1, 72]
+    cu = make_cu_seqlens(lens, device="cuda")
+    x = _inputs(1, sum(lens), 2, 4, 128, True, dtype=torch.bfloat16, device="cuda")
+    x["initial_state"] = torch.randn(len(lens), 4, 128, 128, device="cuda") * 0.1
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    flags = {n: v for n, v in _flags(True, True, cu, None).items() if n != "initial_state"}
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(1, sum(lens), 4, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    dht = torch.randn(len(lens), 4, 128, 128, generator=gen, device="cuda")
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        o, ht = chunk_gated_delta_rule(**leaves, **flags)
+        torch.autograd.backward((o, ht), (do, dht))
+        return {"o": o, "ht": ht, **{f"d{n}": t.grad for n, t in leaves.items()}}
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    tol = {"dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 2e-2, "o": 5e-3, "ht": 5e-3}
+    for seed in (1, 2):
+        fresh = _inputs(1, sum(lens), 2, 4, 128, True, seed=seed, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            for n, t in fresh.items():
+                leaves[n].copy_(t)
+        graph.replay()
+        replayed = {n: t.detach().clone() for n, t in captured.items()}
+        eager = step()
+        for name, want in eager.items():
+            assert not replayed[name].isnan().any(), name
+            assert_close(name, want.float(), replayed[name].float(), tol.get(name, 8e-3))
 
 
 @pytest.mark.gpu

@@ -124,6 +124,12 @@ def _chunk_cula_sm90(
             row_factors=entry.inference_row_factors, wy_in_recurrence=entry.inference_wy_in_recurrence,
             time_split=entry.time_split,
         )  # fmt: skip
+    # packed training runs KDA's in FLA's graph mode (chunk lists of a size fixed by the shapes, built on the
+    # device), without which KDA's backward cannot be captured. chunk_gated_delta_rule has no use_graph of its own
+    # (FLA's cannot be captured at all: it waits on the host), so every packed step takes it, eager or captured: an
+    # eager warm-up then autotunes FLA's Triton stages for the very launches a capture records (a stage first met
+    # under capture would autotune there and break it), and no eager step waits on the host for its chunk list
+    graph = {} if cu_seqlens is None else {"use_graph": True, "max_num_seqs": cu_seqlens.shape[0] - 1}
     if entry.training_per_head_gate:
         # the forward's intra kernel takes the per-head gate itself, and so does the backward's recompute where it
         # runs on the intra kernel (else the gate is repeated over K for FLA's stages: cula.kda.backends'
@@ -136,7 +142,7 @@ def _chunk_cula_sm90(
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             safe_gate=False, lower_bound=None, state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=A_log,
-            dt_bias=dt_bias, chunk_size=64,
+            dt_bias=dt_bias, chunk_size=64, **graph,
         )  # fmt: skip
     gk, bias = gate_over_k(g, dt_bias, q.shape[-1])
     return chunk_kda(
@@ -144,7 +150,7 @@ def _chunk_cula_sm90(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
-        dt_bias=bias,
+        dt_bias=bias, **graph,
     )  # fmt: skip
 
 
