@@ -82,8 +82,8 @@ def _kda_chunk(scope: str) -> None:
     entry = KDA_TUNING.get((9, 0))
     for dt, svf in itertools.product(d["io"], _B):  # (halves: the output pass over each segment's halves)
         segment_summary.compiled_variant(dtype=dsl_name(dt), state_v_first=svf, mid_states=entry.time_split_halves)
-    for h0, ht, svf in itertools.product(_B, _B, _B):
-        segment_chain.compiled_variant(has_h0=h0, has_ht=ht, state_v_first=svf)
+    for h0, ht, svf, cols in itertools.product(_B, _B, _B, (8, 16)):  # (8 columns a CTA: few sequences and heads)
+        segment_chain.compiled_variant(has_h0=h0, has_ht=ht, state_v_first=svf, cols=cols)
 
 
 def _causal_forms() -> tuple[bool, ...]:

@@ -452,11 +452,12 @@ def test_recording_compiles_nothing(monkeypatch):
     assert listed and not built and all(callable(b) for b in listed.values())
 
 
-def test_chunk_variants_all_reachable(requested, kda_tuning):
+def test_chunk_variants_all_reachable(requested, kda_tuning, monkeypatch):
     """Every listed chunk_kda variant (intra, state/output, the one-call launch, the segment summary and chain) is
     asked for by some public call: fixed and packed inference (general path and plan), training (with and without
-    ``disable_recompute``), FLA's intra stage, the time-segmented launch and calls cut in time, over every dtype and
-    flag the backend accepts."""
+    ``disable_recompute``), FLA's intra stage, the time-segmented launch and calls cut in time (on 132 SMs, where
+    the chain takes 8 columns a CTA, and on 16, where it takes 16), over every dtype and flag the backend
+    accepts."""
     from cula.kda import chunk_kda
     from cula.time_split import SplitThresholds
 
@@ -470,12 +471,14 @@ def test_chunk_variants_all_reachable(requested, kda_tuning):
     )
     cut = SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=64, min_seq_len=128)
     kept = {"disable_recompute": True}
-    forms = {  # (B, packed, training, tuning, call)
-        "fixed": (2, False, False, {}, {}), "packed": (1, True, False, {}, {}), "training": (2, False, True, {}, {}),
-        "training_packed": (1, True, True, {}, {}), "training_kept": (2, False, True, {}, kept),
-        "training_kept_packed": (1, True, True, {}, kept),
-        "segmented": (1, False, False, {"overlap_state_min_tokens": 64}, {}),
-        "cut": (1, False, False, {"time_split": cut}, {}), "cut_packed": (1, True, False, {"time_split": cut}, {}),
+    forms = {  # (B, packed, training, tuning, call, SMs)
+        "fixed": (2, False, False, {}, {}, 132), "packed": (1, True, False, {}, {}, 132),
+        "training": (2, False, True, {}, {}, 132), "training_packed": (1, True, True, {}, {}, 132),
+        "training_kept": (2, False, True, {}, kept, 132), "training_kept_packed": (1, True, True, {}, kept, 132),
+        "segmented": (1, False, False, {"overlap_state_min_tokens": 64}, {}, 132),
+        "cut": (1, False, False, {"time_split": cut}, {}, 132),
+        "cut_packed": (1, True, False, {"time_split": cut}, {}, 132),
+        "cut_few_sms": (1, False, False, {"time_split": cut}, {}, 16),
     }  # fmt: skip
     H, HV, K, T = 1, 2, 128, 200
     for io, g_dt, b_dt, gate, l2, (sig, neg), h0, ht, svf in itertools.product(*grid):
@@ -484,7 +487,8 @@ def test_chunk_variants_all_reachable(requested, kda_tuning):
         if gate in ("safe_sigmoid", "softplus"):
             kw.update(use_gate_in_kernel=True, A_log=_rnd(HV, dtype=FP32), dt_bias=_rnd(HV * K, dtype=FP32),
                       lower_bound=-5.0 if gate == "safe_sigmoid" else None)  # fmt: skip
-        for B, packed, training, tuning, extra in forms.values():
+        for B, packed, training, tuning, extra, sms in forms.values():
+            monkeypatch.setattr("cula.time_split.sm_count", lambda index, sms=sms: sms)
             x = dict(q=_rnd(B, T, H, K, dtype=io, requires_grad=training), k=_rnd(B, T, H, K, dtype=io),
                      v=_rnd(B, T, HV, K, dtype=io), g=-_rnd(B, T, HV, K, dtype=g_dt).abs(),
                      beta=_rnd(B, T, HV, dtype=b_dt))  # fmt: skip

@@ -656,12 +656,14 @@ def _cut_launch(
     dtype = dsl_name(dt)
     fn_summary = segment_summary.compiled_variant(dtype=dtype, state_v_first=state_v_first, mid_states=halves,
                                                   row_factors=row_factors, wy_in_recurrence=wy_in_recurrence)
-    fn_chain = segment_chain.compiled_variant(has_h0=has_h0, has_ht=output_final_state, state_v_first=state_v_first)
+    fn_chain = segment_chain.compiled_variant(has_h0=has_h0, has_ht=output_final_state, state_v_first=state_v_first,
+                                              cols=segment_chain.column_block(N * HV, dev))  # fmt: skip
     fn_states = delta_h_fwd_o.compiled_variant(
         dtype=dtype, varlen=True, has_h0=True, has_ht=False, state_v_first=state_v_first, aqk_causal=True, **rows
     )  # fmt: skip
     if halves:  # every segment a sequence of one step from its true start: its second half's start
-        fn_mids = segment_chain.compiled_variant(has_h0=True, has_ht=True, state_v_first=state_v_first)
+        fn_mids = segment_chain.compiled_variant(has_h0=True, has_ht=True, state_v_first=state_v_first,
+                                                 cols=segment_chain.column_block(M * HV, dev))  # fmt: skip
         once = on_device(tuple(range(M + 1)), torch.int32, dev)
     no_cu, no_ci = placeholder(dev, torch.int32, (2,)), placeholder(dev, torch.int32, (1, 2))
     num_chunks = (T + 63) // 64

@@ -2,10 +2,10 @@
 and every sequence's final state from the segment summaries, in one launch.
 
 CPU: every variant traces and compiles for sm_90a without spills; the launcher rejects bad shapes before any
-launch. GPU (``-m gpu``): starts and final states against the float64 chain (``chain_model`` of
-``tests/test_kda_time_parallel.py``, the kernel's contract) for a ragged layout (one segment, many, an empty
-sequence's single empty segment), with and without initial and final states, both state layouts; NaN-poisoned
-outputs.
+launch and takes 8 value columns a CTA only where the grid that makes still fits one wave. GPU (``-m gpu``): starts
+and final states against the float64 chain (``chain_model`` of ``tests/test_kda_time_parallel.py``, the kernel's
+contract) for a ragged layout (one segment, many, an empty sequence's single empty segment), with and without
+initial and final states, both state layouts, 16 and 8 columns a CTA; NaN-poisoned outputs.
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ from test_kda_time_parallel import chain_model
 from cula.testing import assert_close
 
 _VARIANTS = [
-    {"has_h0": h0, "has_ht": ht, "state_v_first": vf}
+    {"has_h0": h0, "has_ht": ht, "state_v_first": vf, "cols": cols}
     for h0 in (False, True)
     for ht in (False, True)
     for vf in (False, True)
+    for cols in (16, 8)
 ]
 
 _COMPILE_SCRIPT = dump_script(
     "from cula.ops.kda.sm90 import segment_chain_kernel as M",
-    'M._compile(v["has_h0"], v["has_ht"], v["state_v_first"], extra_options=opts)',
+    'M._compile(v["has_h0"], v["has_ht"], v["state_v_first"], v["cols"], extra_options=opts)',
 )
 
 
@@ -75,13 +76,24 @@ def test_launcher_validates_shapes():
         run(torch.zeros(3, 2, 2 * HV, D, D)[:, 0], None, starts, None, first)
 
 
+def test_column_block_narrows_only_within_one_wave(pretend_sm90):
+    from cula.ops.kda.sm90 import segment_chain
+
+    # 4 and 8 lanes (the time split's 4 and 8 heads of one sequence): 64 and 128 CTAs of 8 columns, one wave of 132
+    assert [segment_chain.column_block(n, torch.device("cpu")) for n in (1, 4, 8, 9, 16)] == [8, 8, 8, 16, 16]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("cols", [16, 8])
 @pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("with_h0,with_ht", [(True, True), (False, True), (True, False), (False, False)])
-def test_chain_vs_f64_cuda(state_v_first, with_h0, with_ht):
+def test_chain_vs_f64_cuda(state_v_first, with_h0, with_ht, cols, monkeypatch):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
+    from cula.ops.kda.sm90 import segment_chain
     from cula.ops.kda.sm90.segment_chain import chunk_kda_segment_chain_sm90 as run
+
+    monkeypatch.setattr(segment_chain, "column_block", lambda lanes, device: cols)
 
     torch.manual_seed(0)
     HV, D = 3, 128

@@ -12,22 +12,33 @@ import torch
 from cula.cache import compiled_kernel
 from cula.ops._host import kernel_attr, placeholder
 
-__all__ = ["chunk_kda_segment_chain_sm90", "compiled", "compiled_variant", "variant_key"]
+__all__ = ["chunk_kda_segment_chain_sm90", "column_block", "compiled", "compiled_variant", "variant_key"]
 
 
 def __getattr__(name):
     return kernel_attr(__name__, name)
 
 
-def variant_key(has_h0=False, has_ht=False, state_v_first=False, arch=(9, 0)) -> tuple:
+def variant_key(has_h0=False, has_ht=False, state_v_first=False, cols=16, arch=(9, 0)) -> tuple:
     """The compile key of a variant."""
-    return ("kda.segment_chain", "SegmentChainSm90", 128, has_h0, has_ht, state_v_first, arch)
+    return ("kda.segment_chain", "SegmentChainSm90", 128, has_h0, has_ht, state_v_first, cols, arch)
 
 
 def compiled(key: tuple):
     """The compiled variant of ``key`` (see ``cula.cache.compiled_kernel``)."""
-    _D, has_h0, has_ht, state_v_first, arch = key[2:]
-    return compiled_kernel(key, lambda: kernel_attr(__name__, "_compile")(has_h0, has_ht, state_v_first, arch))
+    _D, has_h0, has_ht, state_v_first, cols, arch = key[2:]
+    return compiled_kernel(
+        key, lambda: kernel_attr(__name__, "_compile")(has_h0, has_ht, state_v_first, cols, arch)
+    )
+
+
+def column_block(lanes: int, device: torch.device) -> int:
+    """The value columns a CTA for a chain of ``lanes`` (sequence, value head) pairs: 8 where the 16 CTAs a lane
+    that takes still fit one wave of the device's SMs (a step's products halved, every CTA on its own SM), else 16
+    (8 CTAs a lane). The SM count as the time split's planners read it (``cula.time_split.sm_count``)."""
+    from cula import time_split
+
+    return 8 if 16 * lanes <= time_split.sm_count(device.index or 0) else 16
 
 
 def compiled_variant(**options):
@@ -77,7 +88,7 @@ def chunk_kda_segment_chain_sm90(
     if N == 0 or HV == 0:
         return
     fn = compiled_variant(has_h0=initial_state is not None, has_ht=final_state is not None,
-                          state_v_first=state_v_first)  # fmt: skip
+                          state_v_first=state_v_first, cols=column_block(N * HV, summary.device))  # fmt: skip
     dummy = placeholder(summary.device, torch.float32, (1, 1, D, D))
     fn(
         summary, initial_state if initial_state is not None else dummy, starts,

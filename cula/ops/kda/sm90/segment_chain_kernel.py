@@ -11,22 +11,25 @@ value head, column block) at once, in fp32 (finer than the state kernels' bf16 c
     for each segment m of sequence n:   starts[m] = S;   S = R[m] S + E[m]
     final[n] = S
 
-CTA ``(b, h, n)`` owns columns ``16 b .. 16 b + 15`` (value channels) of head h's state of sequence n; thread t
-owns state row ``t % 128`` (key channel) of columns ``8 (t // 128) ..`` of them. The column block stays in shared
-memory (every thread reads every row of its half: a warp's reads broadcast). R (64 KB) and the CTA's block of E are
-staged in shared memory by 16-byte ``cp.async``, two segments deep: segment m + 1's copies are issued before
-segment m's products, so the chain waits on a copy only where a segment's 1,024 FMAs a thread take less time than
-its 64 KB take to arrive. R is copied as it lies in memory (a warp instruction reads one 512-byte row); in the
-[K, V] layout a thread then reads its row of R four words at a time (rows padded to 132 words: a quarter-warp's
-16-byte reads hit distinct banks), in the [V, K] layout (R^T in memory) its column a word at a time (a warp's reads
-are 32 consecutive words). Two threads a row halve the CTAs that each read R against one thread a row.
+CTA ``(b, h, n)`` owns columns ``C b .. C b + C - 1`` (value channels; ``C`` = ``cols``, 16 or 8) of head h's
+state of sequence n; thread t owns state row ``t % 128`` (key channel) of columns ``C / 2 (t // 128) ..`` of them.
+The column block stays in shared memory (every thread reads every row of its half: a warp's reads broadcast). R
+(64 KB) and the CTA's block of E are staged in shared memory by 16-byte ``cp.async``, two segments deep: segment
+m + 1's copies are issued before segment m's products, so the chain waits on a copy only where a segment's 64 C
+FMAs a thread take less time than its 64 KB take to arrive. R is copied as it lies in memory (a warp instruction
+reads one 512-byte row); in the [K, V] layout a thread then reads its row of R four words at a time (rows padded to
+132 words: a quarter-warp's 16-byte reads hit distinct banks), in the [V, K] layout (R^T in memory) its column a
+word at a time (a warp's reads are 32 consecutive words). Two threads a row halve the CTAs that each read R against
+one thread a row. Eight columns a CTA (``cols=8``) halve each step's products and double the CTAs, each reading all
+of R: the host takes them where the doubled grid still fits one wave (few sequences and heads, the long chains of a
+time split), 16 elsewhere.
 
 Thread roles (256 threads, two warpgroups, all alike), per segment: issue the next segment's copies, write the
-start, wait for this segment's copies, 128 x 8 FMAs, write the end.
+start, wait for this segment's copies, 128 x C / 2 FMAs, write the end.
 
-Resources: (2 x 128 x 132 + 2 x 128 x 16 + 128 x 16) fp32 = 156 KB of shared memory (one CTA an SM); grid
-8 x HV x N. The chain is the only sequential part of the time-parallel forward: a sequence of m segments costs m
-steps of 1,024 FMAs a thread, each behind the previous one's end state.
+Resources: (2 x 128 x 132 + 3 x 128 x C) fp32 = 156 KB (C = 16) or 147 KB (C = 8) of shared memory (one CTA an
+SM); grid 128 / C x HV x N. The chain is the only sequential part of the time-parallel forward: a sequence of m
+segments costs m steps of 64 C FMAs a thread, each behind the previous one's end state.
 """
 from __future__ import annotations
 
@@ -46,22 +49,25 @@ class SegmentChainSm90:
     """True start states (and final states) of every time segment from their summaries, sm_90a (see the module
     docstring).
 
-    Static configuration: whether there are initial states to start from, whether final states are written, and the
-    state layout. K = V = 128; the numbers of segments, sequences and heads are runtime values.
+    Static configuration: whether there are initial states to start from, whether final states are written, the
+    state layout and the value columns a CTA (16 or 8). K = V = 128; the numbers of segments, sequences and heads are
+    runtime values.
     """
 
     arch = 90
     d = 128  # K = V
-    cols = 16  # value columns a CTA
-    thread_cols = 8  # value columns a thread: two threads a key row
     num_threads = 256
     pad = 4  # words after each staged row of R: rows stay 16-byte aligned, a quarter-warp's row reads conflict-free
     stages = 2  # segments staged at once: the next one's copies in flight during this one's products
 
-    def __init__(self, has_h0: bool = False, has_ht: bool = False, state_v_first: bool = False):
+    def __init__(self, has_h0: bool = False, has_ht: bool = False, state_v_first: bool = False, cols: int = 16):
+        if cols not in (8, 16):
+            raise ValueError(f"cols must be 8 or 16, got {cols}")
         self.has_h0 = has_h0
         self.has_ht = has_ht
         self.state_v_first = state_v_first
+        self.cols = cols  # value columns a CTA
+        self.thread_cols = cols // 2  # value columns a thread: two threads a key row
 
     @cute.jit
     def __call__(
@@ -97,7 +103,7 @@ class SegmentChainSm90:
         D, C, TC, P, S = self.d, self.cols, self.thread_cols, self.pad, self.stages
         t, _, _ = cute.arch.thread_idx()
         b, h, n = cute.arch.block_idx()
-        # thread t: key row r, the CTA's columns tc .. tc + 7 (a warp's threads share tc: its reads of S broadcast)
+        # thread t: key row r, the CTA's columns tc .. tc + TC - 1 (a warp's threads share tc: its reads of S broadcast)
         r = t % D
         tc = cute.assume((t // D) * TC, divby=TC)
         c0 = b * C
@@ -154,15 +160,15 @@ class SegmentChainSm90:
             narrow = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
             for c in cutlass.range_constexpr(TC):
                 cute.copy(narrow, vec_at(sum_v, (c0 + tc + c, r, h, m), 1, 1), vec_at(sE, (r, tc + c, s), 1, 1))
-        else:  # E[r, c0 + tc .. c0 + tc + 7] is contiguous
+        else:  # E[r, c0 + tc .. c0 + tc + TC - 1] is contiguous
             for c in cutlass.range_constexpr(0, TC, 4):
                 cute.copy(wide, vec_at(sum_v, (c0 + tc + c, r, h, m), 4, 4), vec_at(sE, (r, tc + c, s), 4, 4))
 
     @cute.jit
     def _transition_times_block(self, sR: cute.Tensor, sS: cute.Tensor, acc: cute.Tensor, r: Int32, tc: Int32,
                                 s: Int32):  # fmt: skip
-        """``acc += R[r, :] S[:, tc .. tc + 7]`` from stage ``s``: R's row r read four words at a time in the
-        [K, V] layout, a word at a time (column r of R^T) in the [V, K] one; each row of S's columns as two 16-byte
+        """``acc += R[r, :] S[:, tc .. tc + TC - 1]`` from stage ``s``: R's row r read four words at a time in the
+        [K, V] layout, a word at a time (column r of R^T) in the [V, K] one; each row of S's columns as TC / 4 16-byte
         broadcasts."""
         D, TC = self.d, self.thread_cols
         rS = cute.make_rmem_tensor(TC, Float32)
@@ -179,12 +185,12 @@ class SegmentChainSm90:
                     acc[c] = acc[c] + rR[e] * rS[c]
 
 
-def _compile(has_h0, has_ht, state_v_first, arch=(9, 0), extra_options=""):
+def _compile(has_h0, has_ht, state_v_first, cols=16, arch=(9, 0), extra_options=""):
     """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     D = SegmentChainSm90.d
-    kernel = SegmentChainSm90(has_h0=has_h0, has_ht=has_ht, state_v_first=state_v_first)
+    kernel = SegmentChainSm90(has_h0=has_h0, has_ht=has_ht, state_v_first=state_v_first, cols=cols)
 
     def state():  # 64-bit outer stride: M * 2 HV * K * V may pass 2^31 elements
         return make_fake_tensor(
