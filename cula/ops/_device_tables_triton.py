@@ -1,0 +1,147 @@
+"""Triton kernels of ``cula.ops.device_tables`` (imported by it only when a table is made on a CUDA device, so that
+``import cula`` does not import Triton).
+
+Both kernels are one program that first walks the sequences in blocks (each block's inclusive prefix sum plus the
+carry of the blocks before), storing the running ends, then, after a CTA barrier (global stores made before it are
+seen after it by the whole CTA), maps every output row to its sequence by a binary search over those ends
+(``searchsorted(ends, row, right=True)``, clamped to the last sequence). Values are not checked, as in the torch
+forms: boundaries that are not non-decreasing give meaningless rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["chunk_rows", "segment_tables"]
+
+_BLOCK = 1024  # sequences / rows a step of the program
+_WARPS = 8
+
+
+@triton.jit
+def _ends_pass(cu, ends, N, width, seg, min_len, BLOCK: tl.constexpr, CUT: tl.constexpr):
+    """``ends[n]`` = the pieces of sequences 0..n (each ``ceil(len / width)`` chunks, or, with CUT, pieces of
+    ``seg`` where ``len > seg`` and ``len >= min_len``, else one)."""
+    carry = tl.zeros((), dtype=tl.int64)
+    for start in range(0, N, BLOCK):
+        n = start + tl.arange(0, BLOCK)
+        live = n < N
+        a = tl.load(cu + n, mask=live, other=0).to(tl.int64)
+        b = tl.load(cu + n + 1, mask=live, other=0).to(tl.int64)
+        lens = b - a
+        if CUT:
+            pieces = tl.where((lens > seg) & (lens >= min_len), (lens + seg - 1) // seg, 1)
+        else:
+            pieces = (lens + width - 1) // width
+        pieces = tl.where(live, pieces, 0)
+        run = tl.cumsum(pieces, 0) + carry
+        tl.store(ends + n, run, mask=live)
+        carry += tl.sum(pieces, 0)
+
+
+@triton.jit
+def _sequence_of(ends, rows, N, steps):
+    """``searchsorted(ends[:N], rows, right=True)`` clamped to ``N - 1``: the first sequence whose end is past the
+    row."""
+    lo = tl.zeros(rows.shape, dtype=tl.int64)
+    hi = tl.zeros(rows.shape, dtype=tl.int64) + N
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        e = tl.load(ends + mid, mask=mid < N, other=0)
+        right = (mid < hi) & (e <= rows)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right | (mid >= hi), hi, mid)
+    return tl.minimum(lo, N - 1)
+
+
+@triton.jit
+def _chunk_rows_kernel(cu, ends, out, N, num_rows, steps, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    _ends_pass(cu, ends, N, CHUNK, 0, 0, BLOCK, False)
+    tl.debug_barrier()
+    for start in range(0, num_rows, BLOCK):
+        r = start + tl.arange(0, BLOCK).to(tl.int64)
+        live = r < num_rows
+        seq = _sequence_of(ends, r, N, steps)
+        a = tl.load(cu + seq, mask=live, other=0).to(tl.int64)
+        b = tl.load(cu + seq + 1, mask=live, other=0).to(tl.int64)
+        before = tl.load(ends + seq, mask=live, other=0) - (b - a + CHUNK - 1) // CHUNK
+        tl.store(out + 2 * r, seq.to(tl.int32), mask=live)
+        tl.store(out + 2 * r + 1, (r - before).to(tl.int32), mask=live)
+
+
+@triton.jit
+def _segment_tables_kernel(cu, ends, bounds, first, sequence, halves, N, M, seg, min_len, steps,
+                           HALVES: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    _ends_pass(cu, ends, N, 0, seg, min_len, BLOCK, True)
+    tl.debug_barrier()
+    for start in range(0, N + 1, BLOCK):  # first = [0, ends...]
+        n = start + tl.arange(0, BLOCK)
+        prev = tl.load(ends + n - 1, mask=(n > 0) & (n <= N), other=0)
+        tl.store(first + n, prev.to(tl.int32), mask=n <= N)
+    total = tl.load(cu + N).to(tl.int64)
+    for start in range(0, M, BLOCK):
+        m = start + tl.arange(0, BLOCK).to(tl.int64)
+        live = m < M
+        seq = _sequence_of(ends, m, N, steps)
+        a = tl.load(cu + seq, mask=live, other=0).to(tl.int64)
+        b = tl.load(cu + seq + 1, mask=live, other=0).to(tl.int64)
+        lens = b - a
+        pieces = tl.where((lens > seg) & (lens >= min_len), (lens + seg - 1) // seg, 1)
+        piece = m - (tl.load(ends + seq, mask=live, other=0) - pieces)
+        # a sequence's pieces from its start, seg apart; the spare segments (past the last sequence's) at its end
+        begin = a + tl.where(piece < pieces, piece * seg, lens)
+        tl.store(bounds + m, begin.to(tl.int32), mask=live)
+        tl.store(sequence + m, seq, mask=live)
+        if HALVES:  # each segment's first ceil(len / ALIGN) // 2 chunks, then the rest
+            # (the segment's end: the next one's start, or the call's end for the last)
+            nxt = m + 1
+            seq2 = _sequence_of(ends, nxt, N, steps)
+            a2 = tl.load(cu + seq2, mask=live, other=0).to(tl.int64)
+            b2 = tl.load(cu + seq2 + 1, mask=live, other=0).to(tl.int64)
+            lens2 = b2 - a2
+            pieces2 = tl.where((lens2 > seg) & (lens2 >= min_len), (lens2 + seg - 1) // seg, 1)
+            piece2 = nxt - (tl.load(ends + seq2, mask=live, other=0) - pieces2)
+            end = tl.where(nxt < M, a2 + tl.where(piece2 < pieces2, piece2 * seg, lens2), total)
+            mid = begin + (end - begin + ALIGN - 1) // ALIGN // 2 * ALIGN
+            tl.store(halves + 2 * m, begin.to(tl.int32), mask=live)
+            tl.store(halves + 2 * m + 1, mid.to(tl.int32), mask=live)
+    tl.store(bounds + M, total.to(tl.int32))
+    if HALVES:
+        tl.store(halves + 2 * M, total.to(tl.int32))
+
+
+def _search_steps(n: int) -> int:
+    """Binary search steps over ``n`` ends: enough to narrow ``[0, n]`` to one point."""
+    return max(1, n.bit_length())
+
+
+def chunk_rows(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = 64) -> torch.Tensor:
+    """``cula.kda.forward.device_chunk_indices`` in one launch: ``[num_rows, 2]`` int32 (sequence, chunk within it),
+    the rows past the real chunks naming the last sequence with chunk numbers from its chunk count on."""
+    N = cu_seqlens.numel() - 1
+    out = torch.empty(num_rows, 2, dtype=torch.int32, device=cu_seqlens.device)
+    if num_rows == 0:
+        return out
+    ends = torch.empty(max(N, 1), dtype=torch.int64, device=cu_seqlens.device)
+    _chunk_rows_kernel[(1,)](cu_seqlens, ends, out, N, num_rows, _search_steps(N), CHUNK=chunk_size, BLOCK=_BLOCK,
+                             num_warps=_WARPS)  # fmt: skip
+    return out
+
+
+def segment_tables(cu_seqlens: torch.Tensor, segment_len: int, min_seq_len: int, num_segments: int, halves: bool,
+                   align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """``cula.time_split.device_segment_tables``' tables in one launch: ``(bounds, first, halves, sequence)``,
+    int32 ``[M + 1]``, int32 ``[N + 1]``, int32 ``[2 M + 1]`` or None, int64 ``[M]``."""
+    N, M, dev = cu_seqlens.numel() - 1, num_segments, cu_seqlens.device
+    bounds = torch.empty(M + 1, dtype=torch.int32, device=dev)
+    first = torch.empty(N + 1, dtype=torch.int32, device=dev)
+    sequence = torch.empty(M, dtype=torch.int64, device=dev)
+    half = torch.empty(2 * M + 1, dtype=torch.int32, device=dev) if halves else bounds
+    ends = torch.empty(max(N, 1), dtype=torch.int64, device=dev)
+    _segment_tables_kernel[(1,)](
+        cu_seqlens, ends, bounds, first, sequence, half, N, M, segment_len, min_seq_len, _search_steps(N),
+        HALVES=halves, ALIGN=align, BLOCK=_BLOCK, num_warps=_WARPS,
+    )  # fmt: skip
+    return bounds, first, half if halves else None, sequence

@@ -1,0 +1,70 @@
+"""The tables a captured packed call builds from its ``cu_seqlens`` on the device, each in one Triton launch.
+
+A packed call captured in a CUDA graph replays on whatever boundaries its ``cu_seqlens`` then holds, so the chunk
+list of the intra and state kernels (``cula.kda.forward.device_chunk_indices``) and the time split's segment tables
+(``cula.time_split.device_segment_tables``) are made on the device at every replay. Written as torch ops they were
+about 14 and 28 small kernels, each a graph node of a microsecond or two; here each is one launch of one program.
+The torch forms stay the rule's statement (and the CPU's path); the CPU tests hold these to them under Triton's
+interpreter.
+
+The kernels (``_device_tables_triton``) are imported on first use on a CUDA device, not with ``cula``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["chunk_rows", "preload", "segment_tables", "usable"]
+
+_LOADED: set[int] = set()  # devices where both kernels have run once (compiled and their modules loaded)
+_NO_TRITON: list[bool] = []  # Triton could not be imported (not installed on this platform): the torch forms
+
+
+def usable(device: torch.device) -> bool:
+    """Whether the kernels can run on ``device`` now: a CUDA device where they have run before, or where no capture
+    is under way (they run once first, ``preload``). A kernel's first launch loads its module, which a capture
+    refuses (the capture would be invalidated): callers then take the torch forms."""
+    if device.type != "cuda" or _NO_TRITON:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _LOADED:
+        return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    preload(device)
+    return index in _LOADED
+
+
+def preload(device: torch.device) -> None:
+    """Run both kernels once on ``device`` (outside any capture) unless they have: the eager calls of packed
+    boundaries call this, so that a capture after them (an engine's or a training loop's warm-up, then its capture)
+    finds the kernels loaded."""
+    if device.type != "cuda" or _NO_TRITON:
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _LOADED or torch.cuda.is_current_stream_capturing():
+        return
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        _NO_TRITON.append(True)
+        return
+    cu = torch.tensor([0, 3, 3, 70], dtype=torch.int32, device=torch.device("cuda", index))
+    chunk_rows(cu, 4)
+    segment_tables(cu, 64, 0, 4, True, 64)
+    _LOADED.add(index)
+
+
+def chunk_rows(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = 64) -> torch.Tensor:
+    """``cula.kda.forward.device_chunk_indices`` in one launch (where ``usable``)."""
+    from cula.ops import _device_tables_triton as kernels
+
+    return kernels.chunk_rows(cu_seqlens, num_rows, chunk_size)
+
+
+def segment_tables(cu_seqlens: torch.Tensor, segment_len: int, min_seq_len: int, num_segments: int, halves: bool,
+                   align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """``cula.time_split.device_segment_tables``' tables in one launch (where ``usable``)."""
+    from cula.ops import _device_tables_triton as kernels
+
+    return kernels.segment_tables(cu_seqlens, segment_len, min_seq_len, num_segments, halves, align)
