@@ -111,3 +111,36 @@ def test_triton_tables_match_the_torch_forms_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     assert compare("cuda") >= 40
+
+
+@pytest.mark.gpu
+def test_captures_after_preload_need_no_new_variant_cuda():
+    """After ``preload``, captures of other boundary counts, lengths, dtypes and both ``halves`` launch only variants
+    already loaded (a new one would load its module inside the capture and invalidate it); the replays equal the
+    torch forms on the boundaries the buffers then hold."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import cula.time_split as ts
+    from cula.kda.forward import device_chunk_indices
+    from cula.ops import device_tables
+
+    device_tables.preload(torch.device("cuda"))
+    for dtype, lens, halves in ((torch.int64, [1], False), (torch.int32, [5000, 0, 17], True),
+                                (torch.int64, [64] * 33, True), (torch.int32, [2], False)):  # fmt: skip
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=dtype, device="cuda")
+        plan = ts.split_plan(tuple(lens), 64, 0)
+        M = ts.replay_segments(plan, sum(lens)) if plan is not None else 2 * len(lens) + 1
+        rows = sum(lens) // 64 + len(lens)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got_rows = device_tables.chunk_rows(cu, rows)
+            got = device_tables.segment_tables(cu, 64, 0, M, halves, ts.SEGMENT_ALIGN)
+        new = list(reversed(lens))  # other boundaries, the same count and total
+        cu.copy_(torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got_rows.cpu(), device_chunk_indices(cu.cpu(), rows))
+        if plan is not None:
+            want = ts.device_segment_tables(plan, cu.cpu(), M, halves)
+            assert torch.equal(got[0].cpu(), want.bounds) and torch.equal(got[1].cpu(), want.first)
+            assert torch.equal(got[3].cpu(), want.sequence)

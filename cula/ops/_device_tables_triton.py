@@ -1,14 +1,22 @@
 """Triton kernels of ``cula.ops.device_tables`` (imported by it only when a table is made on a CUDA device, so that
 ``import cula`` does not import Triton).
 
-Both kernels are one program that first walks the sequences in blocks (each block's inclusive prefix sum plus the
-carry of the blocks before), storing the running ends, then, after a CTA barrier (global stores made before it are
-seen after it by the whole CTA), maps every output row to its sequence by a binary search over those ends
-(``searchsorted(ends, row, right=True)``, clamped to the last sequence). Values are not checked, as in the torch
-forms: boundaries that are not non-decreasing give meaningless rows.
+Both walk the sequences in blocks (each block's inclusive prefix sum plus the carry of the blocks before), storing
+the running ends, then map every output row to its sequence by a binary search over those ends
+(``searchsorted(ends, row, right=True)``, clamped to the last sequence). The segment tables (a few hundred rows at
+most) do both in one program, the second after a CTA barrier (global stores made before it are seen after it by the
+whole CTA); the chunk list (up to ``T / 64`` rows) searches in a grid of programs, after a one-program launch of the
+ends. Values are not checked, as in the torch forms: boundaries that are not non-decreasing give meaningless rows.
+
+Every integer argument is left unspecialized and no pointer is specialized on its alignment, so one compiled
+variant per boundary dtype (and, for the segment tables, per ``HALVES``) serves every call: ``device_tables.preload``
+compiles and loads them all before any capture needs them (a launch that compiles inside a capture loads a module
+there, which invalidates it).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -18,6 +26,18 @@ __all__ = ["chunk_rows", "segment_tables"]
 
 _BLOCK = 1024  # sequences / rows a step of the program
 _WARPS = 8
+
+
+_INTS = ["N", "num_rows", "steps", "seg", "min_len", "M", "width"]
+
+
+def _jit(fn):
+    """``triton.jit`` with the integer arguments unspecialized and no pointer specialized on its alignment (one
+    variant a dtype, see the module docstring)."""
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    ints = [n for n in names if n in _INTS]
+    ptrs = [n for n in names if n not in _INTS and n.upper() != n]
+    return triton.jit(do_not_specialize=ints, do_not_specialize_on_alignment=ptrs)(fn)
 
 
 @triton.jit
@@ -56,22 +76,24 @@ def _sequence_of(ends, rows, N, steps):
     return tl.minimum(lo, N - 1)
 
 
-@triton.jit
-def _chunk_rows_kernel(cu, ends, out, N, num_rows, steps, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    _ends_pass(cu, ends, N, CHUNK, 0, 0, BLOCK, False)
-    tl.debug_barrier()
-    for start in range(0, num_rows, BLOCK):
-        r = start + tl.arange(0, BLOCK).to(tl.int64)
-        live = r < num_rows
-        seq = _sequence_of(ends, r, N, steps)
-        a = tl.load(cu + seq, mask=live, other=0).to(tl.int64)
-        b = tl.load(cu + seq + 1, mask=live, other=0).to(tl.int64)
-        before = tl.load(ends + seq, mask=live, other=0) - (b - a + CHUNK - 1) // CHUNK
-        tl.store(out + 2 * r, seq.to(tl.int32), mask=live)
-        tl.store(out + 2 * r + 1, (r - before).to(tl.int32), mask=live)
+@_jit
+def _chunk_ends_kernel(cu, ends, N, width, BLOCK: tl.constexpr):
+    _ends_pass(cu, ends, N, width, 0, 0, BLOCK, False)
 
 
-@triton.jit
+@_jit
+def _chunk_rows_kernel(cu, ends, out, N, num_rows, steps, width, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = r < num_rows
+    seq = _sequence_of(ends, r, N, steps)
+    a = tl.load(cu + seq, mask=live, other=0).to(tl.int64)
+    b = tl.load(cu + seq + 1, mask=live, other=0).to(tl.int64)
+    before = tl.load(ends + seq, mask=live, other=0) - (b - a + width - 1) // width
+    tl.store(out + 2 * r, seq.to(tl.int32), mask=live)
+    tl.store(out + 2 * r + 1, (r - before).to(tl.int32), mask=live)
+
+
+@_jit
 def _segment_tables_kernel(cu, ends, bounds, first, sequence, halves, N, M, seg, min_len, steps,
                            HALVES: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     _ends_pass(cu, ends, N, 0, seg, min_len, BLOCK, True)
@@ -117,16 +139,24 @@ def _search_steps(n: int) -> int:
     return max(1, n.bit_length())
 
 
+def _on(device: torch.device):
+    """Triton launches on the current device's current stream: make it ``device``'s (CPU tensors: the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def chunk_rows(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = 64) -> torch.Tensor:
-    """``cula.kda.forward.device_chunk_indices`` in one launch: ``[num_rows, 2]`` int32 (sequence, chunk within it),
-    the rows past the real chunks naming the last sequence with chunk numbers from its chunk count on."""
-    N = cu_seqlens.numel() - 1
-    out = torch.empty(num_rows, 2, dtype=torch.int32, device=cu_seqlens.device)
+    """``cula.kda.forward.device_chunk_indices`` in two launches: ``[num_rows, 2]`` int32 (sequence, chunk within
+    it), the rows past the real chunks naming the last sequence with chunk numbers from its chunk count on."""
+    N, dev = cu_seqlens.numel() - 1, cu_seqlens.device
+    out = torch.empty(num_rows, 2, dtype=torch.int32, device=dev)
     if num_rows == 0:
         return out
-    ends = torch.empty(max(N, 1), dtype=torch.int64, device=cu_seqlens.device)
-    _chunk_rows_kernel[(1,)](cu_seqlens, ends, out, N, num_rows, _search_steps(N), CHUNK=chunk_size, BLOCK=_BLOCK,
-                             num_warps=_WARPS)  # fmt: skip
+    ends = torch.empty(max(N, 1), dtype=torch.int64, device=dev)
+    with _on(dev):
+        _chunk_ends_kernel[(1,)](cu_seqlens, ends, N, chunk_size, BLOCK=_BLOCK, num_warps=_WARPS)
+        _chunk_rows_kernel[(triton.cdiv(num_rows, _BLOCK),)](
+            cu_seqlens, ends, out, N, num_rows, _search_steps(N), chunk_size, BLOCK=_BLOCK, num_warps=_WARPS
+        )  # fmt: skip
     return out
 
 
@@ -140,8 +170,9 @@ def segment_tables(cu_seqlens: torch.Tensor, segment_len: int, min_seq_len: int,
     sequence = torch.empty(M, dtype=torch.int64, device=dev)
     half = torch.empty(2 * M + 1, dtype=torch.int32, device=dev) if halves else bounds
     ends = torch.empty(max(N, 1), dtype=torch.int64, device=dev)
-    _segment_tables_kernel[(1,)](
-        cu_seqlens, ends, bounds, first, sequence, half, N, M, segment_len, min_seq_len, _search_steps(N),
-        HALVES=halves, ALIGN=align, BLOCK=_BLOCK, num_warps=_WARPS,
-    )  # fmt: skip
+    with _on(dev):
+        _segment_tables_kernel[(1,)](
+            cu_seqlens, ends, bounds, first, sequence, half, N, M, segment_len, min_seq_len, _search_steps(N),
+            HALVES=halves, ALIGN=align, BLOCK=_BLOCK, num_warps=_WARPS,
+        )  # fmt: skip
     return bounds, first, half if halves else None, sequence

@@ -12,19 +12,21 @@ The kernels (``_device_tables_triton``) are imported on first use on a CUDA devi
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 __all__ = ["chunk_rows", "preload", "segment_tables", "usable"]
 
-_LOADED: set[int] = set()  # devices where both kernels have run once (compiled and their modules loaded)
-_NO_TRITON: list[bool] = []  # Triton could not be imported (not installed on this platform): the torch forms
+_LOADED: set[int] = set()  # devices where every kernel variant has run once (compiled and its module loaded)
+_UNAVAILABLE: list[str] = []  # why the kernels cannot run here (no Triton, or a compile failed): the torch forms
 
 
 def usable(device: torch.device) -> bool:
     """Whether the kernels can run on ``device`` now: a CUDA device where they have run before, or where no capture
     is under way (they run once first, ``preload``). A kernel's first launch loads its module, which a capture
     refuses (the capture would be invalidated): callers then take the torch forms."""
-    if device.type != "cuda" or _NO_TRITON:
+    if device.type != "cuda" or _UNAVAILABLE:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _LOADED:
@@ -36,22 +38,30 @@ def usable(device: torch.device) -> bool:
 
 
 def preload(device: torch.device) -> None:
-    """Run both kernels once on ``device`` (outside any capture) unless they have: the eager calls of packed
-    boundaries call this, so that a capture after them (an engine's or a training loop's warm-up, then its capture)
-    finds the kernels loaded."""
-    if device.type != "cuda" or _NO_TRITON:
+    """Run every kernel variant once on ``device`` (outside any capture) unless they have: the chunk list's two kernels
+    and the segment tables' kernel with and without ``HALVES``, for int32 and int64 boundaries (the only
+    specializations: integers and alignments are not specialized on). The eager calls of packed boundaries call
+    this, so that a capture after them (an engine's or a training loop's warm-up, then its capture) finds every
+    variant loaded. Where Triton is missing or a compile fails, the torch forms serve from then on (the reason
+    logged once)."""
+    if device.type != "cuda" or _UNAVAILABLE:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _LOADED or torch.cuda.is_current_stream_capturing():
         return
     try:
-        import triton  # noqa: F401
-    except ImportError:
-        _NO_TRITON.append(True)
+        for dtype in (torch.int32, torch.int64):
+            cu = torch.tensor([0, 3, 3, 70], dtype=dtype, device=torch.device("cuda", index))
+            chunk_rows(cu, 4, 64)
+            for halves in (False, True):
+                segment_tables(cu, 64, 0, 4, halves, 64)
+    except Exception as err:  # (ImportError without Triton; a compiler's or driver's error otherwise)
+        _UNAVAILABLE.append(f"{type(err).__name__}: {err}")
+        logging.getLogger("cula").warning(
+            "cula: captured packed calls build their tables with torch ops (the Triton kernels cannot run: %s)",
+            _UNAVAILABLE[0],
+        )  # fmt: skip
         return
-    cu = torch.tensor([0, 3, 3, 70], dtype=torch.int32, device=torch.device("cuda", index))
-    chunk_rows(cu, 4)
-    segment_tables(cu, 64, 0, 4, True, 64)
     _LOADED.add(index)
 
 
