@@ -58,7 +58,33 @@ def compare(device: str, lengths=LENGTHS, rules=RULES) -> int:
                     assert torch.equal(w.first, f) and torch.equal(w.sequence, s), (lens[:5], seg, halves)
                     assert (h is None) == (w.halves is None) and (h is None or torch.equal(w.halves, h))
                     checks += 1
+                    if not halves and M <= 64:  # (the M x M weights: small layouts keep the interpreter quick)
+                        checks += _compare_combine(w, cu, device)
     return checks
+
+
+def _compare_combine(tables, cu, device) -> int:
+    """Lightning's captured-cut tables (``combine_tables``) against ``_device_feed_bounds`` and ``_device_weights``:
+    the clamped bounds and last segments exactly, the weights to a float32 rounding."""
+    from cula.lightning import time_parallel as tp
+    from cula.ops import device_tables
+
+    HV = 3
+    want_feed, want_last = tp._device_feed_bounds(tables.bounds, tables.first)
+    for gamma in (None, -torch.rand(HV, generator=torch.Generator().manual_seed(0)) * 0.05):
+        for with_h0 in (False, True):
+            we_want, wh_want = tp._device_weights(tables.bounds, tables.sequence, cu.cpu(), HV, torch.float32, gamma,
+                                                  with_h0)  # fmt: skip
+            feed, last, we, wh = device_tables.combine_tables(
+                tables.bounds.to(device), tables.first.to(device), tables.sequence.to(device), cu,
+                None if gamma is None else gamma.to(device), HV, with_h0,
+            )  # fmt: skip
+            assert torch.equal(feed.cpu(), want_feed) and torch.equal(last.cpu(), want_last)
+            torch.testing.assert_close(we.cpu(), we_want, rtol=2e-6, atol=0)
+            assert (wh is None) == (not with_h0)
+            if with_h0:
+                torch.testing.assert_close(wh.cpu(), wh_want, rtol=2e-6, atol=0)
+    return 1
 
 
 def test_triton_tables_match_the_torch_forms_interpreted():

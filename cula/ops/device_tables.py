@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-__all__ = ["chunk_rows", "preload", "segment_tables", "usable"]
+__all__ = ["chunk_rows", "combine_tables", "preload", "segment_tables", "usable"]
 
 _LOADED: set[int] = set()  # devices where every kernel variant has run once (compiled and its module loaded)
 _UNAVAILABLE: list[str] = []  # why the kernels cannot run here (no Triton, or a compile failed): the torch forms
@@ -39,7 +39,7 @@ def usable(device: torch.device) -> bool:
 
 def preload(device: torch.device) -> None:
     """Run every kernel variant once on ``device`` (outside any capture) unless they have: the chunk list's two kernels
-    and the segment tables' kernel with and without ``HALVES``, for int32 and int64 boundaries (the only
+    the segment tables' kernel and Lightning's combine tables' kernel, for int32 and int64 boundaries (the only
     specializations: integers and alignments are not specialized on). The eager calls of packed boundaries call
     this, so that a capture after them (an engine's or a training loop's warm-up, then its capture) finds every
     variant loaded. Where Triton is missing or a compile fails, the torch forms serve from then on (the reason
@@ -53,8 +53,8 @@ def preload(device: torch.device) -> None:
         for dtype in (torch.int32, torch.int64):
             cu = torch.tensor([0, 3, 3, 70], dtype=dtype, device=torch.device("cuda", index))
             chunk_rows(cu, 4, 64)
-            for halves in (False, True):
-                segment_tables(cu, 64, 0, 4, halves, 64)
+            bounds, first, _, sequence = segment_tables(cu, 64, 0, 4, True, 64)
+            combine_tables(bounds, first, sequence, cu, None, 1, True)
     except Exception as err:  # (ImportError without Triton; a compiler's or driver's error otherwise)
         _UNAVAILABLE.append(f"{type(err).__name__}: {err}")
         logging.getLogger("cula").warning(
@@ -78,3 +78,13 @@ def segment_tables(cu_seqlens: torch.Tensor, segment_len: int, min_seq_len: int,
     from cula.ops import _device_tables_triton as kernels
 
     return kernels.segment_tables(cu_seqlens, segment_len, min_seq_len, num_segments, halves, align)
+
+
+def combine_tables(bounds: torch.Tensor, first: torch.Tensor, sequence: torch.Tensor, cu_seqlens: torch.Tensor,
+                   g_gamma: torch.Tensor | None, num_heads: int, with_h0: bool):  # fmt: skip
+    """Lightning's captured cut from the device segment tables in one launch (where ``usable``): the first pass's
+    clamped bounds, every sequence's last segment, and the combine's weights (``cula.lightning.time_parallel``'s
+    ``_device_feed_bounds`` and ``_device_weights``)."""
+    from cula.ops import _device_tables_triton as kernels
+
+    return kernels.combine_tables(bounds, first, sequence, cu_seqlens, g_gamma, num_heads, with_h0)
