@@ -26,7 +26,7 @@ def usable(device: torch.device) -> bool:
     """Whether the kernels can run on ``device`` now: a CUDA device where they have run before, or where no capture
     is under way (they run once first, ``preload``). A kernel's first launch loads its module, which a capture
     refuses (the capture would be invalidated): callers then take the torch forms."""
-    if device.type != "cuda" or _UNAVAILABLE:
+    if device.type != "cuda" or _UNAVAILABLE or torch.compiler.is_compiling():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _LOADED:
@@ -44,7 +44,7 @@ def preload(device: torch.device) -> None:
     this, so that a capture after them (an engine's or a training loop's warm-up, then its capture) finds every
     variant loaded. Where Triton is missing or a compile fails, the torch forms serve from then on (the reason
     logged once)."""
-    if device.type != "cuda" or _UNAVAILABLE:
+    if device.type != "cuda" or _UNAVAILABLE or torch.compiler.is_compiling():  # (tracing: fake tensors)
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _LOADED or torch.cuda.is_current_stream_capturing():
