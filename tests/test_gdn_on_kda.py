@@ -127,9 +127,11 @@ def test_declines_what_the_kernels_do_not_take(gdn_tuning, pretend_sm90):
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["repeated-gate", "per-head-forward"])
 def test_packed_training_takes_fla_graph_mode(per_head, gdn_tuning, monkeypatch):
-    """Every packed training call runs KDA's training in FLA's graph mode (``use_graph``, ``max_num_seqs`` the
-    call's sequence count), eager or captured alike, so that an eager warm-up readies what a capture records;
-    fixed lengths do not."""
+    """A packed training call without ``cu_seqlens_cpu`` runs KDA's training in FLA's graph mode (``use_graph``,
+    ``max_num_seqs`` the call's sequence count), eager or captured alike, so that an eager warm-up readies what a
+    capture records; with ``cu_seqlens_cpu`` only a captured call does (an eager one keeps the exact chunk lists and
+    its forward's time split); fixed lengths never."""
+    import cula.gated_delta_rule.backends as gb
     import cula.kda
     import cula.kda.backends as kb
 
@@ -139,11 +141,15 @@ def test_packed_training_takes_fla_graph_mode(per_head, gdn_tuning, monkeypatch)
     monkeypatch.setattr(cula.kda, "chunk_kda", record)
     monkeypatch.setattr(kb, "chunk_kda_cula_sm90", record)
     x = _inputs(1, 100, 2, 2, 16, True)
-    for cut in (make_cu_seqlens([40, 0, 60]), None):
+    cu = make_cu_seqlens([40, 0, 60])
+    for cut, host, capture in ((cu, None, False), (cu, None, True), (cu, cu, False), (cu, cu, True),
+                               (None, None, False), (None, None, True)):  # fmt: skip
+        monkeypatch.setattr(gb, "capturing", lambda t, capture=capture: capture)
         leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-        _chunk_cula_sm90(**leaves, **dict(_flags(True, True, cut, None), scale=0.25), cu_seqlens_cpu=None)
+        _chunk_cula_sm90(**leaves, **dict(_flags(True, True, cut, None), scale=0.25), cu_seqlens_cpu=host)
         graph = {n: seen[-1][n] for n in ("use_graph", "max_num_seqs") if n in seen[-1]}
-        assert graph == ({"use_graph": True, "max_num_seqs": 3} if cut is not None else {})
+        want = cut is not None and (host is None or capture)
+        assert graph == ({"use_graph": True, "max_num_seqs": 3} if want else {}), (host is None, capture)
 
 
 @pytest.mark.gpu
