@@ -153,12 +153,15 @@ def test_packed_training_takes_fla_graph_mode(per_head, gdn_tuning, monkeypatch)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["fixed", "packed", "packed-host-copy"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["repeated-gate", "per-head-forward"])
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate-gva"])
-def test_gdn_training_on_hopper_cuda(fused, per_head, gdn_tuning):
+def test_gdn_training_on_hopper_cuda(fused, per_head, layout, gdn_tuning):
     """``chunk_gated_delta_rule`` with autograd on the H200, through cula's KDA path (the forward with the gate
     repeated over K, or on the intra kernel's per-head gate: ``GdnTuning.training_per_head_gate``), against the
-    float64 reference: outputs, final state and every gradient at FLA's tolerances."""
+    float64 reference: outputs, final state and every gradient at FLA's tolerances. Fixed lengths, and packed
+    sequences with empty and one-token ones (without ``cu_seqlens_cpu``: FLA's graph mode; with it: the exact
+    chunk lists)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.gated_delta_rule import chunk_gated_delta_rule
@@ -166,16 +169,22 @@ def test_gdn_training_on_hopper_cuda(fused, per_head, gdn_tuning):
     gdn_tuning(training_per_head_gate=per_head)
 
     H, HV = (2, 4) if fused else (2, 2)
-    x = _inputs(2, 300, H, HV, 128, fused, dtype=torch.bfloat16, device="cuda")
-    h0 = torch.randn(2, HV, 128, 128, device="cuda") * 0.1
-    flags = _flags(fused, True, None, h0)
+    cu, (B, T, N) = None, (2, 300, 2)
+    if layout != "fixed":
+        lens = [37, 0, 130, 1, 72]
+        cu, (B, T, N) = make_cu_seqlens(lens, device="cuda"), (1, sum(lens), len(lens))
+    x = _inputs(B, T, H, HV, 128, fused, dtype=torch.bfloat16, device="cuda")
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    flags = _flags(fused, True, cu, h0)
+    if layout == "packed-host-copy":
+        flags["cu_seqlens_cpu"] = cu.cpu()
     if fused:
         extra = {n: x.pop(n) for n in ("A_log", "dt_bias")}
         x.update(extra)
     o, ht, grads = _run(chunk_gated_delta_rule, x, flags)
     assert not o.isnan().any()
     cpu = {n: t.cpu() for n, t in x.items()}
-    flags_cpu = dict(flags, initial_state=h0.cpu())
+    flags_cpu = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in flags.items() if n != "cu_seqlens_cpu"}
     o_r, ht_r, grads_r = _run(
         lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu, flags_cpu
     )
