@@ -293,22 +293,18 @@ def back_to_back_us(fn: Callable[[], Any], n: int = 100, batches: int = 15) -> f
     return statistics.median(walls) * 1e6
 
 
-def host_speed_us(calls: int = 500) -> float:
-    """The host's own speed now: ``torch.empty(1)`` on the current CUDA device ``calls`` times back to back, in
-    microseconds a call (a few milliseconds in all)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        torch.empty(1, device="cuda")
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
 def host_yardstick(device: torch.device | str) -> Callable[[], Callable[[], Any]]:
     """A maker for :func:`measure_host_overheads` of ``torch.empty(1, device=device)``: a call with no work of ours,
     timed beside the implementations as the host's own speed. On the H200's host it swung between 2.6-2.9 and
     4.7-5.3 us in stretches of seconds, the decode step's 15-16 against 22-25 us in lockstep: host figures of two
     runs compare only with their yardsticks."""
     return lambda: (lambda: torch.empty(1, device=device))
+
+
+def host_speed_us(calls: int = 500) -> float:
+    """The host's own speed now: :func:`host_yardstick`'s call on the current CUDA device, ``calls`` times back to
+    back (:func:`back_to_back_us`, one run), in microseconds a call (a few milliseconds in all)."""
+    return back_to_back_us(host_yardstick("cuda")(), n=calls, batches=1)
 
 
 def measure_host_overheads(

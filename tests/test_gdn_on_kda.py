@@ -204,6 +204,8 @@ def test_gdn_packed_training_step_captured_cuda(per_head, gdn_tuning):
     within FLA's tolerances, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
+    from test_cuda_graphs import _capture
+
     from cula.gated_delta_rule import chunk_gated_delta_rule
 
     gdn_tuning(training_per_head_gate=per_head)
@@ -224,15 +226,7 @@ def test_gdn_packed_training_step_captured_cuda(per_head, gdn_tuning):
         torch.autograd.backward((o, ht), (do, dht))
         return {"o": o, "ht": ht, **{f"d{n}": t.grad for n, t in leaves.items()}}
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = _capture(step, warmup=2)
     tol = {"dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 2e-2, "o": 5e-3, "ht": 5e-3}
     for seed in (1, 2):
         fresh = _inputs(1, sum(lens), 2, 4, 128, True, seed=seed, dtype=torch.bfloat16, device="cuda")
