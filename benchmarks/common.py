@@ -301,6 +301,12 @@ def host_yardstick(device: torch.device | str) -> Callable[[], Callable[[], Any]
     return lambda: (lambda: torch.empty(1, device=device))
 
 
+def host_speed_us(calls: int = 500) -> float:
+    """The host's own speed now: :func:`host_yardstick`'s call on the current CUDA device, ``calls`` times back to
+    back (:func:`back_to_back_us`, one run), in microseconds a call (a few milliseconds in all)."""
+    return back_to_back_us(host_yardstick("cuda")(), n=calls, batches=1)
+
+
 def measure_host_overheads(
     calls: dict[str, Callable[[], Callable[[], Any]]], rounds: int = 3, record: Callable | None = None
 ) -> dict[str, dict[str, float]]:
@@ -926,6 +932,9 @@ def run_suite(
       (``config check fla_ms cula_ms speedup errors``); the suite goes on.
     * The CUDA caching allocator is emptied after every config, so one config's multi-GB input sets do not
       crowd the next.
+    * On a GPU each row records ``host_speed_us``, ``torch.empty(1)`` back to back just before the config ran: the
+      host's own speed then (the device's host has slow stretches of seconds, which move every eager figure of a
+      host-bound row, FLA's and cula's alike; see ``host_yardstick``).
 
     Args:
         cfgs: configs, each with a ``name``.
@@ -950,6 +959,7 @@ def run_suite(
                     print(f"[{name}] --max-seconds {max_seconds:g} reached: skipping "
                           f"{len(cfgs) - len(rows)} config(s)", file=sys.stderr, flush=True)
                     break
+                host = host_speed_us() if torch.cuda.is_available() else None
                 t0 = time.perf_counter()
                 try:
                     row = run_one(cfg)
@@ -958,6 +968,8 @@ def run_suite(
                            "speedup": None, "errors": {"config": error_text(exc)}}
                 if record_wall:
                     row["wall_s"] = round(time.perf_counter() - t0, 2)
+                if host is not None:
+                    row["host_speed_us"] = round(host, 2)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 rows.append(row)

@@ -420,6 +420,20 @@ def test_run_suite_rows_budget_progress(capsys):
     assert "--max-seconds 0.05 reached: skipping 3 config(s)" in capsys.readouterr().err
 
 
+def test_run_suite_records_the_hosts_speed_before_each_config(monkeypatch):
+    """On a GPU every row carries the host's speed measured just before its config ran (none without one)."""
+    cfgs = [_Cfg(f"c{i}") for i in range(3)]
+    speeds = iter([2.71, 5.044, 2.8])
+    monkeypatch.setattr(bc, "host_speed_us", lambda: next(speeds))
+    monkeypatch.setattr(bc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bc.torch.cuda, "empty_cache", lambda: None)
+    run = bc.run_suite(cfgs, lambda cfg: {"config": cfg.name, "check": "ok"}, None, 0.0)
+    assert [r["host_speed_us"] for r in run.rows] == [2.71, 5.04, 2.8]
+    monkeypatch.setattr(bc.torch.cuda, "is_available", lambda: False)
+    run = bc.run_suite(cfgs, lambda cfg: {"config": cfg.name, "check": "ok"}, None, 0.0)
+    assert not any("host_speed_us" in r for r in run.rows)
+
+
 def test_run_suite_sigterm_keeps_rows():
     import signal
     import threading

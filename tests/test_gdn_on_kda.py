@@ -127,9 +127,11 @@ def test_declines_what_the_kernels_do_not_take(gdn_tuning, pretend_sm90):
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["repeated-gate", "per-head-forward"])
 def test_packed_training_takes_fla_graph_mode(per_head, gdn_tuning, monkeypatch):
-    """Every packed training call runs KDA's training in FLA's graph mode (``use_graph``, ``max_num_seqs`` the
-    call's sequence count), eager or captured alike, so that an eager warm-up readies what a capture records;
-    fixed lengths do not."""
+    """A packed training call without ``cu_seqlens_cpu`` runs KDA's training in FLA's graph mode (``use_graph``,
+    ``max_num_seqs`` the call's sequence count), eager or captured alike, so that an eager warm-up readies what a
+    capture records; with ``cu_seqlens_cpu`` only a captured call does (an eager one keeps the exact chunk lists and
+    its forward's time split); fixed lengths never."""
+    import cula.gated_delta_rule.backends as gb
     import cula.kda
     import cula.kda.backends as kb
 
@@ -139,20 +141,27 @@ def test_packed_training_takes_fla_graph_mode(per_head, gdn_tuning, monkeypatch)
     monkeypatch.setattr(cula.kda, "chunk_kda", record)
     monkeypatch.setattr(kb, "chunk_kda_cula_sm90", record)
     x = _inputs(1, 100, 2, 2, 16, True)
-    for cut in (make_cu_seqlens([40, 0, 60]), None):
+    cu = make_cu_seqlens([40, 0, 60])
+    for cut, host, capture in ((cu, None, False), (cu, None, True), (cu, cu, False), (cu, cu, True),
+                               (None, None, False), (None, None, True)):  # fmt: skip
+        monkeypatch.setattr(gb, "capturing", lambda t, capture=capture: capture)
         leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-        _chunk_cula_sm90(**leaves, **dict(_flags(True, True, cut, None), scale=0.25), cu_seqlens_cpu=None)
+        _chunk_cula_sm90(**leaves, **dict(_flags(True, True, cut, None), scale=0.25), cu_seqlens_cpu=host)
         graph = {n: seen[-1][n] for n in ("use_graph", "max_num_seqs") if n in seen[-1]}
-        assert graph == ({"use_graph": True, "max_num_seqs": 3} if cut is not None else {})
+        want = cut is not None and (host is None or capture)
+        assert graph == ({"use_graph": True, "max_num_seqs": 3} if want else {}), (host is None, capture)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["fixed", "packed", "packed-host-copy"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["repeated-gate", "per-head-forward"])
 @pytest.mark.parametrize("fused", [False, True], ids=["log-gate", "fused-gate-gva"])
-def test_gdn_training_on_hopper_cuda(fused, per_head, gdn_tuning):
+def test_gdn_training_on_hopper_cuda(fused, per_head, layout, gdn_tuning):
     """``chunk_gated_delta_rule`` with autograd on the H200, through cula's KDA path (the forward with the gate
     repeated over K, or on the intra kernel's per-head gate: ``GdnTuning.training_per_head_gate``), against the
-    float64 reference: outputs, final state and every gradient at FLA's tolerances."""
+    float64 reference: outputs, final state and every gradient at FLA's tolerances. Fixed lengths, and packed
+    sequences with empty and one-token ones (without ``cu_seqlens_cpu``: FLA's graph mode; with it: the exact
+    chunk lists)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from cula.gated_delta_rule import chunk_gated_delta_rule
@@ -160,16 +169,22 @@ def test_gdn_training_on_hopper_cuda(fused, per_head, gdn_tuning):
     gdn_tuning(training_per_head_gate=per_head)
 
     H, HV = (2, 4) if fused else (2, 2)
-    x = _inputs(2, 300, H, HV, 128, fused, dtype=torch.bfloat16, device="cuda")
-    h0 = torch.randn(2, HV, 128, 128, device="cuda") * 0.1
-    flags = _flags(fused, True, None, h0)
+    cu, (B, T, N) = None, (2, 300, 2)
+    if layout != "fixed":
+        lens = [37, 0, 130, 1, 72]
+        cu, (B, T, N) = make_cu_seqlens(lens, device="cuda"), (1, sum(lens), len(lens))
+    x = _inputs(B, T, H, HV, 128, fused, dtype=torch.bfloat16, device="cuda")
+    h0 = torch.randn(N, HV, 128, 128, device="cuda") * 0.1
+    flags = _flags(fused, True, cu, h0)
+    if layout == "packed-host-copy":
+        flags["cu_seqlens_cpu"] = cu.cpu()
     if fused:
         extra = {n: x.pop(n) for n in ("A_log", "dt_bias")}
         x.update(extra)
     o, ht, grads = _run(chunk_gated_delta_rule, x, flags)
     assert not o.isnan().any()
     cpu = {n: t.cpu() for n, t in x.items()}
-    flags_cpu = dict(flags, initial_state=h0.cpu())
+    flags_cpu = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in flags.items() if n != "cu_seqlens_cpu"}
     o_r, ht_r, grads_r = _run(
         lambda **kw: reference_chunk_gated_delta_rule(**kw, compute_dtype=torch.float64), cpu, flags_cpu
     )
@@ -189,6 +204,8 @@ def test_gdn_packed_training_step_captured_cuda(per_head, gdn_tuning):
     within FLA's tolerances, none NaN."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
+    from test_cuda_graphs import _capture
+
     from cula.gated_delta_rule import chunk_gated_delta_rule
 
     gdn_tuning(training_per_head_gate=per_head)
@@ -209,15 +226,7 @@ def test_gdn_packed_training_step_captured_cuda(per_head, gdn_tuning):
         torch.autograd.backward((o, ht), (do, dht))
         return {"o": o, "ht": ht, **{f"d{n}": t.grad for n, t in leaves.items()}}
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = _capture(step, warmup=2)
     tol = {"dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 2e-2, "o": 5e-3, "ht": 5e-3}
     for seed in (1, 2):
         fresh = _inputs(1, sum(lens), 2, 4, 128, True, seed=seed, dtype=torch.bfloat16, device="cuda")

@@ -24,7 +24,9 @@ from __future__ import annotations
 import torch
 
 from cula._validate import check_scale
-from cula.backends import ConstantTensors, Registry, always, cula_kernels_on, needs_grad, package_on_cuda
+from cula.backends import (
+    ConstantTensors, Registry, always, capturing, cula_kernels_on, needs_grad, package_on_cuda,
+)  # fmt: skip
 from cula.kda.plan import gate_over_k
 from cula.ops._host import sequences_verdict
 
@@ -124,12 +126,16 @@ def _chunk_cula_sm90(
             row_factors=entry.inference_row_factors, wy_in_recurrence=entry.inference_wy_in_recurrence,
             time_split=entry.time_split,
         )  # fmt: skip
-    # packed training runs KDA's in FLA's graph mode (chunk lists of a size fixed by the shapes, built on the
-    # device), without which KDA's backward cannot be captured. chunk_gated_delta_rule has no use_graph of its own
-    # (FLA's cannot be captured at all: it waits on the host), so every packed step takes it, eager or captured: an
-    # eager warm-up then autotunes FLA's Triton stages for the very launches a capture records (a stage first met
-    # under capture would autotune there and break it), and no eager step waits on the host for its chunk list
-    graph = {} if cu_seqlens is None else {"use_graph": True, "max_num_seqs": cu_seqlens.shape[0] - 1}
+    # packed training without the boundaries' host copy runs KDA's in FLA's graph mode (chunk lists of a size fixed
+    # by the shapes, built on the device), without which KDA's backward cannot be captured; chunk_gated_delta_rule
+    # has no use_graph of its own (FLA's cannot be captured at all: it waits on the host). Eager calls take it too:
+    # a warm-up then autotunes FLA's Triton stages for the very launches a capture records (a stage first met under
+    # capture would autotune there and break it), and no step waits on the host for its chunk list (such calls are
+    # never cut in time: their lengths are unknown). With cu_seqlens_cpu an eager step keeps the exact lists and
+    # the time split of its forward; a captured one needs graph mode all the same
+    graph = {}
+    if cu_seqlens is not None and (cu_seqlens_cpu is None or capturing(cu_seqlens)):
+        graph = {"use_graph": True, "max_num_seqs": cu_seqlens.shape[0] - 1}
     if entry.training_per_head_gate:
         # the forward's intra kernel takes the per-head gate itself, and so does the backward's recompute where it
         # runs on the intra kernel (else the gate is repeated over K for FLA's stages: cula.kda.backends'

@@ -27,7 +27,7 @@ time split), 16 elsewhere.
 Thread roles (256 threads, two warpgroups, all alike), per segment: issue the next segment's copies, write the
 start, wait for this segment's copies, 128 x C / 2 FMAs, write the end.
 
-Resources: (2 x 128 x 132 + 3 x 128 x C) fp32 = 156 KB (C = 16) or 147 KB (C = 8) of shared memory (one CTA an
+Resources: (2 x 128 x 132 + 3 x 128 x C) fp32 = 156 KiB (C = 16) or 144 KiB (C = 8) of shared memory (one CTA an
 SM); grid 128 / C x HV x N. The chain is the only sequential part of the time-parallel forward: a sequence of m
 segments costs m steps of 64 C FMAs a thread, each behind the previous one's end state.
 """
