@@ -63,9 +63,23 @@ def compare(device: str, lengths=LENGTHS, rules=RULES) -> int:
     return checks
 
 
+def _assert_same_exp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Triton's ``exp`` on a GPU is ``ex2.approx`` of ``x log2(e)``, whose rounding grows with ``|x|``: a weight of
+    ``exp(-45)`` differs from torch's ``expf`` by about 6e-6 relative. Exact zeros (no feed) match exactly; below
+    float32's normal range either side may flush to zero."""
+    tiny = torch.finfo(torch.float32).tiny
+    assert bool((got[want == 0] == 0).all())
+    normal = want >= tiny
+    ratio = (got[normal].double() / want[normal].double() - 1).abs()
+    allowed = 2e-6 + 3e-7 * want[normal].double().log().abs()
+    assert bool((ratio <= allowed).all()), f"worst excess {(ratio - allowed).max().item():.3g}"
+    assert bool((got[(want > 0) & ~normal] < tiny).all())
+
+
 def _compare_combine(tables, cu, device) -> int:
     """Lightning's captured-cut tables (``combine_tables``) against ``_device_feed_bounds`` and ``_device_weights``:
-    the clamped bounds and last segments exactly, the weights to a float32 rounding."""
+    the clamped bounds and last segments exactly, the weights as exponentials of float32 arguments (see
+    ``_assert_same_exp``)."""
     from cula.lightning import time_parallel as tp
     from cula.ops import device_tables
 
@@ -80,10 +94,10 @@ def _compare_combine(tables, cu, device) -> int:
                 None if gamma is None else gamma.to(device), HV, with_h0,
             )  # fmt: skip
             assert torch.equal(feed.cpu(), want_feed) and torch.equal(last.cpu(), want_last)
-            torch.testing.assert_close(we.cpu(), we_want, rtol=2e-6, atol=0)
+            _assert_same_exp(we.cpu(), we_want)
             assert (wh is None) == (not with_h0)
             if with_h0:
-                torch.testing.assert_close(wh.cpu(), wh_want, rtol=2e-6, atol=0)
+                _assert_same_exp(wh.cpu(), wh_want)
     return 1
 
 
