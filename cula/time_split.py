@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from cula.backends import capturing
+from cula.ops import device_tables
 from cula.ops._host import GRID_YZ_MAX, sm_count
 
 SEGMENT_ALIGN = 64  # the kernel's chunk: a segment of whole chunks adds no partial chunk but the last
@@ -152,6 +153,8 @@ def plan_call(thresholds: SplitThresholds | None, B: int, T: int, num_value_head
     if thresholds is None:
         return None
     captured = cu_seqlens is not None and capturing(cu_seqlens)
+    if cu_seqlens is not None and not captured:  # (a capture of this call later makes its tables with them)
+        device_tables.preload(cu_seqlens.device)
     lengths = call_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
     if lengths is None:
         return None
@@ -215,6 +218,11 @@ def device_segment_tables(plan: SplitPlan, cu_seqlens: torch.Tensor, num_segment
     empty segments at the end of the call, past ``first[N]``, in no sequence's chain (so no chain grows longer
     for them), whose start states the caller zeroes. As ``cula.kda.forward.device_chunk_indices``, values are not
     checked: boundaries that are not non-decreasing or end past ``num_segments``' total give meaningless segments."""
+    if cu_seqlens.numel() > 1 and device_tables.usable(cu_seqlens.device):
+        bounds, first, half, seq = device_tables.segment_tables(
+            cu_seqlens, plan.segment_len, plan.min_seq_len, num_segments, halves, SEGMENT_ALIGN
+        )  # fmt: skip
+        return SegmentTables(num_segments, bounds, first, half, spare=True, sequence=seq)
     cu = cu_seqlens.long()
     seg, M, N = plan.segment_len, num_segments, cu.numel() - 1
     lens = cu[1:] - cu[:-1]

@@ -31,6 +31,7 @@ from cula.backends import capturing
 from cula.kda.plan import (
     KDA_TUNING, gate_over_k, intra_any_gate, parallel_segments, time_segments, use_cula_intra,
 )  # fmt: skip
+from cula.ops import device_tables
 from cula.ops._host import ROW_FACTORS, dsl_name, gate_kind, placeholder
 from cula.ops.kda.sm90 import intra
 from cula.ops.kda.sm90.delta_h_fwd_o import chunk_kda_delta_h_fwd_o_sm90
@@ -778,6 +779,7 @@ def host_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | Non
     key = (tuple(host.tolist()), chunk_size, dev, stream)
     made = _CHUNK_INDICES.get(key)
     if made is None:
+        device_tables.preload(dev)  # (a capture of these boundaries later builds its tables with them)
         # made outside inference mode even under it: a later training call of the same batch gets these tensors,
         # and an inference tensor there could not be saved for its backward
         with torch.inference_mode(False):
@@ -823,6 +825,8 @@ def device_chunk_indices(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: in
     holds for any boundaries with the same sequence count and total length. Values are not checked (capture
     cannot read them); boundaries that are not non-decreasing give meaningless rows.
     """
+    if cu_seqlens.numel() > 1 and device_tables.usable(cu_seqlens.device):
+        return device_tables.chunk_rows(cu_seqlens, num_rows, chunk_size)
     cu = cu_seqlens.long()  # searchsorted takes one dtype for both sides; int64 also rules out overflow
     counts = (cu[1:] - cu[:-1] + (chunk_size - 1)).div(chunk_size, rounding_mode="floor")
     ends = counts.cumsum(0)  # one past each sequence's last chunk row

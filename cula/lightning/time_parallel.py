@@ -19,7 +19,7 @@ Everything about the cut (segment boundaries, which end states feed which start)
 shapes or ``cu_seqlens_cpu``; the device tensors holding it are cached per layout, so a call after the first
 one needs no host-to-device copy and can be captured in a CUDA graph. A packed call captured in a graph replays on
 whatever boundaries its ``cu_seqlens`` then holds: its segments are made on the device from them
-(``cula.time_split.device_segment_tables``, the capture's rule) and so is the combine's layout (``_device_combine``:
+(``cula.time_split.device_segment_tables``, the capture's rule) and so is the combine's layout (``_device_weights``:
 every segment a row, its distances by broadcast), at every replay.
 """
 
@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from cula.backends import ConstantTensors, capturing
+from cula.ops import device_tables
 from cula.time_split import (  # noqa: F401  (the split's planning, shared with KDA; re-exported for callers)
     SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, segment_tables, split_plan,
 )
@@ -174,29 +175,46 @@ def _combine(we: torch.Tensor, wh: torch.Tensor, E: torch.Tensor, h0: torch.Tens
     return starts.index_copy_(0, index.rows, part)
 
 
-def _device_combine(bounds: torch.Tensor, seq_of: torch.Tensor, cu_seqlens: torch.Tensor, E: torch.Tensor,
-                    h0: torch.Tensor | None, g_gamma: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """``_starts`` for segment tables made on the device (a captured packed call): every segment a row, fed by the
-    earlier segments of its sequence and its sequence's initial state, the distances by broadcast over the ``[M]``
-    bounds (nothing read on the host)."""
-    M, HV = E.shape[0], E.shape[1]
-    cd = torch.promote_types(E.dtype, torch.float32)
+def _device_weights(bounds: torch.Tensor, seq_of: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int,
+                    dtype: torch.dtype, g_gamma: torch.Tensor | None, with_h0: bool):  # fmt: skip
+    """``_start_weights`` for segment tables made on the device (a captured packed call): every segment a row, fed
+    by the earlier segments of its sequence and its sequence's initial state, the distances by broadcast over the
+    ``[M]`` bounds (nothing read on the host). ``(we [HV, M, M], wh [HV, M] or None)``."""
+    M, HV = seq_of.numel(), num_heads
     b = bounds.long()
     a, end = b[:-1], b[1:]
-    idx = torch.arange(M, device=E.device)
+    idx = torch.arange(M, device=b.device)
     feeds = (seq_of[:, None] == seq_of[None, :]) & (idx[None, :] < idx[:, None])
-    dist = (a[:, None] - end[None, :]).clamp_min(0).to(cd)
+    dist = (a[:, None] - end[None, :]).clamp_min(0).to(dtype)
     if g_gamma is None:
-        we = feeds.to(cd).expand(HV, M, M)
+        we = feeds.to(dtype).expand(HV, M, M).contiguous()
     else:
-        we = torch.mul(g_gamma.detach().to(cd)[:, None, None], dist).exp_().mul_(feeds)
-    starts = E.new_empty(E.shape, dtype=cd)
-    _per_head_mm(we.contiguous(), E.to(cd), starts)
-    if h0 is not None:  # the initial state, decayed over the tokens before the segment in its sequence
-        since = (a - cu_seqlens.long()[seq_of]).to(cd)
-        wh = torch.ones(HV, M, dtype=cd, device=E.device) if g_gamma is None else torch.mul(
-            g_gamma.detach().to(cd)[:, None], since).exp_()  # fmt: skip
-        starts.add_(h0.to(cd).index_select(0, seq_of) * wh.t()[:, :, None, None])
+        we = torch.mul(g_gamma.detach().to(dtype)[:, None, None], dist).exp_().mul_(feeds)
+    if not with_h0:
+        return we, None
+    # the initial state, decayed over the tokens before the segment in its sequence
+    since = (a - cu_seqlens.long()[seq_of]).to(dtype)
+    wh = torch.ones(HV, M, dtype=dtype, device=b.device) if g_gamma is None else torch.mul(
+        g_gamma.detach().to(dtype)[:, None], since).exp_()  # fmt: skip
+    return we, wh
+
+
+def _device_feed_bounds(bounds: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first pass's bounds for device segment tables, clamped where the last segment that feeds a start (one of
+    a sequence, not its last) ends, and every sequence's last segment (int64)."""
+    last = first[1:].long() - 1
+    feeding = torch.arange(bounds.numel() - 1, device=bounds.device) < first[-1]
+    feeding.index_fill_(0, last, False)  # (not an index_put of a host scalar: a copy, which capture refuses)
+    return bounds.clamp(max=torch.where(feeding, bounds[1:], 0).max()), last
+
+
+def _device_combine(we: torch.Tensor, wh: torch.Tensor | None, seq_of: torch.Tensor, E: torch.Tensor,
+                    h0: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``_starts`` from ``_device_weights``' weights (or the table kernel's), in their dtype."""
+    starts = E.new_empty(E.shape, dtype=we.dtype)
+    _per_head_mm(we, E.to(we.dtype), starts)
+    if h0 is not None:
+        starts.add_(h0.to(we.dtype).index_select(0, seq_of) * wh.t()[:, :, None, None])
     return starts
 
 
@@ -298,13 +316,18 @@ def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, ou
     """``time_parallel_forward`` of a packed call while a CUDA graph captures: the segments, the first pass's
     feeding bounds and the combine made on the device from ``cu_seqlens`` at every replay."""
     tables = segment_tables(plan, q.shape[1], cu_seqlens, q.device)
-    bounds, first = tables.bounds, tables.first
-    # the first pass stops at the end of the last segment that feeds a start (one of a sequence, not its last)
-    last = first[1:].long() - 1
-    feeding = torch.arange(tables.num_segments, device=q.device) < first[-1]
-    feeding.index_fill_(0, last, False)  # (not an index_put of a host scalar: a copy, which capture refuses)
-    end = torch.where(feeding, bounds[1:], 0).max()
-    _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, bounds.clamp(max=end))
-    starts = _device_combine(bounds, tables.sequence, cu_seqlens, E, initial_state, g_gamma).to(E.dtype)
+    bounds, first, seq_of, HV = tables.bounds, tables.first, tables.sequence, v.shape[2]
+    with_h0 = initial_state is not None
+    if device_tables.usable(q.device):  # the first pass's bounds, last segments and weights in one launch
+        feed_bounds, last, we, wh = device_tables.combine_tables(bounds, first, seq_of, cu_seqlens, g_gamma, HV,
+                                                                 with_h0)  # fmt: skip
+    else:
+        feed_bounds, last = _device_feed_bounds(bounds, first)
+        we = None
+    _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, feed_bounds)
+    if we is None:
+        cd = torch.promote_types(E.dtype, torch.float32)
+        we, wh = _device_weights(bounds, seq_of, cu_seqlens, HV, cd, g_gamma, with_h0)
+    starts = _device_combine(we, wh, seq_of, E, initial_state).to(E.dtype)
     o, ends = chunk_fn(q, k, v, g_gamma, scale, starts, output_final_state, state_v_first, bounds)
     return o.view(v.shape), ends.index_select(0, last) if output_final_state else None

@@ -1,0 +1,246 @@
+"""Triton kernels of ``cula.ops.device_tables`` (imported by it only when a table is made on a CUDA device, so that
+``import cula`` does not import Triton).
+
+Both walk the sequences in blocks (each block's inclusive prefix sum plus the carry of the blocks before), storing
+the running ends, then map every output row to its sequence by a binary search over those ends
+(``searchsorted(ends, row, right=True)``, clamped to the last sequence). The segment tables (a few hundred rows at
+most) do both in one program, the second after a CTA barrier (global stores made before it are seen after it by the
+whole CTA); the chunk list (up to ``T / 64`` rows) searches in a grid of programs, after a one-program launch of the
+ends. Values are not checked, as in the torch forms: boundaries that are not non-decreasing give meaningless rows.
+
+Every integer argument is left unspecialized and no pointer is specialized on its alignment, so one compiled
+variant per boundary dtype (and, for the segment tables, per ``HALVES``) serves every call: ``device_tables.preload``
+compiles and loads them all before any capture needs them (a launch that compiles inside a capture loads a module
+there, which invalidates it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["chunk_rows", "combine_tables", "segment_tables"]
+
+_BLOCK = 1024  # sequences / rows a step of the program
+_WARPS = 8
+
+
+_INTS = ["N", "num_rows", "steps", "seg", "min_len", "M", "width", "with_halves", "HV", "has_gamma", "has_h0"]
+
+
+def _jit(fn):
+    """``triton.jit`` with the integer arguments unspecialized and no pointer specialized on its alignment (one
+    variant a dtype, see the module docstring)."""
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    ints = [n for n in names if n in _INTS]
+    ptrs = [n for n in names if n not in _INTS and n.upper() != n]
+    return triton.jit(do_not_specialize=ints, do_not_specialize_on_alignment=ptrs)(fn)
+
+
+@triton.jit
+def _ends_pass(cu, ends, N, width, seg, min_len, BLOCK: tl.constexpr, CUT: tl.constexpr):
+    """``ends[n]`` = the pieces of sequences 0..n (each ``ceil(len / width)`` chunks, or, with CUT, pieces of
+    ``seg`` where ``len > seg`` and ``len >= min_len``, else one)."""
+    carry = tl.zeros((), dtype=tl.int64)
+    for start in range(0, N, BLOCK):
+        n = start + tl.arange(0, BLOCK)
+        live = n < N
+        a = tl.load(cu + n, mask=live, other=0).to(tl.int64)
+        b = tl.load(cu + n + 1, mask=live, other=0).to(tl.int64)
+        lens = b - a
+        if CUT:
+            pieces = tl.where((lens > seg) & (lens >= min_len), (lens + seg - 1) // seg, 1)
+        else:
+            pieces = (lens + width - 1) // width
+        pieces = tl.where(live, pieces, 0)
+        run = tl.cumsum(pieces, 0) + carry
+        tl.store(ends + n, run, mask=live)
+        carry += tl.sum(pieces, 0)
+
+
+@triton.jit
+def _sequence_of(ends, rows, N, steps):
+    """``searchsorted(ends[:N], rows, right=True)`` clamped to ``N - 1``: the first sequence whose end is past the
+    row."""
+    lo = tl.zeros(rows.shape, dtype=tl.int64)
+    hi = tl.zeros(rows.shape, dtype=tl.int64) + N
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        e = tl.load(ends + mid, mask=mid < N, other=0)
+        right = (mid < hi) & (e <= rows)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right | (mid >= hi), hi, mid)
+    return tl.minimum(lo, N - 1)
+
+
+@_jit
+def _chunk_ends_kernel(cu, ends, N, width, BLOCK: tl.constexpr):
+    _ends_pass(cu, ends, N, width, 0, 0, BLOCK, False)
+
+
+@_jit
+def _chunk_rows_kernel(cu, ends, out, N, num_rows, steps, width, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = r < num_rows
+    seq = _sequence_of(ends, r, N, steps)
+    a = tl.load(cu + seq, mask=live, other=0).to(tl.int64)
+    b = tl.load(cu + seq + 1, mask=live, other=0).to(tl.int64)
+    before = tl.load(ends + seq, mask=live, other=0) - (b - a + width - 1) // width
+    tl.store(out + 2 * r, seq.to(tl.int32), mask=live)
+    tl.store(out + 2 * r + 1, (r - before).to(tl.int32), mask=live)
+
+
+@_jit
+def _segment_tables_kernel(cu, ends, bounds, first, sequence, halves, N, M, seg, min_len, steps, with_halves,
+                           ALIGN: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    _ends_pass(cu, ends, N, 0, seg, min_len, BLOCK, True)
+    tl.debug_barrier()
+    for start in range(0, N + 1, BLOCK):  # first = [0, ends...]
+        n = start + tl.arange(0, BLOCK)
+        prev = tl.load(ends + n - 1, mask=(n > 0) & (n <= N), other=0)
+        tl.store(first + n, prev.to(tl.int32), mask=n <= N)
+    total = tl.load(cu + N).to(tl.int64)
+    for start in range(0, M, BLOCK):
+        m = start + tl.arange(0, BLOCK).to(tl.int64)
+        live = m < M
+        seq = _sequence_of(ends, m, N, steps)
+        a = tl.load(cu + seq, mask=live, other=0).to(tl.int64)
+        b = tl.load(cu + seq + 1, mask=live, other=0).to(tl.int64)
+        lens = b - a
+        pieces = tl.where((lens > seg) & (lens >= min_len), (lens + seg - 1) // seg, 1)
+        piece = m - (tl.load(ends + seq, mask=live, other=0) - pieces)
+        # a sequence's pieces from its start, seg apart; the spare segments (past the last sequence's) at its end
+        begin = a + tl.where(piece < pieces, piece * seg, lens)
+        tl.store(bounds + m, begin.to(tl.int32), mask=live)
+        tl.store(sequence + m, seq, mask=live)
+        if with_halves != 0:  # each segment's first ceil(len / ALIGN) // 2 chunks, then the rest
+            # (the segment's end: the next one's start, or the call's end for the last)
+            nxt = m + 1
+            seq2 = _sequence_of(ends, nxt, N, steps)
+            a2 = tl.load(cu + seq2, mask=live, other=0).to(tl.int64)
+            b2 = tl.load(cu + seq2 + 1, mask=live, other=0).to(tl.int64)
+            lens2 = b2 - a2
+            pieces2 = tl.where((lens2 > seg) & (lens2 >= min_len), (lens2 + seg - 1) // seg, 1)
+            piece2 = nxt - (tl.load(ends + seq2, mask=live, other=0) - pieces2)
+            end = tl.where(nxt < M, a2 + tl.where(piece2 < pieces2, piece2 * seg, lens2), total)
+            mid = begin + (end - begin + ALIGN - 1) // ALIGN // 2 * ALIGN
+            tl.store(halves + 2 * m, begin.to(tl.int32), mask=live)
+            tl.store(halves + 2 * m + 1, mid.to(tl.int32), mask=live)
+    tl.store(bounds + M, total.to(tl.int32))
+    if with_halves != 0:
+        tl.store(halves + 2 * M, total.to(tl.int32))
+
+
+@_jit
+def _combine_tables_kernel(bounds, first, sequence, cu, gamma, clamped, last, we, wh, N, M, HV, has_gamma, has_h0,
+                           BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
+    """Lightning's captured cut (``cula.lightning.time_parallel._captured_forward``) from the segment tables:
+    program (0, 0) writes the first pass's bounds, clamped at the end of the last segment that feeds a start (one
+    of a sequence, not its last), and every sequence's last segment; program (h, i) writes head h's combine
+    weights of rows ``BLOCK_I i ..``: ``we[h, r, c] = exp(gamma_h max(a_r - end_c, 0))`` where segment c comes
+    before r in r's sequence (else 0), and, with initial states, ``wh[h, r] = exp(gamma_h (a_r - start of r's
+    sequence))`` (gamma absent: 1)."""
+    h = tl.program_id(0)
+    rb = tl.program_id(1)
+    if (h == 0) & (rb == 0):
+        total = tl.load(first + N).to(tl.int64)
+        end = tl.zeros((), dtype=tl.int64)
+        for start in range(0, M, BLOCK_I):
+            m = start + tl.arange(0, BLOCK_I).to(tl.int64)
+            seq = tl.load(sequence + m, mask=m < M, other=0)
+            own_last = tl.load(first + seq + 1, mask=m < M, other=0).to(tl.int64) - 1
+            feeding = (m < total) & (m != own_last)
+            stop = tl.load(bounds + m + 1, mask=m < M, other=0).to(tl.int64)
+            end = tl.maximum(end, tl.max(tl.where(feeding, stop, 0), 0))
+        for start in range(0, M + 1, BLOCK_I):
+            m = start + tl.arange(0, BLOCK_I)
+            b = tl.load(bounds + m, mask=m <= M, other=0).to(tl.int64)
+            tl.store(clamped + m, tl.minimum(b, end).to(tl.int32), mask=m <= M)
+        for start in range(0, N, BLOCK_I):
+            n = start + tl.arange(0, BLOCK_I)
+            tl.store(last + n, tl.load(first + n + 1, mask=n < N, other=1).to(tl.int64) - 1, mask=n < N)
+    g = 0.0
+    if has_gamma != 0:
+        g = tl.load(gamma + h).to(tl.float32)
+    r = rb * BLOCK_I + tl.arange(0, BLOCK_I)
+    rlive = r < M
+    a_r = tl.load(bounds + r, mask=rlive, other=0).to(tl.int64)
+    seq_r = tl.load(sequence + r, mask=rlive, other=0)
+    for start in range(0, M, BLOCK_J):
+        c = start + tl.arange(0, BLOCK_J)
+        clive = c < M
+        end_c = tl.load(bounds + c + 1, mask=clive, other=0).to(tl.int64)
+        seq_c = tl.load(sequence + c, mask=clive, other=-1)
+        feeds = (seq_r[:, None] == seq_c[None, :]) & (c[None, :] < r[:, None])
+        dist = tl.maximum(a_r[:, None] - end_c[None, :], 0).to(tl.float32)
+        w = tl.where(feeds, tl.exp(g * dist), 0.0)
+        tl.store(we + (h * M + r[:, None]) * M + c[None, :], w, mask=rlive[:, None] & clive[None, :])
+    if has_h0 != 0:
+        since = (a_r - tl.load(cu + seq_r, mask=rlive, other=0).to(tl.int64)).to(tl.float32)
+        tl.store(wh + h * M + r, tl.exp(g * since), mask=rlive)
+
+
+def _search_steps(n: int) -> int:
+    """Binary search steps over ``n`` ends: enough to narrow ``[0, n]`` to one point."""
+    return max(1, n.bit_length())
+
+
+def _on(device: torch.device):
+    """Triton launches on the current device's current stream: make it ``device``'s (CPU tensors: the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def chunk_rows(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = 64) -> torch.Tensor:
+    """``cula.kda.forward.device_chunk_indices`` in two launches: ``[num_rows, 2]`` int32 (sequence, chunk within
+    it), the rows past the real chunks naming the last sequence with chunk numbers from its chunk count on."""
+    N, dev = cu_seqlens.numel() - 1, cu_seqlens.device
+    out = torch.empty(num_rows, 2, dtype=torch.int32, device=dev)
+    if num_rows == 0:
+        return out
+    ends = torch.empty(max(N, 1), dtype=torch.int64, device=dev)
+    with _on(dev):
+        _chunk_ends_kernel[(1,)](cu_seqlens, ends, N, chunk_size, BLOCK=_BLOCK, num_warps=_WARPS)
+        _chunk_rows_kernel[(triton.cdiv(num_rows, _BLOCK),)](
+            cu_seqlens, ends, out, N, num_rows, _search_steps(N), chunk_size, BLOCK=_BLOCK, num_warps=_WARPS
+        )  # fmt: skip
+    return out
+
+
+def segment_tables(cu_seqlens: torch.Tensor, segment_len: int, min_seq_len: int, num_segments: int, halves: bool,
+                   align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """``cula.time_split.device_segment_tables``' tables in one launch: ``(bounds, first, halves, sequence)``,
+    int32 ``[M + 1]``, int32 ``[N + 1]``, int32 ``[2 M + 1]`` or None, int64 ``[M]``."""
+    N, M, dev = cu_seqlens.numel() - 1, num_segments, cu_seqlens.device
+    bounds = torch.empty(M + 1, dtype=torch.int32, device=dev)
+    first = torch.empty(N + 1, dtype=torch.int32, device=dev)
+    sequence = torch.empty(M, dtype=torch.int64, device=dev)
+    half = torch.empty(2 * M + 1, dtype=torch.int32, device=dev) if halves else bounds
+    ends = torch.empty(max(N, 1), dtype=torch.int64, device=dev)
+    with _on(dev):
+        _segment_tables_kernel[(1,)](
+            cu_seqlens, ends, bounds, first, sequence, half, N, M, segment_len, min_seq_len, _search_steps(N),
+            int(halves), ALIGN=align, BLOCK=_BLOCK, num_warps=_WARPS,
+        )  # fmt: skip
+    return bounds, first, half if halves else None, sequence
+
+
+def combine_tables(bounds: torch.Tensor, first: torch.Tensor, sequence: torch.Tensor, cu_seqlens: torch.Tensor,
+                   g_gamma: torch.Tensor | None, num_heads: int, with_h0: bool):  # fmt: skip
+    """Lightning's captured cut from device segment tables in one launch: ``(clamped bounds, last segments, we,
+    wh)``, int32 ``[M + 1]``, int64 ``[N]``, fp32 ``[HV, M, M]``, fp32 ``[HV, M]`` or None
+    (``_combine_tables_kernel``)."""
+    M, N, dev = bounds.numel() - 1, first.numel() - 1, bounds.device
+    clamped = torch.empty(M + 1, dtype=torch.int32, device=dev)
+    last = torch.empty(N, dtype=torch.int64, device=dev)
+    we = torch.empty(num_heads, M, M, dtype=torch.float32, device=dev)
+    wh = torch.empty(num_heads, M, dtype=torch.float32, device=dev) if with_h0 else we
+    gamma = we if g_gamma is None else g_gamma.detach().float()
+    with _on(dev):
+        _combine_tables_kernel[(num_heads, max(1, triton.cdiv(M, 64)))](
+            bounds, first, sequence, cu_seqlens, gamma, clamped, last, we, wh, N, M, num_heads,
+            int(g_gamma is not None), int(with_h0), BLOCK_I=64, BLOCK_J=64, num_warps=4,
+        )  # fmt: skip
+    return clamped, last, we, wh if with_h0 else None

@@ -1,0 +1,186 @@
+"""The one-launch tables of captured packed calls (``cula/ops/device_tables.py``): the intra kernel's chunk list and
+the time split's segment tables, against their torch forms (``cula.kda.forward.device_chunk_indices``,
+``cula.time_split.device_segment_tables``), value for value.
+
+CPU: the Triton kernels under Triton's interpreter (in a subprocess: the interpreter is chosen when the kernels are
+defined); ``import cula`` imports no Triton; the gate sends CPU tensors, and a first use inside a capture, to the
+torch forms. GPU (``-m gpu``): the same comparisons on the device.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+LENGTHS = [
+    [37, 0, 130, 1, 72],
+    [5000],
+    [0],
+    [64, 64, 64],
+    [70000, 1024, 0, 1024, 1024, 1024, 1024],
+    [1] * 3000 + [9000],  # more sequences than a block of the program: the carry between blocks
+    [0, 0, 65, 0],
+]
+RULES = [(128, 0), (2048, 4096), (64, 10**9)]  # (segment length, shortest cut sequence)
+
+
+def compare(device: str, lengths=LENGTHS, rules=RULES) -> int:
+    """Both tables against the torch forms for every boundary list, rule and halves flag; returns the checks run."""
+    import cula.time_split as ts
+    from cula.kda.forward import chunk_rows_bound, device_chunk_indices
+    from cula.ops import device_tables
+
+    checks = 0
+    for lens in lengths:
+        for dtype in (torch.int32, torch.int64):
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=dtype, device=device)
+            T, N = int(cu[-1]), len(lens)
+            rows = chunk_rows_bound(T, N)
+            want = device_chunk_indices(cu.cpu(), rows)
+            got = device_tables.chunk_rows(cu, rows).cpu()
+            assert torch.equal(want, got), (lens[:5], dtype, (want != got).nonzero()[:5].tolist())
+            checks += 1
+            for seg, shortest in rules:
+                plan = ts.split_plan(tuple(lens), seg, shortest)
+                if plan is None:
+                    continue
+                M = ts.replay_segments(plan, T)
+                for halves in (False, True):
+                    w = ts.device_segment_tables(plan, cu.cpu(), M, halves)
+                    b, f, h, s = (None if t is None else t.cpu() for t in device_tables.segment_tables(
+                        cu, seg, shortest, M, halves, ts.SEGMENT_ALIGN))  # fmt: skip
+                    assert torch.equal(w.bounds, b), (lens[:5], seg, halves, w.bounds.tolist()[:8], b.tolist()[:8])
+                    assert torch.equal(w.first, f) and torch.equal(w.sequence, s), (lens[:5], seg, halves)
+                    assert (h is None) == (w.halves is None) and (h is None or torch.equal(w.halves, h))
+                    checks += 1
+                    if not halves and M <= 64:  # (the M x M weights: small layouts keep the interpreter quick)
+                        checks += _compare_combine(w, cu, device)
+    return checks
+
+
+def _assert_same_exp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Triton's ``exp`` on a GPU is ``ex2.approx`` of ``x log2(e)``, whose rounding grows with ``|x|``: a weight of
+    ``exp(-45)`` differs from torch's ``expf`` by about 6e-6 relative. Exact zeros (no feed) match exactly; below
+    float32's normal range either side may flush to zero."""
+    tiny = torch.finfo(torch.float32).tiny
+    assert bool((got[want == 0] == 0).all())
+    normal = want >= tiny
+    ratio = (got[normal].double() / want[normal].double() - 1).abs()
+    allowed = 2e-6 + 3e-7 * want[normal].double().log().abs()
+    assert bool((ratio <= allowed).all()), f"worst excess {(ratio - allowed).max().item():.3g}"
+    assert bool((got[(want > 0) & ~normal] < tiny).all())
+
+
+def _compare_combine(tables, cu, device) -> int:
+    """Lightning's captured-cut tables (``combine_tables``) against ``_device_feed_bounds`` and ``_device_weights``:
+    the clamped bounds and last segments exactly, the weights as exponentials of float32 arguments (see
+    ``_assert_same_exp``)."""
+    from cula.lightning import time_parallel as tp
+    from cula.ops import device_tables
+
+    HV = 3
+    want_feed, want_last = tp._device_feed_bounds(tables.bounds, tables.first)
+    for gamma in (None, -torch.rand(HV, generator=torch.Generator().manual_seed(0)) * 0.05):
+        for with_h0 in (False, True):
+            we_want, wh_want = tp._device_weights(tables.bounds, tables.sequence, cu.cpu(), HV, torch.float32, gamma,
+                                                  with_h0)  # fmt: skip
+            feed, last, we, wh = device_tables.combine_tables(
+                tables.bounds.to(device), tables.first.to(device), tables.sequence.to(device), cu,
+                None if gamma is None else gamma.to(device), HV, with_h0,
+            )  # fmt: skip
+            assert torch.equal(feed.cpu(), want_feed) and torch.equal(last.cpu(), want_last)
+            _assert_same_exp(we.cpu(), we_want)
+            assert (wh is None) == (not with_h0)
+            if with_h0:
+                _assert_same_exp(wh.cpu(), wh_want)
+    return 1
+
+
+def test_triton_tables_match_the_torch_forms_interpreted():
+    pytest.importorskip("triton")
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from test_device_tables import compare
+        print(compare("cpu"))
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) >= 40
+
+
+def test_import_cula_imports_no_triton():
+    done = subprocess.run([sys.executable, "-c", "import sys, cula, cula.kda, cula.lightning, cula.time_split; "
+                           "print('triton' in sys.modules)"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"
+
+
+def test_gate_keeps_the_torch_forms_off_the_device_and_inside_a_first_capture(monkeypatch):
+    from cula.ops import device_tables
+
+    assert not device_tables.usable(torch.device("cpu"))
+    device_tables.preload(torch.device("cpu"))  # nothing to load
+    assert not device_tables._LOADED
+    # a CUDA device whose kernels have not run yet, while a capture is under way: not loaded there (loading a
+    # module would invalidate the capture), so the caller takes the torch forms
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(device_tables, "_LOADED", set())
+    ran = []
+    monkeypatch.setattr(device_tables, "chunk_rows", lambda *a: ran.append(a))
+    assert not device_tables.usable(torch.device("cuda", 0))
+    device_tables.preload(torch.device("cuda", 0))
+    assert not ran
+    # once loaded, a capture takes them
+    device_tables._LOADED.add(0)
+    assert device_tables.usable(torch.device("cuda", 0))
+
+
+@pytest.mark.gpu
+def test_triton_tables_match_the_torch_forms_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert compare("cuda") >= 40
+
+
+@pytest.mark.gpu
+def test_captures_after_preload_need_no_new_variant_cuda():
+    """After ``preload``, captures of other boundary counts, lengths, dtypes and both ``halves`` launch only variants
+    already loaded (a new one would load its module inside the capture and invalidate it); the replays equal the
+    torch forms on the boundaries the buffers then hold."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import cula.time_split as ts
+    from cula.kda.forward import device_chunk_indices
+    from cula.ops import device_tables
+
+    device_tables.preload(torch.device("cuda"))
+    for dtype, lens, halves in ((torch.int64, [1], False), (torch.int32, [5000, 0, 17], True),
+                                (torch.int64, [64] * 33, True), (torch.int32, [2], False)):  # fmt: skip
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=dtype, device="cuda")
+        plan = ts.split_plan(tuple(lens), 64, 0)
+        M = ts.replay_segments(plan, sum(lens)) if plan is not None else 2 * len(lens) + 1
+        rows = sum(lens) // 64 + len(lens)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got_rows = device_tables.chunk_rows(cu, rows)
+            got = device_tables.segment_tables(cu, 64, 0, M, halves, ts.SEGMENT_ALIGN)
+        new = list(reversed(lens))  # other boundaries, the same count and total
+        cu.copy_(torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got_rows.cpu(), device_chunk_indices(cu.cpu(), rows))
+        if plan is not None:
+            want = ts.device_segment_tables(plan, cu.cpu(), M, halves)
+            assert torch.equal(got[0].cpu(), want.bounds) and torch.equal(got[1].cpu(), want.first)
+            assert torch.equal(got[3].cpu(), want.sequence)
