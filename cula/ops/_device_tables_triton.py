@@ -93,6 +93,17 @@ def _chunk_rows_kernel(cu, ends, out, N, num_rows, steps, width, BLOCK: tl.const
     tl.store(out + 2 * r + 1, (r - before).to(tl.int32), mask=live)
 
 
+@triton.jit
+def _segment_start(cu, ends, m, seq, live, seg, min_len):
+    """Segment row ``m``'s first token: its sequence's pieces start ``seg`` apart from the sequence's start; the
+    spare rows (past the last sequence's pieces) start at its end."""
+    a = tl.load(cu + seq, mask=live, other=0).to(tl.int64)
+    lens = tl.load(cu + seq + 1, mask=live, other=0).to(tl.int64) - a
+    pieces = tl.where((lens > seg) & (lens >= min_len), (lens + seg - 1) // seg, 1)
+    piece = m - (tl.load(ends + seq, mask=live, other=0) - pieces)
+    return a + tl.where(piece < pieces, piece * seg, lens)
+
+
 @_jit
 def _segment_tables_kernel(cu, ends, bounds, first, sequence, halves, N, M, seg, min_len, steps, with_halves,
                            ALIGN: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -107,25 +118,14 @@ def _segment_tables_kernel(cu, ends, bounds, first, sequence, halves, N, M, seg,
         m = start + tl.arange(0, BLOCK).to(tl.int64)
         live = m < M
         seq = _sequence_of(ends, m, N, steps)
-        a = tl.load(cu + seq, mask=live, other=0).to(tl.int64)
-        b = tl.load(cu + seq + 1, mask=live, other=0).to(tl.int64)
-        lens = b - a
-        pieces = tl.where((lens > seg) & (lens >= min_len), (lens + seg - 1) // seg, 1)
-        piece = m - (tl.load(ends + seq, mask=live, other=0) - pieces)
-        # a sequence's pieces from its start, seg apart; the spare segments (past the last sequence's) at its end
-        begin = a + tl.where(piece < pieces, piece * seg, lens)
+        begin = _segment_start(cu, ends, m, seq, live, seg, min_len)
         tl.store(bounds + m, begin.to(tl.int32), mask=live)
         tl.store(sequence + m, seq, mask=live)
         if with_halves != 0:  # each segment's first ceil(len / ALIGN) // 2 chunks, then the rest
             # (the segment's end: the next one's start, or the call's end for the last)
             nxt = m + 1
-            seq2 = _sequence_of(ends, nxt, N, steps)
-            a2 = tl.load(cu + seq2, mask=live, other=0).to(tl.int64)
-            b2 = tl.load(cu + seq2 + 1, mask=live, other=0).to(tl.int64)
-            lens2 = b2 - a2
-            pieces2 = tl.where((lens2 > seg) & (lens2 >= min_len), (lens2 + seg - 1) // seg, 1)
-            piece2 = nxt - (tl.load(ends + seq2, mask=live, other=0) - pieces2)
-            end = tl.where(nxt < M, a2 + tl.where(piece2 < pieces2, piece2 * seg, lens2), total)
+            end = _segment_start(cu, ends, nxt, _sequence_of(ends, nxt, N, steps), live, seg, min_len)
+            end = tl.where(nxt < M, end, total)
             mid = begin + (end - begin + ALIGN - 1) // ALIGN // 2 * ALIGN
             tl.store(halves + 2 * m, begin.to(tl.int32), mask=live)
             tl.store(halves + 2 * m + 1, mid.to(tl.int32), mask=live)
