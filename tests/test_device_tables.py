@@ -2,9 +2,9 @@
 the time split's segment tables, against their torch forms (``cula.kda.forward.device_chunk_indices``,
 ``cula.time_split.device_segment_tables``), value for value.
 
-CPU: the Triton kernels under Triton's interpreter (in a subprocess: the interpreter is chosen when the kernels are
-defined); ``import cula`` imports no Triton; the gate sends CPU tensors, and a first use inside a capture, to the
-torch forms. GPU (``-m gpu``): the same comparisons on the device.
+CPU: every variant compiled for sm_90; the Triton kernels under Triton's interpreter (in a subprocess: the
+interpreter is chosen when the kernels are defined); ``import cula`` imports no Triton; the gate sends CPU tensors,
+and a first use inside a capture, to the torch forms. GPU (``-m gpu``): the same comparisons on the device.
 """
 
 from __future__ import annotations
@@ -116,6 +116,44 @@ def test_triton_tables_match_the_torch_forms_interpreted():
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) >= 40
+
+
+# every variant the launches compile: (kernel, pointer dtypes by argument, constexprs, warps), each for int32 and
+# int64 boundaries ("cu"); the other integers are unspecialized 32-bit values
+_VARIANTS = [
+    ("_chunk_ends_kernel", {"ends": "*i64"}, {"BLOCK": "_BLOCK"}, "_WARPS"),
+    ("_chunk_rows_kernel", {"ends": "*i64", "out": "*i32"}, {"BLOCK": "_BLOCK"}, "_WARPS"),
+    ("_segment_tables_kernel", {"ends": "*i64", "bounds": "*i32", "first": "*i32", "sequence": "*i64",
+                                "halves": "*i32"}, {"ALIGN": 64, "BLOCK": "_BLOCK"}, "_WARPS"),
+    ("_combine_tables_kernel", {"bounds": "*i32", "first": "*i32", "sequence": "*i64", "gamma": "*fp32",
+                                "clamped": "*i32", "last": "*i64", "we": "*fp32", "wh": "*fp32"},
+     {"BLOCK_I": 64, "BLOCK_J": 64}, 4),
+]  # fmt: skip
+
+
+def test_triton_tables_compile_for_sm90():
+    """Every variant ``device_tables.preload`` loads compiles to a cubin for sm_90 on this machine (no GPU needed):
+    CI's counterpart of the CuTe DSL kernels' compile for sm_90a."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import cula.time_split as ts
+    from cula.ops import _device_tables_triton as kernels
+
+    assert ts.SEGMENT_ALIGN == 64  # the ALIGN the launches pass
+    resolve = lambda v: getattr(kernels, v) if isinstance(v, str) else v  # noqa: E731
+    built = 0
+    for name, pointers, constexprs, warps in _VARIANTS:
+        fn = getattr(kernels, name)
+        for cu in ("*i32", "*i64"):
+            consts = {n: resolve(v) for n, v in constexprs.items()}
+            sig = {a: "constexpr" if a in consts else {**pointers, "cu": cu}.get(a, "i32") for a in fn.arg_names}
+            source = ASTSource(fn=fn, signature=sig, constexprs=consts)
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": resolve(warps)})
+            assert compiled.asm["cubin"], name
+            built += 1
+    assert built == 8
 
 
 def test_import_cula_imports_no_triton():
