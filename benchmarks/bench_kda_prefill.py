@@ -77,7 +77,7 @@ LOWER_BOUND = -5.0
 WARN_TOL = 5e-3  # FLA's own forward tolerance for o (relative RMSE)
 FAIL_TOL = 5e-2  # beyond this the output is treated as garbage and not timed
 BACKEND_REGISTRY = "cula.kda.backends:chunk_kda_registry"  # the dispatch that cula.kda.chunk_kda goes through
-HOST_OVERHEAD_T = 256  # small fixed config (B=1) used for the host-overhead measurement
+HOST_OVERHEAD_T = 256  # tokens of the host-overhead calls (one sequence, or four packed)
 DEVICE = "cuda"  # the CPU tests point this at "cpu" to exercise the row logic with fake implementations
 
 FIXED = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
@@ -333,10 +333,15 @@ def run_config(cfg: Config, fla_fn: Callable, cula_fn: Callable, args: argparse.
     return row
 
 
-def host_overhead(fla_fn: Callable, cula_fn: Callable) -> dict[str, Any]:
-    """Per-call host cost of both implementations on a tiny fixed config (the lowest of three interleaved rounds,
-    ``common.measure_host_overheads``)."""
-    cfg = Config("fixed", 1, HOST_OVERHEAD_T, (HOST_OVERHEAD_T,))
+def host_overhead(fla_fn: Callable, cula_fn: Callable, packed: bool = False) -> dict[str, Any]:
+    """Per-call host cost of both implementations on a tiny config (the lowest of three interleaved rounds,
+    ``common.measure_host_overheads``): one sequence of ``HOST_OVERHEAD_T`` tokens, or with ``packed`` the same
+    tokens as four packed sequences with ``cu_seqlens_cpu``."""
+    if packed:
+        lens = (HOST_OVERHEAD_T // 4,) * 4
+        cfg = Config("varlen", 1, HOST_OVERHEAD_T, lens, "uniform")
+    else:
+        cfg = Config("fixed", 1, HOST_OVERHEAD_T, (HOST_OVERHEAD_T,))
     shared, tensors = make_shared(cfg), make_set(cfg, 0)
     calls = {"fla": lambda: bind(fla_fn, tensors, shared), "cula": lambda: bind(cula_fn, tensors, shared)}
     errors: list[BaseException] = []
@@ -422,10 +427,11 @@ def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
         rows = run.rows
         meta.update(run.partial_note(len(cfgs), args.max_seconds))
         if not args.no_host_overhead and not run.interrupted:
-            try:
-                meta["host_overhead_us"] = host_overhead(fla_chunk_kda, cula_chunk_kda)
-            except Exception as exc:  # noqa: BLE001  (informational; never lose the suite's rows to it)
-                meta["host_overhead_us"] = bc.error_text(exc, "raised ")
+            for key, packed in (("host_overhead_us", False), ("host_overhead_packed_us", True)):
+                try:
+                    meta[key] = host_overhead(fla_chunk_kda, cula_chunk_kda, packed)
+                except Exception as exc:  # noqa: BLE001  (informational; never lose the suite's rows to it)
+                    meta[key] = bc.error_text(exc, "raised ")
 
     try:
         import cula.cache

@@ -100,6 +100,27 @@ def test_bench_rotates_sets_and_takes_median(monkeypatch):
     assert set(overhead) == {"host_us", "back_to_back_us", "gpu_us"}
 
 
+def test_prefill_host_overhead_calls_one_sequence_or_a_packed_batch(monkeypatch):
+    """bench_kda_prefill.host_overhead: the fixed call is one sequence of HOST_OVERHEAD_T tokens, the packed one the
+    same tokens as four sequences with both copies of cu_seqlens; each side's call measured."""
+    monkeypatch.setattr(kda_bench, "DEVICE", "cpu")
+    seen = []
+
+    def fake(calls, record=None):
+        return {label: seen.append((label, make()())) or {"host_us": 1.0} for label, make in calls.items()}
+
+    monkeypatch.setattr(bc, "measure_host_overheads", fake)
+    fn = lambda **kw: (kw["q"].shape, None if kw.get("cu_seqlens") is None else kw["cu_seqlens_cpu"].tolist())  # noqa: E731
+    T = kda_bench.HOST_OVERHEAD_T
+    out = kda_bench.host_overhead(fn, fn)
+    assert out["config"] == f"B1-T{T}" and set(out) == {"config", "fla", "cula"}
+    assert seen == [(side, ((1, T, kda_bench.H, kda_bench.K), None)) for side in ("fla", "cula")]
+    seen.clear()
+    out = kda_bench.host_overhead(fn, fn, packed=True)
+    assert out["config"].startswith("varlen-N4")
+    assert [s[1][1] for s in seen] == [[0, T // 4, T // 2, 3 * T // 4, T]] * 2
+
+
 def test_host_overheads_interleave_rounds_and_keep_the_lowest(monkeypatch):
     """measure_host_overheads: each maker once, the implementations in turn every round, per figure the lowest
     round; a failing maker or call is recorded and left out."""
