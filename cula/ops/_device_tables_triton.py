@@ -9,7 +9,7 @@ whole CTA); the chunk list (up to ``T / 64`` rows) searches in a grid of program
 ends. Values are not checked, as in the torch forms: boundaries that are not non-decreasing give meaningless rows.
 
 Every integer argument is left unspecialized and no pointer is specialized on its alignment, so one compiled
-variant per boundary dtype (and, for the segment tables, per ``HALVES``) serves every call: ``device_tables.preload``
+variant per boundary dtype serves every call (``with_halves`` too is a run-time integer): ``device_tables.preload``
 compiles and loads them all before any capture needs them (a launch that compiles inside a capture loads a module
 there, which invalidates it).
 """

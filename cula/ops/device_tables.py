@@ -1,9 +1,11 @@
-"""The tables a captured packed call builds from its ``cu_seqlens`` on the device, each in one Triton launch.
+"""The tables a captured packed call builds from its ``cu_seqlens`` on the device, in one or two Triton launches.
 
 A packed call captured in a CUDA graph replays on whatever boundaries its ``cu_seqlens`` then holds, so the chunk
 list of the intra and state kernels (``cula.kda.forward.device_chunk_indices``) and the time split's segment tables
-(``cula.time_split.device_segment_tables``) are made on the device at every replay. Written as torch ops they were
-about 14 and 28 small kernels, each a graph node of a microsecond or two; here each is one launch of one program.
+(``cula.time_split.device_segment_tables``) are made on the device at every replay, and Lightning's cut makes its
+combine tables from the segment tables. Written as torch ops they were about 14, 28 and 19 small kernels, each a
+graph node of a microsecond or two; here the chunk list is two launches (the sequences' chunk ends, then a grid
+over the rows) and each of the others one.
 The torch forms stay the rule's statement (and the CPU's path); the CPU tests hold these to them under Triton's
 interpreter.
 
@@ -66,7 +68,7 @@ def preload(device: torch.device) -> None:
 
 
 def chunk_rows(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = 64) -> torch.Tensor:
-    """``cula.kda.forward.device_chunk_indices`` in one launch (where ``usable``)."""
+    """``cula.kda.forward.device_chunk_indices`` in two launches (where ``usable``)."""
     from cula.ops import _device_tables_triton as kernels
 
     return kernels.chunk_rows(cu_seqlens, num_rows, chunk_size)
