@@ -130,7 +130,7 @@ _VARIANTS = [
                                 "halves": "*i32"}, {"ALIGN": 64, "BLOCK": "_BLOCK"}, "_WARPS"),
     ("_combine_tables_kernel", {"bounds": "*i32", "first": "*i32", "sequence": "*i64", "gamma": "*fp32",
                                 "clamped": "*i32", "last": "*i64", "we": "*fp32", "wh": "*fp32"},
-     {"BLOCK_I": 64, "BLOCK_J": 64}, 4),
+     {"BLOCK_I": "_COMBINE_BLOCK", "BLOCK_J": "_COMBINE_BLOCK"}, "_COMBINE_WARPS"),
 ]  # fmt: skip
 
 

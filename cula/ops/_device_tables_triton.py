@@ -26,6 +26,7 @@ __all__ = ["chunk_rows", "combine_tables", "segment_tables"]
 
 _BLOCK = 1024  # sequences / rows a step of the program
 _WARPS = 8
+_COMBINE_BLOCK, _COMBINE_WARPS = 64, 4  # combine_tables: rows and columns of a program's block
 
 
 _INTS = ["N", "num_rows", "steps", "seg", "min_len", "M", "width", "with_halves", "HV", "has_gamma", "has_h0"]
@@ -239,8 +240,9 @@ def combine_tables(bounds: torch.Tensor, first: torch.Tensor, sequence: torch.Te
     wh = torch.empty(num_heads, M, dtype=torch.float32, device=dev) if with_h0 else we
     gamma = we if g_gamma is None else g_gamma.detach().float()
     with _on(dev):
-        _combine_tables_kernel[(num_heads, max(1, triton.cdiv(M, 64)))](
+        _combine_tables_kernel[(num_heads, max(1, triton.cdiv(M, _COMBINE_BLOCK)))](
             bounds, first, sequence, cu_seqlens, gamma, clamped, last, we, wh, N, M, num_heads,
-            int(g_gamma is not None), int(with_h0), BLOCK_I=64, BLOCK_J=64, num_warps=4,
+            int(g_gamma is not None), int(with_h0), BLOCK_I=_COMBINE_BLOCK, BLOCK_J=_COMBINE_BLOCK,
+            num_warps=_COMBINE_WARPS,
         )  # fmt: skip
     return clamped, last, we, wh if with_h0 else None
