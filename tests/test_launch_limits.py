@@ -85,7 +85,7 @@ def test_a_packed_call_captured_in_a_graph_is_cut_for_any_boundaries(monkeypatch
     monkeypatch.setattr(time_split, "sm_count", lambda index: 132)
     monkeypatch.setattr(time_split, "plan_time_split", lambda *a: cut)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    cu = types.SimpleNamespace(is_cuda=True)
+    cu = types.SimpleNamespace(is_cuda=True, device=torch.device("cpu"))  # (a CPU device: nothing to preload)
     cu_cpu = torch.tensor([0, 1 << 20], dtype=torch.int32)
     assert time_split.plan_call(object(), 1, 1 << 20, 4, cu, cu_cpu, torch.device("cpu")) is cut
     assert time_split.plan_call(object(), 1, 1 << 20, 4, None, None, torch.device("cpu")) is cut
