@@ -1,6 +1,6 @@
 """The FLA backend ``cula.fla_dispatch`` registers: verifiers and implementations for FLA 0.6.0's dispatched KDA
-functions and its gated ``chunk_bwd_dqkwg`` (see that module). Imported on registration, when FLA (hence torch) is
-loaded; cula's KDA modules are imported on the first call.
+functions, its ``chunk_gated_delta_rule`` and its gated ``chunk_bwd_dqkwg`` (see that module). Imported on
+registration, when FLA (hence torch) is loaded; cula's op modules are imported on the first call.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import torch
 
 from cula.backends import PlanCache, call_signature, capturing
-from cula.fla_dispatch import BACKEND_TYPE, CULA_BACKEND, ENV_VAR, PRIORITY
+from cula.fla_dispatch import BACKEND_TYPE, CULA_BACKEND, ENV_VAR, GDN_PRIORITY, PRIORITY
 
 logger = logging.getLogger("cula")
 
@@ -119,22 +119,61 @@ def _chunk_decision(args: tuple, kwargs: dict):
     call = impl._full_call(_bind(impl.chunk_kda, args, kwargs))
     # what chunk_kda does first: bf16 / fp16 gate parameters (a model cast to bf16) read as fp32
     call["A_log"], call["dt_bias"] = gate_params_fp32(call["A_log"], call["dt_bias"])
-    q = call["q"]
-    if isinstance(q, torch.Tensor):  # (no host read for a call cula cannot run here at all)
-        ok, why = chunk_kda_registry.availability(CULA_BACKEND, q.device)
-        if not ok:
-            return ok, why
-    cu = call["cu_seqlens"]
-    # not in FLA's graph mode, whose chunk list cula builds on the device from cu_seqlens alone
-    made = (isinstance(cu, torch.Tensor) and call["cu_seqlens_cpu"] is None and not call["use_graph"]
-            and not capturing(cu))  # fmt: skip
-    if made:
-        call["cu_seqlens_cpu"] = cu.detach().to("cpu")
+    # (not in FLA's graph mode, whose chunk list cula builds on the device from cu_seqlens alone)
+    ok, why, bounds = _available_with_host_bounds(chunk_kda_registry, call, call["use_graph"])
+    if not ok:
+        return ok, why
     call = impl._checked(call)
-    ok, why = chunk_kda_registry.verdict(CULA_BACKEND, call["q"].device, call)
-    if ok and made:
-        _host_bounds.set((cu, call["cu_seqlens_cpu"]))
+    return _verdict_keeping_bounds(chunk_kda_registry, call, bounds)
+
+
+def _available_with_host_bounds(registry, call: dict, graph_mode: bool = False):
+    """A chunk decision's first steps: decline where ``registry``'s cula-sm90 backend cannot run on q's device at all
+    (before any host read), else give a packed call without ``cu_seqlens_cpu`` its host copy (in ``call``).
+    Returns ``(ok, why, bounds)``, ``bounds`` the ``(cu_seqlens, host copy)`` made here or None."""
+    q = call["q"]
+    if isinstance(q, torch.Tensor):
+        ok, why = registry.availability(CULA_BACKEND, q.device)
+        if not ok:
+            return ok, why, None
+    cu = call["cu_seqlens"]
+    if not (isinstance(cu, torch.Tensor) and call["cu_seqlens_cpu"] is None and not graph_mode and not capturing(cu)):
+        return True, None, None
+    call["cu_seqlens_cpu"] = cu.detach().to("cpu")
+    return True, None, (cu, call["cu_seqlens_cpu"])
+
+
+def _verdict_keeping_bounds(registry, checked: dict, bounds):
+    """cula-sm90's verdict on validated arguments; where it takes the call, the host copy of its boundaries made by
+    ``_available_with_host_bounds`` waits for the implementation FLA calls next (``_with_host_bounds``)."""
+    ok, why = registry.verdict(CULA_BACKEND, checked["q"].device, checked)
+    if ok and bounds is not None:
+        _host_bounds.set(bounds)
     return ok, why
+
+
+def _gdn_chunk_decision(args: tuple, kwargs: dict):
+    """As ``cula.gated_delta_rule.chunk_gated_delta_rule`` validates and selects its call; a packed call without
+    ``cu_seqlens_cpu`` gets its host copy here, once, as ``_chunk_decision``'s."""
+    from cula._validate import gate_kwargs_fp32, state_fp32
+    from cula.gated_delta_rule import chunk as impl
+    from cula.gated_delta_rule.backends import chunk_gdn_registry
+
+    _host_bounds.set(None)
+    call = _bind(impl.chunk_gated_delta_rule, args, kwargs)
+    extra = call.pop("kwargs")
+    if extra:  # what chunk_gated_delta_rule does first, as chunk_kda's decision
+        extra = gate_kwargs_fp32(extra)
+    ok, why, bounds = _available_with_host_bounds(chunk_gdn_registry, call)
+    if not ok:
+        return ok, why
+    checked = impl._checked(
+        call["q"], call["k"], call["v"], call["g"], call["beta"], call["scale"], state_fp32(call["initial_state"]),
+        call["output_final_state"], call["use_qk_l2norm_in_kernel"], call["use_beta_sigmoid_in_kernel"],
+        call["allow_neg_eigval"], call["state_v_first"], call["cu_seqlens"], call["cu_seqlens_cpu"],
+        call["chunk_indices"], call["cp_context"], dict(extra),
+    )  # fmt: skip
+    return _verdict_keeping_bounds(chunk_gdn_registry, checked, bounds)
 
 
 _RECURRENT_FLAGS = (
@@ -265,13 +304,24 @@ def _chunk_bwd_dqkwg(*args, **kwargs):
 def _chunk_kda(*args, **kwargs):
     from cula.kda import chunk_kda
 
+    return chunk_kda(*args, **_with_host_bounds(kwargs))
+
+
+def _with_host_bounds(kwargs: dict) -> dict:
+    """``kwargs`` with the host copy of its boundaries the verifier just made (FLA calls the verifier, then the
+    implementation), handed over once."""
     bounds = _host_bounds.get()
     if bounds is not None:
         _host_bounds.set(None)
-        # the verifier just made this call's host copy of its boundaries (FLA calls the verifier, then this)
         if kwargs.get("cu_seqlens") is bounds[0] and "cu_seqlens_cpu" not in kwargs:
             kwargs["cu_seqlens_cpu"] = bounds[1]
-    return chunk_kda(*args, **kwargs)
+    return kwargs
+
+
+def _chunk_gated_delta_rule(*args, **kwargs):
+    from cula.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(*args, **_with_host_bounds(kwargs))
 
 
 def _fused_recurrent_kda_fwd(*args, **kwargs):
@@ -304,6 +354,12 @@ def backend_class(base: type) -> type:
         def chunk_kda(self, *args, **kwargs):
             return _run(_chunk_kda, args, kwargs)
 
+        def chunk_gated_delta_rule_verifier(self, *args, **kwargs):
+            return _verdict("fla.ops.gated_delta_rule.chunk_gated_delta_rule", _gdn_chunk_decision, args, kwargs)
+
+        def chunk_gated_delta_rule(self, *args, **kwargs):
+            return _run(_chunk_gated_delta_rule, args, kwargs)
+
         def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs):
             return _verdict("fla.ops.kda.fused_recurrent_kda_fwd", _recurrent_decision, args, kwargs)
 
@@ -328,3 +384,12 @@ def backend_class(base: type) -> type:
     CulaBackend.__qualname__ = CulaBackend.__name__
     _classes[base] = CulaBackend
     return CulaBackend
+
+
+def gdn_backend_class(base: type) -> type:
+    """cula's backend in FLA's ``'gated_delta_rule'`` registry: ``backend_class(base)`` after FlashQLA's
+    (``GDN_PRIORITY``; see ``cula.fla_dispatch``)."""
+    key = ("gated_delta_rule", base)
+    if key not in _classes:
+        _classes[key] = type("CulaGatedDeltaRuleBackend", (backend_class(base),), {"priority": GDN_PRIORITY})
+    return _classes[key]

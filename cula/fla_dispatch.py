@@ -7,6 +7,10 @@ FLA dispatches that cula's kernels speed up:
   ``cula-sm90`` backend, inference and training (FLA dispatches before its autograd Function, so a training call
   gets cula's forward kernels and cula's backward, ``_ChunkKDATraining``);
 - ``fused_recurrent_kda_fwd`` (FLA's ``'kda'`` registry): the state-pool decode step that ``kda_decode`` runs;
+- ``chunk_gated_delta_rule`` (FLA's ``'gated_delta_rule'`` registry, at ``GDN_PRIORITY``: after FlashQLA): the
+  calls ``cula.gated_delta_rule`` runs on its ``cula-sm90`` backend (its GPU tuning entry decides which inference
+  calls that is), inference and training (FLA's own Gated DeltaNet backward refuses to run on Hopper with the
+  Triton PyTorch ships);
 - ``chunk_kda_bwd_wy_dqkg_fused`` (``'kda'``): the stage of FLA's backward that ``cula.kda.fla_backward`` runs on
   cula's kernel (or FLA's at a faster configuration), for the training calls FLA's own path keeps (context
   parallel, say);
@@ -19,9 +23,10 @@ code ``cula.kda`` selects with, so FLA hands cula exactly the calls cula's kerne
 to FLA's next backend (FlashKDA, then FLA's Triton kernels), the reason logged once by FLA's ``fla.backends`` logger
 and once per distinct reason by the ``cula`` logger.
 
-``PRIORITY`` is 2: FLA tries lower numbers first and FlashKDA registers at 3. ``FLA_CULA=0`` turns the backend off
-(FLA reads it on every call, as it does ``FLA_FLASH_KDA``); ``FLA_DISABLE_BACKEND_DISPATCH=1`` turns off FLA's
-dispatch altogether; ``CULA_BACKEND`` set to anything but ``cula-sm90`` makes the verifiers decline.
+``PRIORITY`` is 2: FLA tries lower numbers first and FlashKDA registers at 3 (Gated DeltaNet: ``GDN_PRIORITY``).
+``FLA_CULA=0`` turns the backend off (FLA reads it on every call, as it does ``FLA_FLASH_KDA``);
+``FLA_DISABLE_BACKEND_DISPATCH=1`` turns off FLA's dispatch altogether; ``CULA_BACKEND`` set to anything but
+``cula-sm90`` makes the verifiers decline.
 
 Import order: importing FLA takes a second or more (torch, triton) while ``import cula`` must stay cheap, and the
 registry of FLA's ``chunk_kda`` exists only once ``fla.ops.kda.chunk`` has run. So ``install()`` (run by ``import
@@ -39,6 +44,11 @@ import sys
 BACKEND_TYPE = "cula"
 ENV_VAR = "FLA_CULA"
 PRIORITY = 2
+# FLA's 'gated_delta_rule' registry: after FlashQLA's backend (3; FLA runs it where the flash_qla package is installed),
+# whose published H200 times beat cula's on the Gated DeltaNet anchors (0.877 against 1.73 ms at one 32K sequence
+# with 32 value heads) and which trains in fused kernels; cula takes what FlashQLA declines (the fused gate, the
+# beta sigmoid, allow_neg_eigval) and everything where it is not installed, before FLA's Triton kernels
+GDN_PRIORITY = 4
 # the backend of cula's registries the verifiers ask
 CULA_BACKEND = "cula-sm90"
 
@@ -83,11 +93,12 @@ def register() -> bool:
         if getattr(fla_backends, "_DISPATCH_DISABLED", False):
             _state["why"] = "FLA_DISABLE_BACKEND_DISPATCH=1: FLA dispatches nothing"
             return False
-        from cula._fla_backend import backend_class
+        from cula._fla_backend import backend_class, gdn_backend_class
 
         backend = backend_class(fla_backends.BaseBackend)
         fla_backends.register(chunk_module.chunk_kda)(backend)
         fla_backends.register("kda")(backend)
+        fla_backends.register("gated_delta_rule")(gdn_backend_class(fla_backends.BaseBackend))
         fla_backends.register("common")(backend)
     except Exception as error:  # another FLA: cula.kda works as ever, FLA's calls stay FLA's
         import logging

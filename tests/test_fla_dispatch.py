@@ -144,10 +144,13 @@ import fla.backends as fb, fla.ops.kda as kda
 from cula import fla_dispatch
 chunk = fb._function_registries.get(inspect.unwrap(kda.chunk_kda))
 op = fb._operation_registries.get("kda")
+import fla.ops.gated_delta_rule
+gdn = fb._operation_registries.get("gated_delta_rule")
 print("@@" + json.dumps({
     "registered": fla_dispatch.registered(), "status": fla_dispatch.status(),
     "chunk": chunk and [(b.backend_type, b.priority) for b in chunk._get_sorted_backends()],
     "kda": op and [(b.backend_type, b.priority) for b in op._get_sorted_backends()],
+    "gdn": gdn and [(b.backend_type, b.priority) for b in gdn._get_sorted_backends()],
     "hooks": [type(f).__name__ for f in sys.meta_path if "Register" in type(f).__name__],
 }))
 """
@@ -176,6 +179,9 @@ def test_import_cula_is_light_and_registers_when_fla_comes():
     assert names.index("cula") < names.index("flash_kda")
     kda = [name for name, _ in seen["kda"]]
     assert "cula" in kda and kda.index("cula") < kda.index("tilelang")
+    # after FlashQLA's backend, whose published times beat cula's on the Gated DeltaNet anchors
+    gdn = [name for name, _ in seen["gdn"]]
+    assert ["cula", fla_dispatch.GDN_PRIORITY] in seen["gdn"] and gdn.index("flash_qla") < gdn.index("cula")
     assert seen["hooks"] == []  # the import hook is gone once it served
 
 
@@ -428,6 +434,114 @@ def test_other_kda_functions_stay_fla(registered):
         assert ours.get_implementation(name) is not None
 
 
+def _gdn_registry():
+    return fla_backends._operation_registries["gated_delta_rule"]
+
+
+@pytest.fixture
+def gdn(pretend_sm90, monkeypatch):
+    """FLA's chunk_gated_delta_rule with cula's ``cula-sm90`` Gated DeltaNet backend stubbed (calls reaching it are
+    recorded with their dispatch arguments) and a stand-in for FLA's next backend after ours (``"sink"``)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from cula.gated_delta_rule.backends import chunk_gdn_registry
+
+    calls = []
+
+    def run(**args):
+        calls.append(("cula", args))
+        return "cula"
+
+    backends = [dataclasses.replace(b, run=run, prepare=None) if b.name == "cula-sm90" else b
+                for b in chunk_gdn_registry._backends]  # fmt: skip
+    monkeypatch.setattr(chunk_gdn_registry, "_backends", backends)
+
+    class Sink(fla_backends.BaseBackend):
+        backend_type = "cula_test_sink"
+        priority = 50
+
+        def chunk_gated_delta_rule(self, *args, **kwargs):
+            calls.append(("sink", kwargs))
+            return "sink"
+
+    _gdn_registry().register(Sink())
+    clear_plan_caches()
+    yield chunk_gated_delta_rule, calls
+    clear_plan_caches()
+    _gdn_registry()._backends.pop("cula_test_sink")
+
+
+def _gdn_inputs(requires_grad=False, packed=False):
+    gen = torch.Generator().manual_seed(2)
+    B_, T_ = (1, 2 * T) if packed else (B, T)
+
+    def rnd(*shape, dt=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(dt).requires_grad_(requires_grad)
+
+    return {
+        "q": rnd(B_, T_, H, D), "k": rnd(B_, T_, H, D), "v": rnd(B_, T_, 2 * H, D), "g": rnd(B_, T_, 2 * H),
+        "beta": rnd(B_, T_, 2 * H), "A_log": rnd(2 * H, dt=torch.float32), "dt_bias": rnd(2 * H, dt=torch.float32),
+    }  # fmt: skip
+
+
+GDN_FLAGS = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+             "output_final_state": True}  # fmt: skip
+
+
+def test_fla_gated_delta_rule_runs_on_cula(registered, gdn, monkeypatch):
+    """FLA's chunk_gated_delta_rule (its 'gated_delta_rule' registry) reaches cula's backend, inference where the
+    GPU's entry puts it on cula and training, its arguments validated by cula (scale resolved, GVA, fused gate);
+    FLA_CULA=0 sends it on to FLA's next backend."""
+    from cula.gated_delta_rule.plan import GDN_TUNING
+
+    fla_gdn, calls = gdn
+    x = _gdn_inputs()
+    with GDN_TUNING.override((9, 0), inference_chunk_on_cula=True):
+        assert fla_gdn(**x, **GDN_FLAGS) == "cula"
+    who, args = calls[-1]
+    assert who == "cula" and args["A_log"] is x["A_log"] and args["use_gate_in_kernel"]
+    assert args["scale"] == D**-0.5 and args["v"].shape[2] == 2 * H
+    with GDN_TUNING.override((9, 0), inference_chunk_on_cula=False):
+        ok, why = registered.verify("chunk_gated_delta_rule", **x, **GDN_FLAGS)
+        assert not ok and "inference_chunk_on_cula" in why
+        assert fla_gdn(**x, **GDN_FLAGS) == "sink"
+        # a training call: cula's (FLA's own backward refuses Hopper with PyTorch's Triton)
+        assert fla_gdn(**_gdn_inputs(requires_grad=True), **GDN_FLAGS) == "cula"
+    monkeypatch.setenv("FLA_CULA", "0")
+    assert fla_gdn(**_gdn_inputs(requires_grad=True), **GDN_FLAGS) == "sink"
+
+
+def test_fla_gated_delta_rule_packed_and_uncovered_calls(registered, gdn):
+    """A packed call without cu_seqlens_cpu takes the verifier's host copy of its boundaries; calls cula does not run
+    (bad boundaries, context parallel, an unknown keyword, other head sizes) go on to FLA with the reason."""
+    from cula.gated_delta_rule.plan import GDN_TUNING
+
+    fla_gdn, calls = gdn
+    x = _gdn_inputs(packed=True)
+    cu = torch.tensor([0, 7, 7, 2 * T], dtype=torch.int32)
+    with GDN_TUNING.override((9, 0), inference_chunk_on_cula=True):
+        assert fla_gdn(**x, **GDN_FLAGS, cu_seqlens=cu) == "cula"
+        args = calls[-1][1]
+        assert args["cu_seqlens"] is cu and args["cu_seqlens_cpu"].tolist() == [0, 7, 7, 2 * T]
+        assert _fla_backend._host_bounds.get() is None
+        for change, reason in (
+            ({"cu_seqlens": torch.tensor([0, 7, 2 * T - 1], dtype=torch.int32)}, "cu_seqlens"),
+            ({"cp_context": object()}, "cp_context"),
+            ({"bogus": 1}, "bogus"),
+        ):
+            ok, why = registered.verify("chunk_gated_delta_rule", **x, **GDN_FLAGS, **change)
+            assert not ok and reason in why, why
+            assert fla_gdn(**x, **GDN_FLAGS, **change) == "sink"
+        small = {n: (t[..., :64] if n in ("q", "k", "v") else t) for n, t in _gdn_inputs().items()}
+        ok, why = registered.verify("chunk_gated_delta_rule", **small, **GDN_FLAGS)
+        assert not ok and "K=64" in why, why
+    # FLA's other Gated DeltaNet functions have no implementation of ours: FLA moves on to its own
+    ours = _gdn_registry()._backends["cula"]
+    assert ours.get_implementation("chunk_gated_delta_rule") is not None
+    for name in ("chunk_gated_delta_rule_fwd_intra", "recompute_w_u_fwd"):
+        assert ours.get_implementation(name) is None
+
+
 @pytest.mark.parametrize(
     "args, kwargs",
     [
@@ -610,3 +724,40 @@ def test_fla_decode_step_on_cula_matches_fla(monkeypatch):
     rows, before = call["ssm_state_indices"].long(), call["initial_state"]
     assert_rows_rewritten("state pool rows", results["1"][1], before, rows, ref=results["0"][1][rows],
                           others_untouched=True)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_fla_gated_delta_rule_on_cula_matches_fla(monkeypatch):
+    """FLA's chunk_gated_delta_rule through FLA's dispatch, inference with GVA and the fused gate, fixed length and
+    packed: cula's kernels against FLA's own, output and final state."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from cula.backends import clear_plan_caches
+    from cula.gated_delta_rule.backends import chunk_gdn_registry
+    from cula.gated_delta_rule.plan import GDN_TUNING
+    from cula.testing import assert_close
+
+    assert fla_dispatch.registered(), fla_dispatch.status()
+    ran = []
+
+    def spied(b):  # cula-sm90's run and its plans' prepare, recorded
+        prepare = None if b.prepare is None else (lambda **k: ran.append("prepare") or b.prepare(**k))
+        return dataclasses.replace(b, run=lambda **k: ran.append("run") or b.run(**k), prepare=prepare)
+
+    monkeypatch.setattr(chunk_gdn_registry, "_backends",
+                        [spied(b) if b.name == "cula-sm90" else b for b in chunk_gdn_registry._backends])  # fmt: skip
+    clear_plan_caches()
+    for packed in (False, True):
+        x = {n: t.cuda() for n, t in _gdn_inputs(packed=packed).items()}
+        extra = {"cu_seqlens": torch.tensor([0, 7, 7, 2 * T], dtype=torch.int32, device="cuda")} if packed else {}
+        results = {}
+        for switch in ("0", "1"):
+            monkeypatch.setenv("FLA_CULA", switch)
+            with torch.inference_mode(), GDN_TUNING.override((9, 0), inference_chunk_on_cula=True):
+                results[switch] = chunk_gated_delta_rule(**x, **GDN_FLAGS, **extra)
+        assert not results["1"][0].isnan().any()
+        assert_close("o", results["0"][0], results["1"][0], 5e-3)
+        assert_close("final state", results["0"][1], results["1"][1], 5e-3)
+    clear_plan_caches()  # (plans bound to the spied backend)
+    assert ran, "cula's Gated DeltaNet backend did not run"
