@@ -127,9 +127,10 @@ def _chunk_decision(args: tuple, kwargs: dict):
     return _verdict_keeping_bounds(chunk_kda_registry, call, bounds)
 
 
-def _available_with_host_bounds(registry, call: dict, graph_mode: bool = False):
+def _available_with_host_bounds(registry, call: dict, on_device: bool = False):
     """A chunk decision's first steps: decline where ``registry``'s cula-sm90 backend cannot run on q's device at all
-    (before any host read), else give a packed call without ``cu_seqlens_cpu`` its host copy (in ``call``).
+    (before any host read), else give a packed call without ``cu_seqlens_cpu`` its host copy (in ``call``), unless
+    ``on_device``: the call's path without the copy builds its chunk lists on the device, and must keep doing so.
     Returns ``(ok, why, bounds)``, ``bounds`` the ``(cu_seqlens, host copy)`` made here or None."""
     q = call["q"]
     if isinstance(q, torch.Tensor):
@@ -137,7 +138,7 @@ def _available_with_host_bounds(registry, call: dict, graph_mode: bool = False):
         if not ok:
             return ok, why, None
     cu = call["cu_seqlens"]
-    if not (isinstance(cu, torch.Tensor) and call["cu_seqlens_cpu"] is None and not graph_mode and not capturing(cu)):
+    if not (isinstance(cu, torch.Tensor) and call["cu_seqlens_cpu"] is None and not on_device and not capturing(cu)):
         return True, None, None
     call["cu_seqlens_cpu"] = cu.detach().to("cpu")
     return True, None, (cu, call["cu_seqlens_cpu"])
@@ -154,8 +155,9 @@ def _verdict_keeping_bounds(registry, checked: dict, bounds):
 
 def _gdn_chunk_decision(args: tuple, kwargs: dict):
     """As ``cula.gated_delta_rule.chunk_gated_delta_rule`` validates and selects its call; a packed call without
-    ``cu_seqlens_cpu`` gets its host copy here, once, as ``_chunk_decision``'s."""
+    ``cu_seqlens_cpu`` gets its host copy here, once, as ``_chunk_decision``'s (inference only: see below)."""
     from cula._validate import gate_kwargs_fp32, state_fp32
+    from cula.backends import needs_grad
     from cula.gated_delta_rule import chunk as impl
     from cula.gated_delta_rule.backends import chunk_gdn_registry
 
@@ -164,11 +166,16 @@ def _gdn_chunk_decision(args: tuple, kwargs: dict):
     extra = call.pop("kwargs")
     if extra:  # what chunk_gated_delta_rule does first, as chunk_kda's decision
         extra = gate_kwargs_fp32(extra)
-    ok, why, bounds = _available_with_host_bounds(chunk_gdn_registry, call)
+    initial_state = state_fp32(call["initial_state"])
+    # packed training without cu_seqlens_cpu runs in FLA's graph mode (chunk lists built on the device, as its
+    # captures need): the boundaries are not copied for it, so that eager and captured steps take the same path
+    training = needs_grad(call["q"], call["k"], call["v"], call["g"], call["beta"], initial_state, extra.get("A_log"),
+                          extra.get("dt_bias"))  # fmt: skip
+    ok, why, bounds = _available_with_host_bounds(chunk_gdn_registry, call, on_device=training)
     if not ok:
         return ok, why
     checked = impl._checked(
-        call["q"], call["k"], call["v"], call["g"], call["beta"], call["scale"], state_fp32(call["initial_state"]),
+        call["q"], call["k"], call["v"], call["g"], call["beta"], call["scale"], initial_state,
         call["output_final_state"], call["use_qk_l2norm_in_kernel"], call["use_beta_sigmoid_in_kernel"],
         call["allow_neg_eigval"], call["state_v_first"], call["cu_seqlens"], call["cu_seqlens_cpu"],
         call["chunk_indices"], call["cp_context"], dict(extra),

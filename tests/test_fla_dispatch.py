@@ -524,6 +524,10 @@ def test_fla_gated_delta_rule_packed_and_uncovered_calls(registered, gdn):
         args = calls[-1][1]
         assert args["cu_seqlens"] is cu and args["cu_seqlens_cpu"].tolist() == [0, 7, 7, 2 * T]
         assert _fla_backend._host_bounds.get() is None
+        # packed training keeps no host copy: without one cula runs it in FLA's graph mode, eager or captured alike
+        assert fla_gdn(**_gdn_inputs(requires_grad=True, packed=True), **GDN_FLAGS, cu_seqlens=cu) == "cula"
+        args = calls[-1][1]
+        assert args["cu_seqlens"] is cu and args["cu_seqlens_cpu"] is None
         for change, reason in (
             ({"cu_seqlens": torch.tensor([0, 7, 2 * T - 1], dtype=torch.int32)}, "cu_seqlens"),
             ({"cp_context": object()}, "cp_context"),
