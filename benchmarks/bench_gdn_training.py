@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
     """Run the suite with cula's FLA backend on (``FLA_CULA=1``: on Hopper FLA's step needs its gated stage
-    from it; cula registers no other stage FLA's Gated DeltaNet calls); returns (meta, rows, written
-    paths)."""
+    from it; FLA's column calls FLA's own ``chunk_gated_delta_rule`` body, past the dispatch that would hand the
+    whole call to cula); returns (meta, rows, written paths)."""
     with bc.env_var("FLA_FLASH_KDA", "0"), bc.env_var("FLA_CULA", "1"):
         return _run(parse_args(argv))
 
@@ -66,9 +66,15 @@ def main(argv: list[str] | None = None) -> tuple[dict, list[dict], dict]:
 def _run(args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn_training needs a CUDA GPU")
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
+    import inspect
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     import cula  # noqa: F401  (registers cula's FLA backend)
+
+    # FLA's own function body: through FLA's dispatch the whole call would go to cula's backend (FLA_CULA=1 is on
+    # for the gated stage), and FLA's column would be cula's
+    fla_fn = inspect.unwrap(chunk_gated_delta_rule)
     from cula.gated_delta_rule import chunk_gated_delta_rule as cula_fn
     from cula.gated_delta_rule.plan import GDN_TUNING
     from cula.kda.plan import KDA_TUNING
