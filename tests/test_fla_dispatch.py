@@ -740,7 +740,7 @@ def test_fla_gated_delta_rule_on_cula_matches_fla(monkeypatch):
     from cula.backends import clear_plan_caches
     from cula.gated_delta_rule.backends import chunk_gdn_registry
     from cula.gated_delta_rule.plan import GDN_TUNING
-    from cula.testing import assert_close
+    from cula.testing import assert_close, poisoned_allocations
 
     assert fla_dispatch.registered(), fla_dispatch.status()
     ran = []
@@ -758,9 +758,10 @@ def test_fla_gated_delta_rule_on_cula_matches_fla(monkeypatch):
         results = {}
         for switch in ("0", "1"):
             monkeypatch.setenv("FLA_CULA", switch)
-            with torch.inference_mode(), GDN_TUNING.override((9, 0), inference_chunk_on_cula=True):
+            with torch.inference_mode(), GDN_TUNING.override((9, 0), inference_chunk_on_cula=True), \
+                    poisoned_allocations():  # (every output NaN until written)
                 results[switch] = chunk_gated_delta_rule(**x, **GDN_FLAGS, **extra)
-        assert not results["1"][0].isnan().any()
+        assert not results["1"][0].isnan().any() and not results["1"][1].isnan().any()
         assert_close("o", results["0"][0], results["1"][0], 5e-3)
         assert_close("final state", results["0"][1], results["1"][1], 5e-3)
     clear_plan_caches()  # (plans bound to the spied backend)
