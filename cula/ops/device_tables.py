@@ -28,29 +28,24 @@ def usable(device: torch.device) -> bool:
     """Whether the kernels can run on ``device`` now: a CUDA device where they have run before, or where no capture
     is under way (they run once first, ``preload``). A kernel's first launch loads its module, which a capture
     refuses (the capture would be invalidated): callers then take the torch forms."""
-    if device.type != "cuda" or _UNAVAILABLE or torch.compiler.is_compiling():
+    return preload(device)
+
+
+def preload(device: torch.device) -> bool:
+    """Run every kernel variant once on ``device`` (outside any capture) unless they have: the chunk list's two kernels
+    the segment tables' kernel and Lightning's combine tables' kernel, for int32 and int64 boundaries (the only
+    specializations: integers and alignments are not specialized on). The eager calls of packed boundaries call
+    this, so that a capture after them (an engine's or a training loop's warm-up, then its capture) finds every
+    variant loaded. Where Triton is missing or a compile fails, the torch forms serve from then on (the reason
+    logged once). Returns whether every variant is loaded on ``device`` (False too while ``torch.compile`` traces,
+    and inside a capture before the first load)."""
+    if device.type != "cuda" or _UNAVAILABLE or torch.compiler.is_compiling():  # (tracing: fake tensors)
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _LOADED:
         return True
     if torch.cuda.is_current_stream_capturing():
         return False
-    preload(device)
-    return index in _LOADED
-
-
-def preload(device: torch.device) -> None:
-    """Run every kernel variant once on ``device`` (outside any capture) unless they have: the chunk list's two kernels
-    the segment tables' kernel and Lightning's combine tables' kernel, for int32 and int64 boundaries (the only
-    specializations: integers and alignments are not specialized on). The eager calls of packed boundaries call
-    this, so that a capture after them (an engine's or a training loop's warm-up, then its capture) finds every
-    variant loaded. Where Triton is missing or a compile fails, the torch forms serve from then on (the reason
-    logged once)."""
-    if device.type != "cuda" or _UNAVAILABLE or torch.compiler.is_compiling():  # (tracing: fake tensors)
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _LOADED or torch.cuda.is_current_stream_capturing():
-        return
     try:
         for dtype in (torch.int32, torch.int64):
             cu = torch.tensor([0, 3, 3, 70], dtype=dtype, device=torch.device("cuda", index))
@@ -63,8 +58,9 @@ def preload(device: torch.device) -> None:
             "cula: captured packed calls build their tables with torch ops (the Triton kernels cannot run: %s)",
             _UNAVAILABLE[0],
         )  # fmt: skip
-        return
+        return False
     _LOADED.add(index)
+    return True
 
 
 def chunk_rows(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = 64) -> torch.Tensor:
