@@ -42,6 +42,13 @@ def _jit(fn):
 
 
 @triton.jit
+def _cut_pieces(lens, seg, min_len):
+    """The time split's rule: a sequence longer than ``seg`` and at least ``min_len`` long is cut into pieces of
+    ``seg``; any other is one piece."""
+    return tl.where((lens > seg) & (lens >= min_len), (lens + seg - 1) // seg, 1)
+
+
+@triton.jit
 def _ends_pass(cu, ends, N, width, seg, min_len, BLOCK: tl.constexpr, CUT: tl.constexpr):
     """``ends[n]`` = the pieces of sequences 0..n (each ``ceil(len / width)`` chunks, or, with CUT, pieces of
     ``seg`` where ``len > seg`` and ``len >= min_len``, else one)."""
@@ -53,7 +60,7 @@ def _ends_pass(cu, ends, N, width, seg, min_len, BLOCK: tl.constexpr, CUT: tl.co
         b = tl.load(cu + n + 1, mask=live, other=0).to(tl.int64)
         lens = b - a
         if CUT:
-            pieces = tl.where((lens > seg) & (lens >= min_len), (lens + seg - 1) // seg, 1)
+            pieces = _cut_pieces(lens, seg, min_len)
         else:
             pieces = (lens + width - 1) // width
         pieces = tl.where(live, pieces, 0)
@@ -100,7 +107,7 @@ def _segment_start(cu, ends, m, seq, live, seg, min_len):
     spare rows (past the last sequence's pieces) start at its end."""
     a = tl.load(cu + seq, mask=live, other=0).to(tl.int64)
     lens = tl.load(cu + seq + 1, mask=live, other=0).to(tl.int64) - a
-    pieces = tl.where((lens > seg) & (lens >= min_len), (lens + seg - 1) // seg, 1)
+    pieces = _cut_pieces(lens, seg, min_len)
     piece = m - (tl.load(ends + seq, mask=live, other=0) - pieces)
     return a + tl.where(piece < pieces, piece * seg, lens)
 
