@@ -151,12 +151,30 @@ def test_chunk_lightning_attn_takes_the_plan_with_its_schedule_made_once(counted
 
 @pytest.fixture
 def fake_lightning(monkeypatch, pretend_sm90):
-    """CPU tensors on a pretend SM90; the Lightning kernel records its variant and arguments."""
+    """CPU tensors on a pretend SM90; the Lightning kernel records its variant and arguments (the combine's scan
+    kernel runs its torch rule)."""
     from cula.ops.lightning.sm90 import chunk_fwd
 
     calls = []
     monkeypatch.setattr(chunk_fwd, "compiled_variant", lambda *key, **kw: lambda *a: calls.append((key, kw, a)))
+    _scan_by_its_rule(monkeypatch)
     return calls
+
+
+def _scan_by_its_rule(monkeypatch):
+    """The combine's scan kernel (``segment_chain``) replaced by its torch rule, ``time_parallel._scan_starts``."""
+    import cula.lightning.time_parallel as tp
+    from cula.ops.lightning.sm90 import segment_chain
+
+    def variant(D, has_h0):
+        def run(E, h0, starts, bounds, first, decay, N):
+            full = (E.shape[0], E.shape[1], D, D)
+            h0 = None if h0 is None else h0.view(N, E.shape[1], D, D)
+            starts.copy_(tp._scan_starts(E.view(full), h0, decay, bounds.tolist(), first.tolist()).view(starts.shape))
+
+        return run
+
+    monkeypatch.setattr(segment_chain, "compiled_variant", variant)
 
 
 @pytest.mark.parametrize("state_v_first", [False, True])
@@ -195,7 +213,8 @@ def test_bound_launch_passes_what_the_general_path_passes(counted, fake_lightnin
 def writing_lightning(monkeypatch, pretend_sm90):
     """CPU tensors on a pretend SM90; the Lightning kernel records its variant and arguments and writes outputs that
     are a function of its inputs (the states-only pass's ends from k and v, the output pass's o and ends from q and
-    its starts), so that what a cut call computes between and after its passes can be compared."""
+    its starts), so that what a cut call computes between and after its passes can be compared; the combine's scan
+    kernel runs its torch rule."""
     from cula.ops.lightning.sm90 import chunk_fwd
 
     calls = []
@@ -215,6 +234,7 @@ def writing_lightning(monkeypatch, pretend_sm90):
         return run
 
     monkeypatch.setattr(chunk_fwd, "compiled_variant", variant)
+    _scan_by_its_rule(monkeypatch)
     return calls
 
 

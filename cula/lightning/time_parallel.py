@@ -5,22 +5,22 @@ on a handful of SMs. With a scalar decay ``gamma = exp(g_gamma)`` per head the s
 tokens is the scalar ``gamma^n``, so a sequence can be cut into segments whose recurrences all run at once:
 
     E_j      = the end state of segment j from a zero start (the kernel's states-only pass: k and v read)
-    S_i      = gamma^(a_i - s) h0 + sum_{j < i} gamma^(a_i - b_j) E_j
+    S_i      = h0 for a sequence's first segment, else gamma^(b_{i-1} - a_{i-1}) S_{i-1} + E_{i-1}
     o, S_end = the kernel's full pass over every segment from its true start S_i
 
-(segment i starts at token a_i, its sequence at s with initial state h0; b_j is the end of segment j)
+(segment i is tokens a_i .. b_i - 1 of its sequence, whose initial state is h0)
 
 so the bytes are a full pass and half of one (k and v again), and the final state is the last segment's end.
-The sums are one small matmul per head with weights ``exp(g_gamma * distance)`` (a distance of tokens, never a
-product of factors, so neither under- nor overflow compounds); nothing is truncated, so gates near 0 (no
-decay) are exact too.
+The starts are a scan along each sequence, element by element of the state: one small kernel
+(``cula.ops.lightning.sm90.segment_chain``) reads each E once and writes each start once. Each factor is
+``gamma^L`` of one segment's own length L, formed as an exponential of ``g_gamma L`` (a strong decay underflows
+to 0, never to ``inf * 0``); nothing is truncated, so gates near 0 (no decay) are exact too.
 
 Everything about the cut (segment boundaries, which end states feed which start) is decided on the host from
 shapes or ``cu_seqlens_cpu``; the device tensors holding it are cached per layout, so a call after the first
 one needs no host-to-device copy and can be captured in a CUDA graph. A packed call captured in a graph replays on
 whatever boundaries its ``cu_seqlens`` then holds: its segments are made on the device from them
-(``cula.time_split.device_segment_tables``, the capture's rule) and so is the combine's layout (``_device_weights``:
-every segment a row, its distances by broadcast), at every replay.
+(``cula.time_split.device_segment_tables``, the capture's rule), and the scan reads those tables, at every replay.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from cula.backends import ConstantTensors, capturing
+from cula.backends import capturing
 from cula.ops import device_tables
 from cula.time_split import (  # noqa: F401  (the split's planning, shared with KDA; re-exported for callers)
     SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, segment_tables, split_plan,
@@ -39,20 +39,12 @@ from cula.time_split import (  # noqa: F401  (the split's planning, shared with 
 
 
 class _Combine(NamedTuple):
-    """Which rows the start combination touches, and the distances that weigh it (host ints, per plan).
+    """What the combine needs of a plan beyond its segment tables (host ints, per plan): ``first`` ``[N + 1]``,
+    sequence n's segments ``first[n] .. first[n + 1] - 1``; ``last`` ``[N]`` each sequence's last segment;
+    ``feeding_bounds`` ``[M + 1]``, the first pass's: the plan's up to the end of the last segment whose end state
+    feeds a start, every later segment empty (a sequence's last segment and an uncut sequence feed none)."""
 
-    Rows and E columns are the segments of the cut sequences (``segs``; None when every sequence is cut: all
-    segments, no gather); ``dist`` ``[R, R + Nc]`` holds, per row r, the distance in tokens from column c's end to
-    r's start (-1 where c does not feed r), then from each cut sequence's start (its initial state, columns
-    ``seqs``) to r's start (-1 for another sequence). ``seq_of`` ``[M]`` is every segment's sequence (an uncut
-    sequence starts from its initial state as it is) and ``last`` ``[N]`` each sequence's last segment.
-    ``feeding_bounds`` ``[M + 1]`` are the first pass's: the plan's up to the end of the last segment whose end
-    state feeds a start, every later segment empty (a sequence's last segment and an uncut sequence feed none)."""
-
-    segs: tuple[int, ...] | None
-    seqs: tuple[int, ...] | None
-    dist: tuple[tuple[int, ...], ...]
-    seq_of: tuple[int, ...]
+    first: tuple[int, ...]
     last: tuple[int, ...]
     feeding_bounds: tuple[int, ...]
 
@@ -60,143 +52,48 @@ class _Combine(NamedTuple):
 @functools.lru_cache(maxsize=64)
 def _combine_layout(plan: SplitPlan) -> _Combine:
     N = len(plan.lengths)
-    seq_of = tuple(s for s in range(N) for _ in plan.segments_of(s))
-    cut = [s for s in range(N) if plan.split[s]]
-    rows = [i for s in cut for i in plan.segments_of(s)]
-    start = {s: plan.bounds[plan.first_segment[s]] for s in cut}
-    dist = []
-    for i in rows:
-        a = plan.bounds[i]
-        dist.append((*(a - plan.bounds[j + 1] if seq_of[j] == seq_of[i] and j < i else -1 for j in rows),
-                     *(a - start[s] if s == seq_of[i] else -1 for s in cut)))  # fmt: skip
-    every = len(cut) == N
     last = tuple(plan.segments_of(s)[-1] for s in range(N))
-    feeding = [j for s in cut for j in plan.segments_of(s)[:-1]]
+    feeding = [j for s in range(N) if plan.split[s] for j in plan.segments_of(s)[:-1]]
     end = plan.bounds[max(feeding) + 1] if feeding else 0
-    feeding_bounds = tuple(min(b, end) for b in plan.bounds)
-    return _Combine(
-        None if every else tuple(rows), None if every else tuple(cut), tuple(dist), seq_of, last, feeding_bounds,
-    )  # fmt: skip
+    return _Combine((*plan.first_segment, plan.num_segments), last, tuple(min(b, end) for b in plan.bounds))
 
 
-# per (plan, dtype, device): the combine's distances (_Combine.dist) clamped at 0, and where a column feeds a row (1)
-# or not (0); and its weights without a decay. A repeated call then makes its weights in three launches (with
-# g_gamma, from its current values) and none without.
-_TABLES = ConstantTensors()
-
-
-def _distance_tables(layout: _Combine, plan: SplitPlan, dtype: torch.dtype, dev: torch.device
-                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    def make():
-        d = on_device(layout.dist, dtype, dev)
-        return d.clamp_min(0), (d >= 0).to(dtype)
-
-    return _TABLES.get(dev, ("lightning_dist", plan, dtype), make)
-
-
-def _weights(layout: _Combine, plan: SplitPlan, g_gamma: torch.Tensor | None, HV: int, dtype: torch.dtype,
-             dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``[HV, R, R]`` and ``[HV, R, Nc]`` weights ``exp(g_gamma * distance)``, 0 where a column does not feed
-    a row: in (0, 1] for distances >= 0, so neither under- nor overflow compounds. Views of one ``[HV, R, R + Nc]``
-    table."""
-    dist, feeds = _distance_tables(layout, plan, dtype, dev)
-    if g_gamma is None:
-        w = feeds.expand(HV, *feeds.shape).contiguous()
-    else:
-        w = torch.mul(g_gamma.detach().to(dtype)[:, None, None], dist).exp_().mul_(feeds)
-    R = len(layout.dist)
-    return w[:, :, :R], w[:, :, R:]
-
-
-def _per_head_mm(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
-    """``out[r, h] (+)= sum_c w[h, r, c] x[c, h]`` over ``[rows, HV, K, V]`` tensors: one batched product over
-    the heads, read and written in place through transposed views (no copies)."""
-    HV = x.shape[1]
-    xv = x.reshape(x.shape[0], HV, -1).transpose(0, 1)
-    ov = out.view(out.shape[0], HV, -1).transpose(0, 1)
-    if add:
-        ov.baddbmm_(w, xv)
-    else:
-        torch.bmm(w, xv, out=ov)
-
-
-class _CombineIndex(NamedTuple):
-    """A combine's gathers on the device, where some sequences run whole (``_Combine.segs`` not None): the cut
-    sequences' segments (rows), their sequences (``seqs``) and every segment's sequence (``seq_of``), int64."""
-
-    rows: torch.Tensor
-    seqs: torch.Tensor
-    seq_of: torch.Tensor
-
-
-def _combine_index(layout: _Combine, dev: torch.device) -> _CombineIndex | None:
-    if layout.segs is None:
-        return None
-    return _CombineIndex(*(on_device(x, torch.long, dev) for x in (layout.segs, layout.seqs, layout.seq_of)))
-
-
-def _start_weights(layout: _Combine, plan: SplitPlan, g_gamma: torch.Tensor | None, HV: int, dtype: torch.dtype,
-                   dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``_weights``, made once per plan and dtype without a decay."""
-    if g_gamma is None:
-        key = ("lightning_starts", plan, HV, dtype)
-        return _TABLES.get(dev, key, lambda: _weights(layout, plan, None, HV, dtype, dev))
-    return _weights(layout, plan, g_gamma, HV, dtype, dev)
-
-
-def _starts(layout: _Combine, E: torch.Tensor, h0: torch.Tensor | None, g_gamma: torch.Tensor | None,
-            plan: SplitPlan) -> torch.Tensor:  # fmt: skip
-    """Every segment's true start ``[M, HV, K, V]`` from the zero-start ends ``E`` and the initial states."""
+def _scan_starts(E: torch.Tensor, h0: torch.Tensor | None, decay: torch.Tensor, bounds: tuple[int, ...],
+                 first: tuple[int, ...]) -> torch.Tensor:  # fmt: skip
+    """Every segment's true start ``[M, HV, K, V]`` from the zero-start ends ``E`` and the initial states, in torch
+    ops over host tables: the scan kernel's rule (``cula.ops.lightning.sm90.segment_chain``), for the CPU and the
+    float64 reference's states. ``decay`` ``[HV]`` (``-g_gamma``); in E's dtype, at least fp32."""
     cd = torch.promote_types(E.dtype, torch.float32)
-    we, wh = _start_weights(layout, plan, g_gamma, E.shape[1], cd, E.device)
-    return _combine(we, wh, E, h0, _combine_index(layout, E.device))
+    starts = torch.empty(E.shape, dtype=cd, device=E.device)
+    rate = decay.to(device=E.device, dtype=cd)[:, None, None]
+    for n in range(len(first) - 1):
+        S = torch.zeros(E.shape[1:], dtype=cd, device=E.device) if h0 is None else h0[n].to(cd)
+        for m in range(first[n], first[n + 1]):
+            starts[m] = S
+            if m + 1 < first[n + 1]:  # (a sequence's last segment feeds nothing: its E is not read)
+                S = torch.exp(-rate * (bounds[m + 1] - bounds[m])) * S + E[m]
+    return starts
 
 
-def _combine(we: torch.Tensor, wh: torch.Tensor, E: torch.Tensor, h0: torch.Tensor | None,
-             index: _CombineIndex | None) -> torch.Tensor:  # fmt: skip
-    """``_starts`` with its weights and gathers made: in the weights' dtype."""
-    E = E.to(we.dtype)
-    h0 = None if h0 is None else h0.to(we.dtype)
-    if index is None:  # every sequence cut: rows and columns are all segments
-        starts = E.new_empty(E.shape)
-        _per_head_mm(we, E, starts)
-        if h0 is not None:
-            _per_head_mm(wh, h0, starts, add=True)
-        return starts
-    # some sequences run whole: they start from their initial state; only the cut ones' rows are combined
-    cols = E.index_select(0, index.rows)
-    part = cols.new_empty(cols.shape)
-    _per_head_mm(we, cols, part)
-    if h0 is None:
-        starts = E.new_zeros(E.shape)
-    else:
-        _per_head_mm(wh, h0.index_select(0, index.seqs), part, add=True)
-        starts = h0.index_select(0, index.seq_of)
-    return starts.index_copy_(0, index.rows, part)
+def _decay(g_gamma: torch.Tensor | None, HV: int, dev: torch.device) -> torch.Tensor:
+    """The kernels' fp32 ``[HV]`` decay, ``-g_gamma`` (zeros without one)."""
+    return torch.zeros(HV, device=dev) if g_gamma is None else (-g_gamma.detach()).float().contiguous()
 
 
-def _device_weights(bounds: torch.Tensor, seq_of: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int,
-                    dtype: torch.dtype, g_gamma: torch.Tensor | None, with_h0: bool):  # fmt: skip
-    """``_start_weights`` for segment tables made on the device (a captured packed call): every segment a row, fed
-    by the earlier segments of its sequence and its sequence's initial state, the distances by broadcast over the
-    ``[M]`` bounds (nothing read on the host). ``(we [HV, M, M], wh [HV, M] or None)``."""
-    M, HV = seq_of.numel(), num_heads
-    b = bounds.long()
-    a, end = b[:-1], b[1:]
-    idx = torch.arange(M, device=b.device)
-    feeds = (seq_of[:, None] == seq_of[None, :]) & (idx[None, :] < idx[:, None])
-    dist = (a[:, None] - end[None, :]).clamp_min(0).to(dtype)
-    if g_gamma is None:
-        we = feeds.to(dtype).expand(HV, M, M).contiguous()
-    else:
-        we = torch.mul(g_gamma.detach().to(dtype)[:, None, None], dist).exp_().mul_(feeds)
-    if not with_h0:
-        return we, None
-    # the initial state, decayed over the tokens before the segment in its sequence
-    since = (a - cu_seqlens.long()[seq_of]).to(dtype)
-    wh = torch.ones(HV, M, dtype=dtype, device=b.device) if g_gamma is None else torch.mul(
-        g_gamma.detach().to(dtype)[:, None], since).exp_()  # fmt: skip
-    return we, wh
+def _chain_runs(E: torch.Tensor) -> bool:
+    """Whether the combine's scan kernel takes these end states (fp32 on a CUDA device, D 64 or 128); elsewhere
+    (the CPU, the float64 reference's states) ``_scan_starts`` does."""
+    return E.is_cuda and E.dtype == torch.float32 and E.shape[-1] in (64, 128)
+
+
+def _chain(E: torch.Tensor, h0: torch.Tensor | None, decay: torch.Tensor, bounds: torch.Tensor,
+           first: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Every segment's true start from the scan kernel, for segment tables on the device (``first`` ``[N + 1]``)."""
+    from cula.ops.lightning.sm90.segment_chain import lightning_segment_chain_sm90
+
+    starts = torch.empty_like(E)
+    lightning_segment_chain_sm90(E, None if h0 is None else h0.float().contiguous(), starts, bounds, first, decay)
+    return starts
 
 
 def _device_feed_bounds(bounds: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,16 +103,6 @@ def _device_feed_bounds(bounds: torch.Tensor, first: torch.Tensor) -> tuple[torc
     feeding = torch.arange(bounds.numel() - 1, device=bounds.device) < first[-1]
     feeding.index_fill_(0, last, False)  # (not an index_put of a host scalar: a copy, which capture refuses)
     return bounds.clamp(max=torch.where(feeding, bounds[1:], 0).max()), last
-
-
-def _device_combine(we: torch.Tensor, wh: torch.Tensor | None, seq_of: torch.Tensor, E: torch.Tensor,
-                    h0: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """``_starts`` from ``_device_weights``' weights (or the table kernel's), in their dtype."""
-    starts = E.new_empty(E.shape, dtype=we.dtype)
-    _per_head_mm(we, E.to(we.dtype), starts)
-    if h0 is not None:
-        starts.add_(h0.to(we.dtype).index_select(0, seq_of) * wh.t()[:, :, None, None])
-    return starts
 
 
 ChunkFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]]
@@ -268,7 +155,11 @@ def time_parallel_forward(
     feeding = on_device(layout.feeding_bounds, torch.int32, dev)
     _, E = chunk_fn(None, kf, vf, g_gamma, scale, None, True, state_v_first, feeding)
     # 2. every segment's true start: its sequence's initial state and the earlier segments' ends, decayed
-    starts = _starts(layout, E, initial_state, g_gamma, plan).to(E.dtype)
+    decay = _decay(g_gamma, HV, dev)
+    if _chain_runs(E):
+        starts = _chain(E, initial_state, decay, bounds, on_device(layout.first, torch.int32, dev))
+    else:
+        starts = _scan_starts(E, initial_state, decay, plan.bounds, layout.first).to(E.dtype)
     # 3. the outputs from the true starts; each sequence's last segment ends in its final state
     o, ends = chunk_fn(qf, kf, vf, g_gamma, scale, starts, output_final_state, state_v_first, bounds)
     final = None
@@ -281,28 +172,34 @@ def bind_time_parallel(plan: SplitPlan, HV: int, D: int, dev: torch.device, stat
                        output_pass: Callable[..., None], output_final_state: bool) -> Callable[..., tuple]:
     """``time_parallel_forward`` of an inference call on the kernel, bound once for every later call of its signature
     (``chunk_simple_gla``'s plan cache; a packed one's for one boundary list, not while a CUDA graph captures): the
-    segment tables, the combine's layout and its gathers are the plan's, and the host work between the kernel's two
-    passes is the combine alone (its weights, from the decay of each call, are made before the first pass).
+    segment tables are the plan's, and between the kernel's two passes runs the combine's scan kernel alone
+    (``cula.ops.lightning.sm90.segment_chain``: one launch, the decay of each call read on the device).
 
     ``states_pass(k, v, decay, ends, bounds)`` writes the segments' end states from a zero start (the kernel's
     states-only form; ``bounds`` may end before the last token) and ``output_pass(q, k, v, o, decay, starts, ends,
     bounds)`` the outputs from the true starts and, when ``ends`` is not None, the segments' ends; q / k / v / o
     flat ``[1, B T, heads, D]``, decay fp32 ``[HV]`` (``-g_gamma``), states fp32 ``[M, HV, D, D]``. Returns
-    ``launch(q, k, v, decay, g_gamma, initial_state) -> (o, final_state)``, ``g_gamma`` None for no decay."""
+    ``launch(q, k, v, decay, initial_state) -> (o, final_state)`` (``initial_state`` fp32 and dense, or None)."""
+    from cula.ops.lightning.sm90 import segment_chain
+
     layout = _combine_layout(plan)
-    M = plan.num_segments
+    M, N = plan.num_segments, len(plan.lengths)
     bounds = on_device(plan.bounds, torch.int32, dev)
     feeding = on_device(layout.feeding_bounds, torch.int32, dev)
+    first = on_device(layout.first, torch.int32, dev)
     last = on_device(layout.last, torch.long, dev)
-    index = _combine_index(layout, dev)
+    chains: dict[bool, Callable[..., None]] = {}  # per whether there are initial states, found on first use
 
-    def launch(q, k, v, decay, g_gamma, initial_state):
+    def launch(q, k, v, decay, initial_state):
         B, T = v.shape[:2]
         qf, kf, vf = (x.view(1, B * T, *x.shape[2:]) for x in (q, k, v))
-        we, wh = _start_weights(layout, plan, g_gamma, HV, torch.float32, dev)
         E = torch.empty(M, HV, D, D, dtype=torch.float32, device=dev)
         states_pass(kf, vf, decay, E, feeding)
-        starts = _combine(we, wh, E, initial_state, index)
+        starts = torch.empty_like(E)
+        flat = (E.view(M, HV, D * D), None if initial_state is None else initial_state.view(N, HV, D * D))
+        has_h0 = initial_state is not None
+        chain = chains.get(has_h0) or chains.setdefault(has_h0, segment_chain.compiled_variant(D, has_h0))
+        chain(*flat, starts.view(M, HV, D * D), bounds, first, decay, N)
         o = torch.empty_like(v)
         ends = torch.empty_like(E) if output_final_state else None
         output_pass(qf, kf, vf, o.view(vf.shape), decay, starts, ends, bounds)
@@ -314,20 +211,18 @@ def bind_time_parallel(plan: SplitPlan, HV: int, D: int, dev: torch.device, stat
 def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first,
                       cu_seqlens):  # fmt: skip
     """``time_parallel_forward`` of a packed call while a CUDA graph captures: the segments, the first pass's
-    feeding bounds and the combine made on the device from ``cu_seqlens`` at every replay."""
+    feeding bounds and the combine's tables made on the device from ``cu_seqlens`` at every replay."""
     tables = segment_tables(plan, q.shape[1], cu_seqlens, q.device)
-    bounds, first, seq_of, HV = tables.bounds, tables.first, tables.sequence, v.shape[2]
-    with_h0 = initial_state is not None
-    if device_tables.usable(q.device):  # the first pass's bounds, last segments and weights in one launch
-        feed_bounds, last, we, wh = device_tables.combine_tables(bounds, first, seq_of, cu_seqlens, g_gamma, HV,
-                                                                 with_h0)  # fmt: skip
+    bounds, first = tables.bounds, tables.first
+    if device_tables.usable(q.device):  # the first pass's bounds and the last segments in one launch
+        feed_bounds, last = device_tables.combine_tables(bounds, first)
     else:
         feed_bounds, last = _device_feed_bounds(bounds, first)
-        we = None
     _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, feed_bounds)
-    if we is None:
-        cd = torch.promote_types(E.dtype, torch.float32)
-        we, wh = _device_weights(bounds, seq_of, cu_seqlens, HV, cd, g_gamma, with_h0)
-    starts = _device_combine(we, wh, seq_of, E, initial_state).to(E.dtype)
+    decay = _decay(g_gamma, v.shape[2], q.device)
+    if _chain_runs(E):
+        starts = _chain(E, initial_state, decay, bounds, first)
+    else:  # (the CPU's simulated captures, float64 references: reading the tables there waits on nothing)
+        starts = _scan_starts(E, initial_state, decay, bounds.tolist(), first.tolist()).to(E.dtype)
     o, ends = chunk_fn(q, k, v, g_gamma, scale, starts, output_final_state, state_v_first, bounds)
     return o.view(v.shape), ends.index_select(0, last) if output_final_state else None

@@ -26,10 +26,9 @@ __all__ = ["chunk_rows", "combine_tables", "segment_tables"]
 
 _BLOCK = 1024  # sequences / rows a step of the program
 _WARPS = 8
-_COMBINE_BLOCK, _COMBINE_WARPS = 64, 4  # combine_tables: rows and columns of a program's block
 
 
-_INTS = ["N", "num_rows", "steps", "seg", "min_len", "M", "width", "with_halves", "HV", "has_gamma", "has_h0"]
+_INTS = ["N", "num_rows", "steps", "seg", "min_len", "M", "width", "with_halves"]
 
 
 def _jit(fn):
@@ -143,52 +142,22 @@ def _segment_tables_kernel(cu, ends, bounds, first, sequence, halves, N, M, seg,
 
 
 @_jit
-def _combine_tables_kernel(bounds, first, sequence, cu, gamma, clamped, last, we, wh, N, M, HV, has_gamma, has_h0,
-                           BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
-    """Lightning's captured cut (``cula.lightning.time_parallel._captured_forward``) from the segment tables:
-    program (0, 0) writes the first pass's bounds, clamped at the end of the last segment that feeds a start (one
-    of a sequence, not its last), and every sequence's last segment; program (h, i) writes head h's combine
-    weights of rows ``BLOCK_I i ..``: ``we[h, r, c] = exp(gamma_h max(a_r - end_c, 0))`` where segment c comes
-    before r in r's sequence (else 0), and, with initial states, ``wh[h, r] = exp(gamma_h (a_r - start of r's
-    sequence))`` (gamma absent: 1)."""
-    h = tl.program_id(0)
-    rb = tl.program_id(1)
-    if (h == 0) & (rb == 0):
-        total = tl.load(first + N).to(tl.int64)
-        end = tl.zeros((), dtype=tl.int64)
-        for start in range(0, M, BLOCK_I):
-            m = start + tl.arange(0, BLOCK_I).to(tl.int64)
-            seq = tl.load(sequence + m, mask=m < M, other=0)
-            own_last = tl.load(first + seq + 1, mask=m < M, other=0).to(tl.int64) - 1
-            feeding = (m < total) & (m != own_last)
-            stop = tl.load(bounds + m + 1, mask=m < M, other=0).to(tl.int64)
-            end = tl.maximum(end, tl.max(tl.where(feeding, stop, 0), 0))
-        for start in range(0, M + 1, BLOCK_I):
-            m = start + tl.arange(0, BLOCK_I)
-            b = tl.load(bounds + m, mask=m <= M, other=0).to(tl.int64)
-            tl.store(clamped + m, tl.minimum(b, end).to(tl.int32), mask=m <= M)
-        for start in range(0, N, BLOCK_I):
-            n = start + tl.arange(0, BLOCK_I)
-            tl.store(last + n, tl.load(first + n + 1, mask=n < N, other=1).to(tl.int64) - 1, mask=n < N)
-    g = 0.0
-    if has_gamma != 0:
-        g = tl.load(gamma + h).to(tl.float32)
-    r = rb * BLOCK_I + tl.arange(0, BLOCK_I)
-    rlive = r < M
-    a_r = tl.load(bounds + r, mask=rlive, other=0).to(tl.int64)
-    seq_r = tl.load(sequence + r, mask=rlive, other=0)
-    for start in range(0, M, BLOCK_J):
-        c = start + tl.arange(0, BLOCK_J)
-        clive = c < M
-        end_c = tl.load(bounds + c + 1, mask=clive, other=0).to(tl.int64)
-        seq_c = tl.load(sequence + c, mask=clive, other=-1)
-        feeds = (seq_r[:, None] == seq_c[None, :]) & (c[None, :] < r[:, None])
-        dist = tl.maximum(a_r[:, None] - end_c[None, :], 0).to(tl.float32)
-        w = tl.where(feeds, tl.exp(g * dist), 0.0)
-        tl.store(we + (h * M + r[:, None]) * M + c[None, :], w, mask=rlive[:, None] & clive[None, :])
-    if has_h0 != 0:
-        since = (a_r - tl.load(cu + seq_r, mask=rlive, other=0).to(tl.int64)).to(tl.float32)
-        tl.store(wh + h * M + r, tl.exp(g * since), mask=rlive)
+def _combine_tables_kernel(bounds, first, clamped, last, N, M, BLOCK: tl.constexpr):
+    """Lightning's captured cut (``cula.lightning.time_parallel._captured_forward``) from the segment tables: the
+    first pass's bounds, clamped at the end of the last segment that feeds a start (one of a sequence, not its
+    last), and every sequence's last segment."""
+    end = tl.zeros((), dtype=tl.int64)
+    for start in range(0, N, BLOCK):  # a sequence's feeding segments (all but its last) end where its last starts
+        n = start + tl.arange(0, BLOCK)
+        own_last = tl.load(first + n + 1, mask=n < N, other=1).to(tl.int64) - 1
+        tl.store(last + n, own_last, mask=n < N)
+        feeds = (n < N) & (own_last > tl.load(first + n, mask=n < N, other=0).to(tl.int64))
+        stop = tl.load(bounds + own_last, mask=feeds, other=0).to(tl.int64)
+        end = tl.maximum(end, tl.max(tl.where(feeds, stop, 0), 0))
+    for start in range(0, M + 1, BLOCK):
+        m = start + tl.arange(0, BLOCK)
+        b = tl.load(bounds + m, mask=m <= M, other=0).to(tl.int64)
+        tl.store(clamped + m, tl.minimum(b, end).to(tl.int32), mask=m <= M)
 
 
 def _search_steps(n: int) -> int:
@@ -235,21 +204,12 @@ def segment_tables(cu_seqlens: torch.Tensor, segment_len: int, min_seq_len: int,
     return bounds, first, half if halves else None, sequence
 
 
-def combine_tables(bounds: torch.Tensor, first: torch.Tensor, sequence: torch.Tensor, cu_seqlens: torch.Tensor,
-                   g_gamma: torch.Tensor | None, num_heads: int, with_h0: bool):  # fmt: skip
-    """Lightning's captured cut from device segment tables in one launch: ``(clamped bounds, last segments, we,
-    wh)``, int32 ``[M + 1]``, int64 ``[N]``, fp32 ``[HV, M, M]``, fp32 ``[HV, M]`` or None
-    (``_combine_tables_kernel``)."""
+def combine_tables(bounds: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lightning's captured cut from device segment tables in one launch: ``(clamped bounds, last segments)``, int32
+    ``[M + 1]`` and int64 ``[N]`` (``_combine_tables_kernel``)."""
     M, N, dev = bounds.numel() - 1, first.numel() - 1, bounds.device
     clamped = torch.empty(M + 1, dtype=torch.int32, device=dev)
     last = torch.empty(N, dtype=torch.int64, device=dev)
-    we = torch.empty(num_heads, M, M, dtype=torch.float32, device=dev)
-    wh = torch.empty(num_heads, M, dtype=torch.float32, device=dev) if with_h0 else we
-    gamma = we if g_gamma is None else g_gamma.detach().float()
     with _on(dev):
-        _combine_tables_kernel[(num_heads, max(1, triton.cdiv(M, _COMBINE_BLOCK)))](
-            bounds, first, sequence, cu_seqlens, gamma, clamped, last, we, wh, N, M, num_heads,
-            int(g_gamma is not None), int(with_h0), BLOCK_I=_COMBINE_BLOCK, BLOCK_J=_COMBINE_BLOCK,
-            num_warps=_COMBINE_WARPS,
-        )  # fmt: skip
-    return clamped, last, we, wh if with_h0 else None
+        _combine_tables_kernel[(1,)](bounds, first, clamped, last, N, M, BLOCK=_BLOCK, num_warps=_WARPS)
+    return clamped, last

@@ -3,7 +3,7 @@
 A packed call captured in a CUDA graph replays on whatever boundaries its ``cu_seqlens`` then holds, so the chunk
 list of the intra and state kernels (``cula.kda.forward.device_chunk_indices``) and the time split's segment tables
 (``cula.time_split.device_segment_tables``) are made on the device at every replay, and Lightning's cut makes its
-combine tables from the segment tables. Written as torch ops they were about 14, 28 and 19 small kernels, each a
+first pass's bounds from the segment tables. Written as torch ops they are about 14, 28 and 9 small kernels, each a
 graph node of a microsecond or two; here the chunk list is two launches (the sequences' chunk ends, then a grid
 over the rows) and each of the others one.
 The torch forms stay the rule's statement (and the CPU's path); the CPU tests hold these to them under Triton's
@@ -33,7 +33,7 @@ def usable(device: torch.device) -> bool:
 
 def preload(device: torch.device) -> bool:
     """Run every kernel variant once on ``device`` (outside any capture) unless they have: the chunk list's two kernels
-    the segment tables' kernel and Lightning's combine tables' kernel, for int32 and int64 boundaries (the only
+    the segment tables' kernel and Lightning's first-pass bounds' kernel, for int32 and int64 boundaries (the only
     specializations: integers and alignments are not specialized on). The eager calls of packed boundaries call
     this, so that a capture after them (an engine's or a training loop's warm-up, then its capture) finds every
     variant loaded. Where Triton is missing or a compile fails, the torch forms serve from then on (the reason
@@ -50,8 +50,8 @@ def preload(device: torch.device) -> bool:
         for dtype in (torch.int32, torch.int64):
             cu = torch.tensor([0, 3, 3, 70], dtype=dtype, device=torch.device("cuda", index))
             chunk_rows(cu, 4, 64)
-            bounds, first, _, sequence = segment_tables(cu, 64, 0, 4, True, 64)
-            combine_tables(bounds, first, sequence, cu, None, 1, True)
+            bounds, first, _, _ = segment_tables(cu, 64, 0, 4, True, 64)
+            combine_tables(bounds, first)
     except Exception as err:  # (ImportError without Triton; a compiler's or driver's error otherwise)
         _UNAVAILABLE.append(f"{type(err).__name__}: {err}")
         logging.getLogger("cula").warning(
@@ -78,11 +78,9 @@ def segment_tables(cu_seqlens: torch.Tensor, segment_len: int, min_seq_len: int,
     return kernels.segment_tables(cu_seqlens, segment_len, min_seq_len, num_segments, halves, align)
 
 
-def combine_tables(bounds: torch.Tensor, first: torch.Tensor, sequence: torch.Tensor, cu_seqlens: torch.Tensor,
-                   g_gamma: torch.Tensor | None, num_heads: int, with_h0: bool):  # fmt: skip
+def combine_tables(bounds: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lightning's captured cut from the device segment tables in one launch (where ``usable``): the first pass's
-    clamped bounds, every sequence's last segment, and the combine's weights (``cula.lightning.time_parallel``'s
-    ``_device_feed_bounds`` and ``_device_weights``)."""
+    clamped bounds and every sequence's last segment (``cula.lightning.time_parallel``'s ``_device_feed_bounds``)."""
     from cula.ops import _device_tables_triton as kernels
 
-    return kernels.combine_tables(bounds, first, sequence, cu_seqlens, g_gamma, num_heads, with_h0)
+    return kernels.combine_tables(bounds, first)

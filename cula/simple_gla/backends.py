@@ -193,7 +193,7 @@ def _cut_launch(plan, D, HV, device, scale, output_final_state, state_v_first):
     cut = bind_time_parallel(plan, HV, D, device, states_pass, output_pass, output_final_state)
 
     def launch(q, k, v, g_gamma, initial_state):
-        return cut(q, k, v, _decay(g_gamma, HV, device), g_gamma, initial_state)
+        return cut(q, k, v, _decay(g_gamma, HV, device), initial_state)
 
     return launch
 
