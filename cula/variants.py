@@ -278,12 +278,16 @@ def _lightning(scope: str) -> None:
     from cula.lightning.plan import LIGHTNING_TUNING, launch_key
     from cula.ops.lightning.sm90 import chunk_fwd as lc
     from cula.ops.lightning.sm90 import decode as ld
+    from cula.ops.lightning.sm90 import segment_chain as lsc
 
     for d, h0, ht, varlen, svf in itertools.product((64, 128), _B, _B, _B, _B):
         lc.compiled_variant(d, h0, ht, varlen, svf)
     # the time-parallel prefill's first pass (cula.lightning.time_parallel): every segment's end state, packed
     for d, svf in itertools.product((64, 128), _B):
         lc.compiled_variant(d, False, True, True, svf, states_only=True)
+    # and its combine's scan, with and without initial states
+    for d, h0 in itertools.product((64, 128), _B):
+        lsc.compiled_variant(d, h0)
     for io, d, svf, tokens, n in itertools.product(
         _dtypes(scope)["io"], (64, 128), _B, range(1, DECODE_MAX_TOKENS + 1),
         (1, LIGHTNING_TUNING.get((9, 0)).kv_cols_min_states),

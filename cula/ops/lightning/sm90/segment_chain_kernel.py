@@ -101,9 +101,8 @@ class LightningSegmentChainSm90:
                             S[e] = lam_L * S[e] + rE[e, j]
 
 
-def _compile(head_dim: int, has_h0: bool, arch=(9, 0)):
-    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable
-    ``fn(E, h0, starts, bounds, first, decay, num_seqs)`` taking torch tensors (``h0`` None unless ``has_h0``)."""
+def _fake_args(head_dim: int, has_h0: bool) -> tuple:
+    """The kernel's arguments as fake tensors (symbolic sizes), for ``cute.compile``."""
     DD = head_dim * head_dim
 
     def states():  # 64-bit outer stride: M * HV * D * D may pass 2^31 elements
@@ -116,8 +115,12 @@ def _compile(head_dim: int, has_h0: bool, arch=(9, 0)):
         return make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
 
     decay = make_fake_compact_tensor(Float32, (cute.sym_int32(),), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return states(), states() if has_h0 else None, states(), ints(), ints(), decay, Int32(1), stream
+
+
+def _compile(head_dim: int, has_h0: bool, arch=(9, 0)):
+    """Trace and compile one variant against fake tensors (no GPU needed). Returns the TVM-FFI callable
+    ``fn(E, h0, starts, bounds, first, decay, num_seqs)`` taking torch tensors (``h0`` None unless ``has_h0``)."""
     kernel = LightningSegmentChainSm90(head_dim, has_h0)
-    return cute.compile(
-        kernel, states(), states() if has_h0 else None, states(), ints(), ints(), decay, Int32(1),
-        make_fake_stream(use_tvm_ffi_env_stream=True), options=compile_options(arch),
-    )  # fmt: skip
+    return cute.compile(kernel, *_fake_args(head_dim, has_h0), options=compile_options(arch))
