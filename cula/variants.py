@@ -304,6 +304,7 @@ def _smoke() -> None:
     from cula.ops.kda.sm90 import bwd_dhu, bwd_intra, bwd_wy_dqkg, fwd_launch, intra, segment_chain, segment_summary
     from cula.ops.lightning.sm90 import chunk_fwd as lc
     from cula.ops.lightning.sm90 import decode as ld
+    from cula.ops.lightning.sm90 import segment_chain as lsc
 
     # chunk_kda, bf16 q/k/v, fp32 g, bf16 beta, safe_gate with the lower-bound gate, q/k L2 norm, beta sigmoid,
     # initial and final state: the inference plans (fixed length and packed), training's forward, and the
@@ -364,9 +365,12 @@ def _smoke() -> None:
         has_dt_bias=True, use_qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=False, state_v_first=True,
         has_step_states=False, tokens=1, states=64, per_head_gate=True,
     )  # fmt: skip
-    # lightning_attn_fwd with initial and final state, fixed and packed; lightning_decode at T = 1
+    # lightning_attn_fwd with initial and final state, fixed and packed, and the pack cut in time (its states-only
+    # first pass and the combine's scan); lightning_decode at T = 1
     for varlen in _B:
         lc.compiled_variant(128, True, True, varlen, False)
+    lc.compiled_variant(128, False, True, True, False, states_only=True)
+    lsc.compiled_variant(128, True)
     ld.compiled(launch_key(_BF16, 128, 128, 1, 64, state_v_first=True))
 
 

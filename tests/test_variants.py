@@ -351,7 +351,8 @@ def test_lightning_variants_all_reachable(requested):
             kw["initial_state"] = _rnd(2, HV, d, d, dtype=FP32)
         with torch.no_grad():
             lightning_attn_fwd(q, k, v, torch.rand(HV), **kw)
-    # a call the time split cuts (whatever the H200's entry says): its first pass, the states-only variant
+    # a call the time split cuts (whatever the H200's entry says): its first pass (the states-only variant) and the
+    # combine's scan
     from cula.lightning.plan import LIGHTNING_TUNING
     from cula.time_split import SplitThresholds
 
@@ -359,7 +360,8 @@ def test_lightning_variants_all_reachable(requested):
     with LIGHTNING_TUNING.override((9, 0), time_split=cut), torch.no_grad():
         for d, svf in itertools.product((64, 128), (False, True)):
             q, k, v = _rnd(1, 256, 1, d), _rnd(1, 256, 1, d), _rnd(1, 256, 2, d)
-            lightning_attn_fwd(q, k, v, torch.rand(2), state_v_first=svf)
+            h0 = _rnd(1, 2, d, d, dtype=FP32) if svf else None  # (the combine's scan with and without h0)
+            lightning_attn_fwd(q, k, v, torch.rand(2), initial_state=h0, state_v_first=svf)
     for io, d, svf, T, N in itertools.product((BF16, FP16), (64, 128), (False, True), range(1, 9), (1, 16)):
         HV = 2 if N == 1 else 256
         q, k, v = _rnd(N, T, 1, d, dtype=io), _rnd(N, T, 1, d, dtype=io), _rnd(N, T, HV, d, dtype=io)
@@ -381,7 +383,8 @@ def test_wheel_check_calls_take_smoke_variants(requested, monkeypatch):
     """The calls of ``scripts/device/wheel_check.py`` (the wheel's check on the H200, where the DSL is absent and
     only the wheel's variants exist) ask for variants of the smoke scope only, which CI's wheel build compiles:
     chunk_kda fixed (plan and general path), without safe_gate, packed, packed cut in time, the training forward;
-    the training backward's stages on cula's kernels as the glue calls them for that call; decode and Lightning."""
+    the training backward's stages on cula's kernels as the glue calls them for that call; decode and Lightning
+    (prefill packed cut in time too)."""
     import importlib.util
     from pathlib import Path
 
@@ -423,7 +426,7 @@ def test_wheel_check_calls_take_smoke_variants(requested, monkeypatch):
     chunk_kda_bwd_wy_dqkg_sm90(q, k, v, v, f, b32, a.to(BF16), s, v, s, v, state_v_first=False)
     chunk_kda_bwd_intra_sm90(q, k, f, b32, a, a, f, f, b32, f, reverse_cumsum_dg=True,
                              gate=(g, a_log, dt_bias, -5.0), in_place=True)  # fmt: skip
-    # decode at T = 1 and 4, Lightning decode, Lightning prefill fixed and packed
+    # decode at T = 1 and 4, Lightning decode, Lightning prefill fixed, packed and cut in time
     N, H, HV = 4, 4, 16
     idx = torch.tensor([3, 0, -1, 1], dtype=torch.int32)
     pool = torch.zeros(N + 2, HV, D, D)
@@ -437,6 +440,13 @@ def test_wheel_check_calls_take_smoke_variants(requested, monkeypatch):
             lightning_attn_fwd(_rnd(B, T, 2, D), _rnd(B, T, 2, D), _rnd(B, T, 4, D), torch.rand(4),
                                initial_state=torch.zeros(3 if packed else B, 4, D, D), output_final_state=True,
                                **({"cu_seqlens": cu} if packed else {}))  # fmt: skip
+    from cula.lightning.plan import LIGHTNING_TUNING  # the pack again, cut in time
+
+    cut = SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=64, min_seq_len=128)
+    with LIGHTNING_TUNING.override((9, 0), time_split=cut), torch.no_grad():
+        lightning_attn_fwd(_rnd(1, 557, 2, D), _rnd(1, 557, 2, D), _rnd(1, 557, 4, D), torch.rand(4),
+                           initial_state=torch.zeros(3, 4, D, D), output_final_state=True, cu_seqlens=cu,
+                           cu_seqlens_cpu=cu)  # fmt: skip
     smoke = set(variants.planner_variants("smoke"))
     missing = [cula.cache.key_text(k) for k in requested if k not in smoke]
     assert not missing, f"{len(missing)} of {len(requested)} requested variants are not in the smoke scope: {missing}"

@@ -33,6 +33,7 @@ import torch
 
 from cula.backends import capturing
 from cula.ops import device_tables
+from cula.ops.lightning.sm90.chunk_fwd import kernel_decay
 from cula.time_split import (  # noqa: F401  (the split's planning, shared with KDA; re-exported for callers)
     SEGMENT_ALIGN, SplitPlan, SplitThresholds, on_device, plan_time_split, segment_tables, split_plan,
 )
@@ -73,11 +74,6 @@ def _scan_starts(E: torch.Tensor, h0: torch.Tensor | None, decay: torch.Tensor, 
             if m + 1 < first[n + 1]:  # (a sequence's last segment feeds nothing: its E is not read)
                 S = torch.exp(-rate * (bounds[m + 1] - bounds[m])) * S + E[m]
     return starts
-
-
-def _decay(g_gamma: torch.Tensor | None, HV: int, dev: torch.device) -> torch.Tensor:
-    """The kernels' fp32 ``[HV]`` decay, ``-g_gamma`` (zeros without one)."""
-    return torch.zeros(HV, device=dev) if g_gamma is None else (-g_gamma.detach()).float().contiguous()
 
 
 def _chain_runs(E: torch.Tensor) -> bool:
@@ -155,7 +151,7 @@ def time_parallel_forward(
     feeding = on_device(layout.feeding_bounds, torch.int32, dev)
     _, E = chunk_fn(None, kf, vf, g_gamma, scale, None, True, state_v_first, feeding)
     # 2. every segment's true start: its sequence's initial state and the earlier segments' ends, decayed
-    decay = _decay(g_gamma, HV, dev)
+    decay = kernel_decay(g_gamma, HV, dev)
     if _chain_runs(E):
         starts = _chain(E, initial_state, decay, bounds, on_device(layout.first, torch.int32, dev))
     else:
@@ -219,7 +215,7 @@ def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, ou
     else:
         feed_bounds, last = _device_feed_bounds(bounds, first)
     _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, feed_bounds)
-    decay = _decay(g_gamma, v.shape[2], q.device)
+    decay = kernel_decay(g_gamma, v.shape[2], q.device)
     if _chain_runs(E):
         starts = _chain(E, initial_state, decay, bounds, first)
     else:  # (the CPU's simulated captures, float64 references: reading the tables there waits on nothing)

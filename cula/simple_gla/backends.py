@@ -13,10 +13,9 @@ import functools
 import torch
 
 from cula._validate import dense, is_dense
-from cula.backends import (
-    ConstantTensors, Registry, always, capturing, cula_kernels_on, needs_grad, package_on_cuda,
-)  # fmt: skip
+from cula.backends import Registry, always, capturing, cula_kernels_on, needs_grad, package_on_cuda
 from cula.ops._host import sequences_verdict
+from cula.ops.lightning.sm90.chunk_fwd import kernel_decay as _decay
 
 chunk_simple_gla_registry = Registry("simple_gla.chunk_simple_gla")
 fused_recurrent_simple_gla_registry = Registry("simple_gla.fused_recurrent_simple_gla")
@@ -27,7 +26,6 @@ REFERENCE_PRIORITY = 90
 RCP_LN2 = 1.4426950408889634  # FLA's backward kernels take the log decay in base 2
 
 
-
 def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, cu_seqlens=None, **_) -> tuple:
     if g is not None:
         return False, "data-dependent g (the kernel takes a constant per-head decay, g_gamma)"
@@ -36,16 +34,6 @@ def _cula_chunk_supports(q, k, v, g, g_gamma, initial_state, cu_seqlens=None, **
     if q.shape[-1] != v.shape[-1] or q.shape[-1] not in (64, 128):
         return False, f"head sizes K={q.shape[-1]} V={v.shape[-1]} (kernel takes K = V in {{64, 128}})"
     return sequences_verdict(q.shape[0], cu_seqlens)
-
-
-# the kernel's decay without g_gamma (zeros) a head count and device; with g_gamma it is made at each call
-_NO_DECAYS = ConstantTensors()
-
-
-def _decay(g_gamma: torch.Tensor | None, HV: int, device: torch.device) -> torch.Tensor:
-    if g_gamma is None:
-        return _NO_DECAYS.get(device, ("no_decay", HV), lambda: torch.zeros(HV, device=device))
-    return (-g_gamma.detach()).float().contiguous()
 
 
 def _lightning_forward(q, k, v, g_gamma, scale, initial_state, output_final_state, state_v_first, cu_seqlens):

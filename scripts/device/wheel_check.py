@@ -3,8 +3,8 @@
 Checks, against cula's float32 reference backend (``CULA_BACKEND=reference``, on the same GPU tensors):
 ``chunk_kda`` fixed length, packed, and training (forward and input gradients), the same call with the fused
 softplus gate (no bound known: the intra kernel's any_gate variant), ``kda_decode`` at T = 1 and 4,
-``lightning_attn_fwd`` fixed and packed, ``lightning_decode``. Each call's configuration is one of the wheel's smoke
-variants (``cula.variants._smoke``), and every kernel must come from the wheel (``cula.cache.origins``).
+``lightning_attn_fwd`` fixed, packed and cut in time, ``lightning_decode``. Each call's configuration is one of the
+wheel's smoke variants (``cula.variants._smoke``), and every kernel must come from the wheel (``cula.cache.origins``).
 Then times the first call of each family in a fresh process: import torch, make the inputs (CUDA initialised),
 then ``import cula`` and the first call, synchronised (the issue's target: 0.3 s), and a second call.
 Prints one ``@@`` line per result and exits non-zero on any failure.
@@ -140,6 +140,16 @@ def check_decode():
             ro, rs = reference(lightning_attn_fwd, q, k, v, decay, initial_state=h0, output_final_state=True, **kw)
         report(f"lightning_attn_fwd {'packed' if packed else 'fixed'}: o", o, ro, 1e-2)
         report(f"lightning_attn_fwd {'packed' if packed else 'fixed'}: final state", s, rs, 1e-2)
+    # the last pack cut in time (the states-only pass, the combine's scan, the full pass over the segments)
+    from cula.lightning.plan import LIGHTNING_TUNING
+    from cula.time_split import SplitThresholds
+
+    cut = SplitThresholds(items_per_sm=1.0, busy_items_per_sm=1.0, min_segment=64, min_seq_len=128)
+    with LIGHTNING_TUNING.override((9, 0), time_split=cut), torch.no_grad():
+        o, s = lightning_attn_fwd(q, k, v, decay, initial_state=h0, output_final_state=True,
+                                  cu_seqlens_cpu=kw["cu_seqlens"].cpu(), **kw)
+    report("lightning_attn_fwd packed, cut in time: o", o, ro, 1e-2)
+    report("lightning_attn_fwd packed, cut in time: final state", s, rs, 1e-2)
 
 
 def host_us(fn) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from cula.backends import ConstantTensors
 from cula.cache import compiled_kernel
 from cula.ops._host import kernel_attr
 
@@ -18,6 +19,17 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 def __getattr__(name):
     return kernel_attr(__name__, name)
+
+
+_NO_DECAYS = ConstantTensors()
+
+
+def kernel_decay(g_gamma: torch.Tensor | None, HV: int, device: torch.device) -> torch.Tensor:
+    """The kernel's fp32 ``[HV]`` decay, ``-g_gamma`` (zeros without one, made once per device and head count), from
+    the decay's current values at each call (a write through ``.data`` leaves no version bump a cache could check)."""
+    if g_gamma is None:
+        return _NO_DECAYS.get(device, ("no_decay", HV), lambda: torch.zeros(HV, device=device))
+    return (-g_gamma.detach()).float().contiguous()
 
 
 def variant_key(head_dim: int, has_h0: bool, has_ht: bool, varlen: bool, state_v_first: bool,
