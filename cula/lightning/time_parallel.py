@@ -63,9 +63,10 @@ def _scan_starts(E: torch.Tensor, h0: torch.Tensor | None, decay: torch.Tensor, 
                  first: tuple[int, ...]) -> torch.Tensor:  # fmt: skip
     """Every segment's true start ``[M, HV, K, V]`` from the zero-start ends ``E`` and the initial states, in torch
     ops over host tables: the scan kernel's rule (``cula.ops.lightning.sm90.segment_chain``), for the CPU and the
-    float64 reference's states. ``decay`` ``[HV]`` (``-g_gamma``); in E's dtype, at least fp32."""
+    float64 reference's states. ``decay`` ``[HV]`` (``-g_gamma``); in E's dtype, at least fp32; segments past
+    ``first[N]`` (a captured call's spare ones) start from zeros."""
     cd = torch.promote_types(E.dtype, torch.float32)
-    starts = torch.empty(E.shape, dtype=cd, device=E.device)
+    starts = torch.zeros(E.shape, dtype=cd, device=E.device)
     rate = decay.to(device=E.device, dtype=cd)[:, None, None]
     for n in range(len(first) - 1):
         S = torch.zeros(E.shape[1:], dtype=cd, device=E.device) if h0 is None else h0[n].to(cd)
@@ -83,11 +84,13 @@ def _chain_runs(E: torch.Tensor) -> bool:
 
 
 def _chain(E: torch.Tensor, h0: torch.Tensor | None, decay: torch.Tensor, bounds: torch.Tensor,
-           first: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """Every segment's true start from the scan kernel, for segment tables on the device (``first`` ``[N + 1]``)."""
+           first: torch.Tensor, spare: bool = False) -> torch.Tensor:  # fmt: skip
+    """Every segment's true start from the scan kernel, for segment tables on the device (``first`` ``[N + 1]``).
+    ``spare``: the tables may end in segments of no sequence (a captured call's), which the scan leaves alone; their
+    starts are zeros, which the output pass reads and carries to ends nothing gathers."""
     from cula.ops.lightning.sm90.segment_chain import lightning_segment_chain_sm90
 
-    starts = torch.empty_like(E)
+    starts = torch.zeros_like(E) if spare else torch.empty_like(E)
     lightning_segment_chain_sm90(E, None if h0 is None else h0.float().contiguous(), starts, bounds, first, decay)
     return starts
 
@@ -217,7 +220,7 @@ def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, ou
     _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, feed_bounds)
     decay = kernel_decay(g_gamma, v.shape[2], q.device)
     if _chain_runs(E):
-        starts = _chain(E, initial_state, decay, bounds, first)
+        starts = _chain(E, initial_state, decay, bounds, first, spare=tables.spare)
     else:  # (the CPU's simulated captures, float64 references: reading the tables there waits on nothing)
         starts = _scan_starts(E, initial_state, decay, bounds.tolist(), first.tolist()).to(E.dtype)
     o, ends = chunk_fn(q, k, v, g_gamma, scale, starts, output_final_state, state_v_first, bounds)
