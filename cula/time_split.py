@@ -184,7 +184,6 @@ class SegmentTables:
         halves: ``[2 M + 1]`` the bounds with every segment cut after its first half (``half_bounds``), or None.
         spare: whether segments past ``first[N]`` may be left over, empty and of no sequence (made on the device:
             no chain writes their start states, which the output pass reads all the same, so they must be zeroed).
-        sequence: made on the device, each segment's sequence (int64 ``[M]``, the spare ones the last's); else None.
     """
 
     num_segments: int
@@ -192,7 +191,6 @@ class SegmentTables:
     first: torch.Tensor
     halves: torch.Tensor | None
     spare: bool = False
-    sequence: torch.Tensor | None = None
 
 
 def segment_tables(plan: SplitPlan, total: int, cu_seqlens: torch.Tensor | None, device: torch.device,
@@ -219,10 +217,10 @@ def device_segment_tables(plan: SplitPlan, cu_seqlens: torch.Tensor, num_segment
     for them), whose start states the caller zeroes. As ``cula.kda.forward.device_chunk_indices``, values are not
     checked: boundaries that are not non-decreasing or end past ``num_segments``' total give meaningless segments."""
     if cu_seqlens.numel() > 1 and device_tables.usable(cu_seqlens.device):
-        bounds, first, half, seq = device_tables.segment_tables(
+        bounds, first, half = device_tables.segment_tables(
             cu_seqlens, plan.segment_len, plan.min_seq_len, num_segments, halves, SEGMENT_ALIGN
         )  # fmt: skip
-        return SegmentTables(num_segments, bounds, first, half, spare=True, sequence=seq)
+        return SegmentTables(num_segments, bounds, first, half, spare=True)
     cu = cu_seqlens.long()
     seg, M, N = plan.segment_len, num_segments, cu.numel() - 1
     lens = cu[1:] - cu[:-1]
@@ -240,7 +238,7 @@ def device_segment_tables(plan: SplitPlan, cu_seqlens: torch.Tensor, num_segment
         mid = a + (b - a + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN // 2 * SEGMENT_ALIGN
         half = torch.cat((torch.stack((a, mid), 1).flatten(), bounds[-1:])).to(torch.int32)
     first = torch.cat((ends.new_zeros(1), ends)).to(torch.int32)
-    return SegmentTables(M, bounds.to(torch.int32), first, half, spare=True, sequence=seq)
+    return SegmentTables(M, bounds.to(torch.int32), first, half, spare=True)
 
 
 def call_lengths(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...] | None:

@@ -52,10 +52,10 @@ def compare(device: str, lengths=LENGTHS, rules=RULES) -> int:
                 M = ts.replay_segments(plan, T)
                 for halves in (False, True):
                     w = ts.device_segment_tables(plan, cu.cpu(), M, halves)
-                    b, f, h, s = (None if t is None else t.cpu() for t in device_tables.segment_tables(
+                    b, f, h = (None if t is None else t.cpu() for t in device_tables.segment_tables(
                         cu, seg, shortest, M, halves, ts.SEGMENT_ALIGN))  # fmt: skip
                     assert torch.equal(w.bounds, b), (lens[:5], seg, halves, w.bounds.tolist()[:8], b.tolist()[:8])
-                    assert torch.equal(w.first, f) and torch.equal(w.sequence, s), (lens[:5], seg, halves)
+                    assert torch.equal(w.first, f), (lens[:5], seg, halves)
                     assert (h is None) == (w.halves is None) and (h is None or torch.equal(w.halves, h))
                     checks += 1
                     if not halves:
@@ -97,7 +97,7 @@ def test_triton_tables_match_the_torch_forms_interpreted():
 _VARIANTS = [
     ("_chunk_ends_kernel", {"ends": "*i64"}, {"BLOCK": "_BLOCK"}, "_WARPS"),
     ("_chunk_rows_kernel", {"ends": "*i64", "out": "*i32"}, {"BLOCK": "_BLOCK"}, "_WARPS"),
-    ("_segment_tables_kernel", {"ends": "*i64", "bounds": "*i32", "first": "*i32", "sequence": "*i64",
+    ("_segment_tables_kernel", {"ends": "*i64", "bounds": "*i32", "first": "*i32",
                                 "halves": "*i32"}, {"ALIGN": 64, "BLOCK": "_BLOCK"}, "_WARPS"),
     ("_combine_tables_kernel", {"bounds": "*i32", "first": "*i32", "clamped": "*i32", "last": "*i64"},
      {"BLOCK": "_BLOCK"}, "_WARPS"),
@@ -194,4 +194,3 @@ def test_captures_after_preload_need_no_new_variant_cuda():
         if plan is not None:
             want = ts.device_segment_tables(plan, cu.cpu(), M, halves)
             assert torch.equal(got[0].cpu(), want.bounds) and torch.equal(got[1].cpu(), want.first)
-            assert torch.equal(got[3].cpu(), want.sequence)

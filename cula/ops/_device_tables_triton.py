@@ -112,7 +112,7 @@ def _segment_start(cu, ends, m, seq, live, seg, min_len):
 
 
 @_jit
-def _segment_tables_kernel(cu, ends, bounds, first, sequence, halves, N, M, seg, min_len, steps, with_halves,
+def _segment_tables_kernel(cu, ends, bounds, first, halves, N, M, seg, min_len, steps, with_halves,
                            ALIGN: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     _ends_pass(cu, ends, N, 0, seg, min_len, BLOCK, True)
     tl.debug_barrier()
@@ -127,7 +127,6 @@ def _segment_tables_kernel(cu, ends, bounds, first, sequence, halves, N, M, seg,
         seq = _sequence_of(ends, m, N, steps)
         begin = _segment_start(cu, ends, m, seq, live, seg, min_len)
         tl.store(bounds + m, begin.to(tl.int32), mask=live)
-        tl.store(sequence + m, seq, mask=live)
         if with_halves != 0:  # each segment's first ceil(len / ALIGN) // 2 chunks, then the rest
             # (the segment's end: the next one's start, or the call's end for the last)
             nxt = m + 1
@@ -187,21 +186,20 @@ def chunk_rows(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = 64) ->
 
 
 def segment_tables(cu_seqlens: torch.Tensor, segment_len: int, min_seq_len: int, num_segments: int, halves: bool,
-                   align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
-    """``cula.time_split.device_segment_tables``' tables in one launch: ``(bounds, first, halves, sequence)``,
-    int32 ``[M + 1]``, int32 ``[N + 1]``, int32 ``[2 M + 1]`` or None, int64 ``[M]``."""
+                   align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``cula.time_split.device_segment_tables``' tables in one launch: ``(bounds, first, halves)``, int32
+    ``[M + 1]``, int32 ``[N + 1]``, int32 ``[2 M + 1]`` or None."""
     N, M, dev = cu_seqlens.numel() - 1, num_segments, cu_seqlens.device
     bounds = torch.empty(M + 1, dtype=torch.int32, device=dev)
     first = torch.empty(N + 1, dtype=torch.int32, device=dev)
-    sequence = torch.empty(M, dtype=torch.int64, device=dev)
     half = torch.empty(2 * M + 1, dtype=torch.int32, device=dev) if halves else bounds
     ends = torch.empty(max(N, 1), dtype=torch.int64, device=dev)
     with _on(dev):
         _segment_tables_kernel[(1,)](
-            cu_seqlens, ends, bounds, first, sequence, half, N, M, segment_len, min_seq_len, _search_steps(N),
+            cu_seqlens, ends, bounds, first, half, N, M, segment_len, min_seq_len, _search_steps(N),
             int(halves), ALIGN=align, BLOCK=_BLOCK, num_warps=_WARPS,
         )  # fmt: skip
-    return bounds, first, half if halves else None, sequence
+    return bounds, first, half if halves else None
 
 
 def combine_tables(bounds: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

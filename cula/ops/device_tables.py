@@ -50,7 +50,7 @@ def preload(device: torch.device) -> bool:
         for dtype in (torch.int32, torch.int64):
             cu = torch.tensor([0, 3, 3, 70], dtype=dtype, device=torch.device("cuda", index))
             chunk_rows(cu, 4, 64)
-            bounds, first, _, _ = segment_tables(cu, 64, 0, 4, True, 64)
+            bounds, first, _ = segment_tables(cu, 64, 0, 4, True, 64)
             combine_tables(bounds, first)
     except Exception as err:  # (ImportError without Triton; a compiler's or driver's error otherwise)
         _UNAVAILABLE.append(f"{type(err).__name__}: {err}")
@@ -71,7 +71,7 @@ def chunk_rows(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = 64) ->
 
 
 def segment_tables(cu_seqlens: torch.Tensor, segment_len: int, min_seq_len: int, num_segments: int, halves: bool,
-                   align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+                   align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``cula.time_split.device_segment_tables``' tables in one launch (where ``usable``)."""
     from cula.ops import _device_tables_triton as kernels
 
