@@ -77,17 +77,15 @@ def _scan_starts(E: torch.Tensor, h0: torch.Tensor | None, decay: torch.Tensor, 
     return starts
 
 
-def _chain_runs(E: torch.Tensor) -> bool:
-    """Whether the combine's scan kernel takes these end states (fp32 on a CUDA device, D 64 or 128); elsewhere
-    (the CPU, the float64 reference's states) ``_scan_starts`` does."""
-    return E.is_cuda and E.dtype == torch.float32 and E.shape[-1] in (64, 128)
-
-
-def _chain(E: torch.Tensor, h0: torch.Tensor | None, decay: torch.Tensor, bounds: torch.Tensor,
-           first: torch.Tensor, spare: bool = False) -> torch.Tensor:  # fmt: skip
-    """Every segment's true start from the scan kernel, for segment tables on the device (``first`` ``[N + 1]``).
-    ``spare``: the tables may end in segments of no sequence (a captured call's), which the scan leaves alone; their
-    starts are zeros, which the output pass reads and carries to ends nothing gathers."""
+def _starts(E: torch.Tensor, h0: torch.Tensor | None, decay: torch.Tensor, bounds: torch.Tensor, first: torch.Tensor,
+            spare: bool = False) -> torch.Tensor:  # fmt: skip
+    """Every segment's true start from the segment tables on the device (``first`` ``[N + 1]``): the scan kernel
+    (``cula.ops.lightning.sm90.segment_chain``) where it takes E (fp32 on a CUDA device, D 64 or 128), elsewhere
+    its torch rule ``_scan_starts`` over the tables read to the host (the CPU, the float64 reference's states:
+    nothing to wait on there). ``spare``: the tables may end in segments of no sequence (a captured call's), which
+    the scan leaves alone; their starts are zeros, which the output pass reads and carries to ends nothing gathers."""
+    if not (E.is_cuda and E.dtype == torch.float32 and E.shape[-1] in (64, 128)):
+        return _scan_starts(E, h0, decay, bounds.tolist(), first.tolist()).to(E.dtype)
     from cula.ops.lightning.sm90.segment_chain import lightning_segment_chain_sm90
 
     starts = torch.zeros_like(E) if spare else torch.empty_like(E)
@@ -154,11 +152,8 @@ def time_parallel_forward(
     feeding = on_device(layout.feeding_bounds, torch.int32, dev)
     _, E = chunk_fn(None, kf, vf, g_gamma, scale, None, True, state_v_first, feeding)
     # 2. every segment's true start: its sequence's initial state and the earlier segments' ends, decayed
-    decay = kernel_decay(g_gamma, HV, dev)
-    if _chain_runs(E):
-        starts = _chain(E, initial_state, decay, bounds, on_device(layout.first, torch.int32, dev))
-    else:
-        starts = _scan_starts(E, initial_state, decay, plan.bounds, layout.first).to(E.dtype)
+    first = on_device(layout.first, torch.int32, dev)
+    starts = _starts(E, initial_state, kernel_decay(g_gamma, HV, dev), bounds, first)
     # 3. the outputs from the true starts; each sequence's last segment ends in its final state
     o, ends = chunk_fn(qf, kf, vf, g_gamma, scale, starts, output_final_state, state_v_first, bounds)
     final = None
@@ -218,10 +213,6 @@ def _captured_forward(chunk_fn, plan, q, k, v, g_gamma, scale, initial_state, ou
     else:
         feed_bounds, last = _device_feed_bounds(bounds, first)
     _, E = chunk_fn(None, k, v, g_gamma, scale, None, True, state_v_first, feed_bounds)
-    decay = kernel_decay(g_gamma, v.shape[2], q.device)
-    if _chain_runs(E):
-        starts = _chain(E, initial_state, decay, bounds, first, spare=tables.spare)
-    else:  # (the CPU's simulated captures, float64 references: reading the tables there waits on nothing)
-        starts = _scan_starts(E, initial_state, decay, bounds.tolist(), first.tolist()).to(E.dtype)
+    starts = _starts(E, initial_state, kernel_decay(g_gamma, v.shape[2], q.device), bounds, first, tables.spare)
     o, ends = chunk_fn(q, k, v, g_gamma, scale, starts, output_final_state, state_v_first, bounds)
     return o.view(v.shape), ends.index_select(0, last) if output_final_state else None
