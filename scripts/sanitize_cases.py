@@ -675,6 +675,34 @@ def lightning_time_split():
 
 
 @case
+def lightning_time_split_captured():
+    # lightning_time_split's pack captured in a CUDA graph and replayed on other boundaries: the segment tables made
+    # on the device from the cu_seqlens buffer (spare segments start from zeros) and the scan reading them
+    from cula.lightning import lightning_attn_fwd
+    from cula.lightning.plan import LIGHTNING_TUNING
+    from cula.time_split import SplitThresholds
+
+    cu = _cu([300, 0, 70])
+    q, k, v = (_r(1, 370, 2, 128) for _ in range(3))
+    kw = dict(initial_state=torch.randn(3, 2, 128, 128, device=DEV) * 0.1, output_final_state=True,
+              cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), state_v_first=True)  # fmt: skip
+    decay = torch.linspace(0.01, 1.0, 2, device=DEV)
+    with torch.inference_mode(), LIGHTNING_TUNING.override(time_split=SplitThresholds(1e9, 1e9, 64, 0)):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            lightning_attn_fwd(q, k, v, decay, **kw)  # compiles and plans outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                lightning_attn_fwd(q, k, v, decay, **kw)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        cu.copy_(_cu([70, 0, 300]))
+        graph.replay()
+        torch.cuda.synchronize()
+
+
+@case
 def simple_gla_g_gamma():
     from cula.simple_gla import chunk_simple_gla
 
